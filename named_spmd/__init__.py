@@ -1,0 +1,61 @@
+"""named_spmd: JAX's shard_map way of writing SPMD code, for PyTorch.
+
+Write a per-device function, decorate it with ``@spmd_map(mesh=..., in_specs=..., out_specs=...)``
+and talk to the other instances with collectives by axis name.
+"""
+
+from ._accounting import CommEvent, CommMode
+from ._api import SpmdFunction, spmd_map
+from ._collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    pshuffle,
+    psum,
+    psum_scatter,
+    pvary,
+    typeof,
+    vma,
+)
+from ._errors import CollectiveError, RankFailedError, SpecError, SpmdError, VmaError
+from ._mesh import Mesh, make_mesh
+from ._spec import P, PartitionSpec
+from ._types import VType
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveError",
+    "CommEvent",
+    "CommMode",
+    "Mesh",
+    "P",
+    "PartitionSpec",
+    "RankFailedError",
+    "SpecError",
+    "SpmdError",
+    "SpmdFunction",
+    "VType",
+    "VmaError",
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "make_mesh",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "pshuffle",
+    "psum",
+    "psum_scatter",
+    "pvary",
+    "spmd_map",
+    "typeof",
+    "vma",
+]

@@ -1,0 +1,139 @@
+"""Communication accounting: which logical collectives a program runs, forward and backward.
+
+Events are recorded where collectives are *called* (the public layer), not inside a backend, so
+every backend reports the same logical collectives; on a simulated mesh that is what a real mesh
+would run, including the psum that an implicit pvary becomes in backward.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+_local = threading.local()
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One logical collective run by every instance of its group."""
+
+    op: str
+    axes: tuple[str, ...]
+    direction: str  # "forward" or "backward"
+    shape: tuple[int, ...]  # per-instance shape of the message
+    dtype: torch.dtype
+    implicit: bool = False  # the backward psum of an implicit pvary
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the per-instance message."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class CommMode:
+    """Record the collectives run inside its ``with`` block (like DTensor's CommDebugMode).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("dp",))
+        >>> f = ns.spmd_map(lambda x: ns.psum(x, "dp"), mesh=mesh, in_specs=ns.P("dp"), out_specs=ns.P())
+        >>> with ns.CommMode() as comms:
+        ...     _ = f(torch.ones(8))
+        >>> comms.count("psum")
+        1
+    """
+
+    def __init__(self) -> None:
+        self.events: list[CommEvent] = []
+
+    def __enter__(self) -> CommMode:
+        stack = getattr(_local, "stack", None)
+        if stack is None:
+            stack = _local.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.stack.remove(self)
+
+    def count(
+        self,
+        op: str | None = None,
+        axes: str | tuple[str, ...] | None = None,
+        direction: str | None = None,
+    ) -> int:
+        """How many events match (None matches anything)."""
+        if isinstance(axes, str):
+            axes = (axes,)
+        return sum(
+            1
+            for e in self.events
+            if (op is None or e.op == op)
+            and (axes is None or e.axes == tuple(axes))
+            and (direction is None or e.direction == direction)
+        )
+
+    def counts(self) -> dict[tuple[str, str, tuple[str, ...]], int]:
+        """``{(direction, op, axes): count}``."""
+        return dict(Counter((e.direction, e.op, e.axes) for e in self.events))
+
+    def summary(self) -> str:
+        """A table: direction, collective, axes, count, bytes per instance."""
+        rows: dict[tuple, list[int]] = {}
+        for e in self.events:
+            name = e.op + (" (implicit pvary)" if e.implicit else "")
+            row = rows.setdefault((e.direction, name, e.axes), [0, 0])
+            row[0] += 1
+            row[1] += e.nbytes
+        lines = [f"{'direction':<9} {'collective':<26} {'axes':<14} {'count':>5} {'bytes':>12}"]
+        for (direction, name, axes), (n, nbytes) in sorted(rows.items()):
+            lines.append(f"{direction:<9} {name:<26} {','.join(axes):<14} {n:>5} {nbytes:>12}")
+        if not rows:
+            lines.append("(no collectives)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+def recording() -> bool:
+    return bool(getattr(_local, "stack", None))
+
+
+def record(event: CommEvent) -> None:
+    for mode in getattr(_local, "stack", ()):
+        mode.events.append(event)
+
+
+class _RecordOnBackward(torch.autograd.Function):
+    """Identity whose backward records the collective that a real mesh runs there."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, event: CommEvent) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.event = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        record(ctx.event)
+        return grad, None
+
+    @staticmethod
+    def jvp(ctx, x_t, _):
+        return x_t
+
+
+def on_backward(x: torch.Tensor, event: CommEvent) -> torch.Tensor:
+    """Tag ``x`` so that its backward records ``event`` (only while recording, only with grad)."""
+    if not (recording() and x.requires_grad):
+        return x
+    return _RecordOnBackward.apply(x, event)

@@ -1,0 +1,504 @@
+"""Collectives by axis name: public functions, their vma rules and their accounting.
+
+Each public function validates its arguments against the active call's mesh, applies the vma rule
+of DESIGN.md section 3 (implicit pvary of an invariant operand, or an error where pvary would
+silently multiply), records the logical collective, and hands the tensor to the backend.
+Backends implement the data movement and the transposes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import optree
+import torch
+
+from ._accounting import CommEvent, on_backward, record
+from ._context import SpmdContext, current
+from ._errors import CollectiveError, VmaError
+from ._types import VType, vma_text
+
+AxisName = str | Sequence[str]
+
+
+# --- shared helpers ---------------------------------------------------------------------------
+
+
+def _map_tensors(x: Any, op: str, ctx: SpmdContext, fn: Callable[[torch.Tensor], torch.Tensor]):
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            raise CollectiveError(
+                f"{op} in {ctx.fn_label}: expected tensors (or a pytree of tensors), got a leaf "
+                f"of type {type(t).__name__}. Fix: convert it with torch.as_tensor(...) first."
+            )
+        return fn(t)
+
+    return optree.tree_map(leaf, x)
+
+
+def _event(op: str, axes: tuple[str, ...], direction: str, t: torch.Tensor, implicit=False):
+    return CommEvent(op, axes, direction, tuple(t.shape), t.dtype, implicit)
+
+
+def _run(ctx, op, axes, t, compute, backward_op=None):
+    """Record ``op`` forward, run it, and tag its output with the backward collective."""
+    record(_event(op, axes, "forward", t))
+    out = compute()
+    if backward_op is not None:
+        out = on_backward(out, _event(backward_op, axes, "backward", out))
+    return out
+
+
+def implicit_pvary(ctx: SpmdContext, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+    """Make ``t`` varying over ``axes`` where it is invariant (identity forward, psum backward)."""
+    missing = tuple(a for a in axes if a not in ctx.vma(t))
+    if not missing:
+        return t
+    out = ctx.pvary(t, missing)
+    return on_backward(out, _event("psum", missing, "backward", out, implicit=True))
+
+
+def _require_varying(ctx: SpmdContext, t: torch.Tensor, axes: tuple[str, ...], op: str) -> None:
+    invariant = [a for a in axes if a not in ctx.vma(t)]
+    if invariant:
+        fix = " * ".join(f"axis_size({a!r})" for a in invariant)
+        raise VmaError(
+            f"{op} in {ctx.fn_label}: the operand is invariant over {tuple(invariant)} (its type is "
+            f"{typeof(t)}), so {op} over {axes} would add identical copies "
+            f"and multiply it by {' * '.join(str(ctx.mesh.shape[a]) for a in invariant)}. JAX does "
+            f"that silently; named_spmd refuses. Fix: drop {tuple(invariant)} from the "
+            f"collective's axes if the value is already the total, or write x * {fix} if you "
+            "really mean to multiply."
+        )
+
+
+def _dim(ctx, t: torch.Tensor, dim: int, op: str, what: str, extra: int = 0) -> int:
+    rank = t.dim() + extra
+    if not isinstance(dim, int) or not -rank <= dim < rank:
+        raise CollectiveError(
+            f"{op} in {ctx.fn_label}: {what}={dim!r} is out of range for an operand of shape "
+            f"{list(t.shape)} (valid: {-rank}..{rank - 1})."
+        )
+    return dim % rank
+
+
+def _divisible(ctx, t, dim, n, axes, op, what, tiled):
+    size = t.shape[dim]
+    if tiled and size % n != 0:
+        raise CollectiveError(
+            f"{op} in {ctx.fn_label}: {what}={dim} has size {size}, not divisible by the group "
+            f"size {n} of {axes}. Fix: pad dim {dim} to a multiple of {n}."
+        )
+    if not tiled and size != n:
+        raise CollectiveError(
+            f"{op} in {ctx.fn_label}: with tiled=False, {what}={dim} must have size {n} (the "
+            f"group size of {axes}) but has size {size} (shape {list(t.shape)}). Fix: reshape it "
+            f"to {n} x {size // n if size % n == 0 else '...'} first, or pass tiled=True."
+        )
+
+
+# --- reductions -------------------------------------------------------------------------------
+
+
+def psum(x: Any, axis_name: AxisName) -> Any:
+    """``psum(x: T{A,...}, A) -> T{...}``: elementwise sum over the instances of the group.
+
+    Args:
+        x: a tensor or pytree of tensors, varying over every axis of ``axis_name``.
+        axis_name: a mesh axis name or a tuple of names.
+
+    Returns:
+        The sum, invariant over ``axis_name``. An operand invariant over an axis of ``axis_name``
+        is an error (it would be multiplied by the axis size; JAX allows that silently).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> f = ns.spmd_map(lambda x: ns.psum(x, "i"), mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())
+        >>> f(torch.arange(4.0))
+        tensor([6.])
+
+    Backward: pvary (identity per instance), no communication.
+    """
+    ctx = current("psum")
+    axes = ctx.check_axes(axis_name, "psum")
+
+    def one(t):
+        _require_varying(ctx, t, axes, "psum")
+        return _run(ctx, "psum", axes, t, lambda: ctx.psum(t, axes))
+
+    return _map_tensors(x, "psum", ctx, one)
+
+
+def pmean(x: Any, axis_name: AxisName) -> Any:
+    """``pmean(x: T{A,...}, A) -> T{...}``: elementwise mean over the group.
+
+    An operand already invariant over an axis is its own mean there (no error, no communication
+    for that axis).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> ns.spmd_map(lambda x: ns.pmean(x, "i"), mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())(torch.arange(4.0))
+        tensor([1.5000])
+
+    Backward: pvary, divided by the group size; no communication.
+    """
+    ctx = current("pmean")
+    axes = ctx.check_axes(axis_name, "pmean")
+
+    def one(t):
+        varying = tuple(a for a in axes if a in ctx.vma(t))
+        if not varying:
+            return t
+        n = ctx.mesh.axis_size(varying)
+        return _run(ctx, "pmean", varying, t, lambda: ctx.psum(t, varying) / n)
+
+    return _map_tensors(x, "pmean", ctx, one)
+
+
+def _extremum(op: str, x: Any, axis_name: AxisName) -> Any:
+    ctx = current(op)
+    axes = ctx.check_axes(axis_name, op)
+    compute = ctx.pmax if op == "pmax" else ctx.pmin
+
+    def one(t):
+        varying = tuple(a for a in axes if a in ctx.vma(t))
+        if not varying:
+            return t
+        return _run(ctx, op, varying, t, lambda: compute(t, varying), backward_op="psum")
+
+    return _map_tensors(x, op, ctx, one)
+
+
+def pmax(x: Any, axis_name: AxisName) -> Any:
+    """``pmax(x: T{A,...}, A) -> T{...}``: elementwise maximum over the group.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> ns.spmd_map(lambda x: ns.pmax(x, "i"), mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())(torch.arange(4.0))
+        tensor([3.])
+
+    Backward: the gradient goes to the instance holding the maximum; ties split it evenly (as
+    ``torch.amax``), which costs one psum of the tie mask on a real mesh. JAX has no derivative.
+    """
+    return _extremum("pmax", x, axis_name)
+
+
+def pmin(x: Any, axis_name: AxisName) -> Any:
+    """``pmin(x: T{A,...}, A) -> T{...}``: elementwise minimum over the group.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> ns.spmd_map(lambda x: ns.pmin(x, "i"), mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())(torch.arange(4.0))
+        tensor([0.])
+
+    Backward: to the instance holding the minimum; ties split evenly (see :func:`pmax`).
+    """
+    return _extremum("pmin", x, axis_name)
+
+
+# --- data movement ----------------------------------------------------------------------------
+
+
+def all_gather(
+    x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = False, to: str = "varying"
+) -> Any:
+    """``all_gather(x: T{...}, A) -> T{A,...}``: every instance gets the group's blocks.
+
+    Args:
+        x: tensor or pytree of tensors.
+        axis_name: axis or tuple of axes (blocks ordered row-major, first name major).
+        axis: where the blocks go: a new dim of size n (``tiled=False``) or concatenated along
+            existing dim ``axis`` (``tiled=True``).
+        to: ``"varying"`` (JAX's default: the result keeps vma A) or ``"invariant"`` (the result
+            is known identical on the group: vma loses A, and backward needs no communication).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> g = ns.spmd_map(lambda x: ns.all_gather(x, "i", tiled=True, to="invariant"),
+        ...                 mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())
+        >>> g(torch.arange(4.0))
+        tensor([0., 1., 2., 3.])
+
+    Backward: psum_scatter over the same axes and dim (``to="varying"``); keep the own slice, no
+    communication (``to="invariant"``).
+    """
+    ctx = current("all_gather")
+    axes = ctx.check_axes(axis_name, "all_gather")
+    if to not in ("varying", "invariant"):
+        raise CollectiveError(
+            f"all_gather in {ctx.fn_label}: to={to!r}; use to='varying' or to='invariant'."
+        )
+    invariant = to == "invariant"
+
+    def one(t):
+        d = _dim(ctx, t, axis, "all_gather", "axis", extra=0 if tiled else 1)
+        if tiled and t.dim() == 0:
+            raise CollectiveError(
+                f"all_gather in {ctx.fn_label}: tiled=True needs an operand of rank >= 1."
+            )
+        t = implicit_pvary(ctx, t, axes)
+        back = None if invariant else "psum_scatter"
+        return _run(
+            ctx, "all_gather", axes, t, lambda: ctx.all_gather(t, axes, d, tiled, invariant), back
+        )
+
+    return _map_tensors(x, "all_gather", ctx, one)
+
+
+def psum_scatter(
+    x: Any, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False
+) -> Any:
+    """``psum_scatter(x: T{A,...}, A) -> T{A,...}``: sum over the group, keep slice i.
+
+    Instance ``i = axis_index(A)`` keeps slice ``i`` of ``scatter_dimension`` (untiled: that dim
+    must have size n and is removed; tiled: it is divided into n blocks).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2,), ("i",))
+        >>> f = ns.spmd_map(lambda x: ns.psum_scatter(x, "i", tiled=True),
+        ...                 mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P("i"))
+        >>> f(torch.arange(8.0))
+        tensor([ 4.,  6.,  8., 10.])
+
+    Backward: all_gather over the same axes and dim.
+    """
+    ctx = current("psum_scatter")
+    axes = ctx.check_axes(axis_name, "psum_scatter")
+    n = ctx.mesh.axis_size(axes)
+
+    def one(t):
+        _require_varying(ctx, t, axes, "psum_scatter")
+        d = _dim(ctx, t, scatter_dimension, "psum_scatter", "scatter_dimension")
+        _divisible(ctx, t, d, n, axes, "psum_scatter", "scatter_dimension", tiled)
+        return _run(
+            ctx, "psum_scatter", axes, t, lambda: ctx.psum_scatter(t, axes, d, tiled), "all_gather"
+        )
+
+    return _map_tensors(x, "psum_scatter", ctx, one)
+
+
+def all_to_all(
+    x: Any, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = False
+) -> Any:
+    """``all_to_all(x: T{A,...}, A, split, concat) -> T{A,...}``: chunk j goes to member j.
+
+    ``split_axis`` is cut into n chunks; chunk j goes to member j, which concatenates the chunks
+    it receives along ``concat_axis`` in source order. Untiled (JAX's convention): the split dim
+    must have size n and is removed, and a new dim of size n appears at ``concat_axis``.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2,), ("i",))
+        >>> f = ns.spmd_map(lambda x: ns.all_to_all(x, "i", 0, 0, tiled=True),
+        ...                 mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P("i"))
+        >>> f(torch.arange(4.0))
+        tensor([0., 2., 1., 3.])
+
+    Backward: all_to_all with split and concat swapped.
+    """
+    ctx = current("all_to_all")
+    axes = ctx.check_axes(axis_name, "all_to_all")
+    n = ctx.mesh.axis_size(axes)
+
+    def one(t):
+        s = _dim(ctx, t, split_axis, "all_to_all", "split_axis")
+        c = _dim(ctx, t, concat_axis, "all_to_all", "concat_axis")
+        _divisible(ctx, t, s, n, axes, "all_to_all", "split_axis", tiled)
+        t = implicit_pvary(ctx, t, axes)
+        return _run(
+            ctx,
+            "all_to_all",
+            axes,
+            t,
+            lambda: ctx.all_to_all(t, axes, s, c, tiled),
+            "all_to_all",
+        )
+
+    return _map_tensors(x, "all_to_all", ctx, one)
+
+
+def _check_pairs(ctx, op: str, perm: Any, n: int, axes) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in perm)
+        ok_types = all(
+            isinstance(v, int) or (isinstance(v, torch.Tensor) and v.dim() == 0)
+            for p in perm
+            for v in p
+        )
+    except (TypeError, ValueError):
+        pairs, ok_types = (), False
+    problems = []
+    if not ok_types:
+        problems.append(f"perm must be a list of (src, dst) integer pairs, got {perm!r}")
+    else:
+        bad = [p for p in pairs if not (0 <= p[0] < n and 0 <= p[1] < n)]
+        if bad:
+            problems.append(f"pairs {bad} are out of range 0..{n - 1} (group size of {axes})")
+        for side, k in (("source", 0), ("destination", 1)):
+            seen = [p[k] for p in pairs]
+            dup = sorted({v for v in seen if seen.count(v) > 1})
+            if dup:
+                problems.append(f"{side}s {dup} appear more than once")
+    if problems:
+        raise CollectiveError(
+            f"{op} in {ctx.fn_label}: bad perm: {'; '.join(problems)}. Fix: each instance may "
+            f"send once and receive once, e.g. a ring [(i, (i + 1) % {n}) for i in range({n})]."
+        )
+    return pairs
+
+
+def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> Any:
+    """``ppermute(x: T{...}, A, perm) -> T{A,...}``: send along (src, dst) pairs.
+
+    Instance ``dst`` receives ``src``'s value; instances that receive nothing get zeros. Indices are
+    ``axis_index(A)`` values (row-major over a tuple of axes).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> ring = [(i, (i + 1) % 4) for i in range(4)]
+        >>> f = ns.spmd_map(lambda x: ns.ppermute(x, "i", ring), mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P("i"))
+        >>> f(torch.arange(4.0))
+        tensor([3., 0., 1., 2.])
+
+    Backward: ppermute with every pair reversed.
+    """
+    ctx = current("ppermute")
+    axes = ctx.check_axes(axis_name, "ppermute")
+    pairs = _check_pairs(ctx, "ppermute", perm, ctx.mesh.axis_size(axes), axes)
+
+    def one(t):
+        t = implicit_pvary(ctx, t, axes)
+        return _run(ctx, "ppermute", axes, t, lambda: ctx.ppermute(t, axes, pairs), "ppermute")
+
+    return _map_tensors(x, "ppermute", ctx, one)
+
+
+def pshuffle(x: Any, axis_name: AxisName, perm: Sequence[int]) -> Any:
+    """``pshuffle(x: T{...}, A, perm) -> T{A,...}``: instance i gets instance ``perm[i]``'s value.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> f = ns.spmd_map(lambda x: ns.pshuffle(x, "i", [3, 2, 1, 0]), mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P("i"))
+        >>> f(torch.arange(4.0))
+        tensor([3., 2., 1., 0.])
+
+    Backward: the inverse shuffle.
+    """
+    ctx = current("pshuffle")
+    axes = ctx.check_axes(axis_name, "pshuffle")
+    n = ctx.mesh.axis_size(axes)
+    try:
+        order = [int(p) for p in perm]
+    except (TypeError, ValueError):
+        order = None
+    if order is None or sorted(order) != list(range(n)):
+        raise CollectiveError(
+            f"pshuffle in {ctx.fn_label}: perm must be a permutation of range({n}) (the group "
+            f"size of {axes}), got {perm!r}. Fix: e.g. perm=[{', '.join(map(str, range(n - 1, -1, -1)))}]."
+        )
+    pairs = tuple((src, dst) for dst, src in enumerate(order))
+
+    def one(t):
+        t = implicit_pvary(ctx, t, axes)
+        return _run(ctx, "pshuffle", axes, t, lambda: ctx.ppermute(t, axes, pairs), "pshuffle")
+
+    return _map_tensors(x, "pshuffle", ctx, one)
+
+
+def pvary(x: Any, axis_name: AxisName) -> Any:
+    """``pvary(x: T{...}, A) -> T{A,...}``: declare an invariant value varying over A.
+
+    Identity on data. Raises if ``x`` already varies over an axis of A. Mixing an invariant value
+    with a varying one does this implicitly, once per (tensor, axes).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2,), ("i",))
+        >>> f = ns.spmd_map(lambda w: ns.vma(ns.pvary(w, "i")), mesh=mesh, in_specs=ns.P(), out_specs=ns.P())
+
+    Backward: psum over A.
+    """
+    ctx = current("pvary")
+    axes = ctx.check_axes(axis_name, "pvary")
+
+    def one(t):
+        already = [a for a in axes if a in ctx.vma(t)]
+        if already:
+            raise VmaError(
+                f"pvary in {ctx.fn_label}: the operand already varies over {tuple(already)} (type "
+                f"{typeof(t)}). Fix: pvary only over axes it is invariant over."
+            )
+        out = ctx.pvary(t, axes)
+        return on_backward(out, _event("psum", axes, "backward", out))
+
+    return _map_tensors(x, "pvary", ctx, one)
+
+
+# --- indices and types ------------------------------------------------------------------------
+
+
+def axis_index(axis_name: AxisName) -> torch.Tensor:
+    """``axis_index(A) -> i64[]{A}``: this instance's index along A (row-major over a tuple).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2, 2), ("a", "b"))
+        >>> f = ns.spmd_map(lambda: ns.axis_index(("a", "b")).reshape(1), mesh=mesh, in_specs=(), out_specs=ns.P(("a", "b")))
+        >>> f()
+        tensor([0, 1, 2, 3])
+    """
+    ctx = current("axis_index")
+    return ctx.axis_index(ctx.check_axes(axis_name, "axis_index"))
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """``axis_size(A) -> int``: the number of instances in the group of A (no communication)."""
+    ctx = current("axis_size")
+    return ctx.mesh.axis_size(ctx.check_axes(axis_name, "axis_size"))
+
+
+def vma(x: Any) -> frozenset[str]:
+    """The mesh axes over which ``x`` may differ between instances (inside spmd_map).
+
+    Non-tensors are invariant: ``frozenset()``.
+    """
+    ctx = current("vma")
+    if not isinstance(x, torch.Tensor):
+        return frozenset()
+    return ctx.vma(x)
+
+
+def typeof(x: Any) -> VType:
+    """The compact type of ``x`` inside spmd_map, e.g. ``f32[8,4]{dp}`` (per-device shape)."""
+    ctx = current("typeof")
+    if not isinstance(x, torch.Tensor):
+        raise CollectiveError(f"typeof in {ctx.fn_label}: expected a tensor, got {type(x).__name__}.")
+    return VType(x.dtype, tuple(x.shape), ctx.vma(x), ctx.mesh.axis_names)
+
+
+__all__ = [
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "pshuffle",
+    "psum",
+    "psum_scatter",
+    "pvary",
+    "typeof",
+    "vma",
+    "vma_text",
+]

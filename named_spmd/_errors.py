@@ -1,0 +1,53 @@
+"""The library's error family and the helpers that build its messages.
+
+Every error raised for bad user input is a :class:`SpmdError` (a ``RuntimeError``: a ``TypeError``
+raised inside ``__torch_function__`` would be swallowed by Python's operator dispatch). Messages say
+which call and which user function, where (a key path), expected versus got, and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+
+
+class SpmdError(RuntimeError):
+    """Root of every error named_spmd raises on bad input."""
+
+
+class SpecError(SpmdError):
+    """A PartitionSpec or a specs pytree does not fit the mesh or the arguments."""
+
+
+class VmaError(SpmdError):
+    """A value's varying/invariant type contradicts what the program claims."""
+
+
+class CollectiveError(SpmdError):
+    """A collective was called with bad arguments or outside ``spmd_map``."""
+
+
+class RankFailedError(SpmdError):
+    """Another rank of a real mesh failed while this rank waited for it."""
+
+
+def fn_label(fn: object) -> str:
+    """A short, recognisable name for a user function: ``mlp (model.py:12)``."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return f"`{name}`"
+    filename = code.co_filename.rsplit("/", 1)[-1]
+    return f"`{name}` ({filename}:{code.co_firstlineno})"
+
+
+def suggest(name: object, choices: Iterable[str]) -> str:
+    """' Did you mean 'tp'?' when a close match exists, else ''."""
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def bullet_list(problems: Sequence[str]) -> str:
+    return "\n".join(f"  - {p}" for p in problems)

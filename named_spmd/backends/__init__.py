@@ -1,0 +1,2 @@
+"""Backends: simulated (nested vmap in this process), distributed (torch.distributed, loaded
+lazily), abstract (meta tensors, check only)."""

@@ -1,0 +1,76 @@
+"""Two per-vmap-level primitives from which the simulated backend builds every collective.
+
+The simulation nests one ``torch.func.vmap`` level per mesh axis. Each axis also gets a *token*,
+``arange(size)`` batched at that level only: passing it as an operand makes functorch call the
+Function's vmap rule at exactly that level (functorch only visits levels where some operand is
+batched), and it doubles as ``axis_index``. At a level where only the operand is batched (another
+axis, or a user's own vmap) the rule moves that batch dim to the front and re-applies, counting
+``k`` leading dims that are not the operand's own.
+
+* ``GatherLevel``: varying over the axis -> invariant stack ``[n, *local]`` (a view, no copy).
+* ``VaryLevel``: invariant over the axis -> varying broadcast (an expand, no copy).
+
+Their autograd through ops of the vmap rule gives the global gradient when differentiating outside
+the simulation; ``backward`` (the per-instance transpose) serves torch.func.grad *inside* it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _pass_through(fn, x, xd, token, k):
+    return fn.apply(x.movedim(xd, 0), token, k + 1), 0
+
+
+class GatherLevel(torch.autograd.Function):
+    @staticmethod
+    def forward(x, token, k):
+        raise RuntimeError("named_spmd internal error: GatherLevel reached outside its vmap level")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token,) = ctx.saved_tensors
+        # Transpose of "stack the group's values": every instance keeps its own slice.
+        return grad.index_select(0, token.reshape(1)).squeeze(0), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, token, k):
+        xd, td, _ = in_dims
+        if td is None:
+            return _pass_through(GatherLevel, x, xd, token, k)
+        if xd is None:  # invariant here: n identical copies
+            x = x.unsqueeze(0).expand(info.batch_size, *x.shape)
+        else:
+            x = x.movedim(xd, 0)
+        # physical [n, k outer-peeled dims, *local] -> unbatched here: [k dims, n, *local]
+        return x.movedim(0, k), None
+
+
+class VaryLevel(torch.autograd.Function):
+    @staticmethod
+    def forward(x, token, k):
+        raise RuntimeError("named_spmd internal error: VaryLevel reached outside its vmap level")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token,) = ctx.saved_tensors
+        # Transpose of pvary is psum over the level.
+        return GatherLevel.apply(grad, token, 0).sum(0), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, token, k):
+        xd, td, _ = in_dims
+        if td is None:
+            return _pass_through(VaryLevel, x, xd, token, k)
+        if xd is not None:  # already varying: nothing to do
+            return x, xd
+        return x.unsqueeze(0).expand(info.batch_size, *x.shape), 0
