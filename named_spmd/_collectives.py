@@ -41,13 +41,14 @@ def _event(op: str, axes: tuple[str, ...], direction: str, t: torch.Tensor, impl
     return CommEvent(op, axes, direction, tuple(t.shape), t.dtype, implicit)
 
 
-def _run(ctx, op, axes, t, compute, backward_op=None):
-    """Record ``op`` forward, run it, and tag its output with the backward collective."""
+def _run(ctx, op, axes, t, compute, out_vma, backward_op=None):
+    """Record ``op`` forward, run it, tag its output with the backward collective, and give it
+    its vma (backends that track vma per tensor store it; the simulated one knows it already)."""
     record(_event(op, axes, "forward", t))
     out = compute()
     if backward_op is not None:
         out = on_backward(out, _event(backward_op, axes, "backward", out))
-    return out
+    return ctx.stamp(out, out_vma)
 
 
 def implicit_pvary(ctx: SpmdContext, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
@@ -56,7 +57,8 @@ def implicit_pvary(ctx: SpmdContext, t: torch.Tensor, axes: tuple[str, ...]) -> 
     if not missing:
         return t
     out = ctx.pvary(t, missing)
-    return on_backward(out, _event("psum", missing, "backward", out, implicit=True))
+    out = on_backward(out, _event("psum", missing, "backward", out, implicit=True))
+    return ctx.stamp(out, ctx.vma(t) | set(missing))
 
 
 def _require_varying(ctx: SpmdContext, t: torch.Tensor, axes: tuple[str, ...], op: str) -> None:
@@ -126,7 +128,7 @@ def psum(x: Any, axis_name: AxisName) -> Any:
 
     def one(t):
         _require_varying(ctx, t, axes, "psum")
-        return _run(ctx, "psum", axes, t, lambda: ctx.psum(t, axes))
+        return _run(ctx, "psum", axes, t, lambda: ctx.psum(t, axes), ctx.vma(t) - set(axes))
 
     return _map_tensors(x, "psum", ctx, one)
 
@@ -153,7 +155,9 @@ def pmean(x: Any, axis_name: AxisName) -> Any:
         if not varying:
             return t
         n = ctx.mesh.axis_size(varying)
-        return _run(ctx, "pmean", varying, t, lambda: ctx.psum(t, varying) / n)
+        return _run(
+            ctx, "pmean", varying, t, lambda: ctx.psum(t, varying) / n, ctx.vma(t) - set(axes)
+        )
 
     return _map_tensors(x, "pmean", ctx, one)
 
@@ -167,7 +171,8 @@ def _extremum(op: str, x: Any, axis_name: AxisName) -> Any:
         varying = tuple(a for a in axes if a in ctx.vma(t))
         if not varying:
             return t
-        return _run(ctx, op, varying, t, lambda: compute(t, varying), backward_op="psum")
+        out_vma = ctx.vma(t) - set(axes)
+        return _run(ctx, op, varying, t, lambda: compute(t, varying), out_vma, "psum")
 
     return _map_tensors(x, op, ctx, one)
 
@@ -244,8 +249,15 @@ def all_gather(
             )
         t = implicit_pvary(ctx, t, axes)
         back = None if invariant else "psum_scatter"
+        out_vma = ctx.vma(t) - set(axes) if invariant else ctx.vma(t)
         return _run(
-            ctx, "all_gather", axes, t, lambda: ctx.all_gather(t, axes, d, tiled, invariant), back
+            ctx,
+            "all_gather",
+            axes,
+            t,
+            lambda: ctx.all_gather(t, axes, d, tiled, invariant),
+            out_vma,
+            back,
         )
 
     return _map_tensors(x, "all_gather", ctx, one)
@@ -278,7 +290,13 @@ def psum_scatter(
         d = _dim(ctx, t, scatter_dimension, "psum_scatter", "scatter_dimension")
         _divisible(ctx, t, d, n, axes, "psum_scatter", "scatter_dimension", tiled)
         return _run(
-            ctx, "psum_scatter", axes, t, lambda: ctx.psum_scatter(t, axes, d, tiled), "all_gather"
+            ctx,
+            "psum_scatter",
+            axes,
+            t,
+            lambda: ctx.psum_scatter(t, axes, d, tiled),
+            ctx.vma(t),
+            "all_gather",
         )
 
     return _map_tensors(x, "psum_scatter", ctx, one)
@@ -318,6 +336,7 @@ def all_to_all(
             axes,
             t,
             lambda: ctx.all_to_all(t, axes, s, c, tiled),
+            ctx.vma(t),
             "all_to_all",
         )
 
@@ -376,7 +395,8 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
 
     def one(t):
         t = implicit_pvary(ctx, t, axes)
-        return _run(ctx, "ppermute", axes, t, lambda: ctx.ppermute(t, axes, pairs), "ppermute")
+        compute = lambda: ctx.ppermute(t, axes, pairs)  # noqa: E731
+        return _run(ctx, "ppermute", axes, t, compute, ctx.vma(t), "ppermute")
 
     return _map_tensors(x, "ppermute", ctx, one)
 
@@ -409,7 +429,8 @@ def pshuffle(x: Any, axis_name: AxisName, perm: Sequence[int]) -> Any:
 
     def one(t):
         t = implicit_pvary(ctx, t, axes)
-        return _run(ctx, "pshuffle", axes, t, lambda: ctx.ppermute(t, axes, pairs), "pshuffle")
+        compute = lambda: ctx.ppermute(t, axes, pairs)  # noqa: E731
+        return _run(ctx, "pshuffle", axes, t, compute, ctx.vma(t), "pshuffle")
 
     return _map_tensors(x, "pshuffle", ctx, one)
 
@@ -438,7 +459,8 @@ def pvary(x: Any, axis_name: AxisName) -> Any:
                 f"{typeof(t)}). Fix: pvary only over axes it is invariant over."
             )
         out = ctx.pvary(t, axes)
-        return on_backward(out, _event("psum", axes, "backward", out))
+        out = on_backward(out, _event("psum", axes, "backward", out))
+        return ctx.stamp(out, ctx.vma(t) | set(axes))
 
     return _map_tensors(x, "pvary", ctx, one)
 

@@ -33,6 +33,10 @@ class SpmdContext:
     def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
         raise NotImplementedError
 
+    def stamp(self, x: torch.Tensor, vma: frozenset[str] | set[str]) -> torch.Tensor:
+        """Record ``x``'s vma where the backend tracks it per tensor; returns ``x``."""
+        return x
+
     # --- shared helpers ----------------------------------------------------------------
     def check_axes(self, axis_name: str | Sequence[str], op: str) -> tuple[str, ...]:
         """Normalise an axis name or tuple of names; unknown or repeated names raise."""
