@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -70,14 +71,18 @@ class SpmdFunction:
             where = "output" + path_text(path)
             if not isinstance(leaf, torch.Tensor):
                 if spec.axes:
-                    problems.append(f"{where} is a {type(leaf).__name__}; only tensors can be split by {spec!r}.")
+                    problems.append(
+                        f"{where} is a {type(leaf).__name__}; only tensors can be split by {spec!r}."
+                    )
                 continue
             problems += spec_problems(spec, (1 << 30,) * leaf.dim(), self.mesh.shape, where)
             extra = ctx.vma(leaf) - set(spec.axes)
             if self.check_vma and extra:
                 vma_problems.append(self._vma_problem(where, leaf, spec, extra, ctx))
         if problems:
-            raise SpecError(f"{self.where}: the outputs do not fit out_specs:\n" + bullet_list(problems))
+            raise SpecError(
+                f"{self.where}: the outputs do not fit out_specs:\n" + bullet_list(problems)
+            )
         if vma_problems:
             raise VmaError(
                 f"{self.where}: out_specs claim replication that the program does not guarantee:\n"
@@ -128,7 +133,9 @@ class SpmdFunction:
             return [x for x in out_leaves if isinstance(x, torch.Tensor)]
 
         def out_specs_of():
-            return [s for x, s in zip(result["leaves"], result["specs"]) if isinstance(x, torch.Tensor)]
+            return [
+                s for x, s in zip(result["leaves"], result["specs"]) if isinstance(x, torch.Tensor)
+            ]
 
         tensors = iter(backend.run(self.mesh, self.fn, leaves, specs, body, out_specs_of))
         out_leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in result["leaves"]]

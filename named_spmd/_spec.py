@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import html
 from collections.abc import Mapping
-from typing import Union
 
 from ._errors import SpecError
 
-SpecEntry = Union[None, str, tuple[str, ...]]
+SpecEntry = None | str | tuple[str, ...]
 
 
 def _canonical_entry(entry: object) -> SpecEntry:

@@ -39,7 +39,9 @@ def broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[Partit
 def check_spec_types(specs: Any, what: str, where: str) -> None:
     bad = [
         path_text(p) + f" = {leaf!r}"
-        for p, leaf in zip(*optree.tree_flatten_with_path(specs, is_leaf=is_spec_leaf, none_is_leaf=True)[:2])
+        for p, leaf in zip(
+            *optree.tree_flatten_with_path(specs, is_leaf=is_spec_leaf, none_is_leaf=True)[:2]
+        )
         if not is_spec_leaf(leaf)
     ]
     if bad:
