@@ -22,21 +22,26 @@ from ._collectives import (
     typeof,
     vma,
 )
+from ._display import visualize
 from ._errors import CollectiveError, RankFailedError, SpecError, SpmdError, VmaError
 from ._mesh import Mesh, make_mesh
 from ._spec import P, PartitionSpec
 from ._types import VType
+from .backends.abstract import CheckReport, OutputCheck, ShapeDtype
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckReport",
     "CollectiveError",
     "CommEvent",
     "CommMode",
     "Mesh",
+    "OutputCheck",
     "P",
     "PartitionSpec",
     "RankFailedError",
+    "ShapeDtype",
     "SpecError",
     "SpmdError",
     "SpmdFunction",
@@ -57,5 +62,6 @@ __all__ = [
     "pvary",
     "spmd_map",
     "typeof",
+    "visualize",
     "vma",
 ]

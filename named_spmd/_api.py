@@ -141,6 +141,36 @@ class SpmdFunction:
         out_leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in result["leaves"]]
         return optree.tree_unflatten(result["tree"], out_leaves)
 
+    def check(self, *args: Any, backward: bool = True) -> Any:
+        """Type-check a call without running it: shapes, dtypes, vma and communication.
+
+        Runs the per-device function once, abstractly, on meta tensors of the per-instance
+        shapes: no data, no communication, no per-instance work, so a mesh of thousands of
+        instances is checked on a laptop. Raises the same :class:`SpmdError` a real call would.
+
+        Args:
+            *args: the global arguments, as tensors (real or ``device="meta"``) or
+                :class:`named_spmd.ShapeDtype` stand-ins; nothing of their size is allocated.
+            backward: also run autograd on the meta outputs, with respect to every floating-point
+                input, to report the backward communication.
+
+        Returns:
+            A :class:`named_spmd.CheckReport`: ``.outputs`` (per-instance ``VType`` and global
+            shape per output leaf), ``.out`` (the output pytree of ``ShapeDtype``), ``.forward``
+            and ``.backward`` (the logical collectives one instance runs), ``.comms.summary()``.
+
+        Example:
+            >>> import torch, named_spmd as ns
+            >>> mesh = ns.make_mesh((64, 64), ("dp", "tp"))
+            >>> f = ns.spmd_map(lambda x: ns.psum(x, "tp"), mesh=mesh,
+            ...                 in_specs=ns.P("dp", "tp"), out_specs=ns.P("dp"))
+            >>> f.check(ns.ShapeDtype((4096, 4096))).types
+            [f32[64,64]{dp}]
+        """
+        from .backends import abstract
+
+        return abstract.check(self, args, backward=backward)
+
     def _call_user(self, args: tuple) -> Any:
         try:
             return self.fn(*args)
