@@ -1,0 +1,407 @@
+"""Check-only mode: ``spmd_map(...).check(*args)`` on meta tensors.
+
+The reference is the simulated backend itself: a real call on a small mesh gives the output
+shapes, the per-instance types (``ns.typeof`` inside the function) and the communication
+(``ns.CommMode``) that the abstract run must report, and the errors it must raise, word for word.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import time
+from collections import Counter
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+
+import named_spmd as ns
+from named_spmd import P
+
+# --- programs ------------------------------------------------------------------------------------
+
+
+def tp_sp_block(x, wqkv, wo, w1, w2):
+    """Transformer block, tensor parallel over tp with sequence parallelism (Megatron-SP style).
+
+    x: [b, s/tp, d] (sequence split over tp, batch over dp); attention heads and the MLP hidden
+    dim split over tp; all_gather of the sequence before each matmul pair, psum_scatter after."""
+    heads = 2
+    h = ns.all_gather(F.layer_norm(x, x.shape[-1:]), "tp", axis=1, tiled=True)
+    q, k, v = (h @ wqkv).chunk(3, dim=-1)
+    b, s, _ = q.shape
+    q, k, v = (t.reshape(b, s, heads, -1).transpose(1, 2) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+    x = x + ns.psum_scatter(o @ wo, "tp", scatter_dimension=1, tiled=True)
+    h = ns.all_gather(F.layer_norm(x, x.shape[-1:]), "tp", axis=1, tiled=True)
+    return x + ns.psum_scatter(F.gelu(h @ w1) @ w2, "tp", scatter_dimension=1, tiled=True)
+
+
+BLOCK_SPECS = (P("dp", "tp"), P(None, "tp"), P("tp", None), P(None, "tp"), P("tp", None))
+
+
+def block_shapes(b, s, d, hidden):
+    return [(b, s, d), (d, 3 * d), (d, d), (d, hidden), (hidden, d)]
+
+
+def block_fn(mesh):
+    return ns.spmd_map(tp_sp_block, mesh=mesh, in_specs=BLOCK_SPECS, out_specs=P("dp", "tp"))
+
+
+def _events(events):
+    return Counter((e.op, e.axes, e.direction, e.shape, e.dtype, e.implicit) for e in events)
+
+
+def simulated_reference(fn, args):
+    """Run for real (simulated), recording output types and communication, forward and back."""
+    types = []
+    inner = fn.fn
+
+    def spy(*a):
+        out = inner(*a)
+        types.extend(ns.typeof(t) for t in optree.tree_leaves(out))
+        return out
+
+    real = ns.spmd_map(spy, mesh=fn.mesh, in_specs=fn.in_specs, out_specs=fn.out_specs)
+    args = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
+    with ns.CommMode() as comms:
+        out = real(*args)
+        leaves = [t for t in optree.tree_leaves(out) if t.requires_grad]
+        if leaves:
+            torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+    return out, types, comms.events
+
+
+# --- agreement with a real (simulated) run --------------------------------------------------------
+
+
+def _programs():
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+    return {
+        "block": (block_fn(ns.make_mesh((2, 4), ("dp", "tp"))), block_shapes(2, 8, 8, 16)),
+        "psum_pytree": (
+            ns.spmd_map(
+                lambda x, w: {"y": ns.psum(x @ w, "tp"), "n": ns.axis_index("dp").reshape(1)},
+                mesh=ns.make_mesh((2, 4), ("dp", "tp")),
+                in_specs=(P("dp", "tp"), P("tp")),
+                out_specs={"y": P("dp"), "n": P("dp")},
+            ),
+            [(4, 8), (8, 3)],
+        ),
+        "all_to_all_moe": (
+            ns.spmd_map(
+                lambda x: ns.all_to_all(torch.tanh(x), "ep", 0, 1, tiled=True) * 2,
+                mesh=ns.make_mesh((4,), ("ep",)),
+                in_specs=P("ep"),
+                out_specs=P("ep"),
+            ),
+            [(16, 8, 2)],
+        ),
+        "untiled_collectives": (
+            ns.spmd_map(
+                lambda x: ns.psum_scatter(ns.all_gather(x, ("a", "b")), ("a", "b")).sum(0),
+                mesh=ns.make_mesh((2, 2), ("a", "b")),
+                in_specs=P(("a", "b")),
+                out_specs=P(("a", "b")),
+            ),
+            [(8, 3)],
+        ),
+        "ppermute_pmax_pmean": (
+            ns.spmd_map(
+                lambda x, w: (
+                    ns.pmax(ns.ppermute(x * w, "i", ring), "i"),
+                    ns.pmean(ns.pshuffle(x, "i", [3, 2, 1, 0]), "i"),
+                ),
+                mesh=ns.make_mesh((4,), ("i",)),
+                in_specs=(P("i"), P()),
+                out_specs=(P(), P()),
+            ),
+            [(8, 5), (5,)],
+        ),
+        "all_gather_invariant": (
+            ns.spmd_map(
+                lambda x, w: ns.all_gather(x, "i", tiled=True, to="invariant") @ w,
+                mesh=ns.make_mesh((4,), ("i",)),
+                in_specs=(P("i"), P()),
+                out_specs=P(),
+            ),
+            [(8, 5), (5, 2)],
+        ),
+    }
+
+
+PROGRAMS = _programs()
+HAS_BACKWARD = {"block", "all_to_all_moe", "untiled_collectives", "ppermute_pmax_pmean"}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_check_agrees_with_simulated_run(name):
+    fn, shapes = PROGRAMS[name]
+    torch.manual_seed(0)
+    args = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    out, types, events = simulated_reference(fn, args)
+    report = fn.check(*args)
+    real_leaves = optree.tree_leaves(out)
+    assert [o.global_shape for o in report.outputs] == [tuple(t.shape) for t in real_leaves]
+    assert report.types == types
+    assert [o.type.dtype for o in report.outputs] == [t.dtype for t in real_leaves]
+    assert _events(report.events) == _events(events)
+    # not vacuous: these programs communicate in backward, the others do not
+    assert bool(report.backward) == (name in HAS_BACKWARD)
+
+
+def test_meta_tensors_shape_structs_and_real_tensors_give_one_report():
+    fn, shapes = PROGRAMS["block"]
+    real = fn.check(*[torch.randn(s) for s in shapes])
+    meta = fn.check(*[torch.empty(s, device="meta") for s in shapes])
+    struct = fn.check(*[ns.ShapeDtype(s) for s in shapes])
+    for other in (meta, struct):
+        assert other.outputs == real.outputs
+        assert _events(other.events) == _events(real.events)
+    assert struct.out == ns.ShapeDtype((2, 8, 8))
+
+
+def test_backward_is_optional_and_follows_requires_grad():
+    fn, shapes = PROGRAMS["block"]
+    assert not fn.check(*[ns.ShapeDtype(s) for s in shapes], backward=False).backward
+    # No parameter gradient: the implicit-pvary psums of the weights' gradients disappear.
+    frozen = [ns.ShapeDtype(shapes[0])] + [
+        ns.ShapeDtype(s, requires_grad=False) for s in shapes[1:]
+    ]
+    report = fn.check(*frozen)
+    assert report.comms.count("psum", direction="backward") == 0
+    assert report.comms.count("psum_scatter", direction="backward") == 2  # dx still flows back
+    everything = fn.check(*[ns.ShapeDtype(s) for s in shapes])
+    assert everything.comms.count("psum", "dp", "backward") == 4  # one per weight, over dp
+
+
+# --- scale -----------------------------------------------------------------------------------------
+
+
+def test_4096_instances_checked_fast_without_global_memory():
+    mesh = ns.make_mesh((64, 64), ("dp", "tp"))
+    fn = block_fn(mesh)
+    # 2**40 elements in the activation alone: allocating anything of global size would fail.
+    args = [ns.ShapeDtype(s) for s in block_shapes(512, 2**20, 2048, 8192)]
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn.check(*args)  # the first call pays for imports and warm-up
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        report = fn.check(*args)
+        times.append(time.perf_counter() - start)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+    assert sorted(times)[2] < 0.100, times
+    assert grown_mib < 200, grown_mib
+    assert report.types == [
+        ns.VType(torch.float32, (8, 16384, 2048), frozenset({"dp", "tp"}), mesh.axis_names)
+    ]
+    assert report.outputs[0].global_shape == (512, 2**20, 2048)
+    gathered = (8, 16384, 2048)
+    assert _events(report.forward) == Counter(
+        {
+            ("all_gather", ("tp",), "forward", gathered, torch.float32, False): 2,
+            ("psum_scatter", ("tp",), "forward", (8, 2**20, 2048), torch.float32, False): 2,
+        }
+    )
+
+
+def test_cost_does_not_grow_with_instance_count():
+    shapes = block_shapes(64, 1024, 512, 1024)
+    args = [ns.ShapeDtype(s) for s in shapes]
+
+    def median_time(mesh):
+        fn = block_fn(mesh)
+        fn.check(*args)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn.check(*args)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[2]
+
+    small = median_time(ns.make_mesh((2, 2), ("dp", "tp")))
+    large = median_time(ns.make_mesh((64, 128), ("dp", "tp")))  # 8192 instances
+    assert large < 3 * small + 0.01, (small, large)
+
+
+# --- errors: the same as a real run ------------------------------------------------------------
+
+M24 = ((2, 4), ("dp", "tp"))
+M4 = ((4,), ("i",))
+
+
+def _bad_cases():
+    """(name, per-device fn, mesh, in_specs, out_specs, global arg shapes or values)."""
+    ring_dup = [(0, 1), (1, 1)]
+    return [
+        ("spec_longer_than_rank", lambda x: x, M4, P("i", None, None), P("i"), [(8, 2)]),
+        ("not_divisible", lambda x: x, M24, P("tp"), P("tp"), [(6, 2)]),
+        ("axis_repeated_in_spec", lambda x: x, M24, P("dp", "dp"), P("dp"), [(4, 4)]),
+        ("unknown_axis_in_spec", lambda x: x, M24, P("pd"), P(), [(4, 4)]),
+        ("unknown_axis_in_collective", lambda x: ns.psum(x, "pt"), M24, P("tp"), P(), [(8,)]),
+        ("in_specs_not_a_prefix", lambda x, y: x, M4, (P("i"), P(), P()), P("i"), [(4,), (4,)]),
+        ("out_specs_not_a_prefix", lambda x: (x, x), M4, P("i"), (P("i"),) * 3, [(4,)]),
+        (
+            "ppermute_duplicate_dst",
+            lambda x: ns.ppermute(x, "i", ring_dup),
+            M4,
+            P("i"),
+            P("i"),
+            [(4,)],
+        ),
+        (
+            "ppermute_out_of_range",
+            lambda x: ns.ppermute(x, "i", [(0, 4)]),
+            M4,
+            P("i"),
+            P("i"),
+            [(4,)],
+        ),
+        (
+            "pshuffle_not_permutation",
+            lambda x: ns.pshuffle(x, "i", [0, 0, 1, 2]),
+            M4,
+            P("i"),
+            P("i"),
+            [(4,)],
+        ),
+        ("psum_of_invariant", lambda x: ns.psum(x, "i"), M4, P(), P(), [(4,)]),
+        (
+            "psum_scatter_of_invariant",
+            lambda x: ns.psum_scatter(x, "tp", tiled=True),
+            M24,
+            P("dp"),
+            P("dp"),
+            [(8, 4)],
+        ),
+        (
+            "psum_scatter_untiled_size",
+            lambda x: ns.psum_scatter(x, "i"),
+            M4,
+            P("i"),
+            P("i"),
+            [(12, 2)],
+        ),
+        (
+            "all_to_all_not_divisible",
+            lambda x: ns.all_to_all(x, "i", 1, 0, tiled=True),
+            M4,
+            P("i"),
+            P("i"),
+            [(4, 6)],
+        ),
+        (
+            "all_gather_axis_out_of_range",
+            lambda x: ns.all_gather(x, "i", axis=3),
+            M4,
+            P("i"),
+            P("i"),
+            [(4, 2)],
+        ),
+        (
+            "all_gather_bad_to",
+            lambda x: ns.all_gather(x, "i", to="replicated"),
+            M4,
+            P("i"),
+            P(),
+            [(4,)],
+        ),
+        (
+            "out_specs_claim_replication",
+            lambda x, w: torch.relu(x @ w).sum(-1, keepdim=True),
+            M24,
+            (P("dp", None), P(None, "tp")),
+            P("dp", None),
+            [(8, 16), (16, 32)],
+        ),
+        ("rank0_output_split", lambda x: ns.psum(x.sum(), "i"), M4, P("i"), P("i"), [(4,)]),
+        ("pvary_of_varying", lambda x: ns.pvary(x, "i"), M4, P("i"), P("i"), [(4,)]),
+        (
+            "repeated_axis_in_collective",
+            lambda x: ns.psum(x, ("tp", "tp")),
+            M24,
+            P("tp"),
+            P(),
+            [(4,)],
+        ),
+        ("collective_on_non_tensor", lambda x: ns.psum([x, 3], "i"), M4, P("i"), P(), [(4,)]),
+        ("non_tensor_with_split_spec", lambda x, n: x, M4, (P("i"), P("i")), P("i"), [(4,), 3]),
+        (
+            "untiled_all_to_all_size",
+            lambda x: ns.all_to_all(x, "i", 0, 1),
+            M4,
+            P("i"),
+            P("i"),
+            [(8, 2)],
+        ),
+    ]
+
+
+BAD = {c[0]: c[1:] for c in _bad_cases()}
+
+
+def _same_text(err: Exception) -> str:
+    """The message, with the one part that may differ elided: the pytree-mismatch detail quotes
+    the values themselves (real tensors versus meta ones or vmap-batched ones)."""
+    return re.sub(r"\n  \(.*?\)\n(?=Fix:)", "\n  (...)\n", str(err), flags=re.S)
+
+
+def _arg(s):
+    return torch.randn(s) if isinstance(s, tuple) else s
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_check_raises_the_error_a_real_run_raises(name):
+    fn, (shape, names), in_specs, out_specs, args = BAD[name]
+    smap = ns.spmd_map(fn, mesh=ns.make_mesh(shape, names), in_specs=in_specs, out_specs=out_specs)
+    values = [_arg(a) for a in args]
+    with pytest.raises(ns.SpmdError) as real:
+        smap(*values)
+    with pytest.raises(ns.SpmdError) as checked:
+        smap.check(*values)
+    assert type(checked.value) is type(real.value)
+    assert _same_text(checked.value) == _same_text(real.value)
+    structs = [ns.ShapeDtype(a) if isinstance(a, tuple) else a for a in args]
+    with pytest.raises(type(real.value)) as from_structs:
+        smap.check(*structs)
+    assert _same_text(from_structs.value) == _same_text(real.value)
+
+
+def test_vmap_limits_are_reported_as_spmd_errors_too():
+    mesh = ns.make_mesh((4,), ("i",))
+    smap = ns.spmd_map(lambda x: x * x.sum().item(), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    with pytest.raises(ns.SpmdError, match=r"\.item\(\)"):
+        smap(torch.randn(4))
+    with pytest.raises(ns.SpmdError, match=r"\.item\(\)"):
+        smap.check(torch.randn(4))
+
+
+def test_closed_over_tensors_are_invariant_and_their_gradients_psummed_once():
+    mesh = ns.make_mesh((4,), ("dp",))
+    w = torch.randn(3, 3, requires_grad=True)
+    bias = torch.randn(3)
+
+    def f(x):
+        h = x @ w + bias  # w and bias are invariant; mixing with x pvary's them implicitly
+        return ns.psum((h @ w).sum(0, keepdim=True), "dp")
+
+    smap = ns.spmd_map(f, mesh=mesh, in_specs=P("dp"), out_specs=P())
+    report = smap.check(ns.ShapeDtype((8, 3), requires_grad=False))
+    assert report.types == [ns.VType(torch.float32, (1, 3), frozenset(), ("dp",))]
+    with ns.CommMode() as comms:
+        smap(torch.randn(8, 3)).sum().backward()
+    assert _events(report.events) == _events(comms.events)
+    assert report.comms.count("psum", "dp", "backward") == 1  # w's gradient, once
+
+
+def test_report_text_and_html():
+    fn, shapes = PROGRAMS["block"]
+    report = fn.check(*[ns.ShapeDtype(s) for s in shapes])
+    text = repr(report)
+    assert "tp_sp_block" in text and "f32[1,2,8]{dp,tp}" in text and "-> f32[2,8,8]" in text
+    assert "psum_scatter" in text and "backward" in text
+    page = report._repr_html_()
+    assert "tp_sp_block" in page and "psum_scatter" in page and "<table" in page
