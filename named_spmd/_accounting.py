@@ -99,6 +99,11 @@ class CommMode:
     def __repr__(self) -> str:
         return self.summary()
 
+    def _repr_html_(self) -> str:
+        from ._display import comm_html
+
+        return comm_html(self.events)
+
 
 def recording() -> bool:
     return bool(getattr(_local, "stack", None))

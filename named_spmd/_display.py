@@ -28,8 +28,7 @@ def _shown(n: int, limit: int) -> list[int]:
     """Indices 0..n-1 to display, with one _ELLIPSIS in place of the middle when n > limit."""
     if n <= limit:
         return list(range(n))
-    head = limit - 2
-    return list(range(head)) + [_ELLIPSIS, n - 2, n - 1]
+    return list(range(limit - 3)) + [_ELLIPSIS, n - 2, n - 1]
 
 
 def _color(i: int) -> str:
@@ -435,6 +434,19 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
+def comm_text(events) -> str:
+    """The communication as an aligned text table, forward rows first."""
+    rows = _comm_rows(events)
+    head = ("direction", "collective", "axes", "count", "bytes / instance")
+    body = [(r.direction, r.op, ",".join(r.axes), str(r.count), _bytes(r.nbytes)) for r in rows]
+    if not body:
+        return "(no collectives)"
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(head, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
+    return "\n".join(line.rstrip() for line in lines)
+
+
 def comm_html(events) -> str:
     """The communication of a CommMode (or a check) as an HTML table, forward then backward."""
     e = html.escape
@@ -470,7 +482,7 @@ def check_report_text(report: Any) -> str:
     if not report.outputs:
         lines.append("  (no tensor outputs)")
     lines.append("communication per instance:")
-    lines.append(report.comms.summary())
+    lines.append(comm_text(report.events))
     return "\n".join(lines)
 
 
@@ -494,4 +506,13 @@ def check_report_html(report: Any) -> str:
     )
 
 
-__all__ = ["Layout", "MeshView", "comm_html", "mesh_html", "spec_html", "visualize", "vtype_html"]
+__all__ = [
+    "Layout",
+    "MeshView",
+    "comm_html",
+    "comm_text",
+    "mesh_html",
+    "spec_html",
+    "visualize",
+    "vtype_html",
+]

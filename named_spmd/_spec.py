@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 from collections.abc import Mapping
 
 from ._errors import SpecError
@@ -39,7 +38,9 @@ class PartitionSpec(tuple):
         return "P(" + ", ".join(repr(e) for e in self) + ")"
 
     def _repr_html_(self) -> str:
-        return f"<code>{html.escape(repr(self))}</code>"
+        from ._display import spec_html
+
+        return spec_html(self)
 
     def __reduce__(self):  # keep pickling (and copy) on the canonical constructor
         return (PartitionSpec, tuple(self))

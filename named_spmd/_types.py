@@ -52,4 +52,6 @@ class VType:
         return f"{short_dtype(self.dtype)}[{dims}]{vma_text(self.vma, self.axis_order)}"
 
     def _repr_html_(self) -> str:
-        return f"<code>{repr(self)}</code>"
+        from ._display import vtype_html
+
+        return vtype_html(self)
