@@ -1,0 +1,179 @@
+"""Communication on one group of a real mesh, indexed in the order of a tuple of axes.
+
+A :class:`Comm` is this rank's view of the group of ``axes`` (an ordered tuple of mesh axis
+names): the member with *tuple index* ``i`` is the one whose coordinates on ``axes``, read
+row-major with the first name major, give ``i`` (DESIGN.md section 3). One process group serves
+every order of the same set of axes; where its group ranks are not in tuple order, blocks are
+reordered here, so ``('tp', 'dp')`` and ``('dp', 'tp')`` both follow their own row-major order.
+
+Every method returns a fresh buffer or writes into one the caller owns, calls the process group
+directly (the ``dist.*`` wrappers cost microseconds per call and dispatch through torch function
+modes), and waits through the mesh's :class:`~._dist_failures.FailureBoard` so that a failed peer
+ends the wait with an error naming it instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ._dist_failures import POLL_S
+
+_SLICE = datetime.timedelta(seconds=POLL_S)
+SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+class Comm:
+    """The group of ``axes`` seen from this rank, in tuple order."""
+
+    def __init__(self, mesh: Any, axes: tuple[str, ...], group: Any, tuple_ranks: list[int]):
+        self.mesh = mesh  # a DistributedMesh: board (failures), debug flag, poll flag
+        self.axes = axes
+        self.group = group
+        self.n = len(tuple_ranks)
+        self.tuple_ranks = tuple_ranks  # global rank of each tuple index
+        group_ranks = dist.get_process_group_ranks(group)
+        self.members = group_ranks
+        self.index = tuple_ranks.index(mesh.rank)  # this rank's tuple index
+        to_group = [group_ranks.index(r) for r in tuple_ranks]  # tuple index -> group rank
+        self.group_rank = to_group
+        identity = to_group == list(range(self.n))
+        self._to_group = None if identity else torch.tensor(to_group)
+        self._from_group = None if identity else torch.argsort(torch.tensor(to_group))
+        self.key = "+".join(sorted(axes)) + f"@{min(group_ranks)}"
+        self._opts = {op: self._reduce_opts(op) for op in (SUM, MAX, MIN)}
+        self._gather_opts = c10d.AllgatherOptions()
+        self._gather_opts.asyncOp = mesh.poll
+        self._scatter_opts = c10d.ReduceScatterOptions()
+        self._scatter_opts.reduceOp = SUM
+        self._scatter_opts.asyncOp = mesh.poll
+        self._a2a_opts = c10d.AllToAllOptions()
+        self._a2a_opts.asyncOp = mesh.poll
+
+    def _reduce_opts(self, op):
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = op
+        opts.asyncOp = self.mesh.poll
+        return opts
+
+    # --- plumbing -----------------------------------------------------------------------------
+    def _doing(self, op: str) -> str:
+        return f"in {op} over {self.axes}"
+
+    def _debug(self, op: str, t: torch.Tensor, extra: str = "") -> None:
+        sig = f"{op}({list(t.shape)}, {t.dtype}, axes={self.axes}{extra})"
+        self.mesh.board.check_same_call(self.key, self.members, sig, f"rank {self.mesh.rank}")
+
+    def _issue(self, op: str, start) -> None:
+        """Start a collective and wait for it; failures become RankFailedError."""
+        try:
+            work = start()
+        except RuntimeError as e:
+            raise self.mesh.board.translate(e, self._doing(op)) from None
+        self._wait(op, work)
+
+    def _wait(self, op: str, work: Any) -> None:
+        board = self.mesh.board
+        if self.mesh.poll:
+            board.wait(work, self._doing(op), _SLICE)
+        elif work is not None:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise board.translate(e, self._doing(op)) from None
+
+    # --- collectives --------------------------------------------------------------------------
+    def all_reduce_(self, buf: torch.Tensor, op=SUM, name: str = "psum") -> torch.Tensor:
+        """Reduce ``buf`` over the group in place (the caller owns it); returns it."""
+        if self.mesh.debug:
+            self._debug(name, buf)
+        opts = self._opts[op]
+        self._issue(name, lambda: self.group.allreduce([_real(buf)], opts))
+        return buf
+
+    def all_gather(self, x: torch.Tensor, name: str = "all_gather") -> torch.Tensor:
+        """``[n, *x.shape]``: every member's ``x``, in tuple order."""
+        x = x.contiguous()
+        if self.mesh.debug:
+            self._debug(name, x)
+        out = x.new_empty((self.n, *x.shape))
+        opts = self._gather_opts
+        # c10d splits the output along dim 0 into pieces shaped like the input: add a unit dim
+        x1 = x.unsqueeze(0)
+        self._issue(name, lambda: self.group.all_gather_single(_real(out), _real(x1), opts))
+        return out if self._to_group is None else out.index_select(0, self._to_group)
+
+    def reduce_scatter(self, stacked: torch.Tensor, name: str = "psum_scatter") -> torch.Tensor:
+        """Sum ``stacked`` ([n, *chunk], tuple order) over the group; keep this rank's chunk."""
+        if self._from_group is not None:
+            stacked = stacked.index_select(0, self._from_group)
+        stacked = stacked.contiguous()
+        if self.mesh.debug:
+            self._debug(name, stacked)
+        out = stacked.new_empty((1, *stacked.shape[1:]))  # unit dim: see all_gather
+        opts = self._scatter_opts
+        self._issue(
+            name, lambda: self.group.reduce_scatter_single(_real(out), _real(stacked), opts)
+        )
+        return out[0]
+
+    def all_to_all(self, stacked: torch.Tensor, name: str = "all_to_all") -> torch.Tensor:
+        """Send chunk ``j`` of ``stacked`` ([n, *chunk]) to member ``j``; returns the received
+        chunks ``[n_src, *chunk]`` in source tuple order."""
+        if self._from_group is not None:
+            stacked = stacked.index_select(0, self._from_group)
+        stacked = stacked.contiguous()
+        if self.mesh.debug:
+            self._debug(name, stacked)
+        out = torch.empty_like(stacked)
+        opts = self._a2a_opts
+        self._issue(
+            name, lambda: self.group.all_to_all_single(_real(out), _real(stacked), [], [], opts)
+        )
+        return out if self._to_group is None else out.index_select(0, self._to_group)
+
+    def permute(self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], name="ppermute"):
+        """Send ``x`` along ``(src, dst)`` tuple-index pairs; receive into a fresh buffer (zeros
+        when nothing arrives)."""
+        me = self.index
+        dst = next((d for s, d in pairs if s == me), None)
+        src = next((s for s, d in pairs if d == me), None)
+        if self.mesh.debug:
+            self._debug(name, x, f", pairs={sorted(pairs)}")
+        if src is None:
+            out = torch.zeros_like(x, memory_format=torch.contiguous_format)
+        elif src == me:
+            out = x.clone(memory_format=torch.contiguous_format)
+        else:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        works = []
+        sendbuf = _real(x.contiguous())  # kept alive here until the send completes
+        try:
+            if dst is not None and dst != me:
+                works.append(self.group.send([sendbuf], self.group_rank[dst], 0))
+            if src is not None and src != me:
+                works.append(self.group.recv([_real(out)], self.group_rank[src], 0))
+        except RuntimeError as e:
+            raise self.mesh.board.translate(e, self._doing(name)) from None
+        for w in works:
+            self._wait(name, w)
+        return out
+
+    def broadcast_(self, buf: torch.Tensor, root: int, name: str = "broadcast") -> torch.Tensor:
+        """Overwrite ``buf`` (owned by the caller) with tuple member ``root``'s ``buf``."""
+        if self.mesh.debug:
+            self._debug(name, buf, f", root={root}")
+        opts = c10d.BroadcastOptions()
+        opts.rootRank = self.group_rank[root]
+        opts.rootTensor = 0
+        opts.asyncOp = self.mesh.poll
+        self._issue(name, lambda: self.group.broadcast([_real(buf)], opts))
+        return buf

@@ -1,0 +1,170 @@
+"""Failure handling on a real mesh: no rank hangs because another one raised.
+
+A rank whose per-device function raises posts its error to the process group's store (the
+rendezvous store that every rank already shares) before re-raising it. A rank blocked in a
+collective waits in short slices; between slices it reads the store, and a failure posted for the
+current call (or a later one) ends the wait with :class:`RankFailedError` naming the failing rank
+and its message. A failing rank that exits closes its sockets, so its peers get a gloo error at
+once; that error is translated the same way. A rank that neither fails nor arrives is waited for
+at most ``NAMED_SPMD_TIMEOUT`` seconds (default 1800).
+
+Debug mode (``NAMED_SPMD_DEBUG=1`` or :func:`set_debug`) additionally exchanges a signature of
+every collective (op, axes, shape, dtype, arguments) through the store before running it, so that
+ranks that call different collectives, or the same one with different shapes, get a
+:class:`SpmdError` that lists what every rank called instead of a hang or garbage.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from .._errors import RankFailedError, SpmdError
+
+POLL_S = 0.2  # how often a rank blocked in a collective looks for a posted failure
+_debug_override: bool | None = None
+
+
+def timeout_s() -> float:
+    """Seconds a rank waits for a peer that neither arrives nor fails (NAMED_SPMD_TIMEOUT)."""
+    return float(os.environ.get("NAMED_SPMD_TIMEOUT", "1800"))
+
+
+def set_debug(enabled: bool | None = True) -> None:
+    """Check before every collective that all ranks of its group call the same one.
+
+    ``None`` goes back to the ``NAMED_SPMD_DEBUG`` environment variable. Costs a store round trip
+    per collective and rank: a debugging aid, not for training runs.
+    """
+    global _debug_override
+    _debug_override = enabled
+
+
+def debug_enabled() -> bool:
+    if _debug_override is not None:
+        return _debug_override
+    return os.environ.get("NAMED_SPMD_DEBUG", "") not in ("", "0")
+
+
+def _is_timeout(e: BaseException) -> bool:
+    return "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
+
+
+class FailureBoard:
+    """One mesh's failure record in the store, and the rank's view of the current call."""
+
+    def __init__(self, store: Any, rank: int, mesh_key: str, coords_of):
+        self.store = store
+        self.rank = rank
+        self.key = f"named_spmd/{mesh_key}/failure"
+        self.coords_of = coords_of  # global rank -> {axis: coordinate}
+        self.seq = 0  # spmd_map calls on this mesh so far (identical on every rank)
+        self.debug_counts: dict[str, int] = {}
+
+    # --- posting and reading ------------------------------------------------------------------
+    def post(self, exc: BaseException) -> None:
+        text = f"{type(exc).__name__}: {exc}".strip()
+        try:
+            self.store.set(self.key, f"{self.seq}\n{self.rank}\n{text[:4000]}")
+        except Exception:  # noqa: BLE001 - the store may be gone already; the error still raises
+            pass
+
+    def read(self) -> tuple[int, int, str] | None:
+        try:
+            if not self.store.check([self.key]):
+                return None
+            seq, rank, text = self.store.get(self.key).decode().split("\n", 2)
+        except Exception:  # noqa: BLE001 - a dead store means a dead job; the caller reports
+            return None
+        return int(seq), int(rank), text
+
+    def error(self, failure: tuple[int, int, str], while_doing: str) -> RankFailedError:
+        seq, rank, text = failure
+        coords = self.coords_of(rank)
+        where = ", ".join(f"{a}={c}" for a, c in coords.items())
+        return RankFailedError(
+            f"rank {rank} (mesh coordinates {where}) failed inside spmd_map: {text}\n"
+            f"This rank (rank {self.rank}) stopped {while_doing}, which needed rank {rank}. "
+            "Fix the error on that rank; its own traceback has the details."
+        )
+
+    def check(self, while_doing: str) -> None:
+        """Raise if a failure was posted for this call or a later one."""
+        failure = self.read()
+        if failure is not None and failure[0] >= self.seq:
+            raise self.error(failure, while_doing)
+
+    def translate(self, exc: BaseException, while_doing: str) -> BaseException:
+        """The error to raise for a communication failure: the posted one when there is one."""
+        deadline = time.monotonic() + 2.0  # the failing rank posts before its sockets close
+        while True:
+            failure = self.read()
+            if failure is not None:
+                return self.error(failure, while_doing)
+            if time.monotonic() > deadline:
+                return RankFailedError(
+                    f"rank {self.rank}: communication failed {while_doing}: {exc}\n"
+                    "No rank reported an error inside spmd_map: a peer process probably died "
+                    "(out of memory, killed) or its process group was destroyed."
+                )
+            time.sleep(0.05)
+
+    # --- waiting ------------------------------------------------------------------------------
+    def wait(self, work: Any, while_doing: str, first_slice) -> None:
+        """Wait for ``work``; a posted failure or the timeout ends the wait with an error."""
+        try:
+            work.wait(first_slice)
+            return
+        except RuntimeError as e:
+            if not _is_timeout(e):
+                raise self.translate(e, while_doing) from None
+        self._slow_wait(work, while_doing, first_slice)
+
+    def _slow_wait(self, work: Any, while_doing: str, slice_) -> None:
+        deadline = time.monotonic() + timeout_s()
+        while True:
+            self.check(while_doing)
+            if time.monotonic() > deadline:
+                raise RankFailedError(
+                    f"rank {self.rank}: waited {timeout_s():.0f} s {while_doing} without the "
+                    "other ranks arriving and without any of them reporting an error. A rank may "
+                    "be stuck, or the ranks call different collectives (run with "
+                    "NAMED_SPMD_DEBUG=1 to check). Set NAMED_SPMD_TIMEOUT to change the limit."
+                )
+            try:
+                work.wait(slice_)
+                return
+            except RuntimeError as e:
+                if not _is_timeout(e):
+                    raise self.translate(e, while_doing) from None
+
+    # --- debug mode ---------------------------------------------------------------------------
+    def check_same_call(self, group_key: str, members: list[int], signature: str, label: str):
+        """Exchange ``signature`` with the group's members; raise SpmdError on any difference."""
+        count = self.debug_counts.get(group_key, 0)
+        self.debug_counts[group_key] = count + 1
+        prefix = f"named_spmd/debug/{group_key}/{count}/"
+        self.store.set(prefix + str(self.rank), signature)
+        keys = [prefix + str(r) for r in members]
+        limit = min(timeout_s(), 60.0)
+        deadline = time.monotonic() + limit
+        while not self.store.check(keys):
+            self.check(f"checking collective #{count} of group {group_key}")
+            if time.monotonic() > deadline:
+                missing = [r for r in members if not self.store.check([prefix + str(r)])]
+                raise SpmdError(
+                    f"{label}: debug check: ranks {missing} did not reach collective #{count} of "
+                    f"group {group_key} ({signature}) within {limit:.0f} s. They are "
+                    "stuck, or they skipped this collective (a rank-dependent branch?)."
+                )
+            time.sleep(0.005)
+        got = {r: self.store.get(prefix + str(r)).decode() for r in members}
+        if len(set(got.values())) > 1:
+            lines = "\n".join(f"    rank {r}: {s}" for r, s in got.items())
+            raise SpmdError(
+                f"{label}: debug check: the ranks of one group called different collectives as "
+                f"their collective #{count} on group {group_key}:\n{lines}\nEvery rank of a group "
+                "must call the same collectives, with the same shapes, in the same order. Fix: "
+                "make shapes and control flow independent of the rank."
+            )
