@@ -411,9 +411,12 @@ def _relayout_pairs(mesh, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
 
 def _global_output(mesh, y: torch.Tensor, spec: PartitionSpec, vma) -> DTensor:
     unnamed_varying = tuple(a for a in mesh.axis_names if a in vma and a not in spec.axes)
+    named_invariant = tuple(a for a in mesh.axis_names if a in spec.axes and a not in vma)
     with _no_torch_function():
         if unnamed_varying:  # check_vma=False: member 0's value, as the simulated backend
             y = ops.broadcast(y, mesh.comm(unnamed_varying))
+        if named_invariant:  # identical blocks tiled: their cotangents differ and must be summed
+            y = ops.pvary(y, mesh.comm(named_invariant))
         for axes in _non_mesh_order_entries(mesh, spec):
             pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
             y = ops.ppermute(y, mesh.comm(_in_mesh_order(mesh, axes)), pairs)

@@ -1,0 +1,95 @@
+"""Launch N local processes of one script as a torch.distributed job on 127.0.0.1 (tests only).
+
+Every process gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (env:// rendezvous
+on a free loopback port) and a hard timeout: a hung job is killed and reported, never waited on.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        TORCH_CPP_LOG_LEVEL="ERROR",
+        GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Finished:
+    returncodes: list[int | None]
+    outputs: list[str]
+    seconds: float
+    timed_out: bool
+
+    def lines(self, prefix: str) -> list[str]:
+        return [
+            line[len(prefix) :].strip()
+            for out in self.outputs
+            for line in out.splitlines()
+            if line.startswith(prefix)
+        ]
+
+
+def launch(args: list[str], nproc: int, timeout: float, **env: str) -> Finished:
+    """Run ``python *args`` as ranks 0..nproc-1 of one job; kill everything after ``timeout``."""
+    port = str(free_port())
+    procs = []
+    t0 = time.monotonic()
+    for rank in range(nproc):
+        e = child_env(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            **env,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args],
+                env=e,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    return collect(procs, timeout, t0)
+
+
+def collect(procs: list[subprocess.Popen], timeout: float, t0: float) -> Finished:
+    outputs: list[str] = []
+    timed_out = False
+    for p in procs:
+        left = max(0.1, timeout - (time.monotonic() - t0))
+        try:
+            out, _ = p.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            p.kill()
+            out, _ = p.communicate()
+        outputs.append(out)
+    return Finished([p.returncode for p in procs], outputs, time.monotonic() - t0, timed_out)

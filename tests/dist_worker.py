@@ -1,0 +1,251 @@
+"""One rank of the multi-process tests: run as ``python tests/dist_worker.py MODE`` by every rank,
+with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment (tests/test_distributed.py
+spawns the processes; ``torchrun`` works too).
+
+Modes:
+* ``programs``: every case of :mod:`programs_dist` on the simulated mesh and on the real one, in
+  this process; values, gradients (every float input), taps (per-device types) and communication
+  counts (``ns.CommMode``, forward and backward) must agree. Prints one ``RESULT {json}`` line per
+  case.
+* ``fail RANK``: rank RANK raises inside the mapped function; every other rank must raise
+  RankFailedError naming it. Prints ``OUTCOME {json}``.
+* ``mismatch``: with debug mode on, rank 0 calls psum with another shape than the others; every
+  rank must raise SpmdError listing the calls. Prints ``OUTCOME {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import optree
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import programs_dist as pd  # noqa: E402
+
+import named_spmd as ns  # noqa: E402
+from named_spmd import P  # noqa: E402
+
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+def _is_float(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _global(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _to_dtensors(mesh, args, in_specs):
+    """The global arguments as DTensors on the real mesh, placed as their in_specs say."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from named_spmd._tree import broadcast_specs
+
+    leaves, tree = optree.tree_flatten(args, none_is_leaf=True)
+    specs = broadcast_specs(in_specs, args, "in_specs", "test")
+    out = []
+    for x, spec in zip(leaves, specs):
+        placements = [Replicate() for _ in mesh.axis_names]
+        for d in range(x.dim()):
+            for a in spec.entry_axes(d):
+                placements[mesh.axis_names.index(a)] = Shard(d)
+        out.append(distribute_tensor(x, mesh.device_mesh, placements))
+    return optree.tree_unflatten(tree, out)
+
+
+def evaluate(case, mesh, out_specs, dtensor=False):
+    """Forward and backward of ``case`` on ``mesh``: global outputs, input gradients, taps and
+    communication counts."""
+    args = optree.tree_map(lambda t: t.clone(), case.args())
+    if dtensor:
+        args = _to_dtensors(mesh, args, case.in_specs)
+    leaves = [t for t in optree.tree_leaves(args) if _is_float(t)]
+    for t in leaves:
+        t.requires_grad_(True)
+    f = ns.spmd_map(
+        case.prog, mesh=mesh, in_specs=case.in_specs, out_specs=out_specs, check_vma=case.check_vma
+    )
+    pd.TAPE.clear()
+    with ns.CommMode() as comms:
+        out = f(*args)
+        tape = list(pd.TAPE)
+        forward = comms.counts()
+        outs = [_global(o) for o in optree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        loss = sum(
+            (o * pd._rand(*o.shape, seed=100 + k)).sum()
+            for k, o in enumerate(outs)
+            if o.is_floating_point() and o.requires_grad
+        )
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+    grads = [
+        _global(t.grad) if t.grad is not None else torch.zeros(t.shape, dtype=t.dtype)
+        for t in leaves
+    ]
+    return {
+        "out": [o.detach() for o in outs],
+        "grads": grads,
+        "tape": tape,
+        "forward": forward,
+        "all": comms.counts(),
+    }
+
+
+def compare(sim, real) -> list[str]:
+    problems = []
+    if len(sim["out"]) != len(real["out"]):
+        return [f"{len(sim['out'])} outputs simulated, {len(real['out'])} real"]
+    for what in ("out", "grads"):
+        for k, (a, b) in enumerate(zip(sim[what], real[what])):
+            if a.shape != b.shape or not torch.allclose(a.to(b.dtype), b, **TOL):
+                err = (a - b).abs().max().item() if a.shape == b.shape else "shape"
+                problems.append(
+                    f"{what}[{k}] differs: {list(a.shape)} vs {list(b.shape)}, max err {err}"
+                )
+    if sim["tape"] != real["tape"]:
+        problems.append(f"types differ: {sim['tape']} vs {real['tape']}")
+    if sim["all"] != real["all"]:
+        problems.append(f"communication differs: {sim['all']} vs {real['all']}")
+    return problems
+
+
+def backward_counts(counts) -> dict:
+    return {(op, axes): n for (d, op, axes), n in counts.items() if d == "backward"}
+
+
+def out_specs_for(case, sim_mesh):
+    if case.out_specs is not None:
+        return case.out_specs
+    info = {}
+
+    def probe(*args):
+        out = case.prog(*args)
+        info["vma"], info["rank"] = ns.vma(out), max(out.dim(), 1)
+        return out
+
+    ns.spmd_map(probe, mesh=sim_mesh, in_specs=case.in_specs, out_specs=P(), check_vma=False)(
+        *case.args()
+    )
+    return pd.choose_out_spec(case, info["rank"], info["vma"])
+
+
+def run_programs(args, rank, world) -> None:
+    cases = pd.all_cases(world, samples=args.samples, seed=args.seed)
+    real_meshes, sim_meshes = {}, {}
+    for case in cases:
+        key = (case.sizes, case.names)
+        if key not in real_meshes:  # creating a real mesh is collective: same order everywhere
+            real_meshes[key] = ns.make_mesh(case.sizes, case.names, device_type=args.device)
+            sim_meshes[key] = ns.make_mesh(case.sizes, case.names, simulated=True)
+        t0 = time.perf_counter()
+        result = {"case": case.name, "rank": rank}
+        try:
+            out_specs = out_specs_for(case, sim_meshes[key])
+            result["out_specs"] = repr(out_specs)
+            sim = evaluate(case, sim_meshes[key], out_specs)
+            real = evaluate(case, real_meshes[key], out_specs)
+            problems = compare(sim, real)
+            if case.pinned_backward is not None:
+                got = backward_counts(real["all"])
+                if got != case.pinned_backward:
+                    problems.append(f"backward collectives {got}, pinned {case.pinned_backward}")
+            if case.dtensor_inputs:
+                problems += [
+                    f"DTensor inputs: {p}"
+                    for p in compare(sim, evaluate(case, real_meshes[key], out_specs, True))
+                ]
+            result["problems"] = problems
+            result["nonzero_grads"] = sum(bool(g.abs().max() > 0) for g in real["grads"])
+        except Exception as e:  # noqa: BLE001 - reported per case; the next case goes on
+            result["problems"] = [f"raised {type(e).__name__}: {e}"]
+            result["traceback"] = traceback.format_exc()[-2000:]
+        result["seconds"] = round(time.perf_counter() - t0, 3)
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_failure(args, rank, world) -> None:
+    mesh = ns.make_mesh((2, world // 2), ("dp", "tp"), device_type=args.device)
+    bad = args.bad_rank
+
+    @ns.spmd_map(mesh=mesh, in_specs=P("dp", "tp"), out_specs=P())
+    def step(x):
+        if dist.get_rank() == bad:
+            raise ValueError(f"injected failure on purpose (rank {bad})")
+        y = ns.psum(x, "tp")
+        return ns.psum(y, "dp")
+
+    t0 = time.monotonic()
+    outcome = {"rank": rank}
+    try:
+        step(torch.ones(2, world // 2)).full_tensor()
+        outcome["error"] = None
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        outcome["error"] = type(e).__name__
+        outcome["message"] = str(e)
+    outcome["seconds"] = round(time.monotonic() - t0, 2)
+    print("OUTCOME " + json.dumps(outcome), flush=True)
+
+
+def run_mismatch(args, rank, world) -> None:
+    from named_spmd.backends.distributed import set_debug
+
+    set_debug(True)
+    mesh = ns.make_mesh((world,), ("i",), device_type=args.device)
+
+    @ns.spmd_map(mesh=mesh, in_specs=P("i"), out_specs=P())
+    def f(x):
+        if dist.get_rank() == 0:
+            x = torch.cat([x, x])  # a different shape on rank 0 only
+        return ns.psum(x, "i")
+
+    outcome = {"rank": rank}
+    t0 = time.monotonic()
+    try:
+        f(torch.ones(world * 2))
+        outcome["error"] = None
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        outcome["error"] = type(e).__name__
+        outcome["message"] = str(e)
+    outcome["seconds"] = round(time.monotonic() - t0, 2)
+    print("OUTCOME " + json.dumps(outcome), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["programs", "fail", "mismatch"])
+    parser.add_argument("--bad-rank", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default=None, help="gloo (cpu) or nccl (cuda)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        {"programs": run_programs, "fail": run_failure, "mismatch": run_mismatch}[args.mode](
+            args, rank, world
+        )
+    finally:
+        if args.mode == "programs":
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: peers of a failed run may hold dead sockets
+
+
+if __name__ == "__main__":
+    main()
