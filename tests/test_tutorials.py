@@ -87,6 +87,7 @@ def test_there_are_nine_tutorials():
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
 def test_tutorial_executes_in_a_jupyter_kernel(executed, path):
     seconds, result = executed[path]
+    print(f"{path.name}: {seconds:.1f}s")  # shown with pytest -s
     if isinstance(result, Exception):
         pytest.fail(f"{path.name} failed after {seconds:.1f}s:\n{result}", pytrace=False)
     outputs = [
