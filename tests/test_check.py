@@ -133,7 +133,14 @@ def _programs():
 
 
 PROGRAMS = _programs()
-HAS_BACKWARD = {"block", "all_to_all_moe", "untiled_collectives", "ppermute_pmax_pmean"}
+# psum_pytree: w (P("tp")) meets x (P("dp", "tp")), so its gradient is all-reduced over dp.
+HAS_BACKWARD = {
+    "block",
+    "psum_pytree",
+    "all_to_all_moe",
+    "untiled_collectives",
+    "ppermute_pmax_pmean",
+}
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
@@ -370,13 +377,23 @@ def test_check_raises_the_error_a_real_run_raises(name):
     assert _same_text(from_structs.value) == _same_text(real.value)
 
 
-def test_vmap_limits_are_reported_as_spmd_errors_too():
+VALUE_READERS = {
+    "item": lambda x: x * x.sum().item(),
+    "python_if": lambda x: x if x.sum() > 0 else -x,
+    "nonzero": lambda x: x.nonzero().float().sum().reshape(1) * x,
+    "tolist": lambda x: x * sum(x.tolist()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_READERS))
+def test_code_that_reads_values_is_an_spmd_error_in_check(name):
     mesh = ns.make_mesh((4,), ("i",))
-    smap = ns.spmd_map(lambda x: x * x.sum().item(), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
-    with pytest.raises(ns.SpmdError, match=r"\.item\(\)"):
+    smap = ns.spmd_map(VALUE_READERS[name], mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    with pytest.raises(Exception):  # noqa: B017  the simulated run fails as well (vmap)
         smap(torch.randn(4))
-    with pytest.raises(ns.SpmdError, match=r"\.item\(\)"):
+    with pytest.raises(ns.SpmdError, match=r"\.item\(\)") as err:
         smap.check(torch.randn(4))
+    assert "`<lambda>`" in str(err.value)
 
 
 def test_closed_over_tensors_are_invariant_and_their_gradients_psummed_once():

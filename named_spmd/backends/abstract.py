@@ -25,6 +25,7 @@ import torch
 
 from .. import _context
 from .._accounting import CommEvent, CommMode
+from .._errors import SpmdError
 from .._mesh import Mesh
 from .._spec import PartitionSpec
 from .._types import VType, short_dtype
@@ -264,8 +265,6 @@ def _global_shape(local: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> tuple
 def check(smap: Any, args: tuple, backward: bool = True) -> CheckReport:
     """Run ``smap`` (an SpmdFunction) abstractly on ``args``; see ``SpmdFunction.check``."""
     if _context.active() is not None:
-        from .._errors import SpmdError
-
         raise SpmdError(
             f"{smap.where}.check was called inside another spmd_map; nesting is not supported."
         )
@@ -284,13 +283,34 @@ def check(smap: Any, args: tuple, backward: bool = True) -> CheckReport:
         _context.push(ctx)
         try:
             with torch.device(_META), AbstractVmaMode(ctx):
-                out = smap._call_user(optree.tree_unflatten(in_tree, local))
+                out = _call_abstract(smap, optree.tree_unflatten(in_tree, local))
             paths, out_leaves, out_specs, out_tree = smap._check_outputs(out, ctx)
         finally:
             _context.pop()
         if backward:
             _run_backward(out_leaves)
     return _report(smap, ctx, paths, out_leaves, out_specs, out_tree, comms.events)
+
+
+# Messages of torch errors that mean "this op needs tensor values, which meta tensors lack".
+_NEEDS_DATA = ("meta", "data pointer", "no data", "data-dependent", "storage")
+
+
+def _call_abstract(smap: Any, args: tuple) -> Any:
+    try:
+        return smap._call_user(args)
+    except SpmdError:
+        raise
+    except (NotImplementedError, RuntimeError) as e:
+        if not any(s in str(e) for s in _NEEDS_DATA):
+            raise
+        raise SpmdError(
+            f"{smap.where}: check() runs the per-device function on shapes only, and the "
+            f"function needs tensor values:\n  {type(e).__name__}: {str(e).splitlines()[0]}\n"
+            "Code that reads values (.item(), .tolist(), nonzero(), Python if on a tensor) "
+            "fails on the simulated mesh too. Fix: keep per-device code data-independent, "
+            "e.g. torch.where / masks instead of branching on values."
+        ) from e
 
 
 def _run_backward(out_leaves: list[Any]) -> None:
