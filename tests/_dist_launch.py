@@ -52,9 +52,20 @@ class Finished:
         ]
 
 
+def agent_store(port: int):
+    """Host the rendezvous store in this process, as torchrun's agent does, so that it outlives
+    the workers (a worker that exits early must not take the store of the others with it)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+
+
 def launch(args: list[str], nproc: int, timeout: float, **env: str) -> Finished:
     """Run ``python *args`` as ranks 0..nproc-1 of one job; kill everything after ``timeout``."""
-    port = str(free_port())
+    port = free_port()
+    store = agent_store(port)
+    port = str(port)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", **env}
     procs = []
     t0 = time.monotonic()
     for rank in range(nproc):
@@ -77,7 +88,10 @@ def launch(args: list[str], nproc: int, timeout: float, **env: str) -> Finished:
                 text=True,
             )
         )
-    return collect(procs, timeout, t0)
+    try:
+        return collect(procs, timeout, t0)
+    finally:
+        del store
 
 
 def collect(procs: list[subprocess.Popen], timeout: float, t0: float) -> Finished:

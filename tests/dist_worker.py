@@ -172,6 +172,89 @@ def run_programs(args, rank, world) -> None:
             result["traceback"] = traceback.format_exc()[-2000:]
         result["seconds"] = round(time.perf_counter() - t0, 3)
         print("RESULT " + json.dumps(result), flush=True)
+    run_checks(args, rank, world)
+
+
+def _expect_error(name: str, call, error: type, *fragments: str) -> dict:
+    try:
+        call()
+    except error as e:
+        missing = [f for f in fragments if f not in str(e)]
+        return {"check": name, "problems": [f"message lacks {missing}: {e}"] if missing else []}
+    except Exception as e:  # noqa: BLE001 - reported
+        return {"check": name, "problems": [f"raised {type(e).__name__}: {e}"]}
+    return {"check": name, "problems": [f"did not raise {error.__name__}"]}
+
+
+def run_checks(args, rank, world) -> None:
+    """User-facing behaviour beyond the programs: errors, a user's DeviceMesh, local outputs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from named_spmd.backends.distributed import to_local
+
+    results = []
+    results.append(
+        _expect_error(
+            "world size mismatch",
+            lambda: ns.make_mesh((world + 1,), ("i",)),
+            ns.SpmdError,
+            f"process group has {world} ranks",
+            "torchrun --nproc-per-node",
+        )
+    )
+    mesh = ns.make_mesh((2, world // 2), ("dp", "tp"), device_type=args.device)
+    wrong = distribute_tensor(torch.ones(4, world), mesh.device_mesh, [Replicate(), Shard(0)])
+    f = ns.spmd_map(lambda x: ns.psum(x, "tp"), mesh=mesh, in_specs=P(None, "tp"), out_specs=P())
+    results.append(
+        _expect_error(
+            "DTensor placements differ from in_spec",
+            lambda: f(wrong),
+            ns.SpecError,
+            "placements (Replicate(), Shard(dim=0))",
+            "means placements (Replicate(), Shard(dim=1))",
+            "redistribute",
+        )
+    )
+    dm = init_device_mesh(args.device, (2, world // 2), mesh_dim_names=("x", "y"))
+    g = ns.spmd_map(
+        lambda v: ns.psum(v, ("y", "x")), mesh=dm, in_specs=P(("x", "y")), out_specs=P()
+    )
+    got = g(torch.arange(float(world))).full_tensor()
+    results.append(
+        {
+            "check": "user DeviceMesh as mesh=",
+            "problems": [] if got.item() == world * (world - 1) / 2 else [f"got {got}"],
+        }
+    )
+    nameless = init_device_mesh(args.device, (world,))
+    results.append(
+        _expect_error(
+            "DeviceMesh without names",
+            lambda: ns.spmd_map(lambda v: v, mesh=nameless, in_specs=P(), out_specs=P()),
+            ns.SpmdError,
+            "mesh_dim_names",
+        )
+    )
+    h = ns.spmd_map(lambda v: v * 2, mesh=mesh, in_specs=P("dp", "tp"), out_specs=P("dp", "tp"))
+    out = to_local(h(torch.arange(4.0 * world).reshape(4, world)))
+    coords = mesh.my_coords
+    want = (
+        torch.arange(4.0 * world).reshape(4, world)[
+            2 * coords["dp"] : 2 * coords["dp"] + 2, 2 * coords["tp"] : 2 * coords["tp"] + 2
+        ]
+        * 2
+    )
+    results.append(
+        {
+            "check": "to_local gives this rank's block",
+            "problems": []
+            if type(out) is torch.Tensor and torch.equal(out, want)
+            else [f"got {out!r}"],
+        }
+    )
+    for r in results:
+        print("CHECK " + json.dumps({**r, "rank": rank}), flush=True)
 
 
 def run_failure(args, rank, world) -> None:
@@ -186,7 +269,7 @@ def run_failure(args, rank, world) -> None:
         return ns.psum(y, "dp")
 
     t0 = time.monotonic()
-    outcome = {"rank": rank}
+    outcome = {"rank": rank, "mode": "fail"}
     try:
         step(torch.ones(2, world // 2)).full_tensor()
         outcome["error"] = None
@@ -209,7 +292,7 @@ def run_mismatch(args, rank, world) -> None:
             x = torch.cat([x, x])  # a different shape on rank 0 only
         return ns.psum(x, "i")
 
-    outcome = {"rank": rank}
+    outcome = {"rank": rank, "mode": "mismatch"}
     t0 = time.monotonic()
     try:
         f(torch.ones(world * 2))
@@ -221,9 +304,18 @@ def run_mismatch(args, rank, world) -> None:
     print("OUTCOME " + json.dumps(outcome), flush=True)
 
 
+def run_failures(args, rank, world) -> None:
+    """The debug-mode mismatch first (it leaves the groups usable), then a failing rank."""
+    run_mismatch(args, rank, world)
+    from named_spmd.backends.distributed import set_debug
+
+    set_debug(None)
+    run_failure(args, rank, world)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["programs", "fail", "mismatch"])
+    parser.add_argument("mode", choices=["programs", "fail", "mismatch", "failures"])
     parser.add_argument("--bad-rank", type=int, default=1)
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--seed", type=int, default=1234)
@@ -237,9 +329,13 @@ def main() -> None:
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        {"programs": run_programs, "fail": run_failure, "mismatch": run_mismatch}[args.mode](
-            args, rank, world
-        )
+        modes = {
+            "programs": run_programs,
+            "fail": run_failure,
+            "mismatch": run_mismatch,
+            "failures": run_failures,
+        }
+        modes[args.mode](args, rank, world)
     finally:
         if args.mode == "programs":
             dist.destroy_process_group()

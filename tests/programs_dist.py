@@ -295,7 +295,7 @@ def program_cases(world: int) -> list[Case]:
                 P(("dp", "ep")),
                 functools.partial(experts, tiled=tiled),
                 lambda: (r(world * tp * 2, 3, seed=29), r(tp, 3, 3, seed=30)),
-                pinned_backward={("all_to_all", ("ep",)): 2},
+                pinned_backward={("all_to_all", ("ep",)): 2, ("psum", ("dp",)): 1},
             )
         )
     if world == 8:

@@ -142,6 +142,14 @@ class FailureBoard:
     # --- debug mode ---------------------------------------------------------------------------
     def check_same_call(self, group_key: str, members: list[int], signature: str, label: str):
         """Exchange ``signature`` with the group's members; raise SpmdError on any difference."""
+        try:
+            self._check_same_call(group_key, members, signature, label)
+        except (SpmdError, RankFailedError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the store itself failed (its host exited)
+            raise self.translate(e, f"in the debug check of {signature}") from None
+
+    def _check_same_call(self, group_key, members, signature, label):
         count = self.debug_counts.get(group_key, 0)
         self.debug_counts[group_key] = count + 1
         prefix = f"named_spmd/debug/{group_key}/{count}/"

@@ -1,0 +1,112 @@
+"""The torch.distributed backend on real processes (gloo on 127.0.0.1), against the simulated one.
+
+Each test is one multi-process launch (tests/dist_worker.py) with a hard timeout, so a hang fails
+the test instead of stalling the suite. The workers run every program of the "Core" and
+"Gradients" acceptance lists plus 50 sampled cases on both backends in each process, and compare
+values, gradients, per-device types (vma) and communication counts; see tests/programs_dist.py.
+Budget on a 2-core machine: about 25 s for 4 processes, 40 s for 8, 25 s for the failure tests
+(mostly interpreter start-up of the processes).
+
+Set NAMED_SPMD_TEST_DEVICE=cuda (and enough GPUs) to run the same tests on NCCL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_launch import ROOT, launch  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+DEVICE = os.environ.get("NAMED_SPMD_TEST_DEVICE", "cpu")
+WORKER = "tests/dist_worker.py"
+
+
+def _program_count(world: int) -> int:
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import programs_dist
+
+    return len(programs_dist.all_cases(world, samples=50))
+
+
+def _report(finished, results) -> str:
+    bad = [r for r in results if r["problems"]]
+    lines = [f"{len(bad)} failing (case, rank) results; first ones:"]
+    for r in bad[:6]:
+        lines.append(f"  {r.get('case', r.get('check'))} rank {r['rank']}: {r['problems'][:2]}")
+        if "traceback" in r:
+            lines.append("    " + r["traceback"][-800:].replace("\n", "\n    "))
+    if finished.timed_out or not results:
+        lines.append(
+            f"timed out: {finished.timed_out}; rank 0 output tail:\n" + finished.outputs[0][-3000:]
+        )
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_programs_and_sampled_cases_agree_with_simulated(world):
+    finished = launch([WORKER, "programs", "--samples", "50", "--device", DEVICE], world, 480)
+    results = [json.loads(line) for line in finished.lines("RESULT")]
+    checks = [json.loads(line) for line in finished.lines("CHECK")]
+    assert not finished.timed_out, _report(finished, results)
+    assert len(results) == world * _program_count(world), _report(finished, results)
+    assert all(not r["problems"] for r in results), _report(finished, results)
+    # every sampled input is exercised by the gradient check somewhere
+    assert sum(r["nonzero_grads"] for r in results) > len(results)
+    assert len(checks) == 5 * world, _report(finished, checks)
+    assert all(not c["problems"] for c in checks), _report(finished, checks)
+    assert finished.returncodes == [0] * world
+
+
+def test_failing_rank_and_mismatched_collectives_are_reported_not_hung():
+    world, bad_rank = 4, 1
+    finished = launch(
+        [WORKER, "failures", "--bad-rank", str(bad_rank), "--device", DEVICE],
+        world,
+        120,
+        NAMED_SPMD_TIMEOUT="60",
+    )
+    outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
+    assert not finished.timed_out, finished.outputs[0][-3000:]
+    mismatch = sorted((o for o in outcomes if o["mode"] == "mismatch"), key=lambda o: o["rank"])
+    fail = sorted((o for o in outcomes if o["mode"] == "fail"), key=lambda o: o["rank"])
+    assert len(mismatch) == world and len(fail) == world, finished.outputs[0][-3000:]
+    for o in mismatch:  # debug mode: every rank learns what every rank called
+        assert o["error"] == "SpmdError", o
+        assert "called different collectives" in o["message"], o
+        assert "rank 0: psum([4], torch.float32" in o["message"], o
+        assert "rank 1: psum([2], torch.float32" in o["message"], o
+    for o in fail:
+        assert o["seconds"] < 30, o  # bounded: nobody waits for the dead rank's collective
+        if o["rank"] == bad_rank:
+            assert o["error"] == "ValueError", o
+        else:
+            assert o["error"] == "RankFailedError", o
+            assert (
+                f"rank {bad_rank} (mesh coordinates dp=0, tp=1) failed inside spmd_map"
+                in (o["message"])
+            ), o
+            assert "ValueError: injected failure on purpose" in o["message"], o
+
+
+def test_import_named_spmd_does_not_load_the_distributed_backend():
+    # torch 2.13 itself imports torch.distributed.device_mesh: compare with a bare import torch
+    code = (
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import named_spmd\n"
+        "heavy = ['named_spmd.backends.distributed', 'torch.distributed.device_mesh',\n"
+        "         'torch.distributed._functional_collectives', 'torch.distributed.tensor']\n"
+        "print([m for m in heavy if m in sys.modules and m not in before])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
