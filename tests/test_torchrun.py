@@ -1,0 +1,159 @@
+"""The launcher story: a tutorial-style script under ``torchrun``, on one node and on two.
+
+tutorials/scripts/torchrun_demo.py trains a Megatron-style MLP for a few steps on a (dp, tp) mesh
+of all processes and prints one ``RANK`` line per process (losses, a checksum of the trained
+weights, the error against a dense single-device computation). Every launch runs on 127.0.0.1 with
+free ports and a hard timeout. Budget: about 20 s per launch on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_launch import ROOT, child_env, free_port  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = os.path.join("tutorials", "scripts", "torchrun_demo.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+LINE = re.compile(
+    r"RANK (\d+)/(\d+) host=\S+ mesh=(.*?) coords=(.*?) losses=(\[.*?\]) "
+    r"checksum=(\S+) max_err_vs_dense=(\S+)"
+)
+
+
+def _env():
+    env = child_env()
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _run(args, timeout):
+    return subprocess.run(
+        args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _ranks(text: str) -> dict[int, tuple]:
+    return {int(m.group(1)): m.groups() for m in LINE.finditer(text)}
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    """The same script without torchrun: a simulated mesh of 4 in one process."""
+    done = _run([sys.executable, SCRIPT], 120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (only,) = _ranks(done.stdout).values()
+    assert "simulated" in only[2]
+    return only
+
+
+def _check_job(ranks: dict[int, tuple], simulated: tuple, world: int) -> None:
+    assert sorted(ranks) == list(range(world)), ranks
+    coords = set()
+    for rank, (_, w, mesh, coord, losses, checksum, err) in ranks.items():
+        assert int(w) == world and "distributed, cpu" in mesh, (rank, mesh)
+        assert losses == simulated[4], (rank, losses, simulated[4])
+        assert abs(float(checksum) - float(simulated[5])) < 1e-9, (rank, checksum)
+        assert float(err) < 1e-12, (rank, err)
+        coords.add(coord)
+    assert len(coords) == world  # one mesh instance per process
+
+
+def test_torchrun_one_node_four_processes(simulated):
+    done = _run(
+        [
+            *TORCHRUN,
+            "--nproc-per-node",
+            "4",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            SCRIPT,
+        ],
+        240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    _check_job(_ranks(done.stdout), simulated, 4)
+
+
+def test_torchrun_two_nodes_cooperate_as_one_mesh(simulated):
+    endpoint = f"127.0.0.1:{free_port()}"
+    node = [
+        *TORCHRUN,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "named-spmd-test",
+        "--max-restarts",
+        "0",
+        SCRIPT,
+    ]
+    procs = [
+        subprocess.Popen(
+            node, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = []
+    deadline = time.monotonic() + 300
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rc, out, err in outs:
+        assert rc == 0, out[-2000:] + err[-3000:]
+    per_node = [_ranks(out) for _, out, _ in outs]
+    assert all(len(r) == 2 for r in per_node), per_node  # two processes on each "node"
+    _check_job({**per_node[0], **per_node[1]}, simulated, 4)
+
+
+def test_torchrun_failing_rank_is_named_by_every_rank():
+    t0 = time.monotonic()
+    done = _run(
+        [
+            *TORCHRUN,
+            "--nproc-per-node",
+            "4",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "--monitor-interval",
+            "1",
+            SCRIPT,
+            "--fail-rank",
+            "2",
+        ],
+        240,
+    )
+    assert done.returncode != 0
+    assert time.monotonic() - t0 < 200
+    text = done.stdout + done.stderr
+    assert "[rank2]: RuntimeError: deliberate failure on rank 2" in text, text[-4000:]
+    for rank in (0, 1, 3):
+        assert re.search(
+            rf"\[rank{rank}\]: named_spmd\._errors\.RankFailedError: rank 2 \(mesh coordinates "
+            r"dp=1, tp=0\) failed inside spmd_map: RuntimeError: deliberate failure on rank 2",
+            text,
+        ), text[-4000:]
