@@ -18,15 +18,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jupytext
+import nbclient
 import pytest
 
 TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
 PATHS = sorted(TUTORIALS.glob("[0-9][0-9]_*.py"))
 CELL_TIMEOUT_S = 60
 KERNEL = "named-spmd-tests"
-
-jupytext = pytest.importorskip("jupytext")
-nbclient = pytest.importorskip("nbclient")
 
 
 def _kernelspec_dir(root: Path) -> Path:
