@@ -75,7 +75,9 @@ class SpmdFunction:
                         f"{where} is a {type(leaf).__name__}; only tensors can be split by {spec!r}."
                     )
                 continue
-            problems += spec_problems(spec, (1 << 30,) * leaf.dim(), self.mesh.shape, where)
+            # outputs are concatenated, never split: a dim size every axis product divides
+            # (mesh.size) checks rank and axis names without a divisibility condition
+            problems += spec_problems(spec, (self.mesh.size,) * leaf.dim(), self.mesh.shape, where)
             extra = ctx.vma(leaf) - set(spec.axes)
             if self.check_vma and extra:
                 vma_problems.append(self._vma_problem(where, leaf, spec, extra, ctx))
@@ -115,7 +117,8 @@ class SpmdFunction:
             )
         if _context.active() is not None:
             raise SpmdError(
-                f"{self.where} was called inside another spmd_map; nesting is not supported. "
+                f"{self.where} was called inside another spmd_map (of "
+                f"{_context.active().fn_label}); nesting is not supported. "
                 "Fix: call the inner per-device function directly, it already runs per instance."
             )
         leaves, specs, in_tree = self._input_leaves(args)

@@ -8,8 +8,8 @@ Backends implement the data movement and the transposes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -80,7 +80,7 @@ def _dim(ctx, t: torch.Tensor, dim: int, op: str, what: str, extra: int = 0) -> 
     if not isinstance(dim, int) or not -rank <= dim < rank:
         raise CollectiveError(
             f"{op} in {ctx.fn_label}: {what}={dim!r} is out of range for an operand of shape "
-            f"{list(t.shape)} (valid: {-rank}..{rank - 1})."
+            f"{list(t.shape)} (valid: {-rank}..{rank - 1}). Fix: pass a dim in that range."
         )
     return dim % rank
 
@@ -237,16 +237,18 @@ def all_gather(
     axes = ctx.check_axes(axis_name, "all_gather")
     if to not in ("varying", "invariant"):
         raise CollectiveError(
-            f"all_gather in {ctx.fn_label}: to={to!r}; use to='varying' or to='invariant'."
+            f"all_gather in {ctx.fn_label}: unknown to={to!r}. Fix: use to='varying' (the "
+            "default, as in JAX) or to='invariant' (JAX spells it 'invarying')."
         )
     invariant = to == "invariant"
 
     def one(t):
-        d = _dim(ctx, t, axis, "all_gather", "axis", extra=0 if tiled else 1)
         if tiled and t.dim() == 0:
             raise CollectiveError(
-                f"all_gather in {ctx.fn_label}: tiled=True needs an operand of rank >= 1."
+                f"all_gather in {ctx.fn_label}: tiled=True needs an operand of rank >= 1, got a "
+                "scalar. Fix: gather x.reshape(1), or pass tiled=False to stack the scalars."
             )
+        d = _dim(ctx, t, axis, "all_gather", "axis", extra=0 if tiled else 1)
         t = implicit_pvary(ctx, t, axes)
         back = None if invariant else "psum_scatter"
         out_vma = ctx.vma(t) - set(axes) if invariant else ctx.vma(t)
@@ -503,7 +505,9 @@ def typeof(x: Any) -> VType:
     """The compact type of ``x`` inside spmd_map, e.g. ``f32[8,4]{dp}`` (per-device shape)."""
     ctx = current("typeof")
     if not isinstance(x, torch.Tensor):
-        raise CollectiveError(f"typeof in {ctx.fn_label}: expected a tensor, got {type(x).__name__}.")
+        raise CollectiveError(
+            f"typeof in {ctx.fn_label}: expected a tensor, got {type(x).__name__}."
+        )
     return VType(x.dtype, tuple(x.shape), ctx.vma(x), ctx.mesh.axis_names)
 
 

@@ -8,6 +8,7 @@ which call and which user function, where (a key path), expected versus got, and
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Iterable, Sequence
 
 
@@ -33,6 +34,8 @@ class RankFailedError(SpmdError):
 
 def fn_label(fn: object) -> str:
     """A short, recognisable name for a user function: ``mlp (model.py:12)``."""
+    while isinstance(fn, functools.partial):  # name the function the partial wraps
+        fn = fn.func
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -45,7 +48,7 @@ def suggest(name: object, choices: Iterable[str]) -> str:
     """' Did you mean 'tp'?' when a close match exists, else ''."""
     if not isinstance(name, str):
         return ""
-    close = difflib.get_close_matches(name, list(choices), n=1)
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)  # 'tq' -> 'tp'
     return f" Did you mean {close[0]!r}?" if close else ""
 
 

@@ -84,7 +84,8 @@ def spec_problems(
             if a not in mesh_shape:
                 problems.append(
                     f"{where}: unknown mesh axis {a!r} in {spec!r}; the mesh has axes "
-                    f"{tuple(mesh_shape)}.{suggest(a, mesh_shape)}"
+                    f"{tuple(mesh_shape)}.{suggest(a, mesh_shape)} Fix: name one of those axes, "
+                    "or add the axis to the mesh."
                 )
             elif a in seen:
                 problems.append(

@@ -23,22 +23,64 @@ def broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[Partit
     """One PartitionSpec per leaf of ``tree`` (None in specs means P()); mismatch raises."""
     try:
         full = optree.tree_broadcast_prefix(specs, tree, is_leaf=is_spec_leaf, none_is_leaf=True)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError):
         got = optree.tree_structure(specs, is_leaf=is_spec_leaf, none_is_leaf=True)
         want = optree.tree_structure(tree, none_is_leaf=True)
+        value = "arguments" if what == "in_specs" else "output"
+        # optree's own message prints whole tensors: name the first mismatching node instead
+        found = _first_mismatch(specs, tree, ())
+        at = (
+            f"  at {what}{path_text(found[0])}: {what} has {found[1]} where the {value} "
+            f"{'have' if value == 'arguments' else 'has'} {found[2]}\n"
+            if found
+            else ""
+        )
         raise SpecError(
-            f"{where}: {what} is not a pytree prefix of the {'arguments' if what == 'in_specs' else 'output'}.\n"
-            f"  {what} structure: {got}\n  value structure: {want}\n  ({e})\n"
+            f"{where}: {what} is not a pytree prefix of the {value}.\n{at}"
+            f"  {what} structure: {got}\n  {value} structure: {want}\n"
             f"Fix: give one P(...) per {'argument' if what == 'in_specs' else 'output'} (a single "
-            "P applies to every tensor below it), e.g. in_specs=(P('dp'), P()) for f(x, w)."
+            "P applies to every tensor below it), e.g. "
+            + (
+                "in_specs=(P('dp'), P()) for f(x, w)."
+                if what == "in_specs"
+                else "out_specs=(P('dp'), P()) for `return y, loss`."
+            )
         ) from None
     leaves = optree.tree_leaves(full, is_leaf=is_spec_leaf, none_is_leaf=True)
     return [PartitionSpec() if s is None else s for s in leaves]
 
 
+def _describe(x: Any) -> str:
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(x, key=repr)}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    if hasattr(x, "shape"):
+        return f"a {type(x).__name__} of shape {list(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
+def _first_mismatch(specs: Any, tree: Any, path: tuple) -> tuple[tuple, str, str] | None:
+    """(key path, specs node, value node) of the first place ``specs`` is not a prefix."""
+    if is_spec_leaf(specs):
+        return None
+    s = optree.tree_flatten_one_level(specs, is_leaf=is_spec_leaf, none_is_leaf=True)
+    try:
+        t = optree.tree_flatten_one_level(tree, none_is_leaf=True)
+    except ValueError:  # a leaf where the specs have a container
+        return path, _describe(specs), _describe(tree)
+    if type(specs) is not type(tree) or tuple(s.entries) != tuple(t.entries):
+        return path, _describe(specs), _describe(tree)
+    for entry, sc, tc in zip(s.entries, s.children, t.children):
+        found = _first_mismatch(sc, tc, (*path, entry))
+        if found:
+            return found
+    return None
+
+
 def check_spec_types(specs: Any, what: str, where: str) -> None:
     bad = [
-        path_text(p) + f" = {leaf!r}"
+        what + path_text(p) + f" = {leaf!r}"
         for p, leaf in zip(
             *optree.tree_flatten_with_path(specs, is_leaf=is_spec_leaf, none_is_leaf=True)[:2]
         )

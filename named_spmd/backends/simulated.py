@@ -167,7 +167,7 @@ def from_physical(
         group = [kept.index(a) for a in spec.entry_axes(d)] + [len(kept) + d]
         perm.extend(group)
         sizes.append(math.prod(y.shape[i] for i in group))
-    return y.permute(*perm).reshape(sizes)
+    return y.permute(perm).reshape(sizes)  # a list: rank-0 outputs have no dims
 
 
 def run(
