@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from torch._C import _functorch
 
 _local = threading.local()
 
@@ -137,8 +138,21 @@ class _RecordOnBackward(torch.autograd.Function):
         return x_t
 
 
+def needs_grad(t: torch.Tensor) -> bool:
+    """Whether ``t`` takes part in autograd at some level.
+
+    A functorch vmap wrapper reports ``requires_grad=False`` even when the tensor it wraps is
+    tracked (by autograd outside, or by a torch.func.grad level), so look through the wrappers."""
+    while True:
+        if t.requires_grad:
+            return True
+        if _functorch.maybe_get_level(t) == -1:
+            return False
+        t = _functorch.get_unwrapped(t)
+
+
 def on_backward(x: torch.Tensor, event: CommEvent) -> torch.Tensor:
     """Tag ``x`` so that its backward records ``event`` (only while recording, only with grad)."""
-    if not (recording() and x.requires_grad):
+    if not (recording() and needs_grad(x)):
         return x
     return _RecordOnBackward.apply(x, event)

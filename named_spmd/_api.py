@@ -233,6 +233,20 @@ def spmd_map(
         check_vma: check that out_specs only claim replication the program guarantees. With
             ``False`` an unnamed axis returns the value of the instance at coordinate 0 there.
 
+    Autodiff: the mapped function is differentiable with respect to its global inputs
+    (``Tensor.backward``, ``torch.autograd.grad``, ``torch.func`` grad / vjp / jvp / jacrev /
+    hessian / vmap, double backward); the result is the gradient of the global function, with
+    each collective transposed as DESIGN.md section 3 says. ``torch.func.grad`` (or vjp / jvp)
+    *inside* ``f`` differentiates the per-instance function, as ``jax.grad`` inside
+    ``shard_map`` does: collectives transpose per instance (psum -> pvary, all_gather ->
+    psum_scatter, all_to_all -> swapped all_to_all, ppermute -> reversed pairs, explicit
+    ``pvary`` -> psum), so the gradient of a psum'd loss w.r.t. a varying input is this
+    instance's block of the global gradient. One difference from JAX on the simulated mesh: an
+    invariant value mixed *implicitly* with varying ones is not summed over those axes (the inner
+    gradient is this instance's contribution, typed varying); call ``ns.pvary(w, axes)`` on it
+    first to get JAX's invariant total. ``Tensor.backward`` / ``torch.autograd.grad`` cannot run
+    inside ``f`` on the simulated mesh (functorch refuses them under vmap).
+
     Example:
         >>> import torch, named_spmd as ns
         >>> from named_spmd import P

@@ -19,6 +19,14 @@ from __future__ import annotations
 import torch
 
 
+def _save_level(ctx, inputs):
+    # k: dims peeled by user vmap levels between ours and the transform calling backward/jvp;
+    # the level's own dim sits after them. The token is an index, never differentiated.
+    _, token, ctx.k = inputs
+    ctx.save_for_backward(token)
+    ctx.token = token
+
+
 def _pass_through(fn, x, xd, token, k):
     return fn.apply(x.movedim(xd, 0), token, k + 1), 0
 
@@ -30,13 +38,19 @@ class GatherLevel(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1])
+        _save_level(ctx, inputs)
 
     @staticmethod
     def backward(ctx, grad):
+        # Transpose of "stack the group's values": every instance keeps its own slice (of the
+        # stacked dim, which sits after the k peeled dims).
         (token,) = ctx.saved_tensors
-        # Transpose of "stack the group's values": every instance keeps its own slice.
-        return grad.index_select(0, token.reshape(1)).squeeze(0), None, None
+        return grad.index_select(ctx.k, token.reshape(1)).squeeze(ctx.k), None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, _token_t, _k_t):
+        # Linear: the tangent is gathered like the primal (an inner torch.func.jvp).
+        return GatherLevel.apply(x_t, ctx.token, ctx.k)
 
     @staticmethod
     def vmap(info, in_dims, x, token, k):
@@ -58,13 +72,17 @@ class VaryLevel(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1])
+        _save_level(ctx, inputs)
 
     @staticmethod
     def backward(ctx, grad):
-        (token,) = ctx.saved_tensors
         # Transpose of pvary is psum over the level.
-        return GatherLevel.apply(grad, token, 0).sum(0), None, None
+        (token,) = ctx.saved_tensors
+        return GatherLevel.apply(grad, token, ctx.k).sum(ctx.k), None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, _token_t, _k_t):
+        return VaryLevel.apply(x_t, ctx.token, ctx.k)
 
     @staticmethod
     def vmap(info, in_dims, x, token, k):

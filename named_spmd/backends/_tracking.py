@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._context import SpmdContext
 
+Tensor = torch.Tensor
 _EMPTY: frozenset[str] = frozenset()
 _ATTR = "_named_spmd_vma"
 
@@ -30,6 +31,9 @@ class TrackedContext(SpmdContext):
     def __init__(self, mesh, fn):
         super().__init__(mesh, fn)
         self.call_token = object()
+        self._stamps: dict[frozenset[str], tuple[object, frozenset[str]]] = {}
+        # (id(invariant tensor), stamp) -> (tensor, varying alias): VmaMode's fast path
+        self.alias_cache: dict[tuple[int, tuple], tuple[torch.Tensor, torch.Tensor]] = {}
         # (id(tensor), axes) -> (tensor, its varying alias); the tensor is kept alive so that
         # its id is not reused during the call.
         self.pvary_cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -38,9 +42,18 @@ class TrackedContext(SpmdContext):
         stamp = x.__dict__.get(_ATTR)
         return stamp[1] if stamp is not None and stamp[0] is self.call_token else _EMPTY
 
+    def stamp_of(self, vma) -> tuple[object, frozenset[str]]:
+        """The stamp for ``vma``, interned per call: equal vmas share one stamp object, so
+        :class:`VmaMode` compares operands by identity."""
+        key = vma if type(vma) is frozenset else frozenset(vma)
+        stamp = self._stamps.get(key)
+        if stamp is None:
+            stamp = self._stamps[key] = (self.call_token, key)
+        return stamp
+
     def stamp(self, x: torch.Tensor, vma) -> torch.Tensor:
         if vma or _ATTR in x.__dict__:
-            x.__dict__[_ATTR] = (self.call_token, frozenset(vma))
+            x.__dict__[_ATTR] = self.stamp_of(vma)
         return x
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
@@ -83,8 +96,60 @@ class VmaMode(TorchFunctionMode):
         super().__init__()
         self.ctx = ctx
         self.insert_pvary = insert_pvary
+        self.token = ctx.call_token
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Fast path (most ops): positional operands only, and every operand that carries this
+        # call's stamp carries the same one, with no invariant tensor beside them. Then the
+        # result takes that stamp object as is: no sets built, no pvary. Costs about one dict
+        # lookup per operand on top of the mode's own dispatch.
+        if kwargs:
+            return self._general(func, args, kwargs)
+        token = self.token
+        common = None
+        plain = False
+        for a in args:
+            if isinstance(a, Tensor):
+                s = a.__dict__.get(_ATTR)
+                if s is None or s[0] is not token:
+                    plain = True
+                elif common is None:
+                    common = s
+                elif s is not common:
+                    return self._general(func, args, kwargs)
+            elif type(a) is list or type(a) is tuple:
+                return self._general(func, args, kwargs)
+        if common is None:
+            return func(*args)
+        if plain and self.insert_pvary:  # an invariant tensor meets varying ones: implicit pvary
+            args = self._vary_plain(args, common)
+        out = func(*args)
+        if type(out) is Tensor or isinstance(out, Tensor):
+            out.__dict__[_ATTR] = common
+        elif isinstance(out, (list, tuple)):
+            for o in out:
+                if isinstance(o, Tensor):
+                    o.__dict__[_ATTR] = common
+        return out
+
+    def _vary_plain(self, args, common) -> tuple:
+        """``args`` with every invariant tensor replaced by its varying alias over ``common``'s
+        axes (one per tensor and stamp per call, through :meth:`TrackedContext.cached_pvary`)."""
+        token, cache, out = self.token, self.ctx.alias_cache, []
+        for a in args:
+            if isinstance(a, Tensor):
+                s = a.__dict__.get(_ATTR)
+                if s is None or s[0] is not token:
+                    hit = cache.get((id(a), common))
+                    if hit is None:
+                        axes = tuple(n for n in self.ctx.mesh.axis_names if n in common[1])
+                        hit = cache[(id(a), common)] = (a, self.ctx.cached_pvary(a, axes))
+                    a = hit[1]
+            out.append(a)
+        return tuple(out)
+
+    def _general(self, func, args, kwargs):
+        """Any op: the union of the operands' vma; implicit pvary of the invariant ones."""
         operands: list[torch.Tensor] = []
         _operand_vmas(self.ctx, args, kwargs, operands)
         if not operands:
@@ -111,10 +176,11 @@ class VmaMode(TorchFunctionMode):
         return args, kwargs
 
     def _stamp_outputs(self, out, union):
+        stamp = self.ctx.stamp_of(union)
         if isinstance(out, torch.Tensor):
-            self.ctx.stamp(out, union)
+            out.__dict__[_ATTR] = stamp
         elif isinstance(out, (list, tuple)):
             for o in out:
                 if isinstance(o, torch.Tensor):
-                    self.ctx.stamp(o, union)
+                    o.__dict__[_ATTR] = stamp
         return out

@@ -16,9 +16,11 @@ import torch
 from torch._C import _functorch
 from torch.func import vmap
 
+from .._accounting import recording
 from .._context import SpmdContext
 from .._mesh import Mesh
 from .._spec import PartitionSpec
+from ._implicit import run_recording
 from ._levels import GatherLevel, VaryLevel
 
 
@@ -192,6 +194,8 @@ def run(
         for i, t in zip(tensor_pos, flat[: len(tensor_pos)]):
             local[i] = t
         ctx = SimulatedContext(mesh, fn, dict(zip(order, flat[len(tensor_pos) :])))
+        if recording():  # report implicit pvary's backward psum; off the fast path
+            return tuple(run_recording(ctx, body, local))
         return tuple(body(local, ctx))
 
     nested = innermost

@@ -1,0 +1,324 @@
+"""Communication accounting: CommMode pins the logical collectives, forward and backward.
+
+On the simulated backend nothing is sent, so these counts are what a real mesh runs: each
+collective's transpose (DESIGN.md section 3) and the backward psum of every implicit pvary, once
+per (tensor, axes) per call however many ops use the tensor (section 4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import grad, jacrev, vmap
+
+import named_spmd as ns
+from named_spmd import P
+
+F64 = torch.float64
+
+
+def _randn(*shape, seed=0, grad=False):
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    return t.requires_grad_(grad)
+
+
+def backward_counts(comms: ns.CommMode) -> dict:
+    return {(op, axes): n for (d, op, axes), n in comms.counts().items() if d == "backward"}
+
+
+def forward_counts(comms: ns.CommMode) -> dict:
+    return {(op, axes): n for (d, op, axes), n in comms.counts().items() if d == "forward"}
+
+
+# --- nothing where the types need nothing --------------------------------------------------------
+
+
+def test_identity_on_replicated_runs_no_collective_forward_or_backward():
+    f = ns.spmd_map(lambda x: x, mesh=ns.make_mesh((4,), ("dp",)), in_specs=P(), out_specs=P())
+    x = _randn(3, grad=True)
+    with ns.CommMode() as comms:
+        f(x).sum().backward()
+    assert comms.events == []
+    assert torch.equal(x.grad, torch.ones(3, dtype=F64))
+
+
+def test_psum_to_replicated_runs_nothing_in_backward():
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    f = ns.spmd_map(
+        lambda x: ns.psum(x, ("dp", "tp")), mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P()
+    )
+    x = _randn(8, grad=True)
+    with ns.CommMode() as comms:
+        f(x).pow(2).sum().backward()
+    assert forward_counts(comms) == {("psum", ("dp", "tp")): 1}
+    assert backward_counts(comms) == {}
+
+
+# --- data parallel: one all-reduce per parameter -------------------------------------------------
+
+
+def dp_step(w1, b1, w2, x, y, reduce):
+    h = torch.tanh(x @ w1 + b1)
+    pred = (h @ w2)[:, 0] + 0.1 * (x @ w1).sum(-1) + ((x * x) @ w1).mean(-1)  # w1: three ops
+    loss = ((pred - y) ** 2).mean()
+    return ns.pmean(loss, "dp") if reduce == "pmean" else ns.psum(loss, "dp") / 4
+
+
+def _dp_inputs():
+    params = [_randn(5, 6, seed=1, grad=True), _randn(6, seed=2, grad=True)]
+    params.append(_randn(6, 1, seed=3, grad=True))
+    return params, _randn(8, 5, seed=4), _randn(8, seed=5)
+
+
+@pytest.mark.parametrize("reduce", ["pmean", "psum"])
+@pytest.mark.parametrize("how", ["backward", "func.grad"])
+def test_data_parallel_runs_one_all_reduce_per_parameter(reduce, how):
+    mesh = ns.make_mesh((4,), ("dp",))
+    f = ns.spmd_map(
+        lambda *a: dp_step(*a, reduce=reduce),
+        mesh=mesh,
+        in_specs=(P(), P(), P(), P("dp"), P("dp")),
+        out_specs=P(),
+    )
+    params, x, y = _dp_inputs()
+    with ns.CommMode() as comms:
+        if how == "backward":
+            f(*params, x, y).backward()
+        else:
+            grad(lambda *p: f(*p, x, y), argnums=(0, 1, 2))(*(p.detach() for p in params))
+    assert backward_counts(comms) == {("psum", ("dp",)): 3}
+    shapes = sorted(e.shape for e in comms.events if e.direction == "backward")
+    assert shapes == sorted(tuple(p.shape) for p in params)  # one per parameter, its gradient
+    assert all(e.implicit for e in comms.events if e.direction == "backward")
+    assert forward_counts(comms) == {(reduce, ("dp",)): 1}
+
+
+def test_recording_does_not_change_gradients():
+    mesh = ns.make_mesh((4,), ("dp",))
+    specs = (P(), P(), P(), P("dp"), P("dp"))
+    f = ns.spmd_map(lambda *a: dp_step(*a, "pmean"), mesh=mesh, in_specs=specs, out_specs=P())
+    params, x, y = _dp_inputs()
+    plain = torch.autograd.grad(f(*params, x, y), params)
+    with ns.CommMode():
+        recorded = torch.autograd.grad(f(*params, x, y), params)
+    for a, b in zip(plain, recorded):
+        assert torch.equal(a, b)
+
+
+def test_frozen_parameter_costs_no_backward_collective():
+    mesh = ns.make_mesh((4,), ("dp",))
+    f = ns.spmd_map(
+        lambda w, x: ns.pmean((x @ w).sum(), "dp"),
+        mesh=mesh,
+        in_specs=(P(), P("dp")),
+        out_specs=P(),
+    )
+    x = _randn(8, 5, seed=1, grad=True)
+    with ns.CommMode() as comms:
+        f(_randn(5, 3), x).backward()  # w does not require grad; x is varying
+    assert backward_counts(comms) == {}
+
+
+def test_explicit_and_implicit_pvary_count_the_same():
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    specs = (P(), P(), P(("dp", "tp")))
+
+    def implicit(w, b, x):  # w and b each used by two ops
+        h = torch.tanh(x @ w + b)
+        return ns.psum((x @ w).sum() + (h * b).sum(), ("dp", "tp"))
+
+    def explicit(w, b, x):
+        w, b = ns.pvary(w, ("dp", "tp")), ns.pvary(b, ("dp", "tp"))
+        return implicit(w, b, x)
+
+    counts = []
+    for fn in (implicit, explicit):
+        f = ns.spmd_map(fn, mesh=mesh, in_specs=specs, out_specs=P())
+        w, b, x = _randn(3, 4, seed=1, grad=True), _randn(4, seed=2, grad=True), _randn(8, 3)
+        with ns.CommMode() as comms:
+            f(w, b, x).backward()
+        counts.append(comms.counts())
+    assert (
+        counts[0]
+        == counts[1]
+        == {
+            ("forward", "psum", ("dp", "tp")): 1,
+            ("backward", "psum", ("dp", "tp")): 2,
+        }
+    )
+
+
+def test_one_psum_per_tensor_and_missing_axes():
+    """The cache is per (tensor, missing axes): a use that misses other axes is another psum."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+
+    def fn(w, x, z):
+        a = (x * w).sum() + (x * w * w).sum()  # w misses dp: once
+        b = (z * w).sum() + (z + w).sum()  # w misses dp and tp: once more
+        return ns.psum(a, "dp") + ns.psum(b, ("dp", "tp"))
+
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=(P(), P("dp"), P(("dp", "tp"))), out_specs=P())
+    w = _randn(3, seed=1, grad=True)
+    with ns.CommMode() as comms:
+        f(w, _randn(6, 3, seed=2), _randn(12, seed=3)).backward()
+    assert backward_counts(comms) == {("psum", ("dp",)): 1, ("psum", ("dp", "tp")): 1}
+
+
+# --- Megatron ------------------------------------------------------------------------------------
+
+
+def test_megatron_mlp_counts():
+    mesh = ns.make_mesh((2, 4), ("dp", "tp"))
+
+    @ns.spmd_map(
+        mesh=mesh,
+        in_specs=(P("dp", None), P(None, "tp"), P("tp"), P("tp", None), P()),
+        out_specs=P("dp", None),
+    )
+    def mlp(x, w1, b1, w2, b2):
+        return ns.psum(torch.tanh(x @ w1 + b1) @ w2, "tp") + b2
+
+    args = [_randn(6, 5, seed=1), _randn(5, 8, seed=2), _randn(8, seed=3)]
+    args += [_randn(8, 3, seed=4), _randn(3, seed=5)]
+    args = [a.requires_grad_() for a in args]
+    with ns.CommMode() as comms:
+        mlp(*args).pow(2).sum().backward()
+    assert forward_counts(comms) == {("psum", ("tp",)): 1}  # Megatron's "g"
+    # every parameter's gradient all-reduced over dp once; the input's over tp once ("f")
+    assert backward_counts(comms) == {("psum", ("dp",)): 4, ("psum", ("tp",)): 1}
+    by_shape = {e.shape: e.axes for e in comms.events if e.direction == "backward"}
+    assert by_shape[(3, 5)] == ("tp",)  # x's local block
+    assert by_shape[(5, 2)] == ("dp",)  # w1's local block
+
+
+# --- each collective's transpose -----------------------------------------------------------------
+
+MESH22 = ns.make_mesh((2, 2), ("a", "b"))
+TRANSPOSES = {
+    "psum": (lambda x: ns.psum(x, "a"), P(None, "b"), {}),
+    "pmean": (lambda x: ns.pmean(x, "a"), P(None, "b"), {}),
+    "pmax": (lambda x: ns.pmax(x, "a"), P(None, "b"), {("psum", ("a",)): 1}),
+    "pmin": (lambda x: ns.pmin(x, "a"), P(None, "b"), {("psum", ("a",)): 1}),
+    "all_gather": (
+        lambda x: ns.all_gather(x, "a", tiled=True),
+        P(("a", "b")),
+        {("psum_scatter", ("a",)): 1},
+    ),
+    "all_gather invariant": (
+        lambda x: ns.all_gather(x, "a", tiled=True, to="invariant"),
+        P(None, "b"),
+        {},
+    ),
+    "psum_scatter": (
+        lambda x: ns.psum_scatter(x, "a", tiled=True),
+        P(("a", "b")),
+        {("all_gather", ("a",)): 1},
+    ),
+    "all_to_all": (
+        lambda x: ns.all_to_all(x, "a", 0, 1, tiled=True),
+        P(("a", "b")),
+        {("all_to_all", ("a",)): 1},
+    ),
+    "ppermute": (
+        lambda x: ns.ppermute(x, "a", [(0, 1), (1, 0)]),
+        P(("a", "b")),
+        {("ppermute", ("a",)): 1},
+    ),
+    "pshuffle": (lambda x: ns.pshuffle(x, "a", [1, 0]), P(("a", "b")), {("pshuffle", ("a",)): 1}),
+    "pvary": (lambda x: ns.pvary(x, "a"), P(("a", "b")), {("psum", ("a",)): 1}),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSPOSES))
+def test_each_collective_records_its_transpose(name):
+    fn, out_spec, want = TRANSPOSES[name]
+    in_spec = P() if name == "pvary" else P("a", "b")
+    f = ns.spmd_map(fn, mesh=MESH22, in_specs=in_spec, out_specs=out_spec)
+    x = _randn(4, 4, seed=1, grad=True)
+    with ns.CommMode() as comms:
+        f(x).pow(2).sum().backward()
+    assert backward_counts(comms) == want
+    assert sum(forward_counts(comms).values()) == (0 if name == "pvary" else 1)
+
+
+def test_bytes_and_summary():
+    f = ns.spmd_map(
+        lambda x: ns.psum(x, "a"), mesh=MESH22, in_specs=P("a", "b"), out_specs=P(None, "b")
+    )
+    with ns.CommMode() as comms:
+        f(_randn(4, 8))
+    (event,) = comms.events
+    assert (event.op, event.axes, event.direction, event.shape) == (
+        "psum",
+        ("a",),
+        "forward",
+        (2, 4),
+    )
+    assert event.nbytes == 2 * 4 * 8
+    line = [r for r in comms.summary().splitlines() if r.startswith("forward")][0]
+    assert line.split() == ["forward", "psum", "a", "1", "64"]
+
+
+# --- exactly once per logical event, whatever the levels -----------------------------------------
+
+MESH222 = ns.make_mesh((2, 2, 2), ("a", "b", "c"))
+
+
+@ns.spmd_map(mesh=MESH222, in_specs=(P("a", "c"), P(), P("b")), out_specs=P())
+def nested_program(x, w, z):
+    g = ns.all_gather(x, "b", tiled=True)  # x invariant over b: implicit pvary, then gather
+    h = torch.tanh(g * w) * z.sum()  # w misses a, b, c; z misses a, c
+    return ns.psum(h.sum(), ("a", "b", "c")) + 0.5 * ns.pmax(h.sum(), ("a", "b", "c"))
+
+
+NESTED_BACKWARD = {
+    ("psum", ("b",)): 1,  # all_gather's implicit pvary of x
+    ("psum_scatter", ("b",)): 1,  # all_gather's transpose
+    ("psum", ("a", "b", "c")): 2,  # w's implicit pvary; pmax's tie-mask psum
+    ("psum", ("a", "c")): 1,  # z's implicit pvary
+}
+
+
+def _nested_inputs():
+    return _randn(4, 6, seed=1), _randn(3, seed=2), _randn(4, seed=3)
+
+
+def _loss(x, w, z):
+    return nested_program(x, w, z)
+
+
+@pytest.mark.parametrize("how", ["backward", "func.grad", "vmap of grad", "jacrev", "grad of vmap"])
+def test_backward_marker_records_once_per_logical_event(how):
+    x, w, z = _nested_inputs()
+    with ns.CommMode() as comms:
+        if how == "backward":
+            args = [t.requires_grad_() for t in (x, w, z)]
+            _loss(*args).backward()
+        elif how == "func.grad":
+            grad(_loss, argnums=(0, 1, 2))(x, w, z)
+        elif how == "vmap of grad":  # per-example gradients: one logical program, batched
+            vmap(grad(_loss, argnums=(0, 1, 2)), in_dims=(0, None, None))(
+                torch.stack([x, x + 1]), w, z
+            )
+        elif how == "jacrev":
+            jacrev(lambda x, w, z: _loss(x, w, z).reshape(1), argnums=(0, 1, 2))(x, w, z)
+        else:
+            grad(lambda w: vmap(_loss, in_dims=(0, None, None))(torch.stack([x, x]), w, z).sum())(w)
+    if how == "grad of vmap":  # only w is differentiated: x's and z's transposes are not needed
+        assert backward_counts(comms) == {("psum", ("a", "b", "c")): 2}
+    else:
+        assert backward_counts(comms) == NESTED_BACKWARD
+
+
+def test_recording_mode_only_while_recording():
+    depth = []
+    f = ns.spmd_map(
+        lambda x: depth.append(torch._C._len_torch_function_stack()) or x,
+        mesh=MESH22,
+        in_specs=P("a"),
+        out_specs=P("a"),
+    )
+    f(_randn(4))
+    with ns.CommMode():
+        f(_randn(4))
+    assert depth == [0, 1]
