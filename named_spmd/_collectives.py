@@ -14,7 +14,7 @@ from typing import Any
 import optree
 import torch
 
-from ._accounting import CommEvent, on_backward, record
+from ._accounting import CommEvent, on_backward, record, recording
 from ._context import SpmdContext, current
 from ._errors import CollectiveError, VmaError
 from ._types import VType, vma_text
@@ -34,6 +34,8 @@ def _map_tensors(x: Any, op: str, ctx: SpmdContext, fn: Callable[[torch.Tensor],
             )
         return fn(t)
 
+    if isinstance(x, torch.Tensor):  # the common case, without optree's ~3 us
+        return fn(x)
     return optree.tree_map(leaf, x)
 
 
@@ -44,7 +46,8 @@ def _event(op: str, axes: tuple[str, ...], direction: str, t: torch.Tensor, impl
 def _run(ctx, op, axes, t, compute, out_vma, backward_op=None):
     """Record ``op`` forward, run it, tag its output with the backward collective, and give it
     its vma (backends that track vma per tensor store it; the simulated one knows it already)."""
-    record(_event(op, axes, "forward", t))
+    if recording():  # build the event only when a CommMode listens
+        record(_event(op, axes, "forward", t))
     out = compute()
     if backward_op is not None:
         out = on_backward(out, _event(backward_op, axes, "backward", out))

@@ -40,6 +40,8 @@ class SpmdContext:
     # --- shared helpers ----------------------------------------------------------------
     def check_axes(self, axis_name: str | Sequence[str], op: str) -> tuple[str, ...]:
         """Normalise an axis name or tuple of names; unknown or repeated names raise."""
+        if isinstance(axis_name, str) and axis_name in self.mesh._shape:  # the common case
+            return (axis_name,)
         axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
         names = self.mesh.axis_names
         if not axes or not all(isinstance(a, str) for a in axes):

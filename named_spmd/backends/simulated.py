@@ -9,8 +9,8 @@ the simulation yields the global gradient with no extra machinery.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch._C import _functorch
@@ -20,20 +20,8 @@ from .._accounting import recording
 from .._context import SpmdContext
 from .._mesh import Mesh
 from .._spec import PartitionSpec
+from . import _levels
 from ._implicit import run_recording
-from ._levels import GatherLevel, VaryLevel
-
-
-def batched_levels(t: torch.Tensor) -> list[int]:
-    """The functorch vmap levels ``t`` is batched at (through grad wrappers too)."""
-    levels = []
-    while True:
-        level = _functorch.maybe_get_level(t)
-        if level == -1:
-            return levels
-        if _functorch.is_batchedtensor(t):
-            levels.append(level)
-        t = _functorch.get_unwrapped(t)
 
 
 class SimulatedContext(SpmdContext):
@@ -43,30 +31,54 @@ class SimulatedContext(SpmdContext):
         super().__init__(mesh, fn)
         self.tokens = tokens
         self.level_axis = {_functorch.maybe_get_level(t): a for a, t in tokens.items()}
+        self.axis_level = {a: lv for lv, a in self.level_axis.items()}
+        self.inner_level = max(self.level_axis, default=0)
+        self.outer_level = min(self.level_axis, default=0)
+        self.sizes = mesh.shape  # a copy; Mesh.shape builds a new dict per access
 
     def vma(self, x: torch.Tensor) -> frozenset[str]:
-        return frozenset(self.level_axis[lv] for lv in batched_levels(x) if lv in self.level_axis)
+        # Walk the wrappers from the outside in; ours are consecutive levels and any wrapper at
+        # one of them is our vmap's (levels are stack depths), so stop below the outermost.
+        found = []
+        while True:
+            level = _functorch.maybe_get_level(x)
+            if level < self.outer_level:  # also -1: a plain tensor
+                return frozenset(found)
+            axis = self.level_axis.get(level)
+            if axis is not None:
+                found.append(axis)
+            x = _functorch.get_unwrapped(x)
 
     def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
         index = self.tokens[axes[0]]
         for a in axes[1:]:
-            index = index * self.mesh.shape[a] + self.tokens[a]
+            index = index * self.sizes[a] + self.tokens[a]
         return index
 
     # --- primitives -----------------------------------------------------------------------
     def gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """Invariant stack ``[n, *local]`` of the group's values, row-major over ``axes``."""
         for a in reversed(axes):  # minor axis first, so the major one ends up outermost
-            x = GatherLevel.apply(x, self.tokens[a], 0)
+            x = _levels.gather(
+                x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level
+            )
         return x.flatten(0, len(axes) - 1) if len(axes) > 1 else x
 
     def pvary(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         for a in axes:
-            x = VaryLevel.apply(x, self.tokens[a], 0)
+            x = _levels.vary(x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level)
         return x
 
     def _mine(self, stacked: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        """Row ``axis_index(axes)`` of an invariant ``[n, ...]`` tensor: varying over axes."""
+        """Row ``axis_index(axes)`` of an invariant ``[n, ...]`` tensor: varying over axes.
+
+        Under a grad or jvp *inside* the per-device function the stack is pvary'd first: the
+        transpose of that pvary (a psum) is what brings every instance's cotangent of its row back
+        to the stack. Without such a transform above, autodiff happens outside the simulation,
+        where the batching already sums, and the pvary would be a wasted op."""
+        level = min(self.axis_level[a] for a in axes)
+        if not _levels.vmaps_only_above(level, self.inner_level):
+            stacked = self.pvary(stacked, axes)
         return stacked.index_select(0, self.axis_index(axes).reshape(1)).squeeze(0)
 
     # --- collectives ----------------------------------------------------------------------
@@ -106,11 +118,10 @@ class SimulatedContext(SpmdContext):
         receives = [False] * n
         for src, dst in pairs:
             source[dst], receives[dst] = src, True
-        mine = self.axis_index(axes).reshape(1)
-        got = self.gather(x, axes).index_select(0, torch.tensor(source)[mine]).squeeze(0)
+        got = self._mine(self.gather(x, axes).index_select(0, torch.tensor(source)), axes)
         if all(receives):
             return got
-        keep = torch.tensor(receives)[mine].squeeze(0)
+        keep = self._mine(torch.tensor(receives), axes)
         return torch.where(keep, got, torch.zeros_like(got))
 
 
@@ -127,8 +138,10 @@ def nesting_order(mesh: Mesh, leaves: Sequence[Any], specs: Sequence[PartitionSp
             named = set(spec.axes)
             for a in mesh.axis_names:
                 if a not in named:
-                    replicated[a] += leaf.numel() * leaf.element_size() // max(
-                        1, math.prod(mesh.shape[b] for b in named)
+                    replicated[a] += (
+                        leaf.numel()
+                        * leaf.element_size()
+                        // max(1, math.prod(mesh.shape[b] for b in named))
                     )
     order = list(mesh.axis_names)
     return sorted(order, key=lambda a: (replicated[a], -order.index(a)))

@@ -1,0 +1,114 @@
+"""Timing helpers shared by the benchmarks: warmup, interleaved repeats, medians, ratios.
+
+Baseline and candidate run in the same process and are interleaved round by round, so slow drift
+of the machine (frequency, other processes) hits both alike. Each round times ``number`` calls
+and the reported figure is the median over rounds of the per-call time.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+def _per_call(fn: Callable[[], object], number: int) -> float:
+    start = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - start) / number
+
+
+def calibrate(fn: Callable[[], object], target_s: float = 0.05) -> int:
+    """How many calls make one round last about ``target_s`` (at least 1)."""
+    fn()
+    once = _per_call(fn, 1)
+    return max(1, int(target_s / max(once, 1e-7)))
+
+
+def compare(
+    fns: dict[str, Callable[[], object]],
+    *,
+    rounds: int = 15,
+    warmup: int = 3,
+    target_s: float = 0.05,
+) -> dict[str, float]:
+    """Median seconds per call of each function, measured in interleaved rounds."""
+    numbers = {name: calibrate(fn, target_s) for name, fn in fns.items()}
+    for fn in fns.values():
+        _per_call(fn, warmup)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # collections land at random points and blur the medians
+    try:
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                samples[name].append(_per_call(fn, numbers[name]))
+            gc.collect()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+@dataclass
+class Row:
+    """One line of a results table: a benchmark case, its time and its ratio to a baseline."""
+
+    bench: str
+    case: str
+    variant: str
+    seconds: float
+    baseline: str | None = None
+    ratio: float | None = None
+    target: str = ""
+
+    def us(self) -> float:
+        return self.seconds * 1e6
+
+
+def rows_with_ratios(
+    bench: str, case: str, medians: dict[str, float], baseline: str, targets: dict[str, str]
+) -> list[Row]:
+    """Rows for every variant of ``medians``, with its ratio to ``medians[baseline]``."""
+    base = medians[baseline]
+    rows = []
+    for name, sec in medians.items():
+        is_base = name == baseline
+        rows.append(
+            Row(
+                bench,
+                case,
+                name,
+                sec,
+                None if is_base else baseline,
+                None if is_base else sec / base,
+                targets.get(name, ""),
+            )
+        )
+    return rows
+
+
+def print_rows(rows: list[Row]) -> None:
+    """A plain table for the terminal: medians in microseconds and ratios."""
+    print(f"{'case':<28} {'variant':<34} {'median us':>12} {'ratio':>8}  target")
+    for r in rows:
+        ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
+        print(f"{r.case:<28} {r.variant:<34} {r.us():>12.1f} {ratio:>8}  {r.target}")
+
+
+def markdown(rows: list[Row]) -> str:
+    """The same rows as a markdown table (for the results file)."""
+    lines = [
+        "| benchmark | case | variant | median (us) | ratio | vs | target |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
+    for r in rows:
+        ratio = f"{r.ratio:.2f}x" if r.ratio is not None else ""
+        lines.append(
+            f"| {r.bench} | {r.case} | {r.variant} | {r.us():.1f} | {ratio} | "
+            f"{r.baseline or ''} | {r.target} |"
+        )
+    return "\n".join(lines)

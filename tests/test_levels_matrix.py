@@ -1,0 +1,343 @@
+"""Correctness matrix of the simulated backend's level primitives (backends/_levels.py).
+
+Each collective is run alone, between two nonlinear elementwise maps, through every transform
+(autograd and torch.func outside, a user vmap / grad / vjp / jvp inside the per-device function,
+double backward, jacrev, jacfwd, functionalize) and compared with the same transform applied to a
+dense single-device program written by hand from DESIGN.md section 3, in float64.
+
+The whole matrix runs twice: on the fast path (direct unwrapping of vmap levels, taken when only
+vmaps sit above the collective's level) and with the fast path disabled (the autograd.Function
+fallback), and a separate test pins *which* path each transform takes, so that the matrix cannot
+silently test the fallback only. The fast path rests on private functorch APIs: a torch upgrade
+that breaks them must fail here.
+
+Runtime: about 15 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from _reference import REF, run_reference  # noqa: I001 (tests/ is on sys.path)
+from torch.func import functionalize, grad, jacfwd, jacrev, jvp, vjp, vmap
+
+import named_spmd as ns
+from named_spmd import P
+from named_spmd.backends import _levels
+
+F64 = torch.float64
+TOL = 1e-10
+A, B, C3 = 2, 3, 2
+MESH = ns.make_mesh((A, B), ("a", "b"))
+MESH3 = ns.make_mesh((A, B, C3), ("a", "b", "c"))
+
+
+def _randn(*shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def pre(t):
+    return torch.sin(t)
+
+
+def post(y):
+    return y * torch.cos(y)
+
+
+# --- the cases: (per-device collective, its dense global twin, specs) --------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    collective: Callable  # per-device: (namespace of collectives, local tensor) -> local tensor
+    dense: Callable  # global: pre(X) -> global result (plain torch)
+    in_spec: P
+    out_spec: P
+    shape: tuple[int, ...]  # global input shape
+    mesh: ns.Mesh = MESH
+
+
+def _blocks_b(t):  # [6, 9] -> [6, b, 3]: the column blocks of the b instances
+    return t.reshape(6, B, 3)
+
+
+def _ppermute_dense(t):
+    blocks = _blocks_b(t)
+    return torch.cat([torch.zeros_like(blocks[:, :1]), blocks[:, :-1]], 1).reshape(6, 9)
+
+
+CASES = {
+    "psum b": Case(
+        lambda o, x: o.psum(x, "b"), lambda t: _blocks_b(t).sum(1), P("a", "b"), P("a"), (6, 9)
+    ),
+    "psum (a, b)": Case(
+        lambda o, x: o.psum(x, ("a", "b")),
+        lambda t: t.reshape(A, 3, B, 3).sum((0, 2)),
+        P("a", "b"),
+        P(),
+        (6, 9),
+    ),
+    "all_gather tiled varying": Case(
+        lambda o, x: o.all_gather(x, "b", axis=1, tiled=True),
+        lambda t: t.repeat(1, B),
+        P("a", "b"),
+        P("a", "b"),
+        (6, 9),
+    ),
+    "all_gather untiled invariant": Case(
+        lambda o, x: o.all_gather(x, "b", axis=1, to="invariant"),
+        _blocks_b,
+        P("a", "b"),
+        P("a"),
+        (6, 9),
+    ),
+    "all_gather (a, b) invariant": Case(
+        lambda o, x: o.all_gather(x, ("a", "b"), tiled=True, to="invariant"),
+        lambda t: t.reshape(A, 3, B, 3).permute(0, 2, 1, 3).reshape(18, 3),
+        P("a", "b"),
+        P(),
+        (6, 9),
+    ),
+    "psum_scatter tiled": Case(
+        lambda o, x: o.psum_scatter(x, "b", scatter_dimension=1, tiled=True),
+        lambda t: _blocks_b(t).sum(1),
+        P("a", "b"),
+        P("a", "b"),
+        (6, 9),
+    ),
+    "psum_scatter untiled": Case(
+        lambda o, x: o.psum_scatter(x, "b", scatter_dimension=0),
+        lambda t: t.reshape(A, 3, B, 3).sum(2).reshape(18),
+        P("a", "b"),
+        P(("a", "b")),
+        (6, 9),
+    ),
+    "ppermute": Case(
+        lambda o, x: o.ppermute(x, "b", [(0, 1), (1, 2)]),
+        _ppermute_dense,
+        P("a", "b"),
+        P("a", "b"),
+        (6, 9),
+    ),
+    "all_to_all": Case(
+        lambda o, x: o.all_to_all(x, "b", 0, 1, tiled=True),
+        lambda t: t.reshape(A, 27),
+        P("a", "b"),
+        P("a", "b"),
+        (6, 9),
+    ),
+    "pvary": Case(
+        lambda o, x: o.pvary(x, "b"), lambda t: t.repeat(1, B), P("a", None), P("a", "b"), (6, 9)
+    ),
+    "3 axes: psum (c, a)": Case(
+        lambda o, x: o.psum(x, ("c", "a")),
+        lambda t: t.reshape(A, 3, B, C3, 3).sum((0, 3)).reshape(3, 9),
+        P("a", ("b", "c")),
+        P(None, "b"),
+        (6, 18),
+        MESH3,
+    ),
+    "3 axes: all_gather (c, a)": Case(
+        lambda o, x: o.all_gather(x, ("c", "a"), tiled=True, to="invariant"),
+        lambda t: t.reshape(A, 3, B, C3, 3).permute(3, 0, 1, 2, 4).reshape(12, 9),
+        P("a", ("b", "c")),
+        P(None, "b"),
+        (6, 18),
+        MESH3,
+    ),
+}
+
+
+def mapped(case: Case, per_device: Callable, in_specs=None, out_specs=None):
+    return ns.spmd_map(
+        per_device,
+        mesh=case.mesh,
+        in_specs=case.in_spec if in_specs is None else in_specs,
+        out_specs=case.out_spec if out_specs is None else out_specs,
+    )
+
+
+def programs(case: Case) -> tuple[Callable, Callable]:
+    """(spmd program, dense program), both global -> global: post(collective(pre(x)))."""
+    col = functools.partial(case.collective, ns)
+    spmd = mapped(case, lambda x: post(col(pre(x))))
+    return spmd, lambda x: post(case.dense(pre(x)))
+
+
+def inputs(case: Case):
+    x = _randn(*case.shape, seed=1)
+    y = case.dense(x)
+    return x, _randn(*case.shape, seed=2), _randn(*y.shape, seed=3)  # x, tangent, cotangent
+
+
+# --- transforms applied to both programs -------------------------------------------------------
+
+
+def _autograd(f, x, v, k):
+    x = x.clone().requires_grad_()
+    return torch.autograd.grad((f(x) * k).sum(), x)
+
+
+def _double_backward(f, x, v, k):
+    x = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad((f(x) * k).sum(), x, create_graph=True)
+    return torch.autograd.grad((g * v).sum(), x)
+
+
+def _func_double_grad(f, x, v, k):
+    return grad(lambda x: (grad(lambda y: (f(y) * k).sum())(x) * v).sum())(x)
+
+
+OUTSIDE: dict[str, Callable] = {
+    "forward": lambda f, x, v, k: f(x),
+    "autograd": _autograd,
+    "double backward": _double_backward,
+    "func.grad": lambda f, x, v, k: grad(lambda x: (f(x) * k).sum())(x),
+    "func.grad of func.grad": _func_double_grad,
+    "func.vjp": lambda f, x, v, k: vjp(f, x)[1](k),
+    "func.jvp": lambda f, x, v, k: jvp(f, (x,), (v,)),
+    "jacrev": lambda f, x, v, k: jacrev(f)(x),
+    "jacfwd": lambda f, x, v, k: jacfwd(f)(x),
+    "vmap outside": lambda f, x, v, k: vmap(f)(torch.stack([x, v])),
+    "functionalize": lambda f, x, v, k: functionalize(f)(x),
+}
+
+
+def _inside(case: Case, name: str):
+    """(spmd result, dense result) of a transform applied inside the per-device function."""
+    x, v, k = inputs(case)
+    col, dense = functools.partial(case.collective, ns), case.dense
+    spec_in, spec_out = case.in_spec, case.out_spec
+    if name == "user vmap inside":  # the collective runs per slice of a user vmap
+        f = mapped(case, lambda x: post(vmap(col)(torch.stack([pre(x), x * x]))).prod(0))
+        g = lambda x: post(torch.stack([dense(pre(x)), dense(x * x)])).prod(0)  # noqa: E731
+        return _autograd(f, x, v, k) + (f(x),), _autograd(g, x, v, k) + (g(x),)
+    if name == "grad inside":  # per-instance gradient of a local loss (collectives transposed)
+        f = mapped(case, lambda x: grad(lambda u: post(col(pre(u))).sum())(x), out_specs=spec_in)
+        return f(x), grad(lambda x: post(dense(pre(x))).sum())(x)
+    if name == "vjp inside":
+        f = mapped(
+            case,
+            lambda x, k: vjp(lambda u: post(col(pre(u))), x)[1](k)[0],
+            in_specs=(spec_in, spec_out),
+            out_specs=spec_in,
+        )
+        return f(x, k), vjp(lambda x: post(dense(pre(x))), x)[1](k)[0]
+    if name == "jvp inside":
+        f = mapped(
+            case,
+            lambda x, v: jvp(lambda u: post(col(pre(u))), (x,), (v,))[1],
+            in_specs=(spec_in, spec_in),
+        )
+        return f(x, v), jvp(lambda x: post(dense(pre(x))), (x,), (v,))[1]
+    if name == "vmap of grad inside":
+        f = mapped(
+            case,
+            lambda x: vmap(grad(lambda u: post(col(pre(u))).sum()))(torch.stack([x, 2 * x])).sum(0),
+            out_specs=spec_in,
+        )
+        want = sum(grad(lambda x: post(dense(pre(x))).sum())(s * x) for s in (1.0, 2.0))
+        return f(x), want
+    raise KeyError(name)
+
+
+INSIDE = ["user vmap inside", "grad inside", "vjp inside", "jvp inside", "vmap of grad inside"]
+# Transforms whose collectives have a grad / jvp interpreter above their level: fallback path.
+NEEDS_FALLBACK = {"grad inside", "vjp inside", "jvp inside", "vmap of grad inside"}
+
+
+def close(got, want, what=""):
+    if isinstance(want, (tuple, list)):
+        assert isinstance(got, (tuple, list)) and len(got) == len(want), what
+        for i, (g, w) in enumerate(zip(got, want)):
+            close(g, w, f"{what}[{i}]")
+        return
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, what
+    err = (got - want).abs().max().item() if got.numel() else 0.0
+    assert err < TOL, f"{what}: max abs error {err:.3e}"
+
+
+# --- path control ------------------------------------------------------------------------------
+
+
+class _Counting:
+    """Counts fallback (autograd.Function) applications; optionally disables the fast path."""
+
+    def __init__(self, monkeypatch, fast: bool):
+        self.slow = 0
+        for fn in (_levels.GatherLevel, _levels.VaryLevel):
+            original = fn.apply
+
+            def counted(*args, _original=original):
+                self.slow += 1
+                return _original(*args)
+
+            monkeypatch.setattr(fn, "apply", counted)
+        if not fast:
+            monkeypatch.setattr(_levels, "vmaps_only_above", lambda level, top: False)
+
+
+@pytest.fixture(params=["fast", "fallback"])
+def path(request, monkeypatch):
+    return _Counting(monkeypatch, request.param == "fast")
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_dense_twin_matches_per_instance_reference(case_name):
+    """The hand-written dense programs are themselves checked against tests/_reference.py."""
+    case = CASES[case_name]
+    x, _, _ = inputs(case)
+    collective = functools.partial(case.collective, REF)
+    want = run_reference(collective, case.mesh, case.in_spec, case.out_spec, x)
+    close(case.dense(x), want, case_name)
+
+
+@pytest.mark.parametrize("transform", list(OUTSIDE))
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_transform_outside(case_name, transform, path):
+    case = CASES[case_name]
+    spmd, dense = programs(case)
+    x, v, k = inputs(case)
+    close(OUTSIDE[transform](spmd, x, v, k), OUTSIDE[transform](dense, x, v, k), transform)
+
+
+@pytest.mark.parametrize("transform", INSIDE)
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_transform_inside(case_name, transform, path):
+    got, want = _inside(CASES[case_name], transform)
+    close(got, want, transform)
+
+
+@pytest.mark.parametrize(
+    "transform", ["forward", "autograd", "func.grad", "func.jvp", "jacrev", "vmap outside"]
+)
+def test_outside_transforms_take_the_fast_path(transform, monkeypatch):
+    counting = _Counting(monkeypatch, fast=True)
+    for case in CASES.values():
+        spmd, _ = programs(case)
+        OUTSIDE[transform](spmd, *inputs(case))
+    assert counting.slow == 0
+
+
+def test_user_vmap_inside_takes_the_fast_path(monkeypatch):
+    counting = _Counting(monkeypatch, fast=True)
+    for case in CASES.values():
+        _inside(case, "user vmap inside")
+    assert counting.slow == 0
+
+
+@pytest.mark.parametrize("transform", sorted(NEEDS_FALLBACK))
+def test_grad_or_jvp_inside_takes_the_fallback(transform, monkeypatch):
+    """A grad / jvp interpreter above the collective's level must not be bypassed: the per-instance
+    transposes live in the Functions' backward / jvp."""
+    counting = _Counting(monkeypatch, fast=True)
+    _inside(CASES["psum b"], transform)
+    assert counting.slow > 0
