@@ -420,12 +420,11 @@ def test_program_gradients_equal_jax_shard_map(case):
 
 # --- sampler: random programs against a per-instance reference -----------------------------------
 
-# (3, 2) joins once spmd_map's out_specs check stops dividing a stand-in size of 2**30 (a fix
-# to _api.py is under way in the working tree).
 MESHES = [
     ((2,), ("a",)),
     ((4,), ("a",)),
     ((2, 2), ("a", "b")),
+    ((3, 2), ("a", "b")),
     ((2, 1), ("a", "b")),
     ((2, 2, 2), ("a", "b", "c")),
 ]
