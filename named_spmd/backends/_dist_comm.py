@@ -49,6 +49,10 @@ class Comm:
         self._to_group = None if identity else torch.tensor(to_group)
         self._from_group = None if identity else torch.argsort(torch.tensor(to_group))
         self.key = "+".join(sorted(axes)) + f"@{min(group_ranks)}"
+        # the single-tensor process-group methods (names changed in torch 2.12)
+        self._gather = getattr(group, "all_gather_single", None) or group._allgather_base
+        self._scatter = getattr(group, "reduce_scatter_single", None) or group._reduce_scatter_base
+        self._a2a = getattr(group, "all_to_all_single", None) or group.alltoall_base
         self._opts = {op: self._reduce_opts(op) for op in (SUM, MAX, MIN)}
         self._gather_opts = c10d.AllgatherOptions()
         self._gather_opts.asyncOp = mesh.poll
@@ -108,7 +112,7 @@ class Comm:
         opts = self._gather_opts
         # c10d splits the output along dim 0 into pieces shaped like the input: add a unit dim
         x1 = x.unsqueeze(0)
-        self._issue(name, lambda: self.group.all_gather_single(_real(out), _real(x1), opts))
+        self._issue(name, lambda: self._gather(_real(out), _real(x1), opts))
         return out if self._to_group is None else out.index_select(0, self._to_group)
 
     def reduce_scatter(self, stacked: torch.Tensor, name: str = "psum_scatter") -> torch.Tensor:
@@ -120,9 +124,7 @@ class Comm:
             self._debug(name, stacked)
         out = stacked.new_empty((1, *stacked.shape[1:]))  # unit dim: see all_gather
         opts = self._scatter_opts
-        self._issue(
-            name, lambda: self.group.reduce_scatter_single(_real(out), _real(stacked), opts)
-        )
+        self._issue(name, lambda: self._scatter(_real(out), _real(stacked), opts))
         return out[0]
 
     def all_to_all(self, stacked: torch.Tensor, name: str = "all_to_all") -> torch.Tensor:
@@ -135,9 +137,7 @@ class Comm:
             self._debug(name, stacked)
         out = torch.empty_like(stacked)
         opts = self._a2a_opts
-        self._issue(
-            name, lambda: self.group.all_to_all_single(_real(out), _real(stacked), [], [], opts)
-        )
+        self._issue(name, lambda: self._a2a(_real(out), _real(stacked), [], [], opts))
         return out if self._to_group is None else out.index_select(0, self._to_group)
 
     def permute(self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], name="ppermute"):

@@ -26,6 +26,7 @@ naming it; ``NAMED_SPMD_DEBUG=1`` checks that all ranks call the same collective
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import zlib
@@ -138,13 +139,16 @@ def _create_groups(device_mesh: DeviceMesh, names: tuple[str, ...]) -> dict[froz
             for row in rows.tolist():
                 if not spans_world and me not in row:
                     continue  # local synchronization: only members create it
-                group = dist.new_group(
-                    row, sort_ranks=False, use_local_synchronization=not spans_world
-                )
+                group = dist.new_group(row, use_local_synchronization=not spans_world, **_UNSORTED)
                 if me in row:
                     groups[frozenset(names[d] for d in dims)] = group
     return groups
 
+
+# Group ranks in mesh order where torch allows it (2.13+); otherwise Comm reorders blocks.
+_UNSORTED = (
+    {"sort_ranks": False} if "sort_ranks" in inspect.signature(dist.new_group).parameters else {}
+)
 
 _from_device_mesh: dict[int, tuple[DeviceMesh, DistributedMesh]] = {}
 
