@@ -167,6 +167,13 @@ def _local_tensor_step(x, w1, w2, g):
     return step
 
 
+def _destroy_fake_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def bench_mlp(hidden: int, rounds: int, local_tensor: bool) -> list[_util.Row]:
     torch.manual_seed(0)
     mesh = ns.make_mesh((2, 4), ("dp", "tp"))
@@ -197,6 +204,7 @@ def bench_mlp(hidden: int, rounds: int, local_tensor: bool) -> list[_util.Row]:
             rounds=max(3, rounds // 3),
             warmup=1,
         )["LocalTensorMode"]
+        _destroy_fake_process_group()  # a live process group would make later meshes real
         ours = med["spmd_map (2,4) default order"]
         rows.append(
             _util.Row(

@@ -49,7 +49,7 @@ def _run(ctx, op, axes, t, compute, out_vma, backward_op=None):
     if recording():  # build the event only when a CommMode listens
         record(_event(op, axes, "forward", t))
     out = compute()
-    if backward_op is not None:
+    if backward_op is not None and recording():
         out = on_backward(out, _event(backward_op, axes, "backward", out))
     return ctx.stamp(out, out_vma)
 
@@ -60,7 +60,8 @@ def implicit_pvary(ctx: SpmdContext, t: torch.Tensor, axes: tuple[str, ...]) -> 
     if not missing:
         return t
     out = ctx.pvary(t, missing)
-    out = on_backward(out, _event("psum", missing, "backward", out, implicit=True))
+    if recording():
+        out = on_backward(out, _event("psum", missing, "backward", out, implicit=True))
     return ctx.stamp(out, ctx.vma(t) | set(missing))
 
 
@@ -348,7 +349,26 @@ def all_to_all(
     return _map_tensors(x, "all_to_all", ctx, one)
 
 
+_valid_pairs: dict[tuple, tuple[tuple[int, int], ...]] = {}
+
+
 def _check_pairs(ctx, op: str, perm: Any, n: int, axes) -> tuple[tuple[int, int], ...]:
+    """Validated pairs. Perms of int tuples are remembered: validating costs more than the
+    simulated permutation of a small operand."""
+    key = (n, tuple(perm)) if isinstance(perm, (list, tuple)) else None
+    if key is not None and all(type(p) is tuple for p in perm):
+        hit = _valid_pairs.get(key)
+        if hit is not None:
+            return hit
+    pairs = _validate_pairs(ctx, op, perm, n, axes)
+    if key is not None and all(type(p) is tuple and type(v) is int for p in perm for v in p):
+        if len(_valid_pairs) > 1024:
+            _valid_pairs.clear()
+        _valid_pairs[key] = pairs
+    return pairs
+
+
+def _validate_pairs(ctx, op: str, perm: Any, n: int, axes) -> tuple[tuple[int, int], ...]:
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)
         ok_types = all(

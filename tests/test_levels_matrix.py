@@ -81,6 +81,16 @@ CASES = {
         P(),
         (6, 9),
     ),
+    "pmax b": Case(
+        lambda o, x: o.pmax(x, "b"), lambda t: _blocks_b(t).amax(1), P("a", "b"), P("a"), (6, 9)
+    ),
+    "pmin a": Case(
+        lambda o, x: o.pmin(x, "a"),
+        lambda t: t.reshape(A, 3, 9).amin(0),
+        P("a", "b"),
+        P(None, "b"),
+        (6, 9),
+    ),
     "all_gather tiled varying": Case(
         lambda o, x: o.all_gather(x, "b", axis=1, tiled=True),
         lambda t: t.repeat(1, B),
@@ -212,8 +222,12 @@ def _inside(case: Case, name: str):
     x, v, k = inputs(case)
     col, dense = functools.partial(case.collective, ns), case.dense
     spec_in, spec_out = case.in_spec, case.out_spec
-    if name == "user vmap inside":  # the collective runs per slice of a user vmap
-        f = mapped(case, lambda x: post(vmap(col)(torch.stack([pre(x), x * x]))).prod(0))
+    if name.startswith("user vmap inside"):  # the collective runs per slice of a user vmap
+        d = 1 if name.endswith("dim 1") else 0  # a batch dim not in front moves the others
+        f = mapped(
+            case,
+            lambda x: post(vmap(col, in_dims=d)(torch.stack([pre(x), x * x], dim=d))).prod(0),
+        )
         g = lambda x: post(torch.stack([dense(pre(x)), dense(x * x)])).prod(0)  # noqa: E731
         return _autograd(f, x, v, k) + (f(x),), _autograd(g, x, v, k) + (g(x),)
     if name == "grad inside":  # per-instance gradient of a local loss (collectives transposed)
@@ -245,7 +259,14 @@ def _inside(case: Case, name: str):
     raise KeyError(name)
 
 
-INSIDE = ["user vmap inside", "grad inside", "vjp inside", "jvp inside", "vmap of grad inside"]
+INSIDE = [
+    "user vmap inside",
+    "user vmap inside, batch dim 1",
+    "grad inside",
+    "vjp inside",
+    "jvp inside",
+    "vmap of grad inside",
+]
 # Transforms whose collectives have a grad / jvp interpreter above their level: fallback path.
 NEEDS_FALLBACK = {"grad inside", "vjp inside", "jvp inside", "vmap of grad inside"}
 
@@ -331,6 +352,7 @@ def test_user_vmap_inside_takes_the_fast_path(monkeypatch):
     counting = _Counting(monkeypatch, fast=True)
     for case in CASES.values():
         _inside(case, "user vmap inside")
+        _inside(case, "user vmap inside, batch dim 1")
     assert counting.slow == 0
 
 

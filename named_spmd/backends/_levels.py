@@ -144,24 +144,52 @@ def _rewrap(x: torch.Tensor, peeled: list[tuple[int, int]], shift: int) -> torch
     return x
 
 
+def _stacked_at(x: torch.Tensor, n: int, level: int, top: int, reduce: str | None):
+    """The fast path of :func:`gather` / :func:`gather_reduce`; None where it does not apply."""
+    if _functorch.maybe_get_level(x) == level and _functorch.maybe_current_level() == top:
+        # The common case, inlined: batched here and at nothing above, under our own levels only.
+        bd = _functorch.maybe_get_bdim(x)
+        x = _functorch.get_unwrapped(x)
+        if reduce is not None:
+            return getattr(x, reduce)(bd)
+        return x if bd == 0 else x.movedim(bd, 0)
+    if not vmaps_only_above(level, top):
+        return None
+    found = _peel(x, level)
+    if found is None:
+        return None
+    t, peeled = found
+    if _functorch.maybe_get_level(t) == level:  # batched here: its dim is the stack
+        bd = _functorch.maybe_get_bdim(t)
+        t = _functorch.get_unwrapped(t)
+        stacked = t if bd == 0 else t.movedim(bd, 0)
+    else:  # invariant here: n identical copies
+        stacked = t.expand(n, *t.shape)
+    if reduce is not None:  # reduce before rewrapping: one op on a less wrapped tensor
+        return _rewrap(getattr(stacked, reduce)(0), peeled, 0)
+    return _rewrap(stacked, peeled, 1)
+
+
 def gather(x: torch.Tensor, token: torch.Tensor, n: int, level: int, top: int) -> torch.Tensor:
     """Varying over ``token``'s level -> invariant stack ``[n, *local]`` (a view, no copy)."""
-    if vmaps_only_above(level, top):
-        found = _peel(x, level)
-        if found is not None:
-            t, peeled = found
-            if _functorch.maybe_get_level(t) == level:  # batched here: its dim is the stack
-                bd = _functorch.maybe_get_bdim(t)
-                t = _functorch.get_unwrapped(t)
-                stacked = t if bd == 0 else t.movedim(bd, 0)
-            else:  # invariant here: n identical copies
-                stacked = t.expand(n, *t.shape)
-            return _rewrap(stacked, peeled, 1)
-    return GatherLevel.apply(x, token, 0)
+    out = _stacked_at(x, n, level, top, None)
+    return GatherLevel.apply(x, token, 0) if out is None else out
+
+
+def gather_reduce(
+    x: torch.Tensor, token: torch.Tensor, n: int, level: int, top: int, reduce: str
+) -> torch.Tensor:
+    """``getattr(gather(x, ...), reduce)(0)`` (a psum, pmax or pmin over one level), with the
+    reduction done before the levels above are wrapped back on."""
+    out = _stacked_at(x, n, level, top, reduce)
+    return getattr(GatherLevel.apply(x, token, 0), reduce)(0) if out is None else out
 
 
 def vary(x: torch.Tensor, token: torch.Tensor, n: int, level: int, top: int) -> torch.Tensor:
     """Invariant over ``token``'s level -> varying broadcast (an expand, no copy)."""
+    if _functorch.maybe_get_level(x) < level and _functorch.maybe_current_level() == top:
+        # The common case, inlined: batched at nothing from here up, under our own levels only.
+        return _functorch._add_batch_dim(x.expand(n, *x.shape), 0, level)
     if vmaps_only_above(level, top):
         found = _peel(x, level)
         if found is not None:
@@ -171,3 +199,55 @@ def vary(x: torch.Tensor, token: torch.Tensor, n: int, level: int, top: int) -> 
             copies = _functorch._add_batch_dim(t.expand(n, *t.shape), 0, level)
             return _rewrap(copies, peeled, 0)
     return VaryLevel.apply(x, token, 0)
+
+
+def scatter(stacked: torch.Tensor, dim: int, level: int, top: int) -> torch.Tensor | None:
+    """Invariant ``stacked`` with a dim ``dim`` of size n -> varying over the level: instance i
+    gets slice i of that dim. The inverse of :func:`gather`, and no op at all: the dim becomes the
+    level's batch dim. None where the fast path does not apply.
+
+    Autograd outside the simulation sees no op: each instance's cotangent lands in its own slice,
+    exactly the transpose (an all_gather of the cotangents)."""
+    if not vmaps_only_above(level, top):
+        return None
+    peeled = []
+    x, d = stacked, dim
+    while True:  # peel the levels above, tracking where ``dim`` sits in each one's value
+        lv = _functorch.maybe_get_level(x)
+        if lv <= level:
+            break
+        if not _functorch.is_batchedtensor(x):
+            return None
+        bd = _functorch.maybe_get_bdim(x)
+        if bd <= d:
+            d += 1
+        peeled.append((lv, bd, d))
+        x = _functorch.get_unwrapped(x)
+    if lv == level:  # already varying over the level: not a stack of it
+        return None
+    x = _functorch._add_batch_dim(x, d, level)
+    for lv, bd, d in reversed(peeled):  # ``dim`` is gone from each value: later dims shift
+        x = _functorch._add_batch_dim(x, bd - 1 if bd > d else bd, lv)
+    return x
+
+
+def permute(
+    x: torch.Tensor, level: int, top: int, source: torch.Tensor, receives: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Instance i gets instance ``source[i]``'s value, or zeros where ``receives[i]`` is False
+    (a ppermute over one level): one index_select on the level's batch dim. None where the fast
+    path does not apply or ``x`` is not varying over the level."""
+    if not vmaps_only_above(level, top):
+        return None
+    found = _peel(x, level)
+    if found is None:
+        return None
+    t, peeled = found
+    if _functorch.maybe_get_level(t) != level:
+        return None
+    bd = _functorch.maybe_get_bdim(t)
+    t = _functorch.get_unwrapped(t)
+    out = t.index_select(bd, source)
+    if receives is not None:
+        out = torch.where(receives.view([-1] + [1] * (t.dim() - bd - 1)), out, out.new_zeros(()))
+    return _rewrap(_functorch._add_batch_dim(out, bd, level), peeled, 0)

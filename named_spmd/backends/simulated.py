@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch._C import _functorch
-from torch.func import vmap
 
 from .._accounting import recording
 from .._context import SpmdContext
@@ -35,8 +34,19 @@ class SimulatedContext(SpmdContext):
         self.inner_level = max(self.level_axis, default=0)
         self.outer_level = min(self.level_axis, default=0)
         self.sizes = mesh.shape  # a copy; Mesh.shape builds a new dict per access
+        self.device = next(iter(tokens.values())).device if tokens else torch.device("cpu")
+        self._vma_of: torch.Tensor | None = None
+        self._vma: frozenset[str] = frozenset()
 
     def vma(self, x: torch.Tensor) -> frozenset[str]:
+        # Collectives ask about the same operand several times in a row: remember the last one
+        # (by identity; the reference keeps its id from being reused meanwhile).
+        if x is self._vma_of:
+            return self._vma
+        self._vma_of, self._vma = x, self._batched_axes(x)
+        return self._vma
+
+    def _batched_axes(self, x: torch.Tensor) -> frozenset[str]:
         # Walk the wrappers from the outside in; ours are consecutive levels and any wrapper at
         # one of them is our vmap's (levels are stack depths), so stop below the outermost.
         found = []
@@ -69,30 +79,47 @@ class SimulatedContext(SpmdContext):
             x = _levels.vary(x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level)
         return x
 
-    def _mine(self, stacked: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        """Row ``axis_index(axes)`` of an invariant ``[n, ...]`` tensor: varying over axes.
+    def _mine(self, stacked: torch.Tensor, axes: tuple[str, ...], dim: int = 0) -> torch.Tensor:
+        """Slice ``axis_index(axes)`` of dim ``dim`` (size n) of an invariant tensor: varying.
 
-        Under a grad or jvp *inside* the per-device function the stack is pvary'd first: the
-        transpose of that pvary (a psum) is what brings every instance's cotangent of its row back
-        to the stack. Without such a transform above, autodiff happens outside the simulation,
-        where the batching already sums, and the pvary would be a wasted op."""
-        level = min(self.axis_level[a] for a in axes)
-        if not _levels.vmaps_only_above(level, self.inner_level):
-            stacked = self.pvary(stacked, axes)
-        return stacked.index_select(0, self.axis_index(axes).reshape(1)).squeeze(0)
+        On the fast path the dim just becomes the levels' batch dim (no op). Otherwise (a grad
+        or jvp *inside* the per-device function) the stack is pvary'd and indexed: the transpose
+        of that pvary (a psum) brings every instance's cotangent of its slice back to the stack."""
+        if len(axes) > 1:  # row-major: the first axis is the major part of the dim
+            stacked = stacked.unflatten(dim, [self.sizes[a] for a in axes])
+        for a in axes:
+            out = _levels.scatter(stacked, dim, self.axis_level[a], self.inner_level)
+            if out is None:
+                break
+            stacked = out
+        else:
+            return stacked
+        axes = axes[axes.index(a) :]  # the axes left to scatter, on the fallback path
+        stacked = self.pvary(stacked.flatten(dim, dim + len(axes) - 1), axes)
+        index = self.axis_index(axes).reshape(1)
+        return stacked.index_select(dim, index).squeeze(dim)
 
     # --- collectives ----------------------------------------------------------------------
+    def _reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
+        for a in axes:  # sum, amax and amin reduce one axis after another
+            x = _levels.gather_reduce(
+                x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level, op
+            )
+        return x
+
     def psum(self, x, axes):
-        return self.gather(x, axes).sum(0)
+        return self._reduce(x, axes, "sum")
 
     def pmax(self, x, axes):
-        return self.gather(x, axes).amax(0)
+        return self._reduce(x, axes, "amax")
 
     def pmin(self, x, axes):
-        return self.gather(x, axes).amin(0)
+        return self._reduce(x, axes, "amin")
 
     def all_gather(self, x, axes, axis, tiled, invariant):
-        out = self.gather(x, axes).movedim(0, axis)
+        out = self.gather(x, axes)
+        if axis != 0:  # every op costs microseconds on small operands: skip the no-op
+            out = out.movedim(0, axis)
         if tiled:
             out = out.flatten(axis, axis + 1)
         return out if invariant else self.pvary(out, axes)
@@ -101,28 +128,50 @@ class SimulatedContext(SpmdContext):
         total = self.psum(x, axes)
         if tiled:  # dim of size n*c -> [n, c]: instance i keeps block i
             total = total.unflatten(dim, (self.mesh.axis_size(axes), -1))
-        return self._mine(total.movedim(dim, 0), axes)
+        return self._mine(total, axes, dim)
 
     def all_to_all(self, x, axes, split, concat, tiled):
         n = self.mesh.axis_size(axes)
         stacked = self.gather(x, axes)  # [n_src, *local]
-        chunks = stacked.unflatten(split + 1, (n, -1)).movedim(split + 1, 0)  # [n_dst, n_src, ...]
-        received = self._mine(chunks, axes)  # [n_src, *local with split dim / n]
+        chunks = stacked.unflatten(split + 1, (n, -1))  # [n_src, ..., n_dst, chunk, ...]
+        received = self._mine(chunks, axes, split + 1)  # [n_src, *local with split dim / n]
         if not tiled:
             return received.squeeze(split + 1).movedim(0, concat)
         return received.movedim(0, concat).flatten(concat, concat + 1)
 
     def ppermute(self, x, axes, pairs):
         n = self.mesh.axis_size(axes)
+        source, receives = _permutation(n, pairs, self.device)
+        if len(axes) == 1:
+            out = _levels.permute(x, self.axis_level[axes[0]], self.inner_level, source, receives)
+            if out is not None:
+                return out
+        got = self._mine(self.gather(x, axes).index_select(0, source), axes)
+        if receives is None:
+            return got
+        return torch.where(self._mine(receives, axes), got, got.new_zeros(()))
+
+
+_permutations: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+def _permutation(n: int, pairs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(source index of every destination, receives mask or None if all receive), cached:
+    making small tensors costs more than the permutation itself on tiny operands."""
+    key = (n, tuple(pairs), device)
+    found = _permutations.get(key)
+    if found is None:
         source = [0] * n
         receives = [False] * n
         for src, dst in pairs:
             source[dst], receives[dst] = src, True
-        got = self._mine(self.gather(x, axes).index_select(0, torch.tensor(source)), axes)
-        if all(receives):
-            return got
-        keep = self._mine(torch.tensor(receives), axes)
-        return torch.where(keep, got, torch.zeros_like(got))
+        with torch._C._DisableFuncTorch():  # plain tensors, even under functionalize & co
+            mask = None if all(receives) else torch.tensor(receives, device=device)
+            found = (torch.tensor(source, device=device), mask)
+        if len(_permutations) > 256:  # programs use a handful of permutations
+            _permutations.clear()
+        _permutations[key] = found
+    return found
 
 
 # --- entering and leaving the simulation --------------------------------------------------
@@ -166,15 +215,20 @@ def to_physical(
 
 
 def from_physical(
-    y: torch.Tensor, spec: PartitionSpec, mesh: Mesh, order: Sequence[str]
+    y: torch.Tensor, present: Sequence[str], spec: PartitionSpec, mesh: Mesh
 ) -> torch.Tensor:
-    """[one dim per mesh axis in nesting order, *local] -> global tensor per ``spec``.
+    """[one dim per axis of ``present`` (nesting order), *local] -> global tensor per ``spec``.
 
-    Axes the spec does not name contribute their instance-0 copy (invariant when checked)."""
+    ``present`` are the axes the output is batched at. An axis the spec does not name contributes
+    its instance-0 copy (invariant when checked); an axis the spec names but the output is
+    invariant over is tiled."""
     named = set(spec.axes)
-    index = tuple(slice(None) if a in named else 0 for a in order)
-    y = y[index]
-    kept = [a for a in order if a in named]
+    kept = [a for a in present if a in named]
+    if len(kept) < len(present):  # varying over an unnamed axis (check_vma=False): instance 0
+        y = y[tuple(slice(None) if a in named else 0 for a in present)]
+    for a in named.difference(kept):  # invariant over a named axis: identical blocks
+        y = y.unsqueeze(0).expand(mesh.shape[a], *y.shape)
+        kept.insert(0, a)
     local_rank = y.dim() - len(kept)
     perm: list[int] = []
     sizes: list[int] = []
@@ -183,6 +237,20 @@ def from_physical(
         perm.extend(group)
         sizes.append(math.prod(y.shape[i] for i in group))
     return y.permute(perm).reshape(sizes)  # a list: rank-0 outputs have no dims
+
+
+_decompositions_loaded = False
+
+
+def _load_decompositions() -> None:
+    # torch.func.vmap registers some batching rules lazily on first use; we enter vmap levels
+    # ourselves, so trigger it once.
+    global _decompositions_loaded
+    if not _decompositions_loaded:
+        from torch._functorch.vmap import lazy_load_decompositions
+
+        lazy_load_decompositions()
+        _decompositions_loaded = True
 
 
 def run(
@@ -196,26 +264,48 @@ def run(
     """Run ``body`` (per instance: local leaves -> local output tensors) on every instance.
 
     Returns the output tensors assembled to global values with ``out_specs_of()`` (known only
-    once the body has run)."""
+    once the body has run).
+
+    The vmap levels are entered directly (what ``torch.func.vmap`` does inside, one level per
+    axis, outermost first) rather than through nested ``vmap`` wrappers: that saves building the
+    wrappers per call and, on the way out, lets an output stay free of the axes it is invariant
+    over. ``vmap(out_dims=0)`` would expand it over them, and the instance-0 selection that
+    followed cost a zero fill, a copy and a sum of the full expanded size in backward."""
+    _load_decompositions()
     order = nesting_order(mesh, leaves, specs)
+    local = list(leaves)
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    physical = [to_physical(leaves[i], specs[i], mesh, order) for i in tensor_pos]
-    tokens = [torch.arange(mesh.shape[a]) for a in order]
-
-    def innermost(*flat):
-        local = list(leaves)
-        for i, t in zip(tensor_pos, flat[: len(tensor_pos)]):
-            local[i] = t
-        ctx = SimulatedContext(mesh, fn, dict(zip(order, flat[len(tensor_pos) :])))
+    for i in tensor_pos:
+        local[i] = to_physical(leaves[i], specs[i], mesh, order)
+    levels: list[int] = []
+    tokens: dict[str, torch.Tensor] = {}
+    device = local[tensor_pos[0]].device if tensor_pos else torch.device("cpu")
+    try:
+        for a in order:  # outermost first: each input's mesh dims lead in nesting order
+            level = _functorch._vmap_increment_nesting(mesh.shape[a], "same")
+            levels.append(level)
+            for i in tensor_pos:
+                if a in specs[i].axes:
+                    local[i] = _functorch._add_batch_dim(local[i], 0, level)
+            token = torch.arange(mesh.shape[a], device=device)
+            tokens[a] = _functorch._add_batch_dim(token, 0, level)
+        ctx = SimulatedContext(mesh, fn, tokens)
         if recording():  # report implicit pvary's backward psum; off the fast path
-            return tuple(run_recording(ctx, body, local))
-        return tuple(body(local, ctx))
-
-    nested = innermost
-    for depth in reversed(range(len(order))):
-        axis = order[depth]
-        in_dims = tuple(0 if axis in specs[i].axes else None for i in tensor_pos)
-        token_dims = tuple(0 if j == depth else None for j in range(len(order)))
-        nested = vmap(nested, in_dims=in_dims + token_dims, out_dims=0, randomness="same")
-    outs = nested(*physical, *tokens)
-    return [from_physical(y, s, mesh, order) for y, s in zip(outs, out_specs_of())]
+            outs = list(run_recording(ctx, body, local))
+        else:
+            outs = list(body(local, ctx))
+        present: list[list[str]] = [[] for _ in outs]
+        while levels:  # innermost first, each while its level is still the top one
+            level, a = levels[-1], order[len(levels) - 1]
+            for j, y in enumerate(outs):
+                y = _functorch.unwrap_if_dead(y)
+                if _functorch.maybe_get_level(y) == level:
+                    y = _functorch._remove_batch_dim(y, level, mesh.shape[a], 0)
+                    present[j].insert(0, a)
+                outs[j] = y
+            _functorch._vmap_decrement_nesting()
+            levels.pop()
+    finally:
+        for _ in levels:
+            _functorch._vmap_decrement_nesting()
+    return [from_physical(y, p, s, mesh) for y, p, s in zip(outs, present, out_specs_of())]
