@@ -67,6 +67,23 @@ def spec_problems(
     spec: PartitionSpec, shape: tuple[int, ...], mesh_shape: Mapping[str, int], where: str
 ) -> list[str]:
     """Every way ``spec`` fails to fit a tensor of ``shape`` on the mesh (empty list: it fits)."""
+    key = (spec, tuple(shape), tuple(mesh_shape.items()))
+    if key in _fits:  # checked on every call: remember what fitted
+        return []
+    problems = _spec_problems(spec, shape, mesh_shape, where)
+    if not problems:
+        if len(_fits) > 4096:
+            _fits.clear()
+        _fits.add(key)
+    return problems
+
+
+_fits: set[tuple] = set()
+
+
+def _spec_problems(
+    spec: PartitionSpec, shape: tuple[int, ...], mesh_shape: Mapping[str, int], where: str
+) -> list[str]:
     from ._errors import suggest
 
     problems = []

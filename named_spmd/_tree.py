@@ -19,8 +19,32 @@ def path_text(path: tuple) -> str:
     return "".join(f"[{k!r}]" for k in path)
 
 
+_broadcast_cache: dict[tuple, list[PartitionSpec]] = {}
+
+
 def broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[PartitionSpec]:
-    """One PartitionSpec per leaf of ``tree`` (None in specs means P()); mismatch raises."""
+    """One PartitionSpec per leaf of ``tree`` (None in specs means P()); mismatch raises.
+
+    Results are cached per (specs structure and leaves, tree structure): every call of a mapped
+    function broadcasts the same specs over the same structure. (The structures are part of the
+    key because a tuple of one P('b', 'a') equals P(('b', 'a')) as a tuple.)"""
+    try:
+        spec_leaves, spec_tree = optree.tree_flatten(specs, is_leaf=is_spec_leaf, none_is_leaf=True)
+        key = (spec_tree, tuple(spec_leaves), optree.tree_structure(tree, none_is_leaf=True))
+        hit = _broadcast_cache.get(key)
+    except (TypeError, ValueError):  # unhashable leaves: no caching (the check below explains)
+        key = hit = None
+    if hit is not None:
+        return list(hit)
+    result = _broadcast_specs(specs, tree, what, where)
+    if key is not None:
+        if len(_broadcast_cache) > 1024:
+            _broadcast_cache.clear()
+        _broadcast_cache[key] = result
+    return list(result)
+
+
+def _broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[PartitionSpec]:
     try:
         full = optree.tree_broadcast_prefix(specs, tree, is_leaf=is_spec_leaf, none_is_leaf=True)
     except (ValueError, TypeError):

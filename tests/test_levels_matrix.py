@@ -363,3 +363,39 @@ def test_grad_or_jvp_inside_takes_the_fallback(transform, monkeypatch):
     counting = _Counting(monkeypatch, fast=True)
     _inside(CASES["psum b"], transform)
     assert counting.slow > 0
+
+
+@pytest.mark.parametrize(
+    "in_spec, out_spec",
+    [
+        (P(), P(("a", "b", "c"))),
+        (P(), P("c", ("b", "a"))),
+        (P("b"), P(("c", "b"), "a")),
+        (P(None, "c"), P(("b", "a"), "c")),
+    ],
+)
+def test_outputs_invariant_over_named_axes_are_tiled(in_spec, out_spec):
+    """The runner leaves an output free of the axes it is invariant over; out_specs that name
+    them get identical blocks, in mesh order, as the per-instance reference assembles them."""
+    x = _randn(12, 6, seed=4)
+    got = ns.spmd_map(lambda x: x * 2, mesh=MESH3, in_specs=in_spec, out_specs=out_spec)(x)
+    close(got, run_reference(lambda x: x * 2, MESH3, in_spec, out_spec, x))
+
+
+def test_cached_plans_tell_apart_specs_that_are_equal_as_tuples():
+    """(P('b', 'a'),) == P(('b', 'a')) as tuples; the per-call caches must not confuse them,
+    nor meshes whose axes differ only in order."""
+    x2, x1 = _randn(6, 2, seed=5), _randn(6, seed=6)
+    for in_specs, x in [((P("b", "a"),), x2), (P(("b", "a")), x1), ((P("b", "a"),), x2)]:
+        spec = in_specs[0] if isinstance(in_specs[0], P) else in_specs
+        got = ns.spmd_map(lambda x: x + 1, mesh=MESH, in_specs=in_specs, out_specs=spec)(x)
+        close(got, x + 1)
+
+    def tag(o, x):  # which instance holds which block
+        return x + 10 * o.axis_index("a") + o.axis_index("b")
+
+    swapped = ns.make_mesh((B, A), ("b", "a"))
+    spec = P(("a", "b"))
+    for mesh in (MESH, swapped, MESH):
+        got = ns.spmd_map(functools.partial(tag, ns), mesh=mesh, in_specs=spec, out_specs=spec)(x1)
+        close(got, run_reference(functools.partial(tag, REF), mesh, spec, spec, x1))

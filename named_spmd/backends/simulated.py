@@ -8,7 +8,10 @@ the simulation yields the global gradient with no extra machinery.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -175,43 +178,119 @@ def _permutation(n: int, pairs, device: torch.device) -> tuple[torch.Tensor, tor
 
 
 # --- entering and leaving the simulation --------------------------------------------------
+#
+# What only depends on the mesh, the specs and the shapes (the nesting order, how each input is
+# viewed as [mesh dims, *local] and each output assembled back) is computed once and cached:
+# per call that Python costs more than the vmap itself on small operands.
+
+_override = threading.local()
+
+
+@contextlib.contextmanager
+def nesting(order: Sequence[str]):
+    """Force the nesting order (outermost first) of simulated calls made inside the block.
+
+    The default (:func:`nesting_order`) puts innermost the axis that the most input bytes are
+    replicated over; this is for measuring what that buys, or for overriding it."""
+    saved = getattr(_override, "order", None)
+    _override.order = tuple(order)
+    try:
+        yield
+    finally:
+        _override.order = saved
 
 
 def nesting_order(mesh: Mesh, leaves: Sequence[Any], specs: Sequence[PartitionSpec]) -> list[str]:
     """Mesh axes outermost first. Innermost is the axis with the most input bytes replicated
     over it: vmap then batches the large replicated operands (weights) last, so they are not
     copied once per outer instance (3.8x versus 1.1-1.2x measured; DESIGN.md section 5)."""
+    sized = [
+        (leaf.numel() * leaf.element_size(), spec)
+        for leaf, spec in zip(leaves, specs)
+        if isinstance(leaf, torch.Tensor)
+    ]
+    return _order_by_replicated_bytes(mesh, sized)
+
+
+def _order_by_replicated_bytes(mesh: Mesh, sized: Sequence[tuple[int, PartitionSpec]]) -> list[str]:
     replicated = dict.fromkeys(mesh.axis_names, 0)
-    for leaf, spec in zip(leaves, specs):
-        if isinstance(leaf, torch.Tensor):
-            named = set(spec.axes)
-            for a in mesh.axis_names:
-                if a not in named:
-                    replicated[a] += (
-                        leaf.numel()
-                        * leaf.element_size()
-                        // max(1, math.prod(mesh.shape[b] for b in named))
-                    )
+    for nbytes, spec in sized:
+        named = set(spec.axes)
+        per_instance = nbytes // max(1, math.prod(mesh.shape[b] for b in named))
+        for a in mesh.axis_names:
+            if a not in named:
+                replicated[a] += per_instance
     order = list(mesh.axis_names)
     return sorted(order, key=lambda a: (replicated[a], -order.index(a)))
+
+
+def physical_layout(
+    shape: Sequence[int], spec: PartitionSpec, mesh: Mesh, order: Sequence[str]
+) -> tuple[list[int], list[int]]:
+    """(reshape, permutation) taking a global tensor to [mesh dims of the named axes, in
+    nesting order, *local block] (views, no copy)."""
+    split: list[int] = []
+    position: dict[str, int] = {}
+    local_dims: list[int] = []
+    for d, size in enumerate(shape):
+        axes = spec.entry_axes(d)
+        for a in axes:
+            position[a] = len(split)
+            split.append(mesh.shape[a])
+        local_dims.append(len(split))
+        split.append(size // math.prod(mesh.shape[a] for a in axes))
+    return split, [position[a] for a in order if a in position] + local_dims
 
 
 def to_physical(
     x: torch.Tensor, spec: PartitionSpec, mesh: Mesh, order: Sequence[str]
 ) -> torch.Tensor:
     """Global tensor -> [mesh dims of the named axes, in nesting order, *local block]."""
-    shape: list[int] = []
-    position: dict[str, int] = {}
-    local_dims: list[int] = []
-    for d, size in enumerate(x.shape):
-        axes = spec.entry_axes(d)
-        for a in axes:
-            position[a] = len(shape)
-            shape.append(mesh.shape[a])
-        local_dims.append(len(shape))
-        shape.append(size // math.prod(mesh.shape[a] for a in axes))
-    named = [position[a] for a in order if a in position]
-    return x.reshape(shape).permute(*named, *local_dims)
+    split, perm = physical_layout(tuple(x.shape), spec, mesh, order)
+    return x.reshape(split).permute(perm)
+
+
+# The caches key on the mesh's (name, size) items as well as the mesh: Mesh equality ignores
+# the axis order, which the plans depend on.
+@functools.lru_cache(maxsize=1024)
+def _input_plan(axes: tuple, mesh: Mesh, inputs: tuple, order: tuple[str, ...] | None) -> tuple:
+    """For ``inputs`` = ((shape, itemsize, spec) per tensor leaf): (nesting order, and per
+    input: reshape, permutation (None: identity), the axes it is batched at)."""
+    if order is None:
+        sized = [(math.prod(shape) * size, spec) for shape, size, spec in inputs]
+        order = tuple(_order_by_replicated_bytes(mesh, sized))
+    plans = []
+    for shape, _, spec in inputs:
+        split, perm = physical_layout(shape, spec, mesh, order)
+        plans.append((split, None if perm == sorted(perm) else perm, frozenset(spec.axes)))
+    return order, plans
+
+
+@functools.lru_cache(maxsize=1024)
+def _output_plan(
+    shape: tuple[int, ...], present: tuple[str, ...], spec: PartitionSpec, axes: tuple, mesh: Mesh
+) -> tuple:
+    """How :func:`from_physical` assembles: (instance-0 index or None, sizes of the dims to tile
+    in front, permutation (None: identity), final sizes)."""
+    named = set(spec.axes)
+    kept = [a for a in present if a in named]
+    index = None
+    shape_list = list(shape)
+    if len(kept) < len(present):  # varying over an unnamed axis (check_vma=False): instance 0
+        index = tuple(slice(None) if a in named else 0 for a in present)
+        shape_list = [s for a, s in zip(present, shape) if a in named] + shape_list[len(present) :]
+    tiles = []
+    for a in sorted(named.difference(kept)):  # invariant over a named axis: identical blocks
+        tiles.append(mesh.shape[a])
+        kept.insert(0, a)
+        shape_list.insert(0, mesh.shape[a])
+    perm: list[int] = []
+    sizes: list[int] = []
+    for d in range(len(shape_list) - len(kept)):
+        group = [kept.index(a) for a in spec.entry_axes(d)] + [len(kept) + d]
+        perm.extend(group)
+        sizes.append(math.prod(shape_list[i] for i in group))
+    return index, tiles, None if perm == sorted(perm) else perm, sizes
 
 
 def from_physical(
@@ -222,21 +301,27 @@ def from_physical(
     ``present`` are the axes the output is batched at. An axis the spec does not name contributes
     its instance-0 copy (invariant when checked); an axis the spec names but the output is
     invariant over is tiled."""
-    named = set(spec.axes)
-    kept = [a for a in present if a in named]
-    if len(kept) < len(present):  # varying over an unnamed axis (check_vma=False): instance 0
-        y = y[tuple(slice(None) if a in named else 0 for a in present)]
-    for a in named.difference(kept):  # invariant over a named axis: identical blocks
-        y = y.unsqueeze(0).expand(mesh.shape[a], *y.shape)
-        kept.insert(0, a)
-    local_rank = y.dim() - len(kept)
-    perm: list[int] = []
-    sizes: list[int] = []
-    for d in range(local_rank):
-        group = [kept.index(a) for a in spec.entry_axes(d)] + [len(kept) + d]
-        perm.extend(group)
-        sizes.append(math.prod(y.shape[i] for i in group))
-    return y.permute(perm).reshape(sizes)  # a list: rank-0 outputs have no dims
+    axes = tuple(mesh.shape.items())
+    index, tiles, perm, sizes = _output_plan(tuple(y.shape), tuple(present), spec, axes, mesh)
+    if index is not None:
+        y = y[index]
+    for n in tiles:  # each new one in front: the last one leads, as in the plan
+        y = y.expand(n, *y.shape)
+    if perm is not None:
+        y = y.permute(perm)
+    return y.reshape(sizes)  # a list: rank-0 outputs have no dims
+
+
+_tokens: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _token(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` on ``device``, made once (a factory call costs microseconds)."""
+    token = _tokens.get((n, device))
+    if token is None:
+        with torch._C._DisableFuncTorch():  # a plain tensor, even under functionalize & co
+            token = _tokens[(n, device)] = torch.arange(n, device=device)
+    return token
 
 
 _decompositions_loaded = False
@@ -272,23 +357,25 @@ def run(
     over. ``vmap(out_dims=0)`` would expand it over them, and the instance-0 selection that
     followed cost a zero fill, a copy and a sum of the full expanded size in backward."""
     _load_decompositions()
-    order = nesting_order(mesh, leaves, specs)
-    local = list(leaves)
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    for i in tensor_pos:
-        local[i] = to_physical(leaves[i], specs[i], mesh, order)
+    inputs = tuple((tuple(leaves[i].shape), leaves[i].element_size(), specs[i]) for i in tensor_pos)
+    axes = tuple(mesh.shape.items())
+    order, plans = _input_plan(axes, mesh, inputs, getattr(_override, "order", None))
+    local = list(leaves)
+    for i, (split, perm, _) in zip(tensor_pos, plans):
+        x = leaves[i].reshape(split)
+        local[i] = x if perm is None else x.permute(perm)
+    device = leaves[tensor_pos[0]].device if tensor_pos else torch.device("cpu")
     levels: list[int] = []
     tokens: dict[str, torch.Tensor] = {}
-    device = local[tensor_pos[0]].device if tensor_pos else torch.device("cpu")
     try:
         for a in order:  # outermost first: each input's mesh dims lead in nesting order
             level = _functorch._vmap_increment_nesting(mesh.shape[a], "same")
             levels.append(level)
-            for i in tensor_pos:
-                if a in specs[i].axes:
+            for i, (_, _, axes) in zip(tensor_pos, plans):
+                if a in axes:
                     local[i] = _functorch._add_batch_dim(local[i], 0, level)
-            token = torch.arange(mesh.shape[a], device=device)
-            tokens[a] = _functorch._add_batch_dim(token, 0, level)
+            tokens[a] = _functorch._add_batch_dim(_token(mesh.shape[a], device), 0, level)
         ctx = SimulatedContext(mesh, fn, tokens)
         if recording():  # report implicit pvary's backward psum; off the fast path
             outs = list(run_recording(ctx, body, local))
