@@ -399,3 +399,24 @@ def test_cached_plans_tell_apart_specs_that_are_equal_as_tuples():
     for mesh in (MESH, swapped, MESH):
         got = ns.spmd_map(functools.partial(tag, ns), mesh=mesh, in_specs=spec, out_specs=spec)(x1)
         close(got, run_reference(functools.partial(tag, REF), mesh, spec, spec, x1))
+
+
+def test_an_error_inside_leaves_no_vmap_level_behind():
+    """The runner enters the vmap levels itself: a failing per-device function must leave the
+    functorch stack as it found it, and the next call must work."""
+
+    def fails(x):
+        ns.psum(x, "b")
+        raise ValueError("boom")
+
+    f = ns.spmd_map(fails, mesh=MESH, in_specs=P("a", "b"), out_specs=P())
+    x = _randn(6, 9, seed=7)
+    with pytest.raises(ValueError, match="boom"):
+        f(x)
+    assert torch._C._functorch.maybe_current_level() is None
+    with pytest.raises(ValueError, match="boom"):  # also from inside a user transform
+        vmap(f)(torch.stack([x, x]))
+    assert torch._C._functorch.maybe_current_level() is None
+    case = CASES["psum b"]
+    spmd, dense = programs(case)
+    close(spmd(x), dense(x))

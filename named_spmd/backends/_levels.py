@@ -1,17 +1,25 @@
-"""Two per-vmap-level primitives from which the simulated backend builds every collective.
+"""Per-vmap-level primitives from which the simulated backend builds every collective.
 
-The simulation nests one ``torch.func.vmap`` level per mesh axis. Each axis also gets a *token*,
-``arange(size)`` batched at that level only: passing it as an operand makes functorch call the
-Function's vmap rule at exactly that level (functorch only visits levels where some operand is
-batched), and it doubles as ``axis_index``. At a level where only the operand is batched (another
-axis, or a user's own vmap) the rule moves that batch dim to the front and re-applies, counting
-``k`` leading dims that are not the operand's own.
+The simulation nests one vmap level per mesh axis. Each axis also gets a *token*, ``arange(size)``
+batched at that level only; it doubles as ``axis_index`` and identifies the level to the
+fallback Functions below.
 
-* ``GatherLevel``: varying over the axis -> invariant stack ``[n, *local]`` (a view, no copy).
-* ``VaryLevel``: invariant over the axis -> varying broadcast (an expand, no copy).
+Fast path (module bottom): when only vmaps sit above the level (no torch.func.grad / jvp inside
+the per-device function), the primitives unwrap the operand's batch levels above the collective's
+level, act on the tensor as seen at that level and wrap the result back, with private functorch
+APIs and ordinary torch ops only: ``gather`` (varying -> invariant stack ``[n, *local]``, a view),
+``gather_reduce`` (psum / pmax / pmin over one level, one op), ``vary`` (invariant -> varying, an
+expand), ``scatter`` (invariant ``[n, ...]`` -> varying, the dim becomes the batch dim: no op) and
+``permute`` (ppermute over one level, one index_select). A few microseconds each; transforms
+outside the simulation see only the ordinary ops.
 
-Their autograd through ops of the vmap rule gives the global gradient when differentiating outside
-the simulation; ``backward`` (the per-instance transpose) serves torch.func.grad *inside* it.
+Fallback: ``GatherLevel`` / ``VaryLevel``, autograd.Functions with a ``vmap`` staticmethod (about
+120 us per level visited). functorch calls their vmap rule only at levels where some operand is
+batched; the token makes that happen at exactly the axis' level. At a level where only the operand
+is batched (another axis, or a user's own vmap) the rule moves that batch dim to the front and
+re-applies, counting ``k`` leading dims that are not the operand's own. Their ``backward`` / ``jvp``
+are the per-instance transposes that a torch.func.grad / jvp *inside* the per-device function
+needs. tests/test_levels_matrix.py runs every collective through every transform on both paths.
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
 """Simulated backend: every instance of the mesh runs in this process under nested vmap.
 
-One ``torch.func.vmap`` level per mesh axis. A tensor's vma is the set of *our* levels it is
+One functorch vmap level per mesh axis, entered directly by :func:`run` (the nesting order is a
+performance choice: :func:`nesting_order`). A tensor's vma is the set of *our* levels it is
 batched at: "unbatched at this level" is exactly "invariant over this axis". Every collective is
-built from the two level primitives of ``_levels`` plus ordinary torch ops, so autograd outside
-the simulation yields the global gradient with no extra machinery.
+built from the level primitives of ``_levels`` (gather / reduce / vary / scatter / permute over
+one level) plus ordinary torch ops, so autograd outside the simulation yields the global gradient
+with no extra machinery. Those primitives act on the levels directly (a few microseconds) and
+fall back to autograd.Functions with per-instance transposes under a grad or jvp *inside* the
+per-device function.
 """
 
 from __future__ import annotations
