@@ -420,3 +420,18 @@ def test_an_error_inside_leaves_no_vmap_level_behind():
     case = CASES["psum b"]
     spmd, dense = programs(case)
     close(spmd(x), dense(x))
+
+
+def test_writing_into_axis_index_does_not_leak_into_later_calls():
+    """The level tokens are cached between calls; axis_index must hand out a copy."""
+
+    def bump(x):
+        i = ns.axis_index("b")
+        i += 1
+        return x + i
+
+    f = ns.spmd_map(bump, mesh=MESH, in_specs=P("a", "b"), out_specs=P("a", "b"))
+    x = _randn(6, 9, seed=8)
+    want = x + torch.arange(1, B + 1, dtype=F64).repeat_interleave(3)
+    close(f(x), want)
+    close(f(x), want)

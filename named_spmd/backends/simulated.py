@@ -67,6 +67,11 @@ class SimulatedContext(SpmdContext):
             x = _functorch.get_unwrapped(x)
 
     def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
+        # A copy: the tokens are shared between calls, and user code may write into the result.
+        index = self._index(axes)
+        return index.clone() if len(axes) == 1 else index
+
+    def _index(self, axes: tuple[str, ...]) -> torch.Tensor:
         index = self.tokens[axes[0]]
         for a in axes[1:]:
             index = index * self.sizes[a] + self.tokens[a]
@@ -103,7 +108,7 @@ class SimulatedContext(SpmdContext):
             return stacked
         axes = axes[axes.index(a) :]  # the axes left to scatter, on the fallback path
         stacked = self.pvary(stacked.flatten(dim, dim + len(axes) - 1), axes)
-        index = self.axis_index(axes).reshape(1)
+        index = self._index(axes).reshape(1)
         return stacked.index_select(dim, index).squeeze(dim)
 
     # --- collectives ----------------------------------------------------------------------
@@ -320,7 +325,8 @@ _tokens: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _token(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` on ``device``, made once (a factory call costs microseconds)."""
+    """``arange(n)`` on ``device``, made once: two factory calls cost ~15% of a small call.
+    Shared between calls, so never handed to user code (see SimulatedContext.axis_index)."""
     token = _tokens.get((n, device))
     if token is None:
         with torch._C._DisableFuncTorch():  # a plain tensor, even under functionalize & co
@@ -370,8 +376,8 @@ def run(
         x = leaves[i].reshape(split)
         local[i] = x if perm is None else x.permute(perm)
     device = leaves[tensor_pos[0]].device if tensor_pos else torch.device("cpu")
+    tokens = {a: _token(mesh.shape[a], device) for a in order}
     levels: list[int] = []
-    tokens: dict[str, torch.Tensor] = {}
     try:
         for a in order:  # outermost first: each input's mesh dims lead in nesting order
             level = _functorch._vmap_increment_nesting(mesh.shape[a], "same")
@@ -379,7 +385,7 @@ def run(
             for i, (_, _, axes) in zip(tensor_pos, plans):
                 if a in axes:
                     local[i] = _functorch._add_batch_dim(local[i], 0, level)
-            tokens[a] = _functorch._add_batch_dim(_token(mesh.shape[a], device), 0, level)
+            tokens[a] = _functorch._add_batch_dim(tokens[a], 0, level)
         ctx = SimulatedContext(mesh, fn, tokens)
         if recording():  # report implicit pvary's backward psum; off the fast path
             outs = list(run_recording(ctx, body, local))
