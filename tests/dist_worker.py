@@ -72,7 +72,7 @@ def evaluate(case, mesh, out_specs, dtensor=False):
         args = _to_dtensors(mesh, args, case.in_specs)
     leaves = [t for t in optree.tree_leaves(args) if _is_float(t)]
     for t in leaves:
-        t.requires_grad_(True)
+        t.requires_grad_(not case.no_grad)
     f = ns.spmd_map(
         case.prog, mesh=mesh, in_specs=case.in_specs, out_specs=out_specs, check_vma=case.check_vma
     )

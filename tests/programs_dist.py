@@ -43,6 +43,7 @@ class Case:
     check_vma: bool = True
     pinned_backward: dict[tuple[str, tuple[str, ...]], int] | None = None  # (op, axes) -> count
     dtensor_inputs: bool = False  # also run with DTensor inputs on the real mesh
+    no_grad: bool = False  # forward only, under torch.no_grad (reductions may work in place)
     extra: dict = field(default_factory=dict)
 
 
@@ -147,6 +148,17 @@ def identity(x):
 
 def psum_replicated(x):
     return ns.psum(x, "i")
+
+
+def reuse_after_psum(x):
+    """Operands the user still holds after a reduction must not be overwritten by it."""
+    named = x * 2
+    kept = [x + 1]
+    base = x * 3
+    view = base[0]
+    s = ns.psum(named, "i") + ns.pmax(kept[0], "i") + ns.pmin(base, "i") + ns.psum(x * 5, "i")
+    m = ns.pmean(view, "i")
+    return named + kept[0] + base + s + m + x
 
 
 def program_cases(world: int) -> list[Case]:
@@ -273,6 +285,16 @@ def program_cases(world: int) -> list[Case]:
             psum_replicated,
             lambda: (r(world, 2, seed=27),),
             pinned_backward={},
+        ),
+        Case(
+            "reuse_after_psum_no_grad",
+            (world,),
+            ("i",),
+            P("i"),
+            P("i"),
+            reuse_after_psum,
+            lambda: (r(world, 3, seed=32),),
+            no_grad=True,
         ),
         Case(
             "unchecked_varying_output",

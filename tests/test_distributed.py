@@ -110,3 +110,112 @@ def test_import_named_spmd_does_not_load_the_distributed_backend():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# --- in-place reductions: never on a tensor someone else can see --------------------------------
+
+
+class _DoublingComm:
+    """Stands in for a group of two identical members: an all-reduce doubles, in place."""
+
+    def __init__(self):
+        self.ptrs: list[int] = []
+
+    def all_reduce_(self, buf, op=None, name="psum"):
+        self.ptrs.append(buf.data_ptr())
+        return buf.mul_(2)
+
+
+def _pvary(t, comm):
+    from named_spmd.backends._dist_autograd import PvaryFn
+
+    return PvaryFn.apply(t, comm)
+
+
+def _aliasing_programs():
+    import torch
+
+    def mm_only(p, a, b, c, seen):
+        return (p(a) @ c).sum()
+
+    def add_leaf(p, a, b, c, seen):
+        return ((p(a) + b) @ c).sum()
+
+    def add_pending_mm(p, a, b, c, seen):  # the same gradient tensor goes to b @ c's backward
+        return (((b @ c) + p(a)) @ c).sum()
+
+    def two_pvary(p, a, b, c, seen):
+        return ((p(a) + p(b)) @ c).sum()
+
+    def mul_by_self(p, a, b, c, seen):
+        h = a @ c
+        return (p(h) * h).sum()
+
+    def hook_keeps_grad(p, a, b, c, seen):
+        y = p(a)
+        y.register_hook(lambda g: seen.append(g))
+        return (y @ c).sum()
+
+    def retain_grad(p, a, b, c, seen):
+        y = p(a)
+        y.retain_grad()
+        seen.append(y)
+        return (y @ c).sum()
+
+    del torch
+    return [mm_only, add_leaf, add_pending_mm, two_pvary, mul_by_self, hook_keeps_grad, retain_grad]
+
+
+@pytest.mark.parametrize("prog", _aliasing_programs(), ids=lambda f: f.__name__)
+def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradient(prog):
+    import torch
+
+    def run(pvary):
+        g = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(4, 4, generator=g, requires_grad=True) for _ in range(2))
+        c = torch.randn(4, 4, generator=g)
+        seen: list = []
+        prog(pvary, a, b, c, seen).backward()
+        kept = [t.grad if t.grad is not None and t.dim() else t for t in seen]
+        return [a.grad, b.grad], [k.detach().clone() for k in kept]
+
+    class Doubled(torch.autograd.Function):  # the reference: an out-of-place doubling backward
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    comm = _DoublingComm()
+    got, got_kept = run(lambda t: _pvary(t, comm))
+    want, want_kept = run(Doubled.apply)
+    for x, y in zip(got + got_kept, want + want_kept):
+        assert (x is None and y is None) or torch.equal(x, y), prog.__name__
+    if prog.__name__ == "mm_only":  # the optimisation does happen where it is safe
+        from named_spmd.backends import _dist_autograd
+
+        assert _dist_autograd._BASELINE and _dist_autograd._BASELINE[0] is not None
+
+
+def test_forward_reductions_may_overwrite_only_temporaries():
+    from named_spmd.backends import distributed
+
+    distributed._calibrate_donation()
+    # on this interpreter a named operand is told apart from a temporary (else donation is off,
+    # which is safe but slower); the multi-process case reuse_after_psum_no_grad checks that
+    # operands still held by the user are not overwritten
+    assert distributed._DONATE["ok"], distributed._DONATE
+
+
+def test_pvary_backward_reuses_a_fresh_gradient_buffer():
+    import torch
+
+    comm = _DoublingComm()
+    a = torch.randn(4, 4, requires_grad=True)
+    y = _pvary(a, comm)
+    incoming: list[int] = []
+    y.register_hook(lambda g: incoming.append(g.data_ptr()))  # records, keeps nothing
+    (y @ torch.randn(4, 4)).sum().backward()
+    assert comm.ptrs == incoming  # reduced in place: no copy of the gradient

@@ -26,7 +26,7 @@ SCRIPT = os.path.join("tutorials", "scripts", "torchrun_demo.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 LINE = re.compile(
     r"RANK (\d+)/(\d+) host=\S+ mesh=(.*?) coords=(.*?) losses=(\[.*?\]) "
-    r"checksum=(\S+) max_err_vs_dense=(\S+)"
+    r"checksum=(-?[0-9.]+) max_err_vs_dense=([0-9.e+-]+)"
 )
 
 

@@ -55,31 +55,36 @@ def _apply(cls, *args):
 
 # --- who else can see a gradient? ----------------------------------------------------------------
 
-_REFS_BASELINE: list[int] = []
+_BASELINE: list[tuple[int, int, int]] = []  # (TensorImpl uses, storage uses, Python refs)
 
 
 def _refs(g: torch.Tensor) -> int:
     return sys.getrefcount(g)
 
 
+def _counts(g: torch.Tensor) -> tuple[int, int, int] | None:
+    try:
+        storage = _storage_uses(g.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return g._use_count(), storage, _refs(g)
+
+
 def _exclusive(g: torch.Tensor, probe: bool = False) -> bool:
     """True when the backward that received ``g`` may overwrite it: called directly from a
-    Function's backward, whose only other reference is the autograd engine's."""
+    Function's backward. The references the autograd engine itself holds differ between torch
+    versions, so they are measured once (:func:`_calibrate`) on a gradient nothing else holds."""
     if probe:
-        _REFS_BASELINE.append(_refs(g))
+        _BASELINE.append(_counts(g))
         return False
-    if g._base is not None or not g.is_contiguous() or g._use_count() != 1:
+    if g._base is not None or not g.is_contiguous() or _functorch.is_functorch_wrapped_tensor(g):
         return False
-    if _functorch.is_functorch_wrapped_tensor(g):
+    counts = _counts(g)
+    if counts is None or not _BASELINE or _BASELINE[0] is None:
         return False
-    try:
-        if _storage_uses(g.untyped_storage()._cdata) != 2:  # this call's storage object + g
-            return False
-    except (RuntimeError, NotImplementedError):
-        return False
-    if not _REFS_BASELINE:
-        _calibrate()
-    return _refs(g) <= _REFS_BASELINE[0]
+    uses, storage, refs = counts
+    base = _BASELINE[0]
+    return uses <= base[0] and storage <= base[1] and refs <= base[2]
 
 
 class _Calibrate(torch.autograd.Function):
@@ -101,11 +106,11 @@ class _Calibrate(torch.autograd.Function):
 
 
 def _calibrate() -> None:
+    """Run once at import, outside any backward (a nested backward may hold other references)."""
     x = torch.zeros(2, requires_grad=True)
     with torch.enable_grad():
         (_Calibrate.apply(x) * 2.0).sum().backward()
-    if len(_REFS_BASELINE) > 1:
-        del _REFS_BASELINE[1:]
+    del _BASELINE[1:]
 
 
 # --- layouts shared by forward and backward ------------------------------------------------------
@@ -343,20 +348,23 @@ def pvary(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return _apply(PvaryFn, x, comm) if _differentiable(x) else x.view_as(x)
 
 
-def psum(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return _apply(PsumFn, x, comm) if _differentiable(x) else _psum(x, comm)
+def psum(x: torch.Tensor, comm: Comm, donate: bool = False) -> torch.Tensor:
+    """``donate``: the caller proved that nothing else sees ``x``: reduce it in place."""
+    if _differentiable(x):
+        return _apply(PsumFn, x, comm)
+    return comm.all_reduce_(x if donate else x.clone(memory_format=_contiguous))
 
 
-def pmax(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+def pmax(x: torch.Tensor, comm: Comm, donate: bool = False) -> torch.Tensor:
     if _differentiable(x):
         return _apply(ExtremumFn, x, comm, MAX)
-    return comm.all_reduce_(x.clone(memory_format=_contiguous), MAX, "pmax")
+    return comm.all_reduce_(x if donate else x.clone(memory_format=_contiguous), MAX, "pmax")
 
 
-def pmin(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+def pmin(x: torch.Tensor, comm: Comm, donate: bool = False) -> torch.Tensor:
     if _differentiable(x):
         return _apply(ExtremumFn, x, comm, MIN)
-    return comm.all_reduce_(x.clone(memory_format=_contiguous), MIN, "pmin")
+    return comm.all_reduce_(x if donate else x.clone(memory_format=_contiguous), MIN, "pmin")
 
 
 def all_gather(x, comm: Comm, axis: int, tiled: bool, invariant: bool) -> torch.Tensor:
@@ -387,3 +395,6 @@ def broadcast(x, comm: Comm) -> torch.Tensor:
     if _differentiable(x):
         return _apply(BroadcastFn, x, comm)
     return comm.broadcast_(x.clone(memory_format=_contiguous), 0)
+
+
+_calibrate()

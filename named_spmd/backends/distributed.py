@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import sys
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -214,17 +215,21 @@ class DistributedContext(TrackedContext):
         with _no_torch_function():
             return ops.pvary(x, self.mesh.comm(axes))
 
+    # The reductions take the operand's reference count first thing (see _donatable).
     def psum(self, x, axes):
+        refs = sys.getrefcount(x)
         with _no_torch_function():
-            return ops.psum(x, self.mesh.comm(axes))
+            return ops.psum(x, self.mesh.comm(axes), _donatable(x, refs))
 
     def pmax(self, x, axes):
+        refs = sys.getrefcount(x)
         with _no_torch_function():
-            return ops.pmax(x, self.mesh.comm(axes))
+            return ops.pmax(x, self.mesh.comm(axes), _donatable(x, refs))
 
     def pmin(self, x, axes):
+        refs = sys.getrefcount(x)
         with _no_torch_function():
-            return ops.pmin(x, self.mesh.comm(axes))
+            return ops.pmin(x, self.mesh.comm(axes), _donatable(x, refs))
 
     def all_gather(self, x, axes, axis, tiled, invariant):
         with _no_torch_function():
@@ -241,6 +246,90 @@ class DistributedContext(TrackedContext):
     def ppermute(self, x, axes, pairs):
         with _no_torch_function():
             return ops.ppermute(x, self.mesh.comm(axes), pairs)
+
+
+# --- reducing a temporary in place ----------------------------------------------------------------
+#
+# ``ns.psum(h @ w, "tp")`` without autograd: the operand is a temporary that only the call chain
+# of the public collective references, so the all-reduce may overwrite it instead of a copy (a
+# 4 MB copy is a quarter of a 4 MB gloo all-reduce). Whether a user still holds the operand is
+# read off its reference counts, compared with those of a temporary sent through the very same
+# chain at import (_calibrate_donation); a named variable, a list entry, a view, a tensor saved by
+# autograd or shared storage all add a reference. If the interpreter does not count a named
+# variable apart from a temporary, donation stays off.
+
+_DONATE: dict[str, Any] = {}
+
+
+class _Probe(TrackedContext):
+    """Records, from the same frame depth as DistributedContext's reductions, the counts of
+    the operand."""
+
+    def _seen(self, x, refs):
+        self.seen = (refs, x._use_count(), _storage_uses(x))
+        return x.clone()
+
+    def psum(self, x, axes):
+        refs = sys.getrefcount(x)
+        return self._seen(x, refs)
+
+    def pmax(self, x, axes):
+        refs = sys.getrefcount(x)
+        return self._seen(x, refs)
+
+    pmin = pmax
+
+
+def _storage_uses(x: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(x.untyped_storage()._cdata)
+
+
+def _calibrate_donation() -> None:
+    from .. import _accounting, _context
+    from .. import _collectives as C
+
+    saved = getattr(_accounting._local, "stack", None)
+    _accounting._local.stack = []  # a CommMode around the first call must not see the probes
+    try:
+        _probe_chains(C, _context)
+    finally:
+        _accounting._local.stack = saved
+
+
+def _probe_chains(C, _context) -> None:
+    mesh = Mesh((2,), ("i",))
+    temps, named = [], []
+    for op in (C.psum, C.pmean, C.pmax, C.pmin):
+        for case in ("temporary", "named"):
+            ctx = _Probe(mesh, _calibrate_donation)
+            _context.push(ctx)
+            try:
+                if case == "temporary":
+                    op(ctx.stamp(torch.zeros(2), {"i"}), "i")
+                else:
+                    operand = ctx.stamp(torch.zeros(2), {"i"})
+                    op(operand, "i")
+            finally:
+                _context.pop()
+            (temps if case == "temporary" else named).append(ctx.seen)
+    refs = min(t[0] for t in temps)
+    _DONATE["ok"] = all(n[0] > refs for n in named)
+    _DONATE["limits"] = (refs, min(t[1] for t in temps), min(t[2] for t in temps))
+
+
+def _donatable(x: torch.Tensor, refs: int) -> bool:
+    """Whether nothing but the collective's own call chain references ``x`` (see above)."""
+    if x.requires_grad or x._base is not None or not x.is_contiguous():
+        return False
+    if "ok" not in _DONATE:  # first use (the public collectives are importable by now)
+        _calibrate_donation()
+    if not _DONATE["ok"]:
+        return False
+    max_refs, max_uses, max_storage = _DONATE["limits"]
+    try:
+        return refs <= max_refs and x._use_count() <= max_uses and _storage_uses(x) <= max_storage
+    except (RuntimeError, NotImplementedError):  # tensors without storage (wrappers)
+        return False
 
 
 def run(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -95,12 +96,13 @@ def main() -> None:
     err = max((a - b).abs().max().item() for a, b in zip(trained, dense))
     checksum = sum(p.sum().item() for p in trained)
     coords = getattr(mesh, "my_coords", "all (simulated)")
-    print(
+    line = (
         f"RANK {rank}/{world} host={socket.gethostname()} mesh={mesh!r} coords={coords} "
         f"losses={[round(v, 6) for v in losses]} checksum={checksum:.12f} "
-        f"max_err_vs_dense={err:.2e}",
-        flush=True,
+        f"max_err_vs_dense={err:.2e}\n"
     )
+    sys.stdout.write(line)  # one write: lines of processes sharing a terminal do not interleave
+    sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
 
