@@ -200,13 +200,13 @@ def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradien
 
 
 def test_forward_reductions_may_overwrite_only_temporaries():
-    from named_spmd.backends import distributed
+    from named_spmd.backends import _dist_donate
 
-    distributed._calibrate_donation()
+    _dist_donate.calibrate()
     # on this interpreter a named operand is told apart from a temporary (else donation is off,
     # which is safe but slower); the multi-process case reuse_after_psum_no_grad checks that
     # operands still held by the user are not overwritten
-    assert distributed._DONATE["ok"], distributed._DONATE
+    assert _dist_donate._DONATE["ok"], _dist_donate._DONATE
 
 
 def test_pvary_backward_reuses_a_fresh_gradient_buffer():

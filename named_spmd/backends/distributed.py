@@ -31,21 +31,23 @@ import itertools
 import math
 import sys
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from .._errors import RankFailedError, SpecError, SpmdError
+from .._errors import RankFailedError, SpmdError
 from .._mesh import Mesh
 from .._spec import PartitionSpec
 from . import _dist_autograd as ops
 from ._dist_comm import Comm
+from ._dist_donate import donatable
 from ._dist_failures import FailureBoard, debug_enabled, set_debug, timeout_s
+from ._dist_io import global_output, local_input
 from ._tracking import TrackedContext, VmaMode
 
 __all__ = [
@@ -86,6 +88,8 @@ class DistributedMesh(Mesh):
         self.debug = False
         self._groups = _create_groups(device_mesh, names)
         self._comms: dict[tuple[str, ...], Comm] = {}
+        self.placements_cache: dict = {}  # (spec, rank) -> DTensor placements
+        self.dtensor_specs: dict = {}  # (placements, shape, stride, dtype) -> DTensorSpec
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
         store = dist.distributed_c10d._get_default_store()
         self.board = FailureBoard(store, self.rank, key, self.coords_of)
@@ -215,21 +219,21 @@ class DistributedContext(TrackedContext):
         with _no_torch_function():
             return ops.pvary(x, self.mesh.comm(axes))
 
-    # The reductions take the operand's reference count first thing (see _donatable).
+    # The reductions take the operand's reference count first thing (see _dist_donate).
     def psum(self, x, axes):
         refs = sys.getrefcount(x)
         with _no_torch_function():
-            return ops.psum(x, self.mesh.comm(axes), _donatable(x, refs))
+            return ops.psum(x, self.mesh.comm(axes), donatable(x, refs))
 
     def pmax(self, x, axes):
         refs = sys.getrefcount(x)
         with _no_torch_function():
-            return ops.pmax(x, self.mesh.comm(axes), _donatable(x, refs))
+            return ops.pmax(x, self.mesh.comm(axes), donatable(x, refs))
 
     def pmin(self, x, axes):
         refs = sys.getrefcount(x)
         with _no_torch_function():
-            return ops.pmin(x, self.mesh.comm(axes), _donatable(x, refs))
+            return ops.pmin(x, self.mesh.comm(axes), donatable(x, refs))
 
     def all_gather(self, x, axes, axis, tiled, invariant):
         with _no_torch_function():
@@ -248,90 +252,6 @@ class DistributedContext(TrackedContext):
             return ops.ppermute(x, self.mesh.comm(axes), pairs)
 
 
-# --- reducing a temporary in place ----------------------------------------------------------------
-#
-# ``ns.psum(h @ w, "tp")`` without autograd: the operand is a temporary that only the call chain
-# of the public collective references, so the all-reduce may overwrite it instead of a copy (a
-# 4 MB copy is a quarter of a 4 MB gloo all-reduce). Whether a user still holds the operand is
-# read off its reference counts, compared with those of a temporary sent through the very same
-# chain at import (_calibrate_donation); a named variable, a list entry, a view, a tensor saved by
-# autograd or shared storage all add a reference. If the interpreter does not count a named
-# variable apart from a temporary, donation stays off.
-
-_DONATE: dict[str, Any] = {}
-
-
-class _Probe(TrackedContext):
-    """Records, from the same frame depth as DistributedContext's reductions, the counts of
-    the operand."""
-
-    def _seen(self, x, refs):
-        self.seen = (refs, x._use_count(), _storage_uses(x))
-        return x.clone()
-
-    def psum(self, x, axes):
-        refs = sys.getrefcount(x)
-        return self._seen(x, refs)
-
-    def pmax(self, x, axes):
-        refs = sys.getrefcount(x)
-        return self._seen(x, refs)
-
-    pmin = pmax
-
-
-def _storage_uses(x: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(x.untyped_storage()._cdata)
-
-
-def _calibrate_donation() -> None:
-    from .. import _accounting, _context
-    from .. import _collectives as C
-
-    saved = getattr(_accounting._local, "stack", None)
-    _accounting._local.stack = []  # a CommMode around the first call must not see the probes
-    try:
-        _probe_chains(C, _context)
-    finally:
-        _accounting._local.stack = saved
-
-
-def _probe_chains(C, _context) -> None:
-    mesh = Mesh((2,), ("i",))
-    temps, named = [], []
-    for op in (C.psum, C.pmean, C.pmax, C.pmin):
-        for case in ("temporary", "named"):
-            ctx = _Probe(mesh, _calibrate_donation)
-            _context.push(ctx)
-            try:
-                if case == "temporary":
-                    op(ctx.stamp(torch.zeros(2), {"i"}), "i")
-                else:
-                    operand = ctx.stamp(torch.zeros(2), {"i"})
-                    op(operand, "i")
-            finally:
-                _context.pop()
-            (temps if case == "temporary" else named).append(ctx.seen)
-    refs = min(t[0] for t in temps)
-    _DONATE["ok"] = all(n[0] > refs for n in named)
-    _DONATE["limits"] = (refs, min(t[1] for t in temps), min(t[2] for t in temps))
-
-
-def _donatable(x: torch.Tensor, refs: int) -> bool:
-    """Whether nothing but the collective's own call chain references ``x`` (see above)."""
-    if x.requires_grad or x._base is not None or not x.is_contiguous():
-        return False
-    if "ok" not in _DONATE:  # first use (the public collectives are importable by now)
-        _calibrate_donation()
-    if not _DONATE["ok"]:
-        return False
-    max_refs, max_uses, max_storage = _DONATE["limits"]
-    try:
-        return refs <= max_refs and x._use_count() <= max_uses and _storage_uses(x) <= max_storage
-    except (RuntimeError, NotImplementedError):  # tensors without storage (wrappers)
-        return False
-
-
 def run(
     mesh: DistributedMesh,
     fn: Callable[..., Any],
@@ -347,12 +267,14 @@ def run(
     ctx = DistributedContext(mesh, fn)
     try:
         local = [
-            _local_input(mesh, leaf, spec, ctx, i) if isinstance(leaf, torch.Tensor) else leaf
+            ctx.stamp(local_input(mesh, leaf, spec, ctx.fn_label, i), spec.axes)
+            if isinstance(leaf, torch.Tensor)
+            else leaf
             for i, (leaf, spec) in enumerate(zip(leaves, specs))
         ]
         with VmaMode(ctx):
             outs = body(local, ctx)
-        return [_global_output(mesh, y, s, ctx.vma(y)) for y, s in zip(outs, out_specs_of())]
+        return [global_output(mesh, y, s, ctx.vma(y)) for y, s in zip(outs, out_specs_of())]
     except RankFailedError:
         raise
     except BaseException as e:
@@ -370,149 +292,4 @@ def to_local(tree: Any) -> Any:
     """Replace every DTensor in ``tree`` by this rank's local block (a plain tensor)."""
     return optree.tree_map(
         lambda t: t.to_local() if isinstance(t, DTensor) else t, tree, none_is_leaf=True
-    )
-
-
-# --- inputs --------------------------------------------------------------------------------------
-
-
-def _placements(mesh: DistributedMesh, spec: PartitionSpec, rank: int) -> tuple:
-    out = [Replicate() for _ in mesh.axis_names]
-    for d in range(rank):
-        for a in spec.entry_axes(d):
-            out[mesh.axis_names.index(a)] = Shard(d)
-    return tuple(out)
-
-
-def _local_input(mesh, leaf, spec, ctx, i) -> torch.Tensor:
-    if isinstance(leaf, DTensor):
-        local = _from_dtensor(mesh, leaf, spec, ctx, i)
-    else:
-        if leaf.device.type != mesh.device.type:
-            leaf = leaf.to(mesh.device)
-        if not spec.axes:
-            local = leaf
-        elif ops._differentiable(leaf):
-            local = ops._apply(_ScatterInput, leaf, mesh, spec)
-        else:
-            local = _block(leaf, spec, mesh)
-    return ctx.stamp(local, spec.axes)
-
-
-def _from_dtensor(mesh, leaf, spec, ctx, i) -> torch.Tensor:
-    where = f"spmd_map of {ctx.fn_label}: argument leaf {i}"
-    theirs = leaf.device_mesh
-    if theirs is not mesh.device_mesh and (
-        tuple(theirs.mesh_dim_names or ()) != mesh.axis_names
-        or not torch.equal(theirs.mesh.cpu(), mesh.grid)
-    ):
-        raise SpecError(
-            f"{where} is a DTensor on DeviceMesh {theirs.mesh.tolist()} with dims "
-            f"{theirs.mesh_dim_names}, not on the mapped mesh {mesh.grid.tolist()} "
-            f"{mesh.axis_names}. Fix: create it on the same mesh (mesh.device_mesh), or pass "
-            "a plain tensor holding the global value."
-        )
-    want = _placements(mesh, spec, leaf.dim())
-    if tuple(leaf.placements) != want:
-        raise SpecError(
-            f"{where} is a DTensor with placements {tuple(leaf.placements)}, but its in_spec "
-            f"{spec!r} on mesh axes {mesh.axis_names} means placements {want}. Fix: "
-            f"x.redistribute(mesh.device_mesh, {list(want)}), or change the in_spec."
-        )
-    local = leaf.to_local()
-    for axes in _non_mesh_order_entries(mesh, spec):
-        local = ops.ppermute(
-            local, mesh.comm(_in_mesh_order(mesh, axes)), _relayout_pairs(mesh, axes)
-        )
-    return local
-
-
-def _block(x: torch.Tensor, spec: PartitionSpec, mesh: DistributedMesh) -> torch.Tensor:
-    """This rank's block of the global ``x``."""
-    for d in range(x.dim()):
-        axes = spec.entry_axes(d)
-        if axes:
-            size = x.shape[d] // mesh.axis_size(axes)
-            x = x.narrow(d, mesh.index_of(axes, mesh.my_coords) * size, size)
-    return x
-
-
-def _assemble(stacked: torch.Tensor, spec: PartitionSpec, mesh: DistributedMesh) -> torch.Tensor:
-    """[n, *block] (blocks row-major over spec.axes) -> the global tensor."""
-    local = stacked.shape[1:]
-    split = [d for d in range(len(local)) if spec.entry_axes(d)]
-    counts = [mesh.axis_size(spec.entry_axes(d)) for d in split]
-    x = stacked.reshape(*counts, *local)
-    perm, sizes = [], []
-    for d in range(len(local)):
-        if d in split:
-            perm.append(split.index(d))
-            sizes.append(counts[split.index(d)] * local[d])
-        else:
-            sizes.append(local[d])
-        perm.append(len(split) + d)
-    return x.permute(*perm).reshape(sizes)
-
-
-class _ScatterInput(torch.autograd.Function):
-    """Global value -> this rank's block; backward gathers the blocks of the gradient, so every
-    rank holds the global gradient of the global input (as the simulated backend returns)."""
-
-    @staticmethod
-    def forward(x, mesh, spec):
-        return _block(x, spec, mesh)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.mesh, ctx.spec = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, g):
-        stacked = ctx.mesh.comm(ctx.spec.axes).all_gather(g, "gradient of a plain input")
-        return _assemble(stacked, ctx.spec, ctx.mesh), None, None
-
-    @staticmethod
-    def jvp(ctx, t, *_):
-        return _block(t, ctx.spec, ctx.mesh)
-
-
-ops._fast_apply(_ScatterInput)
-
-
-# --- outputs -------------------------------------------------------------------------------------
-
-
-def _in_mesh_order(mesh, axes: Sequence[str]) -> tuple[str, ...]:
-    return tuple(a for a in mesh.axis_names if a in axes)
-
-
-def _non_mesh_order_entries(mesh, spec: PartitionSpec) -> list[tuple[str, ...]]:
-    entries = [spec.entry_axes(d) for d in range(len(spec))]
-    return [e for e in entries if len(e) > 1 and e != _in_mesh_order(mesh, e)]
-
-
-def _relayout_pairs(mesh, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
-    """Pairs (in the mesh-order group of ``axes``) that move block ``b`` from the rank whose
-    mesh-order index is ``b`` (DTensor's layout) to the rank whose ``axes``-order index is ``b``."""
-    ordered = _in_mesh_order(mesh, axes)
-    pairs = []
-    for combo in itertools.product(*(range(mesh.shape[a]) for a in ordered)):
-        coords = dict(zip(ordered, combo))
-        pairs.append((mesh.index_of(axes, coords), mesh.index_of(ordered, coords)))
-    return tuple(pairs)
-
-
-def _global_output(mesh, y: torch.Tensor, spec: PartitionSpec, vma) -> DTensor:
-    unnamed_varying = tuple(a for a in mesh.axis_names if a in vma and a not in spec.axes)
-    named_invariant = tuple(a for a in mesh.axis_names if a in spec.axes and a not in vma)
-    with _no_torch_function():
-        if unnamed_varying:  # check_vma=False: member 0's value, as the simulated backend
-            y = ops.broadcast(y, mesh.comm(unnamed_varying))
-        if named_invariant:  # identical blocks tiled: their cotangents differ and must be summed
-            y = ops.pvary(y, mesh.comm(named_invariant))
-        for axes in _non_mesh_order_entries(mesh, spec):
-            pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
-            y = ops.ppermute(y, mesh.comm(_in_mesh_order(mesh, axes)), pairs)
-    return DTensor.from_local(
-        y, mesh.device_mesh, _placements(mesh, spec, y.dim()), run_check=False
     )
