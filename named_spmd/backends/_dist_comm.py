@@ -85,10 +85,16 @@ class Comm:
         self._wait(op, work)
 
     def _wait(self, op: str, work: Any) -> None:
-        board = self.mesh.board
         if self.mesh.poll:
-            board.wait(work, self._doing(op), _SLICE)
-        elif work is not None:
+            try:  # the common case, kept cheap: done within the first slice
+                work.wait(_SLICE)
+                return
+            except RuntimeError:
+                pass
+            self.mesh.board.wait(work, self._doing(op), _SLICE)
+            return
+        board = self.mesh.board
+        if work is not None:
             try:
                 work.wait()
             except RuntimeError as e:
@@ -99,8 +105,11 @@ class Comm:
         """Reduce ``buf`` over the group in place (the caller owns it); returns it."""
         if self.mesh.debug:
             self._debug(name, buf)
-        opts = self._opts[op]
-        self._issue(name, lambda: self.group.allreduce([_real(buf)], opts))
+        try:
+            work = self.group.allreduce([_real(buf)], self._opts[op])
+        except RuntimeError as e:
+            raise self.mesh.board.translate(e, self._doing(name)) from None
+        self._wait(name, work)
         return buf
 
     def all_gather(self, x: torch.Tensor, name: str = "all_gather") -> torch.Tensor:

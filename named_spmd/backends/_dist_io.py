@@ -104,7 +104,7 @@ for _cls in (_LocalOf, _DTensorOf):
     ops._fast_apply(_cls)
 
 
-def _to_local(mesh, d: DTensor) -> torch.Tensor:
+def to_local_fast(mesh, d: DTensor) -> torch.Tensor:
     if ops._transforms_active():  # torch.func around the call: DTensor's own path
         return d.to_local()
     if not ops._differentiable(d):
@@ -156,7 +156,7 @@ def _from_dtensor(mesh, leaf: DTensor, spec: PartitionSpec, fn_label: str, i: in
             f"{spec!r} on mesh axes {mesh.axis_names} means placements {want}. Fix: "
             f"x.redistribute(mesh.device_mesh, {list(want)}), or change the in_spec."
         )
-    local = _to_local(mesh, leaf)
+    local = to_local_fast(mesh, leaf)
     for axes in _non_mesh_order_entries(mesh, spec):
         ordered = _in_mesh_order(mesh, axes)
         local = ops.ppermute(local, mesh.comm(ordered), _relayout_pairs(mesh, axes))
