@@ -4,6 +4,8 @@ Run: ``python benchmarks/bench_simulated.py [--quick] [--markdown FILE]``
 
 1. Per-collective fixed cost, called from inside the two vmap levels of a (2, 4) mesh on tiny
    tensors: (time of a function with K collectives - time with none) / K. Target: psum <= 15 us.
+   A plain torch op measured the same way gives the scale of this machine. Also a psum under a
+   torch.func.grad inside the per-device function (forward + backward), next to a plain op.
 2. MLP ``y = gelu(x @ W1) @ W2`` with x [64, H], W1 [H, 4H], W2 [4H, H], fp32, forward+backward
    (gradients of W1 and W2), on mesh ("dp", "tp") = (2, 4): x split over dp, W1 / W2 split over
    tp (Megatron), one psum over tp. Baselines in the same process: the unsharded single-device
@@ -72,6 +74,44 @@ def bench_collectives(rounds: int) -> list[_util.Row]:
         target = "<= 15 us" if name == "psum" else ""
         rows.append(
             _util.Row("simulated collective", name, "us per call, 2 levels", per_op, target=target)
+        )
+    rows += _bench_under_grad_inside(mesh, x, rounds)
+    return rows
+
+
+def _grad_inside(op, k: int):
+    """Per device: torch.func.grad of a loss that applies ``op`` k times (forward + backward)."""
+
+    def per_device(x):
+        def loss(u):
+            total = u.sum()
+            for _ in range(k):
+                total = total + op(u).sum()
+            return total
+
+        return torch.func.grad(loss)(x)
+
+    return per_device
+
+
+def _bench_under_grad_inside(mesh, x, rounds: int) -> list[_util.Row]:
+    """A torch.func.grad inside the per-device function puts a grad level above ours: the
+    collectives then apply single-level Functions (the per-instance transposes)."""
+    rows = []
+    for name, op in [
+        ("psum under func.grad inside", lambda u: ns.psum(u, "tp")),
+        ("plain op under func.grad inside", lambda u: u + 1),
+    ]:
+        fs = {
+            k: ns.spmd_map(
+                _grad_inside(op, k), mesh=mesh, in_specs=P("dp", "tp"), out_specs=P("dp", "tp")
+            )
+            for k in (K, 0)
+        }
+        med = _util.compare({k: (lambda f=f: f(x)) for k, f in fs.items()}, rounds=rounds)
+        per_op = (med[K] - med[0]) / K
+        rows.append(
+            _util.Row("simulated collective", name, "us fwd+bwd, incl. a sum and an add", per_op)
         )
     return rows
 

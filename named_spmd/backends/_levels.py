@@ -116,6 +116,7 @@ class VaryLevel(torch.autograd.Function):
 # per-instance transposes of the Functions, so it takes the slow path.
 
 _VMAP = _functorch.TransformType.Vmap
+FAST = True  # False: every primitive through the Functions above (the tests run both)
 
 
 def vmaps_only_above(level: int, known_top: int) -> bool:
@@ -178,10 +179,18 @@ def _stacked_at(x: torch.Tensor, n: int, level: int, top: int, reduce: str | Non
     return _rewrap(stacked, peeled, 1)
 
 
-def gather(x: torch.Tensor, token: torch.Tensor, n: int, level: int, top: int) -> torch.Tensor:
-    """Varying over ``token``'s level -> invariant stack ``[n, *local]`` (a view, no copy)."""
-    out = _stacked_at(x, n, level, top, None)
-    return GatherLevel.apply(x, token, 0) if out is None else out
+def gather(
+    x: torch.Tensor, token: torch.Tensor, n: int, level: int, top: int, k: int = 0
+) -> torch.Tensor:
+    """Varying over ``token``'s level -> invariant stack ``[n, *local]`` (a view, no copy).
+
+    ``k``: leading dims of ``x`` that a user vmap above has been peeled into (the stack dim goes
+    after them); only the lowering path below sets it."""
+    out = _stacked_at(x, n, level, top, None) if FAST else None
+    if out is not None:
+        return out if k == 0 else out.movedim(0, k)
+    out = _lowered(_GatherAbove, gather, x, token, n, level, top, k)
+    return GatherLevel.apply(x, token, k) if out is None else out
 
 
 def gather_reduce(
@@ -189,24 +198,35 @@ def gather_reduce(
 ) -> torch.Tensor:
     """``getattr(gather(x, ...), reduce)(0)`` (a psum, pmax or pmin over one level), with the
     reduction done before the levels above are wrapped back on."""
-    out = _stacked_at(x, n, level, top, reduce)
-    return getattr(GatherLevel.apply(x, token, 0), reduce)(0) if out is None else out
+    out = _stacked_at(x, n, level, top, reduce) if FAST else None
+    if out is None and reduce == "sum":  # a psum under a grad / jvp inside: one Function
+        out = _lowered(_SumAbove, _psum, x, token, n, level, top, 0)
+    return getattr(gather(x, token, n, level, top), reduce)(0) if out is None else out
 
 
-def vary(x: torch.Tensor, token: torch.Tensor, n: int, level: int, top: int) -> torch.Tensor:
+def _psum(x, token, n, level, top, k):
+    # The stack dim is reduced away, so the dims peeled into ``k`` need no care.
+    return gather_reduce(x, token, n, level, top, "sum")
+
+
+def vary(
+    x: torch.Tensor, token: torch.Tensor, n: int, level: int, top: int, k: int = 0
+) -> torch.Tensor:
     """Invariant over ``token``'s level -> varying broadcast (an expand, no copy)."""
-    if _functorch.maybe_get_level(x) < level and _functorch.maybe_current_level() == top:
-        # The common case, inlined: batched at nothing from here up, under our own levels only.
-        return _functorch._add_batch_dim(x.expand(n, *x.shape), 0, level)
-    if vmaps_only_above(level, top):
-        found = _peel(x, level)
-        if found is not None:
-            t, peeled = found
-            if _functorch.maybe_get_level(t) == level:  # already varying
-                return x
-            copies = _functorch._add_batch_dim(t.expand(n, *t.shape), 0, level)
-            return _rewrap(copies, peeled, 0)
-    return VaryLevel.apply(x, token, 0)
+    if FAST:
+        if _functorch.maybe_get_level(x) < level and _functorch.maybe_current_level() == top:
+            # The common case, inlined: batched at nothing from here up, under our levels only.
+            return _functorch._add_batch_dim(x.expand(n, *x.shape), 0, level)
+        if vmaps_only_above(level, top):
+            found = _peel(x, level)
+            if found is not None:
+                t, peeled = found
+                if _functorch.maybe_get_level(t) == level:  # already varying
+                    return x
+                copies = _functorch._add_batch_dim(t.expand(n, *t.shape), 0, level)
+                return _rewrap(copies, peeled, 0)
+    out = _lowered(_VaryAbove, vary, x, token, n, level, top, k)
+    return VaryLevel.apply(x, token, k) if out is None else out
 
 
 def scatter(stacked: torch.Tensor, dim: int, level: int, top: int) -> torch.Tensor | None:
@@ -216,7 +236,7 @@ def scatter(stacked: torch.Tensor, dim: int, level: int, top: int) -> torch.Tens
 
     Autograd outside the simulation sees no op: each instance's cotangent lands in its own slice,
     exactly the transpose (an all_gather of the cotangents)."""
-    if not vmaps_only_above(level, top):
+    if not FAST or not vmaps_only_above(level, top):
         return None
     peeled = []
     x, d = stacked, dim
@@ -245,7 +265,7 @@ def permute(
     """Instance i gets instance ``source[i]``'s value, or zeros where ``receives[i]`` is False
     (a ppermute over one level): one index_select on the level's batch dim. None where the fast
     path does not apply or ``x`` is not varying over the level."""
-    if not vmaps_only_above(level, top):
+    if not FAST or not vmaps_only_above(level, top):
         return None
     found = _peel(x, level)
     if found is None:
@@ -259,3 +279,135 @@ def permute(
     if receives is not None:
         out = torch.where(receives.view([-1] + [1] * (t.dim() - bd - 1)), out, out.new_zeros(()))
     return _rewrap(_functorch._add_batch_dim(out, bd, level), peeled, 0)
+
+
+# --- under a grad or jvp inside the per-device function -----------------------------------------
+#
+# A torch.func.grad / vjp / jvp inside the per-device function puts a grad or jvp interpreter
+# above our levels; the primitives then need their per-instance transposes at that level. Rather
+# than functorch's custom_function_call machinery (a generated Function class per call and
+# ~120 us of Python per level), a single-level Function is applied at that level, the way
+# functorch's generate_single_level_function does, whose forward lowers past the interpreter and
+# calls the primitive again; a user vmap above is peeled as the Functions' vmap rule does
+# (``k`` counts the peeled dims). Once only vmaps remain above, the fast path takes over.
+
+_GRAD_LIKE = (_functorch.TransformType.Grad, _functorch.TransformType.Jvp)
+_FUNCTIONALIZE = _functorch.TransformType.Functionalize
+
+
+def _lowered(fn_above, again, x, token, n, level, top, k):
+    """Apply ``fn_above`` at the grad / jvp interpreter on top, or peel the user vmap on top and
+    call ``again`` one level down. None for anything else (the Functions' path)."""
+    if not FAST:
+        return None
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+    from torch._functorch.utils import enable_single_level_autograd_function
+
+    interpreter = retrieve_current_functorch_interpreter()
+    key = interpreter.key()
+    if key in _GRAD_LIKE:
+        with enable_single_level_autograd_function():
+            return fn_above.apply(x, token, n, level, top, k, interpreter)
+    if key == _FUNCTIONALIZE:  # the primitives do not mutate: unwrap, run below, wrap
+        return _under_functionalize(interpreter, again, x, token, n, level, top, k)
+    if key != _VMAP or interpreter.level() <= level:
+        return None
+    lv = interpreter.level()
+    if _functorch.maybe_get_level(x) != lv:  # not batched here: nothing to peel
+        with interpreter.lower():
+            return again(x, token, n, level, top, k)
+    bd = _functorch.maybe_get_bdim(x)
+    x = _functorch.get_unwrapped(x)
+    with interpreter.lower():
+        out = again(x.movedim(bd, 0), token, n, level, top, k + 1)
+    return _functorch._add_batch_dim(out, 0, lv)
+
+
+def _under_functionalize(interpreter, again, x, token, n, level, top, k):
+    from torch._functorch.eager_transforms import (
+        _maybe_unwrap_functional_tensor,
+        _maybe_wrap_functional_tensor,
+    )
+
+    views = interpreter.functionalize_add_back_views()
+    inner = _maybe_unwrap_functional_tensor(x, reapply_views=views)
+    with interpreter.lower():
+        out = again(inner, token, n, level, top, k)
+    return _maybe_wrap_functional_tensor(out, interpreter.level())
+
+
+def _run_lowered(primitive, x, token, n, level, top, k, interpreter):
+    """The forward of a single-level Function: unwrap ``x`` at the interpreter's level, run
+    ``primitive`` below it with grad mode back on (a Function's forward runs without it, and the
+    levels below may differentiate), wrap the result back."""
+    from torch.autograd.forward_ad import _set_fwd_grad_enabled
+
+    own = interpreter.level()
+    inner = _functorch._unwrap_for_grad(x, own)
+    with torch.enable_grad(), _set_fwd_grad_enabled(True), interpreter.lower():
+        out = primitive(inner, token, n, level, top, k)
+    return _functorch._wrap_for_grad(out, own)
+
+
+def _save(ctx, inputs, output):
+    _, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k, _ = inputs
+
+
+_NONES = (None,) * 6
+
+
+class _GatherAbove(torch.autograd.function._SingleLevelFunction):
+    """:func:`gather` at a grad / jvp level; backward keeps the own slice (the transpose)."""
+
+    @staticmethod
+    def forward(x, token, n, level, top, k, interpreter):
+        return _run_lowered(gather, x, token, n, level, top, k, interpreter)
+
+    setup_context = staticmethod(_save)
+
+    @staticmethod
+    def backward(ctx, grad):
+        own = grad.index_select(ctx.k, ctx.token.reshape(1)).squeeze(ctx.k)
+        return (own, *_NONES)
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return gather(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
+
+
+class _VaryAbove(torch.autograd.function._SingleLevelFunction):
+    """:func:`vary` at a grad / jvp level; backward is the psum over the level (the transpose)."""
+
+    @staticmethod
+    def forward(x, token, n, level, top, k, interpreter):
+        return _run_lowered(vary, x, token, n, level, top, k, interpreter)
+
+    setup_context = staticmethod(_save)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = gather(grad, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k).sum(ctx.k)
+        return (total, *_NONES)
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return vary(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
+
+
+class _SumAbove(torch.autograd.function._SingleLevelFunction):
+    """A psum over one level at a grad / jvp level: one Function instead of a gather and a sum
+    recorded there. Backward is the per-instance transpose of psum, pvary: the identity."""
+
+    @staticmethod
+    def forward(x, token, n, level, top, k, interpreter):
+        return _run_lowered(_psum, x, token, n, level, top, k, interpreter)
+
+    setup_context = staticmethod(_save)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *_NONES)
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return _psum(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
