@@ -251,6 +251,12 @@ def _inside(case: Case, name: str):
             in_specs=(spec_in, spec_in),
         )
         return f(x, v), jvp(lambda x: post(dense(pre(x))), (x,), (v,))[1]
+    if name == "jvp of grad inside":  # forward over reverse: tangents of the transposes
+        per_device = lambda x, v: jvp(  # noqa: E731
+            grad(lambda u: post(col(pre(u))).sum()), (x,), (v,)
+        )[1]
+        f = mapped(case, per_device, in_specs=(spec_in, spec_in), out_specs=spec_in)
+        return f(x, v), jvp(grad(lambda x: post(dense(pre(x))).sum()), (x,), (v,))[1]
     if name == "vmap of grad inside":
         f = mapped(
             case,
@@ -270,9 +276,16 @@ INSIDE = [
     "vjp inside",
     "jvp inside",
     "vmap of grad inside",
+    "jvp of grad inside",
 ]
 # Transforms whose collectives have a grad / jvp interpreter above their level.
-NEEDS_FALLBACK = {"grad inside", "vjp inside", "jvp inside", "vmap of grad inside"}
+GRAD_OR_JVP_INSIDE = {
+    "grad inside",
+    "vjp inside",
+    "jvp inside",
+    "vmap of grad inside",
+    "jvp of grad inside",
+}
 
 
 def close(got, want, what=""):
@@ -384,7 +397,7 @@ def test_user_vmap_or_functionalize_inside_takes_the_fast_path(transform, monkey
     assert counting.counts == {"slow": 0, "lowered": 0}
 
 
-@pytest.mark.parametrize("transform", sorted(NEEDS_FALLBACK))
+@pytest.mark.parametrize("transform", sorted(GRAD_OR_JVP_INSIDE))
 def test_grad_or_jvp_inside_applies_single_level_functions(transform, monkeypatch):
     """A grad / jvp interpreter above the collective's level must not be bypassed: the
     per-instance transposes live in the single-level Functions' backward / jvp."""
