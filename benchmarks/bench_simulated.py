@@ -12,7 +12,11 @@ Run: ``python benchmarks/bench_simulated.py [--quick] [--markdown FILE]``
    step, and ``torch.distributed._local_tensor.LocalTensorMode`` running the equivalent
    hand-written per-rank program (fake process group, funcol all_reduce forward over tp, gradient
    all_reduce over dp). Targets: <= 1.25x unsharded at H=1024, <= 1.75x at H=256, and >= 5x
-   faster than LocalTensorMode.
+   faster than LocalTensorMode. (Both simulations do the unsharded step's FLOPs; where those
+   dominate, at H=1024 here, no simulation can be 5x faster than another that adds only
+   per-op overhead: the LocalTensorMode ratio there is bounded by its overhead.)
+   A third variant forces dp outermost (``simulated.nesting``) to show what the default nesting
+   order (weight-replicated axis innermost) buys.
 """
 
 from __future__ import annotations
@@ -239,27 +243,22 @@ def bench_mlp(hidden: int, rounds: int, local_tensor: bool) -> list[_util.Row]:
     fns["spmd_map (2,4) dp outermost"] = bad_order
     target = "<= 1.25x" if hidden >= 1024 else "<= 1.75x"
     targets = {"spmd_map (2,4) default order": target}
-    med = _util.compare(fns, rounds=rounds)
+    lt_name = "LocalTensorMode per-rank program"
+    if local_tensor:  # interleaved with the others (their meshes were made before the fake PG)
+        fns[lt_name] = _local_tensor_step(x, w1, w2, g)
+    try:
+        med = _util.compare(fns, rounds=rounds)
+    finally:
+        _destroy_fake_process_group()  # a live process group would make later meshes real
+    lt = med.pop(lt_name, None)
     rows = _util.rows_with_ratios(
         "simulated MLP", f"H={hidden}", med, "unsharded single-device", targets
     )
-    if local_tensor:
-        lt = _util.compare(
-            {"LocalTensorMode": _local_tensor_step(x, w1, w2, g)},
-            rounds=max(3, rounds // 3),
-            warmup=1,
-        )["LocalTensorMode"]
-        _destroy_fake_process_group()  # a live process group would make later meshes real
-        ours = med["spmd_map (2,4) default order"]
+    if lt is not None:
+        ours = "spmd_map (2,4) default order"
         rows.append(
             _util.Row(
-                "simulated MLP",
-                f"H={hidden}",
-                "LocalTensorMode per-rank program",
-                lt,
-                "spmd_map (2,4) default order",
-                lt / ours,
-                ">= 5x slower than ours",
+                "simulated MLP", f"H={hidden}", lt_name, lt, ours, lt / med[ours], ">= 5x ours"
             )
         )
     return rows
