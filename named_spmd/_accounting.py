@@ -91,7 +91,8 @@ class CommMode:
             row[0] += 1
             row[1] += e.nbytes
         lines = [f"{'direction':<9} {'collective':<26} {'axes':<14} {'count':>5} {'bytes':>12}"]
-        for (direction, name, axes), (n, nbytes) in sorted(rows.items()):
+        forward_first = sorted(rows.items(), key=lambda kv: (kv[0][0] != "forward", kv[0]))
+        for (direction, name, axes), (n, nbytes) in forward_first:
             lines.append(f"{direction:<9} {name:<26} {','.join(axes):<14} {n:>5} {nbytes:>12}")
         if not rows:
             lines.append("(no collectives)")
@@ -127,10 +128,14 @@ class _RecordOnBackward(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.event = inputs[1]
+        # autograd runs a CUDA backward on its own device thread, which has no CommMode stack
+        # of its own: keep the forward thread's live stack to record into there
+        ctx.stack = getattr(_local, "stack", None)
 
     @staticmethod
     def backward(ctx, grad):
-        record(ctx.event)
+        for mode in getattr(_local, "stack", None) or ctx.stack or ():
+            mode.events.append(ctx.event)
         return grad, None
 
     @staticmethod

@@ -17,7 +17,14 @@ from ._tree import broadcast_specs, check_spec_types, flatten_with_paths, path_t
 from ._types import VType
 
 # Messages of functorch errors that mean "this code cannot run per instance under vmap".
-_VMAP_LIMITS = ("vmap", "Batching rule", "batched tensor", ".item()", "data-dependent")
+_VMAP_LIMITS = (
+    "vmap",
+    "Batching rule",
+    "batched tensor",
+    ".item()",
+    "data-dependent",
+    "Cannot access data pointer",  # .tolist() / .numpy() of a batched tensor
+)
 
 
 class SpmdFunction:
