@@ -232,23 +232,32 @@ def megatron(args, mesh, device) -> list[dict]:
 
 
 def latency(args, mesh, device) -> list[dict]:
+    """Per-call time of one all-reduce. "fresh": the operand is computed right before (as a
+    matmul output is), so ns.psum may reduce it in place like dist.all_reduce; "reused": the
+    same operand every call, which ns.psum must copy (its result is a new tensor)."""
     group = mesh.device_mesh.get_group("all")
     rows = []
     for numel, calls in ((1, 200), (1 << 20, 10)):
         x = torch.ones(numel, device=device)
+
+        def spmd_calls(fresh: bool):
+            @ns.spmd_map(mesh=mesh, in_specs=P(), out_specs=P())
+            def psums(v):
+                v = ns.pvary(v, "all")
+                for _ in range(calls):
+                    out = ns.psum(v * 1.0, "all") if fresh else ns.psum(v, "all")
+                return out
+
+            return lambda: psums(x)
+
+        def raw_fresh():
+            for _ in range(calls):
+                t = x * 1.0
+                dist.all_reduce(t, group=group)
+
         buf = x.clone()
 
-        @ns.spmd_map(mesh=mesh, in_specs=P(), out_specs=P())
-        def psums(v):
-            v = ns.pvary(v, "all")
-            for _ in range(calls):
-                out = ns.psum(v, "all")
-            return out
-
-        def spmd():
-            psums(x)
-
-        def raw():
+        def raw_reused():
             for _ in range(calls):
                 dist.all_reduce(buf, group=group)
 
@@ -256,14 +265,20 @@ def latency(args, mesh, device) -> list[dict]:
             from torch.distributed import _functional_collectives as fc
 
             for _ in range(calls):
-                fc.all_reduce(buf, "sum", group).wait()
+                fc.all_reduce(x * 1.0, "sum", group).wait()
 
-        fns = {"ns.psum": spmd, "dist.all_reduce": raw}
+        fns = {
+            "ns.psum fresh": spmd_calls(True),
+            "dist.all_reduce fresh": raw_fresh,
+            "ns.psum reused": spmd_calls(False),
+            "dist.all_reduce reused": raw_reused,
+        }
         if args.funcol:
-            fns["funcol.all_reduce"] = funcol
+            fns["funcol fresh"] = funcol
         t = interleaved(fns, args.rounds, 2, device)
         row = {"bytes": numel * 4, **{k: v / calls * 1e6 for k, v in t.items()}}
-        row["ratio"] = row["ns.psum"] / row["dist.all_reduce"]
+        row["ratio fresh"] = row["ns.psum fresh"] / row["dist.all_reduce fresh"]
+        row["ratio reused"] = row["ns.psum reused"] / row["dist.all_reduce reused"]
         rows.append(row)
     return rows
 
@@ -379,10 +394,16 @@ def report(result: dict, vma: dict | None) -> None:
             f"(grads equal to {row['max_grad_diff']:.1e}, {row['rounds']} rounds)"
         )
     for row in result.get("latency", []):
-        extra = "".join(f"   {k} {v:8.1f} us" for k, v in row.items() if k.startswith("funcol"))
+        funcol = f"   funcol {row['funcol fresh']:7.1f} us" if "funcol fresh" in row else ""
         print(
-            f"  all-reduce of {row['bytes']:>8} B: ns.psum {row['ns.psum']:8.1f} us   "
-            f"dist.all_reduce {row['dist.all_reduce']:8.1f} us   ratio {row['ratio']:.3f}" + extra
+            f"  all-reduce of {row['bytes']:>8} B, fresh operand: ns.psum "
+            f"{row['ns.psum fresh']:7.1f} us   dist.all_reduce {row['dist.all_reduce fresh']:7.1f}"
+            f" us   ratio {row['ratio fresh']:.3f}{funcol}"
+        )
+        print(
+            f"  all-reduce of {row['bytes']:>8} B, reused operand: ns.psum "
+            f"{row['ns.psum reused']:7.1f} us   dist.all_reduce (in place) "
+            f"{row['dist.all_reduce reused']:7.1f} us   ratio {row['ratio reused']:.3f}"
         )
     if vma:
         print(

@@ -219,3 +219,18 @@ def test_pvary_backward_reuses_a_fresh_gradient_buffer():
     y.register_hook(lambda g: incoming.append(g.data_ptr()))  # records, keeps nothing
     (y @ torch.randn(4, 4)).sum().backward()
     assert comm.ptrs == incoming  # reduced in place: no copy of the gradient
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
+def test_nccl_one_rank_cuda_path_agrees_with_simulated():
+    from _dist_launch import child_env, free_port
+
+    done = subprocess.run(
+        [sys.executable, "tests/dist_nccl_smoke.py", str(free_port())],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0 and "smoke OK" in done.stdout, done.stdout + done.stderr[-3000:]
