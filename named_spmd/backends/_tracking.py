@@ -89,6 +89,12 @@ def _replace(obj: Any, swap: dict[int, torch.Tensor]) -> Any:
     return obj
 
 
+# Random factories shaped like an operand draw from the stream every instance shares (the
+# randomness policy: same seed, same values), so their result is invariant like any factory's,
+# as on the simulated backend, where vmap's randomness="same" leaves them unbatched.
+_RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
+
+
 class VmaMode(TorchFunctionMode):
     """Stamps every op's outputs with the union of its operands' vma; inserts implicit pvary."""
 
@@ -103,6 +109,8 @@ class VmaMode(TorchFunctionMode):
         # call's stamp carries the same one, with no invariant tensor beside them. Then the
         # result takes that stamp object as is: no sets built, no pvary. Costs about one dict
         # lookup per operand on top of the mode's own dispatch.
+        if func in _RANDOM_LIKE:
+            return func(*args, **(kwargs or {}))
         if kwargs:
             return self._general(func, args, kwargs)
         token = self.token
