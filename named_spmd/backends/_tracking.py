@@ -21,6 +21,8 @@ from torch.overrides import TorchFunctionMode
 from .._context import SpmdContext
 
 Tensor = torch.Tensor
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_unwrap = torch._C._functorch.get_unwrapped
 _EMPTY: frozenset[str] = frozenset()
 _ATTR = "_named_spmd_vma"
 
@@ -40,7 +42,11 @@ class TrackedContext(SpmdContext):
 
     def vma(self, x: torch.Tensor) -> frozenset[str]:
         stamp = x.__dict__.get(_ATTR)
-        return stamp[1] if stamp is not None and stamp[0] is self.call_token else _EMPTY
+        if stamp is not None and stamp[0] is self.call_token:
+            return stamp[1]
+        if _is_wrapped(x):  # a torch.func transform inside the function wrapped a stamped tensor
+            return self.vma(_unwrap(x))
+        return _EMPTY
 
     def stamp_of(self, vma) -> tuple[object, frozenset[str]]:
         """The stamp for ``vma``, interned per call: equal vmas share one stamp object, so
@@ -120,6 +126,8 @@ class VmaMode(TorchFunctionMode):
             if isinstance(a, Tensor):
                 s = a.__dict__.get(_ATTR)
                 if s is None or s[0] is not token:
+                    if _is_wrapped(a):  # torch.func inside: its vma is its unwrapped tensor's
+                        return self._general(func, args, kwargs)
                     plain = True
                 elif common is None:
                     common = s
