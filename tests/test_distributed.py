@@ -4,8 +4,8 @@ Each test is one multi-process launch (tests/dist_worker.py) with a hard timeout
 the test instead of stalling the suite. The workers run every program of the "Core" and
 "Gradients" acceptance lists plus 50 sampled cases on both backends in each process, and compare
 values, gradients, per-device types (vma) and communication counts; see tests/programs_dist.py.
-Budget on a 2-core machine: about 25 s for 4 processes, 40 s for 8, 25 s for the failure tests
-(mostly interpreter start-up of the processes).
+Budget on a 2-core machine: 8-25 s for 4 processes, 16-40 s for 8, 6-25 s for the failure
+tests, depending on load (mostly interpreter start-up of the processes).
 
 Set NAMED_SPMD_TEST_DEVICE=cuda (and enough GPUs) to run the same tests on NCCL.
 """
