@@ -31,6 +31,23 @@ from .backends.abstract import CheckReport, OutputCheck, ShapeDtype
 
 __version__ = "0.1.0"
 
+# Real-backend helpers, loaded on first use: `import named_spmd` must not import the
+# distributed backend (nor torch.distributed's heavier modules).
+_LAZY = {
+    "to_local": ("named_spmd.backends.distributed", "to_local"),
+    "set_debug": ("named_spmd.backends._dist_failures", "set_debug"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'named_spmd' has no attribute {name!r}")
+
+
 __all__ = [
     "CheckReport",
     "CollectiveError",
@@ -60,7 +77,9 @@ __all__ = [
     "psum",
     "psum_scatter",
     "pvary",
+    "set_debug",
     "spmd_map",
+    "to_local",
     "typeof",
     "visualize",
     "vma",
