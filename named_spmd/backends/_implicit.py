@@ -26,29 +26,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._accounting import CommEvent, needs_grad, on_backward
+from ._tracking import swap_operands, tensor_operands
 
 # Context methods that only read state: no need to pause the mode around them.
 _NOT_WRAPPED = frozenset({"vma", "check_axes"})
 # Functions that route through __torch_function__ but compute nothing from their operands.
 _NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
-
-
-def _operands(args: Any, kwargs: dict | None) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    for a in (*args, *(kwargs or {}).values()):
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(b for b in a if isinstance(b, torch.Tensor))
-    return found
-
-
-def _replace(obj: Any, swap: dict[int, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return swap.get(id(obj), obj)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_replace(o, swap) for o in obj)
-    return obj
 
 
 def _in_place(func: Any) -> bool:
@@ -69,7 +52,7 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if not self.paused and func not in _NOT_OPS and torch._C._current_graph_task_id() == -1:
-            operands = _operands(args, kwargs)
+            operands = tensor_operands(args, kwargs)
             if len(operands) > 1:
                 args, kwargs = self._tag(func, operands, args, kwargs)
         return func(*args, **(kwargs or {}))
@@ -86,9 +69,7 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
             return args, kwargs
         if _in_place(func) and args and isinstance(args[0], torch.Tensor):
             swap.pop(id(args[0]), None)  # never redirect the tensor written in place
-        args = _replace(args, swap)
-        if kwargs:
-            kwargs = {k: _replace(v, swap) for k, v in kwargs.items()}
+        args, kwargs = swap_operands(args, kwargs, swap)
         return args, kwargs
 
     def _alias(self, t: torch.Tensor, missing: tuple[str, ...]) -> torch.Tensor:

@@ -73,18 +73,23 @@ class TrackedContext(SpmdContext):
         return hit[1]
 
 
-def _operand_vmas(ctx: TrackedContext, args, kwargs, found: list) -> None:
-    for a in args:
+def tensor_operands(args: Any, kwargs: dict | None) -> list[torch.Tensor]:
+    """The tensors among an op's arguments (top level and one list/tuple level down)."""
+    found: list[torch.Tensor] = []
+    for a in (*args, *(kwargs or {}).values()):
         if isinstance(a, torch.Tensor):
             found.append(a)
         elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    found.append(b)
+            found.extend(b for b in a if isinstance(b, torch.Tensor))
+    return found
+
+
+def swap_operands(args: Any, kwargs: dict | None, swap: dict[int, torch.Tensor]):
+    """``args`` and ``kwargs`` with each tensor whose id is in ``swap`` replaced."""
+    args = _replace(args, swap)
     if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, torch.Tensor):
-                found.append(a)
+        kwargs = {k: _replace(v, swap) for k, v in kwargs.items()}
+    return args, kwargs
 
 
 def _replace(obj: Any, swap: dict[int, torch.Tensor]) -> Any:
@@ -166,8 +171,7 @@ class VmaMode(TorchFunctionMode):
 
     def _general(self, func, args, kwargs):
         """Any op: the union of the operands' vma; implicit pvary of the invariant ones."""
-        operands: list[torch.Tensor] = []
-        _operand_vmas(self.ctx, args, kwargs, operands)
+        operands = tensor_operands(args, kwargs)
         if not operands:
             return func(*args, **(kwargs or {}))
         vma_of = self.ctx.vma
@@ -186,10 +190,7 @@ class VmaMode(TorchFunctionMode):
             if v != union and id(t) not in swap:
                 missing = tuple(a for a in self.ctx.mesh.axis_names if a in union and a not in v)
                 swap[id(t)] = self.ctx.cached_pvary(t, missing)
-        args = _replace(args, swap)
-        if kwargs:
-            kwargs = {k: _replace(v, swap) for k, v in kwargs.items()}
-        return args, kwargs
+        return swap_operands(args, kwargs, swap)
 
     def _stamp_outputs(self, out, union):
         stamp = self.ctx.stamp_of(union)
