@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import types
 
 import numpy as np
 import pytest
 import torch
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-
+# conftest.py asks for 8 fake CPU devices before jax is first imported.
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from _reference import REF, assert_trees_close, run_reference  # noqa: E402
