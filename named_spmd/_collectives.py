@@ -15,6 +15,7 @@ import optree
 import torch
 
 from ._accounting import CommEvent, on_backward, record, recording
+from ._collective_checks import check_divisible, check_pairs, checked_dim, require_varying
 from ._context import SpmdContext, current
 from ._errors import CollectiveError, VmaError
 from ._types import VType, vma_text
@@ -65,45 +66,6 @@ def implicit_pvary(ctx: SpmdContext, t: torch.Tensor, axes: tuple[str, ...]) -> 
     return ctx.stamp(out, ctx.vma(t) | set(missing))
 
 
-def _require_varying(ctx: SpmdContext, t: torch.Tensor, axes: tuple[str, ...], op: str) -> None:
-    invariant = [a for a in axes if a not in ctx.vma(t)]
-    if invariant:
-        fix = " * ".join(f"axis_size({a!r})" for a in invariant)
-        raise VmaError(
-            f"{op} in {ctx.fn_label}: the operand is invariant over {tuple(invariant)} (its type is "
-            f"{typeof(t)}), so {op} over {axes} would add identical copies "
-            f"and multiply it by {' * '.join(str(ctx.mesh.shape[a]) for a in invariant)}. JAX does "
-            f"that silently; named_spmd refuses. Fix: drop {tuple(invariant)} from the "
-            f"collective's axes if the value is already the total, or write x * {fix} if you "
-            "really mean to multiply."
-        )
-
-
-def _dim(ctx, t: torch.Tensor, dim: int, op: str, what: str, extra: int = 0) -> int:
-    rank = t.dim() + extra
-    if not isinstance(dim, int) or not -rank <= dim < rank:
-        raise CollectiveError(
-            f"{op} in {ctx.fn_label}: {what}={dim!r} is out of range for an operand of shape "
-            f"{list(t.shape)} (valid: {-rank}..{rank - 1}). Fix: pass a dim in that range."
-        )
-    return dim % rank
-
-
-def _divisible(ctx, t, dim, n, axes, op, what, tiled):
-    size = t.shape[dim]
-    if tiled and size % n != 0:
-        raise CollectiveError(
-            f"{op} in {ctx.fn_label}: {what}={dim} has size {size}, not divisible by the group "
-            f"size {n} of {axes}. Fix: pad dim {dim} to a multiple of {n}."
-        )
-    if not tiled and size != n:
-        raise CollectiveError(
-            f"{op} in {ctx.fn_label}: with tiled=False, {what}={dim} must have size {n} (the "
-            f"group size of {axes}) but has size {size} (shape {list(t.shape)}). Fix: reshape it "
-            f"to {n} x {size // n if size % n == 0 else '...'} first, or pass tiled=True."
-        )
-
-
 # --- reductions -------------------------------------------------------------------------------
 
 
@@ -131,7 +93,7 @@ def psum(x: Any, axis_name: AxisName) -> Any:
     axes = ctx.check_axes(axis_name, "psum")
 
     def one(t):
-        _require_varying(ctx, t, axes, "psum")
+        require_varying(ctx, t, axes, "psum")
         return _run(ctx, "psum", axes, t, lambda: ctx.psum(t, axes), ctx.vma(t) - set(axes))
 
     return _map_tensors(x, "psum", ctx, one)
@@ -252,7 +214,7 @@ def all_gather(
                 f"all_gather in {ctx.fn_label}: tiled=True needs an operand of rank >= 1, got a "
                 "scalar. Fix: gather x.reshape(1), or pass tiled=False to stack the scalars."
             )
-        d = _dim(ctx, t, axis, "all_gather", "axis", extra=0 if tiled else 1)
+        d = checked_dim(ctx, t, axis, "all_gather", "axis", extra=0 if tiled else 1)
         t = implicit_pvary(ctx, t, axes)
         back = None if invariant else "psum_scatter"
         out_vma = ctx.vma(t) - set(axes) if invariant else ctx.vma(t)
@@ -292,9 +254,9 @@ def psum_scatter(
     n = ctx.mesh.axis_size(axes)
 
     def one(t):
-        _require_varying(ctx, t, axes, "psum_scatter")
-        d = _dim(ctx, t, scatter_dimension, "psum_scatter", "scatter_dimension")
-        _divisible(ctx, t, d, n, axes, "psum_scatter", "scatter_dimension", tiled)
+        require_varying(ctx, t, axes, "psum_scatter")
+        d = checked_dim(ctx, t, scatter_dimension, "psum_scatter", "scatter_dimension")
+        check_divisible(ctx, t, d, n, axes, "psum_scatter", "scatter_dimension", tiled)
         return _run(
             ctx,
             "psum_scatter",
@@ -332,9 +294,9 @@ def all_to_all(
     n = ctx.mesh.axis_size(axes)
 
     def one(t):
-        s = _dim(ctx, t, split_axis, "all_to_all", "split_axis")
-        c = _dim(ctx, t, concat_axis, "all_to_all", "concat_axis")
-        _divisible(ctx, t, s, n, axes, "all_to_all", "split_axis", tiled)
+        s = checked_dim(ctx, t, split_axis, "all_to_all", "split_axis")
+        c = checked_dim(ctx, t, concat_axis, "all_to_all", "concat_axis")
+        check_divisible(ctx, t, s, n, axes, "all_to_all", "split_axis", tiled)
         t = implicit_pvary(ctx, t, axes)
         return _run(
             ctx,
@@ -347,55 +309,6 @@ def all_to_all(
         )
 
     return _map_tensors(x, "all_to_all", ctx, one)
-
-
-_valid_pairs: dict[tuple, tuple[tuple[int, int], ...]] = {}
-
-
-def _check_pairs(ctx, op: str, perm: Any, n: int, axes) -> tuple[tuple[int, int], ...]:
-    """Validated pairs. Perms of int tuples are remembered: validating costs more than the
-    simulated permutation of a small operand."""
-    key = (n, tuple(perm)) if isinstance(perm, (list, tuple)) else None
-    if key is not None and all(type(p) is tuple for p in perm):
-        hit = _valid_pairs.get(key)
-        if hit is not None:
-            return hit
-    pairs = _validate_pairs(ctx, op, perm, n, axes)
-    if key is not None and all(type(p) is tuple and type(v) is int for p in perm for v in p):
-        if len(_valid_pairs) > 1024:
-            _valid_pairs.clear()
-        _valid_pairs[key] = pairs
-    return pairs
-
-
-def _validate_pairs(ctx, op: str, perm: Any, n: int, axes) -> tuple[tuple[int, int], ...]:
-    try:
-        pairs = tuple((int(s), int(d)) for s, d in perm)
-        ok_types = all(
-            isinstance(v, int) or (isinstance(v, torch.Tensor) and v.dim() == 0)
-            for p in perm
-            for v in p
-        )
-    except (TypeError, ValueError):
-        pairs, ok_types = (), False
-    problems = []
-    if not ok_types:
-        problems.append(f"perm must be a list of (src, dst) integer pairs, got {perm!r}")
-    else:
-        bad = [p for p in pairs if not (0 <= p[0] < n and 0 <= p[1] < n)]
-        if bad:
-            problems.append(f"pairs {bad} are out of range 0..{n - 1} (group size of {axes})")
-        for side, k in (("source", 0), ("destination", 1)):
-            seen = [p[k] for p in pairs]
-            dup = sorted({v for v in seen if seen.count(v) > 1})
-            if dup:
-                problems.append(f"{side}s {dup} appear more than once")
-    if problems:
-        raise CollectiveError(
-            f"{op} in {ctx.fn_label}: bad perm: {'; '.join(problems)}. Fix: each instance may "
-            f"send once and receive once, e.g. a ring [(i, (i + 1) % {n}) for i in range({n})]."
-        )
-    return pairs
 
 
 def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> Any:
@@ -416,7 +329,7 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
     """
     ctx = current("ppermute")
     axes = ctx.check_axes(axis_name, "ppermute")
-    pairs = _check_pairs(ctx, "ppermute", perm, ctx.mesh.axis_size(axes), axes)
+    pairs = check_pairs(ctx, "ppermute", perm, ctx.mesh.axis_size(axes), axes)
 
     def one(t):
         t = implicit_pvary(ctx, t, axes)
