@@ -112,3 +112,10 @@ def markdown(rows: list[Row]) -> str:
             f"{r.baseline or ''} | {r.target} |"
         )
     return "\n".join(lines)
+
+
+def write_markdown(path: str | None, rows: list[Row]) -> None:
+    """Write ``rows`` as a markdown table to ``path`` (run_all.py collects these); no-op on None."""
+    if path:
+        with open(path, "w") as fh:
+            fh.write(markdown(rows) + "\n")

@@ -123,9 +123,7 @@ def main(argv: list[str] | None = None) -> list[_util.Row]:
     args = parser.parse_args(argv)
     rows = bench_simulated(7 if args.quick else 15)
     _util.print_rows(rows)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(_util.markdown(rows) + "\n")
+    _util.write_markdown(args.markdown, rows)
     return rows
 
 

@@ -277,9 +277,7 @@ def main(argv: list[str] | None = None) -> list[_util.Row]:
         mlp_rows = bench_mlp(hidden, rounds, not args.no_local_tensor)
         _util.print_rows(mlp_rows)
         rows += mlp_rows
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(_util.markdown(rows) + "\n")
+    _util.write_markdown(args.markdown, rows)
     return rows
 
 
