@@ -56,13 +56,18 @@ def check_divisible(ctx, t, dim, n, axes, op, what, tiled):
 def check_pairs(ctx, op: str, perm: Any, n: int, axes) -> tuple[tuple[int, int], ...]:
     """Validated pairs. Perms of int tuples are remembered: validating costs more than the
     simulated permutation of a small operand."""
-    key = (n, tuple(perm)) if isinstance(perm, (list, tuple)) else None
-    if key is not None and all(type(p) is tuple for p in perm):
+    # only int tuples are looked up: (0.0, 1.0) hashes and compares equal to (0, 1), but is
+    # not a valid pair
+    cacheable = isinstance(perm, (list, tuple)) and all(
+        type(p) is tuple and all(type(v) is int for v in p) for p in perm
+    )
+    key = (n, tuple(perm)) if cacheable else None
+    if key is not None:
         hit = _valid_pairs.get(key)
         if hit is not None:
             return hit
     pairs = _validate_pairs(ctx, op, perm, n, axes)
-    if key is not None and all(type(p) is tuple and type(v) is int for p in perm for v in p):
+    if key is not None:
         if len(_valid_pairs) > 1024:
             _valid_pairs.clear()
         _valid_pairs[key] = pairs

@@ -8,6 +8,7 @@ Backends implement the data movement and the transposes.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -354,9 +355,9 @@ def pshuffle(x: Any, axis_name: AxisName, perm: Sequence[int]) -> Any:
     ctx = current("pshuffle")
     axes = ctx.check_axes(axis_name, "pshuffle")
     n = ctx.mesh.axis_size(axes)
-    try:
-        order = [int(p) for p in perm]
-    except (TypeError, ValueError):
+    try:  # operator.index: 1.5 or 0.9 are not indices (int() would truncate them silently)
+        order = [operator.index(p) for p in perm]
+    except TypeError:
         order = None
     if order is None or sorted(order) != list(range(n)):
         raise CollectiveError(

@@ -42,8 +42,11 @@ class SpmdContext:
         """Normalise an axis name or tuple of names; unknown or repeated names raise."""
         if isinstance(axis_name, str) and axis_name in self.mesh._shape:  # the common case
             return (axis_name,)
-        axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
         names = self.mesh.axis_names
+        try:
+            axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        except TypeError:  # an int, None, ...: not a name nor a sequence of names
+            axes = ()
         if not axes or not all(isinstance(a, str) for a in axes):
             raise CollectiveError(
                 f"{op} in {self.fn_label}: axis_name must be a mesh axis name or a tuple of "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,12 @@ class Mesh:
         device_mesh: Any = None,
         device_type: str = "cpu",
     ):
+        shape = tuple(shape)
+        if not all(_is_index(s) for s in shape):  # int() would truncate 2.5 to 2 silently
+            raise SpmdError(
+                f"make_mesh: axis sizes must be integers, got {shape}. Fix: e.g. "
+                "make_mesh((2, 4), ('dp', 'tp'))."
+            )
         shape = tuple(int(s) for s in shape)
         axis_names = tuple(axis_names)
         problems = []
@@ -72,6 +79,11 @@ class Mesh:
 
     def coords(self, linear_index: int) -> dict[str, int]:
         """Mesh coordinates of the instance with row-major ``linear_index``."""
+        if not 0 <= linear_index < self.size:
+            raise SpmdError(
+                f"Mesh.coords: linear index {linear_index} is out of range for {self!r} "
+                f"({self.size} instances). Fix: pass 0..{self.size - 1}."
+            )
         out = {}
         for name in reversed(self.axis_names):
             linear_index, out[name] = divmod(linear_index, self._shape[name])
@@ -96,6 +108,17 @@ class Mesh:
         from ._display import mesh_html
 
         return mesh_html(self)
+
+
+def _is_index(s: Any) -> bool:
+    """An integer size that is not a bool (numpy and 0-dim integer tensors included)."""
+    if isinstance(s, bool):
+        return False
+    try:
+        operator.index(s)
+    except TypeError:
+        return False
+    return True
 
 
 def _distributed_ready() -> bool:

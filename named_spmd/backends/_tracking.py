@@ -106,6 +106,36 @@ def _replace(obj: Any, swap: dict[int, torch.Tensor]) -> Any:
 _RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
 
 
+_INPLACE_DUNDERS = frozenset(
+    f"__i{op}__"
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul")
+    + ("and", "or", "xor", "lshift", "rshift")
+) | {"__setitem__"}
+
+
+def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: frozenset[str]) -> None:
+    """An in-place op (or ``out=``) whose target is less varying than its operands would write
+    varying values through the implicit pvary's alias into a tensor still typed invariant: every
+    instance would hold different values in what is typed replicated (the simulated backend's
+    vmap refuses the write too)."""
+    name = getattr(func, "__name__", "")
+    inplace = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+    target = args[0] if inplace and args else (kwargs or {}).get("out")
+    if not isinstance(target, Tensor):
+        return
+    missing = union - ctx.vma(target)
+    if missing:
+        from .._errors import VmaError
+
+        axes = tuple(a for a in ctx.mesh.axis_names if a in missing)
+        raise VmaError(
+            f"{name} in {ctx.fn_label}: writes a value varying over {axes} into a tensor that is "
+            f"invariant over {axes} (an in_spec P() input or a closed-over tensor), which would "
+            "then hold different values on different instances while typed replicated. Fix: "
+            "compute out of place (y = x + v instead of x += v)."
+        )
+
+
 class VmaMode(TorchFunctionMode):
     """Stamps every op's outputs with the union of its operands' vma; inserts implicit pvary."""
 
@@ -143,6 +173,7 @@ class VmaMode(TorchFunctionMode):
         if common is None:
             return func(*args)
         if plain and self.insert_pvary:  # an invariant tensor meets varying ones: implicit pvary
+            _check_inplace(self.ctx, func, args, None, common[1])
             args = self._vary_plain(args, common)
         out = func(*args)
         if type(out) is Tensor or isinstance(out, Tensor):
@@ -180,6 +211,7 @@ class VmaMode(TorchFunctionMode):
         if not union:
             return func(*args, **(kwargs or {}))
         if self.insert_pvary and len(vmas) > 1 and any(v != union for v in vmas):
+            _check_inplace(self.ctx, func, args, kwargs, union)
             args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
         out = func(*args, **(kwargs or {}))
         return self._stamp_outputs(out, union)

@@ -1,0 +1,99 @@
+"""Regressions from a code review: bad inputs that escaped as bare Python errors or were
+silently accepted (and so gave wrong results)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import named_spmd as ns
+from named_spmd import P
+
+MESH = ns.make_mesh((4,), ("i",))
+SPLIT = P("i")
+
+
+def _call(fn, out_specs=SPLIT):
+    return ns.spmd_map(fn, mesh=MESH, in_specs=SPLIT, out_specs=out_specs)(torch.arange(8.0))
+
+
+@pytest.mark.parametrize("bad", [0, None, 1.5])
+def test_axis_name_not_a_name_raises_collective_error(bad):
+    def f(x):
+        return ns.psum(x, bad)
+
+    with pytest.raises(ns.CollectiveError, match=r"psum in `.*f`.*axis_name must be"):
+        _call(f, out_specs=P())
+
+
+def test_pshuffle_rejects_non_integer_perm():
+    # int(0.5) == 0 etc.: a float perm used to be truncated into a valid one silently
+    def f(x):
+        return ns.pshuffle(x, "i", [0.5, 1.2, 2.9, 3.0])
+
+    with pytest.raises(ns.CollectiveError, match="permutation of range"):
+        _call(f)
+
+
+def test_ppermute_float_pairs_rejected_even_after_the_int_pairs_were_cached():
+    # the validated-pairs cache hashed (0.0, 1.0) equal to (0, 1) and skipped the type check
+    def ints(x):
+        return ns.ppermute(x, "i", [(0, 1), (1, 0)])
+
+    def floats(x):
+        return ns.ppermute(x, "i", [(0.0, 1.0), (1.0, 0.0)])
+
+    _call(ints)
+    with pytest.raises(ns.CollectiveError, match="integer pairs"):
+        _call(floats)
+
+
+@pytest.mark.parametrize("shape", [(2.5,), ("x",), (True,)])
+def test_make_mesh_non_integer_size_raises(shape):
+    with pytest.raises(ns.SpmdError, match="make_mesh: axis sizes must be"):
+        ns.make_mesh(shape, ("a",))
+
+
+def test_mesh_coords_out_of_range_raises():
+    mesh = ns.make_mesh((2, 3), ("a", "b"))
+    assert mesh.coords(5) == {"a": 1, "b": 2}  # row-major, last instance
+    for bad in (6, -1):
+        with pytest.raises(ns.SpmdError, match=r"coords: linear index .* out of range"):
+            mesh.coords(bad)
+
+
+def _add_index_inplace(x):
+    x.add_(ns.axis_index("i").to(x.dtype))
+    return x
+
+
+def _setitem_index(x):
+    x[0] = ns.axis_index("i").to(x.dtype)
+    return x
+
+
+def _add_index_out(x):
+    torch.add(x, ns.axis_index("i").to(x.dtype), out=x)
+    return x
+
+
+@pytest.mark.parametrize("fn", [_add_index_inplace, _setitem_index, _add_index_out])
+def test_inplace_write_of_varying_into_invariant_raises_on_tracked_backends(fn):
+    # the tracked backends' implicit pvary is a view: the write went into the invariant tensor,
+    # which kept its invariant type, so out_specs=P() passed with rank-dependent values
+    f = ns.spmd_map(fn, mesh=MESH, in_specs=P(), out_specs=P())
+    with pytest.raises(
+        ns.VmaError, match=r"in `_\w+` \(.*\): writes a value varying over \('i',\)"
+    ):
+        f.check(ns.ShapeDtype((3,)), backward=False)
+
+
+def test_inplace_write_into_varying_target_still_allowed():
+    def f(x):
+        x = x * 1.0  # varying over i
+        x.add_(torch.ones(()))  # an invariant operand into a varying target: fine
+        return x
+
+    g = ns.spmd_map(f, mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)
+    g.check(ns.ShapeDtype((8,)), backward=False)
+    torch.testing.assert_close(g(torch.arange(8.0)), torch.arange(8.0) + 1)
