@@ -103,7 +103,7 @@ class SpmdFunction:
         order = self.mesh.axis_names
         axes = tuple(a for a in order if a in extra)
         vtype = VType(leaf.dtype, tuple(leaf.shape), ctx.vma(leaf), order)
-        named = " or ".join(f"ns.psum(y, {a!r})" for a in axes[:1])
+        named = f"ns.psum(y, {axes[0] if len(axes) == 1 else axes!r})"
         suggestion = _spec_naming(spec, axes, leaf.dim())
         return (
             f"  - {where} has type {vtype}: it varies over {axes}, but its out_spec {spec!r} does "

@@ -383,7 +383,12 @@ def pvary(x: Any, axis_name: AxisName) -> Any:
     Example:
         >>> import torch, named_spmd as ns
         >>> mesh = ns.make_mesh((2,), ("i",))
-        >>> f = ns.spmd_map(lambda w: ns.vma(ns.pvary(w, "i")), mesh=mesh, in_specs=ns.P(), out_specs=ns.P())
+        >>> @ns.spmd_map(mesh=mesh, in_specs=ns.P(), out_specs=ns.P("i"))
+        ... def f(w):
+        ...     v = ns.pvary(w, "i")  # same data, now typed as varying over "i"
+        ...     return v * (ns.axis_index("i") + 1)
+        >>> f(torch.ones(1))
+        tensor([1., 2.])
 
     Backward: psum over A.
     """

@@ -8,7 +8,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-from ._errors import SpmdError
+from ._errors import SpmdError, suggest
 
 
 class Mesh:
@@ -75,6 +75,12 @@ class Mesh:
 
     def axis_size(self, axes: str | Sequence[str]) -> int:
         names = (axes,) if isinstance(axes, str) else tuple(axes)
+        unknown = [a for a in names if a not in self._shape]
+        if unknown:
+            raise SpmdError(
+                f"Mesh.axis_size: unknown axis {unknown[0]!r}; the mesh has axes "
+                f"{self.axis_names}.{suggest(unknown[0], self.axis_names)}"
+            )
         return math.prod(self._shape[a] for a in names)
 
     def coords(self, linear_index: int) -> dict[str, int]:
