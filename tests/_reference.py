@@ -397,3 +397,16 @@ def check_against_reference(
     )
     assert_trees_close(got, want)
     return got
+
+
+def assert_close_within(got: Any, want: Any, tol: float, what: str = "") -> None:
+    """Tensors or (nested) lists/tuples of tensors: same shapes and dtypes, max abs error < tol."""
+    if isinstance(want, (tuple, list)):
+        assert isinstance(got, (tuple, list)) and len(got) == len(want), what
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close_within(g, w, tol, f"{what}[{i}]")
+        return
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, what
+    err = (got - want).abs().max().item() if got.numel() else 0.0
+    assert err < tol, f"{what}: max abs error {err:.3e}"

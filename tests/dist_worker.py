@@ -257,6 +257,19 @@ def run_checks(args, rank, world) -> None:
         print("CHECK " + json.dumps({**r, "rank": rank}), flush=True)
 
 
+def _report_outcome(mode: str, rank: int, call) -> None:
+    """Run ``call`` and print one OUTCOME line: the error it raised (if any) and how long it took."""
+    outcome = {"rank": rank, "mode": mode, "error": None}
+    t0 = time.monotonic()
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        outcome["error"] = type(e).__name__
+        outcome["message"] = str(e)
+    outcome["seconds"] = round(time.monotonic() - t0, 2)
+    print("OUTCOME " + json.dumps(outcome), flush=True)
+
+
 def run_failure(args, rank, world) -> None:
     mesh = ns.make_mesh((2, world // 2), ("dp", "tp"), device_type=args.device)
     bad = args.bad_rank
@@ -268,16 +281,7 @@ def run_failure(args, rank, world) -> None:
         y = ns.psum(x, "tp")
         return ns.psum(y, "dp")
 
-    t0 = time.monotonic()
-    outcome = {"rank": rank, "mode": "fail"}
-    try:
-        step(torch.ones(2, world // 2)).full_tensor()
-        outcome["error"] = None
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-        outcome["error"] = type(e).__name__
-        outcome["message"] = str(e)
-    outcome["seconds"] = round(time.monotonic() - t0, 2)
-    print("OUTCOME " + json.dumps(outcome), flush=True)
+    _report_outcome("fail", rank, lambda: step(torch.ones(2, world // 2)).full_tensor())
 
 
 def run_mismatch(args, rank, world) -> None:
@@ -292,16 +296,7 @@ def run_mismatch(args, rank, world) -> None:
             x = torch.cat([x, x])  # a different shape on rank 0 only
         return ns.psum(x, "i")
 
-    outcome = {"rank": rank, "mode": "mismatch"}
-    t0 = time.monotonic()
-    try:
-        f(torch.ones(world * 2))
-        outcome["error"] = None
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-        outcome["error"] = type(e).__name__
-        outcome["message"] = str(e)
-    outcome["seconds"] = round(time.monotonic() - t0, 2)
-    print("OUTCOME " + json.dumps(outcome), flush=True)
+    _report_outcome("mismatch", rank, lambda: f(torch.ones(world * 2)))
 
 
 def run_failures(args, rank, world) -> None:

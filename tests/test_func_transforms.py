@@ -14,6 +14,7 @@ import contextlib
 
 import pytest
 import torch
+from _reference import assert_close_within
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import named_spmd as ns
@@ -34,14 +35,7 @@ K = _randn(4, 8, seed=3)
 
 
 def close(got, want, what=""):
-    if isinstance(want, (tuple, list)):
-        assert isinstance(got, (tuple, list)) and len(got) == len(want), what
-        for i, (g, w) in enumerate(zip(got, want)):
-            close(g, w, f"{what}[{i}]")
-        return
-    assert got.shape == want.shape, f"{what}: {tuple(got.shape)} != {tuple(want.shape)}"
-    err = (got - want).abs().max().item()
-    assert err < TOL, f"{what}: max abs error {err:.3e}"
+    assert_close_within(got, want, TOL, what)
 
 
 # --- the program: every collective kind on the way, with a dense twin -------------------------

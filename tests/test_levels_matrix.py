@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from _reference import REF, run_reference  # noqa: I001 (tests/ is on sys.path)
+from _reference import REF, assert_close_within, run_reference  # noqa: I001 (tests/ is on sys.path)
 from torch.func import functionalize, grad, jacfwd, jacrev, jvp, vjp, vmap
 
 import named_spmd as ns
@@ -289,15 +289,7 @@ GRAD_OR_JVP_INSIDE = {
 
 
 def close(got, want, what=""):
-    if isinstance(want, (tuple, list)):
-        assert isinstance(got, (tuple, list)) and len(got) == len(want), what
-        for i, (g, w) in enumerate(zip(got, want)):
-            close(g, w, f"{what}[{i}]")
-        return
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert got.dtype == want.dtype, what
-    err = (got - want).abs().max().item() if got.numel() else 0.0
-    assert err < TOL, f"{what}: max abs error {err:.3e}"
+    assert_close_within(got, want, TOL, what)
 
 
 # --- path control ------------------------------------------------------------------------------
