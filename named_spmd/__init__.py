@@ -28,6 +28,7 @@ from ._mesh import Mesh, make_mesh
 from ._spec import P, PartitionSpec
 from ._types import VType
 from .backends.abstract import CheckReport, OutputCheck, ShapeDtype
+from .backends.simulated import simulation_order
 
 __version__ = "0.1.0"
 
@@ -78,6 +79,7 @@ __all__ = [
     "psum_scatter",
     "pvary",
     "set_debug",
+    "simulation_order",
     "spmd_map",
     "to_local",
     "typeof",
