@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 import math
 import operator
 from collections.abc import Sequence
@@ -180,7 +179,3 @@ def as_mesh(mesh: Any, where: str) -> Mesh:
         f"{where}: mesh= must be a named_spmd Mesh or a DeviceMesh with mesh_dim_names, got "
         f"{type(mesh).__name__}. Fix: mesh = named_spmd.make_mesh((2, 4), ('dp', 'tp'))."
     )
-
-
-def mesh_text(mesh: Mesh) -> str:
-    return html.escape(repr(mesh))

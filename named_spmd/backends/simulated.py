@@ -271,14 +271,6 @@ def physical_layout(
     return split, [position[a] for a in order if a in position] + local_dims
 
 
-def to_physical(
-    x: torch.Tensor, spec: PartitionSpec, mesh: Mesh, order: Sequence[str]
-) -> torch.Tensor:
-    """Global tensor -> [mesh dims of the named axes, in nesting order, *local block]."""
-    split, perm = physical_layout(tuple(x.shape), spec, mesh, order)
-    return x.reshape(split).permute(perm)
-
-
 # The caches key on the mesh's (name, size) items as well as the mesh: Mesh equality ignores
 # the axis order, which the plans depend on.
 @functools.lru_cache(maxsize=1024)
