@@ -253,8 +253,42 @@ def run_checks(args, rank, world) -> None:
             else [f"got {out!r}"],
         }
     )
+    results += _overlapped_gradient_checks(mesh, world)
     for r in results:
         print("CHECK " + json.dumps({**r, "rank": rank}), flush=True)
+
+
+def _overlapped_gradient_checks(mesh, world) -> list[dict]:
+    """The gradient psum of a replicated weight runs overlapped with the rest of the backward:
+    a second contribution to the same gradient (an op outside spmd_map, before or after the
+    call) and accumulation over two backward passes must still see the finished sum."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from named_spmd.backends.distributed import to_local
+
+    x = torch.arange(4.0 * world).reshape(world, 4)
+    scale = ns.spmd_map(
+        lambda v, w: v * w, mesh=mesh, in_specs=(P(("dp", "tp")), P()), out_specs=P(("dp", "tp"))
+    )
+    results = []
+    for outside_first in (True, False):
+        w = distribute_tensor(torch.linspace(-1.0, 1.0, 4), mesh.device_mesh, [Replicate()] * 2)
+        w.requires_grad_()
+        for _ in range(2):
+            outside = (w.to_local() ** 2).sum() if outside_first else None
+            inside = to_local(scale(x, w)).sum()
+            if outside is None:
+                outside = (w.to_local() ** 2).sum()
+            (inside + outside).backward()
+        want = 2 * (x.sum(0) + 2 * w.detach().full_tensor())
+        got = w.grad.full_tensor()
+        results.append(
+            {
+                "check": f"overlapped gradient psum, outside op {'before' if outside_first else 'after'}",
+                "problems": [] if torch.allclose(got, want) else [f"got {got}, want {want}"],
+            }
+        )
+    return results
 
 
 def _report_outcome(mode: str, rank: int, call) -> None:

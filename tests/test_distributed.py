@@ -60,7 +60,7 @@ def test_programs_and_sampled_cases_agree_with_simulated(world):
     assert all(not r["problems"] for r in results), _report(finished, results)
     # every sampled input is exercised by the gradient check somewhere
     assert sum(r["nonzero_grads"] for r in results) > len(results)
-    assert len(checks) == 5 * world, _report(finished, checks)
+    assert len(checks) == 7 * world, _report(finished, checks)
     assert all(not c["problems"] for c in checks), _report(finished, checks)
     assert finished.returncodes == [0] * world
 
@@ -124,6 +124,29 @@ class _DoublingComm:
     def all_reduce_(self, buf, op=None, name="psum"):
         self.ptrs.append(buf.data_ptr())
         return buf.mul_(2)
+
+    def start_all_reduce_(self, buf, name="psum"):
+        """The overlapped form: nothing happens to ``buf`` until the work is waited for, as
+        when the reduction is still in flight; so a read that does not wait sees wrong values."""
+        import torch.distributed as dist
+
+        comm = self
+
+        class LateDoubling(dist.Work):
+            def __init__(self):
+                super().__init__()
+                self.done = False
+
+            def wait(self, timeout=None):
+                if not self.done:
+                    self.done = True
+                    comm.all_reduce_(buf)
+                return True
+
+        return LateDoubling()
+
+    def finish(self, work, name="psum"):
+        work.wait()
 
 
 def _pvary(t, comm):

@@ -23,8 +23,15 @@ import sys
 import torch
 from torch._C import _functorch
 from torch.autograd import forward_ad
+from torch.distributed._functional_collectives import (
+    AsyncCollectiveTensor as _AsyncCollectiveTensor,
+)
+from torch.distributed._functional_collectives import wait_tensor as _wait_tensor
 
 from ._dist_comm import MAX, MIN, SUM, Comm
+
+_register_work = torch._C._distributed_c10d._register_work
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 _transforms_active = torch._C._are_functorch_transforms_active
 _base_apply = torch._C._FunctionBase.__dict__["apply"]
@@ -165,6 +172,33 @@ def _reversed(pairs):
 # --- the Functions -------------------------------------------------------------------------------
 
 
+def _reduce_during_backward(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """``buf`` summed over ``comm``, overlapped with the rest of the backward pass.
+
+    The gradient psum of a replicated parameter is the largest message of a training step, and
+    waiting for it where it arises would stall the backward (and, on an oversubscribed host,
+    every rank behind the slowest). So, as DDP overlaps its bucketed all-reduce with backward,
+    the reduction only starts here. The result is an ``AsyncCollectiveTensor`` (torch's
+    functional collectives' wait-on-first-use tensor): any op that reads it, such as the
+    accumulation of a second gradient contribution, waits for the sum first. At the end of the
+    backward pass, a callback waits for the rest through the failure board (so a failed peer
+    raises RankFailedError rather than hanging) and releases torch's record of the work: no
+    reduction outlives the backward that started it."""
+    work = comm.start_all_reduce_(buf)
+
+    def finish():
+        comm.finish(work)
+        _wait_tensor(buf)  # done: forget the work, so a later read does not wait again
+
+    _register_work(buf, work)
+    try:
+        _queue_callback(finish)
+    except RuntimeError:  # not inside an autograd engine backward: finish now
+        finish()
+        return buf
+    return _AsyncCollectiveTensor(buf)
+
+
 @_fast_apply
 class PvaryFn(torch.autograd.Function):
     """Identity forward; psum backward (in place on a gradient nothing else holds)."""
@@ -182,7 +216,7 @@ class PvaryFn(torch.autograd.Function):
         if _differentiable(g):
             return psum(g, ctx.comm), None
         buf = g if _exclusive(g) else g.clone(memory_format=_contiguous)
-        return ctx.comm.all_reduce_(buf), None
+        return _reduce_during_backward(buf, ctx.comm), None
 
     @staticmethod
     def jvp(ctx, t, _):

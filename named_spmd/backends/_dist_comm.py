@@ -54,6 +54,8 @@ class Comm:
         self._scatter = getattr(group, "reduce_scatter_single", None) or group._reduce_scatter_base
         self._a2a = getattr(group, "all_to_all_single", None) or group.alltoall_base
         self._opts = {op: self._reduce_opts(op) for op in (SUM, MAX, MIN)}
+        self._async_sum = self._reduce_opts(SUM)
+        self._async_sum.asyncOp = True  # on CUDA too: NCCL's own stream, joined at the wait
         self._gather_opts = c10d.AllgatherOptions()
         self._gather_opts.asyncOp = mesh.poll
         self._scatter_opts = c10d.ReduceScatterOptions()
@@ -111,6 +113,20 @@ class Comm:
             raise self.mesh.board.translate(e, self._doing(name)) from None
         self._wait(name, work)
         return buf
+
+    def start_all_reduce_(self, buf: torch.Tensor, name: str = "psum") -> Any:
+        """Start summing ``buf`` (owned by the caller) over the group in place; returns the work,
+        to be finished with :meth:`finish`."""
+        if self.mesh.debug:
+            self._debug(name, buf)
+        try:
+            return self.group.allreduce([_real(buf)], self._async_sum)
+        except RuntimeError as e:
+            raise self.mesh.board.translate(e, self._doing(name)) from None
+
+    def finish(self, work: Any, name: str = "psum") -> None:
+        """Wait for a work from :meth:`start_all_reduce_` (failures become RankFailedError)."""
+        self._wait(name, work)
 
     def all_gather(self, x: torch.Tensor, name: str = "all_gather") -> torch.Tensor:
         """``[n, *x.shape]``: every member's ``x``, in tuple order."""
