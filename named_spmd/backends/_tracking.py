@@ -34,8 +34,8 @@ class TrackedContext(SpmdContext):
         super().__init__(mesh, fn)
         self.call_token = object()
         self._stamps: dict[frozenset[str], tuple[object, frozenset[str]]] = {}
-        # (id(invariant tensor), stamp) -> (tensor, varying alias): VmaMode's fast path
-        self.alias_cache: dict[tuple[int, tuple], tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(invariant tensor) -> (tensor, stamp, its varying alias): VmaMode's fast path
+        self.alias_cache: dict[int, tuple[torch.Tensor, tuple, torch.Tensor]] = {}
         # (id(tensor), axes) -> (tensor, its varying alias); the tensor is kept alive so that
         # its id is not reused during the call.
         self.pvary_cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -113,14 +113,24 @@ _INPLACE_DUNDERS = frozenset(
 ) | {"__setitem__"}
 
 
+_IS_INPLACE: dict = {}  # func -> whether it writes into its first argument (memo: hot path)
+
+
+def _is_inplace(func) -> bool:
+    hit = _IS_INPLACE.get(func)
+    if hit is None:
+        name = getattr(func, "__name__", "")
+        hit = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+        _IS_INPLACE[func] = hit
+    return hit
+
+
 def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: frozenset[str]) -> None:
     """An in-place op (or ``out=``) whose target is less varying than its operands would write
     varying values through the implicit pvary's alias into a tensor still typed invariant: every
     instance would hold different values in what is typed replicated (the simulated backend's
     vmap refuses the write too)."""
-    name = getattr(func, "__name__", "")
-    inplace = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
-    target = args[0] if inplace and args else (kwargs or {}).get("out")
+    target = args[0] if args and _is_inplace(func) else (kwargs or {}).get("out")
     if not isinstance(target, Tensor):
         return
     missing = union - ctx.vma(target)
@@ -128,6 +138,7 @@ def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: frozenset[str
         from .._errors import VmaError
 
         axes = tuple(a for a in ctx.mesh.axis_names if a in missing)
+        name = getattr(func, "__name__", "")
         raise VmaError(
             f"{name} in {ctx.fn_label}: writes a value varying over {axes} into a tensor that is "
             f"invariant over {axes} (an in_spec P() input or a closed-over tensor), which would "
@@ -144,6 +155,7 @@ class VmaMode(TorchFunctionMode):
         self.ctx = ctx
         self.insert_pvary = insert_pvary
         self.token = ctx.call_token
+        self._axes_of: dict = {}  # stamp -> its axes in mesh order
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Fast path (most ops): positional operands only, and every operand that carries this
@@ -154,14 +166,16 @@ class VmaMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if kwargs:
             return self._general(func, args, kwargs)
-        token = self.token
+        token, aliased = self.token, self.ctx.alias_cache
         common = None
         plain = False
         for a in args:
             if isinstance(a, Tensor):
                 s = a.__dict__.get(_ATTR)
                 if s is None or s[0] is not token:
-                    if _is_wrapped(a):  # torch.func inside: its vma is its unwrapped tensor's
+                    # torch.func inside: a wrapper's vma is its unwrapped tensor's (tensors with
+                    # a cached alias were checked when it was made)
+                    if id(a) not in aliased and _is_wrapped(a):
                         return self._general(func, args, kwargs)
                     plain = True
                 elif common is None:
@@ -173,7 +187,8 @@ class VmaMode(TorchFunctionMode):
         if common is None:
             return func(*args)
         if plain and self.insert_pvary:  # an invariant tensor meets varying ones: implicit pvary
-            _check_inplace(self.ctx, func, args, None, common[1])
+            if _IS_INPLACE.get(func, True) and _is_inplace(func):
+                _check_inplace(self.ctx, func, args, None, common[1])
             args = self._vary_plain(args, common)
         out = func(*args)
         if type(out) is Tensor or isinstance(out, Tensor):
@@ -186,19 +201,27 @@ class VmaMode(TorchFunctionMode):
 
     def _vary_plain(self, args, common) -> tuple:
         """``args`` with every invariant tensor replaced by its varying alias over ``common``'s
-        axes (one per tensor and stamp per call, through :meth:`TrackedContext.cached_pvary`)."""
-        token, cache, out = self.token, self.ctx.alias_cache, []
-        for a in args:
+        axes (one per tensor and axes per call, through :meth:`TrackedContext.cached_pvary`;
+        the alias of each tensor's latest stamp is remembered here, the usual hit)."""
+        token, cache, out = self.token, self.ctx.alias_cache, list(args)
+        for i, a in enumerate(args):
             if isinstance(a, Tensor):
                 s = a.__dict__.get(_ATTR)
                 if s is None or s[0] is not token:
-                    hit = cache.get((id(a), common))
-                    if hit is None:
-                        axes = tuple(n for n in self.ctx.mesh.axis_names if n in common[1])
-                        hit = cache[(id(a), common)] = (a, self.ctx.cached_pvary(a, axes))
-                    a = hit[1]
-            out.append(a)
+                    hit = cache.get(id(a))
+                    if hit is None or hit[1] is not common:
+                        alias = self.ctx.cached_pvary(a, self._mesh_order(common))
+                        hit = cache[id(a)] = (a, common, alias)  # a: keeps its id unique
+                    out[i] = hit[2]
         return tuple(out)
+
+    def _mesh_order(self, stamp) -> tuple[str, ...]:
+        axes = self._axes_of.get(stamp)
+        if axes is None:
+            axes = self._axes_of[stamp] = tuple(
+                n for n in self.ctx.mesh.axis_names if n in stamp[1]
+            )
+        return axes
 
     def _general(self, func, args, kwargs):
         """Any op: the union of the operands' vma; implicit pvary of the invariant ones."""
