@@ -229,7 +229,12 @@ def targets(results: dict[str, Outcome]) -> list[tuple[str, str, str, str, str]]
                 row.get("ratio"),
                 "x",
                 limit,
-                f"{row['rounds']} rounds" if "rounds" in row else "",
+                (f"{row['rounds']} rounds" if "rounds" in row else "")
+                + (
+                    f"; vs DDP-style overlapped hand-written {row['ratio_overlapped']:.2f}x"
+                    if "ratio_overlapped" in row
+                    else ""
+                ),
                 dtensor_peer.get(hidden, ""),
             )
         )
