@@ -15,7 +15,16 @@ from dataclasses import dataclass
 import torch
 from torch._C import _functorch
 
-_local = threading.local()
+
+class _Modes(threading.local):
+    """Per thread: the active CommModes, innermost last. An attribute that always exists:
+    ``recording()`` runs on every collective, and a getattr default that misses costs ~1 us."""
+
+    def __init__(self) -> None:
+        self.stack: list[CommMode] = []
+
+
+_local = _Modes()
 
 
 @dataclass(frozen=True)
@@ -52,10 +61,7 @@ class CommMode:
         self.events: list[CommEvent] = []
 
     def __enter__(self) -> CommMode:
-        stack = getattr(_local, "stack", None)
-        if stack is None:
-            stack = _local.stack = []
-        stack.append(self)
+        _local.stack.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -108,11 +114,11 @@ class CommMode:
 
 
 def recording() -> bool:
-    return bool(getattr(_local, "stack", None))
+    return bool(_local.stack)
 
 
 def record(event: CommEvent) -> None:
-    for mode in getattr(_local, "stack", ()):
+    for mode in _local.stack:
         mode.events.append(event)
 
 
@@ -130,11 +136,11 @@ class _RecordOnBackward(torch.autograd.Function):
         ctx.event = inputs[1]
         # autograd runs a CUDA backward on its own device thread, which has no CommMode stack
         # of its own: keep the forward thread's live stack to record into there
-        ctx.stack = getattr(_local, "stack", None)
+        ctx.stack = _local.stack
 
     @staticmethod
     def backward(ctx, grad):
-        for mode in getattr(_local, "stack", None) or ctx.stack or ():
+        for mode in _local.stack or ctx.stack:
             mode.events.append(ctx.event)
         return grad, None
 

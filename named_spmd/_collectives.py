@@ -92,6 +92,11 @@ def psum(x: Any, axis_name: AxisName) -> Any:
     """
     ctx = current("psum")
     axes = ctx.check_axes(axis_name, "psum")
+    if isinstance(x, torch.Tensor) and not recording():
+        # the common case: the generic bookkeeping below would cost about as much as the sum
+        out = ctx.psum_varying(x, axes)
+        if out is not None:
+            return out
 
     def one(t):
         require_varying(ctx, t, axes, "psum")

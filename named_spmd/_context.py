@@ -37,6 +37,13 @@ class SpmdContext:
         """Record ``x``'s vma where the backend tracks it per tensor; returns ``x``."""
         return x
 
+    def psum_varying(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor | None:
+        """``psum(x, axes)`` without the public layer's bookkeeping (checks, vma, accounting),
+        where the backend can do that: ``x`` varies over every axis of ``axes``, the result's vma
+        needs no stamping and no transform needs more. None otherwise (the default), and then
+        the public layer takes its generic path. Only called while no CommMode records."""
+        return None
+
     # --- shared helpers ----------------------------------------------------------------
     def check_axes(self, axis_name: str | Sequence[str], op: str) -> tuple[str, ...]:
         """Normalise an axis name or tuple of names; unknown or repeated names raise."""

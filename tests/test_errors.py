@@ -77,6 +77,11 @@ def psum_of_invariant(x):
     return ns.psum(x, ("dp", "tp"))
 
 
+def psum_of_invariant_over_later_axis(x):
+    # the simulated fast path reduces over tp before it finds x invariant over dp
+    return ns.psum(x, ("tp", "dp"))
+
+
 def scatter_of_invariant(w):
     return ns.psum_scatter(w, "tp", tiled=True)
 
@@ -303,6 +308,13 @@ CATALOGUE = [
             "Fix: drop ('dp',) from the collective's axes",
             "x * axis_size('dp')",
         ],
+    ),
+    (
+        "psum-of-operand-invariant-over-a-later-axis",
+        lambda: _run(psum_of_invariant_over_later_axis, P("tp"), P(), v8),
+        ns.VmaError,
+        "psum_of_invariant_over_later_axis",
+        ["the operand is invariant over ('dp',)", "so psum over ('tp', 'dp') would add"],
     ),
     (
         "psum_scatter-of-invariant-operand",

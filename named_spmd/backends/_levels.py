@@ -131,19 +131,20 @@ def vmaps_only_above(level: int, known_top: int) -> bool:
     return all(i.key() == _VMAP for i in _functorch.get_interpreter_stack() if i.level() > level)
 
 
-def _peel(x: torch.Tensor, level: int) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
-    """``x`` as seen at ``level``, and the (level, batch dim) pairs removed, outermost first.
+def _peel(x: torch.Tensor, level: int) -> tuple[torch.Tensor, int, list[tuple[int, int]]] | None:
+    """``x`` as seen at ``level``, its own level (``level`` where it is batched there), and the
+    (level, batch dim) pairs removed, outermost first.
 
     None if a non-vmap wrapper sits above ``level`` (the caller then takes the slow path)."""
     peeled = []
-    while True:
-        lv = _functorch.maybe_get_level(x)
-        if lv <= level:
-            return x, peeled
+    lv = _functorch.maybe_get_level(x)
+    while lv > level:
         if not _functorch.is_batchedtensor(x):
             return None
         peeled.append((lv, _functorch.maybe_get_bdim(x)))
         x = _functorch.get_unwrapped(x)
+        lv = _functorch.maybe_get_level(x)
+    return x, lv, peeled
 
 
 def _rewrap(x: torch.Tensor, peeled: list[tuple[int, int]], shift: int) -> torch.Tensor:
@@ -153,29 +154,20 @@ def _rewrap(x: torch.Tensor, peeled: list[tuple[int, int]], shift: int) -> torch
     return x
 
 
-def _stacked_at(x: torch.Tensor, n: int, level: int, top: int, reduce: str | None):
-    """The fast path of :func:`gather` / :func:`gather_reduce`; None where it does not apply."""
-    if _functorch.maybe_get_level(x) == level and _functorch.maybe_current_level() == top:
-        # The common case, inlined: batched here and at nothing above, under our own levels only.
-        bd = _functorch.maybe_get_bdim(x)
-        x = _functorch.get_unwrapped(x)
-        if reduce is not None:
-            return getattr(x, reduce)(bd)
-        return x if bd == 0 else x.movedim(bd, 0)
+def _stacked_at(x: torch.Tensor, n: int, level: int, top: int) -> torch.Tensor | None:
+    """The fast path of :func:`gather`; None where it does not apply."""
     if not vmaps_only_above(level, top):
         return None
     found = _peel(x, level)
     if found is None:
         return None
-    t, peeled = found
-    if _functorch.maybe_get_level(t) == level:  # batched here: its dim is the stack
+    t, lv, peeled = found
+    if lv == level:  # batched here: its dim is the stack
         bd = _functorch.maybe_get_bdim(t)
         t = _functorch.get_unwrapped(t)
         stacked = t if bd == 0 else t.movedim(bd, 0)
     else:  # invariant here: n identical copies
         stacked = t.expand(n, *t.shape)
-    if reduce is not None:  # reduce before rewrapping: one op on a less wrapped tensor
-        return _rewrap(getattr(stacked, reduce)(0), peeled, 0)
     return _rewrap(stacked, peeled, 1)
 
 
@@ -186,19 +178,32 @@ def gather(
 
     ``k``: leading dims of ``x`` that a user vmap above has been peeled into (the stack dim goes
     after them); only the lowering path below sets it."""
-    out = _stacked_at(x, n, level, top, None) if FAST else None
+    out = _stacked_at(x, n, level, top) if FAST else None
     if out is not None:
         return out if k == 0 else out.movedim(0, k)
     out = _lowered(_GatherAbove, gather, x, token, n, level, top, k)
     return GatherLevel.apply(x, token, k) if out is None else out
 
 
+def reduce_varying(x: torch.Tensor, level: int, top: int, reduce: str) -> torch.Tensor | None:
+    """``reduce`` ("sum", "amax" or "amin") over ``level`` of an ``x`` batched there, on the fast
+    path: one op on the tensor as seen at the level, before the levels above are wrapped back on.
+    None where ``x`` is invariant over the level or the fast path does not apply."""
+    if not FAST or not vmaps_only_above(level, top):
+        return None
+    found = _peel(x, level)
+    if found is None or found[1] != level:
+        return None
+    t, _, peeled = found
+    bd = _functorch.maybe_get_bdim(t)
+    return _rewrap(getattr(_functorch.get_unwrapped(t), reduce)(bd), peeled, 0)
+
+
 def gather_reduce(
     x: torch.Tensor, token: torch.Tensor, n: int, level: int, top: int, reduce: str
 ) -> torch.Tensor:
-    """``getattr(gather(x, ...), reduce)(0)`` (a psum, pmax or pmin over one level), with the
-    reduction done before the levels above are wrapped back on."""
-    out = _stacked_at(x, n, level, top, reduce) if FAST else None
+    """``getattr(gather(x, ...), reduce)(0)``: a psum, pmax or pmin over one level."""
+    out = reduce_varying(x, level, top, reduce)
     if out is None and reduce == "sum":  # a psum under a grad / jvp inside: one Function
         out = _lowered(_SumAbove, _psum, x, token, n, level, top, 0)
     return getattr(gather(x, token, n, level, top), reduce)(0) if out is None else out
@@ -220,8 +225,8 @@ def vary(
         if vmaps_only_above(level, top):
             found = _peel(x, level)
             if found is not None:
-                t, peeled = found
-                if _functorch.maybe_get_level(t) == level:  # already varying
+                t, lv, peeled = found
+                if lv == level:  # already varying
                     return x
                 copies = _functorch._add_batch_dim(t.expand(n, *t.shape), 0, level)
                 return _rewrap(copies, peeled, 0)
@@ -270,8 +275,8 @@ def permute(
     found = _peel(x, level)
     if found is None:
         return None
-    t, peeled = found
-    if _functorch.maybe_get_level(t) != level:
+    t, lv, peeled = found
+    if lv != level:
         return None
     bd = _functorch.maybe_get_bdim(t)
     t = _functorch.get_unwrapped(t)

@@ -123,6 +123,19 @@ class SimulatedContext(SpmdContext):
     def psum(self, x, axes):
         return self._reduce(x, axes, "sum")
 
+    def psum_varying(self, x, axes):
+        if _functorch.maybe_current_level() != self.inner_level:
+            # a transform inside the per-device function: the generic path, without first
+            # paying for a failed attempt here
+            return None
+        # One fast-path reduction per axis; it also proves x varies over the axis (batched at
+        # its level), which is what makes skipping the generic checks safe.
+        for a in axes:
+            x = _levels.reduce_varying(x, self.axis_level[a], self.inner_level, "sum")
+            if x is None:
+                return None
+        return x
+
     def pmax(self, x, axes):
         return self._reduce(x, axes, "amax")
 
