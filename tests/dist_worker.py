@@ -274,21 +274,45 @@ def _overlapped_gradient_checks(mesh, world) -> list[dict]:
     for outside_first in (True, False):
         w = distribute_tensor(torch.linspace(-1.0, 1.0, 4), mesh.device_mesh, [Replicate()] * 2)
         w.requires_grad_()
+        registered = torch._C._distributed_c10d._get_work_registry_size()  # DTensor's own
         for _ in range(2):
             outside = (w.to_local() ** 2).sum() if outside_first else None
             inside = to_local(scale(x, w)).sum()
             if outside is None:
                 outside = (w.to_local() ** 2).sum()
             (inside + outside).backward()
+        left = torch._C._distributed_c10d._get_work_registry_size() - registered
         want = 2 * (x.sum(0) + 2 * w.detach().full_tensor())
         got = w.grad.full_tensor()
         results.append(
             {
                 "check": f"overlapped gradient psum, outside op {'before' if outside_first else 'after'}",
-                "problems": [] if torch.allclose(got, want) else [f"got {got}, want {want}"],
+                "problems": ([] if torch.allclose(got, want) else [f"got {got}, want {want}"])
+                + ([f"{left} works left registered after backward"] if left else []),
             }
         )
+    results.append(_pending_gradient_into_a_collective(mesh, world))
     return results
+
+
+def _pending_gradient_into_a_collective(mesh, world) -> dict:
+    """A gathered value pvaried right away: the gradient psum's pending result is the operand of
+    the all_gather's backward reduce-scatter, which hands memory to the process group itself."""
+    sim = ns.make_mesh(mesh.axis_sizes, mesh.axis_names, simulated=True)
+
+    def prog(x):
+        y = ns.all_gather(x, "dp", tiled=True)
+        return ns.psum(y * (ns.axis_index("tp") + 1.0), "tp")
+
+    x = torch.linspace(-2.0, 3.0, 4 * world)
+    grads = []
+    for m in (sim, mesh):
+        xg = x.clone().requires_grad_()
+        out = ns.spmd_map(prog, mesh=m, in_specs=P("dp"), out_specs=P("dp"))(xg)
+        (_global(out) * torch.arange(float(out.numel()))).sum().backward()
+        grads.append(xg.grad)
+    ok = torch.allclose(grads[0], grads[1])
+    return {"check": "pending gradient into a collective", "problems": [] if ok else [f"{grads}"]}
 
 
 def _report_outcome(mode: str, rank: int, call) -> None:
@@ -342,9 +366,36 @@ def run_failures(args, rank, world) -> None:
     run_failure(args, rank, world)
 
 
+def delay_overlapped_reductions() -> None:
+    """Make every overlapped gradient psum (``_dist_autograd._reduce_during_backward``) happen
+    only when it is waited for, and poison its buffer with NaN until then: any consumer that
+    reads the gradient without waiting then gets NaN, deterministically, instead of a rarely
+    lost race. The reduction itself runs at the wait, in the order every rank waits in."""
+    from named_spmd.backends import _dist_comm
+
+    class LateReduction(dist.Work):
+        def __init__(self, comm, buf):
+            super().__init__()
+            self.comm, self.buf, self.saved, self.done = comm, buf, buf.clone(), False
+            buf.fill_(float("nan"))
+
+        def wait(self, timeout=None):
+            if not self.done:
+                self.done = True
+                self.comm.all_reduce_(self.buf.copy_(self.saved))
+            return True
+
+        def is_completed(self):
+            return self.done
+
+    _dist_comm.Comm.start_all_reduce_ = lambda comm, buf, name="psum": LateReduction(comm, buf)
+    _dist_comm.Comm.finish = lambda comm, work, name="psum": work.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["programs", "fail", "mismatch", "failures"])
+    parser.add_argument("--late-reductions", action="store_true", help="see its function")
     parser.add_argument("--bad-rank", type=int, default=1)
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--seed", type=int, default=1234)
@@ -357,6 +408,8 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.late_reductions:
+        delay_overlapped_reductions()
     try:
         modes = {
             "programs": run_programs,

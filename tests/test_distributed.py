@@ -50,9 +50,16 @@ def _report(finished, results) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_programs_and_sampled_cases_agree_with_simulated(world):
-    finished = launch([WORKER, "programs", "--samples", "50", "--device", DEVICE], world, 480)
+@pytest.mark.parametrize(
+    "world, late", [(4, False), (8, False), (4, True)], ids=["4", "8", "4-late-reductions"]
+)
+def test_programs_and_sampled_cases_agree_with_simulated(world, late):
+    """``late``: the overlapped gradient psums are delayed to their waits and read as NaN
+    before, so a consumer that does not wait fails deterministically (dist_worker)."""
+    flags = ["--late-reductions"] if late else []
+    finished = launch(
+        [WORKER, "programs", "--samples", "50", "--device", DEVICE, *flags], world, 480
+    )
     results = [json.loads(line) for line in finished.lines("RESULT")]
     checks = [json.loads(line) for line in finished.lines("CHECK")]
     assert not finished.timed_out, _report(finished, results)
@@ -60,7 +67,7 @@ def test_programs_and_sampled_cases_agree_with_simulated(world):
     assert all(not r["problems"] for r in results), _report(finished, results)
     # every sampled input is exercised by the gradient check somewhere
     assert sum(r["nonzero_grads"] for r in results) > len(results)
-    assert len(checks) == 7 * world, _report(finished, checks)
+    assert len(checks) == 8 * world, _report(finished, checks)
     assert all(not c["problems"] for c in checks), _report(finished, checks)
     assert finished.returncodes == [0] * world
 

@@ -76,7 +76,7 @@ class _LocalOf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _wrap(ctx.mesh, g, ctx.places), None
+        return _wrap(ctx.mesh, ops.settled(g), ctx.places), None
 
 
 class _DTensorOf(torch.autograd.Function):
