@@ -87,8 +87,8 @@ def test_torchrun_one_node_four_processes(simulated):
     _check_job(_ranks(done.stdout), simulated, 4)
 
 
-def test_torchrun_two_nodes_cooperate_as_one_mesh(simulated):
-    endpoint = f"127.0.0.1:{free_port()}"
+def _two_nodes(deadline_s: float) -> list[tuple[int | None, str, str]]:
+    """Two torchrun agents of two processes each, joined by a c10d rendezvous on 127.0.0.1."""
     node = [
         *TORCHRUN,
         "--nnodes",
@@ -98,9 +98,11 @@ def test_torchrun_two_nodes_cooperate_as_one_mesh(simulated):
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        endpoint,
+        f"127.0.0.1:{free_port()}",
         "--rdzv-id",
         "named-spmd-test",
+        "--rdzv-conf",
+        "join_timeout=60",
         "--max-restarts",
         "0",
         SCRIPT,
@@ -112,15 +114,34 @@ def test_torchrun_two_nodes_cooperate_as_one_mesh(simulated):
         for _ in range(2)
     ]
     outs = []
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + deadline_s
     try:
         for p in procs:
-            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            try:
+                out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+                err += f"\n[test] killed after {deadline_s} s"
             outs.append((p.returncode, out, err))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    return outs
+
+
+def test_torchrun_two_nodes_cooperate_as_one_mesh(simulated):
+    # A second attempt on a fresh port only if the first one timed out: the free port can be
+    # taken by another socket before the rendezvous binds it (rare, seen once under load).
+    outs = _two_nodes(150)
+    if any(rc is None or rc < 0 for rc, _, _ in outs):
+        first = outs
+        outs = _two_nodes(150)
+        outs = [
+            (rc, out, err + "\n[first attempt]\n" + e1[-1500:])
+            for (rc, out, err), (_, _, e1) in zip(outs, first)
+        ]
     for rc, out, err in outs:
         assert rc == 0, out[-2000:] + err[-3000:]
     per_node = [_ranks(out) for _, out, _ in outs]
