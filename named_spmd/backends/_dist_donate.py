@@ -36,6 +36,12 @@ class _Probe(TrackedContext):
         refs = sys.getrefcount(x)
         return self._seen(x, refs)
 
+    def psum_varying(self, x, axes):
+        refs = sys.getrefcount(x)
+        if self.vma(x) >= set(axes):
+            return self.stamp(self._seen(x, refs), self.vma(x) - set(axes))
+        return None
+
     def pmax(self, x, axes):
         refs = sys.getrefcount(x)
         return self._seen(x, refs)
@@ -60,35 +66,39 @@ def calibrate() -> None:
 
 
 def _probe_chains(C, _context) -> None:
-    mesh = Mesh((2,), ("i",))
-    temps, named = [], []
-    for op in (C.psum, C.pmean, C.pmax, C.pmin):
-        for case in ("temporary", "named"):
-            ctx = _Probe(mesh, calibrate)
-            _context.push(ctx)
-            try:
-                if case == "temporary":
-                    op(ctx.stamp(torch.zeros(2), {"i"}), "i")
-                else:
-                    operand = ctx.stamp(torch.zeros(2), {"i"})
-                    op(operand, "i")
-            finally:
-                _context.pop()
-            (temps if case == "temporary" else named).append(ctx.seen)
-    refs = min(t[0] for t in temps)
-    _DONATE["ok"] = all(n[0] > refs for n in named)
-    _DONATE["limits"] = (refs, min(t[1] for t in temps), min(t[2] for t in temps))
+    """Limits for the two call chains: ``ns.psum``'s direct one (``psum_varying``, "fast") and
+    the generic one of every other reduction (and of psum while a CommMode records)."""
+    for chain, ops in (("fast", (C.psum,)), ("generic", (C.pmean, C.pmax, C.pmin))):
+        temps, named = [], []
+        for op in ops:
+            for case in ("temporary", "named"):
+                ctx = _Probe(Mesh((2,), ("i",)), calibrate)
+                _context.push(ctx)
+                try:
+                    if case == "temporary":
+                        op(ctx.stamp(torch.zeros(2), {"i"}), "i")
+                    else:
+                        operand = ctx.stamp(torch.zeros(2), {"i"})
+                        op(operand, "i")
+                finally:
+                    _context.pop()
+                (temps if case == "temporary" else named).append(ctx.seen)
+        refs = min(t[0] for t in temps)
+        ok = all(n[0] > refs for n in named)
+        _DONATE[chain] = (refs, min(t[1] for t in temps), min(t[2] for t in temps)) if ok else None
+    _DONATE["ok"] = _DONATE["fast"] is not None and _DONATE["generic"] is not None
 
 
-def donatable(x: torch.Tensor, refs: int) -> bool:
-    """Whether nothing but the collective's own call chain references ``x``."""
+def donatable(x: torch.Tensor, refs: int, chain: str = "generic") -> bool:
+    """Whether nothing but the collective's own call ``chain`` references ``x``."""
     if x.requires_grad or x._base is not None or not x.is_contiguous():
         return False
     if "ok" not in _DONATE:  # first use (the public collectives are importable by now)
         calibrate()
-    if not _DONATE["ok"]:
+    limits = _DONATE[chain]
+    if limits is None:
         return False
-    max_refs, max_uses, max_storage = _DONATE["limits"]
+    max_refs, max_uses, max_storage = limits
     try:
         return refs <= max_refs and x._use_count() <= max_uses and _storage_uses(x) <= max_storage
     except (RuntimeError, NotImplementedError):  # tensors without storage (wrappers)

@@ -51,7 +51,7 @@ from ._dist_comm import Comm
 from ._dist_donate import donatable
 from ._dist_failures import FailureBoard, debug_enabled, set_debug, timeout_s
 from ._dist_io import global_output, local_input
-from ._tracking import TrackedContext, VmaMode
+from ._tracking import _ATTR, TrackedContext, VmaMode
 
 __all__ = [
     "DistributedMesh",
@@ -229,6 +229,17 @@ class DistributedContext(TrackedContext):
         refs = sys.getrefcount(x)
         with _no_torch_function():
             return ops.psum(x, self.mesh.comm(axes), donatable(x, refs))
+
+    def psum_varying(self, x, axes):
+        """``ns.psum`` of a tensor stamped varying over ``axes`` (the common case), without the
+        generic bookkeeping: the checks it would make hold, and its vma is the stamp's."""
+        refs = sys.getrefcount(x)
+        stamp = x.__dict__.get(_ATTR)
+        if stamp is None or stamp[0] is not self.call_token or not stamp[1].issuperset(axes):
+            return None
+        with _no_torch_function():
+            out = ops.psum(x, self.mesh.comm(axes), donatable(x, refs, "fast"))
+        return self.stamp(out, stamp[1].difference(axes))
 
     def pmax(self, x, axes):
         refs = sys.getrefcount(x)
