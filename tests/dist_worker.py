@@ -292,7 +292,72 @@ def _overlapped_gradient_checks(mesh, world) -> list[dict]:
             }
         )
     results.append(_pending_gradient_into_a_collective(mesh, world))
+    results.append(_backward_that_raises(mesh, world, scale, x))
+    results.append(_held_storage_is_not_donated(mesh, world))
     return results
+
+
+def _backward_that_raises(mesh, world, scale, x) -> dict:
+    """A backward pass that raises after the gradient psum started runs no final callback (a
+    training loop may catch it, e.g. an out-of-memory error, and go on): the reduction must
+    still be finished and leave torch's work registry, at the latest by the next call."""
+
+    class Raises(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            raise ValueError("raised in backward on purpose")
+
+    registry = torch._C._distributed_c10d._get_work_registry_size
+    registered = registry()
+    w = torch.linspace(-1.0, 1.0, 4, requires_grad=True)
+    problems = []
+    try:  # Raises.backward runs after the pvary's backward started the gradient psum
+        scale(x, Raises.apply(w)).full_tensor().sum().backward()
+        problems.append("the backward did not raise")
+    except ValueError:
+        pass
+    got = scale(x, w).full_tensor().sum(0)  # the next call
+    if not torch.allclose(got, x.sum(0) * w.detach()):
+        problems.append(f"next call: {got}")
+    left = registry() - registered
+    return {
+        "check": "a backward that raises leaves no reduction registered",
+        "problems": problems + ([f"{left} works left registered"] if left else []),
+    }
+
+
+def _held_storage_is_not_donated(mesh, world) -> dict:
+    """A temporary operand whose storage object the user keeps (x.untyped_storage()) is not
+    reduced in place: the storage object adds no storage use, only a Python reference."""
+    kept = []
+
+    def keep_storage(t):
+        kept.append(t.untyped_storage())
+        return t
+
+    def prog(v):
+        return ns.psum(keep_storage(v * 1.0), ("dp", "tp"))
+
+    f = ns.spmd_map(prog, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P())
+    x = torch.arange(4.0 * world) + 1.0
+    me = x.reshape(world, 4)[dist.get_rank()]
+    problems = []
+    for recording in (False, True):  # the fast chain of ns.psum, and the generic one
+        kept.clear()
+        with torch.no_grad():
+            if recording:
+                with ns.CommMode():
+                    f(x)
+            else:
+                f(x)
+        held = torch.tensor([]).set_(kept[0])
+        if not torch.equal(held, me):
+            problems.append(f"recording={recording}: the held storage became {held.tolist()}")
+    return {"check": "psum leaves an operand's held storage alone", "problems": problems}
 
 
 def _pending_gradient_into_a_collective(mesh, world) -> dict:

@@ -67,7 +67,7 @@ def test_programs_and_sampled_cases_agree_with_simulated(world, late):
     assert all(not r["problems"] for r in results), _report(finished, results)
     # every sampled input is exercised by the gradient check somewhere
     assert sum(r["nonzero_grads"] for r in results) > len(results)
-    assert len(checks) == 8 * world, _report(finished, checks)
+    assert len(checks) == 10 * world, _report(finished, checks)
     assert all(not c["problems"] for c in checks), _report(finished, checks)
     assert finished.returncodes == [0] * world
 
@@ -192,8 +192,24 @@ def _aliasing_programs():
         seen.append(y)
         return (y @ c).sum()
 
+    def hook_keeps_storage(p, a, b, c, seen):  # the storage object, not the tensor
+        y = p(a)
+        y.register_hook(lambda g: seen.append(g.untyped_storage()))
+        return (y @ c).sum()
+
     del torch
-    return [mm_only, add_leaf, add_pending_mm, two_pvary, mul_by_self, hook_keeps_grad, retain_grad]
+    return [
+        *(mm_only, add_leaf, add_pending_mm, two_pvary, mul_by_self),
+        *(hook_keeps_grad, retain_grad, hook_keeps_storage),
+    ]
+
+
+def _kept_value(t):
+    import torch
+
+    if isinstance(t, torch.UntypedStorage):
+        return torch.tensor([]).set_(t)
+    return t.grad if t.grad is not None and t.dim() else t
 
 
 @pytest.mark.parametrize("prog", _aliasing_programs(), ids=lambda f: f.__name__)
@@ -206,7 +222,7 @@ def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradien
         c = torch.randn(4, 4, generator=g)
         seen: list = []
         prog(pvary, a, b, c, seen).backward()
-        kept = [t.grad if t.grad is not None and t.dim() else t for t in seen]
+        kept = [_kept_value(t) for t in seen]
         return [a.grad, b.grad], [k.detach().clone() for k in kept]
 
     class Doubled(torch.autograd.Function):  # the reference: an out-of-place doubling backward

@@ -63,19 +63,23 @@ def _apply(cls, *args):
 
 # --- who else can see a gradient? ----------------------------------------------------------------
 
-_BASELINE: list[tuple[int, int, int]] = []  # (TensorImpl uses, storage uses, Python refs)
+# (TensorImpl uses, storage uses, Python refs, Python refs to the storage object)
+_BASELINE: list[tuple[int, int, int, int]] = []
 
 
 def _refs(g: torch.Tensor) -> int:
     return sys.getrefcount(g)
 
 
-def _counts(g: torch.Tensor) -> tuple[int, int, int] | None:
+def _counts(g: torch.Tensor) -> tuple[int, int, int, int] | None:
     try:
         storage = _storage_uses(g.untyped_storage()._cdata)
+        # a held g.untyped_storage() is the one storage object torch keeps per storage: it adds
+        # a Python reference to that object, not a storage use
+        storage_refs = sys.getrefcount(g.untyped_storage())
     except (RuntimeError, NotImplementedError):
         return None
-    return g._use_count(), storage, _refs(g)
+    return g._use_count(), storage, _refs(g), storage_refs
 
 
 def _exclusive(g: torch.Tensor, probe: bool = False) -> bool:
@@ -92,9 +96,8 @@ def _exclusive(g: torch.Tensor, probe: bool = False) -> bool:
     counts = _counts(g)
     if counts is None or not _BASELINE or _BASELINE[0] is None:
         return False
-    uses, storage, refs = counts
     base = _BASELINE[0]
-    return uses <= base[0] and storage <= base[1] and refs <= base[2]
+    return all(c <= b for c, b in zip(counts, base))
 
 
 class _Calibrate(torch.autograd.Function):
@@ -186,14 +189,18 @@ def _reduce_during_backward(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
     accumulation of a second gradient contribution, waits for the sum first. At the end of the
     backward pass, a callback waits for the rest through the failure board (so a failed peer
     raises RankFailedError rather than hanging) and releases torch's record of the work: no
-    reduction outlives the backward that started it."""
+    reduction outlives the backward that started it. A backward that raises runs no final
+    callbacks: its reductions stay in ``_PENDING`` until :func:`finish_pending` (the next call on
+    the mesh) finishes them."""
     work = comm.start_all_reduce_(buf)
+    _register_work(buf, work)
+    key = id(work)  # unique while the entry keeps the work alive
+    _PENDING[key] = (comm, work, buf)
 
     def finish():
-        comm.finish(work)
-        _forget_work(buf)  # so that a later read does not wait again
+        if _PENDING.pop(key, None) is not None:  # else finish_pending did it
+            _finish(comm, work, buf)
 
-    _register_work(buf, work)
     try:
         _queue_callback(finish)
     except RuntimeError:  # not inside an autograd engine backward: finish now
@@ -202,6 +209,23 @@ def _reduce_during_backward(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
     pending = _AsyncCollectiveTensor(buf)
     pending._named_spmd_work = work
     return pending
+
+
+# id(work) -> (comm, work, buffer): overlapped reductions started and not finished yet
+_PENDING: dict[int, tuple[Comm, object, torch.Tensor]] = {}
+
+
+def _finish(comm: Comm, work, buf: torch.Tensor) -> None:
+    comm.finish(work)
+    _forget_work(buf)  # so that a later read does not wait again
+
+
+def finish_pending() -> None:
+    """Finish the overlapped reductions left by backward passes that raised (the engine runs
+    no final callbacks then): otherwise each would stay in torch's work registry, with its
+    gradient buffer, for the life of the process. Called outside any backward pass."""
+    while _PENDING:
+        _finish(*_PENDING.pop(next(iter(_PENDING))))
 
 
 def settled(g: torch.Tensor) -> torch.Tensor:

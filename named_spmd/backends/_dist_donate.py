@@ -3,10 +3,12 @@
 ``ns.psum(h @ w, "tp")`` without autograd: the operand is a temporary that only the call chain
 of the public collective references, so the all-reduce may overwrite it instead of a copy (a
 4 MB copy costs a quarter of a 4 MB gloo all-reduce). Whether a user still holds the operand is
-read off its reference counts (Python references, TensorImpl uses, storage uses), compared with
-those of a temporary sent through the very same chain once (:func:`calibrate`): a named
-variable, a list entry, a view, a tensor saved by autograd or shared storage all add one. If
-the interpreter does not count a named variable apart from a temporary, donation stays off.
+read off its reference counts (Python references, TensorImpl uses, storage uses, Python
+references to its storage object), compared with those of a temporary sent through the very
+same chain once (:func:`calibrate`): a named variable, a list entry, a view, a tensor saved by
+autograd or shared storage all add one, and so does a held ``x.untyped_storage()`` to the last
+count (torch keeps one storage object per storage: holding it adds no storage use). If the
+interpreter does not count a named variable apart from a temporary, donation stays off.
 :class:`~.distributed.DistributedContext` reads ``sys.getrefcount`` first thing in its
 reductions, at the same frame depth as :class:`_Probe` here.
 """
@@ -29,7 +31,7 @@ class _Probe(TrackedContext):
     the operand."""
 
     def _seen(self, x, refs):
-        self.seen = (refs, x._use_count(), _storage_uses(x))
+        self.seen = (refs, x._use_count(), *_storage_counts(x))
         return x.clone()
 
     def psum(self, x, axes):
@@ -49,8 +51,14 @@ class _Probe(TrackedContext):
     pmin = pmax
 
 
-def _storage_uses(x: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(x.untyped_storage()._cdata)
+def _storage_counts(x: torch.Tensor) -> tuple[int, int]:
+    """Uses of ``x``'s storage, and Python references to its storage object (a user may hold
+    ``x.untyped_storage()``)."""
+    storage = x.untyped_storage()
+    return _storage_use_count(storage._cdata), sys.getrefcount(storage)
+
+
+_storage_use_count = torch._C._storage_Use_Count
 
 
 def calibrate() -> None:
@@ -85,7 +93,8 @@ def _probe_chains(C, _context) -> None:
                 (temps if case == "temporary" else named).append(ctx.seen)
         refs = min(t[0] for t in temps)
         ok = all(n[0] > refs for n in named)
-        _DONATE[chain] = (refs, min(t[1] for t in temps), min(t[2] for t in temps)) if ok else None
+        limits = (refs, *(min(t[k] for t in temps) for k in (1, 2, 3)))
+        _DONATE[chain] = limits if ok else None
     _DONATE["ok"] = _DONATE["fast"] is not None and _DONATE["generic"] is not None
 
 
@@ -98,8 +107,11 @@ def donatable(x: torch.Tensor, refs: int, chain: str = "generic") -> bool:
     limits = _DONATE[chain]
     if limits is None:
         return False
-    max_refs, max_uses, max_storage = limits
+    max_refs, max_uses, max_storage, max_storage_refs = limits
     try:
-        return refs <= max_refs and x._use_count() <= max_uses and _storage_uses(x) <= max_storage
+        if refs > max_refs or x._use_count() > max_uses:
+            return False
+        storage, storage_refs = _storage_counts(x)
     except (RuntimeError, NotImplementedError):  # tensors without storage (wrappers)
         return False
+    return storage <= max_storage and storage_refs <= max_storage_refs

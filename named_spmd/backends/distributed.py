@@ -63,6 +63,7 @@ __all__ = [
 ]
 
 _no_torch_function = torch._C.DisableTorchFunction
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 _MESH_OF: dict[int, Any] = {}  # id(DeviceMesh) -> its DistributedMesh (the fast DTensor paths)
 
 
@@ -277,6 +278,8 @@ def run(
     out_specs_of: Callable[[], list[PartitionSpec]],
 ) -> list[Any]:
     """Run ``body`` on this rank's blocks; return the outputs as DTensors (see module doc)."""
+    if ops._PENDING and _graph_task_id() == -1:  # left by a backward pass that raised
+        ops.finish_pending()
     board = mesh.board
     board.seq += 1
     mesh.debug = debug_enabled()
