@@ -292,6 +292,7 @@ def _overlapped_gradient_checks(mesh, world) -> list[dict]:
             }
         )
     results.append(_pending_gradient_into_a_collective(mesh, world))
+    results.append(_gradients_are_plain_after_backward(mesh, scale, x))
     results.append(_backward_that_raises(mesh, world, scale, x))
     results.append(_held_storage_is_not_donated(mesh, world))
     return results
@@ -328,6 +329,41 @@ def _backward_that_raises(mesh, world, scale, x) -> dict:
         "check": "a backward that raises leaves no reduction registered",
         "problems": problems + ([f"{left} works left registered"] if left else []),
     }
+
+
+def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
+    """Once backward returns, a replicated weight's gradient is a plain tensor (a DTensor over a
+    plain local tensor), not the wrapper that stood for it while its psum was in flight: models
+    holding such gradients deep-copy and pickle as usual."""
+    import copy
+
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from named_spmd.backends.distributed import to_local
+
+    model = torch.nn.Module()
+    w = torch.linspace(-1.0, 1.0, 4)
+    model.d = torch.nn.Parameter(distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2))
+    model.p = torch.nn.Parameter(w.clone())
+    (to_local(scale(x, model.d)).sum() + to_local(scale(x, model.p)).sum()).backward()
+    problems = [
+        f"{name}: {type(t).__name__}"
+        for name, t in (
+            ("DTensor's local gradient", model.d.grad._local_tensor),
+            ("plain", model.p.grad),
+        )
+        if type(t) is not torch.Tensor
+    ]
+    want = x.sum(0)
+    if not (
+        torch.allclose(model.d.grad.full_tensor(), want) and torch.allclose(model.p.grad, want)
+    ):
+        problems.append(f"values {model.d.grad.full_tensor()} / {model.p.grad}, want {want}")
+    try:
+        copy.deepcopy(model)
+    except Exception as e:  # noqa: BLE001 - reported
+        problems.append(f"deepcopy raised {type(e).__name__}: {e}")
+    return {"check": "gradients are plain tensors after backward", "problems": problems}
 
 
 def _held_storage_is_not_donated(mesh, world) -> dict:

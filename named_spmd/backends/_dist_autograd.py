@@ -30,6 +30,7 @@ from torch.distributed._functional_collectives import (
 from ._dist_comm import MAX, MIN, SUM, Comm
 
 _register_work = torch._C._distributed_c10d._register_work
+_AccumulateGrad = torch._C._functions.AccumulateGrad
 _wait_tensor_op = torch.ops._c10d_functional.wait_tensor.default
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -189,17 +190,19 @@ def _reduce_during_backward(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
     accumulation of a second gradient contribution, waits for the sum first. At the end of the
     backward pass, a callback waits for the rest through the failure board (so a failed peer
     raises RankFailedError rather than hanging) and releases torch's record of the work: no
-    reduction outlives the backward that started it. A backward that raises runs no final
+    reduction outlives the backward that started it; then the leaves' ``.grad`` that received
+    the wrapper get the plain tensor (:func:`when_reduced`). A backward that raises runs no final
     callbacks: its reductions stay in ``_PENDING`` until :func:`finish_pending` (the next call on
     the mesh) finishes them."""
     work = comm.start_all_reduce_(buf)
     _register_work(buf, work)
     key = id(work)  # unique while the entry keeps the work alive
-    _PENDING[key] = (comm, work, buf)
+    _PENDING[key] = (comm, work, buf, [])
 
     def finish():
-        if _PENDING.pop(key, None) is not None:  # else finish_pending did it
-            _finish(comm, work, buf)
+        entry = _PENDING.pop(key, None)
+        if entry is not None:  # else finish_pending did it
+            _finish(*entry)
 
     try:
         _queue_callback(finish)
@@ -211,13 +214,37 @@ def _reduce_during_backward(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
     return pending
 
 
-# id(work) -> (comm, work, buffer): overlapped reductions started and not finished yet
-_PENDING: dict[int, tuple[Comm, object, torch.Tensor]] = {}
+# id(work) -> (comm, work, buffer, what to run once it is done): overlapped reductions started
+# and not finished yet
+_PENDING: dict[int, tuple[Comm, object, torch.Tensor, list]] = {}
 
 
-def _finish(comm: Comm, work, buf: torch.Tensor) -> None:
+def _finish(comm: Comm, work, buf: torch.Tensor, then: list) -> None:
     comm.finish(work)
     _forget_work(buf)  # so that a later read does not wait again
+    for fn in then:
+        fn()
+
+
+def when_reduced(g: torch.Tensor, fn) -> None:
+    """Run ``fn()`` once the overlapped reduction behind the pending gradient ``g`` is done (at
+    the end of the backward pass); nothing if ``g`` is not pending."""
+    work = g.__dict__.get("_named_spmd_work") if type(g) is _AsyncCollectiveTensor else None
+    entry = _PENDING.get(id(work)) if work is not None else None
+    if entry is not None and entry[1] is work:
+        entry[3].append(fn)
+
+
+def is_pending_wrapper(t: torch.Tensor) -> bool:
+    return type(t) is _AsyncCollectiveTensor
+
+
+def plain_grad(leaf: torch.Tensor) -> None:
+    """Give ``leaf`` its gradient as the plain tensor, where the accumulation stored the pending
+    wrapper (a finished one): ``.grad`` then copies, pickles and exposes its storage as usual."""
+    grad = leaf.grad
+    if is_pending_wrapper(grad):
+        leaf.grad = grad.elem
 
 
 def finish_pending() -> None:
@@ -266,7 +293,11 @@ class PvaryFn(torch.autograd.Function):
         if _differentiable(g):
             return psum(g, ctx.comm), None
         buf = g if _exclusive(g) else g.clone(memory_format=_contiguous)
-        return _reduce_during_backward(buf, ctx.comm), None
+        pending = _reduce_during_backward(buf, ctx.comm)
+        source = ctx.next_functions[0][0]
+        if type(source) is _AccumulateGrad:  # a plain leaf: its .grad becomes this
+            when_reduced(pending, lambda leaf=source.variable: plain_grad(leaf))
+        return pending, None
 
     @staticmethod
     def jvp(ctx, t, _):

@@ -73,10 +73,14 @@ class _LocalOf(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.mesh, ctx.places = inputs[1], tuple(inputs[0].placements)
+        ctx.leaf = inputs[0] if inputs[0].is_leaf else None
 
     @staticmethod
     def backward(ctx, g):
-        return _wrap(ctx.mesh, ops.settled(g), ctx.places), None
+        g = ops.settled(g)
+        if ctx.leaf is not None:  # its .grad may hold the pending wrapper: plain once reduced
+            ops.when_reduced(g, lambda leaf=ctx.leaf, mesh=ctx.mesh: _plain_local_grad(leaf, mesh))
+        return _wrap(ctx.mesh, g, ctx.places), None
 
 
 class _DTensorOf(torch.autograd.Function):
@@ -98,6 +102,13 @@ class _DTensorOf(torch.autograd.Function):
                 g = g.redistribute(ctx.mesh.device_mesh, ctx.places)
             g = g._local_tensor
         return g, None, None
+
+
+def _plain_local_grad(leaf: DTensor, mesh) -> None:
+    """The DTensor form of :func:`_dist_autograd.plain_grad`."""
+    grad = leaf.grad
+    if isinstance(grad, DTensor) and ops.is_pending_wrapper(grad._local_tensor):
+        leaf.grad = _wrap(mesh, grad._local_tensor.elem, tuple(grad.placements))
 
 
 for _cls in (_LocalOf, _DTensorOf):
