@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -105,14 +106,17 @@ def _timed(fn, device) -> float:
 
 
 def interleaved(fns: dict, rounds: int, warmup: int, device) -> dict[str, float]:
-    """Median over rounds of each function's time (slowest rank), rounds interleaved."""
+    """Median over rounds of each function's time (slowest rank), rounds interleaved
+    in a shuffled order."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(_timed(fn, device))
+    for r in range(rounds):
+        order = list(fns)
+        random.Random(r).shuffle(order)  # no fixed position in the round; same on every rank
+        for name in order:
+            samples[name].append(_timed(fns[name], device))
     out = {}
     for name, s in samples.items():
         t = torch.tensor(s, dtype=torch.float64)
@@ -233,7 +237,7 @@ def megatron(args, mesh, device) -> list[dict]:
         err = max(
             err, *((dts[k].grad.to_local() - local[k].grad).abs().max().item() for k in local)
         )
-        rounds = max(3, args.rounds // (4 if hidden >= 4096 else 1))
+        rounds = max(5, args.rounds // 3) if hidden >= 4096 else args.rounds
         steps = {"spmd_map": spmd_step, "hand-written": hand_step, "overlapped": overlapped_step}
         t = interleaved(steps, rounds, 2, device)
         rows.append(
@@ -300,7 +304,7 @@ def latency(args, mesh, device) -> list[dict]:
         }
         if args.funcol:
             fns["funcol fresh"] = funcol
-        t = interleaved(fns, args.rounds, 2, device)
+        t = interleaved(fns, 2 * args.rounds, 2, device)  # small and noisy: more rounds
         row = {"bytes": numel * 4, **{k: v / calls * 1e6 for k, v in t.items()}}
         row["ratio fresh"] = row["ns.psum fresh"] / row["dist.all_reduce fresh"]
         row["ratio reused"] = row["ns.psum reused"] / row["dist.all_reduce reused"]
