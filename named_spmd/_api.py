@@ -25,6 +25,8 @@ _VMAP_LIMITS = (
     "data-dependent",
     "Cannot access data pointer",  # .tolist() / .numpy() of a batched tensor
 )
+# ... and those of an in-place write whose operand has instances the target lacks.
+_INPLACE_UNDER_VMAP = ("inplace arithmetic", "doesn't match the broadcast shape")
 
 
 class SpmdFunction:
@@ -187,6 +189,14 @@ class SpmdFunction:
         except SpmdError:
             raise
         except RuntimeError as e:
+            if self.mesh.kind == "simulated" and any(s in str(e) for s in _INPLACE_UNDER_VMAP):
+                raise VmaError(
+                    f"{self.where}: an in-place write failed under the simulated mesh:\n  {e}\n"
+                    "If it writes a value that varies over mesh axes into a tensor invariant over "
+                    "them (an in_spec P() input or a closed-over tensor), every instance would "
+                    "hold different values in what is typed replicated. Fix: compute out of "
+                    "place (y = x + v instead of x += v)."
+                ) from e
             if any(s in str(e) for s in _VMAP_LIMITS):
                 raise SpmdError(
                     f"{self.where}: the per-device function failed under the simulated mesh, "
