@@ -69,8 +69,8 @@ def _check_job(ranks: dict[int, tuple], simulated: tuple, world: int) -> None:
     assert len(coords) == world  # one mesh instance per process
 
 
-def test_torchrun_one_node_four_processes(simulated):
-    done = _run(
+def _one_node():
+    return _run(
         [
             *TORCHRUN,
             "--nproc-per-node",
@@ -83,6 +83,17 @@ def test_torchrun_one_node_four_processes(simulated):
         ],
         240,
     )
+
+
+def test_torchrun_one_node_four_processes(simulated):
+    done = _one_node()
+    if done.returncode != 0 and len(_ranks(done.stdout)) == 4 and "SIGABRT" in done.stderr:
+        # Every rank finished and reported, then one aborted in interpreter teardown, after
+        # destroy_process_group (torch/gloo's; seen once in ~40 launches, not reproduced):
+        # one more launch, and the first failure stays in the message if that fails too.
+        first = done.stderr[-1500:]
+        done = _one_node()
+        done.stderr += "\n[first attempt]\n" + first
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     _check_job(_ranks(done.stdout), simulated, 4)
 
