@@ -28,6 +28,7 @@ from torch.distributed._functional_collectives import (
 )
 
 from ._dist_comm import MAX, MIN, SUM, Comm
+from ._dist_donate import storage_counts
 
 _register_work = torch._C._distributed_c10d._register_work
 _AccumulateGrad = torch._C._functions.AccumulateGrad
@@ -37,7 +38,6 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 _transforms_active = torch._C._are_functorch_transforms_active
 _base_apply = torch._C._FunctionBase.__dict__["apply"]
-_storage_uses = torch._C._storage_Use_Count
 _contiguous = torch.contiguous_format
 
 
@@ -74,10 +74,7 @@ def _refs(g: torch.Tensor) -> int:
 
 def _counts(g: torch.Tensor) -> tuple[int, int, int, int] | None:
     try:
-        storage = _storage_uses(g.untyped_storage()._cdata)
-        # a held g.untyped_storage() is the one storage object torch keeps per storage: it adds
-        # a Python reference to that object, not a storage use
-        storage_refs = sys.getrefcount(g.untyped_storage())
+        storage, storage_refs = storage_counts(g)  # the same counts as forward donation
     except (RuntimeError, NotImplementedError):
         return None
     return g._use_count(), storage, _refs(g), storage_refs
@@ -226,10 +223,15 @@ def _finish(comm: Comm, work, buf: torch.Tensor, then: list) -> None:
         fn()
 
 
+def _work_of(g: torch.Tensor):
+    """The work of a pending gradient from :func:`_reduce_during_backward`, else None."""
+    return g.__dict__.get("_named_spmd_work") if type(g) is _AsyncCollectiveTensor else None
+
+
 def when_reduced(g: torch.Tensor, fn) -> None:
     """Run ``fn()`` once the overlapped reduction behind the pending gradient ``g`` is done (at
     the end of the backward pass); nothing if ``g`` is not pending."""
-    work = g.__dict__.get("_named_spmd_work") if type(g) is _AsyncCollectiveTensor else None
+    work = _work_of(g)
     entry = _PENDING.get(id(work)) if work is not None else None
     if entry is not None and entry[1] is work:
         entry[3].append(fn)
@@ -259,11 +261,10 @@ def settled(g: torch.Tensor) -> torch.Tensor:
     """``g`` itself, or the plain buffer of a pending gradient from
     :func:`_reduce_during_backward` whose reduction has already finished: later reads then
     skip the wrapper's dispatch (the gradient accumulation alone costs one per parameter)."""
-    if type(g) is _AsyncCollectiveTensor:
-        work = g.__dict__.get("_named_spmd_work")
-        if work is not None and work.is_completed():
-            _forget_work(g.elem)
-            return g.elem
+    work = _work_of(g)
+    if work is not None and work.is_completed():
+        _forget_work(g.elem)
+        return g.elem
     return g
 
 

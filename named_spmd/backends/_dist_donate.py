@@ -31,7 +31,7 @@ class _Probe(TrackedContext):
     the operand."""
 
     def _seen(self, x, refs):
-        self.seen = (refs, x._use_count(), *_storage_counts(x))
+        self.seen = (refs, x._use_count(), *storage_counts(x))
         return x.clone()
 
     def psum(self, x, axes):
@@ -51,7 +51,7 @@ class _Probe(TrackedContext):
     pmin = pmax
 
 
-def _storage_counts(x: torch.Tensor) -> tuple[int, int]:
+def storage_counts(x: torch.Tensor) -> tuple[int, int]:
     """Uses of ``x``'s storage, and Python references to its storage object (a user may hold
     ``x.untyped_storage()``)."""
     storage = x.untyped_storage()
@@ -76,11 +76,12 @@ def calibrate() -> None:
 def _probe_chains(C, _context) -> None:
     """Limits for the two call chains: ``ns.psum``'s direct one (``psum_varying``, "fast") and
     the generic one of every other reduction (and of psum while a CommMode records)."""
+    mesh = Mesh((2,), ("i",))
     for chain, ops in (("fast", (C.psum,)), ("generic", (C.pmean, C.pmax, C.pmin))):
         temps, named = [], []
         for op in ops:
             for case in ("temporary", "named"):
-                ctx = _Probe(Mesh((2,), ("i",)), calibrate)
+                ctx = _Probe(mesh, calibrate)
                 _context.push(ctx)
                 try:
                     if case == "temporary":
@@ -111,7 +112,7 @@ def donatable(x: torch.Tensor, refs: int, chain: str = "generic") -> bool:
     try:
         if refs > max_refs or x._use_count() > max_uses:
             return False
-        storage, storage_refs = _storage_counts(x)
+        storage, storage_refs = storage_counts(x)
     except (RuntimeError, NotImplementedError):  # tensors without storage (wrappers)
         return False
     return storage <= max_storage and storage_refs <= max_storage_refs
