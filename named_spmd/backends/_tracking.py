@@ -187,7 +187,7 @@ class VmaMode(TorchFunctionMode):
         if common is None:
             return func(*args)
         if plain and self.insert_pvary:  # an invariant tensor meets varying ones: implicit pvary
-            if _IS_INPLACE.get(func, True) and _is_inplace(func):
+            if _is_inplace(func):
                 _check_inplace(self.ctx, func, args, None, common[1])
             args = self._vary_plain(args, common)
         out = func(*args)
