@@ -69,7 +69,8 @@ def _check_job(ranks: dict[int, tuple], simulated: tuple, world: int) -> None:
     assert len(coords) == world  # one mesh instance per process
 
 
-def _one_node():
+def _one_node(*flags: str, script_args: tuple[str, ...] = ()):
+    """``SCRIPT`` under torchrun, 4 processes on 127.0.0.1 (``flags``: more torchrun flags)."""
     return _run(
         [
             *TORCHRUN,
@@ -79,7 +80,9 @@ def _one_node():
             "127.0.0.1",
             "--master-port",
             str(free_port()),
+            *flags,
             SCRIPT,
+            *script_args,
         ],
         240,
     )
@@ -162,23 +165,7 @@ def test_torchrun_two_nodes_cooperate_as_one_mesh(simulated):
 
 def test_torchrun_failing_rank_is_named_by_every_rank():
     t0 = time.monotonic()
-    done = _run(
-        [
-            *TORCHRUN,
-            "--nproc-per-node",
-            "4",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            "--monitor-interval",
-            "1",
-            SCRIPT,
-            "--fail-rank",
-            "2",
-        ],
-        240,
-    )
+    done = _one_node("--monitor-interval", "1", script_args=("--fail-rank", "2"))
     assert done.returncode != 0
     assert time.monotonic() - t0 < 200
     text = done.stdout + done.stderr
