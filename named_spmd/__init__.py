@@ -4,31 +4,40 @@ Write a per-device function, decorate it with ``@spmd_map(mesh=..., in_specs=...
 and talk to the other instances with collectives by axis name.
 """
 
-from ._accounting import CommEvent, CommMode
-from ._api import SpmdFunction, spmd_map
-from ._collectives import (
-    all_gather,
-    all_to_all,
-    axis_index,
-    axis_size,
-    pmax,
-    pmean,
-    pmin,
-    ppermute,
-    pshuffle,
-    psum,
-    psum_scatter,
-    pvary,
-    typeof,
-    vma,
-)
-from ._display import visualize
-from ._errors import CollectiveError, RankFailedError, SpecError, SpmdError, VmaError
-from ._mesh import Mesh, make_mesh
-from ._spec import P, PartitionSpec
-from ._types import VType
-from .backends.abstract import CheckReport, OutputCheck, ShapeDtype
-from .backends.simulated import simulation_order
+from ._accounting import CommEvent as CommEvent
+from ._accounting import CommMode as CommMode
+from ._api import SpmdFunction as SpmdFunction
+from ._api import make_mesh as make_mesh
+from ._api import spmd_map as spmd_map
+from ._check import CheckReport as CheckReport
+from ._check import OutputCheck as OutputCheck
+from ._check import ShapeDtype as ShapeDtype
+from ._collectives import all_gather as all_gather
+from ._collectives import all_to_all as all_to_all
+from ._collectives import axis_index as axis_index
+from ._collectives import axis_size as axis_size
+from ._collectives import pmax as pmax
+from ._collectives import pmean as pmean
+from ._collectives import pmin as pmin
+from ._collectives import ppermute as ppermute
+from ._collectives import pshuffle as pshuffle
+from ._collectives import psum as psum
+from ._collectives import psum_scatter as psum_scatter
+from ._collectives import pvary as pvary
+from ._collectives import typeof as typeof
+from ._collectives import vma as vma
+from ._display import visualize as visualize
+from ._errors import CollectiveError as CollectiveError
+from ._errors import RankFailedError as RankFailedError
+from ._errors import SpecError as SpecError
+from ._errors import SpmdError as SpmdError
+from ._errors import VmaError as VmaError
+from ._mesh import Mesh as Mesh
+from ._spec import P as P
+from ._spec import PartitionSpec as PartitionSpec
+from ._types import Vma as Vma
+from ._types import VType as VType
+from .backends.simulated import simulation_order as simulation_order
 
 __version__ = "0.1.0"
 
@@ -40,7 +49,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 
@@ -64,6 +73,7 @@ __all__ = [
     "SpmdError",
     "SpmdFunction",
     "VType",
+    "Vma",
     "VmaError",
     "all_gather",
     "all_to_all",

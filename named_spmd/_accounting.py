@@ -13,7 +13,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from torch._C import _functorch
+
+from ._torch_private import get_unwrapped, maybe_get_level
+from ._types import render
 
 
 class _Modes(threading.local):
@@ -90,31 +92,27 @@ class CommMode:
 
     def summary(self) -> str:
         """A table: direction, collective, axes, count, bytes per instance."""
-        rows: dict[tuple, list[int]] = {}
-        for e in self.events:
-            name = e.op + (" (implicit pvary)" if e.implicit else "")
-            row = rows.setdefault((e.direction, name, e.axes), [0, 0])
-            row[0] += 1
-            row[1] += e.nbytes
-        lines = [f"{'direction':<9} {'collective':<26} {'axes':<14} {'count':>5} {'bytes':>12}"]
-        forward_first = sorted(rows.items(), key=lambda kv: (kv[0][0] != "forward", kv[0]))
-        for (direction, name, axes), (n, nbytes) in forward_first:
-            lines.append(f"{direction:<9} {name:<26} {','.join(axes):<14} {n:>5} {nbytes:>12}")
-        if not rows:
-            lines.append("(no collectives)")
-        return "\n".join(lines)
+        return render("comm_text", self.events)
 
     def __repr__(self) -> str:
         return self.summary()
 
     def _repr_html_(self) -> str:
-        from ._display import comm_html
-
-        return comm_html(self.events)
+        return render("comm_html", self.events)
 
 
 def recording() -> bool:
     return bool(_local.stack)
+
+
+def suspend() -> list[CommMode]:
+    """Stop every active CommMode of this thread from recording; returns them for ``resume``."""
+    saved, _local.stack = _local.stack, []
+    return saved
+
+
+def resume(saved: list[CommMode]) -> None:
+    _local.stack = saved
 
 
 def record(event: CommEvent) -> None:
@@ -157,9 +155,9 @@ def needs_grad(t: torch.Tensor) -> bool:
     while True:
         if t.requires_grad:
             return True
-        if _functorch.maybe_get_level(t) == -1:
+        if maybe_get_level(t) == -1:
             return False
-        t = _functorch.get_unwrapped(t)
+        t = get_unwrapped(t)
 
 
 def on_backward(x: torch.Tensor, event: CommEvent) -> torch.Tensor:

@@ -1,38 +1,33 @@
-"""spmd_map: argument checks, spec broadcasting, the out_specs check and hand-off to a backend."""
+"""spmd_map and make_mesh: argument checks, spec broadcasting, the out_specs check, and the one
+call path (a run on the mesh's backend, or a check on the abstract backend)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, overload
 
 import optree
 import torch
 
 from . import _context
+from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
-from ._mesh import Mesh, as_mesh
+from ._mesh import Mesh
 from ._spec import PartitionSpec, spec_problems
 from ._tree import broadcast_specs, check_spec_types, flatten_with_paths, path_text
 from ._types import VType
-
-# Messages of functorch errors that mean "this code cannot run per instance under vmap".
-_VMAP_LIMITS = (
-    "vmap",
-    "Batching rule",
-    "batched tensor",
-    ".item()",
-    "data-dependent",
-    "Cannot access data pointer",  # .tolist() / .numpy() of a batched tensor
-)
-# ... and those of an in-place write whose operand has instances the target lacks.
-_INPLACE_UNDER_VMAP = ("inplace arithmetic", "doesn't match the broadcast shape")
+from .backends import Backend, backend_for
+from .backends.abstract import AbstractBackend, to_meta, wants_grad
 
 
 class SpmdFunction:
     """A per-device function mapped over a mesh; call it with global values."""
 
-    def __init__(self, fn, mesh, in_specs, out_specs, check_vma):
+    def __init__(
+        self, fn: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any, check_vma: bool
+    ) -> None:
         self.fn = fn
         self.label = fn_label(fn)
         self.where = f"spmd_map of {self.label}"
@@ -87,7 +82,7 @@ class SpmdFunction:
             # outputs are concatenated, never split: a dim size every axis product divides
             # (mesh.size) checks rank and axis names without a divisibility condition
             problems += spec_problems(spec, (self.mesh.size,) * leaf.dim(), self.mesh.shape, where)
-            extra = ctx.vma(leaf) - set(spec.axes)
+            extra = ctx.vma(leaf).varying.difference(spec.axes)
             if self.check_vma and extra:
                 vma_problems.append(self._vma_problem(where, leaf, spec, extra, ctx))
         if problems:
@@ -124,36 +119,9 @@ class SpmdFunction:
                 "matches positional arguments. Fix: pass them positionally, or bind constants "
                 "with functools.partial before spmd_map."
             )
-        if _context.active() is not None:
-            raise SpmdError(
-                f"{self.where} was called inside another spmd_map (of "
-                f"{_context.active().fn_label}); nesting is not supported. "
-                "Fix: call the inner per-device function directly, it already runs per instance."
-            )
-        leaves, specs, in_tree = self._input_leaves(args)
-        backend = _backend(self.mesh)
-        result: dict[str, Any] = {}
+        return self._call(args, backend_for(self.mesh))[0]
 
-        def body(local_leaves, ctx):
-            _context.push(ctx)
-            try:
-                out = self._call_user(optree.tree_unflatten(in_tree, local_leaves))
-                paths, out_leaves, out_specs, out_tree = self._check_outputs(out, ctx)
-            finally:
-                _context.pop()
-            result.update(tree=out_tree, leaves=out_leaves, specs=out_specs)
-            return [x for x in out_leaves if isinstance(x, torch.Tensor)]
-
-        def out_specs_of():
-            return [
-                s for x, s in zip(result["leaves"], result["specs"]) if isinstance(x, torch.Tensor)
-            ]
-
-        tensors = iter(backend.run(self.mesh, self.fn, leaves, specs, body, out_specs_of))
-        out_leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in result["leaves"]]
-        return optree.tree_unflatten(result["tree"], out_leaves)
-
-    def check(self, *args: Any, backward: bool = True) -> Any:
+    def check(self, *args: Any, backward: bool = True) -> CheckReport:
         """Type-check a call without running it: shapes, dtypes, vma and communication.
 
         Runs the per-device function once, abstractly, on meta tensors of the per-instance
@@ -179,32 +147,54 @@ class SpmdFunction:
             >>> f.check(ns.ShapeDtype((4096, 4096))).types
             [f32[64,64]{dp}]
         """
-        from .backends import abstract
+        grads = [wants_grad(x) for x in optree.tree_leaves(args, none_is_leaf=True)]
+        backend = AbstractBackend(grads, backward)
+        out, result = self._call(optree.tree_map(to_meta, args, none_is_leaf=True), backend)
+        tensors = [isinstance(x, torch.Tensor) for x in result["leaves"]]
+        paths = ["output" + path_text(p) for p, t in zip(result["paths"], tensors) if t]
+        specs = [s for s, t in zip(result["specs"], tensors) if t]
+        return backend.report(self.label, self.mesh, out, paths, specs)
 
-        return abstract.check(self, args, backward=backward)
+    def _call(self, args: tuple, backend: Backend) -> tuple[Any, dict[str, Any]]:
+        """The one call path: inputs checked, ``backend`` runs the body on every instance, the
+        outputs are checked against out_specs and assembled."""
+        if _context.active() is not None:
+            raise SpmdError(
+                f"{self.where} was called inside another spmd_map (of "
+                f"{_context.active().fn_label}); nesting is not supported. "
+                "Fix: call the inner per-device function directly, it already runs per instance."
+            )
+        leaves, specs, in_tree = self._input_leaves(args)
+        result: dict[str, Any] = {}
 
-    def _call_user(self, args: tuple) -> Any:
+        def body(local_leaves, ctx):
+            _context.push(ctx)
+            try:
+                out = self._call_user(optree.tree_unflatten(in_tree, local_leaves), backend)
+                paths, out_leaves, out_specs, out_tree = self._check_outputs(out, ctx)
+            finally:
+                _context.pop()
+            result.update(tree=out_tree, leaves=out_leaves, specs=out_specs, paths=paths)
+            return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+        def out_specs_of():
+            return [
+                s for x, s in zip(result["leaves"], result["specs"]) if isinstance(x, torch.Tensor)
+            ]
+
+        tensors = iter(backend.run(self.mesh, self.fn, leaves, specs, body, out_specs_of))
+        out_leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in result["leaves"]]
+        return optree.tree_unflatten(result["tree"], out_leaves), result
+
+    def _call_user(self, args: tuple, backend: Backend) -> Any:
         try:
             return self.fn(*args)
         except SpmdError:
             raise
         except RuntimeError as e:
-            if self.mesh.kind == "simulated" and any(s in str(e) for s in _INPLACE_UNDER_VMAP):
-                raise VmaError(
-                    f"{self.where}: an in-place write failed under the simulated mesh:\n  {e}\n"
-                    "If it writes a value that varies over mesh axes into a tensor invariant over "
-                    "them (an in_spec P() input or a closed-over tensor), every instance would "
-                    "hold different values in what is typed replicated. Fix: compute out of "
-                    "place (y = x + v instead of x += v)."
-                ) from e
-            if any(s in str(e) for s in _VMAP_LIMITS):
-                raise SpmdError(
-                    f"{self.where}: the per-device function failed under the simulated mesh, "
-                    f"which runs every instance at once with torch.func.vmap:\n  {e}\n"
-                    "Per-instance code cannot use .item(), data-dependent Python control flow "
-                    "(if on tensor values), nonzero(), or in-place writes into captured tensors. "
-                    "Fix: use torch.where / masks instead of branching on values."
-                ) from e
+            explained = backend.explain(e, self.where)
+            if explained is not None:
+                raise explained from e
             raise
 
 
@@ -218,14 +208,28 @@ def _spec_naming(spec: PartitionSpec, axes: tuple[str, ...], rank: int) -> str:
     return f", e.g. {PartitionSpec(*entries)!r}"
 
 
-def _backend(mesh: Mesh):
-    if mesh.kind == "simulated":
-        from .backends import simulated
+@overload
+def spmd_map(
+    f: Callable[..., Any],
+    /,
+    *,
+    mesh: Any,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool = True,
+) -> SpmdFunction: ...
 
-        return simulated
-    from .backends import distributed
 
-    return distributed
+@overload
+def spmd_map(
+    f: None = None,
+    /,
+    *,
+    mesh: Any,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool = True,
+) -> Callable[[Callable[..., Any]], SpmdFunction]: ...
 
 
 def spmd_map(
@@ -236,7 +240,7 @@ def spmd_map(
     in_specs: Any,
     out_specs: Any,
     check_vma: bool = True,
-) -> Any:
+) -> SpmdFunction | Callable[[Callable[..., Any]], SpmdFunction]:
     """Map a per-device function over a mesh: global values in, global values out.
 
     Args:
@@ -253,7 +257,7 @@ def spmd_map(
     Autodiff: the mapped function is differentiable with respect to its global inputs
     (``Tensor.backward``, ``torch.autograd.grad``, ``torch.func`` grad / vjp / jvp / jacrev /
     hessian / vmap, double backward); the result is the gradient of the global function, with
-    each collective transposed as DESIGN.md section 3 says. ``torch.func.grad`` (or vjp / jvp)
+    each collective transposed as docs/design.md section 3 says. ``torch.func.grad`` (or vjp / jvp)
     *inside* ``f`` differentiates the per-instance function, as ``jax.grad`` inside
     ``shard_map`` does: collectives transpose per instance (psum -> pvary, all_gather ->
     psum_scatter, all_to_all -> swapped all_to_all, ppermute -> reversed pairs, explicit
@@ -281,3 +285,56 @@ def spmd_map(
     if not callable(f):
         raise SpmdError(f"spmd_map: expected a function, got {type(f).__name__}.")
     return SpmdFunction(f, mesh, in_specs, out_specs, check_vma)
+
+
+def _distributed_ready() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def make_mesh(
+    shape: Sequence[int] | int,
+    axis_names: Sequence[str] | str,
+    *,
+    device_type: str | None = None,
+    simulated: bool | None = None,
+) -> Mesh:
+    """Make a mesh: simulated in this process unless ``torch.distributed`` is initialized.
+
+    Args:
+        shape: axis sizes, e.g. ``(2, 4)``.
+        axis_names: one name per axis, e.g. ``("dp", "tp")``.
+        device_type: for a real mesh, ``"cpu"`` (gloo) or ``"cuda"`` (NCCL); default: the
+            process group's backend decides.
+        simulated: force a simulated mesh (True) or a real one (False); default: real exactly
+            when a process group is initialized.
+
+    Example:
+        >>> mesh = make_mesh((2, 4), ("dp", "tp"))
+        >>> mesh.shape
+        {'dp': 2, 'tp': 4}
+    """
+    if isinstance(shape, int):
+        shape = (shape,)
+    if isinstance(axis_names, str):
+        axis_names = (axis_names,)
+    want_real = _distributed_ready() if simulated is None else not simulated
+    if not want_real:
+        return Mesh(shape, axis_names, device_type=device_type or "cpu")
+    from .backends.distributed import make_distributed_mesh  # loaded only for a real mesh
+
+    return make_distributed_mesh(tuple(shape), tuple(axis_names), device_type)
+
+
+def as_mesh(mesh: Any, where: str) -> Mesh:
+    """Accept a Mesh or a user's DeviceMesh with mesh_dim_names."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if type(mesh).__name__ == "DeviceMesh":
+        from .backends.distributed import mesh_from_device_mesh  # a DeviceMesh: loaded already
+
+        return mesh_from_device_mesh(mesh)
+    raise SpmdError(
+        f"{where}: mesh= must be a named_spmd Mesh or a DeviceMesh with mesh_dim_names, got "
+        f"{type(mesh).__name__}. Fix: mesh = named_spmd.make_mesh((2, 4), ('dp', 'tp'))."
+    )

@@ -1,51 +1,125 @@
-"""The active spmd_map call: which mesh, which user function, which backend.
+"""The backend interface (:class:`SpmdContext`) and the active spmd_map call.
 
-Collectives look up the innermost active call here; outside spmd_map there is none and they raise
-a clear error instead of hanging or failing deep inside torch.
+A backend runs the per-device function and gives the collectives a context: the object that
+knows the running call's mesh, each value's :class:`~._types.Vma`, and how to move data between
+the instances. The collectives (``_collectives``) are written once, in terms of the small set of
+primitives declared here; a backend implements exactly these methods (docs/design.md, "Adding a
+backend"). Collectives look up the innermost active call here; outside spmd_map there is none
+and they raise a clear error instead of hanging or failing deep inside torch.
 """
 
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from ._errors import CollectiveError, fn_label, suggest
 from ._mesh import Mesh
+from ._types import Vma
 
-_local = threading.local()
+if TYPE_CHECKING:
+    from ._collectives._record import Collective
+
+Axes = tuple[str, ...]
+ReduceOp = Literal["sum", "max", "min"]
 
 
-class SpmdContext:
-    """What a collective needs from the running call. Backends subclass it."""
+class SpmdContext(ABC):
+    """What a collective needs from the running call: the declared backend interface.
+
+    Tensors are the per-instance values the user's function sees. ``axes`` is always a
+    validated, non-empty tuple of mesh axis names; the group of ``axes`` is the instances that
+    share this instance's coordinates on every other axis, numbered row-major over ``axes``
+    (``n`` members; this instance is member ``axis_index(axes)``).
+    """
+
+    #: Whether the backend may reduce a temporary operand in place (``donate=True`` below);
+    #: the collectives then read the operand's reference counts (``_collectives._donation``).
+    donates: bool = False
 
     def __init__(self, mesh: Mesh, fn: Any):
         self.mesh = mesh
         self.fn = fn
         self.fn_label = fn_label(fn)
 
-    # --- backend interface -------------------------------------------------------------
-    def vma(self, x: torch.Tensor) -> frozenset[str]:
-        raise NotImplementedError
+    # --- types --------------------------------------------------------------------------------
+    @abstractmethod
+    def vma(self, x: torch.Tensor) -> Vma:
+        """The type of ``x`` in this call (invariant for tensors from outside the call)."""
 
-    def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def stamp(self, x: torch.Tensor, vma: frozenset[str] | set[str]) -> torch.Tensor:
-        """Record ``x``'s vma where the backend tracks it per tensor; returns ``x``."""
+    def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
+        """Record ``x``'s type where the backend tracks it per tensor; returns ``x``."""
         return x
 
-    def psum_varying(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor | None:
-        """``psum(x, axes)`` without the public layer's bookkeeping (checks, vma, accounting),
-        where the backend can do that: ``x`` varies over every axis of ``axes``, the result's vma
-        needs no stamping and no transform needs more. None otherwise (the default), and then
-        the public layer takes its generic path. Only called while no CommMode records."""
-        return None
+    @abstractmethod
+    def axis_index(self, axes: Axes) -> torch.Tensor:
+        """This instance's member index in the group of ``axes``: an i64 0-d tensor, varying
+        over ``axes`` (stamped)."""
 
-    # --- shared helpers ----------------------------------------------------------------
-    def check_axes(self, axis_name: str | Sequence[str], op: str) -> tuple[str, ...]:
+    # --- data movement primitives ---------------------------------------------------------------
+    @abstractmethod
+    def pvary(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:
+        """``x`` (invariant over ``axes``) as a value varying over them: the same data."""
+
+    @abstractmethod
+    def all_reduce(
+        self, x: torch.Tensor, axes: Axes, op: ReduceOp, donate: bool = False
+    ) -> torch.Tensor:
+        """Elementwise ``op`` over the group (``x`` varies over ``axes``); invariant result.
+        ``donate``: nothing else references ``x``, so it may be overwritten."""
+
+    @abstractmethod
+    def all_gather(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:
+        """``[n, *x.shape]``: every member's ``x``, in member order; invariant over ``axes``."""
+
+    @abstractmethod
+    def reduce_scatter(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
+        """``x`` has a dim ``dim`` of size n: sum over the group, keep slice ``axis_index`` of
+        ``dim`` (the dim goes away); varying result."""
+
+    @abstractmethod
+    def all_to_all(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
+        """``x`` has a dim ``dim`` of size n: slice j goes to member j; the result has the same
+        shape, its slice i along ``dim`` being what member i sent here."""
+
+    @abstractmethod
+    def permute(self, x: torch.Tensor, axes: Axes, pairs: tuple[tuple[int, int], ...]):
+        """Member ``dst`` receives member ``src``'s ``x`` for each pair; zeros elsewhere."""
+
+    @abstractmethod
+    def broadcast(self, x: torch.Tensor, axes: Axes, root: int) -> torch.Tensor:
+        """Member ``root``'s ``x`` on every member: invariant over ``axes``."""
+
+    @abstractmethod
+    def own_block(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
+        """``x`` is invariant over ``axes`` with a dim ``dim`` of size n: this member's slice of
+        it (the dim goes away); varying over ``axes``."""
+
+    # --- how a collective runs ------------------------------------------------------------------
+    def apply(self, rec: Collective, x: torch.Tensor, axes: Axes, params: tuple, donate=False):
+        """Run collective ``rec`` on ``x``. By default its forward on the primitives, which
+        must then be differentiable themselves (the simulated backend's are); backends whose
+        primitives are plain communication apply the generic autograd bridge
+        (``_autodiff.apply``), whose backward is ``rec``'s declared transpose."""
+        return self.forward(rec, x, axes, params, donate)
+
+    def forward(self, rec: Collective, x: torch.Tensor, axes: Axes, params: tuple, donate):
+        """``rec``'s forward: written with the primitives (the abstract backend uses the
+        record's shape rule instead)."""
+        return rec.forward(self, x, axes, params, donate)
+
+    def psum_in_backward(self, g: torch.Tensor, axes: Axes, node: Any) -> torch.Tensor:
+        """The transpose of a pvary outside any transform: the gradient summed over the group.
+        ``node`` is the autograd context of the pvary (a backend may overlap the sum with the
+        rest of the backward pass)."""
+        return self.all_reduce(g.clone(), axes, "sum", donate=True)
+
+    # --- shared helpers -------------------------------------------------------------------------
+    def check_axes(self, axis_name: str | Sequence[str], op: str) -> Axes:
         """Normalise an axis name or tuple of names; unknown or repeated names raise."""
         if isinstance(axis_name, str) and axis_name in self.mesh._shape:  # the common case
             return (axis_name,)
@@ -72,11 +146,16 @@ class SpmdContext:
         return axes
 
 
+class _Calls(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[SpmdContext] = []
+
+
+_local = _Calls()
+
+
 def push(ctx: SpmdContext) -> None:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    stack.append(ctx)
+    _local.stack.append(ctx)
 
 
 def pop() -> None:
@@ -84,16 +163,16 @@ def pop() -> None:
 
 
 def active() -> SpmdContext | None:
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     return stack[-1] if stack else None
 
 
 def current(op: str) -> SpmdContext:
-    ctx = active()
-    if ctx is None:
+    stack = _local.stack
+    if not stack:
         raise CollectiveError(
             f"{op} was called outside spmd_map. Collectives talk to the other instances of a "
             "mesh, so they only exist inside a per-device function. Fix: call it inside a "
             "function decorated with @named_spmd.spmd_map(mesh=..., in_specs=..., out_specs=...)."
         )
-    return ctx
+    return stack[-1]

@@ -506,7 +506,18 @@ def check_report_html(report: Any) -> str:
     )
 
 
+RENDERERS = {
+    "vtype_html": vtype_html,
+    "mesh_html": mesh_html,
+    "spec_html": spec_html,
+    "comm_html": comm_html,
+    "comm_text": comm_text,
+    "check_text": check_report_text,
+    "check_html": check_report_html,
+}
+
 __all__ = [
+    "RENDERERS",
     "Layout",
     "MeshView",
     "comm_html",

@@ -1,4 +1,9 @@
-"""Mesh: an ordered set of named axes with sizes, simulated in-process or backed by a DeviceMesh."""
+"""Mesh: an ordered set of named axes with sizes (a value type; ``make_mesh`` is in ``_api``).
+
+A plain :class:`Mesh` is simulated in this process; the distributed backend subclasses it for a
+mesh backed by a ``DeviceMesh``. Which backend runs a call is the backend registry's choice
+(``backends.backend_for``), not the mesh's.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._errors import SpmdError, suggest
+from ._layout import coords_of
+from ._types import render
 
 
 class Mesh:
@@ -89,10 +96,7 @@ class Mesh:
                 f"Mesh.coords: linear index {linear_index} is out of range for {self!r} "
                 f"({self.size} instances). Fix: pass 0..{self.size - 1}."
             )
-        out = {}
-        for name in reversed(self.axis_names):
-            linear_index, out[name] = divmod(linear_index, self._shape[name])
-        return dict(reversed(list(out.items())))
+        return coords_of(linear_index, self.axis_names, self._shape)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -110,9 +114,7 @@ class Mesh:
         return f"Mesh({axes}; {self.kind}{where})"
 
     def _repr_html_(self) -> str:
-        from ._display import mesh_html
-
-        return mesh_html(self)
+        return render("mesh_html", self)
 
 
 def _is_index(s: Any) -> bool:
@@ -124,58 +126,3 @@ def _is_index(s: Any) -> bool:
     except TypeError:
         return False
     return True
-
-
-def _distributed_ready() -> bool:
-    import sys
-
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
-
-
-def make_mesh(
-    shape: Sequence[int] | int,
-    axis_names: Sequence[str] | str,
-    *,
-    device_type: str | None = None,
-    simulated: bool | None = None,
-) -> Mesh:
-    """Make a mesh: simulated in this process unless ``torch.distributed`` is initialized.
-
-    Args:
-        shape: axis sizes, e.g. ``(2, 4)``.
-        axis_names: one name per axis, e.g. ``("dp", "tp")``.
-        device_type: for a real mesh, ``"cpu"`` (gloo) or ``"cuda"`` (NCCL); default: the
-            process group's backend decides.
-        simulated: force a simulated mesh (True) or a real one (False); default: real exactly
-            when a process group is initialized.
-
-    Example:
-        >>> mesh = make_mesh((2, 4), ("dp", "tp"))
-        >>> mesh.shape
-        {'dp': 2, 'tp': 4}
-    """
-    if isinstance(shape, int):
-        shape = (shape,)
-    if isinstance(axis_names, str):
-        axis_names = (axis_names,)
-    want_real = _distributed_ready() if simulated is None else not simulated
-    if not want_real:
-        return Mesh(shape, axis_names, device_type=device_type or "cpu")
-    from .backends.distributed import make_distributed_mesh
-
-    return make_distributed_mesh(tuple(shape), tuple(axis_names), device_type)
-
-
-def as_mesh(mesh: Any, where: str) -> Mesh:
-    """Accept a Mesh or a user's DeviceMesh with mesh_dim_names."""
-    if isinstance(mesh, Mesh):
-        return mesh
-    if type(mesh).__name__ == "DeviceMesh":
-        from .backends.distributed import mesh_from_device_mesh
-
-        return mesh_from_device_mesh(mesh)
-    raise SpmdError(
-        f"{where}: mesh= must be a named_spmd Mesh or a DeviceMesh with mesh_dim_names, got "
-        f"{type(mesh).__name__}. Fix: mesh = named_spmd.make_mesh((2, 4), ('dp', 'tp'))."
-    )

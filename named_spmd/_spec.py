@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ._errors import SpecError
+from ._types import render
 
 SpecEntry = None | str | tuple[str, ...]
 
@@ -38,9 +39,7 @@ class PartitionSpec(tuple):
         return "P(" + ", ".join(repr(e) for e in self) + ")"
 
     def _repr_html_(self) -> str:
-        from ._display import spec_html
-
-        return spec_html(self)
+        return render("spec_html", self)
 
     def __reduce__(self):  # keep pickling (and copy) on the canonical constructor
         return (PartitionSpec, tuple(self))

@@ -468,7 +468,7 @@ def run_failures(args, rank, world) -> None:
 
 
 def delay_overlapped_reductions() -> None:
-    """Make every overlapped gradient psum (``_dist_autograd._reduce_during_backward``) happen
+    """Make every overlapped gradient psum (``_dist_overlap._reduce_during_backward``) happen
     only when it is waited for, and poison its buffer with NaN until then: any consumer that
     reads the gradient without waiting then gets NaN, deterministically, instead of a rarely
     lost race. The reduction itself runs at the wait, in the order every rank waits in."""

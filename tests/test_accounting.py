@@ -256,7 +256,7 @@ def test_bytes_and_summary():
     )
     assert event.nbytes == 2 * 4 * 8
     line = [r for r in comms.summary().splitlines() if r.startswith("forward")][0]
-    assert line.split() == ["forward", "psum", "a", "1", "64"]
+    assert line.split() == ["forward", "psum", "a", "1", "64", "B"]
 
 
 # --- exactly once per logical event, whatever the levels -----------------------------------------

@@ -156,10 +156,28 @@ class _DoublingComm:
         work.wait()
 
 
-def _pvary(t, comm):
-    from named_spmd.backends._dist_autograd import PvaryFn
+class _OneComm:
+    """The distributed context's part in a pvary's backward, over one fake comm."""
 
-    return PvaryFn.apply(t, comm)
+    def __init__(self, comm):
+        self.comm = comm
+
+    def forward(self, rec, x, axes, params, donate):
+        return x.view_as(x)
+
+    def psum_in_backward(self, g, axes, node):
+        from named_spmd.backends import _dist_overlap
+
+        return _dist_overlap.psum_in_backward(g, self.comm, node)
+
+
+def _pvary(t, comm):
+    """A pvary on a real mesh: the generic bridge with pvary's record (its backward is the
+    overlapped gradient psum)."""
+    from named_spmd._autodiff import apply
+    from named_spmd._collectives._record import PVARY_RECORD
+
+    return apply(PVARY_RECORD, _OneComm(comm), t, ("i",), ())
 
 
 def _aliasing_programs():
@@ -240,19 +258,19 @@ def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradien
     for x, y in zip(got + got_kept, want + want_kept):
         assert (x is None and y is None) or torch.equal(x, y), prog.__name__
     if prog.__name__ == "mm_only":  # the optimisation does happen where it is safe
-        from named_spmd.backends import _dist_autograd
+        from named_spmd.backends import _dist_overlap
 
-        assert _dist_autograd._BASELINE and _dist_autograd._BASELINE[0] is not None
+        assert _dist_overlap._BASELINE and _dist_overlap._BASELINE[0] is not None
 
 
 def test_forward_reductions_may_overwrite_only_temporaries():
-    from named_spmd.backends import _dist_donate
+    from named_spmd._collectives import _donation
 
-    _dist_donate.calibrate()
+    _donation.calibrate()
     # on this interpreter a named operand is told apart from a temporary (else donation is off,
     # which is safe but slower); the multi-process case reuse_after_psum_no_grad checks that
     # operands still held by the user are not overwritten
-    assert _dist_donate._DONATE["ok"], _dist_donate._DONATE
+    assert _donation._LIMITS and _donation._LIMITS[0] is not None, _donation._LIMITS
 
 
 def test_pvary_backward_reuses_a_fresh_gradient_buffer():

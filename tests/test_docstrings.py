@@ -6,10 +6,13 @@ import importlib
 import pytest
 
 MODULES = [
-    "named_spmd._collectives",
+    "named_spmd._collectives._record",
+    "named_spmd._collectives.reductions",
+    "named_spmd._collectives.movement",
+    "named_spmd._collectives.permutes",
+    "named_spmd._collectives.typing",
     "named_spmd._api",
     "named_spmd._accounting",
-    "named_spmd._mesh",
 ]
 
 

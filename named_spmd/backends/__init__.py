@@ -1,2 +1,75 @@
-"""Backends: simulated (nested vmap in this process), distributed (torch.distributed, loaded
-lazily), abstract (meta tensors, check only)."""
+"""Backends: who runs a mapped call, picked per mesh by :func:`backend_for`.
+
+A backend is an object with the :class:`Backend` interface; the collectives talk to the running
+call through its :class:`~named_spmd._context.SpmdContext` subclass (the primitives). The
+registry names backend modules by import path, each defining ``BACKEND``; a module is only asked
+once it is loaded (einops' ``get_backend`` does the same), so ``import named_spmd`` never imports
+torch.distributed: a distributed mesh exists only once its module was imported to make it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from .._errors import SpmdError
+from .._mesh import Mesh
+from .._spec import PartitionSpec
+
+Body = Callable[[list[Any], Any], list[torch.Tensor]]
+
+
+class Backend(Protocol):
+    """What runs a mapped call (see docs/design.md, "Adding a backend")."""
+
+    name: str
+
+    def accepts(self, mesh: Mesh) -> bool:
+        """Whether this backend runs calls on ``mesh``."""
+        ...
+
+    def run(
+        self,
+        mesh: Mesh,
+        fn: Callable[..., Any],
+        leaves: list[Any],
+        specs: list[PartitionSpec],
+        body: Body,
+        out_specs_of: Callable[[], list[PartitionSpec]],
+    ) -> list[Any]:
+        """Run ``body(local_leaves, ctx)`` per instance with a context of this backend pushed by
+        the body; return the output tensors assembled to global values (``out_specs_of()`` is
+        known once the body ran)."""
+        ...
+
+    def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
+        """A clearer error for a torch error raised by the user's function on this backend
+        (e.g. a vmap limit on the simulated mesh), or None."""
+        ...
+
+
+#: Backend modules, checked in order once loaded; the last one is the default and is loaded
+#: on demand. A third backend registers its module here (``register``).
+_MODULES = ["named_spmd.backends.distributed", "named_spmd.backends.simulated"]
+
+
+def register(module: str) -> None:
+    """Make the backend module ``module`` (defining ``BACKEND``) eligible, before the default."""
+    if module not in _MODULES:
+        _MODULES.insert(len(_MODULES) - 1, module)
+
+
+def backend_for(mesh: Mesh) -> Backend:
+    """The backend that runs calls on ``mesh``."""
+    for name in _MODULES[:-1]:
+        module = sys.modules.get(name)
+        if module is not None and module.BACKEND.accepts(mesh):
+            return module.BACKEND
+    default = importlib.import_module(_MODULES[-1]).BACKEND
+    if not default.accepts(mesh):
+        raise SpmdError(f"no named_spmd backend runs calls on {mesh!r}")
+    return default

@@ -2,7 +2,7 @@
 
 A :class:`Comm` is this rank's view of the group of ``axes`` (an ordered tuple of mesh axis
 names): the member with *tuple index* ``i`` is the one whose coordinates on ``axes``, read
-row-major with the first name major, give ``i`` (DESIGN.md section 3). One process group serves
+row-major with the first name major, give ``i`` (docs/design.md section 3). One process group serves
 every order of the same set of axes; where its group ranks are not in tuple order, blocks are
 reordered here, so ``('tp', 'dp')`` and ``('dp', 'tp')`` both follow their own row-major order.
 

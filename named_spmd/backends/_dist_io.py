@@ -19,17 +19,22 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_global_tensor_info
 
+from .. import _torch_private as P
+from .._autodiff import apply as bridge_apply
+from .._autodiff import differentiable
+from .._collectives._record import PVARY_RECORD, RECORDS
 from .._errors import SpecError
+from .._layout import assemble, block
 from .._spec import PartitionSpec
-from . import _dist_autograd as ops
+from .._types import Vma
+from . import _dist_overlap as overlap
 
-_no_torch_function = torch._C.DisableTorchFunction
+_Private = P.dist()
 
 
 def placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
@@ -48,13 +53,14 @@ def placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
 # --- fast DTensor conversions --------------------------------------------------------------------
 
 
-def _spec_for(mesh, local: torch.Tensor, places: tuple) -> DTensorSpec:
+def _spec_for(mesh, local: torch.Tensor, places: tuple) -> Any:
     key = (places, tuple(local.shape), local.stride(), local.dtype)
     spec = mesh.dtensor_specs.get(key)
     if spec is None:
-        shape, stride = compute_global_tensor_info(local, mesh.device_mesh, list(places))
-        meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
-        spec = mesh.dtensor_specs[key] = DTensorSpec(mesh.device_mesh, places, tensor_meta=meta)
+        shape, stride = _Private.compute_global_tensor_info(local, mesh.device_mesh, list(places))
+        meta = _Private.TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+        spec = _Private.DTensorSpec(mesh.device_mesh, places, tensor_meta=meta)
+        mesh.dtensor_specs[key] = spec
     return copy.copy(spec)  # DTensor ops may annotate their spec: never share one
 
 
@@ -67,7 +73,7 @@ class _LocalOf(torch.autograd.Function):
 
     @staticmethod
     def forward(d, mesh):
-        local = d._local_tensor
+        local = P.local_tensor(d)
         return local.view_as(local)  # a fresh tensor object: autograd metadata goes on it
 
     @staticmethod
@@ -77,9 +83,11 @@ class _LocalOf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        g = ops.settled(g)
+        g = overlap.settled(g)
         if ctx.leaf is not None:  # its .grad may hold the pending wrapper: plain once reduced
-            ops.when_reduced(g, lambda leaf=ctx.leaf, mesh=ctx.mesh: _plain_local_grad(leaf, mesh))
+            overlap.when_reduced(
+                g, lambda leaf=ctx.leaf, mesh=ctx.mesh: _plain_local_grad(leaf, mesh)
+            )
         return _wrap(ctx.mesh, g, ctx.places), None
 
 
@@ -100,54 +108,62 @@ class _DTensorOf(torch.autograd.Function):
         if isinstance(g, DTensor):
             if tuple(g.placements) != ctx.places:
                 g = g.redistribute(ctx.mesh.device_mesh, ctx.places)
-            g = g._local_tensor
+            g = P.local_tensor(g)
         return g, None, None
 
 
 def _plain_local_grad(leaf: DTensor, mesh) -> None:
     """The DTensor form of :func:`_dist_autograd.plain_grad`."""
     grad = leaf.grad
-    if isinstance(grad, DTensor) and ops.is_pending_wrapper(grad._local_tensor):
-        leaf.grad = _wrap(mesh, grad._local_tensor.elem, tuple(grad.placements))
+    if isinstance(grad, DTensor) and overlap.is_pending_wrapper(P.local_tensor(grad)):
+        leaf.grad = _wrap(mesh, P.local_tensor(grad).elem, tuple(grad.placements))
 
 
-for _cls in (_LocalOf, _DTensorOf):
-    ops._fast_apply(_cls)
+def _fast(cls: Any) -> Any:
+    """``cls.apply`` without the Python argument binding (see ``_autodiff``)."""
+    return P.function_base_apply.__get__(None, cls)
+
+
+_local_of = _fast(_LocalOf)
+_dtensor_of = _fast(_DTensorOf)
 
 
 def to_local_fast(mesh, d: DTensor) -> torch.Tensor:
-    if ops._transforms_active():  # torch.func around the call: DTensor's own path
+    if P.transforms_active():  # torch.func around the call: DTensor's own path
         return d.to_local()
-    if not ops._differentiable(d):
-        return d._local_tensor.view_as(d._local_tensor)
-    return ops._apply(_LocalOf, d, mesh)
+    if not differentiable(d):
+        local = P.local_tensor(d)
+        return local.view_as(local)
+    return _local_of(d, mesh)
 
 
 def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
-    if ops._transforms_active():
+    if P.transforms_active():
         return DTensor.from_local(local, mesh.device_mesh, places, run_check=False)
-    if not ops._differentiable(local):
+    if not differentiable(local):
         return _wrap(mesh, local.view_as(local), places)
-    return ops._apply(_DTensorOf, local, mesh, places)
+    return _dtensor_of(local, mesh, places)
 
 
 # --- inputs --------------------------------------------------------------------------------------
 
 
-def local_input(mesh, leaf: torch.Tensor, spec: PartitionSpec, fn_label: str, i: int):
-    """This rank's block of argument leaf ``i``."""
+def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
+    """This rank's block of argument leaf ``i`` (``ctx``: the call's DistributedContext)."""
+    mesh = ctx.mesh
     if isinstance(leaf, DTensor):
-        return _from_dtensor(mesh, leaf, spec, fn_label, i)
+        return _from_dtensor(ctx, leaf, spec, i)
     if leaf.device.type != mesh.device.type:
         leaf = leaf.to(mesh.device)
     if not spec.axes:
         return leaf
-    if ops._differentiable(leaf):
-        return ops._apply(_ScatterInput, leaf, mesh, spec)
+    if differentiable(leaf):
+        return _scatter_input(leaf, mesh, spec)
     return _block(leaf, spec, mesh)
 
 
-def _from_dtensor(mesh, leaf: DTensor, spec: PartitionSpec, fn_label: str, i: int):
+def _from_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int):
+    mesh, fn_label = ctx.mesh, ctx.fn_label
     where = f"spmd_map of {fn_label}: argument leaf {i}"
     theirs = leaf.device_mesh
     if theirs is not mesh.device_mesh and (
@@ -170,35 +186,23 @@ def _from_dtensor(mesh, leaf: DTensor, spec: PartitionSpec, fn_label: str, i: in
     local = to_local_fast(mesh, leaf)
     for axes in _non_mesh_order_entries(mesh, spec):
         ordered = _in_mesh_order(mesh, axes)
-        local = ops.ppermute(local, mesh.comm(ordered), _relayout_pairs(mesh, axes))
+        local = _boundary(ctx, "ppermute", local, ordered, (_relayout_pairs(mesh, axes),))
     return local
+
+
+def _boundary(ctx, name: str, x: torch.Tensor, axes: tuple[str, ...], params: tuple):
+    """Collective ``name`` at the call's boundary, outside the user's function: no type rule,
+    the same autodiff as inside."""
+    rec = PVARY_RECORD if name == "pvary" else RECORDS[name]
+    with P.DisableTorchFunction():
+        if differentiable(x):
+            return bridge_apply(rec, ctx, x, axes, params)
+        return rec.forward(ctx, x, axes, params, False)
 
 
 def _block(x: torch.Tensor, spec: PartitionSpec, mesh) -> torch.Tensor:
     """This rank's block of the global ``x``."""
-    for d in range(x.dim()):
-        axes = spec.entry_axes(d)
-        if axes:
-            size = x.shape[d] // mesh.axis_size(axes)
-            x = x.narrow(d, mesh.index_of(axes, mesh.my_coords) * size, size)
-    return x
-
-
-def _assemble(stacked: torch.Tensor, spec: PartitionSpec, mesh) -> torch.Tensor:
-    """[n, *block] (blocks row-major over spec.axes) -> the global tensor."""
-    local = stacked.shape[1:]
-    split = [d for d in range(len(local)) if spec.entry_axes(d)]
-    counts = [mesh.axis_size(spec.entry_axes(d)) for d in split]
-    x = stacked.reshape(*counts, *local)
-    perm, sizes = [], []
-    for d in range(len(local)):
-        if d in split:
-            perm.append(split.index(d))
-            sizes.append(counts[split.index(d)] * local[d])
-        else:
-            sizes.append(local[d])
-        perm.append(len(split) + d)
-    return x.permute(*perm).reshape(sizes)
+    return block(x, spec, mesh._shape, mesh.my_coords)
 
 
 class _ScatterInput(torch.autograd.Function):
@@ -216,14 +220,14 @@ class _ScatterInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         stacked = ctx.mesh.comm(ctx.spec.axes).all_gather(g, "gradient of a plain input")
-        return _assemble(stacked, ctx.spec, ctx.mesh), None, None
+        return assemble(stacked, ctx.spec, ctx.mesh._shape), None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
         return _block(t, ctx.spec, ctx.mesh)
 
 
-ops._fast_apply(_ScatterInput)
+_scatter_input = _fast(_ScatterInput)
 
 
 # --- outputs -------------------------------------------------------------------------------------
@@ -249,17 +253,20 @@ def _relayout_pairs(mesh, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def global_output(mesh, y: torch.Tensor, spec: PartitionSpec, vma) -> DTensor:
-    """The DTensor of output ``y`` (vma ``vma``) under ``spec``."""
+def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> DTensor:
+    """The DTensor of output ``y`` under ``spec`` (``ctx``: the call's DistributedContext)."""
+    mesh = ctx.mesh
+    vma: Vma = ctx.vma(y)
     names = mesh.axis_names
     unnamed_varying = tuple(a for a in names if a in vma and a not in spec.axes)
-    named_invariant = tuple(a for a in names if a in spec.axes and a not in vma)
-    with _no_torch_function():
-        if unnamed_varying:  # check_vma=False: member 0's value, as the simulated backend
-            y = ops.broadcast(y, mesh.comm(unnamed_varying))
-        if named_invariant:  # identical blocks tiled: their cotangents differ and must be summed
-            y = ops.pvary(y, mesh.comm(named_invariant))
-        for axes in _non_mesh_order_entries(mesh, spec):
-            pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
-            y = ops.ppermute(y, mesh.comm(_in_mesh_order(mesh, axes)), pairs)
+    named_invariant = vma.missing(a for a in names if a in spec.axes)
+    if unnamed_varying:  # check_vma=False: member 0's value, as the simulated backend
+        first = ctx.axis_index(unnamed_varying) == 0  # the sum of member 0's value and zeros
+        y = _boundary(ctx, "psum", torch.where(first, y, torch.zeros_like(y)), unnamed_varying, ())
+    if named_invariant:  # identical blocks tiled: their cotangents differ and must be summed
+        y = _boundary(ctx, "pvary", y, named_invariant, ())
+    for axes in _non_mesh_order_entries(mesh, spec):
+        pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
+        y = _boundary(ctx, "ppermute", y, _in_mesh_order(mesh, axes), (pairs,))
+    with P.DisableTorchFunction():
         return _from_local(mesh, y, placements(mesh, spec, y.dim()))

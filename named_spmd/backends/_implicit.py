@@ -1,7 +1,7 @@
 """Accounting of implicit pvary on the simulated backend (only while a ``CommMode`` records).
 
 Where an invariant operand meets a varying one, a real mesh casts it to varying (``pvary``:
-identity forward, psum of its gradient backward; DESIGN.md section 2, rule 2). The simulated
+identity forward, psum of its gradient backward; docs/design.md section 2, rule 2). The simulated
 backend needs no such op (vmap already sums the gradient of an unbatched tensor), so this mode
 only *reports* that psum: for each op of the per-device function it finds the operands that are
 invariant over axes another operand varies over and tags each such (tensor, missing axes) once per
@@ -19,24 +19,19 @@ values, which is no user-level mixing) and while autograd runs a backward pass i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .._accounting import CommEvent, needs_grad, on_backward
-from ._tracking import swap_operands, tensor_operands
+from .._torch_private import current_graph_task_id
+from .._tracking import is_inplace, swap_operands, tensor_operands
 
-# Context methods that only read state: no need to pause the mode around them.
-_NOT_WRAPPED = frozenset({"vma", "check_axes"})
 # Functions that route through __torch_function__ but compute nothing from their operands.
 _NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
-
-
-def _in_place(func: Any) -> bool:
-    name = getattr(func, "__name__", "")
-    return name.startswith("__i") or (name.endswith("_") and not name.endswith("__"))
 
 
 class ImplicitPvaryRecorder(TorchFunctionMode):
@@ -45,13 +40,13 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
     def __init__(self, ctx: Any):
         super().__init__()
         self.ctx = ctx
-        self.paused = 0
+        self.paused_depth = 0
         # (id(tensor), axes) -> (tensor, tagged alias); the tensor is kept alive so that its id
         # is not reused during the call.
         self.cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.paused and func not in _NOT_OPS and torch._C._current_graph_task_id() == -1:
+        if not self.paused_depth and func not in _NOT_OPS and current_graph_task_id() == -1:
             operands = tensor_operands(args, kwargs)
             if len(operands) > 1:
                 args, kwargs = self._tag(func, operands, args, kwargs)
@@ -59,18 +54,19 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
 
     def _tag(self, func, operands, args, kwargs):
         vmas = [self.ctx.vma(t) for t in operands]
-        union = frozenset().union(*vmas)
+        union = vmas[0]
+        for v in vmas[1:]:
+            union = union.union(v)
         swap: dict[int, torch.Tensor] = {}
         for t, v in zip(operands, vmas):
-            if v != union and id(t) not in swap and needs_grad(t):
-                missing = tuple(a for a in self.ctx.mesh.axis_names if a in union and a not in v)
+            if v is not union and id(t) not in swap and needs_grad(t):
+                missing = v.missing(union.present(self.ctx.mesh.axis_names))
                 swap[id(t)] = self._alias(t, missing)
         if not swap:
             return args, kwargs
-        if _in_place(func) and args and isinstance(args[0], torch.Tensor):
+        if is_inplace(func) and args and isinstance(args[0], torch.Tensor):
             swap.pop(id(args[0]), None)  # never redirect the tensor written in place
-        args, kwargs = swap_operands(args, kwargs, swap)
-        return args, kwargs
+        return swap_operands(args, kwargs, swap)
 
     def _alias(self, t: torch.Tensor, missing: tuple[str, ...]) -> torch.Tensor:
         key = (id(t), missing)
@@ -80,24 +76,11 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
             hit = self.cache[key] = (t, on_backward(t, event))
         return hit[1]
 
-    def pausing(self, method: Callable) -> Callable:
-        def paused(*args, **kwargs):
-            self.paused += 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.paused -= 1
-
-        return paused
-
-
-def run_recording(ctx: Any, body: Callable, local: list) -> Any:
-    """Run ``body(local, ctx)`` with implicit pvary accounting (the caller checks recording())."""
-    mode = ImplicitPvaryRecorder(ctx)
-    for name in dir(type(ctx)):
-        attr = getattr(ctx, name)
-        if not name.startswith("__") and name not in _NOT_WRAPPED and callable(attr):
-            # An instance attribute shadows the method for this call only.
-            setattr(ctx, name, mode.pausing(attr))
-    with mode:
-        return body(local, ctx)
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside the backend's own primitives: their ops are no user-level mixing."""
+        self.paused_depth += 1
+        try:
+            yield
+        finally:
+            self.paused_depth -= 1

@@ -31,7 +31,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
-import sys
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -42,16 +41,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from .. import _torch_private as P
+from .._autodiff import apply as bridge_apply
+from .._autodiff import differentiable
 from .._errors import RankFailedError, SpmdError
+from .._layout import group_coords, index_of
 from .._mesh import Mesh
 from .._spec import PartitionSpec
-from . import _dist_autograd as ops
-from . import _dist_io
-from ._dist_comm import Comm
-from ._dist_donate import donatable
+from .._tracking import TrackedContext, VmaMode
+from .._types import Vma
+from . import _dist_io, _dist_overlap
+from ._dist_comm import MAX, MIN, SUM, Comm
 from ._dist_failures import FailureBoard, debug_enabled, set_debug, timeout_s
 from ._dist_io import global_output, local_input
-from ._tracking import _ATTR, TrackedContext, VmaMode
 
 __all__ = [
     "DistributedMesh",
@@ -62,8 +64,6 @@ __all__ = [
     "timeout_s",
 ]
 
-_no_torch_function = torch._C.DisableTorchFunction
-_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 _MESH_OF: dict[int, Any] = {}  # id(DeviceMesh) -> its DistributedMesh (the fast DTensor paths)
 
 
@@ -97,7 +97,7 @@ class DistributedMesh(Mesh):
         self.placements_cache: dict = {}  # (spec, rank) -> DTensor placements
         self.dtensor_specs: dict = {}  # (placements, shape, stride, dtype) -> DTensorSpec
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
-        store = dist.distributed_c10d._get_default_store()
+        store = P.dist().default_store()
         self.board = FailureBoard(store, self.rank, key, self.coords_of)
 
     def coords_of(self, rank: int) -> dict[str, int]:
@@ -108,10 +108,7 @@ class DistributedMesh(Mesh):
 
     def index_of(self, axes: tuple[str, ...], coords: dict[str, int]) -> int:
         """Row-major index of ``coords`` over ``axes`` (first name major)."""
-        index = 0
-        for a in axes:
-            index = index * self.shape[a] + coords[a]
-        return index
+        return index_of(axes, coords, self._shape)
 
     def comm(self, axes: tuple[str, ...]) -> Comm:
         comm = self._comms.get(axes)
@@ -122,12 +119,8 @@ class DistributedMesh(Mesh):
         return comm
 
     def _tuple_ranks(self, axes: tuple[str, ...]) -> list[int]:
-        ranks = []
-        sizes = [self.shape[a] for a in axes]
-        for combo in itertools.product(*(range(s) for s in sizes)):  # row-major over axes
-            coords = {**self.my_coords, **dict(zip(axes, combo))}
-            ranks.append(int(self.grid[tuple(coords[a] for a in self.axis_names)]))
-        return ranks
+        members = group_coords(axes, self.my_coords, self._shape)  # row-major over axes
+        return [int(self.grid[tuple(c[a] for a in self.axis_names)]) for c in members]
 
 
 def _device(device_type: str) -> torch.device:
@@ -210,63 +203,59 @@ def make_distributed_mesh(
 # --- the running call --------------------------------------------------------------------------
 
 
+_OPS = {"sum": (SUM, "psum"), "max": (MAX, "pmax"), "min": (MIN, "pmin")}
+_contiguous = torch.contiguous_format
+
+
 class DistributedContext(TrackedContext):
-    """A call on a real mesh: collectives go to the process groups of ``mesh``."""
+    """A call on a real mesh: the primitives are this rank's communication on the process
+    groups of ``mesh``; autodiff comes from the generic bridge (``_autodiff``)."""
 
     mesh: DistributedMesh
+    donates = True
 
     def axis_index(self, axes):
         index = torch.tensor(self.mesh.comm(axes).index, device=self.mesh.device)
-        return self.stamp(index, axes)
+        return self.stamp(index, Vma.of(axes))
 
     # Collectives run with torch function modes off: their internal ops need no vma (the
-    # public layer stamps the result) and would only pay the mode's per-op cost.
+    # dispatch stamps the result) and would only pay the mode's per-op cost.
+    def apply(self, rec, x, axes, params, donate=False):
+        with P.DisableTorchFunction():
+            if differentiable(x):
+                return bridge_apply(rec, self, x, axes, params)
+            return rec.forward(self, x, axes, params, donate)
+
+    def psum_in_backward(self, g, axes, node):
+        return _dist_overlap.psum_in_backward(g, self.mesh.comm(axes), node)
+
+    # --- primitives (plain communication, no autograd) ------------------------------------------
     def pvary(self, x, axes):
-        with _no_torch_function():
-            return ops.pvary(x, self.mesh.comm(axes))
+        return x.view_as(x)  # a new tensor object: it gets its own (varying) stamp
 
-    # The reductions take the operand's reference count first thing (see _dist_donate).
-    def psum(self, x, axes):
-        refs = sys.getrefcount(x)
-        with _no_torch_function():
-            return ops.psum(x, self.mesh.comm(axes), donatable(x, refs))
+    def all_reduce(self, x, axes, op, donate=False):
+        reduce_op, name = _OPS[op]
+        buf = x if donate else x.clone(memory_format=_contiguous)
+        return self.mesh.comm(axes).all_reduce_(buf, reduce_op, name)
 
-    def psum_varying(self, x, axes):
-        """``ns.psum`` of a tensor stamped varying over ``axes`` (the common case), without the
-        generic bookkeeping: the checks it would make hold, and its vma is the stamp's."""
-        refs = sys.getrefcount(x)
-        stamp = x.__dict__.get(_ATTR)
-        if stamp is None or stamp[0] is not self.call_token or not stamp[1].issuperset(axes):
-            return None
-        with _no_torch_function():
-            out = ops.psum(x, self.mesh.comm(axes), donatable(x, refs, "fast"))
-        return self.stamp(out, stamp[1].difference(axes))
+    def all_gather(self, x, axes):
+        return self.mesh.comm(axes).all_gather(x)
 
-    def pmax(self, x, axes):
-        refs = sys.getrefcount(x)
-        with _no_torch_function():
-            return ops.pmax(x, self.mesh.comm(axes), donatable(x, refs))
+    def reduce_scatter(self, x, axes, dim):
+        return self.mesh.comm(axes).reduce_scatter(x.movedim(dim, 0) if dim != 0 else x)
 
-    def pmin(self, x, axes):
-        refs = sys.getrefcount(x)
-        with _no_torch_function():
-            return ops.pmin(x, self.mesh.comm(axes), donatable(x, refs))
+    def all_to_all(self, x, axes, dim):
+        received = self.mesh.comm(axes).all_to_all(x.movedim(dim, 0) if dim != 0 else x)
+        return received.movedim(0, dim) if dim != 0 else received
 
-    def all_gather(self, x, axes, axis, tiled, invariant):
-        with _no_torch_function():
-            return ops.all_gather(x, self.mesh.comm(axes), axis, tiled, invariant)
+    def permute(self, x, axes, pairs):
+        return self.mesh.comm(axes).permute(x, pairs)
 
-    def psum_scatter(self, x, axes, dim, tiled):
-        with _no_torch_function():
-            return ops.psum_scatter(x, self.mesh.comm(axes), dim, tiled)
+    def broadcast(self, x, axes, root):
+        return self.mesh.comm(axes).broadcast_(x.clone(memory_format=_contiguous), root)
 
-    def all_to_all(self, x, axes, split, concat, tiled):
-        with _no_torch_function():
-            return ops.all_to_all(x, self.mesh.comm(axes), split, concat, tiled)
-
-    def ppermute(self, x, axes, pairs):
-        with _no_torch_function():
-            return ops.ppermute(x, self.mesh.comm(axes), pairs)
+    def own_block(self, x, axes, dim):
+        return x.select(dim, self.mesh.comm(axes).index)
 
 
 def run(
@@ -278,22 +267,22 @@ def run(
     out_specs_of: Callable[[], list[PartitionSpec]],
 ) -> list[Any]:
     """Run ``body`` on this rank's blocks; return the outputs as DTensors (see module doc)."""
-    if ops._PENDING and _graph_task_id() == -1:  # left by a backward pass that raised
-        ops.finish_pending()
+    if _dist_overlap._PENDING and P.current_graph_task_id() == -1:  # a backward that raised
+        _dist_overlap.finish_pending()
     board = mesh.board
     board.seq += 1
     mesh.debug = debug_enabled()
     ctx = DistributedContext(mesh, fn)
     try:
         local = [
-            ctx.stamp(local_input(mesh, leaf, spec, ctx.fn_label, i), spec.axes)
+            ctx.stamp(local_input(ctx, leaf, spec, i), Vma.of(spec.axes))
             if isinstance(leaf, torch.Tensor)
             else leaf
             for i, (leaf, spec) in enumerate(zip(leaves, specs))
         ]
         with VmaMode(ctx):
             outs = body(local, ctx)
-        return [global_output(mesh, y, s, ctx.vma(y)) for y, s in zip(outs, out_specs_of())]
+        return [global_output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
     except RankFailedError:
         raise
     except BaseException as e:
@@ -320,3 +309,20 @@ def to_local(tree: Any) -> Any:
         return t.to_local() if mesh is None else _dist_io.to_local_fast(mesh, t)
 
     return optree.tree_map(one, tree, none_is_leaf=True)
+
+
+class DistributedBackend:
+    """One instance per process, on a DeviceMesh."""
+
+    name = "distributed"
+
+    def accepts(self, mesh: Mesh) -> bool:
+        return isinstance(mesh, DistributedMesh)
+
+    run = staticmethod(run)
+
+    def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
+        return None
+
+
+BACKEND = DistributedBackend()

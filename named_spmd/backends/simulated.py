@@ -20,15 +20,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._C import _functorch
 
+from .. import _torch_private as P
 from .._accounting import recording
 from .._context import SpmdContext
-from .._errors import SpmdError, fn_label
+from .._errors import SpmdError, VmaError, fn_label
+from .._layout import physical_layout
 from .._mesh import Mesh
 from .._spec import PartitionSpec
+from .._types import INVARIANT, Vma
 from . import _levels
-from ._implicit import run_recording
+from ._implicit import ImplicitPvaryRecorder
 
 
 class SimulatedContext(SpmdContext):
@@ -37,35 +39,36 @@ class SimulatedContext(SpmdContext):
     def __init__(self, mesh: Mesh, fn: Any, tokens: dict[str, torch.Tensor]):
         super().__init__(mesh, fn)
         self.tokens = tokens
-        self.level_axis = {_functorch.maybe_get_level(t): a for a, t in tokens.items()}
+        self.level_axis = {P.maybe_get_level(t): a for a, t in tokens.items()}
         self.axis_level = {a: lv for lv, a in self.level_axis.items()}
         self.inner_level = max(self.level_axis, default=0)
         self.outer_level = min(self.level_axis, default=0)
         self.sizes = mesh.shape  # a copy; Mesh.shape builds a new dict per access
         self.device = next(iter(tokens.values())).device if tokens else torch.device("cpu")
+        self.recorder: Any = None  # the ImplicitPvaryRecorder while a CommMode records
         self._vma_of: torch.Tensor | None = None
-        self._vma: frozenset[str] = frozenset()
+        self._vma: Vma = INVARIANT
 
-    def vma(self, x: torch.Tensor) -> frozenset[str]:
+    def vma(self, x: torch.Tensor) -> Vma:
         # Collectives ask about the same operand several times in a row: remember the last one
         # (by identity; the reference keeps its id from being reused meanwhile).
         if x is self._vma_of:
             return self._vma
-        self._vma_of, self._vma = x, self._batched_axes(x)
+        self._vma_of, self._vma = x, Vma.of(self._batched_axes(x))
         return self._vma
 
-    def _batched_axes(self, x: torch.Tensor) -> frozenset[str]:
+    def _batched_axes(self, x: torch.Tensor) -> list[str]:
         # Walk the wrappers from the outside in; ours are consecutive levels and any wrapper at
         # one of them is our vmap's (levels are stack depths), so stop below the outermost.
         found = []
         while True:
-            level = _functorch.maybe_get_level(x)
+            level = P.maybe_get_level(x)
             if level < self.outer_level:  # also -1: a plain tensor
-                return frozenset(found)
+                return found
             axis = self.level_axis.get(level)
             if axis is not None:
                 found.append(axis)
-            x = _functorch.get_unwrapped(x)
+            x = P.get_unwrapped(x)
 
     def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
         # A copy: the tokens are shared between calls, and user code may write into the result.
@@ -78,8 +81,16 @@ class SimulatedContext(SpmdContext):
             index = index * self.sizes[a] + self.tokens[a]
         return index
 
+    def apply(self, rec, x, axes, params, donate=False):
+        # The primitives' own ops mix the level tokens with stacked values: no user-level mixing
+        # for the implicit-pvary accounting to see.
+        if self.recorder is None:
+            return rec.forward(self, x, axes, params, donate)
+        with self.recorder.paused():
+            return rec.forward(self, x, axes, params, donate)
+
     # --- primitives -----------------------------------------------------------------------
-    def gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """Invariant stack ``[n, *local]`` of the group's values, row-major over ``axes``."""
         for a in reversed(axes):  # minor axis first, so the major one ends up outermost
             x = _levels.gather(
@@ -92,7 +103,7 @@ class SimulatedContext(SpmdContext):
             x = _levels.vary(x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level)
         return x
 
-    def _mine(self, stacked: torch.Tensor, axes: tuple[str, ...], dim: int = 0) -> torch.Tensor:
+    def own_block(self, stacked: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
         """Slice ``axis_index(axes)`` of dim ``dim`` (size n) of an invariant tensor: varying.
 
         On the fast path the dim just becomes the levels' batch dim (no op). Otherwise (a grad
@@ -112,92 +123,51 @@ class SimulatedContext(SpmdContext):
         index = self._index(axes).reshape(1)
         return stacked.index_select(dim, index).squeeze(dim)
 
-    # --- collectives ----------------------------------------------------------------------
-    def _reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
+    def all_reduce(self, x, axes, op, donate=False):
+        reduce = _REDUCE[op]
         for a in axes:  # sum, amax and amin reduce one axis after another
             x = _levels.gather_reduce(
-                x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level, op
+                x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level, reduce
             )
         return x
 
-    def psum(self, x, axes):
-        return self._reduce(x, axes, "sum")
+    def reduce_scatter(self, x, axes, dim):
+        return self.own_block(self.all_reduce(x, axes, "sum"), axes, dim)
 
-    def psum_varying(self, x, axes):
-        if _functorch.maybe_current_level() != self.inner_level:
-            # a transform inside the per-device function: the generic path, without first
-            # paying for a failed attempt here
-            return None
-        # One fast-path reduction per axis; it also proves x varies over the axis (batched at
-        # its level), which is what makes skipping the generic checks safe.
-        for a in axes:
-            x = _levels.reduce_varying(x, self.axis_level[a], self.inner_level, "sum")
-            if x is None:
-                return None
-        return x
+    def all_to_all(self, x, axes, dim):
+        received = self.own_block(self.all_gather(x, axes), axes, dim + 1)  # [n_src, ...]
+        return received.movedim(0, dim) if dim != 0 else received
 
-    def pmax(self, x, axes):
-        return self._reduce(x, axes, "amax")
+    def broadcast(self, x, axes, root):
+        return self.all_gather(x, axes).select(0, root)
 
-    def pmin(self, x, axes):
-        return self._reduce(x, axes, "amin")
-
-    def all_gather(self, x, axes, axis, tiled, invariant):
-        out = self.gather(x, axes)
-        if axis != 0:  # every op costs microseconds on small operands: skip the no-op
-            out = out.movedim(0, axis)
-        if tiled:
-            out = out.flatten(axis, axis + 1)
-        return out if invariant else self.pvary(out, axes)
-
-    def psum_scatter(self, x, axes, dim, tiled):
-        total = self.psum(x, axes)
-        if tiled:  # dim of size n*c -> [n, c]: instance i keeps block i
-            total = total.unflatten(dim, (self.mesh.axis_size(axes), -1))
-        return self._mine(total, axes, dim)
-
-    def all_to_all(self, x, axes, split, concat, tiled):
-        n = self.mesh.axis_size(axes)
-        stacked = self.gather(x, axes)  # [n_src, *local]
-        chunks = stacked.unflatten(split + 1, (n, -1))  # [n_src, ..., n_dst, chunk, ...]
-        received = self._mine(chunks, axes, split + 1)  # [n_src, *local with split dim / n]
-        if not tiled:
-            return received.squeeze(split + 1).movedim(0, concat)
-        return received.movedim(0, concat).flatten(concat, concat + 1)
-
-    def ppermute(self, x, axes, pairs):
+    def permute(self, x, axes, pairs):
         n = self.mesh.axis_size(axes)
         source, receives = _permutation(n, pairs, self.device)
         if len(axes) == 1:
             out = _levels.permute(x, self.axis_level[axes[0]], self.inner_level, source, receives)
             if out is not None:
                 return out
-        got = self._mine(self.gather(x, axes).index_select(0, source), axes)
+        got = self.own_block(self.all_gather(x, axes).index_select(0, source), axes, 0)
         if receives is None:
             return got
-        return torch.where(self._mine(receives, axes), got, got.new_zeros(()))
+        return torch.where(self.own_block(receives, axes, 0), got, got.new_zeros(()))
 
 
-_permutations: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+_REDUCE = {"sum": "sum", "max": "amax", "min": "amin"}
 
 
+@functools.lru_cache(maxsize=256)  # programs use a handful of permutations
 def _permutation(n: int, pairs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(source index of every destination, receives mask or None if all receive), cached:
     making small tensors costs more than the permutation itself on tiny operands."""
-    key = (n, tuple(pairs), device)
-    found = _permutations.get(key)
-    if found is None:
-        source = [0] * n
-        receives = [False] * n
-        for src, dst in pairs:
-            source[dst], receives[dst] = src, True
-        with torch._C._DisableFuncTorch():  # plain tensors, even under functionalize & co
-            mask = None if all(receives) else torch.tensor(receives, device=device)
-            found = (torch.tensor(source, device=device), mask)
-        if len(_permutations) > 256:  # programs use a handful of permutations
-            _permutations.clear()
-        _permutations[key] = found
-    return found
+    source = [0] * n
+    receives = [False] * n
+    for src, dst in pairs:
+        source[dst], receives[dst] = src, True
+    with P.DisableFuncTorch():  # plain tensors, even under functionalize & co
+        mask = None if all(receives) else torch.tensor(receives, device=device)
+        return torch.tensor(source, device=device), mask
 
 
 # --- entering and leaving the simulation --------------------------------------------------
@@ -210,10 +180,10 @@ _override = threading.local()
 
 
 @contextlib.contextmanager
-def nesting(order: Sequence[str]):
+def simulation_order(*axis_names: str):
     """Force the nesting order (outermost first) of simulated calls made inside the block.
 
-    Public as ``ns.simulation_order(*axis_names)``. The default (:func:`nesting_order`) puts
+    The default (:func:`_default_order`) puts
     innermost the axis that the most input bytes are replicated over, so replicated weights are
     not copied once per outer instance; override it to measure what that buys, or where the
     heuristic guesses wrong. Values, gradients and vma do not depend on the order, only speed
@@ -229,32 +199,18 @@ def nesting(order: Sequence[str]):
                 [2., 2.]])
     """
     saved = getattr(_override, "order", None)
-    _override.order = tuple(order)
+    _override.order = tuple(axis_names)
     try:
         yield
     finally:
         _override.order = saved
 
 
-def simulation_order(*axis_names: str):
-    """Context manager: simulated calls inside nest their vmap levels in this order (outermost
-    first) instead of the default heuristic; see :func:`nesting`."""
-    return nesting(axis_names)
-
-
-def nesting_order(mesh: Mesh, leaves: Sequence[Any], specs: Sequence[PartitionSpec]) -> list[str]:
-    """Mesh axes outermost first. Innermost is the axis with the most input bytes replicated
-    over it: vmap then batches the large replicated operands (weights) last, so they are not
-    copied once per outer instance (3.8x versus 1.1-1.2x measured; DESIGN.md section 5)."""
-    sized = [
-        (leaf.numel() * leaf.element_size(), spec)
-        for leaf, spec in zip(leaves, specs)
-        if isinstance(leaf, torch.Tensor)
-    ]
-    return _order_by_replicated_bytes(mesh, sized)
-
-
-def _order_by_replicated_bytes(mesh: Mesh, sized: Sequence[tuple[int, PartitionSpec]]) -> list[str]:
+def _default_order(mesh: Mesh, sized: Sequence[tuple[int, PartitionSpec]]) -> list[str]:
+    """Mesh axes outermost first, for inputs of ``sized`` = (bytes, spec). Innermost is the axis
+    with the most input bytes replicated over it: vmap then batches the large replicated
+    operands (weights) last, so they are not copied once per outer instance (3.8x versus
+    1.1-1.2x measured; docs/design.md section 5)."""
     replicated = dict.fromkeys(mesh.axis_names, 0)
     for nbytes, spec in sized:
         named = set(spec.axes)
@@ -266,24 +222,6 @@ def _order_by_replicated_bytes(mesh: Mesh, sized: Sequence[tuple[int, PartitionS
     return sorted(order, key=lambda a: (replicated[a], -order.index(a)))
 
 
-def physical_layout(
-    shape: Sequence[int], spec: PartitionSpec, mesh: Mesh, order: Sequence[str]
-) -> tuple[list[int], list[int]]:
-    """(reshape, permutation) taking a global tensor to [mesh dims of the named axes, in
-    nesting order, *local block] (views, no copy)."""
-    split: list[int] = []
-    position: dict[str, int] = {}
-    local_dims: list[int] = []
-    for d, size in enumerate(shape):
-        axes = spec.entry_axes(d)
-        for a in axes:
-            position[a] = len(split)
-            split.append(mesh.shape[a])
-        local_dims.append(len(split))
-        split.append(size // math.prod(mesh.shape[a] for a in axes))
-    return split, [position[a] for a in order if a in position] + local_dims
-
-
 # The caches key on the mesh's (name, size) items as well as the mesh: Mesh equality ignores
 # the axis order, which the plans depend on.
 @functools.lru_cache(maxsize=1024)
@@ -292,10 +230,10 @@ def _input_plan(axes: tuple, mesh: Mesh, inputs: tuple, order: tuple[str, ...] |
     input: reshape, permutation (None: identity), the axes it is batched at)."""
     if order is None:
         sized = [(math.prod(shape) * size, spec) for shape, size, spec in inputs]
-        order = tuple(_order_by_replicated_bytes(mesh, sized))
+        order = tuple(_default_order(mesh, sized))
     plans = []
     for shape, _, spec in inputs:
-        split, perm = physical_layout(shape, spec, mesh, order)
+        split, perm = physical_layout(shape, spec, mesh._shape, order)
         plans.append((split, None if perm == sorted(perm) else perm, frozenset(spec.axes)))
     return order, plans
 
@@ -346,31 +284,19 @@ def from_physical(
     return y.reshape(sizes)  # a list: rank-0 outputs have no dims
 
 
-_tokens: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
+@functools.cache
 def _token(n: int, device: torch.device) -> torch.Tensor:
     """``arange(n)`` on ``device``, made once: two factory calls cost ~15% of a small call.
     Shared between calls, so never handed to user code (see SimulatedContext.axis_index)."""
-    token = _tokens.get((n, device))
-    if token is None:
-        with torch._C._DisableFuncTorch():  # a plain tensor, even under functionalize & co
-            token = _tokens[(n, device)] = torch.arange(n, device=device)
-    return token
+    with P.DisableFuncTorch():  # a plain tensor, even under functionalize & co
+        return torch.arange(n, device=device)
 
 
-_decompositions_loaded = False
-
-
+@functools.cache
 def _load_decompositions() -> None:
     # torch.func.vmap registers some batching rules lazily on first use; we enter vmap levels
     # ourselves, so trigger it once.
-    global _decompositions_loaded
-    if not _decompositions_loaded:
-        from torch._functorch.vmap import lazy_load_decompositions
-
-        lazy_load_decompositions()
-        _decompositions_loaded = True
+    P.lazy_load_decompositions()
 
 
 def run(
@@ -412,29 +338,78 @@ def run(
     levels: list[int] = []
     try:
         for a in order:  # outermost first: each input's mesh dims lead in nesting order
-            level = _functorch._vmap_increment_nesting(mesh.shape[a], "same")
+            level = P.vmap_increment_nesting(mesh.shape[a], "same")
             levels.append(level)
             for i, (_, _, axes) in zip(tensor_pos, plans):
                 if a in axes:
-                    local[i] = _functorch._add_batch_dim(local[i], 0, level)
-            tokens[a] = _functorch._add_batch_dim(tokens[a], 0, level)
+                    local[i] = P.add_batch_dim(local[i], 0, level)
+            tokens[a] = P.add_batch_dim(tokens[a], 0, level)
         ctx = SimulatedContext(mesh, fn, tokens)
         if recording():  # report implicit pvary's backward psum; off the fast path
-            outs = list(run_recording(ctx, body, local))
+            ctx.recorder = ImplicitPvaryRecorder(ctx)
+            with ctx.recorder:
+                outs = list(body(local, ctx))
         else:
             outs = list(body(local, ctx))
         present: list[list[str]] = [[] for _ in outs]
         while levels:  # innermost first, each while its level is still the top one
             level, a = levels[-1], order[len(levels) - 1]
             for j, y in enumerate(outs):
-                y = _functorch.unwrap_if_dead(y)
-                if _functorch.maybe_get_level(y) == level:
-                    y = _functorch._remove_batch_dim(y, level, mesh.shape[a], 0)
+                y = P.unwrap_if_dead(y)
+                if P.maybe_get_level(y) == level:
+                    y = P.remove_batch_dim(y, level, mesh.shape[a], 0)
                     present[j].insert(0, a)
                 outs[j] = y
-            _functorch._vmap_decrement_nesting()
+            P.vmap_decrement_nesting()
             levels.pop()
     finally:
         for _ in levels:
-            _functorch._vmap_decrement_nesting()
+            P.vmap_decrement_nesting()
     return [from_physical(y, p, s, mesh) for y, p, s in zip(outs, present, out_specs_of())]
+
+
+# Messages of functorch errors that mean "this code cannot run per instance under vmap".
+_VMAP_LIMITS = (
+    "vmap",
+    "Batching rule",
+    "batched tensor",
+    ".item()",
+    "data-dependent",
+    "Cannot access data pointer",  # .tolist() / .numpy() of a batched tensor
+)
+# ... and those of an in-place write whose operand has instances the target lacks.
+_INPLACE_UNDER_VMAP = ("inplace arithmetic", "doesn't match the broadcast shape")
+
+
+class SimulatedBackend:
+    """Every instance in this process, under nested vmap (the default backend)."""
+
+    name = "simulated"
+
+    def accepts(self, mesh: Mesh) -> bool:
+        return mesh.device_mesh is None
+
+    run = staticmethod(run)
+
+    def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
+        text = str(error)
+        if any(s in text for s in _INPLACE_UNDER_VMAP):
+            return VmaError(
+                f"{where}: an in-place write failed under the simulated mesh:\n  {error}\n"
+                "If it writes a value that varies over mesh axes into a tensor invariant over "
+                "them (an in_spec P() input or a closed-over tensor), every instance would "
+                "hold different values in what is typed replicated. Fix: compute out of "
+                "place (y = x + v instead of x += v)."
+            )
+        if any(s in text for s in _VMAP_LIMITS):
+            return SpmdError(
+                f"{where}: the per-device function failed under the simulated mesh, "
+                f"which runs every instance at once with torch.func.vmap:\n  {error}\n"
+                "Per-instance code cannot use .item(), data-dependent Python control flow "
+                "(if on tensor values), nonzero(), or in-place writes into captured tensors. "
+                "Fix: use torch.where / masks instead of branching on values."
+            )
+        return None
+
+
+BACKEND = SimulatedBackend()

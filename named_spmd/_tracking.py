@@ -3,11 +3,11 @@
 The simulated backend reads vma off its vmap levels. The distributed and abstract backends run the
 per-device function once, on local tensors, so they stamp every tensor with its vma instead:
 inputs from their in_specs, collectives' outputs by their rule (``SpmdContext.stamp``), and every
-other torch op by :class:`VmaMode`: the union of its operands' vma (DESIGN.md section 2, rule 2).
+other torch op by :class:`VmaMode`: the union of its operands' vma (docs/design.md section 2, rule 2).
 Where an invariant operand meets a varying one, the mode inserts the implicit pvary once per
 (tensor, axes) for the call, so a replicated weight used by ten ops costs one gradient psum.
 
-A stamp is ``(call token, frozenset)`` kept in the tensor's ``__dict__``: a tensor that carries a
+A stamp is ``(call token, Vma)`` kept in the tensor's ``__dict__``: a tensor that carries a
 stamp from another call (or none) is invariant here, like any closed-over tensor.
 """
 
@@ -18,54 +18,53 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .._context import SpmdContext
+from ._collectives._record import implicit_pvary
+from ._context import SpmdContext
+from ._errors import VmaError
+from ._torch_private import get_unwrapped as _unwrap
+from ._torch_private import is_functorch_wrapped as _is_wrapped
+from ._types import INVARIANT, Vma
 
 Tensor = torch.Tensor
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_unwrap = torch._C._functorch.get_unwrapped
-_EMPTY: frozenset[str] = frozenset()
 _ATTR = "_named_spmd_vma"
 
 
 class TrackedContext(SpmdContext):
-    """A call whose tensors carry their vma as a stamp. Subclasses implement the collectives."""
+    """A call whose tensors carry their vma as a stamp. Subclasses implement the primitives."""
 
     def __init__(self, mesh, fn):
         super().__init__(mesh, fn)
         self.call_token = object()
-        self._stamps: dict[frozenset[str], tuple[object, frozenset[str]]] = {}
+        self._stamps: dict[Vma, tuple[object, Vma]] = {}
         # id(invariant tensor) -> (tensor, stamp, its varying alias): VmaMode's fast path
         self.alias_cache: dict[int, tuple[torch.Tensor, tuple, torch.Tensor]] = {}
         # (id(tensor), axes) -> (tensor, its varying alias); the tensor is kept alive so that
         # its id is not reused during the call.
         self.pvary_cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def vma(self, x: torch.Tensor) -> frozenset[str]:
+    def vma(self, x: torch.Tensor) -> Vma:
         stamp = x.__dict__.get(_ATTR)
         if stamp is not None and stamp[0] is self.call_token:
             return stamp[1]
         if _is_wrapped(x):  # a torch.func transform inside the function wrapped a stamped tensor
             return self.vma(_unwrap(x))
-        return _EMPTY
+        return INVARIANT
 
-    def stamp_of(self, vma) -> tuple[object, frozenset[str]]:
-        """The stamp for ``vma``, interned per call: equal vmas share one stamp object, so
+    def stamp_of(self, vma: Vma) -> tuple[object, Vma]:
+        """The stamp for ``vma``, one per call and type: equal types share one stamp object, so
         :class:`VmaMode` compares operands by identity."""
-        key = vma if type(vma) is frozenset else frozenset(vma)
-        stamp = self._stamps.get(key)
+        stamp = self._stamps.get(vma)
         if stamp is None:
-            stamp = self._stamps[key] = (self.call_token, key)
+            stamp = self._stamps[vma] = (self.call_token, vma)
         return stamp
 
-    def stamp(self, x: torch.Tensor, vma) -> torch.Tensor:
+    def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
         if vma or _ATTR in x.__dict__:
             x.__dict__[_ATTR] = self.stamp_of(vma)
         return x
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """The implicit pvary of ``t`` over ``axes``: one alias per (tensor, axes) per call."""
-        from .._collectives import implicit_pvary
-
         key = (id(t), axes)
         hit = self.pvary_cache.get(key)
         if hit is None:
@@ -116,6 +115,11 @@ _INPLACE_DUNDERS = frozenset(
 _IS_INPLACE: dict = {}  # func -> whether it writes into its first argument (memo: hot path)
 
 
+def is_inplace(func) -> bool:
+    """Whether ``func`` writes into its first argument (``add_``, ``__iadd__``, ``__setitem__``)."""
+    return _is_inplace(func)
+
+
 def _is_inplace(func) -> bool:
     hit = _IS_INPLACE.get(func)
     if hit is None:
@@ -125,7 +129,7 @@ def _is_inplace(func) -> bool:
     return hit
 
 
-def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: frozenset[str]) -> None:
+def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma) -> None:
     """An in-place op (or ``out=``) whose target is less varying than its operands would write
     varying values through the implicit pvary's alias into a tensor still typed invariant: every
     instance would hold different values in what is typed replicated (the simulated backend's
@@ -133,11 +137,8 @@ def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: frozenset[str
     target = args[0] if args and _is_inplace(func) else (kwargs or {}).get("out")
     if not isinstance(target, Tensor):
         return
-    missing = union - ctx.vma(target)
-    if missing:
-        from .._errors import VmaError
-
-        axes = tuple(a for a in ctx.mesh.axis_names if a in missing)
+    axes = ctx.vma(target).missing(union.present(ctx.mesh.axis_names))
+    if axes:
         name = getattr(func, "__name__", "")
         raise VmaError(
             f"{name} in {ctx.fn_label}: writes a value varying over {axes} into a tensor that is "
@@ -230,10 +231,12 @@ class VmaMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         vma_of = self.ctx.vma
         vmas = [vma_of(t) for t in operands]
-        union = vmas[0].union(*vmas[1:]) if len(vmas) > 1 else vmas[0]
+        union = vmas[0]
+        for v in vmas[1:]:
+            union = union.union(v)
         if not union:
             return func(*args, **(kwargs or {}))
-        if self.insert_pvary and len(vmas) > 1 and any(v != union for v in vmas):
+        if self.insert_pvary and len(vmas) > 1 and any(v is not union for v in vmas):
             _check_inplace(self.ctx, func, args, kwargs, union)
             args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
         out = func(*args, **(kwargs or {}))
@@ -242,8 +245,8 @@ class VmaMode(TorchFunctionMode):
     def _vary_operands(self, operands, vmas, union, args, kwargs):
         swap = {}
         for t, v in zip(operands, vmas):
-            if v != union and id(t) not in swap:
-                missing = tuple(a for a in self.ctx.mesh.axis_names if a in union and a not in v)
+            if v is not union and id(t) not in swap:
+                missing = v.missing(union.present(self.ctx.mesh.axis_names))
                 swap[id(t)] = self.ctx.cached_pvary(t, missing)
         return swap_operands(args, kwargs, swap)
 

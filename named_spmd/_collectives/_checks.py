@@ -3,29 +3,15 @@ call, the user's function, expected versus got, and the fix."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-from ._context import SpmdContext
-from ._errors import CollectiveError, VmaError
-from ._types import VType
+from .._context import SpmdContext
+from .._errors import CollectiveError
 
-_valid_pairs: dict[tuple, tuple[tuple[int, int], ...]] = {}
-
-
-def require_varying(ctx: SpmdContext, t: torch.Tensor, axes: tuple[str, ...], op: str) -> None:
-    invariant = [a for a in axes if a not in ctx.vma(t)]
-    if invariant:
-        fix = " * ".join(f"axis_size({a!r})" for a in invariant)
-        raise VmaError(
-            f"{op} in {ctx.fn_label}: the operand is invariant over {tuple(invariant)} (its type is "
-            f"{VType(t.dtype, tuple(t.shape), ctx.vma(t), ctx.mesh.axis_names)}), so {op} over {axes} would add identical copies "
-            f"and multiply it by {' * '.join(str(ctx.mesh.shape[a]) for a in invariant)}. JAX does "
-            f"that silently; named_spmd refuses. Fix: drop {tuple(invariant)} from the "
-            f"collective's axes if the value is already the total, or write x * {fix} if you "
-            "really mean to multiply."
-        )
+Pairs = tuple[tuple[int, int], ...]
 
 
 def checked_dim(ctx, t: torch.Tensor, dim: int, op: str, what: str, extra: int = 0) -> int:
@@ -53,28 +39,33 @@ def check_divisible(ctx, t, dim, n, axes, op, what, tiled):
         )
 
 
-def check_pairs(ctx, op: str, perm: Any, n: int, axes) -> tuple[tuple[int, int], ...]:
+def check_pairs(ctx: SpmdContext, op: str, perm: Any, n: int, axes) -> Pairs:
     """Validated pairs. Perms of int tuples are remembered: validating costs more than the
     simulated permutation of a small operand."""
     # only int tuples are looked up: (0.0, 1.0) hashes and compares equal to (0, 1), but is
     # not a valid pair
-    cacheable = isinstance(perm, (list, tuple)) and all(
+    if isinstance(perm, (list, tuple)) and all(
         type(p) is tuple and all(type(v) is int for v in p) for p in perm
-    )
-    key = (n, tuple(perm)) if cacheable else None
-    if key is not None:
-        hit = _valid_pairs.get(key)
-        if hit is not None:
-            return hit
-    pairs = _validate_pairs(ctx, op, perm, n, axes)
-    if key is not None:
-        if len(_valid_pairs) > 1024:
-            _valid_pairs.clear()
-        _valid_pairs[key] = pairs
+    ):
+        pairs = _valid_int_pairs(n, tuple(perm))
+        if pairs is not None:
+            return pairs
+    pairs, problems = _pair_problems(perm, n, axes)
+    if problems:
+        raise CollectiveError(
+            f"{op} in {ctx.fn_label}: bad perm: {'; '.join(problems)}. Fix: each instance may "
+            f"send once and receive once, e.g. a ring [(i, (i + 1) % {n}) for i in range({n})]."
+        )
     return pairs
 
 
-def _validate_pairs(ctx, op: str, perm: Any, n: int, axes) -> tuple[tuple[int, int], ...]:
+@functools.lru_cache(maxsize=1024)
+def _valid_int_pairs(n: int, perm: Pairs) -> Pairs | None:
+    pairs, problems = _pair_problems(perm, n, ())
+    return None if problems else pairs
+
+
+def _pair_problems(perm: Any, n: int, axes) -> tuple[Pairs, list[str]]:
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)
         ok_types = all(
@@ -96,9 +87,4 @@ def _validate_pairs(ctx, op: str, perm: Any, n: int, axes) -> tuple[tuple[int, i
             dup = sorted({v for v in seen if seen.count(v) > 1})
             if dup:
                 problems.append(f"{side}s {dup} appear more than once")
-    if problems:
-        raise CollectiveError(
-            f"{op} in {ctx.fn_label}: bad perm: {'; '.join(problems)}. Fix: each instance may "
-            f"send once and receive once, e.g. a ring [(i, (i + 1) % {n}) for i in range({n})]."
-        )
-    return pairs
+    return pairs, problems

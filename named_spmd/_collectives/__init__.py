@@ -1,0 +1,30 @@
+"""The collectives: one :class:`~._record.Collective` record each, applied by one path.
+
+See ``README.md`` beside this file for where each piece lives and how to add a collective.
+"""
+
+from ._record import RECORDS, Collective, implicit_pvary, pvary
+from .movement import all_gather, all_to_all, psum_scatter
+from .permutes import ppermute, pshuffle
+from .reductions import pmax, pmean, pmin, psum
+from .typing import axis_index, axis_size, typeof, vma
+
+__all__ = [
+    "RECORDS",
+    "Collective",
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "implicit_pvary",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "pshuffle",
+    "psum",
+    "psum_scatter",
+    "pvary",
+    "typeof",
+    "vma",
+]

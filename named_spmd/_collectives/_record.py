@@ -1,0 +1,223 @@
+"""What a collective is: one :class:`Collective` record, applied by one :func:`Collective.bind`.
+
+A record holds everything the library knows about one collective (in the spirit of JAX's
+primitive blocks in ``jax/_src/lax/parallel.py`` and equinox's ``create_vprim``):
+
+* ``prepare`` / ``check``: argument checks, once per call and once per tensor operand, each
+  returning the normalised parameters (a tuple) or raising an :class:`~.._errors.SpmdError`;
+* ``policy``: what an operand invariant over some of the axes gets: an implicit pvary
+  (``PVARY``), an error (``REQUIRE_VARYING``: a sum would multiply it), or the identity over
+  those axes (``DROP_INVARIANT``: its mean, max or min over them is itself);
+* ``vma`` and ``shape``: the type rule and the shape rule (the abstract backend's forward);
+* ``forward``: the collective written with the backend primitives of :class:`~.._context.
+  SpmdContext`;
+* ``transpose`` and ``jvp``: the backward and forward-mode rules, written with other records,
+  which the generic autograd bridge (``_autodiff``) applies on backends whose primitives are
+  plain communication;
+* ``backward_op``: the collective its transpose runs, for the communication accounting.
+
+Public collectives are thin: ``def psum(x, axis_name): return PSUM.bind(x, axis_name)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from .._accounting import CommEvent, on_backward, record, recording
+from .._context import Axes, SpmdContext, current
+from .._errors import CollectiveError, VmaError
+from .._torch_private import getrefcount
+from .._types import Vma, VType
+from . import _donation
+
+# Operand policies: what an operand invariant over some axes of the collective gets.
+PVARY = "pvary"
+REQUIRE_VARYING = "require varying"
+DROP_INVARIANT = "drop invariant"
+
+Tensor = torch.Tensor
+Params = tuple
+#: Every record by name: transposes refer to other collectives through it.
+RECORDS: dict[str, Collective] = {}
+
+
+def _linear_jvp(ctx: SpmdContext, rec: Collective, t: Tensor, axes: Axes, params: Params, node):
+    return ctx.apply(rec, t, axes, params)
+
+
+@dataclass(frozen=True, eq=False)
+class Collective:
+    """One collective: see the module docstring for the fields."""
+
+    name: str
+    policy: str | None
+    vma: Callable[[Vma, Axes, Params], Vma]
+    shape: Callable[[tuple[int, ...], int, Params], tuple[int, ...]]
+    forward: Callable[..., Tensor]
+    transpose: Callable[..., Tensor]
+    backward_op: Callable[[Params], str | None]
+    prepare: Callable[..., Params] | None = None
+    check: Callable[[SpmdContext, Tensor, Axes, Params], Params] | None = None
+    jvp: Callable[..., Tensor] = _linear_jvp
+    saves: bool = False  # the transpose reads the operand and the result (node.saved_tensors)
+    forward_event: bool = True  # recorded as forward communication (pvary has none)
+    donates: bool = False  # the forward may reduce a temporary operand in place
+
+    def __post_init__(self) -> None:
+        RECORDS[self.name] = self
+
+    def __repr__(self) -> str:
+        return f"<collective {self.name}>"
+
+    def bind(self, x: Any, axis_name: Any, *args: Any) -> Any:
+        """Apply the collective to ``x`` (a tensor or a pytree of tensors) in the active call."""
+        refs = getrefcount(x)  # first thing: the donation rule compares it with a temporary's
+        ctx = current(self.name)
+        axes = ctx.check_axes(axis_name, self.name)
+        params = self.prepare(ctx, axes, *args) if self.prepare is not None else args
+        if isinstance(x, Tensor):
+            return _apply(self, ctx, x, axes, params, refs)
+        return optree.tree_map(lambda t: _apply(self, ctx, _tensor(self, ctx, t), axes, params), x)
+
+
+def _tensor(rec: Collective, ctx: SpmdContext, t: Any) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise CollectiveError(
+            f"{rec.name} in {ctx.fn_label}: expected tensors (or a pytree of tensors), got a leaf "
+            f"of type {type(t).__name__}. Fix: convert it with torch.as_tensor(...) first."
+        )
+    return t
+
+
+def _apply(rec: Collective, ctx: SpmdContext, t: Tensor, axes: Axes, params, refs=None) -> Tensor:
+    """The one path every collective takes: checks, operand policy, type rule, accounting,
+    the backend's run of the forward, and the result's type."""
+    if rec.check is not None:
+        params = rec.check(ctx, t, axes, params)
+    vma = ctx.vma(t)
+    if rec.policy is not None and not vma.covers(axes):
+        policy = rec.policy
+        if policy is PVARY:
+            t = implicit_pvary(ctx, t, vma.missing(axes))
+            vma = vma.add(axes)
+        elif policy is REQUIRE_VARYING:
+            raise_invariant_operand(ctx, rec.name, t, axes)
+        else:  # DROP_INVARIANT
+            axes = vma.present(axes)
+            if not axes:
+                return t
+    donate = refs is not None and rec.donates and ctx.donates and _donation.donatable(t, refs)
+    if rec.forward_event and recording():
+        record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
+    out = ctx.apply(rec, t, axes, params, donate)
+    if recording():
+        back = rec.backward_op(params)
+        if back is not None:
+            out = on_backward(out, CommEvent(back, axes, "backward", tuple(out.shape), out.dtype))
+    return ctx.stamp(out, rec.vma(vma, axes, params))
+
+
+def raise_invariant_operand(ctx: SpmdContext, op: str, t: Tensor, axes: Axes) -> None:
+    vma = ctx.vma(t)
+    invariant = vma.missing(axes)
+    fix = " * ".join(f"axis_size({a!r})" for a in invariant)
+    raise VmaError(
+        f"{op} in {ctx.fn_label}: the operand is invariant over {invariant} (its type is "
+        f"{VType(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}), so {op} over {axes} "
+        "would add identical copies and multiply it by "
+        f"{' * '.join(str(ctx.mesh.shape[a]) for a in invariant)}. JAX does that silently; "
+        f"named_spmd refuses. Fix: drop {invariant} from the collective's axes if the value is "
+        f"already the total, or write x * {fix} if you really mean to multiply."
+    )
+
+
+def same_vma(vma: Vma, axes: Axes, params: Params) -> Vma:
+    return vma
+
+
+def without_axes(vma: Vma, axes: Axes, params: Params) -> Vma:
+    return vma.remove(axes)
+
+
+def same_shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
+    return shape
+
+
+def no_backward_op(params: Params) -> None:
+    return None
+
+
+def backward_op(name: str) -> Callable[[Params], str]:
+    return lambda params: name
+
+
+# --- pvary: the cast every mixing site uses (the type system's rule 2) --------------------------
+
+
+def _pvary_transpose(ctx: SpmdContext, g: Tensor, axes: Axes, params: Params, node) -> Tensor:
+    from .._autodiff import differentiable
+
+    if differentiable(g):
+        return ctx.apply(RECORDS["psum"], g, axes, ())
+    return ctx.psum_in_backward(g, axes, node)
+
+
+PVARY_RECORD = Collective(
+    name="pvary",
+    policy=None,  # pvary's own check refuses axes the operand already varies over
+    vma=lambda vma, axes, params: vma.add(axes),
+    shape=same_shape,
+    forward=lambda ctx, x, axes, params, donate: ctx.pvary(x, axes),
+    transpose=_pvary_transpose,
+    backward_op=backward_op("psum"),
+    check=lambda ctx, t, axes, params: _pvary_check(ctx, t, axes, params),
+    forward_event=False,
+)
+
+
+def implicit_pvary(ctx: SpmdContext, t: Tensor, missing: Axes) -> Tensor:
+    """``t`` made varying over ``missing`` (axes it is invariant over): identity forward, psum
+    backward. Where an invariant operand meets a varying one (rule 2)."""
+    vma = ctx.vma(t)
+    out = ctx.apply(PVARY_RECORD, t, missing, ())
+    if recording():
+        event = CommEvent("psum", missing, "backward", tuple(out.shape), out.dtype, implicit=True)
+        out = on_backward(out, event)
+    return ctx.stamp(out, vma.add(missing))
+
+
+def _pvary_check(ctx: SpmdContext, t: Tensor, axes: Axes, params: Params) -> Params:
+    already = ctx.vma(t).present(axes)
+    if already:
+        raise VmaError(
+            f"pvary in {ctx.fn_label}: the operand already varies over {already} (type "
+            f"{VType(t.dtype, tuple(t.shape), ctx.vma(t), ctx.mesh.axis_names)}). Fix: pvary "
+            "only over axes it is invariant over."
+        )
+    return params
+
+
+def pvary(x: Any, axis_name: str | tuple[str, ...]) -> Any:
+    """``pvary(x: T{...}, A) -> T{A,...}``: declare an invariant value varying over A.
+
+    Identity on data. Raises if ``x`` already varies over an axis of A. Mixing an invariant value
+    with a varying one does this implicitly, once per (tensor, axes).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2,), ("i",))
+        >>> @ns.spmd_map(mesh=mesh, in_specs=ns.P(), out_specs=ns.P("i"))
+        ... def f(w):
+        ...     v = ns.pvary(w, "i")  # same data, now typed as varying over "i"
+        ...     return v * (ns.axis_index("i") + 1)
+        >>> f(torch.ones(1))
+        tensor([1., 2.])
+
+    Backward: psum over A.
+    """
+    return PVARY_RECORD.bind(x, axis_name)

@@ -1,0 +1,249 @@
+"""Data movement over a group: all_gather, psum_scatter, all_to_all. One section each: the
+public function, then its record (checks, policy, type and shape rules, forward on the
+primitives, transpose)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._context import Axes, SpmdContext
+from .._errors import CollectiveError
+from .._layout import unstack_dim
+from ._checks import check_divisible, checked_dim
+from ._record import (
+    PVARY,
+    RECORDS,
+    REQUIRE_VARYING,
+    Collective,
+    backward_op,
+    same_vma,
+)
+
+AxisName = str | tuple[str, ...]
+
+
+def _split(x: torch.Tensor, dim: int, n: int, tiled: bool) -> torch.Tensor:
+    """``dim`` as n blocks: tiled, ``[.., n*c, ..] -> [.., n, c, ..]``; untiled it has size n."""
+    return x.unflatten(dim, (n, -1)) if tiled else x
+
+
+# --- all_gather ----------------------------------------------------------------------------------
+
+
+def all_gather(
+    x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = False, to: str = "varying"
+) -> Any:
+    """``all_gather(x: T{...}, A) -> T{A,...}``: every instance gets the group's blocks.
+
+    Args:
+        x: tensor or pytree of tensors.
+        axis_name: axis or tuple of axes (blocks ordered row-major, first name major).
+        axis: where the blocks go: a new dim of size n (``tiled=False``) or concatenated along
+            existing dim ``axis`` (``tiled=True``).
+        to: ``"varying"`` (JAX's default: the result keeps vma A) or ``"invariant"`` (the result
+            is known identical on the group: vma loses A, and backward needs no communication).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> g = ns.spmd_map(lambda x: ns.all_gather(x, "i", tiled=True, to="invariant"),
+        ...                 mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())
+        >>> g(torch.arange(4.0))
+        tensor([0., 1., 2., 3.])
+
+    Backward: psum_scatter over the same axes and dim (``to="varying"``); keep the own slice, no
+    communication (``to="invariant"``).
+    """
+    return ALL_GATHER.bind(x, axis_name, axis, tiled, to)
+
+
+def _all_gather_prepare(ctx: SpmdContext, axes: Axes, axis: int, tiled: bool, to: str):
+    if to not in ("varying", "invariant"):
+        raise CollectiveError(
+            f"all_gather in {ctx.fn_label}: unknown to={to!r}. Fix: use to='varying' (the "
+            "default, as in JAX) or to='invariant' (JAX spells it 'invarying')."
+        )
+    return (axis, bool(tiled), to == "invariant")
+
+
+def _all_gather_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params):
+    axis, tiled, invariant = params
+    if tiled and t.dim() == 0:
+        raise CollectiveError(
+            f"all_gather in {ctx.fn_label}: tiled=True needs an operand of rank >= 1, got a "
+            "scalar. Fix: gather x.reshape(1), or pass tiled=False to stack the scalars."
+        )
+    return (
+        checked_dim(ctx, t, axis, "all_gather", "axis", extra=0 if tiled else 1),
+        tiled,
+        invariant,
+    )
+
+
+def _all_gather_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params, donate: bool):
+    dim, tiled, invariant = params
+    out = unstack_dim(ctx.all_gather(x, axes), dim, tiled)
+    return out if invariant else ctx.pvary(out, axes)
+
+
+def _all_gather_transpose(ctx: SpmdContext, g: torch.Tensor, axes: Axes, params, node):
+    dim, tiled, invariant = params
+    if invariant:  # the cotangent is identical on the group: keep the own block
+        return ctx.own_block(_split(g, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
+    return ctx.apply(RECORDS["psum_scatter"], g, axes, (dim, tiled))
+
+
+def _all_gather_shape(shape: tuple[int, ...], n: int, params) -> tuple[int, ...]:
+    dim, tiled, _ = params
+    out = list(shape)
+    if tiled:
+        out[dim] *= n
+    else:
+        out.insert(dim, n)
+    return tuple(out)
+
+
+ALL_GATHER = Collective(
+    name="all_gather",
+    policy=PVARY,
+    vma=lambda vma, axes, params: vma.remove(axes) if params[2] else vma,
+    shape=_all_gather_shape,
+    forward=_all_gather_forward,
+    transpose=_all_gather_transpose,
+    backward_op=lambda params: None if params[2] else "psum_scatter",
+    prepare=_all_gather_prepare,
+    check=_all_gather_check,
+)
+
+
+# --- psum_scatter --------------------------------------------------------------------------------
+
+
+def psum_scatter(
+    x: Any, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False
+) -> Any:
+    """``psum_scatter(x: T{A,...}, A) -> T{A,...}``: sum over the group, keep slice i.
+
+    Instance ``i = axis_index(A)`` keeps slice ``i`` of ``scatter_dimension`` (untiled: that dim
+    must have size n and is removed; tiled: it is divided into n blocks).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2,), ("i",))
+        >>> f = ns.spmd_map(lambda x: ns.psum_scatter(x, "i", tiled=True),
+        ...                 mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P("i"))
+        >>> f(torch.arange(8.0))
+        tensor([ 4.,  6.,  8., 10.])
+
+    Backward: all_gather over the same axes and dim.
+    """
+    return PSUM_SCATTER.bind(x, axis_name, scatter_dimension, tiled)
+
+
+def _psum_scatter_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params):
+    dim, tiled = params
+    n = ctx.mesh.axis_size(axes)
+    d = checked_dim(ctx, t, dim, "psum_scatter", "scatter_dimension")
+    check_divisible(ctx, t, d, n, axes, "psum_scatter", "scatter_dimension", tiled)
+    return (d, bool(tiled))
+
+
+def _psum_scatter_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params, donate: bool):
+    dim, tiled = params
+    return ctx.reduce_scatter(_split(x, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
+
+
+def _psum_scatter_shape(shape: tuple[int, ...], n: int, params) -> tuple[int, ...]:
+    dim, tiled = params
+    out = list(shape)
+    if tiled:
+        out[dim] //= n
+    else:
+        del out[dim]
+    return tuple(out)
+
+
+PSUM_SCATTER = Collective(
+    name="psum_scatter",
+    policy=REQUIRE_VARYING,
+    vma=same_vma,
+    shape=_psum_scatter_shape,
+    forward=_psum_scatter_forward,
+    transpose=lambda ctx, g, axes, params, node: ctx.apply(
+        RECORDS["all_gather"], g, axes, (params[0], params[1], False)
+    ),
+    backward_op=backward_op("all_gather"),
+    check=_psum_scatter_check,
+)
+
+
+# --- all_to_all ----------------------------------------------------------------------------------
+
+
+def all_to_all(
+    x: Any, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = False
+) -> Any:
+    """``all_to_all(x: T{A,...}, A, split, concat) -> T{A,...}``: chunk j goes to member j.
+
+    ``split_axis`` is cut into n chunks; chunk j goes to member j, which concatenates the chunks
+    it receives along ``concat_axis`` in source order. Untiled (JAX's convention): the split dim
+    must have size n and is removed, and a new dim of size n appears at ``concat_axis``.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2,), ("i",))
+        >>> f = ns.spmd_map(lambda x: ns.all_to_all(x, "i", 0, 0, tiled=True),
+        ...                 mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P("i"))
+        >>> f(torch.arange(4.0))
+        tensor([0., 2., 1., 3.])
+
+    Backward: all_to_all with split and concat swapped.
+    """
+    return ALL_TO_ALL.bind(x, axis_name, split_axis, concat_axis, tiled)
+
+
+def _all_to_all_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params):
+    split_axis, concat_axis, tiled = params
+    n = ctx.mesh.axis_size(axes)
+    s = checked_dim(ctx, t, split_axis, "all_to_all", "split_axis")
+    c = checked_dim(ctx, t, concat_axis, "all_to_all", "concat_axis")
+    check_divisible(ctx, t, s, n, axes, "all_to_all", "split_axis", tiled)
+    return (s, c, bool(tiled))
+
+
+def _all_to_all_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params, donate: bool):
+    split, concat, tiled = params
+    # after the exchange, dim ``split`` indexes the source member instead of the destination
+    received = ctx.all_to_all(_split(x, split, ctx.mesh.axis_size(axes), tiled), axes, split)
+    if split != concat:
+        received = received.movedim(split, concat)
+    return received.flatten(concat, concat + 1) if tiled else received
+
+
+def _all_to_all_shape(shape: tuple[int, ...], n: int, params) -> tuple[int, ...]:
+    split, concat, tiled = params
+    out = list(shape)
+    if tiled:
+        out[split] //= n
+        out[concat] *= n
+    else:  # the split dim (of size n) moves to concat
+        out.insert(concat, out.pop(split))
+    return tuple(out)
+
+
+ALL_TO_ALL = Collective(
+    name="all_to_all",
+    policy=PVARY,
+    vma=same_vma,
+    shape=_all_to_all_shape,
+    forward=_all_to_all_forward,
+    transpose=lambda ctx, g, axes, params, node: ctx.apply(
+        RECORDS["all_to_all"], g, axes, (params[1], params[0], params[2])
+    ),
+    backward_op=backward_op("all_to_all"),
+    check=_all_to_all_check,
+)
+
+__all__ = ["all_gather", "all_to_all", "psum_scatter"]

@@ -1,0 +1,167 @@
+"""Reductions over a group: psum, pmean, pmax, pmin. One section each: the public function,
+then its record (policy, type and shape rules, forward on the primitives, transpose)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._context import Axes, SpmdContext
+from ._record import (
+    DROP_INVARIANT,
+    RECORDS,
+    REQUIRE_VARYING,
+    Collective,
+    backward_op,
+    no_backward_op,
+    same_shape,
+    without_axes,
+)
+
+AxisName = str | tuple[str, ...]
+
+
+# --- psum ----------------------------------------------------------------------------------------
+
+
+def psum(x: Any, axis_name: AxisName) -> Any:
+    """``psum(x: T{A,...}, A) -> T{...}``: elementwise sum over the instances of the group.
+
+    Args:
+        x: a tensor or pytree of tensors, varying over every axis of ``axis_name``.
+        axis_name: a mesh axis name or a tuple of names.
+
+    Returns:
+        The sum, invariant over ``axis_name``. An operand invariant over an axis of ``axis_name``
+        is an error (it would be multiplied by the axis size; JAX allows that silently).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> f = ns.spmd_map(lambda x: ns.psum(x, "i"), mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())
+        >>> f(torch.arange(4.0))
+        tensor([6.])
+
+    Backward: pvary (identity per instance), no communication.
+    """
+    return PSUM.bind(x, axis_name)
+
+
+def _identity_transpose(ctx: SpmdContext, g: torch.Tensor, axes: Axes, params, node):
+    return g
+
+
+PSUM = Collective(
+    name="psum",
+    policy=REQUIRE_VARYING,
+    vma=without_axes,
+    shape=same_shape,
+    forward=lambda ctx, x, axes, params, donate: ctx.all_reduce(x, axes, "sum", donate),
+    transpose=_identity_transpose,  # pvary: the same data, no communication
+    backward_op=no_backward_op,
+    donates=True,
+)
+
+
+# --- pmean ---------------------------------------------------------------------------------------
+
+
+def pmean(x: Any, axis_name: AxisName) -> Any:
+    """``pmean(x: T{A,...}, A) -> T{...}``: elementwise mean over the group.
+
+    An operand already invariant over an axis is its own mean there (no error, no communication
+    for that axis).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> ns.spmd_map(lambda x: ns.pmean(x, "i"), mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())(torch.arange(4.0))
+        tensor([1.5000])
+
+    Backward: pvary, divided by the group size; no communication.
+    """
+    return PMEAN.bind(x, axis_name)
+
+
+def _pmean_forward(ctx: SpmdContext, x, axes: Axes, params, donate: bool):
+    return ctx.all_reduce(x, axes, "sum", donate) / ctx.mesh.axis_size(axes)
+
+
+PMEAN = Collective(
+    name="pmean",
+    policy=DROP_INVARIANT,
+    vma=without_axes,
+    shape=same_shape,
+    forward=_pmean_forward,
+    transpose=lambda ctx, g, axes, params, node: g / ctx.mesh.axis_size(axes),
+    backward_op=no_backward_op,
+    donates=True,
+)
+
+
+# --- pmax, pmin ----------------------------------------------------------------------------------
+
+
+def pmax(x: Any, axis_name: AxisName) -> Any:
+    """``pmax(x: T{A,...}, A) -> T{...}``: elementwise maximum over the group.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> ns.spmd_map(lambda x: ns.pmax(x, "i"), mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())(torch.arange(4.0))
+        tensor([3.])
+
+    Backward: the gradient goes to the instance holding the maximum; ties split it evenly (as
+    ``torch.amax``), which costs one psum of the tie mask on a real mesh. JAX has no derivative.
+    """
+    return PMAX.bind(x, axis_name)
+
+
+def pmin(x: Any, axis_name: AxisName) -> Any:
+    """``pmin(x: T{A,...}, A) -> T{...}``: elementwise minimum over the group.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> ns.spmd_map(lambda x: ns.pmin(x, "i"), mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())(torch.arange(4.0))
+        tensor([0.])
+
+    Backward: to the instance holding the minimum; ties split evenly (see :func:`pmax`).
+    """
+    return PMIN.bind(x, axis_name)
+
+
+def _tie_share(ctx: SpmdContext, x: torch.Tensor, y: torch.Tensor, axes: Axes) -> torch.Tensor:
+    """Each member's share of the gradient of an extremum: 1/count where it holds the value."""
+    mask = (x == y).to(y.dtype if y.is_floating_point() else torch.get_default_dtype())
+    return mask / ctx.all_reduce(mask, axes, "sum")  # a copy: mask is read again
+
+
+def _extremum_transpose(ctx: SpmdContext, g, axes: Axes, params, node):
+    x, y = node.saved_tensors
+    return g * _tie_share(ctx, x, y, axes)
+
+
+def _extremum_jvp(ctx: SpmdContext, rec: Collective, t, axes: Axes, params, node):
+    x, y = node.saved_tensors
+    return ctx.apply(RECORDS["psum"], t * _tie_share(ctx, x, y, axes), axes, ())
+
+
+def _extremum(name: str, op: str) -> Collective:
+    return Collective(
+        name=name,
+        policy=DROP_INVARIANT,
+        vma=without_axes,
+        shape=same_shape,
+        forward=lambda ctx, x, axes, params, donate: ctx.all_reduce(x, axes, op, donate),
+        transpose=_extremum_transpose,
+        jvp=_extremum_jvp,
+        backward_op=backward_op("psum"),  # of the tie mask
+        saves=True,
+        donates=True,
+    )
+
+
+PMAX = _extremum("pmax", "max")
+PMIN = _extremum("pmin", "min")

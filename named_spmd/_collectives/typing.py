@@ -1,0 +1,58 @@
+"""Types and indices inside spmd_map: pvary (the cast), axis_index, axis_size, vma, typeof."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._context import current
+from .._errors import CollectiveError
+from .._types import VType
+from ._record import pvary
+
+AxisName = str | tuple[str, ...]
+
+
+def axis_index(axis_name: AxisName) -> torch.Tensor:
+    """``axis_index(A) -> i64[]{A}``: this instance's index along A (row-major over a tuple).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2, 2), ("a", "b"))
+        >>> f = ns.spmd_map(lambda: ns.axis_index(("a", "b")).reshape(1), mesh=mesh, in_specs=(), out_specs=ns.P(("a", "b")))
+        >>> f()
+        tensor([0, 1, 2, 3])
+    """
+    ctx = current("axis_index")
+    return ctx.axis_index(ctx.check_axes(axis_name, "axis_index"))
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """``axis_size(A) -> int``: the number of instances in the group of A (no communication)."""
+    ctx = current("axis_size")
+    return ctx.mesh.axis_size(ctx.check_axes(axis_name, "axis_size"))
+
+
+def vma(x: Any) -> frozenset[str]:
+    """The mesh axes over which ``x`` may differ between instances (inside spmd_map).
+
+    Non-tensors are invariant: ``frozenset()``.
+    """
+    ctx = current("vma")
+    if not isinstance(x, torch.Tensor):
+        return frozenset()
+    return ctx.vma(x).varying
+
+
+def typeof(x: Any) -> VType:
+    """The compact type of ``x`` inside spmd_map, e.g. ``f32[8,4]{dp}`` (per-device shape)."""
+    ctx = current("typeof")
+    if not isinstance(x, torch.Tensor):
+        raise CollectiveError(
+            f"typeof in {ctx.fn_label}: expected a tensor, got {type(x).__name__}."
+        )
+    return VType(x.dtype, tuple(x.shape), ctx.vma(x), ctx.mesh.axis_names)
+
+
+__all__ = ["axis_index", "axis_size", "pvary", "typeof", "vma"]

@@ -1,0 +1,137 @@
+"""Block geometry: the one place that says which block of a tensor an instance holds.
+
+* Instances of a mesh are numbered row-major over the axis names (first name major), and so are
+  the members of the group of a tuple of axes (docs/design.md section 3).
+* A PartitionSpec splits tensor dim ``d`` into ``prod(size(a) for a in spec.entry_axes(d))``
+  equal blocks; the instance at mesh coordinates ``c`` holds block ``index(entry_axes(d), c)``.
+* Collectives move the blocks of one dim: ``stack_dim`` / ``unstack_dim`` turn a dim of ``n``
+  blocks into a leading stack of ``n`` and back.
+
+Every backend, the display and the check mode use these functions; none writes the arithmetic
+again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from ._spec import PartitionSpec
+
+Sizes = Mapping[str, int]
+
+
+# --- instance indices ---------------------------------------------------------------------------
+
+
+def index_of(axes: Iterable[str], coords: Mapping[str, int], sizes: Sizes) -> int:
+    """Row-major index of ``coords`` over ``axes`` (first name major)."""
+    index = 0
+    for a in axes:
+        index = index * sizes[a] + coords[a]
+    return index
+
+
+def coords_of(index: int, axes: Sequence[str], sizes: Sizes) -> dict[str, int]:
+    """Inverse of :func:`index_of`: the coordinates on ``axes`` of row-major ``index``."""
+    out: dict[str, int] = {}
+    for a in reversed(axes):
+        index, out[a] = divmod(index, sizes[a])
+    return {a: out[a] for a in axes}
+
+
+def group_coords(axes: Sequence[str], coords: Mapping[str, int], sizes: Sizes) -> list[dict]:
+    """The full coordinates of the members of the group of ``axes`` that contains ``coords``,
+    in row-major order over ``axes``."""
+    count = math.prod(sizes[a] for a in axes)
+    return [{**coords, **coords_of(i, axes, sizes)} for i in range(count)]
+
+
+def group_size(axes: Iterable[str], sizes: Sizes) -> int:
+    return math.prod(sizes[a] for a in axes)
+
+
+# --- a tensor under a spec ----------------------------------------------------------------------
+
+
+def local_shape(shape: Sequence[int], spec: PartitionSpec, sizes: Sizes) -> tuple[int, ...]:
+    """The per-instance block shape of a global ``shape`` (the spec must divide it)."""
+    return tuple(s // group_size(spec.entry_axes(d), sizes) for d, s in enumerate(shape))
+
+
+def global_shape(shape: Sequence[int], spec: PartitionSpec, sizes: Sizes) -> tuple[int, ...]:
+    """The global shape whose blocks under ``spec`` have the per-instance ``shape``."""
+    return tuple(s * group_size(spec.entry_axes(d), sizes) for d, s in enumerate(shape))
+
+
+def block(
+    x: torch.Tensor, spec: PartitionSpec, sizes: Sizes, coords: Mapping[str, int]
+) -> torch.Tensor:
+    """The block of the global ``x`` held by the instance at ``coords`` (a view)."""
+    for d in range(x.dim()):
+        axes = spec.entry_axes(d)
+        if axes:
+            size = x.shape[d] // group_size(axes, sizes)
+            x = x.narrow(d, index_of(axes, coords, sizes) * size, size)
+    return x
+
+
+def assemble(stacked: torch.Tensor, spec: PartitionSpec, sizes: Sizes) -> torch.Tensor:
+    """``[n, *block]`` (blocks row-major over ``spec.axes``) -> the global tensor."""
+    local = stacked.shape[1:]
+    split = [d for d in range(len(local)) if spec.entry_axes(d)]
+    counts = [group_size(spec.entry_axes(d), sizes) for d in split]
+    x = stacked.reshape(*counts, *local)
+    perm, out = [], []
+    for d in range(len(local)):
+        if d in split:
+            perm.append(split.index(d))
+            out.append(counts[split.index(d)] * local[d])
+        else:
+            out.append(local[d])
+        perm.append(len(split) + d)
+    return x.permute(*perm).reshape(out)
+
+
+def physical_layout(
+    shape: Sequence[int], spec: PartitionSpec, sizes: Sizes, order: Sequence[str]
+) -> tuple[list[int], list[int]]:
+    """(reshape, permutation) taking a global tensor to ``[one dim per named axis, in the
+    order of order, *local block]`` (views, no copy): the simulated backend's batch dims."""
+    split: list[int] = []
+    position: dict[str, int] = {}
+    local_dims: list[int] = []
+    for d, size in enumerate(shape):
+        axes = spec.entry_axes(d)
+        for a in axes:
+            position[a] = len(split)
+            split.append(sizes[a])
+        local_dims.append(len(split))
+        split.append(size // group_size(axes, sizes))
+    return split, [position[a] for a in order if a in position] + local_dims
+
+
+# --- the blocks of one dim, as collectives move them ----------------------------------------------
+
+
+def stack_dim(x: torch.Tensor, dim: int, n: int, tiled: bool) -> torch.Tensor:
+    """``[..., dim, ...] -> [n, ...]``: block j of ``dim`` first (untiled: ``dim`` has size n)."""
+    if tiled:
+        x = x.unflatten(dim, (n, -1))
+    return x.movedim(dim, 0) if dim != 0 else x
+
+
+def unstack_dim(stacked: torch.Tensor, dim: int, tiled: bool) -> torch.Tensor:
+    """Inverse of :func:`stack_dim`: ``[n, ...]`` -> the blocks along ``dim``."""
+    out = stacked.movedim(0, dim) if dim != 0 else stacked
+    return out.flatten(dim, dim + 1) if tiled else out
+
+
+def own_block(x: torch.Tensor, dim: int, n: int, index: int, tiled: bool) -> torch.Tensor:
+    """Block ``index`` of ``n`` along ``dim`` (untiled: ``dim`` has size n and goes away)."""
+    if not tiled:
+        return x.select(dim, index)
+    size = x.shape[dim] // n
+    return x.narrow(dim, index * size, size)

@@ -1,0 +1,140 @@
+"""Every private torch name named_spmd uses, in one place, with why.
+
+torch's private APIs change between releases. Keeping them here means a torch upgrade touches
+this file only, and ``tests/test_torch_private.py`` pins each name's behaviour (and fails when
+any other module names ``torch._``, ``_functorch``, ``_c10d_functional``, DTensor internals or
+``getrefcount``). Names of ``torch.distributed`` are resolved on first use (:func:`dist`), so
+``import named_spmd`` does not import the distributed stack.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+if TORCH_VERSION < (2, 13):  # pragma: no cover - the gate the pins below were written for
+    raise ImportError(f"named_spmd needs torch >= 2.13, found {torch.__version__}")
+
+# --- functorch: entering vmap levels ourselves and reading a tensor's batch levels --------------
+# The simulated backend enters one vmap level per mesh axis directly (torch.func.vmap's own
+# wrappers cost more than a small collective) and reads a tensor's vma off its levels.
+functorch = torch._C._functorch
+maybe_get_level = functorch.maybe_get_level
+maybe_get_bdim = functorch.maybe_get_bdim
+get_unwrapped = functorch.get_unwrapped
+is_batchedtensor = functorch.is_batchedtensor
+is_functorch_wrapped = functorch.is_functorch_wrapped_tensor
+maybe_current_level = functorch.maybe_current_level
+get_interpreter_stack = functorch.get_interpreter_stack
+add_batch_dim = functorch._add_batch_dim
+remove_batch_dim = functorch._remove_batch_dim
+unwrap_if_dead = functorch.unwrap_if_dead
+vmap_increment_nesting = functorch._vmap_increment_nesting
+vmap_decrement_nesting = functorch._vmap_decrement_nesting
+unwrap_for_grad = functorch._unwrap_for_grad
+wrap_for_grad = functorch._wrap_for_grad
+TransformType = functorch.TransformType
+transforms_active = torch._C._are_functorch_transforms_active
+# Plain tensors even under functionalize & co (cached tokens and permutation tables).
+DisableFuncTorch = torch._C._DisableFuncTorch
+
+
+def lazy_load_decompositions() -> None:
+    """torch.func.vmap registers some batching rules on first use; we enter levels ourselves."""
+    from torch._functorch.vmap import lazy_load_decompositions as load
+
+    load()
+
+
+def current_interpreter() -> Any:
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    return retrieve_current_functorch_interpreter()
+
+
+def single_level_functions() -> Any:
+    """Context manager that lets a ``SingleLevelFunction`` be applied at a grad level."""
+    from torch._functorch.utils import enable_single_level_autograd_function
+
+    return enable_single_level_autograd_function()
+
+
+def functional_unwrap(x: torch.Tensor, reapply_views: bool) -> torch.Tensor:
+    from torch._functorch.eager_transforms import _maybe_unwrap_functional_tensor
+
+    return _maybe_unwrap_functional_tensor(x, reapply_views=reapply_views)
+
+
+def functional_wrap(x: torch.Tensor, level: int) -> torch.Tensor:
+    from torch._functorch.eager_transforms import _maybe_wrap_functional_tensor
+
+    return _maybe_wrap_functional_tensor(x, level)
+
+
+def set_fwd_grad_enabled(enabled: bool) -> Any:
+    from torch.autograd.forward_ad import _set_fwd_grad_enabled
+
+    return _set_fwd_grad_enabled(enabled)
+
+
+# A Function applied at one functorch level (what generate_single_level_function builds).
+SingleLevelFunction = torch.autograd.function._SingleLevelFunction
+
+# --- autograd ----------------------------------------------------------------------------------
+# Function.apply binds its arguments in Python (~10 us) when setup_context is defined; the C
+# apply skips that where no torch.func transform needs the Python path.
+function_base_apply = torch._C._FunctionBase.__dict__["apply"]
+current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+AccumulateGrad = torch._C._functions.AccumulateGrad
+below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+def queue_callback(fn: Any) -> None:
+    """Run ``fn`` at the end of the current backward pass (RuntimeError outside one)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+# Library-internal ops run without the user-visible TorchFunctionModes (vma tracking).
+DisableTorchFunction = torch._C.DisableTorchFunction
+
+# --- reference counts: may a buffer be overwritten in place? ----------------------------------
+getrefcount = sys.getrefcount
+
+
+def use_counts(x: torch.Tensor) -> tuple[int, int, int]:
+    """(TensorImpl uses, storage uses, Python references to the storage object) of ``x``."""
+    storage = x.untyped_storage()
+    return x._use_count(), torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+
+
+# --- torch.distributed (resolved on first use) ---------------------------------------------------
+
+
+@functools.cache
+def dist() -> SimpleNamespace:
+    """The private torch.distributed names of the real backend."""
+    import torch.distributed as td
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    return SimpleNamespace(
+        # torch's registry of in-flight works: wait_tensor finds the work of a buffer there
+        register_work=torch._C._distributed_c10d._register_work,
+        wait_tensor=torch.ops._c10d_functional.wait_tensor.default,
+        AsyncCollectiveTensor=AsyncCollectiveTensor,
+        DTensorSpec=DTensorSpec,
+        TensorMeta=TensorMeta,
+        compute_global_tensor_info=compute_global_tensor_info,
+        default_store=td.distributed_c10d._get_default_store,
+    )
+
+
+def local_tensor(d: Any) -> torch.Tensor:
+    """A DTensor's local tensor without the autograd-recording ``to_local``."""
+    return d._local_tensor

@@ -1,0 +1,206 @@
+"""The gradient psum of a pvary on a real mesh: in place where possible, overlapped with backward.
+
+The backward of ``pvary`` (the data-parallel gradient reduction of a replicated weight, the
+largest message of a training step) is where a real mesh spends its communication. Two costs are
+avoided:
+
+* A copy: the incoming gradient is reduced *in place* when nothing else can see it: no view, no
+  other holder of its storage or its TensorImpl, and no Python reference beyond the autograd
+  engine's (autograd may hand one gradient tensor to two consumers, and a hook may keep it).
+  :func:`_exclusive` checks exactly that.
+* A stall: the reduction only starts here and is waited for at the end of the backward pass
+  (:func:`_reduce_during_backward`), as DDP overlaps its bucketed all-reduce with backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _torch_private as P
+from .._autodiff import apply as bridge_apply
+from .._collectives._record import PVARY_RECORD
+from ._dist_comm import Comm
+
+_contiguous = torch.contiguous_format
+
+
+def _ACT() -> type:
+    return P.dist().AsyncCollectiveTensor
+
+
+# --- who else can see a gradient? ----------------------------------------------------------------
+
+# (TensorImpl uses, storage uses, Python refs, Python refs to the storage object)
+_BASELINE: list[tuple[int, int, int, int]] = []
+
+
+def _refs(g: torch.Tensor) -> int:
+    return P.getrefcount(g)
+
+
+def _counts(g: torch.Tensor) -> tuple[int, int, int, int] | None:
+    try:
+        uses, storage, storage_refs = P.use_counts(g)  # the same counts as forward donation
+    except (RuntimeError, NotImplementedError):
+        return None
+    return uses, storage, _refs(g), storage_refs
+
+
+def _exclusive(g: torch.Tensor, probe: bool = False) -> bool:
+    """True when the backward that received ``g`` may overwrite it: called from
+    :func:`psum_in_backward` only. The references the autograd engine and the bridge hold differ
+    between torch versions, so they are measured once (:func:`_calibrate`), through the same
+    chain, on a gradient nothing else holds."""
+    if probe:
+        _BASELINE.append(_counts(g))
+        return False
+    if type(g) is not torch.Tensor:  # a wrapper (subclass): its storage is not what we count
+        return False
+    if g._base is not None or not g.is_contiguous() or P.is_functorch_wrapped(g):
+        return False
+    counts = _counts(g)
+    if counts is None or not _BASELINE or _BASELINE[0] is None:
+        return False
+    base = _BASELINE[0]
+    return all(c <= b for c, b in zip(counts, base))
+
+
+class _CalibrationProbe:
+    """Stands for the distributed context in one pvary backward (no communication)."""
+
+    def psum_in_backward(self, g: torch.Tensor, axes: Any, node: Any) -> torch.Tensor:
+        return psum_in_backward(g, None, node, probe=True)
+
+    def forward(self, rec: Any, x: torch.Tensor, axes: Any, params: Any, donate: bool):
+        return x.view_as(x)
+
+
+def _calibrate() -> None:
+    """Run once, outside any backward (a nested backward may hold other references): a pvary's
+    backward through the bridge, with the same frames between the engine and _exclusive."""
+    x = torch.zeros(2, requires_grad=True)
+    with torch.enable_grad():
+        y = bridge_apply(PVARY_RECORD, _CalibrationProbe(), x, ("i",), ())  # type: ignore[arg-type]
+        (y * 2.0).sum().backward()
+    del _BASELINE[1:]
+
+
+def _reduce_during_backward(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """``buf`` summed over ``comm``, overlapped with the rest of the backward pass.
+
+    The gradient psum of a replicated parameter is the largest message of a training step, and
+    waiting for it where it arises would stall the backward (and, on an oversubscribed host,
+    every rank behind the slowest). So, as DDP overlaps its bucketed all-reduce with backward,
+    the reduction only starts here. The result is an ``AsyncCollectiveTensor`` (torch's
+    functional collectives' wait-on-first-use tensor): any op that reads it, such as the
+    accumulation of a second gradient contribution, waits for the sum first. At the end of the
+    backward pass, a callback waits for the rest through the failure board (so a failed peer
+    raises RankFailedError rather than hanging) and releases torch's record of the work: no
+    reduction outlives the backward that started it; then the leaves' ``.grad`` that received
+    the wrapper get the plain tensor (:func:`when_reduced`). A backward that raises runs no final
+    callbacks: its reductions stay in ``_PENDING`` until :func:`finish_pending` (the next call on
+    the mesh) finishes them."""
+    work = comm.start_all_reduce_(buf)
+    P.dist().register_work(buf, work)
+    key = id(work)  # unique while the entry keeps the work alive
+    _PENDING[key] = (comm, work, buf, [])
+
+    def finish():
+        entry = _PENDING.pop(key, None)
+        if entry is not None:  # else finish_pending did it
+            _finish(*entry)
+
+    try:
+        P.queue_callback(finish)
+    except RuntimeError:  # not inside an autograd engine backward: finish now
+        finish()
+        return buf
+    pending = _ACT()(buf)
+    pending._named_spmd_work = work
+    return pending
+
+
+# id(work) -> (comm, work, buffer, what to run once it is done): overlapped reductions started
+# and not finished yet
+_PENDING: dict[int, tuple[Comm, object, torch.Tensor, list]] = {}
+
+
+def _finish(comm: Comm, work, buf: torch.Tensor, then: list) -> None:
+    comm.finish(work)
+    _forget_work(buf)  # so that a later read does not wait again
+    for fn in then:
+        fn()
+
+
+def _work_of(g: torch.Tensor):
+    """The work of a pending gradient from :func:`_reduce_during_backward`, else None."""
+    return g.__dict__.get("_named_spmd_work") if type(g) is _ACT() else None
+
+
+def when_reduced(g: torch.Tensor, fn) -> None:
+    """Run ``fn()`` once the overlapped reduction behind the pending gradient ``g`` is done (at
+    the end of the backward pass); nothing if ``g`` is not pending."""
+    work = _work_of(g)
+    entry = _PENDING.get(id(work)) if work is not None else None
+    if entry is not None and entry[1] is work:
+        entry[3].append(fn)
+
+
+def is_pending_wrapper(t: torch.Tensor) -> bool:
+    return type(t) is _ACT()
+
+
+def plain_grad(leaf: torch.Tensor) -> None:
+    """Give ``leaf`` its gradient as the plain tensor, where the accumulation stored the pending
+    wrapper (a finished one): ``.grad`` then copies, pickles and exposes its storage as usual."""
+    grad = leaf.grad
+    if is_pending_wrapper(grad):
+        leaf.grad = grad.elem
+
+
+def finish_pending() -> None:
+    """Finish the overlapped reductions left by backward passes that raised (the engine runs
+    no final callbacks then): otherwise each would stay in torch's work registry, with its
+    gradient buffer, for the life of the process. Called outside any backward pass."""
+    while _PENDING:
+        _finish(*_PENDING.pop(next(iter(_PENDING))))
+
+
+def settled(g: torch.Tensor) -> torch.Tensor:
+    """``g`` itself, or the plain buffer of a pending gradient from
+    :func:`_reduce_during_backward` whose reduction has already finished: later reads then
+    skip the wrapper's dispatch (the gradient accumulation alone costs one per parameter)."""
+    work = _work_of(g)
+    if work is not None and work.is_completed():
+        _forget_work(g.elem)
+        return g.elem
+    return g
+
+
+def _forget_work(buf: torch.Tensor) -> None:
+    """Drop torch's record of the finished work on ``buf``: what ``wait_tensor`` does, called
+    below autograd, which skips the op's Python autograd wrapper (about 15 us)."""
+    with P.below_autograd():
+        P.dist().wait_tensor(buf)
+
+
+def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, probe: bool = False):
+    """The transpose of a pvary outside any transform: the gradient's sum over ``comm``,
+    started here and overlapped with the rest of backward (in place on a gradient nothing else
+    holds). ``node`` is the pvary's autograd context."""
+    if probe:
+        _exclusive(g, probe=True)
+        return g
+    if type(g) is _ACT():  # chained pvary: the sum of the one below first
+        g = g.trigger_wait()
+    buf = g if _exclusive(g) else g.clone(memory_format=_contiguous)
+    pending = _reduce_during_backward(buf, comm)
+    source = node.next_functions[0][0]
+    if type(source) is P.AccumulateGrad:  # a plain leaf: its .grad becomes this
+        when_reduced(pending, lambda leaf=source.variable: plain_grad(leaf))
+    return pending
+
+
+_calibrate()
