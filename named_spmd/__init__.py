@@ -16,6 +16,7 @@ from ._collectives import all_gather as all_gather
 from ._collectives import all_to_all as all_to_all
 from ._collectives import axis_index as axis_index
 from ._collectives import axis_size as axis_size
+from ._collectives import pbroadcast as pbroadcast
 from ._collectives import pmax as pmax
 from ._collectives import pmean as pmean
 from ._collectives import pmin as pmin
@@ -80,6 +81,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "make_mesh",
+    "pbroadcast",
     "pmax",
     "pmean",
     "pmin",

@@ -261,6 +261,7 @@ class _ReferenceOps:
     all_to_all = staticmethod(_collective(_all_to_all))
     ppermute = staticmethod(_collective(_ppermute))
     pshuffle = staticmethod(_collective(lambda vals, i, perm: vals[perm[i]].clone()))
+    pbroadcast = staticmethod(_collective(lambda vals, i, source: vals[source].clone()))
 
     @staticmethod
     def pvary(x, axis_name):

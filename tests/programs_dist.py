@@ -101,6 +101,11 @@ def nested_tuples(tree):
     }
 
 
+def broadcast_leader(x, w):
+    lead = tap(ns.pbroadcast(x, ("tp", "dp"), 1))
+    return tap(torch.tanh(lead @ w) + ns.pbroadcast(x, "dp", 0).sum())
+
+
 def reductions_over_tuples(x):
     return (
         tap(ns.pmean(x, ("dp", "tp"))),
@@ -203,6 +208,16 @@ def program_cases(world: int) -> list[Case]:
             {"a": P(("dp", "tp")), "b": P(("tp", "dp")), "g": P(), "c": P()},
             nested_tuples,
             lambda: ({"a": r(2 * world, 3, seed=8), "bc": (r(world, 3, seed=9), r(5, seed=10))},),
+            dtensor_inputs=True,
+        ),
+        Case(
+            "pbroadcast",
+            *mesh2,
+            (P(("dp", "tp")), P(None, "tp")),
+            P(None, "tp"),
+            broadcast_leader,
+            lambda: (r(2 * world, 3, seed=12), r(3, 4 * tp, seed=13)),
+            pinned_backward={("psum", ("tp",)): 1},  # the implicit pvary of lead over tp
             dtensor_inputs=True,
         ),
         Case(

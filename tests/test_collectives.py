@@ -86,6 +86,8 @@ def _cases():
         ("ppermute-ring", lambda o, x, A, n: o.ppermute(x, A, ring(n)), False),
         ("ppermute-partial", lambda o, x, A, n: o.ppermute(x, A, partial(n)), False),
         ("pshuffle", lambda o, x, A, n: o.pshuffle(x, A, shuffle(n)), False),
+        ("pbroadcast-0", lambda o, x, A, n: o.pbroadcast(x, A, 0), True),
+        ("pbroadcast-last", lambda o, x, A, n: o.pbroadcast(x, A, n - 1), True),
         ("axis_index", lambda o, x, A, n: x * 10 + o.axis_index(A), False),
         ("axis_size", lambda o, x, A, n: x * o.axis_size(A), False),
     ]
@@ -212,3 +214,13 @@ def test_reference_detects_a_wrong_out_spec_claim():
 
     with pytest.raises(AssertionError, match="differs"):
         run_reference(lambda x: REF.ppermute(x, "i", [(0, 1), (1, 0)]), mesh, P("i"), P(), x)
+
+
+@pytest.mark.parametrize("source", [4, -1, 1.5, True, "0", None])
+def test_pbroadcast_source_must_be_an_instance_index(source):
+    mesh = ns.make_mesh((4,), ("i",))
+    f = ns.spmd_map(
+        lambda x: ns.pbroadcast(x, "i", source), mesh=mesh, in_specs=P("i"), out_specs=P()
+    )
+    with pytest.raises(ns.CollectiveError, match=r"pbroadcast in .*<lambda>.*0\.\.3.*Fix: e\.g\."):
+        f(torch.arange(4.0))

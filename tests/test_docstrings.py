@@ -38,6 +38,7 @@ def test_collective_docstrings_start_with_their_type():
         ns.all_to_all,
         ns.ppermute,
         ns.pshuffle,
+        ns.pbroadcast,
         ns.pvary,
         ns.axis_index,
         ns.axis_size,

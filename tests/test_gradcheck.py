@@ -27,6 +27,14 @@ CASES = [
     _case("psum", lambda x: ns.psum(x, "a"), P("a", "b"), P(None, "b"), (4, 4)),
     _case("psum_two_axes", lambda x: ns.psum(x, BA), P(AB), P(), (8, 2)),
     _case("pmean", lambda x: ns.pmean(x, AB), P("a", "b"), P(), (4, 4)),
+    _case("pbroadcast", lambda x: ns.pbroadcast(x, BA, 2), P(AB), P(), (8, 2)),
+    _case(
+        "pbroadcast_of_invariant",  # an implicit pvary, then the broadcast
+        lambda x: ns.pbroadcast(x, "a", 1) * ns.axis_index("b"),
+        P(None, "b"),
+        P(None, "b"),
+        (2, 4),
+    ),
     _case("pmax", lambda x: ns.pmax(x, "b"), P("a", "b"), P("a"), (4, 4)),
     _case("pmin", lambda x: ns.pmin(x, AB), P(BA, None), P(), (8, 3)),
     _case("all_gather", lambda x: ns.all_gather(x, "b", axis=1), P("a", "b"), P(AB), (4, 4)),

@@ -65,6 +65,7 @@ def _mean(x, dim=None, keepdim=False):
 TORCH_OPS = types.SimpleNamespace(
     **{k: getattr(ns, k) for k in "psum pmean pmax pmin all_gather psum_scatter".split()},
     **{k: getattr(ns, k) for k in "all_to_all ppermute axis_index axis_size pvary".split()},
+    pbroadcast=ns.pbroadcast,
     tanh=torch.tanh,
     exp=torch.exp,
     log=torch.log,
@@ -203,6 +204,17 @@ def vocab_ce(o, logits, labels, reg):
     return o.pmean(loss, "dp")
 
 
+def broadcast_leader(o, x, w):
+    """Instance 1's block along dp, on every instance (pbroadcast), then a column-parallel layer."""
+    lead = o.pbroadcast(x, "dp", 1)
+    return o.tanh(lead @ w) * lead.sum()
+
+
+def broadcast_leader_dense(x, w):
+    lead = x.chunk(2)[1]
+    return torch.tanh(lead @ w) * lead.sum()
+
+
 def vocab_ce_dense(logits, labels, reg):
     loss = torch.nn.functional.cross_entropy(logits, labels)
     if reg:
@@ -290,6 +302,17 @@ def _cases():
         (r(8, 3, seed=19), r(8, 3, seed=20), r(8, 2, seed=21)),
         (0, 1, 2),
     )
+    yield _case(
+        "pbroadcast_leader",
+        broadcast_leader,
+        broadcast_leader_dense,
+        (2, 2),
+        ("dp", "tp"),
+        (P("dp"), P(None, "tp")),
+        P(None, "tp"),
+        (r(6, 5, seed=24), r(5, 4, seed=25)),
+        (0, 1),
+    )
     for reg in (False, True):
         yield _case(
             "vocab_parallel_ce" + ("_with_pmax_pmin_terms" if reg else ""),
@@ -349,6 +372,8 @@ def _jax_ops():
         axis_index=lax.axis_index,
         axis_size=lax.axis_size,
         pvary=lambda x, a: lax.pcast(x, a, to="varying"),
+        # lax.pbroadcast has no CPU lowering in jax 0.10.2; its docstring defines it as this:
+        pbroadcast=lambda x, a, src: lax.psum(jnp.where(lax.axis_index(a) == src, x, 0.0), a),
         tanh=jnp.tanh,
         exp=jnp.exp,
         log=jnp.log,

@@ -28,7 +28,7 @@ jax.config.update("jax_enable_x64", True)
 JP = jax.sharding.PartitionSpec
 
 COLLECTIVES = (
-    "psum pmean pmax pmin all_gather psum_scatter all_to_all ppermute pshuffle "
+    "psum pmean pmax pmin all_gather psum_scatter all_to_all ppermute pshuffle pbroadcast "
     "axis_index axis_size pvary"
 ).split()
 
@@ -64,6 +64,10 @@ JAX_OPS = types.SimpleNamespace(
     all_to_all=lambda x, a, s, c, *, tiled=False: jax.lax.all_to_all(x, a, s, c, tiled=tiled),
     ppermute=jax.lax.ppermute,
     pshuffle=jax.lax.pshuffle,
+    # jax.lax.pbroadcast has no CPU lowering in jax 0.10.2; its docstring defines it as this:
+    pbroadcast=lambda x, a, source: jax.lax.psum(
+        jnp.where(jax.lax.axis_index(a) == source, x, jnp.zeros_like(x)), a
+    ),
     axis_index=jax.lax.axis_index,
     axis_size=jax.lax.axis_size,
     pvary=lambda x, a: jax.lax.pcast(x, a, to="varying"),
@@ -321,6 +325,7 @@ def _conventions():
             lambda o, x, A, d=d: o.psum_scatter(x, A, scatter_dimension=d, tiled=True),
         )
     yield "axis_index", lambda o, x, A: x + o.axis_index(A)
+    yield "pbroadcast", lambda o, x, A: o.pbroadcast(x, A, 1)
 
 
 def _permutes():

@@ -5,7 +5,7 @@ See ``README.md`` beside this file for where each piece lives and how to add a c
 
 from ._record import RECORDS, Collective, implicit_pvary, pvary
 from .movement import all_gather, all_to_all, psum_scatter
-from .permutes import ppermute, pshuffle
+from .permutes import pbroadcast, ppermute, pshuffle
 from .reductions import pmax, pmean, pmin, psum
 from .typing import axis_index, axis_size, typeof, vma
 
@@ -17,6 +17,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "implicit_pvary",
+    "pbroadcast",
     "pmax",
     "pmean",
     "pmin",

@@ -1,4 +1,4 @@
-"""Permutations within a group: ppermute, pshuffle. One section each: the public
+"""Permutations within a group: ppermute, pshuffle, pbroadcast. One section each: the public
 function, then its record (checks, policy, type and shape rules, forward, transpose)."""
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from ._record import (
     RECORDS,
     Collective,
     backward_op,
+    no_backward_op,
     same_shape,
     same_vma,
+    without_axes,
 )
 
 AxisName = str | tuple[str, ...]
@@ -113,4 +115,58 @@ PSHUFFLE = Collective(
     ),
     backward_op=backward_op("pshuffle"),
     prepare=_pshuffle_prepare,
+)
+
+
+# --- pbroadcast ----------------------------------------------------------------------------------
+
+
+def pbroadcast(x: Any, axis_name: AxisName, source: int) -> Any:
+    """``pbroadcast(x: T{A,...}, A, source) -> T{...}``: every instance gets instance
+    ``source``'s value.
+
+    ``source`` is an ``axis_index(A)`` value (row-major over a tuple of axes). The result is
+    identical on the group, so it is invariant over A (JAX's ``pbroadcast``).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("i",))
+        >>> f = ns.spmd_map(lambda x: ns.pbroadcast(x, "i", 2), mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())
+        >>> f(torch.arange(4.0))
+        tensor([2.])
+
+    Backward: instance ``source`` gets the cotangent of the result, the others zero. The
+    result is one value invariant over A, whose cotangent every instance already holds whole (as
+    for psum, whose transpose is the identity), so no communication runs.
+    """
+    return PBROADCAST.bind(x, axis_name, source)
+
+
+def _pbroadcast_prepare(ctx: SpmdContext, axes: Axes, source: Any):
+    n = ctx.mesh.axis_size(axes)
+    try:
+        index = operator.index(source)
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index < n or isinstance(source, bool):
+        raise CollectiveError(
+            f"pbroadcast in {ctx.fn_label}: source must be an instance index along {axes}, an "
+            f"integer in 0..{n - 1}, got {source!r}. Fix: e.g. source=0."
+        )
+    return (index,)
+
+
+def _pbroadcast_transpose(ctx: SpmdContext, g: torch.Tensor, axes: Axes, params, node):
+    return torch.where(ctx.axis_index(axes) == params[0], g, torch.zeros_like(g))
+
+
+PBROADCAST = Collective(
+    name="pbroadcast",
+    policy=PVARY,
+    vma=without_axes,
+    shape=same_shape,
+    forward=lambda ctx, x, axes, params, donate: ctx.broadcast(x, axes, params[0]),
+    transpose=_pbroadcast_transpose,
+    backward_op=no_backward_op,
+    prepare=_pbroadcast_prepare,
 )
