@@ -52,7 +52,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_simulated  # noqa: E402  (the LocalTensorMode step and the MLP steps)
 
 import named_spmd as ns  # noqa: E402
-from named_spmd.backends import simulated  # noqa: E402
 
 MESH = (2, 4)
 BATCH = 64
@@ -155,7 +154,7 @@ def _instance_step(x, w1, w2, g, d: int, t: int):
 
 def _ordered(step, order):
     def run():
-        with simulated.nesting(order) if order else contextlib.nullcontext():
+        with ns.simulation_order(*order) if order else contextlib.nullcontext():
             step()
 
     return run

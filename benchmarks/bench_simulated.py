@@ -153,8 +153,12 @@ def _spmd_step(x, w1, w2, g, mesh):
 
 @contextlib.contextmanager
 def _nesting(order):
-    """Force the nesting order (``simulated.nesting``; older versions: patch nesting_order, so
-    that the script also gives before/after numbers against an older checkout)."""
+    """Force the nesting order (``ns.simulation_order``; older versions: ``simulated.nesting``
+    or a patched nesting_order, so the script also gives before/after numbers on old checkouts)."""
+    if hasattr(ns, "simulation_order"):
+        with ns.simulation_order(*order):
+            yield
+        return
     if hasattr(simulated, "nesting"):
         with simulated.nesting(order):
             yield

@@ -40,6 +40,9 @@ class SpmdContext(ABC):
     #: Whether the backend may reduce a temporary operand in place (``donate=True`` below);
     #: the collectives then read the operand's reference counts (``_collectives._donation``).
     donates: bool = False
+    #: Whether the backend keeps each tensor's type in a stamp (:meth:`stamp`); the simulated
+    #: backend reads types off its vmap levels instead, so results need no stamping there.
+    stamps: bool = True
 
     def __init__(self, mesh: Mesh, fn: Any):
         self.mesh = mesh

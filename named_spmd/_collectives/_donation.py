@@ -20,7 +20,7 @@ import torch
 
 from .._context import SpmdContext
 from .._mesh import Mesh
-from .._torch_private import use_counts
+from .._torch_private import DisableTorchFunction, use_counts
 from .._types import Vma
 
 _LIMITS: list[tuple[int, int, int, int] | None] = []  # [limits] once calibrated
@@ -36,6 +36,11 @@ def _counts(x: torch.Tensor, refs: int) -> tuple[int, int, int, int] | None:
 
 def donatable(x: torch.Tensor, refs: int) -> bool:
     """Whether nothing but the collective's own call chain references ``x``."""
+    with DisableTorchFunction():  # tensor methods below would each pay the vma mode's dispatch
+        return _donatable(x, refs)
+
+
+def _donatable(x: torch.Tensor, refs: int) -> bool:
     if x.requires_grad or x._base is not None or not x.is_contiguous():
         return False
     if _probed is not None:

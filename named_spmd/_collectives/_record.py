@@ -112,14 +112,17 @@ def _apply(rec: Collective, ctx: SpmdContext, t: Tensor, axes: Axes, params, ref
             if not axes:
                 return t
     donate = refs is not None and rec.donates and ctx.donates and _donation.donatable(t, refs)
-    if rec.forward_event and recording():
+    accounting = recording()
+    if accounting and rec.forward_event:
         record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
     out = ctx.apply(rec, t, axes, params, donate)
-    if recording():
+    if accounting:
         back = rec.backward_op(params)
         if back is not None:
             out = on_backward(out, CommEvent(back, axes, "backward", tuple(out.shape), out.dtype))
-    return ctx.stamp(out, rec.vma(vma, axes, params))
+    if ctx.stamps:
+        return ctx.stamp(out, rec.vma(vma, axes, params))
+    return out
 
 
 def raise_invariant_operand(ctx: SpmdContext, op: str, t: Tensor, axes: Axes) -> None:

@@ -36,6 +36,8 @@ from ._implicit import ImplicitPvaryRecorder
 class SimulatedContext(SpmdContext):
     """A running simulated call: one token per axis, batched at that axis' level only."""
 
+    stamps = False  # a tensor's type is the set of our levels it is batched at
+
     def __init__(self, mesh: Mesh, fn: Any, tokens: dict[str, torch.Tensor]):
         super().__init__(mesh, fn)
         self.tokens = tokens
@@ -48,26 +50,31 @@ class SimulatedContext(SpmdContext):
         self.recorder: Any = None  # the ImplicitPvaryRecorder while a CommMode records
         self._vma_of: torch.Tensor | None = None
         self._vma: Vma = INVARIANT
+        self._vma_by_axes: dict[tuple[str, ...], Vma] = {}
 
     def vma(self, x: torch.Tensor) -> Vma:
         # Collectives ask about the same operand several times in a row: remember the last one
         # (by identity; the reference keeps its id from being reused meanwhile).
         if x is self._vma_of:
             return self._vma
-        self._vma_of, self._vma = x, Vma.of(self._batched_axes(x))
-        return self._vma
+        axes = self._batched_axes(x)
+        vma = self._vma_by_axes.get(axes)
+        if vma is None:
+            vma = self._vma_by_axes[axes] = Vma.of(axes)
+        self._vma_of, self._vma = x, vma
+        return vma
 
-    def _batched_axes(self, x: torch.Tensor) -> list[str]:
+    def _batched_axes(self, x: torch.Tensor) -> tuple[str, ...]:
         # Walk the wrappers from the outside in; ours are consecutive levels and any wrapper at
         # one of them is our vmap's (levels are stack depths), so stop below the outermost.
-        found = []
+        found: tuple[str, ...] = ()
         while True:
             level = P.maybe_get_level(x)
             if level < self.outer_level:  # also -1: a plain tensor
                 return found
             axis = self.level_axis.get(level)
             if axis is not None:
-                found.append(axis)
+                found += (axis,)
             x = P.get_unwrapped(x)
 
     def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
@@ -126,9 +133,13 @@ class SimulatedContext(SpmdContext):
     def all_reduce(self, x, axes, op, donate=False):
         reduce = _REDUCE[op]
         for a in axes:  # sum, amax and amin reduce one axis after another
-            x = _levels.gather_reduce(
-                x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level, reduce
-            )
+            level = self.axis_level[a]
+            y = _levels.reduce_varying(x, level, self.inner_level, reduce)  # the common case
+            if y is None:
+                y = _levels.gather_reduce(
+                    x, self.tokens[a], self.sizes[a], level, self.inner_level, reduce
+                )
+            x = y
         return x
 
     def reduce_scatter(self, x, axes, dim):
