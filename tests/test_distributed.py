@@ -269,10 +269,10 @@ def test_pvary_backward_reuses_a_fresh_gradient_buffer():
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
 def test_nccl_one_rank_cuda_path_agrees_with_simulated():
-    from _dist_launch import child_env, free_port
+    from _dist_launch import child_env
 
     done = subprocess.run(
-        [sys.executable, "tests/dist_nccl_smoke.py", str(free_port())],
+        [sys.executable, "tests/dist_nccl_smoke.py"],
         cwd=ROOT,
         env=child_env(),
         capture_output=True,
