@@ -42,8 +42,9 @@ class Launch:
         self._runs = {}
 
     def tail(self) -> str:
-        return f"timed out: {self.finished.timed_out}; rank 0 output tail:\n" + (
-            self.finished.outputs[0][-3000:]
+        return (
+            f"timed out: {self.finished.timed_out}; rank 0 output tail:\n"
+            + (self.finished.outputs[0][-3000:])
         )
 
     def rank_runs(self, rank: int) -> dict:
