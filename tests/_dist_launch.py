@@ -1,25 +1,23 @@
 """Launch N local processes of one script as a torch.distributed job on 127.0.0.1 (tests only).
 
 Every process gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (env:// rendezvous
-on a free loopback port) and a hard timeout: a hung job is killed and reported, never waited on.
+on loopback) and a hard timeout: a hung job is killed and reported, never waited on.
+
+No port is picked, released and hoped for: the rendezvous store is created here, listening on
+port 0 (the kernel assigns a free port atomically with the bind) and kept open for the whole job,
+and the workers are told ``store.port``. Nothing else can take that port between the choice and
+the bind, which is the race the old ``free_port()`` had.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -52,19 +50,22 @@ class Finished:
         ]
 
 
-def agent_store(port: int):
+def agent_store():
     """Host the rendezvous store in this process, as torchrun's agent does, so that it outlives
-    the workers (a worker that exits early must not take the store of the others with it)."""
+    the workers (a worker that exits early must not take the store of the others with it).
+
+    It listens on 127.0.0.1, port 0: the port is the kernel's choice and stays bound from that
+    moment; read it from ``store.port``. ``wait_for_workers=False``: the workers connect when
+    they start (torchrun's agents use it as their c10d rendezvous store, see test_torchrun.py)."""
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
 
 
 def launch(args: list[str], nproc: int, timeout: float, **env: str) -> Finished:
     """Run ``python *args`` as ranks 0..nproc-1 of one job; kill everything after ``timeout``."""
-    port = free_port()
-    store = agent_store(port)
-    port = str(port)
+    store = agent_store()
+    port = str(store.port)
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", **env}
     procs = []
     t0 = time.monotonic()

@@ -2,20 +2,19 @@
 GPU, so with a single GPU this is what can run): every collective, forward and backward, on
 cuda tensors, against the simulated backend on CPU: values, gradients, communication counts.
 
-    python tests/dist_nccl_smoke.py PORT      (tests/test_distributed.py runs it when CUDA exists)
+    python tests/dist_nccl_smoke.py      (tests/test_distributed.py runs it when CUDA exists)
+
+One rank needs no rendezvous: an in-process HashStore, so no port is chosen at all.
 """
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-os.environ.update(
-    MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-)
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 torch.cuda.set_device(0)
-dist.init_process_group("nccl")
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
 import named_spmd as ns  # noqa: E402
 from named_spmd import P  # noqa: E402
 

@@ -48,12 +48,11 @@ def _global(t):
 
 def _to_dtensors(mesh, args, in_specs):
     """The global arguments as DTensors on the real mesh, placed as their in_specs say."""
+    from _reference import broadcast_specs, tree_leaves
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from named_spmd._tree import broadcast_specs
-
     leaves, tree = optree.tree_flatten(args, none_is_leaf=True)
-    specs = broadcast_specs(in_specs, args, "in_specs", "test")
+    specs = tree_leaves(broadcast_specs(in_specs, args))
     out = []
     for x, spec in zip(leaves, specs):
         placements = [Replicate() for _ in mesh.axis_names]
@@ -140,8 +139,36 @@ def out_specs_for(case, sim_mesh):
     return pd.choose_out_spec(case, info["rank"], info["vma"])
 
 
+def run_catalogue(args, rank, world) -> None:
+    """Every catalogue program of this world on the real mesh (and with DTensor inputs where the
+    program asks): each rank saves its runs to ``args.out/rank{rank}.pt`` for the tests."""
+    import _backends
+    from _programs import CATALOGUE
+
+    runs = {}
+    meshes = {}
+    for program in CATALOGUE:
+        if program.world != world or not program.distributed:
+            continue
+        key = (program.sizes, program.names)
+        if key not in meshes:  # creating a real mesh is collective: same order everywhere
+            meshes[key] = ns.make_mesh(program.sizes, program.names, device_type=args.device)
+        entry = {}
+        try:
+            entry["run"] = _backends.evaluate(program, meshes[key])
+            if program.dtensor_inputs:
+                dargs = _to_dtensors(meshes[key], program.args(), program.in_specs)
+                entry["dtensor"] = _backends.evaluate(program, meshes[key], dargs)
+        except Exception:  # noqa: BLE001 - reported by the test of this program
+            entry["error"] = traceback.format_exc()[-3000:]
+        runs[program.name] = entry
+    if args.out:
+        torch.save(runs, os.path.join(args.out, f"rank{rank}.pt"))
+
+
 def run_programs(args, rank, world) -> None:
-    cases = pd.all_cases(world, samples=args.samples, seed=args.seed)
+    run_catalogue(args, rank, world)
+    cases = pd.sampled_cases(world, args.samples, args.seed)
     real_meshes, sim_meshes = {}, {}
     for case in cases:
         key = (case.sizes, case.names)
@@ -501,6 +528,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None, help="folder for the catalogue runs")
     parser.add_argument("--backend", default=None, help="gloo (cpu) or nccl (cuda)")
     args = parser.parse_args()
     torch.set_num_threads(1)

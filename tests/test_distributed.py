@@ -22,18 +22,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_launch import ROOT, launch  # noqa: E402
+from _dist_programs import SAMPLES  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
 DEVICE = os.environ.get("NAMED_SPMD_TEST_DEVICE", "cpu")
 WORKER = "tests/dist_worker.py"
-
-
-def _program_count(world: int) -> int:
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import programs_dist
-
-    return len(programs_dist.all_cases(world, samples=50))
 
 
 def _report(finished, results) -> str:
@@ -53,17 +47,15 @@ def _report(finished, results) -> str:
 @pytest.mark.parametrize(
     "world, late", [(4, False), (8, False), (4, True)], ids=["4", "8", "4-late-reductions"]
 )
-def test_programs_and_sampled_cases_agree_with_simulated(world, late):
-    """``late``: the overlapped gradient psums are delayed to their waits and read as NaN
+def test_sampled_cases_and_checks_agree_with_simulated(world, late, dist_launches):
+    """The launch that also runs the catalogue for test_programs.py's ``distributed`` backends.
+
+    ``late``: the overlapped gradient psums are delayed to their waits and read as NaN
     before, so a consumer that does not wait fails deterministically (dist_worker)."""
-    flags = ["--late-reductions"] if late else []
-    finished = launch(
-        [WORKER, "programs", "--samples", "50", "--device", DEVICE, *flags], world, 480
-    )
-    results = [json.loads(line) for line in finished.lines("RESULT")]
-    checks = [json.loads(line) for line in finished.lines("CHECK")]
+    run = dist_launches(world, late)
+    finished, results, checks = run.finished, run.results, run.checks
     assert not finished.timed_out, _report(finished, results)
-    assert len(results) == world * _program_count(world), _report(finished, results)
+    assert len(results) == world * SAMPLES, _report(finished, results)
     assert all(not r["problems"] for r in results), _report(finished, results)
     # every sampled input is exercised by the gradient check somewhere
     assert sum(r["nonzero_grads"] for r in results) > len(results)
@@ -287,10 +279,10 @@ def test_pvary_backward_reuses_a_fresh_gradient_buffer():
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
 def test_nccl_one_rank_cuda_path_agrees_with_simulated():
-    from _dist_launch import child_env, free_port
+    from _dist_launch import child_env
 
     done = subprocess.run(
-        [sys.executable, "tests/dist_nccl_smoke.py", str(free_port())],
+        [sys.executable, "tests/dist_nccl_smoke.py"],
         cwd=ROOT,
         env=child_env(),
         capture_output=True,

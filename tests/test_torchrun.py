@@ -3,7 +3,13 @@
 tutorials/scripts/torchrun_demo.py trains a Megatron-style MLP for a few steps on a (dp, tp) mesh
 of all processes and prints one ``RANK`` line per process (losses, a checksum of the trained
 weights, the error against a dense single-device computation). Every launch runs on 127.0.0.1 with
-free ports and a hard timeout. Budget: about 20 s per launch on a 2-core machine.
+a hard timeout. Budget: about 20 s per launch on a 2-core machine.
+
+Ports: no port is chosen, released and then handed to torchrun (another socket could take it in
+between). This process hosts the c10d rendezvous store on port 0 (``_dist_launch.agent_store``,
+bound for the whole launch) and the agents join it as clients (``is_host=false``); the workers'
+store is the agent's own, which torch creates on port 0 as well. No launch is retried: a failure
+fails the test, with the output of every process.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _dist_launch import ROOT, child_env, free_port  # noqa: E402
+from _dist_launch import ROOT, agent_store, child_env  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -69,63 +75,42 @@ def _check_job(ranks: dict[int, tuple], simulated: tuple, world: int) -> None:
     assert len(coords) == world  # one mesh instance per process
 
 
-def _one_node(*flags: str, script_args: tuple[str, ...] = ()):
-    """``SCRIPT`` under torchrun, 4 processes on 127.0.0.1 (``flags``: more torchrun flags)."""
-    return _run(
-        [
-            *TORCHRUN,
-            "--nproc-per-node",
-            "4",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            *flags,
-            SCRIPT,
-            *script_args,
-        ],
-        240,
-    )
-
-
-def test_torchrun_one_node_four_processes(simulated):
-    done = _one_node()
-    if done.returncode != 0 and len(_ranks(done.stdout)) == 4 and "SIGABRT" in done.stderr:
-        # Every rank finished and reported, then one aborted in interpreter teardown, after
-        # destroy_process_group (torch/gloo's; seen once in ~40 launches, not reproduced):
-        # one more launch, and the first failure stays in the message if that fails too.
-        first = done.stderr[-1500:]
-        done = _one_node()
-        done.stderr += "\n[first attempt]\n" + first
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    _check_job(_ranks(done.stdout), simulated, 4)
-
-
-def _two_nodes(deadline_s: float) -> list[tuple[int | None, str, str]]:
-    """Two torchrun agents of two processes each, joined by a c10d rendezvous on 127.0.0.1."""
-    node = [
+def _torchrun(nnodes: int, nproc: int, port: int, flags=(), script_args=()) -> list[str]:
+    """One torchrun agent that joins the c10d rendezvous store at 127.0.0.1:``port``."""
+    return [
         *TORCHRUN,
         "--nnodes",
-        "2",
+        str(nnodes),
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
+        f"127.0.0.1:{port}",
         "--rdzv-id",
         "named-spmd-test",
         "--rdzv-conf",
-        "join_timeout=60",
+        "is_host=false,join_timeout=60",
+        "--local-addr",
+        "127.0.0.1",
         "--max-restarts",
         "0",
+        *flags,
         SCRIPT,
+        *script_args,
     ]
+
+
+def _launch(nnodes: int, nproc: int, deadline_s: float, flags=(), script_args=()):
+    """``nnodes`` torchrun agents of ``nproc`` processes each, on 127.0.0.1; the rendezvous store
+    is hosted here for the whole launch. Returns (returncode, stdout, stderr) per agent."""
+    store = agent_store()
+    cmd = _torchrun(nnodes, nproc, store.port, flags, script_args)
     procs = [
         subprocess.Popen(
-            node, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        for _ in range(2)
+        for _ in range(nnodes)
     ]
     outs = []
     deadline = time.monotonic() + deadline_s
@@ -142,20 +127,18 @@ def _two_nodes(deadline_s: float) -> list[tuple[int | None, str, str]]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        del store
     return outs
 
 
+def test_torchrun_one_node_four_processes(simulated):
+    ((rc, out, err),) = _launch(1, 4, 240)
+    assert rc == 0, out[-2000:] + err[-3000:]
+    _check_job(_ranks(out), simulated, 4)
+
+
 def test_torchrun_two_nodes_cooperate_as_one_mesh(simulated):
-    # A second attempt on a fresh port only if the first one timed out: the free port can be
-    # taken by another socket before the rendezvous binds it (rare, seen once under load).
-    outs = _two_nodes(150)
-    if any(rc is None or rc < 0 for rc, _, _ in outs):
-        first = outs
-        outs = _two_nodes(150)
-        outs = [
-            (rc, out, err + "\n[first attempt]\n" + e1[-1500:])
-            for (rc, out, err), (_, _, e1) in zip(outs, first)
-        ]
+    outs = _launch(2, 2, 150)
     for rc, out, err in outs:
         assert rc == 0, out[-2000:] + err[-3000:]
     per_node = [_ranks(out) for _, out, _ in outs]
@@ -165,10 +148,10 @@ def test_torchrun_two_nodes_cooperate_as_one_mesh(simulated):
 
 def test_torchrun_failing_rank_is_named_by_every_rank():
     t0 = time.monotonic()
-    done = _one_node("--monitor-interval", "1", script_args=("--fail-rank", "2"))
-    assert done.returncode != 0
+    ((rc, out, err),) = _launch(1, 4, 240, ("--monitor-interval", "1"), ("--fail-rank", "2"))
+    assert rc != 0
     assert time.monotonic() - t0 < 200
-    text = done.stdout + done.stderr
+    text = out + err
     assert "[rank2]: RuntimeError: deliberate failure on rank 2" in text, text[-4000:]
     for rank in (0, 1, 3):
         assert re.search(

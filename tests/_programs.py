@@ -1,0 +1,900 @@
+"""The one catalogue of test programs: each with its mesh, specs, arguments, and (where one can be
+written) a dense single-device reference.
+
+Every program is written once against a namespace ``o``: the collectives plus a few array helpers.
+:data:`NS_OPS` is named_spmd's (``o.tap(v)`` records ``ns.typeof(v)`` on :data:`TAPE` so the
+backends can compare per-device types of intermediate values), :data:`REF_OPS` the per-instance
+reference's (tests/_reference.py), and tests/_jax.py's ``jax_ops()`` JAX's. Nothing here depends
+on the backend that runs a program; tests/test_programs.py runs every program on the simulated,
+the abstract (``check``) and the multi-process distributed backend with one test body.
+
+The catalogue merges what were three: the gradient programs of test_gradients.py, the JAX oracle
+programs of test_jax_oracle.py and the multi-process programs of programs_dist.py (for worlds of 4
+and 8 processes), plus the programs of test_check.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _reference import REF
+
+import named_spmd as ns
+from named_spmd import P
+
+F64 = torch.float64
+TAPE: list[str] = []
+
+COLLECTIVES = (
+    "psum pmean pmax pmin all_gather psum_scatter all_to_all ppermute pshuffle pbroadcast "
+    "axis_index axis_size pvary"
+).split()
+
+
+def _sum(x, dim=None, keepdim=False):
+    return x.sum() if dim is None else x.sum(dim, keepdim=keepdim)
+
+
+def _mean(x, dim=None, keepdim=False):
+    return x.mean() if dim is None else x.mean(dim, keepdim=keepdim)
+
+
+def _tap(v):
+    TAPE.append(repr(ns.typeof(v)))
+    return v
+
+
+def torch_ops(collectives, tap=lambda v: v) -> types.SimpleNamespace:
+    """The namespace ``o`` over torch, with the collectives of ``collectives`` (ns or REF)."""
+    return types.SimpleNamespace(
+        **{name: getattr(collectives, name) for name in COLLECTIVES},
+        tap=tap,
+        relu=torch.relu,
+        tanh=torch.tanh,
+        exp=torch.exp,
+        log=torch.log,
+        rsqrt=torch.rsqrt,
+        sum=_sum,
+        mean=_mean,
+        amax=lambda x, dim: x.amax(dim),
+        amin=lambda x, dim: x.amin(dim),
+        softmax=lambda x, dim: torch.softmax(x, dim),
+        where=torch.where,
+        clip=lambda x, lo, hi: x.clamp(lo, hi),
+        rows=lambda x, idx: x[torch.tensor(idx)],
+        pick=lambda x, idx: x.gather(-1, idx[..., None])[..., 0],
+        onehot=lambda i, n, like: (torch.arange(n) == i).to(like.dtype),
+        take=lambda x, i, dim=0: x.index_select(dim, i.reshape(1)).squeeze(dim),
+        const=lambda v: torch.tensor(v),
+        sg=lambda x: x,  # named_spmd's pmax is differentiable; no stop_gradient needed
+    )
+
+
+NS_OPS = torch_ops(ns, _tap)
+REF_OPS = torch_ops(REF)
+
+
+def randn(*shape, seed: int) -> torch.Tensor:
+    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+@dataclass(eq=False)  # hashed by identity: runs are cached per program
+class Program:
+    name: str
+    sizes: tuple[int, ...]
+    names: tuple[str, ...]
+    in_specs: Any
+    out_specs: Any
+    prog: Callable[..., Any]  # prog(o, *args)
+    args: Callable[[], tuple]  # the global arguments (deterministic)
+    dense: Callable[..., Any] | None = None  # the single-device reference of the output
+    jax: bool = False  # also against jax.shard_map (values; gradients when jax_grad)
+    jax_grad: bool = False
+    check_vma: bool = True
+    no_grad: bool = False  # forward only, under torch.no_grad (reductions may work in place)
+    pinned_backward: dict | None = None  # {(op, axes): count} of the backward collectives
+    backward_comms: bool | None = None  # whether the backward communicates at all
+    dtensor_inputs: bool = False  # on the distributed backend, also with DTensor inputs
+    distributed: bool = True  # runs on the distributed backend (world = mesh size)
+    all_grads_nonzero: bool = False  # every float input's gradient is exercised
+    rtol: float = 1e-9
+    atol: float = 1e-10
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.sizes)
+
+    def __repr__(self) -> str:
+        return f"Program({self.name})"
+
+
+# --- the gradient programs (were test_gradients.py; jax oracle for values and gradients) -------
+
+
+def dp_step(o, w1, b1, w2, x, y):
+    """Data parallel: replicated parameters, sharded batch; w1 is used by two ops."""
+    h = o.tanh(x @ w1 + b1)
+    pred = (h @ w2)[..., 0] + 0.1 * o.sum(x @ w1, -1)
+    return o.tap(o.pmean(o.mean((pred - y) ** 2), "dp"))
+
+
+def dp_dense(w1, b1, w2, x, y):
+    pred = (torch.tanh(x @ w1 + b1) @ w2)[:, 0] + 0.1 * (x @ w1).sum(-1)
+    return ((pred - y) ** 2).mean()
+
+
+def megatron(o, x, w1, b1, w2, b2):
+    """Column-parallel then row-parallel MLP with biases: one psum over tp."""
+    return o.tap(o.psum(o.tanh(x @ w1 + b1) @ w2, "tp")) + b2
+
+
+def megatron_dense(x, w1, b1, w2, b2):
+    return torch.tanh(x @ w1 + b1) @ w2 + b2
+
+
+def seq_parallel_rms(o, x, g, w1, w2):
+    """Sequence-parallel block: RMSNorm on the sequence shard, gather it, column/row matmuls,
+    reduce-scatter the partial sums back to the sequence shard, residual."""
+    normed = x * o.rsqrt(o.mean(x * x, -1, keepdim=True) + 1e-6) * g
+    full = o.tap(o.all_gather(normed, "tp", axis=1, tiled=True))
+    partial = o.tanh(full @ w1) @ w2
+    return x + o.psum_scatter(partial, "tp", scatter_dimension=1, tiled=True)
+
+
+def seq_parallel_rms_dense(x, g, w1, w2):
+    normed = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * g
+    return x + torch.tanh(normed @ w1) @ w2
+
+
+MOE_PERM = [5, 2, 7, 0, 3, 6, 1, 4]  # local token order after routing (8 tokens per instance)
+
+
+def moe_routed(o, x, wg, we, tiled):
+    """Expert parallel: route each token to an expert, all_to_all there and back, gate."""
+    n = o.axis_size("ep")
+    t, d = x.shape
+    inv = [MOE_PERM.index(i) for i in range(t)]
+    dest = o.const([inv[i] // (t // n) for i in range(t)])  # the expert of each token
+    routed = o.rows(x, MOE_PERM)  # chunk j of the rows goes to expert j
+    if tiled:
+        received = o.all_to_all(routed, "ep", 0, 0, tiled=True)  # chunk s from source s
+        back = o.all_to_all(o.tanh(received @ we[0]), "ep", 0, 0, tiled=True)
+    else:
+        received = o.all_to_all(routed.reshape(n, t // n, d), "ep", 0, 0)
+        back = o.all_to_all(o.tanh(received @ we[0]), "ep", 0, 0).reshape(t, d)
+    gate = o.pick(o.softmax(x @ wg, -1), dest)
+    return o.tap(o.rows(back, inv) * gate[:, None])
+
+
+def moe_routed_dense(x, wg, we):
+    t, n = len(MOE_PERM), we.shape[0]
+    inv = [MOE_PERM.index(i) for i in range(t)]
+    dest = torch.tensor([inv[i] // (t // n) for i in range(t)]).repeat(x.shape[0] // t)
+    gate = torch.softmax(x @ wg, -1).gather(-1, dest[:, None])
+    return torch.tanh(torch.einsum("td,tde->te", x, we[dest])) * gate
+
+
+def ring_allreduce_chunked(o, x, axes="r", n_dense=None):
+    """Chunked ring all-reduce from ppermute: reduce-scatter, then all-gather, n-1 steps each
+    (x is [n * k, ...]: chunk j is rows j*k..)."""
+    n, i = o.axis_size(axes), o.axis_index(axes)
+    ring = [(j, (j + 1) % n) for j in range(n)]
+    chunks = x.reshape(n, -1, *x.shape[1:])
+    acc = o.take(chunks, i)
+    for k in range(n - 1):  # receive i-1's partial sum of chunk (i-1-k) and add my own
+        acc = o.ppermute(acc, axes, ring) + o.take(chunks, (i - 1 - k) % n)
+    idx = (i + 1) % n  # acc is now the full sum of chunk i + 1
+    onehot = o.onehot(idx, n, x).reshape(n, *([1] * acc.ndim))
+    out = onehot * acc[None]
+    for _ in range(n - 1):
+        acc, idx = o.ppermute(acc, axes, ring), (idx - 1) % n
+        out = out + o.onehot(idx, n, x).reshape(n, *([1] * acc.ndim)) * acc[None]
+    return o.tap(out.reshape(x.shape))
+
+
+def ring_pass(o, q, k, v):
+    """Ring pass (ring attention without the softmax): k, v blocks travel around the ring."""
+    n = o.axis_size("r")
+    ring = [(j, (j + 1) % n) for j in range(n)]
+    out = o.tanh(q @ k.T) @ v
+    for _ in range(n - 1):
+        k, v = o.ppermute(k, "r", ring), o.ppermute(v, "r", ring)
+        out = out + o.tanh(q @ k.T) @ v
+    return o.tap(out)
+
+
+def ring_pass_dense(q, k, v):
+    return torch.tanh(q @ k.T) @ v
+
+
+def vocab_ce(o, logits, labels, reg):
+    """Vocab-parallel cross entropy: pmax for stability, psum of exp-sums and target logits.
+    With ``reg``, terms whose gradient flows through pmax and pmin (JAX cannot differentiate)."""
+    vloc = logits.shape[-1]
+    m = o.pmax(o.sg(o.amax(logits, -1)), "tp")
+    sumexp = o.psum(o.sum(o.exp(logits - m[:, None]), -1), "tp")
+    local = labels - o.axis_index("tp") * vloc
+    inside = (local >= 0) & (local < vloc)
+    picked = o.where(inside, o.pick(logits, o.clip(local, 0, vloc - 1)), 0.0)
+    loss = o.mean(o.log(sumexp) + m - o.psum(picked, "tp"))
+    if reg:
+        top = o.pmax(o.amax(logits, -1), "tp")
+        bottom = o.pmin(o.amin(logits, -1), "tp")
+        loss = loss + 0.1 * o.mean(top * top) - 0.2 * o.mean(bottom)
+    return o.tap(o.pmean(loss, "dp"))
+
+
+def vocab_ce_dense(logits, labels, reg):
+    loss = F.cross_entropy(logits, labels)
+    if reg:
+        top, bottom = logits.amax(-1), logits.amin(-1)
+        loss = loss + 0.1 * (top * top).mean() - 0.2 * bottom.mean()
+    return loss
+
+
+def broadcast_leader(o, x, w):
+    """Instance 1's block along dp, on every instance (pbroadcast), then a column-parallel layer."""
+    lead = o.tap(o.pbroadcast(x, "dp", 1))
+    return o.tap(o.tanh(lead @ w) * o.sum(lead))
+
+
+def broadcast_leader_dense(x, w):
+    lead = x.chunk(2)[1]
+    return torch.tanh(lead @ w) * lead.sum()
+
+
+def _labels(b, v, seed):
+    return torch.randint(0, v, (b,), generator=torch.Generator().manual_seed(seed))
+
+
+def _gradient_programs():
+    r = randn
+    grad = dict(jax=True, jax_grad=True, all_grads_nonzero=True, rtol=1e-10, atol=1e-10)
+    yield Program(
+        "data_parallel",
+        (4,),
+        ("dp",),
+        (P(), P(), P(), P("dp"), P("dp")),
+        P(),
+        dp_step,
+        lambda: (r(5, 6, seed=1), r(6, seed=2), r(6, 1, seed=3), r(8, 5, seed=4), r(8, seed=5)),
+        dp_dense,
+        **grad,
+    )
+    yield Program(
+        "megatron_mlp",
+        (2, 4),
+        ("dp", "tp"),
+        (P("dp", None), P(None, "tp"), P("tp"), P("tp", None), P()),
+        P("dp", None),
+        megatron,
+        lambda: (r(6, 5, seed=6), r(5, 8, seed=7), r(8, seed=8), r(8, 3, seed=9), r(3, seed=10)),
+        megatron_dense,
+        **grad,
+    )
+    yield Program(
+        "sequence_parallel",
+        (2, 2),
+        ("dp", "tp"),
+        (P("dp", "tp", None), P(), P(None, "tp"), P("tp", None)),
+        P("dp", "tp", None),
+        seq_parallel_rms,
+        lambda: (r(4, 6, 5, seed=11), r(5, seed=12), r(5, 8, seed=13), r(8, 5, seed=14)),
+        seq_parallel_rms_dense,
+        **grad,
+    )
+    for tiled in (True, False):
+        yield Program(
+            f"all_to_all_experts_{'tiled' if tiled else 'untiled'}",
+            (2, 4),
+            ("dp", "ep"),
+            (P(("dp", "ep")), P(), P("ep")),
+            P(("dp", "ep")),
+            functools.partial(moe_routed, tiled=tiled),
+            lambda: (r(64, 3, seed=15), r(3, 4, seed=16), r(4, 3, 3, seed=17)),
+            moe_routed_dense,
+            **grad,
+        )
+    yield Program(
+        "ring_allreduce",
+        (4,),
+        ("r",),
+        P("r"),
+        P("r"),
+        ring_allreduce_chunked,
+        lambda: (r(32, seed=18),),
+        lambda x: x.reshape(4, -1).sum(0).repeat(4),
+        **grad,
+    )
+    yield Program(
+        "ring_pass",
+        (4,),
+        ("r",),
+        P("r"),
+        P("r"),
+        ring_pass,
+        lambda: (r(8, 3, seed=19), r(8, 3, seed=20), r(8, 2, seed=21)),
+        ring_pass_dense,
+        **grad,
+    )
+    yield Program(
+        "pbroadcast_leader",
+        (2, 2),
+        ("dp", "tp"),
+        (P("dp"), P(None, "tp")),
+        P(None, "tp"),
+        broadcast_leader,
+        lambda: (r(6, 5, seed=24), r(5, 4, seed=25)),
+        broadcast_leader_dense,
+        pinned_backward={("psum", ("tp",)): 2},  # implicit pvarys over tp: lead, sum(lead)
+        dtensor_inputs=True,
+        **grad,
+    )
+    for reg in (False, True):
+        yield Program(
+            "vocab_parallel_ce" + ("_with_pmax_pmin_terms" if reg else ""),
+            (2, 2),
+            ("dp", "tp"),
+            (P("dp", "tp"), P("dp")),
+            P(),
+            functools.partial(vocab_ce, reg=reg),
+            lambda: (r(6, 8, seed=22) * 3, _labels(6, 8, seed=23)),
+            functools.partial(vocab_ce_dense, reg=reg),
+            **{**grad, "jax_grad": not reg, "jax": not reg},
+        )
+
+
+# --- the JAX oracle programs (were test_jax_oracle.py; values) -----------------------------------
+
+
+def mlp_relu(o, x, w1, w2):
+    """Column-parallel then row-parallel: one psum over tp."""
+    return o.tap(o.psum(o.relu(x @ w1) @ w2, "tp"))
+
+
+def seq_parallel_pair(o, x, w1, w2, tiled):
+    """Sequence parallel: gather the sequence, column/row matmuls, reduce-scatter it back."""
+    if tiled:
+        full = o.all_gather(x, "tp", axis=1, tiled=True)  # [B, S, D]
+        return o.psum_scatter(o.tanh(full @ w1) @ w2, "tp", scatter_dimension=1, tiled=True)
+    full = o.tap(o.all_gather(x, "tp", axis=1))  # [B, tp, S/tp, D]: untiled, a new dim
+    return o.psum_scatter(o.tanh(full @ w1) @ w2, "tp", scatter_dimension=1)
+
+
+def moe_chunks(o, x, w, tiled):
+    """Expert parallel: token chunk j goes to expert j over ep, and comes back."""
+    n = o.axis_size("ep")
+    if tiled:
+        received = o.all_to_all(x, "ep", 0, 0, tiled=True)  # [t, D]: chunk j from member j
+        return o.all_to_all(o.relu(received @ w[0]), "ep", 0, 0, tiled=True)
+    t, d = x.shape
+    received = o.all_to_all(x.reshape(n, t // n, d), "ep", 0, 0)  # [n_src, t/n, D]
+    back = o.all_to_all(o.relu(received @ w[0]), "ep", 0, 0)  # [n_expert, t/n, H]
+    return o.tap(back.reshape(t, -1))
+
+
+def moe_chunks_dense(x, w):
+    expert = torch.arange(x.shape[0]) % w.shape[0]  # token r of an instance's 4 went to expert r
+    return torch.relu(torch.einsum("td,tdh->th", x, w[expert]))
+
+
+def nested(o, tree, w):
+    a, (b, c) = tree["a"], tree["b"]
+    return (
+        {
+            "sum": o.psum(a * w, ("dp", "tp")),
+            "gathered": o.all_gather(b, ("tp", "dp"), tiled=True, to="invariant"),
+            "indexed": b + o.axis_index(("tp", "dp")),
+            "mixed": c * o.sum(a, (0, 1)),
+        },
+        o.pmax(o.sum(c, 1, keepdim=True), "tp"),
+    )
+
+
+def _ring_dense(sizes, names, axes):
+    """Every instance holds the sum over its group of the blocks (the program's contract)."""
+    group = (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def dense(x):
+        # the instances in mesh order (first axis major): block k of x
+        blocks = x.reshape(math.prod(sizes), -1, *x.shape[1:])
+        coords = [dict(zip(names, c)) for c in itertools.product(*map(range, sizes))]
+        out = []
+        for c in coords:
+            same = [
+                k
+                for k, d in enumerate(coords)
+                if all(d[a] == c[a] for a in names if a not in group)
+            ]
+            out.append(sum(blocks[k] for k in same))
+        return torch.cat(out)
+
+    return dense
+
+
+def _jax_programs():
+    r = randn
+    yield Program(
+        "megatron_mlp_relu",
+        (2, 4),
+        ("dp", "tp"),
+        (P("dp", None), P(None, "tp"), P("tp", None)),
+        P("dp", None),
+        mlp_relu,
+        lambda: (r(8, 6, seed=1), r(6, 16, seed=2), r(16, 5, seed=3)),
+        lambda x, w1, w2: torch.relu(x @ w1) @ w2,
+        jax=True,
+    )
+    for tiled in (True, False):
+        yield Program(
+            f"sequence_parallel_pair_{'tiled' if tiled else 'untiled'}",
+            (2, 4),
+            ("dp", "tp"),
+            (P("dp", "tp", None), P(None, "tp"), P("tp", None)),
+            P("dp", "tp", None),
+            functools.partial(seq_parallel_pair, tiled=tiled),
+            lambda: (r(4, 8, 6, seed=4), r(6, 12, seed=5), r(12, 6, seed=6)),
+            lambda x, w1, w2: torch.tanh(x @ w1) @ w2,
+            jax=True,
+        )
+    for sizes, names, axes in [
+        ((8,), ("i",), "i"),
+        ((2, 4), ("dp", "tp"), ("dp", "tp")),
+        ((2, 4), ("dp", "tp"), ("tp", "dp")),  # JAX numbers ppermute groups differently
+        ((2, 4), ("dp", "tp"), "tp"),
+    ]:
+        n = math.prod(sizes[names.index(a)] for a in ((axes,) if isinstance(axes, str) else axes))
+        yield Program(
+            f"ring_allreduce_{'_'.join((axes,) if isinstance(axes, str) else axes)}_of_{len(sizes)}d",
+            sizes,
+            names,
+            P(names),
+            P(names),
+            functools.partial(ring_allreduce_chunked, axes=axes),
+            lambda n=n: (r(8 * n, 3, seed=7),),
+            _ring_dense(sizes, names, axes),
+            jax=axes != ("tp", "dp"),
+        )
+    for tiled in (True, False):
+        yield Program(
+            f"all_to_all_expert_dispatch_{'tiled' if tiled else 'untiled'}",
+            (2, 4),
+            ("dp", "ep"),
+            (P(("dp", "ep")), P("ep")),
+            P(("dp", "ep")),
+            functools.partial(moe_chunks, tiled=tiled),
+            lambda: (r(32, 6, seed=8), r(4, 6, 5, seed=9)),
+            moe_chunks_dense,
+            jax=True,
+        )
+    yield Program(
+        "nested_pytree_tuple_entries",
+        (2, 4),
+        ("dp", "tp"),
+        ({"a": P(("dp", "tp")), "b": (P(("tp", "dp"), None), P(None, "tp"))}, P()),
+        (
+            {"sum": P(), "gathered": P(), "indexed": P(("tp", "dp")), "mixed": P("dp", "tp")},
+            P("dp"),
+        ),
+        nested,
+        lambda: (
+            {"a": r(8, 3, seed=10), "b": (r(16, 2, seed=11), r(4, 8, seed=12))},
+            r(3, seed=13),
+        ),
+        jax=True,
+    )
+    for src, dst in ((("dp", "tp"), ("tp", "dp")), (("tp", "dp"), ("dp", "tp"))):
+        yield Program(
+            f"relayout_{''.join(src)}_to_{''.join(dst)}",
+            (2, 4),
+            ("dp", "tp"),
+            P(src),
+            P(dst),
+            lambda o, x: x,
+            lambda: (torch.arange(16, dtype=F64).reshape(8, 2),),
+            jax=True,
+        )
+    for axes in (("a", "c"), ("c", "a"), ("a", "b", "c"), ("c", "b"), "b"):
+        names = ("a", "b", "c")
+        rest = tuple(a for a in names if a not in axes)
+        yield Program(
+            f"pmean_pmax_pmin_over_{''.join(axes)}",
+            (2, 2, 2),
+            names,
+            P(("a", "b"), "c"),
+            P(rest) if rest else P(),
+            lambda o, x, axes=axes: (o.pmean(x, axes), o.pmax(x, axes), o.pmin(x, axes)),
+            lambda: (r(4, 6, seed=14),),
+            jax=True,
+        )
+
+
+# --- the multi-process programs (were programs_dist.py; worlds of 4 and 8) -----------------------
+
+
+def mlp_column_row(o, x, w1, w2):
+    h = o.tap(o.relu(x @ w1))
+    return o.tap(o.psum(h @ w2, "tp"))
+
+
+def seq_parallel(o, x, w1, w2):
+    full = o.tap(o.all_gather(x, "tp", axis=0, tiled=True))
+    partial = o.tanh(full @ w1) @ w2
+    return o.tap(o.psum_scatter(partial, "tp", scatter_dimension=0, tiled=True)) + x
+
+
+def ring_allreduce(o, x):
+    n = o.axis_size("r")
+    ring = [(j, (j + 1) % n) for j in range(n)]
+    acc, buf = x, x
+    for _ in range(n - 1):
+        buf = o.ppermute(buf, "r", ring)
+        acc = acc + buf
+    return o.tap(acc)
+
+
+def experts(o, x, we, tiled):
+    n = o.axis_size("ep")
+    t, d = x.shape
+    if tiled:
+        received = o.tap(o.all_to_all(x, "ep", 0, 0, tiled=True))
+        back = o.all_to_all(o.tanh(received @ we[0]), "ep", 0, 0, tiled=True)
+    else:
+        received = o.tap(o.all_to_all(x.reshape(n, t // n, d), "ep", 0, 0))
+        back = o.all_to_all(o.tanh(received @ we[0]), "ep", 0, 0).reshape(t, d)
+    return o.tap(back)
+
+
+def nested_tuples(o, tree):
+    a, (b, c) = tree["a"], tree["bc"]
+    ia = o.axis_index(("dp", "tp")).to(a.dtype)
+    ib = o.axis_index(("tp", "dp")).to(a.dtype)
+    gathered = o.tap(o.all_gather(b, ("tp", "dp"), tiled=True, to="invariant"))
+    return {
+        "a": o.tap(a * 2 + ia),
+        "b": o.tap(b + ib),
+        "g": gathered,
+        "c": c * o.psum(b.sum(), ("tp", "dp")),
+    }
+
+
+def reductions_over_tuples(o, x):
+    return (
+        o.tap(o.pmean(x, ("dp", "tp"))),
+        o.tap(o.pmax(x, ("tp", "dp"))),
+        o.tap(o.pmin(x, ("dp", "tp"))),
+        o.tap(o.psum(x, ("tp", "dp"))),
+    )
+
+
+def data_parallel(o, w1, b1, w2, x, y):
+    h = torch.tanh(x @ w1 + b1)
+    pred = (h @ w2)[:, 0] + 0.1 * (x @ w1).sum(-1)
+    return o.tap(o.pmean(((pred - y) ** 2).mean().reshape(1), "dp"))
+
+
+def vocab_ce_onehot(o, logits, onehot):
+    m = o.pmax(logits.amax(-1), "tp")
+    sumexp = o.psum(torch.exp(logits - m[:, None]).sum(-1), "tp")
+    target = o.psum((logits * onehot).sum(-1), "tp")
+    loss = (torch.log(sumexp) + m - target).mean()
+    loss = loss + 0.1 * o.pmin(logits.amin(-1), "tp").mean()
+    return o.tap(o.pmean(loss.reshape(1), "dp"))
+
+
+def vocab_ce_onehot_dense(logits, onehot):
+    loss = torch.logsumexp(logits, -1) - (logits * onehot).sum(-1)
+    return (loss.mean() + 0.1 * logits.amin(-1).mean()).reshape(1)
+
+
+def reuse_after_psum(o, x):
+    """Operands the user still holds after a reduction must not be overwritten by it."""
+    named = x * 2
+    kept = [x + 1]
+    base = x * 3
+    view = base[0]
+    s = o.psum(named, "i") + o.pmax(kept[0], "i") + o.pmin(base, "i") + o.psum(x * 5, "i")
+    m = o.pmean(view, "i")
+    return named + kept[0] + base + s + m + x
+
+
+def _world_programs(world: int):
+    r = randn
+    tp = 2 if world == 4 else 4
+    dp = world // tp
+    mesh2 = ((dp, tp), ("dp", "tp"))
+    w = f"@{world}"
+    yield Program(
+        "mlp_column_row" + w,
+        *mesh2,
+        (P("dp", None), P(None, "tp"), P("tp", None)),
+        P("dp", None),
+        mlp_column_row,
+        lambda: (r(4, 6, seed=1), r(6, 8, seed=2), r(8, 5, seed=3)),
+        lambda x, w1, w2: torch.relu(x @ w1) @ w2,
+        pinned_backward={("psum", ("dp",)): 2, ("psum", ("tp",)): 1},
+        dtensor_inputs=True,
+    )
+    yield Program(
+        "seq_parallel" + w,
+        *mesh2,
+        (P("tp", None), P(None, "tp"), P("tp", None)),
+        P("tp", None),
+        seq_parallel,
+        lambda: (r(2 * tp, 6, seed=4), r(6, 2 * tp, seed=5), r(2 * tp, 6, seed=6)),
+        lambda x, w1, w2: torch.tanh(x @ w1) @ w2 + x,
+    )
+    yield Program(
+        "ring_allreduce" + w,
+        (world,),
+        ("r",),
+        P("r"),
+        P("r"),
+        ring_allreduce,
+        lambda: (r(3 * world, seed=7),),
+        lambda x: x.reshape(world, 3).sum(0).repeat(world),
+        pinned_backward={("ppermute", ("r",)): world - 1},
+    )
+    yield Program(
+        "nested_tuples" + w,
+        *mesh2,
+        ({"a": P(("dp", "tp")), "bc": (P(("tp", "dp")), P())},),
+        {"a": P(("dp", "tp")), "b": P(("tp", "dp")), "g": P(), "c": P()},
+        nested_tuples,
+        lambda: ({"a": r(2 * world, 3, seed=8), "bc": (r(world, 3, seed=9), r(5, seed=10))},),
+        dtensor_inputs=True,
+    )
+    yield Program(
+        "reductions_over_tuples" + w,
+        *mesh2,
+        P(("dp", "tp")),
+        P(),
+        reductions_over_tuples,
+        lambda: (torch.round(r(world, 5, seed=11) * 2),),  # rounded: ties in pmax/pmin
+        lambda x: (x.mean(0, True), x.amax(0, True), x.amin(0, True), x.sum(0, True)),
+    )
+    yield Program(
+        "data_parallel" + w,
+        (world,),
+        ("dp",),
+        (P(), P(), P(), P("dp"), P("dp")),
+        P(),
+        data_parallel,
+        lambda: (
+            r(5, 6, seed=12),
+            r(6, seed=13),
+            r(6, 1, seed=14),
+            r(2 * world, 5, seed=15),
+            r(2 * world, seed=16),
+        ),
+        lambda *a: dp_dense(*a).reshape(1),
+        pinned_backward={("psum", ("dp",)): 3},
+    )
+    yield Program(
+        "megatron_biases" + w,
+        *mesh2,
+        (P("dp", None), P(None, "tp"), P("tp"), P("tp", None), P()),
+        P("dp", None),
+        megatron,
+        lambda: (
+            r(2 * dp, 5, seed=17),
+            r(5, 2 * tp, seed=18),
+            r(2 * tp, seed=19),
+            r(2 * tp, 3, seed=20),
+            r(3, seed=21),
+        ),
+        megatron_dense,
+        dtensor_inputs=True,
+    )
+    yield Program(
+        "vocab_parallel_ce_onehot" + w,
+        *mesh2,
+        (P("dp", "tp"), P("dp", "tp")),
+        P(),
+        vocab_ce_onehot,
+        lambda: (
+            r(2 * dp, 2 * tp, seed=22) * 3,
+            F.one_hot(torch.arange(2 * dp) % (2 * tp), 2 * tp).to(F64),
+        ),
+        vocab_ce_onehot_dense,
+    )
+    yield Program(
+        "ring_pass" + w,
+        (world,),
+        ("r",),
+        P("r"),
+        P("r"),
+        ring_pass,
+        lambda: (r(2 * world, 3, seed=23), r(2 * world, 3, seed=24), r(2 * world, 2, seed=25)),
+        ring_pass_dense,
+    )
+    yield Program(
+        "identity_no_backward_comm" + w,
+        (world,),
+        ("i",),
+        P(),
+        P(),
+        lambda o, x: x,
+        lambda: (r(3, seed=26),),
+        lambda x: x,
+        pinned_backward={},
+    )
+    yield Program(
+        "psum_no_backward_comm" + w,
+        (world,),
+        ("i",),
+        P("i"),
+        P(),
+        lambda o, x: o.psum(x, "i"),
+        lambda: (r(world, 2, seed=27),),
+        lambda x: x.reshape(world, 1, 2).sum(0),
+        pinned_backward={},
+    )
+    yield Program(
+        "reuse_after_psum_no_grad" + w,
+        (world,),
+        ("i",),
+        P("i"),
+        P("i"),
+        reuse_after_psum,
+        lambda: (r(world, 3, seed=32),),
+        no_grad=True,
+    )
+    yield Program(
+        "unchecked_varying_output" + w,
+        (world,),
+        ("i",),
+        P("i"),
+        P(),
+        lambda o, x: x * 3,
+        lambda: (r(world, 2, seed=28),),
+        lambda x: x[:1] * 3,  # P() takes instance 0's block
+        check_vma=False,
+    )
+    for tiled in (True, False):
+        yield Program(
+            f"experts_{'tiled' if tiled else 'untiled'}" + w,
+            (dp, tp),
+            ("dp", "ep"),
+            (P(("dp", "ep")), P("ep")),
+            P(("dp", "ep")),
+            functools.partial(experts, tiled=tiled),
+            lambda: (r(world * tp * 2, 3, seed=29), r(tp, 3, 3, seed=30)),
+            pinned_backward={("all_to_all", ("ep",)): 2, ("psum", ("dp",)): 1},
+        )
+    if world == 8:
+        yield Program(
+            "reductions_3d" + w,
+            (2, 2, 2),
+            ("a", "b", "c"),
+            P(("c", "a"), "b"),
+            P(None, "b"),
+            lambda o, x: o.tap(o.pmax(o.psum(x, ("c", "a")) * x, ("a", "c"))),
+            lambda: (r(4, 4, seed=31),),
+        )
+
+
+# --- the programs of test_check.py (abstract evaluation against a real run) --------------------
+
+
+def tp_sp_block(o, x, wqkv, wo, w1, w2):
+    """Transformer block, tensor parallel over tp with sequence parallelism (Megatron-SP style).
+
+    x: [b, s/tp, d] (sequence split over tp, batch over dp); attention heads and the MLP hidden
+    dim split over tp; all_gather of the sequence before each matmul pair, psum_scatter after."""
+    heads = 2
+    h = o.all_gather(F.layer_norm(x, x.shape[-1:]), "tp", axis=1, tiled=True)
+    q, k, v = (h @ wqkv).chunk(3, dim=-1)
+    b, s, _ = q.shape
+    q, k, v = (t.reshape(b, s, heads, -1).transpose(1, 2) for t in (q, k, v))
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+    x = x + o.psum_scatter(a @ wo, "tp", scatter_dimension=1, tiled=True)
+    h = o.all_gather(F.layer_norm(x, x.shape[-1:]), "tp", axis=1, tiled=True)
+    return x + o.psum_scatter(F.gelu(h @ w1) @ w2, "tp", scatter_dimension=1, tiled=True)
+
+
+BLOCK_SPECS = (P("dp", "tp"), P(None, "tp"), P("tp", None), P(None, "tp"), P("tp", None))
+
+
+def block_shapes(b, s, d, hidden):
+    return [(b, s, d), (d, 3 * d), (d, d), (d, hidden), (hidden, d)]
+
+
+def _seeded(*shapes):
+    def args():
+        torch.manual_seed(0)
+        return tuple(torch.randn(s, dtype=F64) for s in shapes)
+
+    return args
+
+
+def _check_programs():
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+    yield Program(
+        "block",
+        (2, 4),
+        ("dp", "tp"),
+        BLOCK_SPECS,
+        P("dp", "tp"),
+        tp_sp_block,
+        _seeded(*block_shapes(2, 8, 8, 16)),
+        backward_comms=True,
+        rtol=1e-8,
+        atol=1e-9,
+    )
+    yield Program(
+        "psum_pytree",
+        (2, 4),
+        ("dp", "tp"),
+        (P("dp", "tp"), P("tp")),
+        {"y": P("dp"), "n": P("dp")},
+        lambda o, x, w: {"y": o.psum(x @ w, "tp"), "n": o.axis_index("dp").reshape(1)},
+        _seeded((4, 8), (8, 3)),
+        lambda x, w: {"y": x @ w, "n": torch.arange(2)},
+        backward_comms=True,  # w (P("tp")) meets x (P("dp", "tp")): its gradient is psummed over dp
+    )
+    yield Program(
+        "all_to_all_moe",
+        (4,),
+        ("ep",),
+        P("ep"),
+        P("ep"),
+        lambda o, x: o.all_to_all(o.tanh(x), "ep", 0, 1, tiled=True) * 2,
+        _seeded((16, 8, 2)),
+        backward_comms=True,
+    )
+    yield Program(
+        "untiled_collectives",
+        (2, 2),
+        ("a", "b"),
+        P(("a", "b")),
+        P(("a", "b")),
+        lambda o, x: o.psum_scatter(o.all_gather(x, ("a", "b")), ("a", "b")).sum(0),
+        _seeded((8, 3)),
+        lambda x: x.reshape(4, 2, 3).sum(1).reshape(-1) * 4,
+        backward_comms=True,
+    )
+    yield Program(
+        "ppermute_pmax_pmean",
+        (4,),
+        ("i",),
+        (P("i"), P()),
+        (P(), P()),
+        lambda o, x, w: (
+            o.pmax(o.ppermute(x * w, "i", ring), "i"),
+            o.pmean(o.pshuffle(x, "i", [3, 2, 1, 0]), "i"),
+        ),
+        _seeded((8, 5), (5,)),
+        lambda x, w: ((x * w).reshape(4, 2, 5).amax(0), x.reshape(4, 2, 5).mean(0)),
+        backward_comms=True,
+    )
+    yield Program(
+        "all_gather_invariant",
+        (4,),
+        ("i",),
+        (P("i"), P()),
+        P(),
+        lambda o, x, w: o.all_gather(x, "i", tiled=True, to="invariant") @ w,
+        _seeded((8, 5), (5, 2)),
+        lambda x, w: x @ w,
+        backward_comms=False,
+    )
+
+
+CATALOGUE: list[Program] = [
+    *_gradient_programs(),
+    *_jax_programs(),
+    *_world_programs(4),
+    *_world_programs(8),
+    *_check_programs(),
+]
+BY_NAME = {p.name: p for p in CATALOGUE}
+assert len(BY_NAME) == len(CATALOGUE), "program names must be unique"
