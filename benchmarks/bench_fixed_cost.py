@@ -32,18 +32,30 @@ import named_spmd as ns  # noqa: E402
 from named_spmd import P, _collectives, _spec, _tree  # noqa: E402
 from named_spmd.backends import simulated  # noqa: E402
 
+try:  # where the plans live in this version (the script also runs against older checkouts)
+    from named_spmd.backends.simulated import _plan as simulated_plan  # noqa: E402
+except ImportError:
+    simulated_plan = simulated
+try:
+    from named_spmd._collectives import _checks as collective_checks  # noqa: E402
+except ImportError:
+    collective_checks = _collectives
+
 
 def clear_caches() -> None:
     """Empty every per-call cache of the simulated path (those this version has: the script
     also runs against older checkouts, for before/after numbers)."""
     for module, name in [
-        (simulated, "_input_plan"),
-        (simulated, "_output_plan"),
+        (simulated_plan, "_input_plan"),
+        (simulated_plan, "_output_plan"),
         (simulated, "_tokens"),
+        (simulated, "_token"),
         (simulated, "_permutations"),
+        (simulated, "_permutation"),
         (_spec, "_fits"),
         (_tree, "_broadcast_cache"),
         (_collectives, "_valid_pairs"),
+        (collective_checks, "_valid_int_pairs"),
     ]:
         cache = getattr(module, name, None)
         if cache is not None:

@@ -1,4 +1,4 @@
-"""Correctness matrix of the simulated backend's level primitives (backends/_levels.py).
+"""Correctness matrix of the simulated backend's level primitives (backends/simulated/_levels.py).
 
 Each collective is run alone, between two nonlinear elementwise maps, through every transform
 (autograd and torch.func outside, a user vmap / grad / vjp / jvp inside the per-device function,
@@ -27,7 +27,7 @@ from torch.func import functionalize, grad, jacfwd, jacrev, jvp, vjp, vmap
 
 import named_spmd as ns
 from named_spmd import P
-from named_spmd.backends import _levels
+from named_spmd.backends.simulated import _levels, _lowered
 
 F64 = torch.float64
 TOL = 1e-10
@@ -306,9 +306,9 @@ class _Counting:
         for fn, kind in [
             (_levels.GatherLevel, "slow"),
             (_levels.VaryLevel, "slow"),
-            (_levels._GatherAbove, "lowered"),
-            (_levels._VaryAbove, "lowered"),
-            (_levels._SumAbove, "lowered"),
+            (_lowered._GatherAbove, "lowered"),
+            (_lowered._VaryAbove, "lowered"),
+            (_lowered._SumAbove, "lowered"),
         ]:
             original = fn.apply
 

@@ -11,7 +11,7 @@ from _reference import check_against_reference
 
 import named_spmd as ns
 from named_spmd import P
-from named_spmd.backends import simulated
+from named_spmd.backends.simulated import _plan
 
 
 def test_mesh_shape_names_and_size():
@@ -90,7 +90,7 @@ def test_results_do_not_depend_on_the_nesting_order(big):
     w = torch.randn(4 * mesh.shape[other], 64, dtype=torch.float64)
     in_specs = (P(("dp", "tp")), P(None, other))  # w is replicated over `big` only
     sized = [(t.numel() * t.element_size(), s) for t, s in zip((x, w), in_specs)]
-    order = simulated._default_order(mesh, sized)
+    order = _plan._default_order(mesh, sized)
     assert order[-1] == big
 
     def prog(o, x, w):

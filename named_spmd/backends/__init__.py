@@ -5,6 +5,8 @@ call through its :class:`~named_spmd._context.SpmdContext` subclass (the primiti
 registry names backend modules by import path, each defining ``BACKEND``; a module is only asked
 once it is loaded (einops' ``get_backend`` does the same), so ``import named_spmd`` never imports
 torch.distributed: a distributed mesh exists only once its module was imported to make it.
+
+See ``README.md`` beside this file for what each module holds and how to add a backend.
 """
 
 from __future__ import annotations

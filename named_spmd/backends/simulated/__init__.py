@@ -1,36 +1,40 @@
 """Simulated backend: every instance of the mesh runs in this process under nested vmap.
 
 One functorch vmap level per mesh axis, entered directly by :func:`run` (the nesting order is a
-performance choice: :func:`nesting_order`). A tensor's vma is the set of *our* levels it is
+performance choice: :func:`simulation_order`, ``_plan._default_order``). A tensor's vma is the set of *our* levels it is
 batched at: "unbatched at this level" is exactly "invariant over this axis". Every collective is
 built from the level primitives of ``_levels`` (gather / reduce / vary / scatter / permute over
 one level) plus ordinary torch ops, so autograd outside the simulation yields the global gradient
 with no extra machinery. Those primitives act on the levels directly (a few microseconds) and
 fall back to autograd.Functions with per-instance transposes under a grad or jvp *inside* the
 per-device function.
+
+Modules: this one (the context and its primitives, :func:`run`, the backend object); ``_plan``
+(nesting order, cached input / output plans); ``_levels`` (the per-level primitives and their
+fallback Functions); ``_lowered`` (the primitives under a grad / jvp inside the per-device
+function); ``_recording`` (implicit-pvary accounting while a ``CommMode`` records).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .. import _torch_private as P
-from .._accounting import recording
-from .._context import SpmdContext
-from .._errors import SpmdError, VmaError, fn_label
-from .._layout import physical_layout
-from .._mesh import Mesh
-from .._spec import PartitionSpec
-from .._types import INVARIANT, Vma
+from ... import _torch_private as P
+from ..._accounting import recording
+from ..._context import SpmdContext
+from ..._errors import SpmdError, VmaError, fn_label
+from ..._mesh import Mesh
+from ..._spec import PartitionSpec
+from ..._types import INVARIANT, Vma
 from . import _levels
-from ._implicit import ImplicitPvaryRecorder
+from ._plan import _input_plan, from_physical
+from ._recording import ImplicitPvaryRecorder
 
 
 class SimulatedContext(SpmdContext):
@@ -183,9 +187,8 @@ def _permutation(n: int, pairs, device: torch.device) -> tuple[torch.Tensor, tor
 
 # --- entering and leaving the simulation --------------------------------------------------
 #
-# What only depends on the mesh, the specs and the shapes (the nesting order, how each input is
-# viewed as [mesh dims, *local] and each output assembled back) is computed once and cached:
-# per call that Python costs more than the vmap itself on small operands.
+# The nesting order and the input / output plans are ``_plan``'s (cached per mesh, specs and
+# shapes).
 
 _override = threading.local()
 
@@ -194,7 +197,7 @@ _override = threading.local()
 def simulation_order(*axis_names: str):
     """Force the nesting order (outermost first) of simulated calls made inside the block.
 
-    The default (:func:`_default_order`) puts
+    The default (``_plan._default_order``) puts
     innermost the axis that the most input bytes are replicated over, so replicated weights are
     not copied once per outer instance; override it to measure what that buys, or where the
     heuristic guesses wrong. Values, gradients and vma do not depend on the order, only speed
@@ -215,84 +218,6 @@ def simulation_order(*axis_names: str):
         yield
     finally:
         _override.order = saved
-
-
-def _default_order(mesh: Mesh, sized: Sequence[tuple[int, PartitionSpec]]) -> list[str]:
-    """Mesh axes outermost first, for inputs of ``sized`` = (bytes, spec). Innermost is the axis
-    with the most input bytes replicated over it: vmap then batches the large replicated
-    operands (weights) last, so they are not copied once per outer instance (3.8x versus
-    1.1-1.2x measured; docs/design.md section 5)."""
-    replicated = dict.fromkeys(mesh.axis_names, 0)
-    for nbytes, spec in sized:
-        named = set(spec.axes)
-        per_instance = nbytes // max(1, math.prod(mesh.shape[b] for b in named))
-        for a in mesh.axis_names:
-            if a not in named:
-                replicated[a] += per_instance
-    order = list(mesh.axis_names)
-    return sorted(order, key=lambda a: (replicated[a], -order.index(a)))
-
-
-# The caches key on the mesh's (name, size) items as well as the mesh: Mesh equality ignores
-# the axis order, which the plans depend on.
-@functools.lru_cache(maxsize=1024)
-def _input_plan(axes: tuple, mesh: Mesh, inputs: tuple, order: tuple[str, ...] | None) -> tuple:
-    """For ``inputs`` = ((shape, itemsize, spec) per tensor leaf): (nesting order, and per
-    input: reshape, permutation (None: identity), the axes it is batched at)."""
-    if order is None:
-        sized = [(math.prod(shape) * size, spec) for shape, size, spec in inputs]
-        order = tuple(_default_order(mesh, sized))
-    plans = []
-    for shape, _, spec in inputs:
-        split, perm = physical_layout(shape, spec, mesh._shape, order)
-        plans.append((split, None if perm == sorted(perm) else perm, frozenset(spec.axes)))
-    return order, plans
-
-
-@functools.lru_cache(maxsize=1024)
-def _output_plan(
-    shape: tuple[int, ...], present: tuple[str, ...], spec: PartitionSpec, axes: tuple, mesh: Mesh
-) -> tuple:
-    """How :func:`from_physical` assembles: (instance-0 index or None, sizes of the dims to tile
-    in front, permutation (None: identity), final sizes)."""
-    named = set(spec.axes)
-    kept = [a for a in present if a in named]
-    index = None
-    shape_list = list(shape)
-    if len(kept) < len(present):  # varying over an unnamed axis (check_vma=False): instance 0
-        index = tuple(slice(None) if a in named else 0 for a in present)
-        shape_list = [s for a, s in zip(present, shape) if a in named] + shape_list[len(present) :]
-    tiles = []
-    for a in sorted(named.difference(kept)):  # invariant over a named axis: identical blocks
-        tiles.append(mesh.shape[a])
-        kept.insert(0, a)
-        shape_list.insert(0, mesh.shape[a])
-    perm: list[int] = []
-    sizes: list[int] = []
-    for d in range(len(shape_list) - len(kept)):
-        group = [kept.index(a) for a in spec.entry_axes(d)] + [len(kept) + d]
-        perm.extend(group)
-        sizes.append(math.prod(shape_list[i] for i in group))
-    return index, tiles, None if perm == sorted(perm) else perm, sizes
-
-
-def from_physical(
-    y: torch.Tensor, present: Sequence[str], spec: PartitionSpec, mesh: Mesh
-) -> torch.Tensor:
-    """[one dim per axis of ``present`` (nesting order), *local] -> global tensor per ``spec``.
-
-    ``present`` are the axes the output is batched at. An axis the spec does not name contributes
-    its instance-0 copy (invariant when checked); an axis the spec names but the output is
-    invariant over is tiled."""
-    axes = tuple(mesh.shape.items())
-    index, tiles, perm, sizes = _output_plan(tuple(y.shape), tuple(present), spec, axes, mesh)
-    if index is not None:
-        y = y[index]
-    for n in tiles:  # each new one in front: the last one leads, as in the plan
-        y = y.expand(n, *y.shape)
-    if perm is not None:
-        y = y.permute(perm)
-    return y.reshape(sizes)  # a list: rank-0 outputs have no dims
 
 
 @functools.cache

@@ -19,13 +19,17 @@ batched; the token makes that happen at exactly the axis' level. At a level wher
 is batched (another axis, or a user's own vmap) the rule moves that batch dim to the front and
 re-applies, counting ``k`` leading dims that are not the operand's own. Their ``backward`` / ``jvp``
 are the per-instance transposes that a torch.func.grad / jvp *inside* the per-device function
-needs. tests/test_levels_matrix.py runs every collective through every transform on both paths.
+needs. With the fast path on, a grad / jvp inside first goes to ``_lowered`` (one single-level
+Function applied at that interpreter); the Functions here remain for what it does not handle.
+tests/test_levels_matrix.py runs every collective through every transform on both paths.
 """
 
 from __future__ import annotations
 
 import torch
 from torch._C import _functorch
+
+from ._lowered import _GatherAbove, _lowered, _SumAbove, _VaryAbove
 
 
 def _save_level(ctx, inputs):
@@ -284,135 +288,3 @@ def permute(
     if receives is not None:
         out = torch.where(receives.view([-1] + [1] * (t.dim() - bd - 1)), out, out.new_zeros(()))
     return _rewrap(_functorch._add_batch_dim(out, bd, level), peeled, 0)
-
-
-# --- under a grad or jvp inside the per-device function -----------------------------------------
-#
-# A torch.func.grad / vjp / jvp inside the per-device function puts a grad or jvp interpreter
-# above our levels; the primitives then need their per-instance transposes at that level. Rather
-# than functorch's custom_function_call machinery (a generated Function class per call and
-# ~120 us of Python per level), a single-level Function is applied at that level, the way
-# functorch's generate_single_level_function does, whose forward lowers past the interpreter and
-# calls the primitive again; a user vmap above is peeled as the Functions' vmap rule does
-# (``k`` counts the peeled dims). Once only vmaps remain above, the fast path takes over.
-
-_GRAD_LIKE = (_functorch.TransformType.Grad, _functorch.TransformType.Jvp)
-_FUNCTIONALIZE = _functorch.TransformType.Functionalize
-
-
-def _lowered(fn_above, again, x, token, n, level, top, k):
-    """Apply ``fn_above`` at the grad / jvp interpreter on top, or peel the user vmap on top and
-    call ``again`` one level down. None for anything else (the Functions' path)."""
-    if not FAST:
-        return None
-    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
-    from torch._functorch.utils import enable_single_level_autograd_function
-
-    interpreter = retrieve_current_functorch_interpreter()
-    key = interpreter.key()
-    if key in _GRAD_LIKE:
-        with enable_single_level_autograd_function():
-            return fn_above.apply(x, token, n, level, top, k, interpreter)
-    if key == _FUNCTIONALIZE:  # the primitives do not mutate: unwrap, run below, wrap
-        return _under_functionalize(interpreter, again, x, token, n, level, top, k)
-    if key != _VMAP or interpreter.level() <= level:
-        return None
-    lv = interpreter.level()
-    if _functorch.maybe_get_level(x) != lv:  # not batched here: nothing to peel
-        with interpreter.lower():
-            return again(x, token, n, level, top, k)
-    bd = _functorch.maybe_get_bdim(x)
-    x = _functorch.get_unwrapped(x)
-    with interpreter.lower():
-        out = again(x.movedim(bd, 0), token, n, level, top, k + 1)
-    return _functorch._add_batch_dim(out, 0, lv)
-
-
-def _under_functionalize(interpreter, again, x, token, n, level, top, k):
-    from torch._functorch.eager_transforms import (
-        _maybe_unwrap_functional_tensor,
-        _maybe_wrap_functional_tensor,
-    )
-
-    views = interpreter.functionalize_add_back_views()
-    inner = _maybe_unwrap_functional_tensor(x, reapply_views=views)
-    with interpreter.lower():
-        out = again(inner, token, n, level, top, k)
-    return _maybe_wrap_functional_tensor(out, interpreter.level())
-
-
-def _run_lowered(primitive, x, token, n, level, top, k, interpreter):
-    """The forward of a single-level Function: unwrap ``x`` at the interpreter's level, run
-    ``primitive`` below it with grad mode back on (a Function's forward runs without it, and the
-    levels below may differentiate), wrap the result back."""
-    from torch.autograd.forward_ad import _set_fwd_grad_enabled
-
-    own = interpreter.level()
-    inner = _functorch._unwrap_for_grad(x, own)
-    with torch.enable_grad(), _set_fwd_grad_enabled(True), interpreter.lower():
-        out = primitive(inner, token, n, level, top, k)
-    return _functorch._wrap_for_grad(out, own)
-
-
-def _save(ctx, inputs, output):
-    _, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k, _ = inputs
-
-
-_NONES = (None,) * 6
-
-
-class _GatherAbove(torch.autograd.function._SingleLevelFunction):
-    """:func:`gather` at a grad / jvp level; backward keeps the own slice (the transpose)."""
-
-    @staticmethod
-    def forward(x, token, n, level, top, k, interpreter):
-        return _run_lowered(gather, x, token, n, level, top, k, interpreter)
-
-    setup_context = staticmethod(_save)
-
-    @staticmethod
-    def backward(ctx, grad):
-        own = grad.index_select(ctx.k, ctx.token.reshape(1)).squeeze(ctx.k)
-        return (own, *_NONES)
-
-    @staticmethod
-    def jvp(ctx, x_t, *_):
-        return gather(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
-
-
-class _VaryAbove(torch.autograd.function._SingleLevelFunction):
-    """:func:`vary` at a grad / jvp level; backward is the psum over the level (the transpose)."""
-
-    @staticmethod
-    def forward(x, token, n, level, top, k, interpreter):
-        return _run_lowered(vary, x, token, n, level, top, k, interpreter)
-
-    setup_context = staticmethod(_save)
-
-    @staticmethod
-    def backward(ctx, grad):
-        total = gather(grad, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k).sum(ctx.k)
-        return (total, *_NONES)
-
-    @staticmethod
-    def jvp(ctx, x_t, *_):
-        return vary(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
-
-
-class _SumAbove(torch.autograd.function._SingleLevelFunction):
-    """A psum over one level at a grad / jvp level: one Function instead of a gather and a sum
-    recorded there. Backward is the per-instance transpose of psum, pvary: the identity."""
-
-    @staticmethod
-    def forward(x, token, n, level, top, k, interpreter):
-        return _run_lowered(_psum, x, token, n, level, top, k, interpreter)
-
-    setup_context = staticmethod(_save)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, *_NONES)
-
-    @staticmethod
-    def jvp(ctx, x_t, *_):
-        return _psum(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)

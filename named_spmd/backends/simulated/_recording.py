@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .._accounting import CommEvent, needs_grad, on_backward
-from .._torch_private import current_graph_task_id
-from .._tracking import is_inplace, swap_operands, tensor_operands
+from ..._accounting import CommEvent, needs_grad, on_backward
+from ..._torch_private import current_graph_task_id
+from ..._tracking import is_inplace, swap_operands, tensor_operands
 
 # Functions that route through __torch_function__ but compute nothing from their operands.
 _NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})

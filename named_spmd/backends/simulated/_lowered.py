@@ -1,0 +1,147 @@
+"""The simulated backend's level primitives under a grad or jvp *inside* the per-device function.
+
+``_levels``' primitives call :func:`_lowered` when a torch.func.grad / vjp / jvp (or a
+functionalize, or a user vmap over one of those) sits above their level; the single-level
+Functions here apply the primitive at that interpreter and give it its per-instance transpose,
+calling ``_levels``' primitives again one level down. The two modules call each other: this one
+reaches ``_levels`` through the module (``_levels.gather``, ``_levels.FAST``), so it is loaded
+by ``_levels``' own import of it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._C import _functorch
+
+from . import _levels
+
+# --- under a grad or jvp inside the per-device function -----------------------------------------
+#
+# A torch.func.grad / vjp / jvp inside the per-device function puts a grad or jvp interpreter
+# above our levels; the primitives then need their per-instance transposes at that level. Rather
+# than functorch's custom_function_call machinery (a generated Function class per call and
+# ~120 us of Python per level), a single-level Function is applied at that level, the way
+# functorch's generate_single_level_function does, whose forward lowers past the interpreter and
+# calls the primitive again; a user vmap above is peeled as the Functions' vmap rule does
+# (``k`` counts the peeled dims). Once only vmaps remain above, the fast path takes over.
+
+_GRAD_LIKE = (_functorch.TransformType.Grad, _functorch.TransformType.Jvp)
+_FUNCTIONALIZE = _functorch.TransformType.Functionalize
+
+
+def _lowered(fn_above, again, x, token, n, level, top, k):
+    """Apply ``fn_above`` at the grad / jvp interpreter on top, or peel the user vmap on top and
+    call ``again`` one level down. None for anything else (the Functions' path)."""
+    if not _levels.FAST:
+        return None
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+    from torch._functorch.utils import enable_single_level_autograd_function
+
+    interpreter = retrieve_current_functorch_interpreter()
+    key = interpreter.key()
+    if key in _GRAD_LIKE:
+        with enable_single_level_autograd_function():
+            return fn_above.apply(x, token, n, level, top, k, interpreter)
+    if key == _FUNCTIONALIZE:  # the primitives do not mutate: unwrap, run below, wrap
+        return _under_functionalize(interpreter, again, x, token, n, level, top, k)
+    if key != _levels._VMAP or interpreter.level() <= level:
+        return None
+    lv = interpreter.level()
+    if _functorch.maybe_get_level(x) != lv:  # not batched here: nothing to peel
+        with interpreter.lower():
+            return again(x, token, n, level, top, k)
+    bd = _functorch.maybe_get_bdim(x)
+    x = _functorch.get_unwrapped(x)
+    with interpreter.lower():
+        out = again(x.movedim(bd, 0), token, n, level, top, k + 1)
+    return _functorch._add_batch_dim(out, 0, lv)
+
+
+def _under_functionalize(interpreter, again, x, token, n, level, top, k):
+    from torch._functorch.eager_transforms import (
+        _maybe_unwrap_functional_tensor,
+        _maybe_wrap_functional_tensor,
+    )
+
+    views = interpreter.functionalize_add_back_views()
+    inner = _maybe_unwrap_functional_tensor(x, reapply_views=views)
+    with interpreter.lower():
+        out = again(inner, token, n, level, top, k)
+    return _maybe_wrap_functional_tensor(out, interpreter.level())
+
+
+def _run_lowered(primitive, x, token, n, level, top, k, interpreter):
+    """The forward of a single-level Function: unwrap ``x`` at the interpreter's level, run
+    ``primitive`` below it with grad mode back on (a Function's forward runs without it, and the
+    levels below may differentiate), wrap the result back."""
+    from torch.autograd.forward_ad import _set_fwd_grad_enabled
+
+    own = interpreter.level()
+    inner = _functorch._unwrap_for_grad(x, own)
+    with torch.enable_grad(), _set_fwd_grad_enabled(True), interpreter.lower():
+        out = primitive(inner, token, n, level, top, k)
+    return _functorch._wrap_for_grad(out, own)
+
+
+def _save(ctx, inputs, output):
+    _, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k, _ = inputs
+
+
+_NONES = (None,) * 6
+
+
+class _GatherAbove(torch.autograd.function._SingleLevelFunction):
+    """:func:`gather` at a grad / jvp level; backward keeps the own slice (the transpose)."""
+
+    @staticmethod
+    def forward(x, token, n, level, top, k, interpreter):
+        return _run_lowered(_levels.gather, x, token, n, level, top, k, interpreter)
+
+    setup_context = staticmethod(_save)
+
+    @staticmethod
+    def backward(ctx, grad):
+        own = grad.index_select(ctx.k, ctx.token.reshape(1)).squeeze(ctx.k)
+        return (own, *_NONES)
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return _levels.gather(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
+
+
+class _VaryAbove(torch.autograd.function._SingleLevelFunction):
+    """:func:`vary` at a grad / jvp level; backward is the psum over the level (the transpose)."""
+
+    @staticmethod
+    def forward(x, token, n, level, top, k, interpreter):
+        return _run_lowered(_levels.vary, x, token, n, level, top, k, interpreter)
+
+    setup_context = staticmethod(_save)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = _levels.gather(grad, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k).sum(ctx.k)
+        return (total, *_NONES)
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return _levels.vary(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
+
+
+class _SumAbove(torch.autograd.function._SingleLevelFunction):
+    """A psum over one level at a grad / jvp level: one Function instead of a gather and a sum
+    recorded there. Backward is the per-instance transpose of psum, pvary: the identity."""
+
+    @staticmethod
+    def forward(x, token, n, level, top, k, interpreter):
+        return _run_lowered(_levels._psum, x, token, n, level, top, k, interpreter)
+
+    setup_context = staticmethod(_save)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *_NONES)
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return _levels._psum(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)

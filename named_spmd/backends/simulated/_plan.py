@@ -1,0 +1,97 @@
+"""Plans of the simulated backend: the vmap nesting order and how inputs enter and outputs leave.
+
+What only depends on the mesh, the specs and the shapes (the nesting order, how each input is
+viewed as [mesh dims, *local] and each output assembled back) is computed once and cached:
+per call that Python costs more than the vmap itself on small operands. The block geometry itself
+is ``named_spmd._layout``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..._layout import physical_layout
+from ..._mesh import Mesh
+from ..._spec import PartitionSpec
+
+
+def _default_order(mesh: Mesh, sized: Sequence[tuple[int, PartitionSpec]]) -> list[str]:
+    """Mesh axes outermost first, for inputs of ``sized`` = (bytes, spec). Innermost is the axis
+    with the most input bytes replicated over it: vmap then batches the large replicated
+    operands (weights) last, so they are not copied once per outer instance (3.8x versus
+    1.1-1.2x measured; docs/design.md section 5)."""
+    replicated = dict.fromkeys(mesh.axis_names, 0)
+    for nbytes, spec in sized:
+        named = set(spec.axes)
+        per_instance = nbytes // max(1, math.prod(mesh.shape[b] for b in named))
+        for a in mesh.axis_names:
+            if a not in named:
+                replicated[a] += per_instance
+    order = list(mesh.axis_names)
+    return sorted(order, key=lambda a: (replicated[a], -order.index(a)))
+
+
+# The caches key on the mesh's (name, size) items as well as the mesh: Mesh equality ignores
+# the axis order, which the plans depend on.
+@functools.lru_cache(maxsize=1024)
+def _input_plan(axes: tuple, mesh: Mesh, inputs: tuple, order: tuple[str, ...] | None) -> tuple:
+    """For ``inputs`` = ((shape, itemsize, spec) per tensor leaf): (nesting order, and per
+    input: reshape, permutation (None: identity), the axes it is batched at)."""
+    if order is None:
+        sized = [(math.prod(shape) * size, spec) for shape, size, spec in inputs]
+        order = tuple(_default_order(mesh, sized))
+    plans = []
+    for shape, _, spec in inputs:
+        split, perm = physical_layout(shape, spec, mesh._shape, order)
+        plans.append((split, None if perm == sorted(perm) else perm, frozenset(spec.axes)))
+    return order, plans
+
+
+@functools.lru_cache(maxsize=1024)
+def _output_plan(
+    shape: tuple[int, ...], present: tuple[str, ...], spec: PartitionSpec, axes: tuple, mesh: Mesh
+) -> tuple:
+    """How :func:`from_physical` assembles: (instance-0 index or None, sizes of the dims to tile
+    in front, permutation (None: identity), final sizes)."""
+    named = set(spec.axes)
+    kept = [a for a in present if a in named]
+    index = None
+    shape_list = list(shape)
+    if len(kept) < len(present):  # varying over an unnamed axis (check_vma=False): instance 0
+        index = tuple(slice(None) if a in named else 0 for a in present)
+        shape_list = [s for a, s in zip(present, shape) if a in named] + shape_list[len(present) :]
+    tiles = []
+    for a in sorted(named.difference(kept)):  # invariant over a named axis: identical blocks
+        tiles.append(mesh.shape[a])
+        kept.insert(0, a)
+        shape_list.insert(0, mesh.shape[a])
+    perm: list[int] = []
+    sizes: list[int] = []
+    for d in range(len(shape_list) - len(kept)):
+        group = [kept.index(a) for a in spec.entry_axes(d)] + [len(kept) + d]
+        perm.extend(group)
+        sizes.append(math.prod(shape_list[i] for i in group))
+    return index, tiles, None if perm == sorted(perm) else perm, sizes
+
+
+def from_physical(
+    y: torch.Tensor, present: Sequence[str], spec: PartitionSpec, mesh: Mesh
+) -> torch.Tensor:
+    """[one dim per axis of ``present`` (nesting order), *local] -> global tensor per ``spec``.
+
+    ``present`` are the axes the output is batched at. An axis the spec does not name contributes
+    its instance-0 copy (invariant when checked); an axis the spec names but the output is
+    invariant over is tiled."""
+    axes = tuple(mesh.shape.items())
+    index, tiles, perm, sizes = _output_plan(tuple(y.shape), tuple(present), spec, axes, mesh)
+    if index is not None:
+        y = y[index]
+    for n in tiles:  # each new one in front: the last one leads, as in the plan
+        y = y.expand(n, *y.shape)
+    if perm is not None:
+        y = y.permute(perm)
+    return y.reshape(sizes)  # a list: rank-0 outputs have no dims
