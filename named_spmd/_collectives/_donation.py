@@ -54,7 +54,16 @@ def _donatable(x: torch.Tensor, refs: int) -> bool:
     if limits is None:
         return False
     counts = _counts(x, refs)
-    return counts is not None and all(c <= m for c, m in zip(counts, limits))
+    if counts is None:
+        return False
+    refs, uses, storage_uses, storage_refs = counts  # compared one by one: a hot path
+    max_refs, max_uses, max_storage_uses, max_storage_refs = limits
+    return (
+        refs <= max_refs
+        and uses <= max_uses
+        and storage_uses <= max_storage_uses
+        and storage_refs <= max_storage_refs
+    )
 
 
 def calibrate() -> None:

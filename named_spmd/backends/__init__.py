@@ -71,7 +71,7 @@ def backend_for(mesh: Mesh) -> Backend:
         module = sys.modules.get(name)
         if module is not None and module.BACKEND.accepts(mesh):
             return module.BACKEND
-    default = importlib.import_module(_MODULES[-1]).BACKEND
+    default = (sys.modules.get(_MODULES[-1]) or importlib.import_module(_MODULES[-1])).BACKEND
     if not default.accepts(mesh):
         raise SpmdError(f"no named_spmd backend runs calls on {mesh!r}")
     return default

@@ -54,7 +54,6 @@ class SimulatedContext(SpmdContext):
         self.recorder: Any = None  # the ImplicitPvaryRecorder while a CommMode records
         self._vma_of: torch.Tensor | None = None
         self._vma: Vma = INVARIANT
-        self._vma_by_axes: dict[tuple[str, ...], Vma] = {}
 
     def vma(self, x: torch.Tensor) -> Vma:
         # Collectives ask about the same operand several times in a row: remember the last one
@@ -62,9 +61,9 @@ class SimulatedContext(SpmdContext):
         if x is self._vma_of:
             return self._vma
         axes = self._batched_axes(x)
-        vma = self._vma_by_axes.get(axes)
+        vma = _VMA_OF.get(axes)
         if vma is None:
-            vma = self._vma_by_axes[axes] = Vma.of(axes)
+            vma = _VMA_OF[axes] = Vma.of(axes)
         self._vma_of, self._vma = x, vma
         return vma
 
@@ -170,6 +169,8 @@ class SimulatedContext(SpmdContext):
 
 
 _REDUCE = {"sum": "sum", "max": "amax", "min": "amin"}
+# The type of each tuple of batched axes, as _batched_axes finds them (types are interned).
+_VMA_OF: dict[tuple[str, ...], Vma] = {}
 
 
 @functools.lru_cache(maxsize=256)  # programs use a handful of permutations
