@@ -28,7 +28,7 @@ maybe_get_level = functorch.maybe_get_level
 maybe_get_bdim = functorch.maybe_get_bdim
 get_unwrapped = functorch.get_unwrapped
 is_batchedtensor = functorch.is_batchedtensor
-is_functorch_wrapped = functorch.is_functorch_wrapped_tensor
+is_transform_wrapped = functorch.is_functorch_wrapped_tensor
 maybe_current_level = functorch.maybe_current_level
 get_interpreter_stack = functorch.get_interpreter_stack
 add_batch_dim = functorch._add_batch_dim
@@ -103,7 +103,7 @@ def queue_callback(fn: Any) -> None:
 DisableTorchFunction = torch._C.DisableTorchFunction
 
 # --- reference counts: may a buffer be overwritten in place? ----------------------------------
-getrefcount = sys.getrefcount
+refcount = sys.getrefcount  # the Python reference count of an object (CPython)
 
 
 def use_counts(x: torch.Tensor) -> tuple[int, int, int]:

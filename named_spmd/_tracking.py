@@ -22,7 +22,7 @@ from ._collectives._record import implicit_pvary
 from ._context import SpmdContext
 from ._errors import VmaError
 from ._torch_private import get_unwrapped as _unwrap
-from ._torch_private import is_functorch_wrapped as _is_wrapped
+from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._types import INVARIANT, Vma
 
 Tensor = torch.Tensor

@@ -9,7 +9,7 @@ storage object), compared with those of a temporary sent through the very same c
 storage all add one, and so does a held ``x.untyped_storage()`` to the last count (torch keeps
 one storage object per storage: holding it adds no storage use). If the interpreter does not
 count a named variable apart from a temporary, donation stays off. ``Collective.bind`` reads
-``getrefcount`` first thing, which is the frame depth the probe measures.
+the reference count first thing, which is the frame depth the probe measures.
 """
 
 from __future__ import annotations

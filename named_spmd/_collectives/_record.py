@@ -31,7 +31,7 @@ import torch
 from .._accounting import CommEvent, on_backward, record, recording
 from .._context import Axes, SpmdContext, current
 from .._errors import CollectiveError, VmaError
-from .._torch_private import getrefcount
+from .._torch_private import refcount
 from .._types import Vma, VType
 from . import _donation
 
@@ -76,7 +76,7 @@ class Collective:
 
     def bind(self, x: Any, axis_name: Any, *args: Any) -> Any:
         """Apply the collective to ``x`` (a tensor or a pytree of tensors) in the active call."""
-        refs = getrefcount(x)  # first thing: the donation rule compares it with a temporary's
+        refs = refcount(x)  # first thing: the donation rule compares it with a temporary's
         ctx = current(self.name)
         axes = ctx.check_axes(axis_name, self.name)
         params = self.prepare(ctx, axes, *args) if self.prepare is not None else args

@@ -49,10 +49,10 @@ class Comm:
         self._to_group = None if identity else torch.tensor(to_group)
         self._from_group = None if identity else torch.argsort(torch.tensor(to_group))
         self.key = "+".join(sorted(axes)) + f"@{min(group_ranks)}"
-        # the single-tensor process-group methods (names changed in torch 2.12)
-        self._gather = getattr(group, "all_gather_single", None) or group._allgather_base
-        self._scatter = getattr(group, "reduce_scatter_single", None) or group._reduce_scatter_base
-        self._a2a = getattr(group, "all_to_all_single", None) or group.alltoall_base
+        # the single-tensor process-group methods (their public names since torch 2.12)
+        self._gather = group.all_gather_single
+        self._scatter = group.reduce_scatter_single
+        self._a2a = group.all_to_all_single
         self._opts = {op: self._reduce_opts(op) for op in (SUM, MAX, MIN)}
         self._async_sum = self._reduce_opts(SUM)
         self._async_sum.asyncOp = True  # on CUDA too: NCCL's own stream, joined at the wait

@@ -37,7 +37,7 @@ _BASELINE: list[tuple[int, int, int, int]] = []
 
 
 def _refs(g: torch.Tensor) -> int:
-    return P.getrefcount(g)
+    return P.refcount(g)
 
 
 def _counts(g: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -58,7 +58,7 @@ def _exclusive(g: torch.Tensor, probe: bool = False) -> bool:
         return False
     if type(g) is not torch.Tensor:  # a wrapper (subclass): its storage is not what we count
         return False
-    if g._base is not None or not g.is_contiguous() or P.is_functorch_wrapped(g):
+    if g._base is not None or not g.is_contiguous() or P.is_transform_wrapped(g):
         return False
     counts = _counts(g)
     if counts is None or not _BASELINE or _BASELINE[0] is None:

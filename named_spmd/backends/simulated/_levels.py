@@ -27,8 +27,8 @@ tests/test_levels_matrix.py runs every collective through every transform on bot
 from __future__ import annotations
 
 import torch
-from torch._C import _functorch
 
+from ... import _torch_private as P
 from ._lowered import _GatherAbove, _lowered, _SumAbove, _VaryAbove
 
 
@@ -119,7 +119,7 @@ class VaryLevel(torch.autograd.Function):
 # interpreter above the token's level (torch.func.grad inside the per-device function) needs the
 # per-instance transposes of the Functions, so it takes the slow path.
 
-_VMAP = _functorch.TransformType.Vmap
+_VMAP = P.TransformType.Vmap
 FAST = True  # False: every primitive through the Functions above (the tests run both)
 
 
@@ -129,10 +129,10 @@ def vmaps_only_above(level: int, known_top: int) -> bool:
     ``known_top`` is a level known to be a vmap with only vmaps between it and ``level`` (the
     simulation's innermost level): functorch levels are stack depths, so while the current level
     is ``known_top`` the stack above ``level`` is exactly that."""
-    top = _functorch.maybe_current_level()
+    top = P.maybe_current_level()
     if top == known_top:
         return True
-    return all(i.key() == _VMAP for i in _functorch.get_interpreter_stack() if i.level() > level)
+    return all(i.key() == _VMAP for i in P.get_interpreter_stack() if i.level() > level)
 
 
 def _peel(x: torch.Tensor, level: int) -> tuple[torch.Tensor, int, list[tuple[int, int]]] | None:
@@ -141,20 +141,20 @@ def _peel(x: torch.Tensor, level: int) -> tuple[torch.Tensor, int, list[tuple[in
 
     None if a non-vmap wrapper sits above ``level`` (the caller then takes the slow path)."""
     peeled = []
-    lv = _functorch.maybe_get_level(x)
+    lv = P.maybe_get_level(x)
     while lv > level:
-        if not _functorch.is_batchedtensor(x):
+        if not P.is_batchedtensor(x):
             return None
-        peeled.append((lv, _functorch.maybe_get_bdim(x)))
-        x = _functorch.get_unwrapped(x)
-        lv = _functorch.maybe_get_level(x)
+        peeled.append((lv, P.maybe_get_bdim(x)))
+        x = P.get_unwrapped(x)
+        lv = P.maybe_get_level(x)
     return x, lv, peeled
 
 
 def _rewrap(x: torch.Tensor, peeled: list[tuple[int, int]], shift: int) -> torch.Tensor:
     # ``shift``: dims the result gained in front of the peeled levels' view of it.
     for lv, bd in reversed(peeled):
-        x = _functorch._add_batch_dim(x, bd + shift, lv)
+        x = P.add_batch_dim(x, bd + shift, lv)
     return x
 
 
@@ -167,8 +167,8 @@ def _stacked_at(x: torch.Tensor, n: int, level: int, top: int) -> torch.Tensor |
         return None
     t, lv, peeled = found
     if lv == level:  # batched here: its dim is the stack
-        bd = _functorch.maybe_get_bdim(t)
-        t = _functorch.get_unwrapped(t)
+        bd = P.maybe_get_bdim(t)
+        t = P.get_unwrapped(t)
         stacked = t if bd == 0 else t.movedim(bd, 0)
     else:  # invariant here: n identical copies
         stacked = t.expand(n, *t.shape)
@@ -199,8 +199,8 @@ def reduce_varying(x: torch.Tensor, level: int, top: int, reduce: str) -> torch.
     if found is None or found[1] != level:
         return None
     t, _, peeled = found
-    bd = _functorch.maybe_get_bdim(t)
-    return _rewrap(getattr(_functorch.get_unwrapped(t), reduce)(bd), peeled, 0)
+    bd = P.maybe_get_bdim(t)
+    return _rewrap(getattr(P.get_unwrapped(t), reduce)(bd), peeled, 0)
 
 
 def gather_reduce(
@@ -223,16 +223,16 @@ def vary(
 ) -> torch.Tensor:
     """Invariant over ``token``'s level -> varying broadcast (an expand, no copy)."""
     if FAST:
-        if _functorch.maybe_get_level(x) < level and _functorch.maybe_current_level() == top:
+        if P.maybe_get_level(x) < level and P.maybe_current_level() == top:
             # The common case, inlined: batched at nothing from here up, under our levels only.
-            return _functorch._add_batch_dim(x.expand(n, *x.shape), 0, level)
+            return P.add_batch_dim(x.expand(n, *x.shape), 0, level)
         if vmaps_only_above(level, top):
             found = _peel(x, level)
             if found is not None:
                 t, lv, peeled = found
                 if lv == level:  # already varying
                     return x
-                copies = _functorch._add_batch_dim(t.expand(n, *t.shape), 0, level)
+                copies = P.add_batch_dim(t.expand(n, *t.shape), 0, level)
                 return _rewrap(copies, peeled, 0)
     out = _lowered(_VaryAbove, vary, x, token, n, level, top, k)
     return VaryLevel.apply(x, token, k) if out is None else out
@@ -250,21 +250,21 @@ def scatter(stacked: torch.Tensor, dim: int, level: int, top: int) -> torch.Tens
     peeled = []
     x, d = stacked, dim
     while True:  # peel the levels above, tracking where ``dim`` sits in each one's value
-        lv = _functorch.maybe_get_level(x)
+        lv = P.maybe_get_level(x)
         if lv <= level:
             break
-        if not _functorch.is_batchedtensor(x):
+        if not P.is_batchedtensor(x):
             return None
-        bd = _functorch.maybe_get_bdim(x)
+        bd = P.maybe_get_bdim(x)
         if bd <= d:
             d += 1
         peeled.append((lv, bd, d))
-        x = _functorch.get_unwrapped(x)
+        x = P.get_unwrapped(x)
     if lv == level:  # already varying over the level: not a stack of it
         return None
-    x = _functorch._add_batch_dim(x, d, level)
+    x = P.add_batch_dim(x, d, level)
     for lv, bd, d in reversed(peeled):  # ``dim`` is gone from each value: later dims shift
-        x = _functorch._add_batch_dim(x, bd - 1 if bd > d else bd, lv)
+        x = P.add_batch_dim(x, bd - 1 if bd > d else bd, lv)
     return x
 
 
@@ -282,9 +282,9 @@ def permute(
     t, lv, peeled = found
     if lv != level:
         return None
-    bd = _functorch.maybe_get_bdim(t)
-    t = _functorch.get_unwrapped(t)
+    bd = P.maybe_get_bdim(t)
+    t = P.get_unwrapped(t)
     out = t.index_select(bd, source)
     if receives is not None:
         out = torch.where(receives.view([-1] + [1] * (t.dim() - bd - 1)), out, out.new_zeros(()))
-    return _rewrap(_functorch._add_batch_dim(out, bd, level), peeled, 0)
+    return _rewrap(P.add_batch_dim(out, bd, level), peeled, 0)

@@ -11,8 +11,8 @@ by ``_levels``' own import of it.
 from __future__ import annotations
 
 import torch
-from torch._C import _functorch
 
+from ... import _torch_private as P
 from . import _levels
 
 # --- under a grad or jvp inside the per-device function -----------------------------------------
@@ -25,8 +25,8 @@ from . import _levels
 # calls the primitive again; a user vmap above is peeled as the Functions' vmap rule does
 # (``k`` counts the peeled dims). Once only vmaps remain above, the fast path takes over.
 
-_GRAD_LIKE = (_functorch.TransformType.Grad, _functorch.TransformType.Jvp)
-_FUNCTIONALIZE = _functorch.TransformType.Functionalize
+_GRAD_LIKE = (P.TransformType.Grad, P.TransformType.Jvp)
+_FUNCTIONALIZE = P.TransformType.Functionalize
 
 
 def _lowered(fn_above, again, x, token, n, level, top, k):
@@ -34,53 +34,43 @@ def _lowered(fn_above, again, x, token, n, level, top, k):
     call ``again`` one level down. None for anything else (the Functions' path)."""
     if not _levels.FAST:
         return None
-    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
-    from torch._functorch.utils import enable_single_level_autograd_function
-
-    interpreter = retrieve_current_functorch_interpreter()
+    interpreter = P.current_interpreter()
     key = interpreter.key()
     if key in _GRAD_LIKE:
-        with enable_single_level_autograd_function():
+        with P.single_level_functions():
             return fn_above.apply(x, token, n, level, top, k, interpreter)
     if key == _FUNCTIONALIZE:  # the primitives do not mutate: unwrap, run below, wrap
         return _under_functionalize(interpreter, again, x, token, n, level, top, k)
     if key != _levels._VMAP or interpreter.level() <= level:
         return None
     lv = interpreter.level()
-    if _functorch.maybe_get_level(x) != lv:  # not batched here: nothing to peel
+    if P.maybe_get_level(x) != lv:  # not batched here: nothing to peel
         with interpreter.lower():
             return again(x, token, n, level, top, k)
-    bd = _functorch.maybe_get_bdim(x)
-    x = _functorch.get_unwrapped(x)
+    bd = P.maybe_get_bdim(x)
+    x = P.get_unwrapped(x)
     with interpreter.lower():
         out = again(x.movedim(bd, 0), token, n, level, top, k + 1)
-    return _functorch._add_batch_dim(out, 0, lv)
+    return P.add_batch_dim(out, 0, lv)
 
 
 def _under_functionalize(interpreter, again, x, token, n, level, top, k):
-    from torch._functorch.eager_transforms import (
-        _maybe_unwrap_functional_tensor,
-        _maybe_wrap_functional_tensor,
-    )
-
     views = interpreter.functionalize_add_back_views()
-    inner = _maybe_unwrap_functional_tensor(x, reapply_views=views)
+    inner = P.functional_unwrap(x, reapply_views=views)
     with interpreter.lower():
         out = again(inner, token, n, level, top, k)
-    return _maybe_wrap_functional_tensor(out, interpreter.level())
+    return P.functional_wrap(out, interpreter.level())
 
 
 def _run_lowered(primitive, x, token, n, level, top, k, interpreter):
     """The forward of a single-level Function: unwrap ``x`` at the interpreter's level, run
     ``primitive`` below it with grad mode back on (a Function's forward runs without it, and the
     levels below may differentiate), wrap the result back."""
-    from torch.autograd.forward_ad import _set_fwd_grad_enabled
-
     own = interpreter.level()
-    inner = _functorch._unwrap_for_grad(x, own)
-    with torch.enable_grad(), _set_fwd_grad_enabled(True), interpreter.lower():
+    inner = P.unwrap_for_grad(x, own)
+    with torch.enable_grad(), P.set_fwd_grad_enabled(True), interpreter.lower():
         out = primitive(inner, token, n, level, top, k)
-    return _functorch._wrap_for_grad(out, own)
+    return P.wrap_for_grad(out, own)
 
 
 def _save(ctx, inputs, output):
@@ -90,7 +80,7 @@ def _save(ctx, inputs, output):
 _NONES = (None,) * 6
 
 
-class _GatherAbove(torch.autograd.function._SingleLevelFunction):
+class _GatherAbove(P.SingleLevelFunction):
     """:func:`gather` at a grad / jvp level; backward keeps the own slice (the transpose)."""
 
     @staticmethod
@@ -109,7 +99,7 @@ class _GatherAbove(torch.autograd.function._SingleLevelFunction):
         return _levels.gather(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
 
 
-class _VaryAbove(torch.autograd.function._SingleLevelFunction):
+class _VaryAbove(P.SingleLevelFunction):
     """:func:`vary` at a grad / jvp level; backward is the psum over the level (the transpose)."""
 
     @staticmethod
@@ -128,7 +118,7 @@ class _VaryAbove(torch.autograd.function._SingleLevelFunction):
         return _levels.vary(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
 
 
-class _SumAbove(torch.autograd.function._SingleLevelFunction):
+class _SumAbove(P.SingleLevelFunction):
     """A psum over one level at a grad / jvp level: one Function instead of a gather and a sum
     recorded there. Backward is the per-instance transpose of psum, pvary: the identity."""
 
