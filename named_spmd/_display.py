@@ -1,8 +1,8 @@
 """Text and HTML renderings: the ``visualize`` entry point and the ``RENDERERS`` registry.
 
 ``RENDERERS`` holds the renderers of value types, specs, meshes, communication tables and check
-reports; the value types reach them through ``_types.render`` (this module is a higher layer,
-loaded on first use). Every view is an object with ``__repr__`` / ``__str__`` (a terminal) and
+reports; the value types reach them through ``_types.render`` (this module is a higher layer:
+it registers them in ``_types.RENDERERS`` when the package loads). Every view is an object with ``__repr__`` / ``__str__`` (a terminal) and
 ``_repr_html_`` (Jupyter), so ``ns.visualize(...)`` as the last line of a cell renders as a table
 and ``print(...)`` of it as aligned text. The layout and mesh views themselves are ``_views``'.
 """
@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import _types
 from ._errors import SpecError
 from ._mesh import Mesh
 from ._spec import PartitionSpec
@@ -213,7 +214,7 @@ def check_report_html(report: Any) -> str:
     )
 
 
-RENDERERS = {
+RENDERERS = {  # registered with _types, which value types render through
     "vtype_html": vtype_html,
     "mesh_html": mesh_html,
     "spec_html": spec_html,
@@ -222,6 +223,7 @@ RENDERERS = {
     "check_text": check_report_text,
     "check_html": check_report_html,
 }
+_types.RENDERERS.update(RENDERERS)
 
 __all__ = [
     "RENDERERS",

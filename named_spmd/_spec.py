@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ._errors import SpecError
+from ._errors import SpecError, suggest
 from ._types import render
 
 SpecEntry = None | str | tuple[str, ...]
@@ -83,8 +83,6 @@ _fits: set[tuple] = set()
 def _spec_problems(
     spec: PartitionSpec, shape: tuple[int, ...], mesh_shape: Mapping[str, int], where: str
 ) -> list[str]:
-    from ._errors import suggest
-
     problems = []
     if len(spec) > len(shape):
         problems.append(

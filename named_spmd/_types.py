@@ -9,7 +9,7 @@ the design's "what comes next") is added here without touching the rules' users.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -195,9 +195,11 @@ class VType:
         return render("vtype_html", self)
 
 
-def render(kind: str, value: Any) -> str:
-    """The one way value types reach the renderers (``_display``, a higher layer, loaded on
-    first use): ``kind`` names one of ``_display.RENDERERS``."""
-    from . import _display
+#: Renderers by kind ("vtype_html", "check_text", ...). ``_display``, a higher layer, fills this
+#: when the package loads, so value types render without importing upward.
+RENDERERS: dict[str, Callable[[Any], str]] = {}
 
-    return _display.RENDERERS[kind](value)
+
+def render(kind: str, value: Any) -> str:
+    """The one way value types reach the renderers registered in :data:`RENDERERS`."""
+    return RENDERERS[kind](value)

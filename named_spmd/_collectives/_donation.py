@@ -14,16 +14,21 @@ the reference count first thing, which is the frame depth the probe measures.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .. import _accounting, _context
 from .._context import SpmdContext
 from .._mesh import Mesh
 from .._torch_private import DisableTorchFunction, use_counts
 from .._types import Vma
 
 _LIMITS: list[tuple[int, int, int, int] | None] = []  # [limits] once calibrated
+#: The donating reductions (psum, pmean, pmax, pmin), registered by ``reductions`` when it loads:
+#: the chain a temporary is measured through is theirs.
+PROBED_OPS: list[Callable[[Any, str], Any]] = []
 _probed: list[tuple[int, int, int, int]] | None = None  # counts seen while calibrating
 
 
@@ -70,13 +75,10 @@ def calibrate() -> None:
     """Send a temporary and a named operand through every donating reduction once (on a
     two-instance probe backend that moves no data) and keep the temporaries' counts."""
     global _probed
-    from .. import _accounting, _context
-    from . import reductions  # the chain being measured: same package, defined after this
-
     temps, named = [], []
     saved_modes = _accounting.suspend()  # a CommMode around the first call must not see these
     try:
-        for op in (reductions.psum, reductions.pmean, reductions.pmax, reductions.pmin):
+        for op in PROBED_OPS:
             for seen, temporary in ((temps, True), (named, False)):
                 _probed = []
                 ctx = _Probe()

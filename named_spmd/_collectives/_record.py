@@ -29,6 +29,7 @@ import optree
 import torch
 
 from .._accounting import CommEvent, on_backward, record, recording
+from .._autodiff import differentiable
 from .._context import Axes, SpmdContext, current
 from .._errors import CollectiveError, VmaError
 from .._torch_private import refcount
@@ -163,8 +164,6 @@ def backward_op(name: str) -> Callable[[Params], str]:
 
 
 def _pvary_transpose(ctx: SpmdContext, g: Tensor, axes: Axes, params: Params, node) -> Tensor:
-    from .._autodiff import differentiable
-
     if differentiable(g):
         return ctx.apply(RECORDS["psum"], g, axes, ())
     return ctx.psum_in_backward(g, axes, node)
