@@ -8,6 +8,12 @@ and its message. A failing rank that exits closes its sockets, so its peers get 
 once; that error is translated the same way. A rank that neither fails nor arrives is waited for
 at most ``NAMED_SPMD_TIMEOUT`` seconds (default 1800).
 
+Every rank that learns of a failure (by posting its own or by reading a peer's) counts itself in
+the store, and a failing rank re-raises only once every rank of the mesh has counted itself, or
+after ``ACK_S`` seconds. Without that wait the failing process exits at once and a launcher such
+as torchrun terminates its peers before they print which rank failed (seen under load: 1 of the 3
+peers killed first in a 4-process job).
+
 Debug mode (``NAMED_SPMD_DEBUG=1`` or :func:`set_debug`) additionally exchanges a signature of
 every collective (op, axes, shape, dtype, arguments) through the store before running it, so that
 ranks that call different collectives, or the same one with different shapes, get a
@@ -23,6 +29,7 @@ from typing import Any
 from .._errors import RankFailedError, SpmdError
 
 POLL_S = 0.2  # how often a rank blocked in a collective looks for a posted failure
+ACK_S = 5.0  # how long a failing rank waits for its peers to learn of the failure
 _debug_override: bool | None = None
 
 
@@ -54,21 +61,39 @@ def _is_timeout(e: BaseException) -> bool:
 class FailureBoard:
     """One mesh's failure record in the store, and the rank's view of the current call."""
 
-    def __init__(self, store: Any, rank: int, mesh_key: str, coords_of):
+    def __init__(self, store: Any, rank: int, size: int, mesh_key: str, coords_of):
         self.store = store
         self.rank = rank
+        self.size = size  # ranks in the mesh
         self.key = f"named_spmd/{mesh_key}/failure"
         self.coords_of = coords_of  # global rank -> {axis: coordinate}
         self.seq = 0  # spmd_map calls on this mesh so far (identical on every rank)
         self.debug_counts: dict[str, int] = {}
+        self._acknowledged: set[int] = set()  # calls whose failure this rank has counted
 
     # --- posting and reading ------------------------------------------------------------------
     def post(self, exc: BaseException) -> None:
+        """Post this rank's error, then wait (at most ``ACK_S``) until every rank knows of it."""
         text = f"{type(exc).__name__}: {exc}".strip()
         try:
             self.store.set(self.key, f"{self.seq}\n{self.rank}\n{text[:4000]}")
+            self._acknowledge(self.seq)
+            deadline = time.monotonic() + ACK_S
+            while self._acknowledgements(self.seq) < self.size and time.monotonic() < deadline:
+                time.sleep(0.01)
         except Exception:  # noqa: BLE001 - the store may be gone already; the error still raises
             pass
+
+    def _ack_key(self, seq: int) -> str:
+        return f"{self.key}/known/{seq}"
+
+    def _acknowledge(self, seq: int) -> None:
+        if seq not in self._acknowledged:
+            self._acknowledged.add(seq)
+            self.store.add(self._ack_key(seq), 1)
+
+    def _acknowledgements(self, seq: int) -> int:
+        return self.store.add(self._ack_key(seq), 0)
 
     def read(self) -> tuple[int, int, str] | None:
         try:
@@ -81,6 +106,10 @@ class FailureBoard:
 
     def error(self, failure: tuple[int, int, str], while_doing: str) -> RankFailedError:
         seq, rank, text = failure
+        try:
+            self._acknowledge(seq)  # the failing rank waits for this before it exits
+        except Exception:  # noqa: BLE001 - the store's host exited; the error is raised anyway
+            pass
         coords = self.coords_of(rank)
         where = ", ".join(f"{a}={c}" for a, c in coords.items())
         return RankFailedError(

@@ -98,7 +98,7 @@ class DistributedMesh(Mesh):
         self.dtensor_specs: dict = {}  # (placements, shape, stride, dtype) -> DTensorSpec
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
         store = P.dist().default_store()
-        self.board = FailureBoard(store, self.rank, key, self.coords_of)
+        self.board = FailureBoard(store, self.rank, self.grid.numel(), key, self.coords_of)
 
     def coords_of(self, rank: int) -> dict[str, int]:
         where = (self.grid == rank).nonzero()
