@@ -3,9 +3,9 @@
 Every instance of the mesh runs the per-device function in its own Python thread, on its own
 block of the global inputs, exactly as a device would. Collectives exchange whole values through a
 barrier and compute their result from the group's values with plain torch ops written from the
-definitions in DESIGN.md section 3 (and JAX's documentation for the untiled conventions). Nothing
-here uses named_spmd's slicing, vmap levels or collective code: only ``P`` as a container type and
-the mesh's ``{name: size}`` dict.
+definitions in docs/design.md section 3 (and JAX's documentation for the untiled conventions).
+Nothing here uses named_spmd's slicing, vmap levels or collective code: only ``P`` as a container
+type and the mesh's ``{name: size}`` dict.
 
 Programs are written against a *namespace* ``o`` that has the collectives as attributes, so the
 same program runs on ``named_spmd`` itself and on :data:`REF` (and, in the JAX oracle, on

@@ -1,8 +1,8 @@
 """Communication accounting: CommMode pins the logical collectives, forward and backward.
 
 On the simulated backend nothing is sent, so these counts are what a real mesh runs: each
-collective's transpose (DESIGN.md section 3) and the backward psum of every implicit pvary, once
-per (tensor, axes) per call however many ops use the tensor (section 4).
+collective's transpose (docs/design.md section 3) and the backward psum of every implicit pvary,
+once per (tensor, axes) per call however many ops use the tensor (section 4).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each collective is run alone, between two nonlinear elementwise maps, through every transform
 (autograd and torch.func outside, a user vmap / grad / vjp / jvp inside the per-device function,
 double backward, jacrev, jacfwd, functionalize) and compared with the same transform applied to a
-dense single-device program written by hand from DESIGN.md section 3, in float64.
+dense single-device program written by hand from docs/design.md section 3, in float64.
 
 The whole matrix runs twice: on the fast path (direct unwrapping of vmap levels, taken when only
 vmaps sit above the collective's level) and with the fast path disabled (the autograd.Function

@@ -1,4 +1,5 @@
-"""vma inference (DESIGN.md section 2 and the table of section 3), the out_specs check, check_vma.
+"""vma inference (docs/design.md section 2 and the table of section 3), the out_specs check,
+check_vma.
 
 Inside spmd_map the per-device function runs once per simulated call, so a closure can record
 ``ns.vma`` of intermediate values; each test compares those with the rule.
