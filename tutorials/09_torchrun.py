@@ -49,7 +49,6 @@ import named_spmd as ns
 
 # %%
 SCRIPT = """
-import os
 import sys
 
 import torch
@@ -98,9 +97,6 @@ def main(out_path):
             out_path,
         )
     dist.destroy_process_group()
-    # torch 2.13's gloo worker threads can abort a process in interpreter teardown (a torch
-    # bug, docs/design.md "Known torch issues"): all is saved and flushed, so skip the teardown.
-    os._exit(0)
 
 
 if __name__ == "__main__":

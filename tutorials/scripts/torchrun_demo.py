@@ -105,9 +105,6 @@ def main() -> None:
     sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
-        # torch 2.13's gloo worker threads can abort the process in interpreter teardown (a
-        # torch bug: docs/design.md, "Known torch issues"); everything is done and flushed.
-        os._exit(0)
 
 
 if __name__ == "__main__":
