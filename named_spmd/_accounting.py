@@ -11,6 +11,7 @@ import math
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -130,20 +131,20 @@ class _RecordOnBackward(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.event = inputs[1]
         # autograd runs a CUDA backward on its own device thread, which has no CommMode stack
         # of its own: keep the forward thread's live stack to record into there
         ctx.stack = _local.stack
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         for mode in _local.stack or ctx.stack:
             mode.events.append(ctx.event)
         return grad, None
 
     @staticmethod
-    def jvp(ctx, x_t, _):
+    def jvp(ctx: Any, x_t: torch.Tensor, _: Any) -> torch.Tensor:
         return x_t
 
 

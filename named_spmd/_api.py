@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import optree
 import torch
@@ -67,10 +67,13 @@ class SpmdFunction:
         return leaves, specs, treedef
 
     # --- outputs ----------------------------------------------------------------------------
-    def _check_outputs(self, out: Any, ctx: _context.SpmdContext):
+    def _check_outputs(
+        self, out: Any, ctx: _context.SpmdContext
+    ) -> tuple[list[tuple], list[Any], list[PartitionSpec], Any]:
         paths, leaves, treedef = flatten_with_paths(out)
         specs = broadcast_specs(self.out_specs, out, "out_specs", self.where)
-        problems, vma_problems = [], []
+        problems: list[str] = []
+        vma_problems: list[str] = []
         for path, leaf, spec in zip(paths, leaves, specs):
             where = "output" + path_text(path)
             if not isinstance(leaf, torch.Tensor):
@@ -96,7 +99,14 @@ class SpmdFunction:
             )
         return paths, leaves, specs, treedef
 
-    def _vma_problem(self, where, leaf, spec, extra, ctx) -> str:
+    def _vma_problem(
+        self,
+        where: str,
+        leaf: torch.Tensor,
+        spec: PartitionSpec,
+        extra: frozenset[str],
+        ctx: _context.SpmdContext,
+    ) -> str:
         order = self.mesh.axis_names
         axes = tuple(a for a in order if a in extra)
         vtype = VType(leaf.dtype, tuple(leaf.shape), ctx.vma(leaf), order)
@@ -147,9 +157,11 @@ class SpmdFunction:
             >>> f.check(ns.ShapeDtype((4096, 4096))).types
             [f32[64,64]{dp}]
         """
-        grads = [wants_grad(x) for x in optree.tree_leaves(args, none_is_leaf=True)]
+        tree: Any = args  # optree's PyTree is a class to mypy: a tuple is not one
+        grads = [wants_grad(x) for x in optree.tree_leaves(tree, none_is_leaf=True)]
         backend = AbstractBackend(grads, backward)
-        out, result = self._call(optree.tree_map(to_meta, args, none_is_leaf=True), backend)
+        meta = cast(tuple, optree.tree_map(to_meta, tree, none_is_leaf=True))
+        out, result = self._call(meta, backend)
         tensors = [isinstance(x, torch.Tensor) for x in result["leaves"]]
         paths = ["output" + path_text(p) for p, t in zip(result["paths"], tensors) if t]
         specs = [s for s, t in zip(result["specs"], tensors) if t]
@@ -158,26 +170,28 @@ class SpmdFunction:
     def _call(self, args: tuple, backend: Backend) -> tuple[Any, dict[str, Any]]:
         """The one call path: inputs checked, ``backend`` runs the body on every instance, the
         outputs are checked against out_specs and assembled."""
-        if _context.active() is not None:
+        outer = _context.active()
+        if outer is not None:
             raise SpmdError(
                 f"{self.where} was called inside another spmd_map (of "
-                f"{_context.active().fn_label}); nesting is not supported. "
+                f"{outer.fn_label}); nesting is not supported. "
                 "Fix: call the inner per-device function directly, it already runs per instance."
             )
         leaves, specs, in_tree = self._input_leaves(args)
         result: dict[str, Any] = {}
 
-        def body(local_leaves, ctx):
+        def body(local_leaves: list[Any], ctx: _context.SpmdContext) -> list[torch.Tensor]:
             _context.push(ctx)
             try:
-                out = self._call_user(optree.tree_unflatten(in_tree, local_leaves), backend)
+                local_args = cast(tuple, optree.tree_unflatten(in_tree, local_leaves))
+                out = self._call_user(local_args, backend)
                 paths, out_leaves, out_specs, out_tree = self._check_outputs(out, ctx)
             finally:
                 _context.pop()
             result.update(tree=out_tree, leaves=out_leaves, specs=out_specs, paths=paths)
             return [x for x in out_leaves if isinstance(x, torch.Tensor)]
 
-        def out_specs_of():
+        def out_specs_of() -> list[PartitionSpec]:
             return [
                 s for x, s in zip(result["leaves"], result["specs"]) if isinstance(x, torch.Tensor)
             ]

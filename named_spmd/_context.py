@@ -44,7 +44,7 @@ class SpmdContext(ABC):
     #: backend reads types off its vmap levels instead, so results need no stamping there.
     stamps: bool = True
 
-    def __init__(self, mesh: Mesh, fn: Any):
+    def __init__(self, mesh: Mesh, fn: Any) -> None:
         self.mesh = mesh
         self.fn = fn
         self.fn_label = fn_label(fn)
@@ -90,7 +90,9 @@ class SpmdContext(ABC):
         shape, its slice i along ``dim`` being what member i sent here."""
 
     @abstractmethod
-    def permute(self, x: torch.Tensor, axes: Axes, pairs: tuple[tuple[int, int], ...]):
+    def permute(
+        self, x: torch.Tensor, axes: Axes, pairs: tuple[tuple[int, int], ...]
+    ) -> torch.Tensor:
         """Member ``dst`` receives member ``src``'s ``x`` for each pair; zeros elsewhere."""
 
     @abstractmethod
@@ -103,14 +105,23 @@ class SpmdContext(ABC):
         it (the dim goes away); varying over ``axes``."""
 
     # --- how a collective runs ------------------------------------------------------------------
-    def apply(self, rec: Collective, x: torch.Tensor, axes: Axes, params: tuple, donate=False):
+    def apply(
+        self,
+        rec: Collective,
+        x: torch.Tensor,
+        axes: Axes,
+        params: tuple[Any, ...],
+        donate: bool = False,
+    ) -> torch.Tensor:
         """Run collective ``rec`` on ``x``. By default its forward on the primitives, which
         must then be differentiable themselves (the simulated backend's are); backends whose
         primitives are plain communication apply the generic autograd bridge
         (``_autodiff.apply``), whose backward is ``rec``'s declared transpose."""
         return self.forward(rec, x, axes, params, donate)
 
-    def forward(self, rec: Collective, x: torch.Tensor, axes: Axes, params: tuple, donate):
+    def forward(
+        self, rec: Collective, x: torch.Tensor, axes: Axes, params: tuple[Any, ...], donate: bool
+    ) -> torch.Tensor:
         """``rec``'s forward: written with the primitives (the abstract backend uses the
         record's shape rule instead)."""
         return rec.forward(self, x, axes, params, donate)

@@ -10,13 +10,14 @@ and ``print(...)`` of it as aligned text. The layout and mesh views themselves a
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import _types
+from ._accounting import CommEvent
 from ._errors import SpecError
 from ._mesh import Mesh
 from ._spec import PartitionSpec
@@ -123,7 +124,7 @@ class _Row:
     nbytes: int
 
 
-def _comm_rows(events) -> list[_Row]:
+def _comm_rows(events: Iterable[CommEvent]) -> list[_Row]:
     rows: dict[tuple, _Row] = {}
     for e in events:
         name = e.op + (" (implicit pvary)" if e.implicit else "")
@@ -134,7 +135,7 @@ def _comm_rows(events) -> list[_Row]:
     return [rows[k] for k in sorted(rows)]
 
 
-def _bytes(n: int) -> str:
+def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -142,7 +143,7 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
-def comm_text(events) -> str:
+def comm_text(events: Iterable[CommEvent]) -> str:
     """The communication as an aligned text table, forward rows first."""
     rows = _comm_rows(events)
     head = ("direction", "collective", "axes", "count", "bytes / instance")
@@ -155,7 +156,7 @@ def comm_text(events) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def comm_html(events) -> str:
+def comm_html(events: Iterable[CommEvent]) -> str:
     """The communication of a CommMode (or a check) as an HTML table, forward then backward."""
     e = html.escape
     cell = "padding:2px 8px;border:1px solid #888;font-family:monospace"
@@ -214,7 +215,8 @@ def check_report_html(report: Any) -> str:
     )
 
 
-RENDERERS = {  # registered with _types, which value types render through
+# registered with _types, which value types render through
+RENDERERS: dict[str, Callable[[Any], str]] = {
     "vtype_html": vtype_html,
     "mesh_html": mesh_html,
     "spec_html": spec_html,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from ._errors import SpecError, suggest
 from ._types import render
@@ -41,7 +42,7 @@ class PartitionSpec(tuple):
     def _repr_html_(self) -> str:
         return render("spec_html", self)
 
-    def __reduce__(self):  # keep pickling (and copy) on the canonical constructor
+    def __reduce__(self) -> tuple[Any, ...]:  # pickling and copy: the canonical constructor
         return (PartitionSpec, tuple(self))
 
     def entry_axes(self, dim: int) -> tuple[str, ...]:

@@ -90,7 +90,8 @@ SingleLevelFunction = torch.autograd.function._SingleLevelFunction
 # apply skips that where no torch.func transform needs the Python path.
 function_base_apply = torch._C._FunctionBase.__dict__["apply"]
 current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
-AccumulateGrad = torch._C._functions.AccumulateGrad
+# (torch's stubs lack AccumulateGrad and Tensor._use_count, both bound in C++)
+AccumulateGrad = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
@@ -109,7 +110,7 @@ refcount = sys.getrefcount  # the Python reference count of an object (CPython)
 def use_counts(x: torch.Tensor) -> tuple[int, int, int]:
     """(TensorImpl uses, storage uses, Python references to the storage object) of ``x``."""
     storage = x.untyped_storage()
-    return x._use_count(), torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+    return x._use_count(), torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)  # type: ignore[attr-defined]
 
 
 # --- torch.distributed (resolved on first use) ---------------------------------------------------

@@ -9,7 +9,7 @@ the design's "what comes next") is added here without touching the rules' users.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +46,10 @@ class Vma:
     _interned: dict[frozenset[str], Vma] = {}
 
     varying: frozenset[str]
+    _hash: int
+    _union: dict[Vma, Vma]  # memos of the algebra
+    _remove: dict[tuple[str, ...], Vma]
+    _add: dict[tuple[str, ...], Vma]
 
     def __new__(cls, varying: Iterable[str] = ()) -> Vma:
         return cls.of(varying)
@@ -66,7 +70,7 @@ class Vma:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Vma is immutable")
 
-    def __reduce__(self):  # pickling and copying keep the interning
+    def __reduce__(self) -> tuple[Any, ...]:  # pickling and copying keep the interning
         return (Vma.of, (self.varying,))
 
     # --- the algebra ------------------------------------------------------------------------
@@ -114,7 +118,7 @@ class Vma:
     def __contains__(self, axis: object) -> bool:
         return axis in self.varying
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self.varying)
 
     def __len__(self) -> int:

@@ -22,6 +22,10 @@ from ._types import short_dtype
 
 _ELLIPSIS = -1  # marks an elided run of rows or columns
 
+#: A layout cell: (label, the block's row-major index, the holders' coordinates); None, None
+#: for an elided cell.
+_Cell = tuple[str, int | None, dict[str, int] | None]
+
 
 def _shown(n: int, limit: int) -> list[int]:
     """Indices 0..n-1 to display, with one _ELLIPSIS in place of the middle when n > limit."""
@@ -45,7 +49,9 @@ def _text_table(corner: str, cols: list[str], rows: list[tuple[str, list[str]]])
     return "\n".join(lines)
 
 
-def _html_table(corner: str, cols: list[str], rows: list[tuple[str, list[tuple[str, str, str]]]]):
+def _html_table(
+    corner: str, cols: list[str], rows: list[tuple[str, list[tuple[str, str, str]]]]
+) -> str:
     """rows: (header, [(text, background colour, tooltip)])."""
     e = html.escape
     cell = "padding:4px 8px;border:1px solid #888;text-align:center;font-family:monospace"
@@ -137,7 +143,7 @@ class Layout:
         return [a for d in dims for a in self.spec.entry_axes(d)]
 
     # --- drawing ---------------------------------------------------------------------------
-    def _grid(self):
+    def _grid(self) -> tuple[list[int], list[int], list[int], list[int]]:
         """Row and column dims, and their displayed block indices."""
         rank = len(self.shape)
         row_dims = [0] if rank >= 2 else []
@@ -156,7 +162,7 @@ class Layout:
             parts.append(f"{b * step}:{(b + 1) * step}" if self.blocks[d] > 1 else ":")
         return ", ".join(parts)
 
-    def _cell(self, row_dims, col_dims, r, c) -> tuple[str, int, dict[str, int]]:
+    def _cell(self, row_dims: list[int], col_dims: list[int], r: int, c: int) -> _Cell:
         # Row dims precede column dims, so ``coords`` lists the spec's axes in dim order.
         coords = coords_of(r, self._axes(row_dims), self.sizes)
         coords.update(coords_of(c, self._axes(col_dims), self.sizes))
@@ -164,7 +170,7 @@ class Layout:
         linear = index_of(self.spec.axes, coords, self.sizes)  # the block's row-major index
         return label or "every instance", linear, coords
 
-    def _rows(self):
+    def _rows(self) -> tuple[str, list[str], list[tuple[str, list[_Cell]]]]:
         row_dims, col_dims, rows, cols = self._grid()
         corner = " \\ ".join(
             "dim " + ",".join(map(str, dims)) for dims in (row_dims, col_dims) if dims
@@ -175,7 +181,7 @@ class Layout:
         body = []
         for r in rows:
             head = "⋮" if r == _ELLIPSIS else f"[{self._slice_text(row_dims, r)}]" * bool(row_dims)
-            cells = []
+            cells: list[_Cell] = []
             for c in cols:
                 if _ELLIPSIS in (r, c):
                     cells.append(("⋮" if r == _ELLIPSIS else "…", None, None))
@@ -215,7 +221,7 @@ class Layout:
         for head, cells in body:
             row = []
             for label, linear, coords in cells:
-                if linear is None:
+                if linear is None or coords is None:  # an elided cell
                     row.append((label, "#fff", ""))
                     continue
                 ids = self._holder_ids(coords)
@@ -245,13 +251,13 @@ class MeshView:
         self.mesh = mesh
         self.max_blocks = max(4, max_blocks)
 
-    def _rows(self):
+    def _rows(self) -> tuple[str, list[str], list[tuple[str, list[tuple[str, int | None]]]]]:
         names, sizes = self.mesh.axis_names, self.mesh.shape
         row_axes, col_axes = names[:1], names[1:]
         nrows, ncols = group_size(row_axes, sizes), group_size(col_axes, sizes)
         rows, cols = _shown(nrows, self.max_blocks), _shown(ncols, self.max_blocks)
 
-        def col_head(c):
+        def col_head(c: int) -> str:
             if c == _ELLIPSIS:
                 return "…"
             return " ".join(f"{a}={v}" for a, v in coords_of(c, col_axes, sizes).items()) or "-"
@@ -259,7 +265,7 @@ class MeshView:
         body = []
         for r in rows:
             head = "⋮" if r == _ELLIPSIS else (f"{row_axes[0]}={r}" if row_axes else "-")
-            cells = []
+            cells: list[tuple[str, int | None]] = []
             for c in cols:
                 if _ELLIPSIS in (r, c):
                     cells.append(("⋮" if r == _ELLIPSIS else "…", None))

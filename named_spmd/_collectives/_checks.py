@@ -8,13 +8,15 @@ from typing import Any
 
 import torch
 
-from .._context import SpmdContext
+from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 
 Pairs = tuple[tuple[int, int], ...]
 
 
-def checked_dim(ctx, t: torch.Tensor, dim: int, op: str, what: str, extra: int = 0) -> int:
+def checked_dim(
+    ctx: SpmdContext, t: torch.Tensor, dim: int, op: str, what: str, extra: int = 0
+) -> int:
     rank = t.dim() + extra
     if not isinstance(dim, int) or not -rank <= dim < rank:
         raise CollectiveError(
@@ -24,7 +26,16 @@ def checked_dim(ctx, t: torch.Tensor, dim: int, op: str, what: str, extra: int =
     return dim % rank
 
 
-def check_divisible(ctx, t, dim, n, axes, op, what, tiled):
+def check_divisible(
+    ctx: SpmdContext,
+    t: torch.Tensor,
+    dim: int,
+    n: int,
+    axes: Axes,
+    op: str,
+    what: str,
+    tiled: bool,
+) -> None:
     size = t.shape[dim]
     if tiled and size % n != 0:
         raise CollectiveError(
@@ -39,7 +50,7 @@ def check_divisible(ctx, t, dim, n, axes, op, what, tiled):
         )
 
 
-def check_pairs(ctx: SpmdContext, op: str, perm: Any, n: int, axes) -> Pairs:
+def check_pairs(ctx: SpmdContext, op: str, perm: Any, n: int, axes: Axes) -> Pairs:
     """Validated pairs. Perms of int tuples are remembered: validating costs more than the
     simulated permutation of a small operand."""
     # only int tuples are looked up: (0.0, 1.0) hashes and compares equal to (0, 1), but is
@@ -65,7 +76,7 @@ def _valid_int_pairs(n: int, perm: Pairs) -> Pairs | None:
     return None if problems else pairs
 
 
-def _pair_problems(perm: Any, n: int, axes) -> tuple[Pairs, list[str]]:
+def _pair_problems(perm: Any, n: int, axes: Axes) -> tuple[Pairs, list[str]]:
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)
         ok_types = all(

@@ -25,7 +25,7 @@ from .._mesh import Mesh
 from .._torch_private import DisableTorchFunction, use_counts
 from .._types import Vma
 
-_LIMITS: list[tuple[int, int, int, int] | None] = []  # [limits] once calibrated
+_LIMITS: list[tuple[int, ...] | None] = []  # [limits] once calibrated
 #: The donating reductions (psum, pmean, pmax, pmin), registered by ``reductions`` when it loads:
 #: the chain a temporary is measured through is theirs.
 PROBED_OPS: list[Callable[[Any, str], Any]] = []
@@ -75,7 +75,8 @@ def calibrate() -> None:
     """Send a temporary and a named operand through every donating reduction once (on a
     two-instance probe backend that moves no data) and keep the temporaries' counts."""
     global _probed
-    temps, named = [], []
+    temps: list[tuple[int, int, int, int]] = []
+    named: list[tuple[int, int, int, int]] = []
     saved_modes = _accounting.suspend()  # a CommMode around the first call must not see these
     try:
         for op in PROBED_OPS:
@@ -119,5 +120,5 @@ class _Probe(SpmdContext):
     def _same(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return x
 
-    pvary = all_reduce = all_gather = reduce_scatter = all_to_all = _same  # type: ignore[assignment]
-    permute = broadcast = own_block = _same  # type: ignore[assignment]
+    pvary = all_reduce = all_gather = reduce_scatter = all_to_all = _same
+    permute = broadcast = own_block = _same

@@ -47,7 +47,9 @@ Params = tuple
 RECORDS: dict[str, Collective] = {}
 
 
-def _linear_jvp(ctx: SpmdContext, rec: Collective, t: Tensor, axes: Axes, params: Params, node):
+def _linear_jvp(
+    ctx: SpmdContext, rec: Collective, t: Tensor, axes: Axes, params: Params, node: Any
+) -> Tensor:
     return ctx.apply(rec, t, axes, params)
 
 
@@ -95,7 +97,14 @@ def _tensor(rec: Collective, ctx: SpmdContext, t: Any) -> Tensor:
     return t
 
 
-def _apply(rec: Collective, ctx: SpmdContext, t: Tensor, axes: Axes, params, refs=None) -> Tensor:
+def _apply(
+    rec: Collective,
+    ctx: SpmdContext,
+    t: Tensor,
+    axes: Axes,
+    params: Params,
+    refs: int | None = None,
+) -> Tensor:
     """The one path every collective takes: checks, operand policy, type rule, accounting,
     the backend's run of the forward, and the result's type."""
     if rec.check is not None:
@@ -163,7 +172,7 @@ def backward_op(name: str) -> Callable[[Params], str]:
 # --- pvary: the cast every mixing site uses (the type system's rule 2) --------------------------
 
 
-def _pvary_transpose(ctx: SpmdContext, g: Tensor, axes: Axes, params: Params, node) -> Tensor:
+def _pvary_transpose(ctx: SpmdContext, g: Tensor, axes: Axes, params: Params, node: Any) -> Tensor:
     if differentiable(g):
         return ctx.apply(RECORDS["psum"], g, axes, ())
     return ctx.psum_in_backward(g, axes, node)

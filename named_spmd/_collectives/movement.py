@@ -17,6 +17,7 @@ from ._record import (
     RECORDS,
     REQUIRE_VARYING,
     Collective,
+    Params,
     backward_op,
     same_vma,
 )
@@ -59,7 +60,7 @@ def all_gather(
     return ALL_GATHER.bind(x, axis_name, axis, tiled, to)
 
 
-def _all_gather_prepare(ctx: SpmdContext, axes: Axes, axis: int, tiled: bool, to: str):
+def _all_gather_prepare(ctx: SpmdContext, axes: Axes, axis: int, tiled: bool, to: str) -> Params:
     if to not in ("varying", "invariant"):
         raise CollectiveError(
             f"all_gather in {ctx.fn_label}: unknown to={to!r}. Fix: use to='varying' (the "
@@ -68,7 +69,7 @@ def _all_gather_prepare(ctx: SpmdContext, axes: Axes, axis: int, tiled: bool, to
     return (axis, bool(tiled), to == "invariant")
 
 
-def _all_gather_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params):
+def _all_gather_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
     axis, tiled, invariant = params
     if tiled and t.dim() == 0:
         raise CollectiveError(
@@ -82,20 +83,24 @@ def _all_gather_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params):
     )
 
 
-def _all_gather_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params, donate: bool):
+def _all_gather_forward(
+    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
+) -> torch.Tensor:
     dim, tiled, invariant = params
     out = unstack_dim(ctx.all_gather(x, axes), dim, tiled)
     return out if invariant else ctx.pvary(out, axes)
 
 
-def _all_gather_transpose(ctx: SpmdContext, g: torch.Tensor, axes: Axes, params, node):
+def _all_gather_transpose(
+    ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
+) -> torch.Tensor:
     dim, tiled, invariant = params
     if invariant:  # the cotangent is identical on the group: keep the own block
         return ctx.own_block(_split(g, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
     return ctx.apply(RECORDS["psum_scatter"], g, axes, (dim, tiled))
 
 
-def _all_gather_shape(shape: tuple[int, ...], n: int, params) -> tuple[int, ...]:
+def _all_gather_shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
     dim, tiled, _ = params
     out = list(shape)
     if tiled:
@@ -142,7 +147,7 @@ def psum_scatter(
     return PSUM_SCATTER.bind(x, axis_name, scatter_dimension, tiled)
 
 
-def _psum_scatter_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params):
+def _psum_scatter_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
     dim, tiled = params
     n = ctx.mesh.axis_size(axes)
     d = checked_dim(ctx, t, dim, "psum_scatter", "scatter_dimension")
@@ -150,12 +155,14 @@ def _psum_scatter_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params):
     return (d, bool(tiled))
 
 
-def _psum_scatter_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params, donate: bool):
+def _psum_scatter_forward(
+    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
+) -> torch.Tensor:
     dim, tiled = params
     return ctx.reduce_scatter(_split(x, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
 
 
-def _psum_scatter_shape(shape: tuple[int, ...], n: int, params) -> tuple[int, ...]:
+def _psum_scatter_shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
     dim, tiled = params
     out = list(shape)
     if tiled:
@@ -204,7 +211,7 @@ def all_to_all(
     return ALL_TO_ALL.bind(x, axis_name, split_axis, concat_axis, tiled)
 
 
-def _all_to_all_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params):
+def _all_to_all_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
     split_axis, concat_axis, tiled = params
     n = ctx.mesh.axis_size(axes)
     s = checked_dim(ctx, t, split_axis, "all_to_all", "split_axis")
@@ -213,7 +220,9 @@ def _all_to_all_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params):
     return (s, c, bool(tiled))
 
 
-def _all_to_all_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params, donate: bool):
+def _all_to_all_forward(
+    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
+) -> torch.Tensor:
     split, concat, tiled = params
     # after the exchange, dim ``split`` indexes the source member instead of the destination
     received = ctx.all_to_all(_split(x, split, ctx.mesh.axis_size(axes), tiled), axes, split)
@@ -222,7 +231,7 @@ def _all_to_all_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params, d
     return received.flatten(concat, concat + 1) if tiled else received
 
 
-def _all_to_all_shape(shape: tuple[int, ...], n: int, params) -> tuple[int, ...]:
+def _all_to_all_shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
     split, concat, tiled = params
     out = list(shape)
     if tiled:

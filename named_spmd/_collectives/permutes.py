@@ -16,6 +16,7 @@ from ._record import (
     PVARY,
     RECORDS,
     Collective,
+    Params,
     backward_op,
     no_backward_op,
     same_shape,
@@ -30,7 +31,9 @@ def _reversed(pairs: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]
     return tuple((d, s) for s, d in pairs)
 
 
-def _permute_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params, donate: bool):
+def _permute_forward(
+    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
+) -> torch.Tensor:
     return ctx.permute(x, axes, params[0])
 
 
@@ -90,7 +93,7 @@ def pshuffle(x: Any, axis_name: AxisName, perm: Sequence[int]) -> Any:
     return PSHUFFLE.bind(x, axis_name, perm)
 
 
-def _pshuffle_prepare(ctx: SpmdContext, axes: Axes, perm: Any):
+def _pshuffle_prepare(ctx: SpmdContext, axes: Axes, perm: Any) -> Params:
     n = ctx.mesh.axis_size(axes)
     try:  # operator.index: 1.5 or 0.9 are not indices (int() would truncate them silently)
         order = [operator.index(p) for p in perm]
@@ -142,7 +145,7 @@ def pbroadcast(x: Any, axis_name: AxisName, source: int) -> Any:
     return PBROADCAST.bind(x, axis_name, source)
 
 
-def _pbroadcast_prepare(ctx: SpmdContext, axes: Axes, source: Any):
+def _pbroadcast_prepare(ctx: SpmdContext, axes: Axes, source: Any) -> Params:
     n = ctx.mesh.axis_size(axes)
     try:
         index = operator.index(source)
@@ -156,7 +159,9 @@ def _pbroadcast_prepare(ctx: SpmdContext, axes: Axes, source: Any):
     return (index,)
 
 
-def _pbroadcast_transpose(ctx: SpmdContext, g: torch.Tensor, axes: Axes, params, node):
+def _pbroadcast_transpose(
+    ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
+) -> torch.Tensor:
     return torch.where(ctx.axis_index(axes) == params[0], g, torch.zeros_like(g))
 
 

@@ -14,6 +14,7 @@ from ._record import (
     RECORDS,
     REQUIRE_VARYING,
     Collective,
+    Params,
     backward_op,
     no_backward_op,
     same_shape,
@@ -49,7 +50,9 @@ def psum(x: Any, axis_name: AxisName) -> Any:
     return PSUM.bind(x, axis_name)
 
 
-def _identity_transpose(ctx: SpmdContext, g: torch.Tensor, axes: Axes, params, node):
+def _identity_transpose(
+    ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
+) -> torch.Tensor:
     return g
 
 
@@ -85,7 +88,9 @@ def pmean(x: Any, axis_name: AxisName) -> Any:
     return PMEAN.bind(x, axis_name)
 
 
-def _pmean_forward(ctx: SpmdContext, x, axes: Axes, params, donate: bool):
+def _pmean_forward(
+    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
+) -> torch.Tensor:
     return ctx.all_reduce(x, axes, "sum", donate) / ctx.mesh.axis_size(axes)
 
 
@@ -139,12 +144,16 @@ def _tie_share(ctx: SpmdContext, x: torch.Tensor, y: torch.Tensor, axes: Axes) -
     return mask / ctx.all_reduce(mask, axes, "sum")  # a copy: mask is read again
 
 
-def _extremum_transpose(ctx: SpmdContext, g, axes: Axes, params, node):
+def _extremum_transpose(
+    ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
+) -> torch.Tensor:
     x, y = node.saved_tensors
     return g * _tie_share(ctx, x, y, axes)
 
 
-def _extremum_jvp(ctx: SpmdContext, rec: Collective, t, axes: Axes, params, node):
+def _extremum_jvp(
+    ctx: SpmdContext, rec: Collective, t: torch.Tensor, axes: Axes, params: Params, node: Any
+) -> torch.Tensor:
     x, y = node.saved_tensors
     return ctx.apply(RECORDS["psum"], t * _tie_share(ctx, x, y, axes), axes, ())
 

@@ -18,11 +18,14 @@ from typing import Any, Protocol
 
 import torch
 
+from .._context import SpmdContext
 from .._errors import SpmdError
 from .._mesh import Mesh
 from .._spec import PartitionSpec
 
-Body = Callable[[list[Any], Any], list[torch.Tensor]]
+#: The per-instance body a backend runs: (local argument leaves, the backend's context) ->
+#: the output tensors.
+Body = Callable[[list[Any], SpmdContext], list[torch.Tensor]]
 
 
 class Backend(Protocol):

@@ -59,7 +59,8 @@ class Comm:
         self._gather_opts = c10d.AllgatherOptions()
         self._gather_opts.asyncOp = mesh.poll
         self._scatter_opts = c10d.ReduceScatterOptions()
-        self._scatter_opts.reduceOp = SUM
+        # pybind converts a RedOpType to a ReduceOp implicitly; torch's stubs do not say so
+        self._scatter_opts.reduceOp = SUM  # type: ignore[assignment]
         self._scatter_opts.asyncOp = mesh.poll
         self._a2a_opts = c10d.AllToAllOptions()
         self._a2a_opts.asyncOp = mesh.poll

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .. import _torch_private as P
 from .._autodiff import apply as bridge_apply
@@ -42,7 +42,7 @@ def placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
     key = (spec, rank)
     hit = mesh.placements_cache.get(key)
     if hit is None:
-        out = [Replicate() for _ in mesh.axis_names]
+        out: list[Placement] = [Replicate() for _ in mesh.axis_names]
         for d in range(rank):
             for a in spec.entry_axes(d):
                 out[mesh.axis_names.index(a)] = Shard(d)
@@ -115,8 +115,10 @@ class _DTensorOf(torch.autograd.Function):
 def _plain_local_grad(leaf: DTensor, mesh) -> None:
     """The DTensor form of :func:`_dist_autograd.plain_grad`."""
     grad = leaf.grad
-    if isinstance(grad, DTensor) and overlap.is_pending_wrapper(P.local_tensor(grad)):
-        leaf.grad = _wrap(mesh, P.local_tensor(grad).elem, tuple(grad.placements))
+    if isinstance(grad, DTensor):
+        local = P.local_tensor(grad)
+        if overlap.is_pending_wrapper(local):
+            leaf.grad = _wrap(mesh, local.elem, tuple(grad.placements))
 
 
 def _fast(cls: Any) -> Any:

@@ -14,7 +14,7 @@ avoided:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 
@@ -33,7 +33,7 @@ def _ACT() -> type:
 # --- who else can see a gradient? ----------------------------------------------------------------
 
 # (TensorImpl uses, storage uses, Python refs, Python refs to the storage object)
-_BASELINE: list[tuple[int, int, int, int]] = []
+_BASELINE: list[tuple[int, int, int, int] | None] = []
 
 
 def _refs(g: torch.Tensor) -> int:
@@ -148,7 +148,8 @@ def when_reduced(g: torch.Tensor, fn) -> None:
         entry[3].append(fn)
 
 
-def is_pending_wrapper(t: torch.Tensor) -> bool:
+def is_pending_wrapper(t: torch.Tensor | None) -> TypeGuard[Any]:
+    """Whether ``t`` is a pending gradient (typed Any: its class is only known at run time)."""
     return type(t) is _ACT()
 
 
@@ -174,8 +175,9 @@ def settled(g: torch.Tensor) -> torch.Tensor:
     skip the wrapper's dispatch (the gradient accumulation alone costs one per parameter)."""
     work = _work_of(g)
     if work is not None and work.is_completed():
-        _forget_work(g.elem)
-        return g.elem
+        # g is an AsyncCollectiveTensor, whose class is only known at run time (_ACT)
+        _forget_work(cast(Any, g).elem)
+        return cast(Any, g).elem
     return g
 
 
@@ -194,8 +196,9 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, probe: bool = Fal
         _exclusive(g, probe=True)
         return g
     if type(g) is _ACT():  # chained pvary: the sum of the one below first
-        g = g.trigger_wait()
+        g = cast(Any, g).trigger_wait()  # (the wrapper's class is only known at run time)
     buf = g if _exclusive(g) else g.clone(memory_format=_contiguous)
+    assert comm is not None  # only the calibration probe passes none
     pending = _reduce_during_backward(buf, comm)
     source = node.next_functions[0][0]
     if type(source) is P.AccumulateGrad:  # a plain leaf: its .grad becomes this

@@ -92,6 +92,8 @@ class AbstractVmaMode(VmaMode):
 
     One meta alias per real tensor per call, so the implicit pvary cache still sees one tensor."""
 
+    ctx: AbstractContext
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if any(isinstance(a, torch.Tensor) and not a.is_meta for a in args) or (
             kwargs and any(isinstance(a, torch.Tensor) and not a.is_meta for a in kwargs.values())
@@ -172,6 +174,7 @@ class AbstractBackend:
     def _local(self, x: torch.Tensor, spec: PartitionSpec, mesh: Mesh, grad: bool):
         local = _empty(local_shape(x.shape, spec, mesh._shape), x.dtype)
         local.requires_grad_(grad and self.backward)
+        assert self.ctx is not None  # made by run()
         return self.ctx.stamp(local, Vma.of(spec.axes))
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
@@ -187,6 +190,7 @@ class AbstractBackend:
 
     def report(self, fn_label: str, mesh: Mesh, out: Any, paths, specs) -> CheckReport:
         """The CheckReport of the call that ran; ``paths`` and ``specs`` per tensor output."""
+        assert self.ctx is not None  # made by run()
         outputs = []
         global_leaves = iter(g for g in optree.tree_leaves(out) if isinstance(g, ShapeDtype))
         for path, leaf, spec in zip(paths, self.outputs, specs):

@@ -75,7 +75,7 @@ class DistributedMesh(Mesh):
     axes (created up front on every rank, since creating a group is itself collective)."""
 
     def __init__(self, device_mesh: DeviceMesh, device_type: str):
-        names = tuple(device_mesh.mesh_dim_names)
+        names = tuple(device_mesh.mesh_dim_names or ())  # callers check it has names
         super().__init__(
             tuple(device_mesh.mesh.shape), names, device_mesh=device_mesh, device_type=device_type
         )
@@ -150,7 +150,7 @@ def _create_groups(device_mesh: DeviceMesh, names: tuple[str, ...]) -> dict[froz
 
 
 # Group ranks in mesh order where torch allows it (2.13+); otherwise Comm reorders blocks.
-_UNSORTED = (
+_UNSORTED: dict[str, Any] = (
     {"sort_ranks": False} if "sort_ranks" in inspect.signature(dist.new_group).parameters else {}
 )
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -195,7 +195,7 @@ _override = threading.local()
 
 
 @contextlib.contextmanager
-def simulation_order(*axis_names: str):
+def simulation_order(*axis_names: str) -> Iterator[None]:
     """Force the nesting order (outermost first) of simulated calls made inside the block.
 
     The default (``_plan._default_order``) puts
