@@ -12,11 +12,19 @@ import optree
 import torch
 
 from . import _context
+from ._accounting import CommEvent, on_backward, recording
 from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
 from ._mesh import Mesh
 from ._spec import PartitionSpec, spec_problems
-from ._tree import broadcast_specs, check_spec_types, flatten_with_paths, path_text
+from ._tree import (
+    broadcast_specs,
+    check_spec_types,
+    flatten_with_paths,
+    opaque_leaf_problem,
+    opaque_tensor_holder,
+    path_text,
+)
 from ._types import VType
 from .backends import Backend, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
@@ -54,6 +62,8 @@ class SpmdFunction:
             where = f"argument {path_text(path)}"
             if isinstance(leaf, torch.Tensor):
                 problems += spec_problems(spec, tuple(leaf.shape), self.mesh.shape, where)
+            elif opaque_tensor_holder(leaf):
+                problems.append(opaque_leaf_problem(where, leaf))
             elif len(spec.axes) > 0:
                 problems.append(
                     f"{where} is a {type(leaf).__name__}, not a tensor, but its spec {spec!r} "
@@ -77,7 +87,9 @@ class SpmdFunction:
         for path, leaf, spec in zip(paths, leaves, specs):
             where = "output" + path_text(path)
             if not isinstance(leaf, torch.Tensor):
-                if spec.axes:
+                if opaque_tensor_holder(leaf):
+                    problems.append(opaque_leaf_problem(where, leaf))
+                elif spec.axes:
                     problems.append(
                         f"{where} is a {type(leaf).__name__}; only tensors can be split by {spec!r}."
                     )
@@ -188,6 +200,11 @@ class SpmdFunction:
                 paths, out_leaves, out_specs, out_tree = self._check_outputs(out, ctx)
             finally:
                 _context.pop()
+            if recording():
+                out_leaves = [
+                    _tiled_output_event(ctx, x, s) if isinstance(x, torch.Tensor) else x
+                    for x, s in zip(out_leaves, out_specs)
+                ]
             result.update(tree=out_tree, leaves=out_leaves, specs=out_specs, paths=paths)
             return [x for x in out_leaves if isinstance(x, torch.Tensor)]
 
@@ -210,6 +227,20 @@ class SpmdFunction:
             if explained is not None:
                 raise explained from e
             raise
+
+
+def _tiled_output_event(
+    ctx: _context.SpmdContext, y: torch.Tensor, spec: PartitionSpec
+) -> torch.Tensor:
+    """An output invariant over an axis its out_spec names is tiled: its blocks' cotangents
+    differ, so its backward sums them over that axis (a psum on a real mesh)."""
+    vma = ctx.vma(y)
+    tiled = tuple(a for a in ctx.mesh.axis_names if a in spec.axes and a not in vma)
+    if not tiled:
+        return y
+    return on_backward(
+        y, CommEvent("psum", tiled, "backward", tuple(y.shape), y.dtype, implicit=True)
+    )
 
 
 def _spec_naming(spec: PartitionSpec, axes: tuple[str, ...], rank: int) -> str:

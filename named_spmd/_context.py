@@ -138,20 +138,28 @@ class SpmdContext(ABC):
         if isinstance(axis_name, str) and axis_name in self.mesh._shape:  # the common case
             return (axis_name,)
         names = self.mesh.axis_names
-        try:
-            axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-        except TypeError:  # an int, None, ...: not a name nor a sequence of names
-            axes = ()
+        # Only ordered sequences: a set's order follows string hashing, which differs between
+        # the processes of one job, so ranks would number the group differently (JAX refuses too).
+        ordered = isinstance(axis_name, (str, tuple, list))
+        axes = ((axis_name,) if isinstance(axis_name, str) else tuple(axis_name)) if ordered else ()
         if not axes or not all(isinstance(a, str) for a in axes):
+            unordered = isinstance(axis_name, (set, frozenset))
             raise CollectiveError(
                 f"{op} in {self.fn_label}: axis_name must be a mesh axis name or a tuple of "
-                f"them, got {axis_name!r}. The mesh has axes {names}."
+                f"them, got {axis_name!r}. The mesh has axes {names}. Fix: "
+                + (
+                    f"pass a tuple, e.g. {tuple(sorted(axis_name, key=str))!r}: a set has no "
+                    "order, and the order numbers the group's members."
+                    if unordered
+                    else f"pass one of {names}, or a tuple of them, e.g. {names!r}."
+                )
             )
         for a in axes:
             if a not in self.mesh.shape:
                 raise CollectiveError(
                     f"{op} in {self.fn_label}: unknown mesh axis {a!r}; the mesh has axes "
-                    f"{names}.{suggest(a, names)}"
+                    f"{names}.{suggest(a, names)} Fix: name axes of the mesh the function is "
+                    "mapped over (spmd_map(mesh=...))."
                 )
         if len(set(axes)) != len(axes):
             raise CollectiveError(

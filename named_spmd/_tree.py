@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import optree
+import torch
 
 from ._errors import SpecError
 from ._spec import PartitionSpec
@@ -120,3 +122,27 @@ def check_spec_types(specs: Any, what: str, where: str) -> None:
 
 def flatten_with_paths(tree: Any) -> tuple[list[tuple], list[Any], Any]:
     return optree.tree_flatten_with_path(tree, none_is_leaf=True)
+
+
+def opaque_tensor_holder(leaf: Any) -> bool:
+    """Whether a non-tensor leaf holds tensors that optree cannot see (a dataclass or a plain
+    object with tensor attributes): its tensors would escape the type check and the assembly."""
+    if isinstance(leaf, (torch.Tensor, type)) or not (
+        dataclasses.is_dataclass(leaf) or hasattr(leaf, "__dict__")
+    ):
+        return False
+    if dataclasses.is_dataclass(leaf):
+        values: Any = [getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)]
+    else:
+        values = list(vars(leaf).values())
+    return any(isinstance(v, torch.Tensor) for v in optree.tree_leaves(values, none_is_leaf=True))
+
+
+def opaque_leaf_problem(where: str, leaf: Any) -> str:
+    name = type(leaf).__name__
+    return (
+        f"{where} is a {name} holding tensors, which optree treats as one opaque leaf, so its "
+        "tensors would not be split, checked or assembled. Fix: pass and return tensors in "
+        "tuples, lists, dicts or namedtuples"
+        + (" (e.g. dataclasses.asdict(value))." if dataclasses.is_dataclass(leaf) else ".")
+    )

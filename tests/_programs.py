@@ -889,12 +889,92 @@ def _check_programs():
     )
 
 
+# --- dtypes, ties and accounting the backends once disagreed on -------------------------------
+
+
+def integer_reductions(o, i8, u8, i32, flags):
+    """Reductions keep the operand's dtype; a psum of truth values is their "or"."""
+    return (
+        o.tap(o.psum(i8, "i")),
+        o.tap(o.psum(u8, "i")),
+        o.tap(o.psum_scatter(i32, "i", tiled=True)),
+        o.tap(o.psum(flags, "i")),
+        o.tap(o.pmax(i32, "i")),
+    )
+
+
+def _integer_args():
+    gen = torch.Generator().manual_seed(11)
+    ints = [torch.randint(0, 30, (8,), generator=gen, dtype=d) for d in (torch.int8, torch.uint8)]
+    i32 = torch.randint(-1000, 1000, (16,), generator=gen, dtype=torch.int32)
+    return (*ints, i32, torch.tensor([True, False, False, False, False, False, True, False]))
+
+
+def _integer_dense(i8, u8, i32, flags):
+    n = 4
+    return (
+        i8.reshape(n, 2).sum(0, dtype=torch.int8),
+        u8.reshape(n, 2).sum(0, dtype=torch.uint8),
+        i32.reshape(n, 4).sum(0, dtype=torch.int32),
+        flags.reshape(n, 2).any(0),
+        i32.reshape(n, 4).amax(0),
+    )
+
+
+def tied_extrema(o, x):
+    """Three of four instances tie: each gets a third of the gradient, over a tuple of axes."""
+    return o.tap(o.pmax(x, ("dp", "tp"))), o.tap(o.pmin(-x, ("tp", "dp")))
+
+
+def tiled_invariant(o, w, x):
+    """An output invariant over an axis its out_spec names: the backward sums its blocks'
+    cotangents over that axis (one psum, which CommMode reports)."""
+    return o.tap(w * 2), o.tap(x + w)
+
+
+def _consistency_programs():
+    yield Program(
+        "integer_reductions",
+        (4,),
+        ("i",),
+        (P("i"), P("i"), P("i"), P("i")),
+        (P(), P(), P("i"), P(), P()),
+        integer_reductions,
+        _integer_args,
+        _integer_dense,
+        no_grad=True,
+    )
+    yield Program(
+        "tied_extrema",
+        (2, 2),
+        ("dp", "tp"),
+        P(("dp", "tp")),
+        P(),
+        tied_extrema,
+        lambda: (torch.tensor([[1.0, 2.0], [1.0, 0.0], [1.0, 2.0], [0.5, -1.0]], dtype=F64),),
+        lambda x: (x.amax(0, keepdim=True), (-x).amin(0, keepdim=True)),
+        all_grads_nonzero=True,
+    )
+    yield Program(
+        "tiled_invariant",
+        (4,),
+        ("i",),
+        (P(), P("i")),
+        (P("i"), P("i")),
+        tiled_invariant,
+        _seeded((3,), (12,)),
+        lambda w, x: (w.repeat(4) * 2, x + w.repeat(4)),
+        pinned_backward={("psum", ("i",)): 2},
+    )
+
+
 CATALOGUE: list[Program] = [
     *_gradient_programs(),
     *_jax_programs(),
     *_world_programs(4),
     *_world_programs(8),
     *_check_programs(),
+    *_consistency_programs(),
 ]
 BY_NAME = {p.name: p for p in CATALOGUE}
 assert len(BY_NAME) == len(CATALOGUE), "program names must be unique"

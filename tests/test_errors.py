@@ -6,6 +6,7 @@ substrings that carry the diagnosis and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -55,6 +56,24 @@ def perm_not_pairs(x):
 
 def shuffle_not_permutation(x):
     return ns.pshuffle(x, "tp", [0, 0, 1, 2])
+
+
+def psum_over_a_set(x):
+    return ns.psum(x, {"dp", "tp"})
+
+
+def pmax_of_complex(x):
+    return ns.pmax(x, "tp")
+
+
+@dataclasses.dataclass
+class Pair:
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+def returns_dataclass(x):
+    return Pair(x, x * 2)
 
 
 def a2a_untiled_size(x):
@@ -183,7 +202,7 @@ CATALOGUE = [
         lambda: _run(psum_unknown, P("tp"), P(), v8),
         ns.CollectiveError,
         "psum_unknown",
-        ["psum in", "unknown mesh axis 'tq'", "Did you mean 'tp'?"],
+        ["psum in", "unknown mesh axis 'tq'", "Did you mean 'tp'?", "Fix: name axes of the mesh"],
     ),
     (
         "in_specs-not-a-prefix",
@@ -465,6 +484,34 @@ CATALOGUE = [
         ns.SpmdError,
         "branches_on_values",
         ["torch.func.vmap", "data-dependent Python control flow", "Fix: use torch.where"],
+    ),
+    (
+        "axis-names-as-a-set",  # a set's order follows string hashing: ranks would disagree
+        lambda: _run(psum_over_a_set, P(("dp", "tp")), P(), v8),
+        ns.CollectiveError,
+        "psum_over_a_set",
+        ["axis_name must be a mesh axis name or a tuple of them", "Fix: pass a tuple"],
+    ),
+    (
+        "pmax-of-complex",
+        lambda: _run(pmax_of_complex, P("tp"), P(), torch.randn(8, dtype=torch.complex64)),
+        ns.CollectiveError,
+        "pmax_of_complex",
+        ["the operand is complex (torch.complex64), which has no order", "Fix: take pmax"],
+    ),
+    (
+        "dataclass-output",  # optree sees one opaque leaf: its tensors would escape the check
+        lambda: _run(returns_dataclass, P("tp"), P(), v8),
+        ns.SpecError,
+        "returns_dataclass",
+        ["output is a Pair holding tensors", "dataclasses.asdict(value)"],
+    ),
+    (
+        "dataclass-input",
+        lambda: _run(identity, P(), P(), Pair(v8, v8)),
+        ns.SpecError,
+        "identity",
+        ["argument [0] is a Pair holding tensors", "Fix: pass and return tensors in tuples"],
     ),
     (
         "all_gather-tiled-scalar",

@@ -3,11 +3,13 @@ then its record (policy, type and shape rules, forward on the primitives, transp
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from .._context import Axes, SpmdContext
+from .._errors import CollectiveError
 from . import _donation
 from ._record import (
     DROP_INVARIANT,
@@ -158,9 +160,21 @@ def _extremum_jvp(
     return ctx.apply(RECORDS["psum"], t * _tie_share(ctx, x, y, axes), axes, ())
 
 
+def _ordered_operand(
+    ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params, *, name: str
+) -> Params:
+    if t.is_complex():
+        raise CollectiveError(
+            f"{name} in {ctx.fn_label}: the operand is complex ({t.dtype}), which has no order. "
+            f"Fix: take {name} of a real value, e.g. of x.abs() or of x.real and x.imag apart."
+        )
+    return params
+
+
 def _extremum(name: str, op: str) -> Collective:
     return Collective(
         name=name,
+        check=functools.partial(_ordered_operand, name=name),
         policy=DROP_INVARIANT,
         vma=without_axes,
         shape=same_shape,
