@@ -20,7 +20,7 @@ once per process, on local blocks:
 * vma is stamped per tensor (``_tracking.VmaMode``), so implicit pvary, the out_specs check and
   the collectives' rules behave exactly as in the simulated backend.
 * The backward psum of a pvary (a replicated weight's gradient) overlaps with the rest of the
-  backward pass (``_dist_autograd._reduce_during_backward``).
+  backward pass (``_dist_overlap``).
 
 Failures: see ``_dist_failures`` (a rank that raises makes the others raise RankFailedError
 naming it; ``NAMED_SPMD_DEBUG=1`` checks that all ranks call the same collectives).
@@ -28,6 +28,8 @@ naming it; ``NAMED_SPMD_DEBUG=1`` checks that all ranks call the same collective
 
 from __future__ import annotations
 
+import atexit
+import gc
 import inspect
 import itertools
 import math
@@ -67,6 +69,19 @@ __all__ = [
 _MESH_OF: dict[int, Any] = {}  # id(DeviceMesh) -> its DistributedMesh (the fast DTensor paths)
 
 
+@atexit.register
+def _release_process_groups() -> None:
+    """Drop the meshes' process groups before the interpreter finalizes. A gloo group still
+    referenced then is freed during finalization, when its worker threads can no longer take
+    the GIL, and the process aborts (docs/design.md, "Known torch issues"); freed here, at exit
+    but before finalization, it shuts down cleanly."""
+    for mesh in _MESH_OF.values():
+        mesh.release_groups()
+    _MESH_OF.clear()
+    _from_device_mesh.clear()
+    gc.collect()
+
+
 # --- the mesh ----------------------------------------------------------------------------------
 
 
@@ -99,6 +114,11 @@ class DistributedMesh(Mesh):
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
         store = P.dist().default_store()
         self.board = FailureBoard(store, self.rank, self.grid.numel(), key, self.coords_of)
+
+    def release_groups(self) -> None:
+        """Forget this mesh's process groups (at exit; the mesh cannot communicate after)."""
+        self._groups.clear()
+        self._comms.clear()
 
     def coords_of(self, rank: int) -> dict[str, int]:
         where = (self.grid == rank).nonzero()
