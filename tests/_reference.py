@@ -5,7 +5,8 @@ block of the global inputs, exactly as a device would. Collectives exchange whol
 barrier and compute their result from the group's values with plain torch ops written from the
 definitions in docs/design.md section 3 (and JAX's documentation for the untiled conventions).
 Nothing here uses named_spmd's slicing, vmap levels or collective code: only ``P`` as a container
-type and the mesh's ``{name: size}`` dict.
+type and the mesh's ``{name: size}`` dict. The run is differentiable (autograd follows the values
+through the threads; :func:`reference_jvp` gives forward tangents), so gradient tests use it too.
 
 Programs are written against a *namespace* ``o`` that has the collectives as attributes, so the
 same program runs on ``named_spmd`` itself and on :data:`REF` (and, in the JAX oracle, on
@@ -288,16 +289,23 @@ def run_reference(
     *args: Any,
     check_invariant: bool = True,
 ) -> Any:
-    """What ``spmd_map(fn, ...)(*args)`` must return, computed one instance per thread."""
+    """What ``spmd_map(fn, ...)(*args)`` must return, computed one instance per thread.
+
+    Differentiable: the instances exchange the tensors themselves and every step is a torch op,
+    so autograd's graph runs from the global arguments through every thread to the result, and
+    ``torch.autograd.grad`` of the result gives the reference's gradients (forward mode: see
+    :func:`reference_jvp`). The caller's grad mode holds in the instance threads."""
     if isinstance(mesh_shape, ns.Mesh):
         mesh_shape = mesh_shape.shape
     world = _World(mesh_shape)
     arg_specs = broadcast_specs(in_specs, args)
     results: list[Any] = [None] * len(world.coords)
     errors: list[BaseException] = []
+    grad_enabled = torch.is_grad_enabled()  # thread-local: a new thread would record anyway
 
     def instance(k: int) -> None:
         _state.instance = (world, k)
+        torch.set_grad_enabled(grad_enabled)
         local = tree_map(
             lambda x, s: local_block(x, s, mesh_shape, world.coords[k]), args, arg_specs
         )
@@ -343,6 +351,27 @@ def _rebuild(tree: Any, leaves) -> Any:
     if _is_container(tree):
         return type(tree)(_rebuild(t, leaves) for t in tree)
     return next(leaves)
+
+
+def tree_replace(tree: Any, leaves: Sequence[Any]) -> Any:
+    """``tree`` with its leaves (in :func:`tree_leaves` order) replaced by ``leaves``."""
+    return _rebuild(tree, iter(leaves))
+
+
+def reference_jvp(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    primals: Sequence[torch.Tensor],
+    tangents: Sequence[torch.Tensor],
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Outputs and forward tangents of ``fn(*primals)``, a function (of tensors, to a tuple of
+    tensors) that runs :func:`run_reference`.
+
+    torch.func's transforms are per thread: ``torch.func.jvp`` of a function that runs the
+    instance threads returns zero tangents. Reverse mode follows the threads, so the tangent is
+    the double vjp: ``J t`` is the gradient of ``<J^T u, t>`` with respect to ``u``
+    (torch.autograd.functional.jvp), which owes nothing to the forward-mode rules that
+    named_spmd's own jvp uses."""
+    return torch.autograd.functional.jvp(fn, tuple(primals), tuple(tangents))
 
 
 # --- comparing ----------------------------------------------------------------------------------
