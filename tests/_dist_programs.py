@@ -15,7 +15,8 @@ from _dist_launch import launch
 
 DEVICE = os.environ.get("NAMED_SPMD_TEST_DEVICE", "cpu")
 WORKER = "tests/dist_worker.py"
-SAMPLES = 50
+SAMPLES = 50  # sampled cases per launch: seeds SEED, SEED + 1, ...
+SEED = 1234
 
 
 class Launch:
@@ -28,6 +29,8 @@ class Launch:
                 "programs",
                 "--samples",
                 str(SAMPLES),
+                "--seed",
+                str(SEED),
                 "--device",
                 DEVICE,
                 "--out",

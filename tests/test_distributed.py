@@ -2,8 +2,9 @@
 
 Each test is one multi-process launch (tests/dist_worker.py) with a hard timeout, so a hang fails
 the test instead of stalling the suite. The workers run every program of the "Core" and
-"Gradients" acceptance lists plus 50 sampled cases on both backends in each process, and compare
-values, gradients, per-device types (vma) and communication counts; see tests/programs_dist.py.
+"Gradients" acceptance lists plus 50 sampled cases (tests/programs_dist.py, from the one sampler
+tests/_sampler.py) on both backends in each process, and compare values, gradients, per-device
+types (vma) of every value and communication counts.
 Budget on a 2-core machine: 8-25 s for 4 processes, 16-40 s for 8, 6-25 s for the failure
 tests, depending on load (mostly interpreter start-up of the processes).
 
@@ -22,7 +23,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_launch import ROOT, launch  # noqa: E402
-from _dist_programs import SAMPLES  # noqa: E402
+from _dist_programs import SAMPLES, SEED  # noqa: E402
+from _sampler import COLLECTIVES, features  # noqa: E402
+from programs_dist import sampled_cases  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -62,6 +65,15 @@ def test_sampled_cases_and_checks_agree_with_simulated(world, late, dist_launche
     assert len(checks) == 11 * world, _report(finished, checks)
     assert all(not c["problems"] for c in checks), _report(finished, checks)
     assert finished.returncodes == [0] * world
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_sampled_cases_draw_every_collective(world):
+    """What the launches above run: every collective, on meshes of the world's size."""
+    cases = sampled_cases(world, SAMPLES, SEED)
+    assert {c.world for c in cases} == {world}
+    seen = set().union(*(features(c.sampled) for c in cases))
+    assert set(COLLECTIVES) <= seen, f"never sampled: {set(COLLECTIVES) - seen}"
 
 
 def test_failing_rank_and_mismatched_collectives_are_reported_not_hung():
