@@ -60,7 +60,12 @@ class SpmdFunction:
         problems = []
         for path, leaf, spec in zip(paths, leaves, specs):
             where = f"argument {path_text(path)}"
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
+                problems.append(
+                    f"{where} is a {str(leaf.layout).replace('torch.', '')} tensor; spmd_map "
+                    "splits and batches dense (strided) tensors only. Fix: pass x.to_dense()."
+                )
+            elif isinstance(leaf, torch.Tensor):
                 problems += spec_problems(spec, tuple(leaf.shape), self.mesh.shape, where)
             elif opaque_tensor_holder(leaf):
                 problems.append(opaque_leaf_problem(where, leaf))

@@ -62,9 +62,11 @@ def _broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[Parti
             if found
             else ""
         )
+        structures = f"  {what} structure: {got}\n  {value} structure: {want}\n"
+        if found and len(structures) > 400:  # large trees: the named mismatch says enough
+            structures = ""
         raise SpecError(
-            f"{where}: {what} is not a pytree prefix of the {value}.\n{at}"
-            f"  {what} structure: {got}\n  {value} structure: {want}\n"
+            f"{where}: {what} is not a pytree prefix of the {value}.\n{at}{structures}"
             f"Fix: give one P(...) per {'argument' if what == 'in_specs' else 'output'} (a single "
             "P applies to every tensor below it), e.g. "
             + (
@@ -87,10 +89,24 @@ def _describe(x: Any) -> str:
     return f"a {type(x).__name__}"
 
 
+def _key_difference(specs: dict, tree: dict) -> str:
+    """The keys two dicts disagree on, named (their full key lists can be long)."""
+
+    def keys(ks: set) -> str:
+        return ", ".join(repr(k) for k in sorted(ks, key=repr))
+
+    missing, extra = tree.keys() - specs.keys(), specs.keys() - tree.keys()
+    parts = [f"no entry for {keys(missing)}"] if missing else []
+    parts += [f"an extra entry for {keys(extra)}"] if extra else []
+    return "a dict with " + " and ".join(parts)
+
+
 def _first_mismatch(specs: Any, tree: Any, path: tuple) -> tuple[tuple, str, str] | None:
     """(key path, specs node, value node) of the first place ``specs`` is not a prefix."""
     if is_spec_leaf(specs):
         return None
+    if isinstance(specs, dict) and isinstance(tree, dict) and specs.keys() != tree.keys():
+        return path, _key_difference(specs, tree), f"a dict of {len(tree)} keys"
     s = optree.tree_flatten_one_level(specs, is_leaf=is_spec_leaf, none_is_leaf=True)
     try:
         t = optree.tree_flatten_one_level(tree, none_is_leaf=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,6 +75,14 @@ class Pair:
 
 def returns_dataclass(x):
     return Pair(x, x * 2)
+
+
+def gather_axis_text(x):
+    return ns.all_gather(x, "tp", axis="0")
+
+
+def _weights(n):
+    return {f"w{k}": torch.randn(2) for k in range(n)}
 
 
 def a2a_untiled_size(x):
@@ -221,7 +230,8 @@ CATALOGUE = [
         ns.SpecError,
         "two_args",
         [
-            "at in_specs[0]: in_specs has a dict with keys ['a', 'c'] where the arguments have a dict"
+            "at in_specs[0]: in_specs has a dict with no entry for 'b' and an extra entry for "
+            "'c' where the arguments have a dict of 2 keys"
         ],
     ),
     (
@@ -514,6 +524,27 @@ CATALOGUE = [
         ["argument [0] is a Pair holding tensors", "Fix: pass and return tensors in tuples"],
     ),
     (
+        "sparse-input",
+        lambda: _run(identity, P("tp"), P("tp"), torch.eye(8).to_sparse()),
+        ns.SpecError,
+        "identity",
+        ["argument [0] is a sparse_coo tensor", "Fix: pass x.to_dense()"],
+    ),
+    (
+        "dim-not-an-integer",
+        lambda: _run(gather_axis_text, P("tp"), P("tp"), v8),
+        ns.CollectiveError,
+        "gather_axis_text",
+        ["axis='0' is not an integer", "Fix: pass an int dim in -2..1"],
+    ),
+    (
+        "spec-dict-missing-a-key",  # names the key, not both key lists
+        lambda: _run(identity, ({f"w{k}": P() for k in range(28)},), P(), _weights(29)),
+        ns.SpecError,
+        "identity",
+        ["in_specs has a dict with no entry for 'w28' where the arguments have a dict of 29"],
+    ),
+    (
         "all_gather-tiled-scalar",
         lambda: _run(gather_scalar_tiled, P("tp"), P("tp"), v8),
         ns.CollectiveError,
@@ -534,6 +565,23 @@ def test_bad_input_raises_a_clear_spmd_error(case):
         assert piece in msg, f"missing {piece!r} in:\n{msg}"
     if fn_name is not None:
         assert f"`{fn_name}` (test_errors.py:" in msg, msg
+
+
+def test_numpy_integer_dims_are_accepted():
+    f = ns.spmd_map(
+        lambda x: ns.all_gather(x, "tp", axis=np.int64(0), tiled=True, to="invariant"),
+        mesh=MESH,
+        in_specs=P("tp"),
+        out_specs=P(),
+    )
+    x = torch.randn(8)
+    torch.testing.assert_close(f(x), x)
+
+
+def test_large_spec_dicts_do_not_print_whole_structures():
+    with pytest.raises(ns.SpecError) as info:
+        _run(identity, ({f"w{k}": P() for k in range(28)},), P(), _weights(29))
+    assert "structure:" not in str(info.value) and len(str(info.value)) < 600, str(info.value)
 
 
 def test_catalogue_is_large_and_distinct():

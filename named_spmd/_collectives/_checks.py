@@ -4,6 +4,7 @@ call, the user's function, expected versus got, and the fix."""
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 import torch
@@ -18,12 +19,19 @@ def checked_dim(
     ctx: SpmdContext, t: torch.Tensor, dim: int, op: str, what: str, extra: int = 0
 ) -> int:
     rank = t.dim() + extra
-    if not isinstance(dim, int) or not -rank <= dim < rank:
+    try:
+        index = operator.index(dim)  # ints, and integer scalars such as numpy's int64
+    except TypeError:
+        raise CollectiveError(
+            f"{op} in {ctx.fn_label}: {what}={dim!r} is not an integer. Fix: pass an int dim in "
+            f"{-rank}..{rank - 1} (the operand has shape {list(t.shape)})."
+        ) from None
+    if not -rank <= index < rank:
         raise CollectiveError(
             f"{op} in {ctx.fn_label}: {what}={dim!r} is out of range for an operand of shape "
             f"{list(t.shape)} (valid: {-rank}..{rank - 1}). Fix: pass a dim in that range."
         )
-    return dim % rank
+    return index % rank
 
 
 def check_divisible(
