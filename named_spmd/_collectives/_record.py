@@ -29,6 +29,7 @@ import optree
 import torch
 
 from .._accounting import CommEvent, on_backward, record, recording
+from .._accounting import _local as _modes
 from .._autodiff import differentiable
 from .._context import Axes, SpmdContext, current
 from .._errors import CollectiveError, VmaError
@@ -79,8 +80,10 @@ class Collective:
 
     def bind(self, x: Any, axis_name: Any, *args: Any) -> Any:
         """Apply the collective to ``x`` (a tensor or a pytree of tensors) in the active call."""
-        refs = refcount(x)  # first thing: the donation rule compares it with a temporary's
         ctx = current(self.name)
+        # before any other reference to x is made: the donation rule compares it with a
+        # temporary's (only backends that reduce in place need it)
+        refs = refcount(x) if self.donates and ctx.donates else None
         axes = ctx.check_axes(axis_name, self.name)
         params = self.prepare(ctx, axes, *args) if self.prepare is not None else args
         if isinstance(x, Tensor):
@@ -110,7 +113,7 @@ def _apply(
     if rec.check is not None:
         params = rec.check(ctx, t, axes, params)
     vma = ctx.vma(t)
-    if rec.policy is not None and not vma.covers(axes):
+    if rec.policy is not None and not vma.varying.issuperset(axes):  # Vma.covers, inlined
         policy = rec.policy
         if policy is PVARY:
             t = implicit_pvary(ctx, t, vma.missing(axes))
@@ -122,7 +125,7 @@ def _apply(
             if not axes:
                 return t
     donate = refs is not None and rec.donates and ctx.donates and _donation.donatable(t, refs)
-    accounting = recording()
+    accounting = bool(_modes.stack)  # recording(), inlined: every collective passes here
     if accounting and rec.forward_event:
         record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
     out = ctx.apply(rec, t, axes, params, donate)

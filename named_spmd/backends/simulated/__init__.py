@@ -134,15 +134,16 @@ class SimulatedContext(SpmdContext):
         return stacked.index_select(dim, index).squeeze(dim)
 
     def all_reduce(self, x, axes, op, donate=False):
-        if x.dtype is torch.bool and op == "sum":
-            op = "max"  # a sum of truth values is their "or", as on a real mesh
+        dtype = x.dtype
+        if not dtype.is_floating_point:
+            if dtype is torch.bool and op == "sum":
+                op = "max"  # a sum of truth values is their "or", as on a real mesh
         if op != "sum" and len(axes) > 1:
             # One reduction over the whole group, so that ties share the gradient evenly
             # (level by level, amax would halve it at each level).
             return getattr(self.all_gather(x, axes), _REDUCE[op])(0)
         reduce = _REDUCE[op]
-        dtype = x.dtype
-        for a in axes:  # sum, amax and amin reduce one axis after another
+        for a in axes:  # a sum reduces one axis after another
             level = self.axis_level[a]
             y = _levels.reduce_varying(x, level, self.inner_level, reduce)  # the common case
             if y is None:
