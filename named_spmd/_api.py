@@ -25,7 +25,7 @@ from ._tree import (
     opaque_tensor_holder,
     path_text,
 )
-from ._types import VType
+from ._types import Vma, VType
 from .backends import Backend, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
 
@@ -102,8 +102,9 @@ class SpmdFunction:
             # outputs are concatenated, never split: a dim size every axis product divides
             # (mesh.size) checks rank and axis names without a divisibility condition
             problems += spec_problems(spec, (self.mesh.size,) * leaf.dim(), self.mesh.shape, where)
-            extra = ctx.vma(leaf).varying.difference(spec.axes)
-            if self.check_vma and extra:
+            vma = ctx.vma(leaf)
+            if self.check_vma and not vma <= spec.axes:  # rule 4: a subset of the named axes
+                extra = vma.remove(spec.axes)
                 vma_problems.append(self._vma_problem(where, leaf, spec, extra, ctx))
         if problems:
             raise SpecError(
@@ -121,7 +122,7 @@ class SpmdFunction:
         where: str,
         leaf: torch.Tensor,
         spec: PartitionSpec,
-        extra: frozenset[str],
+        extra: Vma,
         ctx: _context.SpmdContext,
     ) -> str:
         order = self.mesh.axis_names

@@ -4,8 +4,8 @@
   the members of the group of a tuple of axes (docs/design.md section 3).
 * A PartitionSpec splits tensor dim ``d`` into ``prod(size(a) for a in spec.entry_axes(d))``
   equal blocks; the instance at mesh coordinates ``c`` holds block ``index(entry_axes(d), c)``.
-* Collectives move the blocks of one dim: ``stack_dim`` / ``unstack_dim`` turn a dim of ``n``
-  blocks into a leading stack of ``n`` and back.
+* Collectives move the blocks of one dim: ``split_blocks`` views a dim as ``n`` blocks and
+  ``unstack_dim`` lays a leading stack of ``n`` blocks back along a dim.
 
 Every backend, the display and the check mode use these functions; none writes the arithmetic
 again.
@@ -116,22 +116,12 @@ def physical_layout(
 # --- the blocks of one dim, as collectives move them ----------------------------------------------
 
 
-def stack_dim(x: torch.Tensor, dim: int, n: int, tiled: bool) -> torch.Tensor:
-    """``[..., dim, ...] -> [n, ...]``: block j of ``dim`` first (untiled: ``dim`` has size n)."""
-    if tiled:
-        x = x.unflatten(dim, (n, -1))
-    return x.movedim(dim, 0) if dim != 0 else x
+def split_blocks(x: torch.Tensor, dim: int, n: int, tiled: bool) -> torch.Tensor:
+    """``dim`` as n blocks: tiled, ``[.., n*c, ..] -> [.., n, c, ..]``; untiled it has size n."""
+    return x.unflatten(dim, (n, -1)) if tiled else x
 
 
 def unstack_dim(stacked: torch.Tensor, dim: int, tiled: bool) -> torch.Tensor:
-    """Inverse of :func:`stack_dim`: ``[n, ...]`` -> the blocks along ``dim``."""
+    """``[n, ...]`` (member j's block first) -> the blocks along ``dim``, in member order."""
     out = stacked.movedim(0, dim) if dim != 0 else stacked
     return out.flatten(dim, dim + 1) if tiled else out
-
-
-def own_block(x: torch.Tensor, dim: int, n: int, index: int, tiled: bool) -> torch.Tensor:
-    """Block ``index`` of ``n`` along ``dim`` (untiled: ``dim`` has size n and goes away)."""
-    if not tiled:
-        return x.select(dim, index)
-    size = x.shape[dim] // n
-    return x.narrow(dim, index * size, size)

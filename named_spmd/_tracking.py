@@ -35,7 +35,7 @@ class TrackedContext(SpmdContext):
     def __init__(self, mesh, fn):
         super().__init__(mesh, fn)
         self.call_token = object()
-        self._stamps: dict[frozenset[str], tuple[object, Vma]] = {}
+        self._stamps: dict[int, tuple[object, Vma]] = {}  # id(type) -> its stamp
         # id(invariant tensor) -> (tensor, stamp, its varying alias): VmaMode's fast path
         self.alias_cache: dict[int, tuple[torch.Tensor, tuple, torch.Tensor]] = {}
         # (id(tensor), axes) -> (tensor, its varying alias); the tensor is kept alive so that
@@ -53,14 +53,15 @@ class TrackedContext(SpmdContext):
     def stamp_of(self, vma: Vma) -> tuple[object, Vma]:
         """The stamp for ``vma``, one per call and type: equal types share one stamp object, so
         :class:`VmaMode` compares operands by identity."""
-        key = vma.varying  # a frozenset: hashed in C (the hot path of every collective)
+        key = id(vma)  # types are interned and never freed: identity is equality (an int key
+        # hashes in C, on the hot path of every collective)
         stamp = self._stamps.get(key)
         if stamp is None:
             stamp = self._stamps[key] = (self.call_token, vma)
         return stamp
 
     def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
-        if vma.varying or _ATTR in x.__dict__:
+        if vma is not INVARIANT or _ATTR in x.__dict__:
             x.__dict__[_ATTR] = self.stamp_of(vma)
         return x
 

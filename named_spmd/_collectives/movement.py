@@ -10,7 +10,7 @@ import torch
 
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
-from .._layout import unstack_dim
+from .._layout import split_blocks, unstack_dim
 from ._checks import check_divisible, checked_dim
 from ._record import (
     PVARY,
@@ -23,11 +23,6 @@ from ._record import (
 )
 
 AxisName = str | tuple[str, ...]
-
-
-def _split(x: torch.Tensor, dim: int, n: int, tiled: bool) -> torch.Tensor:
-    """``dim`` as n blocks: tiled, ``[.., n*c, ..] -> [.., n, c, ..]``; untiled it has size n."""
-    return x.unflatten(dim, (n, -1)) if tiled else x
 
 
 # --- all_gather ----------------------------------------------------------------------------------
@@ -96,7 +91,7 @@ def _all_gather_transpose(
 ) -> torch.Tensor:
     dim, tiled, invariant = params
     if invariant:  # the cotangent is identical on the group: keep the own block
-        return ctx.own_block(_split(g, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
+        return ctx.own_block(split_blocks(g, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
     return ctx.apply(RECORDS["psum_scatter"], g, axes, (dim, tiled))
 
 
@@ -159,7 +154,7 @@ def _psum_scatter_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
     dim, tiled = params
-    return ctx.reduce_scatter(_split(x, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
+    return ctx.reduce_scatter(split_blocks(x, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
 
 
 def _psum_scatter_shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
@@ -225,7 +220,7 @@ def _all_to_all_forward(
 ) -> torch.Tensor:
     split, concat, tiled = params
     # after the exchange, dim ``split`` indexes the source member instead of the destination
-    received = ctx.all_to_all(_split(x, split, ctx.mesh.axis_size(axes), tiled), axes, split)
+    received = ctx.all_to_all(split_blocks(x, split, ctx.mesh.axis_size(axes), tiled), axes, split)
     if split != concat:
         received = received.movedim(split, concat)
     return received.flatten(concat, concat + 1) if tiled else received
