@@ -17,9 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.autograd import forward_ad
 
-from ._torch_private import function_base_apply, transforms_active
+from ._torch_private import forward_level, function_base_apply, transforms_active
 
 if TYPE_CHECKING:
     from ._collectives._record import Collective
@@ -29,9 +28,7 @@ if TYPE_CHECKING:
 def differentiable(x: torch.Tensor) -> bool:
     """Whether an op on ``x`` must record autograd (or forward-mode) information."""
     return (
-        transforms_active()
-        or (x.requires_grad and torch.is_grad_enabled())
-        or forward_ad._current_level >= 0
+        transforms_active() or (x.requires_grad and torch.is_grad_enabled()) or forward_level() >= 0
     )
 
 

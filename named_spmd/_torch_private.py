@@ -2,19 +2,21 @@
 
 torch's private APIs change between releases. Keeping them here means a torch upgrade touches
 this file only, and ``tests/test_torch_private.py`` pins each name's behaviour (and fails when
-any other module names ``torch._``, ``_functorch``, ``_c10d_functional``, DTensor internals or
-``getrefcount``). Names of ``torch.distributed`` are resolved on first use (:func:`dist`), so
+any other module names ``torch._``, ``_functorch``, ``_c10d_functional``, DTensor or
+AsyncCollectiveTensor internals, ``Tensor._base``, forward AD's level or ``getrefcount``). Names of ``torch.distributed`` are resolved on first use (:func:`dist`), so
 ``import named_spmd`` does not import the distributed stack.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 if TORCH_VERSION < (2, 13):  # pragma: no cover - the gate the pins below were written for
@@ -100,10 +102,19 @@ def queue_callback(fn: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+# The innermost forward-AD dual level, -1 outside ``forward_ad.dual_level`` (a module global torch
+# reassigns, with no public reader): a collective records its jvp only inside one. A partial of the
+# builtin getattr reads it with no Python frame (``_autodiff.differentiable`` is per collective).
+forward_level = functools.partial(getattr, forward_ad, "_current_level")
+
 # Library-internal ops run without the user-visible TorchFunctionModes (vma tracking).
 DisableTorchFunction = torch._C.DisableTorchFunction
 
 # --- reference counts: may a buffer be overwritten in place? ----------------------------------
+# A view's base tensor, None for a non-view (``Tensor._base``): a view shares its buffer, so it is
+# never overwritten. An attrgetter: a C call that keeps no reference to the tensor it is given
+# (donation compares the tensor's reference counts with calibrated ones right after).
+tensor_base = operator.attrgetter("_base")
 refcount = sys.getrefcount  # the Python reference count of an object (CPython)
 
 
@@ -121,6 +132,7 @@ def dist() -> SimpleNamespace:
     """The private torch.distributed names of the real backend."""
     import torch.distributed as td
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._utils import compute_global_tensor_info
 
@@ -129,6 +141,9 @@ def dist() -> SimpleNamespace:
         register_work=torch._C._distributed_c10d._register_work,
         wait_tensor=torch.ops._c10d_functional.wait_tensor.default,
         AsyncCollectiveTensor=AsyncCollectiveTensor,
+        # DTensor's constructor DTensor(local, spec, requires_grad=): from_local without its
+        # checks and the spec it rebuilds on every call (specs come from dtensor_spec, cached)
+        new_dtensor=DTensor,
         DTensorSpec=DTensorSpec,
         TensorMeta=TensorMeta,
         compute_global_tensor_info=compute_global_tensor_info,
@@ -139,3 +154,19 @@ def dist() -> SimpleNamespace:
 def local_tensor(d: Any) -> torch.Tensor:
     """A DTensor's local tensor without the autograd-recording ``to_local``."""
     return d._local_tensor
+
+
+def dtensor_spec(device_mesh: Any, local: torch.Tensor, placements: tuple) -> Any:
+    """The ``DTensorSpec`` of the DTensor whose local tensor on this rank is ``local``: what
+    ``DTensor.from_local`` builds on every call (the caller caches it per layout)."""
+    d = dist()
+    shape, stride = d.compute_global_tensor_info(local, device_mesh, list(placements))
+    meta = d.TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return d.DTensorSpec(device_mesh, placements, tensor_meta=meta)
+
+
+# AsyncCollectiveTensor (the wait-on-first-use result of torch's functional collectives, which the
+# overlapped gradient psum returns): its plain buffer (``.elem``), and the wait that returns the
+# buffer once its reduction is done (``.trigger_wait()``). C calls: no Python frame per gradient.
+async_buffer = operator.attrgetter("elem")
+async_wait = operator.methodcaller("trigger_wait")

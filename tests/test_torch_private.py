@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 
 from named_spmd import _torch_private as P
 
@@ -19,6 +20,16 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "named_spmd"
 PRIVATE = re.compile(
     r"torch\._|torch\.ops\._|_functorch|_c10d_functional|_dtensor_spec|_local_tensor"
     r"|getrefcount|_use_count|_storage_Use_Count|_SingleLevelFunction|_execution_engine"
+    # private attributes of tensors and autograd: forward AD's level, a view's base, ...
+    r"|\b_current_level\b|\b_base\b|\._(?:version|grad_fn|cdata)\b"
+    # ... AsyncCollectiveTensor's buffer and wait
+    r"|\.elem\b|trigger_wait"
+    # DTensor internals: its private modules, its spec (DTensorSpec and TensorMeta also name
+    # DTensor's concepts in prose, so those two count where code reaches them: as an attribute,
+    # called or imported), its private constructor DTensor(local, spec, ...), a DTensor's _spec
+    r"|distributed\.tensor\._|c10d\._|compute_global_tensor_info"
+    r"|\.(?:DTensorSpec|TensorMeta)\b|\b(?:DTensorSpec|TensorMeta)\s*\(|\bimport\b.*\bDTensorSpec\b"
+    r"|\bimport\b.*\bTensorMeta\b|\bDTensor\(|[\w)\]]\._spec\b"
 )
 
 
@@ -47,6 +58,39 @@ def test_the_scan_finds_a_private_name(tmp_path):
     (tmp_path / "named_spmd" / "_torch_private.py").write_text("x = torch._C\n")  # allowed there
     found = private_names_outside(tmp_path / "named_spmd")
     assert found == ["named_spmd/_leaky.py:2: x = torch._C._get_tracing_state"]
+
+
+LEAKS = [  # one line per private name the scan must report outside _torch_private.py
+    "on = forward_ad._current_level >= 0",
+    "shared = x._base is not None",
+    "v = x._version",
+    "buf = pending.elem",
+    "g = pending.trigger_wait()",
+    "from torch.distributed.tensor._utils import compute_global_tensor_info",
+    "shape, stride = compute_global_tensor_info(local, mesh, places)",
+    "spec = d.DTensorSpec(mesh, places, tensor_meta=meta)",
+    "meta = TensorMeta(shape, stride, dtype)",
+    "from somewhere import DTensorSpec, TensorMeta",
+    "out = DTensor(local, spec, requires_grad=False)",
+    "spec = dtensor._spec",
+    "local = dtensor._local_tensor",
+    "n = x._use_count()",
+    "store = c10d._get_default_store()",
+]
+PROSE = [  # what the scan leaves alone: the package's own names and DTensor's concepts in prose
+    "from ._spec import PartitionSpec",
+    "top = P.maybe_current_level()",
+    "specs: dict = {}  # (placements, shape, stride, dtype) -> DTensorSpec",
+    "DTensor's ``from_local`` rebuilds a ``DTensorSpec`` for every tensor",
+    "for elem in elements: is_base = isinstance(g, DTensor)",
+]
+
+
+def test_the_scan_finds_each_private_name_and_only_those(tmp_path):
+    (tmp_path / "named_spmd").mkdir()
+    (tmp_path / "named_spmd" / "_leaky.py").write_text("\n".join(LEAKS + PROSE) + "\n")
+    found = private_names_outside(tmp_path / "named_spmd")
+    assert found == [f"named_spmd/_leaky.py:{i}: {line}" for i, line in enumerate(LEAKS, 1)]
 
 
 # --- pins: each private name still behaves as the library uses it -----------------------------
@@ -198,6 +242,63 @@ def test_the_distributed_names_resolve_lazily():
         "assert callable(d.register_work) and callable(d.default_store)\n"
         "assert d.AsyncCollectiveTensor.__name__ == 'AsyncCollectiveTensor'\n"
         "assert d.wait_tensor.name() == '_c10d_functional::wait_tensor'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_forward_level_reads_the_current_dual_level():
+    assert P.forward_level() == -1
+    with forward_ad.dual_level():
+        assert P.forward_level() >= 0  # read at the call: torch reassigns the module global
+    assert P.forward_level() == -1
+
+
+def test_tensor_base_tells_a_view_from_its_own_buffer():
+    x = torch.ones(4)
+    assert P.tensor_base(x) is None
+    assert P.tensor_base(x[1:]) is x
+    assert P.tensor_base(x.view(2, 2).view(4)) is x  # a view of a view: the root buffer
+    assert P.tensor_base(x.clone()) is None
+    refs = P.refcount(x)
+    P.tensor_base(x)
+    assert P.refcount(x) == refs  # keeps no reference (donation counts them)
+
+
+def test_async_buffer_and_async_wait_of_a_pending_reduction():
+    import torch.distributed as dist
+
+    d = P.dist()
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    buf = torch.ones(3)
+    work = group.allreduce([buf])
+    d.register_work(buf, work)  # what _dist_overlap does with its overlapped reductions
+    pending = d.AsyncCollectiveTensor(buf)
+    assert P.async_buffer(pending) is buf
+    out = P.async_wait(pending)
+    assert type(out) is torch.Tensor and out is buf and work.is_completed()
+    assert P.async_wait(pending) is buf  # waited once: returns the buffer again
+    assert torch.equal(out, torch.ones(3))
+
+
+def test_dtensor_spec_and_constructor_match_from_local():
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from torch.distributed.tensor import DTensor, Replicate, Shard\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "from named_spmd import _torch_private as P\n"
+        "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=4)\n"
+        "mesh = dist.device_mesh.init_device_mesh('cpu', (2, 2), mesh_dim_names=('a', 'b'))\n"
+        "local = torch.arange(6.0).reshape(2, 3)\n"
+        "places = (Shard(1), Replicate())\n"
+        "spec = P.dtensor_spec(mesh, local, places)\n"
+        "ref = DTensor.from_local(local, mesh, places, run_check=False)\n"
+        "assert spec == ref._spec and spec.shape == (2, 6), spec\n"
+        "d = P.dist().new_dtensor(local, spec, requires_grad=True)\n"
+        "assert type(d) is DTensor and d.requires_grad and d.is_leaf and d.shape == (2, 6)\n"
+        "assert P.local_tensor(d) is local and tuple(d.placements) == places\n"
+        "dist.destroy_process_group()\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -22,7 +22,7 @@ import torch
 from .. import _accounting, _context
 from .._context import SpmdContext
 from .._mesh import Mesh
-from .._torch_private import DisableTorchFunction, use_counts
+from .._torch_private import DisableTorchFunction, tensor_base, use_counts
 from .._types import Vma
 
 _LIMITS: list[tuple[int, ...] | None] = []  # [limits] once calibrated
@@ -46,7 +46,7 @@ def donatable(x: torch.Tensor, refs: int) -> bool:
 
 
 def _donatable(x: torch.Tensor, refs: int) -> bool:
-    if x.requires_grad or x._base is not None or not x.is_contiguous():
+    if x.requires_grad or tensor_base(x) is not None or not x.is_contiguous():
         return False
     if _probed is not None:
         counts = _counts(x, refs)

@@ -34,7 +34,7 @@ from .._spec import PartitionSpec
 from .._types import Vma
 from . import _dist_overlap as overlap
 
-_Private = P.dist()
+_new_dtensor = P.dist().new_dtensor  # DTensor's constructor, with a cached spec
 
 
 def placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
@@ -57,15 +57,12 @@ def _spec_for(mesh, local: torch.Tensor, places: tuple) -> Any:
     key = (places, tuple(local.shape), local.stride(), local.dtype)
     spec = mesh.dtensor_specs.get(key)
     if spec is None:
-        shape, stride = _Private.compute_global_tensor_info(local, mesh.device_mesh, list(places))
-        meta = _Private.TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
-        spec = _Private.DTensorSpec(mesh.device_mesh, places, tensor_meta=meta)
-        mesh.dtensor_specs[key] = spec
+        spec = mesh.dtensor_specs[key] = P.dtensor_spec(mesh.device_mesh, local, places)
     return copy.copy(spec)  # DTensor ops may annotate their spec: never share one
 
 
 def _wrap(mesh, local: torch.Tensor, places: tuple, requires_grad: bool = False) -> DTensor:
-    return DTensor(local, _spec_for(mesh, local, places), requires_grad=requires_grad)
+    return _new_dtensor(local, _spec_for(mesh, local, places), requires_grad=requires_grad)
 
 
 class _LocalOf(torch.autograd.Function):
@@ -118,7 +115,7 @@ def _plain_local_grad(leaf: DTensor, mesh) -> None:
     if isinstance(grad, DTensor):
         local = P.local_tensor(grad)
         if overlap.is_pending_wrapper(local):
-            leaf.grad = _wrap(mesh, local.elem, tuple(grad.placements))
+            leaf.grad = _wrap(mesh, P.async_buffer(local), tuple(grad.placements))
 
 
 def _fast(cls: Any) -> Any:

@@ -14,13 +14,14 @@ avoided:
 
 from __future__ import annotations
 
-from typing import Any, TypeGuard, cast
+from typing import Any, TypeGuard
 
 import torch
 
 from .. import _torch_private as P
 from .._autodiff import apply as bridge_apply
 from .._collectives._record import PVARY_RECORD
+from .._torch_private import async_buffer, async_wait, tensor_base
 from ._dist_comm import Comm
 
 _contiguous = torch.contiguous_format
@@ -58,7 +59,7 @@ def _exclusive(g: torch.Tensor, probe: bool = False) -> bool:
         return False
     if type(g) is not torch.Tensor:  # a wrapper (subclass): its storage is not what we count
         return False
-    if g._base is not None or not g.is_contiguous() or P.is_transform_wrapped(g):
+    if tensor_base(g) is not None or not g.is_contiguous() or P.is_transform_wrapped(g):
         return False
     counts = _counts(g)
     if counts is None or not _BASELINE or _BASELINE[0] is None:
@@ -158,7 +159,7 @@ def plain_grad(leaf: torch.Tensor) -> None:
     wrapper (a finished one): ``.grad`` then copies, pickles and exposes its storage as usual."""
     grad = leaf.grad
     if is_pending_wrapper(grad):
-        leaf.grad = grad.elem
+        leaf.grad = async_buffer(grad)
 
 
 def finish_pending() -> None:
@@ -175,9 +176,8 @@ def settled(g: torch.Tensor) -> torch.Tensor:
     skip the wrapper's dispatch (the gradient accumulation alone costs one per parameter)."""
     work = _work_of(g)
     if work is not None and work.is_completed():
-        # g is an AsyncCollectiveTensor, whose class is only known at run time (_ACT)
-        _forget_work(cast(Any, g).elem)
-        return cast(Any, g).elem
+        _forget_work(async_buffer(g))  # g is an AsyncCollectiveTensor
+        return async_buffer(g)
     return g
 
 
@@ -196,7 +196,7 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, probe: bool = Fal
         _exclusive(g, probe=True)
         return g
     if type(g) is _ACT():  # chained pvary: the sum of the one below first
-        g = cast(Any, g).trigger_wait()  # (the wrapper's class is only known at run time)
+        g = async_wait(g)
     buf = g if _exclusive(g) else g.clone(memory_format=_contiguous)
     assert comm is not None  # only the calibration probe passes none
     pending = _reduce_during_backward(buf, comm)
