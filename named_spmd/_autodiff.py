@@ -54,6 +54,14 @@ class CollectiveFn(torch.autograd.Function):
     def jvp(node, t, *_):
         return node.rec.jvp(node.spmd, node.rec, t, node.axes, node.params, node)
 
+    @staticmethod
+    def vmap(info, in_dims, x, rec, spmd, axes, params):
+        """A user's ``torch.func.vmap`` inside the per-device function: the collective runs
+        once on the whole batch, the batch dim first and the record's dims shifted past it."""
+        if in_dims[0] is None:
+            return apply(rec, spmd, x, axes, params), None
+        return apply(rec, spmd, x.movedim(in_dims[0], 0), axes, rec.batched(params)), 0
+
 
 _NONES = (None,) * 4
 fast_apply = function_base_apply.__get__(None, CollectiveFn)

@@ -41,6 +41,10 @@ class TrackedContext(SpmdContext):
         # (id(tensor), axes) -> (tensor, its varying alias); the tensor is kept alive so that
         # its id is not reused during the call.
         self.pvary_cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+        # storage address -> (tensor, stamp) of values computed inside a torch.func transform:
+        # a transform may hand back a new view of them (vmap moving its batch dim), which has
+        # no stamp of its own. Kept alive, so that no other tensor gets the address meanwhile.
+        self.transform_results: dict[int, tuple[torch.Tensor, tuple[object, Vma]]] = {}
 
     def vma(self, x: torch.Tensor) -> Vma:
         stamp = x.__dict__.get(_ATTR)
@@ -48,6 +52,10 @@ class TrackedContext(SpmdContext):
             return stamp[1]
         if _is_wrapped(x):  # a torch.func transform inside the function wrapped a stamped tensor
             return self.vma(_unwrap(x))
+        if self.transform_results and not x.is_meta:
+            hit = self.transform_results.get(x.untyped_storage().data_ptr())
+            if hit is not None:
+                return hit[1][1]
         return INVARIANT
 
     def stamp_of(self, vma: Vma) -> tuple[object, Vma]:
@@ -105,6 +113,10 @@ def _replace(obj: Any, swap: dict[int, torch.Tensor]) -> Any:
 # randomness policy: same seed, same values), so their result is invariant like any factory's,
 # as on the simulated backend, where vmap's randomness="same" leaves them unbatched.
 _RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
+# Calls that take tensors but compute no value from them: differentiation itself (which
+# torch.func.grad / vjp inside the function call too). Treated as ops, they would mix the
+# invariant loss with the varying inputs and pvary the loss, doubling gradients per axis size.
+_NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
 
 
 _INPLACE_DUNDERS = frozenset(
@@ -165,7 +177,7 @@ class VmaMode(TorchFunctionMode):
         # call's stamp carries the same one, with no invariant tensor beside them. Then the
         # result takes that stamp object as is: no sets built, no pvary. Costs about one dict
         # lookup per operand on top of the mode's own dispatch.
-        if func in _RANDOM_LIKE:
+        if func in _RANDOM_LIKE or func in _NOT_OPS:
             return func(*args, **(kwargs or {}))
         if kwargs:
             return self._general(func, args, kwargs)
@@ -178,7 +190,7 @@ class VmaMode(TorchFunctionMode):
                 if s is None or s[0] is not token:
                     # torch.func inside: a wrapper's vma is its unwrapped tensor's (tensors with
                     # a cached alias were checked when it was made)
-                    if id(a) not in aliased and _is_wrapped(a):
+                    if id(a) not in aliased and (_is_wrapped(a) or self.ctx.transform_results):
                         return self._general(func, args, kwargs)
                     plain = True
                 elif common is None:
@@ -196,10 +208,14 @@ class VmaMode(TorchFunctionMode):
         out = func(*args)
         if type(out) is Tensor or isinstance(out, Tensor):
             out.__dict__[_ATTR] = common
+            if _is_wrapped(out):
+                _stamp_inner(self.ctx, out, common)
         elif isinstance(out, (list, tuple)):
             for o in out:
                 if isinstance(o, Tensor):
                     o.__dict__[_ATTR] = common
+                    if _is_wrapped(o):
+                        _stamp_inner(self.ctx, o, common)
         return out
 
     def _vary_plain(self, args, common) -> tuple:
@@ -254,10 +270,21 @@ class VmaMode(TorchFunctionMode):
 
     def _stamp_outputs(self, out, union):
         stamp = self.ctx.stamp_of(union)
-        if isinstance(out, torch.Tensor):
-            out.__dict__[_ATTR] = stamp
-        elif isinstance(out, (list, tuple)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    o.__dict__[_ATTR] = stamp
+        for o in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(o, torch.Tensor):
+                o.__dict__[_ATTR] = stamp
+                if _is_wrapped(o):
+                    _stamp_inner(self.ctx, o, stamp)
         return out
+
+
+def _stamp_inner(ctx: TrackedContext, x: torch.Tensor, stamp) -> None:
+    """Stamp the tensors a torch.func transform wrapped ``x`` around, and remember the
+    innermost one's storage: the transform returns the unwrapped tensor (or a view of it) to
+    the per-device function, which must keep the type (an unstamped tensor reads as
+    invariant, and a varying value typed invariant is silently wrong)."""
+    while _is_wrapped(x):
+        x = _unwrap(x)
+        x.__dict__[_ATTR] = stamp
+    if stamp[1] is not INVARIANT and not x.is_meta:
+        ctx.transform_results[x.untyped_storage().data_ptr()] = (x, stamp)

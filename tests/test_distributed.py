@@ -107,6 +107,36 @@ def test_failing_rank_and_mismatched_collectives_are_reported_not_hung():
             assert "ValueError: injected failure on purpose" in o["message"], o
 
 
+def test_torch_func_transforms_inside_the_function_agree_with_simulated():
+    """Types survive torch.func transforms inside the function (a varying result typed
+    invariant was returned silently under P()); vmap over collectives and mixing; gradients
+    through collectives (torch.autograd.grad was typed as an op, pvary-ing the loss)."""
+    import torch
+    import transforms_inside
+
+    import named_spmd as ns
+
+    finished = launch([os.path.join("tests", "transforms_inside.py")], 2, 120)
+    assert not finished.timed_out, finished.outputs[0][-3000:]
+    outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
+    assert len(outcomes) == 2 * len(transforms_inside.PROGRAMS), finished.outputs[0][-3000:]
+    mesh = ns.make_mesh((2,), ("x",), simulated=True)
+    for o in outcomes:
+        want = transforms_inside.run(o["name"], mesh)
+        if "error" in want:
+            assert o.get("error") == want["error"], (o, want)
+            assert o["message"] == want["message"], (o["message"], want["message"])
+        else:
+            assert "value" in o, o
+            torch.testing.assert_close(
+                torch.tensor(o["value"], dtype=torch.float64),
+                torch.tensor(want["value"], dtype=torch.float64),
+                rtol=1e-12,
+                atol=1e-12,
+                msg=o["name"],
+            )
+
+
 def test_import_named_spmd_does_not_load_the_distributed_backend():
     # torch 2.13 itself imports torch.distributed.device_mesh: compare with a bare import torch
     code = (

@@ -68,6 +68,9 @@ class Collective:
     prepare: Callable[..., Params] | None = None
     check: Callable[[SpmdContext, Tensor, Axes, Params], Params] | None = None
     jvp: Callable[..., Tensor] = _linear_jvp
+    #: the parameters for an operand with one more leading (batch) dim: a user's vmap inside
+    #: the function; elementwise collectives keep theirs, the others shift their dims by one
+    batched: Callable[[Params], Params] = lambda params: params
     saves: bool = False  # the transpose reads the operand and the result (node.saved_tensors)
     forward_event: bool = True  # recorded as forward communication (pvary has none)
     donates: bool = False  # the forward may reduce a temporary operand in place

@@ -115,6 +115,7 @@ ALL_GATHER = Collective(
     backward_op=lambda params: None if params[2] else "psum_scatter",
     prepare=_all_gather_prepare,
     check=_all_gather_check,
+    batched=lambda params: (params[0] + 1, *params[1:]),
 )
 
 
@@ -178,6 +179,7 @@ PSUM_SCATTER = Collective(
     ),
     backward_op=backward_op("all_gather"),
     check=_psum_scatter_check,
+    batched=lambda params: (params[0] + 1, *params[1:]),
 )
 
 
@@ -248,6 +250,7 @@ ALL_TO_ALL = Collective(
     ),
     backward_op=backward_op("all_to_all"),
     check=_all_to_all_check,
+    batched=lambda params: (params[0] + 1, params[1] + 1, *params[2:]),
 )
 
 __all__ = ["all_gather", "all_to_all", "psum_scatter"]

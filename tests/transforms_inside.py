@@ -1,0 +1,102 @@
+"""torch.func transforms inside the per-device function: programs run on every backend.
+
+Each program maps ``x`` [8] (split over "x") and ``w`` [4] (replicated) on a mesh of two instances and
+applies a transform inside; their types must survive the transform (a varying value typed
+invariant would be returned silently wrong under ``P()``). ``python tests/transforms_inside.py``
+under a 2-process job prints one ``OUTCOME {json}`` line per program (tests/test_distributed.py
+compares them with the simulated mesh).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import named_spmd as ns
+from named_spmd import P
+
+
+def vjp_claimed_replicated(x, w):  # the value varies: out_specs P() must be refused
+    return torch.func.vjp(lambda v: v * 2, x)[0]
+
+
+def vmap_mixing_invariant(x, w):  # w meets the varying rows inside vmap: an implicit pvary
+    return torch.func.vmap(lambda r, u: r * u)(x.reshape(2, 2), w.reshape(2, 2)).reshape(-1)
+
+
+def vmap_moved_batch_dim_then_psum(x, w):  # the vmapped result is a new view: still varying
+    return ns.psum(torch.func.vmap(lambda r: r.sin(), out_dims=1)(x.reshape(2, -1)), "x")
+
+
+def vmap_over_collectives(x, w):
+    rows = x.reshape(2, -1)
+    total = torch.func.vmap(lambda r: ns.psum(r, "x"))(rows)
+    gathered = torch.func.vmap(lambda r: ns.all_gather(r, "x", tiled=True))(rows)
+    return total.reshape(-1) + gathered.sum(1).repeat_interleave(2)
+
+
+def jacrev_inside(x, w):
+    return torch.func.jacrev(lambda v: (v * w).sin())(x).sum(0)
+
+
+def grad_and_value_inside(x, w):
+    g, loss = torch.func.grad_and_value(lambda v: ns.psum((v * v).sum(), "x"))(x)
+    return g * loss
+
+
+def grads_through_collectives(x, w):  # torch.autograd.grad itself is not an op to type
+    a = torch.func.grad(lambda v: ns.psum(v * w, "x").sum())(x)
+    b = torch.func.grad(lambda v: (ns.all_gather(v, "x", tiled=True) * 1.5).sum())(x)
+    c = torch.func.vjp(lambda v: ns.pmean(v, "x"), x)[1](w)[0]
+    return torch.cat([a, b, c])
+
+
+def jvp_inside(x, w):
+    return torch.func.jvp(lambda v: v.exp() * w, (x,), (torch.ones_like(x),))[1]
+
+
+PROGRAMS = {
+    "vjp_claimed_replicated": (vjp_claimed_replicated, P()),
+    "vmap_mixing_invariant": (vmap_mixing_invariant, P("x")),
+    "vmap_moved_batch_dim_then_psum": (vmap_moved_batch_dim_then_psum, P()),
+    "vmap_over_collectives": (vmap_over_collectives, P("x")),
+    "jacrev_inside": (jacrev_inside, P("x")),
+    "grad_and_value_inside": (grad_and_value_inside, P("x")),
+    "grads_through_collectives": (grads_through_collectives, P("x")),
+    "jvp_inside": (jvp_inside, P("x")),
+}
+
+
+def arguments() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, generator=gen, dtype=torch.float64)
+    return x, torch.randn(4, generator=gen, dtype=torch.float64)
+
+
+def run(name: str, mesh) -> dict:
+    """``{"value": [...]}`` (the global output) or ``{"error": class, "message": text}``."""
+    fn, out_spec = PROGRAMS[name]
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=(P("x"), P()), out_specs=out_spec)
+    try:
+        out = f(*arguments())
+    except ns.SpmdError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    return {"value": out.tolist()}
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    mesh = ns.make_mesh((2,), ("x",))
+    for name in PROGRAMS:
+        print("OUTCOME " + json.dumps({"rank": dist.get_rank(), "name": name, **run(name, mesh)}))
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
