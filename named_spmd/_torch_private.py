@@ -107,6 +107,15 @@ def queue_callback(fn: Any) -> None:
 # builtin getattr reads it with no Python frame (``_autodiff.differentiable`` is per collective).
 forward_level = functools.partial(getattr, forward_ad, "_current_level")
 
+@functools.cache
+def control_flow_exceptions() -> tuple[type[BaseException], ...]:
+    """Exceptions torch raises through user code to steer itself, not failures of it:
+    non-reentrant checkpointing stops a recomputation early with one (in double backward too)."""
+    from torch.utils.checkpoint import _StopRecomputationError
+
+    return (_StopRecomputationError,)
+
+
 # Library-internal ops run without the user-visible TorchFunctionModes (vma tracking).
 DisableTorchFunction = torch._C.DisableTorchFunction
 

@@ -137,6 +137,23 @@ def test_torch_func_transforms_inside_the_function_agree_with_simulated():
             )
 
 
+def test_calls_after_a_caught_error_run_or_fail_clearly_on_every_rank():
+    world = 4
+    finished = launch([os.path.join("tests", "recovery.py")], world, 120, NAMED_SPMD_TIMEOUT="60")
+    assert not finished.timed_out, finished.outputs[0][-3000:]
+    outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
+    by_phase = {p: [o for o in outcomes if o["phase"] == p] for p in ("symmetric", "asymmetric")}
+    assert len(by_phase["symmetric"]) == world, finished.outputs[0][-3000:]
+    assert all(o.get("ok") for o in by_phase["symmetric"]), by_phase["symmetric"]
+    assert len(by_phase["asymmetric"]) == world, finished.outputs[0][-3000:]
+    for o in by_phase["asymmetric"]:
+        assert "problem" not in o, o
+        assert o["first"] == ("ValueError" if o["rank"] == 0 else "RankFailedError"), o
+        assert o["next"] == "SpmdError", o
+        assert "out of step" in o["message"] and "Fix: restart the job" in o["message"], o
+        assert o["seconds"] < 30, o  # bounded: no rank waits out NAMED_SPMD_TIMEOUT
+
+
 def test_import_named_spmd_does_not_load_the_distributed_backend():
     # torch 2.13 itself imports torch.distributed.device_mesh: compare with a bare import torch
     code = (

@@ -70,11 +70,39 @@ class FailureBoard:
         self.seq = 0  # spmd_map calls on this mesh so far (identical on every rank)
         self.debug_counts: dict[str, int] = {}
         self._acknowledged: set[int] = set()  # calls whose failure this rank has counted
+        self.failed_seq: int | None = None  # the last call that failed on this rank, if any
+        self.out_of_step: str | None = None  # why the mesh cannot run another call
+
+    # --- after a failed call ------------------------------------------------------------------
+    def check_in_step(self) -> None:
+        """At the start of a call: raise if an earlier failed call left collectives in flight.
+
+        When every rank raised on its own (a user error all ranks make), nothing is left
+        pending and the next call runs. When some rank stopped inside a collective because a
+        peer failed (:meth:`error`), that collective can never complete (torch.distributed
+        cannot cancel it) and the next one would pair with it: every later call raises."""
+        if self.out_of_step is None and self.failed_seq is not None:
+            seq, self.failed_seq = self.failed_seq, None
+            if self.store.add(self._stuck_key(seq), 0) > 0:
+                self.out_of_step = (
+                    f"spmd_map call #{seq} on this mesh failed while ranks were inside "
+                    "collectives with the failing rank. torch.distributed cannot cancel a "
+                    "collective in flight, so the mesh's process groups are out of step and no "
+                    "later call can run on them. Fix: restart the job; to go on after an error "
+                    "inside a mapped function, make the error happen on every rank alike (for "
+                    "example check inputs before the call), or use a simulated mesh."
+                )
+        if self.out_of_step is not None:
+            raise SpmdError(self.out_of_step)
+
+    def _stuck_key(self, seq: int) -> str:
+        return f"{self.key}/stuck/{seq}"
 
     # --- posting and reading ------------------------------------------------------------------
     def post(self, exc: BaseException) -> None:
         """Post this rank's error, then wait (at most ``ACK_S``) until every rank knows of it."""
         text = f"{type(exc).__name__}: {exc}".strip()
+        self.failed_seq = self.seq
         try:
             self.store.set(self.key, f"{self.seq}\n{self.rank}\n{text[:4000]}")
             self._acknowledge(self.seq)
@@ -106,7 +134,10 @@ class FailureBoard:
 
     def error(self, failure: tuple[int, int, str], while_doing: str) -> RankFailedError:
         seq, rank, text = failure
+        self.failed_seq = self.seq
         try:
+            if seq not in self._acknowledged:  # this rank stops inside a collective
+                self.store.add(self._stuck_key(self.seq), 1)
             self._acknowledge(seq)  # the failing rank waits for this before it exits
         except Exception:  # noqa: BLE001 - the store's host exited; the error is raised anyway
             pass
@@ -129,7 +160,7 @@ class FailureBoard:
         deadline = time.monotonic() + 2.0  # the failing rank posts before its sockets close
         while True:
             failure = self.read()
-            if failure is not None:
+            if failure is not None and failure[0] >= self.seq:  # not an earlier call's
                 return self.error(failure, while_doing)
             if time.monotonic() > deadline:
                 return RankFailedError(

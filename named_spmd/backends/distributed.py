@@ -294,6 +294,7 @@ def run(
     mesh.debug = debug_enabled()
     ctx = DistributedContext(mesh, fn)
     try:
+        board.check_in_step()
         local = [
             ctx.stamp(local_input(ctx, leaf, spec, i), Vma.of(spec.axes))
             if isinstance(leaf, torch.Tensor)
@@ -304,6 +305,8 @@ def run(
             outs = body(local, ctx)
         return [global_output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
     except RankFailedError:
+        raise
+    except P.control_flow_exceptions():  # torch steering itself (checkpoint): not a failure
         raise
     except BaseException as e:
         board.post(e)
