@@ -242,7 +242,7 @@ def _tiled_output_event(
     differ, so its backward sums them over that axis (a psum on a real mesh)."""
     vma = ctx.vma(y)
     tiled = tuple(a for a in ctx.mesh.axis_names if a in spec.axes and a not in vma)
-    if not tiled:
+    if ctx.single_axes.issuperset(tiled):  # nothing tiled, or only copies of one instance
         return y
     return on_backward(
         y, CommEvent("psum", tiled, "backward", tuple(y.shape), y.dtype, implicit=True)

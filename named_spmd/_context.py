@@ -48,6 +48,8 @@ class SpmdContext(ABC):
         self.mesh = mesh
         self.fn = fn
         self.fn_label = fn_label(fn)
+        #: the mesh axes of size 1: a group of them is one instance, with nothing to exchange
+        self.single_axes = frozenset(a for a, n in mesh._shape.items() if n == 1)
 
     # --- types --------------------------------------------------------------------------------
     @abstractmethod
@@ -166,6 +168,51 @@ class SpmdContext(ABC):
                 f"{op} in {self.fn_label}: axis_name {axes} repeats an axis. Fix: name each once."
             )
         return axes
+
+
+class GroupOfOne(SpmdContext):
+    """The primitives over a group of one instance (every axis of the group has size 1):
+    plain torch ops with the results the communication would give, differentiated by torch's
+    own autograd. Backends that type tensors by stamps run such collectives through it, so a
+    size-1 axis costs no communication (the types still change as declared)."""
+
+    def __init__(self, ctx: SpmdContext) -> None:
+        self.ctx, self.mesh, self.fn, self.fn_label = ctx, ctx.mesh, ctx.fn, ctx.fn_label
+        self.single_axes = ctx.single_axes
+
+    def vma(self, x: torch.Tensor) -> Vma:
+        return self.ctx.vma(x)
+
+    def axis_index(self, axes: Axes) -> torch.Tensor:
+        return self.ctx.axis_index(axes)
+
+    def pvary(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:
+        return x.view_as(x)
+
+    def all_reduce(
+        self, x: torch.Tensor, axes: Axes, op: ReduceOp, donate: bool = False
+    ) -> torch.Tensor:
+        return x.clone()
+
+    def all_gather(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:
+        return x.unsqueeze(0).clone()
+
+    def reduce_scatter(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
+        return x.select(dim, 0).clone()
+
+    def all_to_all(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
+        return x.clone()
+
+    def permute(
+        self, x: torch.Tensor, axes: Axes, pairs: tuple[tuple[int, int], ...]
+    ) -> torch.Tensor:
+        return x.clone() if pairs else torch.zeros_like(x)
+
+    def broadcast(self, x: torch.Tensor, axes: Axes, root: int) -> torch.Tensor:
+        return x.clone()
+
+    def own_block(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
+        return x.select(dim, 0)
 
 
 class _Calls(threading.local):

@@ -932,6 +932,12 @@ def tiled_invariant(o, w, x):
     return o.tap(w * 2), o.tap(x + w)
 
 
+def megatron_dp_mean(o, x, w1, b1, w2, b2, y):
+    """Megatron with a data-parallel loss: on a (1, 2) mesh every dp collective is a no-op."""
+    err = megatron(o, x, w1, b1, w2, b2) - y
+    return o.tap(o.pmean(o.mean(err**2).reshape(1), "dp"))
+
+
 def _consistency_programs():
     yield Program(
         "integer_reductions",
@@ -943,6 +949,23 @@ def _consistency_programs():
         _integer_args,
         _integer_dense,
         no_grad=True,
+    )
+    r = randn
+    yield Program(
+        "size_one_dp",
+        (1, 2),
+        ("dp", "tp"),
+        (P("dp", None), P(None, "tp"), P("tp"), P("tp", None), P(), P("dp", None)),
+        P(),
+        megatron_dp_mean,
+        lambda: (
+            (r(6, 5, seed=6), r(5, 8, seed=7), r(8, seed=8), r(8, 3, seed=9), r(3, seed=10))
+            + (r(6, 3, seed=11),)
+        ),
+        lambda x, w1, b1, w2, b2, y: ((megatron_dense(x, w1, b1, w2, b2) - y) ** 2).mean()[None],
+        # x's implicit pvary over tp; nothing over dp, which has one instance
+        pinned_backward={("psum", ("tp",)): 1},
+        all_grads_nonzero=True,
     )
     yield Program(
         "tied_extrema",

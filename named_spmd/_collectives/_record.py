@@ -31,9 +31,9 @@ import torch
 from .._accounting import CommEvent, on_backward, record, recording
 from .._accounting import _local as _modes
 from .._autodiff import differentiable
-from .._context import Axes, SpmdContext, current
+from .._context import Axes, GroupOfOne, SpmdContext, current
 from .._errors import CollectiveError, VmaError
-from .._torch_private import refcount
+from .._torch_private import DisableTorchFunction, refcount
 from .._types import Vma, VType
 from . import _donation
 
@@ -127,6 +127,8 @@ def _apply(
             axes = vma.present(axes)
             if not axes:
                 return t
+    if ctx.single_axes and ctx.single_axes.issuperset(axes):  # a group of one instance
+        return _apply_alone(rec, ctx, t, axes, params, vma)
     donate = refs is not None and rec.donates and ctx.donates and _donation.donatable(t, refs)
     accounting = bool(_modes.stack)  # recording(), inlined: every collective passes here
     if accounting and rec.forward_event:
@@ -139,6 +141,19 @@ def _apply(
     if ctx.stamps:
         return ctx.stamp(out, rec.vma(vma, axes, params))
     return out
+
+
+def _apply_alone(
+    rec: Collective, ctx: SpmdContext, t: Tensor, axes: Axes, params: Params, vma: Vma
+) -> Tensor:
+    """A collective over axes of size 1: nothing is communicated or recorded. Backends that
+    read types off the value (the simulated one) run it as usual, the level ops being local;
+    the others run its forward on :class:`GroupOfOne` and stamp the declared type."""
+    if not ctx.stamps:
+        return ctx.apply(rec, t, axes, params, False)
+    with DisableTorchFunction():  # the forward's own ops need no type: the result is stamped
+        out = rec.forward(GroupOfOne(ctx), t, axes, params, False)
+    return ctx.stamp(out, rec.vma(vma, axes, params))
 
 
 def raise_invariant_operand(ctx: SpmdContext, op: str, t: Tensor, axes: Axes) -> None:
@@ -201,8 +216,11 @@ def implicit_pvary(ctx: SpmdContext, t: Tensor, missing: Axes) -> Tensor:
     """``t`` made varying over ``missing`` (axes it is invariant over): identity forward, psum
     backward. Where an invariant operand meets a varying one (rule 2)."""
     vma = ctx.vma(t)
+    alone = ctx.single_axes.issuperset(missing)  # a group of one: no psum in backward
+    if alone and ctx.stamps:
+        return ctx.stamp(t.view_as(t), vma.add(missing))
     out = ctx.apply(PVARY_RECORD, t, missing, ())
-    if recording():
+    if recording() and not alone:
         event = CommEvent("psum", missing, "backward", tuple(out.shape), out.dtype, implicit=True)
         out = on_backward(out, event)
     return ctx.stamp(out, vma.add(missing))

@@ -69,6 +69,8 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
         return swap_operands(args, kwargs, swap)
 
     def _alias(self, t: torch.Tensor, missing: tuple[str, ...]) -> torch.Tensor:
+        if self.ctx.single_axes.issuperset(missing):  # a group of one: no psum to report
+            return t
         key = (id(t), missing)
         hit = self.cache.get(key)
         if hit is None:
