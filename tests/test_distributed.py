@@ -154,6 +154,24 @@ def test_calls_after_a_caught_error_run_or_fail_clearly_on_every_rank():
         assert o["seconds"] < 30, o  # bounded: no rank waits out NAMED_SPMD_TIMEOUT
 
 
+def test_debug_mode_checks_plain_inputs_and_replicated_outputs_agree():
+    world = 4
+    finished = launch([os.path.join("tests", "debug_checks.py")], world, 120, NAMED_SPMD_DEBUG="1")
+    assert not finished.timed_out, finished.outputs[0][-3000:]
+    outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
+    assert len(outcomes) == 4 * world, finished.outputs[0][-3000:]
+    for o in outcomes:
+        if o["case"].endswith("_agree"):
+            assert o.get("ok"), o  # no false alarm
+        elif o["case"] == "inputs_differ":  # every rank computes the same verdict
+            assert o["error"] == "SpmdError", o
+            assert "plain-tensor input leaves [1]" in o["message"] and "Fix:" in o["message"], o
+        else:  # ranks whose group differs raise; the others learn it from them
+            assert o["error"] in ("SpmdError", "RankFailedError"), o
+            assert "typed invariant over ('tp',)" in o["message"], o
+            assert "torch.manual_seed(rank)" in o["message"], o
+
+
 def test_import_named_spmd_does_not_load_the_distributed_backend():
     # torch 2.13 itself imports torch.distributed.device_mesh: compare with a bare import torch
     code = (

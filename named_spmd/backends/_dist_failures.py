@@ -132,11 +132,13 @@ class FailureBoard:
             return None
         return int(seq), int(rank), text
 
-    def error(self, failure: tuple[int, int, str], while_doing: str) -> RankFailedError:
+    def error(
+        self, failure: tuple[int, int, str], while_doing: str, in_collective: bool = True
+    ) -> RankFailedError:
         seq, rank, text = failure
         self.failed_seq = self.seq
         try:
-            if seq not in self._acknowledged:  # this rank stops inside a collective
+            if in_collective and seq not in self._acknowledged:  # it can never complete
                 self.store.add(self._stuck_key(self.seq), 1)
             self._acknowledge(seq)  # the failing rank waits for this before it exits
         except Exception:  # noqa: BLE001 - the store's host exited; the error is raised anyway
@@ -149,11 +151,11 @@ class FailureBoard:
             "Fix the error on that rank; its own traceback has the details."
         )
 
-    def check(self, while_doing: str) -> None:
+    def check(self, while_doing: str, in_collective: bool = True) -> None:
         """Raise if a failure was posted for this call or a later one."""
         failure = self.read()
         if failure is not None and failure[0] >= self.seq:
-            raise self.error(failure, while_doing)
+            raise self.error(failure, while_doing, in_collective)
 
     def translate(self, exc: BaseException, while_doing: str) -> BaseException:
         """The error to raise for a communication failure: the posted one when there is one."""
@@ -211,23 +213,9 @@ class FailureBoard:
 
     def _check_same_call(self, group_key, members, signature, label):
         count = self.debug_counts.get(group_key, 0)
-        self.debug_counts[group_key] = count + 1
-        prefix = f"named_spmd/debug/{group_key}/{count}/"
-        self.store.set(prefix + str(self.rank), signature)
-        keys = [prefix + str(r) for r in members]
-        limit = min(timeout_s(), 60.0)
-        deadline = time.monotonic() + limit
-        while not self.store.check(keys):
-            self.check(f"checking collective #{count} of group {group_key}")
-            if time.monotonic() > deadline:
-                missing = [r for r in members if not self.store.check([prefix + str(r)])]
-                raise SpmdError(
-                    f"{label}: debug check: ranks {missing} did not reach collective #{count} of "
-                    f"group {group_key} ({signature}) within {limit:.0f} s. They are "
-                    "stuck, or they skipped this collective (a rank-dependent branch?)."
-                )
-            time.sleep(0.005)
-        got = {r: self.store.get(prefix + str(r)).decode() for r in members}
+        got = self._exchange(
+            group_key, members, signature, label, f"collective #{count} of group {group_key}"
+        )
         if len(set(got.values())) > 1:
             lines = "\n".join(f"    rank {r}: {s}" for r, s in got.items())
             raise SpmdError(
@@ -236,3 +224,32 @@ class FailureBoard:
                 "must call the same collectives, with the same shapes, in the same order. Fix: "
                 "make shapes and control flow independent of the rank."
             )
+
+    def exchange(self, key: str, members: list[int], value: str, label: str, step: str):
+        """Every member's ``value`` for ``step`` (the store is the channel): debug mode only."""
+        try:
+            return self._exchange(key, members, value, label, step)
+        except (SpmdError, RankFailedError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the store itself failed (its host exited)
+            raise self.translate(e, f"in the debug check of {step}") from None
+
+    def _exchange(self, key, members, value, label, step) -> dict[int, str]:
+        count = self.debug_counts.get(key, 0)
+        self.debug_counts[key] = count + 1
+        prefix = f"named_spmd/debug/{key}/{count}/"
+        self.store.set(prefix + str(self.rank), value)
+        keys = [prefix + str(r) for r in members]
+        limit = min(timeout_s(), 60.0)
+        deadline = time.monotonic() + limit
+        while not self.store.check(keys):
+            self.check(f"checking {step}", in_collective=False)  # a store exchange
+            if time.monotonic() > deadline:
+                missing = [r for r in members if not self.store.check([prefix + str(r)])]
+                raise SpmdError(
+                    f"{label}: debug check: ranks {missing} did not reach {step} ({value}) "
+                    f"within {limit:.0f} s. They are stuck, or they skipped it (a rank-dependent "
+                    "branch?)."
+                )
+            time.sleep(0.005)
+        return {r: self.store.get(prefix + str(r)).decode() for r in members}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import hashlib
 import inspect
 import itertools
 import math
@@ -301,8 +302,12 @@ def run(
             else leaf
             for i, (leaf, spec) in enumerate(zip(leaves, specs))
         ]
+        if mesh.debug:
+            _check_inputs_agree(ctx, leaves)
         with VmaMode(ctx):
             outs = body(local, ctx)
+        if mesh.debug:
+            _check_replicas_agree(ctx, outs, out_specs_of())
         return [global_output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
     except RankFailedError:
         raise
@@ -317,6 +322,71 @@ def run(
                 "the other ranks stop with RankFailedError naming this rank."
             )
         raise
+
+
+# --- debug mode: values that must be equal on every rank ------------------------------------------
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A short fingerprint of a tensor's bytes, dtype and shape (equal values, equal digests)."""
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    meta = f"{t.dtype}{tuple(t.shape)}".encode()
+    return hashlib.blake2b(raw + meta, digest_size=8).hexdigest()
+
+
+def _check_inputs_agree(ctx: DistributedContext, leaves: list[Any]) -> None:
+    """A plain-tensor input is the global value, taken as present on every rank: check it is
+    (a model initialised differently per rank would otherwise be mixed silently)."""
+    mesh = ctx.mesh
+    plain = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+    ]
+    if not plain:
+        return
+    mine = ",".join(_digest(leaves[i]) for i in plain)
+    ranks = list(range(mesh.size))
+    got = mesh.board.exchange("inputs", ranks, mine, f"rank {mesh.rank}", "the input check")
+    differ = sorted(
+        {
+            plain[k]
+            for v in got.values()
+            for k, d in enumerate(v.split(","))
+            if d != mine.split(",")[k]
+        }
+    )
+    if differ:
+        raise SpmdError(
+            f"spmd_map of {ctx.fn_label}: debug check: plain-tensor input leaves {differ} (in "
+            "flattening order) differ between ranks, but a plain tensor is the global value and "
+            "must be the same on every rank. Fix: seed every rank alike before making it (or "
+            "broadcast it from rank 0), or pass DTensors laid out as the in_specs say."
+        )
+
+
+def _check_replicas_agree(ctx: DistributedContext, outs: list[Any], specs: list[Any]) -> None:
+    """An output typed invariant over the axes its out_spec does not name is returned once: check
+    the copies the ranks of each such group hold are equal (typed invariant, they must be)."""
+    mesh = ctx.mesh
+    for k, (y, spec) in enumerate(zip(outs, specs)):
+        replicated = tuple(a for a in mesh.axis_names if a not in spec.axes)
+        replicated = tuple(a for a in replicated if mesh.shape[a] > 1)
+        if not replicated or not isinstance(y, torch.Tensor):
+            continue
+        comm = mesh.comm(replicated)
+        got = mesh.board.exchange(
+            f"outputs/{comm.key}", comm.members, _digest(y), f"rank {mesh.rank}", f"output {k}"
+        )
+        if len(set(got.values())) > 1:
+            raise SpmdError(
+                f"spmd_map of {ctx.fn_label}: debug check: output {k} is typed invariant over "
+                f"{replicated}, so it is returned once, but the ranks of that group hold different "
+                f"values (ranks {sorted(got)}). Random draws with a per-rank seed are the usual "
+                "cause (torch.manual_seed(rank)): random ops are typed as the same stream on "
+                "every instance. Fix: seed every rank alike, or make the value depend on "
+                "ns.axis_index and name the axis in out_specs."
+            )
 
 
 def to_local(tree: Any) -> Any:
