@@ -172,6 +172,23 @@ def test_debug_mode_checks_plain_inputs_and_replicated_outputs_agree():
             assert "torch.manual_seed(rank)" in o["message"], o
 
 
+def test_a_hanging_rank_is_named_by_its_peers_at_the_timeout():
+    world = 4
+    finished = launch(
+        [os.path.join("tests", "hanging_rank.py")], world, 120, NAMED_SPMD_TIMEOUT="4"
+    )
+    assert not finished.timed_out, finished.outputs[0][-3000:]
+    outcomes = {o["rank"]: o for o in map(json.loads, finished.lines("OUTCOME"))}
+    assert sorted(outcomes) == list(range(world)), finished.outputs[0][-3000:]
+    for rank, o in outcomes.items():
+        assert o["error"] == "RankFailedError", o
+        if rank != 2:  # the peers stop at the timeout and name the rank that never came
+            assert o["seconds"] < 15, o
+            assert "Rank 2 (mesh coordinates i=2) never reached a collective" in o["message"], o
+        else:  # the hung rank ends once it finds its peers gone
+            assert o["seconds"] < 30, o
+
+
 def test_import_named_spmd_does_not_load_the_distributed_backend():
     # torch 2.13 itself imports torch.distributed.device_mesh: compare with a bare import torch
     code = (

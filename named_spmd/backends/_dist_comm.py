@@ -94,7 +94,7 @@ class Comm:
                 return
             except RuntimeError:
                 pass
-            self.mesh.board.wait(work, self._doing(op), _SLICE)
+            self.mesh.board.wait(work, self._doing(op), _SLICE, self.members)
             return
         board = self.mesh.board
         if work is not None:

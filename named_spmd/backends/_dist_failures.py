@@ -173,7 +173,7 @@ class FailureBoard:
             time.sleep(0.05)
 
     # --- waiting ------------------------------------------------------------------------------
-    def wait(self, work: Any, while_doing: str, first_slice) -> None:
+    def wait(self, work: Any, while_doing: str, first_slice, members: list[int]) -> None:
         """Wait for ``work``; a posted failure or the timeout ends the wait with an error."""
         try:
             work.wait(first_slice)
@@ -181,17 +181,25 @@ class FailureBoard:
         except RuntimeError as e:
             if not _is_timeout(e):
                 raise self.translate(e, while_doing) from None
-        self._slow_wait(work, while_doing, first_slice)
+        self._slow_wait(work, while_doing, first_slice, members)
 
-    def _slow_wait(self, work: Any, while_doing: str, slice_) -> None:
+    def _slow_wait(self, work: Any, while_doing: str, slice_, members: list[int]) -> None:
+        # A slow wait says where this rank waits: at the timeout, the members that never said
+        # so are the ones that did not arrive (only slow waits pay for the store write).
+        waiting = f"{self.key}/waiting/{self.seq}/"
+        try:
+            self.store.set(waiting + str(self.rank), while_doing)
+        except Exception:  # noqa: BLE001 - a dead store: the check below reports the failure
+            pass
         deadline = time.monotonic() + timeout_s()
         while True:
             self.check(while_doing)
             if time.monotonic() > deadline:
                 raise RankFailedError(
                     f"rank {self.rank}: waited {timeout_s():.0f} s {while_doing} without the "
-                    "other ranks arriving and without any of them reporting an error. A rank may "
-                    "be stuck, or the ranks call different collectives (run with "
+                    "other ranks arriving and without any of them reporting an error. "
+                    + self._absent(waiting, members, while_doing)
+                    + "A rank may be stuck, or the ranks call different collectives (run with "
                     "NAMED_SPMD_DEBUG=1 to check). Set NAMED_SPMD_TIMEOUT to change the limit."
                 )
             try:
@@ -200,6 +208,26 @@ class FailureBoard:
             except RuntimeError as e:
                 if not _is_timeout(e):
                     raise self.translate(e, while_doing) from None
+
+    def _absent(self, waiting: str, members: list[int], while_doing: str) -> str:
+        """Which members of the group never waited in this call, and where the others wait."""
+        try:
+            where = {
+                r: self.store.get(waiting + str(r)).decode()
+                for r in members
+                if r != self.rank and self.store.check([waiting + str(r)])
+            }
+        except Exception:  # noqa: BLE001 - no store, no names
+            return ""
+        absent = [r for r in members if r != self.rank and r not in where]
+        text = "".join(
+            f"Rank {r} (mesh coordinates "
+            + ", ".join(f"{a}={c}" for a, c in self.coords_of(r).items())
+            + ") never reached a collective of this call. "
+            for r in absent
+        )
+        elsewhere = {r: w for r, w in where.items() if w != while_doing}
+        return text + "".join(f"Rank {r} waits {w}. " for r, w in elsewhere.items())
 
     # --- debug mode ---------------------------------------------------------------------------
     def check_same_call(self, group_key: str, members: list[int], signature: str, label: str):
