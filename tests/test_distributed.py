@@ -384,3 +384,45 @@ def test_nccl_one_rank_cuda_path_agrees_with_simulated():
         timeout=180,
     )
     assert done.returncode == 0 and "smoke OK" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_torch_func_transforms_and_double_backward_over_the_call_agree_with_simulated():
+    """torch.func grad / vjp / jvp / jacrev / jacfwd / hessian / vmap over a real-mesh call (plain
+    global outputs under a transform), forward-mode AD with dual_level and double backward with
+    respect to split and replicated plain inputs (DTensor outputs): the simulated mesh's numbers.
+    A DTensor that a transform wraps is refused with the fix; the programs still wrong on the real
+    mesh are listed in transforms_over.WRONG_ON_REAL_MESH and must still differ."""
+    import torch
+    import transforms_over
+
+    import named_spmd as ns
+
+    finished = launch([os.path.join("tests", "transforms_over.py")], 2, 120)
+    assert not finished.timed_out, finished.outputs[0][-3000:]
+    outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
+    assert len(outcomes) == 2 * len(transforms_over.PROGRAMS), finished.outputs[0][-3000:]
+    mesh = ns.make_mesh((2,), ("x",), simulated=True)
+    refused = transforms_over.REAL_MESH_ERRORS
+    failed = [o for o in outcomes if "error" in o and o["name"] not in refused]
+    assert not failed, [(o["rank"], o["name"], o["error"], o["message"][:300]) for o in failed]
+    for o in outcomes:
+        want = transforms_over.run(o["name"], mesh)
+        assert "value" in want, (o["name"], want)
+        if o["name"] in refused:
+            assert o.get("error") == refused[o["name"]] and "Fix:" in o["message"], o
+            continue
+        got = [torch.tensor(v, dtype=torch.float64) for v in o["value"]]
+        expected = [torch.tensor(v, dtype=torch.float64) for v in want["value"]]
+        assert [t.shape for t in got] == [t.shape for t in expected], o["name"]
+        agree = all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(got, expected))
+        if o["name"] in transforms_over.WRONG_ON_REAL_MESH:
+            assert not agree, f"{o['name']} now agrees: remove it from WRONG_ON_REAL_MESH"
+            continue
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(
+                a,
+                b,
+                rtol=1e-12,
+                atol=1e-12,
+                msg=lambda m, o=o: f"{o['name']} rank {o['rank']}: {m}",
+            )

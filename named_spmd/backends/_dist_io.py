@@ -3,7 +3,8 @@
 * A ``DTensor`` input gives its local shard; its placements must be what the in_spec says.
 * A plain tensor input is the global value, present on every rank; this rank takes its block,
   and the backward gathers the blocks of the gradient so that every rank holds the global one.
-* Outputs become DTensors with placements from out_specs.
+* Outputs become DTensors with placements from out_specs; under a ``torch.func`` transform (whose
+  wrappers cannot carry a DTensor) they are plain tensors holding the global value instead.
 * A tuple entry in non-mesh order (``P(('tp', 'dp'))`` on a ``('dp', 'tp')`` mesh) has no DTensor
   placement: one ppermute moves the blocks between the spec's order and DTensor's mesh order.
 
@@ -12,6 +13,10 @@ for every tensor, forward and backward, which costs tens of microseconds per ten
 part of a small training step. :class:`_LocalOf` and :class:`_DTensorOf` do the same conversions
 with one spec per (placements, shape, stride, dtype) per mesh, made once, and fall back to the
 public methods wherever the fast path does not apply.
+
+Every conversion is differentiable as many times as asked: with ``create_graph=True`` (or under a
+transform) the backwards go through the same Functions and the collectives' bridge instead of the
+raw communication and the DTensors' internals.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .. import _torch_private as P
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
+from .._collectives import _donation
 from .._collectives._record import PVARY_RECORD, RECORDS
 from .._errors import SpecError
 from .._layout import assemble, block
@@ -75,17 +82,29 @@ class _LocalOf(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.mesh, ctx.places = inputs[1], tuple(inputs[0].placements)
-        ctx.leaf = inputs[0] if inputs[0].is_leaf else None
+        d = inputs[0]
+        ctx.mesh, ctx.leaf = inputs[1], d if d.is_leaf else None
+        while not isinstance(d, DTensor):  # a transform's wrapper of a DTensor it closes over
+            d = P.get_unwrapped(d)
+        ctx.places = tuple(d.placements)
 
     @staticmethod
     def backward(ctx, g):
+        if differentiable(g):  # double backward: a recorded conversion
+            return _from_local(ctx.mesh, g, ctx.places), None
         g = overlap.settled(g)
         if ctx.leaf is not None:  # its .grad may hold the pending wrapper: plain once reduced
             overlap.when_reduced(
                 g, lambda leaf=ctx.leaf, mesh=ctx.mesh: _plain_local_grad(leaf, mesh)
             )
         return _wrap(ctx.mesh, g, ctx.places), None
+
+    @staticmethod
+    def vmap(info, in_dims, d, mesh):
+        """functorch refuses a Function without one under ``torch.func.vmap``, even for a
+        DTensor the vmap only closes over (unbatched); a batched DTensor never gets here
+        (``local_input`` refuses it)."""
+        return _LocalOf.apply(d, mesh), None
 
 
 class _DTensorOf(torch.autograd.Function):
@@ -105,7 +124,8 @@ class _DTensorOf(torch.autograd.Function):
         if isinstance(g, DTensor):
             if tuple(g.placements) != ctx.places:
                 g = g.redistribute(ctx.mesh.device_mesh, ctx.places)
-            g = P.local_tensor(g)
+            # double backward: the recorded to_local (the local tensor has no graph)
+            g = g.to_local() if differentiable(g) else P.local_tensor(g)
         return g, None, None
 
 
@@ -128,8 +148,8 @@ _dtensor_of = _fast(_DTensorOf)
 
 
 def to_local_fast(mesh, d: DTensor) -> torch.Tensor:
-    if P.transforms_active():  # torch.func around the call: DTensor's own path
-        return d.to_local()
+    if P.transforms_active():  # functorch wraps the Function: the full Python path (torch's
+        return _LocalOf.apply(d, mesh)  # own to_local has no setup_context, which it needs)
     if not differentiable(d):
         local = P.local_tensor(d)
         return local.view_as(local)
@@ -138,7 +158,7 @@ def to_local_fast(mesh, d: DTensor) -> torch.Tensor:
 
 def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
     if P.transforms_active():
-        return DTensor.from_local(local, mesh.device_mesh, places, run_check=False)
+        return _DTensorOf.apply(local, mesh, places)
     if not differentiable(local):
         return _wrap(mesh, local.view_as(local), places)
     return _dtensor_of(local, mesh, places)
@@ -150,15 +170,41 @@ def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
 def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
     """This rank's block of argument leaf ``i`` (``ctx``: the call's DistributedContext)."""
     mesh = ctx.mesh
+    transformed = P.transforms_active()
+    if transformed:
+        _under_transform(ctx, leaf, i)
     if isinstance(leaf, DTensor):
         return _from_dtensor(ctx, leaf, spec, i)
     if leaf.device.type != mesh.device.type:
         leaf = leaf.to(mesh.device)
     if not spec.axes:
         return leaf
+    if transformed:  # functorch wraps the Function: the full Python path
+        return _ScatterInput.apply(leaf, ctx, spec)
     if differentiable(leaf):
-        return _scatter_input(leaf, mesh, spec)
+        return _scatter_input(leaf, ctx, spec)
     return _block(leaf, spec, mesh)
+
+
+def _under_transform(ctx, leaf: torch.Tensor, i: int) -> None:
+    """A call under a torch.func transform: refuse a DTensor the transform wraps, and measure
+    the donation rule's reference counts outside the transform (its probe temporaries, made
+    under one, would be functorch wrappers, which have no storage to count)."""
+    if not _donation._LIMITS:
+        with P.DisableFuncTorch():
+            _donation.calibrate()
+    inner = leaf
+    while P.is_transform_wrapped(inner):
+        inner = P.get_unwrapped(inner)
+    if inner is not leaf and isinstance(inner, DTensor):
+        raise SpecError(
+            f"spmd_map of {ctx.fn_label}: argument leaf {i} is a DTensor that a torch.func "
+            "transform wraps; functorch's wrappers cannot carry DTensors (they hide its "
+            "placements and mix it with plain tensors). Fix: pass the global value as a plain "
+            "tensor (x.full_tensor()) to the transformed function; under the transform the "
+            "call returns plain global tensors too. A DTensor closed over (not transformed) "
+            "works."
+        )
 
 
 def _from_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int):
@@ -209,21 +255,39 @@ class _ScatterInput(torch.autograd.Function):
     rank holds the global gradient of the global input (as the simulated backend returns)."""
 
     @staticmethod
-    def forward(x, mesh, spec):
-        return _block(x, spec, mesh)
+    def forward(x, ctx, spec):
+        return _block(x, spec, ctx.mesh)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.mesh, ctx.spec = inputs[1], inputs[2]
+    def setup_context(node, inputs, output):
+        node.spmd, node.spec = inputs[1], inputs[2]
 
     @staticmethod
-    def backward(ctx, g):
-        stacked = ctx.mesh.comm(ctx.spec.axes).all_gather(g, "gradient of a plain input")
-        return assemble(stacked, ctx.spec, ctx.mesh._shape), None, None
+    def backward(node, g):
+        return _gather_blocks(node.spmd, g, node.spec), None, None
 
     @staticmethod
-    def jvp(ctx, t, *_):
-        return _block(t, ctx.spec, ctx.mesh)
+    def jvp(node, t, *_):
+        return _block(t, node.spec, node.spmd.mesh)
+
+    @staticmethod
+    def vmap(info, in_dims, x, ctx, spec):
+        """``torch.func.vmap`` over the call: the block of every sample (the batch dim first)."""
+        if in_dims[0] is None:
+            return _ScatterInput.apply(x, ctx, spec), None
+        return _ScatterInput.apply(x.movedim(in_dims[0], 0), ctx, PartitionSpec(None, *spec)), 0
+
+
+def _gather_blocks(ctx, g: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """The global value of which every rank holds its block ``g`` under ``spec``: one all_gather.
+    Differentiated again (double backward, a transform), it is the all_gather collective, whose
+    transpose takes the own block back without communication."""
+    mesh = ctx.mesh
+    if differentiable(g):
+        stacked = _boundary(ctx, "all_gather", g, spec.axes, (0, False, True))
+    else:
+        stacked = mesh.comm(spec.axes).all_gather(g, "gradient of a plain input")
+    return assemble(stacked, spec, mesh._shape)
 
 
 _scatter_input = _fast(_ScatterInput)
@@ -252,8 +316,13 @@ def _relayout_pairs(mesh, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> DTensor:
-    """The DTensor of output ``y`` under ``spec`` (``ctx``: the call's DistributedContext)."""
+def _has_tangent(y: torch.Tensor) -> bool:
+    return forward_ad.unpack_dual(y).tangent is not None
+
+
+def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """The DTensor of output ``y`` under ``spec`` (``ctx``: the call's DistributedContext), or
+    its global value as a plain tensor under a transform or with a forward-mode tangent."""
     mesh = ctx.mesh
     vma: Vma = ctx.vma(y)
     names = mesh.axis_names
@@ -264,6 +333,11 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> DTensor:
         y = _boundary(ctx, "psum", torch.where(first, y, torch.zeros_like(y)), unnamed_varying, ())
     if named_invariant:  # identical blocks tiled: their cotangents differ and must be summed
         y = _boundary(ctx, "pvary", y, named_invariant, ())
+    if P.transforms_active() or (P.forward_level() >= 0 and _has_tangent(y)):
+        # a functorch wrapper hides a DTensor's methods, and a DTensor cannot carry a forward-mode
+        # tangent (torch has no DTensor rule for forward AD): the global value, as a plain tensor
+        with P.DisableTorchFunction():
+            return _gather_blocks(ctx, y, spec) if spec.axes else y
     for axes in _non_mesh_order_entries(mesh, spec):
         pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
         y = _boundary(ctx, "ppermute", y, _in_mesh_order(mesh, axes), (pairs,))
