@@ -48,7 +48,7 @@ class CollectiveFn(torch.autograd.Function):
 
     @staticmethod
     def backward(node, g):
-        return node.rec.transpose(node.spmd, g, node.axes, node.params, node), *_NONES
+        return node.rec.backward(node.spmd, g, node.axes, node.params, node), *_NONES
 
     @staticmethod
     def jvp(node, t, *_):

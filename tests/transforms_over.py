@@ -265,14 +265,6 @@ PROGRAMS = {
 #: Programs the real mesh refuses (with the fix in the message); the simulated mesh has no DTensor.
 REAL_MESH_ERRORS = {"grad_of_transformed_dtensor": "SpecError"}
 
-#: Second derivatives through a psum whose output's cotangent depends on the input: still wrong on
-#: the real mesh. The psum record's transpose is the identity; differentiated again it must be a
-#: pvary (whose transpose is the psum the second derivative needs), and the same holds for every
-#: collective whose forward removes axes (pmean, pmax, pmin, pbroadcast, all_gather to
-#: "invariant"). That is a fix in the collectives' bridge (_autodiff.CollectiveFn.backward), not
-#: at the call's boundary. The test asserts that these still differ: fixed, remove them here.
-WRONG_ON_REAL_MESH = {"double_backward_split", "double_backward_replicated"}
-
 
 def _flat(out) -> list:
     if isinstance(out, (tuple, list)):

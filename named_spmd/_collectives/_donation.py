@@ -22,7 +22,7 @@ import torch
 from .. import _accounting, _context
 from .._context import SpmdContext
 from .._mesh import Mesh
-from .._torch_private import DisableTorchFunction, tensor_base, use_counts
+from .._torch_private import DisableFuncTorch, DisableTorchFunction, tensor_base, use_counts
 from .._types import Vma
 
 _LIMITS: list[tuple[int, ...] | None] = []  # [limits] once calibrated
@@ -79,20 +79,23 @@ def calibrate() -> None:
     named: list[tuple[int, int, int, int]] = []
     saved_modes = _accounting.suspend()  # a CommMode around the first call must not see these
     try:
-        for op in PROBED_OPS:
-            for seen, temporary in ((temps, True), (named, False)):
-                _probed = []
-                ctx = _Probe()
-                _context.push(ctx)
-                try:
-                    if temporary:
-                        op(torch.zeros(2), "i")
-                    else:
-                        operand = torch.zeros(2)
-                        op(operand, "i")
-                finally:
-                    _context.pop()
-                seen.extend(_probed)
+        # Under a torch.func transform (a first call inside grad or jvp) the probe temporaries
+        # would be functorch wrappers, whose reference counts are not those of plain tensors.
+        with DisableFuncTorch():
+            for op in PROBED_OPS:
+                for seen, temporary in ((temps, True), (named, False)):
+                    _probed = []
+                    ctx = _Probe()
+                    _context.push(ctx)
+                    try:
+                        if temporary:
+                            op(torch.zeros(2), "i")
+                        else:
+                            operand = torch.zeros(2)
+                            op(operand, "i")
+                    finally:
+                        _context.pop()
+                    seen.extend(_probed)
     finally:
         _probed = None
         _accounting.resume(saved_modes)

@@ -81,6 +81,18 @@ class Collective:
     def __repr__(self) -> str:
         return f"<collective {self.name}>"
 
+    def backward(
+        self, ctx: SpmdContext, g: Tensor, axes: Axes, params: Params, node: Any
+    ) -> Tensor:
+        """The transpose, as the autograd bridge applies it. When the backward is itself
+        differentiated, the cotangent of a result that dropped ``axes`` (psum, pmax, all_gather
+        to "invariant", ...) is invariant there and the transpose makes it varying: that step is
+        a pvary, whose own transpose is the psum a second derivative needs (written as plain
+        ops instead, it would be differentiated as the identity)."""
+        if differentiable(g) and not self.vma(Vma.of(axes), axes, params).covers(axes):
+            g = ctx.apply(PVARY_RECORD, g, axes, ())
+        return self.transpose(ctx, g, axes, params, node)
+
     def bind(self, x: Any, axis_name: Any, *args: Any) -> Any:
         """Apply the collective to ``x`` (a tensor or a pytree of tensors) in the active call."""
         ctx = current(self.name)

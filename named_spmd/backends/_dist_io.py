@@ -33,7 +33,6 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from .. import _torch_private as P
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
-from .._collectives import _donation
 from .._collectives._record import PVARY_RECORD, RECORDS
 from .._errors import SpecError
 from .._layout import assemble, block
@@ -187,12 +186,7 @@ def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
 
 
 def _under_transform(ctx, leaf: torch.Tensor, i: int) -> None:
-    """A call under a torch.func transform: refuse a DTensor the transform wraps, and measure
-    the donation rule's reference counts outside the transform (its probe temporaries, made
-    under one, would be functorch wrappers, which have no storage to count)."""
-    if not _donation._LIMITS:
-        with P.DisableFuncTorch():
-            _donation.calibrate()
+    """A call under a torch.func transform: refuse a DTensor the transform wraps."""
     inner = leaf
     while P.is_transform_wrapped(inner):
         inner = P.get_unwrapped(inner)
