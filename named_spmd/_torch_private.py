@@ -107,6 +107,7 @@ def queue_callback(fn: Any) -> None:
 # builtin getattr reads it with no Python frame (``_autodiff.differentiable`` is per collective).
 forward_level = functools.partial(getattr, forward_ad, "_current_level")
 
+
 @functools.cache
 def control_flow_exceptions() -> tuple[type[BaseException], ...]:
     """Exceptions torch raises through user code to steer itself, not failures of it:
