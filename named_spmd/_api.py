@@ -307,8 +307,10 @@ def spmd_map(
 
     Autodiff: the mapped function is differentiable with respect to its global inputs
     (``Tensor.backward``, ``torch.autograd.grad``, ``torch.func`` grad / vjp / jvp / jacrev /
-    hessian / vmap, double backward); the result is the gradient of the global function, with
-    each collective transposed as docs/design.md section 3 says. ``torch.func.grad`` (or vjp / jvp)
+    hessian / vmap, forward-mode AD, double backward); the result is the gradient of the global
+    function, with each collective transposed as docs/design.md section 3 says. On a real mesh a
+    call under a ``torch.func`` transform (or with a forward-AD tangent) returns plain tensors
+    holding the global value, since functorch cannot wrap a DTensor. ``torch.func.grad`` (or vjp / jvp)
     *inside* ``f`` differentiates the per-instance function, as ``jax.grad`` inside
     ``shard_map`` does: collectives transpose per instance (psum -> pvary, all_gather ->
     psum_scatter, all_to_all -> swapped all_to_all, ppermute -> reversed pairs, explicit
