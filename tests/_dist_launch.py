@@ -108,3 +108,20 @@ def collect(procs: list[subprocess.Popen], timeout: float, t0: float) -> Finishe
             out, _ = p.communicate()
         outputs.append(out)
     return Finished([p.returncode for p in procs], outputs, time.monotonic() - t0, timed_out)
+
+
+def report_outcomes(names, run) -> None:
+    """In a launched worker (2 processes): ``run(name, mesh)`` for every program on a real mesh
+    of axis "x", printed as one ``OUTCOME {json}`` line each for :func:`Finished.lines`."""
+    import json
+
+    import torch.distributed as dist
+
+    import named_spmd as ns
+
+    dist.init_process_group("gloo")
+    mesh = ns.make_mesh((2,), ("x",))
+    for name in names:
+        print("OUTCOME " + json.dumps({"rank": dist.get_rank(), "name": name, **run(name, mesh)}))
+    sys.stdout.flush()
+    dist.destroy_process_group()

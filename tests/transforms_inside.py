@@ -9,9 +9,6 @@ compares them with the simulated mesh).
 
 from __future__ import annotations
 
-import json
-import sys
-
 import torch
 
 import named_spmd as ns
@@ -87,16 +84,7 @@ def run(name: str, mesh) -> dict:
     return {"value": out.tolist()}
 
 
-def main() -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    mesh = ns.make_mesh((2,), ("x",))
-    for name in PROGRAMS:
-        print("OUTCOME " + json.dumps({"rank": dist.get_rank(), "name": name, **run(name, mesh)}))
-    sys.stdout.flush()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    from _dist_launch import report_outcomes
+
+    report_outcomes(PROGRAMS, run)

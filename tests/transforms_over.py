@@ -20,9 +20,6 @@ program (tests/test_distributed.py compares them with the simulated mesh).
 
 from __future__ import annotations
 
-import json
-import sys
-
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
@@ -281,16 +278,7 @@ def run(name: str, mesh) -> dict:
     return {"value": _flat(out)}
 
 
-def main() -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    mesh = ns.make_mesh((2,), ("x",))
-    for name in PROGRAMS:
-        print("OUTCOME " + json.dumps({"rank": dist.get_rank(), "name": name, **run(name, mesh)}))
-    sys.stdout.flush()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    from _dist_launch import report_outcomes
+
+    report_outcomes(PROGRAMS, run)
