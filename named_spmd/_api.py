@@ -96,7 +96,8 @@ class SpmdFunction:
                     problems.append(opaque_leaf_problem(where, leaf))
                 elif spec.axes:
                     problems.append(
-                        f"{where} is a {type(leaf).__name__}; only tensors can be split by {spec!r}."
+                        f"{where} is a {type(leaf).__name__}; only tensors can be split by "
+                        f"{spec!r}. Fix: give it P() in out_specs, or return a tensor there."
                     )
                 continue
             # outputs are concatenated, never split: a dim size every axis product divides

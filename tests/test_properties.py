@@ -34,10 +34,10 @@ A second property checks that ``.check(*args)`` (the abstract backend) agrees wi
 raises an ``SpmdError`` of the same class exactly when the call does, else it reports the same
 global shapes and dtypes.
 
-The reference computes in the inputs' dtype; f16 / bf16 cases and pmean of integers and bools are
-also computed on inputs cast to f64, and the library's values are compared with those (see
-:func:`reference`). Input classes that hit a known library bug are left out of the strategy until
-it is fixed: each is marked ``# known bug:`` (:func:`known_bug`, :func:`build_args`).
+The reference computes in the inputs' dtype; f16 / bf16 cases are also computed on inputs cast to
+f64, and the library's values are compared with those (see :func:`reference`). pmean of integers
+or bools must raise (as torch.mean does). The five bugs this test found on its first runs (pmean
+of integers and bools, ``.check()``'s pmean dtype, an out_spec error without its fix) are fixed.
 
 Seeded and deterministic (``derandomize=True``, no example database). The number of cases per
 test function is ``NAMED_SPMD_PROPERTY_CASES`` (default below); a long run is e.g.
@@ -62,7 +62,7 @@ from typing import Any
 import hypothesis
 import torch
 from _reference import REF, run_reference, tree_leaves, tree_map
-from hypothesis import HealthCheck, assume, event, given, note, settings
+from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 import named_spmd as ns
@@ -485,6 +485,8 @@ def _collective(case: Case, t: TInfo, axes: tuple, n: int, either: list) -> TInf
     if op in ("pmean", "pmax", "pmin"):
         if op != "pmean" and case.dtype.is_complex:
             raise Invalid(f"{op} of a complex operand")
+        if op == "pmean" and not (case.dtype.is_floating_point or case.dtype.is_complex):
+            raise Invalid("pmean of an integer or bool operand (as torch.mean)")
         return TInfo(t.shape, vma - a)
     if op == "all_gather":
         tiled, to = case.kw["tiled"], case.kw["to"]
@@ -592,14 +594,9 @@ def verdict(case: Case) -> tuple[str, str]:
 # --- building the inputs -------------------------------------------------------------------------
 
 
-def _values_of(
-    shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, small: bool
-) -> torch.Tensor:
+def _values(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
     """Values exact in every float dtype (multiples of 1/4), integers over their whole range
-    (psum wraps around alike in the library and the reference) or (``small``) in -3..3, bools,
-    complex numbers."""
-    if small and not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
-        return torch.randint(0 if dtype == torch.uint8 else -3, 4, shape, generator=g).to(dtype)
+    (psum wraps around alike in the library and the reference), bools, complex numbers."""
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
     if dtype == torch.uint8:
@@ -616,11 +613,10 @@ def _values_of(
     return (torch.randint(-8, 9, shape, generator=g) / 4).to(dtype)
 
 
-def make_tensor(t: TensorDraw, dtype: torch.dtype, small: bool = False) -> torch.Tensor:
+def make_tensor(t: TensorDraw, dtype: torch.dtype) -> torch.Tensor:
     """The global tensor of shape ``t.shape`` in layout ``t.layout`` (falls back to contiguous
     where the rank or sizes do not allow the layout)."""
     g = torch.Generator().manual_seed(t.seed)
-    _values = functools.partial(_values_of, small=small)
     shape, r = t.shape, len(t.shape)
     if t.layout == "transposed" and r >= 2:
         base = _values((*shape[:-2], shape[-1], shape[-2]), dtype, g)
@@ -654,9 +650,7 @@ def build_specs(tree: Any) -> Any:
 
 
 def build_args(case: Case) -> tuple:
-    # known bug: pmean of an integer operand sums in the operand's dtype, which wraps around (i8 [100, 100, 100] -> 14.67): its cases draw small integers
-    small = case.op == "pmean"
-    x, y = (make_tensor(t, case.dtype, small) for t in (case.x, case.y))
+    x, y = (make_tensor(t, case.dtype) for t in (case.x, case.y))
     return build_form(case.form, x, y, case.scalar)
 
 
@@ -869,7 +863,7 @@ def _non_tensors(subtree: Any) -> bool:
 
 @st.composite
 def cases(draw, check: bool = False) -> Case:
-    """A drawn call (``check``: for the check() property, see known_bug)."""
+    """A drawn call (``check``: for the check() property)."""
     faulty = draw(st.booleans())
     k = draw(st.integers(1, 3))
     names = tuple(draw(st.permutations(NAME_POOL))[:k])
@@ -984,41 +978,7 @@ def cases(draw, check: bool = False) -> Case:
         return d.spec_leaf(tuple(entries))
 
     case.out_specs = d.prefix(out_info, out_leaf_spec)
-    assume(known_bug(case, check) is None)
     return case
-
-
-def known_bug(case: Case, check: bool) -> str | None:
-    """The input classes left out of the strategy until the library is fixed, each under a
-    "known bug" line (``check``: the case is for the check() property)."""
-    either: list[str] = []
-    try:
-        out = model_output(case, either)
-        args = model_inputs(case, either)
-    except (Invalid, BadEntry):
-        return None
-    if case.op == "pmean" and not (case.dtype.is_floating_point or case.dtype.is_complex):
-        axes = frozenset(_axes_of(case.axis_name, case.mesh_shape))
-        operand = select_operand(case, args)
-        leaves = [t for t in tree_leaves(operand) if isinstance(t, TInfo)]
-        invariant = any(not t.vma & axes for t in leaves)
-        # known bug: pmean of an integer or bool operand invariant over every axis of A returns it unchanged (integer dtype); a varying one gives float32
-        if not check and invariant:
-            return "pmean of an invariant integer operand keeps its dtype"
-        # known bug: pmean of a bool operand adds the bools as a logical or: [True, True] over 2 instances -> 0.5
-        if not check and case.dtype == torch.bool:
-            return "pmean of bools: or / n"
-        # known bug: check() says pmean of an integer or bool operand varying over A keeps its dtype; the call returns float32
-        if check and any(t.vma & axes for t in leaves):
-            return "check() of pmean of a varying integer operand: integer dtype"
-    # known bug: an out_spec that splits a non-tensor output leaf raises a SpecError without a "Fix"
-    try:
-        pairs = pair_specs(case.out_specs, out, either, "out_specs")
-    except Invalid:
-        return None
-    if any(not isinstance(leaf, TInfo) and any(_spec_dims(spec)) for spec, leaf in pairs):
-        return "out_spec splitting a non-tensor output: no Fix in the message"
-    return None
 
 
 # --- running a case ------------------------------------------------------------------------------

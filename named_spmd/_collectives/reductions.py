@@ -96,8 +96,19 @@ def _pmean_forward(
     return ctx.all_reduce(x, axes, "sum", donate) / ctx.mesh.axis_size(axes)
 
 
+def _mean_operand(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
+    if not (t.is_floating_point() or t.is_complex()):
+        raise CollectiveError(
+            f"pmean in {ctx.fn_label}: the operand is {t.dtype}, and a mean of integers or "
+            "truth values is not one of them (torch.mean refuses them too). Fix: pmean of "
+            "x.float() (or psum for a count)."
+        )
+    return params
+
+
 PMEAN = Collective(
     name="pmean",
+    check=_mean_operand,
     policy=DROP_INVARIANT,
     vma=without_axes,
     shape=same_shape,
