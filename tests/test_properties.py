@@ -61,7 +61,7 @@ from typing import Any
 
 import hypothesis
 import torch
-from _reference import REF, run_reference, tree_leaves, tree_map
+from _reference import REF, _structure, run_reference, tree_leaves, tree_map
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
@@ -247,6 +247,15 @@ def select_operand(case: Case, args: tuple) -> Any:
     return args
 
 
+def pack_output(case: Case, y: Any, aux: Any) -> Any:
+    """The drawn program's output form around the collective's result ``y``."""
+    if case.out_form == "y":
+        return y
+    if case.out_form == "tuple":
+        return (y, aux)
+    return {"out": y, "aux": aux}
+
+
 def select_aux(case: Case, args: tuple) -> Any:
     if case.aux == "scalar":
         return 2.5
@@ -270,12 +279,7 @@ def drawn_program(case: Case, o: Any, *args: Any) -> Any:
         y = operand + o.axis_index(case.axis_name)
     else:
         y = getattr(o, case.op)(operand, case.axis_name, *case.args, **case.kw)
-    aux = select_aux(case, args)
-    if case.out_form == "y":
-        return y
-    if case.out_form == "tuple":
-        return (y, aux)
-    return {"out": y, "aux": aux}
+    return pack_output(case, y, select_aux(case, args))
 
 
 class _RefNamespace:
@@ -554,12 +558,7 @@ def model_output(case: Case, either: list) -> Any:
         return _collective(case, t, axes, n, either)
 
     y = tree_map(leaf, operand)
-    aux = select_aux(case, args)
-    if case.out_form == "y":
-        return y
-    if case.out_form == "tuple":
-        return (y, aux)
-    return {"out": y, "aux": aux}
+    return pack_output(case, y, select_aux(case, args))
 
 
 def check_out_specs(case: Case, out: Any, either: list) -> None:
@@ -994,14 +993,6 @@ def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
     if dtype == torch.float64:
         return 1e-12, 1e-12
     return 0.0, 0.0  # integers and bools: exact
-
-
-def _structure(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return ("dict", tuple((k, _structure(tree[k])) for k in sorted(tree)))
-    if _is_container(tree):
-        return (type(tree).__name__, tuple(_structure(t) for t in tree))
-    return "leaf"
 
 
 def in_f64(case: Case) -> bool:
