@@ -48,8 +48,7 @@ class SpmdContext(ABC):
         self.mesh = mesh
         self.fn = fn
         self.fn_label = fn_label(fn)
-        #: the mesh axes of size 1: a group of them is one instance, with nothing to exchange
-        self.single_axes = frozenset(a for a, n in mesh._shape.items() if n == 1)
+        self.single_axes = mesh.single_axes  # read on every collective: one attribute away
 
     # --- types --------------------------------------------------------------------------------
     @abstractmethod

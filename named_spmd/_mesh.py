@@ -54,6 +54,8 @@ class Mesh:
                 "make_mesh: " + "; ".join(problems) + ". Fix: e.g. make_mesh((2, 4), ('dp', 'tp'))."
             )
         self._shape = dict(zip(axis_names, shape))
+        #: the axes of size 1: a group of them is one instance, with nothing to exchange
+        self.single_axes = frozenset(a for a, n in self._shape.items() if n == 1)
         self.device_mesh = device_mesh
         self.device_type = device_type
 
