@@ -7,9 +7,9 @@ memory cannot leak into another's) under a timeout. The scripts built on ``_util
 rows as a markdown table (``--markdown FILE``); bench_distributed.py writes JSON (``--json
 FILE``), turned into tables here; any other ``bench_*.py`` is run bare and its output kept as
 text. The results file starts with the machine (CPU, cores, load, torch version, commit, date),
-then the targets of issue 6 with the figure measured for each and whether it is met, then every
-benchmark's table. ``--quick`` passes ``--quick`` (fewer rounds; memory without H=4096) to the
-scripts and 5 rounds to the distributed one.
+then the targets of issue 6 and of issue 13 (the GPT training step) with the figure measured for
+each and whether it is met, then every benchmark's table. ``--quick`` passes ``--quick`` (fewer
+rounds; memory without H=4096) to the scripts and 5 rounds to the distributed one.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _argv(name: str, quick: bool, timeout: float) -> tuple[list[str], str | None
     if name == "bench_distributed":
         rounds = ["--rounds", "5"] if quick else []
         return [*rounds, "--timeout", str(int(timeout))], "--json"
-    if name in ("bench_simulated", "bench_fixed_cost", "bench_memory"):
+    if name in ("bench_simulated", "bench_fixed_cost", "bench_memory", "bench_gpt"):
         return (["--quick"] if quick else []), "--markdown"
     return [], None
 
@@ -296,6 +296,32 @@ def targets(results: dict[str, Outcome]) -> list[tuple[str, str, str, str, str]]
     return rows
 
 
+# (case, variant, limit, target text) of bench_gpt.py's rows that carry an issue 13 target
+_GPT_TARGETS = (
+    ("simulated, 1 process", "named_spmd simulated (1, 1)", 1.15, "simulated (1,1) / dense"),
+    ("(1,1), 1 gloo process", "named_spmd", 1.15, "1 gloo process (1,1) / dense"),
+    ("dp=2, 2 gloo processes", "named_spmd", 1.05, "dp=2 on 2 processes / DDP"),
+    ("(2,2), 4 gloo processes", "named_spmd", 0.8, "(2,2) on 4 processes / DTensor TP + dp (goal)"),
+    ("simulated, 1 process", "named_spmd simulated (2, 2)", 1.5, "simulated (2,2) / dense"),
+)
+
+
+def gpt_targets(results: dict[str, Outcome]) -> list[tuple[str, str, str, str, str]]:
+    """The GPT training step's targets (issue 13), from bench_gpt.py's table."""
+    gpt = results.get("bench_gpt")
+    rows = []
+    for case, variant, limit, text in _GPT_TARGETS:
+        row = _find(gpt, case=case, variant=variant)
+        base = _find(gpt, case=case, variant=row["vs"]) if row else None
+        context = (
+            f"{row['median (us)']} us vs {base['median (us)']} us ({row['vs']})" if base else ""
+        )
+        rows.append(
+            _target(f"GPT step {text} <= {limit}x", _col(row, "ratio"), "x", limit, context)
+        )
+    return rows
+
+
 def _sum_mib(mem: Outcome, case: str) -> str:
     row = _find(mem, case=case, variant="sum of the 8 per-instance peaks")
     return row["peak (MiB)"] if row else "?"
@@ -380,6 +406,13 @@ def write_results(path: str, results: dict[str, Outcome], quick: bool, load_befo
         "|---|---|---|---|---|",
     ]
     lines += ["| " + " | ".join(row) + " |" for row in targets(results)]
+    if "bench_gpt" in results:
+        lines += ["", "## Targets (issue 13: GPT training step, eager)", ""]
+        lines += [
+            "| target | measured | verdict | context (same run) | peers |",
+            "|---|---|---|---|---|",
+        ]
+        lines += ["| " + " | ".join(row) + " |" for row in gpt_targets(results)]
     fixed = fixed_costs(results)
     if fixed:
         lines += ["", "Fixed cost of one spmd_map call (tiny tensors; no target):", "", *fixed]
