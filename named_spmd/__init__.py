@@ -34,6 +34,8 @@ from ._errors import SpecError as SpecError
 from ._errors import SpmdError as SpmdError
 from ._errors import VmaError as VmaError
 from ._mesh import Mesh as Mesh
+from ._shard import shard as shard
+from ._shard import unshard as unshard
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
 from ._types import Vma as Vma
@@ -91,10 +93,12 @@ __all__ = [
     "psum_scatter",
     "pvary",
     "set_debug",
+    "shard",
     "simulation_order",
     "spmd_map",
     "to_local",
     "typeof",
+    "unshard",
     "visualize",
     "vma",
 ]

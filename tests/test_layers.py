@@ -23,7 +23,7 @@ LAYERS = {
     1: {"_tree", "_accounting", "_context", "_check"},
     2: {"_collectives", "_autodiff", "_tracking"},
     3: {"backends"},
-    4: {"_api", "_display", "_views"},
+    4: {"_api", "_display", "_views", "_shard", "parallel"},
     5: {""},  # named_spmd/__init__.py: the public exports
 }
 LAYER_OF = {top: layer for layer, tops in LAYERS.items() for top in tops}
@@ -146,8 +146,8 @@ def test_the_only_function_local_package_imports_point_down():
         for imported, _, in_function in imports_of(path)
         if in_function
     ]
-    # the API loads the distributed backend only for a real mesh
-    assert set(local) <= {("_api", "backends.distributed")}
+    # the API (and ns.shard) load the distributed backend only for a real mesh
+    assert set(local) <= {("_api", "backends.distributed"), ("_shard", "backends._dist_shard")}
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,140 @@
+"""``ns.shard`` and ``ns.unshard``: a pytree of global tensors laid out on a mesh by specs, and back.
+
+The layout ``shard`` gives a leaf is exactly the one ``spmd_map`` returns for an output with that
+spec (docs/design.md, "Sharding a pytree"): a DTensor on a real mesh, the global tensor itself on
+a simulated one (where one process holds every instance and calls take global values anyway).
+So a sharded tree passes straight into a call whose in_specs are the same specs, and a call's
+outputs are already what ``shard`` would make of their global values.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, cast
+
+import optree
+import torch
+
+from ._api import as_mesh
+from ._errors import SpecError, bullet_list
+from ._spec import PartitionSpec, spec_problems
+from ._tree import (
+    _first_mismatch,
+    broadcast_specs,
+    check_spec_types,
+    flatten_with_paths,
+    path_text,
+)
+
+
+def shard(tree: Any, mesh: Any, specs: Any) -> Any:
+    """Lay out every tensor of ``tree`` on ``mesh`` as ``specs`` say (``jax.device_put`` with a
+    ``NamedSharding``).
+
+    Args:
+        tree: a pytree whose tensor leaves are global values (as ``spmd_map`` takes them), or
+            DTensors on the same mesh (laid out anew: ``redistribute``).
+        mesh: a :class:`Mesh` or a ``DeviceMesh`` with ``mesh_dim_names``.
+        specs: a pytree prefix of ``tree`` of ``P(...)`` (the grammar of ``in_specs``, tuple
+            entries such as ``P(('dp', 'tp'))`` included; ``None`` means ``P()``).
+
+    Returns:
+        The same structure with every tensor leaf replaced by a new leaf tensor holding its own
+        data, with the leaf's ``requires_grad`` (an ``nn.Parameter`` stays one); other leaves
+        pass through. On a real mesh each is a ``DTensor`` with the placements ``spmd_map`` uses
+        for that spec (rank 0's values are scattered, as ``distribute_tensor`` does, so ranks
+        that initialised differently still agree). On a simulated mesh each is a copy of the
+        global tensor: the value a call's output with that out_spec has there.
+
+    It makes new leaves (parameters to train), it is not a differentiable op: inside a
+    differentiated computation pass global tensors or DTensors to ``spmd_map`` directly.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> from named_spmd import P
+        >>> mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+        >>> params = {"w": torch.ones(4, 8), "b": torch.zeros(8)}
+        >>> sharded = ns.shard(params, mesh, {"w": P(None, "tp"), "b": P()})
+        >>> torch.equal(ns.unshard(sharded)["w"], params["w"])
+        True
+    """
+    where = "ns.shard"
+    mesh = as_mesh(mesh, where)
+    paths, leaves, treedef = flatten_with_paths(tree)
+    leaf_specs = _specs_for(specs, tree, where)
+    problems = []
+    for path, leaf, spec in zip(paths, leaves, leaf_specs):
+        at = f"tree{path_text(path)}"
+        if isinstance(leaf, torch.Tensor):
+            problems += spec_problems(spec, tuple(leaf.shape), mesh.shape, at)
+        elif spec.axes:
+            problems.append(
+                f"{at} is a {type(leaf).__name__}, not a tensor, but its spec {spec!r} splits "
+                "it. Fix: give it P() (or None)."
+            )
+    if problems:
+        raise SpecError(
+            f"{where}: the tree does not fit specs on mesh {mesh.shape}:\n" + bullet_list(problems)
+        )
+    if mesh.kind == "simulated":
+        out = [_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+    else:
+        from .backends._dist_shard import shard_leaves  # loaded only for a real mesh
+
+        out = shard_leaves(mesh, leaves, leaf_specs, [f"tree{path_text(p)}" for p in paths])
+    return optree.tree_unflatten(treedef, out)
+
+
+def unshard(tree: Any) -> Any:
+    """The inverse of :func:`shard`: every ``DTensor`` of ``tree`` as its global value.
+
+    Each DTensor becomes a plain tensor holding the global value on every rank
+    (``full_tensor()``: one all_gather per sharded DTensor, differentiable); every other leaf,
+    plain tensors included (a simulated mesh's values are global already), is returned as it is.
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None:  # no DTensor can exist before torch.distributed.tensor is loaded
+        return tree
+    return optree.tree_map(
+        lambda x: cast(Any, x).full_tensor() if isinstance(x, dtensor) else x,
+        tree,
+        none_is_leaf=True,
+    )
+
+
+def _specs_for(specs: Any, tree: Any, where: str) -> list[PartitionSpec]:
+    """One spec per leaf, with errors that speak of ``specs`` and ``tree``."""
+    check_spec_types(specs, "specs", where)
+    try:
+        return broadcast_specs(specs, tree, "in_specs", where)
+    except SpecError:
+        found = _first_mismatch(specs, tree, ())
+        at = (
+            f" At specs{path_text(found[0])}: {found[1]} where the tree has {found[2]}."
+            if found
+            else ""
+        )
+        raise SpecError(
+            f"{where}: specs is not a pytree prefix of the tree.{at} Fix: give one P(...) per "
+            "leaf or subtree (a single P applies to every tensor below it), e.g. "
+            "{'w': P(None, 'tp'), 'b': P()} for {'w': ..., 'b': ...}."
+        ) from None
+
+
+def _copy(x: torch.Tensor) -> torch.Tensor:
+    """A new leaf with its own data, as the real mesh's DTensors are (an optimizer stepping the
+    result must not move the caller's tensors on one backend only)."""
+    y = x.detach().clone().requires_grad_(x.requires_grad)
+    return torch.nn.Parameter(y, requires_grad=x.requires_grad) if _is_param(x) else y
+
+
+def _is_param(x: torch.Tensor) -> bool:
+    return isinstance(x, torch.nn.Parameter)
+
+
+def _dtensor_type() -> type | None:
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+__all__ = ["shard", "unshard"]

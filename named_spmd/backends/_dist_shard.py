@@ -1,0 +1,60 @@
+"""``ns.shard`` on a real mesh: global tensors (or DTensors) -> DTensors with the placements that
+the call boundary (``_dist_io.placements``) gives the same spec.
+
+A tuple entry in mesh order (``P(('dp', 'tp'))`` on a ``('dp', 'tp')`` mesh) is DTensor's own
+``[Shard(d), Shard(d)]``: public placements, read left to right, first mesh dim major. A tuple
+entry in another order (``P(('tp', 'dp'))``) gets the same placements, the layout a call's output
+with that out_spec has; a call with that in_spec relays the blocks by one ppermute at its boundary
+(``_dist_io``). Its global value, ``full_tensor()`` and checkpoints are those of the spec.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .._errors import SpecError
+from .._spec import PartitionSpec
+from ._dist_io import placements
+
+
+def shard_leaves(mesh, leaves: list[Any], specs: list[PartitionSpec], where: list[str]) -> list:
+    """Every tensor leaf as a new leaf DTensor laid out by its spec; other leaves as they are."""
+    return [
+        _shard_one(mesh, x, spec, at) if isinstance(x, torch.Tensor) else x
+        for x, spec, at in zip(leaves, specs, where)
+    ]
+
+
+def _shard_one(mesh, x: torch.Tensor, spec: PartitionSpec, where: str) -> torch.Tensor:
+    places = placements(mesh, spec, x.dim())
+    if isinstance(x, DTensor):
+        d = _on_mesh(mesh, x, where).redistribute(mesh.device_mesh, places).detach().clone()
+    else:
+        # distribute_tensor broadcasts a replicated dim *into* its argument on the other ranks:
+        # a clone, so the caller's tensor is never overwritten
+        d = distribute_tensor(x.detach().clone(), mesh.device_mesh, places)
+    d.requires_grad_(x.requires_grad)
+    if isinstance(x, torch.nn.Parameter):
+        return torch.nn.Parameter(d, requires_grad=x.requires_grad)
+    return d
+
+
+def _on_mesh(mesh, x: DTensor, where: str) -> DTensor:
+    """``x`` on the mesh's own DeviceMesh (``redistribute`` stays on one DeviceMesh object)."""
+    theirs = x.device_mesh
+    if theirs is mesh.device_mesh:
+        return x
+    if tuple(theirs.mesh_dim_names or ()) == mesh.axis_names and torch.equal(
+        theirs.mesh.cpu(), mesh.grid
+    ):  # the same ranks and names: the same layout
+        return DTensor.from_local(
+            x.to_local(), mesh.device_mesh, x.placements, shape=x.shape, stride=x.stride()
+        )
+    raise SpecError(
+        f"ns.shard: {where} is a DTensor on DeviceMesh {theirs.mesh.tolist()} with dims "
+        f"{theirs.mesh_dim_names}, not on the mesh {mesh.grid.tolist()} {mesh.axis_names}. "
+        "Fix: pass its global value (x.full_tensor()) instead."
+    )

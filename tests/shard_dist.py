@@ -1,0 +1,221 @@
+"""ns.shard / ns.unshard on a real (2, 2) mesh (run by tests/test_shard.py on 4 gloo processes).
+
+Every check compares with the global tensors each rank builds from one seed, and with blocks cut
+by ``_layout.block`` (independent of DTensor). One ``OUTCOME {json}`` line per check and rank:
+``problems`` lists what failed (empty: passed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import named_spmd as ns
+from named_spmd import P
+from named_spmd._layout import block
+
+SPECS = {
+    "w": P(None, "tp"),
+    "dp_tp": P(("dp", "tp")),  # mesh order: DTensor's own [Shard(0), Shard(0)]
+    "tp_dp": P(None, ("tp", "dp")),  # not mesh order
+    "grid": P("dp", "tp"),
+    "rep": P(),
+    "param": P("tp"),
+    "step": None,  # a non-tensor leaf
+}
+
+
+def global_tree() -> dict:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(4, 8, generator=g, dtype=torch.float64),
+        "dp_tp": torch.randn(8, 3, generator=g, dtype=torch.float64),
+        "tp_dp": torch.randn(2, 12, generator=g),
+        "grid": torch.arange(24).reshape(4, 6),
+        "rep": torch.randn(6, generator=g, dtype=torch.float64),
+        "param": torch.nn.Parameter(torch.randn(6, 2, generator=g, dtype=torch.float64)),
+        "step": 3,
+    }
+
+
+def check_layout(mesh, rank) -> list[str]:
+    tree = global_tree()
+    sharded = ns.shard(tree, mesh, SPECS)
+    problems = []
+    back = ns.unshard(sharded)
+    for k, x in tree.items():
+        if not isinstance(x, torch.Tensor):
+            if sharded[k] != x:
+                problems.append(f"{k}: non-tensor leaf changed")
+            continue
+        d = sharded[k]
+        if not isinstance(d, ns_dtensor()):
+            problems.append(f"{k}: {type(d).__name__}, not a DTensor")
+            continue
+        if not (d.is_leaf and d.requires_grad == x.requires_grad and d.dtype == x.dtype):
+            problems.append(f"{k}: leaf {d.is_leaf}, requires_grad {d.requires_grad}, {d.dtype}")
+        if isinstance(x, torch.nn.Parameter) != isinstance(d, torch.nn.Parameter):
+            problems.append(f"{k}: Parameter-ness not kept")
+        if type(back[k]) is not torch.Tensor or not torch.equal(back[k], x.detach()):
+            problems.append(f"{k}: unshard is not the global tensor")
+        spec = SPECS[k]
+        in_mesh_order = all(list(e) == sorted(e, key=mesh.axis_names.index) for e in _tuples(spec))
+        if in_mesh_order:  # the local shard is the spec's block for this rank
+            want = block(x.detach(), spec, mesh.shape, mesh.coords(rank))
+            if not torch.equal(d.to_local(), want):
+                problems.append(f"{k}: local shard is not the spec's block")
+    return problems
+
+
+def _tuples(spec):
+    return [e for e in spec if isinstance(e, tuple)]
+
+
+def ns_dtensor():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def check_spmd_map_inputs(mesh, rank) -> list[str]:
+    """A call takes the DTensors as inputs with the same specs: each instance sees the block the
+    plain global tensor gives it, and identity outputs are the same DTensors."""
+    tree = {k: v for k, v in global_tree().items() if isinstance(v, torch.Tensor)}
+    specs = {k: SPECS[k] for k in tree}
+    sharded = ns.shard(tree, mesh, specs)
+
+    def diff(a, b):
+        return ns.pmax(torch.stack([(a[k] - b[k]).abs().double().amax() for k in a]), ("dp", "tp"))
+
+    f = ns.spmd_map(diff, mesh=mesh, in_specs=(specs, specs), out_specs=P())
+    problems = []
+    gap = f(sharded, tree).full_tensor()
+    if gap.abs().max() != 0:
+        problems.append(f"blocks differ from the plain input's: {gap.tolist()}")
+    same = ns.spmd_map(lambda t: t, mesh=mesh, in_specs=(specs,), out_specs=specs)(sharded)
+    for k in tree:
+        if tuple(same[k].placements) != tuple(sharded[k].placements):
+            problems.append(
+                f"{k}: output placements {same[k].placements} vs {sharded[k].placements}"
+            )
+        elif not torch.equal(same[k].to_local(), sharded[k].to_local()):
+            problems.append(f"{k}: identity call output differs")
+    return problems
+
+
+def check_gradient(mesh, rank) -> list[str]:
+    """A sharded parameter trains: its .grad is a DTensor whose global value is the dense one."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(8, 8, generator=g, dtype=torch.float64)
+    x = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    p = ns.shard(torch.nn.Parameter(w.clone()), mesh, P(None, ("tp", "dp")))
+    f = ns.spmd_map(
+        lambda x, w: ns.psum((x @ w).square().sum().reshape(1), ("dp", "tp")),
+        mesh=mesh,
+        in_specs=(P(), P(None, ("tp", "dp"))),
+        out_specs=P(),
+    )
+    f(x, p).full_tensor().sum().backward()
+    wd = w.clone().requires_grad_()
+    (x @ wd).square().sum().backward()
+    problems = []
+    if not isinstance(p.grad, ns_dtensor()):
+        return [f"grad is a {type(p.grad).__name__}"]
+    if tuple(p.grad.placements) != tuple(p.placements):
+        problems.append(f"grad placements {p.grad.placements} vs {p.placements}")
+    if not torch.allclose(p.grad.full_tensor(), wd.grad, rtol=1e-12, atol=1e-12):
+        problems.append("grad differs from the dense gradient")
+    return problems
+
+
+def check_rank_zero_wins(mesh, rank) -> list[str]:
+    """Ranks that initialised differently (torch.manual_seed(rank)) get rank 0's values, and the
+    caller's tensor is never overwritten."""
+    mine = torch.full((4, 2), float(rank))
+    kept = mine.clone()
+    problems = []
+    for spec in (P(), P("tp"), P(("dp", "tp"))):
+        d = ns.shard(mine, mesh, spec)
+        if not torch.equal(ns.unshard(d), torch.zeros(4, 2)):
+            problems.append(f"{spec}: not rank 0's value")
+        if not torch.equal(mine, kept):
+            problems.append(f"{spec}: the caller's tensor was overwritten")
+    return problems
+
+
+def check_reshard(mesh, rank) -> list[str]:
+    """A DTensor passed to shard is laid out anew, as a new leaf."""
+    x = global_tree()["w"]
+    a = ns.shard(x, mesh, P("dp", "tp"))
+    problems = []
+    for spec in (P(None, ("dp", "tp")), P(None, ("tp", "dp")), P(), P("dp", "tp")):
+        b = ns.shard(a, mesh, spec)
+        want = ns.shard(x, mesh, spec)
+        if tuple(b.placements) != tuple(want.placements) or not torch.equal(
+            b.to_local(), want.to_local()
+        ):
+            problems.append(f"{spec}: resharded DTensor differs from shard of the global value")
+        if b.to_local().data_ptr() == a.to_local().data_ptr():
+            problems.append(f"{spec}: shares the input's data")
+    return problems
+
+
+def check_checkpoint(mesh, rank) -> list[str]:
+    """dcp.save of a sharded tree, dcp.load into the same layout and into another one."""
+    root = os.environ["SHARD_CKPT_DIR"]
+    tree = {k: v for k, v in global_tree().items() if isinstance(v, torch.Tensor)}
+    specs = {k: SPECS[k] for k in tree}
+    dcp.save(ns.shard(tree, mesh, specs), checkpoint_id=root)
+    problems = []
+    other = {  # every leaf laid out differently from the saved one
+        "w": P(("tp", "dp")),
+        "dp_tp": P(),
+        "tp_dp": P("dp", "tp"),
+        "grid": P(("tp", "dp")),
+        "rep": P("dp"),
+        "param": P("dp"),
+    }
+    for name, layout in (("same", specs), ("other", other)):
+        target = ns.shard({k: torch.zeros_like(v) for k, v in tree.items()}, mesh, layout)
+        dcp.load(target, checkpoint_id=root)
+        loaded = ns.unshard(target)
+        for k, v in tree.items():
+            if not torch.equal(loaded[k], v.detach()):
+                problems.append(f"{name} layout: {k} differs after load")
+    return problems
+
+
+CHECKS = [
+    check_layout,
+    check_spmd_map_inputs,
+    check_gradient,
+    check_rank_zero_wins,
+    check_reshard,
+    check_checkpoint,
+]
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    for check in CHECKS:
+        try:
+            problems = check(mesh, rank)
+        except Exception:
+            problems = [traceback.format_exc()[-1500:]]
+        print(
+            "OUTCOME " + json.dumps({"rank": rank, "check": check.__name__, "problems": problems})
+        )
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""ns.shard / ns.unshard: on a simulated mesh here, on a real (2, 2) mesh by tests/shard_dist.py
+(4 gloo processes on 127.0.0.1, with a hard timeout), both against the global tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import named_spmd as ns
+from named_spmd import P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_launch import launch  # noqa: E402
+
+
+@pytest.fixture
+def mesh():
+    return ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+
+
+def tree():
+    return {
+        "w": torch.randn(4, 8, dtype=torch.float64, requires_grad=True),
+        "b": torch.nn.Parameter(torch.randn(8, dtype=torch.float64)),
+        "ids": torch.arange(8),
+        "n": 3,
+    }
+
+
+SPECS = {"w": P(None, ("tp", "dp")), "b": P(("dp", "tp")), "ids": P("dp"), "n": None}
+
+
+def test_simulated_shard_returns_new_leaves_holding_the_global_values(mesh):
+    t = tree()
+    s = ns.shard(t, mesh, SPECS)
+    for k in ("w", "b", "ids"):
+        assert type(s[k]) is type(t[k]) and s[k] is not t[k], k
+        assert torch.equal(s[k], t[k].detach()) and s[k].dtype == t[k].dtype, k
+        assert s[k].is_leaf and s[k].requires_grad == t[k].requires_grad, k
+        assert s[k].data_ptr() != t[k].data_ptr(), k  # an optimizer step leaves t alone
+    assert s["n"] == 3
+    back = ns.unshard(s)
+    assert all(back[k] is s[k] for k in s)  # global values already
+
+
+def test_simulated_sharded_tree_feeds_a_call_with_the_same_specs(mesh):
+    t = tree()
+    s = ns.shard(t, mesh, SPECS)
+    f = ns.spmd_map(lambda p: p, mesh=mesh, in_specs=(SPECS,), out_specs=SPECS)
+    out = f(s)
+    for k in ("w", "b", "ids"):
+        torch.testing.assert_close(out[k], t[k].detach(), rtol=0, atol=0)
+
+
+def test_spec_problems_are_listed_once_with_the_tree_path(mesh):
+    with pytest.raises(ns.SpecError) as e:
+        ns.shard({"w": torch.ones(3, 4), "k": "x"}, mesh, {"w": P("dp", "pt"), "k": P("dp")})
+    text = str(e.value)
+    assert text.startswith("ns.shard: the tree does not fit specs on mesh {'dp': 2, 'tp': 2}")
+    assert "tree['w']: dim 0 has size 3, not divisible by 2" in text
+    assert "unknown mesh axis 'pt'" in text and "Did you mean 'tp'?" in text
+    assert "tree['k'] is a str, not a tensor" in text and "Fix: give it P()" in text
+
+
+def test_specs_that_are_not_a_prefix_name_the_place(mesh):
+    with pytest.raises(ns.SpecError) as e:
+        ns.shard({"w": torch.ones(4), "b": torch.ones(4)}, mesh, {"w": P("dp")})
+    text = str(e.value)
+    assert "ns.shard: specs is not a pytree prefix of the tree." in text
+    assert "no entry for 'b'" in text and "Fix: give one P(...) per leaf or subtree" in text
+    with pytest.raises(ns.SpecError, match="specs must contain PartitionSpecs"):
+        ns.shard(torch.ones(4), mesh, "dp")
+
+
+def test_unshard_without_dtensors_returns_the_tree():
+    t = tree()
+    back = ns.unshard(t)
+    assert all(back[k] is t[k] for k in t)
+
+
+@pytest.mark.distributed
+def test_real_mesh_shard_unshard_checkpoint_and_calls(tmp_path):
+    world = 4
+    finished = launch(
+        [os.path.join("tests", "shard_dist.py")], world, 180, SHARD_CKPT_DIR=str(tmp_path / "ck")
+    )
+    assert not finished.timed_out, finished.outputs[0][-3000:]
+    outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
+    assert len(outcomes) == 6 * world, finished.outputs[0][-3000:]
+    bad = [o for o in outcomes if o["problems"]]
+    assert bad == [], bad[:4]
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    import named_spmd._shard
+
+    result = doctest.testmod(named_spmd._shard, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0
