@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -63,6 +63,13 @@ class SpmdContext(ABC):
     def axis_index(self, axes: Axes) -> torch.Tensor:
         """This instance's member index in the group of ``axes``: an i64 0-d tensor, varying
         over ``axes`` (stamped)."""
+
+    @abstractmethod
+    def per_member(self, axes: Axes, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """``make(i)`` for this instance's member index ``i`` in the group of ``axes``, varying
+        over ``axes`` (stamped). ``make`` builds a plain tensor from the index alone, of one
+        shape and dtype for every ``i``; each backend calls it for the members it holds (the
+        per-axis random draws of ``named_spmd.random`` are built on it)."""
 
     # --- data movement primitives ---------------------------------------------------------------
     @abstractmethod
@@ -184,6 +191,9 @@ class GroupOfOne(SpmdContext):
 
     def axis_index(self, axes: Axes) -> torch.Tensor:
         return self.ctx.axis_index(axes)
+
+    def per_member(self, axes: Axes, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        return self.ctx.per_member(axes, make)
 
     def pvary(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:
         return x.view_as(x)

@@ -120,6 +120,9 @@ class _Probe(SpmdContext):
     def axis_index(self, axes: Any) -> torch.Tensor:
         return torch.zeros((), dtype=torch.int64)
 
+    def per_member(self, axes: Any, make: Any) -> torch.Tensor:
+        return make(0)
+
     def _same(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return x
 

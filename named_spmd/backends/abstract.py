@@ -52,6 +52,11 @@ class AbstractContext(TrackedContext):
     def axis_index(self, axes):
         return self.stamp(_empty((), torch.int64), Vma.of(axes))
 
+    def per_member(self, axes, make):
+        with P.DisableTorchFunction():  # one member's shape and dtype stand for all
+            value = make(0)
+        return self.stamp(_empty(value.shape, value.dtype), Vma.of(axes))
+
     def apply(self, rec, x, axes, params, donate=False):
         with P.DisableTorchFunction():
             if differentiable(x):

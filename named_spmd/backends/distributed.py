@@ -239,6 +239,11 @@ class DistributedContext(TrackedContext):
         index = torch.tensor(self.mesh.comm(axes).index, device=self.mesh.device)
         return self.stamp(index, Vma.of(axes))
 
+    def per_member(self, axes, make):
+        with P.DisableTorchFunction():  # a plain value: only its stamp says where it varies
+            value = make(self.mesh.comm(axes).index)
+        return self.stamp(value, Vma.of(axes))
+
     # Collectives run with torch function modes off: their internal ops need no vma (the
     # dispatch stamps the result) and would only pay the mode's per-op cost.
     def apply(self, rec, x, axes, params, donate=False):

@@ -85,6 +85,14 @@ class SimulatedContext(SpmdContext):
         index = self._index(axes)
         return index.clone() if len(axes) == 1 else index
 
+    def per_member(self, axes, make):
+        # Every member's value, stacked as an invariant plain tensor; own_block makes the stack
+        # dim the levels' batch dims (no copy on the fast path), as the inputs enter.
+        n = self.mesh.axis_size(axes)
+        with P.DisableFuncTorch():
+            stacked = torch.stack([make(i) for i in range(n)])
+        return self.own_block(stacked, axes, 0)
+
     def _index(self, axes: tuple[str, ...]) -> torch.Tensor:
         index = self.tokens[axes[0]]
         for a in axes[1:]:

@@ -1,0 +1,320 @@
+"""Per-axis randomness: random draws inside spmd_map that differ over named mesh axes.
+
+Torch's own random ops draw one stream on every instance (docs/design.md, section 2,
+"Randomness"), so a dropout mask drawn with them is the same everywhere. The functions here draw
+from a stream of their own, chosen by ``seed`` and by this instance's coordinates along ``over``::
+
+    mask = ns.random.dropout(h, 0.1, over="dp", seed=(step, 3))
+
+differs between the instances of "dp" and is the same along every other axis; its type says so
+(``ns.vma(mask) == {"dp"} | ns.vma(h)``). The simulated and the real backend draw the same values
+for the same seed, on the same device type.
+
+The recipe, a stable contract: for the coordinates ``c`` of this instance along ``over``, the
+draw uses ``torch.Generator(device).manual_seed(k)`` with ``k`` the first 8 bytes (little-endian)
+of ``blake2b(f"named_spmd.random|{seed!r}|{pairs}", digest_size=8)``, shifted right by one bit;
+``seed`` is the tuple of the seed's parts (an int ``s`` is ``(s,)``) and ``pairs`` is
+``"axis=coordinate"`` for every axis of ``over``, sorted by name and joined by ``","`` (empty for
+``over=()``). So a draw does not depend on the mesh's sizes, on the axis order, on axes outside
+``over``, nor on torch's global generator, which it neither reads nor advances: ``torch.manual_seed``
+(per rank or not) changes nothing here.
+
+Draws are functions of their arguments: there is no hidden counter, so a checkpointed region that
+recomputes a draw in backward gets the same values. Giving two draws of one call the same seed
+would correlate them (two dropout layers with one mask); it is an error outside backward, and the
+fix is a seed per draw, e.g. ``seed=(step, layer)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import _torch_private as P
+from ._context import SpmdContext, current
+from ._errors import SpmdError
+from ._layout import coords_of
+
+SeedPart = int | str
+Seed = SeedPart | tuple[SeedPart, ...]
+Over = str | Sequence[str]
+Size = int | Sequence[int]
+
+_META = torch.device("meta")
+# The seeds drawn so far in each running call (the reuse check); gone with the call's context.
+_USED: weakref.WeakKeyDictionary[SpmdContext, set[tuple[SeedPart, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+_SEED_FIX = (
+    "Fix: pass a seed that is the same on every instance and different for every draw of a "
+    "call, e.g. seed=(step, layer), with step passed into the function as a non-tensor argument."
+)
+
+
+def rand(
+    *size: Size,
+    over: Over,
+    seed: Seed,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``rand(*size, over=A, seed=s) -> T{A}``: uniform on ``[0, 1)``, differing over the axes A.
+
+    ``over`` is an axis name or a tuple of names (``()``: the same draw everywhere); ``seed`` an
+    int, a string or a tuple of them, the same on every instance. ``dtype`` / ``device`` as in
+    ``torch.rand`` (defaults: torch's default dtype and device).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+        >>> f = ns.spmd_map(lambda: ns.random.rand(1, over="dp", seed=0), mesh=mesh,
+        ...                 in_specs=(), out_specs=ns.P("dp"))
+        >>> u = f()
+        >>> u.shape, bool(u[0] != u[1])
+        (torch.Size([2]), True)
+
+    Backward: none (a constant).
+    """
+    dtype = _floating(dtype, "rand")
+    shape = _shape(size, "rand")
+    return _draw(
+        "rand",
+        over,
+        seed,
+        shape,
+        dtype,
+        device,
+        lambda g, d: torch.rand(shape, generator=g, dtype=dtype, device=d),
+    )
+
+
+def randn(
+    *size: Size,
+    over: Over,
+    seed: Seed,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``randn(*size, over=A, seed=s) -> T{A}``: standard normal, differing over the axes A.
+
+    Arguments as in :func:`rand`.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2,), ("dp",))
+        >>> f = ns.spmd_map(lambda: ns.random.randn(3, over=(), seed=7), mesh=mesh,
+        ...                 in_specs=(), out_specs=ns.P())
+        >>> f().shape  # over=(): one draw, invariant
+        torch.Size([3])
+
+    Backward: none (a constant).
+    """
+    dtype = _floating(dtype, "randn")
+    shape = _shape(size, "randn")
+    return _draw(
+        "randn",
+        over,
+        seed,
+        shape,
+        dtype,
+        device,
+        lambda g, d: torch.randn(shape, generator=g, dtype=dtype, device=d),
+    )
+
+
+def randint(
+    low: int,
+    high: int,
+    size: Size,
+    *,
+    over: Over,
+    seed: Seed,
+    dtype: torch.dtype = torch.int64,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``randint(low, high, size, over=A, seed=s) -> i64[size]{A}``: integers in
+    ``[low, high)``, differing over the axes A. Other arguments as in :func:`rand`.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((4,), ("dp",))
+        >>> f = ns.spmd_map(lambda: ns.random.randint(0, 10, (2,), over="dp", seed=1),
+        ...                 mesh=mesh, in_specs=(), out_specs=ns.P("dp"))
+        >>> f().shape
+        torch.Size([8])
+    """
+    if not (_is_int(low) and _is_int(high)) or low >= high:
+        ctx = current("ns.random.randint")
+        raise SpmdError(
+            f"ns.random.randint in {ctx.fn_label}: expected ints low < high, got low={low!r}, "
+            f"high={high!r}. Fix: e.g. ns.random.randint(0, 10, size, over=..., seed=...)."
+        )
+    shape = _shape((size,), "randint")
+    return _draw(
+        "randint",
+        over,
+        seed,
+        shape,
+        dtype,
+        device,
+        lambda g, d: torch.randint(int(low), int(high), shape, generator=g, dtype=dtype, device=d),
+    )
+
+
+def dropout(
+    x: torch.Tensor, p: float, *, over: Over, seed: Seed, training: bool = True
+) -> torch.Tensor:
+    """``dropout(x: T{V}, p, over=A, seed=s) -> T{V ∪ A}``: zero each element with probability
+    ``p`` and scale the rest by ``1 / (1 - p)``, with a mask that differs over the axes A.
+
+    The mask is ``rand(x.shape, over=A, seed=s, dtype=float32, device=x.device) >= p``, the same
+    for every dtype of ``x``. ``over=()`` keeps one mask on every instance (what a value that
+    must stay invariant, such as the output of a row-parallel layer, needs); name the axes over
+    which the data differs, e.g. ``over="dp"`` in data parallelism, ``("dp", "tp")`` for
+    activations split over tp. ``training=False`` or ``p=0`` return ``x``.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2,), ("dp",))
+        >>> f = ns.spmd_map(lambda x: ns.random.dropout(x, 0.5, over="dp", seed=0), mesh=mesh,
+        ...                 in_specs=ns.P(), out_specs=ns.P("dp"))
+        >>> y = f(torch.ones(1000))
+        >>> sorted(set(y.tolist()))  # dropped or scaled by 1 / (1 - p)
+        [0.0, 2.0]
+
+    Backward: the cotangent times the same mask, scaled by ``1 / (1 - p)``.
+    """
+    ctx = current("ns.random.dropout")
+    if not isinstance(x, torch.Tensor) or not (x.dtype.is_floating_point or x.dtype.is_complex):
+        got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise SpmdError(
+            f"ns.random.dropout in {ctx.fn_label}: expected a floating-point tensor, got {got}. "
+            "Fix: pass the activation to drop out, e.g. ns.random.dropout(h, 0.1, over=..., "
+            "seed=...)."
+        )
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
+        raise SpmdError(
+            f"ns.random.dropout in {ctx.fn_label}: p must be a probability in [0, 1], got "
+            f"{p!r}. Fix: pass the drop probability as a Python float, e.g. p=0.1."
+        )
+    if not training or p == 0:
+        return x
+    if p == 1:
+        return x * 0  # every element dropped; x * 0 keeps the gradient (zeros), as torch does
+    u = _draw(
+        "dropout",
+        over,
+        seed,
+        tuple(x.shape),
+        torch.float32,
+        x.device,
+        lambda g, d: torch.rand(tuple(x.shape), generator=g, device=d),
+    )
+    return x * ((u >= p).to(x.dtype) * (1.0 / (1.0 - p)))
+
+
+# --- one draw ------------------------------------------------------------------------------------
+
+
+def _draw(
+    op: str,
+    over: Over,
+    seed: Seed,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+    sample: Callable[[torch.Generator, torch.device], torch.Tensor],
+) -> torch.Tensor:
+    """``sample`` with this instance's generator: per member of ``over`` through the backend's
+    ``per_member`` primitive (typed varying over ``over``), or once for ``over=()``."""
+    ctx = current(f"ns.random.{op}")
+    empty = isinstance(over, (tuple, list)) and not over
+    axes = () if empty else ctx.check_axes(over, f"ns.random.{op}")
+    parts = _seed_parts(ctx, seed, op)
+    dev = torch.device(device) if device is not None else _default_device()
+    sizes = ctx.mesh.shape
+
+    def make(index: int) -> torch.Tensor:
+        if dev.type == "meta":  # a check: shapes only
+            return torch.empty(shape, dtype=dtype, device=_META)
+        coords = coords_of(index, axes, sizes)
+        generator = torch.Generator(dev).manual_seed(generator_seed(parts, coords))
+        return sample(generator, dev)
+
+    return ctx.per_member(axes, make) if axes else make(0)
+
+
+def generator_seed(seed: tuple[SeedPart, ...], coords: dict[str, int]) -> int:
+    """The generator seed of one draw: the recipe in the module's docstring."""
+    pairs = ",".join(f"{a}={c}" for a, c in sorted(coords.items()))
+    digest = hashlib.blake2b(f"named_spmd.random|{seed!r}|{pairs}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def _seed_parts(ctx: SpmdContext, seed: Seed, op: str) -> tuple[SeedPart, ...]:
+    parts = seed if isinstance(seed, tuple) else (seed,)
+    if not parts or not all(_is_int(s) or isinstance(s, str) for s in parts):
+        raise SpmdError(
+            f"ns.random.{op} in {ctx.fn_label}: seed must be an int, a string or a tuple of "
+            f"them, got {seed!r}"
+            + (" (a tensor's value may differ between instances)" if _has_tensor(parts) else "")
+            + f". {_SEED_FIX}"
+        )
+    parts = tuple(s if isinstance(s, str) else int(s) for s in parts)
+    if P.current_graph_task_id() == -1:  # a recomputation in backward draws again, rightly
+        used = _USED.setdefault(ctx, set())
+        if parts in used:
+            raise SpmdError(
+                f"ns.random.{op} in {ctx.fn_label}: seed {seed!r} was already used by another "
+                "draw in this call; the two would draw the same numbers (e.g. one dropout mask "
+                f"for two layers). {_SEED_FIX}"
+            )
+        used.add(parts)
+    return parts
+
+
+def _shape(size: tuple[Any, ...], op: str) -> tuple[int, ...]:
+    """``rand(2, 3)``, ``rand((2, 3))`` and ``rand(torch.Size(...))`` alike, as torch."""
+    dims: Any = size[0] if len(size) == 1 and not _is_int(size[0]) else size
+    shape: tuple[Any, ...] = tuple(dims) if isinstance(dims, (tuple, list)) else (dims,)
+    if not all(_is_int(d) and int(d) >= 0 for d in shape):
+        ctx = current(f"ns.random.{op}")
+        raise SpmdError(
+            f"ns.random.{op} in {ctx.fn_label}: size must be non-negative ints, got {size!r}. "
+            f"Fix: e.g. ns.random.{op}(4, 8, over=..., seed=...) or a torch.Size."
+        )
+    return tuple(int(d) for d in shape)
+
+
+def _floating(dtype: torch.dtype | None, op: str) -> torch.dtype:
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
+        ctx = current(f"ns.random.{op}")
+        raise SpmdError(
+            f"ns.random.{op} in {ctx.fn_label}: dtype must be a floating-point torch.dtype, got "
+            f"{dtype!r}. Fix: e.g. dtype=torch.float32, or ns.random.randint for integers."
+        )
+    return dtype
+
+
+def _default_device() -> torch.device:
+    # Where a torch factory would put it (torch.set_default_device included). Not
+    # torch.get_default_device(): it fails under a DeviceContext mode that sets no device.
+    return torch.empty(0).device
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _has_tensor(parts: tuple[Any, ...]) -> bool:
+    return any(isinstance(s, torch.Tensor) for s in parts)
+
+
+__all__ = ["dropout", "generator_seed", "rand", "randint", "randn"]
