@@ -4,7 +4,6 @@ Write a per-device function, decorate it with ``@spmd_map(mesh=..., in_specs=...
 and talk to the other instances with collectives by axis name.
 """
 
-from . import random as random
 from ._accounting import CommEvent as CommEvent
 from ._accounting import CommMode as CommMode
 from ._api import SpmdFunction as SpmdFunction
@@ -93,7 +92,6 @@ __all__ = [
     "psum",
     "psum_scatter",
     "pvary",
-    "random",
     "set_debug",
     "shard",
     "simulation_order",

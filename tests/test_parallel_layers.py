@@ -1,0 +1,356 @@
+"""ns.parallel's layers on simulated meshes against the dense torch.nn.functional layers: values
+and the gradients of every global input (float64), on tp = 1, 2, 4 and a (dp, tp) = (2, 2) mesh."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import named_spmd as ns
+from named_spmd import P
+from named_spmd import parallel as pl
+
+f64 = torch.float64
+MESHES = {
+    "tp1": ((1,), ("tp",)),
+    "tp2": ((2,), ("tp",)),
+    "tp4": ((4,), ("tp",)),
+    "dp2xtp2": ((2, 2), ("dp", "tp")),
+}
+
+
+@pytest.fixture(params=list(MESHES), ids=list(MESHES))
+def mesh(request):
+    shape, names = MESHES[request.param]
+    return ns.make_mesh(shape, names, simulated=True)
+
+
+def dp(mesh):
+    """The batch axis: 'dp' where the mesh has it (P(None) otherwise)."""
+    return "dp" if "dp" in mesh.axis_names else None
+
+
+def leaves(*xs):
+    return [
+        x.detach().clone().requires_grad_(x.is_floating_point()) if x is not None else None
+        for x in xs
+    ]
+
+
+def assert_same(mapped, dense, args, seed=0):
+    """``mapped(*args)`` equals ``dense(*args)``, and so do the gradients of a random linear
+    functional of it with respect to every floating-point argument."""
+    a, b = leaves(*args), leaves(*args)
+    y, y_ref = mapped(*a), dense(*b)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    probe = torch.randn(y_ref.shape, dtype=f64, generator=torch.Generator().manual_seed(seed))
+    wrt = [i for i, x in enumerate(a) if x is not None and x.requires_grad]
+    g = torch.autograd.grad((y * probe).sum(), [a[i] for i in wrt])
+    g_ref = torch.autograd.grad((y_ref * probe).sum(), [b[i] for i in wrt])
+    for i, gi, gi_ref in zip(wrt, g, g_ref):
+        torch.testing.assert_close(gi, gi_ref, rtol=1e-12, atol=1e-12, msg=f"gradient of arg {i}")
+
+
+def randn(*shape):
+    return torch.randn(*shape, dtype=f64)
+
+
+# --- linear --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_column_linear(mesh, bias):
+    x, w, b = randn(4, 8, 6), randn(12, 6), randn(12) if bias else None
+    d = dp(mesh)
+    f = ns.spmd_map(
+        lambda x, w, b: pl.column_linear(x, w, b, axis_name="tp"),
+        mesh=mesh,
+        in_specs=(P(d), P("tp"), P("tp") if bias else None),
+        out_specs=P(d, None, "tp"),
+    )
+    assert_same(f, F.linear, (x, w, b))
+
+
+def test_column_linear_gathers_output_and_sequence(mesh):
+    x, w, b = randn(4, 8, 6), randn(12, 6), randn(12)
+    d = dp(mesh)
+    f = ns.spmd_map(
+        lambda x, w, b: pl.column_linear(x, w, b, axis_name="tp", gather_dim=1, gather_output=True),
+        mesh=mesh,
+        in_specs=(P(d, "tp"), P("tp"), P("tp")),  # the sequence split over tp on the way in
+        out_specs=P(d),
+    )
+    assert_same(f, F.linear, (x, w, b))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_row_linear_adds_the_bias_once(mesh, bias):
+    x, w, b = randn(4, 8, 12), randn(6, 12), randn(6) if bias else None
+    d = dp(mesh)
+    f = ns.spmd_map(
+        lambda x, w, b: pl.row_linear(x, w, b, axis_name="tp"),
+        mesh=mesh,
+        in_specs=(P(d, None, "tp"), P(None, "tp"), P()),
+        out_specs=P(d),
+    )
+    assert_same(f, F.linear, (x, w, b))
+
+
+def test_row_linear_scatters_the_sequence(mesh):
+    x, w, b = randn(4, 8, 12), randn(6, 12), randn(6)
+    d = dp(mesh)
+    f = ns.spmd_map(
+        lambda x, w, b: pl.row_linear(x, w, b, axis_name="tp", scatter_dim=1),
+        mesh=mesh,
+        in_specs=(P(d, None, "tp"), P(None, "tp"), P()),
+        out_specs=P(d, "tp"),
+    )
+    assert_same(f, F.linear, (x, w, b))
+
+
+def test_sequence_entry_and_exit_are_gather_and_sum(mesh):
+    n = mesh.shape["tp"]
+    x, parts = randn(4, 8, 3), randn(4, n, 8, 3)  # parts[:, i]: instance i's partial result
+    d = dp(mesh)
+    gather = ns.spmd_map(  # every instance holds the whole sequence: n copies side by side
+        lambda x: pl.gather_sequence(x, "tp"),
+        mesh=mesh,
+        in_specs=P(d, "tp"),
+        out_specs=P(d, "tp"),
+    )
+    assert_same(gather, lambda x: x.repeat(1, n, 1), (x,))
+    scatter = ns.spmd_map(
+        lambda p: pl.reduce_scatter_sequence(p.squeeze(1), "tp", dim=1),
+        mesh=mesh,
+        in_specs=P(d, "tp"),
+        out_specs=P(d, "tp"),
+    )
+    assert_same(scatter, lambda p: p.sum(1), (parts,))
+
+
+# --- vocabulary ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scatter", [False, True], ids=["psum", "sequence"])
+def test_vocab_embedding(mesh, scatter):
+    vocab, dim = 16, 5
+    ids = torch.randint(0, vocab, (4, 8), generator=torch.Generator().manual_seed(1))
+    ids[0, : vocab // 2] = torch.arange(0, vocab, 2)  # every block of the table is hit
+    w = randn(vocab, dim)
+    d = dp(mesh)
+    f = ns.spmd_map(
+        lambda ids, w: pl.vocab_embedding(
+            ids, w, axis_name="tp", scatter_dim=1 if scatter else None
+        ),
+        mesh=mesh,
+        in_specs=(P(d), P("tp")),
+        out_specs=P(d, "tp") if scatter else P(d),
+    )
+    assert_same(f, F.embedding, (ids, w))
+
+
+def targets(shape, vocab, seed=2):
+    t = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+    t.view(-1)[::5] = -100  # ignored
+    t.view(-1)[1] = vocab - 1  # the last block's last class
+    return t
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e4], ids=["plain", "huge_logits"])
+def test_vocab_cross_entropy_per_token(mesh, scale):
+    vocab = 16
+    logits, t = randn(4, 6, vocab) * scale, targets((4, 6), vocab)
+    d = dp(mesh)
+    f = ns.spmd_map(
+        lambda z, t: pl.vocab_cross_entropy(z, t, axis_name="tp", reduction="none"),
+        mesh=mesh,
+        in_specs=(P(d, None, "tp"), P(d)),
+        out_specs=P(d),
+    )
+
+    def dense(z, t):
+        return F.cross_entropy(z.reshape(-1, vocab), t.reshape(-1), reduction="none").view(t.shape)
+
+    assert_same(f, dense, (logits, t))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_vocab_cross_entropy_reduced(mesh, reduction):
+    vocab = 16
+    logits, t = randn(12, vocab), targets((12,), vocab)
+
+    def per_device(z, t):
+        if "dp" not in mesh.axis_names:
+            return pl.vocab_cross_entropy(z, t, axis_name="tp", reduction=reduction)
+        # over a dp-split batch: the sum over dp, divided by the global count for the mean
+        total = ns.psum(pl.vocab_cross_entropy(z, t, axis_name="tp", reduction="sum"), "dp")
+        return total / ns.psum((t != -100).sum(), "dp") if reduction == "mean" else total
+
+    f = ns.spmd_map(per_device, mesh=mesh, in_specs=(P(dp(mesh), "tp"), P(dp(mesh))), out_specs=P())
+    assert_same(f, lambda z, t: F.cross_entropy(z, t, reduction=reduction), (logits, t))
+
+
+def test_vocab_cross_entropy_refuses_an_unknown_reduction():
+    mesh = ns.make_mesh((2,), ("tp",), simulated=True)
+    f = ns.spmd_map(
+        lambda z, t: pl.vocab_cross_entropy(z, t, axis_name="tp", reduction="avg"),
+        mesh=mesh,
+        in_specs=(P(None, "tp"), P()),
+        out_specs=P(),
+    )
+    with pytest.raises(ns.SpmdError, match="reduction='avg'; expected 'mean', 'sum' or 'none'"):
+        f(randn(3, 4), torch.zeros(3, dtype=torch.long))
+
+
+# --- packed qkv ---------------------------------------------------------------------------------
+
+
+def attention(x, wqkv, bqkv, wo, bo, heads, sizes):
+    """Causal multi-head attention with grouped kv heads; ``heads`` = (q heads, kv heads)."""
+    b, s, _ = x.shape
+    q, k, v = F.linear(x, wqkv, bqkv).split(sizes, -1)
+    return _attend(q, k, v, heads, b, s) @ wo.T + bo
+
+
+def _attend(q, k, v, heads, b, s):
+    hq, hkv = heads
+    hd = q.shape[-1] // hq
+    q = q.reshape(b, s, hq, hd).transpose(1, 2)
+    k, v = (
+        t.reshape(b, s, hkv, hd).transpose(1, 2).repeat_interleave(hq // hkv, 1) for t in (k, v)
+    )
+    scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+    return (probs @ v).transpose(1, 2).reshape(b, s, hq * hd)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 4)], ids=["mha", "gqa"])
+def test_packed_qkv_split_by_head_group(mesh, heads):
+    n = mesh.shape["tp"]
+    hd, (hq, hkv) = 3, heads
+    dim = hq * hd
+    sizes = (hq * hd, hkv * hd, hkv * hd)
+    x, wqkv, bqkv = randn(2, 5, dim), randn(sum(sizes), dim), randn(sum(sizes))
+    wo, bo = randn(dim, dim), randn(dim)
+    d = dp(mesh)
+
+    def per_device(x, wqkv, bqkv, wo, bo):
+        qkv = pl.column_linear(x, wqkv, bqkv, axis_name="tp")
+        q, k, v = pl.split_packed(qkv, sizes, "tp")
+        o = _attend(q, k, v, (hq // n, hkv // n), x.shape[0], x.shape[1])
+        return pl.row_linear(o, wo, bo, axis_name="tp")
+
+    f = ns.spmd_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(P(d), P("tp"), P("tp"), P(None, "tp"), P()),
+        out_specs=P(d),
+    )
+
+    def mapped(x, wqkv, bqkv, wo, bo):  # the gradients reach the packed weights' own layout
+        pack = [pl.interleave_packed(t, sizes, n, dim=0, unit=hd) for t in (wqkv, bqkv)]
+        return f(x, *pack, wo, bo)
+
+    args = (x, wqkv, bqkv, wo, bo)
+    assert_same(mapped, lambda *a: attention(*a, heads, sizes), args)
+    if n > 1:  # the trap: split as it is, instance 0 gets q only and the result is wrong
+        wrong = f(x, wqkv, bqkv, wo, bo)
+        assert not torch.allclose(wrong, attention(*args, heads, sizes))
+
+
+def test_interleave_round_trips_and_checks_whole_heads():
+    w = randn(24, 4)
+    for dim, t in ((0, w), (1, w.T)):
+        packed = pl.interleave_packed(t, (12, 6, 6), 3, dim=dim, unit=2)
+        assert torch.equal(pl.deinterleave_packed(packed, (12, 6, 6), 3, dim=dim, unit=2), t)
+        # block i along dim holds the i-th third of every part
+        blocks = packed.chunk(3, dim)
+        parts = t.split((12, 6, 6), dim)
+        for i, blk in enumerate(blocks):
+            want = torch.cat([p.chunk(3, dim)[i] for p in parts], dim)
+            assert torch.equal(blk, want)
+    with pytest.raises(ns.SpmdError) as e:
+        pl.interleave_packed(w, (12, 6, 6), 2, unit=6)
+    assert "part sizes [6, 6] are not divisible by n * unit = 2 * 6" in str(e.value)
+    assert "whole heads" in str(e.value) and "Fix:" in str(e.value)
+    with pytest.raises(ns.SpmdError, match="add up to 20, but dim 0 of the weight has size 24"):
+        pl.deinterleave_packed(w, (10, 5, 5), 5)
+
+
+# --- a small GPT, every layer together ------------------------------------------------------------
+
+
+def gpt_dense(ids, target, emb, wqkv, wo, w1, b1, w2, b2, head_w, heads):
+    x = F.embedding(ids, emb)
+    sizes = (x.shape[-1],) * 3
+    h = F.layer_norm(x, x.shape[-1:])
+    x = x + attention(h, wqkv, torch.zeros(wqkv.shape[0], dtype=f64), wo, 0.0, heads, sizes)
+    h = F.layer_norm(x, x.shape[-1:])
+    x = x + F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2)
+    logits = F.linear(F.layer_norm(x, x.shape[-1:]), head_w)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"
+    )
+
+
+def test_gpt_with_tensor_and_sequence_parallel_layers_matches_dense(mesh):
+    """Embedding -> attention -> MLP -> LM head -> loss with every ns.parallel layer in the
+    sequence-parallel layout of tutorial 06 (activations split over the sequence between layers)."""
+    n = mesh.shape["tp"]
+    vocab, dim, hidden, heads, hd = 16, 8, 16, (4, 4), 2
+    b, s = 4, 8
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    target = targets((b, s), vocab)
+    params = [
+        randn(vocab, dim),  # emb
+        randn(3 * dim, dim) / dim**0.5,  # wqkv
+        randn(dim, dim) / dim**0.5,  # wo
+        randn(hidden, dim) / dim**0.5,  # w1
+        randn(hidden) * 0.1,  # b1
+        randn(dim, hidden) / hidden**0.5,  # w2
+        randn(dim) * 0.1,  # b2
+        randn(vocab, dim) / dim**0.5,  # head_w
+    ]
+    sizes = (dim,) * 3
+    d = dp(mesh)
+
+    def per_device(ids, target, emb, wqkv, wo, w1, b1, w2, b2, head_w):
+        x = pl.vocab_embedding(ids, emb, axis_name="tp", scatter_dim=1)  # [b, s/tp, d]
+        h = F.layer_norm(x, x.shape[-1:])
+        q, k, v = pl.split_packed(
+            pl.column_linear(h, wqkv, axis_name="tp", gather_dim=1), sizes, "tp"
+        )
+        o = _attend(q, k, v, (heads[0] // n, heads[1] // n), q.shape[0], q.shape[1])
+        x = x + pl.row_linear(o, wo, axis_name="tp", scatter_dim=1)
+        h = F.layer_norm(x, x.shape[-1:])
+        u = F.gelu(pl.column_linear(h, w1, b1, axis_name="tp", gather_dim=1))
+        x = x + pl.row_linear(u, w2, b2, axis_name="tp", scatter_dim=1)
+        h = pl.gather_sequence(F.layer_norm(x, x.shape[-1:]), "tp")
+        logits = pl.column_linear(h, head_w, axis_name="tp")
+        loss = pl.vocab_cross_entropy(logits, target, axis_name="tp", reduction="sum")
+        return ns.psum(loss, "dp") if d else loss
+
+    col, row = P("tp"), P(None, "tp")
+    f = ns.spmd_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(P(d), P(d), col, col, row, col, col, row, P(), col),
+        out_specs=P(),
+    )
+
+    def mapped(ids, target, emb, wqkv, *rest):
+        return f(ids, target, emb, pl.interleave_packed(wqkv, sizes, n, unit=hd), *rest)
+
+    assert_same(mapped, lambda *a: gpt_dense(*a, heads), (ids, target, *params))
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(pl, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0
