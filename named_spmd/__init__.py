@@ -4,6 +4,8 @@ Write a per-device function, decorate it with ``@spmd_map(mesh=..., in_specs=...
 and talk to the other instances with collectives by axis name.
 """
 
+from . import parallel as parallel
+from . import random as random
 from ._accounting import CommEvent as CommEvent
 from ._accounting import CommMode as CommMode
 from ._api import SpmdFunction as SpmdFunction
@@ -87,11 +89,13 @@ __all__ = [
     "pmax",
     "pmean",
     "pmin",
+    "parallel",
     "ppermute",
     "pshuffle",
     "psum",
     "psum_scatter",
     "pvary",
+    "random",
     "set_debug",
     "shard",
     "simulation_order",
