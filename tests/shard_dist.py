@@ -191,6 +191,34 @@ def check_checkpoint(mesh, rank) -> list[str]:
     return problems
 
 
+def check_parallel_gpt(mesh, rank) -> list[str]:
+    """ns.parallel's GPT (tests/test_parallel_layers.py) trains from ns.shard'ed parameters on
+    the real mesh: its loss and every parameter's gradient equal the dense model's."""
+    import test_parallel_layers as t
+
+    ids, target, params = t.gpt_inputs()
+    n = mesh.shape["tp"]
+    sharded = ns.shard(
+        {k: torch.nn.Parameter(v) for k, v in t.gpt_packed(params, n).items()}, mesh, t.GPT_SPECS
+    )
+    loss = t.gpt_step(mesh)(ids, target, sharded)
+    loss.full_tensor().backward()
+    dense = {k: v.clone().requires_grad_() for k, v in params.items()}
+    want = t.gpt_dense(ids, target, *dense.values())
+    want.backward()
+    problems = []
+    if not torch.allclose(loss.full_tensor(), want, rtol=1e-12, atol=1e-12):
+        problems.append(f"loss {loss.full_tensor().item()} vs dense {want.item()}")
+    dim = params["wqkv"].shape[1]
+    for k, p in sharded.items():
+        g = p.grad.full_tensor()
+        if k == "wqkv":  # back to q, k, v side by side
+            g = t.pl.deinterleave_packed(g, (dim,) * 3, n, unit=t.GPT["hd"])
+        if not torch.allclose(g, dense[k].grad, rtol=1e-10, atol=1e-12):
+            problems.append(f"{k}: gradient differs from the dense one")
+    return problems
+
+
 CHECKS = [
     check_layout,
     check_spmd_map_inputs,
@@ -198,6 +226,7 @@ CHECKS = [
     check_rank_zero_wins,
     check_reshard,
     check_checkpoint,
+    check_parallel_gpt,
 ]
 
 

@@ -283,12 +283,38 @@ def test_interleave_round_trips_and_checks_whole_heads():
 
 # --- a small GPT, every layer together ------------------------------------------------------------
 
+GPT = dict(vocab=16, dim=8, hidden=16, heads=(4, 4), hd=2, batch=4, seq=8)
+GPT_NAMES = ("emb", "wqkv", "wo", "w1", "b1", "w2", "b2", "head_w")
 
-def gpt_dense(ids, target, emb, wqkv, wo, w1, b1, w2, b2, head_w, heads):
+
+def gpt_inputs():
+    """(ids, target, params): the same on every process (one seeded generator)."""
+    vocab, dim, hidden = GPT["vocab"], GPT["dim"], GPT["hidden"]
+    g = torch.Generator().manual_seed(5)
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, dtype=f64, generator=g) * scale
+
+    ids = torch.randint(0, vocab, (GPT["batch"], GPT["seq"]), generator=g)
+    params = dict(
+        emb=r(vocab, dim),
+        wqkv=r(3 * dim, dim, scale=dim**-0.5),
+        wo=r(dim, dim, scale=dim**-0.5),
+        w1=r(hidden, dim, scale=dim**-0.5),
+        b1=r(hidden, scale=0.1),
+        w2=r(dim, hidden, scale=hidden**-0.5),
+        b2=r(dim, scale=0.1),
+        head_w=r(vocab, dim, scale=dim**-0.5),
+    )
+    return ids, targets((GPT["batch"], GPT["seq"]), vocab), params
+
+
+def gpt_dense(ids, target, emb, wqkv, wo, w1, b1, w2, b2, head_w):
     x = F.embedding(ids, emb)
     sizes = (x.shape[-1],) * 3
     h = F.layer_norm(x, x.shape[-1:])
-    x = x + attention(h, wqkv, torch.zeros(wqkv.shape[0], dtype=f64), wo, 0.0, heads, sizes)
+    zero = torch.zeros(wqkv.shape[0], dtype=f64)
+    x = x + attention(h, wqkv, zero, wo, 0.0, GPT["heads"], sizes)
     h = F.layer_norm(x, x.shape[-1:])
     x = x + F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2)
     logits = F.linear(F.layer_norm(x, x.shape[-1:]), head_w)
@@ -297,56 +323,59 @@ def gpt_dense(ids, target, emb, wqkv, wo, w1, b1, w2, b2, head_w, heads):
     )
 
 
-def test_gpt_with_tensor_and_sequence_parallel_layers_matches_dense(mesh):
-    """Embedding -> attention -> MLP -> LM head -> loss with every ns.parallel layer in the
-    sequence-parallel layout of tutorial 06 (activations split over the sequence between layers)."""
-    n = mesh.shape["tp"]
-    vocab, dim, hidden, heads, hd = 16, 8, 16, (4, 4), 2
-    b, s = 4, 8
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, vocab, (b, s), generator=g)
-    target = targets((b, s), vocab)
-    params = [
-        randn(vocab, dim),  # emb
-        randn(3 * dim, dim) / dim**0.5,  # wqkv
-        randn(dim, dim) / dim**0.5,  # wo
-        randn(hidden, dim) / dim**0.5,  # w1
-        randn(hidden) * 0.1,  # b1
-        randn(dim, hidden) / hidden**0.5,  # w2
-        randn(dim) * 0.1,  # b2
-        randn(vocab, dim) / dim**0.5,  # head_w
-    ]
-    sizes = (dim,) * 3
-    d = dp(mesh)
+#: specs of the parameters (wqkv interleaved by gpt_packed first)
+GPT_SPECS = dict(
+    emb=P("tp"),  # vocabulary parallel
+    wqkv=P("tp"),  # column parallel, by head group
+    wo=P(None, "tp"),  # row parallel
+    w1=P("tp"),
+    b1=P("tp"),
+    w2=P(None, "tp"),
+    b2=P(),
+    head_w=P("tp"),  # column parallel LM head: logits split over the vocabulary
+)
 
-    def per_device(ids, target, emb, wqkv, wo, w1, b1, w2, b2, head_w):
-        x = pl.vocab_embedding(ids, emb, axis_name="tp", scatter_dim=1)  # [b, s/tp, d]
+
+def gpt_packed(params: dict, n: int) -> dict:
+    """The parameters with wqkv interleaved for a tp axis of size n (differentiable)."""
+    dim = params["wqkv"].shape[1]
+    wqkv = pl.interleave_packed(params["wqkv"], (dim,) * 3, n, unit=GPT["hd"])
+    return dict(params, wqkv=wqkv)
+
+
+def gpt_step(mesh):
+    """The GPT's loss on ``mesh`` in the sequence-parallel layout of tutorial 06 (activations
+    split over the sequence between layers): ``f(ids, target, packed params) -> summed loss``."""
+    n, d = mesh.shape["tp"], dp(mesh)
+    heads = (GPT["heads"][0] // n, GPT["heads"][1] // n)
+
+    def per_device(ids, target, p):
+        x = pl.vocab_embedding(ids, p["emb"], axis_name="tp", scatter_dim=1)  # [b, s/tp, d]
         h = F.layer_norm(x, x.shape[-1:])
-        q, k, v = pl.split_packed(
-            pl.column_linear(h, wqkv, axis_name="tp", gather_dim=1), sizes, "tp"
-        )
-        o = _attend(q, k, v, (heads[0] // n, heads[1] // n), q.shape[0], q.shape[1])
-        x = x + pl.row_linear(o, wo, axis_name="tp", scatter_dim=1)
+        qkv = pl.column_linear(h, p["wqkv"], axis_name="tp", gather_dim=1)
+        q, k, v = pl.split_packed(qkv, (GPT["dim"],) * 3, "tp")
+        o = _attend(q, k, v, heads, q.shape[0], q.shape[1])
+        x = x + pl.row_linear(o, p["wo"], axis_name="tp", scatter_dim=1)
         h = F.layer_norm(x, x.shape[-1:])
-        u = F.gelu(pl.column_linear(h, w1, b1, axis_name="tp", gather_dim=1))
-        x = x + pl.row_linear(u, w2, b2, axis_name="tp", scatter_dim=1)
+        u = F.gelu(pl.column_linear(h, p["w1"], p["b1"], axis_name="tp", gather_dim=1))
+        x = x + pl.row_linear(u, p["w2"], p["b2"], axis_name="tp", scatter_dim=1)
         h = pl.gather_sequence(F.layer_norm(x, x.shape[-1:]), "tp")
-        logits = pl.column_linear(h, head_w, axis_name="tp")
+        logits = pl.column_linear(h, p["head_w"], axis_name="tp")
         loss = pl.vocab_cross_entropy(logits, target, axis_name="tp", reduction="sum")
         return ns.psum(loss, "dp") if d else loss
 
-    col, row = P("tp"), P(None, "tp")
-    f = ns.spmd_map(
-        per_device,
-        mesh=mesh,
-        in_specs=(P(d), P(d), col, col, row, col, col, row, P(), col),
-        out_specs=P(),
-    )
+    return ns.spmd_map(per_device, mesh=mesh, in_specs=(P(d), P(d), GPT_SPECS), out_specs=P())
 
-    def mapped(ids, target, emb, wqkv, *rest):
-        return f(ids, target, emb, pl.interleave_packed(wqkv, sizes, n, unit=hd), *rest)
 
-    assert_same(mapped, lambda *a: gpt_dense(*a, heads), (ids, target, *params))
+def test_gpt_with_tensor_and_sequence_parallel_layers_matches_dense(mesh):
+    """Embedding -> attention -> MLP -> LM head -> loss with every ns.parallel layer."""
+    ids, target, params = gpt_inputs()
+    step, n = gpt_step(mesh), mesh.shape["tp"]
+
+    def mapped(ids, target, *ps):
+        return step(ids, target, gpt_packed(dict(zip(GPT_NAMES, ps)), n))
+
+    assert_same(mapped, gpt_dense, (ids, target, *params.values()))
 
 
 def test_docstring_examples_run():
