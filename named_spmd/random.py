@@ -207,16 +207,15 @@ def dropout(
         return x
     if p == 1:
         return x * 0  # every element dropped; x * 0 keeps the gradient (zeros), as torch does
-    u = _draw(
-        "dropout",
-        over,
-        seed,
-        tuple(x.shape),
-        torch.float32,
-        x.device,
-        lambda g, d: torch.rand(tuple(x.shape), generator=g, device=d),
-    )
-    return x * ((u >= p).to(x.dtype) * (1.0 / (1.0 - p)))
+    shape, dtype, scale = tuple(x.shape), x.dtype, 1.0 / (1.0 - p)
+
+    def scaled_mask(g: torch.Generator, d: torch.device) -> torch.Tensor:
+        # Built whole on the plain per-member tensors (in place, no batching on the simulated
+        # mesh): the call then costs one batched op, the product with x.
+        keep = torch.rand(shape, generator=g, device=d).ge_(p)
+        return (keep if dtype is torch.float32 else keep.to(dtype)).mul_(scale)
+
+    return x * _draw("dropout", over, seed, shape, dtype, x.device, scaled_mask)
 
 
 # --- one draw ------------------------------------------------------------------------------------

@@ -12,11 +12,10 @@ import os
 
 import pytest
 import torch
+from _dist_launch import launch
 
 import named_spmd as ns
 from named_spmd import P
-
-from _dist_launch import launch
 
 MESH = ((2, 3), ("dp", "tp"))
 
