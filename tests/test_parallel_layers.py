@@ -383,3 +383,48 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(pl, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_each_layer_communicates_what_megatron_does():
+    """Forward and backward collectives over tp per call (CommMode), from the types alone: the
+    cross entropy's max shift needs no backward communication, the row-parallel bias none."""
+    mesh = ns.make_mesh((2,), ("tp",), simulated=True)
+    x, z, ids = randn(2, 4, 8), randn(2, 4, 8), torch.randint(0, 8, (2, 4))
+    w, b = randn(8, 8), randn(8)
+    cases = {
+        "column": (
+            lambda x, w, b: pl.column_linear(x, w, b, axis_name="tp"),
+            (P(), P("tp"), P("tp")),
+            P(None, None, "tp"),
+            (x, w, b),
+            {"backward psum": 1},  # the replicated input's gradient (Megatron's f)
+        ),
+        "row": (
+            lambda x, w, b: pl.row_linear(x, w, b, axis_name="tp"),
+            (P(None, None, "tp"), P(None, "tp"), P()),
+            P(),
+            (x, w, b),
+            {"forward psum": 1},  # Megatron's g; the bias adds nothing
+        ),
+        "embedding": (
+            lambda ids, w: pl.vocab_embedding(ids, w, axis_name="tp"),
+            (P(), P("tp")),
+            P(),
+            (ids, w),
+            {"forward psum": 1},
+        ),
+        "cross_entropy": (
+            lambda z, t: pl.vocab_cross_entropy(z, t, axis_name="tp"),
+            (P(None, None, "tp"), P()),
+            P(),
+            (z, ids),
+            {"forward pmax": 1, "forward psum": 2},
+        ),
+    }
+    for name, (fn, in_specs, out_specs, args, want) in cases.items():
+        f = ns.spmd_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+        args = leaves(*args)
+        with ns.CommMode() as comms:
+            f(*args).sum().backward()
+        got = {f"{e.direction} {e.op}": comms.count(e.op, "tp", e.direction) for e in comms.events}
+        assert got == want, (name, comms.summary())
