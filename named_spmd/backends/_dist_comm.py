@@ -103,6 +103,17 @@ class Comm:
             except RuntimeError as e:
                 raise board.translate(e, self._doing(op)) from None
 
+    def agree(self, value: int, name: str) -> bool:
+        """Whether every member passes the same ``value``: one all-reduce of two int64 (the max
+        of ``value`` and of ``-value``: they agree when the max equals the min)."""
+        buf = torch.tensor([value, -value], dtype=torch.int64)
+        try:
+            work = self.group.allreduce([buf], self._opts[MAX])
+        except RuntimeError as e:
+            raise self.mesh.board.translate(e, self._doing(name)) from None
+        self._wait(name, work)
+        return int(buf[0]) == -int(buf[1])
+
     # --- collectives --------------------------------------------------------------------------
     def all_reduce_(self, buf: torch.Tensor, op=SUM, name: str = "psum") -> torch.Tensor:
         """Reduce ``buf`` over the group in place (the caller owns it); returns it."""

@@ -17,12 +17,25 @@ peers killed first in a 4-process job).
 Debug mode (``NAMED_SPMD_DEBUG=1`` or :func:`set_debug`) additionally exchanges a signature of
 every collective (op, axes, shape, dtype, arguments) through the store before running it, so that
 ranks that call different collectives, or the same one with different shapes, get a
-:class:`SpmdError` that lists what every rank called instead of a hang or garbage.
+:class:`SpmdError` that lists what every rank called instead of a hang or garbage; at the end of
+a call it compares every rank's list of collectives, so a rank that skipped one is reported by
+every rank, not only by the ones left waiting for it.
+
+A rank that reports nothing is named where its fate is knowable: every process registers its
+host and pid, and an exiting process records that it exited (with the uncaught error, if any) and
+how many calls it made (see :func:`register_process`, :func:`mark_exited`). A peer whose
+communication fails, or whose wait runs long, looks these up: a process of this host that no
+longer exists was killed (SIGKILL, the out-of-memory killer); one that exited after finishing the
+call this rank waits in called other collectives. A rank waiting in a collective whose member
+already waits in the next call (:meth:`FailureBoard._ahead`) reports the mismatch too.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import sys
 import time
 from typing import Any
 
@@ -58,20 +71,83 @@ def _is_timeout(e: BaseException) -> bool:
     return "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
 
 
+# --- processes: who is alive, who exited, and after which call ---------------------------------
+_PROCESS = "named_spmd/process"
+AHEAD_GRACE_S = 1.0  # a member seen in the next call this long while this rank still waits: a
+# mismatch, not the lag between one member finishing a collective and another
+
+
+def register_process(store: Any, rank: int) -> None:
+    """Record this process's host and pid, so that peers on the same host can tell it died."""
+    store.set(f"{_PROCESS}/{rank}", f"{socket.gethostname()}\n{os.getpid()}")
+
+
+def mark_exited(store: Any, rank: int, boards: list[FailureBoard]) -> None:
+    """At interpreter exit: record that this process ends, the uncaught error if there is one
+    (``sys.last_value``, set before ``atexit`` handlers run), and the calls made on each mesh."""
+    err = getattr(sys, "last_value", None)
+    record = {
+        "error": None if err is None else f"{type(err).__name__}: {err}"[:500],
+        "calls": {b.key: [b.seq, b.finished] for b in boards},
+    }
+    store.set(f"{_PROCESS}/{rank}/exited", json.dumps(record))
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host; a zombie (killed, not yet reaped) counts as dead."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _fate(store: Any, rank: int) -> dict | None:
+    """How ``rank``'s process ended, where that is knowable; ``None`` while it may be alive."""
+    exited = f"{_PROCESS}/{rank}/exited"
+    if store.check([exited]):
+        return json.loads(store.get(exited).decode())
+    me = f"{_PROCESS}/{rank}"
+    if not store.check([me]):
+        return None
+    host, pid = store.get(me).decode().split("\n")
+    if host == socket.gethostname() and not _process_alive(int(pid)):
+        return {"killed": int(pid)}
+    return None
+
+
 class FailureBoard:
     """One mesh's failure record in the store, and the rank's view of the current call."""
 
-    def __init__(self, store: Any, rank: int, size: int, mesh_key: str, coords_of):
+    def __init__(self, store: Any, rank: int, ranks: list[int], mesh_key: str, coords_of):
         self.store = store
         self.rank = rank
-        self.size = size  # ranks in the mesh
+        self.ranks = ranks  # the mesh's ranks
+        self.size = len(ranks)
         self.key = f"named_spmd/{mesh_key}/failure"
         self.coords_of = coords_of  # global rank -> {axis: coordinate}
         self.seq = 0  # spmd_map calls on this mesh so far (identical on every rank)
+        self.finished = 0  # the last call that returned normally on this rank
+        self.call_log: list[str] = []  # debug mode: this call's collectives on this rank
+        self._ahead_seq: int | None = None  # post the next failure for this (later) call
         self.debug_counts: dict[str, int] = {}
         self._acknowledged: set[int] = set()  # calls whose failure this rank has counted
         self.failed_seq: int | None = None  # the last call that failed on this rank, if any
         self.out_of_step: str | None = None  # why the mesh cannot run another call
+
+    def begin_call(self) -> None:
+        """A new spmd_map call on this mesh (every rank counts calls alike)."""
+        self.seq += 1
+        self.debug_counts = {}
+        self.call_log = []
 
     # --- after a failed call ------------------------------------------------------------------
     def check_in_step(self) -> None:
@@ -101,15 +177,23 @@ class FailureBoard:
     # --- posting and reading ------------------------------------------------------------------
     def post(self, exc: BaseException) -> None:
         """Post this rank's error, then wait (at most ``ACK_S``) until every rank knows of it."""
-        text = f"{type(exc).__name__}: {exc}".strip()
+        text = f"failed inside spmd_map: {type(exc).__name__}: {exc}".strip()
         self.failed_seq = self.seq
+        seq, self._ahead_seq = self._ahead_seq or self.seq, None  # peers ahead read it there
         try:
-            self.store.set(self.key, f"{self.seq}\n{self.rank}\n{text[:4000]}")
-            self._acknowledge(self.seq)
+            self.store.set(self.key, f"{seq}\n{self.rank}\n{text[:4000]}")
+            self._acknowledge(seq)
             deadline = time.monotonic() + ACK_S
-            while self._acknowledgements(self.seq) < self.size and time.monotonic() < deadline:
+            while self._acknowledgements(seq) < self.size and time.monotonic() < deadline:
                 time.sleep(0.01)
         except Exception:  # noqa: BLE001 - the store may be gone already; the error still raises
+            pass
+
+    def _post_for(self, rank: int, text: str) -> None:
+        """Post what is known of a rank that cannot post itself (its process ended)."""
+        try:
+            self.store.set(self.key, f"{self.seq}\n{rank}\n{text[:4000]}")
+        except Exception:  # noqa: BLE001 - a dead store: the caller raises anyway
             pass
 
     def _ack_key(self, seq: int) -> str:
@@ -132,6 +216,10 @@ class FailureBoard:
             return None
         return int(seq), int(rank), text
 
+    def where(self, rank: int) -> str:
+        coords = ", ".join(f"{a}={c}" for a, c in self.coords_of(rank).items())
+        return f"rank {rank} (mesh coordinates {coords})" if coords else f"rank {rank}"
+
     def error(
         self, failure: tuple[int, int, str], while_doing: str, in_collective: bool = True
     ) -> RankFailedError:
@@ -143,12 +231,14 @@ class FailureBoard:
             self._acknowledge(seq)  # the failing rank waits for this before it exits
         except Exception:  # noqa: BLE001 - the store's host exited; the error is raised anyway
             pass
-        coords = self.coords_of(rank)
-        where = ", ".join(f"{a}={c}" for a, c in coords.items())
+        fix = (
+            " Fix the error on that rank; its own traceback has the details."
+            if text.startswith("failed inside spmd_map")
+            else ""
+        )
         return RankFailedError(
-            f"rank {rank} (mesh coordinates {where}) failed inside spmd_map: {text}\n"
-            f"This rank (rank {self.rank}) stopped {while_doing}, which needed rank {rank}. "
-            "Fix the error on that rank; its own traceback has the details."
+            f"{self.where(rank)} {text}\nThis rank (rank {self.rank}) stopped {while_doing}, "
+            f"which needed rank {rank}.{fix}"
         )
 
     def check(self, while_doing: str, in_collective: bool = True) -> None:
@@ -157,18 +247,78 @@ class FailureBoard:
         if failure is not None and failure[0] >= self.seq:
             raise self.error(failure, while_doing, in_collective)
 
+    # --- ranks that ended without posting -------------------------------------------------------
+    def gone(self, ranks: list[int]) -> tuple[int, str] | None:
+        """The first of ``ranks`` whose process is known to have ended, with what is known."""
+        try:
+            for r in ranks:
+                fate = None if r == self.rank else _fate(self.store, r)
+                if fate is not None:
+                    return r, self._describe(fate)
+        except Exception:  # noqa: BLE001 - no store, nothing knowable
+            pass
+        return None
+
+    def _describe(self, fate: dict) -> str:
+        if "killed" in fate:
+            return (
+                "died without reporting an error: its process (pid "
+                f"{fate['killed']} on this host) no longer exists. It was killed (by a signal "
+                "such as SIGKILL, or by the out-of-memory killer)."
+            )
+        how = (
+            "exited normally" if fate["error"] is None else f"exited on an uncaught {fate['error']}"
+        )
+        entered, finished = fate["calls"].get(self.key, [0, 0])
+        n = self.seq
+        if n == 0:
+            return f"{how} (outside spmd_map)."
+        if finished >= n:
+            return (
+                f"{how} after finishing spmd_map call #{n} on this mesh without joining this "
+                "rank's collective in it: the ranks called different collectives in that call "
+                "(rank-dependent control flow, axes or shapes). Fix: make the collectives the "
+                "same on every rank; run with NAMED_SPMD_DEBUG=1 to list what each rank called."
+            )
+        if entered >= n:
+            return f"{how} after spmd_map call #{n} raised on it (its own output has the error)."
+        if fate["error"] is not None:
+            return (
+                f"{how}, raised outside spmd_map after {entered} spmd_map calls on this mesh, so "
+                f"it never made call #{n}. Fix that error; its own traceback has the details."
+            )
+        return (
+            f"{how} after {entered} spmd_map calls on this mesh, without making call #{n}: the "
+            "ranks make different numbers of spmd_map calls. Fix: make every rank call the "
+            "mapped functions the same number of times, in the same order."
+        )
+
+    def _gone_error(
+        self, ranks: list[int], while_doing: str, in_collective: bool = True
+    ) -> RankFailedError | None:
+        gone = self.gone(ranks)
+        if gone is None:
+            return None
+        self._post_for(*gone)  # peers waiting elsewhere stop too
+        return self.error((self.seq, *gone), while_doing, in_collective)
+
     def translate(self, exc: BaseException, while_doing: str) -> BaseException:
-        """The error to raise for a communication failure: the posted one when there is one."""
+        """The error to raise for a communication failure: the posted one when there is one,
+        else the peer known to have ended."""
         deadline = time.monotonic() + 2.0  # the failing rank posts before its sockets close
         while True:
             failure = self.read()
             if failure is not None and failure[0] >= self.seq:  # not an earlier call's
                 return self.error(failure, while_doing)
+            gone = self._gone_error(self.ranks, while_doing)
+            if gone is not None:
+                return gone
             if time.monotonic() > deadline:
                 return RankFailedError(
                     f"rank {self.rank}: communication failed {while_doing}: {exc}\n"
-                    "No rank reported an error inside spmd_map: a peer process probably died "
-                    "(out of memory, killed) or its process group was destroyed."
+                    "No rank reported an error inside spmd_map and no process of this host is "
+                    "known to have ended: a peer process on another host probably died (out of "
+                    "memory, killed) or its process group was destroyed."
                 )
             time.sleep(0.05)
 
@@ -192,22 +342,65 @@ class FailureBoard:
         except Exception:  # noqa: BLE001 - a dead store: the check below reports the failure
             pass
         deadline = time.monotonic() + timeout_s()
+        ahead_since: float | None = None
         while True:
             self.check(while_doing)
+            gone = self._gone_error(members, while_doing)
+            if gone is not None:
+                raise gone
+            ahead = self._ahead(members)
+            if ahead is None:
+                ahead_since = None
+            elif ahead_since is None:
+                ahead_since = time.monotonic()
+            elif time.monotonic() - ahead_since > AHEAD_GRACE_S:
+                raise self._left_behind(*ahead, while_doing)
             if time.monotonic() > deadline:
-                raise RankFailedError(
+                err = RankFailedError(
                     f"rank {self.rank}: waited {timeout_s():.0f} s {while_doing} without the "
                     "other ranks arriving and without any of them reporting an error. "
                     + self._absent(waiting, members, while_doing)
                     + "A rank may be stuck, or the ranks call different collectives (run with "
                     "NAMED_SPMD_DEBUG=1 to check). Set NAMED_SPMD_TIMEOUT to change the limit."
                 )
+                # posted, so that a peer seeing this rank exit quotes what it found missing
+                self._post_for(self.rank, f"gave up waiting: {err}")
+                raise err
             try:
                 work.wait(slice_)
                 return
             except RuntimeError as e:
                 if not _is_timeout(e):
                     raise self.translate(e, while_doing) from None
+
+    def _ahead(self, members: list[int]) -> tuple[int, str] | None:
+        """A member that waits in the next call: it finished this call without joining the
+        collective this rank waits in (the start-of-call check keeps ranks within one call)."""
+        later = f"{self.key}/waiting/{self.seq + 1}/"
+        try:
+            for r in members:
+                if r != self.rank and self.store.check([later + str(r)]):
+                    return r, self.store.get(later + str(r)).decode()
+        except Exception:  # noqa: BLE001 - a dead store: the other checks report it
+            pass
+        return None
+
+    def _left_behind(self, rank: int, there: str, while_doing: str) -> SpmdError:
+        """This rank's error when a member it waits for moved on to the next call; posted for that
+        call, so that the ranks waiting there stop too."""
+        self._ahead_seq = self.seq + 1
+        try:
+            self.store.add(self._stuck_key(self.seq), 1)  # this collective never completes
+        except Exception:  # noqa: BLE001 - the error is raised anyway
+            pass
+        return SpmdError(
+            f"the ranks called different collectives in spmd_map call #{self.seq}: "
+            f"{self.where(self.rank)} waits {while_doing}, but {self.where(rank)} finished that "
+            f"call without joining it (it waits {there} in call #{self.seq + 1}). Every rank of "
+            "a group must call the same collectives in the same order. Fix: make control flow, "
+            "axes and shapes independent of the rank; run with NAMED_SPMD_DEBUG=1 to list what "
+            "each rank called."
+        )
 
     def _absent(self, waiting: str, members: list[int], while_doing: str) -> str:
         """Which members of the group never waited in this call, and where the others wait."""
@@ -229,15 +422,59 @@ class FailureBoard:
         elsewhere = {r: w for r, w in where.items() if w != while_doing}
         return text + "".join(f"Rank {r} waits {w}. " for r, w in elsewhere.items())
 
+    # --- make_mesh ------------------------------------------------------------------------------
+    def made(self) -> None:
+        """Wait until every rank of the mesh has created its process groups. A rank leaving
+        make_mesh earlier could exit (an error right after) while a peer still connects to it,
+        which kills that peer with a bare gloo error."""
+        _MADE[self.key] = generation = _MADE.get(self.key, 0) + 1
+        prefix = f"{self.key}/made/{generation}/"
+        self.store.set(prefix + str(self.rank), "")
+        keys = [prefix + str(r) for r in self.ranks]
+        deadline = time.monotonic() + timeout_s()
+        while not self.store.check(keys):
+            missing = [r for r in self.ranks if not self.store.check([prefix + str(r)])]
+            gone = self.gone(missing)
+            if gone is not None or time.monotonic() > deadline:
+                raise RankFailedError(
+                    f"make_mesh: rank {self.rank} waited for {self.where(missing[0])} to "
+                    "create the mesh's process groups, but "
+                    + (f"it {gone[1]}" if gone else f"it did not within {timeout_s():.0f} s.")
+                    + " Fix: every rank must call make_mesh with the same arguments."
+                )
+            time.sleep(0.01)
+
+    def setup_failed(self, exc: BaseException) -> RankFailedError:
+        """The error for a failure while creating the process groups: a peer's end, if known."""
+        deadline = time.monotonic() + 2.0  # an exiting peer records that before its sockets close
+        while (gone := self.gone(self.ranks)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        why = (
+            f"{self.where(gone[0])} {gone[1]}" if gone else f"no peer is known to have ended: {exc}"
+        )
+        return RankFailedError(
+            f"make_mesh: creating the mesh's process groups failed on rank {self.rank}: {why} "
+            "Fix: every rank must call make_mesh with the same arguments and stay alive until "
+            "all have returned from it."
+        )
+
     # --- debug mode ---------------------------------------------------------------------------
     def check_same_call(self, group_key: str, members: list[int], signature: str, label: str):
         """Exchange ``signature`` with the group's members; raise SpmdError on any difference."""
+        self.call_log.append(signature)
         try:
+            self.store.set(self._log_key(self.seq, self.rank), self._log(" <- waits here"))
             self._check_same_call(group_key, members, signature, label)
         except (SpmdError, RankFailedError):
             raise
         except Exception as e:  # noqa: BLE001 - the store itself failed (its host exited)
             raise self.translate(e, f"in the debug check of {signature}") from None
+
+    def _log_key(self, seq: int, rank: int, done: bool = False) -> str:
+        return f"{self.key}/log/{seq}/{'done/' if done else ''}{rank}"
+
+    def _log(self, last: str) -> str:
+        return "; ".join(self.call_log) + last if self.call_log else "(no collective)" + last
 
     def _check_same_call(self, group_key, members, signature, label):
         count = self.debug_counts.get(group_key, 0)
@@ -253,6 +490,36 @@ class FailureBoard:
                 "make shapes and control flow independent of the rank."
             )
 
+    def finish_call(self, label: str) -> None:
+        """Debug mode, at the end of a call: compare every rank's list of collectives."""
+        mine = self._log("")
+        try:
+            self.store.set(self._log_key(self.seq, self.rank, done=True), mine)
+            got = self._exchange("calls", self.ranks, mine, label, "the end of the call")
+        except (SpmdError, RankFailedError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the store itself failed (its host exited)
+            raise self.translate(e, "in the debug check at the end of the call") from None
+        if len(set(got.values())) > 1:
+            raise self._listing(label, f"spmd_map call #{self.seq} ran different collectives")
+
+    def _listing(self, label: str, what: str) -> SpmdError:
+        """What every rank of the mesh called in this call, as far as the store knows."""
+        lines = []
+        for r in self.ranks:
+            log = "(unknown: it reported no collective yet)"
+            for key in (self._log_key(self.seq, r, done=True), self._log_key(self.seq, r)):
+                if self.store.check([key]):
+                    log = self.store.get(key).decode()
+                    log += " (finished the call)" if "/done/" in key else ""
+                    break
+            lines.append(f"    {self.where(r)}: {log}")
+        return SpmdError(
+            f"{label}: debug check: {what} on the ranks:\n" + "\n".join(lines) + "\nEvery rank "
+            "must call the same collectives, with the same shapes, in the same order. Fix: make "
+            "shapes, axes and control flow independent of the rank."
+        )
+
     def exchange(self, key: str, members: list[int], value: str, label: str, step: str):
         """Every member's ``value`` for ``step`` (the store is the channel): debug mode only."""
         try:
@@ -265,11 +532,13 @@ class FailureBoard:
     def _exchange(self, key, members, value, label, step) -> dict[int, str]:
         count = self.debug_counts.get(key, 0)
         self.debug_counts[key] = count + 1
-        prefix = f"named_spmd/debug/{key}/{count}/"
+        prefix = f"{self.key}/debug/{self.seq}/{key}/{count}/"  # per call: a failed call
+        # leaves no count behind that the next call would disagree on
         self.store.set(prefix + str(self.rank), value)
         keys = [prefix + str(r) for r in members]
         limit = min(timeout_s(), 60.0)
         deadline = time.monotonic() + limit
+        next_probe = time.monotonic() + POLL_S
         while not self.store.check(keys):
             try:
                 self.check(f"checking {step}", in_collective=False)  # a store exchange
@@ -279,8 +548,11 @@ class FailureBoard:
                 if not self.store.check(keys):
                     raise
                 break
+            missing = [r for r in members if not self.store.check([prefix + str(r)])]
+            if time.monotonic() > next_probe:  # the slow path: who will never come
+                next_probe = time.monotonic() + POLL_S
+                self._never_coming(missing, label, step)
             if time.monotonic() > deadline:
-                missing = [r for r in members if not self.store.check([prefix + str(r)])]
                 raise SpmdError(
                     f"{label}: debug check: ranks {missing} did not reach {step} ({value}) "
                     f"within {limit:.0f} s. They are stuck, or they skipped it (a rank-dependent "
@@ -288,3 +560,16 @@ class FailureBoard:
                 )
             time.sleep(0.005)
         return {r: self.store.get(prefix + str(r)).decode() for r in members}
+
+    def _never_coming(self, missing: list[int], label: str, step: str) -> None:
+        """Raise if a missing member finished the call (it skipped ``step``) or ended."""
+        if step != "the end of the call" and any(
+            self.store.check([self._log_key(self.seq, r, done=True)]) for r in missing
+        ):
+            raise self._listing(label, f"ranks {missing} finished the call without {step}")
+        gone = self._gone_error(missing, f"checking {step}", in_collective=False)
+        if gone is not None:
+            raise gone
+
+
+_MADE: dict[str, int] = {}  # mesh key -> how many times this process made that mesh

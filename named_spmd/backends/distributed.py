@@ -55,7 +55,14 @@ from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
 from . import _dist_io, _dist_overlap
 from ._dist_comm import MAX, MIN, SUM, Comm
-from ._dist_failures import FailureBoard, debug_enabled, set_debug, timeout_s
+from ._dist_failures import (
+    FailureBoard,
+    debug_enabled,
+    mark_exited,
+    register_process,
+    set_debug,
+    timeout_s,
+)
 from ._dist_io import global_output, local_input
 
 __all__ = [
@@ -75,7 +82,14 @@ def _release_process_groups() -> None:
     """Drop the meshes' process groups before the interpreter finalizes. A gloo group still
     referenced then is freed during finalization, when its worker threads can no longer take
     the GIL, and the process aborts (docs/design.md, "Known torch issues"); freed here, at exit
-    but before finalization, it shuts down cleanly."""
+    but before finalization, it shuts down cleanly. First it records in the store that this
+    process exits, and after which calls, so that peers still waiting for it can say why."""
+    boards = [mesh.board for mesh in _MESH_OF.values()]
+    if boards:
+        try:
+            mark_exited(boards[0].store, boards[0].rank, boards)
+        except Exception:  # noqa: BLE001 - the store's host is gone: nobody left to tell
+            pass
     for mesh in _MESH_OF.values():
         mesh.release_groups()
     _MESH_OF.clear()
@@ -107,14 +121,20 @@ class DistributedMesh(Mesh):
         self.device = _device(device_type)
         self.poll = device_type == "cpu"  # gloo: wait in slices, watching for failed peers
         self.debug = False
-        self._groups = _create_groups(device_mesh, names)
+        key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
+        store = P.dist().default_store()
+        ranks = self.grid.reshape(-1).tolist()
+        self.board = FailureBoard(store, self.rank, ranks, key, self.coords_of)
+        register_process(store, self.rank)
+        try:
+            self._groups = _create_groups(device_mesh, names)
+        except RuntimeError as e:  # a peer's sockets closed while the groups connect
+            raise self.board.setup_failed(e) from None
+        self.board.made()  # no rank leaves (and exits) while a peer still connects to it
         self._comms: dict[tuple[str, ...], Comm] = {}
         _MESH_OF[id(device_mesh)] = self
         self.placements_cache: dict = {}  # (spec, rank) -> DTensor placements
         self.dtensor_specs: dict = {}  # (placements, shape, stride, dtype) -> DTensorSpec
-        key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
-        store = P.dist().default_store()
-        self.board = FailureBoard(store, self.rank, self.grid.numel(), key, self.coords_of)
 
     def release_groups(self) -> None:
         """Forget this mesh's process groups (at exit; the mesh cannot communicate after)."""
@@ -217,7 +237,13 @@ def make_distributed_mesh(
     if device_type is None:
         backend = str(dist.get_backend()).lower()
         device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    store, rank = P.dist().default_store(), dist.get_rank()
+    register_process(store, rank)
+    try:
+        device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    except RuntimeError as e:  # a peer's sockets closed while the DeviceMesh's groups connect
+        ranks = list(range(world))
+        raise FailureBoard(store, rank, ranks, "make_mesh", lambda r: {}).setup_failed(e) from None
     return DistributedMesh(device_mesh, device_type)
 
 
@@ -296,11 +322,13 @@ def run(
     if _dist_overlap._PENDING and P.current_graph_task_id() == -1:  # a backward that raised
         _dist_overlap.finish_pending()
     board = mesh.board
-    board.seq += 1
+    board.begin_call()
     mesh.debug = debug_enabled()
     ctx = DistributedContext(mesh, fn)
     try:
         board.check_in_step()
+        if mesh.poll and mesh.size > 1:
+            _check_call_agrees(ctx, leaves)
         local = [
             ctx.stamp(local_input(ctx, leaf, spec, i), Vma.of(spec.axes))
             if isinstance(leaf, torch.Tensor)
@@ -313,7 +341,11 @@ def run(
             outs = body(local, ctx)
         if mesh.debug:
             _check_replicas_agree(ctx, outs, out_specs_of())
-        return [global_output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
+        result = [global_output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
+        if mesh.debug:
+            board.finish_call(f"spmd_map of {ctx.fn_label}")
+        board.finished = board.seq
+        return result
     except RankFailedError:
         raise
     except P.control_flow_exceptions():  # torch steering itself (checkpoint): not a failure
@@ -327,6 +359,35 @@ def run(
                 "the other ranks stop with RankFailedError naming this rank."
             )
         raise
+
+
+# --- every call: the ranks call the same function on inputs of the same shapes ---------------------
+
+
+def _check_call_agrees(ctx: DistributedContext, leaves: list[Any]) -> None:
+    """Gloo aborts the whole process (SIGABRT, no Python error) when the ranks of a collective
+    pass buffers of different sizes, as inputs of different global shapes on different ranks make
+    them. One small all-reduce per call compares a checksum of the function and of the tensor
+    inputs' global shapes and dtypes first; it also keeps the ranks within one call of each other,
+    which lets a rank left waiting in an earlier call name the one that moved on
+    (``FailureBoard._ahead``). Only when the checksums differ are the descriptions exchanged."""
+    mesh = ctx.mesh
+    shapes = ", ".join(
+        f"{list(x.shape)} {str(x.dtype)[6:]}" for x in leaves if isinstance(x, torch.Tensor)
+    )
+    mine = f"{ctx.fn_label}({shapes})"
+    if mesh.comm(mesh.axis_names).agree(zlib.crc32(mine.encode()), "the start-of-call check"):
+        return
+    board = mesh.board
+    got = board.exchange("call", board.ranks, mine, f"rank {mesh.rank}", "the start-of-call check")
+    lines = "\n".join(f"    {board.where(r)}: {v}" for r, v in got.items())
+    raise SpmdError(
+        f"spmd_map of {ctx.fn_label}: the ranks called different mapped functions, or passed "
+        "tensor inputs of different global shapes or dtypes (function(global shape dtype of each "
+        f"tensor leaf, in flattening order)):\n{lines}\nEvery rank must call the same function "
+        "on inputs of the same global shapes (a plain tensor is the global value, present on "
+        "every rank). Fix: make the inputs' shapes and the call sequence independent of the rank."
+    )
 
 
 # --- debug mode: values that must be equal on every rank ------------------------------------------
