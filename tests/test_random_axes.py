@@ -165,6 +165,23 @@ def test_dropout_of_an_invariant_value_varies_and_sums_its_gradient():
     torch.testing.assert_close(grad, (mask[:3] + mask[3:]) / (1 - p), rtol=1e-15, atol=0)
 
 
+def test_communication_of_a_dropout_is_the_same_run_and_checked():
+    """The one collective a dp-varying mask implies for a replicated x: its gradient's psum over
+    dp in backward, on the simulated run and in the abstract check alike."""
+    mesh = ns.make_mesh(*MESH)
+    f = ns.spmd_map(
+        lambda x: ns.random.dropout(x, 0.5, over="dp", seed=0),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P("dp"),
+    )
+    x = torch.randn(3, 5, requires_grad=True)
+    with ns.CommMode() as comms:
+        f(x).sum().backward()
+    assert comms.events == f.check(x).events
+    assert comms.counts() == {("backward", "psum", ("dp",)): 1}
+
+
 def test_dropout_mask_is_the_same_for_every_dtype_and_off_outside_training():
     _, x, f64 = _dropout_program(("dp",), 0.25)
     _, _, f32 = _dropout_program(("dp",), 0.25, torch.float32)
