@@ -193,7 +193,8 @@ def check_checkpoint(mesh, rank) -> list[str]:
 
 def check_parallel_gpt(mesh, rank) -> list[str]:
     """ns.parallel's GPT (tests/test_parallel_layers.py) trains from ns.shard'ed parameters on
-    the real mesh: its loss and every parameter's gradient equal the dense model's."""
+    the real mesh: its loss, every parameter's gradient and an AdamW step equal the dense
+    model's."""
     import test_parallel_layers as t
 
     ids, target, params = t.gpt_inputs()
@@ -216,6 +217,14 @@ def check_parallel_gpt(mesh, rank) -> list[str]:
             g = t.pl.deinterleave_packed(g, (dim,) * 3, n, unit=t.GPT["hd"])
         if not torch.allclose(g, dense[k].grad, rtol=1e-10, atol=1e-12):
             problems.append(f"{k}: gradient differs from the dense one")
+    # one AdamW step on the DTensors equals the dense step (wqkv in its packed layout)
+    torch.optim.AdamW(sharded.values(), lr=0.1).step()
+    torch.optim.AdamW(dense.values(), lr=0.1).step()
+    after = ns.unshard({k: p.detach() for k, p in sharded.items()})
+    after["wqkv"] = t.pl.deinterleave_packed(after["wqkv"], (dim,) * 3, n, unit=t.GPT["hd"])
+    for k, p in dense.items():
+        if not torch.allclose(after[k], p.detach(), rtol=1e-10, atol=1e-12):
+            problems.append(f"{k}: AdamW step differs from the dense one")
     return problems
 
 
