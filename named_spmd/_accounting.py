@@ -7,6 +7,7 @@ would run, including the psum that an implicit pvary becomes in backward.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections import Counter
@@ -25,6 +26,7 @@ class _Modes(threading.local):
 
     def __init__(self) -> None:
         self.stack: list[CommMode] = []
+        self.recomputing = 0  # inside a checkpoint's recomputation (in backward)
 
 
 _local = _Modes()
@@ -116,7 +118,21 @@ def resume(saved: list[CommMode]) -> None:
     _local.stack = saved
 
 
+def begin_recompute() -> int:
+    """A checkpoint's recomputation starts: its collectives run in backward, so they are
+    recorded as backward communication until :func:`end_recompute`."""
+    saved = _local.recomputing
+    _local.recomputing = saved + 1
+    return saved
+
+
+def end_recompute(saved: int) -> None:
+    _local.recomputing = saved
+
+
 def record(event: CommEvent) -> None:
+    if _local.recomputing and event.direction == "forward":
+        event = dataclasses.replace(event, direction="backward")
     for mode in _local.stack:
         mode.events.append(event)
 

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from . import _torch_private as P
+from ._accounting import begin_recompute, end_recompute
 from ._errors import CollectiveError, fn_label, suggest
 from ._mesh import Mesh
 from ._types import Vma
@@ -134,6 +136,12 @@ class SpmdContext(ABC):
         record's shape rule instead)."""
         return rec.forward(self, x, axes, params, donate)
 
+    def resume(self) -> Callable[[], None]:
+        """Re-establish this call's backend state for code torch runs after the call returned
+        (a checkpoint's recomputation in backward, :class:`CallMarker`); returns its undo. The
+        simulated backend re-enters its vmap levels; by default there is nothing to do."""
+        return _nothing
+
     def psum_in_backward(self, g: torch.Tensor, axes: Axes, node: Any) -> torch.Tensor:
         """The transpose of a pvary outside any transform: the gradient summed over the group.
         ``node`` is the autograd context of the pvary (a backend may overlap the sum with the
@@ -174,6 +182,10 @@ class SpmdContext(ABC):
                 f"{op} in {self.fn_label}: axis_name {axes} repeats an axis. Fix: name each once."
             )
         return axes
+
+
+def _nothing() -> None:
+    pass
 
 
 class GroupOfOne(SpmdContext):
@@ -233,11 +245,14 @@ _local = _Calls()
 
 
 def push(ctx: SpmdContext) -> None:
+    """Make ``ctx`` the active call, and mark the torch-function mode stack with it so that a
+    checkpoint recomputation inside the call can find it again (:class:`CallMarker`)."""
     _local.stack.append(ctx)
+    P.push_function_mode(CallMarker(ctx))
 
 
 def pop() -> None:
-    _local.stack.pop()
+    _remove_marker(_local.stack.pop())
 
 
 def active() -> SpmdContext | None:
@@ -248,9 +263,97 @@ def active() -> SpmdContext | None:
 def current(op: str) -> SpmdContext:
     stack = _local.stack
     if not stack:
+        if P.current_graph_task_id() != -1:  # in a backward pass: a recomputation, most likely
+            raise CollectiveError(
+                f"{op} was called in a backward pass, outside the spmd_map call it belongs to: "
+                "a recomputation that does not restore the call (torch.utils.checkpoint with "
+                "use_reentrant=True, or a non-reentrant checkpoint entered inside a "
+                "`with torch.device(...)` block of the per-device function). Fix: use "
+                "torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False), outside "
+                "device blocks."
+            )
         raise CollectiveError(
             f"{op} was called outside spmd_map. Collectives talk to the other instances of a "
             "mesh, so they only exist inside a per-device function. Fix: call it inside a "
             "function decorated with @named_spmd.spmd_map(mesh=..., in_specs=..., out_specs=...)."
         )
     return stack[-1]
+
+
+# --- activation checkpointing: a call resumed in backward ---------------------------------------
+#
+# torch.utils.checkpoint (non-reentrant) runs the checkpointed piece again in backward, after the
+# call returned: its collectives need the call's context, its ops the call's vma tracking, and on
+# the simulated mesh its tensors the call's vmap levels. torch re-enters, around that recompute,
+# the innermost DeviceContext mode of the forward (_torch_private); the marker below is one, and
+# entering it again resumes the call (docs/design.md section 10).
+
+
+class CallMarker(P.DeviceContext):
+    """A torch-function mode that marks a running call; entered by a checkpoint's recomputation,
+    it resumes the call: the backend's state (:meth:`SpmdContext.resume`), the call's own modes
+    (vma tracking), the active call, and the accounting of recomputed collectives as backward
+    communication. Passes every op through unchanged."""
+
+    def __init__(self, ctx: SpmdContext) -> None:  # not DeviceContext's: no device is set
+        self.ctx = ctx
+        depth = P.function_mode_depth()
+        # the call's own modes (VmaMode & co, which keep the call as .ctx), to push again
+        stack = [P.function_mode_at(i) for i in range(depth)]
+        self.modes = [m for m in stack if getattr(m, "ctx", None) is ctx]
+        self.undo: list[Callable[[], None] | None] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> CallMarker:
+        undo = None if active() is self.ctx else self._resume()
+        P.push_function_mode(self)
+        self.undo.append(undo)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _remove_marker(self.ctx)
+        undo = self.undo.pop()
+        if undo is not None:
+            undo()
+
+    def _resume(self) -> Callable[[], None]:
+        undo_backend = self.ctx.resume()
+        pushed = 0
+        try:
+            for mode in self.modes:
+                P.push_function_mode(mode)
+                pushed += 1
+        except BaseException:
+            _pop_modes(pushed)
+            undo_backend()
+            raise
+        _local.stack.append(self.ctx)
+        saved = begin_recompute()
+
+        def undo() -> None:
+            end_recompute(saved)
+            _local.stack.pop()
+            _pop_modes(pushed)
+            undo_backend()
+
+        return undo
+
+
+def _pop_modes(n: int) -> None:
+    for _ in range(n):
+        P.pop_function_mode()
+
+
+def _remove_marker(ctx: SpmdContext) -> None:
+    """Pop the topmost marker of ``ctx``, wherever it sits (a ``torch.device`` block entered
+    inside the call moves DeviceContext modes to the bottom of the stack)."""
+    above = []
+    while P.function_mode_depth():
+        mode = P.pop_function_mode()
+        if isinstance(mode, CallMarker) and mode.ctx is ctx:
+            break
+        above.append(mode)
+    for mode in reversed(above):
+        P.push_function_mode(mode)

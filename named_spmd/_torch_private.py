@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.utils._device
 from torch.autograd import forward_ad
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -115,6 +116,20 @@ def control_flow_exceptions() -> tuple[type[BaseException], ...]:
     from torch.utils.checkpoint import _StopRecomputationError
 
     return (_StopRecomputationError,)
+
+
+# --- torch.utils.checkpoint: how a recomputation finds its call again ---------------------------
+# Non-reentrant checkpoint re-enters, around its recomputation in backward, the innermost
+# torch-function mode of the forward that is a ``DeviceContext`` (torch.utils.checkpoint:
+# "recompute_fn should respect the device context of the original forward"). A call pushes one
+# (``_context.CallMarker``) so that the recomputation re-establishes the call (docs/design.md
+# section 10). The mode stack is edited directly: a marker is removed wherever it sits, since a
+# ``torch.device`` block entered inside the call reorders the stack.
+DeviceContext = torch.utils._device.DeviceContext
+function_mode_depth = torch.overrides._len_torch_function_stack
+function_mode_at = torch._C._get_function_stack_at  # the mode at depth i, 0 the bottom
+push_function_mode = torch.overrides._push_mode
+pop_function_mode = torch.overrides._pop_mode
 
 
 # Library-internal ops run without the user-visible TorchFunctionModes (vma tracking).

@@ -99,6 +99,23 @@ class SimulatedContext(SpmdContext):
             index = index * self.sizes[a] + self.tokens[a]
         return index
 
+    def resume(self):
+        """Re-enter this call's vmap levels, for a checkpoint's recomputation in backward (see
+        ``_context.CallMarker``): the recomputed piece gets the call's own batched tensors back,
+        whose levels must then be live again, at the same numbers (levels are stack depths)."""
+        want = sorted(self.level_axis)
+        got = [P.vmap_increment_nesting(self.sizes[self.level_axis[lv]], "same") for lv in want]
+        if got != want:
+            _leave_levels(len(got))
+            raise SpmdError(
+                f"spmd_map of {self.fn_label}: torch.utils.checkpoint recomputes a piece of it in "
+                f"backward, but that backward runs under {got[0] - 1} functorch transform(s) and "
+                f"the call ran under {want[0] - 1}, so the call's vmap levels cannot be resumed. "
+                "Fix: run the backward pass under the same torch.func transforms as the call, or "
+                "checkpoint around the call instead of inside it."
+            )
+        return functools.partial(_leave_levels, len(got))
+
     def apply(self, rec, x, axes, params, donate=False):
         # The primitives' own ops mix the level tokens with stacked values: no user-level mixing
         # for the implicit-pvary accounting to see.
@@ -183,6 +200,11 @@ class SimulatedContext(SpmdContext):
         if receives is None:
             return got
         return torch.where(self.own_block(receives, axes, 0), got, got.new_zeros(()))
+
+
+def _leave_levels(n: int) -> None:
+    for _ in range(n):
+        P.vmap_decrement_nesting()
 
 
 _REDUCE = {"sum": "sum", "max": "amax", "min": "amin"}
@@ -335,6 +357,15 @@ _VMAP_LIMITS = (
 _INPLACE_UNDER_VMAP = ("inplace arithmetic", "doesn't match the broadcast shape")
 
 
+def _raised_in_checkpoint(error: BaseException) -> bool:
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") == "torch.utils.checkpoint":
+            return True
+        tb = tb.tb_next
+    return False
+
+
 class SimulatedBackend:
     """Every instance in this process, under nested vmap (the default backend)."""
 
@@ -354,6 +385,13 @@ class SimulatedBackend:
                 "them (an in_spec P() input or a closed-over tensor), every instance would "
                 "hold different values in what is typed replicated. Fix: compute out of "
                 "place (y = x + v instead of x += v)."
+            )
+        if "setup_context" in text and _raised_in_checkpoint(error):
+            return SpmdError(
+                f"{where}: torch.utils.checkpoint(..., use_reentrant=True) cannot run under the "
+                f"simulated mesh (its autograd.Function does not support torch.func):\n  {error}\n"
+                "Fix: pass use_reentrant=False (torch's recommended mode), which works inside "
+                "the per-device function on every backend, collectives included."
             )
         if any(s in text for s in _VMAP_LIMITS):
             return SpmdError(

@@ -1,0 +1,280 @@
+"""Activation checkpointing inside the per-device function (docs/design.md section 10).
+
+torch's own ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, full and selective,
+around pieces with collectives, ``axis_size`` and ``axis_index``: values and gradients equal the
+uncheckpointed run (float64) on several simulated meshes and on 4 gloo processes, the
+recomputed collectives are backward communication in ``CommMode``, and the saved activations
+shrink.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from _dist_launch import launch
+from checkpointing_worker import MESH_SHAPE, MODES, PROGRAMS, inputs, run_program
+from torch.utils.checkpoint import checkpoint
+
+import named_spmd as ns
+from named_spmd import P
+
+MESHES = [
+    ((2, 2), ("dp", "tp")),
+    ((4, 2), ("dp", "tp")),
+    ((1, 4), ("dp", "tp")),
+    ((2, 1), ("dp", "tp")),
+]
+
+
+def assert_same_run(got: dict, want: dict) -> None:
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-12, atol=1e-12)
+    assert len(got["grads"]) == len(want["grads"])
+    for i, (g, w) in enumerate(zip(got["grads"], want["grads"])):
+        torch.testing.assert_close(
+            torch.tensor(g, dtype=torch.float64),
+            torch.tensor(w, dtype=torch.float64),
+            rtol=1e-12,
+            atol=1e-12,
+            msg=f"gradient of input {i}",
+        )
+
+
+def split_counts(counts: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """(forward, backward) counts keyed by "op|axes"."""
+    forward, backward = {}, {}
+    for key, n in counts.items():
+        direction, rest = key.split("|", 1)
+        (forward if direction == "forward" else backward)[rest] = n
+    return forward, backward
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s[0])))
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_checkpointed_equals_uncheckpointed(program, mode, shape):
+    mesh = ns.make_mesh(*shape)
+    assert_same_run(run_program(program, mode, mesh), run_program(program, "none", mesh))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_recomputed_collectives_are_backward_communication(program, mode):
+    """The forward is unchanged; the backward adds, for each collective inside a checkpointed
+    piece whose result the backward needs, that collective once more (the recomputation)."""
+    mesh = ns.make_mesh(*MESH_SHAPE)
+    plain_fwd, plain_bwd = split_counts(run_program(program, "none", mesh)["counts"])
+    ck_fwd, ck_bwd = split_counts(run_program(program, mode, mesh)["counts"])
+    assert ck_fwd == plain_fwd
+    extra = {k: ck_bwd.get(k, 0) - plain_bwd.get(k, 0) for k in set(ck_bwd) | set(plain_bwd)}
+    recomputed = {k: n for k, n in extra.items() if n}
+    assert recomputed, "nothing was recomputed"
+    # every recomputed collective is a forward collective of the program, at most as often
+    for key, n in recomputed.items():
+        assert 0 < n <= plain_fwd.get(key, 0), (key, n, plain_fwd)
+    # the programs end their pieces with an op that saves the last collective's result, so a
+    # full recomputation runs every collective inside the pieces (pmean of gather_scatter is
+    # outside its piece)
+    if mode == "full":
+        inside = {k: n for k, n in plain_fwd.items() if not k.startswith("pmean")}
+        assert recomputed == inside
+
+
+def test_check_reports_the_recomputation_like_the_simulated_run():
+    mesh = ns.make_mesh(*MESH_SHAPE)
+    f, in_specs, out_specs, shapes = PROGRAMS["megatron_mlp"]("full")
+    mapped = ns.spmd_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    report = mapped.check(*inputs(shapes), backward=True)
+    simulated = run_program("megatron_mlp", "full", mesh)["counts"]
+    got = {"|".join((d, op, ",".join(a))): n for (d, op, a), n in report.comms.counts().items()}
+    assert got == simulated
+
+
+def test_nested_checkpoints():
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+
+    def inner(x):
+        return ns.psum(torch.sin(x) * ns.axis_index("tp"), "tp")
+
+    def nested(x):
+        return checkpoint(
+            lambda y: checkpoint(inner, torch.cos(y), use_reentrant=False) ** 2,
+            x,
+            use_reentrant=False,
+        )
+
+    def plain(x):
+        return inner(torch.cos(x)) ** 2
+
+    x = torch.randn(4, 6, dtype=torch.float64)
+    grads = []
+    for fn in (nested, plain):
+        xi = x.clone().requires_grad_(True)
+        y = ns.spmd_map(fn, mesh=mesh, in_specs=P("dp", "tp"), out_specs=P("dp"))(xi)
+        (g,) = torch.autograd.grad(y.sum(), xi)
+        grads.append((y, g))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+
+
+def test_calls_leave_the_mode_stack_as_they_found_it():
+    """A call marks the torch-function mode stack while it runs (so that a recomputation finds
+    it); the mark goes away after a call, a failing call, and a torch.device block inside."""
+    mesh = ns.make_mesh((2,), ("x",))
+    depth = torch.overrides._len_torch_function_stack()
+
+    def with_device(x):
+        with torch.device("cpu"):
+            y = torch.ones(2) + x
+        return ns.psum(y, "x")
+
+    def failing(x):
+        raise ValueError("boom")
+
+    ns.spmd_map(with_device, mesh=mesh, in_specs=P("x"), out_specs=P())(torch.ones(4))
+    assert torch.overrides._len_torch_function_stack() == depth
+    with pytest.raises(ValueError, match="boom"):
+        ns.spmd_map(failing, mesh=mesh, in_specs=P("x"), out_specs=P())(torch.ones(4))
+    assert torch.overrides._len_torch_function_stack() == depth
+
+
+def test_reentrant_checkpoint_is_a_clear_error_on_the_simulated_mesh():
+    mesh = ns.make_mesh((2,), ("x",))
+
+    def f(x):
+        return checkpoint(lambda y: ns.psum(torch.sin(y), "x"), x, use_reentrant=True)
+
+    with pytest.raises(ns.SpmdError, match=r"use_reentrant=True.*\n.*\n.*use_reentrant=False"):
+        ns.spmd_map(f, mesh=mesh, in_specs=P("x"), out_specs=P())(torch.ones(4))
+
+
+def test_collective_in_a_backward_pass_outside_its_call_names_the_checkpoint_fix():
+    class Late(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return ns.psum(g, "x")
+
+    x = torch.ones(3, requires_grad=True)
+    with pytest.raises(ns.CollectiveError, match="backward pass.*use_reentrant=False"):
+        Late.apply(x).sum().backward()
+
+
+def test_torch_recomputes_under_the_forwards_device_context():
+    """Pin of the torch behaviour the resumption rests on: non-reentrant checkpoint re-enters,
+    around its recomputation, the innermost DeviceContext mode active in the forward."""
+    from torch.utils._device import DeviceContext
+
+    entered = []
+
+    class Probe(DeviceContext):
+        def __init__(self):
+            super().__init__("cpu")
+
+        def __enter__(self):
+            entered.append("enter")
+            return super().__enter__()
+
+    x = torch.randn(3, requires_grad=True)
+    with Probe():
+        y = checkpoint(lambda t: torch.sin(t).exp(), x, use_reentrant=False)
+    assert entered == ["enter"]
+    y.sum().backward()
+    assert entered == ["enter", "enter"]
+
+
+# --- memory: the saved activations shrink ---------------------------------------------------
+
+
+def saved_bytes(mode: str, mesh) -> int:
+    """Bytes of distinct storages autograd keeps for backward after one forward of a 4-block
+    Megatron MLP (tensors saved inside a checkpointed piece are dropped: checkpoint's own hooks
+    replace them; its inputs are kept)."""
+    from checkpointing_worker import checkpointed
+
+    def block(x, w1, w2):
+        h = torch.nn.functional.gelu(x @ w1)
+        return torch.nn.functional.layer_norm(x + ns.psum(h @ w2, "tp"), x.shape[-1:])
+
+    def f(x, w1, w2):
+        for _ in range(4):
+            x = checkpointed(mode, block, x, w1, w2)
+        return x
+
+    mapped = ns.spmd_map(
+        f, mesh=mesh, in_specs=(P("dp"), P(None, "tp"), P("tp")), out_specs=P("dp")
+    )
+    gen = torch.Generator().manual_seed(0)
+    args = [
+        torch.randn(s, generator=gen, requires_grad=True) for s in [(64, 32), (32, 128), (128, 32)]
+    ]
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        while torch._C._functorch.is_batchedtensor(t):  # checkpoint's inputs, as the call sees them
+            t = torch._C._functorch.get_unwrapped(t)
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mapped(*args)
+    return sum(storages.values())
+
+
+def test_checkpointing_saves_memory():
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    none, full = saved_bytes("none", mesh), saved_bytes("full", mesh)
+    print(f"saved activations, 4 blocks on (2, 2): none {none} B, full {full} B")
+    assert full * 4 < none  # only the blocks' inputs stay, not their inner activations
+
+
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def backward_matmuls(mode: str) -> int:
+    """Matmuls run by the backward of the megatron program: the selective policy saves the
+    forward's matmuls, so its recomputation runs none of them again (a full one runs them)."""
+    from checkpointing_worker import PROGRAMS
+
+    f, in_specs, out_specs, shapes = PROGRAMS["megatron_mlp"](mode)
+    mapped = ns.spmd_map(f, mesh=ns.make_mesh(*MESH_SHAPE), in_specs=in_specs, out_specs=out_specs)
+    args = inputs(shapes)
+    loss = (mapped(*args) ** 2).sum()
+    with _CountMatmuls() as count:
+        torch.autograd.grad(loss, args)
+    return count.n
+
+
+def test_selective_policy_keeps_the_matmuls():
+    counts = {m: backward_matmuls(m) for m in MODES}
+    assert counts["selective"] == counts["none"] < counts["full"], counts
+
+
+# --- the real backend ------------------------------------------------------------------------
+
+
+def test_real_backend_matches_simulated():
+    finished = launch([os.path.join("tests", "checkpointing_worker.py")], 4, 300)
+    assert not finished.timed_out, finished.outputs[0][-3000:]
+    outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
+    expected = len(PROGRAMS) * len(MODES) * 4
+    assert len(outcomes) == expected, finished.outputs[0][-3000:]
+    mesh = ns.make_mesh(*MESH_SHAPE)
+    want = {(p, m): run_program(p, m, mesh) for p in PROGRAMS for m in MODES}
+    for o in outcomes:
+        assert "error" not in o, o
+        w = want[o["program"], o["mode"]]
+        assert_same_run(o, w)
+        assert o["counts"] == w["counts"], (o["program"], o["mode"], o["rank"])
