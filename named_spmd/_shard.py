@@ -16,7 +16,8 @@ import optree
 import torch
 
 from ._api import as_mesh
-from ._errors import SpecError, bullet_list
+from ._errors import SpecError, SpmdError, bullet_list
+from ._layout import global_shape
 from ._spec import PartitionSpec, spec_problems
 from ._tree import (
     _first_mismatch,
@@ -27,7 +28,7 @@ from ._tree import (
 )
 
 
-def shard(tree: Any, mesh: Any, specs: Any) -> Any:
+def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False) -> Any:
     """Lay out every tensor of ``tree`` on ``mesh`` as ``specs`` say (``jax.device_put`` with a
     ``NamedSharding``).
 
@@ -37,6 +38,10 @@ def shard(tree: Any, mesh: Any, specs: Any) -> Any:
         mesh: a :class:`Mesh` or a ``DeviceMesh`` with ``mesh_dim_names``.
         specs: a pytree prefix of ``tree`` of ``P(...)`` (the grammar of ``in_specs``, tuple
             entries such as ``P(('dp', 'tp'))`` included; ``None`` means ``P()``).
+        local: the tensor leaves are this process's blocks (the block its spec gives this
+            rank's mesh coordinates, equal shapes on every rank: data each rank loaded itself),
+            not global values. A real mesh only: one process of a simulated mesh holds every
+            instance, so there it is an ``SpmdError`` (pass the global tensors).
 
     Returns:
         The same structure with every tensor leaf replaced by a new leaf tensor holding its own
@@ -66,7 +71,8 @@ def shard(tree: Any, mesh: Any, specs: Any) -> Any:
     for path, leaf, spec in zip(paths, leaves, leaf_specs):
         at = f"tree{path_text(path)}"
         if isinstance(leaf, torch.Tensor):
-            problems += spec_problems(spec, tuple(leaf.shape), mesh.shape, at)
+            shape = _global_shape(leaf, spec, mesh) if local else tuple(leaf.shape)
+            problems += spec_problems(spec, shape, mesh.shape, at)
         elif spec.axes:
             problems.append(
                 f"{at} is a {type(leaf).__name__}, not a tensor, but its spec {spec!r} splits "
@@ -77,11 +83,18 @@ def shard(tree: Any, mesh: Any, specs: Any) -> Any:
             f"{where}: the tree does not fit specs on mesh {mesh.shape}:\n" + bullet_list(problems)
         )
     if mesh.kind == "simulated":
+        if local:
+            raise SpmdError(
+                f"{where}(..., local=True): {mesh!r} is simulated: this one process holds every "
+                "instance, so it has no blocks of its own. Fix: pass the global tensors (without "
+                "local=True); local=True is for a real mesh, where each rank holds its block."
+            )
         out = [_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves]
     else:
         from .backends._dist_shard import shard_leaves  # loaded only for a real mesh
 
-        out = shard_leaves(mesh, leaves, leaf_specs, [f"tree{path_text(p)}" for p in paths])
+        wheres = [f"tree{path_text(p)}" for p in paths]
+        out = shard_leaves(mesh, leaves, leaf_specs, wheres, local)
     return optree.tree_unflatten(treedef, out)
 
 
@@ -119,6 +132,11 @@ def _specs_for(specs: Any, tree: Any, where: str) -> list[PartitionSpec]:
             "leaf or subtree (a single P applies to every tensor below it), e.g. "
             "{'w': P(None, 'tp'), 'b': P()} for {'w': ..., 'b': ...}."
         ) from None
+
+
+def _global_shape(block: torch.Tensor, spec: PartitionSpec, mesh: Any) -> tuple[int, ...]:
+    """The global shape of a block (an unknown axis counts 1: spec_problems reports it)."""
+    return global_shape(block.shape, spec, {**dict.fromkeys(spec.axes, 1), **mesh.shape})
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ def check_layout(mesh, rank) -> list[str]:
         spec = SPECS[k]
         in_mesh_order = all(list(e) == sorted(e, key=mesh.axis_names.index) for e in _tuples(spec))
         if in_mesh_order:  # the local shard is the spec's block for this rank
-            want = block(x.detach(), spec, mesh.shape, mesh.coords(rank))
+            want = block(x.detach(), spec, mesh.shape, mesh.my_coords)
             if not torch.equal(d.to_local(), want):
                 problems.append(f"{k}: local shard is not the spec's block")
     return problems
@@ -191,6 +191,36 @@ def check_checkpoint(mesh, rank) -> list[str]:
     return problems
 
 
+def check_from_local(mesh, rank) -> list[str]:
+    """local=True: each rank passes only its block (cut by _layout.block); the DTensors equal
+    those made from the global values, tuple entries in either order included."""
+    tree = global_tree()
+    blocks = {
+        k: block(x.detach(), SPECS[k], mesh.shape, mesh.my_coords).clone()
+        if isinstance(x, torch.Tensor)
+        else x
+        for k, x in tree.items()
+    }
+    blocks["param"] = torch.nn.Parameter(blocks["param"])
+    mine, want = ns.shard(blocks, mesh, SPECS, local=True), ns.shard(tree, mesh, SPECS)
+    problems = []
+    for k, x in tree.items():
+        if not isinstance(x, torch.Tensor):
+            continue
+        a, b = mine[k], want[k]
+        if tuple(a.placements) != tuple(b.placements) or a.shape != b.shape:
+            problems.append(
+                f"{k}: {a.placements} {tuple(a.shape)} vs {b.placements} {tuple(b.shape)}"
+            )
+        elif not torch.equal(a.to_local(), b.to_local()):
+            problems.append(f"{k}: local data differs from shard of the global value")
+        elif not torch.equal(ns.unshard(a), x.detach()):
+            problems.append(f"{k}: unshard is not the global value")
+        if a.requires_grad != x.requires_grad or type(a) is not type(b):
+            problems.append(f"{k}: requires_grad {a.requires_grad}, type {type(a).__name__}")
+    return problems
+
+
 def check_parallel_gpt(mesh, rank) -> list[str]:
     """ns.parallel's GPT (tests/test_parallel_layers.py) trains from ns.shard'ed parameters on
     the real mesh: its loss, every parameter's gradient and an AdamW step equal the dense
@@ -235,6 +265,7 @@ CHECKS = [
     check_rank_zero_wins,
     check_reshard,
     check_checkpoint,
+    check_from_local,
     check_parallel_gpt,
 ]
 

@@ -77,6 +77,15 @@ def test_specs_that_are_not_a_prefix_name_the_place(mesh):
         ns.shard(torch.ones(4), mesh, "dp")
 
 
+def test_local_blocks_need_a_real_mesh(mesh):
+    with pytest.raises(ns.SpmdError) as e:
+        ns.shard({"w": torch.ones(2, 4)}, mesh, P("dp"), local=True)
+    assert "is simulated: this one process holds every instance" in str(e.value)
+    assert "Fix: pass the global tensors" in str(e.value)
+    with pytest.raises(ns.SpecError, match="unknown mesh axis 'pt'"):  # checked first, as real
+        ns.shard({"w": torch.ones(2, 4)}, mesh, P("pt"), local=True)
+
+
 def test_unshard_without_dtensors_returns_the_tree():
     t = tree()
     back = ns.unshard(t)
@@ -91,7 +100,7 @@ def test_real_mesh_shard_unshard_checkpoint_and_calls(tmp_path):
     )
     assert not finished.timed_out, finished.outputs[0][-3000:]
     outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
-    assert len(outcomes) == 7 * world, finished.outputs[0][-3000:]
+    assert len(outcomes) == 8 * world, finished.outputs[0][-3000:]
     bad = [o for o in outcomes if o["problems"]]
     assert bad == [], bad[:4]
 

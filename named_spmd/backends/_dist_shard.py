@@ -16,14 +16,19 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._errors import SpecError
+from .._layout import global_shape
 from .._spec import PartitionSpec
-from ._dist_io import placements
+from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, placements
 
 
-def shard_leaves(mesh, leaves: list[Any], specs: list[PartitionSpec], where: list[str]) -> list:
-    """Every tensor leaf as a new leaf DTensor laid out by its spec; other leaves as they are."""
+def shard_leaves(
+    mesh, leaves: list[Any], specs: list[PartitionSpec], where: list[str], local: bool
+) -> list:
+    """Every tensor leaf as a new leaf DTensor laid out by its spec; other leaves as they are.
+    ``local``: the leaves are this rank's blocks, not global values."""
+    one = _from_block if local else _shard_one
     return [
-        _shard_one(mesh, x, spec, at) if isinstance(x, torch.Tensor) else x
+        one(mesh, x, spec, at) if isinstance(x, torch.Tensor) else x
         for x, spec, at in zip(leaves, specs, where)
     ]
 
@@ -36,6 +41,35 @@ def _shard_one(mesh, x: torch.Tensor, spec: PartitionSpec, where: str) -> torch.
         # distribute_tensor broadcasts a replicated dim *into* its argument on the other ranks:
         # a clone, so the caller's tensor is never overwritten
         d = distribute_tensor(x.detach().clone(), mesh.device_mesh, places)
+    return _new_leaf(d, x)
+
+
+def _from_block(mesh, x: torch.Tensor, spec: PartitionSpec, where: str) -> torch.Tensor:
+    """This rank's block -> the DTensor. A tuple entry in another order than the mesh's holds
+    the spec's block here but DTensor's layout wants the mesh order's: one permute moves it, as
+    the call boundary does for an output."""
+    if isinstance(x, DTensor):
+        raise SpecError(
+            f"ns.shard(..., local=True): {where} is a DTensor, not this rank's block. Fix: "
+            "pass it without local=True (it is laid out anew), or pass x.to_local()."
+        )
+    block = x.detach().to(mesh.device).clone(memory_format=torch.contiguous_format)
+    for axes in _non_mesh_order_entries(mesh, spec):
+        pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
+        block = mesh.comm(_in_mesh_order(mesh, axes)).permute(block, pairs, "ns.shard")
+    shape = global_shape(block.shape, spec, mesh.shape)
+    d = DTensor.from_local(
+        block,
+        mesh.device_mesh,
+        placements(mesh, spec, block.dim()),
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )
+    return _new_leaf(d, x)
+
+
+def _new_leaf(d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``d`` with ``x``'s ``requires_grad``, as an ``nn.Parameter`` if ``x`` is one."""
     d.requires_grad_(x.requires_grad)
     if isinstance(x, torch.nn.Parameter):
         return torch.nn.Parameter(d, requires_grad=x.requires_grad)
