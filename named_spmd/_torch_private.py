@@ -88,6 +88,41 @@ def set_fwd_grad_enabled(enabled: bool) -> Any:
 # A Function applied at one functorch level (what generate_single_level_function builds).
 SingleLevelFunction = torch.autograd.function._SingleLevelFunction
 
+# --- printing a transform's tensors --------------------------------------------------------------
+# torch prints a functorch-wrapped tensor as its wrappers ("BatchedTensor(lvl=2, bdim=0, value=..."),
+# through one module function that ``repr`` looks up at each call, and formats a 0-d tensor with
+# ``.item()``, which vmap refuses. The simulated backend shows its values per mesh coordinate
+# instead: these hooks let it answer first for a wrapped tensor; torch's own code runs whenever
+# a hook returns None (every tensor that is not the backend's, and plain tensors never reach them).
+is_gradtrackingtensor = functorch.is_gradtrackingtensor
+_PRINT_HOOKS: dict[str, Any] = {}
+
+
+def hook_wrapper_printing(text: Any, formatted: Any) -> None:
+    """``text(t) -> str | None`` prints a wrapped tensor ``t`` (``repr``, ``str``, ``print``);
+    ``formatted(t, spec) -> str | None`` formats one (``format``, f-strings). Installed once."""
+    if not _PRINT_HOOKS:
+        import torch._tensor_str as tensor_str
+
+        torch_text = tensor_str._functorch_wrapper_str_intern
+        torch_format = torch.Tensor.__format__
+
+        def wrapper_text(tensor: torch.Tensor, *, tensor_contents: Any = None) -> str:
+            shown = _PRINT_HOOKS["text"](tensor)
+            return torch_text(tensor, tensor_contents=tensor_contents) if shown is None else shown
+
+        def wrapper_format(self: torch.Tensor, format_spec: str) -> str:
+            if is_transform_wrapped(self):
+                shown = _PRINT_HOOKS["formatted"](self, format_spec)
+                if shown is not None:
+                    return shown
+            return torch_format(self, format_spec)
+
+        tensor_str._functorch_wrapper_str_intern = wrapper_text
+        torch.Tensor.__format__ = wrapper_format  # type: ignore[method-assign]
+    _PRINT_HOOKS.update(text=text, formatted=formatted)
+
+
 # --- autograd ----------------------------------------------------------------------------------
 # Function.apply binds its arguments in Python (~10 us) when setup_context is defined; the C
 # apply skips that where no torch.func transform needs the Python path.

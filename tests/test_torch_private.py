@@ -113,6 +113,40 @@ def test_vmap_levels_entered_directly_round_trip():
     assert [i.key() for i in P.get_interpreter_stack() or []] == []
 
 
+def test_printing_hooks_answer_first_for_wrapped_tensors_only(monkeypatch):
+    """repr / str / format of a functorch-wrapped tensor reach the hooks; None hands back to
+    torch; plain tensors never reach them (the simulated backend's per-instance printing)."""
+    seen: list[str] = []
+    monkeypatch.setitem(P._PRINT_HOOKS, "text", lambda t: seen.append("text") or "shown")
+    monkeypatch.setitem(P._PRINT_HOOKS, "formatted", lambda t, spec: f"formatted {spec}")
+    texts: list[str] = []
+
+    def f(x):
+        texts.extend([repr(x), str(x), f"{x}", f"{x.sum():.2f}"])
+        return x
+
+    torch.func.vmap(f)(torch.ones(2, 3))
+    assert texts == ["shown", "shown", "formatted ", "formatted .2f"]
+    assert repr(torch.ones(1)) == "tensor([1.])" and f"{torch.tensor(1.5):.2f}" == "1.50"
+    assert seen == ["text", "text"]
+    monkeypatch.setitem(P._PRINT_HOOKS, "text", lambda t: None)
+    monkeypatch.setitem(P._PRINT_HOOKS, "formatted", lambda t, spec: None)
+    texts.clear()
+    torch.func.vmap(lambda x: texts.append(repr(x)) or x)(torch.ones(2, 3))
+    assert texts[0].startswith("BatchedTensor(lvl=1, bdim=0, value=")
+
+
+def test_grad_tracking_tensors_are_recognised():
+    kinds = []
+
+    def f(x):
+        kinds.append((P.is_gradtrackingtensor(x), P.is_batchedtensor(x)))
+        return x.sum()
+
+    torch.func.grad(f)(torch.ones(2))
+    assert kinds == [(True, False)] and not P.is_gradtrackingtensor(torch.ones(1))
+
+
 def test_transforms_active_and_the_current_interpreter():
     seen = []
 

@@ -12,7 +12,9 @@ per-device function.
 Modules: this one (the context and its primitives, :func:`run`, the backend object); ``_plan``
 (nesting order, cached input / output plans); ``_levels`` (the per-level primitives and their
 fallback Functions); ``_lowered`` (the primitives under a grad / jvp inside the per-device
-function); ``_recording`` (implicit-pvary accounting while a ``CommMode`` records).
+function); ``_recording`` (implicit-pvary accounting while a ``CommMode`` records);
+``_instances`` (a value's per-instance blocks: printing inside the function); ``_diagnose`` (torch
+errors of the user's code told per instance).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from ..._errors import SpmdError, VmaError, fn_label
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
 from ..._types import INVARIANT, Vma
+from . import _instances as _instances  # installs the per-instance printing of values
 from . import _levels
+from ._diagnose import explained
 from ._plan import _input_plan, from_physical
 from ._recording import ImplicitPvaryRecorder
 
@@ -374,7 +378,7 @@ class SimulatedBackend:
     def accepts(self, mesh: Mesh) -> bool:
         return mesh.device_mesh is None
 
-    run = staticmethod(run)
+    run = staticmethod(explained(run))  # torch errors of the user's code told per instance
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         text = str(error)

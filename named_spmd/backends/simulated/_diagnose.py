@@ -1,0 +1,274 @@
+"""Errors from the user's own torch code on the simulated mesh, told in per-instance terms.
+
+Under the simulation every instance runs at once, batched at one vmap level per mesh axis, so a
+torch op that rejects its operands reports the *physical* tensors: a 3-d local block is 4-d
+("dimension 3"), a matmul's rows count every instance ("12x5" for a local ``[3,5]``). When a run
+fails with such an error (``RuntimeError``, ``IndexError``, ``ValueError``, ``TypeError``; not an
+``SpmdError``), :func:`explained` runs the call once more under :class:`_Locator`, a
+``TorchFunctionMode`` that notes the innermost torch function that raised, its operands' local
+types, and what each instance raises when that op is replayed on its own blocks (plain tensors:
+what that instance's rank raises on a real mesh). The error becomes an ``SpmdError`` of the same
+class family (``SpmdIndexError`` for an ``IndexError``, ...) naming the user's function and line,
+the op with per-instance types, and the per-instance message; torch's message is its
+``__cause__``.
+
+The second run is quiet (its prints, warnings and random draws are discarded: the first run made
+them) and records no communication; only Python side effects of the user's code repeat. Nothing is
+hidden: an error that the second run does not reproduce identically, or that no torch function
+raised (the user's own ``raise``), propagates unchanged. The fast path pays one ``try``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import linecache
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ... import _torch_private as P
+from ..._accounting import resume, suspend
+from ..._errors import SpmdError, fn_label
+from ..._tracking import is_inplace, swap_operands, tensor_operands
+from ..._types import VType
+from ._instances import Instances, coordinates, instances, label, simulated_call
+
+
+class SpmdIndexError(SpmdError, IndexError):
+    """An ``IndexError`` of the user's code, told per instance (``except IndexError`` still
+    catches it, as it catches the real mesh's plain ``IndexError``)."""
+
+
+class SpmdValueError(SpmdError, ValueError):
+    """A ``ValueError`` of the user's code, told per instance."""
+
+
+class SpmdTypeError(SpmdError, TypeError):
+    """A ``TypeError`` of the user's code, told per instance."""
+
+
+class SpmdNotImplementedError(SpmdError, NotImplementedError):
+    """A ``NotImplementedError`` of the user's code, told per instance."""
+
+
+_FAMILY: dict[type[BaseException], type[SpmdError]] = {
+    IndexError: SpmdIndexError,
+    ValueError: SpmdValueError,
+    TypeError: SpmdTypeError,
+    NotImplementedError: SpmdNotImplementedError,
+}
+# The classes torch raises for operands it rejects.
+_TORCH_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
+
+
+def error_class(cls: type[BaseException]) -> type[SpmdError]:
+    """The SpmdError class that keeps ``cls``'s family (SpmdError itself is a RuntimeError)."""
+    return next((ours for base, ours in _FAMILY.items() if issubclass(cls, base)), SpmdError)
+
+
+def explained(run: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torch.Tensor]]:
+    """``run`` whose torch errors from the user's code come out per instance (module doc)."""
+
+    @functools.wraps(run)
+    def run_explained(mesh, fn, leaves, specs, body, out_specs_of):
+        try:
+            return run(mesh, fn, leaves, specs, body, out_specs_of)
+        except _TORCH_ERRORS as error:
+            if isinstance(error, SpmdError):
+                raise
+            again = functools.partial(run, mesh, fn, leaves, specs, body, out_specs_of)
+            better = _diagnose(error, again, fn, leaves)
+            if better is None:
+                raise
+            raise better from error
+
+    return run_explained
+
+
+def _diagnose(
+    error: BaseException, again: Callable[[], Any], fn: Any, leaves: list[Any]
+) -> SpmdError | None:
+    locator = _Locator()
+    saved = suspend()  # the second run records no communication
+    try:
+        with _quietly(leaves), locator:
+            again()
+    except Exception as e:  # the same error, normally
+        repeated: Exception | None = e
+    else:
+        repeated = None
+    finally:
+        resume(saved)
+    failure = locator.failures.get(id(repeated))
+    if failure is None or failure[1] is None:
+        return None
+    if type(repeated) is not type(error) or str(repeated) != str(error):
+        return None  # not reproduced identically: the original is what happened
+    return failure[1].error(fn, error)
+
+
+@contextlib.contextmanager
+def _quietly(leaves: list[Any]) -> Iterator[None]:
+    """Discard the second run's prints and warnings, and restore the random state after it."""
+    cuda = {x.device.index or 0 for x in leaves if isinstance(x, torch.Tensor) and x.is_cuda}
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+        warnings.catch_warnings(),
+        torch.random.fork_rng(devices=sorted(cuda)),
+    ):
+        warnings.simplefilter("ignore")
+        yield
+
+
+class _Locator(TorchFunctionMode):
+    """Notes, per exception raised through a torch function of the call, what failed where.
+
+    The innermost torch function that raises an exception notes it first; the functions it ran
+    inside see the same exception object pass and leave the note. Keyed by the exception (kept
+    alive, so its id stays unique), so an error torch raises and catches internally is ignored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: dict[int, tuple[BaseException, _Failure | None]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except Exception as e:
+            if id(e) not in self.failures:
+                self.failures[id(e)] = (e, _describe(func, args, kwargs))
+            raise
+
+
+@dataclass
+class _Failure:
+    call: str  # the op with its operands' per-instance types
+    alone: tuple[dict[str, int], Exception] | None  # an instance that raises it on its own
+    replayed: bool  # whether the op was replayed per instance
+
+    def error(self, fn: Any, error: BaseException) -> SpmdError:
+        where = f"spmd_map of {fn_label(fn)}: {self.call} failed at {_user_line(error)}"
+        if self.alone is not None:
+            coords, own = self.alone
+            who = f"instance {label(coords)}" if coords else "every instance"
+            return error_class(type(own))(
+                f"{where}:\n  {type(own).__name__}: {own}\n"
+                f"That is what {who} raises on its own, with the per-instance types above (on a "
+                "real mesh its rank raises it). Inside the function, shapes are the local blocks "
+                "that in_specs select: a dim split over an axis of size n holds 1/n of the global "
+                "dim. torch's message under the simulated mesh, which counts the mesh's batch "
+                "dims, is the __cause__."
+            )
+        if self.replayed:
+            return error_class(type(error))(
+                f"{where} under the simulated mesh, though no instance raises it on its own:\n"
+                f"  {type(error).__name__}: {error}\n"
+                "This op fails only when every instance runs at once under torch.func.vmap; a "
+                "real mesh runs it. Fix: an equivalent op that vmap batches (out of place "
+                "instead of in place, for instance)."
+            )
+        return error_class(type(error))(
+            f"{where} (the types above are per instance; torch's message may count the "
+            f"simulated mesh's batch dims):\n  {type(error).__name__}: {error}"
+        )
+
+
+def _describe(func: Any, args: tuple, kwargs: dict) -> _Failure | None:
+    """What failed, if inside a simulated call; never raises (the user's error must get out)."""
+    ctx = simulated_call()
+    if ctx is None:
+        return None  # outside the user's function: the simulation's own code
+    try:
+        call = _call_text(ctx, func, args, kwargs)
+        views = _views(ctx, args, kwargs)
+        alone = None if views is None else _alone(ctx, func, args, kwargs, views)
+    except Exception:
+        return None
+    return _Failure(call, alone, views is not None)
+
+
+def _views(ctx: Any, args: tuple, kwargs: dict) -> dict[int, Instances] | None:
+    """Every tensor operand's blocks, or None where the op cannot be replayed per instance (a
+    user's transform runs above the simulation's levels)."""
+    if P.maybe_current_level() != ctx.inner_level:
+        return None
+    views = {}
+    for t in tensor_operands(args, kwargs):
+        view = instances(t, ctx)
+        if view is None:
+            return None
+        views[id(t)] = view
+    return views
+
+
+def _alone(
+    ctx: Any, func: Any, args: tuple, kwargs: dict, views: dict[int, Instances]
+) -> tuple[dict[str, int], Exception] | None:
+    """The first instance (row-major) whose blocks make ``func`` raise, with what it raised."""
+    found = {a for v in views.values() for a in v.axes}
+    axes = tuple(a for a in ctx.mesh.axis_names if a in found)
+    writes = is_inplace(func) or "out" in kwargs  # on copies: the replay never touches data
+    for coords in coordinates(axes, ctx.sizes):
+        swap = {}
+        for key, view in views.items():
+            block = view.block(coords)
+            swap[key] = block.clone() if writes else block
+        own_args, own_kwargs = swap_operands(args, kwargs, swap)
+        try:
+            func(*own_args, **(own_kwargs or {}))
+        except Exception as e:
+            return coords, e
+    return None
+
+
+def _call_text(ctx: Any, func: Any, args: tuple, kwargs: dict) -> str:
+    """``Tensor.view(f32[3,5]{dp}, 7, -1)``: the op with its operands' per-instance types."""
+
+    def show(a: Any) -> str:
+        if isinstance(a, torch.Tensor):
+            return repr(VType(a.dtype, tuple(a.shape), ctx.vma(a), ctx.mesh.axis_names))
+        if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
+            inner = ", ".join(show(b) for b in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner})"
+        text = repr(a)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    parts = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
+    name = getattr(func, "__name__", repr(func))
+    owner = "Tensor." if getattr(func, "__module__", None) is None else ""  # a method
+    return f"`{owner}{name}`({', '.join(parts)})"
+
+
+# Frames of these directories are not the user's: torch, this package, optree, the standard
+# library.
+_NOT_USER = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (torch, optree, os) if m.__file__ is not None
+) + (os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep,)
+
+
+def _user_line(error: BaseException) -> str:
+    """``model.py:12 (y = x @ w)``: the innermost frame of the traceback in the user's code."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if not path.startswith(_NOT_USER):
+            found = (path, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return "a line outside the user's code"
+    path, line = found
+    source = linecache.getline(path, line).strip()
+    if len(source) > 80:
+        source = source[:77] + "..."
+    return f"{os.path.basename(path)}:{line}" + (f" (`{source}`)" if source else "")
