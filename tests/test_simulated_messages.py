@@ -315,3 +315,20 @@ def test_an_error_under_a_user_transform_inside_keeps_torch_message():
     assert isinstance(err, ns.SpmdError) and isinstance(err.__cause__, RuntimeError)
     assert f"RuntimeError: {err.__cause__}" in str(err)
     assert "types above are per instance" in str(err) and "`Tensor.matmul`(f32[2]{dp}" in str(err)
+
+
+def test_the_user_line_is_the_innermost_one_outside_torch():
+    """The op fails inside torch's own Python (nn.Linear.forward): the line named is the
+    user's call of the module."""
+    lin = torch.nn.Linear(4, 2)
+
+    def model(x):
+        return torch.relu(lin(x))
+
+    x = torch.randn(4, 3)
+    err = _error_of(lambda: ns.spmd_map(model, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))(x))
+    ref = _error_of(lambda: lin(x[:2]))
+    line = inspect.getsourcelines(model)[1] + 1
+    assert isinstance(err, ns.SpmdError) and f"{type(ref).__name__}: {ref}" in str(err)
+    assert f"failed at test_simulated_messages.py:{line} (`return torch.relu(lin(x))`)" in str(err)
+    assert "`linear`(f32[2,3]{dp}, f32[2,4]{}, f32[2]{})" in str(err)
