@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 from _dist_launch import launch
-from checkpointing_worker import MESH_SHAPE, MODES, PROGRAMS, inputs, run_program
+from checkpointing_worker import MESH_SHAPE, MODES, PROGRAMS, checkpointed, inputs, run_program
 from torch.utils.checkpoint import checkpoint
 
 import named_spmd as ns
@@ -190,28 +190,47 @@ def test_torch_recomputes_under_the_forwards_device_context():
 # --- memory: the saved activations shrink ---------------------------------------------------
 
 
-def saved_bytes(mode: str, mesh) -> int:
-    """Bytes of distinct storages autograd keeps for backward after one forward of a 4-block
-    Megatron MLP (tensors saved inside a checkpointed piece are dropped: checkpoint's own hooks
-    replace them; its inputs are kept)."""
-    from checkpointing_worker import checkpointed
+def _mlp_block(x, w1, w2):
+    h = torch.nn.functional.gelu(x @ w1)
+    return torch.nn.functional.layer_norm(x + ns.psum(h @ w2, "tp"), x.shape[-1:])
 
-    def block(x, w1, w2):
-        h = torch.nn.functional.gelu(x @ w1)
-        return torch.nn.functional.layer_norm(x + ns.psum(h @ w2, "tp"), x.shape[-1:])
 
-    def f(x, w1, w2):
+def _transformer_block(x, wq, wk, wv, wo, w1, w2):
+    """Causal self-attention with heads split over tp (head dim 8), then the MLP block."""
+    b, t, _ = x.shape
+    y = torch.nn.functional.layer_norm(x, x.shape[-1:])
+    q, k, v = ((y @ w).unflatten(-1, (-1, 8)).transpose(1, 2) for w in (wq, wk, wv))
+    scores = (q @ k.transpose(-1, -2)) / 8**0.5
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    att = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v  # [b, h/tp, t, 8]
+    x = x + ns.psum(att.transpose(1, 2).flatten(2) @ wo, "tp")
+    return _mlp_block(x, w1, w2)
+
+
+BLOCKS = {  # block, its weights' specs and shapes (x is [batch, seq, 32], split over dp)
+    "mlp": (_mlp_block, [P(None, "tp"), P("tp")], [(32, 128), (128, 32)]),
+    "transformer": (
+        _transformer_block,
+        [P(None, "tp")] * 3 + [P("tp"), P(None, "tp"), P("tp")],
+        [(32, 32)] * 3 + [(32, 32), (32, 128), (128, 32)],
+    ),
+}
+
+
+def saved_bytes(mode: str, mesh, kind: str) -> int:
+    """Bytes of distinct storages autograd keeps for backward after one forward of 4 blocks
+    (tensors saved inside a checkpointed piece are dropped: checkpoint's own hooks replace them;
+    its inputs are kept)."""
+    block, specs, shapes = BLOCKS[kind]
+
+    def f(x, *ws):
         for _ in range(4):
-            x = checkpointed(mode, block, x, w1, w2)
+            x = checkpointed(mode, block, x, *ws)
         return x
 
-    mapped = ns.spmd_map(
-        f, mesh=mesh, in_specs=(P("dp"), P(None, "tp"), P("tp")), out_specs=P("dp")
-    )
+    mapped = ns.spmd_map(f, mesh=mesh, in_specs=(P("dp"), *specs), out_specs=P("dp"))
     gen = torch.Generator().manual_seed(0)
-    args = [
-        torch.randn(s, generator=gen, requires_grad=True) for s in [(64, 32), (32, 128), (128, 32)]
-    ]
+    args = [torch.randn(s, generator=gen, requires_grad=True) for s in [(4, 16, 32), *shapes]]
     storages: dict[int, int] = {}
 
     def pack(t):
@@ -226,11 +245,33 @@ def saved_bytes(mode: str, mesh) -> int:
     return sum(storages.values())
 
 
-def test_checkpointing_saves_memory():
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_checkpointing_saves_memory(kind):
     mesh = ns.make_mesh((2, 2), ("dp", "tp"))
-    none, full = saved_bytes("none", mesh), saved_bytes("full", mesh)
-    print(f"saved activations, 4 blocks on (2, 2): none {none} B, full {full} B")
+    none, full = saved_bytes("none", mesh, kind), saved_bytes("full", mesh, kind)
+    print(f"saved activations, 4 {kind} blocks on (2, 2): none {none} B, full {full} B")
     assert full * 4 < none  # only the blocks' inputs stay, not their inner activations
+
+
+def test_transformer_block_checkpointed_equals_uncheckpointed():
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    block, specs, shapes = BLOCKS["transformer"]
+    gen = torch.Generator().manual_seed(1)
+    args = [torch.randn(s, generator=gen, dtype=torch.float64) for s in [(4, 16, 32), *shapes]]
+    runs = []
+    for mode in MODES:
+        mapped = ns.spmd_map(
+            lambda x, *ws, mode=mode: checkpointed(mode, block, x, *ws),
+            mesh=mesh,
+            in_specs=(P("dp"), *specs),
+            out_specs=P("dp"),
+        )
+        leaves = [a.clone().requires_grad_(True) for a in args]
+        y = mapped(*leaves)
+        runs.append((y, torch.autograd.grad((y**2).sum(), leaves)))
+    for y, grads in runs[1:]:
+        torch.testing.assert_close(y, runs[0][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grads, runs[0][1], rtol=1e-12, atol=1e-12)
 
 
 class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
@@ -246,8 +287,6 @@ class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
 def backward_matmuls(mode: str) -> int:
     """Matmuls run by the backward of the megatron program: the selective policy saves the
     forward's matmuls, so its recomputation runs none of them again (a full one runs them)."""
-    from checkpointing_worker import PROGRAMS
-
     f, in_specs, out_specs, shapes = PROGRAMS["megatron_mlp"](mode)
     mapped = ns.spmd_map(f, mesh=ns.make_mesh(*MESH_SHAPE), in_specs=in_specs, out_specs=out_specs)
     args = inputs(shapes)
