@@ -332,3 +332,20 @@ def test_the_user_line_is_the_innermost_one_outside_torch():
     assert isinstance(err, ns.SpmdError) and f"{type(ref).__name__}: {ref}" in str(err)
     assert f"failed at test_simulated_messages.py:{line} (`return torch.relu(lin(x))`)" in str(err)
     assert "`linear`(f32[2,3]{dp}, f32[2,4]{}, f32[2]{})" in str(err)
+
+
+def test_an_op_that_fails_only_under_vmap_says_so():
+    """Each instance alone runs it (as a real mesh does); only the batched run fails."""
+
+    def f(x):
+        x.untyped_storage()
+        return x
+
+    x = torch.randn(4, 3)
+    x[:2].untyped_storage()  # the reference: one instance's block has a storage
+    err = _error_of(lambda: ns.spmd_map(f, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))(x))
+    cause = err.__cause__
+    assert isinstance(err, ns.SpmdError) and isinstance(err, type(cause))
+    assert "no instance raises it on its own" in str(err)
+    assert f"{type(cause).__name__}: {cause}" in str(err)
+    assert "`Tensor.untyped_storage`(f32[2,3]{dp})" in str(err)

@@ -174,8 +174,8 @@ class _Failure:
                 f"{where} under the simulated mesh, though no instance raises it on its own:\n"
                 f"  {type(error).__name__}: {error}\n"
                 "This op fails only when every instance runs at once under torch.func.vmap; a "
-                "real mesh runs it. Fix: an equivalent op that vmap batches (out of place "
-                "instead of in place, for instance)."
+                "real mesh runs it. Fix: an equivalent that vmap batches (out of place rather "
+                "than in place, no storage or data-pointer access)."
             )
         return error_class(type(error))(
             f"{where} (the types above are per instance; torch's message may count the "
