@@ -349,3 +349,13 @@ def test_an_op_that_fails_only_under_vmap_says_so():
     assert "no instance raises it on its own" in str(err)
     assert f"{type(cause).__name__}: {cause}" in str(err)
     assert "`Tensor.untyped_storage`(f32[2,3]{dp})" in str(err)
+
+
+def test_an_error_under_a_vmap_around_the_call_is_not_replayed_per_instance():
+    f = ns.spmd_map(lambda x: x.view(7, -1), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    err = _error_of(lambda: torch.func.vmap(f)(torch.randn(3, 4, 5)))
+    assert isinstance(err, ns.SpmdError) and isinstance(err.__cause__, RuntimeError)
+    assert f"RuntimeError: {err.__cause__}" in str(err) and "types above are per instance" in str(
+        err
+    )
+    assert "`Tensor.view`(f32[2,5]{dp}, 7, -1)" in str(err)

@@ -198,14 +198,15 @@ def _describe(func: Any, args: tuple, kwargs: dict) -> _Failure | None:
 
 
 def _views(ctx: Any, args: tuple, kwargs: dict) -> dict[int, Instances] | None:
-    """Every tensor operand's blocks, or None where the op cannot be replayed per instance (a
-    user's transform runs above the simulation's levels)."""
+    """Every tensor operand's blocks, or None where the op cannot be replayed per instance: a
+    user's transform runs above the simulation's levels, or a vmap around the call batches an
+    operand (torch's message would count that batch dim either way)."""
     if P.maybe_current_level() != ctx.inner_level:
         return None
     views = {}
     for t in tensor_operands(args, kwargs):
         view = instances(t, ctx)
-        if view is None:
+        if view is None or P.is_batchedtensor(view.base):
             return None
         views[id(t)] = view
     return views
