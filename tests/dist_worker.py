@@ -498,6 +498,39 @@ def delay_overlapped_reductions() -> None:
 
     _dist_comm.Comm.start_all_reduce_ = lambda comm, buf, name="psum": LateReduction(comm, buf)
     _dist_comm.Comm.finish = lambda comm, work, name="psum": work.wait()
+    _delay_buckets()
+
+
+def _delay_buckets() -> None:
+    """The same for gradient buckets (``_dist_buckets``): a gradient that joins a bucket reads
+    NaN until the bucket starts (its value is kept aside and put back then), and a bucket
+    starts only when it is waited for (the start then poisons its buffer until the reduction,
+    as above), so a member read before its bucket's wait fails deterministically too."""
+    from named_spmd.backends import _dist_buckets
+
+    bucket = _dist_buckets.Bucket
+    add, start, wait = bucket.add, bucket.start, bucket.wait
+    kept: dict[int, list] = {}  # id(bucket) -> [(member, its value)]
+
+    def late_add(self, buf):
+        add(self, buf)
+        kept.setdefault(id(self), []).append((buf, buf.clone()))
+        buf.fill_(float("nan"))
+
+    def close_only(self):  # full, no room for the next gradient, or backward's end: not started
+        work = _dist_buckets.OPEN.get(self.key)
+        if work is not None and work.bucket is self:
+            del _dist_buckets.OPEN[self.key]
+
+    def late_wait(self):
+        close_only(self)
+        if self.started is None:
+            for buf, value in kept.pop(id(self), []):
+                buf.copy_(value)
+            start(self)
+        wait(self)
+
+    bucket.add, bucket.start, bucket.wait = late_add, close_only, late_wait
 
 
 def main() -> None:

@@ -215,6 +215,83 @@ def test_checkpoint_around_the_call_differentiates_twice_as_simulated():
             )
 
 
+def _expected_all_reduces(mb) -> int:
+    """All-reduces of one uniform backward pass (tests/grad_buckets.py), per dtype one per
+    bucket: weights of equal size pack ``cap // size`` to a bucket, whatever the order backward
+    reaches them in; a weight of at least a bucket's bytes goes alone."""
+    import math
+
+    import grad_buckets as gb
+
+    cap = int((25.0 if mb is None else mb) * 2**20)
+    total = 0
+    for n, item in ((gb.N64, gb.ITEM_BYTES), (gb.N32, gb.ITEM_BYTES // 2)):
+        total += n if item >= cap else math.ceil(n / (cap // item))
+    return total
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["overlapped", "late-reductions"])
+def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
+    """Gradient psums packed into buckets (size 0, room for 3 and 7 weights, the 25 MB default)
+    on 2 gloo processes: gradients bitwise equal to the per-gradient run and equal to the
+    simulated mesh; torch counts one all-reduce per bucket while ns.CommMode records one
+    logical psum per gradient, as on the simulated mesh; nothing left in torch's work registry,
+    plain .grad tensors. ``late``: reductions and bucket starts delayed to their waits, pending
+    gradients NaN until then (a read that does not wait fails)."""
+    import grad_buckets as gb
+    import torch
+
+    import named_spmd as ns
+
+    finished = launch([os.path.join("tests", "grad_buckets.py")] + ["--late"] * late, 2, 180)
+    assert not finished.timed_out, finished.outputs[0][-3000:]
+    outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
+    assert len(outcomes) == 2 * len(gb.SIZES_MB), finished.outputs[0][-3000:]
+    sim = ns.make_mesh((2,), ("dp",), simulated=True)
+    want, want_psums = gb.uniform_grads(sim)
+    want_mixed = gb.mixed_grads(sim)
+    assert want_psums == gb.N64 + gb.N32
+    for o in outcomes:
+        assert "error" not in o, o["message"]
+        where = f"rank {o['rank']}, bucket size {o['size']}"
+        assert o["bitwise"] and o["mixed_bitwise"], where
+        assert o["all_reduces"] == _expected_all_reduces(gb.SIZES_MB[o["size"]]), (where, o)
+        assert o["psums"] == want_psums, where
+        assert o["left"] == 0 and o["plain"], (where, o)
+        for got, ref in zip(o["grads"] + o["mixed"], want + want_mixed):
+            tol = 1e-12 if ref.dtype == torch.float64 else 1e-5
+            torch.testing.assert_close(
+                torch.tensor(got, dtype=ref.dtype), ref, rtol=tol, atol=tol, msg=where
+            )
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "25", True])
+def test_bucket_size_must_be_a_number_of_megabytes(bad):
+    from named_spmd.backends._dist_buckets import set_grad_bucket_mb
+
+    with pytest.raises(Exception) as caught:
+        set_grad_bucket_mb(bad)
+    assert type(caught.value).__name__ == "SpmdError"
+    assert f"set_grad_bucket_mb({bad!r})" in str(caught.value) and "Fix:" in str(caught.value)
+
+
+def test_bucket_size_from_the_environment(monkeypatch):
+    from named_spmd._errors import SpmdError
+    from named_spmd.backends import _dist_buckets as b
+
+    b.set_grad_bucket_mb(None)
+    monkeypatch.setenv(b.ENV, "0.5")
+    assert b.bucket_bytes() == 2**19
+    b.set_grad_bucket_mb(2)  # the call wins over the environment
+    assert b.bucket_bytes() == 2 * 2**20
+    b.set_grad_bucket_mb(None)
+    monkeypatch.setenv(b.ENV, "lots")
+    with pytest.raises(SpmdError, match="NAMED_SPMD_GRAD_BUCKET_MB='lots'.*Fix: set it"):
+        b.bucket_bytes()
+    monkeypatch.delenv(b.ENV)
+    assert b.bucket_bytes() == 25 * 2**20
+
+
 def test_import_named_spmd_does_not_load_the_distributed_backend():
     # torch 2.13 itself imports torch.distributed.device_mesh: compare with a bare import torch
     code = (
@@ -239,6 +316,7 @@ class _DoublingComm:
 
     def __init__(self):
         self.ptrs: list[int] = []
+        self.group = object()  # gradient buckets are per process group
 
     def all_reduce_(self, buf, op=None, name="psum"):
         self.ptrs.append(buf.data_ptr())
@@ -342,8 +420,22 @@ def _kept_value(t):
     return t.grad if t.grad is not None and t.dim() else t
 
 
+@pytest.fixture
+def bucket_mb(request):
+    """The gradient bucket size for one test (MB; 0: every gradient alone), then the default."""
+    from named_spmd.backends._dist_buckets import set_grad_bucket_mb
+
+    set_grad_bucket_mb(request.param)
+    yield request.param
+    set_grad_bucket_mb(None)
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 25, 24 * 4 / 2**20], indirect=True)
 @pytest.mark.parametrize("prog", _aliasing_programs(), ids=lambda f: f.__name__)
-def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradient(prog):
+def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradient(prog, bucket_mb):
+    """Unbucketed (0): in place only on a gradient nothing else holds. Bucketed (the default,
+    and room for 1.5 4x4 float32 gradients, so the second starts the first): a copy in the
+    bucket, read early by the same programs. Either way the values of a doubling backward."""
     import torch
 
     def run(pvary):
@@ -369,7 +461,7 @@ def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradien
     want, want_kept = run(Doubled.apply)
     for x, y in zip(got + got_kept, want + want_kept):
         assert (x is None and y is None) or torch.equal(x, y), prog.__name__
-    if prog.__name__ == "mm_only":  # the optimisation does happen where it is safe
+    if prog.__name__ == "mm_only" and bucket_mb == 0:  # in place where it is safe
         from named_spmd.backends import _dist_overlap
 
         assert _dist_overlap._BASELINE and _dist_overlap._BASELINE[0] is not None
@@ -385,7 +477,8 @@ def test_forward_reductions_may_overwrite_only_temporaries():
     assert _donation._LIMITS and _donation._LIMITS[0] is not None, _donation._LIMITS
 
 
-def test_pvary_backward_reuses_a_fresh_gradient_buffer():
+@pytest.mark.parametrize("bucket_mb", [0], indirect=True)
+def test_pvary_backward_reuses_a_fresh_gradient_buffer(bucket_mb):
     import torch
 
     comm = _DoublingComm()

@@ -10,6 +10,8 @@ avoided:
   :func:`_exclusive` checks exactly that.
 * A stall: the reduction only starts here and is waited for at the end of the backward pass
   (:func:`_reduce_during_backward`), as DDP overlaps its bucketed all-reduce with backward.
+* A fixed cost per gradient: gradients smaller than a bucket are packed into buckets, one
+  all-reduce each (:mod:`._dist_buckets`, :func:`_into_bucket`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .. import _torch_private as P
 from .._autodiff import apply as bridge_apply
 from .._collectives._record import PVARY_RECORD
 from .._torch_private import async_buffer, async_wait, tensor_base
+from . import _dist_buckets as buckets
 from ._dist_comm import Comm
 
 _contiguous = torch.contiguous_format
@@ -123,20 +126,30 @@ def _reduce_during_backward(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
     return pending
 
 
-# id(work) -> (comm, work, buffer, what to run once it is done): overlapped reductions started
-# and not finished yet
-_PENDING: dict[int, tuple[Comm, object, torch.Tensor, list]] = {}
+# id(work) -> (comm, work, buffer, what to run once it is done): overlapped reductions (a
+# gradient's, or a bucket's: then the work is its BucketWork and its members the buffers)
+# started or filling, not finished
+_PENDING: dict[int, tuple[Comm, object, torch.Tensor | None, list]] = {}
 
 
-def _finish(comm: Comm, work, buf: torch.Tensor, then: list) -> None:
-    comm.finish(work)
-    _forget_work(buf)  # so that a later read does not wait again
+def _finish(comm: Comm, work, buf: torch.Tensor | None, then: list) -> None:
+    if type(work) is buckets.BucketWork:
+        bucket = work.bucket
+        bucket.wait()  # starts it if still open; the comm's failure-aware wait; copies back
+        for member in bucket.members:
+            _forget_work(member)  # so that a later read does not wait again
+        bucket.members = []
+    else:
+        assert buf is not None  # a lone gradient's entry names its buffer
+        comm.finish(work)
+        _forget_work(buf)
     for fn in then:
         fn()
 
 
 def _work_of(g: torch.Tensor):
-    """The work of a pending gradient from :func:`_reduce_during_backward`, else None."""
+    """The work of a pending gradient from :func:`_reduce_during_backward` or
+    :func:`_into_bucket`, else None."""
     return g.__dict__.get("_named_spmd_work") if type(g) is _ACT() else None
 
 
@@ -166,6 +179,7 @@ def finish_pending() -> None:
     """Finish the overlapped reductions left by backward passes that raised (the engine runs
     no final callbacks then): otherwise each would stay in torch's work registry, with its
     gradient buffer, for the life of the process. Called outside any backward pass."""
+    buckets.start_open()
     while _PENDING:
         _finish(*_PENDING.pop(next(iter(_PENDING))))
 
@@ -197,13 +211,57 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, probe: bool = Fal
         return g
     if type(g) is _ACT():  # chained pvary: the sum of the one below first
         g = async_wait(g)
-    buf = g if _exclusive(g) else g.clone(memory_format=_contiguous)
     assert comm is not None  # only the calibration probe passes none
-    pending = _reduce_during_backward(buf, comm)
+    # no copy where nothing else holds g (_exclusive counts this frame's references to g)
+    buf = g if _exclusive(g) else g.clone(memory_format=_contiguous)
+    task = P.current_graph_task_id()
+    cap = buckets.bucket_bytes()
+    if task != -1 and buf.numel() * buf.element_size() < cap:
+        pending = _into_bucket(buf, comm, task, cap)
+    else:  # alone
+        pending = _reduce_during_backward(buf, comm)
     source = node.next_functions[0][0]
     if type(source) is P.AccumulateGrad:  # a plain leaf: its .grad becomes this
         when_reduced(pending, lambda leaf=source.variable: plain_grad(leaf))
     return pending
+
+
+def _into_bucket(buf: torch.Tensor, comm: Comm, task: int, cap: int) -> torch.Tensor:
+    """``buf`` (a gradient the caller owns) added to the open bucket of its key (a new one if
+    none, or if it does not fit): returns it behind an AsyncCollectiveTensor that waits for the
+    bucket's sum, which is copied back into ``buf``."""
+    key = buckets.key_of(task, comm, buf)
+    work = buckets.OPEN.get(key)
+    if work is not None and not work.bucket.fits(buf):
+        work.bucket.start()
+        work = None
+    if work is None:
+        work = _open_bucket(key, comm, cap, task)
+    bucket = work.bucket
+    bucket.add(buf)
+    P.dist().register_work(buf, work)  # a read of buf waits for (and starts) its bucket
+    if bucket.full():
+        bucket.start()
+    pending = _ACT()(buf)
+    pending._named_spmd_work = work
+    return pending
+
+
+def _open_bucket(key: tuple, comm: Comm, cap: int, task: int):
+    """A new bucket, finished at the end of this backward pass, after every open bucket of it
+    has started."""
+    work = buckets.BucketWork(buckets.Bucket(key, comm, cap))
+    buckets.OPEN[key] = work
+    _PENDING[id(work)] = (comm, work, None, [])
+
+    def finish():
+        buckets.start_open(task)
+        entry = _PENDING.pop(id(work), None)
+        if entry is not None:  # else finish_pending did it
+            _finish(*entry)
+
+    P.queue_callback(finish)  # inside a backward pass: the caller checked the graph task
+    return work
 
 
 _calibrate()

@@ -1,0 +1,166 @@
+"""Gradient buckets: the overlapped gradient psums of a backward pass, grouped into few all-reduces.
+
+Data parallel training reduces one gradient per replicated parameter (the psum of each implicit
+pvary, :mod:`._dist_overlap`). Most of them are small, and each all-reduce has a fixed cost
+(a round trip through the process group, tens of microseconds on gloo), so DDP packs gradients
+into ~25 MB buckets and issues one all-reduce per bucket. So does this module:
+
+* A bucket belongs to one backward pass (autograd graph task), one process group, one dtype and
+  one device: it never mixes them. Bucket boundaries depend only on the order and sizes of the
+  gradients and on the configured size, so every rank of a group forms the same buckets (the
+  same size must be set on every rank; debug mode reports ranks whose all-reduces differ).
+* A gradient of at least a bucket's bytes (every gradient, when the size is 0) is not bucketed:
+  it is reduced alone, in place when nothing else holds it.
+* Otherwise it joins the open bucket of its key; a gradient that does not fit starts the open
+  bucket first, and a bucket with no room left starts at once. Buckets still open start at the
+  end of the backward pass, before the first wait. So buckets hold at most the configured bytes
+  (DDP's hold at least that much).
+* A member's gradient is handed to autograd behind an ``AsyncCollectiveTensor`` whose registered
+  work (:class:`BucketWork`) starts the bucket if it is still open and waits for it: an op that
+  reads a gradient early (a second contribution to the same ``.grad``) gets the right values, at
+  the price of a smaller bucket.
+
+Exact numbers: the sum of a concatenation is the concatenation of the sums, element by element;
+with two members (a + b == b + a) it is bitwise the per-gradient result. With more members gloo's
+ring may add an element's terms in another order, as DDP's buckets do: equal to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._errors import SpmdError
+from ._dist_comm import Comm
+
+DEFAULT_MB = 25.0  # DDP's bucket_cap_mb
+ENV = "NAMED_SPMD_GRAD_BUCKET_MB"
+_MB = 1 << 20
+
+_override: list[float | None] = [None]  # set_grad_bucket_mb's value; None: the environment
+
+
+def set_grad_bucket_mb(mb: float | None = DEFAULT_MB) -> None:
+    """Set the size of the buckets in which a real mesh reduces gradients, in MB (2**20 bytes).
+
+    The gradient psums of a backward pass (one per replicated parameter of a data-parallel step)
+    are packed into buckets of at most this size, one all-reduce each, started as they fill and
+    overlapped with the rest of the backward pass, as DDP's ``bucket_cap_mb``. ``0`` reduces
+    every gradient on its own; ``None`` goes back to ``NAMED_SPMD_GRAD_BUCKET_MB`` (default 25).
+    Set the same size on every rank. Values and gradients do not depend on it.
+    """
+    if mb is not None:
+        _check_mb(mb, f"set_grad_bucket_mb({mb!r})", "ns.set_grad_bucket_mb(25)")
+    _override[0] = mb
+
+
+def _check_mb(mb: Any, where: str, fix: str) -> float:
+    ok = isinstance(mb, (int, float)) and not isinstance(mb, bool) and math.isfinite(mb)
+    if not ok or mb < 0:
+        raise SpmdError(
+            f"{where}: the gradient bucket size is a number of megabytes >= 0 (0 reduces every "
+            f"gradient on its own), got {mb!r}. Fix: {fix} (DDP's default)."
+        )
+    return float(mb)
+
+
+def bucket_bytes() -> int:
+    """The configured bucket size in bytes (read at every gradient psum: cheap)."""
+    mb = _override[0]
+    if mb is None:
+        raw = os.environ.get(ENV, "")
+        if not raw.strip():
+            return int(DEFAULT_MB * _MB)
+        try:
+            value: Any = float(raw)
+        except ValueError:
+            value = raw
+        mb = _check_mb(value, f"{ENV}={raw!r}", f"set it to a number such as {ENV}=25")
+    return int(mb * _MB)
+
+
+class Bucket:
+    """Gradients of one key, reduced by one all-reduce of their concatenation.
+
+    Each member stays its own tensor (the gradient itself where nothing else holds it, else a
+    copy): at the start the members are concatenated into one buffer, and once the sum is in,
+    it is copied back into them. A gradient is then a plain tensor of its own, as unbucketed
+    (a view into a shared buffer pins it, and torch cannot deep-copy or save a DTensor whose
+    local tensor starts at an offset in its storage); DDP copies both ways too by default."""
+
+    def __init__(self, key: tuple, comm: Comm, capacity_bytes: int):
+        self.key = key
+        self.comm = comm
+        self.capacity = capacity_bytes
+        self.members: list[torch.Tensor] = []
+        self.nbytes = 0
+        self.flat: torch.Tensor | None = None  # the concatenation, while it is reduced
+        self.started: Any = None  # the all-reduce's work, once started
+        self.copied = False  # the sums are back in the members
+
+    def fits(self, g: torch.Tensor) -> bool:
+        return self.nbytes + g.numel() * g.element_size() <= self.capacity
+
+    def full(self) -> bool:
+        return self.nbytes >= self.capacity
+
+    def add(self, buf: torch.Tensor) -> None:
+        """``buf`` (contiguous, owned by the bucket) joins; it receives its sum at the wait."""
+        self.members.append(buf)
+        self.nbytes += buf.numel() * buf.element_size()
+
+    def start(self) -> None:
+        """Close the bucket and start its all-reduce (once)."""
+        if OPEN.get(self.key) is not None and OPEN[self.key].bucket is self:
+            del OPEN[self.key]
+        if self.started is None:
+            self.flat = torch.cat([m.view(-1) for m in self.members])
+            self.started = self.comm.start_all_reduce_(self.flat)
+
+    def wait(self) -> None:
+        """Start if still open, wait (a failed peer raises RankFailedError), copy back (once)."""
+        self.start()
+        self.comm.finish(self.started)
+        if not self.copied and self.flat is not None:
+            sizes = [m.numel() for m in self.members]
+            torch.split_with_sizes_copy(self.flat, sizes, out=[m.view(-1) for m in self.members])
+            self.flat, self.copied = None, True
+
+    def done(self) -> bool:
+        return self.copied
+
+
+class BucketWork(dist.Work):
+    """What torch's work registry holds for a bucket's buffer: waiting for it (any read of a
+    member's AsyncCollectiveTensor) starts the bucket if still open, then waits for its sum.
+    It refers to the bucket, never the other way round (no cycle keeps a buffer alive)."""
+
+    def __init__(self, bucket: Bucket):
+        super().__init__()
+        self.bucket = bucket
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.bucket.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.bucket.done()
+
+
+# (graph task, id(process group), dtype, device) -> the work of the bucket being filled
+OPEN: dict[tuple, BucketWork] = {}
+
+
+def key_of(task: int, comm: Comm, g: torch.Tensor) -> tuple:
+    return (task, id(comm.group), g.dtype, g.device)
+
+
+def start_open(task: int | None = None) -> None:
+    """Start every open bucket (of graph task ``task``, or all), in the order they opened: the
+    same order on every rank."""
+    for key in [k for k in OPEN if task is None or k[0] == task]:
+        OPEN[key].bucket.start()

@@ -1,0 +1,175 @@
+"""Bucketed gradient psums on a real mesh (2 gloo processes), for tests/test_distributed.py.
+
+``python tests/grad_buckets.py [--late]`` under a 2-process job prints ``OUTCOME {json}`` lines:
+
+* ``uniform``: 30 float64 weights [4, 4] and 6 float32 weights [4, 4] of a data-parallel chain,
+  for each bucket size (0, room for 3 float64 weights, room for 7, the default): the gradients,
+  whether they are bitwise equal to the unbucketed run (size 0) on this rank, the all-reduces
+  torch counted in the backward pass (CommDebugMode), the backward psums ``ns.CommMode`` recorded, works
+  left in torch's registry, and whether every ``.grad`` is a plain tensor.
+* ``mixed``: weights of odd sizes (padding between slots), a weight also used outside the call
+  and one used by two calls (their second contribution reads a pending gradient before its
+  bucket filled), two backward passes accumulated: gradients and the bitwise check.
+
+``--late`` delays every reduction and bucket start to its wait and poisons pending gradients
+with NaN until then (tests/dist_worker.py's late-reduction mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import named_spmd as ns  # noqa: E402
+from named_spmd import P  # noqa: E402
+
+N64, N32, SIDE = 30, 6, 4
+ITEM_BYTES = SIDE * SIDE * 8  # one float64 weight
+SIZES_MB = {"0": 0.0, "3": 3 * ITEM_BYTES / 2**20, "7": 7 * ITEM_BYTES / 2**20, "default": None}
+
+
+def _chain(x, w64, w32):
+    y = x
+    for w in w64:
+        y = torch.tanh(y @ w)
+    z = y.float()
+    for w in w32:
+        z = torch.tanh(z @ w)
+    return ns.psum((y**2).sum() + z.double().sum(), "dp")
+
+
+def uniform_params():
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2 * 3, SIDE, generator=gen, dtype=torch.float64)
+    w64 = [torch.randn(SIDE, SIDE, generator=gen, dtype=torch.float64) / 2 for _ in range(N64)]
+    w32 = [torch.randn(SIDE, SIDE, generator=gen, dtype=torch.float32) / 2 for _ in range(N32)]
+    return x, w64, w32
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def uniform_grads(mesh, around_backward=contextlib.nullcontext) -> tuple[list, int]:
+    """The weights' gradients and the backward psums CommMode recorded (any backend)."""
+    x, w64, w32 = uniform_params()
+    ws = [w.requires_grad_() for w in w64 + w32]
+    f = ns.spmd_map(_chain, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P())
+    with ns.CommMode() as comms:
+        loss = _full(f(x, ws[:N64], ws[N64:]))
+        with around_backward():
+            loss.backward()
+    return [w.grad for w in ws], comms.count("psum", direction="backward")
+
+
+def _mixed_fn(x, ws):
+    h = x
+    for w in ws:
+        h = torch.tanh(h @ w) if w.dim() == 2 else h * w[0] + w[1:].sum()
+    return ns.psum((h**2).sum(), "dp")
+
+
+def mixed_params():
+    gen = torch.Generator().manual_seed(12)
+    shapes = [(3, 5), (3,), (5, 7), (5,), (7, 3), (1,), (3, 3), (2,)]  # odd sizes: padding
+    x = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    ws = [torch.randn(*s, generator=gen, dtype=torch.float64) / 2 for s in shapes]
+    return x, [w.requires_grad_() for w in ws]
+
+
+def mixed_grads(mesh) -> list[torch.Tensor]:
+    """Odd sizes, a weight also used outside the call and one used by two calls; two backward
+    passes accumulated into ``.grad``."""
+    x, ws = mixed_params()
+    f = ns.spmd_map(_mixed_fn, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
+    g = ns.spmd_map(
+        lambda x, w: ns.psum((x * w.sum()).sum(), "dp"),
+        mesh=mesh,
+        in_specs=(P("dp"), P()),
+        out_specs=P(),
+    )
+    for step in range(2):
+        loss = _full(f(x * (step + 1), ws)) + (ws[2] ** 2).sum() + _full(g(x, ws[4]))
+        loss.backward()
+    return [w.grad for w in ws]
+
+
+class _AllReduces:
+    """torch's own count of the all-reduces issued inside (CommDebugMode sees c10d ops)."""
+
+    def __init__(self):
+        self.count = 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        with CommDebugMode() as counted:
+            yield
+        self.count += sum(
+            n for op, n in counted.get_comm_counts().items() if "allreduce" in str(op)
+        )
+
+
+def _registry() -> int:
+    return torch._C._distributed_c10d._get_work_registry_size()
+
+
+def run(mesh) -> list[dict]:
+    from named_spmd.backends._dist_buckets import set_grad_bucket_mb
+
+    outcomes = []
+    set_grad_bucket_mb(0)
+    plain_uniform, plain_mixed = uniform_grads(mesh)[0], mixed_grads(mesh)
+    for name, mb in SIZES_MB.items():
+        set_grad_bucket_mb(mb)
+        before = _registry()
+        reduces = _AllReduces()
+        grads, psums = uniform_grads(mesh, reduces)
+        mixed = mixed_grads(mesh)
+        outcomes.append(
+            {
+                "size": name,
+                "grads": [g.tolist() for g in grads],
+                "mixed": [g.tolist() for g in mixed],
+                "bitwise": all(map(torch.equal, grads, plain_uniform)),
+                "mixed_bitwise": all(map(torch.equal, mixed, plain_mixed)),
+                "all_reduces": reduces.count,
+                "psums": psums,
+                "left": _registry() - before,
+                "plain": all(type(g) is torch.Tensor for g in grads + mixed),
+            }
+        )
+    set_grad_bucket_mb(None)
+    return outcomes
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    if "--late" in sys.argv:
+        from dist_worker import delay_overlapped_reductions
+
+        delay_overlapped_reductions()
+    mesh = ns.make_mesh((2,), ("dp",))
+    try:
+        outcomes = run(mesh)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        outcomes = [{"error": type(e).__name__, "message": traceback.format_exc()[-3000:]}]
+    for o in outcomes:
+        print("OUTCOME " + json.dumps({"rank": dist.get_rank(), **o}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
