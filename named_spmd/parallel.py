@@ -48,7 +48,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ._collectives import all_gather, axis_index, axis_size, pmax, psum, psum_scatter
+from ._collectives import all_gather, axis_index, axis_size, pmax, psum, psum_scatter, vma
 from ._errors import SpmdError
 
 AxisName = str | tuple[str, ...]
@@ -155,6 +155,7 @@ def vocab_embedding(
         scatter_dim: sequence-parallel output: psum_scatter over this dim of the result (e.g. 1
             for ``[batch, seq]`` ids) instead of a psum.
     """
+    _same_ids(ids, axis_name, "vocab_embedding", "ids")
     rows = weight.shape[0]
     local = ids - axis_index(axis_name) * rows
     mine = (local >= 0) & (local < rows)
@@ -194,6 +195,7 @@ def vocab_cross_entropy(
             f"vocab_cross_entropy: reduction={reduction!r}; expected 'mean', 'sum' or 'none' "
             "(as F.cross_entropy). Fix: pass one of those."
         )
+    _same_ids(target, axis_name, "vocab_cross_entropy", "target")
     classes = logits.shape[-1]
     shift = pmax(logits.detach().amax(-1), axis_name)
     shifted = logits - shift.unsqueeze(-1)
@@ -209,6 +211,22 @@ def vocab_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / counted.sum()
+
+
+def _same_ids(ids: torch.Tensor, axis_name: AxisName, layer: str, what: str) -> None:
+    """The instances of the vocabulary axis split one lookup by rows: they must agree on the ids
+    (ids split over that axis too would be summed across different tokens, silently)."""
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    varying = [a for a in names if a in vma(ids)]
+    if varying:
+        raise SpmdError(
+            f"{layer}: {what} {'vary' if what == 'ids' else 'varies'} over {tuple(varying)}, the "
+            "axis the vocabulary is split over; "
+            f"every instance of it must see the same {what} (each holds other rows of the "
+            f"table). Fix: all_gather them first, e.g. ns.all_gather({what}, {axis_name!r}, "
+            "axis=1, tiled=True, to='invariant')"
+            + (", and use scatter_dim=1 for a sequence-parallel output." if what == "ids" else ".")
+        )
 
 
 # --- packed weights ------------------------------------------------------------------------------

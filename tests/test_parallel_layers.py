@@ -193,6 +193,31 @@ def test_vocab_cross_entropy_reduced(mesh, reduction):
     assert_same(f, lambda z, t: F.cross_entropy(z, t, reduction=reduction), (logits, t))
 
 
+def test_vocab_layers_refuse_ids_split_over_the_vocabulary_axis():
+    mesh = ns.make_mesh((2,), ("tp",), simulated=True)
+    ids = torch.randint(0, 8, (2, 4))
+    emb = ns.spmd_map(
+        lambda ids, w: pl.vocab_embedding(ids, w, axis_name="tp"),
+        mesh=mesh,
+        in_specs=(P(None, "tp"), P("tp")),  # a sequence-split ids: wrong
+        out_specs=P(None, "tp"),
+    )
+    with pytest.raises(ns.SpmdError) as e:
+        emb(ids, randn(8, 3))
+    assert "vocab_embedding: ids vary over ('tp',), the axis the vocabulary is split" in str(
+        e.value
+    )
+    assert "Fix: all_gather them first" in str(e.value)
+    ce = ns.spmd_map(
+        lambda z, t: pl.vocab_cross_entropy(z, t, axis_name="tp", reduction="none"),
+        mesh=mesh,
+        in_specs=(P(None, None, "tp"), P(None, "tp")),
+        out_specs=P(None, "tp"),
+    )
+    with pytest.raises(ns.SpmdError, match="vocab_cross_entropy: target varies over"):
+        ce(randn(2, 4, 8), ids)
+
+
 def test_vocab_cross_entropy_refuses_an_unknown_reduction():
     mesh = ns.make_mesh((2,), ("tp",), simulated=True)
     f = ns.spmd_map(
