@@ -1,8 +1,8 @@
 """One rank of test_random_axes.py's real-backend test (4 gloo processes, a (2, 2) dp x tp mesh).
 
-Runs one program of per-axis draws and dropouts on the real mesh, after
-``torch.manual_seed(rank)`` (the idiom that made torch's own draws diverge), and the same program
-on a simulated mesh in this process. The draws must be equal bit for bit; values computed from
+Runs one program of per-axis draws and dropouts (one inside activation checkpointing) on the
+real mesh, after ``torch.manual_seed(rank)`` (the idiom that made torch's own draws diverge), and
+the same program on a simulated mesh in this process. The draws must be equal bit for bit; values computed from
 them (a matmul, its gradients) to rounding. Prints one ``OUTCOME {json}`` line.
 """
 
@@ -12,6 +12,7 @@ import json
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import named_spmd as ns
 from named_spmd import P
@@ -31,8 +32,13 @@ def program(x, w, step):
         ns.random.dropout(x, 0.5, over=("dp", "tp"), seed=(step, 4)),
         ns.random.dropout(torch.ones_like(h), 0.4, over="dp", seed=(step, 5)),
     )
-    loss_part = ns.random.dropout(h, 0.4, over="dp", seed=(step, 5 + 1))
+    # recomputed in backward by activation checkpointing: the same mask, the same gradients
+    loss_part = checkpoint(_checkpointed, h, step, use_reentrant=False)
     return (*drawn, loss_part)
+
+
+def _checkpointed(h, step):
+    return torch.tanh(ns.random.dropout(h, 0.4, over="dp", seed=(step, 6)))
 
 
 def run(mesh, x, w):

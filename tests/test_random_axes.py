@@ -297,3 +297,30 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(ns.random, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_checkpointed_dropout_recomputes_the_same_mask():
+    """Non-reentrant activation checkpointing recomputes the draw in backward: the same mask (a
+    draw is a function of its arguments; the reuse check does not apply in backward), so values
+    and gradients equal the run without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    mesh = ns.make_mesh(*MESH)
+
+    def piece(x, w):
+        return torch.tanh(ns.random.dropout(x @ w, 0.5, over="dp", seed=("ckpt", 0)))
+
+    def plain(x, w):
+        return ns.psum(piece(x, w), "tp")
+
+    def checkpointed(x, w):
+        return ns.psum(checkpoint(piece, x, w, use_reentrant=False), "tp")
+
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    results = []
+    for f in (plain, checkpointed):
+        y = ns.spmd_map(f, mesh=mesh, in_specs=(P("dp"), P(None, "tp")), out_specs=P("dp"))(x, w)
+        results.append((y, *torch.autograd.grad(y.sum(), (x, w))))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
