@@ -51,6 +51,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "to_local": ("named_spmd.backends.distributed", "to_local"),
     "set_debug": ("named_spmd.backends._dist_failures", "set_debug"),
+    "set_grad_bucket_mb": ("named_spmd.backends._dist_buckets", "set_grad_bucket_mb"),
 }
 
 
@@ -97,6 +98,7 @@ __all__ = [
     "pvary",
     "random",
     "set_debug",
+    "set_grad_bucket_mb",
     "shard",
     "simulation_order",
     "spmd_map",
