@@ -70,7 +70,9 @@ class TrackedContext(SpmdContext):
 
     def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
         if vma is not INVARIANT or _ATTR in x.__dict__:
-            x.__dict__[_ATTR] = self.stamp_of(vma)
+            x.__dict__[_ATTR] = stamp = self.stamp_of(vma)
+            if _is_wrapped(x):  # a collective under a user vmap: the tensor vmap hands back
+                _stamp_inner(self, x, stamp)  # is the unwrapped one, which must keep the type
         return x
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
@@ -173,13 +175,15 @@ class VmaMode(TorchFunctionMode):
         self._axes_of: dict = {}  # stamp -> its axes in mesh order
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        # Fast path (most ops): positional operands only, and every operand that carries this
-        # call's stamp carries the same one, with no invariant tensor beside them. Then the
-        # result takes that stamp object as is: no sets built, no pvary. Costs about one dict
-        # lookup per operand on top of the mode's own dispatch.
+        # Fast path (most ops): tensors only as positional operands (keyword values and list
+        # arguments holding no tensor are fine: is_causal=True, layer_norm's normalized_shape),
+        # and every operand that carries this call's stamp carries the same one, with no
+        # invariant tensor beside them. Then the result takes that stamp object as is: no sets
+        # built, no pvary. Costs about one dict lookup per operand on top of the mode's own
+        # dispatch.
         if func in _RANDOM_LIKE or func in _NOT_OPS:
             return func(*args, **(kwargs or {}))
-        if kwargs:
+        if kwargs and not _plain_values(kwargs.values()):  # a tensor (out=, weight=) in kwargs
             return self._general(func, args, kwargs)
         token, aliased = self.token, self.ctx.alias_cache
         common = None
@@ -197,15 +201,15 @@ class VmaMode(TorchFunctionMode):
                     common = s
                 elif s is not common:
                     return self._general(func, args, kwargs)
-            elif type(a) is list or type(a) is tuple:
-                return self._general(func, args, kwargs)
+            elif (type(a) is list or type(a) is tuple) and not _plain_values(a):
+                return self._general(func, args, kwargs)  # tensors in a list (torch.cat)
         if common is None:
-            return func(*args)
+            return func(*args, **(kwargs or {}))
         if plain and self.insert_pvary:  # an invariant tensor meets varying ones: implicit pvary
             if _is_inplace(func):
                 _check_inplace(self.ctx, func, args, None, common[1])
             args = self._vary_plain(args, common)
-        out = func(*args)
+        out = func(*args, **kwargs) if kwargs else func(*args)
         if type(out) is Tensor or isinstance(out, Tensor):
             out.__dict__[_ATTR] = common
             if _is_wrapped(out):
@@ -276,6 +280,16 @@ class VmaMode(TorchFunctionMode):
                 if _is_wrapped(o):
                     _stamp_inner(self.ctx, o, stamp)
         return out
+
+
+def _plain_values(values) -> bool:
+    """Whether no tensor is among ``values`` (an op's keyword values, or a list argument such
+    as layer_norm's ``normalized_shape``): then the fast path types the op by its positional
+    tensors alone (``is_causal=True``, ``dim=-1``)."""
+    for v in values:
+        if isinstance(v, Tensor) or type(v) is list or type(v) is tuple:
+            return False
+    return True
 
 
 def _stamp_inner(ctx: TrackedContext, x: torch.Tensor, stamp) -> None:
