@@ -62,7 +62,10 @@ def _fresh(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def trainer(loss_of, params: dict, *, wait=None, context=contextlib.nullcontext):
     """``step(tokens, targets) -> loss`` (detached): forward and backward under ``context()``,
     then ``wait()`` (a data-parallel reduction still in flight), then the AdamW step."""
-    opt = torch.optim.AdamW(list(params.values()), lr=1e-2)
+    # foreach: one call per update op over all parameters. On CPU torch defaults to one call
+    # per parameter, which costs DTensor parameters (named_spmd's and DTensor TP's) about 3x
+    # the whole update in DTensor dispatch; plain tensors take either at about the same speed.
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-2, foreach=True)
 
     def step(tokens, targets):
         with context():
