@@ -251,13 +251,13 @@ class FailureBoard:
     def gone(self, ranks: list[int]) -> tuple[int, str] | None:
         """The first of ``ranks`` whose process is known to have ended, with what is known."""
         try:
-            for r in ranks:
-                fate = None if r == self.rank else _fate(self.store, r)
-                if fate is not None:
-                    return r, self._describe(fate)
+            fates = [(r, _fate(self.store, r)) for r in ranks if r != self.rank]
         except Exception:  # noqa: BLE001 - no store, nothing knowable
-            pass
-        return None
+            return None
+        # a killed process is the cause; peers that exited after it are its casualties
+        known = [(r, f) for r, f in fates if f is not None]
+        known.sort(key=lambda rf: ("killed" not in rf[1], rf[1].get("error") is None))
+        return None if not known else (known[0][0], self._describe(known[0][1]))
 
     def _describe(self, fate: dict) -> str:
         if "killed" in fate:

@@ -364,6 +364,17 @@ def run(
 # --- every call: the ranks call the same function on inputs of the same shapes ---------------------
 
 
+_INT62 = (1 << 62) - 1  # the checksum and its negation fit an int64
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = zlib.crc32(str(dtype).encode())
+    return code
+
+
 def _check_call_agrees(ctx: DistributedContext, leaves: list[Any]) -> None:
     """Gloo aborts the whole process (SIGABRT, no Python error) when the ranks of a collective
     pass buffers of different sizes, as inputs of different global shapes on different ranks make
@@ -372,12 +383,14 @@ def _check_call_agrees(ctx: DistributedContext, leaves: list[Any]) -> None:
     which lets a rank left waiting in an earlier call name the one that moved on
     (``FailureBoard._ahead``). Only when the checksums differ are the descriptions exchanged."""
     mesh = ctx.mesh
-    shapes = ", ".join(
-        f"{list(x.shape)} {str(x.dtype)[6:]}" for x in leaves if isinstance(x, torch.Tensor)
-    )
-    mine = f"{ctx.fn_label}({shapes})"
-    if mesh.comm(mesh.axis_names).agree(zlib.crc32(mine.encode()), "the start-of-call check"):
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    # hash() of int tuples (a torch.Size is one) is the same in every process; of str it is not
+    metadata = hash(tuple((x.shape, _dtype_code(x.dtype)) for x in tensors))
+    checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
+    if mesh.comm(mesh.axis_names).agree(checksum, "the start-of-call check"):
         return
+    shapes = ", ".join(f"{list(x.shape)} {str(x.dtype)[6:]}" for x in tensors)
+    mine = f"{ctx.fn_label}({shapes})"
     board = mesh.board
     got = board.exchange("call", board.ranks, mine, f"rank {mesh.rank}", "the start-of-call check")
     lines = "\n".join(f"    {board.where(r)}: {v}" for r, v in got.items())

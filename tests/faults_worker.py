@@ -1,0 +1,117 @@
+"""Fault scenarios on 4 gloo processes, a (2, 2) mesh ("dp", "tp"): run by tests/test_faults.py.
+
+``python tests/faults_worker.py SCENARIO``; every rank prints one ``OUTCOME {json}`` per phase
+(rank, phase, seconds, and ``ok`` or the error's type and message):
+
+* ``mismatch``: phases that leave the mesh usable, each followed by a good call that must run and
+  give the dense sum: rank 3 passes another global shape (without, then with debug mode); the
+  ranks psum over different axes with debug mode; then the same without debug mode, twice (the
+  second call is where the ranks left behind see the others ahead).
+* ``sigkill``: rank 2 kills itself (SIGKILL) inside the function, before a psum.
+* ``axes_exit``: ranks 0, 1 psum over "dp", ranks 2, 3 over "tp"; 2 and 3 return and exit.
+* ``once_more``: rank 0 calls the mapped function once more than the others, which exit.
+* ``make_mesh``: rank 1 raises right after ``make_mesh`` (uncaught: its process exits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import named_spmd as ns
+from named_spmd import P
+
+X = torch.arange(8.0)
+DENSE = X.reshape(4, 2).sum(0)  # psum over both axes of P(("dp", "tp")) blocks
+
+
+def report(rank: int, phase: str, call) -> bool:
+    t0 = time.monotonic()
+    try:
+        call()
+        out: dict = {"ok": True}
+    except ns.SpmdError as e:
+        out = {"error": type(e).__name__, "message": str(e)}
+    out.update(rank=rank, phase=phase, seconds=time.monotonic() - t0)
+    print("OUTCOME " + json.dumps(out), flush=True)
+    return "ok" in out
+
+
+def psum_all(mesh):
+    return ns.spmd_map(
+        lambda x: ns.psum(x, ("dp", "tp")), mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P()
+    )
+
+
+def good_call(mesh):
+    y = psum_all(mesh)(X).full_tensor()
+    if not torch.equal(y, DENSE):
+        raise ns.SpmdError(f"wrong sum after recovery: {y.tolist()} instead of {DENSE.tolist()}")
+
+
+def by_axes(mesh, rank):
+    # ranks 0, 1 (dp=0) sum over dp; ranks 2, 3 (dp=1) over tp: the dp groups never complete
+    f = lambda x: ns.psum(x, "dp" if rank < 2 else "tp")  # noqa: E731
+    return ns.spmd_map(f, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P(("dp", "tp")))
+
+
+def mismatch(mesh, rank):
+    shape = 16 if rank == 3 else 8
+    bad_shapes = lambda: psum_all(mesh)(torch.arange(float(shape)))  # noqa: E731
+    report(rank, "shapes", bad_shapes)
+    report(rank, "shapes_then", lambda: good_call(mesh))
+    ns.set_debug(True)
+    report(rank, "shapes_debug", bad_shapes)
+    report(rank, "shapes_debug_then", lambda: good_call(mesh))
+    report(rank, "axes_debug", lambda: by_axes(mesh, rank)(X))
+    report(rank, "axes_debug_then", lambda: good_call(mesh))
+    ns.set_debug(None)
+    f = by_axes(mesh, rank)
+    report(rank, "axes", lambda: (f(X), f(X)))
+
+
+def sigkill(mesh, rank):
+    def f(x):
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return ns.psum(x, ("dp", "tp"))
+
+    report(
+        rank,
+        "sigkill",
+        lambda: ns.spmd_map(f, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P())(X),
+    )
+
+
+def axes_exit(mesh, rank):
+    report(rank, "axes_exit", lambda: by_axes(mesh, rank)(X))
+
+
+def once_more(mesh, rank):
+    report(rank, "first", lambda: good_call(mesh))
+    if rank == 0:
+        report(rank, "once_more", lambda: good_call(mesh))
+
+
+def make_mesh(mesh, rank):
+    if rank == 1:
+        raise ValueError("rank 1 raises right after make_mesh")
+    report(rank, "make_mesh", lambda: good_call(mesh))
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    globals()[scenario](mesh, rank)
+
+
+if __name__ == "__main__":
+    main()

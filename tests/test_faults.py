@@ -1,0 +1,112 @@
+"""Faults on a real mesh (4 gloo processes, tests/faults_worker.py): every surviving rank stops
+within a bound, with an error that names the failing or missing rank, or recovers.
+
+What each launch provokes is in faults_worker.py's docstring. Related launches elsewhere:
+a rank raising inside the function and mismatched collectives in debug mode
+(test_distributed.py, dist_worker.py), calls after a caught error (recovery.py), a rank hanging
+past NAMED_SPMD_TIMEOUT (hanging_rank.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_launch import launch  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 4
+COORDS = {0: "dp=0, tp=0", 1: "dp=0, tp=1", 2: "dp=1, tp=0", 3: "dp=1, tp=1"}
+
+
+def run(scenario: str) -> tuple[dict[tuple[int, str], dict], str]:
+    finished = launch(
+        [os.path.join("tests", "faults_worker.py"), scenario], WORLD, 120, NAMED_SPMD_TIMEOUT="30"
+    )
+    tail = "\n".join(f"--- rank {r}\n{o[-1500:]}" for r, o in enumerate(finished.outputs))
+    assert not finished.timed_out, tail
+    outcomes = {(o["rank"], o["phase"]): o for o in map(json.loads, finished.lines("OUTCOME"))}
+    return outcomes, tail
+
+
+def named(rank: int) -> str:
+    return f"rank {rank} (mesh coordinates {COORDS[rank]})"
+
+
+def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs():
+    outcomes, tail = run("mismatch")
+    for rank in range(WORLD):
+        for phase in ("shapes", "shapes_debug"):  # no C++ abort: one listing on every rank
+            o = outcomes.get((rank, phase))
+            assert o is not None and o["error"] == "SpmdError", (o, tail)
+            assert f"{named(3)}: " in o["message"] and "([16] float32)" in o["message"], o
+            assert f"{named(0)}: " in o["message"] and "([8] float32)" in o["message"], o
+            assert "Fix:" in o["message"], o
+        o = outcomes[rank, "axes_debug"]  # every rank reports what every rank called
+        assert o["error"] in ("SpmdError", "RankFailedError"), o
+        for r in range(WORLD):
+            axes = "('dp',)" if r < 2 else "('tp',)"
+            assert f"{named(r)}: psum([2], torch.float32, axes={axes})" in o["message"], o
+        o = outcomes[rank, "axes"]  # without debug mode: nobody returns from the second call
+        assert o["error"] in ("SpmdError", "RankFailedError"), o
+        assert "called different collectives in spmd_map call #" in o["message"], o
+        assert "finished that call without joining it" in o["message"], o
+        assert o["seconds"] < 15, o
+        for phase in ("shapes_then", "shapes_debug_then", "axes_debug_then"):
+            assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]
+
+
+def test_a_killed_rank_is_named_by_every_peer():
+    outcomes, tail = run("sigkill")
+    assert sorted(r for r, _ in outcomes) == [0, 1, 3], tail
+    for o in outcomes.values():
+        assert o["error"] == "RankFailedError", o
+        assert f"{named(2)} died without reporting an error" in o["message"], o
+        assert "SIGKILL" in o["message"], o
+        assert o["seconds"] < 15, o
+
+
+def test_ranks_left_waiting_name_the_rank_that_finished_the_call_and_exited():
+    outcomes, tail = run("axes_exit")
+    for rank in (2, 3):  # their own groups completed: nothing tells them, they return
+        assert outcomes[rank, "axes_exit"].get("ok"), (outcomes, tail)
+    for rank in (0, 1):
+        o = outcomes[rank, "axes_exit"]
+        assert o["error"] == "RankFailedError", o
+        assert f"{named(2)} exited normally" in o["message"] or (
+            f"{named(3)} exited normally" in o["message"]
+        ), o
+        assert "after finishing spmd_map call #1" in o["message"], o
+        assert "called different collectives" in o["message"], o
+        assert o["seconds"] < 15, o
+
+
+def test_a_rank_calling_once_more_names_the_ranks_that_did_not():
+    outcomes, tail = run("once_more")
+    for rank in range(WORLD):
+        assert outcomes[rank, "first"].get("ok"), (outcomes, tail)
+    o = outcomes[0, "once_more"]
+    assert o["error"] == "RankFailedError", o
+    assert (
+        "exited normally after 1 spmd_map calls on this mesh, without making call #2"
+        in (o["message"])
+    ), o
+    assert o["seconds"] < 15, o
+
+
+def test_a_rank_failing_right_after_make_mesh_is_named_by_its_peers():
+    outcomes, tail = run("make_mesh")
+    assert sorted(r for r, _ in outcomes) == [0, 2, 3], tail  # nobody died inside make_mesh
+    for o in outcomes.values():
+        assert o["error"] == "RankFailedError", o
+        assert (
+            f"{named(1)} exited on an uncaught ValueError: rank 1 raises right after"
+            in (o["message"])
+        ), o
+        assert o["seconds"] < 15, o
