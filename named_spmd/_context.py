@@ -10,6 +10,7 @@ and they raise a clear error instead of hanging or failing deep inside torch.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -297,14 +298,25 @@ class CallMarker(P.DeviceContext):
 
     def __init__(self, ctx: SpmdContext) -> None:  # not DeviceContext's: no device is set
         self.ctx = ctx
-        depth = P.function_mode_depth()
+        stack = [P.function_mode_at(i) for i in range(P.function_mode_depth())]
         # the call's own modes (VmaMode & co, which keep the call as .ctx), to push again
-        stack = [P.function_mode_at(i) for i in range(depth)]
         self.modes = [m for m in stack if getattr(m, "ctx", None) is ctx]
+        # the device context the call ran under: torch's checkpoint would have re-entered it
+        self.outer_device = next(
+            (m for m in reversed(stack) if isinstance(m, P.DeviceContext)),  # no marker yet
+            None,
+        )
         self.undo: list[Callable[[], None] | None] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         return func(*args, **(kwargs or {}))
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        """What ``torch.get_default_device()`` says without the marker (it reads the innermost
+        DeviceContext mode's ``device``): the call's outer device context's, else the CPU."""
+        outer = self.outer_device
+        return torch.device("cpu") if outer is None else outer.device
 
     def __enter__(self) -> CallMarker:
         undo = None if active() is self.ctx else self._resume()
@@ -319,31 +331,26 @@ class CallMarker(P.DeviceContext):
             undo()
 
     def _resume(self) -> Callable[[], None]:
-        undo_backend = self.ctx.resume()
-        pushed = 0
+        undo = contextlib.ExitStack()  # its callbacks run last to first
         try:
+            undo.callback(self.ctx.resume())
+            outer = self.outer_device
+            if outer is not None and not _on_mode_stack(outer):
+                undo.enter_context(outer)
             for mode in self.modes:
                 P.push_function_mode(mode)
-                pushed += 1
+                undo.callback(P.pop_function_mode)
+            _local.stack.append(self.ctx)
+            undo.callback(_local.stack.pop)
+            undo.callback(end_recompute, begin_recompute())
         except BaseException:
-            _pop_modes(pushed)
-            undo_backend()
+            undo.close()
             raise
-        _local.stack.append(self.ctx)
-        saved = begin_recompute()
-
-        def undo() -> None:
-            end_recompute(saved)
-            _local.stack.pop()
-            _pop_modes(pushed)
-            undo_backend()
-
-        return undo
+        return undo.close
 
 
-def _pop_modes(n: int) -> None:
-    for _ in range(n):
-        P.pop_function_mode()
+def _on_mode_stack(mode: Any) -> bool:
+    return any(P.function_mode_at(i) is mode for i in range(P.function_mode_depth()))
 
 
 def _remove_marker(ctx: SpmdContext) -> None:

@@ -139,6 +139,47 @@ def test_calls_leave_the_mode_stack_as_they_found_it():
     assert torch.overrides._len_torch_function_stack() == depth
 
 
+def test_default_device_inside_a_call_is_the_one_outside():
+    """torch.get_default_device() reads the innermost DeviceContext mode: the call's marker
+    answers with the device that applies without it."""
+    mesh = ns.make_mesh((2,), ("x",))
+    seen = []
+    f = ns.spmd_map(
+        lambda x: seen.append(torch.get_default_device()) or x,
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+    )
+    f(torch.ones(4))
+    with torch.device("meta"):
+        f(torch.ones(4, device="cpu"))
+    assert seen == [torch.device("cpu"), torch.device("meta")]
+
+
+def test_recomputation_runs_under_the_calls_device_context():
+    """As torch's checkpoint does without a call around it, the recomputation re-enters the
+    device context the forward ran under, also when the backward runs outside it."""
+    mesh = ns.make_mesh((2,), ("x",))
+    seen = []
+
+    def piece(x):
+        seen.append(torch.get_default_device())
+        return ns.psum(torch.sin(x), "x")
+
+    f = ns.spmd_map(
+        lambda x: checkpoint(piece, x, use_reentrant=False),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P(),
+    )
+    x = torch.randn(4, requires_grad=True)
+    with torch.device("meta"):
+        y = f(x)
+    y.sum().backward()
+    assert seen == [torch.device("meta")] * 2
+    torch.testing.assert_close(x.grad, torch.cos(x.detach()))
+
+
 def test_reentrant_checkpoint_is_a_clear_error_on_the_simulated_mesh():
     mesh = ns.make_mesh((2,), ("x",))
 
