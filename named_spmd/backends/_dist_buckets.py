@@ -122,13 +122,16 @@ class Bucket:
             self.started = self.comm.start_all_reduce_(self.flat)
 
     def wait(self) -> None:
-        """Start if still open, wait (a failed peer raises RankFailedError), copy back (once)."""
+        """Start if still open, wait (a failed peer raises RankFailedError), copy back (once:
+        the registry calls this again for every member when its record is dropped)."""
+        if self.copied:
+            return
         self.start()
         self.comm.finish(self.started)
-        if not self.copied and self.flat is not None:
-            sizes = [m.numel() for m in self.members]
-            torch.split_with_sizes_copy(self.flat, sizes, out=[m.view(-1) for m in self.members])
-            self.flat, self.copied = None, True
+        assert self.flat is not None  # start made it
+        sizes = [m.numel() for m in self.members]
+        torch.split_with_sizes_copy(self.flat, sizes, out=[m.view(-1) for m in self.members])
+        self.flat, self.copied = None, True
 
     def done(self) -> bool:
         return self.copied
