@@ -20,7 +20,8 @@ once per process, on local blocks:
 * vma is stamped per tensor (``_tracking.VmaMode``), so implicit pvary, the out_specs check and
   the collectives' rules behave exactly as in the simulated backend.
 * The backward psum of a pvary (a replicated weight's gradient) overlaps with the rest of the
-  backward pass (``_dist_overlap``).
+  backward pass (``_dist_overlap``); those of one backward pass share bucketed all-reduces
+  (``_dist_buckets``, ``ns.set_grad_bucket_mb``).
 
 Failures: see ``_dist_failures`` (a rank that raises makes the others raise RankFailedError
 naming it; ``NAMED_SPMD_DEBUG=1`` checks that all ranks call the same collectives).
