@@ -30,6 +30,8 @@ PRIVATE = re.compile(
     r"|distributed\.tensor\._|c10d\._|compute_global_tensor_info"
     r"|\.(?:DTensorSpec|TensorMeta)\b|\b(?:DTensorSpec|TensorMeta)\s*\(|\bimport\b.*\bDTensorSpec\b"
     r"|\bimport\b.*\bTensorMeta\b|\bDTensor\(|[\w)\]]\._spec\b"
+    # the torch-function mode stack and its device modes (the checkpoint marker's base)
+    r"|\boverrides\._|\boverrides import _|\butils\._device\b"
 )
 
 
@@ -76,6 +78,9 @@ LEAKS = [  # one line per private name the scan must report outside _torch_priva
     "local = dtensor._local_tensor",
     "n = x._use_count()",
     "store = c10d._get_default_store()",
+    "from torch.overrides import _push_mode",
+    "depth = torch.overrides._len_torch_function_stack()",
+    "from torch.utils._device import DeviceContext",
 ]
 PROSE = [  # what the scan leaves alone: the package's own names and DTensor's concepts in prose
     "from ._spec import PartitionSpec",
@@ -264,6 +269,23 @@ def test_disable_torch_function_and_functorch():
             assert P.maybe_get_level(torch.arange(2)) == -1
     finally:
         P.vmap_decrement_nesting()
+
+
+def test_the_function_mode_stack_names():
+    """The checkpoint marker (_context.CallMarker) is a DeviceContext pushed and removed with
+    these: depth, the mode at a depth (0 the bottom), push and pop of the top."""
+    assert P.DeviceContext is __import__("torch.utils._device").utils._device.DeviceContext
+    base = P.function_mode_depth()
+    a, b = torch.overrides.TorchFunctionMode(), torch.overrides.TorchFunctionMode()
+    P.push_function_mode(a)
+    P.push_function_mode(b)
+    try:
+        assert P.function_mode_depth() == base + 2
+        assert P.function_mode_at(base) is a and P.function_mode_at(base + 1) is b
+    finally:
+        assert P.pop_function_mode() is b
+        assert P.pop_function_mode() is a
+    assert P.function_mode_depth() == base
 
 
 def test_the_distributed_names_resolve_lazily():
