@@ -103,20 +103,29 @@ class Comm:
             except RuntimeError as e:
                 raise board.translate(e, self._doing(op)) from None
 
-    def agree(self, value: int, name: str) -> bool:
-        """Whether every member passes the same ``value``: one all-reduce of two int64 (the max
-        of ``value`` and of ``-value``: they agree when the max equals the min)."""
+    def start_agree(self, value: int, name: str) -> tuple[Any, torch.Tensor]:
+        """Start comparing ``value`` across the group: one all-reduce of two int64 (the max of
+        ``value`` and of ``-value``: they agree when the max equals the min). :meth:`agreed`
+        finishes it; in between, this rank computes."""
         buf = torch.tensor([value, -value], dtype=torch.int64)
+        opts = self._reduce_opts(MAX)
+        opts.asyncOp = True
         try:
-            work = self.group.allreduce([buf], self._opts[MAX])
+            return self.group.allreduce([buf], opts), buf
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
+
+    def agreed(self, started: tuple[Any, torch.Tensor], name: str) -> bool:
+        """Whether every member passed the same value to :meth:`start_agree`."""
+        work, buf = started
         self._wait(name, work)
         return int(buf[0]) == -int(buf[1])
 
     # --- collectives --------------------------------------------------------------------------
     def all_reduce_(self, buf: torch.Tensor, op=SUM, name: str = "psum") -> torch.Tensor:
         """Reduce ``buf`` over the group in place (the caller owns it); returns it."""
+        if self.mesh.pending_check is not None:
+            self.mesh.pending_check()
         if self.mesh.debug:
             self._debug(name, buf)
         try:
@@ -129,6 +138,8 @@ class Comm:
     def start_all_reduce_(self, buf: torch.Tensor, name: str = "psum") -> Any:
         """Start summing ``buf`` (owned by the caller) over the group in place; returns the work,
         to be finished with :meth:`finish`."""
+        if self.mesh.pending_check is not None:
+            self.mesh.pending_check()
         if self.mesh.debug:
             self._debug(name, buf)
         try:
@@ -143,6 +154,8 @@ class Comm:
     def all_gather(self, x: torch.Tensor, name: str = "all_gather") -> torch.Tensor:
         """``[n, *x.shape]``: every member's ``x``, in tuple order."""
         x = x.contiguous()
+        if self.mesh.pending_check is not None:
+            self.mesh.pending_check()
         if self.mesh.debug:
             self._debug(name, x)
         out = x.new_empty((self.n, *x.shape))
@@ -157,6 +170,8 @@ class Comm:
         if self._from_group is not None:
             stacked = stacked.index_select(0, self._from_group)
         stacked = stacked.contiguous()
+        if self.mesh.pending_check is not None:
+            self.mesh.pending_check()
         if self.mesh.debug:
             self._debug(name, stacked)
         out = stacked.new_empty((1, *stacked.shape[1:]))  # unit dim: see all_gather
@@ -170,6 +185,8 @@ class Comm:
         if self._from_group is not None:
             stacked = stacked.index_select(0, self._from_group)
         stacked = stacked.contiguous()
+        if self.mesh.pending_check is not None:
+            self.mesh.pending_check()
         if self.mesh.debug:
             self._debug(name, stacked)
         out = torch.empty_like(stacked)
@@ -183,6 +200,8 @@ class Comm:
         me = self.index
         dst = next((d for s, d in pairs if s == me), None)
         src = next((s for s, d in pairs if d == me), None)
+        if self.mesh.pending_check is not None:
+            self.mesh.pending_check()
         if self.mesh.debug:
             self._debug(name, x, f", pairs={sorted(pairs)}")
         if src is None:
@@ -206,6 +225,8 @@ class Comm:
 
     def broadcast_(self, buf: torch.Tensor, root: int, name: str = "broadcast") -> torch.Tensor:
         """Overwrite ``buf`` (owned by the caller) with tuple member ``root``'s ``buf``."""
+        if self.mesh.pending_check is not None:
+            self.mesh.pending_check()
         if self.mesh.debug:
             self._debug(name, buf, f", root={root}")
         opts = c10d.BroadcastOptions()

@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as P
+from .._accounting import CommEvent, active, record_into
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._errors import RankFailedError, SpmdError
@@ -122,6 +123,7 @@ class DistributedMesh(Mesh):
         self.device = _device(device_type)
         self.poll = device_type == "cpu"  # gloo: wait in slices, watching for failed peers
         self.debug = False
+        self.pending_check: Callable[[], None] | None = None  # see _check_call_agrees
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
         store = P.dist().default_store()
         ranks = self.grid.reshape(-1).tolist()
@@ -337,9 +339,13 @@ def run(
             for i, (leaf, spec) in enumerate(zip(leaves, specs))
         ]
         if mesh.debug:
+            if mesh.pending_check is not None:  # shapes first: the clearer message
+                mesh.pending_check()
             _check_inputs_agree(ctx, leaves)
         with VmaMode(ctx):
             outs = body(local, ctx)
+        if mesh.pending_check is not None:  # the body ran no collective
+            mesh.pending_check()
         if mesh.debug:
             _check_replicas_agree(ctx, outs, out_specs_of())
         result = [global_output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
@@ -352,6 +358,7 @@ def run(
     except P.control_flow_exceptions():  # torch steering itself (checkpoint): not a failure
         raise
     except BaseException as e:
+        mesh.pending_check = None  # issued on every rank: it completes without this one
         board.post(e)
         if hasattr(e, "add_note"):
             coords = ", ".join(f"{a}={c}" for a, c in mesh.my_coords.items())
@@ -380,16 +387,33 @@ def _check_call_agrees(ctx: DistributedContext, leaves: list[Any]) -> None:
     """Gloo aborts the whole process (SIGABRT, no Python error) when the ranks of a collective
     pass buffers of different sizes, as inputs of different global shapes on different ranks make
     them. One small all-reduce per call compares a checksum of the function and of the tensor
-    inputs' global shapes and dtypes first; it also keeps the ranks within one call of each other,
+    inputs' global shapes and dtypes; it also keeps the ranks within one call of each other,
     which lets a rank left waiting in an earlier call name the one that moved on
-    (``FailureBoard._ahead``). Only when the checksums differ are the descriptions exchanged."""
+    (``FailureBoard._ahead``). Only when the checksums differ are the descriptions exchanged.
+    It is started here and finished (``mesh.pending_check``) before the call's first collective
+    (``Comm``) or at the end of the body, so the body's computation until then overlaps it."""
     mesh = ctx.mesh
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     # hash() of int tuples (a torch.Size is one) is the same in every process; of str it is not
     metadata = hash(tuple((x.shape, _dtype_code(x.dtype)) for x in tensors))
     checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
-    if mesh.comm(mesh.axis_names).agree(checksum, "the start-of-call check"):
-        return
+    comm = mesh.comm(mesh.axis_names)
+    started = comm.start_agree(checksum, "the start-of-call check")
+    if active():  # a collective of the call: CommMode counts it, as a boundary event
+        event = CommEvent("pmax", comm.axes, "forward", (2,), torch.int64, boundary=True)
+        record_into(active(), event)
+
+    def finish() -> None:
+        mesh.pending_check = None
+        if not comm.agreed(started, "the start-of-call check"):
+            _disagree(ctx, tensors)
+
+    mesh.pending_check = finish
+
+
+def _disagree(ctx: DistributedContext, tensors: list[torch.Tensor]) -> None:
+    """The checksums differ: exchange the descriptions and raise on every rank alike."""
+    mesh = ctx.mesh
     shapes = ", ".join(f"{list(x.shape)} {str(x.dtype)[6:]}" for x in tensors)
     mine = f"{ctx.fn_label}({shapes})"
     board = mesh.board
