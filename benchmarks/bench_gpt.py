@@ -65,7 +65,12 @@ def trainer(loss_of, params: dict, *, wait=None, context=contextlib.nullcontext)
     # foreach: one call per update op over all parameters. On CPU torch defaults to one call
     # per parameter, which costs DTensor parameters (named_spmd's and DTensor TP's) about 3x
     # the whole update in DTensor dispatch; plain tensors take either at about the same speed.
-    opt = torch.optim.AdamW(list(params.values()), lr=1e-2, foreach=True)
+    # One group per kind: foreach refuses to mix DTensors (DTensor TP's sharded weights) with
+    # plain tensors (its replicated ones) in one call.
+    kinds: dict[bool, list] = {}
+    for p in params.values():
+        kinds.setdefault(hasattr(p, "placements"), []).append(p)
+    opt = torch.optim.AdamW([{"params": ps} for ps in kinds.values()], lr=1e-2, foreach=True)
 
     def step(tokens, targets):
         with context():
