@@ -2,8 +2,8 @@
 
 Data parallel training reduces one gradient per replicated parameter (the psum of each implicit
 pvary, :mod:`._dist_overlap`). Most of them are small, and each all-reduce has a fixed cost
-(a round trip through the process group, tens of microseconds on gloo), so DDP packs gradients
-into ~25 MB buckets and issues one all-reduce per bucket. So does this module:
+(a round trip through the group: about 90 us for 4 bytes on 4 gloo processes, docs/design.md
+section 5), so DDP packs gradients into ~25 MB buckets, one all-reduce each. So does this module:
 
 * A bucket belongs to one backward pass (autograd graph task), one process group, one dtype and
   one device: it never mixes them. Bucket boundaries depend only on the order and sizes of the
@@ -21,8 +21,8 @@ into ~25 MB buckets and issues one all-reduce per bucket. So does this module:
   the price of a smaller bucket.
 
 Exact numbers: the sum of a concatenation is the concatenation of the sums, element by element;
-with two members (a + b == b + a) it is bitwise the per-gradient result. With more members gloo's
-ring may add an element's terms in another order, as DDP's buckets do: equal to rounding.
+on two ranks (a + b == b + a) it is bitwise the per-gradient result. On more, gloo's ring may add
+an element's terms in another order, as DDP's buckets do: equal to rounding.
 """
 
 from __future__ import annotations
