@@ -118,16 +118,25 @@ def resume(saved: list[CommMode]) -> None:
     _local.stack = saved
 
 
-def begin_recompute() -> int:
+def begin_recompute(modes: list[CommMode]) -> tuple[int, list[CommMode]]:
     """A checkpoint's recomputation starts: its collectives run in backward, so they are
-    recorded as backward communication until :func:`end_recompute`."""
-    saved = _local.recomputing
-    _local.recomputing = saved + 1
+    recorded as backward communication until :func:`end_recompute`. ``modes``: the CommMode
+    stack of the forward's thread (:func:`live_modes`), recorded into where this thread has none
+    (autograd runs a CUDA backward on its own device thread)."""
+    saved = (_local.recomputing, _local.stack)
+    _local.recomputing += 1
+    if not _local.stack:
+        _local.stack = modes
     return saved
 
 
-def end_recompute(saved: int) -> None:
-    _local.recomputing = saved
+def end_recompute(saved: tuple[int, list[CommMode]]) -> None:
+    _local.recomputing, _local.stack = saved
+
+
+def live_modes() -> list[CommMode]:
+    """This thread's CommMode stack itself (not a copy): it changes as modes enter and exit."""
+    return _local.stack
 
 
 def record(event: CommEvent) -> None:

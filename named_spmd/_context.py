@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from . import _torch_private as P
-from ._accounting import begin_recompute, end_recompute
+from ._accounting import begin_recompute, end_recompute, live_modes
 from ._errors import CollectiveError, fn_label, suggest
 from ._mesh import Mesh
 from ._types import Vma
@@ -306,6 +306,7 @@ class CallMarker(P.DeviceContext):
             (m for m in reversed(stack) if isinstance(m, P.DeviceContext)),  # no marker yet
             None,
         )
+        self.comm_modes = live_modes()  # for a recomputation on autograd's device thread
         self.undo: list[Callable[[], None] | None] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -342,7 +343,7 @@ class CallMarker(P.DeviceContext):
                 undo.callback(P.pop_function_mode)
             _local.stack.append(self.ctx)
             undo.callback(_local.stack.pop)
-            undo.callback(end_recompute, begin_recompute())
+            undo.callback(end_recompute, begin_recompute(self.comm_modes))
         except BaseException:
             undo.close()
             raise

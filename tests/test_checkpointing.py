@@ -82,6 +82,31 @@ def test_recomputed_collectives_are_backward_communication(program, mode):
         assert recomputed == inside
 
 
+def test_a_backward_on_another_thread_resumes_the_call_and_records_into_the_forwards_modes():
+    """Autograd runs a CUDA backward on its own device thread, with none of the forward thread's
+    thread-locals (active calls, vmap levels, CommModes): a backward on a Python thread of its
+    own stands for it here."""
+    import threading
+
+    mesh = ns.make_mesh(*MESH_SHAPE)
+    runs = []
+    for thread in (False, True):
+        f, in_specs, out_specs, shapes = PROGRAMS["gather_scatter"]("full")
+        mapped = ns.spmd_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+        args = inputs(shapes)
+        with ns.CommMode() as comms:
+            loss = (mapped(*args) ** 2).sum()
+            if thread:
+                worker = threading.Thread(target=loss.backward)
+                worker.start()
+                worker.join()
+            else:
+                loss.backward()
+        runs.append(([a.grad for a in args], comms.counts()))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=0)
+    assert runs[1][1] == runs[0][1]
+
+
 def test_check_reports_the_recomputation_like_the_simulated_run():
     mesh = ns.make_mesh(*MESH_SHAPE)
     f, in_specs, out_specs, shapes = PROGRAMS["megatron_mlp"]("full")
