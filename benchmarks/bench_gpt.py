@@ -20,14 +20,17 @@ Cases (baseline first, both in the same process, rounds interleaved):
 
 Before timing, every variant trains ``--check-steps`` steps in float64 from the same parameters
 and batches as the dense model: the losses and the final parameters must equal the dense run's
-(to 1e-9), or the script exits with an error. Multi-process timings are the median over rounds of
-the slowest rank, each round timing ``--steps`` steps between barriers.
+(to 1e-9), or the script exits with an error. Timings are the median over rounds (of the slowest
+rank, each round timing ``--steps`` steps between barriers), as wall clock (the targets) and as
+CPU time of the process (rows "..., CPU time": steadier on a shared machine, but blind to time
+spent waiting for peers).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import random
@@ -226,26 +229,44 @@ def timer_steps(step, cfg: G.Config, number: int):
     return run
 
 
-def interleaved(fns: dict, rounds: int, steps: int) -> dict[str, float]:
-    """Seconds per step: median over rounds of the slowest rank, each round timing ``steps``
-    steps between barriers, in a shuffled order (the same on every rank)."""
+def interleaved(fns: dict, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """Seconds per step, wall clock and this process's CPU time: the median over rounds of the
+    slowest rank, each round timing ``steps`` steps (between barriers on a real mesh), in a
+    shuffled order (the same on every rank). CPU time moves less than the wall clock when
+    other work shares the machine, but leaves out time spent waiting for peers."""
+    distributed = dist.is_initialized()
     for fn in fns.values():
         fn()  # warm up
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(rounds):
-        order = list(fns)
-        random.Random(r).shuffle(order)
-        for name in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            fns[name]()
-            samples[name].append(time.perf_counter() - t0)
-    out = {}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+    gc.disable()  # collections land at random points and blur the medians
+    try:
+        for r in range(rounds):
+            order = list(fns)
+            random.Random(r).shuffle(order)
+            for name in order:
+                if distributed:
+                    dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                fns[name]()
+                samples[name].append((time.perf_counter() - t0, time.process_time() - c0))
+            gc.collect()
+    finally:
+        gc.enable()
+    out: dict[str, dict[str, float]] = {"wall": {}, "cpu": {}}
     for name, s in samples.items():
         t = torch.tensor(s, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out[name] = statistics.median(t.tolist()) / steps
+        if distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+        out["wall"][name] = statistics.median(t[:, 0].tolist()) / steps
+        out["cpu"][name] = statistics.median(t[:, 1].tolist()) / steps
     return out
+
+
+def rows(case: str, medians: dict, baseline: str, targets: dict[str, str]) -> list[_util.Row]:
+    """The wall-clock rows (with the targets), then the CPU-time rows of the same runs."""
+    wall = _util.rows_with_ratios(BENCH, case, medians["wall"], baseline, targets)
+    cpu = _util.rows_with_ratios(BENCH, case + ", CPU time", medians["cpu"], baseline, {})
+    return wall + cpu
 
 
 # --- the cases --------------------------------------------------------------------------------------
@@ -260,14 +281,11 @@ def simulated(cfg: G.Config, args) -> list[_util.Row]:
     fns = {"dense single device": dense_step(cfg, params)[0]}
     for s, mesh in meshes.items():
         fns[f"named_spmd simulated {s}"] = spmd_step(cfg, mesh, params)[0]
-    tok, tgt = G.batch(cfg, 0)
-    medians = _util.compare(
-        {k: (lambda f=f: f(tok, tgt)) for k, f in fns.items()}, rounds=args.rounds
+    medians = interleaved(
+        {k: timer_steps(f, cfg, args.steps) for k, f in fns.items()}, args.rounds, args.steps
     )
     targets = {"named_spmd simulated (1, 1)": "<= 1.15x", "named_spmd simulated (2, 2)": "<= 1.5x"}
-    return _util.rows_with_ratios(
-        BENCH, "simulated, 1 process", medians, "dense single device", targets
-    )
+    return rows("simulated, 1 process", medians, "dense single device", targets)
 
 
 def worker(args) -> None:
@@ -318,8 +336,8 @@ def real(name: str, args) -> list[_util.Row]:
     for variant, err in result["errors"].items():
         print(f"{case}: {variant} equal to the dense model to {err:.1e} (float64)", flush=True)
     medians = result["medians"]
-    baseline = next(k for k in medians if k != "named_spmd")
-    return _util.rows_with_ratios(BENCH, case, medians, baseline, {"named_spmd": target})
+    baseline = next(k for k in medians["wall"] if k != "named_spmd")
+    return rows(case, medians, baseline, {"named_spmd": target})
 
 
 def _spawn(nproc: int, argv: list[str], timeout: float) -> str:
@@ -366,7 +384,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=["sim", *_REAL])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=5, help="steps per round (multi-process)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed round")
     parser.add_argument("--check-steps", type=int, default=3)
     parser.add_argument("--d", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)

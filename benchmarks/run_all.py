@@ -316,6 +316,8 @@ def gpt_targets(results: dict[str, Outcome]) -> list[tuple[str, str, str, str, s
         context = (
             f"{row['median (us)']} us vs {base['median (us)']} us ({row['vs']})" if base else ""
         )
+        cpu = _find(gpt, case=case + ", CPU time", variant=variant)
+        context += f"; CPU time {cpu['ratio']}" if cpu else ""
         rows.append(
             _target(f"GPT step {text} <= {limit}x", _col(row, "ratio"), "x", limit, context)
         )
