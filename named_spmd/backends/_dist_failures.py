@@ -429,6 +429,19 @@ class FailureBoard:
         which kills that peer with a bare gloo error."""
         _MADE[self.key] = generation = _MADE.get(self.key, 0) + 1
         prefix = f"{self.key}/made/{generation}/"
+        try:
+            self._wait_made(prefix)
+        except RankFailedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the store's host (rank 0 or the launcher) ended
+            raise RankFailedError(
+                f"make_mesh: rank {self.rank} lost the rendezvous store while waiting for the "
+                f"other ranks to create the mesh's process groups ({type(e).__name__}: {e}). "
+                "The process hosting it (the launcher, or rank 0) has probably ended; its output "
+                "says why."
+            ) from None
+
+    def _wait_made(self, prefix: str) -> None:
         self.store.set(prefix + str(self.rank), "")
         keys = [prefix + str(r) for r in self.ranks]
         deadline = time.monotonic() + timeout_s()
