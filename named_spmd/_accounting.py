@@ -42,6 +42,10 @@ class CommEvent:
     shape: tuple[int, ...]  # per-instance shape of the message
     dtype: torch.dtype
     implicit: bool = False  # the backward psum of an implicit pvary
+    # run at the call's boundary on a real mesh, between the global values and the instances
+    # (the gradient all_gather of a plain-tensor input, ...): not part of the program's own
+    # collectives, which every backend reports alike
+    boundary: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -77,8 +81,10 @@ class CommMode:
         op: str | None = None,
         axes: str | tuple[str, ...] | None = None,
         direction: str | None = None,
+        boundary: bool | None = None,
     ) -> int:
-        """How many events match (None matches anything)."""
+        """How many events match (None matches anything): by default every collective run,
+        the real mesh's boundary ones included."""
         if isinstance(axes, str):
             axes = (axes,)
         return sum(
@@ -87,11 +93,15 @@ class CommMode:
             if (op is None or e.op == op)
             and (axes is None or e.axes == tuple(axes))
             and (direction is None or e.direction == direction)
+            and (boundary is None or e.boundary == boundary)
         )
 
-    def counts(self) -> dict[tuple[str, str, tuple[str, ...]], int]:
-        """``{(direction, op, axes): count}``."""
-        return dict(Counter((e.direction, e.op, e.axes) for e in self.events))
+    def counts(self, boundary: bool = False) -> dict[tuple[str, str, tuple[str, ...]], int]:
+        """``{(direction, op, axes): count}`` of the program's collectives, the same on every
+        backend; ``boundary=True`` adds the real mesh's boundary collectives."""
+        return dict(
+            Counter((e.direction, e.op, e.axes) for e in self.events if boundary or not e.boundary)
+        )
 
     def summary(self) -> str:
         """A table: direction, collective, axes, count, bytes per instance."""
@@ -143,6 +153,18 @@ def record(event: CommEvent) -> None:
     if _local.recomputing and event.direction == "forward":
         event = dataclasses.replace(event, direction="backward")
     for mode in _local.stack:
+        mode.events.append(event)
+
+
+def active() -> list[CommMode]:
+    """This thread's live stack of CommModes (empty when none records)."""
+    return _local.stack
+
+
+def record_into(modes: list[CommMode], event: CommEvent) -> None:
+    """Record ``event`` into ``modes``: a stack kept from the forward, for a backward that may
+    run on another thread (see :class:`_RecordOnBackward`)."""
+    for mode in modes:
         mode.events.append(event)
 
 

@@ -14,11 +14,20 @@ Python (~10 us) when ``setup_context`` is defined, so with no torch.func transfo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._torch_private import forward_level, function_base_apply, transforms_active
+from ._torch_private import (
+    TransformType,
+    current_interpreter,
+    forward_level,
+    function_base_apply,
+    functional_unwrap,
+    functional_wrap,
+    transforms_active,
+)
 
 if TYPE_CHECKING:
     from ._collectives._record import Collective
@@ -70,5 +79,24 @@ fast_apply = function_base_apply.__get__(None, CollectiveFn)
 def apply(rec: Collective, spmd: SpmdContext, x: torch.Tensor, axes: Axes, params: Any):
     """``rec`` on ``x`` through the bridge (the caller checked :func:`differentiable`)."""
     if transforms_active():  # functorch needs the full Python path (it wraps the Function)
+        if current_interpreter().key() == _FUNCTIONALIZE:
+            return below_functionalize(x, lambda t: apply(rec, spmd, t, axes, params))
         return CollectiveFn.apply(x, rec, spmd, axes, params)
     return fast_apply(x, rec, spmd, axes, params)
+
+
+_FUNCTIONALIZE = TransformType.Functionalize
+
+
+def below_functionalize(x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]):
+    """``run(x)`` one level below a ``torch.func.functionalize`` on top of the functorch stack.
+
+    functorch has no functionalize rule for an ``autograd.Function`` ("NYI: Functionalize rule
+    for custom_function_call"); a collective mutates nothing the program can see (it donates
+    temporaries only, and not under a transform), so it runs on the unwrapped value and its
+    result is wrapped back, as the simulated primitives do under functionalize."""
+    interpreter = current_interpreter()
+    inner = functional_unwrap(x, reapply_views=interpreter.functionalize_add_back_views())
+    with interpreter.lower():
+        out = run(inner)
+    return functional_wrap(out, interpreter.level())

@@ -154,7 +154,9 @@ def pmin(x: Any, axis_name: AxisName) -> Any:
 def _tie_share(ctx: SpmdContext, x: torch.Tensor, y: torch.Tensor, axes: Axes) -> torch.Tensor:
     """Each member's share of the gradient of an extremum: 1/count where it holds the value."""
     mask = (x == y).to(y.dtype if y.is_floating_point() else torch.get_default_dtype())
-    return mask / ctx.all_reduce(mask, axes, "sum")  # a copy: mask is read again
+    # through apply, not the primitive: under a user vmap of a grad inside the function the
+    # mask is batched, and only the bridge's vmap rule unbatches it for real communication
+    return mask / ctx.apply(RECORDS["psum"], mask, axes, ())  # a copy: mask is read again
 
 
 def _extremum_transpose(

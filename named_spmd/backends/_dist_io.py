@@ -31,8 +31,9 @@ from torch.autograd import forward_ad
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .. import _torch_private as P
+from .._accounting import CommEvent, active, on_backward, record_into
 from .._autodiff import apply as bridge_apply
-from .._autodiff import differentiable
+from .._autodiff import below_functionalize, differentiable
 from .._collectives._record import PVARY_RECORD, RECORDS
 from .._errors import SpecError
 from .._layout import assemble, block
@@ -146,9 +147,17 @@ _local_of = _fast(_LocalOf)
 _dtensor_of = _fast(_DTensorOf)
 
 
+def _transformed(fn: Any, x: torch.Tensor, *rest: Any) -> Any:
+    """``fn.apply`` under a torch.func transform (functorch wraps the Function: the full Python
+    path), run below a ``functionalize`` on top, which has no rule for Functions."""
+    if P.transforms_active() and P.current_interpreter().key() == P.TransformType.Functionalize:
+        return below_functionalize(x, lambda t: _transformed(fn, t, *rest))
+    return fn.apply(x, *rest)
+
+
 def to_local_fast(mesh, d: DTensor) -> torch.Tensor:
-    if P.transforms_active():  # functorch wraps the Function: the full Python path (torch's
-        return _LocalOf.apply(d, mesh)  # own to_local has no setup_context, which it needs)
+    if P.transforms_active():  # torch's own to_local has no setup_context, which functorch needs
+        return _transformed(_LocalOf, d, mesh)
     if not differentiable(d):
         local = P.local_tensor(d)
         return local.view_as(local)
@@ -157,7 +166,7 @@ def to_local_fast(mesh, d: DTensor) -> torch.Tensor:
 
 def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
     if P.transforms_active():
-        return _DTensorOf.apply(local, mesh, places)
+        return _transformed(_DTensorOf, local, mesh, places)
     if not differentiable(local):
         return _wrap(mesh, local.view_as(local), places)
     return _dtensor_of(local, mesh, places)
@@ -176,10 +185,10 @@ def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
         return _from_dtensor(ctx, leaf, spec, i)
     if leaf.device.type != mesh.device.type:
         leaf = leaf.to(mesh.device)
-    if not spec.axes:
+    if mesh.single_axes.issuperset(spec.axes):  # every block is the whole: nothing to gather
         return leaf
-    if transformed:  # functorch wraps the Function: the full Python path
-        return _ScatterInput.apply(leaf, ctx, spec)
+    if transformed:
+        return _transformed(_ScatterInput, leaf, ctx, spec)
     if differentiable(leaf):
         return _scatter_input(leaf, ctx, spec)
     return _block(leaf, spec, mesh)
@@ -229,14 +238,43 @@ def _from_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int):
     return local
 
 
-def _boundary(ctx, name: str, x: torch.Tensor, axes: tuple[str, ...], params: tuple):
+def _boundary(
+    ctx,
+    name: str,
+    x: torch.Tensor,
+    axes: tuple[str, ...],
+    params: tuple,
+    direction: str = "forward",
+    modes: list | None = None,
+):
     """Collective ``name`` at the call's boundary, outside the user's function: no type rule,
-    the same autodiff as inside."""
+    the same autodiff as inside. A CommMode records it (and the collective its backward runs)
+    as a boundary event, in ``direction``; ``modes``: the CommModes of the forward, for a
+    collective run in backward. A pvary's backward psum is not recorded here: the API records
+    it on every backend (an output tiled over an axis it is invariant over)."""
     rec = PVARY_RECORD if name == "pvary" else RECORDS[name]
     with P.DisableTorchFunction():
         if differentiable(x):
-            return bridge_apply(rec, ctx, x, axes, params)
-        return rec.forward(ctx, x, axes, params, False)
+            out = bridge_apply(rec, ctx, x, axes, params)
+        else:
+            out = rec.forward(ctx, x, axes, params, False)
+    modes = active() or modes
+    if modes and name != "pvary":
+        _record(modes, name, x, axes, direction)
+        back = rec.backward_op(params)
+        if back is not None:
+            out = on_backward(
+                out, CommEvent(back, axes, "backward", _shape(out), out.dtype, boundary=True)
+            )
+    return out
+
+
+def _shape(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _record(modes: list, op: str, x: torch.Tensor, axes: tuple[str, ...], direction: str):
+    record_into(modes, CommEvent(op, axes, direction, _shape(x), x.dtype, boundary=True))
 
 
 def _block(x: torch.Tensor, spec: PartitionSpec, mesh) -> torch.Tensor:
@@ -255,10 +293,11 @@ class _ScatterInput(torch.autograd.Function):
     @staticmethod
     def setup_context(node, inputs, output):
         node.spmd, node.spec = inputs[1], inputs[2]
+        node.modes = active()  # the backward may run on another thread (CUDA)
 
     @staticmethod
     def backward(node, g):
-        return _gather_blocks(node.spmd, g, node.spec), None, None
+        return _gather_blocks(node.spmd, g, node.spec, "backward", node.modes), None, None
 
     @staticmethod
     def jvp(node, t, *_):
@@ -272,14 +311,22 @@ class _ScatterInput(torch.autograd.Function):
         return _ScatterInput.apply(x.movedim(in_dims[0], 0), ctx, PartitionSpec(None, *spec)), 0
 
 
-def _gather_blocks(ctx, g: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
-    """The global value of which every rank holds its block ``g`` under ``spec``: one all_gather.
-    Differentiated again (double backward, a transform), it is the all_gather collective, whose
-    transpose takes the own block back without communication."""
+def _gather_blocks(
+    ctx, g: torch.Tensor, spec: PartitionSpec, direction: str, modes: list | None = None
+) -> torch.Tensor:
+    """The global value of which every rank holds its block ``g`` under ``spec``: one all_gather
+    (recorded as a boundary event in ``direction``). Differentiated again (double backward, a
+    transform), it is the all_gather collective, whose transpose takes the own block back
+    without communication."""
     mesh = ctx.mesh
+    if mesh.single_axes.issuperset(spec.axes):  # blocks of size-1 axes are the whole
+        return g
     if differentiable(g):
-        stacked = _boundary(ctx, "all_gather", g, spec.axes, (0, False, True))
+        stacked = _boundary(ctx, "all_gather", g, spec.axes, (0, False, True), direction, modes)
     else:
+        modes = active() or modes
+        if modes:
+            _record(modes, "all_gather", g, spec.axes, direction)
         stacked = mesh.comm(spec.axes).all_gather(g, "gradient of a plain input")
     return assemble(stacked, spec, mesh._shape)
 
@@ -331,7 +378,7 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
         # a functorch wrapper hides a DTensor's methods, and a DTensor cannot carry a forward-mode
         # tangent (torch has no DTensor rule for forward AD): the global value, as a plain tensor
         with P.DisableTorchFunction():
-            return _gather_blocks(ctx, y, spec) if spec.axes else y
+            return _gather_blocks(ctx, y, spec, "forward")
     for axes in _non_mesh_order_entries(mesh, spec):
         pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
         y = _boundary(ctx, "ppermute", y, _in_mesh_order(mesh, axes), (pairs,))

@@ -1,0 +1,44 @@
+"""The transform matrices on the real backend: torch.func grad / vjp / jvp / vmap / jacrev / jacfwd
+/ hessian / functionalize, forward-mode AD and double backward, over and inside the mapped
+function, on 2 and 4 gloo processes, each rank against the simulated run of the same program
+(tests/real_transforms.py: the programs of test_func_transforms, test_levels_matrix,
+transforms_over and transforms_inside, imported); and ns.CommMode's count of every collective a
+call runs, boundary ones included, against the calls of the ProcessGroup's collective methods.
+One launch per world size: 15-20 s (2 processes) and 50 s (4) on 2 busy cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_launch import launch  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_transform_matrices_agree_with_simulated(world):
+    finished = launch([os.path.join("tests", "real_transforms.py")], world, 480)
+    tail = finished.outputs[0][-3000:]
+    assert not finished.timed_out, tail
+    assert finished.returncodes == [0] * world, tail
+    outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
+    names = {o["name"] for o in outcomes}
+    assert len(outcomes) == world * len(names), tail
+    # every matrix is there: a program lost from the launch would pass silently otherwise
+    prefixes = ["levels outside", "levels inside", "over", "inside", "comm count"]
+    if world == 4:  # test_func_transforms's program is written for the (2, 2) mesh
+        prefixes += ["func_transforms outside", "func_transforms inside"]
+    for prefix in prefixes:
+        assert any(n.startswith(prefix + ":") for n in names), prefix
+    assert len(names) > 300, len(names)
+    bad = [o for o in outcomes if o["problems"]]
+    assert not bad, f"{len(bad)} failing; " + "\n".join(
+        f"{o['name']} rank {o['rank']}: {o['problems'][0][:1500]}" for o in bad[:8]
+    )
