@@ -22,9 +22,9 @@
 #   split (column-parallel, then row-parallel linears, the row-parallel bias added once after the
 #   sum), the vocabulary split in the embedding, the LM head and the loss (the logits are never
 #   gathered);
-# * **sequence parallel** over `tp` too: between the layers each instance holds `1/tp` of the
-#   tokens, so LayerNorms, residuals and dropout run on a quarter of the activations
-#   (tutorial 06's layout).
+# * **sequence parallel** over `tp` too: between the layers each instance holds `1/tp` of its
+#   batch's tokens instead of a copy of all of them, so LayerNorms, residuals and dropout do
+#   `1/tp` of the work (tutorial 06's layout).
 #
 # It is trained with AdamW, with **activation checkpointing** per block, **dropout** whose masks
 # differ over `dp` and `tp` (`ns.random`), and a **checkpoint to disk** with
@@ -100,6 +100,7 @@ from named_spmd import parallel as pl
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 32, 16, 4, 2, 8, 4
 FFN, HEAD_DIM = 4 * D, D // HEADS
+P_DROP = 0.1  # dropout probability
 
 BLOCK_SPECS = {
     "ln1.weight": P(), "ln1.bias": P(),
@@ -175,7 +176,7 @@ def block(x, p, step, layer, p_drop):
     return x + ns.random.dropout(m, p_drop, over=("dp", "tp"), seed=(step, layer, 1))
 
 
-def build(mesh, p_drop=0.1, remat=True):
+def build(mesh, p_drop=P_DROP, remat=True):
     """loss(ids, targets, params, step): the mean next-token cross entropy of the global batch."""
 
     def gpt_loss(ids, targets, p, step):
@@ -237,7 +238,7 @@ def one_process(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-def train(mesh, steps, ckpt_dir, save_at, p_drop=0.1, remat=True):
+def train(mesh, steps, ckpt_dir, save_at, p_drop=P_DROP, remat=True):
     """AdamW for ``steps`` steps; after step ``save_at`` save a checkpoint, then continue as a
     restarted job would: fresh parameters and optimizer, loaded from disk.
     Returns the losses, the final parameters and the CommMode of the first step."""
@@ -328,8 +329,10 @@ x, w = torch.randn(4, 8, dtype=f64), torch.randn(6, 8, dtype=f64)
 try:
     dropped((P("dp"), P("dp")))(x, w)  # "own" is no longer one value along tp
 except ns.VmaError as e:
-    print(str(e).splitlines()[0])
+    print(e)
     assert "varies over ('tp',)" in str(e)
+else:
+    raise AssertionError("expected a VmaError")
 print({k: repr(t) for k, t in seen.items()})
 assert (seen["y"].vma, seen["same"].vma, seen["own"].vma) == ({"dp"}, {"dp"}, {"dp", "tp"})
 
@@ -350,7 +353,7 @@ assert not torch.equal(own[:, :6] == 0, own[:, 6:] == 0)  # different masks alon
 # would draw other ones (dropout differs per instance, by design).
 
 # %%
-P_DROP, DP, TP = 0.1, 2, 2
+P_DROP, DP, TP = gpt.P_DROP, mesh.shape["dp"], mesh.shape["tp"]
 
 
 def dense_mask(seed):
@@ -430,7 +433,7 @@ print("the checkpoint:", sorted(p.name for p in sim_ckpt.iterdir()))
 def one_step(remat):
     params = ns.shard(gpt.init_params(), mesh, gpt.SPECS)
     with ns.CommMode() as comms:
-        loss = gpt.build(mesh, P_DROP, remat)(*gpt.batch(0), params, 0)
+        loss = gpt.build(mesh, remat=remat)(*gpt.batch(0), params, 0)
         loss.backward()
     return loss, [p.grad for p in optree.tree_leaves(params)], comms
 
