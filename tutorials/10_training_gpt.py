@@ -295,6 +295,36 @@ print(repr(mesh), "parameters:", sum(t.numel() for t in optree.tree_leaves(gpt.i
 print("the specs of block 0:", gpt.SPECS["blocks"][0])
 
 # %% [markdown]
+# ## Four real processes, started now
+#
+# `torchrun` starts 4 processes (gloo, over this machine's loopback), each running `main()`: a
+# real `(2, 2)` mesh, `DTensor` parameters, a checkpoint directory written by all four. We start
+# them now, in the background (each first imports torch, which takes a while), run the simulated
+# mesh in this notebook meanwhile, and compare at the end. The launch has a timeout, so that a
+# problem fails fast instead of hanging.
+
+
+# %%
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+results, real_ckpt = work / "rank0.pt", work / "ckpt_real"
+command = [
+    sys.executable, "-m", "torch.distributed.run",
+    "--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    str(script), str(results), str(real_ckpt),
+]  # fmt: skip
+env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+print("$", " ".join(command[1:]))
+torchrun = subprocess.Popen(
+    command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+)
+
+
+# %% [markdown]
 # ## Which axes a dropout mask varies over, in the types
 #
 # A dropout mask drawn with `over=A` differs between the instances of the axes `A`, and the
@@ -466,42 +496,24 @@ assert remat == sim_comms.counts()  # the training loop's first step
 # parameters split over `tp`, over `("dp", "tp")` for the replicated ones (LayerNorms, the
 # row-parallel biases). On a real mesh those gradient psums share bucketed all-reduces.
 #
-# ## The same script on four real processes
-#
-# `torchrun` starts 4 processes (gloo, this machine's loopback), each running `main()`: a real
-# `(2, 2)` mesh, `DTensor` parameters, and a checkpoint directory written by all four.
-
-
-# %%
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-results, real_ckpt = work / "rank0.pt", work / "ckpt_real"
-command = [
-    sys.executable, "-m", "torch.distributed.run",
-    "--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-    str(script), str(results), str(real_ckpt),
-]  # fmt: skip
-env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-print("$", " ".join(command[1:]))
-done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
-print(done.stdout)
-if done.returncode != 0:
-    print(done.stderr[-3000:])
-assert done.returncode == 0, "torchrun failed"
-
-# %% [markdown]
 # ## Real == simulated
 #
-# The losses, the final parameters (restart included) and the program's collectives of a step
-# are the simulated mesh's. The real mesh also counts its *boundary* collectives
-# (`boundary=True`, outside the program: here the start-of-call check), which a simulated mesh
-# does not have.
+# We wait for the four processes (they may have finished already). Their losses, final
+# parameters (restart included) and the program's collectives of a step are the simulated
+# mesh's. The real mesh also records its *boundary* collectives (`boundary=True`, outside the
+# program: here the start-of-call check), which a simulated mesh does not have.
 
 # %%
+try:
+    stdout, stderr = torchrun.communicate(timeout=180)
+except subprocess.TimeoutExpired:
+    torchrun.kill()
+    raise
+print(stdout)
+if torchrun.returncode != 0:
+    print(stderr[-3000:])
+assert torchrun.returncode == 0, "torchrun failed"
+
 real = torch.load(results)
 torch.testing.assert_close(real["losses"], sim_losses, rtol=1e-12, atol=1e-12)
 for got, want in zip(optree.tree_leaves(real["params"]), optree.tree_leaves(sim_params)):
