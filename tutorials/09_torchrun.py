@@ -163,7 +163,10 @@ assert done.returncode == 0, "torchrun failed"
 # ## The same values, gradients and communication
 #
 # Rank 0 saved the global output (`y.full_tensor()`), the gradients of the inputs and the
-# collectives its `CommMode` recorded. They match the simulated run:
+# collectives its `CommMode` recorded. They match the simulated run. The real mesh records one
+# more kind: its *boundary* collectives (`boundary=True`), which run outside the program, between
+# the global values and the processes (the start-of-call check; in backward, the all_gather that
+# assembles the gradient of a plain-tensor input split over an axis). A simulated mesh has none.
 
 # %%
 real = torch.load(results)
@@ -173,6 +176,9 @@ for g_real, g_sim in zip(real["grads"], grads_sim):
 assert sorted(real["events"]) == sorted(repr(e) for e in sim_comms.events)
 print("real == simulated: output, 3 gradients, and", len(real["events"]), "collectives")
 for line in sorted(real["events"]):
+    print("  ", line)
+print("and at the call's boundary, on the real mesh only:")
+for line in real["boundary"]:
     print("  ", line)
 
 # %% [markdown]
