@@ -182,17 +182,6 @@ for line in real["boundary"]:
     print("  ", line)
 
 # %% [markdown]
-# The real mesh also counts the collectives of its *boundary*, between the global values and the
-# instances (`CommEvent.boundary`): here the gradients of the plain-tensor inputs are gathered
-# back to full tensors on every rank. The simulated mesh holds the global values already, so it
-# has no such step; `comms.counts()` leaves them out, `comms.count()` includes them.
-
-# %%
-assert real["boundary"], "plain-tensor inputs: their gradients are gathered at the boundary"
-for line in sorted(real["boundary"]):
-    print("  ", line)
-
-# %% [markdown]
 # ## And without either
 #
 # The check-only mode predicts the same communication from shapes alone:
