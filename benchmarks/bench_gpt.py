@@ -10,9 +10,12 @@ Cases (baseline first, both in the same process, rounds interleaved):
 
 * ``sim``: in this process, the dense single-device step; named_spmd on a simulated (1,1) mesh
   and on a simulated (2,2) mesh (the same global batch and parameters).
-* ``real1``: 1 gloo process, mesh (1,1): the dense step; named_spmd with DTensor parameters.
+* ``real1``: 1 gloo process, mesh (1,1): the dense step; named_spmd with DTensor parameters
+  (the target's row); named_spmd with plain parameters (global tensors, as a simulated mesh takes
+  them); the dense step on the same DTensor parameters without named_spmd (``ns.to_local`` and
+  AdamW on DTensors: what DTensor parameters cost by themselves).
 * ``dp2``: 2 gloo processes, mesh (dp=2, tp=1): ``DistributedDataParallel`` on the nn.Module;
-  named_spmd.
+  named_spmd with DTensor parameters (the target's row) and with plain parameters.
 * ``tp4``: 4 gloo processes, mesh (dp=2, tp=2): torch's DTensor tensor parallelism
   (``parallelize_module`` with ColwiseParallel / RowwiseParallel, a vocab-parallel LM head with
   ``loss_parallel``) plus data parallelism by DDP's schedule (each gradient's all-reduce over dp
@@ -93,14 +96,28 @@ def dense_step(cfg: G.Config, params: dict):
     return trainer(G.dense_loss(cfg), p), p
 
 
-def spmd_step(cfg: G.Config, mesh, params: dict):
-    """named_spmd's step; on a real mesh the parameters are DTensors laid out by their specs."""
+def spmd_step(cfg: G.Config, mesh, params: dict, dtensors: bool = True):
+    """named_spmd's step; on a real mesh the parameters are DTensors laid out by their specs
+    (``dtensors=False``: plain tensors, the global value on every rank, as a simulated mesh
+    takes them; their gradients are then gathered, free where every axis has size 1)."""
     f = G.spmd_step_fn(cfg, mesh)
     if getattr(mesh, "device_mesh", None) is not None:
-        p = _distribute(params, G.param_specs(cfg), mesh.device_mesh)
+        if dtensors:
+            p = _distribute(params, G.param_specs(cfg), mesh.device_mesh)
+        else:
+            p = _fresh(params)
         return trainer(lambda tok, tgt, q: ns.to_local(f(tok, tgt, q)), p), p
     p = _fresh(params)
     return trainer(f, p), p
+
+
+def dense_dtensor_step(cfg: G.Config, mesh, params: dict):
+    """The dense step on the DTensor parameters of a mesh whose axes all have size 1 (each
+    local tensor is the whole parameter): what DTensor parameters cost without named_spmd, the
+    conversion to local tensors (``ns.to_local``, the call's own) and AdamW on DTensors."""
+    p = _distribute(params, G.param_specs(cfg), mesh.device_mesh)
+    loss = G.dense_loss(cfg)
+    return trainer(lambda tok, tgt, q: loss(tok, tgt, ns.to_local(q)), p), p
 
 
 def _placements(spec, axis_names):
@@ -304,20 +321,27 @@ def worker(args) -> None:
             summed_over_ranks(2),  # each rank holds its dp share; the 2 tp ranks count it twice
         ),
     }[world]
+    makers = {baseline: make_base, "named_spmd": lambda p: spmd_step(cfg, mesh, p)}
+    # where the time goes: named_spmd without DTensor parameters (every parameter's blocks are
+    # whole where tp has size 1), and DTensor parameters without named_spmd
+    if world <= 2:
+        makers[PLAIN_PARAMS] = lambda p: spmd_step(cfg, mesh, p, dtensors=False)
+    if world == 1:
+        makers[DENSE_ON_DTENSORS] = lambda p: dense_dtensor_step(cfg, mesh, p)
     errs = {
-        "named_spmd": check(cfg, lambda p: spmd_step(cfg, mesh, p), args.check_steps, "spmd"),
-        baseline: check(cfg, make_base, args.check_steps, baseline, reduce_loss),
+        name: check(cfg, make, args.check_steps, name, reduce_loss if name == baseline else _global)
+        for name, make in makers.items()
     }
     params = G.init_params(cfg, 0)
-    fns = {
-        baseline: timer_steps(make_base(params)[0], cfg, args.steps),
-        "named_spmd": timer_steps(spmd_step(cfg, mesh, params)[0], cfg, args.steps),
-    }
+    fns = {name: timer_steps(make(params)[0], cfg, args.steps) for name, make in makers.items()}
     medians = interleaved(fns, args.rounds, args.steps)
     if rank == 0:
         print("RESULT " + json.dumps({"medians": medians, "errors": errs}), flush=True)
     dist.destroy_process_group()
 
+
+PLAIN_PARAMS = "named_spmd, plain parameters"
+DENSE_ON_DTENSORS = "dense step on DTensor parameters"
 
 _REAL = {
     "real1": (1, "(1,1), 1 gloo process", "<= 1.15x"),
@@ -336,7 +360,7 @@ def real(name: str, args) -> list[_util.Row]:
     for variant, err in result["errors"].items():
         print(f"{case}: {variant} equal to the dense model to {err:.1e} (float64)", flush=True)
     medians = result["medians"]
-    baseline = next(k for k in medians["wall"] if k != "named_spmd")
+    baseline = next(iter(medians["wall"]))  # the worker's first variant
     return rows(case, medians, baseline, {"named_spmd": target})
 
 

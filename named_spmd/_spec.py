@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,9 +55,10 @@ class PartitionSpec(tuple):
             return ()
         return (e,) if isinstance(e, str) else e
 
-    @property
+    @functools.cached_property
     def axes(self) -> tuple[str, ...]:
-        """Every axis the spec names, in order of appearance."""
+        """Every axis the spec names, in order of appearance (computed once per spec: read on
+        every call, for every input and output leaf)."""
         return tuple(a for d in range(len(self)) for a in self.entry_axes(d))
 
 

@@ -173,6 +173,7 @@ class VmaMode(TorchFunctionMode):
         self.insert_pvary = insert_pvary
         self.token = ctx.call_token
         self._axes_of: dict = {}  # stamp -> its axes in mesh order
+        self._alone_of: dict = {}  # stamp -> whether its axes all have size 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Fast path (most ops): tensors only as positional operands (keyword values and list
@@ -208,7 +209,8 @@ class VmaMode(TorchFunctionMode):
         if plain and self.insert_pvary:  # an invariant tensor meets varying ones: implicit pvary
             if _is_inplace(func):
                 _check_inplace(self.ctx, func, args, None, common[1])
-            args = self._vary_plain(args, common)
+            if not self._alone(common):
+                args = self._vary_plain(args, common)
         out = func(*args, **kwargs) if kwargs else func(*args)
         if type(out) is Tensor or isinstance(out, Tensor):
             out.__dict__[_ATTR] = common
@@ -246,6 +248,15 @@ class VmaMode(TorchFunctionMode):
             )
         return axes
 
+    def _alone(self, stamp) -> bool:
+        """Whether every axis ``stamp`` varies over has size 1: a pvary over them would be the
+        identity forward and backward (no psum, nothing recorded), and the op's result takes
+        the union's stamp anyway, so no alias is made (a (1,1) mesh: one per parameter)."""
+        alone = self._alone_of.get(stamp)
+        if alone is None:
+            alone = self._alone_of[stamp] = self.ctx.single_axes.issuperset(self._mesh_order(stamp))
+        return alone
+
     def _general(self, func, args, kwargs):
         """Any op: the union of the operands' vma; implicit pvary of the invariant ones."""
         operands = tensor_operands(args, kwargs)
@@ -269,7 +280,10 @@ class VmaMode(TorchFunctionMode):
         for t, v in zip(operands, vmas):
             if v is not union and id(t) not in swap:
                 missing = v.missing(union.present(self.ctx.mesh.axis_names))
-                swap[id(t)] = self.ctx.cached_pvary(t, missing)
+                if not self.ctx.single_axes.issuperset(missing):  # else the identity: see _alone
+                    swap[id(t)] = self.ctx.cached_pvary(t, missing)
+        if not swap:
+            return args, kwargs
         return swap_operands(args, kwargs, swap)
 
     def _stamp_outputs(self, out, union):
