@@ -45,8 +45,8 @@ def main() -> None:
     groups = {id(g): g for g in mesh._groups.values()}  # "a", "b" and the pair ("a", "b")
     # Not the default group (here "a", which spans the world): torch itself keeps it to the end
     # (the first DTensor imports torch._dynamo, which imports torch.distributed.nn.functional,
-    # whose functions' defaults capture group.WORLD if the process group is up by then; shown
-    # harmless in docs/design.md, "Known torch issues").
+    # whose functions' defaults capture group.WORLD if the process group is up by then; see
+    # docs/design.md, "Known torch issues").
     groups.pop(id(dist.group.WORLD), None)
     GROUPS.extend(weakref.ref(g) for g in groups.values())
     print(f"GROUPS_MADE {len(GROUPS)}", flush=True)
