@@ -122,3 +122,17 @@ def test_a_mesh_drops_its_process_groups_before_the_interpreter_finalizes():
     assert not finished.timed_out and finished.returncodes == [0, 0], tail
     assert finished.lines("GROUPS_MADE") == ["2", "2"], tail
     assert finished.lines("GROUPS_ALIVE_AT_EXIT") == ["0", "0"], tail
+
+
+def test_a_rank_failing_inside_make_mesh_is_named_with_its_error():
+    """Its process registered but made no mesh: its exit must still be recorded, or its peers
+    call it killed (seen under load: a make_mesh that timed out was reported as a SIGKILL)."""
+    outcomes, tail = run("in_make_mesh")
+    assert sorted(r for r, _ in outcomes) == [0, 2, 3], tail
+    for o in outcomes.values():
+        assert o["error"] == "RankFailedError", o
+        assert (
+            f"{named(1)} to create the mesh's process groups, but it exited on an uncaught "
+            "ValueError: rank 1 raises inside make_mesh" in o["message"]
+        ), o
+        assert o["seconds"] < 15, o
