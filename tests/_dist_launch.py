@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -67,7 +68,8 @@ def launch(args: list[str], nproc: int, timeout: float, **env: str) -> Finished:
     store = agent_store()
     port = str(store.port)
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", **env}
-    procs = []
+    procs: list[subprocess.Popen] = []
+    logs: list = []
     t0 = time.monotonic()
     for rank in range(nproc):
         e = child_env(
@@ -79,34 +81,41 @@ def launch(args: list[str], nproc: int, timeout: float, **env: str) -> Finished:
             MASTER_PORT=port,
             **env,
         )
+        # a file, not a pipe: a rank whose pipe nobody reads (collect waits for the ranks in
+        # order) would block once it printed 64 KiB, and its peers with it in a collective
+        logs.append(tempfile.TemporaryFile("w+"))
         procs.append(
             subprocess.Popen(
                 [sys.executable, *args],
                 env=e,
                 cwd=ROOT,
-                stdout=subprocess.PIPE,
+                stdout=logs[-1],
                 stderr=subprocess.STDOUT,
                 text=True,
             )
         )
     try:
-        return collect(procs, timeout, t0)
+        return collect(procs, logs, timeout, t0)
     finally:
         del store
+        for log in logs:
+            log.close()
 
 
-def collect(procs: list[subprocess.Popen], timeout: float, t0: float) -> Finished:
-    outputs: list[str] = []
+def collect(procs: list[subprocess.Popen], logs: list, timeout: float, t0: float) -> Finished:
     timed_out = False
     for p in procs:
         left = max(0.1, timeout - (time.monotonic() - t0))
         try:
-            out, _ = p.communicate(timeout=left)
+            p.wait(timeout=left)
         except subprocess.TimeoutExpired:
             timed_out = True
             p.kill()
-            out, _ = p.communicate()
-        outputs.append(out)
+            p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
     return Finished([p.returncode for p in procs], outputs, time.monotonic() - t0, timed_out)
 
 

@@ -11,6 +11,7 @@
 * ``axes_exit``: ranks 0, 1 psum over "dp", ranks 2, 3 over "tp"; 2 and 3 return and exit.
 * ``once_more``: rank 0 calls the mapped function once more than the others, which exit.
 * ``make_mesh``: rank 1 raises right after ``make_mesh`` (uncaught: its process exits).
+* ``in_make_mesh``: rank 1 raises inside ``make_mesh``, once its groups exist (uncaught).
 """
 
 from __future__ import annotations
@@ -105,10 +106,27 @@ def make_mesh(mesh, rank):
     report(rank, "make_mesh", lambda: good_call(mesh))
 
 
+def in_make_mesh(rank: int) -> None:
+    if rank == 1:  # fails once its groups exist, before make_mesh's barrier: an uncaught error
+        from named_spmd.backends import distributed
+
+        create = distributed._create_groups
+
+        def failing(*args):
+            create(*args)
+            raise ValueError("rank 1 raises inside make_mesh")
+
+        distributed._create_groups = failing
+        ns.make_mesh((2, 2), ("dp", "tp"))
+    report(rank, "in_make_mesh", lambda: ns.make_mesh((2, 2), ("dp", "tp")))
+
+
 def main() -> None:
     scenario = sys.argv[1]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if scenario == "in_make_mesh":
+        return in_make_mesh(rank)
     mesh = ns.make_mesh((2, 2), ("dp", "tp"))
     globals()[scenario](mesh, rank)
 

@@ -370,6 +370,7 @@ def test_selective_policy_keeps_the_matmuls():
 # --- the real backend ------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_real_backend_matches_simulated():
     finished = launch([os.path.join("tests", "checkpointing_worker.py")], 4, 300)
     assert not finished.timed_out, finished.outputs[0][-3000:]

@@ -177,9 +177,12 @@ def test_a_hanging_rank_is_named_by_its_peers_at_the_timeout():
     finished = launch(
         [os.path.join("tests", "hanging_rank.py")], world, 120, NAMED_SPMD_TIMEOUT="4"
     )
-    assert not finished.timed_out, finished.outputs[0][-3000:]
+    tail = f"returncodes {finished.returncodes}\n" + "\n".join(
+        f"--- rank {r}\n{o[-1500:]}" for r, o in enumerate(finished.outputs)
+    )
+    assert not finished.timed_out, tail
     outcomes = {o["rank"]: o for o in map(json.loads, finished.lines("OUTCOME"))}
-    assert sorted(outcomes) == list(range(world)), finished.outputs[0][-3000:]
+    assert sorted(outcomes) == list(range(world)), tail
     for rank, o in outcomes.items():
         assert o["error"] == "RankFailedError", o
         if rank != 2:  # the peers stop at the timeout and name the rank that never came

@@ -110,3 +110,29 @@ def test_a_rank_failing_right_after_make_mesh_is_named_by_its_peers():
             in (o["message"])
         ), o
         assert o["seconds"] < 15, o
+
+
+def test_a_mesh_drops_its_process_groups_before_the_interpreter_finalizes():
+    """The teardown abort (issue 11 #18): a gloo group still referenced when finalization frees
+    it can abort the process after a successful run (docs/repros/gloo_teardown_abort.py). The
+    library's atexit handler must leave none of a mesh's groups alive for finalization; without
+    it both of the worker's groups are still referenced at exit (measured: 2 of 2)."""
+    finished = launch([os.path.join("tests", "teardown_worker.py")], 2, 120)
+    tail = finished.outputs[0][-3000:]
+    assert not finished.timed_out and finished.returncodes == [0, 0], tail
+    assert finished.lines("GROUPS_MADE") == ["2", "2"], tail
+    assert finished.lines("GROUPS_ALIVE_AT_EXIT") == ["0", "0"], tail
+
+
+def test_a_rank_failing_inside_make_mesh_is_named_with_its_error():
+    """Its process registered but made no mesh: its exit must still be recorded, or its peers
+    call it killed (seen under load: a make_mesh that timed out was reported as a SIGKILL)."""
+    outcomes, tail = run("in_make_mesh")
+    assert sorted(r for r, _ in outcomes) == [0, 2, 3], tail
+    for o in outcomes.values():
+        assert o["error"] == "RankFailedError", o
+        assert (
+            f"{named(1)} to create the mesh's process groups, but it exited on an uncaught "
+            "ValueError: rank 1 raises inside make_mesh" in o["message"]
+        ), o
+        assert o["seconds"] < 15, o

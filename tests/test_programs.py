@@ -30,7 +30,13 @@ def _backends_of(program):
 
 
 RUNS = [
-    pytest.param(program, name, id=f"{name}-{program.name}")
+    # marked here, not only by the backend fixture: ``-m distributed`` selects at collection
+    pytest.param(
+        program,
+        name,
+        id=f"{name}-{program.name}",
+        marks=[pytest.mark.distributed] if name.startswith("distributed") else [],
+    )
     for program in CATALOGUE
     for name in _backends_of(program)
 ]

@@ -44,12 +44,15 @@ test function is ``NAMED_SPMD_PROPERTY_CASES`` (default below); a long run is e.
 ``NAMED_SPMD_PROPERTY_CASES=11000 python -m pytest -q tests/test_properties.py``, with
 ``NAMED_SPMD_PROPERTY_SEED=<int>`` for cases other than CI's (random from that seed), and
 ``--hypothesis-show-statistics`` shows how the outcomes, collectives and dtypes were distributed.
+tests/test_properties_dist.py runs the strategy's 4-instance cases on 4 gloo processes against
+the simulated mesh.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import functools
+import itertools
 import math
 import os
 import signal
@@ -855,18 +858,29 @@ class Drawer:
 DESCEND = object()  # a spec leaf drawer's answer: no single spec for this subtree
 
 
+def _mesh_sizes(instances: int) -> list[tuple[int, ...]]:
+    """The mesh shapes the strategy draws (1 to 3 axes of sizes 1 to 3) with ``instances``."""
+    shapes = [s for k in (1, 2, 3) for s in itertools.product((1, 2, 3), repeat=k)]
+    return [s for s in shapes if math.prod(s) == instances]
+
+
 def _non_tensors(subtree: Any) -> bool:
     leaves = tree_leaves(subtree) if _is_container(subtree) else [subtree]
     return any(not isinstance(t, (str, TInfo)) for t in leaves)
 
 
 @st.composite
-def cases(draw, check: bool = False) -> Case:
-    """A drawn call (``check``: for the check() property)."""
+def cases(draw, check: bool = False, instances: int | None = None) -> Case:
+    """A drawn call (``check``: for the check() property; ``instances``: only meshes of that many
+    instances, as tests/properties_dist.py needs, instead of drawing and discarding the others)."""
     faulty = draw(st.booleans())
-    k = draw(st.integers(1, 3))
-    names = tuple(draw(st.permutations(NAME_POOL))[:k])
-    sizes = tuple(draw(st.integers(1, 3)) for _ in range(k))
+    if instances is None:
+        k = draw(st.integers(1, 3))
+        names = tuple(draw(st.permutations(NAME_POOL))[:k])
+        sizes = tuple(draw(st.integers(1, 3)) for _ in range(k))
+    else:
+        sizes = draw(st.sampled_from(_mesh_sizes(instances)))
+        names = tuple(draw(st.permutations(NAME_POOL))[: len(sizes)])
     mesh = dict(zip(names, sizes))
     d = Drawer(draw, names, mesh, faulty)
     dtype = d.pick(DTYPES)

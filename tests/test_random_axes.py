@@ -277,6 +277,7 @@ def test_outside_spmd_map_is_a_clear_error():
         ns.random.rand(2, over="dp", seed=0)
 
 
+@pytest.mark.distributed
 def test_real_backend_draws_what_the_simulated_backend_draws():
     """4 gloo processes under torch.manual_seed(rank) and debug mode (invariant outputs are
     compared across ranks): every draw and gradient equals the simulated run's, bit for bit."""

@@ -77,9 +77,19 @@ AHEAD_GRACE_S = 1.0  # a member seen in the next call this long while this rank 
 # mismatch, not the lag between one member finishing a collective and another
 
 
+_REGISTERED: list[tuple[Any, int]] = []  # (store, rank) of this process, once registered
+
+
 def register_process(store: Any, rank: int) -> None:
     """Record this process's host and pid, so that peers on the same host can tell it died."""
     store.set(f"{_PROCESS}/{rank}", f"{socket.gethostname()}\n{os.getpid()}")
+    _REGISTERED[:] = [(store, rank)]
+
+
+def registered() -> tuple[Any, int] | None:
+    """Where this process registered (its exit must be recorded there, even if it made no mesh:
+    a peer would otherwise take a process that ended on an error inside make_mesh for killed)."""
+    return _REGISTERED[0] if _REGISTERED else None
 
 
 def mark_exited(store: Any, rank: int, boards: list[FailureBoard]) -> None:

@@ -62,6 +62,7 @@ from ._dist_failures import (
     debug_enabled,
     mark_exited,
     register_process,
+    registered,
     set_debug,
     timeout_s,
 )
@@ -87,9 +88,10 @@ def _release_process_groups() -> None:
     but before finalization, it shuts down cleanly. First it records in the store that this
     process exits, and after which calls, so that peers still waiting for it can say why."""
     boards = [mesh.board for mesh in _MESH_OF.values()]
-    if boards:
+    where = registered()
+    if where is not None:
         try:
-            mark_exited(boards[0].store, boards[0].rank, boards)
+            mark_exited(*where, boards)
         except Exception:  # noqa: BLE001 - the store's host is gone: nobody left to tell
             pass
     for mesh in _MESH_OF.values():
