@@ -322,7 +322,9 @@ def _gather_blocks(
     if mesh.single_axes.issuperset(spec.axes):  # blocks of size-1 axes are the whole
         return g
     if differentiable(g):
-        stacked = _boundary(ctx, "all_gather", g, spec.axes, (0, False, True), direction, modes)
+        stacked = _boundary(
+            ctx, "all_gather", g, spec.axes, (0, False, "invariant"), direction, modes
+        )
     else:
         modes = active() or modes
         if modes:
