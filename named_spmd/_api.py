@@ -67,12 +67,6 @@ class SpmdFunction:
                 )
             elif isinstance(leaf, torch.Tensor):
                 problems += spec_problems(spec, tuple(leaf.shape), self.mesh.shape, where)
-                if spec.unreduced:
-                    problems.append(
-                        f"{where}: its in_spec {spec!r} is unreduced, which inputs do not take "
-                        "(a global value has no parts). Fix: pass it P() or reduced=..., and "
-                        "cast inside with ns.pcast(x, axes, to='varying') then 'unreduced'."
-                    )
             elif opaque_tensor_holder(leaf):
                 problems.append(opaque_leaf_problem(where, leaf))
             elif len(spec.axes) > 0:

@@ -165,7 +165,10 @@ def _problem(kind, name, axis, args, kwargs, operands, vmas) -> str | None:
                 "so the total counts it once per instance"
             )
         return _problem("product", "mul", axis, args[:2], None, operands[:2], vmas[:2])
-    return "the op is not linear (or not known to be), and a partial sum must go through linear ops only"
+    return (
+        f"{name} is not linear (or not known to be), while a partial sum may only go through "
+        "linear ops"
+    )
 
 
 def _first_operand(args, kwargs, operands) -> int | None:

@@ -73,8 +73,8 @@ class Collective:
     batched: Callable[[Params], Params] = lambda params: params
     #: what an operand unreduced over some of the axes gets: "reduce" (psum, pmean and
     #: psum_scatter sum the partial sums: those axes count as varying), "move" (a linear data
-    #: movement over *other* axes keeps it unreduced; over its U axes it is an error) or None
-    #: (an error: pmax, pmin are not linear). docs/design.md section 8.
+    #: movement over *other* axes keeps it unreduced; over its U axes it is an error), "cast"
+    #: (pcast checks states itself) or None (an error: pmax, pmin are not linear). Section 8.
     unreduced: str | None = "move"
     saves: bool = False  # the transpose reads the operand and the result (node.saved_tensors)
     forward_event: bool = True  # recorded as forward communication (pvary has none)
@@ -169,7 +169,7 @@ def _partial_operand(rec: Collective, ctx: SpmdContext, t: Tensor, vma: Vma, axe
     anything else is a :class:`VmaError` (the instances' parts would be moved or compared as if
     each were the value)."""
     bad = vma.unreduced if rec.unreduced is None else vma.unreduced.intersection(axes)
-    if not bad:
+    if not bad or rec.unreduced == "cast":
         return vma
     if rec.unreduced == "reduce":
         return vma.to_state(bad, "varying")

@@ -54,6 +54,7 @@ def _cast(name: str, to: str, forward: Any, transpose: Any, back: Any) -> Collec
         backward_op=back,
         forward_event=False,
         makes_partial=True,
+        unreduced="cast",
     )
 
 

@@ -233,6 +233,17 @@ class SimulatedContext(SpmdContext):
         return torch.where(self.own_block(receives, axes, 0), got, got.new_zeros(()))
 
 
+def _partial_input(ctx: SimulatedContext, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """An input unreduced over A: the member at coordinate 0 of A holds the global value, the
+    others zeros (parts that sum to it). Reduced: unbatched as an invariant input; the mark
+    says reduced."""
+    x = x.view_as(x)  # a tensor object of the call's own, for the mark
+    for a in spec.unreduced:
+        x = ctx.pvary(x, (a,))
+        x = torch.where(ctx.tokens[a] == 0, x, torch.zeros_like(x))
+    return x
+
+
 def _run_body(body, local, ctx: SimulatedContext) -> list[torch.Tensor]:
     try:
         return list(body(local, ctx))
@@ -360,9 +371,8 @@ def run(
             tokens[a] = P.add_batch_dim(tokens[a], 0, level)
         ctx = SimulatedContext(mesh, fn, tokens)
         for i in tensor_pos:
-            if specs[i].reduced:  # unbatched there: the mark says reduced
-                local[i] = local[i].view_as(local[i])
-                ctx.stamp(local[i], Vma.make(specs[i].axes, (), specs[i].reduced))
+            if specs[i].reduced or specs[i].unreduced:
+                local[i] = ctx.stamp(_partial_input(ctx, local[i], specs[i]), specs[i].vma())
         if recording():  # report implicit pvary's backward psum; off the fast path
             ctx.recorder = ImplicitPvaryRecorder(ctx)
             with ctx.recorder:
