@@ -16,6 +16,7 @@ programs without them pay one flag test per op.
 
 from __future__ import annotations
 
+import functools
 import os
 import traceback
 from collections.abc import Sequence
@@ -81,8 +82,8 @@ def typed_call(
     ``x.dtype``, ``x.size()`` of an unreduced value are fine)."""
     vma = combine(ctx, func, args, kwargs, operands, vmas)
     out = func(*args, **(kwargs or {}))
-    if isinstance(vma, VmaError) and has_tensor(out):
-        raise vma
+    if not isinstance(vma, Vma) and has_tensor(out):
+        raise vma()
     return out, vma
 
 
@@ -98,8 +99,29 @@ def combine(
 ) -> Any:
     """The type of ``func(*args, **kwargs)`` whose tensor operands ``operands`` have types
     ``vmas`` (at least one with U or R axes); raises a :class:`VmaError` naming the op, the
-    user's line, the axis and the fix, or returns it for an op not known to be linear (which
-    :func:`typed_call` raises only if the op returns a tensor)."""
+    user's line, the axis and the fix, or, for an op not known to be linear, returns a function
+    that makes that error (raised only if the op returns a tensor: ``x.shape`` is fine)."""
+    # memo of the accepted ops: what decides is the op, the operands' types, which operand is
+    # first, and whether a non-zero constant or a bias is added (a hot path: most programs
+    # repeat a few ops on a few types)
+    key = (func, _first_operand(args, kwargs, operands), _nonzero_scalar(args, kwargs), *vmas)
+    hit = _ACCEPTED.get(key)
+    if hit is not None:
+        return hit
+    result = _combine(ctx, func, args, kwargs, operands, vmas)
+    if isinstance(result, Vma) and op_name(func) != "linear":
+        if len(_ACCEPTED) > 4096:
+            _ACCEPTED.clear()
+        _ACCEPTED[key] = result
+    return result
+
+
+_ACCEPTED: dict[tuple, Vma] = {}
+
+
+def _combine(
+    ctx: Any, func: Any, args: tuple, kwargs: dict | None, operands: list, vmas: list[Vma]
+) -> Any:
     union = vmas[0]
     for v in vmas[1:]:
         union = union.union(v)
@@ -111,10 +133,9 @@ def combine(
     for axis in sorted(unreduced, key=_order(ctx)):
         problem = _problem(kind, name, axis, args, kwargs, operands, vmas)
         if problem is not None:
-            error = _error(ctx, name, axis, problem, operands, vmas)
-            if kind == "other":
-                return error
-            raise error
+            if kind == "other":  # the message (with the user's line) is built if raised
+                return functools.partial(_error, ctx, name, axis, problem, operands, vmas)
+            raise _error(ctx, name, axis, problem, operands, vmas)
     return union
 
 

@@ -54,6 +54,8 @@ class PartitionSpec(tuple):
         return (("unreduced", self.unreduced), ("reduced", self.reduced))
 
     def __eq__(self, other: object) -> bool:
+        if not isinstance(other, tuple):
+            return NotImplemented
         if not tuple.__eq__(self, other):
             return False
         if isinstance(other, PartitionSpec):
@@ -61,7 +63,8 @@ class PartitionSpec(tuple):
         return not self.unreduced and not self.reduced
 
     def __ne__(self, other: object) -> bool:
-        return not self == other
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
 
     def __hash__(self) -> int:
         if not self.unreduced and not self.reduced:

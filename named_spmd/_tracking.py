@@ -282,10 +282,10 @@ class VmaMode(TorchFunctionMode):
         """An op with unreduced or reduced operands: typed by the partial-sum algebra (section
         8); invariant operands are cast to the result's varying and reduced axes."""
         union = combine(self.ctx, func, args, kwargs, operands, vmas)
-        if isinstance(union, VmaError):  # not known linear: an error if it computes a tensor
+        if not isinstance(union, Vma):  # not known linear: an error if it computes a tensor
             out = func(*args, **(kwargs or {}))
             if has_tensor(out):
-                raise union
+                raise union()
             return out
         if self.insert_pvary and len(vmas) > 1 and any(v is not union for v in vmas):
             _check_inplace(self.ctx, func, args, kwargs, union)

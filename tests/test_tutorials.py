@@ -79,8 +79,8 @@ def executed(tmp_path_factory):
     return results
 
 
-def test_there_are_nine_tutorials():
-    assert [p.name[:2] for p in PATHS] == [f"{i:02d}" for i in range(1, 10)]
+def test_there_are_ten_tutorials():
+    assert [p.name[:2] for p in PATHS] == [f"{i:02d}" for i in range(1, 11)]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
