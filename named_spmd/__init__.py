@@ -19,6 +19,7 @@ from ._collectives import all_to_all as all_to_all
 from ._collectives import axis_index as axis_index
 from ._collectives import axis_size as axis_size
 from ._collectives import pbroadcast as pbroadcast
+from ._collectives import pcast as pcast
 from ._collectives import pmax as pmax
 from ._collectives import pmean as pmean
 from ._collectives import pmin as pmin
@@ -92,6 +93,7 @@ __all__ = [
     "pmean",
     "pmin",
     "ppermute",
+    "pcast",
     "pshuffle",
     "psum",
     "psum_scatter",

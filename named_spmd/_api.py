@@ -107,6 +107,8 @@ class SpmdFunction:
             if self.check_vma and not vma <= spec.axes:  # rule 4: a subset of the named axes
                 extra = vma.remove(spec.axes)
                 vma_problems.append(self._vma_problem(where, leaf, spec, extra, ctx))
+            if vma.unreduced != spec.unreduced and self.check_vma:
+                vma_problems.append(self._unreduced_problem(where, leaf, spec, ctx))
         if problems:
             raise SpecError(
                 f"{self.where}: the outputs do not fit out_specs:\n" + bullet_list(problems)
@@ -138,6 +140,28 @@ class SpmdFunction:
             f"all_gather(..., to='invariant')) if the instances hold parts of one value.\n"
             f"    Fix 2: name the axis in out_specs{suggestion} to get every instance's block "
             "concatenated."
+        )
+
+    def _unreduced_problem(
+        self, where: str, leaf: torch.Tensor, spec: PartitionSpec, ctx: _context.SpmdContext
+    ) -> str:
+        vma = ctx.vma(leaf)
+        vtype = VType(leaf.dtype, tuple(leaf.shape), vma, self.mesh.axis_names)
+        order = self.mesh.axis_names
+        extra = tuple(a for a in order if a in vma.unreduced - spec.unreduced)
+        if extra:
+            return (
+                f"  - {where} has type {vtype}: it is unreduced over {extra} (each instance holds "
+                f"a partial sum), but its out_spec {spec!r} does not say so.\n"
+                f"    Fix 1: reduce inside the function, e.g. ns.psum(y, {extra[0]!r}).\n"
+                f"    Fix 2: return the partial sums: P(..., unreduced={set(extra)!r}) (summed "
+                "on the simulated mesh, a DTensor with Partial() placement on a real one)."
+            )
+        missing = tuple(a for a in order if a in spec.unreduced - vma.unreduced)
+        return (
+            f"  - {where} has type {vtype}: its out_spec {spec!r} says unreduced over {missing}, "
+            "but the value is not a partial sum there. Fix: drop those axes from unreduced=, or "
+            f"cast a varying value with ns.pcast(y, {missing[0]!r}, to='unreduced')."
         )
 
     # --- call -------------------------------------------------------------------------------

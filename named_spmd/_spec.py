@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._errors import SpecError, suggest
-from ._types import render
+from ._types import Vma, render
 
 SpecEntry = None | str | tuple[str, ...]
 
@@ -32,19 +32,53 @@ class PartitionSpec(tuple):
     Entry ``d`` says how tensor dim ``d`` is split: ``None`` (not split), an axis name (split into
     ``size(axis)`` equal blocks) or a tuple of names (split into ``prod(sizes)`` blocks, first name
     major). Missing trailing entries mean ``None``; ``P()`` is fully replicated.
+
+    ``unreduced`` and ``reduced`` name axes over which the value is a partial sum (each instance
+    holds a part; an output's parts are summed) or reduced (one value whose gradient is left
+    unreduced): docs/design.md section 8.
     """
 
-    def __new__(cls, *entries: object) -> PartitionSpec:
-        return super().__new__(cls, tuple(_canonical_entry(e) for e in entries))
+    unreduced: frozenset[str]
+    reduced: frozenset[str]
+
+    def __new__(cls, *entries: object, unreduced: Any = (), reduced: Any = ()) -> PartitionSpec:
+        spec = super().__new__(cls, tuple(_canonical_entry(e) for e in entries))
+        spec.unreduced = _axis_set(unreduced, "unreduced")
+        spec.reduced = _axis_set(reduced, "reduced")
+        return spec
 
     def __repr__(self) -> str:
-        return "P(" + ", ".join(repr(e) for e in self) + ")"
+        extra = [f"{k}={set(sorted(v))!r}" for k, v in self._states() if v]
+        return "P(" + ", ".join([repr(e) for e in self] + extra) + ")"
+
+    def _states(self) -> tuple[tuple[str, frozenset[str]], ...]:
+        return (("unreduced", self.unreduced), ("reduced", self.reduced))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, tuple):
+            return NotImplemented
+        if not tuple.__eq__(self, other):
+            return False
+        if isinstance(other, PartitionSpec):
+            return self.unreduced == other.unreduced and self.reduced == other.reduced
+        return not self.unreduced and not self.reduced
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self) -> int:
+        if not self.unreduced and not self.reduced:
+            return tuple.__hash__(self)
+        return hash((tuple(self), self.unreduced, self.reduced))
 
     def _repr_html_(self) -> str:
         return render("spec_html", self)
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickling and copy: the canonical constructor
-        return (PartitionSpec, tuple(self))
+        if not self.unreduced and not self.reduced:
+            return (PartitionSpec, tuple(self))
+        return (_make_spec, (tuple(self), self.unreduced, self.reduced))
 
     def entry_axes(self, dim: int) -> tuple[str, ...]:
         """Axis names that split ``dim`` (major first); () when not split."""
@@ -55,6 +89,13 @@ class PartitionSpec(tuple):
             return ()
         return (e,) if isinstance(e, str) else e
 
+    def vma(self) -> Vma:
+        """The type of a value under this spec: varying over the axes that split it, unreduced
+        and reduced over those it names so."""
+        if not self.unreduced and not self.reduced:
+            return Vma.of(self.axes)
+        return Vma.make(self.axes, self.unreduced, self.reduced)
+
     @functools.cached_property
     def axes(self) -> tuple[str, ...]:
         """Every axis the spec names, in order of appearance (computed once per spec: read on
@@ -63,6 +104,21 @@ class PartitionSpec(tuple):
 
 
 P = PartitionSpec
+
+
+def _make_spec(entries: tuple, unreduced: frozenset[str], reduced: frozenset[str]) -> PartitionSpec:
+    return PartitionSpec(*entries, unreduced=unreduced, reduced=reduced)
+
+
+def _axis_set(axes: Any, what: str) -> frozenset[str]:
+    if isinstance(axes, str):
+        return frozenset((axes,))
+    if isinstance(axes, (tuple, list, set, frozenset)) and all(isinstance(a, str) for a in axes):
+        return frozenset(axes)
+    raise SpecError(
+        f"P(..., {what}=...) takes an axis name or a set of names; got {axes!r}. "
+        f"Fix: write e.g. P('dp', {what}={{'tp'}})."
+    )
 
 
 def spec_problems(
@@ -95,6 +151,7 @@ def _spec_problems(
         )
         return problems
     seen: set[str] = set()
+    problems += _state_problems(spec, mesh_shape, where)
     for d in range(len(spec)):
         axes = spec.entry_axes(d)
         for a in axes:
@@ -120,4 +177,23 @@ def _spec_problems(
                     f"{where}: dim {d} has size {shape[d]}, not divisible by {n} ({sizes}) as "
                     f"{spec!r} requires. Fix: pad dim {d} to a multiple of {n}, or split another dim."
                 )
+    return problems
+
+
+def _state_problems(spec: PartitionSpec, mesh_shape: Mapping[str, int], where: str) -> list[str]:
+    """Unknown axes in ``unreduced`` / ``reduced``, or an axis given two states."""
+    problems = []
+    for what, axes in spec._states():
+        for a in sorted(axes):
+            if a not in mesh_shape:
+                problems.append(
+                    f"{where}: unknown mesh axis {a!r} in {what}= of {spec!r}; the mesh has axes "
+                    f"{tuple(mesh_shape)}.{suggest(a, mesh_shape)} Fix: name one of those axes."
+                )
+    both = (spec.unreduced & spec.reduced) | ((spec.unreduced | spec.reduced) & set(spec.axes))
+    if both:
+        problems.append(
+            f"{where}: axes {tuple(sorted(both))} are given two states in {spec!r} (an axis "
+            "splits a dim, or is unreduced, or reduced). Fix: name each axis once."
+        )
     return problems

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._collectives._record import implicit_pvary
+from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._errors import VmaError
+from ._partial import combine, has_tensor
 from ._torch_private import get_unwrapped as _unwrap
 from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._types import INVARIANT, Vma
@@ -74,6 +75,15 @@ class TrackedContext(SpmdContext):
             if _is_wrapped(x):  # a collective under a user vmap: the tensor vmap hands back
                 _stamp_inner(self, x, stamp)  # is the unwrapped one, which must keep the type
         return x
+
+    def cached_cast(self, t: torch.Tensor, axes: tuple[str, ...], to: str) -> torch.Tensor:
+        """``ns.pcast(t, axes, to=to)``, one per (tensor, axes, state) per call: the implicit
+        cast of an invariant operand meeting reduced ones (its gradient summed once)."""
+        key = (id(t), axes + (to,))
+        hit = self.pvary_cache.get(key)
+        if hit is None:
+            hit = self.pvary_cache[key] = (t, implicit_cast(self, t, axes, to))
+        return hit[1]
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """The implicit pvary of ``t`` over ``axes``: one alias per (tensor, axes) per call."""
@@ -206,6 +216,8 @@ class VmaMode(TorchFunctionMode):
                 return self._general(func, args, kwargs)  # tensors in a list (torch.cat)
         if common is None:
             return func(*args, **(kwargs or {}))
+        if common[1].partial:  # unreduced or reduced axes: the op must be checked (section 8)
+            return self._general(func, args, kwargs)
         if plain and self.insert_pvary:  # an invariant tensor meets varying ones: implicit pvary
             if _is_inplace(func):
                 _check_inplace(self.ctx, func, args, None, common[1])
@@ -264,6 +276,8 @@ class VmaMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         vma_of = self.ctx.vma
         vmas = [vma_of(t) for t in operands]
+        if any(v.partial for v in vmas):
+            return self._partial(func, args, kwargs, operands, vmas)
         union = vmas[0]
         for v in vmas[1:]:
             union = union.union(v)
@@ -275,13 +289,37 @@ class VmaMode(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         return self._stamp_outputs(out, union)
 
+    def _partial(self, func, args, kwargs, operands, vmas):
+        """An op with unreduced or reduced operands: typed by the partial-sum algebra (section
+        8); invariant operands are cast to the result's varying and reduced axes."""
+        union = combine(self.ctx, func, args, kwargs, operands, vmas)
+        if not isinstance(union, Vma):  # not known linear: an error if it computes a tensor
+            out = func(*args, **(kwargs or {}))
+            if has_tensor(out):
+                raise union()
+            return out
+        if self.insert_pvary and len(vmas) > 1 and any(v is not union for v in vmas):
+            _check_inplace(self.ctx, func, args, kwargs, union)
+            args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
+        return self._stamp_outputs(func(*args, **(kwargs or {})), union)
+
     def _vary_operands(self, operands, vmas, union, args, kwargs):
         swap = {}
+        names = self.ctx.mesh.axis_names
         for t, v in zip(operands, vmas):
             if v is not union and id(t) not in swap:
-                missing = v.missing(union.present(self.ctx.mesh.axis_names))
-                if not self.ctx.single_axes.issuperset(missing):  # else the identity: see _alone
-                    swap[id(t)] = self.ctx.cached_pvary(t, missing)
+                missing = v.missing(union.present(names))
+                if self.ctx.single_axes.issuperset(missing):  # the identity: see _alone
+                    missing = ()
+                alias = self.ctx.cached_pvary(t, missing) if missing else t
+                if union.reduced:  # an invariant operand beside reduced ones: cast to reduced
+                    axes = tuple(
+                        a for a in names if a in union.reduced and v.state(a) == "invariant"
+                    )
+                    if axes:
+                        alias = self.ctx.cached_cast(alias, axes, "reduced")
+                if alias is not t:
+                    swap[id(t)] = alias
         if not swap:
             return args, kwargs
         return swap_operands(args, kwargs, swap)

@@ -1,10 +1,10 @@
 """The type of a value inside spmd_map: its per-axis states (:class:`Vma`) and :class:`VType`.
 
 A value's *vma* says, per mesh axis, how the instances' copies relate: **varying** (they may
-differ) or **invariant** (provably identical, the default for every axis not listed). Every rule
-of the type system (docs/design.md section 2) is written with :class:`Vma`'s algebra, never with
-set arithmetic at the call site, so a further per-axis state (a pending sum over an axis, see
-the design's "what comes next") is added here without touching the rules' users.
+differ), **invariant** (provably identical, the default for every axis not listed),
+**unreduced** (each instance holds a partial sum of the true value) or **reduced** (one value,
+whose gradient is a partial sum). Every rule of the type system (docs/design.md sections 2 and 8)
+is written with :class:`Vma`'s algebra, never with set arithmetic at the call site.
 """
 
 from __future__ import annotations
@@ -35,17 +35,33 @@ def short_dtype(dtype: torch.dtype) -> str:
 
 
 class Vma:
-    """The per-axis states of a value: the mesh axes it varies over; invariant over the rest.
+    """The per-axis states of a value: the axes it varies over, the axes over which it is
+    unreduced (``U``) or reduced (``R``); invariant over the rest.
 
-    Immutable and interned: ``Vma.of(axes)`` returns one object per set of axes, so equal types
-    compare (and cache) by identity, and the results of the algebra are memoized. A ``Vma`` also
-    compares equal to the ``frozenset`` of its varying axes (what ``ns.vma`` returns).
+    Immutable and interned: ``Vma.of(axes)`` (varying only) and ``Vma.make(v, u, r)`` return one
+    object per states, so equal types compare (and cache) by identity, and the results of the
+    algebra are memoized. A ``Vma`` without U or R axes compares equal to the ``frozenset`` of
+    its varying axes (what ``ns.vma`` returns). ``partial`` says whether it has U or R axes: the
+    hot paths test that one flag and take the two-state rules otherwise.
     """
 
-    __slots__ = ("varying", "_hash", "_union", "_remove", "_add")
+    __slots__ = (
+        "varying",
+        "unreduced",
+        "reduced",
+        "partial",
+        "_hash",
+        "_union",
+        "_remove",
+        "_add",
+    )
     _interned: dict[frozenset[str], Vma] = {}
+    _interned_partial: dict[tuple[frozenset[str], frozenset[str], frozenset[str]], Vma] = {}
 
     varying: frozenset[str]
+    unreduced: frozenset[str]
+    reduced: frozenset[str]
+    partial: bool
     _hash: int
     _union: dict[Vma, Vma]  # memos of the algebra
     _remove: dict[tuple[str, ...], Vma]
@@ -59,50 +75,112 @@ class Vma:
         key = varying if type(varying) is frozenset else frozenset(varying)
         found = cls._interned.get(key)
         if found is None:
-            found = object.__new__(cls)
-            object.__setattr__(found, "varying", key)
-            object.__setattr__(found, "_hash", hash(key))
-            for memo in ("_union", "_remove", "_add"):
-                object.__setattr__(found, memo, {})
-            found = cls._interned.setdefault(key, found)
+            found = cls._interned.setdefault(key, cls._new(key, _EMPTY, _EMPTY))
+        return found
+
+    @classmethod
+    def make(
+        cls, varying: Iterable[str], unreduced: Iterable[str] = (), reduced: Iterable[str] = ()
+    ) -> Vma:
+        """The type varying over ``varying``, unreduced over ``unreduced``, reduced over
+        ``reduced`` (three disjoint sets of axes)."""
+        v, u, r = frozenset(varying), frozenset(unreduced), frozenset(reduced)
+        if not u and not r:
+            return cls.of(v)
+        if v & u or v & r or u & r:
+            raise ValueError(f"an axis has one state: varying={v}, unreduced={u}, reduced={r}")
+        key = (v, u, r)
+        found = cls._interned_partial.get(key)
+        if found is None:
+            found = cls._interned_partial.setdefault(key, cls._new(v, u, r))
+        return found
+
+    @classmethod
+    def _new(cls, v: frozenset[str], u: frozenset[str], r: frozenset[str]) -> Vma:
+        found = object.__new__(cls)
+        for name, value in (("varying", v), ("unreduced", u), ("reduced", r)):
+            object.__setattr__(found, name, value)
+        object.__setattr__(found, "partial", bool(u or r))
+        object.__setattr__(found, "_hash", hash(v) if not (u or r) else hash((v, u, r)))
+        for memo in ("_union", "_remove", "_add"):
+            object.__setattr__(found, memo, {})
         return found
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Vma is immutable")
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickling and copying keep the interning
-        return (Vma.of, (self.varying,))
+        return (Vma.make, (self.varying, self.unreduced, self.reduced))
 
     # --- the algebra ------------------------------------------------------------------------
     def union(self, other: Vma) -> Vma:
-        """The type of an op's result: varying wherever some operand varies (rule 2)."""
+        """The type of an op's result: varying wherever some operand varies (rule 2). With U or
+        R axes this is only the bookkeeping (varying wins over reduced); whether the op may mix
+        those states at all is ``_partial.combine``'s question."""
         if other is self:
             return self
         found = self._union.get(other)
         if found is None:
-            found = self._union[other] = Vma.of(self.varying | other.varying)
+            v = self.varying | other.varying
+            if not self.partial and not other.partial:
+                found = Vma.of(v)
+            else:
+                u = (self.unreduced | other.unreduced) - v
+                found = Vma.make(v, u, (self.reduced | other.reduced) - v - u)
+            self._union[other] = found
         return found
 
     def remove(self, axes: tuple[str, ...]) -> Vma:
-        """Invariant over ``axes`` (what a reduction over them gives)."""
+        """Invariant over ``axes`` where it varies or is unreduced there (what a reduction over
+        them gives); reduced axes stay reduced."""
         found = self._remove.get(axes)
         if found is None:
-            found = self._remove[axes] = Vma.of(self.varying.difference(axes))
+            v = self.varying.difference(axes)
+            found = Vma.make(v, self.unreduced.difference(axes), self.reduced)
+            self._remove[axes] = found
         return found
 
     def add(self, axes: tuple[str, ...]) -> Vma:
-        """Varying over ``axes`` too (what a pvary over them gives)."""
+        """Varying over ``axes`` too (what a pvary, a cast to varying or a scatter gives)."""
         found = self._add.get(axes)
         if found is None:
-            found = self._add[axes] = Vma.of(self.varying.union(axes))
+            v = self.varying.union(axes)
+            if not self.partial:
+                found = Vma.of(v)
+            else:
+                found = Vma.make(v, self.unreduced.difference(axes), self.reduced.difference(axes))
+            self._add[axes] = found
         return found
+
+    def to_state(self, axes: Iterable[str], state: str) -> Vma:
+        """The same type with ``axes`` moved to ``state`` ("varying", "invariant", "unreduced"
+        or "reduced"): the casts' rule."""
+        axes = frozenset(axes)
+        v, u, r = self.varying - axes, self.unreduced - axes, self.reduced - axes
+        if state == "varying":
+            v |= axes
+        elif state == "unreduced":
+            u |= axes
+        elif state == "reduced":
+            r |= axes
+        return Vma.make(v, u, r)
+
+    def state(self, axis: str) -> str:
+        """``axis``' state: "varying", "unreduced", "reduced" or "invariant"."""
+        if axis in self.varying:
+            return "varying"
+        if axis in self.unreduced:
+            return "unreduced"
+        if axis in self.reduced:
+            return "reduced"
+        return "invariant"
 
     def covers(self, axes: Iterable[str]) -> bool:
         """Whether the value varies over every axis of ``axes``."""
         return self.varying.issuperset(axes)
 
     def missing(self, axes: Iterable[str]) -> tuple[str, ...]:
-        """The axes of ``axes`` (in their order) the value is invariant over."""
+        """The axes of ``axes`` (in their order) the value does not vary over."""
         return tuple(a for a in axes if a not in self.varying)
 
     def present(self, axes: Iterable[str]) -> tuple[str, ...]:
@@ -114,7 +192,7 @@ class Vma:
         allowed = other.varying if isinstance(other, Vma) else frozenset(other)
         return self.varying <= allowed
 
-    # --- container protocol -------------------------------------------------------------------
+    # --- container protocol (the varying axes) ---------------------------------------------
     def __contains__(self, axis: object) -> bool:
         return axis in self.varying
 
@@ -124,8 +202,8 @@ class Vma:
     def __len__(self) -> int:
         return len(self.varying)
 
-    def __bool__(self) -> bool:
-        return bool(self.varying)
+    def __bool__(self) -> bool:  # anything but invariant everywhere
+        return bool(self.varying) or self.partial
 
     def __eq__(self, other: object) -> bool:
         if other is self:
@@ -133,22 +211,30 @@ class Vma:
         if isinstance(other, Vma):
             return False  # interned: equal types are one object
         if isinstance(other, (frozenset, set)):
-            return self.varying == other
+            return not self.partial and self.varying == other
         return NotImplemented
 
     def __hash__(self) -> int:
         return self._hash
 
     def text(self, axis_order: Iterable[str] = ()) -> str:
-        """``{dp,tp}`` with axes in mesh order when given, else sorted."""
+        """``{dp,tp}`` (varying axes), ``{dp, U:tp, R:ep}`` with U and R axes; axes in mesh
+        order when given, else sorted."""
         order = {a: i for i, a in enumerate(axis_order)}
-        names = sorted(self.varying, key=lambda a: (order.get(a, len(order)), a))
-        return "{" + ",".join(names) + "}"
+
+        def names(axes: frozenset[str]) -> str:
+            return ",".join(sorted(axes, key=lambda a: (order.get(a, len(order)), a)))
+
+        parts = [names(self.varying)] if self.varying else []
+        parts += [f"U:{names(self.unreduced)}"] if self.unreduced else []
+        parts += [f"R:{names(self.reduced)}"] if self.reduced else []
+        return "{" + ", ".join(parts) + "}"
 
     def __repr__(self) -> str:
         return f"Vma({self.text()})"
 
 
+_EMPTY: frozenset[str] = frozenset()
 INVARIANT = Vma.of(frozenset())
 
 

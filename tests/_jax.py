@@ -28,7 +28,8 @@ def jax_module():
     return jax
 
 
-_JAX_TO = {"varying": "varying", "invariant": "invarying"}  # JAX spells it "invarying"
+# JAX spells invariant "invarying"
+_JAX_TO = {"varying": "varying", "invariant": "invarying", "reduced": "reduced"}
 
 
 @functools.cache
@@ -54,6 +55,7 @@ def jax_ops() -> types.SimpleNamespace:
         axis_index=lax.axis_index,
         axis_size=lax.axis_size,
         pvary=lambda x, a: lax.pcast(x, a, to="varying"),
+        pcast=lambda x, a, *, to: lax.pcast(x, a, to=to),
         tap=lambda x: x,
         relu=jax.nn.relu,
         tanh=jnp.tanh,
@@ -89,7 +91,7 @@ def _to_jax_specs(tree):
 
     jax = jax_module()
     if isinstance(tree, ns.PartitionSpec):
-        return jax.sharding.PartitionSpec(*tree)
+        return jax.sharding.PartitionSpec(*tree, unreduced=tree.unreduced, reduced=tree.reduced)
     if tree is None:
         return jax.sharding.PartitionSpec()
     if isinstance(tree, dict):
@@ -97,12 +99,15 @@ def _to_jax_specs(tree):
     return type(tree)(_to_jax_specs(t) for t in tree)
 
 
-def run_jax(prog, sizes, names, in_specs, out_specs, *args, diff=None, cot=None):
+def run_jax(prog, sizes, names, in_specs, out_specs, *args, diff=None, cot=None, explicit=False):
     """``jax.shard_map(functools.partial(prog, JAX_OPS), ...)(*args)`` as torch tensors.
 
     With ``diff`` (indices of tensor arguments) and ``cot`` (a torch tensor shaped like the
     single-tensor output): returns ``(out, [gradient of <out, cot> w.r.t. args[i] for i in
-    diff])``."""
+    diff])``. ``explicit``: Explicit mesh axes, which JAX's unreduced and reduced specs need (the
+    arguments are placed by their in_specs first)."""
+    if explicit:
+        return _run_explicit(prog, sizes, names, in_specs, out_specs, *args, diff=diff, cot=cot)
     import numpy as np
 
     jax = jax_module()
@@ -132,3 +137,44 @@ def run_jax(prog, sizes, names, in_specs, out_specs, *args, diff=None, cot=None)
 
     out, got = jax.jit(value_and_pullback)(*[jargs[i] for i in diff])
     return to_torch(out), [to_torch(g) for g in got]
+
+
+def _run_explicit(prog, sizes, names, in_specs, out_specs, *args, diff=None, cot=None):
+    import numpy as np
+
+    import named_spmd as ns
+
+    jax = jax_module()
+    jnp = jax.numpy
+    explicit = (jax.sharding.AxisType.Explicit,) * len(sizes)
+    devices = np.array(jax.devices()[: math.prod(sizes)]).reshape(sizes)
+    mesh = jax.sharding.Mesh(devices, names, axis_types=explicit)
+    one = isinstance(in_specs, ns.PartitionSpec)
+    specs = (in_specs,) * len(args) if one else in_specs
+    with jax.set_mesh(mesh):
+        f = jax.shard_map(
+            functools.partial(prog, jax_ops()),
+            mesh=mesh,
+            in_specs=_to_jax_specs(in_specs),
+            out_specs=_to_jax_specs(out_specs),
+        )
+        put = lambda t, s: jax.device_put(  # noqa: E731
+            jnp.asarray(t.numpy()), jax.sharding.NamedSharding(mesh, _to_jax_specs(s))
+        )
+        jargs = [put(t, s) for t, s in zip(args, specs)]
+
+        def to_torch(a):  # the global value (an unreduced one: summed)
+            return torch.from_numpy(np.array(jax.reshard(a, jax.sharding.PartitionSpec())))
+
+        if diff is None:
+            return _tree_map(to_torch, jax.jit(f)(*jargs))
+
+        def g(*diffed):
+            full = list(jargs)
+            for i, a in zip(diff, diffed):
+                full[i] = a
+            return f(*full)
+
+        out, pull = jax.vjp(g, *[jargs[i] for i in diff])
+        got = pull(jax.device_put(jnp.asarray(cot.numpy()), out.sharding))
+        return to_torch(out), [to_torch(g) for g in got]

@@ -35,7 +35,7 @@ TAPE: list[str] = []
 
 COLLECTIVES = (
     "psum pmean pmax pmin all_gather psum_scatter all_to_all ppermute pshuffle pbroadcast "
-    "axis_index axis_size pvary"
+    "axis_index axis_size pvary pcast"
 ).split()
 
 
@@ -98,6 +98,7 @@ class Program:
     dense: Callable[..., Any] | None = None  # the single-device reference of the output
     jax: bool = False  # also against jax.shard_map (values; gradients when jax_grad)
     jax_grad: bool = False
+    jax_explicit: bool = False  # JAX needs Explicit mesh axes (unreduced / reduced specs)
     check_vma: bool = True
     no_grad: bool = False  # forward only, under torch.no_grad (reductions may work in place)
     pinned_backward: dict | None = None  # {(op, axes): count} of the backward collectives
@@ -991,6 +992,167 @@ def _consistency_programs():
     )
 
 
+# --- partial sums: unreduced and reduced values (docs/design.md section 8) ----------------------
+
+
+def _blocks(x, n=2):
+    return x.reshape(n, -1, *x.shape[1:])
+
+
+def unreduced_psum(o, x):
+    """Each instance's block is a part of one sum; U + U stays unreduced; psum (U -> I)."""
+    u = o.tap(o.pcast(x, "i", to="unreduced"))
+    v = o.tap(o.pcast(x * x, "i", to="unreduced"))
+    return o.tap(o.psum(o.tap(u + v), "i"))
+
+
+def unreduced_scatter(o, x):
+    """psum_scatter of an unreduced value (U -> V; transpose: all_gather to reduced)."""
+    return o.tap(o.psum_scatter(o.tap(o.pcast(x, "i", to="unreduced")), "i", tiled=True))
+
+
+def all_gather_reduced(o, x):
+    """all_gather to reduced (V -> R; transpose: psum_scatter of the unreduced cotangent)."""
+    return o.tap(o.all_gather(x, "i", tiled=True, to="reduced"))
+
+
+def unreduced_linear_algebra(o, x, w):
+    """-U, U - U, U * scalar, U @ R, sums, views and slicing stay unreduced; the output is
+    returned unreduced (summed on the simulated mesh, a Partial DTensor on a real one)."""
+    u = o.tap(o.pcast(x, "i", to="unreduced"))
+    r = o.tap(o.pcast(w, "i", to="reduced"))
+    y = o.tap((-u + 3.0 * u - u * 0.5) @ r)
+    z = o.tap(y.T.reshape(-1)[1:].sum(0, keepdim=True))
+    return o.tap(z - y.sum().reshape(1)), o.tap(y)
+
+
+def _unreduced_linear_dense(x, w):
+    y = (1.5 * _blocks(x).sum(0)) @ w
+    return y.T.reshape(-1)[1:].sum(0, keepdim=True) - y.sum().reshape(1), y
+
+
+def reduced_weight(o, w, b, x):
+    """Data parallel with reduced parameters: R meets V with no backward psum (the gradient
+    stays a partial sum); an invariant bias beside a reduced weight is cast to reduced, whose
+    backward psum is its one reduction."""
+    h = o.tap(o.tap(x @ w) + b)
+    return o.tap(o.psum(o.sum(o.tanh(h)).reshape(1), "dp"))
+
+
+def explicit_preduced(o, w, x):
+    """pcast I -> R: its backward is one psum, however many ops use the reduced value."""
+    r = o.tap(o.pcast(w, "dp", to="reduced"))
+    y = o.tanh(x @ r) + o.exp(x @ r * 0.1)
+    return o.tap(o.psum(o.sum(y).reshape(1), "dp"))
+
+
+def unreduced_as_local(o, x):
+    """pcast U -> V: each instance's partial sum taken as its local value (the escape hatch
+    for hand-combined partials): nonlinear ops are then allowed."""
+    u = o.pcast(x, "i", to="unreduced")
+    v = o.tap(o.pcast(u * 2.0, "i", to="varying"))
+    return o.tap(o.relu(v))
+
+
+def _partial_programs():
+    r = randn
+    # world 2, run on real processes by tests/partial_dist.py (one small launch of its own)
+    grad = dict(jax=True, jax_grad=True, jax_explicit=True, all_grads_nonzero=True)
+    alone = dict(distributed=False)
+    yield Program(
+        "unreduced_psum",
+        (2,),
+        ("i",),
+        P("i"),
+        P(),
+        unreduced_psum,
+        lambda: (r(8, 3, seed=61),),
+        lambda x: _blocks(x).sum(0) + _blocks(x * x).sum(0),
+        pinned_backward={},
+        **grad,
+        **alone,
+    )
+    yield Program(
+        "unreduced_scatter",
+        (2,),
+        ("i",),
+        P("i"),
+        P("i"),
+        unreduced_scatter,
+        lambda: (r(16, 3, seed=62),),
+        lambda x: _blocks(x).sum(0),
+        pinned_backward={("all_gather", ("i",)): 1},
+        **grad,
+        **alone,
+    )
+    yield Program(
+        "all_gather_reduced",
+        (2,),
+        ("i",),
+        P("i"),
+        P(reduced={"i"}),
+        all_gather_reduced,
+        lambda: (r(8, 3, seed=63),),
+        lambda x: x,
+        pinned_backward={("psum_scatter", ("i",)): 1},
+        jax=True,
+        jax_explicit=True,
+        all_grads_nonzero=True,
+        **alone,
+    )
+    yield Program(
+        "unreduced_linear_algebra",
+        (2,),
+        ("i",),
+        (P("i"), P()),
+        (P(unreduced={"i"}), P(unreduced={"i"})),
+        unreduced_linear_algebra,
+        lambda: (r(8, 3, seed=64), r(3, 5, seed=65)),
+        _unreduced_linear_dense,
+        pinned_backward={("psum", ("i",)): 1},  # w's cast to reduced
+        all_grads_nonzero=True,
+        **alone,
+    )
+    yield Program(
+        "reduced_weight",
+        (2,),
+        ("dp",),
+        (P(reduced={"dp"}), P(), P("dp")),
+        P(),
+        reduced_weight,
+        lambda: (r(5, 3, seed=66), r(3, seed=67), r(8, 5, seed=68)),
+        lambda w, b, x: torch.tanh(x @ w + b).sum().reshape(1),
+        pinned_backward={("psum", ("dp",)): 1},  # b's implicit cast to reduced; none for w
+        all_grads_nonzero=True,
+        **alone,
+    )
+    yield Program(
+        "explicit_preduced",
+        (2,),
+        ("dp",),
+        (P(), P("dp")),
+        P(),
+        explicit_preduced,
+        lambda: (r(5, 3, seed=69), r(8, 5, seed=70)),
+        lambda w, x: (torch.tanh(x @ w) + torch.exp(x @ w * 0.1)).sum().reshape(1),
+        pinned_backward={("psum", ("dp",)): 1},
+        all_grads_nonzero=True,
+        **alone,
+    )
+    yield Program(
+        "unreduced_as_local",
+        (2,),
+        ("i",),
+        P("i"),
+        P("i"),
+        unreduced_as_local,
+        lambda: (r(8, 3, seed=71),),
+        lambda x: torch.relu(2.0 * x),
+        pinned_backward={},
+        **alone,
+    )
+
+
 CATALOGUE: list[Program] = [
     *_gradient_programs(),
     *_jax_programs(),
@@ -998,6 +1160,8 @@ CATALOGUE: list[Program] = [
     *_world_programs(8),
     *_check_programs(),
     *_consistency_programs(),
+    *_partial_programs(),
 ]
+PARTIAL_PROGRAMS = [p.name for p in _partial_programs()]
 BY_NAME = {p.name: p for p in CATALOGUE}
 assert len(BY_NAME) == len(CATALOGUE), "program names must be unique"

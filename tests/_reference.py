@@ -117,7 +117,12 @@ def local_block(x: Any, spec: Sequence[Any], mesh_shape: MeshShape, coord: Mappi
         size // math.prod(mesh_shape[a] for a in entry_axes(spec, d))
         for d, size in enumerate(x.shape)
     ]
-    return x[block_slices(local_shape, spec, mesh_shape, coord)].clone()
+    out = x[block_slices(local_shape, spec, mesh_shape, coord)].clone()
+    # unreduced over A (docs/design.md section 8): the member at coordinate 0 of A holds the
+    # value, the others zeros: parts that sum to it
+    if any(coord[a] != 0 for a in getattr(spec, "unreduced", ())):
+        return out * 0
+    return out
 
 
 def assemble(
@@ -145,6 +150,19 @@ def assemble(
         for d, size in enumerate(first.shape)
     ]
     out = torch.zeros(global_shape, dtype=first.dtype)
+    unreduced = getattr(spec, "unreduced", frozenset())
+    if unreduced:  # partial sums over those axes: each instance's value is the sum of its group's
+        values = [
+            functools.reduce(
+                torch.add,
+                [
+                    v
+                    for c, v in zip(coords, values)
+                    if all(c[a] == coord[a] for a in mesh_shape if a not in unreduced)
+                ],
+            )
+            for coord in coords
+        ]
     for coord, v in zip(coords, values):
         if all(coord[a] == 0 for a in mesh_shape if a not in named):
             out[block_slices(first.shape, spec, mesh_shape, coord)] = v
@@ -266,6 +284,10 @@ class _ReferenceOps:
 
     @staticmethod
     def pvary(x, axis_name):
+        return x
+
+    @staticmethod
+    def pcast(x, axis_name, *, to):  # the identity on every instance's data (section 8)
         return x
 
     @staticmethod

@@ -61,7 +61,7 @@ def test_program_matches_jax_shard_map(program):
         cot = randn(*sim.value.shape, seed=99)
         want_out, want = run_jax(
             program.prog, program.sizes, program.names, program.in_specs, program.out_specs,
-            *args, diff=diff, cot=cot,
+            *args, diff=diff, cot=cot, explicit=program.jax_explicit,
         )  # fmt: skip
         mesh = ns.make_mesh(program.sizes, program.names)
         f = ns.spmd_map(
@@ -77,6 +77,7 @@ def test_program_matches_jax_shard_map(program):
         assert_trees_close(list(got), want, rtol=program.rtol, atol=program.atol)
     else:
         want = run_jax(
-            program.prog, program.sizes, program.names, program.in_specs, program.out_specs, *args
-        )
+            program.prog, program.sizes, program.names, program.in_specs, program.out_specs,
+            *args, explicit=program.jax_explicit,
+        )  # fmt: skip
         assert_trees_close(sim.value, want, rtol=program.rtol, atol=program.atol)

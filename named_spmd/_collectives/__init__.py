@@ -4,6 +4,7 @@ See ``README.md`` beside this file for where each piece lives and how to add a c
 """
 
 from ._record import RECORDS, Collective, implicit_pvary, pvary
+from .casts import pcast
 from .movement import all_gather, all_to_all, psum_scatter
 from .permutes import pbroadcast, ppermute, pshuffle
 from .reductions import pmax, pmean, pmin, psum
@@ -18,6 +19,7 @@ __all__ = [
     "axis_size",
     "implicit_pvary",
     "pbroadcast",
+    "pcast",
     "pmax",
     "pmean",
     "pmin",

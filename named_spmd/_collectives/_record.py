@@ -71,9 +71,15 @@ class Collective:
     #: the parameters for an operand with one more leading (batch) dim: a user's vmap inside
     #: the function; elementwise collectives keep theirs, the others shift their dims by one
     batched: Callable[[Params], Params] = lambda params: params
+    #: what an operand unreduced over some of the axes gets: "reduce" (psum, pmean and
+    #: psum_scatter sum the partial sums: those axes count as varying), "move" (a linear data
+    #: movement over *other* axes keeps it unreduced; over its U axes it is an error), "cast"
+    #: (pcast checks states itself) or None (an error: pmax, pmin are not linear). Section 8.
+    unreduced: str | None = "move"
     saves: bool = False  # the transpose reads the operand and the result (node.saved_tensors)
     forward_event: bool = True  # recorded as forward communication (pvary has none)
     donates: bool = False  # the forward may reduce a temporary operand in place
+    makes_partial: bool = False  # the result may be unreduced or reduced for a plain operand
 
     def __post_init__(self) -> None:
         RECORDS[self.name] = self
@@ -128,6 +134,8 @@ def _apply(
     if rec.check is not None:
         params = rec.check(ctx, t, axes, params)
     vma = ctx.vma(t)
+    if vma.partial:
+        vma = _partial_operand(rec, ctx, t, vma, axes)
     if rec.policy is not None and not vma.varying.issuperset(axes):  # Vma.covers, inlined
         policy = rec.policy
         if policy is PVARY:
@@ -150,9 +158,30 @@ def _apply(
         back = rec.backward_op(params)
         if back is not None:
             out = on_backward(out, CommEvent(back, axes, "backward", tuple(out.shape), out.dtype))
-    if ctx.stamps:
+    if ctx.stamps or vma.partial or rec.makes_partial:
         return ctx.stamp(out, rec.vma(vma, axes, params))
     return out
+
+
+def _partial_operand(rec: Collective, ctx: SpmdContext, t: Tensor, vma: Vma, axes: Axes) -> Vma:
+    """The type a collective sees for an operand with unreduced axes: those it reduces count as
+    varying (a sum of partial sums is the total); a linear movement over other axes keeps them;
+    anything else is a :class:`VmaError` (the instances' parts would be moved or compared as if
+    each were the value)."""
+    bad = vma.unreduced if rec.unreduced is None else vma.unreduced.intersection(axes)
+    if not bad or rec.unreduced == "cast":
+        return vma
+    if rec.unreduced == "reduce":
+        return vma.to_state(bad, "varying")
+    names = tuple(a for a in ctx.mesh.axis_names if a in bad)
+    raise VmaError(
+        f"{rec.name} in {ctx.fn_label}: the operand is unreduced over {names} (type "
+        f"{VType(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}): each instance holds a "
+        f"partial sum, which {rec.name} would treat as the value. Fix: reduce it first with "
+        f"ns.psum(x, {names[0] if len(names) == 1 else names!r}) (or ns.psum_scatter), or "
+        f"ns.pcast(x, {names[0] if len(names) == 1 else names!r}, to='varying') if each "
+        "instance's part is meant as a local value."
+    )
 
 
 def _apply_alone(
@@ -162,7 +191,10 @@ def _apply_alone(
     read types off the value (the simulated one) run it as usual, the level ops being local;
     the others run its forward on :class:`GroupOfOne` and stamp the declared type."""
     if not ctx.stamps:
-        return ctx.apply(rec, t, axes, params, False)
+        out = ctx.apply(rec, t, axes, params, False)
+        if vma.partial or rec.makes_partial:
+            return ctx.stamp(out, rec.vma(vma, axes, params))
+        return out
     with DisableTorchFunction():  # the forward's own ops need no type: the result is stamped
         out = rec.forward(GroupOfOne(ctx), t, axes, params, False)
     return ctx.stamp(out, rec.vma(vma, axes, params))
@@ -226,8 +258,17 @@ PVARY_RECORD = Collective(
 
 def implicit_pvary(ctx: SpmdContext, t: Tensor, missing: Axes) -> Tensor:
     """``t`` made varying over ``missing`` (axes it is invariant over): identity forward, psum
-    backward. Where an invariant operand meets a varying one (rule 2)."""
+    backward. Where an invariant operand meets a varying one (rule 2). Over axes where ``t`` is
+    reduced the cast costs nothing in backward (its gradient stays a partial sum: section 8)."""
     vma = ctx.vma(t)
+    if vma.reduced:
+        reduced = tuple(a for a in missing if a in vma.reduced)
+        if reduced:
+            t = ctx.apply(RECORDS["reduced_vary"], t, reduced, ())
+            t = ctx.stamp(t, vma := vma.add(reduced))
+            missing = tuple(a for a in missing if a not in reduced)
+            if not missing:
+                return t
     alone = ctx.single_axes.issuperset(missing)  # a group of one: no psum in backward
     if alone and ctx.stamps:
         return ctx.stamp(t.view_as(t), vma.add(missing))
@@ -236,6 +277,18 @@ def implicit_pvary(ctx: SpmdContext, t: Tensor, missing: Axes) -> Tensor:
         event = CommEvent("psum", missing, "backward", tuple(out.shape), out.dtype, implicit=True)
         out = on_backward(out, event)
     return ctx.stamp(out, vma.add(missing))
+
+
+def implicit_cast(ctx: SpmdContext, t: Tensor, axes: Axes, to: str) -> Tensor:
+    """``t`` cast to ``to`` over ``axes`` where an op mixes it with values in that state (an
+    invariant operand beside reduced ones: cast to reduced, whose backward psum is recorded as
+    implicit)."""
+    rec = RECORDS["preduced"]
+    out = ctx.apply(rec, t, axes, ())
+    if recording() and not ctx.single_axes.issuperset(axes):
+        event = CommEvent("psum", axes, "backward", tuple(out.shape), out.dtype, implicit=True)
+        out = on_backward(out, event)
+    return ctx.stamp(out, rec.vma(ctx.vma(t), axes, ()))
 
 
 def _pvary_check(ctx: SpmdContext, t: Tensor, axes: Axes, params: Params) -> Params:

@@ -11,6 +11,7 @@ import torch
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 from .._layout import split_blocks, unstack_dim
+from .._types import Vma
 from ._checks import check_divisible, checked_dim
 from ._record import (
     PVARY,
@@ -38,8 +39,10 @@ def all_gather(
         axis_name: axis or tuple of axes (blocks ordered row-major, first name major).
         axis: where the blocks go: a new dim of size n (``tiled=False``) or concatenated along
             existing dim ``axis`` (``tiled=True``).
-        to: ``"varying"`` (JAX's default: the result keeps vma A) or ``"invariant"`` (the result
-            is known identical on the group: vma loses A, and backward needs no communication).
+        to: ``"varying"`` (JAX's default: the result keeps vma A), ``"invariant"`` (the result
+            is known identical on the group: vma loses A, and backward needs no communication)
+            or ``"reduced"`` (identical on the group, its gradient a partial sum: backward is a
+            psum_scatter of that unreduced cotangent; docs/design.md section 8).
 
     Example:
         >>> import torch, named_spmd as ns
@@ -49,23 +52,23 @@ def all_gather(
         >>> g(torch.arange(4.0))
         tensor([0., 1., 2., 3.])
 
-    Backward: psum_scatter over the same axes and dim (``to="varying"``); keep the own slice, no
-    communication (``to="invariant"``).
+    Backward: psum_scatter over the same axes and dim (``to="varying"`` or ``"reduced"``); keep
+    the own slice, no communication (``to="invariant"``).
     """
     return ALL_GATHER.bind(x, axis_name, axis, tiled, to)
 
 
 def _all_gather_prepare(ctx: SpmdContext, axes: Axes, axis: int, tiled: bool, to: str) -> Params:
-    if to not in ("varying", "invariant"):
+    if to not in ("varying", "invariant", "reduced"):
         raise CollectiveError(
             f"all_gather in {ctx.fn_label}: unknown to={to!r}. Fix: use to='varying' (the "
-            "default, as in JAX) or to='invariant' (JAX spells it 'invarying')."
+            "default, as in JAX), to='invariant' (JAX spells it 'invarying') or to='reduced'."
         )
-    return (axis, bool(tiled), to == "invariant")
+    return (axis, bool(tiled), to)
 
 
 def _all_gather_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
-    axis, tiled, invariant = params
+    axis, tiled, to = params
     if tiled and t.dim() == 0:
         raise CollectiveError(
             f"all_gather in {ctx.fn_label}: tiled=True needs an operand of rank >= 1, got a "
@@ -74,25 +77,33 @@ def _all_gather_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Par
     return (
         checked_dim(ctx, t, axis, "all_gather", "axis", extra=0 if tiled else 1),
         tiled,
-        invariant,
+        to,
     )
 
 
 def _all_gather_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
-    dim, tiled, invariant = params
+    dim, tiled, to = params
     out = unstack_dim(ctx.all_gather(x, axes), dim, tiled)
-    return out if invariant else ctx.pvary(out, axes)
+    return ctx.pvary(out, axes) if to == "varying" else out
 
 
 def _all_gather_transpose(
     ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
 ) -> torch.Tensor:
-    dim, tiled, invariant = params
-    if invariant:  # the cotangent is identical on the group: keep the own block
+    dim, tiled, to = params
+    if to == "invariant":  # the cotangent is identical on the group: keep the own block
         return ctx.own_block(split_blocks(g, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
+    # varying, or reduced: the cotangent is unreduced and its scatter sums the partial sums
     return ctx.apply(RECORDS["psum_scatter"], g, axes, (dim, tiled))
+
+
+def _all_gather_vma(vma: Vma, axes: Axes, params: Params) -> Vma:
+    to = params[2]
+    if to == "varying":
+        return vma
+    return vma.to_state(axes, "invariant" if to == "invariant" else "reduced")
 
 
 def _all_gather_shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
@@ -108,11 +119,12 @@ def _all_gather_shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[i
 ALL_GATHER = Collective(
     name="all_gather",
     policy=PVARY,
-    vma=lambda vma, axes, params: vma.remove(axes) if params[2] else vma,
+    vma=_all_gather_vma,
     shape=_all_gather_shape,
     forward=_all_gather_forward,
     transpose=_all_gather_transpose,
-    backward_op=lambda params: None if params[2] else "psum_scatter",
+    backward_op=lambda params: None if params[2] == "invariant" else "psum_scatter",
+    makes_partial=True,  # to="reduced"
     prepare=_all_gather_prepare,
     check=_all_gather_check,
     batched=lambda params: (params[0] + 1, *params[1:]),
@@ -171,11 +183,14 @@ def _psum_scatter_shape(shape: tuple[int, ...], n: int, params: Params) -> tuple
 PSUM_SCATTER = Collective(
     name="psum_scatter",
     policy=REQUIRE_VARYING,
-    vma=same_vma,
+    # varying over A; of an unreduced operand, the scatter of the total (U -> V; transpose:
+    # all_gather to reduced, V -> R)
+    vma=lambda vma, axes, params: vma.add(axes),
+    unreduced="reduce",
     shape=_psum_scatter_shape,
     forward=_psum_scatter_forward,
     transpose=lambda ctx, g, axes, params, node: ctx.apply(
-        RECORDS["all_gather"], g, axes, (params[0], params[1], False)
+        RECORDS["all_gather"], g, axes, (params[0], params[1], "varying")
     ),
     backward_op=backward_op("all_gather"),
     check=_psum_scatter_check,

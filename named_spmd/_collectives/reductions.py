@@ -67,6 +67,7 @@ PSUM = Collective(
     transpose=_identity_transpose,  # pvary: the same data, no communication
     backward_op=no_backward_op,
     donates=True,
+    unreduced="reduce",  # of a partial sum: the total (U -> I; transpose I -> R, no communication)
 )
 
 
@@ -116,6 +117,7 @@ PMEAN = Collective(
     transpose=lambda ctx, g, axes, params, node: g / ctx.mesh.axis_size(axes),
     backward_op=no_backward_op,
     donates=True,
+    unreduced="reduce",
 )
 
 
@@ -197,6 +199,7 @@ def _extremum(name: str, op: str) -> Collective:
         backward_op=backward_op("psum"),  # of the tie mask
         saves=True,
         donates=True,
+        unreduced=None,  # not linear: the extremum of partial sums is not that of the totals
     )
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch.autograd import forward_ad
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from .. import _torch_private as P
 from .._accounting import CommEvent, active, on_backward, record_into
@@ -52,8 +52,19 @@ def placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
         for d in range(rank):
             for a in spec.entry_axes(d):
                 out[mesh.axis_names.index(a)] = Shard(d)
+        for a in spec.unreduced:  # partial sums: DTensor's pending sum
+            out[mesh.axis_names.index(a)] = Partial()
         hit = mesh.placements_cache[key] = tuple(out)
     return hit
+
+
+def grad_placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
+    """The placements of the gradient of an input under ``spec``: those of the input, except
+    that a reduced axis leaves the gradient a partial sum there (section 8)."""
+    places = placements(mesh, spec, rank)
+    if not spec.reduced:
+        return places
+    return tuple(Partial() if a in spec.reduced else p for a, p in zip(mesh.axis_names, places))
 
 
 # --- fast DTensor conversions --------------------------------------------------------------------
@@ -79,7 +90,7 @@ class _LocalOf(torch.autograd.Function):
     """``dtensor.to_local()``; backward wraps the gradient with a cached spec."""
 
     @staticmethod
-    def forward(d, mesh):
+    def forward(d, mesh, grad_places=None):
         local = P.local_tensor(d)
         return local.view_as(local)  # a fresh tensor object: autograd metadata goes on it
 
@@ -89,25 +100,26 @@ class _LocalOf(torch.autograd.Function):
         ctx.mesh, ctx.leaf = inputs[1], d if d.is_leaf else None
         while not isinstance(d, DTensor):  # a transform's wrapper of a DTensor it closes over
             d = P.get_unwrapped(d)
-        ctx.places = tuple(d.placements)
+        # a reduced input's gradient is a partial sum (Partial) where the input is replicated
+        ctx.places = inputs[2] if len(inputs) > 2 and inputs[2] else tuple(d.placements)
 
     @staticmethod
     def backward(ctx, g):
         if differentiable(g):  # double backward: a recorded conversion
-            return _from_local(ctx.mesh, g, ctx.places), None
+            return _from_local(ctx.mesh, g, ctx.places), None, None
         g = overlap.settled(g)
         if ctx.leaf is not None:  # its .grad may hold the pending wrapper: plain once reduced
             overlap.when_reduced(
                 g, lambda leaf=ctx.leaf, mesh=ctx.mesh: _plain_local_grad(leaf, mesh)
             )
-        return _wrap(ctx.mesh, g, ctx.places), None
+        return _wrap(ctx.mesh, g, ctx.places), None, None
 
     @staticmethod
-    def vmap(info, in_dims, d, mesh):
+    def vmap(info, in_dims, d, mesh, grad_places=None):
         """functorch refuses a Function without one under ``torch.func.vmap``, even for a
         DTensor the vmap only closes over (unbatched); a batched DTensor never gets here
         (``local_input`` refuses it)."""
-        return _LocalOf.apply(d, mesh), None
+        return _LocalOf.apply(d, mesh, grad_places), None
 
 
 class _DTensorOf(torch.autograd.Function):
@@ -125,8 +137,10 @@ class _DTensorOf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if isinstance(g, DTensor):
-            if tuple(g.placements) != ctx.places:
-                g = g.redistribute(ctx.mesh.device_mesh, ctx.places)
+            # a Partial (unreduced) output's parts each get the whole cotangent: Replicate
+            want = tuple(Replicate() if p.is_partial() else p for p in ctx.places)
+            if tuple(g.placements) != want:
+                g = g.redistribute(ctx.mesh.device_mesh, want)
             # double backward: the recorded to_local (the local tensor has no graph)
             g = g.to_local() if differentiable(g) else P.local_tensor(g)
         return g, None, None
@@ -158,16 +172,18 @@ def _transformed(fn: Any, x: torch.Tensor, *rest: Any) -> Any:
     return fn.apply(x, *rest)
 
 
-def to_local_fast(mesh, d: DTensor, transformed: bool | None = None) -> torch.Tensor:
+def to_local_fast(
+    mesh, d: DTensor, grad_places: tuple | None = None, transformed: bool | None = None
+) -> torch.Tensor:
     """``d.to_local()``; ``transformed``: whether a torch.func transform is active, if known."""
     if transformed is None:
         transformed = P.transforms_active()
     if transformed:  # torch's own to_local has no setup_context, which functorch needs
-        return _transformed(_LocalOf, d, mesh)
+        return _transformed(_LocalOf, d, mesh, grad_places)
     if not differentiable(d):
         local = P.local_tensor(d)
         return local.view_as(local)
-    return _local_of(d, mesh)
+    return _local_of(d, mesh, grad_places)
 
 
 def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
@@ -191,6 +207,8 @@ def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
         return _from_dtensor(ctx, leaf, spec, i, transformed)
     if leaf.device.type != mesh.device.type:
         leaf = leaf.to(mesh.device)
+    if spec.unreduced or spec.reduced:
+        return _partial_input(ctx, leaf, spec)
     if mesh.single_axes.issuperset(spec.axes):  # every block is the whole: nothing to gather
         return leaf
     if transformed:
@@ -198,6 +216,52 @@ def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
     if differentiable(leaf):
         return _scatter_input(leaf, ctx, spec)
     return _block(leaf, spec, mesh)
+
+
+def _partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """A plain tensor is the global value on every rank, and its gradient the global gradient
+    (as on the simulated mesh). Unreduced over A: the member at coordinate 0 of A holds the
+    value, the others zeros (parts summing to it); its cotangent, reduced, is the same on every
+    member, so each rank's gradient is its own cotangent. Reduced over A: the gradient, a
+    partial sum per member, is summed at the boundary (one psum; a DTensor input instead gets a
+    Partial gradient and defers it)."""
+    mesh = ctx.mesh
+    x = leaf
+    if not mesh.single_axes.issuperset(spec.axes):  # this rank's block; backward gathers
+        x = _scatter_input(leaf, ctx, spec) if differentiable(leaf) else _block(leaf, spec, mesh)
+    if spec.unreduced:
+        first = all(mesh.my_coords[a] == 0 for a in spec.unreduced)
+        x = _FirstHolds.apply(x, first)
+    reduced = tuple(a for a in mesh.axis_names if a in spec.reduced and a not in mesh.single_axes)
+    if reduced and differentiable(x):
+        modes = active()
+        x = bridge_apply(RECORDS["preduced"], ctx, x, reduced, ())
+        if modes:
+            x = on_backward(
+                x, CommEvent("psum", reduced, "backward", _shape(x), x.dtype, boundary=True)
+            )
+    return x
+
+
+class _FirstHolds(torch.autograd.Function):
+    """Parts of a global value, summing to it: the first member's part is the value, the
+    others' zeros. Forward (an unreduced input: the value's parts; the cotangent, reduced, is
+    the same on every member, so the backward is the identity), or backward only (``in_backward``,
+    a reduced output: the identity forward; the global cotangent's parts backward)."""
+
+    @staticmethod
+    def forward(x, first, in_backward=False):
+        return x.view_as(x) if first or in_backward else torch.zeros_like(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.first, ctx.in_backward = inputs[1], inputs[2] if len(inputs) > 2 else False
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.in_backward and not ctx.first:
+            g = torch.zeros_like(g)
+        return g, None, None
 
 
 def _under_transform(ctx, leaf: torch.Tensor, i: int) -> None:
@@ -237,7 +301,8 @@ def _from_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int, transformed: 
             f"{spec!r} on mesh axes {mesh.axis_names} means placements {want}. Fix: "
             f"x.redistribute(mesh.device_mesh, {list(want)}), or change the in_spec."
         )
-    local = to_local_fast(mesh, leaf, transformed)
+    grads = grad_placements(mesh, spec, leaf.dim()) if spec.reduced else None
+    local = to_local_fast(mesh, leaf, grads, transformed)
     for axes in _non_mesh_order_entries(mesh, spec):
         ordered = _in_mesh_order(mesh, axes)
         local = _boundary(ctx, "ppermute", local, ordered, (_relayout_pairs(mesh, axes),))
@@ -328,7 +393,9 @@ def _gather_blocks(
     if mesh.single_axes.issuperset(spec.axes):  # blocks of size-1 axes are the whole
         return g
     if differentiable(g):
-        stacked = _boundary(ctx, "all_gather", g, spec.axes, (0, False, True), direction, modes)
+        stacked = _boundary(
+            ctx, "all_gather", g, spec.axes, (0, False, "invariant"), direction, modes
+        )
     else:
         modes = active() or modes
         if modes:
@@ -378,6 +445,9 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     if unnamed_varying:  # check_vma=False: member 0's value, as the simulated backend
         first = ctx.axis_index(unnamed_varying) == 0  # the sum of member 0's value and zeros
         y = _boundary(ctx, "psum", torch.where(first, y, torch.zeros_like(y)), unnamed_varying, ())
+    reduced = tuple(a for a in names if a in vma.reduced and a not in mesh.single_axes)
+    if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
+        y = _FirstHolds.apply(y, all(mesh.my_coords[a] == 0 for a in reduced), True)
     if named_invariant:  # identical blocks tiled: their cotangents differ and must be summed
         y = _boundary(ctx, "pvary", y, named_invariant, ())
     if P.transforms_active() or (P.forward_level() >= 0 and _has_tangent(y)):

@@ -180,7 +180,7 @@ class AbstractBackend:
         local = _empty(local_shape(x.shape, spec, mesh._shape), x.dtype)
         local.requires_grad_(grad and self.backward)
         assert self.ctx is not None  # made by run()
-        return self.ctx.stamp(local, Vma.of(spec.axes))
+        return self.ctx.stamp(local, spec.vma())
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         if not any(s in str(error) for s in _NEEDS_DATA):

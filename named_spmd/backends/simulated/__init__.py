@@ -37,6 +37,7 @@ from ..._types import INVARIANT, Vma
 from . import _instances as _instances  # installs the per-instance printing of values
 from . import _levels
 from ._diagnose import explained
+from ._marks import PartialMode, mark_of, set_mark
 from ._plan import _input_plan, from_physical
 from ._recording import ImplicitPvaryRecorder
 
@@ -58,18 +59,41 @@ class SimulatedContext(SpmdContext):
         self.recorder: Any = None  # the ImplicitPvaryRecorder while a CommMode records
         self._vma_of: torch.Tensor | None = None
         self._vma: Vma = INVARIANT
+        self.token = object()  # identifies this call's marks (unreduced / reduced values)
+        self.partial_mode: PartialMode | None = None  # pushed with the first marked value
 
     def vma(self, x: torch.Tensor) -> Vma:
         # Collectives ask about the same operand several times in a row: remember the last one
         # (by identity; the reference keeps its id from being reused meanwhile).
         if x is self._vma_of:
             return self._vma
+        if self.partial_mode is not None:  # unreduced / reduced values carry a mark
+            marked = mark_of(x, self.token)
+            if marked is not None:
+                return marked
         axes = self._batched_axes(x)
         vma = _VMA_OF.get(axes)
         if vma is None:
             vma = _VMA_OF[axes] = Vma.of(axes)
         self._vma_of, self._vma = x, vma
         return vma
+
+    def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
+        """Only unreduced and reduced types need recording here (the levels say the rest)."""
+        if vma.partial:
+            if self.partial_mode is None:
+                self.partial_mode = PartialMode(self)
+                self.partial_mode.__enter__()
+            self._vma_of = None
+            set_mark(x, self.token, vma)
+        elif self.partial_mode is not None:
+            set_mark(x, self.token, vma)
+        return x
+
+    def end_partial(self) -> None:
+        """Pop the PartialMode at the end of the body (the marks stay, for the outputs)."""
+        if self.partial_mode is not None:
+            self.partial_mode.__exit__(None, None, None)
 
     def _batched_axes(self, x: torch.Tensor) -> tuple[str, ...]:
         # Walk the wrappers from the outside in; ours are consecutive levels and any wrapper at
@@ -122,10 +146,13 @@ class SimulatedContext(SpmdContext):
 
     def apply(self, rec, x, axes, params, donate=False):
         # The primitives' own ops mix the level tokens with stacked values: no user-level mixing
-        # for the implicit-pvary accounting to see.
-        if self.recorder is None:
+        # for the implicit-pvary accounting (or the partial-sum algebra) to see.
+        if self.recorder is None and self.partial_mode is None:
             return rec.forward(self, x, axes, params, donate)
-        with self.recorder.paused():
+        with contextlib.ExitStack() as paused:
+            for mode in (self.recorder, self.partial_mode):
+                if mode is not None:
+                    paused.enter_context(mode.paused())
             return rec.forward(self, x, axes, params, donate)
 
     # --- primitives -----------------------------------------------------------------------
@@ -204,6 +231,24 @@ class SimulatedContext(SpmdContext):
         if receives is None:
             return got
         return torch.where(self.own_block(receives, axes, 0), got, got.new_zeros(()))
+
+
+def _partial_input(ctx: SimulatedContext, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """An input unreduced over A: the member at coordinate 0 of A holds the global value, the
+    others zeros (parts that sum to it). Reduced: unbatched as an invariant input; the mark
+    says reduced."""
+    x = x.view_as(x)  # a tensor object of the call's own, for the mark
+    for a in spec.unreduced:
+        x = ctx.pvary(x, (a,))
+        x = torch.where(ctx.tokens[a] == 0, x, torch.zeros_like(x))
+    return x
+
+
+def _run_body(body, local, ctx: SimulatedContext) -> list[torch.Tensor]:
+    try:
+        return list(body(local, ctx))
+    finally:
+        ctx.end_partial()
 
 
 def _leave_levels(n: int) -> None:
@@ -325,12 +370,15 @@ def run(
                     local[i] = P.add_batch_dim(local[i], 0, level)
             tokens[a] = P.add_batch_dim(tokens[a], 0, level)
         ctx = SimulatedContext(mesh, fn, tokens)
+        for i in tensor_pos:
+            if specs[i].reduced or specs[i].unreduced:
+                local[i] = ctx.stamp(_partial_input(ctx, local[i], specs[i]), specs[i].vma())
         if recording():  # report implicit pvary's backward psum; off the fast path
             ctx.recorder = ImplicitPvaryRecorder(ctx)
             with ctx.recorder:
-                outs = list(body(local, ctx))
+                outs = _run_body(body, local, ctx)
         else:
-            outs = list(body(local, ctx))
+            outs = _run_body(body, local, ctx)
         present: list[list[str]] = [[] for _ in outs]
         while levels:  # innermost first, each while its level is still the top one
             level, a = levels[-1], order[len(levels) - 1]

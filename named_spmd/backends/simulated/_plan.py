@@ -86,6 +86,11 @@ def from_physical(
     ``present`` are the axes the output is batched at. An axis the spec does not name contributes
     its instance-0 copy (invariant when checked); an axis the spec names but the output is
     invariant over is tiled."""
+    if spec.unreduced:  # partial sums over those axes: the output is their total
+        dims = [i for i, a in enumerate(present) if a in spec.unreduced]
+        if dims:
+            y = y.sum(dims)
+            present = [a for a in present if a not in spec.unreduced]
     axes = tuple(mesh.shape.items())
     index, tiles, perm, sizes = _output_plan(tuple(y.shape), tuple(present), spec, axes, mesh)
     if index is not None:

@@ -61,7 +61,10 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
         for t, v in zip(operands, vmas):
             if v is not union and id(t) not in swap and needs_grad(t):
                 missing = v.missing(union.present(self.ctx.mesh.axis_names))
-                swap[id(t)] = self._alias(t, missing)
+                if v.partial or union.partial:  # section 8: R -> V costs no psum, I -> R one
+                    missing = _psum_axes(self.ctx.mesh.axis_names, v, union, missing)
+                if missing:
+                    swap[id(t)] = self._alias(t, missing)
         if not swap:
             return args, kwargs
         if is_inplace(func) and args and isinstance(args[0], torch.Tensor):
@@ -86,3 +89,15 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
             yield
         finally:
             self.paused_depth -= 1
+
+
+def _psum_axes(names, v, union, missing) -> tuple[str, ...]:
+    """The axes over which the implicit cast of an operand of type ``v`` in an op of type
+    ``union`` sums the gradient: invariant -> varying and invariant -> reduced do, reduced ->
+    varying does not (the gradient stays a partial sum)."""
+    return tuple(
+        a
+        for a in names
+        if (a in missing and a not in v.reduced)
+        or (a in union.reduced and v.state(a) == "invariant")
+    )

@@ -1,0 +1,143 @@
+"""``pcast``: the casts between the four per-axis states (docs/design.md section 8).
+
+Each cast is the identity on every instance's data; what changes is the type, and with it the
+transpose (JAX's ``jax.lax.pcast``):
+
+=================  ============================  =====================================
+cast               backward (the transpose)      communication in backward
+=================  ============================  =====================================
+I -> V (pvary)     psum (V -> I)                 one psum
+I -> R             psum of unreduced (U -> I)    one psum
+V -> U             cast R -> V                   none
+R -> V             cast V -> U                   none
+U -> V             the identity per instance     none (named_spmd's escape hatch: the
+                                                 instance's partial sum as a local value)
+=================  ============================  =====================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from .._context import Axes, SpmdContext, current
+from .._errors import CollectiveError, VmaError
+from .._types import VType
+from ._record import PVARY_RECORD, Collective, Params, _pvary_transpose, backward_op, same_shape
+
+AxisName = str | tuple[str, ...]
+_TO = ("varying", "reduced", "unreduced")
+
+
+def _view(
+    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
+) -> torch.Tensor:
+    return x.view_as(x)  # a new tensor object: it gets its own type
+
+
+def _identity(
+    ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
+) -> torch.Tensor:
+    return g
+
+
+def _cast(name: str, to: str, forward: Any, transpose: Any, back: Any) -> Collective:
+    return Collective(
+        name=name,
+        policy=None,  # pcast checks the operand's state itself
+        vma=lambda vma, axes, params: vma.to_state(axes, to),
+        shape=same_shape,
+        forward=forward,
+        transpose=transpose,
+        backward_op=back,
+        forward_event=False,
+        makes_partial=True,
+        unreduced="cast",
+    )
+
+
+#: I -> R: the value is kept; its gradient, a partial sum, is summed here (psum of unreduced)
+PREDUCED = _cast("preduced", "reduced", _view, _pvary_transpose, backward_op("psum"))
+#: V -> U: each instance's value becomes its part of a sum; the cotangent (reduced) is cast back
+VARY_UNREDUCED = _cast("vary_unreduced", "unreduced", _view, _identity, lambda params: None)
+#: R -> V: the value is the same everywhere (on the simulated mesh it becomes batched); the
+#: cotangent stays each instance's partial sum: no communication
+REDUCED_VARY = _cast(
+    "reduced_vary",
+    "varying",
+    lambda ctx, x, axes, params, donate: ctx.pvary(x, axes),
+    _identity,
+    lambda params: None,
+)
+#: U -> V: the instance's partial sum taken as its local value
+UNREDUCED_VARY = _cast("unreduced_vary", "varying", _view, _identity, lambda params: None)
+
+_CASTS = {
+    ("invariant", "varying"): PVARY_RECORD,
+    ("invariant", "reduced"): PREDUCED,
+    ("varying", "unreduced"): VARY_UNREDUCED,
+    ("reduced", "varying"): REDUCED_VARY,
+    ("unreduced", "varying"): UNREDUCED_VARY,
+}
+
+
+def pcast(x: Any, axis_name: AxisName, *, to: str) -> Any:
+    """``pcast(x, A, to=...)``: change x's state over A; the identity on every instance's data.
+
+    Args:
+        x: a tensor or pytree of tensors, in one state (varying, invariant, unreduced or
+            reduced) over every axis of ``axis_name``.
+        axis_name: a mesh axis name or a tuple of names.
+        to: ``"varying"`` (from invariant: :func:`pvary`; from reduced: no communication in
+            backward; from unreduced: each instance's partial sum taken as its local value),
+            ``"reduced"`` (from invariant: the gradient is summed here, once) or
+            ``"unreduced"`` (from varying: the instances' values are parts of one sum).
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2,), ("i",))
+        >>> @ns.spmd_map(mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P())
+        ... def f(x):
+        ...     u = ns.pcast(x, "i", to="unreduced")  # x's blocks are parts of one sum
+        ...     return ns.psum(2 * u, "i")  # linear ops keep it unreduced
+        >>> f(torch.tensor([1.0, 2.0]))
+        tensor([6.])
+
+    Backward: I -> V and I -> R: a psum; V -> U, R -> V, U -> V: none (the table in
+    docs/design.md section 8).
+    """
+    ctx = current("pcast")
+    axes = ctx.check_axes(axis_name, "pcast")
+    if to not in _TO:
+        raise CollectiveError(
+            f"pcast in {ctx.fn_label}: unknown to={to!r}. Fix: to='varying', 'reduced' or "
+            "'unreduced'."
+        )
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            raise CollectiveError(
+                f"pcast in {ctx.fn_label}: expected tensors (or a pytree of tensors), got a leaf "
+                f"of type {type(t).__name__}. Fix: convert it with torch.as_tensor(...) first."
+            )
+        vma = ctx.vma(t)
+        states = {vma.state(a) for a in axes}
+        rec = _CASTS.get((next(iter(states)), to)) if len(states) == 1 else None
+        if rec is None:
+            raise VmaError(
+                f"pcast in {ctx.fn_label}: cannot cast a value of type "
+                f"{VType(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)} over {axes} to "
+                f"{to} (its states there: {sorted(states)}). The casts are invariant -> "
+                "varying or reduced, varying -> unreduced, reduced -> varying and unreduced -> "
+                "varying. Fix: reduce an unreduced value with ns.psum; cast one state at a time."
+            )
+        return rec.bind(t, axes)
+
+    if isinstance(x, torch.Tensor):
+        return one(x)
+    return optree.tree_map(one, x)
+
+
+__all__ = ["pcast"]

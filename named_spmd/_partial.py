@@ -1,0 +1,239 @@
+"""The algebra of unreduced (U) and reduced (R) values: which torch ops keep a partial sum a
+partial sum, and which are errors (docs/design.md section 8).
+
+A value unreduced over axis A is held as one partial sum per instance; the true value is their
+sum. An op on it is right only if it is *linear* in that value: the sum of the op's results is
+then the op of the sum. So U+U, U-U, -U, U*scalar, U*R, U@R, R@U, sums, views and slicing stay
+U; U+I (the bias added before the psum: counted once per instance), U*I (the invariant factor's
+gradient would be a partial sum), U*U, U@U and every nonlinear op are errors. Reduced values are
+ordinary values whose gradient is left as a partial sum: they mix with anything, an invariant
+operand beside them is cast to reduced (its gradient summed once), a varying one wins.
+
+:func:`combine` is the one rule, used per op by the tracked backends' ``VmaMode`` and by the
+simulated backend's ``PartialMode``; it is reached only when some operand has U or R axes, so
+programs without them pay one flag test per op.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._errors import VmaError
+from ._types import Vma, VType
+
+# Ops whose result is linear in their first tensor operand alone (views, slicing, reductions
+# over tensor dims, casts); further tensor operands are indices or shapes, which must not vary
+# over or be unreduced over the value's U axes.
+_LINEAR_UNARY = frozenset(
+    "neg __neg__ positive __pos__ clone contiguous detach detach_ view view_as reshape "
+    "reshape_as flatten unflatten squeeze unsqueeze transpose t T mT H mH permute movedim "
+    "moveaxis swapaxes swapdims narrow select __getitem__ expand expand_as broadcast_to repeat "
+    "tile split chunk unbind tensor_split sum mean cumsum diagonal diag trace flip roll real "
+    "imag conj to type float double half bfloat16 cpu cuda unfold triu tril index_select gather "
+    "take_along_dim as_strided __len__ size dim numel".split()
+)
+# Sums of their tensor operands: every operand must be unreduced over the same axes (a Python
+# 0 is fine: ``sum(parts)`` starts from it).
+_ADDITIVE = frozenset(
+    "add __add__ __radd__ add_ __iadd__ sub __sub__ __rsub__ sub_ __isub__ cat concat "
+    "concatenate stack hstack vstack".split()
+)
+# Products: linear in each operand, so exactly one operand may be unreduced over an axis, every
+# other tensor operand must be reduced over it (Python scalars are fine).
+_PRODUCT = frozenset(
+    "mul __mul__ __rmul__ mul_ __imul__ multiply matmul __matmul__ __rmatmul__ mm bmm einsum "
+    "tensordot outer dot vdot inner kron".split()
+)
+# Division: linear in the numerator only.
+_DIVISION = frozenset("div __truediv__ div_ __itruediv__ true_divide divide".split())
+
+
+def op_name(func: Any) -> str:
+    name = getattr(func, "__name__", "") or ""
+    if name == "__get__":  # a property (x.T, x.mT): the descriptor's name
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _kind(name: str, operands: Sequence[Any]) -> str:
+    if name in _LINEAR_UNARY:
+        return "unary"
+    if name in _ADDITIVE:
+        return "additive"
+    if name in _PRODUCT or name in _DIVISION:
+        return "product"
+    if name == "linear":
+        return "linear"
+    return "other"
+
+
+def typed_call(
+    ctx: Any, func: Any, args: tuple, kwargs: dict | None, operands: list, vmas: list[Vma]
+) -> tuple[Any, Vma]:
+    """``func(*args, **kwargs)`` and its type, for tensor operands ``operands`` of types ``vmas``
+    (at least one with U or R axes); a :class:`VmaError` where the op may not take them. An op
+    not known to be linear is run first: only a tensor result is an error (``x.shape``,
+    ``x.dtype``, ``x.size()`` of an unreduced value are fine)."""
+    vma = combine(ctx, func, args, kwargs, operands, vmas)
+    out = func(*args, **(kwargs or {}))
+    if not isinstance(vma, Vma) and has_tensor(out):
+        raise vma()
+    return out, vma
+
+
+def has_tensor(out: Any) -> bool:
+    """Whether an op's result holds a tensor (``x.shape``, ``x.dtype`` hold none)."""
+    if isinstance(out, torch.Tensor):
+        return True
+    return isinstance(out, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in out)
+
+
+def combine(
+    ctx: Any, func: Any, args: tuple, kwargs: dict | None, operands: list, vmas: list[Vma]
+) -> Any:
+    """The type of ``func(*args, **kwargs)`` whose tensor operands ``operands`` have types
+    ``vmas`` (at least one with U or R axes); raises a :class:`VmaError` naming the op, the
+    user's line, the axis and the fix, or, for an op not known to be linear, returns a function
+    that makes that error (raised only if the op returns a tensor: ``x.shape`` is fine)."""
+    # memo of the accepted ops: what decides is the op, the operands' types, which operand is
+    # first, and whether a non-zero constant or a bias is added (a hot path: most programs
+    # repeat a few ops on a few types)
+    key = (func, _first_operand(args, kwargs, operands), _nonzero_scalar(args, kwargs), *vmas)
+    hit = _ACCEPTED.get(key)
+    if hit is not None:
+        return hit
+    result = _combine(ctx, func, args, kwargs, operands, vmas)
+    if isinstance(result, Vma) and op_name(func) != "linear":
+        if len(_ACCEPTED) > 4096:
+            _ACCEPTED.clear()
+        _ACCEPTED[key] = result
+    return result
+
+
+_ACCEPTED: dict[tuple, Vma] = {}
+
+
+def _combine(
+    ctx: Any, func: Any, args: tuple, kwargs: dict | None, operands: list, vmas: list[Vma]
+) -> Any:
+    union = vmas[0]
+    for v in vmas[1:]:
+        union = union.union(v)
+    unreduced = frozenset().union(*(v.unreduced for v in vmas))
+    if not unreduced:
+        return union  # reduced values mix like invariant ones; varying wins
+    name = op_name(func)
+    kind = _kind(name, operands)
+    for axis in sorted(unreduced, key=_order(ctx)):
+        problem = _problem(kind, name, axis, args, kwargs, operands, vmas)
+        if problem is not None:
+            if kind == "other":  # the message (with the user's line) is built if raised
+                return functools.partial(_error, ctx, name, axis, problem, operands, vmas)
+            raise _error(ctx, name, axis, problem, operands, vmas)
+    return union
+
+
+def _order(ctx: Any):
+    names = ctx.mesh.axis_names
+    return lambda a: names.index(a) if a in names else len(names)
+
+
+def _problem(kind, name, axis, args, kwargs, operands, vmas) -> str | None:
+    states = [v.state(axis) for v in vmas]
+    first = _first_operand(args, kwargs, operands)
+    if kind == "unary":
+        if first is None or states[first] != "unreduced":
+            return "it is unreduced in an operand the op does not act on linearly"
+        others = [s for i, s in enumerate(states) if i != first and s in ("unreduced", "varying")]
+        return f"its index operand is {others[0]} there" if others else None
+    if kind == "additive":
+        if any(s != "unreduced" for s in states):
+            other = next(s for s in states if s != "unreduced")
+            return (
+                f"it adds a value {other} over {axis!r} to a partial sum: each instance "
+                "would add it to its part, so the total would count it once per instance"
+            )
+        if _nonzero_scalar(args, kwargs):
+            return "it adds a constant to a partial sum, which the total counts once per instance"
+        return None
+    if kind == "product":
+        if name in _DIVISION and first is not None and len(operands) > 1:
+            if any(s == "unreduced" for i, s in enumerate(states) if i != first):
+                return "it divides by a partial sum (the quotient of the sum is not the sum of quotients)"
+        count = states.count("unreduced")
+        if count > 1:
+            return "it multiplies two partial sums (the product of sums is not the sum of products)"
+        other = next((s for s in states if s not in ("unreduced", "reduced")), None)
+        if other is not None:
+            why = (
+                "its gradient would be a partial sum"
+                if other == "invariant"
+                else "the instances' products would not sum to the product"
+            )
+            return f"it multiplies a partial sum by a value {other} over {axis!r} ({why})"
+        return None
+    if kind == "linear":
+        bias = args[2] if len(args) > 2 else (kwargs or {}).get("bias")
+        if isinstance(bias, torch.Tensor):
+            return (
+                "it adds the bias to the partial product: each instance adds it to its part, "
+                "so the total counts it once per instance"
+            )
+        return _problem("product", "mul", axis, args[:2], None, operands[:2], vmas[:2])
+    return (
+        f"{name} is not linear (or not known to be), while a partial sum may only go through "
+        "linear ops"
+    )
+
+
+def _first_operand(args, kwargs, operands) -> int | None:
+    head = args[0] if args else None
+    if isinstance(head, (list, tuple)):
+        head = head[0] if head else None
+    for i, t in enumerate(operands):
+        if t is head:
+            return i
+    return None
+
+
+def _nonzero_scalar(args, kwargs) -> bool:
+    for a in args:
+        if isinstance(a, (int, float, complex)) and not isinstance(a, bool) and a != 0:
+            return True
+    return False
+
+
+def _error(ctx, name, axis, problem, operands, vmas) -> VmaError:
+    types = ", ".join(
+        str(VType(t.dtype, tuple(t.shape), v, ctx.mesh.axis_names)) for t, v in zip(operands, vmas)
+    )
+    return VmaError(
+        f"{name} in {ctx.fn_label}{user_line()}: an operand is unreduced over {axis!r} (each "
+        f"instance holds a partial sum; operand types: {types}), and {problem}.\n"
+        f"  Fix: reduce it first, e.g. y = ns.psum(y, {axis!r}) (or ns.psum_scatter), then apply "
+        f"{name}; or, if each instance's partial value really is meant as a local value, "
+        f"ns.pcast(y, {axis!r}, to='varying')."
+    )
+
+
+def user_line() -> str:
+    """`` at file:line (code)`` of the innermost frame outside named_spmd, torch and the standard
+    library: the user's line that ran the op."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_LIBRARY_DIRS):
+            code = (frame.line or "").strip()
+            return f" at {os.path.basename(frame.filename)}:{frame.lineno} ({code})"
+    return ""
+
+
+_LIBRARY_DIRS = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(traceback.__file__)) + os.sep,
+)

@@ -1,0 +1,73 @@
+"""Unreduced and reduced values on the simulated backend (docs/design.md section 8).
+
+The vmap levels tell varying (batched) from invariant (unbatched), and nothing else: an
+unreduced value is batched like a varying one, a reduced value unbatched like an invariant one.
+So such values carry a *mark*, ``(call token, Vma)`` in the tensor's ``__dict__`` (as the
+tracked backends' stamps), and :class:`PartialMode` types every op of the call by the partial-sum
+algebra (``_partial.combine``) once the first marked value exists: a call without unreduced or
+reduced values pushes no mode and pays nothing. Values need nothing else: vmap computes them, and
+autograd through the levels sums the gradient of an unbatched (reduced) input as the real
+backend's unreduced gradient sums to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..._partial import typed_call
+from ..._tracking import tensor_operands
+from ..._types import Vma
+
+ATTR = "_named_spmd_partial"
+_NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
+
+
+def mark_of(x: torch.Tensor, token: object) -> Vma | None:
+    """``x``'s mark in the call of ``token``, or None."""
+    m = x.__dict__.get(ATTR)
+    return m[1] if m is not None and m[0] is token else None
+
+
+def set_mark(x: torch.Tensor, token: object, vma: Vma) -> None:
+    if vma.partial:
+        x.__dict__[ATTR] = (token, vma)
+    elif ATTR in x.__dict__:
+        del x.__dict__[ATTR]
+
+
+class PartialMode(TorchFunctionMode):
+    """Types the ops of a call in which unreduced or reduced values exist."""
+
+    def __init__(self, ctx: Any):
+        super().__init__()
+        self.ctx = ctx
+        self.paused_depth = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused_depth or func in _NOT_OPS:
+            return func(*args, **kwargs)
+        operands = tensor_operands(args, kwargs)
+        token = self.ctx.token
+        if not any(ATTR in t.__dict__ and t.__dict__[ATTR][0] is token for t in operands):
+            return func(*args, **kwargs)
+        vmas = [self.ctx.vma(t) for t in operands]
+        out, vma = typed_call(self.ctx, func, args, kwargs, operands, vmas)
+        for o in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(o, torch.Tensor):
+                set_mark(o, token, vma)
+        return out
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside the backend's own primitives: their ops are no user-level arithmetic."""
+        self.paused_depth += 1
+        try:
+            yield
+        finally:
+            self.paused_depth -= 1

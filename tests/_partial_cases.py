@@ -1,0 +1,213 @@
+"""Partial-sum programs shared by tests/test_partial_sums.py (simulated, abstract) and
+tests/partial_dist.py (real processes): the errors of the partial-sum algebra, each with the
+substrings its message must hold, and deferred gradient reduction over microbatches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import named_spmd as ns
+from named_spmd import P
+
+F64 = torch.float64
+
+
+def _seeded(*shapes: tuple[int, ...]) -> Callable[[], tuple]:
+    def args() -> tuple:
+        gen = torch.Generator().manual_seed(5)
+        return tuple(torch.randn(s, generator=gen, dtype=F64) for s in shapes)
+
+    return args
+
+
+def _partial(x, w):
+    """The row-parallel product, declared a partial sum over tp."""
+    return ns.pcast(x @ w, "tp", to="unreduced")
+
+
+@dataclass
+class ErrorCase:
+    fn: Callable[..., Any]
+    in_specs: Any
+    out_specs: Any
+    args: Callable[[], tuple]
+    error: type = ns.VmaError
+    pinned: tuple[str, ...] = ()
+
+
+_ROW = (P(None, "tp"), P("tp", None))
+_XW = _seeded((4, 6), (6, 3))
+
+ERRORS: dict[str, ErrorCase] = {
+    # the bias added before the row-parallel psum: counted once per instance
+    "bias_before_psum": ErrorCase(
+        lambda x, w, b: ns.psum(_partial(x, w) + b, "tp"),
+        (*_ROW, P()),
+        P(),
+        _seeded((4, 6), (6, 3), (3,)),
+        pinned=(
+            "add in `<lambda>`",
+            "an operand is unreduced over 'tp'",
+            "adds a value invariant over 'tp' to a partial sum",
+            "Fix: reduce it first, e.g. y = ns.psum(y, 'tp')",
+            "ns.pcast(y, 'tp', to='varying')",
+        ),
+    ),
+    "linear_bias_on_partial": ErrorCase(
+        lambda x, w, b: ns.psum(
+            F.linear(_partial(x, w), ns.pcast(torch.eye(3, dtype=F64), "tp", to="reduced"), b),
+            "tp",
+        ),
+        (*_ROW, P()),
+        P(),
+        _seeded((4, 6), (6, 3), (3,)),
+        pinned=("linear in `<lambda>`", "adds the bias to the partial product"),
+    ),
+    "nonlinear_on_partial": ErrorCase(
+        lambda x, w: ns.psum(torch.relu(_partial(x, w)), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("relu in `<lambda>`", "is not linear"),
+    ),
+    "exp_on_partial": ErrorCase(
+        lambda x, w: ns.psum(_partial(x, w).exp(), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("exp in `<lambda>`", "is not linear"),
+    ),
+    "partial_times_partial": ErrorCase(
+        lambda x, w: ns.psum(_partial(x, w) * _partial(x, w), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("mul in", "multiplies two partial sums"),
+    ),
+    "partial_matmul_partial": ErrorCase(
+        lambda x, w: ns.psum(_partial(x, w) @ _partial(x, w).T, "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("matmul in", "multiplies two partial sums"),
+    ),
+    "partial_times_invariant": ErrorCase(
+        lambda x, w, s: ns.psum(_partial(x, w) * s, "tp"),
+        (*_ROW, P()),
+        P(),
+        _seeded((4, 6), (6, 3), (3,)),
+        pinned=("mul in", "by a value invariant over 'tp' (its gradient would be a partial sum)"),
+    ),
+    "divide_by_partial": ErrorCase(
+        lambda x, w: ns.psum(x[:, :3] / _partial(x, w), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("div in", "divides by a partial sum"),
+    ),
+    "compare_partial": ErrorCase(
+        lambda x, w: ns.psum((_partial(x, w) > 0).to(F64), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("gt in", "is not linear"),
+    ),
+    "norm_of_partial": ErrorCase(
+        lambda x, w: ns.psum(_partial(x, w).norm().reshape(1), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("norm", "is not linear"),
+    ),
+    "pmax_of_partial": ErrorCase(
+        lambda x, w: ns.pmax(_partial(x, w), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("pmax in `<lambda>`", "the operand is unreduced over ('tp',)", "ns.psum(x, 'tp')"),
+    ),
+    "unreduced_output_unnamed": ErrorCase(
+        lambda x, w: _partial(x, w),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("output has type f64[4,3]{U:tp}", "P(..., unreduced={'tp'})"),
+    ),
+    "bad_cast": ErrorCase(
+        lambda x, w: ns.pcast(ns.psum(x @ w, "tp"), "tp", to="unreduced"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("pcast in `<lambda>`", "cannot cast a value of type f64[4,3]{} over ('tp',)"),
+    ),
+}
+
+
+def run_error(name: str, simulated: bool | None = None, check: bool = False) -> dict:
+    """The error class and message of :data:`ERRORS` ``name`` on a (2,) "tp" mesh."""
+    case = ERRORS[name]
+    mesh = ns.make_mesh((2,), ("tp",), simulated=simulated)
+    f = ns.spmd_map(case.fn, mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs)
+    try:
+        f.check(*case.args()) if check else f(*case.args())
+    except ns.SpmdError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None, "message": ""}
+
+
+# --- deferred gradient reduction --------------------------------------------------------------
+
+
+def _mlp_loss(params, x, y):
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    return ns.psum(((h @ params["w2"] - y) ** 2).sum().reshape(1), "dp")
+
+
+def mlp_data(micro: int = 4):
+    gen = torch.Generator().manual_seed(7)
+    params = {
+        "w1": torch.randn(5, 8, generator=gen, dtype=F64),
+        "b1": torch.randn(8, generator=gen, dtype=F64),
+        "w2": torch.randn(8, 2, generator=gen, dtype=F64),
+    }
+    batches = [
+        (torch.randn(4, 5, generator=gen, dtype=F64), torch.randn(4, 2, generator=gen, dtype=F64))
+        for _ in range(micro)
+    ]
+    return params, batches
+
+
+def dense_grads(micro: int = 4) -> dict[str, torch.Tensor]:
+    params, batches = mlp_data(micro)
+    ps = {k: v.clone().requires_grad_() for k, v in params.items()}
+    for x, y in batches:
+        h = torch.tanh(x @ ps["w1"] + ps["b1"])
+        ((h @ ps["w2"] - y) ** 2).sum().backward()
+    return {k: p.grad for k, p in ps.items()}
+
+
+def deferred_grads(mesh, micro: int = 4):
+    """Gradient accumulation over ``micro`` microbatches with reduced parameters: no gradient
+    communication per microbatch (the gradients stay partial sums: ``Partial()`` DTensors on a
+    real mesh), then one psum per parameter. Returns the summed gradients (in name order), the
+    placements of the accumulated gradients, and the CommMode counts."""
+    params, batches = mlp_data(micro)
+    reduced = P(reduced={"dp"})
+    params = ns.shard({k: v.requires_grad_() for k, v in params.items()}, mesh, reduced)
+    step = ns.spmd_map(_mlp_loss, mesh=mesh, in_specs=(reduced, P("dp"), P("dp")), out_specs=P())
+    total = ns.spmd_map(
+        lambda g: ns.psum(g, "dp"), mesh=mesh, in_specs=P(unreduced={"dp"}), out_specs=P()
+    )
+    with ns.CommMode() as comms:
+        for x, y in batches:
+            step(params, x, y).sum().backward()
+        placements = {k: str(getattr(p.grad, "placements", "plain")) for k, p in params.items()}
+        grads = [total(params[k].grad) for k in sorted(params)]
+    grads = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+    counts = {f"{d} {op} {axes}": n for (d, op, axes), n in comms.counts().items()}
+    return [g.detach() for g in grads], placements, counts

@@ -1,0 +1,71 @@
+"""Partial sums (unreduced and reduced values) on real processes: ``python tests/partial_dist.py``
+under a 2-process job (tests/test_partial_sums.py launches it) prints one ``OUTCOME {json}`` line
+per check and rank:
+
+* every partial-sum program of the catalogue (tests/_programs.py ``PARTIAL_PROGRAMS``): values,
+  gradients, per-device types and communication against the per-instance reference, the dense
+  program and the simulated run (``_backends.compare_runs``, the catalogue's one test body);
+* every program of :data:`ERRORS` (tests/_partial_cases.py): the error class and message, which
+  the test compares with the simulated run's;
+* deferred reduction with DTensor parameters: their gradients are ``Partial()`` DTensors, summed
+  once after accumulating microbatches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _backends  # noqa: E402
+from _partial_cases import ERRORS, deferred_grads, run_error  # noqa: E402
+from _programs import BY_NAME, PARTIAL_PROGRAMS  # noqa: E402
+
+import named_spmd as ns  # noqa: E402
+
+
+def _say(**entry) -> None:
+    print("OUTCOME " + json.dumps(entry), flush=True)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        for name in PARTIAL_PROGRAMS:
+            program = BY_NAME[name]
+            mesh = ns.make_mesh(program.sizes, program.names)
+            try:
+                got = _backends.evaluate(program, mesh)
+                ref = _backends.reference_run(program)
+                sim = _backends.simulated_run(program)
+                _backends.compare_runs(got, ref, sim, program)
+                _say(kind="program", name=name, rank=rank, ok=True)
+            except Exception:  # noqa: BLE001 - reported to the test
+                _say(kind="program", name=name, rank=rank, ok=False, why=traceback.format_exc())
+        for name in ERRORS:
+            _say(kind="error", name=name, rank=rank, **run_error(name, simulated=False))
+        mesh = ns.make_mesh((2,), ("dp",))
+        grads, placements, comms = deferred_grads(mesh)
+        _say(
+            kind="deferred",
+            rank=rank,
+            grads=[g.tolist() for g in grads],
+            placements=placements,
+            comms=comms,
+        )
+    finally:
+        sys.stdout.flush()
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

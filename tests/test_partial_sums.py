@@ -1,0 +1,229 @@
+"""Partial sums: unreduced (U) and reduced (R) values (docs/design.md section 8).
+
+The programs with values and gradients are in the catalogue (tests/_programs.py, section "partial
+sums"; tests/test_programs.py runs them on the simulated and abstract backends against the
+per-instance reference, the dense program and JAX); here: the states and their display, specs,
+the algebra's errors with pinned messages on every backend, gradcheck of each transpose pair,
+deferred gradient reduction, and one launch of tests/partial_dist.py on 2 real processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+from _dist_launch import launch
+from _partial_cases import ERRORS, deferred_grads, dense_grads, run_error
+from _programs import PARTIAL_PROGRAMS
+
+import named_spmd as ns
+from named_spmd import P, Vma
+
+F64 = torch.float64
+
+
+# --- states, display, specs ----------------------------------------------------------------------
+
+
+def test_vma_states_algebra_and_text():
+    u = Vma.make(("dp",), ("tp",))
+    assert u.text(("dp", "tp")) == "{dp, U:tp}"
+    assert Vma.make((), ("tp",), ("ep",)).text() == "{U:tp, R:ep}"
+    assert u is Vma.make({"dp"}, {"tp"})  # interned
+    assert u.remove(("tp",)) is Vma.of(("dp",))  # psum of U: invariant there
+    assert u.add(("tp",)) is Vma.of(("dp", "tp"))  # psum_scatter of U: varying
+    assert Vma.make((), (), ("dp",)).add(("dp",)) is Vma.of(("dp",))  # R -> V
+    assert u != frozenset({"dp"}) and Vma.of(("dp",)) == frozenset({"dp"})
+    assert Vma.make((), (), ("dp",))  # reduced only: not "invariant everywhere"
+    with pytest.raises(ValueError):
+        Vma.make(("tp",), ("tp",))
+
+
+def test_typeof_shows_unreduced_and_reduced():
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    seen = []
+
+    @ns.spmd_map(mesh=mesh, in_specs=(P("dp", "tp"), P(reduced={"dp"})), out_specs=P("dp"))
+    def f(x, w):
+        u = ns.pcast(x, "tp", to="unreduced")
+        seen.extend([ns.typeof(u), ns.typeof(w), ns.typeof(u * 2.0), ns.vma(u)])
+        return ns.psum(u, "tp")
+
+    x = torch.arange(32.0).reshape(4, 8)
+    torch.testing.assert_close(f(x, torch.ones(3)), x[:, :4] + x[:, 4:])
+    assert [repr(t) for t in seen[:3]] == [
+        "f32[2,4]{dp, U:tp}",
+        "f32[3]{R:dp}",
+        "f32[2,4]{dp, U:tp}",
+    ]
+    assert seen[3] == frozenset({"dp"})  # ns.vma: the varying axes
+    assert repr(f.check(x, torch.ones(3)).types) == "[f32[2,4]{dp}]"
+
+
+def test_partition_spec_states():
+    a = P("dp", unreduced={"tp"})
+    assert a == P("dp", unreduced="tp") and a != P("dp") and hash(a) != hash(P("dp"))
+    assert repr(a) == "P('dp', unreduced={'tp'})"
+    assert P("dp") == ("dp",) and a.vma() is Vma.make(("dp",), ("tp",))
+    import pickle
+
+    assert pickle.loads(pickle.dumps(a)) == a
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    f = ns.spmd_map(lambda x: x, mesh=mesh, in_specs=P("dp", reduced={"dp", "ep"}), out_specs=P())
+    with pytest.raises(ns.SpecError) as e:
+        f(torch.ones(4))
+    assert "unknown mesh axis 'ep' in reduced=" in str(e.value)
+    assert "axes ('dp',) are given two states" in str(e.value)
+    with pytest.raises(ns.SpecError, match="takes an axis name or a set of names"):
+        P(unreduced=3)
+
+
+def test_unreduced_input_and_output_on_the_simulated_mesh():
+    """An unreduced input: parts summing to the global value (the first member holds it); an
+    unreduced output: the sum of the parts."""
+    mesh = ns.make_mesh((2,), ("i",))
+    f = ns.spmd_map(
+        lambda u: 3.0 * u, mesh=mesh, in_specs=P(unreduced={"i"}), out_specs=P(unreduced={"i"})
+    )
+    x = torch.arange(4.0, dtype=F64, requires_grad=True)
+    y = f(x)
+    torch.testing.assert_close(y, 3 * x.detach())
+    (g,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(g, torch.full((4,), 3.0, dtype=F64))
+    g = ns.spmd_map(lambda u: u, mesh=mesh, in_specs=P(unreduced={"i"}), out_specs=P())
+    with pytest.raises(ns.VmaError, match=r"unreduced over \('i',\)"):
+        g(x)
+
+
+# --- the algebra's errors: simulated and abstract (real processes: test_real_processes) ---------
+
+
+@pytest.mark.parametrize("name", sorted(ERRORS))
+def test_error(name):
+    case = ERRORS[name]
+    got = run_error(name, simulated=True)
+    assert got["error"] == case.error.__name__, got
+    for pinned in case.pinned:
+        assert pinned in got["message"], (pinned, got["message"])
+    assert run_error(name, check=True) == got  # the abstract backend: the same error
+
+
+def test_error_names_the_users_line():
+    got = run_error("bias_before_psum", simulated=True)
+    assert "at _partial_cases.py:" in got["message"]
+    assert "ns.psum(_partial(x, w) + b" in got["message"]
+
+
+def test_linear_ops_keep_unreduced_and_metadata_is_fine():
+    mesh = ns.make_mesh((2,), ("i",))
+    types = []
+
+    @ns.spmd_map(mesh=mesh, in_specs=(P("i"), P()), out_specs=P())
+    def f(x, w):
+        u = ns.pcast(x, "i", to="unreduced")
+        r = ns.pcast(w, "i", to="reduced")
+        parts = [-u, u - u, u * 2.0, 2.0 * u, u @ r, r @ u.reshape(2, 2), u.T, u[1:], u.sum()]
+        parts += [u.reshape(4), torch.stack([u, u]), torch.cat([u, u]), sum([u, u]), u / 2.0]
+        types.extend(repr(ns.typeof(p)) for p in parts)
+        assert u.shape == (2, 2) and u.dtype == torch.float32 and u.dim() == 2  # metadata
+        return ns.psum(u @ r, "i")
+
+    x = torch.arange(8.0).reshape(4, 2)
+    w = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    torch.testing.assert_close(f(x, w), (x[:2] + x[2:]) @ w)
+    assert all("U:i" in t for t in types), types
+
+
+# --- gradcheck of each transpose pair (float64, simulated and real backends agree in the
+# catalogue; here torch.autograd.gradcheck against finite differences) ----------------------------
+
+
+def _gradcheck(fn, in_specs, out_specs, *shapes, sizes=(2,), names=("i",)):
+    mesh = ns.make_mesh(sizes, names)
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    gen = torch.Generator().manual_seed(3)
+    args = [torch.randn(s, generator=gen, dtype=F64, requires_grad=True) for s in shapes]
+    assert torch.autograd.gradcheck(f, args)
+    assert torch.autograd.gradgradcheck(f, args)
+
+
+TRANSPOSE_PAIRS = {
+    # psum of unreduced (U -> I) <-> cast I -> R
+    "psum_of_unreduced": (lambda x: ns.psum(ns.pcast(x, "i", to="unreduced") * 3.0, "i"), P("i"), P(), (4, 3)),
+    "cast_to_reduced": (lambda w, x: ns.psum((x @ ns.pcast(w, "i", to="reduced")).sum(0), "i"), (P(), P("i")), P(), (3, 2), (4, 3)),
+    # cast V -> U <-> cast R -> V
+    "cast_to_unreduced": (lambda x: ns.pcast(x, "i", to="unreduced"), P("i"), P(unreduced={"i"}), (4, 3)),
+    "reduced_input_to_varying": (lambda w, x: (x * w).sum(0), (P(reduced={"i"}), P("i")), P("i"), (3,), (4, 3)),
+    # psum_scatter of unreduced (U -> V) <-> all_gather to reduced (V -> R)
+    "psum_scatter_of_unreduced": (lambda x: ns.psum_scatter(ns.pcast(x, "i", to="unreduced"), "i", tiled=True), P("i"), P("i"), (8, 3)),
+    "all_gather_to_reduced": (lambda x: torch.tanh(ns.all_gather(x, "i", tiled=True, to="reduced")), P("i"), P(), (4, 3)),
+    # U -> V: the partial sum as a local value
+    "unreduced_to_varying": (lambda x: torch.relu(ns.pcast(ns.pcast(x, "i", to="unreduced"), "i", to="varying")), P("i"), P("i"), (4, 3)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSE_PAIRS))
+def test_gradcheck_transpose_pairs(name):
+    fn, in_specs, out_specs, *shapes = TRANSPOSE_PAIRS[name]
+    _gradcheck(fn, in_specs, out_specs, *shapes)
+
+
+# --- deferred gradient reduction -----------------------------------------------------------------
+
+
+def test_deferred_gradient_reduction_simulated():
+    """Reduced parameters, 4 microbatches: no backward communication; then one psum per
+    parameter; the gradients equal the dense ones."""
+    grads, _, comms = deferred_grads(ns.make_mesh((2,), ("dp",)))
+    want = dense_grads()
+    for g, k in zip(grads, sorted(want)):
+        torch.testing.assert_close(g, want[k], rtol=1e-12, atol=1e-12)
+    # 4 loss psums and one psum per parameter (3), all forward; none in backward
+    assert comms == {"forward psum ('dp',)": 7}
+
+
+# --- real processes -------------------------------------------------------------------------------
+
+
+@functools.cache
+def _real_outcomes():
+    finished = launch([os.path.join("tests", "partial_dist.py")], 2, 300)
+    assert not finished.timed_out, finished.outputs[0][-3000:]
+    return [json.loads(line) for line in finished.lines("OUTCOME")], finished.outputs[0][-3000:]
+
+
+@pytest.mark.parametrize("name", PARTIAL_PROGRAMS)
+def test_real_processes_program(name):
+    outcomes, tail = _real_outcomes()
+    got = [o for o in outcomes if o["kind"] == "program" and o["name"] == name]
+    assert len(got) == 2, tail
+    for o in got:
+        assert o["ok"], o.get("why")
+
+
+@pytest.mark.parametrize("name", sorted(ERRORS))
+def test_real_processes_error(name):
+    outcomes, tail = _real_outcomes()
+    got = [o for o in outcomes if o["kind"] == "error" and o["name"] == name]
+    assert len(got) == 2, tail
+    want = run_error(name, simulated=True)
+    for o in got:
+        assert o["error"] == want["error"], o
+        assert o["message"] == want["message"], (o["message"], want["message"])
+
+
+def test_real_processes_deferred_reduction():
+    """DTensor parameters with reduced specs: the accumulated gradients are Partial() DTensors;
+    one psum per parameter gives the dense gradients; no backward communication."""
+    outcomes, tail = _real_outcomes()
+    got = [o for o in outcomes if o["kind"] == "deferred"]
+    assert len(got) == 2, tail
+    want = dense_grads()
+    for o in got:
+        assert set(o["placements"].values()) == {"(Partial(sum),)"}, o["placements"]
+        assert o["comms"] == {"forward psum ('dp',)": 7}, o["comms"]
+        for g, k in zip(o["grads"], sorted(want)):
+            torch.testing.assert_close(torch.tensor(g, dtype=F64), want[k], rtol=1e-12, atol=1e-12)
