@@ -1,13 +1,18 @@
-"""A rank that hangs inside the mapped function (4 processes, NAMED_SPMD_TIMEOUT=4).
+"""A rank that hangs inside the mapped function (4 processes, a 4 s timeout).
 
-Rank 2 sleeps past the timeout before its psum; the other ranks must stop at the timeout with a
-RankFailedError that names rank 2 (it never reached a collective of the call), and rank 2 must
-end too, once its peers are gone. One ``OUTCOME {json}`` per rank (tests/test_distributed.py).
+Rank 2 hangs before its psum until every other rank has given up and exited (each leaves its
+pid in ``HANG_DIR``; at most 90 s), so the peers always reach the timeout first, however the
+machine schedules the processes (a fixed 12 s sleep raced their start under load). The peers must stop
+at the timeout with a RankFailedError that names rank 2 (it never reached a collective of the
+call), and rank 2 must end too, once its peers are gone. The timeout (``HANG_TIMEOUT``) is set
+after make_mesh, whose barrier waits NAMED_SPMD_TIMEOUT as well: a starved peer can take over 4 s
+to post that it made its groups. One ``OUTCOME {json}`` per rank (tests/test_distributed.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
@@ -21,10 +26,15 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = ns.make_mesh((4,), ("i",))
+    os.environ["NAMED_SPMD_TIMEOUT"] = os.environ["HANG_TIMEOUT"]
+    gave_up = [os.path.join(os.environ["HANG_DIR"], str(r)) for r in (0, 1, 3)]
+    woke: list[float] = []
 
     def f(x):
-        if rank == 2:
-            time.sleep(12)  # hangs past NAMED_SPMD_TIMEOUT
+        deadline = time.monotonic() + 90
+        while rank == 2 and not all(map(_ended, gave_up)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # hangs past the timeout: until every peer gave up and exited
+        woke.append(time.monotonic())
         return ns.psum(x, "i")
 
     t0 = time.monotonic()
@@ -33,8 +43,21 @@ def main() -> None:
         out = {"ok": True}
     except ns.SpmdError as e:
         out = {"error": type(e).__name__, "message": str(e)}
-    seconds = time.monotonic() - t0
+    end = time.monotonic()
+    seconds = end - (woke[0] if woke else t0)  # rank 2: from the end of its hang
     print("OUTCOME " + json.dumps({"rank": rank, "seconds": seconds, **out}), flush=True)
+    with open(os.path.join(os.environ["HANG_DIR"], str(rank)), "w") as pid_file:
+        pid_file.write(str(os.getpid()))
+
+
+def _ended(pid_file: str) -> bool:
+    """The peer wrote its pid (it gave up) and its process has ended (a zombie counts): a peer
+    still alive holds the collectives it left in flight, which the late psum would pair with."""
+    try:
+        with open(pid_file) as f, open(f"/proc/{f.read()}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ValueError):
+        return os.path.exists(pid_file)  # written, and no such process any more
 
 
 if __name__ == "__main__":

@@ -172,10 +172,14 @@ def test_debug_mode_checks_plain_inputs_and_replicated_outputs_agree():
             assert "torch.manual_seed(rank)" in o["message"], o
 
 
-def test_a_hanging_rank_is_named_by_its_peers_at_the_timeout():
+def test_a_hanging_rank_is_named_by_its_peers_at_the_timeout(tmp_path):
     world = 4
     finished = launch(
-        [os.path.join("tests", "hanging_rank.py")], world, 120, NAMED_SPMD_TIMEOUT="4"
+        [os.path.join("tests", "hanging_rank.py")],
+        world,
+        120,
+        HANG_TIMEOUT="4",
+        HANG_DIR=str(tmp_path),
     )
     tail = f"returncodes {finished.returncodes}\n" + "\n".join(
         f"--- rank {r}\n{o[-1500:]}" for r, o in enumerate(finished.outputs)
@@ -188,7 +192,7 @@ def test_a_hanging_rank_is_named_by_its_peers_at_the_timeout():
         if rank != 2:  # the peers stop at the timeout and name the rank that never came
             assert o["seconds"] < 15, o
             assert "Rank 2 (mesh coordinates i=2) never reached a collective" in o["message"], o
-        else:  # the hung rank ends once it finds its peers gone
+        else:  # the hung rank ends once it finds its peers gone (seconds after its hang)
             assert o["seconds"] < 30, o
 
 
