@@ -27,6 +27,7 @@ from ._types import INVARIANT, Vma
 
 Tensor = torch.Tensor
 _ATTR = "_named_spmd_vma"
+STAMP_ATTR = _ATTR  # the attribute holding a tensor's stamp (read with getattr where traced)
 
 
 class TrackedContext(SpmdContext):
