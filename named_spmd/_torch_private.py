@@ -249,3 +249,9 @@ def funcol() -> SimpleNamespace:
         broadcast=ops.broadcast.default,
         wait=ops.wait_tensor.default,
     )
+
+
+def is_dynamo_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is torch.compile refusing to trace (Dynamo's ``Unsupported`` and its
+    relatives), told by module so that ``torch._dynamo`` is never imported for the check."""
+    return type(error).__module__.startswith("torch._dynamo")
