@@ -159,10 +159,9 @@ class CompiledContext(TrackedContext):
     def reduce_scatter(self, x, axes, dim):
         name, n, _, order = _group(self.mesh, axes)
         stacked = _to_group(x.movedim(dim, 0) if dim != 0 else x, order)
-        chunk = stacked.shape[1:]
-        flat = stacked.contiguous().reshape(n * max(1, chunk[0] if chunk else 1), *chunk[1:])
-        if not chunk:
-            flat = stacked.contiguous().reshape(n)
+        chunk = stacked.shape[1:]  # funcol splits dim 0 into n pieces: fold n into it
+        flat = stacked.contiguous()
+        flat = flat.reshape(-1, *chunk[1:]) if chunk else flat
         out = _wait(_F.reduce_scatter(flat, "sum", n, name))
         return out.reshape(chunk)
 
@@ -190,6 +189,8 @@ class CompiledContext(TrackedContext):
         if src is not None:
             recv[rank(src)] = numel
         flat = x.contiguous().reshape(numel)
+        if dst is None:  # sends nothing: the input splits must sum to its size
+            flat = flat[:0]
         got = _wait(_F.all_to_all(flat, recv, send, name))
         return torch.zeros_like(x) if src is None else got.reshape(x.shape)
 
