@@ -35,7 +35,7 @@ from .._collectives._record import PVARY_RECORD, RECORDS, implicit_pvary
 from .._context import SpmdContext
 from .._layout import assemble, block
 from .._spec import PartitionSpec
-from .._tracking import STAMP_ATTR, TrackedContext, VmaMode
+from .._tracking import STAMP_ATTR, TrackedContext, VmaMode, is_inplace
 from .._types import INVARIANT, Vma
 from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, placements
 
@@ -228,9 +228,18 @@ class CompiledCollectiveFn(torch.autograd.Function):
 _NONES = (None,) * 4
 
 
+@torch.compiler.assume_constant_result
+def _writes_in_place(func: Any) -> bool:
+    """``is_inplace`` run eagerly at trace time: its memo is a dict (Dynamo would guard on its
+    length) and Dynamo cannot trace ``str.endswith`` on an op's name."""
+    return is_inplace(func)
+
+
 class CompiledVmaMode(VmaMode):
     """:class:`VmaMode` for a traced call: every op takes the general path (types are read with
     ``getattr``)."""
+
+    inplace = staticmethod(_writes_in_place)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _PASS:
