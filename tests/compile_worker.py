@@ -207,45 +207,42 @@ def check_error(name: str, backend: str) -> dict:
     return {"error": caught[0] and caught[0][0], "problems": problems}
 
 
+def report(result: dict) -> None:
+    """One ``COMPILE {json}`` line (rank 0, and any rank with problems); also appended at once to
+    the file ``$COMPILE_RESULTS`` names, if set, so a long run shows its progress."""
+    if dist.get_rank() != 0 and not result["problems"]:
+        return
+    line = "COMPILE " + json.dumps({"rank": dist.get_rank(), **result})
+    print(line, flush=True)
+    path = os.environ.get("COMPILE_RESULTS")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(line[:2000] + "\n")
+
+
+def _guarded(check, name: str, backend: str) -> dict:
+    try:
+        result = check(name, backend)
+    except Exception as e:  # noqa: BLE001 - reported, and the test fails
+        result = {
+            "problems": [f"raised {type(e).__name__}: {str(e)[:1500]}"],
+            "traceback": traceback.format_exc()[-3000:],
+        }
+    return {"program": name, "backend": backend, **result}
+
+
 def main() -> None:
     dist.init_process_group("gloo")
-    names = sys.argv[1].split(",")
+    names = [n for n in sys.argv[1].split(",") if n]
     backends = sys.argv[2].split(",")
     errors = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] else []
     failed = False
     for backend in backends:
-        for name in names:
-            try:
-                result = check_program(name, backend)
-            except Exception as e:  # noqa: BLE001 - reported, and the test fails
-                result = {
-                    "problems": [f"raised {type(e).__name__}: {str(e)[:1500]}"],
-                    "traceback": traceback.format_exc()[-3000:],
-                }
-            failed |= bool(result["problems"])
-            if dist.get_rank() == 0 or result["problems"]:
-                print(
-                    "COMPILE "
-                    + json.dumps(
-                        {"rank": dist.get_rank(), "program": name, "backend": backend, **result}
-                    )
-                )
-        for name in errors:
-            try:
-                result = check_error(name, backend)
-            except Exception as e:  # noqa: BLE001
-                result = {
-                    "problems": [f"raised {type(e).__name__}: {str(e)[:1500]}"],
-                    "traceback": traceback.format_exc()[-3000:],
-                }
-            failed |= bool(result["problems"])
-            if dist.get_rank() == 0 or result["problems"]:
-                print(
-                    "COMPILE "
-                    + json.dumps(
-                        {"rank": dist.get_rank(), "program": name, "backend": backend, **result}
-                    )
-                )
+        for check, todo in ((check_program, names), (check_error, errors)):
+            for name in todo:
+                result = _guarded(check, name, backend)
+                failed |= bool(result["problems"])
+                report(result)
     sys.stdout.flush()
     dist.destroy_process_group()
     os._exit(1 if failed else 0)
