@@ -38,6 +38,15 @@ PROGRAMS = [
     "nested_tuples@4",
 ]
 ERRORS = ["out_specs_claim_replication", "invariant_operand", "indivisible_input"]
+# Inductor compiles C++ per graph (minutes per program on 4 processes of a shared 2-core
+# machine): a subset covering every kind of collective (psum, pmax / pmin, all_gather,
+# psum_scatter, all_to_all, ppermute) and the boundary relayout.
+FEW = [
+    "megatron_biases@4",
+    "ring_pass",
+    "experts_tiled@4",
+    "vocab_parallel_ce_with_pmax_pmin_terms",
+]
 
 
 def _run(backend: str, programs: list[str], errors: list[str]) -> list[dict]:
@@ -69,6 +78,10 @@ def test_graphs_carry_the_eager_calls_collectives():
     assert counted["megatron_biases@4"]["graphs"][1] > 0
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compiled_calls_equal_eager_on_the_eager_compile_backend():
+    _run("eager", PROGRAMS, ERRORS)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_calls_equal_eager(backend):
-    _run(backend, PROGRAMS, ERRORS if backend == "eager" else [])
+    _run(backend, FEW + ["sequence_parallel"] if backend == "aot_eager" else FEW, [])
