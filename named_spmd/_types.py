@@ -207,3 +207,11 @@ RENDERERS: dict[str, Callable[[Any], str]] = {}
 def render(kind: str, value: Any) -> str:
     """The one way value types reach the renderers registered in :data:`RENDERERS`."""
     return RENDERERS[kind](value)
+
+
+@torch.compiler.assume_constant_result
+def type_text(dtype: torch.dtype, shape: tuple[int, ...], vma: Vma, order: tuple[str, ...]) -> str:
+    """``repr(VType(...))`` for an error message. Run eagerly while torch.compile traces (Dynamo
+    cannot build a slotted ``VType`` through ``object.__setattr__``), so a compiled call's error
+    reads as the eager one's."""
+    return repr(VType(dtype, shape, vma, order))

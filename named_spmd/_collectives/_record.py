@@ -34,7 +34,7 @@ from .._autodiff import differentiable
 from .._context import Axes, GroupOfOne, SpmdContext, current
 from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, refcount
-from .._types import Vma, VType
+from .._types import Vma, type_text
 from . import _donation
 
 # Operand policies: what an operand invariant over some axes of the collective gets.
@@ -174,7 +174,7 @@ def raise_invariant_operand(ctx: SpmdContext, op: str, t: Tensor, axes: Axes) ->
     fix = " * ".join(f"axis_size({a!r})" for a in invariant)
     raise VmaError(
         f"{op} in {ctx.fn_label}: the operand is invariant over {invariant} (its type is "
-        f"{VType(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}), so {op} over {axes} "
+        f"{type_text(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}), so {op} over {axes} "
         "would add identical copies and multiply it by "
         f"{' * '.join(str(ctx.mesh.shape[a]) for a in invariant)}. JAX does that silently; "
         f"named_spmd refuses. Fix: drop {invariant} from the collective's axes if the value is "
@@ -243,7 +243,7 @@ def _pvary_check(ctx: SpmdContext, t: Tensor, axes: Axes, params: Params) -> Par
     if already:
         raise VmaError(
             f"pvary in {ctx.fn_label}: the operand already varies over {already} (type "
-            f"{VType(t.dtype, tuple(t.shape), ctx.vma(t), ctx.mesh.axis_names)}). Fix: pvary "
+            f"{type_text(t.dtype, tuple(t.shape), ctx.vma(t), ctx.mesh.axis_names)}). Fix: pvary "
             "only over axes it is invariant over."
         )
     return params
