@@ -175,24 +175,17 @@ class CompiledContext(TrackedContext):
         return received.movedim(0, dim) if dim != 0 else received
 
     def permute(self, x, axes, pairs):
-        name, n, me, order = _group(self.mesh, axes)
+        """An all_to_all_single with equal splits: this member's block goes to slot ``dst``, zeros
+        elsewhere; it keeps slot ``src`` of what arrives. It moves n blocks, not one: with
+        uneven splits (one non-empty each way) gloo broke the next send / recv of the group and
+        Inductor's gradients differed (docs/design.md section 9)."""
+        _, n, me, _ = _group(self.mesh, axes)
         dst = next((d for s, d in pairs if s == me), None)
         src = next((s for s, d in pairs if d == me), None)
-        if src == me:
-            return x.clone()
-        rank = (lambda i: i) if order is None else order.__getitem__
-        numel = x.numel()
-        send = [0] * n
-        recv = [0] * n
-        if dst is not None:
-            send[rank(dst)] = numel
-        if src is not None:
-            recv[rank(src)] = numel
-        flat = x.contiguous().reshape(numel)
-        if dst is None:  # sends nothing: the input splits must sum to its size
-            flat = flat[:0]
-        got = _wait(_F.all_to_all(flat, recv, send, name))
-        return torch.zeros_like(x) if src is None else got.reshape(x.shape)
+        zeros = torch.zeros_like(x, memory_format=torch.contiguous_format)
+        stacked = torch.stack([x if j == dst else zeros for j in range(n)])
+        received = self.all_to_all(stacked, axes, 0)
+        return zeros if src is None else received[src]
 
     def broadcast(self, x, axes, root):
         name, _, _, order = _group(self.mesh, axes)
