@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as P
 from .._collectives._record import PVARY_RECORD, RECORDS, implicit_pvary
 from .._context import SpmdContext
+from .._errors import fn_label
 from .._layout import assemble, block
 from .._spec import PartitionSpec
 from .._tracking import STAMP_ATTR, TrackedContext, VmaMode, is_inplace
@@ -67,6 +68,12 @@ def _group(mesh: Any, axes: tuple[str, ...]) -> tuple[str, int, int, tuple | Non
     return comm.group.group_name, comm.n, comm.index, order
 
 
+@torch.compiler.assume_constant_result
+def _label(fn: Any) -> str:
+    """The function's label for messages, computed eagerly at trace time."""
+    return fn_label(fn)
+
+
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return _F.wait(t)
 
@@ -97,6 +104,7 @@ class CompiledContext(TrackedContext):
 
     def __init__(self, mesh: Any, fn: Callable[..., Any]):
         SpmdContext.__init__(self, mesh, fn)  # not TrackedContext's caches: Dynamo traces this
+        self.fn_label = _label(fn)  # traced, fn.__qualname__ reads as its descriptor
         self.call_token = _Token()
         self.aliases: dict[torch.Tensor, dict[tuple[str, ...], torch.Tensor]] = {}
 
