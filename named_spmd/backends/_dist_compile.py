@@ -24,6 +24,7 @@ backend interface is the same (docs/design.md 6.3/6.4); only what Dynamo cannot 
 from __future__ import annotations
 
 import itertools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -104,7 +105,8 @@ class CompiledContext(TrackedContext):
 
     def __init__(self, mesh: Any, fn: Callable[..., Any]):
         SpmdContext.__init__(self, mesh, fn)  # not TrackedContext's caches: Dynamo traces this
-        self.fn_label = _label(fn)  # traced, fn.__qualname__ reads as its descriptor
+        if isinstance(fn, types.FunctionType):  # traced, its __qualname__ reads as a descriptor
+            self.fn_label = _label(fn)  # (a partial cannot be an assume_constant_result argument)
         self.call_token = _Token()
         self.aliases: dict[torch.Tensor, dict[tuple[str, ...], torch.Tensor]] = {}
 
