@@ -32,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as P
+from .. import _types
 from .._collectives._record import PVARY_RECORD, RECORDS, implicit_pvary
 from .._context import SpmdContext
 from .._errors import fn_label
@@ -56,6 +57,9 @@ def warm_types(names: tuple[str, ...]) -> None:
             v.add(t)
             v.remove(t)
 
+
+# error messages name types eagerly at trace time (Dynamo cannot build the slotted VType)
+_types.TYPE_TEXT[0] = torch.compiler.assume_constant_result(_types._type_repr)
 
 _F = P.funcol()  # bound at import: Dynamo reads module attributes as constants
 
