@@ -25,7 +25,7 @@ from ._tree import (
     opaque_tensor_holder,
     path_text,
 )
-from ._types import Vma, VType
+from ._types import Vma, type_text
 from .backends import Backend, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
 
@@ -130,7 +130,7 @@ class SpmdFunction:
     ) -> str:
         order = self.mesh.axis_names
         axes = tuple(a for a in order if a in extra)
-        vtype = VType(leaf.dtype, tuple(leaf.shape), ctx.vma(leaf), order)
+        vtype = type_text(leaf.dtype, tuple(leaf.shape), ctx.vma(leaf), order)
         named = f"ns.psum(y, {axes[0] if len(axes) == 1 else axes!r})"
         suggestion = _spec_naming(spec, axes, leaf.dim())
         return (
@@ -146,7 +146,7 @@ class SpmdFunction:
         self, where: str, leaf: torch.Tensor, spec: PartitionSpec, ctx: _context.SpmdContext
     ) -> str:
         vma = ctx.vma(leaf)
-        vtype = VType(leaf.dtype, tuple(leaf.shape), vma, self.mesh.axis_names)
+        vtype = type_text(leaf.dtype, tuple(leaf.shape), vma, self.mesh.axis_names)
         order = self.mesh.axis_names
         extra = tuple(a for a in order if a in vma.unreduced - spec.unreduced)
         if extra:

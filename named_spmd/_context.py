@@ -46,6 +46,10 @@ class SpmdContext(ABC):
     #: Whether the backend keeps each tensor's type in a stamp (:meth:`stamp`); the simulated
     #: backend reads types off its vmap levels instead, so results need no stamping there.
     stamps: bool = True
+    #: Whether a call marks the torch-function mode stack (:class:`CallMarker`, for a
+    #: checkpoint's recomputation); a call traced by torch.compile does not (Dynamo traces the
+    #: recomputation itself, and cannot trace the mode-stack calls).
+    marks_calls: bool = True
 
     def __init__(self, mesh: Mesh, fn: Any) -> None:
         self.mesh = mesh
@@ -249,11 +253,14 @@ def push(ctx: SpmdContext) -> None:
     """Make ``ctx`` the active call, and mark the torch-function mode stack with it so that a
     checkpoint recomputation inside the call can find it again (:class:`CallMarker`)."""
     _local.stack.append(ctx)
-    P.push_function_mode(CallMarker(ctx))
+    if ctx.marks_calls:
+        P.push_function_mode(CallMarker(ctx))
 
 
 def pop() -> None:
-    _remove_marker(_local.stack.pop())
+    ctx = _local.stack.pop()
+    if ctx.marks_calls:
+        _remove_marker(ctx)
 
 
 def active() -> SpmdContext | None:

@@ -45,12 +45,12 @@ def coords_of(index: int, axes: Sequence[str], sizes: Sizes) -> dict[str, int]:
 def group_coords(axes: Sequence[str], coords: Mapping[str, int], sizes: Sizes) -> list[dict]:
     """The full coordinates of the members of the group of ``axes`` that contains ``coords``,
     in row-major order over ``axes``."""
-    count = math.prod(sizes[a] for a in axes)
+    count = math.prod([sizes[a] for a in axes])
     return [{**coords, **coords_of(i, axes, sizes)} for i in range(count)]
 
 
 def group_size(axes: Iterable[str], sizes: Sizes) -> int:
-    return math.prod(sizes[a] for a in axes)
+    return math.prod([sizes[a] for a in axes])
 
 
 # --- a tensor under a spec ----------------------------------------------------------------------

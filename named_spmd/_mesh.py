@@ -79,7 +79,7 @@ class Mesh:
     @property
     def size(self) -> int:
         """Number of instances (devices): the product of the axis sizes."""
-        return math.prod(self._shape.values())
+        return math.prod(list(self._shape.values()))
 
     def axis_size(self, axes: str | Sequence[str]) -> int:
         names = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -89,7 +89,7 @@ class Mesh:
                 f"Mesh.axis_size: unknown axis {unknown[0]!r}; the mesh has axes "
                 f"{self.axis_names}.{suggest(unknown[0], self.axis_names)}"
             )
-        return math.prod(self._shape[a] for a in names)
+        return math.prod([self._shape[a] for a in names])
 
     def coords(self, linear_index: int) -> dict[str, int]:
         """Mesh coordinates of the instance with row-major ``linear_index``."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -96,11 +95,17 @@ class PartitionSpec(tuple):
             return Vma.of(self.axes)
         return Vma.make(self.axes, self.unreduced, self.reduced)
 
-    @functools.cached_property
+    @property
     def axes(self) -> tuple[str, ...]:
         """Every axis the spec names, in order of appearance (computed once per spec: read on
-        every call, for every input and output leaf)."""
-        return tuple(a for d in range(len(self)) for a in self.entry_axes(d))
+        every call, for every input and output leaf). Not ``functools.cached_property``: on
+        Python 3.11 it takes a lock, which torch.compile cannot trace."""
+        axes = self.__dict__.get("_axes")
+        if axes is None:
+            axes = self.__dict__["_axes"] = tuple(
+                a for d in range(len(self)) for a in self.entry_axes(d)
+            )
+        return axes
 
 
 P = PartitionSpec

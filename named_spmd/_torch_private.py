@@ -230,3 +230,28 @@ def dtensor_spec(device_mesh: Any, local: torch.Tensor, placements: tuple) -> An
 # buffer once its reduction is done (``.trigger_wait()``). C calls: no Python frame per gradient.
 async_buffer = operator.attrgetter("elem")
 async_wait = operator.methodcaller("trigger_wait")
+
+
+# --- torch.compile (the compile paths: backends/_dist_compile.py) -------------------------------
+
+
+@functools.cache
+def funcol() -> SimpleNamespace:
+    """The functional collective ops (``torch.ops._c10d_functional``) that a compiled call traces
+    into its graph: Inductor reorders and overlaps them, as it does for torch's own SimpleFSDP
+    and async TP. Each returns a new tensor that ``wait_tensor`` completes."""
+    ops = torch.ops._c10d_functional
+    return SimpleNamespace(
+        all_reduce=ops.all_reduce.default,
+        all_gather=ops.all_gather_into_tensor.default,
+        reduce_scatter=ops.reduce_scatter_tensor.default,
+        all_to_all=ops.all_to_all_single.default,
+        broadcast=ops.broadcast.default,
+        wait=ops.wait_tensor.default,
+    )
+
+
+def is_dynamo_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is torch.compile refusing to trace (Dynamo's ``Unsupported`` and its
+    relatives), told by module so that ``torch._dynamo`` is never imported for the check."""
+    return type(error).__module__.startswith("torch._dynamo")

@@ -28,6 +28,7 @@ from ._types import INVARIANT, Vma
 
 Tensor = torch.Tensor
 _ATTR = "_named_spmd_vma"
+STAMP_ATTR = _ATTR  # the attribute holding a tensor's stamp (read with getattr where traced)
 
 
 class TrackedContext(SpmdContext):
@@ -155,12 +156,14 @@ def _is_inplace(func) -> bool:
     return hit
 
 
-def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma) -> None:
+def _check_inplace(
+    ctx: TrackedContext, func, args, kwargs, union: Vma, inplace=_is_inplace
+) -> None:
     """An in-place op (or ``out=``) whose target is less varying than its operands would write
     varying values through the implicit pvary's alias into a tensor still typed invariant: every
     instance would hold different values in what is typed replicated (the simulated backend's
     vmap refuses the write too)."""
-    target = args[0] if args and _is_inplace(func) else (kwargs or {}).get("out")
+    target = args[0] if args and inplace(func) else (kwargs or {}).get("out")
     if not isinstance(target, Tensor):
         return
     axes = ctx.vma(target).missing(union.present(ctx.mesh.axis_names))
@@ -176,6 +179,8 @@ def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma) -> None:
 
 class VmaMode(TorchFunctionMode):
     """Stamps every op's outputs with the union of its operands' vma; inserts implicit pvary."""
+
+    inplace = staticmethod(_is_inplace)  # whether an op writes into its first argument
 
     def __init__(self, ctx: TrackedContext, *, insert_pvary: bool = True):
         super().__init__()
@@ -284,7 +289,7 @@ class VmaMode(TorchFunctionMode):
         if not union:
             return func(*args, **(kwargs or {}))
         if self.insert_pvary and len(vmas) > 1 and any(v is not union for v in vmas):
-            _check_inplace(self.ctx, func, args, kwargs, union)
+            _check_inplace(self.ctx, func, args, kwargs, union, self.inplace)
             args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
         out = func(*args, **(kwargs or {}))
         return self._stamp_outputs(out, union)

@@ -30,6 +30,8 @@ def broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[Partit
     Results are cached per (specs structure and leaves, tree structure): every call of a mapped
     function broadcasts the same specs over the same structure. (The structures are part of the
     key because a tuple of one P('b', 'a') equals P(('b', 'a')) as a tuple.)"""
+    if torch.compiler.is_compiling():  # Dynamo cannot hash a treespec: no cache when traced
+        return _broadcast_specs(specs, tree, what, where)
     key: tuple | None
     try:
         spec_leaves, spec_tree = optree.tree_flatten(specs, is_leaf=is_spec_leaf, none_is_leaf=True)

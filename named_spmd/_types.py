@@ -293,3 +293,19 @@ RENDERERS: dict[str, Callable[[Any], str]] = {}
 def render(kind: str, value: Any) -> str:
     """The one way value types reach the renderers registered in :data:`RENDERERS`."""
     return RENDERERS[kind](value)
+
+
+def _type_repr(dtype: torch.dtype, shape: tuple[int, ...], vma: Vma, order: tuple[str, ...]) -> str:
+    return repr(VType(dtype, shape, vma, order))
+
+
+#: How error messages write a value's type. The real backend's compile path
+#: (backends/_dist_compile.py) replaces the entry, on import, with a version that runs eagerly
+#: while torch.compile traces (Dynamo cannot build the slotted ``VType``); wrapped here, it would
+#: import Dynamo with named_spmd.
+TYPE_TEXT = [_type_repr]
+
+
+def type_text(dtype: torch.dtype, shape: tuple[int, ...], vma: Vma, order: tuple[str, ...]) -> str:
+    """``repr(VType(...))`` for an error message (see :data:`TYPE_TEXT`)."""
+    return TYPE_TEXT[0](dtype, shape, vma, order)

@@ -34,7 +34,7 @@ from .._autodiff import differentiable
 from .._context import Axes, GroupOfOne, SpmdContext, current
 from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, refcount
-from .._types import Vma, VType
+from .._types import Vma, type_text
 from . import _donation
 
 # Operand policies: what an operand invariant over some axes of the collective gets.
@@ -176,7 +176,7 @@ def _partial_operand(rec: Collective, ctx: SpmdContext, t: Tensor, vma: Vma, axe
     names = tuple(a for a in ctx.mesh.axis_names if a in bad)
     raise VmaError(
         f"{rec.name} in {ctx.fn_label}: the operand is unreduced over {names} (type "
-        f"{VType(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}): each instance holds a "
+        f"{type_text(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}): each instance holds a "
         f"partial sum, which {rec.name} would treat as the value. Fix: reduce it first with "
         f"ns.psum(x, {names[0] if len(names) == 1 else names!r}) (or ns.psum_scatter), or "
         f"ns.pcast(x, {names[0] if len(names) == 1 else names!r}, to='varying') if each "
@@ -206,7 +206,7 @@ def raise_invariant_operand(ctx: SpmdContext, op: str, t: Tensor, axes: Axes) ->
     fix = " * ".join(f"axis_size({a!r})" for a in invariant)
     raise VmaError(
         f"{op} in {ctx.fn_label}: the operand is invariant over {invariant} (its type is "
-        f"{VType(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}), so {op} over {axes} "
+        f"{type_text(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}), so {op} over {axes} "
         "would add identical copies and multiply it by "
         f"{' * '.join(str(ctx.mesh.shape[a]) for a in invariant)}. JAX does that silently; "
         f"named_spmd refuses. Fix: drop {invariant} from the collective's axes if the value is "
@@ -296,7 +296,7 @@ def _pvary_check(ctx: SpmdContext, t: Tensor, axes: Axes, params: Params) -> Par
     if already:
         raise VmaError(
             f"pvary in {ctx.fn_label}: the operand already varies over {already} (type "
-            f"{VType(t.dtype, tuple(t.shape), ctx.vma(t), ctx.mesh.axis_names)}). Fix: pvary "
+            f"{type_text(t.dtype, tuple(t.shape), ctx.vma(t), ctx.mesh.axis_names)}). Fix: pvary "
             "only over axes it is invariant over."
         )
     return params

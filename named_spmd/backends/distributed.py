@@ -55,7 +55,7 @@ from .._mesh import Mesh
 from .._spec import PartitionSpec
 from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
-from . import _dist_io, _dist_overlap
+from . import _dist_compile, _dist_io, _dist_overlap
 from ._dist_comm import MAX, MIN, SUM, Comm
 from ._dist_failures import (
     FailureBoard,
@@ -137,6 +137,7 @@ class DistributedMesh(Mesh):
             raise self.board.setup_failed(e) from None
         self.board.made()  # no rank leaves (and exits) while a peer still connects to it
         self._comms: dict[tuple[str, ...], Comm] = {}
+        _dist_compile.warm_types(names)  # before any torch.compile trace of a call on it
         _MESH_OF[id(device_mesh)] = self
         self.placements_cache: dict = {}  # (spec, rank) -> DTensor placements
         self.dtensor_specs: dict = {}  # (placements, shape, stride, dtype) -> DTensorSpec
@@ -324,6 +325,8 @@ def run(
     out_specs_of: Callable[[], list[PartitionSpec]],
 ) -> list[Any]:
     """Run ``body`` on this rank's blocks; return the outputs as DTensors (see module doc)."""
+    if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path
+        return _dist_compile.run(mesh, fn, leaves, specs, body, out_specs_of)
     if _dist_overlap._PENDING and P.current_graph_task_id() == -1:  # a backward that raised
         _dist_overlap.finish_pending()
     board = mesh.board

@@ -36,6 +36,7 @@ from ..._spec import PartitionSpec
 from ..._types import INVARIANT, Vma
 from . import _instances as _instances  # installs the per-instance printing of values
 from . import _levels
+from ._compiled import compiled_pieces_eagerly
 from ._diagnose import explained
 from ._marks import PartialMode, mark_of, set_mark
 from ._plan import _input_plan, from_physical
@@ -426,7 +427,8 @@ class SimulatedBackend:
     def accepts(self, mesh: Mesh) -> bool:
         return mesh.device_mesh is None
 
-    run = staticmethod(explained(run))  # torch errors of the user's code told per instance
+    # torch errors of the user's code told per instance; compiled pieces of it run uncompiled
+    run = staticmethod(compiled_pieces_eagerly(explained(run)))
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         text = str(error)

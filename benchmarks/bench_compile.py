@@ -1,0 +1,241 @@
+"""torch.compile of the GPT training step (benchmarks/_gpt.py) on a real (2, 2) mesh, 4 gloo
+processes: forward + backward + AdamW, the loss function compiled with Inductor, fullgraph.
+
+Variants, timed interleaved in the same processes (bench_gpt.interleaved):
+* ``named_spmd compiled``: ``torch.compile(spmd_map(loss))`` (backends/_dist_compile.py);
+* ``hand-written funcol compiled`` (the baseline): the same per-rank program written by hand with
+  ``_c10d_functional`` collectives inside two autograd Functions (Megatron's f and g: identity
+  forward / all-reduce backward, and all-reduce forward / identity backward), the replicated
+  parameters' dp all-reduce as an f over dp at their use, all compiled the same way;
+* ``named_spmd eager``: for reference.
+It also prints the seconds of the first call (trace + compile + run) of each compiled variant.
+
+    python benchmarks/bench_compile.py [--d 32] [--steps 5] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _gpt as G  # noqa: E402
+import _util  # noqa: E402
+import bench_gpt as B  # noqa: E402
+
+import named_spmd as ns  # noqa: E402
+
+BENCH = "bench_compile"
+FUNCOL = torch.ops._c10d_functional
+
+
+def _all_reduce(x, group_name):
+    return FUNCOL.wait_tensor(FUNCOL.all_reduce(x, "sum", group_name))
+
+
+class _F(torch.autograd.Function):
+    """Identity forward, all-reduce backward (a replicated value used by varying work)."""
+
+    @staticmethod
+    def forward(x, group_name):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group_name = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group_name), None
+
+
+class _G(torch.autograd.Function):
+    """All-reduce forward, identity backward (a partial sum made whole)."""
+
+    @staticmethod
+    def forward(x, group_name):
+        return _all_reduce(x, group_name)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def hand_written_loss(cfg: G.Config, dp_name: str, tp_name: str, tp_rank: int, dp: int):
+    """The per-rank loss written by hand: local blocks in, this rank's share of the mean out."""
+
+    def row_linear(a, w, b):
+        return _G.apply(F.linear(a, w), tp_name) + b
+
+    def loss(tokens, targets, p):
+        # every parameter is replicated over dp: its gradient is all-reduced over dp (the
+        # tp ranks of a replicated parameter compute the same gradient: no tp reduction)
+        q = {k: _F.apply(v, dp_name) for k, v in p.items()}
+        x = G._trunk(tokens, q, cfg, row_linear)
+        logits = F.linear(x, q["lm_head.weight"]).flatten(0, 1)
+        t = targets.flatten()
+        v_local = logits.shape[-1]
+        local_t = t - tp_rank * v_local
+        inside = (local_t >= 0) & (local_t < v_local)
+        m = logits.detach().amax(-1)
+        m = FUNCOL.wait_tensor(FUNCOL.all_reduce(m, "max", tp_name))
+        sumexp = _G.apply((logits - m.unsqueeze(-1)).exp().sum(-1), tp_name)
+        picked = logits.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
+        target = _G.apply(torch.where(inside, picked, 0.0), tp_name)
+        return (sumexp.log() + m - target).mean() / dp
+
+    return loss
+
+
+def _local_params(params: dict, cfg: G.Config, tp: int, tp_rank: int) -> dict:
+    out = {}
+    for k, v in params.items():
+        spec = G.param_specs(cfg)[k]
+        for d, name in enumerate(spec):
+            if name == "tp":
+                v = v.chunk(tp, d)[tp_rank]
+        out[k] = v.detach().clone().requires_grad_()
+    return out
+
+
+def worker(args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    cfg = G.Config(d=args.d, layers=args.layers, seq=args.seq, batch=args.batch, vocab=args.vocab)
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    dm = mesh.device_mesh
+    dp_name, tp_name = dm.get_group("dp").group_name, dm.get_group("tp").group_name
+    tp_rank, dp_rank = dm.get_local_rank("tp"), dm.get_local_rank("dp")
+    params = G.init_params(cfg, 0)
+
+    f = G.spmd_step_fn(cfg, mesh)
+    compiled = torch.compile(f, backend="inductor", fullgraph=True)
+    pn = B._distribute(params, G.param_specs(cfg), dm)
+    spmd_c = B.trainer(lambda tok, tgt, q: ns.to_local(compiled(tok, tgt, q)), pn)
+    pe = B._distribute(params, G.param_specs(cfg), dm)
+    spmd_e = B.trainer(lambda tok, tgt, q: ns.to_local(f(tok, tgt, q)), pe)
+
+    hand = torch.compile(
+        hand_written_loss(cfg, dp_name, tp_name, tp_rank, 2), backend="inductor", fullgraph=True
+    )
+    ph = _local_params(params, cfg, 2, tp_rank)
+
+    def hand_loss(tok, tgt, q):
+        t, g = B._local_batch(tok, tgt, dp_rank, 2)
+        return hand(t, g, q)
+
+    hand_step = B.trainer(hand_loss, ph)
+    tok, tgt = G.batch(cfg, 0)
+    first = {}
+    for name, step in (
+        ("named_spmd compiled", spmd_c),
+        ("hand-written funcol compiled", hand_step),
+    ):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(tok, tgt)
+        first[name] = time.perf_counter() - t0
+    # the same numbers: the losses of a few more steps agree (float32)
+    losses = {}
+    for name, step in (("spmd", spmd_c), ("hand", hand_step), ("eager", spmd_e)):
+        losses[name] = [float(B._global(step(*G.batch(cfg, s)))) for s in range(1, 3)]
+    fns = {
+        "hand-written funcol compiled": B.timer_steps(hand_step, cfg, args.steps),
+        "named_spmd compiled": B.timer_steps(spmd_c, cfg, args.steps),
+        "named_spmd eager": B.timer_steps(spmd_e, cfg, args.steps),
+    }
+    medians = B.interleaved(fns, args.rounds, args.steps)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"medians": medians, "first": first, "losses": losses}))
+    dist.destroy_process_group()
+
+
+def _spawn(nproc: int, argv: list[str], timeout: float) -> str:
+    """Run this script as ``nproc`` ranks on 127.0.0.1 (bench_gpt's launch); rank 0's output."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(
+        os.environ,
+        WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+        OMP_NUM_THREADS="1",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, *argv],
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(nproc)
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        del store
+    bad = [r for r, p in enumerate(procs) if p.returncode]
+    if bad:
+        raise SystemExit(f"rank {bad[0]} failed:\n{outs[bad[0]][-4000:]}")
+    return outs[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--d", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--markdown")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    out = _spawn(4, [*sys.argv[1:], "--worker"], args.timeout)
+    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(out[-4000:])
+    result = json.loads(line[len("RESULT ") :])
+    for name, s in result["first"].items():
+        print(f"first call (trace + compile + run) of {name}: {s:.1f} s")
+    print("losses of steps 1-2:", result["losses"])
+    medians = result["medians"]
+    case = "GPT step, (2,2), 4 gloo processes"
+    rows = _util.rows_with_ratios(
+        BENCH,
+        case,
+        medians["wall"],
+        "hand-written funcol compiled",
+        {"named_spmd compiled": "<= 1.02x"},
+    )
+    rows += _util.rows_with_ratios(
+        BENCH, case + ", CPU time", medians["cpu"], "hand-written funcol compiled", {}
+    )
+    _util.print_rows(rows)
+    _util.write_markdown(args.markdown, rows)
+
+
+if __name__ == "__main__":
+    main()

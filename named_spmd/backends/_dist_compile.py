@@ -1,0 +1,351 @@
+"""A call on a real mesh traced by ``torch.compile``: the distributed backend's compile path.
+
+When Dynamo traces a mapped function (``torch.compile(spmd_map(f, ...))``, or a compiled
+function that calls one), :func:`run` replaces the eager ``run`` of ``distributed.py``. The
+backend interface is the same (docs/design.md 6.3/6.4); only what Dynamo cannot trace changes:
+
+* the primitives call the functional collective ops (``_torch_private.funcol``, each
+  followed by ``wait_tensor``) instead of ``ProcessGroup`` methods, so the graph carries every
+  collective and Inductor may reorder and overlap them; ``permute`` is an ``all_to_all_single``
+  with one non-empty split each way;
+* every collective runs inside our own autograd Function (:class:`CompiledCollectiveFn`, the
+  bridge of ``_autodiff``): Dynamo traces its forward and backward, and the backward is the
+  record's transpose, so an implicit pvary's psum appears in the backward graph;
+* types are stamps set with ``setattr`` (Dynamo traces attribute writes on tensors, not
+  ``__dict__``), and implicit pvary aliases are cached per tensor in a dict keyed by the tensor;
+  type inference, the out_specs check and every ``SpmdError`` happen once, at trace time;
+* the process group facts (group name, member index, rank order) come from
+  ``torch.compiler.assume_constant_result`` functions: constants of the graph;
+* nothing of the eager machinery runs in the graph: no start-of-call check, no failure board,
+  no overlapped gradient psum, no donation, no CommMode events (a compiled call's collectives
+  are the graph's nodes; count them there).
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .. import _torch_private as P
+from .. import _types
+from .._collectives._record import PVARY_RECORD, RECORDS, implicit_pvary
+from .._context import SpmdContext
+from .._errors import CollectiveError, fn_label
+from .._layout import assemble, block
+from .._spec import PartitionSpec
+from .._tracking import STAMP_ATTR, TrackedContext, VmaMode, is_inplace
+from .._types import INVARIANT, Vma
+from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, placements
+
+
+def warm_types(names: tuple[str, ...]) -> None:
+    """Fill every memo of the type algebra (``Vma``'s union / add / remove) over the axes
+    ``names``, once per mesh, before any trace. Dynamo guards on the length of every dict a trace
+    reads: a memo filled later (by the trace itself, or by an eager call between two steps)
+    would recompile the graph. A traced call therefore never calls ``Vma.of`` either."""
+    subsets = [Vma.of(c) for k in range(len(names) + 1) for c in itertools.combinations(names, k)]
+    tuples = [p for k in range(len(names) + 1) for p in itertools.permutations(names, k)]
+    for v in subsets:
+        for w in subsets:
+            v.union(w)
+        for t in tuples:
+            v.add(t)
+            v.remove(t)
+
+
+# error messages name types eagerly at trace time (Dynamo cannot build the slotted VType)
+_types.TYPE_TEXT[0] = torch.compiler.assume_constant_result(_types._type_repr)
+
+_F = P.funcol()  # bound at import: Dynamo reads module attributes as constants
+
+
+@torch.compiler.assume_constant_result
+def _group(mesh: Any, axes: tuple[str, ...]) -> tuple[str, int, int, tuple | None]:
+    """(group name, size, this rank's tuple index, tuple index -> group rank or None when they
+    agree) of the group of ``axes``: run eagerly at trace time, a constant of the graph."""
+    comm = mesh.comm(axes)
+    order = None if comm._to_group is None else tuple(comm.group_rank)
+    return comm.group.group_name, comm.n, comm.index, order
+
+
+@torch.compiler.assume_constant_result
+def _label(fn: Any) -> str:
+    """The function's label for messages, computed eagerly at trace time."""
+    return fn_label(fn)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return _F.wait(t)
+
+
+def _from_group(x: torch.Tensor, order: tuple | None) -> torch.Tensor:
+    """Blocks in group-rank order (dim 0) -> tuple order."""
+    return x if order is None else x.index_select(0, torch.tensor(order, device=x.device))
+
+
+def _to_group(x: torch.Tensor, order: tuple | None) -> torch.Tensor:
+    """Blocks in tuple order (dim 0) -> group-rank order."""
+    if order is None:
+        return x
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return x.index_select(0, torch.tensor(inverse, device=x.device))
+
+
+class _Token:
+    """Identifies one traced call in its stamps (Dynamo cannot trace ``object()``)."""
+
+
+class CompiledContext(TrackedContext):
+    """A traced call on a real mesh: funcol primitives, stamps as attributes."""
+
+    mesh: Any  # a DistributedMesh (distributed.py imports this module)
+    donates = False
+    marks_calls = False
+
+    def __init__(self, mesh: Any, fn: Callable[..., Any]):
+        SpmdContext.__init__(self, mesh, fn)  # not TrackedContext's caches: Dynamo traces this
+        if isinstance(fn, types.FunctionType):  # traced, its __qualname__ reads as a descriptor
+            self.fn_label = _label(fn)  # (a partial cannot be an assume_constant_result argument)
+        self.call_token = _Token()
+        self.aliases: dict[torch.Tensor, dict[tuple[str, ...], torch.Tensor]] = {}
+
+    # --- types ------------------------------------------------------------------------------
+    def vma(self, x: torch.Tensor) -> Vma:
+        stamp = getattr(x, STAMP_ATTR, None)
+        if stamp is not None and stamp[0] is self.call_token:
+            return stamp[1]
+        return INVARIANT
+
+    def stamp_of(self, vma: Vma) -> tuple[object, Vma]:
+        return (self.call_token, vma)
+
+    def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
+        setattr(x, STAMP_ATTR, (self.call_token, vma))
+        return x
+
+    def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        per = self.aliases.get(t)
+        if per is None:
+            per = self.aliases[t] = {}
+        alias = per.get(axes)
+        if alias is None:
+            alias = per[axes] = implicit_pvary(self, t, axes)
+        return alias
+
+    # --- the bridge -------------------------------------------------------------------------
+    def apply(self, rec, x, axes, params, donate=False):
+        with P.DisableTorchFunction():  # the collective's own ops need no types
+            if x.requires_grad and torch.is_grad_enabled():
+                return CompiledCollectiveFn.apply(x, rec, self, axes, params)
+            return rec.forward(self, x, axes, params, False)
+
+    def psum_in_backward(self, g, axes, node):
+        return self.all_reduce(g, axes, "sum")
+
+    # --- primitives -------------------------------------------------------------------------
+    def axis_index(self, axes):
+        return self.stamp(torch.tensor(_group(self.mesh, axes)[2]), INVARIANT.add(axes))
+
+    def per_member(self, axes, make):
+        with P.DisableTorchFunction():
+            value = make(_group(self.mesh, axes)[2])
+        return self.stamp(value, INVARIANT.add(axes))
+
+    def pvary(self, x, axes):
+        return x.view_as(x)
+
+    def all_reduce(self, x, axes, op, donate=False):
+        name = _group(self.mesh, axes)[0]
+        if x.is_complex():
+            return torch.view_as_complex(_wait(_F.all_reduce(torch.view_as_real(x), op, name)))
+        return _wait(_F.all_reduce(x, op, name))
+
+    def all_gather(self, x, axes):
+        name, n, _, order = _group(self.mesh, axes)
+        out = _wait(_F.all_gather(x.contiguous(), n, name))
+        return _from_group(out.reshape(n, *x.shape), order)
+
+    def reduce_scatter(self, x, axes, dim):
+        name, n, _, order = _group(self.mesh, axes)
+        stacked = _to_group(x.movedim(dim, 0) if dim != 0 else x, order)
+        chunk = stacked.shape[1:]  # funcol splits dim 0 into n pieces: fold n into it
+        flat = stacked.contiguous()
+        flat = flat.reshape(-1, *chunk[1:]) if chunk else flat
+        out = _wait(_F.reduce_scatter(flat, "sum", n, name))
+        return out.reshape(chunk)
+
+    def all_to_all(self, x, axes, dim):
+        name, n, _, order = _group(self.mesh, axes)
+        stacked = _to_group(x.movedim(dim, 0) if dim != 0 else x, order).contiguous()
+        per = stacked[0].numel()
+        flat = stacked.reshape(n * per)
+        out = _wait(_F.all_to_all(flat, [per] * n, [per] * n, name))
+        received = _from_group(out.reshape(stacked.shape), order)
+        return received.movedim(0, dim) if dim != 0 else received
+
+    def permute(self, x, axes, pairs):
+        raise CollectiveError(
+            f"ppermute / pshuffle over {axes} in {self.fn_label}, traced by torch.compile: not "
+            "supported yet on a real mesh (the compiled gradient of a permuted value was found "
+            "to differ from the eager one; docs/design.md section 9). Fix: run this spmd_map "
+            "eagerly (do not compile it, or wrap the call in torch.compiler.disable)."
+        )
+
+    def _permute_by_all_to_all(self, x, axes, pairs):
+        """Kept for the fix (unused: see :meth:`permute`). An all_to_all_single with equal splits: this member's block goes to slot ``dst``, zeros
+        elsewhere; it keeps slot ``src`` of what arrives. It moves n blocks, not one: with
+        uneven splits (one non-empty each way) gloo broke the next send / recv of the group and
+        Inductor's gradients differed (docs/design.md section 9)."""
+        _, n, me, _ = _group(self.mesh, axes)
+        dst = next((d for s, d in pairs if s == me), None)
+        src = next((s for s, d in pairs if d == me), None)
+        zeros = torch.zeros_like(x, memory_format=torch.contiguous_format)
+        stacked = torch.stack([x if j == dst else zeros for j in range(n)])
+        received = self.all_to_all(stacked, axes, 0)
+        return zeros if src is None else received[src]
+
+    def broadcast(self, x, axes, root):
+        name, _, _, order = _group(self.mesh, axes)
+        src = root if order is None else order[root]
+        return _wait(_F.broadcast(x.contiguous(), src, name))
+
+    def own_block(self, x, axes, dim):
+        return x.select(dim, _group(self.mesh, axes)[2])
+
+
+class CompiledCollectiveFn(torch.autograd.Function):
+    """The bridge (``_autodiff.CollectiveFn``) for a traced call: forward the record's forward,
+    backward its transpose, run with torch function modes off (Dynamo refuses a backward that
+    mutates state outside it). No ``jvp`` or ``vmap`` rule: Dynamo refuses a Function with a
+    custom ``jvp``, so forward-mode AD does not compile."""
+
+    @staticmethod
+    def forward(x, rec, spmd, axes, params):
+        return rec.forward(spmd, x, axes, params, False)
+
+    @staticmethod
+    def setup_context(node, inputs, output):
+        x, node.rec, node.spmd, node.axes, node.params = inputs
+        if node.rec.saves:
+            node.save_for_backward(x, output)
+
+    @staticmethod
+    def backward(node, g):
+        with P.DisableTorchFunction():
+            return node.rec.backward(node.spmd, g, node.axes, node.params, node), *_NONES
+
+
+_NONES = (None,) * 4
+
+
+@torch.compiler.assume_constant_result
+def _writes_in_place(func: Any) -> bool:
+    """``is_inplace`` run eagerly at trace time: its memo is a dict (Dynamo would guard on its
+    length) and Dynamo cannot trace ``str.endswith`` on an op's name."""
+    return is_inplace(func)
+
+
+class CompiledVmaMode(VmaMode):
+    """:class:`VmaMode` for a traced call: every op takes the general path (types are read with
+    ``getattr``)."""
+
+    inplace = staticmethod(_writes_in_place)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _PASS:
+            return func(*args, **(kwargs or {}))
+        return self._general(func, args, kwargs)
+
+    def _stamp_outputs(self, out, union):
+        for o in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(o, torch.Tensor):
+                self.ctx.stamp(o, union)
+        return out
+
+
+_PASS = frozenset(
+    {
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint_like,
+        torch.autograd.grad,
+        torch.Tensor.backward,
+    }
+)
+
+
+# --- the boundary ----------------------------------------------------------------------------
+
+
+class _ScatterInput(torch.autograd.Function):
+    """A plain global input -> this rank's block; backward all_gathers the gradient's blocks."""
+
+    @staticmethod
+    def forward(x, ctx, spec):
+        return block(x, spec, ctx.mesh._shape, ctx.mesh.my_coords)
+
+    @staticmethod
+    def setup_context(node, inputs, output):
+        node.spmd, node.spec = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(node, g):
+        ctx, spec = node.spmd, node.spec
+        with P.DisableTorchFunction():
+            return assemble(ctx.all_gather(g, spec.axes), spec, ctx.mesh._shape), None, None
+
+
+def _local_input(ctx: CompiledContext, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    mesh = ctx.mesh
+    if isinstance(leaf, DTensor):
+        local = leaf.to_local()
+        for axes in _non_mesh_order_entries(mesh, spec):
+            pairs = (_relayout_pairs(mesh, axes),)
+            local = ctx.apply(RECORDS["ppermute"], local, _in_mesh_order(mesh, axes), pairs)
+        return local.view_as(local)
+    if mesh.single_axes.issuperset(spec.axes):
+        return leaf.view_as(leaf)  # a new tensor: the stamp goes on it, not on the input
+    if leaf.requires_grad and torch.is_grad_enabled():
+        return _ScatterInput.apply(leaf, ctx, spec)
+    return block(leaf, spec, mesh._shape, mesh.my_coords)
+
+
+def _global_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -> DTensor:
+    mesh = ctx.mesh
+    vma = ctx.vma(y)
+    names = mesh.axis_names
+    unnamed_varying = tuple(a for a in names if a in vma and a not in spec.axes)
+    named_invariant = vma.missing(a for a in names if a in spec.axes)
+    if unnamed_varying:  # check_vma=False: member 0's value, as on the other backends
+        first = ctx.axis_index(unnamed_varying) == 0
+        y = ctx.apply(
+            RECORDS["psum"], torch.where(first, y, torch.zeros_like(y)), unnamed_varying, ()
+        )
+    if named_invariant:
+        y = ctx.apply(PVARY_RECORD, y, named_invariant, ())
+    for axes in _non_mesh_order_entries(mesh, spec):
+        pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
+        y = ctx.apply(RECORDS["ppermute"], y, _in_mesh_order(mesh, axes), (pairs,))
+    places = placements(mesh, spec, y.dim())
+    return DTensor.from_local(y, mesh.device_mesh, places, run_check=False)
+
+
+def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
+    """``distributed.run`` while Dynamo traces: see the module docstring."""
+    ctx = CompiledContext(mesh, fn)
+    with P.DisableTorchFunction():
+        local = [
+            ctx.stamp(_local_input(ctx, leaf, spec), INVARIANT.add(spec.axes))
+            if isinstance(leaf, torch.Tensor)
+            else leaf
+            for leaf, spec in zip(leaves, specs)
+        ]
+    with CompiledVmaMode(ctx):
+        outs = body(local, ctx)
+    with P.DisableTorchFunction():
+        return [_global_output(ctx, y, s) for y, s in zip(outs, out_specs_of())]

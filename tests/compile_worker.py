@@ -1,0 +1,277 @@
+"""torch.compile of whole mapped calls on a real mesh (one process per instance; launched by
+tests/test_compile.py).
+
+For each program of the catalogue named on the command line and each compile backend
+(``eager``, ``aot_eager``, ``inductor``), every rank checks, against the eager call in the same
+process: outputs and gradients of the global inputs (float64: 1e-10), two steps with different
+values and no recompilation, ``fullgraph=True``; and, with an aot_autograd backend that inspects
+the forward and backward FX graphs, that the graphs hold one ``_c10d_functional`` collective per
+collective ``ns.CommMode`` counts in the eager call (backward: the implicit pvarys' psums and the
+gradient all_gathers of plain-tensor inputs too). Errors: the compiled call raises the eager
+call's error class and message. Prints ``COMPILE {json}`` per (program, backend) on rank 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import traceback
+
+import optree
+import torch
+import torch.distributed as dist
+from _programs import BY_NAME, torch_ops
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._functorch.aot_autograd import make_boxed_func
+from torch.distributed.tensor import DTensor
+
+import named_spmd as ns
+from named_spmd import P
+
+OPS = torch_ops(ns)  # no taps: ns.typeof is checked by the eager tests
+FUNCOL = torch.ops._c10d_functional
+COLLECTIVE_OPS = {
+    FUNCOL.all_reduce.default: "all_reduce",
+    FUNCOL.all_gather_into_tensor.default: "all_gather",
+    FUNCOL.reduce_scatter_tensor.default: "reduce_scatter",
+    FUNCOL.all_to_all_single.default: "all_to_all",
+    FUNCOL.broadcast.default: "broadcast",
+}
+
+
+def graph_collectives(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS)
+
+
+def counting_backend():
+    """An aot_autograd backend recording the collectives of each forward and backward graph."""
+    seen: dict[str, list[int]] = {"forward": [], "backward": []}
+
+    def compiler(direction):
+        def compile_graph(gm, example_inputs):
+            seen[direction].append(graph_collectives(gm))
+            return make_boxed_func(gm.forward)
+
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")), seen
+
+
+def _float(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def evaluate(fn, args, scale: float):
+    """Outputs (global values) and gradients of a weighted sum of them w.r.t. the float inputs."""
+    leaves, tree = optree.tree_flatten(args, none_is_leaf=True)
+    leaves = [x.detach().mul(scale).requires_grad_() if _float(x) else x for x in leaves]
+    out = fn(*optree.tree_unflatten(tree, leaves))
+    outs = [
+        o.full_tensor() if isinstance(o, DTensor) else o
+        for o in optree.tree_leaves(out, none_is_leaf=True)
+    ]
+    gen = torch.Generator().manual_seed(7)
+    loss = sum(
+        (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outs if _float(o)
+    )
+    wrt = [x for x in leaves if _float(x)]
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+    return [o.detach() for o in outs], [g for g in grads]
+
+
+def close(a, b, rtol, atol) -> bool:
+    if a is None or b is None:
+        return (a is None or not a.any()) and (b is None or not b.any())
+    return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=rtol, atol=atol)
+
+
+def eager_counts(f, args) -> tuple[int, int]:
+    """The eager call's collectives (forward, backward), boundary ones included but for the
+    start-of-call check, which a compiled call does not run."""
+    with ns.CommMode() as comm:
+        evaluate(f, args, 1.0)
+    events = [
+        e
+        for e in comm.events
+        if not (e.boundary and e.op == "pmax" and e.dtype == torch.int64 and e.shape == (2,))
+    ]
+    # the full_tensor() of the outputs runs outside the call: not an event of named_spmd
+    return (
+        sum(1 for e in events if e.direction == "forward"),
+        sum(1 for e in events if e.direction == "backward"),
+    )
+
+
+def mapped(name: str):
+    prog = BY_NAME[name]
+    mesh = ns.make_mesh(prog.sizes, prog.names)
+    f = ns.spmd_map(
+        functools.partial(prog.prog, OPS),
+        mesh=mesh,
+        in_specs=prog.in_specs,
+        out_specs=prog.out_specs,
+        check_vma=prog.check_vma,
+    )
+    return prog, f
+
+
+def check_program(name: str, backend: str) -> dict:
+    prog, f = mapped(name)
+    args = prog.args()
+    problems = []
+    tol = dict(rtol=1e-10, atol=1e-10)
+    torch._dynamo.reset()
+    counted, seen = counting_backend()
+    compiler = CompileCounterWithBackend(counted if backend == "count" else backend)
+    compiled = torch.compile(f, backend=compiler, fullgraph=True)
+    for step, scale in enumerate((1.0, 1.25, 0.5)):
+        want_out, want_grads = evaluate(f, args, scale)
+        got_out, got_grads = evaluate(compiled, args, scale)
+        for k, (a, b) in enumerate(zip(got_out, want_out)):
+            if not close(a, b, **tol):
+                problems.append(f"step {step}: output {k} differs")
+        for k, (a, b) in enumerate(zip(got_grads, want_grads)):
+            if not close(a, b, **tol):
+                problems.append(f"step {step}: gradient {k} differs")
+    if compiler.frame_count != 1:
+        problems.append(f"{compiler.frame_count} frames compiled for 3 steps (recompiled)")
+    result = {"frames": compiler.frame_count}
+    if backend == "count":
+        fwd, bwd = eager_counts(f, args)
+        got = (sum(seen["forward"]), sum(seen["backward"]))
+        result.update(eager=(fwd, bwd), graphs=got)
+        if got != (fwd, bwd):
+            problems.append(
+                f"collectives in the graphs (fw, bw) {got} != eager CommMode {(fwd, bwd)}"
+            )
+    result["problems"] = problems
+    return result
+
+
+# --- errors: the compiled call raises the eager call's error ------------------------------------
+
+
+def _unreduced(x):
+    return x * 2  # varying over dp, but out_specs claim P()
+
+
+def _invariant_scatter(x, w):
+    return ns.psum_scatter(w, "dp", scatter_dimension=0, tiled=True)  # w is invariant over dp
+
+
+def _shapes(x):
+    return x
+
+
+ERRORS = {
+    "out_specs_claim_replication": (_unreduced, P("dp"), P(), lambda: (torch.ones(8, 2),)),
+    "invariant_operand": (
+        _invariant_scatter,
+        (P("dp"), P()),
+        P("dp"),
+        lambda: (torch.ones(8, 2), torch.ones(4, 2)),
+    ),
+    "indivisible_input": (_shapes, P("dp"), P("dp"), lambda: (torch.ones(7, 2),)),
+}
+
+
+def check_error(name: str, backend: str) -> dict:
+    """The error is raised while Dynamo traces (``fullgraph=True``): Dynamo wraps it in its
+    ``Unsupported`` ("Observed exception"), whose cause names our error's class and message."""
+    fn, in_specs, out_specs, make = ERRORS[name]
+    mesh = ns.make_mesh((dist.get_world_size(),), ("dp",))
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    caught = []
+    for g in (f, torch.compile(f, backend=backend, fullgraph=True)):
+        torch._dynamo.reset()
+        try:
+            g(*make())
+            caught.append(None)
+        except Exception as e:  # noqa: BLE001 - compared below
+            caught.append((type(e).__name__, str(e), str(e.__cause__)))
+    problems = []
+    if caught[0] is None:
+        problems.append("the eager call raised nothing")
+    elif caught[1] is None or not (
+        caught[0][0] in caught[1][2] and caught[0][1].split("\n")[0] in caught[1][2]
+    ):
+        problems.append(f"compiled call raised {caught[1]!r}, eager {caught[0][:2]!r}")
+    return {"error": caught[0] and caught[0][0], "problems": problems}
+
+
+def _ring_pass(x):
+    n = ns.axis_size("dp")
+    return ns.ppermute(x, "dp", [(i, (i + 1) % n) for i in range(n)])
+
+
+def check_refusal(name: str, backend: str) -> dict:
+    """ppermute is refused while Dynamo traces a real-mesh call (its compiled gradient was
+    wrong): the compiled call raises our CollectiveError (as Dynamo's cause), the eager call runs
+    and equals the reference."""
+    mesh = ns.make_mesh((dist.get_world_size(),), ("dp",))
+    f = ns.spmd_map(_ring_pass, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.arange(8.0, dtype=torch.float64)
+    problems = []
+    if not torch.equal(f(x).full_tensor(), torch.roll(x, 2)):
+        problems.append("eager ring pass differs from torch.roll")
+    torch._dynamo.reset()
+    try:
+        torch.compile(f, backend=backend, fullgraph=True)(x)
+        problems.append("the compiled ring pass raised nothing")
+    except Exception as e:  # noqa: BLE001 - checked below
+        text = f"{e} {e.__cause__}"
+        if "CollectiveError" not in f"{type(e).__name__} {type(e.__cause__).__name__}" or (
+            "not supported yet" not in text
+        ):
+            problems.append(f"raised {type(e).__name__}: {text[:500]}")
+    return {"error": "CollectiveError", "problems": problems}
+
+
+def report(result: dict) -> None:
+    """One ``COMPILE {json}`` line (rank 0, and any rank with problems); also appended at once to
+    the file ``$COMPILE_RESULTS`` names, if set, so a long run shows its progress."""
+    if dist.get_rank() != 0 and not result["problems"]:
+        return
+    line = "COMPILE " + json.dumps({"rank": dist.get_rank(), **result})
+    print(line, flush=True)
+    path = os.environ.get("COMPILE_RESULTS")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(line[:2000] + "\n")
+
+
+def _guarded(check, name: str, backend: str) -> dict:
+    try:
+        result = check(name, backend)
+    except Exception as e:  # noqa: BLE001 - reported, and the test fails
+        result = {
+            "problems": [f"raised {type(e).__name__}: {str(e)[:1500]}"],
+            "traceback": traceback.format_exc()[-3000:],
+        }
+    return {"program": name, "backend": backend, **result}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    names = [n for n in sys.argv[1].split(",") if n]
+    backends = sys.argv[2].split(",")
+    errors = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] else []
+    failed = False
+    for backend in backends:
+        for check, todo in ((check_program, names), (check_error, errors)):
+            for name in todo:
+                result = _guarded(
+                    check_refusal if name == "ppermute_refused" else check, name, backend
+                )
+                failed |= bool(result["problems"])
+                report(result)
+    sys.stdout.flush()
+    dist.destroy_process_group()
+    os._exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
