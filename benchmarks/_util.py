@@ -119,3 +119,56 @@ def write_markdown(path: str | None, rows: list[Row]) -> None:
     if path:
         with open(path, "w") as fh:
             fh.write(markdown(rows) + "\n")
+
+
+def spawn(script: str, nproc: int, argv: list[str], timeout: float) -> str:
+    """Run ``script`` as ``nproc`` gloo ranks on 127.0.0.1 (env:// rendezvous through a store this
+    process holds); returns rank 0's output. Each rank writes to a file, not a pipe: a rank that
+    prints more than a pipe holds would block, and its peers with it in the next collective."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(
+        os.environ,
+        WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+        OMP_NUM_THREADS="1",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, *argv],
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(nproc)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        del store
+    outs = []
+    for log in logs:
+        log.seek(0)
+        outs.append(log.read())
+        log.close()
+    bad = [r for r, p in enumerate(procs) if p.returncode]
+    if bad:
+        raise SystemExit(f"rank {bad[0]} failed:\n{outs[bad[0]][-4000:]}")
+    return outs[0]

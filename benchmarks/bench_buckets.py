@@ -30,8 +30,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import time
 
 import _gpt as G
@@ -195,41 +193,6 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def _spawn(argv: list[str], timeout: float) -> str:
-    """Run this script as 2 ranks on 127.0.0.1; returns rank 0's output."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = dict(
-        os.environ,
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store.port),
-        OMP_NUM_THREADS="1",
-        TORCHELASTIC_USE_AGENT_STORE="True",
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, *argv],
-            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        del store
-    bad = [r for r, p in enumerate(procs) if p.returncode]
-    if bad:
-        raise SystemExit(f"rank {bad[0]} failed:\n{outs[bad[0]][-4000:]}")
-    return outs[0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--d", type=int, nargs="+", default=[32, 128], help="model widths")
@@ -248,7 +211,7 @@ def main() -> None:
     for d in args.d:
         argv = ["--d", str(d), "--rounds", str(args.rounds), "--steps", str(args.steps)]
         argv += ["--check-steps", str(args.check_steps)] + ["--small-buckets"] * args.small_buckets
-        out = _spawn(argv, args.timeout)
+        out = _util.spawn(__file__, 2, argv, args.timeout)
         line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             raise SystemExit(out[-4000:])

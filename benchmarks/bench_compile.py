@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -163,41 +162,6 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def _spawn(nproc: int, argv: list[str], timeout: float) -> str:
-    """Run this script as ``nproc`` ranks on 127.0.0.1 (bench_gpt's launch); rank 0's output."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = dict(
-        os.environ,
-        WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store.port),
-        OMP_NUM_THREADS="1",
-        TORCHELASTIC_USE_AGENT_STORE="True",
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, *argv],
-            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(nproc)
-    ]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        del store
-    bad = [r for r, p in enumerate(procs) if p.returncode]
-    if bad:
-        raise SystemExit(f"rank {bad[0]} failed:\n{outs[bad[0]][-4000:]}")
-    return outs[0]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", action="store_true")
@@ -213,7 +177,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    out = _spawn(4, [*sys.argv[1:], "--worker"], args.timeout)
+    out = _util.spawn(__file__, 4, [*sys.argv[1:], "--worker"], args.timeout)
     line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(out[-4000:])

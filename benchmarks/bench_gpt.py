@@ -38,7 +38,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -352,7 +351,7 @@ _REAL = {
 
 def real(name: str, args) -> list[_util.Row]:
     nproc, case, target = _REAL[name]
-    out = _spawn(nproc, sys.argv[1:], args.timeout)
+    out = _util.spawn(__file__, nproc, sys.argv[1:], args.timeout)
     line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(out[-4000:])
@@ -362,41 +361,6 @@ def real(name: str, args) -> list[_util.Row]:
     medians = result["medians"]
     baseline = next(iter(medians["wall"]))  # the worker's first variant
     return rows(case, medians, baseline, {"named_spmd": target})
-
-
-def _spawn(nproc: int, argv: list[str], timeout: float) -> str:
-    """Run this script as ``nproc`` ranks on 127.0.0.1; returns rank 0's output."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = dict(
-        os.environ,
-        WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store.port),
-        OMP_NUM_THREADS="1",
-        TORCHELASTIC_USE_AGENT_STORE="True",
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, *argv],
-            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(nproc)
-    ]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        del store
-    bad = [r for r, p in enumerate(procs) if p.returncode]
-    if bad:
-        raise SystemExit(f"rank {bad[0]} failed:\n{outs[bad[0]][-4000:]}")
-    return outs[0]
 
 
 def _config(args) -> G.Config:
