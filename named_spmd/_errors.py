@@ -9,7 +9,19 @@ from __future__ import annotations
 
 import difflib
 import functools
+import os
 from collections.abc import Iterable, Sequence
+
+import optree
+import torch
+
+#: Directories whose frames are not the user's (torch, optree, the standard library, this
+#: package): a message's "user line" is the innermost frame outside them.
+NOT_USER_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (torch, optree, os)
+    if m.__file__ is not None
+) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
 
 class SpmdError(RuntimeError):

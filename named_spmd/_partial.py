@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._errors import VmaError
+from ._errors import NOT_USER_DIRS, VmaError
 from ._types import Vma, VType
 
 # Ops whose result is linear in their first tensor operand alone (views, slicing, reductions
@@ -226,14 +226,7 @@ def user_line() -> str:
     """`` at file:line (code)`` of the innermost frame outside named_spmd, torch and the standard
     library: the user's line that ran the op."""
     for frame in reversed(traceback.extract_stack()):
-        if not frame.filename.startswith(_LIBRARY_DIRS):
+        if not frame.filename.startswith(NOT_USER_DIRS):
             code = (frame.line or "").strip()
             return f" at {os.path.basename(frame.filename)}:{frame.lineno} ({code})"
     return ""
-
-
-_LIBRARY_DIRS = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(traceback.__file__)) + os.sep,
-)

@@ -30,13 +30,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ... import _torch_private as P
 from ..._accounting import resume, suspend
-from ..._errors import SpmdError, fn_label
+from ..._errors import NOT_USER_DIRS, SpmdError, fn_label
 from ..._tracking import is_inplace, swap_operands, tensor_operands
 from ..._types import VType
 from ._instances import Instances, coordinates, instances, label, simulated_call
@@ -250,20 +249,13 @@ def _call_text(ctx: Any, func: Any, args: tuple, kwargs: dict) -> str:
     return f"`{owner}{name}`({', '.join(parts)})"
 
 
-# Frames of these directories are not the user's: torch, this package, optree, the standard
-# library.
-_NOT_USER = tuple(
-    os.path.dirname(m.__file__) + os.sep for m in (torch, optree, os) if m.__file__ is not None
-) + (os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep,)
-
-
 def _user_line(error: BaseException) -> str:
     """``model.py:12 (y = x @ w)``: the innermost frame of the traceback in the user's code."""
     found = None
     tb = error.__traceback__
     while tb is not None:
         path = tb.tb_frame.f_code.co_filename
-        if not path.startswith(_NOT_USER):
+        if not path.startswith(NOT_USER_DIRS):
             found = (path, tb.tb_lineno)
         tb = tb.tb_next
     if found is None:
