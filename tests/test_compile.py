@@ -67,7 +67,7 @@ def _run(backend: str, programs: list[str], errors: list[str]) -> list[dict]:
 
 
 def test_graphs_carry_the_eager_calls_collectives():
-    results = _run("count", PROGRAMS, ERRORS)
+    results = _run("count", PROGRAMS, [])  # the errors: test_compiled_calls_equal_eager
     counted = {r["program"]: r for r in results if "graphs" in r}
     assert set(counted) == set(PROGRAMS)
     # the graphs hold communication at all (the Megatron MLP: one psum forward; backward the
