@@ -460,7 +460,8 @@ class FailureBoard:
             gone = self.gone(missing)
             if gone is not None or time.monotonic() > deadline:
                 raise RankFailedError(
-                    f"make_mesh: rank {self.rank} waited for {self.where(missing[0])} to "
+                    f"make_mesh: rank {self.rank} waited for "
+                    f"{self.where(gone[0] if gone else missing[0])} to "
                     "create the mesh's process groups, but "
                     + (f"it {gone[1]}" if gone else f"it did not within {timeout_s():.0f} s.")
                     + " Fix: every rank must call make_mesh with the same arguments."
