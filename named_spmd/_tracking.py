@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import _blocks
 from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._errors import VmaError
@@ -28,6 +29,7 @@ from ._types import INVARIANT, Vma
 
 Tensor = torch.Tensor
 _ATTR = "_named_spmd_vma"
+_BLOCKS = _blocks.ATTR
 STAMP_ATTR = _ATTR  # the attribute holding a tensor's stamp (read with getattr where traced)
 
 
@@ -75,6 +77,12 @@ class TrackedContext(SpmdContext):
             x.__dict__[_ATTR] = stamp = self.stamp_of(vma)
             if _is_wrapped(x):  # a collective under a user vmap: the tensor vmap hands back
                 _stamp_inner(self, x, stamp)  # is the unwrapped one, which must keep the type
+        return x
+
+    def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:
+        """An input leaf under ``spec``: its type, and the blocks its dims hold."""
+        self.stamp(x, spec.vma())
+        _blocks.mark(x, spec, self.call_token)
         return x
 
     def cached_cast(self, t: torch.Tensor, axes: tuple[str, ...], to: str) -> torch.Tensor:
@@ -181,6 +189,7 @@ class VmaMode(TorchFunctionMode):
     """Stamps every op's outputs with the union of its operands' vma; inserts implicit pvary."""
 
     inplace = staticmethod(_is_inplace)  # whether an op writes into its first argument
+    infer_blocks = True  # whether contractions of blocks make unreduced values (section 8)
 
     def __init__(self, ctx: TrackedContext, *, insert_pvary: bool = True):
         super().__init__()
@@ -203,10 +212,13 @@ class VmaMode(TorchFunctionMode):
             return self._general(func, args, kwargs)
         token, aliased = self.token, self.ctx.alias_cache
         common = None
-        plain = False
+        plain = blocks = False
         for a in args:
             if isinstance(a, Tensor):
-                s = a.__dict__.get(_ATTR)
+                d = a.__dict__
+                s = d.get(_ATTR)
+                if _BLOCKS in d:
+                    blocks = True
                 if s is None or s[0] is not token:
                     # torch.func inside: a wrapper's vma is its unwrapped tensor's (tensors with
                     # a cached alias were checked when it was made)
@@ -222,6 +234,8 @@ class VmaMode(TorchFunctionMode):
         if common is None:
             return func(*args, **(kwargs or {}))
         if common[1].partial:  # unreduced or reduced axes: the op must be checked (section 8)
+            return self._general(func, args, kwargs)
+        if blocks:  # an operand holds blocks of mesh axes: the op may make a partial sum
             return self._general(func, args, kwargs)
         if plain and self.insert_pvary:  # an invariant tensor meets varying ones: implicit pvary
             if _is_inplace(func):
@@ -288,11 +302,12 @@ class VmaMode(TorchFunctionMode):
             union = union.union(v)
         if not union:
             return func(*args, **(kwargs or {}))
+        given = args, kwargs
         if self.insert_pvary and len(vmas) > 1 and any(v is not union for v in vmas):
             _check_inplace(self.ctx, func, args, kwargs, union, self.inplace)
             args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
         out = func(*args, **(kwargs or {}))
-        return self._stamp_outputs(out, union)
+        return self._stamp_outputs(out, self._blocks(func, given, operands, out, union))
 
     def _partial(self, func, args, kwargs, operands, vmas):
         """An op with unreduced or reduced operands: typed by the partial-sum algebra (section
@@ -303,10 +318,25 @@ class VmaMode(TorchFunctionMode):
             if has_tensor(out):
                 raise union()
             return out
+        given = args, kwargs
         if self.insert_pvary and len(vmas) > 1 and any(v is not union for v in vmas):
             _check_inplace(self.ctx, func, args, kwargs, union)
             args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
-        return self._stamp_outputs(func(*args, **(kwargs or {})), union)
+        out = func(*args, **(kwargs or {}))
+        return self._stamp_outputs(out, self._blocks(func, given, operands, out, union))
+
+    def _blocks(self, func, given, operands, out, union: Vma) -> Vma:
+        """``union``, made unreduced over the axes a contraction of blocks makes it so
+        (``_blocks``); the layouts are read off the operands as given (an implicit pvary's
+        alias is the same value, and holds the same blocks)."""
+        if not self.infer_blocks or not _blocks.recorded(operands, self.token):
+            return union
+        args, kwargs = given
+        axes = _blocks.after_op(
+            self.ctx, self.token, func, args, kwargs, operands, out, self.ctx.vma
+        )
+        axes = axes & union.varying
+        return union.to_state(axes, "unreduced") if axes else union
 
     def _vary_operands(self, operands, vmas, union, args, kwargs):
         swap = {}

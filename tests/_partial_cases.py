@@ -30,6 +30,11 @@ def _partial(x, w):
     return ns.pcast(x @ w, "tp", to="unreduced")
 
 
+def _attention_scores(qkv):
+    q, k, _ = qkv.chunk(3, dim=-1)
+    return q @ k.T
+
+
 @dataclass
 class ErrorCase:
     fn: Callable[..., Any]
@@ -137,6 +142,64 @@ ERRORS: dict[str, ErrorCase] = {
         P(),
         _XW,
         pinned=("output has type f64[4,3]{U:tp}", "P(..., unreduced={'tp'})"),
+    ),
+    # --- the same bugs written the ordinary way: the contraction of blocks split over tp on both
+    # operands is seen (the inference from the specs), no annotation
+    "inferred_bias_before_psum": ErrorCase(
+        lambda x, w, b: ns.psum(x @ w + b, "tp"),
+        (*_ROW, P()),
+        P(),
+        _seeded((4, 6), (6, 3), (3,)),
+        pinned=(
+            "add in `<lambda>`",
+            "operand types: f64[4,3]{U:tp}, f64[3]{}",
+            "adds a value invariant over 'tp' to a partial sum",
+            "Fix: reduce it first, e.g. y = ns.psum(y, 'tp')",
+        ),
+    ),
+    "inferred_linear_bias": ErrorCase(
+        lambda x, w, b: ns.psum(F.linear(x, w.T, b), "tp"),
+        (*_ROW, P()),
+        P(),
+        _seeded((4, 6), (6, 3), (3,)),
+        pinned=(
+            "linear in `<lambda>`",
+            "contracts a dim split over 'tp' on both operands",
+            "adds the bias to that partial sum",
+            "y = ns.psum(F.linear(x, w), 'tp') + b",
+        ),
+    ),
+    "inferred_nonlinear": ErrorCase(
+        lambda x, w: ns.psum(torch.relu(x @ w), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("relu in `<lambda>`", "{U:tp}", "is not linear"),
+    ),
+    "inferred_partial_times_partial": ErrorCase(
+        lambda x, w: ns.psum((x @ w) * (x @ w), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("mul in", "multiplies two partial sums"),
+    ),
+    # a loss taken before the psum: the output head's row-parallel logits (hidden dim split over
+    # tp on both sides) go into the cross entropy as they are, each instance's partial sum
+    "inferred_loss_before_psum": ErrorCase(
+        lambda h, w_out, target: ns.psum(F.cross_entropy(h @ w_out, target).reshape(1), "tp"),
+        (*_ROW, P()),
+        P(),
+        lambda: (*_seeded((4, 6), (6, 3))(), torch.tensor([0, 2, 1, 1])),
+        pinned=("cross_entropy in `<lambda>`", "f64[4,3]{U:tp}", "is not linear"),
+    ),
+    # a packed qkv weight split along its input dim (P("tp", None)) where the hidden dim of x is
+    # split too: q, k and v are partial sums, and q @ k.T multiplies two of them
+    "inferred_packed_qkv_split": ErrorCase(
+        lambda x, w_qkv: ns.psum(_attention_scores(x @ w_qkv), "tp"),
+        (P(None, "tp"), P("tp", None)),
+        P(),
+        _seeded((4, 6), (6, 9)),
+        pinned=("matmul in", "multiplies two partial sums"),
     ),
     "bad_cast": ErrorCase(
         lambda x, w: ns.pcast(ns.psum(x @ w, "tp"), "tp", to="unreduced"),

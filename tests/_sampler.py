@@ -103,6 +103,23 @@ def _t(axes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def local(x: Any) -> Any:
+    """``x`` taken as each instance's local value where it is a partial sum.
+
+    The sampler's programs, as JAX's, apply nonlinear ops to local products over split dims (a
+    matmul of two values split alike over the contracted dim), which named_spmd infers to be
+    unreduced (docs/design.md section 8) and would refuse. This is the one annotation the inference asks of
+    them: ``ns.pcast(..., to="varying")``, the fix its error names. Outside a call (the reference
+    runs the same steps on plain tensors) it is the identity."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    try:
+        u = ns.typeof(x).vma.unreduced
+    except ns.SpmdError:  # not inside spmd_map
+        return x
+    return ns.pcast(x, tuple(sorted(u)), to="varying") if u else x
+
+
 # the steps without communication: (a, b, step) -> value, for sources a and (maybe) b
 LOCAL_STEPS = {
     "tanh": lambda a, b, st: torch.tanh(a),
@@ -135,7 +152,7 @@ def apply_step(o: Any, st: dict, pool: list) -> list:
     op, a = st["op"], pool[st["src"][0]]
     b = pool[st["src"][1]] if len(st["src"]) > 1 else None
     if op in LOCAL_STEPS:
-        return [LOCAL_STEPS[op](a, b, st)]
+        return [local(LOCAL_STEPS[op](a, b, st))]
     A, args, kw = st["axes"], st.get("args", ()), st.get("kw", {})
     if op == "axis_index":  # an integer tensor added to a float one: type promotion
         return [a + o.axis_index(A)]

@@ -240,7 +240,9 @@ def test_out_specs_violation_names_function_path_axes_and_both_fixes():
     assert "output[0]" in msg and "output[1]['y']" in msg  # every failing leaf, at once
     assert "output[1]['ok']" not in msg
     assert "varies over ('dp', 'tp')" in msg  # output[0]: both axes, in mesh order
-    assert "varies over ('tp',)" in msg  # output[1]['y']: only tp is missing from P('dp')
+    # output[1]['y']: the product contracts the dim split over tp on both sides: unreduced
+    assert "output[1]['y'] has type f64[2,3]{dp, U:tp}: it is unreduced over ('tp',)" in msg
+    assert "P(..., unreduced={'tp'})" in msg
     assert "Fix 1: reduce inside the function, e.g. ns.psum(y, 'tp')" in msg
     assert "Fix 2: name the axis in out_specs, e.g. P(('dp', 'tp'))" in msg
     assert "f64[2]{dp,tp}" in msg  # the value's type

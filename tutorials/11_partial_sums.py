@@ -47,9 +47,10 @@ def dense(x, w1, b1, w2, b2):
 # ## The row-parallel product is a partial sum
 #
 # `h @ w2` contracts the hidden dim, which is split over `tp` on both sides: each instance's
-# product is its part of the total. `ns.pcast(..., to="unreduced")` says so, and `ns.typeof`
-# shows it. (named_spmd does not yet infer this from the specs by itself: the cast is the one
-# annotation this needs; see docs/design.md section 8.)
+# product is its part of the total. named_spmd infers that from the specs, with no annotation:
+# it tracks which dims hold blocks of which axis (from the in_specs, through views, transposes
+# and elementwise ops), and a contraction over a dim split over `tp` on both operands is
+# unreduced over `tp` (docs/design.md section 8). `ns.typeof` shows it.
 
 # %%
 types = []
@@ -58,7 +59,7 @@ types = []
 @ns.spmd_map(mesh=mesh, in_specs=specs, out_specs=P("dp", None))
 def mlp(x, w1, b1, w2, b2):
     h = torch.relu(x @ w1 + b1)  # column-parallel: varying over tp
-    part = ns.pcast(h @ w2, "tp", to="unreduced")  # row-parallel: a partial sum
+    part = h @ w2  # row-parallel: a partial sum, inferred
     types.append(ns.typeof(part))
     return ns.psum(part, "tp") + b2  # the total, then the bias once
 
@@ -78,7 +79,7 @@ assert repr(types[0]) == "f64[4,4]{dp, U:tp}"
 @ns.spmd_map(mesh=mesh, in_specs=specs, out_specs=P("dp", None))
 def bias_inside(x, w1, b1, w2, b2):
     h = torch.relu(x @ w1 + b1)
-    return ns.psum(ns.pcast(h @ w2, "tp", to="unreduced") + b2, "tp")
+    return ns.psum(h @ w2 + b2, "tp")
 
 
 try:
@@ -116,12 +117,12 @@ def check_raises(body, expect):
 
 
 def nonlinear(x, w1, b1, w2, b2):
-    part = ns.pcast(torch.relu(x @ w1 + b1) @ w2, "tp", to="unreduced")
+    part = torch.relu(x @ w1 + b1) @ w2
     return ns.psum(torch.tanh(part), "tp")  # tanh of a part: not the tanh of the total
 
 
 def squared(x, w1, b1, w2, b2):
-    part = ns.pcast(torch.relu(x @ w1 + b1) @ w2, "tp", to="unreduced")
+    part = torch.relu(x @ w1 + b1) @ w2
     return ns.psum(part * part, "tp")  # (a + b)^2 is not a^2 + b^2
 
 
@@ -137,7 +138,7 @@ check_raises(squared, "multiplies two partial sums")
 # %%
 @ns.spmd_map(mesh=mesh, in_specs=specs, out_specs=P("dp", None))
 def fixed(x, w1, b1, w2, b2):
-    part = ns.pcast(torch.relu(x @ w1 + b1) @ w2, "tp", to="unreduced")
+    part = torch.relu(x @ w1 + b1) @ w2
     total = ns.psum(part, "tp")
     return torch.tanh(total) + total * total
 
@@ -154,7 +155,7 @@ torch.testing.assert_close(fixed(x, w1, b1, w2, b2), torch.tanh(want) + want * w
 
 # %%
 rows = ns.spmd_map(
-    lambda x, w1, b1, w2, b2: ns.pcast(torch.relu(x @ w1 + b1) @ w2, "tp", to="unreduced"),
+    lambda x, w1, b1, w2, b2: torch.relu(x @ w1 + b1) @ w2,
     mesh=mesh,
     in_specs=specs,
     out_specs=P("dp", None, unreduced={"tp"}),

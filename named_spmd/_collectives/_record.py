@@ -31,6 +31,7 @@ import torch
 from .._accounting import CommEvent, on_backward, record, recording
 from .._accounting import _local as _modes
 from .._autodiff import differentiable
+from .._blocks import forget as forget_blocks
 from .._context import Axes, GroupOfOne, SpmdContext, current
 from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, refcount
@@ -154,6 +155,7 @@ def _apply(
     if accounting and rec.forward_event:
         record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
     out = ctx.apply(rec, t, axes, params, donate)
+    forget_blocks(out)  # its blocks are not its operand's (the forward's ops may have copied them)
     if accounting:
         back = rec.backward_op(params)
         if back is not None:
@@ -192,6 +194,7 @@ def _apply_alone(
     the others run its forward on :class:`GroupOfOne` and stamp the declared type."""
     if not ctx.stamps:
         out = ctx.apply(rec, t, axes, params, False)
+        forget_blocks(out)
         if vma.partial or rec.makes_partial:
             return ctx.stamp(out, rec.vma(vma, axes, params))
         return out

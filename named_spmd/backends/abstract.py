@@ -180,7 +180,7 @@ class AbstractBackend:
         local = _empty(local_shape(x.shape, spec, mesh._shape), x.dtype)
         local.requires_grad_(grad and self.backward)
         assert self.ctx is not None  # made by run()
-        return self.ctx.stamp(local, spec.vma())
+        return self.ctx.stamp_input(local, spec)
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         if not any(s in str(error) for s in _NEEDS_DATA):

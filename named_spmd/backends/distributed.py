@@ -338,7 +338,7 @@ def run(
         if mesh.poll and mesh.size > 1:
             _check_call_agrees(ctx, leaves)
         local = [
-            ctx.stamp(local_input(ctx, leaf, spec, i), spec.vma())
+            ctx.stamp_input(local_input(ctx, leaf, spec, i), spec)
             if isinstance(leaf, torch.Tensor)
             else leaf
             for i, (leaf, spec) in enumerate(zip(leaves, specs))

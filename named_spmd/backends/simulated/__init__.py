@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ... import _blocks
 from ... import _torch_private as P
 from ..._accounting import recording
 from ..._context import SpmdContext
@@ -78,6 +79,10 @@ class SimulatedContext(SpmdContext):
             vma = _VMA_OF[axes] = Vma.of(axes)
         self._vma_of, self._vma = x, vma
         return vma
+
+    def forget_last_vma(self) -> None:
+        """Drop :meth:`vma`'s memo of the last tensor asked about (its type is changing)."""
+        self._vma_of = None
 
     def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
         """Only unreduced and reduced types need recording here (the levels say the rest)."""
@@ -246,6 +251,11 @@ def _partial_input(ctx: SimulatedContext, x: torch.Tensor, spec: PartitionSpec) 
 
 
 def _run_body(body, local, ctx: SimulatedContext) -> list[torch.Tensor]:
+    if ctx.partial_mode is None and _blocks.recorded(
+        [x for x in local if isinstance(x, torch.Tensor)], ctx.token
+    ):  # inputs hold blocks: every op is typed, for the contractions that make partial sums
+        ctx.partial_mode = PartialMode(ctx)
+        ctx.partial_mode.__enter__()
     try:
         return list(body(local, ctx))
     finally:
@@ -374,6 +384,7 @@ def run(
         for i in tensor_pos:
             if specs[i].reduced or specs[i].unreduced:
                 local[i] = ctx.stamp(_partial_input(ctx, local[i], specs[i]), specs[i].vma())
+            _blocks.mark(local[i], specs[i], ctx.token)
         if recording():  # report implicit pvary's backward psum; off the fast path
             ctx.recorder = ImplicitPvaryRecorder(ctx)
             with ctx.recorder:

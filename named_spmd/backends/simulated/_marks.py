@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ... import _blocks
 from ..._partial import typed_call
 from ..._tracking import tensor_operands
 from ..._types import Vma
@@ -40,8 +41,17 @@ def set_mark(x: torch.Tensor, token: object, vma: Vma) -> None:
         del x.__dict__[ATTR]
 
 
+def _first_tensor(out: Any) -> torch.Tensor:
+    return (
+        out
+        if isinstance(out, torch.Tensor)
+        else next(o for o in out if isinstance(o, torch.Tensor))
+    )
+
+
 class PartialMode(TorchFunctionMode):
-    """Types the ops of a call in which unreduced or reduced values exist."""
+    """Types the ops of a call in which unreduced or reduced values exist, or inputs holding
+    blocks of mesh axes (whose contractions make unreduced values: ``_blocks``)."""
 
     def __init__(self, ctx: Any):
         super().__init__()
@@ -54,13 +64,29 @@ class PartialMode(TorchFunctionMode):
             return func(*args, **kwargs)
         operands = tensor_operands(args, kwargs)
         token = self.ctx.token
-        if not any(ATTR in t.__dict__ and t.__dict__[ATTR][0] is token for t in operands):
+        marked = any(ATTR in t.__dict__ and t.__dict__[ATTR][0] is token for t in operands)
+        blocked = _blocks.recorded(operands, token)
+        if not marked and not blocked:
             return func(*args, **kwargs)
-        vmas = [self.ctx.vma(t) for t in operands]
-        out, vma = typed_call(self.ctx, func, args, kwargs, operands, vmas)
-        for o in out if isinstance(out, (list, tuple)) else (out,):
-            if isinstance(o, torch.Tensor):
-                set_mark(o, token, vma)
+        vma = None
+        if marked:
+            vmas = [self.ctx.vma(t) for t in operands]
+            out, vma = typed_call(self.ctx, func, args, kwargs, operands, vmas)
+        else:
+            out = func(*args, **kwargs)
+        if blocked:
+            axes = _blocks.after_op(
+                self.ctx, token, func, args, kwargs, operands, out, self.ctx.vma
+            )
+            if axes:
+                vma = vma or self.ctx.vma(_first_tensor(out))
+                self.ctx.forget_last_vma()  # the result's type changes below
+                if axes & vma.varying:
+                    vma = vma.to_state(axes & vma.varying, "unreduced")
+        if vma is not None:
+            for o in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(o, torch.Tensor):
+                    set_mark(o, token, vma)
         return out
 
     @contextlib.contextmanager

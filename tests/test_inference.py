@@ -1,0 +1,226 @@
+"""Unreduced values inferred from the specs (named_spmd/_blocks.py, docs/design.md section 8).
+
+Each program records ``ns.typeof`` of one value inside the function, on the simulated mesh and in
+``.check()`` (the abstract backend); both must give the expected type. The inferred cases contract
+a dim split over an axis on both operands, through views, transposes, elementwise ops and the
+several spellings of a product; the silent cases are where the inference must not guess (ring
+attention's product keeps the ring axis in a dim, sums and means of one operand, slices of a
+block, ops it does not follow). The bugs the inference catches, with pinned messages on all
+three backends, are tests/_partial_cases.py's ``inferred_*`` errors (tests/test_partial_sums.py).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import named_spmd as ns
+from named_spmd import P
+
+F64 = torch.float64
+MESH = ns.make_mesh((2, 2), ("dp", "tp"))
+
+
+def _typeof(body, in_specs, *shapes) -> list[str]:
+    """``repr(ns.typeof(...))`` of the value ``body`` returns, on the simulated and abstract
+    backends (the function itself returns an invariant dummy, so any type is accepted)."""
+    seen: list[str] = []
+
+    def f(*args):
+        seen.append(repr(ns.typeof(body(*args))))
+        return torch.zeros(1, dtype=F64)
+
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
+    mapped = ns.spmd_map(f, mesh=MESH, in_specs=in_specs, out_specs=P())
+    mapped(*args)
+    mapped.check(*args)
+    return seen
+
+
+ROW = (P("dp", "tp"), P("tp", None))  # x[b/dp, h/tp] @ w[h/tp, d]
+INFERRED = {
+    "matmul": (lambda x, w: x @ w, ROW, (4, 8), (8, 3), "f64[2,3]{dp, U:tp}"),
+    "through_relu_and_dropout": (
+        lambda x, w: F.dropout(torch.relu(x * 2.0 + 1.0), 0.0) @ w,
+        ROW,
+        (4, 8),
+        (8, 3),
+        "f64[2,3]{dp, U:tp}",
+    ),
+    "transposed_weight": (
+        lambda x, w: x @ w.T,
+        (P("dp", "tp"), P(None, "tp")),
+        (4, 8),
+        (3, 8),
+        "f64[2,3]{dp, U:tp}",
+    ),
+    "linear_without_bias": (
+        lambda x, w: F.linear(x, w),
+        (P("dp", "tp"), P(None, "tp")),
+        (4, 8),
+        (3, 8),
+        "f64[2,3]{dp, U:tp}",
+    ),
+    "mm": (lambda x, w: torch.mm(x, w), ROW, (4, 8), (8, 3), "f64[2,3]{dp, U:tp}"),
+    "einsum": (
+        lambda x, w: torch.einsum("bh,hd->bd", x, w),
+        ROW,
+        (4, 8),
+        (8, 3),
+        "f64[2,3]{dp, U:tp}",
+    ),
+    "split_dim_viewed_then_transposed": (  # local [2, 4] viewed [2, 2, 2]: tp goes to the major
+        lambda x, w: x.view(2, 2, 2).transpose(1, 2) @ w,  # factor, moved last, contracted
+        (P("dp", "tp"), P("tp", None)),
+        (4, 8),
+        (4, 3),
+        "f64[2,2,3]{dp, U:tp}",
+    ),
+    "bmm_batch_and_contraction": (
+        lambda x, w: torch.bmm(x, w),
+        (P(None, None, "tp"), P(None, "tp", None)),
+        (2, 3, 8),
+        (2, 8, 5),
+        "f64[2,3,5]{U:tp}",
+    ),
+    "broadcast_matmul": (
+        lambda x, w: x.unsqueeze(0) @ w.expand(2, -1, -1),
+        ROW,
+        (4, 8),
+        (8, 3),
+        "f64[2,2,3]{dp, U:tp}",
+    ),
+    "two_axes_on_one_dim": (
+        lambda x, w: x @ w,
+        (P(None, ("dp", "tp")), P(("dp", "tp"), None)),
+        (3, 8),
+        (8, 2),
+        "f64[3,2]{U:dp,tp}",
+    ),
+    "reshape_merging_split_dims": (
+        lambda x, w: x.reshape(3, -1) @ w,
+        (P(None, "tp", None), P("tp", None)),
+        (3, 4, 2),
+        (8, 5),
+        "f64[3,5]{U:tp}",
+    ),
+}
+
+SILENT = {
+    # ring attention: the query dim stays split over the ring axis
+    "product_keeping_the_axis_in_a_dim": (
+        lambda q, k: q @ k.T,
+        (P("tp", None), P("tp", None)),
+        (8, 3),
+        (8, 3),
+        "f64[4,4]{tp}",
+    ),
+    "sum_of_one_operand": (lambda x, w: x.sum(-1), ROW, (4, 8), (8, 3), "f64[2]{dp,tp}"),
+    "mean_of_one_operand": (lambda x, w: x.mean(), ROW, (4, 8), (8, 3), "f64[]{dp,tp}"),
+    "one_side_split": (
+        lambda x, w: x @ w[:4],
+        (P(None, "tp"), P()),
+        (3, 8),
+        (8, 2),
+        "f64[3,2]{tp}",
+    ),
+    "slice_of_a_block": (lambda x, w: x[:, :2] @ w[:2], ROW, (4, 8), (8, 3), "f64[2,3]{dp,tp}"),
+    "softmax_along_the_split_dim": (
+        lambda x, w: torch.softmax(x, -1) @ w,
+        ROW,
+        (4, 8),
+        (8, 3),
+        "f64[2,3]{dp,tp}",
+    ),
+    "unknown_op": (
+        lambda x, w: torch.sort(x, -1).values @ w,
+        ROW,
+        (4, 8),
+        (8, 3),
+        "f64[2,3]{dp,tp}",
+    ),
+    "after_a_collective": (
+        lambda x, w: ns.ppermute(x, "tp", [(0, 1), (1, 0)]) @ w,
+        ROW,
+        (4, 8),
+        (8, 3),
+        "f64[2,3]{dp,tp}",
+    ),
+    "blocks_of_different_axes": (
+        lambda x, w: x @ w,
+        (P(None, "dp"), P("tp", None)),
+        (3, 8),
+        (8, 2),
+        "f64[3,2]{dp,tp}",
+    ),
+    "einsum_keeping_the_letter": (
+        lambda x, w: torch.einsum("bh,hd->bhd", x, w),
+        ROW,
+        (4, 8),
+        (8, 3),
+        "f64[2,4,3]{dp,tp}",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INFERRED))
+def test_contraction_of_blocks_is_unreduced(name):
+    body, specs, a, b, want = INFERRED[name]
+    assert _typeof(body, specs, a, b) == [want, want]
+
+
+@pytest.mark.parametrize("name", sorted(SILENT))
+def test_inference_stays_silent(name):
+    body, specs, a, b, want = SILENT[name]
+    assert _typeof(body, specs, a, b) == [want, want]
+
+
+def test_inferred_partial_sum_values_and_gradients():
+    """The row-parallel MLP written the plain way: psum of the inferred partial sum, then the
+    bias; values and gradients equal the dense program's."""
+    gen = torch.Generator().manual_seed(3)
+    x, w1, w2, b = (
+        torch.randn(s, generator=gen, dtype=F64) for s in ((4, 6), (6, 8), (8, 3), (3,))
+    )
+
+    @ns.spmd_map(
+        mesh=MESH, in_specs=(P("dp"), P(None, "tp"), P("tp", None), P()), out_specs=P("dp")
+    )
+    def mlp(x, w1, w2, b):
+        return ns.psum(torch.relu(x @ w1) @ w2, "tp") + b
+
+    params = [t.clone().requires_grad_() for t in (w1, w2, b)]
+    dense = [t.clone().requires_grad_() for t in (w1, w2, b)]
+    torch.testing.assert_close(mlp(x, *params), torch.relu(x @ dense[0]) @ dense[1] + dense[2])
+    mlp(x, *params).pow(2).sum().backward()
+    (torch.relu(x @ dense[0]) @ dense[1] + dense[2]).pow(2).sum().backward()
+    for p, d in zip(params, dense):
+        torch.testing.assert_close(p.grad, d.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_explicit_cast_of_an_inferred_partial_sum_is_the_identity():
+    seen = _typeof(lambda x, w: ns.pcast(x @ w, "tp", to="unreduced"), ROW, (4, 8), (8, 3))
+    assert seen == ["f64[2,3]{dp, U:tp}"] * 2
+
+
+def test_annotations_the_inference_asked_for():
+    """The inference's cost in annotations (section 8): the catalogue's and the tutorials'
+    programs need none; the random program sampler needs one (``_sampler.local``)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    varying_cast = re.compile(r"pcast\([^)]*to=[\"']varying")
+    tutorials = [p for p in (root / "tutorials").glob("*.py")]
+    assert tutorials
+    for path in [*tutorials, root / "tests" / "_programs.py"]:
+        code = "\n".join(
+            line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")
+        )
+        found = varying_cast.findall(code)
+        # the catalogue's one U -> V program predates the inference (it tests the cast itself)
+        assert len(found) == (1 if path.name == "_programs.py" else 0), (path, found)
+    sampler = (root / "tests" / "_sampler.py").read_text()
+    assert len(re.findall(r"return ns\.pcast\(", sampler)) == 1
