@@ -38,7 +38,9 @@ class Launch:
                 *flags,
             ],
             world,
-            480,
+            # 8 ranks of about 60 s of work each share 2 cores; with a second suite beside it
+            # (issue 11's load runs) 480 s was overrun once, and the kill read as a rank failure
+            900,
         )
         self.results = [json.loads(line) for line in self.finished.lines("RESULT")]
         self.checks = [json.loads(line) for line in self.finished.lines("CHECK")]
