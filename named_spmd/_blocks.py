@@ -32,6 +32,7 @@ import torch
 
 from ._errors import VmaError
 from ._partial import op_name, user_line
+from ._torch_private import DisableTorchFunction
 from ._types import Vma, VType
 
 ATTR = "_named_spmd_blocks"
@@ -78,15 +79,15 @@ def after_op(
     """Record the layouts of ``out`` (the result of ``func`` on ``args``) and return the axes over
     which the op's contraction makes it unreduced (usually none). Raises a :class:`VmaError`
     where a bias is added to a contraction that is unreduced (``F.linear``, ``addmm``)."""
-    layouts = {id(t): _layout_of(t, token, vma_of) for t in operands}
-    name = op_name(func)
-    rule = _RULES.get(name.rstrip("_") if not name.endswith("__") else name)
-    result = None
-    if rule is not None:
-        try:
-            result = rule(args, kwargs or {}, layouts, out)
-        except (TypeError, ValueError, IndexError, KeyError):
-            result = None  # an argument form not understood here: no record
+    with DisableTorchFunction():  # shapes and dims read below are no ops of the program
+        layouts = {id(t): _layout_of(t, token, vma_of) for t in operands}
+        rule = _rule(func)
+        result = None
+        if rule is not None:
+            try:
+                result = rule(args, kwargs or {}, layouts, out)
+            except (TypeError, ValueError, IndexError, KeyError):
+                result = None  # an argument form not understood here: no record
     outs = out if isinstance(out, (list, tuple)) else (out,)
     if result is None:
         for o in outs:
@@ -96,21 +97,53 @@ def after_op(
     for o, lay in zip(outs, new if isinstance(new, list) else [new] * len(outs)):
         if isinstance(o, torch.Tensor):
             _record(o, token, lay)
-    if unreduced and name in _WITH_BIAS and _bias(name, args, kwargs or {}) is not None:
-        raise _bias_error(ctx, name, sorted(unreduced), operands, [vma_of(t) for t in operands])
+    if unreduced:
+        name = op_name(func)
+        if name in _WITH_BIAS and _bias(name, args, kwargs or {}) is not None:
+            vmas = [vma_of(t) for t in operands]
+            raise _bias_error(ctx, name, sorted(unreduced), operands, vmas)
     return unreduced
+
+
+_RULE_OF: dict = {}  # func -> its rule or None (memo: every op of a call with blocks asks)
+
+
+def _rule(func: Any) -> Rule | None:
+    try:
+        return _RULE_OF[func]
+    except KeyError:
+        name = op_name(func)
+        rule = _RULES.get(name if name.endswith("__") else name.rstrip("_"))
+        _RULE_OF[func] = rule
+        return rule
+    except TypeError:  # an unhashable callable
+        return None
 
 
 def _layout_of(t: torch.Tensor, token: object, vma_of) -> Layout:
     rec = t.__dict__.get(ATTR)
-    if rec is not None and rec[0] is token and len(rec[1].dims) == t.dim():
+    n = t.dim()
+    if rec is not None and rec[0] is token and len(rec[1].dims) == n:
         return rec[1]
     vma = vma_of(t)  # no record: whatever it varies over, it does for reasons not known here
-    return Layout((_NONE,) * t.dim(), vma.varying | vma.unreduced)
+    key = (n, vma)
+    lay = _UNRECORDED.get(key)
+    if lay is None:
+        lay = _UNRECORDED[key] = Layout((_NONE,) * n, vma.varying | vma.unreduced)
+        if not lay.opaque:
+            _PLAIN.add(id(lay))
+    return lay
+
+
+# (ndim, type) -> the layout of a tensor without a record: one object each, so that the rules'
+# fast path tells the plain ones (invariant: no blocks, nothing opaque) by identity
+_UNRECORDED: dict[tuple[int, Vma], Layout] = {}
+_PLAIN: set[int] = set()
 
 
 def _record(o: torch.Tensor, token: object, lay: Layout) -> None:
-    if lay.opaque:  # an axis opaque somewhere is never inferred: drop it from the dims
+    if lay.opaque and any(d & lay.opaque for d in lay.dims):
+        # an axis opaque somewhere is never inferred: drop it from the dims
         lay = Layout(tuple(d - lay.opaque for d in lay.dims), lay.opaque)
     o.__dict__[ATTR] = (token, lay)
 
@@ -126,11 +159,22 @@ def _first(args, layouts) -> tuple[torch.Tensor, Layout]:
 
 
 def _elementwise(args, kwargs, layouts, out):
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
-    if shape is None:
+    if not isinstance(out, torch.Tensor):
         return None
-    return _broadcast([(t, layouts[id(t)]) for t in tensors], shape), _NONE
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    shape = out.shape
+    main = None  # the common case: one layout of the result's shape, the others plain
+    for t in tensors:
+        lay = layouts[id(t)]
+        if lay is main or id(lay) in _PLAIN:
+            continue
+        if main is None and t.shape == shape:
+            main = lay
+            continue
+        return _broadcast([(t, layouts[id(t)]) for t in tensors], tuple(shape)), _NONE
+    if main is None:
+        return None  # no operand holds blocks (nothing to record)
+    return main, _NONE
 
 
 def _broadcast(parts: list[tuple[Any, Layout]], shape: tuple[int, ...]) -> Layout:

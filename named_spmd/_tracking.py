@@ -235,14 +235,18 @@ class VmaMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if common[1].partial:  # unreduced or reduced axes: the op must be checked (section 8)
             return self._general(func, args, kwargs)
-        if blocks:  # an operand holds blocks of mesh axes: the op may make a partial sum
-            return self._general(func, args, kwargs)
+        given = args
         if plain and self.insert_pvary:  # an invariant tensor meets varying ones: implicit pvary
             if _is_inplace(func):
                 _check_inplace(self.ctx, func, args, None, common[1])
             if not self._alone(common):
                 args = self._vary_plain(args, common)
         out = func(*args, **kwargs) if kwargs else func(*args)
+        if blocks:  # an operand holds blocks of mesh axes: the op may make a partial sum
+            operands = [a for a in given if isinstance(a, Tensor)]
+            vma = self._blocks(func, (given, kwargs), operands, out, common[1])
+            if vma is not common[1]:
+                return self._stamp_outputs(out, vma)
         if type(out) is Tensor or isinstance(out, Tensor):
             out.__dict__[_ATTR] = common
             if _is_wrapped(out):

@@ -25,6 +25,7 @@ from ..._tracking import tensor_operands
 from ..._types import Vma
 
 ATTR = "_named_spmd_partial"
+_BLOCKS = _blocks.ATTR
 _NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
 
 
@@ -64,8 +65,15 @@ class PartialMode(TorchFunctionMode):
             return func(*args, **kwargs)
         operands = tensor_operands(args, kwargs)
         token = self.ctx.token
-        marked = any(ATTR in t.__dict__ and t.__dict__[ATTR][0] is token for t in operands)
-        blocked = _blocks.recorded(operands, token)
+        marked = blocked = False
+        for t in operands:
+            d = t.__dict__
+            m = d.get(ATTR)
+            if m is not None and m[0] is token:
+                marked = True
+            m = d.get(_BLOCKS)
+            if m is not None and m[0] is token:
+                blocked = True
         if not marked and not blocked:
             return func(*args, **kwargs)
         vma = None
