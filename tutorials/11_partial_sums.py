@@ -12,10 +12,12 @@
 # # 11 · Partial sums: unreduced and reduced values
 #
 # After a row-parallel matmul every instance holds a *partial sum*: the true value is the sum of
-# the instances' values. Three classic bugs apply an op to such a value before its `psum`: adding
+# the instances' values. Classic bugs apply an op to such a value before its `psum`: adding
 # a replicated bias (counted once per instance), a nonlinear op (the relu of a sum is not the
-# sum of relus), and a product of two partial sums. With only "varying" and "invariant" types
-# they train to wrong numbers silently. named_spmd has two more per-axis states (as JAX 0.10):
+# sum of relus), a product of two partial sums; or forget the psum; or split a packed weight so
+# that a product becomes a partial sum unnoticed. With only "varying" and "invariant" types they
+# train to wrong numbers silently. named_spmd has two more per-axis states (as JAX 0.10), and
+# infers the partial sums from the specs:
 #
 # * **unreduced** over A (`{U:tp}`): each instance holds a part of one value;
 # * **reduced** over A (`{R:dp}`): one value on every instance, whose *gradient* is left as a
@@ -145,6 +147,54 @@ def fixed(x, w1, b1, w2, b2):
 
 want = dense(x, w1, b1, w2, b2) - b2
 torch.testing.assert_close(fixed(x, w1, b1, w2, b2), torch.tanh(want) + want * want)
+
+# %% [markdown]
+# ## Bug 4: forgetting the psum
+#
+# Returned as it is under `P("dp", None)`, the partial sum would come back as one instance's part.
+# The out_specs check says so, with both fixes.
+
+# %%
+forgot = ns.spmd_map(
+    lambda x, w1, b1, w2, b2: torch.relu(x @ w1 + b1) @ w2,
+    mesh=mesh,
+    in_specs=specs,
+    out_specs=P("dp", None),
+)
+try:
+    forgot(x, w1, b1, w2, b2)
+    raise AssertionError("expected a VmaError")
+except ns.VmaError as e:
+    print(e)
+    assert "it is unreduced over ('tp',)" in str(e)
+
+# %% [markdown]
+# ## Bug 5: a packed qkv weight split along the wrong dim
+#
+# Attention projects `x` with one packed weight `[d, 3 * d]` and chunks the result into q, k and
+# v. Split along its *input* dim (`P("tp", None)`, where `P(None, "tp")` was meant) while `x`
+# arrives split over its hidden dim, every instance's `x @ w_qkv` is a partial sum, and so are q
+# and k: `q @ k.T` multiplies two of them.
+
+# %%
+d = 8
+w_qkv = torch.randn(d, 3 * d, dtype=f64)
+
+
+def scores(x, w_qkv):
+    q, k, _ = (x @ w_qkv).chunk(3, dim=-1)
+    return torch.softmax(q @ k.T, dim=-1)
+
+
+wrong = ns.spmd_map(
+    scores, mesh=mesh, in_specs=(P("dp", "tp"), P("tp", None)), out_specs=P("dp", None)
+)
+try:
+    wrong(x[:, :d], w_qkv)
+    raise AssertionError("expected a VmaError")
+except ns.VmaError as e:
+    print(str(e).splitlines()[0][:160], "...")
+    assert "multiplies two partial sums" in str(e)
 
 # %% [markdown]
 # ## Returning the partial sums
