@@ -61,8 +61,9 @@ def recorded(operands: Sequence[torch.Tensor], token: object) -> bool:
 
 
 def forget(x: Any) -> None:
-    """Drop ``x``'s record (a collective's result: its blocks are not its operand's)."""
-    if isinstance(x, torch.Tensor):
+    """Drop ``x``'s record (a collective's result: its blocks are not its operand's). Nothing
+    to drop while Dynamo traces: the compiled path records none (section 8)."""
+    if isinstance(x, torch.Tensor) and not torch.compiler.is_compiling():
         x.__dict__.pop(ATTR, None)
 
 
