@@ -137,7 +137,7 @@ _RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like}
 # Calls that take tensors but compute no value from them: differentiation itself (which
 # torch.func.grad / vjp inside the function call too). Treated as ops, they would mix the
 # invariant loss with the varying inputs and pvary the loss, doubling gradients per axis size.
-_NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
+NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
 
 
 _INPLACE_DUNDERS = frozenset(
@@ -206,7 +206,7 @@ class VmaMode(TorchFunctionMode):
         # invariant tensor beside them. Then the result takes that stamp object as is: no sets
         # built, no pvary. Costs about one dict lookup per operand on top of the mode's own
         # dispatch.
-        if func in _RANDOM_LIKE or func in _NOT_OPS:
+        if func in _RANDOM_LIKE or func in NOT_OPS:
             return func(*args, **(kwargs or {}))
         if kwargs and not _plain_values(kwargs.values()):  # a tensor (out=, weight=) in kwargs
             return self._general(func, args, kwargs)

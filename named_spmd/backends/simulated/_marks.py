@@ -21,12 +21,11 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _blocks
 from ..._partial import typed_call
-from ..._tracking import tensor_operands
+from ..._tracking import NOT_OPS, tensor_operands
 from ..._types import Vma
 
 ATTR = "_named_spmd_partial"
 _BLOCKS = _blocks.ATTR
-_NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
 
 
 def mark_of(x: torch.Tensor, token: object) -> Vma | None:
@@ -50,18 +49,34 @@ def _first_tensor(out: Any) -> torch.Tensor:
     )
 
 
-class PartialMode(TorchFunctionMode):
+class PausableMode(TorchFunctionMode):
+    """A mode of the simulated backend that steps aside inside the backend's own primitives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused_depth = 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside the backend's own primitives: their ops are no user-level arithmetic."""
+        self.paused_depth += 1
+        try:
+            yield
+        finally:
+            self.paused_depth -= 1
+
+
+class PartialMode(PausableMode):
     """Types the ops of a call in which unreduced or reduced values exist, or inputs holding
     blocks of mesh axes (whose contractions make unreduced values: ``_blocks``)."""
 
     def __init__(self, ctx: Any):
         super().__init__()
         self.ctx = ctx
-        self.paused_depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.paused_depth or func in _NOT_OPS:
+        if self.paused_depth or func in NOT_OPS:
             return func(*args, **kwargs)
         operands = tensor_operands(args, kwargs)
         token = self.ctx.token
@@ -96,12 +111,3 @@ class PartialMode(TorchFunctionMode):
                 if isinstance(o, torch.Tensor):
                     set_mark(o, token, vma)
         return out
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Inside the backend's own primitives: their ops are no user-level arithmetic."""
-        self.paused_depth += 1
-        try:
-            yield
-        finally:
-            self.paused_depth -= 1

@@ -19,34 +19,28 @@ values, which is no user-level mixing) and while autograd runs a backward pass i
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ..._accounting import CommEvent, needs_grad, on_backward
 from ..._torch_private import current_graph_task_id
-from ..._tracking import is_inplace, swap_operands, tensor_operands
-
-# Functions that route through __torch_function__ but compute nothing from their operands.
-_NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
+from ..._tracking import NOT_OPS, is_inplace, swap_operands, tensor_operands
+from ._marks import PausableMode
 
 
-class ImplicitPvaryRecorder(TorchFunctionMode):
+class ImplicitPvaryRecorder(PausableMode):
     """Tags each implicitly pvary'd (tensor, axes) of one call with its backward psum event."""
 
     def __init__(self, ctx: Any):
         super().__init__()
         self.ctx = ctx
-        self.paused_depth = 0
         # (id(tensor), axes) -> (tensor, tagged alias); the tensor is kept alive so that its id
         # is not reused during the call.
         self.cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.paused_depth and func not in _NOT_OPS and current_graph_task_id() == -1:
+        if not self.paused_depth and func not in NOT_OPS and current_graph_task_id() == -1:
             operands = tensor_operands(args, kwargs)
             if len(operands) > 1:
                 args, kwargs = self._tag(func, operands, args, kwargs)
@@ -80,15 +74,6 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
             event = CommEvent("psum", missing, "backward", tuple(t.shape), t.dtype, implicit=True)
             hit = self.cache[key] = (t, on_backward(t, event))
         return hit[1]
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Inside the backend's own primitives: their ops are no user-level mixing."""
-        self.paused_depth += 1
-        try:
-            yield
-        finally:
-            self.paused_depth -= 1
 
 
 def _psum_axes(names, v, union, missing) -> tuple[str, ...]:
