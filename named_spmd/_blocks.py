@@ -167,7 +167,7 @@ def _elementwise(args, kwargs, layouts, out):
     main = None  # the common case: one layout of the result's shape, the others plain
     for t in tensors:
         lay = layouts[id(t)]
-        if lay is main or id(lay) in _PLAIN:
+        if id(lay) in _PLAIN or (lay is main and t.shape == shape):
             continue
         if main is None and t.shape == shape:
             main = lay
