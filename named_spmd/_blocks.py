@@ -564,6 +564,30 @@ def _einsum(args, kwargs, layouts, out):
     return Layout(tuple(out_dims), opaque | (both - unreduced)), unreduced
 
 
+def _attention(args, kwargs, layouts, out):
+    """``F.scaled_dot_product_attention(q, k, v)``: per batch and head dims (broadcast), the
+    query dim of q and the value dim of v; what the contracted dims held becomes opaque (a block
+    of keys is no block of the attention)."""
+    q, k, v = (
+        args[i] if len(args) > i else kwargs[n] for i, n in enumerate(("query", "key", "value"))
+    )
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    lq, lk, lv = layouts[id(q)], layouts[id(k)], layouts[id(v)]
+    batch = _broadcast(
+        [
+            (_Shaped(t.shape[:-2]), Layout(lay.dims[:-2], lay.opaque))
+            for t, lay in ((q, lq), (k, lk), (v, lv))
+        ],
+        tuple(out.shape[:-2]),
+    )
+    contracted = lq.dims[-1] | lk.dims[-1] | lk.dims[-2] | lv.dims[-2]
+    opaque = batch.opaque | contracted
+    if isinstance(mask, torch.Tensor):
+        lm = layouts[id(mask)]
+        opaque |= lm.opaque | frozenset().union(*lm.dims)
+    return Layout((*batch.dims, lq.dims[-2], lv.dims[-1]), opaque), _NONE
+
+
 _WITH_BIAS = frozenset({"linear", "addmm", "baddbmm", "addmv", "addbmm"})
 
 
@@ -641,4 +665,5 @@ _RULES: dict[str, Rule] = {
     **dict.fromkeys(("addmm", "baddbmm", "addmv", "addbmm"), _addmm),
     **dict.fromkeys(("dot", "vdot", "inner"), _dot),
     "einsum": _einsum,
+    "scaled_dot_product_attention": _attention,
 }

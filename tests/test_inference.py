@@ -111,6 +111,12 @@ INFERRED = {
     ),
 }
 
+
+def _attention_out(q, k, v, w_o):  # heads split over tp: the output projection is row-parallel
+    a = F.scaled_dot_product_attention(q, k, v)  # [b, h, s, dh]
+    return a.transpose(1, 2).reshape(a.shape[0], a.shape[2], -1) @ w_o
+
+
 SILENT = {
     # ring attention: the query dim stays split over the ring axis
     "product_keeping_the_axis_in_a_dim": (
@@ -172,6 +178,25 @@ SILENT = {
 def test_contraction_of_blocks_is_unreduced(name):
     body, specs, a, b, want = INFERRED[name]
     assert _typeof(body, specs, a, b) == [want, want]
+
+
+def test_attention_heads_split_make_the_output_projection_unreduced():
+    heads = P("dp", "tp")  # [b, h, s, dh]: batch over dp, heads over tp
+    seen = _typeof(
+        _attention_out,
+        (heads, heads, heads, P("tp", None)),
+        (2, 4, 3, 2),
+        (2, 4, 3, 2),
+        (2, 4, 3, 2),
+        (8, 5),
+    )
+    assert seen == ["f64[1,3,5]{dp, U:tp}"] * 2
+    # a block of keys over the ring axis: the attention of a block is no partial sum
+    ring = P(None, None, "tp")
+    seen = _typeof(
+        _attention_out, (ring, ring, ring, P()), (2, 4, 4, 2), (2, 4, 4, 2), (2, 4, 4, 2), (8, 5)
+    )
+    assert seen == ["f64[2,2,5]{tp}"] * 2
 
 
 @pytest.mark.parametrize("name", sorted(SILENT))
