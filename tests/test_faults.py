@@ -136,3 +136,31 @@ def test_a_rank_failing_inside_make_mesh_is_named_with_its_error():
             "ValueError: rank 1 raises inside make_mesh" in o["message"]
         ), o
         assert o["seconds"] < 15, o
+
+
+def test_a_peer_that_gave_up_waiting_is_quoted_not_described_by_its_exit():
+    """Found by the load runs (issue 11): rank 3 gave up waiting for a hanging rank 2, posted
+    what it found and exited; rank 1, seeing rank 3's exit before reading the post, described
+    the exit ("exited normally after call #1 raised on it") and overwrote the post, so rank 0
+    never learned that rank 2 was the one missing. In one process, with an in-memory store."""
+    import torch.distributed as dist
+
+    from named_spmd.backends import _dist_failures as failures
+
+    store = dist.HashStore()
+    ranks = [0, 1, 2, 3]
+
+    def board(rank):
+        b = failures.FailureBoard(store, rank, ranks, "m", lambda r: {"i": r})
+        b.begin_call()
+        return b
+
+    gave_up = board(3)
+    gave_up._post_for(
+        3, "gave up waiting: Rank 2 (mesh coordinates i=2) never reached a collective"
+    )
+    failures.mark_exited(store, 3, [gave_up])
+    for rank in (1, 0):  # rank 1 first: it must leave the post as it found it
+        err = board(rank)._gone_error([r for r in ranks if r != rank], "in psum over ('i',)")
+        assert "Rank 2 (mesh coordinates i=2) never reached a collective" in str(err), str(err)
+        assert "exited normally" not in str(err)

@@ -309,6 +309,11 @@ class FailureBoard:
         gone = self.gone(ranks)
         if gone is None:
             return None
+        # What a rank posted before it exited says more than its exit does (a rank that gave up
+        # waiting names the rank it waited for): read it, and never overwrite it with the exit.
+        failure = self.read()
+        if failure is not None and failure[0] >= self.seq:
+            return self.error(failure, while_doing, in_collective)
         self._post_for(*gone)  # peers waiting elsewhere stop too
         return self.error((self.seq, *gone), while_doing, in_collective)
 
