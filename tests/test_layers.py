@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "named_spmd"
 
 LAYERS = {
     0: {"_errors", "_types", "_spec", "_mesh", "_layout", "_torch_private"},
-    1: {"_tree", "_accounting", "_context", "_check", "_partial", "_blocks"},
+    1: {"_tree", "_accounting", "_context", "_check", "_partial", "_blocks", "_block_rules"},
     2: {"_collectives", "_autodiff", "_tracking", "random"},
     3: {"backends"},
     4: {"_api", "_display", "_views", "_shard", "parallel"},
