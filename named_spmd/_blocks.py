@@ -40,11 +40,21 @@ from ._types import Vma, VType
 ATTR = "_named_spmd_blocks"
 
 
-def mark(x: torch.Tensor, spec: Any, token: object) -> None:
-    """Record the blocks an input under ``spec`` holds (nothing if the spec splits no dim)."""
+def mark(x: torch.Tensor, spec: Any, token: object) -> bool:
+    """Record the blocks an input under ``spec`` holds (nothing if the spec splits no dim);
+    whether it holds any."""
     dims = tuple(frozenset(spec.entry_axes(i)) for i in range(x.dim()))
     if any(dims):
         x.__dict__[ATTR] = (token, Layout(dims, NONE))
+        return True
+    return False
+
+
+def unreduced_over(vma: Vma, axes: frozenset[str]) -> Vma:
+    """``vma`` made unreduced over those of ``axes`` it varies over (what :func:`after_op`
+    returned for the op whose result has type ``vma``)."""
+    axes = axes & vma.varying
+    return vma.to_state(axes, "unreduced") if axes else vma
 
 
 def recorded(operands: Sequence[torch.Tensor], token: object) -> bool:

@@ -339,8 +339,7 @@ class VmaMode(TorchFunctionMode):
         axes = _blocks.after_op(
             self.ctx, self.token, func, args, kwargs, operands, out, self.ctx.vma
         )
-        axes = axes & union.varying
-        return union.to_state(axes, "unreduced") if axes else union
+        return _blocks.unreduced_over(union, axes) if axes else union
 
     def _vary_operands(self, operands, vmas, union, args, kwargs):
         swap = {}

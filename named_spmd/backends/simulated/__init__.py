@@ -250,10 +250,9 @@ def _partial_input(ctx: SimulatedContext, x: torch.Tensor, spec: PartitionSpec) 
     return x
 
 
-def _run_body(body, local, ctx: SimulatedContext) -> list[torch.Tensor]:
-    if ctx.partial_mode is None and _blocks.recorded(
-        [x for x in local if isinstance(x, torch.Tensor)], ctx.token
-    ):  # inputs hold blocks: every op is typed, for the contractions that make partial sums
+def _run_body(body, local, ctx: SimulatedContext, blocks: bool) -> list[torch.Tensor]:
+    if blocks and ctx.partial_mode is None:
+        # inputs hold blocks: every op is typed, for the contractions that make partial sums
         ctx.partial_mode = PartialMode(ctx)
         ctx.partial_mode.__enter__()
     try:
@@ -381,16 +380,17 @@ def run(
                     local[i] = P.add_batch_dim(local[i], 0, level)
             tokens[a] = P.add_batch_dim(tokens[a], 0, level)
         ctx = SimulatedContext(mesh, fn, tokens)
+        blocks = False
         for i in tensor_pos:
             if specs[i].reduced or specs[i].unreduced:
                 local[i] = ctx.stamp(_partial_input(ctx, local[i], specs[i]), specs[i].vma())
-            _blocks.mark(local[i], specs[i], ctx.token)
+            blocks |= _blocks.mark(local[i], specs[i], ctx.token)
         if recording():  # report implicit pvary's backward psum; off the fast path
             ctx.recorder = ImplicitPvaryRecorder(ctx)
             with ctx.recorder:
-                outs = _run_body(body, local, ctx)
+                outs = _run_body(body, local, ctx, blocks)
         else:
-            outs = _run_body(body, local, ctx)
+            outs = _run_body(body, local, ctx, blocks)
         present: list[list[str]] = [[] for _ in outs]
         while levels:  # innermost first, each while its level is still the top one
             level, a = levels[-1], order[len(levels) - 1]

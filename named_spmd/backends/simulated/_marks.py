@@ -102,10 +102,8 @@ class PartialMode(PausableMode):
                 self.ctx, token, func, args, kwargs, operands, out, self.ctx.vma
             )
             if axes:
-                vma = vma or self.ctx.vma(_first_tensor(out))
+                vma = _blocks.unreduced_over(vma or self.ctx.vma(_first_tensor(out)), axes)
                 self.ctx.forget_last_vma()  # the result's type changes below
-                if axes & vma.varying:
-                    vma = vma.to_state(axes & vma.varying, "unreduced")
         if vma is not None:
             for o in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(o, torch.Tensor):
