@@ -251,6 +251,39 @@ def funcol() -> SimpleNamespace:
     )
 
 
+# --- Dynamo: a tensor's view attributes reach the torch function modes, as in eager -------------
+# Eager torch hands ``x.T``, ``x.mT``, ``x.H``, ``x.mH``, ``x.real`` and ``x.imag`` to the active
+# torch function modes; Dynamo (2.13) traces them straight into the graph
+# (``TensorVariable.var_getattr``), so a mode never sees them. A compiled real-mesh call then
+# lost the type of ``k.T`` (an untyped tensor reads invariant) and gave a varying value's
+# gradient a spurious psum: ring attention's ``q @ k.T`` had a wrong gradient for ``k``.
+TENSOR_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
+@functools.cache
+def route_view_attributes_to_modes() -> bool:
+    """Make Dynamo dispatch :data:`TENSOR_VIEW_ATTRIBUTES` of a plain tensor to the symbolic
+    torch function mode stack, as eager does (once per process; returns True)."""
+    from torch._dynamo.variables import torch_function as tf
+    from torch._dynamo.variables.base import VariableTracker
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    traced = TensorVariable.var_getattr
+
+    def var_getattr(self: Any, tx: Any, name: str) -> Any:
+        if (
+            name in TENSOR_VIEW_ATTRIBUTES
+            and type(self) is TensorVariable
+            and tf.can_dispatch_torch_function(tx, [self], {})
+        ):
+            getter = VariableTracker.build(tx, getattr(torch.Tensor, name).__get__)
+            return tf.dispatch_torch_function(tx, getter, [self], {})
+        return traced(self, tx, name)
+
+    TensorVariable.var_getattr = var_getattr  # type: ignore[method-assign]
+    return True
+
+
 def is_dynamo_refusal(error: BaseException) -> bool:
     """Whether ``error`` is torch.compile refusing to trace (Dynamo's ``Unsupported`` and its
     relatives), told by module so that ``torch._dynamo`` is never imported for the check."""

@@ -359,3 +359,43 @@ def test_dtensor_spec_and_constructor_match_from_local():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_dynamo_hands_view_attributes_to_the_modes_once_routed():
+    """Dynamo traces ``x.T`` & co. into the graph without asking the torch function modes
+    (eager asks them); ``route_view_attributes_to_modes`` makes it ask. Run in a fresh process:
+    the routing is process-wide. Fails both when torch starts asking by itself (the routing can
+    then go) and when the routing stops taking effect."""
+    code = """
+import torch
+from torch.overrides import TorchFunctionMode
+from named_spmd import _torch_private as P
+
+class Seen(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", ""))
+        return func(*args, **(kwargs or {}))
+
+def run():
+    mode = Seen()
+    def f(x):
+        with mode:
+            return x.T + x.mT.real
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2, 3))
+    assert torch.equal(out, 2 * torch.ones(3, 2))
+    return sorted(set(mode.names) & {"T", "mT", "real", "__get__"})
+
+print("before", run())
+assert P.route_view_attributes_to_modes()
+print("after", run())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert lines["before"] == "[]", lines  # torch hides them: the routing is still needed
+    assert lines["after"] != "[]", lines

@@ -7,7 +7,7 @@ backend interface is the same (docs/design.md 6.3/6.4); only what Dynamo cannot 
 * the primitives call the functional collective ops (``_torch_private.funcol``, each
   followed by ``wait_tensor``) instead of ``ProcessGroup`` methods, so the graph carries every
   collective and Inductor may reorder and overlap them; ``permute`` is an ``all_to_all_single``
-  with one non-empty split each way;
+  with equal splits;
 * every collective runs inside our own autograd Function (:class:`CompiledCollectiveFn`, the
   bridge of ``_autodiff``): Dynamo traces its forward and backward, and the backward is the
   record's transpose, so an implicit pvary's psum appears in the backward graph;
@@ -35,7 +35,7 @@ from .. import _torch_private as P
 from .. import _types
 from .._collectives._record import PVARY_RECORD, RECORDS, implicit_pvary
 from .._context import SpmdContext
-from .._errors import CollectiveError, fn_label
+from .._errors import fn_label
 from .._layout import assemble, block
 from .._spec import PartitionSpec
 from .._tracking import STAMP_ATTR, TrackedContext, VmaMode, is_inplace
@@ -77,6 +77,13 @@ def _group(mesh: Any, axes: tuple[str, ...]) -> tuple[str, int, int, tuple | Non
 def _label(fn: Any) -> str:
     """The function's label for messages, computed eagerly at trace time."""
     return fn_label(fn)
+
+
+@torch.compiler.assume_constant_result
+def _route_view_attributes() -> bool:
+    """Run eagerly when the first call is traced: ``x.T`` & co. reach the VmaMode, as in eager
+    (``_torch_private.route_view_attributes_to_modes``)."""
+    return P.route_view_attributes_to_modes()
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -189,18 +196,10 @@ class CompiledContext(TrackedContext):
         return received.movedim(0, dim) if dim != 0 else received
 
     def permute(self, x, axes, pairs):
-        raise CollectiveError(
-            f"ppermute / pshuffle over {axes} in {self.fn_label}, traced by torch.compile: not "
-            "supported yet on a real mesh (the compiled gradient of a permuted value was found "
-            "to differ from the eager one; docs/design.md section 9). Fix: run this spmd_map "
-            "eagerly (do not compile it, or wrap the call in torch.compiler.disable)."
-        )
-
-    def _permute_by_all_to_all(self, x, axes, pairs):
-        """Kept for the fix (unused: see :meth:`permute`). An all_to_all_single with equal splits: this member's block goes to slot ``dst``, zeros
-        elsewhere; it keeps slot ``src`` of what arrives. It moves n blocks, not one: with
-        uneven splits (one non-empty each way) gloo broke the next send / recv of the group and
-        Inductor's gradients differed (docs/design.md section 9)."""
+        """An all_to_all_single with equal splits: this member's block goes to slot ``dst``,
+        zeros elsewhere; it keeps slot ``src`` of what arrives. It moves n blocks, not one:
+        with uneven splits (one non-empty each way, funcol's ``permute_tensor``) gloo broke the
+        next send / recv of the group (docs/design.md section 9)."""
         _, n, me, _ = _group(self.mesh, axes)
         dst = next((d for s, d in pairs if s == me), None)
         src = next((s for s, d in pairs if d == me), None)
@@ -339,6 +338,7 @@ def _global_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -
 
 def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
     """``distributed.run`` while Dynamo traces: see the module docstring."""
+    _route_view_attributes()
     ctx = CompiledContext(mesh, fn)
     with P.DisableTorchFunction():
         local = [
