@@ -3,8 +3,9 @@
     python benchmarks/bench_distributed.py                  # 4 gloo processes on 127.0.0.1
     python benchmarks/bench_distributed.py --sizes 256 1024 4096 --rounds 15
     python benchmarks/bench_distributed.py --device cuda --backend nccl --nproc 4
+    python benchmarks/bench_distributed.py --only ring
 
-Three measurements, printed by rank 0:
+Four measurements, printed by rank 0:
 
 1. A Megatron-style MLP forward + backward step on a (dp=2, tp=nproc/2) mesh: column-parallel
    ``w1``/``b1``, row-parallel ``w2``, replicated ``b2``, batch split over dp; parameters and the
@@ -16,7 +17,11 @@ Three measurements, printed by rank 0:
    each (rounds interleaved, each step timed between barriers, slowest rank) and the ratios.
 2. Latency of one collective: ``ns.psum`` inside spmd_map versus ``dist.all_reduce`` on a small
    and a 4 MB tensor (median per call).
-3. vma tracking: a 200-op small-tensor function inside spmd_map versus the same ops on plain
+3. A ring of ppermutes (nproc - 1 hops, as ring attention passes its key blocks): ``ns.ppermute``
+   inside spmd_map (one ``all_to_all_single`` with one non-empty split each way, so its waits
+   can be polled) versus the same hops hand-written with ``dist.batch_isend_irecv`` and with
+   ``dist.all_to_all_single`` (median per ring, ratio to the send/recv ring).
+4. vma tracking: a 200-op small-tensor function inside spmd_map versus the same ops on plain
    tensors, in a single process (mesh of one): extra microseconds per op. For scale, the same
    ops under a bare ``TorchFunctionMode`` and on DTensors.
 """
@@ -312,7 +317,63 @@ def latency(args, mesh, device) -> list[dict]:
     return rows
 
 
-# --- 3. vma tracking overhead (one process) ------------------------------------------------------------
+def ring(args, mesh, device) -> list[dict]:
+    """One pass around the ring (world - 1 ppermute hops) of a block of ``numel`` floats."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = mesh.device_mesh.get_group("all")
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    pairs = [(i, (i + 1) % world) for i in range(world)]
+
+    @ns.spmd_map(mesh=mesh, in_specs=P("all"), out_specs=P("all"))
+    def spmd_ring(v):
+        for _ in range(world - 1):
+            v = ns.ppermute(v, "all", pairs)
+        return v
+
+    rows = []
+    for numel in (256, 1 << 16, 1 << 20):
+        local = torch.randn(numel, device=device)
+        x = DTensor.from_local(local, mesh.device_mesh, [Shard(0)], run_check=False)
+
+        def send_recv():
+            v = local
+            for _ in range(world - 1):
+                out = torch.empty_like(v)
+                ops = [
+                    dist.P2POp(dist.isend, v, nxt, group),
+                    dist.P2POp(dist.irecv, out, prev, group),
+                ]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+                v = out
+            return v
+
+        def all_to_all():
+            v = local
+            sent, received = [0] * world, [0] * world
+            sent[nxt], received[prev] = numel, numel
+            for _ in range(world - 1):
+                out = torch.empty_like(v)
+                dist.all_to_all_single(out, v, received, sent, group=group)
+                v = out
+            return v
+
+        want = send_recv()
+        for name, got in (("ns", spmd_ring(x).to_local()), ("a2a", all_to_all())):
+            if not torch.equal(got, want):
+                raise SystemExit(f"ring of {numel}: {name} differs from send/recv")
+        fns = {"ns.ppermute": lambda: spmd_ring(x), "send/recv": send_recv, "a2a": all_to_all}
+        t = interleaved(fns, args.rounds, 2, device)
+        row = {"bytes": numel * 4, **{k: v * 1e6 for k, v in t.items()}}
+        row["ratio"] = row["ns.ppermute"] / row["send/recv"]
+        row["ratio a2a"] = row["a2a"] / row["send/recv"]
+        rows.append(row)
+    return rows
+
+
+# --- 4. vma tracking overhead (one process) ------------------------------------------------------------
 
 
 def _ops(x, w, n_ops: int):
@@ -395,9 +456,12 @@ def worker(args) -> None:
     if "megatron" in args.only:
         mesh = ns.make_mesh((2, world // 2), ("dp", "tp"), device_type=args.device)
         result["megatron"] = megatron(args, mesh, device)
-    if "latency" in args.only:
+    if {"latency", "ring"} & set(args.only):
         mesh = ns.make_mesh((world,), ("all",), device_type=args.device)
+    if "latency" in args.only:
         result["latency"] = latency(args, mesh, device)
+    if "ring" in args.only:
+        result["ring"] = ring(args, mesh, device)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
@@ -435,6 +499,13 @@ def report(result: dict, vma: dict | None) -> None:
             f"{row['ns.psum reused']:7.1f} us   dist.all_reduce (in place) "
             f"{row['dist.all_reduce reused']:7.1f} us   ratio {row['ratio reused']:.3f}"
         )
+    for row in result.get("ring", []):
+        print(
+            f"  ring of ppermutes, {row['bytes']:>8} B blocks: ns.ppermute "
+            f"{row['ns.ppermute']:8.1f} us   send/recv {row['send/recv']:8.1f} us   ratio "
+            f"{row['ratio']:.3f}   hand-written all_to_all {row['a2a']:8.1f} us   ratio "
+            f"{row['ratio a2a']:.3f}"
+        )
     if vma:
         print(
             f"  vma tracking (1 process, 200 small ops): +{vma['vma_overhead_us_per_op']:.2f} "
@@ -456,7 +527,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default=None)
     parser.add_argument("--funcol", action="store_true", help="also time funcol all_reduce")
-    parser.add_argument("--only", nargs="+", default=["megatron", "latency", "vma"])
+    parser.add_argument("--only", nargs="+", default=["megatron", "latency", "ring", "vma"])
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
@@ -465,7 +536,7 @@ def main() -> None:
         return
     argv = [a for a in sys.argv[1:]]
     result = {"world": args.nproc, "device": args.device, "backend": args.backend or "gloo"}
-    if {"megatron", "latency"} & set(args.only):
+    if {"megatron", "latency", "ring"} & set(args.only):
         out = spawn(argv, args.nproc, args.timeout)
         line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

@@ -12,6 +12,9 @@
 * ``once_more``: rank 0 calls the mapped function once more than the others, which exit.
 * ``make_mesh``: rank 1 raises right after ``make_mesh`` (uncaught: its process exits).
 * ``in_make_mesh``: rank 1 raises inside ``make_mesh``, once its groups exist (uncaught).
+* ``slow_sender``: a ppermute where only rank 3 sends (to rank 0), called twice; rank 3 sleeps
+  past the board's grace first, so ranks 1 and 2, which take no part in the exchange, wait in
+  the next call while rank 0 still waits for rank 3: a lag, not a mismatch.
 """
 
 from __future__ import annotations
@@ -119,6 +122,26 @@ def in_make_mesh(rank: int) -> None:
         distributed._create_groups = failing
         ns.make_mesh((2, 2), ("dp", "tp"))
     report(rank, "in_make_mesh", lambda: ns.make_mesh((2, 2), ("dp", "tp")))
+
+
+def slow_sender(mesh, rank):
+    from named_spmd.backends._dist_failures import AHEAD_GRACE_S
+
+    def f(x):
+        if rank == 3:
+            time.sleep(AHEAD_GRACE_S + 2)
+        return ns.ppermute(x, ("dp", "tp"), [(3, 0)])
+
+    g = ns.spmd_map(f, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P(("dp", "tp")))
+    want = torch.tensor([6.0, 7.0, 0, 0, 0, 0, 0, 0])
+
+    def twice():
+        for _ in range(2):
+            y = g(X).full_tensor()
+            if not torch.equal(y, want):
+                raise ns.SpmdError(f"wrong ppermute: {y.tolist()}")
+
+    report(rank, "slow_sender", twice)
 
 
 def main() -> None:

@@ -164,3 +164,11 @@ def test_a_peer_that_gave_up_waiting_is_quoted_not_described_by_its_exit():
         err = board(rank)._gone_error([r for r in ranks if r != rank], "in psum over ('i',)")
         assert "Rank 2 (mesh coordinates i=2) never reached a collective" in str(err), str(err)
         assert "exited normally" not in str(err)
+
+
+def test_a_rank_outside_a_ppermute_finishing_first_is_not_a_mismatch():
+    """Only the ranks a ppermute exchanges with can leave a rank waiting (found by a load run:
+    rank 0 waited for a slow sender and named rank 1, which had no part in the exchange)."""
+    outcomes, tail = run("slow_sender")
+    for rank in range(WORLD):
+        assert outcomes[rank, "slow_sender"].get("ok"), (outcomes[rank, "slow_sender"], tail)

@@ -31,6 +31,20 @@ def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def permute_splits(pairs, me: int, numel: int, group_rank) -> tuple:
+    """``(src, dst, received, sent)`` of a ppermute's ``all_to_all_single`` on tuple member
+    ``me``: the member it receives from and sends to (or None), and the split sizes in group-rank
+    order (``group_rank``: tuple index -> group rank), one non-empty split each way at most."""
+    dst = next((d for s, d in pairs if s == me), None)
+    src = next((s for s, d in pairs if d == me), None)
+    received, sent = [0] * len(group_rank), [0] * len(group_rank)
+    if dst is not None and dst != me:
+        sent[group_rank[dst]] = numel
+    if src is not None and src != me:
+        received[group_rank[src]] = numel
+    return src, dst, received, sent
+
+
 class Comm:
     """The group of ``axes`` seen from this rank, in tuple order."""
 
@@ -196,10 +210,15 @@ class Comm:
 
     def permute(self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], name="ppermute"):
         """Send ``x`` along ``(src, dst)`` tuple-index pairs; receive into a fresh buffer (zeros
-        when nothing arrives)."""
+        when nothing arrives).
+
+        One ``all_to_all_single`` with one non-empty split each way, not a send and a recv:
+        gloo closes the connection when a timed wait on a recv times out, so a recv could not
+        be waited for in slices (a sender late by one slice broke the mesh), while a
+        collective's work can."""
         me = self.index
-        dst = next((d for s, d in pairs if s == me), None)
-        src = next((s for s, d in pairs if d == me), None)
+        block = _real(x.contiguous()).reshape(-1)  # kept alive here until the send completes
+        src, _, received, sent = permute_splits(pairs, me, block.numel(), self.group_rank)
         if self.mesh.pending_check is not None:
             self.mesh.pending_check()
         if self.mesh.debug:
@@ -210,17 +229,13 @@ class Comm:
             out = x.clone(memory_format=torch.contiguous_format)
         else:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        works = []
-        sendbuf = _real(x.contiguous())  # kept alive here until the send completes
-        try:
-            if dst is not None and dst != me:
-                works.append(self.group.send([sendbuf], self.group_rank[dst], 0))
-            if src is not None and src != me:
-                works.append(self.group.recv([_real(out)], self.group_rank[src], 0))
-        except RuntimeError as e:
-            raise self.mesh.board.translate(e, self._doing(name)) from None
-        for w in works:
-            self._wait(name, w)
+        if all(s == d for s, d in pairs):
+            return out  # every pair stays home: no member communicates
+        nothing = block.new_empty(0)
+        send = block if any(sent) else nothing
+        into = _real(out).view(-1) if any(received) else nothing
+        opts = self._a2a_opts
+        self._issue(name, lambda: self._a2a(into, send, received, sent, opts))
         return out
 
     def broadcast_(self, buf: torch.Tensor, root: int, name: str = "broadcast") -> torch.Tensor:

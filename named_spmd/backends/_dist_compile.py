@@ -7,7 +7,7 @@ backend interface is the same (docs/design.md 6.3/6.4); only what Dynamo cannot 
 * the primitives call the functional collective ops (``_torch_private.funcol``, each
   followed by ``wait_tensor``) instead of ``ProcessGroup`` methods, so the graph carries every
   collective and Inductor may reorder and overlap them; ``permute`` is an ``all_to_all_single``
-  with equal splits;
+  with one non-empty split each way;
 * every collective runs inside our own autograd Function (:class:`CompiledCollectiveFn`, the
   bridge of ``_autodiff``): Dynamo traces its forward and backward, and the backward is the
   record's transpose, so an implicit pvary's psum appears in the backward graph;
@@ -40,6 +40,7 @@ from .._layout import assemble, block
 from .._spec import PartitionSpec
 from .._tracking import STAMP_ATTR, TrackedContext, VmaMode, is_inplace
 from .._types import INVARIANT, Vma
+from ._dist_comm import permute_splits
 from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, placements
 
 
@@ -196,17 +197,21 @@ class CompiledContext(TrackedContext):
         return received.movedim(0, dim) if dim != 0 else received
 
     def permute(self, x, axes, pairs):
-        """An all_to_all_single with equal splits: this member's block goes to slot ``dst``,
-        zeros elsewhere; it keeps slot ``src`` of what arrives. It moves n blocks, not one:
-        with uneven splits (one non-empty each way, funcol's ``permute_tensor``) gloo broke the
-        next send / recv of the group (docs/design.md section 9)."""
-        _, n, me, _ = _group(self.mesh, axes)
-        dst = next((d for s, d in pairs if s == me), None)
-        src = next((s for s, d in pairs if d == me), None)
-        zeros = torch.zeros_like(x, memory_format=torch.contiguous_format)
-        stacked = torch.stack([x if j == dst else zeros for j in range(n)])
-        received = self.all_to_all(stacked, axes, 0)
-        return zeros if src is None else received[src]
+        """An all_to_all_single with one non-empty split each way, as on the eager path."""
+        if x.is_complex():
+            return torch.view_as_complex(self.permute(torch.view_as_real(x), axes, pairs))
+        name, n, me, order = _group(self.mesh, axes)
+        block = x.contiguous().reshape(-1)
+        to_group = range(n) if order is None else order
+        src, _, received, sent = permute_splits(pairs, me, block.numel(), to_group)
+        if any(s != d for s, d in pairs):
+            send = block if any(sent) else block[:0]
+            arrived = _wait(_F.all_to_all(send, received, sent, name))
+        if src is None:
+            return torch.zeros_like(x, memory_format=torch.contiguous_format)
+        if src == me:
+            return x.clone(memory_format=torch.contiguous_format)
+        return arrived.reshape(x.shape)
 
     def broadcast(self, x, axes, root):
         name, _, _, order = _group(self.mesh, axes)
