@@ -32,9 +32,9 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 
 
 def permute_splits(pairs, me: int, numel: int, group_rank) -> tuple:
-    """``(src, dst, received, sent)`` of a ppermute's ``all_to_all_single`` on tuple member
-    ``me``: the member it receives from and sends to (or None), and the split sizes in group-rank
-    order (``group_rank``: tuple index -> group rank), one non-empty split each way at most."""
+    """``(src, received, sent)`` of a ppermute's ``all_to_all_single`` on tuple member ``me``:
+    the member it receives from (or None), and the split sizes in group-rank order
+    (``group_rank``: tuple index -> group rank), one non-empty split each way at most."""
     dst = next((d for s, d in pairs if s == me), None)
     src = next((s for s, d in pairs if d == me), None)
     received, sent = [0] * len(group_rank), [0] * len(group_rank)
@@ -42,7 +42,7 @@ def permute_splits(pairs, me: int, numel: int, group_rank) -> tuple:
         sent[group_rank[dst]] = numel
     if src is not None and src != me:
         received[group_rank[src]] = numel
-    return src, dst, received, sent
+    return src, received, sent
 
 
 class Comm:
@@ -218,7 +218,7 @@ class Comm:
         collective's work can."""
         me = self.index
         block = _real(x.contiguous()).reshape(-1)  # kept alive here until the send completes
-        src, _, received, sent = permute_splits(pairs, me, block.numel(), self.group_rank)
+        src, received, sent = permute_splits(pairs, me, block.numel(), self.group_rank)
         if self.mesh.pending_check is not None:
             self.mesh.pending_check()
         if self.mesh.debug:

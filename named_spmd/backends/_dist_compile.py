@@ -203,7 +203,7 @@ class CompiledContext(TrackedContext):
         name, n, me, order = _group(self.mesh, axes)
         block = x.contiguous().reshape(-1)
         to_group = range(n) if order is None else order
-        src, _, received, sent = permute_splits(pairs, me, block.numel(), to_group)
+        src, received, sent = permute_splits(pairs, me, block.numel(), to_group)
         if any(s != d for s, d in pairs):
             send = block if any(sent) else block[:0]
             arrived = _wait(_F.all_to_all(send, received, sent, name))
