@@ -30,6 +30,7 @@ from ._collectives import psum_scatter as psum_scatter
 from ._collectives import pvary as pvary
 from ._collectives import typeof as typeof
 from ._collectives import vma as vma
+from ._compile import compile as compile
 from ._display import visualize as visualize
 from ._errors import CollectiveError as CollectiveError
 from ._errors import RankFailedError as RankFailedError
@@ -86,6 +87,7 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "compile",
     "make_mesh",
     "parallel",
     "pbroadcast",

@@ -57,6 +57,11 @@ class SpmdContext(ABC):
         self.fn_label = fn_label(fn)
         self.single_axes = mesh.single_axes  # read on every collective: one attribute away
 
+    def run_compiled(self, piece: Any, args: tuple, kwargs: dict) -> Any:
+        """A piece given to ``ns.compile``, called in this call (``_compile``): uncompiled
+        here; a backend that can compile it inside a call overrides this."""
+        return piece.fn(*args, **kwargs)
+
     # --- types --------------------------------------------------------------------------------
     @abstractmethod
     def vma(self, x: torch.Tensor) -> Vma:

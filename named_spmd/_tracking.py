@@ -114,20 +114,25 @@ def tensor_operands(args: Any, kwargs: dict | None) -> list[torch.Tensor]:
     return found
 
 
-def swap_operands(args: Any, kwargs: dict | None, swap: dict[int, torch.Tensor]):
-    """``args`` and ``kwargs`` with each tensor whose id is in ``swap`` replaced."""
-    args = _replace(args, swap)
+def swap_operands(args: Any, kwargs: dict | None, swap: dict, key: Any = id):
+    """``args`` and ``kwargs`` with each tensor whose ``key`` is in ``swap`` replaced (keyed by
+    the tensor itself where Dynamo may trace: ``id`` of a traced input is a guard)."""
+    args = _replace(args, swap, key)
     if kwargs:
-        kwargs = {k: _replace(v, swap) for k, v in kwargs.items()}
+        kwargs = {k: _replace(v, swap, key) for k, v in kwargs.items()}
     return args, kwargs
 
 
-def _replace(obj: Any, swap: dict[int, torch.Tensor]) -> Any:
+def _replace(obj: Any, swap: dict, key: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return swap.get(id(obj), obj)
+        return swap.get(key(obj), obj)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_replace(o, swap) for o in obj)
+        return type(obj)(_replace(o, swap, key) for o in obj)
     return obj
+
+
+def _itself(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 # Random factories shaped like an operand draw from the stream every instance shares (the
@@ -345,7 +350,7 @@ class VmaMode(TorchFunctionMode):
         swap = {}
         names = self.ctx.mesh.axis_names
         for t, v in zip(operands, vmas):
-            if v is not union and id(t) not in swap:
+            if v is not union and t not in swap:
                 missing = v.missing(union.present(names))
                 if self.ctx.single_axes.issuperset(missing):  # the identity: see _alone
                     missing = ()
@@ -357,10 +362,10 @@ class VmaMode(TorchFunctionMode):
                     if axes:
                         alias = self.ctx.cached_cast(alias, axes, "reduced")
                 if alias is not t:
-                    swap[id(t)] = alias
+                    swap[t] = alias  # keyed by the tensor: id() of a traced input is a guard
         if not swap:
             return args, kwargs
-        return swap_operands(args, kwargs, swap)
+        return swap_operands(args, kwargs, swap, _itself)
 
     def _stamp_outputs(self, out, union):
         stamp = self.ctx.stamp_of(union)

@@ -276,6 +276,9 @@ class DistributedContext(TrackedContext):
             value = make(self.mesh.comm(axes).index)
         return self.stamp(value, Vma.of(axes))
 
+    def run_compiled(self, piece, args, kwargs):
+        return _dist_compile.run_piece(self, piece, args, kwargs)
+
     # Collectives run with torch function modes off: their internal ops need no vma (the
     # dispatch stamps the result) and would only pay the mode's per-op cost.
     def apply(self, rec, x, axes, params, donate=False):

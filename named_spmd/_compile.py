@@ -1,0 +1,72 @@
+"""``ns.compile``: ``torch.compile`` for a piece of a per-device function (docs/design.md 9).
+
+``torch.compile(piece)`` called inside a call on a real mesh cannot work by itself: Dynamo would
+trace the call's eager ``VmaMode``, and the compiled code would then *run* under that mode again
+(torch runs compiled code under the torch function modes active around it), typing the graph's
+own buffers. ``ns.compile(piece)`` lifts the call's modes off the stack around the compiled
+function and types the piece inside it, on the compile path of the backend: on a real mesh the
+piece is traced with the call's types (its collectives and implicit pvarys as functional
+collectives in the graph) and compiled once, not per call. Elsewhere:
+
+* outside any ``spmd_map`` call: ``torch.compile(piece)``;
+* inside a call that is itself being compiled (``torch.compile`` of the mapped function): the
+  piece is traced with the call;
+* on the simulated mesh and in ``.check()``: the piece runs uncompiled, with the same numbers
+  and types (torch cannot compile under the simulation's vmap levels).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _context
+
+
+class CompiledPiece:
+    """``fn`` compiled where the active call allows it (see the module docstring)."""
+
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]):
+        self.fn = fn
+        self.options = options
+        self.plain: Callable[..., Any] | None = None  # torch.compile(fn), outside any call
+        self.in_call: Callable[..., Any] | None = None  # the backend's compiled body
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced with the enclosing compiled region
+            return self.fn(*args, **kwargs)
+        ctx = _context.active()
+        if ctx is None:
+            if self.plain is None:
+                self.plain = torch.compile(self.fn, **self.options)
+            return self.plain(*args, **kwargs)
+        return ctx.run_compiled(self, args, kwargs)
+
+
+def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+    """``torch.compile`` for a piece of a per-device function; ``options`` are
+    ``torch.compile``'s (``backend``, ``fullgraph``, ``mode``, ...). Use as ``ns.compile(fn)``
+    or ``@ns.compile(fullgraph=True)``.
+
+    On a real mesh the piece compiles once and runs with the call's types: its collectives and
+    the psums of its implicit pvarys are functional collectives in the graph, so Inductor may
+    overlap them. On the simulated mesh and in ``.check()`` it runs uncompiled, with the same
+    numbers. A piece's collectives are not ``CommMode`` events (count the graph's nodes).
+
+    Example::
+
+        >>> import torch, named_spmd as ns
+        >>> block = ns.compile(lambda x, w: torch.tanh(x @ w), backend="eager")
+        >>> mesh = ns.make_mesh((2,), ("dp",))
+        >>> f = ns.spmd_map(lambda x, w: block(x, w), mesh=mesh,
+        ...                 in_specs=(ns.P("dp"), ns.P()), out_specs=ns.P("dp"))
+        >>> f(torch.ones(4, 3), torch.zeros(3, 2)).shape
+        torch.Size([4, 2])
+    """
+    if fn is None:
+        return functools.partial(compile, **options)
+    return CompiledPiece(fn, options)
