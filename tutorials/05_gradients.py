@@ -186,12 +186,14 @@ print("vocab-parallel cross entropy and its gradient match F.cross_entropy:", lo
 # (tens of seconds for a small model on a busy CPU); later steps run the graph, with no
 # recompilation until shapes, dtypes, specs or the mesh change (README, "torch.compile").
 #
-# On the simulated mesh, torch cannot compile under the simulation's vmap levels: a compiled
-# function called *inside* the per-device function runs uncompiled there, with the same numbers,
-# so the same per-device code runs on both meshes.
+# To compile a *piece* of the per-device function (a transformer block, as torchtitan compiles
+# per block), wrap it in `ns.compile` (`torch.compile`'s options): on a real mesh it compiles
+# once with the call's types, its collectives in its graph. On the simulated mesh torch cannot
+# compile under the simulation's vmap levels, so the piece runs uncompiled there, with the same
+# numbers: the same per-device code runs on both meshes.
 
 # %%
-activation = torch.compile(lambda h: torch.tanh(h) * torch.sigmoid(h), fullgraph=True)
+activation = ns.compile(lambda h: torch.tanh(h) * torch.sigmoid(h), fullgraph=True)
 
 
 @ns.spmd_map(mesh=mesh2, in_specs=(P("dp", None), P(None, "tp")), out_specs=P("dp"))
