@@ -137,11 +137,11 @@ def _block(x, p, pre: str, cfg: Config, row_linear: Callable):
     return x + row_linear(u, p[pre + "fc2.weight"], p[pre + "fc2.bias"])
 
 
-def _trunk(tokens, p, cfg: Config, row_linear: Callable):
+def _trunk(tokens, p, cfg: Config, row_linear: Callable, block: Callable = _block):
     """Embeddings, the blocks and the final LayerNorm: the hidden states before the LM head."""
     x = F.embedding(tokens, p["wte.weight"]) + p["wpe.weight"][: tokens.shape[1]]
     for i in range(cfg.layers):
-        x = _block(x, p, f"blocks.{i}.", cfg, row_linear)
+        x = block(x, p, f"blocks.{i}.", cfg, row_linear)
     return F.layer_norm(x, (cfg.d,), p["ln_f.weight"], p["ln_f.bias"])
 
 
@@ -175,12 +175,13 @@ def vocab_parallel_cross_entropy(logits, targets):
     return (sumexp.log() + m - target_logit).mean()
 
 
-def spmd_loss(cfg: Config) -> Callable:
+def spmd_loss(cfg: Config, block: Callable = _block) -> Callable:
     """The per-device ``loss(tokens, targets, params)`` for a ("dp", "tp") mesh, with the
-    inputs laid out by :func:`in_specs`; the loss is the global mean, invariant everywhere."""
+    inputs laid out by :func:`in_specs`; the loss is the global mean, invariant everywhere.
+    ``block``: the transformer block (``ns.compile(_block)`` compiles it per block)."""
 
     def loss(tokens, targets, p):
-        x = _trunk(tokens, p, cfg, _row_parallel)
+        x = _trunk(tokens, p, cfg, _row_parallel, block)
         logits = F.linear(x, p["lm_head.weight"])  # [b/dp, s, V/tp]
         local = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten())
         return ns.pmean(local, "dp")

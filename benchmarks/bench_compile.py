@@ -7,6 +7,8 @@ Variants, timed interleaved in the same processes (bench_gpt.interleaved):
   ``_c10d_functional`` collectives inside two autograd Functions (Megatron's f and g: identity
   forward / all-reduce backward, and all-reduce forward / identity backward), the replicated
   parameters' dp all-reduce as an f over dp at their use, all compiled the same way;
+* ``named_spmd blocks compiled``: the eager mapped step with each transformer block compiled by
+  ``ns.compile`` (Inductor, fullgraph), torchtitan's per-block compile;
 * ``named_spmd eager``: for reference.
 It also prints the seconds of the first call (trace + compile + run) of each compiled variant.
 
@@ -32,6 +34,7 @@ import _util  # noqa: E402
 import bench_gpt as B  # noqa: E402
 
 import named_spmd as ns  # noqa: E402
+from named_spmd import P  # noqa: E402
 
 BENCH = "bench_compile"
 FUNCOL = torch.ops._c10d_functional
@@ -126,6 +129,10 @@ def worker(args) -> None:
     spmd_c = B.trainer(lambda tok, tgt, q: ns.to_local(compiled(tok, tgt, q)), pn)
     pe = B._distribute(params, G.param_specs(cfg), dm)
     spmd_e = B.trainer(lambda tok, tgt, q: ns.to_local(f(tok, tgt, q)), pe)
+    block = ns.compile(G._block, backend="inductor", fullgraph=True)
+    fb = ns.spmd_map(G.spmd_loss(cfg, block), mesh=mesh, in_specs=G.in_specs(cfg), out_specs=P())
+    pb = B._distribute(params, G.param_specs(cfg), dm)
+    spmd_b = B.trainer(lambda tok, tgt, q: ns.to_local(fb(tok, tgt, q)), pb)
 
     hand = torch.compile(
         hand_written_loss(cfg, dp_name, tp_name, tp_rank, 2), backend="inductor", fullgraph=True
@@ -142,6 +149,7 @@ def worker(args) -> None:
     for name, step in (
         ("named_spmd compiled", spmd_c),
         ("hand-written funcol compiled", hand_step),
+        ("named_spmd blocks compiled", spmd_b),
     ):
         dist.barrier()
         t0 = time.perf_counter()
@@ -149,11 +157,17 @@ def worker(args) -> None:
         first[name] = time.perf_counter() - t0
     # the same numbers: the losses of a few more steps agree (float32)
     losses = {}
-    for name, step in (("spmd", spmd_c), ("hand", hand_step), ("eager", spmd_e)):
+    for name, step in (
+        ("spmd", spmd_c),
+        ("hand", hand_step),
+        ("blocks", spmd_b),
+        ("eager", spmd_e),
+    ):
         losses[name] = [float(B._global(step(*G.batch(cfg, s)))) for s in range(1, 3)]
     fns = {
         "hand-written funcol compiled": B.timer_steps(hand_step, cfg, args.steps),
         "named_spmd compiled": B.timer_steps(spmd_c, cfg, args.steps),
+        "named_spmd blocks compiled": B.timer_steps(spmd_b, cfg, args.steps),
         "named_spmd eager": B.timer_steps(spmd_e, cfg, args.steps),
     }
     medians = B.interleaved(fns, args.rounds, args.steps)
