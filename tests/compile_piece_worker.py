@@ -5,8 +5,9 @@ A Megatron block (column-parallel ``w1``/``b1``, a row-parallel ``w2`` read as `
 psum over tp inside the piece, a residual and a LayerNorm) is called twice per step by a
 mapped function on a (2, 2) mesh. Against the same function with the piece uncompiled, in the
 same process: the loss and the gradients of every input (float64, 1e-10), over three steps with
-new values, one compiled frame (no recompilation per call or per step). Prints ``PIECE {json}``
-on every rank.
+new values, one compiled frame (no recompilation per call or per step); and the mapped function
+compiled whole around the piece (the piece is then traced with the call). Prints
+``PIECE {json}`` on every rank.
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ def check(backend: str) -> dict:
                 problems.append(f"step {step}: gradient {k} differs by {(a - b).abs().max()}")
     if counter.frame_count != 1:
         problems.append(f"{counter.frame_count} frames compiled for 6 calls (recompiled)")
+    # the mapped function compiled whole: the piece is traced with the call
+    whole = torch.compile(compiled, backend=backend, fullgraph=True)
+    (want, want_g), (got, got_g) = loss_and_grads(eager, args), loss_and_grads(whole, args)
+    if not torch.allclose(got, want, rtol=1e-10, atol=1e-10) or not all(
+        torch.allclose(a, b, rtol=1e-10, atol=1e-10) for a, b in zip(got_g, want_g)
+    ):
+        problems.append("the whole call compiled around the piece differs")
     return {"backend": backend, "frames": counter.frame_count, "problems": problems}
 
 
