@@ -55,7 +55,8 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     On a real mesh the piece compiles once and runs with the call's types: its collectives and
     the psums of its implicit pvarys are functional collectives in the graph, so Inductor may
     overlap them. On the simulated mesh and in ``.check()`` it runs uncompiled, with the same
-    numbers. A piece's collectives are not ``CommMode`` events (count the graph's nodes).
+    numbers. Under an active ``ns.CommMode`` it runs uncompiled, so that every collective it
+    runs is counted.
 
     Example::
 

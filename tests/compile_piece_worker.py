@@ -65,6 +65,13 @@ def check(backend: str) -> dict:
                 problems.append(f"step {step}: gradient {k} differs by {(a - b).abs().max()}")
     if counter.frame_count != 1:
         problems.append(f"{counter.frame_count} frames compiled for 6 calls (recompiled)")
+    with ns.CommMode() as counted:  # the piece runs uncompiled: every collective counted
+        loss_and_grads(compiled, args)
+    with ns.CommMode() as want_counted:
+        loss_and_grads(eager, args)
+    seen = [(e.op, e.axes, e.direction) for e in counted.events]
+    if not seen or seen != [(e.op, e.axes, e.direction) for e in want_counted.events]:
+        problems.append("CommMode counts a compiled piece's collectives differently")
     # the mapped function compiled whole: the piece is traced with the call
     whole = torch.compile(compiled, backend=backend, fullgraph=True)
     (want, want_g), (got, got_g) = loss_and_grads(eager, args), loss_and_grads(whole, args)

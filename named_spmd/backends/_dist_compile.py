@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _context, _types
 from .. import _torch_private as P
+from .._accounting import recording
 from .._collectives._record import PVARY_RECORD, RECORDS, implicit_pvary
 from .._context import SpmdContext
 from .._errors import fn_label
@@ -360,6 +361,8 @@ def run_piece(ctx: TrackedContext, piece: Any, args: tuple, kwargs: dict) -> Any
     """``piece`` (an ``ns.compile``) called in the eager call ``ctx``: compiled once (Dynamo
     guards on the mesh, the specs' types and shapes, not on the call), and run with the call's
     own torch function modes off the stack, so that its graph runs under none of them."""
+    if recording():  # under a CommMode: uncompiled, so that every collective is counted
+        return piece.fn(*args, **kwargs)
     if piece.in_call is None:
         piece.in_call = torch.compile(functools.partial(_piece_body, piece.fn), **piece.options)
     P.route_view_attributes_to_modes()
