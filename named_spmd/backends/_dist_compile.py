@@ -23,8 +23,6 @@ backend interface is the same (docs/design.md 6.3/6.4); only what Dynamo cannot 
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import itertools
 import types
 from collections.abc import Callable
@@ -33,9 +31,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _context, _types
 from .. import _torch_private as P
-from .._accounting import recording
+from .. import _types
 from .._collectives._record import PVARY_RECORD, RECORDS, implicit_pvary
 from .._context import SpmdContext
 from .._errors import fn_label
@@ -352,54 +349,6 @@ def _global_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -
         y = ctx.apply(RECORDS["ppermute"], y, _in_mesh_order(mesh, axes), (pairs,))
     places = placements(mesh, spec, y.dim())
     return DTensor.from_local(y, mesh.device_mesh, places, run_check=False)
-
-
-# --- a piece compiled inside an eager call (ns.compile) -------------------------------------------
-
-
-def run_piece(ctx: TrackedContext, piece: Any, args: tuple, kwargs: dict) -> Any:
-    """``piece`` (an ``ns.compile``) called in the eager call ``ctx``: compiled once (Dynamo
-    guards on the mesh, the specs' types and shapes, not on the call), and run with the call's
-    own torch function modes off the stack, so that its graph runs under none of them."""
-    if recording():  # under a CommMode: uncompiled, so that every collective is counted
-        return piece.fn(*args, **kwargs)
-    if piece.in_call is None:
-        piece.in_call = torch.compile(functools.partial(_piece_body, piece.fn), **piece.options)
-    P.route_view_attributes_to_modes()
-    with _without_modes_of(ctx):
-        return piece.in_call(ctx, *args, **kwargs)
-
-
-def _piece_body(fn: Callable[..., Any], ctx: TrackedContext, *args: Any, **kwargs: Any) -> Any:
-    """What Dynamo traces for a piece: the call's twin active, its mode typing every op."""
-    twin = CompiledContext.twin(ctx)
-    _context.push(twin)
-    try:
-        with CompiledVmaMode(twin):
-            return fn(*args, **kwargs)
-    finally:
-        _context.pop()
-
-
-@contextlib.contextmanager
-def _without_modes_of(ctx: TrackedContext):
-    """The torch function modes of call ``ctx`` (its VmaMode, its CallMarker: the modes that
-    keep the call as ``.ctx``) off the stack; the others stay, in their order."""
-    stack = [P.function_mode_at(i) for i in range(P.function_mode_depth())]
-    ours = [i for i, m in enumerate(stack) if getattr(m, "ctx", None) is ctx]
-    lifted = stack[ours[0] :] if ours else []
-    kept = [m for m in lifted if getattr(m, "ctx", None) is not ctx]
-    for _ in lifted:
-        P.pop_function_mode()
-    for m in kept:
-        P.push_function_mode(m)
-    try:
-        yield
-    finally:
-        for _ in kept:
-            P.pop_function_mode()
-        for m in lifted:
-            P.push_function_mode(m)
 
 
 def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:

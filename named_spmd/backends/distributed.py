@@ -55,7 +55,7 @@ from .._mesh import Mesh
 from .._spec import PartitionSpec
 from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
-from . import _dist_compile, _dist_io, _dist_overlap
+from . import _dist_compile, _dist_io, _dist_overlap, _dist_piece
 from ._dist_comm import MAX, MIN, SUM, Comm
 from ._dist_failures import (
     FailureBoard,
@@ -277,7 +277,7 @@ class DistributedContext(TrackedContext):
         return self.stamp(value, Vma.of(axes))
 
     def run_compiled(self, piece, args, kwargs):
-        return _dist_compile.run_piece(self, piece, args, kwargs)
+        return _dist_piece.run_piece(self, piece, args, kwargs)
 
     # Collectives run with torch function modes off: their internal ops need no vma (the
     # dispatch stamps the result) and would only pay the mode's per-op cost.

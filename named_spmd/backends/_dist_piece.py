@@ -1,0 +1,70 @@
+"""A piece of the per-device function compiled inside an eager call on a real mesh
+(``ns.compile``, ``_compile.py``; docs/design.md section 9).
+
+Dynamo traces ``_piece_body``: the call's twin (``CompiledContext.twin``: the compile path's
+context sharing the eager call's token) made the active call, and ``CompiledVmaMode`` typing
+every op, so the piece's collectives and implicit pvarys are functional collectives in its graph.
+The eager call's own torch function modes are lifted off the stack around the compiled function:
+torch runs compiled code under the modes active around it, which would type the graph's own
+buffers again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _context
+from .. import _torch_private as P
+from .._accounting import recording
+from .._tracking import TrackedContext
+from ._dist_compile import CompiledContext, CompiledVmaMode
+
+
+def run_piece(ctx: TrackedContext, piece: Any, args: tuple, kwargs: dict) -> Any:
+    """``piece`` (an ``ns.compile``) called in the eager call ``ctx``: compiled once (Dynamo
+    guards on the mesh, the specs' types and shapes, not on the call), and run with the call's
+    own torch function modes off the stack, so that its graph runs under none of them."""
+    if recording():  # under a CommMode: uncompiled, so that every collective is counted
+        return piece.fn(*args, **kwargs)
+    if piece.in_call is None:
+        piece.in_call = torch.compile(functools.partial(_piece_body, piece.fn), **piece.options)
+    P.route_view_attributes_to_modes()
+    with _without_modes_of(ctx):
+        return piece.in_call(ctx, *args, **kwargs)
+
+
+def _piece_body(fn: Callable[..., Any], ctx: TrackedContext, *args: Any, **kwargs: Any) -> Any:
+    """What Dynamo traces for a piece: the call's twin active, its mode typing every op."""
+    twin = CompiledContext.twin(ctx)
+    _context.push(twin)
+    try:
+        with CompiledVmaMode(twin):
+            return fn(*args, **kwargs)
+    finally:
+        _context.pop()
+
+
+@contextlib.contextmanager
+def _without_modes_of(ctx: TrackedContext):
+    """The torch function modes of call ``ctx`` (its VmaMode, its CallMarker: the modes that
+    keep the call as ``.ctx``) off the stack; the others stay, in their order."""
+    stack = [P.function_mode_at(i) for i in range(P.function_mode_depth())]
+    ours = [i for i, m in enumerate(stack) if getattr(m, "ctx", None) is ctx]
+    lifted = stack[ours[0] :] if ours else []
+    kept = [m for m in lifted if getattr(m, "ctx", None) is not ctx]
+    for _ in lifted:
+        P.pop_function_mode()
+    for m in kept:
+        P.push_function_mode(m)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            P.pop_function_mode()
+        for m in lifted:
+            P.push_function_mode(m)
