@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -310,9 +310,9 @@ class CallMarker(P.DeviceContext):
 
     def __init__(self, ctx: SpmdContext) -> None:  # not DeviceContext's: no device is set
         self.ctx = ctx
-        stack = [P.function_mode_at(i) for i in range(P.function_mode_depth())]
-        # the call's own modes (VmaMode & co, which keep the call as .ctx), to push again
-        self.modes = [m for m in stack if getattr(m, "ctx", None) is ctx]
+        stack = _mode_stack()
+        # the call's own modes (VmaMode & co), to push again
+        self.modes = [m for m in stack if _of_call(m, ctx)]
         # the device context the call ran under: torch's checkpoint would have re-entered it
         self.outer_device = next(
             (m for m in reversed(stack) if isinstance(m, P.DeviceContext)),  # no marker yet
@@ -362,8 +362,39 @@ class CallMarker(P.DeviceContext):
         return undo.close
 
 
+def _mode_stack() -> list[Any]:
+    """The torch function modes on the stack, bottom first."""
+    return [P.function_mode_at(i) for i in range(P.function_mode_depth())]
+
+
+def _of_call(mode: Any, ctx: SpmdContext) -> bool:
+    """Whether ``mode`` is one of call ``ctx``'s own modes (they keep the call as ``.ctx``)."""
+    return getattr(mode, "ctx", None) is ctx
+
+
 def _on_mode_stack(mode: Any) -> bool:
-    return any(P.function_mode_at(i) is mode for i in range(P.function_mode_depth()))
+    return any(m is mode for m in _mode_stack())
+
+
+@contextlib.contextmanager
+def without_call_modes(ctx: SpmdContext) -> Iterator[None]:
+    """Call ``ctx``'s own torch function modes (its VmaMode, its marker) off the stack; the
+    others stay, in their order (a piece compiled inside the call runs under none of them)."""
+    stack = _mode_stack()
+    ours = [i for i, m in enumerate(stack) if _of_call(m, ctx)]
+    lifted = stack[ours[0] :] if ours else []
+    kept = [m for m in lifted if not _of_call(m, ctx)]
+    for _ in lifted:
+        P.pop_function_mode()
+    for m in kept:
+        P.push_function_mode(m)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            P.pop_function_mode()
+        for m in lifted:
+            P.push_function_mode(m)
 
 
 def _remove_marker(ctx: SpmdContext) -> None:

@@ -11,7 +11,6 @@ buffers again.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +33,7 @@ def run_piece(ctx: TrackedContext, piece: Any, args: tuple, kwargs: dict) -> Any
     if piece.in_call is None:
         piece.in_call = torch.compile(functools.partial(_piece_body, piece.fn), **piece.options)
     P.route_view_attributes_to_modes()
-    with _without_modes_of(ctx):
+    with _context.without_call_modes(ctx):
         return piece.in_call(ctx, *args, **kwargs)
 
 
@@ -47,24 +46,3 @@ def _piece_body(fn: Callable[..., Any], ctx: TrackedContext, *args: Any, **kwarg
             return fn(*args, **kwargs)
     finally:
         _context.pop()
-
-
-@contextlib.contextmanager
-def _without_modes_of(ctx: TrackedContext):
-    """The torch function modes of call ``ctx`` (its VmaMode, its CallMarker: the modes that
-    keep the call as ``.ctx``) off the stack; the others stay, in their order."""
-    stack = [P.function_mode_at(i) for i in range(P.function_mode_depth())]
-    ours = [i for i, m in enumerate(stack) if getattr(m, "ctx", None) is ctx]
-    lifted = stack[ours[0] :] if ours else []
-    kept = [m for m in lifted if getattr(m, "ctx", None) is not ctx]
-    for _ in lifted:
-        P.pop_function_mode()
-    for m in kept:
-        P.push_function_mode(m)
-    try:
-        yield
-    finally:
-        for _ in kept:
-            P.pop_function_mode()
-        for m in lifted:
-            P.push_function_mode(m)
