@@ -166,6 +166,52 @@ def test_a_peer_that_gave_up_waiting_is_quoted_not_described_by_its_exit():
         assert "exited normally" not in str(err)
 
 
+def test_a_rank_that_made_the_mesh_and_died_later_does_not_fail_the_make_mesh_barrier():
+    """Found by a fresh-clone CI run (issue 11): rank 1 read rank 2's "made" key as missing;
+    before it asked whether rank 2 had ended, rank 2 set its key, entered the call and was
+    killed there, so rank 1 blamed make_mesh instead of the call. Forced here in one process: a
+    store whose first read of rank 2's key comes just before rank 2 makes the mesh and dies."""
+    import socket
+    import subprocess
+
+    import torch.distributed as dist
+
+    from named_spmd.backends import _dist_failures as failures
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    ranks = [0, 1, 2, 3]
+
+    class RankTwoMakesThenDies:
+        def __init__(self):
+            self.inner = dist.HashStore()
+            self.raced = False
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def check(self, keys):
+            seen = self.inner.check(keys)
+            if not self.raced and keys[0].endswith("/made/1/2") and len(keys) == 1:
+                self.raced = True  # the read said "missing"; now rank 2 makes the mesh and dies
+                self.inner.set(keys[0], "")
+                self.inner.set(
+                    f"{failures._PROCESS}/2", f"{socket.gethostname()}\n{dead.stdout.strip()}"
+                )
+            return seen
+
+    store = RankTwoMakesThenDies()
+    for rank in (0, 3):
+        store.set(f"named_spmd/m/failure/made/1/{rank}", "")
+    failures._MADE.pop("named_spmd/m/failure", None)
+    failures.FailureBoard(store, 1, ranks, "m", lambda r: {"i": r}).made()  # must not raise
+    assert store.raced
+
+
 def test_a_rank_outside_a_ppermute_finishing_first_is_not_a_mismatch():
     """Only the ranks a ppermute exchanges with can leave a rank waiting (found by a load run:
     rank 0 waited for a slow sender and named rank 1, which had no part in the exchange)."""

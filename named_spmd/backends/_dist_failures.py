@@ -269,6 +269,15 @@ class FailureBoard:
         known.sort(key=lambda rf: ("killed" not in rf[1], rf[1].get("error") is None))
         return None if not known else (known[0][0], self._describe(known[0][1]))
 
+    def gone_before(self, prefix: str, missing: list[int]) -> tuple[int, str] | None:
+        """The first of ``missing`` (ranks whose ``prefix`` key was absent) that ended before
+        setting it. One that set it after ``missing`` was read and ended later (killed in the
+        next step) is not missing here: that step reports its end."""
+        gone = self.gone(missing)
+        if gone is not None and self.store.check([prefix + str(gone[0])]):
+            return None
+        return gone
+
     def _describe(self, fate: dict) -> str:
         if "killed" in fate:
             return (
@@ -304,9 +313,11 @@ class FailureBoard:
         )
 
     def _gone_error(
-        self, ranks: list[int], while_doing: str, in_collective: bool = True
+        self, ranks: list[int], while_doing: str, in_collective: bool = True, prefix: str = ""
     ) -> RankFailedError | None:
-        gone = self.gone(ranks)
+        """The error for the first of ``ranks`` that ended (before setting its ``prefix`` key,
+        when the wait is for keys), posted for the peers; ``None`` while none did."""
+        gone = self.gone_before(prefix, ranks) if prefix else self.gone(ranks)
         if gone is None:
             return None
         # What a rank posted before it exited says more than its exit does (a rank that gave up
@@ -462,7 +473,7 @@ class FailureBoard:
         deadline = time.monotonic() + timeout_s()
         while not self.store.check(keys):
             missing = [r for r in self.ranks if not self.store.check([prefix + str(r)])]
-            gone = self.gone(missing)
+            gone = self.gone_before(prefix, missing)
             if gone is not None or time.monotonic() > deadline:
                 raise RankFailedError(
                     f"make_mesh: rank {self.rank} waited for "
@@ -580,7 +591,7 @@ class FailureBoard:
             missing = [r for r in members if not self.store.check([prefix + str(r)])]
             if time.monotonic() > next_probe:  # the slow path: who will never come
                 next_probe = time.monotonic() + POLL_S
-                self._never_coming(missing, label, step)
+                self._never_coming(prefix, missing, label, step)
             if time.monotonic() > deadline:
                 raise SpmdError(
                     f"{label}: debug check: ranks {missing} did not reach {step} ({value}) "
@@ -590,13 +601,15 @@ class FailureBoard:
             time.sleep(0.005)
         return {r: self.store.get(prefix + str(r)).decode() for r in members}
 
-    def _never_coming(self, missing: list[int], label: str, step: str) -> None:
+    def _never_coming(self, prefix: str, missing: list[int], label: str, step: str) -> None:
         """Raise if a missing member finished the call (it skipped ``step``) or ended."""
         if step != "the end of the call" and any(
-            self.store.check([self._log_key(self.seq, r, done=True)]) for r in missing
+            self.store.check([self._log_key(self.seq, r, done=True)])
+            and not self.store.check([prefix + str(r)])  # it may have come since `missing`
+            for r in missing
         ):
             raise self._listing(label, f"ranks {missing} finished the call without {step}")
-        gone = self._gone_error(missing, f"checking {step}", in_collective=False)
+        gone = self._gone_error(missing, f"checking {step}", in_collective=False, prefix=prefix)
         if gone is not None:
             raise gone
 
