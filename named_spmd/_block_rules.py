@@ -28,6 +28,13 @@ class Layout(NamedTuple):
 PLAIN: set[int] = set()
 
 
+def is_plain(lay: Layout) -> bool:
+    """Whether ``lay`` holds no blocks and nothing opaque (eagerly: by identity, a hot path)."""
+    if torch.compiler.is_compiling():  # no global set: Dynamo would guard on its length
+        return not lay.opaque and not any(lay.dims)
+    return id(lay) in PLAIN
+
+
 # --- the rules: (args, kwargs, layouts by id, out) -> (layout(s), unreduced axes) or None ------
 
 Rule = Callable[[tuple, dict, dict, Any], Any]
@@ -46,7 +53,7 @@ def _elementwise(args, kwargs, layouts, out):
     main = None  # the common case: one layout of the result's shape, the others plain
     for t in tensors:
         lay = layouts[id(t)]
-        if id(lay) in PLAIN or (lay is main and t.shape == shape):
+        if is_plain(lay) or (lay is main and t.shape == shape):
             continue
         if main is None and t.shape == shape:
             main = lay

@@ -35,7 +35,7 @@ from ._block_rules import NONE, PLAIN, RULES, WITH_BIAS, Layout, Rule, bias
 from ._errors import VmaError
 from ._partial import op_name, user_line
 from ._torch_private import DisableTorchFunction
-from ._types import Vma, VType
+from ._types import Vma, type_text
 
 ATTR = "_named_spmd_blocks"
 
@@ -45,7 +45,7 @@ def mark(x: torch.Tensor, spec: Any, token: object) -> bool:
     whether it holds any."""
     dims = tuple(frozenset(spec.entry_axes(i)) for i in range(x.dim()))
     if any(dims):
-        x.__dict__[ATTR] = (token, Layout(dims, NONE))
+        _write(x, (token, Layout(dims, NONE)))
         return True
     return False
 
@@ -60,7 +60,7 @@ def unreduced_over(vma: Vma, axes: frozenset[str]) -> Vma:
 def recorded(operands: Sequence[torch.Tensor], token: object) -> bool:
     """Whether some operand carries a record of this call."""
     for t in operands:
-        rec = t.__dict__.get(ATTR)
+        rec = _read(t)
         if rec is not None and rec[0] is token:
             return True
     return False
@@ -69,8 +69,11 @@ def recorded(operands: Sequence[torch.Tensor], token: object) -> bool:
 def forget(x: Any) -> None:
     """Drop ``x``'s record (a collective's result: its blocks are not its operand's). Nothing
     to drop while Dynamo traces: the compiled path records none (section 8)."""
-    if isinstance(x, torch.Tensor) and not torch.compiler.is_compiling():
-        x.__dict__.pop(ATTR, None)
+    if isinstance(x, torch.Tensor):
+        if torch.compiler.is_compiling():
+            setattr(x, ATTR, None)
+        else:
+            x.__dict__.pop(ATTR, None)
 
 
 def after_op(
@@ -116,23 +119,40 @@ _RULE_OF: dict = {}  # func -> its rule or None (memo: every op of a call with b
 
 
 def _rule(func: Any) -> Rule | None:
+    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 9)
+        return _rule_of(func)
     try:
         return _RULE_OF[func]
     except KeyError:
-        name = op_name(func)
-        rule = RULES.get(name if name.endswith("__") else name.rstrip("_"))
-        _RULE_OF[func] = rule
+        rule = _RULE_OF[func] = _rule_of(func)
         return rule
     except TypeError:  # an unhashable callable
         return None
 
 
+def _rule_of(func: Any) -> Rule | None:
+    return RULES.get(RULE_NAME[0](func))
+
+
+def rule_name(func: Any) -> str:
+    """The name :data:`RULES` knows ``func`` by: in-place ``add_`` is ``add``, ``__add__`` stays."""
+    name = op_name(func)
+    return name if name.endswith("__") else name.rstrip("_")
+
+
+#: :func:`rule_name`; the real backend's compile path wraps it to run eagerly at trace time
+#: (Dynamo cannot trace ``str.endswith`` on an op's name)
+RULE_NAME = [rule_name]
+
+
 def _layout_of(t: torch.Tensor, token: object, vma_of) -> Layout:
-    rec = t.__dict__.get(ATTR)
+    rec = _read(t)
     n = t.dim()
     if rec is not None and rec[0] is token and len(rec[1].dims) == n:
         return rec[1]
     vma = vma_of(t)  # no record: whatever it varies over, it does for reasons not known here
+    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length
+        return Layout((NONE,) * n, vma.varying | vma.unreduced)
     key = (n, vma)
     lay = _UNRECORDED.get(key)
     if lay is None:
@@ -151,12 +171,24 @@ def _record(o: torch.Tensor, token: object, lay: Layout) -> None:
     if lay.opaque and any(d & lay.opaque for d in lay.dims):
         # an axis opaque somewhere is never inferred: drop it from the dims
         lay = Layout(tuple(d - lay.opaque for d in lay.dims), lay.opaque)
-    o.__dict__[ATTR] = (token, lay)
+    _write(o, (token, lay))
+
+
+def _read(t: torch.Tensor) -> Any:
+    """``t``'s record, if any (Dynamo traces ``getattr`` on tensors, not ``Tensor.__dict__``)."""
+    return getattr(t, ATTR, None) if torch.compiler.is_compiling() else t.__dict__.get(ATTR)
+
+
+def _write(t: torch.Tensor, rec: Any) -> None:
+    if torch.compiler.is_compiling():
+        setattr(t, ATTR, rec)
+    else:
+        t.__dict__[ATTR] = rec
 
 
 def _bias_error(ctx, name, axes, operands, vmas) -> VmaError:
     types = ", ".join(
-        str(VType(t.dtype, tuple(t.shape), v, ctx.mesh.axis_names)) for t, v in zip(operands, vmas)
+        type_text(t.dtype, tuple(t.shape), v, ctx.mesh.axis_names) for t, v in zip(operands, vmas)
     )
     axis = axes[0] if len(axes) == 1 else tuple(axes)
     return VmaError(

@@ -19,13 +19,13 @@ from __future__ import annotations
 import functools
 import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ._errors import NOT_USER_DIRS, VmaError
-from ._types import Vma, VType
+from ._types import Vma, type_text
 
 # Ops whose result is linear in their first tensor operand alone (views, slicing, reductions
 # over tensor dims, casts); further tensor operands are indices or shapes, which must not vary
@@ -101,6 +101,8 @@ def combine(
     ``vmas`` (at least one with U or R axes); raises a :class:`VmaError` naming the op, the
     user's line, the axis and the fix, or, for an op not known to be linear, returns a function
     that makes that error (raised only if the op returns a tensor: ``x.shape`` is fine)."""
+    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 9)
+        return _combine(ctx, func, args, kwargs, operands, vmas)
     # memo of the accepted ops: what decides is the op, the operands' types, which operand is
     # first, and whether a non-zero constant or a bias is added (a hot path: most programs
     # repeat a few ops on a few types)
@@ -211,7 +213,7 @@ def _nonzero_scalar(args, kwargs) -> bool:
 
 def _error(ctx, name, axis, problem, operands, vmas) -> VmaError:
     types = ", ".join(
-        str(VType(t.dtype, tuple(t.shape), v, ctx.mesh.axis_names)) for t, v in zip(operands, vmas)
+        type_text(t.dtype, tuple(t.shape), v, ctx.mesh.axis_names) for t, v in zip(operands, vmas)
     )
     return VmaError(
         f"{name} in {ctx.fn_label}{user_line()}: an operand is unreduced over {axis!r} (each "
@@ -225,7 +227,19 @@ def _error(ctx, name, axis, problem, operands, vmas) -> VmaError:
 def user_line() -> str:
     """`` at file:line (code)`` of the innermost frame outside named_spmd, torch and the standard
     library: the user's line that ran the op."""
-    for frame in reversed(traceback.extract_stack()):
+    if torch.compiler.is_compiling():  # the frames Dynamo traces are not on the real stack
+        return TRACED_USER_LINE[0]()
+    return line_of(traceback.extract_stack())
+
+
+#: ``user_line`` while torch.compile traces: the real backend's compile path fills it with a
+#: function run eagerly at trace time that reads Dynamo's stack of the user's traced frames.
+TRACED_USER_LINE: list[Callable[[], str]] = [lambda: ""]
+
+
+def line_of(stack: Sequence[traceback.FrameSummary]) -> str:
+    """:func:`user_line` of ``stack``."""
+    for frame in reversed(stack):
         if not frame.filename.startswith(NOT_USER_DIRS):
             code = (frame.line or "").strip()
             return f" at {os.path.basename(frame.filename)}:{frame.lineno} ({code})"

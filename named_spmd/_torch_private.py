@@ -284,6 +284,15 @@ def route_view_attributes_to_modes() -> bool:
     return True
 
 
+def traced_user_stack() -> list:
+    """The user's frames Dynamo is tracing, outermost first, with the line being traced last
+    (``TracingContext.extract_stack``: what Dynamo's own error messages quote); empty when
+    nothing is traced."""
+    from torch._guards import TracingContext
+
+    return list(TracingContext.extract_stack())
+
+
 def is_dynamo_refusal(error: BaseException) -> bool:
     """Whether ``error`` is torch.compile refusing to trace (Dynamo's ``Unsupported`` and its
     relatives), told by module so that ``torch._dynamo`` is never imported for the check."""

@@ -399,3 +399,26 @@ print("after", run())
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
     assert lines["before"] == "[]", lines  # torch hides them: the routing is still needed
     assert lines["after"] != "[]", lines
+
+
+def test_traced_user_stack_names_the_line_dynamo_traces():
+    """Inside an ``assume_constant_result`` function run while Dynamo traces,
+    ``traced_user_stack`` ends at the user's line being traced (the real stack holds Dynamo's
+    frames only); outside a trace it is empty."""
+    from named_spmd import _torch_private as P
+
+    seen: list[str] = []
+
+    @torch.compiler.assume_constant_result
+    def where() -> str:
+        frame = P.traced_user_stack()[-1]
+        seen.append(f"{frame.name}:{frame.line}")
+        return seen[-1]
+
+    def traced(x):
+        return x + len(where())  # the line quoted
+
+    torch._dynamo.reset()
+    torch.compile(traced, backend="eager", fullgraph=True)(torch.ones(2))
+    assert seen == ["traced:return x + len(where())  # the line quoted"], seen
+    assert P.traced_user_stack() == []

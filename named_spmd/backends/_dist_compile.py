@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import _blocks, _partial, _types
 from .. import _torch_private as P
-from .. import _types
 from .._collectives._record import PVARY_RECORD, RECORDS, implicit_pvary
 from .._context import SpmdContext
 from .._errors import fn_label
@@ -61,6 +61,16 @@ def warm_types(names: tuple[str, ...]) -> None:
 
 # error messages name types eagerly at trace time (Dynamo cannot build the slotted VType)
 _types.TYPE_TEXT[0] = torch.compiler.assume_constant_result(_types._type_repr)
+
+
+@torch.compiler.assume_constant_result
+def _traced_user_line() -> str:
+    """The user's line of the op being traced, for error messages (run eagerly at trace time)."""
+    return _partial.line_of(P.traced_user_stack())
+
+
+_partial.TRACED_USER_LINE[0] = _traced_user_line
+_blocks.RULE_NAME[0] = torch.compiler.assume_constant_result(_blocks.rule_name)
 
 _F = P.funcol()  # bound at import: Dynamo reads module attributes as constants
 
@@ -270,7 +280,7 @@ class CompiledVmaMode(VmaMode):
 
     inplace = staticmethod(_writes_in_place)
     # Not yet under Dynamo: the inference's records and rules would be traced per op (section 9)
-    infer_blocks = False
+    infer_blocks = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _PASS:
@@ -357,7 +367,7 @@ def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
     ctx = CompiledContext(mesh, fn)
     with P.DisableTorchFunction():
         local = [
-            ctx.stamp(_local_input(ctx, leaf, spec), INVARIANT.add(spec.axes))
+            ctx.stamp_input(_local_input(ctx, leaf, spec), spec)
             if isinstance(leaf, torch.Tensor)
             else leaf
             for leaf, spec in zip(leaves, specs)
