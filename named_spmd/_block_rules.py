@@ -1,8 +1,8 @@
 """The rules of ``_blocks``: how each torch op moves the blocks its operands' dims hold
 (docs/design.md section 8, "Inference from the specs").
 
-A rule takes the op's ``args``, ``kwargs``, the operands' layouts (by ``id``) and the op's result,
-and returns the result's layout (a list, one per output, for ops returning several) and the axes
+A rule takes the op's ``args``, ``kwargs``, a function giving an operand's layout and the op's
+result, and returns the result's layout (a list, one per output, for ops returning several) and the axes
 over which the op's contraction makes the result unreduced, or None where it does not follow the
 op (the result then gets no record: opaque over what it varies over). One rule per family of
 ops, looked up by the op's name in :data:`RULES`.
@@ -35,14 +35,14 @@ def is_plain(lay: Layout) -> bool:
     return id(lay) in PLAIN
 
 
-# --- the rules: (args, kwargs, layouts by id, out) -> (layout(s), unreduced axes) or None ------
+# --- the rules: (args, kwargs, layout of an operand, out) -> (layout(s), unreduced axes) or None
 
-Rule = Callable[[tuple, dict, dict, Any], Any]
+Rule = Callable[[tuple, dict, Callable[[torch.Tensor], "Layout"], Any], Any]
 
 
 def _first(args, layouts) -> tuple[torch.Tensor, Layout]:
     t = args[0]
-    return t, layouts[id(t)]
+    return t, layouts(t)
 
 
 def _elementwise(args, kwargs, layouts, out):
@@ -52,13 +52,13 @@ def _elementwise(args, kwargs, layouts, out):
     shape = out.shape
     main = None  # the common case: one layout of the result's shape, the others plain
     for t in tensors:
-        lay = layouts[id(t)]
+        lay = layouts(t)
         if is_plain(lay) or (lay is main and t.shape == shape):
             continue
         if main is None and t.shape == shape:
             main = lay
             continue
-        return _broadcast([(t, layouts[id(t)]) for t in tensors], tuple(shape)), NONE
+        return _broadcast([(t, layouts(t)) for t in tensors], tuple(shape)), NONE
     if main is None:
         return None  # no operand holds blocks (nothing to record)
     return main, NONE
@@ -381,7 +381,7 @@ class _Shaped:
 
 def _matmul(args, kwargs, layouts, out):
     a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
-    return _matmul_layout(a, layouts[id(a)], b, layouts[id(b)])
+    return _matmul_layout(a, layouts(a), b, layouts(b))
 
 
 def _rmatmul(args, kwargs, layouts, out):  # b.__rmatmul__(a) is a @ b
@@ -390,19 +390,19 @@ def _rmatmul(args, kwargs, layouts, out):  # b.__rmatmul__(a) is a @ b
 
 def _linear(args, kwargs, layouts, out):  # x @ w.T (+ bias)
     x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-    lw = layouts[id(w)]
+    lw = layouts(w)
     wt = Layout(tuple(reversed(lw.dims)), lw.opaque)
-    lay, unreduced = _matmul_layout(x, layouts[id(x)], _Shaped(reversed(w.shape)), wt)  # type: ignore[arg-type]
+    lay, unreduced = _matmul_layout(x, layouts(x), _Shaped(reversed(w.shape)), wt)  # type: ignore[arg-type]
     added = bias("linear", args, kwargs)
     if added is not None:
-        lay = _broadcast([(_Shaped(out.shape), lay), (added, layouts[id(added)])], tuple(out.shape))
+        lay = _broadcast([(_Shaped(out.shape), lay), (added, layouts(added))], tuple(out.shape))
     return lay, unreduced
 
 
 def _addmm(args, kwargs, layouts, out):  # bias + a @ b (addmm, baddbmm, addmv, addbmm)
     added, a, b = args[0], args[1], args[2]
-    lay, unreduced = _matmul_layout(a, layouts[id(a)], b, layouts[id(b)])
-    lay = _broadcast([(_Shaped(out.shape), lay), (added, layouts[id(added)])], tuple(out.shape))
+    lay, unreduced = _matmul_layout(a, layouts(a), b, layouts(b))
+    lay = _broadcast([(_Shaped(out.shape), lay), (added, layouts(added))], tuple(out.shape))
     return lay, unreduced
 
 
@@ -410,7 +410,7 @@ def _dot(args, kwargs, layouts, out):  # dot, vdot, inner of 1-d tensors
     a, b = args[0], args[1]
     if a.dim() != 1 or b.dim() != 1:
         return None
-    la, lb = layouts[id(a)], layouts[id(b)]
+    la, lb = layouts(a), layouts(b)
     return _contract(la.dims, lb.dims, la.opaque | lb.opaque, ())
 
 
@@ -425,10 +425,10 @@ def _einsum(args, kwargs, layouts, out):
     terms = lhs.split(",")
     if len(terms) != len(ops) or any(len(set(s)) != len(s) for s in terms):
         return None  # a diagonal (a letter twice in one operand): not followed
-    opaque = frozenset().union(*(layouts[id(t)].opaque for t in ops))
+    opaque = frozenset().union(*(layouts(t).opaque for t in ops))
     by_letter: dict[str, list[frozenset[str]]] = {}
     for term, t in zip(terms, ops):
-        for letter, axes in zip(term, layouts[id(t)].dims):
+        for letter, axes in zip(term, layouts(t).dims):
             by_letter.setdefault(letter, []).append(axes)
     out_dims: list[frozenset[str]] = []
     extra: set[str] = set()
@@ -458,7 +458,7 @@ def _attention(args, kwargs, layouts, out):
         args[i] if len(args) > i else kwargs[n] for i, n in enumerate(("query", "key", "value"))
     )
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-    lq, lk, lv = layouts[id(q)], layouts[id(k)], layouts[id(v)]
+    lq, lk, lv = layouts(q), layouts(k), layouts(v)
     batch = _broadcast(
         [
             (_Shaped(t.shape[:-2]), Layout(lay.dims[:-2], lay.opaque))
@@ -469,7 +469,7 @@ def _attention(args, kwargs, layouts, out):
     contracted = lq.dims[-1] | lk.dims[-1] | lk.dims[-2] | lv.dims[-2]
     opaque = batch.opaque | contracted
     if isinstance(mask, torch.Tensor):
-        lm = layouts[id(mask)]
+        lm = layouts(mask)
         opaque |= lm.opaque | frozenset().union(*lm.dims)
     return Layout((*batch.dims, lq.dims[-2], lv.dims[-1]), opaque), NONE
 

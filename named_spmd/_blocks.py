@@ -90,7 +90,10 @@ def after_op(
     which the op's contraction makes it unreduced (usually none). Raises a :class:`VmaError`
     where a bias is added to a contraction that is unreduced (``F.linear``, ``addmm``)."""
     with DisableTorchFunction():  # shapes and dims read below are no ops of the program
-        layouts = {id(t): _layout_of(t, token, vma_of) for t in operands}
+
+        def layouts(t: torch.Tensor) -> Layout:  # not a dict by id(): Dynamo guards on an id
+            return _layout_of(t, token, vma_of)
+
         rule = _rule(func)
         result = None
         if rule is not None:

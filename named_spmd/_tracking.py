@@ -194,7 +194,6 @@ class VmaMode(TorchFunctionMode):
     """Stamps every op's outputs with the union of its operands' vma; inserts implicit pvary."""
 
     inplace = staticmethod(_is_inplace)  # whether an op writes into its first argument
-    infer_blocks = True  # whether contractions of blocks make unreduced values (section 8)
 
     def __init__(self, ctx: TrackedContext, *, insert_pvary: bool = True):
         super().__init__()
@@ -338,7 +337,7 @@ class VmaMode(TorchFunctionMode):
         """``union``, made unreduced over the axes a contraction of blocks makes it so
         (``_blocks``); the layouts are read off the operands as given (an implicit pvary's
         alias is the same value, and holds the same blocks)."""
-        if not self.infer_blocks or not _blocks.recorded(operands, self.token):
+        if not _blocks.recorded(operands, self.token):
             return union
         args, kwargs = given
         axes = _blocks.after_op(

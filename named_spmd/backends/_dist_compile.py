@@ -279,8 +279,6 @@ class CompiledVmaMode(VmaMode):
     ``getattr``)."""
 
     inplace = staticmethod(_writes_in_place)
-    # Not yet under Dynamo: the inference's records and rules would be traced per op (section 9)
-    infer_blocks = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _PASS:
