@@ -14,6 +14,14 @@ simulated backend (a (2,) mesh) and on the real one (one gloo process, a (1,) me
 * ``plain``: the varying ops on plain tensors, outside spmd_map.
 
 The ratio ``unreduced / varying`` is what a program pays per op for values with U or R axes.
+
+``--compiled``: what the inference costs a compiled call at run time (it runs while Dynamo
+traces, so the goal is nothing). The GPT step of ``_gpt.py`` (forward and backward) on a (1,1)
+mesh of one gloo process, ``torch.compile(fullgraph=True)`` with ``aot_eager``, traced as built
+and traced with the inference switched off (``_blocks.recorded`` answering no); CPU time per
+step, minimum over interleaved rounds. Each variant is compiled twice, in the order A B B A,
+each copy with a code object of its own: the copy compiled later runs a few percent slower
+whatever it holds, and the order cancels that out.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _gpt
 
 import named_spmd as ns  # noqa: E402
 from named_spmd import P  # noqa: E402
@@ -80,11 +89,55 @@ def calls(mesh, kind):
     return make
 
 
+def compiled_steps(rounds: int) -> dict[str, float]:
+    """ms of CPU per compiled GPT step, with the inference and without (see the docstring)."""
+    import _gpt as G
+
+    from named_spmd import _blocks
+
+    cfg, mesh = G.Config(), ns.make_mesh((1, 1), ("dp", "tp"))
+    params = {k: v.requires_grad_() for k, v in G.init_params(cfg, 0).items()}
+    tokens, targets = G.batch(cfg, 0)
+    recorded = _blocks.recorded
+
+    def make(infer: bool, copy: int):
+        mapped = G.spmd_step_fn(cfg, mesh)
+        own = eval(compile("lambda *a: f(*a)", f"<{infer}{copy}>", "eval"), {"f": mapped})
+        f = torch.compile(own, backend="aot_eager", fullgraph=True)
+
+        def step():
+            _blocks.recorded = recorded if infer else (lambda operands, token: False)
+            try:
+                ns.to_local(f(tokens, targets, params)).backward()
+            finally:
+                _blocks.recorded = recorded
+
+        step()  # traced here
+        return step
+
+    order = [(True, 0), (False, 0), (False, 1), (True, 1)]
+    steps = {key: make(*key) for key in order}
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(rounds):
+        for key, step in steps.items():
+            t = time.process_time()
+            for _ in range(5):
+                step()
+            best[key] = min(best[key], (time.process_time() - t) / 5 * 1e3)
+    return {
+        name: sum(v for (infer, _), v in best.items() if infer == want) / 2
+        for name, want in (("compiled, inference", True), ("compiled, no inference", False))
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--compiled", action="store_true", help="the compiled GPT step only")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.compiled:
+        return compiled(args.rounds)
     out = {"plain": per_op(lambda n: lambda a, b: varying_ops(a, b, n), args.rounds)}
     sim = ns.make_mesh((2,), ("i",))
     for kind in ("varying", "unreduced"):
@@ -103,6 +156,20 @@ def main() -> None:
         ratio = out[f"{backend} unreduced"] / out[f"{backend} varying"]
         print(f"  {backend}: unreduced / varying = {ratio:.2f}")
     print(json.dumps({k: round(v, 2) for k, v in out.items()}))
+
+
+def compiled(rounds: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    out = compiled_steps(rounds)
+    dist.destroy_process_group()
+    print("ms per compiled GPT step (CPU, min over rounds, mean of two copies):")
+    for k, v in out.items():
+        print(f"  {k:24s} {v:8.3f}")
+    ratio = out["compiled, inference"] / out["compiled, no inference"]
+    print(f"  inference / no inference = {ratio:.3f}")
+    print(json.dumps({k: round(v, 3) for k, v in out.items()}))
 
 
 if __name__ == "__main__":
