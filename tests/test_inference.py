@@ -249,3 +249,20 @@ def test_annotations_the_inference_asked_for():
         assert len(found) == (1 if path.name == "_programs.py" else 0), (path, found)
     sampler = (root / "tests" / "_sampler.py").read_text()
     assert len(re.findall(r"return ns\.pcast\(", sampler)) == 1
+
+
+def test_the_rules_broadcast_of_batch_shapes_is_torchs():
+    import itertools
+
+    from named_spmd._block_rules import _broadcast_shape
+
+    shapes = [(), (1,), (3,), (2, 1), (1, 3), (2, 3), (4, 1, 3), (1, 1, 1), (5, 2, 1)]
+    pairs = 0
+    for a, b in itertools.product(shapes, repeat=2):
+        try:
+            want = tuple(torch.broadcast_shapes(a, b))
+        except RuntimeError:
+            continue  # the op itself refused these before any rule runs
+        assert _broadcast_shape(a, b) == want, (a, b)
+        pairs += 1
+    assert pairs > 60
