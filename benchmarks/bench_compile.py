@@ -9,6 +9,10 @@ Variants, timed interleaved in the same processes (bench_gpt.interleaved):
   parameters' dp all-reduce as an f over dp at their use, all compiled the same way;
 * ``named_spmd blocks compiled``: the eager mapped step with each transformer block compiled by
   ``ns.compile`` (Inductor, fullgraph), torchtitan's per-block compile;
+* ``DTensor TP compiled``: torch's own tensor parallelism (bench_gpt's ``parallelize_module``
+  plan, data parallel over dp by DDP's schedule) with the parallelized module compiled by
+  Inductor (not fullgraph: torch's own choice of breaks; the vocab-parallel loss runs eagerly
+  under ``loss_parallel``, as torch documents it);
 * ``named_spmd eager``: for reference.
 It also prints the seconds of the first call (trace + compile + run) of each compiled variant.
 
@@ -144,12 +148,14 @@ def worker(args) -> None:
         return hand(t, g, q)
 
     hand_step = B.trainer(hand_loss, ph)
+    dtensor_step = B.dtensor_tp_step(cfg, params, dm, {"backend": "inductor"})[0]
     tok, tgt = G.batch(cfg, 0)
     first = {}
     for name, step in (
         ("named_spmd compiled", spmd_c),
         ("hand-written funcol compiled", hand_step),
         ("named_spmd blocks compiled", spmd_b),
+        ("DTensor TP compiled", dtensor_step),
     ):
         dist.barrier()
         t0 = time.perf_counter()
@@ -161,13 +167,17 @@ def worker(args) -> None:
         ("spmd", spmd_c),
         ("hand", hand_step),
         ("blocks", spmd_b),
+        ("DTensor TP", dtensor_step),
         ("eager", spmd_e),
     ):
-        losses[name] = [float(B._global(step(*G.batch(cfg, s)))) for s in range(1, 3)]
+        # the hand-written and DTensor TP steps return each rank's share of the dp mean
+        reduce = B.summed_over_ranks(2) if name in ("hand", "DTensor TP") else B._global
+        losses[name] = [float(reduce(step(*G.batch(cfg, s)))) for s in range(1, 3)]
     fns = {
         "hand-written funcol compiled": B.timer_steps(hand_step, cfg, args.steps),
         "named_spmd compiled": B.timer_steps(spmd_c, cfg, args.steps),
         "named_spmd blocks compiled": B.timer_steps(spmd_b, cfg, args.steps),
+        "DTensor TP compiled": B.timer_steps(dtensor_step, cfg, args.steps),
         "named_spmd eager": B.timer_steps(spmd_e, cfg, args.steps),
     }
     medians = B.interleaved(fns, args.rounds, args.steps)

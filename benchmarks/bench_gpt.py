@@ -156,8 +156,9 @@ def ddp_step(cfg: G.Config, params: dict, rank: int, dp: int):
     return trainer(loss_of, dict(model.module.named_parameters())), model.module
 
 
-def dtensor_tp_step(cfg: G.Config, params: dict, device_mesh):
-    """torch's own tensor parallelism on the nn.Module over tp, data parallel over dp by hooks."""
+def dtensor_tp_step(cfg: G.Config, params: dict, device_mesh, compile_options=None):
+    """torch's own tensor parallelism on the nn.Module over tp, data parallel over dp by hooks;
+    ``compile_options``: the parallelized module run through ``torch.compile(**options)``."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -183,10 +184,11 @@ def dtensor_tp_step(cfg: G.Config, params: dict, device_mesh):
     named = dict(model.named_parameters())
     for p in named.values():
         p.register_post_accumulate_grad_hook(reduce_when_ready)
+    run = model if compile_options is None else torch.compile(model, **compile_options)
 
     def loss_of(tokens, targets, _):  # this rank's share of the global mean
         tok, tgt = _local_batch(tokens, targets, rank, dp)
-        return F.cross_entropy(model(tok).flatten(0, 1), tgt.flatten()) / dp
+        return F.cross_entropy(run(tok).flatten(0, 1), tgt.flatten()) / dp
 
     def wait():
         for w in works:
