@@ -17,6 +17,12 @@ Variants, timed interleaved in the same processes (bench_gpt.interleaved):
 It also prints the seconds of the first call (trace + compile + run) of each compiled variant.
 
     python benchmarks/bench_compile.py [--d 32] [--steps 5] [--rounds 5]
+    python benchmarks/bench_compile.py --one-process   # where the compiled step's time goes
+
+``--one-process``: in this process, one gloo rank, a (1,1) mesh, the same model: the dense loss
+compiled (the baseline) against named_spmd compiled with DTensor parameters and with plain
+parameters (each compiled call a code object of its own), CPU time per step, minimum over
+rounds: what DTensor parameters cost a compiled step (their runtime wrapping and AdamW on them).
 """
 
 from __future__ import annotations
@@ -186,6 +192,48 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def one_process(args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    torch.set_num_threads(1)
+    cfg = G.Config(d=args.d, layers=args.layers, seq=args.seq, batch=args.batch, vocab=args.vocab)
+    mesh = ns.make_mesh((1, 1), ("dp", "tp"))
+    params = G.init_params(cfg, 0)
+
+    def compiled(fn, tag):  # a code object of its own: no variant checks another's guards
+        own = eval(compile("lambda *a: fn(*a)", tag, "eval"), {"fn": fn})
+        return torch.compile(own, backend="inductor", fullgraph=True)
+
+    fd, fp = (compiled(G.spmd_step_fn(cfg, mesh), tag) for tag in ("<dtensor>", "<plain>"))
+    dtensors = B._distribute(params, G.param_specs(cfg), mesh.device_mesh)
+    steps = {
+        "dense compiled": B.trainer(compiled(G.dense_loss(cfg), "<dense>"), B._fresh(params)),
+        "named_spmd compiled, DTensor parameters": B.trainer(
+            lambda t, g, q: ns.to_local(fd(t, g, q)), dtensors
+        ),
+        "named_spmd compiled, plain parameters": B.trainer(
+            lambda t, g, q: ns.to_local(fp(t, g, q)), B._fresh(params)
+        ),
+    }
+    tok, tgt = G.batch(cfg, 0)
+    best = dict.fromkeys(steps, float("inf"))
+    for step in steps.values():
+        step(tok, tgt)  # traced and compiled here
+    for _ in range(args.rounds * 3):
+        for name, step in steps.items():
+            t = time.process_time()
+            for _ in range(args.steps * 2):
+                step(tok, tgt)
+            best[name] = min(best[name], (time.process_time() - t) / (args.steps * 2) * 1e6)
+    dist.destroy_process_group()
+    rows = _util.rows_with_ratios(
+        BENCH, "GPT step, (1,1), 1 gloo process, CPU time", best, "dense compiled", {}
+    )
+    _util.print_rows(rows)
+    _util.write_markdown(args.markdown, rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", action="store_true")
@@ -198,9 +246,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--markdown")
+    ap.add_argument("--one-process", action="store_true", help="see the module docstring")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.one_process:
+        return one_process(args)
     out = _util.spawn(__file__, 4, [*sys.argv[1:], "--worker"], args.timeout)
     line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
     if line is None:

@@ -45,18 +45,30 @@ from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, 
 
 
 def warm_types(names: tuple[str, ...]) -> None:
-    """Fill every memo of the type algebra (``Vma``'s union / add / remove) over the axes
-    ``names``, once per mesh, before any trace. Dynamo guards on the length of every dict a trace
-    reads: a memo filled later (by the trace itself, or by an eager call between two steps)
-    would recompile the graph. A traced call therefore never calls ``Vma.of`` either."""
-    subsets = [Vma.of(c) for k in range(len(names) + 1) for c in itertools.combinations(names, k)]
+    """Intern every type over the axes ``names`` and fill every memo of the type algebra
+    (``Vma``'s union / add / remove), once per mesh, before any trace. Dynamo guards on the
+    dicts a trace reads (their length, the keys it looked up): a type or memo entry made later
+    (by the trace itself, or by an eager call between two steps) would recompile the graph.
+    Every state of every axis (partial sums are inferred in ordinary programs) up to
+    :data:`WARM_ALL_STATES` axes (4: 256 types, about 0.3 s); beyond, the varying-only types."""
+    if len(names) <= WARM_ALL_STATES:
+        states = itertools.product(range(4), repeat=len(names))  # invariant, V, U, R per axis
+        types = [
+            Vma.make(*(frozenset(a for a, s in zip(names, pick) if s == k) for k in (1, 2, 3)))
+            for pick in states
+        ]
+    else:
+        types = [Vma.of(c) for k in range(len(names) + 1) for c in itertools.combinations(names, k)]
     tuples = [p for k in range(len(names) + 1) for p in itertools.permutations(names, k)]
-    for v in subsets:
-        for w in subsets:
+    for v in types:
+        for w in types:
             v.union(w)
         for t in tuples:
             v.add(t)
             v.remove(t)
+
+
+WARM_ALL_STATES = 4
 
 
 # error messages name types eagerly at trace time (Dynamo cannot build the slotted VType)

@@ -44,18 +44,26 @@ _new_dtensor = P.dist().new_dtensor  # DTensor's constructor, with a cached spec
 
 
 def placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
-    """DTensor placements of ``spec`` on ``mesh`` (cached per mesh)."""
+    """DTensor placements of ``spec`` on ``mesh`` (cached per mesh, but not while Dynamo traces:
+    the trace's placements are fake objects, which its replay of the store would leave in the
+    cache for eager calls, and a cache the trace fills fails Dynamo's guard on it next call)."""
+    if torch.compiler.is_compiling():
+        return _placements_of(mesh, spec, rank)
     key = (spec, rank)
     hit = mesh.placements_cache.get(key)
     if hit is None:
-        out: list[Placement] = [Replicate() for _ in mesh.axis_names]
-        for d in range(rank):
-            for a in spec.entry_axes(d):
-                out[mesh.axis_names.index(a)] = Shard(d)
-        for a in spec.unreduced:  # partial sums: DTensor's pending sum
-            out[mesh.axis_names.index(a)] = Partial()
-        hit = mesh.placements_cache[key] = tuple(out)
+        hit = mesh.placements_cache[key] = _placements_of(mesh, spec, rank)
     return hit
+
+
+def _placements_of(mesh, spec: PartitionSpec, rank: int) -> tuple:
+    out: list[Placement] = [Replicate() for _ in mesh.axis_names]
+    for d in range(rank):
+        for a in spec.entry_axes(d):
+            out[mesh.axis_names.index(a)] = Shard(d)
+    for a in spec.unreduced:  # partial sums: DTensor's pending sum
+        out[mesh.axis_names.index(a)] = Partial()
+    return tuple(out)
 
 
 def grad_placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
