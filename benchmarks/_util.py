@@ -121,6 +121,15 @@ def write_markdown(path: str | None, rows: list[Row]) -> None:
             fh.write(markdown(rows) + "\n")
 
 
+def compiled_copy(fn: Callable, tag: str, **options) -> Callable:
+    """``torch.compile(**options)`` of a wrapper of ``fn`` with a code object of its own: Dynamo
+    caches per code object, so copies compared in one process never check each other's guards."""
+    import torch
+
+    own = eval(compile("lambda *a: fn(*a)", f"<{tag}>", "eval"), {"fn": fn})
+    return torch.compile(own, **options)
+
+
 def spawn(script: str, nproc: int, argv: list[str], timeout: float) -> str:
     """Run ``script`` as ``nproc`` gloo ranks on 127.0.0.1 (env:// rendezvous through a store this
     process holds); returns rank 0's output. Each rank writes to a file, not a pipe: a rank that

@@ -201,14 +201,13 @@ def one_process(args) -> None:
     mesh = ns.make_mesh((1, 1), ("dp", "tp"))
     params = G.init_params(cfg, 0)
 
-    def compiled(fn, tag):  # a code object of its own: no variant checks another's guards
-        own = eval(compile("lambda *a: fn(*a)", tag, "eval"), {"fn": fn})
-        return torch.compile(own, backend="inductor", fullgraph=True)
+    def compiled(fn, tag):
+        return _util.compiled_copy(fn, tag, backend="inductor", fullgraph=True)
 
-    fd, fp = (compiled(G.spmd_step_fn(cfg, mesh), tag) for tag in ("<dtensor>", "<plain>"))
+    fd, fp = (compiled(G.spmd_step_fn(cfg, mesh), tag) for tag in ("dtensor", "plain"))
     dtensors = B._distribute(params, G.param_specs(cfg), mesh.device_mesh)
     steps = {
-        "dense compiled": B.trainer(compiled(G.dense_loss(cfg), "<dense>"), B._fresh(params)),
+        "dense compiled": B.trainer(compiled(G.dense_loss(cfg), "dense"), B._fresh(params)),
         "named_spmd compiled, DTensor parameters": B.trainer(
             lambda t, g, q: ns.to_local(fd(t, g, q)), dtensors
         ),

@@ -92,6 +92,7 @@ def calls(mesh, kind):
 def compiled_steps(rounds: int) -> dict[str, float]:
     """ms of CPU per compiled GPT step, with the inference and without (see the docstring)."""
     import _gpt as G
+    import _util
 
     from named_spmd import _blocks
 
@@ -102,8 +103,7 @@ def compiled_steps(rounds: int) -> dict[str, float]:
 
     def make(infer: bool, copy: int):
         mapped = G.spmd_step_fn(cfg, mesh)
-        own = eval(compile("lambda *a: f(*a)", f"<{infer}{copy}>", "eval"), {"f": mapped})
-        f = torch.compile(own, backend="aot_eager", fullgraph=True)
+        f = _util.compiled_copy(mapped, f"{infer}{copy}", backend="aot_eager", fullgraph=True)
 
         def step():
             _blocks.recorded = recorded if infer else (lambda operands, token: False)

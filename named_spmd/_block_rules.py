@@ -2,10 +2,10 @@
 (docs/design.md section 8, "Inference from the specs").
 
 A rule takes the op's ``args``, ``kwargs``, a function giving an operand's layout and the op's
-result, and returns the result's layout (a list, one per output, for ops returning several) and the axes
-over which the op's contraction makes the result unreduced, or None where it does not follow the
-op (the result then gets no record: opaque over what it varies over). One rule per family of
-ops, looked up by the op's name in :data:`RULES`.
+result, and returns the result's layout (a list, one per output, for ops returning several) and
+the axes over which the op's contraction makes the result unreduced, or None where it does not
+follow the op (the result then gets no record: opaque over what it varies over). One rule per
+family of ops, looked up by the op's name in :data:`RULES`.
 """
 
 from __future__ import annotations

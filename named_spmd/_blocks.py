@@ -67,11 +67,11 @@ def recorded(operands: Sequence[torch.Tensor], token: object) -> bool:
 
 
 def forget(x: Any) -> None:
-    """Drop ``x``'s record (a collective's result: its blocks are not its operand's). Nothing
-    to drop while Dynamo traces: the compiled path records none (section 8)."""
+    """Drop ``x``'s record (a collective's result: its blocks are not its operand's); while
+    Dynamo traces, set it to None (it traces attribute writes, not ``Tensor.__dict__``)."""
     if isinstance(x, torch.Tensor):
         if torch.compiler.is_compiling():
-            setattr(x, ATTR, None)
+            _write(x, None)
         else:
             x.__dict__.pop(ATTR, None)
 

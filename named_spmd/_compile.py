@@ -6,7 +6,8 @@ trace the call's eager ``VmaMode``, and the compiled code would then *run* under
 own buffers. ``ns.compile(piece)`` lifts the call's modes off the stack around the compiled
 function and types the piece inside it, on the compile path of the backend: on a real mesh the
 piece is traced with the call's types (its collectives and implicit pvarys as functional
-collectives in the graph) and compiled once, not per call. Elsewhere:
+collectives in the graph) and compiled once per input types and block layouts, not per call.
+Elsewhere:
 
 * outside any ``spmd_map`` call: ``torch.compile(piece)``;
 * inside a call that is itself being compiled (``torch.compile`` of the mapped function): the

@@ -50,7 +50,7 @@ def warm_types(names: tuple[str, ...]) -> None:
     dicts a trace reads (their length, the keys it looked up): a type or memo entry made later
     (by the trace itself, or by an eager call between two steps) would recompile the graph.
     Every state of every axis (partial sums are inferred in ordinary programs) up to
-    :data:`WARM_ALL_STATES` axes (4: 256 types, about 0.3 s); beyond, the varying-only types."""
+    :data:`WARM_ALL_STATES` axes (4: 256 types, about 0.13 s); beyond, the varying-only types."""
     if len(names) <= WARM_ALL_STATES:
         states = itertools.product(range(4), repeat=len(names))  # invariant, V, U, R per axis
         types = [

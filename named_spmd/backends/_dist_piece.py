@@ -25,9 +25,10 @@ from ._dist_compile import CompiledContext, CompiledVmaMode
 
 
 def run_piece(ctx: TrackedContext, piece: Any, args: tuple, kwargs: dict) -> Any:
-    """``piece`` (an ``ns.compile``) called in the eager call ``ctx``: compiled once (Dynamo
-    guards on the mesh, the specs' types and shapes, not on the call), and run with the call's
-    own torch function modes off the stack, so that its graph runs under none of them."""
+    """``piece`` (an ``ns.compile``) called in the eager call ``ctx``: compiled once per input
+    types (Dynamo guards on the mesh, the inputs' types, block records and shapes, not on the
+    call), and run with the call's own torch function modes off the stack, so that its graph
+    runs under none of them."""
     if recording():  # under a CommMode: uncompiled, so that every collective is counted
         return piece.fn(*args, **kwargs)
     if piece.in_call is None:
