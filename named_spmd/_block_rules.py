@@ -396,15 +396,28 @@ def _rmatmul(args, kwargs, layouts, out):  # b.__rmatmul__(a) is a @ b
     return _matmul((args[1], args[0]), kwargs, layouts, out)
 
 
-def _linear(args, kwargs, layouts, out):  # x @ w.T (+ bias)
+def _linear(args, kwargs, layouts, out):  # x @ w.T (+ bias); w is 2-d (or 1-d)
     x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-    lw = layouts(w)
-    wt = Layout(tuple(reversed(lw.dims)), lw.opaque)
-    lay, unreduced = _matmul_layout(x, layouts(x), _Shaped(reversed(w.shape)), wt)  # type: ignore[arg-type]
+    lx, lw = layouts(x), layouts(w)
+    # the result's dims: x's leading ones, then w's output dim (none for a 1-d w)
+    kept = lx.dims[:-1] + lw.dims[:-1]
+    lay, unreduced = _contract([lx.dims[-1]], [lw.dims[-1]], lx.opaque | lw.opaque, kept)
     added = bias("linear", args, kwargs)
     if added is not None:
-        lay = _broadcast([(_Shaped(out.shape), lay), (added, layouts(added))], tuple(out.shape))
+        lb = layouts(added)
+        if not is_plain(lb):  # a plain bias changes nothing (a hot path: every F.linear)
+            lay = _add_bias(lay, added, lb, tuple(out.shape))
     return lay, unreduced
+
+
+def _add_bias(lay: Layout, bias: torch.Tensor, lb: Layout, shape: tuple[int, ...]) -> Layout:
+    """``_broadcast`` of a product's layout and its bias's; for the usual 1-d bias over the
+    last dim (a column-parallel one holds the blocks the product's last dim holds) without
+    building the sets."""
+    last, held = lay.dims[-1] if lay.dims else NONE, lb.dims[0] if lb.dims else NONE
+    if bias.dim() == 1 and shape and bias.shape[0] == shape[-1] and held in (NONE, last):
+        return Layout(lay.dims, lay.opaque | lb.opaque)
+    return _broadcast([(_Shaped(shape), lay), (bias, lb)], shape)
 
 
 def _addmm(args, kwargs, layouts, out):  # bias + a @ b (addmm, baddbmm, addmv, addbmm)

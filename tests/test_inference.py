@@ -266,3 +266,38 @@ def test_the_rules_broadcast_of_batch_shapes_is_torchs():
         assert _broadcast_shape(a, b) == want, (a, b)
         pairs += 1
     assert pairs > 60
+
+
+def test_the_linear_rule_is_the_matmul_rule_of_the_transposed_weight():
+    """``F.linear``'s rule (a hot path) against the general rules it shortcuts: the matmul of x
+    with w.T, then the broadcast of the bias, over every layout of small operands."""
+    import itertools
+
+    from named_spmd._block_rules import (
+        NONE,
+        RULES,
+        Layout,
+        _broadcast,
+        _matmul_layout,
+        _Shaped,
+    )
+
+    kinds = [NONE, frozenset({"dp"}), frozenset({"tp"}), frozenset({"dp", "tp"})]
+    opaques = [NONE, frozenset({"tp"})]
+    out = torch.zeros(2, 3, 5)
+    x, w, b = torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(5)
+    cases = 0
+    for xd in itertools.product(kinds[:3], kinds[:2], kinds):
+        for wd, bd, xo, wo in itertools.product(
+            itertools.product(kinds, kinds), [(k,) for k in kinds], opaques, opaques
+        ):
+            lay = {id(x): Layout(xd, xo), id(w): Layout(wd, wo), id(b): Layout(bd, NONE)}
+            got = RULES["linear"]((x, w, b), {}, lambda t: lay[id(t)], out)
+            lw = lay[id(w)]
+            want_lay, want_unreduced = _matmul_layout(
+                x, lay[id(x)], _Shaped(reversed(w.shape)), Layout(lw.dims[::-1], lw.opaque)
+            )
+            want_lay = _broadcast([(out, want_lay), (b, lay[id(b)])], tuple(out.shape))
+            assert got == (want_lay, want_unreduced), (xd, wd, bd, xo, wo)
+            cases += 1
+    assert cases == 24 * 16 * 4 * 4
