@@ -30,6 +30,18 @@ from .backends import Backend, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
 
 
+@torch.compiler.disable(
+    reason="named_spmd: a call on a simulated mesh runs eagerly inside a compiled program "
+    "(its vmap levels are not traceable; docs/design.md section 9). Fix: compile without "
+    "fullgraph=True, or run on a real mesh (torchrun), where the whole call compiles"
+)
+def _call_eagerly(f: SpmdFunction, args: tuple, backend: Backend) -> Any:
+    """A call on a backend Dynamo cannot trace, made while compiling: a graph break around the
+    whole call, which then runs with the real arguments (tracing up to the backend and breaking
+    there would hand the rest of the call Dynamo's stand-ins for the pytree specs)."""
+    return f._call(args, backend)[0]
+
+
 class SpmdFunction:
     """A per-device function mapped over a mesh; call it with global values."""
 
@@ -172,7 +184,10 @@ class SpmdFunction:
                 "matches positional arguments. Fix: pass them positionally, or bind constants "
                 "with functools.partial before spmd_map."
             )
-        return self._call(args, backend_for(self.mesh))[0]
+        backend = backend_for(self.mesh)
+        if not backend.traceable and torch.compiler.is_compiling():
+            return _call_eagerly(self, args, backend)
+        return self._call(args, backend)[0]
 
     def check(self, *args: Any, backward: bool = True) -> CheckReport:
         """Type-check a call without running it: shapes, dtypes, vma and communication.

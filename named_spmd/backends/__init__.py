@@ -32,6 +32,9 @@ class Backend(Protocol):
     """What runs a mapped call (see docs/design.md, "Adding a backend")."""
 
     name: str
+    #: Whether Dynamo traces a whole call on this backend. Where not, a call made inside a
+    #: ``torch.compile``d function runs eagerly: a graph break around it (``SpmdFunction``).
+    traceable: bool
 
     def accepts(self, mesh: Mesh) -> bool:
         """Whether this backend runs calls on ``mesh``."""

@@ -147,6 +147,7 @@ class AbstractBackend:
     """One check: runs the call abstractly and keeps what :meth:`report` needs."""
 
     name = "abstract"
+    traceable = False  # .check() runs on meta tensors, never inside a compiled program
 
     def __init__(self, grads: list[bool], backward: bool):
         self.grads = grads

@@ -520,6 +520,7 @@ class DistributedBackend:
     """One instance per process, on a DeviceMesh."""
 
     name = "distributed"
+    traceable = True  # _dist_compile: the whole call traced into the graph
 
     def accepts(self, mesh: Mesh) -> bool:
         return isinstance(mesh, DistributedMesh)

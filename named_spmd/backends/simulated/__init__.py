@@ -434,6 +434,9 @@ class SimulatedBackend:
     """Every instance in this process, under nested vmap (the default backend)."""
 
     name = "simulated"
+    # the vmap levels are entered through functorch's private nesting calls, which Dynamo
+    # refuses (docs/design.md section 9): a compiled program runs each call eagerly
+    traceable = False
 
     def accepts(self, mesh: Mesh) -> bool:
         return mesh.device_mesh is None
