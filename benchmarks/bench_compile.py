@@ -18,11 +18,17 @@ It also prints the seconds of the first call (trace + compile + run) of each com
 
     python benchmarks/bench_compile.py [--d 32] [--steps 5] [--rounds 5]
     python benchmarks/bench_compile.py --one-process   # where the compiled step's time goes
+    python benchmarks/bench_compile.py --simulated     # the simulated mesh in a compiled step
 
 ``--one-process``: in this process, one gloo rank, a (1,1) mesh, the same model: the dense loss
 compiled (the baseline) against named_spmd compiled with DTensor parameters and with plain
 parameters (each compiled call a code object of its own), CPU time per step, minimum over
 rounds: what DTensor parameters cost a compiled step (their runtime wrapping and AdamW on them).
+
+``--simulated``: in this process, the dense step compiled (the baseline) and eager, against the
+step calling named_spmd on a simulated (2,2) mesh inside a compiled step (the call runs eagerly
+behind a graph break, docs/design.md section 9) and eagerly; CPU time per step, minimum over
+rounds, and the seconds of each first call.
 """
 
 from __future__ import annotations
@@ -126,7 +132,7 @@ def _local_params(params: dict, cfg: G.Config, tp: int, tp_rank: int) -> dict:
 def worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    cfg = G.Config(d=args.d, layers=args.layers, seq=args.seq, batch=args.batch, vocab=args.vocab)
+    cfg = _config(args)
     mesh = ns.make_mesh((2, 2), ("dp", "tp"))
     dm = mesh.device_mesh
     dp_name, tp_name = dm.get_group("dp").group_name, dm.get_group("tp").group_name
@@ -197,17 +203,13 @@ def one_process(args) -> None:
     store = dist.TCPStore("127.0.0.1", 0, 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     torch.set_num_threads(1)
-    cfg = G.Config(d=args.d, layers=args.layers, seq=args.seq, batch=args.batch, vocab=args.vocab)
+    cfg = _config(args)
     mesh = ns.make_mesh((1, 1), ("dp", "tp"))
     params = G.init_params(cfg, 0)
-
-    def compiled(fn, tag):
-        return _util.compiled_copy(fn, tag, backend="inductor", fullgraph=True)
-
-    fd, fp = (compiled(G.spmd_step_fn(cfg, mesh), tag) for tag in ("dtensor", "plain"))
+    fd, fp = (_inductor(G.spmd_step_fn(cfg, mesh), tag) for tag in ("dtensor", "plain"))
     dtensors = B._distribute(params, G.param_specs(cfg), mesh.device_mesh)
     steps = {
-        "dense compiled": B.trainer(compiled(G.dense_loss(cfg), "dense"), B._fresh(params)),
+        "dense compiled": B.trainer(_inductor(G.dense_loss(cfg), "dense"), B._fresh(params)),
         "named_spmd compiled, DTensor parameters": B.trainer(
             lambda t, g, q: ns.to_local(fd(t, g, q)), dtensors
         ),
@@ -215,22 +217,70 @@ def one_process(args) -> None:
             lambda t, g, q: ns.to_local(fp(t, g, q)), B._fresh(params)
         ),
     }
-    tok, tgt = G.batch(cfg, 0)
-    best = dict.fromkeys(steps, float("inf"))
-    for step in steps.values():
-        step(tok, tgt)  # traced and compiled here
-    for _ in range(args.rounds * 3):
-        for name, step in steps.items():
-            t = time.process_time()
-            for _ in range(args.steps * 2):
-                step(tok, tgt)
-            best[name] = min(best[name], (time.process_time() - t) / (args.steps * 2))
+    best, _ = _cpu_times(steps, cfg, args)
     dist.destroy_process_group()
     rows = _util.rows_with_ratios(
         BENCH, "GPT step, (1,1), 1 gloo process, CPU time", best, "dense compiled", {}
     )
     _util.print_rows(rows)
     _util.write_markdown(args.markdown, rows)
+
+
+def simulated(args) -> None:
+    """The simulated (2,2) step inside a compiled step (the call itself runs eagerly behind a
+    graph break: docs/design.md section 9) against the dense step compiled, in this process."""
+    torch.set_num_threads(1)
+    cfg = _config(args)
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+    params = G.init_params(cfg, 0)
+    dense = G.dense_loss(cfg)
+    steps = {
+        "dense compiled": B.trainer(_inductor(dense, "dense"), B._fresh(params)),
+        "dense eager": B.trainer(dense, B._fresh(params)),
+        "named_spmd simulated (2,2) in a compiled step": B.trainer(
+            _inductor(G.spmd_step_fn(cfg, mesh), "sim", fullgraph=False), B._fresh(params)
+        ),
+        "named_spmd simulated (2,2) eager": B.trainer(G.spmd_step_fn(cfg, mesh), B._fresh(params)),
+    }
+    best, first = _cpu_times(steps, cfg, args)
+    for name, s in first.items():
+        print(f"first call (trace + compile + run) of {name}: {s:.1f} s")
+    rows = _util.rows_with_ratios(
+        BENCH,
+        "GPT step, simulated (2,2), 1 process, CPU time",
+        best,
+        "dense compiled",
+        {"named_spmd simulated (2,2) in a compiled step": "<= 1.3x"},
+    )
+    _util.print_rows(rows)
+    _util.write_markdown(args.markdown, rows)
+
+
+def _config(args) -> G.Config:
+    return G.Config(d=args.d, layers=args.layers, seq=args.seq, batch=args.batch, vocab=args.vocab)
+
+
+def _inductor(fn, tag: str, fullgraph: bool = True):
+    return _util.compiled_copy(fn, tag, backend="inductor", fullgraph=fullgraph)
+
+
+def _cpu_times(steps: dict, cfg: G.Config, args) -> tuple[dict[str, float], dict[str, float]]:
+    """CPU seconds per step of each step function, the minimum over interleaved rounds, and the
+    wall seconds of each one's first call (where a compiled step traces and compiles)."""
+    tok, tgt = G.batch(cfg, 0)
+    first = {}
+    for name, step in steps.items():
+        start = time.perf_counter()
+        step(tok, tgt)
+        first[name] = time.perf_counter() - start
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(args.rounds * 3):
+        for name, step in steps.items():
+            t = time.process_time()
+            for _ in range(args.steps * 2):
+                step(tok, tgt)
+            best[name] = min(best[name], (time.process_time() - t) / (args.steps * 2))
+    return best, first
 
 
 def main() -> None:
@@ -246,11 +296,14 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--markdown")
     ap.add_argument("--one-process", action="store_true", help="see the module docstring")
+    ap.add_argument("--simulated", action="store_true", help="see the module docstring")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     if args.one_process:
         return one_process(args)
+    if args.simulated:
+        return simulated(args)
     out = _util.spawn(__file__, 4, [*sys.argv[1:], "--worker"], args.timeout)
     line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
