@@ -30,16 +30,24 @@ from .backends import Backend, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
 
 
-@torch.compiler.disable(
-    reason="named_spmd: a call on a simulated mesh runs eagerly inside a compiled program "
-    "(its vmap levels are not traceable; docs/design.md section 9). Fix: compile without "
-    "fullgraph=True, or run on a real mesh (torchrun), where the whole call compiles"
-)
 def _call_eagerly(f: SpmdFunction, args: tuple, backend: Backend) -> Any:
     """A call on a backend Dynamo cannot trace, made while compiling: a graph break around the
     whole call, which then runs with the real arguments (tracing up to the backend and breaking
     there would hand the rest of the call Dynamo's stand-ins for the pytree specs)."""
-    return f._call(args, backend)[0]
+    if not _EAGER_CALL:  # made on first use: torch.compiler.disable imports Dynamo
+        _EAGER_CALL.append(
+            torch.compiler.disable(
+                lambda f, args, backend: f._call(args, backend)[0],
+                reason="named_spmd: a call on a simulated mesh runs eagerly inside a compiled "
+                "program (its vmap levels are not traceable; docs/design.md section 9). Fix: "
+                "compile without fullgraph=True, or run on a real mesh (torchrun), where the "
+                "whole call compiles",
+            )
+        )
+    return _EAGER_CALL[0](f, args, backend)
+
+
+_EAGER_CALL: list[Callable[[SpmdFunction, tuple, Backend], Any]] = []
 
 
 class SpmdFunction:

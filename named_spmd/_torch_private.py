@@ -201,6 +201,7 @@ def dist() -> SimpleNamespace:
         register_work=torch._C._distributed_c10d._register_work,
         wait_tensor=torch.ops._c10d_functional.wait_tensor.default,
         AsyncCollectiveTensor=AsyncCollectiveTensor,
+        PendingGradient=_pending_gradient_class(AsyncCollectiveTensor),
         # DTensor's constructor DTensor(local, spec, requires_grad=): from_local without its
         # checks and the spec it rebuilds on every call (specs come from dtensor_spec, cached)
         new_dtensor=DTensor,
@@ -209,6 +210,22 @@ def dist() -> SimpleNamespace:
         compute_global_tensor_info=compute_global_tensor_info,
         default_store=td.distributed_c10d._get_default_store,
     )
+
+
+def _pending_gradient_class(act: type) -> type:
+    """``AsyncCollectiveTensor`` with a fast path for ``detach``, which ``AccumulateGrad``
+    applies once to every gradient it stores: torch's class walks the arguments with pytree
+    maps for every op but ``view`` (about a third of a data-parallel GPT backward, measured)."""
+    detach = torch.ops.aten.detach.default
+
+    class PendingGradient(act):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            if func is detach and not kwargs:
+                return cls(func(args[0].elem))  # a view: nothing to wait for, as torch's
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return PendingGradient
 
 
 def local_tensor(d: Any) -> torch.Tensor:

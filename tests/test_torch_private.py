@@ -338,6 +338,39 @@ def test_async_buffer_and_async_wait_of_a_pending_reduction():
     assert torch.equal(out, torch.ones(3))
 
 
+def test_a_pending_gradient_detaches_without_waiting_and_waits_on_other_ops():
+    """``PendingGradient``'s fast ``detach`` (AccumulateGrad's) against torch's own class: the
+    same result type and buffer, no wait; any other op still waits for the reduction."""
+    import torch.distributed as dist
+
+    d = P.dist()
+
+    class Slow(dist.Work):  # completes only when waited for
+        def __init__(self, buf):
+            super().__init__()
+            self.buf, self.done = buf, False
+
+        def wait(self, timeout=None):
+            self.done = True
+            self.buf.mul_(2)  # the "reduction": visible only after the wait
+            return True
+
+        def is_completed(self):
+            return self.done
+
+    buf = torch.ones(3)
+    work = Slow(buf)
+    d.register_work(buf, work)
+    pending = d.PendingGradient(buf)
+    assert isinstance(pending, d.AsyncCollectiveTensor)
+    torch_detached = d.AsyncCollectiveTensor(buf).detach()
+    detached = pending.detach()
+    assert type(detached) is d.PendingGradient and not work.done
+    ptrs = {P.async_buffer(t).data_ptr() for t in (detached, torch_detached)}
+    assert ptrs == {buf.data_ptr()}
+    assert torch.equal(detached + 0, torch.full((3,), 2.0)) and work.done  # a read waits
+
+
 def test_dtensor_spec_and_constructor_match_from_local():
     code = (
         "import torch, torch.distributed as dist\n"

@@ -31,7 +31,13 @@ _contiguous = torch.contiguous_format
 
 
 def _ACT() -> type:
-    return P.dist().AsyncCollectiveTensor
+    """The wrapper of a pending gradient (torch's ``AsyncCollectiveTensor``, detached fast)."""
+    return P.dist().PendingGradient
+
+
+def _is_async(t: Any) -> bool:
+    """Whether ``t`` waits on first use: ours, or torch's class (a view of ours is one)."""
+    return isinstance(t, P.dist().AsyncCollectiveTensor)
 
 
 # --- who else can see a gradient? ----------------------------------------------------------------
@@ -150,7 +156,7 @@ def _finish(comm: Comm, work, buf: torch.Tensor | None, then: list) -> None:
 def _work_of(g: torch.Tensor):
     """The work of a pending gradient from :func:`_reduce_during_backward` or
     :func:`_into_bucket`, else None."""
-    return g.__dict__.get("_named_spmd_work") if type(g) is _ACT() else None
+    return g.__dict__.get("_named_spmd_work") if _is_async(g) else None
 
 
 def when_reduced(g: torch.Tensor, fn) -> None:
@@ -164,7 +170,7 @@ def when_reduced(g: torch.Tensor, fn) -> None:
 
 def is_pending_wrapper(t: torch.Tensor | None) -> TypeGuard[Any]:
     """Whether ``t`` is a pending gradient (typed Any: its class is only known at run time)."""
-    return type(t) is _ACT()
+    return _is_async(t)
 
 
 def plain_grad(leaf: torch.Tensor) -> None:
@@ -209,7 +215,7 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, probe: bool = Fal
     if probe:
         _exclusive(g, probe=True)
         return g
-    if type(g) is _ACT():  # chained pvary: the sum of the one below first
+    if _is_async(g):  # chained pvary: the sum of the one below first
         g = async_wait(g)
     assert comm is not None  # only the calibration probe passes none
     # no copy where nothing else holds g (_exclusive counts this frame's references to g)
