@@ -68,22 +68,26 @@ def _broadcast(parts: list[tuple[Any, Layout]], shape: tuple[int, ...]) -> Layou
     """The layout of the broadcast of ``parts`` to ``shape`` (aligned from the right): a dim
     holds what its operands hold there; operands holding different axes on one dim, or a dim of
     blocks broadcast (size 1 against more), make those axes opaque."""
-    held: list[set[frozenset[str]]] = [set() for _ in shape]
+    n = len(shape)
+    dims = [NONE] * n
     opaque: set[str] = set()
+    clashes: dict[int, set[str]] = {}  # dim -> the axes of operands holding different blocks
     for t, lay in parts:
-        opaque |= lay.opaque
-        off = len(shape) - t.dim()
+        opaque.update(lay.opaque)
+        off = n - len(lay.dims)
         for i, axes in enumerate(lay.dims):
-            if axes:
-                if off + i < 0 or (t.shape[i] == 1 and shape[off + i] != 1):
-                    opaque |= axes
-                else:
-                    held[off + i].add(axes)
-    dims = []
-    for h in held:
-        if len(h) > 1:
-            opaque |= frozenset().union(*h)
-        dims.append(next(iter(h)) if len(h) == 1 else NONE)
+            if not axes:
+                continue
+            j = off + i
+            if j < 0 or (t.shape[i] == 1 and shape[j] != 1):
+                opaque.update(axes)
+            elif not dims[j]:
+                dims[j] = axes
+            elif dims[j] != axes:
+                clashes.setdefault(j, set(dims[j])).update(axes)
+    for j, clash in clashes.items():
+        opaque.update(clash)
+        dims[j] = NONE
     return Layout(tuple(dims), frozenset(opaque))
 
 
@@ -480,13 +484,19 @@ def _attention(args, kwargs, layouts, out):
     )
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
     lq, lk, lv = layouts(q), layouts(k), layouts(v)
-    batch = _broadcast(
-        [
+    shape = tuple(out.shape[:-2])
+    if (
+        lq.dims[:-2] == lk.dims[:-2] == lv.dims[:-2]
+        and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] == shape
+    ):
+        # the usual case (no broadcast of the batch and head dims): what _broadcast gives
+        batch = Layout(lq.dims[:-2], lq.opaque | lk.opaque | lv.opaque)
+    else:
+        parts = [
             (_Shaped(t.shape[:-2]), Layout(lay.dims[:-2], lay.opaque))
             for t, lay in ((q, lq), (k, lk), (v, lv))
-        ],
-        tuple(out.shape[:-2]),
-    )
+        ]
+        batch = _broadcast(parts, shape)
     contracted = lq.dims[-1] | lk.dims[-1] | lk.dims[-2] | lv.dims[-2]
     opaque = batch.opaque | contracted
     if isinstance(mask, torch.Tensor):

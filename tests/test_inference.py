@@ -301,3 +301,68 @@ def test_the_linear_rule_is_the_matmul_rule_of_the_transposed_weight():
             assert got == (want_lay, want_unreduced), (xd, wd, bd, xo, wo)
             cases += 1
     assert cases == 24 * 16 * 4 * 4
+
+
+def _broadcast_by_definition(parts, shape):
+    """The broadcast rule as written in design section 8, set by set (the oracle of the fast
+    ``_broadcast``)."""
+    from named_spmd._block_rules import NONE, Layout
+
+    held = [set() for _ in shape]
+    opaque = set()
+    for t, lay in parts:
+        opaque |= lay.opaque
+        off = len(shape) - t.dim()
+        for i, axes in enumerate(lay.dims):
+            if axes:
+                if off + i < 0 or (t.shape[i] == 1 and shape[off + i] != 1):
+                    opaque |= axes
+                else:
+                    held[off + i].add(axes)
+    dims = []
+    for h in held:
+        if len(h) > 1:
+            opaque |= frozenset().union(*h)
+        dims.append(next(iter(h)) if len(h) == 1 else NONE)
+    return Layout(tuple(dims), frozenset(opaque))
+
+
+def test_the_broadcast_rule_and_the_attention_rule_match_their_definition():
+    import random
+
+    from named_spmd._block_rules import NONE, RULES, Layout, _broadcast
+
+    rng = random.Random(0)
+    kinds = [NONE, NONE, frozenset({"dp"}), frozenset({"tp"}), frozenset({"dp", "tp"})]
+    for _ in range(3000):
+        shape = tuple(rng.choice([1, 2, 3]) for _ in range(rng.randint(0, 4)))
+        parts = []
+        for _ in range(rng.randint(1, 3)):
+            k = rng.randint(0, len(shape))
+            t = torch.zeros([rng.choice([1, s]) for s in shape[len(shape) - k :]])
+            lay = Layout(tuple(rng.choice(kinds) for _ in range(k)), rng.choice(kinds))
+            parts.append((t, lay))
+        assert _broadcast(parts, shape) == _broadcast_by_definition(parts, shape), (parts, shape)
+    q, k, v = torch.zeros(2, 3, 4, 5), torch.zeros(2, 3, 6, 5), torch.zeros(2, 3, 6, 7)
+    out = torch.zeros(2, 3, 4, 7)
+    for _ in range(500):
+        lays = {
+            id(t): Layout(tuple(rng.choice(kinds) for _ in range(4)), rng.choice(kinds))
+            for t in (q, k, v)
+        }
+        if rng.random() < 0.5:  # the usual case: q, k and v split alike over batch and heads
+            head = lays[id(q)].dims[:2]
+            for t in (k, v):
+                lays[id(t)] = Layout(head + lays[id(t)].dims[2:], lays[id(t)].opaque)
+        got = RULES["scaled_dot_product_attention"]((q, k, v), {}, lambda t: lays[id(t)], out)
+        lq, lk, lv = (lays[id(t)] for t in (q, k, v))
+        batch = _broadcast_by_definition(
+            [
+                (torch.zeros(t.shape[:-2]), Layout(lay.dims[:-2], lay.opaque))
+                for t, lay in ((q, lq), (k, lk), (v, lv))
+            ],
+            (2, 3),
+        )
+        contracted = lq.dims[-1] | lk.dims[-1] | lk.dims[-2] | lv.dims[-2]
+        want = Layout((*batch.dims, lq.dims[-2], lv.dims[-1]), batch.opaque | contracted)
+        assert got == (want, NONE)
