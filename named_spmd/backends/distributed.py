@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import hashlib
 import inspect
 import itertools
 import math
@@ -46,7 +45,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as P
-from .._accounting import CommEvent, active, record_into
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._errors import RankFailedError, SpmdError
@@ -55,7 +53,7 @@ from .._mesh import Mesh
 from .._spec import PartitionSpec
 from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
-from . import _dist_compile, _dist_io, _dist_overlap, _dist_piece
+from . import _dist_agree, _dist_compile, _dist_io, _dist_overlap, _dist_piece
 from ._dist_comm import MAX, MIN, SUM, Comm
 from ._dist_failures import (
     FailureBoard,
@@ -125,7 +123,7 @@ class DistributedMesh(Mesh):
         self.device = _device(device_type)
         self.poll = device_type == "cpu"  # gloo: wait in slices, watching for failed peers
         self.debug = False
-        self.pending_check: Callable[[], None] | None = None  # see _check_call_agrees
+        self.pending_check: Callable[[], None] | None = None  # see _dist_agree.check_call_agrees
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
         store = P.dist().default_store()
         ranks = self.grid.reshape(-1).tolist()
@@ -339,7 +337,7 @@ def run(
     try:
         board.check_in_step()
         if mesh.poll and mesh.size > 1:
-            _check_call_agrees(ctx, leaves)
+            _dist_agree.check_call_agrees(ctx, leaves)
         local = [
             ctx.stamp_input(local_input(ctx, leaf, spec, i), spec)
             if isinstance(leaf, torch.Tensor)
@@ -349,13 +347,13 @@ def run(
         if mesh.debug:
             if mesh.pending_check is not None:  # shapes first: the clearer message
                 mesh.pending_check()
-            _check_inputs_agree(ctx, leaves)
+            _dist_agree.check_inputs_agree(ctx, leaves)
         with VmaMode(ctx):
             outs = body(local, ctx)
         if mesh.pending_check is not None:  # the body ran no collective
             mesh.pending_check()
         if mesh.debug:
-            _check_replicas_agree(ctx, outs, out_specs_of())
+            _dist_agree.check_replicas_agree(ctx, outs, out_specs_of())
         result = [global_output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
         if mesh.debug:
             board.finish_call(f"spmd_map of {ctx.fn_label}")
@@ -375,130 +373,6 @@ def run(
                 "the other ranks stop with RankFailedError naming this rank."
             )
         raise
-
-
-# --- every call: the ranks call the same function on inputs of the same shapes ---------------------
-
-
-_INT62 = (1 << 62) - 1  # the checksum and its negation fit an int64
-_DTYPE_CODES: dict[torch.dtype, int] = {}
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    code = _DTYPE_CODES.get(dtype)
-    if code is None:
-        code = _DTYPE_CODES[dtype] = zlib.crc32(str(dtype).encode())
-    return code
-
-
-def _check_call_agrees(ctx: DistributedContext, leaves: list[Any]) -> None:
-    """Gloo aborts the whole process (SIGABRT, no Python error) when the ranks of a collective
-    pass buffers of different sizes, as inputs of different global shapes on different ranks make
-    them. One small all-reduce per call compares a checksum of the function and of the tensor
-    inputs' global shapes and dtypes; it also keeps the ranks within one call of each other,
-    which lets a rank left waiting in an earlier call name the one that moved on
-    (``FailureBoard._ahead``). Only when the checksums differ are the descriptions exchanged.
-    It is started here and finished (``mesh.pending_check``) before the call's first collective
-    (``Comm``) or at the end of the body, so the body's computation until then overlaps it."""
-    mesh = ctx.mesh
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    # hash() of int tuples (a torch.Size is one) is the same in every process; of str it is not
-    metadata = hash(tuple((x.shape, _dtype_code(x.dtype)) for x in tensors))
-    checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
-    comm = mesh.comm(mesh.axis_names)
-    started = comm.start_agree(checksum, "the start-of-call check")
-    if active():  # a collective of the call: CommMode counts it, as a boundary event
-        event = CommEvent("pmax", comm.axes, "forward", (2,), torch.int64, boundary=True)
-        record_into(active(), event)
-
-    def finish() -> None:
-        mesh.pending_check = None
-        if not comm.agreed(started, "the start-of-call check"):
-            _disagree(ctx, tensors)
-
-    mesh.pending_check = finish
-
-
-def _disagree(ctx: DistributedContext, tensors: list[torch.Tensor]) -> None:
-    """The checksums differ: exchange the descriptions and raise on every rank alike."""
-    mesh = ctx.mesh
-    shapes = ", ".join(f"{list(x.shape)} {str(x.dtype)[6:]}" for x in tensors)
-    mine = f"{ctx.fn_label}({shapes})"
-    board = mesh.board
-    got = board.exchange("call", board.ranks, mine, f"rank {mesh.rank}", "the start-of-call check")
-    lines = "\n".join(f"    {board.where(r)}: {v}" for r, v in got.items())
-    raise SpmdError(
-        f"spmd_map of {ctx.fn_label}: the ranks called different mapped functions, or passed "
-        "tensor inputs of different global shapes or dtypes (function(global shape dtype of each "
-        f"tensor leaf, in flattening order)):\n{lines}\nEvery rank must call the same function "
-        "on inputs of the same global shapes (a plain tensor is the global value, present on "
-        "every rank). Fix: make the inputs' shapes and the call sequence independent of the rank."
-    )
-
-
-# --- debug mode: values that must be equal on every rank ------------------------------------------
-
-
-def _digest(t: torch.Tensor) -> str:
-    """A short fingerprint of a tensor's bytes, dtype and shape (equal values, equal digests)."""
-    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-    meta = f"{t.dtype}{tuple(t.shape)}".encode()
-    return hashlib.blake2b(raw + meta, digest_size=8).hexdigest()
-
-
-def _check_inputs_agree(ctx: DistributedContext, leaves: list[Any]) -> None:
-    """A plain-tensor input is the global value, taken as present on every rank: check it is
-    (a model initialised differently per rank would otherwise be mixed silently)."""
-    mesh = ctx.mesh
-    plain = [
-        i
-        for i, x in enumerate(leaves)
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
-    ]
-    if not plain:
-        return
-    mine = ",".join(_digest(leaves[i]) for i in plain)
-    ranks = list(range(mesh.size))
-    got = mesh.board.exchange("inputs", ranks, mine, f"rank {mesh.rank}", "the input check")
-    differ = sorted(
-        {
-            plain[k]
-            for v in got.values()
-            for k, d in enumerate(v.split(","))
-            if d != mine.split(",")[k]
-        }
-    )
-    if differ:
-        raise SpmdError(
-            f"spmd_map of {ctx.fn_label}: debug check: plain-tensor input leaves {differ} (in "
-            "flattening order) differ between ranks, but a plain tensor is the global value and "
-            "must be the same on every rank. Fix: seed every rank alike before making it (or "
-            "broadcast it from rank 0), or pass DTensors laid out as the in_specs say."
-        )
-
-
-def _check_replicas_agree(ctx: DistributedContext, outs: list[Any], specs: list[Any]) -> None:
-    """An output typed invariant over the axes its out_spec does not name is returned once: check
-    the copies the ranks of each such group hold are equal (typed invariant, they must be)."""
-    mesh = ctx.mesh
-    for k, (y, spec) in enumerate(zip(outs, specs)):
-        replicated = tuple(a for a in mesh.axis_names if a not in spec.axes)
-        replicated = tuple(a for a in replicated if mesh.shape[a] > 1)
-        if not replicated or not isinstance(y, torch.Tensor):
-            continue
-        comm = mesh.comm(replicated)
-        got = mesh.board.exchange(
-            f"outputs/{comm.key}", comm.members, _digest(y), f"rank {mesh.rank}", f"output {k}"
-        )
-        if len(set(got.values())) > 1:
-            raise SpmdError(
-                f"spmd_map of {ctx.fn_label}: debug check: output {k} is typed invariant over "
-                f"{replicated}, so it is returned once, but the ranks of that group hold different "
-                f"values (ranks {sorted(got)}). Random draws with a per-rank seed are the usual "
-                "cause (torch.manual_seed(rank)): random ops are typed as the same stream on "
-                "every instance. Fix: seed every rank alike, or make the value depend on "
-                "ns.axis_index and name the axis in out_specs."
-            )
 
 
 def to_local(tree: Any) -> Any:

@@ -1,0 +1,148 @@
+"""What the ranks of a real mesh must agree on, checked across them.
+
+* Every call (``check_call_agrees``): the same mapped function on tensor inputs of the same global
+  shapes and dtypes; one small all-reduce of a checksum, overlapped with the body.
+* Debug mode (``NAMED_SPMD_DEBUG=1``): plain-tensor inputs hold the same values on every rank
+  (``check_inputs_agree``), and outputs typed invariant over the axes their out_spec does not
+  name hold the same values on the ranks that return them once (``check_replicas_agree``); both
+  by exchanging short digests through the failure board's store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .._accounting import CommEvent, active, record_into
+from .._errors import SpmdError
+
+if TYPE_CHECKING:
+    from .distributed import DistributedContext
+
+
+# --- every call: the ranks call the same function on inputs of the same shapes ---------------------
+
+
+_INT62 = (1 << 62) - 1  # the checksum and its negation fit an int64
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = zlib.crc32(str(dtype).encode())
+    return code
+
+
+def check_call_agrees(ctx: DistributedContext, leaves: list[Any]) -> None:
+    """Gloo aborts the whole process (SIGABRT, no Python error) when the ranks of a collective
+    pass buffers of different sizes, as inputs of different global shapes on different ranks make
+    them. One small all-reduce per call compares a checksum of the function and of the tensor
+    inputs' global shapes and dtypes; it also keeps the ranks within one call of each other,
+    which lets a rank left waiting in an earlier call name the one that moved on
+    (``FailureBoard._ahead``). Only when the checksums differ are the descriptions exchanged.
+    It is started here and finished (``mesh.pending_check``) before the call's first collective
+    (``Comm``) or at the end of the body, so the body's computation until then overlaps it."""
+    mesh = ctx.mesh
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    # hash() of int tuples (a torch.Size is one) is the same in every process; of str it is not
+    metadata = hash(tuple((x.shape, _dtype_code(x.dtype)) for x in tensors))
+    checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
+    comm = mesh.comm(mesh.axis_names)
+    started = comm.start_agree(checksum, "the start-of-call check")
+    if active():  # a collective of the call: CommMode counts it, as a boundary event
+        event = CommEvent("pmax", comm.axes, "forward", (2,), torch.int64, boundary=True)
+        record_into(active(), event)
+
+    def finish() -> None:
+        mesh.pending_check = None
+        if not comm.agreed(started, "the start-of-call check"):
+            _disagree(ctx, tensors)
+
+    mesh.pending_check = finish
+
+
+def _disagree(ctx: DistributedContext, tensors: list[torch.Tensor]) -> None:
+    """The checksums differ: exchange the descriptions and raise on every rank alike."""
+    mesh = ctx.mesh
+    shapes = ", ".join(f"{list(x.shape)} {str(x.dtype)[6:]}" for x in tensors)
+    mine = f"{ctx.fn_label}({shapes})"
+    board = mesh.board
+    got = board.exchange("call", board.ranks, mine, f"rank {mesh.rank}", "the start-of-call check")
+    lines = "\n".join(f"    {board.where(r)}: {v}" for r, v in got.items())
+    raise SpmdError(
+        f"spmd_map of {ctx.fn_label}: the ranks called different mapped functions, or passed "
+        "tensor inputs of different global shapes or dtypes (function(global shape dtype of each "
+        f"tensor leaf, in flattening order)):\n{lines}\nEvery rank must call the same function "
+        "on inputs of the same global shapes (a plain tensor is the global value, present on "
+        "every rank). Fix: make the inputs' shapes and the call sequence independent of the rank."
+    )
+
+
+# --- debug mode: values that must be equal on every rank ------------------------------------------
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A short fingerprint of a tensor's bytes, dtype and shape (equal values, equal digests)."""
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    meta = f"{t.dtype}{tuple(t.shape)}".encode()
+    return hashlib.blake2b(raw + meta, digest_size=8).hexdigest()
+
+
+def check_inputs_agree(ctx: DistributedContext, leaves: list[Any]) -> None:
+    """A plain-tensor input is the global value, taken as present on every rank: check it is
+    (a model initialised differently per rank would otherwise be mixed silently)."""
+    mesh = ctx.mesh
+    plain = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+    ]
+    if not plain:
+        return
+    mine = ",".join(_digest(leaves[i]) for i in plain)
+    ranks = list(range(mesh.size))
+    got = mesh.board.exchange("inputs", ranks, mine, f"rank {mesh.rank}", "the input check")
+    differ = sorted(
+        {
+            plain[k]
+            for v in got.values()
+            for k, d in enumerate(v.split(","))
+            if d != mine.split(",")[k]
+        }
+    )
+    if differ:
+        raise SpmdError(
+            f"spmd_map of {ctx.fn_label}: debug check: plain-tensor input leaves {differ} (in "
+            "flattening order) differ between ranks, but a plain tensor is the global value and "
+            "must be the same on every rank. Fix: seed every rank alike before making it (or "
+            "broadcast it from rank 0), or pass DTensors laid out as the in_specs say."
+        )
+
+
+def check_replicas_agree(ctx: DistributedContext, outs: list[Any], specs: list[Any]) -> None:
+    """An output typed invariant over the axes its out_spec does not name is returned once: check
+    the copies the ranks of each such group hold are equal (typed invariant, they must be)."""
+    mesh = ctx.mesh
+    for k, (y, spec) in enumerate(zip(outs, specs)):
+        replicated = tuple(a for a in mesh.axis_names if a not in spec.axes)
+        replicated = tuple(a for a in replicated if mesh.shape[a] > 1)
+        if not replicated or not isinstance(y, torch.Tensor):
+            continue
+        comm = mesh.comm(replicated)
+        got = mesh.board.exchange(
+            f"outputs/{comm.key}", comm.members, _digest(y), f"rank {mesh.rank}", f"output {k}"
+        )
+        if len(set(got.values())) > 1:
+            raise SpmdError(
+                f"spmd_map of {ctx.fn_label}: debug check: output {k} is typed invariant over "
+                f"{replicated}, so it is returned once, but the ranks of that group hold different "
+                f"values (ranks {sorted(got)}). Random draws with a per-rank seed are the usual "
+                "cause (torch.manual_seed(rank)): random ops are typed as the same stream on "
+                "every instance. Fix: seed every rank alike, or make the value depend on "
+                "ns.axis_index and name the axis in out_specs."
+            )
