@@ -146,6 +146,7 @@ def test_a_peer_that_gave_up_waiting_is_quoted_not_described_by_its_exit():
     import torch.distributed as dist
 
     from named_spmd.backends import _dist_failures as failures
+    from named_spmd.backends import _dist_processes as processes
 
     store = dist.HashStore()
     ranks = [0, 1, 2, 3]
@@ -159,7 +160,7 @@ def test_a_peer_that_gave_up_waiting_is_quoted_not_described_by_its_exit():
     gave_up._post_for(
         3, "gave up waiting: Rank 2 (mesh coordinates i=2) never reached a collective"
     )
-    failures.mark_exited(store, 3, [gave_up])
+    processes.mark_exited(store, 3, [gave_up])
     for rank in (1, 0):  # rank 1 first: it must leave the post as it found it
         err = board(rank)._gone_error([r for r in ranks if r != rank], "in psum over ('i',)")
         assert "Rank 2 (mesh coordinates i=2) never reached a collective" in str(err), str(err)
@@ -177,6 +178,7 @@ def test_a_rank_that_made_the_mesh_and_died_later_does_not_fail_the_make_mesh_ba
     import torch.distributed as dist
 
     from named_spmd.backends import _dist_failures as failures
+    from named_spmd.backends import _dist_processes as processes
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -200,7 +202,7 @@ def test_a_rank_that_made_the_mesh_and_died_later_does_not_fail_the_make_mesh_ba
                 self.raced = True  # the read said "missing"; now rank 2 makes the mesh and dies
                 self.inner.set(keys[0], "")
                 self.inner.set(
-                    f"{failures._PROCESS}/2", f"{socket.gethostname()}\n{dead.stdout.strip()}"
+                    f"{processes._PROCESS}/2", f"{socket.gethostname()}\n{dead.stdout.strip()}"
                 )
             return seen
 

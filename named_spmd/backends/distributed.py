@@ -55,16 +55,9 @@ from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
 from . import _dist_agree, _dist_compile, _dist_io, _dist_overlap, _dist_piece
 from ._dist_comm import MAX, MIN, SUM, Comm
-from ._dist_failures import (
-    FailureBoard,
-    debug_enabled,
-    mark_exited,
-    register_process,
-    registered,
-    set_debug,
-    timeout_s,
-)
+from ._dist_failures import FailureBoard, debug_enabled, set_debug, timeout_s
 from ._dist_io import global_output, local_input
+from ._dist_processes import mark_exited, register_process, registered
 
 __all__ = [
     "DistributedMesh",
