@@ -41,7 +41,8 @@ from .._spec import PartitionSpec
 from .._tracking import STAMP_ATTR, TrackedContext, VmaMode, is_inplace
 from .._types import INVARIANT, Vma
 from ._dist_comm import permute_splits
-from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, placements
+from ._dist_dtensor import placements
+from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs
 
 
 def warm_types(names: tuple[str, ...]) -> None:

@@ -1,5 +1,5 @@
 """``ns.shard`` on a real mesh: global tensors (or DTensors) -> DTensors with the placements that
-the call boundary (``_dist_io.placements``) gives the same spec.
+the call boundary (``_dist_dtensor.placements``) gives the same spec.
 
 A tuple entry in mesh order (``P(('dp', 'tp'))`` on a ``('dp', 'tp')`` mesh) is DTensor's own
 ``[Shard(d), Shard(d)]``: public placements, read left to right, first mesh dim major. A tuple
@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .._errors import SpecError
 from .._layout import global_shape
 from .._spec import PartitionSpec
-from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, placements
+from ._dist_dtensor import placements
+from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs
 
 
 def shard_leaves(

@@ -53,7 +53,7 @@ from .._mesh import Mesh
 from .._spec import PartitionSpec
 from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
-from . import _dist_agree, _dist_compile, _dist_io, _dist_overlap, _dist_piece
+from . import _dist_agree, _dist_compile, _dist_dtensor, _dist_overlap, _dist_piece
 from ._dist_comm import MAX, MIN, SUM, Comm
 from ._dist_failures import FailureBoard, debug_enabled, set_debug, timeout_s
 from ._dist_io import global_output, local_input
@@ -378,7 +378,7 @@ def to_local(tree: Any) -> Any:
         if not isinstance(t, DTensor):
             return t
         mesh = _MESH_OF.get(id(t.device_mesh))
-        return t.to_local() if mesh is None else _dist_io.to_local_fast(mesh, t)
+        return t.to_local() if mesh is None else _dist_dtensor.to_local_fast(mesh, t)
 
     return optree.tree_map(one, tree, none_is_leaf=True)
 

@@ -1,0 +1,184 @@
+"""DTensors on a named_spmd mesh: the placements of a spec, and the conversions between a DTensor
+and its local tensor that the call boundary makes for every input, output and gradient.
+
+DTensor's own ``to_local`` / ``from_local`` rebuild a ``DTensorSpec`` (a dataclass with checks)
+for every tensor, forward and backward, which costs tens of microseconds per tensor: a sizeable
+part of a small training step. :class:`_LocalOf` and :class:`_DTensorOf` do the same conversions
+with one spec per (placements, shape, stride, dtype) per mesh, made once, and fall back to the
+public methods wherever the fast path does not apply. Every conversion is differentiable as many
+times as asked: with ``create_graph=True`` (or under a transform) the backwards go through the
+same Functions instead of the DTensors' internals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from .. import _torch_private as P
+from .._autodiff import below_functionalize, differentiable
+from .._spec import PartitionSpec
+from . import _dist_overlap as overlap
+
+_new_dtensor = P.dist().new_dtensor  # DTensor's constructor, with a cached spec
+
+
+def placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
+    """DTensor placements of ``spec`` on ``mesh`` (cached per mesh, but not while Dynamo traces:
+    the trace's placements are fake objects, which its replay of the store would leave in the
+    cache for eager calls, and a cache the trace fills fails Dynamo's guard on it next call)."""
+    if torch.compiler.is_compiling():
+        return _placements_of(mesh, spec, rank)
+    key = (spec, rank)
+    hit = mesh.placements_cache.get(key)
+    if hit is None:
+        hit = mesh.placements_cache[key] = _placements_of(mesh, spec, rank)
+    return hit
+
+
+def _placements_of(mesh, spec: PartitionSpec, rank: int) -> tuple:
+    out: list[Placement] = [Replicate() for _ in mesh.axis_names]
+    for d in range(rank):
+        for a in spec.entry_axes(d):
+            out[mesh.axis_names.index(a)] = Shard(d)
+    for a in spec.unreduced:  # partial sums: DTensor's pending sum
+        out[mesh.axis_names.index(a)] = Partial()
+    return tuple(out)
+
+
+def grad_placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
+    """The placements of the gradient of an input under ``spec``: those of the input, except
+    that a reduced axis leaves the gradient a partial sum there (section 8)."""
+    places = placements(mesh, spec, rank)
+    if not spec.reduced:
+        return places
+    return tuple(Partial() if a in spec.reduced else p for a, p in zip(mesh.axis_names, places))
+
+
+# --- fast DTensor conversions --------------------------------------------------------------------
+
+
+def _spec_for(mesh, local: torch.Tensor, places: tuple) -> Any:
+    key = (places, tuple(local.shape), local.stride(), local.dtype)
+    spec = mesh.dtensor_specs.get(key)
+    if spec is None:
+        spec = mesh.dtensor_specs[key] = P.dtensor_spec(mesh.device_mesh, local, places)
+    # DTensor ops may annotate their spec: never share one. A shallow copy as copy.copy makes it
+    # (no __init__ or __setattr__, the same __dict__), without its generic protocol (2.6 vs 0.4 us)
+    fresh = object.__new__(type(spec))
+    fresh.__dict__.update(spec.__dict__)
+    return fresh
+
+
+def _wrap(mesh, local: torch.Tensor, places: tuple, requires_grad: bool = False) -> DTensor:
+    return _new_dtensor(local, _spec_for(mesh, local, places), requires_grad=requires_grad)
+
+
+class _LocalOf(torch.autograd.Function):
+    """``dtensor.to_local()``; backward wraps the gradient with a cached spec."""
+
+    @staticmethod
+    def forward(d, mesh, grad_places=None):
+        local = P.local_tensor(d)
+        return local.view_as(local)  # a fresh tensor object: autograd metadata goes on it
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        d = inputs[0]
+        ctx.mesh, ctx.leaf = inputs[1], d if d.is_leaf else None
+        while not isinstance(d, DTensor):  # a transform's wrapper of a DTensor it closes over
+            d = P.get_unwrapped(d)
+        # a reduced input's gradient is a partial sum (Partial) where the input is replicated
+        ctx.places = inputs[2] if len(inputs) > 2 and inputs[2] else tuple(d.placements)
+
+    @staticmethod
+    def backward(ctx, g):
+        if differentiable(g):  # double backward: a recorded conversion
+            return _from_local(ctx.mesh, g, ctx.places), None, None
+        g = overlap.settled(g)
+        if ctx.leaf is not None:  # its .grad may hold the pending wrapper: plain once reduced
+            overlap.when_reduced(
+                g, lambda leaf=ctx.leaf, mesh=ctx.mesh: _plain_local_grad(leaf, mesh)
+            )
+        return _wrap(ctx.mesh, g, ctx.places), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, d, mesh, grad_places=None):
+        """functorch refuses a Function without one under ``torch.func.vmap``, even for a
+        DTensor the vmap only closes over (unbatched); a batched DTensor never gets here
+        (``local_input`` refuses it)."""
+        return _LocalOf.apply(d, mesh, grad_places), None
+
+
+class _DTensorOf(torch.autograd.Function):
+    """``DTensor.from_local(local, ..., run_check=False)`` with a cached spec; backward takes
+    the gradient's local tensor (redistributed first if its placements differ)."""
+
+    @staticmethod
+    def forward(local, mesh, places):
+        return _wrap(mesh, local.view_as(local), places, local.requires_grad)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh, ctx.places = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        if isinstance(g, DTensor):
+            # a Partial (unreduced) output's parts each get the whole cotangent: Replicate
+            want = tuple(Replicate() if p.is_partial() else p for p in ctx.places)
+            if tuple(g.placements) != want:
+                g = g.redistribute(ctx.mesh.device_mesh, want)
+            # double backward: the recorded to_local (the local tensor has no graph)
+            g = g.to_local() if differentiable(g) else P.local_tensor(g)
+        return g, None, None
+
+
+def _plain_local_grad(leaf: DTensor, mesh) -> None:
+    """The DTensor form of :func:`_dist_autograd.plain_grad`."""
+    grad = leaf.grad
+    if isinstance(grad, DTensor):
+        local = P.local_tensor(grad)
+        if overlap.is_pending_wrapper(local):
+            leaf.grad = _wrap(mesh, P.async_buffer(local), tuple(grad.placements))
+
+
+def _fast(cls: Any) -> Any:
+    """``cls.apply`` without the Python argument binding (see ``_autodiff``)."""
+    return P.function_base_apply.__get__(None, cls)
+
+
+_local_of = _fast(_LocalOf)
+_dtensor_of = _fast(_DTensorOf)
+
+
+def _transformed(fn: Any, x: torch.Tensor, *rest: Any) -> Any:
+    """``fn.apply`` under a torch.func transform (functorch wraps the Function: the full Python
+    path), run below a ``functionalize`` on top, which has no rule for Functions."""
+    if P.transforms_active() and P.current_interpreter().key() == P.TransformType.Functionalize:
+        return below_functionalize(x, lambda t: _transformed(fn, t, *rest))
+    return fn.apply(x, *rest)
+
+
+def to_local_fast(
+    mesh, d: DTensor, grad_places: tuple | None = None, transformed: bool | None = None
+) -> torch.Tensor:
+    """``d.to_local()``; ``transformed``: whether a torch.func transform is active, if known."""
+    if transformed is None:
+        transformed = P.transforms_active()
+    if transformed:  # torch's own to_local has no setup_context, which functorch needs
+        return _transformed(_LocalOf, d, mesh, grad_places)
+    if not differentiable(d):
+        local = P.local_tensor(d)
+        return local.view_as(local)
+    return _local_of(d, mesh, grad_places)
+
+
+def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
+    if P.transforms_active():
+        return _transformed(_DTensorOf, local, mesh, places)
+    if not differentiable(local):
+        return _wrap(mesh, local.view_as(local), places)
+    return _dtensor_of(local, mesh, places)
