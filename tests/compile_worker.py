@@ -181,20 +181,28 @@ def check_program(name: str, backend: str) -> dict:
 
 
 def check_compiled_first(name: str, backend: str) -> dict:
-    """A compiled call made before any eager call on its mesh, then the eager call: the same
-    values and gradients (the trace once left fake DTensor placements in the mesh's cache, and
-    the eager call then failed)."""
+    """A compiled call made before any eager call on its mesh, then the eager call, then the
+    compiled call again: the same values and gradients (the trace once left fake DTensor
+    placements in the mesh's cache, and the eager call then failed), and no recompile (a memo
+    the trace read, and the eager call filled, once failed its guard)."""
     prog, f = mapped(name)
     args = prog.args()
     torch._dynamo.reset()
-    got = evaluate(torch.compile(f, backend=backend, fullgraph=True), args, 1.0)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    got = evaluate(compiled, args, 1.0)
     want = evaluate(f, args, 1.0)
+    frames = counter.frame_count
+    again = evaluate(compiled, args, 1.0)
     problems = [
         f"{what} {k} differs"
-        for what, pairs in (("output", zip(got[0], want[0])), ("gradient", zip(got[1], want[1])))
+        for run in (got, again)
+        for what, pairs in (("output", zip(run[0], want[0])), ("gradient", zip(run[1], want[1])))
         for k, (a, b) in enumerate(pairs)
         if not close(a, b, rtol=1e-10, atol=1e-10)
     ]
+    if counter.frame_count != frames:
+        problems.append(f"recompiled after the eager call ({frames} -> {counter.frame_count})")
     return {"compiled_first": True, "problems": problems}
 
 
