@@ -9,7 +9,8 @@ with no extra machinery. Those primitives act on the levels directly (a few micr
 fall back to autograd.Functions with per-instance transposes under a grad or jvp *inside* the
 per-device function.
 
-Modules: this one (the context and its primitives, :func:`run`, the backend object); ``_plan``
+Modules: this one (:func:`run`, the backend object); ``_primitives`` (the context and its
+primitives); ``_plan``
 (nesting order, cached input / output plans); ``_levels`` (the per-level primitives and their
 fallback Functions); ``_lowered`` (the primitives under a grad / jvp inside the per-device
 function); ``_recording`` (implicit-pvary accounting while a ``CommMode`` records);
@@ -30,213 +31,16 @@ import torch
 from ... import _blocks
 from ... import _torch_private as P
 from ..._accounting import recording
-from ..._context import SpmdContext
 from ..._errors import SpmdError, VmaError, fn_label
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
-from ..._types import INVARIANT, Vma
 from . import _instances as _instances  # installs the per-instance printing of values
-from . import _levels
 from ._compiled import compiled_pieces_eagerly
 from ._diagnose import explained
-from ._marks import PartialMode, mark_of, set_mark
+from ._marks import PartialMode
 from ._plan import _input_plan, from_physical
+from ._primitives import SimulatedContext
 from ._recording import ImplicitPvaryRecorder
-
-
-class SimulatedContext(SpmdContext):
-    """A running simulated call: one token per axis, batched at that axis' level only."""
-
-    stamps = False  # a tensor's type is the set of our levels it is batched at
-
-    def __init__(self, mesh: Mesh, fn: Any, tokens: dict[str, torch.Tensor]):
-        super().__init__(mesh, fn)
-        self.tokens = tokens
-        self.level_axis = {P.maybe_get_level(t): a for a, t in tokens.items()}
-        self.axis_level = {a: lv for lv, a in self.level_axis.items()}
-        self.inner_level = max(self.level_axis, default=0)
-        self.outer_level = min(self.level_axis, default=0)
-        self.sizes = mesh.shape  # a copy; Mesh.shape builds a new dict per access
-        self.device = next(iter(tokens.values())).device if tokens else torch.device("cpu")
-        self.recorder: Any = None  # the ImplicitPvaryRecorder while a CommMode records
-        self._vma_of: torch.Tensor | None = None
-        self._vma: Vma = INVARIANT
-        self.token = object()  # identifies this call's marks (unreduced / reduced values)
-        self.partial_mode: PartialMode | None = None  # pushed with the first marked value
-
-    def vma(self, x: torch.Tensor) -> Vma:
-        # Collectives ask about the same operand several times in a row: remember the last one
-        # (by identity; the reference keeps its id from being reused meanwhile).
-        if x is self._vma_of:
-            return self._vma
-        if self.partial_mode is not None:  # unreduced / reduced values carry a mark
-            marked = mark_of(x, self.token)
-            if marked is not None:
-                return marked
-        axes = self._batched_axes(x)
-        vma = _VMA_OF.get(axes)
-        if vma is None:
-            vma = _VMA_OF[axes] = Vma.of(axes)
-        self._vma_of, self._vma = x, vma
-        return vma
-
-    def forget_last_vma(self) -> None:
-        """Drop :meth:`vma`'s memo of the last tensor asked about (its type is changing)."""
-        self._vma_of = None
-
-    def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
-        """Only unreduced and reduced types need recording here (the levels say the rest)."""
-        if vma.partial:
-            if self.partial_mode is None:
-                self.partial_mode = PartialMode(self)
-                self.partial_mode.__enter__()
-            self._vma_of = None
-            set_mark(x, self.token, vma)
-        elif self.partial_mode is not None:
-            set_mark(x, self.token, vma)
-        return x
-
-    def end_partial(self) -> None:
-        """Pop the PartialMode at the end of the body (the marks stay, for the outputs)."""
-        if self.partial_mode is not None:
-            self.partial_mode.__exit__(None, None, None)
-
-    def _batched_axes(self, x: torch.Tensor) -> tuple[str, ...]:
-        # Walk the wrappers from the outside in; ours are consecutive levels and any wrapper at
-        # one of them is our vmap's (levels are stack depths), so stop below the outermost.
-        found: tuple[str, ...] = ()
-        while True:
-            level = P.maybe_get_level(x)
-            if level < self.outer_level:  # also -1: a plain tensor
-                return found
-            axis = self.level_axis.get(level)
-            if axis is not None:
-                found += (axis,)
-            x = P.get_unwrapped(x)
-
-    def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
-        # A copy: the tokens are shared between calls, and user code may write into the result.
-        index = self._index(axes)
-        return index.clone() if len(axes) == 1 else index
-
-    def per_member(self, axes, make):
-        # Every member's value, stacked as an invariant plain tensor; own_block makes the stack
-        # dim the levels' batch dims (no copy on the fast path), as the inputs enter.
-        n = self.mesh.axis_size(axes)
-        with P.DisableFuncTorch():
-            stacked = torch.stack([make(i) for i in range(n)])
-        return self.own_block(stacked, axes, 0)
-
-    def _index(self, axes: tuple[str, ...]) -> torch.Tensor:
-        index = self.tokens[axes[0]]
-        for a in axes[1:]:
-            index = index * self.sizes[a] + self.tokens[a]
-        return index
-
-    def resume(self):
-        """Re-enter this call's vmap levels, for a checkpoint's recomputation in backward (see
-        ``_context.CallMarker``): the recomputed piece gets the call's own batched tensors back,
-        whose levels must then be live again, at the same numbers (levels are stack depths)."""
-        want = sorted(self.level_axis)
-        got = [P.vmap_increment_nesting(self.sizes[self.level_axis[lv]], "same") for lv in want]
-        if got != want:
-            _leave_levels(len(got))
-            raise SpmdError(
-                f"spmd_map of {self.fn_label}: torch.utils.checkpoint recomputes a piece of it in "
-                f"backward, but that backward runs under {got[0] - 1} functorch transform(s) and "
-                f"the call ran under {want[0] - 1}, so the call's vmap levels cannot be resumed. "
-                "Fix: run the backward pass under the same torch.func transforms as the call, or "
-                "checkpoint around the call instead of inside it."
-            )
-        return functools.partial(_leave_levels, len(got))
-
-    def apply(self, rec, x, axes, params, donate=False):
-        # The primitives' own ops mix the level tokens with stacked values: no user-level mixing
-        # for the implicit-pvary accounting (or the partial-sum algebra) to see.
-        if self.recorder is None and self.partial_mode is None:
-            return rec.forward(self, x, axes, params, donate)
-        with contextlib.ExitStack() as paused:
-            for mode in (self.recorder, self.partial_mode):
-                if mode is not None:
-                    paused.enter_context(mode.paused())
-            return rec.forward(self, x, axes, params, donate)
-
-    # --- primitives -----------------------------------------------------------------------
-    def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        """Invariant stack ``[n, *local]`` of the group's values, row-major over ``axes``."""
-        for a in reversed(axes):  # minor axis first, so the major one ends up outermost
-            x = _levels.gather(
-                x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level
-            )
-        return x.flatten(0, len(axes) - 1) if len(axes) > 1 else x
-
-    def pvary(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        for a in axes:
-            x = _levels.vary(x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level)
-        return x
-
-    def own_block(self, stacked: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
-        """Slice ``axis_index(axes)`` of dim ``dim`` (size n) of an invariant tensor: varying.
-
-        On the fast path the dim just becomes the levels' batch dim (no op). Otherwise (a grad
-        or jvp *inside* the per-device function) the stack is pvary'd and indexed: the transpose
-        of that pvary (a psum) brings every instance's cotangent of its slice back to the stack."""
-        if len(axes) > 1:  # row-major: the first axis is the major part of the dim
-            stacked = stacked.unflatten(dim, [self.sizes[a] for a in axes])
-        for a in axes:
-            out = _levels.scatter(stacked, dim, self.axis_level[a], self.inner_level)
-            if out is None:
-                break
-            stacked = out
-        else:
-            return stacked
-        axes = axes[axes.index(a) :]  # the axes left to scatter, on the fallback path
-        stacked = self.pvary(stacked.flatten(dim, dim + len(axes) - 1), axes)
-        index = self._index(axes).reshape(1)
-        return stacked.index_select(dim, index).squeeze(dim)
-
-    def all_reduce(self, x, axes, op, donate=False):
-        dtype = x.dtype
-        if not dtype.is_floating_point:
-            if dtype is torch.bool and op == "sum":
-                op = "max"  # a sum of truth values is their "or", as on a real mesh
-        if op != "sum" and len(axes) > 1:
-            # One reduction over the whole group, so that ties share the gradient evenly
-            # (level by level, amax would halve it at each level).
-            return getattr(self.all_gather(x, axes), _REDUCE[op])(0)
-        reduce = _REDUCE[op]
-        for a in axes:  # a sum reduces one axis after another
-            level = self.axis_level[a]
-            y = _levels.reduce_varying(x, level, self.inner_level, reduce)  # the common case
-            if y is None:
-                y = _levels.gather_reduce(
-                    x, self.tokens[a], self.sizes[a], level, self.inner_level, reduce
-                )
-            x = y
-        # torch sums small integer types in int64; a mesh reduction keeps the operand's dtype
-        return x if x.dtype is dtype else x.to(dtype)
-
-    def reduce_scatter(self, x, axes, dim):
-        return self.own_block(self.all_reduce(x, axes, "sum"), axes, dim)
-
-    def all_to_all(self, x, axes, dim):
-        received = self.own_block(self.all_gather(x, axes), axes, dim + 1)  # [n_src, ...]
-        return received.movedim(0, dim) if dim != 0 else received
-
-    def broadcast(self, x, axes, root):
-        return self.all_gather(x, axes).select(0, root)
-
-    def permute(self, x, axes, pairs):
-        n = self.mesh.axis_size(axes)
-        source, receives = _permutation(n, pairs, self.device)
-        if len(axes) == 1:
-            out = _levels.permute(x, self.axis_level[axes[0]], self.inner_level, source, receives)
-            if out is not None:
-                return out
-        got = self.own_block(self.all_gather(x, axes).index_select(0, source), axes, 0)
-        if receives is None:
-            return got
-        return torch.where(self.own_block(receives, axes, 0), got, got.new_zeros(()))
 
 
 def _partial_input(ctx: SimulatedContext, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
@@ -259,29 +63,6 @@ def _run_body(body, local, ctx: SimulatedContext, blocks: bool) -> list[torch.Te
         return list(body(local, ctx))
     finally:
         ctx.end_partial()
-
-
-def _leave_levels(n: int) -> None:
-    for _ in range(n):
-        P.vmap_decrement_nesting()
-
-
-_REDUCE = {"sum": "sum", "max": "amax", "min": "amin"}
-# The type of each tuple of batched axes, as _batched_axes finds them (types are interned).
-_VMA_OF: dict[tuple[str, ...], Vma] = {}
-
-
-@functools.lru_cache(maxsize=256)  # programs use a handful of permutations
-def _permutation(n: int, pairs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(source index of every destination, receives mask or None if all receive), cached:
-    making small tensors costs more than the permutation itself on tiny operands."""
-    source = [0] * n
-    receives = [False] * n
-    for src, dst in pairs:
-        source[dst], receives[dst] = src, True
-    with P.DisableFuncTorch():  # plain tensors, even under functionalize & co
-        mask = None if all(receives) else torch.tensor(receives, device=device)
-        return torch.tensor(source, device=device), mask
 
 
 # --- entering and leaving the simulation --------------------------------------------------
