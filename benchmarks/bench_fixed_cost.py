@@ -40,6 +40,10 @@ try:
     from named_spmd._collectives import _checks as collective_checks  # noqa: E402
 except ImportError:
     collective_checks = _collectives
+try:  # where the simulated primitives live in this version
+    from named_spmd.backends.simulated import _primitives as simulated_primitives  # noqa: E402
+except ImportError:
+    simulated_primitives = simulated
 
 
 def clear_caches() -> None:
@@ -51,7 +55,7 @@ def clear_caches() -> None:
         (simulated, "_tokens"),
         (simulated, "_token"),
         (simulated, "_permutations"),
-        (simulated, "_permutation"),
+        (simulated_primitives, "_permutation"),
         (_spec, "_fits"),
         (_tree, "_broadcast_cache"),
         (_collectives, "_valid_pairs"),

@@ -12,6 +12,7 @@ import optree
 import torch
 
 from . import _context
+from . import _torch_private as P
 from ._accounting import CommEvent, on_backward, recording
 from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
@@ -30,24 +31,19 @@ from .backends import Backend, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
 
 
-def _call_eagerly(f: SpmdFunction, args: tuple, backend: Backend) -> Any:
-    """A call on a backend Dynamo cannot trace, made while compiling: a graph break around the
-    whole call, which then runs with the real arguments (tracing up to the backend and breaking
-    there would hand the rest of the call Dynamo's stand-ins for the pytree specs)."""
-    if not _EAGER_CALL:  # made on first use: torch.compiler.disable imports Dynamo
-        _EAGER_CALL.append(
-            torch.compiler.disable(
-                lambda f, args, backend: f._call(args, backend)[0],
-                reason="named_spmd: a call on a simulated mesh runs eagerly inside a compiled "
-                "program (its vmap levels are not traceable; docs/design.md section 9). Fix: "
-                "compile without fullgraph=True, or run on a real mesh (torchrun), where the "
-                "whole call compiles",
-            )
-        )
-    return _EAGER_CALL[0](f, args, backend)
+def _call(f: SpmdFunction, args: tuple, backend: Backend) -> Any:
+    return f._call(args, backend)[0]
 
 
-_EAGER_CALL: list[Callable[[SpmdFunction, tuple, Backend], Any]] = []
+#: A call on a backend Dynamo cannot trace, made while compiling: a graph break around the whole
+#: call, which then runs with the real arguments (tracing up to the backend and breaking there
+#: would hand the rest of the call Dynamo's stand-ins for the pytree specs).
+_call_eagerly = P.not_traced(
+    _call,
+    reason="named_spmd: a call on a simulated mesh runs eagerly inside a compiled program (its "
+    "vmap levels are not traceable; docs/design.md section 9). Fix: compile without "
+    "fullgraph=True, or run on a real mesh (torchrun), where the whole call compiles",
+)
 
 
 class SpmdFunction:
@@ -193,7 +189,7 @@ class SpmdFunction:
                 "with functools.partial before spmd_map."
             )
         backend = backend_for(self.mesh)
-        if not backend.traceable and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not getattr(backend, "traceable", True):
             return _call_eagerly(self, args, backend)
         return self._call(args, backend)[0]
 

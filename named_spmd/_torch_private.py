@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import operator
 import sys
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -247,6 +248,23 @@ def dtensor_spec(device_mesh: Any, local: torch.Tensor, placements: tuple) -> An
 # buffer once its reduction is done (``.trigger_wait()``). C calls: no Python frame per gradient.
 async_buffer = operator.attrgetter("elem")
 async_wait = operator.methodcaller("trigger_wait")
+
+
+def not_traced(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
+    """``fn`` as ``torch.compiler.disable(fn, reason=reason)`` makes it, without importing Dynamo
+    now (``import named_spmd`` must not: it takes a second and imports ``torch.distributed``). Dynamo does
+    not inline a function carrying its disable mark: a compiled program breaks its graph there
+    (``fullgraph=True`` raises ``Unsupported`` quoting ``reason``); the call then goes through
+    ``torch._disable_dynamo``'s wrapper, which Dynamo skips (its module is on Dynamo's skip list)
+    and which runs ``fn`` with Dynamo off, importing Dynamo at its first call."""
+    eager = torch._disable_dynamo(fn)
+
+    def call(*args: Any) -> Any:
+        return eager(*args)
+
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    call._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+    return call
 
 
 # --- torch.compile (the compile paths: backends/_dist_compile.py) -------------------------------

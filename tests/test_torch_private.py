@@ -371,6 +371,44 @@ def test_a_pending_gradient_detaches_without_waiting_and_waits_on_other_ops():
     assert torch.equal(detached + 0, torch.full((3,), 2.0)) and work.done  # a read waits
 
 
+def test_not_traced_breaks_the_graph_names_its_reason_and_runs_without_dynamo():
+    """``not_traced`` (torch's disable mark on a function of ours, and ``torch._disable_dynamo``'s
+    lazy wrapper): made without importing Dynamo; a compiled program breaks its graph there, with
+    the reason under ``fullgraph=True``; the function runs with Dynamo off."""
+    code = (
+        "import sys, torch\n"
+        "from named_spmd import _torch_private as P\n"
+        "P.not_traced(lambda x: x, 'r')\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+    from torch._dynamo.testing import CompileCounter
+
+    seen = []
+
+    def eager_only(x):
+        seen.append(torch.compiler.is_compiling())
+        return x.sin()
+
+    call = P.not_traced(eager_only, "REASON and the fix")
+
+    def step(x):
+        return call(x * 2) + 1
+
+    x = torch.arange(3.0)
+    with pytest.raises(Exception, match="REASON and the fix"):
+        torch.compile(step, backend="eager", fullgraph=True)(x)
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter)
+    for _ in range(2):
+        assert torch.equal(compiled(x), step(x))
+    assert seen and not any(seen)  # ran eagerly, never traced
+    assert counter.frame_count == 2 and counter.op_count == 2  # x * 2 and + 1, compiled
+
+
 def test_dtensor_spec_and_constructor_match_from_local():
     code = (
         "import torch, torch.distributed as dist\n"
