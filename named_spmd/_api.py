@@ -247,7 +247,8 @@ class SpmdFunction:
             try:
                 local_args = cast(tuple, optree.tree_unflatten(in_tree, local_leaves))
                 out = self._call_user(local_args, backend)
-                paths, out_leaves, out_specs, out_tree = self._check_outputs(out, ctx)
+                with P.DisableTorchFunction():  # our bookkeeping: no op of the program
+                    paths, out_leaves, out_specs, out_tree = self._check_outputs(out, ctx)
             finally:
                 _context.pop()
             if recording():
