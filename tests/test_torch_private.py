@@ -288,6 +288,12 @@ def test_the_function_mode_stack_names():
     assert P.function_mode_depth() == base
 
 
+def _prints_ok_in_a_fresh_process(code: str) -> None:
+    """Run ``code`` in a new interpreter (what it imports is then its own) and expect "ok"."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_the_distributed_names_resolve_lazily():
     code = (
         "import sys, torch\n"
@@ -300,8 +306,7 @@ def test_the_distributed_names_resolve_lazily():
         "assert d.wait_tensor.name() == '_c10d_functional::wait_tensor'\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    _prints_ok_in_a_fresh_process(code)
 
 
 def test_forward_level_reads_the_current_dual_level():
@@ -382,8 +387,7 @@ def test_not_traced_breaks_the_graph_names_its_reason_and_runs_without_dynamo():
         "assert 'torch._dynamo' not in sys.modules\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    _prints_ok_in_a_fresh_process(code)
 
     from torch._dynamo.testing import CompileCounter
 
@@ -428,8 +432,7 @@ def test_dtensor_spec_and_constructor_match_from_local():
         "dist.destroy_process_group()\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    _prints_ok_in_a_fresh_process(code)
 
 
 def test_dynamo_hands_view_attributes_to_the_modes_once_routed():
