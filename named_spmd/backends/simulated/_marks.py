@@ -12,8 +12,6 @@ backend's unreduced gradient sums to.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,24 +47,7 @@ def _first_tensor(out: Any) -> torch.Tensor:
     )
 
 
-class PausableMode(TorchFunctionMode):
-    """A mode of the simulated backend that steps aside inside the backend's own primitives."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.paused_depth = 0
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Inside the backend's own primitives: their ops are no user-level arithmetic."""
-        self.paused_depth += 1
-        try:
-            yield
-        finally:
-            self.paused_depth -= 1
-
-
-class PartialMode(PausableMode):
+class PartialMode(TorchFunctionMode):
     """Types the ops of a call in which unreduced or reduced values exist, or inputs holding
     blocks of mesh axes (whose contractions make unreduced values: ``_blocks``)."""
 
@@ -76,7 +57,7 @@ class PartialMode(PausableMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.paused_depth or func in NOT_OPS:
+        if func in NOT_OPS:
             return func(*args, **kwargs)
         operands = tensor_operands(args, kwargs)
         token = self.ctx.token

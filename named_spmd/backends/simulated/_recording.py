@@ -11,9 +11,9 @@ is by tensor object: a tensor derived from an invariant one (``w.T``, ``w[0]``) 
 invariantly and cast at its own mixing sites, so it costs its own psum (as in JAX); a single
 ``ns.pvary(w, axes)`` up front makes every derived use varying and costs one psum in all.
 
-The mode is pushed only while recording, so the fast path pays nothing. It is paused inside the
-backend's own collective implementations (their internal ops mix the level tokens with stacked
-values, which is no user-level mixing) and while autograd runs a backward pass inside the call
+The mode is pushed only while recording, so the fast path pays nothing. It does not see the
+backend's own collective implementations (they run with torch function modes off: their internal
+ops mix the level tokens with stacked values, which is no user-level mixing) and while autograd runs a backward pass inside the call
 (the per-instance transposes run by an inner ``torch.func.grad``).
 """
 
@@ -22,14 +22,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..._accounting import CommEvent, needs_grad, on_backward
 from ..._torch_private import current_graph_task_id
 from ..._tracking import NOT_OPS, is_inplace, swap_operands, tensor_operands
-from ._marks import PausableMode
 
 
-class ImplicitPvaryRecorder(PausableMode):
+class ImplicitPvaryRecorder(TorchFunctionMode):
     """Tags each implicitly pvary'd (tensor, axes) of one call with its backward psum event."""
 
     def __init__(self, ctx: Any):
@@ -40,7 +40,7 @@ class ImplicitPvaryRecorder(PausableMode):
         self.cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.paused_depth and func not in NOT_OPS and current_graph_task_id() == -1:
+        if func not in NOT_OPS and current_graph_task_id() == -1:
             operands = tensor_operands(args, kwargs)
             if len(operands) > 1:
                 args, kwargs = self._tag(func, operands, args, kwargs)
