@@ -130,8 +130,7 @@ def _add_bias(lay: Layout, bias: torch.Tensor, lb: Layout, shape: tuple[int, ...
 def _addmm(args, kwargs, layouts, out):  # bias + a @ b (addmm, baddbmm, addmv, addbmm)
     added, a, b = args[0], args[1], args[2]
     lay, unreduced = _matmul_layout(a, layouts(a), b, layouts(b))
-    lay = _broadcast([(_Shaped(out.shape), lay), (added, layouts(added))], tuple(out.shape))
-    return lay, unreduced
+    return _add_bias(lay, added, layouts(added), tuple(out.shape)), unreduced
 
 
 def _dot(args, kwargs, layouts, out):  # dot, vdot, inner of 1-d tensors
