@@ -35,14 +35,15 @@ def _call(f: SpmdFunction, args: tuple, backend: Backend) -> Any:
     return f._call(args, backend)[0]
 
 
-#: A call on a backend Dynamo cannot trace, made while compiling: a graph break around the whole
+#: A call on a backend Dynamo cannot trace (none of ours), made while compiling: a graph break around the whole
 #: call, which then runs with the real arguments (tracing up to the backend and breaking there
 #: would hand the rest of the call Dynamo's stand-ins for the pytree specs).
 _call_eagerly = P.not_traced(
     _call,
-    reason="named_spmd: a call on a simulated mesh runs eagerly inside a compiled program (its "
-    "vmap levels are not traceable; docs/design.md section 9). Fix: compile without "
-    "fullgraph=True, or run on a real mesh (torchrun), where the whole call compiles",
+    reason="named_spmd: a call on a backend that Dynamo cannot trace (Backend.traceable is "
+    "False) runs eagerly inside a compiled program (docs/design.md section 9). Fix: compile "
+    "without fullgraph=True, or use a backend whose calls compile whole (the simulated and the "
+    "distributed backends)",
 )
 
 
@@ -61,6 +62,9 @@ class SpmdFunction:
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.check_vma = check_vma
+        # picked once: a mesh's kind never changes, and a compiled call would guard on the
+        # registry's lookups (``sys.modules``), so any import between two steps would recompile
+        self.backend = backend_for(self.mesh)
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:
@@ -188,7 +192,7 @@ class SpmdFunction:
                 "matches positional arguments. Fix: pass them positionally, or bind constants "
                 "with functools.partial before spmd_map."
             )
-        backend = backend_for(self.mesh)
+        backend = self.backend
         if torch.compiler.is_compiling() and not getattr(backend, "traceable", True):
             return _call_eagerly(self, args, backend)
         return self._call(args, backend)[0]

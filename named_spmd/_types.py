@@ -300,7 +300,7 @@ def _type_repr(dtype: torch.dtype, shape: tuple[int, ...], vma: Vma, order: tupl
 
 
 #: How error messages write a value's type. The real backend's compile path
-#: (backends/_dist_compile.py) replaces the entry, on import, with a version that runs eagerly
+#: (``_traced.py``, imported by the compile paths) replaces the entry, on import, with a version that runs eagerly
 #: while torch.compile traces (Dynamo cannot build the slotted ``VType``); wrapped here, it would
 #: import Dynamo with named_spmd.
 TYPE_TEXT = [_type_repr]

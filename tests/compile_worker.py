@@ -256,11 +256,12 @@ ERRORS = {
 }
 
 
-def check_error(name: str, backend: str) -> dict:
+def check_error(name: str, backend: str, size: int | None = None) -> dict:
     """The error is raised while Dynamo traces (``fullgraph=True``): Dynamo wraps it in its
-    ``Unsupported`` ("Observed exception"), whose cause names our error's class and message."""
+    ``Unsupported`` ("Observed exception"), whose cause names our error's class and message.
+    ``size``: the mesh's (default: one instance per process)."""
     fn, in_specs, out_specs, make = ERRORS[name]
-    mesh = ns.make_mesh((dist.get_world_size(),), ("dp",))
+    mesh = ns.make_mesh((size or dist.get_world_size(),), ("dp",))
     f = ns.spmd_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     caught = []
     for g in (f, torch.compile(f, backend=backend, fullgraph=True)):

@@ -1,9 +1,22 @@
-"""torch.compile and the simulated mesh: a compiled function called inside the per-device function
-runs uncompiled there (Dynamo cannot trace under the simulation's vmap levels), with the numbers of
-the uncompiled piece, forward and backward (backends/simulated/_compiled.py); a mapped call inside a
-compiled program runs eagerly, with a graph break around it (SpmdFunction.__call__)."""
+"""torch.compile and the simulated mesh.
+
+* A compiled mapped call (``torch.compile(spmd_map(f))``, or a compiled step calling one) is traced
+  whole (backends/simulated/_traced.py): ``fullgraph=True`` on eager, aot_eager and inductor for
+  the catalogue's programs, values and gradients equal to the eager call over three steps with one
+  compiled frame, and the eager call's errors, raised at trace time (tests/compile_worker.py's
+  checks, run here in one process).
+* A compiled function called inside the per-device function of an eager call runs uncompiled
+  there (Dynamo cannot trace under the eager simulation's vmap levels), with the numbers of the
+  uncompiled piece (backends/simulated/_compiled.py); inside a compiled call it is traced with it.
+* A backend Dynamo cannot trace (``traceable = False``) runs its calls eagerly inside a compiled
+  program, with a graph break around each (SpmdFunction.__call__).
+"""
 
 from __future__ import annotations
+
+import functools
+import os
+import sys
 
 import pytest
 import torch
@@ -11,6 +24,37 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import named_spmd as ns
 from named_spmd import P
+from named_spmd.backends.simulated import BACKEND as SIMULATED
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import compile_worker  # noqa: E402
+from test_compile import ERRORS, FEW, PROGRAMS  # noqa: E402
+
+
+def _passes(check, name: str, backend: str) -> None:
+    result = compile_worker._guarded(check, name, backend)
+    assert not result["problems"], f"{result['problems']}\n{result.get('traceback', '')}"
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_a_compiled_call_equals_the_eager_call(name, backend):
+    _passes(compile_worker.check_program, name, backend)
+
+
+@pytest.mark.parametrize("name", FEW)
+def test_a_compiled_call_equals_the_eager_call_with_inductor(name):
+    _passes(compile_worker.check_program, name, "inductor")
+
+
+def test_a_call_compiled_before_any_eager_call_does_not_recompile_after_one():
+    _passes(compile_worker.check_compiled_first, "megatron_biases@4", "aot_eager")
+
+
+@pytest.mark.parametrize("name", ERRORS)
+def test_a_compiled_call_raises_the_eager_calls_error(name):
+    _passes(functools.partial(compile_worker.check_error, size=4), name, "eager")
 
 
 def _mlp(piece):
@@ -64,22 +108,14 @@ def _dict_mlp():
     return ns.spmd_map(f, mesh=mesh, in_specs=specs, out_specs=P("dp", None))
 
 
-# Dynamo itself (torch 2.13, variables/builder.py wrap_tensor) reads `.grad` of the non-leaf
-# tensor it hands across the graph break; under the default warning filters nothing is shown
-@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_a_compiled_program_runs_a_simulated_call_eagerly_with_the_same_numbers(backend):
-    """The whole call inside a compiled step: a graph break around it, the ops around it
-    compiled; values and gradients are the eager step's, whatever the arguments' pytree."""
-    f = _dict_mlp()
-    x, w1, b1, w2 = _args()
-    params = {"w1": w1, "b1": b1, "w2": w2}
-
+def _step(f):
     def step(x, p):
         return (f(torch.sin(x), p) ** 2).sum() * 0.5
 
-    counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(step, backend=counter)
+    return step
+
+
+def _equal_steps(compiled, step, x, params) -> None:
     for _ in range(2):
         got, want = compiled(x, params), step(x, params)
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
@@ -87,14 +123,63 @@ def test_a_compiled_program_runs_a_simulated_call_eagerly_with_the_same_numbers(
         g_want = torch.autograd.grad(want, [x, *params.values()])
         for a, b in zip(g_got, g_want):
             assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_a_compiled_step_traces_a_simulated_call_whole(backend):
+    """The call inside a compiled step, its arguments a dict: one graph (``fullgraph=True``)
+    with the ops around it, the eager step's values and gradients, no recompile on step 2."""
+    f = _dict_mlp()
+    x, w1, b1, w2 = _args()
+    step = _step(f)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    _equal_steps(compiled, step, x, {"w1": w1, "b1": b1, "w2": w2})
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("wrap", ["torch.compile", "ns.compile"])
+def test_a_compiled_piece_inside_a_compiled_call_is_traced_with_it(wrap):
+    make = torch.compile if wrap == "torch.compile" else ns.compile
+    piece = make(_raw, backend="eager", fullgraph=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_mlp(piece), backend=counter, fullgraph=True)
+    plain = _mlp(_raw)
+    args = _args()
+    got, want = compiled(*args), plain(*args)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    g_got = torch.autograd.grad((got * got).sum(), args)
+    g_want = torch.autograd.grad((want * want).sum(), args)
+    for a, b in zip(g_got, g_want):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert counter.frame_count == 1
+
+
+# Dynamo itself (torch 2.13, variables/builder.py wrap_tensor) reads `.grad` of the non-leaf
+# tensor it hands across the graph break; under the default warning filters nothing is shown
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_a_backend_dynamo_cannot_trace_runs_its_calls_eagerly(backend, monkeypatch):
+    """A call on a backend with ``traceable = False`` inside a compiled step: a graph break
+    around it, the ops around it compiled; values and gradients are the eager step's, whatever
+    the arguments' pytree (a call resumed after a break inside it once got Dynamo's stand-in for
+    the dict's treespec, and failed)."""
+    monkeypatch.setattr(SIMULATED, "traceable", False)
+    f = _dict_mlp()
+    x, w1, b1, w2 = _args()
+    step = _step(f)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(step, backend=counter)
+    _equal_steps(compiled, step, x, {"w1": w1, "b1": b1, "w2": w2})
     # sin before the call and the loss after it compiled, once each: no recompile on step 2
     assert counter.frame_count == 2
 
 
-def test_fullgraph_names_why_a_simulated_call_cannot_be_traced():
+def test_fullgraph_names_why_a_call_cannot_be_traced(monkeypatch):
+    monkeypatch.setattr(SIMULATED, "traceable", False)
     f = _dict_mlp()
     x, w1, b1, w2 = _args()
     compiled = torch.compile(lambda x, p: f(x, p).sum(), backend="eager", fullgraph=True)
-    with pytest.raises(Exception, match="simulated mesh runs eagerly") as info:
+    with pytest.raises(Exception, match="runs eagerly inside a compiled program") as info:
         compiled(x, {"w1": w1, "b1": b1, "w2": w2})
     assert "fullgraph=True" in str(info.value)  # the fix

@@ -62,9 +62,11 @@ def check_pairs(ctx: SpmdContext, op: str, perm: Any, n: int, axes: Axes) -> Pai
     """Validated pairs. Perms of int tuples are remembered: validating costs more than the
     simulated permutation of a small operand."""
     # only int tuples are looked up: (0.0, 1.0) hashes and compares equal to (0, 1), but is
-    # not a valid pair
-    if isinstance(perm, (list, tuple)) and all(
-        type(p) is tuple and all(type(v) is int for v in p) for p in perm
+    # not a valid pair; none while Dynamo traces (it warns about the lru_cache)
+    if (
+        not torch.compiler.is_compiling()
+        and isinstance(perm, (list, tuple))
+        and all(type(p) is tuple and all(type(v) is int for v in p) for p in perm)
     ):
         pairs = _valid_int_pairs(n, tuple(perm))
         if pairs is not None:

@@ -11,9 +11,9 @@ backend interface is the same (docs/design.md 6.3/6.4); only what Dynamo cannot 
 * every collective runs inside our own autograd Function (:class:`CompiledCollectiveFn`, the
   bridge of ``_autodiff``): Dynamo traces its forward and backward, and the backward is the
   record's transpose, so an implicit pvary's psum appears in the backward graph;
-* types are stamps set with ``setattr`` (Dynamo traces attribute writes on tensors, not
-  ``__dict__``), and implicit pvary aliases are cached per tensor in a dict keyed by the tensor;
-  type inference, the out_specs check and every ``SpmdError`` happen once, at trace time;
+* types are ``_traced``'s (stamps set with ``setattr``, every op typed by
+  ``CompiledVmaMode``): type inference, the out_specs check and every ``SpmdError`` happen
+  once, at trace time;
 * the process group facts (group name, member index, rank order) come from
   ``torch.compiler.assume_constant_result`` functions: constants of the graph;
 * nothing of the eager machinery runs in the graph: no start-of-call check, no failure board,
@@ -23,67 +23,21 @@ backend interface is the same (docs/design.md 6.3/6.4); only what Dynamo cannot 
 
 from __future__ import annotations
 
-import itertools
-import types
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _blocks, _partial, _types
 from .. import _torch_private as P
-from .._collectives._record import PVARY_RECORD, RECORDS, implicit_pvary
-from .._context import SpmdContext
-from .._errors import fn_label
+from .._collectives._record import PVARY_RECORD, RECORDS
 from .._layout import assemble, block
 from .._spec import PartitionSpec
-from .._tracking import STAMP_ATTR, TrackedContext, VmaMode, is_inplace
-from .._types import INVARIANT, Vma
+from .._traced import CompiledVmaMode, TracedContext, route_view_attributes
+from .._tracking import TrackedContext
+from .._types import INVARIANT
 from ._dist_comm import permute_splits
 from ._dist_dtensor import placements
 from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs
-
-
-def warm_types(names: tuple[str, ...]) -> None:
-    """Intern every type over the axes ``names`` and fill every memo of the type algebra
-    (``Vma``'s union / add / remove), once per mesh, before any trace. Dynamo guards on the
-    dicts a trace reads (their length, the keys it looked up): a type or memo entry made later
-    (by the trace itself, or by an eager call between two steps) would recompile the graph.
-    Every state of every axis (partial sums are inferred in ordinary programs) up to
-    :data:`WARM_ALL_STATES` axes (4: 256 types, about 0.13 s); beyond, the varying-only types."""
-    if len(names) <= WARM_ALL_STATES:
-        states = itertools.product(range(4), repeat=len(names))  # invariant, V, U, R per axis
-        types = [
-            Vma.make(*(frozenset(a for a, s in zip(names, pick) if s == k) for k in (1, 2, 3)))
-            for pick in states
-        ]
-    else:
-        types = [Vma.of(c) for k in range(len(names) + 1) for c in itertools.combinations(names, k)]
-    tuples = [p for k in range(len(names) + 1) for p in itertools.permutations(names, k)]
-    for v in types:
-        for w in types:
-            v.union(w)
-        for t in tuples:
-            v.add(t)
-            v.remove(t)
-
-
-WARM_ALL_STATES = 4
-
-
-# error messages name types eagerly at trace time (Dynamo cannot build the slotted VType)
-_types.TYPE_TEXT[0] = torch.compiler.assume_constant_result(_types._type_repr)
-
-
-@torch.compiler.assume_constant_result
-def _traced_user_line() -> str:
-    """The user's line of the op being traced, for error messages (run eagerly at trace time)."""
-    return _partial.line_of(P.traced_user_stack())
-
-
-_partial.TRACED_USER_LINE[0] = _traced_user_line
-_blocks.RULE_NAME[0] = torch.compiler.assume_constant_result(_blocks.rule_name)
 
 _F = P.funcol()  # bound at import: Dynamo reads module attributes as constants
 
@@ -95,19 +49,6 @@ def _group(mesh: Any, axes: tuple[str, ...]) -> tuple[str, int, int, tuple | Non
     comm = mesh.comm(axes)
     order = None if comm._to_group is None else tuple(comm.group_rank)
     return comm.group.group_name, comm.n, comm.index, order
-
-
-@torch.compiler.assume_constant_result
-def _label(fn: Any) -> str:
-    """The function's label for messages, computed eagerly at trace time."""
-    return fn_label(fn)
-
-
-@torch.compiler.assume_constant_result
-def _route_view_attributes() -> bool:
-    """Run eagerly when the first call is traced: ``x.T`` & co. reach the VmaMode, as in eager
-    (``_torch_private.route_view_attributes_to_modes``)."""
-    return P.route_view_attributes_to_modes()
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -127,23 +68,10 @@ def _to_group(x: torch.Tensor, order: tuple | None) -> torch.Tensor:
     return x.index_select(0, torch.tensor(inverse, device=x.device))
 
 
-class _Token:
-    """Identifies one traced call in its stamps (Dynamo cannot trace ``object()``)."""
-
-
-class CompiledContext(TrackedContext):
-    """A traced call on a real mesh: funcol primitives, stamps as attributes."""
+class CompiledContext(TracedContext):
+    """A traced call on a real mesh: funcol primitives."""
 
     mesh: Any  # a DistributedMesh (distributed.py imports this module)
-    donates = False
-    marks_calls = False
-
-    def __init__(self, mesh: Any, fn: Callable[..., Any]):
-        SpmdContext.__init__(self, mesh, fn)  # not TrackedContext's caches: Dynamo traces this
-        if isinstance(fn, types.FunctionType):  # traced, its __qualname__ reads as a descriptor
-            self.fn_label = _label(fn)  # (a partial cannot be an assume_constant_result argument)
-        self.call_token = _Token()
-        self.aliases: dict[torch.Tensor, dict[tuple[str, ...], torch.Tensor]] = {}
 
     @classmethod
     def twin(cls, ctx: TrackedContext) -> CompiledContext:
@@ -154,29 +82,6 @@ class CompiledContext(TrackedContext):
         twin = cls(ctx.mesh, ctx.fn)
         twin.call_token = ctx.call_token
         return twin
-
-    # --- types ------------------------------------------------------------------------------
-    def vma(self, x: torch.Tensor) -> Vma:
-        stamp = getattr(x, STAMP_ATTR, None)
-        if stamp is not None and stamp[0] is self.call_token:
-            return stamp[1]
-        return INVARIANT
-
-    def stamp_of(self, vma: Vma) -> tuple[object, Vma]:
-        return (self.call_token, vma)
-
-    def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
-        setattr(x, STAMP_ATTR, (self.call_token, vma))
-        return x
-
-    def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        per = self.aliases.get(t)
-        if per is None:
-            per = self.aliases[t] = {}
-        alias = per.get(axes)
-        if alias is None:
-            alias = per[axes] = implicit_pvary(self, t, axes)
-        return alias
 
     # --- the bridge -------------------------------------------------------------------------
     def apply(self, rec, x, axes, params, donate=False):
@@ -280,42 +185,6 @@ class CompiledCollectiveFn(torch.autograd.Function):
 _NONES = (None,) * 4
 
 
-@torch.compiler.assume_constant_result
-def _writes_in_place(func: Any) -> bool:
-    """``is_inplace`` run eagerly at trace time: its memo is a dict (Dynamo would guard on its
-    length) and Dynamo cannot trace ``str.endswith`` on an op's name."""
-    return is_inplace(func)
-
-
-class CompiledVmaMode(VmaMode):
-    """:class:`VmaMode` for a traced call: every op takes the general path (types are read with
-    ``getattr``)."""
-
-    inplace = staticmethod(_writes_in_place)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _PASS:
-            return func(*args, **(kwargs or {}))
-        return self._general(func, args, kwargs)
-
-    def _stamp_outputs(self, out, union):
-        for o in out if isinstance(out, (list, tuple)) else (out,):
-            if isinstance(o, torch.Tensor):
-                self.ctx.stamp(o, union)
-        return out
-
-
-_PASS = frozenset(
-    {
-        torch.rand_like,
-        torch.randn_like,
-        torch.randint_like,
-        torch.autograd.grad,
-        torch.Tensor.backward,
-    }
-)
-
-
 # --- the boundary ----------------------------------------------------------------------------
 
 
@@ -374,7 +243,7 @@ def _global_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -
 
 def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
     """``distributed.run`` while Dynamo traces: see the module docstring."""
-    _route_view_attributes()
+    route_view_attributes()
     ctx = CompiledContext(mesh, fn)
     with P.DisableTorchFunction():
         local = [

@@ -20,8 +20,9 @@ import torch
 from .. import _context
 from .. import _torch_private as P
 from .._accounting import recording
+from .._traced import CompiledVmaMode
 from .._tracking import TrackedContext
-from ._dist_compile import CompiledContext, CompiledVmaMode
+from ._dist_compile import CompiledContext
 
 
 def run_piece(ctx: TrackedContext, piece: Any, args: tuple, kwargs: dict) -> Any:

@@ -51,6 +51,7 @@ from .._errors import RankFailedError, SpmdError
 from .._layout import group_coords, index_of
 from .._mesh import Mesh
 from .._spec import PartitionSpec
+from .._traced import warm_types
 from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
 from . import _dist_agree, _dist_compile, _dist_dtensor, _dist_overlap, _dist_piece
@@ -128,7 +129,7 @@ class DistributedMesh(Mesh):
             raise self.board.setup_failed(e) from None
         self.board.made()  # no rank leaves (and exits) while a peer still connects to it
         self._comms: dict[tuple[str, ...], Comm] = {}
-        _dist_compile.warm_types(names)  # before any torch.compile trace of a call on it
+        warm_types(names)  # before any torch.compile trace of a call on it
         _MESH_OF[id(device_mesh)] = self
         self.placements_cache: dict = {}  # (spec, rank) -> DTensor placements
         self.dtensor_specs: dict = {}  # (placements, shape, stride, dtype) -> DTensorSpec

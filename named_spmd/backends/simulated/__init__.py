@@ -38,20 +38,9 @@ from . import _instances as _instances  # installs the per-instance printing of 
 from ._compiled import compiled_pieces_eagerly
 from ._diagnose import explained
 from ._marks import PartialMode
-from ._plan import _input_plan, from_physical
+from ._plan import _input_plan, from_physical, partial_input
 from ._primitives import SimulatedContext
 from ._recording import ImplicitPvaryRecorder
-
-
-def _partial_input(ctx: SimulatedContext, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
-    """An input unreduced over A: the member at coordinate 0 of A holds the global value, the
-    others zeros (parts that sum to it). Reduced: unbatched as an invariant input; the mark
-    says reduced."""
-    x = x.view_as(x)  # a tensor object of the call's own, for the mark
-    for a in spec.unreduced:
-        x = ctx.pvary(x, (a,))
-        x = torch.where(ctx.tokens[a] == 0, x, torch.zeros_like(x))
-    return x
 
 
 def _run_body(body, local, ctx: SimulatedContext, blocks: bool) -> list[torch.Tensor]:
@@ -164,7 +153,7 @@ def run(
         blocks = False
         for i in tensor_pos:
             if specs[i].reduced or specs[i].unreduced:
-                local[i] = ctx.stamp(_partial_input(ctx, local[i], specs[i]), specs[i].vma())
+                local[i] = ctx.stamp(partial_input(ctx, local[i], specs[i]), specs[i].vma())
             blocks |= _blocks.mark(local[i], specs[i], ctx.token)
         if recording():  # report implicit pvary's backward psum; off the fast path
             ctx.recorder = ImplicitPvaryRecorder(ctx)
@@ -211,19 +200,25 @@ def _raised_in_checkpoint(error: BaseException) -> bool:
     return False
 
 
+# torch errors of the user's code told per instance; compiled pieces of it run uncompiled
+_run_eagerly = compiled_pieces_eagerly(explained(run))
+
+
 class SimulatedBackend:
     """Every instance in this process, under nested vmap (the default backend)."""
 
     name = "simulated"
-    # the vmap levels are entered through functorch's private nesting calls, which Dynamo
-    # refuses (docs/design.md section 9): a compiled program runs each call eagerly
-    traceable = False
+    traceable = True  # _traced: the whole call traced into the graph
 
     def accepts(self, mesh: Mesh) -> bool:
         return mesh.device_mesh is None
 
-    # torch errors of the user's code told per instance; compiled pieces of it run uncompiled
-    run = staticmethod(compiled_pieces_eagerly(explained(run)))
+    def run(self, mesh, fn, leaves, specs, body, out_specs_of):
+        if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path
+            from . import _traced  # imports Dynamo, loaded by now (not with every eager call)
+
+            return _traced.run(mesh, fn, leaves, specs, body, out_specs_of)
+        return _run_eagerly(mesh, fn, leaves, specs, body, out_specs_of)
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         text = str(error)

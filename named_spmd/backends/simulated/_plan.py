@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -74,25 +75,42 @@ def _output_plan(
     for d in range(len(shape_list) - len(kept)):
         group = [kept.index(a) for a in spec.entry_axes(d)] + [len(kept) + d]
         perm.extend(group)
-        sizes.append(math.prod(shape_list[i] for i in group))
+        sizes.append(math.prod([shape_list[i] for i in group]))  # a list: Dynamo traces it
     return index, tiles, None if perm == sorted(perm) else perm, sizes
 
 
+def partial_input(ctx: Any, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """An input unreduced over A: the member at coordinate 0 of A holds the global value, the
+    others zeros (parts that sum to it). Reduced: unbatched as an invariant input; the mark
+    says reduced. ``ctx``: a simulated call's context (``pvary``, a ``tokens`` dict)."""
+    x = x.view_as(x)  # a tensor object of the call's own, for the mark
+    for a in spec.unreduced:
+        x = ctx.pvary(x, (a,))
+        x = torch.where(ctx.tokens[a] == 0, x, torch.zeros_like(x))
+    return x
+
+
 def from_physical(
-    y: torch.Tensor, present: Sequence[str], spec: PartitionSpec, mesh: Mesh
+    y: torch.Tensor,
+    present: Sequence[str],
+    spec: PartitionSpec,
+    mesh: Mesh,
+    cached: bool = True,
 ) -> torch.Tensor:
     """[one dim per axis of ``present`` (nesting order), *local] -> global tensor per ``spec``.
 
     ``present`` are the axes the output is batched at. An axis the spec does not name contributes
     its instance-0 copy (invariant when checked); an axis the spec names but the output is
-    invariant over is tiled."""
+    invariant over is tiled. ``cached=False`` while Dynamo traces (it warns about the plan's
+    ``lru_cache``)."""
     if spec.unreduced:  # partial sums over those axes: the output is their total
         dims = [i for i, a in enumerate(present) if a in spec.unreduced]
         if dims:
             y = y.sum(dims)
             present = [a for a in present if a not in spec.unreduced]
     axes = tuple(mesh.shape.items())
-    index, tiles, perm, sizes = _output_plan(tuple(y.shape), tuple(present), spec, axes, mesh)
+    plan = _output_plan if cached else _output_plan.__wrapped__
+    index, tiles, perm, sizes = plan(tuple(y.shape), tuple(present), spec, axes, mesh)
     if index is not None:
         y = y[index]
     for n in tiles:  # each new one in front: the last one leads, as in the plan

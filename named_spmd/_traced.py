@@ -1,0 +1,175 @@
+"""What every backend's compile path shares: a call traced by ``torch.compile`` (docs/design.md 9).
+
+When Dynamo traces a mapped call, its backend's compile path (``backends/_dist_compile.py`` on a
+real mesh, ``backends/simulated/_traced.py`` on the simulated one) types the call with the
+classes here, so that type inference, the out_specs check and every ``SpmdError`` run once, at
+trace time, and nothing of them runs per step:
+
+* :class:`TracedContext`: types as stamps set with ``setattr`` (Dynamo traces attribute writes
+  on tensors, not ``__dict__``), implicit pvary aliases cached in a dict keyed by the tensor
+  (Dynamo hashes tensors by identity, not ``id()``), the call token an instance of a small class
+  (Dynamo cannot trace ``object()``);
+* :class:`CompiledVmaMode`: every op takes ``VmaMode``'s general path;
+* :func:`warm_types`: the type algebra's memos filled before any trace reads them (Dynamo guards
+  on the length of every dict a trace reads);
+* what must run eagerly at trace time (error texts, the user's line, the block rule's name) goes
+  through ``torch.compiler.assume_constant_result``, installed in the modules' hooks on import.
+
+Importing this module imports Dynamo (``assume_constant_result``): only the compile paths do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _blocks, _partial, _types
+from . import _torch_private as P
+from ._collectives._record import implicit_pvary
+from ._context import SpmdContext
+from ._errors import fn_label
+from ._tracking import STAMP_ATTR, TrackedContext, VmaMode, is_inplace
+from ._types import INVARIANT, Vma
+
+WARM_ALL_STATES = 4
+_WARMED: set[tuple[str, ...]] = set()
+
+
+def warm_types(names: tuple[str, ...]) -> bool:
+    """Intern every type over the axes ``names`` and fill every memo of the type algebra
+    (``Vma``'s union / add / remove), once per set of axis names, before any trace. Dynamo
+    guards on the dicts a trace reads (their length, the keys it looked up): a type or memo
+    entry made later (by the trace itself, or by an eager call between two steps) would
+    recompile the graph. Every state of every axis (partial sums are inferred in ordinary
+    programs) up to :data:`WARM_ALL_STATES` axes (4: 256 types, about 0.13 s); beyond, the
+    varying-only types."""
+    if names in _WARMED:
+        return True
+    if len(names) <= WARM_ALL_STATES:
+        states = itertools.product(range(4), repeat=len(names))  # invariant, V, U, R per axis
+        vmas = [
+            Vma.make(*(frozenset(a for a, s in zip(names, pick) if s == k) for k in (1, 2, 3)))
+            for pick in states
+        ]
+    else:
+        vmas = [Vma.of(c) for k in range(len(names) + 1) for c in itertools.combinations(names, k)]
+    tuples = [p for k in range(len(names) + 1) for p in itertools.permutations(names, k)]
+    for v in vmas:
+        for w in vmas:
+            v.union(w)
+        for t in tuples:
+            v.add(t)
+            v.remove(t)
+    _WARMED.add(names)
+    return True
+
+
+#: :func:`warm_types` run eagerly when a trace calls it (a compile path's first step).
+warm_types_eagerly = torch.compiler.assume_constant_result(warm_types)
+
+# error messages name types eagerly at trace time (Dynamo cannot build the slotted VType)
+_types.TYPE_TEXT[0] = torch.compiler.assume_constant_result(_types._type_repr)
+
+
+@torch.compiler.assume_constant_result
+def _traced_user_line() -> str:
+    """The user's line of the op being traced, for error messages (run eagerly at trace time)."""
+    return _partial.line_of(P.traced_user_stack())
+
+
+_partial.TRACED_USER_LINE[0] = _traced_user_line
+_blocks.RULE_NAME[0] = torch.compiler.assume_constant_result(_blocks.rule_name)
+
+
+@torch.compiler.assume_constant_result
+def _label(fn: Any) -> str:
+    """The function's label for messages, computed eagerly at trace time."""
+    return fn_label(fn)
+
+
+@torch.compiler.assume_constant_result
+def route_view_attributes() -> bool:
+    """Run eagerly when the first call is traced: ``x.T`` & co. reach the VmaMode, as in eager
+    (``_torch_private.route_view_attributes_to_modes``)."""
+    return P.route_view_attributes_to_modes()
+
+
+class _Token:
+    """Identifies one traced call in its stamps (Dynamo cannot trace ``object()``)."""
+
+
+class TracedContext(TrackedContext):
+    """A traced call: stamps as attributes, implicit pvary aliases keyed by the tensor.
+    Subclasses implement the primitives."""
+
+    donates = False
+    marks_calls = False
+
+    def __init__(self, mesh: Any, fn: Callable[..., Any]):
+        SpmdContext.__init__(self, mesh, fn)  # not TrackedContext's caches: Dynamo traces this
+        if isinstance(fn, types.FunctionType):  # traced, its __qualname__ reads as a descriptor
+            self.fn_label = _label(fn)  # (a partial cannot be an assume_constant_result argument)
+        self.call_token = _Token()
+        self.aliases: dict[torch.Tensor, dict[tuple[str, ...], torch.Tensor]] = {}
+
+    def vma(self, x: torch.Tensor) -> Vma:
+        stamp = getattr(x, STAMP_ATTR, None)
+        if stamp is not None and stamp[0] is self.call_token:
+            return stamp[1]
+        return INVARIANT
+
+    def stamp_of(self, vma: Vma) -> tuple[object, Vma]:
+        return (self.call_token, vma)
+
+    def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
+        setattr(x, STAMP_ATTR, (self.call_token, vma))
+        return x
+
+    def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        per = self.aliases.get(t)
+        if per is None:
+            per = self.aliases[t] = {}
+        alias = per.get(axes)
+        if alias is None:
+            alias = per[axes] = implicit_pvary(self, t, axes)
+        return alias
+
+
+@torch.compiler.assume_constant_result
+def _writes_in_place(func: Any) -> bool:
+    """``is_inplace`` run eagerly at trace time: its memo is a dict (Dynamo would guard on its
+    length) and Dynamo cannot trace ``str.endswith`` on an op's name."""
+    return is_inplace(func)
+
+
+class CompiledVmaMode(VmaMode):
+    """:class:`VmaMode` for a traced call: every op takes the general path (types are read with
+    ``getattr``)."""
+
+    inplace = staticmethod(_writes_in_place)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _PASS:
+            return func(*args, **(kwargs or {}))
+        return self._general(func, args, kwargs)
+
+    def _stamp_outputs(self, out, union):
+        for o in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(o, torch.Tensor):
+                self.ctx.stamp(o, union)
+        return out
+
+
+_PASS = frozenset(
+    {
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint_like,
+        torch.autograd.grad,
+        torch.Tensor.backward,
+    }
+)

@@ -1,0 +1,254 @@
+"""The simulated mesh traced by ``torch.compile``: the simulated backend's compile path.
+
+When Dynamo traces a call on a simulated mesh (``torch.compile(spmd_map(f, ...))``, or a
+compiled step that calls one), :func:`run` replaces the eager ``run`` of the package. The eager
+path enters functorch's vmap levels through private calls Dynamo cannot trace, and its primitives
+are autograd Functions, which do not compile under vmap. Here instead:
+
+* the instances are the public ``torch.func.vmap``, one per mesh axis (outermost first, in mesh
+  order), which Dynamo traces;
+* every primitive that moves data between instances is one custom op, :func:`_collective`,
+  whose only implementation is its vmap rule (:func:`_rule`): at each vmap level it moves the
+  level's batch dim in front and calls itself one level down, until every axis of the
+  collective is an explicit dim; there :func:`_stacked` computes every member's result with
+  ordinary torch ops, and the result goes back up, batched at the levels it varies over. The
+  level of axis ``a`` is recognised by the per-axis token (``arange`` of the axis size) that is
+  batched there. Autograd and Inductor see only ordinary ops: a gradient flows through them
+  as through any batched program, and the transposes need no rule of ours;
+* types are stamps (``_traced.TracedContext``) and every op is typed by ``CompiledVmaMode``,
+  once, at trace time: an implicit pvary is a view (its psum in backward is vmap's own sum over
+  the broadcast operand).
+
+Not on this path: ``torch.func`` transforms (grad, jvp) inside the per-device function (the
+custom op has no autograd rule at a transform's level), ``CommMode`` events, and the
+per-instance wording of torch's errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ... import _torch_private as P
+from ..._layout import physical_layout
+from ..._mesh import Mesh
+from ..._spec import PartitionSpec
+from ..._traced import CompiledVmaMode, TracedContext, route_view_attributes, warm_types_eagerly
+from ..._types import INVARIANT
+from ._plan import from_physical, partial_input
+
+# --- the one custom op ------------------------------------------------------------------------
+#
+# ``tokens``: one per mesh axis (mesh order), batched at that axis' level only; ``axes``: the
+# collective's axes (mesh indices, row-major order of the group); ``params``: the kind's ints;
+# ``peeled``: the axis of each explicit leading dim (-1: a vmap level not ours); ``sizes``: the
+# mesh's axis sizes.
+
+
+@torch.library.custom_op(
+    "named_spmd::simulated_collective",
+    mutates_args=(),
+    schema="(Tensor x, Tensor[] tokens, str kind, int[] axes, int[] params, int[] peeled, "
+    "int[] sizes) -> Tensor",
+)
+def _collective(x, tokens, kind, axes, params, peeled, sizes):
+    raise RuntimeError(_OUTSIDE)
+
+
+@_collective.register_fake
+def _(x, tokens, kind, axes, params, peeled, sizes):
+    raise RuntimeError(_OUTSIDE)
+
+
+_OUTSIDE = "named_spmd's simulated collective runs only under the simulation's vmap levels"
+
+
+def _rule(info, in_dims, x, tokens, kind, axes, params, peeled, sizes):
+    """The op at one vmap level: peel the level into an explicit leading dim and go one level
+    down, or, once every axis of the group is explicit, compute (:func:`_stacked`)."""
+    x_dim, token_dims = in_dims[0], in_dims[1]
+    axis = next((a for a, d in enumerate(token_dims) if d is not None), -1)
+    named = axis in axes
+    if x_dim is None:
+        if not named:  # x is the same on every instance of this level: so is the result
+            return _collective(x, tokens, kind, axes, params, peeled, sizes), None
+        x = x.expand(info.batch_size, *x.shape)  # typed varying, held once: every member's copy
+    else:
+        x = x.movedim(x_dim, 0)
+    peeled = [axis, *peeled]
+    with P.DisableTorchFunction():
+        if all(a in peeled for a in axes):
+            out = _stacked(x, kind, axes, params, peeled, sizes)
+        else:
+            out = _collective(x, tokens, kind, axes, params, peeled, sizes)
+    return out, (None if named and kind in _INVARIANT_RESULTS else 0)
+
+
+torch.library.register_vmap(_collective, _rule)
+
+
+def _stacked(x, kind, axes, params, peeled, sizes):
+    """Every member's result at once. ``x``: ``[one dim per peeled level, *local]``; the
+    result: the same peeled dims (the group's dims dropped for an invariant result), *local."""
+    m = len(peeled)
+    group = [peeled.index(a) for a in axes]
+    others = [i for i in range(m) if i not in group]
+    z = x.permute(*group, *others, *range(m, x.dim())).flatten(0, len(group) - 1)
+    out = _KINDS[kind](z, len(others), params)
+    if kind in _INVARIANT_RESULTS:
+        return out
+    out = out.unflatten(0, [sizes[a] for a in axes])
+    order = group + others
+    return out.permute(*[order.index(i) for i in range(m)], *range(m, out.dim()))
+
+
+# Each kind: z = [G (the group's members, row-major), *batch (k dims), *local] -> the result,
+# [*batch, *local'] for invariant results, [G, *batch, *local'] for varying ones.
+def _reduce(name: str) -> Callable[..., torch.Tensor]:
+    def reduce(z: torch.Tensor, k: int, params: list[int]) -> torch.Tensor:
+        out = getattr(z, name)(0)
+        return out if out.dtype is z.dtype else out.to(z.dtype)  # a mesh sum keeps the dtype
+
+    return reduce
+
+
+def _reduce_scatter(z: torch.Tensor, k: int, params: list[int]) -> torch.Tensor:
+    out = z.sum(0).movedim(k + params[0], 0)
+    return out if out.dtype is z.dtype else out.to(z.dtype)
+
+
+def _permute(z: torch.Tensor, k: int, params: list[int]) -> torch.Tensor:
+    n = z.shape[0]
+    source, receives = [0] * n, [False] * n
+    for src, dst in zip(params[::2], params[1::2]):
+        source[dst], receives[dst] = src, True
+    got = z.index_select(0, torch.tensor(source, device=z.device))
+    if all(receives):
+        return got
+    mask = torch.tensor(receives, device=z.device).reshape(n, *[1] * (z.dim() - 1))
+    return torch.where(mask, got, got.new_zeros(()))
+
+
+_KINDS: dict[str, Callable[[torch.Tensor, int, list[int]], torch.Tensor]] = {
+    "sum": _reduce("sum"),
+    "max": _reduce("amax"),
+    "min": _reduce("amin"),
+    "gather": lambda z, k, p: z.movedim(0, k),
+    "broadcast": lambda z, k, p: z.select(0, p[0]),
+    "reduce_scatter": _reduce_scatter,
+    "all_to_all": lambda z, k, p: z.transpose(0, 1 + k + p[0]),
+    "permute": _permute,
+    "own": lambda z, k, p: z.diagonal(0, 0, 1 + k + p[0]).movedim(-1, 0),
+}
+_INVARIANT_RESULTS = frozenset({"sum", "max", "min", "gather", "broadcast"})
+
+
+# --- the context ------------------------------------------------------------------------------
+
+
+class TracedSimulatedContext(TracedContext):
+    """A simulated call traced by Dynamo: the primitives are :func:`_collective`."""
+
+    def __init__(self, mesh: Mesh, fn: Callable[..., Any], tokens: dict[str, torch.Tensor]):
+        super().__init__(mesh, fn)
+        self.tokens = tokens  # axis -> arange(size), batched at the axis' level
+        self.token_list = list(tokens.values())
+        self.index_of = {a: i for i, a in enumerate(tokens)}
+        self.sizes = [mesh.shape[a] for a in tokens]
+
+    def _op(self, x: torch.Tensor, kind: str, axes: tuple[str, ...], *params: int):
+        return _collective(
+            x, self.token_list, kind, [self.index_of[a] for a in axes], list(params), [], self.sizes
+        )
+
+    def apply(self, rec, x, axes, params, donate=False):
+        with P.DisableTorchFunction():  # the collective's own ops need no types
+            return rec.forward(self, x, axes, params, False)
+
+    # --- primitives -------------------------------------------------------------------------
+    def axis_index(self, axes):
+        index = self.tokens[axes[0]]
+        for a in axes[1:]:
+            index = index * self.sizes[self.index_of[a]] + self.tokens[a]
+        return self.stamp(index.clone() if len(axes) == 1 else index, INVARIANT.add(axes))
+
+    def per_member(self, axes, make):
+        with P.DisableTorchFunction():
+            stacked = torch.stack([make(i) for i in range(self.mesh.axis_size(axes))])
+            return self.stamp(self.own_block(stacked, axes, 0), INVARIANT.add(axes))
+
+    def pvary(self, x, axes):
+        return x.view_as(x)
+
+    def all_reduce(self, x, axes, op, donate=False):
+        if x.dtype is torch.bool and op == "sum":
+            op = "max"  # a sum of truth values is their "or", as on a real mesh
+        return self._op(x, op, axes)
+
+    def all_gather(self, x, axes):
+        return self._op(x, "gather", axes)
+
+    def reduce_scatter(self, x, axes, dim):
+        return self._op(x, "reduce_scatter", axes, dim % x.dim())
+
+    def all_to_all(self, x, axes, dim):
+        return self._op(x, "all_to_all", axes, dim % x.dim())
+
+    def permute(self, x, axes, pairs):
+        return self._op(x, "permute", axes, *(i for pair in pairs for i in pair))
+
+    def broadcast(self, x, axes, root):
+        return self._op(x, "broadcast", axes, root)
+
+    def own_block(self, x, axes, dim):
+        return self._op(x, "own", axes, dim % x.dim())
+
+
+# --- the call -----------------------------------------------------------------------------------
+
+
+def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[torch.Tensor]:
+    """The simulated ``run`` while Dynamo traces: see the module docstring."""
+    route_view_attributes()
+    names = mesh.axis_names
+    warm_types_eagerly(names)
+    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    device = leaves[tensor_pos[0]].device if tensor_pos else torch.device("cpu")
+    tokens = [torch.arange(mesh.shape[a], device=device) for a in names]
+    physical = [_physical(leaves[i], specs[i], mesh) for i in tensor_pos]
+
+    def per_instance(inputs: list[torch.Tensor], tokens: list[torch.Tensor]):
+        ctx = TracedSimulatedContext(mesh, fn, dict(zip(names, tokens)))
+        local = list(leaves)
+        for i, x in zip(tensor_pos, inputs):
+            spec = specs[i]
+            x = partial_input(ctx, x, spec) if spec.reduced or spec.unreduced else x.view_as(x)
+            local[i] = ctx.stamp_input(x, spec)
+        with CompiledVmaMode(ctx):
+            outs = body(local, ctx)
+        return outs or [tokens[0]]  # vmap needs an output; an unused one
+
+    mapped = per_instance
+    for a in reversed(names):  # innermost first: the outermost wrapper is the mesh's first axis
+        in_dims = (
+            [0 if a in specs[i].axes else None for i in tensor_pos],
+            [0 if b == a else None for b in names],
+        )
+        mapped = torch.func.vmap(mapped, in_dims=in_dims, randomness="same")
+    outs = mapped(physical, tokens)
+    with P.DisableTorchFunction():
+        return [
+            from_physical(y, names, s, mesh, cached=False) for y, s in zip(outs, out_specs_of())
+        ]
+
+
+def _physical(x: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> torch.Tensor:
+    """A global input as ``[one dim per axis its spec names, in mesh order, *local]``."""
+    split, perm = physical_layout(tuple(x.shape), spec, mesh._shape, mesh.axis_names)
+    x = x.reshape(split)
+    return x if perm == list(range(len(perm))) else x.permute(perm)
+
+
+__all__ = ["run"]
