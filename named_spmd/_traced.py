@@ -157,6 +157,15 @@ class CompiledVmaMode(VmaMode):
             return func(*args, **(kwargs or {}))
         return self._general(func, args, kwargs)
 
+    def _run(self, func, args, kwargs):
+        # Dynamo refuses setattr on the tensors of a multi-output op (chunk, split, max: no
+        # attribute-mutation record): each becomes a view of its own, which takes the stamp
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, (tuple, list)):  # also torch.return_types (max, sort, ...)
+            with P.DisableTorchFunction():
+                out = type(out)([o.view_as(o) if isinstance(o, torch.Tensor) else o for o in out])
+        return out
+
     def _stamp_outputs(self, out, union):
         for o in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(o, torch.Tensor):

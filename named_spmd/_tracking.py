@@ -314,8 +314,12 @@ class VmaMode(TorchFunctionMode):
         if self.insert_pvary and len(vmas) > 1 and any(v is not union for v in vmas):
             _check_inplace(self.ctx, func, args, kwargs, union, self.inplace)
             args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
-        out = func(*args, **(kwargs or {}))
+        out = self._run(func, args, kwargs)
         return self._stamp_outputs(out, self._blocks(func, given, operands, out, union))
+
+    def _run(self, func, args, kwargs):
+        """The op itself, whose outputs get types (and block records)."""
+        return func(*args, **(kwargs or {}))
 
     def _partial(self, func, args, kwargs, operands, vmas):
         """An op with unreduced or reduced operands: typed by the partial-sum algebra (section
@@ -330,7 +334,7 @@ class VmaMode(TorchFunctionMode):
         if self.insert_pvary and len(vmas) > 1 and any(v is not union for v in vmas):
             _check_inplace(self.ctx, func, args, kwargs, union)
             args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
-        out = func(*args, **(kwargs or {}))
+        out = self._run(func, args, kwargs)
         return self._stamp_outputs(out, self._blocks(func, given, operands, out, union))
 
     def _blocks(self, func, given, operands, out, union: Vma) -> Vma:

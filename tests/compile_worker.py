@@ -22,7 +22,15 @@ import traceback
 import optree
 import torch
 import torch.distributed as dist
-from _programs import BY_NAME, Program, torch_ops
+from _programs import (
+    BLOCK_SPECS,
+    BY_NAME,
+    Program,
+    _seeded,
+    block_shapes,
+    torch_ops,
+    tp_sp_block,
+)
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._functorch.aot_autograd import make_boxed_func
@@ -129,7 +137,18 @@ RELAYOUT = Program(
     lambda o, x: x * 2,
     lambda: (torch.arange(16, dtype=torch.float64).reshape(8, 2),),
 )
-PROGRAMS = {**BY_NAME, RELAYOUT.name: RELAYOUT}
+# A transformer block (test_check.py's, on 4 instances): its packed qkv is split by chunk, a
+# multi-output op, whose tensors Dynamo will not let us stamp with setattr (CompiledVmaMode._run).
+BLOCK = Program(
+    "block@4",
+    (2, 2),
+    ("dp", "tp"),
+    BLOCK_SPECS,
+    P("dp", "tp"),
+    tp_sp_block,
+    _seeded(*block_shapes(2, 8, 8, 16)),
+)
+PROGRAMS = {**BY_NAME, RELAYOUT.name: RELAYOUT, BLOCK.name: BLOCK}
 
 
 def mapped(name: str):

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.distributed
 # sequence parallel (all_gather + psum_scatter), all_to_all MoE (tiled and stacked), the ring
 # pass (ppermute; its `q @ k.T` reads a view attribute, which Dynamo hid from the VmaMode until
 # `_torch_private.route_view_attributes_to_modes`), vocab-parallel cross entropy, and a
-# non-mesh-order tuple entry in out_specs (its boundary relayout is a ppermute).
+# non-mesh-order tuple entry in out_specs (its boundary relayout is a ppermute), and a transformer
+# block with sequence parallelism (chunk of a packed qkv: a multi-output op; sdpa).
 PROGRAMS = [
     "data_parallel@4",
     "megatron_biases@4",
@@ -36,6 +37,7 @@ PROGRAMS = [
     "ring_pass@4",
     "vocab_parallel_ce",
     "relayout_out_tpdp@4",
+    "block@4",
 ]
 ERRORS = [
     "out_specs_claim_replication",

@@ -183,3 +183,30 @@ def test_fullgraph_names_why_a_call_cannot_be_traced(monkeypatch):
     with pytest.raises(Exception, match="runs eagerly inside a compiled program") as info:
         compiled(x, {"w1": w1, "b1": b1, "w2": w2})
     assert "fullgraph=True" in str(info.value)  # the fix
+
+
+def _multi_output(x, w):
+    h = x @ w
+    a, b = h.split([4, 8], dim=-1)
+    top = h.max(dim=-1)  # torch.return_types
+    rows = h.unbind(0)
+    return ns.psum(a.sum(-1) * b.mean(-1) + top.values + rows[0].sum() + top.indices, "tp")
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_multi_output_ops_compile(backend):
+    """split, unbind and max(dim): Dynamo refuses setattr on a multi-output op's tensors, so
+    the compile path types a view of each (CompiledVmaMode._run)."""
+    mesh = ns.make_mesh((2,), ("tp",), simulated=True)
+    f = ns.spmd_map(_multi_output, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    w = torch.randn(5, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    counter = CompileCounterWithBackend(backend)
+    got = torch.compile(f, backend=counter, fullgraph=True)(x, w)
+    want = f(x, w)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    (g_got,) = torch.autograd.grad(got.sum(), w)
+    (g_want,) = torch.autograd.grad(want.sum(), w)
+    assert torch.allclose(g_got, g_want, rtol=1e-12, atol=1e-12)
+    assert counter.frame_count == 1
