@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast, overload
 
@@ -35,9 +36,11 @@ def _call(f: SpmdFunction, args: tuple, backend: Backend) -> Any:
     return f._call(args, backend)[0]
 
 
-#: A call on a backend Dynamo cannot trace (none of ours), made while compiling: a graph break around the whole
-#: call, which then runs with the real arguments (tracing up to the backend and breaking there
-#: would hand the rest of the call Dynamo's stand-ins for the pytree specs).
+#: A call on a backend Dynamo cannot trace (none of ours), made while compiling: a graph break
+#: around the whole call, which then runs with the real arguments (tracing up to the backend and
+#: breaking there would hand the rest of the call Dynamo's stand-ins for the pytree specs). Also
+#: a call in the eager rest of a compiled function whose frame Dynamo gave up on: with Dynamo
+#: off, not compiled frame by frame.
 _call_eagerly = P.not_traced(
     _call,
     reason="named_spmd: a call on a backend that Dynamo cannot trace (Backend.traceable is "
@@ -49,6 +52,17 @@ _call_eagerly = P.not_traced(
 
 class SpmdFunction:
     """A per-device function mapped over a mesh; call it with global values."""
+
+    def __new__(cls, *args: Any) -> SpmdFunction:
+        # Each mapped function gets a __call__ code object of its own: Dynamo marks a code
+        # object whose frame it gave up on ("falling back to eager") as skipped until Dynamo
+        # is reset, so one mapped call that cannot be traced would otherwise stop
+        # every other one from compiling (they would run eagerly, silently).
+        return super().__new__(_with_own_call(cls))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickling: rebuilt by the class, a new __call__
+        args = (self.fn, self.mesh, self.in_specs, self.out_specs, self.check_vma)
+        return (SpmdFunction, args)
 
     def __init__(
         self, fn: Callable[..., Any], mesh: Any, in_specs: Any, out_specs: Any, check_vma: bool
@@ -193,7 +207,15 @@ class SpmdFunction:
                 "with functools.partial before spmd_map."
             )
         backend = self.backend
-        if torch.compiler.is_compiling() and not getattr(backend, "traceable", True):
+        if torch.compiler.is_compiling():
+            # the trace-time hooks of the compile paths, before the call's checks read them
+            # (imports Dynamo, loaded by now; an eager session never imports it)
+            from . import _traced  # noqa: F401
+
+            if not getattr(backend, "traceable", True):
+                return _call_eagerly(self, args, backend)
+        elif P.dynamo_frame_callback() is not None:  # Dynamo gave up on the frame around this
+            # call: run it with Dynamo off, or it would compile our eager internals frame by frame
             return _call_eagerly(self, args, backend)
         return self._call(args, backend)[0]
 
@@ -282,6 +304,18 @@ class SpmdFunction:
             if explained is not None:
                 raise explained from e
             raise
+
+
+def _with_own_call(cls: type) -> type:
+    """A subclass of ``cls`` whose ``__call__`` is a copy of ``cls.__call__`` with its own code
+    object (Dynamo keeps its per-frame state, a skip mark included, on the code object)."""
+    call = cls.__call__
+    own = types.FunctionType(
+        call.__code__.replace(), call.__globals__, call.__name__, call.__defaults__
+    )
+    own.__qualname__, own.__doc__ = call.__qualname__, call.__doc__
+    namespace = {"__call__": own, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    return type(cls.__name__, (cls,), namespace)
 
 
 def _tiled_output_event(

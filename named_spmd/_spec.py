@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from ._errors import SpecError, suggest
 from ._types import Vma, render
 
@@ -130,6 +132,13 @@ def spec_problems(
     spec: PartitionSpec, shape: tuple[int, ...], mesh_shape: Mapping[str, int], where: str
 ) -> list[str]:
     """Every way ``spec`` fails to fit a tensor of ``shape`` on the mesh (empty list: it fits)."""
+    if torch.compiler.is_compiling():
+        # No memo: Dynamo would guard on its length, and any call that adds to it (another
+        # function's new shapes) would recompile every compiled call. Hashing the dims makes
+        # Dynamo specialize them: the compile paths trace static shapes (the memo's lookup did
+        # that before; dims left symbolic broke the real mesh's block arithmetic).
+        hash(tuple(shape))
+        return _spec_problems(spec, shape, mesh_shape, where)
     key = (spec, tuple(shape), tuple(mesh_shape.items()))
     if key in _fits:  # checked on every call: remember what fitted
         return []

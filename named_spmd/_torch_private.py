@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.utils._device
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
 from torch.autograd import forward_ad
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -256,15 +257,13 @@ def not_traced(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
     not inline a function carrying its disable mark: a compiled program breaks its graph there
     (``fullgraph=True`` raises ``Unsupported`` quoting ``reason``); the call then goes through
     ``torch._disable_dynamo``'s wrapper, which Dynamo skips (its module is on Dynamo's skip list)
-    and which runs ``fn`` with Dynamo off, importing Dynamo at its first call."""
+    and which runs ``fn`` with Dynamo off, importing Dynamo at its first call. Called as a frame
+    of its own (from code running eagerly under Dynamo's frame callback), the wrapper's code is
+    torch's, which Dynamo never compiles."""
     eager = torch._disable_dynamo(fn)
-
-    def call(*args: Any) -> Any:
-        return eager(*args)
-
-    call._torchdynamo_disable = True  # type: ignore[attr-defined]
-    call._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
-    return call
+    eager._torchdynamo_disable = True  # type: ignore[attr-defined]
+    eager._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+    return eager
 
 
 # --- torch.compile (the compile paths: backends/_dist_compile.py) -------------------------------
@@ -326,6 +325,29 @@ def traced_user_stack() -> list:
     from torch._guards import TracingContext
 
     return list(TracingContext.extract_stack())
+
+
+#: The class of torch's higher-order ops (checkpoint's tag_activation_checkpoint, cond, ...),
+#: whose bodies Dynamo traces into subgraphs of their own.
+HigherOrderOperator = torch._ops.HigherOrderOperator
+
+#: Dynamo's frame callback, or None: not None while code runs eagerly as the rest of a
+#: compiled function whose frame Dynamo gave up on ("falling back to eager"), where Dynamo tries
+#: to compile every frame called from it. The C function itself: calling it starts no Python
+#: frame for Dynamo to compile, and Dynamo is not imported. Only outside a trace (Dynamo cannot
+#: trace it).
+dynamo_frame_callback = _eval_frame_callback
+
+
+def traced_in_subgraph() -> bool:
+    """Whether Dynamo is tracing the body of a higher-order op (``torch.utils.checkpoint``,
+    ``torch.cond``, ...) into a subgraph of its own, rather than the frame's root graph (the
+    tracer of the instruction translator being traced has a parent). False when nothing is
+    traced."""
+    from torch._dynamo.symbolic_convert import tls
+
+    tx = getattr(tls, "current_tx", None)
+    return tx is not None and not tx.output.is_root_tracer()
 
 
 def is_dynamo_refusal(error: BaseException) -> bool:

@@ -31,7 +31,7 @@ from . import _blocks, _partial, _types
 from . import _torch_private as P
 from ._collectives._record import implicit_pvary
 from ._context import SpmdContext
-from ._errors import fn_label
+from ._errors import SpmdError, fn_label
 from ._tracking import STAMP_ATTR, TrackedContext, VmaMode, is_inplace
 from ._types import INVARIANT, Vma
 
@@ -98,6 +98,27 @@ def route_view_attributes() -> bool:
     return P.route_view_attributes_to_modes()
 
 
+@torch.compiler.assume_constant_result
+def _in_subgraph() -> bool:
+    """``traced_in_subgraph`` run eagerly at trace time."""
+    return P.traced_in_subgraph()
+
+
+# Dynamo traces a higher-order op's body (checkpoint, cond, ...) into a subgraph whose tensors
+# are new variables, without the attributes our types live in: every value there would read
+# invariant (no implicit pvary, so on a real mesh no gradient psum: silently wrong gradients).
+_SUBGRAPH = (
+    "spmd_map of {fn}: torch.compile traces part of the per-device function into a "
+    "higher-order op's subgraph (torch.utils.checkpoint, torch.cond, ...), where named_spmd "
+    "cannot see the values' types (Dynamo does not carry them into the subgraph), so the call "
+    "would run with wrong types and gradients. Fix: when compiling, call the function without "
+    "the checkpoint (torch.compile's partitioner recomputes cheap activations itself, and its "
+    "activation memory budget setting trades memory for more recomputation), "
+    "or run the mapped call eagerly, where activation checkpointing works, collectives "
+    "included."
+)
+
+
 class _Token:
     """Identifies one traced call in its stamps (Dynamo cannot trace ``object()``)."""
 
@@ -117,6 +138,8 @@ class TracedContext(TrackedContext):
         self.aliases: dict[torch.Tensor, dict[tuple[str, ...], torch.Tensor]] = {}
 
     def vma(self, x: torch.Tensor) -> Vma:
+        if _in_subgraph():  # a collective in a checkpointed piece: its operand lost its type
+            raise SpmdError(_SUBGRAPH.format(fn=self.fn_label))
         stamp = getattr(x, STAMP_ATTR, None)
         if stamp is not None and stamp[0] is self.call_token:
             return stamp[1]
@@ -155,6 +178,8 @@ class CompiledVmaMode(VmaMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _PASS:
             return func(*args, **(kwargs or {}))
+        if isinstance(func, P.HigherOrderOperator):  # its body was traced without the mode
+            raise SpmdError(_SUBGRAPH.format(fn=self.ctx.fn_label))
         return self._general(func, args, kwargs)
 
     def _run(self, func, args, kwargs):

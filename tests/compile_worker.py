@@ -278,12 +278,15 @@ ERRORS = {
 def check_error(name: str, backend: str, size: int | None = None) -> dict:
     """The error is raised while Dynamo traces (``fullgraph=True``): Dynamo wraps it in its
     ``Unsupported`` ("Observed exception"), whose cause names our error's class and message.
+    Without ``fullgraph`` Dynamo gives up on the call's frame and runs it eagerly (with Dynamo
+    off: ``SpmdFunction.__call__``), which raises the eager error itself.
     ``size``: the mesh's (default: one instance per process)."""
     fn, in_specs, out_specs, make = ERRORS[name]
     mesh = ns.make_mesh((size or dist.get_world_size(),), ("dp",))
     f = ns.spmd_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     caught = []
-    for g in (f, torch.compile(f, backend=backend, fullgraph=True)):
+    compiled = (torch.compile(f, backend=backend, fullgraph=fg) for fg in (True, False))
+    for g in (f, *compiled):
         torch._dynamo.reset()
         try:
             g(*make())
@@ -297,6 +300,9 @@ def check_error(name: str, backend: str, size: int | None = None) -> dict:
         caught[0][0] in caught[1][2] and caught[0][1].split("\n")[0] in _unquoted(caught[1][2])
     ):
         problems.append(f"compiled call raised {caught[1]!r}, eager {caught[0][:2]!r}")
+    elif caught[2] is None or caught[2][:2] != caught[0][:2]:
+        # without fullgraph Dynamo gives up on the call's frame, which then runs eagerly
+        problems.append(f"without fullgraph: raised {caught[2]!r}, eager {caught[0][:2]!r}")
     return {"error": caught[0] and caught[0][0], "problems": problems}
 
 

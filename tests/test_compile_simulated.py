@@ -77,6 +77,13 @@ def _raw(h):
     return torch.tanh(h) * torch.sigmoid(h)
 
 
+def _assert_same(got, want, wrt, loss=lambda y: (y * y).sum()) -> None:
+    """Equal values, and equal gradients of ``loss`` of each with respect to ``wrt``."""
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(loss(got), wrt), torch.autograd.grad(loss(want), wrt)):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_compiled_piece_inside_runs_uncompiled_with_the_same_numbers(backend):
     counter = CompileCounterWithBackend(backend)
@@ -84,12 +91,7 @@ def test_compiled_piece_inside_runs_uncompiled_with_the_same_numbers(backend):
     compiled, plain = _mlp(piece), _mlp(_raw)
     args = _args()
     for _ in range(2):  # the first call meets the refusal and runs again; the second runs at once
-        got, want = compiled(*args), plain(*args)
-        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
-        g_got = torch.autograd.grad((got * got).sum(), args)
-        g_want = torch.autograd.grad((want * want).sum(), args)
-        for a, b in zip(g_got, g_want):
-            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+        _assert_same(compiled(*args), plain(*args), args)
     assert counter.frame_count == 0  # nothing was compiled: the piece ran its original code
     # outside the mapped function the piece still compiles
     x = torch.randn(3, 4, dtype=torch.float64)
@@ -117,12 +119,7 @@ def _step(f):
 
 def _equal_steps(compiled, step, x, params) -> None:
     for _ in range(2):
-        got, want = compiled(x, params), step(x, params)
-        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
-        g_got = torch.autograd.grad(got, [x, *params.values()])
-        g_want = torch.autograd.grad(want, [x, *params.values()])
-        for a, b in zip(g_got, g_want):
-            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+        _assert_same(compiled(x, params), step(x, params), [x, *params.values()], lambda y: y)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
@@ -146,12 +143,7 @@ def test_a_compiled_piece_inside_a_compiled_call_is_traced_with_it(wrap):
     compiled = torch.compile(_mlp(piece), backend=counter, fullgraph=True)
     plain = _mlp(_raw)
     args = _args()
-    got, want = compiled(*args), plain(*args)
-    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
-    g_got = torch.autograd.grad((got * got).sum(), args)
-    g_want = torch.autograd.grad((want * want).sum(), args)
-    for a, b in zip(g_got, g_want):
-        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    _assert_same(compiled(*args), plain(*args), args)
     assert counter.frame_count == 1
 
 
@@ -203,10 +195,66 @@ def test_multi_output_ops_compile(backend):
     x = torch.randn(4, 5, generator=g, dtype=torch.float64)
     w = torch.randn(5, 12, generator=g, dtype=torch.float64, requires_grad=True)
     counter = CompileCounterWithBackend(backend)
-    got = torch.compile(f, backend=counter, fullgraph=True)(x, w)
-    want = f(x, w)
-    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
-    (g_got,) = torch.autograd.grad(got.sum(), w)
-    (g_want,) = torch.autograd.grad(want.sum(), w)
-    assert torch.allclose(g_got, g_want, rtol=1e-12, atol=1e-12)
+    _assert_same(torch.compile(f, backend=counter, fullgraph=True)(x, w), f(x, w), (w,))
+    assert counter.frame_count == 1
+
+
+def _checkpointed(x, w1, w2):
+    def block(x):
+        return ns.psum(torch.tanh(x @ w1) @ w2, "tp")
+
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).pow(2).mean(-1)
+
+
+def test_a_checkpoint_inside_a_compiled_call_is_refused_with_fullgraph_and_breaks_without():
+    """Dynamo traces a checkpointed body into a subgraph where the values' types are lost (on a
+    real mesh: no gradient psum of an implicit pvary). fullgraph=True: our error, with the fix;
+    without: Dynamo breaks the graph there, and values and gradients are the eager call's."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+    specs = (P("dp"), P(None, "tp"), P("tp"))
+    f = ns.spmd_map(_checkpointed, mesh=mesh, in_specs=specs, out_specs=P("dp"))
+    x, w1, b1, w2 = _args()
+    with pytest.raises(Exception) as info:
+        torch.compile(f, backend="eager", fullgraph=True)(x, w1, w2)
+    cause = str(info.value.__cause__)  # Dynamo's "Observed exception" quotes ours
+    assert "SpmdError" in cause and "higher-order op's subgraph" in cause and "Fix: " in cause
+    torch._dynamo.reset()
+    _assert_same(torch.compile(f, backend="aot_eager")(x, w1, w2), f(x, w1, w2), (w1, w2))
+
+
+def _inner_grad(x, w):
+    return torch.func.grad(lambda w: ns.psum((x @ w).pow(2).sum(), "dp"))(w)
+
+
+def test_a_collective_under_torch_func_grad_inside_a_compiled_call_is_refused_clearly():
+    """The compiled simulated collectives have no rule at a grad level inside the instances:
+    fullgraph=True raises our error, with the fix; without, the call runs eagerly, where
+    torch.func transforms inside work, with the eager values."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    f = ns.spmd_map(_inner_grad, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    x, w = _args()[:2]
+    with pytest.raises(Exception) as info:
+        torch.compile(f, backend="eager", fullgraph=True)(x, w)
+    cause = str(info.value.__cause__)
+    assert "SpmdError" in cause and "torch.func.grad" in cause and "Fix: " in cause
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="aot_eager")(x, w)
+    assert torch.allclose(got, f(x, w), rtol=1e-12, atol=1e-12)
+
+
+def test_eager_calls_of_other_mapped_functions_do_not_recompile_a_compiled_call():
+    """The compiled call's trace reads no memo shared with other calls: eager calls of another
+    mapped function with new shapes (which add to the memo of what fitted) recompile nothing.
+    A shared memo read while tracing once recompiled it on each such call."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    f = ns.spmd_map(
+        lambda x: ns.psum(x.sin().sum(0), "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P()
+    )
+    g = ns.spmd_map(lambda x: x * 2, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for n in (6, 8, 10):
+        assert torch.allclose(compiled(x), f(x))
+        g(torch.ones(n, 5))
     assert counter.frame_count == 1

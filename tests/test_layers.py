@@ -2,9 +2,9 @@
 
 Value types at the bottom, then the core, the collectives, the backends, the API and the
 package's exports. A module imports only its own layer or lower ones; the backends import neither
-the API nor each other; a function-local import never runs back up (the one lazy import, of the
-distributed backend by the API, points down: it is local so a simulated session never loads
-torch.distributed). On the commit before this test, the scan reported
+the API nor each other; a function-local import never runs back up (the lazy imports point down
+or within a backend: the distributed backend's by the API, so a simulated session never loads
+torch.distributed, and the simulated compile path's, so an eager session never loads Dynamo). On the commit before this test, the scan reported
 ``named_spmd/_types.py:201: _types -> _display (layer 0 imports layer 4 in a function)`` and
 five more function-local imports. Imports under ``if TYPE_CHECKING:`` are for annotations and do not count.
 """
@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "named_spmd"
 LAYERS = {
     0: {"_errors", "_types", "_spec", "_mesh", "_layout", "_torch_private"},
     1: {"_tree", "_accounting", "_context", "_check", "_partial", "_blocks", "_block_rules"},
-    2: {"_collectives", "_autodiff", "_tracking", "random"},
+    2: {"_collectives", "_autodiff", "_tracking", "_traced", "random"},
     3: {"backends"},
     4: {"_api", "_compile", "_display", "_views", "_shard", "parallel"},
     5: {""},  # named_spmd/__init__.py: the public exports
@@ -146,8 +146,14 @@ def test_the_only_function_local_package_imports_point_down():
         for imported, _, in_function in imports_of(path)
         if in_function
     ]
-    # the API (and ns.shard) load the distributed backend only for a real mesh
-    assert set(local) <= {("_api", "backends.distributed"), ("_shard", "backends._dist_shard")}
+    # the API (and ns.shard) load the distributed backend only for a real mesh; the API and the
+    # simulated backend load the compile paths (which import Dynamo) only when Dynamo traces
+    assert set(local) <= {
+        ("_api", "backends.distributed"),
+        ("_shard", "backends._dist_shard"),
+        ("backends.simulated", "backends.simulated._traced"),
+        ("_api", "_traced"),
+    }
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -496,3 +497,53 @@ def test_traced_user_stack_names_the_line_dynamo_traces():
     torch.compile(traced, backend="eager", fullgraph=True)(torch.ones(2))
     assert seen == ["traced:return x + len(where())  # the line quoted"], seen
     assert P.traced_user_stack() == []
+
+
+def test_traced_in_subgraph_tells_a_higher_order_ops_body_from_the_root_graph():
+    """``traced_in_subgraph`` (Dynamo's current instruction translator, and whether its output
+    graph's tracer is the root one): False outside any trace and in the root graph, True while
+    Dynamo traces a checkpointed body into the subgraph of its higher-order op."""
+    assert P.traced_in_subgraph() is False
+    seen = []
+
+    @torch.compiler.assume_constant_result
+    def where(name: str) -> bool:
+        seen.append((name, P.traced_in_subgraph()))
+        return True
+
+    def body(x):
+        where("body")
+        return torch.tanh(x)
+
+    def f(x):
+        where("root")
+        return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False).sum()
+
+    torch._dynamo.reset()
+    x = torch.randn(3, requires_grad=True)
+    torch.compile(f, backend="eager", fullgraph=True)(x)
+    assert seen == [("root", False), ("body", True)]
+
+
+def test_dynamo_frame_callback_is_set_only_in_the_eager_rest_of_a_compiled_function():
+    """``dynamo_frame_callback`` (Dynamo's C frame callback): None in plain eager code and in a
+    function Dynamo does not trace; set in a frame Dynamo gave up on and runs eagerly, whose
+    callees Dynamo would compile frame by frame. Called as a C function: no frame of its own."""
+    assert P.dynamo_frame_callback() is None
+    seen = []
+
+    def gives_up(x):
+        seen.append(P.dynamo_frame_callback() is not None)  # a builtin Dynamo cannot trace
+        return x + 1
+
+    @torch.compiler.disable
+    def off(x):
+        seen.append(P.dynamo_frame_callback() is not None)
+        return x * 2
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():  # Dynamo's note that it cannot trace the builtin
+        warnings.simplefilter("ignore")
+        torch.compile(lambda x: off(gives_up(x.sin())), backend="eager")(torch.ones(2))
+    assert seen == [True, False]
+    assert P.dynamo_frame_callback() is None

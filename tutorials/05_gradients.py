@@ -179,18 +179,37 @@ print("vocab-parallel cross entropy and its gradient match F.cross_entropy:", lo
 # %% [markdown]
 # ## `torch.compile`
 #
-# On a real mesh, compile the whole mapped step: `torch.compile(spmd_map(f, ...),
-# fullgraph=True)` traces it once (types, the out_specs check and every error at trace time) into
-# one graph whose collectives are torch's functional collectives, forward and backward, so
-# Inductor can fuse the compute around them and overlap them. The first call pays the compile
-# (tens of seconds for a small model on a busy CPU); later steps run the graph, with no
+# Compile the whole mapped step: `torch.compile(spmd_map(f, ...), fullgraph=True)` traces it
+# once (types, the out_specs check and every error at trace time) into one graph, forward and
+# backward, on either mesh. On a real mesh its collectives are torch's functional collectives,
+# so Inductor can fuse the compute around them and overlap them; on the simulated mesh the
+# instances are `torch.func.vmap` levels and the collectives plain tensor ops across them, so
+# Inductor compiles the whole simulation. The first call pays the compile (seconds for a small
+# model; tens of seconds on a real mesh of a busy CPU); later steps run the graph, with no
 # recompilation until shapes, dtypes, specs or the mesh change (README, "torch.compile").
-#
+
+
+# %%
+@ns.spmd_map(mesh=mesh2, in_specs=(P("dp", None), P(None, "tp"), P("tp", None)), out_specs=P())
+def mlp_loss(x, w1, w2):
+    return ns.pmean(ns.psum(torch.tanh(x @ w1) @ w2, "tp").pow(2).mean(), "dp")
+
+
+compiled_loss = torch.compile(mlp_loss, backend="aot_eager", fullgraph=True)
+x, w1, w2 = leaf(8, 16), leaf(16, 32), leaf(32, 16)
+for _ in range(2):  # one trace: the second step runs the graph
+    got, want = compiled_loss(x, w1, w2), mlp_loss(x, w1, w2)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grads_of(got, (w1, w2)), grads_of(want, (w1, w2)))
+print("the compiled step: same loss and gradients as the eager step")
+
+# %% [markdown]
 # To compile a *piece* of the per-device function (a transformer block, as torchtitan compiles
 # per block), wrap it in `ns.compile` (`torch.compile`'s options): on a real mesh it compiles
-# once with the call's types, its collectives in its graph. On the simulated mesh torch cannot
-# compile under the simulation's vmap levels, so the piece runs uncompiled there, with the same
-# numbers: the same per-device code runs on both meshes.
+# once with the call's types, its collectives in its graph. In an eager call on the simulated
+# mesh torch cannot compile under the simulation's vmap levels, so the piece runs uncompiled
+# there, with the same numbers (inside a compiled call it is traced with the call): the same
+# per-device code runs on both meshes.
 
 # %%
 activation = ns.compile(lambda h: torch.tanh(h) * torch.sigmoid(h), fullgraph=True)

@@ -15,7 +15,8 @@ primitives); ``_plan``
 fallback Functions); ``_lowered`` (the primitives under a grad / jvp inside the per-device
 function); ``_recording`` (implicit-pvary accounting while a ``CommMode`` records);
 ``_instances`` (a value's per-instance blocks: printing inside the function); ``_diagnose`` (torch
-errors of the user's code told per instance).
+errors of the user's code told per instance); ``_traced`` (the compile path: a call traced by
+torch.compile, under public vmap, loaded only then).
 """
 
 from __future__ import annotations

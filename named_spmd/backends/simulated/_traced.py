@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ... import _torch_private as P
+from ..._errors import SpmdError
 from ..._layout import physical_layout
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
@@ -148,6 +149,24 @@ _INVARIANT_RESULTS = frozenset({"sum", "max", "min", "gather", "broadcast"})
 # --- the context ------------------------------------------------------------------------------
 
 
+@torch.compiler.assume_constant_result
+def _under_grad() -> bool:
+    """Whether a torch.func grad / jvp transform is the innermost one (run eagerly at trace
+    time: Dynamo enters the transforms' levels while it traces them)."""
+    interpreter = P.current_interpreter()
+    return interpreter is not None and interpreter.key() in _GRAD_LIKE
+
+
+_GRAD_LIKE = (P.TransformType.Grad, P.TransformType.Jvp)
+_UNDER_GRAD = (
+    "spmd_map of {fn}: a collective under torch.func.grad / vjp / jvp inside the per-device "
+    "function cannot be compiled on the simulated mesh (its compiled collectives have no rule "
+    "for a transform inside the instances). Fix: differentiate outside the mapped call "
+    "(loss.backward() on its output, or torch.func.grad around the compiled call), or run this "
+    "call eagerly, where torch.func transforms inside the function work."
+)
+
+
 class TracedSimulatedContext(TracedContext):
     """A simulated call traced by Dynamo: the primitives are :func:`_collective`."""
 
@@ -159,6 +178,8 @@ class TracedSimulatedContext(TracedContext):
         self.sizes = [mesh.shape[a] for a in tokens]
 
     def _op(self, x: torch.Tensor, kind: str, axes: tuple[str, ...], *params: int):
+        if _under_grad():
+            raise SpmdError(_UNDER_GRAD.format(fn=self.fn_label))
         return _collective(
             x, self.token_list, kind, [self.index_of[a] for a in axes], list(params), [], self.sizes
         )
