@@ -47,15 +47,6 @@ ERRORS = [
     "linear_bias_inside_psum",
     "relu_of_partial",
 ]
-# Inductor compiles C++ per graph (minutes per program on 4 processes of a shared 2-core
-# machine): a subset covering psum, all_gather, psum_scatter, all_to_all and ppermute.
-FEW = [
-    "megatron_biases@4",
-    "sequence_parallel",
-    "experts_tiled@4",
-    "data_parallel@4",
-    "ring_pass@4",
-]
 
 
 def _run(backend: str, programs: list[str], errors: list[str]) -> list[dict]:
@@ -95,4 +86,4 @@ def test_compiled_calls_equal_eager(backend):
 
 
 def test_compiled_calls_equal_eager_with_inductor():
-    _run("inductor", FEW, [])
+    _run("inductor", PROGRAMS, [])
