@@ -44,6 +44,8 @@ vmap_decrement_nesting = functorch._vmap_decrement_nesting
 unwrap_for_grad = functorch._unwrap_for_grad
 wrap_for_grad = functorch._wrap_for_grad
 TransformType = functorch.TransformType
+#: The transforms that differentiate (torch.func.grad / vjp, and jvp).
+GRAD_LIKE = (TransformType.Grad, TransformType.Jvp)
 transforms_active = torch._C._are_functorch_transforms_active
 # Plain tensors even under functionalize & co (cached tokens and permutation tables).
 DisableFuncTorch = torch._C._DisableFuncTorch

@@ -25,7 +25,6 @@ from . import _levels
 # calls the primitive again; a user vmap above is peeled as the Functions' vmap rule does
 # (``k`` counts the peeled dims). Once only vmaps remain above, the fast path takes over.
 
-_GRAD_LIKE = (P.TransformType.Grad, P.TransformType.Jvp)
 _FUNCTIONALIZE = P.TransformType.Functionalize
 
 
@@ -36,7 +35,7 @@ def _lowered(fn_above, again, x, token, n, level, top, k):
         return None
     interpreter = P.current_interpreter()
     key = interpreter.key()
-    if key in _GRAD_LIKE:
+    if key in P.GRAD_LIKE:
         with P.single_level_functions():
             return fn_above.apply(x, token, n, level, top, k, interpreter)
     if key == _FUNCTIONALIZE:  # the primitives do not mutate: unwrap, run below, wrap

@@ -154,10 +154,9 @@ def _under_grad() -> bool:
     """Whether a torch.func grad / jvp transform is the innermost one (run eagerly at trace
     time: Dynamo enters the transforms' levels while it traces them)."""
     interpreter = P.current_interpreter()
-    return interpreter is not None and interpreter.key() in _GRAD_LIKE
+    return interpreter is not None and interpreter.key() in P.GRAD_LIKE
 
 
-_GRAD_LIKE = (P.TransformType.Grad, P.TransformType.Jvp)
 _UNDER_GRAD = (
     "spmd_map of {fn}: a collective under torch.func.grad / vjp / jvp inside the per-device "
     "function cannot be compiled on the simulated mesh (its compiled collectives have no rule "
