@@ -77,19 +77,20 @@ def init_params(cfg: Config, seed: int = 0, dtype=torch.float32) -> dict[str, to
     params = {}
     for name, shape in param_shapes(cfg).items():
         if name.endswith("ln1.weight") or name.endswith("ln2.weight") or name == "ln_f.weight":
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64, device="cpu")
         elif len(shape) == 1:
-            t = 0.02 * torch.randn(shape, generator=g, dtype=torch.float64)
+            t = 0.02 * torch.randn(shape, generator=g, dtype=torch.float64, device="cpu")
         else:
-            t = torch.randn(shape, generator=g, dtype=torch.float64) / math.sqrt(shape[-1])
-        params[name] = t.to(dtype)
+            t = torch.randn(shape, generator=g, dtype=torch.float64, device="cpu") / math.sqrt(shape[-1])
+        params[name] = t.to(dtype).to(torch.get_default_device())
     return params
 
 
 def batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and next-token targets of one global batch (deterministic in ``step``)."""
     g = torch.Generator().manual_seed(1000 + step)
-    seq = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)
+    seq = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g, device="cpu")
+    seq = seq.to(torch.get_default_device())
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 

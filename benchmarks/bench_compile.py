@@ -19,6 +19,7 @@ It also prints the seconds of the first call (trace + compile + run) of each com
     python benchmarks/bench_compile.py [--d 32] [--steps 5] [--rounds 5]
     python benchmarks/bench_compile.py --one-process   # where the compiled step's time goes
     python benchmarks/bench_compile.py --simulated     # the simulated mesh in a compiled step
+    python benchmarks/bench_compile.py --mesh 1 1 --device cuda   # one GPU, NCCL (wall clock)
 
 ``--one-process``: in this process, one gloo rank, a (1,1) mesh, the same model: the dense loss
 compiled (the baseline) against named_spmd compiled with DTensor parameters and with plain
@@ -131,9 +132,13 @@ def _local_params(params: dict, cfg: G.Config, tp: int, tp_rank: int) -> dict:
 
 def worker(args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.set_default_device("cuda")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     cfg = _config(args)
-    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    dp, tp = args.mesh
+    mesh = ns.make_mesh((dp, tp), ("dp", "tp"))
     dm = mesh.device_mesh
     dp_name, tp_name = dm.get_group("dp").group_name, dm.get_group("tp").group_name
     tp_rank, dp_rank = dm.get_local_rank("tp"), dm.get_local_rank("dp")
@@ -151,12 +156,12 @@ def worker(args) -> None:
     spmd_b = B.trainer(lambda tok, tgt, q: ns.to_local(fb(tok, tgt, q)), pb)
 
     hand = torch.compile(
-        hand_written_loss(cfg, dp_name, tp_name, tp_rank, 2), backend="inductor", fullgraph=True
+        hand_written_loss(cfg, dp_name, tp_name, tp_rank, dp), backend="inductor", fullgraph=True
     )
-    ph = _local_params(params, cfg, 2, tp_rank)
+    ph = _local_params(params, cfg, tp, tp_rank)
 
     def hand_loss(tok, tgt, q):
-        t, g = B._local_batch(tok, tgt, dp_rank, 2)
+        t, g = B._local_batch(tok, tgt, dp_rank, dp)
         return hand(t, g, q)
 
     hand_step = B.trainer(hand_loss, ph)
@@ -183,7 +188,7 @@ def worker(args) -> None:
         ("eager", spmd_e),
     ):
         # the hand-written and DTensor TP steps return each rank's share of the dp mean
-        reduce = B.summed_over_ranks(2) if name in ("hand", "DTensor TP") else B._global
+        reduce = B.summed_over_ranks(tp) if name in ("hand", "DTensor TP") else B._global
         losses[name] = [float(reduce(step(*G.batch(cfg, s)))) for s in range(1, 3)]
     fns = {
         "hand-written funcol compiled": B.timer_steps(hand_step, cfg, args.steps),
@@ -295,6 +300,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--markdown")
+    ap.add_argument("--mesh", type=int, nargs=2, default=(2, 2), metavar=("DP", "TP"))
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL")
     ap.add_argument("--one-process", action="store_true", help="see the module docstring")
     ap.add_argument("--simulated", action="store_true", help="see the module docstring")
     args = ap.parse_args()
@@ -304,7 +311,8 @@ def main() -> None:
         return one_process(args)
     if args.simulated:
         return simulated(args)
-    out = _util.spawn(__file__, 4, [*sys.argv[1:], "--worker"], args.timeout)
+    nproc = args.mesh[0] * args.mesh[1]
+    out = _util.spawn(__file__, nproc, [*sys.argv[1:], "--worker"], args.timeout)
     line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(out[-4000:])
@@ -313,7 +321,8 @@ def main() -> None:
         print(f"first call (trace + compile + run) of {name}: {s:.1f} s")
     print("losses of steps 1-2:", result["losses"])
     medians = result["medians"]
-    case = "GPT step, (2,2), 4 gloo processes"
+    backend = "NCCL" if args.device == "cuda" else "gloo"
+    case = f"GPT step, {tuple(args.mesh)}, {nproc} {backend} process{'es' * (nproc > 1)}"
     rows = _util.rows_with_ratios(
         BENCH,
         case,

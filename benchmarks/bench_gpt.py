@@ -266,6 +266,8 @@ def interleaved(fns: dict, rounds: int, steps: int) -> dict[str, dict[str, float
                     dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
                 fns[name]()
+                if torch.cuda.is_initialized():
+                    torch.cuda.synchronize()  # the step's kernels, not only their launches
                 samples[name].append((time.perf_counter() - t0, time.process_time() - c0))
             gc.collect()
     finally:
