@@ -126,23 +126,31 @@ def _attention(h, p, pre: str, head_dim: int):
     return a.transpose(1, 2).reshape(b, s, -1)
 
 
-def _block(x, p, pre: str, cfg: Config, row_linear: Callable):
+def _same(x):
+    return x
+
+
+def _block(x, p, pre: str, cfg: Config, row_linear: Callable, col_input: Callable = _same):
     """One transformer block; ``row_linear(a, w, b)`` is the output projection (dense: F.linear;
-    tensor-parallel: the row-parallel linear)."""
+    tensor-parallel: the row-parallel linear); ``col_input(h)`` marks the input of the
+    column-parallel linears (by hand: Megatron's f, whose backward all-reduces over tp; named_spmd
+    infers it)."""
     d = (cfg.d,)
-    h = F.layer_norm(x, d, p[pre + "ln1.weight"], p[pre + "ln1.bias"])
+    h = col_input(F.layer_norm(x, d, p[pre + "ln1.weight"], p[pre + "ln1.bias"]))
     a = _attention(h, p, pre, cfg.head_dim)
     x = x + row_linear(a, p[pre + "o.weight"], p[pre + "o.bias"])
-    h = F.layer_norm(x, d, p[pre + "ln2.weight"], p[pre + "ln2.bias"])
+    h = col_input(F.layer_norm(x, d, p[pre + "ln2.weight"], p[pre + "ln2.bias"]))
     u = F.gelu(F.linear(h, p[pre + "fc1.weight"], p[pre + "fc1.bias"]))
     return x + row_linear(u, p[pre + "fc2.weight"], p[pre + "fc2.bias"])
 
 
-def _trunk(tokens, p, cfg: Config, row_linear: Callable, block: Callable = _block):
+def _trunk(
+    tokens, p, cfg: Config, row_linear: Callable, block: Callable = _block, col_input=_same
+):
     """Embeddings, the blocks and the final LayerNorm: the hidden states before the LM head."""
     x = F.embedding(tokens, p["wte.weight"]) + p["wpe.weight"][: tokens.shape[1]]
     for i in range(cfg.layers):
-        x = block(x, p, f"blocks.{i}.", cfg, row_linear)
+        x = block(x, p, f"blocks.{i}.", cfg, row_linear, col_input)
     return F.layer_norm(x, (cfg.d,), p["ln_f.weight"], p["ln_f.bias"])
 
 

@@ -99,11 +99,15 @@ def hand_written_loss(cfg: G.Config, dp_name: str, tp_name: str, tp_rank: int, d
     def row_linear(a, w, b):
         return _G.apply(F.linear(a, w), tp_name) + b
 
+    def col_input(h):  # Megatron's f: a replicated activation entering tp-sharded work
+        return _F.apply(h, tp_name)
+
     def loss(tokens, targets, p):
-        # every parameter is replicated over dp: its gradient is all-reduced over dp (the
-        # tp ranks of a replicated parameter compute the same gradient: no tp reduction)
+        # every parameter is replicated over dp: its gradient is all-reduced over dp. Over tp a
+        # replicated parameter's gradient is whole once each column-parallel input's gradient
+        # is summed over tp (col_input)
         q = {k: _F.apply(v, dp_name) for k, v in p.items()}
-        x = G._trunk(tokens, q, cfg, row_linear)
+        x = col_input(G._trunk(tokens, q, cfg, row_linear, col_input=col_input))
         logits = F.linear(x, q["lm_head.weight"]).flatten(0, 1)
         t = targets.flatten()
         v_local = logits.shape[-1]
