@@ -81,7 +81,9 @@ def init_params(cfg: Config, seed: int = 0, dtype=torch.float32) -> dict[str, to
         elif len(shape) == 1:
             t = 0.02 * torch.randn(shape, generator=g, dtype=torch.float64, device="cpu")
         else:
-            t = torch.randn(shape, generator=g, dtype=torch.float64, device="cpu") / math.sqrt(shape[-1])
+            t = torch.randn(shape, generator=g, dtype=torch.float64, device="cpu") / math.sqrt(
+                shape[-1]
+            )
         params[name] = t.to(dtype).to(torch.get_default_device())
     return params
 
@@ -144,9 +146,7 @@ def _block(x, p, pre: str, cfg: Config, row_linear: Callable, col_input: Callabl
     return x + row_linear(u, p[pre + "fc2.weight"], p[pre + "fc2.bias"])
 
 
-def _trunk(
-    tokens, p, cfg: Config, row_linear: Callable, block: Callable = _block, col_input=_same
-):
+def _trunk(tokens, p, cfg: Config, row_linear: Callable, block: Callable = _block, col_input=_same):
     """Embeddings, the blocks and the final LayerNorm: the hidden states before the LM head."""
     x = F.embedding(tokens, p["wte.weight"]) + p["wpe.weight"][: tokens.shape[1]]
     for i in range(cfg.layers):

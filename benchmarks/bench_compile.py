@@ -5,8 +5,9 @@ Variants, timed interleaved in the same processes (bench_gpt.interleaved):
 * ``named_spmd compiled``: ``torch.compile(spmd_map(loss))`` (backends/_dist_compile.py);
 * ``hand-written funcol compiled`` (the baseline): the same per-rank program written by hand with
   ``_c10d_functional`` collectives inside two autograd Functions (Megatron's f and g: identity
-  forward / all-reduce backward, and all-reduce forward / identity backward), the replicated
-  parameters' dp all-reduce as an f over dp at their use, all compiled the same way;
+  forward / all-reduce backward, and all-reduce forward / identity backward), an f over tp at
+  each column-parallel input (attention, MLP, LM head), the replicated parameters' dp all-reduce
+  as an f over dp at their use, all compiled the same way;
 * ``named_spmd blocks compiled``: the eager mapped step with each transformer block compiled by
   ``ns.compile`` (Inductor, fullgraph), torchtitan's per-block compile;
 * ``DTensor TP compiled``: torch's own tensor parallelism (bench_gpt's ``parallelize_module``

@@ -20,12 +20,15 @@ from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
 from ._mesh import Mesh
 from ._spec import PartitionSpec, spec_problems
 from ._tree import (
+    IN_SPEC_INDEX,
     broadcast_specs,
     check_spec_types,
     flatten_with_paths,
+    leaf_skeleton,
     opaque_leaf_problem,
     opaque_tensor_holder,
     path_text,
+    spec_leaves,
 )
 from ._types import Vma, type_text
 from .backends import Backend, backend_for
@@ -75,6 +78,8 @@ class SpmdFunction:
         check_spec_types(out_specs, "out_specs", self.where)
         self.in_specs = in_specs
         self.out_specs = out_specs
+        # the distinct in_specs, which a traced call indexes (_in_specs_traced)
+        self._in_spec_table = tuple(dict.fromkeys([PartitionSpec(), *spec_leaves(in_specs)]))
         self.check_vma = check_vma
         # picked once: a mesh's kind never changes, and a compiled call would guard on the
         # registry's lookups (``sys.modules``), so any import between two steps would recompile
@@ -90,7 +95,9 @@ class SpmdFunction:
     # --- inputs -----------------------------------------------------------------------------
     def _input_leaves(self, args: tuple) -> tuple[list[Any], list[PartitionSpec], Any]:
         paths, leaves, treedef = flatten_with_paths(args)
-        specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
+        specs = self._in_specs_traced(args) if torch.compiler.is_compiling() else None
+        if specs is None:
+            specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
         problems = []
         for path, leaf, spec in zip(paths, leaves, specs):
             where = f"argument {path_text(path)}"
@@ -114,6 +121,22 @@ class SpmdFunction:
                 + bullet_list(problems)
             )
         return leaves, specs, treedef
+
+    def _in_specs_traced(self, args: tuple) -> list[PartitionSpec] | None:
+        """The inputs' specs while Dynamo traces, broadcast eagerly over a skeleton of the
+        inputs (``IN_SPEC_INDEX``), each an index into the distinct specs. Broadcast in the
+        trace, the in_specs tree would be guarded spec by spec (about 200 guards on a model's
+        parameters, checked on every compiled call); this way the hook's argument ``self`` is
+        guarded by identity and only the distinct specs by content. None where the inputs hold
+        other containers than tuples, lists and dicts (the traced path broadcasts)."""
+        skeleton = leaf_skeleton(args)
+        if skeleton is None:
+            return None
+        index = IN_SPEC_INDEX[0](self, skeleton)
+        if isinstance(index, str):
+            raise SpecError(index)
+        table = self._in_spec_table
+        return [table[i] for i in index]
 
     # --- outputs ----------------------------------------------------------------------------
     def _check_outputs(

@@ -123,29 +123,31 @@ _RULE_OF: dict = {}  # func -> its rule or None (memo: every op of a call with b
 
 def _rule(func: Any) -> Rule | None:
     if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 9)
-        return _rule_of(func)
+        return _RULE_LIST[RULE_INDEX[0](func)]
     try:
         return _RULE_OF[func]
     except KeyError:
-        rule = _RULE_OF[func] = _rule_of(func)
+        rule = _RULE_OF[func] = _RULE_LIST[rule_index(func)]
         return rule
     except TypeError:  # an unhashable callable
         return None
 
 
-def _rule_of(func: Any) -> Rule | None:
-    return RULES.get(RULE_NAME[0](func))
+_RULE_LIST: tuple[Rule | None, ...] = (None, *RULES.values())
+_RULE_INDEX = {name: i for i, name in enumerate(RULES, 1)}
 
 
-def rule_name(func: Any) -> str:
-    """The name :data:`RULES` knows ``func`` by: in-place ``add_`` is ``add``, ``__add__`` stays."""
+def rule_index(func: Any) -> int:
+    """Where ``func``'s rule is in ``_RULE_LIST`` (0: none), by name: in-place ``add_`` is
+    ``add``, ``__add__`` stays."""
     name = op_name(func)
-    return name if name.endswith("__") else name.rstrip("_")
+    return _RULE_INDEX.get(name if name.endswith("__") else name.rstrip("_"), 0)
 
 
-#: :func:`rule_name`; the real backend's compile path wraps it to run eagerly at trace time
-#: (Dynamo cannot trace ``str.endswith`` on an op's name)
-RULE_NAME = [rule_name]
+#: :func:`rule_index`; the compile paths wrap it to run eagerly at trace time: Dynamo cannot
+#: trace ``str.endswith`` on an op's name, and a traced lookup in a dict of 200 rules guards on
+#: every entry (checked on every compiled call), where an index into a tuple guards on the one
+RULE_INDEX = [rule_index]
 
 
 def _layout_of(t: torch.Tensor, token: object, vma_of) -> Layout:

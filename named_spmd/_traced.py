@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import _blocks, _partial, _types
+from . import _blocks, _partial, _tree, _types
 from . import _torch_private as P
 from ._collectives._record import implicit_pvary
 from ._context import SpmdContext
@@ -82,7 +82,8 @@ def _traced_user_line() -> str:
 
 
 _partial.TRACED_USER_LINE[0] = _traced_user_line
-_blocks.RULE_NAME[0] = torch.compiler.assume_constant_result(_blocks.rule_name)
+_blocks.RULE_INDEX[0] = torch.compiler.assume_constant_result(_blocks.rule_index)
+_tree.IN_SPEC_INDEX[0] = torch.compiler.assume_constant_result(_tree.in_spec_index)
 
 
 @torch.compiler.assume_constant_result

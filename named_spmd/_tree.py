@@ -77,11 +77,12 @@ def _broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[Parti
                 else "out_specs=(P('dp'), P()) for `return y, loss`."
             )
         ) from None
-    leaves = optree.tree_leaves(full, is_leaf=is_spec_leaf, none_is_leaf=True)
-    return [PartitionSpec() if s is None else s for s in leaves]
+    return spec_leaves(full)
 
 
 def _describe(x: Any) -> str:
+    if isinstance(x, _Described):  # a leaf of a traced call's skeleton, already described
+        return str(x)
     if isinstance(x, dict):
         return f"a dict with keys {sorted(x, key=repr)}"
     if isinstance(x, (tuple, list)):
@@ -136,6 +137,61 @@ def check_spec_types(specs: Any, what: str, where: str) -> None:
             f"{where}: {what} must contain PartitionSpecs; found {', '.join(bad)}. "
             "Fix: wrap axis names in P(...), e.g. P('dp') instead of 'dp'."
         )
+
+
+def spec_leaves(specs: Any) -> list[PartitionSpec]:
+    """The PartitionSpecs of a specs tree, P() for each None."""
+    leaves = optree.tree_leaves(specs, is_leaf=is_spec_leaf, none_is_leaf=True)
+    return [PartitionSpec() if s is None else s for s in leaves]
+
+
+def leaf_skeleton(tree: Any) -> Any:
+    """``tree`` with each leaf replaced by its description in error messages (a string: a
+    constant to a trace), for :func:`in_spec_index`; None where ``tree`` holds a container
+    other than a tuple, list or dict, or a leaf other than a tensor or a scalar."""
+    return _skeleton(tree) if _plain(tree) else None
+
+
+def _plain(tree: Any) -> bool:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return all(_plain(x) for x in tree)
+    if kind is dict:
+        return all(_plain(x) for x in tree.values())
+    return tree is None or isinstance(tree, (torch.Tensor, int, float, str))
+
+
+def _skeleton(tree: Any) -> Any:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return kind(_skeleton(x) for x in tree)
+    if kind is dict:
+        return {k: _skeleton(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        # hashing makes Dynamo specialize the dims (after a shape change it would make them
+        # symbolic, which no constant can hold): the compile paths trace static shapes
+        hash(tuple(tree.shape))
+    return _describe(tree)
+
+
+class _Described(str):
+    """A leaf's description standing for the leaf (:func:`in_spec_index`)."""
+
+
+def in_spec_index(fn: Any, skeleton: Any) -> tuple[int, ...] | str:
+    """For each leaf of ``skeleton`` (:func:`leaf_skeleton` of a mapped function's arguments),
+    where its spec is in ``fn._in_spec_table``; the error's message where the arguments do not
+    fit in_specs (the eager call's message: the skeleton describes the leaves)."""
+    tree = optree.tree_map(_Described, skeleton, none_is_leaf=True)
+    try:
+        specs = broadcast_specs(fn.in_specs, tree, "in_specs", fn.where)
+    except SpecError as e:
+        return str(e)
+    return tuple(fn._in_spec_table.index(s) for s in specs)
+
+
+#: :func:`in_spec_index`; the compile paths wrap it to run eagerly at trace time
+IN_SPEC_INDEX = [in_spec_index]
 
 
 def flatten_with_paths(tree: Any) -> tuple[list[tuple], list[Any], Any]:

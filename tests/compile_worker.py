@@ -268,6 +268,13 @@ ERRORS = {
         lambda: (torch.ones(8, 2), torch.ones(4, 2)),
     ),
     "indivisible_input": (_shapes, P("dp"), P("dp"), lambda: (torch.ones(7, 2),)),
+    # the traced call broadcasts in_specs eagerly and falls back to the traced path to raise
+    "in_specs_not_a_prefix": (
+        _shapes,
+        ({"w": P("dp"), "b": P()},),
+        P("dp"),
+        lambda: ({"w": torch.ones(8, 2)},),
+    ),
     # partial sums inferred at trace time (docs/design.md section 8)
     "bias_inside_psum": (_bias_inside_psum, *_ROW_PARALLEL),
     "linear_bias_inside_psum": (_linear_bias_inside_psum, *_ROW_PARALLEL),

@@ -43,6 +43,7 @@ ERRORS = [
     "out_specs_claim_replication",
     "invariant_operand",
     "indivisible_input",
+    "in_specs_not_a_prefix",
     "bias_inside_psum",
     "linear_bias_inside_psum",
     "relu_of_partial",

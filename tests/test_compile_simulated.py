@@ -273,3 +273,37 @@ def test_eager_calls_of_other_mapped_functions_do_not_recompile_a_compiled_call(
         assert torch.allclose(compiled(x), f(x))
         g(torch.ones(n, 5))
     assert counter.frame_count == 1
+
+
+def _guards(f, *args) -> set[tuple[str, str]]:
+    """(source, kind) of every guard Dynamo installs for a compiled call of ``f``."""
+    found: set[tuple[str, str]] = set()
+
+    def record(entries):
+        found.update((e.name, e.guard_type) for e in entries)
+        return [True] * len(entries)
+
+    torch._dynamo.reset()
+    torch.compile(f, backend="eager", fullgraph=True, options={"guard_filter_fn": record})(*args)
+    return found
+
+
+def test_a_compiled_call_guards_neither_each_spec_nor_the_rule_table():
+    """Guards run on every compiled call: the in_specs tree (a group of guards per parameter)
+    and the block-rule table (one per rule) are read eagerly at trace time, so a model's guards
+    on specs grow with its distinct specs, not with its parameters."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+
+    def loss(x, p):
+        return ns.psum(sum((x @ w).tanh().sum() for w in p.values()), "dp")
+
+    def spec_guards(n: int) -> set[tuple[str, str]]:
+        p = {f"w{i}": torch.randn(3, 3, dtype=torch.float64) for i in range(n)}
+        specs = (P("dp"), dict.fromkeys(p, P()))
+        f = ns.spmd_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
+        guards = _guards(f, torch.randn(4, 3, dtype=torch.float64), p)
+        assert not [g for g in guards if "in_specs" in g[0] or "RULES" in g[0]]
+        return {g for g in guards if "_in_spec_table" in g[0]}
+
+    few = spec_guards(2)
+    assert few and spec_guards(12) == few
