@@ -329,6 +329,11 @@ def traced_user_stack() -> list:
     return list(TracingContext.extract_stack())
 
 
+#: ``scaled_dot_product_attention``'s math decomposition, ``(q, k, v, attn_mask, dropout_p,
+#: is_causal, *, scale) -> (out, weights)``: plain ops, which batch under vmap (the CPU flash
+#: kernel sdpa picks has no batching rule: vmap runs it once per instance).
+sdpa_math = torch.ops.aten._scaled_dot_product_attention_math
+
 #: The class of torch's higher-order ops (checkpoint's tag_activation_checkpoint, cond, ...),
 #: whose bodies Dynamo traces into subgraphs of their own.
 HigherOrderOperator = torch._ops.HigherOrderOperator

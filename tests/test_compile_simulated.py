@@ -22,6 +22,7 @@ import optree
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._functorch.aot_autograd import make_boxed_func
 
 import named_spmd as ns
 from named_spmd import P
@@ -307,3 +308,36 @@ def test_a_compiled_call_guards_neither_each_spec_nor_the_rule_table():
 
     few = spec_guards(2)
     assert few and spec_guards(12) == few
+
+
+def _attention(q, kv, mask):
+    k, v = kv.chunk(2, dim=-1)
+    a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    b = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    return ns.psum((a * b).sum(), ("dp", "tp"))
+
+
+def test_attention_in_a_compiled_call_is_batched_over_the_instances():
+    """``scaled_dot_product_attention`` on CPU picks a flash kernel that has no vmap batching
+    rule in torch 2.13 (vmap would run it once per instance); a compiled simulated call runs
+    its math decomposition instead, which batches: no flash kernel in the compiled graph, and
+    the values and gradients of the eager call (which runs flash per instance)."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+    specs = (P("dp", "tp"), P("dp", "tp"), P())
+    f = ns.spmd_map(_attention, mesh=mesh, in_specs=specs, out_specs=P())
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(4, 4, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(4, 4, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(5, 5, generator=g, dtype=torch.float64)
+    ops: list[str] = []
+
+    def record(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm)
+
+    backend = torch._dynamo.backends.common.aot_autograd(fw_compiler=record, bw_compiler=record)
+    torch._dynamo.reset()
+    _assert_same(
+        torch.compile(f, backend=backend, fullgraph=True)(q, kv, mask), f(q, kv, mask), (q, kv)
+    )
+    assert ops and not [op for op in ops if "flash" in op]

@@ -547,3 +547,28 @@ def test_dynamo_frame_callback_is_set_only_in_the_eager_rest_of_a_compiled_funct
         torch.compile(lambda x: off(gives_up(x.sin())), backend="eager")(torch.ones(2))
     assert seen == [True, False]
     assert P.dynamo_frame_callback() is None
+
+
+def test_sdpa_math_equals_sdpa_and_batches_under_vmap():
+    """``sdpa_math``: the value of ``scaled_dot_product_attention`` (causal, with a mask and a
+    scale), and under vmap it batches, where sdpa on CPU runs its flash kernel once per instance
+    (the reason the simulated compile path uses it)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(5, 5, generator=g, dtype=torch.float64)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for kw in ({"is_causal": True}, {"attn_mask": mask, "scale": 0.3}):
+        want = sdpa(q, k, v, **kw)
+        got = P.sdpa_math(
+            q, k, v, kw.get("attn_mask"), 0.0, kw.get("is_causal", False), scale=kw.get("scale")
+        )[0]
+        assert torch.allclose(got, want, atol=1e-12)
+
+    def flash_calls(f) -> int:
+        with torch.profiler.profile() as prof:
+            torch.func.vmap(f)(q, k, v)
+        return sum(e.count for e in prof.key_averages() if "flash_attention" in e.key)
+
+    # sdpa's flash kernel once per instance under vmap (torch's fallback loop), the math one never
+    assert flash_calls(lambda a, b, c: sdpa(a.float(), b.float(), c.float(), is_causal=True)) >= 3
+    assert flash_calls(lambda a, b, c: P.sdpa_math(a, b, c, None, 0.0, True)[0]) == 0

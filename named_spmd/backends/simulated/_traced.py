@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ... import _torch_private as P
 from ..._errors import SpmdError
@@ -229,6 +230,30 @@ class TracedSimulatedContext(TracedContext):
 # --- the call -----------------------------------------------------------------------------------
 
 
+class _SimulatedVmaMode(CompiledVmaMode):
+    """:class:`CompiledVmaMode` inside the mesh's vmap levels: attention runs as its math
+    decomposition, which batches over the levels (torch 2.13 has no batching rule for the CPU
+    flash kernel ``scaled_dot_product_attention`` picks, so vmap would run it once per
+    instance, a call of its fixed cost each)."""
+
+    def _run(self, func, args, kwargs):
+        if func is F.scaled_dot_product_attention:
+            return _math_attention(*args, **(kwargs or {}))
+        return super()._run(func, args, kwargs)
+
+
+def _math_attention(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    if dropout_p or enable_gqa:  # random draws and grouped heads: sdpa itself
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    out = P.sdpa_math(q, k, v, attn_mask, 0.0, is_causal, scale=scale)[0]
+    with P.DisableTorchFunction():  # one of a multi-output op's tensors: a view takes the stamp
+        return out.view_as(out)
+
+
 def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[torch.Tensor]:
     """The simulated ``run`` while Dynamo traces: see the module docstring."""
     route_view_attributes()
@@ -246,7 +271,7 @@ def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[torch.Tensor]:
             spec = specs[i]
             x = partial_input(ctx, x, spec) if spec.reduced or spec.unreduced else x.view_as(x)
             local[i] = ctx.stamp_input(x, spec)
-        with CompiledVmaMode(ctx):
+        with _SimulatedVmaMode(ctx):
             outs = body(local, ctx)
         return outs or [tokens[0]]  # vmap needs an output; an unused one
 
