@@ -21,6 +21,7 @@ It also prints the seconds of the first call (trace + compile + run) of each com
     python benchmarks/bench_compile.py --one-process   # where the compiled step's time goes
     python benchmarks/bench_compile.py --simulated     # the simulated mesh in a compiled step
     python benchmarks/bench_compile.py --mesh 1 1 --device cuda   # one GPU, NCCL (wall clock)
+    python benchmarks/bench_compile.py --guards        # the guard check of one compiled call
 
 ``--one-process``: in this process, one gloo rank, a (1,1) mesh, the same model: the dense loss
 compiled (the baseline) against named_spmd compiled with DTensor parameters and with plain
@@ -31,6 +32,10 @@ rounds: what DTensor parameters cost a compiled step (their runtime wrapping and
 step calling named_spmd on a simulated (2,2) mesh compiled whole (Inductor, fullgraph:
 backends/simulated/_traced.py) and eagerly; CPU time per step, minimum over rounds, and the
 seconds of each first call.
+
+``--guards``: the guard check Dynamo runs before the graph on every compiled call, timed
+directly (best of 20 x 200 checks) for the dense step, the simulated (2,2) step and a real (1,1)
+step with DTensor parameters.
 """
 
 from __future__ import annotations
@@ -266,6 +271,57 @@ def simulated(args) -> None:
     _util.write_markdown(args.markdown, rows)
 
 
+def guards(args) -> None:
+    """Dynamo's guard check of one compiled call (run before the graph on every call), timed
+    directly on the call's frame locals: the dense step, the simulated (2,2) mapped step and a
+    real (1,1) one with DTensor parameters (one gloo process)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.set_num_threads(1)
+    cfg = _config(args)
+    tok, tgt = G.batch(cfg, 0)
+    dense = G.dense_loss(cfg)
+    real = ns.make_mesh((1, 1), ("dp", "tp"))
+    sim = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+    cases = {
+        "dense compiled": (dense, B._fresh(G.init_params(cfg, 0))),
+        "named_spmd simulated (2,2) compiled": (G.spmd_step_fn(cfg, sim), None),
+        "named_spmd (1,1) compiled, DTensor parameters": (G.spmd_step_fn(cfg, real), None),
+    }
+    best = {}
+    for name, (fn, params) in cases.items():
+        if params is None:
+            params = G.init_params(cfg, 0)
+            if fn.mesh is real:
+                params = B._distribute(params, G.param_specs(cfg), real.device_mesh)
+        torch.compile(fn, backend="eager", fullgraph=True)(tok, tgt, params)
+        if fn is dense:
+            code, frame = dense.__code__, dict(zip(dense.__code__.co_varnames, (tok, tgt, params)))
+            frame.update(zip(code.co_freevars, (c.cell_contents for c in dense.__closure__ or ())))
+        else:  # Dynamo compiles a callable object through a wrapper frame of its own
+            code = torch.compile(fn)._torchdynamo_orig_callable.__code__
+            frame = {"fn": fn, "args": (tok, tgt, params), "kwargs": {}}
+        # (the wrapper's code holds every compiled callable's entries: this call's passes)
+        check = next(
+            e.guard_manager.check
+            for e in _debug_get_cache_entry_list(code)
+            if e.guard_manager.check(frame)
+        )
+        best[name] = min(_timed(check, frame) for _ in range(20))
+    dist.destroy_process_group()
+    for name, t in best.items():
+        print(f"guard check of one call, {name}: {t * 1e6:.1f} us")
+
+
+def _timed(check, frame: dict, number: int = 200) -> float:
+    t = time.perf_counter()
+    for _ in range(number):
+        check(frame)
+    return (time.perf_counter() - t) / number
+
+
 def _config(args) -> G.Config:
     return G.Config(d=args.d, layers=args.layers, seq=args.seq, batch=args.batch, vocab=args.vocab)
 
@@ -309,6 +365,7 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL")
     ap.add_argument("--one-process", action="store_true", help="see the module docstring")
     ap.add_argument("--simulated", action="store_true", help="see the module docstring")
+    ap.add_argument("--guards", action="store_true", help="see the module docstring")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -316,6 +373,8 @@ def main() -> None:
         return one_process(args)
     if args.simulated:
         return simulated(args)
+    if args.guards:
+        return guards(args)
     nproc = args.mesh[0] * args.mesh[1]
     out = _util.spawn(__file__, nproc, [*sys.argv[1:], "--worker"], args.timeout)
     line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)

@@ -17,7 +17,9 @@ are autograd Functions, which do not compile under vmap. Here instead:
   as through any batched program, and the transposes need no rule of ours;
 * types are stamps (``_traced.TracedContext``) and every op is typed by ``CompiledVmaMode``,
   once, at trace time: an implicit pvary is a view (its psum in backward is vmap's own sum over
-  the broadcast operand).
+  the broadcast operand);
+* attention runs as sdpa's math decomposition, which batches over the levels (the CPU flash
+  kernel sdpa picks would run once per instance: :class:`_SimulatedVmaMode`).
 
 Not on this path: ``torch.func`` transforms (grad, jvp) inside the per-device function (the
 custom op has no autograd rule at a transform's level), ``CommMode`` events, and the
