@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import _context
+from ._api import SpmdFunction
 
 
 class CompiledPiece:
@@ -49,9 +50,14 @@ class CompiledPiece:
 
 
 def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
-    """``torch.compile`` for a piece of a per-device function; ``options`` are
-    ``torch.compile``'s (``backend``, ``fullgraph``, ``mode``, ...). Use as ``ns.compile(fn)``
-    or ``@ns.compile(fullgraph=True)``.
+    """``torch.compile`` for a mapped function or for a piece of a per-device function;
+    ``options`` are ``torch.compile``'s (``backend``, ``fullgraph``, ``mode``, ...). Use as
+    ``ns.compile(fn)`` or ``@ns.compile(fullgraph=True)``.
+
+    A mapped function (``ns.compile(ns.spmd_map(...))``) compiles whole, as ``torch.compile``
+    would, with a compile cache of its own. ``torch.compile`` of the mapped function itself
+    shares one cache (that of torch's wrapper for callable objects) with every other callable
+    object compiled so, and the ninth one in a process hits Dynamo's recompile limit.
 
     On a real mesh the piece compiles once and runs with the call's types: its collectives and
     the psums of its implicit pvarys are functional collectives in the graph, so Inductor may
@@ -71,4 +77,10 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     """
     if fn is None:
         return functools.partial(compile, **options)
+    if isinstance(fn, SpmdFunction):
+        # Its own ``__call__`` (a code object per mapped function) rather than the object:
+        # torch.compile runs any other callable object through one wrapper function of torch's,
+        # whose cache every such object shares, so the ninth mapped function compiled that way
+        # in a process hits Dynamo's recompile limit (fullgraph: an error; else eager)
+        return torch.compile(fn.__call__, **options)
     return CompiledPiece(fn, options)

@@ -341,3 +341,36 @@ def test_attention_in_a_compiled_call_is_batched_over_the_instances():
         torch.compile(f, backend=backend, fullgraph=True)(q, kv, mask), f(q, kv, mask), (q, kv)
     )
     assert ops and not [op for op in ops if "flash" in op]
+
+
+def _many_mapped(n: int):
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    return [
+        ns.spmd_map(lambda x, i=i: ns.psum(x * i, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+        for i in range(n)
+    ]
+
+
+def test_ns_compile_gives_each_mapped_function_a_cache_of_its_own():
+    """``ns.compile(spmd_map(...))`` compiles the mapped function's own ``__call__``: twelve
+    of them compile, one frame each, with fullgraph and the eager values."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for f in _many_mapped(12):
+        assert torch.allclose(ns.compile(f, backend=counter, fullgraph=True)(x), f(x))
+    assert counter.frame_count == 12
+
+
+def test_torch_compile_of_callable_objects_shares_one_cache():
+    """Why ``ns.compile`` exists for mapped functions (torch 2.13): ``torch.compile`` of a
+    callable object runs it through one wrapper function of torch's, whose cache all such
+    objects share, so the ninth hits Dynamo's recompile limit (8) under fullgraph."""
+    torch._dynamo.reset()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    mapped = _many_mapped(9)
+    for f in mapped[:8]:
+        torch.compile(f, backend="eager", fullgraph=True)(x)
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        torch.compile(mapped[8], backend="eager", fullgraph=True)(x)
+    torch._dynamo.reset()

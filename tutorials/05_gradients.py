@@ -179,14 +179,17 @@ print("vocab-parallel cross entropy and its gradient match F.cross_entropy:", lo
 # %% [markdown]
 # ## `torch.compile`
 #
-# Compile the whole mapped step: `torch.compile(spmd_map(f, ...), fullgraph=True)` traces it
-# once (types, the out_specs check and every error at trace time) into one graph, forward and
+# Compile the whole mapped step: `ns.compile(spmd_map(f, ...), fullgraph=True)` (or
+# `torch.compile` of a function that calls it, such as a training step) traces it once (types, the out_specs check and every error at trace time) into one graph, forward and
 # backward, on either mesh. On a real mesh its collectives are torch's functional collectives,
 # so Inductor can fuse the compute around them and overlap them; on the simulated mesh the
 # instances are `torch.func.vmap` levels and the collectives plain tensor ops across them, so
 # Inductor compiles the whole simulation. The first call pays the compile (seconds for a small
 # model; tens of seconds on a real mesh of a busy CPU); later steps run the graph, with no
 # recompilation until shapes, dtypes, specs or the mesh change (README, "torch.compile").
+# `ns.compile` of a mapped function is `torch.compile` of its own `__call__`: `torch.compile` of
+# the mapped function object itself works too, but torch gives every callable object it compiles
+# so one shared cache, and the ninth in a process hits Dynamo's recompile limit.
 
 
 # %%
@@ -195,7 +198,7 @@ def mlp_loss(x, w1, w2):
     return ns.pmean(ns.psum(torch.tanh(x @ w1) @ w2, "tp").pow(2).mean(), "dp")
 
 
-compiled_loss = torch.compile(mlp_loss, backend="aot_eager", fullgraph=True)
+compiled_loss = ns.compile(mlp_loss, backend="aot_eager", fullgraph=True)
 x, w1, w2 = leaf(8, 16), leaf(16, 32), leaf(32, 16)
 for _ in range(2):  # one trace: the second step runs the graph
     got, want = compiled_loss(x, w1, w2), mlp_loss(x, w1, w2)
