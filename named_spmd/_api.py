@@ -79,7 +79,7 @@ class SpmdFunction:
         self.in_specs = in_specs
         self.out_specs = out_specs
         # the distinct in_specs, which a traced call indexes (_in_specs_traced)
-        self._in_spec_table = tuple(dict.fromkeys([PartitionSpec(), *spec_leaves(in_specs)]))
+        self._in_spec_table = tuple(dict.fromkeys(spec_leaves(in_specs)))
         self.check_vma = check_vma
         # picked once: a mesh's kind never changes, and a compiled call would guard on the
         # registry's lookups (``sys.modules``), so any import between two steps would recompile

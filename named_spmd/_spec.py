@@ -134,10 +134,9 @@ def spec_problems(
     """Every way ``spec`` fails to fit a tensor of ``shape`` on the mesh (empty list: it fits)."""
     if torch.compiler.is_compiling():
         # No memo: Dynamo would guard on its length, and any call that adds to it (another
-        # function's new shapes) would recompile every compiled call. Hashing the dims makes
-        # Dynamo specialize them: the compile paths trace static shapes (the memo's lookup did
-        # that before; dims left symbolic broke the real mesh's block arithmetic).
-        hash(tuple(shape))
+        # function's new shapes) would recompile every compiled call (the memo's lookup also
+        # specialized the dims; dims left symbolic broke the real mesh's block arithmetic)
+        specialize(shape)
         return _spec_problems(spec, shape, mesh_shape, where)
     key = (spec, tuple(shape), tuple(mesh_shape.items()))
     if key in _fits:  # checked on every call: remember what fitted
@@ -151,6 +150,13 @@ def spec_problems(
 
 
 _fits: set[tuple] = set()
+
+
+def specialize(shape: Any) -> None:
+    """While Dynamo traces: make it specialize the dims of ``shape`` (hashing them does; after a
+    shape change Dynamo would otherwise make them symbolic). The compile paths trace static
+    shapes."""
+    hash(tuple(shape))
 
 
 def _spec_problems(

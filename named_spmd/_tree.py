@@ -9,7 +9,7 @@ import optree
 import torch
 
 from ._errors import SpecError
-from ._spec import PartitionSpec
+from ._spec import PartitionSpec, specialize
 
 
 def is_spec_leaf(x: Any) -> bool:
@@ -168,9 +168,7 @@ def _skeleton(tree: Any) -> Any:
     if kind is dict:
         return {k: _skeleton(v) for k, v in tree.items()}
     if isinstance(tree, torch.Tensor):
-        # hashing makes Dynamo specialize the dims (after a shape change it would make them
-        # symbolic, which no constant can hold): the compile paths trace static shapes
-        hash(tuple(tree.shape))
+        specialize(tree.shape)  # symbolic dims would make the description no constant
     return _describe(tree)
 
 

@@ -240,20 +240,20 @@ class _SimulatedVmaMode(CompiledVmaMode):
 
     def _run(self, func, args, kwargs):
         if func is F.scaled_dot_product_attention:
-            return _math_attention(*args, **(kwargs or {}))
+            math = _math_attention_args(*args, **(kwargs or {}))
+            if math is not None:  # a multi-output op: the base class views each of its tensors
+                return super()._run(P.sdpa_math, *math)[0]
         return super()._run(func, args, kwargs)
 
 
-def _math_attention(
+def _math_attention_args(
     q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
-    if dropout_p or enable_gqa:  # random draws and grouped heads: sdpa itself
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
-    out = P.sdpa_math(q, k, v, attn_mask, 0.0, is_causal, scale=scale)[0]
-    with P.DisableTorchFunction():  # one of a multi-output op's tensors: a view takes the stamp
-        return out.view_as(out)
+    """sdpa's arguments as ``sdpa_math``'s; None with dropout (random draws) or grouped heads,
+    which sdpa itself runs."""
+    if dropout_p or enable_gqa:
+        return None
+    return (q, k, v, attn_mask, 0.0, is_causal), {"scale": scale}
 
 
 def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[torch.Tensor]:
