@@ -184,15 +184,20 @@ def vocab_parallel_cross_entropy(logits, targets):
     return (sumexp.log() + m - target_logit).mean()
 
 
-def spmd_loss(cfg: Config, block: Callable = _block) -> Callable:
+def spmd_loss(cfg: Config, block: Callable = _block, reduced: bool = True) -> Callable:
     """The per-device ``loss(tokens, targets, params)`` for a ("dp", "tp") mesh, with the
     inputs laid out by :func:`in_specs`; the loss is the global mean, invariant everywhere.
-    ``block``: the transformer block (``ns.compile(_block)`` compiles it per block)."""
+    ``block``: the transformer block (``ns.compile(_block)`` compiles it per block).
+    ``reduced=False``: the loss is left unreduced over dp (each dp member's share of the mean,
+    out_specs ``P(unreduced={"dp"})``), so the step runs no collective for it in the forward,
+    as a hand-written data-parallel step does."""
 
     def loss(tokens, targets, p):
         x = _trunk(tokens, p, cfg, _row_parallel, block)
         logits = F.linear(x, p["lm_head.weight"])  # [b/dp, s, V/tp]
         local = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if not reduced:
+            return ns.pcast(local / ns.axis_size("dp"), "dp", to="unreduced")
         return ns.pmean(local, "dp")
 
     return loss
@@ -202,8 +207,11 @@ def in_specs(cfg: Config) -> tuple:
     return (P("dp"), P("dp"), param_specs(cfg))
 
 
-def spmd_step_fn(cfg: Config, mesh) -> ns.SpmdFunction:
-    return ns.spmd_map(spmd_loss(cfg), mesh=mesh, in_specs=in_specs(cfg), out_specs=P())
+def spmd_step_fn(cfg: Config, mesh, reduced: bool = True) -> ns.SpmdFunction:
+    out = P() if reduced else P(unreduced={"dp"})
+    return ns.spmd_map(
+        spmd_loss(cfg, reduced=reduced), mesh=mesh, in_specs=in_specs(cfg), out_specs=out
+    )
 
 
 # --- the nn.Module (for DDP and parallelize_module) ---------------------------------------------------

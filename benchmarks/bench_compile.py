@@ -2,7 +2,13 @@
 processes: forward + backward + AdamW, the loss function compiled with Inductor, fullgraph.
 
 Variants, timed interleaved in the same processes (bench_gpt.interleaved):
-* ``named_spmd compiled``: ``torch.compile(spmd_map(loss))`` (backends/_dist_compile.py);
+* ``named_spmd compiled``: ``ns.compile(spmd_map(loss))`` (backends/_dist_compile.py), every
+  parameter a DTensor laid out by its spec;
+* ``named_spmd compiled, replicated parameters plain``: the same, with the parameters no axis
+  splits held as plain tensors (as ``parallelize_module`` leaves them): no DTensor conversion,
+  guard or optimizer dispatch for them;
+* ``named_spmd compiled, loss unreduced over dp``: the loss left a partial sum over dp
+  (``P(unreduced={"dp"})``), so that the forward runs the hand-written program's collectives;
 * ``hand-written funcol compiled`` (the baseline): the same per-rank program written by hand with
   ``_c10d_functional`` collectives inside two autograd Functions (Megatron's f and g: identity
   forward / all-reduce backward, and all-reduce forward / identity backward), an f over tp at
@@ -16,6 +22,11 @@ Variants, timed interleaved in the same processes (bench_gpt.interleaved):
   under ``loss_parallel``, as torch documents it);
 * ``named_spmd eager``: for reference.
 It also prints the seconds of the first call (trace + compile + run) of each compiled variant.
+
+Every compiled variant runs with Inductor's all-reduce bucketing (``bucket_all_reduces_fx``),
+which ``ns.compile`` turns on for named_spmd: the same compiler options for all.
+``--inductor-defaults`` leaves the other variants with Inductor's defaults (no bucketing: one
+all-reduce per gradient, each a millisecond of fixed cost on gloo).
 
     python benchmarks/bench_compile.py [--d 32] [--steps 5] [--rounds 5]
     python benchmarks/bench_compile.py --one-process   # where the compiled step's time goes
@@ -146,6 +157,10 @@ def worker(args) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.set_default_device("cuda")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    if not args.inductor_defaults:  # every variant with the bucketing ns.compile turns on
+        import torch._inductor.config as inductor_config
+
+        inductor_config.bucket_all_reduces_fx = "all"
     cfg = _config(args)
     dp, tp = args.mesh
     mesh = ns.make_mesh((dp, tp), ("dp", "tp"))
@@ -155,9 +170,15 @@ def worker(args) -> None:
     params = G.init_params(cfg, 0)
 
     f = G.spmd_step_fn(cfg, mesh)
-    compiled = torch.compile(f, backend="inductor", fullgraph=True)
+    compiled = ns.compile(f, backend="inductor", fullgraph=True)
     pn = B._distribute(params, G.param_specs(cfg), dm)
     spmd_c = B.trainer(lambda tok, tgt, q: ns.to_local(compiled(tok, tgt, q)), pn)
+    mixed = ns.compile(G.spmd_step_fn(cfg, mesh), backend="inductor", fullgraph=True)
+    pm = B._distribute(params, G.param_specs(cfg), dm, replicated_plain=True)
+    spmd_m = B.trainer(lambda tok, tgt, q: ns.to_local(mixed(tok, tgt, q)), pm)
+    partial = ns.compile(G.spmd_step_fn(cfg, mesh, False), backend="inductor", fullgraph=True)
+    pu = B._distribute(params, G.param_specs(cfg), dm)
+    spmd_u = B.trainer(lambda tok, tgt, q: ns.to_local(partial(tok, tgt, q)), pu)
     pe = B._distribute(params, G.param_specs(cfg), dm)
     spmd_e = B.trainer(lambda tok, tgt, q: ns.to_local(f(tok, tgt, q)), pe)
     block = ns.compile(G._block, backend="inductor", fullgraph=True)
@@ -180,6 +201,8 @@ def worker(args) -> None:
     first = {}
     for name, step in (
         ("named_spmd compiled", spmd_c),
+        ("named_spmd compiled, replicated parameters plain", spmd_m),
+        ("named_spmd compiled, loss unreduced over dp", spmd_u),
         ("hand-written funcol compiled", hand_step),
         ("named_spmd blocks compiled", spmd_b),
         ("DTensor TP compiled", dtensor_step),
@@ -192,17 +215,25 @@ def worker(args) -> None:
     losses = {}
     for name, step in (
         ("spmd", spmd_c),
+        ("replicated plain", spmd_m),
+        ("loss unreduced", spmd_u),
         ("hand", hand_step),
         ("blocks", spmd_b),
         ("DTensor TP", dtensor_step),
         ("eager", spmd_e),
     ):
         # the hand-written and DTensor TP steps return each rank's share of the dp mean
-        reduce = B.summed_over_ranks(tp) if name in ("hand", "DTensor TP") else B._global
+        reduce = (
+            B.summed_over_ranks(tp)
+            if name in ("hand", "DTensor TP", "loss unreduced")
+            else B._global
+        )
         losses[name] = [float(reduce(step(*G.batch(cfg, s)))) for s in range(1, 3)]
     fns = {
         "hand-written funcol compiled": B.timer_steps(hand_step, cfg, args.steps),
         "named_spmd compiled": B.timer_steps(spmd_c, cfg, args.steps),
+        "named_spmd compiled, replicated parameters plain": B.timer_steps(spmd_m, cfg, args.steps),
+        "named_spmd compiled, loss unreduced over dp": B.timer_steps(spmd_u, cfg, args.steps),
         "named_spmd blocks compiled": B.timer_steps(spmd_b, cfg, args.steps),
         "DTensor TP compiled": B.timer_steps(dtensor_step, cfg, args.steps),
         "named_spmd eager": B.timer_steps(spmd_e, cfg, args.steps),
@@ -366,6 +397,11 @@ def main() -> None:
     ap.add_argument("--one-process", action="store_true", help="see the module docstring")
     ap.add_argument("--simulated", action="store_true", help="see the module docstring")
     ap.add_argument("--guards", action="store_true", help="see the module docstring")
+    ap.add_argument(
+        "--inductor-defaults",
+        action="store_true",
+        help="the other variants without the all-reduce bucketing ns.compile turns on",
+    )
     args = ap.parse_args()
     if args.worker:
         return worker(args)

@@ -126,16 +126,21 @@ def _placements(spec, axis_names):
     return [Shard(dims[a]) if a in dims else Replicate() for a in axis_names]
 
 
-def _distribute(params: dict, specs: dict, device_mesh) -> dict:
+def _distribute(params: dict, specs: dict, device_mesh, replicated_plain: bool = False) -> dict:
+    """DTensors laid out by ``specs``; ``replicated_plain``: a parameter that no axis splits
+    stays a plain tensor (as ``parallelize_module`` leaves the replicated ones), which
+    named_spmd takes as the whole value on every rank, with no DTensor conversion."""
     from torch.distributed.tensor import distribute_tensor
 
     names = device_mesh.mesh_dim_names
-    return {
-        k: distribute_tensor(
-            v.detach().clone(), device_mesh, _placements(specs[k], names)
-        ).requires_grad_()
-        for k, v in params.items()
-    }
+    out = {}
+    for k, v in params.items():
+        if replicated_plain and not specs[k].axes:
+            out[k] = v.detach().clone().requires_grad_()
+        else:
+            places = _placements(specs[k], names)
+            out[k] = distribute_tensor(v.detach().clone(), device_mesh, places).requires_grad_()
+    return out
 
 
 def _local_batch(tokens, targets, rank: int, dp: int):

@@ -65,6 +65,11 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     numbers. Under an active ``ns.CommMode`` it runs uncompiled, so that every collective it
     runs is counted.
 
+    With Inductor (the default backend), independent all-reduces of a graph are merged into
+    buckets (Inductor's ``bucket_all_reduces_fx``, as DDP buckets gradients): a training step's
+    gradient psums become a few all-reduces. ``options={"bucket_all_reduces_fx": "none"}``
+    turns it off; with ``mode=`` it stays off (torch takes a mode or options, not both).
+
     Example::
 
         >>> import torch, named_spmd as ns
@@ -77,6 +82,7 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     """
     if fn is None:
         return functools.partial(compile, **options)
+    options = with_bucketed_all_reduces(options)
     if isinstance(fn, SpmdFunction):
         # Its own ``__call__`` (a code object per mapped function) rather than the object:
         # torch.compile runs any other callable object through one wrapper function of torch's,
@@ -84,3 +90,21 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
         # in a process hits Dynamo's recompile limit (fullgraph: an error; else eager)
         return torch.compile(fn.__call__, **options)
     return CompiledPiece(fn, options)
+
+
+#: Inductor's pass that merges independent all-reduces of a graph into bucketed ones. A mapped
+#: training step's backward holds one all-reduce per replicated parameter (the implicit pvarys'
+#: psums); on gloo each costs about a millisecond of fixed cost, so unbucketed they dominate the
+#: compiled step (docs/design.md section 9, "Bucketed all-reduces").
+BUCKET_OPTION = "bucket_all_reduces_fx"
+
+
+def with_bucketed_all_reduces(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for ``torch.compile`` with Inductor's all-reduce bucketing on, unless the
+    compile is not Inductor's, the caller chose (``options={BUCKET_OPTION: "none"}``), or a
+    ``mode`` is given (torch takes a mode or options, not both)."""
+    if options.get("backend", "inductor") != "inductor" or "mode" in options:
+        return options
+    inductor = dict(options.get("options") or {})
+    inductor.setdefault(BUCKET_OPTION, "all")
+    return {**options, "options": inductor}

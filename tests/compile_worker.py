@@ -225,6 +225,38 @@ def check_compiled_first(name: str, backend: str) -> dict:
     return {"compiled_first": True, "problems": problems}
 
 
+def check_bucketed(name: str, backend: str) -> dict:
+    """``ns.compile`` with Inductor buckets the graph's independent all-reduces (the gradient
+    psums of the replicated parameters): fewer all-reduces run per step than with the bucketing
+    turned off, and the values and gradients are the eager call's."""
+    prog, f = mapped(name)
+    args = prog.args()
+    torch._dynamo.reset()
+    want = evaluate(f, args, 1.0)
+    problems, counts = [], {}
+    for label, options in (("bucketed", {}), ("unbucketed", {BUCKET: "none"})):
+        compiled = ns.compile(f, fullgraph=True, options=options) if options else ns.compile(f)
+        evaluate(compiled, args, 1.0)  # traced and compiled
+        with torch.profiler.profile() as prof:
+            got = evaluate(compiled, args, 1.0)
+        counts[label] = sum(e.name == "c10d::allreduce_" for e in prof.events())
+        problems += [
+            f"{label}: {what} {k} differs"
+            for what, pairs in (
+                ("output", zip(got[0], want[0])),
+                ("gradient", zip(got[1], want[1])),
+            )
+            for k, (a, b) in enumerate(pairs)
+            if not close(a, b, rtol=1e-10, atol=1e-10)
+        ]
+    if not 0 < counts["bucketed"] < counts["unbucketed"]:
+        problems.append(f"all-reduces per step {counts}: the bucketed step should run fewer")
+    return {"bucketed": counts, "problems": problems}
+
+
+BUCKET = "bucket_all_reduces_fx"
+
+
 # --- errors: the compiled call raises the eager call's error ------------------------------------
 
 
@@ -350,9 +382,11 @@ def main() -> None:
     failed = False
     for backend in backends:
         firsts = [n for n in names if n == "megatron_biases@4"] if backend == "aot_eager" else []
+        bucketed = [n for n in names if n == "data_parallel@4"] if backend == "inductor" else []
         for check, todo in (
             (check_program, names),
             (check_compiled_first, firsts),
+            (check_bucketed, bucketed),
             (check_error, errors),
         ):
             for name in todo:

@@ -374,3 +374,24 @@ def test_torch_compile_of_callable_objects_shares_one_cache():
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
         torch.compile(mapped[8], backend="eager", fullgraph=True)(x)
     torch._dynamo.reset()
+
+
+def test_ns_compile_turns_inductors_all_reduce_bucketing_on_unless_told_otherwise():
+    """The options ``ns.compile`` hands ``torch.compile``: bucketing with Inductor (its default
+    backend), the user's own Inductor options kept and winning, nothing added for other
+    backends or with a ``mode`` (torch refuses a mode and options together). The effect on a
+    real mesh (fewer all-reduces, the same values) is checked by tests/test_compile.py."""
+    from named_spmd._compile import with_bucketed_all_reduces as options_of
+
+    assert options_of({}) == {"options": {"bucket_all_reduces_fx": "all"}}
+    assert options_of(
+        {"backend": "inductor", "fullgraph": True, "options": {"trace.enabled": 1}}
+    ) == {
+        "backend": "inductor",
+        "fullgraph": True,
+        "options": {"trace.enabled": 1, "bucket_all_reduces_fx": "all"},
+    }
+    off = {"options": {"bucket_all_reduces_fx": "none"}}
+    assert options_of(off) == off
+    for other in ({"backend": "aot_eager"}, {"mode": "max-autotune"}):
+        assert options_of(other) == other
