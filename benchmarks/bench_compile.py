@@ -23,8 +23,9 @@ Variants, timed interleaved in the same processes (bench_gpt.interleaved):
 * ``named_spmd eager``: for reference.
 It also prints the seconds of the first call (trace + compile + run) of each compiled variant.
 
-Every compiled variant runs with Inductor's all-reduce bucketing (``bucket_all_reduces_fx``),
-which ``ns.compile`` turns on for named_spmd: the same compiler options for all.
+Every compiled variant runs with Inductor's all-reduce bucketing (``bucket_all_reduces_fx``)
+and the pass that makes the gradients' waits adjacent before it, which ``ns.compile`` turns on
+for named_spmd: the same compiler options for all.
 ``--inductor-defaults`` leaves the other variants with Inductor's defaults (no bucketing: one
 all-reduce per gradient, each a millisecond of fixed cost on gloo).
 
@@ -160,7 +161,10 @@ def worker(args) -> None:
     if not args.inductor_defaults:  # every variant with the bucketing ns.compile turns on
         import torch._inductor.config as inductor_config
 
+        from named_spmd._compile import sink_output_waits_pass
+
         inductor_config.bucket_all_reduces_fx = "all"
+        inductor_config.post_grad_custom_pre_pass = sink_output_waits_pass()
     cfg = _config(args)
     dp, tp = args.mesh
     mesh = ns.make_mesh((dp, tp), ("dp", "tp"))

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import _context
+from . import _torch_private as P
 from ._api import SpmdFunction
 
 
@@ -97,14 +98,52 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
 #: psums); on gloo each costs about a millisecond of fixed cost, so unbucketed they dominate the
 #: compiled step (docs/design.md section 9, "Bucketed all-reduces").
 BUCKET_OPTION = "bucket_all_reduces_fx"
+#: Inductor's option for a graph pass run before its own, bucketing included
+PRE_PASS_OPTION = "post_grad_custom_pre_pass"
+
+
+def _sink_output_waits(graph: Any) -> None:
+    """Move the wait of every all-reduce whose result is only a graph output (a gradient) to
+    just after the last wait of an all-reduce it could share a bucket with (same reduce op,
+    group and dtype). Inductor buckets only all-reduces whose waits follow each other with no
+    other bucket's wait between, and in a mapped step's backward the gradients' psums (the
+    implicit pvarys', each at its parameter's first use) alternate with the activations' psums
+    over other axes. A later wait only delays when the result is read: the order in which every
+    rank issues its collectives is the same."""
+    wait, all_reduce = P.funcol().wait, P.funcol().all_reduce
+    output = next(iter(graph.find_nodes(op="output")))
+    last: dict[tuple, Any] = {}  # bucket key -> its last wait in graph order
+    movable: dict[tuple, list[Any]] = {}  # bucket key -> its waits read only by the output
+    for node in graph.nodes:
+        if node.target is wait and node.args[0].target is all_reduce:
+            reduce = node.args[0]
+            key = (*reduce.args[1:3], getattr(reduce.meta.get("val"), "dtype", None))
+            last[key] = node
+            if node.users and all(user is output for user in node.users):
+                movable.setdefault(key, []).append(node)
+    for key, nodes in movable.items():
+        anchor = last[key]
+        for node in nodes:
+            if node is not anchor:
+                anchor.append(node)  # right after the anchor: the run keeps graph order
+                anchor = node
+
+
+@functools.cache
+def sink_output_waits_pass() -> Any:
+    """:func:`_sink_output_waits` as an Inductor pass (made on first use: it imports Inductor)."""
+    return P.inductor_graph_pass(_sink_output_waits, "named_spmd.sink_output_waits.1")
 
 
 def with_bucketed_all_reduces(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` for ``torch.compile`` with Inductor's all-reduce bucketing on, unless the
-    compile is not Inductor's, the caller chose (``options={BUCKET_OPTION: "none"}``), or a
-    ``mode`` is given (torch takes a mode or options, not both)."""
+    """``options`` for ``torch.compile`` with Inductor's all-reduce bucketing on, the waits of
+    the gradients' all-reduces made adjacent first (:func:`_sink_output_waits`), unless the
+    compile is not Inductor's, the caller chose (``options={BUCKET_OPTION: "none"}``, or their
+    own pre-pass), or a ``mode`` is given (torch takes a mode or options, not both)."""
     if options.get("backend", "inductor") != "inductor" or "mode" in options:
         return options
     inductor = dict(options.get("options") or {})
     inductor.setdefault(BUCKET_OPTION, "all")
+    if inductor[BUCKET_OPTION] != "none":
+        inductor.setdefault(PRE_PASS_OPTION, sink_output_waits_pass())
     return {**options, "options": inductor}

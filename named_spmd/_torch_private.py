@@ -287,6 +287,22 @@ def funcol() -> SimpleNamespace:
     )
 
 
+def inductor_graph_pass(fn: Callable[[Any], None], version: str) -> Any:
+    """``fn`` (an FX graph -> None, editing it in place) as an Inductor custom graph pass (the
+    ``post_grad_custom_pre_pass`` option): a ``CustomGraphPass`` whose ``uuid`` (``version``)
+    keys Inductor's FX graph cache; without one, Inductor compiles anew every process."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph: Any) -> None:
+            fn(graph)
+
+        def uuid(self) -> str:
+            return version
+
+    return _Pass()
+
+
 # --- Dynamo: a tensor's view attributes reach the torch function modes, as in eager -------------
 # Eager torch hands ``x.T``, ``x.mT``, ``x.H``, ``x.mH``, ``x.real`` and ``x.imag`` to the active
 # torch function modes; Dynamo (2.13) traces them straight into the graph

@@ -226,15 +226,25 @@ def check_compiled_first(name: str, backend: str) -> dict:
 
 
 def check_bucketed(name: str, backend: str) -> dict:
-    """``ns.compile`` with Inductor buckets the graph's independent all-reduces (the gradient
-    psums of the replicated parameters): fewer all-reduces run per step than with the bucketing
-    turned off, and the values and gradients are the eager call's."""
-    prog, f = mapped(name)
-    args = prog.args()
+    """``ns.compile`` with Inductor buckets the graph's independent all-reduces: fewer run per
+    step than with the bucketing turned off (``data_parallel@4``: the replicated parameters'
+    gradient psums) or without the pass that makes the gradients' waits adjacent first
+    (``two_tp_layers``: two Megatron layers on DTensor parameters, whose backward puts an
+    activation's psum over tp between the gradients' psums over dp), with eager's values."""
+    if name == "two_tp_layers":
+        f, args = two_tp_layers()
+    else:
+        prog, f = mapped(name)
+        args = prog.args()
     torch._dynamo.reset()
     want = evaluate(f, args, 1.0)
+    configs = {
+        "default": {},
+        "no adjacent waits": {BUCKET: "all", "post_grad_custom_pre_pass": None},
+        "unbucketed": {BUCKET: "none"},
+    }
     problems, counts = [], {}
-    for label, options in (("bucketed", {}), ("unbucketed", {BUCKET: "none"})):
+    for label, options in configs.items():
         compiled = ns.compile(f, fullgraph=True, options=options) if options else ns.compile(f)
         evaluate(compiled, args, 1.0)  # traced and compiled
         with torch.profiler.profile() as prof:
@@ -247,14 +257,42 @@ def check_bucketed(name: str, backend: str) -> dict:
                 ("gradient", zip(got[1], want[1])),
             )
             for k, (a, b) in enumerate(pairs)
-            if not close(a, b, rtol=1e-10, atol=1e-10)
+            if not close(_whole(a), _whole(b), rtol=1e-10, atol=1e-10)
         ]
-    if not 0 < counts["bucketed"] < counts["unbucketed"]:
-        problems.append(f"all-reduces per step {counts}: the bucketed step should run fewer")
+    fewer = "no adjacent waits" if name == "two_tp_layers" else "unbucketed"
+    if not 0 < counts["default"] < counts[fewer]:
+        problems.append(f"all-reduces per step {counts}: the default should run fewer")
     return {"bucketed": counts, "problems": problems}
 
 
 BUCKET = "bucket_all_reduces_fx"
+
+
+def _whole(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def two_tp_layers():
+    """Two Megatron MLP layers (replicated biases after the psum), data parallel over dp, the
+    parameters DTensors (their gradients are graph outputs), float64."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+
+    def layers(x, p):
+        for i in (1, 3):
+            h = torch.tanh(x @ p[f"w{i}"] + p[f"b{i}"]) @ p[f"w{i + 1}"]
+            x = ns.psum(h, "tp") + p[f"b{i + 1}"]
+        return ns.pmean((x**2).mean().reshape(1), "dp")
+
+    col, row = P(None, "tp"), P("tp", None)
+    specs = {"w1": col, "b1": P("tp"), "w2": row, "b2": P(), "w3": col, "b3": P("tp")}
+    specs |= {"w4": row, "b4": P()}
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"w1": (6, 4), "b1": (4,), "w2": (4, 6), "b2": (6,)}
+    shapes |= {k[0] + str(int(k[1]) + 2): v for k, v in shapes.items()}
+    params = {k: torch.randn(shapes[k], generator=gen, dtype=torch.float64) for k in specs}
+    x = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+    f = ns.spmd_map(layers, mesh=mesh, in_specs=(P("dp"), specs), out_specs=P())
+    return f, (x, ns.shard(params, mesh, specs))
 
 
 # --- errors: the compiled call raises the eager call's error ------------------------------------
@@ -382,7 +420,7 @@ def main() -> None:
     failed = False
     for backend in backends:
         firsts = [n for n in names if n == "megatron_biases@4"] if backend == "aot_eager" else []
-        bucketed = [n for n in names if n == "data_parallel@4"] if backend == "inductor" else []
+        bucketed = ["data_parallel@4", "two_tp_layers"] if backend == "inductor" else []
         for check, todo in (
             (check_program, names),
             (check_compiled_first, firsts),

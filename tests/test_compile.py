@@ -50,7 +50,7 @@ ERRORS = [
 ]
 
 
-def _run(backend: str, programs: list[str], errors: list[str]) -> list[dict]:
+def _run(backend: str, programs: list[str], errors: list[str], extra=()) -> list[dict]:
     finished = launch(
         [os.path.join("tests", "compile_worker.py"), ",".join(programs), backend, ",".join(errors)],
         4,
@@ -65,7 +65,7 @@ def _run(backend: str, programs: list[str], errors: list[str]) -> list[dict]:
     assert not finished.timed_out, "timed out:\n" + finished.outputs[0][-3000:]
     assert not bad, detail
     assert finished.returncodes == [0] * 4, finished.outputs[0][-3000:]
-    assert {r["program"] for r in results} == set(programs) | set(errors)
+    assert {r["program"] for r in results} == set(programs) | set(errors) | set(extra)
     return results
 
 
@@ -87,8 +87,10 @@ def test_compiled_calls_equal_eager(backend):
 
 
 def test_compiled_calls_equal_eager_with_inductor():
-    results = _run("inductor", PROGRAMS, [])
+    results = _run("inductor", PROGRAMS, [], extra=["two_tp_layers"])
     # ns.compile buckets the gradient psums (compile_worker.check_bucketed)
-    bucketed = [r["bucketed"] for r in results if "bucketed" in r]
-    assert bucketed, results
-    assert all(0 < c["bucketed"] < c["unbucketed"] for c in bucketed), bucketed
+    bucketed = {r["program"]: r["bucketed"] for r in results if "bucketed" in r}
+    assert set(bucketed) == {"data_parallel@4", "two_tp_layers"}, results
+    assert bucketed["data_parallel@4"]["default"] < bucketed["data_parallel@4"]["unbucketed"]
+    two = bucketed["two_tp_layers"]
+    assert two["default"] < two["no adjacent waits"] < two["unbucketed"], two

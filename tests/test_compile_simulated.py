@@ -378,20 +378,53 @@ def test_torch_compile_of_callable_objects_shares_one_cache():
 
 def test_ns_compile_turns_inductors_all_reduce_bucketing_on_unless_told_otherwise():
     """The options ``ns.compile`` hands ``torch.compile``: bucketing with Inductor (its default
-    backend), the user's own Inductor options kept and winning, nothing added for other
-    backends or with a ``mode`` (torch refuses a mode and options together). The effect on a
-    real mesh (fewer all-reduces, the same values) is checked by tests/test_compile.py."""
+    backend) after the pass that makes the gradients' waits adjacent, the user's own Inductor
+    options kept and winning, nothing added for other backends or with a ``mode`` (torch
+    refuses a mode and options together). The effect on a real mesh (fewer all-reduces, the
+    same values) is checked by tests/test_compile.py."""
+    from named_spmd._compile import sink_output_waits_pass
     from named_spmd._compile import with_bucketed_all_reduces as options_of
 
-    assert options_of({}) == {"options": {"bucket_all_reduces_fx": "all"}}
-    assert options_of(
-        {"backend": "inductor", "fullgraph": True, "options": {"trace.enabled": 1}}
-    ) == {
-        "backend": "inductor",
-        "fullgraph": True,
-        "options": {"trace.enabled": 1, "bucket_all_reduces_fx": "all"},
-    }
-    off = {"options": {"bucket_all_reduces_fx": "none"}}
-    assert options_of(off) == off
-    for other in ({"backend": "aot_eager"}, {"mode": "max-autotune"}):
-        assert options_of(other) == other
+    sink = sink_output_waits_pass()
+    on = {"bucket_all_reduces_fx": "all", "post_grad_custom_pre_pass": sink}
+    assert options_of({}) == {"options": on}
+    mine = {"backend": "inductor", "fullgraph": True, "options": {"trace.enabled": 1}}
+    assert options_of(mine) == {**mine, "options": {"trace.enabled": 1, **on}}
+    for kept in (
+        {"options": {"bucket_all_reduces_fx": "none"}},
+        {"options": {"bucket_all_reduces_fx": "all", "post_grad_custom_pre_pass": None}},
+        {"backend": "aot_eager"},
+        {"mode": "max-autotune"},
+    ):
+        assert options_of(kept) == kept
+    assert sink.uuid()  # Inductor caches graphs compiled with it
+
+
+def test_the_gradient_waits_pass_moves_only_waits_whose_results_are_only_outputs():
+    """``_sink_output_waits`` on a backward-like graph: the waits of the dp all-reduces that
+    are gradient outputs move after the last dp wait, past the tp all-reduce's wait between
+    them, so that the dp waits follow each other (what Inductor's bucketing needs). Waits that
+    an op reads stay, and so does every all-reduce (the issue order)."""
+    from named_spmd._compile import _sink_output_waits
+
+    f = torch.ops._c10d_functional
+
+    def backward(g1, x, g2, y):
+        wait, all_reduce = f.wait_tensor.default, f.all_reduce.default  # as Inductor's graphs
+        a = wait(all_reduce(g1, "sum", "dp"))  # a gradient: read by the output only
+        b = wait(all_reduce(x, "sum", "tp"))
+        c = wait(all_reduce(g2 * b, "sum", "dp"))  # a gradient
+        d = wait(all_reduce(y * b, "sum", "dp"))  # read by an op
+        return a, b * 2, c, d * 3
+
+    graph = torch.fx.symbolic_trace(backward).graph
+    before = [n.name for n in graph.nodes]
+    _sink_output_waits(graph)
+    after = [n.name for n in graph.nodes]
+    assert sorted(after) == sorted(before)
+    assert [n for n in after if n.startswith("all_reduce")] == [
+        n for n in before if n.startswith("all_reduce")
+    ]
+    groups = [n.args[0].args[2] for n in graph.nodes if n.name.startswith("wait_tensor")]
+    assert groups == ["tp", "dp", "dp", "dp"]  # before: dp, tp, dp, dp (two dp runs)
+    graph.lint()  # every node still after what it reads

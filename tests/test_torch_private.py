@@ -572,3 +572,24 @@ def test_sdpa_math_equals_sdpa_and_batches_under_vmap():
     # sdpa's flash kernel once per instance under vmap (torch's fallback loop), the math one never
     assert flash_calls(lambda a, b, c: sdpa(a.float(), b.float(), c.float(), is_causal=True)) >= 3
     assert flash_calls(lambda a, b, c: P.sdpa_math(a, b, c, None, 0.0, True)[0]) == 0
+
+
+def test_inductor_runs_an_inductor_graph_pass_on_the_post_grad_graph():
+    """``inductor_graph_pass``: Inductor calls it (option ``post_grad_custom_pre_pass``) with
+    the post-grad FX graph of each compiled graph, aten ops in it (what ``ns.compile``'s pass
+    that makes the gradients' waits adjacent reads), and the pass has the uuid Inductor's
+    cache keys on."""
+    seen = []
+
+    def record(graph):
+        seen.append([n.target for n in graph.nodes if n.op == "call_function"])
+
+    graph_pass = P.inductor_graph_pass(record, "test.record.1")
+    assert graph_pass.uuid() == "test.record.1"
+    torch._dynamo.reset()
+    f = torch.compile(
+        lambda x: torch.tanh(x) * 2, options={"post_grad_custom_pre_pass": graph_pass}
+    )
+    x = torch.randn(4)
+    assert torch.allclose(f(x), torch.tanh(x) * 2)
+    assert seen and torch.ops.aten.tanh.default in seen[0]
