@@ -182,7 +182,8 @@ print("vocab-parallel cross entropy and its gradient match F.cross_entropy:", lo
 # Compile the whole mapped step: `ns.compile(spmd_map(f, ...), fullgraph=True)` (or
 # `torch.compile` of a function that calls it, such as a training step) traces it once (types, the out_specs check and every error at trace time) into one graph, forward and
 # backward, on either mesh. On a real mesh its collectives are torch's functional collectives,
-# so Inductor can fuse the compute around them and overlap them; on the simulated mesh the
+# so Inductor can fuse the compute around them and overlap them, and `ns.compile` has Inductor
+# bucket the gradients' all-reduces into a few (as DDP does eagerly); on the simulated mesh the
 # instances are `torch.func.vmap` levels and the collectives plain tensor ops across them, so
 # Inductor compiles the whole simulation. The first call pays the compile (seconds for a small
 # model; tens of seconds on a real mesh of a busy CPU); later steps run the graph, with no
