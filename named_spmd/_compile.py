@@ -67,9 +67,10 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     runs is counted.
 
     With Inductor (the default backend), independent all-reduces of a graph are merged into
-    buckets (Inductor's ``bucket_all_reduces_fx``, as DDP buckets gradients): a training step's
-    gradient psums become a few all-reduces. ``options={"bucket_all_reduces_fx": "none"}``
-    turns it off; with ``mode=`` it stays off (torch takes a mode or options, not both).
+    buckets (Inductor's ``bucket_all_reduces_fx``, as DDP buckets gradients), after a pass that
+    moves the gradients' waits next to each other: a training step's gradient psums become a
+    few all-reduces. ``options={"bucket_all_reduces_fx": "none"}`` turns it off; with
+    ``mode=`` it stays off (torch takes a mode or options, not both).
 
     Example::
 
