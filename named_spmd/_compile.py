@@ -19,6 +19,8 @@ Elsewhere:
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -132,8 +134,14 @@ def _sink_output_waits(graph: Any) -> None:
 
 @functools.cache
 def sink_output_waits_pass() -> Any:
-    """:func:`_sink_output_waits` as an Inductor pass (made on first use: it imports Inductor)."""
-    return P.inductor_graph_pass(_sink_output_waits, "named_spmd.sink_output_waits.1")
+    """:func:`_sink_output_waits` as an Inductor pass (made on first use: it imports Inductor),
+    keyed by its source, so that Inductor's cache never serves a graph of an older version."""
+    try:
+        source = inspect.getsource(_sink_output_waits).encode()
+    except OSError:  # installed without its sources: the bytecode
+        source = _sink_output_waits.__code__.co_code
+    key = hashlib.sha256(source).hexdigest()[:16]
+    return P.inductor_graph_pass(_sink_output_waits, f"named_spmd.sink_output_waits.{key}")
 
 
 def with_bucketed_all_reduces(options: dict[str, Any]) -> dict[str, Any]:
