@@ -173,22 +173,23 @@ def worker(args) -> None:
     tp_rank, dp_rank = dm.get_local_rank("tp"), dm.get_local_rank("dp")
     params = G.init_params(cfg, 0)
 
+    def named_step(fn, replicated_plain: bool = False):
+        """The training step of mapped ``fn`` on its own copy of the parameters."""
+        p = B._distribute(params, G.param_specs(cfg), dm, replicated_plain)
+        return B.trainer(lambda tok, tgt, q: ns.to_local(fn(tok, tgt, q)), p)
+
+    def compiled(fn):
+        return ns.compile(fn, backend="inductor", fullgraph=True)
+
     f = G.spmd_step_fn(cfg, mesh)
-    compiled = ns.compile(f, backend="inductor", fullgraph=True)
-    pn = B._distribute(params, G.param_specs(cfg), dm)
-    spmd_c = B.trainer(lambda tok, tgt, q: ns.to_local(compiled(tok, tgt, q)), pn)
-    mixed = ns.compile(G.spmd_step_fn(cfg, mesh), backend="inductor", fullgraph=True)
-    pm = B._distribute(params, G.param_specs(cfg), dm, replicated_plain=True)
-    spmd_m = B.trainer(lambda tok, tgt, q: ns.to_local(mixed(tok, tgt, q)), pm)
-    partial = ns.compile(G.spmd_step_fn(cfg, mesh, False), backend="inductor", fullgraph=True)
-    pu = B._distribute(params, G.param_specs(cfg), dm)
-    spmd_u = B.trainer(lambda tok, tgt, q: ns.to_local(partial(tok, tgt, q)), pu)
-    pe = B._distribute(params, G.param_specs(cfg), dm)
-    spmd_e = B.trainer(lambda tok, tgt, q: ns.to_local(f(tok, tgt, q)), pe)
-    block = ns.compile(G._block, backend="inductor", fullgraph=True)
-    fb = ns.spmd_map(G.spmd_loss(cfg, block), mesh=mesh, in_specs=G.in_specs(cfg), out_specs=P())
-    pb = B._distribute(params, G.param_specs(cfg), dm)
-    spmd_b = B.trainer(lambda tok, tgt, q: ns.to_local(fb(tok, tgt, q)), pb)
+    spmd_c = named_step(compiled(f))
+    spmd_m = named_step(compiled(G.spmd_step_fn(cfg, mesh)), replicated_plain=True)
+    spmd_u = named_step(compiled(G.spmd_step_fn(cfg, mesh, reduced=False)))
+    spmd_e = named_step(f)
+    block = compiled(G._block)
+    spmd_b = named_step(
+        ns.spmd_map(G.spmd_loss(cfg, block), mesh=mesh, in_specs=G.in_specs(cfg), out_specs=P())
+    )
 
     hand = torch.compile(
         hand_written_loss(cfg, dp_name, tp_name, tp_rank, dp), backend="inductor", fullgraph=True

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 import named_spmd as ns
 from named_spmd import P
+from named_spmd._compile import BUCKET_OPTION, PRE_PASS_OPTION
 
 OPS = torch_ops(ns)  # no taps: ns.typeof is checked by the eager tests
 FUNCOL = torch.ops._c10d_functional
@@ -103,6 +104,21 @@ def close(a, b, rtol, atol) -> bool:
     if a is None or b is None:
         return (a is None or not a.any()) and (b is None or not b.any())
     return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=rtol, atol=atol)
+
+
+def differences(got, want) -> list[str]:
+    """The outputs and gradients of ``evaluate`` that differ from ``want``'s (float64: 1e-10;
+    a DTensor gradient compared as its global value)."""
+    return [
+        f"{what} {k} differs"
+        for what, pairs in (("output", zip(got[0], want[0])), ("gradient", zip(got[1], want[1])))
+        for k, (a, b) in enumerate(pairs)
+        if not close(_whole(a), _whole(b), rtol=1e-10, atol=1e-10)
+    ]
+
+
+def _whole(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def eager_counts(f, args) -> tuple[int, int]:
@@ -213,13 +229,7 @@ def check_compiled_first(name: str, backend: str) -> dict:
     want = evaluate(f, args, 1.0)
     frames = counter.frame_count
     again = evaluate(compiled, args, 1.0)
-    problems = [
-        f"{what} {k} differs"
-        for run in (got, again)
-        for what, pairs in (("output", zip(run[0], want[0])), ("gradient", zip(run[1], want[1])))
-        for k, (a, b) in enumerate(pairs)
-        if not close(a, b, rtol=1e-10, atol=1e-10)
-    ]
+    problems = [p for run in (got, again) for p in differences(run, want)]
     if counter.frame_count != frames:
         problems.append(f"recompiled after the eager call ({frames} -> {counter.frame_count})")
     return {"compiled_first": True, "problems": problems}
@@ -240,8 +250,8 @@ def check_bucketed(name: str, backend: str) -> dict:
     want = evaluate(f, args, 1.0)
     configs = {
         "default": {},
-        "no adjacent waits": {BUCKET: "all", "post_grad_custom_pre_pass": None},
-        "unbucketed": {BUCKET: "none"},
+        "no adjacent waits": {BUCKET_OPTION: "all", PRE_PASS_OPTION: None},
+        "unbucketed": {BUCKET_OPTION: "none"},
     }
     problems, counts = [], {}
     for label, options in configs.items():
@@ -250,26 +260,11 @@ def check_bucketed(name: str, backend: str) -> dict:
         with torch.profiler.profile() as prof:
             got = evaluate(compiled, args, 1.0)
         counts[label] = sum(e.name == "c10d::allreduce_" for e in prof.events())
-        problems += [
-            f"{label}: {what} {k} differs"
-            for what, pairs in (
-                ("output", zip(got[0], want[0])),
-                ("gradient", zip(got[1], want[1])),
-            )
-            for k, (a, b) in enumerate(pairs)
-            if not close(_whole(a), _whole(b), rtol=1e-10, atol=1e-10)
-        ]
+        problems += [f"{label}: {p}" for p in differences(got, want)]
     fewer = "no adjacent waits" if name == "two_tp_layers" else "unbucketed"
     if not 0 < counts["default"] < counts[fewer]:
         problems.append(f"all-reduces per step {counts}: the default should run fewer")
     return {"bucketed": counts, "problems": problems}
-
-
-BUCKET = "bucket_all_reduces_fx"
-
-
-def _whole(x):
-    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def two_tp_layers():
