@@ -428,3 +428,28 @@ def test_the_gradient_waits_pass_moves_only_waits_whose_results_are_only_outputs
     groups = [n.args[0].args[2] for n in graph.nodes if n.name.startswith("wait_tensor")]
     assert groups == ["tp", "dp", "dp", "dp"]  # before: dp, tp, dp, dp (two dp runs)
     graph.lint()  # every node still after what it reads
+
+
+def test_ns_compile_with_inductor_on_the_simulated_mesh_equals_the_eager_call():
+    """``ns.compile`` of a mapped function with Inductor (its default backend, so with the
+    all-reduce bucketing options and the waits pass, which find no collective in a simulated
+    graph): values and gradients of the eager call (float64), one frame for two calls. The
+    real mesh's counterpart is tests/test_compile.py's inductor launch."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+
+    def loss(x, w):
+        return ns.pmean(ns.psum(torch.tanh(x @ w).sum(), "tp").reshape(1), "dp")
+
+    f = ns.spmd_map(loss, mesh=mesh, in_specs=(P("dp", None), P(None, "tp")), out_specs=P())
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    want = f(x, w)
+    (want_grad,) = torch.autograd.grad(want.sum(), w)
+    torch._dynamo.reset()
+    compiled = ns.compile(f, fullgraph=True)
+    for _ in range(2):
+        got = compiled(x, w)
+        (grad,) = torch.autograd.grad(got.sum(), w)
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+        assert torch.allclose(grad, want_grad, rtol=1e-10, atol=1e-10)
