@@ -11,8 +11,8 @@ functional ones read the dict, the module loads it with ``load_state_dict``.
 
 Tensor parallelism (Megatron-LM): q, k, v and fc1 are column-parallel (their output features, so
 the attention heads, split over tp), o and fc2 row-parallel (a partial sum over tp, one psum, then
-the replicated bias); the LM head is vocab-parallel with a vocab-parallel cross entropy (the
-logits never gathered); embeddings and LayerNorms are replicated. The batch splits over dp.
+the replicated bias); the LM head is vocab-parallel with ``ns.parallel.vocab_cross_entropy`` (the
+logits never gathered; torch's fused loss where tp has size 1); embeddings and LayerNorms are replicated. The batch splits over dp.
 """
 
 from __future__ import annotations
@@ -170,20 +170,6 @@ def _row_parallel(a, w, b):
     return ns.psum(F.linear(a, w), "tp") + b
 
 
-def vocab_parallel_cross_entropy(logits, targets):
-    """Mean cross entropy where each tp instance holds a contiguous slice of the vocabulary in
-    ``logits`` [N, V/tp]; ``targets`` [N] are global ids. Three small reductions over tp (max,
-    sum of exponentials, the target's logit), never the full logits (Megatron-LM's)."""
-    v_local = logits.shape[-1]
-    local_t = targets - ns.axis_index("tp") * v_local
-    inside = (local_t >= 0) & (local_t < v_local)
-    m = ns.pmax(logits.detach().amax(-1), "tp")  # a stabiliser: its gradient cancels out
-    sumexp = ns.psum((logits - m.unsqueeze(-1)).exp().sum(-1), "tp")
-    picked = logits.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = ns.psum(torch.where(inside, picked, 0.0), "tp")
-    return (sumexp.log() + m - target_logit).mean()
-
-
 def spmd_loss(cfg: Config, block: Callable = _block, reduced: bool = True) -> Callable:
     """The per-device ``loss(tokens, targets, params)`` for a ("dp", "tp") mesh, with the
     inputs laid out by :func:`in_specs`; the loss is the global mean, invariant everywhere.
@@ -195,7 +181,7 @@ def spmd_loss(cfg: Config, block: Callable = _block, reduced: bool = True) -> Ca
     def loss(tokens, targets, p):
         x = _trunk(tokens, p, cfg, _row_parallel, block)
         logits = F.linear(x, p["lm_head.weight"])  # [b/dp, s, V/tp]
-        local = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten())
+        local = ns.parallel.vocab_cross_entropy(logits, targets, axis_name="tp")
         if not reduced:
             return ns.pcast(local / ns.axis_size("dp"), "dp", to="unreduced")
         return ns.pmean(local, "dp")

@@ -193,6 +193,32 @@ def test_vocab_cross_entropy_reduced(mesh, reduction):
     assert_same(f, lambda z, t: F.cross_entropy(z, t, reduction=reduction), (logits, t))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocab_cross_entropy_on_a_size_one_axis_is_typed_as_when_split(reduction):
+    """Where tp has size 1 the loss is torch's fused one (its values and gradients: the tests
+    above on the tp1 mesh): its type, dtype and shape are those of the split computation on a
+    mesh where tp has size 2; int32 targets work on both paths."""
+    vocab = 16
+    logits, t = randn(8, vocab), targets((8,), vocab).to(torch.int32)
+    seen = {}
+    for tp in (1, 2):
+        mesh = ns.make_mesh((2, tp), ("dp", "tp"), simulated=True)
+
+        def per_device(z, t, tp=tp):
+            loss = pl.vocab_cross_entropy(z, t, axis_name="tp", reduction=reduction)
+            seen[tp] = ns.typeof(loss)
+            return loss if reduction == "none" else ns.psum(loss, "dp")
+
+        out = P("dp") if reduction == "none" else P()
+        f = ns.spmd_map(per_device, mesh=mesh, in_specs=(P("dp", "tp"), P("dp")), out_specs=out)
+        if reduction == "none":
+            dense = F.cross_entropy(logits, t.long(), reduction="none")
+            torch.testing.assert_close(f(logits, t), dense, rtol=1e-12, atol=1e-12)
+        else:
+            f(logits, t)
+    assert seen[1] == seen[2], seen
+
+
 def test_vocab_layers_refuse_ids_split_over_the_vocabulary_axis():
     mesh = ns.make_mesh((2,), ("tp",), simulated=True)
     ids = torch.randint(0, 8, (2, 4))
