@@ -229,6 +229,8 @@ class VmaMode(TorchFunctionMode):
                     if id(a) not in aliased and (_is_wrapped(a) or self.ctx.transform_results):
                         return self._general(func, args, kwargs)
                     plain = True
+                elif s[1] is INVARIANT:  # typed invariant in this call (a P() input, again)
+                    plain = True
                 elif common is None:
                     common = s
                 elif s is not common:
@@ -271,7 +273,7 @@ class VmaMode(TorchFunctionMode):
         for i, a in enumerate(args):
             if isinstance(a, Tensor):
                 s = a.__dict__.get(_ATTR)
-                if s is None or s[0] is not token:
+                if s is None or s[0] is not token or s[1] is INVARIANT:
                     hit = cache.get(id(a))
                     if hit is None or hit[1] is not common:
                         alias = self.ctx.cached_pvary(a, self._mesh_order(common))
