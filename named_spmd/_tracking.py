@@ -202,22 +202,22 @@ class VmaMode(TorchFunctionMode):
         self.token = ctx.call_token
         self._axes_of: dict = {}  # stamp -> its axes in mesh order
         self._alone_of: dict = {}  # stamp -> whether its axes all have size 1
+        self._union_of: dict = {}  # (stamp, stamp) -> the stamp of their union
+        self._missing_of: dict = {}  # (stamp, union's stamp) -> the axes to pvary over
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        # Fast path (most ops): tensors only as positional operands (keyword values and list
-        # arguments holding no tensor are fine: is_causal=True, layer_norm's normalized_shape),
-        # and every operand that carries this call's stamp carries the same one, with no
-        # invariant tensor beside them. Then the result takes that stamp object as is: no sets
-        # built, no pvary. Costs about one dict lookup per operand on top of the mode's own
-        # dispatch.
+        # Fast path (most ops): tensors as operands, positional or keyword (not in lists: those
+        # take the general path), typed without partial states. Their stamps are compared by
+        # identity; where they differ, the union's stamp comes from a memo per pair of stamps.
+        # Then the result takes that stamp object as is; an operand typed below it gets its
+        # implicit pvary alias from the call's caches, or none where the missing axes all have
+        # size 1. Costs about one dict lookup per operand on top of the mode's own dispatch.
         if func in _RANDOM_LIKE or func in NOT_OPS:
             return func(*args, **(kwargs or {}))
-        if kwargs and not _plain_values(kwargs.values()):  # a tensor (out=, weight=) in kwargs
-            return self._general(func, args, kwargs)
         token, aliased = self.token, self.ctx.alias_cache
         common = None
-        plain = blocks = False
-        for a in args:
+        plain = mixed = blocks = False
+        for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, Tensor):
                 d = a.__dict__
                 s = d.get(_ATTR)
@@ -234,23 +234,26 @@ class VmaMode(TorchFunctionMode):
                 elif common is None:
                     common = s
                 elif s is not common:
-                    return self._general(func, args, kwargs)
+                    common = self._union(common, s)
+                    if common is None:  # partial states: the algebra decides (section 8)
+                        return self._general(func, args, kwargs)
+                    mixed = True
             elif (type(a) is list or type(a) is tuple) and not _plain_values(a):
                 return self._general(func, args, kwargs)  # tensors in a list (torch.cat)
         if common is None:
             return func(*args, **(kwargs or {}))
         if common[1].partial:  # unreduced or reduced axes: the op must be checked (section 8)
             return self._general(func, args, kwargs)
-        given = args
-        if plain and self.insert_pvary:  # an invariant tensor meets varying ones: implicit pvary
-            if _is_inplace(func):
-                _check_inplace(self.ctx, func, args, None, common[1])
+        given = args, kwargs
+        if (plain or mixed) and self.insert_pvary:  # operands typed below the union: pvary
+            if _is_inplace(func) or (kwargs and "out" in kwargs):
+                _check_inplace(self.ctx, func, args, kwargs, common[1])
             if not self._alone(common):
-                args = self._vary_plain(args, common)
+                args, kwargs = self._vary_below(args, kwargs, common)
         out = func(*args, **kwargs) if kwargs else func(*args)
         if blocks:  # an operand holds blocks of mesh axes: the op may make a partial sum
-            operands = [a for a in given if isinstance(a, Tensor)]
-            vma = self._blocks(func, (given, kwargs), operands, out, common[1])
+            operands = tensor_operands(*given)
+            vma = self._blocks(func, given, operands, out, common[1])
             if vma is not common[1]:
                 return self._stamp_outputs(out, vma)
         if type(out) is Tensor or isinstance(out, Tensor):
@@ -265,21 +268,53 @@ class VmaMode(TorchFunctionMode):
                         _stamp_inner(self.ctx, o, common)
         return out
 
-    def _vary_plain(self, args, common) -> tuple:
-        """``args`` with every invariant tensor replaced by its varying alias over ``common``'s
-        axes (one per tensor and axes per call, through :meth:`TrackedContext.cached_pvary`;
-        the alias of each tensor's latest stamp is remembered here, the usual hit)."""
-        token, cache, out = self.token, self.ctx.alias_cache, list(args)
-        for i, a in enumerate(args):
-            if isinstance(a, Tensor):
-                s = a.__dict__.get(_ATTR)
-                if s is None or s[0] is not token or s[1] is INVARIANT:
-                    hit = cache.get(id(a))
-                    if hit is None or hit[1] is not common:
-                        alias = self.ctx.cached_pvary(a, self._mesh_order(common))
-                        hit = cache[id(a)] = (a, common, alias)  # a: keeps its id unique
-                    out[i] = hit[2]
-        return tuple(out)
+    def _union(self, a, b):
+        """The stamp of the union of stamps ``a`` and ``b`` (memo per pair: a call meets few
+        pairs, the same ones in every block); None where either has partial states."""
+        key = (a, b)
+        hit = self._union_of.get(key)
+        if hit is None:
+            if a[1].partial or b[1].partial:
+                return None
+            hit = self._union_of[key] = self.ctx.stamp_of(a[1].union(b[1]))
+        return hit
+
+    def _vary_below(self, args, kwargs, common):
+        """``args`` and ``kwargs`` with every operand typed below ``common`` replaced by its
+        implicit pvary alias over the axes it lacks (one per tensor and axes per call, through
+        :meth:`TrackedContext.cached_pvary`; none over axes of size 1, the identity: see
+        :meth:`_alone`). An invariant tensor's alias is also remembered per tensor, the usual
+        hit."""
+        token, cache, swap = self.token, self.ctx.alias_cache, {}
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if not isinstance(a, Tensor) or a in swap:
+                continue
+            s = a.__dict__.get(_ATTR)
+            if s is None or s[0] is not token or s[1] is INVARIANT:
+                hit = cache.get(id(a))
+                if hit is None or hit[1] is not common:
+                    alias = self.ctx.cached_pvary(a, self._mesh_order(common))
+                    hit = cache[id(a)] = (a, common, alias)  # a: keeps its id unique
+                swap[a] = hit[2]
+            elif s is not common:
+                missing = self._missing(s, common)
+                if missing:
+                    swap[a] = self.ctx.cached_pvary(a, missing)
+        if not swap:
+            return args, kwargs
+        return swap_operands(args, kwargs, swap, _itself)
+
+    def _missing(self, stamp, common) -> tuple[str, ...]:
+        """The axes, in mesh order, that ``common`` varies over and ``stamp`` does not, less
+        those of size 1 (memo per pair)."""
+        key = (stamp, common)
+        hit = self._missing_of.get(key)
+        if hit is None:
+            single, have = self.ctx.single_axes, stamp[1]
+            hit = self._missing_of[key] = tuple(
+                a for a in self._mesh_order(common) if a not in have and a not in single
+            )
+        return hit
 
     def _mesh_order(self, stamp) -> tuple[str, ...]:
         axes = self._axes_of.get(stamp)

@@ -16,6 +16,7 @@ from collections import Counter
 import optree
 import pytest
 import torch
+import torch.nn.functional as F
 from _programs import BY_NAME, NS_OPS
 
 import named_spmd as ns
@@ -90,6 +91,49 @@ def test_backward_is_optional_and_follows_requires_grad():
     assert report.comms.count("psum_scatter", direction="backward") == 2  # dx still flows back
     everything = fn.check(*[ns.ShapeDtype(s) for s in shapes])
     assert everything.comms.count("psum", "dp", "backward") == 4  # one per weight, over dp
+
+
+def _mixed(x, w, b, g):
+    """Operands of different types side by side, positional and keyword: x{dp} with w{tp}, a
+    bias b{tp}, LayerNorm's weight and bias as keywords (g{}, b{tp}), and a value used twice."""
+    h = F.linear(x, w, b)  # x{dp}, w{tp}, b{tp}: each pvary'd over the axes it lacks
+    n = F.layer_norm(h, (h.shape[-1],), weight=g, bias=b)  # keyword operands
+    return torch.add(n, h, alpha=0.5) * x.sum()
+
+
+def test_operands_of_different_types_and_keyword_operands_as_on_the_simulated_mesh():
+    """The tracked backends' fast path (``_tracking.VmaMode``) types ops whose operands carry
+    different stamps, or sit in keywords, as the simulated mesh does (its types come from vmap
+    levels); here .check()'s abstract backend against a simulated run, types and every implicit
+    pvary's psum in backward."""
+    mesh = ns.make_mesh((2, 4), ("dp", "tp"))
+    fn = ns.spmd_map(
+        _mixed,
+        mesh=mesh,
+        in_specs=(P("dp"), P("tp"), P("tp"), P()),
+        out_specs=P("dp", "tp"),
+    )
+    args = [torch.randn(s) for s in ((4, 8), (8, 8), (8,), (2,))]
+    _, types, events = simulated_reference(fn, args)
+    report = fn.check(*args)
+    assert report.types == types
+    assert _events(report.events) == _events(events)
+    # w and b over dp (the linear), g over dp and tp (the LayerNorm), x and x.sum() over tp
+    assert report.comms.count("psum", direction="backward") == 5
+
+
+def test_an_out_write_into_an_invariant_tensor_is_refused_by_the_fast_path():
+    """``out=`` is a keyword operand: written with a varying value, a tensor typed invariant
+    would hold different values per instance (the simulated mesh's vmap refuses the write too)."""
+    mesh = ns.make_mesh((2,), ("dp",))
+    target = torch.zeros(4)
+
+    def write(x, y):
+        return torch.add(x, y, out=target)
+
+    fn = ns.spmd_map(write, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    with pytest.raises(ns.VmaError, match="add in `.*write` .*writes a value varying over"):
+        fn.check(torch.randn(8), torch.randn(4))
 
 
 # --- scale -----------------------------------------------------------------------------------------
