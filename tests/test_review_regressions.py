@@ -88,7 +88,7 @@ def test_inplace_write_of_varying_into_invariant_raises_on_tracked_backends(fn):
         f.check(ns.ShapeDtype((3,)), backward=False)
 
 
-@pytest.mark.parametrize("fn", [_add_index_inplace, _setitem_index])
+@pytest.mark.parametrize("fn", [_add_index_inplace, _setitem_index, _add_index_out])
 def test_inplace_write_of_varying_into_invariant_raises_vma_error_on_simulated_mesh(fn):
     # vmap refuses the write; its message (a bare broadcast error for add_) now comes wrapped
     f = ns.spmd_map(fn, mesh=MESH, in_specs=P(), out_specs=P())

@@ -188,8 +188,13 @@ _VMAP_LIMITS = (
     "data-dependent",
     "Cannot access data pointer",  # .tolist() / .numpy() of a batched tensor
 )
-# ... and those of an in-place write whose operand has instances the target lacks.
-_INPLACE_UNDER_VMAP = ("inplace arithmetic", "doesn't match the broadcast shape")
+# ... and those of an in-place write whose operand has instances the target lacks (an ``out=``
+# op has no batching rule at all: vmap refuses it whatever the target)
+_INPLACE_UNDER_VMAP = (
+    "inplace arithmetic",
+    "doesn't match the broadcast shape",
+    "fallback path doesn't work on out=",
+)
 
 
 def _raised_in_checkpoint(error: BaseException) -> bool:
