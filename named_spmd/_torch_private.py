@@ -219,17 +219,38 @@ def dist() -> SimpleNamespace:
 def _pending_gradient_class(act: type) -> type:
     """``AsyncCollectiveTensor`` with a fast path for ``detach``, which ``AccumulateGrad``
     applies once to every gradient it stores: torch's class walks the arguments with pytree
-    maps for every op but ``view`` (about a third of a data-parallel GPT backward, measured)."""
+    maps for every op but ``view`` (about a third of a data-parallel GPT backward, measured).
+    ``AccumulateGrad``'s ``grad += pending`` into a ``.grad`` that exists (gradient accumulation)
+    may be postponed to the end of the backward pass instead of waiting for the sum now: the
+    backend's ``defer_accumulation(target, pending)`` says whether it took it."""
     detach = torch.ops.aten.detach.default
+    add_ = torch.ops.aten.add_.Tensor
 
     class PendingGradient(act):
+        defer_accumulation: Any = None  # set by the backend
+
         @classmethod
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
             if func is detach and not kwargs:
                 return cls(func(args[0].elem))  # a view: nothing to wait for, as torch's
+            if (
+                func is add_
+                and not kwargs
+                and type(args[0]) is torch.Tensor
+                and type(args[1]) is cls
+                and cls.defer_accumulation is not None
+                and cls.defer_accumulation(args[0], args[1])
+            ):
+                return args[0]
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     return PendingGradient
+
+
+def has_post_accumulate_hooks(leaf: torch.Tensor) -> bool:
+    """Whether ``register_post_accumulate_grad_hook`` gave ``leaf`` hooks (they read ``.grad``
+    right after each accumulation)."""
+    return bool(getattr(leaf, "_post_accumulate_grad_hooks", None))
 
 
 def local_tensor(d: Any) -> torch.Tensor:

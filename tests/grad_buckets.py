@@ -7,6 +7,9 @@
   whether they are bitwise equal to the unbucketed run (size 0) on this rank, the all-reduces
   torch counted in the backward pass (CommDebugMode), the backward psums ``ns.CommMode`` recorded, works
   left in torch's registry, and whether every ``.grad`` is a plain tensor.
+* ``accumulated``: the same chain's gradients after two backward passes accumulated into
+  ``.grad``, and the all-reduces of the second one (its gradients add into existing ``.grad``
+  tensors: the addition waits for the bucket's end, not for each gradient's sum).
 * ``mixed``: weights of odd sizes (padding between slots), a weight also used outside the call
   and one used by two calls (their second contribution reads a pending gradient before its
   bucket filled), two backward passes accumulated: gradients and the bitwise check.
@@ -68,6 +71,34 @@ def uniform_grads(mesh, around_backward=contextlib.nullcontext) -> tuple[list, i
     return [w.grad for w in ws], comms.count("psum", direction="backward")
 
 
+def accumulated_grads(mesh, around_second=contextlib.nullcontext) -> list:
+    """The uniform chain's gradients after two backward passes accumulated into ``.grad`` (two
+    micro-batches); ``around_second`` wraps the second pass, whose gradients add into existing
+    ``.grad`` tensors."""
+    x, w64, w32 = uniform_params()
+    ws = [w.requires_grad_() for w in w64 + w32]
+    f = ns.spmd_map(_chain, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P())
+    _full(f(x, ws[:N64], ws[N64:])).backward()
+    loss = _full(f(2 * x, ws[:N64], ws[N64:]))
+    with around_second():
+        loss.backward()
+    return [w.grad for w in ws]
+
+
+def hooked_accumulation_ok(mesh) -> bool:
+    """With a post-accumulate-grad hook on a weight (which reads ``.grad`` right after each
+    accumulation, as an optimizer run in backward does), the second pass's accumulation is not
+    postponed: the hook sees the final gradient."""
+    x, w64, w32 = uniform_params()
+    ws = [w.requires_grad_() for w in w64 + w32]
+    seen: list = []
+    ws[3].register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    f = ns.spmd_map(_chain, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P())
+    _full(f(x, ws[:N64], ws[N64:])).backward()
+    _full(f(2 * x, ws[:N64], ws[N64:])).backward()
+    return len(seen) == 2 and torch.equal(seen[1], ws[3].grad)
+
+
 def _mixed_fn(x, ws):
     h = x
     for w in ws:
@@ -127,23 +158,29 @@ def run(mesh) -> list[dict]:
     outcomes = []
     set_grad_bucket_mb(0)
     plain_uniform, plain_mixed = uniform_grads(mesh)[0], mixed_grads(mesh)
+    plain_accumulated = accumulated_grads(mesh)
     for name, mb in SIZES_MB.items():
         set_grad_bucket_mb(mb)
         before = _registry()
-        reduces = _AllReduces()
+        reduces, second = _AllReduces(), _AllReduces()
         grads, psums = uniform_grads(mesh, reduces)
         mixed = mixed_grads(mesh)
+        accumulated = accumulated_grads(mesh, second)
         outcomes.append(
             {
                 "size": name,
                 "grads": [g.tolist() for g in grads],
                 "mixed": [g.tolist() for g in mixed],
+                "accumulated": [g.tolist() for g in accumulated],
                 "bitwise": all(map(torch.equal, grads, plain_uniform)),
                 "mixed_bitwise": all(map(torch.equal, mixed, plain_mixed)),
+                "accumulated_bitwise": all(map(torch.equal, accumulated, plain_accumulated)),
                 "all_reduces": reduces.count,
+                "accumulating_all_reduces": second.count,
+                "hooked_ok": hooked_accumulation_ok(mesh),
                 "psums": psums,
                 "left": _registry() - before,
-                "plain": all(type(g) is torch.Tensor for g in grads + mixed),
+                "plain": all(type(g) is torch.Tensor for g in grads + mixed + accumulated),
             }
         )
     set_grad_bucket_mb(None)

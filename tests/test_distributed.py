@@ -242,8 +242,9 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
     """Gradient psums packed into buckets (size 0, room for 3 and 7 weights, the 25 MB default)
     on 2 gloo processes: gradients bitwise equal to the per-gradient run and equal to the
     simulated mesh; torch counts one all-reduce per bucket while ns.CommMode records one
-    logical psum per gradient, as on the simulated mesh; nothing left in torch's work registry,
-    plain .grad tensors. ``late``: reductions and bucket starts delayed to their waits, pending
+    logical psum per gradient, as on the simulated mesh, also in a second backward pass that
+    accumulates into existing .grad tensors; nothing left in torch's work registry, plain .grad
+    tensors. ``late``: reductions and bucket starts delayed to their waits, pending
     gradients NaN until then (a read that does not wait fails)."""
     import grad_buckets as gb
     import torch
@@ -257,15 +258,20 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
     sim = ns.make_mesh((2,), ("dp",), simulated=True)
     want, want_psums = gb.uniform_grads(sim)
     want_mixed = gb.mixed_grads(sim)
+    want_accumulated = gb.accumulated_grads(sim)
     assert want_psums == gb.N64 + gb.N32
     for o in outcomes:
         assert "error" not in o, o["message"]
         where = f"rank {o['rank']}, bucket size {o['size']}"
-        assert o["bitwise"] and o["mixed_bitwise"], where
-        assert o["all_reduces"] == _expected_all_reduces(gb.SIZES_MB[o["size"]]), (where, o)
+        assert o["bitwise"] and o["mixed_bitwise"] and o["accumulated_bitwise"], where
+        expected = _expected_all_reduces(gb.SIZES_MB[o["size"]])
+        assert o["all_reduces"] == expected, (where, o)
+        assert o["accumulating_all_reduces"] == expected, (where, o)  # the buckets kept
+        assert o["hooked_ok"], where  # a post-accumulate hook sees the accumulated gradient
         assert o["psums"] == want_psums, where
         assert o["left"] == 0 and o["plain"], (where, o)
-        for got, ref in zip(o["grads"] + o["mixed"], want + want_mixed):
+        got_all = o["grads"] + o["mixed"] + o["accumulated"]
+        for got, ref in zip(got_all, want + want_mixed + want_accumulated):
             tol = 1e-12 if ref.dtype == torch.float64 else 1e-5
             torch.testing.assert_close(
                 torch.tensor(got, dtype=ref.dtype), ref, rtol=tol, atol=tol, msg=where

@@ -378,6 +378,47 @@ def test_a_pending_gradient_detaches_without_waiting_and_waits_on_other_ops():
     assert torch.equal(detached + 0, torch.full((3,), 2.0)) and work.done  # a read waits
 
 
+def test_accumulating_a_pending_gradient_into_a_grad_offers_the_add_to_the_backend(
+    monkeypatch,
+):
+    """``AccumulateGrad`` adds a new gradient into an existing ``.grad`` with
+    ``aten.add_.Tensor(grad, new)``: with a pending one, ``PendingGradient`` offers that add to
+    the backend's ``defer_accumulation`` (which postpones it to the end of the backward pass),
+    and leaves ``.grad`` as it is when taken. ``has_post_accumulate_hooks`` sees torch's hooks."""
+    d = P.dist()
+    offered = []
+
+    def take(target, pending):
+        offered.append((target, pending))
+        return True
+
+    monkeypatch.setattr(d.PendingGradient, "defer_accumulation", take)
+    buf = torch.full((3,), 5.0)
+
+    class Feed(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x.view_as(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return d.PendingGradient(buf)
+
+    leaf = torch.zeros(3, requires_grad=True)
+    leaf.grad = grad = torch.ones(3)
+    Feed.apply(leaf).sum().backward()
+    assert len(offered) == 1 and offered[0][0] is grad and leaf.grad is grad
+    assert P.async_buffer(offered[0][1]).data_ptr() == buf.data_ptr()
+    assert torch.equal(grad, torch.ones(3))  # taken: not added now
+    assert not P.has_post_accumulate_hooks(leaf)
+    leaf.register_post_accumulate_grad_hook(lambda p: None)
+    assert P.has_post_accumulate_hooks(leaf)
+
+
 def test_not_traced_breaks_the_graph_names_its_reason_and_runs_without_dynamo():
     """``not_traced`` (torch's disable mark on a function of ours, and ``torch._disable_dynamo``'s
     lazy wrapper): made without importing Dynamo; a compiled program breaks its graph there, with

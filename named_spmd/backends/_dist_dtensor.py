@@ -102,6 +102,7 @@ class _LocalOf(torch.autograd.Function):
             overlap.when_reduced(
                 g, lambda leaf=ctx.leaf, mesh=ctx.mesh: _plain_local_grad(leaf, mesh)
             )
+            overlap.accumulates_into(g, ctx.leaf)
         return _wrap(ctx.mesh, g, ctx.places), None, None
 
     @staticmethod

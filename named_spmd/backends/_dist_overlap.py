@@ -168,6 +168,33 @@ def when_reduced(g: torch.Tensor, fn) -> None:
         entry[3].append(fn)
 
 
+def accumulates_into(g: torch.Tensor, leaf: torch.Tensor) -> None:
+    """Note that the pending gradient ``g`` goes to ``leaf``'s ``AccumulateGrad`` (a plain leaf,
+    or a DTensor one whose local tensor ``g`` becomes): see :func:`_defer_accumulation`."""
+    if _is_async(g):
+        g.__dict__["_named_spmd_into"] = leaf
+
+
+def _defer_accumulation(target: torch.Tensor, pending: torch.Tensor) -> bool:
+    """``target += pending``, run once the sum behind ``pending`` is in (at the end of the
+    backward pass) instead of waiting for it now, where ``target`` is the ``.grad`` (or a DTensor
+    ``.grad``'s local tensor) of the leaf ``pending`` accumulates into: a second micro-batch's
+    gradients then keep their buckets and their overlap. Not where the leaf has
+    post-accumulate-grad hooks (they read ``.grad`` at once) or the backward records a graph."""
+    leaf = pending.__dict__.get("_named_spmd_into")
+    if leaf is None or torch.is_grad_enabled() or P.has_post_accumulate_hooks(leaf):
+        return False
+    grad = leaf.grad
+    if grad is not target and getattr(grad, "_local_tensor", None) is not target:
+        return False
+    work = _work_of(pending)
+    entry = _PENDING.get(id(work)) if work is not None else None
+    if entry is None or entry[1] is not work:
+        return False
+    entry[3].append(lambda: target.add_(async_buffer(pending)))
+    return True
+
+
 def is_pending_wrapper(t: torch.Tensor | None) -> TypeGuard[Any]:
     """Whether ``t`` is a pending gradient (typed Any: its class is only known at run time)."""
     return _is_async(t)
@@ -229,6 +256,7 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, probe: bool = Fal
     source = node.next_functions[0][0]
     if type(source) is P.AccumulateGrad:  # a plain leaf: its .grad becomes this
         when_reduced(pending, lambda leaf=source.variable: plain_grad(leaf))
+        accumulates_into(pending, source.variable)
     return pending
 
 
@@ -271,3 +299,4 @@ def _open_bucket(key: tuple, comm: Comm, cap: int, task: int):
 
 
 _calibrate()
+P.dist().PendingGradient.defer_accumulation = _defer_accumulation
