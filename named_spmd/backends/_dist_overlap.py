@@ -104,8 +104,9 @@ def _reduce_during_backward(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
     waiting for it where it arises would stall the backward (and, on an oversubscribed host,
     every rank behind the slowest). So, as DDP overlaps its bucketed all-reduce with backward,
     the reduction only starts here. The result is an ``AsyncCollectiveTensor`` (torch's
-    functional collectives' wait-on-first-use tensor): any op that reads it, such as the
-    accumulation of a second gradient contribution, waits for the sum first. At the end of the
+    functional collectives' wait-on-first-use tensor): any op that reads it, such as the sum
+    with a second gradient contribution, waits for the sum first (its accumulation into an
+    existing ``.grad`` is postponed instead: :func:`_defer_accumulation`). At the end of the
     backward pass, a callback waits for the rest through the failure board (so a failed peer
     raises RankFailedError rather than hanging) and releases torch's record of the work: no
     reduction outlives the backward that started it; then the leaves' ``.grad`` that received
