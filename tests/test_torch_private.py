@@ -186,8 +186,10 @@ def test_function_base_apply_runs_a_function_without_python_binding():
     assert torch.equal(x.grad, torch.full((3,), 2.0))
 
 
-def test_single_level_function_applies_at_a_grad_level():
-    class Identity(P.SingleLevelFunction):
+def _identity_function(backward, base: type = torch.autograd.Function) -> type:
+    """An autograd Function: a view forward, ``backward(g)`` backward."""
+
+    class Identity(base):  # type: ignore[valid-type,misc]
         @staticmethod
         def forward(x):
             return x.view_as(x)
@@ -198,7 +200,13 @@ def test_single_level_function_applies_at_a_grad_level():
 
         @staticmethod
         def backward(ctx, g):
-            return g * 3
+            return backward(g)
+
+    return Identity
+
+
+def test_single_level_function_applies_at_a_grad_level():
+    Identity = _identity_function(lambda g: g * 3, P.SingleLevelFunction)
 
     def f(x):
         with P.single_level_functions():
@@ -394,20 +402,7 @@ def test_accumulating_a_pending_gradient_into_a_grad_offers_the_add_to_the_backe
 
     monkeypatch.setattr(d.PendingGradient, "defer_accumulation", take)
     buf = torch.full((3,), 5.0)
-
-    class Feed(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x.view_as(x)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            return d.PendingGradient(buf)
-
+    Feed = _identity_function(lambda g: d.PendingGradient(buf))
     leaf = torch.zeros(3, requires_grad=True)
     leaf.grad = grad = torch.ones(3)
     Feed.apply(leaf).sum().backward()
