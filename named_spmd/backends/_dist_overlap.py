@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, TypeGuard
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as P
 from .._autodiff import apply as bridge_apply
@@ -186,7 +187,8 @@ def _defer_accumulation(target: torch.Tensor, pending: torch.Tensor) -> bool:
     if leaf is None or torch.is_grad_enabled() or P.has_post_accumulate_hooks(leaf):
         return False
     grad = leaf.grad
-    if grad is not target and getattr(grad, "_local_tensor", None) is not target:
+    local = P.local_tensor(grad) if isinstance(grad, DTensor) else grad
+    if local is not target:
         return False
     work = _work_of(pending)
     entry = _PENDING.get(id(work)) if work is not None else None
