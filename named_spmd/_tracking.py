@@ -305,16 +305,19 @@ class VmaMode(TorchFunctionMode):
         return swap_operands(args, kwargs, swap, _itself)
 
     def _missing(self, stamp, common) -> tuple[str, ...]:
-        """The axes, in mesh order, that ``common`` varies over and ``stamp`` does not, less
-        those of size 1 (memo per pair)."""
+        """:meth:`_pvary_axes` of the types of two stamps (memo per pair)."""
         key = (stamp, common)
         hit = self._missing_of.get(key)
         if hit is None:
-            single, have = self.ctx.single_axes, stamp[1]
-            hit = self._missing_of[key] = tuple(
-                a for a in self._mesh_order(common) if a not in have and a not in single
-            )
+            hit = self._missing_of[key] = self._pvary_axes(stamp[1], common[1])
         return hit
+
+    def _pvary_axes(self, vma: Vma, union: Vma) -> tuple[str, ...]:
+        """The axes, in mesh order, over which an operand of type ``vma`` is pvary'd to reach
+        ``union``: those it lacks; none where they all have size 1 (the identity: see
+        :meth:`_alone`)."""
+        missing = vma.missing(union.present(self.ctx.mesh.axis_names))
+        return () if self.ctx.single_axes.issuperset(missing) else missing
 
     def _mesh_order(self, stamp) -> tuple[str, ...]:
         axes = self._axes_of.get(stamp)
@@ -391,9 +394,7 @@ class VmaMode(TorchFunctionMode):
         names = self.ctx.mesh.axis_names
         for t, v in zip(operands, vmas):
             if v is not union and t not in swap:
-                missing = v.missing(union.present(names))
-                if self.ctx.single_axes.issuperset(missing):  # the identity: see _alone
-                    missing = ()
+                missing = self._pvary_axes(v, union)
                 alias = self.ctx.cached_pvary(t, missing) if missing else t
                 if union.reduced:  # an invariant operand beside reduced ones: cast to reduced
                     axes = tuple(

@@ -71,12 +71,14 @@ def uniform_grads(mesh, around_backward=contextlib.nullcontext) -> tuple[list, i
     return [w.grad for w in ws], comms.count("psum", direction="backward")
 
 
-def accumulated_grads(mesh, around_second=contextlib.nullcontext) -> list:
+def accumulated_grads(mesh, around_second=contextlib.nullcontext, prepare=None) -> list:
     """The uniform chain's gradients after two backward passes accumulated into ``.grad`` (two
     micro-batches); ``around_second`` wraps the second pass, whose gradients add into existing
-    ``.grad`` tensors."""
+    ``.grad`` tensors; ``prepare(weights)`` runs first."""
     x, w64, w32 = uniform_params()
     ws = [w.requires_grad_() for w in w64 + w32]
+    if prepare is not None:
+        prepare(ws)
     f = ns.spmd_map(_chain, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P())
     _full(f(x, ws[:N64], ws[N64:])).backward()
     loss = _full(f(2 * x, ws[:N64], ws[N64:]))
@@ -89,14 +91,13 @@ def hooked_accumulation_ok(mesh) -> bool:
     """With a post-accumulate-grad hook on a weight (which reads ``.grad`` right after each
     accumulation, as an optimizer run in backward does), the second pass's accumulation is not
     postponed: the hook sees the final gradient."""
-    x, w64, w32 = uniform_params()
-    ws = [w.requires_grad_() for w in w64 + w32]
     seen: list = []
-    ws[3].register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
-    f = ns.spmd_map(_chain, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P())
-    _full(f(x, ws[:N64], ws[N64:])).backward()
-    _full(f(2 * x, ws[:N64], ws[N64:])).backward()
-    return len(seen) == 2 and torch.equal(seen[1], ws[3].grad)
+
+    def hook(ws):
+        ws[3].register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+
+    grads = accumulated_grads(mesh, prepare=hook)
+    return len(seen) == 2 and torch.equal(seen[1], grads[3])
 
 
 def _mixed_fn(x, ws):

@@ -161,13 +161,15 @@ def _work_of(g: torch.Tensor):
     return g.__dict__.get("_named_spmd_work") if _is_async(g) else None
 
 
-def when_reduced(g: torch.Tensor, fn) -> None:
+def when_reduced(g: torch.Tensor, fn) -> bool:
     """Run ``fn()`` once the overlapped reduction behind the pending gradient ``g`` is done (at
-    the end of the backward pass); nothing if ``g`` is not pending."""
+    the end of the backward pass); nothing if ``g`` is not pending. Whether it will run."""
     work = _work_of(g)
     entry = _PENDING.get(id(work)) if work is not None else None
     if entry is not None and entry[1] is work:
         entry[3].append(fn)
+        return True
+    return False
 
 
 def accumulates_into(g: torch.Tensor, leaf: torch.Tensor) -> None:
@@ -190,12 +192,7 @@ def _defer_accumulation(target: torch.Tensor, pending: torch.Tensor) -> bool:
     local = P.local_tensor(grad) if isinstance(grad, DTensor) else grad
     if local is not target:
         return False
-    work = _work_of(pending)
-    entry = _PENDING.get(id(work)) if work is not None else None
-    if entry is None or entry[1] is not work:
-        return False
-    entry[3].append(lambda: target.add_(async_buffer(pending)))
-    return True
+    return when_reduced(pending, lambda: target.add_(async_buffer(pending)))
 
 
 def is_pending_wrapper(t: torch.Tensor | None) -> TypeGuard[Any]:
