@@ -433,7 +433,7 @@ def test_the_gradient_waits_pass_moves_only_waits_whose_results_are_only_outputs
 def test_ns_compile_with_inductor_on_the_simulated_mesh_equals_the_eager_call():
     """``ns.compile`` of a mapped function with Inductor (its default backend, so with the
     all-reduce bucketing options and the waits pass, which find no collective in a simulated
-    graph): values and gradients of the eager call (float64), one frame for two calls. The
+    graph): values and gradients of the eager call (float64), on two calls. The
     real mesh's counterpart is tests/test_compile.py's inductor launch."""
     mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
 
