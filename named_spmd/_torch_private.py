@@ -247,6 +247,28 @@ def _pending_gradient_class(act: type) -> type:
     return PendingGradient
 
 
+def view_source(t: torch.Tensor, sources: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of, where one built-in view op (not an ``autograd.Function``)
+    made ``t`` directly from a leaf that requires grad (its node is ``AccumulateGrad``) or from
+    a tensor of ``sources`` (``id`` of its ``grad_fn`` -> it); else None. (``Tensor._is_view``
+    and ``AccumulateGrad.variable``: private.)"""
+    node = t.grad_fn
+    if (
+        node is None
+        or not t._is_view()
+        or isinstance(node, torch.autograd.function.BackwardCFunction)
+    ):
+        return None
+    nexts = node.next_functions
+    if len(nexts) != 1:
+        return None
+    below: Any = nexts[0][0]  # torch's stubs lack AccumulateGrad's variable
+    source = below.variable if type(below) is AccumulateGrad else sources.get(id(below))
+    if source is None or source.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+        return None
+    return source
+
+
 def has_post_accumulate_hooks(leaf: torch.Tensor) -> bool:
     """Whether ``register_post_accumulate_grad_hook`` gave ``leaf`` hooks (they read ``.grad``
     right after each accumulation)."""

@@ -99,8 +99,12 @@ class TrackedContext(SpmdContext):
         key = (id(t), axes)
         hit = self.pvary_cache.get(key)
         if hit is None:
-            hit = self.pvary_cache[key] = (t, implicit_pvary(self, t, axes))
+            hit = self.pvary_cache[key] = (t, self.implicit_pvary(t, axes))
         return hit[1]
+
+    def implicit_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """The alias :meth:`cached_pvary` caches (a backend may place the pvary elsewhere)."""
+        return implicit_pvary(self, t, axes)
 
 
 def tensor_operands(args: Any, kwargs: dict | None) -> list[torch.Tensor]:

@@ -10,6 +10,9 @@
 * ``accumulated``: the same chain's gradients after two backward passes accumulated into
   ``.grad``, and the all-reduces of the second one (its gradients add into existing ``.grad``
   tensors: the addition waits for the bucket's end, not for each gradient's sum).
+* ``views``: a chain that uses each weight through a view (``h @ w.T``, ``h @ w[:4]``), as plain
+  tensors and as DTensors: gradients, all-reduces and recorded psums, as for ``uniform`` (the
+  views' gradient psums share the buckets of weights used directly).
 * ``mixed``: weights of odd sizes (padding between slots), a weight also used outside the call
   and one used by two calls (their second contribution reads a pending gradient before its
   bucket filled), two backward passes accumulated: gradients and the bitwise check.
@@ -100,6 +103,37 @@ def hooked_accumulation_ok(mesh) -> bool:
     return len(seen) == 2 and torch.equal(seen[1], grads[3])
 
 
+N_VIEWS = 8
+
+
+def _views_fn(x, ws):
+    h = x
+    for k, w in enumerate(ws):  # a transpose, then a slice of a taller weight, in turn
+        h = torch.tanh(h @ (w.T if k % 2 == 0 else w[:SIDE]))
+    return ns.psum((h**2).sum(), "dp")
+
+
+def view_params():
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(2 * 3, SIDE, generator=gen, dtype=torch.float64)
+    shapes = [(SIDE, SIDE) if k % 2 == 0 else (SIDE + 3, SIDE) for k in range(N_VIEWS)]
+    return x, [torch.randn(*s, generator=gen, dtype=torch.float64) / 2 for s in shapes]
+
+
+def view_grads(mesh, around_backward=contextlib.nullcontext, sharded=False) -> tuple[list, int]:
+    """The view chain's gradients (global values) and the backward psums CommMode recorded;
+    ``sharded``: the weights as DTensors (``ns.shard``, a real mesh)."""
+    x, ws = view_params()
+    ws = [w.requires_grad_() for w in ws]
+    params = ns.shard(ws, mesh, P()) if sharded else ws
+    f = ns.spmd_map(_views_fn, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
+    with ns.CommMode() as comms:
+        loss = _full(f(x, params))
+        with around_backward():
+            loss.backward()
+    return [_full(p.grad) for p in params], comms.count("psum", direction="backward")
+
+
 def _mixed_fn(x, ws):
     h = x
     for w in ws:
@@ -165,6 +199,15 @@ def run(mesh) -> list[dict]:
         before = _registry()
         reduces, second = _AllReduces(), _AllReduces()
         grads, psums = uniform_grads(mesh, reduces)
+        views = {}
+        for sharded in (False, True):
+            view_reduces = _AllReduces()
+            got, view_psums = view_grads(mesh, view_reduces, sharded)
+            views["dtensor" if sharded else "plain"] = {
+                "grads": [g.tolist() for g in got],
+                "all_reduces": view_reduces.count,
+                "psums": view_psums,
+            }
         mixed = mixed_grads(mesh)
         accumulated = accumulated_grads(mesh, second)
         outcomes.append(
@@ -179,6 +222,7 @@ def run(mesh) -> list[dict]:
                 "all_reduces": reduces.count,
                 "accumulating_all_reduces": second.count,
                 "hooked_ok": hooked_accumulation_ok(mesh),
+                "views": views,
                 "psums": psums,
                 "left": _registry() - before,
                 "plain": all(type(g) is torch.Tensor for g in grads + mixed + accumulated),

@@ -237,6 +237,24 @@ def _expected_all_reduces(mb) -> int:
     return total
 
 
+def _expected_view_all_reduces(mb) -> int:
+    """All-reduces of the view chain's backward pass (tests/grad_buckets.py), filled in the
+    order backward reaches the weights (the last first: taller and square ones alternate)."""
+    import grad_buckets as gb
+
+    cap = int((25.0 if mb is None else mb) * 2**20)
+    sizes = [gb.SIDE * (gb.SIDE + 3 * (k % 2)) * 8 for k in reversed(range(gb.N_VIEWS))]
+    count, room = 0, 0
+    for size in sizes:
+        if size >= cap:
+            count += 1
+        elif size > room:
+            count, room = count + 1, cap - size
+        else:
+            room -= size
+    return count
+
+
 @pytest.mark.parametrize("late", [False, True], ids=["overlapped", "late-reductions"])
 def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
     """Gradient psums packed into buckets (size 0, room for 3 and 7 weights, the 25 MB default)
@@ -259,7 +277,8 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
     want, want_psums = gb.uniform_grads(sim)
     want_mixed = gb.mixed_grads(sim)
     want_accumulated = gb.accumulated_grads(sim)
-    assert want_psums == gb.N64 + gb.N32
+    want_views, want_view_psums = gb.view_grads(sim)
+    assert want_psums == gb.N64 + gb.N32 and want_view_psums == gb.N_VIEWS
     for o in outcomes:
         assert "error" not in o, o["message"]
         where = f"rank {o['rank']}, bucket size {o['size']}"
@@ -270,6 +289,17 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
         assert o["hooked_ok"], where  # a post-accumulate hook sees the accumulated gradient
         assert o["psums"] == want_psums, where
         assert o["left"] == 0 and o["plain"], (where, o)
+        for kind, views in o["views"].items():  # weights used through views share buckets
+            assert views["all_reduces"] == _expected_view_all_reduces(gb.SIZES_MB[o["size"]]), (
+                where,
+                kind,
+                views["all_reduces"],
+            )
+            assert views["psums"] == want_view_psums, (where, kind)
+            for got, ref in zip(views["grads"], want_views):
+                torch.testing.assert_close(
+                    torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
+                )
         got_all = o["grads"] + o["mixed"] + o["accumulated"]
         for got, ref in zip(got_all, want + want_mixed + want_accumulated):
             tol = 1e-12 if ref.dtype == torch.float64 else 1e-5

@@ -337,6 +337,19 @@ def test_tensor_base_tells_a_view_from_its_own_buffer():
     assert P.refcount(x) == refs  # keeps no reference (donation counts them)
 
 
+def test_view_source_finds_a_leaf_or_input_one_built_in_view_away():
+    w = torch.randn(3, 5, requires_grad=True)
+    assert P.view_source(w.T, {}) is w and P.view_source(w[:2], {}) is w
+    b = _identity_function(lambda g: g).apply(w)  # an input made by the call's boundary
+    assert P.view_source(b.T, {id(b.grad_fn): b}) is b
+    assert P.view_source(b.T, {}) is None  # not an input, not a leaf
+    # not one built-in view op directly on the source, or not a view at all
+    custom = _identity_function(lambda g: g)
+    for t in (w.T[0], (w * 2).T, custom.apply(w), w + 0, w.detach().T, w):
+        assert P.view_source(t, {}) is None
+    assert P.view_source(torch.randn(3, 5).T, {}) is None  # no grad
+
+
 def test_async_buffer_and_async_wait_of_a_pending_reduction():
     import torch.distributed as dist
 

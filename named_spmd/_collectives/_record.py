@@ -259,10 +259,12 @@ PVARY_RECORD = Collective(
 )
 
 
-def implicit_pvary(ctx: SpmdContext, t: Tensor, missing: Axes) -> Tensor:
+def implicit_pvary(ctx: SpmdContext, t: Tensor, missing: Axes, record: bool = True) -> Tensor:
     """``t`` made varying over ``missing`` (axes it is invariant over): identity forward, psum
     backward. Where an invariant operand meets a varying one (rule 2). Over axes where ``t`` is
-    reduced the cast costs nothing in backward (its gradient stays a partial sum: section 8)."""
+    reduced the cast costs nothing in backward (its gradient stays a partial sum: section 8).
+    ``record=False``: no backward psum recorded for a ``CommMode`` (the caller records the
+    logical one, :func:`record_implicit_psum`)."""
     vma = ctx.vma(t)
     if vma.reduced:
         reduced = tuple(a for a in missing if a in vma.reduced)
@@ -276,10 +278,18 @@ def implicit_pvary(ctx: SpmdContext, t: Tensor, missing: Axes) -> Tensor:
     if alone and ctx.stamps:
         return ctx.stamp(t.view_as(t), vma.add(missing))
     out = ctx.apply(PVARY_RECORD, t, missing, ())
-    if recording() and not alone:
-        event = CommEvent("psum", missing, "backward", tuple(out.shape), out.dtype, implicit=True)
-        out = on_backward(out, event)
+    if record and not alone:
+        out = record_implicit_psum(out, missing)
     return ctx.stamp(out, vma.add(missing))
+
+
+def record_implicit_psum(out: Tensor, missing: Axes) -> Tensor:
+    """``out``, whose gradient a CommMode (if one records) counts as the backward psum over
+    ``missing`` of an implicit pvary."""
+    if not recording():
+        return out
+    event = CommEvent("psum", missing, "backward", tuple(out.shape), out.dtype, implicit=True)
+    return on_backward(out, event)
 
 
 def implicit_cast(ctx: SpmdContext, t: Tensor, axes: Axes, to: str) -> Tensor:

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as P
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
+from .._collectives._record import implicit_pvary, record_implicit_psum
 from .._errors import RankFailedError, SpmdError
 from .._layout import group_coords, index_of
 from .._mesh import Mesh
@@ -258,6 +259,8 @@ class DistributedContext(TrackedContext):
 
     mesh: DistributedMesh
     donates = True
+    inputs: list[Any] = []  # this call's local inputs (the views' sources besides leaves)
+    input_nodes: dict[int, torch.Tensor] | None = None  # id(grad_fn) -> input, made on demand
 
     def axis_index(self, axes):
         index = torch.tensor(self.mesh.comm(axes).index, device=self.mesh.device)
@@ -281,6 +284,37 @@ class DistributedContext(TrackedContext):
 
     def psum_in_backward(self, g, axes, node):
         return _dist_overlap.psum_in_backward(g, self.mesh.comm(axes), node)
+
+    def implicit_pvary(self, t, axes):
+        """A view of a parameter (``x @ w.T``, ``wpe[:T]``) is pvary'd at the parameter and
+        the view made again from that alias: its gradient's psum then reaches the parameter's
+        gradient node unread and joins a bucket (pvary'd as the view, the view's backward node
+        would wait for the sum at once). A CommMode still records the view's psum, as the
+        simulated mesh does. Only a view made by one built-in view op directly from a leaf or an
+        input of this call, of the view's own type (docs/design.md section 5)."""
+        source = self._view_source(t)
+        if source is None:
+            return implicit_pvary(self, t, axes)
+        key = (id(source), (*axes, "<views>"))  # apart from its own alias, which records
+        hit = self.pvary_cache.get(key)
+        if hit is None:
+            hit = self.pvary_cache[key] = (source, implicit_pvary(self, source, axes, False))
+        alias = hit[1]
+        with P.DisableTorchFunction():
+            view = alias.as_strided(t.size(), t.stride(), t.storage_offset())
+        return self.stamp(record_implicit_psum(view, axes), self.vma(alias))
+
+    def _view_source(self, t):
+        if P.is_transform_wrapped(t):
+            return None
+        if self.input_nodes is None:
+            self.input_nodes = {
+                id(x.grad_fn): x for x in self.inputs if isinstance(x, torch.Tensor) and x.grad_fn
+            }
+        source = P.view_source(t, self.input_nodes)
+        if source is None or self.vma(source) is not self.vma(t) or self.vma(t).partial:
+            return None
+        return source
 
     # --- primitives (plain communication, no autograd) ------------------------------------------
     def pvary(self, x, axes):
@@ -338,6 +372,7 @@ def run(
             else leaf
             for i, (leaf, spec) in enumerate(zip(leaves, specs))
         ]
+        ctx.inputs = local
         if mesh.debug:
             if mesh.pending_check is not None:  # shapes first: the clearer message
                 mesh.pending_check()
