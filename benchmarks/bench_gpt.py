@@ -3,6 +3,7 @@
     python benchmarks/bench_gpt.py                 # every case (about 1-2 min on 2 cores)
     python benchmarks/bench_gpt.py --quick         # fewer rounds
     python benchmarks/bench_gpt.py --only sim real1 dp2 tp4 --markdown FILE
+    python benchmarks/bench_gpt.py --only sim real1 --device cuda   # one GPU, NCCL
 
 The model is ``_gpt.py``'s (d=64, 2 blocks, 4 heads, vocab 256, 8 x 32 tokens by default). One
 step is forward + backward + ``torch.optim.AdamW.step()``, eager, one torch thread per process.
@@ -313,9 +314,17 @@ def simulated(cfg: G.Config, args) -> list[_util.Row]:
     return rows("simulated, 1 process", medians, "dense single device", targets)
 
 
+def _use_device(args) -> None:
+    """``--device cuda``: this process's GPU as the default device (one process per GPU)."""
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.set_default_device("cuda")
+
+
 def worker(args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    _use_device(args)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = _config(args)
     shape = {1: (1, 1), 2: (2, 1), 4: (2, 2)}[world]
@@ -360,6 +369,8 @@ _REAL = {
 
 def real(name: str, args) -> list[_util.Row]:
     nproc, case, target = _REAL[name]
+    if args.device == "cuda":
+        case = case.replace("gloo", "NCCL")
     out = _util.spawn(__file__, nproc, sys.argv[1:], args.timeout)
     line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -388,6 +399,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per process"
+    )
     parser.add_argument("--markdown", default=None, help="also write the table here")
     args = parser.parse_args()
     if args.rounds is None:
@@ -396,8 +410,9 @@ def main() -> None:
         worker(args)
         return
     torch.set_num_threads(1)
+    _use_device(args)
     cfg = _config(args)
-    print(f"GPT {cfg}, one step = forward + backward + AdamW, eager, 1 thread per process")
+    print(f"GPT {cfg} on {args.device}, one step = forward + backward + AdamW, eager, 1 thread per process")
     rows: list[_util.Row] = []
     if "sim" in args.only:
         rows += simulated(cfg, args)
