@@ -412,7 +412,7 @@ def main() -> None:
     torch.set_num_threads(1)
     _use_device(args)
     cfg = _config(args)
-    print(f"GPT {cfg} on {args.device}, one step = forward + backward + AdamW, eager, 1 thread per process")
+    print(f"GPT {cfg} on {args.device}: forward + backward + AdamW, eager, 1 thread per process")
     rows: list[_util.Row] = []
     if "sim" in args.only:
         rows += simulated(cfg, args)

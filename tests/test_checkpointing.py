@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _dist_launch import launch
 from checkpointing_worker import MESH_SHAPE, MODES, PROGRAMS, checkpointed, inputs, run_program
 from torch.utils.checkpoint import checkpoint
@@ -384,3 +386,48 @@ def test_real_backend_matches_simulated():
         w = want[o["program"], o["mode"]]
         assert_same_run(o, w)
         assert o["counts"] == w["counts"], (o["program"], o["mode"], o["rank"])
+
+
+def _fused_attention_enabled() -> bool:
+    return (
+        torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
+    )
+
+
+def test_attention_takes_its_batched_math_form_also_when_recomputed():
+    """sdpa's fused kernels do not batch over the mesh's vmap levels (CPU flash: once per
+    instance, with a warning; CUDA's memory-efficient backward: an error), so a simulated call
+    runs sdpa's math form, and so does a checkpoint's recomputation of a piece of it. Values and
+    gradients equal the dense attention; the kernel choice is restored after the call."""
+    fused_on = []
+
+    def attend(q, k, v):
+        fused_on.append(_fused_attention_enabled())
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    f = ns.spmd_map(
+        lambda q, k, v: checkpoint(attend, q, k, v, use_reentrant=False),
+        mesh=mesh,
+        in_specs=(P("dp", "tp"),) * 3,
+        out_specs=P("dp", "tp"),
+    )
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (
+        torch.randn(4, 4, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        for _ in range(3)
+    )
+    with warnings.catch_warnings():  # the per-instance fallback's warning fails the test
+        warnings.filterwarnings("error", message="There is a performance drop")
+        out = f(q, k, v)
+        (out * out).sum().backward()
+    assert fused_on == [False, False]  # the forward and the recomputation in backward
+    assert _fused_attention_enabled()  # the user's choice, back
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (want * want).sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for got, ref in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
