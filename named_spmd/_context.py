@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch.nn.attention import sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as _SDPA
 
 from . import _torch_private as P
 from ._accounting import begin_recompute, end_recompute, live_modes
@@ -50,6 +52,10 @@ class SpmdContext(ABC):
     #: checkpoint's recomputation); a call traced by torch.compile does not (Dynamo traces the
     #: recomputation itself, and cannot trace the mode-stack calls).
     marks_calls: bool = True
+    #: the kernels ``scaled_dot_product_attention`` may pick inside the call (``sdpa_kernel``'s
+    #: argument; None: torch's choice). The call's marker applies it, also in a checkpoint's
+    #: recomputation (:class:`CallMarker`).
+    sdpa_backends: Any = None
 
     def __init__(self, mesh: Mesh, fn: Any) -> None:
         self.mesh = mesh
@@ -306,7 +312,8 @@ class CallMarker(P.DeviceContext):
     """A torch-function mode that marks a running call; entered by a checkpoint's recomputation,
     it resumes the call: the backend's state (:meth:`SpmdContext.resume`), the call's own modes
     (vma tracking), the active call, and the accounting of recomputed collectives as backward
-    communication. Passes every op through unchanged."""
+    communication. Passes every op through unchanged, attention under the context's
+    ``sdpa_backends``."""
 
     def __init__(self, ctx: SpmdContext) -> None:  # not DeviceContext's: no device is set
         self.ctx = ctx
@@ -322,6 +329,9 @@ class CallMarker(P.DeviceContext):
         self.undo: list[Callable[[], None] | None] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is _SDPA and self.ctx.sdpa_backends is not None:
+            with sdpa_kernel(self.ctx.sdpa_backends):
+                return func(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
     @property

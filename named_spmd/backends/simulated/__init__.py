@@ -40,7 +40,7 @@ from ._compiled import compiled_pieces_eagerly
 from ._diagnose import explained
 from ._marks import PartialMode
 from ._plan import _input_plan, from_physical, partial_input
-from ._primitives import SimulatedContext, batched_attention
+from ._primitives import SimulatedContext
 from ._recording import ImplicitPvaryRecorder
 
 
@@ -50,8 +50,7 @@ def _run_body(body, local, ctx: SimulatedContext, blocks: bool) -> list[torch.Te
         ctx.partial_mode = PartialMode(ctx)
         ctx.partial_mode.__enter__()
     try:
-        with batched_attention():
-            return list(body(local, ctx))
+        return list(body(local, ctx))
     finally:
         ctx.end_partial()
 

@@ -7,7 +7,7 @@ import functools
 from typing import Any
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from ... import _torch_private as P
 from ..._context import SpmdContext
@@ -23,6 +23,11 @@ class SimulatedContext(SpmdContext):
     """A running simulated call: one token per axis, batched at that axis' level only."""
 
     stamps = False  # a tensor's type is the set of our levels it is batched at
+    # sdpa's math form (matmuls and a softmax), which batches over the levels. The fused
+    # kernels do not, in torch 2.13: the CPU flash kernel has no batching rule (vmap runs it
+    # once per instance, with a warning) and on CUDA the memory-efficient kernel's backward
+    # under vmap raises ("LSE is not correctly aligned"). Values differ by rounding only.
+    sdpa_backends = SDPBackend.MATH
 
     def __init__(self, mesh: Mesh, fn: Any, tokens: dict[str, torch.Tensor]):
         super().__init__(mesh, fn)
@@ -123,14 +128,7 @@ class SimulatedContext(SpmdContext):
                 "Fix: run the backward pass under the same torch.func transforms as the call, or "
                 "checkpoint around the call instead of inside it."
             )
-        attention = batched_attention()
-        attention.__enter__()
-
-        def leave() -> None:
-            attention.__exit__(None, None, None)
-            _leave_levels(len(got))
-
-        return leave
+        return functools.partial(_leave_levels, len(got))
 
     def apply(self, rec, x, axes, params, donate=False):
         # The primitives' own ops mix the level tokens with stacked values: no user-level mixing
@@ -216,15 +214,6 @@ class SimulatedContext(SpmdContext):
         if receives is None:
             return got
         return torch.where(self.own_block(receives, axes, 0), got, got.new_zeros(()))
-
-
-def batched_attention() -> Any:
-    """A context in which ``scaled_dot_product_attention`` takes its math form (matmuls and a
-    softmax), which batches over the mesh's vmap levels. The fused kernels do not, in torch
-    2.13: the CPU flash kernel has no batching rule (vmap runs it once per instance, with a
-    warning), and on CUDA the memory-efficient kernel's backward under vmap raises ("LSE is not
-    correctly aligned"). Values differ from the fused kernels' by rounding only."""
-    return sdpa_kernel([SDPBackend.MATH])
 
 
 def _leave_levels(n: int) -> None:
