@@ -41,7 +41,6 @@ import random
 import statistics
 import sys
 import time
-import warnings
 
 import _gpt as G
 import _util
@@ -52,9 +51,6 @@ import torch.nn.functional as F
 import named_spmd as ns
 
 BENCH = "bench_gpt"
-# torch 2.13 has no vmap batching rule for CPU flash attention (docs/design.md section 13): the
-# simulated mesh runs sdpa per instance. Known and measured here; the note would repeat per case.
-warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
 TOL = 1e-9  # float64: the sharded programs differ from the dense one by summation order only
 
 
