@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ._block_rules import NONE, PLAIN, RULES, WITH_BIAS, Layout, Rule, bias
+from ._block_rules.shapes import _elementwise
 from ._errors import VmaError
 from ._partial import op_name, user_line
 from ._torch_private import DisableTorchFunction
@@ -90,11 +91,16 @@ def after_op(
     which the op's contraction makes it unreduced (usually none). Raises a :class:`VmaError`
     where a bias is added to a contraction that is unreduced (``F.linear``, ``addmm``)."""
     with DisableTorchFunction():  # shapes and dims read below are no ops of the program
+        rule = _rule(func)
+        if rule is _elementwise and isinstance(out, torch.Tensor):
+            rec = _elementwise_record(operands, out, token, vma_of)
+            if rec is not None:  # the usual case, without the general rule's work
+                _write(out, rec)
+                return NONE
 
         def layouts(t: torch.Tensor) -> Layout:  # not a dict by id(): Dynamo guards on an id
             return _layout_of(t, token, vma_of)
 
-        rule = _rule(func)
         result = None
         if rule is not None:
             try:
@@ -116,6 +122,24 @@ def after_op(
             vmas = [vma_of(t) for t in operands]
             raise _bias_error(ctx, name, sorted(unreduced), operands, vmas)
     return unreduced
+
+
+def _elementwise_record(operands, out: torch.Tensor, token: object, vma_of) -> Any:
+    """The record of an elementwise op's result where the operands holding blocks all hold the
+    same layout at the result's shape and the others are plain (invariant, no record): that
+    layout, as ``_elementwise`` finds it. None otherwise (the rule decides)."""
+    found = None
+    for t in operands:
+        rec = _read(t)
+        if rec is not None and rec[0] is token and len(rec[1].dims) == t.dim():
+            if t.shape != out.shape or (found is not None and rec[1] is not found[1]):
+                return None
+            found = rec
+        else:
+            vma = vma_of(t)
+            if vma.varying or vma.unreduced:  # opaque over those axes: the rule's work
+                return None
+    return found
 
 
 _RULE_OF: dict = {}  # func -> its rule or None (memo: every op of a call with blocks asks)

@@ -366,3 +366,49 @@ def test_the_broadcast_rule_and_the_attention_rule_match_their_definition():
         contracted = lq.dims[-1] | lk.dims[-1] | lk.dims[-2] | lv.dims[-2]
         want = Layout((*batch.dims, lq.dims[-2], lv.dims[-1]), batch.opaque | contracted)
         assert got == (want, NONE)
+
+
+def test_the_elementwise_shortcut_gives_the_elementwise_rules_layout():
+    """``_blocks.after_op``'s shortcut for elementwise ops (a hot path: most ops of a call whose
+    inputs hold blocks) against the rule it skips: wherever it answers, the layout is the rule's;
+    it answers for the usual operands (one layout at the result's shape, the others plain), and
+    leaves broadcasts, two layouts, stale records and varying operands without a record to the
+    rule."""
+    import itertools
+
+    from named_spmd import _blocks
+    from named_spmd._block_rules import NONE, RULES, Layout
+    from named_spmd._types import INVARIANT, Vma
+
+    token, other_call = object(), object()
+    out = torch.zeros(2, 3)
+    row, col = Layout((frozenset({"dp"}), NONE), NONE), Layout((NONE, frozenset({"tp"})), NONE)
+    records = {
+        "row": (token, row),
+        "row again": (token, Layout(row.dims, row.opaque)),  # equal, but another object
+        "col": (token, col),
+        "other call": (other_call, row),
+        "stale": (token, Layout((NONE,), NONE)),  # a record of another rank
+        None: None,
+    }
+    vmas = {"invariant": INVARIANT, "dp": Vma.of(("dp",))}
+    answered = 0
+    for shapes in ((2, 3), (3,)), ((2, 3), (2, 3)), ((2, 3), (2, 3), (1, 3)):
+        for recs in itertools.product(records, repeat=len(shapes)):
+            for kinds in itertools.product(vmas, repeat=len(shapes)):
+                tensors = [torch.zeros(s) for s in shapes]
+                vma_of_id = {}
+                for t, r, k in zip(tensors, recs, kinds):
+                    if records[r] is not None:
+                        t.__dict__[_blocks.ATTR] = records[r]
+                    vma_of_id[id(t)] = vmas[k]
+                vma_of = lambda t: vma_of_id[id(t)]  # noqa: E731
+                got = _blocks._elementwise_record(tensors, out, token, vma_of)
+                if got is None:
+                    continue
+                answered += 1
+                layouts = lambda t: _blocks._layout_of(t, token, vma_of)  # noqa: E731
+                want = RULES["add"](tuple(tensors), {}, layouts, out)
+                assert want is not None and got == (token, want[0]), (shapes, recs, kinds)
+                assert want[1] == NONE
+    assert answered > 20
