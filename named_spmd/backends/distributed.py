@@ -292,7 +292,7 @@ class DistributedContext(TrackedContext):
         would wait for the sum at once). A CommMode still records the view's psum, as the
         simulated mesh does. Only a view made by one built-in view op directly from a leaf or an
         input of this call, of the view's own type (docs/design.md section 5)."""
-        source = self._view_source(t)
+        source = self._view_source(t, axes)
         if source is None:
             return implicit_pvary(self, t, axes)
         key = (id(source), (*axes, "<views>"))  # apart from its own alias, which records
@@ -304,9 +304,9 @@ class DistributedContext(TrackedContext):
             view = alias.as_strided(t.size(), t.stride(), t.storage_offset())
         return self.stamp(record_implicit_psum(view, axes), self.vma(alias))
 
-    def _view_source(self, t):
-        if P.is_transform_wrapped(t):
-            return None
+    def _view_source(self, t, axes):
+        if P.is_transform_wrapped(t) or self.single_axes.issuperset(axes):
+            return None  # (over axes of size 1 the pvary is the identity: nothing to keep)
         if self.input_nodes is None:
             self.input_nodes = {
                 id(x.grad_fn): x for x in self.inputs if isinstance(x, torch.Tensor) and x.grad_fn
