@@ -88,18 +88,18 @@ class TrackedContext(SpmdContext):
     def cached_cast(self, t: torch.Tensor, axes: tuple[str, ...], to: str) -> torch.Tensor:
         """``ns.pcast(t, axes, to=to)``, one per (tensor, axes, state) per call: the implicit
         cast of an invariant operand meeting reduced ones (its gradient summed once)."""
-        key = (id(t), axes + (to,))
-        hit = self.pvary_cache.get(key)
-        if hit is None:
-            hit = self.pvary_cache[key] = (t, implicit_cast(self, t, axes, to))
-        return hit[1]
+        return self.memo_alias(t, axes + (to,), lambda: implicit_cast(self, t, axes, to))
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """The implicit pvary of ``t`` over ``axes``: one alias per (tensor, axes) per call."""
-        key = (id(t), axes)
+        return self.memo_alias(t, axes, lambda: self.implicit_pvary(t, axes))
+
+    def memo_alias(self, t: torch.Tensor, tag: tuple[str, ...], make) -> torch.Tensor:
+        """``make()``, once per (``t``, ``tag``) per call (the caches of implicit casts)."""
+        key = (id(t), tag)
         hit = self.pvary_cache.get(key)
         if hit is None:
-            hit = self.pvary_cache[key] = (t, self.implicit_pvary(t, axes))
+            hit = self.pvary_cache[key] = (t, make())
         return hit[1]
 
     def implicit_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:

@@ -295,11 +295,10 @@ class DistributedContext(TrackedContext):
         source = self._view_source(t, axes)
         if source is None:
             return implicit_pvary(self, t, axes)
-        key = (id(source), (*axes, "<views>"))  # apart from its own alias, which records
-        hit = self.pvary_cache.get(key)
-        if hit is None:
-            hit = self.pvary_cache[key] = (source, implicit_pvary(self, source, axes, False))
-        alias = hit[1]
+        # apart from the source's own alias (cached_pvary), which records its psum
+        alias = self.memo_alias(
+            source, (*axes, "<views>"), lambda: implicit_pvary(self, source, axes, False)
+        )
         with P.DisableTorchFunction():
             view = alias.as_strided(t.size(), t.stride(), t.storage_offset())
         return self.stamp(record_implicit_psum(view, axes), self.vma(alias))
@@ -312,7 +311,8 @@ class DistributedContext(TrackedContext):
                 id(x.grad_fn): x for x in self.inputs if isinstance(x, torch.Tensor) and x.grad_fn
             }
         source = P.view_source(t, self.input_nodes)
-        if source is None or self.vma(source) is not self.vma(t) or self.vma(t).partial:
+        vma = self.vma(t)
+        if source is None or self.vma(source) is not vma or vma.partial:
             return None
         return source
 
