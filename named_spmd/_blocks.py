@@ -130,16 +130,16 @@ def _elementwise_record(operands, out: torch.Tensor, token: object, vma_of) -> A
     layout, as ``_elementwise`` finds it. None otherwise (the rule decides)."""
     found = None
     for t in operands:
-        rec = _read(t)
-        if rec is not None and rec[0] is token and len(rec[1].dims) == t.dim():
-            if t.shape != out.shape or (found is not None and rec[1] is not found[1]):
+        lay = _recorded_layout(t, token)
+        if lay is not None:
+            if t.shape != out.shape or (found is not None and lay is not found):
                 return None
-            found = rec
+            found = lay
         else:
             vma = vma_of(t)
             if vma.varying or vma.unreduced:  # opaque over those axes: the rule's work
                 return None
-    return found
+    return None if found is None else (token, found)
 
 
 _RULE_OF: dict = {}  # func -> its rule or None (memo: every op of a call with blocks asks)
@@ -174,11 +174,19 @@ def rule_index(func: Any) -> int:
 RULE_INDEX = [rule_index]
 
 
-def _layout_of(t: torch.Tensor, token: object, vma_of) -> Layout:
+def _recorded_layout(t: torch.Tensor, token: object) -> Layout | None:
+    """``t``'s layout as recorded in the call of ``token`` (None: no record of its rank)."""
     rec = _read(t)
-    n = t.dim()
-    if rec is not None and rec[0] is token and len(rec[1].dims) == n:
+    if rec is not None and rec[0] is token and len(rec[1].dims) == t.dim():
         return rec[1]
+    return None
+
+
+def _layout_of(t: torch.Tensor, token: object, vma_of) -> Layout:
+    lay = _recorded_layout(t, token)
+    if lay is not None:
+        return lay
+    n = t.dim()
     vma = vma_of(t)  # no record: whatever it varies over, it does for reasons not known here
     if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length
         return Layout((NONE,) * n, vma.varying | vma.unreduced)
