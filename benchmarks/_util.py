@@ -130,6 +130,18 @@ def compiled_copy(fn: Callable, tag: str, **options) -> Callable:
     return torch.compile(own, **options)
 
 
+def use_device(device: str) -> None:
+    """``"cuda"``: this process's GPU (``LOCAL_RANK``, one process per GPU) as the default device
+    of the tensors a benchmark makes; ``"cpu"``: nothing to do."""
+    if device == "cuda":
+        import os
+
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.set_default_device("cuda")
+
+
 def spawn(script: str, nproc: int, argv: list[str], timeout: float) -> str:
     """Run ``script`` as ``nproc`` gloo ranks on 127.0.0.1 (env:// rendezvous through a store this
     process holds); returns rank 0's output. Each rank writes to a file, not a pipe: a rank that

@@ -154,9 +154,7 @@ def _local_params(params: dict, cfg: G.Config, tp: int, tp_rank: int) -> dict:
 
 def worker(args) -> None:
     torch.set_num_threads(1)
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        torch.set_default_device("cuda")
+    _util.use_device(args.device)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     if not args.inductor_defaults:  # every variant with the bucketing ns.compile turns on
         import torch._inductor.config as inductor_config

@@ -310,16 +310,9 @@ def simulated(cfg: G.Config, args) -> list[_util.Row]:
     return rows("simulated, 1 process", medians, "dense single device", targets)
 
 
-def _use_device(args) -> None:
-    """``--device cuda``: this process's GPU as the default device (one process per GPU)."""
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.set_default_device("cuda")
-
-
 def worker(args) -> None:
     torch.set_num_threads(1)
-    _use_device(args)
+    _util.use_device(args.device)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = _config(args)
@@ -406,7 +399,7 @@ def main() -> None:
         worker(args)
         return
     torch.set_num_threads(1)
-    _use_device(args)
+    _util.use_device(args.device)
     cfg = _config(args)
     print(f"GPT {cfg} on {args.device}: forward + backward + AdamW, eager, 1 thread per process")
     rows: list[_util.Row] = []
