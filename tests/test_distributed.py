@@ -222,28 +222,11 @@ def test_checkpoint_around_the_call_differentiates_twice_as_simulated():
             )
 
 
-def _expected_all_reduces(mb) -> int:
-    """All-reduces of one uniform backward pass (tests/grad_buckets.py), per dtype one per
-    bucket: weights of equal size pack ``cap // size`` to a bucket, whatever the order backward
-    reaches them in; a weight of at least a bucket's bytes goes alone."""
-    import math
-
-    import grad_buckets as gb
-
+def _bucket_all_reduces(sizes: list[int], mb) -> int:
+    """All-reduces of gradients of ``sizes`` bytes (one dtype, in the order backward reaches
+    them) packed into buckets of ``mb`` MB (None: the 25 MB default): a gradient of at least a
+    bucket's bytes goes alone, one that does not fit starts a new bucket."""
     cap = int((25.0 if mb is None else mb) * 2**20)
-    total = 0
-    for n, item in ((gb.N64, gb.ITEM_BYTES), (gb.N32, gb.ITEM_BYTES // 2)):
-        total += n if item >= cap else math.ceil(n / (cap // item))
-    return total
-
-
-def _expected_view_all_reduces(mb) -> int:
-    """All-reduces of the view chain's backward pass (tests/grad_buckets.py), filled in the
-    order backward reaches the weights (the last first: taller and square ones alternate)."""
-    import grad_buckets as gb
-
-    cap = int((25.0 if mb is None else mb) * 2**20)
-    sizes = [gb.SIDE * (gb.SIDE + 3 * (k % 2)) * 8 for k in reversed(range(gb.N_VIEWS))]
     count, room = 0, 0
     for size in sizes:
         if size >= cap:
@@ -253,6 +236,23 @@ def _expected_view_all_reduces(mb) -> int:
         else:
             room -= size
     return count
+
+
+def _expected_all_reduces(mb) -> int:
+    """All-reduces of one uniform backward pass (tests/grad_buckets.py): buckets per dtype."""
+    import grad_buckets as gb
+
+    per_dtype = ((gb.N64, gb.ITEM_BYTES), (gb.N32, gb.ITEM_BYTES // 2))
+    return sum(_bucket_all_reduces([item] * n, mb) for n, item in per_dtype)
+
+
+def _expected_view_all_reduces(mb) -> int:
+    """All-reduces of the view chain's backward pass (tests/grad_buckets.py), its weights
+    reached last first (taller and square ones alternate)."""
+    import grad_buckets as gb
+
+    sizes = [gb.SIDE * (gb.SIDE + 3 * (k % 2)) * 8 for k in reversed(range(gb.N_VIEWS))]
+    return _bucket_all_reduces(sizes, mb)
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["overlapped", "late-reductions"])
