@@ -67,11 +67,18 @@ def uniform_grads(mesh, around_backward=contextlib.nullcontext) -> tuple[list, i
     x, w64, w32 = uniform_params()
     ws = [w.requires_grad_() for w in w64 + w32]
     f = ns.spmd_map(_chain, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P())
+    psums = _backward_psums(lambda: f(x, ws[:N64], ws[N64:]), around_backward)
+    return [w.grad for w in ws], psums
+
+
+def _backward_psums(loss_of, around_backward) -> int:
+    """Forward ``loss_of()`` and its backward pass (inside ``around_backward()``): the backward
+    psums CommMode recorded."""
     with ns.CommMode() as comms:
-        loss = _full(f(x, ws[:N64], ws[N64:]))
+        loss = _full(loss_of())
         with around_backward():
             loss.backward()
-    return [w.grad for w in ws], comms.count("psum", direction="backward")
+    return comms.count("psum", direction="backward")
 
 
 def accumulated_grads(mesh, around_second=contextlib.nullcontext, prepare=None) -> list:
@@ -127,11 +134,8 @@ def view_grads(mesh, around_backward=contextlib.nullcontext, sharded=False) -> t
     ws = [w.requires_grad_() for w in ws]
     params = ns.shard(ws, mesh, P()) if sharded else ws
     f = ns.spmd_map(_views_fn, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
-    with ns.CommMode() as comms:
-        loss = _full(f(x, params))
-        with around_backward():
-            loss.backward()
-    return [_full(p.grad) for p in params], comms.count("psum", direction="backward")
+    psums = _backward_psums(lambda: f(x, params), around_backward)
+    return [_full(p.grad) for p in params], psums
 
 
 def _mixed_fn(x, ws):
