@@ -14,6 +14,9 @@ Variants, timed interleaved in the same processes (bench_gpt.interleaved):
   forward / all-reduce backward, and all-reduce forward / identity backward), an f over tp at
   each column-parallel input (attention, MLP, LM head), the replicated parameters' dp all-reduce
   as an f over dp at their use, all compiled the same way;
+* ``hand-written funcol compiled, DTensor parameters``: the same program on the DTensor
+  parameters named_spmd trains (their local tensors taken in the graph, torch's ``to_local``):
+  what DTensor parameters cost the hand-written step;
 * ``named_spmd blocks compiled``: the eager mapped step with each transformer block compiled by
   ``ns.compile`` (Inductor, fullgraph), torchtitan's per-block compile;
 * ``DTensor TP compiled``: torch's own tensor parallelism (bench_gpt's ``parallelize_module``
@@ -37,8 +40,10 @@ all-reduce per gradient, each a millisecond of fixed cost on gloo).
 
 ``--one-process``: in this process, one gloo rank, a (1,1) mesh, the same model: the dense loss
 compiled (the baseline) against named_spmd compiled with DTensor parameters and with plain
-parameters (each compiled call a code object of its own), CPU time per step, minimum over
-rounds: what DTensor parameters cost a compiled step (their runtime wrapping and AdamW on them).
+parameters (each compiled call a code object of its own), and the dense loss compiled on the
+same DTensor parameters (their local tensors taken in the graph), CPU time per step, minimum
+over rounds: what DTensor parameters cost a compiled step with and without named_spmd (their
+runtime wrapping, AdamW and gradient accumulation on them).
 
 ``--simulated``: in this process, the dense step compiled (the baseline) and eager, against the
 step calling named_spmd on a simulated (2,2) mesh compiled whole (Inductor, fullgraph:
@@ -189,16 +194,24 @@ def worker(args) -> None:
         ns.spmd_map(G.spmd_loss(cfg, block), mesh=mesh, in_specs=G.in_specs(cfg), out_specs=P())
     )
 
-    hand = torch.compile(
-        hand_written_loss(cfg, dp_name, tp_name, tp_rank, dp), backend="inductor", fullgraph=True
+    hand_fn = hand_written_loss(cfg, dp_name, tp_name, tp_rank, dp)
+    hand = torch.compile(hand_fn, backend="inductor", fullgraph=True)
+    hand_on_dtensors = torch.compile(
+        lambda t, g, q: hand_fn(t, g, {k: v.to_local() for k, v in q.items()}),
+        backend="inductor",
+        fullgraph=True,
     )
-    ph = _local_params(params, cfg, tp, tp_rank)
 
-    def hand_loss(tok, tgt, q):
-        t, g = B._local_batch(tok, tgt, dp_rank, dp)
-        return hand(t, g, q)
+    def local_batch(compiled):
+        def loss(tok, tgt, q):
+            return compiled(*B._local_batch(tok, tgt, dp_rank, dp), q)
 
-    hand_step = B.trainer(hand_loss, ph)
+        return loss
+
+    hand_step = B.trainer(local_batch(hand), _local_params(params, cfg, tp, tp_rank))
+    hand_dt_step = B.trainer(
+        local_batch(hand_on_dtensors), B._distribute(params, G.param_specs(cfg), dm)
+    )
     dtensor_step = B.dtensor_tp_step(cfg, params, dm, {"backend": "inductor"})[0]
     tok, tgt = G.batch(cfg, 0)
     first = {}
@@ -207,6 +220,7 @@ def worker(args) -> None:
         ("named_spmd compiled, replicated parameters plain", spmd_m),
         ("named_spmd compiled, loss unreduced over dp", spmd_u),
         ("hand-written funcol compiled", hand_step),
+        ("hand-written funcol compiled, DTensor parameters", hand_dt_step),
         ("named_spmd blocks compiled", spmd_b),
         ("DTensor TP compiled", dtensor_step),
     ):
@@ -221,6 +235,7 @@ def worker(args) -> None:
         ("replicated plain", spmd_m),
         ("loss unreduced", spmd_u),
         ("hand", hand_step),
+        ("hand, DTensor parameters", hand_dt_step),
         ("blocks", spmd_b),
         ("DTensor TP", dtensor_step),
         ("eager", spmd_e),
@@ -228,12 +243,15 @@ def worker(args) -> None:
         # the hand-written and DTensor TP steps return each rank's share of the dp mean
         reduce = (
             B.summed_over_ranks(tp)
-            if name in ("hand", "DTensor TP", "loss unreduced")
+            if name in ("hand", "hand, DTensor parameters", "DTensor TP", "loss unreduced")
             else B._global
         )
         losses[name] = [float(reduce(step(*G.batch(cfg, s)))) for s in range(1, 3)]
     fns = {
         "hand-written funcol compiled": B.timer_steps(hand_step, cfg, args.steps),
+        "hand-written funcol compiled, DTensor parameters": B.timer_steps(
+            hand_dt_step, cfg, args.steps
+        ),
         "named_spmd compiled": B.timer_steps(spmd_c, cfg, args.steps),
         "named_spmd compiled, replicated parameters plain": B.timer_steps(spmd_m, cfg, args.steps),
         "named_spmd compiled, loss unreduced over dp": B.timer_steps(spmd_u, cfg, args.steps),
@@ -265,6 +283,10 @@ def one_process(args) -> None:
         "named_spmd compiled, plain parameters": B.trainer(
             lambda t, g, q: ns.to_local(fp(t, g, q)), B._fresh(params)
         ),
+        "dense compiled, DTensor parameters": B.trainer(
+            _inductor(_dense_on_dtensors(cfg), "dense-dtensor"),
+            B._distribute(params, G.param_specs(cfg), mesh.device_mesh),
+        ),
     }
     best, _ = _cpu_times(steps, cfg, args)
     dist.destroy_process_group()
@@ -273,6 +295,18 @@ def one_process(args) -> None:
     )
     _util.print_rows(rows)
     _util.write_markdown(args.markdown, rows)
+
+
+def _dense_on_dtensors(cfg: G.Config):
+    """The dense loss on DTensor parameters of a (1,1) mesh (each local tensor the whole
+    parameter), their local tensors taken in the graph (torch's ``to_local``): what DTensor
+    parameters cost a compiled step without named_spmd."""
+    dense = G.dense_loss(cfg)
+
+    def loss(tokens, targets, params):
+        return dense(tokens, targets, {k: v.to_local() for k, v in params.items()})
+
+    return loss
 
 
 def simulated(args) -> None:
