@@ -196,11 +196,7 @@ def worker(args) -> None:
 
     hand_fn = hand_written_loss(cfg, dp_name, tp_name, tp_rank, dp)
     hand = torch.compile(hand_fn, backend="inductor", fullgraph=True)
-    hand_on_dtensors = torch.compile(
-        lambda t, g, q: hand_fn(t, g, {k: v.to_local() for k, v in q.items()}),
-        backend="inductor",
-        fullgraph=True,
-    )
+    hand_on_dtensors = torch.compile(_on_dtensors(hand_fn), backend="inductor", fullgraph=True)
 
     def local_batch(compiled):
         def loss(tok, tgt, q):
@@ -284,7 +280,7 @@ def one_process(args) -> None:
             lambda t, g, q: ns.to_local(fp(t, g, q)), B._fresh(params)
         ),
         "dense compiled, DTensor parameters": B.trainer(
-            _inductor(_dense_on_dtensors(cfg), "dense-dtensor"),
+            _inductor(_on_dtensors(G.dense_loss(cfg)), "dense-dtensor"),
             B._distribute(params, G.param_specs(cfg), mesh.device_mesh),
         ),
     }
@@ -297,14 +293,13 @@ def one_process(args) -> None:
     _util.write_markdown(args.markdown, rows)
 
 
-def _dense_on_dtensors(cfg: G.Config):
-    """The dense loss on DTensor parameters of a (1,1) mesh (each local tensor the whole
-    parameter), their local tensors taken in the graph (torch's ``to_local``): what DTensor
-    parameters cost a compiled step without named_spmd."""
-    dense = G.dense_loss(cfg)
+def _on_dtensors(loss_of_locals):
+    """``loss_of_locals(tokens, targets, local params)`` taking DTensor parameters, their local
+    tensors taken in the graph (torch's ``to_local``): what DTensor parameters cost a compiled
+    step without named_spmd."""
 
     def loss(tokens, targets, params):
-        return dense(tokens, targets, {k: v.to_local() for k, v in params.items()})
+        return loss_of_locals(tokens, targets, {k: v.to_local() for k, v in params.items()})
 
     return loss
 
