@@ -302,9 +302,11 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
                 )
         got_all = o["grads"] + o["mixed"] + o["accumulated"]
         for got, ref in zip(got_all, want + want_mixed + want_accumulated):
-            tol = 1e-12 if ref.dtype == torch.float64 else 1e-5
+            # float32 tolerance throughout: the chain's float64 gradients also flow back through
+            # its float32 part, whose matmuls round differently batched (the simulated mesh) and
+            # alone on some CPUs (1e-7 relative seen); the real runs are compared bitwise above
             torch.testing.assert_close(
-                torch.tensor(got, dtype=ref.dtype), ref, rtol=tol, atol=tol, msg=where
+                torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-5, atol=1e-6, msg=where
             )
 
 
