@@ -31,6 +31,7 @@ from ._collectives import pvary as pvary
 from ._collectives import typeof as typeof
 from ._collectives import vma as vma
 from ._compile import compile as compile
+from ._debug import set_debug as set_debug
 from ._display import visualize as visualize
 from ._errors import CollectiveError as CollectiveError
 from ._errors import RankFailedError as RankFailedError
@@ -52,7 +53,6 @@ __version__ = "0.1.0"
 # distributed backend (nor torch.distributed's heavier modules).
 _LAZY = {
     "to_local": ("named_spmd.backends.distributed", "to_local"),
-    "set_debug": ("named_spmd.backends._dist_failures", "set_debug"),
     "set_grad_bucket_mb": ("named_spmd.backends._dist_buckets", "set_grad_bucket_mb"),
 }
 

@@ -23,11 +23,13 @@ from ._tree import (
     IN_SPEC_INDEX,
     broadcast_specs,
     check_spec_types,
+    flatten,
     flatten_with_paths,
     leaf_skeleton,
     opaque_leaf_problem,
     opaque_tensor_holder,
     path_text,
+    paths_of,
     spec_leaves,
 )
 from ._types import Vma, type_text
@@ -80,6 +82,10 @@ class SpmdFunction:
         self.out_specs = out_specs
         # the distinct in_specs, which a traced call indexes (_in_specs_traced)
         self._in_spec_table = tuple(dict.fromkeys(spec_leaves(in_specs)))
+        # per call, outside a trace: the in_specs broadcast per input structure, and the
+        # (spec, shape) pairs of tensors that fit the mesh (a call of known inputs checks none)
+        self._specs_of_tree: dict[Any, list[PartitionSpec]] = {}
+        self._fine_inputs: set[tuple[PartitionSpec, torch.Size]] = set()
         self.check_vma = check_vma
         # picked once: a mesh's kind never changes, and a compiled call would guard on the
         # registry's lookups (``sys.modules``), so any import between two steps would recompile
@@ -94,11 +100,42 @@ class SpmdFunction:
 
     # --- inputs -----------------------------------------------------------------------------
     def _input_leaves(self, args: tuple) -> tuple[list[Any], list[PartitionSpec], Any]:
-        paths, leaves, treedef = flatten_with_paths(args)
-        specs = self._in_specs_traced(args) if torch.compiler.is_compiling() else None
+        if torch.compiler.is_compiling():
+            paths, leaves, treedef = flatten_with_paths(args)
+            specs = self._in_specs_traced(args)
+            if specs is None:
+                specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
+            self._check_inputs(paths, leaves, specs)
+            return leaves, specs, treedef
+        leaves, treedef = flatten(args)
+        specs = self._specs_of_tree.get(treedef)
         if specs is None:
             specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
+            if len(self._specs_of_tree) > 256:
+                self._specs_of_tree.clear()
+            self._specs_of_tree[treedef] = specs
+        fine, strided = self._fine_inputs, torch.strided
+        for leaf, spec in zip(leaves, specs):
+            if not (
+                isinstance(leaf, torch.Tensor)
+                and leaf.layout is strided
+                and (spec, leaf.shape) in fine
+            ):
+                break
+        else:  # every leaf a tensor of a (spec, shape) checked before: nothing to say
+            return leaves, list(specs), treedef
+        paths = paths_of(args)
+        self._check_inputs(paths, leaves, specs)
+        return leaves, list(specs), treedef
+
+    def _check_inputs(
+        self, paths: list[tuple], leaves: list[Any], specs: list[PartitionSpec]
+    ) -> None:
+        """Every input leaf fits its spec on the mesh, or one SpecError lists the problems. A
+        tensor whose (spec, shape) passed is remembered (``_fine_inputs``; Dynamo traces this,
+        so only outside a trace)."""
         problems = []
+        remember = not torch.compiler.is_compiling() and len(self._fine_inputs) < 4096
         for path, leaf, spec in zip(paths, leaves, specs):
             where = f"argument {path_text(path)}"
             if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
@@ -107,7 +144,10 @@ class SpmdFunction:
                     "splits and batches dense (strided) tensors only. Fix: pass x.to_dense()."
                 )
             elif isinstance(leaf, torch.Tensor):
-                problems += spec_problems(spec, tuple(leaf.shape), self.mesh.shape, where)
+                found = spec_problems(spec, tuple(leaf.shape), self.mesh.shape, where)
+                problems += found
+                if remember and not found:
+                    self._fine_inputs.add((spec, leaf.shape))
             elif opaque_tensor_holder(leaf):
                 problems.append(opaque_leaf_problem(where, leaf))
             elif len(spec.axes) > 0:
@@ -120,7 +160,6 @@ class SpmdFunction:
                 f"{self.where}: the inputs do not fit in_specs on mesh {self.mesh.shape}:\n"
                 + bullet_list(problems)
             )
-        return leaves, specs, treedef
 
     def _in_specs_traced(self, args: tuple) -> list[PartitionSpec] | None:
         """The inputs' specs while Dynamo traces, broadcast eagerly over a skeleton of the
@@ -146,6 +185,7 @@ class SpmdFunction:
         specs = broadcast_specs(self.out_specs, out, "out_specs", self.where)
         problems: list[str] = []
         vma_problems: list[str] = []
+        check_vma = self.check_vma and not ctx.replaying  # a replay's types were checked
         for path, leaf, spec in zip(paths, leaves, specs):
             where = "output" + path_text(path)
             if not isinstance(leaf, torch.Tensor):
@@ -160,11 +200,13 @@ class SpmdFunction:
             # outputs are concatenated, never split: a dim size every axis product divides
             # (mesh.size) checks rank and axis names without a divisibility condition
             problems += spec_problems(spec, (self.mesh.size,) * leaf.dim(), self.mesh.shape, where)
+            if not check_vma:
+                continue
             vma = ctx.vma(leaf)
-            if self.check_vma and not vma <= spec.axes:  # rule 4: a subset of the named axes
+            if not vma <= spec.axes:  # rule 4: a subset of the named axes
                 extra = vma.remove(spec.axes)
                 vma_problems.append(self._vma_problem(where, leaf, spec, extra, ctx))
-            if vma.unreduced != spec.unreduced and self.check_vma:
+            if vma.unreduced != spec.unreduced:
                 vma_problems.append(self._unreduced_problem(where, leaf, spec, ctx))
         if problems:
             raise SpecError(
@@ -307,6 +349,8 @@ class SpmdFunction:
                 ]
             result.update(tree=out_tree, leaves=out_leaves, specs=out_specs, paths=paths)
             return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+        body.mapped = self  # type: ignore[attr-defined]  # for a backend's caches per mapped fn
 
         def out_specs_of() -> list[PartitionSpec]:
             return [

@@ -56,6 +56,13 @@ class SpmdContext(ABC):
     #: argument; None: torch's choice). The call's marker applies it, also in a checkpoint's
     #: recomputation (:class:`CallMarker`).
     sdpa_backends: Any = None
+    #: A replay: a call whose signature an earlier call type-checked, on a mesh of one instance,
+    #: where no value depends on a type (``backends/simulated/_one_instance``). Collectives and
+    #: casts run their forward on the one member without their type rules.
+    replaying: bool = False
+    #: Set when the user's function asks for a type (``ns.vma``, ``ns.typeof``): a replay could
+    #: not answer, so such a function is type-checked on every call.
+    types_read: bool = False
 
     def __init__(self, mesh: Mesh, fn: Any) -> None:
         self.mesh = mesh
@@ -204,24 +211,11 @@ def _nothing() -> None:
     pass
 
 
-class GroupOfOne(SpmdContext):
-    """The primitives over a group of one instance (every axis of the group has size 1):
-    plain torch ops with the results the communication would give, differentiated by torch's
-    own autograd. Backends that type tensors by stamps run such collectives through it, so a
-    size-1 axis costs no communication (the types still change as declared)."""
-
-    def __init__(self, ctx: SpmdContext) -> None:
-        self.ctx, self.mesh, self.fn, self.fn_label = ctx, ctx.mesh, ctx.fn, ctx.fn_label
-        self.single_axes = ctx.single_axes
-
-    def vma(self, x: torch.Tensor) -> Vma:
-        return self.ctx.vma(x)
-
-    def axis_index(self, axes: Axes) -> torch.Tensor:
-        return self.ctx.axis_index(axes)
-
-    def per_member(self, axes: Axes, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
-        return self.ctx.per_member(axes, make)
+class OneMemberPrimitives:
+    """The data-movement primitives over a group of one instance (every axis of the group has
+    size 1): plain torch ops with the results the communication would give, differentiated by
+    torch's own autograd. Mixed into :class:`GroupOfOne` and into the context of a simulated
+    mesh of one instance (``backends/simulated/_one_instance``)."""
 
     def pvary(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:
         return x.view_as(x)
@@ -250,6 +244,25 @@ class GroupOfOne(SpmdContext):
 
     def own_block(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
         return x.select(dim, 0)
+
+
+class GroupOfOne(OneMemberPrimitives, SpmdContext):
+    """A call's collectives over a group of one instance. Backends that type tensors by stamps
+    run such collectives through it, so a size-1 axis costs no communication (the types still
+    change as declared)."""
+
+    def __init__(self, ctx: SpmdContext) -> None:
+        self.ctx, self.mesh, self.fn, self.fn_label = ctx, ctx.mesh, ctx.fn, ctx.fn_label
+        self.single_axes = ctx.single_axes
+
+    def vma(self, x: torch.Tensor) -> Vma:
+        return self.ctx.vma(x)
+
+    def axis_index(self, axes: Axes) -> torch.Tensor:
+        return self.ctx.axis_index(axes)
+
+    def per_member(self, axes: Axes, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        return self.ctx.per_member(axes, make)
 
 
 class _Calls(threading.local):

@@ -165,6 +165,14 @@ def control_flow_exceptions() -> tuple[type[BaseException], ...]:
 # section 10). The mode stack is edited directly: a marker is removed wherever it sits, since a
 # ``torch.device`` block entered inside the call reorders the stack.
 DeviceContext = torch.utils._device.DeviceContext
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether saved-tensor hooks are in effect: inside a non-reentrant checkpoint's forward (or
+    a user's ``saved_tensors_hooks``). A call that saw none needs no marker in its replays."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 function_mode_depth = torch.overrides._len_torch_function_stack
 function_mode_at = torch._C._get_function_stack_at  # the mode at depth i, 0 the bottom
 push_function_mode = torch.overrides._push_mode

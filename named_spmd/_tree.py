@@ -196,6 +196,15 @@ def flatten_with_paths(tree: Any) -> tuple[list[tuple], list[Any], Any]:
     return optree.tree_flatten_with_path(tree, none_is_leaf=True)
 
 
+def flatten(tree: Any) -> tuple[list[Any], Any]:
+    """Leaves and treespec (``None`` a leaf); the paths only where needed (:func:`paths_of`)."""
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
+def paths_of(tree: Any) -> list[tuple]:
+    return optree.tree_paths(tree, none_is_leaf=True)
+
+
 def opaque_tensor_holder(leaf: Any) -> bool:
     """Whether a non-tensor leaf holds tensors that optree cannot see (a dataclass or a plain
     object with tensor attributes): its tensors would escape the type check and the assembly."""

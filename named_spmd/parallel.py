@@ -48,7 +48,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ._collectives import all_gather, axis_index, axis_size, pmax, psum, psum_scatter, vma
+from ._collectives import all_gather, axis_index, axis_size, pmax, psum, psum_scatter
+from ._context import current
 from ._errors import SpmdError
 
 AxisName = str | tuple[str, ...]
@@ -238,7 +239,8 @@ def _same_ids(ids: torch.Tensor, axis_name: AxisName, layer: str, what: str) -> 
     """The instances of the vocabulary axis split one lookup by rows: they must agree on the ids
     (ids split over that axis too would be summed across different tokens, silently)."""
     names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    varying = [a for a in names if a in vma(ids)]
+    ids_vma = current(layer).vma(ids)  # a check only: not a type the program reads (ns.vma)
+    varying = [a for a in names if a in ids_vma]
     if varying:
         raise SpmdError(
             f"{layer}: {what} {'vary' if what == 'ids' else 'varies'} over {tuple(varying)}, the "

@@ -605,3 +605,21 @@ def test_errors_inside_collectives_leave_no_active_call_behind():
         _run(psum_unknown, P("tp"), P(), v8)
     with pytest.raises(ns.CollectiveError, match="outside spmd_map"):
         ns.psum(v8, "tp")
+
+
+def test_inputs_checked_once_per_spec_and_shape_are_still_checked_when_new():
+    """A mapped function remembers the (spec, shape) pairs of inputs that fit (a call of known
+    inputs checks none): an input of a new shape, or a sparse one of a known shape, still gets
+    its error, and a known good input still runs."""
+    f = ns.spmd_map(lambda x: x * 2, mesh=MESH, in_specs=P("tp"), out_specs=P("tp"))
+    for _ in range(2):
+        torch.testing.assert_close(f(v8), v8 * 2)
+    with pytest.raises(ns.SpecError, match="dim 0 has size 6, not divisible by 4"):
+        f(v6)
+    with pytest.raises(ns.SpecError, match="is a sparse_coo tensor"):
+        f(torch.eye(8)[0].to_sparse())
+    g = ns.spmd_map(lambda x: x, mesh=MESH, in_specs=({"a": P("tp")},), out_specs={"a": P("tp")})
+    g({"a": v8})
+    with pytest.raises(ns.SpecError, match="in_specs"):
+        g({"b": v8})  # another structure: broadcast (and refused) anew
+    torch.testing.assert_close(g({"a": v8})["a"], v8)

@@ -326,6 +326,22 @@ def test_forward_level_reads_the_current_dual_level():
     assert P.forward_level() == -1
 
 
+def test_saved_tensors_hooks_active_inside_a_checkpoint_and_user_hooks():
+    seen = []
+
+    def piece(x):
+        seen.append(P.saved_tensors_hooks_active())
+        return x.sin()
+
+    x = torch.ones(3, requires_grad=True)
+    assert not P.saved_tensors_hooks_active()
+    torch.utils.checkpoint.checkpoint(piece, x, use_reentrant=False).sum().backward()
+    assert seen == [True, True]  # the forward, then the recomputation
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert P.saved_tensors_hooks_active()
+    assert not P.saved_tensors_hooks_active()
+
+
 def test_tensor_base_tells_a_view_from_its_own_buffer():
     x = torch.ones(4)
     assert P.tensor_base(x) is None

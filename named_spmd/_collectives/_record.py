@@ -108,6 +108,12 @@ class Collective:
         refs = refcount(x) if self.donates and ctx.donates else None
         axes = ctx.check_axes(axis_name, self.name)
         params = self.prepare(ctx, axes, *args) if self.prepare is not None else args
+        if ctx.replaying:
+            if isinstance(x, Tensor):
+                return _replayed(self, ctx, x, axes, params)
+            return optree.tree_map(
+                lambda t: _replayed(self, ctx, _tensor(self, ctx, t), axes, params), x
+            )
         if isinstance(x, Tensor):
             return _apply(self, ctx, x, axes, params, refs)
         return optree.tree_map(lambda t: _apply(self, ctx, _tensor(self, ctx, t), axes, params), x)
@@ -163,6 +169,16 @@ def _apply(
     if ctx.stamps or vma.partial or rec.makes_partial:
         return ctx.stamp(out, rec.vma(vma, axes, params))
     return out
+
+
+def _replayed(rec: Collective, ctx: SpmdContext, t: Tensor, axes: Axes, params: Params) -> Tensor:
+    """A collective in a replay (``SpmdContext.replaying``: a mesh of one instance, its types
+    checked by an earlier call, ``_replay``): the argument checks and the forward on the one
+    member, differentiated by torch."""
+    if rec.check is not None:
+        params = rec.check(ctx, t, axes, params)
+    with DisableTorchFunction():
+        return rec.forward(GroupOfOne(ctx), t, axes, params, False)
 
 
 def _partial_operand(rec: Collective, ctx: SpmdContext, t: Tensor, vma: Vma, axes: Axes) -> Vma:

@@ -40,6 +40,7 @@ def vma(x: Any) -> frozenset[str]:
     Non-tensors are invariant: ``frozenset()``.
     """
     ctx = current("vma")
+    ctx.types_read = True
     if not isinstance(x, torch.Tensor):
         return frozenset()
     return ctx.vma(x).varying
@@ -48,6 +49,7 @@ def vma(x: Any) -> frozenset[str]:
 def typeof(x: Any) -> VType:
     """The compact type of ``x`` inside spmd_map, e.g. ``f32[8,4]{dp}`` (per-device shape)."""
     ctx = current("typeof")
+    ctx.types_read = True
     if not isinstance(x, torch.Tensor):
         raise CollectiveError(
             f"typeof in {ctx.fn_label}: expected a tensor, got {type(x).__name__}."

@@ -24,7 +24,8 @@ from .._mesh import Mesh
 from .._spec import PartitionSpec
 
 #: The per-instance body a backend runs: (local argument leaves, the backend's context) ->
-#: the output tensors.
+#: the output tensors. Its attribute ``mapped`` is the running ``SpmdFunction`` (its in_specs,
+#: out_specs and check_vma: what a backend's cache per mapped function keys on).
 Body = Callable[[list[Any], SpmdContext], list[torch.Tensor]]
 
 

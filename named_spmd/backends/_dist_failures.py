@@ -41,28 +41,11 @@ from ._dist_processes import _fate
 
 POLL_S = 0.2  # how often a rank blocked in a collective looks for a posted failure
 ACK_S = 5.0  # how long a failing rank waits for its peers to learn of the failure
-_debug_override: bool | None = None
 
 
 def timeout_s() -> float:
     """Seconds a rank waits for a peer that neither arrives nor fails (NAMED_SPMD_TIMEOUT)."""
     return float(os.environ.get("NAMED_SPMD_TIMEOUT", "1800"))
-
-
-def set_debug(enabled: bool | None = True) -> None:
-    """Check before every collective that all ranks of its group call the same one.
-
-    ``None`` goes back to the ``NAMED_SPMD_DEBUG`` environment variable. Costs a store round trip
-    per collective and rank: a debugging aid, not for training runs.
-    """
-    global _debug_override
-    _debug_override = enabled
-
-
-def debug_enabled() -> bool:
-    if _debug_override is not None:
-        return _debug_override
-    return os.environ.get("NAMED_SPMD_DEBUG", "") not in ("", "0")
 
 
 def _is_timeout(e: BaseException) -> bool:

@@ -287,8 +287,9 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     mesh = ctx.mesh
     vma: Vma = ctx.vma(y)
     names = mesh.axis_names
-    unnamed_varying = tuple(a for a in names if a in vma and a not in spec.axes)
-    named_invariant = vma.missing(a for a in names if a in spec.axes)
+    single = mesh.single_axes  # (every member of a size-1 axis is this rank: nothing to do)
+    unnamed_varying = tuple(a for a in names if a in vma and a not in spec.axes and a not in single)
+    named_invariant = vma.missing(a for a in names if a in spec.axes and a not in single)
     if unnamed_varying:  # check_vma=False: member 0's value, as the simulated backend
         first = ctx.axis_index(unnamed_varying) == 0  # the sum of member 0's value and zeros
         y = _boundary(ctx, "psum", torch.where(first, y, torch.zeros_like(y)), unnamed_varying, ())

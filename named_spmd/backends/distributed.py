@@ -48,16 +48,18 @@ from .. import _torch_private as P
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._collectives._record import implicit_pvary, record_implicit_psum
+from .._debug import debug_enabled, set_debug
 from .._errors import RankFailedError, SpmdError
 from .._layout import group_coords, index_of
 from .._mesh import Mesh
+from .._replay import CheckedMode, Replay
 from .._spec import PartitionSpec
 from .._traced import warm_types
 from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
 from . import _dist_agree, _dist_compile, _dist_dtensor, _dist_overlap, _dist_piece
 from ._dist_comm import MAX, MIN, SUM, Comm
-from ._dist_failures import FailureBoard, debug_enabled, set_debug, timeout_s
+from ._dist_failures import FailureBoard, timeout_s
 from ._dist_io import global_output, local_input
 from ._dist_processes import mark_exited, register_process, registered
 
@@ -362,14 +364,16 @@ def run(
     board.begin_call()
     mesh.debug = debug_enabled()
     ctx = DistributedContext(mesh, fn)
+    # one rank: a call type-checked once per signature (``_replay``)
+    replay = Replay(body, mesh, leaves, specs) if mesh.size == 1 else None
     try:
         board.check_in_step()
         if mesh.poll and mesh.size > 1:
             _dist_agree.check_call_agrees(ctx, leaves)
+        if replay is not None and replay.ready:
+            replay.start(ctx)
         local = [
-            ctx.stamp_input(local_input(ctx, leaf, spec, i), spec)
-            if isinstance(leaf, torch.Tensor)
-            else leaf
+            _local(ctx, leaf, spec, i) if isinstance(leaf, torch.Tensor) else leaf
             for i, (leaf, spec) in enumerate(zip(leaves, specs))
         ]
         ctx.inputs = local
@@ -377,8 +381,15 @@ def run(
             if mesh.pending_check is not None:  # shapes first: the clearer message
                 mesh.pending_check()
             _dist_agree.check_inputs_agree(ctx, leaves)
-        with VmaMode(ctx):
+        if ctx.replaying:
             outs = body(local, ctx)
+        elif replay is not None:
+            with CheckedMode(ctx) as mode:
+                outs = body(local, ctx)
+            replay.done(ctx, mode)
+        else:
+            with VmaMode(ctx):
+                outs = body(local, ctx)
         if mesh.pending_check is not None:  # the body ran no collective
             mesh.pending_check()
         if mesh.debug:
@@ -402,6 +413,12 @@ def run(
                 "the other ranks stop with RankFailedError naming this rank."
             )
         raise
+
+
+def _local(ctx: DistributedContext, leaf: torch.Tensor, spec: PartitionSpec, i: int):
+    """Argument leaf ``i``'s block on this rank, typed (a replay needs no types)."""
+    local = local_input(ctx, leaf, spec, i)
+    return local if ctx.replaying else ctx.stamp_input(local, spec)
 
 
 def to_local(tree: Any) -> Any:

@@ -36,6 +36,7 @@ from ..._errors import SpmdError, VmaError, fn_label
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
 from . import _instances as _instances  # installs the per-instance printing of values
+from . import _one_instance
 from ._compiled import compiled_pieces_eagerly
 from ._diagnose import explained
 from ._marks import PartialMode
@@ -110,7 +111,7 @@ def run(
     fn: Callable[..., Any],
     leaves: list[Any],
     specs: list[PartitionSpec],
-    body: Callable[[list[Any], SimulatedContext], list[torch.Tensor]],
+    body: Callable[[list[Any], Any], list[torch.Tensor]],
     out_specs_of: Callable[[], list[PartitionSpec]],
 ) -> list[torch.Tensor]:
     """Run ``body`` (per instance: local leaves -> local output tensors) on every instance.
@@ -123,6 +124,8 @@ def run(
     wrappers per call and, on the way out, lets an output stay free of the axes it is invariant
     over. ``vmap(out_dims=0)`` would expand it over them, and the instance-0 selection that
     followed cost a zero fill, a copy and a sum of the full expanded size in backward."""
+    if mesh.size == 1:  # nothing to batch: the function runs once (``_one_instance``)
+        return _one_instance.run(mesh, fn, leaves, specs, body, out_specs_of)
     _load_decompositions()
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     inputs = tuple((tuple(leaves[i].shape), leaves[i].element_size(), specs[i]) for i in tensor_pos)

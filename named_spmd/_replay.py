@@ -1,0 +1,118 @@
+"""Replays: on a mesh of one instance, a call is type-checked once per signature.
+
+On one instance no value depends on a type: every collective and cast is the identity on the
+data (or a fixed reshaping of it), and no implicit pvary exists over axes of size 1. Types only
+decide whether the program is accepted. So, like a compiled call (whose types are checked when it
+is traced), a call on such a mesh is type-checked once per *signature*: the mapped function (its
+specs), the mesh, each argument's type, shape, dtype, device, requires_grad and spec (a
+non-tensor argument's value), and whether grad mode is on. Later calls with that signature run
+the function untyped: no torch function mode, no stamps, collectives and casts straight to their
+forward on the one member (``SpmdContext.replaying``). Such a call then costs about what the plain
+program does (docs/design.md section 5, "One instance").
+
+Not replayed: a function that asked for a type (``ns.vma``, ``ns.typeof``: a replay has none to
+give), calls under a ``torch.func`` transform or with forward-mode AD, calls while a ``CommMode``
+records, and every call in debug mode (``ns.set_debug``, ``NAMED_SPMD_DEBUG=1``). A replay marks
+the mode stack for a checkpoint's recomputation (``_context.CallMarker``, one Python call per op)
+only if its checked call ran an op under saved-tensor hooks (a non-reentrant checkpoint).
+
+Used by the simulated backend's one-instance path and by a real mesh of one rank.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from . import _torch_private as P
+from ._accounting import recording
+from ._context import SpmdContext
+from ._debug import debug_enabled
+from ._mesh import Mesh
+from ._spec import PartitionSpec
+from ._tracking import VmaMode
+
+#: mapped function -> {signature: whether its replays need the call's marker}
+_CHECKED: weakref.WeakKeyDictionary[Any, dict[tuple, bool]] = weakref.WeakKeyDictionary()
+_MAX_SIGNATURES = 64  # per function: beyond that the table starts again (no unbounded growth)
+
+
+class CheckedMode(VmaMode):
+    """The typing of a checked call, which also notes whether any op ran under saved-tensor
+    hooks (a non-reentrant checkpoint's forward)."""
+
+    hooks_seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.hooks_seen and P.saved_tensors_hooks_active():
+            self.hooks_seen = True
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class Replay:
+    """One call's entry in its mapped function's table of checked signatures."""
+
+    def __init__(self, body: Any, mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]):
+        self.checked = _checked_signatures(getattr(body, "mapped", None))
+        self.signature = _signature(mesh, leaves, specs) if self.checked is not None else None
+
+    @property
+    def ready(self) -> bool:
+        """Whether an earlier call type-checked this call's signature."""
+        return self.checked is not None and self.signature in self.checked
+
+    def start(self, ctx: SpmdContext) -> None:
+        """Make ``ctx`` (not yet pushed) run this call as a replay."""
+        assert self.checked is not None and self.signature is not None  # ready
+        ctx.replaying = True
+        ctx.marks_calls = self.checked[self.signature]
+
+    def done(self, ctx: SpmdContext, mode: CheckedMode) -> None:
+        """The checked call ran its body under ``mode`` without an error."""
+        if self.checked is None or self.signature is None or ctx.types_read:
+            return
+        if len(self.checked) >= _MAX_SIGNATURES:
+            self.checked.clear()
+        self.checked[self.signature] = mode.hooks_seen
+
+
+def _checked_signatures(mapped: Any) -> dict[tuple, bool] | None:
+    """The table of the mapped function ``mapped``, or None where this call is not replayable."""
+    if (
+        mapped is None
+        or recording()
+        or P.transforms_active()
+        or P.forward_level() >= 0
+        or debug_enabled()
+    ):
+        return None
+    try:
+        checked = _CHECKED.get(mapped)
+        if checked is None:
+            checked = _CHECKED[mapped] = {}
+    except TypeError:  # not weakly referenceable: type-checked on every call
+        return None
+    return checked
+
+
+def _signature(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> tuple | None:
+    parts: list[Any] = [tuple(mesh.shape.items()), torch.is_grad_enabled()]
+    for x, spec in zip(leaves, specs):
+        if isinstance(x, torch.Tensor):
+            parts.append((type(x), x.shape, x.dtype, x.device, x.requires_grad, spec))
+        else:
+            parts.append((type(x), x, spec))
+    signature = tuple(parts)
+    try:
+        hash(signature)
+    except TypeError:  # an unhashable argument: no signature to compare
+        return None
+    return signature
+
+
+def checked_signatures(mapped: Any) -> dict[tuple, bool]:
+    """The signatures of ``mapped`` checked so far, each with whether its replays mark calls
+    (for tests and diagnostics)."""
+    return dict(_CHECKED.get(mapped, {}))

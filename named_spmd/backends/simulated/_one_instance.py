@@ -1,0 +1,86 @@
+"""A simulated mesh of one instance (every axis of size 1): the function runs once, without vmap.
+
+A mesh of one instance needs no batching: each input's block is the whole input, and every
+collective is over a group of one (``_context.OneMemberPrimitives``). So the per-device function
+runs once, on the global tensors, typed per tensor by stamps and ``VmaMode`` exactly as on a real
+mesh of one rank (``_tracking``): the types, the out_specs check, the partial-sum inference and
+every error are the same as under vmap, and the numbers are the real backend's. What the vmap
+levels cost (two levels of size 1 around a GPT step: 1.44x the dense step, docs/design.md
+section 10) is not paid. The sweep a researcher runs over ``tp`` in {1, 2, 4} pays for the
+simulation only where there is something to simulate.
+
+Differences from a simulated mesh of several instances, all of them the real backend's behaviour
+too: code that reads values (``.item()``, a Python ``if`` on a tensor) runs; ``print`` of a value
+shows one plain tensor; ``scaled_dot_product_attention`` may pick torch's fused kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ... import _torch_private as P
+from ..._context import OneMemberPrimitives
+from ..._mesh import Mesh
+from ..._replay import CheckedMode, Replay
+from ..._spec import PartitionSpec
+from ..._tracking import TrackedContext
+from ..._types import Vma
+from ._plan import from_physical
+
+
+class OneInstanceContext(OneMemberPrimitives, TrackedContext):
+    """A call on a simulated mesh of one instance: stamped types, primitives over one member."""
+
+    def __init__(self, mesh: Mesh, fn: Any, device: torch.device) -> None:
+        super().__init__(mesh, fn)
+        self.device = device
+
+    def axis_index(self, axes):
+        with P.DisableTorchFunction():
+            index = torch.zeros((), dtype=torch.int64, device=self.device)
+        return self.stamp(index, Vma.of(axes))
+
+    def per_member(self, axes, make):
+        with P.DisableTorchFunction():  # a plain value: only its stamp says where it varies
+            value = make(0)
+        return self.stamp(value, Vma.of(axes))
+
+
+def _local(ctx: OneInstanceContext, leaf: Any, spec: PartitionSpec) -> Any:
+    """Argument ``leaf``'s block: the leaf itself. A partial input (its one part is the value)
+    gets a tensor object of the call's own, so that its stamp does not outlive the call on the
+    user's tensor with a partial state."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    if spec.reduced or spec.unreduced:
+        with P.DisableTorchFunction():
+            leaf = leaf.view_as(leaf)
+    return ctx.stamp_input(leaf, spec)
+
+
+def run(
+    mesh: Mesh,
+    fn: Callable[..., Any],
+    leaves: list[Any],
+    specs: list[PartitionSpec],
+    body: Callable[[list[Any], Any], list[torch.Tensor]],
+    out_specs_of: Callable[[], list[PartitionSpec]],
+) -> list[torch.Tensor]:
+    """``body`` once, on the global leaves; the outputs as the simulated backend returns them.
+    A call whose signature an earlier call type-checked is replayed untyped (``_replay``)."""
+    device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    ctx = OneInstanceContext(mesh, fn, device)
+    replay = Replay(body, mesh, leaves, specs)
+    if replay.ready:
+        replay.start(ctx)
+        outs = body(leaves, ctx)
+    else:
+        local = [_local(ctx, leaf, spec) for leaf, spec in zip(leaves, specs)]
+        with CheckedMode(ctx) as mode:
+            outs = body(local, ctx)
+        replay.done(ctx, mode)
+    # a view of each output: a tensor object of the caller's, without the call's stamps
+    return [from_physical(y, (), s, mesh) for y, s in zip(outs, out_specs_of())]

@@ -1,0 +1,257 @@
+"""A simulated mesh of one instance (every axis of size 1): no vmap, and replays of checked calls.
+
+``backends/simulated/_one_instance`` runs the per-device function once, on the global tensors,
+typed by stamps; a call whose signature an earlier call type-checked runs untyped. Checked here
+against the dense computation and against the same program on a mesh of several instances:
+values and gradients on every call, the errors of a first call, what re-checks a call, and
+checkpointing in replays.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist_launch import launch
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+import named_spmd as ns
+from named_spmd import P
+from named_spmd._replay import checked_signatures
+
+ONE = ((1, 1), ("dp", "tp"))
+
+
+def megatron(x, w1, b1, w2):
+    """A Megatron MLP with a tp-parallel loss: collectives, a bias, a partial sum."""
+    h = F.gelu(x @ w1 + b1)  # column-parallel: varies over dp and tp
+    y = ns.psum(h @ w2, "tp")  # row-parallel: a partial sum over tp, reduced
+    return ns.pmean((y * y).mean().reshape(1), "dp")
+
+
+def dense_megatron(x, w1, b1, w2):
+    h = F.gelu(x @ w1 + b1)
+    return ((h @ w2) ** 2).mean().reshape(1)
+
+
+SPECS = (P("dp"), P(None, "tp"), P("tp"), P("tp"))
+
+
+def inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(8, 6), (6, 12), (12,), (12, 6)]
+    return [torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True) for s in shapes]
+
+
+def loss_and_grads(f, args):
+    loss = f(*args)
+    grads = torch.autograd.grad(loss.sum(), args)
+    return loss.detach(), grads
+
+
+def test_every_call_equals_the_dense_computation():
+    mesh = ns.make_mesh(*ONE)
+    f = ns.spmd_map(megatron, mesh=mesh, in_specs=SPECS, out_specs=P())
+    for seed in range(3):  # the first call is checked, the others replay it
+        args = inputs(seed)
+        got = loss_and_grads(f, args)
+        want = loss_and_grads(dense_megatron, args)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+        for g, w in zip(got[1], want[1]):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert len(checked_signatures(f)) == 1  # one signature, checked once
+
+
+def test_one_instance_equals_a_mesh_of_several():
+    args = inputs(1)
+    one = ns.spmd_map(megatron, mesh=ns.make_mesh(*ONE), in_specs=SPECS, out_specs=P())
+    four = ns.spmd_map(
+        megatron, mesh=ns.make_mesh((2, 2), ("dp", "tp")), in_specs=SPECS, out_specs=P()
+    )
+    want = loss_and_grads(four, args)
+    for _ in range(2):
+        got = loss_and_grads(one, args)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+        for g, w in zip(got[1], want[1]):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_replay_runs_without_the_typing_mode():
+    mesh = ns.make_mesh(*ONE)
+    modes = []
+
+    def f(x):
+        modes.append(torch.overrides._len_torch_function_stack())
+        return ns.psum(x * 2, "dp")
+
+    g = ns.spmd_map(f, mesh=mesh, in_specs=P("dp"), out_specs=P())
+    x = torch.arange(4.0)
+    for _ in range(3):
+        torch.testing.assert_close(g(x), x * 2)
+    assert modes[0] == 2  # checked: the call's marker and its VmaMode
+    assert modes[1:] == [0, 0]  # replayed: no mode at all (no checkpoint in the checked call)
+
+
+def test_errors_of_a_first_call_are_the_ones_of_a_larger_mesh():
+    def leaky(x):
+        return x * 2  # varies over dp; out_specs P() claims replication
+
+    for shape in [(1, 1), (2, 2)]:
+        mesh = ns.make_mesh(shape, ("dp", "tp"))
+        f = ns.spmd_map(leaky, mesh=mesh, in_specs=P("dp"), out_specs=P())
+        with pytest.raises(ns.VmaError, match=r"varies over \('dp',\), but its out_spec P\(\)"):
+            f(torch.ones(4))
+        with pytest.raises(ns.VmaError):  # and again: a failed call is not a checked signature
+            f(torch.ones(4))
+
+
+def test_the_same_function_under_other_out_specs_is_checked_again():
+    mesh = ns.make_mesh(*ONE)
+
+    def body(x):
+        return x * 2
+
+    good = ns.spmd_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    bad = ns.spmd_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P())
+    x = torch.ones(4)
+    good(x)
+    good(x)
+    with pytest.raises(ns.VmaError):
+        bad(x)
+
+
+def test_a_new_signature_is_checked_again():
+    mesh = ns.make_mesh(*ONE)
+
+    def f(x, reduce):
+        return ns.psum(x, "dp") if reduce else x * 1
+
+    g = ns.spmd_map(f, mesh=mesh, in_specs=(P("dp"), None), out_specs=P())
+    x = torch.ones(4)
+    g(x, True)
+    g(x, True)
+    with pytest.raises(ns.VmaError, match="out_specs claim replication"):
+        g(x, False)  # a non-tensor argument's value is part of the signature
+    g(x.double(), True)  # another dtype, and another grad requirement: checked again
+    g(x.requires_grad_(), True)
+    assert len(checked_signatures(g)) == 3
+
+
+def test_a_function_that_reads_types_is_checked_on_every_call():
+    mesh = ns.make_mesh(*ONE)
+    seen = []
+
+    def f(x, w):
+        seen.append((ns.vma(x), str(ns.typeof(w))))
+        return ns.psum(x * w, "dp")
+
+    g = ns.spmd_map(f, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
+    for _ in range(3):
+        g(torch.ones(4), torch.ones(4))
+    assert seen == [(frozenset({"dp"}), "f32[4]{}")] * 3
+    assert checked_signatures(g) == {}
+
+
+def test_a_replay_skips_the_type_checks_and_debug_mode_restores_them():
+    """The documented trade-off: types are checked once per signature (as a compiled call's are
+    when traced); a program whose types change between calls of one signature through Python
+    state is checked again in debug mode. The values are right either way on one instance."""
+    mesh = ns.make_mesh(*ONE)
+    state = {"reduce": True}
+
+    def f(x):
+        return ns.psum(x, "dp") if state["reduce"] else x * 1
+
+    g = ns.spmd_map(f, mesh=mesh, in_specs=P("dp"), out_specs=P())
+    x = torch.arange(4.0)
+    torch.testing.assert_close(g(x), x)
+    state["reduce"] = False
+    torch.testing.assert_close(g(x), x)  # replayed: unchecked, and the same numbers
+    ns.set_debug(True)
+    try:
+        with pytest.raises(ns.VmaError, match="out_specs claim replication"):
+            g(x)
+    finally:
+        ns.set_debug(None)
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    if op is torch.ops.aten.mm.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _megatron_block(x, w1, b1, w2):
+    return ns.psum(F.gelu(x @ w1 + b1) @ w2, "tp")
+
+
+def checkpointed_megatron(x, w1, b1, w2, selective: bool = False):
+    """megatron with its collective-holding block checkpointed (non-reentrant)."""
+    context = {}
+    if selective:
+        context["context_fn"] = lambda: create_selective_checkpoint_contexts(_keep_matmuls)
+    y = checkpoint(_megatron_block, x, w1, b1, w2, use_reentrant=False, **context)
+    return ns.pmean((y * y).mean().reshape(1), "dp")
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["full", "selective"])
+def test_checkpointed_collectives_in_replays(selective):
+    mesh = ns.make_mesh(*ONE)
+    body = functools.partial(checkpointed_megatron, selective=selective)
+    f = ns.spmd_map(body, mesh=mesh, in_specs=SPECS, out_specs=P())
+    for seed in range(3):
+        args = inputs(seed)
+        got = loss_and_grads(f, args)
+        want = loss_and_grads(dense_megatron, args)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+        for g, w in zip(got[1], want[1]):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert list(checked_signatures(f).values()) == [True]  # its replays keep the marker
+
+
+@pytest.mark.distributed
+def test_real_mesh_of_one_rank_replays_too():
+    """The same programs on one gloo process (tests/one_rank_worker.py), DTensor and plain
+    inputs: every call equals the dense computation; replays run without the typing mode, and
+    with the marker exactly where the checked call ran a checkpoint."""
+    finished = launch([os.path.join("tests", "one_rank_worker.py")], 1, 300)
+    assert not finished.timed_out and finished.returncodes == [0], finished.outputs[0][-3000:]
+    outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
+    assert len(outcomes) == 4, finished.outputs[0][-3000:]
+    for o in outcomes:
+        assert o["worst"] < 1e-12, o
+        checkpointed = o["check"] == "checkpointed"
+        assert o["modes"] == [2, 1 if checkpointed else 0, 1 if checkpointed else 0], o
+        assert o["marks"] == [checkpointed], o
+
+
+def test_every_collective_on_one_instance_in_replays():
+    """Each collective's replayed forward against its checked one (and the identity it is on a
+    group of one), values and gradients."""
+    mesh = ns.make_mesh(*ONE)
+
+    def f(x):
+        a = ns.all_gather(x, "tp", axis=0, tiled=True)
+        b = ns.psum_scatter(a, "tp", scatter_dimension=0, tiled=True)
+        c = ns.all_to_all(b, "dp", 0, 0, tiled=True)
+        d = ns.ppermute(c, "dp", [(0, 0)])
+        e = ns.pmax(d, "tp") + ns.pmin(d, "tp") + ns.pmean(d, ("dp", "tp"))
+        u = ns.pcast(e, "dp", to="unreduced")
+        r = ns.psum(u, "dp") + ns.axis_index("dp")
+        return ns.all_gather(r, ("dp", "tp"), axis=0, tiled=True, to="invariant")
+
+    g = ns.spmd_map(f, mesh=mesh, in_specs=P("dp"), out_specs=P())
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    results = [loss_and_grads(lambda t: g(t) * torch.arange(3.0), [x]) for _ in range(3)]
+    want_value = 3 * x.detach()
+    for value, (grad,) in results:
+        torch.testing.assert_close(value, want_value * torch.arange(3.0))
+        torch.testing.assert_close(grad, 3 * torch.arange(3.0).expand(4, 3).double())
