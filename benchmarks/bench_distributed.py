@@ -22,8 +22,10 @@ Four measurements, printed by rank 0:
    can be polled) versus the same hops hand-written with ``dist.batch_isend_irecv`` and with
    ``dist.all_to_all_single`` (median per ring, ratio to the send/recv ring).
 4. vma tracking: a 200-op small-tensor function inside spmd_map versus the same ops on plain
-   tensors, in a single process (mesh of one): extra microseconds per op. For scale, the same
-   ops under a bare ``TorchFunctionMode`` and on DTensors.
+   tensors, in a single process (mesh of one): extra microseconds per op, every call typed
+   (``named_spmd._replay.ENABLED`` off: on a mesh of one instance calls are otherwise typed once
+   per signature and replayed untyped, the second figure). For scale, the same ops under a bare
+   ``TorchFunctionMode`` and on DTensors.
 """
 
 from __future__ import annotations
@@ -389,6 +391,8 @@ def vma_overhead(n_ops: int = 200, rounds: int = 15) -> dict:
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.overrides import TorchFunctionMode
 
+    from named_spmd import _replay
+
     class Bare(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
@@ -408,11 +412,20 @@ def vma_overhead(n_ops: int = 200, rounds: int = 15) -> dict:
         with Bare():
             _ops(x, w, n_ops)
 
+    def typed(call):
+        _replay.ENABLED = False
+        try:
+            call(x, w)
+        finally:
+            _replay.ENABLED = True
+
     fns = {
         "plain": lambda: _ops(x, w, n_ops),
         "plain0": lambda: _ops(x, w, 0),
-        "spmd": lambda: calls[f"spmd{n_ops}"](x, w),
-        "spmd0": lambda: calls["spmd0"](x, w),
+        "spmd": lambda: typed(calls[f"spmd{n_ops}"]),
+        "spmd0": lambda: typed(calls["spmd0"]),
+        "replayed": lambda: calls[f"spmd{n_ops}"](x, w),
+        "replayed0": lambda: calls["spmd0"](x, w),
         "bare_mode": bare,
         "dtensor": lambda: _ops(dx, dw, n_ops),
     }
@@ -431,6 +444,9 @@ def vma_overhead(n_ops: int = 200, rounds: int = 15) -> dict:
         "plain_us_per_op": per_op(med["plain"], med["plain0"]),
         "spmd_us_per_op": per_op(med["spmd"], med["spmd0"]),
         "vma_overhead_us_per_op": per_op(med["spmd"] - med["spmd0"], med["plain"] - med["plain0"]),
+        "replayed_overhead_us_per_op": per_op(
+            med["replayed"] - med["replayed0"], med["plain"] - med["plain0"]
+        ),
         "bare_mode_overhead_us_per_op": per_op(med["bare_mode"], med["plain"]),
         "dtensor_overhead_us_per_op": per_op(med["dtensor"], med["plain"]),
         "spmd_call_fixed_us": med["spmd0"] * 1e6,
@@ -511,7 +527,9 @@ def report(result: dict, vma: dict | None) -> None:
             f"  vma tracking (1 process, 200 small ops): +{vma['vma_overhead_us_per_op']:.2f} "
             f"us/op over plain torch ({vma['plain_us_per_op']:.2f} us/op); a bare "
             f"TorchFunctionMode costs +{vma['bare_mode_overhead_us_per_op']:.2f} us/op, DTensor "
-            f"+{vma['dtensor_overhead_us_per_op']:.2f} us/op; fixed cost of an spmd_map call "
+            f"+{vma['dtensor_overhead_us_per_op']:.2f} us/op; replayed (one instance, a signature "
+            f"typed before) +{vma['replayed_overhead_us_per_op']:.2f} us/op; fixed cost of a "
+            "typed spmd_map call "
             f"{vma['spmd_call_fixed_us']:.0f} us"
         )
 

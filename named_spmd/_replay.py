@@ -34,6 +34,10 @@ from ._mesh import Mesh
 from ._spec import PartitionSpec
 from ._tracking import VmaMode
 
+#: Off: every call is type-checked (a benchmark's switch, to time the typing itself on a mesh
+#: of one process; users turn replays off with debug mode).
+ENABLED = True
+
 #: mapped function -> {signature: whether its replays need the call's marker}
 _CHECKED: weakref.WeakKeyDictionary[Any, dict[tuple, bool]] = weakref.WeakKeyDictionary()
 _MAX_SIGNATURES = 64  # per function: beyond that the table starts again (no unbounded growth)
@@ -82,6 +86,7 @@ def _checked_signatures(mapped: Any) -> dict[tuple, bool] | None:
     """The table of the mapped function ``mapped``, or None where this call is not replayable."""
     if (
         mapped is None
+        or not ENABLED
         or recording()
         or P.transforms_active()
         or P.forward_level() >= 0
