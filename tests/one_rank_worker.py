@@ -36,7 +36,6 @@ def _run(f, args, dtensors: bool, mesh) -> tuple[list, list]:
 
 
 def check(name: str, body, mesh, dtensors: bool) -> dict:
-    f = ns.spmd_map(body, mesh=mesh, in_specs=SPECS, out_specs=P())
     worst, modes = 0.0, []
 
     def counted(*args):

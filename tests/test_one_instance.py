@@ -57,16 +57,25 @@ def loss_and_grads(f, args):
     return loss.detach(), grads
 
 
+def assert_same(got, want):
+    """Equal losses and gradients (float64)."""
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def assert_calls_equal_dense(f, calls: int = 3):
+    """Each of ``calls`` calls of ``f`` (the first checked, the others replays) on new inputs
+    gives the dense computation's loss and gradients."""
+    for seed in range(calls):
+        args = inputs(seed)
+        assert_same(loss_and_grads(f, args), loss_and_grads(dense_megatron, args))
+
+
 def test_every_call_equals_the_dense_computation():
     mesh = ns.make_mesh(*ONE)
     f = ns.spmd_map(megatron, mesh=mesh, in_specs=SPECS, out_specs=P())
-    for seed in range(3):  # the first call is checked, the others replay it
-        args = inputs(seed)
-        got = loss_and_grads(f, args)
-        want = loss_and_grads(dense_megatron, args)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
-        for g, w in zip(got[1], want[1]):
-            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert_calls_equal_dense(f)
     assert len(checked_signatures(f)) == 1  # one signature, checked once
 
 
@@ -77,11 +86,8 @@ def test_one_instance_equals_a_mesh_of_several():
         megatron, mesh=ns.make_mesh((2, 2), ("dp", "tp")), in_specs=SPECS, out_specs=P()
     )
     want = loss_and_grads(four, args)
-    for _ in range(2):
-        got = loss_and_grads(one, args)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
-        for g, w in zip(got[1], want[1]):
-            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for _ in range(2):  # checked, then replayed
+        assert_same(loss_and_grads(one, args), want)
 
 
 def test_a_replay_runs_without_the_typing_mode():
@@ -207,13 +213,7 @@ def test_checkpointed_collectives_in_replays(selective):
     mesh = ns.make_mesh(*ONE)
     body = functools.partial(checkpointed_megatron, selective=selective)
     f = ns.spmd_map(body, mesh=mesh, in_specs=SPECS, out_specs=P())
-    for seed in range(3):
-        args = inputs(seed)
-        got = loss_and_grads(f, args)
-        want = loss_and_grads(dense_megatron, args)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
-        for g, w in zip(got[1], want[1]):
-            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert_calls_equal_dense(f)
     assert list(checked_signatures(f).values()) == [True]  # its replays keep the marker
 
 
