@@ -208,6 +208,30 @@ def checkpointed_megatron(x, w1, b1, w2, selective: bool = False):
     return ns.pmean((y * y).mean().reshape(1), "dp")
 
 
+def test_a_type_asked_for_only_in_a_replay_is_a_clear_error():
+    """A replay has no types: a function whose first call asked for none and a later call of
+    the same signature asks (its control flow changed through Python state) gets an SpmdError
+    with the fix, not an invariant answer."""
+    mesh = ns.make_mesh(*ONE)
+    state = {"ask": False}
+
+    def f(x):
+        if state["ask"]:
+            assert ns.vma(x) == {"dp"}
+        return x * 2
+
+    g = ns.spmd_map(f, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    g(torch.ones(4))
+    state["ask"] = True
+    with pytest.raises(ns.SpmdError, match=r"vma in .*runs untyped.*ns.set_debug\(True\)"):
+        g(torch.ones(4))
+    ns.set_debug(True)
+    try:
+        torch.testing.assert_close(g(torch.ones(4)), torch.full((4,), 2.0))  # typed: answered
+    finally:
+        ns.set_debug(None)
+
+
 @pytest.mark.parametrize("selective", [False, True], ids=["full", "selective"])
 def test_checkpointed_collectives_in_replays(selective):
     mesh = ns.make_mesh(*ONE)

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from .._context import current
-from .._errors import CollectiveError
+from .._context import SpmdContext, current
+from .._errors import CollectiveError, SpmdError
 from .._types import VType
 from ._record import pvary
 
@@ -34,13 +34,28 @@ def axis_size(axis_name: AxisName) -> int:
     return ctx.mesh.axis_size(ctx.check_axes(axis_name, "axis_size"))
 
 
+def _asking_for_types(op: str) -> SpmdContext:
+    """The active call, noted as one whose function reads types (never replayed untyped: a
+    replay has no types to give, ``named_spmd._replay``)."""
+    ctx = current(op)
+    ctx.types_read = True
+    if ctx.replaying:
+        raise SpmdError(
+            f"{op} in {ctx.fn_label}: this call runs untyped, as a replay of an earlier call with "
+            "the same signature on a mesh of one instance, and that call asked for no type: the "
+            "function's Python control flow changed between calls of one signature. Fix: type "
+            "every call with ns.set_debug(True), or ask for the types on every call (the first "
+            "one with this signature included)."
+        )
+    return ctx
+
+
 def vma(x: Any) -> frozenset[str]:
     """The mesh axes over which ``x`` may differ between instances (inside spmd_map).
 
     Non-tensors are invariant: ``frozenset()``.
     """
-    ctx = current("vma")
-    ctx.types_read = True
+    ctx = _asking_for_types("vma")
     if not isinstance(x, torch.Tensor):
         return frozenset()
     return ctx.vma(x).varying
@@ -48,8 +63,7 @@ def vma(x: Any) -> frozenset[str]:
 
 def typeof(x: Any) -> VType:
     """The compact type of ``x`` inside spmd_map, e.g. ``f32[8,4]{dp}`` (per-device shape)."""
-    ctx = current("typeof")
-    ctx.types_read = True
+    ctx = _asking_for_types("typeof")
     if not isinstance(x, torch.Tensor):
         raise CollectiveError(
             f"typeof in {ctx.fn_label}: expected a tensor, got {type(x).__name__}."
