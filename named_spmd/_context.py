@@ -57,8 +57,8 @@ class SpmdContext(ABC):
     #: recomputation (:class:`CallMarker`).
     sdpa_backends: Any = None
     #: A replay: a call whose signature an earlier call type-checked, on a mesh of one instance,
-    #: where no value depends on a type (``backends/simulated/_one_instance``). Collectives and
-    #: casts run their forward on the one member without their type rules.
+    #: where no value depends on a type (``_replay``). Collectives and casts run their forward
+    #: on the one member without their type rules.
     replaying: bool = False
     #: Set when the user's function asks for a type (``ns.vma``, ``ns.typeof``): a replay could
     #: not answer, so such a function is type-checked on every call.
