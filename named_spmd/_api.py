@@ -82,10 +82,10 @@ class SpmdFunction:
         self.out_specs = out_specs
         # the distinct in_specs, which a traced call indexes (_in_specs_traced)
         self._in_spec_table = tuple(dict.fromkeys(spec_leaves(in_specs)))
-        # per call, outside a trace: the in_specs broadcast per input structure, and the
-        # (spec, shape) pairs of tensors that fit the mesh (a call of known inputs checks none)
+        # per call, outside a trace: the in_specs broadcast per input structure, and per
+        # structure the leaves' shapes that fit (a call of known inputs checks none)
         self._specs_of_tree: dict[Any, list[PartitionSpec]] = {}
-        self._fine_inputs: set[tuple[PartitionSpec, torch.Size]] = set()
+        self._fine_inputs: dict[Any, set[tuple]] = {}
         self.check_vma = check_vma
         # picked once: a mesh's kind never changes, and a compiled call would guard on the
         # registry's lookups (``sys.modules``), so any import between two steps would recompile
@@ -114,28 +114,22 @@ class SpmdFunction:
             if len(self._specs_of_tree) > 256:
                 self._specs_of_tree.clear()
             self._specs_of_tree[treedef] = specs
-        fine, strided = self._fine_inputs, torch.strided
-        for leaf, spec in zip(leaves, specs):
-            if not (
-                isinstance(leaf, torch.Tensor)
-                and leaf.layout is strided
-                and (spec, leaf.shape) in fine
-            ):
-                break
-        else:  # every leaf a tensor of a (spec, shape) checked before: nothing to say
-            return leaves, list(specs), treedef
-        paths = paths_of(args)
-        self._check_inputs(paths, leaves, specs)
+        shapes = _shapes_key(leaves)
+        fine = self._fine_inputs.get(treedef)
+        if shapes is not None and fine is not None and shapes in fine:
+            return leaves, list(specs), treedef  # the same shapes fitted before: nothing to say
+        self._check_inputs(paths_of(args), leaves, specs)
+        if shapes is not None:
+            if fine is None or len(fine) > 256:
+                fine = self._fine_inputs[treedef] = set()
+            fine.add(shapes)
         return leaves, list(specs), treedef
 
     def _check_inputs(
         self, paths: list[tuple], leaves: list[Any], specs: list[PartitionSpec]
     ) -> None:
-        """Every input leaf fits its spec on the mesh, or one SpecError lists the problems. A
-        tensor whose (spec, shape) passed is remembered (``_fine_inputs``; Dynamo traces this,
-        so only outside a trace)."""
+        """Every input leaf fits its spec on the mesh, or one SpecError lists the problems."""
         problems = []
-        remember = not torch.compiler.is_compiling() and len(self._fine_inputs) < 4096
         for path, leaf, spec in zip(paths, leaves, specs):
             where = f"argument {path_text(path)}"
             if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
@@ -144,10 +138,7 @@ class SpmdFunction:
                     "splits and batches dense (strided) tensors only. Fix: pass x.to_dense()."
                 )
             elif isinstance(leaf, torch.Tensor):
-                found = spec_problems(spec, tuple(leaf.shape), self.mesh.shape, where)
-                problems += found
-                if remember and not found:
-                    self._fine_inputs.add((spec, leaf.shape))
+                problems += spec_problems(spec, tuple(leaf.shape), self.mesh.shape, where)
             elif opaque_tensor_holder(leaf):
                 problems.append(opaque_leaf_problem(where, leaf))
             elif len(spec.axes) > 0:
@@ -371,6 +362,26 @@ class SpmdFunction:
             if explained is not None:
                 raise explained from e
             raise
+
+
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str)
+
+
+def _shapes_key(leaves: list[Any]) -> tuple | None:
+    """What the input checks of a call read from its leaves (its in_specs fixed by the tree
+    structure): a strided tensor's shape, a plain Python value's type; None where a leaf is
+    anything else (a sparse tensor, an object that may hold tensors: checked every call)."""
+    key: list[Any] = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.layout is not torch.strided:
+                return None
+            key.append(x.shape)
+        elif type(x) in _PLAIN_LEAVES:
+            key.append(type(x))
+        else:
+            return None
+    return tuple(key)
 
 
 def _with_own_call(cls: type) -> type:

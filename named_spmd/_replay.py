@@ -60,18 +60,25 @@ class Replay:
 
     def __init__(self, body: Any, mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]):
         self.checked = _checked_signatures(getattr(body, "mapped", None))
-        self.signature = _signature(mesh, leaves, specs) if self.checked is not None else None
+        self.signature: tuple | None = None
+        self.marks: bool | None = None  # the checked call's answer; None: not checked yet
+        if self.checked is not None:
+            self.signature = _signature(mesh, leaves, specs)
+            try:  # one lookup: hashing a signature hashes every spec in it
+                self.marks = self.checked.get(self.signature)
+            except TypeError:  # an unhashable argument: no signature to compare
+                self.signature = None
 
     @property
     def ready(self) -> bool:
         """Whether an earlier call type-checked this call's signature."""
-        return self.checked is not None and self.signature in self.checked
+        return self.marks is not None
 
     def start(self, ctx: SpmdContext) -> None:
         """Make ``ctx`` (not yet pushed) run this call as a replay."""
-        assert self.checked is not None and self.signature is not None  # ready
+        assert self.marks is not None  # ready
         ctx.replaying = True
-        ctx.marks_calls = self.checked[self.signature]
+        ctx.marks_calls = self.marks
 
     def done(self, ctx: SpmdContext, mode: CheckedMode) -> None:
         """The checked call ran its body under ``mode`` without an error."""
@@ -102,19 +109,14 @@ def _checked_signatures(mapped: Any) -> dict[tuple, bool] | None:
     return checked
 
 
-def _signature(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> tuple | None:
+def _signature(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> tuple:
     parts: list[Any] = [tuple(mesh.shape.items()), torch.is_grad_enabled()]
     for x, spec in zip(leaves, specs):
         if isinstance(x, torch.Tensor):
             parts.append((type(x), x.shape, x.dtype, x.device, x.requires_grad, spec))
         else:
             parts.append((type(x), x, spec))
-    signature = tuple(parts)
-    try:
-        hash(signature)
-    except TypeError:  # an unhashable argument: no signature to compare
-        return None
-    return signature
+    return tuple(parts)
 
 
 def checked_signatures(mapped: Any) -> dict[tuple, bool]:
