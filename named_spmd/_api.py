@@ -82,10 +82,9 @@ class SpmdFunction:
         self.out_specs = out_specs
         # the distinct in_specs, which a traced call indexes (_in_specs_traced)
         self._in_spec_table = tuple(dict.fromkeys(spec_leaves(in_specs)))
-        # per call, outside a trace: the in_specs broadcast per input structure, and per
-        # structure the leaves' shapes that fit (a call of known inputs checks none)
-        self._specs_of_tree: dict[Any, list[PartitionSpec]] = {}
-        self._fine_inputs: dict[Any, set[tuple]] = {}
+        # per input structure, outside a trace: the in_specs broadcast over it, and the leaf
+        # shapes that fit them (a call of known inputs checks none)
+        self._inputs_of_tree: dict[Any, tuple[list[PartitionSpec], set[tuple]]] = {}
         self.check_vma = check_vma
         # picked once: a mesh's kind never changes, and a compiled call would guard on the
         # registry's lookups (``sys.modules``), so any import between two steps would recompile
@@ -108,21 +107,18 @@ class SpmdFunction:
             self._check_inputs(paths, leaves, specs)
             return leaves, specs, treedef
         leaves, treedef = flatten(args)
-        specs = self._specs_of_tree.get(treedef)
-        if specs is None:
+        known = self._inputs_of_tree.get(treedef)
+        if known is None:
+            if len(self._inputs_of_tree) > 256:
+                self._inputs_of_tree.clear()
             specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
-            if len(self._specs_of_tree) > 256:
-                self._specs_of_tree.clear()
-            self._specs_of_tree[treedef] = specs
+            known = self._inputs_of_tree[treedef] = (specs, set())
+        specs, fine = known
         shapes = _shapes_key(leaves)
-        fine = self._fine_inputs.get(treedef)
-        if shapes is not None and fine is not None and shapes in fine:
-            return leaves, list(specs), treedef  # the same shapes fitted before: nothing to say
-        self._check_inputs(paths_of(args), leaves, specs)
-        if shapes is not None:
-            if fine is None or len(fine) > 256:
-                fine = self._fine_inputs[treedef] = set()
-            fine.add(shapes)
+        if shapes is None or shapes not in fine:
+            self._check_inputs(paths_of(args), leaves, specs)
+            if shapes is not None and len(fine) < 256:
+                fine.add(shapes)
         return leaves, list(specs), treedef
 
     def _check_inputs(

@@ -28,11 +28,10 @@ import torch
 
 from . import _torch_private as P
 from ._accounting import recording
-from ._context import SpmdContext
 from ._debug import debug_enabled
 from ._mesh import Mesh
 from ._spec import PartitionSpec
-from ._tracking import VmaMode
+from ._tracking import TrackedContext, VmaMode
 
 #: Off: every call is type-checked (a benchmark's switch, to time the typing itself on a mesh
 #: of one process; users turn replays off with debug mode).
@@ -69,24 +68,26 @@ class Replay:
             except TypeError:  # an unhashable argument: no signature to compare
                 self.signature = None
 
-    @property
-    def ready(self) -> bool:
-        """Whether an earlier call type-checked this call's signature."""
-        return self.marks is not None
+    def begin(self, ctx: TrackedContext) -> bool:
+        """Make ``ctx`` (not yet pushed) a replay where an earlier call type-checked this call's
+        signature; whether it is one (its inputs then need no types)."""
+        if self.marks is not None:
+            ctx.replaying = True
+            ctx.marks_calls = self.marks
+        return ctx.replaying
 
-    def start(self, ctx: SpmdContext) -> None:
-        """Make ``ctx`` (not yet pushed) run this call as a replay."""
-        assert self.marks is not None  # ready
-        ctx.replaying = True
-        ctx.marks_calls = self.marks
-
-    def done(self, ctx: SpmdContext, mode: CheckedMode) -> None:
-        """The checked call ran its body under ``mode`` without an error."""
-        if self.checked is None or self.signature is None or ctx.types_read:
-            return
-        if len(self.checked) >= _MAX_SIGNATURES:
-            self.checked.clear()
-        self.checked[self.signature] = mode.hooks_seen
+    def run(self, ctx: TrackedContext, body: Any, local: list[Any]) -> list[Any]:
+        """``body(local, ctx)``: untyped in a replay, else typed under a :class:`CheckedMode`
+        and, if it asked for no type, remembered as checked."""
+        if ctx.replaying:
+            return body(local, ctx)
+        with CheckedMode(ctx) as mode:
+            outs = body(local, ctx)
+        if self.checked is not None and self.signature is not None and not ctx.types_read:
+            if len(self.checked) >= _MAX_SIGNATURES:
+                self.checked.clear()
+            self.checked[self.signature] = mode.hooks_seen
+        return outs
 
 
 def _checked_signatures(mapped: Any) -> dict[tuple, bool] | None:

@@ -108,15 +108,10 @@ class Collective:
         refs = refcount(x) if self.donates and ctx.donates else None
         axes = ctx.check_axes(axis_name, self.name)
         params = self.prepare(ctx, axes, *args) if self.prepare is not None else args
-        if ctx.replaying:
-            if isinstance(x, Tensor):
-                return _replayed(self, ctx, x, axes, params)
-            return optree.tree_map(
-                lambda t: _replayed(self, ctx, _tensor(self, ctx, t), axes, params), x
-            )
+        apply = _replayed if ctx.replaying else _apply
         if isinstance(x, Tensor):
-            return _apply(self, ctx, x, axes, params, refs)
-        return optree.tree_map(lambda t: _apply(self, ctx, _tensor(self, ctx, t), axes, params), x)
+            return apply(self, ctx, x, axes, params, refs)
+        return optree.tree_map(lambda t: apply(self, ctx, _tensor(self, ctx, t), axes, params), x)
 
 
 def _tensor(rec: Collective, ctx: SpmdContext, t: Any) -> Tensor:
@@ -171,10 +166,17 @@ def _apply(
     return out
 
 
-def _replayed(rec: Collective, ctx: SpmdContext, t: Tensor, axes: Axes, params: Params) -> Tensor:
+def _replayed(
+    rec: Collective,
+    ctx: SpmdContext,
+    t: Tensor,
+    axes: Axes,
+    params: Params,
+    refs: int | None = None,
+) -> Tensor:
     """A collective in a replay (``SpmdContext.replaying``: a mesh of one instance, its types
     checked by an earlier call, ``_replay``): the argument checks and the forward on the one
-    member, differentiated by torch."""
+    member, differentiated by torch (no buffer is donated: ``refs`` goes unused)."""
     if rec.check is not None:
         params = rec.check(ctx, t, axes, params)
     with DisableTorchFunction():

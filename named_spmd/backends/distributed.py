@@ -52,7 +52,7 @@ from .._debug import debug_enabled, set_debug
 from .._errors import RankFailedError, SpmdError
 from .._layout import group_coords, index_of
 from .._mesh import Mesh
-from .._replay import CheckedMode, Replay
+from .._replay import Replay
 from .._spec import PartitionSpec
 from .._traced import warm_types
 from .._tracking import TrackedContext, VmaMode
@@ -370,8 +370,8 @@ def run(
         board.check_in_step()
         if mesh.poll and mesh.size > 1:
             _dist_agree.check_call_agrees(ctx, leaves)
-        if replay is not None and replay.ready:
-            replay.start(ctx)
+        if replay is not None:
+            replay.begin(ctx)
         local = [
             _local(ctx, leaf, spec, i) if isinstance(leaf, torch.Tensor) else leaf
             for i, (leaf, spec) in enumerate(zip(leaves, specs))
@@ -381,12 +381,8 @@ def run(
             if mesh.pending_check is not None:  # shapes first: the clearer message
                 mesh.pending_check()
             _dist_agree.check_inputs_agree(ctx, leaves)
-        if ctx.replaying:
-            outs = body(local, ctx)
-        elif replay is not None:
-            with CheckedMode(ctx) as mode:
-                outs = body(local, ctx)
-            replay.done(ctx, mode)
+        if replay is not None:
+            outs = replay.run(ctx, body, local)
         else:
             with VmaMode(ctx):
                 outs = body(local, ctx)

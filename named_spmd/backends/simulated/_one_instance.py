@@ -24,7 +24,7 @@ import torch
 from ... import _torch_private as P
 from ..._context import OneMemberPrimitives
 from ..._mesh import Mesh
-from ..._replay import CheckedMode, Replay
+from ..._replay import Replay
 from ..._spec import PartitionSpec
 from ..._tracking import TrackedContext
 from ..._types import Vma
@@ -74,13 +74,10 @@ def run(
     device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
     ctx = OneInstanceContext(mesh, fn, device)
     replay = Replay(body, mesh, leaves, specs)
-    if replay.ready:
-        replay.start(ctx)
-        outs = body(leaves, ctx)
+    if replay.begin(ctx):
+        local = leaves
     else:
         local = [_local(ctx, leaf, spec) for leaf, spec in zip(leaves, specs)]
-        with CheckedMode(ctx) as mode:
-            outs = body(local, ctx)
-        replay.done(ctx, mode)
+    outs = replay.run(ctx, body, local)
     # a view of each output: a tensor object of the caller's, without the call's stamps
     return [from_physical(y, (), s, mesh) for y, s in zip(outs, out_specs_of())]
