@@ -12,6 +12,9 @@
 * ``once_more``: rank 0 calls the mapped function once more than the others, which exit.
 * ``make_mesh``: rank 1 raises right after ``make_mesh`` (uncaught: its process exits).
 * ``in_make_mesh``: rank 1 raises inside ``make_mesh``, once its groups exist (uncaught).
+* ``late_rank``: rank 2 sleeps inside the function until its peers, which gave up waiting for it
+  (a 3 s timeout) and returned, have ended, then calls the psum they left in flight; it reports
+  phase ``waited``: the seconds until its peers ended (60 at most).
 * ``slow_sender``: a ppermute where only rank 3 sends (to rank 0), called twice; rank 3 sleeps
   past the board's grace first, so ranks 1 and 2, which take no part in the exchange, wait in
   the next call while rank 0 still waits for rank 3: a lag, not a mismatch.
@@ -122,6 +125,33 @@ def in_make_mesh(rank: int) -> None:
         distributed._create_groups = failing
         ns.make_mesh((2, 2), ("dp", "tp"))
     report(rank, "in_make_mesh", lambda: ns.make_mesh((2, 2), ("dp", "tp")))
+
+
+def late_rank(mesh, rank):
+    os.environ["NAMED_SPMD_TIMEOUT"] = "3"  # after make_mesh, whose barrier waits as long
+    store = dist.distributed_c10d._get_default_store()
+    waited: list[float] = []
+
+    def f(x):
+        if rank == 2:
+            t0 = time.monotonic()
+            while not all(_ended(store, r) for r in (0, 1, 3)) and time.monotonic() - t0 < 60:
+                time.sleep(0.05)
+            waited.append(time.monotonic() - t0)
+        return ns.psum(x, ("dp", "tp"))
+
+    g = ns.spmd_map(f, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P())
+    report(rank, "late_rank", lambda: g(X))
+    if waited:  # as a phase of its own: how long rank 2 waited for its peers to end
+        print("OUTCOME " + json.dumps({"rank": rank, "phase": "waited", "seconds": waited[0]}))
+
+
+def _ended(store, rank: int) -> bool:
+    """Whether ``rank``'s process (its pid as the library registered it) has ended."""
+    from named_spmd.backends._dist_processes import _process_alive
+
+    pid = store.get(f"named_spmd/process/{rank}").decode().split("\n")[1]
+    return not _process_alive(int(pid))
 
 
 def slow_sender(mesh, rank):

@@ -87,6 +87,20 @@ def test_ranks_left_waiting_name_the_rank_that_finished_the_call_and_exited():
         assert o["seconds"] < 15, o
 
 
+def test_ranks_that_gave_up_exit_and_the_late_rank_does_not_pair_with_their_collective():
+    """A rank that stops waiting leaves its collective in flight. Destroying that gloo group at
+    exit joins its worker thread, which waits until a peer completes the collective: the ranks
+    that gave up hung at exit until the late rank arrived and paired with them (it returned a
+    sum), and under load the same wait made a survivor of a killed rank hang at exit."""
+    outcomes, tail = run("late_rank")
+    for rank in (0, 1, 3):
+        o = outcomes[rank, "late_rank"]
+        assert o["error"] == "RankFailedError", o
+        assert "Rank 2 (mesh coordinates dp=1, tp=0) never reached a collective" in o["message"]
+    assert outcomes[2, "late_rank"]["error"] == "RankFailedError", tail  # not a sum
+    assert outcomes[2, "waited"]["seconds"] < 20, tail
+
+
 def test_a_rank_calling_once_more_names_the_ranks_that_did_not():
     outcomes, tail = run("once_more")
     for rank in range(WORLD):

@@ -108,7 +108,12 @@ class Comm:
                 return
             except RuntimeError:
                 pass
-            self.mesh.board.wait(work, self._doing(op), _SLICE, self.members)
+            try:
+                self.mesh.board.wait(work, self._doing(op), _SLICE, self.members)
+            except BaseException:
+                if not work.is_completed():  # left in flight: see DistributedMesh.release_groups
+                    self.mesh.abandon(self.group)
+                raise
             return
         board = self.mesh.board
         if work is not None:

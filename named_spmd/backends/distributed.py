@@ -30,6 +30,7 @@ naming it; ``NAMED_SPMD_DEBUG=1`` checks that all ranks call the same collective
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import inspect
 import itertools
@@ -121,6 +122,7 @@ class DistributedMesh(Mesh):
         self.poll = device_type == "cpu"  # gloo: wait in slices, watching for failed peers
         self.debug = False
         self.pending_check: Callable[[], None] | None = None  # see _dist_agree.check_call_agrees
+        self.abandoned: dict[int, Any] = {}  # id -> a group with a collective this rank gave up on
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
         store = P.dist().default_store()
         ranks = self.grid.reshape(-1).tolist()
@@ -138,9 +140,22 @@ class DistributedMesh(Mesh):
         self.dtensor_specs: dict = {}  # (placements, shape, stride, dtype) -> DTensorSpec
 
     def release_groups(self) -> None:
-        """Forget this mesh's process groups (at exit; the mesh cannot communicate after)."""
+        """Forget this mesh's process groups (at exit; the mesh cannot communicate after).
+
+        A group holding a collective this rank gave up on (a peer died or never came) is kept
+        alive to the end of the process instead. Destroying a gloo group joins its worker thread,
+        which stays inside that collective until the peers complete it or gloo's own timeout (30
+        minutes) passes: the process would hang at exit, in interpreter finalization, or pair
+        with a late peer. Kept, the thread ends with the process."""
+        for group in self.abandoned.values():
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed, never joined
+        self.abandoned.clear()
         self._groups.clear()
         self._comms.clear()
+
+    def abandon(self, group: Any) -> None:
+        """Note that ``group`` holds a collective this rank stopped waiting for."""
+        self.abandoned[id(group)] = group
 
     def coords_of(self, rank: int) -> dict[str, int]:
         where = (self.grid == rank).nonzero()
