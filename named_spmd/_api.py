@@ -17,6 +17,7 @@ from . import _torch_private as P
 from ._accounting import CommEvent, on_backward, recording
 from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
+from ._layout import global_shape
 from ._mesh import Mesh
 from ._spec import PartitionSpec, spec_problems
 from ._tree import (
@@ -37,8 +38,8 @@ from .backends import Backend, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
 
 
-def _call(f: SpmdFunction, args: tuple, backend: Backend) -> Any:
-    return f._call(args, backend)[0]
+def _call(f: SpmdFunction, args: tuple, backend: Backend, local: bool) -> Any:
+    return f._call(args, backend, local)[0]
 
 
 #: A call on a backend Dynamo cannot trace (none of ours), made while compiling: a graph break
@@ -59,7 +60,7 @@ class SpmdFunction:
     """A per-device function mapped over a mesh; call it with global values."""
 
     def __new__(cls, *args: Any) -> SpmdFunction:
-        # Each mapped function gets a __call__ code object of its own: Dynamo marks a code
+        # Each mapped function gets call methods of its own code: Dynamo marks a code
         # object whose frame it gave up on ("falling back to eager") as skipped until Dynamo
         # is reset, so one mapped call that cannot be traced would otherwise stop
         # every other one from compiling (they would run eagerly, silently).
@@ -98,13 +99,15 @@ class SpmdFunction:
         )
 
     # --- inputs -----------------------------------------------------------------------------
-    def _input_leaves(self, args: tuple) -> tuple[list[Any], list[PartitionSpec], Any]:
+    def _input_leaves(
+        self, args: tuple, local: bool = False
+    ) -> tuple[list[Any], list[PartitionSpec], Any]:
         if torch.compiler.is_compiling():
             paths, leaves, treedef = flatten_with_paths(args)
             specs = self._in_specs_traced(args)
             if specs is None:
                 specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
-            self._check_inputs(paths, leaves, specs)
+            self._check_inputs(paths, leaves, specs, local)
             return leaves, specs, treedef
         leaves, treedef = flatten(args)
         known = self._inputs_of_tree.get(treedef)
@@ -114,17 +117,18 @@ class SpmdFunction:
             specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
             known = self._inputs_of_tree[treedef] = (specs, set())
         specs, fine = known
-        shapes = _shapes_key(leaves)
+        shapes = _shapes_key(leaves, local)
         if shapes is None or shapes not in fine:
-            self._check_inputs(paths_of(args), leaves, specs)
+            self._check_inputs(paths_of(args), leaves, specs, local)
             if shapes is not None and len(fine) < 256:
                 fine.add(shapes)
         return leaves, list(specs), treedef
 
     def _check_inputs(
-        self, paths: list[tuple], leaves: list[Any], specs: list[PartitionSpec]
+        self, paths: list[tuple], leaves: list[Any], specs: list[PartitionSpec], local: bool
     ) -> None:
-        """Every input leaf fits its spec on the mesh, or one SpecError lists the problems."""
+        """Every input leaf fits its spec on the mesh, or one SpecError lists the problems
+        (``local``: the leaves are blocks, checked as parts of their global shapes)."""
         problems = []
         for path, leaf, spec in zip(paths, leaves, specs):
             where = f"argument {path_text(path)}"
@@ -134,7 +138,10 @@ class SpmdFunction:
                     "splits and batches dense (strided) tensors only. Fix: pass x.to_dense()."
                 )
             elif isinstance(leaf, torch.Tensor):
-                problems += spec_problems(spec, tuple(leaf.shape), self.mesh.shape, where)
+                shape = tuple(leaf.shape)
+                if local and set(spec.axes) <= set(self.mesh.shape):  # (unknown axes: below)
+                    shape = global_shape(shape, spec, self.mesh.shape)
+                problems += spec_problems(spec, shape, self.mesh.shape, where)
             elif opaque_tensor_holder(leaf):
                 problems.append(opaque_leaf_problem(where, leaf))
             elif len(spec.axes) > 0:
@@ -252,6 +259,30 @@ class SpmdFunction:
 
     # --- call -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._enter(args, kwargs, False)
+
+    def local(self, *args: Any, **kwargs: Any) -> Any:
+        """Call with this process's blocks of the inputs; get its blocks of the outputs.
+
+        On a real mesh every tensor argument is this rank's block under its in_spec (a plain
+        tensor: what a Megatron-style program holds, what ``ns.to_local`` of a DTensor gives),
+        and every output is this rank's block under its out_spec, a plain tensor (a replicated
+        output: the whole value, the same on every rank; an unreduced one: this rank's part).
+        Gradients flow to the blocks as to a DTensor's local tensor: a block's gradient is its
+        block of the global gradient, a replicated input's the whole gradient on every rank. No
+        DTensor is made, gathered or scattered; types, checks and errors are those of a global
+        call. On a simulated mesh one process holds every instance, so its blocks are the
+        global values and ``f.local(*args)`` is ``f(*args)``: one script runs on both.
+
+        Example (a real (2, 2) mesh, ``x`` split over "dp", ``w`` over "tp")::
+
+            params = ns.to_local(ns.shard(params, mesh, specs))  # this rank's blocks
+            loss = step.local(tokens_block, targets_block, params)
+            loss.backward()  # params' .grad: their blocks of the global gradient
+        """
+        return self._enter(args, kwargs, getattr(self.backend, "local_blocks", False))
+
+    def _enter(self, args: tuple, kwargs: dict, local: bool) -> Any:
         if kwargs:
             raise SpmdError(
                 f"{self.where}: keyword arguments {sorted(kwargs)} are not supported; in_specs "
@@ -265,11 +296,11 @@ class SpmdFunction:
             from . import _traced  # noqa: F401
 
             if not getattr(backend, "traceable", True):
-                return _call_eagerly(self, args, backend)
+                return _call_eagerly(self, args, backend, local)
         elif P.dynamo_frame_callback() is not None:  # Dynamo gave up on the frame around this
             # call: run it with Dynamo off, or it would compile our eager internals frame by frame
-            return _call_eagerly(self, args, backend)
-        return self._call(args, backend)[0]
+            return _call_eagerly(self, args, backend, local)
+        return self._call(args, backend, local)[0]
 
     def check(self, *args: Any, backward: bool = True) -> CheckReport:
         """Type-check a call without running it: shapes, dtypes, vma and communication.
@@ -307,9 +338,12 @@ class SpmdFunction:
         specs = [s for s, t in zip(result["specs"], tensors) if t]
         return backend.report(self.label, self.mesh, out, paths, specs)
 
-    def _call(self, args: tuple, backend: Backend) -> tuple[Any, dict[str, Any]]:
+    def _call(
+        self, args: tuple, backend: Backend, local: bool = False
+    ) -> tuple[Any, dict[str, Any]]:
         """The one call path: inputs checked, ``backend`` runs the body on every instance, the
-        outputs are checked against out_specs and assembled."""
+        outputs are checked against out_specs and assembled (``local``: this process's blocks
+        in and out, on a backend whose processes hold blocks, ``Backend.local_blocks``)."""
         outer = _context.active()
         if outer is not None:
             raise SpmdError(
@@ -317,7 +351,7 @@ class SpmdFunction:
                 f"{outer.fn_label}); nesting is not supported. "
                 "Fix: call the inner per-device function directly, it already runs per instance."
             )
-        leaves, specs, in_tree = self._input_leaves(args)
+        leaves, specs, in_tree = self._input_leaves(args, local)
         result: dict[str, Any] = {}
 
         def body(local_leaves: list[Any], ctx: _context.SpmdContext) -> list[torch.Tensor]:
@@ -338,6 +372,7 @@ class SpmdFunction:
             return [x for x in out_leaves if isinstance(x, torch.Tensor)]
 
         body.mapped = self  # type: ignore[attr-defined]  # for a backend's caches per mapped fn
+        body.local = local  # type: ignore[attr-defined]
 
         def out_specs_of() -> list[PartitionSpec]:
             return [
@@ -363,11 +398,12 @@ class SpmdFunction:
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str)
 
 
-def _shapes_key(leaves: list[Any]) -> tuple | None:
+def _shapes_key(leaves: list[Any], local: bool) -> tuple | None:
     """What the input checks of a call read from its leaves (its in_specs fixed by the tree
-    structure): a strided tensor's shape, a plain Python value's type; None where a leaf is
-    anything else (a sparse tensor, an object that may hold tensors: checked every call)."""
-    key: list[Any] = []
+    structure): whether they are blocks, a strided tensor's shape, a plain Python value's type;
+    None where a leaf is anything else (a sparse tensor, an object that may hold tensors:
+    checked every call)."""
+    key: list[Any] = [local]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             if x.layout is not torch.strided:
@@ -381,14 +417,17 @@ def _shapes_key(leaves: list[Any]) -> tuple | None:
 
 
 def _with_own_call(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__call__`` is a copy of ``cls.__call__`` with its own code
-    object (Dynamo keeps its per-frame state, a skip mark included, on the code object)."""
-    call = cls.__call__
-    own = types.FunctionType(
-        call.__code__.replace(), call.__globals__, call.__name__, call.__defaults__
-    )
-    own.__qualname__, own.__doc__ = call.__qualname__, call.__doc__
-    namespace = {"__call__": own, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    """A subclass of ``cls`` whose call methods (``__call__``, ``local`` and ``_enter``, which
+    both go through) are copies with code objects of their own (Dynamo keeps its per-frame
+    state, a skip mark included, on the code object)."""
+    namespace: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    for name in ("__call__", "local", "_enter"):
+        method = getattr(cls, name)
+        own = types.FunctionType(
+            method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__
+        )
+        own.__qualname__, own.__doc__ = method.__qualname__, method.__doc__
+        namespace[name] = own
     return type(cls.__name__, (cls,), namespace)
 
 

@@ -25,7 +25,9 @@ from .._spec import PartitionSpec
 
 #: The per-instance body a backend runs: (local argument leaves, the backend's context) ->
 #: the output tensors. Its attribute ``mapped`` is the running ``SpmdFunction`` (its in_specs,
-#: out_specs and check_vma: what a backend's cache per mapped function keys on).
+#: out_specs and check_vma: what a backend's cache per mapped function keys on); its attribute
+#: ``local`` says that the call's leaves are this process's blocks and its outputs must be too
+#: (``SpmdFunction.local``; only on a backend whose ``local_blocks`` is true).
 Body = Callable[[list[Any], SpmdContext], list[torch.Tensor]]
 
 
@@ -36,6 +38,10 @@ class Backend(Protocol):
     #: Whether Dynamo traces a whole call on this backend. Where not, a call made inside a
     #: ``torch.compile``d function runs eagerly: a graph break around it (``SpmdFunction``).
     traceable: bool
+    #: Whether a process holds only its own instances' blocks (a real mesh), so that
+    #: ``SpmdFunction.local`` passes them in and out as they are. Where not (the process holds
+    #: every instance), a local call is the global call.
+    local_blocks: bool
 
     def accepts(self, mesh: Mesh) -> bool:
         """Whether this backend runs calls on ``mesh``."""

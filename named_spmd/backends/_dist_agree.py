@@ -21,6 +21,7 @@ from .._accounting import CommEvent, active, record_into
 from .._errors import SpmdError
 
 if TYPE_CHECKING:
+    from .._spec import PartitionSpec
     from .distributed import DistributedContext
 
 
@@ -93,14 +94,20 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(raw + meta, digest_size=8).hexdigest()
 
 
-def check_inputs_agree(ctx: DistributedContext, leaves: list[Any]) -> None:
+def check_inputs_agree(
+    ctx: DistributedContext, leaves: list[Any], block_specs: list[PartitionSpec] | None = None
+) -> None:
     """A plain-tensor input is the global value, taken as present on every rank: check it is
-    (a model initialised differently per rank would otherwise be mixed silently)."""
+    (a model initialised differently per rank would otherwise be mixed silently). In a local
+    call (``block_specs``: the leaves are blocks under these specs) only the blocks every rank
+    holds whole are checked: those of specs that split nothing and hold no partial sums."""
     mesh = ctx.mesh
     plain = [
         i
         for i, x in enumerate(leaves)
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        if isinstance(x, torch.Tensor)
+        and not isinstance(x, DTensor)
+        and (block_specs is None or not (block_specs[i].axes or block_specs[i].unreduced))
     ]
     if not plain:
         return
@@ -116,11 +123,16 @@ def check_inputs_agree(ctx: DistributedContext, leaves: list[Any]) -> None:
         }
     )
     if differ:
+        what = (
+            "replicated blocks of a local call, which must be the same on every rank"
+            if block_specs is not None
+            else "a plain tensor is the global value and must be the same on every rank"
+        )
         raise SpmdError(
             f"spmd_map of {ctx.fn_label}: debug check: plain-tensor input leaves {differ} (in "
-            "flattening order) differ between ranks, but a plain tensor is the global value and "
-            "must be the same on every rank. Fix: seed every rank alike before making it (or "
-            "broadcast it from rank 0), or pass DTensors laid out as the in_specs say."
+            f"flattening order) differ between ranks, but they are {what}. Fix: seed every "
+            "rank alike before making it (or broadcast it from rank 0), or pass DTensors laid "
+            "out as the in_specs say."
         )
 
 

@@ -37,7 +37,7 @@ from .._tracking import TrackedContext
 from .._types import INVARIANT
 from ._dist_comm import permute_splits
 from ._dist_dtensor import placements
-from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs
+from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, block_input
 
 _F = P.funcol()  # bound at import: Dynamo reads module attributes as constants
 
@@ -221,7 +221,23 @@ def _local_input(ctx: CompiledContext, leaf: torch.Tensor, spec: PartitionSpec) 
     return block(leaf, spec, mesh._shape, mesh.my_coords)
 
 
+def _block_input(ctx: CompiledContext, leaf: torch.Tensor, i: int) -> torch.Tensor:
+    """An argument leaf of a local call: this rank's block already (``_dist_io.block_input``)."""
+    return block_input(ctx, leaf, i).view_as(leaf)  # a new tensor: the stamp goes on it
+
+
 def _global_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -> DTensor:
+    mesh = ctx.mesh
+    y = _local_output(ctx, y, spec)
+    for axes in _non_mesh_order_entries(mesh, spec):
+        pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
+        y = ctx.apply(RECORDS["ppermute"], y, _in_mesh_order(mesh, axes), (pairs,))
+    places = placements(mesh, spec, y.dim())
+    return DTensor.from_local(y, mesh.device_mesh, places, run_check=False)
+
+
+def _local_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """This rank's block of output ``y`` (``_dist_io.local_output``)."""
     mesh = ctx.mesh
     vma = ctx.vma(y)
     names = mesh.axis_names
@@ -234,25 +250,25 @@ def _global_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -
         )
     if named_invariant:
         y = ctx.apply(PVARY_RECORD, y, named_invariant, ())
-    for axes in _non_mesh_order_entries(mesh, spec):
-        pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
-        y = ctx.apply(RECORDS["ppermute"], y, _in_mesh_order(mesh, axes), (pairs,))
-    places = placements(mesh, spec, y.dim())
-    return DTensor.from_local(y, mesh.device_mesh, places, run_check=False)
+    return y
 
 
 def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
     """``distributed.run`` while Dynamo traces: see the module docstring."""
     route_view_attributes()
     ctx = CompiledContext(mesh, fn)
+    local_call = body.local  # SpmdFunction.local: this rank's blocks in and out
     with P.DisableTorchFunction():
         local = [
-            ctx.stamp_input(_local_input(ctx, leaf, spec), spec)
+            ctx.stamp_input(
+                _block_input(ctx, leaf, i) if local_call else _local_input(ctx, leaf, spec), spec
+            )
             if isinstance(leaf, torch.Tensor)
             else leaf
-            for leaf, spec in zip(leaves, specs)
+            for i, (leaf, spec) in enumerate(zip(leaves, specs))
         ]
     with CompiledVmaMode(ctx):
         outs = body(local, ctx)
+    output = _local_output if local_call else _global_output
     with P.DisableTorchFunction():
-        return [_global_output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
+        return [output(ctx, y, s) for y, s in zip(outs, out_specs_of())]

@@ -5,6 +5,8 @@
   and the backward gathers the blocks of the gradient so that every rank holds the global one.
 * Outputs become DTensors with placements from out_specs; under a ``torch.func`` transform (whose
   wrappers cannot carry a DTensor) they are plain tensors holding the global value instead.
+* A call of ``SpmdFunction.local`` takes this rank's blocks as they are (:func:`block_input`) and
+  returns its blocks as plain tensors (:func:`local_output`): no DTensor, gather or scatter.
 * A tuple entry in non-mesh order (``P(('tp', 'dp'))`` on a ``('dp', 'tp')`` mesh) has no DTensor
   placement: one ppermute moves the blocks between the spec's order and DTensor's mesh order.
 
@@ -63,6 +65,21 @@ def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
     if differentiable(leaf):
         return _scatter_input(leaf, ctx, spec)
     return _block(leaf, spec, mesh)
+
+
+def block_input(ctx, leaf: torch.Tensor, i: int) -> torch.Tensor:
+    """Argument leaf ``i`` of a local call: this rank's block already, and its gradient this
+    rank's block of the global gradient, as for a DTensor's local tensor (a replicated or
+    reduced input's: the whole gradient; an unreduced one's: the gradient of this rank's part)."""
+    if isinstance(leaf, DTensor):
+        raise SpecError(
+            f"spmd_map of {ctx.fn_label}: argument leaf {i} (in flattening order) is a DTensor, "
+            "but a local call takes this rank's blocks as plain tensors. Fix: pass "
+            "ns.to_local(x), or call the function itself (f(...)), which takes DTensors."
+        )
+    if P.transforms_active():
+        _under_transform(ctx, leaf, i)
+    return leaf if leaf.device.type == ctx.mesh.device.type else leaf.to(ctx.mesh.device)
 
 
 def _partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
@@ -285,6 +302,23 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     """The DTensor of output ``y`` under ``spec`` (``ctx``: the call's DistributedContext), or
     its global value as a plain tensor under a transform or with a forward-mode tangent."""
     mesh = ctx.mesh
+    y = local_output(ctx, y, spec)
+    if P.transforms_active() or (P.forward_level() >= 0 and _has_tangent(y)):
+        # a functorch wrapper hides a DTensor's methods, and a DTensor cannot carry a forward-mode
+        # tangent (torch has no DTensor rule for forward AD): the global value, as a plain tensor
+        with P.DisableTorchFunction():
+            return _gather_blocks(ctx, y, spec, "forward")
+    for axes in _non_mesh_order_entries(mesh, spec):
+        pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
+        y = _boundary(ctx, "ppermute", y, _in_mesh_order(mesh, axes), (pairs,))
+    with P.DisableTorchFunction():
+        return _from_local(mesh, y, placements(mesh, spec, y.dim()))
+
+
+def local_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """This rank's block of output ``y`` under ``spec``, a plain tensor: ``y`` itself, where the
+    type agrees with the spec; settled where it does not (see below)."""
+    mesh = ctx.mesh
     vma: Vma = ctx.vma(y)
     names = mesh.axis_names
     single = mesh.single_axes  # (every member of a size-1 axis is this rank: nothing to do)
@@ -298,13 +332,4 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
         y = _FirstHolds.apply(y, all(mesh.my_coords[a] == 0 for a in reduced), True)
     if named_invariant:  # identical blocks tiled: their cotangents differ and must be summed
         y = _boundary(ctx, "pvary", y, named_invariant, ())
-    if P.transforms_active() or (P.forward_level() >= 0 and _has_tangent(y)):
-        # a functorch wrapper hides a DTensor's methods, and a DTensor cannot carry a forward-mode
-        # tangent (torch has no DTensor rule for forward AD): the global value, as a plain tensor
-        with P.DisableTorchFunction():
-            return _gather_blocks(ctx, y, spec, "forward")
-    for axes in _non_mesh_order_entries(mesh, spec):
-        pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
-        y = _boundary(ctx, "ppermute", y, _in_mesh_order(mesh, axes), (pairs,))
-    with P.DisableTorchFunction():
-        return _from_local(mesh, y, placements(mesh, spec, y.dim()))
+    return y

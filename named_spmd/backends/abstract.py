@@ -148,6 +148,7 @@ class AbstractBackend:
 
     name = "abstract"
     traceable = False  # .check() runs on meta tensors, never inside a compiled program
+    local_blocks = False  # .check() takes global values
 
     def __init__(self, grads: list[bool], backward: bool):
         self.grads = grads

@@ -61,7 +61,7 @@ from .._types import Vma
 from . import _dist_agree, _dist_compile, _dist_dtensor, _dist_overlap, _dist_piece
 from ._dist_comm import MAX, MIN, SUM, Comm
 from ._dist_failures import FailureBoard, timeout_s
-from ._dist_io import global_output, local_input
+from ._dist_io import block_input, global_output, local_input, local_output
 from ._dist_processes import mark_exited, register_process, registered
 
 __all__ = [
@@ -379,6 +379,7 @@ def run(
     board.begin_call()
     mesh.debug = debug_enabled()
     ctx = DistributedContext(mesh, fn)
+    local_call = body.local  # type: ignore[attr-defined]  # SpmdFunction.local: blocks in, out
     # one rank: a call type-checked once per signature (``_replay``)
     replay = Replay(body, mesh, leaves, specs) if mesh.size == 1 else None
     try:
@@ -388,14 +389,14 @@ def run(
         if replay is not None:
             replay.begin(ctx)
         local = [
-            _local(ctx, leaf, spec, i) if isinstance(leaf, torch.Tensor) else leaf
+            _local(ctx, leaf, spec, i, local_call) if isinstance(leaf, torch.Tensor) else leaf
             for i, (leaf, spec) in enumerate(zip(leaves, specs))
         ]
         ctx.inputs = local
         if mesh.debug:
             if mesh.pending_check is not None:  # shapes first: the clearer message
                 mesh.pending_check()
-            _dist_agree.check_inputs_agree(ctx, leaves)
+            _dist_agree.check_inputs_agree(ctx, leaves, specs if local_call else None)
         if replay is not None:
             outs = replay.run(ctx, body, local)
         else:
@@ -405,7 +406,8 @@ def run(
             mesh.pending_check()
         if mesh.debug:
             _dist_agree.check_replicas_agree(ctx, outs, out_specs_of())
-        result = [global_output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
+        output = local_output if local_call else global_output
+        result = [output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
         if mesh.debug:
             board.finish_call(f"spmd_map of {ctx.fn_label}")
         board.finished = board.seq
@@ -426,9 +428,12 @@ def run(
         raise
 
 
-def _local(ctx: DistributedContext, leaf: torch.Tensor, spec: PartitionSpec, i: int):
-    """Argument leaf ``i``'s block on this rank, typed (a replay needs no types)."""
-    local = local_input(ctx, leaf, spec, i)
+def _local(
+    ctx: DistributedContext, leaf: torch.Tensor, spec: PartitionSpec, i: int, is_block: bool
+):
+    """Argument leaf ``i``'s block on this rank, typed (a replay needs no types); ``is_block``:
+    the leaf is that block already (``SpmdFunction.local``)."""
+    local = block_input(ctx, leaf, i) if is_block else local_input(ctx, leaf, spec, i)
     return local if ctx.replaying else ctx.stamp_input(local, spec)
 
 
@@ -452,6 +457,7 @@ class DistributedBackend:
 
     name = "distributed"
     traceable = True  # _dist_compile: the whole call traced into the graph
+    local_blocks = True  # SpmdFunction.local: this rank's blocks in and out
 
     def accepts(self, mesh: Mesh) -> bool:
         return isinstance(mesh, DistributedMesh)

@@ -218,6 +218,7 @@ class SimulatedBackend:
 
     name = "simulated"
     traceable = True  # _traced: the whole call traced into the graph
+    local_blocks = False  # one process holds every instance
 
     def accepts(self, mesh: Mesh) -> bool:
         return mesh.device_mesh is None
