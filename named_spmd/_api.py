@@ -265,7 +265,7 @@ class SpmdFunction:
         """Call with this process's blocks of the inputs; get its blocks of the outputs.
 
         On a real mesh every tensor argument is this rank's block under its in_spec (a plain
-        tensor: what a Megatron-style program holds, what ``ns.to_local`` of a DTensor gives),
+        tensor: what a Megatron-style program holds; ``ns.shard(..., blocks=True)`` makes them),
         and every output is this rank's block under its out_spec, a plain tensor (a replicated
         output: the whole value, the same on every rank; an unreduced one: this rank's part).
         Gradients flow to the blocks as to a DTensor's local tensor: a block's gradient is its
@@ -276,7 +276,7 @@ class SpmdFunction:
 
         Example (a real (2, 2) mesh, ``x`` split over "dp", ``w`` over "tp")::
 
-            params = ns.to_local(ns.shard(params, mesh, specs))  # this rank's blocks
+            params = ns.shard(params, mesh, specs, blocks=True)  # this rank's blocks
             loss = step.local(tokens_block, targets_block, params)
             loss.backward()  # params' .grad: their blocks of the global gradient
         """

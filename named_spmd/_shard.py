@@ -28,7 +28,7 @@ from ._tree import (
 )
 
 
-def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False) -> Any:
+def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool = False) -> Any:
     """Lay out every tensor of ``tree`` on ``mesh`` as ``specs`` say (``jax.device_put`` with a
     ``NamedSharding``).
 
@@ -42,6 +42,10 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False) -> Any:
             rank's mesh coordinates, equal shapes on every rank: data each rank loaded itself),
             not global values. A real mesh only: one process of a simulated mesh holds every
             instance, so there it is an ``SpmdError`` (pass the global tensors).
+        blocks: return this process's blocks as plain tensors (what ``SpmdFunction.local``
+            takes; no DTensor, so an optimizer steps plain tensors) instead of DTensors. On a
+            simulated mesh the process holds every instance: its blocks are the global values,
+            the copies made without it.
 
     Returns:
         The same structure with every tensor leaf replaced by a new leaf tensor holding its own
@@ -94,7 +98,7 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False) -> Any:
         from .backends._dist_shard import shard_leaves  # loaded only for a real mesh
 
         wheres = [f"tree{path_text(p)}" for p in paths]
-        out = shard_leaves(mesh, leaves, leaf_specs, wheres, local)
+        out = shard_leaves(mesh, leaves, leaf_specs, wheres, local, blocks)
     return optree.tree_unflatten(treedef, out)
 
 

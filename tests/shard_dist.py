@@ -149,6 +149,33 @@ def check_rank_zero_wins(mesh, rank) -> list[str]:
     return problems
 
 
+def check_blocks(mesh, rank) -> list[str]:
+    """blocks=True: this rank's blocks under the specs (tuple entries in either order included)
+    as new plain leaves, requires_grad and nn.Parameter kept, rank 0's values where the ranks
+    differ; the caller's tensors are left alone."""
+    want_of = global_tree()
+    tree = {**want_of, "rep": want_of["rep"] + rank}  # rank 0's value must win
+    kept = {k: v.clone() for k, v in tree.items() if isinstance(v, torch.Tensor)}
+    blocks = ns.shard(tree, mesh, SPECS, blocks=True)
+    problems = []
+    for name, spec in SPECS.items():
+        got, x = blocks[name], tree[name]
+        if not isinstance(x, torch.Tensor):
+            if got != x:
+                problems.append(f"{name}: {got!r} instead of {x!r}")
+            continue
+        want = block(want_of[name].detach(), spec, mesh._shape, mesh.my_coords)
+        if type(got) not in (torch.Tensor, torch.nn.Parameter) or not torch.equal(got, want):
+            problems.append(f"{name} {spec}: {type(got).__name__} {got} instead of {want}")
+        if isinstance(x, torch.nn.Parameter) != isinstance(got, torch.nn.Parameter):
+            problems.append(f"{name}: nn.Parameter not kept")
+        if got.requires_grad != x.requires_grad or not got.is_leaf:
+            problems.append(f"{name}: not a new leaf with requires_grad {x.requires_grad}")
+        if not torch.equal(x, kept[name]):
+            problems.append(f"{name}: the caller's tensor was changed")
+    return problems
+
+
 def check_reshard(mesh, rank) -> list[str]:
     """A DTensor passed to shard is laid out anew, as a new leaf."""
     x = global_tree()["w"]
@@ -263,6 +290,7 @@ CHECKS = [
     check_spmd_map_inputs,
     check_gradient,
     check_rank_zero_wins,
+    check_blocks,
     check_reshard,
     check_checkpoint,
     check_from_local,

@@ -100,7 +100,7 @@ def test_real_mesh_shard_unshard_checkpoint_and_calls(tmp_path):
     )
     assert not finished.timed_out, finished.outputs[0][-3000:]
     outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
-    assert len(outcomes) == 8 * world, finished.outputs[0][-3000:]
+    assert len(outcomes) == 9 * world, finished.outputs[0][-3000:]
     bad = [o for o in outcomes if o["problems"]]
     assert bad == [], bad[:4]
 
@@ -112,3 +112,14 @@ def test_docstring_example_runs():
 
     result = doctest.testmod(named_spmd._shard, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_simulated_blocks_are_the_global_values_as_new_leaves(mesh):
+    """One process holds every instance: its blocks are the global values (copies, so an
+    optimizer stepping them leaves the caller's tensors alone, as on a real mesh)."""
+    t = tree()
+    b = ns.shard(t, mesh, SPECS, blocks=True)
+    for k in ("w", "b", "ids"):
+        assert torch.equal(b[k], t[k]) and b[k] is not t[k] and b[k].is_leaf
+        assert b[k].requires_grad == t[k].requires_grad
+    assert isinstance(b["b"], torch.nn.Parameter) and b["n"] == 3

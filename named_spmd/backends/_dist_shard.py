@@ -16,22 +16,42 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._errors import SpecError
-from .._layout import global_shape
+from .._layout import block, global_shape
 from .._spec import PartitionSpec
 from ._dist_dtensor import placements
 from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs
 
 
 def shard_leaves(
-    mesh, leaves: list[Any], specs: list[PartitionSpec], where: list[str], local: bool
+    mesh,
+    leaves: list[Any],
+    specs: list[PartitionSpec],
+    where: list[str],
+    local: bool,
+    blocks: bool = False,
 ) -> list:
-    """Every tensor leaf as a new leaf DTensor laid out by its spec; other leaves as they are.
-    ``local``: the leaves are this rank's blocks, not global values."""
+    """Every tensor leaf as a new leaf DTensor laid out by its spec (``blocks``: as this rank's
+    block under the spec, a plain tensor); other leaves as they are. ``local``: the leaves are
+    this rank's blocks, not global values."""
     one = _from_block if local else _shard_one
-    return [
+    out = [
         one(mesh, x, spec, at) if isinstance(x, torch.Tensor) else x
         for x, spec, at in zip(leaves, specs, where)
     ]
+    if blocks:
+        out = [_own_block(mesh, d, s) if isinstance(d, DTensor) else d for d, s in zip(out, specs)]
+    return out
+
+
+def _own_block(mesh, d: DTensor, spec: PartitionSpec) -> torch.Tensor:
+    """This rank's block of ``d`` under ``spec``, a new plain leaf (``d``'s requires_grad, an
+    ``nn.Parameter`` if it is one). A tuple entry in another order than the mesh's: DTensor
+    holds the mesh order's block here, so the block is cut from the whole value (made once)."""
+    if _non_mesh_order_entries(mesh, spec):
+        value = block(d.detach().full_tensor(), spec, mesh._shape, mesh.my_coords)
+    else:
+        value = d.detach().to_local()
+    return _new_leaf(value.clone(memory_format=torch.contiguous_format), d)
 
 
 def _shard_one(mesh, x: torch.Tensor, spec: PartitionSpec, where: str) -> torch.Tensor:
