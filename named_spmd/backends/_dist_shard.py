@@ -48,9 +48,9 @@ def _own_block(mesh, d: DTensor, spec: PartitionSpec) -> torch.Tensor:
     ``nn.Parameter`` if it is one). A tuple entry in another order than the mesh's: DTensor
     holds the mesh order's block here, so the block is cut from the whole value (made once)."""
     if _non_mesh_order_entries(mesh, spec):
-        value = block(d.detach().full_tensor(), spec, mesh._shape, mesh.my_coords)
+        value = block(d.full_tensor().detach(), spec, mesh._shape, mesh.my_coords)
     else:
-        value = d.detach().to_local()
+        value = d.to_local().detach()
     return _new_leaf(value.clone(memory_format=torch.contiguous_format), d)
 
 
