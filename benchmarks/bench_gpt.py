@@ -22,6 +22,9 @@ Cases (baseline first, both in the same process, rounds interleaved):
   ``loss_parallel``) plus data parallelism by DDP's schedule (each gradient's all-reduce over dp
   started from a post-accumulate-grad hook, waited after backward); named_spmd.
 
+Every real case also runs named_spmd's ``.local`` on this rank's blocks (the parameters' as
+plain tensors from ``ns.shard(..., blocks=True)``, the batch's): no DTensor anywhere.
+
 Before timing, every variant trains ``--check-steps`` steps in float64 from the same parameters
 and batches as the dense model: the losses and the final parameters must equal the dense run's
 (to 1e-9), or the script exits with an error. Timings are the median over rounds (of the slowest
@@ -105,6 +108,25 @@ def spmd_step(cfg: G.Config, mesh, params: dict, dtensors: bool = True):
         return trainer(lambda tok, tgt, q: ns.to_local(f(tok, tgt, q)), p), p
     p = _fresh(params)
     return trainer(f, p), p
+
+
+def spmd_local_step(cfg: G.Config, mesh, params: dict):
+    """named_spmd's step called with this rank's blocks (``.local``): the parameters' blocks as
+    plain tensors (``ns.shard(..., blocks=True)``), the batch's. Returned with the parameters
+    viewed as DTensors sharing the blocks' storage (for ``check``'s global comparison only)."""
+    from torch.distributed.tensor import DTensor
+
+    f = G.spmd_step_fn(cfg, mesh)
+    specs = G.param_specs(cfg)
+    p = ns.shard(_fresh(params), mesh, specs, blocks=True)
+    dp, rank = mesh.shape["dp"], mesh.my_coords["dp"]
+    step = trainer(lambda tok, tgt, q: f.local(*_local_batch(tok, tgt, rank, dp), q), p)
+    dm, names = mesh.device_mesh, mesh.axis_names
+    views = {
+        k: DTensor.from_local(v.detach(), dm, _placements(specs[k], names), run_check=False)
+        for k, v in p.items()
+    }
+    return step, views
 
 
 def dense_dtensor_step(cfg: G.Config, mesh, params: dict):
@@ -327,7 +349,11 @@ def worker(args) -> None:
             summed_over_ranks(2),  # each rank holds its dp share; the 2 tp ranks count it twice
         ),
     }[world]
-    makers = {baseline: make_base, "named_spmd": lambda p: spmd_step(cfg, mesh, p)}
+    makers = {
+        baseline: make_base,
+        "named_spmd": lambda p: spmd_step(cfg, mesh, p),
+        LOCAL_BLOCKS: lambda p: spmd_local_step(cfg, mesh, p),
+    }
     # where the time goes: named_spmd without DTensor parameters (every parameter's blocks are
     # whole where tp has size 1), and DTensor parameters without named_spmd
     if world <= 2:
@@ -347,6 +373,7 @@ def worker(args) -> None:
 
 
 PLAIN_PARAMS = "named_spmd, plain parameters"
+LOCAL_BLOCKS = "named_spmd, local blocks (.local)"
 DENSE_ON_DTENSORS = "dense step on DTensor parameters"
 
 _REAL = {

@@ -17,7 +17,7 @@ from . import _torch_private as P
 from ._accounting import CommEvent, on_backward, recording
 from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
-from ._layout import global_shape
+from ._layout import block_global_shape
 from ._mesh import Mesh
 from ._spec import PartitionSpec, spec_problems
 from ._tree import (
@@ -139,8 +139,8 @@ class SpmdFunction:
                 )
             elif isinstance(leaf, torch.Tensor):
                 shape = tuple(leaf.shape)
-                if local and set(spec.axes) <= set(self.mesh.shape):  # (unknown axes: below)
-                    shape = global_shape(shape, spec, self.mesh.shape)
+                if local:
+                    shape = block_global_shape(shape, spec, self.mesh.shape)
                 problems += spec_problems(spec, shape, self.mesh.shape, where)
             elif opaque_tensor_holder(leaf):
                 problems.append(opaque_leaf_problem(where, leaf))

@@ -57,8 +57,8 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     ``options`` are ``torch.compile``'s (``backend``, ``fullgraph``, ``mode``, ...). Use as
     ``ns.compile(fn)`` or ``@ns.compile(fullgraph=True)``.
 
-    A mapped function (``ns.compile(ns.spmd_map(...))``) compiles whole, as ``torch.compile``
-    would, with a compile cache of its own. ``torch.compile`` of the mapped function itself
+    A mapped function (``ns.compile(ns.spmd_map(...))``, or its ``.local``) compiles whole, as
+    ``torch.compile`` would, with a compile cache of its own. ``torch.compile`` of the mapped function itself
     shares one cache (that of torch's wrapper for callable objects) with every other callable
     object compiled so, and the ninth one in a process hits Dynamo's recompile limit.
 
@@ -93,6 +93,8 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
         # whose cache every such object shares, so the ninth mapped function compiled that way
         # in a process hits Dynamo's recompile limit (fullgraph: an error; else eager)
         return torch.compile(fn.__call__, **options)
+    if isinstance(getattr(fn, "__self__", None), SpmdFunction):  # f.local: compiled whole too
+        return torch.compile(fn, **options)
     return CompiledPiece(fn, options)
 
 

@@ -66,6 +66,14 @@ def global_shape(shape: Sequence[int], spec: PartitionSpec, sizes: Sizes) -> tup
     return tuple(s * group_size(spec.entry_axes(d), sizes) for d, s in enumerate(shape))
 
 
+def block_global_shape(
+    shape: Sequence[int], spec: PartitionSpec, sizes: Mapping[str, int]
+) -> tuple[int, ...]:
+    """:func:`global_shape` of a block given by a caller, whose spec may name an axis the mesh
+    does not have: it counts 1 (the spec checks report it)."""
+    return global_shape(shape, spec, {**dict.fromkeys(spec.axes, 1), **sizes})
+
+
 def block(
     x: torch.Tensor, spec: PartitionSpec, sizes: Sizes, coords: Mapping[str, int]
 ) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from ._api import as_mesh
 from ._errors import SpecError, SpmdError, bullet_list
-from ._layout import global_shape
+from ._layout import block_global_shape
 from ._spec import PartitionSpec, spec_problems
 from ._tree import (
     _first_mismatch,
@@ -75,7 +75,9 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
     for path, leaf, spec in zip(paths, leaves, leaf_specs):
         at = f"tree{path_text(path)}"
         if isinstance(leaf, torch.Tensor):
-            shape = _global_shape(leaf, spec, mesh) if local else tuple(leaf.shape)
+            shape = tuple(leaf.shape)
+            if local:
+                shape = block_global_shape(shape, spec, mesh.shape)
             problems += spec_problems(spec, shape, mesh.shape, at)
         elif spec.axes:
             problems.append(
@@ -136,11 +138,6 @@ def _specs_for(specs: Any, tree: Any, where: str) -> list[PartitionSpec]:
             "leaf or subtree (a single P applies to every tensor below it), e.g. "
             "{'w': P(None, 'tp'), 'b': P()} for {'w': ..., 'b': ...}."
         ) from None
-
-
-def _global_shape(block: torch.Tensor, spec: PartitionSpec, mesh: Any) -> tuple[int, ...]:
-    """The global shape of a block (an unknown axis counts 1: spec_problems reports it)."""
-    return global_shape(block.shape, spec, {**dict.fromkeys(spec.axes, 1), **mesh.shape})
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:
