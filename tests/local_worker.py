@@ -14,7 +14,7 @@ error):
 * ``counts``: CommMode of the local call counts no boundary collective (the global call
   gathers the gradients of split plain inputs);
 * ``compiled``: ``mlp`` and ``outputs`` again, ``.local`` called in a function compiled whole
-  (``torch.compile(fullgraph=True)``, aot_eager);
+  (``torch.compile(fullgraph=True)``, aot_eager), and ``mlp`` by ``ns.compile(f.local)``;
 * ``dtensor``: a DTensor passed to ``.local`` is a SpecError that says what to pass;
 * ``specs``: a block whose rank its spec does not fit is the SpecError of a global call;
 * ``debug``: in debug mode, replicated blocks that differ between ranks are an SpmdError;
@@ -81,8 +81,9 @@ def simulated(fn, in_specs, out_specs, xs, cots):
     return [y.detach() for y in outs], [x.grad for x in leaves]
 
 
-def check_against_simulated(mesh, fn, in_specs, out_specs, shapes, out_shapes, compiled=False):
-    """``f.local`` on this rank's blocks (``compiled``: in a function compiled whole): every
+def check_against_simulated(mesh, fn, in_specs, out_specs, shapes, out_shapes, compiled=""):
+    """``f.local`` on this rank's blocks (``compiled``: "torch", in a function compiled whole;
+    "ns", ``ns.compile(f.local)``): every
     output is its block of the simulated mesh's output (a partial sum: its part, the parts
     summing to that block), every input block's gradient its block of the simulated gradient."""
     xs = global_inputs(shapes, 1)
@@ -92,8 +93,10 @@ def check_against_simulated(mesh, fn, in_specs, out_specs, shapes, out_shapes, c
     locs = blocks(mesh, xs, in_specs)
     f = ns.spmd_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     call = f.local
-    if compiled:
+    if compiled == "torch":  # a function calling .local, compiled
         call = torch.compile(lambda *a: f.local(*a), fullgraph=True, backend="aot_eager")
+    elif compiled == "ns":
+        call = ns.compile(f.local, fullgraph=True, backend="aot_eager")
     mine = call(*locs)
     mine = mine if isinstance(mine, tuple) else (mine,)
     total = torch.zeros((), dtype=torch.float64)
@@ -142,8 +145,9 @@ def check_counts(mesh):
 
 
 def check_compiled(mesh):
-    check_against_simulated(mesh, mlp, MLP_SPECS, P(), MLP_SHAPES, [(1,)], compiled=True)
-    check_against_simulated(mesh, outputs, OUT_IN, OUT_SPECS, *OUT_SHAPES, compiled=True)
+    check_against_simulated(mesh, mlp, MLP_SPECS, P(), MLP_SHAPES, [(1,)], compiled="torch")
+    check_against_simulated(mesh, outputs, OUT_IN, OUT_SPECS, *OUT_SHAPES, compiled="torch")
+    check_against_simulated(mesh, mlp, MLP_SPECS, P(), MLP_SHAPES, [(1,)], compiled="ns")
 
 
 def check_dtensor(mesh):
