@@ -313,6 +313,9 @@ def one_process(args) -> None:
             _inductor(_on_dtensors(G.dense_loss(cfg)), "dense-dtensor"),
             B._distribute(params, G.param_specs(cfg), mesh.device_mesh),
         ),
+        "named_spmd compiled, local blocks (.local)": B.trainer(
+            _inductor(G.spmd_step_fn(cfg, mesh).local, "local"), B._fresh(params)
+        ),
     }
     best, _ = _cpu_times(steps, cfg, args)
     dist.destroy_process_group()
