@@ -150,44 +150,39 @@ def check_compiled(mesh):
     check_against_simulated(mesh, mlp, MLP_SPECS, P(), MLP_SHAPES, [(1,)], compiled="ns")
 
 
+def raises(error: type, call, *needles: str) -> None:
+    """``call()`` raises ``error`` with every one of ``needles`` in its message."""
+    try:
+        call()
+    except error as e:
+        assert all(n in str(e) for n in needles), (needles, e)
+        return
+    raise AssertionError(f"no {error.__name__} raised (expected {needles})")
+
+
 def check_dtensor(mesh):
     f = ns.spmd_map(mlp, mesh=mesh, in_specs=MLP_SPECS, out_specs=P())
-    xs = [x.detach() for x in global_inputs(MLP_SHAPES, 0)]
-    try:
-        f.local(*ns.shard(xs, mesh, list(MLP_SPECS)))
-    except ns.SpecError as e:
-        assert "is a DTensor, but a local call takes this rank's blocks" in str(e), e
-        assert "ns.to_local(x)" in str(e), e
-        return
-    raise AssertionError("a DTensor passed to .local did not raise")
+    dtensors = ns.shard([x.detach() for x in global_inputs(MLP_SHAPES, 0)], mesh, list(MLP_SPECS))
+    needles = ("is a DTensor, but a local call takes this rank's blocks", "ns.to_local(x)")
+    raises(ns.SpecError, lambda: f.local(*dtensors), *needles)
 
 
 def check_specs(mesh):
     f = ns.spmd_map(mlp, mesh=mesh, in_specs=MLP_SPECS, out_specs=P())
     locs = blocks(mesh, global_inputs(MLP_SHAPES, 0), MLP_SPECS)
     locs[1] = locs[1][0]  # w1's block as a vector: its spec P(None, "tp") has two entries
-    try:
-        f.local(*locs)
-    except ns.SpecError as e:
-        assert "argument [1]" in str(e) and "P(None, 'tp')" in str(e), e
-        return
-    raise AssertionError("a block of the wrong rank passed")
+    raises(ns.SpecError, lambda: f.local(*locs), "argument [1]", "P(None, 'tp')")
 
 
 def check_debug(mesh):
     f = ns.spmd_map(mlp, mesh=mesh, in_specs=MLP_SPECS, out_specs=P())
-    xs = [x.detach() for x in global_inputs(MLP_SHAPES, 0)]
-    locs = blocks(mesh, xs, MLP_SPECS)
+    locs = blocks(mesh, global_inputs(MLP_SHAPES, 0), MLP_SPECS)
     ns.set_debug(True)
     try:
         f.local(*locs)  # split blocks differ between ranks: not an error
         locs[4] = locs[4] + dist.get_rank()  # the replicated b2 now differs
-        try:
-            f.local(*locs)
-        except ns.SpmdError as e:
-            assert "leaves [4]" in str(e) and "replicated blocks of a local call" in str(e), e
-            return
-        raise AssertionError("replicated blocks that differ passed the debug check")
+        needles = ("leaves [4]", "replicated blocks of a local call")
+        raises(ns.SpmdError, lambda: f.local(*locs), *needles)
     finally:
         ns.set_debug(None)
 
