@@ -269,10 +269,16 @@ class SpmdFunction:
         and every output is this rank's block under its out_spec, a plain tensor (a replicated
         output: the whole value, the same on every rank; an unreduced one: this rank's part).
         Gradients flow to the blocks as to a DTensor's local tensor: a block's gradient is its
-        block of the global gradient, a replicated input's the whole gradient on every rank. No
-        DTensor is made, gathered or scattered; types, checks and errors are those of a global
-        call. On a simulated mesh one process holds every instance, so its blocks are the
-        global values and ``f.local(*args)`` is ``f(*args)``: one script runs on both.
+        block of the global gradient, a replicated input's the whole gradient on every rank, a
+        reduced input's this rank's partial sum of it. No DTensor is made, gathered or
+        scattered; types, checks and errors are those of a global call. On a simulated mesh one
+        process holds every instance, so its blocks are the global values and
+        ``f.local(*args)`` is ``f(*args)``: one script runs on both. Where a value is a partial
+        sum (an unreduced output, a reduced input's gradient) a rank holds its part and the
+        simulated process the whole sum: pass such values on to calls that declare them so.
+        A DTensor's ``to_local()`` is not always its block here: for a tuple entry in another
+        order than the mesh's (``P(("tp", "dp"))`` on a ``("dp", "tp")`` mesh) it holds the
+        mesh order's block; use ``ns.shard(..., blocks=True)``.
 
         Example (a real (2, 2) mesh, ``x`` split over "dp", ``w`` over "tp")::
 

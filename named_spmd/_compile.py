@@ -93,7 +93,7 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
         # whose cache every such object shares, so the ninth mapped function compiled that way
         # in a process hits Dynamo's recompile limit (fullgraph: an error; else eager)
         return torch.compile(fn.__call__, **options)
-    if isinstance(getattr(fn, "__self__", None), SpmdFunction):  # f.local: compiled whole too
+    if isinstance(getattr(fn, "__self__", None), SpmdFunction) and fn.__name__ == "local":
         return torch.compile(fn, **options)
     return CompiledPiece(fn, options)
 

@@ -13,10 +13,13 @@ error):
   simulated gradient (the replicated bias: the whole of it);
 * ``counts``: CommMode of the local call counts no boundary collective (the global call
   gathers the gradients of split plain inputs);
+* ``reduced``: a reduced input (``P(reduced={"dp"})``): each rank's gradient is its part, the
+  parts summing to the simulated gradient;
 * ``compiled``: ``mlp`` and ``outputs`` again, ``.local`` called in a function compiled whole
   (``torch.compile(fullgraph=True)``, aot_eager), and ``mlp`` by ``ns.compile(f.local)``;
 * ``dtensor``: a DTensor passed to ``.local`` is a SpecError that says what to pass;
 * ``specs``: a block whose rank its spec does not fit is the SpecError of a global call;
+* ``uneven``: rank 3 passes a larger block: every rank raises, listing the block shapes;
 * ``debug``: in debug mode, replicated blocks that differ between ranks are an SpmdError;
   split blocks, which differ by design, are not checked.
 """
@@ -102,21 +105,38 @@ def check_against_simulated(mesh, fn, in_specs, out_specs, shapes, out_shapes, c
     total = torch.zeros((), dtype=torch.float64)
     for y, got, c, s in zip(outs, mine, cots, specs):
         assert type(got) is torch.Tensor, type(got)
-        whole = got.detach().clone()
-        for axis in s.unreduced:  # this rank's part: the parts sum to the block
-            dist.all_reduce(whole, group=mesh.device_mesh.get_group(axis))
+        whole = _summed(mesh, got, s.unreduced)  # this rank's part: the parts sum to the block
         want = block(y, s, mesh._shape, mesh.my_coords)
         assert close(whole, want), (s, whole, want)
         # the ranks' losses sum to the global one (a partial sum's cotangent: the global one)
         total = total + (got * block(c, s, mesh._shape, mesh.my_coords)).sum()
     total.backward()
     for g, b, s in zip(grads, locs, in_specs):
+        assert b.grad is not None, s
+        got = _summed(mesh, b.grad, s.reduced)  # a reduced input's gradient: this rank's part
         want = block(g, s, mesh._shape, mesh.my_coords)
-        assert b.grad is not None and close(b.grad, want), (s, b.grad, want)
+        assert close(got, want), (s, got, want)
+
+
+def _summed(mesh, part: torch.Tensor, axes) -> torch.Tensor:
+    """The sum over ``axes`` of the ranks' ``part``s (a copy)."""
+    whole = part.detach().clone()
+    for axis in axes:
+        dist.all_reduce(whole, group=mesh.device_mesh.get_group(axis))
+    return whole
 
 
 MLP_SHAPES = [(8, 6), (6, 12), (12,), (12, 6), (6,)]
 OUT_SHAPES = ([(8, 6), (6, 4)], [(8, 2), (4, 4), (4,)])
+
+
+def reduced_in(x, r):
+    return ns.psum((x * r).sum().reshape(1), ("dp", "tp"))
+
+
+def check_reduced(mesh):
+    specs = (P(("dp", "tp")), P(reduced={"dp"}))
+    check_against_simulated(mesh, reduced_in, specs, P(), [(8,), (2,)], [(1,)])
 
 
 def check_mlp(mesh):
@@ -163,7 +183,7 @@ def raises(error: type, call, *needles: str) -> None:
 def check_dtensor(mesh):
     f = ns.spmd_map(mlp, mesh=mesh, in_specs=MLP_SPECS, out_specs=P())
     dtensors = ns.shard([x.detach() for x in global_inputs(MLP_SHAPES, 0)], mesh, list(MLP_SPECS))
-    needles = ("is a DTensor, but a local call takes this rank's blocks", "ns.to_local(x)")
+    needles = ("is a DTensor, but a local call takes this rank's blocks", "blocks=True")
     raises(ns.SpecError, lambda: f.local(*dtensors), *needles)
 
 
@@ -172,6 +192,15 @@ def check_specs(mesh):
     locs = blocks(mesh, global_inputs(MLP_SHAPES, 0), MLP_SPECS)
     locs[1] = locs[1][0]  # w1's block as a vector: its spec P(None, "tp") has two entries
     raises(ns.SpecError, lambda: f.local(*locs), "argument [1]", "P(None, 'tp')")
+
+
+def check_uneven(mesh):
+    f = ns.spmd_map(mlp, mesh=mesh, in_specs=MLP_SPECS, out_specs=P())
+    locs = blocks(mesh, global_inputs(MLP_SHAPES, 0), MLP_SPECS)
+    if dist.get_rank() == 3:  # a larger block of x than the others
+        locs[0] = torch.cat([locs[0], locs[0]])
+    needles = ("different block shapes", ".local([8, 6] float64", ".local([4, 6] float64")
+    raises(ns.SpmdError, lambda: f.local(*locs), *needles)
 
 
 def check_debug(mesh):

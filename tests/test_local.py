@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist_launch import launch  # noqa: E402
 from local_worker import MLP_SHAPES, MLP_SPECS, mlp  # noqa: E402
 
-CHECKS = ["mlp", "outputs", "counts", "compiled", "dtensor", "specs", "debug"]
+CHECKS = ["mlp", "outputs", "reduced", "counts", "compiled", "dtensor", "specs", "uneven", "debug"]
 
 
 @pytest.mark.distributed

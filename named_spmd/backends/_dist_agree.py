@@ -39,7 +39,7 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return code
 
 
-def check_call_agrees(ctx: DistributedContext, leaves: list[Any]) -> None:
+def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = False) -> None:
     """Gloo aborts the whole process (SIGABRT, no Python error) when the ranks of a collective
     pass buffers of different sizes, as inputs of different global shapes on different ranks make
     them. One small all-reduce per call compares a checksum of the function and of the tensor
@@ -51,7 +51,7 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any]) -> None:
     mesh = ctx.mesh
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     # hash() of int tuples (a torch.Size is one) is the same in every process; of str it is not
-    metadata = hash(tuple((x.shape, _dtype_code(x.dtype)) for x in tensors))
+    metadata = hash((local, *((x.shape, _dtype_code(x.dtype)) for x in tensors)))
     checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
     comm = mesh.comm(mesh.axis_names)
     started = comm.start_agree(checksum, "the start-of-call check")
@@ -62,25 +62,32 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any]) -> None:
     def finish() -> None:
         mesh.pending_check = None
         if not comm.agreed(started, "the start-of-call check"):
-            _disagree(ctx, tensors)
+            _disagree(ctx, tensors, local)
 
     mesh.pending_check = finish
 
 
-def _disagree(ctx: DistributedContext, tensors: list[torch.Tensor]) -> None:
+def _disagree(ctx: DistributedContext, tensors: list[torch.Tensor], local: bool) -> None:
     """The checksums differ: exchange the descriptions and raise on every rank alike."""
     mesh = ctx.mesh
     shapes = ", ".join(f"{list(x.shape)} {str(x.dtype)[6:]}" for x in tensors)
-    mine = f"{ctx.fn_label}({shapes})"
+    mine = f"{ctx.fn_label}{'.local' if local else ''}({shapes})"
     board = mesh.board
     got = board.exchange("call", board.ranks, mine, f"rank {mesh.rank}", "the start-of-call check")
     lines = "\n".join(f"    {board.where(r)}: {v}" for r, v in got.items())
+    kind = "block" if local else "global"
     raise SpmdError(
         f"spmd_map of {ctx.fn_label}: the ranks called different mapped functions, or passed "
-        "tensor inputs of different global shapes or dtypes (function(global shape dtype of each "
-        f"tensor leaf, in flattening order)):\n{lines}\nEvery rank must call the same function "
-        "on inputs of the same global shapes (a plain tensor is the global value, present on "
-        "every rank). Fix: make the inputs' shapes and the call sequence independent of the rank."
+        f"tensor inputs of different {kind} shapes or dtypes (function(the {kind} shape and "
+        f"dtype of each tensor leaf, in flattening order); .local: a call with blocks):\n"
+        f"{lines}\nEvery rank must call the same function (all f(...) or all f.local(...)) on "
+        f"inputs of the same {kind} shapes ("
+        + (
+            "each rank's block under its spec, equal in shape on every rank"
+            if local
+            else "a plain tensor is the global value, present on every rank"
+        )
+        + "). Fix: make the inputs' shapes and the call sequence independent of the rank."
     )
 
 

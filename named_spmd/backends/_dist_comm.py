@@ -112,7 +112,7 @@ class Comm:
                 self.mesh.board.wait(work, self._doing(op), _SLICE, self.members)
             except BaseException:
                 if not work.is_completed():  # left in flight: see DistributedMesh.release_groups
-                    self.mesh.abandon(self.group)
+                    self.mesh.gave_up = True
                 raise
             return
         board = self.mesh.board

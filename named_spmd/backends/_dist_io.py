@@ -69,13 +69,17 @@ def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
 
 def block_input(ctx, leaf: torch.Tensor, i: int) -> torch.Tensor:
     """Argument leaf ``i`` of a local call: this rank's block already, and its gradient this
-    rank's block of the global gradient, as for a DTensor's local tensor (a replicated or
-    reduced input's: the whole gradient; an unreduced one's: the gradient of this rank's part)."""
+    rank's block of the global gradient, as for a DTensor's local tensor (a replicated input's:
+    the whole gradient; a reduced one's: this rank's partial sum of it, as a DTensor input's
+    ``Partial`` gradient)."""
     if isinstance(leaf, DTensor):
         raise SpecError(
             f"spmd_map of {ctx.fn_label}: argument leaf {i} (in flattening order) is a DTensor, "
-            "but a local call takes this rank's blocks as plain tensors. Fix: pass "
-            "ns.to_local(x), or call the function itself (f(...)), which takes DTensors."
+            "but a local call takes this rank's blocks as plain tensors. Fix: call the function "
+            "itself (f(...)), which takes DTensors; or hold the blocks as plain tensors "
+            "(ns.shard(tree, mesh, specs, blocks=True) makes them). A DTensor's to_local() is "
+            "its block in the mesh's axis order, which differs from the spec's for a tuple "
+            "entry such as P(('tp', 'dp')) on a ('dp', 'tp') mesh."
         )
     if P.transforms_active():
         _under_transform(ctx, leaf, i)

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._errors import SpecError
-from .._layout import block, global_shape
+from .._layout import global_shape
 from .._spec import PartitionSpec
 from ._dist_dtensor import placements
 from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs
@@ -46,12 +46,13 @@ def shard_leaves(
 def _own_block(mesh, d: DTensor, spec: PartitionSpec) -> torch.Tensor:
     """This rank's block of ``d`` under ``spec``, a new plain leaf (``d``'s requires_grad, an
     ``nn.Parameter`` if it is one). A tuple entry in another order than the mesh's: DTensor
-    holds the mesh order's block here, so the block is cut from the whole value (made once)."""
-    if _non_mesh_order_entries(mesh, spec):
-        value = block(d.full_tensor().detach(), spec, mesh._shape, mesh.my_coords)
-    else:
-        value = d.to_local().detach()
-    return _new_leaf(value.clone(memory_format=torch.contiguous_format), d)
+    holds the mesh order's block here, so one permute brings the spec's (the input boundary's
+    relayout; a partial sum stays this rank's part)."""
+    value = d.to_local().detach().clone(memory_format=torch.contiguous_format)
+    for axes in _non_mesh_order_entries(mesh, spec):
+        pairs = _relayout_pairs(mesh, axes)
+        value = mesh.comm(_in_mesh_order(mesh, axes)).permute(value, pairs, "ns.shard")
+    return _new_leaf(value, d)
 
 
 def _shard_one(mesh, x: torch.Tensor, spec: PartitionSpec, where: str) -> torch.Tensor:

@@ -122,7 +122,7 @@ class DistributedMesh(Mesh):
         self.poll = device_type == "cpu"  # gloo: wait in slices, watching for failed peers
         self.debug = False
         self.pending_check: Callable[[], None] | None = None  # see _dist_agree.check_call_agrees
-        self.abandoned: dict[int, Any] = {}  # id -> a group with a collective this rank gave up on
+        self.gave_up = False  # this rank stopped waiting for a collective: see release_groups
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
         store = P.dist().default_store()
         ranks = self.grid.reshape(-1).tolist()
@@ -142,20 +142,16 @@ class DistributedMesh(Mesh):
     def release_groups(self) -> None:
         """Forget this mesh's process groups (at exit; the mesh cannot communicate after).
 
-        A group holding a collective this rank gave up on (a peer died or never came) is kept
-        alive to the end of the process instead. Destroying a gloo group joins its worker thread,
-        which stays inside that collective until the peers complete it or gloo's own timeout (30
-        minutes) passes: the process would hang at exit, in interpreter finalization, or pair
-        with a late peer. Kept, the thread ends with the process."""
-        for group in self.abandoned.values():
+        Once this rank gave up on a collective (a peer died or never came), every group of the
+        mesh is kept alive to the end of the process instead (others may hold collectives never
+        waited for, such as a failed backward's gradient buckets). Destroying a gloo group joins
+        its worker thread, which stays inside such a collective until the peers complete it or
+        gloo's own timeout (30 minutes) passes: the process would hang at exit, in interpreter
+        finalization, or pair with a late peer. Kept, the thread ends with the process."""
+        for group in self._groups.values() if self.gave_up else ():
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed, never joined
-        self.abandoned.clear()
         self._groups.clear()
         self._comms.clear()
-
-    def abandon(self, group: Any) -> None:
-        """Note that ``group`` holds a collective this rank stopped waiting for."""
-        self.abandoned[id(group)] = group
 
     def coords_of(self, rank: int) -> dict[str, int]:
         where = (self.grid == rank).nonzero()
@@ -385,7 +381,7 @@ def run(
     try:
         board.check_in_step()
         if mesh.poll and mesh.size > 1:
-            _dist_agree.check_call_agrees(ctx, leaves)
+            _dist_agree.check_call_agrees(ctx, leaves, local_call)
         if replay is not None:
             replay.begin(ctx)
         local = [
