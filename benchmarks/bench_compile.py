@@ -42,6 +42,8 @@ all-reduce per gradient, each a millisecond of fixed cost on gloo).
     python benchmarks/bench_compile.py --simulated     # the simulated mesh in a compiled step
     python benchmarks/bench_compile.py --mesh 1 1 --device cuda   # one GPU, NCCL (wall clock)
     python benchmarks/bench_compile.py --guards        # the guard check of one compiled call
+    python benchmarks/bench_compile.py --code          # the generated code, hand-written vs mapped
+    python benchmarks/bench_compile.py --variants "local blocks" --rounds 15   # some variants
 
 ``--one-process``: in this process, one gloo rank, a (1,1) mesh, the same model: the dense loss
 compiled (the baseline) against named_spmd compiled with DTensor parameters and with plain
@@ -54,6 +56,11 @@ runtime wrapping, AdamW and gradient accumulation on them).
 step calling named_spmd on a simulated (2,2) mesh compiled whole (Inductor, fullgraph:
 backends/simulated/_traced.py) and eagerly; CPU time per step, minimum over rounds, and the
 seconds of each first call.
+
+``--code``: on the (2,2) mesh, the Inductor code of the hand-written step and of the mapped
+step with the same collectives (``.local``, loss unreduced over dp), forward and backward,
+counted: kernel calls, all-reduces, waits, buffers allocated, tensor reinterpretations, lines.
+What the compiled step runs besides the hand-written program's own work, without timing noise.
 
 ``--guards``: the guard check Dynamo runs before the graph on every compiled call, timed
 directly (best of 20 x 200 checks) for the dense step, the simulated (2,2) step and a real (1,1)
@@ -146,7 +153,11 @@ def hand_written_loss(cfg: G.Config, dp_name: str, tp_name: str, tp_rank: int, d
         sumexp = _G.apply((logits - m.unsqueeze(-1)).exp().sum(-1), tp_name)
         picked = logits.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
         target = _G.apply(torch.where(inside, picked, 0.0), tp_name)
-        return (sumexp.log() + m - target).mean() / dp
+        # the mean over the targets counted (Megatron's loss mask; F.cross_entropy's
+        # ignore_index), as ns.parallel.vocab_cross_entropy computes it
+        counted = t != -100
+        per_token = torch.where(counted, sumexp.log() + m - target, 0.0)
+        return per_token.sum() / counted.sum() / dp
 
     return loss
 
@@ -164,19 +175,21 @@ def _local_params(params: dict, cfg: G.Config, tp: int, tp_rank: int) -> dict:
 
 LOCAL = "named_spmd compiled, local blocks (.local)"
 LOCAL_UNREDUCED = "named_spmd compiled, local blocks, loss unreduced over dp"
+BASELINE = "hand-written funcol compiled"
+
+
+def _chosen(name: str, wanted: list[str] | None) -> bool:
+    """Whether ``--variants`` (substrings of the names; none: all) picks variant ``name``."""
+    return not wanted or any(w in name for w in wanted)
 
 
 def worker(args) -> None:
     torch.set_num_threads(1)
     _util.use_device(args.device)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    if not args.inductor_defaults:  # every variant with the bucketing ns.compile turns on
-        import torch._inductor.config as inductor_config
-
-        from named_spmd._compile import sink_output_waits_pass
-
-        inductor_config.bucket_all_reduces_fx = "all"
-        inductor_config.post_grad_custom_pre_pass = sink_output_waits_pass()
+    if args.code:
+        return code(args)
+    _use_bucketing(args)
     cfg = _config(args)
     dp, tp = args.mesh
     mesh = ns.make_mesh((dp, tp), ("dp", "tp"))
@@ -199,21 +212,7 @@ def worker(args) -> None:
         p = ns.shard(B._fresh(params), mesh, G.param_specs(cfg), blocks=True)
         return B.trainer(lambda tok, tgt, q: fn(*B._local_batch(tok, tgt, dp_rank, dp), q), p)
 
-    f = G.spmd_step_fn(cfg, mesh)
-    spmd_c = named_step(compiled(f))
-    spmd_m = named_step(compiled(G.spmd_step_fn(cfg, mesh)), replicated_plain=True)
-    spmd_u = named_step(compiled(G.spmd_step_fn(cfg, mesh, reduced=False)))
-    spmd_e = named_step(f)
-    spmd_l = named_local_step(compiled(G.spmd_step_fn(cfg, mesh).local))
-    spmd_lu = named_local_step(compiled(G.spmd_step_fn(cfg, mesh, reduced=False).local))
-    block = compiled(G._block)
-    spmd_b = named_step(
-        ns.spmd_map(G.spmd_loss(cfg, block), mesh=mesh, in_specs=G.in_specs(cfg), out_specs=P())
-    )
-
     hand_fn = hand_written_loss(cfg, dp_name, tp_name, tp_rank, dp)
-    hand = torch.compile(hand_fn, backend="inductor", fullgraph=True)
-    hand_on_dtensors = torch.compile(_on_dtensors(hand_fn), backend="inductor", fullgraph=True)
 
     def local_batch(compiled):
         def loss(tok, tgt, q):
@@ -221,74 +220,128 @@ def worker(args) -> None:
 
         return loss
 
-    hand_step = B.trainer(local_batch(hand), _local_params(params, cfg, tp, tp_rank))
-    hand_dt_step = B.trainer(
-        local_batch(hand_on_dtensors), B._distribute(params, G.param_specs(cfg), dm)
-    )
-    dtensor_step = B.dtensor_tp_step(cfg, params, dm, {"backend": "inductor"})[0]
+    def hand_step():
+        hand = torch.compile(hand_fn, backend="inductor", fullgraph=True)
+        return B.trainer(local_batch(hand), _local_params(params, cfg, tp, tp_rank))
+
+    def hand_dt_step():
+        hand = torch.compile(_on_dtensors(hand_fn), backend="inductor", fullgraph=True)
+        return B.trainer(local_batch(hand), B._distribute(params, G.param_specs(cfg), dm))
+
+    def blocks_step():
+        block = compiled(G._block)
+        loss = G.spmd_loss(cfg, block)
+        return named_step(ns.spmd_map(loss, mesh=mesh, in_specs=G.in_specs(cfg), out_specs=P()))
+
+    # name -> (the step's maker, whether its loss is each rank's share of the dp mean)
+    variants = {
+        "named_spmd compiled": (lambda: named_step(compiled(G.spmd_step_fn(cfg, mesh))), False),
+        "named_spmd compiled, replicated parameters plain": (
+            lambda: named_step(compiled(G.spmd_step_fn(cfg, mesh)), replicated_plain=True),
+            False,
+        ),
+        "named_spmd compiled, loss unreduced over dp": (
+            lambda: named_step(compiled(G.spmd_step_fn(cfg, mesh, reduced=False))),
+            True,
+        ),
+        LOCAL: (lambda: named_local_step(compiled(G.spmd_step_fn(cfg, mesh).local)), False),
+        LOCAL_UNREDUCED: (
+            lambda: named_local_step(compiled(G.spmd_step_fn(cfg, mesh, reduced=False).local)),
+            True,
+        ),
+        BASELINE: (hand_step, True),
+        "hand-written funcol compiled, DTensor parameters": (hand_dt_step, True),
+        "named_spmd blocks compiled": (blocks_step, False),
+        "DTensor TP compiled": (
+            lambda: B.dtensor_tp_step(cfg, params, dm, {"backend": "inductor"})[0],
+            True,
+        ),
+        "named_spmd eager": (lambda: named_step(G.spmd_step_fn(cfg, mesh)), False),
+    }
+    chosen = [n for n in variants if n == BASELINE or _chosen(n, args.variants)]
     tok, tgt = G.batch(cfg, 0)
-    first = {}
-    for name, step in (
-        ("named_spmd compiled", spmd_c),
-        ("named_spmd compiled, replicated parameters plain", spmd_m),
-        ("named_spmd compiled, loss unreduced over dp", spmd_u),
-        (LOCAL, spmd_l),
-        (LOCAL_UNREDUCED, spmd_lu),
-        ("hand-written funcol compiled", hand_step),
-        ("hand-written funcol compiled, DTensor parameters", hand_dt_step),
-        ("named_spmd blocks compiled", spmd_b),
-        ("DTensor TP compiled", dtensor_step),
-    ):
+    steps, first = {}, {}
+    for name in chosen:
+        steps[name] = variants[name][0]()
         dist.barrier()
         t0 = time.perf_counter()
-        step(tok, tgt)
+        steps[name](tok, tgt)
         first[name] = time.perf_counter() - t0
     # the same numbers: the losses of a few more steps agree (float32)
     losses = {}
-    for name, step in (
-        ("spmd", spmd_c),
-        ("replicated plain", spmd_m),
-        ("loss unreduced", spmd_u),
-        ("local blocks", spmd_l),
-        ("local blocks, loss unreduced", spmd_lu),
-        ("hand", hand_step),
-        ("hand, DTensor parameters", hand_dt_step),
-        ("blocks", spmd_b),
-        ("DTensor TP", dtensor_step),
-        ("eager", spmd_e),
-    ):
-        # the hand-written and DTensor TP steps return each rank's share of the dp mean
-        reduce = (
-            B.summed_over_ranks(tp)
-            if name
-            in (
-                "hand",
-                "hand, DTensor parameters",
-                "DTensor TP",
-                "loss unreduced",
-                "local blocks, loss unreduced",
-            )
-            else B._global
-        )
+    for name, step in steps.items():
+        reduce = B.summed_over_ranks(tp) if variants[name][1] else B._global
         losses[name] = [float(reduce(step(*G.batch(cfg, s)))) for s in range(1, 3)]
-    fns = {
-        "hand-written funcol compiled": B.timer_steps(hand_step, cfg, args.steps),
-        "hand-written funcol compiled, DTensor parameters": B.timer_steps(
-            hand_dt_step, cfg, args.steps
-        ),
-        "named_spmd compiled": B.timer_steps(spmd_c, cfg, args.steps),
-        "named_spmd compiled, replicated parameters plain": B.timer_steps(spmd_m, cfg, args.steps),
-        "named_spmd compiled, loss unreduced over dp": B.timer_steps(spmd_u, cfg, args.steps),
-        LOCAL: B.timer_steps(spmd_l, cfg, args.steps),
-        LOCAL_UNREDUCED: B.timer_steps(spmd_lu, cfg, args.steps),
-        "named_spmd blocks compiled": B.timer_steps(spmd_b, cfg, args.steps),
-        "DTensor TP compiled": B.timer_steps(dtensor_step, cfg, args.steps),
-        "named_spmd eager": B.timer_steps(spmd_e, cfg, args.steps),
-    }
+    first.pop("named_spmd eager", None)  # not compiled
+    fns = {name: B.timer_steps(step, cfg, args.steps) for name, step in steps.items()}
     medians = B.interleaved(fns, args.rounds, args.steps)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"medians": medians, "first": first, "losses": losses}))
     dist.destroy_process_group()
+
+
+def code(args) -> None:
+    """``--code`` (a worker of its own): the Inductor code of the hand-written step and of the
+    same program mapped (``.local``, the loss unreduced over dp), forward and backward, compared
+    by what runs: kernel calls, collectives and their waits, buffers, tensor reinterpretations,
+    lines of the generated ``call``. Deterministic, unlike the timings."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    _use_bucketing(args)
+    cfg = _config(args)
+    dp, tp = args.mesh
+    mesh = ns.make_mesh((dp, tp), ("dp", "tp"))
+    dm = mesh.device_mesh
+    dp_name, tp_name = dm.get_group("dp").group_name, dm.get_group("tp").group_name
+    tp_rank, dp_rank = dm.get_local_rank("tp"), dm.get_local_rank("dp")
+    params = G.init_params(cfg, 0)
+    tok, tgt = B._local_batch(*G.batch(cfg, 0), dp_rank, dp)
+    hand = torch.compile(
+        hand_written_loss(cfg, dp_name, tp_name, tp_rank, dp), backend="inductor", fullgraph=True
+    )
+    mapped = ns.compile(
+        G.spmd_step_fn(cfg, mesh, reduced=False).local, backend="inductor", fullgraph=True
+    )
+    programs = {
+        BASELINE: (hand, _local_params(params, cfg, tp, tp_rank)),
+        LOCAL_UNREDUCED: (
+            mapped,
+            ns.shard(B._fresh(params), mesh, G.param_specs(cfg), blocks=True),
+        ),
+    }
+    patterns = {
+        "kernels": r"\bcpp_fused_\w+\(",
+        "all-reduces": r"_c10d_functional\.all_reduce_?\.default\(",
+        "waits": r"_c10d_functional\.wait_tensor\.default\(",
+        "buffers": r"\bempty_strided_cpu\(",
+        "reinterpret_tensor": r"\breinterpret_tensor\(",
+    }
+    rows = []
+    for name, (fn, p) in programs.items():
+        _, codes = run_and_get_code(lambda: fn(tok, tgt, p).backward())  # noqa: B023
+        for graph, text in zip(("forward", "backward"), codes):
+            call = text[text.index("def call(") :]
+            counts = {k: len(re.findall(v, call)) for k, v in patterns.items()}
+            counts["lines"] = call.count("\n")
+            rows.append((name, graph, counts))
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _use_bucketing(args) -> None:
+    """Inductor's all-reduce bucketing and the pass before it, as ``ns.compile`` sets them, for
+    every variant (unless ``--inductor-defaults``)."""
+    if args.inductor_defaults:
+        return
+    import torch._inductor.config as inductor_config
+
+    from named_spmd._compile import sink_output_waits_pass
+
+    inductor_config.bucket_all_reduces_fx = "all"
+    inductor_config.post_grad_custom_pre_pass = sink_output_waits_pass()
 
 
 def one_process(args) -> None:
@@ -370,7 +423,7 @@ def simulated(args) -> None:
 def guards(args) -> None:
     """Dynamo's guard check of one compiled call (run before the graph on every call), timed
     directly on the call's frame locals: the dense step, the simulated (2,2) mapped step and a
-    real (1,1) one with DTensor parameters (one gloo process)."""
+    real (1,1) one with DTensor parameters and with local blocks (one gloo process)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
@@ -385,6 +438,10 @@ def guards(args) -> None:
         "dense compiled": (dense, B._fresh(G.init_params(cfg, 0))),
         "named_spmd simulated (2,2) compiled": (G.spmd_step_fn(cfg, sim), None),
         "named_spmd (1,1) compiled, DTensor parameters": (G.spmd_step_fn(cfg, real), None),
+        "named_spmd (1,1) compiled, local blocks (.local)": (
+            G.spmd_step_fn(cfg, real).local,
+            B._fresh(G.init_params(cfg, 0)),
+        ),
     }
     best = {}
     for name, (fn, params) in cases.items():
@@ -396,6 +453,9 @@ def guards(args) -> None:
         if fn is dense:
             code, frame = dense.__code__, dict(zip(dense.__code__.co_varnames, (tok, tgt, params)))
             frame.update(zip(code.co_freevars, (c.cell_contents for c in dense.__closure__ or ())))
+        elif hasattr(fn, "__self__"):  # a bound method: its function's code, ``self`` a local
+            code = fn.__func__.__code__
+            frame = {"self": fn.__self__, "args": (tok, tgt, params), "kwargs": {}}
         else:  # Dynamo compiles a callable object through a wrapper frame of its own
             code = torch.compile(fn)._torchdynamo_orig_callable.__code__
             frame = {"fn": fn, "args": (tok, tgt, params), "kwargs": {}}
@@ -445,6 +505,13 @@ def _cpu_times(steps: dict, cfg: G.Config, args) -> tuple[dict[str, float], dict
     return best, first
 
 
+def _print_code_counts(rows: list) -> None:
+    keys = list(rows[0][2])
+    print(f"{'program':58} {'graph':9} " + " ".join(f"{k:>18}" for k in keys))
+    for name, graph, counts in rows:
+        print(f"{name:58} {graph:9} " + " ".join(f"{counts[k]:>18}" for k in keys))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", action="store_true")
@@ -462,6 +529,13 @@ def main() -> None:
     ap.add_argument("--one-process", action="store_true", help="see the module docstring")
     ap.add_argument("--simulated", action="store_true", help="see the module docstring")
     ap.add_argument("--guards", action="store_true", help="see the module docstring")
+    ap.add_argument("--code", action="store_true", help="see the module docstring")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        metavar="TEXT",
+        help="time only the variants whose names contain one of these (and the baseline)",
+    )
     ap.add_argument(
         "--inductor-defaults",
         action="store_true",
@@ -482,6 +556,8 @@ def main() -> None:
     if line is None:
         raise SystemExit(out[-4000:])
     result = json.loads(line[len("RESULT ") :])
+    if args.code:
+        return _print_code_counts(result)
     for name, s in result["first"].items():
         print(f"first call (trace + compile + run) of {name}: {s:.1f} s")
     print("losses of steps 1-2:", result["losses"])
@@ -492,12 +568,10 @@ def main() -> None:
         BENCH,
         case,
         medians["wall"],
-        "hand-written funcol compiled",
+        BASELINE,
         {"named_spmd compiled": "<= 1.02x", LOCAL: "<= 1.02x", LOCAL_UNREDUCED: "<= 1.02x"},
     )
-    rows += _util.rows_with_ratios(
-        BENCH, case + ", CPU time", medians["cpu"], "hand-written funcol compiled", {}
-    )
+    rows += _util.rows_with_ratios(BENCH, case + ", CPU time", medians["cpu"], BASELINE, {})
     _util.print_rows(rows)
     _util.write_markdown(args.markdown, rows)
 
