@@ -10,7 +10,10 @@ step is forward + backward + ``torch.optim.AdamW.step()``, eager, one torch thre
 Cases (baseline first, both in the same process, rounds interleaved):
 
 * ``sim``: in this process, the dense single-device step; named_spmd on a simulated (1,1) mesh
-  and on a simulated (2,2) mesh (the same global batch and parameters).
+  and on a simulated (2,2) mesh (the same global batch and parameters); and the floor of any
+  nested-vmap simulation: the (2,2) per-instance program under two plain ``torch.func.vmap``s
+  with its collectives left out and no types (``vmap_floor_step``; timed only: without its
+  collectives it computes other numbers).
 * ``real1``: 1 gloo process, mesh (1,1): the dense step; named_spmd with DTensor parameters
   (the target's row); named_spmd with plain parameters (global tensors, as a simulated mesh takes
   them); the dense step on the same DTensor parameters without named_spmd (``ns.to_local`` and
@@ -44,6 +47,7 @@ import random
 import statistics
 import sys
 import time
+import warnings
 
 import _gpt as G
 import _util
@@ -54,6 +58,7 @@ import torch.nn.functional as F
 import named_spmd as ns
 
 BENCH = "bench_gpt"
+VMAP_FLOOR = "nested vmap (2, 2), no collectives, untyped (the floor)"
 TOL = 1e-9  # float64: the sharded programs differ from the dense one by summation order only
 
 
@@ -108,6 +113,59 @@ def spmd_step(cfg: G.Config, mesh, params: dict, dtensors: bool = True):
         return trainer(lambda tok, tgt, q: ns.to_local(f(tok, tgt, q)), p), p
     p = _fresh(params)
     return trainer(f, p), p
+
+
+def vmap_floor_step(cfg: G.Config, params: dict, dp: int, tp: int):
+    """The floor of any simulation by nested ``torch.func.vmap``: the per-instance program of
+    the (dp, tp) step (the blocks of the tensor-parallel parameters, the dp shard of the batch)
+    under two plain vmaps, with every collective left out (a psum or pmax taken as the identity)
+    and no types. What vmap alone costs this model; named_spmd's simulated mesh adds the
+    collectives and the typing to it."""
+    from torch.func import vmap
+
+    specs = G.param_specs(cfg)
+
+    def row_linear(a, w, b):
+        return F.linear(a, w) + b  # the psum over tp left out
+
+    def instance_loss(tokens, targets, q, tp_index):
+        logits = F.linear(G._trunk(tokens, q, cfg, row_linear), q["lm_head.weight"])
+        return _vocab_cross_entropy_ops(logits, targets, tp_index)
+
+    def split(v, spec):
+        """``v`` with its tp blocks stacked on a new dim 0 (for vmap), or ``v`` if not split."""
+        for d, name in enumerate(spec):
+            if name == "tp":
+                return v.unflatten(d, (tp, -1)).movedim(d, 0), 0
+        return v, None
+
+    def loss(tokens, targets, p):
+        q, dims = {}, {}
+        for k, v in p.items():
+            q[k], dims[k] = split(v, specs[k])
+        per_tp = vmap(instance_loss, in_dims=(None, None, dims, 0))
+        per_instance = vmap(per_tp, in_dims=(0, 0, None, None))
+        losses = per_instance(
+            tokens.unflatten(0, (dp, -1)), targets.unflatten(0, (dp, -1)), q, torch.arange(tp)
+        )
+        return losses.mean()
+
+    p = _fresh(params)
+    return trainer(loss, p), p
+
+
+def _vocab_cross_entropy_ops(logits, targets, tp_index):
+    """``ns.parallel.vocab_cross_entropy``'s ops on this instance's classes, without its pmax
+    and psums over tp."""
+    classes = logits.shape[-1]
+    shifted = logits - logits.detach().amax(-1).unsqueeze(-1)
+    log_sum_exp = shifted.exp().sum(-1).log()
+    local = targets - tp_index * classes
+    mine = (local >= 0) & (local < classes)
+    picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
+    counted = targets != -100
+    per_token = torch.where(counted, log_sum_exp - torch.where(mine, picked, 0), 0)
+    return per_token.sum() / counted.sum()
 
 
 def spmd_local_step(cfg: G.Config, mesh, params: dict):
@@ -325,6 +383,13 @@ def simulated(cfg: G.Config, args) -> list[_util.Row]:
     fns = {"dense single device": dense_step(cfg, params)[0]}
     for s, mesh in meshes.items():
         fns[f"named_spmd simulated {s}"] = spmd_step(cfg, mesh, params)[0]
+    with warnings.catch_warnings():
+        # torch 2.13 has no vmap rule for CPU flash attention: a per-instance loop, for the floor
+        # as for the simulated mesh; said once per process, it is no error of this benchmark
+        warnings.filterwarnings("ignore", "There is a performance drop because we have not yet")
+        floor = vmap_floor_step(cfg, params, 2, 2)[0]
+        floor(*G.batch(cfg, 0))
+    fns[VMAP_FLOOR] = floor
     medians = interleaved(
         {k: timer_steps(f, cfg, args.steps) for k, f in fns.items()}, args.rounds, args.steps
     )
