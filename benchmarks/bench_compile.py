@@ -64,7 +64,7 @@ What the compiled step runs besides the hand-written program's own work, without
 
 ``--guards``: the guard check Dynamo runs before the graph on every compiled call, timed
 directly (best of 20 x 200 checks) for the dense step, the simulated (2,2) step and a real (1,1)
-step with DTensor parameters.
+step with DTensor parameters and with local blocks (``.local``).
 """
 
 from __future__ import annotations
