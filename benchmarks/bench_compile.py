@@ -189,13 +189,9 @@ def worker(args) -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     if args.code:
         return code(args)
-    _use_bucketing(args)
-    cfg = _config(args)
+    cfg, mesh, dp_name, tp_name, tp_rank, dp_rank = _this_rank(args)
     dp, tp = args.mesh
-    mesh = ns.make_mesh((dp, tp), ("dp", "tp"))
     dm = mesh.device_mesh
-    dp_name, tp_name = dm.get_group("dp").group_name, dm.get_group("tp").group_name
-    tp_rank, dp_rank = dm.get_local_rank("tp"), dm.get_local_rank("dp")
     params = G.init_params(cfg, 0)
 
     def named_step(fn, replicated_plain: bool = False):
@@ -289,13 +285,8 @@ def code(args) -> None:
 
     from torch._inductor.utils import run_and_get_code
 
-    _use_bucketing(args)
-    cfg = _config(args)
+    cfg, mesh, dp_name, tp_name, tp_rank, dp_rank = _this_rank(args)
     dp, tp = args.mesh
-    mesh = ns.make_mesh((dp, tp), ("dp", "tp"))
-    dm = mesh.device_mesh
-    dp_name, tp_name = dm.get_group("dp").group_name, dm.get_group("tp").group_name
-    tp_rank, dp_rank = dm.get_local_rank("tp"), dm.get_local_rank("dp")
     params = G.init_params(cfg, 0)
     tok, tgt = B._local_batch(*G.batch(cfg, 0), dp_rank, dp)
     hand = torch.compile(
@@ -329,6 +320,17 @@ def code(args) -> None:
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows))
     dist.destroy_process_group()
+
+
+def _this_rank(args):
+    """With the compiler options every variant shares: the model's config, the (dp, tp) mesh,
+    the names of its groups and this rank's coordinates."""
+    _use_bucketing(args)
+    cfg = _config(args)
+    mesh = ns.make_mesh(tuple(args.mesh), ("dp", "tp"))
+    dm = mesh.device_mesh
+    dp_name, tp_name = dm.get_group("dp").group_name, dm.get_group("tp").group_name
+    return cfg, mesh, dp_name, tp_name, dm.get_local_rank("tp"), dm.get_local_rank("dp")
 
 
 def _use_bucketing(args) -> None:
