@@ -10,10 +10,11 @@ step is forward + backward + ``torch.optim.AdamW.step()``, eager, one torch thre
 Cases (baseline first, both in the same process, rounds interleaved):
 
 * ``sim``: in this process, the dense single-device step; named_spmd on a simulated (1,1) mesh
-  and on a simulated (2,2) mesh (the same global batch and parameters); and the floor of any
-  nested-vmap simulation: the (2,2) per-instance program under two plain ``torch.func.vmap``s
-  with its collectives left out and no types (``vmap_floor_step``; timed only: without its
-  collectives it computes other numbers).
+  and on a simulated (2,2) mesh (the same global batch and parameters); and what plain nested
+  vmap costs: the (2,2) per-instance program under two plain ``torch.func.vmap``s (tp
+  outermost, as the simulated mesh nests them here, and dp outermost) with its collectives left
+  out and no types (``vmap_floor_step``; timed only: without its collectives it computes other
+  numbers).
 * ``real1``: 1 gloo process, mesh (1,1): the dense step; named_spmd with DTensor parameters
   (the target's row); named_spmd with plain parameters (global tensors, as a simulated mesh takes
   them); the dense step on the same DTensor parameters without named_spmd (``ns.to_local`` and
@@ -28,8 +29,8 @@ Cases (baseline first, both in the same process, rounds interleaved):
 Every real case also runs named_spmd's ``.local`` on this rank's blocks (the parameters' as
 plain tensors from ``ns.shard(..., blocks=True)``, the batch's): no DTensor anywhere.
 
-Before timing, every variant trains ``--check-steps`` steps in float64 from the same parameters
-and batches as the dense model: the losses and the final parameters must equal the dense run's
+Before timing, every variant (but the nested-vmap references) trains ``--check-steps`` steps in
+float64 from the same parameters and batches as the dense model: the losses and the final parameters must equal the dense run's
 (to 1e-9), or the script exits with an error. Timings are the median over rounds (of the slowest
 rank, each round timing ``--steps`` steps between barriers), as wall clock (the targets) and as
 CPU time of the process (rows "..., CPU time": steadier on a shared machine, but blind to time
@@ -58,7 +59,8 @@ import torch.nn.functional as F
 import named_spmd as ns
 
 BENCH = "bench_gpt"
-VMAP_FLOOR = "nested vmap (2, 2), no collectives, untyped (the floor)"
+VMAP_FLOOR = "nested vmap (2, 2), tp outermost, no collectives, untyped"
+VMAP_FLOOR_DP_OUTER = "nested vmap (2, 2), dp outermost, no collectives, untyped"
 TOL = 1e-9  # float64: the sharded programs differ from the dense one by summation order only
 
 
@@ -115,12 +117,14 @@ def spmd_step(cfg: G.Config, mesh, params: dict, dtensors: bool = True):
     return trainer(f, p), p
 
 
-def vmap_floor_step(cfg: G.Config, params: dict, dp: int, tp: int):
-    """The floor of any simulation by nested ``torch.func.vmap``: the per-instance program of
+def vmap_floor_step(cfg: G.Config, params: dict, dp: int, tp: int, tp_outermost: bool = True):
+    """A reference for any simulation by nested ``torch.func.vmap``: the per-instance program of
     the (dp, tp) step (the blocks of the tensor-parallel parameters, the dp shard of the batch)
     under two plain vmaps, with every collective left out (a psum or pmax taken as the identity)
-    and no types. What vmap alone costs this model; named_spmd's simulated mesh adds the
-    collectives and the typing to it."""
+    and no types. What vmap alone costs this program. ``tp_outermost``: the nesting the
+    simulated mesh picks for this model (the axis with the most replicated bytes innermost).
+    Not a strict floor: the simulated mesh runs what follows a psum over tp unbatched over tp,
+    while here the residual stream stays batched over both axes."""
     from torch.func import vmap
 
     specs = G.param_specs(cfg)
@@ -143,12 +147,13 @@ def vmap_floor_step(cfg: G.Config, params: dict, dp: int, tp: int):
         q, dims = {}, {}
         for k, v in p.items():
             q[k], dims[k] = split(v, specs[k])
-        per_tp = vmap(instance_loss, in_dims=(None, None, dims, 0))
-        per_instance = vmap(per_tp, in_dims=(0, 0, None, None))
-        losses = per_instance(
-            tokens.unflatten(0, (dp, -1)), targets.unflatten(0, (dp, -1)), q, torch.arange(tp)
-        )
-        return losses.mean()
+        batch = (tokens.unflatten(0, (dp, -1)), targets.unflatten(0, (dp, -1)))
+        over_tp, over_dp = (None, None, dims, 0), (0, 0, None, None)
+        if tp_outermost:
+            per_instance = vmap(vmap(instance_loss, in_dims=over_dp), in_dims=over_tp)
+        else:
+            per_instance = vmap(vmap(instance_loss, in_dims=over_tp), in_dims=over_dp)
+        return per_instance(*batch, q, torch.arange(tp)).mean()
 
     p = _fresh(params)
     return trainer(loss, p), p
@@ -387,9 +392,9 @@ def simulated(cfg: G.Config, args) -> list[_util.Row]:
         # torch 2.13 has no vmap rule for CPU flash attention: a per-instance loop, for the floor
         # as for the simulated mesh; said once per process, it is no error of this benchmark
         warnings.filterwarnings("ignore", "There is a performance drop because we have not yet")
-        floor = vmap_floor_step(cfg, params, 2, 2)[0]
-        floor(*G.batch(cfg, 0))
-    fns[VMAP_FLOOR] = floor
+        for name, tp_outermost in ((VMAP_FLOOR, True), (VMAP_FLOOR_DP_OUTER, False)):
+            fns[name] = vmap_floor_step(cfg, params, 2, 2, tp_outermost)[0]
+            fns[name](*G.batch(cfg, 0))
     medians = interleaved(
         {k: timer_steps(f, cfg, args.steps) for k, f in fns.items()}, args.rounds, args.steps
     )
