@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -92,9 +93,9 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
         # torch.compile runs any other callable object through one wrapper function of torch's,
         # whose cache every such object shares, so the ninth mapped function compiled that way
         # in a process hits Dynamo's recompile limit (fullgraph: an error; else eager)
-        return torch.compile(fn.__call__, **options)
+        return torch.compile(fn.__call__, **without_library_guards(options))
     if isinstance(getattr(fn, "__self__", None), SpmdFunction) and fn.__name__ == "local":
-        return torch.compile(fn, **options)
+        return torch.compile(fn, **without_library_guards(options))
     return CompiledPiece(fn, options)
 
 
@@ -158,3 +159,55 @@ def with_bucketed_all_reduces(options: dict[str, Any]) -> dict[str, Any]:
     if inductor[BUCKET_OPTION] != "none":
         inductor.setdefault(PRE_PASS_OPTION, sink_output_waits_pass())
     return {**options, "options": inductor}
+
+
+#: This package's modules whose state decides what a trace does and may change between calls:
+#: the stack of active calls, CommMode's recorders, debug mode, the replay switch, donation's
+#: probe, the simulated backend's fast-path switch. A compiled call keeps Dynamo's guards on them.
+LIVE_MODULES = frozenset(
+    {
+        "named_spmd._context",
+        "named_spmd._accounting",
+        "named_spmd._debug",
+        "named_spmd._replay",
+        "named_spmd._collectives._donation",
+        "named_spmd.backends.simulated._levels",
+    }
+)
+_LIBRARY_GLOBAL = re.compile(r"G\['__import_(named_spmd(?:_dot_\w+?)?)'\]")
+
+
+def _is_library_constant(name: str) -> bool:
+    """Whether a guard's source ``name`` reads only this package's module state outside
+    :data:`LIVE_MODULES` (Dynamo names an imported module ``__import_<path, dots as _dot_>``)."""
+    if "L['" in name:
+        return False
+    roots = _LIBRARY_GLOBAL.findall(name)
+    return bool(roots) and all(r.replace("_dot_", ".") not in LIVE_MODULES for r in roots)
+
+
+def library_guard_filter(entries: Any) -> list[bool]:
+    """A ``guard_filter_fn`` for ``torch.compile``: keep every guard but those on this package's
+    constant state. A trace of a mapped call reads the package's constants, rule tables and the
+    type algebra's interned types and memos (pure functions of their keys) while it infers types;
+    Dynamo guards each read, about 800 guards for a small GPT step, and checks them all before
+    every call: about 0.1 ms per call, the guards' objects out of cache after the step's kernels
+    (docs/design.md section 9, "Guards")."""
+    return [not _is_library_constant(e.name) for e in entries]
+
+
+def without_library_guards(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for ``torch.compile`` with :func:`library_guard_filter` added to the caller's
+    own ``guard_filter_fn`` (both must keep a guard), unless a ``mode`` is given (torch takes a
+    mode or options, not both)."""
+    if "mode" in options:
+        return options
+    inner = dict(options.get("options") or {})
+    own = inner.get("guard_filter_fn")
+    if own is None:
+        inner["guard_filter_fn"] = library_guard_filter
+    else:
+        inner["guard_filter_fn"] = lambda entries: [
+            a and b for a, b in zip(own(entries), library_guard_filter(entries))
+        ]
+    return {**options, "options": inner}

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import sys
 
@@ -26,6 +27,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 import named_spmd as ns
 from named_spmd import P
+from named_spmd._compile import LIVE_MODULES, library_guard_filter
 from named_spmd.backends.simulated import BACKEND as SIMULATED
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +50,46 @@ def test_a_compiled_call_equals_the_eager_call(name, backend):
 @pytest.mark.parametrize("name", PROGRAMS)  # every program: one process compiles fast enough
 def test_a_compiled_call_equals_the_eager_call_with_inductor(name):
     _passes(compile_worker.check_program, name, "inductor")
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_ns_compile_of_a_call_equals_the_eager_call(name):
+    """``ns.compile`` (which leaves out the guards on the package's constants) gives the eager
+    call's values and gradients, with one compiled frame over three steps."""
+    check = functools.partial(compile_worker.check_program, compile=ns.compile)
+    _passes(check, name, "aot_eager")
+
+
+def test_ns_compile_drops_the_guards_on_the_package_constants_only():
+    """The trace of a mapped call reads the package's constants and memo tables (guards that
+    ``library_guard_filter`` drops) and its live state: the call stack and CommMode's recorders,
+    whose guards it keeps. Read off the guards Dynamo offers the filter, so that a change in
+    how Dynamo names a module's globals shows here rather than as a silently unfiltered call."""
+    offered: list[str] = []
+
+    def record(entries):
+        offered.extend(e.name for e in entries)
+        return [True] * len(entries)
+
+    _prog, f = compile_worker.mapped("megatron_biases@4")
+    compiled = ns.compile(f, backend="eager", fullgraph=True, options={"guard_filter_fn": record})
+    compiled(*_prog.args())
+    dropped = [n for n in offered if not library_guard_filter([_Entry(n)])[0]]
+    kept_live = [n for n in offered if "named_spmd_dot__context" in n]
+    kept_live += [n for n in offered if "named_spmd_dot__accounting" in n]
+    assert len(dropped) > 100, len(dropped)  # the type algebra's memos, the rule tables, ...
+    assert all("__import_named_spmd" in n and "L['" not in n for n in dropped), dropped
+    assert not any(m.replace(".", "_dot_") in n for n in dropped for m in LIVE_MODULES)
+    assert kept_live and library_guard_filter([_Entry(n) for n in kept_live]) == [True] * len(
+        kept_live
+    )
+    for module in LIVE_MODULES:  # a renamed module would lose its guards silently
+        importlib.import_module(module)
+
+
+class _Entry:
+    def __init__(self, name: str):
+        self.name = name
 
 
 @pytest.mark.parametrize("name", ["megatron_biases@4", "ring_pass@4", "vocab_parallel_ce"])
