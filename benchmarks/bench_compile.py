@@ -63,9 +63,11 @@ counted: fused and extern kernel calls, aten fallbacks, all-reduces, waits, buff
 tensor reinterpretations, lines of ``call()``. CPU only.
 What the compiled step runs besides the hand-written program's own work, without timing noise.
 
-``--guards``: the guard check Dynamo runs before the graph on every compiled call, timed
-directly (best of 20 x 200 checks) for the dense step, the simulated (2,2) step and a real (1,1)
-step with DTensor parameters and with local blocks (``.local``).
+``--guards``: the guard check Dynamo runs before the graph on every compiled call, for the dense
+step, the simulated (2,2) step and a real (1,1) step with DTensor parameters and with local
+blocks (``.local``; also under plain ``torch.compile``, with every guard), timed directly (best of
+20 x 200 checks in a tight loop) and in place (a compiled forward's CPU time with the guards
+evaluated less with their evaluation skipped).
 """
 
 from __future__ import annotations
@@ -430,9 +432,14 @@ def simulated(args) -> None:
 
 
 def guards(args) -> None:
-    """Dynamo's guard check of one compiled call (run before the graph on every call), timed
-    directly on the call's frame locals: the dense step, the simulated (2,2) mapped step and a
-    real (1,1) one with DTensor parameters and with local blocks (one gloo process)."""
+    """Dynamo's guard check of one compiled call (run before the graph on every call): the dense
+    step, the simulated (2,2) mapped step and a real (1,1) one with DTensor parameters and with
+    local blocks (one gloo process), the mapped ones compiled by ``ns.compile`` (which leaves out
+    the guards on the package's constants) and, for the local call, by ``torch.compile`` (every
+    guard). Timed twice: directly on the call's frame locals in a tight loop (the guards' objects
+    in cache), and in place, as the compiled forward's CPU time per call (``no_grad``) with the
+    guards evaluated less that with their evaluation skipped (``skip_guard_eval_unsafe``):
+    between two calls the step's kernels evict the guards' objects from cache."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
@@ -443,46 +450,81 @@ def guards(args) -> None:
     dense = G.dense_loss(cfg)
     real = ns.make_mesh((1, 1), ("dp", "tp"))
     sim = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+    plain_params = B._fresh(G.init_params(cfg, 0))
+    dtensors = B._distribute(G.init_params(cfg, 0), G.param_specs(cfg), real.device_mesh)
+    inductor = dict(backend="inductor", fullgraph=True)
+    # name -> (the function whose frame is compiled, its compiled form, its parameters)
+    on_dtensors = _on_dtensors(dense)
     cases = {
-        "dense compiled": (dense, B._fresh(G.init_params(cfg, 0))),
-        "named_spmd simulated (2,2) compiled": (G.spmd_step_fn(cfg, sim), None),
-        "named_spmd (1,1) compiled, DTensor parameters": (G.spmd_step_fn(cfg, real), None),
-        "named_spmd (1,1) compiled, local blocks (.local)": (
-            G.spmd_step_fn(cfg, real).local,
-            B._fresh(G.init_params(cfg, 0)),
+        "dense compiled": (dense, torch.compile(dense, **inductor), plain_params),
+        "dense compiled, DTensor parameters": (
+            on_dtensors,
+            torch.compile(on_dtensors, **inductor),
+            dtensors,
         ),
     }
-    best = {}
-    for name, (fn, params) in cases.items():
-        if params is None:
-            params = G.init_params(cfg, 0)
-            if fn.mesh is real:
-                params = B._distribute(params, G.param_specs(cfg), real.device_mesh)
-        torch.compile(fn, backend="eager", fullgraph=True)(tok, tgt, params)
-        if fn is dense:
-            code_object, frame = (
-                dense.__code__,
-                dict(zip(dense.__code__.co_varnames, (tok, tgt, params))),
+    for name, fn, params, compile in (
+        ("named_spmd simulated (2,2)", G.spmd_step_fn(cfg, sim), G.init_params(cfg, 0), ns.compile),
+        ("named_spmd (1,1), DTensor parameters", G.spmd_step_fn(cfg, real), dtensors, ns.compile),
+        ("named_spmd (1,1), .local", G.spmd_step_fn(cfg, real).local, plain_params, ns.compile),
+        (
+            "named_spmd (1,1), .local, torch.compile",
+            G.spmd_step_fn(cfg, real).local,
+            plain_params,
+            torch.compile,
+        ),
+    ):
+        frame_fn = fn if hasattr(fn, "__self__") else fn.__call__
+        cases[f"{name} compiled"] = (frame_fn, compile(fn, **inductor), params)
+    direct, in_place = {}, {}
+    with torch.no_grad():
+        for name, (fn, compiled, params) in cases.items():
+            compiled(tok, tgt, params)
+            check = _guard_check(fn, (tok, tgt, params), _debug_get_cache_entry_list)
+            direct[name] = min(
+                _timed(check, _frame_locals(fn, (tok, tgt, params))) for _ in range(20)
             )
-            frame.update(
-                zip(code_object.co_freevars, (c.cell_contents for c in dense.__closure__ or ()))
-            )
-        elif hasattr(fn, "__self__"):  # a bound method: its function's code, ``self`` a local
-            code_object = fn.__func__.__code__
-            frame = {"self": fn.__self__, "args": (tok, tgt, params), "kwargs": {}}
-        else:  # Dynamo compiles a callable object through a wrapper frame of its own
-            code_object = torch.compile(fn)._torchdynamo_orig_callable.__code__
-            frame = {"fn": fn, "args": (tok, tgt, params), "kwargs": {}}
-        # (the wrapper's code holds every compiled callable's entries: this call's passes)
-        check = next(
-            e.guard_manager.check
-            for e in _debug_get_cache_entry_list(code_object)
-            if e.guard_manager.check(frame)
-        )
-        best[name] = min(_timed(check, frame) for _ in range(20))
+        in_place = _in_place_guard_cost(cases, tok, tgt, args.rounds)
     dist.destroy_process_group()
-    for name, t in best.items():
-        print(f"guard check of one call, {name}: {t * 1e6:.1f} us")
+    for name in cases:
+        print(
+            f"guard check of one call, {name}: {direct[name] * 1e6:.1f} us in a tight loop, "
+            f"{in_place[name] * 1e6:.1f} us in place"
+        )
+
+
+def _frame_locals(fn, call_args: tuple) -> dict:
+    """The locals of ``fn``'s frame when called with ``call_args`` (a bound method of ours takes
+    ``*args, **kwargs``)."""
+    if hasattr(fn, "__self__"):
+        return {"self": fn.__self__, "args": call_args, "kwargs": {}}
+    code = fn.__code__
+    frame = dict(zip(code.co_varnames, call_args))
+    frame.update(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    return frame
+
+
+def _guard_check(fn, call_args: tuple, entries):
+    """The guard check of the compiled entry of ``fn``'s code that accepts ``call_args``."""
+    code = (fn.__func__ if hasattr(fn, "__self__") else fn).__code__
+    frame = _frame_locals(fn, call_args)
+    return next(e.guard_manager.check for e in entries(code) if e.guard_manager.check(frame))
+
+
+def _in_place_guard_cost(cases: dict, tok, tgt, rounds: int) -> dict[str, float]:
+    """CPU seconds per compiled call with the guards evaluated less with their evaluation
+    skipped, minimum over interleaved rounds of 100 calls each."""
+    best = {(name, skip): float("inf") for name in cases for skip in (False, True)}
+    for _ in range(max(rounds, 5)):
+        for skip in (False, True):
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=skip):
+                for name, (_, compiled, params) in cases.items():
+                    t = time.process_time()
+                    for _ in range(100):
+                        compiled(tok, tgt, params)
+                    per_call = (time.process_time() - t) / 100
+                    best[name, skip] = min(best[name, skip], per_call)
+    return {name: best[name, False] - best[name, True] for name in cases}
 
 
 def _timed(check, frame: dict, number: int = 200) -> float:
