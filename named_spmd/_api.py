@@ -54,6 +54,15 @@ _call_eagerly = P.not_traced(
     "without fullgraph=True, or use a backend whose calls compile whole (the simulated and the "
     "distributed backends)",
 )
+#: A call made under ``ns.CommMode`` while compiling: CommMode counts what a call runs, and a
+#: compiled graph runs no Python to count with, so the call runs eagerly (a graph break).
+_call_counted = P.not_traced(
+    _call,
+    reason="named_spmd: a mapped call made under ns.CommMode runs eagerly inside a compiled "
+    "program, so that CommMode counts its collectives (docs/design.md section 9). Fix: compile "
+    "the mapped function with ns.compile(f, fullgraph=True), whose calls under CommMode run "
+    "eagerly before Dynamo sees them, or compile without fullgraph=True",
+)
 
 
 class SpmdFunction:
@@ -303,6 +312,8 @@ class SpmdFunction:
 
             if not getattr(backend, "traceable", True):
                 return _call_eagerly(self, args, backend, local)
+            if recording():
+                return _call_counted(self, args, backend, local)
         elif P.dynamo_frame_callback() is not None:  # Dynamo gave up on the frame around this
             # call: run it with Dynamo off, or it would compile our eager internals frame by frame
             return _call_eagerly(self, args, backend, local)

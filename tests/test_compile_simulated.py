@@ -225,6 +225,49 @@ def test_a_backend_dynamo_cannot_trace_runs_its_calls_eagerly(backend, monkeypat
     assert counter.frame_count == 2
 
 
+def _counted(call, x, params) -> dict:
+    with ns.CommMode() as comm:
+        call(x, params).sum().backward()
+    return comm.counts()
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_an_ns_compiled_call_under_comm_mode_runs_eagerly_and_is_counted(fullgraph):
+    """Under ``ns.CommMode`` a call of ``ns.compile(f)`` runs ``f`` eagerly, so that CommMode
+    counts what it runs (the eager call's counts), and compiles nothing; outside CommMode the
+    compiled frame again, with the eager call's values, no recompile."""
+    f = _dict_mlp()
+    x, w1, b1, w2 = _args()
+    params = {"w1": w1, "b1": b1, "w2": w2}
+    counter = CompileCounterWithBackend("eager")
+    compiled = ns.compile(f, backend=counter, fullgraph=fullgraph)
+    compiled(x, params)
+    counts = _counted(compiled, x, params)
+    assert counts == _counted(f, x, params) and sum(counts.values()) > 0, counts
+    _assert_same(compiled(x, params), f(x, params), (x, w1, b1, w2))
+    assert counter.frame_count == 1
+
+
+def test_a_torch_compiled_call_under_comm_mode_breaks_the_graph_and_is_counted():
+    """``torch.compile(f)`` under ``ns.CommMode``: Dynamo retraces (CommMode's state is
+    guarded) and the call runs eagerly behind a graph break, counted as the eager call is; with
+    ``fullgraph=True`` Dynamo refuses, quoting why and the fix (ns.compile)."""
+    f = _dict_mlp()
+    x, w1, b1, w2 = _args()
+    params = {"w1": w1, "b1": b1, "w2": w2}
+    compiled = torch.compile(f, backend="eager")
+    compiled(x, params)
+    counts = _counted(compiled, x, params)
+    assert counts == _counted(f, x, params) and sum(counts.values()) > 0, counts
+    _assert_same(compiled(x, params), f(x, params), (x, w1, b1, w2))
+
+    strict = torch.compile(_dict_mlp(), backend="eager", fullgraph=True)
+    strict(x, params)
+    with ns.CommMode(), pytest.raises(Exception, match="so that CommMode counts") as info:
+        strict(x, params)
+    assert "ns.compile(f, fullgraph=True)" in str(info.value)  # the fix
+
+
 def test_fullgraph_names_why_a_call_cannot_be_traced(monkeypatch):
     monkeypatch.setattr(SIMULATED, "traceable", False)
     f = _dict_mlp()
