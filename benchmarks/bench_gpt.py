@@ -61,6 +61,7 @@ import named_spmd as ns
 BENCH = "bench_gpt"
 VMAP_FLOOR = "nested vmap (2, 2), tp outermost, no collectives, untyped"
 VMAP_FLOOR_DP_OUTER = "nested vmap (2, 2), dp outermost, no collectives, untyped"
+VMAP_ONE_LEVEL = "one vmap over the 4 instances, no collectives, untyped"
 TOL = 1e-9  # float64: the sharded programs differ from the dense one by summation order only
 
 
@@ -117,14 +118,18 @@ def spmd_step(cfg: G.Config, mesh, params: dict, dtensors: bool = True):
     return trainer(f, p), p
 
 
-def vmap_floor_step(cfg: G.Config, params: dict, dp: int, tp: int, tp_outermost: bool = True):
+def vmap_floor_step(
+    cfg: G.Config, params: dict, dp: int, tp: int, tp_outermost: bool | None = True
+):
     """A reference for any simulation by nested ``torch.func.vmap``: the per-instance program of
     the (dp, tp) step (the blocks of the tensor-parallel parameters, the dp shard of the batch)
     under two plain vmaps, with every collective left out (a psum or pmax taken as the identity)
     and no types. What vmap alone costs this program. ``tp_outermost``: the nesting the
     simulated mesh picks for this model (the axis with the most replicated bytes innermost).
     Not a strict floor: the simulated mesh runs what follows a psum over tp unbatched over tp,
-    while here the residual stream stays batched over both axes."""
+    while here the residual stream stays batched over both axes. ``tp_outermost=None``: one vmap
+    over the dp x tp instances (each instance's inputs gathered onto one dim), what a simulation
+    with one vmap level for the whole mesh would start from."""
     from torch.func import vmap
 
     specs = G.param_specs(cfg)
@@ -149,6 +154,11 @@ def vmap_floor_step(cfg: G.Config, params: dict, dp: int, tp: int, tp_outermost:
             q[k], dims[k] = split(v, specs[k])
         batch = (tokens.unflatten(0, (dp, -1)), targets.unflatten(0, (dp, -1)))
         over_tp, over_dp = (None, None, dims, 0), (0, 0, None, None)
+        if tp_outermost is None:  # instance i = (i // tp, i % tp): a gather onto one dim
+            on_dp, on_tp = torch.arange(dp * tp) // tp, torch.arange(dp * tp) % tp
+            flat = {k: v if dims[k] is None else v.index_select(0, on_tp) for k, v in q.items()}
+            per_instance = vmap(instance_loss, in_dims=(0, 0, dims, 0))
+            return per_instance(*(b.index_select(0, on_dp) for b in batch), flat, on_tp).mean()
         if tp_outermost:
             per_instance = vmap(vmap(instance_loss, in_dims=over_dp), in_dims=over_tp)
         else:
@@ -392,7 +402,11 @@ def simulated(cfg: G.Config, args) -> list[_util.Row]:
         # torch 2.13 has no vmap rule for CPU flash attention: a per-instance loop, for the floor
         # as for the simulated mesh; said once per process, it is no error of this benchmark
         warnings.filterwarnings("ignore", "There is a performance drop because we have not yet")
-        for name, tp_outermost in ((VMAP_FLOOR, True), (VMAP_FLOOR_DP_OUTER, False)):
+        for name, tp_outermost in (
+            (VMAP_FLOOR, True),
+            (VMAP_FLOOR_DP_OUTER, False),
+            (VMAP_ONE_LEVEL, None),
+        ):
             fns[name] = vmap_floor_step(cfg, params, 2, 2, tp_outermost)[0]
             fns[name](*G.batch(cfg, 0))
     medians = interleaved(

@@ -238,6 +238,29 @@ def check_compiled_first(name: str, backend: str) -> dict:
     return {"compiled_first": True, "problems": problems}
 
 
+def check_comm_mode(name: str, backend: str) -> dict:
+    """A compiled call under ``ns.CommMode`` runs eagerly and is counted as the eager call is:
+    ``ns.compile(f, fullgraph=True)`` (decided before Dynamo) and ``torch.compile(f)`` (a graph
+    break around the call); both give the eager call's values there and after."""
+    prog, f = mapped(name)
+    args = prog.args()
+    torch._dynamo.reset()
+    want = evaluate(f, args, 1.0)
+    problems = []
+    for label, compiled in (
+        ("ns.compile", ns.compile(f, backend=backend, fullgraph=True)),
+        ("torch.compile", torch.compile(f, backend=backend)),
+    ):
+        evaluate(compiled, args, 1.0)
+        if eager_counts(compiled, args) != eager_counts(f, args):
+            problems.append(f"{label}: CommMode counts {eager_counts(compiled, args)}")
+        problems += [
+            f"{label}, after CommMode: {p}"
+            for p in differences(evaluate(compiled, args, 1.0), want)
+        ]
+    return {"comm_mode": True, "problems": problems}
+
+
 def check_bucketed(name: str, backend: str) -> dict:
     """``ns.compile`` with Inductor buckets the graph's independent all-reduces: fewer run per
     step than with the bucketing turned off (``data_parallel@4``: the replicated parameters'
@@ -419,9 +442,11 @@ def main() -> None:
     for backend in backends:
         firsts = [n for n in names if n == "megatron_biases@4"] if backend == "aot_eager" else []
         bucketed = ["data_parallel@4", "two_tp_layers"] if backend == "inductor" else []
+        counted = [n for n in names if n == "megatron_biases@4"] if backend == "eager" else []
         for check, todo in (
             (check_program, names),
             (check_compiled_first, firsts),
+            (check_comm_mode, counted),
             (check_bucketed, bucketed),
             (check_error, errors),
         ):

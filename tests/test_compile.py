@@ -84,6 +84,8 @@ def test_compiled_calls_equal_eager(backend):
     results = _run(backend, PROGRAMS, ERRORS if backend == "eager" else [])
     if backend == "aot_eager":  # the eager call after a compiled call made first on its mesh
         assert any(r.get("compiled_first") for r in results)
+    else:  # compiled calls under CommMode (compile_worker.check_comm_mode)
+        assert any(r.get("comm_mode") for r in results)
 
 
 def test_compiled_calls_equal_eager_with_inductor():
