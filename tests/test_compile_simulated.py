@@ -27,7 +27,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 import named_spmd as ns
 from named_spmd import P
-from named_spmd._compile import LIVE_MODULES, library_guard_filter
+from named_spmd._compile import LIVE_MODULES, library_guard_filter, without_library_guards
 from named_spmd.backends.simulated import BACKEND as SIMULATED
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +85,22 @@ def test_ns_compile_drops_the_guards_on_the_package_constants_only():
     )
     for module in LIVE_MODULES:  # a renamed module would lose its guards silently
         importlib.import_module(module)
+
+
+def test_ns_compile_keeps_the_callers_own_guard_filter():
+    """A caller's ``guard_filter_fn`` and the package's both decide: a guard stays where both
+    keep it; with ``mode=`` torch takes no options, and none are added."""
+    names = ["L['x']", "G['torch']", "G['__import_named_spmd_dot__spec'].Vma", "L['y']"]
+    given = {"backend": "eager", "options": {"guard_filter_fn": _keep_all_but_y}}
+    options = without_library_guards(given)
+    both = options["options"]["guard_filter_fn"]
+    assert both([_Entry(n) for n in names]) == [True, True, False, False]
+    assert given["options"]["guard_filter_fn"] is _keep_all_but_y  # the caller's dict untouched
+    assert without_library_guards({"mode": "max-autotune"}) == {"mode": "max-autotune"}
+
+
+def _keep_all_but_y(entries):
+    return [e.name != "L['y']" for e in entries]
 
 
 class _Entry:
