@@ -208,6 +208,18 @@ for _ in range(2):  # one trace: the second step runs the graph
 print("the compiled step: same loss and gradients as the eager step")
 
 # %% [markdown]
+# Under `ns.CommMode` a call of an `ns.compile`d function runs eagerly, so that it is counted
+# (a compiled graph runs no Python to count with); the compiled graph serves the calls after it.
+
+# %%
+with ns.CommMode() as comm:
+    grads_of(compiled_loss(x, w1, w2), (w1, w2))
+with ns.CommMode() as eager_comm:
+    grads_of(mlp_loss(x, w1, w2), (w1, w2))
+assert comm.counts() == eager_comm.counts()
+print(comm.summary())
+
+# %% [markdown]
 # To compile a *piece* of the per-device function (a transformer block, as torchtitan compiles
 # per block), wrap it in `ns.compile` (`torch.compile`'s options): on a real mesh it compiles
 # once with the call's types, its collectives in its graph. In an eager call on the simulated
