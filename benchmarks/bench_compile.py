@@ -29,8 +29,9 @@ Variants, timed interleaved in the same processes (bench_gpt.interleaved):
   Inductor (not fullgraph: torch's own choice of breaks; the vocab-parallel loss runs eagerly
   under ``loss_parallel``, as torch documents it);
 * ``named_spmd eager``: for reference;
-* ``hand-written funcol compiled, a second copy (A/A control)``: the baseline compiled again and
-  timed as a variant: its ratio is the machine's noise (timed only where ``--variants`` names it).
+* ``hand-written funcol compiled, a second copy (A/A control)``: the baseline built again (its
+  own parameters and optimizer, the same compiled code) and timed as a variant: its ratio is the
+  machine's noise (timed only where ``--variants`` names it).
 It also prints the seconds of the first call (trace + compile + run) of each compiled variant.
 
 Every compiled variant runs with Inductor's all-reduce bucketing (``bucket_all_reduces_fx``)
@@ -254,7 +255,7 @@ def worker(args) -> None:
             True,
         ),
         BASELINE: (hand_step, True),
-        # an A/A control: the baseline compiled again, timed as a variant (the machine's noise)
+        # an A/A control: the baseline built again, timed as a variant (the machine's noise)
         BASELINE_COPY: (hand_step, True),
         "hand-written funcol compiled, DTensor parameters": (hand_dt_step, True),
         "named_spmd blocks compiled": (blocks_step, False),
@@ -485,14 +486,13 @@ def guards(args) -> None:
     ):
         frame_fn = fn if hasattr(fn, "__self__") else fn.__call__
         cases[f"{name} compiled"] = (frame_fn, compile(fn, **inductor), params)
-    direct, in_place = {}, {}
+    direct = {}
     with torch.no_grad():
         for name, (fn, compiled, params) in cases.items():
             compiled(tok, tgt, params)
-            check = _guard_check(fn, (tok, tgt, params), _debug_get_cache_entry_list)
-            direct[name] = min(
-                _timed(check, _frame_locals(fn, (tok, tgt, params))) for _ in range(20)
-            )
+            frame = _frame_locals(fn, (tok, tgt, params))
+            check = _guard_check(fn, frame, _debug_get_cache_entry_list)
+            direct[name] = min(_timed(check, frame) for _ in range(20))
         in_place = _in_place_guard_cost(cases, tok, tgt, args.rounds)
     dist.destroy_process_group()
     for name in cases:
@@ -513,10 +513,10 @@ def _frame_locals(fn, call_args: tuple) -> dict:
     return frame
 
 
-def _guard_check(fn, call_args: tuple, entries):
-    """The guard check of the compiled entry of ``fn``'s code that accepts ``call_args``."""
+def _guard_check(fn, frame: dict, entries):
+    """The guard check of the compiled entry of ``fn``'s code that accepts the frame locals
+    ``frame``."""
     code = (fn.__func__ if hasattr(fn, "__self__") else fn).__code__
-    frame = _frame_locals(fn, call_args)
     return next(e.guard_manager.check for e in entries(code) if e.guard_manager.check(frame))
 
 

@@ -18,6 +18,7 @@ import functools
 import importlib
 import os
 import sys
+from types import SimpleNamespace
 
 import optree
 import pytest
@@ -74,15 +75,15 @@ def test_ns_compile_drops_the_guards_on_the_package_constants_only():
     _prog, f = compile_worker.mapped("megatron_biases@4")
     compiled = ns.compile(f, backend="eager", fullgraph=True, options={"guard_filter_fn": record})
     compiled(*_prog.args())
-    dropped = [n for n in offered if not library_guard_filter([_Entry(n)])[0]]
+    dropped = [n for n in offered if not library_guard_filter([SimpleNamespace(name=n)])[0]]
     kept_live = [n for n in offered if "named_spmd_dot__context" in n]
     kept_live += [n for n in offered if "named_spmd_dot__accounting" in n]
     assert len(dropped) > 100, len(dropped)  # the type algebra's memos, the rule tables, ...
     assert all("__import_named_spmd" in n and "L['" not in n for n in dropped), dropped
     assert not any(m.replace(".", "_dot_") in n for n in dropped for m in LIVE_MODULES)
-    assert kept_live and library_guard_filter([_Entry(n) for n in kept_live]) == [True] * len(
-        kept_live
-    )
+    assert kept_live and library_guard_filter([SimpleNamespace(name=n) for n in kept_live]) == [
+        True
+    ] * len(kept_live)
     for module in LIVE_MODULES:  # a renamed module would lose its guards silently
         importlib.import_module(module)
 
@@ -94,18 +95,13 @@ def test_ns_compile_keeps_the_callers_own_guard_filter():
     given = {"backend": "eager", "options": {"guard_filter_fn": _keep_all_but_y}}
     options = without_library_guards(given)
     both = options["options"]["guard_filter_fn"]
-    assert both([_Entry(n) for n in names]) == [True, True, False, False]
+    assert both([SimpleNamespace(name=n) for n in names]) == [True, True, False, False]
     assert given["options"]["guard_filter_fn"] is _keep_all_but_y  # the caller's dict untouched
     assert without_library_guards({"mode": "max-autotune"}) == {"mode": "max-autotune"}
 
 
 def _keep_all_but_y(entries):
     return [e.name != "L['y']" for e in entries]
-
-
-class _Entry:
-    def __init__(self, name: str):
-        self.name = name
 
 
 @pytest.mark.parametrize("name", ["megatron_biases@4", "ring_pass@4", "vocab_parallel_ce"])
