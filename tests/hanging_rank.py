@@ -46,15 +46,19 @@ def main() -> None:
     end = time.monotonic()
     seconds = end - (woke[0] if woke else t0)  # rank 2: from the end of its hang
     print("OUTCOME " + json.dumps({"rank": rank, "seconds": seconds, **out}), flush=True)
-    with open(os.path.join(os.environ["HANG_DIR"], str(rank)), "w") as pid_file:
-        pid_file.write(str(os.getpid()))
+    pid_file = os.path.join(os.environ["HANG_DIR"], str(rank))
+    with open(pid_file + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(pid_file + ".tmp", pid_file)  # atomic: rank 2 never reads a half-written pid
 
 
 def _ended(pid_file: str) -> bool:
     """The peer wrote its pid (it gave up) and its process has ended (a zombie counts): a peer
     still alive holds the collectives it left in flight, which the late psum would pair with."""
     try:
-        with open(pid_file) as f, open(f"/proc/{f.read()}/stat") as stat:
+        with open(pid_file) as f:
+            pid = int(f.read())
+        with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except (FileNotFoundError, ValueError):
         return os.path.exists(pid_file)  # written, and no such process any more
