@@ -8,6 +8,7 @@ and the reported figure is the median over rounds of the per-call time.
 from __future__ import annotations
 
 import gc
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -51,6 +52,22 @@ def compare(
         if gc_was_enabled:
             gc.enable()
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def paired_ratio(
+    candidate: list[float], baseline: list[float], resamples: int = 2000
+) -> tuple[float, float, float]:
+    """The median over rounds of ``candidate[r] / baseline[r]`` (two timings of the same round,
+    taken next to each other), and a 95% bootstrap interval of that median (rounds resampled
+    with replacement, a fixed seed). Pairing cancels the machine's drift between rounds, which
+    a ratio of the two medians keeps: it resolves a few percent where that does not."""
+    ratios = [c / b for c, b in zip(candidate, baseline, strict=True)]
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)
+    )
+    low, high = medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+    return statistics.median(ratios), low, high
 
 
 @dataclass

@@ -285,7 +285,7 @@ def worker(args) -> None:
         losses[name] = [float(reduce(step(*G.batch(cfg, s)))) for s in range(1, 3)]
     first.pop("named_spmd eager", None)  # not compiled
     fns = {name: B.timer_steps(step, cfg, args.steps) for name, step in steps.items()}
-    medians = B.interleaved(fns, args.rounds, args.steps)
+    medians = B.interleaved(fns, args.rounds, args.steps, baseline=BASELINE)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"medians": medians, "first": first, "losses": losses}))
     dist.destroy_process_group()
@@ -639,6 +639,14 @@ def main() -> None:
     rows += _util.rows_with_ratios(BENCH, case + ", CPU time", medians["cpu"], BASELINE, {})
     _util.print_rows(rows)
     _util.write_markdown(args.markdown, rows)
+    print("\npaired: each variant's time over the baseline's in the same round, median over")
+    print(f"{args.rounds} rounds [95% bootstrap interval], wall clock and CPU time:")
+    for name, (ratio, low, high) in medians["paired wall"].items():
+        c_ratio, c_low, c_high = medians["paired cpu"][name]
+        print(
+            f"  {name:<62} {ratio:.3f}x [{low:.3f}, {high:.3f}]"
+            f"   CPU {c_ratio:.3f}x [{c_low:.3f}, {c_high:.3f}]"
+        )
 
 
 if __name__ == "__main__":

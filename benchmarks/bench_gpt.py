@@ -49,6 +49,7 @@ import statistics
 import sys
 import time
 import warnings
+from typing import Any
 
 import _gpt as G
 import _util
@@ -344,11 +345,15 @@ def timer_steps(step, cfg: G.Config, number: int):
     return run
 
 
-def interleaved(fns: dict, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+def interleaved(
+    fns: dict, rounds: int, steps: int, baseline: str | None = None
+) -> dict[str, dict[str, Any]]:
     """Seconds per step, wall clock and this process's CPU time: the median over rounds of the
     slowest rank, each round timing ``steps`` steps (between barriers on a real mesh), in a
     shuffled order (the same on every rank). CPU time moves less than the wall clock when
-    other work shares the machine, but leaves out time spent waiting for peers."""
+    other work shares the machine, but leaves out time spent waiting for peers. With a
+    ``baseline``, also ``"paired wall"`` and ``"paired cpu"``: each variant's median ratio to it
+    within a round, with a 95% interval (``_util.paired_ratio``)."""
     distributed = dist.is_initialized()
     for fn in fns.values():
         fn()  # warm up
@@ -369,13 +374,22 @@ def interleaved(fns: dict, rounds: int, steps: int) -> dict[str, dict[str, float
             gc.collect()
     finally:
         gc.enable()
-    out: dict[str, dict[str, float]] = {"wall": {}, "cpu": {}}
+    out: dict[str, dict[str, Any]] = {"wall": {}, "cpu": {}}
+    rounds_of: dict[str, dict[str, list[float]]] = {"wall": {}, "cpu": {}}
     for name, s in samples.items():
         t = torch.tensor(s, dtype=torch.float64)
         if distributed:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-        out["wall"][name] = statistics.median(t[:, 0].tolist()) / steps
-        out["cpu"][name] = statistics.median(t[:, 1].tolist()) / steps
+        for column, clock in enumerate(("wall", "cpu")):
+            rounds_of[clock][name] = t[:, column].tolist()
+            out[clock][name] = statistics.median(rounds_of[clock][name]) / steps
+    if baseline is not None:
+        for clock, times in rounds_of.items():
+            out["paired " + clock] = {
+                name: _util.paired_ratio(t, times[baseline])
+                for name, t in times.items()
+                if name != baseline
+            }
     return out
 
 
