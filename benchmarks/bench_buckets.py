@@ -28,12 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import statistics
-import time
 
 import _gpt as G
 import _util
+import bench_gpt as B
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -143,35 +141,6 @@ def check(cfg, variants: dict, steps: int) -> float:
     return err
 
 
-def interleaved(fns: dict, rounds: int, steps: int) -> tuple[dict, dict]:
-    """Seconds per step: median over rounds of the slowest rank, wall clock and CPU time of the
-    process (its threads, gloo's included). On a loaded machine the wall clock includes waiting
-    for a descheduled peer at every collective; the CPU time does not."""
-    for fn in fns.values():
-        fn()  # warm up
-    wall: dict[str, list[float]] = {name: [] for name in fns}
-    cpu: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(rounds):
-        order = list(fns)
-        random.Random(r).shuffle(order)  # the same order on every rank
-        for name in order:
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            fns[name]()
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    return _slowest(wall, steps), _slowest(cpu, steps)
-
-
-def _slowest(samples: dict[str, list[float]], steps: int) -> dict[str, float]:
-    out = {}
-    for name, s in samples.items():
-        t = torch.tensor(s, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out[name] = statistics.median(t.tolist()) / steps
-    return out
-
-
 def worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -186,7 +155,8 @@ def worker(args) -> None:
     for name, make in variants.items():
         step = make(params)[0]
         fns[name] = lambda step=step: [step(tok, tgt) for _ in range(args.steps)]
-    medians, cpu = interleaved(fns, args.rounds, args.steps)
+    timed = B.interleaved(fns, args.rounds, args.steps)
+    medians, cpu = timed["wall"], timed["cpu"]
     ns.set_grad_bucket_mb(None)
     if rank == 0:
         print("RESULT " + json.dumps({"medians": medians, "cpu": cpu, "error": err}), flush=True)
