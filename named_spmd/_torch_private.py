@@ -127,6 +127,39 @@ def hook_wrapper_printing(text: Any, formatted: Any) -> None:
     _PRINT_HOOKS.update(text=text, formatted=formatted)
 
 
+# --- entering a grad level ----------------------------------------------------------------------
+# torch.func.grad, grad_and_value and vjp (so jacrev and hessian too) enter their grad level
+# through one context manager, which looks up ``_grad_increment_nesting`` /
+# ``_grad_decrement_nesting`` as globals of eager_transforms at each call. The simulated backend
+# wraps those two names to learn when a grad level is entered inside its call (its implicit pvary
+# then needs a real op: backends/simulated/_inner_grad.py), at no cost to any other code. Dynamo
+# traces the context manager itself (by identity), never these globals, so compiled code is
+# unaffected.
+_GRAD_HOOKS: dict[str, Any] = {}
+
+
+def hook_grad_levels(entered: Any, leaving: Any) -> None:
+    """``entered(level)`` right after a grad level is entered, ``leaving(level)`` right before
+    one is left (also when the transform raises). Installed once."""
+    if not _GRAD_HOOKS:
+        import torch._functorch.eager_transforms as eager
+
+        increment, decrement = eager._grad_increment_nesting, eager._grad_decrement_nesting
+
+        def grad_increment_nesting() -> int:
+            level = increment()
+            _GRAD_HOOKS["entered"](level)
+            return level
+
+        def grad_decrement_nesting() -> Any:
+            _GRAD_HOOKS["leaving"](functorch.maybe_current_level())
+            return decrement()
+
+        eager._grad_increment_nesting = grad_increment_nesting
+        eager._grad_decrement_nesting = grad_decrement_nesting
+    _GRAD_HOOKS.update(entered=entered, leaving=leaving)
+
+
 # --- autograd ----------------------------------------------------------------------------------
 # Function.apply binds its arguments in Python (~10 us) when setup_context is defined; the C
 # apply skips that where no torch.func transform needs the Python path.

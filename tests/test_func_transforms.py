@@ -11,19 +11,25 @@ plain, and while a CommMode records (which pushes a TorchFunctionMode inside the
 from __future__ import annotations
 
 import contextlib
+import functools
+import random
+import types
 
 import pytest
 import torch
+from _programs import torch_ops
 from _reference import assert_close_within
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import named_spmd as ns
 from named_spmd import P
+from named_spmd.backends.simulated import _levels
 
 F64 = torch.float64
 TOL = 1e-10
 MESH = ns.make_mesh((2, 2), ("a", "b"))
 SWAP = [(0, 1), (1, 0)]
+TORCH_OPS = torch_ops(ns)
 
 
 def _randn(*shape, seed):
@@ -88,6 +94,12 @@ def grad_inside_w(x, w, k):
     # w is invariant; with an explicit pvary its transpose is a psum, so the result is the full,
     # invariant dL/dW, as jax.grad inside shard_map gives.
     return grad(lambda w: inner_loss(x, ns.pvary(w, ("a", "b")), k))(w)
+
+
+@ns.spmd_map(mesh=MESH, in_specs=(P("a", "b"), P(), P("a", None)), out_specs=P())
+def grad_inside_w_implicit(x, w, k):
+    # the same without the pvary: the implicit cast where w meets the varying rows sums too
+    return grad(lambda w: inner_loss(x, w, k))(w)
 
 
 @ns.spmd_map(mesh=MESH, in_specs=(P("a", "b"), P(), P("a", None)), out_specs=P("a", "b"))
@@ -172,6 +184,10 @@ INSIDE = {
         lambda: grad_inside_w(X, W, K),
         lambda: torch.func.grad(dense_loss, argnums=1)(X, W, K),
     ),
+    "grad inside (invariant input, implicit pvary)": (
+        lambda: grad_inside_w_implicit(X, W, K),
+        lambda: torch.func.grad(dense_loss, argnums=1)(X, W, K),
+    ),
     "grad of user vmap inside": (
         lambda: grad_of_vmap_inside(X, W, K),
         lambda: _dense_grad_x(X, W, K),
@@ -189,6 +205,14 @@ INSIDE = {
 @pytest.fixture(params=["plain", "recording"])
 def mode(request):
     """Run each entry plain and under a recording CommMode (the implicit-pvary mode path)."""
+    return ns.CommMode() if request.param == "recording" else contextlib.nullcontext()
+
+
+@pytest.fixture(params=["plain", "recording", "fallback"])
+def path_and_mode(request, monkeypatch):
+    """As ``mode``, and once with every level primitive through the fallback Functions."""
+    if request.param == "fallback":
+        monkeypatch.setattr(_levels, "FAST", False)
     return ns.CommMode() if request.param == "recording" else contextlib.nullcontext()
 
 
@@ -211,21 +235,142 @@ def test_transform_inside(name, mode):
     close(got, dense(), name)
 
 
-def test_grad_inside_of_implicitly_varying_value_is_per_instance():
-    """Documented difference from JAX (see spmd_map's docstring): without the explicit pvary,
-    the simulated backend inserts none, so an inner grad w.r.t. an invariant value used with
-    varying data is this instance's contribution (varying), not their psum. The out_specs check
-    catches a replicated claim; naming the axes returns the contributions, which sum to dL/dW."""
+# --- inside, on random programs with implicit pvary, against JAX's shard_map -----------------------
+#
+# An invariant value that meets varying ones is cast implicitly (pvary); under a grad inside the
+# per-device function the cast's transpose, a psum over the axes, must run inside that grad, as
+# jax.grad inside shard_map does (the simulated mesh otherwise gives each instance's own
+# contribution). Each program is a random straight-line mix of elementwise ops, implicit casts and
+# collectives over three inputs (varying over every axis, invariant, varying over one axis), all
+# of which are differentiated; the same program and transform run in jax.shard_map.
 
-    @ns.spmd_map(mesh=MESH, in_specs=(P("a", "b"), P(), P("a", None)), out_specs=P())
-    def claims_replicated(x, w, k):
-        return grad(lambda w: inner_loss(x, w, k))(w)
+NAMES = ("a", "b")
+L = 3  # every value is a local vector of L elements
+RANDOM_SEEDS = range(8)
+RANDOM_TRANSFORMS = ["grad", "vjp", "jacrev", "jacfwd", "hessian", "jvp"]
+_STEP_KINDS = "tanh mul add scale_sum psum pmean pvary ppermute all_gather".split()
 
-    with pytest.raises(ns.VmaError, match="varies over"):
-        claims_replicated(X, W, K)
 
-    @ns.spmd_map(mesh=MESH, in_specs=(P("a", "b"), P(), P("a", None)), out_specs=P())
-    def summed(x, w, k):
-        return ns.psum(grad(lambda w: inner_loss(x, w, k))(w), ("a", "b"))
+def draw_program(seed: int) -> tuple[str, list[tuple]]:
+    """(the axis the third input varies over, the steps), drawn with a type model so that every
+    program is valid in JAX too (collectives reduce or move axes their operand varies over)."""
+    rng = random.Random(seed)
+    c_axis = rng.choice(NAMES)
+    vmas = [frozenset(NAMES), frozenset(), frozenset({c_axis})]
+    steps: list[tuple] = []
+    while len(steps) < 4 or (len(steps) < 8 and rng.random() < 0.7):
+        i, j = rng.randrange(len(vmas)), rng.randrange(len(vmas))
+        kind, v = rng.choice(_STEP_KINDS), vmas[i]
+        present, absent = sorted(v), [a for a in NAMES if a not in v]
+        if kind in ("psum", "pmean") and present:
+            axes = tuple(rng.sample(present, rng.randint(1, len(present))))
+            steps.append((kind, i, axes))
+            vmas.append(v - set(axes))
+        elif kind == "pvary" and absent:
+            axes = tuple(rng.sample(absent, rng.randint(1, len(absent))))
+            steps.append((kind, i, axes))
+            vmas.append(v | set(axes))
+        elif kind == "ppermute" and present:
+            steps.append((kind, i, rng.choice(present)))
+            vmas.append(v)
+        elif kind == "all_gather" and present:
+            axis, to = rng.choice(present), rng.choice(["varying", "invariant"])
+            steps.append((kind, i, (axis, to)))
+            vmas.append(v if to == "varying" else v - {axis})
+        elif kind in ("mul", "add", "scale_sum"):  # an implicit pvary wherever the types differ
+            steps.append((kind, i, j))
+            vmas.append(v | vmas[j])
+        else:
+            steps.append(("tanh", i, None))
+            vmas.append(v)
+    return c_axis, steps
 
-    close(summed(X, W, K), torch.func.grad(dense_loss, argnums=1)(X, W, K))
+
+def random_program(o, steps, x, w, c):
+    pool = [x, w, c]
+    for kind, i, p in steps:
+        a = pool[i]
+        if kind == "tanh":
+            r = o.tanh(a)
+        elif kind == "mul":
+            r = a * pool[p]
+        elif kind == "add":
+            r = a + pool[p]
+        elif kind == "scale_sum":
+            r = a * o.tanh(o.sum(pool[p]))
+        elif kind in ("psum", "pmean", "pvary"):
+            r = getattr(o, kind)(a, p)
+        elif kind == "ppermute":
+            r = o.ppermute(a, p, SWAP)
+        else:
+            r = o.sum(o.tanh(o.all_gather(a, p[0], axis=0, to=p[1])), 0)
+        pool.append(r)
+    # every input reaches the output, the invariant one through an implicit pvary
+    return pool[-1] + o.pmean(o.tanh(x * w * c), NAMES)
+
+
+def transformed_inside(name, o, T, steps, x, w, c):
+    """Transform ``name`` of the program inside the per-device function (``T``: torch.func or
+    jax): a tuple of local vectors, one per input (shaped like it) or the jvp's tangent."""
+    args = (x, w, c)
+    f = lambda *a: random_program(o, steps, *a)  # noqa: E731
+    loss = lambda *a: o.sum(f(*a))  # noqa: E731
+    if name == "grad":
+        return tuple(T.grad(loss, argnums=(0, 1, 2))(*args))
+    if name == "vjp":
+        out, pull = T.vjp(f, *args)
+        return tuple(pull(o.tanh(out)))
+    if name in ("jacrev", "jacfwd"):
+        return tuple(o.sum(j, 0) for j in getattr(T, name)(f, argnums=(0, 1, 2))(*args))
+    if name == "hessian":
+        h = T.hessian(loss, argnums=(0, 1, 2))(*args)
+        return tuple(o.sum(h[i][0], 1) + o.sum(h[i][1], 1) + o.sum(h[i][2], 1) for i in range(3))
+    assert name == "jvp", name
+    return (T.jvp(f, args, tuple(o.tanh(a) for a in args))[1],)
+
+
+def random_inputs(seed: int, c_axis: str):
+    specs = (P(NAMES), P(), P(c_axis))
+    return specs, (_randn(4 * L, seed=seed), _randn(L, seed=seed + 1), _randn(2 * L, seed=seed + 2))
+
+
+def random_inside(seed: int, name: str, mesh=MESH):
+    """The named_spmd run of program ``seed`` under transform ``name`` inside, on ``mesh``."""
+    c_axis, steps = draw_program(seed)
+    specs, args = random_inputs(seed, c_axis)
+    per_device = functools.partial(transformed_inside, name, TORCH_OPS, torch.func, steps)
+    return ns.spmd_map(per_device, mesh=mesh, in_specs=specs, out_specs=P(NAMES))(*args)
+
+
+@functools.cache
+def _jax_random_inside(seed: int) -> dict:
+    import _jax
+
+    jax = _jax.jax_module()
+    c_axis, steps = draw_program(seed)
+    specs, args = random_inputs(seed, c_axis)
+    T = types.SimpleNamespace(**{k: getattr(jax, k) for k in RANDOM_TRANSFORMS})
+
+    def prog(o, x, w, c):
+        return {k: transformed_inside(k, o, T, steps, x, w, c) for k in RANDOM_TRANSFORMS}
+
+    return _jax.run_jax(prog, (2, 2), NAMES, specs, P(NAMES), *args)
+
+
+@pytest.mark.parametrize("name", RANDOM_TRANSFORMS)
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+def test_random_inside_matches_jax(seed, name, path_and_mode):
+    pytest.importorskip("jax")
+    with path_and_mode:
+        got = random_inside(seed, name)
+    close(got, _jax_random_inside(seed)[name], f"{name} inside, program {seed}")
+
+
+def test_random_programs_mix_types_inside_the_transforms():
+    """The draws are not vacuous: every program casts implicitly, and together they use every
+    step kind, among them each collective."""
+    kinds = set()
+    for seed in RANDOM_SEEDS:
+        _, steps = draw_program(seed)
+        kinds |= {k for k, _, _ in steps}
+    assert kinds == set(_STEP_KINDS)

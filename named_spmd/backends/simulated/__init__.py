@@ -14,6 +14,7 @@ primitives); ``_plan``
 (nesting order, cached input / output plans); ``_levels`` (the per-level primitives and their
 fallback Functions); ``_lowered`` (the primitives under a grad / jvp inside the per-device
 function); ``_recording`` (implicit-pvary accounting while a ``CommMode`` records);
+``_inner_grad`` (implicit pvary under a torch.func.grad / vjp inside the per-device function);
 ``_instances`` (a value's per-instance blocks: printing inside the function); ``_diagnose`` (torch
 errors of the user's code told per instance); ``_traced`` (the compile path: a call traced by
 torch.compile, under public vmap, loaded only then).
@@ -35,14 +36,17 @@ from ..._accounting import recording
 from ..._errors import SpmdError, VmaError, fn_label
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
+from . import _inner_grad, _one_instance
 from . import _instances as _instances  # installs the per-instance printing of values
-from . import _one_instance
 from ._compiled import compiled_pieces_eagerly
 from ._diagnose import explained
 from ._marks import PartialMode
 from ._plan import _input_plan, from_physical, partial_input
 from ._primitives import SimulatedContext
 from ._recording import ImplicitPvaryRecorder
+
+# a grad level entered inside a call casts its implicit pvarys (``_inner_grad``)
+P.hook_grad_levels(_inner_grad.entered, _inner_grad.leaving)
 
 
 def _run_body(body, local, ctx: SimulatedContext, blocks: bool) -> list[torch.Tensor]:

@@ -75,7 +75,7 @@ class GatherLevel(torch.autograd.Function):
         else:
             x = x.movedim(xd, 0)
         # physical [n, k outer-peeled dims, *local] -> unbatched here: [k dims, n, *local]
-        return x.movedim(0, k), None
+        return _not_a_view(x.movedim(0, k)), None
 
 
 class VaryLevel(torch.autograd.Function):
@@ -103,8 +103,16 @@ class VaryLevel(torch.autograd.Function):
         if td is None:
             return _pass_through(VaryLevel, x, xd, token, k)
         if xd is not None:  # already varying: nothing to do
-            return x, xd
-        return x.unsqueeze(0).expand(info.batch_size, *x.shape), 0
+            return _not_a_view(x), xd
+        return _not_a_view(x.unsqueeze(0).expand(info.batch_size, *x.shape)), 0
+
+
+def _not_a_view(x: torch.Tensor) -> torch.Tensor:
+    # Under a jvp above, autograd gives a Function's output that is a view of its input (or the
+    # input itself) its tangent by a copy into the view of the input's tangent, which overlapping
+    # memory (an expand, a cotangent basis) refuses. The fallback is off the fast path, and a copy
+    # costs little next to its Python.
+    return x.clone()
 
 
 # --- fast path ----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from . import _levels
 # (``k`` counts the peeled dims). Once only vmaps remain above, the fast path takes over.
 
 _FUNCTIONALIZE = P.TransformType.Functionalize
+_JVP = P.TransformType.Jvp
 
 
 def _lowered(fn_above, again, x, token, n, level, top, k):
@@ -69,6 +70,10 @@ def _run_lowered(primitive, x, token, n, level, top, k, interpreter):
     inner = P.unwrap_for_grad(x, own)
     with torch.enable_grad(), P.set_fwd_grad_enabled(True), interpreter.lower():
         out = primitive(inner, token, n, level, top, k)
+        if interpreter.key() == _JVP:
+            # A result that is a view of ``x`` (a gather, a vary) gets its tangent by a copy into
+            # the view of x's tangent, which overlapping memory (an expand) refuses.
+            out = out.clone()
     return P.wrap_for_grad(out, own)
 
 
