@@ -123,6 +123,15 @@ def test_torch_func_transforms_inside_the_function_agree_with_simulated():
     mesh = ns.make_mesh((2,), ("x",), simulated=True)
     for o in outcomes:
         want = transforms_inside.run(o["name"], mesh)
+        dense = transforms_inside.DENSE.get(o["name"])
+        if dense is not None:  # both backends against the definition, not only each other
+            assert "value" in want, want
+            torch.testing.assert_close(
+                torch.tensor(want["value"], dtype=torch.float64),
+                dense(*transforms_inside.arguments()),
+                rtol=1e-12,
+                atol=1e-12,
+            )
         if "error" in want:
             assert o.get("error") == want["error"], (o, want)
             assert o["message"] == want["message"], (o["message"], want["message"])

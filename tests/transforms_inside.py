@@ -54,6 +54,20 @@ def jvp_inside(x, w):
     return torch.func.jvp(lambda v: v.exp() * w, (x,), (torch.ones_like(x),))[1]
 
 
+# An invariant value meeting a varying one inside a grad: the implicit pvary's transpose sums the
+# gradient over the instances, as jax.grad inside shard_map does (values in DENSE).
+def grad_of_pmean_mixed(x, w):
+    return torch.func.grad(lambda v: (ns.pmean(v, "x") * x).sum())(x)
+
+
+def grad_of_invariant_input(x, w):
+    return torch.func.grad(lambda u: (torch.sin(u) * x).sum())(w)
+
+
+def hessian_of_invariant_input(x, w):
+    return torch.func.hessian(lambda u: (torch.sin(u) * x).sum())(w).sum(0)
+
+
 PROGRAMS = {
     "vjp_claimed_replicated": (vjp_claimed_replicated, P()),
     "vmap_mixing_invariant": (vmap_mixing_invariant, P("x")),
@@ -63,6 +77,21 @@ PROGRAMS = {
     "grad_and_value_inside": (grad_and_value_inside, P("x")),
     "grads_through_collectives": (grads_through_collectives, P("x")),
     "jvp_inside": (jvp_inside, P("x")),
+    "grad_of_pmean_mixed": (grad_of_pmean_mixed, P("x")),
+    "grad_of_invariant_input": (grad_of_invariant_input, P()),
+    "hessian_of_invariant_input": (hessian_of_invariant_input, P()),
+}
+
+
+def _blocks(x):  # the two instances' blocks of x
+    return x[:4], x[4:]
+
+
+#: the global output of a program, computed on one device from the definitions (JAX's semantics)
+DENSE = {
+    "grad_of_pmean_mixed": lambda x, w: (sum(_blocks(x)) / 2).repeat(2),
+    "grad_of_invariant_input": lambda x, w: torch.cos(w) * sum(_blocks(x)),
+    "hessian_of_invariant_input": lambda x, w: -torch.sin(w) * sum(_blocks(x)),
 }
 
 
