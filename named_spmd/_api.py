@@ -526,12 +526,10 @@ def spmd_map(
     holding the global value, since functorch cannot wrap a DTensor. ``torch.func.grad`` (or vjp / jvp)
     *inside* ``f`` differentiates the per-instance function, as ``jax.grad`` inside
     ``shard_map`` does: collectives transpose per instance (psum -> pvary, all_gather ->
-    psum_scatter, all_to_all -> swapped all_to_all, ppermute -> reversed pairs, explicit
-    ``pvary`` -> psum), so the gradient of a psum'd loss w.r.t. a varying input is this
-    instance's block of the global gradient. One difference from JAX on the simulated mesh: an
-    invariant value mixed *implicitly* with varying ones is not summed over those axes (the inner
-    gradient is this instance's contribution, typed varying); call ``ns.pvary(w, axes)`` on it
-    first to get JAX's invariant total. ``Tensor.backward`` / ``torch.autograd.grad`` cannot run
+    psum_scatter, all_to_all -> swapped all_to_all, ppermute -> reversed pairs, ``pvary`` ->
+    psum, the implicit one included), so the gradient of a psum'd loss w.r.t. a varying input is
+    this instance's block of the global gradient, and w.r.t. an invariant one the invariant
+    total. ``Tensor.backward`` / ``torch.autograd.grad`` cannot run
     inside ``f`` on the simulated mesh (functorch refuses them under vmap).
 
     Example:

@@ -22,8 +22,8 @@ from _reference import assert_close_within
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import named_spmd as ns
-from named_spmd import P
-from named_spmd.backends.simulated import _levels
+from named_spmd import P, _torch_private
+from named_spmd.backends.simulated import _inner_grad, _levels
 
 F64 = torch.float64
 TOL = 1e-10
@@ -374,3 +374,43 @@ def test_random_programs_mix_types_inside_the_transforms():
         _, steps = draw_program(seed)
         kinds |= {k for k, _, _ in steps}
     assert kinds == set(_STEP_KINDS)
+
+
+def _inner_grad_modes() -> int:
+    stack = [
+        _torch_private.function_mode_at(i) for i in range(_torch_private.function_mode_depth())
+    ]
+    return sum(isinstance(m, _inner_grad.InnerGradMode) for m in stack)
+
+
+def test_the_implicit_pvary_mode_is_on_only_while_a_grad_inside_is_open():
+    """A call with no grad inside pays nothing (no mode); a grad inside, nested ones included,
+    pushes one, which leaves with the outermost grad, also when the function raises in it."""
+    seen = []
+
+    def loss(u, x):
+        seen.append(_inner_grad_modes())
+        return (u * x).sum()
+
+    def per_device(x, w):
+        seen.append(_inner_grad_modes())
+        g = grad(lambda u: loss(u, x) + grad(lambda v: loss(v, x))(u).sum())(w)
+        seen.append(_inner_grad_modes())
+        return g
+
+    f = ns.spmd_map(per_device, mesh=MESH, in_specs=(P(("a", "b")), P()), out_specs=P())
+    close(f(_randn(8, seed=10), W[0, :2]), _randn(8, seed=10).reshape(4, 2).sum(0))
+    assert seen == [0, 1, 1, 0]
+
+    def raises(x, w):
+        def fails(u):
+            raise ValueError("inside the grad")
+
+        return grad(fails)(w)
+
+    g = ns.spmd_map(raises, mesh=MESH, in_specs=(P(("a", "b")), P()), out_specs=P())
+    with pytest.raises(ValueError, match="inside the grad"):
+        g(_randn(8, seed=10), W[0, :2])
+    assert _inner_grad_modes() == 0
+    grad(lambda u: (u * u).sum())(W[0])  # a grad outside any call pushes nothing either
+    assert _inner_grad_modes() == 0 and not _inner_grad._open.modes
