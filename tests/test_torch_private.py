@@ -143,6 +143,38 @@ def test_printing_hooks_answer_first_for_wrapped_tensors_only(monkeypatch):
     assert texts[0].startswith("BatchedTensor(lvl=1, bdim=0, value=")
 
 
+def test_grad_level_hooks_see_every_grad_like_transform_enter_and_leave(monkeypatch):
+    """torch.func grad, grad_and_value, vjp, jacrev and hessian reach the hooks with their grad
+    level (jvp and vmap do not enter one); leaving is reported at that level, also when the
+    function raises (the simulated backend's implicit pvary under a grad inside a call)."""
+    import named_spmd.backends.simulated  # noqa: F401 - installs the hooks
+
+    seen: list[tuple[str, int | None]] = []
+    monkeypatch.setitem(P._GRAD_HOOKS, "entered", lambda level: seen.append(("in", level)))
+    monkeypatch.setitem(P._GRAD_HOOKS, "leaving", lambda level: seen.append(("out", level)))
+    x = torch.ones(3)
+    f = lambda u: (u * u).sum()  # noqa: E731
+    for transform in (
+        lambda: torch.func.grad(f)(x),
+        lambda: torch.func.grad_and_value(f)(x),
+        lambda: torch.func.vjp(f, x),
+        lambda: torch.func.jacrev(torch.sin)(x),
+    ):
+        seen.clear()
+        transform()
+        assert seen == [("in", 1), ("out", 1)]
+    seen.clear()
+    torch.func.hessian(f)(x)  # jacfwd (a jvp level, then vmap) of jacrev
+    assert seen == [("in", 3), ("out", 3)]
+    seen.clear()
+    torch.func.jvp(torch.sin, (x,), (x,))
+    torch.func.vmap(torch.sin)(x)
+    assert seen == []
+    with pytest.raises(ValueError):
+        torch.func.grad(lambda u: (_ for _ in ()).throw(ValueError()))(x)
+    assert seen == [("in", 1), ("out", 1)]
+
+
 def test_grad_tracking_tensors_are_recognised():
     kinds = []
 
