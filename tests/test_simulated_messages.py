@@ -359,3 +359,65 @@ def test_an_error_under_a_vmap_around_the_call_is_not_replayed_per_instance():
         err
     )
     assert "`Tensor.view`(f32[2,5]{dp}, 7, -1)" in str(err)
+
+
+def _expanded():
+    return torch.arange(4.0).expand(2, 4)  # two rows, one memory
+
+
+def test_an_inplace_write_into_an_expanded_input_every_instance_refuses_says_so():
+    """Invariant (P()), each instance's block is the whole expanded tensor: its rank on a real
+    mesh raises torch's error too, and the message says so (not that a real mesh runs it)."""
+
+    def bump(x):
+        x.add_(1)
+        return x
+
+    mesh = ns.make_mesh((2,), ("a",))
+    err = _error_of(lambda: ns.spmd_map(bump, mesh=mesh, in_specs=P(), out_specs=P())(_expanded()))
+    ref = _error_of(lambda: _expanded().add_(1))  # the block every rank holds
+    assert isinstance(err, ns.SpmdError) and isinstance(err, type(ref))
+    assert f"{type(ref).__name__}: {ref}" in str(err)
+    assert "every instance raises on its own" in str(err) and "real mesh runs it" not in str(err)
+    assert "spmd_map of `test_an_inplace_write" in str(err)
+
+
+def test_an_inplace_write_into_an_expanded_input_only_the_batched_run_refuses_says_why():
+    """Split over "a", each instance's block is one row: alone (as its rank on a real mesh) it
+    takes the write; only the simulated mesh, writing both rows of one memory at once, refuses.
+    The message says so and its fix (a materialized input) runs."""
+
+    def bump(x):
+        x.add_(1)
+        return x
+
+    mesh = ns.make_mesh((2,), ("a",))
+    f = ns.spmd_map(bump, mesh=mesh, in_specs=P("a"), out_specs=P("a"))
+    _expanded()[:1].add_(1)  # the reference: one instance's own block takes it
+    err = _error_of(lambda: f(_expanded()))
+    assert isinstance(err, ns.SpmdError) and isinstance(err.__cause__, RuntimeError)
+    assert "no instance raises it on its own" in str(err) and "share memory" in str(err)
+    assert "x.contiguous()" in str(err)
+    torch.testing.assert_close(f(_expanded().contiguous()), _expanded() + 1)
+
+
+def test_an_op_vmap_has_no_batching_rule_for_is_not_called_a_write():
+    """torch.narrow with a tensor start has no batching rule (its .Tensor overload); a real mesh
+    runs it. The message names the op and the fix (a Python int start), which runs."""
+    mesh = ns.make_mesh((2,), ("a",))
+    x = torch.arange(8.0)
+
+    def window(x, start):
+        return torch.narrow(x, 0, start, 2)
+
+    f = ns.spmd_map(
+        lambda x: window(x, torch.tensor(1)), mesh=mesh, in_specs=P("a"), out_specs=P("a")
+    )
+    err = _error_of(lambda: f(x))
+    assert type(err) is ns.SpmdError and not isinstance(err, ns.VmaError)
+    message = str(err)
+    assert "no batching rule for `aten::narrow.Tensor`" in message
+    assert "no write is involved" in message and "in-place" not in message
+    assert "Python int" in message and "torch.narrow(x, 0, 1, 2)" in message
+    g = ns.spmd_map(lambda x: window(x, 1), mesh=mesh, in_specs=P("a"), out_specs=P("a"))
+    torch.testing.assert_close(g(x), torch.cat([window(b, 1) for b in x.chunk(2)]))

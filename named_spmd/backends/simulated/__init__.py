@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -204,6 +205,38 @@ _INPLACE_UNDER_VMAP = (
 )
 
 
+# vmap's message for an op it cannot batch, naming the aten op and overload
+_NO_BATCHING_RULE = re.compile(r"Batching rule not implemented for (aten::[\w.]+)")
+
+
+def _writes(op: str) -> bool:
+    """Whether aten ``op`` (``aten::name.overload``) writes into an argument: an in-place
+    variant (``add_``) or an ``out=`` overload (``add.out``, ``sum.IntList_out``)."""
+    name, _, overload = op.removeprefix("aten::").partition(".")
+    return name.endswith("_") or overload == "out" or overload.endswith("_out")
+
+
+def _no_batching_rule(op: str, error: RuntimeError, where: str) -> SpmdError:
+    if op.endswith(".Tensor"):
+        fix = (
+            "Its `.Tensor` form takes as a tensor an argument that torch also takes as a Python "
+            "number (a start, length, index or size). Fix: pass a Python int there, e.g. "
+            "torch.narrow(x, 0, 1, 2) rather than torch.narrow(x, 0, torch.tensor(1), 2); a "
+            "position known only as a tensor can select with torch.index_select instead."
+        )
+    else:
+        fix = (
+            "Fix: an equivalent that vmap batches (Python numbers rather than tensors for "
+            "scalar arguments, indexing, torch.index_select or torch.gather)."
+        )
+    return SpmdError(
+        f"{where}: the simulated mesh runs every instance at once under torch.func.vmap, which "
+        f"has no batching rule for `{op}` (the op with these argument types); no write is "
+        f"involved, and a real mesh, each rank running its own block, needs none:\n  {error}\n"
+        + fix
+    )
+
+
 def _raised_in_checkpoint(error: BaseException) -> bool:
     tb = error.__traceback__
     while tb is not None:
@@ -236,6 +269,9 @@ class SimulatedBackend:
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         text = str(error)
+        missing = _NO_BATCHING_RULE.search(text)
+        if missing is not None and not _writes(missing.group(1)):
+            return _no_batching_rule(missing.group(1), error, where)
         if any(s in text for s in _INPLACE_UNDER_VMAP):
             return VmaError(
                 f"{where}: an in-place write failed under the simulated mesh:\n  {error}\n"

@@ -64,6 +64,8 @@ _FAMILY: dict[type[BaseException], type[SpmdError]] = {
     TypeError: SpmdTypeError,
     NotImplementedError: SpmdNotImplementedError,
 }
+# torch's message for a write into memory that several elements share (an expanded tensor)
+_OVERLAP = "more than one element of the written-to tensor refers to a single memory location"
 # The classes torch raises for operands it rejects.
 _TORCH_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
 
@@ -168,6 +170,16 @@ class _Failure:
                 "dim. torch's message under the simulated mesh, which counts the mesh's batch "
                 "dims, is the __cause__."
             )
+        if self.replayed and _OVERLAP in str(error):
+            return error_class(type(error))(
+                f"{where} under the simulated mesh, though no instance raises it on its own:\n"
+                f"  {type(error).__name__}: {error}\n"
+                "The instances' blocks of the tensor written share memory (an expanded tensor, "
+                "its copies along a mesh axis one memory), and the simulated mesh writes every "
+                "instance at once; on a real mesh each rank writes its own block and runs it. "
+                "Fix: pass the input materialized (x.contiguous() before the call), or compute "
+                "out of place (y = x + 1 rather than x.add_(1))."
+            )
         if self.replayed:
             return error_class(type(error))(
                 f"{where} under the simulated mesh, though no instance raises it on its own:\n"
@@ -222,13 +234,24 @@ def _alone(
         swap = {}
         for key, view in views.items():
             block = view.block(coords)
-            swap[key] = block.clone() if writes else block
+            swap[key] = _copy_to_write(block) if writes else block
         own_args, own_kwargs = swap_operands(args, kwargs, swap)
         try:
             func(*own_args, **(own_kwargs or {}))
         except Exception as e:
             return coords, e
     return None
+
+
+def _copy_to_write(block: torch.Tensor) -> torch.Tensor:
+    """A copy of ``block`` with its memory layout where that decides whether a write succeeds:
+    the dims an expand shares (stride 0) stay shared, so an in-place write into an expanded
+    input fails on the copy as on that instance's own block (and its rank on a real mesh)."""
+    shared = [s == 0 and n > 1 for n, s in zip(block.shape, block.stride())]
+    if not any(shared):
+        return block.clone()
+    one = tuple(slice(0, 1) if d else slice(None) for d in shared)
+    return block[one].clone().expand(block.shape)
 
 
 def _call_text(ctx: Any, func: Any, args: tuple, kwargs: dict) -> str:
