@@ -22,7 +22,7 @@ from . import _blocks
 from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._errors import VmaError
-from ._partial import combine, has_tensor
+from ._partial import check_cast, combine, has_tensor
 from ._torch_private import get_unwrapped as _unwrap
 from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._types import INVARIANT, Vma
@@ -379,6 +379,7 @@ class VmaMode(TorchFunctionMode):
             _check_inplace(self.ctx, func, args, kwargs, union)
             args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
         out = self._run(func, args, kwargs)
+        check_cast(self.ctx, func, operands, vmas, union, out)
         return self._stamp_outputs(out, self._blocks(func, given, operands, out, union))
 
     def _blocks(self, func, given, operands, out, union: Vma) -> Vma:
