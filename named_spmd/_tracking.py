@@ -22,7 +22,7 @@ from . import _blocks
 from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._errors import VmaError
-from ._partial import check_cast, combine, has_tensor
+from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
 from ._torch_private import get_unwrapped as _unwrap
 from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._types import INVARIANT, Vma
@@ -143,6 +143,9 @@ def _itself(t: torch.Tensor) -> torch.Tensor:
 # randomness policy: same seed, same values), so their result is invariant like any factory's,
 # as on the simulated backend, where vmap's randomness="same" leaves them unbatched.
 _RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
+# x.view_as(y), x.to(y), ...: y gives only a shape or a dtype, so the result has x's type (as on
+# the simulated backend, whose vmap reads no values of y); typed on the general path
+_SHAPE_ONLY = frozenset(getattr(torch.Tensor, name) for name in SHAPE_ONLY)
 # Calls that take tensors but compute no value from them: differentiation itself (which
 # torch.func.grad / vjp inside the function call too). Treated as ops, they would mix the
 # invariant loss with the varying inputs and pvary the loss, doubling gradients per axis size.
@@ -248,6 +251,8 @@ class VmaMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if common[1].partial:  # unreduced or reduced axes: the op must be checked (section 8)
             return self._general(func, args, kwargs)
+        if (plain or mixed) and func in _SHAPE_ONLY:
+            return self._general(func, args, kwargs)
         given = args, kwargs
         if (plain or mixed) and self.insert_pvary:  # operands typed below the union: pvary
             if _is_inplace(func) or (kwargs and "out" in kwargs):
@@ -349,6 +354,7 @@ class VmaMode(TorchFunctionMode):
         vmas = [vma_of(t) for t in operands]
         if any(v.partial for v in vmas):
             return self._partial(func, args, kwargs, operands, vmas)
+        operands, vmas = value_operands(func, args, kwargs, operands, vmas)
         union = vmas[0]
         for v in vmas[1:]:
             union = union.union(v)
