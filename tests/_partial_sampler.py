@@ -45,6 +45,9 @@ F64 = torch.float64
 ROWS, WIDTH, MAX_WIDTH = 4, 6, 24
 ACCEPTED_MESHES = [((2,), ("i",)), ((3,), ("i",)), ((2, 2), ("a", "b"))]
 REFUSED_MESHES = ACCEPTED_MESHES
+# (seed, refused) of the cases tests/partial_dist.py runs on 2 real processes (a few seconds)
+PAIR = ((2,), ("i",))
+REAL_CASES = [(20261128 + 200_000 + k, k % 2 == 1) for k in range(12)]
 MASK = torch.rand(ROWS, MAX_WIDTH, generator=torch.Generator().manual_seed(9)) > 0.5
 
 # ops of one operand that keep its state; of two (same shapes) that add; those not linear
