@@ -40,7 +40,9 @@ _LINEAR_UNARY = frozenset(
 )
 # Unary ops whose further tensor operand gives only a shape or a dtype (``x.view_as(y)``,
 # ``x.to(y)``): it contributes no values, so the result has the first operand's type alone.
-SHAPE_ONLY = frozenset("view_as reshape_as expand_as type_as to".split())
+SHAPE_ONLY = frozenset(
+    getattr(torch.Tensor, name) for name in "view_as reshape_as expand_as type_as to".split()
+)
 # Sums of their tensor operands: every operand must be unreduced over the same axes (a Python
 # 0 is fine: ``sum(parts)`` starts from it).
 _ADDITIVE = frozenset(
@@ -184,7 +186,7 @@ def value_operands(
     """The operands whose values the op's result holds, and their types: all, but for
     ``x.view_as(y)``, ``x.expand_as(y)``, ``x.to(y)``, ... whose ``y`` gives only a shape or a
     dtype (the result then has ``x``'s type, and ``y`` gets no gradient nor cast)."""
-    if len(operands) > 1 and op_name(func) in SHAPE_ONLY:
+    if len(operands) > 1 and func in SHAPE_ONLY:
         first = _first_operand(args, kwargs, operands)
         if first is not None:
             return [operands[first]], [vmas[first]]

@@ -143,9 +143,6 @@ def _itself(t: torch.Tensor) -> torch.Tensor:
 # randomness policy: same seed, same values), so their result is invariant like any factory's,
 # as on the simulated backend, where vmap's randomness="same" leaves them unbatched.
 _RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
-# x.view_as(y), x.to(y), ...: y gives only a shape or a dtype, so the result has x's type (as on
-# the simulated backend, whose vmap reads no values of y); typed on the general path
-_SHAPE_ONLY = frozenset(getattr(torch.Tensor, name) for name in SHAPE_ONLY)
 # Calls that take tensors but compute no value from them: differentiation itself (which
 # torch.func.grad / vjp inside the function call too). Treated as ops, they would mix the
 # invariant loss with the varying inputs and pvary the loss, doubling gradients per axis size.
@@ -251,7 +248,7 @@ class VmaMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if common[1].partial:  # unreduced or reduced axes: the op must be checked (section 8)
             return self._general(func, args, kwargs)
-        if (plain or mixed) and func in _SHAPE_ONLY:
+        if (plain or mixed) and func in SHAPE_ONLY:  # x.view_as(y): x's type (as vmap's)
             return self._general(func, args, kwargs)
         given = args, kwargs
         if (plain or mixed) and self.insert_pvary:  # operands typed below the union: pvary

@@ -1058,7 +1058,8 @@ def unreduced_writes_joins_selects(o, x, c):
     """Linear ops on partial sums that keep them unreduced: a write of a partial sum (and of a
     Python zero) into one, a round trip through complex, view_as / expand_as / reshape_as (the
     second operand gives only a shape), cat and stack along a positional dim, and where with an
-    invariant condition (JAX's select_n rule)."""
+    invariant condition (JAX's select_n rule). An invariant value expanded as a varying one
+    stays invariant (the varying one gives only a shape)."""
     u = o.tap(o.pcast(x, "i", to="unreduced"))
     v = o.tap(o.pcast(x * 2.0, "i", to="unreduced"))
     w = u.clone()
@@ -1069,7 +1070,8 @@ def unreduced_writes_joins_selects(o, x, c):
     j = o.tap(torch.cat([w, s], 1))
     k = o.tap(torch.stack([u.view_as(u), v.reshape(-1).reshape_as(x)], -1))
     z = o.tap(o.where(c > 0, j[:, :3], v))
-    return o.tap(o.psum(j.sum(1) + k.sum((1, 2)) + z.sum(1), "i"))
+    c2 = o.tap(c.reshape(1, 3).expand_as(x))
+    return o.tap(o.psum(j.sum(1) + k.sum((1, 2)) + z.sum(1), "i") + o.psum(x * c2, "i").sum(1))
 
 
 def _writes_joins_selects_dense(x, c):
@@ -1080,7 +1082,8 @@ def _writes_joins_selects_dense(x, c):
     w[1] = 0.0
     j = torch.cat([w, u.sum(0, keepdim=True).expand_as(u)], 1)
     k = torch.stack([u, v], -1)
-    return j.sum(1) + k.sum((1, 2)) + torch.where(c > 0, j[:, :3], v).sum(1)
+    z = torch.where(c > 0, j[:, :3], v)
+    return j.sum(1) + k.sum((1, 2)) + z.sum(1) + (_blocks(x) * c).sum(0).sum(1)
 
 
 def _partial_programs():
@@ -1177,7 +1180,8 @@ def _partial_programs():
         unreduced_writes_joins_selects,
         lambda: (r(8, 3, seed=72), r(3, seed=73)),
         _writes_joins_selects_dense,
-        pinned_backward={},
+        pinned_backward={("psum", ("i",)): 1},  # c's implicit pvary in x * c2
+        all_grads_nonzero=True,
         **alone,
     )
     yield Program(

@@ -49,8 +49,7 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
 
     def _tag(self, func, operands, args, kwargs):
         vmas = [self.ctx.vma(t) for t in operands]
-        if any(v.partial for v in vmas):  # typed as the partial-sum algebra types it
-            operands, vmas = value_operands(func, args, kwargs, operands, vmas)
+        operands, vmas = value_operands(func, args, kwargs, operands, vmas)  # x.view_as(y): x
         union = vmas[0]
         for v in vmas[1:]:
             union = union.union(v)
