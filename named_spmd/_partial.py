@@ -3,11 +3,13 @@ partial sum, and which are errors (docs/design.md section 8).
 
 A value unreduced over axis A is held as one partial sum per instance; the true value is their
 sum. An op on it is right only if it is *linear* in that value: the sum of the op's results is
-then the op of the sum. So U+U, U-U, -U, U*scalar, U*R, U@R, R@U, sums, views and slicing stay
-U; U+I (the bias added before the psum: counted once per instance), U*I (the invariant factor's
-gradient would be a partial sum), U*U, U@U and every nonlinear op are errors. Reduced values are
-ordinary values whose gradient is left as a partial sum: they mix with anything, an invariant
-operand beside them is cast to reduced (its gradient summed once), a varying one wins.
+then the op of the sum. So U+U, U-U, -U, U*scalar, U*R, U@R, R@U, sums, views, slicing, cat,
+stack, ``where(c, U, U)`` with an invariant condition and ``u[i] = U`` stay U; U+I (the bias
+added before the psum: counted once per instance), ``u[i] = I``, U*I (the invariant factor's
+gradient would be a partial sum), U*U, U@U, casts to integer or bool dtypes and every nonlinear
+op are errors. Reduced values are ordinary values whose gradient is left as a partial sum: they
+mix with anything, an invariant operand beside them is cast to reduced (its gradient summed
+once), a varying one wins.
 
 :func:`combine` is the one rule, used per op by the tracked backends' ``VmaMode`` and by the
 simulated backend's ``PartialMode``; it is reached only when some operand has U or R axes, so
