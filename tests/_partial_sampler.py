@@ -281,7 +281,8 @@ def make_case(seed: int, refused: bool = False, mesh: tuple | None = None) -> Ca
         draw.types.append(t)
         draw.shapes.append((ROWS, WIDTH))
     # the first input cast to unreduced over its first axis: every case holds a partial sum
-    draw.add(Step("pcast", (0,), (names[0], "unreduced")), _set(draw.types[0], 0, "U"), (4, 6))
+    first = Step("pcast", (0,), (names[0], "unreduced"))
+    draw.add(first, _set(draw.types[0], 0, "U"), (ROWS, WIDTH))
     n_steps = rng.randint(5, 10)
     while len(draw.steps) < n_steps:
         made = draw.collective() if rng.random() < 0.35 else draw.local(False)
@@ -312,13 +313,16 @@ def make_case(seed: int, refused: bool = False, mesh: tuple | None = None) -> Ca
 # --- running it ----------------------------------------------------------------------------------
 
 
-def _body(o: Any, case: Case, on_step):
+def _body(o: Any, case: Case, before=lambda s, operands: None, after=lambda out: None):
+    """The case's program: ``before(step, operands)`` and ``after(value)`` see each step."""
+
     def body(*xs):
         pool = list(xs)
         for s, st in enumerate(case.steps):
             operands = [pool[i] for i in st.ins]
-            on_step(s, operands)
-            pool.append(on_step(s, None, apply(o, st, operands)))
+            before(s, operands)
+            pool.append(apply(o, st, operands))
+            after(pool[-1])
         return tuple(pool[k] for k in case.outs)
 
     return body
@@ -351,15 +355,16 @@ def run_named_spmd(case: Case, mesh) -> dict:
     or the error the library raised."""
     seen: list[str] = []
 
-    def on_step(s, operands, out=None):
-        if out is not None:
-            vma = ns.typeof(out).vma
-            seen.append("".join(STATE_OF[vma.state(a)] for a in case.names))
-        return out
+    def after(out):
+        vma = ns.typeof(out).vma
+        seen.append("".join(STATE_OF[vma.state(a)] for a in case.names))
 
     def run(args):
         f = ns.spmd_map(
-            _body(ns, case, on_step), mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs
+            _body(ns, case, after=after),
+            mesh=mesh,
+            in_specs=case.in_specs,
+            out_specs=case.out_specs,
         )
         return f(*args)
 
@@ -375,12 +380,10 @@ def run_reference_kept(case: Case) -> tuple[list, list, dict]:
     gradients (None for a refused case) and ``{(step, instance): operands}``."""
     kept: dict[tuple[int, int], list[torch.Tensor]] = {}
 
-    def on_step(s, operands, out=None):
-        if out is None:
-            kept[(s, instance_index())] = [x.detach().clone() for x in operands]
-        return out
+    def before(s, operands):
+        kept[(s, instance_index())] = [x.detach().clone() for x in operands]
 
-    body = _body(REF, case, on_step)
+    body = _body(REF, case, before=before)
 
     def run(args):
         return run_reference(body, case.mesh_shape, case.in_specs, case.out_specs, *args)
