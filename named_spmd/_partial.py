@@ -3,11 +3,13 @@ partial sum, and which are errors (docs/design.md section 8).
 
 A value unreduced over axis A is held as one partial sum per instance; the true value is their
 sum. An op on it is right only if it is *linear* in that value: the sum of the op's results is
-then the op of the sum. So U+U, U-U, -U, U*scalar, U*R, U@R, R@U, sums, views and slicing stay
-U; U+I (the bias added before the psum: counted once per instance), U*I (the invariant factor's
-gradient would be a partial sum), U*U, U@U and every nonlinear op are errors. Reduced values are
-ordinary values whose gradient is left as a partial sum: they mix with anything, an invariant
-operand beside them is cast to reduced (its gradient summed once), a varying one wins.
+then the op of the sum. So U+U, U-U, -U, U*scalar, U*R, U@R, R@U, sums, views, slicing, cat,
+stack, ``where(c, U, U)`` with an invariant condition and ``u[i] = U`` stay U; U+I (the bias
+added before the psum: counted once per instance), ``u[i] = I``, U*I (the invariant factor's
+gradient would be a partial sum), U*U, U@U, casts to integer or bool dtypes and every nonlinear
+op are errors. Reduced values are ordinary values whose gradient is left as a partial sum: they
+mix with anything, an invariant operand beside them is cast to reduced (its gradient summed
+once), a varying one wins.
 
 :func:`combine` is the one rule, used per op by the tracked backends' ``VmaMode`` and by the
 simulated backend's ``PartialMode``; it is reached only when some operand has U or R axes, so
@@ -35,8 +37,13 @@ _LINEAR_UNARY = frozenset(
     "reshape_as flatten unflatten squeeze unsqueeze transpose t T mT H mH permute movedim "
     "moveaxis swapaxes swapdims narrow select __getitem__ expand expand_as broadcast_to repeat "
     "tile split chunk unbind tensor_split sum mean cumsum diagonal diag trace flip roll real "
-    "imag conj to type float double half bfloat16 cpu cuda unfold triu tril index_select gather "
-    "take_along_dim as_strided __len__ size dim numel".split()
+    "imag conj to type type_as float double half bfloat16 cpu cuda unfold triu tril index_select "
+    "gather take_along_dim as_strided __len__ size dim numel".split()
+)
+# Unary ops whose further tensor operand gives only a shape or a dtype (``x.view_as(y)``,
+# ``x.to(y)``): it contributes no values, so the result has the first operand's type alone.
+SHAPE_ONLY = frozenset(
+    getattr(torch.Tensor, name) for name in "view_as reshape_as expand_as type_as to".split()
 )
 # Sums of their tensor operands: every operand must be unreduced over the same axes (a Python
 # 0 is fine: ``sum(parts)`` starts from it).
@@ -44,6 +51,10 @@ _ADDITIVE = frozenset(
     "add __add__ __radd__ add_ __iadd__ sub __sub__ __rsub__ sub_ __isub__ cat concat "
     "concatenate stack hstack vstack".split()
 )
+# Additive ops that join their operands (a positional int is the dim, not an added constant).
+_JOINS = frozenset("cat concat concatenate stack hstack vstack".split())
+# Writes into the first operand (returning None: an error made lazily would never be raised).
+_WRITES = frozenset({"__setitem__"})
 # Products: linear in each operand, so exactly one operand may be unreduced over an axis, every
 # other tensor operand must be reduced over it (Python scalars are fine).
 _PRODUCT = frozenset(
@@ -70,6 +81,10 @@ def _kind(name: str, operands: Sequence[Any]) -> str:
         return "product"
     if name == "linear":
         return "linear"
+    if name in _WRITES:
+        return "write"
+    if name == "where" and len(operands) > 1:
+        return "select"
     return "other"
 
 
@@ -84,7 +99,30 @@ def typed_call(
     out = func(*args, **(kwargs or {}))
     if not isinstance(vma, Vma) and has_tensor(out):
         raise vma()
+    check_cast(ctx, func, operands, vmas, vma, out)
     return out, vma
+
+
+def check_cast(ctx: Any, func: Any, operands: list, vmas: list[Vma], vma: Any, out: Any) -> None:
+    """A :class:`VmaError` where a result typed unreduced (``vma``) was cast to a dtype that is
+    not linear: to bool, or from a floating (or complex) operand to an integer dtype, each
+    instance's part is rounded before the sum (``u.to(torch.int32)``, ``u.sum(0,
+    dtype=torch.int64)``, ``u.type_as(i)``). Read off the result, so every spelling of the
+    cast is seen."""
+    if not isinstance(vma, Vma) or not vma.unreduced:
+        return
+    for o in out if isinstance(out, (list, tuple)) else (out,):
+        if not isinstance(o, torch.Tensor) or o.dtype.is_floating_point or o.dtype.is_complex:
+            continue
+        inexact = any(t.dtype.is_floating_point or t.dtype.is_complex for t in operands)
+        if o.dtype == torch.bool or inexact:
+            axis = min(vma.unreduced, key=_order(ctx))
+            does = "tests" if o.dtype == torch.bool else "rounds"
+            problem = (
+                f"it casts the partial sum to {o.dtype}, which {does} each instance's part "
+                "before the sum (a cast to a non-floating dtype is not linear)"
+            )
+            raise _error(ctx, op_name(func), axis, problem, operands, vmas)
 
 
 def has_tensor(out: Any) -> bool:
@@ -111,7 +149,8 @@ def combine(
     if hit is not None:
         return hit
     result = _combine(ctx, func, args, kwargs, operands, vmas)
-    if isinstance(result, Vma) and op_name(func) != "linear":
+    # not memoized: linear's bias and a write's value are operands the key cannot tell apart
+    if isinstance(result, Vma) and op_name(func) not in _UNKEYED:
         if len(_ACCEPTED) > 4096:
             _ACCEPTED.clear()
         _ACCEPTED[key] = result
@@ -119,18 +158,20 @@ def combine(
 
 
 _ACCEPTED: dict[tuple, Vma] = {}
+_UNKEYED = frozenset({"linear"}) | _WRITES
 
 
 def _combine(
     ctx: Any, func: Any, args: tuple, kwargs: dict | None, operands: list, vmas: list[Vma]
 ) -> Any:
+    name = op_name(func)
+    operands, vmas = value_operands(func, args, kwargs, operands, vmas)
     union = vmas[0]
     for v in vmas[1:]:
         union = union.union(v)
     unreduced = frozenset().union(*(v.unreduced for v in vmas))
     if not unreduced:
         return union  # reduced values mix like invariant ones; varying wins
-    name = op_name(func)
     kind = _kind(name, operands)
     for axis in sorted(unreduced, key=_order(ctx)):
         problem = _problem(kind, name, axis, args, kwargs, operands, vmas)
@@ -139,6 +180,19 @@ def _combine(
                 return functools.partial(_error, ctx, name, axis, problem, operands, vmas)
             raise _error(ctx, name, axis, problem, operands, vmas)
     return union
+
+
+def value_operands(
+    func: Any, args: tuple, kwargs: dict | None, operands: list, vmas: list[Vma]
+) -> tuple[list, list[Vma]]:
+    """The operands whose values the op's result holds, and their types: all, but for
+    ``x.view_as(y)``, ``x.expand_as(y)``, ``x.to(y)``, ... whose ``y`` gives only a shape or a
+    dtype (the result then has ``x``'s type, and ``y`` gets no gradient nor cast)."""
+    if len(operands) > 1 and func in SHAPE_ONLY:
+        first = _first_operand(args, kwargs, operands)
+        if first is not None:
+            return [operands[first]], [vmas[first]]
+    return operands, vmas
 
 
 def _order(ctx: Any):
@@ -157,13 +211,22 @@ def _problem(kind, name, axis, args, kwargs, operands, vmas) -> str | None:
     if kind == "additive":
         if any(s != "unreduced" for s in states):
             other = next(s for s in states if s != "unreduced")
+            if name in _JOINS:
+                return (
+                    f"it joins a value {other} over {axis!r} to a partial sum: the total would "
+                    "count that part once per instance"
+                )
             return (
                 f"it adds a value {other} over {axis!r} to a partial sum: each instance "
                 "would add it to its part, so the total would count it once per instance"
             )
-        if _nonzero_scalar(args, kwargs):
+        if name not in _JOINS and _nonzero_scalar(args, kwargs):  # cat's int is its dim
             return "it adds a constant to a partial sum, which the total counts once per instance"
         return None
+    if kind == "write":
+        return _write_problem(axis, args, operands, states)
+    if kind == "select":
+        return _select_problem(axis, args, kwargs, operands, states)
     if kind == "product":
         if name in _DIVISION and first is not None and len(operands) > 1:
             if any(s == "unreduced" for i, s in enumerate(states) if i != first):
@@ -192,6 +255,76 @@ def _problem(kind, name, axis, args, kwargs, operands, vmas) -> str | None:
         f"{name} is not linear (or not known to be), while a partial sum may only go through "
         "linear ops"
     )
+
+
+def _write_problem(axis, args, operands, states) -> str | None:
+    """``target[index] = value``: linear where target and value are partial sums over ``axis``
+    (or the value is a Python zero, its own partial sum) at an index the instances share."""
+    target = _position(args[0], operands)
+    value = args[2] if len(args) > 2 else None
+    at = _position(value, operands)
+    mine = states[target] if target is not None else "invariant"
+    given = states[at] if at is not None else None
+    if mine == "unreduced":
+        if given is None and _nonzero(value):
+            return (
+                "it writes a constant into a partial sum, which the total counts once per instance"
+            )
+        if given is not None and given != "unreduced":
+            return (
+                f"it writes a value {given} over {axis!r} into a partial sum: each instance "
+                "would write it into its part, so the total would count it once per instance"
+            )
+    elif given == "unreduced":
+        return (
+            f"it writes a partial sum into a tensor {mine} over {axis!r}, which would then hold "
+            "one instance's part where the whole value belongs"
+        )
+    index = [s for i, s in enumerate(states) if i not in (target, at)]
+    bad = next((s for s in index if s in ("unreduced", "varying")), None)
+    return f"its index operand is {bad} there" if bad is not None else None
+
+
+def _select_problem(axis, args, kwargs, operands, states) -> str | None:
+    """``torch.where(cond, a, b)`` (``a.where(cond, b)``): linear, as JAX's select_n, where both
+    cases are partial sums over ``axis`` (or a Python zero) and the condition is one value on
+    every instance (invariant or reduced: every instance picks the same entries)."""
+    kwargs = kwargs or {}
+    if isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool and len(args) > 1:
+        cond, cases = args[0], [*args[1:3], *(kwargs.get(k) for k in ("input", "other"))]
+    else:  # the method: self.where(condition, other)
+        cond, cases = args[1] if len(args) > 1 else kwargs.get("condition"), [args[0]]
+        cases.append(args[2] if len(args) > 2 else kwargs.get("other"))
+    picked = _position(cond, operands)
+    if picked is not None and states[picked] not in ("invariant", "reduced"):
+        return (
+            f"its condition is {states[picked]} over {axis!r}: the instances would pick "
+            "different entries of their parts, which do not sum to a pick of the total"
+        )
+    for case in cases:
+        at = _position(case, operands)
+        if at is None and _nonzero(case):
+            return (
+                "it selects a constant beside a partial sum, which the total counts once per "
+                "instance"
+            )
+        if at is not None and states[at] != "unreduced":
+            return (
+                f"it selects between a partial sum and a value {states[at]} over {axis!r}: the "
+                "total would count that value once per instance"
+            )
+    return None
+
+
+def _position(x, operands) -> int | None:
+    for i, t in enumerate(operands):
+        if t is x:
+            return i
+    return None
+
+
+def _nonzero(x) -> bool:
+    return isinstance(x, (int, float, complex)) and not isinstance(x, bool) and x != 0
 
 
 def _first_operand(args, kwargs, operands) -> int | None:

@@ -22,7 +22,7 @@ from . import _blocks
 from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._errors import VmaError
-from ._partial import combine, has_tensor
+from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
 from ._torch_private import get_unwrapped as _unwrap
 from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._types import INVARIANT, Vma
@@ -248,6 +248,8 @@ class VmaMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if common[1].partial:  # unreduced or reduced axes: the op must be checked (section 8)
             return self._general(func, args, kwargs)
+        if (plain or mixed) and func in SHAPE_ONLY:  # x.view_as(y): x's type (as vmap's)
+            return self._general(func, args, kwargs)
         given = args, kwargs
         if (plain or mixed) and self.insert_pvary:  # operands typed below the union: pvary
             if _is_inplace(func) or (kwargs and "out" in kwargs):
@@ -349,6 +351,7 @@ class VmaMode(TorchFunctionMode):
         vmas = [vma_of(t) for t in operands]
         if any(v.partial for v in vmas):
             return self._partial(func, args, kwargs, operands, vmas)
+        operands, vmas = value_operands(func, args, kwargs, operands, vmas)
         union = vmas[0]
         for v in vmas[1:]:
             union = union.union(v)
@@ -379,6 +382,7 @@ class VmaMode(TorchFunctionMode):
             _check_inplace(self.ctx, func, args, kwargs, union)
             args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
         out = self._run(func, args, kwargs)
+        check_cast(self.ctx, func, operands, vmas, union, out)
         return self._stamp_outputs(out, self._blocks(func, given, operands, out, union))
 
     def _blocks(self, func, given, operands, out, union: Vma) -> Vma:

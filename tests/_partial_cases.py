@@ -35,6 +35,29 @@ def _attention_scores(qkv):
     return q @ k.T
 
 
+def _write_into(value):
+    """``u[0] = value(u, c)`` into the partial sum ``u`` of a varying ``x``, then its psum."""
+
+    def fn(x, c):
+        u = ns.pcast(x, "tp", to="unreduced").clone()
+        u[0] = value(u, c)
+        return ns.psum(u, "tp")
+
+    return fn
+
+
+def _write_partial(x, c):
+    c = c.clone()
+    c[0] = ns.pcast(x, "tp", to="unreduced")[0, 0]
+    return c
+
+
+def _write_at_varying(x, i):
+    u = ns.pcast(x, "tp", to="unreduced").clone()
+    u[i] = 0.0
+    return ns.psum(u, "tp")
+
+
 @dataclass
 class ErrorCase:
     fn: Callable[..., Any]
@@ -142,6 +165,72 @@ ERRORS: dict[str, ErrorCase] = {
         P(),
         _XW,
         pinned=("output has type f64[4,3]{U:tp}", "P(..., unreduced={'tp'})"),
+    ),
+    # writes into a partial sum, and of one into a whole value: each instance writes its part
+    "write_constant_into_partial": ErrorCase(
+        _write_into(lambda u, c: 1.0),
+        (P("tp"), P()),
+        P(),
+        _seeded((4, 3), (3,)),
+        pinned=("__setitem__ in", "writes a constant into a partial sum", "ns.psum(y, 'tp')"),
+    ),
+    "write_invariant_into_partial": ErrorCase(
+        _write_into(lambda u, c: c),
+        (P("tp"), P()),
+        P(),
+        _seeded((4, 3), (3,)),
+        pinned=("__setitem__ in", "writes a value invariant over 'tp' into a partial sum"),
+    ),
+    "write_partial_into_invariant": ErrorCase(
+        _write_partial,
+        (P("tp"), P()),
+        P(),
+        _seeded((4, 3), (3,)),
+        pinned=("__setitem__ in", "writes a partial sum into a tensor invariant over 'tp'"),
+    ),
+    "write_at_varying_index": ErrorCase(
+        _write_at_varying,
+        (P("tp"), P("tp")),
+        P(),
+        lambda: (*_seeded((4, 3))(), torch.tensor([0, 1])),
+        pinned=("__setitem__ in", "its index operand is varying there"),
+    ),
+    # casts to a non-floating dtype round (or test) each part before the sum
+    "int_cast_of_partial": ErrorCase(
+        lambda x, w: ns.psum(_partial(x, w).to(torch.int32), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("to in `<lambda>`", "casts the partial sum to torch.int32", "not linear"),
+    ),
+    "int_sum_of_partial": ErrorCase(
+        lambda x, w: ns.psum(_partial(x, w).detach().sum(0, dtype=torch.int64), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("sum in `<lambda>`", "casts the partial sum to torch.int64"),
+    ),
+    "bool_cast_of_partial": ErrorCase(
+        lambda x, w: ns.psum(_partial(x, w).to(torch.bool), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("to in `<lambda>`", "casts the partial sum to torch.bool, which tests"),
+    ),
+    # where: the instances must pick alike, between two partial sums
+    "where_on_varying_condition": ErrorCase(
+        lambda x, w: ns.psum(torch.where(x[:, :3] > 0, _partial(x, w), _partial(x, w)), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("where in", "its condition is varying over 'tp'"),
+    ),
+    "where_partial_or_invariant": ErrorCase(
+        lambda x, w, c: ns.psum(torch.where(c > 0, _partial(x, w), c), "tp"),
+        (*_ROW, P()),
+        P(),
+        _seeded((4, 6), (6, 3), (3,)),
+        pinned=("where in", "selects between a partial sum and a value invariant over 'tp'"),
     ),
     # --- the same bugs written the ordinary way: the contraction of blocks split over tp on both
     # operands is seen (the inference from the specs), no annotation

@@ -1054,6 +1054,38 @@ def unreduced_as_local(o, x):
     return o.tap(o.relu(v))
 
 
+def unreduced_writes_joins_selects(o, x, c):
+    """Linear ops on partial sums that keep them unreduced: a write of a partial sum (and of a
+    Python zero) into one, a round trip through complex, view_as / expand_as / reshape_as (the
+    second operand gives only a shape), cat and stack along a positional dim, and where with an
+    invariant condition (JAX's select_n rule). An invariant value expanded as a varying one
+    stays invariant (the varying one gives only a shape)."""
+    u = o.tap(o.pcast(x, "i", to="unreduced"))
+    v = o.tap(o.pcast(x * 2.0, "i", to="unreduced"))
+    w = u.clone()
+    w[0] = v[1]
+    w[1] = 0.0
+    w = o.tap(w.to(torch.complex128).real)
+    s = o.tap(u.sum(0, keepdim=True).expand_as(u))
+    j = o.tap(torch.cat([w, s], 1))
+    k = o.tap(torch.stack([u.view_as(u), v.reshape(-1).reshape_as(x)], -1))
+    z = o.tap(o.where(c > 0, j[:, :3], v))
+    c2 = o.tap(c.reshape(1, 3).expand_as(x))
+    return o.tap(o.psum(j.sum(1) + k.sum((1, 2)) + z.sum(1), "i") + o.psum(x * c2, "i").sum(1))
+
+
+def _writes_joins_selects_dense(x, c):
+    u = _blocks(x).sum(0)
+    v = 2.0 * u
+    w = u.clone()
+    w[0] = v[1]
+    w[1] = 0.0
+    j = torch.cat([w, u.sum(0, keepdim=True).expand_as(u)], 1)
+    k = torch.stack([u, v], -1)
+    z = torch.where(c > 0, j[:, :3], v)
+    return j.sum(1) + k.sum((1, 2)) + z.sum(1) + (_blocks(x) * c).sum(0).sum(1)
+
+
 def _partial_programs():
     r = randn
     # world 2, run on real processes by tests/partial_dist.py (one small launch of its own)
@@ -1136,6 +1168,19 @@ def _partial_programs():
         lambda: (r(5, 3, seed=69), r(8, 5, seed=70)),
         lambda w, x: (torch.tanh(x @ w) + torch.exp(x @ w * 0.1)).sum().reshape(1),
         pinned_backward={("psum", ("dp",)): 1},
+        all_grads_nonzero=True,
+        **alone,
+    )
+    yield Program(
+        "unreduced_writes_joins_selects",
+        (2,),
+        ("i",),
+        (P("i"), P()),
+        P(),
+        unreduced_writes_joins_selects,
+        lambda: (r(8, 3, seed=72), r(3, seed=73)),
+        _writes_joins_selects_dense,
+        pinned_backward={("psum", ("i",)): 1},  # c's implicit pvary in x * c2
         all_grads_nonzero=True,
         **alone,
     )

@@ -205,6 +205,11 @@ def _me() -> tuple[_World, int]:
     return state
 
 
+def instance_index() -> int:
+    """The calling instance's index (in :func:`all_coords` order), inside :func:`run_reference`."""
+    return _me()[1]
+
+
 def _axes(axis_name: str | Sequence[str]) -> tuple[str, ...]:
     return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 

@@ -8,7 +8,10 @@ per check and rank:
 * every program of :data:`ERRORS` (tests/_partial_cases.py): the error class and message, which
   the test compares with the simulated run's;
 * deferred reduction with DTensor parameters: their gradients are ``Partial()`` DTensors, summed
-  once after accumulating microbatches.
+  once after accumulating microbatches;
+* random partial-sum programs of tests/_partial_sampler.py on the (2,) mesh (``REAL_CASES``):
+  accepted ones checked against the per-instance reference (values, gradients, types, linearity)
+  and the simulated run, refused ones with the simulated run's error and message.
 """
 
 from __future__ import annotations
@@ -25,9 +28,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _backends  # noqa: E402
 from _partial_cases import ERRORS, deferred_grads, run_error  # noqa: E402
+from _partial_sampler import PAIR, REAL_CASES, make_case, run_case, run_named_spmd  # noqa: E402
 from _programs import BY_NAME, PARTIAL_PROGRAMS  # noqa: E402
 
 import named_spmd as ns  # noqa: E402
+
+
+def _random_case(seed: int, refused: bool, mesh) -> dict:
+    """One random case on the real mesh: checked as on the simulated one, and the same outcome
+    (outputs, gradients and types; or error and message) as the simulated run."""
+    case = make_case(seed, refused, mesh=PAIR)
+    outcome = run_case(case, mesh)
+    got = run_named_spmd(case, mesh)
+    sim = run_named_spmd(case, ns.make_mesh(*PAIR, simulated=True))
+    for key in ("error", "message", "types"):
+        assert got.get(key) == sim.get(key), (key, got.get(key), sim.get(key))
+    for key in ("outs", "grads"):
+        for g, w in zip(got.get(key, ()), sim.get(key, ())):
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+    return {"outcome": outcome}
 
 
 def _say(**entry) -> None:
@@ -52,6 +71,18 @@ def main() -> None:
                 _say(kind="program", name=name, rank=rank, ok=False, why=traceback.format_exc())
         for name in ERRORS:
             _say(kind="error", name=name, rank=rank, **run_error(name, simulated=False))
+        mesh = ns.make_mesh(*PAIR)
+        for seed, refused in REAL_CASES:
+            try:
+                _say(
+                    kind="random",
+                    seed=seed,
+                    rank=rank,
+                    ok=True,
+                    **_random_case(seed, refused, mesh),
+                )
+            except Exception:  # noqa: BLE001 - reported to the test
+                _say(kind="random", seed=seed, rank=rank, ok=False, why=traceback.format_exc())
         mesh = ns.make_mesh((2,), ("dp",))
         grads, placements, comms = deferred_grads(mesh)
         _say(

@@ -17,6 +17,7 @@ import pytest
 import torch
 from _dist_launch import launch
 from _partial_cases import ERRORS, deferred_grads, dense_grads, run_error
+from _partial_sampler import REAL_CASES
 from _programs import PARTIAL_PROGRAMS
 
 import named_spmd as ns
@@ -227,3 +228,17 @@ def test_real_processes_deferred_reduction():
         assert o["comms"] == {"forward psum ('dp',)": 7}, o["comms"]
         for g, k in zip(o["grads"], sorted(want)):
             torch.testing.assert_close(torch.tensor(g, dtype=F64), want[k], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", [seed for seed, _ in REAL_CASES])
+def test_real_processes_random_program(seed):
+    """A random partial-sum program (tests/_partial_sampler.py) on 2 real processes: checked
+    against the per-instance reference as on the simulated mesh, with the simulated run's
+    outputs, gradients and types, or its error and message."""
+    outcomes, tail = _real_outcomes()
+    got = [o for o in outcomes if o["kind"] == "random" and o["seed"] == seed]
+    assert len(got) == 2, tail
+    refused = dict(REAL_CASES)[seed]
+    for o in got:
+        assert o["ok"], o.get("why")
+        assert (o["outcome"] != "accepted") == refused, o

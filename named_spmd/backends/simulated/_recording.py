@@ -25,6 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..._accounting import CommEvent, needs_grad, on_backward
+from ..._partial import value_operands
 from ..._torch_private import current_graph_task_id
 from ..._tracking import NOT_OPS, is_inplace, swap_operands, tensor_operands
 
@@ -48,6 +49,7 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
 
     def _tag(self, func, operands, args, kwargs):
         vmas = [self.ctx.vma(t) for t in operands]
+        operands, vmas = value_operands(func, args, kwargs, operands, vmas)  # x.view_as(y): x
         union = vmas[0]
         for v in vmas[1:]:
             union = union.union(v)
