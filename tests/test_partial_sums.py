@@ -42,6 +42,21 @@ def test_vma_states_algebra_and_text():
         Vma.make(("tp",), ("tp",))
 
 
+@pytest.mark.parametrize("name", ["varying", "unreduced", "reduced", "partial", "_hash", "_union"])
+def test_interned_vma_refuses_assignment_and_deletion(name):
+    """Interned: one object per type, so a change to one would change every later value of
+    that type (its hash, its memos)."""
+    u = Vma.make(("dp",), ("tp",))
+    before = (u.varying, u.unreduced, u.reduced, u.partial, hash(u))
+    with pytest.raises(AttributeError, match="immutable"):
+        delattr(u, name)
+    with pytest.raises(AttributeError, match="immutable"):
+        setattr(u, name, frozenset())
+    again = Vma.make(("dp",), ("tp",))
+    assert again is u
+    assert (again.varying, again.unreduced, again.reduced, again.partial, hash(again)) == before
+
+
 def test_typeof_shows_unreduced_and_reduced():
     mesh = ns.make_mesh((2, 2), ("dp", "tp"))
     seen = []
