@@ -84,6 +84,12 @@ class SpmdContext(ABC):
         """Record ``x``'s type where the backend tracks it per tensor; returns ``x``."""
         return x
 
+    def held_blocks(self, x: torch.Tensor) -> Any:
+        """Where this call recorded it (``_blocks``): per dim of ``x``, the axes whose blocks
+        it holds, and the axes it varies over for other reasons (a ``Layout``); None where the
+        backend records none or ``x`` has no record."""
+        return None
+
     @abstractmethod
     def axis_index(self, axes: Axes) -> torch.Tensor:
         """This instance's member index in the group of ``axes``: an i64 0-d tensor, varying

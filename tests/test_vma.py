@@ -244,7 +244,11 @@ def test_out_specs_violation_names_function_path_axes_and_both_fixes():
     assert "output[1]['y'] has type f64[2,3]{dp, U:tp}: it is unreduced over ('tp',)" in msg
     assert "P(..., unreduced={'tp'})" in msg
     assert "Fix 1: reduce inside the function, e.g. ns.psum(y, 'tp')" in msg
-    assert "Fix 2: name the axis in out_specs, e.g. P(('dp', 'tp'))" in msg
+    # output[0]: x.sum(0) reduced the dim of dp blocks (no dim holds dp) and kept tp's on dim 0
+    assert (
+        "Fix 2: name ('dp', 'tp') in out_specs to get every instance's block concatenated, "
+        "e.g. P(('dp', 'tp')) (no dim of this value is known to hold blocks of 'dp'" in msg
+    )
     assert "f64[2]{dp,tp}" in msg  # the value's type
 
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as P
 from .._collectives._record import PVARY_RECORD, RECORDS
 from .._layout import assemble, block
-from .._spec import PartitionSpec
+from .._spec import PartitionSpec, output_settles
 from .._traced import CompiledVmaMode, TracedContext, route_view_attributes
 from .._tracking import TrackedContext
 from .._types import INVARIANT
@@ -238,11 +238,7 @@ def _global_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -
 
 def _local_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     """This rank's block of output ``y`` (``_dist_io.local_output``)."""
-    mesh = ctx.mesh
-    vma = ctx.vma(y)
-    names = mesh.axis_names
-    unnamed_varying = tuple(a for a in names if a in vma and a not in spec.axes)
-    named_invariant = vma.missing(a for a in names if a in spec.axes)
+    unnamed_varying, named_invariant = output_settles(ctx.vma(y), spec, ctx.mesh.axis_names)
     if unnamed_varying:  # check_vma=False: member 0's value, as on the other backends
         first = ctx.axis_index(unnamed_varying) == 0
         y = ctx.apply(

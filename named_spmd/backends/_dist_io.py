@@ -32,7 +32,7 @@ from .._autodiff import differentiable
 from .._collectives._record import PVARY_RECORD, RECORDS
 from .._errors import SpecError
 from .._layout import assemble, block
-from .._spec import PartitionSpec
+from .._spec import PartitionSpec, output_settles
 from .._types import Vma
 from ._dist_dtensor import (
     _fast,
@@ -169,7 +169,7 @@ def _from_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int, transformed: 
             f"{spec!r} on mesh axes {mesh.axis_names} means placements {want}. Fix: "
             f"x.redistribute(mesh.device_mesh, {list(want)}), or change the in_spec."
         )
-    grads = grad_placements(mesh, spec, leaf.dim()) if spec.reduced else None
+    grads = grad_placements(mesh, spec, leaf.dim()) if spec.reduced or spec.unreduced else None
     local = to_local_fast(mesh, leaf, grads, transformed)
     for axes in _non_mesh_order_entries(mesh, spec):
         ordered = _in_mesh_order(mesh, axes)
@@ -324,16 +324,13 @@ def local_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     type agrees with the spec; settled where it does not (see below)."""
     mesh = ctx.mesh
     vma: Vma = ctx.vma(y)
-    names = mesh.axis_names
-    single = mesh.single_axes  # (every member of a size-1 axis is this rank: nothing to do)
-    unnamed_varying = tuple(a for a in names if a in vma and a not in spec.axes and a not in single)
-    named_invariant = vma.missing(a for a in names if a in spec.axes and a not in single)
-    if unnamed_varying:  # check_vma=False: member 0's value, as the simulated backend
-        first = ctx.axis_index(unnamed_varying) == 0  # the sum of member 0's value and zeros
-        y = _boundary(ctx, "psum", torch.where(first, y, torch.zeros_like(y)), unnamed_varying, ())
-    reduced = tuple(a for a in names if a in vma.reduced and a not in mesh.single_axes)
+    unkept, copies = output_settles(vma, spec, mesh.axis_names, mesh.single_axes)
+    if unkept:  # check_vma=False: member 0's value, as the simulated backend
+        first = ctx.axis_index(unkept) == 0  # the sum of member 0's value and zeros
+        y = _boundary(ctx, "psum", torch.where(first, y, torch.zeros_like(y)), unkept, ())
+    reduced = tuple(a for a in mesh.axis_names if a in vma.reduced and a not in mesh.single_axes)
     if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
         y = _FirstHolds.apply(y, all(mesh.my_coords[a] == 0 for a in reduced), True)
-    if named_invariant:  # identical blocks tiled: their cotangents differ and must be summed
-        y = _boundary(ctx, "pvary", y, named_invariant, ())
+    if copies:  # identical blocks tiled (or parts summed): their cotangents must be summed
+        y = _boundary(ctx, "pvary", y, copies, ())
     return y
