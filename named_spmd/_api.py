@@ -490,9 +490,9 @@ def _naming_fix(spec: PartitionSpec, axes: tuple[str, ...], rank: int, layout: A
     )
     if not unknown and not crowded:
         return (
-            f"name {_axes_text(axes)} in out_specs on the dim that holds "
-            f"{'their' if len(axes) > 1 else 'its'} blocks, e.g. {named!r}, to get every "
-            "instance's block concatenated in its place."
+            f"name {_axes_text(axes)} in out_specs on the "
+            f"{'dims that hold their' if len(axes) > 1 else 'dim that holds its'} blocks, e.g. "
+            f"{named!r}, to get every instance's block concatenated in its place."
         )
     notes = [
         f"dim {d} holds blocks of {_axes_text(tuple(held[d]))}: list them major first, as they "

@@ -60,6 +60,9 @@ class SpmdContext(ABC):
     #: where no value depends on a type (``_replay``). Collectives and casts run their forward
     #: on the one member without their type rules.
     replaying: bool = False
+    #: Whether the out_specs check runs (``check_vma``): where it does not, a partial-sum
+    #: input's cotangent may differ between the instances its type says hold one.
+    checked: bool = True
     #: Set when the user's function asks for a type (``ns.vma``, ``ns.typeof``): a replay could
     #: not answer, so such a function is type-checked on every call.
     types_read: bool = False

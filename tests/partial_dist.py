@@ -7,6 +7,8 @@ per check and rank:
   program and the simulated run (``_backends.compare_runs``, the catalogue's one test body);
 * every program of :data:`ERRORS` (tests/_partial_cases.py): the error class and message, which
   the test compares with the simulated run's;
+* every case of :data:`BOUNDARY` (partial-sum specs at the call boundary): its global values,
+  gradients and types, which the test compares with the dense function, JAX and the simulated run;
 * deferred reduction with DTensor parameters: their gradients are ``Partial()`` DTensors, summed
   once after accumulating microbatches.
 """
@@ -24,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _backends  # noqa: E402
-from _partial_cases import ERRORS, deferred_grads, run_error  # noqa: E402
+from _partial_cases import BOUNDARY, ERRORS, deferred_grads, run_error  # noqa: E402
 from _programs import BY_NAME, PARTIAL_PROGRAMS  # noqa: E402
 
 import named_spmd as ns  # noqa: E402
@@ -52,6 +54,12 @@ def main() -> None:
                 _say(kind="program", name=name, rank=rank, ok=False, why=traceback.format_exc())
         for name in ERRORS:
             _say(kind="error", name=name, rank=rank, **run_error(name, simulated=False))
+        for name, case in BOUNDARY.items():
+            try:
+                result = case(ns.make_mesh((2,), ("x",)))
+                _say(kind="boundary", name=name, rank=rank, ok=True, result=result)
+            except Exception:  # noqa: BLE001 - reported to the test
+                _say(kind="boundary", name=name, rank=rank, ok=False, why=traceback.format_exc())
         mesh = ns.make_mesh((2,), ("dp",))
         grads, placements, comms = deferred_grads(mesh)
         _say(

@@ -13,10 +13,19 @@ import functools
 import json
 import os
 
+import _jax
 import pytest
 import torch
 from _dist_launch import launch
-from _partial_cases import ERRORS, deferred_grads, dense_grads, run_error
+from _partial_cases import (
+    BOUNDARY,
+    BOUNDARY_COT,
+    BOUNDARY_X,
+    ERRORS,
+    deferred_grads,
+    dense_grads,
+    run_error,
+)
 from _programs import PARTIAL_PROGRAMS
 
 import named_spmd as ns
@@ -200,6 +209,112 @@ def test_deferred_gradient_reduction_simulated():
     assert comms == {"forward psum ('dp',)": 7}
 
 
+# --- the call boundary: partial-sum specs of inputs and outputs (tests/_partial_cases.BOUNDARY) ---
+
+
+def _dense_boundary(name: str) -> dict:
+    """Each case's global function written densely, and its gradient by autograd."""
+    x, cot = BOUNDARY_X.clone().requires_grad_(), BOUNDARY_COT
+    if name == "unreduced_roundtrip":
+        parts = torch.tanh(x[:2]) + torch.tanh(x[2:])
+        out = parts**2
+        (grad,) = torch.autograd.grad((out * cot[:2]).sum(), x)
+        return dict(parts=parts, out=out, grad=grad, leaf_grad=2 * parts * cot[:2])
+    dense = {
+        # every instance holds v * v, a part of the output: their sum, n copies
+        "unchecked_invariant_to_unreduced": lambda v: 2 * v * v,
+        "unchecked_varying_to_unreduced": lambda v: v[:2] ** 2 + v[2:] ** 2,
+        # instance 0 holds the whole input (the others zeros): its value
+        "unchecked_unreduced_to_invariant": lambda v: v + v,
+        "passed_twice_reduced_first": lambda v: 2 * v * torch.sin(v) + v,
+        "passed_twice_invariant_first": lambda v: 2 * v * torch.sin(v) + v,
+    }[name]
+    out = dense(x)
+    (grad,) = torch.autograd.grad((out * cot[: out.shape[0]]).sum(), x)
+    if name.startswith("passed_twice"):
+        return dict(out=out, plain=out, grad=grad)
+    return dict(out=out, grad=grad)
+
+
+def _jax_boundary(name: str) -> dict:
+    """The case under ``jax.shard_map`` (Explicit axes, which its partial-sum specs need): the
+    values, and the gradients where JAX's transposes are the global function's (under
+    ``check_vma=False`` JAX keeps its old heuristics, which scale a cotangent by the axis size
+    for an unmapped output; named_spmd differentiates the function it ran)."""
+    jax = _jax.jax_module()
+    jnp, lax, np = jax.numpy, jax.lax, __import__("numpy")
+    JP = jax.sharding.PartitionSpec
+    mesh = jax.sharding.Mesh(
+        np.array(jax.devices()[:2]), ("x",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+
+    def put(t, spec):
+        return jax.device_put(jnp.asarray(t.numpy()), jax.sharding.NamedSharding(mesh, spec))
+
+    def glob(a):  # the global value (an unreduced one: summed)
+        return torch.from_numpy(np.array(jax.reshard(a, JP())))
+
+    def smap(fn, in_specs, out_specs, check_vma=True):
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+        )
+
+    U, R = JP(unreduced={"x"}), JP(reduced={"x"})
+    x, cot = BOUNDARY_X, BOUNDARY_COT
+    with jax.set_mesh(mesh):
+        if name == "unreduced_roundtrip":
+            mk = smap(lambda v: lax.pcast(jnp.tanh(v), "x", to="unreduced"), JP("x"), U)
+            ar = smap(lambda u: lax.psum(u, "x") ** 2, U, JP())
+            parts, pull_mk = jax.vjp(mk, put(x, JP("x")))
+            out, pull_ar = jax.vjp(ar, parts)
+            (leaf_grad,) = pull_ar(put(cot[:2], JP()))
+            (grad,) = pull_mk(leaf_grad)
+            return dict(
+                parts=glob(parts), out=glob(out), grad=glob(grad), leaf_grad=glob(leaf_grad)
+            )
+        if name.startswith("unchecked_"):
+            in_spec, out_spec = {
+                "unchecked_invariant_to_unreduced": (JP(), U),
+                "unchecked_varying_to_unreduced": (JP("x"), U),
+                "unchecked_unreduced_to_invariant": (U, JP()),
+            }[name]
+            fn = (lambda v: v + v) if in_spec == U else (lambda v: v * v)
+            out = smap(fn, in_spec, out_spec, check_vma=False)(put(x, in_spec))
+            return dict(out=glob(out))
+        specs = (R, JP()) if name == "passed_twice_reduced_first" else (JP(), R)
+
+        def body(u, v):
+            r, i = (u, v) if specs[0] == R else (v, u)
+            return lax.psum(lax.pcast(r, "x", to="varying") * jnp.sin(i), "x") + i
+
+        out, pull = jax.vjp(smap(body, specs, JP()), *(put(x, s) for s in specs))
+        grads = pull(put(cot, JP()))  # one tensor at both positions: the sum of both
+        return dict(out=glob(out), grad=glob(grads[0]) + glob(grads[1]))
+
+
+def _boundary_types(name: str) -> list[str] | None:
+    """The argument types a case's calls saw (two calls: without and with autograd)."""
+    if name == "passed_twice_reduced_first":
+        return ["f64[4]{R:x}", "f64[4]{}"] * 2
+    if name == "passed_twice_invariant_first":
+        return ["f64[4]{}", "f64[4]{R:x}"] * 2
+    return None
+
+
+def _assert_boundary(got: dict, name: str) -> None:
+    tight = dict(rtol=1e-12, atol=1e-12)
+    for want in (_dense_boundary(name), _jax_boundary(name)):
+        for k, v in want.items():
+            torch.testing.assert_close(torch.tensor(got[k], dtype=F64), v, **tight, msg=k)
+    assert got.get("types") == _boundary_types(name)
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDARY))
+def test_boundary_simulated(name):
+    got = BOUNDARY[name](ns.make_mesh((2,), ("x",)))
+    _assert_boundary(got, name)
+
+
 # --- real processes -------------------------------------------------------------------------------
 
 
@@ -242,3 +357,15 @@ def test_real_processes_deferred_reduction():
         assert o["comms"] == {"forward psum ('dp',)": 7}, o["comms"]
         for g, k in zip(o["grads"], sorted(want)):
             torch.testing.assert_close(torch.tensor(g, dtype=F64), want[k], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDARY))
+def test_real_processes_boundary(name):
+    """The same case on 2 real processes: the dense and JAX values and gradients, as on the
+    simulated mesh (its types too)."""
+    outcomes, tail = _real_outcomes()
+    got = [o for o in outcomes if o["kind"] == "boundary" and o["name"] == name]
+    assert len(got) == 2, tail
+    for o in got:
+        assert o["ok"], o.get("why")
+        _assert_boundary(o["result"], name)

@@ -89,17 +89,24 @@ def block_input(ctx, leaf: torch.Tensor, i: int) -> torch.Tensor:
 def _partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     """A plain tensor is the global value on every rank, and its gradient the global gradient
     (as on the simulated mesh). Unreduced over A: the member at coordinate 0 of A holds the
-    value, the others zeros (parts summing to it); its cotangent, reduced, is the same on every
-    member, so each rank's gradient is its own cotangent. Reduced over A: the gradient, a
-    partial sum per member, is summed at the boundary (one psum; a DTensor input instead gets a
-    Partial gradient and defers it)."""
+    value, the others zeros (parts summing to it), so the gradient is member 0's cotangent. Its
+    cotangent, reduced, is the same on every member, so each rank's gradient is its own; under
+    ``check_vma=False`` nothing says so, and one psum of member 0's cotangent and zeros
+    broadcasts it. Reduced over A: the gradient, a partial sum per member, is summed at the
+    boundary (one psum; a DTensor input instead gets a Partial gradient and defers it)."""
     mesh = ctx.mesh
     x = leaf
     if not mesh.single_axes.issuperset(spec.axes):  # this rank's block; backward gathers
         x = _scatter_input(leaf, ctx, spec) if differentiable(leaf) else _block(leaf, spec, mesh)
     if spec.unreduced:
         first = all(mesh.my_coords[a] == 0 for a in spec.unreduced)
-        x = _FirstHolds.apply(x, first)
+        axes = tuple(
+            a for a in mesh.axis_names if a in spec.unreduced and a not in mesh.single_axes
+        )
+        unchecked = bool(axes) and not ctx.checked
+        if unchecked and differentiable(x):
+            x = _boundary(ctx, "pvary", x, axes, ())  # backward: the psum
+        x = _FirstHolds.apply(x, first, True, unchecked)
     reduced = tuple(a for a in mesh.axis_names if a in spec.reduced and a not in mesh.single_axes)
     if reduced and differentiable(x):
         modes = active()
@@ -113,23 +120,23 @@ def _partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor
 
 class _FirstHolds(torch.autograd.Function):
     """Parts of a global value, summing to it: the first member's part is the value, the
-    others' zeros. Forward (an unreduced input: the value's parts; the cotangent, reduced, is
-    the same on every member, so the backward is the identity), or backward only (``in_backward``,
-    a reduced output: the identity forward; the global cotangent's parts backward)."""
+    others' zeros, in the forward (an unreduced input: the value's parts), in the backward (a
+    reduced output: the global cotangent's parts), or both (an unreduced input whose
+    cotangents may differ: the parts of the cotangent too, which a psum then sums)."""
 
     @staticmethod
-    def forward(x, first, in_backward=False):
-        return x.view_as(x) if first or in_backward else torch.zeros_like(x)
+    def forward(x, first, forward=True, backward=False):
+        return x.view_as(x) if first or not forward else torch.zeros_like(x)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.first, ctx.in_backward = inputs[1], inputs[2] if len(inputs) > 2 else False
+        ctx.first, ctx.parts_back = inputs[1], inputs[3]
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.in_backward and not ctx.first:
+        if ctx.parts_back and not ctx.first:
             g = torch.zeros_like(g)
-        return g, None, None
+        return g, None, None, None
 
 
 def _under_transform(ctx, leaf: torch.Tensor, i: int) -> None:
@@ -330,7 +337,7 @@ def local_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
         y = _boundary(ctx, "psum", torch.where(first, y, torch.zeros_like(y)), unkept, ())
     reduced = tuple(a for a in mesh.axis_names if a in vma.reduced and a not in mesh.single_axes)
     if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
-        y = _FirstHolds.apply(y, all(mesh.my_coords[a] == 0 for a in reduced), True)
+        y = _FirstHolds.apply(y, all(mesh.my_coords[a] == 0 for a in reduced), False, True)
     if copies:  # identical blocks tiled (or parts summed): their cotangents must be summed
         y = _boundary(ctx, "pvary", y, copies, ())
     return y
