@@ -560,7 +560,8 @@ def spmd_map(
         out_specs: a pytree prefix of the output. An axis the out_spec names concatenates the
             instances' blocks along that dim; an axis it does not name must be invariant.
         check_vma: check that out_specs only claim replication the program guarantees. With
-            ``False`` an unnamed axis returns the value of the instance at coordinate 0 there.
+            ``False`` an unnamed axis returns the value of the instance at coordinate 0 there,
+            and an axis declared ``unreduced`` the sum of the instances' values (as JAX).
 
     Autodiff: the mapped function is differentiable with respect to its global inputs
     (``Tensor.backward``, ``torch.autograd.grad``, ``torch.func`` grad / vjp / jvp / jacrev /
