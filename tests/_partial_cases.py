@@ -4,6 +4,7 @@ substrings its message must hold, and deferred gradient reduction over microbatc
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -307,17 +308,40 @@ def _listed(**values: Any) -> dict:
     return {k: v.detach().tolist() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
 
 
-def _unreduced_roundtrip(mesh) -> dict:
+def _mapped(fn: Callable, mesh, compiled: bool, **kwargs: Any) -> Callable:
+    """``ns.spmd_map(fn, ...)``, traced by ``torch.compile`` (fullgraph) if ``compiled``."""
+    f = ns.spmd_map(fn, mesh=mesh, **kwargs)
+    if not compiled:
+        return f
+    torch._dynamo.reset()  # every mapped function shares its call's code object: fresh limits
+    traced = torch.compile(f, backend="eager", fullgraph=True)
+
+    def call(*args: Any) -> Any:
+        with warnings.catch_warnings():
+            # Dynamo's own look at a non-leaf input's .grad while it traces (any compiled
+            # function taking one warns so), not the program's
+            warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf")
+            return traced(*args)
+
+    return call
+
+
+def _unreduced_roundtrip(mesh, compiled: bool = False) -> dict:
     """A partial-sum output (a Partial() DTensor on a real mesh) fed back into an unreduced
     in_spec and reduced there: its cotangent is the reduced value's, once."""
-    mk = ns.spmd_map(
+    mk = _mapped(
         lambda v: ns.pcast(torch.tanh(v), "x", to="unreduced"),
-        mesh=mesh,
+        mesh,
+        compiled,
         in_specs=P("x"),
         out_specs=P(unreduced={"x"}),
     )
-    ar = ns.spmd_map(
-        lambda u: ns.psum(u, "x") ** 2, mesh=mesh, in_specs=P(unreduced={"x"}), out_specs=P()
+    ar = _mapped(
+        lambda u: ns.psum(u, "x") ** 2,
+        mesh,
+        compiled,
+        in_specs=P(unreduced={"x"}),
+        out_specs=P(),
     )
     a = BOUNDARY_X.clone().requires_grad_()
     parts = mk(a)
@@ -331,8 +355,8 @@ def _unreduced_roundtrip(mesh) -> dict:
 def _unchecked(in_spec: Any, out_spec: Any, fn: Callable = lambda v: v * v) -> Callable:
     """``fn`` under ``check_vma=False`` with an unreduced in_spec or out_spec."""
 
-    def run(mesh) -> dict:
-        f = ns.spmd_map(fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False)
+    def run(mesh, compiled: bool = False) -> dict:
+        f = _mapped(fn, mesh, compiled, in_specs=in_spec, out_specs=out_spec, check_vma=False)
         x = BOUNDARY_X.clone().requires_grad_()
         out = _full(f(x))
         (out * BOUNDARY_COT[: out.shape[0]]).sum().backward()
@@ -341,28 +365,30 @@ def _unchecked(in_spec: Any, out_spec: Any, fn: Callable = lambda v: v * v) -> C
     return run
 
 
-def _passed_twice(first: Any, second: Any) -> Callable[[Any], dict]:
-    """One tensor passed at two argument positions with different specs: each its own type."""
+def _passed_twice(first: Any, second: Any) -> Callable:
+    """One tensor passed at two argument positions with different specs: each its own type
+    (read in eager calls; a traced call reads none)."""
 
-    def run(mesh) -> dict:
+    def run(mesh, compiled: bool = False) -> dict:
         types: list[str] = []
 
         def body(u, v):
-            types.extend(str(ns.typeof(t)) for t in (u, v))
+            if not compiled:
+                types.extend(str(ns.typeof(t)) for t in (u, v))
             r, i = (u, v) if first.reduced else (v, u)
             return ns.psum(ns.pcast(r, "x", to="varying") * torch.sin(i), "x") + i
 
-        f = ns.spmd_map(body, mesh=mesh, in_specs=(first, second), out_specs=P())
+        f = _mapped(body, mesh, compiled, in_specs=(first, second), out_specs=P())
         plain = _full(f(BOUNDARY_X, BOUNDARY_X))  # without autograd: the tensor itself, twice
         t = BOUNDARY_X.clone().requires_grad_()
         out = _full(f(t, t))
         (out * BOUNDARY_COT).sum().backward()
-        return _listed(out=out, plain=plain, grad=t.grad, types=types)
+        return _listed(out=out, plain=plain, grad=t.grad, types=types or None)
 
     return run
 
 
-BOUNDARY: dict[str, Callable[[Any], dict]] = {
+BOUNDARY: dict[str, Callable[..., dict]] = {
     "unreduced_roundtrip": _unreduced_roundtrip,
     "unchecked_invariant_to_unreduced": _unchecked(P(), P(unreduced={"x"})),
     "unchecked_varying_to_unreduced": _unchecked(P("x"), P(unreduced={"x"})),

@@ -15,6 +15,7 @@ per check and rank:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -54,12 +55,13 @@ def main() -> None:
                 _say(kind="program", name=name, rank=rank, ok=False, why=traceback.format_exc())
         for name in ERRORS:
             _say(kind="error", name=name, rank=rank, **run_error(name, simulated=False))
-        for name, case in BOUNDARY.items():
+        for (name, case), compiled in itertools.product(BOUNDARY.items(), (False, True)):
+            said = dict(kind="boundary", name=name, compiled=compiled, rank=rank)
             try:
-                result = case(ns.make_mesh((2,), ("x",)))
-                _say(kind="boundary", name=name, rank=rank, ok=True, result=result)
+                result = case(ns.make_mesh((2,), ("x",)), compiled)
+                _say(**said, ok=True, result=result)
             except Exception:  # noqa: BLE001 - reported to the test
-                _say(kind="boundary", name=name, rank=rank, ok=False, why=traceback.format_exc())
+                _say(**said, ok=False, why=traceback.format_exc())
         mesh = ns.make_mesh((2,), ("dp",))
         grads, placements, comms = deferred_grads(mesh)
         _say(

@@ -106,7 +106,7 @@ def from_physical(
     if spec.unreduced:  # partial sums over those axes: the output is their total
         dims = [i for i, a in enumerate(present) if a in spec.unreduced]
         # unbatched over some (check_vma=False, an invariant or reduced value): equal parts
-        copies = math.prod(mesh.shape[a] for a in spec.unreduced if a not in present)
+        copies = math.prod([mesh.shape[a] for a in spec.unreduced if a not in present])
         if dims:
             y = y.sum(dims)
             present = [a for a in present if a not in spec.unreduced]
