@@ -19,7 +19,7 @@ from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
 from ._layout import block_global_shape
 from ._mesh import Mesh
-from ._spec import PartitionSpec, spec_problems
+from ._spec import PartitionSpec, output_settles, spec_problems
 from ._tree import (
     IN_SPEC_INDEX,
     broadcast_specs,
@@ -234,14 +234,12 @@ class SpmdFunction:
         axes = tuple(a for a in order if a in extra)
         vtype = type_text(leaf.dtype, tuple(leaf.shape), ctx.vma(leaf), order)
         named = f"ns.psum(y, {axes[0] if len(axes) == 1 else axes!r})"
-        suggestion = _spec_naming(spec, axes, leaf.dim())
         return (
             f"  - {where} has type {vtype}: it varies over {axes}, but its out_spec {spec!r} does "
             f"not name {'them' if len(axes) > 1 else repr(axes[0])}, which claims one replicated copy.\n"
             f"    Fix 1: reduce inside the function, e.g. {named} (or pmean / pmax / "
             f"all_gather(..., to='invariant')) if the instances hold parts of one value.\n"
-            f"    Fix 2: name the axis in out_specs{suggestion} to get every instance's block "
-            "concatenated."
+            f"    Fix 2: {_naming_fix(spec, axes, leaf.dim(), ctx.held_blocks(leaf))}"
         )
 
     def _unreduced_problem(
@@ -451,10 +449,10 @@ def _with_own_call(cls: type) -> type:
 def _tiled_output_event(
     ctx: _context.SpmdContext, y: torch.Tensor, spec: PartitionSpec
 ) -> torch.Tensor:
-    """An output invariant over an axis its out_spec names is tiled: its blocks' cotangents
-    differ, so its backward sums them over that axis (a psum on a real mesh)."""
-    vma = ctx.vma(y)
-    tiled = tuple(a for a in ctx.mesh.axis_names if a in spec.axes and a not in vma)
+    """An output invariant over an axis its out_spec names (or declares unreduced) is tiled (or
+    summed): its copies' cotangents differ, so its backward sums them over that axis (a psum on
+    a real mesh)."""
+    _, tiled = output_settles(ctx.vma(y), spec, ctx.mesh.axis_names)
     if ctx.single_axes.issuperset(tiled):  # nothing tiled, or only copies of one instance
         return y
     return on_backward(
@@ -462,14 +460,60 @@ def _tiled_output_event(
     )
 
 
-def _spec_naming(spec: PartitionSpec, axes: tuple[str, ...], rank: int) -> str:
+def _naming_fix(spec: PartitionSpec, axes: tuple[str, ...], rank: int, layout: Any) -> str:
+    """The out_spec naming ``axes`` besides ``spec``'s own, for an output of ``rank`` dims:
+    each axis on the dim that holds its blocks, where ``layout`` (the value's record of them,
+    ``_blocks``; None: not known) says which. Named on another dim, the blocks would come back
+    concatenated where they do not belong (a vocabulary split on dim 2 stacked on dim 0). An
+    axis no dim is known to hold goes to dim 0, and the text says to choose its dim."""
     if rank == 0:
-        return " (a rank-0 output needs a singleton dim first: return y.reshape(1))"
-    entries = list(spec) + [None] * (rank - len(spec))
-    first = entries[0]
-    merged = ((first,) if isinstance(first, str) else tuple(first or ())) + axes
-    entries[0] = merged[0] if len(merged) == 1 else merged
-    return f", e.g. {PartitionSpec(*entries)!r}"
+        return (
+            "name the axis in out_specs (a rank-0 output needs a singleton dim first: return "
+            "y.reshape(1)) to get every instance's block concatenated."
+        )
+    held = [list(spec.entry_axes(d)) for d in range(rank)]
+    unknown = []
+    for a in axes:
+        dims = [] if layout is None or a in layout.opaque else layout.dims
+        where = [d for d, on in enumerate(dims) if a in on]
+        if len(where) == 1:
+            held[where[0]].append(a)
+        else:
+            unknown.append(a)
+    crowded = [d for d, e in enumerate(held) if len(e) > 1 and any(a in axes for a in e)]
+    entries = [list(e) for e in held]
+    entries[0][len(spec.entry_axes(0)) : len(spec.entry_axes(0))] = unknown
+    named = PartitionSpec(
+        *(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries),
+        unreduced=spec.unreduced,
+        reduced=spec.reduced,
+    )
+    if not unknown and not crowded:
+        return (
+            f"name {_axes_text(axes)} in out_specs on the "
+            f"{'dims that hold their' if len(axes) > 1 else 'dim that holds its'} blocks, e.g. "
+            f"{named!r}, to get every instance's block concatenated in its place."
+        )
+    notes = [
+        f"dim {d} holds blocks of {_axes_text(tuple(held[d]))}: list them major first, as they "
+        "were split"
+        for d in crowded
+    ]
+    if unknown:
+        them = "it" if len(unknown) == 1 else "them"
+        notes.append(
+            f"no dim of this value is known to hold blocks of {_axes_text(tuple(unknown))}, so "
+            f"this puts {them} on dim 0: name {them} on the dim along which the instances' "
+            "values belong"
+        )
+    return (
+        f"name {_axes_text(axes)} in out_specs to get every instance's block concatenated, "
+        f"e.g. {named!r} ({'; '.join(notes)})."
+    )
+
+
+def _axes_text(axes: tuple[str, ...]) -> str:
+    return repr(axes[0]) if len(axes) == 1 else repr(axes)
 
 
 @overload
@@ -516,7 +560,8 @@ def spmd_map(
         out_specs: a pytree prefix of the output. An axis the out_spec names concatenates the
             instances' blocks along that dim; an axis it does not name must be invariant.
         check_vma: check that out_specs only claim replication the program guarantees. With
-            ``False`` an unnamed axis returns the value of the instance at coordinate 0 there.
+            ``False`` an unnamed axis returns the value of the instance at coordinate 0 there,
+            and an axis declared ``unreduced`` the sum of the instances' values (as JAX).
 
     Autodiff: the mapped function is differentiable with respect to its global inputs
     (``Tensor.backward``, ``torch.autograd.grad``, ``torch.func`` grad / vjp / jvp / jacrev /

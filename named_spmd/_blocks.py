@@ -174,6 +174,12 @@ def rule_index(func: Any) -> int:
 RULE_INDEX = [rule_index]
 
 
+def recorded_layout(t: torch.Tensor, token: object) -> Layout | None:
+    """``t``'s layout as recorded in the call of ``token``; None where it has none (what its
+    dims hold is not known here)."""
+    return _recorded_layout(t, token)
+
+
 def _recorded_layout(t: torch.Tensor, token: object) -> Layout | None:
     """``t``'s layout as recorded in the call of ``token`` (None: no record of its rank)."""
     rec = _read(t)

@@ -60,6 +60,9 @@ class SpmdContext(ABC):
     #: where no value depends on a type (``_replay``). Collectives and casts run their forward
     #: on the one member without their type rules.
     replaying: bool = False
+    #: Whether the out_specs check runs (``check_vma``): where it does not, a partial-sum
+    #: input's cotangent may differ between the instances its type says hold one.
+    checked: bool = True
     #: Set when the user's function asks for a type (``ns.vma``, ``ns.typeof``): a replay could
     #: not answer, so such a function is type-checked on every call.
     types_read: bool = False
@@ -83,6 +86,12 @@ class SpmdContext(ABC):
     def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
         """Record ``x``'s type where the backend tracks it per tensor; returns ``x``."""
         return x
+
+    def held_blocks(self, x: torch.Tensor) -> Any:
+        """Where this call recorded it (``_blocks``): per dim of ``x``, the axes whose blocks
+        it holds, and the axes it varies over for other reasons (a ``Layout``); None where the
+        backend records none or ``x`` has no record."""
+        return None
 
     @abstractmethod
     def axis_index(self, axes: Axes) -> torch.Tensor:

@@ -113,6 +113,33 @@ class PartitionSpec(tuple):
 P = PartitionSpec
 
 
+def output_settles(
+    vma: Vma, spec: PartitionSpec, order: tuple[str, ...], single: frozenset[str] = frozenset()
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What the boundary settles for an output of type ``vma`` under ``spec``, as axes in
+    ``order`` (those of ``single``, size 1, aside: their members are all one instance). An axis
+    the spec names or declares unreduced keeps each instance's value (a block, or a part of the
+    sum); any other axis returns one value. ``(unkept, copies)``:
+
+    * ``unkept``: the instances may differ there (varying, or unreduced), but the spec keeps one
+      value (only under ``check_vma=False``): the value of the instance at coordinate 0;
+    * ``copies``: the spec keeps every instance's value, but they hold one (invariant, or
+      reduced): each copy is a block (tiled) or a part (summed, n times the value), and the
+      copies' cotangents differ, so the backward sums them (a psum over ``copies``)."""
+    unkept: list[str] = []
+    copies: list[str] = []
+    for a in order:
+        if a in single:
+            continue
+        differ = a in vma.varying or a in vma.unreduced
+        kept = a in spec.axes or a in spec.unreduced
+        if differ and not kept:
+            unkept.append(a)
+        elif kept and not differ:
+            copies.append(a)
+    return tuple(unkept), tuple(copies)
+
+
 def _make_spec(entries: tuple, unreduced: frozenset[str], reduced: frozenset[str]) -> PartitionSpec:
     return PartitionSpec(*entries, unreduced=unreduced, reduced=reduced)
 

@@ -153,6 +153,13 @@ class TracedContext(TrackedContext):
         setattr(x, STAMP_ATTR, (self.call_token, vma))
         return x
 
+    def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:
+        """As the eager one, with attributes; the traced paths give every argument position a
+        tensor object of its own (a view, or a block) before stamping it."""
+        self.stamp(x, spec.vma())
+        _blocks.mark(x, spec, self.call_token)
+        return x
+
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         per = self.aliases.get(t)
         if per is None:

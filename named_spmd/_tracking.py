@@ -23,6 +23,7 @@ from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._errors import VmaError
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
+from ._torch_private import DisableTorchFunction as _DisableTorchFunction
 from ._torch_private import get_unwrapped as _unwrap
 from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._types import INVARIANT, Vma
@@ -79,9 +80,21 @@ class TrackedContext(SpmdContext):
                 _stamp_inner(self, x, stamp)  # is the unwrapped one, which must keep the type
         return x
 
+    def held_blocks(self, x: torch.Tensor) -> Any:
+        return _blocks.recorded_layout(x, self.call_token)
+
     def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:
-        """An input leaf under ``spec``: its type, and the blocks its dims hold."""
-        self.stamp(x, spec.vma())
+        """An input leaf under ``spec``: its type, and the blocks its dims hold. Stamped even
+        where invariant: one tensor passed at two argument positions (a backend hands a
+        replicated input through as is) gets a tensor object per position, each typed by its
+        own spec, instead of the last position's type for both."""
+        held = x.__dict__.get(_ATTR)
+        if held is not None and held[0] is self.call_token:
+            with _DisableTorchFunction():
+                x = x.view_as(x)
+        stamp = x.__dict__[_ATTR] = self.stamp_of(spec.vma())
+        if _is_wrapped(x):
+            _stamp_inner(self, x, stamp)
         _blocks.mark(x, spec, self.call_token)
         return x
 

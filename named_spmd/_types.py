@@ -106,7 +106,11 @@ class Vma:
             object.__setattr__(found, memo, {})
         return found
 
+    # interned: a change to one would change every value of that type
     def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Vma is immutable")
+
+    def __delattr__(self, name: str) -> None:
         raise AttributeError("Vma is immutable")
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickling and copying keep the interning

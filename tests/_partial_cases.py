@@ -4,6 +4,7 @@ substrings its message must hold, and deferred gradient reduction over microbatc
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -290,6 +291,19 @@ ERRORS: dict[str, ErrorCase] = {
         _seeded((4, 6), (6, 9)),
         pinned=("matmul in", "multiplies two partial sums"),
     ),
+    # vocabulary-parallel logits returned without naming tp: Fix 2 names it on the dim of the
+    # vocabulary blocks (dim 2), not on dim 0, where their concatenation would be laid out wrong
+    "vocab_logits_unnamed": ErrorCase(
+        lambda h, w_out: h @ w_out,
+        (P(), P(None, "tp")),
+        P(),
+        _seeded((2, 3, 4), (4, 6)),
+        pinned=(
+            "output has type f64[2,3,3]{tp}: it varies over ('tp',)",
+            "Fix 2: name 'tp' in out_specs on the dim that holds its blocks, e.g. "
+            "P(None, None, 'tp')",
+        ),
+    ),
     "bad_cast": ErrorCase(
         lambda x, w: ns.pcast(ns.psum(x @ w, "tp"), "tp", to="unreduced"),
         _ROW,
@@ -363,3 +377,112 @@ def deferred_grads(mesh, micro: int = 4):
     grads = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
     counts = {f"{d} {op} {axes}": n for (d, op, axes), n in comms.counts().items()}
     return [g.detach() for g in grads], placements, counts
+
+
+# --- values crossing the call boundary with unreduced / reduced specs ---------------------------
+# Each case runs on a (2,) "x" mesh, simulated or real, and returns global values as lists (for
+# the real workers' JSON): tests/test_partial_sums.py compares both backends with each other,
+# with JAX's shard_map and with the dense function's gradients.
+
+BOUNDARY_X = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=F64)
+BOUNDARY_COT = torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=F64)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The global value: a real mesh's DTensor summed or gathered, a simulated one's as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _listed(**values: Any) -> dict:
+    return {k: v.detach().tolist() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+
+def _mapped(fn: Callable, mesh, compiled: bool, **kwargs: Any) -> Callable:
+    """``ns.spmd_map(fn, ...)``, traced by ``torch.compile`` (fullgraph) if ``compiled``."""
+    f = ns.spmd_map(fn, mesh=mesh, **kwargs)
+    if not compiled:
+        return f
+    torch._dynamo.reset()  # every mapped function shares its call's code object: fresh limits
+    traced = torch.compile(f, backend="eager", fullgraph=True)
+
+    def call(*args: Any) -> Any:
+        with warnings.catch_warnings():
+            # Dynamo's own look at a non-leaf input's .grad while it traces (any compiled
+            # function taking one warns so), not the program's
+            warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf")
+            return traced(*args)
+
+    return call
+
+
+def _unreduced_roundtrip(mesh, compiled: bool = False) -> dict:
+    """A partial-sum output (a Partial() DTensor on a real mesh) fed back into an unreduced
+    in_spec and reduced there: its cotangent is the reduced value's, once."""
+    mk = _mapped(
+        lambda v: ns.pcast(torch.tanh(v), "x", to="unreduced"),
+        mesh,
+        compiled,
+        in_specs=P("x"),
+        out_specs=P(unreduced={"x"}),
+    )
+    ar = _mapped(
+        lambda u: ns.psum(u, "x") ** 2,
+        mesh,
+        compiled,
+        in_specs=P(unreduced={"x"}),
+        out_specs=P(),
+    )
+    a = BOUNDARY_X.clone().requires_grad_()
+    parts = mk(a)
+    out = ar(parts)
+    (_full(out) * BOUNDARY_COT[:2]).sum().backward()
+    leaf = parts.detach().requires_grad_()  # a leaf holding the partial sums
+    (_full(ar(leaf)) * BOUNDARY_COT[:2]).sum().backward()
+    return _listed(parts=_full(parts), out=_full(out), grad=a.grad, leaf_grad=_full(leaf.grad))
+
+
+def _unchecked(in_spec: Any, out_spec: Any, fn: Callable = lambda v: v * v) -> Callable:
+    """``fn`` under ``check_vma=False`` with an unreduced in_spec or out_spec."""
+
+    def run(mesh, compiled: bool = False) -> dict:
+        f = _mapped(fn, mesh, compiled, in_specs=in_spec, out_specs=out_spec, check_vma=False)
+        x = BOUNDARY_X.clone().requires_grad_()
+        out = _full(f(x))
+        (out * BOUNDARY_COT[: out.shape[0]]).sum().backward()
+        return _listed(out=out, grad=x.grad)
+
+    return run
+
+
+def _passed_twice(first: Any, second: Any) -> Callable:
+    """One tensor passed at two argument positions with different specs: each its own type
+    (read in eager calls; a traced call reads none)."""
+
+    def run(mesh, compiled: bool = False) -> dict:
+        types: list[str] = []
+
+        def body(u, v):
+            if not compiled:
+                types.extend(str(ns.typeof(t)) for t in (u, v))
+            r, i = (u, v) if first.reduced else (v, u)
+            return ns.psum(ns.pcast(r, "x", to="varying") * torch.sin(i), "x") + i
+
+        f = _mapped(body, mesh, compiled, in_specs=(first, second), out_specs=P())
+        plain = _full(f(BOUNDARY_X, BOUNDARY_X))  # without autograd: the tensor itself, twice
+        t = BOUNDARY_X.clone().requires_grad_()
+        out = _full(f(t, t))
+        (out * BOUNDARY_COT).sum().backward()
+        return _listed(out=out, plain=plain, grad=t.grad, types=types or None)
+
+    return run
+
+
+BOUNDARY: dict[str, Callable[..., dict]] = {
+    "unreduced_roundtrip": _unreduced_roundtrip,
+    "unchecked_invariant_to_unreduced": _unchecked(P(), P(unreduced={"x"})),
+    "unchecked_varying_to_unreduced": _unchecked(P("x"), P(unreduced={"x"})),
+    # linear: v * v of a partial sum is an error whatever check_vma says
+    "unchecked_unreduced_to_invariant": _unchecked(P(unreduced={"x"}), P(), lambda v: v + v),
+    "passed_twice_reduced_first": _passed_twice(P(reduced={"x"}), P()),
+    "passed_twice_invariant_first": _passed_twice(P(), P(reduced={"x"})),
+}

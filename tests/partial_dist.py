@@ -7,6 +7,8 @@ per check and rank:
   program and the simulated run (``_backends.compare_runs``, the catalogue's one test body);
 * every program of :data:`ERRORS` (tests/_partial_cases.py): the error class and message, which
   the test compares with the simulated run's;
+* every case of :data:`BOUNDARY` (partial-sum specs at the call boundary): its global values,
+  gradients and types, which the test compares with the dense function, JAX and the simulated run;
 * deferred reduction with DTensor parameters: their gradients are ``Partial()`` DTensors, summed
   once after accumulating microbatches;
 * random partial-sum programs of tests/_partial_sampler.py on the (2,) mesh (``REAL_CASES``):
@@ -16,6 +18,7 @@ per check and rank:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -27,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _backends  # noqa: E402
-from _partial_cases import ERRORS, deferred_grads, run_error  # noqa: E402
+from _partial_cases import BOUNDARY, ERRORS, deferred_grads, run_error  # noqa: E402
 from _partial_sampler import PAIR, REAL_CASES, make_case, run_case, run_named_spmd  # noqa: E402
 from _programs import BY_NAME, PARTIAL_PROGRAMS  # noqa: E402
 
@@ -83,6 +86,13 @@ def main() -> None:
                 )
             except Exception:  # noqa: BLE001 - reported to the test
                 _say(kind="random", seed=seed, rank=rank, ok=False, why=traceback.format_exc())
+        for (name, case), compiled in itertools.product(BOUNDARY.items(), (False, True)):
+            said = dict(kind="boundary", name=name, compiled=compiled, rank=rank)
+            try:
+                result = case(ns.make_mesh((2,), ("x",)), compiled)
+                _say(**said, ok=True, result=result)
+            except Exception:  # noqa: BLE001 - reported to the test
+                _say(**said, ok=False, why=traceback.format_exc())
         mesh = ns.make_mesh((2,), ("dp",))
         grads, placements, comms = deferred_grads(mesh)
         _say(

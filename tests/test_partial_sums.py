@@ -13,10 +13,19 @@ import functools
 import json
 import os
 
+import _jax
 import pytest
 import torch
 from _dist_launch import launch
-from _partial_cases import ERRORS, deferred_grads, dense_grads, run_error
+from _partial_cases import (
+    BOUNDARY,
+    BOUNDARY_COT,
+    BOUNDARY_X,
+    ERRORS,
+    deferred_grads,
+    dense_grads,
+    run_error,
+)
 from _partial_sampler import REAL_CASES
 from _programs import PARTIAL_PROGRAMS
 
@@ -41,6 +50,21 @@ def test_vma_states_algebra_and_text():
     assert Vma.make((), (), ("dp",))  # reduced only: not "invariant everywhere"
     with pytest.raises(ValueError):
         Vma.make(("tp",), ("tp",))
+
+
+@pytest.mark.parametrize("name", ["varying", "unreduced", "reduced", "partial", "_hash", "_union"])
+def test_interned_vma_refuses_assignment_and_deletion(name):
+    """Interned: one object per type, so a change to one would change every later value of
+    that type (its hash, its memos)."""
+    u = Vma.make(("dp",), ("tp",))
+    before = (u.varying, u.unreduced, u.reduced, u.partial, hash(u))
+    with pytest.raises(AttributeError, match="immutable"):
+        delattr(u, name)
+    with pytest.raises(AttributeError, match="immutable"):
+        setattr(u, name, frozenset())
+    again = Vma.make(("dp",), ("tp",))
+    assert again is u
+    assert (again.varying, again.unreduced, again.reduced, again.partial, hash(again)) == before
 
 
 def test_typeof_shows_unreduced_and_reduced():
@@ -186,6 +210,113 @@ def test_deferred_gradient_reduction_simulated():
     assert comms == {"forward psum ('dp',)": 7}
 
 
+# --- the call boundary: partial-sum specs of inputs and outputs (tests/_partial_cases.BOUNDARY) ---
+
+
+def _dense_boundary(name: str) -> dict:
+    """Each case's global function written densely, and its gradient by autograd."""
+    x, cot = BOUNDARY_X.clone().requires_grad_(), BOUNDARY_COT
+    if name == "unreduced_roundtrip":
+        parts = torch.tanh(x[:2]) + torch.tanh(x[2:])
+        out = parts**2
+        (grad,) = torch.autograd.grad((out * cot[:2]).sum(), x)
+        return dict(parts=parts, out=out, grad=grad, leaf_grad=2 * parts * cot[:2])
+    dense = {
+        # every instance holds v * v, a part of the output: their sum, n copies
+        "unchecked_invariant_to_unreduced": lambda v: 2 * v * v,
+        "unchecked_varying_to_unreduced": lambda v: v[:2] ** 2 + v[2:] ** 2,
+        # instance 0 holds the whole input (the others zeros): its value
+        "unchecked_unreduced_to_invariant": lambda v: v + v,
+        "passed_twice_reduced_first": lambda v: 2 * v * torch.sin(v) + v,
+        "passed_twice_invariant_first": lambda v: 2 * v * torch.sin(v) + v,
+    }[name]
+    out = dense(x)
+    (grad,) = torch.autograd.grad((out * cot[: out.shape[0]]).sum(), x)
+    if name.startswith("passed_twice"):
+        return dict(out=out, plain=out, grad=grad)
+    return dict(out=out, grad=grad)
+
+
+def _jax_boundary(name: str) -> dict:
+    """The case under ``jax.shard_map`` (Explicit axes, which its partial-sum specs need): the
+    values, and the gradients where JAX's transposes are the global function's (under
+    ``check_vma=False`` JAX keeps its old heuristics, which scale a cotangent by the axis size
+    for an unmapped output; named_spmd differentiates the function it ran)."""
+    jax = _jax.jax_module()
+    jnp, lax, np = jax.numpy, jax.lax, __import__("numpy")
+    JP = jax.sharding.PartitionSpec
+    mesh = jax.sharding.Mesh(
+        np.array(jax.devices()[:2]), ("x",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+
+    def put(t, spec):
+        return jax.device_put(jnp.asarray(t.numpy()), jax.sharding.NamedSharding(mesh, spec))
+
+    def glob(a):  # the global value (an unreduced one: summed)
+        return torch.from_numpy(np.array(jax.reshard(a, JP())))
+
+    def smap(fn, in_specs, out_specs, check_vma=True):
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+        )
+
+    U, R = JP(unreduced={"x"}), JP(reduced={"x"})
+    x, cot = BOUNDARY_X, BOUNDARY_COT
+    with jax.set_mesh(mesh):
+        if name == "unreduced_roundtrip":
+            mk = smap(lambda v: lax.pcast(jnp.tanh(v), "x", to="unreduced"), JP("x"), U)
+            ar = smap(lambda u: lax.psum(u, "x") ** 2, U, JP())
+            parts, pull_mk = jax.vjp(mk, put(x, JP("x")))
+            out, pull_ar = jax.vjp(ar, parts)
+            (leaf_grad,) = pull_ar(put(cot[:2], JP()))
+            (grad,) = pull_mk(leaf_grad)
+            return dict(
+                parts=glob(parts), out=glob(out), grad=glob(grad), leaf_grad=glob(leaf_grad)
+            )
+        if name.startswith("unchecked_"):
+            in_spec, out_spec = {
+                "unchecked_invariant_to_unreduced": (JP(), U),
+                "unchecked_varying_to_unreduced": (JP("x"), U),
+                "unchecked_unreduced_to_invariant": (U, JP()),
+            }[name]
+            fn = (lambda v: v + v) if in_spec == U else (lambda v: v * v)
+            out = smap(fn, in_spec, out_spec, check_vma=False)(put(x, in_spec))
+            return dict(out=glob(out))
+        specs = (R, JP()) if name == "passed_twice_reduced_first" else (JP(), R)
+
+        def body(u, v):
+            r, i = (u, v) if specs[0] == R else (v, u)
+            return lax.psum(lax.pcast(r, "x", to="varying") * jnp.sin(i), "x") + i
+
+        out, pull = jax.vjp(smap(body, specs, JP()), *(put(x, s) for s in specs))
+        grads = pull(put(cot, JP()))  # one tensor at both positions: the sum of both
+        return dict(out=glob(out), grad=glob(grads[0]) + glob(grads[1]))
+
+
+def _boundary_types(name: str, compiled: bool) -> list[str] | None:
+    """The argument types a case's eager calls saw (two calls: without and with autograd)."""
+    if name == "passed_twice_reduced_first" and not compiled:
+        return ["f64[4]{R:x}", "f64[4]{}"] * 2
+    if name == "passed_twice_invariant_first" and not compiled:
+        return ["f64[4]{}", "f64[4]{R:x}"] * 2
+    return None
+
+
+def _assert_boundary(got: dict, name: str, compiled: bool) -> None:
+    tight = dict(rtol=1e-12, atol=1e-12)
+    for want in (_dense_boundary(name), _jax_boundary(name)):
+        for k, v in want.items():
+            torch.testing.assert_close(torch.tensor(got[k], dtype=F64), v, **tight, msg=k)
+    assert got.get("types") == _boundary_types(name, compiled)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", sorted(BOUNDARY))
+def test_boundary_simulated(name, compiled):
+    got = BOUNDARY[name](ns.make_mesh((2,), ("x",)), compiled)
+    _assert_boundary(got, name, compiled)
+
+
 # --- real processes -------------------------------------------------------------------------------
 
 
@@ -242,3 +373,20 @@ def test_real_processes_random_program(seed):
     for o in got:
         assert o["ok"], o.get("why")
         assert (o["outcome"] != "accepted") == refused, o
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", sorted(BOUNDARY))
+def test_real_processes_boundary(name, compiled):
+    """The same case on 2 real processes, eager and traced by torch.compile: the dense and JAX
+    values and gradients, as on the simulated mesh (its types too)."""
+    outcomes, tail = _real_outcomes()
+    got = [
+        o
+        for o in outcomes
+        if o["kind"] == "boundary" and o["name"] == name and o["compiled"] == compiled
+    ]
+    assert len(got) == 2, tail
+    for o in got:
+        assert o["ok"], o.get("why")
+        _assert_boundary(o["result"], name, compiled)

@@ -7,6 +7,8 @@ Inside spmd_map the per-device function runs once per simulated call, so a closu
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from _reference import REF, run_reference
@@ -244,8 +246,59 @@ def test_out_specs_violation_names_function_path_axes_and_both_fixes():
     assert "output[1]['y'] has type f64[2,3]{dp, U:tp}: it is unreduced over ('tp',)" in msg
     assert "P(..., unreduced={'tp'})" in msg
     assert "Fix 1: reduce inside the function, e.g. ns.psum(y, 'tp')" in msg
-    assert "Fix 2: name the axis in out_specs, e.g. P(('dp', 'tp'))" in msg
+    # output[0]: x.sum(0) reduced the dim of dp blocks (no dim holds dp) and kept tp's on dim 0
+    assert (
+        "Fix 2: name ('dp', 'tp') in out_specs to get every instance's block concatenated, "
+        "e.g. P(('dp', 'tp')) (no dim of this value is known to hold blocks of 'dp'" in msg
+    )
     assert "f64[2]{dp,tp}" in msg  # the value's type
+
+
+def _fix2_spec(message: str) -> P:
+    """The out_spec the error's Fix 2 suggests."""
+    match = re.search(r"Fix 2: .*?e\.g\. (P\(.*?\))(?=, to get| \()", message)
+    assert match, message
+    return eval(match.group(1), {"P": P})
+
+
+def _logits(x, w):
+    return x @ w
+
+
+def _logit_sums(x, w):  # summed over the vocabulary blocks: no dim holds them any more
+    return (x @ w).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    "fn, in_specs, out_spec",
+    [
+        (_logits, (P("dp"), P(None, "tp")), P("dp")),  # vocabulary-split logits [16, 16, 32]
+        (_logits, (P(None, "dp"), P(None, "tp")), P()),  # tokens split over dp on dim 1
+        (_logit_sums, (P("dp"), P(None, "tp")), P("dp")),
+    ],
+)
+def test_out_specs_fix2_names_the_dim_that_holds_the_blocks(fn, in_specs, out_spec):
+    """Fix 2's spec, run, returns the dense value where the layout says where the blocks are
+    (named on another dim, they would come back concatenated where they do not belong); where
+    no dim holds them, the message says so instead of passing a guess off as the layout."""
+    x, w = _x(16, 16, 8), _x(8, 32)
+    f = ns.spmd_map(fn, mesh=MESH, in_specs=in_specs, out_specs=out_spec)
+    with pytest.raises(ns.VmaError) as info:
+        f(x, w)
+    msg = str(info.value)
+    with pytest.raises(ns.VmaError) as checked:  # the abstract backend: the same message
+        f.check(x, w)
+    assert str(checked.value) == msg
+    fixed = ns.spmd_map(fn, mesh=MESH, in_specs=in_specs, out_specs=_fix2_spec(msg))(x, w)
+    if fn is _logits:
+        assert re.search(r"on the (dim that holds its|dims that hold their) blocks", msg)
+        torch.testing.assert_close(fixed, x @ w)
+    else:  # every instance's partial sums, concatenated where the message says
+        assert (
+            "no dim of this value is known to hold blocks of 'tp', so this puts it on dim 0" in msg
+        )
+        want = (x @ w).unflatten(-1, (4, 8)).sum(-1).unflatten(0, (2, 8)).movedim(-1, 1)
+        torch.testing.assert_close(fixed, want.reshape(64, 16, 1))
 
 
 def test_out_specs_violation_for_a_rank0_output_suggests_a_singleton_dim():

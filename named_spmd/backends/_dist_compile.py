@@ -31,13 +31,19 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as P
 from .._collectives._record import PVARY_RECORD, RECORDS
 from .._layout import assemble, block
-from .._spec import PartitionSpec
+from .._spec import PartitionSpec, output_settles
 from .._traced import CompiledVmaMode, TracedContext, route_view_attributes
 from .._tracking import TrackedContext
 from .._types import INVARIANT
 from ._dist_comm import permute_splits
-from ._dist_dtensor import placements
-from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, block_input
+from ._dist_dtensor import grad_placements, placements
+from ._dist_io import (
+    _FirstHolds,
+    _in_mesh_order,
+    _non_mesh_order_entries,
+    _relayout_pairs,
+    block_input,
+)
 
 _F = P.funcol()  # bound at import: Dynamo reads module attributes as constants
 
@@ -208,17 +214,39 @@ class _ScatterInput(torch.autograd.Function):
 
 def _local_input(ctx: CompiledContext, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     mesh = ctx.mesh
+    partial = spec.unreduced or spec.reduced
     if isinstance(leaf, DTensor):
-        local = leaf.to_local()
+        grads = grad_placements(mesh, spec, leaf.dim()) if partial else None
+        local = leaf.to_local(grad_placements=grads)
         for axes in _non_mesh_order_entries(mesh, spec):
             pairs = (_relayout_pairs(mesh, axes),)
             local = ctx.apply(RECORDS["ppermute"], local, _in_mesh_order(mesh, axes), pairs)
         return local.view_as(local)
     if mesh.single_axes.issuperset(spec.axes):
-        return leaf.view_as(leaf)  # a new tensor: the stamp goes on it, not on the input
-    if leaf.requires_grad and torch.is_grad_enabled():
-        return _ScatterInput.apply(leaf, ctx, spec)
-    return block(leaf, spec, mesh._shape, mesh.my_coords)
+        x = leaf.view_as(leaf)  # a new tensor: the stamp goes on it, not on the input
+    elif leaf.requires_grad and torch.is_grad_enabled():
+        x = _ScatterInput.apply(leaf, ctx, spec)
+    else:
+        x = block(leaf, spec, mesh._shape, mesh.my_coords)
+    return _partial_input(ctx, x, spec) if partial else x
+
+
+def _partial_input(ctx: CompiledContext, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """A plain partial-sum input, as ``_dist_io._partial_input``: unreduced, member 0's part is
+    the value and the others' zeros (under ``check_vma=False`` its gradient member 0's
+    cotangent, broadcast by a psum); reduced, its gradient's partial sums summed (one psum)."""
+    names, single = ctx.mesh.axis_names, ctx.mesh.single_axes
+    grad = x.requires_grad and torch.is_grad_enabled()
+    axes = tuple(a for a in names if a in spec.unreduced and a not in single)
+    if spec.unreduced:
+        unchecked = bool(axes) and not ctx.checked
+        if unchecked and grad:
+            x = ctx.apply(PVARY_RECORD, x, axes, ())
+        x = _FirstHolds.apply(x, not axes or _group(ctx.mesh, axes)[2] == 0, True, unchecked)
+    reduced = tuple(a for a in names if a in spec.reduced and a not in single)
+    if reduced and grad:
+        x = ctx.apply(RECORDS["preduced"], x, reduced, ())
+    return x
 
 
 def _block_input(ctx: CompiledContext, leaf: torch.Tensor, i: int) -> torch.Tensor:
@@ -238,16 +266,17 @@ def _global_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -
 
 def _local_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     """This rank's block of output ``y`` (``_dist_io.local_output``)."""
-    mesh = ctx.mesh
     vma = ctx.vma(y)
-    names = mesh.axis_names
-    unnamed_varying = tuple(a for a in names if a in vma and a not in spec.axes)
-    named_invariant = vma.missing(a for a in names if a in spec.axes)
+    unnamed_varying, named_invariant = output_settles(vma, spec, ctx.mesh.axis_names)
     if unnamed_varying:  # check_vma=False: member 0's value, as on the other backends
         first = ctx.axis_index(unnamed_varying) == 0
         y = ctx.apply(
             RECORDS["psum"], torch.where(first, y, torch.zeros_like(y)), unnamed_varying, ()
         )
+    reduced = tuple(a for a in ctx.mesh.axis_names if a in vma.reduced)
+    reduced = tuple(a for a in reduced if a not in ctx.mesh.single_axes)
+    if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
+        y = _FirstHolds.apply(y, _group(ctx.mesh, reduced)[2] == 0, False, True)
     if named_invariant:
         y = ctx.apply(PVARY_RECORD, y, named_invariant, ())
     return y
@@ -257,6 +286,7 @@ def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
     """``distributed.run`` while Dynamo traces: see the module docstring."""
     route_view_attributes()
     ctx = CompiledContext(mesh, fn)
+    ctx.checked = body.mapped.check_vma
     local_call = body.local  # SpmdFunction.local: this rank's blocks in and out
     with P.DisableTorchFunction():
         local = [

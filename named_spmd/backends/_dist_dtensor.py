@@ -50,11 +50,16 @@ def _placements_of(mesh, spec: PartitionSpec, rank: int) -> tuple:
 
 def grad_placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
     """The placements of the gradient of an input under ``spec``: those of the input, except
-    that a reduced axis leaves the gradient a partial sum there (section 8)."""
+    that the states swap (section 8): a reduced axis leaves the gradient a partial sum there
+    (``Partial``), and an unreduced one's cotangent is reduced, the same whole value on every
+    part (``Replicate``; as ``Partial`` it would be counted once per part)."""
     places = placements(mesh, spec, rank)
-    if not spec.reduced:
+    if not spec.reduced and not spec.unreduced:
         return places
-    return tuple(Partial() if a in spec.reduced else p for a, p in zip(mesh.axis_names, places))
+    return tuple(
+        Partial() if a in spec.reduced else Replicate() if a in spec.unreduced else p
+        for a, p in zip(mesh.axis_names, places)
+    )
 
 
 # --- fast DTensor conversions --------------------------------------------------------------------

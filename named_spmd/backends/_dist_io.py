@@ -32,7 +32,7 @@ from .._autodiff import differentiable
 from .._collectives._record import PVARY_RECORD, RECORDS
 from .._errors import SpecError
 from .._layout import assemble, block
-from .._spec import PartitionSpec
+from .._spec import PartitionSpec, output_settles
 from .._types import Vma
 from ._dist_dtensor import (
     _fast,
@@ -89,17 +89,24 @@ def block_input(ctx, leaf: torch.Tensor, i: int) -> torch.Tensor:
 def _partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     """A plain tensor is the global value on every rank, and its gradient the global gradient
     (as on the simulated mesh). Unreduced over A: the member at coordinate 0 of A holds the
-    value, the others zeros (parts summing to it); its cotangent, reduced, is the same on every
-    member, so each rank's gradient is its own cotangent. Reduced over A: the gradient, a
-    partial sum per member, is summed at the boundary (one psum; a DTensor input instead gets a
-    Partial gradient and defers it)."""
+    value, the others zeros (parts summing to it), so the gradient is member 0's cotangent. Its
+    cotangent, reduced, is the same on every member, so each rank's gradient is its own; under
+    ``check_vma=False`` nothing says so, and one psum of member 0's cotangent and zeros
+    broadcasts it. Reduced over A: the gradient, a partial sum per member, is summed at the
+    boundary (one psum; a DTensor input instead gets a Partial gradient and defers it)."""
     mesh = ctx.mesh
     x = leaf
     if not mesh.single_axes.issuperset(spec.axes):  # this rank's block; backward gathers
         x = _scatter_input(leaf, ctx, spec) if differentiable(leaf) else _block(leaf, spec, mesh)
     if spec.unreduced:
         first = all(mesh.my_coords[a] == 0 for a in spec.unreduced)
-        x = _FirstHolds.apply(x, first)
+        axes = tuple(
+            a for a in mesh.axis_names if a in spec.unreduced and a not in mesh.single_axes
+        )
+        unchecked = bool(axes) and not ctx.checked
+        if unchecked and differentiable(x):
+            x = _boundary(ctx, "pvary", x, axes, ())  # backward: the psum
+        x = _FirstHolds.apply(x, first, True, unchecked)
     reduced = tuple(a for a in mesh.axis_names if a in spec.reduced and a not in mesh.single_axes)
     if reduced and differentiable(x):
         modes = active()
@@ -113,23 +120,23 @@ def _partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor
 
 class _FirstHolds(torch.autograd.Function):
     """Parts of a global value, summing to it: the first member's part is the value, the
-    others' zeros. Forward (an unreduced input: the value's parts; the cotangent, reduced, is
-    the same on every member, so the backward is the identity), or backward only (``in_backward``,
-    a reduced output: the identity forward; the global cotangent's parts backward)."""
+    others' zeros, in the forward (an unreduced input: the value's parts), in the backward (a
+    reduced output: the global cotangent's parts), or both (an unreduced input whose
+    cotangents may differ: the parts of the cotangent too, which a psum then sums)."""
 
     @staticmethod
-    def forward(x, first, in_backward=False):
-        return x.view_as(x) if first or in_backward else torch.zeros_like(x)
+    def forward(x, first, forward=True, backward=False):
+        return x.view_as(x) if first or not forward else torch.zeros_like(x)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.first, ctx.in_backward = inputs[1], inputs[2] if len(inputs) > 2 else False
+        ctx.first, ctx.parts_back = inputs[1], inputs[3]
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.in_backward and not ctx.first:
+        if ctx.parts_back and not ctx.first:
             g = torch.zeros_like(g)
-        return g, None, None
+        return g, None, None, None
 
 
 def _under_transform(ctx, leaf: torch.Tensor, i: int) -> None:
@@ -169,7 +176,7 @@ def _from_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int, transformed: 
             f"{spec!r} on mesh axes {mesh.axis_names} means placements {want}. Fix: "
             f"x.redistribute(mesh.device_mesh, {list(want)}), or change the in_spec."
         )
-    grads = grad_placements(mesh, spec, leaf.dim()) if spec.reduced else None
+    grads = grad_placements(mesh, spec, leaf.dim()) if spec.reduced or spec.unreduced else None
     local = to_local_fast(mesh, leaf, grads, transformed)
     for axes in _non_mesh_order_entries(mesh, spec):
         ordered = _in_mesh_order(mesh, axes)
@@ -324,16 +331,13 @@ def local_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     type agrees with the spec; settled where it does not (see below)."""
     mesh = ctx.mesh
     vma: Vma = ctx.vma(y)
-    names = mesh.axis_names
-    single = mesh.single_axes  # (every member of a size-1 axis is this rank: nothing to do)
-    unnamed_varying = tuple(a for a in names if a in vma and a not in spec.axes and a not in single)
-    named_invariant = vma.missing(a for a in names if a in spec.axes and a not in single)
-    if unnamed_varying:  # check_vma=False: member 0's value, as the simulated backend
-        first = ctx.axis_index(unnamed_varying) == 0  # the sum of member 0's value and zeros
-        y = _boundary(ctx, "psum", torch.where(first, y, torch.zeros_like(y)), unnamed_varying, ())
-    reduced = tuple(a for a in names if a in vma.reduced and a not in mesh.single_axes)
+    unkept, copies = output_settles(vma, spec, mesh.axis_names, mesh.single_axes)
+    if unkept:  # check_vma=False: member 0's value, as the simulated backend
+        first = ctx.axis_index(unkept) == 0  # the sum of member 0's value and zeros
+        y = _boundary(ctx, "psum", torch.where(first, y, torch.zeros_like(y)), unkept, ())
+    reduced = tuple(a for a in mesh.axis_names if a in vma.reduced and a not in mesh.single_axes)
     if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
-        y = _FirstHolds.apply(y, all(mesh.my_coords[a] == 0 for a in reduced), True)
-    if named_invariant:  # identical blocks tiled: their cotangents differ and must be summed
-        y = _boundary(ctx, "pvary", y, named_invariant, ())
+        y = _FirstHolds.apply(y, all(mesh.my_coords[a] == 0 for a in reduced), False, True)
+    if copies:  # identical blocks tiled (or parts summed): their cotangents must be summed
+        y = _boundary(ctx, "pvary", y, copies, ())
     return y

@@ -375,6 +375,7 @@ def run(
     board.begin_call()
     mesh.debug = debug_enabled()
     ctx = DistributedContext(mesh, fn)
+    ctx.checked = body.mapped.check_vma  # type: ignore[attr-defined]
     local_call = body.local  # type: ignore[attr-defined]  # SpmdFunction.local: blocks in, out
     # one rank: a call type-checked once per signature (``_replay``)
     replay = Replay(body, mesh, leaves, specs) if mesh.size == 1 else None

@@ -105,9 +105,13 @@ def from_physical(
     ``lru_cache``)."""
     if spec.unreduced:  # partial sums over those axes: the output is their total
         dims = [i for i, a in enumerate(present) if a in spec.unreduced]
+        # unbatched over some (check_vma=False, an invariant or reduced value): equal parts
+        copies = math.prod([mesh.shape[a] for a in spec.unreduced if a not in present])
         if dims:
             y = y.sum(dims)
             present = [a for a in present if a not in spec.unreduced]
+        if copies > 1:
+            y = y * copies
     axes = tuple(mesh.shape.items())
     plan = _output_plan if cached else _output_plan.__wrapped__
     index, tiles, perm, sizes = plan(tuple(y.shape), tuple(present), spec, axes, mesh)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend
 
+from ... import _blocks
 from ... import _torch_private as P
 from ..._context import SpmdContext
 from ..._errors import SpmdError
@@ -59,6 +60,9 @@ class SimulatedContext(SpmdContext):
             vma = _VMA_OF[axes] = Vma.of(axes)
         self._vma_of, self._vma = x, vma
         return vma
+
+    def held_blocks(self, x: torch.Tensor) -> Any:
+        return _blocks.recorded_layout(x, self.token)
 
     def forget_last_vma(self) -> None:
         """Drop :meth:`vma`'s memo of the last tensor asked about (its type is changing)."""
