@@ -24,6 +24,8 @@ from ._context import SpmdContext
 from ._errors import VmaError
 from ._partial import combine, has_tensor
 from ._torch_private import get_unwrapped as _unwrap
+from ._torch_private import DisableTorchFunction
+from ._torch_private import tensor_base
 from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._types import INVARIANT, Vma
 
@@ -47,7 +49,9 @@ class TrackedContext(SpmdContext):
         self.pvary_cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
         # storage address -> (tensor, stamp) of values computed inside a torch.func transform:
         # a transform may hand back a new view of them (vmap moving its batch dim), which has
-        # no stamp of its own. Kept alive, so that no other tensor gets the address meanwhile.
+        # no stamp of its own (only views are looked up: a tensor that owns its storage and has
+        # no stamp is invariant, even where a varying view of it was recorded). Kept alive, so
+        # that no other tensor gets the address meanwhile.
         self.transform_results: dict[int, tuple[torch.Tensor, tuple[object, Vma]]] = {}
 
     def vma(self, x: torch.Tensor) -> Vma:
@@ -56,11 +60,22 @@ class TrackedContext(SpmdContext):
             return stamp[1]
         if _is_wrapped(x):  # a torch.func transform inside the function wrapped a stamped tensor
             return self.vma(_unwrap(x))
-        if self.transform_results and not x.is_meta:
-            hit = self.transform_results.get(x.untyped_storage().data_ptr())
-            if hit is not None:
-                return hit[1][1]
+        if self.transform_results:
+            return self._view_vma(x)
         return INVARIANT
+
+    def _view_vma(self, x: torch.Tensor) -> Vma:
+        """The type of an unstamped tensor inside a torch.func transform: a view's (an alias
+        functorch made of a wrapped tensor, a batch dim moved) is its base's, else that of the
+        transform result it shares storage with; a tensor that is no view is invariant."""
+        base = _base(x)
+        if base is None or x.is_meta:
+            return INVARIANT
+        stamp = base.__dict__.get(_ATTR)
+        if stamp is not None and stamp[0] is self.call_token:
+            return stamp[1]
+        hit = self.transform_results.get(x.untyped_storage().data_ptr())
+        return INVARIANT if hit is None else hit[1][1]
 
     def stamp_of(self, vma: Vma) -> tuple[object, Vma]:
         """The stamp for ``vma``, one per call and type: equal types share one stamp object, so
@@ -79,9 +94,18 @@ class TrackedContext(SpmdContext):
                 _stamp_inner(self, x, stamp)  # is the unwrapped one, which must keep the type
         return x
 
+    def pin(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
+        """:meth:`stamp`, invariant types included (which ``stamp`` leaves implicit)."""
+        x.__dict__[_ATTR] = stamp = self.stamp_of(vma)
+        if _is_wrapped(x):
+            _stamp_inner(self, x, stamp)
+        return x
+
     def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:
-        """An input leaf under ``spec``: its type, and the blocks its dims hold."""
-        self.stamp(x, spec.vma())
+        """An input leaf under ``spec``: its type, and the blocks its dims hold. An invariant
+        one is stamped too: it may be the caller's tensor, or a view of it, whose storage a
+        varying alias made inside a torch.func transform also holds (see ``vma``)."""
+        self.pin(x, spec.vma())
         _blocks.mark(x, spec, self.call_token)
         return x
 
@@ -217,7 +241,8 @@ class VmaMode(TorchFunctionMode):
         # implicit pvary alias from the call's caches, or none where the missing axes all have
         # size 1. Costs about one dict lookup per operand on top of the mode's own dispatch.
         if func in _RANDOM_LIKE or func in NOT_OPS:
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            return self._gradients(args, kwargs, out) if func is torch.autograd.grad else out
         token, aliased = self.token, self.ctx.alias_cache
         common = None
         plain = mixed = blocks = False
@@ -271,6 +296,19 @@ class VmaMode(TorchFunctionMode):
                     if _is_wrapped(o):
                         _stamp_inner(self.ctx, o, common)
         return out
+
+    def _gradients(self, args, kwargs, grads):
+        """The results of ``torch.autograd.grad`` (torch.func.grad and vjp inside the function
+        call it): autograd computes them outside the mode, and each cotangent has the type of
+        its input (the transpose of every op keeps the operand's type)."""
+        inputs = kwargs.get("inputs") if kwargs and "inputs" in kwargs else args[1]
+        inputs = (inputs,) if isinstance(inputs, Tensor) else inputs
+        for x, g in zip(inputs, grads):
+            if isinstance(g, Tensor):
+                vma = self.ctx.vma(x)
+                if vma is not INVARIANT:
+                    self.ctx.pin(g, vma)
+        return grads
 
     def _union(self, a, b):
         """The stamp of the union of stamps ``a`` and ``b`` (memo per pair: a call meets few
@@ -422,6 +460,13 @@ class VmaMode(TorchFunctionMode):
         return out
 
 
+def _base(x: torch.Tensor) -> torch.Tensor | None:
+    """A view's base (None for a non-view), read without the modes (a mode types the result of
+    a property as it does an op's)."""
+    with DisableTorchFunction():
+        return tensor_base(x)
+
+
 def _plain_values(values) -> bool:
     """Whether no tensor is among ``values`` (an op's keyword values, or a list argument such
     as layer_norm's ``normalized_shape``): then the fast path types the op by its positional
@@ -441,4 +486,9 @@ def _stamp_inner(ctx: TrackedContext, x: torch.Tensor, stamp) -> None:
         x = _unwrap(x)
         x.__dict__[_ATTR] = stamp
     if stamp[1] is not INVARIANT and not x.is_meta:
+        base = _base(x)
+        if base is not None and _ATTR not in base.__dict__:
+            # x aliases a tensor typed otherwise (a pvary is a view of its operand): that one
+            # keeps its own type, which the storage would no longer tell
+            base.__dict__[_ATTR] = ctx.stamp_of(ctx.vma(base))
         ctx.transform_results[x.untyped_storage().data_ptr()] = (x, stamp)

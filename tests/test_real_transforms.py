@@ -42,3 +42,27 @@ def test_transform_matrices_agree_with_simulated(world):
     assert not bad, f"{len(bad)} failing; " + "\n".join(
         f"{o['name']} rank {o['rank']}: {o['problems'][0][:1500]}" for o in bad[:8]
     )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sampled_transform_matrix_agrees_with_simulated(world):
+    """tests/sampled_transforms.py: grad, vjp, jvp, linearize, jacrev, jacfwd, hessian and vmap
+    over the call, and grad, vjp, jvp, vmap, jacrev, jacfwd and hessian inside it, on sampled
+    programs: values, the vma of every value, CommMode counts, and the ProcessGroup's calls.
+    Divergences not fixed yet are listed by kind (``KNOWN``) and printed, not failed."""
+    import sampled_transforms as st
+
+    finished = launch([os.path.join("tests", "sampled_transforms.py")], world, 300)
+    tail = finished.outputs[0][-3000:]
+    assert not finished.timed_out, tail
+    assert finished.returncodes == [0] * world, tail
+    outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
+    kinds = len(st.OVER) + len(st.INSIDE)
+    assert len(outcomes) == world * st.CASES[world] * kinds, tail
+    bad = [o for o in outcomes if o["problems"] and not o["known"]]
+    assert not bad, f"{len(bad)} failing; " + "\n".join(
+        f"{o['name']} rank {o['rank']}: {o['problems'][0][:1500]}" for o in bad[:8]
+    )
+    for o in outcomes:
+        if o["problems"] and o["rank"] == 0:
+            print(f"known divergence, {o['name']}: {o['known']}: {o['problems'][0][:300]}")

@@ -23,7 +23,7 @@ backend interface is the same (docs/design.md 6.3/6.4); only what Dynamo cannot 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -68,32 +68,22 @@ def _to_group(x: torch.Tensor, order: tuple | None) -> torch.Tensor:
     return x.index_select(0, torch.tensor(inverse, device=x.device))
 
 
-class CompiledContext(TracedContext):
-    """A traced call on a real mesh: funcol primitives."""
+class FuncolPrimitives:
+    """The backend primitives as functional collective ops (``_torch_private.funcol``, each
+    followed by ``wait_tensor``): a graph records them as ops, where a ``ProcessGroup`` method
+    would run once at trace time and leave its result a constant of the graph. Used by a call
+    that Dynamo traces (:class:`CompiledContext`) and by one that ``make_fx`` traces
+    (``distributed.ProxyTracedContext``: ``torch.func.linearize``, ``torch.export``)."""
 
-    mesh: Any  # a DistributedMesh (distributed.py imports this module)
+    mesh: Any  # a DistributedMesh
 
-    @classmethod
-    def twin(cls, ctx: TrackedContext) -> CompiledContext:
-        """The compile path's context for an eager call ``ctx``, made while Dynamo traces a
-        piece compiled inside that call (``ns.compile``): it shares the call's token, so the
-        stamps the eager path wrote (in ``__dict__``, read here with ``getattr``) are this
-        call's, and Dynamo does not recompile per call."""
-        twin = cls(ctx.mesh, ctx.fn)
-        twin.call_token = ctx.call_token
-        return twin
+    if TYPE_CHECKING:  # the context's own (TrackedContext.stamp)
 
-    # --- the bridge -------------------------------------------------------------------------
-    def apply(self, rec, x, axes, params, donate=False):
-        with P.DisableTorchFunction():  # the collective's own ops need no types
-            if x.requires_grad and torch.is_grad_enabled():
-                return CompiledCollectiveFn.apply(x, rec, self, axes, params)
-            return rec.forward(self, x, axes, params, False)
+        def stamp(self, x: torch.Tensor, vma: Any) -> torch.Tensor: ...
 
     def psum_in_backward(self, g, axes, node):
         return self.all_reduce(g, axes, "sum")
 
-    # --- primitives -------------------------------------------------------------------------
     def axis_index(self, axes):
         return self.stamp(torch.tensor(_group(self.mesh, axes)[2]), INVARIANT.add(axes))
 
@@ -158,6 +148,29 @@ class CompiledContext(TracedContext):
 
     def own_block(self, x, axes, dim):
         return x.select(dim, _group(self.mesh, axes)[2])
+
+
+class CompiledContext(FuncolPrimitives, TracedContext):
+    """A traced call on a real mesh: funcol primitives."""
+
+    mesh: Any  # a DistributedMesh (distributed.py imports this module)
+
+    @classmethod
+    def twin(cls, ctx: TrackedContext) -> CompiledContext:
+        """The compile path's context for an eager call ``ctx``, made while Dynamo traces a
+        piece compiled inside that call (``ns.compile``): it shares the call's token, so the
+        stamps the eager path wrote (in ``__dict__``, read here with ``getattr``) are this
+        call's, and Dynamo does not recompile per call."""
+        twin = cls(ctx.mesh, ctx.fn)
+        twin.call_token = ctx.call_token
+        return twin
+
+    # --- the bridge -------------------------------------------------------------------------
+    def apply(self, rec, x, axes, params, donate=False):
+        with P.DisableTorchFunction():  # the collective's own ops need no types
+            if x.requires_grad and torch.is_grad_enabled():
+                return CompiledCollectiveFn.apply(x, rec, self, axes, params)
+            return rec.forward(self, x, axes, params, False)
 
 
 class CompiledCollectiveFn(torch.autograd.Function):

@@ -358,6 +358,24 @@ class DistributedContext(TrackedContext):
         return x.select(dim, self.mesh.comm(axes).index)
 
 
+class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
+    """A call traced by ``make_fx`` (``torch.func.linearize``, ``torch.export``): the same
+    call, its communication the functional collective ops, which the graph records and runs
+    again (a ``ProcessGroup`` method would run once, at trace time, and leave its result a
+    constant of the graph: a replay would return stale values)."""
+
+
+def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool) -> None:
+    """The start-of-call check (``_dist_agree``); under ``make_fx``, finished at once and out of
+    the trace (its result is read: a traced tensor has no value to read)."""
+    if isinstance(ctx, ProxyTracedContext):
+        with P.no_dispatch_modes():
+            _dist_agree.check_call_agrees(ctx, leaves, local_call)
+            ctx.mesh.pending_check()  # type: ignore[misc]  # set just above
+    else:
+        _dist_agree.check_call_agrees(ctx, leaves, local_call)
+
+
 def run(
     mesh: DistributedMesh,
     fn: Callable[..., Any],
@@ -373,15 +391,16 @@ def run(
         _dist_overlap.finish_pending()
     board = mesh.board
     board.begin_call()
-    mesh.debug = debug_enabled()
-    ctx = DistributedContext(mesh, fn)
+    traced = P.proxy_tracing()
+    mesh.debug = debug_enabled() and not traced  # (its checks compare values: none to compare)
+    ctx = (ProxyTracedContext if traced else DistributedContext)(mesh, fn)
     local_call = body.local  # type: ignore[attr-defined]  # SpmdFunction.local: blocks in, out
     # one rank: a call type-checked once per signature (``_replay``)
     replay = Replay(body, mesh, leaves, specs) if mesh.size == 1 else None
     try:
         board.check_in_step()
         if mesh.poll and mesh.size > 1:
-            _dist_agree.check_call_agrees(ctx, leaves, local_call)
+            _begin(ctx, leaves, local_call)
         if replay is not None:
             replay.begin(ctx)
         local = [
