@@ -23,9 +23,8 @@ from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._errors import VmaError
 from ._partial import combine, has_tensor
+from ._torch_private import DisableTorchFunction, tensor_base
 from ._torch_private import get_unwrapped as _unwrap
-from ._torch_private import DisableTorchFunction
-from ._torch_private import tensor_base
 from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._types import INVARIANT, Vma
 
@@ -68,7 +67,7 @@ class TrackedContext(SpmdContext):
         """The type of an unstamped tensor inside a torch.func transform: a view's (an alias
         functorch made of a wrapped tensor, a batch dim moved) is its base's, else that of the
         transform result it shares storage with; a tensor that is no view is invariant."""
-        base = _base(x)
+        base = _view_base(x)
         if base is None or x.is_meta:
             return INVARIANT
         stamp = base.__dict__.get(_ATTR)
@@ -460,7 +459,7 @@ class VmaMode(TorchFunctionMode):
         return out
 
 
-def _base(x: torch.Tensor) -> torch.Tensor | None:
+def _view_base(x: torch.Tensor) -> torch.Tensor | None:
     """A view's base (None for a non-view), read without the modes (a mode types the result of
     a property as it does an op's)."""
     with DisableTorchFunction():
@@ -486,7 +485,7 @@ def _stamp_inner(ctx: TrackedContext, x: torch.Tensor, stamp) -> None:
         x = _unwrap(x)
         x.__dict__[_ATTR] = stamp
     if stamp[1] is not INVARIANT and not x.is_meta:
-        base = _base(x)
+        base = _view_base(x)
         if base is not None and _ATTR not in base.__dict__:
             # x aliases a tensor typed otherwise (a pvary is a view of its operand): that one
             # keeps its own type, which the storage would no longer tell

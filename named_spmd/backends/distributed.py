@@ -371,7 +371,7 @@ def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool) -> None
     if isinstance(ctx, ProxyTracedContext):
         with P.no_dispatch_modes():
             _dist_agree.check_call_agrees(ctx, leaves, local_call)
-            ctx.mesh.pending_check()  # type: ignore[misc]  # set just above
+            ctx.mesh.pending_check()  # set just above
     else:
         _dist_agree.check_call_agrees(ctx, leaves, local_call)
 
