@@ -23,6 +23,7 @@ backend interface is the same (docs/design.md 6.3/6.4); only what Dynamo cannot 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -148,6 +149,38 @@ class FuncolPrimitives:
 
     def own_block(self, x, axes, dim):
         return x.select(dim, _group(self.mesh, axes)[2])
+
+
+class _OnMesh(FuncolPrimitives):
+    """The funcol primitives of one mesh, outside any call (what :func:`one_op` replays)."""
+
+    def __init__(self, mesh: Any):
+        self.mesh = mesh
+
+
+_ONE_OP: list[Callable[[torch.Tensor], torch.Tensor]] = []  # op key -> the primitive it runs
+_ONE_OP_KEYS: dict[tuple, int] = {}
+
+
+@torch.library.custom_op("named_spmd::collective", mutates_args=())
+def _collective(x: torch.Tensor, key: int) -> torch.Tensor:
+    return _ONE_OP[key](x)
+
+
+def one_op(mesh: Any, primitive: str, x: torch.Tensor, *params: Any) -> torch.Tensor:
+    """``FuncolPrimitives.<primitive>(x, *params)`` on ``mesh`` as one op of a make_fx graph.
+
+    As separate ops, a collective and its ``wait_tensor`` may end up on two sides of a graph's
+    constant folding (``torch.func.linearize`` folds what depends on no tangent): the folded
+    collective is issued once and its buffer read later without the wait, so the graph reads a
+    stale value. One op that waits inside is folded, or not, whole."""
+    key = (id(mesh), primitive, params)
+    k = _ONE_OP_KEYS.get(key)
+    if k is None:
+        run = getattr(_OnMesh(mesh), primitive)
+        k = _ONE_OP_KEYS[key] = len(_ONE_OP)
+        _ONE_OP.append(lambda t: run(t, *params))
+    return _collective(x, k)
 
 
 class CompiledContext(FuncolPrimitives, TracedContext):

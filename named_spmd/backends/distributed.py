@@ -166,9 +166,10 @@ class DistributedMesh(Mesh):
     def comm(self, axes: tuple[str, ...]) -> Comm:
         comm = self._comms.get(axes)
         if comm is None:
-            comm = self._comms[axes] = Comm(
-                self, axes, self._groups[frozenset(axes)], self._tuple_ranks(axes)
-            )
+            with P.no_dispatch_modes():  # made once, perhaps while make_fx traces: not traced
+                comm = self._comms[axes] = Comm(
+                    self, axes, self._groups[frozenset(axes)], self._tuple_ranks(axes)
+                )
         return comm
 
     def _tuple_ranks(self, axes: tuple[str, ...]) -> list[int]:
@@ -362,7 +363,29 @@ class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
     """A call traced by ``make_fx`` (``torch.func.linearize``, ``torch.export``): the same
     call, its communication the functional collective ops, which the graph records and runs
     again (a ``ProcessGroup`` method would run once, at trace time, and leave its result a
-    constant of the graph: a replay would return stale values)."""
+    constant of the graph: a replay would return stale values), each run as one op with its
+    wait (``_dist_compile.one_op``)."""
+
+    def psum_in_backward(self, g, axes, node):
+        return self.all_reduce(g, axes, "sum")
+
+    def all_reduce(self, x, axes, op, donate=False):
+        return _dist_compile.one_op(self.mesh, "all_reduce", x, axes, op)
+
+    def all_gather(self, x, axes):
+        return _dist_compile.one_op(self.mesh, "all_gather", x, axes)
+
+    def reduce_scatter(self, x, axes, dim):
+        return _dist_compile.one_op(self.mesh, "reduce_scatter", x, axes, dim)
+
+    def all_to_all(self, x, axes, dim):
+        return _dist_compile.one_op(self.mesh, "all_to_all", x, axes, dim)
+
+    def permute(self, x, axes, pairs):
+        return _dist_compile.one_op(self.mesh, "permute", x, axes, pairs)
+
+    def broadcast(self, x, axes, root):
+        return _dist_compile.one_op(self.mesh, "broadcast", x, axes, root)
 
 
 def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool) -> None:
