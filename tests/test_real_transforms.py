@@ -32,7 +32,7 @@ def test_transform_matrices_agree_with_simulated(world):
     names = {o["name"] for o in outcomes}
     assert len(outcomes) == world * len(names), tail
     # every matrix is there: a program lost from the launch would pass silently otherwise
-    prefixes = ["levels outside", "levels inside", "over", "inside", "comm count"]
+    prefixes = ["levels outside", "levels inside", "over", "inside", "comm count", "user error"]
     if world == 4:  # test_func_transforms's program is written for the (2, 2) mesh
         prefixes += ["func_transforms outside", "func_transforms inside"]
     for prefix in prefixes:

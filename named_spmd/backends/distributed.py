@@ -50,7 +50,7 @@ from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._collectives._record import implicit_pvary, record_implicit_psum
 from .._debug import debug_enabled, set_debug
-from .._errors import RankFailedError, SpmdError
+from .._errors import NOT_USER_DIRS, RankFailedError, SpmdError, error_class, user_line
 from .._layout import group_coords, index_of
 from .._mesh import Mesh
 from .._replay import Replay
@@ -454,8 +454,9 @@ def run(
         raise
     except P.control_flow_exceptions():  # torch steering itself (checkpoint): not a failure
         raise
-    except BaseException as e:
+    except BaseException as raised:
         mesh.pending_check = None  # issued on every rank: it completes without this one
+        e = _told_per_rank(ctx, raised)
         board.post(e)
         if hasattr(e, "add_note"):
             coords = ", ".join(f"{a}={c}" for a, c in mesh.my_coords.items())
@@ -463,7 +464,38 @@ def run(
                 f"[named_spmd] raised on rank {mesh.rank} (mesh coordinates {coords}); "
                 "the other ranks stop with RankFailedError naming this rank."
             )
-        raise
+        if e is raised:
+            raise
+        raise e from raised
+
+
+# The classes torch raises for operands it rejects.
+_TORCH_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
+
+
+def _told_per_rank(ctx: DistributedContext, e: BaseException) -> BaseException:
+    """A torch op of the user's function that rejected its operands (a shape error), as the
+    simulated mesh tells it (``simulated/_diagnose``): an ``SpmdError`` of the same class
+    family naming the function, the user's line and this rank's mesh coordinates; torch's
+    error is the ``__cause__``. An error the user's own code raised, or one raised outside
+    the user's code, is left as it is."""
+    if not isinstance(e, _TORCH_ERRORS) or isinstance(e, SpmdError):
+        return e
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename.startswith(NOT_USER_DIRS))
+        tb = tb.tb_next
+    if not frames or not frames[-1] or all(frames):  # raised by the user, or not in their code
+        return e
+    mesh = ctx.mesh
+    coords = ", ".join(f"{a}={c}" for a, c in mesh.my_coords.items())
+    return error_class(type(e))(
+        f"spmd_map of {ctx.fn_label}: a torch op failed at {user_line(e)} on rank {mesh.rank} "
+        f"(instance {coords}):\n  {type(e).__name__}: {e}\n"
+        "Inside the function, shapes are the local blocks that in_specs select: a dim split "
+        "over an axis of size n holds 1/n of the global dim."
+    )
 
 
 def _local(
