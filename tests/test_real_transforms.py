@@ -4,7 +4,10 @@ function, on 2 and 4 gloo processes, each rank against the simulated run of the 
 (tests/real_transforms.py: the programs of test_func_transforms, test_levels_matrix,
 transforms_over and transforms_inside, imported); and ns.CommMode's count of every collective a
 call runs, boundary ones included, against the calls of the ProcessGroup's collective methods.
-One launch per world size: 15-20 s (2 processes) and 50 s (4) on 2 busy cores.
+One launch per world size: 15-20 s (2 processes) and 50 s (4) on 2 busy cores. It also checks
+that a torch error of the user's code is the simulated mesh's SpmdError class on a real mesh,
+naming the function, the line and the rank. The sampled transform matrix
+(tests/sampled_transforms.py) is one more launch per world size.
 """
 
 from __future__ import annotations
