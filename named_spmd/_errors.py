@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import linecache
 import os
 from collections.abc import Iterable, Sequence
 
@@ -66,3 +67,54 @@ def suggest(name: object, choices: Iterable[str]) -> str:
 
 def bullet_list(problems: Sequence[str]) -> str:
     return "\n".join(f"  - {p}" for p in problems)
+
+
+# --- errors of the user's own torch code, told per instance (or per rank) ----------------
+
+
+class SpmdIndexError(SpmdError, IndexError):
+    """An ``IndexError`` of the user's code, told per instance (``except IndexError`` still
+    catches it, as it catches the real mesh's plain ``IndexError``)."""
+
+
+class SpmdValueError(SpmdError, ValueError):
+    """A ``ValueError`` of the user's code, told per instance."""
+
+
+class SpmdTypeError(SpmdError, TypeError):
+    """A ``TypeError`` of the user's code, told per instance."""
+
+
+class SpmdNotImplementedError(SpmdError, NotImplementedError):
+    """A ``NotImplementedError`` of the user's code, told per instance."""
+
+
+_FAMILY: dict[type[BaseException], type[SpmdError]] = {
+    IndexError: SpmdIndexError,
+    ValueError: SpmdValueError,
+    TypeError: SpmdTypeError,
+    NotImplementedError: SpmdNotImplementedError,
+}
+
+
+def error_class(cls: type[BaseException]) -> type[SpmdError]:
+    """The SpmdError class that keeps ``cls``'s family (SpmdError itself is a RuntimeError)."""
+    return next((ours for base, ours in _FAMILY.items() if issubclass(cls, base)), SpmdError)
+
+
+def user_line(error: BaseException) -> str:
+    """``model.py:12 (y = x @ w)``: the innermost frame of the traceback in the user's code."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if not path.startswith(NOT_USER_DIRS):
+            found = (path, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return "a line outside the user's code"
+    path, line = found
+    source = linecache.getline(path, line).strip()
+    if len(source) > 80:
+        source = source[:77] + "..."
+    return f"{os.path.basename(path)}:{line}" + (f" (`{source}`)" if source else "")

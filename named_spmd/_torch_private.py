@@ -215,6 +215,26 @@ pop_function_mode = torch.overrides._pop_mode
 # Library-internal ops run without the user-visible TorchFunctionModes (vma tracking).
 DisableTorchFunction = torch._C.DisableTorchFunction
 
+# --- make_fx (torch.func.linearize, torch.export, AOT autograd) ---------------------------------
+_PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY
+
+
+def proxy_tracing() -> bool:
+    """Whether ``make_fx`` traces: its proxy mode is on the dispatch mode stack. Its graph
+    records only dispatched ops, so a call then communicates with functional collectives, and
+    reads values (a check's result) of its own tensors made outside the trace
+    (:func:`no_dispatch_modes`)."""
+    return torch._C._get_dispatch_mode(_PROXY_MODE) is not None
+
+
+def no_dispatch_modes() -> Any:
+    """A context without the dispatch modes (``make_fx``'s proxy mode among them): the
+    library's bookkeeping (the start-of-call check) runs eagerly, not into a traced graph."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 # --- reference counts: may a buffer be overwritten in place? ----------------------------------
 # A view's base tensor, None for a non-view (``Tensor._base``): a view shares its buffer, so it is
 # never overwritten. An attrgetter: a C call that keeps no reference to the tensor it is given

@@ -23,7 +23,7 @@ from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._errors import VmaError
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
-from ._torch_private import DisableTorchFunction as _DisableTorchFunction
+from ._torch_private import DisableTorchFunction, tensor_base
 from ._torch_private import get_unwrapped as _unwrap
 from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._types import INVARIANT, Vma
@@ -48,7 +48,9 @@ class TrackedContext(SpmdContext):
         self.pvary_cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
         # storage address -> (tensor, stamp) of values computed inside a torch.func transform:
         # a transform may hand back a new view of them (vmap moving its batch dim), which has
-        # no stamp of its own. Kept alive, so that no other tensor gets the address meanwhile.
+        # no stamp of its own (only views are looked up: a tensor that owns its storage and has
+        # no stamp is invariant, even where a varying view of it was recorded). Kept alive, so
+        # that no other tensor gets the address meanwhile.
         self.transform_results: dict[int, tuple[torch.Tensor, tuple[object, Vma]]] = {}
 
     def vma(self, x: torch.Tensor) -> Vma:
@@ -57,11 +59,22 @@ class TrackedContext(SpmdContext):
             return stamp[1]
         if _is_wrapped(x):  # a torch.func transform inside the function wrapped a stamped tensor
             return self.vma(_unwrap(x))
-        if self.transform_results and not x.is_meta:
-            hit = self.transform_results.get(x.untyped_storage().data_ptr())
-            if hit is not None:
-                return hit[1][1]
+        if self.transform_results:
+            return self._view_vma(x)
         return INVARIANT
+
+    def _view_vma(self, x: torch.Tensor) -> Vma:
+        """The type of an unstamped tensor inside a torch.func transform: a view's (an alias
+        functorch made of a wrapped tensor, a batch dim moved) is its base's, else that of the
+        transform result it shares storage with; a tensor that is no view is invariant."""
+        base = _view_base(x)
+        if base is None or x.is_meta:
+            return INVARIANT
+        stamp = base.__dict__.get(_ATTR)
+        if stamp is not None and stamp[0] is self.call_token:
+            return stamp[1]
+        hit = self.transform_results.get(x.untyped_storage().data_ptr())
+        return INVARIANT if hit is None else hit[1][1]
 
     def stamp_of(self, vma: Vma) -> tuple[object, Vma]:
         """The stamp for ``vma``, one per call and type: equal types share one stamp object, so
@@ -83,18 +96,24 @@ class TrackedContext(SpmdContext):
     def held_blocks(self, x: torch.Tensor) -> Any:
         return _blocks.recorded_layout(x, self.call_token)
 
+    def pin(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
+        """:meth:`stamp`, invariant types included (which ``stamp`` leaves implicit)."""
+        x.__dict__[_ATTR] = stamp = self.stamp_of(vma)
+        if _is_wrapped(x):
+            _stamp_inner(self, x, stamp)
+        return x
+
     def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:
         """An input leaf under ``spec``: its type, and the blocks its dims hold. Stamped even
         where invariant: one tensor passed at two argument positions (a backend hands a
         replicated input through as is) gets a tensor object per position, each typed by its
-        own spec, instead of the last position's type for both."""
+        own spec; and an invariant input may be the caller's tensor, or a view of it, whose
+        storage a varying alias made inside a torch.func transform also holds (see ``vma``)."""
         held = x.__dict__.get(_ATTR)
         if held is not None and held[0] is self.call_token:
-            with _DisableTorchFunction():
+            with DisableTorchFunction():
                 x = x.view_as(x)
-        stamp = x.__dict__[_ATTR] = self.stamp_of(spec.vma())
-        if _is_wrapped(x):
-            _stamp_inner(self, x, stamp)
+        self.pin(x, spec.vma())
         _blocks.mark(x, spec, self.call_token)
         return x
 
@@ -230,7 +249,8 @@ class VmaMode(TorchFunctionMode):
         # implicit pvary alias from the call's caches, or none where the missing axes all have
         # size 1. Costs about one dict lookup per operand on top of the mode's own dispatch.
         if func in _RANDOM_LIKE or func in NOT_OPS:
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            return self._gradients(args, kwargs, out) if func is torch.autograd.grad else out
         token, aliased = self.token, self.ctx.alias_cache
         common = None
         plain = mixed = blocks = False
@@ -286,6 +306,19 @@ class VmaMode(TorchFunctionMode):
                     if _is_wrapped(o):
                         _stamp_inner(self.ctx, o, common)
         return out
+
+    def _gradients(self, args, kwargs, grads):
+        """The results of ``torch.autograd.grad`` (torch.func.grad and vjp inside the function
+        call it): autograd computes them outside the mode, and each cotangent has the type of
+        its input (the transpose of every op keeps the operand's type)."""
+        inputs = kwargs.get("inputs") if kwargs and "inputs" in kwargs else args[1]
+        inputs = (inputs,) if isinstance(inputs, Tensor) else inputs
+        for x, g in zip(inputs, grads):
+            if isinstance(g, Tensor):
+                vma = self.ctx.vma(x)
+                if vma is not INVARIANT:
+                    self.ctx.pin(g, vma)
+        return grads
 
     def _union(self, a, b):
         """The stamp of the union of stamps ``a`` and ``b`` (memo per pair: a call meets few
@@ -439,6 +472,13 @@ class VmaMode(TorchFunctionMode):
         return out
 
 
+def _view_base(x: torch.Tensor) -> torch.Tensor | None:
+    """A view's base (None for a non-view), read without the modes (a mode types the result of
+    a property as it does an op's)."""
+    with DisableTorchFunction():
+        return tensor_base(x)
+
+
 def _plain_values(values) -> bool:
     """Whether no tensor is among ``values`` (an op's keyword values, or a list argument such
     as layer_norm's ``normalized_shape``): then the fast path types the op by its positional
@@ -458,4 +498,9 @@ def _stamp_inner(ctx: TrackedContext, x: torch.Tensor, stamp) -> None:
         x = _unwrap(x)
         x.__dict__[_ATTR] = stamp
     if stamp[1] is not INVARIANT and not x.is_meta:
+        base = _view_base(x)
+        if base is not None and _ATTR not in base.__dict__:
+            # x aliases a tensor typed otherwise (a pvary is a view of its operand): that one
+            # keeps its own type, which the storage would no longer tell
+            base.__dict__[_ATTR] = ctx.stamp_of(ctx.vma(base))
         ctx.transform_results[x.untyped_storage().data_ptr()] = (x, stamp)

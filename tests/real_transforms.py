@@ -336,6 +336,56 @@ def comm_problems(name: str, counts: tuple) -> list[str]:
     return problems
 
 
+# --- an error of the user's own torch code -------------------------------------------------------
+
+
+def _matmul_shapes(x, w):
+    return x @ w  # [2, 3] @ [4, 2]: a shape error in the user's code
+
+
+def _index_past_the_block(x, w):
+    return x[3] * w  # the block has 2 rows (of 8 over 4 instances; 4 over 2)
+
+
+USER_ERRORS = {
+    "matmul shapes": (_matmul_shapes, (P("x"), P()), (torch.ones(8, 3), torch.ones(4, 2))),
+    "index": (_index_past_the_block, (P("x"), P()), (torch.ones(8 // 2, 3), torch.ones(3))),
+}
+
+
+def user_error_problems(mesh_of, rank: int) -> dict[str, list[str]]:
+    """Each program of ``USER_ERRORS`` raises the same SpmdError class on a real and a
+    simulated mesh; the real one names the function, the user's line and this rank's mesh
+    coordinates (the simulated one names the instances that raise)."""
+    out = {}
+    for name, (fn, in_specs, args) in USER_ERRORS.items():
+        errors = []
+        for mesh in (mesh_of("x"), mesh_of("x", simulated=True)):
+            f = ns.spmd_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P("x"))
+            try:
+                f(*args)
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 - compared below
+                errors.append(e)
+        real, sim = errors
+        line = fn.__code__.co_firstlineno + 1
+        coords = ", ".join(f"{a}={c}" for a, c in mesh_of("x").my_coords.items())
+        want = [
+            f"`{fn.__name__}`",
+            f"real_transforms.py:{line}",
+            f"rank {rank} (instance {coords})",
+        ]
+        problems = []
+        if type(real) is not type(sim) or not isinstance(real, ns.SpmdError):
+            problems.append(f"real {type(real).__name__}: {real}; simulated {type(sim).__name__}")
+        else:
+            problems += [
+                f"real error does not name {w}: {real}" for w in want if w not in str(real)
+            ]
+        out[name] = problems
+    return out
+
+
 # --- the launch ----------------------------------------------------------------------------------
 
 
@@ -389,6 +439,10 @@ def main() -> None:
                 "name": f"comm count: {name}",
                 "problems": comm_problems(name, counts),
             }
+            print("OUTCOME " + json.dumps(line), flush=True)
+    if not only or only in "user error":
+        for name, problems in user_error_problems(real, rank).items():
+            line = {"rank": rank, "name": f"user error: {name}", "problems": problems}
             print("OUTCOME " + json.dumps(line), flush=True)
     sys.stdout.flush()
     dist.destroy_process_group()

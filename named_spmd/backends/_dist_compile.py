@@ -23,7 +23,8 @@ backend interface is the same (docs/design.md 6.3/6.4); only what Dynamo cannot 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -74,32 +75,22 @@ def _to_group(x: torch.Tensor, order: tuple | None) -> torch.Tensor:
     return x.index_select(0, torch.tensor(inverse, device=x.device))
 
 
-class CompiledContext(TracedContext):
-    """A traced call on a real mesh: funcol primitives."""
+class FuncolPrimitives:
+    """The backend primitives as functional collective ops (``_torch_private.funcol``, each
+    followed by ``wait_tensor``): a graph records them as ops, where a ``ProcessGroup`` method
+    would run once at trace time and leave its result a constant of the graph. Used by a call
+    that Dynamo traces (:class:`CompiledContext`) and by one that ``make_fx`` traces
+    (``distributed.ProxyTracedContext``: ``torch.func.linearize``, ``torch.export``)."""
 
-    mesh: Any  # a DistributedMesh (distributed.py imports this module)
+    mesh: Any  # a DistributedMesh
 
-    @classmethod
-    def twin(cls, ctx: TrackedContext) -> CompiledContext:
-        """The compile path's context for an eager call ``ctx``, made while Dynamo traces a
-        piece compiled inside that call (``ns.compile``): it shares the call's token, so the
-        stamps the eager path wrote (in ``__dict__``, read here with ``getattr``) are this
-        call's, and Dynamo does not recompile per call."""
-        twin = cls(ctx.mesh, ctx.fn)
-        twin.call_token = ctx.call_token
-        return twin
+    if TYPE_CHECKING:  # the context's own (TrackedContext.stamp)
 
-    # --- the bridge -------------------------------------------------------------------------
-    def apply(self, rec, x, axes, params, donate=False):
-        with P.DisableTorchFunction():  # the collective's own ops need no types
-            if x.requires_grad and torch.is_grad_enabled():
-                return CompiledCollectiveFn.apply(x, rec, self, axes, params)
-            return rec.forward(self, x, axes, params, False)
+        def stamp(self, x: torch.Tensor, vma: Any) -> torch.Tensor: ...
 
     def psum_in_backward(self, g, axes, node):
         return self.all_reduce(g, axes, "sum")
 
-    # --- primitives -------------------------------------------------------------------------
     def axis_index(self, axes):
         return self.stamp(torch.tensor(_group(self.mesh, axes)[2]), INVARIANT.add(axes))
 
@@ -164,6 +155,61 @@ class CompiledContext(TracedContext):
 
     def own_block(self, x, axes, dim):
         return x.select(dim, _group(self.mesh, axes)[2])
+
+
+class _OnMesh(FuncolPrimitives):
+    """The funcol primitives of one mesh, outside any call (what :func:`one_op` replays)."""
+
+    def __init__(self, mesh: Any):
+        self.mesh = mesh
+
+
+_ONE_OP: list[Callable[[torch.Tensor], torch.Tensor]] = []  # op key -> the primitive it runs
+_ONE_OP_KEYS: dict[tuple, int] = {}
+
+
+@torch.library.custom_op("named_spmd::collective", mutates_args=())
+def _collective(x: torch.Tensor, key: int) -> torch.Tensor:
+    return _ONE_OP[key](x)
+
+
+def one_op(mesh: Any, primitive: str, x: torch.Tensor, *params: Any) -> torch.Tensor:
+    """``FuncolPrimitives.<primitive>(x, *params)`` on ``mesh`` as one op of a make_fx graph.
+
+    As separate ops, a collective and its ``wait_tensor`` may end up on two sides of a graph's
+    constant folding (``torch.func.linearize`` folds what depends on no tangent): the folded
+    collective is issued once and its buffer read later without the wait, so the graph reads a
+    stale value. One op that waits inside is folded, or not, whole."""
+    key = (id(mesh), primitive, params)
+    k = _ONE_OP_KEYS.get(key)
+    if k is None:
+        run = getattr(_OnMesh(mesh), primitive)
+        k = _ONE_OP_KEYS[key] = len(_ONE_OP)
+        _ONE_OP.append(lambda t: run(t, *params))
+    return _collective(x, k)
+
+
+class CompiledContext(FuncolPrimitives, TracedContext):
+    """A traced call on a real mesh: funcol primitives."""
+
+    mesh: Any  # a DistributedMesh (distributed.py imports this module)
+
+    @classmethod
+    def twin(cls, ctx: TrackedContext) -> CompiledContext:
+        """The compile path's context for an eager call ``ctx``, made while Dynamo traces a
+        piece compiled inside that call (``ns.compile``): it shares the call's token, so the
+        stamps the eager path wrote (in ``__dict__``, read here with ``getattr``) are this
+        call's, and Dynamo does not recompile per call."""
+        twin = cls(ctx.mesh, ctx.fn)
+        twin.call_token = ctx.call_token
+        return twin
+
+    # --- the bridge -------------------------------------------------------------------------
+    def apply(self, rec, x, axes, params, donate=False):
+        with P.DisableTorchFunction():  # the collective's own ops need no types
+            if x.requires_grad and torch.is_grad_enabled():
+                return CompiledCollectiveFn.apply(x, rec, self, axes, params)
+            return rec.forward(self, x, axes, params, False)
 
 
 class CompiledCollectiveFn(torch.autograd.Function):

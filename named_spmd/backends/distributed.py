@@ -50,7 +50,7 @@ from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._collectives._record import implicit_pvary, record_implicit_psum
 from .._debug import debug_enabled, set_debug
-from .._errors import RankFailedError, SpmdError
+from .._errors import NOT_USER_DIRS, RankFailedError, SpmdError, error_class, user_line
 from .._layout import group_coords, index_of
 from .._mesh import Mesh
 from .._replay import Replay
@@ -166,9 +166,10 @@ class DistributedMesh(Mesh):
     def comm(self, axes: tuple[str, ...]) -> Comm:
         comm = self._comms.get(axes)
         if comm is None:
-            comm = self._comms[axes] = Comm(
-                self, axes, self._groups[frozenset(axes)], self._tuple_ranks(axes)
-            )
+            with P.no_dispatch_modes():  # made once, perhaps while make_fx traces: not traced
+                comm = self._comms[axes] = Comm(
+                    self, axes, self._groups[frozenset(axes)], self._tuple_ranks(axes)
+                )
         return comm
 
     def _tuple_ranks(self, axes: tuple[str, ...]) -> list[int]:
@@ -358,6 +359,46 @@ class DistributedContext(TrackedContext):
         return x.select(dim, self.mesh.comm(axes).index)
 
 
+class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
+    """A call traced by ``make_fx`` (``torch.func.linearize``, ``torch.export``): the same
+    call, its communication the functional collective ops, which the graph records and runs
+    again (a ``ProcessGroup`` method would run once, at trace time, and leave its result a
+    constant of the graph: a replay would return stale values), each run as one op with its
+    wait (``_dist_compile.one_op``)."""
+
+    def psum_in_backward(self, g, axes, node):
+        return self.all_reduce(g, axes, "sum")
+
+    def all_reduce(self, x, axes, op, donate=False):
+        return _dist_compile.one_op(self.mesh, "all_reduce", x, axes, op)
+
+    def all_gather(self, x, axes):
+        return _dist_compile.one_op(self.mesh, "all_gather", x, axes)
+
+    def reduce_scatter(self, x, axes, dim):
+        return _dist_compile.one_op(self.mesh, "reduce_scatter", x, axes, dim)
+
+    def all_to_all(self, x, axes, dim):
+        return _dist_compile.one_op(self.mesh, "all_to_all", x, axes, dim)
+
+    def permute(self, x, axes, pairs):
+        return _dist_compile.one_op(self.mesh, "permute", x, axes, pairs)
+
+    def broadcast(self, x, axes, root):
+        return _dist_compile.one_op(self.mesh, "broadcast", x, axes, root)
+
+
+def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool) -> None:
+    """The start-of-call check (``_dist_agree``); under ``make_fx``, finished at once and out of
+    the trace (its result is read: a traced tensor has no value to read)."""
+    if isinstance(ctx, ProxyTracedContext):
+        with P.no_dispatch_modes():
+            _dist_agree.check_call_agrees(ctx, leaves, local_call)
+            ctx.mesh.pending_check()  # set just above
+    else:
+        _dist_agree.check_call_agrees(ctx, leaves, local_call)
+
+
 def run(
     mesh: DistributedMesh,
     fn: Callable[..., Any],
@@ -373,8 +414,9 @@ def run(
         _dist_overlap.finish_pending()
     board = mesh.board
     board.begin_call()
-    mesh.debug = debug_enabled()
-    ctx = DistributedContext(mesh, fn)
+    traced = P.proxy_tracing()
+    mesh.debug = debug_enabled() and not traced  # (its checks compare values: none to compare)
+    ctx = (ProxyTracedContext if traced else DistributedContext)(mesh, fn)
     ctx.checked = body.mapped.check_vma  # type: ignore[attr-defined]
     local_call = body.local  # type: ignore[attr-defined]  # SpmdFunction.local: blocks in, out
     # one rank: a call type-checked once per signature (``_replay``)
@@ -382,7 +424,7 @@ def run(
     try:
         board.check_in_step()
         if mesh.poll and mesh.size > 1:
-            _dist_agree.check_call_agrees(ctx, leaves, local_call)
+            _begin(ctx, leaves, local_call)
         if replay is not None:
             replay.begin(ctx)
         local = [
@@ -413,8 +455,9 @@ def run(
         raise
     except P.control_flow_exceptions():  # torch steering itself (checkpoint): not a failure
         raise
-    except BaseException as e:
+    except BaseException as raised:
         mesh.pending_check = None  # issued on every rank: it completes without this one
+        e = _told_per_rank(ctx, raised)
         board.post(e)
         if hasattr(e, "add_note"):
             coords = ", ".join(f"{a}={c}" for a, c in mesh.my_coords.items())
@@ -422,7 +465,38 @@ def run(
                 f"[named_spmd] raised on rank {mesh.rank} (mesh coordinates {coords}); "
                 "the other ranks stop with RankFailedError naming this rank."
             )
-        raise
+        if e is raised:
+            raise
+        raise e from raised
+
+
+# The classes torch raises for operands it rejects.
+_TORCH_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
+
+
+def _told_per_rank(ctx: DistributedContext, e: BaseException) -> BaseException:
+    """A torch op of the user's function that rejected its operands (a shape error), as the
+    simulated mesh tells it (``simulated/_diagnose``): an ``SpmdError`` of the same class
+    family naming the function, the user's line and this rank's mesh coordinates; torch's
+    error is the ``__cause__``. An error the user's own code raised, or one raised outside
+    the user's code, is left as it is."""
+    if not isinstance(e, _TORCH_ERRORS) or isinstance(e, SpmdError):
+        return e
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename.startswith(NOT_USER_DIRS))
+        tb = tb.tb_next
+    if not frames or not frames[-1] or all(frames):  # raised by the user, or not in their code
+        return e
+    mesh = ctx.mesh
+    coords = ", ".join(f"{a}={c}" for a, c in mesh.my_coords.items())
+    return error_class(type(e))(
+        f"spmd_map of {ctx.fn_label}: a torch op failed at {user_line(e)} on rank {mesh.rank} "
+        f"(instance {coords}):\n  {type(e).__name__}: {e}\n"
+        "Inside the function, shapes are the local blocks that in_specs select: a dim split "
+        "over an axis of size n holds 1/n of the global dim."
+    )
 
 
 def _local(

@@ -23,8 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import linecache
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,44 +33,15 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _torch_private as P
 from ..._accounting import resume, suspend
-from ..._errors import NOT_USER_DIRS, SpmdError, fn_label
+from ..._errors import SpmdError, error_class, fn_label, user_line
 from ..._tracking import is_inplace, swap_operands, tensor_operands
 from ..._types import VType
 from ._instances import Instances, coordinates, instances, label, simulated_call
 
-
-class SpmdIndexError(SpmdError, IndexError):
-    """An ``IndexError`` of the user's code, told per instance (``except IndexError`` still
-    catches it, as it catches the real mesh's plain ``IndexError``)."""
-
-
-class SpmdValueError(SpmdError, ValueError):
-    """A ``ValueError`` of the user's code, told per instance."""
-
-
-class SpmdTypeError(SpmdError, TypeError):
-    """A ``TypeError`` of the user's code, told per instance."""
-
-
-class SpmdNotImplementedError(SpmdError, NotImplementedError):
-    """A ``NotImplementedError`` of the user's code, told per instance."""
-
-
-_FAMILY: dict[type[BaseException], type[SpmdError]] = {
-    IndexError: SpmdIndexError,
-    ValueError: SpmdValueError,
-    TypeError: SpmdTypeError,
-    NotImplementedError: SpmdNotImplementedError,
-}
 # torch's message for a write into memory that several elements share (an expanded tensor)
 _OVERLAP = "more than one element of the written-to tensor refers to a single memory location"
 # The classes torch raises for operands it rejects.
 _TORCH_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
-
-
-def error_class(cls: type[BaseException]) -> type[SpmdError]:
-    """The SpmdError class that keeps ``cls``'s family (SpmdError itself is a RuntimeError)."""
-    return next((ours for base, ours in _FAMILY.items() if issubclass(cls, base)), SpmdError)
 
 
 def explained(run: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torch.Tensor]]:
@@ -158,7 +127,7 @@ class _Failure:
     replayed: bool  # whether the op was replayed per instance
 
     def error(self, fn: Any, error: BaseException) -> SpmdError:
-        where = f"spmd_map of {fn_label(fn)}: {self.call} failed at {_user_line(error)}"
+        where = f"spmd_map of {fn_label(fn)}: {self.call} failed at {user_line(error)}"
         if self.alone is not None:
             coords, own = self.alone
             who = f"instance {label(coords)}" if coords else "every instance"
@@ -270,21 +239,3 @@ def _call_text(ctx: Any, func: Any, args: tuple, kwargs: dict) -> str:
     name = getattr(func, "__name__", repr(func))
     owner = "Tensor." if getattr(func, "__module__", None) is None else ""  # a method
     return f"`{owner}{name}`({', '.join(parts)})"
-
-
-def _user_line(error: BaseException) -> str:
-    """``model.py:12 (y = x @ w)``: the innermost frame of the traceback in the user's code."""
-    found = None
-    tb = error.__traceback__
-    while tb is not None:
-        path = tb.tb_frame.f_code.co_filename
-        if not path.startswith(NOT_USER_DIRS):
-            found = (path, tb.tb_lineno)
-        tb = tb.tb_next
-    if found is None:
-        return "a line outside the user's code"
-    path, line = found
-    source = linecache.getline(path, line).strip()
-    if len(source) > 80:
-        source = source[:77] + "..."
-    return f"{os.path.basename(path)}:{line}" + (f" (`{source}`)" if source else "")
