@@ -352,7 +352,7 @@ class DistributedContext(TrackedContext):
         return self.mesh.comm(axes).permute(x, pairs)
 
     def broadcast(self, x, axes, root):
-        return self.mesh.comm(axes).broadcast_(x.clone(memory_format=_contiguous), root)
+        return self.mesh.comm(axes).broadcast(x, root)
 
     def own_block(self, x, axes, dim):
         return x.select(dim, self.mesh.comm(axes).index)
