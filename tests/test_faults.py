@@ -9,8 +9,10 @@ past NAMED_SPMD_TIMEOUT (hanging_rank.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -35,6 +37,34 @@ def run_lines(scenario: str, timeout: float = 120) -> tuple[list[dict], str]:
     tail = "\n".join(f"--- rank {r}\n{o[-1500:]}" for r, o in enumerate(finished.outputs))
     assert not finished.timed_out, tail
     return [json.loads(line) for line in finished.lines("OUTCOME")], tail
+
+
+@contextlib.contextmanager
+def busy(n: int):
+    """``n`` processes spinning on the CPU while the block runs: the ranks wait for one another
+    in slices and race on the store under contention, where the timing-dependent faults show."""
+    spin = [
+        sys.executable,
+        "-c",
+        "import time\nt = time.monotonic() + 300\nwhile time.monotonic() < t: pass",
+    ]
+    procs = [subprocess.Popen(spin) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """One launch, under load, for the scenarios of the tests below that share it (each part on
+    a mesh of its own): the dtype matrix, meshes made again, ranks that never needed the failing
+    one, and debug mode's mismatches caught again and again."""
+    with busy(1):
+        lines, tail = run_lines("dtypes+mesh_again+bystanders+debug_mismatch", timeout=300)
+    return lines, {(o["rank"], o["phase"]): o for o in lines}, tail
 
 
 def run(scenario: str) -> tuple[dict[tuple[int, str], dict], str]:
@@ -264,7 +294,7 @@ def _torch_can(run) -> bool:
     return True
 
 
-def test_every_dtype_through_every_collective_matches_the_simulated_mesh():
+def test_every_dtype_through_every_collective_matches_the_simulated_mesh(loaded):
     """Item: gloo lacks dtypes (int16, the unsigned 16- to 64-bit integers, float8, bit dtypes):
     every collective on them raised "a peer process on another host probably died" and the
     ranks fell out of step, while the simulated mesh returned results. Every dtype torch has
@@ -276,8 +306,7 @@ def test_every_dtype_through_every_collective_matches_the_simulated_mesh():
 
     import named_spmd as ns
 
-    lines, tail = run_lines("dtypes")
-    outcomes = {(o["rank"], o["phase"]): o for o in lines}
+    lines, outcomes, tail = loaded
     got = {(o["rank"], o["dtype"], o["op"]): o for o in lines if o["phase"] == "dtype"}
     assert len(got) == WORLD * len(w.DTYPES) * len(w.DTYPE_PROGRAMS), tail
     sim = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
@@ -325,3 +354,84 @@ def test_every_dtype_through_every_collective_matches_the_simulated_mesh():
     for rank in range(WORLD):  # the int16 psum of the report returns a sum on every rank
         assert "value" in got[rank, "torch.int16", "psum"], got[rank, "torch.int16", "psum"]
         assert outcomes[rank, "dtypes_then"].get("ok"), (outcomes[rank, "dtypes_then"], tail)
+
+
+def test_a_mesh_made_again_with_the_same_axes_does_not_read_the_earlier_ones_failure(loaded):
+    """Item: the failure record was keyed by the axes and the grid, while the new mesh's call
+    counter restarted: its first slow wait read the earlier mesh's failure (posted for a later
+    call number) or where its ranks had waited, and stopped with a RankFailedError or a
+    "different collectives" error. Two rounds: fail on a mesh, make it again, run late."""
+    _, outcomes, tail = loaded
+    for i in range(2):
+        for rank in range(WORLD):
+            assert outcomes[rank, f"again_{i}_first"].get("ok"), (
+                outcomes[rank, f"again_{i}_first"],
+                tail,
+            )
+            o = outcomes[rank, f"again_{i}_failed"]
+            if rank == 0:
+                assert o["error"] == "ValueError", o
+            else:
+                assert (
+                    o["error"] == "RankFailedError" and f"{named(0)} failed inside" in o["message"]
+                )
+            o = outcomes[rank, f"again_{i}_new"]  # two right sums, rank 3 late past the grace
+            assert o.get("ok"), (o, tail)
+
+
+def test_ranks_that_never_needed_the_failing_rank_stop_at_their_next_call_naming_it(loaded):
+    """Item: ranks that never communicated with the failing rank returned normally; their next
+    call blamed another rank (the out-of-step error of a rank that had waited for it) and the
+    failing rank's error was named nowhere."""
+    _, outcomes, tail = loaded
+    for rank in range(WORLD):
+        o = outcomes[rank, "alone_0"]
+        assert o.get("ok") if rank else o["error"] == "ValueError", (o, tail)
+        o = outcomes[rank, "alone_0_next"]  # every rank alike, before any collective
+        assert o["error"] == "RankFailedError", o
+        assert (
+            f"{named(0)} failed inside spmd_map: ValueError: rank 0 fails where nobody"
+            in (o["message"])
+        ), o
+        assert "Ranks [1, 2, 3] finished that call (spmd_map call #1)" in o["message"], o
+        assert outcomes[rank, "alone_0_then"].get("ok"), outcomes[rank, "alone_0_then"]
+    for rank in (2, 3):  # their tp group completed without rank 0
+        assert outcomes[rank, "by_tp"].get("ok"), outcomes[rank, "by_tp"]
+        o = outcomes[rank, "by_tp_next"]
+        assert o["error"] == "RankFailedError", o
+        assert (
+            f"{named(0)} failed inside spmd_map: ValueError: rank 0 fails before the psum over tp"
+            in o["message"]
+        ), o
+        assert o["seconds"] < 15, o
+    assert outcomes[1, "by_tp"]["error"] == "RankFailedError", outcomes[1, "by_tp"]
+    for rank in (0, 1):  # left inside a collective with rank 0 (rank 1): out of step
+        o = outcomes[rank, "by_tp_next"]
+        assert o["error"] == "SpmdError" and "restart the job" in o["message"], o
+
+
+def test_debug_mode_lists_mismatched_collectives_and_the_mesh_stays_usable(loaded):
+    """Item: debug mode blamed a rank-dependent order of collectives on per-rank random seeds
+    (the check of values ran before the comparison of the lists); an extra collective on some
+    ranks was caught only after the full wait, listed nowhere; and after a mismatch within one
+    group, a member of another group that had seen every value went into its collective while
+    its partner, which had seen the failure first, left: the mesh refused every later call
+    ("restart the job"). Each mismatch four times (the order and the extra collective once),
+    each followed by a call that must give the right sum."""
+    _, outcomes, tail = loaded
+    phases = sorted({p for _, p in outcomes if p.startswith("debug_") and not p.endswith("_then")})
+    assert len(phases) == 2 + 6 * 4, phases
+    for rank in range(WORLD):
+        for phase in phases:
+            o = outcomes[rank, phase]
+            assert o["error"] in ("SpmdError", "RankFailedError"), (o, tail)
+            assert "Every rank" in o["message"] and "Fix:" in o["message"], o
+            assert o["seconds"] < 15, o  # not the exchange's full wait
+            then = outcomes[rank, phase + "_then"]
+            assert then.get("ok"), (phase, then, tail)
+        o = outcomes[rank, "debug_order_0"]  # the lists, not the values
+        assert "ran different collectives" in o["message"] and "manual_seed" not in o["message"]
+        assert "pmax([2], torch.float32, axes=('tp',)); psum([2]" in o["message"], o
+        assert "psum([2], torch.float32, axes=('dp',)); pmax([2]" in o["message"], o
+        o = outcomes[rank, "debug_extra_0"]  # listed: rank 3 finished without the second psum
+        assert "ranks [3] finished the call without collective #1" in o["message"], o

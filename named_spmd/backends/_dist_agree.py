@@ -144,14 +144,14 @@ def check_inputs_agree(
         }
     )
     if differ:
-        what = (
-            "replicated blocks of a local call, which must be the same on every rank"
+        why = (
+            "they are replicated blocks of a local call, which every rank holds whole"
             if block_specs is not None
-            else "a plain tensor is the global value and must be the same on every rank"
+            else "a plain tensor is the global value, the same on every rank"
         )
         raise SpmdError(
             f"spmd_map of {ctx.fn_label}: debug check: plain-tensor input leaves {differ} (in "
-            f"flattening order) differ between ranks, but they are {what}. Fix: seed every "
+            f"flattening order) differ between ranks, but {why}. Fix: seed every "
             "rank alike before making it (or broadcast it from rank 0), or pass DTensors laid "
             "out as the in_specs say."
         )
