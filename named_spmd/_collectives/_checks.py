@@ -111,7 +111,7 @@ def _pair_problems(perm: Any, n: int, axes: Axes) -> tuple[Pairs, list[str]]:
     return pairs, problems
 
 
-_REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
+_REDUCE: dict[str, Any] = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
 
 
 @functools.cache
