@@ -112,7 +112,10 @@ class FailureBoard:
         ranks that raise here (they would otherwise read only a failure of an earlier call,
         or this rank's consequence of it, and name the wrong rank)."""
         failure = self.read()
-        if failure is None or failure[0] >= self.seq:
+        if failure is None:  # nothing to quote: this rank's own error stops them
+            self._post_for(self.rank, f"failed inside spmd_map: SpmdError: {self.out_of_step}")
+            return
+        if failure[0] >= self.seq:
             return
         seq, rank, text = failure
         where = f"(in spmd_map call #{seq}; "
