@@ -435,3 +435,66 @@ def test_debug_mode_lists_mismatched_collectives_and_the_mesh_stays_usable(loade
         assert "psum([2], torch.float32, axes=('dp',)); pmax([2]" in o["message"], o
         o = outcomes[rank, "debug_extra_0"]  # listed: rank 3 finished without the second psum
         assert "ranks [3] finished the call without collective #1" in o["message"], o
+
+
+def test_a_debug_exchange_decides_alike_for_every_member_of_the_group():
+    """The race behind "restart the job" after caught debug mismatches, in one process: rank 2
+    sees a failure posted by another group (rank 0) before its partner's value, and leaves; rank
+    3 then finds both values present. Before the group's decision, rank 3 went on into the
+    collective, which rank 2 never joins: the mesh fell out of step."""
+    import torch.distributed as dist
+
+    import named_spmd as ns
+    from named_spmd.backends import _dist_failures as failures
+
+    store = dist.HashStore()
+
+    def board(rank):
+        b = failures.FailureBoard(store, rank, [0, 1, 2, 3], "m", lambda r: {"i": r})
+        b.begin_call()
+        return b
+
+    board(0)._post_for(0, "failed inside spmd_map: SpmdError: a mismatch within group 0+1")
+    two, three = board(2), board(3)
+    with pytest.raises(ns.RankFailedError, match="a mismatch within group 0"):
+        two.exchange("tp@2", [2, 3], "psum([2])", "rank 2", "collective #0 of group tp@2")
+    with pytest.raises(ns.RankFailedError, match="a mismatch within group 0"):
+        three.exchange("tp@2", [2, 3], "psum([2])", "rank 3", "collective #0 of group tp@2")
+
+
+def test_dtypes_gloo_lacks_are_reduced_through_a_wider_dtype_exactly():
+    """The wire forms of _dist_comm, in one process: int16/uint16/uint32 sums wrap as in their
+    own dtype after the cast back; uint64 read as int64 bits sums modulo 2**64 and, XORed with
+    the sign bit, keeps the order (max, min) of the unsigned values; a bool sum is an "or"."""
+    import torch
+
+    from named_spmd.backends import _dist_comm as comm
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, bits in ((torch.int16, 16), (torch.uint16, 16), (torch.uint32, 32)):
+        lo, top = (-(2 ** (bits - 1)), 2 ** (bits - 1)) if dtype.is_signed else (0, 2**bits)
+        parts = [torch.randint(lo, top, (64,), generator=g).to(dtype) for _ in range(4)]
+        total = torch.stack([p.to(torch.int64) for p in parts]).sum(0)
+        want = ((total - lo) % 2**bits + lo).to(dtype)  # the sum wrapped into the dtype
+        buf = parts[0].clone()
+        wire, back = comm._reduced(buf, comm.SUM, "test")
+        for p in parts[1:]:  # what the backend does to the wire
+            wire += comm._reduced(p.clone(), comm.SUM, "test")[0]
+        back()
+        assert torch.equal(buf, want), dtype
+    values = [0, 1, 2**63 - 1, 2**63, 2**64 - 1, 12345678901234567890]
+    t = torch.tensor([v - 2**64 if v >= 2**63 else v for v in values]).view(torch.uint64)
+    wire, back = comm._reduced(t.clone(), comm.MAX, "test")
+    assert sorted(range(len(values)), key=lambda i: int(wire[i])) == sorted(
+        range(len(values)), key=lambda i: values[i]
+    )
+    buf = t.clone()
+    wire, back = comm._reduced(buf, comm.MAX, "test")
+    back()
+    assert torch.equal(buf.view(torch.int64), t.view(torch.int64))  # the round trip
+    flags = torch.tensor([True, True, False, False])
+    buf = flags.clone()
+    wire, back = comm._reduced(buf, comm.SUM, "test")
+    wire += comm._reduced(torch.tensor([True, False, True, False]), comm.SUM, "test")[0]
+    back()
+    assert buf.tolist() == [True, True, True, False]
