@@ -15,9 +15,22 @@
 * ``late_rank``: rank 2 sleeps inside the function until its peers, which gave up waiting for it
   (a 3 s timeout) and returned, have ended, then calls the psum they left in flight; it reports
   phase ``waited``: the seconds until its peers ended (60 at most).
+* ``dtypes``: every dtype torch has (but the quantized ones) through every collective and the
+  call boundary's communication; one ``OUTCOME`` per case with this rank's block (bytes) or the
+  error, compared by the test with the simulated mesh; then a float psum that must run.
+* ``mesh_again``: rank 0 fails on a mesh, the mesh is made again with the same axes, and its
+  first calls (rank 3 late past the board's grace) must give the right sums.
+* ``bystanders``: rank 0 fails where no rank needs it, then before a psum over "tp" that ranks
+  2 and 3 complete without it: every rank must stop at its next call naming rank 0.
+* ``debug_mismatch``: debug mode; a rank-dependent order of collectives, an extra collective
+  on some ranks, and mismatched ops, shapes and ppermute pairs (over the whole mesh and within
+  one "tp" group), again and again, each followed by a good call that must run.
+
 * ``slow_sender``: a ppermute where only rank 3 sends (to rank 0), called twice; rank 3 sleeps
   past the board's grace first, so ranks 1 and 2, which take no part in the exchange, wait in
   the next call while rank 0 still waits for rank 3: a lag, not a mismatch.
+
+``A+B`` runs several scenarios in one launch, each on a mesh of its own.
 """
 
 from __future__ import annotations
