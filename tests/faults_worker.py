@@ -25,7 +25,6 @@
 * ``debug_mismatch``: debug mode; a rank-dependent order of collectives, an extra collective
   on some ranks, and mismatched ops, shapes and ppermute pairs (over the whole mesh and within
   one "tp" group), again and again, each followed by a good call that must run.
-
 * ``slow_sender``: a ppermute where only rank 3 sends (to rank 0), called twice; rank 3 sleeps
   past the board's grace first, so ranks 1 and 2, which take no part in the exchange, wait in
   the next call while rank 0 still waits for rank 3: a lag, not a mismatch.
