@@ -582,9 +582,9 @@ class FailureBoard:
     def _decide(self, prefix: str, want: str) -> str:
         """The group's one decision on an exchange: "go" (a member saw every value) or "abort"
         (a member saw a failure, or a member that will never come, first), whichever is set
-        first. Decided alone, a member that saw every value went on into the collective while
-        another, which had seen a failure elsewhere first, left the call: the collective never
-        completed and the mesh fell out of step."""
+        first. Decided alone, a member that saw every value would go on into the collective while
+        another, which saw a failure elsewhere first, leaves the call: the collective would never
+        complete and the mesh would fall out of step."""
         return self.store.compare_set(prefix + "decision", "", want).decode()
 
     def _never_coming(self, prefix: str, missing: list[int], label: str, step: str) -> None:

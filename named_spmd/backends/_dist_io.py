@@ -329,7 +329,7 @@ def local_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     unnamed_varying = tuple(a for a in names if a in vma and a not in spec.axes and a not in single)
     named_invariant = vma.missing(a for a in names if a in spec.axes and a not in single)
     if unnamed_varying:  # check_vma=False: member 0's value, as the simulated backend (a
-        # broadcast: bit for bit, of any dtype; a masked psum turned -0.0 into 0.0)
+        # broadcast: bit for bit, of any dtype; a masked psum would turn -0.0 into 0.0)
         y = _boundary(ctx, "pbroadcast", y, unnamed_varying, (0,))
     reduced = tuple(a for a in names if a in vma.reduced and a not in mesh.single_axes)
     if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
