@@ -15,9 +15,21 @@
 * ``late_rank``: rank 2 sleeps inside the function until its peers, which gave up waiting for it
   (a 3 s timeout) and returned, have ended, then calls the psum they left in flight; it reports
   phase ``waited``: the seconds until its peers ended (60 at most).
+* ``dtypes``: every dtype torch has (but the quantized ones) through every collective and the
+  call boundary's communication; one ``OUTCOME`` per case with this rank's block (bytes) or the
+  error, compared by the test with the simulated mesh; then a float psum that must run.
+* ``mesh_again``: rank 0 fails on a mesh, the mesh is made again with the same axes, and its
+  first calls (rank 3 late past the board's grace) must give the right sums.
+* ``bystanders``: rank 0 fails where no rank needs it, then before a psum over "tp" that ranks
+  2 and 3 complete without it: every rank must stop at its next call naming rank 0.
+* ``debug_mismatch``: debug mode; a rank-dependent order of collectives, an extra collective
+  on some ranks, and mismatched ops, shapes and ppermute pairs (over the whole mesh and within
+  one "tp" group), again and again, each followed by a good call that must run.
 * ``slow_sender``: a ppermute where only rank 3 sends (to rank 0), called twice; rank 3 sleeps
   past the board's grace first, so ranks 1 and 2, which take no part in the exchange, wait in
   the next call while rank 0 still waits for rank 3: a lag, not a mismatch.
+
+``A+B`` runs several scenarios in one launch, each on a mesh of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -43,7 +56,7 @@ def report(rank: int, phase: str, call) -> bool:
     try:
         call()
         out: dict = {"ok": True}
-    except ns.SpmdError as e:
+    except (ns.SpmdError, ValueError) as e:  # (ValueError: the failing rank's own error)
         out = {"error": type(e).__name__, "message": str(e)}
     out.update(rank=rank, phase=phase, seconds=time.monotonic() - t0)
     print("OUTCOME " + json.dumps(out), flush=True)
@@ -174,14 +187,223 @@ def slow_sender(mesh, rank):
     report(rank, "slow_sender", twice)
 
 
+# --- meshes made again, and ranks that never needed the failing one ---------------------------------
+
+
+def slow_psum(mesh, rank, fail: bool = False, sleep: float = 0.0):
+    """The psum over both axes; rank 3 sleeps first (its peers wait in slices, writing where
+    they wait to the store), rank 0 raises first if ``fail``."""
+
+    def f(x):
+        if fail and rank == 0:
+            raise ValueError("rank 0 fails before the psum")
+        if rank == 3:
+            time.sleep(sleep)
+        return ns.psum(x, ("dp", "tp"))
+
+    return ns.spmd_map(f, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P())
+
+
+def checked(y):
+    if not torch.equal(y.full_tensor(), DENSE):
+        raise ns.SpmdError(f"wrong sum {y.full_tensor().tolist()} instead of {DENSE.tolist()}")
+
+
+def mesh_again(mesh, rank, iterations: int = 2):
+    """A mesh made again with the same axes must not read the earlier one's failure (posted for
+    its call #2) or where its ranks waited (in call #2) as its own: each new mesh's first calls
+    have rank 3 late past the board's grace, so its peers wait in slices and read the store."""
+    from named_spmd.backends._dist_failures import AHEAD_GRACE_S
+
+    for i in range(iterations):
+        report(rank, f"again_{i}_first", lambda: checked(slow_psum(mesh, rank, sleep=0.5)(X)))
+        report(rank, f"again_{i}_failed", lambda: slow_psum(mesh, rank, fail=True)(X))
+        mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+        late = slow_psum(mesh, rank, sleep=AHEAD_GRACE_S + 0.5)
+        report(rank, f"again_{i}_new", lambda: [checked(late(X)) for _ in range(2)])
+
+
+def bystanders(mesh, rank, iterations: int = 1):
+    """Rank 0 raises where no rank needs it (no collective in the function): the others return,
+    then every rank stops at the next call's start with the same RankFailedError, and the call
+    after runs. Then rank 0 raises before a psum over "tp": rank 1 waits for it, ranks 2 and 3
+    return; at their next call they stop naming rank 0 (and ranks 0 and 1 are out of step)."""
+
+    from named_spmd.backends import _dist_failures
+
+    # the failing rank waits that long for peers to learn of its failure before it goes on:
+    # these peers learn of it only at their next call
+    _dist_failures.ACK_S = 1.0
+
+    def alone(x):
+        if rank == 0 and alone.fail:
+            raise ValueError("rank 0 fails where nobody needs it")
+        return x * 2
+
+    f = ns.spmd_map(alone, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P(("dp", "tp")))
+    for i in range(iterations):
+        alone.fail = True
+        report(rank, f"alone_{i}", lambda: f(X))
+        alone.fail = False
+        report(rank, f"alone_{i}_next", lambda: f(X))
+        report(rank, f"alone_{i}_then", lambda: checked(slow_psum(mesh, rank)(X)))
+
+    def by_tp(x):
+        if rank == 0:
+            raise ValueError("rank 0 fails before the psum over tp")
+        return ns.psum(x, "tp")
+
+    g = ns.spmd_map(by_tp, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P("dp"))
+    report(rank, "by_tp", lambda: g(X))
+    report(rank, "by_tp_next", lambda: checked(slow_psum(mesh, rank)(X)))
+
+
+# --- debug mode: mismatched collectives, caught, again and again -----------------------------------
+
+
+def debug_programs(rank):
+    """name -> function: each makes the ranks call different collectives (debug mode lists
+    them); the values of the invariant output differ in "order" only."""
+    A = ("dp", "tp")
+
+    def order(x):  # rank-dependent order of two reductions that do not commute
+        if rank < 2:
+            return ns.psum(ns.pmax(x, "tp"), "dp")
+        return ns.pmax(ns.psum(x, "dp"), "tp")
+
+    def extra(x):  # ranks 0-2 call one psum more than rank 3 (the same values)
+        y = ns.psum(x, A)
+        if rank != 3:
+            y = y + ns.psum(x * 0 + 1, A) - 4
+        return y
+
+    def op(x):  # rank 1 calls pmax where the others call psum
+        return ns.pmax(x, A) if rank == 1 else ns.psum(x, A)
+
+    def shape(x):  # rank 2 reduces a longer operand
+        return ns.psum(torch.cat([x, x]) if rank == 2 else x, A)[:2]
+
+    def pairs(x):  # rank 0 sends along other pairs
+        perm = [(0, 1), (1, 0)] if rank == 0 else [(0, 2), (2, 0)]
+        return ns.psum(ns.ppermute(x, A, perm), A)
+
+    # mismatches within the "tp" group of ranks 0 and 1 only: ranks 2 and 3 agree and run
+    # their collective (every rank must still stop, and the mesh stay usable)
+    def tp_op(x):
+        return ns.pmax(x, "tp") if rank == 1 else ns.psum(x, "tp")
+
+    def tp_shape(x):
+        return ns.psum(torch.cat([x, x]) if rank == 0 else x, "tp")[:2]
+
+    def tp_pairs(x):
+        return ns.psum(ns.ppermute(x, "tp", [(0, 1)] if rank == 0 else [(0, 1), (1, 0)]), "tp")
+
+    return {
+        **{"order": order, "extra": extra, "op": op, "shape": shape, "pairs": pairs},
+        **{"tp_op": tp_op, "tp_shape": tp_shape, "tp_pairs": tp_pairs},
+    }
+
+
+def debug_mismatch(mesh, rank, iterations: int = 4):
+    """Each mismatch (debug mode) must raise on every rank within seconds, listing what every
+    rank called, and the good call after it must run, every time."""
+    ns.set_debug(True)
+    programs = debug_programs(rank)
+    for i in range(iterations):
+        for name, fn in programs.items():
+            if i and name in ("order", "extra"):
+                continue  # (deterministic: once is enough)
+            out = P("dp") if name.startswith("tp_") else P()
+            f = ns.spmd_map(fn, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=out)
+            report(rank, f"debug_{name}_{i}", lambda: f(X))
+            report(rank, f"debug_{name}_{i}_then", lambda: good_call(mesh))
+    ns.set_debug(None)
+
+
+# --- dtypes: every dtype torch has through every collective ----------------------------------------
+
+A = ("dp", "tp")
+# quantized dtypes need a quantizer (a view of bytes is no valid quantized tensor) and their
+# creation functions are deprecated: the one group of torch dtypes left out
+QUANTIZED = frozenset(
+    d for d in vars(torch).values() if isinstance(d, torch.dtype) and str(d)[6:7] == "q"
+)
+DTYPES = sorted(
+    {d for d in vars(torch).values() if isinstance(d, torch.dtype)} - QUANTIZED, key=str
+)
+# name -> (function, in_specs, out_specs, check_vma): each collective, a single-axis group, and
+# the call boundary's own communication (a broadcast without check_vma, a non-mesh-order spec)
+DTYPE_PROGRAMS = {
+    "psum": (lambda x: ns.psum(x, A), P(A), P(), True),
+    "psum_tp": (lambda x: ns.psum(x, "tp"), P(A), P("dp"), True),
+    "pmean": (lambda x: ns.pmean(x, A), P(A), P(), True),
+    "pmax": (lambda x: ns.pmax(x, A), P(A), P(), True),
+    "pmin": (lambda x: ns.pmin(x, A), P(A), P(), True),
+    "psum_scatter": (lambda x: ns.psum_scatter(x, A, tiled=True), P(A), P(A), True),
+    "all_gather": (lambda x: ns.all_gather(x, A, tiled=True, to="invariant"), P(A), P(), True),
+    "all_to_all": (lambda x: ns.all_to_all(x, A, 0, 0, tiled=True), P(A), P(A), True),
+    "ppermute": (
+        lambda x: ns.ppermute(x, A, [(i, (i + 1) % 4) for i in range(3)]),
+        P(A),
+        P(A),
+        True,
+    ),
+    "pshuffle": (lambda x: ns.pshuffle(x, A, [2, 0, 3, 1]), P(A), P(A), True),
+    "pbroadcast": (lambda x: ns.pbroadcast(x, A, 2), P(A), P(), True),
+    "unchecked_broadcast": (lambda x: x, P(A), P(), False),
+    "reordered": (lambda x: x, P(("tp", "dp")), P(("tp", "dp")), True),
+}
+
+
+def dtype_input(dtype: torch.dtype) -> torch.Tensor:
+    """16 elements of ``dtype``: small integers (exact sums in every float dtype, int8 sums
+    that wrap), a pattern of truth values, or bytes viewed as a dtype that has no conversion."""
+    base = (torch.arange(16) * 5 + 3) % 64
+    if dtype is torch.bool:
+        return base % 3 == 0
+    try:
+        with warnings.catch_warnings():  # torch's own note on complex32
+            warnings.filterwarnings("ignore", "ComplexHalf support is experimental")
+            return base.to(dtype)
+    except (RuntimeError, TypeError):
+        size = torch.empty(0, dtype=dtype).element_size()
+        return torch.arange(16 * size, dtype=torch.uint8).mul(37).view(dtype)
+
+
+def dtype_call(mesh, dtype: torch.dtype, name: str):
+    fn, in_spec, out_spec, check_vma = DTYPE_PROGRAMS[name]
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=check_vma)
+    return f(dtype_input(dtype))
+
+
+def described(t: torch.Tensor) -> dict:
+    """A tensor as JSON: dtype, shape and its bytes (exact for every dtype, NaN payloads too)."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return {"dtype": str(t.dtype), "shape": list(t.shape), "bytes": raw.numpy().tobytes().hex()}
+
+
+def dtypes(mesh, rank):
+    """Every case on the real mesh: this rank's block, or the error (compared by the test with
+    the simulated mesh's result); then a float psum, which must run (the mesh stays in step)."""
+    for dtype in DTYPES:
+        for name in DTYPE_PROGRAMS:
+            try:
+                out = {"value": described(ns.to_local(dtype_call(mesh, dtype, name)))}
+            except Exception as e:  # noqa: BLE001 - a bare torch error is a finding too
+                out = {"error": type(e).__name__, "message": str(e)}
+            line = {"rank": rank, "phase": "dtype", "dtype": str(dtype), "op": name, **out}
+            print("OUTCOME " + json.dumps(line), flush=True)
+    report(rank, "dtypes_then", lambda: good_call(mesh))
+
+
 def main() -> None:
     scenario = sys.argv[1]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if scenario == "in_make_mesh":
         return in_make_mesh(rank)
-    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
-    globals()[scenario](mesh, rank)
+    for part in scenario.split("+"):  # several in one launch, each on a mesh of its own
+        globals()[part](ns.make_mesh((2, 2), ("dp", "tp")), rank)
 
 
 if __name__ == "__main__":

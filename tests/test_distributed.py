@@ -175,6 +175,10 @@ def test_debug_mode_checks_plain_inputs_and_replicated_outputs_agree():
         elif o["case"] == "inputs_differ":  # every rank computes the same verdict
             assert o["error"] == "SpmdError", o
             assert "plain-tensor input leaves [1]" in o["message"] and "Fix:" in o["message"], o
+            assert (  # the wording of the reason (it once read "they are a plain tensor is")
+                "differ between ranks, but a plain tensor is the global value, the same on every "
+                "rank." in o["message"]
+            ), o
         else:  # ranks whose group differs raise; the others learn it from them
             assert o["error"] in ("SpmdError", "RankFailedError"), o
             assert "typed invariant over ('tp',)" in o["message"], o

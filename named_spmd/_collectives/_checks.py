@@ -109,3 +109,50 @@ def _pair_problems(perm: Any, n: int, axes: Axes) -> tuple[Pairs, list[str]]:
             if dup:
                 problems.append(f"{side}s {dup} appear more than once")
     return pairs, problems
+
+
+_REDUCE: dict[str, Any] = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
+
+
+@functools.cache
+def _torch_reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
+    """Whether torch computes ``reduction`` of ``dtype`` tensors on ``device_type`` (float8,
+    bit and sub-byte dtypes have no sum on CPU; unsigned 16- to 64-bit integers no amax)."""
+    try:
+        _REDUCE[reduction](torch.zeros(2, dtype=dtype, device=device_type), 0)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def check_reducible(ctx: SpmdContext, t: torch.Tensor, op: str, reduction: str) -> None:
+    """A reduction of a dtype torch cannot reduce is refused before any communication, alike on
+    every backend (the simulated one reduces with torch's own ops; a real one could not either:
+    gloo refuses most such dtypes mid-collective)."""
+    if not _torch_reduces(t.dtype, t.device.type, reduction):
+        raise CollectiveError(
+            f"{op} in {ctx.fn_label}: the operand is {t.dtype}, which torch cannot "
+            f"{reduction} on {t.device.type} (torch.{_REDUCE[reduction].__name__} refuses it "
+            f"too). Fix: {op} of x.to(torch.float32) (or another dtype torch reduces), then "
+            "convert the result back."
+        )
+
+
+_COPYABLE: set[torch.dtype] = set()  # dtypes torch has a copy kernel for, as found so far
+
+
+def check_copyable(ctx: SpmdContext, op: str, t: torch.Tensor) -> None:
+    """Every communicating collective copies its operand somewhere; torch has no copy kernel for
+    the sub-byte dtypes (int1..int7, uint1..uint7), so each backend would fail at a different
+    point (a rank-dependent one on a real mesh): refused up front, alike."""
+    if t.dtype in _COPYABLE:
+        return
+    try:
+        torch.empty(1, dtype=t.dtype).clone()
+    except (RuntimeError, NotImplementedError):
+        raise CollectiveError(
+            f"{op} in {ctx.fn_label}: the operand is {t.dtype}, which torch cannot copy (it has "
+            f"no copy kernel for it), so no collective can move it. Fix: {op} of "
+            "x.view(torch.uint8) and view the result back with .view(" + str(t.dtype) + ")."
+        ) from None
+    _COPYABLE.add(t.dtype)

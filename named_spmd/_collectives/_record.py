@@ -37,6 +37,7 @@ from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, refcount
 from .._types import Vma, type_text
 from . import _donation
+from ._checks import _COPYABLE, check_copyable
 
 # Operand policies: what an operand invariant over some axes of the collective gets.
 PVARY = "pvary"
@@ -133,6 +134,8 @@ def _apply(
 ) -> Tensor:
     """The one path every collective takes: checks, operand policy, type rule, accounting,
     the backend's run of the forward, and the result's type."""
+    if rec.forward_event and t.dtype not in _COPYABLE:  # (a set lookup: this path is hot)
+        check_copyable(ctx, rec.name, t)
     if rec.check is not None:
         params = rec.check(ctx, t, axes, params)
     vma = ctx.vma(t)

@@ -12,7 +12,7 @@ from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 from .._layout import split_blocks, unstack_dim
 from .._types import Vma
-from ._checks import check_divisible, checked_dim
+from ._checks import check_divisible, check_reducible, checked_dim
 from ._record import (
     PVARY,
     RECORDS,
@@ -158,6 +158,7 @@ def psum_scatter(
 def _psum_scatter_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
     dim, tiled = params
     n = ctx.mesh.axis_size(axes)
+    check_reducible(ctx, t, "psum_scatter", "sum")
     d = checked_dim(ctx, t, dim, "psum_scatter", "scatter_dimension")
     check_divisible(ctx, t, d, n, axes, "psum_scatter", "scatter_dimension", tiled)
     return (d, bool(tiled))

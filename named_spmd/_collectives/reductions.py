@@ -11,6 +11,7 @@ import torch
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 from . import _donation
+from ._checks import check_reducible
 from ._record import (
     DROP_INVARIANT,
     RECORDS,
@@ -58,8 +59,14 @@ def _identity_transpose(
     return g
 
 
+def _summable(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
+    check_reducible(ctx, t, "psum", "sum")
+    return params
+
+
 PSUM = Collective(
     name="psum",
+    check=_summable,
     policy=REQUIRE_VARYING,
     vma=without_axes,
     shape=same_shape,
@@ -104,6 +111,7 @@ def _mean_operand(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params)
             "truth values is not one of them (torch.mean refuses them too). Fix: pmean of "
             "x.float() (or psum for a count)."
         )
+    check_reducible(ctx, t, "pmean", "sum")
     return params
 
 
@@ -183,6 +191,7 @@ def _ordered_operand(
             f"{name} in {ctx.fn_label}: the operand is complex ({t.dtype}), which has no order. "
             f"Fix: take {name} of a real value, e.g. of x.abs() or of x.real and x.imag apart."
         )
+    check_reducible(ctx, t, name, name[1:])
     return params
 
 

@@ -51,7 +51,10 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     mesh = ctx.mesh
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     # hash() of int tuples (a torch.Size is one) is the same in every process; of str it is not
-    metadata = hash((local, *((x.shape, _dtype_code(x.dtype)) for x in tensors)))
+    # and the latest failed call this rank knows of: a rank that finished a call in which
+    # another failed, without needing it, disagrees and learns of it here (``_disagree``)
+    known = mesh.board.known_failure()
+    metadata = hash((local, known, *((x.shape, _dtype_code(x.dtype)) for x in tensors)))
     checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
     comm = mesh.comm(mesh.axis_names)
     started = comm.start_agree(checksum, "the start-of-call check")
@@ -62,18 +65,29 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     def finish() -> None:
         mesh.pending_check = None
         if not comm.agreed(started, "the start-of-call check"):
-            _disagree(ctx, tensors, local)
+            _disagree(ctx, tensors, local, known)
 
     mesh.pending_check = finish
 
 
-def _disagree(ctx: DistributedContext, tensors: list[torch.Tensor], local: bool) -> None:
+def _disagree(
+    ctx: DistributedContext, tensors: list[torch.Tensor], local: bool, known: int
+) -> None:
     """The checksums differ: exchange the descriptions and raise on every rank alike."""
     mesh = ctx.mesh
     shapes = ", ".join(f"{list(x.shape)} {str(x.dtype)[6:]}" for x in tensors)
     mine = f"{ctx.fn_label}{'.local' if local else ''}({shapes})"
     board = mesh.board
-    got = board.exchange("call", board.ranks, mine, f"rank {mesh.rank}", "the start-of-call check")
+    got = board.exchange(
+        "call", board.ranks, f"{known} {mine}", f"rank {mesh.rank}", "the start-of-call check"
+    )
+    knowns = {r: int(v.split(" ", 1)[0]) for r, v in got.items()}
+    got = {r: v.split(" ", 1)[1] for r, v in got.items()}
+    latest = max(knowns.values())
+    if len(set(got.values())) == 1:  # the same call: some ranks missed a failure
+        missed = sorted(r for r, k in knowns.items() if k < latest)
+        raise board.missed_failure(latest, missed)
+    board.learned(latest)  # on every rank alike
     lines = "\n".join(f"    {board.where(r)}: {v}" for r, v in got.items())
     kind = "block" if local else "global"
     raise SpmdError(
@@ -130,14 +144,14 @@ def check_inputs_agree(
         }
     )
     if differ:
-        what = (
-            "replicated blocks of a local call, which must be the same on every rank"
+        why = (
+            "they are replicated blocks of a local call, which every rank holds whole"
             if block_specs is not None
-            else "a plain tensor is the global value and must be the same on every rank"
+            else "a plain tensor is the global value, the same on every rank"
         )
         raise SpmdError(
             f"spmd_map of {ctx.fn_label}: debug check: plain-tensor input leaves {differ} (in "
-            f"flattening order) differ between ranks, but they are {what}. Fix: seed every "
+            f"flattening order) differ between ranks, but {why}. Fix: seed every "
             "rank alike before making it (or broadcast it from rank 0), or pass DTensors laid "
             "out as the in_specs say."
         )

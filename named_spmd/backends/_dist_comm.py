@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from .._errors import SpmdError
 from ._dist_failures import POLL_S
 
 _SLICE = datetime.timedelta(seconds=POLL_S)
@@ -29,6 +30,57 @@ SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
+
+
+# --- dtypes on the wire --------------------------------------------------------------------------
+# Gloo moves and reduces only these dtypes (complex ones travel as pairs of their real dtype);
+# given another (int16, the unsigned 16- to 64-bit integers, float8, bit dtypes) it raises
+# mid-collective on some ranks, and the ranks fall out of step. So every other dtype is moved as
+# its bytes, and reduced through a wider integer dtype, exactly (the collectives' checks refuse,
+# on every backend alike, the reductions torch itself has no kernel for).
+_NATIVE = frozenset(
+    {
+        *(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+        *(torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool),
+    }
+)
+_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+_SIGN64 = -(2**63)  # uint64 XOR this, read as int64, keeps the order (max, min)
+
+
+def _as_bytes(x: torch.Tensor, run: Any) -> torch.Tensor:
+    """``run(x)`` for a data movement (its result shaped like ``x`` but for leading dims): on a
+    view of ``x``'s bytes (one more dim, of the item size) where gloo cannot move ``x``'s dtype,
+    the result viewed back, bit for bit. The movement's own copies then run on bytes too, which
+    torch has kernels for where it has none for the dtype (the sub-byte ones)."""
+    if x.dtype in _NATIVE or x.is_complex():
+        return run(x)
+    return run(x.unsqueeze(-1).view(torch.uint8)).view(x.dtype).squeeze(-1)
+
+
+def _reduced(t: torch.Tensor, op, where: str) -> tuple[torch.Tensor, Any]:
+    """``(wire, back)``: ``t`` in a dtype the backend reduces with ``op``, exactly, and the
+    function that writes the reduced wire back into ``t`` (None when the wire is ``t``)."""
+    t = _real(t)
+    if t.dtype is torch.bool and op == SUM:  # gloo adds their bytes (True + True = 2): the
+        # sum of truth values is their "or", as on the simulated mesh
+        wire = t.to(torch.int32)
+        return wire, lambda: t.copy_(wire)  # nonzero: True
+    if t.dtype in _NATIVE:
+        return t, None
+    wider = _WIDER.get(t.dtype)
+    if wider is not None:  # integers: the sum wraps alike after the cast back
+        wire = t.to(wider)
+        return wire, lambda: t.copy_(wire)
+    if t.dtype is torch.uint64:  # the same bits summed modulo 2**64; ordered after the XOR
+        bits = t.view(torch.int64)
+        if op == SUM:
+            return bits, None
+        wire = bits ^ _SIGN64
+        return wire, lambda: bits.copy_(wire ^ _SIGN64)
+    raise SpmdError(  # the collectives' checks refuse these first; an internal caller must not
+        f"{where}: torch.distributed cannot reduce {t.dtype}. Fix: reduce x.to(torch.float32)."
+    )
 
 
 def permute_splits(pairs, me: int, numel: int, group_rank) -> tuple:
@@ -143,24 +195,21 @@ class Comm:
     # --- collectives --------------------------------------------------------------------------
     def all_reduce_(self, buf: torch.Tensor, op=SUM, name: str = "psum") -> torch.Tensor:
         """Reduce ``buf`` over the group in place (the caller owns it); returns it."""
-        if self.mesh.pending_check is not None:
-            self.mesh.pending_check()
-        if self.mesh.debug:
-            self._debug(name, buf)
+        self._before(name, buf)
+        wire, back = _reduced(buf, op, self._doing(name))
         try:
-            work = self.group.allreduce([_real(buf)], self._opts[op])
+            work = self.group.allreduce([wire], self._opts[op])
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
         self._wait(name, work)
+        if back is not None:
+            back()
         return buf
 
     def start_all_reduce_(self, buf: torch.Tensor, name: str = "psum") -> Any:
         """Start summing ``buf`` (owned by the caller) over the group in place; returns the work,
         to be finished with :meth:`finish`."""
-        if self.mesh.pending_check is not None:
-            self.mesh.pending_check()
-        if self.mesh.debug:
-            self._debug(name, buf)
+        self._before(name, buf)
         try:
             return self.group.allreduce([_real(buf)], self._async_sum)
         except RuntimeError as e:
@@ -170,13 +219,20 @@ class Comm:
         """Wait for a work from :meth:`start_all_reduce_` (failures become RankFailedError)."""
         self._wait(name, work)
 
-    def all_gather(self, x: torch.Tensor, name: str = "all_gather") -> torch.Tensor:
-        """``[n, *x.shape]``: every member's ``x``, in tuple order."""
-        x = x.contiguous()
+    def _before(self, name: str, x: torch.Tensor, extra: str = "") -> None:
+        """What precedes every collective: the start-of-call check, debug mode's comparison."""
         if self.mesh.pending_check is not None:
             self.mesh.pending_check()
         if self.mesh.debug:
-            self._debug(name, x)
+            self._debug(name, x, extra)
+
+    def all_gather(self, x: torch.Tensor, name: str = "all_gather") -> torch.Tensor:
+        """``[n, *x.shape]``: every member's ``x``, in tuple order."""
+        self._before(name, x)
+        return _as_bytes(x, lambda t: self._all_gather(t, name))
+
+    def _all_gather(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        x = x.contiguous()
         out = x.new_empty((self.n, *x.shape))
         opts = self._gather_opts
         # c10d splits the output along dim 0 into pieces shaped like the input: add a unit dim
@@ -189,25 +245,26 @@ class Comm:
         if self._from_group is not None:
             stacked = stacked.index_select(0, self._from_group)
         stacked = stacked.contiguous()
-        if self.mesh.pending_check is not None:
-            self.mesh.pending_check()
-        if self.mesh.debug:
-            self._debug(name, stacked)
+        self._before(name, stacked)
         out = stacked.new_empty((1, *stacked.shape[1:]))  # unit dim: see all_gather
         opts = self._scatter_opts
-        self._issue(name, lambda: self._scatter(_real(out), _real(stacked), opts))
+        wire, back = _reduced(stacked, SUM, self._doing(name))
+        into, into_back = _reduced(out, SUM, self._doing(name))
+        self._issue(name, lambda: self._scatter(into, wire, opts))
+        if into_back is not None:
+            into_back()
         return out[0]
 
     def all_to_all(self, stacked: torch.Tensor, name: str = "all_to_all") -> torch.Tensor:
         """Send chunk ``j`` of ``stacked`` ([n, *chunk]) to member ``j``; returns the received
         chunks ``[n_src, *chunk]`` in source tuple order."""
+        self._before(name, stacked)
+        return _as_bytes(stacked, lambda t: self._all_to_all(t, name))
+
+    def _all_to_all(self, stacked: torch.Tensor, name: str) -> torch.Tensor:
         if self._from_group is not None:
             stacked = stacked.index_select(0, self._from_group)
         stacked = stacked.contiguous()
-        if self.mesh.pending_check is not None:
-            self.mesh.pending_check()
-        if self.mesh.debug:
-            self._debug(name, stacked)
         out = torch.empty_like(stacked)
         opts = self._a2a_opts
         self._issue(name, lambda: self._a2a(_real(out), _real(stacked), [], [], opts))
@@ -221,13 +278,13 @@ class Comm:
         gloo closes the connection when a timed wait on a recv times out, so a recv could not
         be waited for in slices (a sender late by one slice broke the mesh), while a
         collective's work can."""
+        self._before(name, x, f", pairs={sorted(pairs)}")
+        return _as_bytes(x, lambda t: self._permute(t, pairs, name))
+
+    def _permute(self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], name: str):
         me = self.index
         block = _real(x.contiguous()).reshape(-1)  # kept alive here until the send completes
         src, received, sent = permute_splits(pairs, me, block.numel(), self.group_rank)
-        if self.mesh.pending_check is not None:
-            self.mesh.pending_check()
-        if self.mesh.debug:
-            self._debug(name, x, f", pairs={sorted(pairs)}")
         if src is None:
             out = torch.zeros_like(x, memory_format=torch.contiguous_format)
         elif src == me:
@@ -243,12 +300,16 @@ class Comm:
         self._issue(name, lambda: self._a2a(into, send, received, sent, opts))
         return out
 
-    def broadcast_(self, buf: torch.Tensor, root: int, name: str = "broadcast") -> torch.Tensor:
-        """Overwrite ``buf`` (owned by the caller) with tuple member ``root``'s ``buf``."""
-        if self.mesh.pending_check is not None:
-            self.mesh.pending_check()
-        if self.mesh.debug:
-            self._debug(name, buf, f", root={root}")
+    def broadcast(self, x: torch.Tensor, root: int, name: str = "broadcast") -> torch.Tensor:
+        """Tuple member ``root``'s ``x``, in a fresh buffer."""
+        self._before(name, x, f", root={root}")
+        return _as_bytes(
+            x,
+            lambda t: self._broadcast_(t.clone(memory_format=torch.contiguous_format), root, name),
+        )
+
+    def _broadcast_(self, buf: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        """Overwrite ``buf`` (contiguous, owned by this method) with member ``root``'s ``buf``."""
         opts = c10d.BroadcastOptions()
         opts.rootRank = self.group_rank[root]
         opts.rootTensor = 0

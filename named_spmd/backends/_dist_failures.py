@@ -69,6 +69,7 @@ class FailureBoard:
         self.seq = 0  # spmd_map calls on this mesh so far (identical on every rank)
         self.finished = 0  # the last call that returned normally on this rank
         self.call_log: list[str] = []  # debug mode: this call's collectives on this rank
+        self.in_body = False
         self._ahead_seq: int | None = None  # post the next failure for this (later) call
         self.debug_counts: dict[str, int] = {}
         self._acknowledged: set[int] = set()  # calls whose failure this rank has counted
@@ -80,6 +81,7 @@ class FailureBoard:
         self.seq += 1
         self.debug_counts = {}
         self.call_log = []
+        self.in_body = True  # debug mode: until the comparison of the lists (finish_call)
 
     # --- after a failed call ------------------------------------------------------------------
     def check_in_step(self) -> None:
@@ -101,7 +103,56 @@ class FailureBoard:
                     "example check inputs before the call), or use a simulated mesh."
                 )
         if self.out_of_step is not None:
+            self._repost()
             raise SpmdError(self.out_of_step)
+
+    def _repost(self) -> None:
+        """Post the failure that put the mesh out of step again, for this call: ranks that
+        finished the failed call without needing the failing rank wait in this call for the
+        ranks that raise here (they would otherwise read only a failure of an earlier call,
+        or this rank's consequence of it, and name the wrong rank)."""
+        failure = self.read()
+        if failure is None:  # nothing to quote: this rank's own error stops them
+            self._post_for(self.rank, f"failed inside spmd_map: SpmdError: {self.out_of_step}")
+            return
+        if failure[0] >= self.seq:
+            return
+        seq, rank, text = failure
+        where = f"(in spmd_map call #{seq}; "
+        if where not in text:  # reposted once: it names its call already
+            text += (
+                f"\n{where}ranks that were inside collectives with it then cannot run another "
+                "call on this mesh.)"
+            )
+        self._post_for(rank, text)
+
+    def known_failure(self) -> int:
+        """The latest call on this mesh whose failure this rank knows of (0: none). The ranks
+        compare it at the start of every call (``_dist_agree``): a rank that finished a call in
+        which another rank failed, without needing that rank, learns of the failure there."""
+        return max(self._acknowledged, default=0)
+
+    def learned(self, latest: int) -> None:
+        """Call ``latest``'s failure is known to this rank now (the next comparison agrees)."""
+        if latest:
+            self._acknowledged.add(latest)
+
+    def missed_failure(self, latest: int, missed: list[int]) -> RankFailedError:
+        """The error every rank raises at the start of a call when ``missed`` ranks finished
+        call ``latest`` without learning that a rank failed in it; nothing is in flight, so the
+        next call runs."""
+        failure = self.read()
+        self.learned(latest)
+        if failure is None or failure[0] != latest:
+            what = f"a rank failed inside spmd_map call #{latest} on this mesh"
+        else:
+            what = f"{self.where(failure[1])} {failure[2]}"
+        return RankFailedError(
+            f"{what}\nRanks {missed} finished that call (spmd_map call #{latest}) without "
+            f"needing the failing rank, so they learn of it only now, at the start of call "
+            f"#{self.seq}; every rank stops here with this error and call #{self.seq} runs on "
+            "none. The next call runs."
+        )
 
     def _stuck_key(self, seq: int) -> str:
         return f"{self.key}/stuck/{seq}"
@@ -122,9 +173,11 @@ class FailureBoard:
             pass
 
     def _post_for(self, rank: int, text: str) -> None:
-        """Post what is known of a rank that cannot post itself (its process ended)."""
+        """Post what is known of a rank that cannot post itself (its process ended, or it
+        failed in an earlier call), or this rank's own finding; known to this rank."""
         try:
             self.store.set(self.key, f"{self.seq}\n{rank}\n{text[:4000]}")
+            self._acknowledge(self.seq)
         except Exception:  # noqa: BLE001 - a dead store: the caller raises anyway
             pass
 
@@ -375,8 +428,7 @@ class FailureBoard:
         """Wait until every rank of the mesh has created its process groups. A rank leaving
         make_mesh earlier could exit (an error right after) while a peer still connects to it,
         which kills that peer with a bare gloo error."""
-        _MADE[self.key] = generation = _MADE.get(self.key, 0) + 1
-        prefix = f"{self.key}/made/{generation}/"
+        prefix = f"{self.key}/made/"
         try:
             self._wait_made(prefix)
         except RankFailedError:
@@ -453,8 +505,11 @@ class FailureBoard:
             )
 
     def finish_call(self, label: str) -> None:
-        """Debug mode, at the end of a call: compare every rank's list of collectives."""
+        """Debug mode, at the end of the body: compare every rank's list of collectives (before
+        the checks of values: a rank-dependent order is named as such, not as differing
+        values)."""
         mine = self._log("")
+        self.in_body = False
         try:
             self.store.set(self._log_key(self.seq, self.rank, done=True), mine)
             got = self._exchange("calls", self.ranks, mine, label, "the end of the call")
@@ -504,28 +559,39 @@ class FailureBoard:
         while not self.store.check(keys):
             try:
                 self.check(f"checking {step}", in_collective=False)  # a store exchange
-            except RankFailedError:
-                # A peer that finished this exchange may fail on what it read (a debug check's
-                # verdict) before this rank sees the last value: read it and decide alike.
-                if not self.store.check(keys):
+                missing = [r for r in members if not self.store.check([prefix + str(r)])]
+                if time.monotonic() > next_probe:  # the slow path: who will never come
+                    next_probe = time.monotonic() + POLL_S
+                    self._never_coming(prefix, missing, label, step)
+                if time.monotonic() > deadline:
+                    raise self._listing(
+                        label,
+                        f"ranks {missing} did not reach {step} ({value}) within {limit:.0f} s "
+                        "(stuck, or they skipped it: a rank-dependent branch?)",
+                    )
+            except (SpmdError, RankFailedError):
+                if self._decide(prefix, "abort") == "abort":
                     raise
-                break
-            missing = [r for r in members if not self.store.check([prefix + str(r)])]
-            if time.monotonic() > next_probe:  # the slow path: who will never come
-                next_probe = time.monotonic() + POLL_S
-                self._never_coming(prefix, missing, label, step)
-            if time.monotonic() > deadline:
-                raise SpmdError(
-                    f"{label}: debug check: ranks {missing} did not reach {step} ({value}) "
-                    f"within {limit:.0f} s. They are stuck, or they skipped it (a rank-dependent "
-                    "branch?)."
-                )
+                break  # a member saw every value first: decide on them, as it does
             time.sleep(0.005)
+        if self._decide(prefix, "go") == "abort":  # a member gave up first: stop, as it does
+            self.check(f"checking {step}", in_collective=False)
+            raise self._listing(label, f"a rank gave up waiting for {step}")
         return {r: self.store.get(prefix + str(r)).decode() for r in members}
 
+    def _decide(self, prefix: str, want: str) -> str:
+        """The group's one decision on an exchange: "go" (a member saw every value) or "abort"
+        (a member saw a failure, or a member that will never come, first), whichever is set
+        first. Decided alone, a member that saw every value would go on into the collective while
+        another, which saw a failure elsewhere first, leaves the call: the collective would never
+        complete and the mesh would fall out of step."""
+        return self.store.compare_set(prefix + "decision", "", want).decode()
+
     def _never_coming(self, prefix: str, missing: list[int], label: str, step: str) -> None:
-        """Raise if a missing member finished the call (it skipped ``step``) or ended."""
-        if step != "the end of the call" and any(
+        """Raise if a missing member finished the body (it skipped ``step``) or ended. Only while
+        this rank is in the body: after the comparison of the lists, a member's mark says nothing
+        of the output's collectives."""
+        if self.in_body and any(
             self.store.check([self._log_key(self.seq, r, done=True)])
             and not self.store.check([prefix + str(r)])  # it may have come since `missing`
             for r in missing
@@ -537,3 +603,12 @@ class FailureBoard:
 
 
 _MADE: dict[str, int] = {}  # mesh key -> how many times this process made that mesh
+
+
+def generation(mesh_key: str) -> str:
+    """``mesh_key`` with how many times this process made that mesh (every rank makes its meshes
+    in one order: creating process groups is collective). A mesh made again with the same axes
+    and grid gets a failure record of its own: its calls count from 1 again, and an earlier
+    mesh's failure posted for a later call number must not stop them."""
+    _MADE[mesh_key] = made = _MADE.get(mesh_key, 0) + 1
+    return f"{mesh_key}/{made}"

@@ -332,9 +332,9 @@ def local_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     mesh = ctx.mesh
     vma: Vma = ctx.vma(y)
     unkept, copies = output_settles(vma, spec, mesh.axis_names, mesh.single_axes)
-    if unkept:  # check_vma=False: member 0's value, as the simulated backend
-        first = ctx.axis_index(unkept) == 0  # the sum of member 0's value and zeros
-        y = _boundary(ctx, "psum", torch.where(first, y, torch.zeros_like(y)), unkept, ())
+    if unkept:  # check_vma=False: member 0's value, as the simulated backend (a broadcast:
+        # bit for bit, of any dtype; a masked psum would turn -0.0 into 0.0)
+        y = _boundary(ctx, "pbroadcast", y, unkept, (0,))
     reduced = tuple(a for a in mesh.axis_names if a in vma.reduced and a not in mesh.single_axes)
     if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
         y = _FirstHolds.apply(y, all(mesh.my_coords[a] == 0 for a in reduced), False, True)

@@ -60,7 +60,7 @@ from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
 from . import _dist_agree, _dist_compile, _dist_dtensor, _dist_overlap, _dist_piece
 from ._dist_comm import MAX, MIN, SUM, Comm
-from ._dist_failures import FailureBoard, timeout_s
+from ._dist_failures import FailureBoard, generation, timeout_s
 from ._dist_io import block_input, global_output, local_input, local_output
 from ._dist_processes import mark_exited, register_process, registered
 
@@ -126,7 +126,7 @@ class DistributedMesh(Mesh):
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
         store = P.dist().default_store()
         ranks = self.grid.reshape(-1).tolist()
-        self.board = FailureBoard(store, self.rank, ranks, key, self.coords_of)
+        self.board = FailureBoard(store, self.rank, ranks, generation(key), self.coords_of)
         register_process(store, self.rank)
         try:
             self._groups = _create_groups(device_mesh, names)
@@ -353,7 +353,7 @@ class DistributedContext(TrackedContext):
         return self.mesh.comm(axes).permute(x, pairs)
 
     def broadcast(self, x, axes, root):
-        return self.mesh.comm(axes).broadcast_(x.clone(memory_format=_contiguous), root)
+        return self.mesh.comm(axes).broadcast(x, root)
 
     def own_block(self, x, axes, dim):
         return x.select(dim, self.mesh.comm(axes).index)
@@ -421,8 +421,8 @@ def run(
     local_call = body.local  # type: ignore[attr-defined]  # SpmdFunction.local: blocks in, out
     # one rank: a call type-checked once per signature (``_replay``)
     replay = Replay(body, mesh, leaves, specs) if mesh.size == 1 else None
+    board.check_in_step()  # (not posted: it reposts the failure it is a consequence of)
     try:
-        board.check_in_step()
         if mesh.poll and mesh.size > 1:
             _begin(ctx, leaves, local_call)
         if replay is not None:
@@ -443,12 +443,11 @@ def run(
                 outs = body(local, ctx)
         if mesh.pending_check is not None:  # the body ran no collective
             mesh.pending_check()
-        if mesh.debug:
+        if mesh.debug:  # the lists of collectives first: their difference explains the values'
+            board.finish_call(f"spmd_map of {ctx.fn_label}")
             _dist_agree.check_replicas_agree(ctx, outs, out_specs_of())
         output = local_output if local_call else global_output
         result = [output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
-        if mesh.debug:
-            board.finish_call(f"spmd_map of {ctx.fn_label}")
         board.finished = board.seq
         return result
     except RankFailedError:
