@@ -153,6 +153,8 @@ class TracedContext(TrackedContext):
         setattr(x, STAMP_ATTR, (self.call_token, vma))
         return x
 
+    pin = stamp  # (invariant types are stamped here too)
+
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         per = self.aliases.get(t)
         if per is None:
