@@ -153,6 +153,8 @@ class TracedContext(TrackedContext):
         setattr(x, STAMP_ATTR, (self.call_token, vma))
         return x
 
+    pin = stamp  # (invariant types are stamped here too)
+
     def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:
         """As the eager one, with attributes; the traced paths give every argument position a
         tensor object of its own (a view, or a block) before stamping it."""
