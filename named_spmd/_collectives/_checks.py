@@ -128,7 +128,10 @@ def _torch_reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool
 def check_reducible(ctx: SpmdContext, t: torch.Tensor, op: str, reduction: str) -> None:
     """A reduction of a dtype torch cannot reduce is refused before any communication, alike on
     every backend (the simulated one reduces with torch's own ops; a real one could not either:
-    gloo refuses most such dtypes mid-collective)."""
+    gloo refuses most such dtypes mid-collective). Not while torch.compile traces: Dynamo would
+    trace the probe, so a compiled call leaves such a dtype to torch's own error."""
+    if torch.compiler.is_compiling():
+        return
     if not _torch_reduces(t.dtype, t.device.type, reduction):
         raise CollectiveError(
             f"{op} in {ctx.fn_label}: the operand is {t.dtype}, which torch cannot "
@@ -144,8 +147,9 @@ _COPYABLE: set[torch.dtype] = set()  # dtypes torch has a copy kernel for, as fo
 def check_copyable(ctx: SpmdContext, op: str, t: torch.Tensor) -> None:
     """Every communicating collective copies its operand somewhere; torch has no copy kernel for
     the sub-byte dtypes (int1..int7, uint1..uint7), so each backend would fail at a different
-    point (a rank-dependent one on a real mesh): refused up front, alike."""
-    if t.dtype in _COPYABLE:
+    point (a rank-dependent one on a real mesh): refused up front, alike (not while torch.compile
+    traces, as :func:`check_reducible`)."""
+    if torch.compiler.is_compiling() or t.dtype in _COPYABLE:
         return
     try:
         torch.empty(1, dtype=t.dtype).clone()
