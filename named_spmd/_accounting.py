@@ -1,8 +1,10 @@
-"""Communication accounting: which logical collectives a program runs, forward and backward.
+"""Communication accounting: which logical collectives a program runs, forward and backward,
+and for forward-mode tangents.
 
 Events are recorded where collectives are *called* (the public layer), not inside a backend, so
 every backend reports the same logical collectives; on a simulated mesh that is what a real mesh
-would run, including the psum that an implicit pvary becomes in backward.
+would run, including the psum that an implicit pvary becomes in backward and the collectives that
+a forward-mode tangent (``torch.func.jvp``, ``jacfwd``) runs: direction ``"tangent"``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._torch_private import get_unwrapped, maybe_get_level
+from ._torch_private import forward_level, get_unwrapped, maybe_get_level
 from ._types import render
 
 
@@ -38,7 +40,9 @@ class CommEvent:
 
     op: str
     axes: tuple[str, ...]
-    direction: str  # "forward" or "backward"
+    # "forward", "backward", or "tangent": run to compute a forward-mode tangent (torch.func.jvp,
+    # jacfwd, forward_ad), in the forward pass, beside the forward collective it differentiates
+    direction: str
     shape: tuple[int, ...]  # per-instance shape of the message
     dtype: torch.dtype
     implicit: bool = False  # the backward psum of an implicit pvary
@@ -163,23 +167,33 @@ def active() -> list[CommMode]:
 
 def record_into(modes: list[CommMode], event: CommEvent) -> None:
     """Record ``event`` into ``modes``: a stack kept from the forward, for a backward that may
-    run on another thread (see :class:`_RecordOnBackward`)."""
+    run on another thread (see :class:`_Tag`)."""
     for mode in modes:
         mode.events.append(event)
 
 
-class _RecordOnBackward(torch.autograd.Function):
-    """Identity whose backward records the collective that a real mesh runs there."""
+@dataclass(frozen=True)
+class _Derivatives:
+    """The events of a tag: one argument of :class:`_Tag` that is no pytree (a tuple of
+    events would flatten into leaves that functorch's generated vmap rule pairs with tangents)."""
+
+    backward: tuple[CommEvent, ...]
+    tangent: tuple[CommEvent, ...]
+
+
+class _Tag(torch.autograd.Function):
+    """Identity whose backward records the collectives that a real mesh runs there, and whose
+    forward-mode rule those that the tangent's computation runs."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: torch.Tensor, event: CommEvent) -> torch.Tensor:
+    def forward(x: torch.Tensor, events: _Derivatives) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.event = inputs[1]
+        ctx.events = inputs[1]
         # autograd runs a CUDA backward on its own device thread, which has no CommMode stack
         # of its own: keep the forward thread's live stack to record into there
         ctx.stack = _local.stack
@@ -187,12 +201,14 @@ class _RecordOnBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         for mode in _local.stack or ctx.stack:
-            mode.events.append(ctx.event)
+            mode.events.extend(ctx.events.backward)
         return grad, None
 
     @staticmethod
     def jvp(ctx: Any, x_t: torch.Tensor, _: Any) -> torch.Tensor:
-        return x_t
+        for mode in _local.stack or ctx.stack:
+            mode.events.extend(ctx.events.tangent)
+        return x_t.view_as(x_t)  # a view, as the forward's result is
 
 
 def needs_grad(t: torch.Tensor) -> bool:
@@ -210,6 +226,21 @@ def needs_grad(t: torch.Tensor) -> bool:
 
 def on_backward(x: torch.Tensor, event: CommEvent) -> torch.Tensor:
     """Tag ``x`` so that its backward records ``event`` (only while recording, only with grad)."""
-    if not (recording() and needs_grad(x)):
+    return tag(x, (event,), ())
+
+
+def tag(
+    x: torch.Tensor, backward: tuple[CommEvent, ...], tangent: tuple[CommEvent, ...]
+) -> torch.Tensor:
+    """Tag ``x`` so that its backward records ``backward`` and the computation of its
+    forward-mode tangent records ``tangent`` (only while recording; each only where it can
+    happen: with grad, inside a forward-AD level)."""
+    if not recording():
         return x
-    return _RecordOnBackward.apply(x, event)
+    if backward and not needs_grad(x):
+        backward = ()
+    if tangent and forward_level() < 0:
+        tangent = ()
+    if not (backward or tangent):
+        return x
+    return _Tag.apply(x, _Derivatives(backward, tangent))

@@ -318,10 +318,6 @@ def _same_calls(ours: dict, theirs: dict) -> bool:
 
 #: Divergences found by this matrix and not fixed yet, by program kind: reported, not failed.
 KNOWN = {
-    # the collectives a forward-mode tangent runs are recorded by neither backend
-    "over: jvp": "CommMode records no tangent collective (the ProcessGroup runs them)",
-    "inside: jvp": "CommMode records no tangent collective; a tangent's vma on (2, 1) meshes",
-    "inside: jacfwd": "CommMode records no tangent collective (the ProcessGroup runs them)",
     "inside: hessian": "the simulated mesh keeps a per-instance cotangent of an invariant value",
     "inside: jacrev": "the simulated mesh keeps a per-instance cotangent of an invariant value",
     "inside: grad": "gradients differ on meshes with an axis of size 1",

@@ -28,7 +28,7 @@ from typing import Any
 import optree
 import torch
 
-from .._accounting import CommEvent, on_backward, record, recording
+from .._accounting import CommEvent, on_backward, record, recording, tag
 from .._accounting import _local as _modes
 from .._autodiff import differentiable
 from .._blocks import forget as forget_blocks
@@ -80,11 +80,21 @@ class Collective:
     unreduced: str | None = "move"
     saves: bool = False  # the transpose reads the operand and the result (node.saved_tensors)
     forward_event: bool = True  # recorded as forward communication (pvary has none)
+    #: the collectives its ``jvp`` runs, for the accounting (None: the collective itself where
+    #: it communicates in forward, nothing where it does not): see :attr:`tangent_ops`
+    jvp_ops: tuple[str, ...] | None = None
     donates: bool = False  # the forward may reduce a temporary operand in place
     makes_partial: bool = False  # the result may be unreduced or reduced for a plain operand
 
     def __post_init__(self) -> None:
         RECORDS[self.name] = self
+
+    @property
+    def tangent_ops(self) -> tuple[str, ...]:
+        """The collectives that computing a forward-mode tangent of its result runs."""
+        if self.jvp_ops is not None:
+            return self.jvp_ops
+        return (self.name,) if self.forward_event else ()
 
     def __repr__(self) -> str:
         return f"<collective {self.name}>"
@@ -161,12 +171,21 @@ def _apply(
     out = ctx.apply(rec, t, axes, params, donate)
     forget_blocks(out)  # its blocks are not its operand's (the forward's ops may have copied them)
     if accounting:
-        back = rec.backward_op(params)
-        if back is not None:
-            out = on_backward(out, CommEvent(back, axes, "backward", tuple(out.shape), out.dtype))
+        out = _tag_derivatives(rec, out, t, axes, params)
     if ctx.stamps or vma.partial or rec.makes_partial:
         return ctx.stamp(out, rec.vma(vma, axes, params))
     return out
+
+
+def _tag_derivatives(rec: Collective, out: Tensor, t: Tensor, axes: Axes, params: Params) -> Tensor:
+    """``out`` tagged with the collectives its backward and its forward-mode tangent run."""
+    back = rec.backward_op(params)
+    backward = (
+        () if back is None else (CommEvent(back, axes, "backward", tuple(out.shape), out.dtype),)
+    )
+    shape = tuple(t.shape)
+    tangent = tuple(CommEvent(op, axes, "tangent", shape, t.dtype) for op in rec.tangent_ops)
+    return tag(out, backward, tangent)
 
 
 def _replayed(

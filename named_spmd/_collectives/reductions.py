@@ -205,6 +205,7 @@ def _extremum(name: str, op: str) -> Collective:
         forward=lambda ctx, x, axes, params, donate: ctx.all_reduce(x, axes, op, donate),
         transpose=_extremum_transpose,
         jvp=_extremum_jvp,
+        jvp_ops=("psum", "psum"),  # of the tie mask, and of the tangent's share
         backward_op=backward_op("psum"),  # of the tie mask
         saves=True,
         donates=True,

@@ -26,7 +26,7 @@ from torch.autograd import forward_ad
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as P
-from .._accounting import CommEvent, active, on_backward, record_into
+from .._accounting import CommEvent, active, on_backward, record_into, tag
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._collectives._record import PVARY_RECORD, RECORDS
@@ -208,11 +208,13 @@ def _boundary(
     if modes and name != "pvary":
         _record(modes, name, x, axes, direction)
         back = rec.backward_op(params)
-        if back is not None:
-            out = on_backward(
-                out, CommEvent(back, axes, "backward", _shape(out), out.dtype, boundary=True)
-            )
+        backward = () if back is None else (_event(back, axes, "backward", out),)
+        out = tag(out, backward, tuple(_event(op, axes, "tangent", x) for op in rec.tangent_ops))
     return out
+
+
+def _event(op: str, axes: tuple[str, ...], direction: str, x: torch.Tensor) -> CommEvent:
+    return CommEvent(op, axes, direction, _shape(x), x.dtype, boundary=True)
 
 
 def _shape(x: torch.Tensor) -> tuple[int, ...]:
@@ -220,7 +222,7 @@ def _shape(x: torch.Tensor) -> tuple[int, ...]:
 
 
 def _record(modes: list, op: str, x: torch.Tensor, axes: tuple[str, ...], direction: str):
-    record_into(modes, CommEvent(op, axes, direction, _shape(x), x.dtype, boundary=True))
+    record_into(modes, _event(op, axes, direction, x))
 
 
 def _block(x: torch.Tensor, spec: PartitionSpec, mesh) -> torch.Tensor:
