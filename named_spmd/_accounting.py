@@ -175,10 +175,13 @@ def record_into(modes: list[CommMode], event: CommEvent) -> None:
 @dataclass(frozen=True)
 class _Derivatives:
     """The events of a tag: one argument of :class:`_Tag` that is no pytree (a tuple of
-    events would flatten into leaves that functorch's generated vmap rule pairs with tangents)."""
+    events would flatten into leaves that functorch's generated vmap rule pairs with tangents).
+    ``then``: the tag of the cotangent, for the collectives that the backward's own collectives
+    run when the backward is differentiated in turn (double backward, forward over reverse)."""
 
     backward: tuple[CommEvent, ...]
     tangent: tuple[CommEvent, ...]
+    then: _Derivatives | None = None
 
 
 class _Tag(torch.autograd.Function):
@@ -200,8 +203,16 @@ class _Tag(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        for mode in _local.stack or ctx.stack:
+        stack = _local.stack or ctx.stack
+        for mode in stack:
             mode.events.extend(ctx.events.backward)
+        then = ctx.events.then
+        if then is not None and stack:
+            saved, _local.stack = _local.stack, stack
+            try:
+                grad = tag(grad, then.backward, then.tangent)
+            finally:
+                _local.stack = saved
         return grad, None
 
     @staticmethod
@@ -225,22 +236,30 @@ def needs_grad(t: torch.Tensor) -> bool:
 
 
 def on_backward(x: torch.Tensor, event: CommEvent) -> torch.Tensor:
-    """Tag ``x`` so that its backward records ``event`` (only while recording, only with grad)."""
-    return tag(x, (event,), ())
+    """Tag ``x`` so that its backward records ``event`` (only while recording, only with grad):
+    a collective linear in the cotangent, which runs again on the cotangent's tangent (forward
+    over reverse) and whose own transpose communicates nothing (a psum's, a gather's of a
+    plain input's gradient)."""
+    return tag(x, (event,), (), ((), (dataclasses.replace(event, direction="tangent"),)))
 
 
 def tag(
-    x: torch.Tensor, backward: tuple[CommEvent, ...], tangent: tuple[CommEvent, ...]
+    x: torch.Tensor,
+    backward: tuple[CommEvent, ...],
+    tangent: tuple[CommEvent, ...],
+    then: tuple[tuple[CommEvent, ...], tuple[CommEvent, ...]] = ((), ()),
 ) -> torch.Tensor:
     """Tag ``x`` so that its backward records ``backward`` and the computation of its
     forward-mode tangent records ``tangent`` (only while recording; each only where it can
-    happen: with grad, inside a forward-AD level)."""
+    happen: with grad, inside a forward-AD level). ``then``: the events of the cotangent (the
+    ``backward`` and ``tangent`` of a tag on it), where the backward is differentiated."""
     if not recording():
         return x
-    if backward and not needs_grad(x):
-        backward = ()
+    if not needs_grad(x):
+        backward, then = (), ((), ())
     if tangent and forward_level() < 0:
         tangent = ()
-    if not (backward or tangent):
+    if not (backward or tangent or then[0] or then[1]):
         return x
-    return _Tag.apply(x, _Derivatives(backward, tangent))
+    after = _Derivatives(*then) if then[0] or then[1] else None
+    return _Tag.apply(x, _Derivatives(backward, tangent, after))

@@ -1,15 +1,18 @@
-"""Communication accounting: CommMode pins the logical collectives, forward and backward.
+"""Communication accounting: CommMode pins the logical collectives, forward, backward and tangent.
 
 On the simulated backend nothing is sent, so these counts are what a real mesh runs: each
-collective's transpose (docs/design.md section 3) and the backward psum of every implicit pvary,
-once per (tensor, axes) per call however many ops use the tensor (section 4).
+collective's transpose (docs/design.md section 3), the backward psum of every implicit pvary,
+once per (tensor, axes) per call however many ops use the tensor (section 4), and the collectives
+that a forward-mode tangent runs (each collective's jvp). tests/real_transforms.py checks the same
+events on a real mesh against the ProcessGroup's calls.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.func import grad, jacrev, vmap
+from torch.autograd import forward_ad
+from torch.func import grad, jacfwd, jacrev, jvp, vmap
 
 import named_spmd as ns
 from named_spmd import P
@@ -28,6 +31,10 @@ def backward_counts(comms: ns.CommMode) -> dict:
 
 def forward_counts(comms: ns.CommMode) -> dict:
     return {(op, axes): n for (d, op, axes), n in comms.counts().items() if d == "forward"}
+
+
+def tangent_counts(comms: ns.CommMode) -> dict:
+    return {(op, axes): n for (d, op, axes), n in comms.counts().items() if d == "tangent"}
 
 
 # --- nothing where the types need nothing --------------------------------------------------------
@@ -247,6 +254,79 @@ def test_each_collective_records_its_transpose(name):
     assert sum(forward_counts(comms).values()) == (0 if name == "pvary" else 1)
 
 
+#: what each collective's jvp runs on the tangent: the collective itself where it is linear
+#: (pvary, a cast, communicates nothing); pmax and pmin: one psum of the tie mask and one of the
+#: tangent's share
+TANGENTS = {name: {} if name == "pvary" else {(name.split()[0], ("a",)): 1} for name in TRANSPOSES}
+TANGENTS["pmax"] = TANGENTS["pmin"] = {("psum", ("a",)): 2}
+
+
+@pytest.mark.parametrize("how", ["jvp over", "jvp inside", "forward_ad"])
+@pytest.mark.parametrize("name", list(TRANSPOSES))
+def test_each_collective_records_its_tangent(name, how):
+    fn, out_spec, _ = TRANSPOSES[name]
+    in_spec = P() if name == "pvary" else P("a", "b")
+    x, t = _randn(4, 4, seed=1), _randn(4, 4, seed=2)
+    with ns.CommMode() as comms:
+        if how == "jvp over":
+            f = ns.spmd_map(fn, mesh=MESH22, in_specs=in_spec, out_specs=out_spec)
+            jvp(f, (x,), (t,))
+        elif how == "jvp inside":
+            f = ns.spmd_map(
+                lambda x, t: jvp(fn, (x,), (t,))[1],
+                mesh=MESH22,
+                in_specs=(in_spec, in_spec),
+                out_specs=out_spec,
+            )
+            f(x, t)
+        else:
+            f = ns.spmd_map(fn, mesh=MESH22, in_specs=in_spec, out_specs=out_spec)
+            with forward_ad.dual_level():
+                forward_ad.unpack_dual(f(forward_ad.make_dual(x, t)))
+    assert tangent_counts(comms) == TANGENTS[name]
+    assert sum(forward_counts(comms).values()) == (0 if name == "pvary" else 1)
+    assert backward_counts(comms) == {}
+    assert all(e.shape == (2, 2) for e in comms.events if e.direction == "tangent")
+
+
+def test_no_tangent_collective_without_a_tangent():
+    """Inside a forward-AD level, a collective of a value with no tangent records none."""
+    f = ns.spmd_map(
+        lambda x: ns.psum(x, "a"), mesh=MESH22, in_specs=P("a", "b"), out_specs=P(None, "b")
+    )
+    with ns.CommMode() as comms, forward_ad.dual_level():
+        f(_randn(4, 4))
+    assert tangent_counts(comms) == {}
+    assert forward_counts(comms) == {("psum", ("a",)): 1}
+
+
+#: a double backward's collectives: the first backward's (TRANSPOSES), again in the second
+#: (it differentiates the forward's graph too), and the second-order ones: the psum of the
+#: pvary that starts the transpose of a result that dropped the axes, or a communicating
+#: transpose's own transpose, the collective itself
+TWICE = {
+    "psum": {("psum", ("a",)): 1},
+    "pmax": {("psum", ("a",)): 3},  # the tie mask's psum twice, the pvary's once
+    "all_gather": {("psum_scatter", ("a",)): 2, ("all_gather", ("a",)): 1},
+    "all_gather invariant": {("psum", ("a",)): 1},
+    "ppermute": {("ppermute", ("a",)): 3},
+    # the pvarys' psums, in each backward: a psum's transpose communicates nothing
+    "pvary": {("psum", ("a",)): 2, ("psum", ("b",)): 2},
+}
+
+
+@pytest.mark.parametrize("name", list(TWICE))
+def test_double_backward_records_the_transposes_of_transposes(name):
+    fn, out_spec, _ = TRANSPOSES[name]
+    in_spec = P() if name == "pvary" else P("a", "b")
+    f = ns.spmd_map(fn, mesh=MESH22, in_specs=in_spec, out_specs=out_spec)
+    x = _randn(4, 4, seed=1, grad=True)
+    with ns.CommMode() as comms:
+        (g,) = torch.autograd.grad(f(x).pow(3).sum(), x, create_graph=True)
+        g.pow(2).sum().backward()
+    assert backward_counts(comms) == TWICE[name]
+
+
 def test_bytes_and_summary():
     f = ns.spmd_map(
         lambda x: ns.psum(x, "a"), mesh=MESH22, in_specs=P("a", "b"), out_specs=P(None, "b")
@@ -314,6 +394,39 @@ def test_backward_marker_records_once_per_logical_event(how):
         assert backward_counts(comms) == {("psum", ("a", "b", "c")): 2}
     else:
         assert backward_counts(comms) == NESTED_BACKWARD
+
+
+#: the tangents of nested_program's collectives: all_gather's, psum's, and pmax's two psums;
+#: the implicit pvarys' tangents communicate nothing
+NESTED_TANGENT = {("all_gather", ("b",)): 1, ("psum", ("a", "b", "c")): 3}
+
+
+@pytest.mark.parametrize("how", ["jvp", "jacfwd", "vmap of jvp", "jvp of grad"])
+def test_tangent_marker_records_once_per_logical_event(how):
+    x, w, z = _nested_inputs()
+    tx, tw, tz = _randn(4, 6, seed=4), _randn(3, seed=5), _randn(4, seed=6)
+    with ns.CommMode() as comms:
+        if how == "jvp":
+            jvp(_loss, (x, w, z), (tx, tw, tz))
+        elif how == "jacfwd":  # a batch of tangents: one logical program, batched
+            jacfwd(_loss, argnums=1)(x, w, z)
+        elif how == "vmap of jvp":
+            vmap(lambda t: jvp(lambda w: _loss(x, w, z), (w,), (t,))[1])(torch.stack([tw, tw]))
+        else:  # forward over reverse: the backward's collectives have tangents too
+            jvp(lambda w: grad(_loss, argnums=1)(x, w, z), (w,), (tw,))
+    if how == "jvp":
+        assert tangent_counts(comms) == NESTED_TANGENT
+    elif how == "jvp of grad":
+        # forward: h's psum and pmax (two) have tangents (x has none: no gather's); backward
+        # (w only): the psum of w's implicit pvary has one, pmax's tie mask none
+        assert tangent_counts(comms) == {("psum", ("a", "b", "c")): 4}
+    else:  # only w has a tangent: x's gather has none
+        assert tangent_counts(comms) == {("psum", ("a", "b", "c")): 3}
+    assert {k[1:]: n for k, n in comms.counts().items() if k[0] == "forward"} == {
+        ("all_gather", ("b",)): 1,
+        ("psum", ("a", "b", "c")): 1,
+        ("pmax", ("a", "b", "c")): 1,
+    }
 
 
 def test_recording_mode_only_while_recording():

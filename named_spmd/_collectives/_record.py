@@ -22,7 +22,7 @@ Public collectives are thin: ``def psum(x, axis_name): return PSUM.bind(x, axis_
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import optree
@@ -178,14 +178,25 @@ def _apply(
 
 
 def _tag_derivatives(rec: Collective, out: Tensor, t: Tensor, axes: Axes, params: Params) -> Tensor:
-    """``out`` tagged with the collectives its backward and its forward-mode tangent run."""
+    """``out`` tagged with the collectives that its backward and its forward-mode tangent run,
+    and those that the backward's differentiation runs: the transpose of a result that dropped
+    ``axes`` starts with a pvary (:meth:`Collective.backward`), whose transpose is a psum; a
+    transpose that communicates (a linear collective's) transposes back to the collective itself
+    and has its tangent; a nonlinear one's (pmax's tie mask) reads saved values, not the
+    cotangent."""
     back = rec.backward_op(params)
-    backward = (
-        () if back is None else (CommEvent(back, axes, "backward", tuple(out.shape), out.dtype),)
+    shape = tuple(out.shape)
+    backward = () if back is None else (CommEvent(back, axes, "backward", shape, out.dtype),)
+    tangent = tuple(
+        CommEvent(op, axes, "tangent", tuple(t.shape), t.dtype) for op in rec.tangent_ops
     )
-    shape = tuple(t.shape)
-    tangent = tuple(CommEvent(op, axes, "tangent", shape, t.dtype) for op in rec.tangent_ops)
-    return tag(out, backward, tangent)
+    again: tuple[CommEvent, ...] = ()
+    if rec.forward_event and not rec.vma(Vma.of(axes), axes, params).covers(axes):
+        again = (CommEvent("psum", axes, "backward", shape, out.dtype),)
+    elif rec.forward_event and back is not None:
+        again = (CommEvent(rec.name, axes, "backward", tuple(t.shape), t.dtype),)
+    linear = () if rec.saves else tuple(replace(e, direction="tangent") for e in backward)
+    return tag(out, backward, tangent, (again, linear))
 
 
 def _replayed(
