@@ -299,10 +299,53 @@ def _comm_programs(mesh) -> dict:
         "check_vma=False": lambda: _loss(loose(x)),
         "grad over the call": lambda: torch.func.grad(lambda x: f["gathered"](x, to.W8).sum())(x),
     }
-    if len(mesh.axis_names) == 1:
+    if len(mesh.axis_names) == 1 and mesh.device_mesh is not None:
         d = to.sharded(mesh, to.X).detach().requires_grad_()
         programs["DTensor input"] = lambda: _loss(f["psum_prod"](d, w))
-    return programs
+    return programs | _derivative_programs(mesh)
+
+
+def _fans(x, w):
+    """Fan-in and fan-out: one psum of an implicitly pvary'd ``w`` used twice, a pmax (its tie
+    mask psum'd in backward and in forward mode), a gather to invariant, summed into one value."""
+    s = ns.psum(x * w, "x")
+    return s * ns.pmax(x.sin(), "x") + s.cos() + ns.all_gather(x * w, "x", to="invariant").sum(0)
+
+
+def _derivative_programs(mesh) -> dict:
+    """Forward-mode tangents (over and inside the call), double backward and forward over reverse
+    of :func:`_fans`: CommMode's tangent and second-order events."""
+    specs = dict(mesh=mesh, in_specs=(P("x"), P()), out_specs=P())
+    fans = ns.spmd_map(_fans, **specs)
+    inside = ns.spmd_map(
+        lambda x, w: torch.func.jvp(lambda w: _fans(x, w), (w,), (w.cos(),))[1], **specs
+    )
+    jac = ns.spmd_map(lambda x, w: torch.func.jacfwd(lambda w: _fans(x, w).sum())(w), **specs)
+    f = _global(fans)
+    x, w, tx, tw = to.X, to.W, to.TX, to.TW
+
+    def dual():
+        with torch.autograd.forward_ad.dual_level():
+            y = f(torch.autograd.forward_ad.make_dual(x, tx), w)
+            return torch.autograd.forward_ad.unpack_dual(y).tangent
+
+    def double():
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        gx, gw = torch.autograd.grad(f(xg, wg).pow(3).sum(), (xg, wg), create_graph=True)
+        ns.set_grad_bucket_mb(0)  # one all-reduce per gradient psum: a ProcessGroup call each
+        try:
+            (gx.square().sum() + gw.square().sum()).backward()
+        finally:
+            ns.set_grad_bucket_mb(None)
+
+    return {
+        "jvp over the call": lambda: torch.func.jvp(f, (x, w), (tx, tw)),
+        "forward_ad over the call": dual,
+        "jvp inside": lambda: inside(x, w),
+        "jacfwd inside": lambda: jac(x, w),
+        "double backward": double,
+        "hessian over the call": lambda: torch.func.hessian(lambda w: f(x, w).sum())(w),
+    }
 
 
 def _loss(y):
@@ -311,10 +354,13 @@ def _loss(y):
     local.sum().backward()
 
 
-def comm_counts(mesh) -> dict:
-    """``{name: (CommMode's count, torch's, boundary events)}`` per ProcessGroup method, of the
-    second run of each program (the first calibrates)."""
+def comm_counts(mesh, sim_mesh) -> dict:
+    """``{name: (CommMode's count, torch's, boundary events, the program's events, the
+    simulated mesh's)}``: counts per ProcessGroup method, of the second run of each program
+    (the first calibrates), and the program's own events (boundary ones left out) on both
+    meshes."""
     out = {}
+    simulated = _comm_programs(sim_mesh)
     for name, program in _comm_programs(mesh).items():
         program()
         PG_CALLS.clear()
@@ -323,13 +369,27 @@ def comm_counts(mesh) -> dict:
         ours: dict[str, int] = {}
         for e in comms.events:
             ours[PG_METHOD[e.op]] = ours.get(PG_METHOD[e.op], 0) + 1
-        out[name] = (ours, dict(PG_CALLS), comms.count(boundary=True))
+        want = None
+        if name in simulated:
+            with ns.CommMode() as sim_comms:
+                simulated[name]()
+            want = _program_events(sim_comms)
+        got = _program_events(comms) if want is not None else None
+        out[name] = (ours, dict(PG_CALLS), comms.count(boundary=True), got, want)
     return out
 
 
+def _program_events(comms) -> list:
+    """The program's own CommMode events (no boundary ones), sorted: every backend's alike."""
+    kept = [e for e in comms.events if not e.boundary]
+    return sorted((e.direction, e.op, e.axes, e.shape, str(e.dtype), e.implicit) for e in kept)
+
+
 def comm_problems(name: str, counts: tuple) -> list[str]:
-    ours, theirs, boundary = counts
+    ours, theirs, boundary, events, simulated = counts
     problems = [] if ours == theirs else [f"{name}: CommMode {ours}, ProcessGroup {theirs}"]
+    if events != simulated:
+        problems.append(f"{name}: CommMode events, real {events}, simulated {simulated}")
     if name not in ("DTensor input", "tiled output") and boundary == 0:  # (the tiled output's
         # backward psum is a program event: every backend records it)
         problems.append(f"{name}: no boundary collective recorded")
@@ -433,7 +493,7 @@ def main() -> None:
         line = {"rank": rank, "name": name, "problems": problems, "s": seconds}
         print("OUTCOME " + json.dumps(line), flush=True)
     if not only or only in "comm count":
-        for name, counts in comm_counts(real("x")).items():
+        for name, counts in comm_counts(real("x"), sim("x")).items():
             line = {
                 "rank": rank,
                 "name": f"comm count: {name}",
