@@ -171,30 +171,33 @@ def _apply(
     out = ctx.apply(rec, t, axes, params, donate)
     forget_blocks(out)  # its blocks are not its operand's (the forward's ops may have copied them)
     if accounting:
-        out = _tag_derivatives(rec, out, t, axes, params)
+        out = tag_derivatives(rec, out, t, axes, params)
     if ctx.stamps or vma.partial or rec.makes_partial:
         return ctx.stamp(out, rec.vma(vma, axes, params))
     return out
 
 
-def _tag_derivatives(rec: Collective, out: Tensor, t: Tensor, axes: Axes, params: Params) -> Tensor:
+def tag_derivatives(
+    rec: Collective, out: Tensor, t: Tensor, axes: Axes, params: Params, boundary: bool = False
+) -> Tensor:
     """``out`` tagged with the collectives that its backward and its forward-mode tangent run,
     and those that the backward's differentiation runs: the transpose of a result that dropped
     ``axes`` starts with a pvary (:meth:`Collective.backward`), whose transpose is a psum; a
     transpose that communicates (a linear collective's) transposes back to the collective itself
     and has its tangent; a nonlinear one's (pmax's tie mask) reads saved values, not the
-    cotangent."""
+    cotangent. ``boundary``: a collective of a real mesh's call boundary (``CommEvent``)."""
+
+    def event(op: str, direction: str, x: Tensor) -> CommEvent:
+        return CommEvent(op, axes, direction, tuple(x.shape), x.dtype, boundary=boundary)
+
     back = rec.backward_op(params)
-    shape = tuple(out.shape)
-    backward = () if back is None else (CommEvent(back, axes, "backward", shape, out.dtype),)
-    tangent = tuple(
-        CommEvent(op, axes, "tangent", tuple(t.shape), t.dtype) for op in rec.tangent_ops
-    )
+    backward = () if back is None else (event(back, "backward", out),)
+    tangent = tuple(event(op, "tangent", t) for op in rec.tangent_ops)
     again: tuple[CommEvent, ...] = ()
     if rec.forward_event and not rec.vma(Vma.of(axes), axes, params).covers(axes):
-        again = (CommEvent("psum", axes, "backward", shape, out.dtype),)
+        again = (event("psum", "backward", out),)
     elif rec.forward_event and back is not None:
-        again = (CommEvent(rec.name, axes, "backward", tuple(t.shape), t.dtype),)
+        again = (event(rec.name, "backward", t),)
     linear = () if rec.saves else tuple(replace(e, direction="tangent") for e in backward)
     return tag(out, backward, tangent, (again, linear))
 

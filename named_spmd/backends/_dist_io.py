@@ -26,10 +26,10 @@ from torch.autograd import forward_ad
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as P
-from .._accounting import CommEvent, active, on_backward, record_into, tag
+from .._accounting import CommEvent, active, on_backward, record_into
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
-from .._collectives._record import PVARY_RECORD, RECORDS
+from .._collectives._record import PVARY_RECORD, RECORDS, tag_derivatives
 from .._errors import SpecError
 from .._layout import assemble, block
 from .._spec import PartitionSpec, output_settles
@@ -207,14 +207,8 @@ def _boundary(
     modes = active() or modes
     if modes and name != "pvary":
         _record(modes, name, x, axes, direction)
-        back = rec.backward_op(params)
-        backward = () if back is None else (_event(back, axes, "backward", out),)
-        out = tag(out, backward, tuple(_event(op, axes, "tangent", x) for op in rec.tangent_ops))
+        out = tag_derivatives(rec, out, x, axes, params, boundary=True)
     return out
-
-
-def _event(op: str, axes: tuple[str, ...], direction: str, x: torch.Tensor) -> CommEvent:
-    return CommEvent(op, axes, direction, _shape(x), x.dtype, boundary=True)
 
 
 def _shape(x: torch.Tensor) -> tuple[int, ...]:
@@ -222,7 +216,7 @@ def _shape(x: torch.Tensor) -> tuple[int, ...]:
 
 
 def _record(modes: list, op: str, x: torch.Tensor, axes: tuple[str, ...], direction: str):
-    record_into(modes, _event(op, axes, direction, x))
+    record_into(modes, CommEvent(op, axes, direction, _shape(x), x.dtype, boundary=True))
 
 
 def _block(x: torch.Tensor, spec: PartitionSpec, mesh) -> torch.Tensor:
