@@ -47,11 +47,13 @@ class Step:
 class Plan:
     """The steps of one signature's typed call."""
 
-    __slots__ = ("steps", "replays")
+    __slots__ = ("steps", "replays", "divergences")
 
     def __init__(self, steps: list[Step]) -> None:
         self.steps = steps
-        self.replays = 0  # calls replayed from it (for tests and diagnostics)
+        # for tests and diagnostics: calls replayed whole, and calls whose ops differed
+        self.replays = 0
+        self.divergences = 0
 
 
 def guard_key(token: object, args: Any, kwargs: dict | None) -> tuple:
@@ -98,7 +100,7 @@ class PlanningMode(VmaMode):
             self.hooks_seen = True
         if func in NOT_OPS or P.transforms_active():
             self.replayable = False  # differentiation inside the call: typed every call
-        if not self.replayable:
+        if not self.replayable or self.ctx.in_collective:
             return super().__torch_function__(func, types, args, kwargs)
         token = self.token
         key = guard_key(token, args, kwargs)
@@ -163,15 +165,25 @@ class ReplayMode(VmaMode):
         self.diverged = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.diverged:
+        if not self.diverged and not self.ctx.in_collective:
             i = self.i
             if i < len(self.steps):
                 step = self.steps[i]
-                if step.func is func and _same(step.key, guard_key(self.token, args, kwargs)):
+                # (a property's getter is a new method-wrapper at each access: equal, not same)
+                if (step.func is func or step.func == func) and _same(
+                    step.key, guard_key(self.token, args, kwargs)
+                ):
                     self.i = i + 1
                     return self._replay(step, func, args, kwargs)
             self.diverged = True  # typed from here on: every tensor so far is typed
         return super().__torch_function__(func, types, args, kwargs)
+
+    def count(self, plan: Plan) -> None:
+        """Count this call in ``plan``'s statistics (a call that stopped short differed too)."""
+        if self.diverged or self.i != len(self.steps):
+            plan.divergences += 1
+        else:
+            plan.replays += 1
 
     def _replay(self, step: Step, func, args, kwargs):
         ctx = self.ctx

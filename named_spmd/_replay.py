@@ -69,7 +69,7 @@ class Replay:
         planned: bool = False,
     ):
         self.planned = planned
-        self.checked = _checked_signatures(getattr(body, "mapped", None))
+        self.checked = _checked_signatures(getattr(body, "mapped", None), planned)
         self.signature: tuple | None = None
         self.marks: Any = None  # the checked call's answer (see the class doc); None: not yet
         if self.checked is not None:
@@ -112,9 +112,9 @@ class Replay:
         kept, if it can be replayed)."""
         plan = self.marks
         if isinstance(plan, Plan):
-            with ReplayMode(ctx, plan):
+            with ReplayMode(ctx, plan) as replay:
                 outs = body(local, ctx)
-            plan.replays += 1
+            replay.count(plan)
             return outs
         if not ctx.numbering:
             with VmaMode(ctx):
@@ -129,12 +129,13 @@ class Replay:
         return outs
 
 
-def _checked_signatures(mapped: Any) -> dict[tuple, Any] | None:
-    """The table of the mapped function ``mapped``, or None where this call is not replayable."""
+def _checked_signatures(mapped: Any, planned: bool) -> dict[tuple, Any] | None:
+    """The table of the mapped function ``mapped``, or None where this call is not replayable
+    (a planned replay types its collectives, so a CommMode records them as in a typed call)."""
     if (
         mapped is None
         or not ENABLED
-        or recording()
+        or (recording() and not planned)
         or P.transforms_active()
         or P.forward_level() >= 0
         or debug_enabled()
