@@ -200,17 +200,23 @@ class ReplayMode(VmaMode):
                 swap[t] = alias
             args, kwargs = swap_operands(args, kwargs, swap, _itself)
         out = func(*args, **kwargs) if kwargs else func(*args)
-        token = self.token
-        for o, (vma, lay) in zip(_results(out), step.outputs):
-            d = o.__dict__
-            if vma is not None:
-                d[_ATTR] = ctx.stamp_of(vma)
-            if lay is not None:
-                d[_BLOCKS] = (token, lay)
-            elif _BLOCKS in d:
-                d.pop(_BLOCKS)
-            ctx.number(o)
+        if type(out) is Tensor:  # the usual result: one tensor
+            self._give(out, *step.outputs[0])
+        else:
+            for o, (vma, lay) in zip(_results(out), step.outputs):
+                self._give(o, vma, lay)
         return out
+
+    def _give(self, o: Tensor, vma: Any, lay: Any) -> None:
+        """What typing gave result ``o``: its stamp, its blocks record, the call's next number."""
+        ctx, d = self.ctx, o.__dict__
+        if vma is not None:
+            d[_ATTR] = ctx.stamp_of(vma)
+        if lay is not None:
+            d[_BLOCKS] = (self.token, lay)
+        elif _BLOCKS in d:
+            del d[_BLOCKS]
+        ctx.number(o)
 
 
 def _same(recorded: tuple, key: tuple) -> bool:

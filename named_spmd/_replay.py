@@ -85,6 +85,8 @@ class Replay:
         its typed tensors from its inputs on (``_plan``), and is no untyped replay."""
         if self.planned:
             ctx.numbering = self.checked is not None and self.signature is not None
+            if isinstance(self.marks, Plan) and ctx.sdpa_backends is None:
+                ctx.marks_calls = False  # its typed call ran no checkpoint (``plan``)
             return False
         if self.marks is not None:
             ctx.replaying = True
