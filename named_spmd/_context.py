@@ -66,6 +66,9 @@ class SpmdContext(ABC):
     #: Set when the user's function asks for a type (``ns.vma``, ``ns.typeof``): a replay could
     #: not answer, so such a function is type-checked on every call.
     types_read: bool = False
+    #: Inside a collective's own code (``Collective.bind``): the ops it runs under the call's
+    #: mode (reading a property, a first call's probe) are not the user's program (``_plan``).
+    in_collective: int = 0
 
     def __init__(self, mesh: Mesh, fn: Any) -> None:
         self.mesh = mesh

@@ -31,6 +31,7 @@ from ._accounting import recording
 from ._debug import debug_enabled
 from ._mesh import Mesh
 from ._spec import PartitionSpec
+from ._plan import Plan, PlanningMode, ReplayMode
 from ._tracking import TrackedContext, VmaMode
 
 #: Off: every call is type-checked (a benchmark's switch, to time the typing itself on a mesh
@@ -38,7 +39,7 @@ from ._tracking import TrackedContext, VmaMode
 ENABLED = True
 
 #: mapped function -> {signature: whether its replays need the call's marker}
-_CHECKED: weakref.WeakKeyDictionary[Any, dict[tuple, bool]] = weakref.WeakKeyDictionary()
+_CHECKED: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 _MAX_SIGNATURES = 64  # per function: beyond that the table starts again (no unbounded growth)
 
 
@@ -55,12 +56,22 @@ class CheckedMode(VmaMode):
 
 
 class Replay:
-    """One call's entry in its mapped function's table of checked signatures."""
+    """One call's entry in its mapped function's table of checked signatures. On a mesh of one
+    instance the entry says whether its replays mark calls; on a mesh of several, it is the
+    signature's :class:`~._plan.Plan` (a real mesh: ``planned``)."""
 
-    def __init__(self, body: Any, mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]):
-        self.checked = _checked_signatures(getattr(body, "mapped", None))
+    def __init__(
+        self,
+        body: Any,
+        mesh: Mesh,
+        leaves: list[Any],
+        specs: list[PartitionSpec],
+        planned: bool = False,
+    ):
+        self.planned = planned
+        self.checked = _checked_signatures(getattr(body, "mapped", None), planned)
         self.signature: tuple | None = None
-        self.marks: bool | None = None  # the checked call's answer; None: not checked yet
+        self.marks: Any = None  # the checked call's answer (see the class doc); None: not yet
         if self.checked is not None:
             self.signature = _signature(mesh, leaves, specs)
             try:  # one lookup: hashing a signature hashes every spec in it
@@ -70,7 +81,13 @@ class Replay:
 
     def begin(self, ctx: TrackedContext) -> bool:
         """Make ``ctx`` (not yet pushed) a replay where an earlier call type-checked this call's
-        signature; whether it is one (its inputs then need no types)."""
+        signature; whether it is one (its inputs then need no types). A planned call numbers
+        its typed tensors from its inputs on (``_plan``), and is no untyped replay."""
+        if self.planned:
+            ctx.numbering = self.checked is not None and self.signature is not None
+            if isinstance(self.marks, Plan) and ctx.sdpa_backends is None:
+                ctx.marks_calls = False  # its typed call ran no checkpoint (``plan``)
+            return False
         if self.marks is not None:
             ctx.replaying = True
             ctx.marks_calls = self.marks
@@ -79,6 +96,8 @@ class Replay:
     def run(self, ctx: TrackedContext, body: Any, local: list[Any]) -> list[Any]:
         """``body(local, ctx)``: untyped in a replay, else typed under a :class:`CheckedMode`
         and, if it asked for no type, remembered as checked."""
+        if self.planned:
+            return self._run_planned(ctx, body, local)
         if ctx.replaying:
             return body(local, ctx)
         with CheckedMode(ctx) as mode:
@@ -90,12 +109,35 @@ class Replay:
         return outs
 
 
-def _checked_signatures(mapped: Any) -> dict[tuple, bool] | None:
-    """The table of the mapped function ``mapped``, or None where this call is not replayable."""
+    def _run_planned(self, ctx: TrackedContext, body: Any, local: list[Any]) -> list[Any]:
+        """``body(local, ctx)`` replayed from the signature's plan, or typed (and its plan
+        kept, if it can be replayed)."""
+        plan = self.marks
+        if isinstance(plan, Plan):
+            with ReplayMode(ctx, plan) as replay:
+                outs = body(local, ctx)
+            replay.count(plan)
+            return outs
+        if not ctx.numbering:
+            with VmaMode(ctx):
+                return body(local, ctx)
+        with PlanningMode(ctx) as mode:
+            outs = body(local, ctx)
+        plan = mode.plan()
+        if plan is not None and self.checked is not None:
+            if len(self.checked) >= _MAX_SIGNATURES:
+                self.checked.clear()
+            self.checked[self.signature] = plan
+        return outs
+
+
+def _checked_signatures(mapped: Any, planned: bool) -> dict[tuple, Any] | None:
+    """The table of the mapped function ``mapped``, or None where this call is not replayable
+    (a planned replay types its collectives, so a CommMode records them as in a typed call)."""
     if (
         mapped is None
         or not ENABLED
-        or recording()
+        or (recording() and not planned)
         or P.transforms_active()
         or P.forward_level() >= 0
         or debug_enabled()
@@ -120,7 +162,7 @@ def _signature(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> tup
     return tuple(parts)
 
 
-def checked_signatures(mapped: Any) -> dict[tuple, bool]:
+def checked_signatures(mapped: Any) -> dict[tuple, Any]:
     """The signatures of ``mapped`` checked so far, each with whether its replays mark calls
-    (for tests and diagnostics)."""
+    (a mesh of one instance) or its plan (several: ``_plan``); for tests and diagnostics."""
     return dict(_CHECKED.get(mapped, {}))

@@ -30,8 +30,31 @@ from ._types import INVARIANT, Vma
 
 Tensor = torch.Tensor
 _ATTR = "_named_spmd_vma"
+_SRC = "_named_spmd_src"  # a planned call's numbering of its typed tensors (``_plan``)
 _BLOCKS = _blocks.ATTR
 STAMP_ATTR = _ATTR  # the attribute holding a tensor's stamp (read with getattr where traced)
+
+
+class Number:
+    """The n-th tensor a planned call typed, as a replay's guard key (``_plan``): compared by
+    identity, so that no argument value (an int) is ever mistaken for one."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __repr__(self) -> str:
+        return f"#{self.n}"
+
+
+_NUMBERS: list[Number] = []  # interned: the n-th of every call is one object
+
+
+def _number(n: int) -> Number:
+    while len(_NUMBERS) <= n:
+        _NUMBERS.append(Number(len(_NUMBERS)))
+    return _NUMBERS[n]
 
 
 class TrackedContext(SpmdContext):
@@ -52,6 +75,11 @@ class TrackedContext(SpmdContext):
         # no stamp is invariant, even where a varying view of it was recorded). Kept alive, so
         # that no other tensor gets the address meanwhile.
         self.transform_results: dict[int, tuple[torch.Tensor, tuple[object, Vma]]] = {}
+        # a planned or replayed call (``_plan``): each typed tensor gets the next number, and
+        # each implicit cast's alias is remembered with what it was made from
+        self.numbering = False
+        self.numbered = 0
+        self.recipes: dict[int, tuple[torch.Tensor, tuple]] | None = None
 
     def vma(self, x: torch.Tensor) -> Vma:
         stamp = x.__dict__.get(_ATTR)
@@ -91,7 +119,14 @@ class TrackedContext(SpmdContext):
             x.__dict__[_ATTR] = stamp = self.stamp_of(vma)
             if _is_wrapped(x):  # a collective under a user vmap: the tensor vmap hands back
                 _stamp_inner(self, x, stamp)  # is the unwrapped one, which must keep the type
+        if self.numbering:
+            self.number(x)
         return x
+
+    def number(self, x: torch.Tensor) -> None:
+        """Give ``x`` the call's next number (``_plan``: the key a replay's guard compares)."""
+        x.__dict__[_SRC] = (self.call_token, _number(self.numbered))
+        self.numbered += 1
 
     def held_blocks(self, x: torch.Tensor) -> Any:
         return _blocks.recorded_layout(x, self.call_token)
@@ -101,6 +136,8 @@ class TrackedContext(SpmdContext):
         x.__dict__[_ATTR] = stamp = self.stamp_of(vma)
         if _is_wrapped(x):
             _stamp_inner(self, x, stamp)
+        if self.numbering:
+            self.number(x)
         return x
 
     def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:
@@ -120,11 +157,17 @@ class TrackedContext(SpmdContext):
     def cached_cast(self, t: torch.Tensor, axes: tuple[str, ...], to: str) -> torch.Tensor:
         """``ns.pcast(t, axes, to=to)``, one per (tensor, axes, state) per call: the implicit
         cast of an invariant operand meeting reduced ones (its gradient summed once)."""
-        return self.memo_alias(t, axes + (to,), lambda: implicit_cast(self, t, axes, to))
+        alias = self.memo_alias(t, axes + (to,), lambda: implicit_cast(self, t, axes, to))
+        if self.recipes is not None:
+            self.recipes[id(alias)] = (t, ("cast", axes, to))
+        return alias
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """The implicit pvary of ``t`` over ``axes``: one alias per (tensor, axes) per call."""
-        return self.memo_alias(t, axes, lambda: self.implicit_pvary(t, axes))
+        alias = self.memo_alias(t, axes, lambda: self.implicit_pvary(t, axes))
+        if self.recipes is not None:
+            self.recipes[id(alias)] = (t, ("pvary", axes))
+        return alias
 
     def memo_alias(self, t: torch.Tensor, tag: tuple[str, ...], make) -> torch.Tensor:
         """``make()``, once per (``t``, ``tag``) per call (the caches of implicit casts)."""

@@ -18,10 +18,13 @@ from typing import Any
 
 import optree
 import torch
-from _programs import NS_OPS, REF_OPS, TAPE, Program, randn
+from _programs import NS_OPS, REF_OPS, TAPE, Program, randn, torch_ops
 from _reference import assert_trees_close, run_reference
 
 import named_spmd as ns
+from named_spmd._replay import checked_signatures
+
+PLAIN_OPS = torch_ops(ns)  # NS_OPS without the type taps
 
 
 @dataclass
@@ -61,21 +64,37 @@ def _grads(leaves):
     ]
 
 
-def evaluate(program: Program, mesh, args=None) -> Run:
+def evaluate(program: Program, mesh, args=None, replayed: bool = False) -> Run:
     """Forward and backward of ``program`` on ``mesh``; ``args``: other global arguments (DTensor
-    inputs, say)."""
+    inputs, say). ``replayed``: the call is the mapped function's second (a replay of the
+    first's plan where one is kept: the real backend's ``_plan``), with no type taps (a function
+    that reads types is typed on every call); ``extra["replays"]`` counts the calls replayed
+    whole."""
     args = optree.tree_map(lambda t: t.clone(), program.args() if args is None else args)
     leaves = [t for t in optree.tree_leaves(args) if _is_float(t)]
     grad = not program.no_grad
     for t in leaves:
         t.requires_grad_(grad)
     f = ns.spmd_map(
-        functools.partial(program.prog, NS_OPS),
+        functools.partial(program.prog, PLAIN_OPS if replayed else NS_OPS),
         mesh=mesh,
         in_specs=program.in_specs,
         out_specs=program.out_specs,
         check_vma=program.check_vma,
     )
+    if replayed:
+        _forward_backward(f, args, grad)
+        for t in leaves:
+            t.grad = None
+    run = _forward_backward(f, args, grad, leaves)
+    if replayed:
+        run.tape = None
+        plans = checked_signatures(f).values()
+        run.extra["replays"] = sum(getattr(p, "replays", 0) for p in plans)
+    return run
+
+
+def _forward_backward(f, args, grad: bool, leaves=()) -> Run:
     TAPE.clear()
     with ns.CommMode() as comms, torch.set_grad_enabled(grad):
         out = f(*args)

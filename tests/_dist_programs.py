@@ -67,7 +67,9 @@ class Launch:
             entry = self.rank_runs(rank).get(program.name)
             assert entry is not None, f"rank {rank} has no result for {program.name}"
             assert "error" not in entry, f"rank {rank}: {entry['error']}"
-            for variant in ("run", "dtensor"):
+            replayed = entry["replayed"].extra["replays"]
+            assert replayed == 1, f"rank {rank}: the second call was no replay of the first"
+            for variant in ("run", "dtensor", "replayed"):
                 if variant in entry:
                     try:
                         compare_runs(entry[variant], ref, sim, program)

@@ -142,6 +142,7 @@ def run_catalogue(args, rank, world) -> None:
         entry = {}
         try:
             entry["run"] = _backends.evaluate(program, meshes[key])
+            entry["replayed"] = _backends.evaluate(program, meshes[key], replayed=True)
             if program.dtensor_inputs:
                 dargs = _to_dtensors(meshes[key], program.args(), program.in_specs)
                 entry["dtensor"] = _backends.evaluate(program, meshes[key], dargs)

@@ -117,12 +117,18 @@ class Collective:
         # before any other reference to x is made: the donation rule compares it with a
         # temporary's (only backends that reduce in place need it)
         refs = refcount(x) if self.donates and ctx.donates else None
-        axes = ctx.check_axes(axis_name, self.name)
-        params = self.prepare(ctx, axes, *args) if self.prepare is not None else args
-        apply = _replayed if ctx.replaying else _apply
-        if isinstance(x, Tensor):
-            return apply(self, ctx, x, axes, params, refs)
-        return optree.tree_map(lambda t: apply(self, ctx, _tensor(self, ctx, t), axes, params), x)
+        ctx.in_collective += 1  # its own ops are no ops of the user's program (``_plan``)
+        try:
+            axes = ctx.check_axes(axis_name, self.name)
+            params = self.prepare(ctx, axes, *args) if self.prepare is not None else args
+            apply = _replayed if ctx.replaying else _apply
+            if isinstance(x, Tensor):
+                return apply(self, ctx, x, axes, params, refs)
+            return optree.tree_map(
+                lambda t: apply(self, ctx, _tensor(self, ctx, t), axes, params), x
+            )
+        finally:
+            ctx.in_collective -= 1
 
 
 def _tensor(rec: Collective, ctx: SpmdContext, t: Any) -> Tensor:

@@ -419,8 +419,8 @@ def run(
     ctx = (ProxyTracedContext if traced else DistributedContext)(mesh, fn)
     ctx.checked = body.mapped.check_vma  # type: ignore[attr-defined]
     local_call = body.local  # type: ignore[attr-defined]  # SpmdFunction.local: blocks in, out
-    # one rank: a call type-checked once per signature (``_replay``)
-    replay = Replay(body, mesh, leaves, specs) if mesh.size == 1 else None
+    # a call typed once per signature: untyped replays on one rank, planned ones on several
+    replay = None if traced else Replay(body, mesh, leaves, specs, planned=mesh.size > 1)
     board.check_in_step()  # (not posted: it reposts the failure it is a consequence of)
     try:
         if mesh.poll and mesh.size > 1:

@@ -1,0 +1,230 @@
+"""Plans: a call on a mesh of several instances is typed per op once per signature, then replayed.
+
+The first call of a signature runs under :class:`PlanningMode`: typed as every call was (every
+check, every error), and each op's *decisions* are written down as a :class:`Step`: the
+operands' implicit casts (which operand, over which axes), the type stamped on each result and
+the blocks it holds (``_blocks``). A later call with the signature runs under
+:class:`ReplayMode`, which takes each op's decisions from its step instead of deriving them: no
+union of types, no partial-sum algebra, no inference of blocks.
+
+The guard. A step is replayed only if the op is the one recorded and its arguments are: each
+tensor operand made by the same earlier op of the call (or the same input, collective or cast:
+every tensor the call types gets a number, in order), a tensor from outside the call of the
+same shape and dtype, and every other argument equal. Typing is a function of exactly that (and
+of the signature), so a replayed step decides what typing it would have. At the first op that
+differs (a flag read in the function, a branch on a value, a step number), the call goes on
+typed from that op: every tensor made so far carries the type and blocks typing gave it, so the
+rest is typed as if the whole call had been. Collectives, inputs and outputs are typed in every
+call (they read the stamps the steps wrote); only per-op typing is replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _blocks
+from . import _torch_private as P
+from ._tracking import _ATTR, NOT_OPS, TrackedContext, VmaMode, swap_operands, tensor_operands
+from ._tracking import _SRC as SRC
+
+Tensor = torch.Tensor
+_BLOCKS = _blocks.ATTR
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One op of a typed call: what it was called with, and what typing decided."""
+
+    func: Any
+    key: tuple  # guard_key of its arguments
+    casts: tuple  # ((operand position, ((kind, axes, ...), ...)), ...): the implicit casts
+    outputs: tuple  # per tensor result: (its stamp or None, its blocks record or None)
+
+
+class Plan:
+    """The steps of one signature's typed call."""
+
+    __slots__ = ("steps", "replays", "divergences")
+
+    def __init__(self, steps: list[Step]) -> None:
+        self.steps = steps
+        # for tests and diagnostics: calls replayed whole, and calls whose ops differed
+        self.replays = 0
+        self.divergences = 0
+
+
+def guard_key(token: object, args: Any, kwargs: dict | None) -> tuple:
+    """What a step's typing depends on besides the op: see the module docstring."""
+    key = tuple([_key(token, a) for a in args])
+    if kwargs:
+        key += tuple([(k, _key(token, v)) for k, v in kwargs.items()])
+    return key
+
+
+def _key(token: object, a: Any) -> Any:
+    if isinstance(a, Tensor):
+        src = a.__dict__.get(SRC)
+        if src is not None and src[0] is token:
+            return src[1]
+        return (a.shape, a.dtype)  # from outside the call: invariant
+    if type(a) is list or type(a) is tuple:
+        return (type(a), tuple([_key(token, b) for b in a]))
+    return a
+
+
+def _results(out: Any) -> tuple:
+    if isinstance(out, Tensor):
+        return (out,)
+    if isinstance(out, (list, tuple)):
+        return tuple(o for o in out if isinstance(o, Tensor))
+    return ()
+
+
+class PlanningMode(VmaMode):
+    """The typed call of a signature, which writes each op's decisions down (:class:`Step`)."""
+
+    hooks_seen = False
+
+    def __init__(self, ctx: TrackedContext) -> None:
+        super().__init__(ctx)
+        self.steps: list[Step] = []
+        self.replayable = True
+        self._casts: list = []
+        ctx.recipes = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.hooks_seen and P.saved_tensors_hooks_active():
+            self.hooks_seen = True
+        if func in NOT_OPS or P.transforms_active():
+            self.replayable = False  # differentiation inside the call: typed every call
+        if not self.replayable or self.ctx.in_collective:
+            return super().__torch_function__(func, types, args, kwargs)
+        token = self.token
+        key = guard_key(token, args, kwargs)
+        self._casts = []
+        out = super().__torch_function__(func, types, args, kwargs)
+        results = _results(out)
+        outputs = tuple((_held(o, _ATTR, token), _held(o, _BLOCKS, token)) for o in results)
+        self.steps.append(Step(func, key, tuple(self._casts), outputs))
+        for o in results:
+            self.ctx.number(o)
+        return out
+
+    def _vary_below(self, args, kwargs, common):
+        varied = super()._vary_below(args, kwargs, common)
+        self._note_casts((args, kwargs), varied)
+        return varied
+
+    def _vary_operands(self, operands, vmas, union, args, kwargs):
+        varied = super()._vary_operands(operands, vmas, union, args, kwargs)
+        self._note_casts((args, kwargs), varied)
+        return varied
+
+    def _note_casts(self, given, varied) -> None:
+        if varied is given or not self.replayable:
+            return
+        recipes = self.ctx.recipes
+        for i, (t, alias) in enumerate(zip(tensor_operands(*given), tensor_operands(*varied))):
+            if alias is t:
+                continue
+            recipe: list = []
+            while alias is not t:
+                made = recipes.get(id(alias))
+                if made is None:  # an alias this plan cannot make again
+                    self.replayable = False
+                    return
+                alias, cast = made
+                recipe.append(cast)
+            self._casts.append((i, tuple(reversed(recipe))))
+
+    def plan(self) -> Plan | None:
+        """The call's plan; None where it cannot be replayed (differentiation or a transform
+        inside it, a non-reentrant checkpoint, an implicit cast not made by the call's
+        caches, or the function read a type)."""
+        ctx = self.ctx
+        if not self.replayable or self.hooks_seen or ctx.types_read or ctx.transform_results:
+            return None
+        return Plan(self.steps)
+
+
+def _held(t: Tensor, attr: str, token: object) -> Any:
+    rec = t.__dict__.get(attr)
+    return rec[1] if rec is not None and rec[0] is token else None
+
+
+class ReplayMode(VmaMode):
+    """A call replayed from a :class:`Plan`; typed from the first op its steps do not match."""
+
+    def __init__(self, ctx: TrackedContext, plan: Plan) -> None:
+        super().__init__(ctx)
+        self.steps = plan.steps
+        self.i = 0
+        self.diverged = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.diverged and not self.ctx.in_collective:
+            i = self.i
+            if i < len(self.steps):
+                step = self.steps[i]
+                # (a property's getter is a new method-wrapper at each access: equal, not same)
+                if (step.func is func or step.func == func) and _same(
+                    step.key, guard_key(self.token, args, kwargs)
+                ):
+                    self.i = i + 1
+                    return self._replay(step, func, args, kwargs)
+            self.diverged = True  # typed from here on: every tensor so far is typed
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def count(self, plan: Plan) -> None:
+        """Count this call in ``plan``'s statistics (a call that stopped short differed too)."""
+        if self.diverged or self.i != len(self.steps):
+            plan.divergences += 1
+        else:
+            plan.replays += 1
+
+    def _replay(self, step: Step, func, args, kwargs):
+        ctx = self.ctx
+        if step.casts:
+            operands = tensor_operands(args, kwargs)
+            swap = {}
+            for i, recipe in step.casts:
+                t = alias = operands[i]
+                for kind, axes, *to in recipe:
+                    if kind == "pvary":
+                        alias = ctx.cached_pvary(alias, axes)
+                    else:
+                        alias = ctx.cached_cast(alias, axes, to[0])
+                swap[t] = alias
+            args, kwargs = swap_operands(args, kwargs, swap, _itself)
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if type(out) is Tensor:  # the usual result: one tensor
+            self._give(out, *step.outputs[0])
+        else:
+            for o, (vma, lay) in zip(_results(out), step.outputs):
+                self._give(o, vma, lay)
+        return out
+
+    def _give(self, o: Tensor, vma: Any, lay: Any) -> None:
+        """What typing gave result ``o``: its stamp, its blocks record, the call's next number."""
+        ctx, d = self.ctx, o.__dict__
+        if vma is not None:
+            d[_ATTR] = ctx.stamp_of(vma)
+        if lay is not None:
+            d[_BLOCKS] = (self.token, lay)
+        elif _BLOCKS in d:
+            del d[_BLOCKS]
+        ctx.number(o)
+
+
+def _same(recorded: tuple, key: tuple) -> bool:
+    try:
+        return bool(recorded == key)
+    except Exception:  # an argument whose == is not a bool (an array): not the same
+        return False
+
+
+def _itself(t: Tensor) -> Tensor:
+    return t

@@ -1,0 +1,147 @@
+"""Calls replayed from a plan on a real mesh (``named_spmd._plan``), on 2 processes:
+``python tests/plan_worker.py`` under a 2-process job (tests/test_plans.py launches it).
+
+Each case calls one mapped function several times, changing what the function does between
+calls where the case says so (a flag read in the function, a branch on an invariant value, a step
+number), and compares every call's outputs, gradients or error with the same calls typed one by
+one (``_replay.ENABLED`` off: no plan is kept or replayed), which is the independent reference.
+Prints one ``OUTCOME {json}`` line per case and rank: the problems found, and how many calls were
+replayed from a plan.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_launch import report_outcomes  # noqa: E402
+
+import named_spmd as ns  # noqa: E402
+from named_spmd import P, _replay  # noqa: E402
+from named_spmd._replay import checked_signatures  # noqa: E402
+
+STATE = {"flag": False}
+
+
+def _params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"x": (8, 6), "w1": (6, 8), "b1": (8,), "w2": (8, 6), "s": (1,), "v": (16,)}
+    return {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+
+
+def _flag_adds_a_use(x, w1, b1, w2, s, v):
+    """The flag adds a use of an invariant parameter beside a varying value (an implicit pvary
+    the plan does not have)."""
+    h = torch.tanh(x @ w1)
+    if STATE["flag"]:
+        h = h + b1
+    return ns.pmean((h @ w2).pow(2).mean().reshape(1), "x")
+
+
+def _flag_swaps_an_operand(x, w1, b1, w2, s, v):
+    """The same ops either way; the flag picks an invariant operand instead of a varying one
+    (whose gradient then needs the psum of an implicit pvary)."""
+    h = torch.tanh(x @ w1)
+    y = h * (b1 if STATE["flag"] else v)
+    return ns.pmean((y @ w2).pow(2).mean().reshape(1), "x")
+
+
+def _megatron(x, w1, b1, w2, s, v):
+    """Column- then row-parallel over "x" with a bias: the partial sum of the row-parallel
+    product is inferred from the blocks (``_blocks``) and reduced; no branch."""
+    h = F.gelu(x @ w1 + b1)
+    y = ns.psum(h @ w2, "x")
+    return (y * y).mean().reshape(1)
+
+
+def _branch_on_invariant_value(x, w1, b1, w2, s, v):
+    """A branch on the sign of an invariant input: the other branch returns a value that
+    varies over "x" under out_specs P(), which typing refuses."""
+    h = torch.tanh(x @ w1)
+    if float(s) > 0:
+        return ns.pmean((h @ w2).pow(2).mean().reshape(1), "x")
+    return (h @ w2).pow(2).mean().reshape(1)
+
+
+def _step_number(x, w1, b1, w2, s, v, step):
+    """A Python step number as an argument: every other step uses the bias."""
+    h = torch.tanh(x @ w1)
+    if step % 2:
+        h = h * b1
+    return ns.pmean((h @ w2).pow(2).mean().reshape(1), "x")
+
+
+# name -> (function, in_specs, per call: (flag, sign of s) or a step number)
+CASES = {
+    "flag_adds_a_use": (_flag_adds_a_use, False, [(False, 1), (False, 1), (True, 1), (False, 1)]),
+    "flag_swaps_an_operand": (_flag_swaps_an_operand, False, [(False, 1), (False, 1), (True, 1)]),
+    "megatron": (_megatron, True, [(False, 1), (False, 1), (False, 1)]),
+    "branch_on_invariant_value": (_branch_on_invariant_value, False, [(0, 1), (0, 1), (0, -1)]),
+    "step_number": (_step_number, False, [0, 1, 2, 3]),
+}
+
+
+def _specs(split_w: bool, step: bool):
+    w1, b1, w2 = (P(None, "x"), P("x"), P("x")) if split_w else (P(), P(), P())
+    specs = (P("x"), w1, b1, w2, P(), P("x"))
+    return (*specs, None) if step else specs
+
+
+def _calls(name: str, mesh) -> tuple[list, int]:
+    """Every call of the case: its loss and gradients, or its error (class and message)."""
+    fn, split_w, calls = CASES[name]
+    step = name == "step_number"
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=_specs(split_w, step), out_specs=P())
+    results = []
+    for k, call in enumerate(calls):
+        params = _params(k)
+        if not step:
+            STATE["flag"] = bool(call[0])
+            params["s"] = params["s"].abs() * call[1]
+        leaves = [t.requires_grad_() for t in params.values()]
+        try:
+            loss = f(*leaves, call) if step else f(*leaves)
+            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+            grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
+            results.append((loss.detach(), [g if g is None else g.detach() for g in grads]))
+        except ns.SpmdError as e:
+            results.append((type(e).__name__, str(e)))
+    plans = checked_signatures(f).values()
+    return results, [sum(getattr(p, k, 0) for p in plans) for k in ("replays", "divergences")]
+
+
+def _problems(got: list, want: list) -> list[str]:
+    problems = []
+    for k, (g, w) in enumerate(zip(got, want)):
+        if isinstance(w[0], str) or isinstance(g[0], str):
+            if g != w:
+                problems.append(f"call {k}: {g!r:.300} != typed {w!r:.300}")
+            continue
+        try:
+            torch.testing.assert_close(g[0], w[0], rtol=1e-12, atol=1e-12)
+            for a, b in zip(g[1], w[1]):
+                assert (a is None) == (b is None), (a, b)
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        except AssertionError as e:
+            problems.append(f"call {k}: {e}"[:600])
+    return problems
+
+
+def run(name: str, mesh) -> dict:
+    got, replays = _calls(name, mesh)
+    _replay.ENABLED = False
+    try:
+        want, _ = _calls(name, mesh)
+    finally:
+        _replay.ENABLED = True
+    return {"problems": _problems(got, want), "replays": replays, "calls": len(got)}
+
+
+if __name__ == "__main__":
+    report_outcomes(list(CASES), run)
