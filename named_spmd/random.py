@@ -23,6 +23,11 @@ Draws are functions of their arguments: there is no hidden counter, so a checkpo
 recomputes a draw in backward gets the same values. Giving two draws of one call the same seed
 would correlate them (two dropout layers with one mask); it is an error outside backward, and the
 fix is a seed per draw, e.g. ``seed=(step, layer)``.
+
+Under ``torch.compile`` each instance's draw is one op of the graph (``named_spmd::random_draw``)
+that seeds its generator by the same recipe when the graph runs: the same numbers, and an int
+seed part that changes every step is a graph input rather than a retrace per step. The reuse
+check above runs in eager calls and ``.check()``, not while tracing.
 """
 
 from __future__ import annotations
