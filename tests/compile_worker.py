@@ -8,7 +8,9 @@ values and no recompilation, ``fullgraph=True``; and, with an aot_autograd backe
 the forward and backward FX graphs, that the graphs hold one ``_c10d_functional`` collective per
 collective ``ns.CommMode`` counts in the eager call (backward: the implicit pvarys' psums and the
 gradient all_gathers of plain-tensor inputs too). Errors: the compiled call raises the eager
-call's error class and message. Prints ``COMPILE {json}`` per (program, backend) on rank 0.
+call's error class and message. With aot_eager also user code (``CASES``: ``ns.random`` draws, int
+and dict arguments, a graph break inside the call) and a whole training step, each with the
+number of graphs it compiles into. Prints ``COMPILE {json}`` per (program, backend) on rank 0.
 """
 
 from __future__ import annotations
