@@ -569,6 +569,9 @@ def test_a_training_step_compiles_in_the_graphs_of_the_dense_step():
     _passes(compile_worker.check_training_step, "training_step", "aot_eager")
 
 
+# Dynamo itself reads `.grad` of the non-leaf tensor it hands across the graph break (as in
+# test_a_backend_dynamo_cannot_trace_runs_its_calls_eagerly)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 def test_a_graph_break_inside_a_call_in_a_compiled_step_runs_the_call_eagerly():
     """A step around a mapped call whose function breaks the graph: the ops before and after
     the call compiled (two graphs, none more on later steps), the call itself eagerly, with the
