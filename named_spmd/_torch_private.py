@@ -477,6 +477,26 @@ def traced_in_subgraph() -> bool:
     return tx is not None and not tx.output.is_root_tracer()
 
 
+def traced_root_frame() -> tuple[str, str] | None:
+    """(file, function name) of the frame Dynamo is compiling: the root of the trace, not a
+    function it inlines into it; None when nothing is traced."""
+    from torch._dynamo.symbolic_convert import tls
+
+    tx = getattr(tls, "current_tx", None)
+    if tx is None:
+        return None
+    code = tx.output.root_tx.f_code
+    return code.co_filename, code.co_name
+
+
+def dynamo_skip_frame() -> Callable[..., None]:
+    """Dynamo's ``skip_frame``: called in traced code, Dynamo stops compiling the frame being
+    traced and runs it eagerly (imported on demand: it imports Dynamo)."""
+    from torch._dynamo import skip_frame
+
+    return skip_frame
+
+
 def is_dynamo_refusal(error: BaseException) -> bool:
     """Whether ``error`` is torch.compile refusing to trace (Dynamo's ``Unsupported`` and its
     relatives), told by module so that ``torch._dynamo`` is never imported for the check."""

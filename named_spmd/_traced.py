@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import _blocks, _partial, _tree, _types
+from . import _blocks, _partial, _tree, _types, random
 from . import _torch_private as P
 from ._collectives._record import implicit_pvary
 from ._context import SpmdContext
@@ -84,6 +84,7 @@ def _traced_user_line() -> str:
 _partial.TRACED_USER_LINE[0] = _traced_user_line
 _blocks.RULE_INDEX[0] = torch.compiler.assume_constant_result(_blocks.rule_index)
 _tree.IN_SPEC_INDEX[0] = torch.compiler.assume_constant_result(_tree.in_spec_index)
+random.DRAW_OP[0] = random.make_draw_op()  # a compiled draw: one op of the graph
 
 
 @torch.compiler.assume_constant_result
@@ -97,6 +98,16 @@ def route_view_attributes() -> bool:
     """Run eagerly when the first call is traced: ``x.T`` & co. reach the VmaMode, as in eager
     (``_torch_private.route_view_attributes_to_modes``)."""
     return P.route_view_attributes_to_modes()
+
+
+@torch.compiler.assume_constant_result
+def root_frame() -> tuple[str, str]:
+    """(file, function) of the frame Dynamo compiles, run eagerly at trace time."""
+    return P.traced_root_frame() or ("", "")
+
+
+#: Dynamo's ``skip_frame``: the frame being traced runs eagerly instead
+skip_frame = P.dynamo_skip_frame()
 
 
 @torch.compiler.assume_constant_result

@@ -169,7 +169,10 @@ def _skeleton(tree: Any) -> Any:
         return {k: _skeleton(v) for k, v in tree.items()}
     if isinstance(tree, torch.Tensor):
         specialize(tree.shape)  # symbolic dims would make the description no constant
-    return _describe(tree)
+        return _describe(tree)
+    # a scalar by its type alone: an int that Dynamo made symbolic (a step counter) has no
+    # `shape` for _describe to ask about, and its value would be specialized
+    return f"a {type(tree).__name__}"
 
 
 class _Described(str):
@@ -205,10 +208,14 @@ def paths_of(tree: Any) -> list[tuple]:
     return optree.tree_paths(tree, none_is_leaf=True)
 
 
+_SCALARS = (type(None), bool, int, float, complex, str)
+
+
 def opaque_tensor_holder(leaf: Any) -> bool:
     """Whether a non-tensor leaf holds tensors that optree cannot see (a dataclass or a plain
     object with tensor attributes): its tensors would escape the type check and the assembly."""
-    if isinstance(leaf, (torch.Tensor, type)) or not (
+    # a scalar first: an int that Dynamo made symbolic (a step counter) has no __dict__ to ask
+    if isinstance(leaf, (torch.Tensor, type, *_SCALARS)) or not (
         dataclasses.is_dataclass(leaf) or hasattr(leaf, "__dict__")
     ):
         return False

@@ -23,6 +23,11 @@ Draws are functions of their arguments: there is no hidden counter, so a checkpo
 recomputes a draw in backward gets the same values. Giving two draws of one call the same seed
 would correlate them (two dropout layers with one mask); it is an error outside backward, and the
 fix is a seed per draw, e.g. ``seed=(step, layer)``.
+
+Under ``torch.compile`` each instance's draw is one op of the graph (``named_spmd::random_draw``)
+that seeds its generator by the same recipe when the graph runs: the same numbers, and an int
+seed part that changes every step is a graph input rather than a retrace per step. The reuse
+check above runs in eager calls and ``.check()``, not while tracing.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import numbers
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -83,15 +88,7 @@ def rand(
     """
     dtype = _floating(dtype, "rand")
     shape = _shape(size, "rand")
-    return _draw(
-        "rand",
-        over,
-        seed,
-        shape,
-        dtype,
-        device,
-        lambda g, d: torch.rand(shape, generator=g, dtype=dtype, device=d),
-    )
+    return _draw("rand", over, seed, shape, dtype, device)
 
 
 def randn(
@@ -117,15 +114,7 @@ def randn(
     """
     dtype = _floating(dtype, "randn")
     shape = _shape(size, "randn")
-    return _draw(
-        "randn",
-        over,
-        seed,
-        shape,
-        dtype,
-        device,
-        lambda g, d: torch.randn(shape, generator=g, dtype=dtype, device=d),
-    )
+    return _draw("randn", over, seed, shape, dtype, device)
 
 
 def randint(
@@ -156,15 +145,7 @@ def randint(
             f"high={high!r}. Fix: e.g. ns.random.randint(0, 10, size, over=..., seed=...)."
         )
     shape = _shape((size,), "randint")
-    return _draw(
-        "randint",
-        over,
-        seed,
-        shape,
-        dtype,
-        device,
-        lambda g, d: torch.randint(int(low), int(high), shape, generator=g, dtype=dtype, device=d),
-    )
+    return _draw("randint", over, seed, shape, dtype, device, (int(low), int(high)))
 
 
 def dropout(
@@ -207,15 +188,7 @@ def dropout(
         return x
     if p == 1:
         return x * 0  # every element dropped; x * 0 keeps the gradient (zeros), as torch does
-    shape, dtype, scale = tuple(x.shape), x.dtype, 1.0 / (1.0 - p)
-
-    def scaled_mask(g: torch.Generator, d: torch.device) -> torch.Tensor:
-        # Built whole on the plain per-member tensors (in place, no batching on the simulated
-        # mesh): the call then costs one batched op, the product with x.
-        keep = torch.rand(shape, generator=g, device=d).ge_(p)
-        return (keep if dtype is torch.float32 else keep.to(dtype)).mul_(scale)
-
-    return x * _draw("dropout", over, seed, shape, dtype, x.device, scaled_mask)
+    return x * _draw("dropout", over, seed, tuple(x.shape), x.dtype, x.device, (float(p),))
 
 
 # --- one draw ------------------------------------------------------------------------------------
@@ -228,10 +201,12 @@ def _draw(
     shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device | str | None,
-    sample: Callable[[torch.Generator, torch.device], torch.Tensor],
+    params: tuple[Any, ...] = (),
 ) -> torch.Tensor:
-    """``sample`` with this instance's generator: per member of ``over`` through the backend's
-    ``per_member`` primitive (typed varying over ``over``), or once for ``over=()``."""
+    """``op``'s sample (:func:`_sample`) with this instance's generator: per member of ``over``
+    through the backend's ``per_member`` primitive (typed varying over ``over``), or once for
+    ``over=()``. Traced by torch.compile, each member's draw is one op of the graph
+    (:func:`_compiled_draw`)."""
     ctx = current(f"ns.random.{op}")
     empty = isinstance(over, (tuple, list)) and not over
     axes = () if empty else ctx.check_axes(over, f"ns.random.{op}")
@@ -243,17 +218,99 @@ def _draw(
         if dev.type == "meta":  # a check: shapes only
             return torch.empty(shape, dtype=dtype, device=_META)
         coords = coords_of(index, axes, sizes)
+        if torch.compiler.is_compiling():
+            return _compiled_draw(op, parts, _pairs(coords), shape, dtype, dev, params)
         generator = torch.Generator(dev).manual_seed(generator_seed(parts, coords))
-        return sample(generator, dev)
+        return _sample(op, generator, shape, dtype, dev, params)
 
     return ctx.per_member(axes, make) if axes else make(0)
 
 
 def generator_seed(seed: tuple[SeedPart, ...], coords: dict[str, int]) -> int:
     """The generator seed of one draw: the recipe in the module's docstring."""
-    pairs = ",".join(f"{a}={c}" for a, c in sorted(coords.items()))
+    return _seed_of(seed, _pairs(coords))
+
+
+def _pairs(coords: dict[str, int]) -> str:
+    return ",".join(f"{a}={c}" for a, c in sorted(coords.items()))
+
+
+def _seed_of(seed: tuple[SeedPart, ...], pairs: str) -> int:
     digest = hashlib.blake2b(f"named_spmd.random|{seed!r}|{pairs}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def _sample(
+    op: str,
+    g: torch.Generator,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    d: torch.device,
+    params: tuple[Any, ...],
+) -> torch.Tensor:
+    """One member's draw of ``op`` from generator ``g`` (``params``: randint's bounds,
+    dropout's p)."""
+    if op == "rand":
+        return torch.rand(shape, generator=g, dtype=dtype, device=d)
+    if op == "randn":
+        return torch.randn(shape, generator=g, dtype=dtype, device=d)
+    if op == "randint":
+        return torch.randint(params[0], params[1], shape, generator=g, dtype=dtype, device=d)
+    # dropout's scaled mask, built whole on the plain per-member tensor (in place, no batching
+    # on the simulated mesh): the call then costs one batched op, the product with x
+    p = params[0]
+    keep = torch.rand(shape, generator=g, device=d).ge_(p)
+    return (keep if dtype is torch.float32 else keep.to(dtype)).mul_(1.0 / (1.0 - p))
+
+
+def _compiled_draw(
+    op: str,
+    parts: tuple[Any, ...],
+    pairs: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    params: tuple[Any, ...],
+) -> torch.Tensor:
+    """One member's draw as one op of a compiled graph (:func:`_draw_op`), the same numbers
+    as the eager draw. Dynamo cannot trace a ``torch.Generator``; the op makes it when the
+    graph runs, from the seed's int parts as graph inputs: an int that changes every step (a
+    step counter, which Dynamo makes symbolic after its first change) is read then, not
+    specialized at trace time, so the step does not retrace."""
+    kinds = "".join("s" if isinstance(p, str) else "i" for p in parts)
+    ints = [p for p in parts if not isinstance(p, str)]
+    strs = [p for p in parts if isinstance(p, str)]
+    low, high = params if op == "randint" else (0, 0)
+    p = params[0] if op == "dropout" else 0.0
+    return DRAW_OP[0](op, kinds, ints, strs, pairs, list(shape), dtype, device, low, high, p)
+
+
+#: ``named_spmd::random_draw``: made by ``_traced`` on import (the compile paths only)
+DRAW_OP: list[Any] = [None]
+
+
+def make_draw_op() -> Any:
+    """The custom op of a compiled draw (:func:`_compiled_draw`)."""
+
+    @torch.library.custom_op("named_spmd::random_draw", mutates_args=(), schema=_DRAW_SCHEMA)
+    def draw(op, kinds, ints, strs, pairs, shape, dtype, device, low, high, p):
+        it, st = iter(ints), iter(strs)
+        parts = tuple(next(st) if k == "s" else int(next(it)) for k in kinds)
+        g = torch.Generator(device).manual_seed(_seed_of(parts, pairs))
+        params = (low, high) if op == "randint" else (p,)
+        return _sample(op, g, tuple(shape), dtype, device, params)
+
+    @draw.register_fake
+    def _(op, kinds, ints, strs, pairs, shape, dtype, device, low, high, p):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    return draw
+
+
+_DRAW_SCHEMA = (
+    "(str op, str kinds, SymInt[] ints, str[] strs, str pairs, int[] shape, ScalarType dtype, "
+    "Device device, int low, int high, float p) -> Tensor"
+)
 
 
 def _seed_parts(ctx: SpmdContext, seed: Seed, op: str) -> tuple[SeedPart, ...]:
@@ -265,6 +322,11 @@ def _seed_parts(ctx: SpmdContext, seed: Seed, op: str) -> tuple[SeedPart, ...]:
             + (" (a tensor's value may differ between instances)" if _has_tensor(parts) else "")
             + f". {_SEED_FIX}"
         )
+    if torch.compiler.is_compiling():
+        # traced: an int part may be symbolic (a step counter), whose value int() would
+        # specialize and the reuse check would read; its draws are checked eagerly and by
+        # .check(), not here
+        return parts
     parts = tuple(s if isinstance(s, str) else int(s) for s in parts)
     if P.current_graph_task_id() == -1:  # a recomputation in backward draws again, rightly
         used = _USED.setdefault(ctx, set())

@@ -8,7 +8,9 @@ values and no recompilation, ``fullgraph=True``; and, with an aot_autograd backe
 the forward and backward FX graphs, that the graphs hold one ``_c10d_functional`` collective per
 collective ``ns.CommMode`` counts in the eager call (backward: the implicit pvarys' psums and the
 gradient all_gathers of plain-tensor inputs too). Errors: the compiled call raises the eager
-call's error class and message. Prints ``COMPILE {json}`` per (program, backend) on rank 0.
+call's error class and message. With aot_eager also user code (``CASES``: ``ns.random`` draws, int
+and dict arguments, a graph break inside the call) and a whole training step, each with the
+number of graphs it compiles into. Prints ``COMPILE {json}`` per (program, backend) on rank 0.
 """
 
 from __future__ import annotations
@@ -317,6 +319,145 @@ def two_tp_layers():
     return f, (x, ns.shard(params, mesh, specs))
 
 
+# --- user code: draws, int and dict arguments, graph breaks, a training step -------------------
+#
+# Each case compiles with aot_eager and counts the graphs Dynamo hands the backend
+# (CompileCounterWithBackend.frame_count) over STEPS calls, against the eager call's values.
+
+STEPS = 3
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 4
+
+
+def _mesh():
+    return ns.make_mesh((_world(),), ("dp",))
+
+
+def _drawn(x, step):
+    """Draws seeded by a step counter (an int argument) and by constants."""
+    h = ns.random.dropout(x, 0.5, over="dp", seed=(step, "drop"))
+    noise = ns.random.randn(*x.shape[1:], over=(), seed=("noise", 2), dtype=x.dtype)
+    ints = ns.random.randint(0, 7, x.shape, over="dp", seed=(step, 3))
+    return h + noise + ints.to(x.dtype) * ns.random.rand(1, over="dp", seed=step, dtype=x.dtype)
+
+
+def _scaled(x, k):
+    return ns.psum(x * k, "dp") + k
+
+
+def _breaks(p):
+    y = p["a"].sin() * p["b"]
+    torch._dynamo.graph_break()  # anything Dynamo cannot trace: a print, a .item(), ...
+    return ns.psum(y, "dp") + p["b"]
+
+
+CASES = {
+    # name: (per-device function, in_specs, out_specs, arguments of a step, graphs expected)
+    # a step counter changes every call: traced as a constant first, then, once it changed,
+    # as a symbolic int (torch's automatic dynamic): two graphs, none per later step
+    "random_draws": (_drawn, (P("dp"), None), P("dp"), lambda s, x: (x, s), 2),
+    "int_argument": (_scaled, (P("dp"), None), P(), lambda s, x: (x, s + 1), 2),
+    # a graph break inside the call: the whole call runs eagerly, no graph of its own
+    "graph_break_dict": (
+        _breaks,
+        ({"a": P("dp"), "b": P()},),
+        P(),
+        lambda s, x: ({"a": x * (s + 1), "b": x[0]},),
+        0,
+    ),
+}
+
+
+def check_case(name: str, backend: str) -> dict:
+    """``CASES[name]`` compiled (fullgraph=True, but for a graph break, which runs the call
+    eagerly) against its eager call, over STEPS steps: values and the graph count."""
+    fn, in_specs, out_specs, args_of, graphs = CASES[name]
+    f = ns.spmd_map(fn, mesh=_mesh(), in_specs=in_specs, out_specs=out_specs)
+    x = torch.randn(
+        2 * _world(), 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64
+    )
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(f, backend=counter, fullgraph=name != "graph_break_dict")
+    problems = []
+    for step in range(STEPS):
+        got, want = (_whole(g(*args_of(step, x))) for g in (compiled, f))
+        if not close(got, want, rtol=1e-12, atol=1e-12):
+            problems.append(f"step {step}: the compiled call differs from the eager call")
+    if counter.frame_count != graphs:
+        problems.append(f"{counter.frame_count} graphs for {STEPS} steps, expected {graphs}")
+    return {"graphs": counter.frame_count, "problems": problems}
+
+
+def _dense_loss(x, p, step):
+    return ((torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]) ** 2).mean().reshape(1)
+
+
+def _mapped_loss(x, p, step):
+    """The dense loss, data parallel, with a dropout mask that changes every step."""
+    h = torch.tanh(x @ p["w1"] + p["b1"])
+    h = ns.random.dropout(h, 0.25, over="dp", seed=(step, 1))
+    return ns.pmean(((h @ p["w2"]) ** 2).mean().reshape(1), "dp")
+
+
+def _trainer(loss_fn, params):
+    opt = torch.optim.SGD(params.values(), lr=0.1)
+
+    def train(x, p, step):
+        loss = loss_fn(x, p, step)
+        loss = loss.to_local() if isinstance(loss, DTensor) else loss
+        out = loss.detach()  # a leaf: Dynamo reads .grad of a non-leaf handed across a break
+        loss.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    return train
+
+
+def _params():
+    gen = torch.Generator().manual_seed(6)
+    shapes = {"w1": (3, 5), "b1": (5,), "w2": (5, 2)}
+    return {
+        k: torch.randn(v, generator=gen, dtype=torch.float64, requires_grad=True)
+        for k, v in shapes.items()
+    }
+
+
+def _graphs_of_training(loss_fn, backend: str, x) -> tuple[int, list, dict]:
+    torch._dynamo.reset()
+    params, counter = _params(), CompileCounterWithBackend(backend)
+    train = torch.compile(_trainer(loss_fn, params), backend=counter)
+    losses = [train(x, params, step) for step in range(STEPS)]
+    return counter.frame_count, losses, params
+
+
+def check_training_step(name: str, backend: str) -> dict:
+    """A whole training step (the mapped loss with a dropout seeded by the step, backward,
+    ``opt.step``, ``opt.zero_grad``) compiled: the graphs torch makes of the same step on the
+    dense loss (torch breaks the graph at ``backward`` and around ``opt.step``), plus one for
+    the step counter's symbolic retrace; the losses and parameters of the eager step."""
+    mapped = ns.spmd_map(_mapped_loss, mesh=_mesh(), in_specs=(P("dp"), P(), None), out_specs=P())
+    x = torch.randn(
+        2 * _world(), 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
+    dense, _, _ = _graphs_of_training(_dense_loss, backend, x)
+    graphs, losses, params = _graphs_of_training(mapped, backend, x)
+    want_params = _params()
+    eager = _trainer(mapped, want_params)
+    problems = []
+    for step, got in enumerate(losses):
+        if not close(got, eager(x, want_params, step), rtol=1e-12, atol=1e-12):
+            problems.append(f"step {step}: the compiled loss differs from the eager one")
+    if not all(close(_whole(params[k]), _whole(want_params[k]), 1e-12, 1e-12) for k in params):
+        problems.append("the compiled steps' parameters differ from the eager steps'")
+    if graphs != dense + 1:
+        problems.append(f"{graphs} graphs for {STEPS} steps; the dense step: {dense} (+1 expected)")
+    return {"graphs": graphs, "dense_graphs": dense, "problems": problems}
+
+
 # --- errors: the compiled call raises the eager call's error ------------------------------------
 
 
@@ -444,12 +585,16 @@ def main() -> None:
         firsts = [n for n in names if n == "megatron_biases@4"] if backend == "aot_eager" else []
         bucketed = ["data_parallel@4", "two_tp_layers"] if backend == "inductor" else []
         counted = [n for n in names if n == "megatron_biases@4"] if backend == "eager" else []
+        cases = [*CASES] if backend == "aot_eager" else []
+        training = ["training_step"] if backend == "aot_eager" else []
         for check, todo in (
             (check_program, names),
             (check_compiled_first, firsts),
             (check_comm_mode, counted),
             (check_bucketed, bucketed),
             (check_error, errors),
+            (check_case, cases),
+            (check_training_step, training),
         ):
             for name in todo:
                 result = _guarded(check, name, backend)

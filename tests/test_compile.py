@@ -19,6 +19,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_launch import launch  # noqa: E402
+from compile_worker import CASES  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -81,9 +82,16 @@ def test_graphs_carry_the_eager_calls_collectives():
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compiled_calls_equal_eager(backend):
-    results = _run(backend, PROGRAMS, ERRORS if backend == "eager" else [])
+    # aot_eager also runs the user-code cases (compile_worker.CASES: ns.random draws, int and
+    # dict arguments, a graph break inside the call) and a whole training step, with their
+    # graph counts (tests/test_compile_simulated.py runs them on the simulated mesh)
+    extra = [*CASES, "training_step"] if backend == "aot_eager" else []
+    results = _run(backend, PROGRAMS, ERRORS if backend == "eager" else [], extra)
     if backend == "aot_eager":  # the eager call after a compiled call made first on its mesh
         assert any(r.get("compiled_first") for r in results)
+        graphs = {r["program"]: r["graphs"] for r in results if r["program"] in extra}
+        assert graphs["random_draws"] == graphs["int_argument"] == 2, graphs
+        assert graphs["graph_break_dict"] == 0, graphs
     else:  # compiled calls under CommMode (compile_worker.check_comm_mode)
         assert any(r.get("comm_mode") for r in results)
 

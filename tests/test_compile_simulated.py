@@ -550,3 +550,43 @@ def test_ns_compile_with_inductor_on_the_simulated_mesh_equals_the_eager_call():
         (grad,) = torch.autograd.grad(got.sum(), w)
         assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
         assert torch.allclose(grad, want_grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", list(compile_worker.CASES))
+def test_user_code_compiles_in_the_expected_graphs(name):
+    """ns.random draws seeded by a step counter and by constants, an int argument (both
+    ``fullgraph=True``: two graphs over four steps, the step traced as a constant and then as
+    a symbolic int), and a graph break in a function taking a dict (the call runs eagerly: no
+    graph), each equal to the eager call (compile_worker.check_case; the real mesh's in the
+    aot_eager launch of tests/test_compile.py)."""
+    _passes(compile_worker.check_case, name, "aot_eager")
+
+
+def test_a_training_step_compiles_in_the_graphs_of_the_dense_step():
+    """loss, backward, opt.step and zero_grad in one compiled function: the graphs torch makes
+    of the dense step, one more for the step counter, and the eager step's losses and
+    parameters (compile_worker.check_training_step)."""
+    _passes(compile_worker.check_training_step, "training_step", "aot_eager")
+
+
+# Dynamo itself reads `.grad` of the non-leaf tensor it hands across the graph break (as in
+# test_a_backend_dynamo_cannot_trace_runs_its_calls_eagerly)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_graph_break_inside_a_call_in_a_compiled_step_runs_the_call_eagerly():
+    """A step around a mapped call whose function breaks the graph: the ops before and after
+    the call compiled (two graphs, none more on later steps), the call itself eagerly, with the
+    eager step's values and gradients. Dynamo once resumed the library's frames one by one
+    inside the call and failed on the dict argument ("unhashable type: 'list'")."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+
+    def f(x, p):
+        torch._dynamo.graph_break()
+        return ns.psum(_raw(x @ p["w1"] + p["b1"]) @ p["w2"], "tp")
+
+    specs = (P("dp", None), {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None)})
+    step = _step(ns.spmd_map(f, mesh=mesh, in_specs=specs, out_specs=P("dp", None)))
+    x, w1, b1, w2 = _args()
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    _equal_steps(torch.compile(step, backend=counter), step, x, {"w1": w1, "b1": b1, "w2": w2})
+    assert counter.frame_count == 2
