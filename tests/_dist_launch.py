@@ -14,7 +14,8 @@ DTensor anew (about 5 s of CPU per rank, tens of launches per suite on 2 cores).
 forked rank is otherwise what ``python script args`` is: its own environment, working directory,
 ``sys.argv`` and ``__main__``, stdout and stderr in its log, and it ends through the
 interpreter's own exit (an uncaught exception printed, ``sys.last_value`` set and ``atexit``
-handlers run, the interpreter finalized), with the exit status ``subprocess`` reports.
+handlers run, the interpreter finalized), with the exit status ``subprocess`` reports
+(tests/test_dist_launch.py). ``ps`` shows a rank with the server's command line.
 """
 
 from __future__ import annotations
