@@ -42,9 +42,6 @@ def child_env(**extra: str) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
         TORCH_CPP_LOG_LEVEL="ERROR",
         GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
-        # Inductor compiles in the rank itself, not in a pool of processes that each import
-        # torch: the ranks of a job already share the cores, and compile the same kernels
-        TORCHINDUCTOR_COMPILE_THREADS=env.get("TORCHINDUCTOR_COMPILE_THREADS", "1"),
     )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env.update(extra)
