@@ -111,6 +111,7 @@ def collect(server: _Server, pids: list[int], logs: list, timeout: float, t0: fl
     codes = server.wait(pids, t0 + timeout)
     timed_out = len(codes) < len(pids)
     if timed_out:
+        codes.update(server.wait(pids, time.monotonic()))  # those that ended meanwhile
         for pid in pids:
             if pid not in codes:
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
@@ -181,9 +182,9 @@ class _Server:
     def wait(self, pids: list[int], deadline: float) -> dict[int, int]:
         """The returncodes of those of ``pids`` that end before ``deadline``."""
         while not all(p in self.ended for p in pids):
-            left = deadline - time.monotonic()
-            if left <= 0 or self._read(min(left, 3600)) is None:
-                break
+            left = max(0.0, min(deadline - time.monotonic(), 3600))
+            if self._read(left) is None and time.monotonic() >= deadline:
+                break  # past the deadline and nothing more pending
         return {p: self.ended.pop(p) for p in pids if p in self.ended}
 
     def _read(self, timeout: float | None) -> dict | None:
