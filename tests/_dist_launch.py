@@ -9,8 +9,8 @@ and the workers are told ``store.port``. Nothing else can take that port between
 the bind, which is the race the old ``free_port()`` had.
 
 The ranks are forked from a server process that has imported torch already (:func:`serve`, one
-per test process, started on first use): a rank then starts without importing torch, Dynamo and
-DTensor anew (about 5 s of CPU per rank, tens of launches per suite on 2 cores). A
+per test process, started on first use): a rank then starts without importing torch anew (about
+2.5 s of CPU per rank, of about 6 for a rank that makes a mesh; tens of launches per suite). A
 forked rank is otherwise what ``python script args`` is: its own environment, working directory,
 ``sys.argv`` and ``__main__``, stdout and stderr in its log, and it ends through the
 interpreter's own exit (an uncaught exception printed, ``sys.last_value`` set and ``atexit``
@@ -20,6 +20,7 @@ handlers run, the interpreter finalized), with the exit status ``subprocess`` re
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -171,6 +172,12 @@ class _Server:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.requests, self.replies = self.proc.stdin.fileno(), _Lines(self.proc.stdout.fileno())
         self.ended: dict[int, int] = {}  # pid -> returncode, as subprocess reports it
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End of the test process: the server exits when its stdin closes."""
+        self.proc.stdin.close()  # type: ignore[union-attr]
+        self.proc.wait(timeout=60)
 
     def fork(self, args: list[str], env: dict[str, str], log: str) -> int:
         _send(self.requests, {"args": args, "env": env, "log": log})
@@ -212,10 +219,11 @@ def serve() -> None:
     """The fork server: imports torch once, then forks a rank per request read from stdin and
     replies with its pid, and with its returncode when it ends; exits when stdin closes. Runs
     no thread of its own (a fork copies only the forking thread, and a lock another held)."""
-    # the point: every rank forked from here has these imported (make_mesh imports the last two)
+    # The point: every rank forked from here has torch imported. Nothing more: Dynamo (which
+    # make_mesh imports) imports torch.distributed.nn.functional, whose defaults capture the
+    # default process group if it exists then, as it does in a rank (docs/design.md, "gloo
+    # teardown abort"); imported here, before it exists, they would not.
     import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
 
     requests = _Lines(0)
     while True:

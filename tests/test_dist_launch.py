@@ -41,11 +41,13 @@ def test_ranks_printing_more_than_a_pipe_holds_do_not_block_each_other():
 # must end as `python -c ...` would): rank 0 returns, rank 1 exits with 3, rank 2 raises (the
 # interpreter prints it, sets sys.last_value, then runs atexit), rank 3 is killed by SIGKILL.
 # Every rank first reports what a fresh `python -c` has: its argv, sys.path[0], working
-# directory and the launch's environment.
+# directory, the launch's environment, and none of the modules a rank imports itself.
 ENDINGS = """
 import atexit, json, os, signal, sys
 rank = int(os.environ["RANK"])
+late = ["named_spmd", "torch._dynamo", "torch.distributed.nn.functional"]
 seen = [sys.argv, sys.path[0], os.getcwd(), os.environ.get("EXTRA"), __name__]
+seen.append([m for m in late if m in sys.modules])  # imported by the rank, as it would be
 print("SEEN " + json.dumps(seen), flush=True)
 atexit.register(lambda: print("ATEXIT", type(getattr(sys, "last_value", None)).__name__))
 if rank == 1:
@@ -64,7 +66,7 @@ def test_ranks_end_as_a_fresh_interpreter_would():
     assert not finished.timed_out, finished.outputs
     assert finished.returncodes == [0, 3, 1, -9], finished.outputs
     seen = [json.loads(line) for line in finished.lines("SEEN")]
-    assert seen == [[["-c", "arg"], "", ROOT, "x", "__main__"]] * 4, finished.outputs
+    assert seen == [[["-c", "arg"], "", ROOT, "x", "__main__", []]] * 4, finished.outputs
     assert finished.lines("ATEXIT") == ["NoneType", "NoneType", "ValueError"], finished.outputs
     assert "ValueError: rank 2 raises" in finished.outputs[2], finished.outputs[2]
 
