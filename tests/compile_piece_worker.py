@@ -49,6 +49,7 @@ def loss_and_grads(f, args):
 
 
 def check(backend: str) -> dict:
+    torch._dynamo.reset()  # each backend's frames counted from none, as in a process of its own
     mesh = ns.make_mesh((2, 2), ("dp", "tp"))
     counter = CompileCounterWithBackend(backend)
     eager, compiled = mapped(mesh, block), mapped(mesh, ns.compile(block, backend=counter))

@@ -1,11 +1,12 @@
 """torch.compile of whole mapped calls on a real mesh (4 gloo processes, tests/compile_worker.py).
 
-One launch per compile backend. ``count`` is an aot_autograd backend that inspects the forward
-and backward FX graphs: one ``_c10d_functional`` collective per collective the eager call's
-``ns.CommMode`` counts. Every launch checks values and gradients against the eager call (float64,
-1e-10), ``fullgraph=True``, three steps and one compiled frame (no recompilation), and that a
-compiled call raises the eager call's error. Budget on the shared 2-core machine: 2-10 minutes
-per launch (Dynamo, aot_autograd and Inductor compile every program on 4 processes).
+One launch runs every compile backend; one test per backend reads its results. ``count`` is an
+aot_autograd backend that inspects the forward and backward FX graphs: one ``_c10d_functional``
+collective per collective the eager call's ``ns.CommMode`` counts. Every backend checks values and
+gradients against the eager call (float64, 1e-10), ``fullgraph=True``, three steps and one
+compiled frame (no recompilation); ``eager`` checks that a compiled call raises the eager call's
+error. Budget on the shared 2-core machine: 2-10 minutes per backend (Dynamo, aot_autograd and
+Inductor compile every program on 4 processes).
 """
 
 from __future__ import annotations
@@ -51,27 +52,43 @@ ERRORS = [
 ]
 
 
-def _run(backend: str, programs: list[str], errors: list[str], extra=()) -> list[dict]:
-    finished = launch(
-        [os.path.join("tests", "compile_worker.py"), ",".join(programs), backend, ",".join(errors)],
-        4,
-        1500,
-    )
-    results = [json.loads(line) for line in finished.lines("COMPILE ")]
+BACKENDS = ["count", "eager", "aot_eager", "inductor"]
+ERRORS_WITH = "eager"  # the backend the errors are checked with
+# checked with one backend only
+EXTRA = {"inductor": ["two_tp_layers"], "aot_eager": [*CASES, "training_step"]}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """One launch for every backend (each check of compile_worker.py reports on its own, so a
+    failure still names its program and backend): the ranks start, and Dynamo warms up, once."""
+    args = [",".join(PROGRAMS), ",".join(BACKENDS), ",".join(ERRORS), ERRORS_WITH]
+    # the budget of the four launches this one replaces (2-10 minutes each)
+    finished = launch([os.path.join("tests", "compile_worker.py"), *args], 4, 4 * 1500)
+    return finished, [json.loads(line) for line in finished.lines("COMPILE ")]
+
+
+def _run(launched, backend: str) -> list[dict]:
+    finished, every = launched
+    results = [r for r in every if r["backend"] == backend]
     bad = [r for r in results if r["problems"]]
     detail = "\n".join(
         f"{r['program']} rank {r['rank']}: {r['problems']}\n{r.get('traceback', '')[-1500:]}"
         for r in bad[:4]
     )
+    elsewhere = sorted({f"{r['program']} ({r['backend']})" for r in every if r["problems"]})
     assert not finished.timed_out, "timed out:\n" + finished.outputs[0][-3000:]
     assert not bad, detail
-    assert finished.returncodes == [0] * 4, finished.outputs[0][-3000:]
-    assert {r["program"] for r in results} == set(programs) | set(errors) | set(extra)
+    assert finished.returncodes == [0] * 4, (elsewhere, finished.outputs[0][-3000:])
+    errors = ERRORS if backend == ERRORS_WITH else []
+    assert {r["program"] for r in results} == set(PROGRAMS) | set(errors) | set(
+        EXTRA.get(backend, [])
+    )
     return results
 
 
-def test_graphs_carry_the_eager_calls_collectives():
-    results = _run("count", PROGRAMS, [])  # the errors: test_compiled_calls_equal_eager
+def test_graphs_carry_the_eager_calls_collectives(launched):
+    results = _run(launched, "count")  # the errors: test_compiled_calls_equal_eager
     counted = {r["program"]: r for r in results if "graphs" in r}
     assert set(counted) == set(PROGRAMS)
     # the graphs hold communication at all (the Megatron MLP: one psum forward; backward the
@@ -81,12 +98,12 @@ def test_graphs_carry_the_eager_calls_collectives():
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compiled_calls_equal_eager(backend):
+def test_compiled_calls_equal_eager(launched, backend):
     # aot_eager also runs the user-code cases (compile_worker.CASES: ns.random draws, int and
     # dict arguments, a graph break inside the call) and a whole training step, with their
     # graph counts (tests/test_compile_simulated.py runs them on the simulated mesh)
-    extra = [*CASES, "training_step"] if backend == "aot_eager" else []
-    results = _run(backend, PROGRAMS, ERRORS if backend == "eager" else [], extra)
+    extra = EXTRA.get(backend, [])
+    results = _run(launched, backend)
     if backend == "aot_eager":  # the eager call after a compiled call made first on its mesh
         assert any(r.get("compiled_first") for r in results)
         graphs = {r["program"]: r["graphs"] for r in results if r["program"] in extra}
@@ -96,8 +113,8 @@ def test_compiled_calls_equal_eager(backend):
         assert any(r.get("comm_mode") for r in results)
 
 
-def test_compiled_calls_equal_eager_with_inductor():
-    results = _run("inductor", PROGRAMS, [], extra=["two_tp_layers"])
+def test_compiled_calls_equal_eager_with_inductor(launched):
+    results = _run(launched, "inductor")
     # ns.compile buckets the gradient psums (compile_worker.check_bucketed)
     bucketed = {r["program"]: r["bucketed"] for r in results if "bucketed" in r}
     assert set(bucketed) == {"data_parallel@4", "two_tp_layers"}, results
