@@ -126,7 +126,7 @@ class PlanningMode(VmaMode):
     def _note_casts(self, given, varied) -> None:
         if varied is given or not self.replayable:
             return
-        recipes = self.ctx.recipes
+        recipes = self.ctx.recipes or {}
         for i, (t, alias) in enumerate(zip(tensor_operands(*given), tensor_operands(*varied))):
             if alias is t:
                 continue

@@ -30,8 +30,8 @@ from . import _torch_private as P
 from ._accounting import recording
 from ._debug import debug_enabled
 from ._mesh import Mesh
-from ._spec import PartitionSpec
 from ._plan import Plan, PlanningMode, ReplayMode
+from ._spec import PartitionSpec
 from ._tracking import TrackedContext, VmaMode
 
 #: Off: every call is type-checked (a benchmark's switch, to time the typing itself on a mesh
@@ -108,7 +108,6 @@ class Replay:
             self.checked[self.signature] = mode.hooks_seen
         return outs
 
-
     def _run_planned(self, ctx: TrackedContext, body: Any, local: list[Any]) -> list[Any]:
         """``body(local, ctx)`` replayed from the signature's plan, or typed (and its plan
         kept, if it can be replayed)."""
@@ -124,7 +123,7 @@ class Replay:
         with PlanningMode(ctx) as mode:
             outs = body(local, ctx)
         plan = mode.plan()
-        if plan is not None and self.checked is not None:
+        if plan is not None and self.checked is not None and self.signature is not None:
             if len(self.checked) >= _MAX_SIGNATURES:
                 self.checked.clear()
             self.checked[self.signature] = plan
