@@ -499,8 +499,10 @@ def _stamp_inner(ctx: TrackedContext, x: torch.Tensor, stamp) -> None:
         x.__dict__[_ATTR] = stamp
     if stamp[1] is not INVARIANT and not x.is_meta:
         base = _view_base(x)
-        if base is not None and _ATTR not in base.__dict__:
+        held = None if base is None else base.__dict__.get(_ATTR)
+        if base is not None and (held is None or held[0] is not ctx.call_token):
             # x aliases a tensor typed otherwise (a pvary is a view of its operand): that one
-            # keeps its own type, which the storage would no longer tell
+            # keeps its own type, which the storage would no longer tell. A stamp of another
+            # call (the caller's tensor, typed in an earlier call) is no type here: replaced.
             base.__dict__[_ATTR] = ctx.stamp_of(ctx.vma(base))
         ctx.transform_results[x.untyped_storage().data_ptr()] = (x, stamp)
