@@ -168,7 +168,7 @@ def hook_grad_levels(entered: Any, leaving: Any) -> None:
 _GRADIENT_HOOKS: dict[str, Any] = {}
 
 
-def hook_functorch_gradients(after: Any) -> None:
+def hook_transform_gradients(after: Any) -> None:
     """``after(inputs, grads)`` (returning the gradients) on every tuple of gradients that
     torch.func.grad or vjp computes. Installed once."""
     if not _GRADIENT_HOOKS:
@@ -176,7 +176,13 @@ def hook_functorch_gradients(after: Any) -> None:
 
         compute = eager._autograd_grad
 
-        def autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=False, create_graph=True):  # type: ignore[no-untyped-def]
+        def autograd_grad(
+            outputs: Any,
+            inputs: Any,
+            grad_outputs: Any = None,
+            retain_graph: bool = False,
+            create_graph: bool = True,
+        ) -> tuple:
             grads = compute(outputs, inputs, grad_outputs, retain_graph, create_graph)
             return _GRADIENT_HOOKS["after"](inputs, grads)
 

@@ -322,10 +322,7 @@ KNOWN = {
     "over: jvp": "CommMode records no tangent collective (the ProcessGroup runs them)",
     "inside: jvp": "CommMode records no tangent collective; a tangent's vma on (2, 1) meshes",
     "inside: jacfwd": "CommMode records no tangent collective (the ProcessGroup runs them)",
-    "inside: hessian": "the simulated mesh keeps a per-instance cotangent of an invariant value",
-    "inside: jacrev": "the simulated mesh keeps a per-instance cotangent of an invariant value",
-    "inside: grad": "gradients differ on meshes with an axis of size 1",
-    "inside: vjp": "gradients differ on meshes with an axis of size 1",
+    "inside: hessian": "CommMode records no tangent collective (its jacfwd's; the ProcessGroup runs them)",
 }
 
 
