@@ -160,6 +160,36 @@ def hook_grad_levels(entered: Any, leaving: Any) -> None:
     _GRAD_HOOKS.update(entered=entered, leaving=leaving)
 
 
+# --- the gradients of torch.func.grad and vjp -----------------------------------------------------
+# torch.func.grad (and grad_and_value) and vjp's pullback (so jacrev and hessian too) compute their
+# gradients through ``_autograd_grad``, looked up as a global of eager_transforms at each call. The
+# simulated backend wraps it to give each gradient its input's type inside its call
+# (backends/simulated/_inner_grad.py), at no cost to any other code.
+_GRADIENT_HOOKS: dict[str, Any] = {}
+
+
+def hook_transform_gradients(after: Any) -> None:
+    """``after(inputs, grads)`` (returning the gradients) on every tuple of gradients that
+    torch.func.grad or vjp computes. Installed once."""
+    if not _GRADIENT_HOOKS:
+        import torch._functorch.eager_transforms as eager
+
+        compute = eager._autograd_grad
+
+        def autograd_grad(
+            outputs: Any,
+            inputs: Any,
+            grad_outputs: Any = None,
+            retain_graph: bool = False,
+            create_graph: bool = True,
+        ) -> tuple:
+            grads = compute(outputs, inputs, grad_outputs, retain_graph, create_graph)
+            return _GRADIENT_HOOKS["after"](inputs, grads)
+
+        eager._autograd_grad = autograd_grad
+    _GRADIENT_HOOKS.update(after=after)
+
+
 # --- autograd ----------------------------------------------------------------------------------
 # Function.apply binds its arguments in Python (~10 us) when setup_context is defined; the C
 # apply skips that where no torch.func transform needs the Python path.

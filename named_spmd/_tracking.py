@@ -26,6 +26,7 @@ from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operand
 from ._torch_private import DisableTorchFunction, tensor_base
 from ._torch_private import get_unwrapped as _unwrap
 from ._torch_private import is_transform_wrapped as _is_wrapped
+from ._torch_private import transforms_active as _transforms_active
 from ._types import INVARIANT, Vma
 
 Tensor = torch.Tensor
@@ -87,20 +88,22 @@ class TrackedContext(SpmdContext):
             return stamp[1]
         if _is_wrapped(x):  # a torch.func transform inside the function wrapped a stamped tensor
             return self.vma(_unwrap(x))
-        if self.transform_results:
-            return self._view_vma(x)
-        return INVARIANT
+        return self._view_vma(x)
 
     def _view_vma(self, x: torch.Tensor) -> Vma:
-        """The type of an unstamped tensor inside a torch.func transform: a view's (an alias
-        functorch made of a wrapped tensor, a batch dim moved) is its base's, else that of the
-        transform result it shares storage with; a tensor that is no view is invariant."""
+        """The type of an unstamped tensor: a view's (one that no op of the mode made: an alias
+        functorch made of a wrapped tensor, a batch dim moved, the expanded copies a user vmap
+        hands back of a result it did not batch) is its base's, else, inside a torch.func
+        transform, that of the transform result it shares storage with; a tensor that is no
+        view is invariant."""
         base = _view_base(x)
         if base is None or x.is_meta:
             return INVARIANT
         stamp = base.__dict__.get(_ATTR)
         if stamp is not None and stamp[0] is self.call_token:
             return stamp[1]
+        if not self.transform_results:
+            return INVARIANT
         hit = self.transform_results.get(x.untyped_storage().data_ptr())
         return INVARIANT if hit is None else hit[1][1]
 
@@ -116,6 +119,8 @@ class TrackedContext(SpmdContext):
 
     def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
         if vma is not INVARIANT or _ATTR in x.__dict__:
+            if vma is not INVARIANT and not _is_wrapped(x) and _transforms_active():
+                x = _own_storage(x)
             x.__dict__[_ATTR] = stamp = self.stamp_of(vma)
             if _is_wrapped(x):  # a collective under a user vmap: the tensor vmap hands back
                 _stamp_inner(self, x, stamp)  # is the unwrapped one, which must keep the type
@@ -353,12 +358,17 @@ class VmaMode(TorchFunctionMode):
     def _gradients(self, args, kwargs, grads):
         """The results of ``torch.autograd.grad`` (torch.func.grad and vjp inside the function
         call it): autograd computes them outside the mode, and each cotangent has the type of
-        its input (the transpose of every op keeps the operand's type)."""
+        its input (the transpose of every op keeps the operand's type), varying also where a
+        cotangent given varies and its output does not (its gradient then differs between
+        instances, as on the simulated mesh; typed by the input alone, it was a varying value
+        typed invariant)."""
         inputs = kwargs.get("inputs") if kwargs and "inputs" in kwargs else args[1]
         inputs = (inputs,) if isinstance(inputs, Tensor) else inputs
+        given = _given_vma(self.ctx, args, kwargs)
         for x, g in zip(inputs, grads):
             if isinstance(g, Tensor):
                 vma = self.ctx.vma(x)
+                vma = vma if given is INVARIANT or vma.partial else vma.union(given)
                 if vma is not INVARIANT:
                     self.ctx.pin(g, vma)
         return grads
@@ -515,6 +525,36 @@ class VmaMode(TorchFunctionMode):
         return out
 
 
+def _given_vma(ctx: TrackedContext, args: Any, kwargs: dict | None) -> Vma:
+    """The axes over which a cotangent given to ``torch.autograd.grad`` (its ``grad_outputs``)
+    varies while its output does not: no implicit pvary's transpose sums it there, so the
+    gradients differ between instances there (JAX refuses such a cotangent)."""
+    kwargs = kwargs or {}
+    outputs = kwargs.get("outputs", args[0] if args else ())
+    given = kwargs.get("grad_outputs", args[2] if len(args) > 2 else None)
+    outputs = (outputs,) if isinstance(outputs, Tensor) else outputs
+    given = (given,) if isinstance(given, Tensor) else (given or ())
+    extra: set[str] = set()
+    for out, g in zip(outputs, given):
+        if isinstance(g, Tensor) and isinstance(out, Tensor):
+            v = ctx.vma(g)
+            if v.varying and not v.partial:
+                extra.update(v.varying - ctx.vma(out).varying)
+    return Vma.of(tuple(a for a in ctx.mesh.axis_names if a in extra)) if extra else INVARIANT
+
+
+def _own_storage(x: torch.Tensor) -> torch.Tensor:
+    """``x``, copied where it is a view: a collective's varying result that a torch.func
+    transform inside the function does not wrap (a user vmap's unbatched value), whose view
+    the transform may hand back (vmap expands an unbatched result over its batch). That view
+    is typed by its base (``TrackedContext.vma``), which must then be the typed result, not
+    the collective's buffer or, for a pvary, its invariant operand."""
+    if _view_base(x) is None:
+        return x
+    with DisableTorchFunction():
+        return x.clone()
+
+
 def _view_base(x: torch.Tensor) -> torch.Tensor | None:
     """A view's base (None for a non-view), read without the modes (a mode types the result of
     a property as it does an op's)."""
@@ -545,7 +585,7 @@ def _stamp_inner(ctx: TrackedContext, x: torch.Tensor, stamp) -> None:
         held = None if base is None else base.__dict__.get(_ATTR)
         if base is not None and (held is None or held[0] is not ctx.call_token):
             # x aliases a tensor typed otherwise (a pvary is a view of its operand): that one
-            # keeps its own type, which the storage would no longer tell (a stamp of another
-            # call, on a tensor passed to several, tells nothing in this one)
+            # keeps its own type, which the storage would no longer tell. A stamp of another
+            # call (the caller's tensor, typed in an earlier call) is no type here: replaced.
             base.__dict__[_ATTR] = ctx.stamp_of(ctx.vma(base))
         ctx.transform_results[x.untyped_storage().data_ptr()] = (x, stamp)

@@ -176,8 +176,7 @@ def _typed(*values) -> None:
 
 def _local_loss(outs, k: int = 0) -> torch.Tensor:
     """A scalar of the outputs, summed over the axes it varies over: invariant, so that its
-    gradient is the whole program's (the simulated mesh does not sum an invariant input's
-    per-instance cotangents of a varying loss, a real one does: not compared here)."""
+    gradient is the whole program's."""
     loss = sum((o * o.cos()).sum() * (k + 1) + o.sin().sum() * k for o in outs)
     varying = tuple(ns.vma(loss))
     return ns.psum(loss, varying) if varying else loss
@@ -317,12 +316,7 @@ def _same_calls(ours: dict, theirs: dict) -> bool:
 
 
 #: Divergences found by this matrix and not fixed yet, by program kind: reported, not failed.
-KNOWN = {
-    "inside: hessian": "the simulated mesh keeps a per-instance cotangent of an invariant value",
-    "inside: jacrev": "the simulated mesh keeps a per-instance cotangent of an invariant value",
-    "inside: grad": "gradients differ on meshes with an axis of size 1",
-    "inside: vjp": "gradients differ on meshes with an axis of size 1",
-}
+KNOWN = {}
 
 
 def known(name: str) -> str | None:

@@ -68,6 +68,27 @@ def hessian_of_invariant_input(x, w):
     return torch.func.hessian(lambda u: (torch.sin(u) * x).sum())(w).sum(0)
 
 
+# A gradient has its input's type (JAX: a cotangent has its primal's), varying too where the
+# cotangent given varies; the psum of each result below needs it typed varying (a psum of an
+# invariant value is refused), so a type lost on either backend is an error (values in DENSE).
+def grad_through_psum_is_varying(x, w):  # the transpose of a psum: the same on every instance
+    return ns.psum(torch.func.grad(lambda v: ns.psum((v * w).sum(), "x"))(x), "x")
+
+
+def identity_transpose_of_invariant_cotangent(x, w):
+    return ns.psum(torch.func.vjp(lambda v: v, x)[1](w)[0], "x")
+
+
+def vjp_varying_cotangent_of_invariant(x, w):  # postprocessed outputs' cotangents, as custom_vjp
+    out, pull = torch.func.vjp(lambda u: (u * 1.5, u.sin()), w)
+    return ns.psum(pull((x * out[0], x.cos()))[0], "x")
+
+
+def vmap_unbatched_collective(x, w):  # vmap expands a result it did not batch: a view of it
+    moved = torch.func.vmap(lambda r: ns.all_to_all(w * 1.0, "x", 0, 0, tiled=True))(x)
+    return ns.psum(moved, "x").reshape(-1)[:4]
+
+
 PROGRAMS = {
     "vjp_claimed_replicated": (vjp_claimed_replicated, P()),
     "vmap_mixing_invariant": (vmap_mixing_invariant, P("x")),
@@ -80,6 +101,10 @@ PROGRAMS = {
     "grad_of_pmean_mixed": (grad_of_pmean_mixed, P("x")),
     "grad_of_invariant_input": (grad_of_invariant_input, P()),
     "hessian_of_invariant_input": (hessian_of_invariant_input, P()),
+    "grad_through_psum_is_varying": (grad_through_psum_is_varying, P()),
+    "identity_transpose_of_invariant_cotangent": (identity_transpose_of_invariant_cotangent, P()),
+    "vjp_varying_cotangent_of_invariant": (vjp_varying_cotangent_of_invariant, P()),
+    "vmap_unbatched_collective": (vmap_unbatched_collective, P()),
 }
 
 
@@ -92,6 +117,12 @@ DENSE = {
     "grad_of_pmean_mixed": lambda x, w: (sum(_blocks(x)) / 2).repeat(2),
     "grad_of_invariant_input": lambda x, w: torch.cos(w) * sum(_blocks(x)),
     "hessian_of_invariant_input": lambda x, w: -torch.sin(w) * sum(_blocks(x)),
+    "grad_through_psum_is_varying": lambda x, w: 2 * w,
+    "identity_transpose_of_invariant_cotangent": lambda x, w: 2 * w,
+    "vjp_varying_cotangent_of_invariant": lambda x, w: sum(
+        b * 1.5 * w * 1.5 + b.cos() * w.cos() for b in _blocks(x)
+    ),
+    "vmap_unbatched_collective": lambda x, w: torch.cat([w[:2] + w[2:]] * 2),
 }
 
 

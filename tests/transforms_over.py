@@ -75,6 +75,21 @@ def mapped(mesh) -> dict:
             in_specs=(P(), P(None, "x"), P("x", None)),
             out_specs=P(),
         ),
+        "complex": ns.spmd_map(
+            lambda z, w: (
+                (z * ns.all_gather(z, "x", tiled=True, to="invariant")[:4] * w).sin()
+                + ns.psum(z * w, "x")
+            ),
+            mesh=mesh,
+            in_specs=(P("x"), P()),
+            out_specs=P("x"),
+        ),
+        "view_of_replicated": ns.spmd_map(  # w: cast (a view of it) and read through a view
+            lambda x, w: (ns.psum(x * w, "x"), w.reshape(2, 2) * 3.0),
+            mesh=mesh,
+            in_specs=(P("x"), P()),
+            out_specs=(P(), P()),
+        ),
     }
 
 
@@ -114,6 +129,25 @@ def jvp_gathered(f):
 
 def jvp_megatron(f):
     return jvp(lambda x, w1: f["megatron"](x, w1, W2), (XM, W1), (TXM, TW1))
+
+
+def jvp_twice_view_of_replicated(f):
+    """The same replicated input in two calls under jvp: the caller's tensor is the base of the
+    input's view in each, and its type from the first call must not be read in the second (the
+    storage of its varying cast would type its invariant view varying: out_specs refused)."""
+    run = lambda w: f["view_of_replicated"](X, w)  # noqa: E731
+    return jvp(run, (W,), (TW,)), jvp(run, (W,), (TX[:4],))
+
+
+def jacrev_complex(f):
+    """Complex values inside and out of the call (real in and out of jacrev, which refuses
+    complex ones): complex collectives, a complex replicated input and split output."""
+
+    def real_of(x, w):
+        z = f["complex"](torch.complex(x, x.cos()), torch.complex(w, -w))
+        return torch.view_as_real(z)
+
+    return jacrev(real_of, argnums=(0, 1))(X, W)
 
 
 def jacrev_psum(f):
@@ -234,6 +268,8 @@ PROGRAMS = {
         jvp_psum,
         jvp_gathered,
         jvp_megatron,
+        jvp_twice_view_of_replicated,
+        jacrev_complex,
         jacrev_psum,
         jacrev_gathered,
         jacfwd_psum,

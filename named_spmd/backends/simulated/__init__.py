@@ -48,6 +48,8 @@ from ._recording import ImplicitPvaryRecorder
 
 # a grad level entered inside a call casts its implicit pvarys (``_inner_grad``)
 P.hook_grad_levels(_inner_grad.entered, _inner_grad.leaving)
+# and gives the gradients torch.func.grad / vjp compute inside a call their inputs' types
+P.hook_transform_gradients(_inner_grad.typed_gradients)
 
 
 def _run_body(body, local, ctx: SimulatedContext, blocks: bool) -> list[torch.Tensor]:

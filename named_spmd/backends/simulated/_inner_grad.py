@@ -78,6 +78,30 @@ class InnerGradMode(TorchFunctionMode):
         return hit[1]
 
 
+def typed_gradients(inputs: tuple, grads: tuple) -> tuple:
+    """The gradients torch.func.grad / vjp computed inside a simulated call, each made varying
+    over the axes its input varies over (``pvary``, whose transpose a derivative of the gradient
+    needs). A cotangent has its primal's type, as in JAX and on a real mesh
+    (``_tracking.VmaMode._gradients``); read off the levels, the gradient of a varying input
+    whose value is the same on every instance (the transpose of a psum) was typed invariant."""
+    ctx = _context.active()
+    if not isinstance(ctx, SimulatedContext):
+        return grads
+    names = ctx.mesh.axis_names
+    typed = []
+    for x, g in zip(inputs, grads):
+        if isinstance(g, torch.Tensor):
+            # vjp's pullback runs after its grad level was left: its inputs are dead wrappers
+            g = P.unwrap_if_dead(g)
+            want, have = ctx.vma(P.unwrap_if_dead(x)), ctx.vma(g)
+            if not (want.partial or have.partial):
+                missing = have.missing(want.present(names))
+                if missing:
+                    g = implicit_pvary(ctx, g, missing, record=False)
+        typed.append(g)
+    return tuple(typed)
+
+
 class _Open(threading.local):
     def __init__(self) -> None:
         self.modes: list[tuple[int, InnerGradMode]] = []  # (grad level, its mode), innermost last
