@@ -305,7 +305,7 @@ class SpmdFunction:
         backend = self.backend
         if torch.compiler.is_compiling():
             # the trace-time hooks of the compile paths, before the call's checks read them
-            # (imports Dynamo, loaded by now; an eager session never imports it)
+            # (imports Dynamo, loaded by now; an eager-only process never imports it)
             from . import _traced
 
             if _traced.root_frame() == (__file__, "_enter"):

@@ -3,10 +3,9 @@
 Value types at the bottom, then the core, the collectives, the backends, the API and the
 package's exports. A module imports only its own layer or lower ones; the backends import neither
 the API nor each other; a function-local import never runs back up (the lazy imports point down
-or within a backend: the distributed backend's by the API, so a simulated session never loads
-torch.distributed, and the simulated compile path's, so an eager session never loads Dynamo). On the commit before this test, the scan reported
-``named_spmd/_types.py:201: _types -> _display (layer 0 imports layer 4 in a function)`` and
-five more function-local imports. Imports under ``if TYPE_CHECKING:`` are for annotations and do not count.
+or within a backend: the distributed backend's by the API, so a process using only simulated
+meshes never loads torch.distributed, and the simulated compile path's, so an eager-only process
+never loads Dynamo). Imports under ``if TYPE_CHECKING:`` are for annotations and do not count.
 """
 
 from __future__ import annotations
