@@ -242,12 +242,17 @@ TRANSPOSES = {
 }
 
 
-@pytest.mark.parametrize("name", list(TRANSPOSES))
-def test_each_collective_records_its_transpose(name):
+def _transpose_case(name):
+    """The mapped function of ``TRANSPOSES[name]``, its input and the expected counts."""
     fn, out_spec, want = TRANSPOSES[name]
     in_spec = P() if name == "pvary" else P("a", "b")
     f = ns.spmd_map(fn, mesh=MESH22, in_specs=in_spec, out_specs=out_spec)
-    x = _randn(4, 4, seed=1, grad=True)
+    return f, _randn(4, 4, seed=1, grad=True), want
+
+
+@pytest.mark.parametrize("name", list(TRANSPOSES))
+def test_each_collective_records_its_transpose(name):
+    f, x, want = _transpose_case(name)
     with ns.CommMode() as comms:
         f(x).pow(2).sum().backward()
     assert backward_counts(comms) == want
@@ -317,10 +322,7 @@ TWICE = {
 
 @pytest.mark.parametrize("name", list(TWICE))
 def test_double_backward_records_the_transposes_of_transposes(name):
-    fn, out_spec, _ = TRANSPOSES[name]
-    in_spec = P() if name == "pvary" else P("a", "b")
-    f = ns.spmd_map(fn, mesh=MESH22, in_specs=in_spec, out_specs=out_spec)
-    x = _randn(4, 4, seed=1, grad=True)
+    f, x, _ = _transpose_case(name)
     with ns.CommMode() as comms:
         (g,) = torch.autograd.grad(f(x).pow(3).sum(), x, create_graph=True)
         g.pow(2).sum().backward()
