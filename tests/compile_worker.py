@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -576,30 +577,25 @@ def _guarded(check, name: str, backend: str) -> dict:
 
 
 def main() -> None:
+    """``argv[1]``: a JSON object, backend -> the checks to run with it and their names."""
     dist.init_process_group("gloo")
-    names = [n for n in sys.argv[1].split(",") if n]
-    backends = sys.argv[2].split(",")
-    errors = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] else []
-    # the backends the errors are checked with (default: every one)
-    error_backends = sys.argv[4].split(",") if len(sys.argv) > 4 else backends
+    plan = json.loads(sys.argv[1])
+    checks = {
+        "programs": check_program,
+        "compiled_first": check_compiled_first,
+        "comm_mode": check_comm_mode,
+        "bucketed": check_bucketed,
+        "errors": check_error,
+        "cases": check_case,
+        "training": check_training_step,
+    }
     failed = False
-    for backend in backends:
-        firsts = [n for n in names if n == "megatron_biases@4"] if backend == "aot_eager" else []
-        bucketed = ["data_parallel@4", "two_tp_layers"] if backend == "inductor" else []
-        counted = [n for n in names if n == "megatron_biases@4"] if backend == "eager" else []
-        cases = [*CASES] if backend == "aot_eager" else []
-        training = ["training_step"] if backend == "aot_eager" else []
-        for check, todo in (
-            (check_program, names),
-            (check_compiled_first, firsts),
-            (check_comm_mode, counted),
-            (check_bucketed, bucketed),
-            (check_error, errors if backend in error_backends else []),
-            (check_case, cases),
-            (check_training_step, training),
-        ):
-            for name in todo:
-                result = _guarded(check, name, backend)
+    for backend, todo in plan.items():
+        for kind, names in todo.items():
+            for name in names:
+                started = time.perf_counter()
+                result = _guarded(checks[kind], name, backend)
+                result["seconds"] = round(time.perf_counter() - started, 1)
                 failed |= bool(result["problems"])
                 report(result)
     sys.stdout.flush()

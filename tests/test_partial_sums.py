@@ -327,6 +327,7 @@ def _real_outcomes():
     return [json.loads(line) for line in finished.lines("OUTCOME")], finished.outputs[0][-3000:]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", PARTIAL_PROGRAMS)
 def test_real_processes_program(name):
     outcomes, tail = _real_outcomes()
@@ -336,6 +337,7 @@ def test_real_processes_program(name):
         assert o["ok"], o.get("why")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(ERRORS))
 def test_real_processes_error(name):
     outcomes, tail = _real_outcomes()
@@ -347,6 +349,7 @@ def test_real_processes_error(name):
         assert o["message"] == want["message"], (o["message"], want["message"])
 
 
+@pytest.mark.distributed
 def test_real_processes_deferred_reduction():
     """DTensor parameters with reduced specs: the accumulated gradients are Partial() DTensors;
     one psum per parameter gives the dense gradients; no backward communication."""
@@ -361,6 +364,7 @@ def test_real_processes_deferred_reduction():
             torch.testing.assert_close(torch.tensor(g, dtype=F64), want[k], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("seed", [seed for seed, _ in REAL_CASES])
 def test_real_processes_random_program(seed):
     """A random partial-sum program (tests/_partial_sampler.py) on 2 real processes: checked
@@ -375,6 +379,7 @@ def test_real_processes_random_program(seed):
         assert (o["outcome"] != "accepted") == refused, o
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("name", sorted(BOUNDARY))
 def test_real_processes_boundary(name, compiled):

@@ -31,6 +31,7 @@ def _outcomes() -> dict:
     return {(o["rank"], o["name"]): o for o in outcomes}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_call_equals_the_same_call_typed(name):
     for rank in (0, 1):
