@@ -528,6 +528,10 @@ def test_dtensor_spec_and_constructor_match_from_local():
         "d = P.dist().new_dtensor(local, spec, requires_grad=True)\n"
         "assert type(d) is DTensor and d.requires_grad and d.is_leaf and d.shape == (2, 6)\n"
         "assert P.local_tensor(d) is local and tuple(d.placements) == places\n"
+        # the eager constructor skips DTensor.__init__: __new__ must be the whole construction
+        "assert DTensor.__new__ is torch.Tensor._dtensor__new__ and d._spec is spec\n"
+        "full = DTensor(local, spec, requires_grad=True)\n"
+        "assert (full.shape, full.stride(), full.dtype, full._spec) == (d.shape, d.stride(), d.dtype, spec)\n"
         "dist.destroy_process_group()\n"
         "print('ok')\n"
     )
