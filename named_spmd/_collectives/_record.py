@@ -99,15 +99,23 @@ class Collective:
     def __repr__(self) -> str:
         return f"<collective {self.name}>"
 
+    def invariant_result(self, axes: Axes, params: Params) -> bool:
+        """Whether the result is invariant over some of ``axes`` (psum, pmean, pmax, pmin,
+        pbroadcast, all_gather to "invariant"): its cotangent then holds one value there. A
+        result unreduced or reduced there (the casts, all_gather to "reduced") has a cotangent
+        of parts or one value summed elsewhere, and needs no pvary."""
+        out = self.vma(Vma.of(axes), axes, params)
+        return not (out.varying | out.unreduced | out.reduced).issuperset(axes)
+
     def backward(
         self, ctx: SpmdContext, g: Tensor, axes: Axes, params: Params, node: Any
     ) -> Tensor:
         """The transpose, as the autograd bridge applies it. When the backward is itself
-        differentiated, the cotangent of a result that dropped ``axes`` (psum, pmax, all_gather
-        to "invariant", ...) is invariant there and the transpose makes it varying: that step is
-        a pvary, whose own transpose is the psum a second derivative needs (written as plain
-        ops instead, it would be differentiated as the identity)."""
-        if differentiable(g) and not self.vma(Vma.of(axes), axes, params).covers(axes):
+        differentiated, the cotangent of a result invariant over ``axes`` (psum, pmax,
+        all_gather to "invariant", ...) holds one value there and the transpose makes it
+        varying: that step is a pvary, whose own transpose is the psum a second derivative
+        needs (written as plain ops instead, it would be differentiated as the identity)."""
+        if differentiable(g) and self.invariant_result(axes, params):
             g = ctx.apply(PVARY_RECORD, g, axes, ())
         return self.transpose(ctx, g, axes, params, node)
 
@@ -202,7 +210,7 @@ def tag_derivatives(
     backward = () if back is None else (event(back, "backward", out),)
     tangent = tuple(event(op, "tangent", t) for op in rec.tangent_ops)
     again: tuple[CommEvent, ...] = ()
-    if rec.forward_event and not rec.vma(Vma.of(axes), axes, params).covers(axes):
+    if rec.forward_event and rec.invariant_result(axes, params):
         again = (event("psum", "backward", out),)
     elif rec.forward_event and back is not None:
         again = (event(rec.name, "backward", t),)
