@@ -24,6 +24,7 @@ A new record needs a case below (a test fails until it has one).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from _rules_mesh import forward_ad, run_instances
 import named_spmd as ns
 from named_spmd._autodiff import apply as bridge_apply
 from named_spmd._collectives import RECORDS
+from named_spmd._layout import split_blocks, unstack_dim
 from named_spmd._types import Vma
 
 EPS = 1e-6  # central differences in float64: error ~1e-12 on these (piecewise) linear maps
@@ -181,7 +183,7 @@ def instance_rules(ctx, rec, axes, params, x, t, g, dg) -> dict[str, torch.Tenso
     fwd = rec.forward
     y = fwd(ctx, x, axes, params, False)
     node = _Saved(x, y) if rec.saves else None
-    out = {"y": y, "jvp": rec.jvp(ctx, rec, t, axes, params, node)}
+    out = {"y": y, "jvp": rec.tangent(ctx, t, axes, params, node)}
     out["fd"] = (
         fwd(ctx, x + EPS * t, axes, params, False) - fwd(ctx, x - EPS * t, axes, params, False)
     ) / (2 * EPS)
@@ -195,7 +197,7 @@ def instance_rules(ctx, rec, axes, params, x, t, g, dg) -> dict[str, torch.Tenso
     out["TT(t)"] = _grad(rec.backward(ctx, gr, axes, params, node), gr, t)
     # reverse over forward: transposing the jvp gives the transpose
     tr = t.clone().requires_grad_()
-    out["jvp^T(g)"] = _grad(rec.jvp(ctx, rec, tr, axes, params, node), tr, g)
+    out["jvp^T(g)"] = _grad(rec.tangent(ctx, tr, axes, params, node), tr, g)
     with forward_ad(ctx):
         # the bridge, forward mode: the tangent of the collective is its jvp
         y_dual = bridge_apply(rec, ctx, fwAD.make_dual(x, t), axes, params)
@@ -287,3 +289,99 @@ def test_declared_rules(name, shape):
     ]
     for seed, (axes, case) in enumerate(runs):
         check(run_case(mesh, rec, axes, case, bystanders, seed), rec)
+
+
+# --- the rule for primitives inside a rule (README.md, "Primitives inside a rule") --------------
+
+
+@pytest.fixture
+def author_record():
+    """Records a test defines like a contributor would, taken out of RECORDS afterwards."""
+    made: list[str] = []
+
+    def make(base: str, name: str, **rules):
+        made.append(name)
+        return dataclasses.replace(RECORDS[base], name=name, **rules)
+
+    yield make
+    for name in made:
+        RECORDS.pop(name, None)
+
+
+def _scatter_by_primitive(ctx, g, axes, params, node):
+    """psum_scatter's transpose (an all_gather to varying) written with the primitive."""
+    dim, tiled = params
+    return unstack_dim(ctx.all_gather(g, axes), dim, tiled)
+
+
+def _scatter_by_own_block(ctx, g, axes, params, node):
+    """all_gather's transpose (a psum_scatter) as a psum, then the block by the primitive."""
+    dim, tiled, _ = params
+    total = ctx.apply(RECORDS["psum"], g, axes, ())
+    return ctx.own_block(split_blocks(total, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
+
+
+def _psum_jvp_by_primitive(ctx, rec, t, axes, params, node):
+    return ctx.all_reduce(t, axes, "sum")
+
+
+def _first_and_second(mesh, rec, axes, params, shape, out_shape):
+    """Every instance's transpose of a cotangent, first order and differentiated again."""
+    gen = torch.Generator().manual_seed(0)
+    g = values(mesh, Vma.of(mesh.axis_names), out_shape, gen)
+
+    def program(ctx):
+        first = rec.backward(ctx, g[ctx.k], axes, params, None)
+        gr = g[ctx.k].clone().requires_grad_()
+        return first, _grad(rec.backward(ctx, gr, axes, params, None), gr, torch.ones(shape))
+
+    return run_instances(mesh, program)
+
+
+@pytest.mark.parametrize(
+    ("base", "rule", "params", "shapes", "primitive"),
+    [
+        ("psum_scatter", _scatter_by_primitive, (1, True), ((3, 4), (3, 2)), "ctx.all_gather"),
+        ("all_gather", _scatter_by_own_block, (1, True, "varying"), ((3, 2), (3, 4)), "own_block"),
+    ],
+    ids=["communicating primitive", "own_block without pvary"],
+)
+def test_primitive_in_a_transpose_differentiated_again(
+    author_record, base, rule, params, shapes, primitive
+):
+    """A transpose written with a primitive gives the right first-order values, and a clear
+    error for its author where its result is differentiated again (it would be wrong there)."""
+    mesh, axes = MESHES[(2, 2)], ("a",)
+    shape, out_shape = shapes
+    rec = author_record(base, f"{base}_by_primitive", transpose=rule)
+    with pytest.raises(ns.CollectiveError) as caught:
+        _first_and_second(mesh, rec, axes, params, shape, out_shape)
+    message = str(caught.value)
+    assert f"the transpose of collective '{base}_by_primitive'" in message
+    assert primitive in message and "Fix (for the record's author)" in message
+    # first order the primitive is fine: the declared record's values
+    gen = torch.Generator().manual_seed(0)
+    g = values(mesh, Vma.of(mesh.axis_names), out_shape, gen)
+    got = run_instances(mesh, lambda ctx: rec.backward(ctx, g[ctx.k], axes, params, None))
+    want = run_instances(
+        mesh, lambda ctx: RECORDS[base].backward(ctx, g[ctx.k], axes, params, None)
+    )
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_primitive_in_a_jvp(author_record):
+    """A jvp reaches the other instances through records too: under forward mode its result
+    is a dual's tangent, which forward mode over the backward differentiates again."""
+    mesh, axes = MESHES[(2, 2)], ("b",)
+    rec = author_record("psum", "psum_by_primitive", jvp=_psum_jvp_by_primitive)
+    gen = torch.Generator().manual_seed(0)
+    x, t = (values(mesh, Vma.of(mesh.axis_names), (2, 3), gen) for _ in range(2))
+
+    def program(ctx):
+        with forward_ad(ctx):
+            bridge_apply(rec, ctx, fwAD.make_dual(x[ctx.k], t[ctx.k]), axes, ())
+
+    with pytest.raises(ns.CollectiveError, match=r"the jvp of collective 'psum_by_primitive' "
+                       r"calls the backend primitive ctx\.all_reduce.*RECORDS\['psum'\]"):
+        run_instances(mesh, program)

@@ -36,7 +36,7 @@ from .._context import Axes, GroupOfOne, SpmdContext, current
 from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, refcount
 from .._types import Vma, type_text
-from . import _donation
+from . import _donation, _rules
 from ._checks import _COPYABLE, check_copyable
 
 # Operand policies: what an operand invariant over some axes of the collective gets.
@@ -114,10 +114,21 @@ class Collective:
         differentiated, the cotangent of a result invariant over ``axes`` (psum, pmax,
         all_gather to "invariant", ...) holds one value there and the transpose makes it
         varying: that step is a pvary, whose own transpose is the psum a second derivative
-        needs (written as plain ops instead, it would be differentiated as the identity)."""
-        if differentiable(g) and self.invariant_result(axes, params):
-            g = ctx.apply(PVARY_RECORD, g, axes, ())
+        needs (written as plain ops instead, it would be differentiated as the identity). The
+        transpose then reaches the other instances only through records (``_rules``)."""
+        if differentiable(g) and not torch.compiler.is_compiling():
+            pvaried = self.invariant_result(axes, params)
+            if pvaried:
+                g = ctx.apply(PVARY_RECORD, g, axes, ())
+            ctx = _rules.checked(ctx, self.name, "transpose", pvaried)
         return self.transpose(ctx, g, axes, params, node)
+
+    def tangent(self, ctx: SpmdContext, t: Tensor, axes: Axes, params: Params, node: Any) -> Tensor:
+        """The jvp, as the autograd bridge applies it (under the rule for primitives when the
+        tangent is differentiated again)."""
+        if differentiable(t) and not torch.compiler.is_compiling():
+            ctx = _rules.checked(ctx, self.name, "jvp", False)
+        return self.jvp(ctx, self, t, axes, params, node)
 
     def bind(self, x: Any, axis_name: Any, *args: Any) -> Any:
         """Apply the collective to ``x`` (a tensor or a pytree of tensors) in the active call."""
