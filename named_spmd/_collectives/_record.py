@@ -105,6 +105,8 @@ class Collective:
         result unreduced or reduced there (the casts, all_gather to "reduced") has a cotangent
         of parts or one value summed elsewhere, and needs no pvary."""
         out = self.vma(Vma.of(axes), axes, params)
+        if not out.partial:  # the common case, on the accounting's path
+            return not out.varying.issuperset(axes)
         return not (out.varying | out.unreduced | out.reduced).issuperset(axes)
 
     def backward(
