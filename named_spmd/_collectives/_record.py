@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -85,8 +85,19 @@ class Collective:
     jvp_ops: tuple[str, ...] | None = None
     donates: bool = False  # the forward may reduce a temporary operand in place
     makes_partial: bool = False  # the result may be unreduced or reduced for a plain operand
+    #: what the collective would do to an operand invariant over some of its axes, and the fix:
+    #: the rest of the error after "the operand is invariant over ... (its type ...), so "
+    #: (``REQUIRE_VARYING`` records; see :class:`Invariant`)
+    invariant_operand: Callable[[Invariant], str] | None = None
 
     def __post_init__(self) -> None:
+        if self.policy is REQUIRE_VARYING and self.invariant_operand is None:
+            raise CollectiveError(
+                f"collective {self.name!r}: its policy refuses an invariant operand, and the "
+                "record gives no invariant_operand message. Fix (for the record's author): "
+                "invariant_operand=..., saying what the collective would do to such an operand "
+                "and the fix that fits it (see psum's and psum_scatter's)."
+            )
         RECORDS[self.name] = self
 
     @property
@@ -186,7 +197,7 @@ def _apply(
             t = implicit_pvary(ctx, t, vma.missing(axes))
             vma = vma.add(axes)
         elif policy is REQUIRE_VARYING:
-            raise_invariant_operand(ctx, rec.name, t, axes)
+            raise_invariant_operand(ctx, rec, t, axes, params)
         else:  # DROP_INVARIANT
             axes = vma.present(axes)
             if not axes:
@@ -286,18 +297,38 @@ def _apply_alone(
     return ctx.stamp(out, rec.vma(vma, axes, params))
 
 
-def raise_invariant_operand(ctx: SpmdContext, op: str, t: Tensor, axes: Axes) -> None:
+class Invariant(NamedTuple):
+    """An operand invariant over some of a collective's axes, as its message describes it."""
+
+    axes: Axes  # the collective's
+    invariant: Axes  # those of ``axes`` the operand is invariant over
+    copies: int  # how many identical copies a sum over ``axes`` adds: their group size
+    size: int  # the group size of ``axes``
+    params: Params  # the collective's (after ``prepare`` and ``check``)
+
+
+def raise_invariant_operand(
+    ctx: SpmdContext, rec: Collective, t: Tensor, axes: Axes, params: Params
+) -> None:
     vma = ctx.vma(t)
     invariant = vma.missing(axes)
-    fix = " * ".join(f"axis_size({a!r})" for a in invariant)
+    assert rec.invariant_operand is not None  # checked when the record was made
+    sizes = ctx.mesh.axis_size(invariant), ctx.mesh.axis_size(axes)
+    rest = rec.invariant_operand(Invariant(axes, invariant, *sizes, params))
     raise VmaError(
-        f"{op} in {ctx.fn_label}: the operand is invariant over {invariant} (its type is "
-        f"{type_text(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}), so {op} over {axes} "
-        "would add identical copies and multiply it by "
-        f"{' * '.join(str(ctx.mesh.shape[a]) for a in invariant)}. JAX does that silently; "
-        f"named_spmd refuses. Fix: drop {invariant} from the collective's axes if the value is "
-        f"already the total, or write x * {fix} if you really mean to multiply."
+        f"{rec.name} in {ctx.fn_label}: the operand is invariant over {invariant} (its type is "
+        f"{type_text(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}), so {rest}"
     )
+
+
+def axis_sizes(axes: Axes) -> str:
+    """``axis_size('a') * axis_size('b')``: the factor written with the public API."""
+    return " * ".join(f"axis_size({a!r})" for a in axes)
+
+
+def axis_text(axes: Axes) -> str:
+    """``axes`` as a user writes the axis_name argument: ``'a'`` or ``('a', 'b')``."""
+    return repr(axes[0]) if len(axes) == 1 else repr(axes)
 
 
 def same_vma(vma: Vma, axes: Axes, params: Params) -> Vma:
