@@ -64,7 +64,9 @@ class InstanceContext(SpmdContext):
         """The instance numbers of this instance's group of ``axes``, in member order, and its
         own member index."""
         names = self.mesh.axis_names
-        members = [index_of(names, c, self.sizes) for c in group_coords(axes, self.coords, self.sizes)]
+        members = [
+            index_of(names, c, self.sizes) for c in group_coords(axes, self.coords, self.sizes)
+        ]
         return members, index_of(axes, self.coords, self.sizes)
 
     def _values(self, x: torch.Tensor, axes: tuple[str, ...]) -> tuple[list[torch.Tensor], int]:
@@ -170,4 +172,3 @@ def run_instances(mesh: Mesh, program: Callable[[InstanceContext], Any]) -> list
 
 def _broken(e: BaseException) -> bool:
     return isinstance(e, threading.BrokenBarrierError)
-

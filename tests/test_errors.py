@@ -686,7 +686,9 @@ def test_the_fixes_in_psum_scatters_message_compute_the_block():
     the scatter of a value varying over some axes and already summed over the others."""
     total = torch.randn(8, 8)
     block = ns.spmd_map(
-        lambda x: x.unflatten(0, (4, -1)).index_select(0, ns.axis_index("tp").reshape(1)).squeeze(0),
+        lambda x: (
+            x.unflatten(0, (4, -1)).index_select(0, ns.axis_index("tp").reshape(1)).squeeze(0)
+        ),
         mesh=MESH,
         in_specs=P(),
         out_specs=P("tp"),
@@ -694,8 +696,10 @@ def test_the_fixes_in_psum_scatters_message_compute_the_block():
     torch.testing.assert_close(block(total), total)
     assert block.check(total).types[0].vma == {"tp"}
     scattered = ns.spmd_map(
-        lambda x: ns.psum_scatter(ns.pvary(x, "tp"), ("dp", "tp"), scatter_dimension=1, tiled=True)
-        / ns.axis_size("tp"),
+        lambda x: (
+            ns.psum_scatter(ns.pvary(x, "tp"), ("dp", "tp"), scatter_dimension=1, tiled=True)
+            / ns.axis_size("tp")
+        ),
         mesh=MESH,
         in_specs=P("dp"),
         out_specs=P(None, ("dp", "tp")),

@@ -154,7 +154,9 @@ def assert_typed(mesh, vma: Vma, got: list[torch.Tensor], what: str) -> None:
     for coords, value in zip(_instances(mesh), got):
         key = tuple(c if _differ(vma, a) else None for a, c in coords.items())
         if key in first:
-            torch.testing.assert_close(value, first[key], msg=lambda m: f"{what}: not one value: {m}")
+            torch.testing.assert_close(
+                value, first[key], msg=lambda m: f"{what}: not one value: {m}"
+            )
         else:
             first[key] = value
 
@@ -255,7 +257,11 @@ def check(run: Run, rec) -> None:
     def same(key: str, reference: str) -> None:
         for k, (a, b) in enumerate(zip(got[key], got[reference])):
             torch.testing.assert_close(
-                a, b, atol=1e-9, rtol=1e-9, msg=lambda m: f"{label}, instance {k}: {key} != {reference}: {m}"
+                a,
+                b,
+                atol=1e-9,
+                rtol=1e-9,
+                msg=lambda m: f"{label}, instance {k}: {key} != {reference}: {m}",
             )
 
     assert_typed(mesh, run.out_vma, got["y"], f"{label}: the forward's result")
@@ -282,11 +288,7 @@ def test_declared_rules(name, shape):
     varies over the other mesh axis on (2, 2) and is invariant over it on (2, 3)."""
     mesh, rec = MESHES[shape], RECORDS[name]
     bystanders = "varying" if shape == (2, 2) else "invariant"
-    runs = [
-        (axes, case)
-        for axes in GROUPS
-        for case in cases(name, mesh.axis_size(axes))
-    ]
+    runs = [(axes, case) for axes in GROUPS for case in cases(name, mesh.axis_size(axes))]
     for seed, (axes, case) in enumerate(runs):
         check(run_case(mesh, rec, axes, case, bystanders, seed), rec)
 
@@ -382,6 +384,9 @@ def test_primitive_in_a_jvp(author_record):
         with forward_ad(ctx):
             bridge_apply(rec, ctx, fwAD.make_dual(x[ctx.k], t[ctx.k]), axes, ())
 
-    with pytest.raises(ns.CollectiveError, match=r"the jvp of collective 'psum_by_primitive' "
-                       r"calls the backend primitive ctx\.all_reduce.*RECORDS\['psum'\]"):
+    with pytest.raises(
+        ns.CollectiveError,
+        match=r"the jvp of collective 'psum_by_primitive' "
+        r"calls the backend primitive ctx\.all_reduce.*RECORDS\['psum'\]",
+    ):
         run_instances(mesh, program)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import optree
 import torch
@@ -37,7 +37,7 @@ from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, refcount
 from .._types import Vma, type_text
 from . import _donation, _rules
-from ._checks import _COPYABLE, check_copyable
+from ._checks import _COPYABLE, Invariant, check_copyable, raise_invariant_operand
 
 # Operand policies: what an operand invariant over some axes of the collective gets.
 PVARY = "pvary"
@@ -295,40 +295,6 @@ def _apply_alone(
     with DisableTorchFunction():  # the forward's own ops need no type: the result is stamped
         out = rec.forward(GroupOfOne(ctx), t, axes, params, False)
     return ctx.stamp(out, rec.vma(vma, axes, params))
-
-
-class Invariant(NamedTuple):
-    """An operand invariant over some of a collective's axes, as its message describes it."""
-
-    axes: Axes  # the collective's
-    invariant: Axes  # those of ``axes`` the operand is invariant over
-    copies: int  # how many identical copies a sum over ``axes`` adds: their group size
-    size: int  # the group size of ``axes``
-    params: Params  # the collective's (after ``prepare`` and ``check``)
-
-
-def raise_invariant_operand(
-    ctx: SpmdContext, rec: Collective, t: Tensor, axes: Axes, params: Params
-) -> None:
-    vma = ctx.vma(t)
-    invariant = vma.missing(axes)
-    assert rec.invariant_operand is not None  # checked when the record was made
-    sizes = ctx.mesh.axis_size(invariant), ctx.mesh.axis_size(axes)
-    rest = rec.invariant_operand(Invariant(axes, invariant, *sizes, params))
-    raise VmaError(
-        f"{rec.name} in {ctx.fn_label}: the operand is invariant over {invariant} (its type is "
-        f"{type_text(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}), so {rest}"
-    )
-
-
-def axis_sizes(axes: Axes) -> str:
-    """``axis_size('a') * axis_size('b')``: the factor written with the public API."""
-    return " * ".join(f"axis_size({a!r})" for a in axes)
-
-
-def axis_text(axes: Axes) -> str:
-    """``axes`` as a user writes the axis_name argument: ``'a'`` or ``('a', 'b')``."""
-    return repr(axes[0]) if len(axes) == 1 else repr(axes)
 
 
 def same_vma(vma: Vma, axes: Axes, params: Params) -> Vma:

@@ -12,16 +12,13 @@ from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 from .._layout import split_blocks, unstack_dim
 from .._types import Vma
-from ._checks import check_divisible, check_reducible, checked_dim
+from ._checks import Invariant, axis_sizes, axis_text, check_divisible, check_reducible, checked_dim
 from ._record import (
     PVARY,
     RECORDS,
     REQUIRE_VARYING,
     Collective,
-    Invariant,
     Params,
-    axis_sizes,
-    axis_text,
     backward_op,
     same_vma,
 )

@@ -11,15 +11,13 @@ import torch
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 from . import _donation
-from ._checks import check_reducible
+from ._checks import Invariant, axis_sizes, check_reducible
 from ._record import (
     DROP_INVARIANT,
     RECORDS,
     REQUIRE_VARYING,
     Collective,
-    Invariant,
     Params,
-    axis_sizes,
     backward_op,
     no_backward_op,
     same_shape,
