@@ -13,7 +13,10 @@ primitive blocks in ``jax/_src/lax/parallel.py`` and equinox's ``create_vprim``)
   SpmdContext`;
 * ``transpose`` and ``jvp``: the backward and forward-mode rules, written with other records,
   which the generic autograd bridge (``_autodiff``) applies on backends whose primitives are
-  plain communication;
+  plain communication (through :meth:`Collective.backward` and :meth:`Collective.tangent`,
+  under the rule for primitives inside a rule, ``_rules``);
+* ``invariant_operand``: the consequence and fix in the error for an operand invariant over
+  some of the axes (``REQUIRE_VARYING`` records);
 * ``backward_op``: the collective its transpose runs, for the communication accounting.
 
 Public collectives are thin: ``def psum(x, axis_name): return PSUM.bind(x, axis_name)``.
