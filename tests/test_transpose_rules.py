@@ -52,6 +52,9 @@ OPERAND |= {"unreduced_vary": "unreduced"}
 class Case:
     params: tuple
     shape: tuple[int, ...]
+    #: the operand's values equal over the group (pmax / pmin: every member holds the extremum,
+    #: which shares the gradient; no finite differences there, the forward has a kink)
+    ties: bool = False
 
 
 def _ring(n: int) -> tuple[tuple[int, int], ...]:
@@ -85,7 +88,9 @@ def cases(name: str, n: int) -> list[Case]:
         return [Case((tuple((src, dst) for dst, src in enumerate(perm)),), (2, 3))]
     if name == "pbroadcast":
         return [Case((0,), (2, 3)), Case((n - 1,), (2, 3))]
-    if name in ("psum", "pmean", "pmax", "pmin", "pvary") or name in _CASTS:
+    if name in ("pmax", "pmin"):
+        return [Case((), (2, 3)), Case((), (2, 3), ties=True)]
+    if name in ("psum", "pmean", "pvary") or name in _CASTS:
         return [Case((), (2, 3))]
     return []
 
@@ -226,6 +231,8 @@ class Run:
     g: list[torch.Tensor]
     got: dict[str, list[torch.Tensor]]
     label: str
+    ties: bool
+    n: int  # the group size
 
 
 def run_case(mesh, rec, axes, case: Case, bystanders: str, seed: int) -> Run:
@@ -238,7 +245,8 @@ def run_case(mesh, rec, axes, case: Case, bystanders: str, seed: int) -> Run:
     out_vma = rec.vma(in_vma, axes, case.params)
     out_shape = rec.shape(case.shape, mesh.axis_size(axes), case.params)
     gen = torch.Generator().manual_seed(seed)
-    x, t = values(mesh, in_vma, case.shape, gen), values(mesh, in_vma, case.shape, gen)
+    x = values(mesh, in_vma.remove(axes) if case.ties else in_vma, case.shape, gen)
+    t = values(mesh, in_vma, case.shape, gen)
     g, dg = (values(mesh, dual(out_vma), out_shape, gen) for _ in range(2))
 
     def program(ctx):
@@ -248,7 +256,8 @@ def run_case(mesh, rec, axes, case: Case, bystanders: str, seed: int) -> Run:
     results = run_instances(mesh, program)
     got = {key: [r[key] for r in results] for key in results[0]}
     label = f"{rec.name}{case.params} over {axes} on {tuple(mesh.shape.values())}"
-    return Run(mesh, in_vma, out_vma, t, g, got, label)
+    label += " with ties" if case.ties else ""
+    return Run(mesh, in_vma, out_vma, t, g, got, label, case.ties, mesh.axis_size(axes))
 
 
 def check(run: Run, rec) -> None:
@@ -265,7 +274,13 @@ def check(run: Run, rec) -> None:
             )
 
     assert_typed(mesh, run.out_vma, got["y"], f"{label}: the forward's result")
-    same("fd", "jvp")  # the jvp is the forward's linearisation
+    if not run.ties:
+        same("fd", "jvp")  # the jvp is the forward's linearisation
+    else:  # every member holds the extremum: an even share each, as torch.amax gives
+        for k, (got_k, g_k) in enumerate(zip(got["T(g)"], run.g)):
+            copies = [torch.zeros_like(g_k).requires_grad_() for _ in range(run.n)]
+            (share,) = torch.autograd.grad(torch.stack(copies).amax(0), copies[0], g_k)
+            torch.testing.assert_close(got_k, share, msg=lambda m: f"{label}, {k}: ties {m}")
     same("bridge jvp", "jvp")
     lhs = pairing(mesh, run.in_vma, got["T(g)"], run.t)
     rhs = pairing(mesh, run.out_vma, run.g, got["jvp"])
