@@ -42,7 +42,8 @@ def differentiable(x: torch.Tensor) -> bool:
 
 
 class CollectiveFn(torch.autograd.Function):
-    """``rec`` applied to ``x`` on ``spmd`` (a backend context); backward: ``rec.transpose``."""
+    """``rec`` applied to ``x`` on ``spmd`` (a backend context); backward: ``rec.transpose``
+    (through ``rec.backward``), forward mode: ``rec.jvp`` (through ``rec.tangent``)."""
 
     @staticmethod
     def forward(x, rec, spmd, axes, params):
@@ -61,7 +62,7 @@ class CollectiveFn(torch.autograd.Function):
 
     @staticmethod
     def jvp(node, t, *_):
-        return node.rec.jvp(node.spmd, node.rec, t, node.axes, node.params, node)
+        return node.rec.tangent(node.spmd, t, node.axes, node.params, node)
 
     @staticmethod
     def vmap(info, in_dims, x, rec, spmd, axes, params):

@@ -350,7 +350,7 @@ CATALOGUE = [
         lambda: _run(scatter_of_invariant, P(), P("tp"), v8),
         ns.VmaError,
         "scatter_of_invariant",
-        ["psum_scatter in", "invariant over ('tp',)", "x * axis_size('tp')"],
+        ["psum_scatter in", "invariant over ('tp',)", "each member would get 4 times its block"],
     ),
     (
         "rank0-output-with-spec",
@@ -623,3 +623,97 @@ def test_inputs_checked_once_per_spec_and_shape_are_still_checked_when_new():
     with pytest.raises(ns.SpecError, match="in_specs"):
         g({"b": v8})  # another structure: broadcast (and refused) anew
     torch.testing.assert_close(g({"a": v8})["a"], v8)
+
+
+# --- an invariant operand: each refusing collective's own consequence and fix -------------------
+
+
+def _scatter_of_partly_invariant(x):  # varies over dp, invariant over tp
+    return ns.psum_scatter(x, ("dp", "tp"), scatter_dimension=1, tiled=True)
+
+
+INVARIANT_OPERANDS = {
+    # name: (function, in_spec, out_spec, the record's own pieces of the message)
+    "psum": (
+        psum_of_invariant,
+        P("tp"),
+        P(),
+        ["so psum over ('dp', 'tp') would add 2 identical copies", "x * axis_size('dp')"],
+    ),
+    "psum_scatter": (
+        scatter_of_invariant,
+        P(),
+        P("tp"),
+        [
+            "so psum_scatter over ('tp',) would add 4 identical copies before scattering",
+            "take this member's block without communication: x.unflatten(0, (4, -1))"
+            ".index_select(0, ns.axis_index('tp').reshape(1)).squeeze(0)",
+            "ns.psum_scatter(ns.pvary(x, 'tp'), ...) if you really mean 4 times the block",
+        ],
+    ),
+    "psum_scatter of a partly invariant operand": (
+        _scatter_of_partly_invariant,
+        P("dp"),
+        P(None, ("dp", "tp")),
+        [
+            "so psum_scatter over ('dp', 'tp') would add 4 identical copies",
+            "if x is already the total over ('tp',), scatter it as varying and divide: "
+            "ns.psum_scatter(ns.pvary(x, 'tp'), ...) / (axis_size('tp'))",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("run", ["simulated", "check"])
+@pytest.mark.parametrize("name", sorted(INVARIANT_OPERANDS))
+def test_invariant_operand_gets_the_collectives_own_message(name, run):
+    """The simulated mesh and check() (the real mesh takes the same path through the record)."""
+    fn, in_spec, out_spec, pieces = INVARIANT_OPERANDS[name]
+    f = ns.spmd_map(fn, mesh=MESH, in_specs=in_spec, out_specs=out_spec)
+    x = torch.randn(8, 8)
+    with pytest.raises(ns.VmaError) as info:
+        f(x) if run == "simulated" else f.check(x)
+    message = str(info.value)
+    assert f"`{fn.__name__}` (test_errors.py:" in message, message
+    for piece in pieces:
+        assert piece in message, f"missing {piece!r} in:\n{message}"
+    if name.startswith("psum_scatter"):
+        assert "x * axis_size" not in message, message  # psum's fix is not psum_scatter's
+
+
+def test_the_fixes_in_psum_scatters_message_compute_the_block():
+    """What the messages offer instead: the member's block of a total (no communication), and
+    the scatter of a value varying over some axes and already summed over the others."""
+    total = torch.randn(8, 8)
+    block = ns.spmd_map(
+        lambda x: (
+            x.unflatten(0, (4, -1)).index_select(0, ns.axis_index("tp").reshape(1)).squeeze(0)
+        ),
+        mesh=MESH,
+        in_specs=P(),
+        out_specs=P("tp"),
+    )
+    torch.testing.assert_close(block(total), total)
+    assert block.check(total).types[0].vma == {"tp"}
+    scattered = ns.spmd_map(
+        lambda x: (
+            ns.psum_scatter(ns.pvary(x, "tp"), ("dp", "tp"), scatter_dimension=1, tiled=True)
+            / ns.axis_size("tp")
+        ),
+        mesh=MESH,
+        in_specs=P("dp"),
+        out_specs=P(None, ("dp", "tp")),
+    )
+    halves = total.unflatten(0, (2, -1))
+    torch.testing.assert_close(scattered(total), halves[0] + halves[1])
+
+
+def test_a_record_refusing_invariant_operands_needs_its_own_message():
+    from named_spmd._collectives import RECORDS
+
+    refusing = [r for r in RECORDS.values() if r.policy == "require varying"]
+    assert {r.name for r in refusing} >= {"psum", "psum_scatter"}
+    assert len({r.invariant_operand for r in refusing}) == len(refusing)  # one message each
+    with pytest.raises(ns.CollectiveError, match="gives no invariant_operand message"):
+        dataclasses.replace(RECORDS["psum"], name="psum_without_message", invariant_operand=None)
+    assert "psum_without_message" not in RECORDS

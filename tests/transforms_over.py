@@ -84,6 +84,20 @@ def mapped(mesh) -> dict:
             in_specs=(P("x"), P()),
             out_specs=P("x"),
         ),
+        # a reduced result (all_gather to "reduced") and a reduced cast: their transposes'
+        # cotangents are partial sums, which a second derivative must not sum again
+        "gathered_reduced": ns.spmd_map(
+            lambda x: torch.tanh(ns.all_gather(x, "x", tiled=True, to="reduced")),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P(),
+        ),
+        "cast_reduced": ns.spmd_map(
+            lambda x, w: ns.psum(torch.tanh(x * ns.pcast(w, "x", to="reduced")), "x"),
+            mesh=mesh,
+            in_specs=(P("x"), P()),
+            out_specs=P(),
+        ),
         "view_of_replicated": ns.spmd_map(  # w: cast (a view of it) and read through a view
             lambda x, w: (ns.psum(x * w, "x"), w.reshape(2, 2) * 3.0),
             mesh=mesh,
@@ -257,6 +271,18 @@ def double_backward_megatron(f):
     return gx, gw1, *torch.autograd.grad((gx**2).sum() + (gw1 * KM).sum(), (x, w1))
 
 
+def double_backward_gathered_reduced(f):
+    x = X.clone().requires_grad_()
+    (gx,) = torch.autograd.grad((full(f["gathered_reduced"](x)) * K8).sum(), x, create_graph=True)
+    return gx, *torch.autograd.grad((gx * TX).sum(), x)
+
+
+def double_backward_cast_reduced(f):
+    w = W.clone().requires_grad_()
+    (gw,) = torch.autograd.grad((full(f["cast_reduced"](X, w)) * CT4).sum(), w, create_graph=True)
+    return gw, *torch.autograd.grad((gw * TW).sum(), w)
+
+
 PROGRAMS = {
     f.__name__: f
     for f in (
@@ -291,6 +317,8 @@ PROGRAMS = {
         double_backward_replicated,
         double_backward_gathered,
         double_backward_megatron,
+        double_backward_gathered_reduced,
+        double_backward_cast_reduced,
     )
 }
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from .._context import Axes, SpmdContext
-from .._errors import CollectiveError
+from .._errors import CollectiveError, VmaError
+from .._types import type_text
+
+if TYPE_CHECKING:
+    from ._record import Collective
 
 Pairs = tuple[tuple[int, int], ...]
 
@@ -160,3 +164,42 @@ def check_copyable(ctx: SpmdContext, op: str, t: torch.Tensor) -> None:
             "x.view(torch.uint8) and view the result back with .view(" + str(t.dtype) + ")."
         ) from None
     _COPYABLE.add(t.dtype)
+
+
+# --- an operand invariant over some of the axes (REQUIRE_VARYING records) ---------------------
+
+
+class Invariant(NamedTuple):
+    """An operand invariant over some of a collective's axes, as its message describes it."""
+
+    axes: Axes  # the collective's
+    invariant: Axes  # those of ``axes`` the operand is invariant over
+    copies: int  # how many identical copies a sum over ``axes`` adds: their group size
+    size: int  # the group size of ``axes``
+    params: tuple  # the collective's (after ``prepare`` and ``check``)
+
+
+def raise_invariant_operand(
+    ctx: SpmdContext, rec: Collective, t: torch.Tensor, axes: Axes, params: tuple
+) -> None:
+    """The VmaError of ``rec`` (a ``REQUIRE_VARYING`` record) for an operand invariant over
+    some of ``axes``: the common start, then the record's own consequence and fix."""
+    vma = ctx.vma(t)
+    invariant = vma.missing(axes)
+    assert rec.invariant_operand is not None  # checked when the record was made
+    sizes = ctx.mesh.axis_size(invariant), ctx.mesh.axis_size(axes)
+    rest = rec.invariant_operand(Invariant(axes, invariant, *sizes, params))
+    raise VmaError(
+        f"{rec.name} in {ctx.fn_label}: the operand is invariant over {invariant} (its type is "
+        f"{type_text(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}), so {rest}"
+    )
+
+
+def axis_sizes(axes: Axes) -> str:
+    """``axis_size('a') * axis_size('b')``: the factor written with the public API."""
+    return " * ".join(f"axis_size({a!r})" for a in axes)
+
+
+def axis_text(axes: Axes) -> str:
+    """``axes`` as a user writes the axis_name argument: ``'a'`` or ``('a', 'b')``."""
+    return repr(axes[0]) if len(axes) == 1 else repr(axes)

@@ -13,7 +13,10 @@ primitive blocks in ``jax/_src/lax/parallel.py`` and equinox's ``create_vprim``)
   SpmdContext`;
 * ``transpose`` and ``jvp``: the backward and forward-mode rules, written with other records,
   which the generic autograd bridge (``_autodiff``) applies on backends whose primitives are
-  plain communication;
+  plain communication (through :meth:`Collective.backward` and :meth:`Collective.tangent`,
+  under the rule for primitives inside a rule, ``_rules``);
+* ``invariant_operand``: the consequence and fix in the error for an operand invariant over
+  some of the axes (``REQUIRE_VARYING`` records);
 * ``backward_op``: the collective its transpose runs, for the communication accounting.
 
 Public collectives are thin: ``def psum(x, axis_name): return PSUM.bind(x, axis_name)``.
@@ -36,8 +39,8 @@ from .._context import Axes, GroupOfOne, SpmdContext, current
 from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, refcount
 from .._types import Vma, type_text
-from . import _donation
-from ._checks import _COPYABLE, check_copyable
+from . import _donation, _rules
+from ._checks import _COPYABLE, Invariant, check_copyable, raise_invariant_operand
 
 # Operand policies: what an operand invariant over some axes of the collective gets.
 PVARY = "pvary"
@@ -85,8 +88,19 @@ class Collective:
     jvp_ops: tuple[str, ...] | None = None
     donates: bool = False  # the forward may reduce a temporary operand in place
     makes_partial: bool = False  # the result may be unreduced or reduced for a plain operand
+    #: what the collective would do to an operand invariant over some of its axes, and the fix:
+    #: the rest of the error after "the operand is invariant over ... (its type ...), so "
+    #: (``REQUIRE_VARYING`` records; see :class:`Invariant`)
+    invariant_operand: Callable[[Invariant], str] | None = None
 
     def __post_init__(self) -> None:
+        if self.policy is REQUIRE_VARYING and self.invariant_operand is None:
+            raise CollectiveError(
+                f"collective {self.name!r}: its policy refuses an invariant operand, and the "
+                "record gives no invariant_operand message. Fix (for the record's author): "
+                "invariant_operand=..., saying what the collective would do to such an operand "
+                "and the fix that fits it (see psum's and psum_scatter's)."
+            )
         RECORDS[self.name] = self
 
     @property
@@ -99,17 +113,38 @@ class Collective:
     def __repr__(self) -> str:
         return f"<collective {self.name}>"
 
+    def invariant_result(self, axes: Axes, params: Params) -> bool:
+        """Whether the result is invariant over some of ``axes`` (psum, pmean, pmax, pmin,
+        pbroadcast, all_gather to "invariant"): its cotangent then holds one value there. A
+        result unreduced or reduced there (the casts, all_gather to "reduced") has a cotangent
+        of parts or one value summed elsewhere, and needs no pvary."""
+        out = self.vma(Vma.of(axes), axes, params)
+        if not out.partial:  # the common case, on the accounting's path
+            return not out.varying.issuperset(axes)
+        return not (out.varying | out.unreduced | out.reduced).issuperset(axes)
+
     def backward(
         self, ctx: SpmdContext, g: Tensor, axes: Axes, params: Params, node: Any
     ) -> Tensor:
         """The transpose, as the autograd bridge applies it. When the backward is itself
-        differentiated, the cotangent of a result that dropped ``axes`` (psum, pmax, all_gather
-        to "invariant", ...) is invariant there and the transpose makes it varying: that step is
-        a pvary, whose own transpose is the psum a second derivative needs (written as plain
-        ops instead, it would be differentiated as the identity)."""
-        if differentiable(g) and not self.vma(Vma.of(axes), axes, params).covers(axes):
-            g = ctx.apply(PVARY_RECORD, g, axes, ())
+        differentiated, the cotangent of a result invariant over ``axes`` (psum, pmax,
+        all_gather to "invariant", ...) holds one value there and the transpose makes it
+        varying: that step is a pvary, whose own transpose is the psum a second derivative
+        needs (written as plain ops instead, it would be differentiated as the identity). The
+        transpose then reaches the other instances only through records (``_rules``)."""
+        if differentiable(g) and not torch.compiler.is_compiling():
+            pvaried = self.invariant_result(axes, params)
+            if pvaried:
+                g = ctx.apply(PVARY_RECORD, g, axes, ())
+            ctx = _rules.checked(ctx, self.name, "transpose", pvaried)
         return self.transpose(ctx, g, axes, params, node)
+
+    def tangent(self, ctx: SpmdContext, t: Tensor, axes: Axes, params: Params, node: Any) -> Tensor:
+        """The jvp, as the autograd bridge applies it (under the rule for primitives when the
+        tangent is differentiated again)."""
+        if differentiable(t) and not torch.compiler.is_compiling():
+            ctx = _rules.checked(ctx, self.name, "jvp", False)
+        return self.jvp(ctx, self, t, axes, params, node)
 
     def bind(self, x: Any, axis_name: Any, *args: Any) -> Any:
         """Apply the collective to ``x`` (a tensor or a pytree of tensors) in the active call."""
@@ -165,7 +200,7 @@ def _apply(
             t = implicit_pvary(ctx, t, vma.missing(axes))
             vma = vma.add(axes)
         elif policy is REQUIRE_VARYING:
-            raise_invariant_operand(ctx, rec.name, t, axes)
+            raise_invariant_operand(ctx, rec, t, axes, params)
         else:  # DROP_INVARIANT
             axes = vma.present(axes)
             if not axes:
@@ -202,7 +237,7 @@ def tag_derivatives(
     backward = () if back is None else (event(back, "backward", out),)
     tangent = tuple(event(op, "tangent", t) for op in rec.tangent_ops)
     again: tuple[CommEvent, ...] = ()
-    if rec.forward_event and not rec.vma(Vma.of(axes), axes, params).covers(axes):
+    if rec.forward_event and rec.invariant_result(axes, params):
         again = (event("psum", "backward", out),)
     elif rec.forward_event and back is not None:
         again = (event(rec.name, "backward", t),)
@@ -263,20 +298,6 @@ def _apply_alone(
     with DisableTorchFunction():  # the forward's own ops need no type: the result is stamped
         out = rec.forward(GroupOfOne(ctx), t, axes, params, False)
     return ctx.stamp(out, rec.vma(vma, axes, params))
-
-
-def raise_invariant_operand(ctx: SpmdContext, op: str, t: Tensor, axes: Axes) -> None:
-    vma = ctx.vma(t)
-    invariant = vma.missing(axes)
-    fix = " * ".join(f"axis_size({a!r})" for a in invariant)
-    raise VmaError(
-        f"{op} in {ctx.fn_label}: the operand is invariant over {invariant} (its type is "
-        f"{type_text(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}), so {op} over {axes} "
-        "would add identical copies and multiply it by "
-        f"{' * '.join(str(ctx.mesh.shape[a]) for a in invariant)}. JAX does that silently; "
-        f"named_spmd refuses. Fix: drop {invariant} from the collective's axes if the value is "
-        f"already the total, or write x * {fix} if you really mean to multiply."
-    )
 
 
 def same_vma(vma: Vma, axes: Axes, params: Params) -> Vma:

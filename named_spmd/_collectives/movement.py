@@ -12,7 +12,7 @@ from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 from .._layout import split_blocks, unstack_dim
 from .._types import Vma
-from ._checks import check_divisible, check_reducible, checked_dim
+from ._checks import Invariant, axis_sizes, axis_text, check_divisible, check_reducible, checked_dim
 from ._record import (
     PVARY,
     RECORDS,
@@ -164,6 +164,29 @@ def _psum_scatter_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: P
     return (d, bool(tiled))
 
 
+def _psum_scatter_of_invariant(op: Invariant) -> str:
+    dim, tiled = op.params
+    scattered = f"ns.psum_scatter(ns.pvary(x, {axis_text(op.invariant)}), ...)"
+    if len(op.invariant) == len(op.axes):  # x is the same on every member: its block is here
+        blocks = f"x.unflatten({dim}, ({op.size}, -1))" if tiled else "x"
+        index = f"ns.axis_index({axis_text(op.axes)}).reshape(1)"
+        fix = (
+            "if x is already the total, take this member's block without communication: "
+            f"{blocks}.index_select({dim}, {index}).squeeze({dim})"
+        )
+    else:
+        fix = (
+            f"if x is already the total over {op.invariant}, scatter it as varying and divide: "
+            f"{scattered} / ({axis_sizes(op.invariant)})"
+        )
+    return (
+        f"psum_scatter over {op.axes} would add {op.copies} identical copies before scattering: "
+        f"each member would get {op.copies} times its block. JAX does that silently; named_spmd "
+        f"refuses. Fix: {fix}; or write {scattered} if you really mean {op.copies} times the "
+        "block."
+    )
+
+
 def _psum_scatter_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
@@ -195,6 +218,7 @@ PSUM_SCATTER = Collective(
     ),
     backward_op=backward_op("all_gather"),
     check=_psum_scatter_check,
+    invariant_operand=_psum_scatter_of_invariant,
     batched=lambda params: (params[0] + 1, *params[1:]),
 )
 

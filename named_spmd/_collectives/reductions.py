@@ -11,7 +11,7 @@ import torch
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 from . import _donation
-from ._checks import check_reducible
+from ._checks import Invariant, axis_sizes, check_reducible
 from ._record import (
     DROP_INVARIANT,
     RECORDS,
@@ -59,6 +59,15 @@ def _identity_transpose(
     return g
 
 
+def _psum_of_invariant(op: Invariant) -> str:
+    return (
+        f"psum over {op.axes} would add {op.copies} identical copies of it and multiply it by "
+        f"{op.copies}. JAX does that silently; named_spmd refuses. Fix: drop {op.invariant} from "
+        "the collective's axes if the value is already the total, or write "
+        f"x * {axis_sizes(op.invariant)} if you really mean to multiply."
+    )
+
+
 def _summable(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
     check_reducible(ctx, t, "psum", "sum")
     return params
@@ -74,6 +83,7 @@ PSUM = Collective(
     transpose=_identity_transpose,  # pvary: the same data, no communication
     backward_op=no_backward_op,
     donates=True,
+    invariant_operand=_psum_of_invariant,
     unreduced="reduce",  # of a partial sum: the total (U -> I; transpose I -> R, no communication)
 )
 
