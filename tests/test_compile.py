@@ -6,7 +6,9 @@ collective per collective the eager call's ``ns.CommMode`` counts. Every backend
 gradients against the eager call (float64, 1e-10), ``fullgraph=True``, three steps and one
 compiled frame (no recompilation); ``eager`` checks that a compiled call raises the eager call's
 error. Budget on the shared 2-core machine: 2-10 minutes per backend (Dynamo, aot_autograd and
-Inductor compile every program on 4 processes).
+Inductor compile every program on 4 processes); aot_eager's dtype matrix adds about 6 minutes
+of CPU per rank (41 dtypes, about 8 s each: one trace of the programs a dtype runs, one per
+program it refuses).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_launch import launch  # noqa: E402
 from compile_worker import CASES  # noqa: E402
+from faults_worker import DTYPES  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -55,7 +58,7 @@ ERRORS = [
 BACKENDS = ["count", "eager", "aot_eager", "inductor"]
 ERRORS_WITH = "eager"  # the backend the errors are checked with
 # checked with one backend only
-EXTRA = {"inductor": ["two_tp_layers"], "aot_eager": [*CASES, "training_step"]}
+EXTRA = {"inductor": ["two_tp_layers"], "aot_eager": [*CASES, "training_step", "dtypes"]}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +104,9 @@ def test_graphs_carry_the_eager_calls_collectives(launched):
 def test_compiled_calls_equal_eager(launched, backend):
     # aot_eager also runs the user-code cases (compile_worker.CASES: ns.random draws, int and
     # dict arguments, a graph break inside the call) and a whole training step, with their
-    # graph counts (tests/test_compile_simulated.py runs them on the simulated mesh)
+    # graph counts (tests/test_compile_simulated.py runs them on the simulated mesh), and the
+    # dtype matrix (compile_worker.check_dtypes: the eager call's bits or error per dtype and
+    # collective; test_faults.py compares the eager call with the simulated mesh)
     extra = EXTRA.get(backend, [])
     results = _run(launched, backend)
     if backend == "aot_eager":  # the eager call after a compiled call made first on its mesh
@@ -109,6 +114,8 @@ def test_compiled_calls_equal_eager(launched, backend):
         graphs = {r["program"]: r["graphs"] for r in results if r["program"] in extra}
         assert graphs["random_draws"] == graphs["int_argument"] == 2, graphs
         assert graphs["graph_break_dict"] == 0, graphs
+        # every dtype torch has through every collective, as the eager call (check_dtypes)
+        assert [r["dtypes"] for r in results if r["program"] == "dtypes"] == [len(DTYPES)]
     else:  # compiled calls under CommMode (compile_worker.check_comm_mode)
         assert any(r.get("comm_mode") for r in results)
 
