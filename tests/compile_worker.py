@@ -35,6 +35,7 @@ from _programs import (
     torch_ops,
     tp_sp_block,
 )
+from faults_worker import DTYPE_PROGRAMS, DTYPES, described, dtype_call, dtype_input
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._functorch.aot_autograd import make_boxed_func
@@ -459,6 +460,78 @@ def check_training_step(name: str, backend: str) -> dict:
     return {"graphs": graphs, "dense_graphs": dense, "problems": problems}
 
 
+# --- dtypes: every dtype torch has through every collective, as the eager call ----------------
+
+
+def _outcome(call) -> dict:
+    try:
+        return {"value": described(ns.to_local(call()))}
+    except Exception as e:  # noqa: BLE001 - compared with the compiled call's
+        return {"error": type(e).__name__, "message": str(e)}
+
+
+def _together(mesh, names: list[str], check_vma: bool):
+    """The dtype programs ``names`` as one mapped function of one input per program."""
+    programs = [DTYPE_PROGRAMS[n] for n in names]
+
+    def every(*xs):
+        return tuple(fn(x) for (fn, *_), x in zip(programs, xs))
+
+    in_specs, out_specs = tuple(p[1] for p in programs), tuple(p[2] for p in programs)
+    return ns.spmd_map(
+        every, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+    )
+
+
+def check_dtypes(name: str, backend: str) -> dict:
+    """faults_worker's dtype matrix compiled (fullgraph=True): every dtype torch has (but the
+    quantized ones) through every collective and the call boundary's communication, each rank's
+    block bit for bit, or the error, as the eager call (which test_faults.py compares with the
+    simulated mesh). The programs the eager call runs for a dtype are compiled as one call (one
+    trace per dtype, not per program); each refused one on its own, raising at trace time."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    problems: list[str] = []
+    for dtype in DTYPES:
+        x = dtype_input(dtype)
+        eager = {n: _outcome(lambda: dtype_call(mesh, dtype, n)) for n in DTYPE_PROGRAMS}
+        ran = [n for n, o in eager.items() if "value" in o]
+        for check_vma in (True, False):
+            names = [n for n in ran if DTYPE_PROGRAMS[n][3] is check_vma]
+            if names:
+                f = _together(mesh, names, check_vma)
+                got = _outcome_each(f, backend, len(names), x)
+                problems += [
+                    f"{dtype} {n}: compiled {o}, eager {eager[n]}"
+                    for n, o in zip(names, got)
+                    if o != eager[n]
+                ]
+        for n in (n for n in DTYPE_PROGRAMS if n not in ran):
+            fn, in_spec, out_spec, check_vma = DTYPE_PROGRAMS[n]
+            f = ns.spmd_map(
+                fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=check_vma
+            )
+            o = _outcome_each(f, backend, 1, x)[0]
+            want = eager[n]
+            if "error" not in o or not (
+                want["error"] in o["message"] and want["message"].split("\n")[0] in o["message"]
+            ):
+                problems.append(f"{dtype} {n}: compiled {o}, eager {want}")
+    return {"dtypes": len(DTYPES), "problems": problems}
+
+
+def _outcome_each(f, backend: str, n: int, x: torch.Tensor) -> list[dict]:
+    """``f`` compiled, called on ``n`` copies of ``x``: each output described, or the error
+    (raised while Dynamo traces: its cause, which quotes ours) for every output."""
+    torch._dynamo.reset()
+    try:
+        outs = torch.compile(f, backend=backend, fullgraph=True)(*[x] * n)
+    except Exception as e:  # noqa: BLE001 - compared with the eager call's
+        cause = e.__cause__ or e
+        return [{"error": type(e).__name__, "message": _unquoted(str(cause))}] * n
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return [{"value": described(ns.to_local(y))} for y in outs]
+
+
 # --- errors: the compiled call raises the eager call's error ------------------------------------
 
 
@@ -588,6 +661,7 @@ def main() -> None:
         "errors": check_error,
         "cases": check_case,
         "training": check_training_step,
+        "dtypes": check_dtypes,
     }
     failed = False
     for backend, todo in plan.items():

@@ -22,6 +22,8 @@
   first calls (rank 3 late past the board's grace) must give the right sums.
 * ``bystanders``: rank 0 fails where no rank needs it, then before a psum over "tp" that ranks
   2 and 3 complete without it: every rank must stop at its next call naming rank 0.
+* ``bystanders_nccl_path``: the first part of ``bystanders`` on a mesh forced onto NCCL's path
+  (no polled waits; the start-of-call check on a gloo group of its own).
 * ``debug_mismatch``: debug mode; a rank-dependent order of collectives, an extra collective
   on some ranks, and mismatched ops, shapes and ppermute pairs (over the whole mesh and within
   one "tp" group), again and again, each followed by a good call that must run.
@@ -223,11 +225,34 @@ def mesh_again(mesh, rank, iterations: int = 2):
         report(rank, f"again_{i}_new", lambda: [checked(late(X)) for _ in range(2)])
 
 
-def bystanders(mesh, rank, iterations: int = 1):
+def nccl_path_mesh():
+    """A gloo mesh on NCCL's path, forced by a test-only knob (``distributed._POLLED``): its
+    collectives waited for without polling the failure board, its start-of-call check on a gloo
+    group of its own, as on a mesh of CUDA devices."""
+    from named_spmd.backends import distributed
+
+    polled, distributed._POLLED = distributed._POLLED, frozenset()
+    try:
+        mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    finally:
+        distributed._POLLED = polled
+    assert not mesh.poll and mesh._check_group is not None, "not on NCCL's path"
+    return mesh
+
+
+def bystanders_nccl_path(mesh, rank):
+    """``bystanders``' first part on NCCL's path (phases ``nccl_alone_*``). Its second part, a
+    rank waiting in a collective for the failed one, is not run: NCCL's waits are not polled,
+    so that rank would wait for NCCL's own timeout."""
+    bystanders(mesh, rank, label="nccl_", in_collective=False)
+
+
+def bystanders(mesh, rank, iterations: int = 1, label: str = "", in_collective: bool = True):
     """Rank 0 raises where no rank needs it (no collective in the function): the others return,
     then every rank stops at the next call's start with the same RankFailedError, and the call
-    after runs. Then rank 0 raises before a psum over "tp": rank 1 waits for it, ranks 2 and 3
-    return; at their next call they stop naming rank 0 (and ranks 0 and 1 are out of step)."""
+    after runs. Then (``in_collective``) rank 0 raises before a psum over "tp": rank 1 waits for
+    it, ranks 2 and 3 return; at their next call they stop naming rank 0 (and ranks 0 and 1 are
+    out of step). ``label`` prefixes the phases."""
 
     from named_spmd.backends import _dist_failures
 
@@ -243,10 +268,12 @@ def bystanders(mesh, rank, iterations: int = 1):
     f = ns.spmd_map(alone, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P(("dp", "tp")))
     for i in range(iterations):
         alone.fail = True
-        report(rank, f"alone_{i}", lambda: f(X))
+        report(rank, f"{label}alone_{i}", lambda: f(X))
         alone.fail = False
-        report(rank, f"alone_{i}_next", lambda: f(X))
-        report(rank, f"alone_{i}_then", lambda: checked(slow_psum(mesh, rank)(X)))
+        report(rank, f"{label}alone_{i}_next", lambda: f(X))
+        report(rank, f"{label}alone_{i}_then", lambda: checked(slow_psum(mesh, rank)(X)))
+    if not in_collective:
+        return
 
     def by_tp(x):
         if rank == 0:
@@ -403,7 +430,8 @@ def main() -> None:
     if scenario == "in_make_mesh":
         return in_make_mesh(rank)
     for part in scenario.split("+"):  # several in one launch, each on a mesh of its own
-        globals()[part](ns.make_mesh((2, 2), ("dp", "tp")), rank)
+        nccl_path = part.endswith("_nccl_path")
+        globals()[part](nccl_path_mesh() if nccl_path else ns.make_mesh((2, 2), ("dp", "tp")), rank)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ One launch runs every compile backend (``PLAN``); one test per backend reads its
 ``_c10d_functional`` collective per collective the eager call's ``ns.CommMode`` counts. Every
 program checks values and gradients against the eager call (float64, 1e-10), ``fullgraph=True``,
 three steps and one compiled frame (no recompilation); ``eager`` checks that a compiled call
-raises the eager call's error. Each result carries the seconds its check took.
+raises the eager call's error. aot_eager also runs the dtype matrix
+(41 dtypes). Each result carries the seconds its check took.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_launch import launch  # noqa: E402
 from compile_worker import CASES  # noqa: E402
+from faults_worker import DTYPES  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -62,6 +64,7 @@ PLAN = {
         "compiled_first": ["megatron_biases@4"],
         "cases": list(CASES),
         "training": ["training_step"],
+        "dtypes": ["dtypes"],
     },
     "inductor": {
         "programs": INDUCTOR_PROGRAMS,
@@ -109,7 +112,9 @@ def test_graphs_carry_the_eager_calls_collectives(launched):
 def test_compiled_calls_equal_eager(launched, backend):
     # aot_eager also runs the user-code cases (compile_worker.CASES: ns.random draws, int and
     # dict arguments, a graph break inside the call) and a whole training step, with their
-    # graph counts (tests/test_compile_simulated.py runs them on the simulated mesh)
+    # graph counts (tests/test_compile_simulated.py runs them on the simulated mesh), and the
+    # dtype matrix (compile_worker.check_dtypes: the eager call's bits or error per dtype and
+    # collective; test_faults.py compares the eager call with the simulated mesh)
     results = _run(launched, backend)
     if backend == "aot_eager":  # the eager call after a compiled call made first on its mesh
         assert any(r.get("compiled_first") for r in results)
@@ -117,6 +122,8 @@ def test_compiled_calls_equal_eager(launched, backend):
         graphs = {r["program"]: r["graphs"] for r in results if r["program"] in cases}
         assert graphs["random_draws"] == graphs["int_argument"] == 2, graphs
         assert graphs["graph_break_dict"] == 0, graphs
+        # every dtype torch has through every collective, as the eager call (check_dtypes)
+        assert [r["dtypes"] for r in results if r["program"] == "dtypes"] == [len(DTYPES)]
     else:  # compiled calls under CommMode (compile_worker.check_comm_mode)
         assert any(r.get("comm_mode") for r in results)
 

@@ -63,7 +63,8 @@ def loaded():
     a mesh of its own): the dtype matrix, meshes made again, ranks that never needed the failing
     one, and debug mode's mismatches caught again and again."""
     with busy(1):
-        lines, tail = run_lines("dtypes+mesh_again+bystanders+debug_mismatch", timeout=300)
+        scenarios = "dtypes+mesh_again+bystanders+bystanders_nccl_path+debug_mismatch"
+        lines, tail = run_lines(scenarios, timeout=300)
     return lines, {(o["rank"], o["phase"]): o for o in lines}, tail
 
 
@@ -384,17 +385,7 @@ def test_ranks_that_never_needed_the_failing_rank_stop_at_their_next_call_naming
     call blamed another rank (the out-of-step error of a rank that had waited for it) and the
     failing rank's error was named nowhere."""
     _, outcomes, tail = loaded
-    for rank in range(WORLD):
-        o = outcomes[rank, "alone_0"]
-        assert o.get("ok") if rank else o["error"] == "ValueError", (o, tail)
-        o = outcomes[rank, "alone_0_next"]  # every rank alike, before any collective
-        assert o["error"] == "RankFailedError", o
-        assert (
-            f"{named(0)} failed inside spmd_map: ValueError: rank 0 fails where nobody"
-            in (o["message"])
-        ), o
-        assert "Ranks [1, 2, 3] finished that call (spmd_map call #1)" in o["message"], o
-        assert outcomes[rank, "alone_0_then"].get("ok"), outcomes[rank, "alone_0_then"]
+    _stopped_at_the_next_call(outcomes, tail, "")
     for rank in (2, 3):  # their tp group completed without rank 0
         assert outcomes[rank, "by_tp"].get("ok"), outcomes[rank, "by_tp"]
         o = outcomes[rank, "by_tp_next"]
@@ -408,6 +399,32 @@ def test_ranks_that_never_needed_the_failing_rank_stop_at_their_next_call_naming
     for rank in (0, 1):  # left inside a collective with rank 0 (rank 1): out of step
         o = outcomes[rank, "by_tp_next"]
         assert o["error"] == "SpmdError" and "restart the job" in o["message"], o
+
+
+def _stopped_at_the_next_call(outcomes: dict, tail: str, label: str) -> None:
+    """Rank 0 failed where no rank needed it: every rank stops at its next call naming it, and
+    the call after runs (faults_worker.bystanders)."""
+    for rank in range(WORLD):
+        o = outcomes[rank, f"{label}alone_0"]
+        assert o.get("ok") if rank else o["error"] == "ValueError", (o, tail)
+        o = outcomes[rank, f"{label}alone_0_next"]  # every rank alike, before any collective
+        assert o["error"] == "RankFailedError", o
+        assert (
+            f"{named(0)} failed inside spmd_map: ValueError: rank 0 fails where nobody"
+            in (o["message"])
+        ), o
+        assert "Ranks [1, 2, 3] finished that call (spmd_map call #1)" in o["message"], o
+        then = outcomes[rank, f"{label}alone_0_then"]
+        assert then.get("ok"), (then, tail)
+
+
+def test_bystanders_stop_naming_the_failing_rank_on_nccls_path_too(loaded):
+    """Item: on NCCL the start-of-call check was skipped (only gloo's waits are polled), so the
+    ranks that never needed the failing rank returned and went on, and its error was named
+    nowhere. The check runs on every device type (on a gloo group of its own where the mesh's
+    groups are not polled): a mesh forced onto NCCL's path on gloo behaves as a gloo mesh."""
+    _, outcomes, tail = loaded
+    _stopped_at_the_next_call(outcomes, tail, "nccl_")
 
 
 def test_debug_mode_lists_mismatched_collectives_and_the_mesh_stays_usable(loaded):
@@ -463,12 +480,20 @@ def test_a_debug_exchange_decides_alike_for_every_member_of_the_group():
 
 
 def test_dtypes_gloo_lacks_are_reduced_through_a_wider_dtype_exactly():
-    """The wire forms of _dist_comm, in one process: int16/uint16/uint32 sums wrap as in their
-    own dtype after the cast back; uint64 read as int64 bits sums modulo 2**64 and, XORed with
-    the sign bit, keeps the order (max, min) of the unsigned values; a bool sum is an "or"."""
+    """The wire forms of _dist_comm (both the eager and the compiled collectives use them), in
+    one process: int16/uint16/uint32 sums wrap as in their own dtype after the cast back; uint64
+    read as int64 bits sums modulo 2**64 and, XORed with the sign bit, keeps the order (max,
+    min) of the unsigned values; a bool sum is an "or"; a complex value is reduced as pairs of
+    reals; a dtype gloo cannot move travels as its bytes, bit for bit."""
     import torch
 
     from named_spmd.backends import _dist_comm as comm
+
+    def summed(parts):  # what the backend does to the wires, then the way back
+        wire, back = comm.reduce_wire(parts[0].clone(), True, "test")
+        for p in parts[1:]:
+            wire = wire + comm.reduce_wire(p.clone(), True, "test")[0]
+        return back(wire)
 
     g = torch.Generator().manual_seed(0)
     for dtype, bits in ((torch.int16, 16), (torch.uint16, 16), (torch.uint32, 32)):
@@ -476,25 +501,19 @@ def test_dtypes_gloo_lacks_are_reduced_through_a_wider_dtype_exactly():
         parts = [torch.randint(lo, top, (64,), generator=g).to(dtype) for _ in range(4)]
         total = torch.stack([p.to(torch.int64) for p in parts]).sum(0)
         want = ((total - lo) % 2**bits + lo).to(dtype)  # the sum wrapped into the dtype
-        buf = parts[0].clone()
-        wire, back = comm._reduced(buf, comm.SUM, "test")
-        for p in parts[1:]:  # what the backend does to the wire
-            wire += comm._reduced(p.clone(), comm.SUM, "test")[0]
-        back()
-        assert torch.equal(buf, want), dtype
+        assert torch.equal(summed(parts), want), dtype
     values = [0, 1, 2**63 - 1, 2**63, 2**64 - 1, 12345678901234567890]
     t = torch.tensor([v - 2**64 if v >= 2**63 else v for v in values]).view(torch.uint64)
-    wire, back = comm._reduced(t.clone(), comm.MAX, "test")
+    wire, back = comm.reduce_wire(t.clone(), False, "test")
     assert sorted(range(len(values)), key=lambda i: int(wire[i])) == sorted(
         range(len(values)), key=lambda i: values[i]
     )
-    buf = t.clone()
-    wire, back = comm._reduced(buf, comm.MAX, "test")
-    back()
-    assert torch.equal(buf.view(torch.int64), t.view(torch.int64))  # the round trip
-    flags = torch.tensor([True, True, False, False])
-    buf = flags.clone()
-    wire, back = comm._reduced(buf, comm.SUM, "test")
-    wire += comm._reduced(torch.tensor([True, False, True, False]), comm.SUM, "test")[0]
-    back()
-    assert buf.tolist() == [True, True, True, False]
+    assert torch.equal(back(wire).view(torch.int64), t.view(torch.int64))  # the round trip
+    flags = [torch.tensor([True, True, False, False]), torch.tensor([True, False, True, False])]
+    assert summed(flags).tolist() == [True, True, True, False]
+    z = [torch.randn(3, dtype=torch.complex64, generator=g) for _ in range(2)]
+    assert torch.equal(summed(z), z[0] + z[1])
+    f8 = torch.arange(16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    moved = comm.on_wire(f8, lambda b: torch.stack([b, b]))  # an all_gather of 2, say
+    assert moved.dtype == f8.dtype and moved.shape == (2, 16)
+    assert torch.equal(moved.view(torch.uint8), torch.arange(16, dtype=torch.uint8).repeat(2, 1))

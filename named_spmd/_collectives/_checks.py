@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from .. import _torch_private as P
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError, VmaError
 from .._types import type_text
@@ -119,9 +120,7 @@ _REDUCE: dict[str, Any] = {"sum": torch.sum, "max": torch.amax, "min": torch.ami
 
 
 @functools.cache
-def _torch_reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
-    """Whether torch computes ``reduction`` of ``dtype`` tensors on ``device_type`` (float8,
-    bit and sub-byte dtypes have no sum on CPU; unsigned 16- to 64-bit integers no amax)."""
+def _reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
     try:
         _REDUCE[reduction](torch.zeros(2, dtype=dtype, device=device_type), 0)
     except (RuntimeError, NotImplementedError, TypeError):
@@ -129,14 +128,36 @@ def _torch_reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool
     return True
 
 
+@functools.cache
+def _copies(dtype: torch.dtype) -> bool:
+    try:
+        torch.empty(1, dtype=dtype).clone()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+# The probes below ask torch itself, on real tensors. While torch.compile traces a call they run
+# eagerly at trace time (``_traced`` marks them ``assume_constant_result``: a traced probe would
+# ask fake tensors, or Dynamo would trace it), so a compiled call is refused where an eager one is.
+def torch_reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
+    """Whether torch computes ``reduction`` of ``dtype`` tensors on ``device_type`` (float8,
+    bit and sub-byte dtypes have no sum on CPU; unsigned 16- to 64-bit integers no amax)."""
+    with P.DisableTorchFunction(), P.no_dispatch_modes():
+        return _reduces(dtype, device_type, reduction)
+
+
+def torch_copies(dtype: torch.dtype) -> bool:
+    """Whether torch has a copy kernel for ``dtype`` (none for int1..int7, uint1..uint7)."""
+    with P.DisableTorchFunction(), P.no_dispatch_modes():
+        return _copies(dtype)
+
+
 def check_reducible(ctx: SpmdContext, t: torch.Tensor, op: str, reduction: str) -> None:
     """A reduction of a dtype torch cannot reduce is refused before any communication, alike on
     every backend (the simulated one reduces with torch's own ops; a real one could not either:
-    gloo refuses most such dtypes mid-collective). Not while torch.compile traces: Dynamo would
-    trace the probe, so a compiled call leaves such a dtype to torch's own error."""
-    if torch.compiler.is_compiling():
-        return
-    if not _torch_reduces(t.dtype, t.device.type, reduction):
+    gloo refuses most such dtypes mid-collective); a compiled call at trace time."""
+    if not torch_reduces(t.dtype, t.device.type, reduction):
         raise CollectiveError(
             f"{op} in {ctx.fn_label}: the operand is {t.dtype}, which torch cannot "
             f"{reduction} on {t.device.type} (torch.{_REDUCE[reduction].__name__} refuses it "
@@ -151,19 +172,16 @@ _COPYABLE: set[torch.dtype] = set()  # dtypes torch has a copy kernel for, as fo
 def check_copyable(ctx: SpmdContext, op: str, t: torch.Tensor) -> None:
     """Every communicating collective copies its operand somewhere; torch has no copy kernel for
     the sub-byte dtypes (int1..int7, uint1..uint7), so each backend would fail at a different
-    point (a rank-dependent one on a real mesh): refused up front, alike (not while torch.compile
-    traces, as :func:`check_reducible`)."""
-    if torch.compiler.is_compiling() or t.dtype in _COPYABLE:
-        return
-    try:
-        torch.empty(1, dtype=t.dtype).clone()
-    except (RuntimeError, NotImplementedError):
+    point (a rank-dependent one on a real mesh): refused up front, alike (a compiled call at
+    trace time)."""
+    if not torch_copies(t.dtype):
         raise CollectiveError(
             f"{op} in {ctx.fn_label}: the operand is {t.dtype}, which torch cannot copy (it has "
             f"no copy kernel for it), so no collective can move it. Fix: {op} of "
             "x.view(torch.uint8) and view the result back with .view(" + str(t.dtype) + ")."
         ) from None
-    _COPYABLE.add(t.dtype)
+    if not torch.compiler.is_compiling():  # (a set Dynamo would guard on: see _record._apply)
+        _COPYABLE.add(t.dtype)
 
 
 # --- an operand invariant over some of the axes (REQUIRE_VARYING records) ---------------------

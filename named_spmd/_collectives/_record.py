@@ -187,7 +187,7 @@ def _apply(
     the backend's run of the forward, and the result's type."""
     # a set lookup (this path is hot), not read while traced: Dynamo would guard on the set's
     # contents, and the first eager call after a compiled one, which adds to it, recompiles
-    if rec.forward_event and not torch.compiler.is_compiling() and t.dtype not in _COPYABLE:
+    if rec.forward_event and (torch.compiler.is_compiling() or t.dtype not in _COPYABLE):
         check_copyable(ctx, rec.name, t)
     if rec.check is not None:
         params = rec.check(ctx, t, axes, params)

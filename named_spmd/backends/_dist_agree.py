@@ -56,7 +56,7 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     known = mesh.board.known_failure()
     metadata = hash((local, known, *((x.shape, _dtype_code(x.dtype)) for x in tensors)))
     checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
-    comm = mesh.comm(mesh.axis_names)
+    comm = mesh.check_comm()
     started = comm.start_agree(checksum, "the start-of-call check")
     if active():  # a collective of the call: CommMode counts it, as a boundary event
         event = CommEvent("pmax", comm.axes, "forward", (2,), torch.int64, boundary=True)

@@ -33,11 +33,12 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 
 
 # --- dtypes on the wire --------------------------------------------------------------------------
-# Gloo moves and reduces only these dtypes (complex ones travel as pairs of their real dtype);
-# given another (int16, the unsigned 16- to 64-bit integers, float8, bit dtypes) it raises
-# mid-collective on some ranks, and the ranks fall out of step. So every other dtype is moved as
-# its bytes, and reduced through a wider integer dtype, exactly (the collectives' checks refuse,
-# on every backend alike, the reductions torch itself has no kernel for).
+# Gloo moves and reduces only these dtypes; given another (complex, int16, the unsigned 16- to
+# 64-bit integers, float8, bit dtypes) it raises mid-collective on some ranks, and the ranks fall
+# out of step. So complex values travel as pairs of their real dtype, every other dtype is moved
+# as its bytes and reduced through a wider integer dtype, exactly (the collectives' checks refuse,
+# on every backend alike, the reductions torch itself has no kernel for). The functions below are
+# functional: the eager collectives (here) and the traced ones (``_dist_compile``) share them.
 _NATIVE = frozenset(
     {
         *(torch.float16, torch.bfloat16, torch.float32, torch.float64),
@@ -48,36 +49,45 @@ _WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: tor
 _SIGN64 = -(2**63)  # uint64 XOR this, read as int64, keeps the order (max, min)
 
 
-def _as_bytes(x: torch.Tensor, run: Any) -> torch.Tensor:
-    """``run(x)`` for a data movement (its result shaped like ``x`` but for leading dims): on a
-    view of ``x``'s bytes (one more dim, of the item size) where gloo cannot move ``x``'s dtype,
-    the result viewed back, bit for bit. The movement's own copies then run on bytes too, which
-    torch has kernels for where it has none for the dtype (the sub-byte ones)."""
-    if x.dtype in _NATIVE or x.is_complex():
+def on_wire(x: torch.Tensor, run: Any) -> torch.Tensor:
+    """``run(x)`` for a data movement (its result a fresh contiguous tensor of ``x``'s dtype,
+    shaped like ``x`` but for leading dims), on a dtype the backend moves: a complex ``x`` as
+    pairs of reals, another dtype gloo lacks as a view of its bytes (one more dim, of the item
+    size); the result viewed back, bit for bit. The movement's own copies then run on bytes too,
+    which torch has kernels for where it has none for the dtype (the sub-byte ones)."""
+    if x.dtype in _NATIVE:
         return run(x)
+    if x.is_complex():
+        return torch.view_as_complex(on_wire(torch.view_as_real(x), run))
     return run(x.unsqueeze(-1).view(torch.uint8)).view(x.dtype).squeeze(-1)
 
 
-def _reduced(t: torch.Tensor, op, where: str) -> tuple[torch.Tensor, Any]:
-    """``(wire, back)``: ``t`` in a dtype the backend reduces with ``op``, exactly, and the
-    function that writes the reduced wire back into ``t`` (None when the wire is ``t``)."""
-    t = _real(t)
-    if t.dtype is torch.bool and op == SUM:  # gloo adds their bytes (True + True = 2): the
+def _same(wire: torch.Tensor) -> torch.Tensor:
+    return wire
+
+
+def reduce_wire(t: torch.Tensor, summed: bool, where: str) -> tuple[torch.Tensor, Any]:
+    """``(wire, back)``: ``t`` in a dtype the backend reduces exactly (a sum if ``summed``, else a
+    max or min): ``t`` itself, a view of its bits, or a wider copy; and ``back``, the reduced
+    wire -> the value in ``t``'s dtype (a view of the wire where the wire is a view of ``t``, so
+    that a reduction in place of such a wire leaves its result in ``t``)."""
+    if t.is_complex():
+        wire, back = reduce_wire(torch.view_as_real(t), summed, where)
+        return wire, lambda w: torch.view_as_complex(back(w))
+    if t.dtype is torch.bool and summed:  # gloo adds their bytes (True + True = 2): the
         # sum of truth values is their "or", as on the simulated mesh
-        wire = t.to(torch.int32)
-        return wire, lambda: t.copy_(wire)  # nonzero: True
+        return t.to(torch.int32), lambda w: w.to(torch.bool)  # nonzero: True
     if t.dtype in _NATIVE:
-        return t, None
+        return t, _same
     wider = _WIDER.get(t.dtype)
     if wider is not None:  # integers: the sum wraps alike after the cast back
-        wire = t.to(wider)
-        return wire, lambda: t.copy_(wire)
+        dtype = t.dtype
+        return t.to(wider), lambda w: w.to(dtype)
     if t.dtype is torch.uint64:  # the same bits summed modulo 2**64; ordered after the XOR
         bits = t.view(torch.int64)
-        if op == SUM:
-            return bits, None
-        wire = bits ^ _SIGN64
-        return wire, lambda: bits.copy_(wire ^ _SIGN64)
+        if summed:
+            return bits, lambda w: w.view(torch.uint64)
+        return bits ^ _SIGN64, lambda w: (w ^ _SIGN64).view(torch.uint64)
     raise SpmdError(  # the collectives' checks refuse these first; an internal caller must not
         f"{where}: torch.distributed cannot reduce {t.dtype}. Fix: reduce x.to(torch.float32)."
     )
@@ -100,8 +110,18 @@ def permute_splits(pairs, me: int, numel: int, group_rank) -> tuple:
 class Comm:
     """The group of ``axes`` seen from this rank, in tuple order."""
 
-    def __init__(self, mesh: Any, axes: tuple[str, ...], group: Any, tuple_ranks: list[int]):
+    def __init__(
+        self,
+        mesh: Any,
+        axes: tuple[str, ...],
+        group: Any,
+        tuple_ranks: list[int],
+        poll: bool | None = None,
+    ):
         self.mesh = mesh  # a DistributedMesh: board (failures), debug flag, poll flag
+        # wait in slices, watching for failed peers (the mesh's flag unless told: the check
+        # group of a mesh whose own groups are not polled is)
+        self.poll = mesh.poll if poll is None else poll
         self.axes = axes
         self.group = group
         self.n = len(tuple_ranks)
@@ -123,18 +143,18 @@ class Comm:
         self._async_sum = self._reduce_opts(SUM)
         self._async_sum.asyncOp = True  # on CUDA too: NCCL's own stream, joined at the wait
         self._gather_opts = c10d.AllgatherOptions()
-        self._gather_opts.asyncOp = mesh.poll
+        self._gather_opts.asyncOp = self.poll
         self._scatter_opts = c10d.ReduceScatterOptions()
         # pybind converts a RedOpType to a ReduceOp implicitly; torch's stubs do not say so
         self._scatter_opts.reduceOp = SUM  # type: ignore[assignment]
-        self._scatter_opts.asyncOp = mesh.poll
+        self._scatter_opts.asyncOp = self.poll
         self._a2a_opts = c10d.AllToAllOptions()
-        self._a2a_opts.asyncOp = mesh.poll
+        self._a2a_opts.asyncOp = self.poll
 
     def _reduce_opts(self, op):
         opts = c10d.AllreduceOptions()
         opts.reduceOp = op
-        opts.asyncOp = self.mesh.poll
+        opts.asyncOp = self.poll
         return opts
 
     # --- plumbing -----------------------------------------------------------------------------
@@ -154,7 +174,7 @@ class Comm:
         self._wait(op, work)
 
     def _wait(self, op: str, work: Any) -> None:
-        if self.mesh.poll:
+        if self.poll:
             try:  # the common case, kept cheap: done within the first slice
                 work.wait(_SLICE)
                 return
@@ -194,17 +214,16 @@ class Comm:
 
     # --- collectives --------------------------------------------------------------------------
     def all_reduce_(self, buf: torch.Tensor, op=SUM, name: str = "psum") -> torch.Tensor:
-        """Reduce ``buf`` over the group in place (the caller owns it); returns it."""
+        """Reduce ``buf`` over the group (the caller owns it: reduced in place, unless its
+        dtype travels as a wider copy); returns the result."""
         self._before(name, buf)
-        wire, back = _reduced(buf, op, self._doing(name))
+        wire, back = reduce_wire(buf, op == SUM, self._doing(name))
         try:
             work = self.group.allreduce([wire], self._opts[op])
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
         self._wait(name, work)
-        if back is not None:
-            back()
-        return buf
+        return buf if back is _same else back(wire)
 
     def start_all_reduce_(self, buf: torch.Tensor, name: str = "psum") -> Any:
         """Start summing ``buf`` (owned by the caller) over the group in place; returns the work,
@@ -229,7 +248,7 @@ class Comm:
     def all_gather(self, x: torch.Tensor, name: str = "all_gather") -> torch.Tensor:
         """``[n, *x.shape]``: every member's ``x``, in tuple order."""
         self._before(name, x)
-        return _as_bytes(x, lambda t: self._all_gather(t, name))
+        return on_wire(x, lambda t: self._all_gather(t, name))
 
     def _all_gather(self, x: torch.Tensor, name: str) -> torch.Tensor:
         x = x.contiguous()
@@ -237,7 +256,7 @@ class Comm:
         opts = self._gather_opts
         # c10d splits the output along dim 0 into pieces shaped like the input: add a unit dim
         x1 = x.unsqueeze(0)
-        self._issue(name, lambda: self._gather(_real(out), _real(x1), opts))
+        self._issue(name, lambda: self._gather(out, x1, opts))
         return out if self._to_group is None else out.index_select(0, self._to_group)
 
     def reduce_scatter(self, stacked: torch.Tensor, name: str = "psum_scatter") -> torch.Tensor:
@@ -248,18 +267,16 @@ class Comm:
         self._before(name, stacked)
         out = stacked.new_empty((1, *stacked.shape[1:]))  # unit dim: see all_gather
         opts = self._scatter_opts
-        wire, back = _reduced(stacked, SUM, self._doing(name))
-        into, into_back = _reduced(out, SUM, self._doing(name))
+        wire, _ = reduce_wire(stacked, True, self._doing(name))
+        into, back = reduce_wire(out, True, self._doing(name))
         self._issue(name, lambda: self._scatter(into, wire, opts))
-        if into_back is not None:
-            into_back()
-        return out[0]
+        return back(into)[0]
 
     def all_to_all(self, stacked: torch.Tensor, name: str = "all_to_all") -> torch.Tensor:
         """Send chunk ``j`` of ``stacked`` ([n, *chunk]) to member ``j``; returns the received
         chunks ``[n_src, *chunk]`` in source tuple order."""
         self._before(name, stacked)
-        return _as_bytes(stacked, lambda t: self._all_to_all(t, name))
+        return on_wire(stacked, lambda t: self._all_to_all(t, name))
 
     def _all_to_all(self, stacked: torch.Tensor, name: str) -> torch.Tensor:
         if self._from_group is not None:
@@ -267,7 +284,7 @@ class Comm:
         stacked = stacked.contiguous()
         out = torch.empty_like(stacked)
         opts = self._a2a_opts
-        self._issue(name, lambda: self._a2a(_real(out), _real(stacked), [], [], opts))
+        self._issue(name, lambda: self._a2a(out, stacked, [], [], opts))
         return out if self._to_group is None else out.index_select(0, self._to_group)
 
     def permute(self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], name="ppermute"):
@@ -279,11 +296,11 @@ class Comm:
         be waited for in slices (a sender late by one slice broke the mesh), while a
         collective's work can."""
         self._before(name, x, f", pairs={sorted(pairs)}")
-        return _as_bytes(x, lambda t: self._permute(t, pairs, name))
+        return on_wire(x, lambda t: self._permute(t, pairs, name))
 
     def _permute(self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], name: str):
         me = self.index
-        block = _real(x.contiguous()).reshape(-1)  # kept alive here until the send completes
+        block = x.contiguous().reshape(-1)  # kept alive here until the send completes
         src, received, sent = permute_splits(pairs, me, block.numel(), self.group_rank)
         if src is None:
             out = torch.zeros_like(x, memory_format=torch.contiguous_format)
@@ -295,7 +312,7 @@ class Comm:
             return out  # every pair stays home: no member communicates
         nothing = block.new_empty(0)
         send = block if any(sent) else nothing
-        into = _real(out).view(-1) if any(received) else nothing
+        into = out.view(-1) if any(received) else nothing
         opts = self._a2a_opts
         self._issue(name, lambda: self._a2a(into, send, received, sent, opts))
         return out
@@ -303,7 +320,7 @@ class Comm:
     def broadcast(self, x: torch.Tensor, root: int, name: str = "broadcast") -> torch.Tensor:
         """Tuple member ``root``'s ``x``, in a fresh buffer."""
         self._before(name, x, f", root={root}")
-        return _as_bytes(
+        return on_wire(
             x,
             lambda t: self._broadcast_(t.clone(memory_format=torch.contiguous_format), root, name),
         )
@@ -313,6 +330,6 @@ class Comm:
         opts = c10d.BroadcastOptions()
         opts.rootRank = self.group_rank[root]
         opts.rootTensor = 0
-        opts.asyncOp = self.mesh.poll
-        self._issue(name, lambda: self.group.broadcast([_real(buf)], opts))
+        opts.asyncOp = self.poll
+        self._issue(name, lambda: self.group.broadcast([buf], opts))
         return buf

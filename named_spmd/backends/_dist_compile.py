@@ -36,7 +36,7 @@ from .._spec import PartitionSpec, output_settles
 from .._traced import CompiledVmaMode, TracedContext, route_view_attributes
 from .._tracking import TrackedContext
 from .._types import INVARIANT
-from ._dist_comm import permute_splits
+from ._dist_comm import on_wire, permute_splits, reduce_wire
 from ._dist_dtensor import grad_placements, placements
 from ._dist_io import (
     _FirstHolds,
@@ -102,13 +102,17 @@ class FuncolPrimitives:
     def pvary(self, x, axes):
         return x.view_as(x)
 
+    # Every primitive puts its operand on the wire as the eager collectives do (``_dist_comm``:
+    # dtypes gloo lacks as bytes or through a wider dtype), so both paths give the same bits.
     def all_reduce(self, x, axes, op, donate=False):
         name = _group(self.mesh, axes)[0]
-        if x.is_complex():
-            return torch.view_as_complex(_wait(_F.all_reduce(torch.view_as_real(x), op, name)))
-        return _wait(_F.all_reduce(x, op, name))
+        wire, back = reduce_wire(x, op == "sum", f"in {op} over {axes}")
+        return back(_wait(_F.all_reduce(wire, op, name)))
 
     def all_gather(self, x, axes):
+        return on_wire(x, lambda t: self._all_gather(t, axes))
+
+    def _all_gather(self, x, axes):
         name, n, _, order = _group(self.mesh, axes)
         out = _wait(_F.all_gather(x.contiguous(), n, name))
         return _from_group(out.reshape(n, *x.shape), order)
@@ -116,25 +120,29 @@ class FuncolPrimitives:
     def reduce_scatter(self, x, axes, dim):
         name, n, _, order = _group(self.mesh, axes)
         stacked = _to_group(x.movedim(dim, 0) if dim != 0 else x, order)
-        chunk = stacked.shape[1:]  # funcol splits dim 0 into n pieces: fold n into it
-        flat = stacked.contiguous()
-        flat = flat.reshape(-1, *chunk[1:]) if chunk else flat
+        wire, back = reduce_wire(stacked.contiguous(), True, f"in psum_scatter over {axes}")
+        chunk = wire.shape[1:]  # funcol splits dim 0 into n pieces: fold n into it
+        flat = wire.reshape(-1, *chunk[1:]) if chunk else wire
         out = _wait(_F.reduce_scatter(flat, "sum", n, name))
-        return out.reshape(chunk)
+        return back(out.reshape(chunk))
 
     def all_to_all(self, x, axes, dim):
+        moved = on_wire(x.movedim(dim, 0) if dim != 0 else x, lambda t: self._all_to_all(t, axes))
+        return moved.movedim(0, dim) if dim != 0 else moved
+
+    def _all_to_all(self, x, axes):
         name, n, _, order = _group(self.mesh, axes)
-        stacked = _to_group(x.movedim(dim, 0) if dim != 0 else x, order).contiguous()
+        stacked = _to_group(x, order).contiguous()
         per = stacked[0].numel()
         flat = stacked.reshape(n * per)
         out = _wait(_F.all_to_all(flat, [per] * n, [per] * n, name))
-        received = _from_group(out.reshape(stacked.shape), order)
-        return received.movedim(0, dim) if dim != 0 else received
+        return _from_group(out.reshape(stacked.shape), order)
 
     def permute(self, x, axes, pairs):
         """An all_to_all_single with one non-empty split each way, as on the eager path."""
-        if x.is_complex():
-            return torch.view_as_complex(self.permute(torch.view_as_real(x), axes, pairs))
+        return on_wire(x, lambda t: self._permute(t, axes, pairs))
+
+    def _permute(self, x, axes, pairs):
         name, n, me, order = _group(self.mesh, axes)
         block = x.contiguous().reshape(-1)
         to_group = range(n) if order is None else order
@@ -151,7 +159,7 @@ class FuncolPrimitives:
     def broadcast(self, x, axes, root):
         name, _, _, order = _group(self.mesh, axes)
         src = root if order is None else order[root]
-        return _wait(_F.broadcast(x.contiguous(), src, name))
+        return on_wire(x, lambda t: _wait(_F.broadcast(t.contiguous(), src, name)))
 
     def own_block(self, x, axes, dim):
         return x.select(dim, _group(self.mesh, axes)[2])
@@ -313,12 +321,11 @@ def _global_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -
 def _local_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     """This rank's block of output ``y`` (``_dist_io.local_output``)."""
     vma = ctx.vma(y)
-    unnamed_varying, named_invariant = output_settles(vma, spec, ctx.mesh.axis_names)
-    if unnamed_varying:  # check_vma=False: member 0's value, as on the other backends
-        first = ctx.axis_index(unnamed_varying) == 0
-        y = ctx.apply(
-            RECORDS["psum"], torch.where(first, y, torch.zeros_like(y)), unnamed_varying, ()
-        )
+    single = ctx.mesh.single_axes
+    unnamed_varying, named_invariant = output_settles(vma, spec, ctx.mesh.axis_names, single)
+    if unnamed_varying:  # check_vma=False: member 0's value, as on the other backends (a
+        # broadcast: bit for bit, of any dtype)
+        y = ctx.apply(RECORDS["pbroadcast"], y, unnamed_varying, (0,))
     reduced = tuple(a for a in ctx.mesh.axis_names if a in vma.reduced)
     reduced = tuple(a for a in reduced if a not in ctx.mesh.single_axes)
     if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent

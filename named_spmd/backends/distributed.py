@@ -119,7 +119,7 @@ class DistributedMesh(Mesh):
             )
         self.my_coords = dict(zip(names, coords))
         self.device = _device(device_type)
-        self.poll = device_type == "cpu"  # gloo: wait in slices, watching for failed peers
+        self.poll = device_type in _POLLED  # gloo: wait in slices, watching for failed peers
         self.debug = False
         self.pending_check: Callable[[], None] | None = None  # see _dist_agree.check_call_agrees
         self.gave_up = False  # this rank stopped waiting for a collective: see release_groups
@@ -130,6 +130,9 @@ class DistributedMesh(Mesh):
         register_process(store, self.rank)
         try:
             self._groups = _create_groups(device_mesh, names)
+            # the start-of-call check's group: the mesh's own where they are polled (gloo),
+            # else one gloo group of the mesh's ranks (the check's buffer is on the host)
+            self._check_group = None if self.poll else _host_group(ranks)
         except RuntimeError as e:  # a peer's sockets closed while the groups connect
             raise self.board.setup_failed(e) from None
         self.board.made()  # no rank leaves (and exits) while a peer still connects to it
@@ -148,9 +151,11 @@ class DistributedMesh(Mesh):
         its worker thread, which stays inside such a collective until the peers complete it or
         gloo's own timeout (30 minutes) passes: the process would hang at exit, in interpreter
         finalization, or pair with a late peer. Kept, the thread ends with the process."""
-        for group in self._groups.values() if self.gave_up else ():
+        groups = [*self._groups.values(), self._check_group]
+        for group in groups if self.gave_up else ():
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed, never joined
         self._groups.clear()
+        self._check_group = None
         self._comms.clear()
 
     def coords_of(self, rank: int) -> dict[str, int]:
@@ -172,9 +177,39 @@ class DistributedMesh(Mesh):
                 )
         return comm
 
+    def check_comm(self) -> Comm:
+        """The group of every rank of the mesh for the start-of-call check (``_dist_agree``):
+        polled, so a rank that waits there for a failed peer names it on every device type."""
+        if self._check_group is None:
+            return self.comm(self.axis_names)
+        comm = self._comms.get(("<check>",))
+        if comm is None:
+            with P.no_dispatch_modes():
+                comm = self._comms[("<check>",)] = Comm(
+                    self,
+                    self.axis_names,
+                    self._check_group,
+                    self._tuple_ranks(self.axis_names),
+                    True,
+                )
+        return comm
+
     def _tuple_ranks(self, axes: tuple[str, ...]) -> list[int]:
         members = group_coords(axes, self.my_coords, self._shape)  # row-major over axes
         return [int(self.grid[tuple(c[a] for a in self.axis_names)]) for c in members]
+
+
+# Device types whose process groups (gloo) are waited for in slices, reading the failure board
+# between slices. NCCL's are waited for without: its waits do not block the host.
+_POLLED = frozenset({"cpu"})
+
+
+def _host_group(ranks: list[int]) -> Any:
+    """A gloo group of ``ranks`` (in that order), created by every rank of the world alike."""
+    spans_world = len(ranks) == dist.get_world_size()
+    return dist.new_group(
+        ranks, backend="gloo", use_local_synchronization=not spans_world, **_UNSORTED
+    )
 
 
 def _device(device_type: str) -> torch.device:
@@ -423,7 +458,7 @@ def run(
     replay = None if traced else Replay(body, mesh, leaves, specs, planned=mesh.size > 1)
     board.check_in_step()  # (not posted: it reposts the failure it is a consequence of)
     try:
-        if mesh.poll and mesh.size > 1:
+        if mesh.size > 1:
             _begin(ctx, leaves, local_call)
         if replay is not None:
             replay.begin(ctx)
