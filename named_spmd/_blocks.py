@@ -1,5 +1,5 @@
 """Which tensor dims hold blocks of which mesh axes: the inference of unreduced values from the
-specs (docs/design.md section 8, "Inference from the specs").
+specs (docs/design.md section 2.3, "Inference from the specs").
 
 An input split by ``P("dp", "tp")`` holds, on each instance, one block of a global tensor: its dim
 0 holds blocks of ``dp``, its dim 1 blocks of ``tp``. Summing the local block over a dim holding

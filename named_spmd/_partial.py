@@ -1,5 +1,5 @@
 """The algebra of unreduced (U) and reduced (R) values: which torch ops keep a partial sum a
-partial sum, and which are errors (docs/design.md section 8).
+partial sum, and which are errors (docs/design.md section 2.2).
 
 A value unreduced over axis A is held as one partial sum per instance; the true value is their
 sum. An op on it is right only if it is *linear* in that value: the sum of the op's results is

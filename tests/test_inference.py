@@ -1,4 +1,4 @@
-"""Unreduced values inferred from the specs (named_spmd/_blocks.py, docs/design.md section 8).
+"""Unreduced values inferred from the specs (named_spmd/_blocks.py, docs/design.md section 2.3).
 
 Each program records ``ns.typeof`` of one value inside the function, on the simulated mesh and in
 ``.check()`` (the abstract backend); both must give the expected type. The inferred cases contract

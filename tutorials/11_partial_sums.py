@@ -52,7 +52,7 @@ def dense(x, w1, b1, w2, b2):
 # product is its part of the total. named_spmd infers that from the specs, with no annotation:
 # it tracks which dims hold blocks of which axis (from the in_specs, through views, transposes
 # and elementwise ops), and a contraction over a dim split over `tp` on both operands is
-# unreduced over `tp` (docs/design.md section 8). `ns.typeof` shows it.
+# unreduced over `tp` (docs/design.md section 2.3). `ns.typeof` shows it.
 
 # %%
 types = []
