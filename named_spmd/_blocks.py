@@ -146,7 +146,7 @@ _RULE_OF: dict = {}  # func -> its rule or None (memo: every op of a call with b
 
 
 def _rule(func: Any) -> Rule | None:
-    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 9)
+    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 7)
         return _RULE_LIST[RULE_INDEX[0](func)]
     try:
         return _RULE_OF[func]

@@ -139,7 +139,7 @@ def combine(
     ``vmas`` (at least one with U or R axes); raises a :class:`VmaError` naming the op, the
     user's line, the axis and the fix, or, for an op not known to be linear, returns a function
     that makes that error (raised only if the op returns a tensor: ``x.shape`` is fine)."""
-    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 9)
+    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 7)
         return _combine(ctx, func, args, kwargs, operands, vmas)
     # memo of the accepted ops: what decides is the op, the operands' types, which operand is
     # first, and whether a non-zero constant or a bias is added (a hot path: most programs

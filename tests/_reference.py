@@ -292,7 +292,7 @@ class _ReferenceOps:
         return x
 
     @staticmethod
-    def pcast(x, axis_name, *, to):  # the identity on every instance's data (section 8)
+    def pcast(x, axis_name, *, to):  # the identity on every instance's data (section 3)
         return x
 
     @staticmethod

@@ -144,7 +144,7 @@ def _sections(text: str) -> set[str]:
 
 
 #: "design.md section 2.3", "design.md, section 7", "design.md sections 2.2 and 3"
-_CITED = re.compile(r"design\.md,?\s+sections?\s+([\d.]+(?:(?:,|\s+and|-)\s*[\d.]+)*)")
+_CITED = re.compile(r"design(?:\.md)?,?\s+sections?\s+([\d.]+(?:(?:,|\s+and|-)\s*[\d.]+)*)")
 #: "design.md, "Known torch limits"" (a title, a paragraph's bold lead or a table row's)
 _TITLED = re.compile(r'design\.md,?\s+(?:section\s+[\d.]+,\s+)?"([^"]+)"')
 

@@ -127,7 +127,7 @@ def pcast(x: Any, axis_name: AxisName, *, to: str) -> Any:
         vma = ctx.vma(t)
         states = {vma.state(a) for a in axes}
         if to == "unreduced" == next(iter(states)) and len(states) == 1:
-            # already unreduced: a contraction the library saw made it so (section 8)
+            # already unreduced: a contraction the library saw made it so (section 2.3)
             return t
         rec = _CASTS.get((next(iter(states)), to)) if len(states) == 1 else None
         if rec is None:
