@@ -1,4 +1,4 @@
-"""Per-op cost of the type tracking with and without unreduced values (docs/design.md section 8).
+"""Per-op cost of the type tracking with and without unreduced values (docs/design.md section 2.2).
 
 Run: ``python benchmarks/bench_partial.py [--rounds N]``
 

@@ -50,7 +50,7 @@ def _call(f: SpmdFunction, args: tuple, backend: Backend, local: bool) -> Any:
 _call_eagerly = P.not_traced(
     _call,
     reason="named_spmd: a call on a backend that Dynamo cannot trace (Backend.traceable is "
-    "False) runs eagerly inside a compiled program (docs/design.md section 9). Fix: compile "
+    "False) runs eagerly inside a compiled program (docs/design.md section 7). Fix: compile "
     "without fullgraph=True, or use a backend whose calls compile whole (the simulated and the "
     "distributed backends)",
 )
@@ -59,7 +59,7 @@ _call_eagerly = P.not_traced(
 _call_counted = P.not_traced(
     _call,
     reason="named_spmd: a mapped call made under ns.CommMode runs eagerly inside a compiled "
-    "program, so that CommMode counts its collectives (docs/design.md section 9). Fix: compile "
+    "program, so that CommMode counts its collectives (docs/design.md section 7). Fix: compile "
     "the mapped function with ns.compile(f, fullgraph=True), whose calls under CommMode run "
     "eagerly before Dynamo sees them, or compile without fullgraph=True",
 )

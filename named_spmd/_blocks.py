@@ -1,5 +1,5 @@
 """Which tensor dims hold blocks of which mesh axes: the inference of unreduced values from the
-specs (docs/design.md section 8, "Inference from the specs").
+specs (docs/design.md section 2.3, "Inference from the specs").
 
 An input split by ``P("dp", "tp")`` holds, on each instance, one block of a global tensor: its dim
 0 holds blocks of ``dp``, its dim 1 blocks of ``tp``. Summing the local block over a dim holding
@@ -146,7 +146,7 @@ _RULE_OF: dict = {}  # func -> its rule or None (memo: every op of a call with b
 
 
 def _rule(func: Any) -> Rule | None:
-    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 9)
+    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 7)
         return _RULE_LIST[RULE_INDEX[0](func)]
     try:
         return _RULE_OF[func]

@@ -1,4 +1,4 @@
-"""``ns.compile``: ``torch.compile`` for a piece of a per-device function (docs/design.md 9).
+"""``ns.compile``: ``torch.compile`` for a piece of a per-device function (docs/design.md section 7).
 
 ``torch.compile(piece)`` called inside a call on a real mesh cannot work by itself: Dynamo would
 trace the call's eager ``VmaMode``, and the compiled code would then *run* under that mode again
@@ -121,7 +121,7 @@ def _counted_eagerly(fn: Callable[..., Any], compiled: Callable[..., Any]) -> Ca
 #: Inductor's pass that merges independent all-reduces of a graph into bucketed ones. A mapped
 #: training step's backward holds one all-reduce per replicated parameter (the implicit pvarys'
 #: psums); on gloo each costs about a millisecond of fixed cost, so unbucketed they dominate the
-#: compiled step (docs/design.md section 9, "Bucketed all-reduces").
+#: compiled step (docs/design.md section 7, "Bucketed all-reduces").
 BUCKET_OPTION = "bucket_all_reduces_fx"
 #: Inductor's option for a graph pass run before its own, bucketing included
 PRE_PASS_OPTION = "post_grad_custom_pre_pass"
@@ -211,7 +211,7 @@ def library_guard_filter(entries: Any) -> list[bool]:
     type algebra's interned types and memos (pure functions of their keys) while it infers types;
     Dynamo guards each read, about 800 guards for a small GPT step, and checks them all before
     every call: about 0.1 ms per call, the guards' objects out of cache after the step's kernels
-    (docs/design.md section 9, "Guards")."""
+    (docs/design.md section 7, "Guards")."""
     return [not _is_library_constant(e.name) for e in entries]
 
 

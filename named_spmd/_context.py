@@ -330,7 +330,7 @@ def current(op: str) -> SpmdContext:
 # call returned: its collectives need the call's context, its ops the call's vma tracking, and on
 # the simulated mesh its tensors the call's vmap levels. torch re-enters, around that recompute,
 # the innermost DeviceContext mode of the forward (_torch_private); the marker below is one, and
-# entering it again resumes the call (docs/design.md section 10).
+# entering it again resumes the call (docs/design.md section 8).
 
 
 class CallMarker(P.DeviceContext):

@@ -13,7 +13,7 @@ def set_debug(enabled: bool | None = True) -> None:
     On a real mesh, before every collective all ranks check that their group calls the same one
     (a store round trip per collective and rank), plain-tensor inputs and invariant outputs are
     compared across ranks by digest. On a mesh of one instance (simulated, or one rank), every call
-    is type-checked (otherwise only the first call per signature is; docs/design.md section 5).
+    is type-checked (otherwise only the first call per signature is; docs/design.md section 5.8).
     ``None`` goes back to the ``NAMED_SPMD_DEBUG`` environment variable.
     """
     global _override

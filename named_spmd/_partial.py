@@ -1,5 +1,5 @@
 """The algebra of unreduced (U) and reduced (R) values: which torch ops keep a partial sum a
-partial sum, and which are errors (docs/design.md section 8).
+partial sum, and which are errors (docs/design.md section 2.2).
 
 A value unreduced over axis A is held as one partial sum per instance; the true value is their
 sum. An op on it is right only if it is *linear* in that value: the sum of the op's results is
@@ -139,7 +139,7 @@ def combine(
     ``vmas`` (at least one with U or R axes); raises a :class:`VmaError` naming the op, the
     user's line, the axis and the fix, or, for an op not known to be linear, returns a function
     that makes that error (raised only if the op returns a tensor: ``x.shape`` is fine)."""
-    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 9)
+    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 7)
         return _combine(ctx, func, args, kwargs, operands, vmas)
     # memo of the accepted ops: what decides is the op, the operands' types, which operand is
     # first, and whether a non-zero constant or a bias is added (a hot path: most programs

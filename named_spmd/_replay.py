@@ -8,7 +8,7 @@ specs), the mesh, each argument's type, shape, dtype, device, requires_grad and 
 non-tensor argument's value), and whether grad mode is on. Later calls with that signature run
 the function untyped: no torch function mode, no stamps, collectives and casts straight to their
 forward on the one member (``SpmdContext.replaying``). Such a call then costs about what the plain
-program does (docs/design.md section 5, "One instance").
+program does (docs/design.md section 5.8).
 
 Not replayed: a function that asked for a type (``ns.vma``, ``ns.typeof``: a replay has none to
 give), calls under a ``torch.func`` transform or with forward-mode AD, calls while a ``CommMode``

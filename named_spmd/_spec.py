@@ -36,7 +36,7 @@ class PartitionSpec(tuple):
 
     ``unreduced`` and ``reduced`` name axes over which the value is a partial sum (each instance
     holds a part; an output's parts are summed) or reduced (one value whose gradient is left
-    unreduced): docs/design.md section 8.
+    unreduced): docs/design.md section 2.2.
     """
 
     unreduced: frozenset[str]

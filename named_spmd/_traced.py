@@ -1,4 +1,4 @@
-"""What every backend's compile path shares: a call traced by ``torch.compile`` (docs/design.md 9).
+"""What every backend's compile path shares: a call traced by ``torch.compile`` (docs/design.md section 7).
 
 When Dynamo traces a mapped call, its backend's compile path (``backends/_dist_compile.py`` on a
 real mesh, ``backends/simulated/_traced.py`` on the simulated one) types the call with the

@@ -320,14 +320,14 @@ class VmaMode(TorchFunctionMode):
                     common = s
                 elif s is not common:
                     common = self._union(common, s)
-                    if common is None:  # partial states: the algebra decides (section 8)
+                    if common is None:  # partial states: the algebra decides (section 2.2)
                         return self._general(func, args, kwargs)
                     mixed = True
             elif (type(a) is list or type(a) is tuple) and not _plain_values(a):
                 return self._general(func, args, kwargs)  # tensors in a list (torch.cat)
         if common is None:
             return func(*args, **(kwargs or {}))
-        if common[1].partial:  # unreduced or reduced axes: the op must be checked (section 8)
+        if common[1].partial:  # unreduced or reduced axes: the op must be checked (section 2.2)
             return self._general(func, args, kwargs)
         if (plain or mixed) and func in SHAPE_ONLY:  # x.view_as(y): x's type (as vmap's)
             return self._general(func, args, kwargs)

@@ -3,7 +3,7 @@
 A value's *vma* says, per mesh axis, how the instances' copies relate: **varying** (they may
 differ), **invariant** (provably identical, the default for every axis not listed),
 **unreduced** (each instance holds a partial sum of the true value) or **reduced** (one value,
-whose gradient is a partial sum). Every rule of the type system (docs/design.md sections 2 and 8)
+whose gradient is a partial sum). Every rule of the type system (docs/design.md section 2)
 is written with :class:`Vma`'s algebra, never with set arithmetic at the call site.
 """
 

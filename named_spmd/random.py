@@ -1,6 +1,6 @@
 """Per-axis randomness: random draws inside spmd_map that differ over named mesh axes.
 
-Torch's own random ops draw one stream on every instance (docs/design.md, section 2,
+Torch's own random ops draw one stream on every instance (docs/design.md, section 2.4,
 "Randomness"), so a dropout mask drawn with them is the same everywhere. The functions here draw
 from a stream of their own, chosen by ``seed`` and by this instance's coordinates along ``over``::
 

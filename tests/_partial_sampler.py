@@ -1,4 +1,4 @@
-"""Random partial-sum programs (docs/design.md section 8), shared by tests/test_partial_random.py
+"""Random partial-sum programs (docs/design.md section 2.2), shared by tests/test_partial_random.py
 (simulated mesh) and tests/partial_dist.py (2 gloo processes).
 
 A case is a mesh, inputs of random states (varying, invariant, reduced per axis), and a
@@ -101,7 +101,7 @@ def _union(states) -> str:
 
 def rule(op: str, ts: list[tuple[str, ...]]) -> tuple[str, ...] | None:
     """The type of local op ``op`` on operands of types ``ts``, or None where the library must
-    refuse it (the algebra of docs/design.md section 8, axis by axis)."""
+    refuse it (the algebra of docs/design.md section 2.2, axis by axis)."""
     n = len(ts[0])
     if op in UNARY:
         return ts[0]

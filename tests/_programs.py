@@ -992,7 +992,7 @@ def _consistency_programs():
     )
 
 
-# --- partial sums: unreduced and reduced values (docs/design.md section 8) ----------------------
+# --- partial sums: unreduced and reduced values (docs/design.md section 2.2) ----------------------
 
 
 def _blocks(x, n=2):

@@ -118,7 +118,7 @@ def local_block(x: Any, spec: Sequence[Any], mesh_shape: MeshShape, coord: Mappi
         for d, size in enumerate(x.shape)
     ]
     out = x[block_slices(local_shape, spec, mesh_shape, coord)].clone()
-    # unreduced over A (docs/design.md section 8): the member at coordinate 0 of A holds the
+    # unreduced over A (docs/design.md section 2.2): the member at coordinate 0 of A holds the
     # value, the others zeros: parts that sum to it
     if any(coord[a] != 0 for a in getattr(spec, "unreduced", ())):
         return out * 0
@@ -292,7 +292,7 @@ class _ReferenceOps:
         return x
 
     @staticmethod
-    def pcast(x, axis_name, *, to):  # the identity on every instance's data (section 8)
+    def pcast(x, axis_name, *, to):  # the identity on every instance's data (section 3)
         return x
 
     @staticmethod

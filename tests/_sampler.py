@@ -108,7 +108,7 @@ def local(x: Any) -> Any:
 
     The sampler's programs, as JAX's, apply nonlinear ops to local products over split dims (a
     matmul of two values split alike over the contracted dim), which named_spmd infers to be
-    unreduced (docs/design.md section 8) and would refuse. This is the one annotation the inference asks of
+    unreduced (docs/design.md section 2.3) and would refuse. This is the one annotation the inference asks of
     them: ``ns.pcast(..., to="varying")``, the fix its error names. Outside a call (the reference
     runs the same steps on plain tensors) it is the identity."""
     if not isinstance(x, torch.Tensor):

@@ -66,7 +66,7 @@ def check(backend: str) -> dict:
             if not torch.allclose(a, b, rtol=1e-10, atol=1e-10):
                 problems.append(f"step {step}: gradient {k} differs by {(a - b).abs().max()}")
         after_first_step = after_first_step or counter.frame_count
-    # One frame per layout of the inputs (docs/design.md section 9): the first call's x is an
+    # One frame per layout of the inputs (docs/design.md section 7): the first call's x is an
     # input holding blocks of dp, the second call's x is the first call's result (no blocks
     # recorded); later steps compile nothing.
     if (after_first_step, counter.frame_count) != (2, 2):

@@ -65,7 +65,7 @@ def counting_backend():
     """An aot_autograd backend recording the collectives of each forward and backward graph,
     partitioned as Inductor partitions (min-cut: a collective is never recomputed in backward;
     aot_autograd's default partition re-runs a forward collective in the backward graph when
-    its inputs are saved anyway, docs/design.md section 9)."""
+    its inputs are saved anyway, docs/design.md section 11)."""
     seen: dict[str, list[int]] = {"forward": [], "backward": []}
 
     def compiler(direction):
@@ -582,7 +582,7 @@ ERRORS = {
         P("dp"),
         lambda: ({"w": torch.ones(8, 2)},),
     ),
-    # partial sums inferred at trace time (docs/design.md section 8)
+    # partial sums inferred at trace time (docs/design.md section 2.3)
     "bias_inside_psum": (_bias_inside_psum, *_ROW_PARALLEL),
     "linear_bias_inside_psum": (_linear_bias_inside_psum, *_ROW_PARALLEL),
     "relu_of_partial": (_relu_of_partial, *_ROW_PARALLEL),

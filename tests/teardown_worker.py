@@ -46,7 +46,7 @@ def main() -> None:
     # Not the default group (here "a", which spans the world): torch itself keeps it to the end
     # (the first DTensor imports torch._dynamo, which imports torch.distributed.nn.functional,
     # whose functions' defaults capture group.WORLD if the process group is up by then; see
-    # docs/design.md, "Known torch issues").
+    # docs/design.md, "Known torch limits").
     groups.pop(id(dist.group.WORLD), None)
     GROUPS.extend(weakref.ref(g) for g in groups.values())
     print(f"GROUPS_MADE {len(GROUPS)}", flush=True)

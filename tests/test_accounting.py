@@ -2,7 +2,7 @@
 
 On the simulated backend nothing is sent, so these counts are what a real mesh runs: each
 collective's transpose (docs/design.md section 3), the backward psum of every implicit pvary,
-once per (tensor, axes) per call however many ops use the tensor (section 4), and the collectives
+once per (tensor, axes) per call however many ops use the tensor (section 2.1), and the collectives
 that a forward-mode tangent runs (each collective's jvp). tests/real_transforms.py checks the same
 events on a real mesh against the ProcessGroup's calls.
 """

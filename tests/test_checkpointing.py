@@ -1,4 +1,4 @@
-"""Activation checkpointing inside the per-device function (docs/design.md section 10).
+"""Activation checkpointing inside the per-device function (docs/design.md section 8).
 
 torch's own ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, full and selective,
 around pieces with collectives, ``axis_size`` and ``axis_index``: values and gradients equal the

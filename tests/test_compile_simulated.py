@@ -590,3 +590,58 @@ def test_a_graph_break_inside_a_call_in_a_compiled_step_runs_the_call_eagerly():
     torch._dynamo.reset()
     _equal_steps(torch.compile(step, backend=counter), step, x, {"w1": w1, "b1": b1, "w2": w2})
     assert counter.frame_count == 2
+
+
+_UNFLATTEN = {
+    "Tensor.unflatten": lambda x: x.unflatten(-1, (2, 4)),
+    "torch.unflatten": lambda x: torch.unflatten(x, -1, (2, 4)),
+    "view": lambda x: x.view(*x.shape[:-1], 2, 4),
+    "reshape": lambda x: x.reshape(*x.shape[:-1], 2, 4),
+}
+
+
+def _unflattened(spelling: str):
+    split = _UNFLATTEN[spelling]
+    return ns.spmd_map(
+        lambda x: split(x).sum(-1) * 2,
+        mesh=ns.make_mesh((2,), ("i",), simulated=True),
+        in_specs=P("i"),
+        out_specs=P("i"),
+    )
+
+
+@pytest.mark.parametrize("spelling", ["torch.unflatten", "view", "reshape"])
+def test_the_unflatten_workarounds_compile_whole(spelling):
+    """The README's (and docs/design.md section 11's) workaround for ``Tensor.unflatten``: these
+    spellings compile into one graph with ``fullgraph=True``, with the dense values."""
+    x = torch.randn(4, 8, dtype=torch.float64)
+    counter = CompileCounterWithBackend("eager")
+    torch._dynamo.reset()
+    out = ns.compile(_unflattened(spelling), backend=counter, fullgraph=True)(x)
+    torch.testing.assert_close(out, x.unflatten(-1, (2, 4)).sum(-1) * 2)
+    assert counter.frame_count == 1
+
+
+def test_tensor_unflatten_does_not_compile_under_a_torch_function_mode():
+    """A torch 2.13 limit, not the library's: under any torch function mode Dynamo cannot trace
+    the ``super().unflatten`` of torch's Python method; a compiled mapped call (typed by a mode)
+    raises with ``fullgraph=True`` and, without it, runs eagerly with the right values."""
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"super\(\) attribute"):
+        ns.compile(_unflattened("Tensor.unflatten"), backend="eager", fullgraph=True)(x)
+    torch._dynamo.reset()
+    out = ns.compile(_unflattened("Tensor.unflatten"), backend="eager")(x)
+    torch.testing.assert_close(out, x.unflatten(-1, (2, 4)).sum(-1) * 2)
+
+    class Passthrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def plain(t):
+        with Passthrough():
+            return t.unflatten(-1, (2, 4))
+
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"super\(\) attribute"):
+        torch.compile(plain, backend="eager", fullgraph=True)(x)

@@ -2,7 +2,7 @@
 
 The simulated backend rests on private functorch APIs (vmap levels, custom vmap rules of
 autograd.Functions, the per-level fast path of backends/simulated/_levels.py). A torch upgrade
-that breaks them must fail here, loudly (docs/design.md section 5). Every entry applies one
+that breaks them must fail here, loudly (docs/design.md section 6). Every entry applies one
 transform to the mapped program and the same transform to an independent dense single-device
 program, and compares the numbers (float64, max abs error < 1e-10). The whole matrix runs twice:
 plain, and while a CommMode records (which pushes a TorchFunctionMode inside the call).

@@ -1,4 +1,4 @@
-"""Unreduced values inferred from the specs (named_spmd/_blocks.py, docs/design.md section 8).
+"""Unreduced values inferred from the specs (named_spmd/_blocks.py, docs/design.md section 2.3).
 
 Each program records ``ns.typeof`` of one value inside the function, on the simulated mesh and in
 ``.check()`` (the abstract backend); both must give the expected type. The inferred cases contract
@@ -234,7 +234,7 @@ def test_explicit_cast_of_an_inferred_partial_sum_is_the_identity():
 
 
 def test_annotations_the_inference_asked_for():
-    """The inference's cost in annotations (section 8): the catalogue's and the tutorials'
+    """The inference's cost in annotations (section 2.3): the catalogue's and the tutorials'
     programs need none; the random program sampler needs one (``_sampler.local``)."""
     root = pathlib.Path(__file__).resolve().parent.parent
     varying_cast = re.compile(r"pcast\([^)]*to=[\"']varying")
@@ -304,7 +304,7 @@ def test_the_linear_rule_is_the_matmul_rule_of_the_transposed_weight():
 
 
 def _broadcast_by_definition(parts, shape):
-    """The broadcast rule as written in design section 8, set by set (the oracle of the fast
+    """The broadcast rule as written in design section 2.3, set by set (the oracle of the fast
     ``_broadcast``)."""
     from named_spmd._block_rules import NONE, Layout
 

@@ -3,7 +3,7 @@
 nonlinear ops, writes and dtype casts.
 
 An accepted program must give the per-instance reference's values and float64 gradients, type
-every value as the model of section 8 does, and each of its steps on a partial sum must be linear
+every value as the model of section 2.2 does, and each of its steps on a partial sum must be linear
 (the parts' results sum to the result on the whole value). A refused program must be refused at
 its last step with a ``VmaError`` naming the op and the fix, and that step must really be wrong
 (other values than on the whole values, or a gradient left a partial sum). The same cases run on
@@ -59,7 +59,7 @@ def test_refusals_wrong_in_values_and_in_gradients():
 
 
 def test_the_cases_cover_the_algebra():
-    """The steps on partial sums that items of section 8 are about, accepted and refused, on
+    """The steps on partial sums that items of section 2.2 are about, accepted and refused, on
     every mesh."""
     accepted = steps_seen([_accepted(k) for k in range(N_CASES)])
     refused_cases = [_refused(k) for k in range(N_CASES)]

@@ -1,4 +1,4 @@
-"""Partial sums: unreduced (U) and reduced (R) values (docs/design.md section 8).
+"""Partial sums: unreduced (U) and reduced (R) values (docs/design.md section 2.2).
 
 The programs with values and gradients are in the catalogue (tests/_programs.py, section "partial
 sums"; tests/test_programs.py runs them on the simulated and abstract backends against the

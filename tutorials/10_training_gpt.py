@@ -591,5 +591,5 @@ print(f"{len(from_real)} tensors read from the real run's checkpoint equal the s
 #   similar GPT against plain torch, DDP and DTensor's tensor parallelism.
 # * Gradient accumulation and gradient clipping, left out to keep the loop short.
 # * Mixed precision: everything here is float64, so that the comparisons can be tight.
-# * How much memory checkpointing saves: `docs/design.md` (section 10) measures the saved
+# * How much memory checkpointing saves: `tests/test_checkpointing.py` measures the saved
 #   activations of checkpointed transformer blocks.

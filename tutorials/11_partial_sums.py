@@ -52,7 +52,7 @@ def dense(x, w1, b1, w2, b2):
 # product is its part of the total. named_spmd infers that from the specs, with no annotation:
 # it tracks which dims hold blocks of which axis (from the in_specs, through views, transposes
 # and elementwise ops), and a contraction over a dim split over `tp` on both operands is
-# unreduced over `tp` (docs/design.md section 8). `ns.typeof` shows it.
+# unreduced over `tp` (docs/design.md section 2.3). `ns.typeof` shows it.
 
 # %%
 types = []
@@ -255,3 +255,25 @@ with ns.CommMode() as comms:
 assert comms.count("psum", direction="backward") == 4 * len(params)
 for k in params:
     torch.testing.assert_close(fresh[k].grad, dense_params[k].grad)
+
+# %% [markdown]
+# ## Writing the reduced gradients back for the optimizer
+#
+# The optimizer reads `p.grad`. After the last microbatch, replace each parameter's partial
+# gradient by its total (one psum per parameter, as above), then step and clear the gradients
+# for the next accumulation. The total is exactly what a replicated parameter's gradient is: on
+# a real mesh `p.grad` is a `Partial()` DTensor and `total(p.grad)` a `Replicate()` one, on the
+# simulated mesh both are plain tensors, so the same lines run on both.
+
+# %%
+opt = torch.optim.SGD(params.values(), lr=0.1)
+dense_opt = torch.optim.SGD(dense_params.values(), lr=0.1)
+with torch.no_grad():
+    for p in params.values():
+        p.grad = total(p.grad)  # the partial sums, reduced: one psum per parameter
+opt.step()
+dense_opt.step()
+opt.zero_grad()
+dense_opt.zero_grad()
+for k in params:
+    torch.testing.assert_close(ns.unshard(params[k]), dense_params[k])

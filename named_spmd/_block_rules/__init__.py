@@ -1,5 +1,5 @@
 """The rules of ``_blocks``: how each torch op moves the blocks its operands' dims hold
-(docs/design.md section 8, "Inference from the specs").
+(docs/design.md section 2.3, "Inference from the specs").
 
 A rule takes the op's ``args``, ``kwargs``, a function giving an operand's layout and the op's
 result, and returns the result's layout (a list, one per output, for ops returning several) and

@@ -345,7 +345,7 @@ PVARY_RECORD = Collective(
 def implicit_pvary(ctx: SpmdContext, t: Tensor, missing: Axes, record: bool = True) -> Tensor:
     """``t`` made varying over ``missing`` (axes it is invariant over): identity forward, psum
     backward. Where an invariant operand meets a varying one (rule 2). Over axes where ``t`` is
-    reduced the cast costs nothing in backward (its gradient stays a partial sum: section 8).
+    reduced the cast costs nothing in backward (its gradient stays a partial sum: section 3).
     ``record=False``: no backward psum recorded for a ``CommMode`` (the caller records the
     logical one, :func:`record_implicit_psum`)."""
     vma = ctx.vma(t)

@@ -1,4 +1,4 @@
-"""``pcast``: the casts between the four per-axis states (docs/design.md section 8).
+"""``pcast``: the casts between the four per-axis states (docs/design.md sections 2.2 and 3).
 
 Each cast is the identity on every instance's data; what changes is the type, and with it the
 transpose (JAX's ``jax.lax.pcast``):
@@ -106,7 +106,7 @@ def pcast(x: Any, axis_name: AxisName, *, to: str) -> Any:
         tensor([6.])
 
     Backward: I -> V and I -> R: a psum; V -> U, R -> V, U -> V: none (the table in
-    docs/design.md section 8).
+    docs/design.md section 3).
     """
     ctx = current("pcast")
     axes = ctx.check_axes(axis_name, "pcast")
@@ -127,7 +127,7 @@ def pcast(x: Any, axis_name: AxisName, *, to: str) -> Any:
         vma = ctx.vma(t)
         states = {vma.state(a) for a in axes}
         if to == "unreduced" == next(iter(states)) and len(states) == 1:
-            # already unreduced: a contraction the library saw made it so (section 8)
+            # already unreduced: a contraction the library saw made it so (section 2.3)
             return t
         rec = _CASTS.get((next(iter(states)), to)) if len(states) == 1 else None
         if rec is None:

@@ -42,7 +42,7 @@ def all_gather(
         to: ``"varying"`` (JAX's default: the result keeps vma A), ``"invariant"`` (the result
             is known identical on the group: vma loses A, and backward needs no communication)
             or ``"reduced"`` (identical on the group, its gradient a partial sum: backward is a
-            psum_scatter of that unreduced cotangent; docs/design.md section 8).
+            psum_scatter of that unreduced cotangent; docs/design.md section 3).
 
     Example:
         >>> import torch, named_spmd as ns

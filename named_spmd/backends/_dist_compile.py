@@ -2,7 +2,7 @@
 
 When Dynamo traces a mapped function (``torch.compile(spmd_map(f, ...))``, or a compiled
 function that calls one), :func:`run` replaces the eager ``run`` of ``distributed.py``. The
-backend interface is the same (docs/design.md 6.3/6.4); only what Dynamo cannot trace changes:
+backend interface is the same (docs/design.md section 5.6); only what Dynamo cannot trace changes:
 
 * the primitives call the functional collective ops (``_torch_private.funcol``, each
   followed by ``wait_tensor``) instead of ``ProcessGroup`` methods, so the graph carries every

@@ -50,7 +50,7 @@ def _placements_of(mesh, spec: PartitionSpec, rank: int) -> tuple:
 
 def grad_placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
     """The placements of the gradient of an input under ``spec``: those of the input, except
-    that the states swap (section 8): a reduced axis leaves the gradient a partial sum there
+    that the states swap (section 2.2): a reduced axis leaves the gradient a partial sum there
     (``Partial``), and an unreduced one's cotangent is reduced, the same whole value on every
     part (``Replicate``; as ``Partial`` it would be counted once per part)."""
     places = placements(mesh, spec, rank)

@@ -1,5 +1,5 @@
 """A piece of the per-device function compiled inside an eager call on a real mesh
-(``ns.compile``, ``_compile.py``; docs/design.md section 9).
+(``ns.compile``, ``_compile.py``; docs/design.md section 7).
 
 Dynamo traces ``_piece_body``: the call's twin (``CompiledContext.twin``: the compile path's
 context sharing the eager call's token) made the active call, and ``CompiledVmaMode`` typing

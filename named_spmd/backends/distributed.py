@@ -80,7 +80,7 @@ _MESH_OF: dict[int, Any] = {}  # id(DeviceMesh) -> its DistributedMesh (the fast
 def _release_process_groups() -> None:
     """Drop the meshes' process groups before the interpreter finalizes. A gloo group still
     referenced then is freed during finalization, when its worker threads can no longer take
-    the GIL, and the process aborts (docs/design.md, "Known torch issues"); freed here, at exit
+    the GIL, and the process aborts (docs/design.md, "Known torch limits"); freed here, at exit
     but before finalization, it shuts down cleanly. First it records in the store that this
     process exits, and after which calls, so that peers still waiting for it can say why."""
     boards = [mesh.board for mesh in _MESH_OF.values()]
@@ -340,7 +340,7 @@ class DistributedContext(TrackedContext):
         gradient node unread and joins a bucket (pvary'd as the view, the view's backward node
         would wait for the sum at once). A CommMode still records the view's psum, as the
         simulated mesh does. Only a view made by one built-in view op directly from a leaf or an
-        input of this call, of the view's own type (docs/design.md section 5)."""
+        input of this call, of the view's own type (docs/design.md section 6)."""
         source = self._view_source(t, axes)
         if source is None:
             return implicit_pvary(self, t, axes)

@@ -16,7 +16,7 @@ pays nothing. Forward mode (``torch.func.jvp``, jacfwd) needs no cast: the tange
 the pvary of the tangent, which vmap's broadcasting gives.
 
 Unreduced and reduced operands are left to the partial-sum algebra (``PartialMode``), as outside
-a grad: their casts do not sum gradients the same way (section 8).
+a grad: their casts do not sum gradients the same way (section 3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Unreduced and reduced values on the simulated backend (docs/design.md section 8).
+"""Unreduced and reduced values on the simulated backend (docs/design.md section 2.2).
 
 The vmap levels tell varying (batched) from invariant (unbatched), and nothing else: an
 unreduced value is batched like a varying one, a reduced value unbatched like an invariant one.

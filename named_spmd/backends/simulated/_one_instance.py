@@ -5,9 +5,9 @@ collective is over a group of one (``_context.OneMemberPrimitives``). So the per
 runs once, on the global tensors, typed per tensor by stamps and ``VmaMode`` exactly as on a real
 mesh of one rank (``_tracking``): the types, the out_specs check, the partial-sum inference and
 every error are the same as under vmap, and the numbers are the real backend's. What the vmap
-levels cost (two levels of size 1 around a GPT step: 1.44x the dense step, docs/design.md
-section 10) is not paid. The sweep a researcher runs over ``tp`` in {1, 2, 4} pays for the
-simulation only where there is something to simulate.
+levels cost (two levels of size 1 around a GPT step: 1.44x the dense step, measured with
+benchmarks/bench_gpt.py) is not paid. The sweep a researcher runs over ``tp`` in {1, 2, 4} pays
+for the simulation only where there is something to simulate.
 
 Differences from a simulated mesh of several instances, all of them the real backend's behaviour
 too: code that reads values (``.item()``, a Python ``if`` on a tensor) runs; ``print`` of a value

@@ -24,7 +24,7 @@ def _default_order(mesh: Mesh, sized: Sequence[tuple[int, PartitionSpec]]) -> li
     """Mesh axes outermost first, for inputs of ``sized`` = (bytes, spec). Innermost is the axis
     with the most input bytes replicated over it: vmap then batches the large replicated
     operands (weights) last, so they are not copied once per outer instance (3.8x versus
-    1.1-1.2x measured; docs/design.md section 5)."""
+    1.1-1.2x measured; benchmarks/bench_simulated.py)."""
     replicated = dict.fromkeys(mesh.axis_names, 0)
     for nbytes, spec in sized:
         named = set(spec.axes)

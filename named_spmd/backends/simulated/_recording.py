@@ -57,7 +57,7 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
         for t, v in zip(operands, vmas):
             if v is not union and id(t) not in swap and needs_grad(t):
                 missing = v.missing(union.present(self.ctx.mesh.axis_names))
-                if v.partial or union.partial:  # section 8: R -> V costs no psum, I -> R one
+                if v.partial or union.partial:  # section 3: R -> V costs no psum, I -> R one
                     missing = _psum_axes(self.ctx.mesh.axis_names, v, union, missing)
                 if missing:
                     swap[id(t)] = self._alias(t, missing)
