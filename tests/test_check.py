@@ -125,20 +125,24 @@ def test_operands_of_different_types_and_keyword_operands_as_on_the_simulated_me
 # --- scale -----------------------------------------------------------------------------------------
 
 
-def test_4096_instances_checked_fast_without_global_memory():
+def test_4096_instances_checked_as_fast_as_4_without_global_memory():
     mesh = ns.make_mesh((64, 64), ("dp", "tp"))
-    fn = block_fn(mesh)
+    fn, small = block_fn(mesh), block_fn(ns.make_mesh((2, 2), ("dp", "tp")))
     # 2**40 elements in the activation alone: allocating anything of global size would fail.
     args = [ns.ShapeDtype(s) for s in block_shapes(512, 2**20, 2048, 8192)]
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     fn.check(*args)  # the first call pays for imports and warm-up
-    times = []
-    for _ in range(5):
+    small.check(*args)
+    times, small_times = [], []
+    for _ in range(5):  # interleaved: a machine busy with other work slows both alike
         start = time.perf_counter()
         report = fn.check(*args)
         times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        small.check(*args)
+        small_times.append(time.perf_counter() - start)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
-    assert sorted(times)[2] < 0.100, times
+    assert sorted(times)[2] < 3 * sorted(small_times)[2] + 0.01, (times, small_times)
     assert grown_mib < 200, grown_mib
     assert report.types == [
         ns.VType(torch.float32, (8, 16384, 2048), frozenset({"dp", "tp"}), mesh.axis_names)
