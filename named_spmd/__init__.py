@@ -18,6 +18,8 @@ from ._collectives import all_gather as all_gather
 from ._collectives import all_to_all as all_to_all
 from ._collectives import axis_index as axis_index
 from ._collectives import axis_size as axis_size
+from ._collectives import block_offsets as block_offsets
+from ._collectives import block_sizes as block_sizes
 from ._collectives import pbroadcast as pbroadcast
 from ._collectives import pcast as pcast
 from ._collectives import pmax as pmax
@@ -41,6 +43,7 @@ from ._errors import VmaError as VmaError
 from ._mesh import Mesh as Mesh
 from ._shard import shard as shard
 from ._shard import unshard as unshard
+from ._spec import Blocks as Blocks
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
 from ._types import Vma as Vma
@@ -73,6 +76,7 @@ __all__ = [
     "CommMode",
     "Mesh",
     "OutputCheck",
+    "Blocks",
     "P",
     "PartitionSpec",
     "RankFailedError",
@@ -87,6 +91,8 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "block_offsets",
+    "block_sizes",
     "compile",
     "make_mesh",
     "parallel",
