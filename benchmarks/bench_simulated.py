@@ -16,7 +16,8 @@ Run: ``python benchmarks/bench_simulated.py [--quick] [--markdown FILE]``
    dominate, at H=1024 here, no simulation can be 5x faster than another that adds only
    per-op overhead: the LocalTensorMode ratio there is bounded by its overhead.)
    A third variant forces dp outermost (``simulated.nesting``) to show what the default nesting
-   order (weight-replicated axis innermost) buys.
+   order (weight-replicated axis innermost) buys; a fourth runs the per-instance execution
+   (``ns.simulate_per_instance``: a thread per instance, what uneven blocks take).
 """
 
 from __future__ import annotations
@@ -245,6 +246,14 @@ def bench_mlp(hidden: int, rounds: int, local_tensor: bool) -> list[_util.Row]:
             bad()
 
     fns["spmd_map (2,4) dp outermost"] = bad_order
+    if hasattr(ns, "simulate_per_instance"):
+        threaded = _spmd_step(x, w1, w2, g, mesh)
+
+        def per_instance():
+            with ns.simulate_per_instance():  # a thread per instance, meeting at the psum
+                threaded()
+
+        fns["spmd_map (2,4) per instance"] = per_instance
     target = "<= 1.25x" if hidden >= 1024 else "<= 1.75x"
     targets = {"spmd_map (2,4) default order": target}
     lt_name = "LocalTensorMode per-rank program"

@@ -48,6 +48,7 @@ from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
 from ._types import Vma as Vma
 from ._types import VType as VType
+from .backends.simulated import simulate_per_instance as simulate_per_instance
 from .backends.simulated import simulation_order as simulation_order
 
 __version__ = "0.1.0"
@@ -110,6 +111,7 @@ __all__ = [
     "set_debug",
     "set_grad_bucket_mb",
     "shard",
+    "simulate_per_instance",
     "simulation_order",
     "spmd_map",
     "to_local",

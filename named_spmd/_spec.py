@@ -152,8 +152,18 @@ class PartitionSpec(tuple):
 
     @property
     def explicit(self) -> bool:
-        """Whether an entry gives its block sizes (:class:`Blocks`)."""
-        return any(isinstance(e, Blocks) for e in self)
+        """Whether an entry gives its block sizes (:class:`Blocks`); computed once per spec."""
+        explicit = self.__dict__.get("_explicit")
+        if explicit is None:
+            explicit = self.__dict__["_explicit"] = any(isinstance(e, Blocks) for e in self)
+        return explicit
+
+    def without_sizes(self) -> PartitionSpec:
+        """This spec with each :class:`Blocks` entry replaced by its axes."""
+        if not self.explicit:
+            return self
+        entries = [e.axes if isinstance(e, Blocks) else e for e in self]
+        return PartitionSpec(*entries, unreduced=self.unreduced, reduced=self.reduced)
 
     def vma(self) -> Vma:
         """The type of a value under this spec: varying over the axes that split it, unreduced
