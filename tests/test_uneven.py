@@ -162,3 +162,46 @@ def test_uneven_errors_are_clear():
     )
     with pytest.raises(ns.SpecError, match="equal blocks only"):
         g.check(x)
+
+
+def test_tiled_all_gather_of_uneven_blocks_is_the_global_value():
+    mesh = ns.make_mesh((4,), ("x",))
+    x = _randn(10, 3, seed=6)
+    invariant = ns.spmd_map(
+        lambda v: ns.all_gather(v, "x", tiled=True, to="invariant"),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P(),
+    )
+    varying = ns.spmd_map(
+        lambda v: ns.all_gather(v, "x", tiled=True), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+    )
+    with ns.simulate_per_instance():
+        _same_values_and_grads(invariant, lambda v: v * 1, x)
+        # every instance holds the global value: its blocks, concatenated, are four copies
+        _same_values_and_grads(varying, lambda v: torch.cat([v] * 4), x)
+
+
+def test_tiled_psum_scatter_to_uneven_blocks_and_back():
+    """Each instance holds one row; the sum of the rows is scattered in torch.chunk's blocks
+    (10 over 4: 3, 3, 3, 1), and gathered back it is the psum."""
+    mesh = ns.make_mesh((4,), ("x",))
+    y = _randn(4, 10, seed=7)
+    scatter = ns.spmd_map(
+        lambda v: ns.psum_scatter(v[0], "x", tiled=True),
+        mesh=mesh,
+        in_specs=P("x", None),
+        out_specs=P("x"),
+    )
+    seen = []
+
+    def round_trip(v):
+        block = ns.psum_scatter(v[0], "x", tiled=True)
+        seen.append(block.shape[0])
+        return ns.all_gather(block, "x", tiled=True, to="invariant")
+
+    back = ns.spmd_map(round_trip, mesh=mesh, in_specs=P("x", None), out_specs=P())
+    with ns.simulate_per_instance():
+        _same_values_and_grads(scatter, lambda v: v.sum(0), y)
+        _same_values_and_grads(back, lambda v: v.sum(0), y)
+    assert sorted(seen) == [1, 3, 3, 3]

@@ -26,7 +26,7 @@ import torch
 
 from ... import _torch_private as P
 from ..._errors import SpecError, SpmdError, fn_label
-from ..._layout import block, concat_blocks, coords_of, group_coords, index_of
+from ..._layout import block, chunk_sizes, concat_blocks, coords_of, group_coords, index_of
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
 from ..._tracking import TrackedContext, VmaMode
@@ -81,7 +81,15 @@ class InstanceContext(TrackedContext):
             self.index, key, x, lambda xs: _each_group(groups, xs, per_group)
         )
 
+    uneven = True  # the members' blocks may differ in size
+
     # --- primitives -----------------------------------------------------------------------
+    def all_gather_tiled(self, x, axes, dim):
+        return self._meet(x, axes, ("tiled", dim), functools.partial(_gather_tiled, dim))
+
+    def reduce_scatter_tiled(self, x, axes, dim):
+        return self._meet(x, axes, ("tiled", dim), functools.partial(_scatter_chunks, dim, self))
+
     def pvary(self, x, axes):
         return x.view_as(x)  # autograd sums the gradients of every instance's use
 
@@ -180,6 +188,19 @@ def _reduce(op: str, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
 def _gather(ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
     _same_shapes(ctx, xs)
     return _copies(torch.stack(xs), len(xs))
+
+
+def _gather_tiled(dim: int, xs: list[Tensor]) -> list[Tensor]:
+    """The blocks concatenated along ``dim``, whatever their sizes there (one copy each)."""
+    return _copies(torch.cat(xs, dim), len(xs))
+
+
+def _scatter_chunks(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
+    """The sum, member j keeping block j of ``dim`` as ``P(axes)`` splits a dim
+    (``_layout.dim_sizes``: torch.chunk's sizes where the group does not divide it)."""
+    total = _total("sum", ctx, xs)
+    sizes = chunk_sizes(total.shape[dim], len(xs))
+    return list(total.split(sizes, dim))
 
 
 def _reduce_scatter(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
