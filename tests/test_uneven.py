@@ -205,3 +205,49 @@ def test_tiled_psum_scatter_to_uneven_blocks_and_back():
         _same_values_and_grads(scatter, lambda v: v.sum(0), y)
         _same_values_and_grads(back, lambda v: v.sum(0), y)
     assert sorted(seen) == [1, 3, 3, 3]
+
+
+def _megatron(bias: bool):
+    def mlp(x, w1, w2, b):
+        h = F.gelu(x @ w1) @ w2
+        return ns.psum(h + b if bias else h, "tp") + (0 if bias else b)
+
+    return ns.spmd_map(
+        mlp,
+        mesh=ns.make_mesh((2, 4), ("dp", "tp")),
+        in_specs=(P("dp", None), P(None, "tp"), P("tp", None), P()),
+        out_specs=P("dp", None),
+    )
+
+
+def _megatron_args(hidden: int, rows: int):
+    return (
+        _randn(rows, 4, seed=2),
+        _randn(4, hidden, seed=3),
+        _randn(hidden, 4, seed=4),
+        _randn(4, seed=8),
+    )
+
+
+def test_types_partial_sums_and_accounting_hold_for_uneven_blocks():
+    """The partial-sum inference sees the contraction over uneven tp blocks (a bias added
+    before the psum is the error it is with even blocks); the out_specs check holds; CommMode
+    counts the collectives the even program's vmap execution counts."""
+    with ns.simulate_per_instance(), pytest.raises(ns.VmaError, match="unreduced over 'tp'"):
+        _megatron(bias=True)(*_megatron_args(10, 5))
+    unchecked = ns.spmd_map(
+        lambda x: x * 2, mesh=ns.make_mesh((4,), ("x",)), in_specs=P("x"), out_specs=P()
+    )
+    with ns.simulate_per_instance(), pytest.raises(ns.VmaError, match="varies over"):
+        unchecked(torch.ones(10))
+
+    def counts(hidden: int, rows: int):
+        args = [a.requires_grad_() for a in _megatron_args(hidden, rows)]
+        with ns.CommMode() as comms:
+            _megatron(bias=False)(*args).sum().backward()
+        return comms.counts()
+
+    even = counts(8, 4)  # vmap
+    with ns.simulate_per_instance():
+        uneven = counts(10, 5)
+    assert uneven == even and even
