@@ -18,8 +18,8 @@ inside the function (the threads would draw from the one generator in no fixed o
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -328,14 +328,18 @@ def run(
                 for _ in modes:
                     P.pop_function_mode()
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(1, n)]
-    for t in threads:
-        t.start()
+    others = [_POOL.submit(worker, i) for i in range(1, n)]
     instance(0)
-    for t in threads:
-        t.join()
+    for f in others:
+        f.result()  # (worker catches everything: the errors are in ``errors``)
     _raise_first(meeting, errors)
     return [_assemble(mesh, [o[j] for o in outs], s) for j, s in enumerate(out_specs_of())]
+
+
+# Instance threads, kept between calls (starting seven threads cost more than a small call).
+# Every instance of a call must run at once (they meet), so the pool never makes a call wait for
+# a thread: it grows to the largest number of instances ever running at once.
+_POOL = ThreadPoolExecutor(max_workers=1 << 16, thread_name_prefix="named_spmd-instance")
 
 
 def _raise_first(meeting: Meeting, errors: list[BaseException | None]) -> None:
