@@ -81,7 +81,27 @@ def bench_collectives(rounds: int) -> list[_util.Row]:
             _util.Row("simulated collective", name, "us per call, 2 levels", per_op, target=target)
         )
     rows += _bench_under_grad_inside(mesh, x, rounds)
+    if hasattr(ns, "simulate_per_instance"):
+        rows += _bench_per_instance(mesh, x, rounds, identity)
     return rows
+
+
+def _bench_per_instance(mesh, x, rounds: int, identity) -> list[_util.Row]:
+    """The per-instance execution (a thread per instance): a call's fixed cost and a psum's."""
+    body, out_spec = _collective_programs()["psum"]
+    f = ns.spmd_map(_repeated(body, K), mesh=mesh, in_specs=P("dp", "tp"), out_specs=out_spec)
+
+    def per_instance(g):
+        with ns.simulate_per_instance():
+            return g(x)
+
+    med = _util.compare(
+        {"K": lambda: per_instance(f), "0": lambda: per_instance(identity)}, rounds=rounds
+    )
+    return [
+        _util.Row("simulated per instance", "psum", "us per call", (med["K"] - med["0"]) / K),
+        _util.Row("simulated per instance", "call, no collective", "us per call", med["0"]),
+    ]
 
 
 def _grad_inside(op, k: int):

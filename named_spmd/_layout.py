@@ -131,6 +131,29 @@ def block(
     return x
 
 
+def split_all(x: torch.Tensor, spec: PartitionSpec, sizes: Sizes) -> list[torch.Tensor]:
+    """Every block of the global ``x`` under ``spec``, from one ``split`` per split dim (so
+    that autograd joins their gradients with one concatenation, where a ``narrow`` per block
+    would fill a zero tensor of the global size per block). Ordered by :func:`split_index`."""
+    pieces = [x]
+    for d in range(x.dim()):
+        if spec.entry_axes(d):
+            part = dim_sizes(spec, d, x.shape[d], sizes)
+            pieces = [q for p in pieces for q in p.split(part, d)]
+    return pieces
+
+
+def split_index(spec: PartitionSpec, rank: int, sizes: Sizes, coords: Mapping[str, int]) -> int:
+    """Where the block held at ``coords`` is in :func:`split_all`'s list (first split dim
+    major)."""
+    index = 0
+    for d in range(rank):
+        axes = spec.entry_axes(d)
+        if axes:
+            index = index * group_size(axes, sizes) + index_of(axes, coords, sizes)
+    return index
+
+
 def concat_blocks(
     blocks: Sequence[torch.Tensor], spec: PartitionSpec, sizes: Sizes, order: Sequence[str]
 ) -> torch.Tensor:

@@ -11,7 +11,15 @@ import torch
 
 import named_spmd as ns
 from named_spmd import P
-from named_spmd._layout import block, chunk_sizes, concat_blocks, dim_sizes, is_even
+from named_spmd._layout import (
+    block,
+    chunk_sizes,
+    concat_blocks,
+    dim_sizes,
+    is_even,
+    split_all,
+    split_index,
+)
 from named_spmd._spec import spec_problems
 
 
@@ -70,6 +78,8 @@ def test_blocks_are_the_chunks_of_each_dim_and_concat_back(shape, spec):
                 pieces = list(pieces) + [want.narrow(d, 0, 0)] * (_n(axes, sizes) - len(pieces))
                 want = pieces[index]
         assert torch.equal(got, want), (coords, got, want)
+        # all blocks at once (one split per dim), and where this one is among them
+        assert torch.equal(split_all(x, spec, sizes)[split_index(spec, 2, sizes, coords)], want)
         blocks.append(got)
     assert torch.equal(concat_blocks(blocks, spec, sizes, order), x)
 

@@ -26,7 +26,15 @@ import torch
 
 from ... import _torch_private as P
 from ..._errors import SpecError, SpmdError, fn_label
-from ..._layout import block, chunk_sizes, concat_blocks, coords_of, group_coords, index_of
+from ..._layout import (
+    chunk_sizes,
+    concat_blocks,
+    coords_of,
+    group_coords,
+    index_of,
+    split_all,
+    split_index,
+)
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
 from ..._tracking import TrackedContext, VmaMode
@@ -253,20 +261,28 @@ _RANDOM_NAMES = frozenset(
 _RANDOM = frozenset({torch.nn.functional.dropout, torch.dropout})
 
 
-def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec], i: int) -> list[Any]:
-    """Instance ``i``'s blocks of the leaves: a tensor object of its own for every tensor leaf
+def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[list[Any]]:
+    """Every instance's blocks of the leaves: a tensor object of its own for every tensor leaf
     (each instance stamps its own), views of the caller's tensors (autograd joins them)."""
-    coords = coords_of(i, mesh.axis_names, mesh._shape)
-    out: list[Any] = []
-    for leaf, spec in zip(leaves, specs):
-        if not isinstance(leaf, Tensor):
-            out.append(leaf)
-            continue
-        x = block(leaf, spec, mesh._shape, coords) if spec.axes else leaf
-        x = x.view_as(x)
-        if any(coords[a] != 0 for a in spec.unreduced):
-            x = torch.zeros_like(x)  # parts of the value: the first member's is the value
-        out.append(x)
+    names, sizes = mesh.axis_names, mesh._shape
+    per_leaf = [
+        split_all(leaf, spec, sizes) if isinstance(leaf, Tensor) and spec.axes else None
+        for leaf, spec in zip(leaves, specs)
+    ]
+    out = []
+    for i in range(mesh.size):
+        coords = coords_of(i, names, sizes)
+        mine: list[Any] = []
+        for leaf, spec, blocks in zip(leaves, specs, per_leaf):
+            if not isinstance(leaf, Tensor):
+                mine.append(leaf)
+                continue
+            x = leaf if blocks is None else blocks[split_index(spec, leaf.dim(), sizes, coords)]
+            x = x.view_as(x)
+            if any(coords[a] != 0 for a in spec.unreduced):
+                x = torch.zeros_like(x)  # parts of the value: the first member's is the value
+            mine.append(x)
+        out.append(mine)
     return out
 
 
@@ -301,7 +317,7 @@ def run(
     meeting = Meeting(n, label, mesh.axis_names, mesh._shape)
     device = next((x.device for x in leaves if isinstance(x, Tensor)), torch.device("cpu"))
     with P.DisableTorchFunction():  # our bookkeeping: no op of the program
-        inputs = [_inputs(mesh, leaves, specs, i) for i in range(n)]
+        inputs = _inputs(mesh, leaves, specs)
     outs: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
     grad = torch.is_grad_enabled()
