@@ -120,3 +120,15 @@ def test_no_grad_and_gradient_of_an_invariant_input_summed_once_per_use():
     dense = (x * w).sum(-1).reshape(2, 2).sum(1)
     torch.testing.assert_close(out, dense)
     torch.testing.assert_close(gw, torch.autograd.grad(dense.sum(), w)[0])
+
+
+def test_ns_random_draws_are_the_vmap_executions():
+    h = torch.ones(4, 8)
+    for draw in (
+        lambda h: ns.random.dropout(h, 0.5, over="dp", seed=(1, 2)),
+        lambda h: h * ns.random.randn(h.shape, over="dp", seed=3),
+    ):
+        f = ns.spmd_map(draw, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+        want = f(h)
+        with ns.simulate_per_instance():
+            assert torch.equal(f(h), want)

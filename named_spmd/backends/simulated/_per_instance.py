@@ -247,8 +247,9 @@ class _InstanceMode(VmaMode):
             raise SpmdError(
                 f"{getattr(func, '__name__', func)} in {self.ctx.fn_label}: random ops cannot "
                 "run on the per-instance simulation (its instance threads would draw from the "
-                "one generator in no fixed order). Fix: draw the values outside the mapped "
-                "function and pass them in, or use even blocks (the vmap simulation)."
+                "one generator in no fixed order). Fix: ns.random's draws (seeded per "
+                "instance: the same values as the vmap simulation and a real mesh), or draw "
+                "the values outside the mapped function and pass them in."
             )
         return super().__torch_function__(func, types, args, kwargs)
 
