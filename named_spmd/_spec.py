@@ -318,10 +318,12 @@ def _split_problems(
     n = 1
     for a in axes:
         n *= mesh_shape[a]
-    group = " * ".join(f"{a}={mesh_shape[a]}" for a in axes)
     given = spec.entry_sizes(d)
+    if given is None and (size % n == 0 or uneven):  # the common case, also while traced
+        return []
     if given is not None:
         if len(given) != n or sum(given) != size:
+            group = " * ".join(f"{a}={mesh_shape[a]}" for a in axes)
             return [
                 f"{where}: {spec[d]!r} gives dim {d} {len(given)} blocks adding up to "
                 f"{sum(given)}, but the dim has size {size} and its group has {n} members "
@@ -334,8 +336,7 @@ def _split_problems(
             f"dims into equal blocks only. Fix: give equal sizes, or pad dim {d} to a multiple "
             f"of {n}."
         ]
-    if size % n == 0 or uneven:
-        return []
+    group = " * ".join(f"{a}={mesh_shape[a]}" for a in axes)
     return [
         f"{where}: dim {d} has size {size}, not divisible by {n} ({group}) as "
         f"{spec!r} requires. Fix: pad dim {d} to a multiple of {n}, or split another dim."
