@@ -16,7 +16,8 @@ Run: ``python benchmarks/bench_simulated.py [--quick] [--markdown FILE]``
    dominate, at H=1024 here, no simulation can be 5x faster than another that adds only
    per-op overhead: the LocalTensorMode ratio there is bounded by its overhead.)
    A third variant forces dp outermost (``simulated.nesting``) to show what the default nesting
-   order (weight-replicated axis innermost) buys.
+   order (weight-replicated axis innermost) buys; a fourth runs the per-instance execution
+   (``ns.simulate_per_instance``: a thread per instance, what uneven blocks take).
 """
 
 from __future__ import annotations
@@ -80,7 +81,27 @@ def bench_collectives(rounds: int) -> list[_util.Row]:
             _util.Row("simulated collective", name, "us per call, 2 levels", per_op, target=target)
         )
     rows += _bench_under_grad_inside(mesh, x, rounds)
+    if hasattr(ns, "simulate_per_instance"):
+        rows += _bench_per_instance(mesh, x, rounds, identity)
     return rows
+
+
+def _bench_per_instance(mesh, x, rounds: int, identity) -> list[_util.Row]:
+    """The per-instance execution (a thread per instance): a call's fixed cost and a psum's."""
+    body, out_spec = _collective_programs()["psum"]
+    f = ns.spmd_map(_repeated(body, K), mesh=mesh, in_specs=P("dp", "tp"), out_specs=out_spec)
+
+    def per_instance(g):
+        with ns.simulate_per_instance():
+            return g(x)
+
+    med = _util.compare(
+        {"K": lambda: per_instance(f), "0": lambda: per_instance(identity)}, rounds=rounds
+    )
+    return [
+        _util.Row("simulated per instance", "psum", "us per call", (med["K"] - med["0"]) / K),
+        _util.Row("simulated per instance", "call, no collective", "us per call", med["0"]),
+    ]
 
 
 def _grad_inside(op, k: int):
@@ -245,6 +266,14 @@ def bench_mlp(hidden: int, rounds: int, local_tensor: bool) -> list[_util.Row]:
             bad()
 
     fns["spmd_map (2,4) dp outermost"] = bad_order
+    if hasattr(ns, "simulate_per_instance"):
+        threaded = _spmd_step(x, w1, w2, g, mesh)
+
+        def per_instance():
+            with ns.simulate_per_instance():  # a thread per instance, meeting at the psum
+                threaded()
+
+        fns["spmd_map (2,4) per instance"] = per_instance
     target = "<= 1.25x" if hidden >= 1024 else "<= 1.75x"
     targets = {"spmd_map (2,4) default order": target}
     lt_name = "LocalTensorMode per-rank program"

@@ -18,6 +18,8 @@ from ._collectives import all_gather as all_gather
 from ._collectives import all_to_all as all_to_all
 from ._collectives import axis_index as axis_index
 from ._collectives import axis_size as axis_size
+from ._collectives import block_offsets as block_offsets
+from ._collectives import block_sizes as block_sizes
 from ._collectives import pbroadcast as pbroadcast
 from ._collectives import pcast as pcast
 from ._collectives import pmax as pmax
@@ -41,10 +43,12 @@ from ._errors import VmaError as VmaError
 from ._mesh import Mesh as Mesh
 from ._shard import shard as shard
 from ._shard import unshard as unshard
+from ._spec import Blocks as Blocks
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
 from ._types import Vma as Vma
 from ._types import VType as VType
+from .backends.simulated import simulate_per_instance as simulate_per_instance
 from .backends.simulated import simulation_order as simulation_order
 
 __version__ = "0.1.0"
@@ -73,6 +77,7 @@ __all__ = [
     "CommMode",
     "Mesh",
     "OutputCheck",
+    "Blocks",
     "P",
     "PartitionSpec",
     "RankFailedError",
@@ -87,6 +92,8 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "block_offsets",
+    "block_sizes",
     "compile",
     "make_mesh",
     "parallel",
@@ -104,6 +111,7 @@ __all__ = [
     "set_debug",
     "set_grad_bucket_mb",
     "shard",
+    "simulate_per_instance",
     "simulation_order",
     "spmd_map",
     "to_local",

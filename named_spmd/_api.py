@@ -109,14 +109,14 @@ class SpmdFunction:
 
     # --- inputs -----------------------------------------------------------------------------
     def _input_leaves(
-        self, args: tuple, local: bool = False
+        self, args: tuple, local: bool = False, backend: Any = None
     ) -> tuple[list[Any], list[PartitionSpec], Any]:
         if torch.compiler.is_compiling():
             paths, leaves, treedef = flatten_with_paths(args)
             specs = self._in_specs_traced(args)
             if specs is None:
                 specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
-            self._check_inputs(paths, leaves, specs, local)
+            self._check_inputs(paths, leaves, specs, local, backend)
             return leaves, specs, treedef
         leaves, treedef = flatten(args)
         known = self._inputs_of_tree.get(treedef)
@@ -126,15 +126,20 @@ class SpmdFunction:
             specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
             known = self._inputs_of_tree[treedef] = (specs, set())
         specs, fine = known
-        shapes = _shapes_key(leaves, local)
+        shapes = _shapes_key(leaves, (local, _uneven_state(backend)))
         if shapes is None or shapes not in fine:
-            self._check_inputs(paths_of(args), leaves, specs, local)
+            self._check_inputs(paths_of(args), leaves, specs, local, backend)
             if shapes is not None and len(fine) < 256:
                 fine.add(shapes)
         return leaves, list(specs), treedef
 
     def _check_inputs(
-        self, paths: list[tuple], leaves: list[Any], specs: list[PartitionSpec], local: bool
+        self,
+        paths: list[tuple],
+        leaves: list[Any],
+        specs: list[PartitionSpec],
+        local: bool,
+        backend: Any = None,
     ) -> None:
         """Every input leaf fits its spec on the mesh, or one SpecError lists the problems
         (``local``: the leaves are blocks, checked as parts of their global shapes)."""
@@ -150,7 +155,8 @@ class SpmdFunction:
                 shape = tuple(leaf.shape)
                 if local:
                     shape = block_global_shape(shape, spec, self.mesh.shape)
-                problems += spec_problems(spec, shape, self.mesh.shape, where)
+                uneven = not local and _takes_uneven(backend, spec)
+                problems += spec_problems(spec, shape, self.mesh.shape, where, uneven)
             elif opaque_tensor_holder(leaf):
                 problems.append(opaque_leaf_problem(where, leaf))
             elif len(spec.axes) > 0:
@@ -159,6 +165,10 @@ class SpmdFunction:
                     "splits it. Fix: pass a tensor, or give it P()."
                 )
         if problems:
+            # the call's own backend's hint: .check() tells what a call would
+            hint = getattr(self.backend, "uneven_hint", None)
+            if hint and any("not divisible by" in p for p in problems):
+                problems.append(hint)
             raise SpecError(
                 f"{self.where}: the inputs do not fit in_specs on mesh {self.mesh.shape}:\n"
                 + bullet_list(problems)
@@ -202,7 +212,9 @@ class SpmdFunction:
                 continue
             # outputs are concatenated, never split: a dim size every axis product divides
             # (mesh.size) checks rank and axis names without a divisibility condition
-            problems += spec_problems(spec, (self.mesh.size,) * leaf.dim(), self.mesh.shape, where)
+            # (block sizes a Blocks entry gives are checked where the blocks are concatenated)
+            plain = spec.without_sizes()
+            problems += spec_problems(plain, (self.mesh.size,) * leaf.dim(), self.mesh.shape, where)
             if not check_vma:
                 continue
             vma = ctx.vma(leaf)
@@ -372,7 +384,7 @@ class SpmdFunction:
                 f"{outer.fn_label}); nesting is not supported. "
                 "Fix: call the inner per-device function directly, it already runs per instance."
             )
-        leaves, specs, in_tree = self._input_leaves(args, local)
+        leaves, specs, in_tree = self._input_leaves(args, local, backend)
         result: dict[str, Any] = {}
 
         def body(local_leaves: list[Any], ctx: _context.SpmdContext) -> list[torch.Tensor]:
@@ -416,10 +428,24 @@ class SpmdFunction:
             raise
 
 
+def _uneven_state(backend: Any) -> Any:
+    """What decides whether a call on ``backend`` takes blocks of unequal sizes (its
+    ``uneven_state``, e.g. a per-instance simulation switched on); None: fixed."""
+    state = getattr(backend, "uneven_state", None)
+    return None if state is None else state()
+
+
+def _takes_uneven(backend: Any, spec: PartitionSpec) -> bool:
+    """Whether ``backend`` takes an input under ``spec`` split into blocks of unequal sizes
+    (``_layout.dim_sizes``); backends without ``takes_uneven`` take equal blocks only."""
+    takes = getattr(backend, "takes_uneven", None)
+    return takes is not None and not torch.compiler.is_compiling() and takes(spec)
+
+
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str)
 
 
-def _shapes_key(leaves: list[Any], local: bool) -> tuple | None:
+def _shapes_key(leaves: list[Any], local: Any) -> tuple | None:
     """What the input checks of a call read from its leaves (its in_specs fixed by the tree
     structure): whether they are blocks, a strided tensor's shape, a plain Python value's type;
     None where a leaf is anything else (a sparse tensor, an object that may hold tensors:

@@ -124,6 +124,24 @@ class SpmdContext(ABC):
     def all_gather(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:
         """``[n, *x.shape]``: every member's ``x``, in member order; invariant over ``axes``."""
 
+    #: Whether the members' blocks may differ in size (the per-instance simulation): a tiled
+    #: all_gather then concatenates blocks of any sizes, and a tiled psum_scatter of a dim the
+    #: group does not divide keeps torch.chunk's blocks.
+    uneven: bool = False
+
+    def all_gather_tiled(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
+        """The members' ``x`` concatenated along ``dim``, in member order; invariant over
+        ``axes``. A backend whose members' blocks may differ in size (:attr:`uneven`)
+        overrides it."""
+        stacked = self.all_gather(x, axes)
+        return stacked.movedim(0, dim).flatten(dim, dim + 1) if dim else stacked.flatten(0, 1)
+
+    def reduce_scatter_tiled(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
+        """Sum over the group, keep this member's block of ``dim`` (n equal blocks); varying.
+        A backend with :attr:`uneven` overrides it for dims the group does not divide."""
+        n = self.mesh.axis_size(axes)
+        return self.reduce_scatter(x.unflatten(dim, (n, -1)), axes, dim)
+
     @abstractmethod
     def reduce_scatter(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
         """``x`` has a dim ``dim`` of size n: sum over the group, keep slice ``axis_index`` of

@@ -2,8 +2,11 @@
 
 * Instances of a mesh are numbered row-major over the axis names (first name major), and so are
   the members of the group of a tuple of axes (docs/design.md section 3).
-* A PartitionSpec splits tensor dim ``d`` into ``prod(size(a) for a in spec.entry_axes(d))``
-  equal blocks; the instance at mesh coordinates ``c`` holds block ``index(entry_axes(d), c)``.
+* A PartitionSpec splits tensor dim ``d`` into ``k = prod(size(a) for a in spec.entry_axes(d))``
+  blocks; the instance at mesh coordinates ``c`` holds block ``index(entry_axes(d), c)``. The
+  blocks are equal where ``k`` divides the dim; otherwise they follow ``torch.chunk`` (DTensor's
+  ``Shard``: ``ceil(n / k)`` each, the last ones smaller, perhaps empty), unless a ``Blocks``
+  entry gives the sizes (:func:`dim_sizes`).
 * Collectives move the blocks of one dim: ``split_blocks`` views a dim as ``n`` blocks and
   ``unstack_dim`` lays a leading stack of ``n`` blocks back along a dim.
 
@@ -13,6 +16,7 @@ again.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -74,16 +78,105 @@ def block_global_shape(
     return global_shape(shape, spec, {**dict.fromkeys(spec.axes, 1), **sizes})
 
 
+def chunk_sizes(size: int, n: int) -> tuple[int, ...]:
+    """The sizes of ``n`` blocks of a dim of ``size``, as ``torch.chunk`` and DTensor's
+    ``Shard`` split it: ``ceil(size / n)`` each, the last ones smaller, perhaps empty (10 over
+    4: 3, 3, 3, 1; 5 over 4: 2, 2, 1, 0)."""
+    c = -(-size // n)
+    return tuple(max(0, min(c, size - i * c)) for i in range(n))
+
+
+def dim_sizes(spec: PartitionSpec, d: int, size: int, sizes: Sizes) -> tuple[int, ...]:
+    """The block sizes of dim ``d`` (global ``size``) under ``spec``, member order (row-major
+    over the entry's axes): the :class:`~._spec.Blocks` entry's, else equal blocks where the
+    axes divide the dim, else :func:`chunk_sizes`. A dim ``spec`` does not split: one block."""
+    given = spec.entry_sizes(d)
+    if given is not None:
+        return given
+    n = group_size(spec.entry_axes(d), sizes)
+    if size % n == 0:
+        return (size // n,) * n
+    return chunk_sizes(size, n)
+
+
+def dim_offsets(block_sizes: Sequence[int]) -> tuple[int, ...]:
+    """Where each block starts: the running sum of the sizes before it."""
+    return tuple(itertools.accumulate(block_sizes, initial=0))[:-1]
+
+
+def is_even(shape: Sequence[int], spec: PartitionSpec, sizes: Sizes) -> bool:
+    """Whether every instance's block of a global ``shape`` under ``spec`` has one shape."""
+    for d, size in enumerate(shape):
+        if spec.entry_axes(d) and len(set(dim_sizes(spec, d, size, sizes))) > 1:
+            return False
+    return True
+
+
 def block(
     x: torch.Tensor, spec: PartitionSpec, sizes: Sizes, coords: Mapping[str, int]
 ) -> torch.Tensor:
-    """The block of the global ``x`` held by the instance at ``coords`` (a view)."""
+    """The block of the global ``x`` held by the instance at ``coords`` (a view); blocks of a
+    dim split unevenly have the sizes :func:`dim_sizes` gives."""
     for d in range(x.dim()):
         axes = spec.entry_axes(d)
-        if axes:
+        if not axes:
+            continue
+        i = index_of(axes, coords, sizes)
+        if spec.explicit or x.shape[d] % group_size(axes, sizes):
+            blocks = dim_sizes(spec, d, x.shape[d], sizes)
+            x = x.narrow(d, sum(blocks[:i]), blocks[i])
+        else:
             size = x.shape[d] // group_size(axes, sizes)
-            x = x.narrow(d, index_of(axes, coords, sizes) * size, size)
+            x = x.narrow(d, i * size, size)
     return x
+
+
+def split_all(x: torch.Tensor, spec: PartitionSpec, sizes: Sizes) -> list[torch.Tensor]:
+    """Every block of the global ``x`` under ``spec``, from one ``split`` per split dim (so
+    that autograd joins their gradients with one concatenation, where a ``narrow`` per block
+    would fill a zero tensor of the global size per block). Ordered by :func:`split_index`."""
+    pieces = [x]
+    for d in range(x.dim()):
+        if spec.entry_axes(d):
+            part = dim_sizes(spec, d, x.shape[d], sizes)
+            pieces = [q for p in pieces for q in p.split(part, d)]
+    return pieces
+
+
+def split_index(spec: PartitionSpec, rank: int, sizes: Sizes, coords: Mapping[str, int]) -> int:
+    """Where the block held at ``coords`` is in :func:`split_all`'s list (first split dim
+    major)."""
+    index = 0
+    for d in range(rank):
+        axes = spec.entry_axes(d)
+        if axes:
+            index = index * group_size(axes, sizes) + index_of(axes, coords, sizes)
+    return index
+
+
+def concat_blocks(
+    blocks: Sequence[torch.Tensor], spec: PartitionSpec, sizes: Sizes, order: Sequence[str]
+) -> torch.Tensor:
+    """The global tensor whose blocks under ``spec`` are ``blocks``: one per instance of the
+    axes ``spec`` names, row-major over ``order`` (the mesh's axis order restricted to them).
+    Each split dim is laid back by concatenation, so blocks may differ in size along it."""
+    axes = [a for a in order if a in spec.axes]
+    grid = {i: b for i, b in enumerate(blocks)}
+    for d in reversed(range(blocks[0].dim() if blocks else 0)):
+        entry = spec.entry_axes(d)
+        if not entry:
+            continue
+        rest = [a for a in axes if a not in entry]
+        merged = {}
+        for r in range(group_size(rest, sizes)):
+            outer = coords_of(r, rest, sizes)
+            parts = []
+            for m in range(group_size(entry, sizes)):
+                c = {**outer, **coords_of(m, entry, sizes)}
+                parts.append(grid[index_of(axes, c, sizes)])
+            merged[r] = torch.cat(parts, d)
+        grid, axes = merged, rest
+    return grid[0]
 
 
 def assemble(stacked: torch.Tensor, spec: PartitionSpec, sizes: Sizes) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,11 +11,63 @@ import torch
 from ._errors import SpecError, suggest
 from ._types import Vma, render
 
-SpecEntry = None | str | tuple[str, ...]
+
+class Blocks:
+    """A spec entry that splits a dim into blocks of given sizes: ``P(Blocks("x", (4, 3, 3)))``.
+
+    ``axes`` is an axis name or a tuple of names (first major, as in a plain entry); ``sizes``
+    gives one block size per member of their group, in row-major order, and must add up to the
+    dim's size. A domain decomposition whose blocks are not ``torch.chunk``'s (the default for a
+    dim the axes do not divide: ``ceil(n / k)`` each, the last ones smaller) says so with it.
+    """
+
+    __slots__ = ("axes", "sizes")
+
+    def __init__(self, axes: str | tuple[str, ...], sizes: Any) -> None:
+        names = (axes,) if isinstance(axes, str) else tuple(axes) if _names(axes) else None
+        if not names:
+            raise SpecError(
+                f"Blocks(axes, sizes): axes must be an axis name or a tuple of names; got "
+                f"{axes!r}. Fix: write e.g. Blocks('x', (4, 3, 3))."
+            )
+        try:
+            counts = tuple(operator.index(s) for s in sizes)
+        except TypeError:
+            counts = None
+        if counts is None or any(s < 0 for s in counts):
+            raise SpecError(
+                f"Blocks({axes!r}, {sizes!r}): sizes must be a sequence of non-negative "
+                "integers, one block size per member of the axes' group. Fix: write e.g. "
+                "Blocks('x', (4, 3, 3))."
+            )
+        self.axes: tuple[str, ...] = names
+        self.sizes: tuple[int, ...] = counts
+
+    def __repr__(self) -> str:
+        axes = self.axes[0] if len(self.axes) == 1 else self.axes
+        return f"Blocks({axes!r}, {self.sizes!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Blocks):
+            return NotImplemented
+        return self.axes == other.axes and self.sizes == other.sizes
+
+    def __hash__(self) -> int:
+        return hash((Blocks, self.axes, self.sizes))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Blocks, (self.axes, self.sizes))
+
+
+def _names(axes: object) -> bool:
+    return isinstance(axes, (tuple, list)) and all(isinstance(a, str) for a in axes)
+
+
+SpecEntry = None | str | tuple[str, ...] | Blocks
 
 
 def _canonical_entry(entry: object) -> SpecEntry:
-    if entry is None or isinstance(entry, str):
+    if entry is None or isinstance(entry, (str, Blocks)):
         return entry
     if isinstance(entry, (tuple, list)) and all(isinstance(a, str) for a in entry):
         names = tuple(entry)
@@ -88,7 +141,29 @@ class PartitionSpec(tuple):
         e = self[dim]
         if e is None:
             return ()
-        return (e,) if isinstance(e, str) else e
+        if isinstance(e, str):
+            return (e,)
+        return e.axes if isinstance(e, Blocks) else e
+
+    def entry_sizes(self, dim: int) -> tuple[int, ...] | None:
+        """The block sizes a :class:`Blocks` entry gives ``dim``; None for any other entry."""
+        e = self[dim] if dim < len(self) else None
+        return e.sizes if isinstance(e, Blocks) else None
+
+    @property
+    def explicit(self) -> bool:
+        """Whether an entry gives its block sizes (:class:`Blocks`); computed once per spec."""
+        explicit = self.__dict__.get("_explicit")
+        if explicit is None:
+            explicit = self.__dict__["_explicit"] = any(isinstance(e, Blocks) for e in self)
+        return explicit
+
+    def without_sizes(self) -> PartitionSpec:
+        """This spec with each :class:`Blocks` entry replaced by its axes."""
+        if not self.explicit:
+            return self
+        entries = [e.axes if isinstance(e, Blocks) else e for e in self]
+        return PartitionSpec(*entries, unreduced=self.unreduced, reduced=self.reduced)
 
     def vma(self) -> Vma:
         """The type of a value under this spec: varying over the axes that split it, unreduced
@@ -156,19 +231,25 @@ def _axis_set(axes: Any, what: str) -> frozenset[str]:
 
 
 def spec_problems(
-    spec: PartitionSpec, shape: tuple[int, ...], mesh_shape: Mapping[str, int], where: str
+    spec: PartitionSpec,
+    shape: tuple[int, ...],
+    mesh_shape: Mapping[str, int],
+    where: str,
+    uneven: bool = False,
 ) -> list[str]:
-    """Every way ``spec`` fails to fit a tensor of ``shape`` on the mesh (empty list: it fits)."""
+    """Every way ``spec`` fails to fit a tensor of ``shape`` on the mesh (empty list: it fits).
+    ``uneven``: the caller takes blocks of unequal sizes (``_layout.dim_sizes``); otherwise a
+    dim the axes do not divide, or a :class:`Blocks` entry of unequal sizes, is a problem."""
     if torch.compiler.is_compiling():
         # No memo: Dynamo would guard on its length, and any call that adds to it (another
         # function's new shapes) would recompile every compiled call (the memo's lookup also
         # specialized the dims; dims left symbolic broke the real mesh's block arithmetic)
         specialize(shape)
-        return _spec_problems(spec, shape, mesh_shape, where)
-    key = (spec, tuple(shape), tuple(mesh_shape.items()))
+        return _spec_problems(spec, shape, mesh_shape, where, uneven)
+    key = (spec, tuple(shape), tuple(mesh_shape.items()), uneven)
     if key in _fits:  # checked on every call: remember what fitted
         return []
-    problems = _spec_problems(spec, shape, mesh_shape, where)
+    problems = _spec_problems(spec, shape, mesh_shape, where, uneven)
     if not problems:
         if len(_fits) > 4096:
             _fits.clear()
@@ -187,7 +268,11 @@ def specialize(shape: Any) -> None:
 
 
 def _spec_problems(
-    spec: PartitionSpec, shape: tuple[int, ...], mesh_shape: Mapping[str, int], where: str
+    spec: PartitionSpec,
+    shape: tuple[int, ...],
+    mesh_shape: Mapping[str, int],
+    where: str,
+    uneven: bool = False,
 ) -> list[str]:
     problems = []
     if len(spec) > len(shape):
@@ -215,16 +300,47 @@ def _spec_problems(
                 )
             seen.add(a)
         if axes and all(a in mesh_shape for a in axes):
-            n = 1
-            for a in axes:
-                n *= mesh_shape[a]
-            if shape[d] % n != 0:
-                sizes = " * ".join(f"{a}={mesh_shape[a]}" for a in axes)
-                problems.append(
-                    f"{where}: dim {d} has size {shape[d]}, not divisible by {n} ({sizes}) as "
-                    f"{spec!r} requires. Fix: pad dim {d} to a multiple of {n}, or split another dim."
-                )
+            problems += _split_problems(spec, d, shape[d], axes, mesh_shape, where, uneven)
     return problems
+
+
+def _split_problems(
+    spec: PartitionSpec,
+    d: int,
+    size: int,
+    axes: tuple[str, ...],
+    mesh_shape: Mapping[str, int],
+    where: str,
+    uneven: bool,
+) -> list[str]:
+    """How dim ``d`` of size ``size`` fails to split over ``axes``: explicit block sizes that do
+    not add up, or (where the caller takes only equal blocks) blocks of unequal sizes."""
+    n = 1
+    for a in axes:
+        n *= mesh_shape[a]
+    given = spec.entry_sizes(d)
+    if given is None and (size % n == 0 or uneven):  # the common case, also while traced
+        return []
+    if given is not None:
+        if len(given) != n or sum(given) != size:
+            group = " * ".join(f"{a}={mesh_shape[a]}" for a in axes)
+            return [
+                f"{where}: {spec[d]!r} gives dim {d} {len(given)} blocks adding up to "
+                f"{sum(given)}, but the dim has size {size} and its group has {n} members "
+                f"({group}). Fix: give {n} block sizes that add up to {size}."
+            ]
+        if uneven or len(set(given)) <= 1:
+            return []
+        return [
+            f"{where}: {spec[d]!r} gives dim {d} blocks of unequal sizes; this backend splits "
+            f"dims into equal blocks only. Fix: give equal sizes, or pad dim {d} to a multiple "
+            f"of {n}."
+        ]
+    group = " * ".join(f"{a}={mesh_shape[a]}" for a in axes)
+    return [
+        f"{where}: dim {d} has size {size}, not divisible by {n} ({group}) as "
+        f"{spec!r} requires. Fix: pad dim {d} to a multiple of {n}, or split another dim."
+    ]
 
 
 def _state_problems(spec: PartitionSpec, mesh_shape: Mapping[str, int], where: str) -> list[str]:

@@ -13,6 +13,7 @@ MODULES = [
     "named_spmd._collectives.typing",
     "named_spmd._api",
     "named_spmd._accounting",
+    "named_spmd.backends.simulated",
 ]
 
 

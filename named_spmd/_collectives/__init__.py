@@ -8,7 +8,7 @@ from .casts import pcast
 from .movement import all_gather, all_to_all, psum_scatter
 from .permutes import pbroadcast, ppermute, pshuffle
 from .reductions import pmax, pmean, pmin, psum
-from .typing import axis_index, axis_size, typeof, vma
+from .typing import axis_index, axis_size, block_offsets, block_sizes, typeof, vma
 
 __all__ = [
     "RECORDS",
@@ -17,6 +17,8 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "block_offsets",
+    "block_sizes",
     "implicit_pvary",
     "pbroadcast",
     "pcast",

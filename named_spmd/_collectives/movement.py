@@ -85,7 +85,10 @@ def _all_gather_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
     dim, tiled, to = params
-    out = unstack_dim(ctx.all_gather(x, axes), dim, tiled)
+    if tiled and ctx.uneven:  # the members' blocks may differ in size along dim
+        out = ctx.all_gather_tiled(x, axes, dim)
+    else:
+        out = unstack_dim(ctx.all_gather(x, axes), dim, tiled)
     return ctx.pvary(out, axes) if to == "varying" else out
 
 
@@ -160,7 +163,8 @@ def _psum_scatter_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: P
     n = ctx.mesh.axis_size(axes)
     check_reducible(ctx, t, "psum_scatter", "sum")
     d = checked_dim(ctx, t, dim, "psum_scatter", "scatter_dimension")
-    check_divisible(ctx, t, d, n, axes, "psum_scatter", "scatter_dimension", tiled)
+    if not (tiled and ctx.uneven):  # uneven: torch.chunk's blocks of a dim n does not divide
+        check_divisible(ctx, t, d, n, axes, "psum_scatter", "scatter_dimension", tiled)
     return (d, bool(tiled))
 
 
@@ -191,6 +195,8 @@ def _psum_scatter_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
     dim, tiled = params
+    if tiled and ctx.uneven:
+        return ctx.reduce_scatter_tiled(x, axes, dim)
     return ctx.reduce_scatter(split_blocks(x, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
 
 

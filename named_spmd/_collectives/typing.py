@@ -8,6 +8,7 @@ import torch
 
 from .._context import SpmdContext, current
 from .._errors import CollectiveError, SpmdError
+from .._layout import chunk_sizes, dim_offsets
 from .._types import VType
 from ._record import pvary
 
@@ -32,6 +33,42 @@ def axis_size(axis_name: AxisName) -> int:
     """``axis_size(A) -> int``: the number of instances in the group of A (no communication)."""
     ctx = current("axis_size")
     return ctx.mesh.axis_size(ctx.check_axes(axis_name, "axis_size"))
+
+
+def block_sizes(size: int, axis_name: AxisName, *, mesh: Any = None) -> tuple[int, ...]:
+    """The sizes of the blocks a dim of global ``size`` split over ``axis_name`` has, one per
+    member of the group, in member order (row-major over a tuple): equal where the group size
+    divides ``size``, else ``torch.chunk``'s (``ceil(size / n)`` each, the last ones smaller,
+    perhaps empty), as ``P(axis_name)`` splits an input. Inside spmd_map the mesh is the call's;
+    outside, pass ``mesh=``. What a halo exchange or a mask over uneven blocks needs.
+
+    Example:
+        >>> import named_spmd as ns
+        >>> ns.block_sizes(10, "x", mesh=ns.make_mesh((4,), ("x",)))
+        (3, 3, 3, 1)
+    """
+    ctx = None if mesh is not None else current("block_sizes")
+    the_mesh = mesh if mesh is not None else ctx.mesh  # type: ignore[union-attr]
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if ctx is not None:
+        axes = ctx.check_axes(axis_name, "block_sizes")
+    n = the_mesh.axis_size(axes)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise CollectiveError(
+            f"block_sizes: size must be a non-negative int (a global dim's size), got {size!r}."
+        )
+    return (size // n,) * n if size % n == 0 else chunk_sizes(size, n)
+
+
+def block_offsets(size: int, axis_name: AxisName, *, mesh: Any = None) -> tuple[int, ...]:
+    """Where each block of :func:`block_sizes` starts in the global dim (member order).
+
+    Example:
+        >>> import named_spmd as ns
+        >>> ns.block_offsets(10, "x", mesh=ns.make_mesh((4,), ("x",)))
+        (0, 3, 6, 9)
+    """
+    return dim_offsets(block_sizes(size, axis_name, mesh=mesh))
 
 
 def _asking_for_types(op: str) -> SpmdContext:
@@ -71,4 +108,4 @@ def typeof(x: Any) -> VType:
     return VType(x.dtype, tuple(x.shape), ctx.vma(x), ctx.mesh.axis_names)
 
 
-__all__ = ["axis_index", "axis_size", "pvary", "typeof", "vma"]
+__all__ = ["axis_index", "axis_size", "block_offsets", "block_sizes", "pvary", "typeof", "vma"]

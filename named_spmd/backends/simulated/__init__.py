@@ -35,9 +35,10 @@ from ... import _blocks
 from ... import _torch_private as P
 from ..._accounting import recording
 from ..._errors import SpmdError, VmaError, fn_label
+from ..._layout import is_even
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
-from . import _inner_grad, _one_instance
+from . import _inner_grad, _one_instance, _per_instance
 from . import _instances as _instances  # installs the per-instance printing of values
 from ._compiled import compiled_pieces_eagerly
 from ._diagnose import explained
@@ -96,6 +97,32 @@ def simulation_order(*axis_names: str) -> Iterator[None]:
         yield
     finally:
         _override.order = saved
+
+
+@contextlib.contextmanager
+def simulate_per_instance() -> Iterator[None]:
+    """Run simulated calls made inside the block per instance: each instance of the mesh on a
+    thread of its own, on its own block, meeting the others at each collective (the
+    execution that uneven blocks take anyway, ``_per_instance``), instead of all at once under
+    vmap. The per-device function may then read values, as on a real mesh: ``.item()``,
+    ``print`` of a block, a Python ``if`` on a value (each instance calling the same
+    collectives). Values, gradients and types are vmap's; it costs a thread switch per
+    collective and runs the instances one op at a time.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2,), ("x",))
+        >>> f = ns.spmd_map(lambda v: v * int(v.sum().item() > 4), mesh=mesh, in_specs=ns.P("x"), out_specs=ns.P("x"))
+        >>> with ns.simulate_per_instance():
+        ...     f(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        tensor([0., 0., 3., 4.])
+    """
+    saved = getattr(_override, "per_instance", False)
+    _override.per_instance = True
+    try:
+        yield
+    finally:
+        _override.per_instance = saved
 
 
 @functools.cache
@@ -189,6 +216,20 @@ def run(
     return [from_physical(y, p, s, mesh) for y, p, s in zip(outs, present, out_specs_of())]
 
 
+def _uneven(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> bool:
+    """Whether some input's blocks differ in size (only a spec with ``Blocks`` entries gets
+    here with them: the input checks refuse any other unequal split outside the per-instance
+    execution)."""
+    for x, spec in zip(leaves, specs):
+        if (
+            spec.explicit
+            and isinstance(x, torch.Tensor)
+            and not is_even(x.shape, spec, mesh._shape)
+        ):
+            return True
+    return False
+
+
 # Messages of functorch errors that mean "this code cannot run per instance under vmap".
 _VMAP_LIMITS = (
     "vmap",
@@ -262,11 +303,28 @@ class SimulatedBackend:
     def accepts(self, mesh: Mesh) -> bool:
         return mesh.device_mesh is None
 
+    #: appended to the input errors of a dim the axes do not divide
+    uneven_hint = (
+        "Or take blocks of unequal sizes (torch.chunk's, as DTensor's Shard): run the call "
+        "under `with ns.simulate_per_instance():`, or give the sizes with ns.Blocks."
+    )
+
+    def uneven_state(self) -> bool:
+        """Whether calls made now run per instance (``simulate_per_instance``)."""
+        return getattr(_override, "per_instance", False)
+
+    def takes_uneven(self, spec: PartitionSpec) -> bool:
+        """Blocks of unequal sizes run per instance: taken where the caller asked for that
+        execution, or gave the sizes (``ns.Blocks``)."""
+        return spec.explicit or self.uneven_state()
+
     def run(self, mesh, fn, leaves, specs, body, out_specs_of):
         if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path
             from . import _traced  # imports Dynamo, loaded by now (not with every eager call)
 
             return _traced.run(mesh, fn, leaves, specs, body, out_specs_of)
+        if mesh.size > 1 and (self.uneven_state() or _uneven(mesh, leaves, specs)):
+            return _per_instance.run(mesh, fn, leaves, specs, body, out_specs_of)
         return _run_eagerly(mesh, fn, leaves, specs, body, out_specs_of)
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:

@@ -1,0 +1,123 @@
+"""Where the instance threads of a per-instance simulated call meet (``_per_instance``).
+
+Each instance runs the per-device function on its own thread. A collective primitive is a
+meeting of every instance of the mesh: each thread leaves its operand and waits; the last one
+to arrive computes every instance's result from the list of all operands with ordinary torch
+ops (stack, sum, select), so autograd sees one graph joining the instances, and the backward
+pass runs from the caller's thread with no meeting at all. Every instance must call the same
+primitives in the same order (an SPMD program does); a difference is told, never a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..._errors import SpmdError
+from ..._layout import coords_of
+
+Compute = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+class Aborted(BaseException):
+    """Raised in an instance thread whose meeting cannot complete because another instance
+    failed; a BaseException so that the user's ``except Exception`` does not swallow it."""
+
+
+class Meeting:
+    """The meeting point of ``n`` instance threads (instance ``i``: row-major over the mesh)."""
+
+    def __init__(self, n: int, label: str, names: Sequence[str], sizes: dict[str, int]):
+        self.n = n
+        self.label = label
+        self.names = tuple(names)
+        self.sizes = sizes
+        self.cond = threading.Condition()
+        self.arrived: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.results: list[torch.Tensor] = []
+        self.round = 0
+        self.finished: set[int] = set()
+        self.failed = False
+        self.stuck: SpmdError | None = None  # instances returned while others wait
+
+    def exchange(self, i: int, key: Any, x: torch.Tensor, compute: Compute) -> torch.Tensor:
+        """Leave ``x`` (instance ``i``'s operand of the primitive ``key``); return instance
+        ``i``'s result once every instance has left its own."""
+        with self.cond:
+            if self.failed:
+                raise Aborted
+            self.arrived[i] = (key, x)
+            if len(self.arrived) < self.n:
+                self._check_stuck()
+                mine = self.round
+                while self.round == mine and not self.failed:
+                    self.cond.wait()
+                if self.round == mine:
+                    raise Aborted
+                return self.results[i]
+            arrived, self.arrived = self.arrived, {}
+            try:
+                self._check_same(arrived)
+                results = compute([arrived[j][1] for j in range(self.n)])
+            except BaseException:
+                self.failed = True
+                self.cond.notify_all()
+                raise
+            self.results = results
+            self.round += 1
+            self.cond.notify_all()
+            return results[i]
+
+    def finish(self, i: int, failed: bool) -> None:
+        """Instance ``i`` returned (or raised): the others must not wait for it."""
+        with self.cond:
+            self.finished.add(i)
+            if failed:
+                self.failed = True
+                self.cond.notify_all()
+            elif self.arrived:
+                self._check_stuck()
+
+    def _check_stuck(self) -> None:
+        """Some instances returned while the others wait at a collective: the instances ran
+        different collectives (value-dependent control flow). Told in every waiting thread."""
+        if not self.finished or len(self.arrived) + len(self.finished) < self.n:
+            return
+        key = next(iter(self.arrived.values()))[0]
+        self.failed = True
+        self.cond.notify_all()
+        self.stuck = SpmdError(
+            f"spmd_map of {self.label}: instances {self._where(sorted(self.finished))} returned "
+            f"while instances {self._where(sorted(self.arrived))} wait at {_op(key)}: the "
+            "instances called different collectives (Python control flow on values that "
+            "differ between instances). Fix: call every collective on every instance, in one "
+            "order; select values with torch.where rather than skipping a collective."
+        )
+
+    def _check_same(self, arrived: dict[int, tuple[Any, torch.Tensor]]) -> None:
+        keys = {j: arrived[j][0] for j in range(self.n)}
+        if len(set(keys.values())) > 1:
+            calls = "; ".join(
+                f"instance {self._where([j])}: {_op(k)}" for j, k in sorted(keys.items())
+            )
+            raise SpmdError(
+                f"spmd_map of {self.label}: the instances called different collectives at one "
+                f"point of the program ({calls}). Fix: call every collective on every "
+                "instance, in one order, with the same axes and arguments."
+            )
+
+    def _where(self, instances: Sequence[int]) -> str:
+        return ", ".join(
+            "("
+            + ", ".join(f"{a}={c}" for a, c in coords_of(j, self.names, self.sizes).items())
+            + ")"
+            for j in instances
+        )
+
+
+def _op(key: Any) -> str:
+    name, axes, params = key
+    return f"{name} over {axes}" + (f" {params}" if params else "")

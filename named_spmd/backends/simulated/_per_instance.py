@@ -1,0 +1,417 @@
+"""The per-instance execution of a simulated call: one thread per instance, each on its own block.
+
+vmap batches blocks of one shape only; blocks of different sizes (a dim the axes do not divide)
+need each instance to run on its own. Here each instance runs the per-device function on a
+thread of its own (instance 0 on the caller's), typed per tensor by stamps and ``VmaMode`` as on
+a real mesh (torch's function-mode stack is per thread, and so is the active call): the types,
+the out_specs check and the partial-sum inference are the real mesh's. The collectives' primitives
+meet (``_meeting``): the last instance to arrive computes every instance's result with ordinary
+torch ops, so the autograd graph joins the instances and ``backward`` from the caller needs no
+threads. Like a real mesh, an instance may read values (``.item()``, ``print``, a Python ``if``),
+as long as every instance calls the same collectives in one order.
+
+What it does not do (each a clear error or documented): a collective under a ``torch.func``
+transform (functorch's levels are per thread), a call under an outer transform, random ops
+inside the function (the threads would draw from the one generator in no fixed order).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ... import _torch_private as P
+from ..._errors import SpecError, SpmdError, fn_label
+from ..._layout import (
+    chunk_sizes,
+    concat_blocks,
+    coords_of,
+    group_coords,
+    index_of,
+    split_all,
+    split_index,
+)
+from ..._mesh import Mesh
+from ..._spec import PartitionSpec
+from ..._tracking import TrackedContext, VmaMode
+from ..._types import Vma
+from ._meeting import Aborted, Meeting
+
+Tensor = torch.Tensor
+
+
+class InstanceContext(TrackedContext):
+    """One instance's call: stamped types; primitives that meet the other instances."""
+
+    def __init__(self, mesh: Mesh, fn: Any, meeting: Meeting, index: int, device: torch.device):
+        super().__init__(mesh, fn)
+        self.meeting = meeting
+        self.index = index
+        self.coords = coords_of(index, mesh.axis_names, mesh._shape)
+        self.device = device
+        self.op = ""  # the collective being applied (what a mismatch names)
+
+    def _member(self, axes: tuple[str, ...]) -> int:
+        return index_of(axes, self.coords, self.mesh._shape)
+
+    def axis_index(self, axes):
+        with P.DisableTorchFunction():
+            index = torch.tensor(self._member(axes), device=self.device)
+        return self.stamp(index, Vma.of(axes))
+
+    def per_member(self, axes, make):
+        with P.DisableTorchFunction():  # a plain value: only its stamp says where it varies
+            value = make(self._member(axes))
+        return self.stamp(value, Vma.of(axes))
+
+    def apply(self, rec, x, axes, params, donate=False):
+        # The primitives are plain differentiable torch ops across the instances: autograd
+        # differentiates them (no declared transpose needed), as under vmap.
+        if P.transforms_active():
+            raise SpmdError(
+                f"{rec.name} in {self.fn_label}: a collective under a torch.func transform "
+                "inside the per-device function cannot run on the per-instance simulation "
+                "(each instance's transform levels live on its own thread). Fix: use even "
+                "blocks (the vmap simulation), or differentiate outside the mapped function."
+            )
+        self.op = rec.name
+        with P.DisableTorchFunction():
+            return rec.forward(self, x, axes, params, donate)
+
+    def _meet(self, x: Tensor, axes, params: tuple, per_group) -> Tensor:
+        groups = _groups(tuple(self.mesh._shape.items()), axes)
+        key = (self.op, axes, params)
+        return self.meeting.exchange(
+            self.index, key, x, lambda xs: _each_group(groups, xs, per_group)
+        )
+
+    uneven = True  # the members' blocks may differ in size
+
+    # --- primitives -----------------------------------------------------------------------
+    def all_gather_tiled(self, x, axes, dim):
+        return self._meet(x, axes, ("tiled", dim), functools.partial(_gather_tiled, dim))
+
+    def reduce_scatter_tiled(self, x, axes, dim):
+        return self._meet(x, axes, ("tiled", dim), functools.partial(_scatter_chunks, dim, self))
+
+    def pvary(self, x, axes):
+        return x.view_as(x)  # autograd sums the gradients of every instance's use
+
+    def own_block(self, x, axes, dim):
+        return x.select(dim, self._member(axes))
+
+    def all_reduce(self, x, axes, op, donate=False):
+        return self._meet(x, axes, (op,), functools.partial(_reduce, op, self))
+
+    def all_gather(self, x, axes):
+        return self._meet(x, axes, (), functools.partial(_gather, self))
+
+    def reduce_scatter(self, x, axes, dim):
+        return self._meet(x, axes, (dim,), functools.partial(_reduce_scatter, dim, self))
+
+    def all_to_all(self, x, axes, dim):
+        return self._meet(x, axes, (dim,), functools.partial(_all_to_all, dim, self))
+
+    def permute(self, x, axes, pairs):
+        return self._meet(x, axes, (pairs,), functools.partial(_permute, pairs, self))
+
+    def broadcast(self, x, axes, root):
+        return self._meet(x, axes, (root,), functools.partial(_broadcast, root, self))
+
+
+# --- what the last instance to arrive computes, per group -----------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _groups(shape: tuple[tuple[str, int], ...], axes: tuple[str, ...]) -> list[list[int]]:
+    """The groups of ``axes``: each a list of instance indices (row-major over the mesh) in
+    member order."""
+    sizes = dict(shape)
+    names = tuple(sizes)
+    seen: set[int] = set()
+    groups = []
+    for i in range(_count(sizes)):
+        if i in seen:
+            continue
+        coords = coords_of(i, names, sizes)
+        members = [index_of(names, c, sizes) for c in group_coords(axes, coords, sizes)]
+        seen.update(members)
+        groups.append(members)
+    return groups
+
+
+def _count(sizes: dict[str, int]) -> int:
+    n = 1
+    for s in sizes.values():
+        n *= s
+    return n
+
+
+def _each_group(groups, xs: list[Tensor], per_group) -> list[Tensor]:
+    out: list[Any] = [None] * len(xs)
+    for members in groups:
+        for m, r in zip(members, per_group([xs[m] for m in members])):
+            out[m] = r
+    return out
+
+
+def _same_shapes(ctx: InstanceContext, xs: Sequence[Tensor]) -> None:
+    shapes = {tuple(x.shape) for x in xs}
+    if len(shapes) > 1:
+        raise SpmdError(
+            f"{ctx.op} in {ctx.fn_label}: the members' operands have different shapes "
+            f"{[tuple(x.shape) for x in xs]} (uneven blocks, or an empty one), but {ctx.op} "
+            "takes one shape on every member. Fix: pad the blocks to one shape first "
+            "(ns.block_sizes gives every member's size), or split the dim so that no block is "
+            "empty."
+        )
+
+
+def _copies(x: Tensor, n: int) -> list[Tensor]:
+    """One tensor per member (each gets its own stamp, and may write into its own)."""
+    return [x] + [x.clone() for _ in range(n - 1)]
+
+
+_REDUCE = {"sum": "sum", "max": "amax", "min": "amin"}
+
+
+def _total(op: str, ctx: InstanceContext, xs: list[Tensor]) -> Tensor:
+    """The elementwise ``op`` of the members' operands, in the operands' dtype."""
+    _same_shapes(ctx, xs)
+    dtype = xs[0].dtype
+    if dtype is torch.bool and op == "sum":
+        op = "max"  # a sum of truth values is their "or", as on a real mesh
+    out = getattr(torch.stack(xs), _REDUCE[op])(0)
+    return out if out.dtype is dtype else out.to(dtype)  # torch sums small ints in int64
+
+
+def _reduce(op: str, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
+    return _copies(_total(op, ctx, xs), len(xs))
+
+
+def _gather(ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
+    _same_shapes(ctx, xs)
+    return _copies(torch.stack(xs), len(xs))
+
+
+def _gather_tiled(dim: int, xs: list[Tensor]) -> list[Tensor]:
+    """The blocks concatenated along ``dim``, whatever their sizes there (one copy each)."""
+    return _copies(torch.cat(xs, dim), len(xs))
+
+
+def _scatter_chunks(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
+    """The sum, member j keeping block j of ``dim`` as ``P(axes)`` splits a dim
+    (``_layout.dim_sizes``: torch.chunk's sizes where the group does not divide it)."""
+    total = _total("sum", ctx, xs)
+    sizes = chunk_sizes(total.shape[dim], len(xs))
+    return list(total.split(sizes, dim))
+
+
+def _reduce_scatter(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
+    total = _total("sum", ctx, xs)
+    return [total.select(dim, j) for j in range(len(xs))]
+
+
+def _all_to_all(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
+    _same_shapes(ctx, xs)
+    return [torch.stack([x.select(dim, i) for x in xs], dim) for i in range(len(xs))]
+
+
+def _broadcast(root: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
+    _same_shapes(ctx, xs)
+    return [xs[root].clone() for _ in xs]
+
+
+def _permute(pairs, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
+    # one shape for every member, as a real mesh's receive buffers (each its own operand's)
+    _same_shapes(ctx, xs)
+    source = {dst: src for src, dst in pairs}
+    return [
+        xs[source[j]].clone() if j in source else torch.zeros_like(xs[j]) for j in range(len(xs))
+    ]
+
+
+# --- the call ------------------------------------------------------------------------------------
+
+
+class _InstanceMode(VmaMode):
+    """The vma tracking of one instance, refusing random ops (their draws would depend on the
+    order in which the threads reach them)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _RANDOM or getattr(func, "__name__", "") in _RANDOM_NAMES:
+            raise SpmdError(
+                f"{getattr(func, '__name__', func)} in {self.ctx.fn_label}: random ops cannot "
+                "run on the per-instance simulation (its instance threads would draw from the "
+                "one generator in no fixed order). Fix: ns.random's draws (seeded per "
+                "instance: the same values as the vmap simulation and a real mesh), or draw "
+                "the values outside the mapped function and pass them in."
+            )
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+_RANDOM_NAMES = frozenset(
+    {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like"}
+    | {"bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "multinomial", "dropout"}
+    | {"random_", "exponential_", "geometric_", "cauchy_", "log_normal_", "poisson"}
+)
+_RANDOM = frozenset({torch.nn.functional.dropout, torch.dropout})
+
+
+def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[list[Any]]:
+    """Every instance's blocks of the leaves: a tensor object of its own for every tensor leaf
+    (each instance stamps its own), views of the caller's tensors (autograd joins them)."""
+    names, sizes = mesh.axis_names, mesh._shape
+    per_leaf = [
+        split_all(leaf, spec, sizes) if isinstance(leaf, Tensor) and spec.axes else None
+        for leaf, spec in zip(leaves, specs)
+    ]
+    out = []
+    for i in range(mesh.size):
+        coords = coords_of(i, names, sizes)
+        mine: list[Any] = []
+        for leaf, spec, blocks in zip(leaves, specs, per_leaf):
+            if not isinstance(leaf, Tensor):
+                mine.append(leaf)
+                continue
+            x = leaf if blocks is None else blocks[split_index(spec, leaf.dim(), sizes, coords)]
+            x = x.view_as(x)
+            if any(coords[a] != 0 for a in spec.unreduced):
+                x = torch.zeros_like(x)  # parts of the value: the first member's is the value
+            mine.append(x)
+        out.append(mine)
+    return out
+
+
+def _body_on(
+    ctx: InstanceContext,
+    body: Callable[..., Any],
+    local: list[Any],
+    specs: list[PartitionSpec],
+) -> list[Tensor]:
+    local = [ctx.stamp_input(x, s) if isinstance(x, Tensor) else x for x, s in zip(local, specs)]
+    with _InstanceMode(ctx):
+        return body(local, ctx)
+
+
+def run(
+    mesh: Mesh,
+    fn: Callable[..., Any],
+    leaves: list[Any],
+    specs: list[PartitionSpec],
+    body: Callable[[list[Any], Any], list[Tensor]],
+    out_specs_of: Callable[[], list[PartitionSpec]],
+) -> list[Tensor]:
+    """``body`` on every instance, each on its own thread and block; outputs assembled."""
+    label = fn_label(fn)
+    if P.transforms_active():
+        raise SpmdError(
+            f"spmd_map of {label}: a call under a torch.func transform cannot run on the "
+            "per-instance simulation (functorch's levels are per thread). Fix: use even blocks "
+            "(the vmap simulation), or Tensor.backward / torch.autograd.grad around the call."
+        )
+    n = mesh.size
+    meeting = Meeting(n, label, mesh.axis_names, mesh._shape)
+    device = next((x.device for x in leaves if isinstance(x, Tensor)), torch.device("cpu"))
+    with P.DisableTorchFunction():  # our bookkeeping: no op of the program
+        inputs = _inputs(mesh, leaves, specs)
+    outs: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+    grad = torch.is_grad_enabled()
+    modes = [P.function_mode_at(i) for i in range(P.function_mode_depth())]
+
+    def instance(i: int) -> None:
+        ctx = InstanceContext(mesh, fn, meeting, i, device)
+        failed = True
+        try:
+            outs[i] = _body_on(ctx, body, inputs[i], specs)
+            failed = False
+        except BaseException as e:  # noqa: BLE001 - told by the caller's thread
+            errors[i] = e
+        finally:
+            meeting.finish(i, failed)
+
+    def worker(i: int) -> None:
+        with torch.set_grad_enabled(grad):
+            for m in modes:  # the caller's torch-function modes (a torch.device block & co)
+                P.push_function_mode(m)
+            try:
+                instance(i)
+            finally:
+                for _ in modes:
+                    P.pop_function_mode()
+
+    others = [_POOL.submit(worker, i) for i in range(1, n)]
+    instance(0)
+    for f in others:
+        f.result()  # (worker catches everything: the errors are in ``errors``)
+    _raise_first(meeting, errors)
+    return [_assemble(mesh, [o[j] for o in outs], s) for j, s in enumerate(out_specs_of())]
+
+
+# Instance threads, kept between calls (starting seven threads cost more than a small call).
+# Every instance of a call must run at once (they meet), so the pool never makes a call wait for
+# a thread: it grows to the largest number of instances ever running at once.
+_POOL = ThreadPoolExecutor(max_workers=1 << 16, thread_name_prefix="named_spmd-instance")
+
+
+def _raise_first(meeting: Meeting, errors: list[BaseException | None]) -> None:
+    """The error of the lowest instance that raised one of its own (the others stopped at a
+    meeting that could not complete), naming the instance."""
+    for i, e in enumerate(errors):
+        if e is not None and not isinstance(e, Aborted):
+            if hasattr(e, "add_note") and not isinstance(e, SpmdError) and meeting.n > 1:
+                where = coords_of(i, meeting.names, meeting.sizes)
+                coords = ", ".join(f"{a}={c}" for a, c in where.items())
+                e.add_note(
+                    f"[named_spmd] raised by the instance at {coords} (per-instance simulation)"
+                )
+            raise e
+    if meeting.stuck is not None:
+        raise meeting.stuck
+
+
+def _assemble(mesh: Mesh, values: list[Tensor], spec: PartitionSpec) -> Tensor:
+    """The global output from every instance's value (row-major over the mesh): the blocks of
+    the axes ``spec`` names concatenated, the parts of those it declares unreduced summed, and
+    the value at coordinate 0 of any other axis (invariant there, or unchecked)."""
+    names, sizes = mesh.axis_names, mesh._shape
+    named = [a for a in names if a in spec.axes]
+    summed = [a for a in names if a in spec.unreduced]
+    blocks = []
+    for b in range(_count({a: sizes[a] for a in named})):
+        where = dict.fromkeys(names, 0) | coords_of(b, named, sizes)
+        parts = [
+            values[index_of(names, where | coords_of(u, summed, sizes), sizes)]
+            for u in range(_count({a: sizes[a] for a in summed}))
+        ]
+        blocks.append(functools.reduce(torch.add, parts) if len(parts) > 1 else parts[0])
+    if not named:
+        return blocks[0].view_as(blocks[0])  # a tensor object of the caller's
+    if spec.explicit:
+        _check_given_sizes(blocks, spec, sizes, named)
+    return concat_blocks(blocks, spec, sizes, named)
+
+
+def _check_given_sizes(
+    blocks: list[Tensor], spec: PartitionSpec, sizes: dict[str, int], named: list[str]
+) -> None:
+    """An out_spec's ``Blocks`` entry must give the sizes the instances' blocks have."""
+    for b, x in enumerate(blocks):
+        coords = coords_of(b, named, sizes)
+        for d in range(min(len(spec), x.dim())):
+            given = spec.entry_sizes(d)
+            if (
+                given is not None
+                and x.shape[d] != given[index_of(spec.entry_axes(d), coords, sizes)]
+            ):
+                raise SpecError(
+                    f"output: {spec[d]!r} gives dim {d} blocks of sizes {given}, but the instance "
+                    f"at {coords} returned a block of size {x.shape[d]} there. Fix: give the "
+                    "sizes the blocks have, or name the axes without sizes (their blocks are "
+                    "concatenated whatever their sizes)."
+                )

@@ -1,0 +1,253 @@
+"""Blocks of unequal sizes on the simulated mesh: a dim the axes do not divide is split as
+torch.chunk (DTensor's Shard) splits it, or as an ``ns.Blocks`` entry says; such calls run per
+instance (``backends/simulated/_per_instance``). Values and gradients against dense
+single-device programs and per-instance loops written here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import named_spmd as ns
+from named_spmd import P
+
+F64 = torch.float64
+
+
+def _randn(*shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def _grads(fn, *args):
+    args = [a.clone().requires_grad_() for a in args]
+    out = fn(*args)
+    cot = _randn(*out.shape, seed=99)
+    return out.detach(), torch.autograd.grad((out * cot).sum(), args)
+
+
+def _same_values_and_grads(mapped, dense, *args):
+    got, got_grads = _grads(mapped, *args)
+    want, want_grads = _grads(dense, *args)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
+def test_each_instance_sees_its_chunk_and_outputs_concatenate():
+    """A per-instance loop: every instance's block is torch.chunk's piece (empty ones included),
+    and the blocks concatenate back to the global value."""
+    mesh = ns.make_mesh((4,), ("x",))
+    seen = {}
+
+    def f(v):
+        seen[int(ns.axis_index("x").item())] = v.detach().clone()
+        return v * 2
+
+    g = ns.spmd_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    for n in (10, 5, 3):
+        x = torch.arange(float(n))
+        seen.clear()
+        with ns.simulate_per_instance():
+            torch.testing.assert_close(g(x), x * 2)
+        pieces = list(x.chunk(4)) + [x[:0]] * (4 - len(x.chunk(4)))
+        for i in range(4):
+            torch.testing.assert_close(seen[i], pieces[i])
+
+
+def test_two_axes_reduction_values_and_gradients():
+    mesh = ns.make_mesh((2, 3), ("a", "b"))
+    mapped = ns.spmd_map(
+        lambda x: ns.psum((x * x).sum(1), "b"), mesh=mesh, in_specs=P("a", "b"), out_specs=P("a")
+    )
+    with ns.simulate_per_instance():
+        _same_values_and_grads(mapped, lambda x: (x * x).sum(1), _randn(5, 7, seed=1))
+
+
+def test_megatron_mlp_with_a_hidden_dim_that_does_not_divide():
+    """Column- then row-parallel: the second matmul contracts the uneven tp blocks (a partial
+    sum over tp, psum'd), rows split unevenly over dp; gradients of every input."""
+    mesh = ns.make_mesh((2, 4), ("dp", "tp"))
+
+    def mlp(x, w1, w2):
+        return ns.psum(F.gelu(x @ w1) @ w2, "tp")
+
+    mapped = ns.spmd_map(
+        mlp,
+        mesh=mesh,
+        in_specs=(P("dp", None), P(None, "tp"), P("tp", None)),
+        out_specs=P("dp", None),
+    )
+    args = (_randn(5, 4, seed=2), _randn(4, 10, seed=3), _randn(10, 4, seed=4))
+    with ns.simulate_per_instance():
+        _same_values_and_grads(mapped, lambda x, w1, w2: F.gelu(x @ w1) @ w2, *args)
+
+
+def _stencil(v):
+    """y[i] = v[i-1] - 2 v[i] + v[i+1], zero outside: the halo from each neighbour by ppermute."""
+    n = ns.axis_size("x")
+    left = ns.ppermute(v[-1:], "x", [(i, i + 1) for i in range(n - 1)])
+    right = ns.ppermute(v[:1], "x", [(i + 1, i) for i in range(n - 1)])
+    padded = torch.cat([left, v, right])
+    return padded[:-2] - 2 * padded[1:-1] + padded[2:]
+
+
+def _stencil_dense(v):
+    padded = F.pad(v, (1, 1))
+    return padded[:-2] - 2 * padded[1:-1] + padded[2:]
+
+
+@pytest.mark.parametrize("n", [10, 13, 7])
+def test_halo_exchange_stencil_on_a_grid_that_does_not_divide(n):
+    mesh = ns.make_mesh((4,), ("x",))
+    mapped = ns.spmd_map(_stencil, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    with ns.simulate_per_instance():
+        _same_values_and_grads(mapped, _stencil_dense, _randn(n, seed=n))
+
+
+def test_an_empty_block_where_the_collective_cannot_take_one_is_an_error():
+    """9 over 4 is 3, 3, 3, 0: the last instance's halo is empty, which a ppermute of one
+    element per member cannot send."""
+    mesh = ns.make_mesh((4,), ("x",))
+    mapped = ns.spmd_map(_stencil, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    with ns.simulate_per_instance(), pytest.raises(ns.SpmdError, match="or an empty one"):
+        mapped(torch.ones(9))
+
+
+def test_block_offsets_give_each_instance_its_global_positions():
+    mesh = ns.make_mesh((4,), ("x",))
+
+    def positions(v):
+        offsets = torch.tensor(ns.block_offsets(10, "x"))
+        start = offsets[ns.axis_index("x")]
+        return start + torch.arange(v.shape[0])
+
+    mapped = ns.spmd_map(positions, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    with ns.simulate_per_instance():
+        torch.testing.assert_close(mapped(torch.zeros(10)), torch.arange(10))
+
+
+def test_explicit_block_sizes_run_per_instance_without_asking():
+    mesh = ns.make_mesh((4,), ("x",))
+    spec = P(ns.Blocks("x", (4, 3, 3, 0)))
+    scale = ns.spmd_map(
+        lambda v: v * (ns.axis_index("x") + 1).to(v.dtype), mesh=mesh, in_specs=spec, out_specs=spec
+    )
+    x = _randn(10, seed=5)
+    want = x * torch.tensor([1.0] * 4 + [2.0] * 3 + [3.0] * 3, dtype=F64)
+    _same_values_and_grads(scale, lambda v: v * want.div(x), x)
+    with pytest.raises(ns.SpecError, match="Fix: give 4 block sizes that add up to 10"):
+        ns.spmd_map(
+            lambda v: v, mesh=mesh, in_specs=P(ns.Blocks("x", (4, 3, 3))), out_specs=P("x")
+        )(x)
+    wrong = ns.spmd_map(
+        lambda v: v, mesh=mesh, in_specs=spec, out_specs=P(ns.Blocks("x", (1, 3, 3, 3)))
+    )
+    with pytest.raises(ns.SpecError, match="returned a block of size 4"):
+        wrong(x)
+
+
+def test_uneven_errors_are_clear():
+    mesh = ns.make_mesh((4,), ("x",))
+    f = ns.spmd_map(lambda v: ns.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P())
+    x = torch.ones(10)
+    # the default (vmap) execution takes equal blocks only, and says how to take unequal ones
+    with pytest.raises(ns.SpecError, match="simulate_per_instance"):
+        f(x)
+    with ns.simulate_per_instance(), pytest.raises(ns.SpmdError, match="different shapes"):
+        f(x)  # a psum of blocks of 3 and 1 elements
+    # the check mode and compiled calls take equal blocks only (for now): a SpecError
+    g = ns.spmd_map(
+        lambda v: v, mesh=mesh, in_specs=P(ns.Blocks("x", (4, 3, 3, 0))), out_specs=P("x")
+    )
+    with pytest.raises(ns.SpecError, match="equal blocks only"):
+        g.check(x)
+
+
+def test_tiled_all_gather_of_uneven_blocks_is_the_global_value():
+    mesh = ns.make_mesh((4,), ("x",))
+    x = _randn(10, 3, seed=6)
+    invariant = ns.spmd_map(
+        lambda v: ns.all_gather(v, "x", tiled=True, to="invariant"),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P(),
+    )
+    varying = ns.spmd_map(
+        lambda v: ns.all_gather(v, "x", tiled=True), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+    )
+    with ns.simulate_per_instance():
+        _same_values_and_grads(invariant, lambda v: v * 1, x)
+        # every instance holds the global value: its blocks, concatenated, are four copies
+        _same_values_and_grads(varying, lambda v: torch.cat([v] * 4), x)
+
+
+def test_tiled_psum_scatter_to_uneven_blocks_and_back():
+    """Each instance holds one row; the sum of the rows is scattered in torch.chunk's blocks
+    (10 over 4: 3, 3, 3, 1), and gathered back it is the psum."""
+    mesh = ns.make_mesh((4,), ("x",))
+    y = _randn(4, 10, seed=7)
+    scatter = ns.spmd_map(
+        lambda v: ns.psum_scatter(v[0], "x", tiled=True),
+        mesh=mesh,
+        in_specs=P("x", None),
+        out_specs=P("x"),
+    )
+    seen = []
+
+    def round_trip(v):
+        block = ns.psum_scatter(v[0], "x", tiled=True)
+        seen.append(block.shape[0])
+        return ns.all_gather(block, "x", tiled=True, to="invariant")
+
+    back = ns.spmd_map(round_trip, mesh=mesh, in_specs=P("x", None), out_specs=P())
+    with ns.simulate_per_instance():
+        _same_values_and_grads(scatter, lambda v: v.sum(0), y)
+        _same_values_and_grads(back, lambda v: v.sum(0), y)
+    assert sorted(seen) == [1, 3, 3, 3]
+
+
+def _megatron(bias: bool):
+    def mlp(x, w1, w2, b):
+        h = F.gelu(x @ w1) @ w2
+        return ns.psum(h + b if bias else h, "tp") + (0 if bias else b)
+
+    return ns.spmd_map(
+        mlp,
+        mesh=ns.make_mesh((2, 4), ("dp", "tp")),
+        in_specs=(P("dp", None), P(None, "tp"), P("tp", None), P()),
+        out_specs=P("dp", None),
+    )
+
+
+def _megatron_args(hidden: int, rows: int):
+    return (
+        _randn(rows, 4, seed=2),
+        _randn(4, hidden, seed=3),
+        _randn(hidden, 4, seed=4),
+        _randn(4, seed=8),
+    )
+
+
+def test_types_partial_sums_and_accounting_hold_for_uneven_blocks():
+    """The partial-sum inference sees the contraction over uneven tp blocks (a bias added
+    before the psum is the error it is with even blocks); the out_specs check holds; CommMode
+    counts the collectives the even program's vmap execution counts."""
+    with ns.simulate_per_instance(), pytest.raises(ns.VmaError, match="unreduced over 'tp'"):
+        _megatron(bias=True)(*_megatron_args(10, 5))
+    unchecked = ns.spmd_map(
+        lambda x: x * 2, mesh=ns.make_mesh((4,), ("x",)), in_specs=P("x"), out_specs=P()
+    )
+    with ns.simulate_per_instance(), pytest.raises(ns.VmaError, match="varies over"):
+        unchecked(torch.ones(10))
+
+    def counts(hidden: int, rows: int):
+        args = [a.requires_grad_() for a in _megatron_args(hidden, rows)]
+        with ns.CommMode() as comms:
+            _megatron(bias=False)(*args).sum().backward()
+        return comms.counts()
+
+    even = counts(8, 4)  # vmap
+    with ns.simulate_per_instance():
+        uneven = counts(10, 5)
+    assert uneven == even and even
