@@ -165,10 +165,6 @@ class SpmdFunction:
                     "splits it. Fix: pass a tensor, or give it P()."
                 )
         if problems:
-            # the call's own backend's hint: .check() tells what a call would
-            hint = getattr(self.backend, "uneven_hint", None)
-            if hint and any("not divisible by" in p for p in problems):
-                problems.append(hint)
             raise SpecError(
                 f"{self.where}: the inputs do not fit in_specs on mesh {self.mesh.shape}:\n"
                 + bullet_list(problems)

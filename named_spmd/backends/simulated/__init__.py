@@ -303,12 +303,6 @@ class SimulatedBackend:
     def accepts(self, mesh: Mesh) -> bool:
         return mesh.device_mesh is None
 
-    #: appended to the input errors of a dim the axes do not divide
-    uneven_hint = (
-        "Or take blocks of unequal sizes (torch.chunk's, as DTensor's Shard): run the call "
-        "under `with ns.simulate_per_instance():`, or give the sizes with ns.Blocks."
-    )
-
     def uneven_state(self) -> bool:
         """Whether calls made now run per instance (``simulate_per_instance``)."""
         return getattr(_override, "per_instance", False)
