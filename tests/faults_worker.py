@@ -170,7 +170,7 @@ def _ended(store, rank: int) -> bool:
 
 
 def slow_sender(mesh, rank):
-    from named_spmd.backends._dist_failures import AHEAD_GRACE_S
+    from named_spmd.backends._dist_waiting import AHEAD_GRACE_S
 
     def f(x):
         if rank == 3:
@@ -215,7 +215,7 @@ def mesh_again(mesh, rank, iterations: int = 2):
     """A mesh made again with the same axes must not read the earlier one's failure (posted for
     its call #2) or where its ranks waited (in call #2) as its own: each new mesh's first calls
     have rank 3 late past the board's grace, so its peers wait in slices and read the store."""
-    from named_spmd.backends._dist_failures import AHEAD_GRACE_S
+    from named_spmd.backends._dist_waiting import AHEAD_GRACE_S
 
     for i in range(iterations):
         report(rank, f"again_{i}_first", lambda: checked(slow_psum(mesh, rank, sleep=0.5)(X)))

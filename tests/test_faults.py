@@ -209,12 +209,10 @@ def test_a_peer_that_gave_up_waiting_is_quoted_not_described_by_its_exit():
         return b
 
     gave_up = board(3)
-    gave_up._post_for(
-        3, "gave up waiting: Rank 2 (mesh coordinates i=2) never reached a collective"
-    )
+    gave_up.post_for(3, "gave up waiting: Rank 2 (mesh coordinates i=2) never reached a collective")
     processes.mark_exited(store, 3, [gave_up])
     for rank in (1, 0):  # rank 1 first: it must leave the post as it found it
-        err = board(rank)._gone_error([r for r in ranks if r != rank], "in psum over ('i',)")
+        err = board(rank).gone_error([r for r in ranks if r != rank], "in psum over ('i',)")
         assert "Rank 2 (mesh coordinates i=2) never reached a collective" in str(err), str(err)
         assert "exited normally" not in str(err)
 
@@ -463,6 +461,7 @@ def test_a_debug_exchange_decides_alike_for_every_member_of_the_group():
 
     import named_spmd as ns
     from named_spmd.backends import _dist_failures as failures
+    from named_spmd.backends._dist_exchange import exchange
 
     store = dist.HashStore()
 
@@ -471,12 +470,12 @@ def test_a_debug_exchange_decides_alike_for_every_member_of_the_group():
         b.begin_call()
         return b
 
-    board(0)._post_for(0, "failed inside spmd_map: SpmdError: a mismatch within group 0+1")
+    board(0).post_for(0, "failed inside spmd_map: SpmdError: a mismatch within group 0+1")
     two, three = board(2), board(3)
     with pytest.raises(ns.RankFailedError, match="a mismatch within group 0"):
-        two.exchange("tp@2", [2, 3], "psum([2])", "rank 2", "collective #0 of group tp@2")
+        exchange(two, "tp@2", [2, 3], "psum([2])", "rank 2", "collective #0 of group tp@2")
     with pytest.raises(ns.RankFailedError, match="a mismatch within group 0"):
-        three.exchange("tp@2", [2, 3], "psum([2])", "rank 3", "collective #0 of group tp@2")
+        exchange(three, "tp@2", [2, 3], "psum([2])", "rank 3", "collective #0 of group tp@2")
 
 
 def test_dtypes_gloo_lacks_are_reduced_through_a_wider_dtype_exactly():

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from .._accounting import CommEvent, active, record_into
 from .._errors import SpmdError
+from ._dist_exchange import exchange
 
 if TYPE_CHECKING:
     from .._spec import PartitionSpec
@@ -45,7 +46,7 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     them. One small all-reduce per call compares a checksum of the function and of the tensor
     inputs' global shapes and dtypes; it also keeps the ranks within one call of each other,
     which lets a rank left waiting in an earlier call name the one that moved on
-    (``FailureBoard._ahead``). Only when the checksums differ are the descriptions exchanged.
+    (``_dist_waiting._ahead``). Only when the checksums differ are the descriptions exchanged.
     It is started here and finished (``mesh.pending_check``) before the call's first collective
     (``Comm``) or at the end of the body, so the body's computation until then overlaps it."""
     mesh = ctx.mesh
@@ -78,8 +79,13 @@ def _disagree(
     shapes = ", ".join(f"{list(x.shape)} {str(x.dtype)[6:]}" for x in tensors)
     mine = f"{ctx.fn_label}{'.local' if local else ''}({shapes})"
     board = mesh.board
-    got = board.exchange(
-        "call", board.ranks, f"{known} {mine}", f"rank {mesh.rank}", "the start-of-call check"
+    got = exchange(
+        board,
+        "call",
+        board.ranks,
+        f"{known} {mine}",
+        f"rank {mesh.rank}",
+        "the start-of-call check",
     )
     knowns = {r: int(v.split(" ", 1)[0]) for r, v in got.items()}
     got = {r: v.split(" ", 1)[1] for r, v in got.items()}
@@ -134,7 +140,7 @@ def check_inputs_agree(
         return
     mine = ",".join(_digest(leaves[i]) for i in plain)
     ranks = list(range(mesh.size))
-    got = mesh.board.exchange("inputs", ranks, mine, f"rank {mesh.rank}", "the input check")
+    got = exchange(mesh.board, "inputs", ranks, mine, f"rank {mesh.rank}", "the input check")
     differ = sorted(
         {
             plain[k]
@@ -167,8 +173,13 @@ def check_replicas_agree(ctx: DistributedContext, outs: list[Any], specs: list[A
         if not replicated or not isinstance(y, torch.Tensor):
             continue
         comm = mesh.comm(replicated)
-        got = mesh.board.exchange(
-            f"outputs/{comm.key}", comm.members, _digest(y), f"rank {mesh.rank}", f"output {k}"
+        got = exchange(
+            mesh.board,
+            f"outputs/{comm.key}",
+            comm.members,
+            _digest(y),
+            f"rank {mesh.rank}",
+            f"output {k}",
         )
         if len(set(got.values())) > 1:
             raise SpmdError(

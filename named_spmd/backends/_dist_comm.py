@@ -22,7 +22,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .._errors import SpmdError
+from ._dist_exchange import check_same_call
 from ._dist_failures import POLL_S
+from ._dist_waiting import wait as wait_for
 
 _SLICE = datetime.timedelta(seconds=POLL_S)
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
@@ -163,7 +165,7 @@ class Comm:
 
     def _debug(self, op: str, t: torch.Tensor, extra: str = "") -> None:
         sig = f"{op}({list(t.shape)}, {t.dtype}, axes={self.axes}{extra})"
-        self.mesh.board.check_same_call(self.key, self.members, sig, f"rank {self.mesh.rank}")
+        check_same_call(self.mesh.board, self.key, self.members, sig, f"rank {self.mesh.rank}")
 
     def _issue(self, op: str, start) -> None:
         """Start a collective and wait for it; failures become RankFailedError."""
@@ -181,7 +183,7 @@ class Comm:
             except RuntimeError:
                 pass
             try:
-                self.mesh.board.wait(work, self._doing(op), _SLICE, self.members)
+                wait_for(self.mesh.board, work, self._doing(op), _SLICE, self.members)
             except BaseException:
                 if not work.is_completed():  # left in flight: see DistributedMesh.release_groups
                     self.mesh.gave_up = True

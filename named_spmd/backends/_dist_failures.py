@@ -14,20 +14,15 @@ after ``ACK_S`` seconds. Without that wait the failing process exits at once and
 as torchrun terminates its peers before they print which rank failed (seen under load: 1 of the 3
 peers killed first in a 4-process job).
 
-Debug mode (``NAMED_SPMD_DEBUG=1`` or :func:`set_debug`) additionally exchanges a signature of
-every collective (op, axes, shape, dtype, arguments) through the store before running it, so that
-ranks that call different collectives, or the same one with different shapes, get a
-:class:`SpmdError` that lists what every rank called instead of a hang or garbage; at the end of
-a call it compares every rank's list of collectives, so a rank that skipped one is reported by
-every rank, not only by the ones left waiting for it.
-
 A rank that reports nothing is named where its fate is knowable: every process registers its
 host and pid, and an exiting process records that it exited (with the uncaught error, if any) and
 how many calls it made (``_dist_processes``). A peer whose
 communication fails, or whose wait runs long, looks these up: a process of this host that no
 longer exists was killed (SIGKILL, the out-of-memory killer); one that exited after finishing the
-call this rank waits in called other collectives. A rank waiting in a collective whose member
-already waits in the next call (:meth:`FailureBoard._ahead`) reports the mismatch too.
+call this rank waits in called other collectives. The board's jobs are split by module: this one posts, reads and translates failures (and waits
+for the mesh's process groups at ``make_mesh``); ``_dist_waiting`` waits for a collective in
+slices; ``_dist_exchange`` exchanges values through the store (the start-of-call check and debug
+mode).
 """
 
 from __future__ import annotations
@@ -48,14 +43,6 @@ def timeout_s() -> float:
     return float(os.environ.get("NAMED_SPMD_TIMEOUT", "1800"))
 
 
-def _is_timeout(e: BaseException) -> bool:
-    return "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
-
-
-AHEAD_GRACE_S = 1.0  # a member seen in the next call this long while this rank still waits: a
-# mismatch, not the lag between one member finishing a collective and another
-
-
 class FailureBoard:
     """One mesh's failure record in the store, and the rank's view of the current call."""
 
@@ -70,7 +57,7 @@ class FailureBoard:
         self.finished = 0  # the last call that returned normally on this rank
         self.call_log: list[str] = []  # debug mode: this call's collectives on this rank
         self.in_body = False
-        self._ahead_seq: int | None = None  # post the next failure for this (later) call
+        self.ahead_seq: int | None = None  # post the next failure for this (later) call
         self.debug_counts: dict[str, int] = {}
         self._acknowledged: set[int] = set()  # calls whose failure this rank has counted
         self.failed_seq: int | None = None  # the last call that failed on this rank, if any
@@ -93,7 +80,7 @@ class FailureBoard:
         cannot cancel it) and the next one would pair with it: every later call raises."""
         if self.out_of_step is None and self.failed_seq is not None:
             seq, self.failed_seq = self.failed_seq, None
-            if self.store.add(self._stuck_key(seq), 0) > 0:
+            if self.store.add(self.stuck_key(seq), 0) > 0:
                 self.out_of_step = (
                     f"spmd_map call #{seq} on this mesh failed while ranks were inside "
                     "collectives with the failing rank. torch.distributed cannot cancel a "
@@ -113,7 +100,7 @@ class FailureBoard:
         or this rank's consequence of it, and name the wrong rank)."""
         failure = self.read()
         if failure is None:  # nothing to quote: this rank's own error stops them
-            self._post_for(self.rank, f"failed inside spmd_map: SpmdError: {self.out_of_step}")
+            self.post_for(self.rank, f"failed inside spmd_map: SpmdError: {self.out_of_step}")
             return
         if failure[0] >= self.seq:
             return
@@ -124,7 +111,7 @@ class FailureBoard:
                 f"\n{where}ranks that were inside collectives with it then cannot run another "
                 "call on this mesh.)"
             )
-        self._post_for(rank, text)
+        self.post_for(rank, text)
 
     def known_failure(self) -> int:
         """The latest call on this mesh whose failure this rank knows of (0: none). The ranks
@@ -154,7 +141,7 @@ class FailureBoard:
             "none. The next call runs."
         )
 
-    def _stuck_key(self, seq: int) -> str:
+    def stuck_key(self, seq: int) -> str:
         return f"{self.key}/stuck/{seq}"
 
     # --- posting and reading ------------------------------------------------------------------
@@ -162,7 +149,7 @@ class FailureBoard:
         """Post this rank's error, then wait (at most ``ACK_S``) until every rank knows of it."""
         text = f"failed inside spmd_map: {type(exc).__name__}: {exc}".strip()
         self.failed_seq = self.seq
-        seq, self._ahead_seq = self._ahead_seq or self.seq, None  # peers ahead read it there
+        seq, self.ahead_seq = self.ahead_seq or self.seq, None  # peers ahead read it there
         try:
             self.store.set(self.key, f"{seq}\n{self.rank}\n{text[:4000]}")
             self._acknowledge(seq)
@@ -172,7 +159,7 @@ class FailureBoard:
         except Exception:  # noqa: BLE001 - the store may be gone already; the error still raises
             pass
 
-    def _post_for(self, rank: int, text: str) -> None:
+    def post_for(self, rank: int, text: str) -> None:
         """Post what is known of a rank that cannot post itself (its process ended, or it
         failed in an earlier call), or this rank's own finding; known to this rank."""
         try:
@@ -212,7 +199,7 @@ class FailureBoard:
         self.failed_seq = self.seq
         try:
             if in_collective and seq not in self._acknowledged:  # it can never complete
-                self.store.add(self._stuck_key(self.seq), 1)
+                self.store.add(self.stuck_key(self.seq), 1)
             self._acknowledge(seq)  # the failing rank waits for this before it exits
         except Exception:  # noqa: BLE001 - the store's host exited; the error is raised anyway
             pass
@@ -287,7 +274,7 @@ class FailureBoard:
             "mapped functions the same number of times, in the same order."
         )
 
-    def _gone_error(
+    def gone_error(
         self, ranks: list[int], while_doing: str, in_collective: bool = True, prefix: str = ""
     ) -> RankFailedError | None:
         """The error for the first of ``ranks`` that ended (before setting its ``prefix`` key,
@@ -300,7 +287,7 @@ class FailureBoard:
         failure = self.read()
         if failure is not None and failure[0] >= self.seq:
             return self.error(failure, while_doing, in_collective)
-        self._post_for(*gone)  # peers waiting elsewhere stop too
+        self.post_for(*gone)  # peers waiting elsewhere stop too
         return self.error((self.seq, *gone), while_doing, in_collective)
 
     def translate(self, exc: BaseException, while_doing: str) -> BaseException:
@@ -311,7 +298,7 @@ class FailureBoard:
             failure = self.read()
             if failure is not None and failure[0] >= self.seq:  # not an earlier call's
                 return self.error(failure, while_doing)
-            gone = self._gone_error(self.ranks, while_doing)
+            gone = self.gone_error(self.ranks, while_doing)
             if gone is not None:
                 return gone
             if time.monotonic() > deadline:
@@ -322,106 +309,6 @@ class FailureBoard:
                     "memory, killed) or its process group was destroyed."
                 )
             time.sleep(0.05)
-
-    # --- waiting ------------------------------------------------------------------------------
-    def wait(self, work: Any, while_doing: str, first_slice, members: list[int]) -> None:
-        """Wait for ``work``; a posted failure or the timeout ends the wait with an error."""
-        try:
-            work.wait(first_slice)
-            return
-        except RuntimeError as e:
-            if not _is_timeout(e):
-                raise self.translate(e, while_doing) from None
-        self._slow_wait(work, while_doing, first_slice, members)
-
-    def _slow_wait(self, work: Any, while_doing: str, slice_, members: list[int]) -> None:
-        # A slow wait says where this rank waits: at the timeout, the members that never said
-        # so are the ones that did not arrive (only slow waits pay for the store write).
-        waiting = f"{self.key}/waiting/{self.seq}/"
-        try:
-            self.store.set(waiting + str(self.rank), while_doing)
-        except Exception:  # noqa: BLE001 - a dead store: the check below reports the failure
-            pass
-        deadline = time.monotonic() + timeout_s()
-        ahead_since: float | None = None
-        while True:
-            self.check(while_doing)
-            gone = self._gone_error(members, while_doing)
-            if gone is not None:
-                raise gone
-            ahead = self._ahead(members)
-            if ahead is None:
-                ahead_since = None
-            elif ahead_since is None:
-                ahead_since = time.monotonic()
-            elif time.monotonic() - ahead_since > AHEAD_GRACE_S:
-                raise self._left_behind(*ahead, while_doing)
-            if time.monotonic() > deadline:
-                err = RankFailedError(
-                    f"rank {self.rank}: waited {timeout_s():.0f} s {while_doing} without the "
-                    "other ranks arriving and without any of them reporting an error. "
-                    + self._absent(waiting, members, while_doing)
-                    + "A rank may be stuck, or the ranks call different collectives (run with "
-                    "NAMED_SPMD_DEBUG=1 to check). Set NAMED_SPMD_TIMEOUT to change the limit."
-                )
-                # posted, so that a peer seeing this rank exit quotes what it found missing
-                self._post_for(self.rank, f"gave up waiting: {err}")
-                raise err
-            try:
-                work.wait(slice_)
-                return
-            except RuntimeError as e:
-                if not _is_timeout(e):
-                    raise self.translate(e, while_doing) from None
-
-    def _ahead(self, members: list[int]) -> tuple[int, str] | None:
-        """A member that waits in the next call: it finished this call without joining the
-        collective this rank waits in (the start-of-call check keeps ranks within one call)."""
-        later = f"{self.key}/waiting/{self.seq + 1}/"
-        try:
-            for r in members:
-                if r != self.rank and self.store.check([later + str(r)]):
-                    return r, self.store.get(later + str(r)).decode()
-        except Exception:  # noqa: BLE001 - a dead store: the other checks report it
-            pass
-        return None
-
-    def _left_behind(self, rank: int, there: str, while_doing: str) -> SpmdError:
-        """This rank's error when a member it waits for moved on to the next call; posted for that
-        call, so that the ranks waiting there stop too."""
-        self._ahead_seq = self.seq + 1
-        try:
-            self.store.add(self._stuck_key(self.seq), 1)  # this collective never completes
-        except Exception:  # noqa: BLE001 - the error is raised anyway
-            pass
-        return SpmdError(
-            f"the ranks called different collectives in spmd_map call #{self.seq}: "
-            f"{self.where(self.rank)} waits {while_doing}, but {self.where(rank)} finished that "
-            f"call without joining it (it waits {there} in call #{self.seq + 1}). Every rank of "
-            "a group must call the same collectives in the same order. Fix: make control flow, "
-            "axes and shapes independent of the rank; run with NAMED_SPMD_DEBUG=1 to list what "
-            "each rank called."
-        )
-
-    def _absent(self, waiting: str, members: list[int], while_doing: str) -> str:
-        """Which members of the group never waited in this call, and where the others wait."""
-        try:
-            where = {
-                r: self.store.get(waiting + str(r)).decode()
-                for r in members
-                if r != self.rank and self.store.check([waiting + str(r)])
-            }
-        except Exception:  # noqa: BLE001 - no store, no names
-            return ""
-        absent = [r for r in members if r != self.rank and r not in where]
-        text = "".join(
-            f"Rank {r} (mesh coordinates "
-            + ", ".join(f"{a}={c}" for a, c in self.coords_of(r).items())
-            + ") never reached a collective of this call. "
-            for r in absent
-        )
-        elsewhere = {r: w for r, w in where.items() if w != while_doing}
-        return text + "".join(f"Rank {r} waits {w}. " for r, w in elsewhere.items())
 
     # --- make_mesh ------------------------------------------------------------------------------
     def made(self) -> None:
@@ -471,135 +358,6 @@ class FailureBoard:
             "Fix: every rank must call make_mesh with the same arguments and stay alive until "
             "all have returned from it."
         )
-
-    # --- debug mode ---------------------------------------------------------------------------
-    def check_same_call(self, group_key: str, members: list[int], signature: str, label: str):
-        """Exchange ``signature`` with the group's members; raise SpmdError on any difference."""
-        self.call_log.append(signature)
-        try:
-            self.store.set(self._log_key(self.seq, self.rank), self._log(" <- waits here"))
-            self._check_same_call(group_key, members, signature, label)
-        except (SpmdError, RankFailedError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the store itself failed (its host exited)
-            raise self.translate(e, f"in the debug check of {signature}") from None
-
-    def _log_key(self, seq: int, rank: int, done: bool = False) -> str:
-        return f"{self.key}/log/{seq}/{'done/' if done else ''}{rank}"
-
-    def _log(self, last: str) -> str:
-        return "; ".join(self.call_log) + last if self.call_log else "(no collective)" + last
-
-    def _check_same_call(self, group_key, members, signature, label):
-        count = self.debug_counts.get(group_key, 0)
-        got = self._exchange(
-            group_key, members, signature, label, f"collective #{count} of group {group_key}"
-        )
-        if len(set(got.values())) > 1:
-            lines = "\n".join(f"    rank {r}: {s}" for r, s in got.items())
-            raise SpmdError(
-                f"{label}: debug check: the ranks of one group called different collectives as "
-                f"their collective #{count} on group {group_key}:\n{lines}\nEvery rank of a group "
-                "must call the same collectives, with the same shapes, in the same order. Fix: "
-                "make shapes and control flow independent of the rank."
-            )
-
-    def finish_call(self, label: str) -> None:
-        """Debug mode, at the end of the body: compare every rank's list of collectives (before
-        the checks of values: a rank-dependent order is named as such, not as differing
-        values)."""
-        mine = self._log("")
-        self.in_body = False
-        try:
-            self.store.set(self._log_key(self.seq, self.rank, done=True), mine)
-            got = self._exchange("calls", self.ranks, mine, label, "the end of the call")
-        except (SpmdError, RankFailedError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the store itself failed (its host exited)
-            raise self.translate(e, "in the debug check at the end of the call") from None
-        if len(set(got.values())) > 1:
-            raise self._listing(label, f"spmd_map call #{self.seq} ran different collectives")
-
-    def _listing(self, label: str, what: str) -> SpmdError:
-        """What every rank of the mesh called in this call, as far as the store knows."""
-        lines = []
-        for r in self.ranks:
-            log = "(unknown: it reported no collective yet)"
-            for key in (self._log_key(self.seq, r, done=True), self._log_key(self.seq, r)):
-                if self.store.check([key]):
-                    log = self.store.get(key).decode()
-                    log += " (finished the call)" if "/done/" in key else ""
-                    break
-            lines.append(f"    {self.where(r)}: {log}")
-        return SpmdError(
-            f"{label}: debug check: {what} on the ranks:\n" + "\n".join(lines) + "\nEvery rank "
-            "must call the same collectives, with the same shapes, in the same order. Fix: make "
-            "shapes, axes and control flow independent of the rank."
-        )
-
-    def exchange(self, key: str, members: list[int], value: str, label: str, step: str):
-        """Every member's ``value`` for ``step`` (the store is the channel): debug mode only."""
-        try:
-            return self._exchange(key, members, value, label, step)
-        except (SpmdError, RankFailedError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the store itself failed (its host exited)
-            raise self.translate(e, f"in the debug check of {step}") from None
-
-    def _exchange(self, key, members, value, label, step) -> dict[int, str]:
-        count = self.debug_counts.get(key, 0)
-        self.debug_counts[key] = count + 1
-        prefix = f"{self.key}/debug/{self.seq}/{key}/{count}/"  # per call: a failed call
-        # leaves no count behind that the next call would disagree on
-        self.store.set(prefix + str(self.rank), value)
-        keys = [prefix + str(r) for r in members]
-        limit = min(timeout_s(), 60.0)
-        deadline = time.monotonic() + limit
-        next_probe = time.monotonic() + POLL_S
-        while not self.store.check(keys):
-            try:
-                self.check(f"checking {step}", in_collective=False)  # a store exchange
-                missing = [r for r in members if not self.store.check([prefix + str(r)])]
-                if time.monotonic() > next_probe:  # the slow path: who will never come
-                    next_probe = time.monotonic() + POLL_S
-                    self._never_coming(prefix, missing, label, step)
-                if time.monotonic() > deadline:
-                    raise self._listing(
-                        label,
-                        f"ranks {missing} did not reach {step} ({value}) within {limit:.0f} s "
-                        "(stuck, or they skipped it: a rank-dependent branch?)",
-                    )
-            except (SpmdError, RankFailedError):
-                if self._decide(prefix, "abort") == "abort":
-                    raise
-                break  # a member saw every value first: decide on them, as it does
-            time.sleep(0.005)
-        if self._decide(prefix, "go") == "abort":  # a member gave up first: stop, as it does
-            self.check(f"checking {step}", in_collective=False)
-            raise self._listing(label, f"a rank gave up waiting for {step}")
-        return {r: self.store.get(prefix + str(r)).decode() for r in members}
-
-    def _decide(self, prefix: str, want: str) -> str:
-        """The group's one decision on an exchange: "go" (a member saw every value) or "abort"
-        (a member saw a failure, or a member that will never come, first), whichever is set
-        first. Decided alone, a member that saw every value would go on into the collective while
-        another, which saw a failure elsewhere first, leaves the call: the collective would never
-        complete and the mesh would fall out of step."""
-        return self.store.compare_set(prefix + "decision", "", want).decode()
-
-    def _never_coming(self, prefix: str, missing: list[int], label: str, step: str) -> None:
-        """Raise if a missing member finished the body (it skipped ``step``) or ended. Only while
-        this rank is in the body: after the comparison of the lists, a member's mark says nothing
-        of the output's collectives."""
-        if self.in_body and any(
-            self.store.check([self._log_key(self.seq, r, done=True)])
-            and not self.store.check([prefix + str(r)])  # it may have come since `missing`
-            for r in missing
-        ):
-            raise self._listing(label, f"ranks {missing} finished the call without {step}")
-        gone = self._gone_error(missing, f"checking {step}", in_collective=False, prefix=prefix)
-        if gone is not None:
-            raise gone
 
 
 _MADE: dict[str, int] = {}  # mesh key -> how many times this process made that mesh

@@ -58,7 +58,7 @@ from .._spec import PartitionSpec
 from .._traced import warm_types
 from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
-from . import _dist_agree, _dist_compile, _dist_dtensor, _dist_overlap, _dist_piece
+from . import _dist_agree, _dist_compile, _dist_dtensor, _dist_exchange, _dist_overlap, _dist_piece
 from ._dist_comm import MAX, MIN, SUM, Comm
 from ._dist_failures import FailureBoard, generation, timeout_s
 from ._dist_io import block_input, global_output, local_input, local_output
@@ -479,7 +479,7 @@ def run(
         if mesh.pending_check is not None:  # the body ran no collective
             mesh.pending_check()
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
-            board.finish_call(f"spmd_map of {ctx.fn_label}")
+            _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
             _dist_agree.check_replicas_agree(ctx, outs, out_specs_of())
         output = local_output if local_call else global_output
         result = [output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
