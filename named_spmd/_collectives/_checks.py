@@ -119,7 +119,6 @@ def _pair_problems(perm: Any, n: int, axes: Axes) -> tuple[Pairs, list[str]]:
 _REDUCE: dict[str, Any] = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
 
 
-@functools.cache
 def _reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
     try:
         _REDUCE[reduction](torch.zeros(2, dtype=dtype, device=device_type), 0)
@@ -128,7 +127,6 @@ def _reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
     return True
 
 
-@functools.cache
 def _copies(dtype: torch.dtype) -> bool:
     try:
         torch.empty(1, dtype=dtype).clone()
@@ -137,20 +135,35 @@ def _copies(dtype: torch.dtype) -> bool:
     return True
 
 
-# The probes below ask torch itself, on real tensors. While torch.compile traces a call they run
-# eagerly at trace time (``_traced`` marks them ``assume_constant_result``: a traced probe would
-# ask fake tensors, or Dynamo would trace it), so a compiled call is refused where an eager one is.
+# What torch answered so far. Looked up before entering the modes below: the lookup is on every
+# eager collective's path, the modes cost about 50 us.
+_REDUCES: dict[tuple[torch.dtype, str, str], bool] = {}
+COPIES: dict[torch.dtype, bool] = {}
+
+
+# The probes below ask torch itself, on real tensors, outside the library's modes. While
+# torch.compile traces a call they run eagerly at trace time (``assume_constant_result``: a traced
+# probe would ask fake tensors), so a compiled call is refused where an eager one is.
+@torch.compiler.assume_constant_result
 def torch_reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
     """Whether torch computes ``reduction`` of ``dtype`` tensors on ``device_type`` (float8,
     bit and sub-byte dtypes have no sum on CPU; unsigned 16- to 64-bit integers no amax)."""
-    with P.DisableTorchFunction(), P.no_dispatch_modes():
-        return _reduces(dtype, device_type, reduction)
+    key = (dtype, device_type, reduction)
+    known = _REDUCES.get(key)
+    if known is None:
+        with P.DisableTorchFunction(), P.no_dispatch_modes():
+            known = _REDUCES[key] = _reduces(dtype, device_type, reduction)
+    return known
 
 
+@torch.compiler.assume_constant_result
 def torch_copies(dtype: torch.dtype) -> bool:
     """Whether torch has a copy kernel for ``dtype`` (none for int1..int7, uint1..uint7)."""
-    with P.DisableTorchFunction(), P.no_dispatch_modes():
-        return _copies(dtype)
+    known = COPIES.get(dtype)
+    if known is None:
+        with P.DisableTorchFunction(), P.no_dispatch_modes():
+            known = COPIES[dtype] = _copies(dtype)
+    return known
 
 
 def check_reducible(ctx: SpmdContext, t: torch.Tensor, op: str, reduction: str) -> None:
@@ -166,9 +179,6 @@ def check_reducible(ctx: SpmdContext, t: torch.Tensor, op: str, reduction: str) 
         )
 
 
-_COPYABLE: set[torch.dtype] = set()  # dtypes torch has a copy kernel for, as found so far
-
-
 def check_copyable(ctx: SpmdContext, op: str, t: torch.Tensor) -> None:
     """Every communicating collective copies its operand somewhere; torch has no copy kernel for
     the sub-byte dtypes (int1..int7, uint1..uint7), so each backend would fail at a different
@@ -180,8 +190,6 @@ def check_copyable(ctx: SpmdContext, op: str, t: torch.Tensor) -> None:
             f"no copy kernel for it), so no collective can move it. Fix: {op} of "
             "x.view(torch.uint8) and view the result back with .view(" + str(t.dtype) + ")."
         ) from None
-    if not torch.compiler.is_compiling():  # (a set Dynamo would guard on: see _record._apply)
-        _COPYABLE.add(t.dtype)
 
 
 # --- an operand invariant over some of the axes (REQUIRE_VARYING records) ---------------------

@@ -40,7 +40,7 @@ from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, refcount
 from .._types import Vma, type_text
 from . import _donation, _rules
-from ._checks import _COPYABLE, Invariant, check_copyable, raise_invariant_operand
+from ._checks import COPIES, Invariant, check_copyable, raise_invariant_operand
 
 # Operand policies: what an operand invariant over some axes of the collective gets.
 PVARY = "pvary"
@@ -185,9 +185,9 @@ def _apply(
 ) -> Tensor:
     """The one path every collective takes: checks, operand policy, type rule, accounting,
     the backend's run of the forward, and the result's type."""
-    # a set lookup (this path is hot), not read while traced: Dynamo would guard on the set's
+    # a dict lookup (this path is hot), not read while traced: Dynamo would guard on the dict's
     # contents, and the first eager call after a compiled one, which adds to it, recompiles
-    if rec.forward_event and (torch.compiler.is_compiling() or t.dtype not in _COPYABLE):
+    if rec.forward_event and (torch.compiler.is_compiling() or not COPIES.get(t.dtype)):
         check_copyable(ctx, rec.name, t)
     if rec.check is not None:
         params = rec.check(ctx, t, axes, params)
