@@ -19,7 +19,7 @@ from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
 from ._layout import block_global_shape
 from ._mesh import Mesh
-from ._spec import PartitionSpec, output_settles, spec_problems
+from ._spec import PartitionSpec, given_sizes_problems, output_settles, spec_problems
 from ._tree import (
     IN_SPEC_INDEX,
     broadcast_specs,
@@ -208,9 +208,10 @@ class SpmdFunction:
                 continue
             # outputs are concatenated, never split: a dim size every axis product divides
             # (mesh.size) checks rank and axis names without a divisibility condition
-            # (block sizes a Blocks entry gives are checked where the blocks are concatenated)
             plain = spec.without_sizes()
             problems += spec_problems(plain, (self.mesh.size,) * leaf.dim(), self.mesh.shape, where)
+            if spec.explicit and not ctx.uneven:  # (an uneven execution checks each block)
+                problems += given_sizes_problems(spec, tuple(leaf.shape), where)
             if not check_vma:
                 continue
             vma = ctx.vma(leaf)

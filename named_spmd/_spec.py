@@ -360,3 +360,18 @@ def _state_problems(spec: PartitionSpec, mesh_shape: Mapping[str, int], where: s
             "splits a dim, or is unreduced, or reduced). Fix: name each axis once."
         )
     return problems
+
+
+def given_sizes_problems(spec: PartitionSpec, shape: tuple[int, ...], where: str) -> list[str]:
+    """The sizes an out_spec's ``Blocks`` entries give, for an execution whose blocks all have
+    the local block's ``shape`` (an uneven execution checks each instance's block instead)."""
+    problems = []
+    for d in range(min(len(spec), len(shape))):
+        given = spec.entry_sizes(d)
+        if given is not None and set(given) != {shape[d]}:
+            problems.append(
+                f"{where}: {spec[d]!r} gives dim {d} blocks of sizes {given}, but every block "
+                f"has size {shape[d]} there. Fix: give the sizes the blocks have, or name the "
+                "axes without sizes (their blocks are concatenated whatever their sizes)."
+            )
+    return problems

@@ -134,8 +134,8 @@ def test_explicit_block_sizes_run_per_instance_without_asking():
         lambda v: v * (ns.axis_index("x") + 1).to(v.dtype), mesh=mesh, in_specs=spec, out_specs=spec
     )
     x = _randn(10, seed=5)
-    want = x * torch.tensor([1.0] * 4 + [2.0] * 3 + [3.0] * 3, dtype=F64)
-    _same_values_and_grads(scale, lambda v: v * want.div(x), x)
+    by_row = torch.tensor([1.0] * 4 + [2.0] * 3 + [3.0] * 3, dtype=F64)  # instance i scales by i+1
+    _same_values_and_grads(scale, lambda v: v * by_row, x)
     with pytest.raises(ns.SpecError, match="Fix: give 4 block sizes that add up to 10"):
         ns.spmd_map(
             lambda v: v, mesh=mesh, in_specs=P(ns.Blocks("x", (4, 3, 3))), out_specs=P("x")
@@ -145,6 +145,25 @@ def test_explicit_block_sizes_run_per_instance_without_asking():
     )
     with pytest.raises(ns.SpecError, match="returned a block of size 4"):
         wrong(x)
+
+
+@pytest.mark.parametrize("run", ["vmap", "check"])
+def test_output_block_sizes_that_the_blocks_do_not_have_are_an_error_on_even_blocks(run):
+    """The sizes an out_spec's Blocks entry gives are checked on every execution, the even one
+    (vmap, a real mesh, the check mode) included, not only where unequal blocks are joined."""
+    mesh = ns.make_mesh((2,), ("x",))
+    x = torch.arange(4.0)
+
+    def mapped(sizes):
+        return ns.spmd_map(
+            lambda v: v, mesh=mesh, in_specs=P("x"), out_specs=P(ns.Blocks("x", sizes))
+        )
+
+    call = (lambda f: f(x)) if run == "vmap" else (lambda f: f.check(x))
+    with pytest.raises(ns.SpecError, match=r"sizes \(1, 3\), but every block has size 2"):
+        call(mapped((1, 3)))
+    if run == "vmap":
+        torch.testing.assert_close(call(mapped((2, 2))), x)
 
 
 def test_uneven_errors_are_clear():
