@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _backends import _simulated_mesh, compare_runs, evaluate, reference_run, simulated_run
 from _programs import CATALOGUE
 
@@ -101,6 +102,58 @@ def test_random_ops_and_outer_transforms_are_refused():
     g = ns.spmd_map(lambda x: ns.psum(x, "dp"), mesh=MESH, in_specs=P("dp"), out_specs=P())
     with ns.simulate_per_instance(), pytest.raises(ns.SpmdError, match="torch.func transform"):
         torch.func.grad(lambda x: g(x).sum())(torch.ones(4))
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda x: F.dropout2d(x[None], 0.5, training=True)[0],
+        lambda x: F.rrelu(x, training=True),
+        lambda x: torch.nn.AlphaDropout(0.5)(x),
+    ],
+    ids=["dropout2d", "rrelu_training", "alpha_dropout_module"],
+)
+def test_every_op_that_draws_is_refused(draw):
+    g = ns.spmd_map(draw, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    with ns.simulate_per_instance(), pytest.raises(ns.SpmdError, match="random ops"):
+        g(torch.ones(4, 3))
+
+
+def test_ops_that_draw_only_while_training_run_in_eval_mode():
+    """Dropout in eval mode, rrelu by default: no draw, so nothing to refuse; the vmap values."""
+    drop = torch.nn.Dropout(0.5).eval()
+
+    def program(x):
+        return F.rrelu(drop(x) - 0.5) + F.dropout(x, 0.3, training=False)
+
+    g = ns.spmd_map(program, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.rand(4, 3)
+    with ns.simulate_per_instance():
+        got = g(x)
+    torch.testing.assert_close(got, program(x))
+
+
+@pytest.mark.parametrize("state", ["autocast", "inference_mode"])
+def test_every_instance_computes_under_the_callers_thread_state(state):
+    """The caller's autocast and inference mode hold on every instance's thread, not only on
+    the caller's (instance 0)."""
+    w = torch.randn(3, 3)
+    g = ns.spmd_map(
+        lambda x: torch.stack(
+            [
+                torch.tensor(float((x @ w).dtype == torch.bfloat16)),
+                torch.tensor(float(torch.is_inference_mode_enabled())),
+            ]
+        )[None],
+        mesh=MESH,
+        in_specs=P(("dp", "tp")),
+        out_specs=P(("dp", "tp")),
+    )
+    on = torch.autocast("cpu", torch.bfloat16) if state == "autocast" else torch.inference_mode()
+    with ns.simulate_per_instance(), on:
+        got = g(torch.randn(4, 3))
+    column = 0 if state == "autocast" else 1
+    torch.testing.assert_close(got[:, column], torch.ones(4))
 
 
 def test_no_grad_and_gradient_of_an_invariant_input_summed_once_per_use():

@@ -17,6 +17,7 @@ inside the function (the threads would draw from the one generator in no fixed o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -243,7 +244,7 @@ class _InstanceMode(VmaMode):
     order in which the threads reach them)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _RANDOM or getattr(func, "__name__", "") in _RANDOM_NAMES:
+        if _draws(getattr(func, "__name__", ""), args, kwargs):
             raise SpmdError(
                 f"{getattr(func, '__name__', func)} in {self.ctx.fn_label}: random ops cannot "
                 "run on the per-instance simulation (its instance threads would draw from the "
@@ -256,10 +257,33 @@ class _InstanceMode(VmaMode):
 
 _RANDOM_NAMES = frozenset(
     {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like"}
-    | {"bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "multinomial", "dropout"}
-    | {"random_", "exponential_", "geometric_", "cauchy_", "log_normal_", "poisson"}
+    | {"bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "multinomial", "poisson"}
+    | {"random_", "exponential_", "geometric_", "cauchy_", "log_normal_", "gumbel_softmax"}
+    | {"fractional_max_pool2d", "fractional_max_pool3d", "native_dropout"}
 )
-_RANDOM = frozenset({torch.nn.functional.dropout, torch.dropout})
+# Ops that draw only while training: the position of their flag, and its default.
+_WHILE_TRAINING = {
+    name: (2, True)
+    for name in (
+        *("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout"),
+        *("feature_alpha_dropout", "feature_dropout", "dropout_", "alpha_dropout_"),
+    )
+} | {"rrelu": (3, False), "rrelu_": (3, False)}
+
+
+def _draws(name: str, args: tuple, kwargs: dict | None) -> bool:
+    """Whether an op of this name, called so, draws random numbers (dropout in eval mode does
+    not; rrelu draws only with ``training=True``)."""
+    if name in _RANDOM_NAMES:
+        return True
+    if name not in _WHILE_TRAINING:
+        return False
+    index, default = _WHILE_TRAINING[name]
+    kwargs = kwargs or {}
+    flag = kwargs.get(
+        "training", kwargs.get("train", args[index] if len(args) > index else default)
+    )
+    return bool(flag)
 
 
 def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[list[Any]]:
@@ -321,7 +345,7 @@ def run(
         inputs = _inputs(mesh, leaves, specs)
     outs: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
-    grad = torch.is_grad_enabled()
+    state = _caller_state(device.type)
     modes = [P.function_mode_at(i) for i in range(P.function_mode_depth())]
 
     def instance(i: int) -> None:
@@ -336,7 +360,9 @@ def run(
             meeting.finish(i, failed)
 
     def worker(i: int) -> None:
-        with torch.set_grad_enabled(grad):
+        with contextlib.ExitStack() as stack:
+            for enter in state:
+                stack.enter_context(enter())
             for m in modes:  # the caller's torch-function modes (a torch.device block & co)
                 P.push_function_mode(m)
             try:
@@ -351,6 +377,28 @@ def run(
         f.result()  # (worker catches everything: the errors are in ``errors``)
     _raise_first(meeting, errors)
     return [_assemble(mesh, [o[j] for o in outs], s) for j, s in enumerate(out_specs_of())]
+
+
+def _caller_state(device_type: str) -> list[Callable[[], Any]]:
+    """The caller's thread-local torch state, re-entered on each instance thread: grad and
+    inference mode, autocast (for the inputs' device and the CPU), so that every instance computes
+    as the caller's thread does (the torch-function modes are pushed separately)."""
+    state: list[Callable[[], Any]] = [
+        functools.partial(torch.set_grad_enabled, torch.is_grad_enabled())
+    ]
+    if torch.is_inference_mode_enabled():
+        state.append(torch.inference_mode)
+    for kind in dict.fromkeys((device_type, "cpu")):
+        if torch.is_autocast_enabled(kind):
+            state.append(
+                functools.partial(
+                    torch.autocast,
+                    kind,
+                    dtype=torch.get_autocast_dtype(kind),
+                    cache_enabled=torch.is_autocast_cache_enabled(),
+                )
+            )
+    return state
 
 
 # Instance threads, kept between calls (starting seven threads cost more than a small call).
