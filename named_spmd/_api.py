@@ -36,6 +36,7 @@ from ._tree import (
 from ._types import Vma, type_text
 from .backends import Backend, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
+from .backends.simulated import _per_instance
 
 
 def _call(f: SpmdFunction, args: tuple, backend: Backend, local: bool) -> Any:
@@ -337,6 +338,9 @@ class SpmdFunction:
         Runs the per-device function once, abstractly, on meta tensors of the per-instance
         shapes: no data, no communication, no per-instance work, so a mesh of thousands of
         instances is checked on a laptop. Raises the same :class:`SpmdError` a real call would.
+        A call whose blocks differ in size (``ns.Blocks``, or ``ns.simulate_per_instance()``)
+        is checked per instance, each on meta tensors of its own block shapes (the per-instance
+        execution's threads and meetings, without data); its report types instance 0's outputs.
 
         Args:
             *args: the global arguments, as tensors (real or ``device="meta"``) or
@@ -359,7 +363,8 @@ class SpmdFunction:
         """
         tree: Any = args  # optree's PyTree is a class to mypy: a tuple is not one
         grads = [wants_grad(x) for x in optree.tree_leaves(tree, none_is_leaf=True)]
-        backend = AbstractBackend(grads, backward)
+        # as the mesh's backend would run it: blocks of unequal sizes checked per instance
+        backend = AbstractBackend(grads, backward, self.backend, _per_instance.run)
         meta = cast(tuple, optree.tree_map(to_meta, tree, none_is_leaf=True))
         out, result = self._call(meta, backend)
         tensors = [isinstance(x, torch.Tensor) for x in result["leaves"]]
