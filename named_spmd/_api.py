@@ -19,7 +19,7 @@ from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
 from ._layout import block_global_shape
 from ._mesh import Mesh
-from ._spec import PartitionSpec, output_settles, spec_problems
+from ._spec import PartitionSpec, output_settles, spec_problems, uneven_by_default
 from ._tree import (
     IN_SPEC_INDEX,
     broadcast_specs,
@@ -127,7 +127,7 @@ class SpmdFunction:
             specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
             known = self._inputs_of_tree[treedef] = (specs, set())
         specs, fine = known
-        shapes = _shapes_key(leaves, (local, _uneven_state(backend)))
+        shapes = _shapes_key(leaves, (local, _uneven_state(backend), uneven_by_default()))
         if shapes is None or shapes not in fine:
             self._check_inputs(paths_of(args), leaves, specs, local, backend)
             if shapes is not None and len(fine) < 256:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import named_spmd as ns
 from named_spmd import P
+from named_spmd import _spec as ns_spec
 
 F64 = torch.float64
 
@@ -372,3 +373,21 @@ def test_check_takes_what_the_call_takes():
         f(torch.ones(10))
         with pytest.raises(ns.SpmdError, match="where reading values works, but a check has none"):
             f.check(torch.ones(10))
+
+
+def test_one_switch_takes_non_divisible_dims_by_default(monkeypatch):
+    """``_spec.UNEVEN_BY_DEFAULT`` (off until every backend takes uneven blocks): on, a dim the
+    axes do not divide runs per instance without asking, checked alike; off, the SpecError."""
+    mesh = ns.make_mesh((4,), ("x",))
+    mapped = ns.spmd_map(_stencil, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    x = _randn(10, seed=10)
+    with pytest.raises(ns.SpecError, match="not divisible by 4"):
+        mapped(x)
+    monkeypatch.setattr(ns_spec, "UNEVEN_BY_DEFAULT", True)
+    _same_values_and_grads(mapped, _stencil_dense, x)
+    assert [str(t) for t in mapped.check(x).types] == ["f64[3]{x}"]
+    monkeypatch.setattr(ns_spec, "UNEVEN_BY_DEFAULT", False)
+    with pytest.raises(ns.SpecError, match="not divisible by 4"):
+        mapped.check(x)
+    with pytest.raises(ns.SpecError, match="not divisible by 4"):
+        mapped(x)
