@@ -107,6 +107,24 @@ def test_halo_exchange_stencil_on_a_grid_that_does_not_divide(n):
         _same_values_and_grads(mapped, _stencil_dense, _randn(n, seed=n))
 
 
+def test_halo_exchange_counts_as_under_vmap():
+    """The first instance receives no top halo; its zeros still have a backward (as on a real
+    mesh), so a CommMode counts the backward ppermutes of every call as vmap does."""
+    mesh = ns.make_mesh((4,), ("x",))
+    mapped = ns.spmd_map(_stencil, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+
+    def counts(n):
+        x = _randn(n, seed=n).requires_grad_()
+        with ns.CommMode() as comms:
+            mapped(x).sum().backward()
+        return comms.counts()
+
+    even = counts(8)
+    assert even[("backward", "ppermute", ("x",))] == 2
+    with ns.simulate_per_instance():
+        assert counts(8) == counts(10) == even
+
+
 def test_an_empty_block_where_the_collective_cannot_take_one_is_an_error():
     """9 over 4 is 3, 3, 3, 0: the last instance's halo is empty, which a ppermute of one
     element per member cannot send."""

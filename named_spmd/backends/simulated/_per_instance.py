@@ -231,9 +231,9 @@ def _permute(pairs, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
     # one shape for every member, as a real mesh's receive buffers (each its own operand's)
     _same_shapes(ctx, xs)
     source = {dst: src for src, dst in pairs}
-    return [
-        xs[source[j]].clone() if j in source else torch.zeros_like(xs[j]) for j in range(len(xs))
-    ]
+    # a member that receives nothing gets zeros still joined to its operand in autograd (a zero
+    # gradient), as on a real mesh: its backward runs (and a CommMode counts it) on every member
+    return [xs[source[j]].clone() if j in source else xs[j].clone().zero_() for j in range(len(xs))]
 
 
 # --- the call ------------------------------------------------------------------------------------
