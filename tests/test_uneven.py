@@ -292,6 +292,7 @@ def _megatron_no_bias(x, w1, w2):
     return ns.psum(F.gelu(x @ w1) @ w2, "tp")
 
 
+CLOSED_OVER = _randn(3, 2, seed=11).requires_grad_()  # a real tensor, met by meta blocks in a check
 MLP_SPECS = ((P("dp", None), P(None, "tp"), P("tp", None)), P("dp", None))
 X4 = ((4,), ("x",))
 AGREE = {
@@ -326,6 +327,7 @@ AGREE = {
     "tiled psum_scatter of even inputs": (_tile_psum_scatter, X4, P("x", None), P("x"), (4, 10)),
     "unchecked replication": (lambda v: v * 2, X4, P("x"), P(), (10,)),
     "wrong out Blocks": (lambda v: v, X4, P("x"), P(ns.Blocks("x", (1, 3, 3, 3))), (10,)),
+    "a closed-over weight": (lambda v: v @ CLOSED_OVER, X4, P("x"), P("x"), (10, 3)),
 }
 
 
