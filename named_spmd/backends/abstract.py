@@ -5,7 +5,9 @@ error a run would raise, without data, without communication and without running
 the per-device function runs *once*, on meta tensors of the per-instance shapes. Every instance of
 a mesh runs the same program on blocks of the same shapes, so one abstract instance stands for all
 of them; nothing here grows with the number of instances or the global sizes (a 4096-instance
-mesh is checked as fast as a 2-instance one).
+mesh is checked as fast as a 2-instance one). Blocks of different sizes break that premise: such a
+call is checked per instance (:meth:`AbstractBackend._run_per_instance`), each instance on meta
+blocks of its own shape, at a cost that grows with the number of instances, as the call's does.
 
 It is a backend like the others: the same call path as a run (``SpmdFunction._call``), the same
 dispatch of every collective, per-tensor vma stamps and ``VmaMode`` as on the real backend. A
