@@ -19,7 +19,13 @@ from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
 from ._layout import block_global_shape
 from ._mesh import Mesh
-from ._spec import PartitionSpec, given_sizes_problems, output_settles, spec_problems
+from ._spec import (
+    PartitionSpec,
+    given_sizes_problems,
+    output_settles,
+    spec_problems,
+    uneven_by_default,
+)
 from ._tree import (
     IN_SPEC_INDEX,
     broadcast_specs,
@@ -36,6 +42,7 @@ from ._tree import (
 from ._types import Vma, type_text
 from .backends import Backend, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
+from .backends.simulated import _per_instance
 
 
 def _call(f: SpmdFunction, args: tuple, backend: Backend, local: bool) -> Any:
@@ -126,7 +133,7 @@ class SpmdFunction:
             specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
             known = self._inputs_of_tree[treedef] = (specs, set())
         specs, fine = known
-        shapes = _shapes_key(leaves, (local, _uneven_state(backend)))
+        shapes = _shapes_key(leaves, (local, _uneven_state(backend), uneven_by_default()))
         if shapes is None or shapes not in fine:
             self._check_inputs(paths_of(args), leaves, specs, local, backend)
             if shapes is not None and len(fine) < 256:
@@ -338,6 +345,9 @@ class SpmdFunction:
         Runs the per-device function once, abstractly, on meta tensors of the per-instance
         shapes: no data, no communication, no per-instance work, so a mesh of thousands of
         instances is checked on a laptop. Raises the same :class:`SpmdError` a real call would.
+        A call whose blocks differ in size (``ns.Blocks``, or ``ns.simulate_per_instance()``)
+        is checked per instance, each on meta tensors of its own block shapes (the per-instance
+        execution's threads and meetings, without data); its report types instance 0's outputs.
 
         Args:
             *args: the global arguments, as tensors (real or ``device="meta"``) or
@@ -360,7 +370,8 @@ class SpmdFunction:
         """
         tree: Any = args  # optree's PyTree is a class to mypy: a tuple is not one
         grads = [wants_grad(x) for x in optree.tree_leaves(tree, none_is_leaf=True)]
-        backend = AbstractBackend(grads, backward)
+        # as the mesh's backend would run it: blocks of unequal sizes checked per instance
+        backend = AbstractBackend(grads, backward, self.backend, _per_instance.run)
         meta = cast(tuple, optree.tree_map(to_meta, tree, none_is_leaf=True))
         out, result = self._call(meta, backend)
         tensors = [isinstance(x, torch.Tensor) for x in result["leaves"]]

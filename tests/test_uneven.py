@@ -5,12 +5,14 @@ single-device programs and per-instance loops written here."""
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
 
 import named_spmd as ns
 from named_spmd import P
+from named_spmd import _spec as ns_spec
 
 F64 = torch.float64
 
@@ -105,6 +107,24 @@ def test_halo_exchange_stencil_on_a_grid_that_does_not_divide(n):
         _same_values_and_grads(mapped, _stencil_dense, _randn(n, seed=n))
 
 
+def test_halo_exchange_counts_as_under_vmap():
+    """The first instance receives no top halo; its zeros still have a backward (as on a real
+    mesh), so a CommMode counts the backward ppermutes of every call as vmap does."""
+    mesh = ns.make_mesh((4,), ("x",))
+    mapped = ns.spmd_map(_stencil, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+
+    def counts(n):
+        x = _randn(n, seed=n).requires_grad_()
+        with ns.CommMode() as comms:
+            mapped(x).sum().backward()
+        return comms.counts()
+
+    even = counts(8)
+    assert even[("backward", "ppermute", ("x",))] == 2
+    with ns.simulate_per_instance():
+        assert counts(8) == counts(10) == even
+
+
 def test_an_empty_block_where_the_collective_cannot_take_one_is_an_error():
     """9 over 4 is 3, 3, 3, 0: the last instance's halo is empty, which a ppermute of one
     element per member cannot send."""
@@ -175,12 +195,6 @@ def test_uneven_errors_are_clear():
         f(x)
     with ns.simulate_per_instance(), pytest.raises(ns.SpmdError, match="different shapes"):
         f(x)  # a psum of blocks of 3 and 1 elements
-    # the check mode and compiled calls take equal blocks only (for now): a SpecError
-    g = ns.spmd_map(
-        lambda v: v, mesh=mesh, in_specs=P(ns.Blocks("x", (4, 3, 3, 0))), out_specs=P("x")
-    )
-    with pytest.raises(ns.SpecError, match="equal blocks only"):
-        g.check(x)
 
 
 def test_tiled_all_gather_of_uneven_blocks_is_the_global_value():
@@ -270,3 +284,149 @@ def test_types_partial_sums_and_accounting_hold_for_uneven_blocks():
     with ns.simulate_per_instance():
         uneven = counts(10, 5)
     assert uneven == even and even
+
+
+# --- .check() of uneven calls: per instance, agreeing with the per-instance call --------------
+
+
+def _tile_psum_scatter(v):
+    return ns.psum_scatter(v[0], "x", tiled=True)
+
+
+def _typed(fn, names):
+    """``fn``, recording the types of instance 0's outputs in a call (a check's meta tensors
+    have no values to find instance 0 by)."""
+    seen = []
+
+    def typed(*args):
+        out = fn(*args)
+        if not args[0].is_meta and not any(ns.axis_index(a).item() for a in names):
+            seen.append([ns.typeof(y) for y in (out if isinstance(out, tuple) else (out,))])
+        return out
+
+    return typed, seen
+
+
+def _megatron_no_bias(x, w1, w2):
+    return ns.psum(F.gelu(x @ w1) @ w2, "tp")
+
+
+CLOSED_OVER = _randn(3, 2, seed=11).requires_grad_()  # a real tensor, met by meta blocks in a check
+MLP_SPECS = ((P("dp", None), P(None, "tp"), P("tp", None)), P("dp", None))
+X4 = ((4,), ("x",))
+AGREE = {
+    "psum of uneven blocks": (lambda v: ns.psum(v, "x"), X4, P("x"), P(), (10,)),
+    "megatron mlp": (
+        _megatron_no_bias,
+        ((2, 4), ("dp", "tp")),
+        *MLP_SPECS,
+        (5, 4),
+        (4, 10),
+        (10, 4),
+    ),
+    "bias before the psum": (
+        lambda x, w1, w2, b: ns.psum(F.gelu(x @ w1) @ w2 + b, "tp"),
+        ((2, 4), ("dp", "tp")),
+        (*MLP_SPECS[0], P()),
+        MLP_SPECS[1],
+        (5, 4),
+        (4, 10),
+        (10, 4),
+        (4,),
+    ),
+    "halo stencil": (_stencil, X4, P("x"), P("x"), (10,)),
+    "halo stencil, an empty block": (_stencil, X4, P("x"), P("x"), (9,)),
+    "tiled all_gather": (
+        lambda v: ns.all_gather(v, "x", tiled=True, to="invariant"),
+        X4,
+        P("x"),
+        P(),
+        (10, 3),
+    ),
+    "tiled psum_scatter of even inputs": (_tile_psum_scatter, X4, P("x", None), P("x"), (4, 10)),
+    "unchecked replication": (lambda v: v * 2, X4, P("x"), P(), (10,)),
+    "wrong out Blocks": (lambda v: v, X4, P("x"), P(ns.Blocks("x", (1, 3, 3, 3))), (10,)),
+    "a closed-over weight": (lambda v: v @ CLOSED_OVER, X4, P("x"), P("x"), (10, 3)),
+}
+
+
+def _outcome(run):
+    try:
+        return run(), None
+    except ns.SpmdError as e:
+        return None, (type(e), str(e))
+
+
+@pytest.mark.parametrize("name", list(AGREE))
+def test_check_of_an_uneven_call_agrees_with_the_call(name):
+    """Under the per-instance simulation: the same error (type and text), or instance 0's
+    output types, the global output shapes and the collectives (forward and backward) that a
+    CommMode counts around the call and its backward."""
+    fn, (shape, names), in_specs, out_specs, *shapes = AGREE[name]
+    typed, seen = _typed(fn, names)
+    mapped = ns.spmd_map(
+        typed, mesh=ns.make_mesh(shape, names), in_specs=in_specs, out_specs=out_specs
+    )
+    args = [_randn(*s, seed=i) for i, s in enumerate(shapes)]
+
+    def call():
+        grads = [a.clone().requires_grad_() for a in args]
+        with ns.CommMode() as comms:
+            out = mapped(*grads)
+            out.backward(torch.ones_like(out))
+        return [tuple(out.shape)], seen[-1], comms.counts()
+
+    def check():
+        report = mapped.check(*args)
+        return (
+            [s.shape for s in optree.tree_leaves(report.out)],
+            report.types,
+            report.comms.counts(),
+        )
+
+    with ns.simulate_per_instance():
+        called, call_error = _outcome(call)
+        checked, check_error = _outcome(check)
+    assert check_error == call_error
+    assert checked == called
+
+
+def test_check_takes_what_the_call_takes():
+    """Unequal ``Blocks`` sizes are checked per instance without asking (as they run); a dim the
+    axes do not divide is the call's SpecError outside the per-instance simulation, and is
+    checked per instance inside it; reading values is told as the check's limit."""
+    mesh = ns.make_mesh((4,), ("x",))
+    spec = P(ns.Blocks("x", (4, 3, 3, 0)))
+    g = ns.spmd_map(lambda v: v * 2, mesh=mesh, in_specs=spec, out_specs=spec)
+    report = g.check(torch.ones(10))
+    assert [str(t) for t in report.types] == ["f32[4]{x}"]
+    assert report.out.shape == (10,)
+    f = ns.spmd_map(lambda v: v * v.sum().item(), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    errors = []
+    for run in (f, f.check):
+        with pytest.raises(ns.SpecError, match="not divisible by 4") as e:
+            run(torch.ones(10))
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+    with ns.simulate_per_instance():
+        f(torch.ones(10))
+        with pytest.raises(ns.SpmdError, match="where reading values works, but a check has none"):
+            f.check(torch.ones(10))
+
+
+def test_one_switch_takes_non_divisible_dims_by_default(monkeypatch):
+    """``_spec.UNEVEN_BY_DEFAULT`` (off until every backend takes uneven blocks): on, a dim the
+    axes do not divide runs per instance without asking, checked alike; off, the SpecError."""
+    mesh = ns.make_mesh((4,), ("x",))
+    mapped = ns.spmd_map(_stencil, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    x = _randn(10, seed=10)
+    with pytest.raises(ns.SpecError, match="not divisible by 4"):
+        mapped(x)
+    monkeypatch.setattr(ns_spec, "UNEVEN_BY_DEFAULT", True)
+    _same_values_and_grads(mapped, _stencil_dense, x)
+    assert [str(t) for t in mapped.check(x).types] == ["f64[3]{x}"]
+    monkeypatch.setattr(ns_spec, "UNEVEN_BY_DEFAULT", False)
+    with pytest.raises(ns.SpecError, match="not divisible by 4"):
+        mapped.check(x)
+    with pytest.raises(ns.SpecError, match="not divisible by 4"):
+        mapped(x)

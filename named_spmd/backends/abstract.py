@@ -5,7 +5,9 @@ error a run would raise, without data, without communication and without running
 the per-device function runs *once*, on meta tensors of the per-instance shapes. Every instance of
 a mesh runs the same program on blocks of the same shapes, so one abstract instance stands for all
 of them; nothing here grows with the number of instances or the global sizes (a 4096-instance
-mesh is checked as fast as a 2-instance one).
+mesh is checked as fast as a 2-instance one). Blocks of different sizes break that premise: such a
+call is checked per instance (:meth:`AbstractBackend._run_per_instance`), each instance on meta
+blocks of its own shape, at a cost that grows with the number of instances, as the call's does.
 
 It is a backend like the others: the same call path as a run (``SpmdFunction._call``), the same
 dispatch of every collective, per-tensor vma stamps and ``VmaMode`` as on the real backend. A
@@ -16,10 +18,12 @@ as the backward pass reaches each collective.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as P
 from .._accounting import CommMode
@@ -27,7 +31,7 @@ from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._check import CheckReport, OutputCheck, ShapeDtype
 from .._errors import SpmdError
-from .._layout import global_shape, local_shape
+from .._layout import global_shape, is_even, local_shape
 from .._mesh import Mesh
 from .._spec import PartitionSpec
 from .._tracking import TrackedContext, VmaMode
@@ -100,25 +104,44 @@ class AbstractVmaMode(VmaMode):
     ctx: AbstractContext
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if any(isinstance(a, torch.Tensor) and not a.is_meta for a in args) or (
-            kwargs and any(isinstance(a, torch.Tensor) and not a.is_meta for a in kwargs.values())
-        ):
-            args = tuple(self._meta(a) for a in args)
-            if kwargs:
-                kwargs = {k: self._meta(v) for k, v in kwargs.items()}
+        args, kwargs = _on_meta(self.ctx.meta_aliases, args, kwargs)
         return super().__torch_function__(func, types, args, kwargs)
 
-    def _meta(self, a: Any) -> Any:
-        if not isinstance(a, torch.Tensor) or a.is_meta:
-            return a
-        aliases = self.ctx.meta_aliases
-        hit = aliases.get(id(a))
-        if hit is None:
-            alias = _empty(a.shape, a.dtype)
-            with P.DisableTorchFunction():
-                alias.requires_grad_(a.requires_grad)
-            hit = aliases[id(a)] = (a, alias)
-        return hit[1]
+
+class MetaAliases(TorchFunctionMode):
+    """What :class:`AbstractVmaMode` adds to ``VmaMode``, as a mode of its own: an instance of
+    the per-instance check enters it inside its own vma mode (so it runs first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = _on_meta(self.aliases, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+
+def _on_meta(aliases: dict, args: tuple, kwargs: dict | None) -> tuple[tuple, dict | None]:
+    """``args`` and ``kwargs`` with every real tensor replaced by its meta alias."""
+    if any(isinstance(a, torch.Tensor) and not a.is_meta for a in args) or (
+        kwargs and any(isinstance(a, torch.Tensor) and not a.is_meta for a in kwargs.values())
+    ):
+        args = tuple(_meta(aliases, a) for a in args)
+        if kwargs:
+            kwargs = {k: _meta(aliases, v) for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _meta(aliases: dict, a: Any) -> Any:
+    if not isinstance(a, torch.Tensor) or a.is_meta:
+        return a
+    hit = aliases.get(id(a))
+    if hit is None:
+        alias = _empty(a.shape, a.dtype)
+        with P.DisableTorchFunction():
+            alias.requires_grad_(a.requires_grad)
+        hit = aliases[id(a)] = (a, alias)
+    return hit[1]
 
 
 # --- the backend ----------------------------------------------------------------------------------
@@ -139,28 +162,71 @@ def wants_grad(leaf: Any) -> bool:
     return isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)
 
 
+_VALUES_UNDER_VMAP = (
+    "Code that reads values (.item(), .tolist(), nonzero(), Python if on a tensor) fails on "
+    "the simulated mesh too. Fix: keep per-device code data-independent, e.g. torch.where / "
+    "masks instead of branching on values."
+)
+_VALUES_PER_INSTANCE = (
+    "This call runs per instance (uneven blocks or ns.simulate_per_instance), where reading "
+    "values works, but a check has none. Fix: run the call on the simulated mesh to check it, "
+    "or keep per-device code data-independent (torch.where / masks instead of branching on "
+    "values)."
+)
+
 # Messages of torch errors that mean "this op needs tensor values, which meta tensors lack".
 _NEEDS_DATA = ("meta", "data pointer", "no data", "data-dependent", "storage")
 
 
+#: Runs a call per instance, each on its own block and thread, meeting at each collective
+#: (the simulated backend's ``_per_instance.run``; the API hands it over: a backend imports no
+#: other backend). Its keywords ``inner_mode`` and ``first`` are what a check needs.
+PerInstance = Callable[..., list[torch.Tensor]]
+
+
 class AbstractBackend:
-    """One check: runs the call abstractly and keeps what :meth:`report` needs."""
+    """One check: runs the call abstractly and keeps what :meth:`report` needs.
+
+    ``like``: the backend whose call this check stands for; the check takes blocks of unequal
+    sizes exactly where it does (its ``takes_uneven`` and ``uneven_state``). Such a call (or one
+    run per instance on request) is checked per instance with ``per_instance``, on meta tensors:
+    each instance's own block shapes, so a collective over operands of different shapes is the
+    error the call raises, and the output shapes are the call's."""
 
     name = "abstract"
     traceable = False  # .check() runs on meta tensors, never inside a compiled program
     local_blocks = False  # .check() takes global values
 
-    def __init__(self, grads: list[bool], backward: bool):
+    def __init__(
+        self,
+        grads: list[bool],
+        backward: bool,
+        like: Any = None,
+        per_instance: PerInstance | None = None,
+    ):
         self.grads = grads
         self.backward = backward
-        self.ctx: AbstractContext | None = None
+        self.like = like
+        self.per_instance = per_instance
+        self.ctx: Any = None  # the (first) instance's context, made by run()
         self.outputs: list[torch.Tensor] = []
         self.comms = CommMode()
+        self.instances = False  # whether the check ran per instance
 
     def accepts(self, mesh: Mesh) -> bool:
         return True
 
+    def uneven_state(self) -> Any:
+        state = getattr(self.like, "uneven_state", None)
+        return None if state is None else state()
+
+    def takes_uneven(self, spec: PartitionSpec) -> bool:
+        takes = getattr(self.like, "takes_uneven", None)
+        return takes is not None and takes(spec)
+
     def run(self, mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
+        if self._runs_per_instance(mesh, leaves, specs):
+            return self._run_per_instance(mesh, fn, leaves, specs, body, out_specs_of)
         ctx = self.ctx = AbstractContext(mesh, fn)
         local = [
             self._local(x, s, mesh, g) if isinstance(x, torch.Tensor) else x
@@ -178,6 +244,37 @@ class AbstractBackend:
             for y, s in zip(outs, out_specs_of())
         ]
 
+    def _runs_per_instance(self, mesh: Mesh, leaves: list[Any], specs) -> bool:
+        """Whether the call runs per instance: asked for, or some input's blocks differ in
+        size (the input checks let such a split through only where ``like`` takes it)."""
+        if mesh.size == 1 or self.per_instance is None:
+            return False
+        return bool(self.uneven_state()) or any(
+            isinstance(x, torch.Tensor) and not is_even(x.shape, s, mesh._shape)
+            for x, s in zip(leaves, specs)
+        )
+
+    def _run_per_instance(self, mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
+        """Every instance on its own meta blocks (nothing of a block's size is allocated, but
+        the cost grows with the number of instances, as the call's does)."""
+        assert self.per_instance is not None  # _runs_per_instance
+        self.instances = True
+        for x, g in zip(leaves, self.grads):
+            if isinstance(x, torch.Tensor):
+                x.requires_grad_(g and self.backward)
+
+        def first(ctx: Any, outs: list[torch.Tensor]) -> None:
+            self.ctx, self.outputs = ctx, outs
+
+        with self.comms:
+            with torch.device(_META):
+                outs = self.per_instance(
+                    mesh, fn, leaves, specs, body, out_specs_of, inner_mode=MetaAliases, first=first
+                )
+            if self.backward:
+                _run_backward(outs)
+        return [ShapeDtype(tuple(y.shape), y.dtype) for y in outs]
+
     def _local(self, x: torch.Tensor, spec: PartitionSpec, mesh: Mesh, grad: bool):
         local = _empty(local_shape(x.shape, spec, mesh._shape), x.dtype)
         local.requires_grad_(grad and self.backward)
@@ -190,9 +287,7 @@ class AbstractBackend:
         return SpmdError(
             f"{where}: check() runs the per-device function on shapes only, and the "
             f"function needs tensor values:\n  {type(error).__name__}: {str(error).splitlines()[0]}\n"
-            "Code that reads values (.item(), .tolist(), nonzero(), Python if on a tensor) "
-            "fails on the simulated mesh too. Fix: keep per-device code data-independent, "
-            "e.g. torch.where / masks instead of branching on values."
+            + (_VALUES_PER_INSTANCE if self.instances else _VALUES_UNDER_VMAP)
         )
 
     def report(self, fn_label: str, mesh: Mesh, out: Any, paths, specs) -> CheckReport:

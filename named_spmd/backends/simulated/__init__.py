@@ -37,7 +37,7 @@ from ..._accounting import recording
 from ..._errors import SpmdError, VmaError, fn_label
 from ..._layout import is_even
 from ..._mesh import Mesh
-from ..._spec import PartitionSpec
+from ..._spec import PartitionSpec, uneven_by_default
 from . import _inner_grad, _one_instance, _per_instance
 from . import _instances as _instances  # installs the per-instance printing of values
 from ._compiled import compiled_pieces_eagerly
@@ -217,12 +217,13 @@ def run(
 
 
 def _uneven(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> bool:
-    """Whether some input's blocks differ in size (only a spec with ``Blocks`` entries gets
-    here with them: the input checks refuse any other unequal split outside the per-instance
-    execution)."""
+    """Whether some input's blocks differ in size (unless non-divisible dims are taken by
+    default, only a spec with ``Blocks`` entries gets here with them: the input checks refuse
+    any other unequal split outside the per-instance execution; the even path reads no sizes)."""
+    every = uneven_by_default()
     for x, spec in zip(leaves, specs):
         if (
-            spec.explicit
+            (every or spec.explicit)
             and isinstance(x, torch.Tensor)
             and not is_even(x.shape, spec, mesh._shape)
         ):
@@ -309,8 +310,9 @@ class SimulatedBackend:
 
     def takes_uneven(self, spec: PartitionSpec) -> bool:
         """Blocks of unequal sizes run per instance: taken where the caller asked for that
-        execution, or gave the sizes (``ns.Blocks``)."""
-        return spec.explicit or self.uneven_state()
+        execution, or gave the sizes (``ns.Blocks``), or everywhere where every backend takes
+        them (``_spec.UNEVEN_BY_DEFAULT``)."""
+        return spec.explicit or self.uneven_state() or uneven_by_default()
 
     def run(self, mesh, fn, leaves, specs, body, out_specs_of):
         if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path

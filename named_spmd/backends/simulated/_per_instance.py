@@ -231,9 +231,9 @@ def _permute(pairs, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
     # one shape for every member, as a real mesh's receive buffers (each its own operand's)
     _same_shapes(ctx, xs)
     source = {dst: src for src, dst in pairs}
-    return [
-        xs[source[j]].clone() if j in source else torch.zeros_like(xs[j]) for j in range(len(xs))
-    ]
+    # a member that receives nothing gets zeros still joined to its operand in autograd (a zero
+    # gradient), as on a real mesh: its backward runs (and a CommMode counts it) on every member
+    return [xs[source[j]].clone() if j in source else xs[j].clone().zero_() for j in range(len(xs))]
 
 
 # --- the call ------------------------------------------------------------------------------------
@@ -316,9 +316,10 @@ def _body_on(
     body: Callable[..., Any],
     local: list[Any],
     specs: list[PartitionSpec],
+    inner_mode: Callable[[], Any] | None,
 ) -> list[Tensor]:
     local = [ctx.stamp_input(x, s) if isinstance(x, Tensor) else x for x, s in zip(local, specs)]
-    with _InstanceMode(ctx):
+    with _InstanceMode(ctx), inner_mode() if inner_mode else contextlib.nullcontext():
         return body(local, ctx)
 
 
@@ -329,8 +330,15 @@ def run(
     specs: list[PartitionSpec],
     body: Callable[[list[Any], Any], list[Tensor]],
     out_specs_of: Callable[[], list[PartitionSpec]],
+    *,
+    inner_mode: Callable[[], Any] | None = None,
+    first: Callable[[InstanceContext, list[Tensor]], None] | None = None,
 ) -> list[Tensor]:
-    """``body`` on every instance, each on its own thread and block; outputs assembled."""
+    """``body`` on every instance, each on its own thread and block; outputs assembled.
+
+    For the check mode, which runs this on meta tensors: ``inner_mode`` makes a torch-function
+    mode each instance enters inside its own (one that moves closed-over tensors to meta), and
+    ``first`` is given instance 0's context and outputs (what its report types)."""
     label = fn_label(fn)
     if P.transforms_active():
         raise SpmdError(
@@ -352,8 +360,10 @@ def run(
         ctx = InstanceContext(mesh, fn, meeting, i, device)
         failed = True
         try:
-            outs[i] = _body_on(ctx, body, inputs[i], specs)
+            outs[i] = _body_on(ctx, body, inputs[i], specs, inner_mode)
             failed = False
+            if i == 0 and first is not None:
+                first(ctx, outs[i])
         except BaseException as e:  # noqa: BLE001 - told by the caller's thread
             errors[i] = e
         finally:
