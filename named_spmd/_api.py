@@ -163,7 +163,8 @@ class SpmdFunction:
                 if local:
                     shape = block_global_shape(shape, spec, self.mesh.shape)
                 uneven = not local and _takes_uneven(backend, spec)
-                problems += spec_problems(spec, shape, self.mesh.shape, where, uneven)
+                given = not local and _takes_given_sizes(backend)
+                problems += spec_problems(spec, shape, self.mesh.shape, where, uneven, given)
             elif opaque_tensor_holder(leaf):
                 problems.append(opaque_leaf_problem(where, leaf))
             elif len(spec.axes) > 0:
@@ -448,6 +449,12 @@ def _takes_uneven(backend: Any, spec: PartitionSpec) -> bool:
     (``_layout.dim_sizes``); backends without ``takes_uneven`` take equal blocks only."""
     takes = getattr(backend, "takes_uneven", None)
     return takes is not None and not torch.compiler.is_compiling() and takes(spec)
+
+
+def _takes_given_sizes(backend: Any) -> bool:
+    """Whether ``backend`` takes the unequal sizes a ``Blocks`` entry gives (on that dim only:
+    the spec's other dims follow :func:`_takes_uneven`)."""
+    return hasattr(backend, "takes_uneven") and not torch.compiler.is_compiling()
 
 
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str)

@@ -249,20 +249,23 @@ def spec_problems(
     mesh_shape: Mapping[str, int],
     where: str,
     uneven: bool = False,
+    given: bool | None = None,
 ) -> list[str]:
     """Every way ``spec`` fails to fit a tensor of ``shape`` on the mesh (empty list: it fits).
-    ``uneven``: the caller takes blocks of unequal sizes (``_layout.dim_sizes``); otherwise a
-    dim the axes do not divide, or a :class:`Blocks` entry of unequal sizes, is a problem."""
+    ``uneven``: the caller takes a dim the axes do not divide (``torch.chunk``'s blocks,
+    ``_layout.dim_sizes``); ``given`` (default: ``uneven``): it takes the unequal sizes a
+    :class:`Blocks` entry gives, on that entry's dim."""
+    given = uneven if given is None else given
     if torch.compiler.is_compiling():
         # No memo: Dynamo would guard on its length, and any call that adds to it (another
         # function's new shapes) would recompile every compiled call (the memo's lookup also
         # specialized the dims; dims left symbolic broke the real mesh's block arithmetic)
         specialize(shape)
-        return _spec_problems(spec, shape, mesh_shape, where, uneven)
-    key = (spec, tuple(shape), tuple(mesh_shape.items()), uneven)
+        return _spec_problems(spec, shape, mesh_shape, where, uneven, given)
+    key = (spec, tuple(shape), tuple(mesh_shape.items()), uneven, given)
     if key in _fits:  # checked on every call: remember what fitted
         return []
-    problems = _spec_problems(spec, shape, mesh_shape, where, uneven)
+    problems = _spec_problems(spec, shape, mesh_shape, where, uneven, given)
     if not problems:
         if len(_fits) > 4096:
             _fits.clear()
@@ -286,6 +289,7 @@ def _spec_problems(
     mesh_shape: Mapping[str, int],
     where: str,
     uneven: bool = False,
+    takes_given: bool = False,
 ) -> list[str]:
     problems = []
     if len(spec) > len(shape):
@@ -313,7 +317,9 @@ def _spec_problems(
                 )
             seen.add(a)
         if axes and all(a in mesh_shape for a in axes):
-            problems += _split_problems(spec, d, shape[d], axes, mesh_shape, where, uneven)
+            problems += _split_problems(
+                spec, d, shape[d], axes, mesh_shape, where, uneven, takes_given
+            )
     return problems
 
 
@@ -325,6 +331,7 @@ def _split_problems(
     mesh_shape: Mapping[str, int],
     where: str,
     uneven: bool,
+    takes_given: bool,
 ) -> list[str]:
     """How dim ``d`` of size ``size`` fails to split over ``axes``: explicit block sizes that do
     not add up, or (where the caller takes only equal blocks) blocks of unequal sizes."""
@@ -342,7 +349,7 @@ def _split_problems(
                 f"{sum(given)}, but the dim has size {size} and its group has {n} members "
                 f"({group}). Fix: give {n} block sizes that add up to {size}."
             ]
-        if uneven or len(set(given)) <= 1:
+        if takes_given or len(set(given)) <= 1:
             return []
         return [
             f"{where}: {spec[d]!r} gives dim {d} blocks of unequal sizes; this backend splits "

@@ -186,6 +186,21 @@ def test_output_block_sizes_that_the_blocks_do_not_have_are_an_error_on_even_blo
         torch.testing.assert_close(call(mapped((2, 2))), x)
 
 
+def test_blocks_sizes_on_one_dim_do_not_make_the_other_dims_uneven():
+    """A Blocks entry's unequal sizes are taken on its dim only: another dim that its axes do not
+    divide is the same error as without the Blocks entry (outside the per-instance switch)."""
+    mesh = ns.make_mesh((2, 3), ("x", "y"))
+    spec = P(ns.Blocks("x", (1, 3)), "y")
+    f = ns.spmd_map(lambda v: v * 2, mesh=mesh, in_specs=spec, out_specs=spec)
+    x = _randn(4, 6, seed=7)
+    torch.testing.assert_close(f(x), x * 2)
+    x7 = _randn(4, 7, seed=8)
+    with pytest.raises(ns.SpecError, match="dim 1 has size 7, not divisible by 3"):
+        f(x7)
+    with ns.simulate_per_instance():
+        torch.testing.assert_close(f(x7), x7 * 2)
+
+
 def test_uneven_errors_are_clear():
     mesh = ns.make_mesh((4,), ("x",))
     f = ns.spmd_map(lambda v: ns.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P())

@@ -309,10 +309,11 @@ class SimulatedBackend:
         return getattr(_override, "per_instance", False)
 
     def takes_uneven(self, spec: PartitionSpec) -> bool:
-        """Blocks of unequal sizes run per instance: taken where the caller asked for that
-        execution, or gave the sizes (``ns.Blocks``), or everywhere where every backend takes
-        them (``_spec.UNEVEN_BY_DEFAULT``)."""
-        return spec.explicit or self.uneven_state() or uneven_by_default()
+        """Dims the group does not divide run per instance: taken where the caller asked for
+        that execution, or everywhere where every backend takes them
+        (``_spec.UNEVEN_BY_DEFAULT``). Unequal sizes a ``Blocks`` entry gives are taken on
+        their dim whatever this says (``_api._takes_given_sizes``)."""
+        return self.uneven_state() or uneven_by_default()
 
     def run(self, mesh, fn, leaves, specs, body, out_specs_of):
         if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path

@@ -398,16 +398,11 @@ def _caller_state(device_type: str) -> list[Callable[[], Any]]:
     ]
     if torch.is_inference_mode_enabled():
         state.append(torch.inference_mode)
-    for kind in dict.fromkeys((device_type, "cpu")):
-        if torch.is_autocast_enabled(kind):
-            state.append(
-                functools.partial(
-                    torch.autocast,
-                    kind,
-                    dtype=torch.get_autocast_dtype(kind),
-                    cache_enabled=torch.is_autocast_cache_enabled(),
-                )
-            )
+    for kind in dict.fromkeys((device_type, "cpu")):  # (no autocast on meta: the check)
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+            dtype = torch.get_autocast_dtype(kind)
+            cache = torch.is_autocast_cache_enabled()
+            state.append(functools.partial(torch.autocast, kind, dtype, cache_enabled=cache))
     return state
 
 
