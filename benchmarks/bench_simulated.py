@@ -81,8 +81,7 @@ def bench_collectives(rounds: int) -> list[_util.Row]:
             _util.Row("simulated collective", name, "us per call, 2 levels", per_op, target=target)
         )
     rows += _bench_under_grad_inside(mesh, x, rounds)
-    if hasattr(ns, "simulate_per_instance"):
-        rows += _bench_per_instance(mesh, x, rounds, identity)
+    rows += _bench_per_instance(mesh, x, rounds, identity)
     return rows
 
 
@@ -266,14 +265,13 @@ def bench_mlp(hidden: int, rounds: int, local_tensor: bool) -> list[_util.Row]:
             bad()
 
     fns["spmd_map (2,4) dp outermost"] = bad_order
-    if hasattr(ns, "simulate_per_instance"):
-        threaded = _spmd_step(x, w1, w2, g, mesh)
+    threaded = _spmd_step(x, w1, w2, g, mesh)
 
-        def per_instance():
-            with ns.simulate_per_instance():  # a thread per instance, meeting at the psum
-                threaded()
+    def per_instance():
+        with ns.simulate_per_instance():  # a thread per instance, meeting at the psum
+            threaded()
 
-        fns["spmd_map (2,4) per instance"] = per_instance
+    fns["spmd_map (2,4) per instance"] = per_instance
     target = "<= 1.25x" if hidden >= 1024 else "<= 1.75x"
     targets = {"spmd_map (2,4) default order": target}
     lt_name = "LocalTensorMode per-rank program"

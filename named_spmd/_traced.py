@@ -29,6 +29,7 @@ import torch
 
 from . import _blocks, _partial, _tree, _types, random
 from . import _torch_private as P
+from ._collectives import _checks
 from ._collectives._record import implicit_pvary
 from ._context import SpmdContext
 from ._errors import SpmdError, fn_label
@@ -85,6 +86,10 @@ _partial.TRACED_USER_LINE[0] = _traced_user_line
 _blocks.RULE_INDEX[0] = torch.compiler.assume_constant_result(_blocks.rule_index)
 _tree.IN_SPEC_INDEX[0] = torch.compiler.assume_constant_result(_tree.in_spec_index)
 random.DRAW_OP[0] = random.make_draw_op()  # a compiled draw: one op of the graph
+# the collectives' dtype probes run eagerly at trace time (``_collectives._checks``): Dynamo reads
+# the mark assume_constant_result sets on the function itself, where check_* call it by name
+torch.compiler.assume_constant_result(_checks.torch_reduces)
+torch.compiler.assume_constant_result(_checks.torch_copies)
 
 
 @torch.compiler.assume_constant_result

@@ -39,7 +39,7 @@ class Launch:
             ],
             world,
             # 8 ranks of about 60 s of work each share 2 cores; with a second suite beside it
-            # (issue 11's load runs) 480 s was overrun once, and the kill read as a rank failure
+            # (a loaded machine): a kill at the limit would read as a rank failure
             900,
         )
         self.results = [json.loads(line) for line in self.finished.lines("RESULT")]

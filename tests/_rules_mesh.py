@@ -1,7 +1,7 @@
 """A mesh of instances in one process, each in its own thread, whose collectives are
 differentiated only by their records' declared transposes and jvps (tests/test_transpose_rules.py).
 
-Each instance runs the same program with its own :class:`InstanceContext`. The primitives are
+Each instance runs the same program with its own :class:`ThreadedInstance`. The primitives are
 plain communication through a shared exchange (every instance posts its value, all wait, each
 reads its group's values): their results do not require grad, as on a real mesh, so torch never
 differentiates them. ``apply`` is the real backend's: a differentiated operand goes through the
@@ -52,7 +52,7 @@ class _Exchange:
         return list(board)
 
 
-class InstanceContext(SpmdContext):
+class ThreadedInstance(SpmdContext):
     """The context of instance ``k`` (mesh coordinates ``coords``)."""
 
     def __init__(self, mesh: Mesh, k: int, coords: dict[str, int], exchange: _Exchange) -> None:
@@ -123,7 +123,7 @@ class InstanceContext(SpmdContext):
 
 
 @contextlib.contextmanager
-def forward_ad(ctx: InstanceContext) -> Iterator[None]:
+def forward_ad(ctx: ThreadedInstance) -> Iterator[None]:
     """A forward-mode AD level around a phase of every instance's program. torch has one level
     for the whole process (not one per thread): instance 0 enters it while the others wait, and
     leaves it once every instance is done with its duals."""
@@ -141,7 +141,7 @@ def instance_program() -> None:
     """The function label the contexts carry (errors name it)."""
 
 
-def run_instances(mesh: Mesh, program: Callable[[InstanceContext], Any]) -> list[Any]:
+def run_instances(mesh: Mesh, program: Callable[[ThreadedInstance], Any]) -> list[Any]:
     """``program(ctx)`` on every instance of ``mesh`` at once, one thread each; the results in
     instance order (row-major over the mesh axes). The first error of an instance is raised."""
     names, sizes = mesh.axis_names, mesh.shape
@@ -153,7 +153,7 @@ def run_instances(mesh: Mesh, program: Callable[[InstanceContext], Any]) -> list
     def one(k: int) -> None:
         coords = coords_of(k, names, sizes)
         try:
-            results[k] = program(InstanceContext(mesh, k, coords, exchange))
+            results[k] = program(ThreadedInstance(mesh, k, coords, exchange))
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             errors[k] = e
             exchange.barrier.abort()  # the others stop waiting for this instance

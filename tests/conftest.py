@@ -52,7 +52,7 @@ def backend(request):
 @pytest.fixture(scope="session")
 def dist_launches(tmp_path_factory):
     """One multi-process launch per (world, late) for every program of that world: launched on
-    first use, shared by all tests of the session."""
+    first use, shared by all tests of the run."""
     import _dist_programs
 
     cache = {}

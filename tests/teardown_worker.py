@@ -1,4 +1,4 @@
-"""The teardown abort's fix (issue 11 #18), checked where it matters: at exit, before the
+"""The teardown abort's fix, checked where it matters: at exit, before the
 interpreter finalizes. A gloo process group still referenced when finalization frees it aborts
 the process (SIGABRT) in some launches (docs/repros/gloo_teardown_abort.py, torch only), and a
 mesh caches its groups; named_spmd's atexit handler must drop every one of them.

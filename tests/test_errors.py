@@ -710,8 +710,9 @@ def test_the_fixes_in_psum_scatters_message_compute_the_block():
 
 def test_a_record_refusing_invariant_operands_needs_its_own_message():
     from named_spmd._collectives import RECORDS
+    from named_spmd._collectives._record import REQUIRE_VARYING
 
-    refusing = [r for r in RECORDS.values() if r.policy == "require varying"]
+    refusing = [r for r in RECORDS.values() if r.policy == REQUIRE_VARYING]
     assert {r.name for r in refusing} >= {"psum", "psum_scatter"}
     assert len({r.invariant_operand for r in refusing}) == len(refusing)  # one message each
     with pytest.raises(ns.CollectiveError, match="gives no invariant_operand message"):

@@ -165,10 +165,10 @@ def test_a_rank_failing_right_after_make_mesh_is_named_by_its_peers():
 
 
 def test_a_mesh_drops_its_process_groups_before_the_interpreter_finalizes():
-    """The teardown abort (issue 11 #18): a gloo group still referenced when finalization frees
-    it can abort the process after a successful run (docs/repros/gloo_teardown_abort.py). The
-    library's atexit handler must leave none of a mesh's groups alive for finalization; without
-    it both of the worker's groups are still referenced at exit (measured: 2 of 2)."""
+    """A gloo group still referenced when finalization frees it can abort the process after a
+    successful run (docs/repros/gloo_teardown_abort.py). The library's atexit handler must leave
+    none of a mesh's groups alive for finalization (without it, both of the worker's groups are
+    still referenced at exit)."""
     finished = launch([os.path.join("tests", "teardown_worker.py")], 2, 120)
     tail = finished.outputs[0][-3000:]
     assert not finished.timed_out and finished.returncodes == [0, 0], tail
@@ -191,10 +191,10 @@ def test_a_rank_failing_inside_make_mesh_is_named_with_its_error():
 
 
 def test_a_peer_that_gave_up_waiting_is_quoted_not_described_by_its_exit():
-    """Found by the load runs (issue 11): rank 3 gave up waiting for a hanging rank 2, posted
-    what it found and exited; rank 1, seeing rank 3's exit before reading the post, described
-    the exit ("exited normally after call #1 raised on it") and overwrote the post, so rank 0
-    never learned that rank 2 was the one missing. In one process, with an in-memory store."""
+    """Rank 3 gives up waiting for a hanging rank 2, posts what it found and exits; rank 1,
+    seeing rank 3's exit before reading the post, must quote the post, not describe the exit
+    ("exited normally after call #1 raised on it") and overwrite it, or rank 0 never learns
+    that rank 2 was the one missing. In one process, with an in-memory store."""
     import torch.distributed as dist
 
     from named_spmd.backends import _dist_failures as failures
@@ -218,10 +218,10 @@ def test_a_peer_that_gave_up_waiting_is_quoted_not_described_by_its_exit():
 
 
 def test_a_rank_that_made_the_mesh_and_died_later_does_not_fail_the_make_mesh_barrier():
-    """Found by a fresh-clone CI run (issue 11): rank 1 read rank 2's "made" key as missing;
-    before it asked whether rank 2 had ended, rank 2 set its key, entered the call and was
-    killed there, so rank 1 blamed make_mesh instead of the call. Forced here in one process: a
-    store whose first read of rank 2's key comes just before rank 2 makes the mesh and dies."""
+    """Rank 1 reads rank 2's "made" key as missing; before it asks whether rank 2 has ended,
+    rank 2 sets its key, enters the call and is killed there: rank 1 must not blame make_mesh
+    for it (the call reports it). Forced in one process: a store whose first read of rank 2's
+    key comes just before rank 2 makes the mesh and dies."""
     import socket
     import subprocess
 
@@ -294,9 +294,9 @@ def _torch_can(run) -> bool:
 
 
 def test_every_dtype_through_every_collective_matches_the_simulated_mesh(loaded):
-    """Item: gloo lacks dtypes (int16, the unsigned 16- to 64-bit integers, float8, bit dtypes):
-    every collective on them raised "a peer process on another host probably died" and the
-    ranks fell out of step, while the simulated mesh returned results. Every dtype torch has
+    """gloo lacks dtypes (int16, the unsigned 16- to 64-bit integers, float8, bit dtypes); sent
+    as they are, a collective on them fails mid-call ("a peer process on another host probably
+    died") and the ranks fall out of step. Every dtype torch has
     (but the quantized ones) through every collective and the call boundary's communication,
     on 4 gloo processes: each rank's block, byte for byte, or the same error, as the simulated
     mesh; reductions refused exactly where torch has no kernel; the mesh still runs after."""
@@ -356,10 +356,10 @@ def test_every_dtype_through_every_collective_matches_the_simulated_mesh(loaded)
 
 
 def test_a_mesh_made_again_with_the_same_axes_does_not_read_the_earlier_ones_failure(loaded):
-    """Item: the failure record was keyed by the axes and the grid, while the new mesh's call
-    counter restarted: its first slow wait read the earlier mesh's failure (posted for a later
-    call number) or where its ranks had waited, and stopped with a RankFailedError or a
-    "different collectives" error. Two rounds: fail on a mesh, make it again, run late."""
+    """A mesh made again with the same axes and grid counts its calls from 1 again: its slow
+    waits must not read the earlier mesh's failure (posted for a later call number) or where
+    its ranks waited, which would stop it with a RankFailedError or a "different collectives"
+    error. Twice: fail on a mesh, make it again, run late."""
     _, outcomes, tail = loaded
     for i in range(2):
         for rank in range(WORLD):
@@ -379,9 +379,9 @@ def test_a_mesh_made_again_with_the_same_axes_does_not_read_the_earlier_ones_fai
 
 
 def test_ranks_that_never_needed_the_failing_rank_stop_at_their_next_call_naming_it(loaded):
-    """Item: ranks that never communicated with the failing rank returned normally; their next
-    call blamed another rank (the out-of-step error of a rank that had waited for it) and the
-    failing rank's error was named nowhere."""
+    """Ranks that never communicated with the failing rank return from the failed call; their
+    next call must stop naming the failing rank and its error (not another rank's out-of-step
+    error, which left the failing rank named nowhere)."""
     _, outcomes, tail = loaded
     _stopped_at_the_next_call(outcomes, tail, "")
     for rank in (2, 3):  # their tp group completed without rank 0
@@ -417,21 +417,19 @@ def _stopped_at_the_next_call(outcomes: dict, tail: str, label: str) -> None:
 
 
 def test_bystanders_stop_naming_the_failing_rank_on_nccls_path_too(loaded):
-    """Item: on NCCL the start-of-call check was skipped (only gloo's waits are polled), so the
-    ranks that never needed the failing rank returned and went on, and its error was named
-    nowhere. The check runs on every device type (on a gloo group of its own where the mesh's
-    groups are not polled): a mesh forced onto NCCL's path on gloo behaves as a gloo mesh."""
+    """The start-of-call check runs on every device type (on a gloo group of its own where the
+    mesh's groups are not polled, as NCCL's): a mesh forced onto NCCL's path on gloo stops the
+    ranks that never needed the failing rank at their next call, naming it, as a gloo mesh."""
     _, outcomes, tail = loaded
     _stopped_at_the_next_call(outcomes, tail, "nccl_")
 
 
 def test_debug_mode_lists_mismatched_collectives_and_the_mesh_stays_usable(loaded):
-    """Item: debug mode blamed a rank-dependent order of collectives on per-rank random seeds
-    (the check of values ran before the comparison of the lists); an extra collective on some
-    ranks was caught only after the full wait, listed nowhere; and after a mismatch within one
-    group, a member of another group that had seen every value went into its collective while
-    its partner, which had seen the failure first, left: the mesh refused every later call
-    ("restart the job"). Each mismatch four times (the order and the extra collective once),
+    """Debug mode names a rank-dependent order of collectives as such (the lists are compared
+    before the values: not blamed on per-rank random seeds); an extra collective on some ranks
+    is listed without the full wait; and after a mismatch within one group, the members of
+    another group decide alike whether to go on (one going into its collective while its
+    partner leaves would put the mesh out of step for every later call). Each mismatch four times (the order and the extra collective once),
     each followed by a call that must give the right sum."""
     _, outcomes, tail = loaded
     phases = sorted({p for _, p in outcomes if p.startswith("debug_") and not p.endswith("_then")})

@@ -27,7 +27,7 @@ def test_axis_name_not_a_name_raises_collective_error(bad):
 
 
 def test_pshuffle_rejects_non_integer_perm():
-    # int(0.5) == 0 etc.: a float perm used to be truncated into a valid one silently
+    # int(0.5) == 0 etc.: a float perm must not be truncated into a valid one silently
     def f(x):
         return ns.pshuffle(x, "i", [0.5, 1.2, 2.9, 3.0])
 

@@ -1,8 +1,8 @@
 """What the user sees of the simulated mesh from inside the function: printed values and errors.
 
-Printing (issue 11 #12): a value varying over mesh axes prints its type and one block per
+Printing: a value varying over mesh axes prints its type and one block per
 coordinate of those axes; the blocks are checked against the global input's blocks, cut here
-with plain slicing and printed by torch. Errors (#13): a torch error from the user's code names
+with plain slicing and printed by torch. Errors: a torch error from the user's code names
 the user's function and line and is told with per-instance shapes; the reference is the error
 torch raises for the same op on one instance's plain block (what that rank raises on a real
 mesh). Before this change both showed vmap internals: ``BatchedTensor(lvl=2, bdim=0, value=...``

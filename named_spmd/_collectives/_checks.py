@@ -142,9 +142,9 @@ COPIES: dict[torch.dtype, bool] = {}
 
 
 # The probes below ask torch itself, on real tensors, outside the library's modes. While
-# torch.compile traces a call they run eagerly at trace time (``assume_constant_result``: a traced
-# probe would ask fake tensors), so a compiled call is refused where an eager one is.
-@torch.compiler.assume_constant_result
+# torch.compile traces a call they run eagerly at trace time (``_traced`` marks them
+# ``assume_constant_result``, which imports Dynamo: not at import; a traced probe would ask fake
+# tensors), so a compiled call is refused where an eager one is.
 def torch_reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
     """Whether torch computes ``reduction`` of ``dtype`` tensors on ``device_type`` (float8,
     bit and sub-byte dtypes have no sum on CPU; unsigned 16- to 64-bit integers no amax)."""
@@ -156,7 +156,6 @@ def torch_reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
     return known
 
 
-@torch.compiler.assume_constant_result
 def torch_copies(dtype: torch.dtype) -> bool:
     """Whether torch has a copy kernel for ``dtype`` (none for int1..int7, uint1..uint7)."""
     known = COPIES.get(dtype)

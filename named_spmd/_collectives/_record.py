@@ -131,7 +131,9 @@ class Collective:
         all_gather to "invariant", ...) holds one value there and the transpose makes it
         varying: that step is a pvary, whose own transpose is the psum a second derivative
         needs (written as plain ops instead, it would be differentiated as the identity). The
-        transpose then reaches the other instances only through records (``_rules``)."""
+        transpose then reaches the other instances only through records (``_rules``). Not
+        while compiling: a compiled graph's backward cannot be differentiated again (AOTAutograd
+        refuses double backward), so neither the pvary nor the checked context is needed."""
         if differentiable(g) and not torch.compiler.is_compiling():
             pvaried = self.invariant_result(axes, params)
             if pvaried:
