@@ -137,6 +137,7 @@ class DistributedMesh(Mesh):
             raise self.board.setup_failed(e) from None
         self.board.made()  # no rank leaves (and exits) while a peer still connects to it
         self._comms: dict[tuple[str, ...], Comm] = {}
+        self._check_comm: Comm | None = None
         warm_types(names)  # before any torch.compile trace of a call on it
         _MESH_OF[id(device_mesh)] = self
         self.placements_cache: dict = {}  # (spec, rank) -> DTensor placements
@@ -151,11 +152,12 @@ class DistributedMesh(Mesh):
         its worker thread, which stays inside such a collective until the peers complete it or
         gloo's own timeout (30 minutes) passes: the process would hang at exit, in interpreter
         finalization, or pair with a late peer. Kept, the thread ends with the process."""
-        groups = [*self._groups.values(), self._check_group]
+        groups = [*self._groups.values(), *filter(None, [self._check_group])]
         for group in groups if self.gave_up else ():
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed, never joined
         self._groups.clear()
         self._check_group = None
+        self._check_comm = None
         self._comms.clear()
 
     def coords_of(self, rank: int) -> dict[str, int]:
@@ -182,17 +184,11 @@ class DistributedMesh(Mesh):
         polled, so a rank that waits there for a failed peer names it on every device type."""
         if self._check_group is None:
             return self.comm(self.axis_names)
-        comm = self._comms.get(("<check>",))
-        if comm is None:
+        if self._check_comm is None:
             with P.no_dispatch_modes():
-                comm = self._comms[("<check>",)] = Comm(
-                    self,
-                    self.axis_names,
-                    self._check_group,
-                    self._tuple_ranks(self.axis_names),
-                    True,
-                )
-        return comm
+                ranks = self._tuple_ranks(self.axis_names)
+                self._check_comm = Comm(self, self.axis_names, self._check_group, ranks, poll=True)
+        return self._check_comm
 
     def _tuple_ranks(self, axes: tuple[str, ...]) -> list[int]:
         members = group_coords(axes, self.my_coords, self._shape)  # row-major over axes
