@@ -72,6 +72,22 @@ class Routing:
     def _send(self, i: int) -> list[int]:
         return list(self.counts[i])
 
+    def from_offsets(self, j: int) -> list[int]:
+        """Where in its sender's operand each of receiver j's slots starts."""
+        out = [0] * self.k
+        for i in range(self.n):
+            for k in range(j * self.per, (j + 1) * self.per):
+                out[self._slot_at(i, k)] = self.input_offsets(i)[k]
+        return out
+
+    def params(self, j: int) -> tuple:
+        """Member j's parameters of the ``ragged_all_to_all`` record."""
+        from named_spmd._collectives.ragged import Ragged
+
+        lists = (self.input_offsets, self._send, self.output_offsets, self.recv_sizes)
+        lists += (self.placed_at, self.from_offsets)
+        return Ragged(self.m, self.rows, *(torch.tensor(f(j)) for f in lists))
+
 
 def routing(n: int, per: int = 1, seed: int = 0) -> Routing:
     gen = random.Random(seed)
