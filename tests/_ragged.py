@@ -110,3 +110,10 @@ def sized_reference(counts, blocks: list) -> list[torch.Tensor]:
     """``all_to_all`` with split sizes along dim 0: member i sends ``counts[i][j]`` rows to j."""
     chunks = [b.split(list(c)) for b, c in zip(blocks, counts)]
     return [torch.cat([c[j] for c in chunks]) for j in range(len(blocks))]
+
+
+def split_counts(n: int) -> list[list[int]]:
+    """``all_to_all`` split sizes: member i sends ``counts[i][j]`` rows to member j, 8 rows in
+    all from every member; the members receive different totals."""
+    table = {2: [[2, 6], [5, 3]], 3: [[1, 3, 4], [4, 3, 1]], 4: [[0, 1, 2, 5], [5, 2, 1, 0]]}
+    return [table[n][i % 2] for i in range(n)]

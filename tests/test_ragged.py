@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 import torch
-from _ragged import reference, routing, sized_reference
+from _ragged import reference, routing, sized_reference, split_counts
 
 import named_spmd as ns
 from named_spmd import P
@@ -118,15 +118,9 @@ def test_ragged_errors_are_clear():
         f(x, out, in_off + r.rows, send, out_off, recv)
 
 
-def _counts(n):
-    """Member i sends counts[i][j] rows to member j; every member sends 8 rows."""
-    base = [0, 1, 2, 5][:n] if n == 4 else [1, 3, 4]
-    return [base if i % 2 == 0 else base[::-1] for i in range(n)]
-
-
 def test_all_to_all_with_split_sizes_per_instance():
     mesh = ns.make_mesh((3,), ("i",))
-    counts = _counts(3)
+    counts = split_counts(3)
     blocks = [_randn(8, 2, seed=i) for i in range(3)]
 
     def f(x):
