@@ -28,9 +28,9 @@ from ._collectives import pmin as pmin
 from ._collectives import ppermute as ppermute
 from ._collectives import pshuffle as pshuffle
 from ._collectives import psum as psum
-from ._collectives import ragged_all_to_all as ragged_all_to_all
 from ._collectives import psum_scatter as psum_scatter
 from ._collectives import pvary as pvary
+from ._collectives import ragged_all_to_all as ragged_all_to_all
 from ._collectives import typeof as typeof
 from ._collectives import vma as vma
 from ._compile import compile as compile

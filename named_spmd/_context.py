@@ -159,7 +159,12 @@ class SpmdContext(ABC):
     own_values: bool = False
 
     def all_to_all_sizes(
-        self, x: torch.Tensor, axes: Axes, dim: int, sent: tuple[int, ...], received: tuple[int, ...]
+        self,
+        x: torch.Tensor,
+        axes: Axes,
+        dim: int,
+        sent: tuple[int, ...],
+        received: tuple[int, ...],
     ) -> torch.Tensor:
         """``x``'s dim ``dim`` cut into chunks of ``sent[j]`` (member order): chunk j goes to
         member j; the result is the chunks received (``received[i]`` from member i)

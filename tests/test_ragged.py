@@ -154,7 +154,10 @@ def test_all_to_all_split_sizes_under_vmap():
         )
 
     plain = ns.spmd_map(
-        lambda v: ns.all_to_all(v, "i", 0, 0, tiled=True), mesh=mesh, in_specs=P("i"), out_specs=P("i")
+        lambda v: ns.all_to_all(v, "i", 0, 0, tiled=True),
+        mesh=mesh,
+        in_specs=P("i"),
+        out_specs=P("i"),
     )
     assert torch.equal(g([2, 2])(x), plain(x))
     with pytest.raises(ns.CollectiveError, match="simulate_per_instance"):

@@ -4,14 +4,14 @@ offsets are int tensors), so it runs under vmap; the public function, then its r
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
 from .._context import Axes, SpmdContext, current
 from .._errors import CollectiveError
 from .._layout import ragged_written
-from ._record import PVARY, RECORDS, Collective, backward_op, implicit_pvary, same_vma
+from ._record import PVARY, RECORDS, Collective, Params, backward_op, implicit_pvary, same_vma
 
 AxisName = str | tuple[str, ...]
 
@@ -121,7 +121,7 @@ class Ragged(NamedTuple):
         )
 
 
-def _checked(ctx: SpmdContext, axes: Axes, operand, output, *meta: torch.Tensor) -> list:
+def _checked(ctx: SpmdContext, axes: Axes, operand: Any, output: Any, *meta: torch.Tensor) -> list:
     where = f"ragged_all_to_all in {ctx.fn_label}"
     for name, t in (("operand", operand), ("output", output)):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -194,12 +194,20 @@ def _outside(start: int, size: int, rows: int, what: str) -> str:
 
 
 def _forward(
-    ctx: SpmdContext, x: torch.Tensor, axes: Axes, p: Ragged, donate: bool
+    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
+    p = cast(Ragged, params)
     return ctx.ragged_all_to_all(x, axes, p.m, p.offsets, p.sizes, p.placed_at, p.received)
 
 
-def _check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, p: Ragged) -> Ragged:
+def _transpose(
+    ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
+) -> torch.Tensor:
+    return ctx.apply(RECORDS["ragged_all_to_all"], g, axes, cast(Ragged, params).transposed())
+
+
+def _check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
+    p = cast(Ragged, params)
     if t.dim() == 0 or t.shape[0] != p.rows:
         raise CollectiveError(
             f"ragged_all_to_all in {ctx.fn_label}: the operand {tuple(t.shape)} must have "
@@ -208,7 +216,7 @@ def _check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, p: Ragged) -> Ragged:
     return p
 
 
-def _batched(p: Ragged) -> Ragged:
+def _batched(params: Params) -> Params:
     raise CollectiveError(
         "ragged_all_to_all under torch.func.vmap inside the per-device function: its rows are "
         "dim 0 of the operand, which vmap batches. Fix: fold the batch into the rows "
@@ -220,9 +228,9 @@ RAGGED_ALL_TO_ALL = Collective(
     name="ragged_all_to_all",
     policy=PVARY,
     vma=same_vma,
-    shape=lambda shape, n, p: (p.m, *shape[1:]),
+    shape=lambda shape, n, params: (cast(Ragged, params).m, *shape[1:]),
     forward=_forward,
-    transpose=lambda ctx, g, axes, p, node: ctx.apply(RAGGED_ALL_TO_ALL, g, axes, p.transposed()),
+    transpose=_transpose,
     backward_op=backward_op("ragged_all_to_all"),
     prepare=lambda ctx, axes, p: p,
     check=_check,
