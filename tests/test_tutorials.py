@@ -89,8 +89,10 @@ def executed(tmp_path_factory):
     return results
 
 
-def test_the_tutorials_are_numbered_1_to_11():
-    assert [p.name[:2] for p in PATHS] == [f"{i:02d}" for i in range(1, 12)]
+def test_the_tutorials_are_numbered_from_1_each_once():
+    numbers = [int(p.name[:2]) for p in PATHS]
+    assert numbers[0] == 1 and len(set(numbers)) == len(numbers), numbers
+    assert numbers[-1] <= len(numbers) + 1, numbers  # 12 is the stencil tutorial's
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
