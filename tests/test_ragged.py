@@ -171,3 +171,32 @@ def test_all_to_all_split_sizes_under_vmap():
             in_specs=P("i"),
             out_specs=P("i"),
         )(x)
+
+
+def test_ragged_under_a_vmap_inside_the_function_through_the_bridge():
+    """A torch.func.vmap inside the function over the operand, on a mesh whose collectives are
+    differentiated by their records (as on a real mesh, tests/_rules_mesh.py): the batching
+    rule sends each batch element's rows as the unbatched call would, forward and backward."""
+    from _rules_mesh import run_instances
+
+    from named_spmd._autodiff import apply as bridge_apply
+    from named_spmd._collectives import RECORDS
+
+    mesh, axes, rec = ns.make_mesh((3,), ("i",)), ("i",), RECORDS["ragged_all_to_all"]
+    r = routing(3, 2, seed=4)
+    xs = [_randn(2, r.rows, 3, seed=i) for i in range(3)]
+    cots = [_randn(2, r.m, 3, seed=10 + i) for i in range(3)]
+
+    def program(ctx):
+        k, params = ctx.k, r.params(int(ctx.axis_index(axes)))
+        x = xs[k].clone().requires_grad_()
+        y = torch.func.vmap(lambda v: bridge_apply(rec, ctx, v, axes, params))(x)
+        (gx,) = torch.autograd.grad(y, x, cots[k])
+        rows = [xs[k][b].clone().requires_grad_() for b in range(2)]
+        one = [bridge_apply(rec, ctx, v, axes, params) for v in rows]
+        want = torch.autograd.grad(one, rows, list(cots[k]))
+        return y.detach(), torch.stack([o.detach() for o in one]), gx, torch.stack(want)
+
+    for y, want, gx, gwant in run_instances(mesh, program):
+        torch.testing.assert_close(y, want)
+        torch.testing.assert_close(gx, gwant)

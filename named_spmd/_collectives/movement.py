@@ -299,8 +299,8 @@ def _split_sizes(
     if not ctx.own_values and len(set(out)) > 1:
         raise CollectiveError(
             f"{where}: split_sizes {list(out)} are not equal, so the members would receive "
-            "blocks of different sizes, which the vmap simulation (and .check()) cannot hold: "
-            "every instance is one slice of one batched tensor. Fix: run the call under "
+            "blocks of different sizes, which this execution cannot hold (the vmap simulation, "
+            ".check() or a traced call: one shape for every instance). Fix: run the call under "
             "`with ns.simulate_per_instance():` (each instance on its own block, as on a real "
             "mesh), or keep the shapes static with ns.ragged_all_to_all (offsets and sizes as "
             "tensors, a buffer of fixed size)."

@@ -4,6 +4,7 @@ offsets are int tensors), so it runs under vmap; the public function, then its r
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from .._context import Axes, SpmdContext, current
 from .._errors import CollectiveError
 from .._layout import ragged_written
+from .._torch_private import is_transform_wrapped
 from ._record import PVARY, RECORDS, Collective, Params, backward_op, implicit_pvary, same_vma
 
 AxisName = str | tuple[str, ...]
@@ -106,6 +108,9 @@ class Ragged(NamedTuple):
     received: torch.Tensor
     placed_at: torch.Tensor
     from_offsets: torch.Tensor
+    #: leading dims batched by a torch.func.vmap inside the function: each batch element's rows
+    #: are sent by the same offsets and sizes
+    batch: int = 0
 
     def transposed(self) -> Ragged:
         """The rows go back: read where they were placed, write where they came from."""
@@ -118,6 +123,7 @@ class Ragged(NamedTuple):
             self.sizes,
             self.offsets,
             self.out_offsets,
+            self.batch,
         )
 
 
@@ -197,7 +203,28 @@ def _forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
     p = cast(Ragged, params)
-    return ctx.ragged_all_to_all(x, axes, p.m, p.offsets, p.sizes, p.placed_at, p.received)
+    if not p.batch:
+        return ctx.ragged_all_to_all(x, axes, p.m, p.offsets, p.sizes, p.placed_at, p.received)
+    # JAX's batching rule: the batch elements' rows one after the other, slot k of element b
+    # becoming slot k * B + b (the same member), its offsets shifted by b times the rows
+    lead = x.shape[: p.batch]
+    b = math.prod(lead)
+    shift = torch.arange(b, device=x.device)
+
+    def each(t: torch.Tensor, rows: int = 0) -> torch.Tensor:
+        return (t.unsqueeze(-1) + shift * rows).flatten()
+
+    rows = x.flatten(0, p.batch)
+    out = ctx.ragged_all_to_all(
+        rows,
+        axes,
+        b * p.m,
+        each(p.offsets, p.rows),
+        each(p.sizes),
+        each(p.placed_at, p.m),
+        each(p.received),
+    )
+    return out.unflatten(0, (*lead, p.m))
 
 
 def _transpose(
@@ -208,7 +235,7 @@ def _transpose(
 
 def _check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
     p = cast(Ragged, params)
-    if t.dim() == 0 or t.shape[0] != p.rows:
+    if t.dim() <= p.batch or t.shape[p.batch] != p.rows:
         raise CollectiveError(
             f"ragged_all_to_all in {ctx.fn_label}: the operand {tuple(t.shape)} must have "
             f"{p.rows} rows. Fix: call ns.ragged_all_to_all with one tensor, not a pytree."
@@ -216,19 +243,29 @@ def _check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Par
     return p
 
 
+def _shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
+    p = cast(Ragged, params)
+    return (*shape[: p.batch], p.m, *shape[p.batch + 1 :])
+
+
 def _batched(params: Params) -> Params:
-    raise CollectiveError(
-        "ragged_all_to_all under torch.func.vmap inside the per-device function: its rows are "
-        "dim 0 of the operand, which vmap batches. Fix: fold the batch into the rows "
-        "(x.flatten(0, 1), with offsets and sizes for every row) and call it outside the vmap."
-    )
+    """Under a torch.func.vmap inside the function: the operand gains a leading dim."""
+    p = cast(Ragged, params)
+    if any(isinstance(t, torch.Tensor) and is_transform_wrapped(t) for t in p):
+        raise CollectiveError(
+            "ragged_all_to_all under torch.func.vmap inside the per-device function, with "
+            "offsets or sizes that the vmap batches: each batch element would send by its own. "
+            "Fix: fold the batch into the rows (x.flatten(0, 1), with offsets and sizes for "
+            "every element's slices, K * B of them) and call it outside the vmap."
+        )
+    return p._replace(batch=p.batch + 1)
 
 
 RAGGED_ALL_TO_ALL = Collective(
     name="ragged_all_to_all",
     policy=PVARY,
     vma=same_vma,
-    shape=lambda shape, n, params: (cast(Ragged, params).m, *shape[1:]),
+    shape=_shape,
     forward=_forward,
     transpose=_transpose,
     backward_op=backward_op("ragged_all_to_all"),
