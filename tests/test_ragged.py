@@ -160,8 +160,12 @@ def test_all_to_all_split_sizes_under_vmap():
         out_specs=P("i"),
     )
     assert torch.equal(g([2, 2])(x), plain(x))
+    both = {("forward", "all_to_all", ("i",)): 1, ("backward", "all_to_all", ("i",)): 1}
+    assert g([2, 2]).check(x).comms.counts() == both
     with pytest.raises(ns.CollectiveError, match="simulate_per_instance"):
         g([1, 3])(x)
+    with pytest.raises(ns.CollectiveError, match="simulate_per_instance"):
+        g([1, 3]).check(x)
     with pytest.raises(ns.CollectiveError, match="add up to 2"):
         g([1, 1])(x)
     with pytest.raises(ns.CollectiveError, match="tiled=True"):
