@@ -102,6 +102,46 @@ def test_ragged_types_counts_and_check_agree():
     assert report.comms.counts() == comms.counts()
 
 
+def test_ragged_result_varies_where_the_offsets_do():
+    """An operand the same on every instance, sent by offsets that differ along another axis
+    ("a"): the result varies over "a" too, and the operand's gradient sums over both axes."""
+    mesh = ns.make_mesh((2, 2), ("a", "b"))
+    routes = [routing(2, 1, seed=s) for s in (5, 6)]
+    rows, m = max(r.rows for r in routes), max(r.m for r in routes)
+    metas = [
+        torch.cat([routes[a].metadata()[i].reshape(2, -1) for a in (0, 1)]).flatten()
+        for i in range(4)
+    ]
+    seen = []
+
+    def f(x, out, *meta):
+        y = ns.ragged_all_to_all(x, out, *meta, "b")
+        seen.append(ns.vma(y))
+        return y
+
+    specs = (P(), P(), *(P(("a", "b")),) * 4)
+    g = ns.spmd_map(f, mesh=mesh, in_specs=specs, out_specs=P(("a", "b")))
+    x = _randn(rows, 2, seed=1).requires_grad_()
+    out = torch.zeros(m, 2, dtype=F64)
+    report = g.check(x, out, *metas)
+    assert report.outputs[0].type.vma == ns.Vma.of(("a", "b")), report
+    # the operand's and the output buffer's gradients are summed over both axes (one copy of
+    # each fed every instance)
+    assert report.comms.counts()[("backward", "psum", ("a", "b"))] == 2, report
+    assert ("backward", "psum", ("b",)) not in report.comms.counts(), report
+    got = g(x, out, *metas)
+    (gx,) = torch.autograd.grad((got * got).sum(), x)
+    want, want_gx = torch.zeros(4 * m, 2, dtype=F64), torch.zeros_like(x)
+    for a, r in enumerate(routes):
+        xr = [x.detach().clone().requires_grad_() for _ in range(2)]
+        ys = reference(r, xr, [out.clone(), out.clone()])
+        want[2 * a * m : (2 * a + 2) * m] = torch.cat(ys).detach()
+        want_gx += sum(torch.autograd.grad(sum((y * y).sum() for y in ys), xr))
+    torch.testing.assert_close(got.detach(), want)
+    torch.testing.assert_close(gx, want_gx)
+    assert seen[-1] == {"a", "b"}
+
+
 def test_ragged_errors_are_clear():
     mesh = ns.make_mesh((2,), ("i",))
     r = routing(2, 1, seed=1)

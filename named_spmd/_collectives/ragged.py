@@ -85,7 +85,8 @@ def ragged_all_to_all(
         )
         missing = ctx.vma(peer).varying - ctx.vma(operand).varying
         if missing:  # the rows moved depend on values that vary there
-            operand = implicit_pvary(ctx, operand, tuple(sorted(missing)))
+            in_order = tuple(a for a in ctx.mesh.axis_names if a in missing)
+            operand = implicit_pvary(ctx, operand, in_order)
         placed = RAGGED_ALL_TO_ALL.bind(operand, axes, params)
         written = ragged_written(output.shape[0], placed_at, recv_sizes)
         written = written.reshape(-1, *([1] * (output.dim() - 1)))
