@@ -269,8 +269,9 @@ def run_checks(args, rank, world) -> None:
 
 
 def _ragged_checks(mesh, world) -> list[dict]:
-    """ragged_all_to_all over the whole mesh (offsets and sizes per member, tests/_ragged.py)
-    and a round trip of all_to_all with split sizes over "tp" (blocks of different sizes in
+    """ragged_all_to_all over the whole mesh, members in ("tp", "dp") order (not the ranks':
+    the rows are reordered around the all_to_all_single), offsets and sizes per member from
+    tests/_ragged.py; and a round trip of all_to_all with split sizes over "tp" (blocks of different sizes in
     between, per-instance on the simulated mesh): values, gradients and communication equal
     to the simulated mesh's."""
     from _ragged import routing, split_counts
@@ -280,10 +281,14 @@ def _ragged_checks(mesh, world) -> list[dict]:
     spec = P(("dp", "tp"))
 
     def ragged(x, out, *meta):
-        return ns.ragged_all_to_all(x, out, *meta, ("dp", "tp"))
+        return ns.ragged_all_to_all(x, out, *meta, ("tp", "dp"))
+
+    half = world // 2
+    member = [(b % half) * 2 + b // half for b in range(world)]  # of block b = dp * half + tp
 
     def ragged_args():
-        return (_randn((world * r.rows, 3), 1), _randn((world * r.m, 3), 2), *r.metadata())
+        meta = [torch.cat([m.split(r.k)[member[b]] for b in range(world)]) for m in r.metadata()]
+        return (_randn((world * r.rows, 3), 1), _randn((world * r.m, 3), 2), *meta)
 
     counts, n = split_counts(world // 2), world // 2
 
