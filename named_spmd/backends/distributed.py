@@ -309,6 +309,7 @@ class DistributedContext(TrackedContext):
 
     mesh: DistributedMesh
     donates = True
+    own_values = True  # each rank's tensors are its own: sizes are read on the host
     inputs: list[Any] = []  # this call's local inputs (the views' sources besides leaves)
     input_nodes: dict[int, torch.Tensor] | None = None  # id(grad_fn) -> input, made on demand
 
@@ -387,8 +388,6 @@ class DistributedContext(TrackedContext):
 
     def permute(self, x, axes, pairs):
         return self.mesh.comm(axes).permute(x, pairs)
-
-    own_values = True  # each rank's tensors are its own: sizes are read on the host
 
     def all_to_all_sizes(self, x, axes, dim, sent, received):
         received_rows = self.mesh.comm(axes).all_to_all_rows(x.movedim(dim, 0), sent, received)
