@@ -5,7 +5,7 @@
     python benchmarks/bench_distributed.py --device cuda --backend nccl --nproc 4
     python benchmarks/bench_distributed.py --only ring
 
-Four measurements, printed by rank 0:
+Five measurements, printed by rank 0:
 
 1. A Megatron-style MLP forward + backward step on a (dp=2, tp=nproc/2) mesh: column-parallel
    ``w1``/``b1``, row-parallel ``w2``, replicated ``b2``, batch split over dp; parameters and the
@@ -21,7 +21,10 @@ Four measurements, printed by rank 0:
    inside spmd_map (one ``all_to_all_single`` with one non-empty split each way, so its waits
    can be polled) versus the same hops hand-written with ``dist.batch_isend_irecv`` and with
    ``dist.all_to_all_single`` (median per ring, ratio to the send/recv ring).
-4. vma tracking: a 200-op small-tensor function inside spmd_map versus the same ops on plain
+4. One ``ns.ragged_all_to_all`` of runs of rows of random lengths versus the same by hand (an
+   ``all_to_all_single`` of sizes and offsets, one with split sizes for the rows, the rows
+   placed at their offsets): median per call (``--only ragged``).
+5. vma tracking: a 200-op small-tensor function inside spmd_map versus the same ops on plain
    tensors, in a single process (mesh of one): extra microseconds per op, every call typed
    (``named_spmd._replay.ENABLED`` off: on a mesh of one instance calls are otherwise typed once
    per signature and replayed untyped, the second figure). For scale, the same ops under a bare
@@ -375,6 +378,63 @@ def ring(args, mesh, device) -> list[dict]:
     return rows
 
 
+def ragged(args, mesh, device) -> list[dict]:
+    """One ``ns.ragged_all_to_all`` (every rank sends a run of rows of its own length to each
+    peer, written at the receiver's offsets) versus the same by hand: an ``all_to_all_single``
+    of the sizes and offsets, the sizes read on the host, the rows packed, one
+    ``all_to_all_single`` with split sizes, the rows placed at their offsets."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = mesh.device_mesh.get_group("all")
+    gen = random.Random(0)  # the same routing on every rank
+    rows = []
+    for per_peer, features in ((64, 64), (512, 256)):
+        counts = [[gen.randint(0, per_peer) for _ in range(world)] for _ in range(world)]
+        n_rows, m_rows = world * per_peer, world * per_peer
+        send = torch.tensor(counts[rank])
+        in_off = torch.cumsum(send, 0) - send
+        recv = torch.tensor([counts[i][rank] for i in range(world)])
+        at = torch.cumsum(recv, 0) - recv  # placed in source order
+        out_off = torch.empty_like(at)
+        dist.all_to_all_single(out_off, at, group=group)  # the senders' frame
+        x = torch.randn(n_rows, features, device=device)
+
+        @ns.spmd_map(mesh=mesh, in_specs=P("all"), out_specs=P("all"))
+        def spmd(v, o, i, s, oo, r):
+            return ns.ragged_all_to_all(v, o, i, s, oo, r, "all")
+
+        def dt(t):
+            return DTensor.from_local(t, mesh.device_mesh, [Shard(0)], run_check=False)
+
+        dargs = [dt(x), dt(torch.zeros(m_rows, features, device=device))]
+        dargs += [dt(t) for t in (in_off, send, out_off, recv)]
+
+        def by_hand():
+            peer = torch.empty(2 * world, dtype=torch.int64)
+            mine = torch.stack([send, out_off], 1).reshape(-1)  # per peer: size, offset
+            dist.all_to_all_single(peer, mine, group=group)
+            sizes, offsets = peer.reshape(world, 2).T.tolist()
+            sent = send.tolist()
+            packed = torch.cat([x[o : o + c] for o, c in zip(in_off.tolist(), sent)])
+            got = x.new_empty(sum(sizes), features)
+            dist.all_to_all_single(got, packed, sizes, sent, group=group)
+            out = x.new_zeros(m_rows, features)
+            for o, piece in zip(offsets, got.split(sizes)):
+                out[o : o + piece.shape[0]] = piece
+            return out
+
+        want = by_hand()
+        if not torch.equal(spmd(*dargs).to_local(), want):
+            raise SystemExit(f"ragged_all_to_all of {per_peer}x{features}: differs from by hand")
+        t = interleaved({"ns": lambda: spmd(*dargs), "hand": by_hand}, args.rounds, 2, device)
+        row = {"rows": sum(counts[rank]), "features": features}
+        row |= {k: v * 1e6 for k, v in t.items()}
+        row["ratio"] = row["ns"] / row["hand"]
+        rows.append(row)
+    return rows
+
+
 # --- 4. vma tracking overhead (one process) ------------------------------------------------------------
 
 
@@ -472,12 +532,14 @@ def worker(args) -> None:
     if "megatron" in args.only:
         mesh = ns.make_mesh((2, world // 2), ("dp", "tp"), device_type=args.device)
         result["megatron"] = megatron(args, mesh, device)
-    if {"latency", "ring"} & set(args.only):
+    if {"latency", "ring", "ragged"} & set(args.only):
         mesh = ns.make_mesh((world,), ("all",), device_type=args.device)
     if "latency" in args.only:
         result["latency"] = latency(args, mesh, device)
     if "ring" in args.only:
         result["ring"] = ring(args, mesh, device)
+    if "ragged" in args.only:
+        result["ragged"] = ragged(args, mesh, device)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
@@ -522,6 +584,12 @@ def report(result: dict, vma: dict | None) -> None:
             f"{row['ratio']:.3f}   hand-written all_to_all {row['a2a']:8.1f} us   ratio "
             f"{row['ratio a2a']:.3f}"
         )
+    for row in result.get("ragged", []):
+        print(
+            f"  ragged_all_to_all of {row['rows']:>5} rows x {row['features']}: ns "
+            f"{row['ns']:8.1f} us   hand-written (all_to_all_single with split sizes) "
+            f"{row['hand']:8.1f} us   ratio {row['ratio']:.3f}"
+        )
     if vma:
         print(
             f"  vma tracking (1 process, 200 small ops): +{vma['vma_overhead_us_per_op']:.2f} "
@@ -545,7 +613,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default=None)
     parser.add_argument("--funcol", action="store_true", help="also time funcol all_reduce")
-    parser.add_argument("--only", nargs="+", default=["megatron", "latency", "ring", "vma"])
+    parser.add_argument(
+        "--only", nargs="+", default=["megatron", "latency", "ring", "ragged", "vma"]
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
@@ -554,7 +624,7 @@ def main() -> None:
         return
     argv = [a for a in sys.argv[1:]]
     result = {"world": args.nproc, "device": args.device, "backend": args.backend or "gloo"}
-    if {"megatron", "latency", "ring"} & set(args.only):
+    if {"megatron", "latency", "ring", "ragged"} & set(args.only):
         out = spawn(argv, args.nproc, args.timeout)
         line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

@@ -30,6 +30,7 @@ from ._collectives import pshuffle as pshuffle
 from ._collectives import psum as psum
 from ._collectives import psum_scatter as psum_scatter
 from ._collectives import pvary as pvary
+from ._collectives import ragged_all_to_all as ragged_all_to_all
 from ._collectives import typeof as typeof
 from ._collectives import vma as vma
 from ._compile import compile as compile
@@ -107,6 +108,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "pvary",
+    "ragged_all_to_all",
     "random",
     "set_debug",
     "set_grad_bucket_mb",

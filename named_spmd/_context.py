@@ -23,6 +23,7 @@ from torch.nn.functional import scaled_dot_product_attention as _SDPA
 from . import _torch_private as P
 from ._accounting import begin_recompute, end_recompute, live_modes
 from ._errors import CollectiveError, fn_label, suggest
+from ._layout import ragged_pack, ragged_place
 from ._mesh import Mesh
 from ._types import Vma
 
@@ -151,6 +152,48 @@ class SpmdContext(ABC):
     def all_to_all(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
         """``x`` has a dim ``dim`` of size n: slice j goes to member j; the result has the same
         shape, its slice i along ``dim`` being what member i sent here."""
+
+    #: Whether each instance's values are its own concrete tensors (the per-instance
+    #: simulation, the eager real mesh): a collective may read sizes and offsets on the host,
+    #: and the members' results may differ in shape. Not under vmap, on meta tensors or traced.
+    own_values: bool = False
+
+    def all_to_all_sizes(
+        self,
+        x: torch.Tensor,
+        axes: Axes,
+        dim: int,
+        sent: tuple[int, ...],
+        received: tuple[int, ...],
+    ) -> torch.Tensor:
+        """``x``'s dim ``dim`` cut into chunks of ``sent[j]`` (member order): chunk j goes to
+        member j; the result is the chunks received (``received[i]`` from member i)
+        concatenated along ``dim`` in source order. This default takes equal sizes only (the
+        caller's check); a backend with :attr:`own_values` overrides it."""
+        n = self.mesh.axis_size(axes)
+        return self.all_to_all(x.unflatten(dim, (n, -1)), axes, dim).flatten(dim, dim + 1)
+
+    def ragged_all_to_all(
+        self,
+        x: torch.Tensor,
+        axes: Axes,
+        m: int,
+        offsets: torch.Tensor,
+        sizes: torch.Tensor,
+        placed_at: torch.Tensor,
+        received: torch.Tensor,
+    ) -> torch.Tensor:
+        """Slot k (of K, a multiple of n; slot k goes to member ``k // (K // n)``) of ``x``'s
+        rows ``offsets[k] : offsets[k] + sizes[k]`` is sent to its member. The result (``[m,
+        *x.shape[1:]]``) holds received slot k (from member ``k // (K // n)``, ``received[k]``
+        rows) at rows ``placed_at[k]...``, zeros elsewhere; all four are ``[K]`` int tensors,
+        ``placed_at`` in this member's frame. This default pads every slot to ``x.shape[0]``
+        rows for one even all_to_all (static shapes, as vmap needs; n times the data on the
+        wire); a backend with :attr:`own_values` sends the rows alone."""
+        n = self.mesh.axis_size(axes)
+        packed = ragged_pack(x, offsets, sizes)
+        got = self.all_to_all(packed.unflatten(0, (n, -1)), axes, 0).flatten(0, 1)
+        return ragged_place(got, m, placed_at, received)
 
     @abstractmethod
     def permute(

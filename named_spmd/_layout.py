@@ -226,3 +226,50 @@ def unstack_dim(stacked: torch.Tensor, dim: int, tiled: bool) -> torch.Tensor:
     """``[n, ...]`` (member j's block first) -> the blocks along ``dim``, in member order."""
     out = stacked.movedim(0, dim) if dim != 0 else stacked
     return out.flatten(dim, dim + 1) if tiled else out
+
+
+# --- ragged rows (ragged_all_to_all): value-dependent placement with static shapes -----------------
+
+
+def _rows_along(sizes: torch.Tensor, n: int, device: torch.device) -> tuple:
+    """``(r, valid)``: row numbers ``0..n-1`` and, per slot k, which of them lie within
+    ``sizes[k]`` (``[K, n]``)."""
+    r = torch.arange(n, device=device)
+    return r, r < sizes.unsqueeze(-1)
+
+
+def _trailing(mask: torch.Tensor, x: torch.Tensor, lead: int) -> torch.Tensor:
+    """``mask`` with unit dims for ``x``'s dims after its first ``lead``."""
+    return mask.reshape(*mask.shape, *([1] * (x.dim() - lead)))
+
+
+def ragged_pack(x: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """``[K, N, *x.shape[1:]]``: slot k holds ``x``'s rows ``offsets[k] : offsets[k] + sizes[k]``
+    (``N = x.shape[0]`` rows, zeros after the slot's size). Index ops only: the placement depends
+    on values, the shapes do not (so it runs under vmap)."""
+    n = x.shape[0]
+    r, valid = _rows_along(sizes, n, x.device)
+    index = torch.where(valid, offsets.unsqueeze(-1) + r, 0).clamp(0, max(n - 1, 0))
+    rows = x.index_select(0, index.reshape(-1)).unflatten(0, tuple(index.shape))
+    return torch.where(_trailing(valid, rows, 2), rows, x.new_zeros(()))
+
+
+def ragged_place(
+    received: torch.Tensor, m: int, offsets: torch.Tensor, sizes: torch.Tensor
+) -> torch.Tensor:
+    """``[m, *received.shape[2:]]``: slot k's first ``sizes[k]`` rows of ``received`` (``[K, N,
+    ...]``) written at rows ``offsets[k]...``, zeros elsewhere (rows that would fall outside are
+    dropped)."""
+    k, n = received.shape[:2]
+    r, valid = _rows_along(sizes, n, received.device)
+    target = offsets.unsqueeze(-1) + r
+    valid = valid & (target >= 0) & (target < m)
+    target = torch.where(valid, target, m)  # one spare row takes what is not written
+    out = received.new_zeros((m + 1, *received.shape[2:]))
+    return out.index_add(0, target.reshape(-1), received.flatten(0, 1))[:m]
+
+
+def ragged_written(m: int, offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """``[m]`` bool: the rows that some slot (``offsets[k]``, ``sizes[k]``) writes."""
+    rows = torch.arange(m, device=offsets.device).unsqueeze(-1)
+    return ((rows >= offsets) & (rows < offsets + sizes)).any(-1)

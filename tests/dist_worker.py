@@ -17,6 +17,7 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -262,8 +263,56 @@ def run_checks(args, rank, world) -> None:
         }
     )
     results += _overlapped_gradient_checks(mesh, world)
+    results += _ragged_checks(mesh, world)
     for r in results:
         print("CHECK " + json.dumps({**r, "rank": rank}), flush=True)
+
+
+def _ragged_checks(mesh, world) -> list[dict]:
+    """ragged_all_to_all over the whole mesh, members in ("tp", "dp") order (not the ranks':
+    the rows are reordered around the all_to_all_single), offsets and sizes per member from
+    tests/_ragged.py; and a round trip of all_to_all with split sizes over "tp" (blocks of different sizes in
+    between, per-instance on the simulated mesh): values, gradients and communication equal
+    to the simulated mesh's."""
+    from _ragged import routing, split_counts
+
+    sim = ns.make_mesh((2, world // 2), ("dp", "tp"), simulated=True)
+    r = routing(world, 1, seed=world)
+    spec = P(("dp", "tp"))
+
+    def ragged(x, out, *meta):
+        return ns.ragged_all_to_all(x, out, *meta, ("tp", "dp"))
+
+    half = world // 2
+    member = [(b % half) * 2 + b // half for b in range(world)]  # of block b = dp * half + tp
+
+    def ragged_args():
+        meta = [torch.cat([m.split(r.k)[member[b]] for b in range(world)]) for m in r.metadata()]
+        return (_randn((world * r.rows, 3), 1), _randn((world * r.m, 3), 2), *meta)
+
+    counts, n = split_counts(world // 2), world // 2
+
+    def round_trip(x):
+        i = int(ns.axis_index("tp"))
+        y = ns.all_to_all(x, "tp", 0, 0, tiled=True, split_sizes=counts[i])
+        y = y * torch.arange(1.0, y.shape[0] + 1, dtype=y.dtype).unsqueeze(1)
+        back = [counts[j][i] for j in range(n)]
+        return ns.all_to_all(y, "tp", 0, 0, tiled=True, split_sizes=back)
+
+    out = []
+    for name, prog, make, per_instance in (
+        ("ragged_all_to_all", ragged, ragged_args, False),
+        ("all_to_all with split sizes", round_trip, lambda: (_randn((world * 8, 3), 3),), True),
+    ):
+        case = pd.Case(name, (2, world // 2), ("dp", "tp"), spec, spec, prog, make)
+        try:
+            with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+                simulated = evaluate(case, sim)
+            problems = compare(simulated, evaluate(case, mesh))
+        except Exception as e:  # noqa: BLE001 - reported
+            problems = [f"raised {type(e).__name__}: {e}", traceback.format_exc()[-1500:]]
+        out.append({"check": f"real {name} as simulated", "problems": problems})
+    return out
 
 
 def _overlapped_gradient_checks(mesh, world) -> list[dict]:

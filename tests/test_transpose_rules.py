@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+from _ragged import routing
 from _rules_mesh import forward_ad, run_instances
 
 import named_spmd as ns
@@ -55,6 +56,9 @@ class Case:
     #: the operand's values equal over the group (pmax / pmin: every member holds the extremum,
     #: which shares the gradient; no finite differences there, the forward has a kink)
     ties: bool = False
+    #: member index -> its parameters, where they differ between members (ragged_all_to_all's
+    #: offsets and sizes); ``params`` is member 0's, for the type and shape rules
+    member: Any = None
 
 
 def _ring(n: int) -> tuple[tuple[int, int], ...]:
@@ -79,8 +83,19 @@ def cases(name: str, n: int) -> list[Case]:
             Case((1, False), (3, n)),
         ]
     if name == "all_to_all":
-        tiled = [Case((s, c, True), _sized((2, 3), s, 2 * n)) for s in (0, 1) for c in (0, 1)]
-        return tiled + [Case((s, c, False), _sized((2, 3), s, n)) for s in (0, 1) for c in (0, 1)]
+        tiled = [
+            Case((s, c, True, None, None), _sized((2, 3), s, 2 * n)) for s in (0, 1) for c in (0, 1)
+        ]
+        sizes = [Case((s, s, True, (2,) * n, (2,) * n), _sized((2, 3), s, 2 * n)) for s in (0, 1)]
+        untiled = [
+            Case((s, c, False, None, None), _sized((2, 3), s, n)) for s in (0, 1) for c in (0, 1)
+        ]
+        return tiled + sizes + untiled
+    if name == "ragged_all_to_all":
+        return [
+            Case(r.params(0), (r.rows, 3), member=r.params)
+            for r in (routing(n, 1, seed=n), routing(n, 2, seed=n + 1))
+        ]
     if name == "ppermute":
         return [Case((_ring(n),), (2, 3)), Case((((0, n - 1),),), (2, 3))]
     if name == "pshuffle":  # member i gets member perm[i]'s value: (src, dst) pairs
@@ -251,7 +266,8 @@ def run_case(mesh, rec, axes, case: Case, bystanders: str, seed: int) -> Run:
 
     def program(ctx):
         k = ctx.k
-        return instance_rules(ctx, rec, axes, case.params, x[k], t[k], g[k], dg[k])
+        params = case.params if case.member is None else case.member(int(ctx.axis_index(axes)))
+        return instance_rules(ctx, rec, axes, params, x[k], t[k], g[k], dg[k])
 
     results = run_instances(mesh, program)
     got = {key: [r[key] for r in results] for key in results[0]}

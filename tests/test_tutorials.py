@@ -89,8 +89,8 @@ def executed(tmp_path_factory):
     return results
 
 
-def test_the_tutorials_are_numbered_1_to_12():
-    assert [p.name[:2] for p in PATHS] == [f"{i:02d}" for i in range(1, 13)]
+def test_the_tutorials_are_numbered_1_to_13():
+    assert [p.name[:2] for p in PATHS] == [f"{i:02d}" for i in range(1, 14)]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])

@@ -7,6 +7,7 @@ from ._record import RECORDS, Collective, implicit_pvary, pvary
 from .casts import pcast
 from .movement import all_gather, all_to_all, psum_scatter
 from .permutes import pbroadcast, ppermute, pshuffle
+from .ragged import ragged_all_to_all
 from .reductions import pmax, pmean, pmin, psum
 from .typing import axis_index, axis_size, block_offsets, block_sizes, typeof, vma
 
@@ -30,6 +31,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "pvary",
+    "ragged_all_to_all",
     "typeof",
     "vma",
 ]

@@ -4,11 +4,12 @@ primitives, transpose)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .._context import Axes, SpmdContext
+from .._context import Axes, SpmdContext, current
 from .._errors import CollectiveError
 from .._layout import split_blocks, unstack_dim
 from .._types import Vma
@@ -233,13 +234,27 @@ PSUM_SCATTER = Collective(
 
 
 def all_to_all(
-    x: Any, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = False
+    x: Any,
+    axis_name: AxisName,
+    split_axis: int,
+    concat_axis: int,
+    *,
+    tiled: bool = False,
+    split_sizes: Sequence[int] | None = None,
 ) -> Any:
     """``all_to_all(x: T{A,...}, A, split, concat) -> T{A,...}``: chunk j goes to member j.
 
     ``split_axis`` is cut into n chunks; chunk j goes to member j, which concatenates the chunks
     it receives along ``concat_axis`` in source order. Untiled (JAX's convention): the split dim
     must have size n and is removed, and a new dim of size n appears at ``concat_axis``.
+
+    ``split_sizes`` (tiled, ``split_axis == concat_axis``): this instance's chunk sizes, one
+    per member (non-negative, adding up to the dim), as ``all_to_all_single``'s split sizes;
+    member i receives chunk i of every member, so its result has their sizes along the dim.
+    Sizes that differ between instances give blocks of different sizes: the per-instance
+    simulation (``ns.simulate_per_instance()``) and a real mesh run them (each instance tells
+    the others its sizes: one small all_to_all of n int64 more); under vmap and in ``.check()``
+    they must be equal (else an error; ``ns.ragged_all_to_all`` keeps every shape static).
 
     Example:
         >>> import torch, named_spmd as ns
@@ -249,24 +264,81 @@ def all_to_all(
         >>> f(torch.arange(4.0))
         tensor([0., 2., 1., 3.])
 
-    Backward: all_to_all with split and concat swapped.
+    Backward: all_to_all with split and concat swapped (with split sizes: the sizes received).
     """
-    return ALL_TO_ALL.bind(x, axis_name, split_axis, concat_axis, tiled)
+    if split_sizes is None:
+        return ALL_TO_ALL.bind(x, axis_name, split_axis, concat_axis, tiled, None, None)
+    ctx = current("all_to_all")
+    axes = ctx.check_axes(axis_name, "all_to_all")
+    sent = _split_sizes(ctx, axes, split_axis, concat_axis, tiled, split_sizes)
+    received = _received_sizes(ctx, axes, sent)
+    return ALL_TO_ALL.bind(x, axis_name, split_axis, concat_axis, True, sent, received)
+
+
+def _split_sizes(
+    ctx: SpmdContext, axes: Axes, split: int, concat: int, tiled: bool, sizes: Any
+) -> tuple[int, ...]:
+    n = ctx.mesh.axis_size(axes)
+    where = f"all_to_all in {ctx.fn_label}"
+    if not tiled or split != concat:
+        raise CollectiveError(
+            f"{where}: split_sizes needs tiled=True and split_axis == concat_axis (got "
+            f"tiled={tiled}, split_axis={split}, concat_axis={concat}): the chunks received "
+            "from the members are concatenated along the dim they were cut from. Fix: pass "
+            "tiled=True and one axis for both (move the dim with movedim around the call)."
+        )
+    ok = isinstance(sizes, (tuple, list)) and all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
+    )
+    if not ok or len(sizes) != n:
+        raise CollectiveError(
+            f"{where}: split_sizes must be {n} non-negative ints (one per member of {axes}), "
+            f"got {sizes!r}. Fix: pass a list, e.g. counts.tolist() of a per-member count tensor."
+        )
+    out = tuple(sizes)
+    if not ctx.own_values and len(set(out)) > 1:
+        raise CollectiveError(
+            f"{where}: split_sizes {list(out)} are not equal, so the members would receive "
+            "blocks of different sizes, which this execution cannot hold (the vmap simulation, "
+            ".check() or a traced call: one shape for every instance). Fix: run the call under "
+            "`with ns.simulate_per_instance():` (each instance on its own block, as on a real "
+            "mesh), or keep the shapes static with ns.ragged_all_to_all (offsets and sizes as "
+            "tensors, a buffer of fixed size)."
+        )
+    return out
+
+
+def _received_sizes(ctx: SpmdContext, axes: Axes, sent: tuple[int, ...]) -> tuple[int, ...]:
+    """The sizes the members send to this one: their sizes, exchanged (a backend whose sizes
+    may differ between members), else this one's own (all equal: the check above)."""
+    if not ctx.own_values:
+        return sent
+    counts = torch.tensor(sent, dtype=torch.int64)
+    return tuple(ALL_TO_ALL.bind(counts, axes, 0, 0, True, None, None).tolist())
 
 
 def _all_to_all_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
-    split_axis, concat_axis, tiled = params
+    split_axis, concat_axis, tiled, sent, received = params
     n = ctx.mesh.axis_size(axes)
     s = checked_dim(ctx, t, split_axis, "all_to_all", "split_axis")
     c = checked_dim(ctx, t, concat_axis, "all_to_all", "concat_axis")
-    check_divisible(ctx, t, s, n, axes, "all_to_all", "split_axis", tiled)
-    return (s, c, bool(tiled))
+    if sent is None:
+        check_divisible(ctx, t, s, n, axes, "all_to_all", "split_axis", tiled)
+    elif sum(sent) != t.shape[s]:
+        raise CollectiveError(
+            f"all_to_all in {ctx.fn_label}: split_sizes {list(sent)} add up to {sum(sent)}, but "
+            f"the operand's dim {s} has size {t.shape[s]} (shape {tuple(t.shape)}). Fix: give "
+            "sizes that add up to the dim."
+        )
+    return (s, c, bool(tiled), sent, received)
 
 
 def _all_to_all_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
-    split, concat, tiled = params
+    split, concat, tiled, sent, received = params
+    if sent is not None:
+        return ctx.all_to_all_sizes(x, axes, split, sent, received)
     # after the exchange, dim ``split`` indexes the source member instead of the destination
     received = ctx.all_to_all(split_blocks(x, split, ctx.mesh.axis_size(axes), tiled), axes, split)
     if split != concat:
@@ -275,9 +347,11 @@ def _all_to_all_forward(
 
 
 def _all_to_all_shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
-    split, concat, tiled = params
+    split, concat, tiled, _, received = params
     out = list(shape)
-    if tiled:
+    if received is not None:
+        out[split] = sum(received)
+    elif tiled:
         out[split] //= n
         out[concat] *= n
     else:  # the split dim (of size n) moves to concat
@@ -292,7 +366,7 @@ ALL_TO_ALL = Collective(
     shape=_all_to_all_shape,
     forward=_all_to_all_forward,
     transpose=lambda ctx, g, axes, params, node: ctx.apply(
-        RECORDS["all_to_all"], g, axes, (params[1], params[0], params[2])
+        RECORDS["all_to_all"], g, axes, (params[1], params[0], params[2], params[4], params[3])
     ),
     backward_op=backward_op("all_to_all"),
     check=_all_to_all_check,

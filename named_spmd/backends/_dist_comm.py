@@ -289,6 +289,30 @@ class Comm:
         self._issue(name, lambda: self._a2a(out, stacked, [], [], opts))
         return out if self._to_group is None else out.index_select(0, self._to_group)
 
+    def all_to_all_rows(
+        self, x: torch.Tensor, sent: list[int], received: list[int], name: str = "all_to_all"
+    ) -> torch.Tensor:
+        """Send ``x``'s rows in chunks of ``sent[j]`` (tuple order) to member ``j``; returns the
+        rows received (``received[i]`` from member ``i``), concatenated in source tuple order.
+        The sizes differ between members, so debug mode's comparison of calls does not apply."""
+        if self.mesh.pending_check is not None:
+            self.mesh.pending_check()
+        return on_wire(x, lambda t: self._all_to_all_rows(t, sent, received, name))
+
+    def _all_to_all_rows(self, x: torch.Tensor, sent, received, name: str) -> torch.Tensor:
+        chunks = list(x.split(list(sent)))
+        order = range(self.n) if self._from_group is None else self._from_group.tolist()
+        send = torch.cat([chunks[t] for t in order]).contiguous()  # group-rank order
+        into = x.new_empty((sum(received), *x.shape[1:]))
+        opts = self._a2a_opts
+        in_splits = [sent[t] for t in order]
+        out_splits = [received[t] for t in order]
+        self._issue(name, lambda: self._a2a(into, send, out_splits, in_splits, opts))
+        if self._from_group is None:
+            return into
+        pieces = dict(zip(order, into.split(out_splits)))
+        return torch.cat([pieces[t] for t in range(self.n)])
+
     def permute(self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], name="ppermute"):
         """Send ``x`` along ``(src, dst)`` tuple-index pairs; receive into a fresh buffer (zeros
         when nothing arrives).
@@ -335,3 +359,27 @@ class Comm:
         opts.asyncOp = self.poll
         self._issue(name, lambda: self.group.broadcast([buf], opts))
         return buf
+
+
+def ragged_rows(
+    comm: Comm,
+    x: torch.Tensor,
+    m: int,
+    offsets: torch.Tensor,
+    sizes: torch.Tensor,
+    placed_at: torch.Tensor,
+    received: torch.Tensor,
+) -> torch.Tensor:
+    """``SpmdContext.ragged_all_to_all`` on a real mesh: the sizes and offsets read on the host
+    (one synchronisation), the rows sent alone by one ``all_to_all_single`` with split sizes,
+    then placed at their offsets in a zero ``[m, ...]`` buffer."""
+    off, size, at, got = torch.stack([offsets, sizes, placed_at, received]).tolist()
+    per = len(size) // comm.n  # slots per member
+    rows = torch.cat([x[o : o + s] for o, s in zip(off, size)])
+    sent = [sum(size[j * per : (j + 1) * per]) for j in range(comm.n)]
+    back = [sum(got[j * per : (j + 1) * per]) for j in range(comm.n)]
+    arrived = comm.all_to_all_rows(rows, sent, back, "ragged_all_to_all")
+    out = x.new_zeros((m, *x.shape[1:]))
+    for start, piece in zip(at, arrived.split(got)):
+        out[start : start + piece.shape[0]] = piece
+    return out

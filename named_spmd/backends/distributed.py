@@ -49,6 +49,7 @@ from .. import _torch_private as P
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._collectives._record import implicit_pvary, record_implicit_psum
+from .._context import SpmdContext
 from .._debug import debug_enabled, set_debug
 from .._errors import NOT_USER_DIRS, RankFailedError, SpmdError, error_class, user_line
 from .._layout import group_coords, index_of
@@ -59,7 +60,7 @@ from .._traced import warm_types
 from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
 from . import _dist_agree, _dist_compile, _dist_dtensor, _dist_exchange, _dist_overlap, _dist_piece
-from ._dist_comm import MAX, MIN, SUM, Comm
+from ._dist_comm import MAX, MIN, SUM, Comm, ragged_rows
 from ._dist_failures import FailureBoard, generation, timeout_s
 from ._dist_io import block_input, global_output, local_input, local_output
 from ._dist_processes import mark_exited, register_process, registered
@@ -304,6 +305,7 @@ class DistributedContext(TrackedContext):
 
     mesh: DistributedMesh
     donates = True
+    own_values = True  # each rank's tensors are its own: sizes are read on the host
     inputs: list[Any] = []  # this call's local inputs (the views' sources besides leaves)
     input_nodes: dict[int, torch.Tensor] | None = None  # id(grad_fn) -> input, made on demand
 
@@ -383,6 +385,13 @@ class DistributedContext(TrackedContext):
     def permute(self, x, axes, pairs):
         return self.mesh.comm(axes).permute(x, pairs)
 
+    def all_to_all_sizes(self, x, axes, dim, sent, received):
+        received_rows = self.mesh.comm(axes).all_to_all_rows(x.movedim(dim, 0), sent, received)
+        return received_rows.movedim(0, dim)
+
+    def ragged_all_to_all(self, x, axes, m, offsets, sizes, placed_at, received):
+        return ragged_rows(self.mesh.comm(axes), x, m, offsets, sizes, placed_at, received)
+
     def broadcast(self, x, axes, root):
         return self.mesh.comm(axes).broadcast(x, root)
 
@@ -396,6 +405,14 @@ class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
     again (a ``ProcessGroup`` method would run once, at trace time, and leave its result a
     constant of the graph: a replay would return stale values), each run as one op with its
     wait (``_dist_compile.one_op``)."""
+
+    own_values = False  # traced: values are not read on the host (the padded default runs)
+
+    def all_to_all_sizes(self, x, axes, dim, sent, received):
+        return SpmdContext.all_to_all_sizes(self, x, axes, dim, sent, received)
+
+    def ragged_all_to_all(self, x, axes, m, offsets, sizes, placed_at, received):
+        return SpmdContext.ragged_all_to_all(self, x, axes, m, offsets, sizes, placed_at, received)
 
     def psum_in_backward(self, g, axes, node):
         return self.all_reduce(g, axes, "sum")

@@ -19,7 +19,7 @@ import torch
 from ..._errors import SpmdError
 from ..._layout import coords_of
 
-Compute = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+Compute = Callable[[list[Any]], list[torch.Tensor]]
 
 
 class Aborted(BaseException):
@@ -36,15 +36,16 @@ class Meeting:
         self.names = tuple(names)
         self.sizes = sizes
         self.cond = threading.Condition()
-        self.arrived: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.arrived: dict[int, tuple[Any, Any]] = {}
         self.results: list[torch.Tensor] = []
         self.round = 0
         self.finished: set[int] = set()
         self.failed = False
         self.stuck: SpmdError | None = None  # instances returned while others wait
 
-    def exchange(self, i: int, key: Any, x: torch.Tensor, compute: Compute) -> torch.Tensor:
-        """Leave ``x`` (instance ``i``'s operand of the primitive ``key``); return instance
+    def exchange(self, i: int, key: Any, x: Any, compute: Compute) -> torch.Tensor:
+        """Leave ``x`` (instance ``i``'s operand of the primitive ``key``: a tensor, or a tuple
+        holding one and the sizes that differ between instances); return instance
         ``i``'s result once every instance has left its own."""
         with self.cond:
             if self.failed:
@@ -97,7 +98,7 @@ class Meeting:
             "order; select values with torch.where rather than skipping a collective."
         )
 
-    def _check_same(self, arrived: dict[int, tuple[Any, torch.Tensor]]) -> None:
+    def _check_same(self, arrived: dict[int, tuple[Any, Any]]) -> None:
         keys = {j: arrived[j][0] for j in range(self.n)}
         if len(set(keys.values())) > 1:
             calls = "; ".join(

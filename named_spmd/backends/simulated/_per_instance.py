@@ -83,7 +83,7 @@ class InstanceContext(TrackedContext):
         with P.DisableTorchFunction():
             return rec.forward(self, x, axes, params, donate)
 
-    def _meet(self, x: Tensor, axes, params: tuple, per_group) -> Tensor:
+    def _meet(self, x: Any, axes, params: tuple, per_group) -> Tensor:
         groups = _groups(tuple(self.mesh._shape.items()), axes)
         key = (self.op, axes, params)
         return self.meeting.exchange(
@@ -116,6 +116,12 @@ class InstanceContext(TrackedContext):
 
     def all_to_all(self, x, axes, dim):
         return self._meet(x, axes, (dim,), functools.partial(_all_to_all, dim, self))
+
+    own_values = True  # each instance's tensors are its own: sizes may differ, read on host
+
+    def all_to_all_sizes(self, x, axes, dim, sent, received):
+        # each member's chunk sizes travel with its operand: they differ between members
+        return self._meet((x, sent), axes, ("sizes", dim), functools.partial(_sized, dim))
 
     def permute(self, x, axes, pairs):
         return self._meet(x, axes, (pairs,), functools.partial(_permute, pairs, self))
@@ -220,6 +226,13 @@ def _reduce_scatter(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Te
 def _all_to_all(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
     _same_shapes(ctx, xs)
     return [torch.stack([x.select(dim, i) for x in xs], dim) for i in range(len(xs))]
+
+
+def _sized(dim: int, xs: list[Any]) -> list[Tensor]:
+    """Member i gets chunk i of every member's operand (cut by that member's sizes),
+    concatenated along ``dim`` in member order."""
+    chunks = [x.split(list(sent), dim) for x, sent in xs]
+    return [torch.cat([c[i] for c in chunks], dim) for i in range(len(xs))]
 
 
 def _broadcast(root: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:

@@ -1,0 +1,278 @@
+"""ragged_all_to_all, with JAX's semantics: slices of rows of any sizes, sent by offsets and
+sizes per peer, written at offsets into an output buffer. Every shape is static (the sizes and
+offsets are int tensors), so it runs under vmap; the public function, then its record."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, cast
+
+import torch
+
+from .._context import Axes, SpmdContext, current
+from .._errors import CollectiveError
+from .._layout import ragged_written
+from .._torch_private import is_transform_wrapped
+from ._record import PVARY, RECORDS, Collective, Params, backward_op, implicit_pvary, same_vma
+
+AxisName = str | tuple[str, ...]
+
+
+def ragged_all_to_all(
+    operand: torch.Tensor,
+    output: torch.Tensor,
+    input_offsets: torch.Tensor,
+    send_sizes: torch.Tensor,
+    output_offsets: torch.Tensor,
+    recv_sizes: torch.Tensor,
+    axis_name: AxisName,
+) -> torch.Tensor:
+    """``ragged_all_to_all(operand: T{A,...}, output, ...) -> T{A,...}``: ``jax.lax.ragged_all_to_all``.
+
+    The four metadata are int tensors of one length K, a multiple of the group size n; slot k
+    belongs to member ``k // (K // n)``. This instance sends ``operand[input_offsets[k] :
+    input_offsets[k] + send_sizes[k]]`` to slot k's member, where it is written at row
+    ``output_offsets[k]`` of that member's result (the *receiver's* rows: offsets in the sender's
+    frame, as in JAX); ``recv_sizes[k]`` is the number of rows this instance receives from slot
+    k's member. The result is ``output`` (``[M, *operand.shape[1:]]``) with the received rows
+    written in; its other rows are ``output``'s. Sizes must agree (``send_sizes`` equals
+    ``all_to_all(recv_sizes)``) and slices lie within the operand and the output.
+
+    Checked where values are the instance's own (the per-instance simulation, a real mesh: one
+    host synchronisation, which a real mesh needs anyway for the split sizes of its
+    ``all_to_all_single``); under vmap and in ``.check()`` they cannot be read: rows that fall
+    outside are dropped there. Under vmap every slot travels padded to the operand's rows (one
+    even all_to_all); a real mesh sends the rows alone.
+
+    Example:
+        >>> import torch, named_spmd as ns
+        >>> mesh = ns.make_mesh((2,), ("i",))
+        >>> @ns.spmd_map(mesh=mesh, in_specs=ns.P("i"), out_specs=ns.P("i"))
+        ... def f(x, out, in_off, send, out_off, recv):
+        ...     return ns.ragged_all_to_all(x, out, in_off, send, out_off, recv, "i")
+        >>> f(torch.tensor([1., 2, 2, 3, 4, 0]), torch.zeros(8),  # JAX's docstring example
+        ...   torch.tensor([0, 1, 0, 1]), torch.tensor([1, 2, 1, 1]),
+        ...   torch.tensor([0, 0, 1, 2]), torch.tensor([1, 1, 2, 1]))
+        tensor([1., 3., 0., 0., 2., 2., 4., 0.])
+
+    Backward: a ragged_all_to_all of the cotangent back to the operand's rows (the offsets seen
+    from the other side), and the cotangent of ``output`` where no row was written.
+    """
+    ctx = current("ragged_all_to_all")
+    ctx.in_collective += 1  # its own ops are no ops of the user's program
+    try:
+        axes = ctx.check_axes(axis_name, "ragged_all_to_all")
+        meta = torch.stack(
+            _checked(
+                ctx, axes, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
+            )
+        )
+        # each slot's peer values: where its rows came from, where they go, how many
+        peer = RECORDS["all_to_all"].bind(meta, axes, 1, 1, True, None, None)
+        if ctx.own_values:
+            _check_values(ctx, axes, operand.shape[0], output.shape[0], meta, peer)
+        input_offsets, send_sizes, output_offsets, recv_sizes = meta.unbind(0)
+        from_offsets, placed_at = peer[0], peer[2]
+        params = Ragged(
+            output.shape[0],
+            operand.shape[0],
+            input_offsets,
+            send_sizes,
+            output_offsets,
+            recv_sizes,
+            placed_at,
+            from_offsets,
+        )
+        missing = ctx.vma(peer).varying - ctx.vma(operand).varying
+        if missing:  # the rows moved depend on values that vary there
+            in_order = tuple(a for a in ctx.mesh.axis_names if a in missing)
+            operand = implicit_pvary(ctx, operand, in_order)
+        placed = RAGGED_ALL_TO_ALL.bind(operand, axes, params)
+        written = ragged_written(output.shape[0], placed_at, recv_sizes)
+        written = written.reshape(-1, *([1] * (output.dim() - 1)))
+        return torch.where(written, placed, output)
+    finally:
+        ctx.in_collective -= 1
+
+
+class Ragged(NamedTuple):
+    """The record's parameters: the result's rows, the operand's, and per slot (``[K]`` int
+    tensors) the operand's offsets and sizes, the offsets in the receiver's rows (sender's
+    frame), the sizes received, where they are placed here (this member's frame), and where in
+    their sender's operand they came from."""
+
+    m: int
+    rows: int
+    offsets: torch.Tensor
+    sizes: torch.Tensor
+    out_offsets: torch.Tensor
+    received: torch.Tensor
+    placed_at: torch.Tensor
+    from_offsets: torch.Tensor
+    #: leading dims batched by a torch.func.vmap inside the function: each batch element's rows
+    #: are sent by the same offsets and sizes
+    batch: int = 0
+
+    def transposed(self) -> Ragged:
+        """The rows go back: read where they were placed, write where they came from."""
+        return Ragged(
+            self.rows,
+            self.m,
+            self.placed_at,
+            self.received,
+            self.from_offsets,
+            self.sizes,
+            self.offsets,
+            self.out_offsets,
+            self.batch,
+        )
+
+
+def _checked(ctx: SpmdContext, axes: Axes, operand: Any, output: Any, *meta: torch.Tensor) -> list:
+    where = f"ragged_all_to_all in {ctx.fn_label}"
+    for name, t in (("operand", operand), ("output", output)):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise CollectiveError(
+                f"{where}: {name} must be a tensor of rank >= 1 (rows along dim 0), got "
+                f"{_what(t)}. Fix: pass x.reshape(-1, ...) with the rows first."
+            )
+    if output.shape[1:] != operand.shape[1:] or output.dtype != operand.dtype:
+        raise CollectiveError(
+            f"{where}: output {tuple(output.shape)} {output.dtype} must have the operand's row "
+            f"shape and dtype ({tuple(operand.shape[1:])}, {operand.dtype}). Fix: make the "
+            "output buffer with operand.new_zeros((M, *operand.shape[1:]))."
+        )
+    n = ctx.mesh.axis_size(axes)
+    lengths = {t.shape[0] if isinstance(t, torch.Tensor) and t.dim() == 1 else -1 for t in meta}
+    ints = all(
+        isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex()
+        for t in meta
+    )
+    k = lengths.pop() if len(lengths) == 1 else -1
+    if not ints or k <= 0 or k % n:
+        got = ", ".join(_what(t) for t in meta)
+        raise CollectiveError(
+            f"{where}: input_offsets, send_sizes, output_offsets and recv_sizes must be 1-D "
+            f"integer tensors of one length, a positive multiple of the group size {n} of "
+            f"{axes} (got {got}). Fix: one int tensor of n entries each (slot j for member j)."
+        )
+    return [t.to(torch.int64) for t in meta]
+
+
+def _what(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} of shape {tuple(t.shape)}"
+    return type(t).__name__
+
+
+def _check_values(
+    ctx: SpmdContext, axes: Axes, rows: int, m: int, meta: torch.Tensor, peer: torch.Tensor
+) -> None:
+    """The sizes agree with the peers' and the slices lie within the buffers (host values)."""
+    offsets, sizes, _, received = meta.tolist()
+    _, peer_sizes, placed_at, peer_received = peer.tolist()
+    where = f"ragged_all_to_all in {ctx.fn_label}"
+    member = int(ctx.axis_index(axes))
+    per = len(sizes) // ctx.mesh.axis_size(axes)
+    for k in range(len(sizes)):
+        peer_k = k // per
+        if sizes[k] != peer_received[k] or received[k] != peer_sizes[k]:
+            raise CollectiveError(
+                f"{where}: member {member} of {axes} sends {sizes[k]} rows in slot {k} and "
+                f"expects {received[k]}, but member {peer_k} expects {peer_received[k]} from it "
+                f"and sends {peer_sizes[k]}. Fix: send_sizes must equal "
+                "ns.all_to_all(recv_sizes, axis, 0, 0, tiled=True)."
+            )
+        bad = _outside(offsets[k], sizes[k], rows, "operand") or _outside(
+            placed_at[k], received[k], m, "output"
+        )
+        if bad:
+            raise CollectiveError(
+                f"{where}: member {member} of {axes}, slot {k}: {bad}. Fix: offsets and sizes "
+                "must give slices within the operand (input_offsets, send_sizes) and within "
+                "the receiver's output (output_offsets, recv_sizes)."
+            )
+
+
+def _outside(start: int, size: int, rows: int, what: str) -> str:
+    if size < 0 or start < 0 or start + size > rows:
+        return f"rows {start}:{start + size} do not lie within the {what}'s {rows} rows"
+    return ""
+
+
+def _forward(
+    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
+) -> torch.Tensor:
+    p = cast(Ragged, params)
+    if not p.batch:
+        return ctx.ragged_all_to_all(x, axes, p.m, p.offsets, p.sizes, p.placed_at, p.received)
+    # JAX's batching rule: the batch elements' rows one after the other, slot k of element b
+    # becoming slot k * B + b (the same member), its offsets shifted by b times the rows
+    lead = x.shape[: p.batch]
+    b = math.prod(lead)
+    shift = torch.arange(b, device=x.device)
+
+    def each(t: torch.Tensor, rows: int = 0) -> torch.Tensor:
+        return (t.unsqueeze(-1) + shift * rows).flatten()
+
+    rows = x.flatten(0, p.batch)
+    out = ctx.ragged_all_to_all(
+        rows,
+        axes,
+        b * p.m,
+        each(p.offsets, p.rows),
+        each(p.sizes),
+        each(p.placed_at, p.m),
+        each(p.received),
+    )
+    return out.unflatten(0, (*lead, p.m))
+
+
+def _transpose(
+    ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
+) -> torch.Tensor:
+    return ctx.apply(RECORDS["ragged_all_to_all"], g, axes, cast(Ragged, params).transposed())
+
+
+def _check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
+    p = cast(Ragged, params)
+    if t.dim() <= p.batch or t.shape[p.batch] != p.rows:
+        raise CollectiveError(
+            f"ragged_all_to_all in {ctx.fn_label}: the operand {tuple(t.shape)} must have "
+            f"{p.rows} rows. Fix: call ns.ragged_all_to_all with one tensor, not a pytree."
+        )
+    return p
+
+
+def _shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
+    p = cast(Ragged, params)
+    return (*shape[: p.batch], p.m, *shape[p.batch + 1 :])
+
+
+def _batched(params: Params) -> Params:
+    """Under a torch.func.vmap inside the function: the operand gains a leading dim."""
+    p = cast(Ragged, params)
+    if any(isinstance(t, torch.Tensor) and is_transform_wrapped(t) for t in p):
+        raise CollectiveError(
+            "ragged_all_to_all under torch.func.vmap inside the per-device function, with "
+            "offsets or sizes that the vmap batches: each batch element would send by its own. "
+            "Fix: fold the batch into the rows (x.flatten(0, 1), with offsets and sizes for "
+            "every element's slices, K * B of them) and call it outside the vmap."
+        )
+    return p._replace(batch=p.batch + 1)
+
+
+RAGGED_ALL_TO_ALL = Collective(
+    name="ragged_all_to_all",
+    policy=PVARY,
+    vma=same_vma,
+    shape=_shape,
+    forward=_forward,
+    transpose=_transpose,
+    backward_op=backward_op("ragged_all_to_all"),
+    prepare=lambda ctx, axes, p: p,
+    check=_check,
+    batched=_batched,
+)
+
+__all__ = ["ragged_all_to_all"]
