@@ -19,6 +19,7 @@ from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
 from ._layout import block_global_shape
 from ._mesh import Mesh
+from ._out_problems import unreduced_problem, varying_problem
 from ._spec import (
     PartitionSpec,
     given_sizes_problems,
@@ -39,7 +40,6 @@ from ._tree import (
     paths_of,
     spec_leaves,
 )
-from ._types import Vma, type_text
 from .backends import Backend, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
 from .backends.simulated import _per_instance
@@ -225,9 +225,9 @@ class SpmdFunction:
             vma = ctx.vma(leaf)
             if not vma <= spec.axes:  # rule 4: a subset of the named axes
                 extra = vma.remove(spec.axes)
-                vma_problems.append(self._vma_problem(where, leaf, spec, extra, ctx))
+                vma_problems.append(varying_problem(where, leaf, spec, extra, ctx))
             if vma.unreduced != spec.unreduced:
-                vma_problems.append(self._unreduced_problem(where, leaf, spec, ctx))
+                vma_problems.append(unreduced_problem(where, leaf, spec, ctx))
         if problems:
             raise SpecError(
                 f"{self.where}: the outputs do not fit out_specs:\n" + bullet_list(problems)
@@ -238,48 +238,6 @@ class SpmdFunction:
                 + "\n".join(vma_problems)
             )
         return paths, leaves, specs, treedef
-
-    def _vma_problem(
-        self,
-        where: str,
-        leaf: torch.Tensor,
-        spec: PartitionSpec,
-        extra: Vma,
-        ctx: _context.SpmdContext,
-    ) -> str:
-        order = self.mesh.axis_names
-        axes = tuple(a for a in order if a in extra)
-        vtype = type_text(leaf.dtype, tuple(leaf.shape), ctx.vma(leaf), order)
-        named = f"ns.psum(y, {axes[0] if len(axes) == 1 else axes!r})"
-        return (
-            f"  - {where} has type {vtype}: it varies over {axes}, but its out_spec {spec!r} does "
-            f"not name {'them' if len(axes) > 1 else repr(axes[0])}, which claims one replicated copy.\n"
-            f"    Fix 1: reduce inside the function, e.g. {named} (or pmean / pmax / "
-            f"all_gather(..., to='invariant')) if the instances hold parts of one value.\n"
-            f"    Fix 2: {_naming_fix(spec, axes, leaf.dim(), ctx.held_blocks(leaf))}"
-        )
-
-    def _unreduced_problem(
-        self, where: str, leaf: torch.Tensor, spec: PartitionSpec, ctx: _context.SpmdContext
-    ) -> str:
-        vma = ctx.vma(leaf)
-        vtype = type_text(leaf.dtype, tuple(leaf.shape), vma, self.mesh.axis_names)
-        order = self.mesh.axis_names
-        extra = tuple(a for a in order if a in vma.unreduced - spec.unreduced)
-        if extra:
-            return (
-                f"  - {where} has type {vtype}: it is unreduced over {extra} (each instance holds "
-                f"a partial sum), but its out_spec {spec!r} does not say so.\n"
-                f"    Fix 1: reduce inside the function, e.g. ns.psum(y, {extra[0]!r}).\n"
-                f"    Fix 2: return the partial sums: P(..., unreduced={set(extra)!r}) (summed "
-                "on the simulated mesh, a DTensor with Partial() placement on a real one)."
-            )
-        missing = tuple(a for a in order if a in spec.unreduced - vma.unreduced)
-        return (
-            f"  - {where} has type {vtype}: its out_spec {spec!r} says unreduced over {missing}, "
-            "but the value is not a partial sum there. Fix: drop those axes from unreduced=, or "
-            f"cast a varying value with ns.pcast(y, {missing[0]!r}, to='unreduced')."
-        )
 
     # --- call -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -505,62 +463,6 @@ def _tiled_output_event(
     return on_backward(
         y, CommEvent("psum", tiled, "backward", tuple(y.shape), y.dtype, implicit=True)
     )
-
-
-def _naming_fix(spec: PartitionSpec, axes: tuple[str, ...], rank: int, layout: Any) -> str:
-    """The out_spec naming ``axes`` besides ``spec``'s own, for an output of ``rank`` dims:
-    each axis on the dim that holds its blocks, where ``layout`` (the value's record of them,
-    ``_blocks``; None: not known) says which. Named on another dim, the blocks would come back
-    concatenated where they do not belong (a vocabulary split on dim 2 stacked on dim 0). An
-    axis no dim is known to hold goes to dim 0, and the text says to choose its dim."""
-    if rank == 0:
-        return (
-            "name the axis in out_specs (a rank-0 output needs a singleton dim first: return "
-            "y.reshape(1)) to get every instance's block concatenated."
-        )
-    held = [list(spec.entry_axes(d)) for d in range(rank)]
-    unknown = []
-    for a in axes:
-        dims = [] if layout is None or a in layout.opaque else layout.dims
-        where = [d for d, on in enumerate(dims) if a in on]
-        if len(where) == 1:
-            held[where[0]].append(a)
-        else:
-            unknown.append(a)
-    crowded = [d for d, e in enumerate(held) if len(e) > 1 and any(a in axes for a in e)]
-    entries = [list(e) for e in held]
-    entries[0][len(spec.entry_axes(0)) : len(spec.entry_axes(0))] = unknown
-    named = PartitionSpec(
-        *(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries),
-        unreduced=spec.unreduced,
-        reduced=spec.reduced,
-    )
-    if not unknown and not crowded:
-        return (
-            f"name {_axes_text(axes)} in out_specs on the "
-            f"{'dims that hold their' if len(axes) > 1 else 'dim that holds its'} blocks, e.g. "
-            f"{named!r}, to get every instance's block concatenated in its place."
-        )
-    notes = [
-        f"dim {d} holds blocks of {_axes_text(tuple(held[d]))}: list them major first, as they "
-        "were split"
-        for d in crowded
-    ]
-    if unknown:
-        them = "it" if len(unknown) == 1 else "them"
-        notes.append(
-            f"no dim of this value is known to hold blocks of {_axes_text(tuple(unknown))}, so "
-            f"this puts {them} on dim 0: name {them} on the dim along which the instances' "
-            "values belong"
-        )
-    return (
-        f"name {_axes_text(axes)} in out_specs to get every instance's block concatenated, "
-        f"e.g. {named!r} ({'; '.join(notes)})."
-    )
-
-
-def _axes_text(axes: tuple[str, ...]) -> str:
-    return repr(axes[0]) if len(axes) == 1 else repr(axes)
 
 
 @overload
