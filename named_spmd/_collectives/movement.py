@@ -84,9 +84,9 @@ def _all_gather_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Par
 def _all_gather_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
-    dim, tiled, to = params
+    dim, tiled, to = params[0], params[1], params[2]
     if tiled and ctx.uneven:  # the members' blocks may differ in size along dim
-        out = ctx.all_gather_tiled(x, axes, dim)
+        out = ctx.all_gather_tiled(x, axes, dim, *params[3:])
     else:
         out = unstack_dim(ctx.all_gather(x, axes), dim, tiled)
     return ctx.pvary(out, axes) if to == "varying" else out
@@ -95,11 +95,16 @@ def _all_gather_forward(
 def _all_gather_transpose(
     ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
 ) -> torch.Tensor:
-    dim, tiled, to = params
+    dim, tiled, to = params[0], params[1], params[2]
+    # a real mesh's uneven call gives the members' block sizes as a fourth parameter
+    # (``SpmdContext.sized``): the transpose's blocks are those, whatever torch.chunk would cut
+    sizes = params[3:]
     if to == "invariant":  # the cotangent is identical on the group: keep the own block
+        if sizes:
+            return ctx.own_block_tiled(g, axes, dim, sizes[0])
         return ctx.own_block(split_blocks(g, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
     # varying, or reduced: the cotangent is unreduced and its scatter sums the partial sums
-    return ctx.apply(RECORDS["psum_scatter"], g, axes, (dim, tiled))
+    return ctx.apply(RECORDS["psum_scatter"], g, axes, (dim, tiled, *sizes))
 
 
 def _all_gather_vma(vma: Vma, axes: Axes, params: Params) -> Vma:
@@ -194,14 +199,14 @@ def _psum_scatter_of_invariant(op: Invariant) -> str:
 def _psum_scatter_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
-    dim, tiled = params
-    if tiled and ctx.uneven:
-        return ctx.reduce_scatter_tiled(x, axes, dim)
+    dim, tiled = params[0], params[1]
+    if tiled and ctx.uneven:  # (params[2:]: the blocks' sizes, see the all_gather transpose)
+        return ctx.reduce_scatter_tiled(x, axes, dim, *params[2:])
     return ctx.reduce_scatter(split_blocks(x, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
 
 
 def _psum_scatter_shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
-    dim, tiled = params
+    dim, tiled = params[0], params[1]
     out = list(shape)
     if tiled:
         out[dim] //= n
@@ -220,7 +225,7 @@ PSUM_SCATTER = Collective(
     shape=_psum_scatter_shape,
     forward=_psum_scatter_forward,
     transpose=lambda ctx, g, axes, params, node: ctx.apply(
-        RECORDS["all_gather"], g, axes, (params[0], params[1], "varying")
+        RECORDS["all_gather"], g, axes, (params[0], params[1], "varying", *params[2:])
     ),
     backward_op=backward_op("all_gather"),
     check=_psum_scatter_check,
