@@ -112,7 +112,9 @@ def is_even(shape: Sequence[int], spec: PartitionSpec, sizes: Sizes) -> bool:
     return True
 
 
-def gives_unequal_blocks(leaves: Sequence[object], specs: Sequence[PartitionSpec], sizes: Sizes) -> bool:
+def gives_unequal_blocks(
+    leaves: Sequence[object], specs: Sequence[PartitionSpec], sizes: Sizes
+) -> bool:
     """Whether some tensor leaf's spec gives (``Blocks``) sizes that differ: the inputs that
     take blocks of unequal sizes without asking (only a spec with ``Blocks`` entries gets
     there with them: the input checks refuse any other unequal split unless asked)."""

@@ -70,7 +70,9 @@ def _scatter(v):
 
 
 def _scatter_and_back(v):
-    return ns.all_gather(ns.psum_scatter(v[0] * v[0], "x", tiled=True), "x", tiled=True, to="invariant")
+    return ns.all_gather(
+        ns.psum_scatter(v[0] * v[0], "x", tiled=True), "x", tiled=True, to="invariant"
+    )
 
 
 def _offsets(v):  # the blocks' global row numbers, from ns.block_offsets
@@ -84,7 +86,7 @@ CASES = [
         "rows5_over_2_of_a_2d_mesh",
         (2, 2),
         ("a", "b"),
-        lambda v, w: (v.sin() * w),
+        lambda v, w: v.sin() * w,
         (P("a", None), P()),
         P("a", None),
         lambda: (_randn(5, 3, seed=1), _randn(3, seed=2)),

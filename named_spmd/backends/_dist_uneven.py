@@ -21,6 +21,8 @@ here. An even call never does: its path is ``_dist_io`` alone, unchanged.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -71,12 +73,12 @@ class UnevenPrimitives:
     real mesh's context)."""
 
     uneven = True
-    mesh: object
+    mesh: Any  # (the context's: a DistributedMesh)
 
     def apply(self, rec, x, axes, params, donate=False):
         base = _SIZED.get(rec.name)
         if base is not None and params[1] and len(params) == base:
-            comm = self.mesh.comm(axes)  # type: ignore[attr-defined]
+            comm = self.mesh.comm(axes)
             if rec.name == "psum_scatter":  # its blocks are torch.chunk's of the operand's dim
                 sizes = chunk_sizes(x.shape[params[0]], comm.n)
             else:
@@ -85,7 +87,7 @@ class UnevenPrimitives:
         return super().apply(rec, x, axes, params, donate)  # type: ignore[misc]
 
     def all_gather_tiled(self, x, axes, dim, sizes=None):
-        comm = self.mesh.comm(axes)  # type: ignore[attr-defined]
+        comm = self.mesh.comm(axes)
         if sizes is None:
             sizes = tuple(s for (s,) in _exchange(comm, [x.shape[dim]]))
         if min(sizes) == max(sizes):
@@ -94,7 +96,7 @@ class UnevenPrimitives:
         return torch.cat([b.narrow(dim, 0, s) for b, s in zip(stacked.unbind(0), sizes)], dim)
 
     def reduce_scatter_tiled(self, x, axes, dim, sizes=None):
-        comm = self.mesh.comm(axes)  # type: ignore[attr-defined]
+        comm = self.mesh.comm(axes)
         if sizes is None:
             sizes = chunk_sizes(x.shape[dim], comm.n)
         if min(sizes) == max(sizes):
@@ -104,7 +106,7 @@ class UnevenPrimitives:
         return comm.reduce_scatter(stacked).narrow(dim, 0, sizes[comm.index])
 
     def own_block_tiled(self, x, axes, dim, sizes):
-        i = self.mesh.comm(axes).index  # type: ignore[attr-defined]
+        i = self.mesh.comm(axes).index
         return x.narrow(dim, sum(sizes[:i]), sizes[i])
 
 
@@ -204,24 +206,34 @@ def _dtensor_input(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> torch.Ten
 def outputs(ctx, outs: list[torch.Tensor], specs: list[PartitionSpec]) -> list[torch.Tensor]:
     """The call's outputs, from every rank's blocks of unequal sizes (see the module doc)."""
     mesh = ctx.mesh
-    names, sizes = mesh.axis_names, mesh._shape
     split = [not mesh.single_axes.issuperset(s.axes) for s in specs]
     if not any(split):
         return [io.global_output(ctx, y, s) for y, s in zip(outs, specs)]
     mine = [n for y, cut in zip(outs, split) if cut for n in y.shape]
-    rows = _exchange(mesh.comm(names), mine)  # every rank's shapes, row-major over the mesh
+    rows = _exchange(
+        mesh.comm(mesh.axis_names), mine
+    )  # every rank's shapes, row-major over the mesh
     result, at = [], 0
     for y, spec, cut in zip(outs, specs, split):
         if not cut:
             result.append(io.global_output(ctx, y, spec))
             continue
 
-        def shape_at(coords, at=at, rank=y.dim()):
-            return rows[index_of(names, {**mesh.my_coords, **coords}, sizes)][at : at + rank]
-
-        result.append(_output(ctx, y, spec, shape_at))
+        result.append(_output(ctx, y, spec, _shapes_of(ctx, rows, at, y.dim())))
         at += y.dim()
     return result
+
+
+def _shapes_of(ctx, rows: list[list[int]], at: int, rank: int):
+    """The block shape of one output (its dims at ``at`` of every rank's row) held by the
+    instance at ``coords`` (this rank's coordinates elsewhere)."""
+    mesh = ctx.mesh
+
+    def shape_at(coords) -> list[int]:
+        row = rows[index_of(mesh.axis_names, {**mesh.my_coords, **coords}, mesh._shape)]
+        return row[at : at + rank]
+
+    return shape_at
 
 
 def _output(ctx, y: torch.Tensor, spec: PartitionSpec, shape_at) -> torch.Tensor:

@@ -49,9 +49,9 @@ from .. import _torch_private as P
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._collectives._record import implicit_pvary, record_implicit_psum
+from .._context import uneven_blocks_requested
 from .._debug import debug_enabled, set_debug
 from .._errors import NOT_USER_DIRS, RankFailedError, SpmdError, error_class, user_line
-from .._context import uneven_blocks_requested
 from .._layout import gives_unequal_blocks, group_coords, index_of
 from .._mesh import Mesh
 from .._replay import Replay
@@ -464,9 +464,7 @@ def run(
     ctx.checked = body.mapped.check_vma  # type: ignore[attr-defined]
     # a call typed once per signature: untyped replays on one rank, planned ones on several
     # (not an uneven call: its ranks' shapes differ, and it types every call as simulated)
-    replay = (
-        None if traced or uneven else Replay(body, mesh, leaves, specs, planned=mesh.size > 1)
-    )
+    replay = None if traced or uneven else Replay(body, mesh, leaves, specs, planned=mesh.size > 1)
     board.check_in_step()  # (not posted: it reposts the failure it is a consequence of)
     try:
         if uneven:

@@ -300,7 +300,9 @@ class SimulatedBackend:
             from . import _traced  # imports Dynamo, loaded by now (not with every eager call)
 
             return _traced.run(mesh, fn, leaves, specs, body, out_specs_of)
-        if mesh.size > 1 and (self.uneven_state() or gives_unequal_blocks(leaves, specs, mesh._shape)):
+        if mesh.size > 1 and (
+            self.uneven_state() or gives_unequal_blocks(leaves, specs, mesh._shape)
+        ):
             return _per_instance.run(mesh, fn, leaves, specs, body, out_specs_of)
         return _run_eagerly(mesh, fn, leaves, specs, body, out_specs_of)
 
