@@ -255,6 +255,16 @@ ERRORS = [
         None,
         switch=False,
     ),
+    Case(
+        "psum_of_uneven_blocks",
+        (2, 2),
+        ("a", "b"),
+        lambda v: ns.psum(v, "a"),
+        P("a"),
+        P(),
+        lambda: (_randn(5, seed=19),),
+        None,
+    ),
 ]
 
 

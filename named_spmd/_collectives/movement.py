@@ -96,15 +96,24 @@ def _all_gather_transpose(
     ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
 ) -> torch.Tensor:
     dim, tiled, to = params[0], params[1], params[2]
-    # a real mesh's uneven call gives the members' block sizes as a fourth parameter
-    # (``SpmdContext.sized``): the transpose's blocks are those, whatever torch.chunk would cut
-    sizes = params[3:]
+    if len(params) > 3:  # the members' block sizes, from a real mesh's uneven call
+        return _uneven_all_gather_transpose(ctx, g, axes, params)
     if to == "invariant":  # the cotangent is identical on the group: keep the own block
-        if sizes:
-            return ctx.own_block_tiled(g, axes, dim, sizes[0])
         return ctx.own_block(split_blocks(g, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
     # varying, or reduced: the cotangent is unreduced and its scatter sums the partial sums
-    return ctx.apply(RECORDS["psum_scatter"], g, axes, (dim, tiled, *sizes))
+    return ctx.apply(RECORDS["psum_scatter"], g, axes, (dim, tiled))
+
+
+def _uneven_all_gather_transpose(
+    ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params
+) -> torch.Tensor:
+    """The transpose of a tiled all_gather of blocks of the sizes ``params[3]``: a real mesh's
+    uneven call appends them (``backends/_dist_uneven``), since the blocks are the operands'
+    (``Blocks`` sizes, say), not the torch.chunk blocks a psum_scatter would cut."""
+    dim, tiled, to, sizes = params
+    if to == "invariant":
+        return ctx.own_block_tiled(g, axes, dim, sizes)
+    return ctx.apply(RECORDS["psum_scatter"], g, axes, (dim, tiled, sizes))
 
 
 def _all_gather_vma(vma: Vma, axes: Axes, params: Params) -> Vma:
@@ -224,6 +233,7 @@ PSUM_SCATTER = Collective(
     unreduced="reduce",
     shape=_psum_scatter_shape,
     forward=_psum_scatter_forward,
+    # (of an uneven call on a real mesh, params[2] is the blocks' sizes: the gather's too)
     transpose=lambda ctx, g, axes, params, node: ctx.apply(
         RECORDS["all_gather"], g, axes, (params[0], params[1], "varying", *params[2:])
     ),

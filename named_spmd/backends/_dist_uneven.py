@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as P
 from .._accounting import active
 from .._autodiff import differentiable
-from .._errors import SpecError, SpmdError
+from .._errors import SpecError, SpmdError, operand_shapes_differ
 from .._layout import (
     block,
     chunk_sizes,
@@ -50,6 +50,7 @@ Sizes = tuple[int, ...]
 # The collectives whose tiled form passes block sizes to its transpose: their own parameter
 # count (the sizes come after it).
 _SIZED = {"all_gather": 3, "psum_scatter": 2}
+_WIDTH = 17  # the shape exchange's row: the rank, then up to 16 sizes (more: not compared)
 
 
 def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -76,15 +77,35 @@ class UnevenPrimitives:
     mesh: Any  # (the context's: a DistributedMesh)
 
     def apply(self, rec, x, axes, params, donate=False):
-        base = _SIZED.get(rec.name)
-        if base is not None and params[1] and len(params) == base:
-            comm = self.mesh.comm(axes)
-            if rec.name == "psum_scatter":  # its blocks are torch.chunk's of the operand's dim
-                sizes = chunk_sizes(x.shape[params[0]], comm.n)
-            else:
-                sizes = tuple(s for (s,) in _exchange(comm, [x.shape[params[0]]]))
-            params = (*params, sizes)
+        with P.DisableTorchFunction():  # bookkeeping, no op of the program
+            params = self._sized(rec, x, axes, params)
         return super().apply(rec, x, axes, params, donate)  # type: ignore[misc]
+
+    def _sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
+        """``params``, with the blocks' sizes appended for a tiled all_gather / psum_scatter
+        (their transposes need them); first, for a collective that takes one shape on every
+        member, the shapes compared."""
+        gathers = rec.name == "all_gather" and params[1]  # blocks of any sizes, concatenated
+        if rec.forward_event and not gathers:
+            self._same_shapes(rec.name, x, axes)
+        base = _SIZED.get(rec.name)
+        if base is None or not params[1] or len(params) != base:
+            return params
+        comm = self.mesh.comm(axes)
+        if gathers:
+            return (*params, tuple(s for (s,) in _exchange(comm, [x.shape[params[0]]])))
+        return (*params, chunk_sizes(x.shape[params[0]], comm.n))  # psum_scatter's blocks
+
+    def _same_shapes(self, op: str, x: torch.Tensor, axes) -> None:
+        """The simulated mesh's error for members' operands of different shapes, raised on
+        every member alike (the shapes are exchanged first: gloo would fail or wait)."""
+        if x.dim() >= _WIDTH:
+            return
+        mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim())
+        rows = _exchange(self.mesh.comm(axes), mine)
+        shapes = [tuple(r[1 : 1 + r[0]]) for r in rows]
+        if any(s != shapes[0] for s in shapes):
+            raise operand_shapes_differ(op, self.fn_label, shapes)  # type: ignore[attr-defined]
 
     def all_gather_tiled(self, x, axes, dim, sizes=None):
         comm = self.mesh.comm(axes)

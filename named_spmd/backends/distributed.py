@@ -457,7 +457,7 @@ def run(
     traced = P.proxy_tracing()
     mesh.debug = debug_enabled() and not traced  # (its checks compare values: none to compare)
     local_call = body.local  # type: ignore[attr-defined]  # SpmdFunction.local: blocks in, out
-    uneven = _takes_uneven_blocks(mesh, leaves, specs, local_call)
+    uneven = _takes_uneven_blocks(mesh, leaves, specs, body)
     ctx = (UnevenContext if uneven else ProxyTracedContext if traced else DistributedContext)(
         mesh, fn
     )
@@ -548,14 +548,16 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException) -> BaseException:
 
 
 def _takes_uneven_blocks(
-    mesh: DistributedMesh, leaves: list[Any], specs: list[PartitionSpec], local_call: bool
+    mesh: DistributedMesh, leaves: list[Any], specs: list[PartitionSpec], body: Any
 ) -> bool:
     """Whether the call takes blocks of unequal sizes: where the simulated mesh does (asked
     for with ``ns.simulate_per_instance()``, or given by an input's ``Blocks`` entry), so that
     the backends accept and refuse the same inputs. A local call's blocks are the caller's."""
-    if local_call or mesh.size == 1:
+    if body.local or mesh.size == 1:
         return False
-    return uneven_blocks_requested() or gives_unequal_blocks(leaves, specs, mesh._shape)
+    if uneven_blocks_requested():
+        return True
+    return body.mapped.gives_sizes and gives_unequal_blocks(leaves, specs, mesh._shape)
 
 
 def _local(

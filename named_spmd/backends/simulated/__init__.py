@@ -301,7 +301,11 @@ class SimulatedBackend:
 
             return _traced.run(mesh, fn, leaves, specs, body, out_specs_of)
         if mesh.size > 1 and (
-            self.uneven_state() or gives_unequal_blocks(leaves, specs, mesh._shape)
+            self.uneven_state()
+            or (
+                getattr(getattr(body, "mapped", None), "gives_sizes", True)
+                and gives_unequal_blocks(leaves, specs, mesh._shape)
+            )
         ):
             return _per_instance.run(mesh, fn, leaves, specs, body, out_specs_of)
         return _run_eagerly(mesh, fn, leaves, specs, body, out_specs_of)

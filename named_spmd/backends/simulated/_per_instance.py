@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ... import _torch_private as P
-from ..._errors import SpecError, SpmdError, fn_label
+from ..._errors import SpecError, SpmdError, fn_label, operand_shapes_differ
 from ..._layout import (
     chunk_sizes,
     concat_blocks,
@@ -163,13 +163,7 @@ def _each_group(groups, xs: list[Tensor], per_group) -> list[Tensor]:
 def _same_shapes(ctx: InstanceContext, xs: Sequence[Tensor]) -> None:
     shapes = {tuple(x.shape) for x in xs}
     if len(shapes) > 1:
-        raise SpmdError(
-            f"{ctx.op} in {ctx.fn_label}: the members' operands have different shapes "
-            f"{[tuple(x.shape) for x in xs]} (uneven blocks, or an empty one), but {ctx.op} "
-            "takes one shape on every member. Fix: pad the blocks to one shape first "
-            "(ns.block_sizes gives every member's size), or split the dim so that no block is "
-            "empty."
-        )
+        raise operand_shapes_differ(ctx.op, ctx.fn_label, [tuple(x.shape) for x in xs])
 
 
 def _copies(x: Tensor, n: int) -> list[Tensor]:
