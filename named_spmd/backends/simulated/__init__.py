@@ -108,7 +108,9 @@ def simulate_per_instance() -> Iterator[None]:
     vmap. The per-device function may then read values, as on a real mesh: ``.item()``,
     ``print`` of a block, a Python ``if`` on a value (each instance calling the same
     collectives). Values, gradients and types are vmap's; it costs a thread switch per
-    collective and runs the instances one op at a time.
+    collective and runs the instances one op at a time. Calls made inside the block take a dim
+    the axes do not divide, in torch.chunk's blocks, on every backend: a real mesh then gives
+    each rank its own block, with the same numbers (docs/uneven.md).
 
     Example:
         >>> import torch, named_spmd as ns
