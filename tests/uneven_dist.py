@@ -386,6 +386,45 @@ def check_error(case: Case, real_mesh, sim_mesh) -> list[str]:
     return []
 
 
+# DTensors whose Shard blocks are not the spec's: refused on the real mesh (a simulated mesh
+# takes no DTensor), naming the fix.
+REFUSED = [
+    Case(
+        "dtensor_split_unevenly_over_two_axes",
+        (2, 2),
+        ("a", "b"),
+        lambda v: v * 2,
+        P(("a", "b")),
+        P(("a", "b")),
+        lambda: (_randn(5, seed=20),),
+        None,
+        dtensor=True,
+        kinds=("over ('a', 'b'): DTensor splits it over one mesh dim after the other",),
+    ),
+    Case(
+        "dtensor_with_other_given_sizes",
+        (4,),
+        ("x",),
+        lambda v: v * 2,
+        P(ns.Blocks("x", (4, 3, 2, 1))),
+        P("x"),
+        lambda: (_randn(10, seed=21),),
+        None,
+        switch=False,
+        dtensor=True,
+        kinds=("whose Shard blocks are torch.chunk's (3, 3, 3, 1) along dim 0",),
+    ),
+]
+
+
+def check_refused(case: Case, real_mesh, sim_mesh) -> list[str]:
+    try:
+        run_case(case, real_mesh, True)
+    except ns.SpecError as e:
+        return [] if case.kinds[0] in str(e) else [f"message: {e}"]
+    return ["no error"]
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -394,7 +433,7 @@ def main() -> None:
         shape: (ns.make_mesh(shape, names), ns.make_mesh(shape, names, simulated=True))
         for shape, names in (((4,), ("x",)), ((2, 2), ("a", "b")))
     }
-    for checker, cases in ((check, CASES), (check_error, ERRORS)):
+    for checker, cases in ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED)):
         for case in cases:
             if sys.argv[1:] and case.name not in sys.argv[1:]:  # (names given: only those)
                 continue
