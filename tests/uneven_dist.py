@@ -45,12 +45,26 @@ class Case:
     kinds: tuple[str, ...] = field(default=())  # the real outputs' types: "D" DTensor, "T" plain
 
 
+# Per instance (its coordinates), the types (ns.typeof: per-device shape and vma) of the values
+# a program taps: the backends must agree on each instance's, not only on the outputs.
+TAPS: dict[tuple[int, ...], list[str]] = {}
+
+
+def _tap(axes: tuple[str, ...], *values) -> None:
+    where = tuple(int(ns.axis_index(a).item()) for a in axes)
+    TAPS.setdefault(where, []).extend(repr(ns.typeof(v)) for v in values)
+
+
 def _mlp(v, w):
-    return torch.tanh(v @ w), ns.psum(v.sum(0), "x")
+    h, s = torch.tanh(v @ w), ns.psum(v.sum(0), "x")
+    _tap(("x",), v, w, h, s)
+    return h, s
 
 
 def _two_axes(v):
-    return v * 2 + 1, ns.psum(v.sum(0), "a")
+    y, s = v * 2 + 1, ns.psum(v.sum(0), "a")
+    _tap(("a", "b"), v, y, s)
+    return y, s
 
 
 def _gather_invariant(v):
@@ -374,8 +388,14 @@ def _dense(case: Case) -> dict:
 
 def check(case: Case, real_mesh, sim_mesh) -> list[str]:
     problems: list[str] = []
+    TAPS.clear()
     real = run_case(case, real_mesh, True)
+    real_taps = dict(TAPS)
+    TAPS.clear()
     sim = run_case(case, sim_mesh, False)
+    for where, types in real_taps.items():  # this rank's instance (and a DTensor fed back)
+        if types[: len(TAPS.get(where, []))] != TAPS.get(where):
+            problems.append(f"types at {where}: {types} vs simulated {TAPS.get(where)}")
     dense = _dense(case)
     for name, want in (("simulated", sim), ("dense", dense)):
         for k, (a, b) in enumerate(zip(real["values"], want["values"])):
