@@ -99,6 +99,9 @@ class SpmdFunction:
         self.out_specs = out_specs
         # the distinct in_specs, which a traced call indexes (_in_specs_traced)
         self._in_spec_table = tuple(dict.fromkeys(spec_leaves(in_specs)))
+        # whether an in_spec gives block sizes (``Blocks``): only then may a call's inputs take
+        # unequal blocks without asking (the backends read it instead of every leaf's spec)
+        self.gives_sizes = any(getattr(s, "explicit", False) for s in self._in_spec_table)
         # per input structure, outside a trace: the in_specs broadcast over it, and the leaf
         # shapes that fit them (a call of known inputs checks none)
         self._inputs_of_tree: dict[Any, tuple[list[PartitionSpec], set[tuple]]] = {}

@@ -34,6 +34,29 @@ Axes = tuple[str, ...]
 ReduceOp = Literal["sum", "max", "min"]
 
 
+# --- whether calls take blocks of unequal sizes -------------------------------------------------
+
+_uneven = threading.local()
+
+
+def uneven_blocks_requested() -> bool:
+    """Whether calls made now take a dim the axes do not divide, in ``torch.chunk``'s blocks
+    (``ns.simulate_per_instance()`` is active on this thread). Every backend that takes uneven
+    blocks reads this one switch, so that they accept and refuse the same inputs."""
+    return getattr(_uneven, "on", False)
+
+
+@contextlib.contextmanager
+def request_uneven_blocks() -> Iterator[None]:
+    """Make :func:`uneven_blocks_requested` true inside the block (this thread)."""
+    saved = uneven_blocks_requested()
+    _uneven.on = True
+    try:
+        yield
+    finally:
+        _uneven.on = saved
+
+
 class SpmdContext(ABC):
     """What a collective needs from the running call: the declared backend interface.
 
@@ -130,18 +153,31 @@ class SpmdContext(ABC):
     #: group does not divide keeps torch.chunk's blocks.
     uneven: bool = False
 
-    def all_gather_tiled(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
+    def all_gather_tiled(
+        self, x: torch.Tensor, axes: Axes, dim: int, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """The members' ``x`` concatenated along ``dim``, in member order; invariant over
-        ``axes``. A backend whose members' blocks may differ in size (:attr:`uneven`)
-        overrides it."""
+        ``axes``. ``sizes``: the members' sizes along ``dim``, where the caller knows them. A
+        backend whose members' blocks may differ in size (:attr:`uneven`) overrides it."""
         stacked = self.all_gather(x, axes)
         return stacked.movedim(0, dim).flatten(dim, dim + 1) if dim else stacked.flatten(0, 1)
 
-    def reduce_scatter_tiled(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
-        """Sum over the group, keep this member's block of ``dim`` (n equal blocks); varying.
-        A backend with :attr:`uneven` overrides it for dims the group does not divide."""
+    def reduce_scatter_tiled(
+        self, x: torch.Tensor, axes: Axes, dim: int, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Sum over the group, keep this member's block of ``dim``: ``sizes`` (one per member,
+        adding up to the dim) where given, else n equal blocks; varying. A backend with
+        :attr:`uneven` overrides it (torch.chunk's blocks of a dim the group does not divide)."""
         n = self.mesh.axis_size(axes)
         return self.reduce_scatter(x.unflatten(dim, (n, -1)), axes, dim)
+
+    def own_block_tiled(
+        self, x: torch.Tensor, axes: Axes, dim: int, sizes: Sequence[int]
+    ) -> torch.Tensor:
+        """``x`` is invariant over ``axes``, its ``dim`` the members' blocks of ``sizes``
+        concatenated: this member's block (varying). Only a backend whose collectives pass the
+        block sizes to their transposes (a real mesh's uneven call) needs it."""
+        raise NotImplementedError(f"{type(self).__name__} passes no block sizes to transposes")
 
     @abstractmethod
     def reduce_scatter(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:

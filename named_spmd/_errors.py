@@ -72,6 +72,17 @@ def bullet_list(problems: Sequence[str]) -> str:
 # --- errors of the user's own torch code, told per instance (or per rank) ----------------
 
 
+def operand_shapes_differ(op: str, label: str, shapes: Sequence[tuple[int, ...]]) -> SpmdError:
+    """A collective that takes one shape on every member got the members' ``shapes`` (blocks
+    of unequal sizes): the same error on the simulated and the real mesh."""
+    return SpmdError(
+        f"{op} in {label}: the members' operands have different shapes {list(shapes)} (uneven "
+        f"blocks, or an empty one), but {op} takes one shape on every member. Fix: pad the "
+        "blocks to one shape first (ns.block_sizes gives every member's size), or split the dim "
+        "so that no block is empty."
+    )
+
+
 class SpmdIndexError(SpmdError, IndexError):
     """An ``IndexError`` of the user's code, told per instance (``except IndexError`` still
     catches it, as it catches the real mesh's plain ``IndexError``)."""

@@ -112,6 +112,42 @@ def is_even(shape: Sequence[int], spec: PartitionSpec, sizes: Sizes) -> bool:
     return True
 
 
+def gives_unequal_blocks(
+    leaves: Sequence[object], specs: Sequence[PartitionSpec], sizes: Sizes, every: bool = False
+) -> bool:
+    """Whether some tensor leaf's spec gives (``Blocks``) sizes that differ, or (``every``:
+    non-divisible dims taken by default) any leaf's blocks differ: the inputs that take blocks of
+    unequal sizes without asking (the input checks refuse any other unequal split unless
+    asked)."""
+    for x, spec in zip(leaves, specs):
+        if (
+            (every or spec.explicit)
+            and isinstance(x, torch.Tensor)
+            and not is_even(x.shape, spec, sizes)
+        ):
+            return True
+    return False
+
+
+def given_sizes_problem(
+    shapes: Sequence[Sequence[int]], spec: PartitionSpec, sizes: Sizes, named: Sequence[str]
+) -> str | None:
+    """Where an out_spec's ``Blocks`` entry does not give the sizes of the blocks returned
+    (``shapes``: one per instance of the ``named`` axes, row-major), the message; else None."""
+    for b, shape in enumerate(shapes):
+        coords = coords_of(b, named, sizes)
+        for d in range(min(len(spec), len(shape))):
+            given = spec.entry_sizes(d)
+            if given is not None and shape[d] != given[index_of(spec.entry_axes(d), coords, sizes)]:
+                return (
+                    f"output: {spec[d]!r} gives dim {d} blocks of sizes {given}, but the instance "
+                    f"at {coords} returned a block of size {shape[d]} there. Fix: give the "
+                    "sizes the blocks have, or name the axes without sizes (their blocks are "
+                    "concatenated whatever their sizes)."
+                )
+    return None
+
+
 def block(
     x: torch.Tensor, spec: PartitionSpec, sizes: Sizes, coords: Mapping[str, int]
 ) -> torch.Tensor:

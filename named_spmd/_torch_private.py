@@ -390,6 +390,21 @@ def dtensor_spec(device_mesh: Any, local: torch.Tensor, placements: tuple) -> An
     return d.DTensorSpec(device_mesh, placements, tensor_meta=meta)
 
 
+def dtensor_spec_shaped(
+    device_mesh: Any, placements: tuple, shape: tuple[int, ...], dtype: torch.dtype
+) -> Any:
+    """The ``DTensorSpec`` of a contiguous DTensor of global ``shape``: what
+    ``DTensor.from_local(..., shape=, stride=)`` builds, for local blocks of unequal sizes
+    (whose global shape no one rank's block gives)."""
+    d = dist()
+    stride, step = [], 1
+    for size in reversed(shape):  # contiguous, as torch computes it (a size 0 counts 1)
+        stride.append(step)
+        step *= max(size, 1)
+    meta = d.TensorMeta(torch.Size(shape), tuple(reversed(stride)), dtype)
+    return d.DTensorSpec(device_mesh, placements, tensor_meta=meta)
+
+
 # AsyncCollectiveTensor (the wait-on-first-use result of torch's functional collectives, which the
 # overlapped gradient psum returns): its plain buffer (``.elem``), and the wait that returns the
 # buffer once its reduction is done (``.trigger_wait()``). C calls: no Python frame per gradient.

@@ -178,6 +178,7 @@ class _Server:
         """End of the test process: the server exits when its stdin closes."""
         self.proc.stdin.close()  # type: ignore[union-attr]
         self.proc.wait(timeout=60)
+        self.proc.stdout.close()  # type: ignore[union-attr]  # (left open: a ResourceWarning)
 
     def fork(self, args: list[str], env: dict[str, str], log: str) -> int:
         _send(self.requests, {"args": args, "env": env, "log": log})

@@ -445,3 +445,31 @@ def test_one_switch_takes_non_divisible_dims_by_default(monkeypatch):
         mapped.check(x)
     with pytest.raises(ns.SpecError, match="not divisible by 4"):
         mapped(x)
+
+
+@pytest.mark.distributed
+def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
+    """One 4-process launch (gloo) runs every case of tests/uneven_dist.py on real meshes (4,)
+    and (2, 2) and, in the same processes, on simulated ones: uneven inputs and outputs (5 rows
+    over 2, 10 over 4, 9 over 4 with an empty block, explicit Blocks sizes), tiled all_gather
+    (of given sizes, to invariant, varying and reduced) and psum_scatter to torch.chunk's
+    blocks, uneven DTensors in and out (fed back in); values, gradients and CommMode counts
+    against the simulated per-instance execution and a dense program, output types (DTensor
+    where Shard holds the blocks, else the global value), the same errors, and the DTensors
+    whose blocks are not the spec's refused."""
+    import json
+    import os
+
+    import uneven_dist
+    from _dist_launch import launch
+
+    finished = launch([os.path.join("tests", "uneven_dist.py")], 4, 300)
+    assert not finished.timed_out, finished.outputs[0][-3000:]
+    rows = [json.loads(line) for line in finished.lines("OUTCOME")]
+    cases = [c.name for c in uneven_dist.CASES + uneven_dist.ERRORS + uneven_dist.REFUSED]
+    assert sorted((r["case"], r["rank"]) for r in rows) == sorted(
+        (c, rank) for c in cases for rank in range(4)
+    ), finished.outputs[0][-3000:]
+    bad = [r for r in rows if r["problems"]]
+    assert not bad, "\n".join(f"{r['case']} rank {r['rank']}: {r['problems']}" for r in bad[:4])
+    assert finished.returncodes == [0] * 4

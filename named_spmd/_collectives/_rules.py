@@ -56,7 +56,7 @@ class _RuleContext:
                 "params), whose own rules the autograd bridge applies "
                 "(named_spmd/_collectives/README.md, 'Primitives inside a rule')."
             )
-        if attr == "own_block" and not self._pvaried:
+        if attr in ("own_block", "own_block_tiled") and not self._pvaried:
             raise CollectiveError(
                 f"the {self._rule} of collective {self._name!r} calls ctx.own_block on a value "
                 "that is differentiated again, and that value is no pvary'd cotangent "

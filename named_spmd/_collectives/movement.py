@@ -85,9 +85,9 @@ def _all_gather_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Par
 def _all_gather_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
-    dim, tiled, to = params
+    dim, tiled, to = params[0], params[1], params[2]
     if tiled and ctx.uneven:  # the members' blocks may differ in size along dim
-        out = ctx.all_gather_tiled(x, axes, dim)
+        out = ctx.all_gather_tiled(x, axes, dim, *params[3:])
     else:
         out = unstack_dim(ctx.all_gather(x, axes), dim, tiled)
     return ctx.pvary(out, axes) if to == "varying" else out
@@ -96,11 +96,25 @@ def _all_gather_forward(
 def _all_gather_transpose(
     ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
 ) -> torch.Tensor:
-    dim, tiled, to = params
+    dim, tiled, to = params[0], params[1], params[2]
+    if len(params) > 3:  # the members' block sizes, from a real mesh's uneven call
+        return _uneven_all_gather_transpose(ctx, g, axes, params)
     if to == "invariant":  # the cotangent is identical on the group: keep the own block
         return ctx.own_block(split_blocks(g, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
     # varying, or reduced: the cotangent is unreduced and its scatter sums the partial sums
     return ctx.apply(RECORDS["psum_scatter"], g, axes, (dim, tiled))
+
+
+def _uneven_all_gather_transpose(
+    ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params
+) -> torch.Tensor:
+    """The transpose of a tiled all_gather of blocks of the sizes ``params[3]``: a real mesh's
+    uneven call appends them (``backends/_dist_uneven``), since the blocks are the operands'
+    (``Blocks`` sizes, say), not the torch.chunk blocks a psum_scatter would cut."""
+    dim, tiled, to, sizes = params
+    if to == "invariant":
+        return ctx.own_block_tiled(g, axes, dim, sizes)
+    return ctx.apply(RECORDS["psum_scatter"], g, axes, (dim, tiled, sizes))
 
 
 def _all_gather_vma(vma: Vma, axes: Axes, params: Params) -> Vma:
@@ -195,14 +209,14 @@ def _psum_scatter_of_invariant(op: Invariant) -> str:
 def _psum_scatter_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
 ) -> torch.Tensor:
-    dim, tiled = params
-    if tiled and ctx.uneven:
-        return ctx.reduce_scatter_tiled(x, axes, dim)
+    dim, tiled = params[0], params[1]
+    if tiled and ctx.uneven:  # (params[2:]: the blocks' sizes, see the all_gather transpose)
+        return ctx.reduce_scatter_tiled(x, axes, dim, *params[2:])
     return ctx.reduce_scatter(split_blocks(x, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
 
 
 def _psum_scatter_shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
-    dim, tiled = params
+    dim, tiled = params[0], params[1]
     out = list(shape)
     if tiled:
         out[dim] //= n
@@ -220,8 +234,9 @@ PSUM_SCATTER = Collective(
     unreduced="reduce",
     shape=_psum_scatter_shape,
     forward=_psum_scatter_forward,
+    # (of an uneven call on a real mesh, params[2] is the blocks' sizes: the gather's too)
     transpose=lambda ctx, g, axes, params, node: ctx.apply(
-        RECORDS["all_gather"], g, axes, (params[0], params[1], "varying")
+        RECORDS["all_gather"], g, axes, (params[0], params[1], "varying", *params[2:])
     ),
     backward_op=backward_op("all_gather"),
     check=_psum_scatter_check,

@@ -188,3 +188,69 @@ def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
     if not differentiable(local):
         return _wrap(mesh, local.view_as(local), places)
     return _dtensor_of(local, mesh, places)
+
+
+# --- DTensors whose Shard blocks differ in size (torch.chunk's) ----------------------------------
+
+
+def _shaped(mesh, local: torch.Tensor, places: tuple, shape: tuple[int, ...]) -> DTensor:
+    """The DTensor of global ``shape`` whose block on this rank is ``local``: the global shape
+    is given, since no one rank's block says it when the blocks differ in size."""
+    spec = P.dtensor_spec_shaped(mesh.device_mesh, places, shape, local.dtype)
+    return _new_dtensor(local, spec, requires_grad=local.requires_grad)
+
+
+class _UnevenDTensorOf(torch.autograd.Function):
+    """:class:`_DTensorOf` of a block of an uneven split: the DTensor has the given shape."""
+
+    @staticmethod
+    def forward(local, mesh, places, shape):
+        return _shaped(mesh, local.view_as(local), places, shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh, ctx.places = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _DTensorOf.backward(ctx, g)[0], None, None, None
+
+
+class _UnevenLocalOf(torch.autograd.Function):
+    """:class:`_LocalOf` of a DTensor whose blocks differ in size: its gradient is a DTensor
+    of the input's global shape (a gradient psum pending on the overlap is settled first)."""
+
+    @staticmethod
+    def forward(d, mesh, grad_places=None):
+        local = P.local_tensor(d)
+        return local.view_as(local)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        d = inputs[0]
+        ctx.mesh, ctx.shape = inputs[1], tuple(d.shape)
+        ctx.places = inputs[2] if inputs[2] else tuple(d.placements)
+
+    @staticmethod
+    def backward(ctx, g):
+        if differentiable(g):  # double backward: a recorded conversion
+            return _UnevenDTensorOf.apply(g, ctx.mesh, ctx.places, ctx.shape), None, None
+        g = overlap.settled(g)
+        if overlap.is_pending_wrapper(g):
+            g = P.async_wait(g)
+        return _shaped(ctx.mesh, g, ctx.places, ctx.shape), None, None
+
+
+def uneven_to_local(mesh, d: DTensor, grad_places: tuple | None = None) -> torch.Tensor:
+    """``d.to_local()`` of a DTensor whose Shard blocks differ in size."""
+    if not differentiable(d):
+        local = P.local_tensor(d)
+        return local.view_as(local)
+    return _UnevenLocalOf.apply(d, mesh, grad_places)
+
+
+def uneven_from_local(mesh, local: torch.Tensor, places: tuple, shape: tuple) -> DTensor:
+    """``DTensor.from_local(local, ..., shape=shape, stride=contiguous)``, differentiable."""
+    if not differentiable(local):
+        return _shaped(mesh, local.view_as(local), places, shape)
+    return _UnevenDTensorOf.apply(local, mesh, places, shape)

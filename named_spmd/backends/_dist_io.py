@@ -86,17 +86,20 @@ def block_input(ctx, leaf: torch.Tensor, i: int) -> torch.Tensor:
     return leaf if leaf.device.type == ctx.mesh.device.type else leaf.to(ctx.mesh.device)
 
 
-def _partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+def _partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, scatter=None) -> torch.Tensor:
     """A plain tensor is the global value on every rank, and its gradient the global gradient
     (as on the simulated mesh). Unreduced over A: the member at coordinate 0 of A holds the
     value, the others zeros (parts summing to it), so the gradient is member 0's cotangent. Its
     cotangent, reduced, is the same on every member, so each rank's gradient is its own; under
     ``check_vma=False`` nothing says so, and one psum of member 0's cotangent and zeros
     broadcasts it. Reduced over A: the gradient, a partial sum per member, is summed at the
-    boundary (one psum; a DTensor input instead gets a Partial gradient and defers it)."""
+    boundary (one psum; a DTensor input instead gets a Partial gradient and defers it).
+    ``scatter(leaf, ctx, spec)``: how blocks of unequal sizes are cut (``_dist_uneven``)."""
     mesh = ctx.mesh
     x = leaf
-    if not mesh.single_axes.issuperset(spec.axes):  # this rank's block; backward gathers
+    if scatter is not None:
+        x = scatter(leaf, ctx, spec)
+    elif not mesh.single_axes.issuperset(spec.axes):  # this rank's block; backward gathers
         x = _scatter_input(leaf, ctx, spec) if differentiable(leaf) else _block(leaf, spec, mesh)
     if spec.unreduced:
         first = all(mesh.my_coords[a] == 0 for a in spec.unreduced)
@@ -155,7 +158,11 @@ def _under_transform(ctx, leaf: torch.Tensor, i: int) -> None:
         )
 
 
-def _from_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int, transformed: bool):
+def _from_dtensor(
+    ctx, leaf: DTensor, spec: PartitionSpec, i: int, transformed: bool, uneven_local=None
+):
+    """``leaf``'s local block, checked against ``spec``; ``uneven_local(mesh, leaf, grads)``:
+    the conversion of a DTensor whose blocks differ in size (``_dist_uneven``)."""
     mesh, fn_label = ctx.mesh, ctx.fn_label
     where = f"spmd_map of {fn_label}: argument leaf {i}"
     theirs = leaf.device_mesh
@@ -177,7 +184,10 @@ def _from_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int, transformed: 
             f"x.redistribute(mesh.device_mesh, {list(want)}), or change the in_spec."
         )
     grads = grad_placements(mesh, spec, leaf.dim()) if spec.reduced or spec.unreduced else None
-    local = to_local_fast(mesh, leaf, grads, transformed)
+    if uneven_local is not None:
+        local = uneven_local(mesh, leaf, grads)
+    else:
+        local = to_local_fast(mesh, leaf, grads, transformed)
     for axes in _non_mesh_order_entries(mesh, spec):
         ordered = _in_mesh_order(mesh, axes)
         local = _boundary(ctx, "ppermute", local, ordered, (_relayout_pairs(mesh, axes),))

@@ -49,17 +49,25 @@ from .. import _torch_private as P
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._collectives._record import implicit_pvary, record_implicit_psum
-from .._context import SpmdContext
+from .._context import SpmdContext, uneven_blocks_requested
 from .._debug import debug_enabled, set_debug
 from .._errors import NOT_USER_DIRS, RankFailedError, SpmdError, error_class, user_line
-from .._layout import group_coords, index_of
+from .._layout import gives_unequal_blocks, group_coords, index_of
 from .._mesh import Mesh
 from .._replay import Replay
-from .._spec import PartitionSpec
+from .._spec import PartitionSpec, uneven_by_default
 from .._traced import warm_types
 from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
-from . import _dist_agree, _dist_compile, _dist_dtensor, _dist_exchange, _dist_overlap, _dist_piece
+from . import (
+    _dist_agree,
+    _dist_compile,
+    _dist_dtensor,
+    _dist_exchange,
+    _dist_overlap,
+    _dist_piece,
+    _dist_uneven,
+)
 from ._dist_comm import MAX, MIN, SUM, Comm, ragged_rows
 from ._dist_failures import FailureBoard, generation, timeout_s
 from ._dist_io import block_input, global_output, local_input, local_output
@@ -436,6 +444,10 @@ class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
         return _dist_compile.one_op(self.mesh, "broadcast", x, axes, root)
 
 
+class UnevenContext(_dist_uneven.UnevenPrimitives, DistributedContext):
+    """A call whose ranks' blocks may differ in size (``_dist_uneven``)."""
+
+
 def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool) -> None:
     """The start-of-call check (``_dist_agree``); under ``make_fx``, finished at once and out of
     the trace (its result is read: a traced tensor has no value to read)."""
@@ -464,13 +476,19 @@ def run(
     board.begin_call()
     traced = P.proxy_tracing()
     mesh.debug = debug_enabled() and not traced  # (its checks compare values: none to compare)
-    ctx = (ProxyTracedContext if traced else DistributedContext)(mesh, fn)
-    ctx.checked = body.mapped.check_vma  # type: ignore[attr-defined]
     local_call = body.local  # type: ignore[attr-defined]  # SpmdFunction.local: blocks in, out
+    uneven = _takes_uneven_blocks(mesh, leaves, specs, body)
+    ctx = (UnevenContext if uneven else ProxyTracedContext if traced else DistributedContext)(
+        mesh, fn
+    )
+    ctx.checked = body.mapped.check_vma  # type: ignore[attr-defined]
     # a call typed once per signature: untyped replays on one rank, planned ones on several
-    replay = None if traced else Replay(body, mesh, leaves, specs, planned=mesh.size > 1)
+    # (not an uneven call: its ranks' shapes differ, and it types every call as simulated)
+    replay = None if traced or uneven else Replay(body, mesh, leaves, specs, planned=mesh.size > 1)
     board.check_in_step()  # (not posted: it reposts the failure it is a consequence of)
     try:
+        if uneven:
+            _dist_uneven.refuse_transforms(ctx, traced)
         if mesh.size > 1:
             _begin(ctx, leaves, local_call)
         if replay is not None:
@@ -494,8 +512,11 @@ def run(
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
             _dist_agree.check_replicas_agree(ctx, outs, out_specs_of())
-        output = local_output if local_call else global_output
-        result = [output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
+        if uneven:
+            result = _dist_uneven.outputs(ctx, outs, out_specs_of())
+        else:
+            output = local_output if local_call else global_output
+            result = [output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
         board.finished = board.seq
         return result
     except RankFailedError:
@@ -546,12 +567,33 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException) -> BaseException:
     )
 
 
+def _takes_uneven_blocks(
+    mesh: DistributedMesh, leaves: list[Any], specs: list[PartitionSpec], body: Any
+) -> bool:
+    """Whether the call takes blocks of unequal sizes: where the simulated mesh does (asked
+    for with ``ns.simulate_per_instance()``, or given by an input's ``Blocks`` entry), so that
+    the backends accept and refuse the same inputs. A local call's blocks are the caller's."""
+    if body.local or mesh.size == 1:
+        return False
+    if uneven_blocks_requested():
+        return True
+    every = uneven_by_default()
+    return (every or body.mapped.gives_sizes) and gives_unequal_blocks(
+        leaves, specs, mesh._shape, every
+    )
+
+
 def _local(
     ctx: DistributedContext, leaf: torch.Tensor, spec: PartitionSpec, i: int, is_block: bool
 ):
     """Argument leaf ``i``'s block on this rank, typed (a replay needs no types); ``is_block``:
     the leaf is that block already (``SpmdFunction.local``)."""
-    local = block_input(ctx, leaf, i) if is_block else local_input(ctx, leaf, spec, i)
+    if is_block:
+        local = block_input(ctx, leaf, i)
+    elif ctx.uneven:
+        local = _dist_uneven.local_input(ctx, leaf, spec, i)
+    else:
+        local = local_input(ctx, leaf, spec, i)
     return local if ctx.replaying else ctx.stamp_input(local, spec)
 
 
@@ -581,6 +623,16 @@ class DistributedBackend:
         return isinstance(mesh, DistributedMesh)
 
     run = staticmethod(run)
+
+    def uneven_state(self) -> bool:
+        """Whether calls made now take dims the axes do not divide (as the simulated mesh)."""
+        return uneven_blocks_requested()
+
+    def takes_uneven(self, spec: PartitionSpec) -> bool:
+        """Dims the group does not divide are taken where the simulated mesh takes them: asked
+        for (``ns.simulate_per_instance()``), or by default (``_spec.UNEVEN_BY_DEFAULT``);
+        unequal sizes a ``Blocks`` entry gives on their dim (``_api._takes_given_sizes``)."""
+        return uneven_blocks_requested() or uneven_by_default()
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         return None

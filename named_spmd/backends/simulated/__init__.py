@@ -34,8 +34,9 @@ import torch
 from ... import _blocks
 from ... import _torch_private as P
 from ..._accounting import recording
+from ..._context import request_uneven_blocks, uneven_blocks_requested
 from ..._errors import SpmdError, VmaError, fn_label
-from ..._layout import is_even
+from ..._layout import gives_unequal_blocks
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec, uneven_by_default
 from . import _inner_grad, _one_instance, _per_instance
@@ -107,7 +108,9 @@ def simulate_per_instance() -> Iterator[None]:
     vmap. The per-device function may then read values, as on a real mesh: ``.item()``,
     ``print`` of a block, a Python ``if`` on a value (each instance calling the same
     collectives). Values, gradients and types are vmap's; it costs a thread switch per
-    collective and runs the instances one op at a time.
+    collective and runs the instances one op at a time. Calls made inside the block take a dim
+    the axes do not divide, in torch.chunk's blocks, on every backend: a real mesh then gives
+    each rank its own block, with the same numbers (docs/uneven.md).
 
     Example:
         >>> import torch, named_spmd as ns
@@ -117,12 +120,8 @@ def simulate_per_instance() -> Iterator[None]:
         ...     f(torch.tensor([1.0, 2.0, 3.0, 4.0]))
         tensor([0., 0., 3., 4.])
     """
-    saved = getattr(_override, "per_instance", False)
-    _override.per_instance = True
-    try:
+    with request_uneven_blocks():
         yield
-    finally:
-        _override.per_instance = saved
 
 
 @functools.cache
@@ -216,21 +215,6 @@ def run(
     return [from_physical(y, p, s, mesh) for y, p, s in zip(outs, present, out_specs_of())]
 
 
-def _uneven(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> bool:
-    """Whether some input's blocks differ in size (unless non-divisible dims are taken by
-    default, only a spec with ``Blocks`` entries gets here with them: the input checks refuse
-    any other unequal split outside the per-instance execution; the even path reads no sizes)."""
-    every = uneven_by_default()
-    for x, spec in zip(leaves, specs):
-        if (
-            (every or spec.explicit)
-            and isinstance(x, torch.Tensor)
-            and not is_even(x.shape, spec, mesh._shape)
-        ):
-            return True
-    return False
-
-
 # Messages of functorch errors that mean "this code cannot run per instance under vmap".
 _VMAP_LIMITS = (
     "vmap",
@@ -306,7 +290,7 @@ class SimulatedBackend:
 
     def uneven_state(self) -> bool:
         """Whether calls made now run per instance (``simulate_per_instance``)."""
-        return getattr(_override, "per_instance", False)
+        return uneven_blocks_requested()
 
     def takes_uneven(self, spec: PartitionSpec) -> bool:
         """Dims the group does not divide run per instance: taken where the caller asked for
@@ -320,7 +304,14 @@ class SimulatedBackend:
             from . import _traced  # imports Dynamo, loaded by now (not with every eager call)
 
             return _traced.run(mesh, fn, leaves, specs, body, out_specs_of)
-        if mesh.size > 1 and (self.uneven_state() or _uneven(mesh, leaves, specs)):
+        every = uneven_by_default()
+        if mesh.size > 1 and (
+            self.uneven_state()
+            or (
+                (every or getattr(getattr(body, "mapped", None), "gives_sizes", True))
+                and gives_unequal_blocks(leaves, specs, mesh._shape, every)
+            )
+        ):
             return _per_instance.run(mesh, fn, leaves, specs, body, out_specs_of)
         return _run_eagerly(mesh, fn, leaves, specs, body, out_specs_of)
 

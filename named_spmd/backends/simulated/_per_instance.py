@@ -26,11 +26,12 @@ from typing import Any
 import torch
 
 from ... import _torch_private as P
-from ..._errors import SpecError, SpmdError, fn_label
+from ..._errors import SpecError, SpmdError, fn_label, operand_shapes_differ
 from ..._layout import (
     chunk_sizes,
     concat_blocks,
     coords_of,
+    given_sizes_problem,
     group_coords,
     index_of,
     split_all,
@@ -93,10 +94,10 @@ class InstanceContext(TrackedContext):
     uneven = True  # the members' blocks may differ in size
 
     # --- primitives -----------------------------------------------------------------------
-    def all_gather_tiled(self, x, axes, dim):
+    def all_gather_tiled(self, x, axes, dim, sizes=None):
         return self._meet(x, axes, ("tiled", dim), functools.partial(_gather_tiled, dim))
 
-    def reduce_scatter_tiled(self, x, axes, dim):
+    def reduce_scatter_tiled(self, x, axes, dim, sizes=None):
         return self._meet(x, axes, ("tiled", dim), functools.partial(_scatter_chunks, dim, self))
 
     def pvary(self, x, axes):
@@ -169,13 +170,7 @@ def _each_group(groups, xs: list[Tensor], per_group) -> list[Tensor]:
 def _same_shapes(ctx: InstanceContext, xs: Sequence[Tensor]) -> None:
     shapes = {tuple(x.shape) for x in xs}
     if len(shapes) > 1:
-        raise SpmdError(
-            f"{ctx.op} in {ctx.fn_label}: the members' operands have different shapes "
-            f"{[tuple(x.shape) for x in xs]} (uneven blocks, or an empty one), but {ctx.op} "
-            "takes one shape on every member. Fix: pad the blocks to one shape first "
-            "(ns.block_sizes gives every member's size), or split the dim so that no block is "
-            "empty."
-        )
+        raise operand_shapes_differ(ctx.op, ctx.fn_label, [tuple(x.shape) for x in xs])
 
 
 def _copies(x: Tensor, n: int) -> list[Tensor]:
@@ -399,7 +394,7 @@ def run(
     for f in others:
         f.result()  # (worker catches everything: the errors are in ``errors``)
     _raise_first(meeting, errors)
-    return [_assemble(mesh, [o[j] for o in outs], s) for j, s in enumerate(out_specs_of())]
+    return [_assemble(mesh, [o[j] for o in outs], s, label) for j, s in enumerate(out_specs_of())]
 
 
 def _caller_state(device_type: str) -> list[Callable[[], Any]]:
@@ -441,7 +436,7 @@ def _raise_first(meeting: Meeting, errors: list[BaseException | None]) -> None:
         raise meeting.stuck
 
 
-def _assemble(mesh: Mesh, values: list[Tensor], spec: PartitionSpec) -> Tensor:
+def _assemble(mesh: Mesh, values: list[Tensor], spec: PartitionSpec, label: str) -> Tensor:
     """The global output from every instance's value (row-major over the mesh): the blocks of
     the axes ``spec`` names concatenated, the parts of those it declares unreduced summed, and
     the value at coordinate 0 of any other axis (invariant there, or unchecked)."""
@@ -459,25 +454,7 @@ def _assemble(mesh: Mesh, values: list[Tensor], spec: PartitionSpec) -> Tensor:
     if not named:
         return blocks[0].view_as(blocks[0])  # a tensor object of the caller's
     if spec.explicit:
-        _check_given_sizes(blocks, spec, sizes, named)
+        problem = given_sizes_problem([tuple(x.shape) for x in blocks], spec, sizes, named)
+        if problem is not None:
+            raise SpecError(f"spmd_map of {label}: {problem}")
     return concat_blocks(blocks, spec, sizes, named)
-
-
-def _check_given_sizes(
-    blocks: list[Tensor], spec: PartitionSpec, sizes: dict[str, int], named: list[str]
-) -> None:
-    """An out_spec's ``Blocks`` entry must give the sizes the instances' blocks have."""
-    for b, x in enumerate(blocks):
-        coords = coords_of(b, named, sizes)
-        for d in range(min(len(spec), x.dim())):
-            given = spec.entry_sizes(d)
-            if (
-                given is not None
-                and x.shape[d] != given[index_of(spec.entry_axes(d), coords, sizes)]
-            ):
-                raise SpecError(
-                    f"output: {spec[d]!r} gives dim {d} blocks of sizes {given}, but the instance "
-                    f"at {coords} returned a block of size {x.shape[d]} there. Fix: give the "
-                    "sizes the blocks have, or name the axes without sizes (their blocks are "
-                    "concatenated whatever their sizes)."
-                )

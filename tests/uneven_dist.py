@@ -1,0 +1,494 @@
+"""Blocks of unequal sizes on a real mesh (gloo), against the simulated per-instance execution and
+dense single-device programs.
+
+``python tests/uneven_dist.py`` under a 4-process job runs every case of :data:`CASES` on a real
+mesh and on a simulated one of the same shape (in the same process), and prints one
+``OUTCOME {json}`` line per case and rank with the problems found (tests/test_uneven.py reads
+them). Each case compares the global outputs, the inputs' gradients (a fixed random cotangent)
+and the communication counts of both backends, and the values and gradients with a dense
+program computed on one device from the definitions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import named_spmd as ns
+from named_spmd import P
+
+F64 = torch.float64
+
+
+def _randn(*shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+@dataclass
+class Case:
+    name: str
+    sizes: tuple[int, ...]
+    names: tuple[str, ...]
+    fn: Callable[..., Any]
+    in_specs: Any
+    out_specs: Any
+    args: Callable[[], tuple]
+    dense: Callable[..., Any] | None  # the global outputs from the global inputs
+    switch: bool = True  # run under ns.simulate_per_instance() (Blocks inputs need none)
+    dtensor: bool = False  # the real mesh gets the inputs as DTensors (their Shard blocks)
+    kinds: tuple[str, ...] = field(default=())  # the real outputs' types: "D" DTensor, "T" plain
+
+
+# Per instance (its coordinates), the types (ns.typeof: per-device shape and vma) of the values
+# a program taps: the backends must agree on each instance's, not only on the outputs.
+TAPS: dict[tuple[int, ...], list[str]] = {}
+
+
+def _tap(axes: tuple[str, ...], *values) -> None:
+    where = tuple(int(ns.axis_index(a).item()) for a in axes)
+    TAPS.setdefault(where, []).extend(repr(ns.typeof(v)) for v in values)
+
+
+def _mlp(v, w):
+    h, s = torch.tanh(v @ w), ns.psum(v.sum(0), "x")
+    _tap(("x",), v, w, h, s)
+    return h, s
+
+
+def _two_axes(v):
+    y, s = v * 2 + 1, ns.psum(v.sum(0), "a")
+    _tap(("a", "b"), v, y, s)
+    return y, s
+
+
+def _gather_invariant(v):
+    return ns.all_gather(v, "x", tiled=True, to="invariant")
+
+
+def _gather_varying(v):
+    return ns.all_gather(v * 1.5, "x", tiled=True)
+
+
+def _gather_reduced(v):
+    return ns.all_gather(v, "x", tiled=True, to="reduced")
+
+
+def _scatter(v):
+    return ns.psum_scatter(v[0], "x", tiled=True)
+
+
+def _scatter_and_back(v):
+    return ns.all_gather(
+        ns.psum_scatter(v[0] * v[0], "x", tiled=True), "x", tiled=True, to="invariant"
+    )
+
+
+def _offsets(v):  # the blocks' global row numbers, from ns.block_offsets
+    start = ns.block_offsets(10, "x")[ns.axis_index("x")]
+    rows = torch.arange(v.shape[0], dtype=v.dtype) + start
+    return v * rows[:, None]
+
+
+CASES = [
+    Case(
+        "rows5_over_2_of_a_2d_mesh",
+        (2, 2),
+        ("a", "b"),
+        lambda v, w: v.sin() * w,
+        (P("a", None), P()),
+        P("a", None),
+        lambda: (_randn(5, 3, seed=1), _randn(3, seed=2)),
+        lambda x, w: x.sin() * w,
+        kinds=("D",),
+    ),
+    Case(
+        "grid5x7_over_both_axes",
+        (2, 2),
+        ("a", "b"),
+        _two_axes,
+        P("a", "b"),
+        (P("a", "b"), P("b")),
+        lambda: (_randn(5, 7, seed=3),),
+        lambda x: (x * 2 + 1, x.sum(0)),
+        kinds=("D", "D"),
+    ),
+    Case(
+        "rows10_over_4",
+        (4,),
+        ("x",),
+        _mlp,
+        (P("x", None), P()),
+        (P("x", None), P()),
+        lambda: (_randn(10, 3, seed=4), _randn(3, 2, seed=5)),
+        lambda x, w: (torch.tanh(x @ w), x.sum(0)),
+        kinds=("D", "D"),
+    ),
+    Case(
+        "rows9_over_4_an_empty_block",
+        (4,),
+        ("x",),
+        lambda v: v.exp() * 3,
+        P("x", None),
+        P("x", None),
+        lambda: (_randn(9, 2, seed=6),),
+        lambda x: x.exp() * 3,
+        kinds=("D",),
+    ),
+    Case(
+        "block_offsets",
+        (4,),
+        ("x",),
+        _offsets,
+        P("x", None),
+        P("x", None),
+        lambda: (_randn(10, 2, seed=7),),
+        lambda x: x * torch.arange(10, dtype=F64)[:, None],
+        kinds=("D",),
+    ),
+    Case(
+        "given_sizes_in_and_out",
+        (4,),
+        ("x",),
+        lambda v: (v * 2, v.cos()),
+        P(ns.Blocks("x", (4, 3, 2, 1)), None),
+        (P("x", None), P(ns.Blocks("x", (4, 3, 2, 1)), None)),
+        lambda: (_randn(10, 2, seed=8),),
+        lambda x: (x * 2, x.cos()),
+        switch=False,
+        kinds=("T", "T"),  # not torch.chunk's blocks: no DTensor holds them
+    ),
+    Case(  # a contraction over b: partial sums, unreduced over b (DTensor: Partial)
+        "partial_sums_over_b_of_uneven_rows",
+        (2, 2),
+        ("a", "b"),
+        lambda v, w: v @ w,
+        (P("a", "b"), P("b", None)),
+        P("a", None, unreduced={"b"}),
+        lambda: (_randn(5, 4, seed=22), _randn(4, 3, seed=23)),
+        lambda x, w: x @ w,
+        kinds=("D",),
+    ),
+    Case(  # the same with given sizes: the global value, the parts summed
+        "partial_sums_over_b_of_given_rows",
+        (2, 2),
+        ("a", "b"),
+        lambda v, w: v @ w,
+        (P(ns.Blocks("a", (1, 4)), "b"), P("b", None)),
+        P(ns.Blocks("a", (1, 4)), None, unreduced={"b"}),
+        lambda: (_randn(5, 4, seed=24), _randn(4, 3, seed=25)),
+        lambda x, w: x @ w,
+        switch=False,
+        kinds=("T",),
+    ),
+    Case(
+        "tiled_all_gather_to_invariant",
+        (4,),
+        ("x",),
+        _gather_invariant,
+        P("x", None),
+        P(),
+        lambda: (_randn(10, 3, seed=9),),
+        lambda x: x * 1,
+        kinds=("D",),
+    ),
+    Case(
+        "tiled_all_gather_varying_of_given_sizes",
+        (4,),
+        ("x",),
+        _gather_varying,
+        P(ns.Blocks("x", (4, 3, 0, 3)), None),
+        P("x", None),
+        lambda: (_randn(10, 3, seed=10),),
+        lambda x: torch.cat([x * 1.5] * 4),
+        switch=False,
+        kinds=("D",),
+    ),
+    Case(
+        "tiled_all_gather_reduced",
+        (4,),
+        ("x",),
+        _gather_reduced,
+        P("x", None),
+        P(reduced={"x"}),
+        lambda: (_randn(10, 3, seed=11),),
+        lambda x: x * 1,
+        kinds=("D",),
+    ),
+    Case(
+        "tiled_psum_scatter_to_chunks",
+        (4,),
+        ("x",),
+        _scatter,
+        P("x", None),
+        P("x"),
+        lambda: (_randn(4, 10, seed=12),),
+        lambda y: y.sum(0),
+        kinds=("D",),
+    ),
+    Case(
+        "tiled_psum_scatter_and_gather_back",
+        (4,),
+        ("x",),
+        _scatter_and_back,
+        P("x", None),
+        P(),
+        lambda: (_randn(4, 9, seed=13),),
+        lambda y: (y * y).sum(0),
+        kinds=("D",),
+    ),
+    Case(
+        "dtensor_rows10_over_4",
+        (4,),
+        ("x",),
+        _mlp,
+        (P("x", None), P()),
+        (P("x", None), P()),
+        lambda: (_randn(10, 3, seed=14), _randn(3, 3, seed=15)),  # square: fed back
+        lambda x, w: (torch.tanh(x @ w), x.sum(0)),
+        dtensor=True,
+        kinds=("D", "D"),
+    ),
+    Case(
+        "dtensor_grid5x7_over_both_axes",
+        (2, 2),
+        ("a", "b"),
+        _two_axes,
+        P("a", "b"),
+        (P("a", "b"), P("b")),
+        lambda: (_randn(5, 7, seed=16),),
+        lambda x: (x * 2 + 1, x.sum(0)),
+        dtensor=True,
+        kinds=("D", "D"),
+    ),
+]
+
+# Programs that must fail with the same error on both backends.
+ERRORS = [
+    Case(
+        "not_divisible_without_the_switch",
+        (4,),
+        ("x",),
+        lambda v: v * 2,
+        P("x"),
+        P("x"),
+        lambda: (_randn(10, seed=17),),
+        None,
+        switch=False,
+    ),
+    Case(
+        "output_blocks_not_the_given_sizes",
+        (4,),
+        ("x",),
+        lambda v: v * 2,
+        P(ns.Blocks("x", (4, 3, 2, 1))),
+        P(ns.Blocks("x", (3, 3, 3, 1))),
+        lambda: (_randn(10, seed=18),),
+        None,
+        switch=False,
+    ),
+    Case(
+        "psum_of_uneven_blocks",
+        (2, 2),
+        ("a", "b"),
+        lambda v: ns.psum(v, "a"),
+        P("a"),
+        P(),
+        lambda: (_randn(5, seed=19),),
+        None,
+    ),
+]
+
+
+# --- running a case -------------------------------------------------------------------------------
+
+
+def _leaves(out) -> list:
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def _global(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _cotangents(outs) -> list[torch.Tensor]:
+    return [_randn(*o.shape, seed=90 + k) for k, o in enumerate(outs)]
+
+
+def _specs_list(specs, n: int) -> list:
+    return [specs] * n if isinstance(specs, ns.PartitionSpec) else list(specs)
+
+
+def _dtensors(case: Case, mesh, args: tuple) -> list:
+    from torch.distributed.tensor import distribute_tensor
+
+    from named_spmd.backends._dist_dtensor import placements
+
+    specs = _specs_list(case.in_specs, len(args))
+    return [
+        distribute_tensor(a.detach(), mesh.device_mesh, placements(mesh, s, a.dim()))
+        .detach()
+        .requires_grad_()
+        for a, s in zip(args, specs)
+    ]
+
+
+def run_case(case: Case, mesh, real: bool) -> dict:
+    """Values, gradients, output types and counts of ``case`` on ``mesh``."""
+    f = ns.spmd_map(case.fn, mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs)
+    args = [a.clone().requires_grad_() for a in case.args()]
+    inputs = _dtensors(case, mesh, args) if real and case.dtensor else args
+    switch = ns.simulate_per_instance() if case.switch else _nothing()
+    back = None
+    with switch:
+        with ns.CommMode() as comms:  # forward and backward
+            outs = _leaves(f(*inputs))
+            values = [_global(o) for o in outs]
+            loss = sum((v * c).sum() for v, c in zip(values, _cotangents(values)))
+            grads = torch.autograd.grad(loss, inputs)
+        if real and case.dtensor:  # a DTensor output goes back in: the same blocks
+            back = [_global(b) for b in _leaves(f(*[o.detach() for o in outs[:1]], *inputs[1:]))]
+    kinds = ["D" if hasattr(o, "full_tensor") else "T" for o in outs]
+    return {
+        "values": [v.detach() for v in values],
+        "grads": [_global(g) for g in grads],
+        "grad_shapes": [tuple(g.shape) for g in grads],
+        "kinds": kinds,
+        "counts": comms.counts(),
+        "back": back,
+    }
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _close(a, b, what: str, problems: list[str]) -> None:
+    try:
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    except AssertionError as e:
+        problems.append(f"{what}: {str(e)[:300]}")
+
+
+def _dense(case: Case) -> dict:
+    args = [a.clone().requires_grad_() for a in case.args()]
+    values = _leaves(case.dense(*args))
+    loss = sum((v * c).sum() for v, c in zip(values, _cotangents(values)))
+    return {"values": values, "grads": torch.autograd.grad(loss, args)}
+
+
+def check(case: Case, real_mesh, sim_mesh) -> list[str]:
+    problems: list[str] = []
+    TAPS.clear()
+    real = run_case(case, real_mesh, True)
+    real_taps = dict(TAPS)
+    TAPS.clear()
+    sim = run_case(case, sim_mesh, False)
+    for where, types in real_taps.items():  # this rank's instance (and a DTensor fed back)
+        if types[: len(TAPS.get(where, []))] != TAPS.get(where):
+            problems.append(f"types at {where}: {types} vs simulated {TAPS.get(where)}")
+    dense = _dense(case)
+    for name, want in (("simulated", sim), ("dense", dense)):
+        for k, (a, b) in enumerate(zip(real["values"], want["values"])):
+            _close(a, b.detach(), f"output {k} vs {name}", problems)
+        for k, (a, b) in enumerate(zip(real["grads"], want["grads"])):
+            _close(a, b, f"gradient {k} vs {name}", problems)
+    if real["grad_shapes"] != [tuple(a.shape) for a in case.args()]:
+        problems.append(f"gradient shapes {real['grad_shapes']}")
+    if tuple(real["kinds"]) != case.kinds:
+        problems.append(f"output types {real['kinds']}, expected {case.kinds}")
+    if real["counts"] != sim["counts"]:
+        problems.append(f"counts {real['counts']} vs simulated {sim['counts']}")
+    if real["back"] is not None:  # f(f(x)[0], ...)[0] == f applied twice, densely
+        x, *rest = case.args()
+        twice = _leaves(case.dense(_leaves(case.dense(x, *rest))[0], *rest))
+        _close(real["back"][0], twice[0].detach(), "DTensor output fed back", problems)
+    return problems
+
+
+def check_error(case: Case, real_mesh, sim_mesh) -> list[str]:
+    def message(mesh):
+        try:
+            run_case(case, mesh, False)
+        except ns.SpmdError as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    real, sim = message(real_mesh), message(sim_mesh)
+    if real != sim or real == "no error":
+        return [f"real {real!r} vs simulated {sim!r}"]
+    return []
+
+
+# DTensors whose Shard blocks are not the spec's: refused on the real mesh (a simulated mesh
+# takes no DTensor), naming the fix.
+REFUSED = [
+    Case(
+        "dtensor_split_unevenly_over_two_axes",
+        (2, 2),
+        ("a", "b"),
+        lambda v: v * 2,
+        P(("a", "b")),
+        P(("a", "b")),
+        lambda: (_randn(5, seed=20),),
+        None,
+        dtensor=True,
+        kinds=("over ('a', 'b'): DTensor splits it over one mesh dim after the other",),
+    ),
+    Case(
+        "dtensor_with_other_given_sizes",
+        (4,),
+        ("x",),
+        lambda v: v * 2,
+        P(ns.Blocks("x", (4, 3, 2, 1))),
+        P("x"),
+        lambda: (_randn(10, seed=21),),
+        None,
+        switch=False,
+        dtensor=True,
+        kinds=("whose Shard blocks are torch.chunk's (3, 3, 3, 1) along dim 0",),
+    ),
+]
+
+
+def check_refused(case: Case, real_mesh, sim_mesh) -> list[str]:
+    try:
+        run_case(case, real_mesh, True)
+    except ns.SpecError as e:
+        return [] if case.kinds[0] in str(e) else [f"message: {e}"]
+    return ["no error"]
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    meshes = {
+        shape: (ns.make_mesh(shape, names), ns.make_mesh(shape, names, simulated=True))
+        for shape, names in (((4,), ("x",)), ((2, 2), ("a", "b")))
+    }
+    for checker, cases in ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED)):
+        for case in cases:
+            if sys.argv[1:] and case.name not in sys.argv[1:]:  # (names given: only those)
+                continue
+            try:
+                problems = checker(case, *meshes[case.sizes])
+            except Exception:  # noqa: BLE001 - reported, the other cases still run
+                problems = ["raised:\n" + traceback.format_exc()[-2500:]]
+            row = {"rank": dist.get_rank(), "case": case.name, "problems": problems}
+            print("OUTCOME " + json.dumps(row), flush=True)
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
