@@ -75,7 +75,9 @@ def _check_job(ranks: dict[int, tuple], simulated: tuple, world: int) -> None:
     assert len(coords) == world  # one mesh instance per process
 
 
-def _torchrun(nnodes: int, nproc: int, port: int, flags=(), script_args=()) -> list[str]:
+def _torchrun(
+    nnodes: int, nproc: int, port: int, flags=(), script_args=(), script=SCRIPT
+) -> list[str]:
     """One torchrun agent that joins the c10d rendezvous store at 127.0.0.1:``port``."""
     return [
         *TORCHRUN,
@@ -96,16 +98,16 @@ def _torchrun(nnodes: int, nproc: int, port: int, flags=(), script_args=()) -> l
         "--max-restarts",
         "0",
         *flags,
-        SCRIPT,
+        script,
         *script_args,
     ]
 
 
-def _launch(nnodes: int, nproc: int, deadline_s: float, flags=(), script_args=()):
+def _launch(nnodes: int, nproc: int, deadline_s: float, flags=(), script_args=(), script=SCRIPT):
     """``nnodes`` torchrun agents of ``nproc`` processes each, on 127.0.0.1; the rendezvous store
     is hosted here for the whole launch. Returns (returncode, stdout, stderr) per agent."""
     store = agent_store()
-    cmd = _torchrun(nnodes, nproc, store.port, flags, script_args)
+    cmd = _torchrun(nnodes, nproc, store.port, flags, script_args, script)
     procs = [
         subprocess.Popen(
             cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -144,6 +146,18 @@ def test_torchrun_two_nodes_cooperate_as_one_mesh(simulated):
     per_node = [_ranks(out) for _, out, _ in outs]
     assert all(len(r) == 2 for r in per_node), per_node  # two processes on each "node"
     _check_job({**per_node[0], **per_node[1]}, simulated, 4)
+
+
+def test_torchrun_stencil_on_a_grid_that_does_not_divide():
+    """Tutorial 12's script: 10 rows over 4 processes, each holding its own block of torch.chunk's
+    sizes (3, 3, 3, 1); every rank checks the grid and the gradients against the whole-grid
+    computation and prints its largest error."""
+    stencil = os.path.join("tutorials", "scripts", "stencil_halo.py")
+    ((rc, out, err),) = _launch(1, 4, 240, script=stencil)
+    assert rc == 0, out[-2000:] + err[-3000:]
+    lines = re.findall(r"RANK (\d+)/4 blocks=\(3, 3, 3, 1\) max_err_vs_dense=(\S+)", out)
+    assert sorted(int(r) for r, _ in lines) == [0, 1, 2, 3], out[-2000:]
+    assert all(float(e) < 1e-12 for _, e in lines), lines
 
 
 def test_torchrun_failing_rank_is_named_by_every_rank():

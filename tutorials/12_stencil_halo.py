@@ -251,8 +251,9 @@ print(
 # ## The same program on real processes
 #
 # `scripts/stencil_halo.py` is this program as a script: on a simulated mesh with `python`, on
-# one process per instance under `torchrun`, each rank holding its own block of rows. Run here
-# as a module on the simulated mesh, it gives this notebook's values and gradients.
+# one process per instance under `torchrun`, each rank holding its own block of rows (the test
+# suite launches it on 4 gloo processes: every rank equal to the whole grid). Run here as a
+# module on the simulated mesh, it gives this notebook's values and gradients.
 
 # %%
 import importlib.util  # noqa: E402
