@@ -93,10 +93,7 @@ def dim_sizes(spec: PartitionSpec, d: int, size: int, sizes: Sizes) -> tuple[int
     given = spec.entry_sizes(d)
     if given is not None:
         return given
-    n = group_size(spec.entry_axes(d), sizes)
-    if size % n == 0:
-        return (size // n,) * n
-    return chunk_sizes(size, n)
+    return chunk_sizes(size, group_size(spec.entry_axes(d), sizes))  # equal where n divides
 
 
 def dim_offsets(block_sizes: Sequence[int]) -> tuple[int, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -335,9 +336,7 @@ def _split_problems(
 ) -> list[str]:
     """How dim ``d`` of size ``size`` fails to split over ``axes``: explicit block sizes that do
     not add up, or (where the caller takes only equal blocks) blocks of unequal sizes."""
-    n = 1
-    for a in axes:
-        n *= mesh_shape[a]
+    n = math.prod(mesh_shape[a] for a in axes)
     given = spec.entry_sizes(d)
     if given is None and (size % n == 0 or uneven):  # the common case, also while traced
         return []

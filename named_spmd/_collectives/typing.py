@@ -57,7 +57,7 @@ def block_sizes(size: int, axis_name: AxisName, *, mesh: Any = None) -> tuple[in
         raise CollectiveError(
             f"block_sizes: size must be a non-negative int (a global dim's size), got {size!r}."
         )
-    return (size // n,) * n if size % n == 0 else chunk_sizes(size, n)
+    return chunk_sizes(size, n)  # equal blocks where n divides the size
 
 
 def block_offsets(size: int, axis_name: AxisName, *, mesh: Any = None) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,6 +34,7 @@ from ..._layout import (
     coords_of,
     given_sizes_problem,
     group_coords,
+    group_size,
     index_of,
     split_all,
     split_index,
@@ -142,7 +144,7 @@ def _groups(shape: tuple[tuple[str, int], ...], axes: tuple[str, ...]) -> list[l
     names = tuple(sizes)
     seen: set[int] = set()
     groups = []
-    for i in range(_count(sizes)):
+    for i in range(math.prod(sizes.values())):
         if i in seen:
             continue
         coords = coords_of(i, names, sizes)
@@ -150,13 +152,6 @@ def _groups(shape: tuple[tuple[str, int], ...], axes: tuple[str, ...]) -> list[l
         seen.update(members)
         groups.append(members)
     return groups
-
-
-def _count(sizes: dict[str, int]) -> int:
-    n = 1
-    for s in sizes.values():
-        n *= s
-    return n
 
 
 def _each_group(groups, xs: list[Tensor], per_group) -> list[Tensor]:
@@ -444,11 +439,11 @@ def _assemble(mesh: Mesh, values: list[Tensor], spec: PartitionSpec, label: str)
     named = [a for a in names if a in spec.axes]
     summed = [a for a in names if a in spec.unreduced]
     blocks = []
-    for b in range(_count({a: sizes[a] for a in named})):
+    for b in range(group_size(named, sizes)):
         where = dict.fromkeys(names, 0) | coords_of(b, named, sizes)
         parts = [
             values[index_of(names, where | coords_of(u, summed, sizes), sizes)]
-            for u in range(_count({a: sizes[a] for a in summed}))
+            for u in range(group_size(summed, sizes))
         ]
         blocks.append(functools.reduce(torch.add, parts) if len(parts) > 1 else parts[0])
     if not named:
