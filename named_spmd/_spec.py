@@ -236,7 +236,7 @@ def _axis_set(axes: Any, what: str) -> frozenset[str]:
 #: entry of unequal sizes, ``ns.simulate_per_instance()``). One switch for every backend: they
 #: must refuse the same inputs (tests/test_properties_dist.py compares their errors), so it is
 #: turned on once each of them takes such blocks (``takes_uneven``).
-UNEVEN_BY_DEFAULT = False
+UNEVEN_BY_DEFAULT = True
 
 
 def uneven_by_default() -> bool:
@@ -336,7 +336,7 @@ def _split_problems(
 ) -> list[str]:
     """How dim ``d`` of size ``size`` fails to split over ``axes``: explicit block sizes that do
     not add up, or (where the caller takes only equal blocks) blocks of unequal sizes."""
-    n = math.prod(mesh_shape[a] for a in axes)
+    n = math.prod([mesh_shape[a] for a in axes])  # (a list: Dynamo traces this)
     given = spec.entry_sizes(d)
     if given is None and (size % n == 0 or uneven):  # the common case, also while traced
         return []
