@@ -190,3 +190,22 @@ report = big.check(
 )
 print(report)
 assert report.outputs[0].type.shape == (T, 256)
+
+# %% [markdown]
+# ## The same program on real processes
+#
+# `scripts/ragged_moe.py` is this layer and its training as a script: on a simulated mesh with
+# `python`, on one process per instance under `torchrun --nproc-per-node 4` (the test suite
+# launches it on 4 gloo processes: every rank's losses and trained weights equal the per-token
+# model's). Run here as a module, on a simulated mesh:
+
+# %%
+import importlib.util  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("ragged_moe", "scripts/ragged_moe.py")
+script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
+err, script_loads = script.train(ns.make_mesh((4,), ("ep",)), 4)
+assert err < 1e-10, err
+print(f"scripts/ragged_moe.py on the simulated mesh: equal to the per-token model ({err:.1e})")
+print("tokens per expert, per step:", script_loads)
