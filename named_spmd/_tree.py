@@ -196,7 +196,59 @@ IN_SPEC_INDEX = [in_spec_index]
 
 
 def flatten_with_paths(tree: Any) -> tuple[list[tuple], list[Any], Any]:
+    """Paths, leaves and a treedef for :func:`unflatten` (``None`` a leaf), in optree's order.
+
+    While Dynamo traces, a tree of tuples, lists and dicts is walked here instead of by optree:
+    torch's stand-in for optree's dict flatten is written for an older optree, and where a dict
+    holds no tensor (``{"step": 3}``) Dynamo runs optree's own function instead, whose result
+    (an ``optree.registry.DictMetaData``) it cannot hold, and refuses the call."""
+    if torch.compiler.is_compiling() and _plain(tree):
+        paths: list[tuple] = []
+        leaves: list[Any] = []
+        _walk(tree, (), paths, leaves)
+        return paths, leaves, PlainTree(tree)
     return optree.tree_flatten_with_path(tree, none_is_leaf=True)
+
+
+class PlainTree:
+    """The treedef of a traced tree of tuples, lists and dicts: the tree itself, whose leaves
+    :func:`unflatten` replaces in :func:`_walk`'s order."""
+
+    def __init__(self, template: Any):
+        self.template = template
+
+
+def _walk(tree: Any, path: tuple, paths: list[tuple], leaves: list[Any]) -> None:
+    """optree's order: a dict's values by its sorted keys (``total_order_sorted``)."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for i, x in enumerate(tree):
+            _walk(x, (*path, i), paths, leaves)
+    elif kind is dict:
+        for k in optree.utils.total_order_sorted(tree):
+            _walk(tree[k], (*path, k), paths, leaves)
+    else:
+        paths.append(path)
+        leaves.append(tree)
+
+
+def _rebuild(template: Any, leaves: Any) -> Any:
+    kind = type(template)
+    if kind is tuple or kind is list:
+        return kind(_rebuild(x, leaves) for x in template)
+    if kind is dict:  # filled in sorted order, keyed in the template's own order
+        values = {
+            k: _rebuild(template[k], leaves) for k in optree.utils.total_order_sorted(template)
+        }
+        return {k: values[k] for k in template}
+    return next(leaves)
+
+
+def unflatten(treedef: Any, leaves: list[Any]) -> Any:
+    """The tree of :func:`flatten_with_paths`' ``treedef`` with ``leaves``."""
+    if isinstance(treedef, PlainTree):
+        return _rebuild(treedef.template, iter(leaves))
+    return optree.tree_unflatten(treedef, leaves)
 
 
 def flatten(tree: Any) -> tuple[list[Any], Any]:

@@ -337,12 +337,19 @@ def _mesh():
     return ns.make_mesh((_world(),), ("dp",))
 
 
-def _drawn(x, step):
-    """Draws seeded by a step counter (an int argument) and by constants."""
-    h = ns.random.dropout(x, 0.5, over="dp", seed=(step, "drop"))
+def _drawn(x, cfg):
+    """Draws seeded by a step counter and by constants; the settings in a dict holding no
+    tensor (torch's stand-in for optree's dict flatten fails on one while Dynamo traces), and
+    the dropout's seed reads its keys in the caller's order."""
+    step = cfg["step"]
+    h = ns.random.dropout(x, cfg["p"], over="dp", seed=(step, ",".join(cfg)))
     noise = ns.random.randn(*x.shape[1:], over=(), seed=("noise", 2), dtype=x.dtype)
     ints = ns.random.randint(0, 7, x.shape, over="dp", seed=(step, 3))
     return h + noise + ints.to(x.dtype) * ns.random.rand(1, over="dp", seed=step, dtype=x.dtype)
+
+
+def _settings(step: int) -> dict:
+    return {"step": step, "p": 0.5, "name": "drop"}  # not in sorted order
 
 
 def _scaled(x, k):
@@ -359,7 +366,7 @@ CASES = {
     # name: (per-device function, in_specs, out_specs, arguments of a step, graphs expected)
     # a step counter changes every call: traced as a constant first, then, once it changed,
     # as a symbolic int (torch's automatic dynamic): two graphs, none per later step
-    "random_draws": (_drawn, (P("dp"), None), P("dp"), lambda s, x: (x, s), 2),
+    "random_draws": (_drawn, (P("dp"), None), P("dp"), lambda s, x: (x, _settings(s)), 2),
     "int_argument": (_scaled, (P("dp"), None), P(), lambda s, x: (x, s + 1), 2),
     # a graph break inside the call: the whole call runs eagerly, no graph of its own
     "graph_break_dict": (
