@@ -554,18 +554,19 @@ def test_ns_compile_with_inductor_on_the_simulated_mesh_equals_the_eager_call():
 
 @pytest.mark.parametrize("name", list(compile_worker.CASES))
 def test_user_code_compiles_in_the_expected_graphs(name):
-    """ns.random draws seeded by a step counter and by constants, an int argument (both
-    ``fullgraph=True``: two graphs over four steps, the step traced as a constant and then as
-    a symbolic int), and a graph break in a function taking a dict (the call runs eagerly: no
-    graph), each equal to the eager call (compile_worker.check_case; the real mesh's in the
-    aot_eager launch of tests/test_compile.py)."""
+    """ns.random draws seeded by a step counter and by constants, the settings in a dict
+    holding no tensor, an int argument (both ``fullgraph=True``: two graphs over the steps,
+    the step traced as a constant and then as a symbolic int), and a graph break in a function
+    taking a dict (the call runs eagerly: no graph), each equal to the eager call
+    (compile_worker.check_case; the real mesh's in the aot_eager launch of
+    tests/test_compile.py)."""
     _passes(compile_worker.check_case, name, "aot_eager")
 
 
 def test_a_training_step_compiles_in_the_graphs_of_the_dense_step():
-    """loss, backward, opt.step and zero_grad in one compiled function: the graphs torch makes
-    of the dense step, one more for the step counter, and the eager step's losses and
-    parameters (compile_worker.check_training_step)."""
+    """loss, backward, opt.step and zero_grad in one compiled function, its step counter
+    symbolic from the first call: the graphs torch makes of the dense step, none more, and the
+    eager step's losses and parameters (compile_worker.check_training_step)."""
     _passes(compile_worker.check_training_step, "training_step", "aot_eager")
 
 
