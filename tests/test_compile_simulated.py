@@ -646,3 +646,20 @@ def test_tensor_unflatten_does_not_compile_under_a_torch_function_mode():
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported, match=r"super\(\) attribute"):
         torch.compile(plain, backend="eager", fullgraph=True)(x)
+
+
+def test_a_step_counter_named_in_dynamic_sources_is_traced_once():
+    """The README's way to trace an int argument once: named in torch's ``dynamic_sources``
+    (``ns.compile(mapped)`` compiles ``__call__(self, *args)``: the second argument is
+    ``L['args'][1]``), it is symbolic from the first call: one graph over the steps, ``fullgraph``,
+    the eager values; unnamed, the int_argument case of compile_worker.CASES traces twice."""
+    mesh = ns.make_mesh((4,), ("dp",), simulated=True)
+    f = ns.spmd_map(compile_worker._scaled, mesh=mesh, in_specs=(P("dp"), None), out_specs=P())
+    x = torch.randn(8, 3, dtype=torch.float64)
+    counter = CompileCounterWithBackend("eager")
+    torch._dynamo.reset()
+    compiled = ns.compile(f, backend=counter, fullgraph=True)
+    with torch.compiler.config.patch(dynamic_sources="L['args'][1]"):
+        for step in range(3):
+            torch.testing.assert_close(compiled(x, step), f(x, step), rtol=0, atol=1e-12)
+    assert counter.frame_count == 1
