@@ -31,7 +31,8 @@ def broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[Partit
     function broadcasts the same specs over the same structure. (The structures are part of the
     key because a tuple of one P('b', 'a') equals P(('b', 'a')) as a tuple.)"""
     if torch.compiler.is_compiling():  # Dynamo cannot hash a treespec: no cache when traced
-        return _broadcast_specs(specs, tree, what, where)
+        plain = _plain_prefix(specs, tree) if _plain(tree) else None
+        return plain if plain is not None else _broadcast_specs(specs, tree, what, where)
     key: tuple | None
     try:
         spec_leaves, spec_tree = optree.tree_flatten(specs, is_leaf=is_spec_leaf, none_is_leaf=True)
@@ -47,6 +48,29 @@ def broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[Partit
             _broadcast_cache.clear()
         _broadcast_cache[key] = result
     return list(result)
+
+
+def _plain_prefix(specs: Any, tree: Any) -> list[PartitionSpec] | None:
+    """``specs`` broadcast over a tree of tuples, lists and dicts in optree's leaf order, as
+    :func:`_broadcast_specs` would, without optree (:func:`flatten_with_paths` says why); None
+    where ``specs`` is no prefix of ``tree`` (optree's broadcast then names the mismatch)."""
+    out: list[PartitionSpec] = []
+    return out if _prefix(specs, tree, out) else None
+
+
+def _prefix(specs: Any, tree: Any, out: list[PartitionSpec]) -> bool:
+    if is_spec_leaf(specs):
+        leaves: list[Any] = []
+        _walk(tree, (), [], leaves)
+        out.extend([PartitionSpec() if specs is None else specs] * len(leaves))
+        return True
+    kind = type(tree)
+    if type(specs) is not kind:
+        return False
+    if kind is dict:
+        keys = optree.utils.total_order_sorted(tree)
+        return specs.keys() == tree.keys() and all(_prefix(specs[k], tree[k], out) for k in keys)
+    return len(specs) == len(tree) and all(_prefix(s, t, out) for s, t in zip(specs, tree))
 
 
 def _broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[PartitionSpec]:
