@@ -618,6 +618,10 @@ def _relu_of_partial(x, w, b):
     return ns.psum(torch.relu(x @ w), "dp") + b
 
 
+def _tensor_seed(x, step):
+    return ns.random.dropout(x, 0.5, over="dp", seed=(step, 1))  # a tensor: its value may vary
+
+
 _ROW_PARALLEL = (
     (P(None, "dp"), P("dp", None), P()),
     P(),
@@ -626,6 +630,12 @@ _ROW_PARALLEL = (
 
 
 ERRORS = {
+    "tensor_seed": (
+        _tensor_seed,
+        (P("dp"), P()),
+        P("dp"),
+        lambda: (torch.ones(8, 2), torch.tensor(3)),
+    ),
     "out_specs_claim_replication": (_unreduced, P("dp"), P(), lambda: (torch.ones(8, 2),)),
     "invariant_operand": (
         _invariant_scatter,
