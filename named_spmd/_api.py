@@ -39,6 +39,7 @@ from ._tree import (
     path_text,
     paths_of,
     spec_leaves,
+    unflatten,
 )
 from .backends import Backend, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
@@ -360,7 +361,7 @@ class SpmdFunction:
         def body(local_leaves: list[Any], ctx: _context.SpmdContext) -> list[torch.Tensor]:
             _context.push(ctx)
             try:
-                local_args = cast(tuple, optree.tree_unflatten(in_tree, local_leaves))
+                local_args = cast(tuple, unflatten(in_tree, local_leaves))
                 out = self._call_user(local_args, backend)
                 with P.DisableTorchFunction():  # our bookkeeping: no op of the program
                     paths, out_leaves, out_specs, out_tree = self._check_outputs(out, ctx)
@@ -384,7 +385,7 @@ class SpmdFunction:
 
         tensors = iter(backend.run(self.mesh, self.fn, leaves, specs, body, out_specs_of))
         out_leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in result["leaves"]]
-        return optree.tree_unflatten(result["tree"], out_leaves), result
+        return unflatten(result["tree"], out_leaves), result
 
     def _call_user(self, args: tuple, backend: Backend) -> Any:
         try:

@@ -25,6 +25,7 @@ from ._tree import (
     check_spec_types,
     flatten_with_paths,
     path_text,
+    unflatten,
 )
 
 
@@ -101,7 +102,7 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
 
         wheres = [f"tree{path_text(p)}" for p in paths]
         out = shard_leaves(mesh, leaves, leaf_specs, wheres, local, blocks)
-    return optree.tree_unflatten(treedef, out)
+    return unflatten(treedef, out)
 
 
 def unshard(tree: Any) -> Any:

@@ -31,7 +31,8 @@ def broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[Partit
     function broadcasts the same specs over the same structure. (The structures are part of the
     key because a tuple of one P('b', 'a') equals P(('b', 'a')) as a tuple.)"""
     if torch.compiler.is_compiling():  # Dynamo cannot hash a treespec: no cache when traced
-        return _broadcast_specs(specs, tree, what, where)
+        plain = _plain_prefix(specs, tree) if _plain(tree) else None
+        return plain if plain is not None else _broadcast_specs(specs, tree, what, where)
     key: tuple | None
     try:
         spec_leaves, spec_tree = optree.tree_flatten(specs, is_leaf=is_spec_leaf, none_is_leaf=True)
@@ -47,6 +48,29 @@ def broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[Partit
             _broadcast_cache.clear()
         _broadcast_cache[key] = result
     return list(result)
+
+
+def _plain_prefix(specs: Any, tree: Any) -> list[PartitionSpec] | None:
+    """``specs`` broadcast over a tree of tuples, lists and dicts in optree's leaf order, as
+    :func:`_broadcast_specs` would, without optree (:func:`flatten_with_paths` says why); None
+    where ``specs`` is no prefix of ``tree`` (optree's broadcast then names the mismatch)."""
+    out: list[PartitionSpec] = []
+    return out if _prefix(specs, tree, out) else None
+
+
+def _prefix(specs: Any, tree: Any, out: list[PartitionSpec]) -> bool:
+    if is_spec_leaf(specs):
+        leaves: list[Any] = []
+        _walk(tree, (), [], leaves)
+        out.extend([PartitionSpec() if specs is None else specs] * len(leaves))
+        return True
+    kind = type(tree)
+    if type(specs) is not kind:
+        return False
+    if kind is dict:
+        keys = optree.utils.total_order_sorted(tree)
+        return specs.keys() == tree.keys() and all(_prefix(specs[k], tree[k], out) for k in keys)
+    return len(specs) == len(tree) and all(_prefix(s, t, out) for s, t in zip(specs, tree))
 
 
 def _broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[PartitionSpec]:
@@ -196,7 +220,59 @@ IN_SPEC_INDEX = [in_spec_index]
 
 
 def flatten_with_paths(tree: Any) -> tuple[list[tuple], list[Any], Any]:
+    """Paths, leaves and a treedef for :func:`unflatten` (``None`` a leaf), in optree's order.
+
+    While Dynamo traces, a tree of tuples, lists and dicts is walked here instead of by optree:
+    torch's stand-in for optree's dict flatten is written for an older optree, and where a dict
+    holds no tensor (``{"step": 3}``) Dynamo runs optree's own function instead, whose result
+    (an ``optree.registry.DictMetaData``) it cannot hold, and refuses the call."""
+    if torch.compiler.is_compiling() and _plain(tree):
+        paths: list[tuple] = []
+        leaves: list[Any] = []
+        _walk(tree, (), paths, leaves)
+        return paths, leaves, PlainTree(tree)
     return optree.tree_flatten_with_path(tree, none_is_leaf=True)
+
+
+class PlainTree:
+    """The treedef of a traced tree of tuples, lists and dicts: the tree itself, whose leaves
+    :func:`unflatten` replaces in :func:`_walk`'s order."""
+
+    def __init__(self, template: Any):
+        self.template = template
+
+
+def _walk(tree: Any, path: tuple, paths: list[tuple], leaves: list[Any]) -> None:
+    """optree's order: a dict's values by its sorted keys (``total_order_sorted``)."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for i, x in enumerate(tree):
+            _walk(x, (*path, i), paths, leaves)
+    elif kind is dict:
+        for k in optree.utils.total_order_sorted(tree):
+            _walk(tree[k], (*path, k), paths, leaves)
+    else:
+        paths.append(path)
+        leaves.append(tree)
+
+
+def _rebuild(template: Any, leaves: Any) -> Any:
+    kind = type(template)
+    if kind is tuple or kind is list:
+        return kind(_rebuild(x, leaves) for x in template)
+    if kind is dict:  # filled in sorted order, keyed in the template's own order
+        values = {
+            k: _rebuild(template[k], leaves) for k in optree.utils.total_order_sorted(template)
+        }
+        return {k: values[k] for k in template}
+    return next(leaves)
+
+
+def unflatten(treedef: Any, leaves: list[Any]) -> Any:
+    """The tree of :func:`flatten_with_paths`' ``treedef`` with ``leaves``."""
+    if isinstance(treedef, PlainTree):
+        return _rebuild(treedef.template, iter(leaves))
+    return optree.tree_unflatten(treedef, leaves)
 
 
 def flatten(tree: Any) -> tuple[list[Any], Any]:

@@ -318,7 +318,7 @@ def _seed_parts(ctx: SpmdContext, seed: Seed, op: str) -> tuple[SeedPart, ...]:
     if not parts or not all(_is_int(s) or isinstance(s, str) for s in parts):
         raise SpmdError(
             f"ns.random.{op} in {ctx.fn_label}: seed must be an int, a string or a tuple of "
-            f"them, got {seed!r}"
+            f"them, got {_seed_text(seed)}"
             + (" (a tensor's value may differ between instances)" if _has_tensor(parts) else "")
             + f". {_SEED_FIX}"
         )
@@ -338,6 +338,14 @@ def _seed_parts(ctx: SpmdContext, seed: Seed, op: str) -> tuple[SeedPart, ...]:
             )
         used.add(parts)
     return parts
+
+
+def _seed_text(seed: Any) -> str:
+    """``seed`` for a message, a tensor as ``<a tensor>``: its repr would read its values, which
+    a compiled call's trace does not have (Dynamo would refuse the repr, not name the error)."""
+    if isinstance(seed, tuple):
+        return "(" + ", ".join(_seed_text(s) for s in seed) + ("," if len(seed) == 1 else "") + ")"
+    return "<a tensor>" if isinstance(seed, torch.Tensor) else repr(seed)
 
 
 def _shape(size: tuple[Any, ...], op: str) -> tuple[int, ...]:

@@ -49,6 +49,7 @@ ERRORS = [
     "bias_inside_psum",
     "linear_bias_inside_psum",
     "relu_of_partial",
+    "tensor_seed",
 ]
 
 

@@ -554,18 +554,19 @@ def test_ns_compile_with_inductor_on_the_simulated_mesh_equals_the_eager_call():
 
 @pytest.mark.parametrize("name", list(compile_worker.CASES))
 def test_user_code_compiles_in_the_expected_graphs(name):
-    """ns.random draws seeded by a step counter and by constants, an int argument (both
-    ``fullgraph=True``: two graphs over four steps, the step traced as a constant and then as
-    a symbolic int), and a graph break in a function taking a dict (the call runs eagerly: no
-    graph), each equal to the eager call (compile_worker.check_case; the real mesh's in the
-    aot_eager launch of tests/test_compile.py)."""
+    """ns.random draws seeded by a step counter and by constants, the settings in a dict
+    holding no tensor, an int argument (both ``fullgraph=True``: two graphs over the steps,
+    the step traced as a constant and then as a symbolic int), and a graph break in a function
+    taking a dict (the call runs eagerly: no graph), each equal to the eager call
+    (compile_worker.check_case; the real mesh's in the aot_eager launch of
+    tests/test_compile.py)."""
     _passes(compile_worker.check_case, name, "aot_eager")
 
 
 def test_a_training_step_compiles_in_the_graphs_of_the_dense_step():
-    """loss, backward, opt.step and zero_grad in one compiled function: the graphs torch makes
-    of the dense step, one more for the step counter, and the eager step's losses and
-    parameters (compile_worker.check_training_step)."""
+    """loss, backward, opt.step and zero_grad in one compiled function, its step counter
+    symbolic from the first call: the graphs torch makes of the dense step, none more, and the
+    eager step's losses and parameters (compile_worker.check_training_step)."""
     _passes(compile_worker.check_training_step, "training_step", "aot_eager")
 
 
@@ -645,3 +646,20 @@ def test_tensor_unflatten_does_not_compile_under_a_torch_function_mode():
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported, match=r"super\(\) attribute"):
         torch.compile(plain, backend="eager", fullgraph=True)(x)
+
+
+def test_a_step_counter_named_in_dynamic_sources_is_traced_once():
+    """The README's way to trace an int argument once: named in torch's ``dynamic_sources``
+    (``ns.compile(mapped)`` compiles ``__call__(self, *args)``: the second argument is
+    ``L['args'][1]``), it is symbolic from the first call: one graph over the steps, ``fullgraph``,
+    the eager values; unnamed, the int_argument case of compile_worker.CASES traces twice."""
+    mesh = ns.make_mesh((4,), ("dp",), simulated=True)
+    f = ns.spmd_map(compile_worker._scaled, mesh=mesh, in_specs=(P("dp"), None), out_specs=P())
+    x = torch.randn(8, 3, dtype=torch.float64)
+    counter = CompileCounterWithBackend("eager")
+    torch._dynamo.reset()
+    compiled = ns.compile(f, backend=counter, fullgraph=True)
+    with torch.compiler.config.patch(dynamic_sources="L['args'][1]"):
+        for step in range(3):
+            torch.testing.assert_close(compiled(x, step), f(x, step), rtol=0, atol=1e-12)
+    assert counter.frame_count == 1
