@@ -13,7 +13,7 @@ import optree
 import torch
 
 from . import _context
-from . import _torch_private as P
+from . import _torch_private as torch_private
 from ._accounting import CommEvent, on_backward, recording
 from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
@@ -55,7 +55,7 @@ def _call(f: SpmdFunction, args: tuple, backend: Backend, local: bool) -> Any:
 #: breaking there would hand the rest of the call Dynamo's stand-ins for the pytree specs). Also
 #: a call in the eager rest of a compiled function whose frame Dynamo gave up on: with Dynamo
 #: off, not compiled frame by frame.
-_call_eagerly = P.not_traced(
+_call_eagerly = torch_private.not_traced(
     _call,
     reason="named_spmd: a call on a backend that Dynamo cannot trace (Backend.traceable is "
     "False) runs eagerly inside a compiled program (docs/design.md section 7). Fix: compile "
@@ -64,7 +64,7 @@ _call_eagerly = P.not_traced(
 )
 #: A call made under ``ns.CommMode`` while compiling: CommMode counts what a call runs, and a
 #: compiled graph runs no Python to count with, so the call runs eagerly (a graph break).
-_call_counted = P.not_traced(
+_call_counted = torch_private.not_traced(
     _call,
     reason="named_spmd: a mapped call made under ns.CommMode runs eagerly inside a compiled "
     "program, so that CommMode counts its collectives (docs/design.md section 7). Fix: compile "
@@ -297,7 +297,9 @@ class SpmdFunction:
                 return _call_eagerly(self, args, backend, local)
             if recording():
                 return _call_counted(self, args, backend, local)
-        elif P.dynamo_frame_callback() is not None:  # Dynamo gave up on the frame around this
+        elif (
+            torch_private.dynamo_frame_callback() is not None
+        ):  # Dynamo gave up on the frame around this
             # call: run it with Dynamo off, or it would compile our eager internals frame by frame
             return _call_eagerly(self, args, backend, local)
         return self._call(args, backend, local)[0]
@@ -363,7 +365,7 @@ class SpmdFunction:
             try:
                 local_args = cast(tuple, unflatten(in_tree, local_leaves))
                 out = self._call_user(local_args, backend)
-                with P.DisableTorchFunction():  # our bookkeeping: no op of the program
+                with torch_private.DisableTorchFunction():  # our bookkeeping: no op of the program
                     paths, out_leaves, out_specs, out_tree = self._check_outputs(out, ctx)
             finally:
                 _context.pop()

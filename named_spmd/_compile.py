@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import _context
-from . import _torch_private as P
+from . import _torch_private as torch_private
 from ._accounting import recording
 from ._api import SpmdFunction
 
@@ -135,7 +135,7 @@ def _sink_output_waits(graph: Any) -> None:
     implicit pvarys', each at its parameter's first use) alternate with the activations' psums
     over other axes. A later wait only delays when the result is read: the order in which every
     rank issues its collectives is the same."""
-    wait, all_reduce = P.funcol().wait, P.funcol().all_reduce
+    wait, all_reduce = torch_private.funcol().wait, torch_private.funcol().all_reduce
     output = next(iter(graph.find_nodes(op="output")))
     last: dict[tuple, Any] = {}  # bucket key -> its last wait in graph order
     movable: dict[tuple, list[Any]] = {}  # bucket key -> its waits read only by the output
@@ -163,7 +163,9 @@ def sink_output_waits_pass() -> Any:
     except OSError:  # installed without its sources: the bytecode
         source = _sink_output_waits.__code__.co_code
     key = hashlib.sha256(source).hexdigest()[:16]
-    return P.inductor_graph_pass(_sink_output_waits, f"named_spmd.sink_output_waits.{key}")
+    return torch_private.inductor_graph_pass(
+        _sink_output_waits, f"named_spmd.sink_output_waits.{key}"
+    )
 
 
 def with_bucketed_all_reduces(options: dict[str, Any]) -> dict[str, Any]:

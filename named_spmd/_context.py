@@ -20,7 +20,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as _SDPA
 
-from . import _torch_private as P
+from . import _torch_private as torch_private
 from ._accounting import begin_recompute, end_recompute, live_modes
 from ._errors import CollectiveError, fn_label, suggest
 from ._layout import ragged_pack, ragged_place
@@ -387,7 +387,7 @@ def push(ctx: SpmdContext) -> None:
     checkpoint recomputation inside the call can find it again (:class:`CallMarker`)."""
     _local.stack.append(ctx)
     if ctx.marks_calls:
-        P.push_function_mode(CallMarker(ctx))
+        torch_private.push_function_mode(CallMarker(ctx))
 
 
 def pop() -> None:
@@ -404,7 +404,9 @@ def active() -> SpmdContext | None:
 def current(op: str) -> SpmdContext:
     stack = _local.stack
     if not stack:
-        if P.current_graph_task_id() != -1:  # in a backward pass: a recomputation, most likely
+        if (
+            torch_private.current_graph_task_id() != -1
+        ):  # in a backward pass: a recomputation, most likely
             raise CollectiveError(
                 f"{op} was called in a backward pass, outside the spmd_map call it belongs to: "
                 "a recomputation that does not restore the call (torch.utils.checkpoint with "
@@ -430,7 +432,7 @@ def current(op: str) -> SpmdContext:
 # entering it again resumes the call (docs/design.md section 8).
 
 
-class CallMarker(P.DeviceContext):
+class CallMarker(torch_private.DeviceContext):
     """A torch-function mode that marks a running call; entered by a checkpoint's recomputation,
     it resumes the call: the backend's state (:meth:`SpmdContext.resume`), the call's own modes
     (vma tracking), the active call, and the accounting of recomputed collectives as backward
@@ -444,7 +446,9 @@ class CallMarker(P.DeviceContext):
         self.modes = [m for m in stack if _of_call(m, ctx)]
         # the device context the call ran under: torch's checkpoint would have re-entered it
         self.outer_device = next(
-            (m for m in reversed(stack) if isinstance(m, P.DeviceContext)),  # no marker yet
+            (
+                m for m in reversed(stack) if isinstance(m, torch_private.DeviceContext)
+            ),  # no marker yet
             None,
         )
         self.comm_modes = live_modes()  # for a recomputation on autograd's device thread
@@ -465,7 +469,7 @@ class CallMarker(P.DeviceContext):
 
     def __enter__(self) -> CallMarker:
         undo = None if active() is self.ctx else self._resume()
-        P.push_function_mode(self)
+        torch_private.push_function_mode(self)
         self.undo.append(undo)
         return self
 
@@ -483,8 +487,8 @@ class CallMarker(P.DeviceContext):
             if outer is not None and not _on_mode_stack(outer):
                 undo.enter_context(outer)
             for mode in self.modes:
-                P.push_function_mode(mode)
-                undo.callback(P.pop_function_mode)
+                torch_private.push_function_mode(mode)
+                undo.callback(torch_private.pop_function_mode)
             _local.stack.append(self.ctx)
             undo.callback(_local.stack.pop)
             undo.callback(end_recompute, begin_recompute(self.comm_modes))
@@ -496,7 +500,7 @@ class CallMarker(P.DeviceContext):
 
 def _mode_stack() -> list[Any]:
     """The torch function modes on the stack, bottom first."""
-    return [P.function_mode_at(i) for i in range(P.function_mode_depth())]
+    return [torch_private.function_mode_at(i) for i in range(torch_private.function_mode_depth())]
 
 
 def _of_call(mode: Any, ctx: SpmdContext) -> bool:
@@ -517,26 +521,26 @@ def without_call_modes(ctx: SpmdContext) -> Iterator[None]:
     lifted = stack[ours[0] :] if ours else []
     kept = [m for m in lifted if not _of_call(m, ctx)]
     for _ in lifted:
-        P.pop_function_mode()
+        torch_private.pop_function_mode()
     for m in kept:
-        P.push_function_mode(m)
+        torch_private.push_function_mode(m)
     try:
         yield
     finally:
         for _ in kept:
-            P.pop_function_mode()
+            torch_private.pop_function_mode()
         for m in lifted:
-            P.push_function_mode(m)
+            torch_private.push_function_mode(m)
 
 
 def _remove_marker(ctx: SpmdContext) -> None:
     """Pop the topmost marker of ``ctx``, wherever it sits (a ``torch.device`` block entered
     inside the call moves DeviceContext modes to the bottom of the stack)."""
     above = []
-    while P.function_mode_depth():
-        mode = P.pop_function_mode()
+    while torch_private.function_mode_depth():
+        mode = torch_private.pop_function_mode()
         if isinstance(mode, CallMarker) and mode.ctx is ctx:
             break
         above.append(mode)
     for mode in reversed(above):
-        P.push_function_mode(mode)
+        torch_private.push_function_mode(mode)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from . import _blocks
-from . import _torch_private as P
+from . import _torch_private as torch_private
 from ._tracking import _ATTR, NOT_OPS, TrackedContext, VmaMode, swap_operands, tensor_operands
 from ._tracking import _SRC as SRC
 
@@ -96,9 +96,9 @@ class PlanningMode(VmaMode):
         ctx.recipes = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.hooks_seen and P.saved_tensors_hooks_active():
+        if not self.hooks_seen and torch_private.saved_tensors_hooks_active():
             self.hooks_seen = True
-        if func in NOT_OPS or P.transforms_active():
+        if func in NOT_OPS or torch_private.transforms_active():
             self.replayable = False  # differentiation inside the call: typed every call
         if not self.replayable or self.ctx.in_collective:
             return super().__torch_function__(func, types, args, kwargs)

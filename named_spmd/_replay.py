@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import _torch_private as P
+from . import _torch_private as torch_private
 from ._accounting import recording
 from ._debug import debug_enabled
 from ._mesh import Mesh
@@ -50,7 +50,7 @@ class CheckedMode(VmaMode):
     hooks_seen = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.hooks_seen and P.saved_tensors_hooks_active():
+        if not self.hooks_seen and torch_private.saved_tensors_hooks_active():
             self.hooks_seen = True
         return super().__torch_function__(func, types, args, kwargs)
 
@@ -137,8 +137,8 @@ def _checked_signatures(mapped: Any, planned: bool) -> dict[tuple, Any] | None:
         mapped is None
         or not ENABLED
         or (recording() and not planned)
-        or P.transforms_active()
-        or P.forward_level() >= 0
+        or torch_private.transforms_active()
+        or torch_private.forward_level() >= 0
         or debug_enabled()
     ):
         return None

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import _blocks, _partial, _tree, _types, random
-from . import _torch_private as P
+from . import _torch_private as torch_private
 from ._collectives import _checks
 from ._collectives._record import implicit_pvary
 from ._context import SpmdContext
@@ -79,7 +79,7 @@ _types.TYPE_TEXT[0] = torch.compiler.assume_constant_result(_types._type_repr)
 @torch.compiler.assume_constant_result
 def _traced_user_line() -> str:
     """The user's line of the op being traced, for error messages (run eagerly at trace time)."""
-    return _partial.line_of(P.traced_user_stack())
+    return _partial.line_of(torch_private.traced_user_stack())
 
 
 _partial.TRACED_USER_LINE[0] = _traced_user_line
@@ -102,23 +102,23 @@ def _label(fn: Any) -> str:
 def route_view_attributes() -> bool:
     """Run eagerly when the first call is traced: ``x.T`` & co. reach the VmaMode, as in eager
     (``_torch_private.route_view_attributes_to_modes``)."""
-    return P.route_view_attributes_to_modes()
+    return torch_private.route_view_attributes_to_modes()
 
 
 @torch.compiler.assume_constant_result
 def root_frame() -> tuple[str, str]:
     """(file, function) of the frame Dynamo compiles, run eagerly at trace time."""
-    return P.traced_root_frame() or ("", "")
+    return torch_private.traced_root_frame() or ("", "")
 
 
 #: Dynamo's ``skip_frame``: the frame being traced runs eagerly instead
-skip_frame = P.dynamo_skip_frame()
+skip_frame = torch_private.dynamo_skip_frame()
 
 
 @torch.compiler.assume_constant_result
 def _in_subgraph() -> bool:
     """``traced_in_subgraph`` run eagerly at trace time."""
-    return P.traced_in_subgraph()
+    return torch_private.traced_in_subgraph()
 
 
 # Dynamo traces a higher-order op's body (checkpoint, cond, ...) into a subgraph whose tensors
@@ -204,7 +204,9 @@ class CompiledVmaMode(VmaMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _PASS:
             return func(*args, **(kwargs or {}))
-        if isinstance(func, P.HigherOrderOperator):  # its body was traced without the mode
+        if isinstance(
+            func, torch_private.HigherOrderOperator
+        ):  # its body was traced without the mode
             raise SpmdError(_SUBGRAPH.format(fn=self.ctx.fn_label))
         return self._general(func, args, kwargs)
 
@@ -213,7 +215,7 @@ class CompiledVmaMode(VmaMode):
         # attribute-mutation record): each becomes a view of its own, which takes the stamp
         out = func(*args, **(kwargs or {}))
         if isinstance(out, (tuple, list)):  # also torch.return_types (max, sort, ...)
-            with P.DisableTorchFunction():
+            with torch_private.DisableTorchFunction():
                 out = type(out)([o.view_as(o) if isinstance(o, torch.Tensor) else o for o in out])
         return out
 

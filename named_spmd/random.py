@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import _torch_private as P
+from . import _torch_private as torch_private
 from ._context import SpmdContext, current
 from ._errors import SpmdError
 from ._layout import coords_of
@@ -328,7 +328,9 @@ def _seed_parts(ctx: SpmdContext, seed: Seed, op: str) -> tuple[SeedPart, ...]:
         # .check(), not here
         return parts
     parts = tuple(s if isinstance(s, str) else int(s) for s in parts)
-    if P.current_graph_task_id() == -1:  # a recomputation in backward draws again, rightly
+    if (
+        torch_private.current_graph_task_id() == -1
+    ):  # a recomputation in backward draws again, rightly
         used = _USED.setdefault(ctx, set())
         if parts in used:
             raise SpmdError(

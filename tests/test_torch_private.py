@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.autograd import forward_ad
 
-from named_spmd import _torch_private as P
+from named_spmd import _torch_private as torch_private
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "named_spmd"
 # What marks a private torch name (in code, strings and comments alike).
@@ -86,7 +86,7 @@ LEAKS = [  # one line per private name the scan must report outside _torch_priva
 ]
 PROSE = [  # what the scan leaves alone: the package's own names and DTensor's concepts in prose
     "from ._spec import PartitionSpec",
-    "top = P.maybe_current_level()",
+    "top = torch_private.maybe_current_level()",
     "specs: dict = {}  # (placements, shape, stride, dtype) -> DTensorSpec",
     "DTensor's ``from_local`` rebuilds a ``DTensorSpec`` for every tensor",
     "for elem in elements: is_base = isinstance(g, DTensor)",
@@ -104,28 +104,32 @@ def test_the_scan_finds_each_private_name_and_only_those(tmp_path):
 
 
 def test_vmap_levels_entered_directly_round_trip():
-    level = P.vmap_increment_nesting(3, "same")
+    level = torch_private.vmap_increment_nesting(3, "same")
     try:
-        assert P.maybe_current_level() == level
-        x = P.add_batch_dim(torch.arange(6.0).reshape(3, 2), 0, level)
-        assert P.maybe_get_level(x) == level and P.is_batchedtensor(x)
-        assert P.maybe_get_bdim(x) == 0
-        assert P.get_unwrapped(x).shape == (3, 2)
-        assert P.is_transform_wrapped(x)
-        back = P.remove_batch_dim(x * 2, level, 3, 0)
+        assert torch_private.maybe_current_level() == level
+        x = torch_private.add_batch_dim(torch.arange(6.0).reshape(3, 2), 0, level)
+        assert torch_private.maybe_get_level(x) == level and torch_private.is_batchedtensor(x)
+        assert torch_private.maybe_get_bdim(x) == 0
+        assert torch_private.get_unwrapped(x).shape == (3, 2)
+        assert torch_private.is_transform_wrapped(x)
+        back = torch_private.remove_batch_dim(x * 2, level, 3, 0)
     finally:
-        P.vmap_decrement_nesting()
+        torch_private.vmap_decrement_nesting()
     assert torch.equal(back, torch.arange(6.0).reshape(3, 2) * 2)
-    assert P.maybe_get_level(torch.ones(1)) == -1
-    assert [i.key() for i in P.get_interpreter_stack() or []] == []
+    assert torch_private.maybe_get_level(torch.ones(1)) == -1
+    assert [i.key() for i in torch_private.get_interpreter_stack() or []] == []
 
 
 def test_printing_hooks_answer_first_for_wrapped_tensors_only(monkeypatch):
     """repr / str / format of a functorch-wrapped tensor reach the hooks; None hands back to
     torch; plain tensors never reach them (the simulated backend's per-instance printing)."""
     seen: list[str] = []
-    monkeypatch.setitem(P._PRINT_HOOKS, "text", lambda t: seen.append("text") or "shown")
-    monkeypatch.setitem(P._PRINT_HOOKS, "formatted", lambda t, spec: f"formatted {spec}")
+    monkeypatch.setitem(
+        torch_private._PRINT_HOOKS, "text", lambda t: seen.append("text") or "shown"
+    )
+    monkeypatch.setitem(
+        torch_private._PRINT_HOOKS, "formatted", lambda t, spec: f"formatted {spec}"
+    )
     texts: list[str] = []
 
     def f(x):
@@ -136,8 +140,8 @@ def test_printing_hooks_answer_first_for_wrapped_tensors_only(monkeypatch):
     assert texts == ["shown", "shown", "formatted ", "formatted .2f"]
     assert repr(torch.ones(1)) == "tensor([1.])" and f"{torch.tensor(1.5):.2f}" == "1.50"
     assert seen == ["text", "text"]
-    monkeypatch.setitem(P._PRINT_HOOKS, "text", lambda t: None)
-    monkeypatch.setitem(P._PRINT_HOOKS, "formatted", lambda t, spec: None)
+    monkeypatch.setitem(torch_private._PRINT_HOOKS, "text", lambda t: None)
+    monkeypatch.setitem(torch_private._PRINT_HOOKS, "formatted", lambda t, spec: None)
     texts.clear()
     torch.func.vmap(lambda x: texts.append(repr(x)) or x)(torch.ones(2, 3))
     assert texts[0].startswith("BatchedTensor(lvl=1, bdim=0, value=")
@@ -150,8 +154,12 @@ def test_grad_level_hooks_see_every_grad_like_transform_enter_and_leave(monkeypa
     import named_spmd.backends.simulated  # noqa: F401 - installs the hooks
 
     seen: list[tuple[str, int | None]] = []
-    monkeypatch.setitem(P._GRAD_HOOKS, "entered", lambda level: seen.append(("in", level)))
-    monkeypatch.setitem(P._GRAD_HOOKS, "leaving", lambda level: seen.append(("out", level)))
+    monkeypatch.setitem(
+        torch_private._GRAD_HOOKS, "entered", lambda level: seen.append(("in", level))
+    )
+    monkeypatch.setitem(
+        torch_private._GRAD_HOOKS, "leaving", lambda level: seen.append(("out", level))
+    )
     x = torch.ones(3)
     f = lambda u: (u * u).sum()  # noqa: E731
     for transform in (
@@ -179,23 +187,23 @@ def test_grad_tracking_tensors_are_recognised():
     kinds = []
 
     def f(x):
-        kinds.append((P.is_gradtrackingtensor(x), P.is_batchedtensor(x)))
+        kinds.append((torch_private.is_gradtrackingtensor(x), torch_private.is_batchedtensor(x)))
         return x.sum()
 
     torch.func.grad(f)(torch.ones(2))
-    assert kinds == [(True, False)] and not P.is_gradtrackingtensor(torch.ones(1))
+    assert kinds == [(True, False)] and not torch_private.is_gradtrackingtensor(torch.ones(1))
 
 
 def test_transforms_active_and_the_current_interpreter():
     seen = []
 
     def f(x):
-        seen.append((P.transforms_active(), P.current_interpreter().key()))
+        seen.append((torch_private.transforms_active(), torch_private.current_interpreter().key()))
         return (x * x).sum()
 
-    assert not P.transforms_active()
+    assert not torch_private.transforms_active()
     torch.func.grad(f)(torch.ones(2))
-    assert seen == [(True, P.TransformType.Grad)]
+    assert seen == [(True, torch_private.TransformType.Grad)]
 
 
 def test_function_base_apply_runs_a_function_without_python_binding():
@@ -212,7 +220,7 @@ def test_function_base_apply_runs_a_function_without_python_binding():
         def backward(ctx, g):
             return g * 2
 
-    fast = P.function_base_apply.__get__(None, Double)
+    fast = torch_private.function_base_apply.__get__(None, Double)
     x = torch.ones(3, requires_grad=True)
     fast(x).sum().backward()
     assert torch.equal(x.grad, torch.full((3,), 2.0))
@@ -238,10 +246,10 @@ def _identity_function(backward, base: type = torch.autograd.Function) -> type:
 
 
 def test_single_level_function_applies_at_a_grad_level():
-    Identity = _identity_function(lambda g: g * 3, P.SingleLevelFunction)
+    Identity = _identity_function(lambda g: g * 3, torch_private.SingleLevelFunction)
 
     def f(x):
-        with P.single_level_functions():
+        with torch_private.single_level_functions():
             return Identity.apply(x).sum()
 
     assert torch.equal(torch.func.grad(f)(torch.ones(2)), torch.full((2,), 3.0))
@@ -249,22 +257,26 @@ def test_single_level_function_applies_at_a_grad_level():
 
 def test_reference_and_use_counts_see_every_holder():
     x = torch.ones(2)
-    refs = P.refcount(x)
+    refs = torch_private.refcount(x)
     also = x
-    assert P.refcount(x) == refs + 1
+    assert torch_private.refcount(x) == refs + 1
     del also
-    uses, storage_uses, storage_refs = P.use_counts(x)
+    uses, storage_uses, storage_refs = torch_private.use_counts(x)
     view = x.view(2)
-    assert P.use_counts(x)[1] == storage_uses + 1  # a view is one more use of the storage
+    assert (
+        torch_private.use_counts(x)[1] == storage_uses + 1
+    )  # a view is one more use of the storage
     held = x.untyped_storage()
-    assert P.use_counts(x)[2] == storage_refs + 1  # a held storage object: one more reference
+    assert (
+        torch_private.use_counts(x)[2] == storage_refs + 1
+    )  # a held storage object: one more reference
     del view, held
     assert isinstance(uses, int)
 
 
 def test_queue_callback_refuses_outside_a_backward_pass():
     with pytest.raises(RuntimeError):
-        P.queue_callback(lambda: None)
+        torch_private.queue_callback(lambda: None)
     ran = []
 
     class Hook(torch.autograd.Function):
@@ -274,7 +286,7 @@ def test_queue_callback_refuses_outside_a_backward_pass():
 
         @staticmethod
         def backward(ctx, g):
-            P.queue_callback(lambda: ran.append(True))
+            torch_private.queue_callback(lambda: ran.append(True))
             return g
 
     Hook.apply(torch.ones(1, requires_grad=True)).sum().backward()
@@ -282,13 +294,13 @@ def test_queue_callback_refuses_outside_a_backward_pass():
 
 
 def test_graph_task_id_and_below_autograd():
-    assert P.current_graph_task_id() == -1
+    assert torch_private.current_graph_task_id() == -1
     seen = []
     x = torch.ones(1, requires_grad=True)
-    x.register_hook(lambda g: seen.append(P.current_graph_task_id()) or g)
+    x.register_hook(lambda g: seen.append(torch_private.current_graph_task_id()) or g)
     (x * 2).sum().backward()
     assert seen and seen[0] != -1
-    with P.below_autograd():
+    with torch_private.below_autograd():
         assert not (x * 2).requires_grad
 
 
@@ -302,32 +314,37 @@ def test_disable_torch_function_and_functorch():
 
     with Seen():
         torch.ones(1) + 1
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             torch.ones(1) + 1
     assert Seen.calls == 2  # ones and add, outside the disabled block only
-    P.vmap_increment_nesting(2, "same")
+    torch_private.vmap_increment_nesting(2, "same")
     try:
-        with P.DisableFuncTorch():
-            assert P.maybe_get_level(torch.arange(2)) == -1
+        with torch_private.DisableFuncTorch():
+            assert torch_private.maybe_get_level(torch.arange(2)) == -1
     finally:
-        P.vmap_decrement_nesting()
+        torch_private.vmap_decrement_nesting()
 
 
 def test_the_function_mode_stack_names():
     """The checkpoint marker (_context.CallMarker) is a DeviceContext pushed and removed with
     these: depth, the mode at a depth (0 the bottom), push and pop of the top."""
-    assert P.DeviceContext is __import__("torch.utils._device").utils._device.DeviceContext
-    base = P.function_mode_depth()
+    assert (
+        torch_private.DeviceContext is __import__("torch.utils._device").utils._device.DeviceContext
+    )
+    base = torch_private.function_mode_depth()
     a, b = torch.overrides.TorchFunctionMode(), torch.overrides.TorchFunctionMode()
-    P.push_function_mode(a)
-    P.push_function_mode(b)
+    torch_private.push_function_mode(a)
+    torch_private.push_function_mode(b)
     try:
-        assert P.function_mode_depth() == base + 2
-        assert P.function_mode_at(base) is a and P.function_mode_at(base + 1) is b
+        assert torch_private.function_mode_depth() == base + 2
+        assert (
+            torch_private.function_mode_at(base) is a
+            and torch_private.function_mode_at(base + 1) is b
+        )
     finally:
-        assert P.pop_function_mode() is b
-        assert P.pop_function_mode() is a
-    assert P.function_mode_depth() == base
+        assert torch_private.pop_function_mode() is b
+        assert torch_private.pop_function_mode() is a
+    assert torch_private.function_mode_depth() == base
 
 
 def _prints_ok_in_a_fresh_process(code: str) -> None:
@@ -340,9 +357,9 @@ def test_the_distributed_names_resolve_lazily():
     code = (
         "import sys, torch\n"
         "before = set(sys.modules)\n"
-        "from named_spmd import _torch_private as P\n"
+        "from named_spmd import _torch_private as torch_private\n"
         "assert 'torch.distributed.tensor' not in set(sys.modules) - before\n"
-        "d = P.dist()\n"
+        "d = torch_private.dist()\n"
         "assert callable(d.register_work) and callable(d.default_store)\n"
         "assert d.AsyncCollectiveTensor.__name__ == 'AsyncCollectiveTensor'\n"
         "assert d.wait_tensor.name() == '_c10d_functional::wait_tensor'\n"
@@ -352,65 +369,67 @@ def test_the_distributed_names_resolve_lazily():
 
 
 def test_forward_level_reads_the_current_dual_level():
-    assert P.forward_level() == -1
+    assert torch_private.forward_level() == -1
     with forward_ad.dual_level():
-        assert P.forward_level() >= 0  # read at the call: torch reassigns the module global
-    assert P.forward_level() == -1
+        assert (
+            torch_private.forward_level() >= 0
+        )  # read at the call: torch reassigns the module global
+    assert torch_private.forward_level() == -1
 
 
 def test_saved_tensors_hooks_active_inside_a_checkpoint_and_user_hooks():
     seen = []
 
     def piece(x):
-        seen.append(P.saved_tensors_hooks_active())
+        seen.append(torch_private.saved_tensors_hooks_active())
         return x.sin()
 
     x = torch.ones(3, requires_grad=True)
-    assert not P.saved_tensors_hooks_active()
+    assert not torch_private.saved_tensors_hooks_active()
     torch.utils.checkpoint.checkpoint(piece, x, use_reentrant=False).sum().backward()
     assert seen == [True, True]  # the forward, then the recomputation
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        assert P.saved_tensors_hooks_active()
-    assert not P.saved_tensors_hooks_active()
+        assert torch_private.saved_tensors_hooks_active()
+    assert not torch_private.saved_tensors_hooks_active()
 
 
 def test_tensor_base_tells_a_view_from_its_own_buffer():
     x = torch.ones(4)
-    assert P.tensor_base(x) is None
-    assert P.tensor_base(x[1:]) is x
-    assert P.tensor_base(x.view(2, 2).view(4)) is x  # a view of a view: the root buffer
-    assert P.tensor_base(x.clone()) is None
-    refs = P.refcount(x)
-    P.tensor_base(x)
-    assert P.refcount(x) == refs  # keeps no reference (donation counts them)
+    assert torch_private.tensor_base(x) is None
+    assert torch_private.tensor_base(x[1:]) is x
+    assert torch_private.tensor_base(x.view(2, 2).view(4)) is x  # a view of a view: the root buffer
+    assert torch_private.tensor_base(x.clone()) is None
+    refs = torch_private.refcount(x)
+    torch_private.tensor_base(x)
+    assert torch_private.refcount(x) == refs  # keeps no reference (donation counts them)
 
 
 def test_view_source_finds_a_leaf_or_input_one_built_in_view_away():
     w = torch.randn(3, 5, requires_grad=True)
-    assert P.view_source(w.T, {}) is w and P.view_source(w[:2], {}) is w
+    assert torch_private.view_source(w.T, {}) is w and torch_private.view_source(w[:2], {}) is w
     b = _identity_function(lambda g: g).apply(w)  # an input made by the call's boundary
-    assert P.view_source(b.T, {id(b.grad_fn): b}) is b
-    assert P.view_source(b.T, {}) is None  # not an input, not a leaf
+    assert torch_private.view_source(b.T, {id(b.grad_fn): b}) is b
+    assert torch_private.view_source(b.T, {}) is None  # not an input, not a leaf
     # not one built-in view op directly on the source, or not a view at all
     custom = _identity_function(lambda g: g)
     for t in (w.T[0], (w * 2).T, custom.apply(w), w + 0, w.detach().T, w):
-        assert P.view_source(t, {}) is None
-    assert P.view_source(torch.randn(3, 5).T, {}) is None  # no grad
+        assert torch_private.view_source(t, {}) is None
+    assert torch_private.view_source(torch.randn(3, 5).T, {}) is None  # no grad
 
 
 def test_async_buffer_and_async_wait_of_a_pending_reduction():
     import torch.distributed as dist
 
-    d = P.dist()
+    d = torch_private.dist()
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     buf = torch.ones(3)
     work = group.allreduce([buf])
     d.register_work(buf, work)  # what _dist_overlap does with its overlapped reductions
     pending = d.AsyncCollectiveTensor(buf)
-    assert P.async_buffer(pending) is buf
-    out = P.async_wait(pending)
+    assert torch_private.async_buffer(pending) is buf
+    out = torch_private.async_wait(pending)
     assert type(out) is torch.Tensor and out is buf and work.is_completed()
-    assert P.async_wait(pending) is buf  # waited once: returns the buffer again
+    assert torch_private.async_wait(pending) is buf  # waited once: returns the buffer again
     assert torch.equal(out, torch.ones(3))
 
 
@@ -419,7 +438,7 @@ def test_a_pending_gradient_detaches_without_waiting_and_waits_on_other_ops():
     same result type and buffer, no wait; any other op still waits for the reduction."""
     import torch.distributed as dist
 
-    d = P.dist()
+    d = torch_private.dist()
 
     class Slow(dist.Work):  # completes only when waited for
         def __init__(self, buf):
@@ -442,7 +461,7 @@ def test_a_pending_gradient_detaches_without_waiting_and_waits_on_other_ops():
     torch_detached = d.AsyncCollectiveTensor(buf).detach()
     detached = pending.detach()
     assert type(detached) is d.PendingGradient and not work.done
-    ptrs = {P.async_buffer(t).data_ptr() for t in (detached, torch_detached)}
+    ptrs = {torch_private.async_buffer(t).data_ptr() for t in (detached, torch_detached)}
     assert ptrs == {buf.data_ptr()}
     assert torch.equal(detached + 0, torch.full((3,), 2.0)) and work.done  # a read waits
 
@@ -454,7 +473,7 @@ def test_accumulating_a_pending_gradient_into_a_grad_offers_the_add_to_the_backe
     ``aten.add_.Tensor(grad, new)``: with a pending one, ``PendingGradient`` offers that add to
     the backend's ``defer_accumulation`` (which postpones it to the end of the backward pass),
     and leaves ``.grad`` as it is when taken. ``has_post_accumulate_hooks`` sees torch's hooks."""
-    d = P.dist()
+    d = torch_private.dist()
     offered = []
 
     def take(target, pending):
@@ -468,11 +487,11 @@ def test_accumulating_a_pending_gradient_into_a_grad_offers_the_add_to_the_backe
     leaf.grad = grad = torch.ones(3)
     Feed.apply(leaf).sum().backward()
     assert len(offered) == 1 and offered[0][0] is grad and leaf.grad is grad
-    assert P.async_buffer(offered[0][1]).data_ptr() == buf.data_ptr()
+    assert torch_private.async_buffer(offered[0][1]).data_ptr() == buf.data_ptr()
     assert torch.equal(grad, torch.ones(3))  # taken: not added now
-    assert not P.has_post_accumulate_hooks(leaf)
+    assert not torch_private.has_post_accumulate_hooks(leaf)
     leaf.register_post_accumulate_grad_hook(lambda p: None)
-    assert P.has_post_accumulate_hooks(leaf)
+    assert torch_private.has_post_accumulate_hooks(leaf)
 
 
 def test_not_traced_breaks_the_graph_names_its_reason_and_runs_without_dynamo():
@@ -481,8 +500,8 @@ def test_not_traced_breaks_the_graph_names_its_reason_and_runs_without_dynamo():
     the reason under ``fullgraph=True``; the function runs with Dynamo off."""
     code = (
         "import sys, torch\n"
-        "from named_spmd import _torch_private as P\n"
-        "P.not_traced(lambda x: x, 'r')\n"
+        "from named_spmd import _torch_private as torch_private\n"
+        "torch_private.not_traced(lambda x: x, 'r')\n"
         "assert 'torch._dynamo' not in sys.modules\n"
         "print('ok')\n"
     )
@@ -496,7 +515,7 @@ def test_not_traced_breaks_the_graph_names_its_reason_and_runs_without_dynamo():
         seen.append(torch.compiler.is_compiling())
         return x.sin()
 
-    call = P.not_traced(eager_only, "REASON and the fix")
+    call = torch_private.not_traced(eager_only, "REASON and the fix")
 
     def step(x):
         return call(x * 2) + 1
@@ -517,17 +536,17 @@ def test_dtensor_spec_and_constructor_match_from_local():
         "import torch, torch.distributed as dist\n"
         "from torch.distributed.tensor import DTensor, Replicate, Shard\n"
         "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
-        "from named_spmd import _torch_private as P\n"
+        "from named_spmd import _torch_private as torch_private\n"
         "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=4)\n"
         "mesh = dist.device_mesh.init_device_mesh('cpu', (2, 2), mesh_dim_names=('a', 'b'))\n"
         "local = torch.arange(6.0).reshape(2, 3)\n"
         "places = (Shard(1), Replicate())\n"
-        "spec = P.dtensor_spec(mesh, local, places)\n"
+        "spec = torch_private.dtensor_spec(mesh, local, places)\n"
         "ref = DTensor.from_local(local, mesh, places, run_check=False)\n"
         "assert spec == ref._spec and spec.shape == (2, 6), spec\n"
-        "d = P.dist().new_dtensor(local, spec, requires_grad=True)\n"
+        "d = torch_private.dist().new_dtensor(local, spec, requires_grad=True)\n"
         "assert type(d) is DTensor and d.requires_grad and d.is_leaf and d.shape == (2, 6)\n"
-        "assert P.local_tensor(d) is local and tuple(d.placements) == places\n"
+        "assert torch_private.local_tensor(d) is local and tuple(d.placements) == places\n"
         # the eager constructor skips DTensor.__init__: __new__ must be the whole construction
         "assert DTensor.__new__ is torch.Tensor._dtensor__new__ and d._spec is spec\n"
         "full = DTensor(local, spec, requires_grad=True)\n"
@@ -546,7 +565,7 @@ def test_dynamo_hands_view_attributes_to_the_modes_once_routed():
     code = """
 import torch
 from torch.overrides import TorchFunctionMode
-from named_spmd import _torch_private as P
+from named_spmd import _torch_private as torch_private
 
 class Seen(TorchFunctionMode):
     def __init__(self):
@@ -568,7 +587,7 @@ def run():
     return sorted(set(mode.names) & {"T", "mT", "real", "__get__"})
 
 print("before", run())
-assert P.route_view_attributes_to_modes()
+assert torch_private.route_view_attributes_to_modes()
 print("after", run())
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -582,13 +601,13 @@ def test_traced_user_stack_names_the_line_dynamo_traces():
     """Inside an ``assume_constant_result`` function run while Dynamo traces,
     ``traced_user_stack`` ends at the user's line being traced (the real stack holds Dynamo's
     frames only); outside a trace it is empty."""
-    from named_spmd import _torch_private as P
+    from named_spmd import _torch_private as torch_private
 
     seen: list[str] = []
 
     @torch.compiler.assume_constant_result
     def where() -> str:
-        frame = P.traced_user_stack()[-1]
+        frame = torch_private.traced_user_stack()[-1]
         seen.append(f"{frame.name}:{frame.line}")
         return seen[-1]
 
@@ -598,19 +617,19 @@ def test_traced_user_stack_names_the_line_dynamo_traces():
     torch._dynamo.reset()
     torch.compile(traced, backend="eager", fullgraph=True)(torch.ones(2))
     assert seen == ["traced:return x + len(where())  # the line quoted"], seen
-    assert P.traced_user_stack() == []
+    assert torch_private.traced_user_stack() == []
 
 
 def test_traced_in_subgraph_tells_a_higher_order_ops_body_from_the_root_graph():
     """``traced_in_subgraph`` (Dynamo's current instruction translator, and whether its output
     graph's tracer is the root one): False outside any trace and in the root graph, True while
     Dynamo traces a checkpointed body into the subgraph of its higher-order op."""
-    assert P.traced_in_subgraph() is False
+    assert torch_private.traced_in_subgraph() is False
     seen = []
 
     @torch.compiler.assume_constant_result
     def where(name: str) -> bool:
-        seen.append((name, P.traced_in_subgraph()))
+        seen.append((name, torch_private.traced_in_subgraph()))
         return True
 
     def body(x):
@@ -631,16 +650,18 @@ def test_dynamo_frame_callback_is_set_only_in_the_eager_rest_of_a_compiled_funct
     """``dynamo_frame_callback`` (Dynamo's C frame callback): None in plain eager code and in a
     function Dynamo does not trace; set in a frame Dynamo gave up on and runs eagerly, whose
     callees Dynamo would compile frame by frame. Called as a C function: no frame of its own."""
-    assert P.dynamo_frame_callback() is None
+    assert torch_private.dynamo_frame_callback() is None
     seen = []
 
     def gives_up(x):
-        seen.append(P.dynamo_frame_callback() is not None)  # a builtin Dynamo cannot trace
+        seen.append(
+            torch_private.dynamo_frame_callback() is not None
+        )  # a builtin Dynamo cannot trace
         return x + 1
 
     @torch.compiler.disable
     def off(x):
-        seen.append(P.dynamo_frame_callback() is not None)
+        seen.append(torch_private.dynamo_frame_callback() is not None)
         return x * 2
 
     torch._dynamo.reset()
@@ -648,7 +669,7 @@ def test_dynamo_frame_callback_is_set_only_in_the_eager_rest_of_a_compiled_funct
         warnings.simplefilter("ignore")
         torch.compile(lambda x: off(gives_up(x.sin())), backend="eager")(torch.ones(2))
     assert seen == [True, False]
-    assert P.dynamo_frame_callback() is None
+    assert torch_private.dynamo_frame_callback() is None
 
 
 def test_sdpa_math_equals_sdpa_and_batches_under_vmap():
@@ -661,7 +682,7 @@ def test_sdpa_math_equals_sdpa_and_batches_under_vmap():
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for kw in ({"is_causal": True}, {"attn_mask": mask, "scale": 0.3}):
         want = sdpa(q, k, v, **kw)
-        got = P.sdpa_math(
+        got = torch_private.sdpa_math(
             q, k, v, kw.get("attn_mask"), 0.0, kw.get("is_causal", False), scale=kw.get("scale")
         )[0]
         assert torch.allclose(got, want, atol=1e-12)
@@ -673,7 +694,7 @@ def test_sdpa_math_equals_sdpa_and_batches_under_vmap():
 
     # sdpa's flash kernel once per instance under vmap (torch's fallback loop), the math one never
     assert flash_calls(lambda a, b, c: sdpa(a.float(), b.float(), c.float(), is_causal=True)) >= 3
-    assert flash_calls(lambda a, b, c: P.sdpa_math(a, b, c, None, 0.0, True)[0]) == 0
+    assert flash_calls(lambda a, b, c: torch_private.sdpa_math(a, b, c, None, 0.0, True)[0]) == 0
 
 
 def test_inductor_runs_an_inductor_graph_pass_on_the_post_grad_graph():
@@ -687,7 +708,7 @@ def test_inductor_runs_an_inductor_graph_pass_on_the_post_grad_graph():
         seen.append([n.target for n in graph.nodes if n.op == "call_function"])
 
     version = f"test.record.{uuid.uuid4()}"  # a new cache key: a cached graph runs no pass
-    graph_pass = P.inductor_graph_pass(record, version)
+    graph_pass = torch_private.inductor_graph_pass(record, version)
     assert graph_pass.uuid() == version
     torch._dynamo.reset()
     f = torch.compile(

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .. import _torch_private as P
+from .. import _torch_private as torch_private
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError, VmaError
 from .._types import type_text
@@ -151,7 +151,7 @@ def torch_reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
     key = (dtype, device_type, reduction)
     known = _REDUCES.get(key)
     if known is None:
-        with P.DisableTorchFunction(), P.no_dispatch_modes():
+        with torch_private.DisableTorchFunction(), torch_private.no_dispatch_modes():
             known = _REDUCES[key] = _reduces(dtype, device_type, reduction)
     return known
 
@@ -160,7 +160,7 @@ def torch_copies(dtype: torch.dtype) -> bool:
     """Whether torch has a copy kernel for ``dtype`` (none for int1..int7, uint1..uint7)."""
     known = COPIES.get(dtype)
     if known is None:
-        with P.DisableTorchFunction(), P.no_dispatch_modes():
+        with torch_private.DisableTorchFunction(), torch_private.no_dispatch_modes():
             known = COPIES[dtype] = _copies(dtype)
     return known
 

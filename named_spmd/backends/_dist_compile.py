@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _torch_private as P
+from .. import _torch_private as torch_private
 from .._collectives._record import PVARY_RECORD, RECORDS
 from .._layout import assemble, block
 from .._spec import PartitionSpec, output_settles
@@ -46,7 +46,7 @@ from ._dist_io import (
     block_input,
 )
 
-_F = P.funcol()  # bound at import: Dynamo reads module attributes as constants
+_F = torch_private.funcol()  # bound at import: Dynamo reads module attributes as constants
 
 
 @torch.compiler.assume_constant_result
@@ -95,7 +95,7 @@ class FuncolPrimitives:
         return self.stamp(torch.tensor(_group(self.mesh, axes)[2]), INVARIANT.add(axes))
 
     def per_member(self, axes, make):
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             value = make(_group(self.mesh, axes)[2])
         return self.stamp(value, INVARIANT.add(axes))
 
@@ -214,7 +214,7 @@ class CompiledContext(FuncolPrimitives, TracedContext):
 
     # --- the bridge -------------------------------------------------------------------------
     def apply(self, rec, x, axes, params, donate=False):
-        with P.DisableTorchFunction():  # the collective's own ops need no types
+        with torch_private.DisableTorchFunction():  # the collective's own ops need no types
             if x.requires_grad and torch.is_grad_enabled():
                 return CompiledCollectiveFn.apply(x, rec, self, axes, params)
             return rec.forward(self, x, axes, params, False)
@@ -238,7 +238,7 @@ class CompiledCollectiveFn(torch.autograd.Function):
 
     @staticmethod
     def backward(node, g):
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             return node.rec.backward(node.spmd, g, node.axes, node.params, node), *_NONES
 
 
@@ -262,7 +262,7 @@ class _ScatterInput(torch.autograd.Function):
     @staticmethod
     def backward(node, g):
         ctx, spec = node.spmd, node.spec
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             return assemble(ctx.all_gather(g, spec.axes), spec, ctx.mesh._shape), None, None
 
 
@@ -341,7 +341,7 @@ def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
     ctx = CompiledContext(mesh, fn)
     ctx.checked = body.mapped.check_vma
     local_call = body.local  # SpmdFunction.local: this rank's blocks in and out
-    with P.DisableTorchFunction():
+    with torch_private.DisableTorchFunction():
         local = [
             ctx.stamp_input(
                 _block_input(ctx, leaf, i) if local_call else _local_input(ctx, leaf, spec), spec
@@ -353,5 +353,5 @@ def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
     with CompiledVmaMode(ctx):
         outs = body(local, ctx)
     output = _local_output if local_call else _global_output
-    with P.DisableTorchFunction():
+    with torch_private.DisableTorchFunction():
         return [output(ctx, y, s) for y, s in zip(outs, out_specs_of())]

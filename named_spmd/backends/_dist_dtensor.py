@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from .. import _torch_private as P
+from .. import _torch_private as torch_private
 from .._autodiff import below_functionalize, differentiable
 from .._spec import PartitionSpec
 from . import _dist_overlap as overlap
 
-_new_dtensor = P.dist().new_dtensor  # DTensor's constructor, with a cached spec
+_new_dtensor = torch_private.dist().new_dtensor  # DTensor's constructor, with a cached spec
 
 
 def placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
@@ -69,7 +69,7 @@ def _spec_for(mesh, local: torch.Tensor, places: tuple) -> Any:
     key = (places, tuple(local.shape), local.stride(), local.dtype)
     spec = mesh.dtensor_specs.get(key)
     if spec is None:
-        spec = mesh.dtensor_specs[key] = P.dtensor_spec(mesh.device_mesh, local, places)
+        spec = mesh.dtensor_specs[key] = torch_private.dtensor_spec(mesh.device_mesh, local, places)
     # DTensor ops may annotate their spec: never share one. A shallow copy as copy.copy makes it
     # (no __init__ or __setattr__, the same __dict__), without its generic protocol (2.6 vs 0.4 us)
     fresh = object.__new__(type(spec))
@@ -86,7 +86,7 @@ class _LocalOf(torch.autograd.Function):
 
     @staticmethod
     def forward(d, mesh, grad_places=None):
-        local = P.local_tensor(d)
+        local = torch_private.local_tensor(d)
         return local.view_as(local)  # a fresh tensor object: autograd metadata goes on it
 
     @staticmethod
@@ -94,7 +94,7 @@ class _LocalOf(torch.autograd.Function):
         d = inputs[0]
         ctx.mesh, ctx.leaf = inputs[1], d if d.is_leaf else None
         while not isinstance(d, DTensor):  # a transform's wrapper of a DTensor it closes over
-            d = P.get_unwrapped(d)
+            d = torch_private.get_unwrapped(d)
         # a reduced input's gradient is a partial sum (Partial) where the input is replicated
         ctx.places = inputs[2] if len(inputs) > 2 and inputs[2] else tuple(d.placements)
 
@@ -138,7 +138,7 @@ class _DTensorOf(torch.autograd.Function):
             if tuple(g.placements) != want:
                 g = g.redistribute(ctx.mesh.device_mesh, want)
             # double backward: the recorded to_local (the local tensor has no graph)
-            g = g.to_local() if differentiable(g) else P.local_tensor(g)
+            g = g.to_local() if differentiable(g) else torch_private.local_tensor(g)
         return g, None, None
 
 
@@ -146,14 +146,14 @@ def _plain_local_grad(leaf: DTensor, mesh) -> None:
     """The DTensor form of :func:`_dist_autograd.plain_grad`."""
     grad = leaf.grad
     if isinstance(grad, DTensor):
-        local = P.local_tensor(grad)
+        local = torch_private.local_tensor(grad)
         if overlap.is_pending_wrapper(local):
-            leaf.grad = _wrap(mesh, P.async_buffer(local), tuple(grad.placements))
+            leaf.grad = _wrap(mesh, torch_private.async_buffer(local), tuple(grad.placements))
 
 
 def _fast(cls: Any) -> Any:
     """``cls.apply`` without the Python argument binding (see ``_autodiff``)."""
-    return P.function_base_apply.__get__(None, cls)
+    return torch_private.function_base_apply.__get__(None, cls)
 
 
 _local_of = _fast(_LocalOf)
@@ -163,7 +163,10 @@ _dtensor_of = _fast(_DTensorOf)
 def _transformed(fn: Any, x: torch.Tensor, *rest: Any) -> Any:
     """``fn.apply`` under a torch.func transform (functorch wraps the Function: the full Python
     path), run below a ``functionalize`` on top, which has no rule for Functions."""
-    if P.transforms_active() and P.current_interpreter().key() == P.TransformType.Functionalize:
+    if (
+        torch_private.transforms_active()
+        and torch_private.current_interpreter().key() == torch_private.TransformType.Functionalize
+    ):
         return below_functionalize(x, lambda t: _transformed(fn, t, *rest))
     return fn.apply(x, *rest)
 
@@ -173,17 +176,17 @@ def to_local_fast(
 ) -> torch.Tensor:
     """``d.to_local()``; ``transformed``: whether a torch.func transform is active, if known."""
     if transformed is None:
-        transformed = P.transforms_active()
+        transformed = torch_private.transforms_active()
     if transformed:  # torch's own to_local has no setup_context, which functorch needs
         return _transformed(_LocalOf, d, mesh, grad_places)
     if not differentiable(d):
-        local = P.local_tensor(d)
+        local = torch_private.local_tensor(d)
         return local.view_as(local)
     return _local_of(d, mesh, grad_places)
 
 
 def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
-    if P.transforms_active():
+    if torch_private.transforms_active():
         return _transformed(_DTensorOf, local, mesh, places)
     if not differentiable(local):
         return _wrap(mesh, local.view_as(local), places)
@@ -196,7 +199,7 @@ def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
 def _shaped(mesh, local: torch.Tensor, places: tuple, shape: tuple[int, ...]) -> DTensor:
     """The DTensor of global ``shape`` whose block on this rank is ``local``: the global shape
     is given, since no one rank's block says it when the blocks differ in size."""
-    spec = P.dtensor_spec_shaped(mesh.device_mesh, places, shape, local.dtype)
+    spec = torch_private.dtensor_spec_shaped(mesh.device_mesh, places, shape, local.dtype)
     return _new_dtensor(local, spec, requires_grad=local.requires_grad)
 
 
@@ -222,7 +225,7 @@ class _UnevenLocalOf(torch.autograd.Function):
 
     @staticmethod
     def forward(d, mesh, grad_places=None):
-        local = P.local_tensor(d)
+        local = torch_private.local_tensor(d)
         return local.view_as(local)
 
     @staticmethod
@@ -237,14 +240,14 @@ class _UnevenLocalOf(torch.autograd.Function):
             return _UnevenDTensorOf.apply(g, ctx.mesh, ctx.places, ctx.shape), None, None
         g = overlap.settled(g)
         if overlap.is_pending_wrapper(g):
-            g = P.async_wait(g)
+            g = torch_private.async_wait(g)
         return _shaped(ctx.mesh, g, ctx.places, ctx.shape), None, None
 
 
 def uneven_to_local(mesh, d: DTensor, grad_places: tuple | None = None) -> torch.Tensor:
     """``d.to_local()`` of a DTensor whose Shard blocks differ in size."""
     if not differentiable(d):
-        local = P.local_tensor(d)
+        local = torch_private.local_tensor(d)
         return local.view_as(local)
     return _UnevenLocalOf.apply(d, mesh, grad_places)
 

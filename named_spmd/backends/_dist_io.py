@@ -25,7 +25,7 @@ import torch
 from torch.autograd import forward_ad
 from torch.distributed.tensor import DTensor
 
-from .. import _torch_private as P
+from .. import _torch_private as torch_private
 from .._accounting import CommEvent, active, on_backward, record_into
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
@@ -49,7 +49,7 @@ from ._dist_dtensor import (
 def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
     """This rank's block of argument leaf ``i`` (``ctx``: the call's DistributedContext)."""
     mesh = ctx.mesh
-    transformed = P.transforms_active()
+    transformed = torch_private.transforms_active()
     if transformed:
         _under_transform(ctx, leaf, i)
     if isinstance(leaf, DTensor):
@@ -81,7 +81,7 @@ def block_input(ctx, leaf: torch.Tensor, i: int) -> torch.Tensor:
             "its block in the mesh's axis order, which differs from the spec's for a tuple "
             "entry such as P(('tp', 'dp')) on a ('dp', 'tp') mesh."
         )
-    if P.transforms_active():
+    if torch_private.transforms_active():
         _under_transform(ctx, leaf, i)
     return leaf if leaf.device.type == ctx.mesh.device.type else leaf.to(ctx.mesh.device)
 
@@ -145,8 +145,8 @@ class _FirstHolds(torch.autograd.Function):
 def _under_transform(ctx, leaf: torch.Tensor, i: int) -> None:
     """A call under a torch.func transform: refuse a DTensor the transform wraps."""
     inner = leaf
-    while P.is_transform_wrapped(inner):
-        inner = P.get_unwrapped(inner)
+    while torch_private.is_transform_wrapped(inner):
+        inner = torch_private.get_unwrapped(inner)
     if inner is not leaf and isinstance(inner, DTensor):
         raise SpecError(
             f"spmd_map of {ctx.fn_label}: argument leaf {i} is a DTensor that a torch.func "
@@ -209,7 +209,7 @@ def _boundary(
     collective run in backward. A pvary's backward psum is not recorded here: the API records
     it on every backend (an output tiled over an axis it is invariant over)."""
     rec = PVARY_RECORD if name == "pvary" else RECORDS[name]
-    with P.DisableTorchFunction():
+    with torch_private.DisableTorchFunction():
         if differentiable(x):
             out = bridge_apply(rec, ctx, x, axes, params)
         else:
@@ -320,15 +320,17 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     its global value as a plain tensor under a transform or with a forward-mode tangent."""
     mesh = ctx.mesh
     y = local_output(ctx, y, spec)
-    if P.transforms_active() or (P.forward_level() >= 0 and _has_tangent(y)):
+    if torch_private.transforms_active() or (
+        torch_private.forward_level() >= 0 and _has_tangent(y)
+    ):
         # a functorch wrapper hides a DTensor's methods, and a DTensor cannot carry a forward-mode
         # tangent (torch has no DTensor rule for forward AD): the global value, as a plain tensor
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             return _gather_blocks(ctx, y, spec, "forward")
     for axes in _non_mesh_order_entries(mesh, spec):
         pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
         y = _boundary(ctx, "ppermute", y, _in_mesh_order(mesh, axes), (pairs,))
-    with P.DisableTorchFunction():
+    with torch_private.DisableTorchFunction():
         return _from_local(mesh, y, placements(mesh, spec, y.dim()))
 
 

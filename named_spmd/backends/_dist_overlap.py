@@ -21,7 +21,7 @@ from typing import Any, TypeGuard
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _torch_private as P
+from .. import _torch_private as torch_private
 from .._autodiff import apply as bridge_apply
 from .._collectives._record import PVARY_RECORD
 from .._torch_private import async_buffer, async_wait, tensor_base
@@ -33,12 +33,12 @@ _contiguous = torch.contiguous_format
 
 def _ACT() -> type:
     """The wrapper of a pending gradient (torch's ``AsyncCollectiveTensor``, detached fast)."""
-    return P.dist().PendingGradient
+    return torch_private.dist().PendingGradient
 
 
 def _is_async(t: Any) -> bool:
     """Whether ``t`` waits on first use: ours, or torch's class (a view of ours is one)."""
-    return isinstance(t, P.dist().AsyncCollectiveTensor)
+    return isinstance(t, torch_private.dist().AsyncCollectiveTensor)
 
 
 # --- who else can see a gradient? ----------------------------------------------------------------
@@ -48,12 +48,14 @@ _BASELINE: list[tuple[int, int, int, int] | None] = []
 
 
 def _refs(g: torch.Tensor) -> int:
-    return P.refcount(g)
+    return torch_private.refcount(g)
 
 
 def _counts(g: torch.Tensor) -> tuple[int, int, int, int] | None:
     try:
-        uses, storage, storage_refs = P.use_counts(g)  # the same counts as forward donation
+        uses, storage, storage_refs = torch_private.use_counts(
+            g
+        )  # the same counts as forward donation
     except (RuntimeError, NotImplementedError):
         return None
     return uses, storage, _refs(g), storage_refs
@@ -69,7 +71,7 @@ def _exclusive(g: torch.Tensor, probe: bool = False) -> bool:
         return False
     if type(g) is not torch.Tensor:  # a wrapper (subclass): its storage is not what we count
         return False
-    if tensor_base(g) is not None or not g.is_contiguous() or P.is_transform_wrapped(g):
+    if tensor_base(g) is not None or not g.is_contiguous() or torch_private.is_transform_wrapped(g):
         return False
     counts = _counts(g)
     if counts is None or not _BASELINE or _BASELINE[0] is None:
@@ -115,7 +117,7 @@ def _reduce_during_backward(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
     callbacks: its reductions stay in ``_PENDING`` until :func:`finish_pending` (the next call on
     the mesh) finishes them."""
     work = comm.start_all_reduce_(buf)
-    P.dist().register_work(buf, work)
+    torch_private.dist().register_work(buf, work)
     key = id(work)  # unique while the entry keeps the work alive
     _PENDING[key] = (comm, work, buf, [])
 
@@ -125,7 +127,7 @@ def _reduce_during_backward(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
             _finish(*entry)
 
     try:
-        P.queue_callback(finish)
+        torch_private.queue_callback(finish)
     except RuntimeError:  # not inside an autograd engine backward: finish now
         finish()
         return buf
@@ -186,10 +188,10 @@ def _defer_accumulation(target: torch.Tensor, pending: torch.Tensor) -> bool:
     gradients then keep their buckets and their overlap. Not where the leaf has
     post-accumulate-grad hooks (they read ``.grad`` at once) or the backward records a graph."""
     leaf = pending.__dict__.get("_named_spmd_into")
-    if leaf is None or torch.is_grad_enabled() or P.has_post_accumulate_hooks(leaf):
+    if leaf is None or torch.is_grad_enabled() or torch_private.has_post_accumulate_hooks(leaf):
         return False
     grad = leaf.grad
-    local = P.local_tensor(grad) if isinstance(grad, DTensor) else grad
+    local = torch_private.local_tensor(grad) if isinstance(grad, DTensor) else grad
     if local is not target:
         return False
     return when_reduced(pending, lambda: target.add_(async_buffer(pending)))
@@ -231,8 +233,8 @@ def settled(g: torch.Tensor) -> torch.Tensor:
 def _forget_work(buf: torch.Tensor) -> None:
     """Drop torch's record of the finished work on ``buf``: what ``wait_tensor`` does, called
     below autograd, which skips the op's Python autograd wrapper (about 15 us)."""
-    with P.below_autograd():
-        P.dist().wait_tensor(buf)
+    with torch_private.below_autograd():
+        torch_private.dist().wait_tensor(buf)
 
 
 def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, probe: bool = False):
@@ -247,14 +249,14 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, probe: bool = Fal
     assert comm is not None  # only the calibration probe passes none
     # no copy where nothing else holds g (_exclusive counts this frame's references to g)
     buf = g if _exclusive(g) else g.clone(memory_format=_contiguous)
-    task = P.current_graph_task_id()
+    task = torch_private.current_graph_task_id()
     cap = buckets.bucket_bytes()
     if task != -1 and buf.numel() * buf.element_size() < cap:
         pending = _into_bucket(buf, comm, task, cap)
     else:  # alone
         pending = _reduce_during_backward(buf, comm)
     source = node.next_functions[0][0]
-    if type(source) is P.AccumulateGrad:  # a plain leaf: its .grad becomes this
+    if type(source) is torch_private.AccumulateGrad:  # a plain leaf: its .grad becomes this
         when_reduced(pending, lambda leaf=source.variable: plain_grad(leaf))
         accumulates_into(pending, source.variable)
     return pending
@@ -273,7 +275,7 @@ def _into_bucket(buf: torch.Tensor, comm: Comm, task: int, cap: int) -> torch.Te
         work = _open_bucket(key, comm, cap, task)
     bucket = work.bucket
     bucket.add(buf)
-    P.dist().register_work(buf, work)  # a read of buf waits for (and starts) its bucket
+    torch_private.dist().register_work(buf, work)  # a read of buf waits for (and starts) its bucket
     if bucket.full():
         bucket.start()
     pending = _ACT()(buf)
@@ -294,9 +296,11 @@ def _open_bucket(key: tuple, comm: Comm, cap: int, task: int):
         if entry is not None:  # else finish_pending did it
             _finish(*entry)
 
-    P.queue_callback(finish)  # inside a backward pass: the caller checked the graph task
+    torch_private.queue_callback(
+        finish
+    )  # inside a backward pass: the caller checked the graph task
     return work
 
 
 _calibrate()
-P.dist().PendingGradient.defer_accumulation = _defer_accumulation
+torch_private.dist().PendingGradient.defer_accumulation = _defer_accumulation

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import _context
-from .. import _torch_private as P
+from .. import _torch_private as torch_private
 from .._accounting import recording
 from .._traced import CompiledVmaMode
 from .._tracking import TrackedContext
@@ -34,7 +34,7 @@ def run_piece(ctx: TrackedContext, piece: Any, args: tuple, kwargs: dict) -> Any
         return piece.fn(*args, **kwargs)
     if piece.in_call is None:
         piece.in_call = torch.compile(functools.partial(_piece_body, piece.fn), **piece.options)
-    P.route_view_attributes_to_modes()
+    torch_private.route_view_attributes_to_modes()
     with _context.without_call_modes(ctx):
         return piece.in_call(ctx, *args, **kwargs)
 

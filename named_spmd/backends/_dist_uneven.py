@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _torch_private as P
+from .. import _torch_private as torch_private
 from .._accounting import active
 from .._autodiff import differentiable
 from .._errors import SpecError, SpmdError, operand_shapes_differ
@@ -77,7 +77,7 @@ class UnevenPrimitives:
     mesh: Any  # (the context's: a DistributedMesh)
 
     def apply(self, rec, x, axes, params, donate=False):
-        with P.DisableTorchFunction():  # bookkeeping, no op of the program
+        with torch_private.DisableTorchFunction():  # bookkeeping, no op of the program
             params = self._sized(rec, x, axes, params)
         return super().apply(rec, x, axes, params, donate)  # type: ignore[misc]
 
@@ -134,7 +134,7 @@ class UnevenPrimitives:
 def refuse_transforms(ctx, traced: bool) -> None:
     """A call under a torch.func transform (or traced by ``make_fx``) takes even blocks only,
     as on the simulated mesh, whose per-instance execution cannot run under one."""
-    if traced or P.transforms_active():
+    if traced or torch_private.transforms_active():
         raise SpmdError(
             f"spmd_map of {ctx.fn_label}: a call with blocks of unequal sizes cannot run under "
             "a torch.func transform (as on the simulated mesh, whose per-instance execution "
@@ -292,7 +292,7 @@ def _output(ctx, y: torch.Tensor, spec: PartitionSpec, shape_at) -> torch.Tensor
 
 def _plain_wanted(y: torch.Tensor) -> bool:
     """Where a DTensor cannot be returned: a forward-mode tangent (no DTensor rule for it)."""
-    return P.forward_level() >= 0 and io._has_tangent(y)
+    return torch_private.forward_level() >= 0 and io._has_tangent(y)
 
 
 def _dtensor_holds(spec: PartitionSpec, per_dim: list[Sizes | None], sizes) -> bool:

@@ -25,7 +25,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import _torch_private as P
+from .. import _torch_private as torch_private
 from .._accounting import CommMode
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
@@ -41,7 +41,7 @@ _META = torch.device("meta")
 
 
 def _empty(shape: Any, dtype: torch.dtype) -> torch.Tensor:
-    with P.DisableTorchFunction():
+    with torch_private.DisableTorchFunction():
         return torch.empty(tuple(shape), dtype=dtype, device=_META)
 
 
@@ -57,12 +57,12 @@ class AbstractContext(TrackedContext):
         return self.stamp(_empty((), torch.int64), Vma.of(axes))
 
     def per_member(self, axes, make):
-        with P.DisableTorchFunction():  # one member's shape and dtype stand for all
+        with torch_private.DisableTorchFunction():  # one member's shape and dtype stand for all
             value = make(0)
         return self.stamp(_empty(value.shape, value.dtype), Vma.of(axes))
 
     def apply(self, rec, x, axes, params, donate=False):
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             if differentiable(x):
                 return bridge_apply(rec, self, x, axes, params)
             return self.forward(rec, x, axes, params, donate)
@@ -138,7 +138,7 @@ def _meta(aliases: dict, a: Any) -> Any:
     hit = aliases.get(id(a))
     if hit is None:
         alias = _empty(a.shape, a.dtype)
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             alias.requires_grad_(a.requires_grad)
         hit = aliases[id(a)] = (a, alias)
     return hit[1]

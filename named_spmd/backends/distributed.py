@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from .. import _torch_private as P
+from .. import _torch_private as torch_private
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._collectives._record import implicit_pvary, record_implicit_psum
@@ -133,7 +133,7 @@ class DistributedMesh(Mesh):
         self.pending_check: Callable[[], None] | None = None  # see _dist_agree.check_call_agrees
         self.gave_up = False  # this rank stopped waiting for a collective: see release_groups
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
-        store = P.dist().default_store()
+        store = torch_private.dist().default_store()
         ranks = self.grid.reshape(-1).tolist()
         self.board = FailureBoard(store, self.rank, ranks, generation(key), self.coords_of)
         register_process(store, self.rank)
@@ -182,7 +182,9 @@ class DistributedMesh(Mesh):
     def comm(self, axes: tuple[str, ...]) -> Comm:
         comm = self._comms.get(axes)
         if comm is None:
-            with P.no_dispatch_modes():  # made once, perhaps while make_fx traces: not traced
+            with (
+                torch_private.no_dispatch_modes()
+            ):  # made once, perhaps while make_fx traces: not traced
                 comm = self._comms[axes] = Comm(
                     self, axes, self._groups[frozenset(axes)], self._tuple_ranks(axes)
                 )
@@ -194,7 +196,7 @@ class DistributedMesh(Mesh):
         if self._check_group is None:
             return self.comm(self.axis_names)
         if self._check_comm is None:
-            with P.no_dispatch_modes():
+            with torch_private.no_dispatch_modes():
                 ranks = self._tuple_ranks(self.axis_names)
                 self._check_comm = Comm(self, self.axis_names, self._check_group, ranks, poll=True)
         return self._check_comm
@@ -290,7 +292,7 @@ def make_distributed_mesh(
     if device_type is None:
         backend = str(dist.get_backend()).lower()
         device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    store, rank = P.dist().default_store(), dist.get_rank()
+    store, rank = torch_private.dist().default_store(), dist.get_rank()
     register_process(store, rank)
     try:
         device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
@@ -322,7 +324,9 @@ class DistributedContext(TrackedContext):
         return self.stamp(index, Vma.of(axes))
 
     def per_member(self, axes, make):
-        with P.DisableTorchFunction():  # a plain value: only its stamp says where it varies
+        with (
+            torch_private.DisableTorchFunction()
+        ):  # a plain value: only its stamp says where it varies
             value = make(self.mesh.comm(axes).index)
         return self.stamp(value, Vma.of(axes))
 
@@ -332,7 +336,7 @@ class DistributedContext(TrackedContext):
     # Collectives run with torch function modes off: their internal ops need no vma (the
     # dispatch stamps the result) and would only pay the mode's per-op cost.
     def apply(self, rec, x, axes, params, donate=False):
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             if differentiable(x):
                 return bridge_apply(rec, self, x, axes, params)
             return rec.forward(self, x, axes, params, donate)
@@ -354,18 +358,18 @@ class DistributedContext(TrackedContext):
         alias = self.memo_alias(
             source, (*axes, "<views>"), lambda: implicit_pvary(self, source, axes, False)
         )
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             view = alias.as_strided(t.size(), t.stride(), t.storage_offset())
         return self.stamp(record_implicit_psum(view, axes), self.vma(alias))
 
     def _view_source(self, t, axes):
-        if P.is_transform_wrapped(t) or self.single_axes.issuperset(axes):
+        if torch_private.is_transform_wrapped(t) or self.single_axes.issuperset(axes):
             return None  # (over axes of size 1 the pvary is the identity: nothing to keep)
         if self.input_nodes is None:
             self.input_nodes = {
                 id(x.grad_fn): x for x in self.inputs if isinstance(x, torch.Tensor) and x.grad_fn
             }
-        source = P.view_source(t, self.input_nodes)
+        source = torch_private.view_source(t, self.input_nodes)
         vma = self.vma(t)
         if source is None or self.vma(source) is not vma or vma.partial:
             return None
@@ -452,7 +456,7 @@ def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool) -> None
     """The start-of-call check (``_dist_agree``); under ``make_fx``, finished at once and out of
     the trace (its result is read: a traced tensor has no value to read)."""
     if isinstance(ctx, ProxyTracedContext):
-        with P.no_dispatch_modes():
+        with torch_private.no_dispatch_modes():
             _dist_agree.check_call_agrees(ctx, leaves, local_call)
             ctx.mesh.pending_check()  # set just above
     else:
@@ -470,11 +474,13 @@ def run(
     """Run ``body`` on this rank's blocks; return the outputs as DTensors (see module doc)."""
     if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path
         return _dist_compile.run(mesh, fn, leaves, specs, body, out_specs_of)
-    if _dist_overlap._PENDING and P.current_graph_task_id() == -1:  # a backward that raised
+    if (
+        _dist_overlap._PENDING and torch_private.current_graph_task_id() == -1
+    ):  # a backward that raised
         _dist_overlap.finish_pending()
     board = mesh.board
     board.begin_call()
-    traced = P.proxy_tracing()
+    traced = torch_private.proxy_tracing()
     mesh.debug = debug_enabled() and not traced  # (its checks compare values: none to compare)
     local_call = body.local  # type: ignore[attr-defined]  # SpmdFunction.local: blocks in, out
     uneven = _takes_uneven_blocks(mesh, leaves, specs, body)
@@ -521,7 +527,9 @@ def run(
         return result
     except RankFailedError:
         raise
-    except P.control_flow_exceptions():  # torch steering itself (checkpoint): not a failure
+    except (
+        torch_private.control_flow_exceptions()
+    ):  # torch steering itself (checkpoint): not a failure
         raise
     except BaseException as raised:
         mesh.pending_check = None  # issued on every rank: it completes without this one

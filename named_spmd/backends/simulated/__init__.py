@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ... import _blocks
-from ... import _torch_private as P
+from ... import _torch_private as torch_private
 from ..._accounting import recording
 from ..._context import request_uneven_blocks, uneven_blocks_requested
 from ..._errors import SpmdError, VmaError, fn_label
@@ -49,9 +49,9 @@ from ._primitives import SimulatedContext
 from ._recording import ImplicitPvaryRecorder
 
 # a grad level entered inside a call casts its implicit pvarys (``_inner_grad``)
-P.hook_grad_levels(_inner_grad.entered, _inner_grad.leaving)
+torch_private.hook_grad_levels(_inner_grad.entered, _inner_grad.leaving)
 # and gives the gradients torch.func.grad / vjp compute inside a call their inputs' types
-P.hook_transform_gradients(_inner_grad.typed_gradients)
+torch_private.hook_transform_gradients(_inner_grad.typed_gradients)
 
 
 def _run_body(body, local, ctx: SimulatedContext, blocks: bool) -> list[torch.Tensor]:
@@ -128,7 +128,7 @@ def simulate_per_instance() -> Iterator[None]:
 def _token(n: int, device: torch.device) -> torch.Tensor:
     """``arange(n)`` on ``device``, made once: two factory calls cost ~15% of a small call.
     Shared between calls, so never handed to user code (see SimulatedContext.axis_index)."""
-    with P.DisableFuncTorch():  # a plain tensor, even under functionalize & co
+    with torch_private.DisableFuncTorch():  # a plain tensor, even under functionalize & co
         return torch.arange(n, device=device)
 
 
@@ -136,7 +136,7 @@ def _token(n: int, device: torch.device) -> torch.Tensor:
 def _load_decompositions() -> None:
     # torch.func.vmap registers some batching rules lazily on first use; we enter vmap levels
     # ourselves, so trigger it once.
-    P.lazy_load_decompositions()
+    torch_private.lazy_load_decompositions()
 
 
 def run(
@@ -180,12 +180,12 @@ def run(
     levels: list[int] = []
     try:
         for a in order:  # outermost first: each input's mesh dims lead in nesting order
-            level = P.vmap_increment_nesting(mesh.shape[a], "same")
+            level = torch_private.vmap_increment_nesting(mesh.shape[a], "same")
             levels.append(level)
             for i, (_, _, axes) in zip(tensor_pos, plans):
                 if a in axes:
-                    local[i] = P.add_batch_dim(local[i], 0, level)
-            tokens[a] = P.add_batch_dim(tokens[a], 0, level)
+                    local[i] = torch_private.add_batch_dim(local[i], 0, level)
+            tokens[a] = torch_private.add_batch_dim(tokens[a], 0, level)
         ctx = SimulatedContext(mesh, fn, tokens)
         blocks = False
         for i in tensor_pos:
@@ -202,16 +202,16 @@ def run(
         while levels:  # innermost first, each while its level is still the top one
             level, a = levels[-1], order[len(levels) - 1]
             for j, y in enumerate(outs):
-                y = P.unwrap_if_dead(y)
-                if P.maybe_get_level(y) == level:
-                    y = P.remove_batch_dim(y, level, mesh.shape[a], 0)
+                y = torch_private.unwrap_if_dead(y)
+                if torch_private.maybe_get_level(y) == level:
+                    y = torch_private.remove_batch_dim(y, level, mesh.shape[a], 0)
                     present[j].insert(0, a)
                 outs[j] = y
-            P.vmap_decrement_nesting()
+            torch_private.vmap_decrement_nesting()
             levels.pop()
     finally:
         for _ in levels:
-            P.vmap_decrement_nesting()
+            torch_private.vmap_decrement_nesting()
     return [from_physical(y, p, s, mesh) for y, p, s in zip(outs, present, out_specs_of())]
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ... import _torch_private as P
+from ... import _torch_private as torch_private
 from ..._accounting import resume, suspend
 from ..._errors import SpmdError, error_class, fn_label, user_line
 from ..._tracking import is_inplace, swap_operands, tensor_operands
@@ -181,12 +181,12 @@ def _views(ctx: Any, args: tuple, kwargs: dict) -> dict[int, Instances] | None:
     """Every tensor operand's blocks, or None where the op cannot be replayed per instance: a
     user's transform runs above the simulation's levels, or a vmap around the call batches an
     operand (torch's message would count that batch dim either way)."""
-    if P.maybe_current_level() != ctx.inner_level:
+    if torch_private.maybe_current_level() != ctx.inner_level:
         return None
     views = {}
     for t in tensor_operands(args, kwargs):
         view = instances(t, ctx)
-        if view is None or P.is_batchedtensor(view.base):
+        if view is None or torch_private.is_batchedtensor(view.base):
             return None
         views[id(t)] = view
     return views

@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ... import _context
-from ... import _torch_private as P
+from ... import _torch_private as torch_private
 from ..._accounting import needs_grad
 from ..._collectives._record import implicit_pvary
 from ..._tracking import NOT_OPS, is_inplace, swap_operands, tensor_operands
@@ -46,7 +46,9 @@ class InnerGradMode(TorchFunctionMode):
         self.cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func not in NOT_OPS and P.current_graph_task_id() == -1:  # not a backward formula
+        if (
+            func not in NOT_OPS and torch_private.current_graph_task_id() == -1
+        ):  # not a backward formula
             operands = tensor_operands(args, kwargs)
             if len(operands) > 1:
                 args, kwargs = self._cast(func, operands, args, kwargs)
@@ -92,8 +94,8 @@ def typed_gradients(inputs: tuple, grads: tuple) -> tuple:
     for x, g in zip(inputs, grads):
         if isinstance(g, torch.Tensor):
             # vjp's pullback runs after its grad level was left: its inputs are dead wrappers
-            g = P.unwrap_if_dead(g)
-            want, have = ctx.vma(P.unwrap_if_dead(x)), ctx.vma(g)
+            g = torch_private.unwrap_if_dead(g)
+            want, have = ctx.vma(torch_private.unwrap_if_dead(x)), ctx.vma(g)
             if not (want.partial or have.partial):
                 missing = have.missing(want.present(names))
                 if missing:
@@ -118,7 +120,7 @@ def entered(level: int) -> None:
     if any(mode.ctx is ctx for _, mode in _open.modes):  # a grad inside a grad: one mode
         return
     mode = InnerGradMode(ctx)
-    P.push_function_mode(mode)
+    torch_private.push_function_mode(mode)
     _open.modes.append((level, mode))
 
 
@@ -130,10 +132,10 @@ def leaving(level: int | None) -> None:
         return
     _, mode = modes.pop()
     above = []
-    while P.function_mode_depth():
-        top = P.pop_function_mode()
+    while torch_private.function_mode_depth():
+        top = torch_private.pop_function_mode()
         if top is mode:
             break
         above.append(top)
     for top in reversed(above):
-        P.push_function_mode(top)
+        torch_private.push_function_mode(top)

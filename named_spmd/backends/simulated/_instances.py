@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ... import _context
-from ... import _torch_private as P
+from ... import _torch_private as torch_private
 from ..._types import VType
 
 #: More instances than this print as the first and last half of it around an elision line.
@@ -65,12 +65,16 @@ def simulated_call() -> Any:
 def instances(x: torch.Tensor, ctx: Any) -> Instances | None:
     """``x``'s blocks in the call ``ctx``; None where a transform level above the simulation's
     (a user's vmap or grad inside the function) wraps ``x``."""
-    if P.maybe_get_level(x) > ctx.inner_level:
+    if torch_private.maybe_get_level(x) > ctx.inner_level:
         return None
     peeled: list[tuple[str, int]] = []
-    while P.maybe_get_level(x) >= ctx.outer_level:  # our levels are consecutive stack depths
-        peeled.append((ctx.level_axis[P.maybe_get_level(x)], P.maybe_get_bdim(x)))
-        x = P.get_unwrapped(x)
+    while (
+        torch_private.maybe_get_level(x) >= ctx.outer_level
+    ):  # our levels are consecutive stack depths
+        peeled.append(
+            (ctx.level_axis[torch_private.maybe_get_level(x)], torch_private.maybe_get_bdim(x))
+        )
+        x = torch_private.get_unwrapped(x)
     peeled.reverse()
     found = {a for a, _ in peeled}
     return Instances(tuple(a for a in ctx.mesh.axis_names if a in found), x, peeled)
@@ -98,16 +102,16 @@ def _printable(x: torch.Tensor) -> tuple[Any, Instances] | None:
     """The call and ``x``'s blocks, with plain data under them, if ``x`` is the call's and varies;
     None: torch prints it."""
     ctx = simulated_call()
-    if ctx is None or P.maybe_get_level(x) not in ctx.level_axis:
+    if ctx is None or torch_private.maybe_get_level(x) not in ctx.level_axis:
         return None
     view = instances(x, ctx)
     if view is None:
         return None
     base = view.base
-    while P.is_transform_wrapped(base):  # a transform around the call: the same values
-        if not P.is_gradtrackingtensor(base):
+    while torch_private.is_transform_wrapped(base):  # a transform around the call: the same values
+        if not torch_private.is_gradtrackingtensor(base):
             return None  # a user's vmap around the call: its own batch dim; torch shows it
-        base = P.get_unwrapped(base)
+        base = torch_private.get_unwrapped(base)
     view.base = base.detach()
     return ctx, view
 
@@ -141,7 +145,7 @@ def formatted(x: torch.Tensor, spec: str) -> str | None:
         return None
     ctx, view = found
     parts = []
-    with P.DisableFuncTorch():  # plain blocks
+    with torch_private.DisableFuncTorch():  # plain blocks
         for coords in shown(view, ctx.sizes):
             if isinstance(coords, int):
                 parts.append(f"... {coords} more")
@@ -150,4 +154,4 @@ def formatted(x: torch.Tensor, spec: str) -> str | None:
     return "; ".join(parts)
 
 
-P.hook_wrapper_printing(text, formatted)
+torch_private.hook_wrapper_printing(text, formatted)

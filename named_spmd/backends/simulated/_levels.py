@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _torch_private as P
+from ... import _torch_private as torch_private
 from ._lowered import _GatherAbove, _lowered, _SumAbove, _VaryAbove
 
 
@@ -127,7 +127,7 @@ def _not_a_view(x: torch.Tensor) -> torch.Tensor:
 # interpreter above the token's level (torch.func.grad inside the per-device function) needs the
 # per-instance transposes of the Functions, so it takes the slow path.
 
-_VMAP = P.TransformType.Vmap
+_VMAP = torch_private.TransformType.Vmap
 FAST = True  # False: every primitive through the Functions above (the tests run both)
 
 
@@ -137,10 +137,10 @@ def vmaps_only_above(level: int, known_top: int) -> bool:
     ``known_top`` is a level known to be a vmap with only vmaps between it and ``level`` (the
     simulation's innermost level): functorch levels are stack depths, so while the current level
     is ``known_top`` the stack above ``level`` is exactly that."""
-    top = P.maybe_current_level()
+    top = torch_private.maybe_current_level()
     if top == known_top:
         return True
-    return all(i.key() == _VMAP for i in P.get_interpreter_stack() if i.level() > level)
+    return all(i.key() == _VMAP for i in torch_private.get_interpreter_stack() if i.level() > level)
 
 
 def _peel(x: torch.Tensor, level: int) -> tuple[torch.Tensor, int, list[tuple[int, int]]] | None:
@@ -149,20 +149,20 @@ def _peel(x: torch.Tensor, level: int) -> tuple[torch.Tensor, int, list[tuple[in
 
     None if a non-vmap wrapper sits above ``level`` (the caller then takes the slow path)."""
     peeled = []
-    lv = P.maybe_get_level(x)
+    lv = torch_private.maybe_get_level(x)
     while lv > level:
-        if not P.is_batchedtensor(x):
+        if not torch_private.is_batchedtensor(x):
             return None
-        peeled.append((lv, P.maybe_get_bdim(x)))
-        x = P.get_unwrapped(x)
-        lv = P.maybe_get_level(x)
+        peeled.append((lv, torch_private.maybe_get_bdim(x)))
+        x = torch_private.get_unwrapped(x)
+        lv = torch_private.maybe_get_level(x)
     return x, lv, peeled
 
 
 def _rewrap(x: torch.Tensor, peeled: list[tuple[int, int]], shift: int) -> torch.Tensor:
     # ``shift``: dims the result gained in front of the peeled levels' view of it.
     for lv, bd in reversed(peeled):
-        x = P.add_batch_dim(x, bd + shift, lv)
+        x = torch_private.add_batch_dim(x, bd + shift, lv)
     return x
 
 
@@ -175,8 +175,8 @@ def _stacked_at(x: torch.Tensor, n: int, level: int, top: int) -> torch.Tensor |
         return None
     t, lv, peeled = found
     if lv == level:  # batched here: its dim is the stack
-        bd = P.maybe_get_bdim(t)
-        t = P.get_unwrapped(t)
+        bd = torch_private.maybe_get_bdim(t)
+        t = torch_private.get_unwrapped(t)
         stacked = t if bd == 0 else t.movedim(bd, 0)
     else:  # invariant here: n identical copies
         stacked = t.expand(n, *t.shape)
@@ -207,8 +207,8 @@ def reduce_varying(x: torch.Tensor, level: int, top: int, reduce: str) -> torch.
     if found is None or found[1] != level:
         return None
     t, _, peeled = found
-    bd = P.maybe_get_bdim(t)
-    return _rewrap(getattr(P.get_unwrapped(t), reduce)(bd), peeled, 0)
+    bd = torch_private.maybe_get_bdim(t)
+    return _rewrap(getattr(torch_private.get_unwrapped(t), reduce)(bd), peeled, 0)
 
 
 def gather_reduce(
@@ -231,16 +231,16 @@ def vary(
 ) -> torch.Tensor:
     """Invariant over ``token``'s level -> varying broadcast (an expand, no copy)."""
     if FAST:
-        if P.maybe_get_level(x) < level and P.maybe_current_level() == top:
+        if torch_private.maybe_get_level(x) < level and torch_private.maybe_current_level() == top:
             # The common case, inlined: batched at nothing from here up, under our levels only.
-            return P.add_batch_dim(x.expand(n, *x.shape), 0, level)
+            return torch_private.add_batch_dim(x.expand(n, *x.shape), 0, level)
         if vmaps_only_above(level, top):
             found = _peel(x, level)
             if found is not None:
                 t, lv, peeled = found
                 if lv == level:  # already varying
                     return x
-                copies = P.add_batch_dim(t.expand(n, *t.shape), 0, level)
+                copies = torch_private.add_batch_dim(t.expand(n, *t.shape), 0, level)
                 return _rewrap(copies, peeled, 0)
     out = _lowered(_VaryAbove, vary, x, token, n, level, top, k)
     return VaryLevel.apply(x, token, k) if out is None else out
@@ -258,21 +258,21 @@ def scatter(stacked: torch.Tensor, dim: int, level: int, top: int) -> torch.Tens
     peeled = []
     x, d = stacked, dim
     while True:  # peel the levels above, tracking where ``dim`` sits in each one's value
-        lv = P.maybe_get_level(x)
+        lv = torch_private.maybe_get_level(x)
         if lv <= level:
             break
-        if not P.is_batchedtensor(x):
+        if not torch_private.is_batchedtensor(x):
             return None
-        bd = P.maybe_get_bdim(x)
+        bd = torch_private.maybe_get_bdim(x)
         if bd <= d:
             d += 1
         peeled.append((lv, bd, d))
-        x = P.get_unwrapped(x)
+        x = torch_private.get_unwrapped(x)
     if lv == level:  # already varying over the level: not a stack of it
         return None
-    x = P.add_batch_dim(x, d, level)
+    x = torch_private.add_batch_dim(x, d, level)
     for lv, bd, d in reversed(peeled):  # ``dim`` is gone from each value: later dims shift
-        x = P.add_batch_dim(x, bd - 1 if bd > d else bd, lv)
+        x = torch_private.add_batch_dim(x, bd - 1 if bd > d else bd, lv)
     return x
 
 
@@ -290,9 +290,9 @@ def permute(
     t, lv, peeled = found
     if lv != level:
         return None
-    bd = P.maybe_get_bdim(t)
-    t = P.get_unwrapped(t)
+    bd = torch_private.maybe_get_bdim(t)
+    t = torch_private.get_unwrapped(t)
     out = t.index_select(bd, source)
     if receives is not None:
         out = torch.where(receives.view([-1] + [1] * (t.dim() - bd - 1)), out, out.new_zeros(()))
-    return _rewrap(P.add_batch_dim(out, bd, level), peeled, 0)
+    return _rewrap(torch_private.add_batch_dim(out, bd, level), peeled, 0)

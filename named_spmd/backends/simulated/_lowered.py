@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _torch_private as P
+from ... import _torch_private as torch_private
 from . import _levels
 
 # --- under a grad or jvp inside the per-device function -----------------------------------------
@@ -25,8 +25,8 @@ from . import _levels
 # calls the primitive again; a user vmap above is peeled as the Functions' vmap rule does
 # (``k`` counts the peeled dims). Once only vmaps remain above, the fast path takes over.
 
-_FUNCTIONALIZE = P.TransformType.Functionalize
-_JVP = P.TransformType.Jvp
+_FUNCTIONALIZE = torch_private.TransformType.Functionalize
+_JVP = torch_private.TransformType.Jvp
 
 
 def _lowered(fn_above, again, x, token, n, level, top, k):
@@ -34,32 +34,32 @@ def _lowered(fn_above, again, x, token, n, level, top, k):
     call ``again`` one level down. None for anything else (the Functions' path)."""
     if not _levels.FAST:
         return None
-    interpreter = P.current_interpreter()
+    interpreter = torch_private.current_interpreter()
     key = interpreter.key()
-    if key in P.GRAD_LIKE:
-        with P.single_level_functions():
+    if key in torch_private.GRAD_LIKE:
+        with torch_private.single_level_functions():
             return fn_above.apply(x, token, n, level, top, k, interpreter)
     if key == _FUNCTIONALIZE:  # the primitives do not mutate: unwrap, run below, wrap
         return _under_functionalize(interpreter, again, x, token, n, level, top, k)
     if key != _levels._VMAP or interpreter.level() <= level:
         return None
     lv = interpreter.level()
-    if P.maybe_get_level(x) != lv:  # not batched here: nothing to peel
+    if torch_private.maybe_get_level(x) != lv:  # not batched here: nothing to peel
         with interpreter.lower():
             return again(x, token, n, level, top, k)
-    bd = P.maybe_get_bdim(x)
-    x = P.get_unwrapped(x)
+    bd = torch_private.maybe_get_bdim(x)
+    x = torch_private.get_unwrapped(x)
     with interpreter.lower():
         out = again(x.movedim(bd, 0), token, n, level, top, k + 1)
-    return P.add_batch_dim(out, 0, lv)
+    return torch_private.add_batch_dim(out, 0, lv)
 
 
 def _under_functionalize(interpreter, again, x, token, n, level, top, k):
     views = interpreter.functionalize_add_back_views()
-    inner = P.functional_unwrap(x, reapply_views=views)
+    inner = torch_private.functional_unwrap(x, reapply_views=views)
     with interpreter.lower():
         out = again(inner, token, n, level, top, k)
-    return P.functional_wrap(out, interpreter.level())
+    return torch_private.functional_wrap(out, interpreter.level())
 
 
 def _run_lowered(primitive, x, token, n, level, top, k, interpreter):
@@ -67,14 +67,14 @@ def _run_lowered(primitive, x, token, n, level, top, k, interpreter):
     ``primitive`` below it with grad mode back on (a Function's forward runs without it, and the
     levels below may differentiate), wrap the result back."""
     own = interpreter.level()
-    inner = P.unwrap_for_grad(x, own)
-    with torch.enable_grad(), P.set_fwd_grad_enabled(True), interpreter.lower():
+    inner = torch_private.unwrap_for_grad(x, own)
+    with torch.enable_grad(), torch_private.set_fwd_grad_enabled(True), interpreter.lower():
         out = primitive(inner, token, n, level, top, k)
         if interpreter.key() == _JVP:
             # A result that is a view of ``x`` (a gather, a vary) gets its tangent by a copy into
             # the view of x's tangent, which overlapping memory (an expand) refuses.
             out = out.clone()
-    return P.wrap_for_grad(out, own)
+    return torch_private.wrap_for_grad(out, own)
 
 
 def _save(ctx, inputs, output):
@@ -84,7 +84,7 @@ def _save(ctx, inputs, output):
 _NONES = (None,) * 6
 
 
-class _GatherAbove(P.SingleLevelFunction):
+class _GatherAbove(torch_private.SingleLevelFunction):
     """:func:`gather` at a grad / jvp level; backward keeps the own slice (the transpose)."""
 
     @staticmethod
@@ -103,7 +103,7 @@ class _GatherAbove(P.SingleLevelFunction):
         return _levels.gather(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
 
 
-class _VaryAbove(P.SingleLevelFunction):
+class _VaryAbove(torch_private.SingleLevelFunction):
     """:func:`vary` at a grad / jvp level; backward is the psum over the level (the transpose)."""
 
     @staticmethod
@@ -122,7 +122,7 @@ class _VaryAbove(P.SingleLevelFunction):
         return _levels.vary(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
 
 
-class _SumAbove(P.SingleLevelFunction):
+class _SumAbove(torch_private.SingleLevelFunction):
     """A psum over one level at a grad / jvp level: one Function instead of a gather and a sum
     recorded there. Backward is the per-instance transpose of psum, pvary: the identity."""
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ... import _torch_private as P
+from ... import _torch_private as torch_private
 from ..._context import OneMemberPrimitives
 from ..._mesh import Mesh
 from ..._replay import Replay
@@ -39,12 +39,14 @@ class OneInstanceContext(OneMemberPrimitives, TrackedContext):
         self.device = device
 
     def axis_index(self, axes):
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             index = torch.zeros((), dtype=torch.int64, device=self.device)
         return self.stamp(index, Vma.of(axes))
 
     def per_member(self, axes, make):
-        with P.DisableTorchFunction():  # a plain value: only its stamp says where it varies
+        with (
+            torch_private.DisableTorchFunction()
+        ):  # a plain value: only its stamp says where it varies
             value = make(0)
         return self.stamp(value, Vma.of(axes))
 
@@ -56,7 +58,7 @@ def _local(ctx: OneInstanceContext, leaf: Any, spec: PartitionSpec) -> Any:
     if not isinstance(leaf, torch.Tensor):
         return leaf
     if spec.reduced or spec.unreduced:
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             leaf = leaf.view_as(leaf)
     return ctx.stamp_input(leaf, spec)
 

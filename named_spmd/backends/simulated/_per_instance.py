@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ... import _torch_private as P
+from ... import _torch_private as torch_private
 from ..._errors import SpecError, SpmdError, fn_label, operand_shapes_differ
 from ..._layout import (
     chunk_sizes,
@@ -63,19 +63,21 @@ class InstanceContext(TrackedContext):
         return index_of(axes, self.coords, self.mesh._shape)
 
     def axis_index(self, axes):
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             index = torch.tensor(self._member(axes), device=self.device)
         return self.stamp(index, Vma.of(axes))
 
     def per_member(self, axes, make):
-        with P.DisableTorchFunction():  # a plain value: only its stamp says where it varies
+        with (
+            torch_private.DisableTorchFunction()
+        ):  # a plain value: only its stamp says where it varies
             value = make(self._member(axes))
         return self.stamp(value, Vma.of(axes))
 
     def apply(self, rec, x, axes, params, donate=False):
         # The primitives are plain differentiable torch ops across the instances: autograd
         # differentiates them (no declared transpose needed), as under vmap.
-        if P.transforms_active():
+        if torch_private.transforms_active():
             raise SpmdError(
                 f"{rec.name} in {self.fn_label}: a collective under a torch.func transform "
                 "inside the per-device function cannot run on the per-instance simulation "
@@ -83,7 +85,7 @@ class InstanceContext(TrackedContext):
                 "blocks (the vmap simulation), or differentiate outside the mapped function."
             )
         self.op = rec.name
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             return rec.forward(self, x, axes, params, donate)
 
     def _meet(self, x: Any, axes, params: tuple, per_group) -> Tensor:
@@ -343,7 +345,7 @@ def run(
     mode each instance enters inside its own (one that moves closed-over tensors to meta), and
     ``first`` is given instance 0's context and outputs (what its report types)."""
     label = fn_label(fn)
-    if P.transforms_active():
+    if torch_private.transforms_active():
         raise SpmdError(
             f"spmd_map of {label}: a call under a torch.func transform cannot run on the "
             "per-instance simulation (functorch's levels are per thread). Fix: use even blocks "
@@ -352,12 +354,12 @@ def run(
     n = mesh.size
     meeting = Meeting(n, label, mesh.axis_names, mesh._shape)
     device = next((x.device for x in leaves if isinstance(x, Tensor)), torch.device("cpu"))
-    with P.DisableTorchFunction():  # our bookkeeping: no op of the program
+    with torch_private.DisableTorchFunction():  # our bookkeeping: no op of the program
         inputs = _inputs(mesh, leaves, specs)
     outs: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
     state = _caller_state(device.type)
-    modes = [P.function_mode_at(i) for i in range(P.function_mode_depth())]
+    modes = [torch_private.function_mode_at(i) for i in range(torch_private.function_mode_depth())]
 
     def instance(i: int) -> None:
         ctx = InstanceContext(mesh, fn, meeting, i, device)
@@ -377,12 +379,12 @@ def run(
             for enter in state:
                 stack.enter_context(enter())
             for m in modes:  # the caller's torch-function modes (a torch.device block & co)
-                P.push_function_mode(m)
+                torch_private.push_function_mode(m)
             try:
                 instance(i)
             finally:
                 for _ in modes:
-                    P.pop_function_mode()
+                    torch_private.pop_function_mode()
 
     others = [_POOL.submit(worker, i) for i in range(1, n)]
     instance(0)

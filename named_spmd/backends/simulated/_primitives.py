@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from ... import _blocks
-from ... import _torch_private as P
+from ... import _torch_private as torch_private
 from ..._context import SpmdContext
 from ..._errors import SpmdError
 from ..._mesh import Mesh
@@ -33,7 +33,7 @@ class SimulatedContext(SpmdContext):
     def __init__(self, mesh: Mesh, fn: Any, tokens: dict[str, torch.Tensor]):
         super().__init__(mesh, fn)
         self.tokens = tokens
-        self.level_axis = {P.maybe_get_level(t): a for a, t in tokens.items()}
+        self.level_axis = {torch_private.maybe_get_level(t): a for a, t in tokens.items()}
         self.axis_level = {a: lv for lv, a in self.level_axis.items()}
         self.inner_level = max(self.level_axis, default=0)
         self.outer_level = min(self.level_axis, default=0)
@@ -90,13 +90,13 @@ class SimulatedContext(SpmdContext):
         # one of them is our vmap's (levels are stack depths), so stop below the outermost.
         found: tuple[str, ...] = ()
         while True:
-            level = P.maybe_get_level(x)
+            level = torch_private.maybe_get_level(x)
             if level < self.outer_level:  # also -1: a plain tensor
                 return found
             axis = self.level_axis.get(level)
             if axis is not None:
                 found += (axis,)
-            x = P.get_unwrapped(x)
+            x = torch_private.get_unwrapped(x)
 
     def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
         # A copy: the tokens are shared between calls, and user code may write into the result.
@@ -107,7 +107,7 @@ class SimulatedContext(SpmdContext):
         # Every member's value, stacked as an invariant plain tensor; own_block makes the stack
         # dim the levels' batch dims (no copy on the fast path), as the inputs enter.
         n = self.mesh.axis_size(axes)
-        with P.DisableFuncTorch():
+        with torch_private.DisableFuncTorch():
             stacked = torch.stack([make(i) for i in range(n)])
         return self.own_block(stacked, axes, 0)
 
@@ -122,7 +122,10 @@ class SimulatedContext(SpmdContext):
         ``_context.CallMarker``): the recomputed piece gets the call's own batched tensors back,
         whose levels must then be live again, at the same numbers (levels are stack depths)."""
         want = sorted(self.level_axis)
-        got = [P.vmap_increment_nesting(self.sizes[self.level_axis[lv]], "same") for lv in want]
+        got = [
+            torch_private.vmap_increment_nesting(self.sizes[self.level_axis[lv]], "same")
+            for lv in want
+        ]
         if got != want:
             _leave_levels(len(got))
             raise SpmdError(
@@ -139,7 +142,7 @@ class SimulatedContext(SpmdContext):
         # for the implicit-pvary accounting (or the partial-sum algebra) to see, and no op of
         # the program for any torch function mode (as on the real mesh); each mode would cost
         # every op of the primitive a Python call (about 40% of a one-psum call).
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             return rec.forward(self, x, axes, params, donate)
 
     # --- primitives -----------------------------------------------------------------------
@@ -222,7 +225,7 @@ class SimulatedContext(SpmdContext):
 
 def _leave_levels(n: int) -> None:
     for _ in range(n):
-        P.vmap_decrement_nesting()
+        torch_private.vmap_decrement_nesting()
 
 
 _REDUCE = {"sum": "sum", "max": "amax", "min": "amin"}
@@ -238,6 +241,6 @@ def _permutation(n: int, pairs, device: torch.device) -> tuple[torch.Tensor, tor
     receives = [False] * n
     for src, dst in pairs:
         source[dst], receives[dst] = src, True
-    with P.DisableFuncTorch():  # plain tensors, even under functionalize & co
+    with torch_private.DisableFuncTorch():  # plain tensors, even under functionalize & co
         mask = None if all(receives) else torch.tensor(receives, device=device)
         return torch.tensor(source, device=device), mask

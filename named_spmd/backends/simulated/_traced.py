@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ... import _torch_private as P
+from ... import _torch_private as torch_private
 from ..._errors import SpmdError
 from ..._layout import physical_layout
 from ..._mesh import Mesh
@@ -82,7 +82,7 @@ def _rule(info, in_dims, x, tokens, kind, axes, params, peeled, sizes):
     else:
         x = x.movedim(x_dim, 0)
     peeled = [axis, *peeled]
-    with P.DisableTorchFunction():
+    with torch_private.DisableTorchFunction():
         if all(a in peeled for a in axes):
             out = _stacked(x, kind, axes, params, peeled, sizes)
         else:
@@ -156,8 +156,8 @@ _INVARIANT_RESULTS = frozenset({"sum", "max", "min", "gather", "broadcast"})
 def _under_grad() -> bool:
     """Whether a torch.func grad / jvp transform is the innermost one (run eagerly at trace
     time: Dynamo enters the transforms' levels while it traces them)."""
-    interpreter = P.current_interpreter()
-    return interpreter is not None and interpreter.key() in P.GRAD_LIKE
+    interpreter = torch_private.current_interpreter()
+    return interpreter is not None and interpreter.key() in torch_private.GRAD_LIKE
 
 
 _UNDER_GRAD = (
@@ -187,7 +187,7 @@ class TracedSimulatedContext(TracedContext):
         )
 
     def apply(self, rec, x, axes, params, donate=False):
-        with P.DisableTorchFunction():  # the collective's own ops need no types
+        with torch_private.DisableTorchFunction():  # the collective's own ops need no types
             return rec.forward(self, x, axes, params, False)
 
     # --- primitives -------------------------------------------------------------------------
@@ -198,7 +198,7 @@ class TracedSimulatedContext(TracedContext):
         return self.stamp(index.clone() if len(axes) == 1 else index, INVARIANT.add(axes))
 
     def per_member(self, axes, make):
-        with P.DisableTorchFunction():
+        with torch_private.DisableTorchFunction():
             stacked = torch.stack([make(i) for i in range(self.mesh.axis_size(axes))])
             return self.stamp(self.own_block(stacked, axes, 0), INVARIANT.add(axes))
 
@@ -242,7 +242,7 @@ class _SimulatedVmaMode(CompiledVmaMode):
         if func is F.scaled_dot_product_attention:
             math = _math_attention_args(*args, **(kwargs or {}))
             if math is not None:  # a multi-output op: the base class views each of its tensors
-                return super()._run(P.sdpa_math, *math)[0]
+                return super()._run(torch_private.sdpa_math, *math)[0]
         return super()._run(func, args, kwargs)
 
 
@@ -285,7 +285,7 @@ def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[torch.Tensor]:
         )
         mapped = torch.func.vmap(mapped, in_dims=in_dims, randomness="same")
     outs = mapped(physical, tokens)
-    with P.DisableTorchFunction():
+    with torch_private.DisableTorchFunction():
         return [
             from_physical(y, names, s, mesh, cached=False) for y, s in zip(outs, out_specs_of())
         ]
