@@ -236,7 +236,7 @@ def _axis_set(axes: Any, what: str) -> frozenset[str]:
 #: entry of unequal sizes, ``ns.simulate_per_instance()``). One switch for every backend: they
 #: must refuse the same inputs (tests/test_properties_dist.py compares their errors), so it is
 #: turned on once each of them takes such blocks (``takes_uneven``).
-UNEVEN_BY_DEFAULT = True
+UNEVEN_BY_DEFAULT = False
 
 
 def uneven_by_default() -> bool:
