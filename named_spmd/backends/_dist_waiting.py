@@ -26,13 +26,20 @@ def _is_timeout(e: BaseException) -> bool:
 
 def wait(board: FailureBoard, work: Any, while_doing: str, first_slice, members: list[int]) -> None:
     """Wait for ``work``; a posted failure or the timeout ends the wait with an error."""
+    if not _waited(board, work, first_slice, while_doing):
+        _slow_wait(board, work, while_doing, first_slice, members)
+
+
+def _waited(board: FailureBoard, work: Any, slice_, while_doing: str) -> bool:
+    """Wait one slice for ``work``: whether it completed (a communication failure other than
+    the slice's timeout is raised as the board translates it)."""
     try:
-        work.wait(first_slice)
-        return
+        work.wait(slice_)
+        return True
     except RuntimeError as e:
         if not _is_timeout(e):
             raise board.translate(e, while_doing) from None
-    _slow_wait(board, work, while_doing, first_slice, members)
+    return False
 
 
 def _slow_wait(
@@ -70,12 +77,8 @@ def _slow_wait(
             # posted, so that a peer seeing this rank exit quotes what it found missing
             board.post_for(board.rank, f"gave up waiting: {err}")
             raise err
-        try:
-            work.wait(slice_)
+        if _waited(board, work, slice_, while_doing):
             return
-        except RuntimeError as e:
-            if not _is_timeout(e):
-                raise board.translate(e, while_doing) from None
 
 
 def _ahead(board: FailureBoard, members: list[int]) -> tuple[int, str] | None:
