@@ -17,7 +17,9 @@ Run: ``python benchmarks/bench_simulated.py [--quick] [--markdown FILE]``
    per-op overhead: the LocalTensorMode ratio there is bounded by its overhead.)
    A third variant forces dp outermost (``simulated.nesting``) to show what the default nesting
    order (weight-replicated axis innermost) buys; a fourth runs the per-instance execution
-   (``ns.simulate_per_instance``: a thread per instance, what uneven blocks take).
+   (``ns.simulate_per_instance``: a thread per instance, what uneven blocks take), read in two
+   more rows against the vmap execution (default order) and against LocalTensorMode (goal:
+   faster than LocalTensorMode).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from named_spmd import P  # noqa: E402
 from named_spmd.backends import simulated  # noqa: E402
 
 K = 20  # collectives per call in the fixed-cost case
+PI_VS_VMAP = "per instance / vmap (default order)"
+LT_VS_PI = "LocalTensorMode / per instance"
 
 
 # --- 1. per-collective fixed cost -------------------------------------------------------------
@@ -285,12 +289,20 @@ def bench_mlp(hidden: int, rounds: int, local_tensor: bool) -> list[_util.Row]:
     rows = _util.rows_with_ratios(
         "simulated MLP", f"H={hidden}", med, "unsharded single-device", targets
     )
+    ours, pi = "spmd_map (2,4) default order", "spmd_map (2,4) per instance"
+    # the per-instance execution (what uneven programs take) read against the vmap execution
+    # of the same even program and against LocalTensorMode
+    rows.append(
+        _util.Row("simulated MLP", f"H={hidden}", PI_VS_VMAP, med[pi], ours, med[pi] / med[ours])
+    )
     if lt is not None:
-        ours = "spmd_map (2,4) default order"
         rows.append(
             _util.Row(
                 "simulated MLP", f"H={hidden}", lt_name, lt, ours, lt / med[ours], ">= 5x ours"
             )
+        )
+        rows.append(
+            _util.Row("simulated MLP", f"H={hidden}", LT_VS_PI, lt, pi, lt / med[pi], "> 1x (goal)")
         )
     return rows
 
