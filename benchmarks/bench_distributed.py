@@ -5,7 +5,7 @@
     python benchmarks/bench_distributed.py --device cuda --backend nccl --nproc 4
     python benchmarks/bench_distributed.py --only ring
 
-Five measurements, printed by rank 0:
+Six measurements, printed by rank 0:
 
 1. A Megatron-style MLP forward + backward step on a (dp=2, tp=nproc/2) mesh: column-parallel
    ``w1``/``b1``, row-parallel ``w2``, replicated ``b2``, batch split over dp; parameters and the
@@ -21,10 +21,16 @@ Five measurements, printed by rank 0:
    inside spmd_map (one ``all_to_all_single`` with one non-empty split each way, so its waits
    can be polled) versus the same hops hand-written with ``dist.batch_isend_irecv`` and with
    ``dist.all_to_all_single`` (median per ring, ratio to the send/recv ring).
-4. One ``ns.ragged_all_to_all`` of runs of rows of random lengths versus the same by hand (an
-   ``all_to_all_single`` of sizes and offsets, one with split sizes for the rows, the rows
-   placed at their offsets): median per call (``--only ragged``).
-5. vma tracking: a 200-op small-tensor function inside spmd_map versus the same ops on plain
+4. One ``ns.ragged_all_to_all`` of runs of rows of random lengths, the routing known to every
+   rank, versus the same by hand: one ``all_to_all_single`` with split sizes, the rows placed
+   at their offsets; and by hand with the sizes and offsets exchanged first (the program where
+   only the senders know them), and an empty spmd_map call on the same inputs (the floor):
+   median per call (``--only ragged``).
+5. A stencil step (tutorial 12's heat equation, forward, ``--stencil-steps`` steps per call) on
+   a grid whose rows do not divide by the ranks (and one that does), halos by two
+   ``ns.ppermute`` per step, versus the same by hand with one ``dist.batch_isend_irecv`` per
+   step (``--only stencil``).
+6. vma tracking: a 200-op small-tensor function inside spmd_map versus the same ops on plain
    tensors, in a single process (mesh of one): extra microseconds per op, every call typed
    (``named_spmd._replay.ENABLED`` off: on a mesh of one instance calls are otherwise typed once
    per signature and replayed untyped, the second figure). For scale, the same ops under a bare
@@ -34,6 +40,7 @@ Five measurements, printed by rank 0:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -380,9 +387,17 @@ def ring(args, mesh, device) -> list[dict]:
 
 def ragged(args, mesh, device) -> list[dict]:
     """One ``ns.ragged_all_to_all`` (every rank sends a run of rows of its own length to each
-    peer, written at the receiver's offsets) versus the same by hand: an ``all_to_all_single``
-    of the sizes and offsets, the sizes read on the host, the rows packed, one
-    ``all_to_all_single`` with split sizes, the rows placed at their offsets."""
+    peer, written at the receiver's offsets) versus the same by hand.
+
+    The routing (every rank's sizes to every peer) is drawn from a seed every rank shares, so the
+    user's program knows all of it: named_spmd's program is given the four metadata (the output
+    offsets in the senders' frame, as JAX's are), and the hand-written one ("hand, routing
+    known") needs one ``all_to_all_single`` with split sizes, its rows placed at offsets it
+    computes itself. "hand, sizes exchanged" is the program where only the senders know their
+    sizes and offsets: an ``all_to_all_single`` of those first (what the op itself does to learn
+    its peers' offsets and to check the sizes agree before the rows move). "ns, empty call" is
+    the floor of any spmd_map call with these inputs (the start-of-call check, the blocks in and
+    out), its body returning the output buffer."""
     from torch.distributed.tensor import DTensor, Shard
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -396,13 +411,19 @@ def ragged(args, mesh, device) -> list[dict]:
         in_off = torch.cumsum(send, 0) - send
         recv = torch.tensor([counts[i][rank] for i in range(world)])
         at = torch.cumsum(recv, 0) - recv  # placed in source order
-        out_off = torch.empty_like(at)
-        dist.all_to_all_single(out_off, at, group=group)  # the senders' frame
+        # the senders' frame, from the shared routing: where each receiver places this rank's rows
+        out_off = torch.tensor(
+            [sum(counts[i][j] for i in range(rank)) for j in range(world)], dtype=torch.int64
+        )
         x = torch.randn(n_rows, features, device=device)
 
         @ns.spmd_map(mesh=mesh, in_specs=P("all"), out_specs=P("all"))
         def spmd(v, o, i, s, oo, r):
             return ns.ragged_all_to_all(v, o, i, s, oo, r, "all")
+
+        @ns.spmd_map(mesh=mesh, in_specs=P("all"), out_specs=P("all"))
+        def empty(v, o, i, s, oo, r):
+            return o
 
         def dt(t):
             return DTensor.from_local(t, mesh.device_mesh, [Shard(0)], run_check=False)
@@ -410,7 +431,20 @@ def ragged(args, mesh, device) -> list[dict]:
         dargs = [dt(x), dt(torch.zeros(m_rows, features, device=device))]
         dargs += [dt(t) for t in (in_off, send, out_off, recv)]
 
-        def by_hand():
+        def place(got, sizes, offsets):
+            out = x.new_zeros(m_rows, features)
+            for o, piece in zip(offsets, got.split(sizes)):
+                out[o : o + piece.shape[0]] = piece
+            return out
+
+        def known():
+            sent, sizes = send.tolist(), recv.tolist()
+            packed = torch.cat([x[o : o + c] for o, c in zip(in_off.tolist(), sent)])
+            got = x.new_empty(sum(sizes), features)
+            dist.all_to_all_single(got, packed, sizes, sent, group=group)
+            return place(got, sizes, at.tolist())
+
+        def exchanged():
             peer = torch.empty(2 * world, dtype=torch.int64)
             mine = torch.stack([send, out_off], 1).reshape(-1)  # per peer: size, offset
             dist.all_to_all_single(peer, mine, group=group)
@@ -419,23 +453,138 @@ def ragged(args, mesh, device) -> list[dict]:
             packed = torch.cat([x[o : o + c] for o, c in zip(in_off.tolist(), sent)])
             got = x.new_empty(sum(sizes), features)
             dist.all_to_all_single(got, packed, sizes, sent, group=group)
-            out = x.new_zeros(m_rows, features)
-            for o, piece in zip(offsets, got.split(sizes)):
-                out[o : o + piece.shape[0]] = piece
-            return out
+            return place(got, sizes, offsets)
 
-        want = by_hand()
-        if not torch.equal(spmd(*dargs).to_local(), want):
-            raise SystemExit(f"ragged_all_to_all of {per_peer}x{features}: differs from by hand")
-        t = interleaved({"ns": lambda: spmd(*dargs), "hand": by_hand}, args.rounds, 2, device)
+        want = known()
+        for name, got in (("ns", spmd(*dargs).to_local()), ("exchanged", exchanged())):
+            if not torch.equal(got, want):
+                raise SystemExit(f"ragged_all_to_all of {per_peer}x{features}: {name} differs")
+        fns = {
+            "ns": lambda: spmd(*dargs),
+            "hand, routing known": known,
+            "hand, sizes exchanged": exchanged,
+            "ns, empty call": lambda: empty(*dargs),
+        }
+        t = interleaved(fns, args.rounds, 2, device)
         row = {"rows": sum(counts[rank]), "features": features}
+        row |= {k: v * 1e6 for k, v in t.items()}
+        row["ratio"] = row["ns"] / row["hand, routing known"]
+        row["ratio vs sizes exchanged"] = row["ns"] / row["hand, sizes exchanged"]
+        rows.append(row)
+    return rows
+
+
+# --- 5. a stencil step on a grid whose rows do not divide ---------------------------------------------
+
+
+def _laplacian(u, top, bottom):
+    """The 5-point Laplacian of the rows ``u``, given the row above and the row below them."""
+    padded = F.pad(torch.cat([top, u, bottom]), (1, 1))  # the side edges: 0
+    return padded[:-2, 1:-1] + padded[2:, 1:-1] + padded[1:-1, :-2] + padded[1:-1, 2:] - 4 * u
+
+
+def stencil(args, mesh, device) -> list[dict]:
+    """Explicit heat-equation steps (tutorial 12) on a grid of ``H = 4k + 2`` rows split over the
+    ranks as torch.chunk splits them (uneven blocks): each step passes a halo row down and one
+    up with ``ns.ppermute`` (two exchanges per step), the end ranks apply the boundaries (a hot
+    top edge, an insulated bottom edge). Forward only, ``steps`` steps per call, the grid a
+    DTensor of uneven ``Shard(0)`` blocks in and out; one grid of ``4k`` rows (even blocks) for
+    comparison, which takes the even path (no shape exchanges). Hand-written: the same steps on this
+    rank's block with one ``dist.batch_isend_irecv`` per step (both halos; every transfer
+    posted at once)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = mesh.device_mesh.get_group("all")
+    last = world - 1
+    dt_, steps = 0.2, args.stencil_steps
+    rows = []
+    for height, width in ((4 * 64 + 2, 256), (4 * 64, 256), (4 * 256 + 2, 1024)):
+        g = torch.Generator().manual_seed(height)
+        u0 = torch.rand(height, width, generator=g).to(device)
+        sizes = [b.shape[0] for b in u0.chunk(world)]
+        start = sum(sizes[:rank])
+        local = u0[start : start + sizes[rank]].clone()
+        kappa, hot = torch.tensor(0.5, device=device), torch.tensor(1.0, device=device)
+        heater_cols = torch.zeros(width, device=device)
+        heater_cols[width // 4 : width // 2] = 1.0
+
+        def source_of(first_row, n):
+            r = first_row + torch.arange(n, device=device)
+            on = (r >= height // 2) & (r < height // 2 + height // 8)
+            return on.to(u0.dtype)[:, None] * heater_cols
+
+        down = [(j, j + 1) for j in range(last)]
+        up = [(j + 1, j) for j in range(last)]
+        offsets = ns.block_offsets(height, "all", mesh=mesh)
+
+        @ns.spmd_map(mesh=mesh, in_specs=(P("all"), P(), P()), out_specs=P("all"))
+        def spmd_steps(u, kappa, hot):
+            i = ns.axis_index("all")
+            first = torch.tensor(offsets, device=device).index_select(0, i.reshape(1))
+            source = source_of(first, u.shape[0])
+            for _ in range(steps):
+                top = ns.ppermute(u[-1:], "all", down)
+                bottom = ns.ppermute(u[:1], "all", up)
+                top = torch.where(i == 0, hot * torch.ones(1, width, device=device), top)
+                bottom = torch.where(i == last, u[-1:], bottom)
+                u = u + dt_ * (_laplacian(u, top, bottom) + kappa * source)
+            return u
+
+        def by_hand():
+            u = local
+            source = source_of(torch.tensor([start], device=device), u.shape[0])
+            for _ in range(steps):
+                top, bottom = torch.empty_like(u[:1]), torch.empty_like(u[:1])
+                ops = []
+                if rank > 0:
+                    ops += [
+                        dist.P2POp(dist.isend, u[:1].contiguous(), rank - 1, group),
+                        dist.P2POp(dist.irecv, top, rank - 1, group),
+                    ]
+                if rank < last:
+                    ops += [
+                        dist.P2POp(dist.isend, u[-1:].contiguous(), rank + 1, group),
+                        dist.P2POp(dist.irecv, bottom, rank + 1, group),
+                    ]
+                for w in dist.batch_isend_irecv(ops) if ops else ():
+                    w.wait()
+                if rank == 0:
+                    top = hot * torch.ones(1, width, device=device)
+                if rank == last:
+                    bottom = u[-1:]
+                u = u + dt_ * (_laplacian(u, top, bottom) + kappa * source)
+            return u
+
+        ux = DTensor.from_local(  # uneven blocks: the global shape given
+            local, mesh.device_mesh, [Shard(0)], run_check=False, shape=u0.shape, stride=u0.stride()
+        )
+
+        uneven = height % world != 0
+        per_instance = ns.simulate_per_instance if uneven else contextlib.nullcontext
+
+        def spmd_call():
+            with torch.no_grad(), per_instance():  # uneven blocks: one per rank, any size
+                return spmd_steps(ux, kappa, hot)
+
+        def hand_call():
+            with torch.no_grad():
+                return by_hand()
+
+        got, want = spmd_call(), hand_call()
+        if tuple(got.shape) != tuple(u0.shape) or not torch.allclose(
+            got.to_local(), want, rtol=1e-5, atol=1e-5
+        ):
+            raise SystemExit(f"stencil on {height}x{width}: spmd_map differs from by hand")
+        t = interleaved({"ns": spmd_call, "hand": hand_call}, args.rounds, 2, device)
+        row = {"grid": f"{height}x{width}", "blocks": "/".join(map(str, sizes)), "steps": steps}
         row |= {k: v * 1e6 for k, v in t.items()}
         row["ratio"] = row["ns"] / row["hand"]
         rows.append(row)
     return rows
 
 
-# --- 4. vma tracking overhead (one process) ------------------------------------------------------------
+# --- 6. vma tracking overhead (one process) ------------------------------------------------------------
 
 
 def _ops(x, w, n_ops: int):
@@ -532,7 +681,7 @@ def worker(args) -> None:
     if "megatron" in args.only:
         mesh = ns.make_mesh((2, world // 2), ("dp", "tp"), device_type=args.device)
         result["megatron"] = megatron(args, mesh, device)
-    if {"latency", "ring", "ragged"} & set(args.only):
+    if {"latency", "ring", "ragged", "stencil"} & set(args.only):
         mesh = ns.make_mesh((world,), ("all",), device_type=args.device)
     if "latency" in args.only:
         result["latency"] = latency(args, mesh, device)
@@ -540,6 +689,8 @@ def worker(args) -> None:
         result["ring"] = ring(args, mesh, device)
     if "ragged" in args.only:
         result["ragged"] = ragged(args, mesh, device)
+    if "stencil" in args.only:
+        result["stencil"] = stencil(args, mesh, device)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
@@ -587,7 +738,16 @@ def report(result: dict, vma: dict | None) -> None:
     for row in result.get("ragged", []):
         print(
             f"  ragged_all_to_all of {row['rows']:>5} rows x {row['features']}: ns "
-            f"{row['ns']:8.1f} us   hand-written (all_to_all_single with split sizes) "
+            f"{row['ns']:8.1f} us   hand-written, routing known (one all_to_all_single with "
+            f"split sizes) {row['hand, routing known']:8.1f} us   ratio {row['ratio']:.3f}   "
+            f"hand-written, sizes exchanged first {row['hand, sizes exchanged']:8.1f} us   ratio "
+            f"{row['ratio vs sizes exchanged']:.3f}   (an empty spmd_map call with these inputs "
+            f"{row['ns, empty call']:8.1f} us)"
+        )
+    for row in result.get("stencil", []):
+        print(
+            f"  stencil, grid {row['grid']} (blocks {row['blocks']}), {row['steps']} step(s) per "
+            f"call: ns {row['ns']:8.1f} us   hand-written (batch_isend_irecv halos) "
             f"{row['hand']:8.1f} us   ratio {row['ratio']:.3f}"
         )
     if vma:
@@ -612,9 +772,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default=None)
+    parser.add_argument("--stencil-steps", type=int, default=1, help="stencil steps per call")
     parser.add_argument("--funcol", action="store_true", help="also time funcol all_reduce")
     parser.add_argument(
-        "--only", nargs="+", default=["megatron", "latency", "ring", "ragged", "vma"]
+        "--only",
+        nargs="+",
+        default=["megatron", "latency", "ring", "ragged", "stencil", "vma"],
     )
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -624,7 +787,7 @@ def main() -> None:
         return
     argv = [a for a in sys.argv[1:]]
     result = {"world": args.nproc, "device": args.device, "backend": args.backend or "gloo"}
-    if {"megatron", "latency", "ring", "ragged"} & set(args.only):
+    if {"megatron", "latency", "ring", "ragged", "stencil"} & set(args.only):
         out = spawn(argv, args.nproc, args.timeout)
         line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

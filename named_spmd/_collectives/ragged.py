@@ -12,7 +12,7 @@ import torch
 from .._context import Axes, SpmdContext, current
 from .._errors import CollectiveError
 from .._layout import ragged_written
-from .._torch_private import is_transform_wrapped
+from .._torch_private import DisableTorchFunction, is_transform_wrapped
 from ._record import PVARY, RECORDS, Collective, Params, backward_op, implicit_pvary, same_vma
 
 AxisName = str | tuple[str, ...]
@@ -62,20 +62,22 @@ def ragged_all_to_all(
     ctx.in_collective += 1  # its own ops are no ops of the user's program
     try:
         axes = ctx.check_axes(axis_name, "ragged_all_to_all")
-        meta = torch.stack(
-            _checked(
-                ctx, axes, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
-            )
-        )
+        meta = [input_offsets, send_sizes, output_offsets, recv_sizes]
+        with DisableTorchFunction():  # inspection only: the vma mode's dispatch buys nothing
+            _check_args(ctx, axes, operand, output, meta)
+            rows, m = operand.shape[0], output.shape[0]
+            wide = [t.dtype == torch.int64 for t in meta]
+        meta = torch.stack([t if w else t.to(torch.int64) for t, w in zip(meta, wide)])
         # each slot's peer values: where its rows came from, where they go, how many
         peer = RECORDS["all_to_all"].bind(meta, axes, 1, 1, True, None, None)
         if ctx.own_values:
-            _check_values(ctx, axes, operand.shape[0], output.shape[0], meta, peer)
+            with DisableTorchFunction():  # host values read, no op of the program
+                _check_values(ctx, axes, rows, m, meta, peer)
         input_offsets, send_sizes, output_offsets, recv_sizes = meta.unbind(0)
         from_offsets, placed_at = peer[0], peer[2]
         params = Ragged(
-            output.shape[0],
-            operand.shape[0],
+            m,
+            rows,
             input_offsets,
             send_sizes,
             output_offsets,
@@ -88,7 +90,7 @@ def ragged_all_to_all(
             in_order = tuple(a for a in ctx.mesh.axis_names if a in missing)
             operand = implicit_pvary(ctx, operand, in_order)
         placed = RAGGED_ALL_TO_ALL.bind(operand, axes, params)
-        written = ragged_written(output.shape[0], placed_at, recv_sizes)
+        written = ragged_written(m, placed_at, recv_sizes)
         written = written.reshape(-1, *([1] * (output.dim() - 1)))
         return torch.where(written, placed, output)
     finally:
@@ -128,7 +130,7 @@ class Ragged(NamedTuple):
         )
 
 
-def _checked(ctx: SpmdContext, axes: Axes, operand: Any, output: Any, *meta: torch.Tensor) -> list:
+def _check_args(ctx: SpmdContext, axes: Axes, operand: Any, output: Any, meta: list) -> None:
     where = f"ragged_all_to_all in {ctx.fn_label}"
     for name, t in (("operand", operand), ("output", output)):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -156,7 +158,6 @@ def _checked(ctx: SpmdContext, axes: Axes, operand: Any, output: Any, *meta: tor
             f"integer tensors of one length, a positive multiple of the group size {n} of "
             f"{axes} (got {got}). Fix: one int tensor of n entries each (slot j for member j)."
         )
-    return [t.to(torch.int64) for t in meta]
 
 
 def _what(t: Any) -> str:
