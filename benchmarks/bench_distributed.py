@@ -25,7 +25,7 @@ Six measurements, printed by rank 0:
    rank, versus the same by hand: one ``all_to_all_single`` with split sizes, the rows placed
    at their offsets; and by hand with the sizes and offsets exchanged first (the program where
    only the senders know them), and an empty spmd_map call on the same inputs (the floor):
-   median per call (``--only ragged``).
+   median per call and the CPU time of the ranks together (``--only ragged``).
 5. A stencil step (tutorial 12's heat equation, forward, ``--stencil-steps`` steps per call) on
    a grid whose rows do not divide by the ranks (and one that does), halos by two
    ``ns.ppermute`` per step, versus the same by hand with one ``dist.batch_isend_irecv`` per
@@ -122,23 +122,32 @@ def _timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(fns: dict, rounds: int, warmup: int, device) -> dict[str, float]:
+def interleaved(fns: dict, rounds: int, warmup: int, device, cpu: bool = False) -> dict[str, float]:
     """Median over rounds of each function's time (slowest rank), rounds interleaved
-    in a shuffled order."""
+    in a shuffled order. ``cpu``: also, as ``"<name> cpu"``, the median of the CPU time the
+    ranks spent in it together (all ranks share the machine's cores: on a loaded machine the
+    wall clock is mostly waiting for a core, the CPU time less so)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    samples = {name: [] for name in fns}
+    samples: dict[str, list] = {name: [] for name in fns}
+    cpu_samples: dict[str, list] = {name: [] for name in fns}
     for r in range(rounds):
         order = list(fns)
         random.Random(r).shuffle(order)  # no fixed position in the round; same on every rank
         for name in order:
+            c0 = time.process_time()
             samples[name].append(_timed(fns[name], device))
+            cpu_samples[name].append(time.process_time() - c0)
     out = {}
     for name, s in samples.items():
         t = torch.tensor(s, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
         out[name] = statistics.median(t.tolist())
+        if cpu:
+            c = torch.tensor(cpu_samples[name], dtype=torch.float64)
+            dist.all_reduce(c)
+            out[f"{name} cpu"] = statistics.median(c.tolist())
     return out
 
 
@@ -465,11 +474,12 @@ def ragged(args, mesh, device) -> list[dict]:
             "hand, sizes exchanged": exchanged,
             "ns, empty call": lambda: empty(*dargs),
         }
-        t = interleaved(fns, args.rounds, 2, device)
+        t = interleaved(fns, args.rounds, 2, device, cpu=True)
         row = {"rows": sum(counts[rank]), "features": features}
         row |= {k: v * 1e6 for k, v in t.items()}
         row["ratio"] = row["ns"] / row["hand, routing known"]
         row["ratio vs sizes exchanged"] = row["ns"] / row["hand, sizes exchanged"]
+        row["cpu ratio"] = row["ns cpu"] / row["hand, routing known cpu"]
         rows.append(row)
     return rows
 
@@ -576,10 +586,11 @@ def stencil(args, mesh, device) -> list[dict]:
             got.to_local(), want, rtol=1e-5, atol=1e-5
         ):
             raise SystemExit(f"stencil on {height}x{width}: spmd_map differs from by hand")
-        t = interleaved({"ns": spmd_call, "hand": hand_call}, args.rounds, 2, device)
+        t = interleaved({"ns": spmd_call, "hand": hand_call}, args.rounds, 2, device, cpu=True)
         row = {"grid": f"{height}x{width}", "blocks": "/".join(map(str, sizes)), "steps": steps}
         row |= {k: v * 1e6 for k, v in t.items()}
         row["ratio"] = row["ns"] / row["hand"]
+        row["cpu ratio"] = row["ns cpu"] / row["hand cpu"]
         rows.append(row)
     return rows
 
@@ -742,13 +753,15 @@ def report(result: dict, vma: dict | None) -> None:
             f"split sizes) {row['hand, routing known']:8.1f} us   ratio {row['ratio']:.3f}   "
             f"hand-written, sizes exchanged first {row['hand, sizes exchanged']:8.1f} us   ratio "
             f"{row['ratio vs sizes exchanged']:.3f}   (an empty spmd_map call with these inputs "
-            f"{row['ns, empty call']:8.1f} us)"
+            f"{row['ns, empty call']:8.1f} us)   CPU time of the 4 ranks: ratio "
+            f"{row['cpu ratio']:.3f}"
         )
     for row in result.get("stencil", []):
         print(
             f"  stencil, grid {row['grid']} (blocks {row['blocks']}), {row['steps']} step(s) per "
             f"call: ns {row['ns']:8.1f} us   hand-written (batch_isend_irecv halos) "
-            f"{row['hand']:8.1f} us   ratio {row['ratio']:.3f}"
+            f"{row['hand']:8.1f} us   ratio {row['ratio']:.3f}   CPU time of the 4 ranks: "
+            f"ratio {row['cpu ratio']:.3f}"
         )
     if vma:
         print(
