@@ -314,6 +314,10 @@ def targets(results: dict[str, Outcome]) -> list[tuple[str, str, str, str, str]]
     return rows
 
 
+def _cpu(row: dict) -> str:
+    return f"; CPU time of the ranks {row['cpu ratio']:.2f}x" if "cpu ratio" in row else ""
+
+
 def uneven_targets(dist_part: dict) -> list[tuple[str, str, str, str, str]]:
     """Uneven programs on the real backend: a ragged_all_to_all and a stencil step on a grid
     that does not divide, each against the same program hand-written."""
@@ -328,7 +332,7 @@ def uneven_targets(dist_part: dict) -> list[tuple[str, str, str, str, str]]:
                 1.05,
                 f"routing known to every rank; vs hand-written with the sizes exchanged "
                 f"{row['ratio vs sizes exchanged']:.2f}x; an empty spmd_map call with these "
-                f"inputs {row['ns, empty call'] / row['hand, routing known']:.2f}x",
+                f"inputs {row['ns, empty call'] / row['hand, routing known']:.2f}x" + _cpu(row),
             )
         )
     stencil = dist_part.get("stencil", [])
@@ -344,6 +348,7 @@ def uneven_targets(dist_part: dict) -> list[tuple[str, str, str, str, str]]:
                 "x",
                 1.05,
                 f"{row['steps']} step(s) per call"
+                + _cpu(row)
                 + "".join(f"; even grid {r['grid']}: {r['ratio']:.2f}x" for r in even),
             )
         )
