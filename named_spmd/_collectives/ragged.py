@@ -62,12 +62,12 @@ def ragged_all_to_all(
     ctx.in_collective += 1  # its own ops are no ops of the user's program
     try:
         axes = ctx.check_axes(axis_name, "ragged_all_to_all")
-        meta = [input_offsets, send_sizes, output_offsets, recv_sizes]
+        given = [input_offsets, send_sizes, output_offsets, recv_sizes]
         with DisableTorchFunction():  # inspection only: the vma mode's dispatch buys nothing
-            _check_args(ctx, axes, operand, output, meta)
+            _check_args(ctx, axes, operand, output, given)
             rows, m = operand.shape[0], output.shape[0]
-            wide = [t.dtype == torch.int64 for t in meta]
-        meta = torch.stack([t if w else t.to(torch.int64) for t, w in zip(meta, wide)])
+            wide = [t.dtype == torch.int64 for t in given]
+        meta = torch.stack([t if w else t.to(torch.int64) for t, w in zip(given, wide)])
         # each slot's peer values: where its rows came from, where they go, how many
         peer = RECORDS["all_to_all"].bind(meta, axes, 1, 1, True, None, None)
         if ctx.own_values:
