@@ -110,18 +110,14 @@ def is_even(shape: Sequence[int], spec: PartitionSpec, sizes: Sizes) -> bool:
 
 
 def gives_unequal_blocks(
-    leaves: Sequence[object], specs: Sequence[PartitionSpec], sizes: Sizes, every: bool = False
+    leaves: Sequence[object], specs: Sequence[PartitionSpec], sizes: Sizes
 ) -> bool:
-    """Whether some tensor leaf's spec gives (``Blocks``) sizes that differ, or (``every``:
-    non-divisible dims taken by default) any leaf's blocks differ: the inputs that take blocks of
-    unequal sizes without asking (the input checks refuse any other unequal split unless
-    asked)."""
+    """Whether some tensor leaf's blocks differ in size (a dim its axes do not divide, or a
+    ``Blocks`` entry of unequal sizes): the one test of whether a call runs on blocks of
+    unequal sizes (per instance on the simulated mesh, ``_dist_uneven`` on a real one, eagerly
+    inside a compiled program)."""
     for x, spec in zip(leaves, specs):
-        if (
-            (every or spec.explicit)
-            and isinstance(x, torch.Tensor)
-            and not is_even(x.shape, spec, sizes)
-        ):
+        if isinstance(x, torch.Tensor) and not is_even(x.shape, spec, sizes):
             return True
     return False
 

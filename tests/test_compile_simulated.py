@@ -127,6 +127,11 @@ def test_a_compiled_call_raises_the_eager_calls_error(name):
     _passes(functools.partial(compile_worker.check_error, size=4), name, "eager")
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_call_of_uneven_blocks_runs_eagerly(backend):
+    _passes(functools.partial(compile_worker.check_uneven, size=4), "indivisible_input", backend)
+
+
 def _mlp(piece):
     mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
 
