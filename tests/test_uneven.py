@@ -218,6 +218,33 @@ def test_uneven_errors_are_clear():
             f(x)
 
 
+def test_tiled_all_gather_of_blocks_differing_off_its_axis_is_an_error():
+    """Rows 5 over 2 (3, 2) gathered along the columns: the blocks differ where the gather does
+    not concatenate, the SpmdError of a collective over operands of different shapes (a bare
+    torch.cat error before); along the rows the blocks concatenate to the global value."""
+    mesh = ns.make_mesh((2,), ("a",))
+    x = _randn(5, 2, seed=27)
+    across = ns.spmd_map(
+        lambda v: ns.all_gather(v, "a", axis=1, tiled=True),
+        mesh=mesh,
+        in_specs=P("a"),
+        out_specs=P("a"),
+    )
+    with pytest.raises(
+        ns.SpmdError, match=r"different shapes \[\(3, 2\), \(2, 2\)\].*but along dim 1"
+    ):
+        across(x)
+    with pytest.raises(ns.SpmdError, match="but along dim 1"):
+        across.check(x)
+    along = ns.spmd_map(
+        lambda v: ns.all_gather(v, "a", axis=0, tiled=True, to="invariant"),
+        mesh=mesh,
+        in_specs=P("a"),
+        out_specs=P(),
+    )
+    torch.testing.assert_close(along(x), x)
+
+
 def test_tiled_all_gather_of_uneven_blocks_is_the_global_value():
     mesh = ns.make_mesh((4,), ("x",))
     x = _randn(10, 3, seed=6)

@@ -266,21 +266,22 @@ CASES = [
         dtensor=True,
         kinds=("D", "D"),
     ),
+    Case(  # without asking: a dim the axis does not divide is split as torch.chunk splits it
+        "rows10_over_4_by_default",
+        (4,),
+        ("x",),
+        lambda v: v.sin() * ns.psum((v * v).sum(), "x"),
+        P("x", None),
+        P("x", None),
+        lambda: (_randn(10, 2, seed=17),),
+        lambda x: x.sin() * (x * x).sum(),
+        switch=False,
+        kinds=("D",),
+    ),
 ]
 
 # Programs that must fail with the same error on both backends.
 ERRORS = [
-    Case(
-        "not_divisible_without_the_switch",
-        (4,),
-        ("x",),
-        lambda v: v * 2,
-        P("x"),
-        P("x"),
-        lambda: (_randn(10, seed=17),),
-        None,
-        switch=False,
-    ),
     Case(
         "output_blocks_not_the_given_sizes",
         (4,),
@@ -289,6 +290,17 @@ ERRORS = [
         P(ns.Blocks("x", (4, 3, 2, 1))),
         P(ns.Blocks("x", (3, 3, 3, 1))),
         lambda: (_randn(10, seed=18),),
+        None,
+        switch=False,
+    ),
+    Case(  # the blocks differ along dim 0 (3, 2), the gather concatenates along dim 1
+        "tiled_all_gather_of_blocks_differing_elsewhere",
+        (2, 2),
+        ("a", "b"),
+        lambda v: ns.all_gather(v, "a", axis=1, tiled=True),
+        P("a", None),
+        P("a", None),
+        lambda: (_randn(5, 2, seed=26),),
         None,
         switch=False,
     ),

@@ -93,18 +93,31 @@ class UnevenPrimitives:
             return params
         comm = self.mesh.comm(axes)
         if gathers:
-            return (*params, tuple(s for (s,) in _exchange(comm, [x.shape[params[0]]])))
+            return (*params, self._gathered_sizes(rec.name, x, axes, params[0]))
         return (*params, chunk_sizes(x.shape[params[0]], comm.n))  # psum_scatter's blocks
+
+    def _gathered_sizes(self, op: str, x: torch.Tensor, axes, dim: int) -> tuple[int, ...]:
+        """The members' sizes along ``dim`` of a tiled all_gather, from one exchange of their
+        shapes, whose other dims must agree (the simulated mesh's error; gloo would fail)."""
+        shapes = self._shapes(x, axes)
+        if shapes is None:
+            return tuple(s for (s,) in _exchange(self.mesh.comm(axes), [x.shape[dim]]))
+        if len({s[:dim] + s[dim + 1 :] for s in shapes}) > 1:
+            raise operand_shapes_differ(op, self.fn_label, shapes, but=dim)  # type: ignore[attr-defined]
+        return tuple(s[dim] for s in shapes)
+
+    def _shapes(self, x: torch.Tensor, axes) -> list[tuple[int, ...]] | None:
+        """Every member's operand shape (one exchange); None past :data:`_WIDTH` dims."""
+        if x.dim() >= _WIDTH:
+            return None
+        mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim())
+        return [tuple(r[1 : 1 + r[0]]) for r in _exchange(self.mesh.comm(axes), mine)]
 
     def _same_shapes(self, op: str, x: torch.Tensor, axes) -> None:
         """The simulated mesh's error for members' operands of different shapes, raised on
         every member alike (the shapes are exchanged first: gloo would fail or wait)."""
-        if x.dim() >= _WIDTH:
-            return
-        mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim())
-        rows = _exchange(self.mesh.comm(axes), mine)
-        shapes = [tuple(r[1 : 1 + r[0]]) for r in rows]
-        if any(s != shapes[0] for s in shapes):
+        shapes = self._shapes(x, axes)
+        if shapes is not None and any(s != shapes[0] for s in shapes):
             raise operand_shapes_differ(op, self.fn_label, shapes)  # type: ignore[attr-defined]
 
     def all_gather_tiled(self, x, axes, dim, sizes=None):

@@ -99,7 +99,7 @@ class InstanceContext(TrackedContext):
 
     # --- primitives -----------------------------------------------------------------------
     def all_gather_tiled(self, x, axes, dim, sizes=None):
-        return self._meet(x, axes, ("tiled", dim), functools.partial(_gather_tiled, dim))
+        return self._meet(x, axes, ("tiled", dim), functools.partial(_gather_tiled, dim, self))
 
     def reduce_scatter_tiled(self, x, axes, dim, sizes=None):
         return self._meet(x, axes, ("tiled", dim), functools.partial(_scatter_chunks, dim, self))
@@ -197,8 +197,12 @@ def _gather(ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
     return _copies(torch.stack(xs), len(xs))
 
 
-def _gather_tiled(dim: int, xs: list[Tensor]) -> list[Tensor]:
-    """The blocks concatenated along ``dim``, whatever their sizes there (one copy each)."""
+def _gather_tiled(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
+    """The blocks concatenated along ``dim``, whatever their sizes there (one copy each); their
+    other dims must agree."""
+    shapes = [tuple(x.shape) for x in xs]
+    if len({s[:dim] + s[dim + 1 :] for s in shapes}) > 1:
+        raise operand_shapes_differ(ctx.op, ctx.fn_label, shapes, but=dim)
     return _copies(torch.cat(xs, dim), len(xs))
 
 
