@@ -245,6 +245,25 @@ def test_tiled_all_gather_of_blocks_differing_off_its_axis_is_an_error():
     torch.testing.assert_close(along(x), x)
 
 
+def test_output_blocks_that_cannot_be_laid_back_are_an_error():
+    """Rows 5 over a (3, 2) returned under P("b", "a"): the blocks side by side along dim 1 differ
+    in height, a SpecError naming both blocks (a bare torch.cat error before); under
+    P("a", "b") they lay back to the dense value."""
+    mesh = ns.make_mesh((2, 2), ("a", "b"))
+    x = _randn(5, 2, seed=29)
+
+    def mapped(out_spec):
+        return ns.spmd_map(
+            lambda v: ns.pvary(v, "b"), mesh=mesh, in_specs=P("a", None), out_specs=out_spec
+        )
+
+    crossed = mapped(P("b", "a"))
+    for call in (crossed, crossed.check):
+        with pytest.raises(ns.SpecError, match="cannot be laid back under P\\('b', 'a'\\)"):
+            call(x)
+    torch.testing.assert_close(mapped(P("a", "b"))(x), torch.cat([x, x], 1))
+
+
 def test_tiled_all_gather_of_uneven_blocks_is_the_global_value():
     mesh = ns.make_mesh((4,), ("x",))
     x = _randn(10, 3, seed=6)

@@ -304,6 +304,17 @@ ERRORS = [
         None,
         switch=False,
     ),
+    Case(  # rows 3, 2 over a, laid back along dim 1: the blocks of a row differ in height
+        "output_blocks_that_do_not_lay_back",
+        (2, 2),
+        ("a", "b"),
+        lambda v: ns.pvary(v, "b"),
+        P("a", None),
+        P("b", "a"),
+        lambda: (_randn(5, 2, seed=28),),
+        None,
+        switch=False,
+    ),
     Case(
         "psum_of_uneven_blocks",
         (2, 2),

@@ -37,6 +37,7 @@ from .._layout import (
     coords_of,
     dim_sizes,
     given_sizes_problem,
+    grid_problem,
     group_size,
     index_of,
     is_even,
@@ -273,6 +274,9 @@ def _shapes_of(ctx, rows: list[list[int]], at: int, rank: int):
 def _output(ctx, y: torch.Tensor, spec: PartitionSpec, shape_at) -> torch.Tensor:
     mesh = ctx.mesh
     names, sizes = mesh.axis_names, mesh._shape
+    problem = grid_problem(shape_at, y.dim(), spec, sizes, names)  # the same on every rank
+    if problem is not None:
+        raise SpecError(f"spmd_map of {ctx.fn_label}: {problem}")
     if spec.explicit:  # the sizes a Blocks entry gives must be the blocks' (as simulated)
         named = [a for a in names if a in spec.axes]
         zeros = dict.fromkeys(names, 0)

@@ -33,6 +33,7 @@ from ..._layout import (
     concat_blocks,
     coords_of,
     given_sizes_problem,
+    grid_problem,
     group_coords,
     group_size,
     index_of,
@@ -444,6 +445,12 @@ def _assemble(mesh: Mesh, values: list[Tensor], spec: PartitionSpec, label: str)
     names, sizes = mesh.axis_names, mesh._shape
     named = [a for a in names if a in spec.axes]
     summed = [a for a in names if a in spec.unreduced]
+    rank = values[0].dim()
+    problem = grid_problem(
+        lambda c: values[index_of(names, c, sizes)].shape, rank, spec, sizes, names
+    )
+    if problem is not None:
+        raise SpecError(f"spmd_map of {label}: {problem}")
     blocks = []
     for b in range(group_size(named, sizes)):
         where = dict.fromkeys(names, 0) | coords_of(b, named, sizes)
