@@ -8,8 +8,9 @@ Hypothesis draws whole calls of ``spmd_map``, valid and invalid:
 * the arguments' pytree form (a tensor, two positional arguments, a tuple, a dict, a list, nested
   containers, with None leaves and Python scalars);
 * in_specs as pytree prefixes of the arguments: valid (entries None / an axis / a tuple or list of
-  axes, dims divisible) or not (unknown axis, repeated axis, a non-divisible dim, too many
-  entries, an entry of a wrong type, a string / tuple of names / set / int instead of ``P``, a
+  axes; a quarter of the split tensors with a dim the axes do not divide, split as torch.chunk
+  splits it: the call runs per instance, docs/uneven.md) or not (unknown axis, repeated axis, too
+  many entries, an entry of a wrong type, a string / tuple of names / set / int instead of ``P``, a
   prefix of the wrong structure);
 * one collective applied inside the mapped function to an argument (a tensor, its parent
   container, or all the arguments), with valid or invalid axis names (unknown, repeated, empty, a
@@ -19,8 +20,9 @@ Hypothesis draws whole calls of ``spmd_map``, valid and invalid:
   out_specs, drawn to fit the result's type or not (an axis it varies over left out, unknown or
   repeated axes, too many entries, wrong types, wrong structure).
 
-An independent model of the rules of docs/design.md sections 1-3 (written here from the text, not
-from the library's code) decides what each drawn call must do: return the value the per-instance
+An independent model of the rules of docs/design.md sections 1-3 and docs/uneven.md (written here
+from the text, not from the library's code; on unequal blocks every instance's shape, each
+collective's rule per group, the outputs' blocks laid back) decides what each drawn call must do: return the value the per-instance
 reference of tests/_reference.py computes (one thread per instance, collectives written from the
 definitions), with the same dtype, shape and structure; or raise an ``ns.SpmdError`` whose message
 names the user's function (``drawn_program``) and says how to fix it ("Fix"). Where the design
@@ -1017,7 +1019,7 @@ def cases(draw, check: bool = False, instances: int | None = None) -> Case:
                 covering[t] = ((), True)
             return d.pick([Spec(()), None])
         entries = d.entries(len(local[tensors[0]]), want, avoid)
-        divisible = d.fault(["not_divisible"]) == "none"
+        divisible = d.pick([True, False], [3, 1])  # else torch.chunk's blocks of unequal sizes
         for t in tensors:
             covering[t] = (entries, divisible)
         return d.spec_leaf(entries)
@@ -1253,6 +1255,16 @@ def test_drawn_calls_return_the_reference_value_or_a_clear_error(case: Case) -> 
     event(f"outcome: {outcome}")
     event(f"op: {case.op}")
     event(f"dtype: {case.dtype}")
+    event(f"blocks: {'unequal' if unequal_blocks(case) else 'equal'} ({outcome.split(',')[0]})")
+
+
+def unequal_blocks(case: Case) -> bool:
+    """Whether the model splits some input into blocks of unequal sizes (for statistics)."""
+    try:
+        args = model_inputs(case, [])
+    except (Invalid, BadEntry):
+        return False
+    return any(isinstance(t, TInfo) and t.blocks is not None for t in tree_leaves(args))
 
 
 @seeded
