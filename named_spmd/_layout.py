@@ -53,6 +53,20 @@ def group_coords(axes: Sequence[str], coords: Mapping[str, int], sizes: Sizes) -
     return [{**coords, **coords_of(i, axes, sizes)} for i in range(count)]
 
 
+def groups(axes: Sequence[str], names: Sequence[str], sizes: Sizes) -> list[list[int]]:
+    """The groups of ``axes``: each the instance indices (row-major over the mesh's ``names``)
+    of its members in member order, the groups in the order of their first instance."""
+    seen: set[int] = set()
+    out = []
+    for i in range(math.prod([sizes[a] for a in names])):
+        if i not in seen:
+            coords = coords_of(i, names, sizes)
+            members = [index_of(names, c, sizes) for c in group_coords(axes, coords, sizes)]
+            seen.update(members)
+            out.append(members)
+    return out
+
+
 def group_size(axes: Iterable[str], sizes: Sizes) -> int:
     return math.prod([sizes[a] for a in axes])
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,8 +33,8 @@ from ..._layout import (
     coords_of,
     given_sizes_problem,
     grid_problem,
-    group_coords,
     group_size,
+    groups,
     index_of,
     split_all,
     split_index,
@@ -141,20 +140,9 @@ class InstanceContext(TrackedContext):
 
 @functools.lru_cache(maxsize=256)
 def _groups(shape: tuple[tuple[str, int], ...], axes: tuple[str, ...]) -> list[list[int]]:
-    """The groups of ``axes``: each a list of instance indices (row-major over the mesh) in
-    member order."""
+    """The groups of ``axes`` (``_layout.groups``), per mesh shape."""
     sizes = dict(shape)
-    names = tuple(sizes)
-    seen: set[int] = set()
-    groups = []
-    for i in range(math.prod(sizes.values())):
-        if i in seen:
-            continue
-        coords = coords_of(i, names, sizes)
-        members = [index_of(names, c, sizes) for c in group_coords(axes, coords, sizes)]
-        seen.update(members)
-        groups.append(members)
-    return groups
+    return groups(axes, tuple(sizes), sizes)
 
 
 def _each_group(groups, xs: list[Tensor], per_group) -> list[Tensor]:
