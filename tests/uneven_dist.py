@@ -40,7 +40,7 @@ class Case:
     out_specs: Any
     args: Callable[[], tuple]
     dense: Callable[..., Any] | None  # the global outputs from the global inputs
-    switch: bool = True  # run under ns.simulate_per_instance() (Blocks inputs need none)
+    switch: bool = True  # run under ns.simulate_per_instance() (unequal blocks need none)
     dtensor: bool = False  # the real mesh gets the inputs as DTensors (their Shard blocks)
     kinds: tuple[str, ...] = field(default=())  # the real outputs' types: "D" DTensor, "T" plain
 
