@@ -17,7 +17,7 @@ from . import _torch_private as torch_private
 from ._accounting import CommEvent, on_backward, recording
 from ._check import CheckReport
 from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
-from ._layout import block_global_shape
+from ._layout import block_global_shape, gives_unequal_blocks
 from ._mesh import Mesh
 from ._out_problems import unreduced_problem, varying_problem
 from ._spec import (
@@ -25,7 +25,6 @@ from ._spec import (
     given_sizes_problems,
     output_settles,
     spec_problems,
-    uneven_by_default,
 )
 from ._tree import (
     IN_SPEC_INDEX,
@@ -71,6 +70,17 @@ _call_counted = torch_private.not_traced(
     "the mapped function with ns.compile(f, fullgraph=True), whose calls under CommMode run "
     "eagerly before Dynamo sees them, or compile without fullgraph=True",
 )
+#: A call whose inputs split into blocks of unequal sizes, made while compiling: its instances'
+#: shapes differ, which no graph holds, so it runs eagerly (a graph break around the call).
+_call_uneven = torch_private.not_traced(
+    _call,
+    reason="named_spmd: a mapped call whose inputs split into blocks of unequal sizes (a dim "
+    "its axes do not divide, or an ns.Blocks entry of unequal sizes) runs eagerly inside a "
+    "compiled program (docs/uneven.md). Fix: pad that dim to a multiple of its axes' group size "
+    "to compile the call; or compile without fullgraph=True (a graph break around the call); "
+    "or compile the mapped function with ns.compile(f, fullgraph=True), whose uneven calls run "
+    "eagerly before Dynamo sees them",
+)
 
 
 class SpmdFunction:
@@ -100,9 +110,6 @@ class SpmdFunction:
         self.out_specs = out_specs
         # the distinct in_specs, which a traced call indexes (_in_specs_traced)
         self._in_spec_table = tuple(dict.fromkeys(spec_leaves(in_specs)))
-        # whether an in_spec gives block sizes (``Blocks``): only then may a call's inputs take
-        # unequal blocks without asking (the backends read it instead of every leaf's spec)
-        self.gives_sizes = any(getattr(s, "explicit", False) for s in self._in_spec_table)
         # per input structure, outside a trace: the in_specs broadcast over it, and the leaf
         # shapes that fit them (a call of known inputs checks none)
         self._inputs_of_tree: dict[Any, tuple[list[PartitionSpec], set[tuple]]] = {}
@@ -137,7 +144,7 @@ class SpmdFunction:
             specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
             known = self._inputs_of_tree[treedef] = (specs, set())
         specs, fine = known
-        shapes = _shapes_key(leaves, (local, _uneven_state(backend), uneven_by_default()))
+        shapes = _shapes_key(leaves, (local, _uneven_state(backend)))
         if shapes is None or shapes not in fine:
             self._check_inputs(paths_of(args), leaves, specs, local, backend)
             if shapes is not None and len(fine) < 256:
@@ -297,12 +304,37 @@ class SpmdFunction:
                 return _call_eagerly(self, args, backend, local)
             if recording():
                 return _call_counted(self, args, backend, local)
+            if self.unequal_blocks(args, local):
+                return _call_uneven(self, args, backend, local)
         elif (
             torch_private.dynamo_frame_callback() is not None
         ):  # Dynamo gave up on the frame around this
             # call: run it with Dynamo off, or it would compile our eager internals frame by frame
             return _call_eagerly(self, args, backend, local)
         return self._call(args, backend, local)[0]
+
+    def unequal_blocks(self, args: tuple, local: bool = False) -> bool:
+        """Whether a call of ``args`` splits an input into blocks of unequal sizes, which it
+        runs eagerly when compiled (``_call_uneven``; ``ns.compile`` asks before Dynamo sees the
+        call). False where the inputs do not fit in_specs (the call raises that), and for a
+        local call (its blocks are the caller's)."""
+        if local or self.mesh.size == 1 or not hasattr(self.backend, "takes_uneven"):
+            return False
+        try:
+            if torch.compiler.is_compiling():
+                leaves = flatten_with_paths(args)[1]
+                specs = self._in_specs_traced(args)
+            else:
+                leaves, treedef = flatten(args)
+                known = self._inputs_of_tree.get(treedef)
+                specs = None if known is None else known[0]
+            if specs is None:
+                specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
+        except SpecError:
+            return False
+        sizes = self.mesh._shape
+        fit = [(x, s) for x, s in zip(leaves, specs) if all(a in sizes for a in s.axes)]
+        return gives_unequal_blocks([x for x, _ in fit], [s for _, s in fit], sizes)
 
     def check(self, *args: Any, backward: bool = True) -> CheckReport:
         """Type-check a call without running it: shapes, dtypes, vma and communication.
@@ -412,13 +444,13 @@ def _takes_uneven(backend: Any, spec: PartitionSpec) -> bool:
     """Whether ``backend`` takes an input under ``spec`` split into blocks of unequal sizes
     (``_layout.dim_sizes``); backends without ``takes_uneven`` take equal blocks only."""
     takes = getattr(backend, "takes_uneven", None)
-    return takes is not None and not torch.compiler.is_compiling() and takes(spec)
+    return takes is not None and takes(spec)
 
 
 def _takes_given_sizes(backend: Any) -> bool:
     """Whether ``backend`` takes the unequal sizes a ``Blocks`` entry gives (on that dim only:
     the spec's other dims follow :func:`_takes_uneven`)."""
-    return hasattr(backend, "takes_uneven") and not torch.compiler.is_compiling()
+    return hasattr(backend, "takes_uneven")
 
 
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str)

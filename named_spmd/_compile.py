@@ -65,7 +65,8 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     object compiled so, and the ninth one in a process hits Dynamo's recompile limit. Its calls
     check fewer guards: none on this package's constants and memo tables, which the trace reads
     while it infers types (:func:`library_guard_filter`; about 0.1 ms per call on a small GPT
-    step). Under an active ``ns.CommMode`` its calls run eagerly, and are counted.
+    step). Under an active ``ns.CommMode`` its calls run eagerly, and are counted; so do calls
+    whose inputs split into blocks of unequal sizes (docs/uneven.md).
 
     On a real mesh the piece compiles once and runs with the call's types: its collectives and
     the psums of its implicit pvarys are functional collectives in the graph, so Inductor may
@@ -104,14 +105,17 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
 
 
 def _counted_eagerly(fn: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled``, but ``fn`` itself while an ``ns.CommMode`` records: CommMode counts what a
-    call runs, and a compiled graph runs no Python to count with. Deciding here, before Dynamo
-    sees the call, leaves the compiled code as it was (no trace under CommMode, no recompile
-    after it), and ``fullgraph=True`` holds."""
+    """``compiled``, but ``fn`` itself while an ``ns.CommMode`` records (CommMode counts what a
+    call runs, and a compiled graph runs no Python to count with) or where the call's inputs
+    split into blocks of unequal sizes (their instances' shapes differ, which no graph holds).
+    Deciding here, before Dynamo sees the call, leaves the compiled code as it was (no trace
+    of such a call, no recompile after it), and ``fullgraph=True`` holds."""
+    mapped = fn if isinstance(fn, SpmdFunction) else fn.__self__  # type: ignore[attr-defined]
+    local = fn is not mapped and getattr(mapped.backend, "local_blocks", False)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if recording():
+        if recording() or mapped.unequal_blocks(args, local):
             return fn(*args, **kwargs)
         return compiled(*args, **kwargs)
 

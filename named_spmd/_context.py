@@ -114,6 +114,12 @@ class SpmdContext(ABC):
         """Record ``x``'s type where the backend tracks it per tensor; returns ``x``."""
         return x
 
+    def check_operand(self, rec: Any, x: torch.Tensor, axes: Axes, params: tuple) -> tuple:
+        """The collective ``rec``'s argument checks of ``x`` (``rec.check``); a backend whose
+        members check operands of different shapes in processes of their own overrides it, so
+        that every member raises the same error."""
+        return rec.check(self, x, axes, params)
+
     def held_blocks(self, x: torch.Tensor) -> Any:
         """Where this call recorded it (``_blocks``): per dim of ``x``, the axes whose blocks
         it holds, and the axes it varies over for other reasons (a ``Layout``); None where the

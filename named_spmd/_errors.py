@@ -72,12 +72,16 @@ def bullet_list(problems: Sequence[str]) -> str:
 # --- errors of the user's own torch code, told per instance (or per rank) ----------------
 
 
-def operand_shapes_differ(op: str, label: str, shapes: Sequence[tuple[int, ...]]) -> SpmdError:
-    """A collective that takes one shape on every member got the members' ``shapes`` (blocks
-    of unequal sizes): the same error on the simulated and the real mesh."""
+def operand_shapes_differ(
+    op: str, label: str, shapes: Sequence[tuple[int, ...]], but: int | None = None
+) -> SpmdError:
+    """A collective that takes one shape on every member (``but`` along that dim, where a tiled
+    all_gather concatenates) got the members' ``shapes`` (blocks of unequal sizes): the same
+    error on the simulated and the real mesh."""
+    along = "" if but is None else f" but along dim {but}, where it concatenates"
     return SpmdError(
         f"{op} in {label}: the members' operands have different shapes {list(shapes)} (uneven "
-        f"blocks, or an empty one), but {op} takes one shape on every member. Fix: pad the "
+        f"blocks, or an empty one), but {op} takes one shape on every member{along}. Fix: pad the "
         "blocks to one shape first (ns.block_sizes gives every member's size), or split the dim "
         "so that no block is empty."
     )

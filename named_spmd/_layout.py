@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -51,6 +51,20 @@ def group_coords(axes: Sequence[str], coords: Mapping[str, int], sizes: Sizes) -
     in row-major order over ``axes``."""
     count = math.prod([sizes[a] for a in axes])
     return [{**coords, **coords_of(i, axes, sizes)} for i in range(count)]
+
+
+def groups(axes: Sequence[str], names: Sequence[str], sizes: Sizes) -> list[list[int]]:
+    """The groups of ``axes``: each the instance indices (row-major over the mesh's ``names``)
+    of its members in member order, the groups in the order of their first instance."""
+    seen: set[int] = set()
+    out = []
+    for i in range(math.prod([sizes[a] for a in names])):
+        if i not in seen:
+            coords = coords_of(i, names, sizes)
+            members = [index_of(names, c, sizes) for c in group_coords(axes, coords, sizes)]
+            seen.update(members)
+            out.append(members)
+    return out
 
 
 def group_size(axes: Iterable[str], sizes: Sizes) -> int:
@@ -110,20 +124,62 @@ def is_even(shape: Sequence[int], spec: PartitionSpec, sizes: Sizes) -> bool:
 
 
 def gives_unequal_blocks(
-    leaves: Sequence[object], specs: Sequence[PartitionSpec], sizes: Sizes, every: bool = False
+    leaves: Sequence[object], specs: Sequence[PartitionSpec], sizes: Sizes
 ) -> bool:
-    """Whether some tensor leaf's spec gives (``Blocks``) sizes that differ, or (``every``:
-    non-divisible dims taken by default) any leaf's blocks differ: the inputs that take blocks of
-    unequal sizes without asking (the input checks refuse any other unequal split unless
-    asked)."""
+    """Whether some tensor leaf's blocks differ in size (a dim its axes do not divide, or a
+    ``Blocks`` entry of unequal sizes): the one test of whether a call runs on blocks of
+    unequal sizes (per instance on the simulated mesh, ``_dist_uneven`` on a real one, eagerly
+    inside a compiled program)."""
     for x, spec in zip(leaves, specs):
-        if (
-            (every or spec.explicit)
-            and isinstance(x, torch.Tensor)
-            and not is_even(x.shape, spec, sizes)
-        ):
+        if isinstance(x, torch.Tensor) and not is_even(x.shape, spec, sizes):
             return True
     return False
+
+
+def grid_problem(
+    shape_at: Callable[[dict[str, int]], Sequence[int]],
+    rank: int,
+    spec: PartitionSpec,
+    sizes: Sizes,
+    names: Sequence[str],
+) -> str | None:
+    """Where an output's blocks (``shape_at(coords)``: the block shape of the instance at
+    ``coords`` over the mesh's axis ``names``) cannot be laid back under ``spec``: along each
+    dim a block's size must depend only on the axes ``spec`` names on that dim (the blocks of a
+    row share its height), and the parts summed over unreduced axes must have one shape. The
+    message; else None."""
+    named = [a for a in names if a in spec.axes]
+    summed = [a for a in names if a in spec.unreduced]
+    zeros = dict.fromkeys(names, 0)
+    for b in range(group_size(named, sizes)):
+        coords = {**zeros, **coords_of(b, named, sizes)}
+        shape = list(shape_at(coords))
+        for d in range(rank):
+            entry = spec.entry_axes(d)
+            home = {**zeros, **{a: coords[a] for a in entry}}
+            if shape_at(home)[d] != shape[d]:
+                return (
+                    f"output: its blocks cannot be laid back under {spec!r}: along dim {d} the "
+                    f"block at {_named(coords, named)} has size {shape[d]} and the block at "
+                    f"{_named(home, named)} {shape_at(home)[d]}, but {spec!r} splits dim {d} "
+                    f"over {entry or 'no axis'} only. Fix: name on each dim the axes over which "
+                    "the blocks' sizes vary there (as the in_specs split them), or pad the "
+                    "blocks to one size."
+                )
+        for u in range(1, group_size(summed, sizes)):
+            part = {**coords, **coords_of(u, summed, sizes)}
+            if list(shape_at(part)) != shape:
+                return (
+                    f"output: the parts of {spec!r} summed over {tuple(summed)} have different "
+                    f"shapes ({list(shape_at(part))} at {_named(part, names)}, {shape} at "
+                    f"{_named(coords, names)}). Fix: reduce inside the function (ns.psum) "
+                    "where the parts have one shape, or pad them to one shape."
+                )
+    return None
+
+
+def _named(coords: Mapping[str, int], axes: Sequence[str]) -> dict[str, int]:
+    return {a: coords[a] for a in axes}
 
 
 def given_sizes_problem(

@@ -231,19 +231,6 @@ def _axis_set(axes: Any, what: str) -> frozenset[str]:
     )
 
 
-#: Whether a backend that takes blocks of unequal sizes takes a dim its axes do not divide by
-#: default (``torch.chunk``'s blocks), rather than only where the caller asks (an ``ns.Blocks``
-#: entry of unequal sizes, ``ns.simulate_per_instance()``). One switch for every backend: they
-#: must refuse the same inputs (tests/test_properties_dist.py compares their errors), so it is
-#: turned on once each of them takes such blocks (``takes_uneven``).
-UNEVEN_BY_DEFAULT = False
-
-
-def uneven_by_default() -> bool:
-    """:data:`UNEVEN_BY_DEFAULT`, read at each call."""
-    return UNEVEN_BY_DEFAULT
-
-
 def spec_problems(
     spec: PartitionSpec,
     shape: tuple[int, ...],

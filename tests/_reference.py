@@ -98,14 +98,25 @@ def linear_index(coord: Mapping[str, int], axes: Sequence[str], mesh_shape: Mesh
     return index
 
 
+def _group_count(spec: Sequence[Any], d: int, mesh_shape: MeshShape) -> int:
+    return math.prod(mesh_shape[a] for a in entry_axes(spec, d))
+
+
+def chunk_bounds(size: int, n: int, b: int) -> tuple[int, int]:
+    """Where block ``b`` of ``n`` of a dim of ``size`` starts and stops, as ``torch.chunk`` (and
+    DTensor's ``Shard``) cut it: ``ceil(size / n)`` rows each, the last blocks shorter or empty."""
+    c = -(-size // n)
+    return min(b * c, size), min((b + 1) * c, size)
+
+
 def block_slices(
-    local_shape: Sequence[int], spec: Sequence[Any], mesh_shape: MeshShape, coord: Mapping
+    global_shape: Sequence[int], spec: Sequence[Any], mesh_shape: MeshShape, coord: Mapping
 ) -> tuple[slice, ...]:
-    """Where the block of ``coord`` sits in the global tensor (given the local block's shape)."""
+    """Where the block of ``coord`` sits in a global tensor of ``global_shape``."""
     out = []
-    for d, size in enumerate(local_shape):
+    for d, size in enumerate(global_shape):
         b = linear_index(coord, entry_axes(spec, d), mesh_shape)
-        out.append(slice(b * size, (b + 1) * size))
+        out.append(slice(*chunk_bounds(size, _group_count(spec, d, mesh_shape), b)))
     return tuple(out)
 
 
@@ -113,15 +124,53 @@ def local_block(x: Any, spec: Sequence[Any], mesh_shape: MeshShape, coord: Mappi
     """The block of global ``x`` that the instance at ``coord`` receives."""
     if not isinstance(x, torch.Tensor):
         return x
-    local_shape = [
-        size // math.prod(mesh_shape[a] for a in entry_axes(spec, d))
-        for d, size in enumerate(x.shape)
-    ]
-    out = x[block_slices(local_shape, spec, mesh_shape, coord)].clone()
+    out = x[block_slices(x.shape, spec, mesh_shape, coord)].clone()
     # unreduced over A (docs/design.md section 2.2): the member at coordinate 0 of A holds the
     # value, the others zeros: parts that sum to it
     if any(coord[a] != 0 for a in getattr(spec, "unreduced", ())):
         return out * 0
+    return out
+
+
+def _placed(values: Sequence[torch.Tensor], spec: Sequence[Any], mesh_shape: MeshShape) -> tuple:
+    """(the global shape, each instance's slices in it) of blocks laid side by side: along a
+    split dim, block b starts after blocks 0..b-1 of the instances that differ from it only in
+    that dim's axes (coordinate 0 of every other axis the spec names), whatever their sizes."""
+    coords = all_coords(mesh_shape)
+    rank = values[0].dim()
+
+    def at(coord: Mapping) -> torch.Tensor:
+        return values[coords.index(dict(coord))]
+
+    starts: list[dict] = []  # per instance, per dim: where its block starts
+    for coord in coords:
+        row = {}
+        for d in range(rank):
+            axes = entry_axes(spec, d)
+            home = {a: (coord[a] if a in axes else 0) for a in mesh_shape}
+            b = linear_index(coord, axes, mesh_shape)
+            row[d] = sum(at({**home, **_coord_of(k, axes, mesh_shape)}).shape[d] for k in range(b))
+        starts.append(row)
+    origin = {a: 0 for a in mesh_shape}
+    shape = []
+    for d in range(rank):
+        axes = entry_axes(spec, d)
+        n = _group_count(spec, d, mesh_shape)
+        shape.append(
+            sum(at({**origin, **_coord_of(k, axes, mesh_shape)}).shape[d] for k in range(n))
+        )
+    slices = [
+        tuple(slice(starts[j][d], starts[j][d] + v.shape[d]) for d in range(rank))
+        for j, v in enumerate(values)
+    ]
+    return shape, slices
+
+
+def _coord_of(k: int, axes: Sequence[str], mesh_shape: MeshShape) -> dict[str, int]:
+    """The coordinates over ``axes`` of row-major index ``k`` (first name major)."""
+    out = {}
+    for a in reversed(axes):
+        k, out[a] = divmod(k, mesh_shape[a])
     return out
 
 
@@ -135,9 +184,9 @@ def assemble(
 ) -> Any:
     """Global value from every instance's local value (instances in row-major order).
 
-    Axes the spec names concatenate blocks; along an axis it does not name the instance at
-    coordinate 0 provides the value, and (with ``check_invariant``) every other instance must
-    hold the same value, else AssertionError."""
+    Axes the spec names concatenate blocks, of any sizes; along an axis it does not name the
+    instance at coordinate 0 provides the value, and (with ``check_invariant``) every other
+    instance must hold the same value, else AssertionError."""
     coords = all_coords(mesh_shape)
     first = values[0]
     if not isinstance(first, torch.Tensor):
@@ -145,11 +194,6 @@ def assemble(
             assert all(v == first for v in values), f"reference: {where} differs between instances"
         return first
     named = {a for d in range(len(spec)) for a in entry_axes(spec, d)}
-    global_shape = [
-        size * math.prod(mesh_shape[a] for a in entry_axes(spec, d))
-        for d, size in enumerate(first.shape)
-    ]
-    out = torch.zeros(global_shape, dtype=first.dtype)
     unreduced = getattr(spec, "unreduced", frozenset())
     if unreduced:  # partial sums over those axes: each instance's value is the sum of its group's
         values = [
@@ -163,13 +207,15 @@ def assemble(
             )
             for coord in coords
         ]
-    for coord, v in zip(coords, values):
+    global_shape, slices = _placed(values, spec, mesh_shape)
+    out = torch.zeros(global_shape, dtype=first.dtype)
+    for coord, v, where_ in zip(coords, values, slices):
         if all(coord[a] == 0 for a in mesh_shape if a not in named):
-            out[block_slices(first.shape, spec, mesh_shape, coord)] = v
+            out[where_] = v
     if check_invariant:
-        for coord, v in zip(coords, values):
-            block = out[block_slices(first.shape, spec, mesh_shape, coord)]
-            if not torch.allclose(block, v, rtol=1e-12, atol=1e-12):
+        for coord, v, where_ in zip(coords, values, slices):
+            block = out[where_]
+            if block.shape != v.shape or not torch.allclose(block, v, rtol=1e-12, atol=1e-12):
                 raise AssertionError(
                     f"reference: {where} at {coord} differs from the copy that out_spec "
                     f"{tuple(spec)!r} claims is replicated"
@@ -253,8 +299,9 @@ def _all_gather(vals, i, *, axis=0, tiled=False, to="varying"):
 
 def _psum_scatter(vals, i, *, scatter_dimension=0, tiled=False):
     total = _sum(vals)
-    if tiled:
-        return total.chunk(len(vals), scatter_dimension)[i].clone()
+    if tiled:  # torch.chunk's block i (a dim the group does not divide: shorter or empty ones)
+        start, stop = chunk_bounds(total.shape[scatter_dimension], len(vals), i)
+        return total.narrow(scatter_dimension, start, stop - start).clone()
     return total.select(scatter_dimension, i).clone()
 
 

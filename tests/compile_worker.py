@@ -643,7 +643,6 @@ ERRORS = {
         P("dp"),
         lambda: (torch.ones(8, 2), torch.ones(4, 2)),
     ),
-    "indivisible_input": (_shapes, P("dp"), P("dp"), lambda: (torch.ones(7, 2),)),
     # the traced call broadcasts in_specs eagerly and falls back to the traced path to raise
     "in_specs_not_a_prefix": (
         _shapes,
@@ -689,6 +688,72 @@ def check_error(name: str, backend: str, size: int | None = None) -> dict:
     return {"error": caught[0] and caught[0][0], "problems": problems}
 
 
+def _uneven_rows(x):
+    return x.sin() * ns.psum((x * x).sum(), "dp")  # a psum of one scalar per (uneven) block
+
+
+# Calls whose inputs split into blocks of unequal sizes: rows over the mesh's instances
+# (7 over 4: 2, 2, 2, 1), the dense program, and an even input of the same function.
+UNEVEN = {
+    "indivisible_input": (
+        _uneven_rows,
+        lambda x: x.sin() * (x * x).sum(),
+        lambda n: torch.randn(2 * n - 1, 3, generator=_generator(), dtype=torch.float64),
+        lambda n: torch.randn(2 * n, 3, generator=_generator(), dtype=torch.float64),
+    ),
+}
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(11)
+
+
+def check_uneven(name: str, backend: str, size: int | None = None) -> dict:
+    """A compiled call whose inputs split into blocks of unequal sizes runs eagerly, by design:
+    ``torch.compile`` of a step around it breaks the graph around the call (the ops after it
+    compiled), ``fullgraph=True`` is Dynamo's refusal quoting why and the fix, and
+    ``ns.compile(f, fullgraph=True)`` runs such calls eagerly before Dynamo sees them while its
+    even calls run the one compiled frame. Values and gradients are the eager call's and the
+    dense program's. ``size``: the mesh's (default: one instance per process)."""
+    fn, dense, uneven_input, even_input = UNEVEN[name]
+    n = size or dist.get_world_size()
+    f = ns.spmd_map(fn, mesh=ns.make_mesh((n,), ("dp",)), in_specs=P("dp"), out_specs=P("dp"))
+    uneven, even = uneven_input(n), even_input(n)
+    problems = [
+        f"eager vs dense: {p}"
+        for p in differences(evaluate(f, (uneven,), 1.0), evaluate(dense, (uneven,), 1.0))
+    ]
+
+    def step(x):
+        return f(x).cos()
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    for x in (uneven, uneven):
+        got = evaluate(torch.compile(step, backend=counter), (x,), 1.0)
+        problems += [f"torch.compile: {p}" for p in differences(got, evaluate(step, (x,), 1.0))]
+    if counter.frame_count != 1:  # the cos after the break; the call itself compiled nothing
+        problems.append(f"torch.compile: {counter.frame_count} frames, not 1 (after the break)")
+    torch._dynamo.reset()
+    try:
+        torch.compile(step, backend=backend, fullgraph=True)(uneven)
+        problems.append("fullgraph=True: no error")
+    except Exception as e:  # noqa: BLE001 - Dynamo's Unsupported, checked below
+        if "blocks of unequal sizes" not in str(e) or "Fix: pad that dim" not in str(e):
+            problems.append(f"fullgraph=True raised {type(e).__name__}: {str(e)[:600]}")
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    whole = ns.compile(f, backend=counter, fullgraph=True)
+    for x in (uneven, even, uneven, even):
+        problems += [
+            f"ns.compile: {p}"
+            for p in differences(evaluate(whole, (x,), 1.0), evaluate(f, (x,), 1.0))
+        ]
+    if counter.frame_count != 1:
+        problems.append(f"ns.compile: {counter.frame_count} frames, not 1 (the even call)")
+    return {"problems": problems}
+
+
 def _unquoted(cause: str) -> str:
     """Dynamo quotes our error as ``VmaError('...')``: quotes inside the message come escaped."""
     return cause.replace("\\'", "'")
@@ -728,6 +793,7 @@ def main() -> None:
         "comm_mode": check_comm_mode,
         "bucketed": check_bucketed,
         "errors": check_error,
+        "uneven": check_uneven,
         "cases": check_case,
         "training": check_training_step,
         "dtypes": check_dtypes,

@@ -187,7 +187,15 @@ def _bad_cases():
     ring_dup = [(0, 1), (1, 1)]
     return [
         ("spec_longer_than_rank", lambda x: x, M4, P("i", None, None), P("i"), [(8, 2)]),
-        ("not_divisible", lambda x: x, M24, P("tp"), P("tp"), [(6, 2)]),
+        (
+            "block_sizes_not_adding_up",
+            lambda x: x,
+            M24,
+            P(ns.Blocks("tp", (2,) * 4)),
+            P("tp"),
+            [(6, 2)],
+        ),
+        ("psum_of_uneven_blocks", lambda x: ns.psum(x, "tp"), M24, P("tp"), P(), [(6, 2)]),
         ("axis_repeated_in_spec", lambda x: x, M24, P("dp", "dp"), P("dp"), [(4, 4)]),
         ("unknown_axis_in_spec", lambda x: x, M24, P("pd"), P(), [(4, 4)]),
         ("unknown_axis_in_collective", lambda x: ns.psum(x, "pt"), M24, P("tp"), P(), [(8,)]),

@@ -127,6 +127,14 @@ def test_a_compiled_call_raises_the_eager_calls_error(name):
     _passes(functools.partial(compile_worker.check_error, size=4), name, "eager")
 
 
+# Dynamo reads `.grad` of the call's (non-leaf) output it hands across the graph break (as in
+# test_a_backend_dynamo_cannot_trace_runs_its_calls_eagerly)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_call_of_uneven_blocks_runs_eagerly(backend):
+    _passes(functools.partial(compile_worker.check_uneven, size=4), "indivisible_input", backend)
+
+
 def _mlp(piece):
     mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
 

@@ -178,12 +178,15 @@ CATALOGUE = [
         "identity",
         ["argument [0]", "3 entries but the tensor has rank 2", "Fix: give at most 2 entries"],
     ),
-    (
-        "non-divisible-dim",
-        lambda: _run(identity, P("tp"), P("tp"), v6),
+    (  # a dim the axes do not divide is split as torch.chunk does; given sizes must add up
+        "block-sizes-not-adding-up",
+        lambda: _run(identity, P(ns.Blocks("tp", (2, 2, 1, 0))), P("tp"), v6),
         ns.SpecError,
         "identity",
-        ["dim 0 has size 6, not divisible by 4 (tp=4)", "Fix: pad dim 0 to a multiple of 4"],
+        [
+            "gives dim 0 4 blocks adding up to 5, but the dim has size 6",
+            "Fix: give 4 block sizes that add up to 6",
+        ],
     ),
     (
         "axis-repeated-in-spec",
@@ -594,9 +597,9 @@ def test_every_failing_input_leaf_is_reported_at_once():
         return x
 
     with pytest.raises(ns.SpecError) as info:
-        _run(two_bad, (P("tp"), {"w": P("dp", "dp")}), P("tp"), v6, {"w": m88})
+        _run(two_bad, (P(ns.Blocks("tp", (1,) * 4)), {"w": P("dp", "dp")}), P("tp"), v6, {"w": m88})
     msg = str(info.value)
-    assert "argument [0]: dim 0 has size 6" in msg
+    assert "argument [0]: Blocks('tp', (1, 1, 1, 1)) gives dim 0 4 blocks adding up to 4" in msg
     assert "argument [1]['w']: axis 'dp' appears more than once" in msg
 
 
@@ -610,12 +613,13 @@ def test_errors_inside_collectives_leave_no_active_call_behind():
 def test_inputs_checked_once_per_spec_and_shape_are_still_checked_when_new():
     """A mapped function remembers the (spec, shape) pairs of inputs that fit (a call of known
     inputs checks none): an input of a new shape, or a sparse one of a known shape, still gets
-    its error, and a known good input still runs."""
+    its error, and a known good input still runs (a dim its axes do not divide too: torch.chunk's
+    blocks, 6 over 4 as 2, 2, 2, 0)."""
     f = ns.spmd_map(lambda x: x * 2, mesh=MESH, in_specs=P("tp"), out_specs=P("tp"))
-    for _ in range(2):
-        torch.testing.assert_close(f(v8), v8 * 2)
-    with pytest.raises(ns.SpecError, match="dim 0 has size 6, not divisible by 4"):
-        f(v6)
+    for x in (v8, v8, v6, v6):
+        torch.testing.assert_close(f(x), x * 2)
+    with pytest.raises(ns.SpecError, match="1 entries but the tensor has rank 0"):
+        f(torch.tensor(2.0))
     with pytest.raises(ns.SpecError, match="is a sparse_coo tensor"):
         f(torch.eye(8)[0].to_sparse())
     g = ns.spmd_map(lambda x: x, mesh=MESH, in_specs=({"a": P("tp")},), out_specs={"a": P("tp")})

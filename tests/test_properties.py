@@ -8,8 +8,9 @@ Hypothesis draws whole calls of ``spmd_map``, valid and invalid:
 * the arguments' pytree form (a tensor, two positional arguments, a tuple, a dict, a list, nested
   containers, with None leaves and Python scalars);
 * in_specs as pytree prefixes of the arguments: valid (entries None / an axis / a tuple or list of
-  axes, dims divisible) or not (unknown axis, repeated axis, a non-divisible dim, too many
-  entries, an entry of a wrong type, a string / tuple of names / set / int instead of ``P``, a
+  axes; a quarter of the split tensors with a dim the axes do not divide, split as torch.chunk
+  splits it: the call runs per instance, docs/uneven.md) or not (unknown axis, repeated axis, too
+  many entries, an entry of a wrong type, a string / tuple of names / set / int instead of ``P``, a
   prefix of the wrong structure);
 * one collective applied inside the mapped function to an argument (a tensor, its parent
   container, or all the arguments), with valid or invalid axis names (unknown, repeated, empty, a
@@ -19,8 +20,9 @@ Hypothesis draws whole calls of ``spmd_map``, valid and invalid:
   out_specs, drawn to fit the result's type or not (an axis it varies over left out, unknown or
   repeated axes, too many entries, wrong types, wrong structure).
 
-An independent model of the rules of docs/design.md sections 1-3 (written here from the text, not
-from the library's code) decides what each drawn call must do: return the value the per-instance
+An independent model of the rules of docs/design.md sections 1-3 and docs/uneven.md (written here
+from the text, not from the library's code; on unequal blocks every instance's shape, each
+collective's rule per group, the outputs' blocks laid back) decides what each drawn call must do: return the value the per-instance
 reference of tests/_reference.py computes (one thread per instance, collectives written from the
 definitions), with the same dtype, shape and structure; or raise an ``ns.SpmdError`` whose message
 names the user's function (``drawn_program``) and says how to fix it ("Fix"). Where the design
@@ -64,7 +66,7 @@ from typing import Any
 
 import hypothesis
 import torch
-from _reference import REF, _structure, run_reference, tree_leaves, tree_map
+from _reference import REF, _structure, chunk_bounds, run_reference, tree_leaves, tree_map
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
@@ -146,9 +148,12 @@ class TensorDraw:
 class TInfo:
     """The model of a tensor inside the function: per-instance shape, vma, and its name."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # (instance 0's, in a call of unequal blocks)
     vma: frozenset
     name: str = "?"
+    # in a call whose inputs split into blocks of unequal sizes (torch.chunk's, where the axes
+    # do not divide a dim): every instance's shape, row-major over the mesh; else None
+    blocks: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass
@@ -384,8 +389,30 @@ def _spec_fits(spec: Any, rank: int, mesh: dict, where: str) -> list[tuple[str, 
     return dims
 
 
+def _instances(case: Case) -> list[dict[str, int]]:
+    """Every instance's coordinates, row-major over the mesh (first name major)."""
+    ranges = [range(s) for s in case.sizes]
+    return [dict(zip(case.names, c)) for c in itertools.product(*ranges)]
+
+
+def _index(coord: dict, axes: tuple, mesh: dict) -> int:
+    """Row-major index of ``coord`` over ``axes`` (first name major)."""
+    k = 0
+    for a in axes:
+        k = k * mesh[a] + coord[a]
+    return k
+
+
+def _chunk(size: int, n: int, b: int) -> int:
+    """The size of block ``b`` of ``n`` (torch.chunk's: ceil(size / n) each, shorter or empty
+    last ones; equal blocks where n divides size)."""
+    start, stop = chunk_bounds(size, n, b)
+    return stop - start
+
+
 def model_inputs(case: Case, either: list) -> tuple:
-    """The arguments as the function sees them: TInfo per tensor (local shape, vma)."""
+    """The arguments as the function sees them: TInfo per tensor (local shape, vma; where some
+    input's blocks differ in size, every instance's shape: the call runs per instance)."""
     mesh = case.mesh_shape
     _check_entries(case.in_specs)
     _check_entries(case.out_specs)
@@ -399,13 +426,18 @@ def model_inputs(case: Case, either: list) -> tuple:
                 raise Invalid(f"a spec splits the non-tensor argument {leaf!r}")
             continue
         dims = _spec_fits(spec, len(leaf.shape), mesh, f"argument {leaf.name}")
-        shape = list(leaf.shape)
-        for d, axes in enumerate(dims):
-            n = math.prod(mesh[a] for a in axes)
-            if shape[d] % n:
-                raise Invalid(f"argument {leaf.name}: dim {d} of {leaf.shape} not divisible by {n}")
-            shape[d] //= n
-        local[id(leaf)] = TInfo(tuple(shape), frozenset(a for ax in dims for a in ax), leaf.name)
+        dims = dims + [()] * (len(leaf.shape) - len(dims))
+        blocks = tuple(
+            tuple(
+                _chunk(size, math.prod(mesh[a] for a in axes), _index(c, axes, mesh))
+                for size, axes in zip(leaf.shape, dims)
+            )
+            for c in _instances(case)
+        )
+        vma = frozenset(a for ax in dims for a in ax)
+        local[id(leaf)] = TInfo(blocks[0], vma, leaf.name, blocks)
+    if all(len(set(t.blocks)) == 1 for t in local.values()):  # equal blocks: one shape
+        local = {k: TInfo(t.shape, t.vma, t.name) for k, t in local.items()}
     return tree_map(lambda leaf: local.get(id(leaf), leaf), args)
 
 
@@ -484,6 +516,8 @@ def _prepare(case: Case, n: int, either: list) -> None:
 
 def _collective(case: Case, t: TInfo, axes: tuple, n: int, either: list) -> TInfo:
     """The type and shape rules of design section 3 for one tensor operand."""
+    if t.blocks is not None:
+        return _collective_per_instance(case, t, axes, n, either)
     op, shape, vma, r = case.op, list(t.shape), t.vma, len(t.shape)
     a = frozenset(axes)
     if op == "psum":
@@ -542,6 +576,70 @@ def _collective(case: Case, t: TInfo, axes: tuple, n: int, either: list) -> TInf
     raise AssertionError(op)
 
 
+def _groups(case: Case, axes: tuple) -> list[list[int]]:
+    """The groups of ``axes``: instance indices (row-major over the mesh) in member order."""
+    mesh, coords = case.mesh_shape, _instances(case)
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(coords):
+        groups.setdefault(tuple(c[a] for a in case.names if a not in axes), []).append(i)
+    return [sorted(g, key=lambda i: _index(coords[i], axes, mesh)) for g in groups.values()]
+
+
+def _collective_per_instance(case: Case, t: TInfo, axes: tuple, n: int, either: list) -> TInfo:
+    """docs/uneven.md: in a call of unequal blocks each instance has its own shape. A tiled
+    all_gather concatenates its members' blocks along its axis (their other dims must agree); a
+    tiled psum_scatter sums operands of one shape and keeps torch.chunk's block of the sum (any
+    size); every other collective takes one shape on every member of a group; pvary and
+    axis_index take any shapes. The type rules are the even ones, per instance."""
+    op, tiled, a = case.op, case.kw.get("tiled"), frozenset(axes)
+    if op == "psum_scatter" and tiled:  # (the even rule would ask n to divide the dim)
+        d = _dim(case.kw["scatter_dimension"], len(t.shape), "scatter_dimension", either)
+        if not a <= t.vma:
+            raise Invalid(f"psum_scatter of an operand invariant over {sorted(a - t.vma)}")
+        typed = TInfo(t.shape, t.vma)
+    else:
+        typed = _collective(case, TInfo(t.shape, t.vma), axes, n, either)  # its type rules
+    if op in ("pvary", "axis_index"):
+        return TInfo(typed.shape, typed.vma, blocks=t.blocks)
+    new = list(t.blocks)
+    if op == "all_gather" and tiled:
+        d = _dim(case.kw["axis"], len(t.shape), "axis", [])
+        for group in _groups(case, axes):
+            shapes = [t.blocks[m] for m in group]
+            if len({s[:d] + s[d + 1 :] for s in shapes}) > 1:
+                raise Invalid(f"tiled all_gather of blocks {shapes} differing off dim {d}")
+            for m in group:
+                new[m] = (*t.blocks[m][:d], sum(s[d] for s in shapes), *t.blocks[m][d + 1 :])
+        return TInfo(new[0], typed.vma, blocks=tuple(new))
+    for group in _groups(case, axes):
+        if len({t.blocks[m] for m in group}) > 1:
+            raise Invalid(f"{op} of operands of shapes {[t.blocks[m] for m in group]}")
+    if op == "psum_scatter" and tiled:
+        for group in _groups(case, axes):
+            for j, m in enumerate(group):
+                s = t.blocks[m]
+                new[m] = (*s[:d], _chunk(s[d], n, j), *s[d + 1 :])
+        return TInfo(new[0], t.vma, blocks=tuple(new))
+    each = [_collective(case, TInfo(s, t.vma), axes, n, either) for s in t.blocks]
+    return TInfo(each[0].shape, each[0].vma, blocks=tuple(e.shape for e in each))
+
+
+def _lays_back(case: Case, t: TInfo, dims: list[tuple[str, ...]]) -> None:
+    """An output of unequal blocks is laid back by concatenation: along each dim a block's size
+    depends only on the axes its out_spec names there (design: docs/uneven.md)."""
+    if t.blocks is None:
+        return
+    coords = _instances(case)
+    named = {a for axes in dims for a in axes}
+    for c, shape in zip(coords, t.blocks):
+        if any(c[a] for a in case.names if a not in named):
+            continue  # (coordinate 0 of an axis the out_spec does not name is the value)
+        for d, axes in enumerate(dims + [()] * (len(shape) - len(dims))):
+            home = {a: (c[a] if a in axes else 0) for a in case.names}
+            if t.blocks[coords.index(home)][d] != shape[d]:
+                raise Invalid(f"output blocks {t.blocks} do not lay back along dim {d}")
+
+
 def model_output(case: Case, either: list) -> Any:
     """The output tree as the model sees it (TInfo per tensor), or Invalid / BadEntry."""
     mesh = case.mesh_shape
@@ -578,6 +676,7 @@ def check_out_specs(case: Case, out: Any, either: list) -> None:
         named = {ax for axes in dims for ax in axes}
         if not leaf.vma <= named:
             raise Invalid(f"output varies over {sorted(leaf.vma - named)} not in {spec!r}")
+        _lays_back(case, leaf, dims)
 
 
 def verdict(case: Case) -> tuple[str, str]:
@@ -920,7 +1019,7 @@ def cases(draw, check: bool = False, instances: int | None = None) -> Case:
                 covering[t] = ((), True)
             return d.pick([Spec(()), None])
         entries = d.entries(len(local[tensors[0]]), want, avoid)
-        divisible = d.fault(["not_divisible"]) == "none"
+        divisible = d.pick([True, False], [3, 1])  # else torch.chunk's blocks of unequal sizes
         for t in tensors:
             covering[t] = (entries, divisible)
         return d.spec_leaf(entries)
@@ -1156,6 +1255,16 @@ def test_drawn_calls_return_the_reference_value_or_a_clear_error(case: Case) -> 
     event(f"outcome: {outcome}")
     event(f"op: {case.op}")
     event(f"dtype: {case.dtype}")
+    event(f"blocks: {'unequal' if unequal_blocks(case) else 'equal'} ({outcome.split(',')[0]})")
+
+
+def unequal_blocks(case: Case) -> bool:
+    """Whether the model splits some input into blocks of unequal sizes (for statistics)."""
+    try:
+        args = model_inputs(case, [])
+    except (Invalid, BadEntry):
+        return False
+    return any(isinstance(t, TInfo) and t.blocks is not None for t in tree_leaves(args))
 
 
 @seeded

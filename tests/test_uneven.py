@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 import named_spmd as ns
 from named_spmd import P
-from named_spmd import _spec as ns_spec
 
 F64 = torch.float64
 
@@ -186,30 +185,83 @@ def test_output_block_sizes_that_the_blocks_do_not_have_are_an_error_on_even_blo
         torch.testing.assert_close(call(mapped((2, 2))), x)
 
 
-def test_blocks_sizes_on_one_dim_do_not_make_the_other_dims_uneven():
-    """A Blocks entry's unequal sizes are taken on its dim only: another dim that its axes do not
-    divide is the same error as without the Blocks entry (outside the per-instance switch)."""
+def test_blocks_sizes_on_one_dim_and_chunks_on_another():
+    """A Blocks entry gives its dim's sizes; another dim that its axes do not divide is split as
+    torch.chunk splits it (7 over 3: 3, 3, 1), without asking for the per-instance execution."""
     mesh = ns.make_mesh((2, 3), ("x", "y"))
     spec = P(ns.Blocks("x", (1, 3)), "y")
-    f = ns.spmd_map(lambda v: v * 2, mesh=mesh, in_specs=spec, out_specs=spec)
-    x = _randn(4, 6, seed=7)
-    torch.testing.assert_close(f(x), x * 2)
-    x7 = _randn(4, 7, seed=8)
-    with pytest.raises(ns.SpecError, match="dim 1 has size 7, not divisible by 3"):
-        f(x7)
-    with ns.simulate_per_instance():
-        torch.testing.assert_close(f(x7), x7 * 2)
+    seen = {}
+
+    def f(v):
+        seen[(int(ns.axis_index("x").item()), int(ns.axis_index("y").item()))] = v.detach()
+        return v * 2
+
+    mapped = ns.spmd_map(f, mesh=mesh, in_specs=spec, out_specs=spec)
+    for cols in (6, 7):
+        x = _randn(4, cols, seed=cols)
+        seen.clear()
+        torch.testing.assert_close(mapped(x), x * 2)
+        for i, rows in enumerate(x.split([1, 3])):
+            for j, block in enumerate(rows.chunk(3, dim=1)):
+                torch.testing.assert_close(seen[(i, j)], block)
 
 
 def test_uneven_errors_are_clear():
     mesh = ns.make_mesh((4,), ("x",))
     f = ns.spmd_map(lambda v: ns.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P())
     x = torch.ones(10)
-    # the default (vmap) execution takes equal blocks only, as a real mesh does (the same error)
-    with pytest.raises(ns.SpecError, match="not divisible by 4"):
-        f(x)
-    with ns.simulate_per_instance(), pytest.raises(ns.SpmdError, match="different shapes"):
-        f(x)  # a psum of blocks of 3 and 1 elements
+    for _ in range(2):  # a psum of blocks of 3 and 1 elements: asked for per instance or not
+        with pytest.raises(ns.SpmdError, match="different shapes") as e:
+            f(x)
+        assert "Fix" in str(e.value)
+        with ns.simulate_per_instance(), pytest.raises(ns.SpmdError, match="different shapes"):
+            f(x)
+
+
+def test_tiled_all_gather_of_blocks_differing_off_its_axis_is_an_error():
+    """Rows 5 over 2 (3, 2) gathered along the columns: the blocks differ where the gather does
+    not concatenate, the SpmdError of a collective over operands of different shapes (a bare
+    torch.cat error before); along the rows the blocks concatenate to the global value."""
+    mesh = ns.make_mesh((2,), ("a",))
+    x = _randn(5, 2, seed=27)
+    across = ns.spmd_map(
+        lambda v: ns.all_gather(v, "a", axis=1, tiled=True),
+        mesh=mesh,
+        in_specs=P("a"),
+        out_specs=P("a"),
+    )
+    with pytest.raises(
+        ns.SpmdError, match=r"different shapes \[\(3, 2\), \(2, 2\)\].*but along dim 1"
+    ):
+        across(x)
+    with pytest.raises(ns.SpmdError, match="but along dim 1"):
+        across.check(x)
+    along = ns.spmd_map(
+        lambda v: ns.all_gather(v, "a", axis=0, tiled=True, to="invariant"),
+        mesh=mesh,
+        in_specs=P("a"),
+        out_specs=P(),
+    )
+    torch.testing.assert_close(along(x), x)
+
+
+def test_output_blocks_that_cannot_be_laid_back_are_an_error():
+    """Rows 5 over a (3, 2) returned under P("b", "a"): the blocks side by side along dim 1 differ
+    in height, a SpecError naming both blocks (a bare torch.cat error before); under
+    P("a", "b") they lay back to the dense value."""
+    mesh = ns.make_mesh((2, 2), ("a", "b"))
+    x = _randn(5, 2, seed=29)
+
+    def mapped(out_spec):
+        return ns.spmd_map(
+            lambda v: ns.pvary(v, "b"), mesh=mesh, in_specs=P("a", None), out_specs=out_spec
+        )
+
+    crossed = mapped(P("b", "a"))
+    for call in (crossed, crossed.check):
+        with pytest.raises(ns.SpecError, match="cannot be laid back under P\\('b', 'a'\\)"):
+            call(x)
+    torch.testing.assert_close(mapped(P("a", "b"))(x), torch.cat([x, x], 1))
 
 
 def test_tiled_all_gather_of_uneven_blocks_is_the_global_value():
@@ -407,9 +459,9 @@ def test_check_of_an_uneven_call_agrees_with_the_call(name):
 
 
 def test_check_takes_what_the_call_takes():
-    """Unequal ``Blocks`` sizes are checked per instance without asking (as they run); a dim the
-    axes do not divide is the call's SpecError outside the per-instance simulation, and is
-    checked per instance inside it; reading values is told as the check's limit."""
+    """Unequal blocks (``Blocks`` sizes, a dim the axes do not divide) are checked per instance
+    without asking, as they run; reading values, which the call does per instance, is told as
+    the check's limit."""
     mesh = ns.make_mesh((4,), ("x",))
     spec = P(ns.Blocks("x", (4, 3, 3, 0)))
     g = ns.spmd_map(lambda v: v * 2, mesh=mesh, in_specs=spec, out_specs=spec)
@@ -417,34 +469,28 @@ def test_check_takes_what_the_call_takes():
     assert [str(t) for t in report.types] == ["f32[4]{x}"]
     assert report.out.shape == (10,)
     f = ns.spmd_map(lambda v: v * v.sum().item(), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
-    errors = []
-    for run in (f, f.check):
-        with pytest.raises(ns.SpecError, match="not divisible by 4") as e:
-            run(torch.ones(10))
-        errors.append(str(e.value))
-    assert errors[0] == errors[1]
-    with ns.simulate_per_instance():
-        f(torch.ones(10))
-        with pytest.raises(ns.SpmdError, match="where reading values works, but a check has none"):
-            f.check(torch.ones(10))
+    x = _randn(10, seed=12)
+    want = torch.cat([block * block.sum() for block in x.chunk(4)])
+    torch.testing.assert_close(f(x), want)
+    with pytest.raises(ns.SpmdError, match="where reading values works, but a check has none"):
+        f.check(x)
+    report = ns.spmd_map(_stencil, mesh=mesh, in_specs=P("x"), out_specs=P("x")).check(x)
+    assert [str(t) for t in report.types] == ["f64[3]{x}"] and report.out.shape == (10,)
 
 
-def test_one_switch_takes_non_divisible_dims_by_default(monkeypatch):
-    """``_spec.UNEVEN_BY_DEFAULT`` (off until every backend takes uneven blocks): on, a dim the
-    axes do not divide runs per instance without asking, checked alike; off, the SpecError."""
+def test_a_dim_the_axes_do_not_divide_runs_per_instance_by_default():
+    """10 over 4 without asking: torch.chunk's blocks, run per instance, values and gradients the
+    dense program's, as under ``simulate_per_instance()``; an even call still runs under vmap
+    (its ``.item()`` is the vmap limit's error)."""
     mesh = ns.make_mesh((4,), ("x",))
     mapped = ns.spmd_map(_stencil, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     x = _randn(10, seed=10)
-    with pytest.raises(ns.SpecError, match="not divisible by 4"):
-        mapped(x)
-    monkeypatch.setattr(ns_spec, "UNEVEN_BY_DEFAULT", True)
     _same_values_and_grads(mapped, _stencil_dense, x)
-    assert [str(t) for t in mapped.check(x).types] == ["f64[3]{x}"]
-    monkeypatch.setattr(ns_spec, "UNEVEN_BY_DEFAULT", False)
-    with pytest.raises(ns.SpecError, match="not divisible by 4"):
-        mapped.check(x)
-    with pytest.raises(ns.SpecError, match="not divisible by 4"):
-        mapped(x)
+    with ns.simulate_per_instance():
+        _same_values_and_grads(mapped, _stencil_dense, x)
+    reads = ns.spmd_map(lambda v: v * v.sum().item(), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    with pytest.raises(ns.SpmdError, match="simulated mesh"):
+        reads(_randn(8, seed=11))
 
 
 @pytest.mark.distributed

@@ -40,7 +40,7 @@ class Case:
     out_specs: Any
     args: Callable[[], tuple]
     dense: Callable[..., Any] | None  # the global outputs from the global inputs
-    switch: bool = True  # run under ns.simulate_per_instance() (Blocks inputs need none)
+    switch: bool = True  # run under ns.simulate_per_instance() (unequal blocks need none)
     dtensor: bool = False  # the real mesh gets the inputs as DTensors (their Shard blocks)
     kinds: tuple[str, ...] = field(default=())  # the real outputs' types: "D" DTensor, "T" plain
 
@@ -266,21 +266,22 @@ CASES = [
         dtensor=True,
         kinds=("D", "D"),
     ),
+    Case(  # without asking: a dim the axis does not divide is split as torch.chunk splits it
+        "rows10_over_4_by_default",
+        (4,),
+        ("x",),
+        lambda v: v.sin() * ns.psum((v * v).sum(), "x"),
+        P("x", None),
+        P("x", None),
+        lambda: (_randn(10, 2, seed=17),),
+        lambda x: x.sin() * (x * x).sum(),
+        switch=False,
+        kinds=("D",),
+    ),
 ]
 
 # Programs that must fail with the same error on both backends.
 ERRORS = [
-    Case(
-        "not_divisible_without_the_switch",
-        (4,),
-        ("x",),
-        lambda v: v * 2,
-        P("x"),
-        P("x"),
-        lambda: (_randn(10, seed=17),),
-        None,
-        switch=False,
-    ),
     Case(
         "output_blocks_not_the_given_sizes",
         (4,),
@@ -289,6 +290,50 @@ ERRORS = [
         P(ns.Blocks("x", (4, 3, 2, 1))),
         P(ns.Blocks("x", (3, 3, 3, 1))),
         lambda: (_randn(10, seed=18),),
+        None,
+        switch=False,
+    ),
+    Case(  # the blocks differ along dim 0 (3, 2), the gather concatenates along dim 1
+        "tiled_all_gather_of_blocks_differing_elsewhere",
+        (2, 2),
+        ("a", "b"),
+        lambda v: ns.all_gather(v, "a", axis=1, tiled=True),
+        P("a", None),
+        P("a", None),
+        lambda: (_randn(5, 2, seed=26),),
+        None,
+        switch=False,
+    ),
+    Case(  # rows 3, 2 over a, laid back along dim 1: the blocks of a row differ in height
+        "output_blocks_that_do_not_lay_back",
+        (2, 2),
+        ("a", "b"),
+        lambda v: ns.pvary(v, "b"),
+        P("a", None),
+        P("b", "a"),
+        lambda: (_randn(5, 2, seed=28),),
+        None,
+        switch=False,
+    ),
+    Case(  # columns 3, 2 over b: the untiled scatter's size check fails at b=0 only
+        "argument_check_failing_on_some_ranks",
+        (2, 2),
+        ("a", "b"),
+        lambda v: ns.psum_scatter(v, "b", scatter_dimension=1, tiled=False),
+        P(None, "b"),
+        P(None, "b"),
+        lambda: (_randn(1, 5, seed=30),),
+        None,
+        switch=False,
+    ),
+    Case(  # 3 over a * b: 1, 1, 1, 0: the group at a=0 has one shape, the group at a=1 two
+        "psum_of_different_shapes_in_one_group",
+        (2, 2),
+        ("a", "b"),
+        lambda v: ns.psum(v, "b"),
+        P(("a", "b")),
+        P("a"),
+        lambda: (_randn(3, seed=31),),
         None,
         switch=False,
     ),

@@ -192,7 +192,7 @@ def _apply(
     if rec.forward_event and (torch.compiler.is_compiling() or not COPIES.get(t.dtype)):
         check_copyable(ctx, rec.name, t)
     if rec.check is not None:
-        params = rec.check(ctx, t, axes, params)
+        params = ctx.check_operand(rec, t, axes, params)
     vma = ctx.vma(t)
     if vma.partial:
         vma = _partial_operand(rec, ctx, t, vma, axes)

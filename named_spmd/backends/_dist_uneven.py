@@ -37,7 +37,9 @@ from .._layout import (
     coords_of,
     dim_sizes,
     given_sizes_problem,
+    grid_problem,
     group_size,
+    groups,
     index_of,
     is_even,
 )
@@ -93,19 +95,70 @@ class UnevenPrimitives:
             return params
         comm = self.mesh.comm(axes)
         if gathers:
-            return (*params, tuple(s for (s,) in _exchange(comm, [x.shape[params[0]]])))
+            return (*params, self._gathered_sizes(rec.name, x, axes, params[0]))
         return (*params, chunk_sizes(x.shape[params[0]], comm.n))  # psum_scatter's blocks
 
-    def _same_shapes(self, op: str, x: torch.Tensor, axes) -> None:
-        """The simulated mesh's error for members' operands of different shapes, raised on
-        every member alike (the shapes are exchanged first: gloo would fail or wait)."""
+    def check_operand(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
+        """Every instance's argument checks, in instance order, on its operand's shape (one
+        exchange): the error of the first instance whose operand fails them, raised on every
+        rank alike, as the simulated mesh raises it (a rank that raised alone would leave the
+        others inside the collective)."""
+        mine = tuple(x.shape)
+        shapes = self._every_shape(x) if rec.forward_event else None
+        checked, result = set(), None
+        for shape in shapes or [mine]:
+            if shape not in checked:
+                checked.add(shape)
+                out = rec.check(
+                    self, x if shape == mine else self._stand_in(x, shape), axes, params
+                )
+                result = out if shape == mine else result
+        assert result is not None  # this rank's shape is among every instance's
+        return result
+
+    def _stand_in(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """A meta tensor of another instance's operand shape, of ``x``'s dtype and type."""
+        with torch_private.DisableTorchFunction():
+            meta = torch.empty(shape, dtype=x.dtype, device="meta")
+        return self.stamp(meta, self.vma(x))  # type: ignore[attr-defined]
+
+    def _every_shape(self, x: torch.Tensor) -> list[tuple[int, ...]] | None:
+        """Every instance's operand shape, row-major over the mesh (one exchange over the whole
+        mesh); None past :data:`_WIDTH` dims."""
         if x.dim() >= _WIDTH:
-            return
+            return None
         mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim())
-        rows = _exchange(self.mesh.comm(axes), mine)
-        shapes = [tuple(r[1 : 1 + r[0]]) for r in rows]
-        if any(s != shapes[0] for s in shapes):
-            raise operand_shapes_differ(op, self.fn_label, shapes)  # type: ignore[attr-defined]
+        rows = _exchange(self.mesh.comm(self.mesh.axis_names), mine)
+        return [tuple(r[1 : 1 + r[0]]) for r in rows]
+
+    def _groups_of(self, axes, shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+        """The members' shapes of every group of ``axes``, groups in the simulated mesh's order."""
+        mesh = self.mesh
+        return [[shapes[m] for m in g] for g in groups(axes, mesh.axis_names, mesh._shape)]
+
+    def _gathered_sizes(self, op: str, x: torch.Tensor, axes, dim: int) -> tuple[int, ...]:
+        """The members' sizes along ``dim`` of a tiled all_gather, from one exchange of every
+        instance's shape; in every group the other dims must agree (the simulated mesh's error,
+        raised on every rank alike: gloo would fail or wait)."""
+        shapes = self._every_shape(x)
+        if shapes is None:
+            return tuple(s for (s,) in _exchange(self.mesh.comm(axes), [x.shape[dim]]))
+        for group in self._groups_of(axes, shapes):
+            if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
+                raise operand_shapes_differ(op, self.fn_label, group, but=dim)  # type: ignore[attr-defined]
+        mesh = self.mesh
+        me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
+        mine = next(g for g in groups(axes, mesh.axis_names, mesh._shape) if me in g)
+        return tuple(shapes[m][dim] for m in mine)
+
+    def _same_shapes(self, op: str, x: torch.Tensor, axes) -> None:
+        """The simulated mesh's error for members' operands of different shapes, for the first
+        group that has them, raised on every rank alike (the shapes of every instance are
+        exchanged first: gloo would fail or wait)."""
+        shapes = self._every_shape(x)
+        for group in self._groups_of(axes, shapes or []) if shapes is not None else ():
+            if any(s != group[0] for s in group):
+                raise operand_shapes_differ(op, self.fn_label, group)  # type: ignore[attr-defined]
 
     def all_gather_tiled(self, x, axes, dim, sizes=None):
         comm = self.mesh.comm(axes)
@@ -260,6 +313,9 @@ def _shapes_of(ctx, rows: list[list[int]], at: int, rank: int):
 def _output(ctx, y: torch.Tensor, spec: PartitionSpec, shape_at) -> torch.Tensor:
     mesh = ctx.mesh
     names, sizes = mesh.axis_names, mesh._shape
+    problem = grid_problem(shape_at, y.dim(), spec, sizes, names)  # the same on every rank
+    if problem is not None:
+        raise SpecError(f"spmd_map of {ctx.fn_label}: {problem}")
     if spec.explicit:  # the sizes a Blocks entry gives must be the blocks' (as simulated)
         named = [a for a in names if a in spec.axes]
         zeros = dict.fromkeys(names, 0)

@@ -55,7 +55,7 @@ from .._errors import NOT_USER_DIRS, RankFailedError, SpmdError, error_class, us
 from .._layout import gives_unequal_blocks, group_coords, index_of
 from .._mesh import Mesh
 from .._replay import Replay
-from .._spec import PartitionSpec, uneven_by_default
+from .._spec import PartitionSpec
 from .._traced import warm_types
 from .._tracking import TrackedContext, VmaMode
 from .._types import Vma
@@ -578,17 +578,13 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException) -> BaseException:
 def _takes_uneven_blocks(
     mesh: DistributedMesh, leaves: list[Any], specs: list[PartitionSpec], body: Any
 ) -> bool:
-    """Whether the call takes blocks of unequal sizes: where the simulated mesh does (asked
-    for with ``ns.simulate_per_instance()``, or given by an input's ``Blocks`` entry), so that
-    the backends accept and refuse the same inputs. A local call's blocks are the caller's."""
+    """Whether the call takes blocks of unequal sizes: where the simulated mesh runs per
+    instance (an input's blocks differ in size, or ``ns.simulate_per_instance()`` asks), so
+    that the backends accept and refuse the same inputs. A local call's blocks are the
+    caller's."""
     if body.local or mesh.size == 1:
         return False
-    if uneven_blocks_requested():
-        return True
-    every = uneven_by_default()
-    return (every or body.mapped.gives_sizes) and gives_unequal_blocks(
-        leaves, specs, mesh._shape, every
-    )
+    return uneven_blocks_requested() or gives_unequal_blocks(leaves, specs, mesh._shape)
 
 
 def _local(
@@ -637,10 +633,9 @@ class DistributedBackend:
         return uneven_blocks_requested()
 
     def takes_uneven(self, spec: PartitionSpec) -> bool:
-        """Dims the group does not divide are taken where the simulated mesh takes them: asked
-        for (``ns.simulate_per_instance()``), or by default (``_spec.UNEVEN_BY_DEFAULT``);
-        unequal sizes a ``Blocks`` entry gives on their dim (``_api._takes_given_sizes``)."""
-        return uneven_blocks_requested() or uneven_by_default()
+        """Dims the group does not divide are taken (``torch.chunk``'s blocks), as are the
+        unequal sizes a ``Blocks`` entry gives, as on the simulated mesh (``_dist_uneven``)."""
+        return True
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         return None

@@ -38,7 +38,7 @@ from ..._context import request_uneven_blocks, uneven_blocks_requested
 from ..._errors import SpmdError, VmaError, fn_label
 from ..._layout import gives_unequal_blocks
 from ..._mesh import Mesh
-from ..._spec import PartitionSpec, uneven_by_default
+from ..._spec import PartitionSpec
 from . import _inner_grad, _one_instance, _per_instance
 from . import _instances as _instances  # installs the per-instance printing of values
 from ._compiled import compiled_pieces_eagerly
@@ -293,24 +293,17 @@ class SimulatedBackend:
         return uneven_blocks_requested()
 
     def takes_uneven(self, spec: PartitionSpec) -> bool:
-        """Dims the group does not divide run per instance: taken where the caller asked for
-        that execution, or everywhere where every backend takes them
-        (``_spec.UNEVEN_BY_DEFAULT``). Unequal sizes a ``Blocks`` entry gives are taken on
-        their dim whatever this says (``_api._takes_given_sizes``)."""
-        return self.uneven_state() or uneven_by_default()
+        """Dims the group does not divide are taken (``torch.chunk``'s blocks), as are the
+        unequal sizes a ``Blocks`` entry gives: such a call runs per instance."""
+        return True
 
     def run(self, mesh, fn, leaves, specs, body, out_specs_of):
         if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path
             from . import _traced  # imports Dynamo, loaded by now (not with every eager call)
 
             return _traced.run(mesh, fn, leaves, specs, body, out_specs_of)
-        every = uneven_by_default()
         if mesh.size > 1 and (
-            self.uneven_state()
-            or (
-                (every or getattr(getattr(body, "mapped", None), "gives_sizes", True))
-                and gives_unequal_blocks(leaves, specs, mesh._shape, every)
-            )
+            self.uneven_state() or gives_unequal_blocks(leaves, specs, mesh._shape)
         ):
             return _per_instance.run(mesh, fn, leaves, specs, body, out_specs_of)
         return _run_eagerly(mesh, fn, leaves, specs, body, out_specs_of)

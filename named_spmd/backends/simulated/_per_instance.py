@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,8 +32,9 @@ from ..._layout import (
     concat_blocks,
     coords_of,
     given_sizes_problem,
-    group_coords,
+    grid_problem,
     group_size,
+    groups,
     index_of,
     split_all,
     split_index,
@@ -99,7 +99,7 @@ class InstanceContext(TrackedContext):
 
     # --- primitives -----------------------------------------------------------------------
     def all_gather_tiled(self, x, axes, dim, sizes=None):
-        return self._meet(x, axes, ("tiled", dim), functools.partial(_gather_tiled, dim))
+        return self._meet(x, axes, ("tiled", dim), functools.partial(_gather_tiled, dim, self))
 
     def reduce_scatter_tiled(self, x, axes, dim, sizes=None):
         return self._meet(x, axes, ("tiled", dim), functools.partial(_scatter_chunks, dim, self))
@@ -140,20 +140,9 @@ class InstanceContext(TrackedContext):
 
 @functools.lru_cache(maxsize=256)
 def _groups(shape: tuple[tuple[str, int], ...], axes: tuple[str, ...]) -> list[list[int]]:
-    """The groups of ``axes``: each a list of instance indices (row-major over the mesh) in
-    member order."""
+    """The groups of ``axes`` (``_layout.groups``), per mesh shape."""
     sizes = dict(shape)
-    names = tuple(sizes)
-    seen: set[int] = set()
-    groups = []
-    for i in range(math.prod(sizes.values())):
-        if i in seen:
-            continue
-        coords = coords_of(i, names, sizes)
-        members = [index_of(names, c, sizes) for c in group_coords(axes, coords, sizes)]
-        seen.update(members)
-        groups.append(members)
-    return groups
+    return groups(axes, tuple(sizes), sizes)
 
 
 def _each_group(groups, xs: list[Tensor], per_group) -> list[Tensor]:
@@ -197,8 +186,12 @@ def _gather(ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
     return _copies(torch.stack(xs), len(xs))
 
 
-def _gather_tiled(dim: int, xs: list[Tensor]) -> list[Tensor]:
-    """The blocks concatenated along ``dim``, whatever their sizes there (one copy each)."""
+def _gather_tiled(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
+    """The blocks concatenated along ``dim``, whatever their sizes there (one copy each); their
+    other dims must agree."""
+    shapes = [tuple(x.shape) for x in xs]
+    if len({s[:dim] + s[dim + 1 :] for s in shapes}) > 1:
+        raise operand_shapes_differ(ctx.op, ctx.fn_label, shapes, but=dim)
     return _copies(torch.cat(xs, dim), len(xs))
 
 
@@ -440,6 +433,12 @@ def _assemble(mesh: Mesh, values: list[Tensor], spec: PartitionSpec, label: str)
     names, sizes = mesh.axis_names, mesh._shape
     named = [a for a in names if a in spec.axes]
     summed = [a for a in names if a in spec.unreduced]
+    rank = values[0].dim()
+    problem = grid_problem(
+        lambda c: values[index_of(names, c, sizes)].shape, rank, spec, sizes, names
+    )
+    if problem is not None:
+        raise SpecError(f"spmd_map of {label}: {problem}")
     blocks = []
     for b in range(group_size(named, sizes)):
         where = dict.fromkeys(names, 0) | coords_of(b, named, sizes)
