@@ -244,7 +244,7 @@ NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.
 _METADATA = frozenset(
     {
         Tensor.dtype.__get__,  # type: ignore[attr-defined]
-        Tensor.device.__get__,  # type: ignore[attr-defined]
+        Tensor.device.__get__,
         Tensor.shape.__get__,  # type: ignore[attr-defined]
         Tensor.is_floating_point,
         Tensor.is_complex,

@@ -261,8 +261,9 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, probe: bool = Fal
         # a plain leaf: its .grad becomes this (when_reduced and accumulates_into, for a
         # pending gradient just made: its entry is in _PENDING)
         leaf = source.variable
-        _PENDING[id(pending._named_spmd_work)][3].append(functools.partial(plain_grad, leaf))
-        pending.__dict__["_named_spmd_into"] = leaf
+        held = pending.__dict__
+        _PENDING[id(held["_named_spmd_work"])][3].append(functools.partial(plain_grad, leaf))
+        held["_named_spmd_into"] = leaf
     return pending
 
 
