@@ -44,11 +44,28 @@ ATTR = "_named_spmd_blocks"
 def mark(x: torch.Tensor, spec: Any, token: object) -> bool:
     """Record the blocks an input under ``spec`` holds (nothing if the spec splits no dim);
     whether it holds any."""
-    dims = tuple(frozenset(spec.entry_axes(i)) for i in range(x.dim()))
-    if any(dims):
-        _write(x, (token, Layout(dims, NONE)))
+    lay = _input_layout(spec, x.dim())
+    if lay is not None:
+        _write(x, (token, lay))
         return True
     return False
+
+
+def _input_layout(spec: Any, ndim: int) -> Layout | None:
+    """The blocks an input of ``ndim`` dims under ``spec`` holds, or None if it holds none:
+    one layout per (spec, ndim), kept on the spec (layouts are immutable), as every call marks
+    every input leaf."""
+    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on it
+        return _make_input_layout(spec, ndim)
+    memo = spec.__dict__.setdefault("_input_layouts", {})
+    if ndim not in memo:
+        memo[ndim] = _make_input_layout(spec, ndim)
+    return memo[ndim]
+
+
+def _make_input_layout(spec: Any, ndim: int) -> Layout | None:
+    dims = tuple(frozenset(spec.entry_axes(i)) for i in range(ndim))
+    return Layout(dims, NONE) if any(dims) else None
 
 
 def unreduced_over(vma: Vma, axes: frozenset[str]) -> Vma:

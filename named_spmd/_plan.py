@@ -27,7 +27,16 @@ import torch
 
 from . import _blocks
 from . import _torch_private as torch_private
-from ._tracking import _ATTR, NOT_OPS, TrackedContext, VmaMode, swap_operands, tensor_operands
+from ._tracking import (
+    _ATTR,
+    _NUMBERS,
+    NOT_OPS,
+    TrackedContext,
+    VmaMode,
+    _number,
+    swap_operands,
+    tensor_operands,
+)
 from ._tracking import _SRC as SRC
 
 Tensor = torch.Tensor
@@ -58,10 +67,16 @@ class Plan:
 
 def guard_key(token: object, args: Any, kwargs: dict | None) -> tuple:
     """What a step's typing depends on besides the op: see the module docstring."""
-    key = tuple([_key(token, a) for a in args])
+    key = []
+    for a in args:  # (:func:`_key`, its tensor case inlined: this runs for every op)
+        if isinstance(a, Tensor):
+            src = a.__dict__.get(SRC)
+            key.append(src[1] if src is not None and src[0] is token else (a.shape, a.dtype))
+        else:
+            key.append(_key(token, a))
     if kwargs:
-        key += tuple([(k, _key(token, v)) for k, v in kwargs.items()])
-    return key
+        key.extend([(k, _key(token, v)) for k, v in kwargs.items()])
+    return tuple(key)
 
 
 def _key(token: object, a: Any) -> Any:
@@ -197,8 +212,8 @@ class ReplayMode(VmaMode):
                         alias = ctx.cached_pvary(alias, axes)
                     else:
                         alias = ctx.cached_cast(alias, axes, to[0])
-                swap[t] = alias
-            args, kwargs = swap_operands(args, kwargs, swap, _itself)
+                swap[id(t)] = alias  # (never under Dynamo: a compiled call is not planned)
+            args, kwargs = swap_operands(args, kwargs, swap)
         out = func(*args, **kwargs) if kwargs else func(*args)
         if type(out) is Tensor:  # the usual result: one tensor
             self._give(out, *step.outputs[0])
@@ -208,7 +223,8 @@ class ReplayMode(VmaMode):
         return out
 
     def _give(self, o: Tensor, vma: Any, lay: Any) -> None:
-        """What typing gave result ``o``: its stamp, its blocks record, the call's next number."""
+        """What typing gave result ``o``: its stamp, its blocks record, the call's next number
+        (``TrackedContext.number``, inlined: this runs for every result)."""
         ctx, d = self.ctx, o.__dict__
         if vma is not None:
             d[_ATTR] = ctx.stamp_of(vma)
@@ -216,7 +232,9 @@ class ReplayMode(VmaMode):
             d[_BLOCKS] = (self.token, lay)
         elif _BLOCKS in d:
             del d[_BLOCKS]
-        ctx.number(o)
+        n = ctx.numbered
+        d[SRC] = (self.token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
+        ctx.numbered = n + 1
 
 
 def _same(recorded: tuple, key: tuple) -> bool:
@@ -224,7 +242,3 @@ def _same(recorded: tuple, key: tuple) -> bool:
         return bool(recorded == key)
     except Exception:  # an argument whose == is not a bool (an array): not the same
         return False
-
-
-def _itself(t: Tensor) -> Tensor:
-    return t

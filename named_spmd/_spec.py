@@ -169,9 +169,14 @@ class PartitionSpec(tuple):
     def vma(self) -> Vma:
         """The type of a value under this spec: varying over the axes that split it, unreduced
         and reduced over those it names so."""
-        if not self.unreduced and not self.reduced:
-            return Vma.of(self.axes)
-        return Vma.make(self.axes, self.unreduced, self.reduced)
+        vma = self.__dict__.get("_vma")  # computed once per spec: read for every input leaf
+        if vma is None:
+            if not self.unreduced and not self.reduced:
+                vma = Vma.of(self.axes)
+            else:
+                vma = Vma.make(self.axes, self.unreduced, self.reduced)
+            self.__dict__["_vma"] = vma
+        return vma
 
     @property
     def axes(self) -> tuple[str, ...]:

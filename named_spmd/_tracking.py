@@ -201,7 +201,19 @@ def tensor_operands(args: Any, kwargs: dict | None) -> list[torch.Tensor]:
 def swap_operands(args: Any, kwargs: dict | None, swap: dict, key: Any = id):
     """``args`` and ``kwargs`` with each tensor whose ``key`` is in ``swap`` replaced (keyed by
     the tensor itself where Dynamo may trace: ``id`` of a traced input is a guard)."""
-    args = _replace(args, swap, key)
+    if type(args) is tuple:  # (the usual case, one level inlined: this runs for every cast)
+        args = tuple(
+            [
+                swap.get(key(a), a)
+                if isinstance(a, torch.Tensor)
+                else _replace(a, swap, key)
+                if isinstance(a, (list, tuple))
+                else a
+                for a in args
+            ]
+        )
+    else:
+        args = _replace(args, swap, key)
     if kwargs:
         kwargs = {k: _replace(v, swap, key) for k, v in kwargs.items()}
     return args, kwargs
@@ -227,6 +239,19 @@ _RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like}
 # torch.func.grad / vjp inside the function call too). Treated as ops, they would mix the
 # invariant loss with the varying inputs and pvary the loss, doubling gradients per axis size.
 NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
+# Reads of a tensor's metadata (a collective's own checks read dtype and device): no tensor
+# results, nothing to type.
+_METADATA = frozenset(
+    {
+        Tensor.dtype.__get__,  # type: ignore[attr-defined]
+        Tensor.device.__get__,
+        Tensor.shape.__get__,  # type: ignore[attr-defined]
+        Tensor.is_floating_point,
+        Tensor.is_complex,
+        Tensor.dim,
+    }
+)
+_UNTYPED = _RANDOM_LIKE | NOT_OPS | _METADATA  # the mode runs these as they are
 
 
 _INPLACE_DUNDERS = frozenset(
@@ -296,7 +321,7 @@ class VmaMode(TorchFunctionMode):
         # Then the result takes that stamp object as is; an operand typed below it gets its
         # implicit pvary alias from the call's caches, or none where the missing axes all have
         # size 1. Costs about one dict lookup per operand on top of the mode's own dispatch.
-        if func in _RANDOM_LIKE or func in NOT_OPS:
+        if func in _UNTYPED:
             out = func(*args, **(kwargs or {}))
             return self._gradients(args, kwargs, out) if func is torch.autograd.grad else out
         token, aliased = self.token, self.ctx.alias_cache

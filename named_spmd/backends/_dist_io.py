@@ -163,13 +163,13 @@ def _from_dtensor(
 ):
     """``leaf``'s local block, checked against ``spec``; ``uneven_local(mesh, leaf, grads)``:
     the conversion of a DTensor whose blocks differ in size (``_dist_uneven``)."""
-    mesh, fn_label = ctx.mesh, ctx.fn_label
-    where = f"spmd_map of {fn_label}: argument leaf {i}"
+    mesh = ctx.mesh
     theirs = leaf.device_mesh
     if theirs is not mesh.device_mesh and (
         tuple(theirs.mesh_dim_names or ()) != mesh.axis_names
         or not torch.equal(theirs.mesh.cpu(), mesh.grid)
     ):
+        where = f"spmd_map of {ctx.fn_label}: argument leaf {i}"
         raise SpecError(
             f"{where} is a DTensor on DeviceMesh {theirs.mesh.tolist()} with dims "
             f"{theirs.mesh_dim_names}, not on the mapped mesh {mesh.grid.tolist()} "
@@ -178,6 +178,7 @@ def _from_dtensor(
         )
     want = placements(mesh, spec, leaf.dim())
     if tuple(leaf.placements) != want:
+        where = f"spmd_map of {ctx.fn_label}: argument leaf {i}"
         raise SpecError(
             f"{where} is a DTensor with placements {tuple(leaf.placements)}, but its in_spec "
             f"{spec!r} on mesh axes {mesh.axis_names} means placements {want}. Fix: "
@@ -296,6 +297,8 @@ def _in_mesh_order(mesh, axes: Sequence[str]) -> tuple[str, ...]:
 
 
 def _non_mesh_order_entries(mesh, spec: PartitionSpec) -> list[tuple[str, ...]]:
+    if len(spec.axes) < 2:  # (the common case: no entry names several axes)
+        return []
     entries = [spec.entry_axes(d) for d in range(len(spec))]
     return [e for e in entries if len(e) > 1 and e != _in_mesh_order(mesh, e)]
 

@@ -351,7 +351,8 @@ class DistributedContext(TrackedContext):
         would wait for the sum at once). A CommMode still records the view's psum, as the
         simulated mesh does. Only a view made by one built-in view op directly from a leaf or an
         input of this call, of the view's own type (docs/design.md section 6)."""
-        source = self._view_source(t, axes)
+        # (a leaf, as a parameter, is no view: the common case, decided without the lookup)
+        source = None if t.grad_fn is None else self._view_source(t, axes)
         if source is None:
             return implicit_pvary(self, t, axes)
         # apart from the source's own alias (cached_pvary), which records its psum
