@@ -133,7 +133,7 @@ def test_the_layer_table_is_tests_test_layers_table():
 
 
 def test_private_torch_names_are_where_the_document_says():
-    assert "private torch" in _text() and "`named_spmd/_torch_private.py`" in _text()
+    assert "private torch" in _text() and "`named_spmd/_torch_private/`" in _text()
     assert _load("test_torch_private.py").private_names_outside(PACKAGE) == []
 
 

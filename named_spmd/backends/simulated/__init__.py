@@ -296,7 +296,7 @@ class SimulatedBackend:
         """Dims the group does not divide run per instance: taken where the caller asked for
         that execution, or everywhere where every backend takes them
         (``_spec.UNEVEN_BY_DEFAULT``). Unequal sizes a ``Blocks`` entry gives are taken on
-        their dim whatever this says (``_api._takes_given_sizes``)."""
+        their dim whatever this says (``_call_checks._takes_given_sizes``)."""
         return self.uneven_state() or uneven_by_default()
 
     def run(self, mesh, fn, leaves, specs, body, out_specs_of):
