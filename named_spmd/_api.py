@@ -78,7 +78,7 @@ class SpmdFunction:
         check_spec_types(out_specs, "out_specs", self.where)
         self.in_specs = in_specs
         self.out_specs = out_specs
-        # the distinct in_specs, which a traced call indexes (``_call_checks._in_specs_traced``)
+        # the distinct in_specs, which a traced call indexes (``_call_checks._specs_in_trace``)
         self._in_spec_table = tuple(dict.fromkeys(spec_leaves(in_specs)))
         # whether an in_spec gives block sizes (``Blocks``): only then may a call's inputs take
         # unequal blocks without asking (the backends read it instead of every leaf's spec)

@@ -45,7 +45,7 @@ def input_leaves(
 ) -> tuple[list[Any], list[PartitionSpec], Any]:
     if torch.compiler.is_compiling():
         paths, leaves, treedef = flatten_with_paths(args)
-        specs = _in_specs_traced(f, args)
+        specs = _specs_in_trace(f, args)
         if specs is None:
             specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
         _check_inputs(f, paths, leaves, specs, local, backend)
@@ -105,7 +105,7 @@ def _check_inputs(
         )
 
 
-def _in_specs_traced(f: SpmdFunction, args: tuple) -> list[PartitionSpec] | None:
+def _specs_in_trace(f: SpmdFunction, args: tuple) -> list[PartitionSpec] | None:
     """The inputs' specs while Dynamo traces, broadcast eagerly over a skeleton of the
     inputs (``IN_SPEC_INDEX``), each an index into the distinct specs. Broadcast in the
     trace, the in_specs tree would be guarded spec by spec (about 200 guards on a model's
