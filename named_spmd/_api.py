@@ -1,5 +1,5 @@
-"""spmd_map and make_mesh: argument checks, spec broadcasting, the out_specs check, and the one
-call path (a run on the mesh's backend, or a check on the abstract backend)."""
+"""spmd_map and make_mesh: the one call path of a mapped function (a run on the mesh's backend,
+or a check on the abstract backend); its inputs' and outputs' checks are ``_call_checks``'s."""
 
 from __future__ import annotations
 
@@ -14,33 +14,14 @@ import torch
 
 from . import _context
 from . import _torch_private as torch_private
-from ._accounting import CommEvent, on_backward, recording
+from ._accounting import recording
+from ._call_checks import check_outputs, input_leaves, tiled_output_event, unequal_blocks
 from ._check import CheckReport
-from ._errors import SpecError, SpmdError, VmaError, bullet_list, fn_label
-from ._layout import block_global_shape, gives_unequal_blocks
+from ._errors import SpmdError, fn_label
 from ._mesh import Mesh
-from ._out_problems import unreduced_problem, varying_problem
-from ._spec import (
-    PartitionSpec,
-    given_sizes_problems,
-    output_settles,
-    spec_problems,
-)
-from ._tree import (
-    IN_SPEC_INDEX,
-    broadcast_specs,
-    check_spec_types,
-    flatten,
-    flatten_with_paths,
-    leaf_skeleton,
-    opaque_leaf_problem,
-    opaque_tensor_holder,
-    path_text,
-    paths_of,
-    spec_leaves,
-    unflatten,
-)
-from .backends import Backend, backend_for
+from ._spec import PartitionSpec
+from ._tree import check_spec_types, path_text, spec_leaves, unflatten
+from .backends import Backend, adopt_mesh, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
 from .backends.simulated import _per_instance
 
@@ -108,7 +89,7 @@ class SpmdFunction:
         check_spec_types(out_specs, "out_specs", self.where)
         self.in_specs = in_specs
         self.out_specs = out_specs
-        # the distinct in_specs, which a traced call indexes (_in_specs_traced)
+        # the distinct in_specs, which a traced call indexes (``_call_checks._specs_in_trace``)
         self._in_spec_table = tuple(dict.fromkeys(spec_leaves(in_specs)))
         # per input structure, outside a trace: the in_specs broadcast over it, and the leaf
         # shapes that fit them (a call of known inputs checks none)
@@ -126,130 +107,6 @@ class SpmdFunction:
         )
 
     # --- inputs -----------------------------------------------------------------------------
-    def _input_leaves(
-        self, args: tuple, local: bool = False, backend: Any = None
-    ) -> tuple[list[Any], list[PartitionSpec], Any]:
-        if torch.compiler.is_compiling():
-            paths, leaves, treedef = flatten_with_paths(args)
-            specs = self._in_specs_traced(args)
-            if specs is None:
-                specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
-            self._check_inputs(paths, leaves, specs, local, backend)
-            return leaves, specs, treedef
-        leaves, treedef = flatten(args)
-        known = self._inputs_of_tree.get(treedef)
-        if known is None:
-            if len(self._inputs_of_tree) > 256:
-                self._inputs_of_tree.clear()
-            specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
-            known = self._inputs_of_tree[treedef] = (specs, set())
-        specs, fine = known
-        shapes = _shapes_key(leaves, (local, _uneven_state(backend)))
-        if shapes is None or shapes not in fine:
-            self._check_inputs(paths_of(args), leaves, specs, local, backend)
-            if shapes is not None and len(fine) < 256:
-                fine.add(shapes)
-        return leaves, list(specs), treedef
-
-    def _check_inputs(
-        self,
-        paths: list[tuple],
-        leaves: list[Any],
-        specs: list[PartitionSpec],
-        local: bool,
-        backend: Any = None,
-    ) -> None:
-        """Every input leaf fits its spec on the mesh, or one SpecError lists the problems
-        (``local``: the leaves are blocks, checked as parts of their global shapes)."""
-        problems = []
-        for path, leaf, spec in zip(paths, leaves, specs):
-            where = f"argument {path_text(path)}"
-            if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
-                problems.append(
-                    f"{where} is a {str(leaf.layout).replace('torch.', '')} tensor; spmd_map "
-                    "splits and batches dense (strided) tensors only. Fix: pass x.to_dense()."
-                )
-            elif isinstance(leaf, torch.Tensor):
-                shape = tuple(leaf.shape)
-                if local:
-                    shape = block_global_shape(shape, spec, self.mesh.shape)
-                uneven = not local and _takes_uneven(backend, spec)
-                given = not local and _takes_given_sizes(backend)
-                problems += spec_problems(spec, shape, self.mesh.shape, where, uneven, given)
-            elif opaque_tensor_holder(leaf):
-                problems.append(opaque_leaf_problem(where, leaf))
-            elif len(spec.axes) > 0:
-                problems.append(
-                    f"{where} is a {type(leaf).__name__}, not a tensor, but its spec {spec!r} "
-                    "splits it. Fix: pass a tensor, or give it P()."
-                )
-        if problems:
-            raise SpecError(
-                f"{self.where}: the inputs do not fit in_specs on mesh {self.mesh.shape}:\n"
-                + bullet_list(problems)
-            )
-
-    def _in_specs_traced(self, args: tuple) -> list[PartitionSpec] | None:
-        """The inputs' specs while Dynamo traces, broadcast eagerly over a skeleton of the
-        inputs (``IN_SPEC_INDEX``), each an index into the distinct specs. Broadcast in the
-        trace, the in_specs tree would be guarded spec by spec (about 200 guards on a model's
-        parameters, checked on every compiled call); this way the hook's argument ``self`` is
-        guarded by identity and only the distinct specs by content. None where the inputs hold
-        other containers than tuples, lists and dicts (the traced path broadcasts)."""
-        skeleton = leaf_skeleton(args)
-        if skeleton is None:
-            return None
-        index = IN_SPEC_INDEX[0](self, skeleton)
-        if isinstance(index, str):
-            raise SpecError(index)
-        table = self._in_spec_table
-        return [table[i] for i in index]
-
-    # --- outputs ----------------------------------------------------------------------------
-    def _check_outputs(
-        self, out: Any, ctx: _context.SpmdContext
-    ) -> tuple[list[tuple], list[Any], list[PartitionSpec], Any]:
-        paths, leaves, treedef = flatten_with_paths(out)
-        specs = broadcast_specs(self.out_specs, out, "out_specs", self.where)
-        problems: list[str] = []
-        vma_problems: list[str] = []
-        check_vma = self.check_vma and not ctx.replaying  # a replay's types were checked
-        for path, leaf, spec in zip(paths, leaves, specs):
-            where = "output" + path_text(path)
-            if not isinstance(leaf, torch.Tensor):
-                if opaque_tensor_holder(leaf):
-                    problems.append(opaque_leaf_problem(where, leaf))
-                elif spec.axes:
-                    problems.append(
-                        f"{where} is a {type(leaf).__name__}; only tensors can be split by "
-                        f"{spec!r}. Fix: give it P() in out_specs, or return a tensor there."
-                    )
-                continue
-            # outputs are concatenated, never split: a dim size every axis product divides
-            # (mesh.size) checks rank and axis names without a divisibility condition
-            plain = spec.without_sizes()
-            problems += spec_problems(plain, (self.mesh.size,) * leaf.dim(), self.mesh.shape, where)
-            if spec.explicit and not ctx.uneven:  # (an uneven execution checks each block)
-                problems += given_sizes_problems(spec, tuple(leaf.shape), where)
-            if not check_vma:
-                continue
-            vma = ctx.vma(leaf)
-            if not vma <= spec.axes:  # rule 4: a subset of the named axes
-                extra = vma.remove(spec.axes)
-                vma_problems.append(varying_problem(where, leaf, spec, extra, ctx))
-            if vma.unreduced != spec.unreduced:
-                vma_problems.append(unreduced_problem(where, leaf, spec, ctx))
-        if problems:
-            raise SpecError(
-                f"{self.where}: the outputs do not fit out_specs:\n" + bullet_list(problems)
-            )
-        if vma_problems:
-            raise VmaError(
-                f"{self.where}: out_specs claim replication that the program does not guarantee:\n"
-                + "\n".join(vma_problems)
-            )
-        return paths, leaves, specs, treedef
-
     # --- call -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._enter(args, kwargs, False)
@@ -316,25 +173,8 @@ class SpmdFunction:
     def unequal_blocks(self, args: tuple, local: bool = False) -> bool:
         """Whether a call of ``args`` splits an input into blocks of unequal sizes, which it
         runs eagerly when compiled (``_call_uneven``; ``ns.compile`` asks before Dynamo sees the
-        call). False where the inputs do not fit in_specs (the call raises that), and for a
-        local call (its blocks are the caller's)."""
-        if local or self.mesh.size == 1 or not hasattr(self.backend, "takes_uneven"):
-            return False
-        try:
-            if torch.compiler.is_compiling():
-                leaves = flatten_with_paths(args)[1]
-                specs = self._in_specs_traced(args)
-            else:
-                leaves, treedef = flatten(args)
-                known = self._inputs_of_tree.get(treedef)
-                specs = None if known is None else known[0]
-            if specs is None:
-                specs = broadcast_specs(self.in_specs, args, "in_specs", self.where)
-        except SpecError:
-            return False
-        sizes = self.mesh._shape
-        fit = [(x, s) for x, s in zip(leaves, specs) if all(a in sizes for a in s.axes)]
-        return gives_unequal_blocks([x for x, _ in fit], [s for _, s in fit], sizes)
+        call): ``_call_checks.unequal_blocks``."""
+        return unequal_blocks(self, args, local)
 
     def check(self, *args: Any, backward: bool = True) -> CheckReport:
         """Type-check a call without running it: shapes, dtypes, vma and communication.
@@ -389,7 +229,7 @@ class SpmdFunction:
                 f"{outer.fn_label}); nesting is not supported. "
                 "Fix: call the inner per-device function directly, it already runs per instance."
             )
-        leaves, specs, in_tree = self._input_leaves(args, local, backend)
+        leaves, specs, in_tree = input_leaves(self, args, local, backend)
         result: dict[str, Any] = {}
 
         def body(local_leaves: list[Any], ctx: _context.SpmdContext) -> list[torch.Tensor]:
@@ -398,12 +238,12 @@ class SpmdFunction:
                 local_args = cast(tuple, unflatten(in_tree, local_leaves))
                 out = self._call_user(local_args, backend)
                 with torch_private.DisableTorchFunction():  # our bookkeeping: no op of the program
-                    paths, out_leaves, out_specs, out_tree = self._check_outputs(out, ctx)
+                    paths, out_leaves, out_specs, out_tree = check_outputs(self, out, ctx)
             finally:
                 _context.pop()
             if recording():
                 out_leaves = [
-                    _tiled_output_event(ctx, x, s) if isinstance(x, torch.Tensor) else x
+                    tiled_output_event(ctx, x, s) if isinstance(x, torch.Tensor) else x
                     for x, s in zip(out_leaves, out_specs)
                 ]
             result.update(tree=out_tree, leaves=out_leaves, specs=out_specs, paths=paths)
@@ -433,47 +273,6 @@ class SpmdFunction:
             raise
 
 
-def _uneven_state(backend: Any) -> Any:
-    """What decides whether a call on ``backend`` takes blocks of unequal sizes (its
-    ``uneven_state``, e.g. a per-instance simulation switched on); None: fixed."""
-    state = getattr(backend, "uneven_state", None)
-    return None if state is None else state()
-
-
-def _takes_uneven(backend: Any, spec: PartitionSpec) -> bool:
-    """Whether ``backend`` takes an input under ``spec`` split into blocks of unequal sizes
-    (``_layout.dim_sizes``); backends without ``takes_uneven`` take equal blocks only."""
-    takes = getattr(backend, "takes_uneven", None)
-    return takes is not None and takes(spec)
-
-
-def _takes_given_sizes(backend: Any) -> bool:
-    """Whether ``backend`` takes the unequal sizes a ``Blocks`` entry gives (on that dim only:
-    the spec's other dims follow :func:`_takes_uneven`)."""
-    return hasattr(backend, "takes_uneven")
-
-
-_PLAIN_LEAVES = (type(None), bool, int, float, complex, str)
-
-
-def _shapes_key(leaves: list[Any], local: Any) -> tuple | None:
-    """What the input checks of a call read from its leaves (its in_specs fixed by the tree
-    structure): whether they are blocks, a strided tensor's shape, a plain Python value's type;
-    None where a leaf is anything else (a sparse tensor, an object that may hold tensors:
-    checked every call)."""
-    key: list[Any] = [local]
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            if x.layout is not torch.strided:
-                return None
-            key.append(x.shape)
-        elif type(x) in _PLAIN_LEAVES:
-            key.append(type(x))
-        else:
-            return None
-    return tuple(key)
-
-
 def _with_own_call(cls: type) -> type:
     """A subclass of ``cls`` whose call methods (``__call__``, ``local`` and ``_enter``, which
     both go through) are copies with code objects of their own (Dynamo keeps its per-frame
@@ -487,20 +286,6 @@ def _with_own_call(cls: type) -> type:
         own.__qualname__, own.__doc__ = method.__qualname__, method.__doc__
         namespace[name] = own
     return type(cls.__name__, (cls,), namespace)
-
-
-def _tiled_output_event(
-    ctx: _context.SpmdContext, y: torch.Tensor, spec: PartitionSpec
-) -> torch.Tensor:
-    """An output invariant over an axis its out_spec names (or declares unreduced) is tiled (or
-    summed): its copies' cotangents differ, so its backward sums them over that axis (a psum on
-    a real mesh)."""
-    _, tiled = output_settles(ctx.vma(y), spec, ctx.mesh.axis_names)
-    if ctx.single_axes.issuperset(tiled):  # nothing tiled, or only copies of one instance
-        return y
-    return on_backward(
-        y, CommEvent("psum", tiled, "backward", tuple(y.shape), y.dtype, implicit=True)
-    )
 
 
 @overload
@@ -626,10 +411,9 @@ def as_mesh(mesh: Any, where: str) -> Mesh:
     """Accept a Mesh or a user's DeviceMesh with mesh_dim_names."""
     if isinstance(mesh, Mesh):
         return mesh
-    if type(mesh).__name__ == "DeviceMesh":
-        from .backends.distributed import mesh_from_device_mesh  # a DeviceMesh: loaded already
-
-        return mesh_from_device_mesh(mesh)
+    adopted = adopt_mesh(mesh)  # a DeviceMesh: its backend's Mesh of it
+    if adopted is not None:
+        return adopted
     raise SpmdError(
         f"{where}: mesh= must be a named_spmd Mesh or a DeviceMesh with mesh_dim_names, got "
         f"{type(mesh).__name__}. Fix: mesh = named_spmd.make_mesh((2, 4), ('dp', 'tp'))."

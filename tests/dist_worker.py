@@ -236,6 +236,19 @@ def run_checks(args, rank, world) -> None:
             "problems": [] if got.item() == world * (world - 1) / 2 else [f"got {got}"],
         }
     )
+    # one mesh per DeviceMesh (one registry): passed again, or make_mesh's own, no new groups
+    again = ns.spmd_map(lambda v: v, mesh=dm, in_specs=P(), out_specs=P()).mesh
+    own = ns.spmd_map(lambda v: v, mesh=mesh.device_mesh, in_specs=P(), out_specs=P()).mesh
+    results.append(
+        {
+            "check": "a DeviceMesh is one mesh",
+            "problems": [
+                f"{what} made a second mesh"
+                for what, made, first in (("dm", again, g.mesh), ("mesh.device_mesh", own, mesh))
+                if made is not first
+            ],
+        }
+    )
     nameless = init_device_mesh(args.device, (world,))
     results.append(
         _expect_error(

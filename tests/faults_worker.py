@@ -129,15 +129,15 @@ def make_mesh(mesh, rank):
 
 def in_make_mesh(rank: int) -> None:
     if rank == 1:  # fails once its groups exist, before make_mesh's barrier: an uncaught error
-        from named_spmd.backends import distributed
+        from named_spmd.backends import _dist_mesh
 
-        create = distributed._create_groups
+        create = _dist_mesh._create_groups
 
         def failing(*args):
             create(*args)
             raise ValueError("rank 1 raises inside make_mesh")
 
-        distributed._create_groups = failing
+        _dist_mesh._create_groups = failing
         ns.make_mesh((2, 2), ("dp", "tp"))
     report(rank, "in_make_mesh", lambda: ns.make_mesh((2, 2), ("dp", "tp")))
 
@@ -226,16 +226,16 @@ def mesh_again(mesh, rank, iterations: int = 2):
 
 
 def nccl_path_mesh():
-    """A gloo mesh on NCCL's path, forced by a test-only knob (``distributed._POLLED``): its
+    """A gloo mesh on NCCL's path, forced by a test-only knob (``_dist_mesh._POLLED``): its
     collectives waited for without polling the failure board, its start-of-call check on a gloo
     group of its own, as on a mesh of CUDA devices."""
-    from named_spmd.backends import distributed
+    from named_spmd.backends import _dist_mesh
 
-    polled, distributed._POLLED = distributed._POLLED, frozenset()
+    polled, _dist_mesh._POLLED = _dist_mesh._POLLED, frozenset()
     try:
         mesh = ns.make_mesh((2, 2), ("dp", "tp"))
     finally:
-        distributed._POLLED = polled
+        _dist_mesh._POLLED = polled
     assert not mesh.poll and mesh._check_group is not None, "not on NCCL's path"
     return mesh
 

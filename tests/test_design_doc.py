@@ -109,14 +109,43 @@ def test_every_module_attribute_the_document_names_is_in_that_module():
     ]
 
 
-def test_the_module_size_the_document_states_holds():
-    claim = re.search(r"No module of the package is over (\d+) lines", _text())
-    assert claim is not None, "the document states its bound on module sizes"
-    limit = int(claim.group(1))
+#: The modules allowed over the document's bound, with why; each still under ``OUTER_BOUND``.
+OVER_THE_BOUND = {
+    "named_spmd/_tracking.py": "being reworked (the per-tensor typing's hot path)",
+    "named_spmd/_context.py": "being reworked (the per-tensor typing's hot path)",
+}
+OUTER_BOUND = 700
+
+
+def modules_over(limit: int, package: pathlib.Path = PACKAGE) -> dict[str, int]:
+    """``{path: lines}`` of the package's modules over ``limit`` lines."""
     sizes = {
-        str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")
+        str(p.relative_to(package.parent)): len(p.read_text().splitlines())
+        for p in package.rglob("*.py")
     }
-    assert {p: n for p, n in sizes.items() if n > limit} == {}
+    return {p: n for p, n in sizes.items() if n > limit}
+
+
+def test_the_module_size_the_document_states_holds():
+    claim = re.search(
+        r"No module of the package is over (\d+) lines but ((?:`[\w/.]+`(?:, | and )?)+)",
+        " ".join(_text().split()),
+    )
+    assert claim is not None, "the document states its bound on module sizes and the exceptions"
+    limit, named = int(claim.group(1)), re.findall(r"`([\w/.]+)`", claim.group(2))
+    assert limit == 500
+    assert {f"named_spmd/{n}" for n in named} == set(OVER_THE_BOUND)
+    assert set(modules_over(limit)) <= set(OVER_THE_BOUND), modules_over(limit)
+    assert modules_over(OUTER_BOUND) == {}
+
+
+def test_the_module_size_scan_reports_a_long_module(tmp_path):
+    """The scan is not vacuous: a module of 501 lines is reported, one of 500 is not."""
+    package = tmp_path / "named_spmd"
+    (package / "backends").mkdir(parents=True)
+    (package / "backends" / "_long.py").write_text("x = 1\n" * 501)
+    (package / "_fits.py").write_text("x = 1\n" * 500)
+    assert modules_over(500, package) == {"named_spmd/backends/_long.py": 501}
 
 
 def doc_layers(text: str) -> dict[int, set[str]]:
@@ -133,7 +162,7 @@ def test_the_layer_table_is_tests_test_layers_table():
 
 
 def test_private_torch_names_are_where_the_document_says():
-    assert "private torch" in _text() and "`named_spmd/_torch_private.py`" in _text()
+    assert "private torch" in _text() and "`named_spmd/_torch_private/`" in _text()
     assert _load("test_torch_private.py").private_names_outside(PACKAGE) == []
 
 

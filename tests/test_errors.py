@@ -422,6 +422,16 @@ CATALOGUE = [
         ["mesh= must be a named_spmd Mesh", "got tuple", "Fix: mesh = named_spmd.make_mesh"],
     ),
     (
+        # recognised by class, not by name: another library's class called DeviceMesh is no mesh
+        "mesh-named-like-a-device-mesh",
+        lambda: ns.spmd_map(
+            identity, mesh=type("DeviceMesh", (), {})(), in_specs=P(), out_specs=P()
+        ),
+        ns.SpmdError,
+        "identity",
+        ["mesh= must be a named_spmd Mesh", "got DeviceMesh", "Fix: mesh = named_spmd.make_mesh"],
+    ),
+    (
         "all_gather-bad-to",
         lambda: _run(gather_bad_to, P("tp"), P("tp"), v8),
         ns.CollectiveError,

@@ -22,7 +22,16 @@ LAYERS = {
     1: {"_tree", "_accounting", "_context", "_check", "_partial", "_blocks", "_block_rules"},
     2: {"_collectives", "_autodiff", "_tracking", "_traced", "_plan", "_replay", "random"},
     3: {"backends"},
-    4: {"_api", "_out_problems", "_compile", "_display", "_views", "_shard", "parallel"},
+    4: {
+        "_api",
+        "_call_checks",
+        "_out_problems",
+        "_compile",
+        "_display",
+        "_views",
+        "_shard",
+        "parallel",
+    },
     5: {""},  # named_spmd/__init__.py: the public exports
 }
 LAYER_OF = {top: layer for layer, tops in LAYERS.items() for top in tops}

@@ -78,6 +78,22 @@ def register(module: str) -> None:
         _MODULES.insert(len(_MODULES) - 1, module)
 
 
+#: Other libraries' mesh classes a backend adopts as its own Mesh (its ``BACKEND.adopt(obj)``):
+#: (module defining the class, class name) -> backend module. An object of a class exists only
+#: once the class's module is loaded, so recognising one loads nothing (``sys.modules``).
+_ADOPTED = {("torch.distributed.device_mesh", "DeviceMesh"): "named_spmd.backends.distributed"}
+
+
+def adopt_mesh(obj: Any) -> Mesh | None:
+    """The Mesh a backend makes of another library's mesh ``obj`` (a torch ``DeviceMesh``), or
+    None where no backend adopts it."""
+    for (module, name), backend in _ADOPTED.items():
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type) and isinstance(obj, cls):
+            return importlib.import_module(backend).BACKEND.adopt(obj)
+    return None
+
+
 def backend_for(mesh: Mesh) -> Backend:
     """The backend that runs calls on ``mesh``."""
     for name in _MODULES[:-1]:

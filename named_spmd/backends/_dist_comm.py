@@ -177,12 +177,7 @@ class Comm:
 
     def _wait(self, op: str, work: Any) -> None:
         if self.poll:
-            try:  # the common case, kept cheap: done within the first slice
-                work.wait(_SLICE)
-                return
-            except RuntimeError:
-                pass
-            try:
+            try:  # (the common case, done within the first slice, is one wait: _waited's)
                 wait_for(self.mesh.board, work, self._doing(op), _SLICE, self.members)
             except BaseException:
                 if not work.is_completed():  # left in flight: see DistributedMesh.release_groups

@@ -1,0 +1,242 @@
+"""A mapped call's boundary: its inputs checked against in_specs, its outputs against out_specs.
+
+The input checks run once per tree structure and leaf shapes (``input_leaves``'s cache on the
+``SpmdFunction``); while Dynamo traces, the in_specs are broadcast over a skeleton of the inputs
+instead (``IN_SPEC_INDEX``). Whether a dim the axes do not divide is taken is the backend's to
+say (``takes_uneven``, ``uneven_state``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _context
+from ._accounting import CommEvent, on_backward
+from ._errors import SpecError, VmaError, bullet_list
+from ._layout import block_global_shape, gives_unequal_blocks
+from ._out_problems import unreduced_problem, varying_problem
+from ._spec import (
+    PartitionSpec,
+    given_sizes_problems,
+    output_settles,
+    spec_problems,
+)
+from ._tree import (
+    IN_SPEC_INDEX,
+    broadcast_specs,
+    flatten,
+    flatten_with_paths,
+    leaf_skeleton,
+    opaque_leaf_problem,
+    opaque_tensor_holder,
+    path_text,
+    paths_of,
+)
+
+if TYPE_CHECKING:
+    from ._api import SpmdFunction
+
+
+def input_leaves(
+    f: SpmdFunction, args: tuple, local: bool = False, backend: Any = None
+) -> tuple[list[Any], list[PartitionSpec], Any]:
+    if torch.compiler.is_compiling():
+        paths, leaves, treedef = flatten_with_paths(args)
+        specs = _specs_in_trace(f, args)
+        if specs is None:
+            specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
+        _check_inputs(f, paths, leaves, specs, local, backend)
+        return leaves, specs, treedef
+    leaves, treedef = flatten(args)
+    known = f._inputs_of_tree.get(treedef)
+    if known is None:
+        if len(f._inputs_of_tree) > 256:
+            f._inputs_of_tree.clear()
+        specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
+        known = f._inputs_of_tree[treedef] = (specs, set())
+    specs, fine = known
+    shapes = _shapes_key(leaves, (local, _uneven_state(backend)))
+    if shapes is None or shapes not in fine:
+        _check_inputs(f, paths_of(args), leaves, specs, local, backend)
+        if shapes is not None and len(fine) < 256:
+            fine.add(shapes)
+    return leaves, list(specs), treedef
+
+
+def _check_inputs(
+    f: SpmdFunction,
+    paths: list[tuple],
+    leaves: list[Any],
+    specs: list[PartitionSpec],
+    local: bool,
+    backend: Any = None,
+) -> None:
+    """Every input leaf fits its spec on the mesh, or one SpecError lists the problems
+    (``local``: the leaves are blocks, checked as parts of their global shapes)."""
+    problems = []
+    for path, leaf, spec in zip(paths, leaves, specs):
+        where = f"argument {path_text(path)}"
+        if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
+            problems.append(
+                f"{where} is a {str(leaf.layout).replace('torch.', '')} tensor; spmd_map "
+                "splits and batches dense (strided) tensors only. Fix: pass x.to_dense()."
+            )
+        elif isinstance(leaf, torch.Tensor):
+            shape = tuple(leaf.shape)
+            if local:
+                shape = block_global_shape(shape, spec, f.mesh.shape)
+            uneven = not local and _takes_uneven(backend, spec)
+            given = not local and _takes_given_sizes(backend)
+            problems += spec_problems(spec, shape, f.mesh.shape, where, uneven, given)
+        elif opaque_tensor_holder(leaf):
+            problems.append(opaque_leaf_problem(where, leaf))
+        elif len(spec.axes) > 0:
+            problems.append(
+                f"{where} is a {type(leaf).__name__}, not a tensor, but its spec {spec!r} "
+                "splits it. Fix: pass a tensor, or give it P()."
+            )
+    if problems:
+        raise SpecError(
+            f"{f.where}: the inputs do not fit in_specs on mesh {f.mesh.shape}:\n"
+            + bullet_list(problems)
+        )
+
+
+def _specs_in_trace(f: SpmdFunction, args: tuple) -> list[PartitionSpec] | None:
+    """The inputs' specs while Dynamo traces, broadcast eagerly over a skeleton of the
+    inputs (``IN_SPEC_INDEX``), each an index into the distinct specs. Broadcast in the
+    trace, the in_specs tree would be guarded spec by spec (about 200 guards on a model's
+    parameters, checked on every compiled call); this way the hook's argument ``f`` is
+    guarded by identity and only the distinct specs by content. None where the inputs hold
+    other containers than tuples, lists and dicts (the traced path broadcasts)."""
+    skeleton = leaf_skeleton(args)
+    if skeleton is None:
+        return None
+    index = IN_SPEC_INDEX[0](f, skeleton)
+    if isinstance(index, str):
+        raise SpecError(index)
+    table = f._in_spec_table
+    return [table[i] for i in index]
+
+
+def check_outputs(
+    f: SpmdFunction, out: Any, ctx: _context.SpmdContext
+) -> tuple[list[tuple], list[Any], list[PartitionSpec], Any]:
+    paths, leaves, treedef = flatten_with_paths(out)
+    specs = broadcast_specs(f.out_specs, out, "out_specs", f.where)
+    problems: list[str] = []
+    vma_problems: list[str] = []
+    check_vma = f.check_vma and not ctx.replaying  # a replay's types were checked
+    for path, leaf, spec in zip(paths, leaves, specs):
+        where = "output" + path_text(path)
+        if not isinstance(leaf, torch.Tensor):
+            if opaque_tensor_holder(leaf):
+                problems.append(opaque_leaf_problem(where, leaf))
+            elif spec.axes:
+                problems.append(
+                    f"{where} is a {type(leaf).__name__}; only tensors can be split by "
+                    f"{spec!r}. Fix: give it P() in out_specs, or return a tensor there."
+                )
+            continue
+        # outputs are concatenated, never split: a dim size every axis product divides
+        # (mesh.size) checks rank and axis names without a divisibility condition
+        plain = spec.without_sizes()
+        problems += spec_problems(plain, (f.mesh.size,) * leaf.dim(), f.mesh.shape, where)
+        if spec.explicit and not ctx.uneven:  # (an uneven execution checks each block)
+            problems += given_sizes_problems(spec, tuple(leaf.shape), where)
+        if not check_vma:
+            continue
+        vma = ctx.vma(leaf)
+        if not vma <= spec.axes:  # rule 4: a subset of the named axes
+            extra = vma.remove(spec.axes)
+            vma_problems.append(varying_problem(where, leaf, spec, extra, ctx))
+        if vma.unreduced != spec.unreduced:
+            vma_problems.append(unreduced_problem(where, leaf, spec, ctx))
+    if problems:
+        raise SpecError(f"{f.where}: the outputs do not fit out_specs:\n" + bullet_list(problems))
+    if vma_problems:
+        raise VmaError(
+            f"{f.where}: out_specs claim replication that the program does not guarantee:\n"
+            + "\n".join(vma_problems)
+        )
+    return paths, leaves, specs, treedef
+
+
+def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:
+    """Whether a call of ``f`` on ``args`` splits an input into blocks of unequal sizes. False
+    where the inputs do not fit in_specs (the call raises that), and for a local call (its
+    blocks are the caller's)."""
+    if local or f.mesh.size == 1 or not hasattr(f.backend, "takes_uneven"):
+        return False
+    try:
+        if torch.compiler.is_compiling():
+            leaves = flatten_with_paths(args)[1]
+            specs = _specs_in_trace(f, args)
+        else:
+            leaves, treedef = flatten(args)
+            known = f._inputs_of_tree.get(treedef)
+            specs = None if known is None else known[0]
+        if specs is None:
+            specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
+    except SpecError:
+        return False
+    sizes = f.mesh._shape
+    fit = [(x, s) for x, s in zip(leaves, specs) if all(a in sizes for a in s.axes)]
+    return gives_unequal_blocks([x for x, _ in fit], [s for _, s in fit], sizes)
+
+
+def _uneven_state(backend: Any) -> Any:
+    """What decides whether a call on ``backend`` takes blocks of unequal sizes (its
+    ``uneven_state``, e.g. a per-instance simulation switched on); None: fixed."""
+    state = getattr(backend, "uneven_state", None)
+    return None if state is None else state()
+
+
+def _takes_uneven(backend: Any, spec: PartitionSpec) -> bool:
+    """Whether ``backend`` takes an input under ``spec`` split into blocks of unequal sizes
+    (``_layout.dim_sizes``); backends without ``takes_uneven`` take equal blocks only."""
+    takes = getattr(backend, "takes_uneven", None)
+    return takes is not None and takes(spec)
+
+
+def _takes_given_sizes(backend: Any) -> bool:
+    """Whether ``backend`` takes the unequal sizes a ``Blocks`` entry gives (on that dim only:
+    the spec's other dims follow :func:`_takes_uneven`)."""
+    return hasattr(backend, "takes_uneven")
+
+
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str)
+
+
+def _shapes_key(leaves: list[Any], local: Any) -> tuple | None:
+    """What the input checks of a call read from its leaves (its in_specs fixed by the tree
+    structure): whether they are blocks, a strided tensor's shape, a plain Python value's type;
+    None where a leaf is anything else (a sparse tensor, an object that may hold tensors:
+    checked every call)."""
+    key: list[Any] = [local]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.layout is not torch.strided:
+                return None
+            key.append(x.shape)
+        elif type(x) in _PLAIN_LEAVES:
+            key.append(type(x))
+        else:
+            return None
+    return tuple(key)
+
+
+def tiled_output_event(
+    ctx: _context.SpmdContext, y: torch.Tensor, spec: PartitionSpec
+) -> torch.Tensor:
+    """An output invariant over an axis its out_spec names (or declares unreduced) is tiled (or
+    summed): its copies' cotangents differ, so its backward sums them over that axis (a psum on
+    a real mesh)."""
+    _, tiled = output_settles(ctx.vma(y), spec, ctx.mesh.axis_names)
+    if ctx.single_axes.issuperset(tiled):  # nothing tiled, or only copies of one instance
+        return y
+    return on_backward(
+        y, CommEvent("psum", tiled, "backward", tuple(y.shape), y.dtype, implicit=True)
+    )

@@ -1,0 +1,129 @@
+"""autograd, forward AD, checkpoint's device-context marker, the torch-function mode stack,
+make_fx's dispatch mode, a view's source and the reference counts donation compares."""
+
+from __future__ import annotations
+
+import functools
+import operator
+import sys
+from typing import Any
+
+import torch
+import torch.utils._device
+from torch.autograd import forward_ad
+
+# --- autograd ----------------------------------------------------------------------------------
+# Function.apply binds its arguments in Python (~10 us) when setup_context is defined; the C
+# apply skips that where no torch.func transform needs the Python path.
+function_base_apply = torch._C._FunctionBase.__dict__["apply"]
+current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+# (torch's stubs lack AccumulateGrad and Tensor._use_count, both bound in C++)
+AccumulateGrad = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+def queue_callback(fn: Any) -> None:
+    """Run ``fn`` at the end of the current backward pass (RuntimeError outside one)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+# The innermost forward-AD dual level, -1 outside ``forward_ad.dual_level`` (a module global torch
+# reassigns, with no public reader): a collective records its jvp only inside one. A partial of the
+# builtin getattr reads it with no Python frame (``_autodiff.differentiable`` is per collective).
+forward_level = functools.partial(getattr, forward_ad, "_current_level")
+
+
+@functools.cache
+def control_flow_exceptions() -> tuple[type[BaseException], ...]:
+    """Exceptions torch raises through user code to steer itself, not failures of it:
+    non-reentrant checkpointing stops a recomputation early with one (in double backward too)."""
+    from torch.utils.checkpoint import _StopRecomputationError
+
+    return (_StopRecomputationError,)
+
+
+# --- torch.utils.checkpoint: how a recomputation finds its call again ---------------------------
+# Non-reentrant checkpoint re-enters, around its recomputation in backward, the innermost
+# torch-function mode of the forward that is a ``DeviceContext`` (torch.utils.checkpoint:
+# "recompute_fn should respect the device context of the original forward"). A call pushes one
+# (``_context.CallMarker``) so that the recomputation re-establishes the call (docs/design.md
+# section 8). The mode stack is edited directly: a marker is removed wherever it sits, since a
+# ``torch.device`` block entered inside the call reorders the stack.
+DeviceContext = torch.utils._device.DeviceContext
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether saved-tensor hooks are in effect: inside a non-reentrant checkpoint's forward (or
+    a user's ``saved_tensors_hooks``). A call that saw none needs no marker in its replays."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+function_mode_depth = torch.overrides._len_torch_function_stack
+function_mode_at = torch._C._get_function_stack_at  # the mode at depth i, 0 the bottom
+push_function_mode = torch.overrides._push_mode
+pop_function_mode = torch.overrides._pop_mode
+
+
+# Library-internal ops run without the user-visible TorchFunctionModes (vma tracking).
+DisableTorchFunction = torch._C.DisableTorchFunction
+
+# --- make_fx (torch.func.linearize, torch.export, AOT autograd) ---------------------------------
+_PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY
+
+
+def proxy_tracing() -> bool:
+    """Whether ``make_fx`` traces: its proxy mode is on the dispatch mode stack. Its graph
+    records only dispatched ops, so a call then communicates with functional collectives, and
+    reads values (a check's result) of its own tensors made outside the trace
+    (:func:`no_dispatch_modes`)."""
+    return torch._C._get_dispatch_mode(_PROXY_MODE) is not None
+
+
+def no_dispatch_modes() -> Any:
+    """A context without the dispatch modes (``make_fx``'s proxy mode among them): the
+    library's bookkeeping (the start-of-call check) runs eagerly, not into a traced graph."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+# --- reference counts: may a buffer be overwritten in place? ----------------------------------
+# A view's base tensor, None for a non-view (``Tensor._base``): a view shares its buffer, so it is
+# never overwritten. An attrgetter: a C call that keeps no reference to the tensor it is given
+# (donation compares the tensor's reference counts with calibrated ones right after).
+tensor_base = operator.attrgetter("_base")
+refcount = sys.getrefcount  # the Python reference count of an object (CPython)
+
+
+def use_counts(x: torch.Tensor) -> tuple[int, int, int]:
+    """(TensorImpl uses, storage uses, Python references to the storage object) of ``x``."""
+    storage = x.untyped_storage()
+    return x._use_count(), torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)  # type: ignore[attr-defined]
+
+
+def view_source(t: torch.Tensor, sources: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of, where one built-in view op (not an ``autograd.Function``)
+    made ``t`` directly from a leaf that requires grad (its node is ``AccumulateGrad``) or from
+    a tensor of ``sources`` (``id`` of its ``grad_fn`` -> it); else None. (``Tensor._is_view``
+    and ``AccumulateGrad.variable``: private.)"""
+    node = t.grad_fn
+    if (
+        node is None
+        or not t._is_view()
+        or isinstance(node, torch.autograd.function.BackwardCFunction)
+    ):
+        return None
+    nexts = node.next_functions
+    if len(nexts) != 1:
+        return None
+    below: Any = nexts[0][0]  # torch's stubs lack AccumulateGrad's variable
+    source = below.variable if type(below) is AccumulateGrad else sources.get(id(below))
+    if source is None or source.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+        return None
+    return source
+
+
+def has_post_accumulate_hooks(leaf: torch.Tensor) -> bool:
+    """Whether ``register_post_accumulate_grad_hook`` gave ``leaf`` hooks (they read ``.grad``
+    right after each accumulation)."""
+    return bool(getattr(leaf, "_post_accumulate_grad_hooks", None))

@@ -1,0 +1,133 @@
+"""torch.compile: Dynamo's disable mark, frame callback and trace state, Inductor's custom
+graph passes, and the view attributes Dynamo hands to the torch function modes."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+
+
+def not_traced(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
+    """``fn`` as ``torch.compiler.disable(fn, reason=reason)`` makes it, without importing Dynamo
+    now (``import named_spmd`` must not: it takes a second and imports ``torch.distributed``). Dynamo does
+    not inline a function carrying its disable mark: a compiled program breaks its graph there
+    (``fullgraph=True`` raises ``Unsupported`` quoting ``reason``); the call then goes through
+    ``torch._disable_dynamo``'s wrapper, which Dynamo skips (its module is on Dynamo's skip list)
+    and which runs ``fn`` with Dynamo off, importing Dynamo at its first call. Called as a frame
+    of its own (from code running eagerly under Dynamo's frame callback), the wrapper's code is
+    torch's, which Dynamo never compiles."""
+    eager = torch._disable_dynamo(fn)
+    eager._torchdynamo_disable = True  # type: ignore[attr-defined]
+    eager._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+    return eager
+
+
+def inductor_graph_pass(fn: Callable[[Any], None], version: str) -> Any:
+    """``fn`` (an FX graph -> None, editing it in place) as an Inductor custom graph pass (the
+    ``post_grad_custom_pre_pass`` option): a ``CustomGraphPass`` whose ``uuid`` (``version``)
+    keys Inductor's FX graph cache; without one, Inductor compiles anew every process."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph: Any) -> None:
+            fn(graph)
+
+        def uuid(self) -> str:
+            return version
+
+    return _Pass()
+
+
+# --- Dynamo: a tensor's view attributes reach the torch function modes, as in eager -------------
+# Eager torch hands ``x.T``, ``x.mT``, ``x.H``, ``x.mH``, ``x.real`` and ``x.imag`` to the active
+# torch function modes; Dynamo (2.13) traces them straight into the graph
+# (``TensorVariable.var_getattr``), so a mode never sees them. A compiled real-mesh call then
+# lost the type of ``k.T`` (an untyped tensor reads invariant) and gave a varying value's
+# gradient a spurious psum: ring attention's ``q @ k.T`` had a wrong gradient for ``k``.
+TENSOR_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
+@functools.cache
+def route_view_attributes_to_modes() -> bool:
+    """Make Dynamo dispatch :data:`TENSOR_VIEW_ATTRIBUTES` of a plain tensor to the symbolic
+    torch function mode stack, as eager does (once per process; returns True)."""
+    from torch._dynamo.variables import torch_function as tf
+    from torch._dynamo.variables.base import VariableTracker
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    traced = TensorVariable.var_getattr
+
+    def var_getattr(self: Any, tx: Any, name: str) -> Any:
+        if (
+            name in TENSOR_VIEW_ATTRIBUTES
+            and type(self) is TensorVariable
+            and tf.can_dispatch_torch_function(tx, [self], {})
+        ):
+            getter = VariableTracker.build(tx, getattr(torch.Tensor, name).__get__)
+            return tf.dispatch_torch_function(tx, getter, [self], {})
+        return traced(self, tx, name)
+
+    TensorVariable.var_getattr = var_getattr  # type: ignore[method-assign]
+    return True
+
+
+def traced_user_stack() -> list:
+    """The user's frames Dynamo is tracing, outermost first, with the line being traced last
+    (``TracingContext.extract_stack``: what Dynamo's own error messages quote); empty when
+    nothing is traced."""
+    from torch._guards import TracingContext
+
+    return list(TracingContext.extract_stack())
+
+
+#: The class of torch's higher-order ops (checkpoint's tag_activation_checkpoint, cond, ...),
+#: whose bodies Dynamo traces into subgraphs of their own.
+HigherOrderOperator = torch._ops.HigherOrderOperator
+
+#: Dynamo's frame callback, or None: not None while code runs eagerly as the rest of a
+#: compiled function whose frame Dynamo gave up on ("falling back to eager"), where Dynamo tries
+#: to compile every frame called from it. The C function itself: calling it starts no Python
+#: frame for Dynamo to compile, and Dynamo is not imported. Only outside a trace (Dynamo cannot
+#: trace it).
+dynamo_frame_callback = _eval_frame_callback
+
+
+def traced_in_subgraph() -> bool:
+    """Whether Dynamo is tracing the body of a higher-order op (``torch.utils.checkpoint``,
+    ``torch.cond``, ...) into a subgraph of its own, rather than the frame's root graph (the
+    tracer of the instruction translator being traced has a parent). False when nothing is
+    traced."""
+    from torch._dynamo.symbolic_convert import tls
+
+    tx = getattr(tls, "current_tx", None)
+    return tx is not None and not tx.output.is_root_tracer()
+
+
+def traced_root_frame() -> tuple[str, str] | None:
+    """(file, function name) of the frame Dynamo is compiling: the root of the trace, not a
+    function it inlines into it; None when nothing is traced."""
+    from torch._dynamo.symbolic_convert import tls
+
+    tx = getattr(tls, "current_tx", None)
+    if tx is None:
+        return None
+    code = tx.output.root_tx.f_code
+    return code.co_filename, code.co_name
+
+
+def dynamo_skip_frame() -> Callable[..., None]:
+    """Dynamo's ``skip_frame``: called in traced code, Dynamo stops compiling the frame being
+    traced and runs it eagerly (imported on demand: it imports Dynamo)."""
+    from torch._dynamo import skip_frame
+
+    return skip_frame
+
+
+def is_dynamo_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is torch.compile refusing to trace (Dynamo's ``Unsupported`` and its
+    relatives), told by module so that ``torch._dynamo`` is never imported for the check."""
+    return type(error).__module__.startswith("torch._dynamo")

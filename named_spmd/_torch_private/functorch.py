@@ -1,0 +1,178 @@
+"""functorch: entering vmap levels ourselves, reading a tensor's batch levels, and the hooks the
+simulated backend installs in torch's printing and in torch.func's grad levels and gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# --- functorch: entering vmap levels ourselves and reading a tensor's batch levels --------------
+# The simulated backend enters one vmap level per mesh axis directly (torch.func.vmap's own
+# wrappers cost more than a small collective) and reads a tensor's vma off its levels.
+functorch = torch._C._functorch
+maybe_get_level = functorch.maybe_get_level
+maybe_get_bdim = functorch.maybe_get_bdim
+get_unwrapped = functorch.get_unwrapped
+is_batchedtensor = functorch.is_batchedtensor
+is_transform_wrapped = functorch.is_functorch_wrapped_tensor
+maybe_current_level = functorch.maybe_current_level
+get_interpreter_stack = functorch.get_interpreter_stack
+add_batch_dim = functorch._add_batch_dim
+remove_batch_dim = functorch._remove_batch_dim
+unwrap_if_dead = functorch.unwrap_if_dead
+vmap_increment_nesting = functorch._vmap_increment_nesting
+vmap_decrement_nesting = functorch._vmap_decrement_nesting
+unwrap_for_grad = functorch._unwrap_for_grad
+wrap_for_grad = functorch._wrap_for_grad
+TransformType = functorch.TransformType
+#: The transforms that differentiate (torch.func.grad / vjp, and jvp).
+GRAD_LIKE = (TransformType.Grad, TransformType.Jvp)
+transforms_active = torch._C._are_functorch_transforms_active
+# Plain tensors even under functionalize & co (cached tokens and permutation tables).
+DisableFuncTorch = torch._C._DisableFuncTorch
+
+
+def lazy_load_decompositions() -> None:
+    """torch.func.vmap registers some batching rules on first use; we enter levels ourselves."""
+    from torch._functorch.vmap import lazy_load_decompositions as load
+
+    load()
+
+
+def current_interpreter() -> Any:
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    return retrieve_current_functorch_interpreter()
+
+
+def single_level_functions() -> Any:
+    """Context manager that lets a ``SingleLevelFunction`` be applied at a grad level."""
+    from torch._functorch.utils import enable_single_level_autograd_function
+
+    return enable_single_level_autograd_function()
+
+
+def functional_unwrap(x: torch.Tensor, reapply_views: bool) -> torch.Tensor:
+    from torch._functorch.eager_transforms import _maybe_unwrap_functional_tensor
+
+    return _maybe_unwrap_functional_tensor(x, reapply_views=reapply_views)
+
+
+def functional_wrap(x: torch.Tensor, level: int) -> torch.Tensor:
+    from torch._functorch.eager_transforms import _maybe_wrap_functional_tensor
+
+    return _maybe_wrap_functional_tensor(x, level)
+
+
+def set_fwd_grad_enabled(enabled: bool) -> Any:
+    from torch.autograd.forward_ad import _set_fwd_grad_enabled
+
+    return _set_fwd_grad_enabled(enabled)
+
+
+# A Function applied at one functorch level (what generate_single_level_function builds).
+SingleLevelFunction = torch.autograd.function._SingleLevelFunction
+
+# --- printing a transform's tensors --------------------------------------------------------------
+# torch prints a functorch-wrapped tensor as its wrappers ("BatchedTensor(lvl=2, bdim=0, value=..."),
+# through one module function that ``repr`` looks up at each call, and formats a 0-d tensor with
+# ``.item()``, which vmap refuses. The simulated backend shows its values per mesh coordinate
+# instead: these hooks let it answer first for a wrapped tensor; torch's own code runs whenever
+# a hook returns None (every tensor that is not the backend's, and plain tensors never reach them).
+is_gradtrackingtensor = functorch.is_gradtrackingtensor
+_PRINT_HOOKS: dict[str, Any] = {}
+
+
+def hook_wrapper_printing(text: Any, formatted: Any) -> None:
+    """``text(t) -> str | None`` prints a wrapped tensor ``t`` (``repr``, ``str``, ``print``);
+    ``formatted(t, spec) -> str | None`` formats one (``format``, f-strings). Installed once."""
+    if not _PRINT_HOOKS:
+        import torch._tensor_str as tensor_str
+
+        torch_text = tensor_str._functorch_wrapper_str_intern
+        torch_format = torch.Tensor.__format__
+
+        def wrapper_text(tensor: torch.Tensor, *, tensor_contents: Any = None) -> str:
+            shown = _PRINT_HOOKS["text"](tensor)
+            return torch_text(tensor, tensor_contents=tensor_contents) if shown is None else shown
+
+        def wrapper_format(self: torch.Tensor, format_spec: str) -> str:
+            if is_transform_wrapped(self):
+                shown = _PRINT_HOOKS["formatted"](self, format_spec)
+                if shown is not None:
+                    return shown
+            return torch_format(self, format_spec)
+
+        tensor_str._functorch_wrapper_str_intern = wrapper_text
+        torch.Tensor.__format__ = wrapper_format  # type: ignore[method-assign]
+    _PRINT_HOOKS.update(text=text, formatted=formatted)
+
+
+# --- entering a grad level ----------------------------------------------------------------------
+# torch.func.grad, grad_and_value and vjp (so jacrev and hessian too) enter their grad level
+# through one context manager, which looks up ``_grad_increment_nesting`` /
+# ``_grad_decrement_nesting`` as globals of eager_transforms at each call. The simulated backend
+# wraps those two names to learn when a grad level is entered inside its call (its implicit pvary
+# then needs a real op: backends/simulated/_inner_grad.py), at no cost to any other code. Dynamo
+# traces the context manager itself (by identity), never these globals, so compiled code is
+# unaffected.
+_GRAD_HOOKS: dict[str, Any] = {}
+
+
+def hook_grad_levels(entered: Any, leaving: Any) -> None:
+    """``entered(level)`` right after a grad level is entered, ``leaving(level)`` right before
+    one is left (also when the transform raises). Installed once."""
+    if not _GRAD_HOOKS:
+        import torch._functorch.eager_transforms as eager
+
+        increment, decrement = eager._grad_increment_nesting, eager._grad_decrement_nesting
+
+        def grad_increment_nesting() -> int:
+            level = increment()
+            _GRAD_HOOKS["entered"](level)
+            return level
+
+        def grad_decrement_nesting() -> Any:
+            _GRAD_HOOKS["leaving"](functorch.maybe_current_level())
+            return decrement()
+
+        eager._grad_increment_nesting = grad_increment_nesting
+        eager._grad_decrement_nesting = grad_decrement_nesting
+    _GRAD_HOOKS.update(entered=entered, leaving=leaving)
+
+
+# --- the gradients of torch.func.grad and vjp -----------------------------------------------------
+# torch.func.grad (and grad_and_value) and vjp's pullback (so jacrev and hessian too) compute their
+# gradients through ``_autograd_grad``, looked up as a global of eager_transforms at each call. The
+# simulated backend wraps it to give each gradient its input's type inside its call
+# (backends/simulated/_inner_grad.py), at no cost to any other code.
+_GRADIENT_HOOKS: dict[str, Any] = {}
+
+
+def hook_transform_gradients(after: Any) -> None:
+    """``after(inputs, grads)`` (returning the gradients) on every tuple of gradients that
+    torch.func.grad or vjp computes. Installed once."""
+    if not _GRADIENT_HOOKS:
+        import torch._functorch.eager_transforms as eager
+
+        compute = eager._autograd_grad
+
+        def autograd_grad(
+            outputs: Any,
+            inputs: Any,
+            grad_outputs: Any = None,
+            retain_graph: bool = False,
+            create_graph: bool = True,
+        ) -> tuple:
+            grads = compute(outputs, inputs, grad_outputs, retain_graph, create_graph)
+            return _GRADIENT_HOOKS["after"](inputs, grads)
+
+        eager._autograd_grad = autograd_grad
+    _GRADIENT_HOOKS.update(after=after)
+
+
+#: ``scaled_dot_product_attention``'s math decomposition, ``(q, k, v, attn_mask, dropout_p,
+#: is_causal, *, scale) -> (out, weights)``: plain ops, which batch under vmap (the CPU flash
+#: kernel sdpa picks has no batching rule: vmap runs it once per instance).
+sdpa_math = torch.ops.aten._scaled_dot_product_attention_math
