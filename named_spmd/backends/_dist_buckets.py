@@ -70,18 +70,29 @@ def _check_mb(mb: Any, where: str, fix: str) -> float:
 
 
 def bucket_bytes() -> int:
-    """The configured bucket size in bytes (read at every gradient psum: cheap)."""
+    """The configured bucket size in bytes (read at every gradient psum: the environment
+    variable's value is parsed once per distinct text)."""
     mb = _override[0]
-    if mb is None:
-        raw = os.environ.get(ENV, "")
-        if not raw.strip():
-            return int(DEFAULT_MB * _MB)
-        try:
-            value: Any = float(raw)
-        except ValueError:
-            value = raw
-        mb = _check_mb(value, f"{ENV}={raw!r}", f"set it to a number such as {ENV}=25")
-    return int(mb * _MB)
+    if mb is not None:
+        return int(mb * _MB)
+    raw = os.environ.get(ENV, "")
+    size = _PARSED.get(raw)
+    if size is None:
+        size = _PARSED[raw] = _parse_env(raw)
+    return size
+
+
+_PARSED: dict[str, int] = {}  # environment variable text -> bucket size in bytes
+
+
+def _parse_env(raw: str) -> int:
+    if not raw.strip():
+        return int(DEFAULT_MB * _MB)
+    try:
+        value: Any = float(raw)
+    except ValueError:
+        value = raw
+    return int(_check_mb(value, f"{ENV}={raw!r}", f"set it to a number such as {ENV}=25") * _MB)
 
 
 class Bucket:

@@ -251,32 +251,16 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, probe: bool = Fal
     # no copy where nothing else holds g (_exclusive counts this frame's references to g)
     buf = g if _exclusive(g) else g.clone(memory_format=_contiguous)
     task = torch_private.current_graph_task_id()
-    cap = _bucket_bytes(task)
+    cap = buckets.bucket_bytes()
     if task != -1 and buf.numel() * buf.element_size() < cap:
         pending = _into_bucket(buf, comm, task, cap)
     else:  # alone
         pending = _reduce_during_backward(buf, comm)
     source = node.next_functions[0][0]
-    if type(source) is torch_private.AccumulateGrad and _is_async(pending):
-        # a plain leaf: its .grad becomes this (when_reduced and accumulates_into, for a
-        # pending gradient just made: its entry is in _PENDING)
-        leaf = source.variable
-        held = pending.__dict__
-        _PENDING[id(held["_named_spmd_work"])][3].append(functools.partial(plain_grad, leaf))
-        held["_named_spmd_into"] = leaf
+    if type(source) is torch_private.AccumulateGrad:  # a plain leaf: its .grad becomes this
+        when_reduced(pending, functools.partial(plain_grad, source.variable))
+        accumulates_into(pending, source.variable)
     return pending
-
-
-_CAP: list = [None, 0]  # ((graph task, set_grad_bucket_mb's value), the bucket size)
-
-
-def _bucket_bytes(task: int) -> int:
-    """``buckets.bucket_bytes()``, whose environment variable is read at the first gradient
-    psum of each backward pass only (a dict lookup and a parse per gradient otherwise)."""
-    key = (task, buckets._override[0])
-    if task == -1 or _CAP[0] != key:
-        _CAP[:] = [key, buckets.bucket_bytes()]
-    return _CAP[1]
 
 
 def _into_bucket(buf: torch.Tensor, comm: Comm, task: int, cap: int) -> torch.Tensor:
