@@ -16,6 +16,7 @@ again.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -53,12 +54,17 @@ def group_coords(axes: Sequence[str], coords: Mapping[str, int], sizes: Sizes) -
     return [{**coords, **coords_of(i, axes, sizes)} for i in range(count)]
 
 
-def groups(axes: Sequence[str], names: Sequence[str], sizes: Sizes) -> list[list[int]]:
-    """The groups of ``axes``: each the instance indices (row-major over the mesh's ``names``)
-    of its members in member order, the groups in the order of their first instance."""
+@functools.lru_cache(maxsize=256)
+def groups(axes: tuple[str, ...], shape: tuple[tuple[str, int], ...]) -> list[list[int]]:
+    """The groups of ``axes`` on a mesh of ``shape`` (its (name, size) pairs in order): each the
+    instance indices (row-major over the mesh) of its members in member order, the groups in
+    the order of their first instance. Cached: read at every collective of a per-instance or
+    uneven call (callers do not modify it)."""
+    sizes = dict(shape)
+    names = tuple(sizes)
     seen: set[int] = set()
     out = []
-    for i in range(math.prod([sizes[a] for a in names])):
+    for i in range(math.prod(sizes.values())):
         if i not in seen:
             coords = coords_of(i, names, sizes)
             members = [index_of(names, c, sizes) for c in group_coords(axes, coords, sizes)]

@@ -131,10 +131,13 @@ class UnevenPrimitives:
         rows = _exchange(self.mesh.comm(self.mesh.axis_names), mine)
         return [tuple(r[1 : 1 + r[0]]) for r in rows]
 
+    def _groups(self, axes) -> list[list[int]]:
+        """The groups of ``axes`` (instance indices), in the simulated mesh's order."""
+        return groups(tuple(axes), tuple(self.mesh._shape.items()))
+
     def _groups_of(self, axes, shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
         """The members' shapes of every group of ``axes``, groups in the simulated mesh's order."""
-        mesh = self.mesh
-        return [[shapes[m] for m in g] for g in groups(axes, mesh.axis_names, mesh._shape)]
+        return [[shapes[m] for m in g] for g in self._groups(axes)]
 
     def _gathered_sizes(self, op: str, x: torch.Tensor, axes, dim: int) -> tuple[int, ...]:
         """The members' sizes along ``dim`` of a tiled all_gather, from one exchange of every
@@ -148,7 +151,7 @@ class UnevenPrimitives:
                 raise operand_shapes_differ(op, self.fn_label, group, but=dim)  # type: ignore[attr-defined]
         mesh = self.mesh
         me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
-        mine = next(g for g in groups(axes, mesh.axis_names, mesh._shape) if me in g)
+        mine = next(g for g in self._groups(axes) if me in g)
         return tuple(shapes[m][dim] for m in mine)
 
     def _same_shapes(self, op: str, x: torch.Tensor, axes) -> None:

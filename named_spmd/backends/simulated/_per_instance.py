@@ -89,10 +89,10 @@ class InstanceContext(TrackedContext):
             return rec.forward(self, x, axes, params, donate)
 
     def _meet(self, x: Any, axes, params: tuple, per_group) -> Tensor:
-        groups = _groups(tuple(self.mesh._shape.items()), axes)
+        members = groups(tuple(axes), tuple(self.mesh._shape.items()))
         key = (self.op, axes, params)
         return self.meeting.exchange(
-            self.index, key, x, lambda xs: _each_group(groups, xs, per_group)
+            self.index, key, x, lambda xs: _each_group(members, xs, per_group)
         )
 
     uneven = True  # the members' blocks may differ in size
@@ -136,13 +136,6 @@ class InstanceContext(TrackedContext):
 
 
 # --- what the last instance to arrive computes, per group -----------------------------------------
-
-
-@functools.lru_cache(maxsize=256)
-def _groups(shape: tuple[tuple[str, int], ...], axes: tuple[str, ...]) -> list[list[int]]:
-    """The groups of ``axes`` (``_layout.groups``), per mesh shape."""
-    sizes = dict(shape)
-    return groups(axes, tuple(sizes), sizes)
 
 
 def _each_group(groups, xs: list[Tensor], per_group) -> list[Tensor]:
