@@ -94,6 +94,9 @@ class SpmdFunction:
         # per input structure, outside a trace: the in_specs broadcast over it, and the leaf
         # shapes that fit them (a call of known inputs checks none)
         self._inputs_of_tree: dict[Any, tuple[list[PartitionSpec], set[tuple]]] = {}
+        # per input structure and leaf shapes: whether the blocks differ in size
+        # (``_call_checks.unequal_blocks``, asked at every call of ``ns.compile(f)``)
+        self._unequal_of_inputs: dict[tuple, bool] = {}
         self.check_vma = check_vma
         # picked once: a mesh's kind never changes, and a compiled call would guard on the
         # registry's lookups (``sys.modules``), so any import between two steps would recompile

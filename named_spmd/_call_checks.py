@@ -167,17 +167,28 @@ def check_outputs(
 def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:
     """Whether a call of ``f`` on ``args`` splits an input into blocks of unequal sizes. False
     where the inputs do not fit in_specs (the call raises that), and for a local call (its
-    blocks are the caller's)."""
+    blocks are the caller's). Outside a trace, known per tree structure and leaf shapes
+    (``ns.compile`` asks at every call)."""
     if local or f.mesh.size == 1 or not hasattr(f.backend, "takes_uneven"):
         return False
+    if torch.compiler.is_compiling():
+        leaves = flatten_with_paths(args)[1]
+        return _splits_unevenly(f, args, leaves, _specs_in_trace(f, args))
+    leaves, treedef = flatten(args)
+    key = _shapes_key(leaves, treedef)
+    known = f._unequal_of_inputs.get(key) if key is not None else None
+    if known is None:
+        specs = f._inputs_of_tree.get(treedef, (None,))[0]
+        known = _splits_unevenly(f, args, leaves, specs)
+        if key is not None and len(f._unequal_of_inputs) < 256:
+            f._unequal_of_inputs[key] = known
+    return known
+
+
+def _splits_unevenly(
+    f: SpmdFunction, args: tuple, leaves: list[Any], specs: list[PartitionSpec] | None
+) -> bool:
     try:
-        if torch.compiler.is_compiling():
-            leaves = flatten_with_paths(args)[1]
-            specs = _specs_in_trace(f, args)
-        else:
-            leaves, treedef = flatten(args)
-            known = f._inputs_of_tree.get(treedef)
-            specs = None if known is None else known[0]
         if specs is None:
             specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
     except SpecError:
