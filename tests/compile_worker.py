@@ -284,6 +284,8 @@ def check_bucketed(name: str, backend: str) -> dict:
         "no adjacent waits": {BUCKET_OPTION: "all", PRE_PASS_OPTION: None},
         "unbucketed": {BUCKET_OPTION: "none"},
     }
+    if name != "two_tp_layers":  # the pre-pass matters where waits interleave: two_tp_layers
+        del configs["no adjacent waits"]
     problems, counts = [], {}
     for label, options in configs.items():
         compiled = ns.compile(f, fullgraph=True, options=options) if options else ns.compile(f)
@@ -523,21 +525,17 @@ def _together(mesh, names: list[str], check_vma: bool):
 
 # One dtype per way the backend puts a dtype on the wire (``_dist_comm.on_wire`` and
 # ``reduce_wire``, which the eager and the compiled collectives share; test_faults.py runs every
-# dtype torch has eagerly): native, bool summed as int32, integers through a wider one, uint64's
-# bits, complex as pairs of reals, bytes (float8, a half-precision complex), a sub-byte dtype torch
-# cannot copy, and a bits dtype.
+# dtype torch has eagerly, on both meshes): native (float64 is every other compiled program's),
+# bool summed as int32, integers through a wider one, uint64's bits, complex as pairs of reals,
+# bytes (float8, its reductions refused), and a sub-byte dtype torch cannot copy (all refused).
 COMPILED_DTYPES = [
-    torch.float64,
     torch.bfloat16,
     torch.bool,
     torch.int16,
-    torch.uint32,
     torch.uint64,
     torch.complex64,
-    torch.complex32,
     torch.float8_e4m3fn,
     torch.uint4,
-    torch.bits16,
 ]
 assert set(COMPILED_DTYPES) <= set(DTYPES)
 
@@ -547,7 +545,9 @@ def check_dtypes(name: str, backend: str) -> dict:
     collective and the call boundary's communication, each rank's
     block bit for bit, or the error, as the eager call (which test_faults.py compares with the
     simulated mesh). The programs the eager call runs for a dtype are compiled as one call (one
-    trace per dtype, not per program); each refused one on its own, raising at trace time."""
+    trace per dtype, not per program). A refused program raises at trace time: the first one
+    the eager call refuses for each dtype is compiled on its own (the refusal is one dtype check
+    before any communication, which test_faults.py runs for every pair on both meshes)."""
     mesh = ns.make_mesh((2, 2), ("dp", "tp"))
     problems: list[str] = []
     for dtype in COMPILED_DTYPES:
@@ -564,7 +564,7 @@ def check_dtypes(name: str, backend: str) -> dict:
                     for n, o in zip(names, got)
                     if o != eager[n]
                 ]
-        for n in (n for n in DTYPE_PROGRAMS if n not in ran):
+        for n in [n for n in DTYPE_PROGRAMS if n not in ran][:1]:
             fn, in_spec, out_spec, check_vma = DTYPE_PROGRAMS[n]
             f = ns.spmd_map(
                 fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=check_vma

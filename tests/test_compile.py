@@ -52,14 +52,15 @@ ERRORS = [
 ]
 
 
-# Inductor lowers each kind of collective: one program per kind (psum, all_gather with
-# psum_scatter, all_to_all, ppermute); Dynamo and aot_autograd trace every program (``count`` is an
-# aot_autograd backend that also checks values and gradients, as aot_eager would).
-INDUCTOR_PROGRAMS = ["megatron_biases@4", "sequence_parallel", "experts_tiled@4", "ring_pass@4"]
+# One program per kind of collective (psum, all_gather with psum_scatter, all_to_all, ppermute):
+# what Inductor lowers, and what Dynamo's graph runs without aot_autograd (``eager``). Dynamo and
+# aot_autograd trace every program (``count`` is an aot_autograd backend that also checks values
+# and gradients, as aot_eager would).
+EACH_KIND = ["megatron_biases@4", "sequence_parallel", "experts_tiled@4", "ring_pass@4"]
 PLAN = {
     "count": {"programs": PROGRAMS},
     "eager": {
-        "programs": PROGRAMS,
+        "programs": EACH_KIND,
         "comm_mode": ["megatron_biases@4"],
         "errors": ERRORS,
         "uneven": ["indivisible_input"],
@@ -71,7 +72,7 @@ PLAN = {
         "dtypes": ["dtypes"],
     },
     "inductor": {
-        "programs": INDUCTOR_PROGRAMS,
+        "programs": EACH_KIND,
         "bucketed": ["data_parallel@4", "two_tp_layers"],
     },
 }
