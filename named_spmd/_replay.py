@@ -32,7 +32,8 @@ from ._debug import debug_enabled
 from ._mesh import Mesh
 from ._plan import Plan, PlanningMode, ReplayMode
 from ._spec import PartitionSpec
-from ._tracking import TrackedContext, VmaMode
+from ._stamps import TrackedContext
+from ._tracking import VmaMode
 
 #: Off: every call is type-checked (a benchmark's switch, to time the typing itself on a mesh
 #: of one process; users turn replays off with debug mode).

@@ -20,8 +20,8 @@ import torch
 from .. import _context
 from .. import _torch_private as torch_private
 from .._accounting import recording
+from .._stamps import TrackedContext
 from .._traced import CompiledVmaMode
-from .._tracking import TrackedContext
 from ._dist_compile import CompiledContext
 
 

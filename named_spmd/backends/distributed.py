@@ -47,7 +47,8 @@ from .._layout import gives_unequal_blocks
 from .._mesh import Mesh
 from .._replay import Replay
 from .._spec import PartitionSpec
-from .._tracking import TrackedContext, VmaMode
+from .._stamps import TrackedContext
+from .._tracking import VmaMode
 from .._types import Vma
 from . import (
     _dist_agree,

@@ -31,7 +31,7 @@ from ... import _context
 from ... import _torch_private as torch_private
 from ..._accounting import needs_grad
 from ..._collectives._record import implicit_pvary
-from ..._tracking import NOT_OPS, is_inplace, swap_operands, tensor_operands
+from ..._operands import NOT_OPS, is_inplace, swap_operands, tensor_operands
 from ._primitives import SimulatedContext
 
 
