@@ -23,6 +23,7 @@ LAYERS = {
         "_tree",
         "_accounting",
         "_context",
+        "_calls",
         "_check",
         "_partial",
         "_blocks",
