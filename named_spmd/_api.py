@@ -12,7 +12,7 @@ from typing import Any, cast, overload
 import optree
 import torch
 
-from . import _context
+from . import _calls, _context
 from . import _torch_private as torch_private
 from ._accounting import recording
 from ._call_checks import check_outputs, input_leaves, tiled_output_event, unequal_blocks
@@ -225,7 +225,7 @@ class SpmdFunction:
         """The one call path: inputs checked, ``backend`` runs the body on every instance, the
         outputs are checked against out_specs and assembled (``local``: this process's blocks
         in and out, on a backend whose processes hold blocks, ``Backend.local_blocks``)."""
-        outer = _context.active()
+        outer = _calls.active()
         if outer is not None:
             raise SpmdError(
                 f"{self.where} was called inside another spmd_map (of "
@@ -236,14 +236,14 @@ class SpmdFunction:
         result: dict[str, Any] = {}
 
         def body(local_leaves: list[Any], ctx: _context.SpmdContext) -> list[torch.Tensor]:
-            _context.push(ctx)
+            _calls.push(ctx)
             try:
                 local_args = cast(tuple, unflatten(in_tree, local_leaves))
                 out = self._call_user(local_args, backend)
                 with torch_private.DisableTorchFunction():  # our bookkeeping: no op of the program
                     paths, out_leaves, out_specs, out_tree = check_outputs(self, out, ctx)
             finally:
-                _context.pop()
+                _calls.pop()
             if recording():
                 out_leaves = [
                     tiled_output_event(ctx, x, s) if isinstance(x, torch.Tensor) else x

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import _context
+from . import _calls
 from . import _torch_private as torch_private
 from ._accounting import recording
 from ._api import SpmdFunction
@@ -46,7 +46,7 @@ class CompiledPiece:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # traced with the enclosing compiled region
             return self.fn(*args, **kwargs)
-        ctx = _context.active()
+        ctx = _calls.active()
         if ctx is None:
             if self.plain is None:
                 self.plain = torch.compile(self.fn, **self.options)
@@ -191,7 +191,7 @@ def with_bucketed_all_reduces(options: dict[str, Any]) -> dict[str, Any]:
 #: probe, the simulated backend's fast-path switch. A compiled call keeps Dynamo's guards on them.
 LIVE_MODULES = frozenset(
     {
-        "named_spmd._context",
+        "named_spmd._calls",
         "named_spmd._accounting",
         "named_spmd._debug",
         "named_spmd._replay",

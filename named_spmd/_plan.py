@@ -27,17 +27,10 @@ import torch
 
 from . import _blocks
 from . import _torch_private as torch_private
-from ._tracking import (
-    _ATTR,
-    _NUMBERS,
-    NOT_OPS,
-    TrackedContext,
-    VmaMode,
-    _number,
-    swap_operands,
-    tensor_operands,
-)
-from ._tracking import _SRC as SRC
+from ._operands import NOT_OPS, swap_operands, tensor_operands
+from ._stamps import _ATTR, _NUMBERS, TrackedContext, _number
+from ._stamps import _SRC as SRC
+from ._tracking import VmaMode
 
 Tensor = torch.Tensor
 _BLOCKS = _blocks.ATTR

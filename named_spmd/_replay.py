@@ -13,7 +13,7 @@ program does (docs/design.md section 5.8).
 Not replayed: a function that asked for a type (``ns.vma``, ``ns.typeof``: a replay has none to
 give), calls under a ``torch.func`` transform or with forward-mode AD, calls while a ``CommMode``
 records, and every call in debug mode (``ns.set_debug``, ``NAMED_SPMD_DEBUG=1``). A replay marks
-the mode stack for a checkpoint's recomputation (``_context.CallMarker``, one Python call per op)
+the mode stack for a checkpoint's recomputation (``_calls.CallMarker``, one Python call per op)
 only if its checked call ran an op under saved-tensor hooks (a non-reentrant checkpoint).
 
 Used by the simulated backend's one-instance path and by a real mesh of one rank.
@@ -32,7 +32,8 @@ from ._debug import debug_enabled
 from ._mesh import Mesh
 from ._plan import Plan, PlanningMode, ReplayMode
 from ._spec import PartitionSpec
-from ._tracking import TrackedContext, VmaMode
+from ._stamps import TrackedContext
+from ._tracking import VmaMode
 
 #: Off: every call is type-checked (a benchmark's switch, to time the typing itself on a mesh
 #: of one process; users turn replays off with debug mode).

@@ -33,7 +33,9 @@ from ._collectives import _checks
 from ._collectives._record import implicit_pvary
 from ._context import SpmdContext
 from ._errors import SpmdError, fn_label
-from ._tracking import STAMP_ATTR, TrackedContext, VmaMode, is_inplace
+from ._operands import is_inplace
+from ._stamps import STAMP_ATTR, TrackedContext
+from ._tracking import VmaMode
 from ._types import INVARIANT, Vma
 
 WARM_ALL_STATES = 4

@@ -48,8 +48,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ._calls import current
 from ._collectives import all_gather, axis_index, axis_size, pmax, psum, psum_scatter
-from ._context import current
 from ._errors import SpmdError
 
 AxisName = str | tuple[str, ...]

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from . import _torch_private as torch_private
-from ._context import SpmdContext, current
+from ._calls import current
+from ._context import SpmdContext
 from ._errors import SpmdError
 from ._layout import coords_of
 

@@ -19,8 +19,27 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "named_spmd"
 
 LAYERS = {
     0: {"_errors", "_types", "_spec", "_mesh", "_layout", "_torch_private", "_debug"},
-    1: {"_tree", "_accounting", "_context", "_check", "_partial", "_blocks", "_block_rules"},
-    2: {"_collectives", "_autodiff", "_tracking", "_traced", "_plan", "_replay", "random"},
+    1: {
+        "_tree",
+        "_accounting",
+        "_context",
+        "_calls",
+        "_check",
+        "_partial",
+        "_blocks",
+        "_block_rules",
+        "_operands",
+    },
+    2: {
+        "_collectives",
+        "_autodiff",
+        "_stamps",
+        "_tracking",
+        "_traced",
+        "_plan",
+        "_replay",
+        "random",
+    },
     3: {"backends"},
     4: {
         "_api",

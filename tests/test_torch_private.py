@@ -333,7 +333,7 @@ def test_disable_torch_function_and_functorch():
 
 
 def test_the_function_mode_stack_names():
-    """The checkpoint marker (_context.CallMarker) is a DeviceContext pushed and removed with
+    """The checkpoint marker (_calls.CallMarker) is a DeviceContext pushed and removed with
     these: depth, the mode at a depth (0 the bottom), push and pop of the top."""
     assert (
         torch_private.DeviceContext is __import__("torch.utils._device").utils._device.DeviceContext

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .. import _accounting, _context
+from .. import _accounting, _calls
 from .._context import SpmdContext
 from .._mesh import Mesh
 from .._torch_private import DisableFuncTorch, DisableTorchFunction, tensor_base, use_counts
@@ -86,7 +86,7 @@ def calibrate() -> None:
                 for seen, temporary in ((temps, True), (named, False)):
                     _probed = []
                     ctx = _Probe()
-                    _context.push(ctx)
+                    _calls.push(ctx)
                     try:
                         if temporary:
                             op(torch.zeros(2), "i")
@@ -94,7 +94,7 @@ def calibrate() -> None:
                             operand = torch.zeros(2)
                             op(operand, "i")
                     finally:
-                        _context.pop()
+                        _calls.pop()
                     seen.extend(_probed)
     finally:
         _probed = None

@@ -35,7 +35,8 @@ from .._accounting import CommEvent, on_backward, record, recording, tag
 from .._accounting import _local as _modes
 from .._autodiff import differentiable
 from .._blocks import forget as forget_blocks
-from .._context import Axes, GroupOfOne, SpmdContext, current
+from .._calls import current
+from .._context import Axes, GroupOfOne, SpmdContext
 from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, refcount
 from .._types import Vma, type_text

@@ -22,7 +22,8 @@ from typing import Any
 import optree
 import torch
 
-from .._context import Axes, SpmdContext, current
+from .._calls import current
+from .._context import Axes, SpmdContext
 from .._errors import CollectiveError, VmaError
 from .._types import VType
 from ._record import PVARY_RECORD, Collective, Params, _pvary_transpose, backward_op, same_shape

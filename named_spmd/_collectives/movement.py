@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from .._context import Axes, SpmdContext, current
+from .._calls import current
+from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 from .._layout import split_blocks, unstack_dim
 from .._types import Vma

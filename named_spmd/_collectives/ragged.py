@@ -9,7 +9,8 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from .._context import Axes, SpmdContext, current
+from .._calls import current
+from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 from .._layout import ragged_written
 from .._torch_private import DisableTorchFunction, is_transform_wrapped

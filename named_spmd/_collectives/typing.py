@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from .._context import SpmdContext, current
+from .._calls import current
+from .._context import SpmdContext
 from .._errors import CollectiveError, SpmdError
 from .._layout import chunk_sizes, dim_offsets
 from .._types import VType

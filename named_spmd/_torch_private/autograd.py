@@ -46,7 +46,7 @@ def control_flow_exceptions() -> tuple[type[BaseException], ...]:
 # Non-reentrant checkpoint re-enters, around its recomputation in backward, the innermost
 # torch-function mode of the forward that is a ``DeviceContext`` (torch.utils.checkpoint:
 # "recompute_fn should respect the device context of the original forward"). A call pushes one
-# (``_context.CallMarker``) so that the recomputation re-establishes the call (docs/design.md
+# (``_calls.CallMarker``) so that the recomputation re-establishes the call (docs/design.md
 # section 8). The mode stack is edited directly: a marker is removed wherever it sits, since a
 # ``torch.device`` block entered inside the call reorders the stack.
 DeviceContext = torch.utils._device.DeviceContext

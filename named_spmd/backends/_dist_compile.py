@@ -33,8 +33,8 @@ from .. import _torch_private as torch_private
 from .._collectives._record import PVARY_RECORD, RECORDS
 from .._layout import assemble, block
 from .._spec import PartitionSpec, output_settles
+from .._stamps import TrackedContext
 from .._traced import CompiledVmaMode, TracedContext, route_view_attributes
-from .._tracking import TrackedContext
 from .._types import INVARIANT
 from ._dist_comm import on_wire, permute_splits, reduce_wire
 from ._dist_dtensor import grad_placements, placements

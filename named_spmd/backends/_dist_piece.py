@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from .. import _context
+from .. import _calls
 from .. import _torch_private as torch_private
 from .._accounting import recording
+from .._stamps import TrackedContext
 from .._traced import CompiledVmaMode
-from .._tracking import TrackedContext
 from ._dist_compile import CompiledContext
 
 
@@ -35,16 +35,16 @@ def run_piece(ctx: TrackedContext, piece: Any, args: tuple, kwargs: dict) -> Any
     if piece.in_call is None:
         piece.in_call = torch.compile(functools.partial(_piece_body, piece.fn), **piece.options)
     torch_private.route_view_attributes_to_modes()
-    with _context.without_call_modes(ctx):
+    with _calls.without_call_modes(ctx):
         return piece.in_call(ctx, *args, **kwargs)
 
 
 def _piece_body(fn: Callable[..., Any], ctx: TrackedContext, *args: Any, **kwargs: Any) -> Any:
     """What Dynamo traces for a piece: the call's twin active, its mode typing every op."""
     twin = CompiledContext.twin(ctx)
-    _context.push(twin)
+    _calls.push(twin)
     try:
         with CompiledVmaMode(twin):
             return fn(*args, **kwargs)
     finally:
-        _context.pop()
+        _calls.pop()

@@ -34,7 +34,8 @@ from .._errors import SpmdError
 from .._layout import global_shape, is_even, local_shape
 from .._mesh import Mesh
 from .._spec import PartitionSpec
-from .._tracking import TrackedContext, VmaMode
+from .._stamps import TrackedContext
+from .._tracking import VmaMode
 from .._types import Vma, VType
 
 _META = torch.device("meta")

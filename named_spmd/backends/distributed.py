@@ -39,15 +39,17 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as torch_private
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
+from .._calls import uneven_blocks_requested
 from .._collectives._record import implicit_pvary, record_implicit_psum
-from .._context import SpmdContext, uneven_blocks_requested
+from .._context import SpmdContext
 from .._debug import debug_enabled, set_debug
 from .._errors import NOT_USER_DIRS, RankFailedError, SpmdError, error_class, user_line
 from .._layout import gives_unequal_blocks
 from .._mesh import Mesh
 from .._replay import Replay
 from .._spec import PartitionSpec
-from .._tracking import TrackedContext, VmaMode
+from .._stamps import TrackedContext
+from .._tracking import VmaMode
 from .._types import Vma
 from . import (
     _dist_agree,

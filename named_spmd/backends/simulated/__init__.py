@@ -34,7 +34,7 @@ import torch
 from ... import _blocks
 from ... import _torch_private as torch_private
 from ..._accounting import recording
-from ..._context import request_uneven_blocks, uneven_blocks_requested
+from ..._calls import request_uneven_blocks, uneven_blocks_requested
 from ..._errors import SpmdError, VmaError, fn_label
 from ..._layout import gives_unequal_blocks
 from ..._mesh import Mesh

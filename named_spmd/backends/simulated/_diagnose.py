@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from ... import _torch_private as torch_private
 from ..._accounting import resume, suspend
 from ..._errors import SpmdError, error_class, fn_label, user_line
-from ..._tracking import is_inplace, swap_operands, tensor_operands
+from ..._operands import is_inplace, swap_operands, tensor_operands
 from ..._types import VType
 from ._instances import Instances, coordinates, instances, label, simulated_call
 

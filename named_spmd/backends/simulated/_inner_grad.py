@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ... import _context
+from ... import _calls
 from ... import _torch_private as torch_private
 from ..._accounting import needs_grad
 from ..._collectives._record import implicit_pvary
-from ..._tracking import NOT_OPS, is_inplace, swap_operands, tensor_operands
+from ..._operands import NOT_OPS, is_inplace, swap_operands, tensor_operands
 from ._primitives import SimulatedContext
 
 
@@ -86,7 +86,7 @@ def typed_gradients(inputs: tuple, grads: tuple) -> tuple:
     needs). A cotangent has its primal's type, as in JAX and on a real mesh
     (``_tracking.VmaMode._gradients``); read off the levels, the gradient of a varying input
     whose value is the same on every instance (the transpose of a psum) was typed invariant."""
-    ctx = _context.active()
+    ctx = _calls.active()
     if not isinstance(ctx, SimulatedContext):
         return grads
     names = ctx.mesh.axis_names
@@ -114,7 +114,7 @@ _open = _Open()
 
 def entered(level: int) -> None:
     """A grad level was entered: inside a simulated call with no mode on yet, push one."""
-    ctx = _context.active()
+    ctx = _calls.active()
     if not isinstance(ctx, SimulatedContext) or level <= ctx.inner_level:
         return
     if any(mode.ctx is ctx for _, mode in _open.modes):  # a grad inside a grad: one mode

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ... import _context
+from ... import _calls
 from ... import _torch_private as torch_private
 from ..._types import VType
 
@@ -58,7 +58,7 @@ def coordinates(axes: tuple[str, ...], sizes: dict[str, int]) -> Iterator[dict[s
 
 def simulated_call() -> Any:
     """The running simulated call's context, or None (no call, or another backend's)."""
-    ctx = _context.active()
+    ctx = _calls.active()
     return ctx if hasattr(ctx, "level_axis") else None
 
 

@@ -18,8 +18,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ... import _blocks
+from ..._operands import NOT_OPS, tensor_operands
 from ..._partial import typed_call
-from ..._tracking import NOT_OPS, tensor_operands
 from ..._types import Vma
 
 ATTR = "_named_spmd_partial"

@@ -2,8 +2,8 @@
 
 A mesh of one instance needs no batching: each input's block is the whole input, and every
 collective is over a group of one (``_context.OneMemberPrimitives``). So the per-device function
-runs once, on the global tensors, typed per tensor by stamps and ``VmaMode`` exactly as on a real
-mesh of one rank (``_tracking``): the types, the out_specs check, the partial-sum inference and
+runs once, on the global tensors, typed per tensor by stamps (``_stamps``) and ``VmaMode``
+exactly as on a real mesh of one rank: the types, the out_specs check, the partial-sum inference and
 every error are the same as under vmap, and the numbers are the real backend's. What the vmap
 levels cost (two levels of size 1 around a GPT step: 1.44x the dense step, measured with
 benchmarks/bench_gpt.py) is not paid. The sweep a researcher runs over ``tp`` in {1, 2, 4} pays
@@ -26,7 +26,7 @@ from ..._context import OneMemberPrimitives
 from ..._mesh import Mesh
 from ..._replay import Replay
 from ..._spec import PartitionSpec
-from ..._tracking import TrackedContext
+from ..._stamps import TrackedContext
 from ..._types import Vma
 from ._plan import from_physical
 

@@ -41,7 +41,8 @@ from ..._layout import (
 )
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
-from ..._tracking import TrackedContext, VmaMode
+from ..._stamps import TrackedContext
+from ..._tracking import VmaMode
 from ..._types import Vma
 from ._meeting import Aborted, Meeting
 

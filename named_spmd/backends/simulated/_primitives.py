@@ -119,7 +119,7 @@ class SimulatedContext(SpmdContext):
 
     def resume(self):
         """Re-enter this call's vmap levels, for a checkpoint's recomputation in backward (see
-        ``_context.CallMarker``): the recomputed piece gets the call's own batched tensors back,
+        ``_calls.CallMarker``): the recomputed piece gets the call's own batched tensors back,
         whose levels must then be live again, at the same numbers (levels are stack depths)."""
         want = sorted(self.level_axis)
         got = [

@@ -25,9 +25,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..._accounting import CommEvent, needs_grad, on_backward
+from ..._operands import NOT_OPS, is_inplace, swap_operands, tensor_operands
 from ..._partial import value_operands
 from ..._torch_private import current_graph_task_id
-from ..._tracking import NOT_OPS, is_inplace, swap_operands, tensor_operands
 
 
 class ImplicitPvaryRecorder(TorchFunctionMode):
