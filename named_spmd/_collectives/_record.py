@@ -257,7 +257,7 @@ def _replayed(
 ) -> Tensor:
     """A collective in a replay (``SpmdContext.replaying``: a mesh of one instance, its types
     checked by an earlier call, ``_replay``): the argument checks and the forward on the one
-    member, differentiated by torch (no buffer is reduced in place: ``user_operand`` goes unused)."""
+    member, differentiated by torch (nothing reduced in place: ``user_operand`` goes unused)."""
     if rec.check is not None:
         params = rec.check(ctx, t, axes, params)
     with DisableTorchFunction():
