@@ -47,7 +47,7 @@ class CollectiveFn(torch.autograd.Function):
 
     @staticmethod
     def forward(x, rec, spmd, axes, params):
-        return spmd.forward(rec, x, axes, params, False)
+        return spmd.forward(rec, x, axes, params)
 
     @staticmethod
     def setup_context(node, inputs, output):

@@ -187,15 +187,14 @@ def with_bucketed_all_reduces(options: dict[str, Any]) -> dict[str, Any]:
 
 
 #: This package's modules whose state decides what a trace does and may change between calls:
-#: the stack of active calls, CommMode's recorders, debug mode, the replay switch, donation's
-#: probe, the simulated backend's fast-path switch. A compiled call keeps Dynamo's guards on them.
+#: the stack of active calls, CommMode's recorders, debug mode, the replay switch, the simulated
+#: backend's fast-path switch. A compiled call keeps Dynamo's guards on them.
 LIVE_MODULES = frozenset(
     {
         "named_spmd._calls",
         "named_spmd._accounting",
         "named_spmd._debug",
         "named_spmd._replay",
-        "named_spmd._collectives._donation",
         "named_spmd.backends.simulated._levels",
     }
 )

@@ -36,9 +36,6 @@ class SpmdContext(ABC):
     (``n`` members; this instance is member ``axis_index(axes)``).
     """
 
-    #: Whether the backend may reduce a temporary operand in place (``donate=True`` below);
-    #: the collectives then read the operand's reference counts (``_collectives._donation``).
-    donates: bool = False
     #: Whether the backend keeps each tensor's type in a stamp (:meth:`stamp`); the simulated
     #: backend reads types off its vmap levels instead, so results need no stamping there.
     stamps: bool = True
@@ -114,11 +111,8 @@ class SpmdContext(ABC):
         """``x`` (invariant over ``axes``) as a value varying over them: the same data."""
 
     @abstractmethod
-    def all_reduce(
-        self, x: torch.Tensor, axes: Axes, op: ReduceOp, donate: bool = False
-    ) -> torch.Tensor:
-        """Elementwise ``op`` over the group (``x`` varies over ``axes``); invariant result.
-        ``donate``: nothing else references ``x``, so it may be overwritten."""
+    def all_reduce(self, x: torch.Tensor, axes: Axes, op: ReduceOp) -> torch.Tensor:
+        """Elementwise ``op`` over the group (``x`` varies over ``axes``); invariant result."""
 
     @abstractmethod
     def all_gather(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:
@@ -229,20 +223,23 @@ class SpmdContext(ABC):
         x: torch.Tensor,
         axes: Axes,
         params: tuple[Any, ...],
-        donate: bool = False,
+        user_operand: bool = False,
     ) -> torch.Tensor:
         """Run collective ``rec`` on ``x``. By default its forward on the primitives, which
         must then be differentiable themselves (the simulated backend's are); backends whose
         primitives are plain communication apply the generic autograd bridge
-        (``_autodiff.apply``), whose backward is ``rec``'s declared transpose."""
-        return self.forward(rec, x, axes, params, donate)
+        (``_autodiff.apply``), whose backward is ``rec``'s declared transpose. ``user_operand``:
+        ``x`` is what the user's code passed to the collective, which a backend may reduce in
+        place where nothing else holds it and ``rec.donates`` (the real mesh:
+        ``backends/_dist_donation``); other callers' operands are never overwritten."""
+        return self.forward(rec, x, axes, params)
 
     def forward(
-        self, rec: Collective, x: torch.Tensor, axes: Axes, params: tuple[Any, ...], donate: bool
+        self, rec: Collective, x: torch.Tensor, axes: Axes, params: tuple[Any, ...]
     ) -> torch.Tensor:
         """``rec``'s forward: written with the primitives (the abstract backend uses the
         record's shape rule instead)."""
-        return rec.forward(self, x, axes, params, donate)
+        return rec.forward(self, x, axes, params)
 
     def resume(self) -> Callable[[], None]:
         """Re-establish this call's backend state for code torch runs after the call returned
@@ -254,7 +251,7 @@ class SpmdContext(ABC):
         """The transpose of a pvary outside any transform: the gradient summed over the group.
         ``node`` is the autograd context of the pvary (a backend may overlap the sum with the
         rest of the backward pass)."""
-        return self.all_reduce(g.clone(), axes, "sum", donate=True)
+        return self.all_reduce(g, axes, "sum")
 
     # --- shared helpers -------------------------------------------------------------------------
     def check_axes(self, axis_name: str | Sequence[str], op: str) -> Axes:
@@ -305,9 +302,7 @@ class OneMemberPrimitives:
     def pvary(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:
         return x.view_as(x)
 
-    def all_reduce(
-        self, x: torch.Tensor, axes: Axes, op: ReduceOp, donate: bool = False
-    ) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, axes: Axes, op: ReduceOp) -> torch.Tensor:
         return x.clone()
 
     def all_gather(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:

@@ -146,7 +146,6 @@ class TracedContext(TrackedContext):
     """A traced call: stamps as attributes, implicit pvary aliases keyed by the tensor.
     Subclasses implement the primitives."""
 
-    donates = False
     marks_calls = False
 
     def __init__(self, mesh: Any, fn: Callable[..., Any]):

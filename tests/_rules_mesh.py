@@ -83,16 +83,16 @@ class ThreadedInstance(SpmdContext):
     def per_member(self, axes, make):
         return make(self._group(axes)[1])
 
-    def apply(self, rec, x, axes, params, donate=False):
+    def apply(self, rec, x, axes, params, user_operand=False):
         if differentiable(x):
             return bridge_apply(rec, self, x, axes, params)
-        return rec.forward(self, x, axes, params, donate)
+        return rec.forward(self, x, axes, params)
 
     # --- the primitives: plain communication ---------------------------------------------------
     def pvary(self, x, axes):
         return x.detach().clone()
 
-    def all_reduce(self, x, axes, op, donate=False):
+    def all_reduce(self, x, axes, op):
         values, _ = self._values(x, axes)
         stacked = torch.stack(values)
         return {"sum": stacked.sum, "max": stacked.amax, "min": stacked.amin}[op](0)

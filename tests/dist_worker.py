@@ -364,7 +364,7 @@ def _overlapped_gradient_checks(mesh, world) -> list[dict]:
     results.append(_pending_gradient_into_a_collective(mesh, world))
     results.append(_gradients_are_plain_after_backward(mesh, scale, x))
     results.append(_backward_that_raises(mesh, world, scale, x))
-    results.append(_held_storage_is_not_donated(mesh, world))
+    results.append(_only_temporaries_are_reduced_in_place(mesh, world))
     return results
 
 
@@ -436,10 +436,11 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
     return {"check": "gradients are plain tensors after backward", "problems": problems}
 
 
-def _held_storage_is_not_donated(mesh, world) -> dict:
+def _only_temporaries_are_reduced_in_place(mesh, world) -> dict:
     """A temporary operand whose storage object the user keeps (x.untyped_storage()) is not
-    reduced in place: the storage object adds no storage use, only a Python reference."""
-    kept = []
+    reduced in place: the storage object adds no storage use, only a Python reference. One that
+    nothing holds is: the result is its buffer (the backend's decision, _dist_donation)."""
+    kept, ptrs = [], []
 
     def keep_storage(t):
         kept.append(t.untyped_storage())
@@ -463,7 +464,24 @@ def _held_storage_is_not_donated(mesh, world) -> dict:
         held = torch.tensor([]).set_(kept[0])
         if not torch.equal(held, me):
             problems.append(f"recording={recording}: the held storage became {held.tolist()}")
-    return {"check": "psum leaves an operand's held storage alone", "problems": problems}
+
+    def mark(t):
+        ptrs.append(t.data_ptr())  # an int: no reference to t
+        return t
+
+    def fresh(v):
+        out = ns.psum(mark(v * 1.0), ("dp", "tp"))
+        ptrs.append(out.data_ptr())
+        return out
+
+    with torch.no_grad():
+        got = ns.spmd_map(fresh, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P())(x)
+    want = x.reshape(world, 4).sum(0)
+    if not torch.equal(_global(got), want):
+        problems.append(f"psum of a temporary gave {_global(got).tolist()}, want {want.tolist()}")
+    if ptrs[0] != ptrs[1]:
+        problems.append("psum copied a temporary operand that nothing else held")
+    return {"check": "psum reduces temporaries in place, not held storage", "problems": problems}
 
 
 def _pending_gradient_into_a_collective(mesh, world) -> dict:

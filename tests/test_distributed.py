@@ -410,7 +410,7 @@ class _OneComm:
     def __init__(self, comm):
         self.comm = comm
 
-    def forward(self, rec, x, axes, params, donate):
+    def forward(self, rec, x, axes, params):
         return x.view_as(x)
 
     def psum_in_backward(self, g, axes, node):
@@ -424,6 +424,7 @@ def _pvary(t, comm):
     overlapped gradient psum)."""
     from named_spmd._autodiff import apply
     from named_spmd._collectives._record import PVARY_RECORD
+    from named_spmd.backends import distributed  # noqa: F401  (calibrates _dist_donation)
 
     return apply(PVARY_RECORD, _OneComm(comm), t, ("i",), ())
 
@@ -520,19 +521,61 @@ def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradien
     for x, y in zip(got + got_kept, want + want_kept):
         assert (x is None and y is None) or torch.equal(x, y), prog.__name__
     if prog.__name__ == "mm_only" and bucket_mb == 0:  # in place where it is safe
-        from named_spmd.backends import _dist_overlap
+        from named_spmd.backends import _dist_donation
 
-        assert _dist_overlap._BASELINE and _dist_overlap._BASELINE[0] is not None
+        assert _dist_donation.LIMITS["backward"] is not None
 
 
-def test_forward_reductions_may_overwrite_only_temporaries():
-    from named_spmd._collectives import _donation
+def test_forward_reductions_overwrite_only_temporaries():
+    """The real mesh's context decides, through the user's call of each reduction: a temporary
+    that only the call chain holds is reduced in place; a named operand, a list entry, a view,
+    a tensor whose storage object is held, a pytree leaf, an operand that requires grad, or an
+    internal call's operand (pmax's tie mask in its transpose) is copied. (The multi-process
+    cases reuse_after_psum_no_grad and dist_worker's held-storage check compare the values.)"""
+    import torch
 
-    _donation.calibrate()
-    # on this interpreter a named operand is told apart from a temporary (else donation is off,
-    # which is safe but slower); the multi-process case reuse_after_psum_no_grad checks that
-    # operands still held by the user are not overwritten
-    assert _donation._LIMITS and _donation._LIMITS[0] is not None, _donation._LIMITS
+    import named_spmd as ns
+    from named_spmd import _context
+    from named_spmd._collectives import RECORDS
+    from named_spmd.backends import _dist_donation, distributed
+
+    in_place: list[bool] = []
+
+    class Recording(_dist_donation._Probe, distributed.DistributedContext):
+        def all_reduce(self, x, axes, op):
+            in_place.append(x is self.donated)
+            return x
+
+    def decided(run) -> list[bool]:
+        in_place.clear()
+        _context.push(_dist_donation._Probe.made(Recording))
+        try:
+            with torch.no_grad():
+                run()
+        finally:
+            _context.pop()
+        return list(in_place)
+
+    h, w = torch.randn(4, 3), torch.randn(3, 5)
+    held, kept = [], [h @ w]
+    for op in (ns.psum, ns.pmean, ns.pmax, ns.pmin):
+        assert decided(lambda op=op: op(h @ w, "i")) == [True], op
+        assert decided(lambda op=op: op(h, "i")) == [False], op  # named
+        assert decided(lambda op=op: op(kept[0], "i")) == [False], op  # held by a list
+        assert decided(lambda op=op: op((h @ w)[1:], "i")) == [False], op  # a view
+        assert decided(lambda op=op: op({"a": h @ w}, "i")) == [False], op  # a pytree leaf
+        grad = lambda op=op: op(torch.ones(2).requires_grad_(), "i")  # noqa: E731
+        assert decided(grad) == [False], op
+        storage = lambda op=op: op(_holding(h @ w, held), "i")  # noqa: E731
+        assert decided(storage) == [False], op
+        internal = lambda: Recording.apply(probe, RECORDS["psum"], h @ w, ("i",), ())  # noqa: E731
+        probe = _dist_donation._Probe.made(Recording)
+        assert decided(internal) == [False]  # not the user's operand
+
+
+def _holding(t, held):
+    held.append(t.untyped_storage())
+    return t
 
 
 @pytest.mark.parametrize("bucket_mb", [0], indirect=True)

@@ -203,12 +203,12 @@ def instance_rules(ctx, rec, axes, params, x, t, g, dg) -> dict[str, torch.Tenso
     """Every rule of ``rec`` on this instance: the primal ``x``, a tangent ``t`` of it, and two
     cotangents ``g``, ``dg`` of the result."""
     fwd = rec.forward
-    y = fwd(ctx, x, axes, params, False)
+    y = fwd(ctx, x, axes, params)
     node = _Saved(x, y) if rec.saves else None
     out = {"y": y, "jvp": rec.tangent(ctx, t, axes, params, node)}
-    out["fd"] = (
-        fwd(ctx, x + EPS * t, axes, params, False) - fwd(ctx, x - EPS * t, axes, params, False)
-    ) / (2 * EPS)
+    out["fd"] = (fwd(ctx, x + EPS * t, axes, params) - fwd(ctx, x - EPS * t, axes, params)) / (
+        2 * EPS
+    )
     out["T(g)"] = rec.backward(ctx, g, axes, params, node)
     out["T(dg)"] = rec.backward(ctx, dg, axes, params, node)
     # the bridge, reverse mode: the backward of the collective is its transpose

@@ -38,9 +38,9 @@ from .._blocks import forget as forget_blocks
 from .._calls import current
 from .._context import Axes, GroupOfOne, SpmdContext
 from .._errors import CollectiveError, VmaError
-from .._torch_private import DisableTorchFunction, refcount
+from .._torch_private import DisableTorchFunction
 from .._types import Vma, type_text
-from . import _donation, _rules
+from . import _rules
 from ._checks import COPIES, Invariant, check_copyable, raise_invariant_operand
 
 # Operand policies: what an operand invariant over some axes of the collective gets.
@@ -87,7 +87,9 @@ class Collective:
     #: the collectives its ``jvp`` runs, for the accounting (None: the collective itself where
     #: it communicates in forward, nothing where it does not): see :attr:`tangent_ops`
     jvp_ops: tuple[str, ...] | None = None
-    donates: bool = False  # the forward may reduce a temporary operand in place
+    #: the forward's result is its operand's all-reduce: a backend may reduce the user's operand
+    #: in place where nothing else holds it (``SpmdContext.apply``'s ``user_operand``)
+    donates: bool = False
     makes_partial: bool = False  # the result may be unreduced or reduced for a plain operand
     #: what the collective would do to an operand invariant over some of its axes, and the fix:
     #: the rest of the error after "the operand is invariant over ... (its type ...), so "
@@ -152,16 +154,13 @@ class Collective:
     def bind(self, x: Any, axis_name: Any, *args: Any) -> Any:
         """Apply the collective to ``x`` (a tensor or a pytree of tensors) in the active call."""
         ctx = current(self.name)
-        # before any other reference to x is made: the donation rule compares it with a
-        # temporary's (only backends that reduce in place need it)
-        refs = refcount(x) if self.donates and ctx.donates else None
         ctx.in_collective += 1  # its own ops are no ops of the user's program (``_plan``)
         try:
             axes = ctx.check_axes(axis_name, self.name)
             params = self.prepare(ctx, axes, *args) if self.prepare is not None else args
             apply = _replayed if ctx.replaying else _apply
             if isinstance(x, Tensor):
-                return apply(self, ctx, x, axes, params, refs)
+                return apply(self, ctx, x, axes, params, True)
             return optree.tree_map(
                 lambda t: apply(self, ctx, _tensor(self, ctx, t), axes, params), x
             )
@@ -184,10 +183,12 @@ def _apply(
     t: Tensor,
     axes: Axes,
     params: Params,
-    refs: int | None = None,
+    user_operand: bool = False,
 ) -> Tensor:
     """The one path every collective takes: checks, operand policy, type rule, accounting,
-    the backend's run of the forward, and the result's type."""
+    the backend's run of the forward, and the result's type. ``user_operand``: ``t`` is the
+    tensor the user's code passed (not a leaf of a pytree), which a backend may reduce in place
+    (``SpmdContext.apply``)."""
     # a dict lookup (this path is hot), not read while traced: Dynamo would guard on the dict's
     # contents, and the first eager call after a compiled one, which adds to it, recompiles
     if rec.forward_event and (torch.compiler.is_compiling() or not COPIES.get(t.dtype)):
@@ -210,11 +211,10 @@ def _apply(
                 return t
     if ctx.single_axes and ctx.single_axes.issuperset(axes):  # a group of one instance
         return _apply_alone(rec, ctx, t, axes, params, vma)
-    donate = refs is not None and rec.donates and ctx.donates and _donation.donatable(t, refs)
     accounting = bool(_modes.stack)  # recording(), inlined: every collective passes here
     if accounting and rec.forward_event:
         record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
-    out = ctx.apply(rec, t, axes, params, donate)
+    out = ctx.apply(rec, t, axes, params, user_operand)
     forget_blocks(out)  # its blocks are not its operand's (the forward's ops may have copied them)
     if accounting:
         out = tag_derivatives(rec, out, t, axes, params)
@@ -254,15 +254,15 @@ def _replayed(
     t: Tensor,
     axes: Axes,
     params: Params,
-    refs: int | None = None,
+    user_operand: bool = False,
 ) -> Tensor:
     """A collective in a replay (``SpmdContext.replaying``: a mesh of one instance, its types
     checked by an earlier call, ``_replay``): the argument checks and the forward on the one
-    member, differentiated by torch (no buffer is donated: ``refs`` goes unused)."""
+    member, differentiated by torch (nothing reduced in place: ``user_operand`` goes unused)."""
     if rec.check is not None:
         params = rec.check(ctx, t, axes, params)
     with DisableTorchFunction():
-        return rec.forward(GroupOfOne(ctx), t, axes, params, False)
+        return rec.forward(GroupOfOne(ctx), t, axes, params)
 
 
 def _partial_operand(rec: Collective, ctx: SpmdContext, t: Tensor, vma: Vma, axes: Axes) -> Vma:
@@ -293,13 +293,13 @@ def _apply_alone(
     read types off the value (the simulated one) run it as usual, the level ops being local;
     the others run its forward on :class:`GroupOfOne` and stamp the declared type."""
     if not ctx.stamps:
-        out = ctx.apply(rec, t, axes, params, False)
+        out = ctx.apply(rec, t, axes, params)
         forget_blocks(out)
         if vma.partial or rec.makes_partial:
             return ctx.stamp(out, rec.vma(vma, axes, params))
         return out
     with DisableTorchFunction():  # the forward's own ops need no type: the result is stamped
-        out = rec.forward(GroupOfOne(ctx), t, axes, params, False)
+        out = rec.forward(GroupOfOne(ctx), t, axes, params)
     return ctx.stamp(out, rec.vma(vma, axes, params))
 
 
@@ -337,7 +337,7 @@ PVARY_RECORD = Collective(
     policy=None,  # pvary's own check refuses axes the operand already varies over
     vma=lambda vma, axes, params: vma.add(axes),
     shape=same_shape,
-    forward=lambda ctx, x, axes, params, donate: ctx.pvary(x, axes),
+    forward=lambda ctx, x, axes, params: ctx.pvary(x, axes),
     transpose=_pvary_transpose,
     backward_op=backward_op("psum"),
     check=lambda ctx, t, axes, params: _pvary_check(ctx, t, axes, params),

@@ -32,9 +32,7 @@ AxisName = str | tuple[str, ...]
 _TO = ("varying", "reduced", "unreduced")
 
 
-def _view(
-    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
-) -> torch.Tensor:
+def _view(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params) -> torch.Tensor:
     return x.view_as(x)  # a new tensor object: it gets its own type
 
 
@@ -68,7 +66,7 @@ VARY_UNREDUCED = _cast("vary_unreduced", "unreduced", _view, _identity, lambda p
 REDUCED_VARY = _cast(
     "reduced_vary",
     "varying",
-    lambda ctx, x, axes, params, donate: ctx.pvary(x, axes),
+    lambda ctx, x, axes, params: ctx.pvary(x, axes),
     _identity,
     lambda params: None,
 )

@@ -84,7 +84,7 @@ def _all_gather_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Par
 
 
 def _all_gather_forward(
-    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
+    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params
 ) -> torch.Tensor:
     dim, tiled, to = params[0], params[1], params[2]
     if tiled and ctx.uneven:  # the members' blocks may differ in size along dim
@@ -208,7 +208,7 @@ def _psum_scatter_of_invariant(op: Invariant) -> str:
 
 
 def _psum_scatter_forward(
-    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
+    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params
 ) -> torch.Tensor:
     dim, tiled = params[0], params[1]
     if tiled and ctx.uneven:  # (params[2:]: the blocks' sizes, see the all_gather transpose)
@@ -350,7 +350,7 @@ def _all_to_all_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Par
 
 
 def _all_to_all_forward(
-    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
+    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params
 ) -> torch.Tensor:
     split, concat, tiled, sent, received = params
     if sent is not None:

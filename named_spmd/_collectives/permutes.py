@@ -31,9 +31,7 @@ def _reversed(pairs: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]
     return tuple((d, s) for s, d in pairs)
 
 
-def _permute_forward(
-    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
-) -> torch.Tensor:
+def _permute_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params) -> torch.Tensor:
     return ctx.permute(x, axes, params[0])
 
 
@@ -170,7 +168,7 @@ PBROADCAST = Collective(
     policy=PVARY,
     vma=without_axes,
     shape=same_shape,
-    forward=lambda ctx, x, axes, params, donate: ctx.broadcast(x, axes, params[0]),
+    forward=lambda ctx, x, axes, params: ctx.broadcast(x, axes, params[0]),
     transpose=_pbroadcast_transpose,
     backward_op=no_backward_op,
     prepare=_pbroadcast_prepare,

@@ -202,9 +202,7 @@ def _outside(start: int, size: int, rows: int, what: str) -> str:
     return ""
 
 
-def _forward(
-    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
-) -> torch.Tensor:
+def _forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params) -> torch.Tensor:
     p = cast(Ragged, params)
     if not p.batch:
         return ctx.ragged_all_to_all(x, axes, p.m, p.offsets, p.sizes, p.placed_at, p.received)

@@ -10,7 +10,6 @@ import torch
 
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
-from . import _donation
 from ._checks import Invariant, axis_sizes, check_reducible
 from ._record import (
     DROP_INVARIANT,
@@ -79,7 +78,7 @@ PSUM = Collective(
     policy=REQUIRE_VARYING,
     vma=without_axes,
     shape=same_shape,
-    forward=lambda ctx, x, axes, params, donate: ctx.all_reduce(x, axes, "sum", donate),
+    forward=lambda ctx, x, axes, params: ctx.all_reduce(x, axes, "sum"),
     transpose=_identity_transpose,  # pvary: the same data, no communication
     backward_op=no_backward_op,
     donates=True,
@@ -108,10 +107,8 @@ def pmean(x: Any, axis_name: AxisName) -> Any:
     return PMEAN.bind(x, axis_name)
 
 
-def _pmean_forward(
-    ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params, donate: bool
-) -> torch.Tensor:
-    return ctx.all_reduce(x, axes, "sum", donate) / ctx.mesh.axis_size(axes)
+def _pmean_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params) -> torch.Tensor:
+    return ctx.all_reduce(x, axes, "sum") / ctx.mesh.axis_size(axes)
 
 
 def _mean_operand(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
@@ -212,7 +209,7 @@ def _extremum(name: str, op: str) -> Collective:
         policy=DROP_INVARIANT,
         vma=without_axes,
         shape=same_shape,
-        forward=lambda ctx, x, axes, params, donate: ctx.all_reduce(x, axes, op, donate),
+        forward=lambda ctx, x, axes, params: ctx.all_reduce(x, axes, op),
         transpose=_extremum_transpose,
         jvp=_extremum_jvp,
         jvp_ops=("psum", "psum"),  # of the tie mask, and of the tangent's share
@@ -225,6 +222,3 @@ def _extremum(name: str, op: str) -> Collective:
 
 PMAX = _extremum("pmax", "max")
 PMIN = _extremum("pmin", "min")
-
-
-_donation.PROBED_OPS[:] = [psum, pmean, pmax, pmin]

@@ -104,7 +104,7 @@ class FuncolPrimitives:
 
     # Every primitive puts its operand on the wire as the eager collectives do (``_dist_comm``:
     # dtypes gloo lacks as bytes or through a wider dtype), so both paths give the same bits.
-    def all_reduce(self, x, axes, op, donate=False):
+    def all_reduce(self, x, axes, op):
         name = _group(self.mesh, axes)[0]
         wire, back = reduce_wire(x, op == "sum", f"in {op} over {axes}")
         return back(_wait(_F.all_reduce(wire, op, name)))
@@ -213,11 +213,11 @@ class CompiledContext(FuncolPrimitives, TracedContext):
         return twin
 
     # --- the bridge -------------------------------------------------------------------------
-    def apply(self, rec, x, axes, params, donate=False):
+    def apply(self, rec, x, axes, params, user_operand=False):
         with torch_private.DisableTorchFunction():  # the collective's own ops need no types
             if x.requires_grad and torch.is_grad_enabled():
                 return CompiledCollectiveFn.apply(x, rec, self, axes, params)
-            return rec.forward(self, x, axes, params, False)
+            return rec.forward(self, x, axes, params)
 
 
 class CompiledCollectiveFn(torch.autograd.Function):
@@ -228,7 +228,7 @@ class CompiledCollectiveFn(torch.autograd.Function):
 
     @staticmethod
     def forward(x, rec, spmd, axes, params):
-        return rec.forward(spmd, x, axes, params, False)
+        return rec.forward(spmd, x, axes, params)
 
     @staticmethod
     def setup_context(node, inputs, output):

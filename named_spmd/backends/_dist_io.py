@@ -214,7 +214,7 @@ def _boundary(
         if differentiable(x):
             out = bridge_apply(rec, ctx, x, axes, params)
         else:
-            out = rec.forward(ctx, x, axes, params, False)
+            out = rec.forward(ctx, x, axes, params)
     modes = active() or modes
     if modes and name != "pvary":
         _record(modes, name, x, axes, direction)

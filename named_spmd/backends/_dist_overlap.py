@@ -7,7 +7,7 @@ avoided:
 * A copy: the incoming gradient is reduced *in place* when nothing else can see it: no view, no
   other holder of its storage or its TensorImpl, and no Python reference beyond the autograd
   engine's (autograd may hand one gradient tensor to two consumers, and a hook may keep it).
-  :func:`_exclusive` checks exactly that.
+  :func:`._dist_donation.exclusive` checks exactly that.
 * A stall: the reduction only starts here and is waited for at the end of the backward pass
   (:func:`_reduce_during_backward`), as DDP overlaps its bucketed all-reduce with backward.
 * A fixed cost per gradient: gradients smaller than a bucket are packed into buckets, one
@@ -23,10 +23,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as torch_private
-from .._autodiff import apply as bridge_apply
-from .._collectives._record import PVARY_RECORD
-from .._torch_private import async_buffer, async_wait, tensor_base
+from .._torch_private import async_buffer, async_wait
 from . import _dist_buckets as buckets
+from . import _dist_donation as donation
 from ._dist_comm import Comm
 
 _contiguous = torch.contiguous_format
@@ -40,65 +39,6 @@ def _ACT() -> type:
 def _is_async(t: Any) -> bool:
     """Whether ``t`` waits on first use: ours, or torch's class (a view of ours is one)."""
     return isinstance(t, torch_private.dist().AsyncCollectiveTensor)
-
-
-# --- who else can see a gradient? ----------------------------------------------------------------
-
-# (TensorImpl uses, storage uses, Python refs, Python refs to the storage object)
-_BASELINE: list[tuple[int, int, int, int] | None] = []
-
-
-def _refs(g: torch.Tensor) -> int:
-    return torch_private.refcount(g)
-
-
-def _counts(g: torch.Tensor) -> tuple[int, int, int, int] | None:
-    try:
-        uses, storage, storage_refs = torch_private.use_counts(
-            g
-        )  # the same counts as forward donation
-    except (RuntimeError, NotImplementedError):
-        return None
-    return uses, storage, _refs(g), storage_refs
-
-
-def _exclusive(g: torch.Tensor, probe: bool = False) -> bool:
-    """True when the backward that received ``g`` may overwrite it: called from
-    :func:`psum_in_backward` only. The references the autograd engine and the bridge hold differ
-    between torch versions, so they are measured once (:func:`_calibrate`), through the same
-    chain, on a gradient nothing else holds."""
-    if probe:
-        _BASELINE.append(_counts(g))
-        return False
-    if type(g) is not torch.Tensor:  # a wrapper (subclass): its storage is not what we count
-        return False
-    if tensor_base(g) is not None or not g.is_contiguous() or torch_private.is_transform_wrapped(g):
-        return False
-    counts = _counts(g)
-    if counts is None or not _BASELINE or _BASELINE[0] is None:
-        return False
-    base = _BASELINE[0]
-    return all(c <= b for c, b in zip(counts, base))
-
-
-class _CalibrationProbe:
-    """Stands for the distributed context in one pvary backward (no communication)."""
-
-    def psum_in_backward(self, g: torch.Tensor, axes: Any, node: Any) -> torch.Tensor:
-        return psum_in_backward(g, None, node, probe=True)
-
-    def forward(self, rec: Any, x: torch.Tensor, axes: Any, params: Any, donate: bool):
-        return x.view_as(x)
-
-
-def _calibrate() -> None:
-    """Run once, outside any backward (a nested backward may hold other references): a pvary's
-    backward through the bridge, with the same frames between the engine and _exclusive."""
-    x = torch.zeros(2, requires_grad=True)
-    with torch.enable_grad():
-        y = bridge_apply(PVARY_RECORD, _CalibrationProbe(), x, ("i",), ())  # type: ignore[arg-type]
-        (y * 2.0).sum().backward()
-    del _BASELINE[1:]
 
 
 def _reduce_during_backward(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -238,18 +178,19 @@ def _forget_work(buf: torch.Tensor) -> None:
         torch_private.dist().wait_tensor(buf)
 
 
-def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, probe: bool = False):
+def psum_in_backward(g: torch.Tensor, comm: Comm | None, node):
     """The transpose of a pvary outside any transform: the gradient's sum over ``comm``,
     started here and overlapped with the rest of backward (in place on a gradient nothing else
     holds). ``node`` is the pvary's autograd context."""
-    if probe:
-        _exclusive(g, probe=True)
-        return g
     if _is_async(g):  # chained pvary: the sum of the one below first
         g = async_wait(g)
-    assert comm is not None  # only the calibration probe passes none
-    # no copy where nothing else holds g (_exclusive counts this frame's references to g)
-    buf = g if _exclusive(g) else g.clone(memory_format=_contiguous)
+    # no copy where nothing else holds g (the count of this frame's references is calibrated)
+    if donation.exclusive(g, torch_private.refcount(g), "backward"):
+        buf = g
+    else:
+        buf = g.clone(memory_format=_contiguous)
+    if comm is None:  # the calibration's probe (_dist_donation): nothing to reduce
+        return buf
     task = torch_private.current_graph_task_id()
     cap = buckets.bucket_bytes()
     if task != -1 and buf.numel() * buf.element_size() < cap:
@@ -303,5 +244,4 @@ def _open_bucket(key: tuple, comm: Comm, cap: int, task: int):
     return work
 
 
-_calibrate()
 torch_private.dist().PendingGradient.defer_accumulation = _defer_accumulation

@@ -15,7 +15,7 @@ here. An even call never does: its path is ``_dist_io`` alone, unchanged.
   all_gather), as the simulated mesh returns it.
 * Collectives: a tiled all_gather concatenates blocks of any sizes (a size exchange, then the
   padded gather); a tiled psum_scatter keeps torch.chunk's blocks; both pass the block sizes to
-  their transposes as an extra parameter (:meth:`UnevenPrimitives.apply`), so the transpose of
+  their transposes as an extra parameter (:meth:`UnevenPrimitives.sized`), so the transpose of
   a gather of ``Blocks`` sizes scatters to those sizes.
 """
 
@@ -78,12 +78,7 @@ class UnevenPrimitives:
     uneven = True
     mesh: Any  # (the context's: a DistributedMesh)
 
-    def apply(self, rec, x, axes, params, donate=False):
-        with torch_private.DisableTorchFunction():  # bookkeeping, no op of the program
-            params = self._sized(rec, x, axes, params)
-        return super().apply(rec, x, axes, params, donate)  # type: ignore[misc]
-
-    def _sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
+    def sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
         """``params``, with the blocks' sizes appended for a tiled all_gather / psum_scatter
         (their transposes need them); first, for a collective that takes one shape on every
         member, the shapes compared."""

@@ -62,20 +62,20 @@ class AbstractContext(TrackedContext):
             value = make(0)
         return self.stamp(_empty(value.shape, value.dtype), Vma.of(axes))
 
-    def apply(self, rec, x, axes, params, donate=False):
+    def apply(self, rec, x, axes, params, user_operand=False):
         with torch_private.DisableTorchFunction():
             if differentiable(x):
                 return bridge_apply(rec, self, x, axes, params)
-            return self.forward(rec, x, axes, params, donate)
+            return self.forward(rec, x, axes, params)
 
-    def forward(self, rec, x, axes, params, donate):
+    def forward(self, rec, x, axes, params):
         return _empty(rec.shape(tuple(x.shape), self.mesh.axis_size(axes), params), x.dtype)
 
     # The primitives, for the transposes that use them directly: shapes only.
     def pvary(self, x, axes):
         return _empty(x.shape, x.dtype)
 
-    def all_reduce(self, x, axes, op, donate=False):
+    def all_reduce(self, x, axes, op):
         return _empty(x.shape, x.dtype)
 
     def all_gather(self, x, axes):

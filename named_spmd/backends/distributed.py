@@ -54,6 +54,7 @@ from .._types import Vma
 from . import (
     _dist_agree,
     _dist_compile,
+    _dist_donation,
     _dist_dtensor,
     _dist_exchange,
     _dist_overlap,
@@ -89,7 +90,8 @@ class DistributedContext(TrackedContext):
     groups of ``mesh``; autodiff comes from the generic bridge (``_autodiff``)."""
 
     mesh: DistributedMesh
-    donates = True
+    #: the operand that a donating record's forward, running now, reduces in place (``apply``)
+    donated: torch.Tensor | None = None
     own_values = True  # each rank's tensors are its own: sizes are read on the host
     inputs: list[Any] = []  # this call's local inputs (the views' sources besides leaves)
     input_nodes: dict[int, torch.Tensor] | None = None  # id(grad_fn) -> input, made on demand
@@ -110,11 +112,29 @@ class DistributedContext(TrackedContext):
 
     # Collectives run with torch function modes off: their internal ops need no vma (the
     # dispatch stamps the result) and would only pay the mode's per-op cost.
-    def apply(self, rec, x, axes, params, donate=False):
+    def apply(self, rec, x, axes, params, user_operand=False):
+        # first, before this frame refers to x again: the count _dist_donation calibrated
+        refs = torch_private.refcount(x) if user_operand and rec.donates else 0
         with torch_private.DisableTorchFunction():
+            params = self.sized(rec, x, axes, params)
             if differentiable(x):
                 return bridge_apply(rec, self, x, axes, params)
-            return rec.forward(self, x, axes, params, donate)
+            if refs and _dist_donation.exclusive(x, refs, "forward"):
+                return self._in_place(rec, x, axes, params)
+            return rec.forward(self, x, axes, params)
+
+    def _in_place(self, rec, x, axes, params):
+        """``rec``'s forward with ``x``, a temporary, reduced in place by ``all_reduce``."""
+        self.donated = x
+        try:
+            return rec.forward(self, x, axes, params)
+        finally:
+            self.donated = None
+
+    def sized(self, rec, x, axes, params):
+        """``params`` as the forward and the transpose take them (an uneven call adds the
+        blocks' sizes: ``_dist_uneven``)."""
+        return params
 
     def psum_in_backward(self, g, axes, node):
         return _dist_overlap.psum_in_backward(g, self.mesh.comm(axes), node)
@@ -155,9 +175,10 @@ class DistributedContext(TrackedContext):
     def pvary(self, x, axes):
         return x.view_as(x)  # a new tensor object: it gets its own (varying) stamp
 
-    def all_reduce(self, x, axes, op, donate=False):
+    def all_reduce(self, x, axes, op):
         reduce_op, name = _OPS[op]
-        buf = x if donate else x.clone(memory_format=_contiguous)
+        in_place = x is self.donated  # a donating record's temporary operand (apply)
+        buf = x if in_place else x.clone(memory_format=_contiguous)
         return self.mesh.comm(axes).all_reduce_(buf, reduce_op, name)
 
     def all_gather(self, x, axes):
@@ -205,7 +226,7 @@ class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
     def psum_in_backward(self, g, axes, node):
         return self.all_reduce(g, axes, "sum")
 
-    def all_reduce(self, x, axes, op, donate=False):
+    def all_reduce(self, x, axes, op):
         return _dist_compile.one_op(self.mesh, "all_reduce", x, axes, op)
 
     def all_gather(self, x, axes):
@@ -419,3 +440,4 @@ class DistributedBackend:
 
 
 BACKEND = DistributedBackend()
+_dist_donation.calibrate(DistributedContext)  # its apply's and gradient psum's chains

@@ -75,7 +75,7 @@ class InstanceContext(TrackedContext):
             value = make(self._member(axes))
         return self.stamp(value, Vma.of(axes))
 
-    def apply(self, rec, x, axes, params, donate=False):
+    def apply(self, rec, x, axes, params, user_operand=False):
         # The primitives are plain differentiable torch ops across the instances: autograd
         # differentiates them (no declared transpose needed), as under vmap.
         if torch_private.transforms_active():
@@ -87,7 +87,7 @@ class InstanceContext(TrackedContext):
             )
         self.op = rec.name
         with torch_private.DisableTorchFunction():
-            return rec.forward(self, x, axes, params, donate)
+            return rec.forward(self, x, axes, params)
 
     def _meet(self, x: Any, axes, params: tuple, per_group) -> Tensor:
         members = groups(tuple(axes), tuple(self.mesh._shape.items()))
@@ -111,7 +111,7 @@ class InstanceContext(TrackedContext):
     def own_block(self, x, axes, dim):
         return x.select(dim, self._member(axes))
 
-    def all_reduce(self, x, axes, op, donate=False):
+    def all_reduce(self, x, axes, op):
         return self._meet(x, axes, (op,), functools.partial(_reduce, op, self))
 
     def all_gather(self, x, axes):

@@ -137,13 +137,13 @@ class SimulatedContext(SpmdContext):
             )
         return functools.partial(_leave_levels, len(got))
 
-    def apply(self, rec, x, axes, params, donate=False):
+    def apply(self, rec, x, axes, params, user_operand=False):
         # The primitives' own ops mix the level tokens with stacked values: no user-level mixing
         # for the implicit-pvary accounting (or the partial-sum algebra) to see, and no op of
         # the program for any torch function mode (as on the real mesh); each mode would cost
         # every op of the primitive a Python call (about 40% of a one-psum call).
         with torch_private.DisableTorchFunction():
-            return rec.forward(self, x, axes, params, donate)
+            return rec.forward(self, x, axes, params)
 
     # --- primitives -----------------------------------------------------------------------
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
@@ -179,7 +179,7 @@ class SimulatedContext(SpmdContext):
         index = self._index(axes).reshape(1)
         return stacked.index_select(dim, index).squeeze(dim)
 
-    def all_reduce(self, x, axes, op, donate=False):
+    def all_reduce(self, x, axes, op):
         dtype = x.dtype
         if not dtype.is_floating_point:
             if dtype is torch.bool and op == "sum":

@@ -186,9 +186,9 @@ class TracedSimulatedContext(TracedContext):
             x, self.token_list, kind, [self.index_of[a] for a in axes], list(params), [], self.sizes
         )
 
-    def apply(self, rec, x, axes, params, donate=False):
+    def apply(self, rec, x, axes, params, user_operand=False):
         with torch_private.DisableTorchFunction():  # the collective's own ops need no types
-            return rec.forward(self, x, axes, params, False)
+            return rec.forward(self, x, axes, params)
 
     # --- primitives -------------------------------------------------------------------------
     def axis_index(self, axes):
@@ -205,7 +205,7 @@ class TracedSimulatedContext(TracedContext):
     def pvary(self, x, axes):
         return x.view_as(x)
 
-    def all_reduce(self, x, axes, op, donate=False):
+    def all_reduce(self, x, axes, op):
         if x.dtype is torch.bool and op == "sum":
             op = "max"  # a sum of truth values is their "or", as on a real mesh
         return self._op(x, op, axes)

@@ -1,0 +1,169 @@
+"""May a reduction on a real mesh overwrite its operand instead of a copy of it?
+
+Two reductions ask, and both are answered here, against one calibration:
+
+* ``"forward"``: a reduction (a record that ``donates``: psum, pmean, pmax, pmin) of the tensor
+  the user's code passed, without autograd, as ``ns.psum(h @ w, "tp")`` under ``torch.no_grad``:
+  ``DistributedContext.apply`` asks. A temporary that only the collective's own call chain
+  references is reduced in place: no copy of it (about a sixth of such a psum's time at 4 and
+  16 MB over gloo) and no second buffer of its size at the peak.
+* ``"backward"``: the gradient psum of a pvary (``_dist_overlap.psum_in_backward``), on the
+  incoming gradient where only the autograd engine holds it.
+
+Whether anything else holds the tensor is read off its reference counts (Python references,
+TensorImpl uses, storage uses, Python references to its storage object), compared with those of a
+tensor nothing else holds, sent once through the very same chain (:func:`calibrate`, as the real
+mesh's backend loads: outside any call or backward pass). A named variable, a list entry, a
+view, a tensor saved by autograd or shared storage all add one, and so does a held
+``x.untyped_storage()`` to the last count (torch keeps one storage object per storage: holding
+it adds no storage use). Each caller reads the Python count first thing, at the frame depth the
+calibration measured. Where the interpreter does not count a named variable apart from a
+temporary, forward reductions always copy.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _accounting, _calls
+from .._autodiff import apply as bridge_apply
+from .._collectives._record import PVARY_RECORD
+from .._collectives.reductions import pmax, pmean, pmin, psum
+from .._mesh import Mesh
+from .._torch_private import DisableFuncTorch, is_transform_wrapped, tensor_base, use_counts
+from .._types import Vma
+
+Counts = tuple[int, int, int, int]  # (Python refs, TensorImpl uses, storage uses, storage refs)
+#: "forward" / "backward" -> the counts a tensor nothing else holds has there (None: never
+#: overwrite), once calibrated
+LIMITS: dict[str, Counts | None] = {}
+_probed: list[Counts] | None = None  # counts seen while calibrating
+
+
+def _counts(x: torch.Tensor, refs: int) -> Counts | None:
+    try:
+        return (refs, *use_counts(x))
+    except (RuntimeError, NotImplementedError):  # tensors without storage (wrappers)
+        return None
+
+
+def exclusive(x: torch.Tensor, refs: int, kind: str) -> bool:
+    """Whether nothing but the calibrated chain of ``kind`` references ``x`` (``refs``: its
+    Python reference count, read by the caller first thing)."""
+    if (
+        type(x) is not torch.Tensor  # a subclass: its storage is not what is counted
+        or x.requires_grad
+        or tensor_base(x) is not None
+        or not x.is_contiguous()
+        or is_transform_wrapped(x)
+    ):
+        return False
+    counts = _counts(x, refs)
+    if counts is None:
+        return False
+    if _probed is not None:
+        _probed.append(counts)
+        return False
+    limits = LIMITS.get(kind)
+    if limits is None:
+        return False
+    refs, uses, storage_uses, storage_refs = counts  # compared one by one: a hot path
+    max_refs, max_uses, max_storage_uses, max_storage_refs = limits
+    return (
+        refs <= max_refs
+        and uses <= max_uses
+        and storage_uses <= max_storage_uses
+        and storage_refs <= max_storage_refs
+    )
+
+
+def calibrate(context: type) -> None:
+    """Measure both chains on the real mesh's context class ``context`` (its own ``apply`` and
+    ``psum_in_backward``, on a probe mesh that moves no data): a temporary and a named operand
+    through every donating reduction, and a pvary's backward through the bridge."""
+    probe = type("Probe", (_Probe, context), {})
+    temps: list[Counts] = []
+    named: list[Counts] = []
+    for op in (psum, pmean, pmax, pmin):
+        temps += _probe(functools.partial(_temporary_operand, op), probe)
+        named += _probe(functools.partial(_named_operand, op), probe)
+    grads = _probe(functools.partial(_gradient_psum, probe), None)
+    refs = min((t[0] for t in temps), default=0)
+    forward: Counts | None = None
+    if temps and len(named) == len(temps) and all(n[0] > refs for n in named):
+        uses, storage_uses, storage_refs = (min(t[k] for t in temps) for k in (1, 2, 3))
+        forward = (refs, uses, storage_uses, storage_refs)
+    LIMITS.update(forward=forward, backward=grads[0] if grads else None)
+
+
+def _temporary_operand(op: Callable[[Any, str], Any]) -> None:
+    op(torch.zeros(2), "i")
+
+
+def _named_operand(op: Callable[[Any, str], Any]) -> None:
+    operand = torch.zeros(2)
+    op(operand, "i")
+
+
+def _gradient_psum(probe: type) -> None:
+    x = torch.zeros(2, requires_grad=True)
+    with torch.enable_grad():
+        y = bridge_apply(PVARY_RECORD, _Probe.made(probe), x, ("i",), ())
+        (y * 2.0).sum().backward()
+
+
+def _probe(run: Callable[[], None], context: type | None) -> list[Counts]:
+    """The counts :func:`exclusive` sees while ``run()`` runs (in a call on the probe class
+    ``context``, or outside any call)."""
+    global _probed
+    _probed = []
+    saved_modes = _accounting.suspend()  # a CommMode around the first call must not see these
+    try:
+        # (under a torch.func transform the probe's tensors would be functorch wrappers)
+        with DisableFuncTorch():
+            if context is None:
+                run()
+            else:
+                _calls.push(_Probe.made(context))
+                try:
+                    run()
+                finally:
+                    _calls.pop()
+        return _probed
+    finally:
+        _probed = None
+        _accounting.resume(saved_modes)
+
+
+class _ProbeMesh(Mesh):
+    def comm(self, axes: Any) -> None:
+        return None  # the gradient psum's probe: no communication
+
+
+class _Probe:
+    """Mixed in before the real mesh's context: a two-instance call on which every operand
+    varies over "i" and every primitive but pvary returns its operand unchanged; ``apply`` and
+    ``psum_in_backward`` are the context's own (the chains measured)."""
+
+    @staticmethod
+    def made(context: type) -> Any:
+        return context(_ProbeMesh((2,), ("i",)), calibrate)
+
+    def vma(self, x: torch.Tensor) -> Vma:
+        return Vma.of(("i",))
+
+    def axis_index(self, axes: Any) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.int64)
+
+    def per_member(self, axes: Any, make: Any) -> torch.Tensor:
+        return make(0)
+
+    def _same(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+    all_reduce = all_gather = reduce_scatter = all_to_all = _same
+    permute = broadcast = own_block = _same
