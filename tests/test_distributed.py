@@ -535,7 +535,7 @@ def test_forward_reductions_overwrite_only_temporaries():
     import torch
 
     import named_spmd as ns
-    from named_spmd import _context
+    from named_spmd import _calls
     from named_spmd._collectives import RECORDS
     from named_spmd.backends import _dist_donation, distributed
 
@@ -548,12 +548,12 @@ def test_forward_reductions_overwrite_only_temporaries():
 
     def decided(run) -> list[bool]:
         in_place.clear()
-        _context.push(_dist_donation._Probe.made(Recording))
+        _calls.push(_dist_donation._Probe.made(Recording))
         try:
             with torch.no_grad():
                 run()
         finally:
-            _context.pop()
+            _calls.pop()
         return list(in_place)
 
     h, w = torch.randn(4, 3), torch.randn(3, 5)
