@@ -15,12 +15,13 @@ import torch
 from . import _context
 from . import _torch_private as torch_private
 from ._accounting import recording
-from ._call_checks import check_outputs, input_leaves, tiled_output_event, unequal_blocks
+from ._call import Call
+from ._call_checks import input_leaves, unequal_blocks
 from ._check import CheckReport
 from ._errors import SpmdError, fn_label
 from ._mesh import Mesh
 from ._spec import PartitionSpec
-from ._tree import check_spec_types, path_text, spec_leaves, unflatten
+from ._tree import check_spec_types, path_text, spec_leaves
 from .backends import Backend, adopt_mesh, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
 from .backends.simulated import _per_instance
@@ -213,18 +214,16 @@ class SpmdFunction:
         # as the mesh's backend would run it: blocks of unequal sizes checked per instance
         backend = AbstractBackend(grads, backward, self.backend, _per_instance.run)
         meta = cast(tuple, optree.tree_map(to_meta, tree, none_is_leaf=True))
-        out, result = self._call(meta, backend)
-        tensors = [isinstance(x, torch.Tensor) for x in result["leaves"]]
-        paths = ["output" + path_text(p) for p, t in zip(result["paths"], tensors) if t]
-        specs = [s for s, t in zip(result["specs"], tensors) if t]
-        return backend.report(self.label, self.mesh, out, paths, specs)
+        out, call = self._call(meta, backend)
+        tensors = [isinstance(x, torch.Tensor) for x in call.out_leaves]
+        paths = ["output" + path_text(p) for p, t in zip(call.out_paths, tensors) if t]
+        return backend.report(self.label, self.mesh, out, paths, call.out_specs())
 
-    def _call(
-        self, args: tuple, backend: Backend, local: bool = False
-    ) -> tuple[Any, dict[str, Any]]:
-        """The one call path: inputs checked, ``backend`` runs the body on every instance, the
-        outputs are checked against out_specs and assembled (``local``: this process's blocks
-        in and out, on a backend whose processes hold blocks, ``Backend.local_blocks``)."""
+    def _call(self, args: tuple, backend: Backend, local: bool = False) -> tuple[Any, Call]:
+        """The one call path: inputs checked, ``backend`` runs the call's body on every
+        instance, the outputs are checked against out_specs and assembled (``local``: this
+        process's blocks in and out, on a backend whose processes hold blocks,
+        ``Capabilities.local_blocks``)."""
         outer = _context.active()
         if outer is not None:
             raise SpmdError(
@@ -233,47 +232,8 @@ class SpmdFunction:
                 "Fix: call the inner per-device function directly, it already runs per instance."
             )
         leaves, specs, in_tree = input_leaves(self, args, local, backend)
-        result: dict[str, Any] = {}
-
-        def body(local_leaves: list[Any], ctx: _context.SpmdContext) -> list[torch.Tensor]:
-            _context.push(ctx)
-            try:
-                local_args = cast(tuple, unflatten(in_tree, local_leaves))
-                out = self._call_user(local_args, backend)
-                with torch_private.DisableTorchFunction():  # our bookkeeping: no op of the program
-                    paths, out_leaves, out_specs, out_tree = check_outputs(self, out, ctx)
-            finally:
-                _context.pop()
-            if recording():
-                out_leaves = [
-                    tiled_output_event(ctx, x, s) if isinstance(x, torch.Tensor) else x
-                    for x, s in zip(out_leaves, out_specs)
-                ]
-            result.update(tree=out_tree, leaves=out_leaves, specs=out_specs, paths=paths)
-            return [x for x in out_leaves if isinstance(x, torch.Tensor)]
-
-        body.mapped = self  # type: ignore[attr-defined]  # for a backend's caches per mapped fn
-        body.local = local  # type: ignore[attr-defined]
-
-        def out_specs_of() -> list[PartitionSpec]:
-            return [
-                s for x, s in zip(result["leaves"], result["specs"]) if isinstance(x, torch.Tensor)
-            ]
-
-        tensors = iter(backend.run(self.mesh, self.fn, leaves, specs, body, out_specs_of))
-        out_leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in result["leaves"]]
-        return unflatten(result["tree"], out_leaves), result
-
-    def _call_user(self, args: tuple, backend: Backend) -> Any:
-        try:
-            return self.fn(*args)
-        except SpmdError:
-            raise
-        except RuntimeError as e:
-            explained = backend.explain(e, self.where)
-            if explained is not None:
-                raise explained from e
-            raise
+        call = Call(self, backend, leaves, specs, in_tree, local)
+        return call.outputs(backend.run(call)), call
 
 
 def _with_own_call(cls: type) -> type:

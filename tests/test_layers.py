@@ -24,6 +24,7 @@ LAYERS = {
     3: {"backends"},
     4: {
         "_api",
+        "_call",
         "_call_checks",
         "_out_problems",
         "_compile",

@@ -13,22 +13,13 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from .._context import SpmdContext
 from .._errors import SpmdError
 from .._mesh import Mesh
-from .._spec import PartitionSpec
 
-#: The per-instance body a backend runs: (local argument leaves, the backend's context) ->
-#: the output tensors. Its attribute ``mapped`` is the running ``SpmdFunction`` (its in_specs,
-#: out_specs and check_vma: what a backend's cache per mapped function keys on); its attribute
-#: ``local`` says that the call's leaves are this process's blocks and its outputs must be too
-#: (``SpmdFunction.local``; only on a backend whose ``local_blocks`` is true).
-Body = Callable[[list[Any], SpmdContext], list[torch.Tensor]]
+if TYPE_CHECKING:
+    from .._call import Call
 
 
 class Backend(Protocol):
@@ -47,18 +38,12 @@ class Backend(Protocol):
         """Whether this backend runs calls on ``mesh``."""
         ...
 
-    def run(
-        self,
-        mesh: Mesh,
-        fn: Callable[..., Any],
-        leaves: list[Any],
-        specs: list[PartitionSpec],
-        body: Body,
-        out_specs_of: Callable[[], list[PartitionSpec]],
-    ) -> list[Any]:
-        """Run ``body(local_leaves, ctx)`` per instance with a context of this backend pushed by
-        the body; return the output tensors assembled to global values (``out_specs_of()`` is
-        known once the body ran)."""
+    def run(self, call: Call) -> list[Any]:
+        """Run ``call.body(local_leaves, ctx)`` per instance on ``call.mesh``, the local
+        leaves laid out from ``call.leaves`` per ``call.specs`` (``call.local``: they are this
+        process's blocks already), with a context of this backend (the body pushes it); return
+        the output tensors assembled to global values per ``call.out_specs()`` (known once the
+        body ran)."""
         ...
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:

@@ -19,7 +19,7 @@ as the backward pass reaches each collective.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
@@ -36,6 +36,9 @@ from .._mesh import Mesh
 from .._spec import PartitionSpec
 from .._tracking import TrackedContext, VmaMode
 from .._types import Vma, VType
+
+if TYPE_CHECKING:
+    from .._call import Call
 
 _META = torch.device("meta")
 
@@ -224,24 +227,25 @@ class AbstractBackend:
         takes = getattr(self.like, "takes_uneven", None)
         return takes is not None and takes(spec)
 
-    def run(self, mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
+    def run(self, call: Call) -> list[Any]:
+        mesh, leaves, specs = call.mesh, call.leaves, call.specs
         if self._runs_per_instance(mesh, leaves, specs):
-            return self._run_per_instance(mesh, fn, leaves, specs, body, out_specs_of)
-        ctx = self.ctx = AbstractContext(mesh, fn)
+            return self._run_per_instance(call)
+        ctx = self.ctx = AbstractContext(mesh, call.fn)
         local = [
             self._local(x, s, mesh, g) if isinstance(x, torch.Tensor) else x
             for x, s, g in zip(leaves, specs, self.grads)
         ]
         with self.comms:
             with torch.device(_META), AbstractVmaMode(ctx):
-                outs = body(local, ctx)
+                outs = call.body(local, ctx)
             if self.backward:
                 _run_backward(outs)
         self.outputs = outs
         sizes = mesh._shape
         return [
             ShapeDtype(global_shape(y.shape, s, sizes), y.dtype)
-            for y, s in zip(outs, out_specs_of())
+            for y, s in zip(outs, call.out_specs())
         ]
 
     def _runs_per_instance(self, mesh: Mesh, leaves: list[Any], specs) -> bool:
@@ -254,12 +258,12 @@ class AbstractBackend:
             for x, s in zip(leaves, specs)
         )
 
-    def _run_per_instance(self, mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
+    def _run_per_instance(self, call: Call) -> list[Any]:
         """Every instance on its own meta blocks (nothing of a block's size is allocated, but
         the cost grows with the number of instances, as the call's does)."""
         assert self.per_instance is not None  # _runs_per_instance
         self.instances = True
-        for x, g in zip(leaves, self.grads):
+        for x, g in zip(call.leaves, self.grads):
             if isinstance(x, torch.Tensor):
                 x.requires_grad_(g and self.backward)
 
@@ -268,9 +272,7 @@ class AbstractBackend:
 
         with self.comms:
             with torch.device(_META):
-                outs = self.per_instance(
-                    mesh, fn, leaves, specs, body, out_specs_of, inner_mode=MetaAliases, first=first
-                )
+                outs = self.per_instance(call, inner_mode=MetaAliases, first=first)
             if self.backward:
                 _run_backward(outs)
         return [ShapeDtype(tuple(y.shape), y.dtype) for y in outs]
