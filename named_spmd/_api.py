@@ -38,8 +38,8 @@ def _call(f: SpmdFunction, args: tuple, backend: Backend, local: bool) -> Any:
 #: off, not compiled frame by frame.
 _call_eagerly = torch_private.not_traced(
     _call,
-    reason="named_spmd: a call on a backend that Dynamo cannot trace (Backend.traceable is "
-    "False) runs eagerly inside a compiled program (docs/design.md section 7). Fix: compile "
+    reason="named_spmd: a call on a backend that Dynamo cannot trace (capabilities.traceable "
+    "is False) runs eagerly inside a compiled program (docs/design.md section 7). Fix: compile "
     "without fullgraph=True, or use a backend whose calls compile whole (the simulated and the "
     "distributed backends)",
 )
@@ -140,7 +140,7 @@ class SpmdFunction:
             loss = step.local(tokens_block, targets_block, params)
             loss.backward()  # params' .grad: their blocks of the global gradient
         """
-        return self._enter(args, kwargs, getattr(self.backend, "local_blocks", False))
+        return self._enter(args, kwargs, self.backend.capabilities.local_blocks)
 
     def _enter(self, args: tuple, kwargs: dict, local: bool) -> Any:
         if kwargs:
@@ -161,7 +161,7 @@ class SpmdFunction:
                 # eagerly, and the whole call with Dynamo off (below), rather than Dynamo
                 # resuming our internals frame by frame (with its stand-ins for the pytrees)
                 _traced.skip_frame("named_spmd: a graph break inside a mapped call")
-            if not getattr(backend, "traceable", True):
+            if not backend.capabilities.traceable:
                 return _call_eagerly(self, args, backend, local)
             if recording():
                 return _call_counted(self, args, backend, local)

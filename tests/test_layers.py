@@ -18,7 +18,16 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "named_spmd"
 
 LAYERS = {
-    0: {"_errors", "_types", "_spec", "_mesh", "_layout", "_torch_private", "_debug"},
+    0: {
+        "_errors",
+        "_types",
+        "_spec",
+        "_mesh",
+        "_layout",
+        "_torch_private",
+        "_debug",
+        "_capabilities",
+    },
     1: {"_tree", "_accounting", "_context", "_check", "_partial", "_blocks", "_block_rules"},
     2: {"_collectives", "_autodiff", "_tracking", "_traced", "_plan", "_replay", "random"},
     3: {"backends"},

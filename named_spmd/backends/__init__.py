@@ -15,6 +15,7 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._capabilities import Capabilities
 from .._errors import SpmdError
 from .._mesh import Mesh
 
@@ -26,16 +27,18 @@ class Backend(Protocol):
     """What runs a mapped call (see docs/design.md, "Adding a backend")."""
 
     name: str
-    #: Whether Dynamo traces a whole call on this backend. Where not, a call made inside a
-    #: ``torch.compile``d function runs eagerly: a graph break around it (``SpmdFunction``).
-    traceable: bool
-    #: Whether a process holds only its own instances' blocks (a real mesh), so that
-    #: ``SpmdFunction.local`` passes them in and out as they are. Where not (the process holds
-    #: every instance), a local call is the global call.
-    local_blocks: bool
+    #: What its calls can be: traced whole by Dynamo, on this process's blocks, on blocks of
+    #: unequal sizes (:class:`~named_spmd._capabilities.Capabilities`).
+    capabilities: Capabilities
 
     def accepts(self, mesh: Mesh) -> bool:
         """Whether this backend runs calls on ``mesh``."""
+        ...
+
+    def uneven_state(self) -> bool:
+        """Whether calls made now run on blocks of unequal sizes whatever their inputs
+        (``ns.simulate_per_instance()``), on a backend that takes such blocks; a key of the
+        input checks' cache, asked at every call."""
         ...
 
     def run(self, call: Call) -> list[Any]:

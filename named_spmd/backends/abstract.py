@@ -29,6 +29,7 @@ from .. import _torch_private as torch_private
 from .._accounting import CommMode
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
+from .._capabilities import Capabilities
 from .._check import CheckReport, OutputCheck, ShapeDtype
 from .._errors import SpmdError
 from .._layout import global_shape, is_even, local_shape
@@ -39,6 +40,7 @@ from .._types import Vma, VType
 
 if TYPE_CHECKING:
     from .._call import Call
+    from . import Backend
 
 _META = torch.device("meta")
 
@@ -191,22 +193,23 @@ class AbstractBackend:
     """One check: runs the call abstractly and keeps what :meth:`report` needs.
 
     ``like``: the backend whose call this check stands for; the check takes blocks of unequal
-    sizes exactly where it does (its ``takes_uneven`` and ``uneven_state``). Such a call (or one
+    sizes exactly where it does (its ``capabilities.uneven_blocks`` and ``uneven_state()``;
+    never traced, never on blocks: ``.check()`` takes global values). Such a call (or one
     run per instance on request) is checked per instance with ``per_instance``, on meta tensors:
     each instance's own block shapes, so a collective over operands of different shapes is the
     error the call raises, and the output shapes are the call's."""
 
     name = "abstract"
-    traceable = False  # .check() runs on meta tensors, never inside a compiled program
-    local_blocks = False  # .check() takes global values
 
     def __init__(
         self,
         grads: list[bool],
         backward: bool,
-        like: Any = None,
+        like: Backend,
         per_instance: PerInstance | None = None,
     ):
+        uneven = like.capabilities.uneven_blocks
+        self.capabilities = Capabilities(traceable=False, local_blocks=False, uneven_blocks=uneven)
         self.grads = grads
         self.backward = backward
         self.like = like
@@ -219,13 +222,8 @@ class AbstractBackend:
     def accepts(self, mesh: Mesh) -> bool:
         return True
 
-    def uneven_state(self) -> Any:
-        state = getattr(self.like, "uneven_state", None)
-        return None if state is None else state()
-
-    def takes_uneven(self, spec: PartitionSpec) -> bool:
-        takes = getattr(self.like, "takes_uneven", None)
-        return takes is not None and takes(spec)
+    def uneven_state(self) -> bool:
+        return self.like.uneven_state()
 
     def run(self, call: Call) -> list[Any]:
         mesh, leaves, specs = call.mesh, call.leaves, call.specs
@@ -253,7 +251,7 @@ class AbstractBackend:
         size (the input checks let such a split through only where ``like`` takes it)."""
         if mesh.size == 1 or self.per_instance is None:
             return False
-        return bool(self.uneven_state()) or any(
+        return self.uneven_state() or any(
             isinstance(x, torch.Tensor) and not is_even(x.shape, s, mesh._shape)
             for x, s in zip(leaves, specs)
         )

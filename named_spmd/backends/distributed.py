@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as torch_private
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
+from .._capabilities import Capabilities
 from .._collectives._record import implicit_pvary, record_implicit_psum
 from .._context import SpmdContext, uneven_blocks_requested
 from .._debug import debug_enabled, set_debug
@@ -395,8 +396,9 @@ class DistributedBackend:
     """One instance per process, on a DeviceMesh."""
 
     name = "distributed"
-    traceable = True  # _dist_compile: the whole call traced into the graph
-    local_blocks = True  # SpmdFunction.local: this rank's blocks in and out
+    # _dist_compile: the whole call traced into the graph; SpmdFunction.local: this rank's
+    # blocks in and out; unequal blocks as on the simulated mesh (``_dist_uneven``)
+    capabilities = Capabilities(traceable=True, local_blocks=True, uneven_blocks=True)
 
     def accepts(self, mesh: Mesh) -> bool:
         return isinstance(mesh, DistributedMesh)
@@ -407,11 +409,6 @@ class DistributedBackend:
     def uneven_state(self) -> bool:
         """Whether calls made now take dims the axes do not divide (as the simulated mesh)."""
         return uneven_blocks_requested()
-
-    def takes_uneven(self, spec: PartitionSpec) -> bool:
-        """Dims the group does not divide are taken (``torch.chunk``'s blocks), as are the
-        unequal sizes a ``Blocks`` entry gives, as on the simulated mesh (``_dist_uneven``)."""
-        return True
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         return None

@@ -34,11 +34,11 @@ import torch
 from ... import _blocks
 from ... import _torch_private as torch_private
 from ..._accounting import recording
+from ..._capabilities import Capabilities
 from ..._context import request_uneven_blocks, uneven_blocks_requested
 from ..._errors import SpmdError, VmaError, fn_label
 from ..._layout import gives_unequal_blocks
 from ..._mesh import Mesh
-from ..._spec import PartitionSpec
 from . import _inner_grad, _one_instance, _per_instance
 from . import _instances as _instances  # installs the per-instance printing of values
 from ._compiled import compiled_pieces_eagerly
@@ -279,8 +279,9 @@ class SimulatedBackend:
     """Every instance in this process, under nested vmap (the default backend)."""
 
     name = "simulated"
-    traceable = True  # _traced: the whole call traced into the graph
-    local_blocks = False  # one process holds every instance
+    # _traced: the whole call traced into the graph; one process holds every instance; blocks
+    # of unequal sizes run per instance (``_per_instance``)
+    capabilities = Capabilities(traceable=True, local_blocks=False, uneven_blocks=True)
 
     def accepts(self, mesh: Mesh) -> bool:
         return mesh.device_mesh is None
@@ -288,11 +289,6 @@ class SimulatedBackend:
     def uneven_state(self) -> bool:
         """Whether calls made now run per instance (``simulate_per_instance``)."""
         return uneven_blocks_requested()
-
-    def takes_uneven(self, spec: PartitionSpec) -> bool:
-        """Dims the group does not divide are taken (``torch.chunk``'s blocks), as are the
-        unequal sizes a ``Blocks`` entry gives: such a call runs per instance."""
-        return True
 
     def run(self, call: Call) -> list[torch.Tensor]:
         if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path
