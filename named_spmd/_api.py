@@ -4,7 +4,6 @@ or a check on the abstract backend); its inputs' and outputs' checks are ``_call
 from __future__ import annotations
 
 import functools
-import sys
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast, overload
@@ -12,7 +11,7 @@ from typing import Any, cast, overload
 import optree
 import torch
 
-from . import _context
+from . import _context, backends
 from . import _torch_private as torch_private
 from ._accounting import recording
 from ._call import Call
@@ -331,11 +330,6 @@ def spmd_map(
     return SpmdFunction(f, mesh, in_specs, out_specs, check_vma)
 
 
-def _distributed_ready() -> bool:
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
-
-
 def make_mesh(
     shape: Sequence[int] | int,
     axis_names: Sequence[str] | str,
@@ -362,12 +356,8 @@ def make_mesh(
         shape = (shape,)
     if isinstance(axis_names, str):
         axis_names = (axis_names,)
-    want_real = _distributed_ready() if simulated is None else not simulated
-    if not want_real:
-        return Mesh(shape, axis_names, device_type=device_type or "cpu")
-    from .backends.distributed import make_distributed_mesh  # loaded only for a real mesh
-
-    return make_distributed_mesh(tuple(shape), tuple(axis_names), device_type)
+    real = None if simulated is None else not simulated
+    return backends.make_mesh(tuple(shape), tuple(axis_names), device_type, real)
 
 
 def as_mesh(mesh: Any, where: str) -> Mesh:

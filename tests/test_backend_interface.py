@@ -4,7 +4,7 @@ handed, and nothing else.
 A backend written against the documented interface only (``capabilities``, ``accepts``,
 ``uneven_state``, ``run(call)``, ``explain``), registered as a third backend, runs calls,
 checks and local calls; its capabilities alone decide which inputs a call takes; every backend
-of the package declares the same members.
+of the package declares the same members; ``make_mesh`` makes a mesh through the registry.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ class NarrowMesh(Mesh):
 
 
 class NarrowBackend:
-    """Exactly the ``Backend`` protocol's members; runs each call as the simulated backend does
-    and keeps the calls it was handed."""
+    """Exactly the ``Backend`` protocol's members, and ``make_mesh`` (a backend that makes
+    meshes); runs each call as the simulated backend does and keeps the calls it was handed."""
 
     name = "narrow"
 
@@ -55,6 +55,9 @@ class NarrowBackend:
 
     def explain(self, error: RuntimeError, where: str):
         return SIMULATED.explain(error, where)
+
+    def make_mesh(self, shape, names, device_type):
+        return NarrowMesh(shape, names, device_type=device_type or "cpu")
 
 
 @pytest.fixture(params=[True, False], ids=["uneven", "even-only"])
@@ -141,3 +144,19 @@ def test_every_backend_declares_the_protocols_members(index):
 def test_capabilities_state_every_field():
     with pytest.raises(TypeError):
         Capabilities(traceable=True, local_blocks=False)  # type: ignore[call-arg]
+
+
+def test_make_mesh_asks_the_registry_for_the_backend_of_the_meshs_kind(narrow, monkeypatch):
+    """The registry makes meshes (``backends.make_mesh``): a simulated one by default without a
+    process group, and a real one by the module the registry names for it (here the narrow
+    backend's, so no process group is needed), which then runs its calls."""
+    plain = ns.make_mesh((2, 2), ("dp", "tp"))
+    assert type(plain) is Mesh and plain.shape == {"dp": 2, "tp": 2}
+    assert ns.spmd_map(lambda x: x, mesh=plain, in_specs=P(), out_specs=P()).backend is SIMULATED
+    monkeypatch.setitem(backends._MESH_MAKERS, True, _MODULE)
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=False)
+    assert type(mesh) is NarrowMesh and mesh.shape == {"dp": 2, "tp": 2}
+    f = _mlp(mesh)
+    x, w = torch.randn(4, 6, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    torch.testing.assert_close(f(x, w), x @ w)
+    assert [c.mesh for c in narrow.calls] == [mesh]

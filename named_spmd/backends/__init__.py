@@ -1,4 +1,5 @@
-"""Backends: who runs a mapped call, picked per mesh by :func:`backend_for`.
+"""Backends: who runs a mapped call, picked per mesh by :func:`backend_for`; who makes and
+recognises meshes (:func:`make_mesh`, :func:`adopt_mesh`).
 
 A backend is an object with the :class:`Backend` interface; the collectives talk to the running
 call through its :class:`~named_spmd._context.SpmdContext` subclass (the primitives). The
@@ -82,13 +83,38 @@ def adopt_mesh(obj: Any) -> Mesh | None:
     return None
 
 
+#: The backend module that makes each kind of mesh (its ``BACKEND.make_mesh(shape, names,
+#: device_type)``), by whether its instances are processes: loaded only to make one, so a
+#: process making only simulated meshes never imports torch.distributed.
+_MESH_MAKERS = {False: "named_spmd.backends.simulated", True: "named_spmd.backends.distributed"}
+
+
+def make_mesh(
+    shape: tuple[int, ...], names: tuple[str, ...], device_type: str | None, real: bool | None
+) -> Mesh:
+    """A mesh made by the backend of its kind: one instance per process where ``real`` (None:
+    exactly when a torch.distributed process group is initialized), else simulated here."""
+    if real is None:
+        real = _processes_ready()
+    return _loaded(_MESH_MAKERS[real]).BACKEND.make_mesh(shape, names, device_type)
+
+
+def _processes_ready() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _loaded(module: str) -> Any:
+    return sys.modules.get(module) or importlib.import_module(module)
+
+
 def backend_for(mesh: Mesh) -> Backend:
     """The backend that runs calls on ``mesh``."""
     for name in _MODULES[:-1]:
         module = sys.modules.get(name)
         if module is not None and module.BACKEND.accepts(mesh):
             return module.BACKEND
-    default = (sys.modules.get(_MODULES[-1]) or importlib.import_module(_MODULES[-1])).BACKEND
+    default = _loaded(_MODULES[-1]).BACKEND
     if not default.accepts(mesh):
         raise SpmdError(f"no named_spmd backend runs calls on {mesh!r}")
     return default

@@ -405,6 +405,8 @@ class DistributedBackend:
 
     run = staticmethod(run)
     adopt = staticmethod(mesh_from_device_mesh)  # a user's DeviceMesh (``backends.adopt_mesh``)
+    # a mesh of one rank per instance (``backends.make_mesh``)
+    make_mesh = staticmethod(make_distributed_mesh)
 
     def uneven_state(self) -> bool:
         """Whether calls made now take dims the axes do not divide (as the simulated mesh)."""

@@ -286,6 +286,12 @@ class SimulatedBackend:
     def accepts(self, mesh: Mesh) -> bool:
         return mesh.device_mesh is None
 
+    def make_mesh(
+        self, shape: tuple[int, ...], names: tuple[str, ...], device_type: str | None
+    ) -> Mesh:
+        """``make_mesh`` of a mesh simulated in this process (``backends.make_mesh``)."""
+        return Mesh(shape, names, device_type=device_type or "cpu")
+
     def uneven_state(self) -> bool:
         """Whether calls made now run per instance (``simulate_per_instance``)."""
         return uneven_blocks_requested()
