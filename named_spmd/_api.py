@@ -4,7 +4,6 @@ or a check on the abstract backend); its inputs' and outputs' checks are ``_call
 from __future__ import annotations
 
 import functools
-import sys
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast, overload
@@ -12,15 +11,16 @@ from typing import Any, cast, overload
 import optree
 import torch
 
-from . import _calls, _context
+from . import _calls, backends
 from . import _torch_private as torch_private
 from ._accounting import recording
-from ._call_checks import check_outputs, input_leaves, tiled_output_event, unequal_blocks
+from ._call import Call
+from ._call_checks import input_leaves, unequal_blocks
 from ._check import CheckReport
 from ._errors import SpmdError, fn_label
 from ._mesh import Mesh
 from ._spec import PartitionSpec
-from ._tree import check_spec_types, path_text, spec_leaves, unflatten
+from ._tree import check_spec_types, path_text, spec_leaves
 from .backends import Backend, adopt_mesh, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
 from .backends.simulated import _per_instance
@@ -37,8 +37,8 @@ def _call(f: SpmdFunction, args: tuple, backend: Backend, local: bool) -> Any:
 #: off, not compiled frame by frame.
 _call_eagerly = torch_private.not_traced(
     _call,
-    reason="named_spmd: a call on a backend that Dynamo cannot trace (Backend.traceable is "
-    "False) runs eagerly inside a compiled program (docs/design.md section 7). Fix: compile "
+    reason="named_spmd: a call on a backend that Dynamo cannot trace (capabilities.traceable "
+    "is False) runs eagerly inside a compiled program (docs/design.md section 7). Fix: compile "
     "without fullgraph=True, or use a backend whose calls compile whole (the simulated and the "
     "distributed backends)",
 )
@@ -139,7 +139,7 @@ class SpmdFunction:
             loss = step.local(tokens_block, targets_block, params)
             loss.backward()  # params' .grad: their blocks of the global gradient
         """
-        return self._enter(args, kwargs, getattr(self.backend, "local_blocks", False))
+        return self._enter(args, kwargs, self.backend.capabilities.local_blocks)
 
     def _enter(self, args: tuple, kwargs: dict, local: bool) -> Any:
         if kwargs:
@@ -160,7 +160,7 @@ class SpmdFunction:
                 # eagerly, and the whole call with Dynamo off (below), rather than Dynamo
                 # resuming our internals frame by frame (with its stand-ins for the pytrees)
                 _traced.skip_frame("named_spmd: a graph break inside a mapped call")
-            if not getattr(backend, "traceable", True):
+            if not backend.capabilities.traceable:
                 return _call_eagerly(self, args, backend, local)
             if recording():
                 return _call_counted(self, args, backend, local)
@@ -213,18 +213,16 @@ class SpmdFunction:
         # as the mesh's backend would run it: blocks of unequal sizes checked per instance
         backend = AbstractBackend(grads, backward, self.backend, _per_instance.run)
         meta = cast(tuple, optree.tree_map(to_meta, tree, none_is_leaf=True))
-        out, result = self._call(meta, backend)
-        tensors = [isinstance(x, torch.Tensor) for x in result["leaves"]]
-        paths = ["output" + path_text(p) for p, t in zip(result["paths"], tensors) if t]
-        specs = [s for s, t in zip(result["specs"], tensors) if t]
-        return backend.report(self.label, self.mesh, out, paths, specs)
+        out, call = self._call(meta, backend)
+        tensors = [isinstance(x, torch.Tensor) for x in call.out_leaves]
+        paths = ["output" + path_text(p) for p, t in zip(call.out_paths, tensors) if t]
+        return backend.report(self.label, self.mesh, out, paths, call.out_specs())
 
-    def _call(
-        self, args: tuple, backend: Backend, local: bool = False
-    ) -> tuple[Any, dict[str, Any]]:
-        """The one call path: inputs checked, ``backend`` runs the body on every instance, the
-        outputs are checked against out_specs and assembled (``local``: this process's blocks
-        in and out, on a backend whose processes hold blocks, ``Backend.local_blocks``)."""
+    def _call(self, args: tuple, backend: Backend, local: bool = False) -> tuple[Any, Call]:
+        """The one call path: inputs checked, ``backend`` runs the call's body on every
+        instance, the outputs are checked against out_specs and assembled (``local``: this
+        process's blocks in and out, on a backend whose processes hold blocks,
+        ``Capabilities.local_blocks``)."""
         outer = _calls.active()
         if outer is not None:
             raise SpmdError(
@@ -233,47 +231,8 @@ class SpmdFunction:
                 "Fix: call the inner per-device function directly, it already runs per instance."
             )
         leaves, specs, in_tree = input_leaves(self, args, local, backend)
-        result: dict[str, Any] = {}
-
-        def body(local_leaves: list[Any], ctx: _context.SpmdContext) -> list[torch.Tensor]:
-            _calls.push(ctx)
-            try:
-                local_args = cast(tuple, unflatten(in_tree, local_leaves))
-                out = self._call_user(local_args, backend)
-                with torch_private.DisableTorchFunction():  # our bookkeeping: no op of the program
-                    paths, out_leaves, out_specs, out_tree = check_outputs(self, out, ctx)
-            finally:
-                _calls.pop()
-            if recording():
-                out_leaves = [
-                    tiled_output_event(ctx, x, s) if isinstance(x, torch.Tensor) else x
-                    for x, s in zip(out_leaves, out_specs)
-                ]
-            result.update(tree=out_tree, leaves=out_leaves, specs=out_specs, paths=paths)
-            return [x for x in out_leaves if isinstance(x, torch.Tensor)]
-
-        body.mapped = self  # type: ignore[attr-defined]  # for a backend's caches per mapped fn
-        body.local = local  # type: ignore[attr-defined]
-
-        def out_specs_of() -> list[PartitionSpec]:
-            return [
-                s for x, s in zip(result["leaves"], result["specs"]) if isinstance(x, torch.Tensor)
-            ]
-
-        tensors = iter(backend.run(self.mesh, self.fn, leaves, specs, body, out_specs_of))
-        out_leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in result["leaves"]]
-        return unflatten(result["tree"], out_leaves), result
-
-    def _call_user(self, args: tuple, backend: Backend) -> Any:
-        try:
-            return self.fn(*args)
-        except SpmdError:
-            raise
-        except RuntimeError as e:
-            explained = backend.explain(e, self.where)
-            if explained is not None:
-                raise explained from e
-            raise
+        call = Call(self, backend, leaves, specs, in_tree, local)
+        return call.outputs(backend.run(call)), call
 
 
 def _with_own_call(cls: type) -> type:
@@ -371,11 +330,6 @@ def spmd_map(
     return SpmdFunction(f, mesh, in_specs, out_specs, check_vma)
 
 
-def _distributed_ready() -> bool:
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
-
-
 def make_mesh(
     shape: Sequence[int] | int,
     axis_names: Sequence[str] | str,
@@ -402,12 +356,8 @@ def make_mesh(
         shape = (shape,)
     if isinstance(axis_names, str):
         axis_names = (axis_names,)
-    want_real = _distributed_ready() if simulated is None else not simulated
-    if not want_real:
-        return Mesh(shape, axis_names, device_type=device_type or "cpu")
-    from .backends.distributed import make_distributed_mesh  # loaded only for a real mesh
-
-    return make_distributed_mesh(tuple(shape), tuple(axis_names), device_type)
+    real = None if simulated is None else not simulated
+    return backends.make_mesh(tuple(shape), tuple(axis_names), device_type, real)
 
 
 def as_mesh(mesh: Any, where: str) -> Mesh:

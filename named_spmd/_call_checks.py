@@ -3,7 +3,7 @@
 The input checks run once per tree structure and leaf shapes (``input_leaves``'s cache on the
 ``SpmdFunction``); while Dynamo traces, the in_specs are broadcast over a skeleton of the inputs
 instead (``IN_SPEC_INDEX``). Whether a dim the axes do not divide is taken is the backend's to
-say (``takes_uneven``, ``uneven_state``).
+say (its ``capabilities.uneven_blocks`` and ``uneven_state()``).
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from ._tree import (
 
 if TYPE_CHECKING:
     from ._api import SpmdFunction
+    from .backends import Backend
 
 
 def input_leaves(
-    f: SpmdFunction, args: tuple, local: bool = False, backend: Any = None
+    f: SpmdFunction, args: tuple, local: bool, backend: Backend
 ) -> tuple[list[Any], list[PartitionSpec], Any]:
     if torch.compiler.is_compiling():
         paths, leaves, treedef = flatten_with_paths(args)
@@ -57,7 +58,7 @@ def input_leaves(
         specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
         known = f._inputs_of_tree[treedef] = (specs, set())
     specs, fine = known
-    shapes = _shapes_key(leaves, (local, _uneven_state(backend)))
+    shapes = _shapes_key(leaves, (local, backend.uneven_state()))
     if shapes is None or shapes not in fine:
         _check_inputs(f, paths_of(args), leaves, specs, local, backend)
         if shapes is not None and len(fine) < 256:
@@ -71,11 +72,13 @@ def _check_inputs(
     leaves: list[Any],
     specs: list[PartitionSpec],
     local: bool,
-    backend: Any = None,
+    backend: Backend,
 ) -> None:
     """Every input leaf fits its spec on the mesh, or one SpecError lists the problems
     (``local``: the leaves are blocks, checked as parts of their global shapes)."""
     problems = []
+    # blocks of unequal sizes: a dim the axes do not divide, the sizes a Blocks entry gives
+    uneven = not local and backend.capabilities.uneven_blocks
     for path, leaf, spec in zip(paths, leaves, specs):
         where = f"argument {path_text(path)}"
         if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
@@ -87,9 +90,7 @@ def _check_inputs(
             shape = tuple(leaf.shape)
             if local:
                 shape = block_global_shape(shape, spec, f.mesh.shape)
-            uneven = not local and _takes_uneven(backend, spec)
-            given = not local and _takes_given_sizes(backend)
-            problems += spec_problems(spec, shape, f.mesh.shape, where, uneven, given)
+            problems += spec_problems(spec, shape, f.mesh.shape, where, uneven)
         elif opaque_tensor_holder(leaf):
             problems.append(opaque_leaf_problem(where, leaf))
         elif len(spec.axes) > 0:
@@ -169,7 +170,7 @@ def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:
     where the inputs do not fit in_specs (the call raises that), and for a local call (its
     blocks are the caller's). Outside a trace, known per tree structure and leaf shapes
     (``ns.compile`` asks at every call)."""
-    if local or f.mesh.size == 1 or not hasattr(f.backend, "takes_uneven"):
+    if local or f.mesh.size == 1 or not f.backend.capabilities.uneven_blocks:
         return False
     if torch.compiler.is_compiling():
         leaves = flatten_with_paths(args)[1]
@@ -196,26 +197,6 @@ def _splits_unevenly(
     sizes = f.mesh._shape
     fit = [(x, s) for x, s in zip(leaves, specs) if all(a in sizes for a in s.axes)]
     return gives_unequal_blocks([x for x, _ in fit], [s for _, s in fit], sizes)
-
-
-def _uneven_state(backend: Any) -> Any:
-    """What decides whether a call on ``backend`` takes blocks of unequal sizes (its
-    ``uneven_state``, e.g. a per-instance simulation switched on); None: fixed."""
-    state = getattr(backend, "uneven_state", None)
-    return None if state is None else state()
-
-
-def _takes_uneven(backend: Any, spec: PartitionSpec) -> bool:
-    """Whether ``backend`` takes an input under ``spec`` split into blocks of unequal sizes
-    (``_layout.dim_sizes``); backends without ``takes_uneven`` take equal blocks only."""
-    takes = getattr(backend, "takes_uneven", None)
-    return takes is not None and takes(spec)
-
-
-def _takes_given_sizes(backend: Any) -> bool:
-    """Whether ``backend`` takes the unequal sizes a ``Blocks`` entry gives (on that dim only:
-    the spec's other dims follow :func:`_takes_uneven`)."""
-    return hasattr(backend, "takes_uneven")
 
 
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str)

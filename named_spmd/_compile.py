@@ -111,7 +111,7 @@ def _counted_eagerly(fn: Callable[..., Any], compiled: Callable[..., Any]) -> Ca
     Deciding here, before Dynamo sees the call, leaves the compiled code as it was (no trace
     of such a call, no recompile after it), and ``fullgraph=True`` holds."""
     mapped = fn if isinstance(fn, SpmdFunction) else fn.__self__  # type: ignore[attr-defined]
-    local = fn is not mapped and getattr(mapped.backend, "local_blocks", False)
+    local = fn is not mapped and mapped.backend.capabilities.local_blocks
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:

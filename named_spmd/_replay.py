@@ -59,18 +59,19 @@ class CheckedMode(VmaMode):
 class Replay:
     """One call's entry in its mapped function's table of checked signatures. On a mesh of one
     instance the entry says whether its replays mark calls; on a mesh of several, it is the
-    signature's :class:`~._plan.Plan` (a real mesh: ``planned``)."""
+    signature's :class:`~._plan.Plan` (a real mesh: ``planned``); ``mapped``: the mapped
+    function whose table it is (``Call.mapped``)."""
 
     def __init__(
         self,
-        body: Any,
+        mapped: Any,
         mesh: Mesh,
         leaves: list[Any],
         specs: list[PartitionSpec],
         planned: bool = False,
     ):
         self.planned = planned
-        self.checked = _checked_signatures(getattr(body, "mapped", None), planned)
+        self.checked = _checked_signatures(mapped, planned)
         self.signature: tuple | None = None
         self.marks: Any = None  # the checked call's answer (see the class doc); None: not yet
         if self.checked is not None:

@@ -8,12 +8,13 @@
 * A compiled function called inside the per-device function of an eager call runs uncompiled
   there (Dynamo cannot trace under the eager simulation's vmap levels), with the numbers of the
   uncompiled piece (backends/simulated/_compiled.py); inside a compiled call it is traced with it.
-* A backend Dynamo cannot trace (``traceable = False``) runs its calls eagerly inside a compiled
-  program, with a graph break around each (SpmdFunction.__call__).
+* A backend Dynamo cannot trace (``capabilities.traceable`` false) runs its calls eagerly inside
+  a compiled program, with a graph break around each (SpmdFunction.__call__).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -225,16 +226,22 @@ def test_a_compiled_piece_inside_a_compiled_call_is_traced_with_it(wrap):
     assert counter.frame_count == 1
 
 
+def _untraceable(monkeypatch) -> None:
+    """The simulated backend as one whose calls Dynamo cannot trace."""
+    untraced = dataclasses.replace(SIMULATED.capabilities, traceable=False)
+    monkeypatch.setattr(SIMULATED, "capabilities", untraced)
+
+
 # Dynamo itself (torch 2.13, variables/builder.py wrap_tensor) reads `.grad` of the non-leaf
 # tensor it hands across the graph break; under the default warning filters nothing is shown
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_a_backend_dynamo_cannot_trace_runs_its_calls_eagerly(backend, monkeypatch):
-    """A call on a backend with ``traceable = False`` inside a compiled step: a graph break
+    """A call on a backend whose calls Dynamo cannot trace inside a compiled step: a graph break
     around it, the ops around it compiled; values and gradients are the eager step's, whatever
     the arguments' pytree (a call resumed after a break inside it once got Dynamo's stand-in for
     the dict's treespec, and failed)."""
-    monkeypatch.setattr(SIMULATED, "traceable", False)
+    _untraceable(monkeypatch)
     f = _dict_mlp()
     x, w1, b1, w2 = _args()
     step = _step(f)
@@ -289,7 +296,7 @@ def test_a_torch_compiled_call_under_comm_mode_breaks_the_graph_and_is_counted()
 
 
 def test_fullgraph_names_why_a_call_cannot_be_traced(monkeypatch):
-    monkeypatch.setattr(SIMULATED, "traceable", False)
+    _untraceable(monkeypatch)
     f = _dict_mlp()
     x, w1, b1, w2 = _args()
     compiled = torch.compile(lambda x, p: f(x, p).sum(), backend="eager", fullgraph=True)

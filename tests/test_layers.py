@@ -3,7 +3,7 @@
 Value types at the bottom, then the core, the collectives, the backends, the API and the
 package's exports. A module imports only its own layer or lower ones; the backends import neither
 the API nor each other; a function-local import never runs back up (the lazy imports point down
-or within a backend: the distributed backend's by the API, so a process using only simulated
+or within a backend: ``ns.shard``'s of the distributed backend, so a process using only simulated
 meshes never loads torch.distributed, and the simulated compile path's, so an eager-only process
 never loads Dynamo). Imports under ``if TYPE_CHECKING:`` are for annotations and do not count.
 """
@@ -18,7 +18,16 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "named_spmd"
 
 LAYERS = {
-    0: {"_errors", "_types", "_spec", "_mesh", "_layout", "_torch_private", "_debug"},
+    0: {
+        "_errors",
+        "_types",
+        "_spec",
+        "_mesh",
+        "_layout",
+        "_torch_private",
+        "_debug",
+        "_capabilities",
+    },
     1: {
         "_tree",
         "_accounting",
@@ -43,6 +52,7 @@ LAYERS = {
     3: {"backends"},
     4: {
         "_api",
+        "_call",
         "_call_checks",
         "_out_problems",
         "_compile",
@@ -173,10 +183,10 @@ def test_the_only_function_local_package_imports_point_down():
         for imported, _, in_function in imports_of(path)
         if in_function
     ]
-    # the API (and ns.shard) load the distributed backend only for a real mesh; the API and the
-    # simulated backend load the compile paths (which import Dynamo) only when Dynamo traces
+    # ns.shard loads the distributed backend only for a real mesh (make_mesh asks the
+    # registry, which loads it by name); the API and the simulated backend load the compile
+    # paths (which import Dynamo) only when Dynamo traces
     assert set(local) <= {
-        ("_api", "backends.distributed"),
         ("_shard", "backends._dist_shard"),
         ("backends.simulated", "backends.simulated._traced"),
         ("_api", "_traced"),

@@ -1,4 +1,5 @@
-"""Backends: who runs a mapped call, picked per mesh by :func:`backend_for`.
+"""Backends: who runs a mapped call, picked per mesh by :func:`backend_for`; who makes and
+recognises meshes (:func:`make_mesh`, :func:`adopt_mesh`).
 
 A backend is an object with the :class:`Backend` interface; the collectives talk to the running
 call through its :class:`~named_spmd._context.SpmdContext` subclass (the primitives). The
@@ -13,52 +14,40 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from .._context import SpmdContext
+from .._capabilities import Capabilities
 from .._errors import SpmdError
 from .._mesh import Mesh
-from .._spec import PartitionSpec
 
-#: The per-instance body a backend runs: (local argument leaves, the backend's context) ->
-#: the output tensors. Its attribute ``mapped`` is the running ``SpmdFunction`` (its in_specs,
-#: out_specs and check_vma: what a backend's cache per mapped function keys on); its attribute
-#: ``local`` says that the call's leaves are this process's blocks and its outputs must be too
-#: (``SpmdFunction.local``; only on a backend whose ``local_blocks`` is true).
-Body = Callable[[list[Any], SpmdContext], list[torch.Tensor]]
+if TYPE_CHECKING:
+    from .._call import Call
 
 
 class Backend(Protocol):
     """What runs a mapped call (see docs/design.md, "Adding a backend")."""
 
     name: str
-    #: Whether Dynamo traces a whole call on this backend. Where not, a call made inside a
-    #: ``torch.compile``d function runs eagerly: a graph break around it (``SpmdFunction``).
-    traceable: bool
-    #: Whether a process holds only its own instances' blocks (a real mesh), so that
-    #: ``SpmdFunction.local`` passes them in and out as they are. Where not (the process holds
-    #: every instance), a local call is the global call.
-    local_blocks: bool
+    #: What its calls can be: traced whole by Dynamo, on this process's blocks, on blocks of
+    #: unequal sizes (:class:`~named_spmd._capabilities.Capabilities`).
+    capabilities: Capabilities
 
     def accepts(self, mesh: Mesh) -> bool:
         """Whether this backend runs calls on ``mesh``."""
         ...
 
-    def run(
-        self,
-        mesh: Mesh,
-        fn: Callable[..., Any],
-        leaves: list[Any],
-        specs: list[PartitionSpec],
-        body: Body,
-        out_specs_of: Callable[[], list[PartitionSpec]],
-    ) -> list[Any]:
-        """Run ``body(local_leaves, ctx)`` per instance with a context of this backend pushed by
-        the body; return the output tensors assembled to global values (``out_specs_of()`` is
-        known once the body ran)."""
+    def uneven_state(self) -> bool:
+        """Whether calls made now run on blocks of unequal sizes whatever their inputs
+        (``ns.simulate_per_instance()``), on a backend that takes such blocks; a key of the
+        input checks' cache, asked at every call."""
+        ...
+
+    def run(self, call: Call) -> list[Any]:
+        """Run ``call.body(local_leaves, ctx)`` per instance on ``call.mesh``, the local
+        leaves laid out from ``call.leaves`` per ``call.specs`` (``call.local``: they are this
+        process's blocks already), with a context of this backend (the body pushes it); return
+        the output tensors assembled to global values per ``call.out_specs()`` (known once the
+        body ran)."""
         ...
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
@@ -94,13 +83,38 @@ def adopt_mesh(obj: Any) -> Mesh | None:
     return None
 
 
+#: The backend module that makes each kind of mesh (its ``BACKEND.make_mesh(shape, names,
+#: device_type)``), by whether its instances are processes: loaded only to make one, so a
+#: process making only simulated meshes never imports torch.distributed.
+_MESH_MAKERS = {False: "named_spmd.backends.simulated", True: "named_spmd.backends.distributed"}
+
+
+def make_mesh(
+    shape: tuple[int, ...], names: tuple[str, ...], device_type: str | None, real: bool | None
+) -> Mesh:
+    """A mesh made by the backend of its kind: one instance per process where ``real`` (None:
+    exactly when a torch.distributed process group is initialized), else simulated here."""
+    if real is None:
+        real = _processes_ready()
+    return _loaded(_MESH_MAKERS[real]).BACKEND.make_mesh(shape, names, device_type)
+
+
+def _processes_ready() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _loaded(module: str) -> Any:
+    return sys.modules.get(module) or importlib.import_module(module)
+
+
 def backend_for(mesh: Mesh) -> Backend:
     """The backend that runs calls on ``mesh``."""
     for name in _MODULES[:-1]:
         module = sys.modules.get(name)
         if module is not None and module.BACKEND.accepts(mesh):
             return module.BACKEND
-    default = (sys.modules.get(_MODULES[-1]) or importlib.import_module(_MODULES[-1])).BACKEND
+    default = _loaded(_MODULES[-1]).BACKEND
     if not default.accepts(mesh):
         raise SpmdError(f"no named_spmd backend runs calls on {mesh!r}")
     return default

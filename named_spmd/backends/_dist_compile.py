@@ -46,6 +46,9 @@ from ._dist_io import (
     block_input,
 )
 
+if TYPE_CHECKING:
+    from .._call import Call
+
 _F = torch_private.funcol()  # bound at import: Dynamo reads module attributes as constants
 
 
@@ -335,12 +338,13 @@ def _local_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) ->
     return y
 
 
-def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
+def run(call: Call) -> list[Any]:
     """``distributed.run`` while Dynamo traces: see the module docstring."""
     route_view_attributes()
-    ctx = CompiledContext(mesh, fn)
-    ctx.checked = body.mapped.check_vma
-    local_call = body.local  # SpmdFunction.local: this rank's blocks in and out
+    ctx = CompiledContext(call.mesh, call.fn)
+    ctx.checked = call.mapped.check_vma
+    local_call = call.local  # SpmdFunction.local: this rank's blocks in and out
+    leaves, specs = call.leaves, call.specs
     with torch_private.DisableTorchFunction():
         local = [
             ctx.stamp_input(
@@ -351,7 +355,7 @@ def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
             for i, (leaf, spec) in enumerate(zip(leaves, specs))
         ]
     with CompiledVmaMode(ctx):
-        outs = body(local, ctx)
+        outs = call.body(local, ctx)
     output = _local_output if local_call else _global_output
     with torch_private.DisableTorchFunction():
-        return [output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
+        return [output(ctx, y, s) for y, s in zip(outs, call.out_specs())]

@@ -19,7 +19,7 @@ as the backward pass reaches each collective.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
@@ -29,6 +29,7 @@ from .. import _torch_private as torch_private
 from .._accounting import CommMode
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
+from .._capabilities import Capabilities
 from .._check import CheckReport, OutputCheck, ShapeDtype
 from .._errors import SpmdError
 from .._layout import global_shape, is_even, local_shape
@@ -37,6 +38,10 @@ from .._spec import PartitionSpec
 from .._stamps import TrackedContext
 from .._tracking import VmaMode
 from .._types import Vma, VType
+
+if TYPE_CHECKING:
+    from .._call import Call
+    from . import Backend
 
 _META = torch.device("meta")
 
@@ -189,22 +194,23 @@ class AbstractBackend:
     """One check: runs the call abstractly and keeps what :meth:`report` needs.
 
     ``like``: the backend whose call this check stands for; the check takes blocks of unequal
-    sizes exactly where it does (its ``takes_uneven`` and ``uneven_state``). Such a call (or one
+    sizes exactly where it does (its ``capabilities.uneven_blocks`` and ``uneven_state()``;
+    never traced, never on blocks: ``.check()`` takes global values). Such a call (or one
     run per instance on request) is checked per instance with ``per_instance``, on meta tensors:
     each instance's own block shapes, so a collective over operands of different shapes is the
     error the call raises, and the output shapes are the call's."""
 
     name = "abstract"
-    traceable = False  # .check() runs on meta tensors, never inside a compiled program
-    local_blocks = False  # .check() takes global values
 
     def __init__(
         self,
         grads: list[bool],
         backward: bool,
-        like: Any = None,
+        like: Backend,
         per_instance: PerInstance | None = None,
     ):
+        uneven = like.capabilities.uneven_blocks
+        self.capabilities = Capabilities(traceable=False, local_blocks=False, uneven_blocks=uneven)
         self.grads = grads
         self.backward = backward
         self.like = like
@@ -217,32 +223,28 @@ class AbstractBackend:
     def accepts(self, mesh: Mesh) -> bool:
         return True
 
-    def uneven_state(self) -> Any:
-        state = getattr(self.like, "uneven_state", None)
-        return None if state is None else state()
+    def uneven_state(self) -> bool:
+        return self.like.uneven_state()
 
-    def takes_uneven(self, spec: PartitionSpec) -> bool:
-        takes = getattr(self.like, "takes_uneven", None)
-        return takes is not None and takes(spec)
-
-    def run(self, mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
+    def run(self, call: Call) -> list[Any]:
+        mesh, leaves, specs = call.mesh, call.leaves, call.specs
         if self._runs_per_instance(mesh, leaves, specs):
-            return self._run_per_instance(mesh, fn, leaves, specs, body, out_specs_of)
-        ctx = self.ctx = AbstractContext(mesh, fn)
+            return self._run_per_instance(call)
+        ctx = self.ctx = AbstractContext(mesh, call.fn)
         local = [
             self._local(x, s, mesh, g) if isinstance(x, torch.Tensor) else x
             for x, s, g in zip(leaves, specs, self.grads)
         ]
         with self.comms:
             with torch.device(_META), AbstractVmaMode(ctx):
-                outs = body(local, ctx)
+                outs = call.body(local, ctx)
             if self.backward:
                 _run_backward(outs)
         self.outputs = outs
         sizes = mesh._shape
         return [
             ShapeDtype(global_shape(y.shape, s, sizes), y.dtype)
-            for y, s in zip(outs, out_specs_of())
+            for y, s in zip(outs, call.out_specs())
         ]
 
     def _runs_per_instance(self, mesh: Mesh, leaves: list[Any], specs) -> bool:
@@ -250,17 +252,17 @@ class AbstractBackend:
         size (the input checks let such a split through only where ``like`` takes it)."""
         if mesh.size == 1 or self.per_instance is None:
             return False
-        return bool(self.uneven_state()) or any(
+        return self.uneven_state() or any(
             isinstance(x, torch.Tensor) and not is_even(x.shape, s, mesh._shape)
             for x, s in zip(leaves, specs)
         )
 
-    def _run_per_instance(self, mesh, fn, leaves, specs, body, out_specs_of) -> list[Any]:
+    def _run_per_instance(self, call: Call) -> list[Any]:
         """Every instance on its own meta blocks (nothing of a block's size is allocated, but
         the cost grows with the number of instances, as the call's does)."""
         assert self.per_instance is not None  # _runs_per_instance
         self.instances = True
-        for x, g in zip(leaves, self.grads):
+        for x, g in zip(call.leaves, self.grads):
             if isinstance(x, torch.Tensor):
                 x.requires_grad_(g and self.backward)
 
@@ -269,9 +271,7 @@ class AbstractBackend:
 
         with self.comms:
             with torch.device(_META):
-                outs = self.per_instance(
-                    mesh, fn, leaves, specs, body, out_specs_of, inner_mode=MetaAliases, first=first
-                )
+                outs = self.per_instance(call, inner_mode=MetaAliases, first=first)
             if self.backward:
                 _run_backward(outs)
         return [ShapeDtype(tuple(y.shape), y.dtype) for y in outs]

@@ -29,8 +29,7 @@ naming it; ``NAMED_SPMD_DEBUG=1`` checks that all ranks call the same collective
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import optree
 import torch
@@ -40,6 +39,7 @@ from .. import _torch_private as torch_private
 from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._calls import uneven_blocks_requested
+from .._capabilities import Capabilities
 from .._collectives._record import implicit_pvary, record_implicit_psum
 from .._context import SpmdContext
 from .._debug import debug_enabled, set_debug
@@ -70,6 +70,9 @@ from ._dist_mesh import (
     mesh_from_device_mesh,
     registered_mesh,
 )
+
+if TYPE_CHECKING:
+    from .._call import Call
 
 __all__ = [
     "DistributedMesh",
@@ -260,17 +263,12 @@ def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool) -> None
         _dist_agree.check_call_agrees(ctx, leaves, local_call)
 
 
-def run(
-    mesh: DistributedMesh,
-    fn: Callable[..., Any],
-    leaves: list[Any],
-    specs: list[PartitionSpec],
-    body: Callable[[list[Any], DistributedContext], list[torch.Tensor]],
-    out_specs_of: Callable[[], list[PartitionSpec]],
-) -> list[Any]:
-    """Run ``body`` on this rank's blocks; return the outputs as DTensors (see module doc)."""
+def run(call: Call) -> list[Any]:
+    """Run ``call.body`` on this rank's blocks; return the outputs as DTensors (module doc)."""
     if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path
-        return _dist_compile.run(mesh, fn, leaves, specs, body, out_specs_of)
+        return _dist_compile.run(call)
+    mesh = cast(DistributedMesh, call.mesh)  # (accepts)
+    leaves, specs, body = call.leaves, call.specs, call.body
     if (
         _dist_overlap._PENDING and torch_private.current_graph_task_id() == -1
     ):  # a backward that raised
@@ -279,15 +277,19 @@ def run(
     board.begin_call()
     traced = torch_private.proxy_tracing()
     mesh.debug = debug_enabled() and not traced  # (its checks compare values: none to compare)
-    local_call = body.local  # type: ignore[attr-defined]  # SpmdFunction.local: blocks in, out
-    uneven = _takes_uneven_blocks(mesh, leaves, specs, body)
+    local_call = call.local  # SpmdFunction.local: this rank's blocks in and out
+    uneven = _takes_uneven_blocks(mesh, leaves, specs, local_call)
     ctx = (UnevenContext if uneven else ProxyTracedContext if traced else DistributedContext)(
-        mesh, fn
+        mesh, call.fn
     )
-    ctx.checked = body.mapped.check_vma  # type: ignore[attr-defined]
+    ctx.checked = call.mapped.check_vma
     # a call typed once per signature: untyped replays on one rank, planned ones on several
     # (not an uneven call: its ranks' shapes differ, and it types every call as simulated)
-    replay = None if traced or uneven else Replay(body, mesh, leaves, specs, planned=mesh.size > 1)
+    replay = (
+        None
+        if traced or uneven
+        else Replay(call.mapped, mesh, leaves, specs, planned=mesh.size > 1)
+    )
     board.check_in_step()  # (not posted: it reposts the failure it is a consequence of)
     try:
         if uneven:
@@ -314,12 +316,12 @@ def run(
             mesh.pending_check()
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
-            _dist_agree.check_replicas_agree(ctx, outs, out_specs_of())
+            _dist_agree.check_replicas_agree(ctx, outs, call.out_specs())
         if uneven:
-            result = _dist_uneven.outputs(ctx, outs, out_specs_of())
+            result = _dist_uneven.outputs(ctx, outs, call.out_specs())
         else:
             output = local_output if local_call else global_output
-            result = [output(ctx, y, s) for y, s in zip(outs, out_specs_of())]
+            result = [output(ctx, y, s) for y, s in zip(outs, call.out_specs())]
         board.finished = board.seq
         return result
     except RankFailedError:
@@ -373,13 +375,13 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException) -> BaseException:
 
 
 def _takes_uneven_blocks(
-    mesh: DistributedMesh, leaves: list[Any], specs: list[PartitionSpec], body: Any
+    mesh: DistributedMesh, leaves: list[Any], specs: list[PartitionSpec], local_call: bool
 ) -> bool:
     """Whether the call takes blocks of unequal sizes: where the simulated mesh runs per
     instance (an input's blocks differ in size, or ``ns.simulate_per_instance()`` asks), so
     that the backends accept and refuse the same inputs. A local call's blocks are the
     caller's."""
-    if body.local or mesh.size == 1:
+    if local_call or mesh.size == 1:
         return False
     return uneven_blocks_requested() or gives_unequal_blocks(leaves, specs, mesh._shape)
 
@@ -417,23 +419,21 @@ class DistributedBackend:
     """One instance per process, on a DeviceMesh."""
 
     name = "distributed"
-    traceable = True  # _dist_compile: the whole call traced into the graph
-    local_blocks = True  # SpmdFunction.local: this rank's blocks in and out
+    # _dist_compile: the whole call traced into the graph; SpmdFunction.local: this rank's
+    # blocks in and out; unequal blocks as on the simulated mesh (``_dist_uneven``)
+    capabilities = Capabilities(traceable=True, local_blocks=True, uneven_blocks=True)
 
     def accepts(self, mesh: Mesh) -> bool:
         return isinstance(mesh, DistributedMesh)
 
     run = staticmethod(run)
     adopt = staticmethod(mesh_from_device_mesh)  # a user's DeviceMesh (``backends.adopt_mesh``)
+    # a mesh of one rank per instance (``backends.make_mesh``)
+    make_mesh = staticmethod(make_distributed_mesh)
 
     def uneven_state(self) -> bool:
         """Whether calls made now take dims the axes do not divide (as the simulated mesh)."""
         return uneven_blocks_requested()
-
-    def takes_uneven(self, spec: PartitionSpec) -> bool:
-        """Dims the group does not divide are taken (``torch.chunk``'s blocks), as are the
-        unequal sizes a ``Blocks`` entry gives, as on the simulated mesh (``_dist_uneven``)."""
-        return True
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         return None

@@ -26,8 +26,8 @@ import contextlib
 import functools
 import re
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,10 +35,10 @@ from ... import _blocks
 from ... import _torch_private as torch_private
 from ..._accounting import recording
 from ..._calls import request_uneven_blocks, uneven_blocks_requested
+from ..._capabilities import Capabilities
 from ..._errors import SpmdError, VmaError, fn_label
 from ..._layout import gives_unequal_blocks
 from ..._mesh import Mesh
-from ..._spec import PartitionSpec
 from . import _inner_grad, _one_instance, _per_instance
 from . import _instances as _instances  # installs the per-instance printing of values
 from ._compiled import compiled_pieces_eagerly
@@ -47,6 +47,9 @@ from ._marks import PartialMode
 from ._plan import _input_plan, from_physical, partial_input
 from ._primitives import SimulatedContext
 from ._recording import ImplicitPvaryRecorder
+
+if TYPE_CHECKING:
+    from ..._call import Call
 
 # a grad level entered inside a call casts its implicit pvarys (``_inner_grad``)
 torch_private.hook_grad_levels(_inner_grad.entered, _inner_grad.leaving)
@@ -139,26 +142,20 @@ def _load_decompositions() -> None:
     torch_private.lazy_load_decompositions()
 
 
-def run(
-    mesh: Mesh,
-    fn: Callable[..., Any],
-    leaves: list[Any],
-    specs: list[PartitionSpec],
-    body: Callable[[list[Any], Any], list[torch.Tensor]],
-    out_specs_of: Callable[[], list[PartitionSpec]],
-) -> list[torch.Tensor]:
-    """Run ``body`` (per instance: local leaves -> local output tensors) on every instance.
+def run(call: Call) -> list[torch.Tensor]:
+    """Run ``call.body`` (per instance: local leaves -> local output tensors) on every instance.
 
-    Returns the output tensors assembled to global values with ``out_specs_of()`` (known only
-    once the body has run).
+    Returns the output tensors assembled to global values with ``call.out_specs()`` (known
+    only once the body has run).
 
     The vmap levels are entered directly (what ``torch.func.vmap`` does inside, one level per
     axis, outermost first) rather than through nested ``vmap`` wrappers: that saves building the
     wrappers per call and, on the way out, lets an output stay free of the axes it is invariant
     over. ``vmap(out_dims=0)`` would expand it over them, and the instance-0 selection that
     followed cost a zero fill, a copy and a sum of the full expanded size in backward."""
+    mesh, fn, leaves, specs = call.mesh, call.fn, call.leaves, call.specs
     if mesh.size == 1:  # nothing to batch: the function runs once (``_one_instance``)
-        return _one_instance.run(mesh, fn, leaves, specs, body, out_specs_of)
+        return _one_instance.run(call)
     _load_decompositions()
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     inputs = tuple((tuple(leaves[i].shape), leaves[i].element_size(), specs[i]) for i in tensor_pos)
@@ -195,9 +192,9 @@ def run(
         if recording():  # report implicit pvary's backward psum; off the fast path
             ctx.recorder = ImplicitPvaryRecorder(ctx)
             with ctx.recorder:
-                outs = _run_body(body, local, ctx, blocks)
+                outs = _run_body(call.body, local, ctx, blocks)
         else:
-            outs = _run_body(body, local, ctx, blocks)
+            outs = _run_body(call.body, local, ctx, blocks)
         present: list[list[str]] = [[] for _ in outs]
         while levels:  # innermost first, each while its level is still the top one
             level, a = levels[-1], order[len(levels) - 1]
@@ -212,7 +209,7 @@ def run(
     finally:
         for _ in levels:
             torch_private.vmap_decrement_nesting()
-    return [from_physical(y, p, s, mesh) for y, p, s in zip(outs, present, out_specs_of())]
+    return [from_physical(y, p, s, mesh) for y, p, s in zip(outs, present, call.out_specs())]
 
 
 # Messages of functorch errors that mean "this code cannot run per instance under vmap".
@@ -282,31 +279,34 @@ class SimulatedBackend:
     """Every instance in this process, under nested vmap (the default backend)."""
 
     name = "simulated"
-    traceable = True  # _traced: the whole call traced into the graph
-    local_blocks = False  # one process holds every instance
+    # _traced: the whole call traced into the graph; one process holds every instance; blocks
+    # of unequal sizes run per instance (``_per_instance``)
+    capabilities = Capabilities(traceable=True, local_blocks=False, uneven_blocks=True)
 
     def accepts(self, mesh: Mesh) -> bool:
         return mesh.device_mesh is None
+
+    def make_mesh(
+        self, shape: tuple[int, ...], names: tuple[str, ...], device_type: str | None
+    ) -> Mesh:
+        """``make_mesh`` of a mesh simulated in this process (``backends.make_mesh``)."""
+        return Mesh(shape, names, device_type=device_type or "cpu")
 
     def uneven_state(self) -> bool:
         """Whether calls made now run per instance (``simulate_per_instance``)."""
         return uneven_blocks_requested()
 
-    def takes_uneven(self, spec: PartitionSpec) -> bool:
-        """Dims the group does not divide are taken (``torch.chunk``'s blocks), as are the
-        unequal sizes a ``Blocks`` entry gives: such a call runs per instance."""
-        return True
-
-    def run(self, mesh, fn, leaves, specs, body, out_specs_of):
+    def run(self, call: Call) -> list[torch.Tensor]:
         if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path
             from . import _traced  # imports Dynamo, loaded by now (not with every eager call)
 
-            return _traced.run(mesh, fn, leaves, specs, body, out_specs_of)
+            return _traced.run(call)
+        mesh = call.mesh
         if mesh.size > 1 and (
-            self.uneven_state() or gives_unequal_blocks(leaves, specs, mesh._shape)
+            self.uneven_state() or gives_unequal_blocks(call.leaves, call.specs, mesh._shape)
         ):
-            return _per_instance.run(mesh, fn, leaves, specs, body, out_specs_of)
-        return _run_eagerly(mesh, fn, leaves, specs, body, out_specs_of)
+            return _per_instance.run(call)
+        return _run_eagerly(call)
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         text = str(error)

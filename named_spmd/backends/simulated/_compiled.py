@@ -37,17 +37,18 @@ def compiled_pieces_eagerly(run: Callable[..., Any]) -> Callable[..., Any]:
     """``run`` that runs compiled functions inside the per-device function uncompiled."""
 
     @functools.wraps(run)
-    def run_pieces_eagerly(mesh, fn, leaves, specs, body, out_specs_of):
+    def run_pieces_eagerly(call):
+        fn = call.fn
         if id(fn) in _EAGER and not torch.compiler.is_compiling():
             with torch.compiler.set_stance("force_eager"):
-                return run(mesh, fn, leaves, specs, body, out_specs_of)
+                return run(call)
         try:
-            return run(mesh, fn, leaves, specs, body, out_specs_of)
+            return run(call)
         except Exception as error:
             if torch.compiler.is_compiling() or not _refused(error):
                 raise
         _EAGER[id(fn)] = fn
         with torch.compiler.set_stance("force_eager"):
-            return run(mesh, fn, leaves, specs, body, out_specs_of)
+            return run(call)
 
     return run_pieces_eagerly

@@ -48,14 +48,13 @@ def explained(run: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torc
     """``run`` whose torch errors from the user's code come out per instance (module doc)."""
 
     @functools.wraps(run)
-    def run_explained(mesh, fn, leaves, specs, body, out_specs_of):
+    def run_explained(call):
         try:
-            return run(mesh, fn, leaves, specs, body, out_specs_of)
+            return run(call)
         except _TORCH_ERRORS as error:
             if isinstance(error, SpmdError):
                 raise
-            again = functools.partial(run, mesh, fn, leaves, specs, body, out_specs_of)
-            better = _diagnose(error, again, fn, leaves)
+            better = _diagnose(error, functools.partial(run, call), call.fn, call.leaves)
             if better is None:
                 raise
             raise better from error

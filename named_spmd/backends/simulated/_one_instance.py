@@ -16,8 +16,7 @@ shows one plain tensor; ``scaled_dot_product_attention`` may pick torch's fused 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +28,9 @@ from ..._spec import PartitionSpec
 from ..._stamps import TrackedContext
 from ..._types import Vma
 from ._plan import from_physical
+
+if TYPE_CHECKING:
+    from ..._call import Call
 
 
 class OneInstanceContext(OneMemberPrimitives, TrackedContext):
@@ -63,23 +65,18 @@ def _local(ctx: OneInstanceContext, leaf: Any, spec: PartitionSpec) -> Any:
     return ctx.stamp_input(leaf, spec)
 
 
-def run(
-    mesh: Mesh,
-    fn: Callable[..., Any],
-    leaves: list[Any],
-    specs: list[PartitionSpec],
-    body: Callable[[list[Any], Any], list[torch.Tensor]],
-    out_specs_of: Callable[[], list[PartitionSpec]],
-) -> list[torch.Tensor]:
-    """``body`` once, on the global leaves; the outputs as the simulated backend returns them.
-    A call whose signature an earlier call type-checked is replayed untyped (``_replay``)."""
+def run(call: Call) -> list[torch.Tensor]:
+    """``call.body`` once, on the global leaves; the outputs as the simulated backend returns
+    them. A call whose signature an earlier call type-checked is replayed untyped
+    (``_replay``)."""
+    mesh, leaves, specs = call.mesh, call.leaves, call.specs
     device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
-    ctx = OneInstanceContext(mesh, fn, device)
-    replay = Replay(body, mesh, leaves, specs)
+    ctx = OneInstanceContext(mesh, call.fn, device)
+    replay = Replay(call.mapped, mesh, leaves, specs)
     if replay.begin(ctx):
         local = leaves
     else:
         local = [_local(ctx, leaf, spec) for leaf, spec in zip(leaves, specs)]
-    outs = replay.run(ctx, body, local)
+    outs = replay.run(ctx, call.body, local)
     # a view of each output: a tensor object of the caller's, without the call's stamps
-    return [from_physical(y, (), s, mesh) for y, s in zip(outs, out_specs_of())]
+    return [from_physical(y, (), s, mesh) for y, s in zip(outs, call.out_specs())]

@@ -21,7 +21,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from ..._stamps import TrackedContext
 from ..._tracking import VmaMode
 from ..._types import Vma
 from ._meeting import Aborted, Meeting
+
+if TYPE_CHECKING:
+    from ..._call import Call
 
 Tensor = torch.Tensor
 
@@ -316,21 +319,17 @@ def _body_on(
 
 
 def run(
-    mesh: Mesh,
-    fn: Callable[..., Any],
-    leaves: list[Any],
-    specs: list[PartitionSpec],
-    body: Callable[[list[Any], Any], list[Tensor]],
-    out_specs_of: Callable[[], list[PartitionSpec]],
+    call: Call,
     *,
     inner_mode: Callable[[], Any] | None = None,
     first: Callable[[InstanceContext, list[Tensor]], None] | None = None,
 ) -> list[Tensor]:
-    """``body`` on every instance, each on its own thread and block; outputs assembled.
+    """``call.body`` on every instance, each on its own thread and block; outputs assembled.
 
     For the check mode, which runs this on meta tensors: ``inner_mode`` makes a torch-function
     mode each instance enters inside its own (one that moves closed-over tensors to meta), and
     ``first`` is given instance 0's context and outputs (what its report types)."""
+    mesh, fn, leaves, specs = call.mesh, call.fn, call.leaves, call.specs
     label = fn_label(fn)
     if torch_private.transforms_active():
         raise SpmdError(
@@ -352,7 +351,7 @@ def run(
         ctx = InstanceContext(mesh, fn, meeting, i, device)
         failed = True
         try:
-            outs[i] = _body_on(ctx, body, inputs[i], specs, inner_mode)
+            outs[i] = _body_on(ctx, call.body, inputs[i], specs, inner_mode)
             failed = False
             if i == 0 and first is not None:
                 first(ctx, outs[i])
@@ -378,7 +377,7 @@ def run(
     for f in others:
         f.result()  # (worker catches everything: the errors are in ``errors``)
     _raise_first(meeting, errors)
-    return [_assemble(mesh, [o[j] for o in outs], s, label) for j, s in enumerate(out_specs_of())]
+    return [_assemble(mesh, [o[j] for o in outs], s, label) for j, s in enumerate(call.out_specs())]
 
 
 def _caller_state(device_type: str) -> list[Callable[[], Any]]:

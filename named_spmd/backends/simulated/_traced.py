@@ -29,7 +29,7 @@ per-instance wording of torch's errors.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,9 @@ from ..._spec import PartitionSpec
 from ..._traced import CompiledVmaMode, TracedContext, route_view_attributes, warm_types_eagerly
 from ..._types import INVARIANT
 from ._plan import from_physical, partial_input
+
+if TYPE_CHECKING:
+    from ..._call import Call
 
 # --- the one custom op ------------------------------------------------------------------------
 #
@@ -256,9 +259,10 @@ def _math_attention_args(
     return (q, k, v, attn_mask, 0.0, is_causal), {"scale": scale}
 
 
-def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[torch.Tensor]:
+def run(call: Call) -> list[torch.Tensor]:
     """The simulated ``run`` while Dynamo traces: see the module docstring."""
     route_view_attributes()
+    mesh, fn, leaves, specs = call.mesh, call.fn, call.leaves, call.specs
     names = mesh.axis_names
     warm_types_eagerly(names)
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -274,7 +278,7 @@ def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[torch.Tensor]:
             x = partial_input(ctx, x, spec) if spec.reduced or spec.unreduced else x.view_as(x)
             local[i] = ctx.stamp_input(x, spec)
         with _SimulatedVmaMode(ctx):
-            outs = body(local, ctx)
+            outs = call.body(local, ctx)
         return outs or [tokens[0]]  # vmap needs an output; an unused one
 
     mapped = per_instance
@@ -287,7 +291,7 @@ def run(mesh, fn, leaves, specs, body, out_specs_of) -> list[torch.Tensor]:
     outs = mapped(physical, tokens)
     with torch_private.DisableTorchFunction():
         return [
-            from_physical(y, names, s, mesh, cached=False) for y, s in zip(outs, out_specs_of())
+            from_physical(y, names, s, mesh, cached=False) for y, s in zip(outs, call.out_specs())
         ]
 
 
