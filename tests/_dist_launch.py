@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import json
 import os
 import select
@@ -113,7 +114,12 @@ def collect(server: _Server, pids: list[int], logs: list, timeout: float, t0: fl
     timed_out = len(codes) < len(pids)
     if timed_out:
         codes.update(server.wait(pids, time.monotonic()))  # those that ended meanwhile
-        for pid in pids:
+        stuck = [pid for pid in pids if pid not in codes]
+        for pid in stuck:  # each writes every thread's stack to its log (faulthandler)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        codes.update(server.wait(pids, time.monotonic() + 2.0))
+        for pid in stuck:
             if pid not in codes:
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                     os.kill(pid, signal.SIGKILL)
@@ -265,6 +271,9 @@ def _become(request: dict) -> None:
     os.dup2(log, 2)
     os.close(null)
     os.close(log)
+    # a rank still running at the launch's timeout is sent SIGUSR1 first (``collect``): where
+    # each of its threads waits, in the log the test reports
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = request["args"]
     if args[0] == "-c":
         import types

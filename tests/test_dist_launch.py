@@ -71,7 +71,9 @@ def test_ranks_end_as_a_fresh_interpreter_would():
     assert "ValueError: rank 2 raises" in finished.outputs[2], finished.outputs[2]
 
 
-def test_a_rank_past_the_timeout_is_killed():
+def test_a_rank_past_the_timeout_is_killed_after_writing_its_stack():
     finished = launch(["-c", "import time; print('UP', flush=True); time.sleep(600)"], 2, 5)
     assert finished.timed_out and finished.returncodes == [-9, -9], finished.outputs
     assert finished.lines("UP") == ["", ""] and finished.seconds < 60, finished
+    # before the kill, each rank wrote where it waited: the user's line
+    assert all('File "<string>", line 1' in out for out in finished.outputs), finished.outputs
