@@ -41,13 +41,14 @@ PROGRAMS = [
     "relayout_out_tpdp@4",
     "block@4",
 ]
+# One error per check that raises while Dynamo traces the real mesh's call: out_specs, a
+# collective's operand, in_specs, the partial-sum inference (its other cases:
+# tests/test_compile_simulated.py), a random seed.
 ERRORS = [
     "out_specs_claim_replication",
     "invariant_operand",
     "in_specs_not_a_prefix",
     "bias_inside_psum",
-    "linear_bias_inside_psum",
-    "relu_of_partial",
     "tensor_seed",
 ]
 
@@ -71,8 +72,8 @@ PLAN = {
         "training": ["training_step"],
         "dtypes": ["dtypes"],
     },
-    "inductor": {
-        "programs": EACH_KIND,
+    "inductor": {  # psum's all-reduce: the bucketed programs, checked against eager too
+        "programs": [name for name in EACH_KIND if name != "megatron_biases@4"],
         "bucketed": ["data_parallel@4", "two_tp_layers"],
     },
 }
