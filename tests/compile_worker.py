@@ -268,15 +268,11 @@ def check_comm_mode(name: str, backend: str) -> dict:
 
 def check_bucketed(name: str, backend: str) -> dict:
     """``ns.compile`` with Inductor buckets the graph's independent all-reduces: fewer run per
-    step than with the bucketing turned off (``data_parallel@4``: the replicated parameters'
-    gradient psums) or without the pass that makes the gradients' waits adjacent first
-    (``two_tp_layers``: two Megatron layers on DTensor parameters, whose backward puts an
-    activation's psum over tp between the gradients' psums over dp), with eager's values."""
-    if name == "two_tp_layers":
-        f, args = two_tp_layers()
-    else:
-        prog, f = mapped(name)
-        args = prog.args()
+    step than without the pass that makes the gradients' waits adjacent first, and fewer still
+    than with the bucketing turned off, with eager's values. ``name`` is ``two_tp_layers``: two
+    Megatron layers on DTensor parameters, whose backward puts an activation's psum over tp
+    between the gradients' psums over dp."""
+    f, args = two_tp_layers()
     torch._dynamo.reset()
     want = evaluate(f, args, 1.0)
     configs = {
@@ -284,8 +280,6 @@ def check_bucketed(name: str, backend: str) -> dict:
         "no adjacent waits": {BUCKET_OPTION: "all", PRE_PASS_OPTION: None},
         "unbucketed": {BUCKET_OPTION: "none"},
     }
-    if name != "two_tp_layers":  # the pre-pass matters where waits interleave: two_tp_layers
-        del configs["no adjacent waits"]
     problems, counts = [], {}
     for label, options in configs.items():
         compiled = ns.compile(f, fullgraph=True, options=options) if options else ns.compile(f)
@@ -294,8 +288,7 @@ def check_bucketed(name: str, backend: str) -> dict:
             got = evaluate(compiled, args, 1.0)
         counts[label] = sum(e.name == "c10d::allreduce_" for e in prof.events())
         problems += [f"{label}: {p}" for p in differences(got, want)]
-    fewer = "no adjacent waits" if name == "two_tp_layers" else "unbucketed"
-    if not 0 < counts["default"] < counts[fewer]:
+    if not 0 < counts["default"] < counts["no adjacent waits"]:
         problems.append(f"all-reduces per step {counts}: the default should run fewer")
     return {"bucketed": counts, "problems": problems}
 
@@ -536,6 +529,9 @@ COMPILED_DTYPES = [
     torch.float8_e4m3fn,
 ]
 assert set(COMPILED_DTYPES) <= set(DTYPES)
+# The dtype whose refused program is compiled too: a refusal is one dtype check made before any
+# communication, the same code for every dtype (test_faults.py runs every refusal on both meshes).
+REFUSED_COMPILED = torch.float8_e4m3fn
 
 
 def check_dtypes(name: str, backend: str) -> dict:
@@ -544,10 +540,10 @@ def check_dtypes(name: str, backend: str) -> dict:
     block bit for bit, or the error, as the eager call (which test_faults.py compares with the
     simulated mesh). The programs the eager call runs for a dtype are compiled as one call (one
     trace per dtype, not per program). A refused program raises at trace time: the first one
-    the eager call refuses for each dtype is compiled on its own (the refusal is one dtype check
-    before any communication, which test_faults.py runs for every pair on both meshes)."""
+    the eager call refuses for ``REFUSED_COMPILED`` is compiled on its own."""
     mesh = ns.make_mesh((2, 2), ("dp", "tp"))
     problems: list[str] = []
+    refusals = 0
     for dtype in COMPILED_DTYPES:
         x = dtype_input(dtype)
         eager = {n: _outcome(lambda: dtype_call(mesh, dtype, n)) for n in DTYPE_PROGRAMS}
@@ -562,18 +558,20 @@ def check_dtypes(name: str, backend: str) -> dict:
                     for n, o in zip(names, got)
                     if o != eager[n]
                 ]
-        for n in [n for n in DTYPE_PROGRAMS if n not in ran][:1]:
+        refused = [n for n in DTYPE_PROGRAMS if n not in ran]
+        for n in refused[:1] if dtype == REFUSED_COMPILED else []:
             fn, in_spec, out_spec, check_vma = DTYPE_PROGRAMS[n]
             f = ns.spmd_map(
                 fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=check_vma
             )
             o = _outcome_each(f, backend, 1, x)[0]
+            refusals += 1
             want = eager[n]
             if "error" not in o or not (
                 want["error"] in o["message"] and want["message"].split("\n")[0] in o["message"]
             ):
                 problems.append(f"{dtype} {n}: compiled {o}, eager {want}")
-    return {"dtypes": len(COMPILED_DTYPES), "problems": problems}
+    return {"dtypes": len(COMPILED_DTYPES), "refusals": refusals, "problems": problems}
 
 
 def _outcome_each(f, backend: str, n: int, x: torch.Tensor) -> list[dict]:
