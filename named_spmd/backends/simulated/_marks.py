@@ -56,9 +56,14 @@ class PartialMode(TorchFunctionMode):
         self.ctx = ctx
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        return self.typed(func, args, kwargs or {})[0]
+
+    def typed(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, Vma | None, bool]:
+        """``func``'s result; the type marked on its tensors (None: their marks were left as
+        they were); whether an operand held blocks (the results' block records were then
+        written or dropped by ``_blocks.after_op``). A plan (``_planned``) keeps the last two."""
         if func in NOT_OPS:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs), None, False
         operands = tensor_operands(args, kwargs)
         token = self.ctx.token
         marked = blocked = False
@@ -71,7 +76,7 @@ class PartialMode(TorchFunctionMode):
             if m is not None and m[0] is token:
                 blocked = True
         if not marked and not blocked:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs), None, False
         vma = None
         if marked:
             vmas = [self.ctx.vma(t) for t in operands]
@@ -89,4 +94,4 @@ class PartialMode(TorchFunctionMode):
             for o in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(o, torch.Tensor):
                     set_mark(o, token, vma)
-        return out
+        return out, vma, blocked
