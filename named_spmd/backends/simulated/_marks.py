@@ -18,12 +18,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ... import _blocks
-from ..._operands import NOT_OPS, tensor_operands
+from ..._operands import METADATA, NOT_OPS, tensor_operands
 from ..._partial import typed_call
 from ..._types import Vma
 
 ATTR = "_named_spmd_partial"
 _BLOCKS = _blocks.ATTR
+UNTYPED = NOT_OPS | METADATA  # run as they are: no value computed, or no tensor result
 
 
 def mark_of(x: torch.Tensor, token: object) -> Vma | None:
@@ -62,7 +63,7 @@ class PartialMode(TorchFunctionMode):
         """``func``'s result; the type marked on its tensors (None: their marks were left as
         they were); whether an operand held blocks (the results' block records were then
         written or dropped by ``_blocks.after_op``). A plan (``_planned``) keeps the last two."""
-        if func in NOT_OPS:
+        if func in UNTYPED:
             return func(*args, **kwargs), None, False
         operands = tensor_operands(args, kwargs)
         token = self.ctx.token

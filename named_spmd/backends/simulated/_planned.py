@@ -23,15 +23,17 @@ import torch
 
 from ... import _blocks
 from ... import _torch_private as torch_private
-from ..._operands import NOT_OPS
+from ..._operands import METADATA, NOT_OPS
 from ..._plan import Plan, Step, _held, _results, _same
 from ..._replay import _MAX_SIGNATURES, Replay
+from ..._stamps import _NUMBERS, _number
 from ..._stamps import _SRC as SRC
 from ._marks import PartialMode, set_mark
 
 Tensor = torch.Tensor
 _BLOCKS = _blocks.ATTR
 FORGET = object()  # a step's block record for a result whose record typing dropped
+maybe_current_level = torch_private.maybe_current_level
 
 
 def guard_key(ctx: Any, args: tuple, kwargs: dict | None) -> tuple:
@@ -65,7 +67,7 @@ def _unnumbered(ctx: Any, a: Tensor) -> tuple:
 def _transform_inside(ctx: Any) -> bool:
     """Whether a torch.func transform entered inside the call is active (the call's own vmap
     levels are the innermost otherwise)."""
-    return torch_private.maybe_current_level() != ctx.inner_level
+    return maybe_current_level() != ctx.inner_level
 
 
 class PlanningMode(PartialMode):
@@ -81,6 +83,8 @@ class PlanningMode(PartialMode):
         kwargs = kwargs or {}
         if not self.hooks_seen and torch_private.saved_tensors_hooks_active():
             self.hooks_seen = True
+        if func in METADATA:  # nothing to type: no step (a replay runs them as they are too)
+            return func(*args, **kwargs)
         if func in NOT_OPS or _transform_inside(self.ctx):
             self.replayable = False  # differentiation inside the call: typed every call
         ctx = self.ctx
@@ -116,10 +120,13 @@ class ReplayMode(PartialMode):
         self.diverged = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in METADATA:
+            return func(*args, **kwargs) if kwargs else func(*args)
         ctx = self.ctx
         if not self.diverged and not ctx.in_collective:
             i = self.i
-            if i < len(self.steps) and not _transform_inside(ctx):
+            # (_transform_inside, inlined: this runs for every op)
+            if i < len(self.steps) and maybe_current_level() == ctx.inner_level:
                 step = self.steps[i]
                 # (a property's getter is a new method-wrapper at each access: equal, not same)
                 if (step.func is func or step.func == func) and _same(
@@ -142,7 +149,9 @@ class ReplayMode(PartialMode):
                 o.__dict__.pop(_BLOCKS, None)
             elif lay is not None:
                 o.__dict__[_BLOCKS] = (token, lay)
-            ctx.number(o)
+            n = ctx.numbered  # (ctx.number, inlined: this runs for every result)
+            o.__dict__[SRC] = (token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
+            ctx.numbered = n + 1
         return out
 
     def count(self, plan: Plan) -> None:
