@@ -51,6 +51,11 @@ def mark(x: torch.Tensor, spec: Any, token: object) -> bool:
     return False
 
 
+def holds_blocks(spec: Any, ndim: int) -> bool:
+    """Whether an input of ``ndim`` dims under ``spec`` holds blocks (:func:`mark` records it)."""
+    return _input_layout(spec, ndim) is not None
+
+
 def _input_layout(spec: Any, ndim: int) -> Layout | None:
     """The blocks an input of ``ndim`` dims under ``spec`` holds, or None if it holds none:
     one layout per (spec, ndim), kept on the spec (layouts are immutable), as every call marks

@@ -56,6 +56,18 @@ def _replace(obj: Any, swap: dict, key: Any) -> Any:
 # torch.func.grad / vjp inside the function call too). Treated as ops, they would mix the
 # invariant loss with the varying inputs and pvary the loss, doubling gradients per axis size.
 NOT_OPS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
+# Reads of a tensor's metadata (a collective's own checks read dtype and device): no tensor
+# results, nothing to type.
+METADATA = frozenset(
+    {
+        torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.device.__get__,
+        torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.dim,
+    }
+)
 
 _INPLACE_DUNDERS = frozenset(
     f"__i{op}__"

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _blocks
 from ._errors import VmaError
-from ._operands import NOT_OPS, is_inplace, swap_operands, tensor_operands
+from ._operands import METADATA, NOT_OPS, is_inplace, swap_operands, tensor_operands
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
 from ._stamps import _ATTR, TrackedContext, stamp_inner
 from ._torch_private import is_transform_wrapped as _is_wrapped
@@ -33,19 +33,7 @@ def _itself(t: torch.Tensor) -> torch.Tensor:
 # randomness policy: same seed, same values), so their result is invariant like any factory's,
 # as on the simulated backend, where vmap's randomness="same" leaves them unbatched.
 _RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
-# Reads of a tensor's metadata (a collective's own checks read dtype and device): no tensor
-# results, nothing to type.
-_METADATA = frozenset(
-    {
-        Tensor.dtype.__get__,  # type: ignore[attr-defined]
-        Tensor.device.__get__,
-        Tensor.shape.__get__,  # type: ignore[attr-defined]
-        Tensor.is_floating_point,
-        Tensor.is_complex,
-        Tensor.dim,
-    }
-)
-_UNTYPED = _RANDOM_LIKE | NOT_OPS | _METADATA  # the mode runs these as they are
+_UNTYPED = _RANDOM_LIKE | NOT_OPS | METADATA  # the mode runs these as they are
 
 
 def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma, inplace=is_inplace) -> None:

@@ -76,6 +76,17 @@ def _step_number(x, w1, b1, w2, s, v, step):
     return ns.pmean((h @ w2).pow(2).mean().reshape(1), "x")
 
 
+def _flag_varies_a_collective_result(x, w1, b1, w2, s, v):
+    """The flag makes an invariant collective result varying (``ns.pvary``: no op of the call
+    made it), so the product of the blocks of ``b1`` and ``w2`` that it scales is varying, not
+    a partial sum; adding to the partial sum is an error. The same ops either way."""
+    r = ns.psum(b1, "x")
+    if STATE["flag"]:
+        r = ns.pvary(r, "x")
+    z = (b1 * r) @ w2 + 1.0
+    return ns.pmean(z.pow(2).mean().reshape(1), "x")
+
+
 # name -> (function, in_specs, per call: (flag, sign of s) or a step number)
 CASES = {
     "flag_adds_a_use": (_flag_adds_a_use, False, [(False, 1), (False, 1), (True, 1), (False, 1)]),
@@ -83,6 +94,11 @@ CASES = {
     "megatron": (_megatron, True, [(False, 1), (False, 1), (False, 1)]),
     "branch_on_invariant_value": (_branch_on_invariant_value, False, [(0, 1), (0, 1), (0, -1)]),
     "step_number": (_step_number, False, [0, 1, 2, 3]),
+    "flag_varies_a_collective_result": (
+        _flag_varies_a_collective_result,
+        True,
+        [(True, 1), (True, 1), (False, 1), (True, 1)],
+    ),
 }
 
 

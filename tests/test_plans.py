@@ -1,6 +1,8 @@
-"""Plans on a real mesh of several ranks (``named_spmd._plan``): a call typed once per signature
-and replayed after, with every call equal to the same call typed (tests/plan_worker.py, on 2
-gloo processes), including calls whose program changed since the plan was made."""
+"""Plans on a mesh of several instances: a call typed once per signature and replayed after, with
+every call equal to the same call typed, including calls whose program changed since the plan
+was made (tests/plan_worker.py): on a real mesh (``named_spmd._plan``, 2 gloo processes) and on a
+simulated one (``backends/simulated/_planned.py``: the typing of calls whose inputs hold
+blocks, which every case's do)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import json
 
 import pytest
 from _dist_launch import launch
-from plan_worker import CASES
+from plan_worker import CASES, run
+
+import named_spmd as ns
 
 # case -> [calls replayed whole from a plan, calls whose program differed from the plan's] on
 # each rank: such a call is replayed up to the first op that differs and typed from there (a
@@ -20,6 +24,7 @@ REPLAYS = {
     "megatron": [2, 0],
     "branch_on_invariant_value": [1, 0],
     "step_number": [0, 0],
+    "flag_varies_a_collective_result": [2, 0],
 }
 
 
@@ -38,3 +43,12 @@ def test_every_call_equals_the_same_call_typed(name):
         outcome = _outcomes()[rank, name]
         assert outcome["problems"] == [], outcome["problems"]
         assert outcome["replays"] == REPLAYS[name], outcome
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad=True to a scalar")
+def test_simulated_calls_equal_the_same_calls_typed(name):
+    # (branch_on_invariant_value reads its input with float(), as the case means to)
+    outcome = run(name, ns.make_mesh((2,), ("x",), simulated=True))
+    assert outcome["problems"] == [], outcome["problems"]
+    assert outcome["replays"] == REPLAYS[name], outcome

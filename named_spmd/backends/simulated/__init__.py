@@ -39,17 +39,17 @@ from ..._capabilities import Capabilities
 from ..._errors import SpmdError, VmaError, fn_label
 from ..._layout import gives_unequal_blocks
 from ..._mesh import Mesh
-from . import _inner_grad, _one_instance, _per_instance
+from . import _inner_grad, _one_instance, _per_instance, _planned
 from . import _instances as _instances  # installs the per-instance printing of values
 from ._compiled import compiled_pieces_eagerly
 from ._diagnose import explained
-from ._marks import PartialMode
 from ._plan import _input_plan, from_physical, partial_input
 from ._primitives import SimulatedContext
 from ._recording import ImplicitPvaryRecorder
 
 if TYPE_CHECKING:
     from ..._call import Call
+    from ..._replay import Replay
 
 # a grad level entered inside a call casts its implicit pvarys (``_inner_grad``)
 torch_private.hook_grad_levels(_inner_grad.entered, _inner_grad.leaving)
@@ -57,15 +57,22 @@ torch_private.hook_grad_levels(_inner_grad.entered, _inner_grad.leaving)
 torch_private.hook_transform_gradients(_inner_grad.typed_gradients)
 
 
-def _run_body(body, local, ctx: SimulatedContext, blocks: bool) -> list[torch.Tensor]:
+def _run_body(
+    call: Call, local, ctx: SimulatedContext, blocks: bool, table: Replay | None
+) -> list[torch.Tensor]:
+    mode = None
     if blocks and ctx.partial_mode is None:
-        # inputs hold blocks: every op is typed, for the contractions that make partial sums
-        ctx.partial_mode = PartialMode(ctx)
-        ctx.partial_mode.__enter__()
+        # inputs hold blocks: every op is typed, for the contractions that make partial sums,
+        # once per signature (``_planned``)
+        mode = ctx.partial_mode = _planned.begin(ctx, local, table)
+        mode.__enter__()
     try:
-        return list(body(local, ctx))
+        outs = list(call.body(local, ctx))
     finally:
         ctx.end_partial()
+    if mode is not None:
+        _planned.finish(mode, table)
+    return outs
 
 
 # --- entering and leaving the simulation --------------------------------------------------
@@ -173,6 +180,10 @@ def run(call: Call) -> list[torch.Tensor]:
         x = leaves[i].reshape(split)
         local[i] = x if perm is None else x.permute(perm)
     device = leaves[tensor_pos[0]].device if tensor_pos else torch.device("cpu")
+    # a call whose inputs hold blocks is typed per op once per signature (``_planned``); its
+    # table is looked up outside the levels (a transform around the call is typed every time)
+    held = any(_blocks.holds_blocks(specs[i], leaves[i].dim()) for i in tensor_pos)
+    table = _planned.lookup(call) if held else None
     tokens = {a: _token(mesh.shape[a], device) for a in order}
     levels: list[int] = []
     try:
@@ -192,9 +203,9 @@ def run(call: Call) -> list[torch.Tensor]:
         if recording():  # report implicit pvary's backward psum; off the fast path
             ctx.recorder = ImplicitPvaryRecorder(ctx)
             with ctx.recorder:
-                outs = _run_body(call.body, local, ctx, blocks)
+                outs = _run_body(call, local, ctx, blocks, table)
         else:
-            outs = _run_body(call.body, local, ctx, blocks)
+            outs = _run_body(call, local, ctx, blocks, table)
         present: list[list[str]] = [[] for _ in outs]
         while levels:  # innermost first, each while its level is still the top one
             level, a = levels[-1], order[len(levels) - 1]

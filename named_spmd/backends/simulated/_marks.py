@@ -18,12 +18,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ... import _blocks
-from ..._operands import NOT_OPS, tensor_operands
+from ..._operands import METADATA, NOT_OPS, tensor_operands
 from ..._partial import typed_call
 from ..._types import Vma
 
 ATTR = "_named_spmd_partial"
 _BLOCKS = _blocks.ATTR
+UNTYPED = NOT_OPS | METADATA  # run as they are: no value computed, or no tensor result
 
 
 def mark_of(x: torch.Tensor, token: object) -> Vma | None:
@@ -56,9 +57,14 @@ class PartialMode(TorchFunctionMode):
         self.ctx = ctx
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in NOT_OPS:
-            return func(*args, **kwargs)
+        return self.typed(func, args, kwargs or {})[0]
+
+    def typed(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, Vma | None, bool]:
+        """``func``'s result; the type marked on its tensors (None: their marks were left as
+        they were); whether an operand held blocks (the results' block records were then
+        written or dropped by ``_blocks.after_op``). A plan (``_planned``) keeps the last two."""
+        if func in UNTYPED:
+            return func(*args, **kwargs), None, False
         operands = tensor_operands(args, kwargs)
         token = self.ctx.token
         marked = blocked = False
@@ -71,7 +77,7 @@ class PartialMode(TorchFunctionMode):
             if m is not None and m[0] is token:
                 blocked = True
         if not marked and not blocked:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs), None, False
         vma = None
         if marked:
             vmas = [self.ctx.vma(t) for t in operands]
@@ -89,4 +95,4 @@ class PartialMode(TorchFunctionMode):
             for o in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(o, torch.Tensor):
                     set_mark(o, token, vma)
-        return out
+        return out, vma, blocked

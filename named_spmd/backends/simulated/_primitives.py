@@ -14,6 +14,8 @@ from ... import _torch_private as torch_private
 from ..._context import SpmdContext
 from ..._errors import SpmdError
 from ..._mesh import Mesh
+from ..._stamps import _SRC as SRC
+from ..._stamps import _number as number
 from ..._types import INVARIANT, Vma
 from . import _instances as _instances  # installs the per-instance printing of values
 from . import _levels
@@ -44,6 +46,9 @@ class SimulatedContext(SpmdContext):
         self._vma: Vma = INVARIANT
         self.token = object()  # identifies this call's marks (unreduced / reduced values)
         self.partial_mode: PartialMode | None = None  # pushed with the first marked value
+        # a planned or replayed call (``_planned``): each tensor it types gets the next number
+        self.numbering = False
+        self.numbered = 0
 
     def vma(self, x: torch.Tensor) -> Vma:
         # Collectives ask about the same operand several times in a row: remember the last one
@@ -78,7 +83,14 @@ class SimulatedContext(SpmdContext):
             set_mark(x, self.token, vma)
         elif self.partial_mode is not None:
             set_mark(x, self.token, vma)
+        if self.numbering:  # a type a replay's guard must tell from the tensor's earlier one
+            self.number(x)
         return x
+
+    def number(self, x: torch.Tensor) -> None:
+        """Give ``x`` the call's next number (the key a replay's guard compares, ``_planned``)."""
+        x.__dict__[SRC] = (self.token, number(self.numbered))
+        self.numbered += 1
 
     def end_partial(self) -> None:
         """Pop the PartialMode at the end of the body (the marks stay, for the outputs)."""

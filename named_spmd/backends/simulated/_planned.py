@@ -1,0 +1,199 @@
+"""Plans on the simulated backend: the partial-sum typing of a call typed once per signature.
+
+A call whose inputs hold blocks of mesh axes types every op (``_marks.PartialMode``: the
+contractions that make unreduced values, ``_blocks``, and the partial-sum algebra on them). As on
+a real mesh (``named_spmd._plan``, docs/design.md section 5.8), the first call of a signature
+writes each op's decisions down as a ``Step`` (:class:`PlanningMode`): the mark set on its
+results and the block record of each. A later call of the signature (:class:`ReplayMode`) applies
+a step where the op and its guard key match, instead of deriving it, and types the call from the
+first op that differs, every tensor so far carrying what typing gave it. Values are vmap's
+either way; collectives, inputs and outputs are typed in every call.
+
+The guard key is ``_plan``'s with one difference: a tensor no op of the call numbered (a
+collective's unmarked result, a tensor from outside the call) is keyed by its type and block
+record besides its shape and dtype, since here such a tensor may vary (it is batched), where on a
+real mesh only a stamped tensor does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _blocks
+from ... import _torch_private as torch_private
+from ..._operands import METADATA, NOT_OPS
+from ..._plan import Plan, Step, _held, _results, _same
+from ..._replay import _MAX_SIGNATURES, Replay
+from ..._stamps import _NUMBERS, _number
+from ..._stamps import _SRC as SRC
+from ._marks import PartialMode, set_mark
+
+Tensor = torch.Tensor
+_BLOCKS = _blocks.ATTR
+FORGET = object()  # a step's block record for a result whose record typing dropped
+maybe_current_level = torch_private.maybe_current_level
+
+
+def guard_key(ctx: Any, args: tuple, kwargs: dict | None) -> tuple:
+    """What an op's typing depends on besides the op (``_plan.guard_key``, see the module doc)."""
+    token = ctx.token
+    key = []
+    for a in args:  # (:func:`_key`, its tensor case inlined: this runs for every op)
+        if isinstance(a, Tensor):
+            src = a.__dict__.get(SRC)
+            key.append(src[1] if src is not None and src[0] is token else _unnumbered(ctx, a))
+        else:
+            key.append(_key(ctx, a))
+    if kwargs:
+        key.extend([(k, _key(ctx, v)) for k, v in kwargs.items()])
+    return tuple(key)
+
+
+def _key(ctx: Any, a: Any) -> Any:
+    if isinstance(a, Tensor):
+        src = a.__dict__.get(SRC)
+        return src[1] if src is not None and src[0] is ctx.token else _unnumbered(ctx, a)
+    if type(a) is list or type(a) is tuple:
+        return (type(a), tuple([_key(ctx, b) for b in a]))
+    return a
+
+
+def _unnumbered(ctx: Any, a: Tensor) -> tuple:
+    return (a.shape, a.dtype, ctx.vma(a), _held(a, _BLOCKS, ctx.token))
+
+
+def _transform_inside(ctx: Any) -> bool:
+    """Whether a torch.func transform entered inside the call is active (the call's own vmap
+    levels are the innermost otherwise)."""
+    return maybe_current_level() != ctx.inner_level
+
+
+class PlanningMode(PartialMode):
+    """The typed call of a signature, which writes each op's decisions down (``Step``)."""
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.steps: list[Step] = []
+        self.replayable = True
+        self.hooks_seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.hooks_seen and torch_private.saved_tensors_hooks_active():
+            self.hooks_seen = True
+        if func in METADATA:  # nothing to type: no step (a replay runs them as they are too)
+            return func(*args, **kwargs)
+        if func in NOT_OPS or _transform_inside(self.ctx):
+            self.replayable = False  # differentiation inside the call: typed every call
+        ctx = self.ctx
+        if not self.replayable or ctx.in_collective:
+            return self.typed(func, args, kwargs)[0]
+        key = guard_key(ctx, args, kwargs)
+        out, vma, blocked = self.typed(func, args, kwargs)
+        results = _results(out)
+        token = ctx.token
+        outputs = tuple(
+            (vma, (_held(o, _BLOCKS, token) or FORGET) if blocked else None) for o in results
+        )
+        self.steps.append(Step(func, key, (), outputs))
+        for o in results:
+            ctx.number(o)
+        return out
+
+    def plan(self) -> Plan | None:
+        """The call's plan; None where it cannot be replayed (differentiation or a transform
+        inside it, saved-tensor hooks: a non-reentrant checkpoint, or it read a type)."""
+        if not self.replayable or self.hooks_seen or self.ctx.types_read:
+            return None
+        return Plan(self.steps)
+
+
+class ReplayMode(PartialMode):
+    """A call replayed from a ``Plan``; typed from the first op its steps do not match."""
+
+    def __init__(self, ctx: Any, plan: Plan) -> None:
+        super().__init__(ctx)
+        self.steps = plan.steps
+        self.i = 0
+        self.diverged = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in METADATA:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        ctx = self.ctx
+        if not self.diverged and not ctx.in_collective:
+            i = self.i
+            # (_transform_inside, inlined: this runs for every op)
+            if i < len(self.steps) and maybe_current_level() == ctx.inner_level:
+                step = self.steps[i]
+                # (a property's getter is a new method-wrapper at each access: equal, not same)
+                if (step.func is func or step.func == func) and _same(
+                    step.key, guard_key(ctx, args, kwargs)
+                ):
+                    self.i = i + 1
+                    return self._replay(step, func, args, kwargs)
+            self.diverged = True  # typed from here on: every tensor so far is typed
+        return self.typed(func, args, kwargs or {})[0]
+
+    def _replay(self, step: Step, func, args, kwargs):
+        ctx = self.ctx
+        token = ctx.token
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        for o, (vma, lay) in zip((out,) if type(out) is Tensor else _results(out), step.outputs):
+            if vma is not None:
+                set_mark(o, token, vma)
+                ctx.forget_last_vma()
+            if lay is FORGET:
+                o.__dict__.pop(_BLOCKS, None)
+            elif lay is not None:
+                o.__dict__[_BLOCKS] = (token, lay)
+            n = ctx.numbered  # (ctx.number, inlined: this runs for every result)
+            o.__dict__[SRC] = (token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
+            ctx.numbered = n + 1
+        return out
+
+    def count(self, plan: Plan) -> None:
+        """Count this call in ``plan``'s statistics (a call that stopped short differed too)."""
+        if self.diverged or self.i != len(self.steps):
+            plan.divergences += 1
+        else:
+            plan.replays += 1
+
+
+def lookup(call: Any) -> Replay | None:
+    """``call``'s entry in its mapped function's table of plans, or None where it cannot be
+    planned (``_replay``: debug mode, a transform around the call, ...). Made before the call
+    enters its vmap levels, which are transforms too."""
+    table = Replay(call.mapped, call.mesh, call.leaves, call.specs, planned=True)
+    return None if table.checked is None or table.signature is None else table
+
+
+def begin(ctx: Any, local: list[Any], table: Replay | None) -> PartialMode:
+    """The mode that types the ops of a call whose inputs (``local``, entered) hold blocks: a
+    replay of its signature's plan, the planning of one, or, where the call cannot be planned
+    (``table`` None), a plain :class:`PartialMode`. Numbers the inputs of a planned call."""
+    if table is None:
+        return PartialMode(ctx)
+    ctx.numbering = True
+    for x in local:
+        if isinstance(x, Tensor):
+            ctx.number(x)
+    if isinstance(table.marks, Plan):
+        return ReplayMode(ctx, table.marks)
+    return PlanningMode(ctx)
+
+
+def finish(mode: PartialMode, table: Replay | None) -> None:
+    """After a call's body returned: keep its plan, or count its replay."""
+    if table is None or table.checked is None or table.signature is None:
+        return
+    if isinstance(mode, ReplayMode) and isinstance(table.marks, Plan):
+        mode.count(table.marks)
+    elif isinstance(mode, PlanningMode):
+        plan = mode.plan()
+        if plan is not None:
+            if len(table.checked) >= _MAX_SIGNATURES:
+                table.checked.clear()
+            table.checked[table.signature] = plan
