@@ -9,7 +9,7 @@ import json
 
 import pytest
 from _dist_launch import launch
-from plan_worker import CASES
+from plan_worker import CASES, LOCAL_THEN_GLOBAL
 
 # case -> [calls replayed whole from a plan, calls whose program differed from the plan's] on
 # each rank: such a call is replayed up to the first op that differs and typed from there (a
@@ -38,3 +38,12 @@ def test_every_call_equals_the_same_call_typed(name):
         outcome = _outcomes()[rank, name]
         assert outcome["problems"] == [], outcome["problems"]
         assert outcome["replays"] == REPLAYS[name], outcome
+
+
+@pytest.mark.distributed
+def test_a_local_calls_plan_is_not_a_global_calls():
+    """The same shapes as blocks (``.local``) and as global values: the global call's blocks
+    are unequal, its outputs and gradients the dense ones."""
+    for rank in (0, 1):
+        outcome = _outcomes()[rank, LOCAL_THEN_GLOBAL]
+        assert outcome["problems"] == [] and outcome["calls"] == 4, outcome
