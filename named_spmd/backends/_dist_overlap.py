@@ -192,15 +192,20 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node):
     if comm is None:  # the calibration's probe (_dist_donation): nothing to reduce
         return buf
     task = torch_private.current_graph_task_id()
-    cap = buckets.bucket_bytes()
+    cap = buckets.bucket_bytes(task)
     if task != -1 and buf.numel() * buf.element_size() < cap:
         pending = _into_bucket(buf, comm, task, cap)
     else:  # alone
         pending = _reduce_during_backward(buf, comm)
     source = node.next_functions[0][0]
     if type(source) is torch_private.AccumulateGrad:  # a plain leaf: its .grad becomes this
-        when_reduced(pending, functools.partial(plain_grad, source.variable))
-        accumulates_into(pending, source.variable)
+        # when_reduced and accumulates_into, for a pending gradient made just above (its work
+        # known; none where it was reduced at once, outside a backward pass)
+        work = pending.__dict__.get("_named_spmd_work")
+        if work is not None:
+            leaf = source.variable
+            _PENDING[id(work)][3].append(functools.partial(plain_grad, leaf))
+            pending.__dict__["_named_spmd_into"] = leaf
     return pending
 
 
