@@ -44,9 +44,14 @@ ATTR = "_named_spmd_blocks"
 def mark(x: torch.Tensor, spec: Any, token: object) -> bool:
     """Record the blocks an input under ``spec`` holds (nothing if the spec splits no dim);
     whether it holds any."""
+    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on it
+        lay = _make_input_layout(spec, x.dim())
+        if lay is not None:
+            _write(x, (token, lay))
+        return lay is not None
     lay = _input_layout(spec, x.dim())
     if lay is not None:
-        _write(x, (token, lay))
+        x.__dict__[ATTR] = (token, lay)  # (_write, not compiling)
         return True
     return False
 
@@ -59,9 +64,7 @@ def holds_blocks(spec: Any, ndim: int) -> bool:
 def _input_layout(spec: Any, ndim: int) -> Layout | None:
     """The blocks an input of ``ndim`` dims under ``spec`` holds, or None if it holds none:
     one layout per (spec, ndim), kept on the spec (layouts are immutable), as every call marks
-    every input leaf."""
-    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on it
-        return _make_input_layout(spec, ndim)
+    every input leaf (eager only: Dynamo would guard on the memo)."""
     memo = spec.__dict__.setdefault("_input_layouts", {})
     if ndim not in memo:
         memo[ndim] = _make_input_layout(spec, ndim)

@@ -69,17 +69,23 @@ class Replay:
         leaves: list[Any],
         specs: list[PartitionSpec],
         planned: bool = False,
+        local: bool = False,
     ):
         self.planned = planned
         self.checked = _checked_signatures(mapped, planned)
         self.signature: tuple | None = None
         self.marks: Any = None  # the checked call's answer (see the class doc); None: not yet
         if self.checked is not None:
-            self.signature = _signature(mesh, leaves, specs)
+            self.signature = _signature(mesh, leaves, specs, local)
             try:  # one lookup: hashing a signature hashes every spec in it
                 self.marks = self.checked.get(self.signature)
             except TypeError:  # an unhashable argument: no signature to compare
                 self.signature = None
+
+    def has_plan(self) -> bool:
+        """Whether an earlier call of this signature made a plan (typed it, on several
+        instances)."""
+        return isinstance(self.marks, Plan)
 
     def begin(self, ctx: TrackedContext) -> bool:
         """Make ``ctx`` (not yet pushed) a replay where an earlier call type-checked this call's
@@ -153,8 +159,10 @@ def _checked_signatures(mapped: Any, planned: bool) -> dict[tuple, Any] | None:
     return checked
 
 
-def _signature(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> tuple:
-    parts: list[Any] = [tuple(mesh.shape.items()), torch.is_grad_enabled()]
+def _signature(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec], local: bool) -> tuple:
+    # ``local``: the leaves are this process's blocks (``SpmdFunction.local``), not the global
+    # values of the same shapes, whose blocks (and evenness) differ
+    parts: list[Any] = [tuple(mesh.shape.items()), torch.is_grad_enabled(), local]
     for x, spec in zip(leaves, specs):
         if isinstance(x, torch.Tensor):
             parts.append((type(x), x.shape, x.dtype, x.device, x.requires_grad, spec))

@@ -122,8 +122,9 @@ class TrackedContext(SpmdContext):
 
     def number(self, x: torch.Tensor) -> None:
         """Give ``x`` the call's next number (``_plan``: the key a replay's guard compares)."""
-        x.__dict__[_SRC] = (self.call_token, _number(self.numbered))
-        self.numbered += 1
+        n = self.numbered  # (_number inlined where interned: every typed tensor passes here)
+        x.__dict__[_SRC] = (self.call_token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
+        self.numbered = n + 1
 
     def held_blocks(self, x: torch.Tensor) -> Any:
         return _blocks.recorded_layout(x, self.call_token)

@@ -131,6 +131,33 @@ def _calls(name: str, mesh) -> tuple[list, int]:
     return results, [sum(getattr(p, k, 0) for p in plans) for k in ("replays", "divergences")]
 
 
+def _scaled_rows(x, w):
+    return x * w
+
+
+def _local_then_global(mesh) -> tuple[list, list]:
+    """A local call on blocks of 5 rows, then a global call on a value of 5 rows (the same
+    shapes, dtypes and specs): the global call's blocks are unequal (3 and 2 rows), which the
+    local call's plan must not decide. Each call's output (global value), and the gradients of
+    its inputs; and the dense ``x * w`` and its gradients (the reference)."""
+    f = ns.spmd_map(_scaled_rows, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 3, generator=g, dtype=torch.float64), torch.randn(3, generator=g)
+    w = w.double()
+    got, want = [], []
+    for local in (True, True, False, False):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = f.local(xs, ws) if local else f(xs, ws).full_tensor()
+        gx, gw = torch.autograd.grad(out.sum(), (xs, ws))
+        got.append((out.detach(), [gx, gw]))
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        dense = xs * ws
+        gx, gw = torch.autograd.grad(dense.sum(), (xs, ws))
+        # a local call's w is replicated: its gradient sums both ranks' blocks (equal here)
+        want.append((dense.detach(), [gx, gw * 2 if local else gw]))
+    return got, want
+
+
 def _problems(got: list, want: list) -> list[str]:
     problems = []
     for k, (g, w) in enumerate(zip(got, want)):
@@ -150,6 +177,9 @@ def _problems(got: list, want: list) -> list[str]:
 
 
 def run(name: str, mesh) -> dict:
+    if name == LOCAL_THEN_GLOBAL:
+        got, want = _local_then_global(mesh)
+        return {"problems": _problems(got, want), "calls": len(got)}
     got, replays = _calls(name, mesh)
     _replay.ENABLED = False
     try:
@@ -159,5 +189,7 @@ def run(name: str, mesh) -> dict:
     return {"problems": _problems(got, want), "replays": replays, "calls": len(got)}
 
 
+LOCAL_THEN_GLOBAL = "local_then_global"
+
 if __name__ == "__main__":
-    report_outcomes(list(CASES), run)
+    report_outcomes([*CASES, LOCAL_THEN_GLOBAL], run)

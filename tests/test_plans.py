@@ -11,7 +11,7 @@ import json
 
 import pytest
 from _dist_launch import launch
-from plan_worker import CASES, run
+from plan_worker import CASES, LOCAL_THEN_GLOBAL, run
 
 import named_spmd as ns
 
@@ -52,3 +52,12 @@ def test_simulated_calls_equal_the_same_calls_typed(name):
     outcome = run(name, ns.make_mesh((2,), ("x",), simulated=True))
     assert outcome["problems"] == [], outcome["problems"]
     assert outcome["replays"] == REPLAYS[name], outcome
+
+
+@pytest.mark.distributed
+def test_a_local_calls_plan_is_not_a_global_calls():
+    """The same shapes as blocks (``.local``) and as global values: the global call's blocks
+    are unequal, its outputs and gradients the dense ones."""
+    for rank in (0, 1):
+        outcome = _outcomes()[rank, LOCAL_THEN_GLOBAL]
+        assert outcome["problems"] == [] and outcome["calls"] == 4, outcome

@@ -69,20 +69,25 @@ def _check_mb(mb: Any, where: str, fix: str) -> float:
     return float(mb)
 
 
-def bucket_bytes() -> int:
-    """The configured bucket size in bytes (read at every gradient psum: the environment
-    variable's value is parsed once per distinct text)."""
+def bucket_bytes(task: int = -1) -> int:
+    """The configured bucket size in bytes, read at every gradient psum; the environment
+    variable once per backward pass (autograd graph ``task``, when not -1: a read of
+    ``os.environ`` costs three Python calls per gradient) and parsed once per distinct text."""
     mb = _override[0]
     if mb is not None:
         return int(mb * _MB)
+    if task != -1 and _ENV_READ[0] == task:
+        return _ENV_READ[1]
     raw = os.environ.get(ENV, "")
     size = _PARSED.get(raw)
     if size is None:
         size = _PARSED[raw] = _parse_env(raw)
+    _ENV_READ[:] = [task, size]
     return size
 
 
 _PARSED: dict[str, int] = {}  # environment variable text -> bucket size in bytes
+_ENV_READ: list = [-1, 0]  # the graph task that last read the environment, and what it read
 
 
 def _parse_env(raw: str) -> int:

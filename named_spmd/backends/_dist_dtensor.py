@@ -12,6 +12,7 @@ same Functions instead of the DTensors' internals.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -104,10 +105,8 @@ class _LocalOf(torch.autograd.Function):
             return _from_local(ctx.mesh, g, ctx.places), None, None
         g = overlap.settled(g)
         if ctx.leaf is not None:  # its .grad may hold the pending wrapper: plain once reduced
-            overlap.when_reduced(
-                g, lambda leaf=ctx.leaf, mesh=ctx.mesh: _plain_local_grad(leaf, mesh)
-            )
-            overlap.accumulates_into(g, ctx.leaf)
+            fix = functools.partial(_plain_local_grad, ctx.leaf, ctx.mesh)
+            overlap.into_leaf(g, ctx.leaf, fix)
         return _wrap(ctx.mesh, g, ctx.places), None, None
 
     @staticmethod

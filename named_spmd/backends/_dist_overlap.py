@@ -115,11 +115,24 @@ def when_reduced(g: torch.Tensor, fn) -> bool:
     return False
 
 
-def accumulates_into(g: torch.Tensor, leaf: torch.Tensor) -> None:
-    """Note that the pending gradient ``g`` goes to ``leaf``'s ``AccumulateGrad`` (a plain leaf,
-    or a DTensor one whose local tensor ``g`` becomes): see :func:`_defer_accumulation`."""
-    if _is_async(g):
-        g.__dict__["_named_spmd_into"] = leaf
+def into_leaf(g: torch.Tensor, leaf: torch.Tensor, fix) -> None:
+    """The pending gradient ``g`` goes to ``leaf``'s ``AccumulateGrad`` (a plain leaf, or a
+    DTensor one whose local tensor ``g`` becomes): ``fix()`` gives the leaf's ``.grad`` its plain
+    tensor once the reduction is done (:func:`when_reduced`), and an accumulation into an
+    existing ``.grad`` may wait for it there (:func:`_defer_accumulation`). Nothing if ``g`` is
+    not pending."""
+    work = _work_of(g)
+    if work is not None:
+        _into_leaf(g, work, leaf, fix)
+
+
+def _into_leaf(g: torch.Tensor, work, leaf: torch.Tensor, fix) -> None:
+    """:func:`into_leaf` for a pending gradient whose work the caller knows (one lookup for
+    both registrations: every gradient of a step passes here)."""
+    g.__dict__["_named_spmd_into"] = leaf
+    entry = _PENDING.get(id(work))
+    if entry is not None and entry[1] is work:
+        entry[3].append(fix)
 
 
 def _defer_accumulation(target: torch.Tensor, pending: torch.Tensor) -> bool:
@@ -192,15 +205,17 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node):
     if comm is None:  # the calibration's probe (_dist_donation): nothing to reduce
         return buf
     task = torch_private.current_graph_task_id()
-    cap = buckets.bucket_bytes()
+    cap = buckets.bucket_bytes(task)
     if task != -1 and buf.numel() * buf.element_size() < cap:
         pending = _into_bucket(buf, comm, task, cap)
     else:  # alone
         pending = _reduce_during_backward(buf, comm)
     source = node.next_functions[0][0]
     if type(source) is torch_private.AccumulateGrad:  # a plain leaf: its .grad becomes this
-        when_reduced(pending, functools.partial(plain_grad, source.variable))
-        accumulates_into(pending, source.variable)
+        work = pending.__dict__.get("_named_spmd_work")  # None: reduced already (no backward)
+        if work is not None:
+            leaf = source.variable
+            _into_leaf(pending, work, leaf, functools.partial(plain_grad, leaf))
     return pending
 
 

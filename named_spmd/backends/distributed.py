@@ -278,18 +278,20 @@ def run(call: Call) -> list[Any]:
     traced = torch_private.proxy_tracing()
     mesh.debug = debug_enabled() and not traced  # (its checks compare values: none to compare)
     local_call = call.local  # SpmdFunction.local: this rank's blocks in and out
-    uneven = _takes_uneven_blocks(mesh, leaves, specs, local_call)
-    ctx = (UnevenContext if uneven else ProxyTracedContext if traced else DistributedContext)(
-        mesh, call.fn
-    )
-    ctx.checked = call.mapped.check_vma
     # a call typed once per signature: untyped replays on one rank, planned ones on several
     # (not an uneven call: its ranks' shapes differ, and it types every call as simulated)
     replay = (
         None
-        if traced or uneven
-        else Replay(call.mapped, mesh, leaves, specs, planned=mesh.size > 1)
+        if traced
+        else Replay(call.mapped, mesh, leaves, specs, planned=mesh.size > 1, local=local_call)
     )
+    uneven = _takes_uneven_blocks(mesh, leaves, specs, local_call, replay)
+    if uneven:
+        replay = None
+    ctx = (UnevenContext if uneven else ProxyTracedContext if traced else DistributedContext)(
+        mesh, call.fn
+    )
+    ctx.checked = call.mapped.check_vma
     board.check_in_step()  # (not posted: it reposts the failure it is a consequence of)
     try:
         if uneven:
@@ -375,15 +377,24 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException) -> BaseException:
 
 
 def _takes_uneven_blocks(
-    mesh: DistributedMesh, leaves: list[Any], specs: list[PartitionSpec], local_call: bool
+    mesh: DistributedMesh,
+    leaves: list[Any],
+    specs: list[PartitionSpec],
+    local_call: bool,
+    replay: Replay | None,
 ) -> bool:
     """Whether the call takes blocks of unequal sizes: where the simulated mesh runs per
     instance (an input's blocks differ in size, or ``ns.simulate_per_instance()`` asks), so
     that the backends accept and refuse the same inputs. A local call's blocks are the
-    caller's."""
+    caller's. A signature with a plan has equal blocks: only an even call makes one, and the
+    signature holds every leaf's shape and spec and the mesh's shape, all the test reads."""
     if local_call or mesh.size == 1:
         return False
-    return uneven_blocks_requested() or gives_unequal_blocks(leaves, specs, mesh._shape)
+    if uneven_blocks_requested():
+        return True
+    if replay is not None and replay.has_plan():
+        return False
+    return gives_unequal_blocks(leaves, specs, mesh._shape)
 
 
 def _local(
