@@ -513,15 +513,91 @@ def check_refused(case: Case, real_mesh, sim_mesh) -> list[str]:
     return ["no error"]
 
 
+# The process-group calls of an uneven call, counted per call: the start-of-call check, each
+# collective, and the exchanges of every instance's operand shapes (each made once per
+# collective) and output shapes. ``kinds``: the counts of successive calls (a later call of one
+# signature may need fewer), from ``calls`` of the case's inputs.
+COUNTED = [
+    Case(  # the start-of-call check, one exchange of the operands' shapes, the psum
+        "psum_exchanges_the_shapes_once",
+        (4,),
+        ("x",),
+        lambda v: ns.psum(v.sum(0), "x"),
+        P("x"),
+        P(),
+        lambda: (_randn(10, 3, seed=30),),
+        lambda x: x.sum(0),
+        kinds=("3", "3"),
+    ),
+    Case(  # the start-of-call check, one exchange of the operands' shapes, the gather
+        "tiled_all_gather_exchanges_the_shapes_once",
+        (4,),
+        ("x",),
+        _gather_invariant,
+        P("x"),
+        P(),
+        lambda: (_randn(10, 3, seed=31),),
+        lambda x: x,
+        kinds=("3", "3"),
+    ),
+]
+
+_PG_CALLS: list[str] = []
+_PG_METHODS = (
+    "allreduce",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "broadcast",
+)
+
+
+def _count_process_group_calls() -> None:
+    """Count every call of the process-group methods a real mesh uses (before any mesh binds
+    them)."""
+    import torch.distributed as dist
+
+    for name in _PG_METHODS:
+        method = getattr(dist.ProcessGroup, name)
+
+        def counted(self, *args, _method=method, _name=name, **kwargs):
+            _PG_CALLS.append(_name)
+            return _method(self, *args, **kwargs)
+
+        setattr(dist.ProcessGroup, name, counted)
+
+
+def check_calls(case: Case, real_mesh, sim_mesh) -> list[str]:
+    """The process-group calls of successive calls of ``case`` on the real mesh (no gradient),
+    and their values against the simulated mesh and the dense program."""
+    problems: list[str] = []
+    args = case.args()
+    want = _leaves(case.dense(*args))
+    for k, expected in enumerate(case.kinds):
+        for mesh, real in ((sim_mesh, False), (real_mesh, True)):
+            f = ns.spmd_map(case.fn, mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs)
+            _PG_CALLS.clear()
+            with torch.no_grad(), ns.simulate_per_instance():
+                got = [_global(o) for o in _leaves(f(*args))]
+            calls = list(_PG_CALLS)
+            for j, (a, b) in enumerate(zip(got, want)):
+                _close(a, b, f"call {k} output {j} ({'real' if real else 'simulated'})", problems)
+        if len(calls) != int(expected):
+            problems.append(f"call {k}: {len(calls)} process-group calls {calls}, not {expected}")
+    return problems
+
+
 def main() -> None:
     import torch.distributed as dist
 
+    _count_process_group_calls()
     dist.init_process_group("gloo")
     meshes = {
         shape: (ns.make_mesh(shape, names), ns.make_mesh(shape, names, simulated=True))
         for shape, names in (((4,), ("x",)), ((2, 2), ("a", "b")))
     }
-    for checker, cases in ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED)):
+    checkers = ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED))
+    for checker, cases in (*checkers, (check_calls, COUNTED)):
         for case in cases:
             if sys.argv[1:] and case.name not in sys.argv[1:]:  # (names given: only those)
                 continue

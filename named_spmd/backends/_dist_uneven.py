@@ -55,6 +55,25 @@ _SIZED = {"all_gather": 3, "psum_scatter": 2}
 _WIDTH = 17  # the shape exchange's row: the rank, then up to 16 sizes (more: not compared)
 
 
+_UNKNOWN: Any = object()  # every instance's operand shapes: not exchanged yet
+
+
+class _Checked(tuple):
+    """The parameters :meth:`UnevenPrimitives.check_operand` returns, carrying every
+    instance's operand shapes from its exchange (None past :data:`_WIDTH` dims), so that
+    :meth:`UnevenPrimitives.sized` of the same operand exchanges them once. Only the
+    collective's own path (``_record._apply``) passes them on, to the ``apply`` of that
+    operand, on every rank alike; ``sized`` returns a plain tuple, so a transpose never sees
+    them."""
+
+    shapes: list[tuple[int, ...]] | None
+
+    def __new__(cls, params: tuple, shapes: list[tuple[int, ...]] | None) -> _Checked:
+        made = super().__new__(cls, params)
+        made.shapes = shapes
+        return made
+
+
 def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     """``x`` with zeros appended along ``dim`` up to ``size`` (gloo gathers equal shapes)."""
     short = size - x.shape[dim]
@@ -81,16 +100,19 @@ class UnevenPrimitives:
     def sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
         """``params``, with the blocks' sizes appended for a tiled all_gather / psum_scatter
         (their transposes need them); first, for a collective that takes one shape on every
-        member, the shapes compared."""
+        member, the shapes compared. Every instance's shapes come from one exchange: the one
+        :meth:`check_operand` made for this operand where it made one (``_Checked``)."""
+        shapes = params.shapes if isinstance(params, _Checked) else _UNKNOWN
+        params = tuple(params)
         gathers = rec.name == "all_gather" and params[1]  # blocks of any sizes, concatenated
         if rec.forward_event and not gathers:
-            self._same_shapes(rec.name, x, axes)
+            self._same_shapes(rec.name, x, axes, shapes)
         base = _SIZED.get(rec.name)
         if base is None or not params[1] or len(params) != base:
             return params
         comm = self.mesh.comm(axes)
         if gathers:
-            return (*params, self._gathered_sizes(rec.name, x, axes, params[0]))
+            return (*params, self._gathered_sizes(rec.name, x, axes, params[0], shapes))
         return (*params, chunk_sizes(x.shape[params[0]], comm.n))  # psum_scatter's blocks
 
     def check_operand(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
@@ -109,7 +131,7 @@ class UnevenPrimitives:
                 )
                 result = out if shape == mine else result
         assert result is not None  # this rank's shape is among every instance's
-        return result
+        return _Checked(result, shapes) if rec.forward_event else result
 
     def _stand_in(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """A meta tensor of another instance's operand shape, of ``x``'s dtype and type."""
@@ -134,11 +156,14 @@ class UnevenPrimitives:
         """The members' shapes of every group of ``axes``, groups in the simulated mesh's order."""
         return [[shapes[m] for m in g] for g in self._groups(axes)]
 
-    def _gathered_sizes(self, op: str, x: torch.Tensor, axes, dim: int) -> tuple[int, ...]:
+    def _gathered_sizes(
+        self, op: str, x: torch.Tensor, axes, dim: int, shapes: Any = _UNKNOWN
+    ) -> tuple[int, ...]:
         """The members' sizes along ``dim`` of a tiled all_gather, from one exchange of every
-        instance's shape; in every group the other dims must agree (the simulated mesh's error,
-        raised on every rank alike: gloo would fail or wait)."""
-        shapes = self._every_shape(x)
+        instance's shape (``shapes``, where given); in every group the other dims must agree
+        (the simulated mesh's error, raised on every rank alike: gloo would fail or wait)."""
+        if shapes is _UNKNOWN:
+            shapes = self._every_shape(x)
         if shapes is None:
             return tuple(s for (s,) in _exchange(self.mesh.comm(axes), [x.shape[dim]]))
         for group in self._groups_of(axes, shapes):
@@ -149,11 +174,12 @@ class UnevenPrimitives:
         mine = next(g for g in self._groups(axes) if me in g)
         return tuple(shapes[m][dim] for m in mine)
 
-    def _same_shapes(self, op: str, x: torch.Tensor, axes) -> None:
+    def _same_shapes(self, op: str, x: torch.Tensor, axes, shapes: Any = _UNKNOWN) -> None:
         """The simulated mesh's error for members' operands of different shapes, for the first
         group that has them, raised on every rank alike (the shapes of every instance are
-        exchanged first: gloo would fail or wait)."""
-        shapes = self._every_shape(x)
+        exchanged first, unless given: gloo would fail or wait)."""
+        if shapes is _UNKNOWN:
+            shapes = self._every_shape(x)
         for group in self._groups_of(axes, shapes or []) if shapes is not None else ():
             if any(s != group[0] for s in group):
                 raise operand_shapes_differ(op, self.fn_label, group)  # type: ignore[attr-defined]
