@@ -502,7 +502,8 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     blocks, uneven DTensors in and out (fed back in); values, gradients and CommMode counts
     against the simulated per-instance execution and a dense program, output types (DTensor
     where Shard holds the blocks, else the global value), the same errors, and the DTensors
-    whose blocks are not the spec's refused."""
+    whose blocks are not the spec's refused; and the process-group calls of uneven calls (one
+    exchange of operand shapes per collective)."""
     import json
     import os
 
@@ -512,7 +513,9 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     finished = launch([os.path.join("tests", "uneven_dist.py")], 4, 300)
     assert not finished.timed_out, finished.outputs[0][-3000:]
     rows = [json.loads(line) for line in finished.lines("OUTCOME")]
-    cases = [c.name for c in uneven_dist.CASES + uneven_dist.ERRORS + uneven_dist.REFUSED]
+    cases = uneven_dist.CASES + uneven_dist.ERRORS + uneven_dist.REFUSED + uneven_dist.COUNTED
+    cases += uneven_dist.REPLAYED
+    cases = [c.name for c in cases]
     assert sorted((r["case"], r["rank"]) for r in rows) == sorted(
         (c, rank) for c in cases for rank in range(4)
     ), finished.outputs[0][-3000:]

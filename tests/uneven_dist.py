@@ -513,15 +513,175 @@ def check_refused(case: Case, real_mesh, sim_mesh) -> list[str]:
     return ["no error"]
 
 
+# The process-group calls of an uneven call, counted per call: the start-of-call check, each
+# collective, and the exchanges of every instance's operand shapes (each made once per
+# collective) and output shapes. ``kinds``: the counts of successive calls (a later call of one
+# signature may need fewer), from ``calls`` of the case's inputs.
+COUNTED = [
+    Case(  # the start-of-call check, one exchange of the operands' shapes, the psum
+        "psum_exchanges_the_shapes_once",
+        (4,),
+        ("x",),
+        lambda v: ns.psum(v.sum(0), "x"),
+        P("x"),
+        P(),
+        lambda: (_randn(10, 3, seed=30),),
+        lambda x: x.sum(0),
+        kinds=("3", "3"),
+    ),
+    Case(  # the start-of-call check, one exchange of the operands' shapes, the gather
+        "tiled_all_gather_exchanges_the_shapes_once",
+        (4,),
+        ("x",),
+        _gather_invariant,
+        P("x"),
+        P(),
+        lambda: (_randn(10, 3, seed=31),),
+        lambda x: x,
+        kinds=("3", "3"),
+    ),
+]
+
+# A ppermute of one signature called again: every instance's operand shape is assumed from the
+# last call and checked in the ppermute itself. Per call: the halo's rows, columns and the rows
+# kept back (a block of fewer rows sends what it has), and the process-group calls it makes
+# (None: not counted). The blocks have 3, 3, 3 and 1 rows; the ring sends each to the next.
+HALO = {"rows": 1, "cols": 3, "trim": 0}
+HALO_STEPS: list[tuple[int, int, int, Any]] = [
+    (1, 3, 0, 4),  # the start-of-call check, the shapes exchanged, the ppermute, output shapes
+    (1, 3, 0, 3),  # the shapes assumed: checked in the ppermute itself
+    (1, 2, 0, 5),  # every instance's shape changed: flagged, exchanged, moved again
+    (1, 2, 0, 3),  # the new shape assumed
+    (2, 2, 0, None),  # three instances' shapes change, the last one's not: an error on all
+    (1, 2, 0, None),  # (after an error: as the board has it)
+    (1, 2, 0, 3),
+    (1, 2, 1, None),  # the last instance's alone (0 rows), sent to rank 0: an error on all
+    (1, 2, 0, None),
+    (1, 2, 0, 3),
+    (1, 2, 0, "forget"),  # rank 0 forgets the last call's shapes: every rank exchanges them (4)
+    (1, 2, 0, 3),
+]
+
+
+def _halo(v):
+    rows = min(HALO["rows"], v.shape[0] - HALO["trim"])
+    ring = [(j, (j + 1) % 4) for j in range(4)]
+    return v + ns.ppermute(v[v.shape[0] - rows :, : HALO["cols"]], "x", ring).sum()
+
+
+def _halo_dense(x, rows: int, cols: int):
+    blocks = x.chunk(4)
+    return torch.cat([b + blocks[j - 1][-rows:, :cols].sum() for j, b in enumerate(blocks)])
+
+
+REPLAYED = [
+    Case(
+        "ppermute_of_a_replayed_signature",
+        (4,),
+        ("x",),
+        _halo,
+        P("x"),
+        P("x"),
+        lambda: (_randn(10, 3, seed=32),),
+        None,
+    )
+]
+
+
+def _outcome(f, args) -> tuple[Any, list[str]]:
+    """``f(*args)``'s global outputs (or its error's text) and the process-group calls made."""
+    _PG_CALLS.clear()
+    try:
+        with torch.no_grad(), ns.simulate_per_instance():
+            got: Any = [_global(o) for o in _leaves(f(*args))]
+    except ns.SpmdError as e:
+        got = f"{type(e).__name__}: {e}"
+    return got, list(_PG_CALLS)
+
+
+def check_replayed(case: Case, real_mesh, sim_mesh) -> list[str]:
+    """The calls of :data:`HALO_STEPS` on both meshes: values against the dense program, the
+    simulated mesh's error on every rank where the shapes differ, and the calls counted."""
+    problems: list[str] = []
+    (x,) = case.args()
+    real, sim = (
+        ns.spmd_map(case.fn, mesh=m, in_specs=case.in_specs, out_specs=case.out_specs)
+        for m in (real_mesh, sim_mesh)
+    )
+    for k, (rows, cols, trim, expected) in enumerate(HALO_STEPS):
+        HALO.update(rows=rows, cols=cols, trim=trim)
+        if expected == "forget":  # the start-of-call check finds the ranks recall different
+            expected = 4  # shapes: none assumes any
+            if real_mesh.rank == 0:
+                real_mesh.shape_records.clear()
+        (got, calls), (want, _) = _outcome(real, (x,)), _outcome(sim, (x,))
+        if isinstance(want, str) or isinstance(got, str):
+            if got != want or "different shapes" not in want:
+                problems.append(f"call {k}: real {got!r} vs simulated {want!r}")
+        else:
+            _close(got[0], want[0], f"call {k} vs simulated", problems)
+            _close(got[0], _halo_dense(x, rows, cols), f"call {k} vs dense", problems)
+        if expected is not None and len(calls) != expected:
+            problems.append(f"call {k}: {len(calls)} process-group calls {calls}, not {expected}")
+    return problems
+
+
+_PG_CALLS: list[str] = []
+_PG_METHODS = (
+    "allreduce",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "broadcast",
+)
+
+
+def _count_process_group_calls() -> None:
+    """Count every call of the process-group methods a real mesh uses (before any mesh binds
+    them)."""
+    import torch.distributed as dist
+
+    for name in _PG_METHODS:
+        method = getattr(dist.ProcessGroup, name)
+
+        def counted(self, *args, _method=method, _name=name, **kwargs):
+            _PG_CALLS.append(_name)
+            return _method(self, *args, **kwargs)
+
+        setattr(dist.ProcessGroup, name, counted)
+
+
+def check_calls(case: Case, real_mesh, sim_mesh) -> list[str]:
+    """The process-group calls of successive calls of ``case`` on the real mesh (no gradient),
+    and their values against the simulated mesh and the dense program."""
+    problems: list[str] = []
+    args = case.args()
+    want = _leaves(case.dense(*args))
+    for k, expected in enumerate(case.kinds):
+        for mesh, real in ((sim_mesh, False), (real_mesh, True)):
+            f = ns.spmd_map(case.fn, mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs)
+            _PG_CALLS.clear()
+            with torch.no_grad(), ns.simulate_per_instance():
+                got = [_global(o) for o in _leaves(f(*args))]
+            calls = list(_PG_CALLS)
+            for j, (a, b) in enumerate(zip(got, want)):
+                _close(a, b, f"call {k} output {j} ({'real' if real else 'simulated'})", problems)
+        if len(calls) != int(expected):
+            problems.append(f"call {k}: {len(calls)} process-group calls {calls}, not {expected}")
+    return problems
+
+
 def main() -> None:
     import torch.distributed as dist
 
+    _count_process_group_calls()
     dist.init_process_group("gloo")
     meshes = {
         shape: (ns.make_mesh(shape, names), ns.make_mesh(shape, names, simulated=True))
         for shape, names in (((4,), ("x",)), ((2, 2), ("a", "b")))
     }
-    for checker, cases in ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED)):
+    checkers = ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED))
+    for checker, cases in (*checkers, (check_calls, COUNTED), (check_replayed, REPLAYED)):
         for case in cases:
             if sys.argv[1:] and case.name not in sys.argv[1:]:  # (names given: only those)
                 continue

@@ -1,7 +1,9 @@
 """What the ranks of a real mesh must agree on, checked across them.
 
 * Every call (``check_call_agrees``): the same mapped function on tensor inputs of the same global
-  shapes and dtypes; one small all-reduce of a checksum, overlapped with the body.
+  shapes and dtypes, and the same recollection of the signature's last call where an uneven
+  call relies on one (``_dist_uneven``); one small all-reduce of a checksum, overlapped with
+  the body.
 * Debug mode (``NAMED_SPMD_DEBUG=1``): plain-tensor inputs hold the same values on every rank
   (``check_inputs_agree``), and outputs typed invariant over the axes their out_spec does not
   name hold the same values on the ranks that return them once (``check_replicas_agree``); both
@@ -57,8 +59,11 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     known = mesh.board.known_failure()
     metadata = hash((local, known, *((x.shape, _dtype_code(x.dtype)) for x in tensors)))
     checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
+    # and what this rank recalls of the signature's last call (an uneven call's shapes), which
+    # the call relies on only where every rank recalls the same
+    recalled = ctx.recall_shapes(checksum) & _INT62
     comm = mesh.check_comm()
-    started = comm.start_agree(checksum, "the start-of-call check")
+    started = comm.start_agree(checksum ^ recalled, "the start-of-call check")
     if active():  # a collective of the call: CommMode counts it, as a boundary event
         event = CommEvent("pmax", comm.axes, "forward", (2,), torch.int64, boundary=True)
         record_into(active(), event)
@@ -66,15 +71,17 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     def finish() -> None:
         mesh.pending_check = None
         if not comm.agreed(started, "the start-of-call check"):
-            _disagree(ctx, tensors, local, known)
+            _disagree(ctx, tensors, local, known, recalled)
 
     mesh.pending_check = finish
 
 
 def _disagree(
-    ctx: DistributedContext, tensors: list[torch.Tensor], local: bool, known: int
+    ctx: DistributedContext, tensors: list[torch.Tensor], local: bool, known: int, recalled: int
 ) -> None:
-    """The checksums differ: exchange the descriptions and raise on every rank alike."""
+    """The checksums differ: exchange the descriptions and raise on every rank alike, or, where
+    only what the ranks recall of the signature's last call differs, forget it on every rank
+    alike (the call then exchanges every shape afresh)."""
     mesh = ctx.mesh
     shapes = ", ".join(f"{list(x.shape)} {str(x.dtype)[6:]}" for x in tensors)
     mine = f"{ctx.fn_label}{'.local' if local else ''}({shapes})"
@@ -83,13 +90,16 @@ def _disagree(
         board,
         "call",
         board.ranks,
-        f"{known} {mine}",
+        f"{known} {recalled} {mine}",
         f"rank {mesh.rank}",
         "the start-of-call check",
     )
-    knowns = {r: int(v.split(" ", 1)[0]) for r, v in got.items()}
-    got = {r: v.split(" ", 1)[1] for r, v in got.items()}
+    knowns = {r: int(v.split(" ", 2)[0]) for r, v in got.items()}
+    got = {r: v.split(" ", 2)[2] for r, v in got.items()}
     latest = max(knowns.values())
+    if len(set(got.values())) == 1 and len(set(knowns.values())) == 1:  # (the recalled differ)
+        ctx.forget_shapes()
+        return
     if len(set(got.values())) == 1:  # the same call: some ranks missed a failure
         missed = sorted(r for r, k in knowns.items() if k < latest)
         raise board.missed_failure(latest, missed)

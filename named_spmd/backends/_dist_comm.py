@@ -338,6 +338,37 @@ class Comm:
         self._issue(name, lambda: self._a2a(into, send, received, sent, opts))
         return out
 
+    def permute_flagged(
+        self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], differs: bool, name="ppermute"
+    ) -> tuple[torch.Tensor, bool]:
+        """:meth:`permute` of ``x``, every member also sending every other one a flag, one
+        element more to each (the same sizes on every member, whatever the flags); returns the
+        result and whether any member's ``differs`` was set (then the result is not to be used:
+        every member learns it in this one collective)."""
+        self._before(name, x, f", pairs={sorted(pairs)}, flagged")
+        flags: list[bool] = []
+        out = on_wire(x, lambda t: self._permute_flagged(t, pairs, differs, flags, name))
+        return out, flags[0]
+
+    def _permute_flagged(self, x, pairs, differs: bool, flags: list[bool], name: str):
+        me, mine = self.index, self.group_rank[self.index]
+        block = x.contiguous().reshape(-1)
+        src, received, sent = permute_splits(pairs, me, block.numel(), self.group_rank)
+        flag = block.new_full((1,), int(differs))
+        pieces = [t for g, n in enumerate(sent) if g != mine for t in (flag, block)[: 1 + bool(n)]]
+        out_splits = [0 if g == mine else 1 + n for g, n in enumerate(received)]
+        in_splits = [0 if g == mine else 1 + n for g, n in enumerate(sent)]
+        into = block.new_empty(sum(out_splits))
+        opts = self._a2a_opts
+        self._issue(name, lambda: self._a2a(into, torch.cat(pieces), out_splits, in_splits, opts))
+        got = into.split(out_splits)
+        flags.append(differs or any(bool(p[0] != 0) for g, p in enumerate(got) if g != mine))
+        if src is None:
+            return torch.zeros_like(x, memory_format=torch.contiguous_format)
+        if src == me:
+            return x.clone(memory_format=torch.contiguous_format)
+        return got[self.group_rank[src]][1:].view(x.shape)
+
     def broadcast(self, x: torch.Tensor, root: int, name: str = "broadcast") -> torch.Tensor:
         """Tuple member ``root``'s ``x``, in a fresh buffer."""
         self._before(name, x, f", root={root}")

@@ -139,6 +139,14 @@ class DistributedContext(TrackedContext):
         blocks' sizes: ``_dist_uneven``)."""
         return params
 
+    def recall_shapes(self, signature: int) -> int:
+        """A digest of what this call assumes from the last call of its ``signature`` (the
+        start-of-call check compares it across ranks); 0: nothing (an uneven call overrides)."""
+        return 0
+
+    def forget_shapes(self) -> None:
+        """The ranks recall different things of the signature's last call: assume nothing."""
+
     def psum_in_backward(self, g, axes, node):
         return _dist_overlap.psum_in_backward(g, self.mesh.comm(axes), node)
 
