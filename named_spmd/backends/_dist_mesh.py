@@ -87,7 +87,7 @@ class DistributedMesh(Mesh):
         self.debug = False
         self.pending_check: Callable[[], None] | None = None  # see _dist_agree.check_call_agrees
         # per signature (the start-of-call checksum): the operand shapes of its last uneven call's
-        # ppermutes, which the next call assumes (_dist_uneven.UnevenPrimitives)
+        # ppermutes, which the next call assumes (_dist_uneven_primitives.UnevenPrimitives)
         self.shape_records: dict[int, tuple] = {}
         self.gave_up = False  # this rank stopped waiting for a collective: see release_groups
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"

@@ -2,8 +2,8 @@
 
 A call takes uneven blocks where the simulated mesh does (``ns.simulate_per_instance()`` active,
 or an input's ``Blocks`` entry giving unequal sizes), so that both accept and refuse the same
-inputs; such a call runs with :class:`UnevenPrimitives` and its inputs and outputs go through
-here. An even call never does: its path is ``_dist_io`` alone, unchanged.
+inputs; such a call runs with ``_dist_uneven_primitives.UnevenPrimitives`` and its inputs and
+outputs go through here. An even call never does: its path is ``_dist_io`` alone, unchanged.
 
 * Inputs: a plain tensor's block is cut by ``_layout.block`` (torch.chunk's blocks, or the
   ``Blocks`` sizes); its gradient gathers the blocks padded to the largest (gloo gathers equal
@@ -13,18 +13,10 @@ here. An even call never does: its path is ``_dist_io`` alone, unchanged.
   ``DTensor`` of the global shape where DTensor can hold the blocks (torch.chunk's, each split
   dim over one axis), else the global value as a plain tensor on every rank (one padded
   all_gather), as the simulated mesh returns it.
-* Collectives: a tiled all_gather concatenates blocks of any sizes (a size exchange, then the
-  padded gather); a tiled psum_scatter keeps torch.chunk's blocks; both pass the block sizes to
-  their transposes as an extra parameter (:meth:`UnevenPrimitives.sized`), so the transpose of
-  a gather of ``Blocks`` sizes scatters to those sizes.
-* Operand shapes: exchanged once per collective that takes one shape on every member; a
-  ppermute of a signature called again assumes its last call's and checks them in its own
-  collective (:meth:`UnevenPrimitives.recall_shapes` and the section after it).
+* Collectives: :class:`UnevenPrimitives` (``_dist_uneven_primitives``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -32,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as torch_private
 from .._accounting import active
 from .._autodiff import differentiable
-from .._errors import SpecError, SpmdError, operand_shapes_differ
+from .._errors import SpecError, SpmdError
 from .._layout import (
     block,
     chunk_sizes,
@@ -42,259 +34,15 @@ from .._layout import (
     given_sizes_problem,
     grid_problem,
     group_size,
-    groups,
     index_of,
     is_even,
 )
 from .._spec import PartitionSpec
 from . import _dist_io as io
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
+from ._dist_uneven_primitives import exchange, pad
 
 Sizes = tuple[int, ...]
-
-# The collectives whose tiled form passes block sizes to its transpose: their own parameter
-# count (the sizes come after it).
-_SIZED = {"all_gather": 3, "psum_scatter": 2}
-_WIDTH = 17  # the shape exchange's row: the rank, then up to 16 sizes (more: not compared)
-
-
-_RECORDS = 64  # the signatures whose ppermutes' shapes a mesh keeps
-
-
-def _common(shapes: list[tuple[int, ...]] | None) -> tuple[int, ...] | None:
-    """The one shape of every instance, or None (different shapes, or past the width)."""
-    if shapes is None or any(s != shapes[0] for s in shapes):
-        return None
-    return shapes[0]
-
-
-_UNKNOWN: Any = object()  # every instance's operand shapes: not exchanged yet
-
-
-class _Checked(tuple):
-    """The parameters :meth:`UnevenPrimitives.check_operand` returns, carrying every
-    instance's operand shapes from its exchange (None past :data:`_WIDTH` dims), so that
-    :meth:`UnevenPrimitives.sized` of the same operand exchanges them once. Only the
-    collective's own path (``_record._apply``) passes them on, to the ``apply`` of that
-    operand, on every rank alike; ``sized`` returns a plain tuple, so a transpose never sees
-    them."""
-
-    shapes: list[tuple[int, ...]] | None
-
-    def __new__(cls, params: tuple, shapes: list[tuple[int, ...]] | None) -> _Checked:
-        made = super().__new__(cls, params)
-        made.shapes = shapes
-        return made
-
-
-def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``x`` with zeros appended along ``dim`` up to ``size`` (gloo gathers equal shapes)."""
-    short = size - x.shape[dim]
-    if short == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = short
-    return torch.cat([x, x.new_zeros(shape)], dim)
-
-
-def _exchange(comm, values: list[int]) -> list[list[int]]:
-    """Every member's ``values`` (one length on every member), in member order."""
-    mine = torch.tensor(values, dtype=torch.int64, device=comm.mesh.device)
-    return comm.all_gather(mine, "block sizes").tolist()
-
-
-class UnevenPrimitives:
-    """The primitives of a call whose members' blocks may differ in size (mixed into the
-    real mesh's context)."""
-
-    uneven = True
-    mesh: Any  # (the context's: a DistributedMesh)
-
-    def sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
-        """``params``, with the blocks' sizes appended for a tiled all_gather / psum_scatter
-        (their transposes need them); first, for a collective that takes one shape on every
-        member, the shapes compared. Every instance's shapes come from one exchange: the one
-        :meth:`check_operand` made for this operand where it made one (``_Checked``)."""
-        shapes = params.shapes if isinstance(params, _Checked) else _UNKNOWN
-        params = tuple(params)
-        self._guess = None
-        gathers = rec.name == "all_gather" and params[1]  # blocks of any sizes, concatenated
-        if rec.name == "ppermute" and self._seen is not None:
-            self._permuted_shapes(x, axes, params[0])
-        elif rec.forward_event and not gathers:
-            self._same_shapes(rec.name, x, axes, shapes)
-        base = _SIZED.get(rec.name)
-        if base is None or not params[1] or len(params) != base:
-            return params
-        comm = self.mesh.comm(axes)
-        if gathers:
-            return (*params, self._gathered_sizes(rec.name, x, axes, params[0], shapes))
-        return (*params, chunk_sizes(x.shape[params[0]], comm.n))  # psum_scatter's blocks
-
-    # --- the ppermutes of a signature called again ------------------------------------------
-    # A ppermute's members must pass one shape, known before the data moves (gloo fails or waits
-    # on different sizes): a call exchanges every instance's shape first. A call whose
-    # signature (the function, the inputs' global shapes and dtypes: the start-of-call check's)
-    # ran before instead assumes, at its k-th ppermute over the whole mesh, the one shape every
-    # instance passed to the k-th of the last such call, and the ppermute itself carries one
-    # more element to every member: whether this member's operand has another shape. Any flag
-    # set, every member learns it in that collective, and all exchange the shapes then (the
-    # simulated mesh's error where they differ) and move the data again. Every rank assumes
-    # the same: the start-of-call check compares a digest of what each recalls (``_dist_agree``),
-    # and a rank that recalls otherwise than another makes every rank forget it.
-
-    _signature = 0
-    _recalled: tuple | None = None  # the last call's shapes, by ppermute, or None
-    _seen: list | None = None  # this call's, until its outputs are made (then recorded)
-    _guess: tuple[int, ...] | None = None  # the shape the next permute assumes
-
-    def recall_shapes(self, signature: int) -> int:
-        self._signature, self._seen = signature, []
-        self._recalled = self.mesh.shape_records.get(signature)
-        if self._recalled is None:
-            return 0
-        # (of ints only: hash() of a str, or of None before Python 3.12, differs by process)
-        return hash(tuple((-1,) if s is None else s for s in self._recalled))
-
-    def forget_shapes(self) -> None:
-        self._recalled = None
-
-    def _permuted_shapes(self, x: torch.Tensor, axes, pairs) -> None:
-        """Before a ppermute's data moves: the shape it assumes (``_guess``), or every
-        instance's shape exchanged and compared."""
-        mesh = self.mesh
-        if mesh.pending_check is not None:  # first: whether every rank recalls the same
-            mesh.pending_check()
-        assert self._seen is not None
-        k, recalled = len(self._seen), self._recalled
-        guess = recalled[k] if recalled is not None and k < len(recalled) else None
-        moves = any(s != d for s, d in pairs)  # (else nothing moves: no flag either)
-        if guess is not None and moves and mesh.comm(axes).n == mesh.size:
-            self._guess = guess
-            self._seen.append(guess)
-            return
-        shapes = self._every_shape(x)
-        self._seen.append(_common(shapes))
-        self._same_shapes("ppermute", x, axes, shapes)
-
-    def permute(self, x, axes, pairs):
-        guess, self._guess = self._guess, None
-        if guess is None:
-            return super().permute(x, axes, pairs)  # type: ignore[misc]
-        differs = tuple(x.shape) != guess
-        comm = self.mesh.comm(axes)
-        out, flagged = comm.permute_flagged(x.new_zeros(guess) if differs else x, pairs, differs)
-        if not flagged:
-            return out
-        shapes = self._every_shape(x)  # (every member knows it: the flags went to all)
-        assert self._seen is not None
-        self._seen[-1] = _common(shapes)
-        self._same_shapes("ppermute", x, axes, shapes)
-        return super().permute(x, axes, pairs)  # type: ignore[misc]
-
-    def record_shapes(self) -> None:
-        """The call's outputs are made: what its ppermutes' operands were, for the next call
-        of its signature (the oldest signature's forgotten past :data:`_RECORDS`)."""
-        if self._seen is None:
-            return
-        records = self.mesh.shape_records
-        records.pop(self._signature, None)
-        records[self._signature] = tuple(self._seen)
-        if len(records) > _RECORDS:
-            del records[next(iter(records))]
-        self._seen = None
-
-    def check_operand(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
-        """Every instance's argument checks, in instance order, on its operand's shape (one
-        exchange): the error of the first instance whose operand fails them, raised on every
-        rank alike, as the simulated mesh raises it (a rank that raised alone would leave the
-        others inside the collective)."""
-        mine = tuple(x.shape)
-        shapes = self._every_shape(x) if rec.forward_event else None
-        checked, result = set(), None
-        for shape in shapes or [mine]:
-            if shape not in checked:
-                checked.add(shape)
-                out = rec.check(
-                    self, x if shape == mine else self._stand_in(x, shape), axes, params
-                )
-                result = out if shape == mine else result
-        assert result is not None  # this rank's shape is among every instance's
-        return _Checked(result, shapes) if rec.forward_event else result
-
-    def _stand_in(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        """A meta tensor of another instance's operand shape, of ``x``'s dtype and type."""
-        with torch_private.DisableTorchFunction():
-            meta = torch.empty(shape, dtype=x.dtype, device="meta")
-        return self.stamp(meta, self.vma(x))  # type: ignore[attr-defined]
-
-    def _every_shape(self, x: torch.Tensor) -> list[tuple[int, ...]] | None:
-        """Every instance's operand shape, row-major over the mesh (one exchange over the whole
-        mesh); None past :data:`_WIDTH` dims."""
-        if x.dim() >= _WIDTH:
-            return None
-        mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim())
-        rows = _exchange(self.mesh.comm(self.mesh.axis_names), mine)
-        return [tuple(r[1 : 1 + r[0]]) for r in rows]
-
-    def _groups(self, axes) -> list[list[int]]:
-        """The groups of ``axes`` (instance indices), in the simulated mesh's order."""
-        return groups(tuple(axes), tuple(self.mesh._shape.items()))
-
-    def _groups_of(self, axes, shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-        """The members' shapes of every group of ``axes``, groups in the simulated mesh's order."""
-        return [[shapes[m] for m in g] for g in self._groups(axes)]
-
-    def _gathered_sizes(
-        self, op: str, x: torch.Tensor, axes, dim: int, shapes: Any = _UNKNOWN
-    ) -> tuple[int, ...]:
-        """The members' sizes along ``dim`` of a tiled all_gather, from one exchange of every
-        instance's shape (``shapes``, where given); in every group the other dims must agree
-        (the simulated mesh's error, raised on every rank alike: gloo would fail or wait)."""
-        if shapes is _UNKNOWN:
-            shapes = self._every_shape(x)
-        if shapes is None:
-            return tuple(s for (s,) in _exchange(self.mesh.comm(axes), [x.shape[dim]]))
-        for group in self._groups_of(axes, shapes):
-            if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
-                raise operand_shapes_differ(op, self.fn_label, group, but=dim)  # type: ignore[attr-defined]
-        mesh = self.mesh
-        me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
-        mine = next(g for g in self._groups(axes) if me in g)
-        return tuple(shapes[m][dim] for m in mine)
-
-    def _same_shapes(self, op: str, x: torch.Tensor, axes, shapes: Any = _UNKNOWN) -> None:
-        """The simulated mesh's error for members' operands of different shapes, for the first
-        group that has them, raised on every rank alike (the shapes of every instance are
-        exchanged first, unless given: gloo would fail or wait)."""
-        if shapes is _UNKNOWN:
-            shapes = self._every_shape(x)
-        for group in self._groups_of(axes, shapes or []) if shapes is not None else ():
-            if any(s != group[0] for s in group):
-                raise operand_shapes_differ(op, self.fn_label, group)  # type: ignore[attr-defined]
-
-    def all_gather_tiled(self, x, axes, dim, sizes=None):
-        comm = self.mesh.comm(axes)
-        if sizes is None:
-            sizes = tuple(s for (s,) in _exchange(comm, [x.shape[dim]]))
-        if min(sizes) == max(sizes):
-            return super().all_gather_tiled(x, axes, dim)  # type: ignore[misc]
-        stacked = comm.all_gather(_pad(x, dim, max(sizes)))
-        return torch.cat([b.narrow(dim, 0, s) for b, s in zip(stacked.unbind(0), sizes)], dim)
-
-    def reduce_scatter_tiled(self, x, axes, dim, sizes=None):
-        comm = self.mesh.comm(axes)
-        if sizes is None:
-            sizes = chunk_sizes(x.shape[dim], comm.n)
-        if min(sizes) == max(sizes):
-            return super().reduce_scatter_tiled(x, axes, dim)  # type: ignore[misc]
-        top = max(sizes)
-        stacked = torch.stack([_pad(b, dim, top) for b in x.split(list(sizes), dim)])
-        return comm.reduce_scatter(stacked).narrow(dim, 0, sizes[comm.index])
-
-    def own_block_tiled(self, x, axes, dim, sizes):
-        i = self.mesh.comm(axes).index
-        return x.narrow(dim, sum(sizes[:i]), sizes[i])
 
 
 def refuse_transforms(ctx, traced: bool) -> None:
@@ -398,7 +146,7 @@ def outputs(ctx, outs: list[torch.Tensor], specs: list[PartitionSpec]) -> list[t
     if not any(split):
         return [io.global_output(ctx, y, s) for y, s in zip(outs, specs)]
     mine = [n for y, cut in zip(outs, split) if cut for n in y.shape]
-    rows = _exchange(
+    rows = exchange(
         mesh.comm(mesh.axis_names), mine
     )  # every rank's shapes, row-major over the mesh
     result, at = [], 0
@@ -493,7 +241,7 @@ def gather(
     padded = g
     for d, blocks in enumerate(per_dim):
         if blocks is not None:
-            padded = _pad(padded, d, max(blocks))
+            padded = pad(padded, d, max(blocks))
     if differentiable(padded):
         stacked = io._boundary(
             ctx, "all_gather", padded, spec.axes, (0, False, "invariant"), direction, modes

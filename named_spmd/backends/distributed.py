@@ -70,6 +70,7 @@ from ._dist_mesh import (
     mesh_from_device_mesh,
     registered_mesh,
 )
+from ._dist_uneven_primitives import UnevenPrimitives
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -256,7 +257,7 @@ class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
         return _dist_compile.one_op(self.mesh, "broadcast", x, axes, root)
 
 
-class UnevenContext(_dist_uneven.UnevenPrimitives, DistributedContext):
+class UnevenContext(UnevenPrimitives, DistributedContext):
     """A call whose ranks' blocks may differ in size (``_dist_uneven``)."""
 
 
