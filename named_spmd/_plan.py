@@ -58,28 +58,33 @@ class Plan:
         self.divergences = 0
 
 
-def guard_key(token: object, args: Any, kwargs: dict | None) -> tuple:
-    """What a step's typing depends on besides the op: see the module docstring."""
+def outside_key(a: Tensor) -> tuple:
+    """The key of a tensor no op of the call numbered: from outside the call, invariant."""
+    return (a.shape, a.dtype)
+
+
+def guard_key(token: object, args: Any, kwargs: dict | None, outside=outside_key) -> tuple:
+    """What a step's typing depends on besides the op: see the module docstring. ``outside``
+    keys a tensor the call did not number (a backend where such a tensor may vary passes its
+    own)."""
     key = []
     for a in args:  # (:func:`_key`, its tensor case inlined: this runs for every op)
         if isinstance(a, Tensor):
             src = a.__dict__.get(SRC)
-            key.append(src[1] if src is not None and src[0] is token else (a.shape, a.dtype))
+            key.append(src[1] if src is not None and src[0] is token else outside(a))
         else:
-            key.append(_key(token, a))
+            key.append(_key(token, a, outside))
     if kwargs:
-        key.extend([(k, _key(token, v)) for k, v in kwargs.items()])
+        key.extend([(k, _key(token, v, outside)) for k, v in kwargs.items()])
     return tuple(key)
 
 
-def _key(token: object, a: Any) -> Any:
+def _key(token: object, a: Any, outside) -> Any:
     if isinstance(a, Tensor):
         src = a.__dict__.get(SRC)
-        if src is not None and src[0] is token:
-            return src[1]
-        return (a.shape, a.dtype)  # from outside the call: invariant
+        return src[1] if src is not None and src[0] is token else outside(a)
     if type(a) is list or type(a) is tuple:
-        return (type(a), tuple([_key(token, b) for b in a]))
+        return (type(a), tuple([_key(token, b, outside) for b in a]))
     return a
 
 

@@ -17,6 +17,7 @@ real mesh only a stamped tensor does.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from ... import _blocks
 from ... import _torch_private as torch_private
 from ..._operands import METADATA, NOT_OPS
-from ..._plan import Plan, Step, _held, _results, _same
+from ..._plan import Plan, Step, _held, _results, _same, guard_key
 from ..._replay import _MAX_SIGNATURES, Replay
 from ..._stamps import _NUMBERS, _number
 from ..._stamps import _SRC as SRC
@@ -36,31 +37,9 @@ FORGET = object()  # a step's block record for a result whose record typing drop
 maybe_current_level = torch_private.maybe_current_level
 
 
-def guard_key(ctx: Any, args: tuple, kwargs: dict | None) -> tuple:
-    """What an op's typing depends on besides the op (``_plan.guard_key``, see the module doc)."""
-    token = ctx.token
-    key = []
-    for a in args:  # (:func:`_key`, its tensor case inlined: this runs for every op)
-        if isinstance(a, Tensor):
-            src = a.__dict__.get(SRC)
-            key.append(src[1] if src is not None and src[0] is token else _unnumbered(ctx, a))
-        else:
-            key.append(_key(ctx, a))
-    if kwargs:
-        key.extend([(k, _key(ctx, v)) for k, v in kwargs.items()])
-    return tuple(key)
-
-
-def _key(ctx: Any, a: Any) -> Any:
-    if isinstance(a, Tensor):
-        src = a.__dict__.get(SRC)
-        return src[1] if src is not None and src[0] is ctx.token else _unnumbered(ctx, a)
-    if type(a) is list or type(a) is tuple:
-        return (type(a), tuple([_key(ctx, b) for b in a]))
-    return a
-
-
 def _unnumbered(ctx: Any, a: Tensor) -> tuple:
+    """The guard key (``_plan.guard_key``) of a tensor no op numbered: its type and blocks too,
+    since on a simulated mesh such a tensor may vary."""
     return (a.shape, a.dtype, ctx.vma(a), _held(a, _BLOCKS, ctx.token))
 
 
@@ -75,6 +54,7 @@ class PlanningMode(PartialMode):
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
+        self.outside = functools.partial(_unnumbered, ctx)
         self.steps: list[Step] = []
         self.replayable = True
         self.hooks_seen = False
@@ -90,7 +70,7 @@ class PlanningMode(PartialMode):
         ctx = self.ctx
         if not self.replayable or ctx.in_collective:
             return self.typed(func, args, kwargs)[0]
-        key = guard_key(ctx, args, kwargs)
+        key = guard_key(ctx.token, args, kwargs, self.outside)
         out, vma, blocked = self.typed(func, args, kwargs)
         results = _results(out)
         token = ctx.token
@@ -115,6 +95,7 @@ class ReplayMode(PartialMode):
 
     def __init__(self, ctx: Any, plan: Plan) -> None:
         super().__init__(ctx)
+        self.outside = functools.partial(_unnumbered, ctx)
         self.steps = plan.steps
         self.i = 0
         self.diverged = False
@@ -130,7 +111,7 @@ class ReplayMode(PartialMode):
                 step = self.steps[i]
                 # (a property's getter is a new method-wrapper at each access: equal, not same)
                 if (step.func is func or step.func == func) and _same(
-                    step.key, guard_key(ctx, args, kwargs)
+                    step.key, guard_key(ctx.token, args, kwargs, self.outside)
                 ):
                     self.i = i + 1
                     return self._replay(step, func, args, kwargs)
