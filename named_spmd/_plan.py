@@ -57,6 +57,14 @@ class Plan:
         self.replays = 0
         self.divergences = 0
 
+    def count(self, replayed: int, diverged: bool) -> None:
+        """Count a call replayed from this plan, which applied ``replayed`` steps (a call that
+        stopped short differed too)."""
+        if diverged or replayed != len(self.steps):
+            self.divergences += 1
+        else:
+            self.replays += 1
+
 
 def outside_key(a: Tensor) -> tuple:
     """The key of a tensor no op of the call numbered: from outside the call, invariant."""
@@ -190,13 +198,6 @@ class ReplayMode(VmaMode):
                     return self._replay(step, func, args, kwargs)
             self.diverged = True  # typed from here on: every tensor so far is typed
         return super().__torch_function__(func, types, args, kwargs)
-
-    def count(self, plan: Plan) -> None:
-        """Count this call in ``plan``'s statistics (a call that stopped short differed too)."""
-        if self.diverged or self.i != len(self.steps):
-            plan.divergences += 1
-        else:
-            plan.replays += 1
 
     def _replay(self, step: Step, func, args, kwargs):
         ctx = self.ctx

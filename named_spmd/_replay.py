@@ -110,11 +110,18 @@ class Replay:
             return body(local, ctx)
         with CheckedMode(ctx) as mode:
             outs = body(local, ctx)
-        if self.checked is not None and self.signature is not None and not ctx.types_read:
-            if len(self.checked) >= _MAX_SIGNATURES:
-                self.checked.clear()
-            self.checked[self.signature] = mode.hooks_seen
+        if not ctx.types_read:
+            self.keep(mode.hooks_seen)
         return outs
+
+    def keep(self, answer: Any) -> None:
+        """Remember ``answer`` (see the class doc) for this signature, where it has one (past
+        ``_MAX_SIGNATURES`` the table starts again)."""
+        if self.checked is None or self.signature is None:
+            return
+        if len(self.checked) >= _MAX_SIGNATURES:
+            self.checked.clear()
+        self.checked[self.signature] = answer
 
     def _run_planned(self, ctx: TrackedContext, body: Any, local: list[Any]) -> list[Any]:
         """``body(local, ctx)`` replayed from the signature's plan, or typed (and its plan
@@ -123,7 +130,7 @@ class Replay:
         if isinstance(plan, Plan):
             with ReplayMode(ctx, plan) as replay:
                 outs = body(local, ctx)
-            replay.count(plan)
+            plan.count(replay.i, replay.diverged)
             return outs
         if not ctx.numbering:
             with VmaMode(ctx):
@@ -131,10 +138,8 @@ class Replay:
         with PlanningMode(ctx) as mode:
             outs = body(local, ctx)
         plan = mode.plan()
-        if plan is not None and self.checked is not None and self.signature is not None:
-            if len(self.checked) >= _MAX_SIGNATURES:
-                self.checked.clear()
-            self.checked[self.signature] = plan
+        if plan is not None:
+            self.keep(plan)
         return outs
 
 

@@ -26,7 +26,7 @@ from ... import _blocks
 from ... import _torch_private as torch_private
 from ..._operands import METADATA, NOT_OPS
 from ..._plan import Plan, Step, _held, _results, _same, guard_key
-from ..._replay import _MAX_SIGNATURES, Replay
+from ..._replay import Replay
 from ..._stamps import _NUMBERS, _number
 from ..._stamps import _SRC as SRC
 from ._marks import PartialMode, set_mark
@@ -135,13 +135,6 @@ class ReplayMode(PartialMode):
             ctx.numbered = n + 1
         return out
 
-    def count(self, plan: Plan) -> None:
-        """Count this call in ``plan``'s statistics (a call that stopped short differed too)."""
-        if self.diverged or self.i != len(self.steps):
-            plan.divergences += 1
-        else:
-            plan.replays += 1
-
 
 def lookup(call: Any) -> Replay | None:
     """``call``'s entry in its mapped function's table of plans, or None where it cannot be
@@ -168,13 +161,11 @@ def begin(ctx: Any, local: list[Any], table: Replay | None) -> PartialMode:
 
 def finish(mode: PartialMode, table: Replay | None) -> None:
     """After a call's body returned: keep its plan, or count its replay."""
-    if table is None or table.checked is None or table.signature is None:
+    if table is None:
         return
     if isinstance(mode, ReplayMode) and isinstance(table.marks, Plan):
-        mode.count(table.marks)
+        table.marks.count(mode.i, mode.diverged)
     elif isinstance(mode, PlanningMode):
         plan = mode.plan()
         if plan is not None:
-            if len(table.checked) >= _MAX_SIGNATURES:
-                table.checked.clear()
-            table.checked[table.signature] = plan
+            table.keep(plan)
