@@ -95,7 +95,7 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
         assert o["error"] in ("SpmdError", "RankFailedError"), o
         assert "called different collectives in spmd_map call #" in o["message"], o
         assert "finished that call without joining it" in o["message"], o
-        assert o["seconds"] < 15, o
+        assert o["seconds"] < 25, o  # learned from its exit, not at the 30 s timeout
         for phase in ("shapes_then", "shapes_debug_then", "axes_debug_then"):
             assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]
 
@@ -107,7 +107,7 @@ def test_a_killed_rank_is_named_by_every_peer():
         assert o["error"] == "RankFailedError", o
         assert f"{named(2)} died without reporting an error" in o["message"], o
         assert "SIGKILL" in o["message"], o
-        assert o["seconds"] < 15, o
+        assert o["seconds"] < 25, o  # learned from its exit, not at the 30 s timeout
 
 
 def test_ranks_left_waiting_name_the_rank_that_finished_the_call_and_exited():
@@ -122,7 +122,7 @@ def test_ranks_left_waiting_name_the_rank_that_finished_the_call_and_exited():
         ), o
         assert "after finishing spmd_map call #1" in o["message"], o
         assert "called different collectives" in o["message"], o
-        assert o["seconds"] < 15, o
+        assert o["seconds"] < 25, o  # learned from its exit, not at the 30 s timeout
 
 
 def test_ranks_that_gave_up_exit_and_the_late_rank_does_not_pair_with_their_collective():
@@ -161,7 +161,7 @@ def test_a_rank_failing_right_after_make_mesh_is_named_by_its_peers():
             f"{named(1)} exited on an uncaught ValueError: rank 1 raises right after"
             in (o["message"])
         ), o
-        assert o["seconds"] < 15, o
+        assert o["seconds"] < 25, o  # learned from its exit, not at the 30 s timeout
 
 
 def test_a_mesh_drops_its_process_groups_before_the_interpreter_finalizes():
@@ -187,7 +187,7 @@ def test_a_rank_failing_inside_make_mesh_is_named_with_its_error():
             f"{named(1)} to create the mesh's process groups, but it exited on an uncaught "
             "ValueError: rank 1 raises inside make_mesh" in o["message"]
         ), o
-        assert o["seconds"] < 15, o
+        assert o["seconds"] < 25, o  # learned from its exit, not at the 30 s timeout
 
 
 def test_a_peer_that_gave_up_waiting_is_quoted_not_described_by_its_exit():
@@ -392,7 +392,7 @@ def test_ranks_that_never_needed_the_failing_rank_stop_at_their_next_call_naming
             f"{named(0)} failed inside spmd_map: ValueError: rank 0 fails before the psum over tp"
             in o["message"]
         ), o
-        assert o["seconds"] < 15, o
+        assert o["seconds"] < 25, o  # learned from its exit, not at the 30 s timeout
     assert outcomes[1, "by_tp"]["error"] == "RankFailedError", outcomes[1, "by_tp"]
     for rank in (0, 1):  # left inside a collective with rank 0 (rank 1): out of step
         o = outcomes[rank, "by_tp_next"]
