@@ -112,8 +112,8 @@ class CallMarker(torch_private.DeviceContext):
     """A torch-function mode that marks a running call; entered by a checkpoint's recomputation,
     it resumes the call: the backend's state (:meth:`SpmdContext.resume`), the call's own modes
     (vma tracking), the active call, and the accounting of recomputed collectives as backward
-    communication. Passes every op through unchanged, attention under the context's
-    ``sdpa_backends``."""
+    communication. Passes every op through unchanged, or to the call's ``marker_typing``,
+    attention under the context's ``sdpa_backends``."""
 
     def __init__(self, ctx: SpmdContext) -> None:  # not DeviceContext's: no device is set
         self.ctx = ctx
@@ -131,9 +131,14 @@ class CallMarker(torch_private.DeviceContext):
         self.undo: list[Callable[[], None] | None] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        typing = self.ctx.marker_typing
         if func is _SDPA and self.ctx.sdpa_backends is not None:
             with sdpa_kernel(self.ctx.sdpa_backends):
+                if typing is not None:
+                    return typing.__torch_function__(func, types, args, kwargs)
                 return func(*args, **(kwargs or {}))
+        if typing is not None:
+            return typing.__torch_function__(func, types, args, kwargs)
         return func(*args, **(kwargs or {}))
 
     @property

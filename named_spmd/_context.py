@@ -47,6 +47,10 @@ class SpmdContext(ABC):
     #: argument; None: torch's choice). The call's marker applies it, also in a checkpoint's
     #: recomputation (``_calls.CallMarker``).
     sdpa_backends: Any = None
+    #: A torch-function mode of the call's own that its marker runs on each op instead of its
+    #: being pushed (``_calls.CallMarker``): one Python dispatch per op, not two (the
+    #: simulated mesh's typing of a call whose inputs hold blocks, ``_planned``).
+    marker_typing: Any = None
     #: A replay: a call whose signature an earlier call type-checked, on a mesh of one instance,
     #: where no value depends on a type (``_replay``). Collectives and casts run their forward
     #: on the one member without their type rules.

@@ -123,8 +123,17 @@ def dim_offsets(block_sizes: Sequence[int]) -> tuple[int, ...]:
 
 def is_even(shape: Sequence[int], spec: PartitionSpec, sizes: Sizes) -> bool:
     """Whether every instance's block of a global ``shape`` under ``spec`` has one shape."""
+    if not spec.axes:  # (memoized on the spec: most leaves, parameters, split nothing)
+        return True
     for d, size in enumerate(shape):
-        if spec.entry_axes(d) and len(set(dim_sizes(spec, d, size, sizes))) > 1:
+        axes = spec.entry_axes(d)
+        if not axes:
+            continue
+        given = spec.entry_sizes(d)
+        if given is None:  # torch.chunk's blocks (:func:`chunk_sizes`): equal iff n divides
+            if size % group_size(axes, sizes):
+                return False
+        elif len(set(given)) > 1:
             return False
     return True
 

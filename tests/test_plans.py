@@ -10,10 +10,13 @@ import functools
 import json
 
 import pytest
+import torch
 from _dist_launch import launch
 from plan_worker import CASES, LOCAL_THEN_GLOBAL, run
 
 import named_spmd as ns
+from named_spmd import _torch_private
+from named_spmd._replay import checked_signatures
 
 # case -> [calls replayed whole from a plan, calls whose program differed from the plan's] on
 # each rank: such a call is replayed up to the first op that differs and typed from there (a
@@ -61,3 +64,28 @@ def test_a_local_calls_plan_is_not_a_global_calls():
     for rank in (0, 1):
         outcome = _outcomes()[rank, LOCAL_THEN_GLOBAL]
         assert outcome["problems"] == [] and outcome["calls"] == 4, outcome
+
+
+def test_a_simulated_call_holding_blocks_dispatches_each_op_through_one_mode():
+    """Its typing (planned, then replayed) runs from the call's marker (``marker_typing``), not
+    as a second torch-function mode: each op passes through Python once. Values and the
+    gradient are the dense computation's, in the typed call and in the replay."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+    depths = []
+
+    def f(x, w):
+        depths.append(_torch_private.function_mode_depth())
+        return ns.psum(x @ w, "tp")
+
+    g = ns.spmd_map(f, mesh=mesh, in_specs=(ns.P("dp", "tp"), ns.P("tp")), out_specs=ns.P("dp"))
+    x, w = torch.randn(4, 6, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    base = _torch_private.function_mode_depth()
+    for _ in range(2):  # typed (the plan made), then replayed
+        wg = w.clone().requires_grad_()
+        out = g(x, wg)
+        torch.testing.assert_close(out, x @ w)
+        out.sum().backward()
+        torch.testing.assert_close(wg.grad, x.sum(0)[:, None].expand(6, 3))
+    assert depths == [base + 1, base + 1]
+    plans = list(checked_signatures(g).values())
+    assert len(plans) == 1 and plans[0].replays == 1

@@ -65,7 +65,10 @@ def _run_body(
         # inputs hold blocks: every op is typed, for the contractions that make partial sums,
         # once per signature (``_planned``)
         mode = ctx.partial_mode = _planned.begin(ctx, local, table)
-        mode.__enter__()
+        if ctx.marks_calls:  # run by the call's marker: one torch-function mode per op
+            ctx.marker_typing = mode
+        else:
+            mode.__enter__()
     try:
         outs = list(call.body(local, ctx))
     finally:

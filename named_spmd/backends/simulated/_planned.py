@@ -25,7 +25,7 @@ import torch
 from ... import _blocks
 from ... import _torch_private as torch_private
 from ..._operands import METADATA, NOT_OPS
-from ..._plan import Plan, Step, _held, _results, _same, guard_key
+from ..._plan import Plan, Step, _held, _results, guard_key
 from ..._replay import Replay
 from ..._stamps import _NUMBERS, _number
 from ..._stamps import _SRC as SRC
@@ -97,43 +97,48 @@ class ReplayMode(PartialMode):
         super().__init__(ctx)
         self.outside = functools.partial(_unnumbered, ctx)
         self.steps = plan.steps
+        self.n = len(plan.steps)
         self.i = 0
         self.diverged = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # (``_plan._same``, the step's application and ``ctx.number`` inlined: this runs for
+        # every op of the call, and a Python frame costs about what the rest of it does)
         if func in METADATA:
             return func(*args, **kwargs) if kwargs else func(*args)
         ctx = self.ctx
+        i = self.i
         if not self.diverged and not ctx.in_collective:
-            i = self.i
-            # (_transform_inside, inlined: this runs for every op)
-            if i < len(self.steps) and maybe_current_level() == ctx.inner_level:
+            # (_transform_inside, inlined)
+            if i < self.n and maybe_current_level() == ctx.inner_level:
                 step = self.steps[i]
                 # (a property's getter is a new method-wrapper at each access: equal, not same)
-                if (step.func is func or step.func == func) and _same(
-                    step.key, guard_key(ctx.token, args, kwargs, self.outside)
-                ):
-                    self.i = i + 1
-                    return self._replay(step, func, args, kwargs)
+                if step.func is func or step.func == func:
+                    token = ctx.token
+                    key = guard_key(token, args, kwargs, self.outside)
+                    try:
+                        same = bool(step.key == key)
+                    except Exception:  # an argument whose == is not a bool (an array)
+                        same = False
+                    if same:
+                        self.i = i + 1
+                        out = func(*args, **kwargs) if kwargs else func(*args)
+                        results = (out,) if type(out) is Tensor else _results(out)
+                        for o, (vma, lay) in zip(results, step.outputs):
+                            d = o.__dict__
+                            if vma is not None:
+                                set_mark(o, token, vma)
+                                ctx.forget_last_vma()
+                            if lay is FORGET:
+                                d.pop(_BLOCKS, None)
+                            elif lay is not None:
+                                d[_BLOCKS] = (token, lay)
+                            n = ctx.numbered
+                            d[SRC] = (token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
+                            ctx.numbered = n + 1
+                        return out
             self.diverged = True  # typed from here on: every tensor so far is typed
         return self.typed(func, args, kwargs or {})[0]
-
-    def _replay(self, step: Step, func, args, kwargs):
-        ctx = self.ctx
-        token = ctx.token
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        for o, (vma, lay) in zip((out,) if type(out) is Tensor else _results(out), step.outputs):
-            if vma is not None:
-                set_mark(o, token, vma)
-                ctx.forget_last_vma()
-            if lay is FORGET:
-                o.__dict__.pop(_BLOCKS, None)
-            elif lay is not None:
-                o.__dict__[_BLOCKS] = (token, lay)
-            n = ctx.numbered  # (ctx.number, inlined: this runs for every result)
-            o.__dict__[SRC] = (token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
-            ctx.numbered = n + 1
-        return out
 
 
 def lookup(call: Any) -> Replay | None:

@@ -93,8 +93,10 @@ class SimulatedContext(SpmdContext):
         self.numbered += 1
 
     def end_partial(self) -> None:
-        """Pop the PartialMode at the end of the body (the marks stay, for the outputs)."""
-        if self.partial_mode is not None:
+        """Pop the PartialMode at the end of the body (the marks stay, for the outputs); one
+        the call's marker runs (``marker_typing``, also in a checkpoint's recomputation) was
+        never pushed."""
+        if self.partial_mode is not None and self.partial_mode is not self.marker_typing:
             self.partial_mode.__exit__(None, None, None)
 
     def _batched_axes(self, x: torch.Tensor) -> tuple[str, ...]:
