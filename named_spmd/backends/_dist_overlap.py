@@ -191,14 +191,15 @@ def _forget_work(buf: torch.Tensor) -> None:
         torch_private.dist().wait_tensor(buf)
 
 
-def psum_in_backward(g: torch.Tensor, comm: Comm | None, node):
+def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, chain: str = "backward"):
     """The transpose of a pvary outside any transform: the gradient's sum over ``comm``,
     started here and overlapped with the rest of backward (in place on a gradient nothing else
-    holds). ``node`` is the pvary's autograd context."""
+    holds). ``node`` is the pvary's autograd context; ``chain``: the call chain that reached
+    here, whose references to ``g`` the donation check calibrated (``_dist_donation``)."""
     if _is_async(g):  # chained pvary: the sum of the one below first
         g = async_wait(g)
     # no copy where nothing else holds g (the count of this frame's references is calibrated)
-    if donation.exclusive(g, torch_private.refcount(g), "backward"):
+    if donation.exclusive(g, torch_private.refcount(g), chain):
         buf = g
     else:
         buf = g.clone(memory_format=_contiguous)
