@@ -76,15 +76,20 @@ def guard_key(token: object, args: Any, kwargs: dict | None, outside=outside_key
     keys a tensor the call did not number (a backend where such a tensor may vary passes its
     own)."""
     key = []
-    for a in args:  # (:func:`_key`, its tensor case inlined: this runs for every op)
+    for a in args:  # (:func:`_key`, its two usual cases inlined: this runs for every op)
         if isinstance(a, Tensor):
             src = a.__dict__.get(SRC)
             key.append(src[1] if src is not None and src[0] is token else outside(a))
+        elif type(a) in _SCALARS:
+            key.append(a)
         else:
             key.append(_key(token, a, outside))
     if kwargs:
         key.extend([(k, _key(token, v, outside)) for k, v in kwargs.items()])
     return tuple(key)
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})  # keyed as themselves
 
 
 def _key(token: object, a: Any, outside) -> Any:
@@ -191,11 +196,15 @@ class ReplayMode(VmaMode):
             if i < len(self.steps):
                 step = self.steps[i]
                 # (a property's getter is a new method-wrapper at each access: equal, not same)
-                if (step.func is func or step.func == func) and _same(
-                    step.key, guard_key(self.token, args, kwargs)
-                ):
-                    self.i = i + 1
-                    return self._replay(step, func, args, kwargs)
+                if step.func is func or step.func == func:
+                    key = guard_key(self.token, args, kwargs)
+                    try:  # (:func:`_same`, inlined)
+                        same = bool(step.key == key)
+                    except Exception:
+                        same = False
+                    if same:
+                        self.i = i + 1
+                        return self._replay(step, func, args, kwargs)
             self.diverged = True  # typed from here on: every tensor so far is typed
         return super().__torch_function__(func, types, args, kwargs)
 
@@ -214,8 +223,19 @@ class ReplayMode(VmaMode):
                 swap[id(t)] = alias  # (never under Dynamo: a compiled call is not planned)
             args, kwargs = swap_operands(args, kwargs, swap)
         out = func(*args, **kwargs) if kwargs else func(*args)
-        if type(out) is Tensor:  # the usual result: one tensor
-            self._give(out, *step.outputs[0])
+        if type(out) is Tensor:  # the usual result: one tensor (_give, inlined)
+            vma, lay = step.outputs[0]
+            d = out.__dict__
+            if vma is not None:
+                stamp = ctx._stamps.get(id(vma))  # (TrackedContext.stamp_of's memo)
+                d[_ATTR] = ctx.stamp_of(vma) if stamp is None else stamp
+            if lay is not None:
+                d[_BLOCKS] = (self.token, lay)
+            elif _BLOCKS in d:
+                del d[_BLOCKS]
+            n = ctx.numbered
+            d[SRC] = (self.token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
+            ctx.numbered = n + 1
         else:
             for o, (vma, lay) in zip(_results(out), step.outputs):
                 self._give(o, vma, lay)
