@@ -175,7 +175,11 @@ class TrackedContext(SpmdContext):
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """The implicit pvary of ``t`` over ``axes``: one alias per (tensor, axes) per call."""
-        alias = self.memo_alias(t, axes, lambda: self.implicit_pvary(t, axes))
+        key = (id(t), axes)  # (:meth:`memo_alias`, inlined: every parameter passes here)
+        hit = self.pvary_cache.get(key)
+        if hit is None:
+            hit = self.pvary_cache[key] = (t, self.implicit_pvary(t, axes))
+        alias = hit[1]
         if self.recipes is not None:
             self.recipes[id(alias)] = (t, ("pvary", axes))
         return alias

@@ -594,9 +594,11 @@ def _delay_buckets() -> None:
     kept: dict[int, list] = {}  # id(bucket) -> [(member, its value)]
 
     def late_add(self, buf):
-        add(self, buf)
+        if not add(self, buf):
+            return False
         kept.setdefault(id(self), []).append((buf, buf.clone()))
         buf.fill_(float("nan"))
+        return True
 
     def close_only(self):  # full, no room for the next gradient, or backward's end: not started
         work = _dist_buckets.OPEN.get(self.key)
