@@ -24,6 +24,7 @@ import torch
 from .._accounting import _local as _modes
 from .._autodiff import _NONES, CollectiveFn, differentiable
 from .._collectives._record import PVARY_RECORD, implicit_pvary
+from .._stamps import _ATTR
 from .._torch_private import (
     DisableTorchFunction,
     forward_level,
@@ -53,7 +54,8 @@ _apply = function_base_apply.__get__(None, Pvary)
 def pvary(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
     """``implicit_pvary(ctx, t, axes)``: through :class:`Pvary` where the generic path would only
     apply the bridge and stamp (``ctx``: a plain ``DistributedContext``)."""
-    vma = ctx.vma(t)
+    held = t.__dict__.get(_ATTR)  # (ctx.vma, its usual case inlined)
+    vma = held[1] if held is not None and held[0] is ctx.call_token else ctx.vma(t)
     if (
         vma.reduced
         or _modes.stack  # a CommMode records the cast's backward psum (the generic path)
@@ -66,7 +68,13 @@ def pvary(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         return implicit_pvary(ctx, t, axes)
     with DisableTorchFunction():
         out = _apply(t, PVARY_RECORD, ctx, axes, ())
-    return ctx.stamp(out, vma.add(axes))
+    # ctx.stamp (no transform: no wrapped tensor, no storage to own), its memo read inline
+    varying = vma.add(axes)
+    stamp = ctx._stamps.get(id(varying))
+    out.__dict__[_ATTR] = ctx.stamp_of(varying) if stamp is None else stamp
+    if ctx.numbering:
+        ctx.number(out)
+    return out
 
 
 def probe(ctx: Any) -> None:
