@@ -44,6 +44,9 @@ class Step:
     key: tuple  # guard_key of its arguments
     casts: tuple  # ((operand position, ((kind, axes, ...), ...)), ...): the implicit casts
     outputs: tuple  # per tensor result: (its stamp or None, its blocks record or None)
+    # per cast, the position of its operand among the positional arguments, where every tensor
+    # operand is one (the usual op: the replay then swaps them in place); else None
+    places: tuple | None = None
 
 
 class Plan:
@@ -76,15 +79,20 @@ def guard_key(token: object, args: Any, kwargs: dict | None, outside=outside_key
     keys a tensor the call did not number (a backend where such a tensor may vary passes its
     own)."""
     key = []
-    for a in args:  # (:func:`_key`, its tensor case inlined: this runs for every op)
+    for a in args:  # (:func:`_key`, its two usual cases inlined: this runs for every op)
         if isinstance(a, Tensor):
             src = a.__dict__.get(SRC)
             key.append(src[1] if src is not None and src[0] is token else outside(a))
+        elif type(a) in _SCALARS:
+            key.append(a)
         else:
             key.append(_key(token, a, outside))
     if kwargs:
         key.extend([(k, _key(token, v, outside)) for k, v in kwargs.items()])
     return tuple(key)
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})  # keyed as themselves
 
 
 def _key(token: object, a: Any, outside) -> Any:
@@ -129,7 +137,8 @@ class PlanningMode(VmaMode):
         out = super().__torch_function__(func, types, args, kwargs)
         results = _results(out)
         outputs = tuple((_held(o, _ATTR, token), _held(o, _BLOCKS, token)) for o in results)
-        self.steps.append(Step(func, key, tuple(self._casts), outputs))
+        casts = tuple(self._casts)
+        self.steps.append(Step(func, key, casts, outputs, _places(args, kwargs, casts)))
         for o in results:
             self.ctx.number(o)
         return out
@@ -171,6 +180,16 @@ class PlanningMode(VmaMode):
         return Plan(self.steps)
 
 
+def _places(args: Any, kwargs: dict | None, casts: tuple) -> tuple | None:
+    """:attr:`Step.places` of an op called with ``args`` and ``kwargs``."""
+    if not casts or any(isinstance(v, (Tensor, list, tuple)) for v in (kwargs or {}).values()):
+        return None
+    if any(isinstance(a, (list, tuple)) for a in args):
+        return None  # (a list may hold tensors: operands are then not positions)
+    positions = [at for at, a in enumerate(args) if isinstance(a, Tensor)]
+    return tuple(positions[i] for i, _ in casts)
+
+
 def _held(t: Tensor, attr: str, token: object) -> Any:
     rec = t.__dict__.get(attr)
     return rec[1] if rec is not None and rec[0] is token else None
@@ -191,35 +210,59 @@ class ReplayMode(VmaMode):
             if i < len(self.steps):
                 step = self.steps[i]
                 # (a property's getter is a new method-wrapper at each access: equal, not same)
-                if (step.func is func or step.func == func) and _same(
-                    step.key, guard_key(self.token, args, kwargs)
-                ):
-                    self.i = i + 1
-                    return self._replay(step, func, args, kwargs)
+                if step.func is func or step.func == func:
+                    key = guard_key(self.token, args, kwargs)
+                    try:  # (:func:`_same`, inlined)
+                        same = bool(step.key == key)
+                    except Exception:
+                        same = False
+                    if same:
+                        self.i = i + 1
+                        return self._replay(step, func, args, kwargs)
             self.diverged = True  # typed from here on: every tensor so far is typed
         return super().__torch_function__(func, types, args, kwargs)
 
     def _replay(self, step: Step, func, args, kwargs):
         ctx = self.ctx
-        if step.casts:
+        if step.places is not None:  # each cast's operand at a known argument position
+            args = list(args)
+            for (_, recipe), at in zip(step.casts, step.places):
+                args[at] = self._cast(args[at], recipe)
+        elif step.casts:
             operands = tensor_operands(args, kwargs)
             swap = {}
             for i, recipe in step.casts:
-                t = alias = operands[i]
-                for kind, axes, *to in recipe:
-                    if kind == "pvary":
-                        alias = ctx.cached_pvary(alias, axes)
-                    else:
-                        alias = ctx.cached_cast(alias, axes, to[0])
-                swap[id(t)] = alias  # (never under Dynamo: a compiled call is not planned)
+                t = operands[i]
+                swap[id(t)] = self._cast(t, recipe)  # (never under Dynamo: not planned)
             args, kwargs = swap_operands(args, kwargs, swap)
         out = func(*args, **kwargs) if kwargs else func(*args)
-        if type(out) is Tensor:  # the usual result: one tensor
-            self._give(out, *step.outputs[0])
+        if type(out) is Tensor:  # the usual result: one tensor (_give, inlined)
+            vma, lay = step.outputs[0]
+            d = out.__dict__
+            if vma is not None:
+                stamp = ctx._stamps.get(id(vma))  # (TrackedContext.stamp_of's memo)
+                d[_ATTR] = ctx.stamp_of(vma) if stamp is None else stamp
+            if lay is not None:
+                d[_BLOCKS] = (self.token, lay)
+            elif _BLOCKS in d:
+                del d[_BLOCKS]
+            n = ctx.numbered
+            d[SRC] = (self.token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
+            ctx.numbered = n + 1
         else:
             for o, (vma, lay) in zip(_results(out), step.outputs):
                 self._give(o, vma, lay)
         return out
+
+    def _cast(self, t: Tensor, recipe: tuple) -> Tensor:
+        """``t`` with a step's implicit casts of it applied (the call's caches: one alias per
+        tensor, axes and state, as typing made)."""
+        for kind, axes, *to in recipe:
+            if kind == "pvary":
+                t = self.ctx.cached_pvary(t, axes)
+            else:
+                t = self.ctx.cached_cast(t, axes, to[0])
+        return t
 
     def _give(self, o: Tensor, vma: Any, lay: Any) -> None:
         """What typing gave result ``o``: its stamp, its blocks record, the call's next number

@@ -138,18 +138,31 @@ class TrackedContext(SpmdContext):
             self.number(x)
         return x
 
-    def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:
+    def stamp_input(self, x: torch.Tensor, spec: Any, eager: bool = False) -> torch.Tensor:
         """An input leaf under ``spec``: its type, and the blocks its dims hold. Stamped even
         where invariant: one tensor passed at two argument positions (a backend hands a
         replicated input through as is) gets a tensor object per position, each typed by its
         own spec; and an invariant input may be the caller's tensor, or a view of it, whose
-        storage a varying alias made inside a torch.func transform also holds (see ``vma``)."""
+        storage a varying alias made inside a torch.func transform also holds (see ``vma``).
+        ``eager``: the caller is never traced by Dynamo (every input of every call passes here:
+        :meth:`pin` and ``_blocks.mark`` are then inlined, their memos read directly)."""
         held = x.__dict__.get(_ATTR)
         if held is not None and held[0] is self.call_token:
             with DisableTorchFunction():
                 x = x.view_as(x)
-        self.pin(x, spec.vma())
-        _blocks.mark(x, spec, self.call_token)
+        if not eager or _is_wrapped(x):
+            self.pin(x, spec.vma())
+            _blocks.mark(x, spec, self.call_token)
+            return x
+        d = x.__dict__
+        vma = spec.vma()
+        stamp = self._stamps.get(id(vma))
+        d[_ATTR] = self.stamp_of(vma) if stamp is None else stamp
+        if self.numbering:
+            self.number(x)
+        lay = _blocks.input_layout(spec, x.dim())
+        if lay is not None:
+            d[_blocks.ATTR] = (self.call_token, lay)
         return x
 
     def cached_cast(self, t: torch.Tensor, axes: tuple[str, ...], to: str) -> torch.Tensor:
@@ -162,7 +175,11 @@ class TrackedContext(SpmdContext):
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """The implicit pvary of ``t`` over ``axes``: one alias per (tensor, axes) per call."""
-        alias = self.memo_alias(t, axes, lambda: self.implicit_pvary(t, axes))
+        key = (id(t), axes)  # (:meth:`memo_alias`, inlined: every parameter passes here)
+        hit = self.pvary_cache.get(key)
+        if hit is None:
+            hit = self.pvary_cache[key] = (t, self.implicit_pvary(t, axes))
+        alias = hit[1]
         if self.recipes is not None:
             self.recipes[id(alias)] = (t, ("pvary", axes))
         return alias

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -393,6 +394,8 @@ class _OneComm:
 
     def __init__(self, comm):
         self.comm = comm
+        # (``_dist_pvary.Pvary`` asks the mesh for the comm)
+        self.mesh = types.SimpleNamespace(comm=lambda axes: comm)
 
     def forward(self, rec, x, axes, params):
         return x.view_as(x)
@@ -403,13 +406,16 @@ class _OneComm:
         return _dist_overlap.psum_in_backward(g, self.comm, node)
 
 
-def _pvary(t, comm):
+def _pvary(t, comm, chain="bridge"):
     """A pvary on a real mesh: the generic bridge with pvary's record (its backward is the
-    overlapped gradient psum)."""
+    overlapped gradient psum), or (``chain="pvary"``) the real mesh's own implicit pvary
+    (``_dist_pvary.Pvary``, whose backward reaches the psum by a shorter chain)."""
     from named_spmd._autodiff import apply
     from named_spmd._collectives._record import PVARY_RECORD
-    from named_spmd.backends import distributed  # noqa: F401  (calibrates _dist_donation)
+    from named_spmd.backends import _dist_pvary, distributed  # noqa: F401  (calibrates)
 
+    if chain == "pvary":
+        return _dist_pvary._apply(t, PVARY_RECORD, _OneComm(comm), ("i",), ())
     return apply(PVARY_RECORD, _OneComm(comm), t, ("i",), ())
 
 
@@ -473,9 +479,12 @@ def bucket_mb(request):
     set_grad_bucket_mb(None)
 
 
+@pytest.mark.parametrize("chain", ["bridge", "pvary"])
 @pytest.mark.parametrize("bucket_mb", [0, 25, 24 * 4 / 2**20], indirect=True)
 @pytest.mark.parametrize("prog", _aliasing_programs(), ids=lambda f: f.__name__)
-def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradient(prog, bucket_mb):
+def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradient(
+    prog, bucket_mb, chain
+):
     """Unbucketed (0): in place only on a gradient nothing else holds. Bucketed (the default,
     and room for 1.5 4x4 float32 gradients, so the second starts the first): a copy in the
     bucket, read early by the same programs. Either way the values of a doubling backward."""
@@ -500,14 +509,14 @@ def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradien
             return grad * 2
 
     comm = _DoublingComm()
-    got, got_kept = run(lambda t: _pvary(t, comm))
+    got, got_kept = run(lambda t: _pvary(t, comm, chain))
     want, want_kept = run(Doubled.apply)
     for x, y in zip(got + got_kept, want + want_kept):
         assert (x is None and y is None) or torch.equal(x, y), prog.__name__
     if prog.__name__ == "mm_only" and bucket_mb == 0:  # in place where it is safe
         from named_spmd.backends import _dist_donation
 
-        assert _dist_donation.LIMITS["backward"] is not None
+        assert _dist_donation.LIMITS["backward" if chain == "bridge" else "pvary"] is not None
 
 
 def test_forward_reductions_overwrite_only_temporaries():
@@ -562,13 +571,14 @@ def _holding(t, held):
     return t
 
 
+@pytest.mark.parametrize("chain", ["bridge", "pvary"])
 @pytest.mark.parametrize("bucket_mb", [0], indirect=True)
-def test_pvary_backward_reuses_a_fresh_gradient_buffer(bucket_mb):
+def test_pvary_backward_reuses_a_fresh_gradient_buffer(bucket_mb, chain):
     import torch
 
     comm = _DoublingComm()
     a = torch.randn(4, 4, requires_grad=True)
-    y = _pvary(a, comm)
+    y = _pvary(a, comm, chain)
     incoming: list[int] = []
     y.register_hook(lambda g: incoming.append(g.data_ptr()))  # records, keeps nothing
     (y @ torch.randn(4, 4)).sum().backward()

@@ -57,7 +57,9 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     # and the latest failed call this rank knows of: a rank that finished a call in which
     # another failed, without needing it, disagrees and learns of it here (``_disagree``)
     known = mesh.board.known_failure()
-    metadata = hash((local, known, *((x.shape, _dtype_code(x.dtype)) for x in tensors)))
+    codes = _DTYPE_CODES  # (_dtype_code, its memo read inline: one entry per tensor leaf)
+    described = [(x.shape, codes.get(x.dtype) or _dtype_code(x.dtype)) for x in tensors]
+    metadata = hash((local, known, *described))
     checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
     # and what this rank recalls of the signature's last call (an uneven call's shapes), which
     # the call relies on only where every rank recalls the same

@@ -119,16 +119,17 @@ class Bucket:
         self.started: Any = None  # the all-reduce's work, once started
         self.copied = False  # the sums are back in the members
 
-    def fits(self, g: torch.Tensor) -> bool:
-        return self.nbytes + g.numel() * g.element_size() <= self.capacity
-
-    def full(self) -> bool:
-        return self.nbytes >= self.capacity
-
-    def add(self, buf: torch.Tensor) -> None:
-        """``buf`` (contiguous, owned by the bucket) joins; it receives its sum at the wait."""
+    def add(self, buf: torch.Tensor) -> bool:
+        """``buf`` (contiguous, owned by the bucket) joins if it fits, and receives its sum at
+        the wait; a bucket with no room left then starts. Whether it joined."""
+        nbytes = self.nbytes + buf.numel() * buf.element_size()
+        if nbytes > self.capacity:
+            return False
         self.members.append(buf)
-        self.nbytes += buf.numel() * buf.element_size()
+        self.nbytes = nbytes
+        if nbytes >= self.capacity:
+            self.start()
+        return True
 
     def start(self) -> None:
         """Close the bucket and start its all-reduce (once)."""
@@ -173,10 +174,6 @@ class BucketWork(dist.Work):
 
 # (graph task, id(process group), dtype, device) -> the work of the bucket being filled
 OPEN: dict[tuple, BucketWork] = {}
-
-
-def key_of(task: int, comm: Comm, g: torch.Tensor) -> tuple:
-    return (task, id(comm.group), g.dtype, g.device)
 
 
 def start_open(task: int | None = None) -> None:

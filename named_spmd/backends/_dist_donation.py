@@ -100,6 +100,14 @@ def calibrate(context: type) -> None:
     LIMITS.update(forward=forward, backward=grads[0] if grads else None)
 
 
+def calibrate_gradient(chain: str, run: Callable[[Any], None], context: type) -> None:
+    """Measure another chain that reaches the gradient psum: ``run(ctx)`` sends one gradient
+    through it on a probe call of ``context`` (``_dist_pvary``'s)."""
+    probe = type("Probe", (_Probe, context), {})
+    grads = _probe(lambda: run(_Probe.made(probe)), None)
+    LIMITS[chain] = grads[0] if grads else None
+
+
 def _temporary_operand(op: Callable[[Any, str], Any]) -> None:
     op(torch.zeros(2), "i")
 

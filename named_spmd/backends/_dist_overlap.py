@@ -101,7 +101,8 @@ def _finish(comm: Comm, work, buf: torch.Tensor | None, then: list) -> None:
 def _work_of(g: torch.Tensor):
     """The work of a pending gradient from :func:`_reduce_during_backward` or
     :func:`_into_bucket`, else None."""
-    return g.__dict__.get("_named_spmd_work") if _is_async(g) else None
+    is_async = isinstance(g, torch_private.dist().AsyncCollectiveTensor)  # (_is_async)
+    return g.__dict__.get("_named_spmd_work") if is_async else None
 
 
 def when_reduced(g: torch.Tensor, fn) -> bool:
@@ -160,7 +161,7 @@ def plain_grad(leaf: torch.Tensor) -> None:
     """Give ``leaf`` its gradient as the plain tensor, where the accumulation stored the pending
     wrapper (a finished one): ``.grad`` then copies, pickles and exposes its storage as usual."""
     grad = leaf.grad
-    if is_pending_wrapper(grad):
+    if isinstance(grad, torch_private.dist().AsyncCollectiveTensor):  # (is_pending_wrapper)
         leaf.grad = async_buffer(grad)
 
 
@@ -191,14 +192,15 @@ def _forget_work(buf: torch.Tensor) -> None:
         torch_private.dist().wait_tensor(buf)
 
 
-def psum_in_backward(g: torch.Tensor, comm: Comm | None, node):
+def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, chain: str = "backward"):
     """The transpose of a pvary outside any transform: the gradient's sum over ``comm``,
     started here and overlapped with the rest of backward (in place on a gradient nothing else
-    holds). ``node`` is the pvary's autograd context."""
-    if _is_async(g):  # chained pvary: the sum of the one below first
-        g = async_wait(g)
+    holds). ``node`` is the pvary's autograd context; ``chain``: the call chain that reached
+    here, whose references to ``g`` the donation check calibrated (``_dist_donation``)."""
+    if isinstance(g, torch_private.dist().AsyncCollectiveTensor):  # (_is_async) chained pvary:
+        g = async_wait(g)  # the sum of the one below first
     # no copy where nothing else holds g (the count of this frame's references is calibrated)
-    if donation.exclusive(g, torch_private.refcount(g), "backward"):
+    if donation.exclusive(g, torch_private.refcount(g), chain):
         buf = g
     else:
         buf = g.clone(memory_format=_contiguous)
@@ -221,21 +223,18 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node):
 
 def _into_bucket(buf: torch.Tensor, comm: Comm, task: int, cap: int) -> torch.Tensor:
     """``buf`` (a gradient the caller owns) added to the open bucket of its key (a new one if
-    none, or if it does not fit): returns it behind an AsyncCollectiveTensor that waits for the
-    bucket's sum, which is copied back into ``buf``."""
-    key = buckets.key_of(task, comm, buf)
+    none, or if it does not fit: the open one then starts): returns it behind an
+    AsyncCollectiveTensor that waits for the bucket's sum, which is copied back into ``buf``."""
+    key = (task, id(comm.group), buf.dtype, buf.device)  # a bucket never mixes these
     work = buckets.OPEN.get(key)
-    if work is not None and not work.bucket.fits(buf):
-        work.bucket.start()
-        work = None
-    if work is None:
+    if work is None or not work.bucket.add(buf):
+        if work is not None:
+            work.bucket.start()
         work = _open_bucket(key, comm, cap, task)
-    bucket = work.bucket
-    bucket.add(buf)
-    torch_private.dist().register_work(buf, work)  # a read of buf waits for (and starts) its bucket
-    if bucket.full():
-        bucket.start()
-    pending = _ACT()(buf)
+        work.bucket.add(buf)  # (a gradient smaller than a bucket fits an empty one)
+    d = torch_private.dist()
+    d.register_work(buf, work)  # a read of buf waits for (and starts) its bucket
+    pending = d.PendingGradient(buf)
     pending._named_spmd_work = work
     return pending
 

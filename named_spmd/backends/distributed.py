@@ -59,6 +59,7 @@ from . import (
     _dist_exchange,
     _dist_overlap,
     _dist_piece,
+    _dist_pvary,
     _dist_uneven,
 )
 from ._dist_comm import MAX, MIN, SUM, ragged_rows
@@ -161,6 +162,9 @@ class DistributedContext(TrackedContext):
         # (a leaf, as a parameter, is no view: the common case, decided without the lookup)
         source = None if t.grad_fn is None else self._view_source(t, axes)
         if source is None:
+            # (a plain context: the subclasses communicate, or size operands, their own way)
+            if type(self) is DistributedContext:
+                return _dist_pvary.pvary(self, t, axes)
             return implicit_pvary(self, t, axes)
         # apart from the source's own alias (cached_pvary), which records its psum
         alias = self.memo_alias(
@@ -417,7 +421,7 @@ def _local(
         local = _dist_uneven.local_input(ctx, leaf, spec, i)
     else:
         local = local_input(ctx, leaf, spec, i)
-    return local if ctx.replaying else ctx.stamp_input(local, spec)
+    return local if ctx.replaying else ctx.stamp_input(local, spec, eager=True)  # (run: eager)
 
 
 def to_local(tree: Any) -> Any:
@@ -461,3 +465,4 @@ class DistributedBackend:
 
 BACKEND = DistributedBackend()
 _dist_donation.calibrate(DistributedContext)  # its apply's and gradient psum's chains
+_dist_donation.calibrate_gradient("pvary", _dist_pvary.probe, DistributedContext)
