@@ -54,6 +54,8 @@ class Mesh:
                 "make_mesh: " + "; ".join(problems) + ". Fix: e.g. make_mesh((2, 4), ('dp', 'tp'))."
             )
         self._shape = dict(zip(axis_names, shape))
+        # (read several times per call and per collective: made once)
+        self._names, self._size = axis_names, math.prod(shape)
         #: the axes of size 1: a group of them is one instance, with nothing to exchange
         self.single_axes = frozenset(a for a, n in self._shape.items() if n == 1)
         self.device_mesh = device_mesh
@@ -70,7 +72,7 @@ class Mesh:
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        return tuple(self._shape)
+        return self._names
 
     @property
     def axis_sizes(self) -> tuple[int, ...]:
@@ -79,7 +81,7 @@ class Mesh:
     @property
     def size(self) -> int:
         """Number of instances (devices): the product of the axis sizes."""
-        return math.prod(list(self._shape.values()))
+        return self._size
 
     def axis_size(self, axes: str | Sequence[str]) -> int:
         names = (axes,) if isinstance(axes, str) else tuple(axes)

@@ -82,6 +82,14 @@ class Replay:
             except TypeError:  # an unhashable argument: no signature to compare
                 self.signature = None
 
+    def uneven(self) -> None:
+        """This call takes blocks of unequal sizes (a real mesh): its plan is kept apart from
+        an even call's of the same signature, so that a plan under the signature alone still
+        says its blocks are even (``distributed._takes_uneven_blocks``)."""
+        if self.checked is not None and self.signature is not None:
+            self.signature = (*self.signature, "uneven")
+            self.marks = self.checked.get(self.signature)
+
     def has_plan(self) -> bool:
         """Whether an earlier call of this signature made a plan (typed it, on several
         instances)."""

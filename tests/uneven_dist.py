@@ -22,6 +22,8 @@ import torch
 
 import named_spmd as ns
 from named_spmd import P
+from named_spmd._plan import Plan
+from named_spmd._replay import checked_signatures
 
 F64 = torch.float64
 
@@ -623,6 +625,12 @@ def check_replayed(case: Case, real_mesh, sim_mesh) -> list[str]:
             _close(got[0], _halo_dense(x, rows, cols), f"call {k} vs dense", problems)
         if expected is not None and len(calls) != expected:
             problems.append(f"call {k}: {len(calls)} process-group calls {calls}, not {expected}")
+    # typed per op once per signature, as an even call: replayed while the program is the
+    # same, typed again from the op where it differs (a halo of another width)
+    plans = [p for p in checked_signatures(real).values() if isinstance(p, Plan)]
+    if len(plans) != 1 or not plans[0].replays or not plans[0].divergences:
+        got = [(p.replays, p.divergences) for p in plans]
+        problems.append(f"the real calls' plans (replays, divergences): {got}")
     return problems
 
 

@@ -95,6 +95,17 @@ def reduce_wire(t: torch.Tensor, summed: bool, where: str) -> tuple[torch.Tensor
     )
 
 
+def _unreceived(x: torch.Tensor, src: int | None, me: int) -> torch.Tensor | None:
+    """A ppermute's result on member ``me`` where no peer sends to it (``src``, from
+    :func:`permute_splits`): zeros where nothing arrives, a copy of its own ``x`` where it
+    sends to itself; None where a peer's block arrives."""
+    if src is None:
+        return torch.zeros_like(x, memory_format=torch.contiguous_format)
+    if src == me:
+        return x.clone(memory_format=torch.contiguous_format)
+    return None
+
+
 def permute_splits(pairs, me: int, numel: int, group_rank) -> tuple:
     """``(src, received, sent)`` of a ppermute's ``all_to_all_single`` on tuple member ``me``:
     the member it receives from (or None), and the split sizes in group-rank order
@@ -152,6 +163,9 @@ class Comm:
         self._scatter_opts.asyncOp = self.poll
         self._a2a_opts = c10d.AllToAllOptions()
         self._a2a_opts.asyncOp = self.poll
+        self._agree_opts = self._reduce_opts(MAX)
+        self._agree_opts.asyncOp = True  # started, and finished after some of the body
+        self._doings: dict[str, str] = {}  # op -> where a wait for it is (every wait names it)
 
     def _reduce_opts(self, op):
         opts = c10d.AllreduceOptions()
@@ -161,7 +175,10 @@ class Comm:
 
     # --- plumbing -----------------------------------------------------------------------------
     def _doing(self, op: str) -> str:
-        return f"in {op} over {self.axes}"
+        doing = self._doings.get(op)
+        if doing is None:
+            doing = self._doings[op] = f"in {op} over {self.axes}"
+        return doing
 
     def _debug(self, op: str, t: torch.Tensor, extra: str = "") -> None:
         sig = f"{op}({list(t.shape)}, {t.dtype}, axes={self.axes}{extra})"
@@ -196,10 +213,8 @@ class Comm:
         ``value`` and of ``-value``: they agree when the max equals the min). :meth:`agreed`
         finishes it; in between, this rank computes."""
         buf = torch.tensor([value, -value], dtype=torch.int64)
-        opts = self._reduce_opts(MAX)
-        opts.asyncOp = True
         try:
-            return self.group.allreduce([buf], opts), buf
+            return self.group.allreduce([buf], self._agree_opts), buf
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
 
@@ -207,7 +222,8 @@ class Comm:
         """Whether every member passed the same value to :meth:`start_agree`."""
         work, buf = started
         self._wait(name, work)
-        return int(buf[0]) == -int(buf[1])
+        high, low = buf.tolist()  # (one read of the host buffer)
+        return high == -low
 
     # --- collectives --------------------------------------------------------------------------
     def all_reduce_(self, buf: torch.Tensor, op=SUM, name: str = "psum") -> torch.Tensor:
@@ -323,11 +339,8 @@ class Comm:
         me = self.index
         block = x.contiguous().reshape(-1)  # kept alive here until the send completes
         src, received, sent = permute_splits(pairs, me, block.numel(), self.group_rank)
-        if src is None:
-            out = torch.zeros_like(x, memory_format=torch.contiguous_format)
-        elif src == me:
-            out = x.clone(memory_format=torch.contiguous_format)
-        else:
+        out = _unreceived(x, src, me)
+        if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if all(s == d for s, d in pairs):
             return out  # every pair stays home: no member communicates
@@ -361,13 +374,14 @@ class Comm:
         into = block.new_empty(sum(out_splits))
         opts = self._a2a_opts
         self._issue(name, lambda: self._a2a(into, torch.cat(pieces), out_splits, in_splits, opts))
-        got = into.split(out_splits)
-        flags.append(differs or any(bool(p[0] != 0) for g, p in enumerate(got) if g != mine))
-        if src is None:
-            return torch.zeros_like(x, memory_format=torch.contiguous_format)
-        if src == me:
-            return x.clone(memory_format=torch.contiguous_format)
-        return got[self.group_rank[src]][1:].view(x.shape)
+        starts = [sum(out_splits[:g]) for g in range(self.n)]  # each peer's flag, then its data
+        peers = [starts[g] for g in range(self.n) if g != mine]
+        # every peer's flag read on the host at once (one synchronisation)
+        flags.append(differs or (bool(into[peers].any()) if peers else False))
+        out = _unreceived(x, src, me)
+        if out is not None:
+            return out
+        return into.narrow(0, starts[self.group_rank[src]] + 1, block.numel()).view(x.shape)
 
     def broadcast(self, x: torch.Tensor, root: int, name: str = "broadcast") -> torch.Tensor:
         """Tuple member ``root``'s ``x``, in a fresh buffer."""

@@ -71,8 +71,13 @@ def _spec_for(mesh, local: torch.Tensor, places: tuple) -> Any:
     spec = mesh.dtensor_specs.get(key)
     if spec is None:
         spec = mesh.dtensor_specs[key] = torch_private.dtensor_spec(mesh.device_mesh, local, places)
-    # DTensor ops may annotate their spec: never share one. A shallow copy as copy.copy makes it
-    # (no __init__ or __setattr__, the same __dict__), without its generic protocol (2.6 vs 0.4 us)
+    return _fresh(spec)
+
+
+def _fresh(spec: Any) -> Any:
+    """DTensor ops may annotate their spec: never share one. A shallow copy as copy.copy makes
+    it (no __init__ or __setattr__, the same __dict__), without its generic protocol (2.6 vs
+    0.4 us)."""
     fresh = object.__new__(type(spec))
     fresh.__dict__.update(spec.__dict__)
     return fresh
@@ -197,9 +202,14 @@ def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
 
 def _shaped(mesh, local: torch.Tensor, places: tuple, shape: tuple[int, ...]) -> DTensor:
     """The DTensor of global ``shape`` whose block on this rank is ``local``: the global shape
-    is given, since no one rank's block says it when the blocks differ in size."""
-    spec = torch_private.dtensor_spec_shaped(mesh.device_mesh, places, shape, local.dtype)
-    return _new_dtensor(local, spec, requires_grad=local.requires_grad)
+    is given, since no one rank's block says it when the blocks differ in size (its spec made
+    once per layout, as :func:`_spec_for`'s)."""
+    key = (places, shape, local.dtype)
+    spec = mesh.dtensor_specs.get(key)
+    if spec is None:
+        spec = torch_private.dtensor_spec_shaped(mesh.device_mesh, places, shape, local.dtype)
+        mesh.dtensor_specs[key] = spec
+    return _new_dtensor(local, _fresh(spec), requires_grad=local.requires_grad)
 
 
 class _UnevenDTensorOf(torch.autograd.Function):

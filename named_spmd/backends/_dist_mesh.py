@@ -108,7 +108,10 @@ class DistributedMesh(Mesh):
         warm_types(names)  # before any torch.compile trace of a call on it
         _MESHES[id(device_mesh)] = self
         self.placements_cache: dict = {}  # (spec, rank) -> DTensor placements
-        self.dtensor_specs: dict = {}  # (placements, shape, stride, dtype) -> DTensorSpec
+        # (placements, shape, stride, dtype); uneven blocks: (placements, global shape, dtype)
+        self.dtensor_specs: dict = {}  # -> DTensorSpec
+        # an uneven call's output: (every rank's shapes, spec, rank) -> its blocks' sizes per dim
+        self.uneven_outputs: dict = {}
 
     def release_groups(self) -> None:
         """Forget this mesh's process groups (at exit; the mesh cannot communicate after).

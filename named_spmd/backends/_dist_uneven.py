@@ -18,6 +18,8 @@ outputs go through here. An even call never does: its path is ``_dist_io`` alone
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -149,15 +151,25 @@ def outputs(ctx, outs: list[torch.Tensor], specs: list[PartitionSpec]) -> list[t
     rows = exchange(
         mesh.comm(mesh.axis_names), mine
     )  # every rank's shapes, row-major over the mesh
+    shapes = tuple(map(tuple, rows))
     result, at = [], 0
     for y, spec, cut in zip(outs, specs, split):
         if not cut:
             result.append(io.global_output(ctx, y, spec))
             continue
-
-        result.append(_output(ctx, y, spec, _shapes_of(ctx, rows, at, y.dim())))
+        key = (shapes, at, spec, y.dim())  # all that _blocks_of reads
+        per_dim = mesh.uneven_outputs.get(key)
+        if per_dim is None:
+            per_dim = _blocks_of(ctx, y, spec, _shapes_of(ctx, rows, at, y.dim()))
+            if len(mesh.uneven_outputs) >= _KEPT:
+                mesh.uneven_outputs.clear()
+            mesh.uneven_outputs[key] = per_dim
+        result.append(_output(ctx, y, spec, per_dim))
         at += y.dim()
     return result
+
+
+_KEPT = 64  # the output layouts a mesh keeps (a repeated call finds its own)
 
 
 def _shapes_of(ctx, rows: list[list[int]], at: int, rank: int):
@@ -172,7 +184,10 @@ def _shapes_of(ctx, rows: list[list[int]], at: int, rank: int):
     return shape_at
 
 
-def _output(ctx, y: torch.Tensor, spec: PartitionSpec, shape_at) -> torch.Tensor:
+def _blocks_of(ctx, y: torch.Tensor, spec: PartitionSpec, shape_at) -> tuple:
+    """Per dim of output ``y``, its blocks' sizes in member order (None where unsplit), from
+    every rank's block shape (``shape_at``); the simulated mesh's error where they cannot be
+    laid out under ``spec`` (raised on every rank alike: every rank has every shape)."""
     mesh = ctx.mesh
     names, sizes = mesh.axis_names, mesh._shape
     problem = grid_problem(shape_at, y.dim(), spec, sizes, names)  # the same on every rank
@@ -196,6 +211,14 @@ def _output(ctx, y: torch.Tensor, spec: PartitionSpec, shape_at) -> torch.Tensor
             if axes
             else None
         )
+    return tuple(per_dim)
+
+
+def _output(ctx, y: torch.Tensor, spec: PartitionSpec, per_dim: tuple) -> torch.Tensor:
+    """Output ``y`` whose blocks have the sizes ``per_dim`` (:func:`_blocks_of`): a DTensor of
+    the global shape, or the global value (see the module doc)."""
+    mesh = ctx.mesh
+    names, sizes = mesh.axis_names, mesh._shape
     if all(s is None or min(s) == max(s) for s in per_dim):
         return io.global_output(ctx, y, spec)
     y = io.local_output(ctx, y, spec)
@@ -205,7 +228,7 @@ def _output(ctx, y: torch.Tensor, spec: PartitionSpec, shape_at) -> torch.Tensor
     unreduced = tuple(a for a in names if a in spec.unreduced and a not in mesh.single_axes)
     if unreduced:  # parts of the value: their sum, as the simulated mesh returns
         y = io._boundary(ctx, "psum", y, unreduced, ())
-    return gather(ctx, y, spec, per_dim, "forward")
+    return gather(ctx, y, spec, list(per_dim), "forward")
 
 
 def _plain_wanted(y: torch.Tensor) -> bool:
@@ -213,7 +236,7 @@ def _plain_wanted(y: torch.Tensor) -> bool:
     return torch_private.forward_level() >= 0 and io._has_tangent(y)
 
 
-def _dtensor_holds(spec: PartitionSpec, per_dim: list[Sizes | None], sizes) -> bool:
+def _dtensor_holds(spec: PartitionSpec, per_dim: Sequence[Sizes | None], sizes) -> bool:
     """Whether DTensor's ``Shard`` has these blocks: each unequal split over one (non-trivial)
     axis, in torch.chunk's sizes."""
     for d, blocks in enumerate(per_dim):

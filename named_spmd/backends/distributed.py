@@ -292,15 +292,14 @@ def run(call: Call) -> list[Any]:
     mesh.debug = debug_enabled() and not traced  # (its checks compare values: none to compare)
     local_call = call.local  # SpmdFunction.local: this rank's blocks in and out
     # a call typed once per signature: untyped replays on one rank, planned ones on several
-    # (not an uneven call: its ranks' shapes differ, and it types every call as simulated)
     replay = (
         None
         if traced
         else Replay(call.mapped, mesh, leaves, specs, planned=mesh.size > 1, local=local_call)
     )
     uneven = _takes_uneven_blocks(mesh, leaves, specs, local_call, replay)
-    if uneven:
-        replay = None
+    if uneven and replay is not None:  # (each rank's plan types its own blocks)
+        replay.uneven()
     ctx = (UnevenContext if uneven else ProxyTracedContext if traced else DistributedContext)(
         mesh, call.fn
     )
@@ -399,8 +398,9 @@ def _takes_uneven_blocks(
     """Whether the call takes blocks of unequal sizes: where the simulated mesh runs per
     instance (an input's blocks differ in size, or ``ns.simulate_per_instance()`` asks), so
     that the backends accept and refuse the same inputs. A local call's blocks are the
-    caller's. A signature with a plan has equal blocks: only an even call makes one, and the
-    signature holds every leaf's shape and spec and the mesh's shape, all the test reads."""
+    caller's. A signature with a plan has equal blocks: only an even call keeps one under the
+    signature alone (an uneven call's is kept apart: ``Replay.uneven``), and the signature
+    holds every leaf's shape and spec and the mesh's shape, all the test reads."""
     if local_call or mesh.size == 1:
         return False
     if uneven_blocks_requested():
