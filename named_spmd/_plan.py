@@ -223,7 +223,6 @@ class ReplayMode(VmaMode):
         return super().__torch_function__(func, types, args, kwargs)
 
     def _replay(self, step: Step, func, args, kwargs):
-        ctx = self.ctx
         if step.places is not None:  # each cast's operand at a known argument position
             args = list(args)
             for (_, recipe), at in zip(step.casts, step.places):
@@ -236,19 +235,8 @@ class ReplayMode(VmaMode):
                 swap[id(t)] = self._cast(t, recipe)  # (never under Dynamo: not planned)
             args, kwargs = swap_operands(args, kwargs, swap)
         out = func(*args, **kwargs) if kwargs else func(*args)
-        if type(out) is Tensor:  # the usual result: one tensor (_give, inlined)
-            vma, lay = step.outputs[0]
-            d = out.__dict__
-            if vma is not None:
-                stamp = ctx._stamps.get(id(vma))  # (TrackedContext.stamp_of's memo)
-                d[_ATTR] = ctx.stamp_of(vma) if stamp is None else stamp
-            if lay is not None:
-                d[_BLOCKS] = (self.token, lay)
-            elif _BLOCKS in d:
-                del d[_BLOCKS]
-            n = ctx.numbered
-            d[SRC] = (self.token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
-            ctx.numbered = n + 1
+        if type(out) is Tensor:  # the usual result: one tensor
+            self._give(out, *step.outputs[0])
         else:
             for o, (vma, lay) in zip(_results(out), step.outputs):
                 self._give(o, vma, lay)
@@ -269,7 +257,8 @@ class ReplayMode(VmaMode):
         (``TrackedContext.number``, inlined: this runs for every result)."""
         ctx, d = self.ctx, o.__dict__
         if vma is not None:
-            d[_ATTR] = ctx.stamp_of(vma)
+            stamp = ctx._stamps.get(id(vma))  # (TrackedContext.stamp_of's memo, inlined)
+            d[_ATTR] = ctx.stamp_of(vma) if stamp is None else stamp
         if lay is not None:
             d[_BLOCKS] = (self.token, lay)
         elif _BLOCKS in d:
