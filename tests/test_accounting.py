@@ -442,6 +442,6 @@ def test_recording_mode_only_while_recording():
     f(_randn(4))
     with ns.CommMode():
         f(_randn(4))
-    # one mode more while recording (the first is the call's marker: _calls.CallMarker; the
-    # second types the ops of a call whose inputs hold blocks: backends/simulated/_marks.py)
-    assert depth == [2, 3]
+    # one mode more while recording (the first is the call's marker, _calls.CallMarker, which
+    # also types the ops of a call whose inputs hold blocks: SpmdContext.marker_typing)
+    assert depth == [1, 2]
