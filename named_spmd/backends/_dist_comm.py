@@ -222,8 +222,7 @@ class Comm:
         """Whether every member passed the same value to :meth:`start_agree`."""
         work, buf = started
         self._wait(name, work)
-        high, low = buf.tolist()  # (one read of the host buffer)
-        return high == -low
+        return int(buf[0]) == -int(buf[1])  # (not tolist(): a functionalized buffer has none)
 
     # --- collectives --------------------------------------------------------------------------
     def all_reduce_(self, buf: torch.Tensor, op=SUM, name: str = "psum") -> torch.Tensor:
