@@ -49,7 +49,7 @@ def mark(x: torch.Tensor, spec: Any, token: object) -> bool:
         if lay is not None:
             _write(x, (token, lay))
         return lay is not None
-    lay = input_layout(spec, x.dim())
+    lay = _input_layout(spec, x.dim())
     if lay is not None:
         x.__dict__[ATTR] = (token, lay)  # (_write, not compiling)
         return True
@@ -58,13 +58,13 @@ def mark(x: torch.Tensor, spec: Any, token: object) -> bool:
 
 def holds_blocks(spec: Any, ndim: int) -> bool:
     """Whether an input of ``ndim`` dims under ``spec`` holds blocks (:func:`mark` records it)."""
-    return input_layout(spec, ndim) is not None
+    return _input_layout(spec, ndim) is not None
 
 
-def input_layout(spec: Any, ndim: int) -> Layout | None:
+def _input_layout(spec: Any, ndim: int) -> Layout | None:
     """The blocks an input of ``ndim`` dims under ``spec`` holds, or None if it holds none:
     one layout per (spec, ndim), kept on the spec (layouts are immutable), as every call marks
-    every input leaf (eager only: Dynamo would guard on the memo; :func:`mark` records it)."""
+    every input leaf (eager only: Dynamo would guard on the memo)."""
     memo = spec.__dict__.setdefault("_input_layouts", {})
     if ndim not in memo:
         memo[ndim] = _make_input_layout(spec, ndim)

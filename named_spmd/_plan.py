@@ -257,8 +257,7 @@ class ReplayMode(VmaMode):
         (``TrackedContext.number``, inlined: this runs for every result)."""
         ctx, d = self.ctx, o.__dict__
         if vma is not None:
-            stamp = ctx._stamps.get(id(vma))  # (TrackedContext.stamp_of's memo, inlined)
-            d[_ATTR] = ctx.stamp_of(vma) if stamp is None else stamp
+            d[_ATTR] = ctx.stamp_of(vma)
         if lay is not None:
             d[_BLOCKS] = (self.token, lay)
         elif _BLOCKS in d:

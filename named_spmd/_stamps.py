@@ -138,31 +138,18 @@ class TrackedContext(SpmdContext):
             self.number(x)
         return x
 
-    def stamp_input(self, x: torch.Tensor, spec: Any, eager: bool = False) -> torch.Tensor:
+    def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:
         """An input leaf under ``spec``: its type, and the blocks its dims hold. Stamped even
         where invariant: one tensor passed at two argument positions (a backend hands a
         replicated input through as is) gets a tensor object per position, each typed by its
         own spec; and an invariant input may be the caller's tensor, or a view of it, whose
-        storage a varying alias made inside a torch.func transform also holds (see ``vma``).
-        ``eager``: the caller is never traced by Dynamo (every input of every call passes here:
-        :meth:`pin` and ``_blocks.mark`` are then inlined, their memos read directly)."""
+        storage a varying alias made inside a torch.func transform also holds (see ``vma``)."""
         held = x.__dict__.get(_ATTR)
         if held is not None and held[0] is self.call_token:
             with DisableTorchFunction():
                 x = x.view_as(x)
-        if not eager or _is_wrapped(x):
-            self.pin(x, spec.vma())
-            _blocks.mark(x, spec, self.call_token)
-            return x
-        d = x.__dict__
-        vma = spec.vma()
-        stamp = self._stamps.get(id(vma))
-        d[_ATTR] = self.stamp_of(vma) if stamp is None else stamp
-        if self.numbering:
-            self.number(x)
-        lay = _blocks.input_layout(spec, x.dim())
-        if lay is not None:
-            d[_blocks.ATTR] = (self.call_token, lay)
+        self.pin(x, spec.vma())
+        _blocks.mark(x, spec, self.call_token)
         return x
 
     def cached_cast(self, t: torch.Tensor, axes: tuple[str, ...], to: str) -> torch.Tensor:

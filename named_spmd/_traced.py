@@ -172,9 +172,9 @@ class TracedContext(TrackedContext):
 
     pin = stamp  # (invariant types are stamped here too)
 
-    def stamp_input(self, x: torch.Tensor, spec: Any, eager: bool = False) -> torch.Tensor:
+    def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:
         """As the eager one, with attributes; the traced paths give every argument position a
-        tensor object of its own (a view, or a block) before stamping it (never ``eager``)."""
+        tensor object of its own (a view, or a block) before stamping it."""
         self.stamp(x, spec.vma())
         _blocks.mark(x, spec, self.call_token)
         return x

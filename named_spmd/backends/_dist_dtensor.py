@@ -151,7 +151,7 @@ def _plain_local_grad(leaf: DTensor, mesh) -> None:
     grad = leaf.grad
     if isinstance(grad, DTensor):
         local = torch_private.local_tensor(grad)
-        if isinstance(local, torch_private.dist().AsyncCollectiveTensor):  # (is_pending_wrapper)
+        if overlap.is_pending_wrapper(local):
             leaf.grad = _wrap(mesh, torch_private.async_buffer(local), tuple(grad.placements))
 
 

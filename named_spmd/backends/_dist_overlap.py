@@ -101,8 +101,7 @@ def _finish(comm: Comm, work, buf: torch.Tensor | None, then: list) -> None:
 def _work_of(g: torch.Tensor):
     """The work of a pending gradient from :func:`_reduce_during_backward` or
     :func:`_into_bucket`, else None."""
-    is_async = isinstance(g, torch_private.dist().AsyncCollectiveTensor)  # (_is_async)
-    return g.__dict__.get("_named_spmd_work") if is_async else None
+    return g.__dict__.get("_named_spmd_work") if _is_async(g) else None
 
 
 def when_reduced(g: torch.Tensor, fn) -> bool:
@@ -161,7 +160,7 @@ def plain_grad(leaf: torch.Tensor) -> None:
     """Give ``leaf`` its gradient as the plain tensor, where the accumulation stored the pending
     wrapper (a finished one): ``.grad`` then copies, pickles and exposes its storage as usual."""
     grad = leaf.grad
-    if isinstance(grad, torch_private.dist().AsyncCollectiveTensor):  # (is_pending_wrapper)
+    if is_pending_wrapper(grad):
         leaf.grad = async_buffer(grad)
 
 
@@ -197,8 +196,8 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, chain: str = "bac
     started here and overlapped with the rest of backward (in place on a gradient nothing else
     holds). ``node`` is the pvary's autograd context; ``chain``: the call chain that reached
     here, whose references to ``g`` the donation check calibrated (``_dist_donation``)."""
-    if isinstance(g, torch_private.dist().AsyncCollectiveTensor):  # (_is_async) chained pvary:
-        g = async_wait(g)  # the sum of the one below first
+    if _is_async(g):  # chained pvary: the sum of the one below first
+        g = async_wait(g)
     # no copy where nothing else holds g (the count of this frame's references is calibrated)
     if donation.exclusive(g, torch_private.refcount(g), chain):
         buf = g

@@ -68,10 +68,8 @@ def pvary(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         return implicit_pvary(ctx, t, axes)
     with DisableTorchFunction():
         out = _apply(t, PVARY_RECORD, ctx, axes, ())
-    # ctx.stamp (no transform: no wrapped tensor, no storage to own), its memo read inline
-    varying = vma.add(axes)
-    stamp = ctx._stamps.get(id(varying))
-    out.__dict__[_ATTR] = ctx.stamp_of(varying) if stamp is None else stamp
+    # ctx.stamp (no transform: no wrapped tensor, no storage to own)
+    out.__dict__[_ATTR] = ctx.stamp_of(vma.add(axes))
     if ctx.numbering:
         ctx.number(out)
     return out

@@ -421,7 +421,7 @@ def _local(
         local = _dist_uneven.local_input(ctx, leaf, spec, i)
     else:
         local = local_input(ctx, leaf, spec, i)
-    return local if ctx.replaying else ctx.stamp_input(local, spec, eager=True)  # (run: eager)
+    return local if ctx.replaying else ctx.stamp_input(local, spec)
 
 
 def to_local(tree: Any) -> Any:
