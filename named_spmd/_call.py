@@ -18,7 +18,7 @@ from ._accounting import recording
 from ._call_checks import check_outputs, tiled_output_event
 from ._errors import SpmdError
 from ._spec import PartitionSpec
-from ._tree import unflatten
+from ._tree import path_text, unflatten
 
 if TYPE_CHECKING:
     from ._api import SpmdFunction
@@ -84,6 +84,15 @@ class Call:
         the body ran)."""
         return [
             s for x, s in zip(self.out_leaves, self.out_leaf_specs) if isinstance(x, torch.Tensor)
+        ]
+
+    def out_wheres(self) -> list[str]:
+        """Each output tensor's place in the output tree (``output[1]``), in the order of
+        ``out_specs()``: what an error about one output names."""
+        return [
+            "output" + path_text(p)
+            for x, p in zip(self.out_leaves, self.out_paths)
+            if isinstance(x, torch.Tensor)
         ]
 
     def outputs(self, tensors: list[Any]) -> Any:

@@ -151,18 +151,68 @@ def gives_unequal_blocks(
     return False
 
 
-def grid_problem(
+def layout_problem(
+    kinds: Sequence[tuple[int, torch.dtype]],
+    shape_at: Callable[[dict[str, int]], Sequence[int]],
+    spec: PartitionSpec,
+    sizes: Sizes,
+    names: Sequence[str],
+    where: str,
+) -> str | None:
+    """Where the blocks of output ``where`` cannot be laid back under ``spec`` (the one check
+    of both backends, so that they raise the same message): ``kinds`` gives every instance's
+    block rank and dtype, ``shape_at(coords)`` the block shape of the instance at ``coords``
+    over the mesh's axis ``names``. The message; else None."""
+    split = any(sizes[a] > 1 for a in spec.axes)
+    problem = _kinds_problem(kinds, spec, sizes, names) if split else None
+    if problem is None:
+        problem = _grid_problem(shape_at, kinds[0][0], spec, sizes, names)
+    if problem is None and spec.explicit:  # the sizes a Blocks entry gives must be the blocks'
+        named = [a for a in names if a in spec.axes]
+        zeros = dict.fromkeys(names, 0)
+        shapes = [
+            shape_at({**zeros, **coords_of(b, named, sizes)})
+            for b in range(group_size(named, sizes))
+        ]
+        problem = _given_sizes_problem(shapes, spec, sizes, named)
+    return None if problem is None else f"{where}: {problem}"
+
+
+def _kinds_problem(
+    kinds: Sequence[tuple[int, torch.dtype]],
+    spec: PartitionSpec,
+    sizes: Sizes,
+    names: Sequence[str],
+) -> str | None:
+    """Where some instance's block differs from instance 0's in rank or dtype (every
+    instance's, those of the axes ``spec`` does not name too: a real mesh lays out each rank's
+    own): blocks of any sizes are concatenated, never of different ranks or dtypes."""
+    rank, dtype = kinds[0]
+    for i, (other_rank, other_dtype) in enumerate(kinds):
+        if other_rank != rank or other_dtype != dtype:
+            what = "ranks" if other_rank != rank else "dtypes"
+            return (
+                f"the instances' blocks have different {what}: the instance at "
+                f"{coords_of(0, names, sizes)} returned a {dtype} block of rank {rank}, the "
+                f"instance at {coords_of(i, names, sizes)} a {other_dtype} block of rank "
+                f"{other_rank}; {spec!r} concatenates blocks of any sizes, but of one rank and "
+                "one dtype. Fix: return a block of the same rank and dtype on every "
+                "instance: a branch on the block's size or on ns.axis_index must not drop a dim "
+                "(keep it: x.sum(0, keepdim=True)) nor change the dtype (x.to(dtype))."
+            )
+    return None
+
+
+def _grid_problem(
     shape_at: Callable[[dict[str, int]], Sequence[int]],
     rank: int,
     spec: PartitionSpec,
     sizes: Sizes,
     names: Sequence[str],
 ) -> str | None:
-    """Where an output's blocks (``shape_at(coords)``: the block shape of the instance at
-    ``coords`` over the mesh's axis ``names``) cannot be laid back under ``spec``: along each
-    dim a block's size must depend only on the axes ``spec`` names on that dim (the blocks of a
-    row share its height), and the parts summed over unreduced axes must have one shape. The
-    message; else None."""
+    """Along each dim a block's size must depend only on the axes ``spec`` names on that dim
+    (the blocks of a row share its height), and the parts summed over unreduced axes must have
+    one shape."""
     named = [a for a in names if a in spec.axes]
     summed = [a for a in names if a in spec.unreduced]
     zeros = dict.fromkeys(names, 0)
@@ -174,7 +224,7 @@ def grid_problem(
             home = {**zeros, **{a: coords[a] for a in entry}}
             if shape_at(home)[d] != shape[d]:
                 return (
-                    f"output: its blocks cannot be laid back under {spec!r}: along dim {d} the "
+                    f"its blocks cannot be laid back under {spec!r}: along dim {d} the "
                     f"block at {_named(coords, named)} has size {shape[d]} and the block at "
                     f"{_named(home, named)} {shape_at(home)[d]}, but {spec!r} splits dim {d} "
                     f"over {entry or 'no axis'} only. Fix: name on each dim the axes over which "
@@ -185,7 +235,7 @@ def grid_problem(
             part = {**coords, **coords_of(u, summed, sizes)}
             if list(shape_at(part)) != shape:
                 return (
-                    f"output: the parts of {spec!r} summed over {tuple(summed)} have different "
+                    f"the parts of {spec!r} summed over {tuple(summed)} have different "
                     f"shapes ({list(shape_at(part))} at {_named(part, names)}, {shape} at "
                     f"{_named(coords, names)}). Fix: reduce inside the function (ns.psum) "
                     "where the parts have one shape, or pad them to one shape."
@@ -197,18 +247,18 @@ def _named(coords: Mapping[str, int], axes: Sequence[str]) -> dict[str, int]:
     return {a: coords[a] for a in axes}
 
 
-def given_sizes_problem(
+def _given_sizes_problem(
     shapes: Sequence[Sequence[int]], spec: PartitionSpec, sizes: Sizes, named: Sequence[str]
 ) -> str | None:
     """Where an out_spec's ``Blocks`` entry does not give the sizes of the blocks returned
-    (``shapes``: one per instance of the ``named`` axes, row-major), the message; else None."""
+    (``shapes``: one per instance of the ``named`` axes, row-major)."""
     for b, shape in enumerate(shapes):
         coords = coords_of(b, named, sizes)
         for d in range(min(len(spec), len(shape))):
             given = spec.entry_sizes(d)
             if given is not None and shape[d] != given[index_of(spec.entry_axes(d), coords, sizes)]:
                 return (
-                    f"output: {spec[d]!r} gives dim {d} blocks of sizes {given}, but the instance "
+                    f"{spec[d]!r} gives dim {d} blocks of sizes {given}, but the instance "
                     f"at {coords} returned a block of size {shape[d]} there. Fix: give the "
                     "sizes the blocks have, or name the axes without sizes (their blocks are "
                     "concatenated whatever their sizes)."

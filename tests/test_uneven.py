@@ -5,6 +5,8 @@ single-device programs and per-instance loops written here."""
 
 from __future__ import annotations
 
+import re
+
 import optree
 import pytest
 import torch
@@ -262,6 +264,46 @@ def test_output_blocks_that_cannot_be_laid_back_are_an_error():
         with pytest.raises(ns.SpecError, match="cannot be laid back under P\\('b', 'a'\\)"):
             call(x)
     torch.testing.assert_close(mapped(P("a", "b"))(x), torch.cat([x, x], 1))
+
+
+def test_output_blocks_of_different_ranks_or_dtypes_are_an_error():
+    """Blocks are concatenated whatever their sizes, not whatever their ranks or dtypes: a
+    branch on the block's size that drops a dim or casts on one instance (rows 3, 3, 3, 1) is a
+    SpecError naming the output, both instances and the fix, in the call and in .check(); so is
+    another dtype at b=1, whose block P("a", None) does not take (a real mesh lays out each
+    rank's own; tests/uneven_dist.py has the same errors there)."""
+    mesh = ns.make_mesh((4,), ("x",))
+    x = _randn(10, 3, seed=35)
+
+    def mapped(last, out_spec=None):
+        return ns.spmd_map(
+            lambda v: (v * 2, v if v.shape[0] == 3 else last(v)),
+            mesh=mesh,
+            in_specs=P("x", None),
+            out_specs=(P("x", None), out_spec or P("x")),
+        )
+
+    blocks = "the instance at {'x': 0} returned a torch.float64 block of rank 2, the instance at"
+    for last, wrong in ((lambda v: v.sum(0), "ranks"), (lambda v: v.float(), "dtypes")):
+        for call in (mapped(last), mapped(last).check):
+            with pytest.raises(ns.SpecError) as raised:
+                call(x)
+            message = str(raised.value)
+            assert f"output[1]: the instances' blocks have different {wrong}: {blocks}" in message
+            assert "Fix: return a block of the same rank and dtype on every instance" in message
+    kept = mapped(lambda v: v.sum(0, keepdim=True), out_spec=P("x", None))(x)[1]
+    torch.testing.assert_close(kept, torch.cat([x[:9], x[9:].sum(0, keepdim=True)]))
+
+    grid = ns.make_mesh((2, 2), ("a", "b"))
+    cast_at_b1 = ns.spmd_map(
+        lambda v: v.float() if int(ns.axis_index("b").item()) == 1 else v * 1,
+        mesh=grid,
+        in_specs=P("a", None),
+        out_specs=P("a", None),
+    )
+    at_b1 = "the instance at {'a': 0, 'b': 1} a torch.float32 block of rank 2"
+    with pytest.raises(ns.SpecError, match=f"different dtypes: .*{re.escape(at_b1)}"):
+        cast_at_b1(_randn(5, 2, seed=36))
 
 
 def test_tiled_all_gather_of_uneven_blocks_is_the_global_value():

@@ -44,7 +44,8 @@ class Case:
     dense: Callable[..., Any] | None  # the global outputs from the global inputs
     switch: bool = True  # run under ns.simulate_per_instance() (unequal blocks need none)
     dtensor: bool = False  # the real mesh gets the inputs as DTensors (their Shard blocks)
-    kinds: tuple[str, ...] = field(default=())  # the real outputs' types: "D" DTensor, "T" plain
+    # the real outputs' types: "D" DTensor, "T" plain (an error's case: what its message says)
+    kinds: tuple[str, ...] = field(default=())
 
 
 # Per instance (its coordinates), the types (ns.typeof: per-device shape and vma) of the values
@@ -268,6 +269,17 @@ CASES = [
         dtensor=True,
         kinds=("D", "D"),
     ),
+    Case(  # blocks of more dims than a row of the outputs' shape exchange holds: a wider one
+        "rows5_of_17_dims",
+        (2, 2),
+        ("a", "b"),
+        lambda v: v * 2,
+        P("a"),
+        P("a"),
+        lambda: (_randn(5, *[1] * 15, 2, seed=35),),
+        lambda x: x * 2,
+        kinds=("D",),
+    ),
     Case(  # without asking: a dim the axis does not divide is split as torch.chunk splits it
         "rows10_over_4_by_default",
         (4,),
@@ -338,6 +350,30 @@ ERRORS = [
         lambda: (_randn(3, seed=31),),
         None,
         switch=False,
+    ),
+    Case(  # rows 3, 3, 3, 1: a branch on the block's size sums the last block to one dim
+        "output_blocks_of_different_ranks",
+        (4,),
+        ("x",),
+        lambda v: v if v.shape[0] == 3 else v.sum(0),
+        P("x", None),
+        P("x"),
+        lambda: (_randn(10, 3, seed=33),),
+        None,
+        switch=False,
+        kinds=("the instance at {'x': 3} a torch.float64 block of rank 1",),
+    ),
+    Case(  # the instance at a=0, b=1 (its block is the one at b=0) returns another dtype
+        "output_blocks_of_different_dtypes",
+        (2, 2),
+        ("a", "b"),
+        lambda v: v.float() if int(ns.axis_index("b").item()) == 1 else v * 1,
+        P("a", None),
+        P("a", None),
+        lambda: (_randn(5, 2, seed=34),),
+        None,
+        switch=False,
+        kinds=("the instance at {'a': 0, 'b': 1} a torch.float32 block of rank 2",),
     ),
     Case(
         "psum_of_uneven_blocks",
@@ -471,7 +507,7 @@ def check_error(case: Case, real_mesh, sim_mesh) -> list[str]:
         return "no error"
 
     real, sim = message(real_mesh), message(sim_mesh)
-    if real != sim or real == "no error":
+    if real != sim or real == "no error" or not all(k in real for k in case.kinds):
         return [f"real {real!r} vs simulated {sim!r}"]
     return []
 

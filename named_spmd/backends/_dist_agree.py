@@ -42,6 +42,17 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return code
 
 
+def dtype_of(code: int) -> torch.dtype | None:
+    """The dtype of torch's whose :func:`_dtype_code` is ``code`` (None: none is)."""
+    if not _DTYPES_BY_CODE:
+        dtypes = (d for d in vars(torch).values() if isinstance(d, torch.dtype))
+        _DTYPES_BY_CODE.update((_dtype_code(d), d) for d in dtypes)
+    return _DTYPES_BY_CODE.get(code)
+
+
+_DTYPES_BY_CODE: dict[int, torch.dtype] = {}
+
+
 def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = False) -> None:
     """Gloo aborts the whole process (SIGABRT, no Python error) when the ranks of a collective
     pass buffers of different sizes, as inputs of different global shapes on different ranks make

@@ -9,7 +9,8 @@ outputs go through here. An even call never does: its path is ``_dist_io`` alone
   ``Blocks`` sizes); its gradient gathers the blocks padded to the largest (gloo gathers equal
   sizes only) and trims them. A ``DTensor`` whose ``Shard`` blocks differ in size gives its
   local block (DTensor splits as torch.chunk does), its gradient a DTensor of its global shape.
-* Outputs: one all_gather of every output's block shape per call (a few integers), then a
+* Outputs: one all_gather of every output's block rank, dtype and shape per call (a few
+  integers, in rows of one width: ranks may return blocks of different ranks), then a
   ``DTensor`` of the global shape where DTensor can hold the blocks (torch.chunk's, each split
   dim over one axis), else the global value as a plain tensor on every rank (one padded
   all_gather), as the simulated mesh returns it.
@@ -18,7 +19,7 @@ outputs go through here. An even call never does: its path is ``_dist_io`` alone
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -33,14 +34,14 @@ from .._layout import (
     concat_blocks,
     coords_of,
     dim_sizes,
-    given_sizes_problem,
-    grid_problem,
     group_size,
     index_of,
     is_even,
+    layout_problem,
 )
 from .._spec import PartitionSpec
 from . import _dist_io as io
+from ._dist_agree import _dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
 from ._dist_uneven_primitives import exchange, pad
 
@@ -140,69 +141,81 @@ def _dtensor_input(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> torch.Ten
 # --- outputs -------------------------------------------------------------------------------------
 
 
-def outputs(ctx, outs: list[torch.Tensor], specs: list[PartitionSpec]) -> list[torch.Tensor]:
-    """The call's outputs, from every rank's blocks of unequal sizes (see the module doc)."""
+def outputs(
+    ctx, outs: list[torch.Tensor], specs: list[PartitionSpec], wheres: list[str]
+) -> list[torch.Tensor]:
+    """The call's outputs (``wheres``: their places in the output tree), from every rank's
+    blocks of unequal sizes (see the module doc)."""
     mesh = ctx.mesh
     ctx.record_shapes()  # (before its exchange: its failure is on every rank alike)
     split = [not mesh.single_axes.issuperset(s.axes) for s in specs]
     if not any(split):
         return [io.global_output(ctx, y, s) for y, s in zip(outs, specs)]
-    mine = [n for y, cut in zip(outs, split) if cut for n in y.shape]
-    rows = exchange(
-        mesh.comm(mesh.axis_names), mine
-    )  # every rank's shapes, row-major over the mesh
+    rows, width = _every_block(mesh, [y for y, cut in zip(outs, split) if cut])
     shapes = tuple(map(tuple, rows))
     result, at = [], 0
-    for y, spec, cut in zip(outs, specs, split):
+    for y, spec, cut, where in zip(outs, specs, split, wheres):
         if not cut:
             result.append(io.global_output(ctx, y, spec))
             continue
-        key = (shapes, at, spec, y.dim())  # all that _blocks_of reads
+        key = (shapes, at, spec)  # all that _blocks_of reads
         per_dim = mesh.uneven_outputs.get(key)
         if per_dim is None:
-            per_dim = _blocks_of(ctx, y, spec, _shapes_of(ctx, rows, at, y.dim()))
+            per_dim = _blocks_of(ctx, y, spec, *_kinds_and_shapes(ctx, rows, at), where)
             if len(mesh.uneven_outputs) >= _KEPT:
                 mesh.uneven_outputs.clear()
             mesh.uneven_outputs[key] = per_dim
         result.append(_output(ctx, y, spec, per_dim))
-        at += y.dim()
+        at += 2 + width
     return result
 
 
 _KEPT = 64  # the output layouts a mesh keeps (a repeated call finds its own)
+_WIDTH = 16  # the dims of a block's shape in its row of the exchange (more: a wider exchange)
 
 
-def _shapes_of(ctx, rows: list[list[int]], at: int, rank: int):
-    """The block shape of one output (its dims at ``at`` of every rank's row) held by the
-    instance at ``coords`` (this rank's coordinates elsewhere)."""
+def _every_block(mesh, ys: list[torch.Tensor]) -> tuple[list[list[int]], int]:
+    """Every rank's row, row-major over the mesh: for each of its blocks ``ys``, the block's
+    rank, dtype and shape in ``width`` dims (zeros after), so that no row's length depends on
+    the blocks (gloo gathers one length, and ranks may return blocks of different ranks, which
+    every rank then reports alike). One exchange, or two where a block has more than
+    :data:`_WIDTH` dims (the second of rows that wide)."""
+    comm, width = mesh.comm(mesh.axis_names), _WIDTH
+    while True:
+        mine = []
+        for y in ys:
+            mine += [y.dim(), _dtype_code(y.dtype), *y.shape[:width], *[0] * (width - y.dim())]
+        rows = exchange(comm, mine)
+        widest = max(row[k * (2 + width)] for row in rows for k in range(len(ys)))
+        if widest <= width:
+            return rows, width
+        width = widest
+
+
+def _kinds_and_shapes(ctx, rows: list[list[int]], at: int) -> tuple[list, Callable]:
+    """The output at ``at`` in every rank's row (:func:`_every_block`): every instance's block
+    rank and dtype, and the block shape of the instance at ``coords`` (this rank's coordinates
+    elsewhere)."""
     mesh = ctx.mesh
+    kinds = [(row[at], dtype_of(row[at + 1])) for row in rows]
 
     def shape_at(coords) -> list[int]:
         row = rows[index_of(mesh.axis_names, {**mesh.my_coords, **coords}, mesh._shape)]
-        return row[at : at + rank]
+        return row[at + 2 : at + 2 + row[at]]
 
-    return shape_at
+    return kinds, shape_at
 
 
-def _blocks_of(ctx, y: torch.Tensor, spec: PartitionSpec, shape_at) -> tuple:
+def _blocks_of(ctx, y: torch.Tensor, spec: PartitionSpec, kinds, shape_at, where: str) -> tuple:
     """Per dim of output ``y``, its blocks' sizes in member order (None where unsplit), from
-    every rank's block shape (``shape_at``); the simulated mesh's error where they cannot be
-    laid out under ``spec`` (raised on every rank alike: every rank has every shape)."""
+    every instance's block rank and dtype (``kinds``) and shape (``shape_at``); the simulated
+    mesh's error where they cannot be laid out under ``spec`` (raised on every rank alike:
+    every rank has every row)."""
     mesh = ctx.mesh
     names, sizes = mesh.axis_names, mesh._shape
-    problem = grid_problem(shape_at, y.dim(), spec, sizes, names)  # the same on every rank
+    problem = layout_problem(kinds, shape_at, spec, sizes, names, where)
     if problem is not None:
         raise SpecError(f"spmd_map of {ctx.fn_label}: {problem}")
-    if spec.explicit:  # the sizes a Blocks entry gives must be the blocks' (as simulated)
-        named = [a for a in names if a in spec.axes]
-        zeros = dict.fromkeys(names, 0)
-        shapes = [
-            shape_at({**zeros, **coords_of(b, named, sizes)})
-            for b in range(group_size(named, sizes))
-        ]
-        problem = given_sizes_problem(shapes, spec, sizes, named)
-        if problem is not None:
-            raise SpecError(f"spmd_map of {ctx.fn_label}: {problem}")
     per_dim: list[Sizes | None] = []
     for d in range(y.dim()):
         axes = spec.entry_axes(d)

@@ -31,11 +31,10 @@ from ..._layout import (
     chunk_sizes,
     concat_blocks,
     coords_of,
-    given_sizes_problem,
-    grid_problem,
     group_size,
     groups,
     index_of,
+    layout_problem,
     split_all,
     split_index,
 )
@@ -377,7 +376,11 @@ def run(
     for f in others:
         f.result()  # (worker catches everything: the errors are in ``errors``)
     _raise_first(meeting, errors)
-    return [_assemble(mesh, [o[j] for o in outs], s, label) for j, s in enumerate(call.out_specs())]
+    wheres = call.out_wheres()
+    return [
+        _assemble(mesh, [o[j] for o in outs], s, label, wheres[j])
+        for j, s in enumerate(call.out_specs())
+    ]
 
 
 def _caller_state(device_type: str) -> list[Callable[[], Any]]:
@@ -419,31 +422,33 @@ def _raise_first(meeting: Meeting, errors: list[BaseException | None]) -> None:
         raise meeting.stuck
 
 
-def _assemble(mesh: Mesh, values: list[Tensor], spec: PartitionSpec, label: str) -> Tensor:
-    """The global output from every instance's value (row-major over the mesh): the blocks of
-    the axes ``spec`` names concatenated, the parts of those it declares unreduced summed, and
-    the value at coordinate 0 of any other axis (invariant there, or unchecked)."""
+def _assemble(
+    mesh: Mesh, values: list[Tensor], spec: PartitionSpec, label: str, where: str
+) -> Tensor:
+    """The global output ``where`` from every instance's value (row-major over the mesh): the
+    blocks of the axes ``spec`` names concatenated, the parts of those it declares unreduced
+    summed, and the value at coordinate 0 of any other axis (invariant there, or unchecked)."""
     names, sizes = mesh.axis_names, mesh._shape
     named = [a for a in names if a in spec.axes]
     summed = [a for a in names if a in spec.unreduced]
-    rank = values[0].dim()
-    problem = grid_problem(
-        lambda c: values[index_of(names, c, sizes)].shape, rank, spec, sizes, names
+    problem = layout_problem(
+        [(x.dim(), x.dtype) for x in values],
+        lambda c: values[index_of(names, c, sizes)].shape,
+        spec,
+        sizes,
+        names,
+        where,
     )
     if problem is not None:
         raise SpecError(f"spmd_map of {label}: {problem}")
     blocks = []
     for b in range(group_size(named, sizes)):
-        where = dict.fromkeys(names, 0) | coords_of(b, named, sizes)
+        at = dict.fromkeys(names, 0) | coords_of(b, named, sizes)
         parts = [
-            values[index_of(names, where | coords_of(u, summed, sizes), sizes)]
+            values[index_of(names, at | coords_of(u, summed, sizes), sizes)]
             for u in range(group_size(summed, sizes))
         ]
         blocks.append(functools.reduce(torch.add, parts) if len(parts) > 1 else parts[0])
     if not named:
         return blocks[0].view_as(blocks[0])  # a tensor object of the caller's
-    if spec.explicit:
-        problem = given_sizes_problem([tuple(x.shape) for x in blocks], spec, sizes, named)
-        if problem is not None:
-            raise SpecError(f"spmd_map of {label}: {problem}")
     return concat_blocks(blocks, spec, sizes, named)
