@@ -16,6 +16,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,6 +88,21 @@ def _flag_varies_a_collective_result(x, w1, b1, w2, s, v):
     return ns.pmean(z.pow(2).mean().reshape(1), "x")
 
 
+def _block(h, w2):
+    return ns.psum(torch.tanh(h) @ w2, "x")
+
+
+def _flag_checkpoints(x, w1, b1, w2, s, v):
+    """The flag checkpoints a block holding a collective (non-reentrant): its recomputation in
+    backward must find the call again."""
+    h = x @ w1 + b1
+    if STATE["flag"]:
+        y = checkpoint(_block, h, w2, use_reentrant=False)
+    else:
+        y = _block(h, w2)
+    return (y * y).mean().reshape(1)
+
+
 # name -> (function, in_specs, per call: (flag, sign of s) or a step number)
 CASES = {
     "flag_adds_a_use": (_flag_adds_a_use, False, [(False, 1), (False, 1), (True, 1), (False, 1)]),
@@ -94,6 +110,7 @@ CASES = {
     "megatron": (_megatron, True, [(False, 1), (False, 1), (False, 1)]),
     "branch_on_invariant_value": (_branch_on_invariant_value, False, [(0, 1), (0, 1), (0, -1)]),
     "step_number": (_step_number, False, [0, 1, 2, 3]),
+    "flag_checkpoints": (_flag_checkpoints, True, [(False, 1), (False, 1), (True, 1), (True, 1)]),
     "flag_varies_a_collective_result": (
         _flag_varies_a_collective_result,
         True,

@@ -27,8 +27,13 @@ REPLAYS = {
     "megatron": [2, 0],
     "branch_on_invariant_value": [1, 0],
     "step_number": [0, 0],
+    "flag_checkpoints": [1, 2],
     "flag_varies_a_collective_result": [2, 0],
 }
+# A simulated call always marks itself (its marker types its ops), so a checkpoint's
+# recomputation finds a replayed call; a real mesh's replay of a plan made without a checkpoint
+# runs unmarked, and a checkpoint in it (saved-tensor hooks) is a divergence: typed.
+SIMULATED_REPLAYS = {"flag_checkpoints": [3, 0]}
 
 
 @functools.cache
@@ -54,7 +59,7 @@ def test_simulated_calls_equal_the_same_calls_typed(name):
     # (branch_on_invariant_value reads its input with float(), as the case means to)
     outcome = run(name, ns.make_mesh((2,), ("x",), simulated=True))
     assert outcome["problems"] == [], outcome["problems"]
-    assert outcome["replays"] == REPLAYS[name], outcome
+    assert outcome["replays"] == SIMULATED_REPLAYS.get(name, REPLAYS[name]), outcome
 
 
 @pytest.mark.distributed
