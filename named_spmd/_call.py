@@ -58,7 +58,8 @@ class Call:
         self.local = local
         # what a backend derives from the leaves' shapes, dtypes and specs alone, shared by the
         # calls of ``mapped`` with this tree structure and these shapes and dtypes
-        # (``_call_checks.input_leaves``); keyed by each user's own names
+        # (``_call_checks.input_leaves``; its "inputs": that key, where there is one); keyed by
+        # each user's own names
         self.memo: dict = {} if memo is None else memo
         self.out_tree: Any = None
         self.out_leaves: list[Any] = []

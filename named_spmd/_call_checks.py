@@ -66,8 +66,10 @@ def input_leaves(
     if memo is None:
         _check_inputs(f, paths_of(args), leaves, specs, local, backend)
         memo = {}
-        if shapes is not None and len(fine) < 256:
-            fine[shapes] = memo
+        if shapes is not None:
+            memo["inputs"] = (treedef, shapes)  # what the memo stands for: its key
+            if len(fine) < 256:
+                fine[shapes] = memo
     return leaves, list(specs), treedef, memo
 
 
