@@ -91,9 +91,9 @@ class SpmdFunction:
         self.out_specs = out_specs
         # the distinct in_specs, which a traced call indexes (``_call_checks._specs_in_trace``)
         self._in_spec_table = tuple(dict.fromkeys(spec_leaves(in_specs)))
-        # per input structure, outside a trace: the in_specs broadcast over it, and the leaf
-        # shapes that fit them (a call of known inputs checks none)
-        self._inputs_of_tree: dict[Any, tuple[list[PartitionSpec], set[tuple]]] = {}
+        # per input structure, outside a trace: the in_specs broadcast over it, and per leaf
+        # shapes and dtypes that fit them (a call of known inputs checks none), ``Call.memo``
+        self._inputs_of_tree: dict[Any, tuple[list[PartitionSpec], dict[tuple, dict]]] = {}
         # per input structure and leaf shapes: whether the blocks differ in size
         # (``_call_checks.unequal_blocks``, asked at every call of ``ns.compile(f)``)
         self._unequal_of_inputs: dict[tuple, bool] = {}
@@ -230,8 +230,8 @@ class SpmdFunction:
                 f"{outer.fn_label}); nesting is not supported. "
                 "Fix: call the inner per-device function directly, it already runs per instance."
             )
-        leaves, specs, in_tree = input_leaves(self, args, local, backend)
-        call = Call(self, backend, leaves, specs, in_tree, local)
+        leaves, specs, in_tree, memo = input_leaves(self, args, local, backend)
+        call = Call(self, backend, leaves, specs, in_tree, local, memo)
         return call.outputs(backend.run(call)), call
 
 

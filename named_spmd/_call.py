@@ -17,6 +17,7 @@ from . import _torch_private as torch_private
 from ._accounting import recording
 from ._call_checks import check_outputs, tiled_output_event
 from ._errors import SpmdError
+from ._layout import gives_unequal_blocks
 from ._spec import PartitionSpec
 from ._tree import path_text, unflatten
 
@@ -33,8 +34,9 @@ class Call:
     ``mapped`` is the running ``SpmdFunction`` (its specs and ``check_vma``: what a backend's
     caches per mapped function key on); ``local`` says that ``leaves`` are this process's
     blocks and the outputs must be too (``SpmdFunction.local``, only on a backend whose
-    ``capabilities.local_blocks`` is true). After ``body`` ran: ``out_tree``, ``out_leaves``,
-    ``out_leaf_specs`` and ``out_paths``, one entry per output leaf (a non-tensor one too)."""
+    ``capabilities.local_blocks`` is true); ``memo``: see the attribute. After ``body`` ran:
+    ``out_tree``, ``out_leaves``, ``out_leaf_specs`` and ``out_paths``, one entry per output
+    leaf (a non-tensor one too)."""
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class Call:
         specs: list[PartitionSpec],
         in_tree: Any,
         local: bool,
+        memo: dict | None = None,
     ) -> None:
         self.mapped = mapped
         self.backend = backend
@@ -53,6 +56,11 @@ class Call:
         self.specs = specs
         self.in_tree = in_tree
         self.local = local
+        # what a backend derives from the leaves' shapes, dtypes and specs alone, shared by the
+        # calls of ``mapped`` with this tree structure and these shapes and dtypes
+        # (``_call_checks.input_leaves``; its "inputs": that key, where there is one); keyed by
+        # each user's own names
+        self.memo: dict = {} if memo is None else memo
         self.out_tree: Any = None
         self.out_leaves: list[Any] = []
         self.out_leaf_specs: list[PartitionSpec] = []
@@ -78,6 +86,15 @@ class Call:
         self.out_tree, self.out_leaves = out_tree, out_leaves
         self.out_leaf_specs, self.out_paths = out_specs, paths
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+    def unequal_blocks(self) -> bool:
+        """Whether some tensor leaf's blocks differ in size (``_layout.gives_unequal_blocks``),
+        read once per :attr:`memo`."""
+        known = self.memo.get("unequal blocks")
+        if known is None:
+            known = gives_unequal_blocks(self.leaves, self.specs, self.mesh._shape)
+            self.memo["unequal blocks"] = known
+        return known
 
     def out_specs(self) -> list[PartitionSpec]:
         """The out_spec of each output tensor, in the order ``body`` returns them (known once

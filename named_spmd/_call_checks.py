@@ -1,7 +1,7 @@
 """A mapped call's boundary: its inputs checked against in_specs, its outputs against out_specs.
 
-The input checks run once per tree structure and leaf shapes (``input_leaves``'s cache on the
-``SpmdFunction``); while Dynamo traces, the in_specs are broadcast over a skeleton of the inputs
+The input checks run once per tree structure and leaf shapes and dtypes (``input_leaves``'s
+cache on the ``SpmdFunction``, which also keeps each such set of calls' ``Call.memo``); while Dynamo traces, the in_specs are broadcast over a skeleton of the inputs
 instead (``IN_SPEC_INDEX``). Whether a dim the axes do not divide is taken is the backend's to
 say (its ``capabilities.uneven_blocks`` and ``uneven_state()``).
 """
@@ -42,28 +42,35 @@ if TYPE_CHECKING:
 
 def input_leaves(
     f: SpmdFunction, args: tuple, local: bool, backend: Backend
-) -> tuple[list[Any], list[PartitionSpec], Any]:
+) -> tuple[list[Any], list[PartitionSpec], Any, dict]:
+    """The call's leaves, their specs and tree structure, checked; and the memo of the calls
+    of ``f`` with this tree structure and these leaf shapes and dtypes (``Call.memo``: a new
+    dict where there is none, as while Dynamo traces)."""
     if torch.compiler.is_compiling():
         paths, leaves, treedef = flatten_with_paths(args)
         specs = _specs_in_trace(f, args)
         if specs is None:
             specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
         _check_inputs(f, paths, leaves, specs, local, backend)
-        return leaves, specs, treedef
+        return leaves, specs, treedef, {}
     leaves, treedef = flatten(args)
     known = f._inputs_of_tree.get(treedef)
     if known is None:
         if len(f._inputs_of_tree) > 256:
             f._inputs_of_tree.clear()
         specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
-        known = f._inputs_of_tree[treedef] = (specs, set())
+        known = f._inputs_of_tree[treedef] = (specs, {})
     specs, fine = known
     shapes = _shapes_key(leaves, (local, backend.uneven_state()))
-    if shapes is None or shapes not in fine:
+    memo = fine.get(shapes) if shapes is not None else None
+    if memo is None:
         _check_inputs(f, paths_of(args), leaves, specs, local, backend)
-        if shapes is not None and len(fine) < 256:
-            fine.add(shapes)
-    return leaves, list(specs), treedef
+        memo = {}
+        if shapes is not None:
+            memo["inputs"] = (treedef, shapes)  # what the memo stands for: its key
+            if len(fine) < 256:
+                fine[shapes] = memo
+    return leaves, list(specs), treedef, memo
 
 
 def _check_inputs(
@@ -204,15 +211,16 @@ _PLAIN_LEAVES = (type(None), bool, int, float, complex, str)
 
 def _shapes_key(leaves: list[Any], local: Any) -> tuple | None:
     """What the input checks of a call read from its leaves (its in_specs fixed by the tree
-    structure): whether they are blocks, a strided tensor's shape, a plain Python value's type;
-    None where a leaf is anything else (a sparse tensor, an object that may hold tensors:
-    checked every call)."""
+    structure): whether they are blocks, a strided tensor's shape (and dtype, which a backend's
+    memo may read: ``Call.memo``), a plain Python value's type; None where a leaf is anything
+    else (a sparse tensor, an object that may hold tensors: checked every call)."""
     key: list[Any] = [local]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             if x.layout is not torch.strided:
                 return None
             key.append(x.shape)
+            key.append(x.dtype)
         elif type(x) in _PLAIN_LEAVES:
             key.append(type(x))
         else:

@@ -22,18 +22,19 @@ Used by the simulated backend's one-instance path and by a real mesh of one rank
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _torch_private as torch_private
 from ._accounting import recording
 from ._debug import debug_enabled
-from ._mesh import Mesh
 from ._plan import Plan, PlanningMode, ReplayMode
-from ._spec import PartitionSpec
 from ._stamps import TrackedContext
 from ._tracking import VmaMode
+
+if TYPE_CHECKING:
+    from ._call import Call
 
 #: Off: every call is type-checked (a benchmark's switch, to time the typing itself on a mesh
 #: of one process; users turn replays off with debug mode).
@@ -62,22 +63,14 @@ class Replay:
     signature's :class:`~._plan.Plan` (a real mesh: ``planned``); ``mapped``: the mapped
     function whose table it is (``Call.mapped``)."""
 
-    def __init__(
-        self,
-        mapped: Any,
-        mesh: Mesh,
-        leaves: list[Any],
-        specs: list[PartitionSpec],
-        planned: bool = False,
-        local: bool = False,
-    ):
+    def __init__(self, call: Call, planned: bool = False):
         self.planned = planned
-        self.checked = _checked_signatures(mapped, planned)
+        self.checked = _checked_signatures(call.mapped, planned)
         self.signature: tuple | None = None
         self.marks: Any = None  # the checked call's answer (see the class doc); None: not yet
         if self.checked is not None:
-            self.signature = _signature(mesh, leaves, specs, local)
-            try:  # one lookup: hashing a signature hashes every spec in it
+            self.signature = _signature(call)
+            try:  # one lookup
                 self.marks = self.checked.get(self.signature)
             except TypeError:  # an unhashable argument: no signature to compare
                 self.signature = None
@@ -172,15 +165,27 @@ def _checked_signatures(mapped: Any, planned: bool) -> dict[tuple, Any] | None:
     return checked
 
 
-def _signature(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec], local: bool) -> tuple:
+def _signature(call: Call) -> tuple:
+    """``call``'s signature (the module doc). The key of its memo (``Call.memo``: the tree
+    structure, the leaves' shapes and dtypes, whether they are this process's blocks) stands
+    for those and for the specs; where there is none, every leaf is read in full."""
     # ``local``: the leaves are this process's blocks (``SpmdFunction.local``), not the global
     # values of the same shapes, whose blocks (and evenness) differ
-    parts: list[Any] = [tuple(mesh.shape.items()), torch.is_grad_enabled(), local]
-    for x, spec in zip(leaves, specs):
+    inputs = call.memo.get("inputs")
+    if inputs is None:
+        parts: list[Any] = [tuple(call.mesh.shape.items()), torch.is_grad_enabled(), call.local]
+        for x, spec in zip(call.leaves, call.specs):
+            if isinstance(x, torch.Tensor):
+                parts.append((type(x), x.shape, x.dtype, x.device, x.requires_grad, spec))
+            else:
+                parts.append((type(x), x, spec))
+        return tuple(parts)
+    parts = [inputs, torch.is_grad_enabled()]
+    for x in call.leaves:
         if isinstance(x, torch.Tensor):
-            parts.append((type(x), x.shape, x.dtype, x.device, x.requires_grad, spec))
+            parts.append((type(x), x.device, x.requires_grad))
         else:
-            parts.append((type(x), x, spec))
+            parts.append((type(x), x))
     return tuple(parts)
 
 

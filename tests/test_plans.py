@@ -94,3 +94,38 @@ def test_a_simulated_call_holding_blocks_dispatches_each_op_through_one_mode():
     assert depths == [base + 1, base + 1]
     plans = list(checked_signatures(g).values())
     assert len(plans) == 1 and plans[0].replays == 1
+
+
+class _Scale:
+    """A leaf the input checks cannot key by shape and dtype (no tensor, no plain value)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Scale) and other.k == self.k
+
+    def __hash__(self) -> int:
+        return hash(self.k)
+
+
+@pytest.mark.parametrize("wrap", [int, _Scale], ids=["int", "object"])
+def test_a_simulated_signature_is_keyed_by_the_leaves_dtypes_and_values(wrap):
+    """A call's signature reads its tensors' shapes, dtypes and specs through the input checks'
+    memo (``Call.memo``; a leaf they cannot key, an object, every leaf in full): a new dtype or
+    a new value is a new plan, an equal one replays it; every call gives the dense values."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+
+    def f(x, w, s):
+        return ns.psum(x @ w, "tp") * (s.k if isinstance(s, _Scale) else s)
+
+    specs = (ns.P("dp", "tp"), ns.P("tp"), ns.P())
+    g = ns.spmd_map(f, mesh=mesh, in_specs=specs, out_specs=ns.P("dp"))
+    for dtype in (torch.float64, torch.float32, torch.float64):
+        x, w = torch.randn(4, 6, dtype=dtype), torch.randn(6, 3, dtype=dtype)
+        for k in (2, 2, 3):
+            torch.testing.assert_close(g(x, w, wrap(k)), (x @ w) * k)
+    plans = checked_signatures(g).values()
+    # float64 with 2: planned, then 3 replays; with 3: 1; float32 with 2: 1, with 3: none
+    assert sorted(p.replays for p in plans) == [0, 1, 1, 3]
+    assert all(p.divergences == 0 for p in plans)

@@ -292,11 +292,7 @@ def run(call: Call) -> list[Any]:
     mesh.debug = debug_enabled() and not traced  # (its checks compare values: none to compare)
     local_call = call.local  # SpmdFunction.local: this rank's blocks in and out
     # a call typed once per signature: untyped replays on one rank, planned ones on several
-    replay = (
-        None
-        if traced
-        else Replay(call.mapped, mesh, leaves, specs, planned=mesh.size > 1, local=local_call)
-    )
+    replay = None if traced else Replay(call, planned=mesh.size > 1)
     uneven = _takes_uneven_blocks(mesh, leaves, specs, local_call, replay)
     if uneven and replay is not None:  # (each rank's plan types its own blocks)
         replay.uneven()

@@ -37,13 +37,12 @@ from ..._accounting import recording
 from ..._calls import request_uneven_blocks, uneven_blocks_requested
 from ..._capabilities import Capabilities
 from ..._errors import SpmdError, VmaError, fn_label
-from ..._layout import gives_unequal_blocks
 from ..._mesh import Mesh
 from . import _inner_grad, _one_instance, _per_instance, _planned
 from . import _instances as _instances  # installs the per-instance printing of values
 from ._compiled import compiled_pieces_eagerly
 from ._diagnose import explained
-from ._plan import _input_plan, from_physical, partial_input
+from ._plan import from_physical, input_entry, partial_input
 from ._primitives import SimulatedContext
 from ._recording import ImplicitPvaryRecorder
 
@@ -167,9 +166,6 @@ def run(call: Call) -> list[torch.Tensor]:
     if mesh.size == 1:  # nothing to batch: the function runs once (``_one_instance``)
         return _one_instance.run(call)
     _load_decompositions()
-    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    inputs = tuple((tuple(leaves[i].shape), leaves[i].element_size(), specs[i]) for i in tensor_pos)
-    axes = tuple(mesh.shape.items())
     forced = getattr(_override, "order", None)
     if forced is not None and sorted(forced) != sorted(mesh.axis_names):
         raise SpmdError(
@@ -177,32 +173,31 @@ def run(call: Call) -> list[torch.Tensor]:
             f"{mesh.axis_names} exactly once each. Fix: e.g. "
             f"ns.simulation_order{tuple(reversed(mesh.axis_names))}."
         )
-    order, plans = _input_plan(axes, mesh, inputs, forced)
+    entry = input_entry(call, forced)
     local = list(leaves)
-    for i, (split, perm, _) in zip(tensor_pos, plans):
+    for i, split, perm in entry.views:
         x = leaves[i].reshape(split)
         local[i] = x if perm is None else x.permute(perm)
-    device = leaves[tensor_pos[0]].device if tensor_pos else torch.device("cpu")
+    device = torch.device("cpu") if entry.first is None else leaves[entry.first].device
     # a call whose inputs hold blocks is typed per op once per signature (``_planned``); its
     # table is looked up outside the levels (a transform around the call is typed every time)
-    held = any(_blocks.holds_blocks(specs[i], leaves[i].dim()) for i in tensor_pos)
-    table = _planned.lookup(call) if held else None
+    table = _planned.lookup(call) if entry.blocks else None
+    order = entry.order
     tokens = {a: _token(mesh.shape[a], device) for a in order}
     levels: list[int] = []
     try:
-        for a in order:  # outermost first: each input's mesh dims lead in nesting order
-            level = torch_private.vmap_increment_nesting(mesh.shape[a], "same")
-            levels.append(level)
-            for i, (_, _, axes) in zip(tensor_pos, plans):
-                if a in axes:
-                    local[i] = torch_private.add_batch_dim(local[i], 0, level)
+        for a, batched in zip(order, entry.batched):  # outermost first: each input's mesh
+            level = torch_private.vmap_increment_nesting(mesh.shape[a], "same")  # dims lead
+            levels.append(level)  # in nesting order
+            for i in batched:
+                local[i] = torch_private.add_batch_dim(local[i], 0, level)
             tokens[a] = torch_private.add_batch_dim(tokens[a], 0, level)
         ctx = SimulatedContext(mesh, fn, tokens)
-        blocks = False
-        for i in tensor_pos:
-            if specs[i].reduced or specs[i].unreduced:
-                local[i] = ctx.stamp(partial_input(ctx, local[i], specs[i]), specs[i].vma())
-            blocks |= _blocks.mark(local[i], specs[i], ctx.token)
+        for i in entry.partial:
+            local[i] = ctx.stamp(partial_input(ctx, local[i], specs[i]), specs[i].vma())
+        for i in entry.blocks:
+            _blocks.mark(local[i], specs[i], ctx.token)
+        blocks = bool(entry.blocks)
         if recording():  # report implicit pvary's backward psum; off the fast path
             ctx.recorder = ImplicitPvaryRecorder(ctx)
             with ctx.recorder:
@@ -316,9 +311,7 @@ class SimulatedBackend:
 
             return _traced.run(call)
         mesh = call.mesh
-        if mesh.size > 1 and (
-            self.uneven_state() or gives_unequal_blocks(call.leaves, call.specs, mesh._shape)
-        ):
+        if mesh.size > 1 and (self.uneven_state() or call.unequal_blocks()):
             return _per_instance.run(call)
         return _run_eagerly(call)
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from ..._blocks import holds_blocks
 from ..._layout import physical_layout
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
@@ -34,6 +35,48 @@ def _default_order(mesh: Mesh, sized: Sequence[tuple[int, PartitionSpec]]) -> li
                 replicated[a] += per_instance
     order = list(mesh.axis_names)
     return sorted(order, key=lambda a: (replicated[a], -order.index(a)))
+
+
+class Entry(NamedTuple):
+    """How the inputs of a call enter the levels: fixed by its ``Call.memo`` (the mapped
+    function, the tree structure, the leaves' shapes and dtypes) and the nesting order asked
+    for, so made once per memo (:func:`input_entry`). Leaves by their position."""
+
+    order: tuple[str, ...]  # the nesting order, outermost first
+    views: tuple[tuple[int, list[int], list[int] | None], ...]  # (leaf, reshape, permutation)
+    batched: tuple[tuple[int, ...], ...]  # per axis of ``order``: the leaves batched at it
+    partial: tuple[int, ...]  # leaves whose spec is unreduced or reduced over some axes
+    blocks: tuple[int, ...]  # leaves holding blocks of mesh axes (``_blocks.mark``)
+    first: int | None  # the first tensor leaf: its device is the call's
+
+
+def input_entry(call: Any, forced: tuple[str, ...] | None) -> Entry:
+    """``call``'s :class:`Entry` (``forced``: the nesting order ``simulation_order`` asks)."""
+    key = ("simulated entry", forced)
+    entry = call.memo.get(key)
+    if entry is None:
+        entry = call.memo[key] = _make_entry(call.mesh, call.leaves, call.specs, forced)
+    return entry
+
+
+def _make_entry(
+    mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec], forced: tuple[str, ...] | None
+) -> Entry:
+    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    inputs = tuple((tuple(leaves[i].shape), leaves[i].element_size(), specs[i]) for i in tensor_pos)
+    order, plans = _input_plan(tuple(mesh.shape.items()), mesh, inputs, forced)
+    # a leaf no axis splits enters as it is: no view (nor its node in backward) per call
+    views = tuple(
+        (i, split, perm)
+        for i, (split, perm, _) in zip(tensor_pos, plans)
+        if perm is not None or split != list(leaves[i].shape)
+    )
+    batched = tuple(
+        tuple(i for i, (_, _, axes) in zip(tensor_pos, plans) if a in axes) for a in order
+    )
+    partial = tuple(i for i in tensor_pos if specs[i].reduced or specs[i].unreduced)
+    blocks = tuple(i for i in tensor_pos if holds_blocks(specs[i], leaves[i].dim()))
+    return Entry(order, views, batched, partial, blocks, tensor_pos[0] if tensor_pos else None)
 
 
 # The caches key on the mesh's (name, size) items as well as the mesh: Mesh equality ignores

@@ -145,7 +145,7 @@ def lookup(call: Any) -> Replay | None:
     """``call``'s entry in its mapped function's table of plans, or None where it cannot be
     planned (``_replay``: debug mode, a transform around the call, ...). Made before the call
     enters its vmap levels, which are transforms too."""
-    table = Replay(call.mapped, call.mesh, call.leaves, call.specs, planned=True)
+    table = Replay(call, planned=True)
     return None if table.checked is None or table.signature is None else table
 
 
