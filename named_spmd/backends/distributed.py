@@ -332,7 +332,7 @@ def run(call: Call) -> list[Any]:
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
             _dist_agree.check_replicas_agree(ctx, outs, call.out_specs())
         if uneven:
-            result = _dist_uneven.outputs(ctx, outs, call.out_specs(), call.out_wheres())
+            result = _dist_uneven.outputs(ctx, outs, call)
         else:
             output = local_output if local_call else global_output
             result = [output(ctx, y, s) for y, s in zip(outs, call.out_specs())]

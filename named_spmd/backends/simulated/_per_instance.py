@@ -18,6 +18,7 @@ inside the function (the threads would draw from the one generator in no fixed o
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ... import _torch_private as torch_private
+from ..._call_checks import instances_problem
 from ..._errors import SpecError, SpmdError, fn_label, operand_shapes_differ
 from ..._layout import (
     chunk_sizes,
@@ -343,6 +345,7 @@ def run(
         inputs = _inputs(mesh, leaves, specs)
     outs: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
+    records = [copy.copy(call) for _ in range(n)]  # each instance records its own outputs
     state = _caller_state(device.type)
     modes = [torch_private.function_mode_at(i) for i in range(torch_private.function_mode_depth())]
 
@@ -350,7 +353,7 @@ def run(
         ctx = InstanceContext(mesh, fn, meeting, i, device)
         failed = True
         try:
-            outs[i] = _body_on(ctx, call.body, inputs[i], specs, inner_mode)
+            outs[i] = _body_on(ctx, records[i].body, inputs[i], specs, inner_mode)
             failed = False
             if i == 0 and first is not None:
                 first(ctx, outs[i])
@@ -376,7 +379,18 @@ def run(
     for f in others:
         f.result()  # (worker catches everything: the errors are in ``errors``)
     _raise_first(meeting, errors)
+    call.take_outputs(records[0])
     wheres = call.out_wheres()
+    problem = instances_problem(
+        f"spmd_map of {label}",
+        [r.structure() for r in records],
+        lambda i, j: outs[i][j].shape,
+        call.out_specs(),
+        wheres,
+        mesh._shape,
+    )
+    if problem is not None:
+        raise problem
     return [
         _assemble(mesh, [o[j] for o in outs], s, label, wheres[j])
         for j, s in enumerate(call.out_specs())
