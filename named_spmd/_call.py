@@ -110,6 +110,15 @@ class Call:
         self.out_tree, self.out_leaves = other.out_tree, other.out_leaves
         self.out_leaf_specs, self.out_paths = other.out_leaf_specs, other.out_paths
 
+    def empty_block(self, blocks: list[Any]) -> tuple[str, list[int]] | None:
+        """The first argument whose block in ``blocks`` (one instance's, one per leaf) is empty
+        where its global value is not, with that block's shape (``_errors.empty_block_error``);
+        None where no block is."""
+        for path, leaf, x in zip(self.in_tree.paths(), self.leaves, blocks):
+            if isinstance(x, torch.Tensor) and x.numel() == 0 and leaf.numel() > 0:
+                return "argument " + path_text(path), list(x.shape)
+        return None
+
     def outputs(self, tensors: list[Any]) -> Any:
         """The output tree: the backend's assembled ``tensors`` in the tensor leaves' places."""
         it = iter(tensors)
