@@ -188,8 +188,9 @@ def instances_problem(
     such a problem here). The error of the first instance that fails; else None."""
     names = tuple(mesh_shape)
     count = structures[0][0]
-    for i, (n, _) in enumerate(structures):
-        if structures[i] != structures[0]:
+    for i, structure in enumerate(structures):
+        if structure != structures[0]:
+            n = structure[0]
             return SpmdError(
                 f"{where}: the instances returned different output trees: the instance at "
                 f"{coords_of(0, names, mesh_shape)} returned {count} "
