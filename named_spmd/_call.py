@@ -8,6 +8,7 @@ body records the call's outputs on it, so that the backend then reads their spec
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -111,6 +112,29 @@ class Call:
             for x, p in zip(self.out_leaves, self.out_paths)
             if isinstance(x, torch.Tensor)
         ]
+
+    def structure(self) -> tuple[int, int]:
+        """The output tree as instances compare it (``_call_checks.instances_problem``): its
+        number of tensor leaves and a digest of its containers, keys and which leaves are
+        tensors (crc32: the same in every process, unlike ``hash`` of a string)."""
+        tensors = [isinstance(x, torch.Tensor) for x in self.out_leaves]
+        mask = "".join("T" if t else "-" for t in tensors)
+        return sum(tensors), zlib.crc32(f"{self.out_tree}|{mask}".encode())
+
+    def take_outputs(self, other: Call) -> None:
+        """The outputs ``other`` recorded: a copy of this call that one instance's body ran
+        (``_per_instance``: each instance records its own tree)."""
+        self.out_tree, self.out_leaves = other.out_tree, other.out_leaves
+        self.out_leaf_specs, self.out_paths = other.out_leaf_specs, other.out_paths
+
+    def empty_block(self, blocks: list[Any]) -> tuple[str, list[int]] | None:
+        """The first argument whose block in ``blocks`` (one instance's, one per leaf) is empty
+        where its global value is not, with that block's shape (``_errors.empty_block_error``);
+        None where no block is."""
+        for path, leaf, x in zip(self.in_tree.paths(), self.leaves, blocks):
+            if isinstance(x, torch.Tensor) and x.numel() == 0 and leaf.numel() > 0:
+                return "argument " + path_text(path), list(x.shape)
+        return None
 
     def outputs(self, tensors: list[Any]) -> Any:
         """The output tree: the backend's assembled ``tensors`` in the tensor leaves' places."""

@@ -117,6 +117,42 @@ def error_class(cls: type[BaseException]) -> type[SpmdError]:
     return next((ours for base, ours in _FAMILY.items() if issubclass(cls, base)), SpmdError)
 
 
+# The classes torch raises for operands it rejects.
+TORCH_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
+
+
+def rejected_by_torch(error: BaseException) -> bool:
+    """Whether ``error`` is a torch op's rejection of operands that the user's code passed: of
+    a class torch raises for that, raised outside the user's code below a frame of it (not the
+    user's own ``raise``, nor an error of named_spmd's)."""
+    if not isinstance(error, TORCH_ERRORS) or isinstance(error, SpmdError):
+        return False
+    outside = []
+    tb = error.__traceback__
+    while tb is not None:
+        outside.append(tb.tb_frame.f_code.co_filename.startswith(NOT_USER_DIRS))
+        tb = tb.tb_next
+    return bool(outside) and outside[-1] and not all(outside)
+
+
+def empty_block_error(
+    error: BaseException, where: str, at: str, block: tuple[str, Sequence[int]]
+) -> SpmdError:
+    """A torch op that failed (``rejected_by_torch``) on an instance whose ``block`` (the
+    argument, its shape) is empty: the same error on the simulated and the real mesh (``at``:
+    the instance, and the rank that holds it); torch's error is its ``__cause__``."""
+    argument, shape = block
+    return error_class(type(error))(
+        f"{where}: a torch op failed at {user_line(error)} on {at}, whose block of {argument} "
+        f"is empty (shape {list(shape)}):\n  {type(error).__name__}: {error}\n"
+        "A dim split into more blocks than it has elements leaves some empty (torch.chunk's "
+        "blocks: 3 over 4 are 1, 1, 1 and 0), and this op cannot take an empty one. Fix: guard "
+        "the op where the block is empty (`if v.shape[0] > 0`, or a mask built from "
+        "ns.block_sizes), or give the dim at least one element per block and choose sizes "
+        "with no empty block (ns.Blocks)."
+    )
+
+
 def user_line(error: BaseException) -> str:
     """``model.py:12 (y = x @ w)``: the innermost frame of the traceback in the user's code."""
     found = None

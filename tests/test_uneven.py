@@ -306,6 +306,95 @@ def test_output_blocks_of_different_ranks_or_dtypes_are_an_error():
         cast_at_b1(_randn(5, 2, seed=36))
 
 
+def test_an_out_spec_that_fails_on_some_instances_only_names_the_first():
+    """Rows 3, 3, 3, 1: the last instance's block loses the dim its out_spec splits. The out_spec
+    check of a call run per instance compares every instance's output ranks once all returned
+    (a real mesh: after its exchange, so that every rank raises it), naming that instance and
+    its block's shape; in the call and in .check(). Where the branch keeps the dim, the call
+    returns the blocks concatenated."""
+    mesh = ns.make_mesh((4,), ("x",))
+    x = _randn(10, 3, seed=37)
+
+    def mapped(last):
+        return ns.spmd_map(
+            lambda v: v if v.shape[0] == 3 else last(v),
+            mesh=mesh,
+            in_specs=P("x", None),
+            out_specs=P("x", None),
+        )
+
+    for call in (mapped(lambda v: v.sum(0)), mapped(lambda v: v.sum(0)).check):
+        with pytest.raises(ns.SpecError) as raised:
+            call(x)
+        message = str(raised.value)
+        assert re.match(r"spmd_map of `\S*<lambda>` \(test_uneven.py:\d+\): ", message), message
+        assert message.endswith(
+            "the outputs of the instance at {'x': 3} do not fit out_specs:\n  - output: "
+            "P('x', None) has 2 entries but the tensor has rank 1 (shape [3]). Fix: give at "
+            "most 1 entries."
+        )
+    kept = mapped(lambda v: v.sum(0, keepdim=True))(x)
+    torch.testing.assert_close(kept, torch.cat([x[:9], x[9:].sum(0, keepdim=True)]))
+
+
+@pytest.mark.parametrize(
+    "trees, wanted",
+    [
+        ((lambda v: (v, v), lambda v: (v,)), "returned 2 tensors, the instance at {'x': 3} 1"),
+        ((lambda v: (v,), lambda v: ()), "returned 1 tensor, the instance at {'x': 3} 0"),
+        ((lambda v: {"a": v}, lambda v: {"b": v}), "returned 1 tensor, the instance at {'x': 3} 1"),
+    ],
+)
+def test_instances_returning_different_output_trees_are_an_error(trees, wanted):
+    """Rows 3, 3, 3, 1: the last instance returns another output tree (fewer outputs, none, or
+    other keys). One SpmdError naming the function, instance 0 and the first instance that
+    differs, and the fix, in the call and in .check(), whichever instance finishes last (the
+    call is repeated)."""
+    mesh = ns.make_mesh((4,), ("x",))
+    full, last = trees
+    mapped = ns.spmd_map(
+        lambda v: full(v) if v.shape[0] == 3 else last(v),
+        mesh=mesh,
+        in_specs=P("x", None),
+        out_specs=P("x", None),
+    )
+    for call in (mapped, mapped, mapped.check):
+        with pytest.raises(ns.SpmdError) as raised:
+            call(_randn(10, 3, seed=38))
+        message = str(raised.value)
+        assert re.match(r"spmd_map of `\S*<lambda>` \(test_uneven.py:\d+\): ", message), message
+        assert f"different output trees: the instance at {{'x': 0}} {wanted}" in message
+        assert "Fix: return the same tree on every instance" in message
+
+
+def test_an_op_on_an_empty_block_is_an_error_naming_the_block():
+    """3 rows over 4 are blocks of 1, 1, 1, 0: a max over the rows fails on the empty block. An
+    SpmdError of torch's error's family naming the function, the line, the instance, its empty
+    block and the fix (torch's error its cause); guarded, the same program runs. (.check()
+    runs torch's meta kernels, which let a max over an empty dim through.)"""
+    mesh = ns.make_mesh((4,), ("x",))
+    x = _randn(3, 2, seed=39)
+
+    def rows_max(v):
+        return v.max(0, keepdim=True).values
+
+    def guarded(v):
+        return rows_max(v) if v.shape[0] > 0 else v
+
+    failing = ns.spmd_map(rows_max, mesh=mesh, in_specs=P("x", None), out_specs=P("x", None))
+    with pytest.raises(ns.SpmdError) as raised:
+        failing(x)
+    assert isinstance(raised.value, IndexError)
+    assert isinstance(raised.value.__cause__, IndexError)
+    message = str(raised.value)
+    assert re.match(r"spmd_map of `\S*rows_max` \(test_uneven.py:\d+\): ", message), message
+    assert "a torch op failed at test_uneven.py:" in message
+    assert "the instance at x=3, whose block of argument [0] is empty (shape [0, 2])" in message
+    assert "Fix: guard the op where the block is empty" in message
+    ok = ns.spmd_map(guarded, mesh=mesh, in_specs=P("x", None), out_specs=P("x", None))
+    torch.testing.assert_close(ok(x), x)
+
+
 def test_tiled_all_gather_of_uneven_blocks_is_the_global_value():
     mesh = ns.make_mesh((4,), ("x",))
     x = _randn(10, 3, seed=6)

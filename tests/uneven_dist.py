@@ -280,6 +280,17 @@ CASES = [
         lambda x: x * 2,
         kinds=("D",),
     ),
+    Case(  # more outputs than one exchange of the outputs' shapes holds: a second one
+        "five_outputs",
+        (4,),
+        ("x",),
+        lambda v: tuple(v * k for k in range(1, 6)),
+        P("x"),
+        P("x"),
+        lambda: (_randn(10, 2, seed=40),),
+        lambda x: tuple(x * k for k in range(1, 6)),
+        kinds=("D",) * 5,
+    ),
     Case(  # without asking: a dim the axis does not divide is split as torch.chunk splits it
         "rows10_over_4_by_default",
         (4,),
@@ -375,6 +386,42 @@ ERRORS = [
         switch=False,
         kinds=("the instance at {'a': 0, 'b': 1} a torch.float32 block of rank 2",),
     ),
+    Case(  # rows 3, 3, 3, 1: the last rank's block loses the dim its out_spec splits
+        "out_spec_failing_on_one_rank",
+        (4,),
+        ("x",),
+        lambda v: v if v.shape[0] == 3 else v.sum(0),
+        P("x", None),
+        P("x", None),
+        lambda: (_randn(10, 3, seed=37),),
+        None,
+        switch=False,
+        kinds=("the instance at {'x': 3} do not fit out_specs", "rank 1 (shape [3])"),
+    ),
+    Case(  # rows 3, 3, 3, 1: the last rank returns one output, the others two
+        "different_numbers_of_outputs",
+        (4,),
+        ("x",),
+        lambda v: (v, v) if v.shape[0] == 3 else (v,),
+        P("x", None),
+        P("x", None),
+        lambda: (_randn(10, 3, seed=38),),
+        None,
+        switch=False,
+        kinds=("different output trees: the instance at {'x': 0} returned 2 tensors",),
+    ),
+    Case(  # the last rank returns no tensor at all (none to exchange), in a dict
+        "no_output_on_one_rank",
+        (2, 2),
+        ("a", "b"),
+        lambda v: {"y": v} if v.shape[0] == 3 else {},
+        P("a", None),
+        P("a", None),
+        lambda: (_randn(5, 2, seed=39),),
+        None,
+        switch=False,
+        kinds=("the instance at {'a': 0, 'b': 0} returned 1 tensor, the instance at",),
+    ),
     Case(
         "psum_of_uneven_blocks",
         (2, 2),
@@ -392,7 +439,11 @@ ERRORS = [
 
 
 def _leaves(out) -> list:
-    return list(out) if isinstance(out, tuple) else [out]
+    return (
+        list(out.values() if isinstance(out, dict) else out)
+        if isinstance(out, (tuple, dict))
+        else [out]
+    )
 
 
 def _global(t):
@@ -509,7 +560,24 @@ def check_error(case: Case, real_mesh, sim_mesh) -> list[str]:
     real, sim = message(real_mesh), message(sim_mesh)
     if real != sim or real == "no error" or not all(k in real for k in case.kinds):
         return [f"real {real!r} vs simulated {sim!r}"]
-    return []
+    return _still_in_step(real_mesh)
+
+
+def _still_in_step(mesh) -> list[str]:
+    """An uneven call after an error raised on every rank: the mesh runs it (its ranks are in
+    step)."""
+    axis = mesh.axis_names[0]
+    f = ns.spmd_map(
+        lambda v: ns.psum(v.sum(0), axis) + v, mesh=mesh, in_specs=P(axis), out_specs=P(axis)
+    )
+    x = _randn(5, 2, seed=41)
+    try:
+        got = _global(f(x))
+    except Exception as e:  # noqa: BLE001 - reported
+        return [f"the call after the error raised {type(e).__name__}: {str(e)[:500]}"]
+    problems: list[str] = []
+    _close(got, x.sum(0) + x, "the call after", problems)
+    return problems
 
 
 # DTensors whose Shard blocks are not the spec's: refused on the real mesh (a simulated mesh
@@ -576,6 +644,17 @@ COUNTED = [
         P(),
         lambda: (_randn(10, 3, seed=31),),
         lambda x: x,
+        kinds=("3", "3"),
+    ),
+    Case(  # the start-of-call check and two exchanges of the outputs' shapes (five outputs)
+        "five_outputs_exchange_their_shapes_twice",
+        (4,),
+        ("x",),
+        lambda v: tuple(v * k for k in range(1, 6)),
+        P("x"),
+        P("x"),
+        lambda: (_randn(10, 2, seed=40),),
+        lambda x: tuple(x * k for k in range(1, 6)),
         kinds=("3", "3"),
     ),
 ]

@@ -9,24 +9,28 @@ outputs go through here. An even call never does: its path is ``_dist_io`` alone
   ``Blocks`` sizes); its gradient gathers the blocks padded to the largest (gloo gathers equal
   sizes only) and trims them. A ``DTensor`` whose ``Shard`` blocks differ in size gives its
   local block (DTensor splits as torch.chunk does), its gradient a DTensor of its global shape.
-* Outputs: one all_gather of every output's block rank, dtype and shape per call (a few
-  integers, in rows of one width: ranks may return blocks of different ranks), then a
-  ``DTensor`` of the global shape where DTensor can hold the blocks (torch.chunk's, each split
-  dim over one axis), else the global value as a plain tensor on every rank (one padded
-  all_gather), as the simulated mesh returns it.
+* Outputs: one all_gather per call of every rank's output tree and every output's block rank,
+  dtype and shape (a few integers, in rows of one width: ranks may return other trees or
+  blocks of other ranks, which every rank then tells alike), then a ``DTensor`` of the global
+  shape where DTensor can hold the blocks (torch.chunk's, each split dim over one axis), else
+  the global value as a plain tensor on every rank (one padded all_gather), as the simulated
+  mesh returns it.
 * Collectives: :class:`UnevenPrimitives` (``_dist_uneven_primitives``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+import optree
 import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as torch_private
 from .._accounting import active
 from .._autodiff import differentiable
+from .._call_checks import instances_problem
 from .._errors import SpecError, SpmdError
 from .._layout import (
     block,
@@ -40,10 +44,14 @@ from .._layout import (
     layout_problem,
 )
 from .._spec import PartitionSpec
+from .._tree import is_spec_leaf
 from . import _dist_io as io
 from ._dist_agree import _dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
 from ._dist_uneven_primitives import exchange, pad
+
+if TYPE_CHECKING:
+    from .._call import Call
 
 Sizes = tuple[int, ...]
 
@@ -141,55 +149,105 @@ def _dtensor_input(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> torch.Ten
 # --- outputs -------------------------------------------------------------------------------------
 
 
-def outputs(
-    ctx, outs: list[torch.Tensor], specs: list[PartitionSpec], wheres: list[str]
-) -> list[torch.Tensor]:
-    """The call's outputs (``wheres``: their places in the output tree), from every rank's
-    blocks of unequal sizes (see the module doc)."""
+def outputs(ctx, outs: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
+    """The call's outputs from every rank's blocks of unequal sizes (see the module doc)."""
     mesh = ctx.mesh
+    specs = call.out_specs()
     ctx.record_shapes()  # (before its exchange: its failure is on every rank alike)
-    split = [not mesh.single_axes.issuperset(s.axes) for s in specs]
-    if not any(split):
+    if not _compared(call.mapped, mesh):
         return [io.global_output(ctx, y, s) for y, s in zip(outs, specs)]
-    rows, width = _every_block(mesh, [y for y, cut in zip(outs, split) if cut])
-    shapes = tuple(map(tuple, rows))
-    result, at = [], 0
-    for y, spec, cut, where in zip(outs, specs, split, wheres):
-        if not cut:
-            result.append(io.global_output(ctx, y, spec))
-            continue
-        key = (shapes, at, spec)  # all that _blocks_of reads
-        per_dim = mesh.uneven_outputs.get(key)
-        if per_dim is None:
-            per_dim = _blocks_of(ctx, y, spec, *_kinds_and_shapes(ctx, rows, at), where)
-            if len(mesh.uneven_outputs) >= _KEPT:
-                mesh.uneven_outputs.clear()
-            mesh.uneven_outputs[key] = per_dim
-        result.append(_output(ctx, y, spec, per_dim))
-        at += 2 + width
-    return result
+    rows, width = _every_block(mesh, call.structure(), outs)
+    key = (tuple(map(tuple, rows)), tuple(specs))  # all that _layouts reads
+    layouts = mesh.uneven_outputs.get(key)
+    if layouts is None:
+        layouts = _layouts(ctx, rows, width, outs, specs, call.out_wheres())
+        if len(mesh.uneven_outputs) >= _KEPT:
+            mesh.uneven_outputs.clear()
+        mesh.uneven_outputs[key] = layouts
+    return [
+        io.global_output(ctx, y, spec) if per_dim is None else _output(ctx, y, spec, per_dim)
+        for y, spec, per_dim in zip(outs, specs, layouts)
+    ]
 
 
 _KEPT = 64  # the output layouts a mesh keeps (a repeated call finds its own)
-_WIDTH = 16  # the dims of a block's shape in its row of the exchange (more: a wider exchange)
+_SLOTS = 4  # the outputs in one exchange's rows (more: a wider exchange)
+_WIDTH = 16  # the dims of a block's shape in its slot of a row (more: a wider exchange)
 
 
-def _every_block(mesh, ys: list[torch.Tensor]) -> tuple[list[list[int]], int]:
-    """Every rank's row, row-major over the mesh: for each of its blocks ``ys``, the block's
-    rank, dtype and shape in ``width`` dims (zeros after), so that no row's length depends on
-    the blocks (gloo gathers one length, and ranks may return blocks of different ranks, which
-    every rank then reports alike). One exchange, or two where a block has more than
-    :data:`_WIDTH` dims (the second of rows that wide)."""
-    comm, width = mesh.comm(mesh.axis_names), _WIDTH
+def _compared(mapped, mesh) -> bool:
+    """Whether an uneven call of ``mapped`` exchanges its outputs' blocks: where an out_spec
+    has an entry or names an axis of several members (an output may be split, or of a rank
+    its spec refuses on some ranks only). Read from the out_specs, the same on every rank, so
+    that every rank joins the exchange or none does, whatever it returned."""
+    specs = optree.tree_leaves(mapped.out_specs, is_leaf=is_spec_leaf, none_is_leaf=True)
+    singles = mesh.single_axes
+    return any(
+        isinstance(s, PartitionSpec) and (len(s) > 0 or not singles.issuperset(s.axes))
+        for s in specs
+    )
+
+
+def _every_block(
+    mesh, structure: tuple[int, int], ys: list[torch.Tensor]
+) -> tuple[list[list[int]], int]:
+    """Every rank's row, row-major over the mesh: its output tree's ``structure``
+    (``Call.structure``), then a slot per output block ``ys`` (the first ``slots``): the block's
+    rank, dtype and shape in ``width`` dims, zeros after and in unused slots, so that no row's
+    length depends on what the rank returned (gloo gathers one length; every rank then tells a
+    difference alike). One exchange; another of wider rows where every rank returned the same
+    tree, of more than :data:`_SLOTS` outputs or blocks of more than :data:`_WIDTH` dims.
+    Returns the rows and their slots' ``width``."""
+    comm, slots, width = mesh.comm(mesh.axis_names), _SLOTS, _WIDTH
     while True:
-        mine = []
-        for y in ys:
+        mine = list(structure)
+        for y in ys[:slots]:
             mine += [y.dim(), _dtype_code(y.dtype), *y.shape[:width], *[0] * (width - y.dim())]
+        mine += [0] * (_slot(slots, width) - len(mine))
         rows = exchange(comm, mine)
-        widest = max(row[k * (2 + width)] for row in rows for k in range(len(ys)))
-        if widest <= width:
+        if any(row[:2] != rows[0][:2] for row in rows):  # (instances_problem tells it)
             return rows, width
-        width = widest
+        count = rows[0][0]
+        ranks = [row[_slot(k, width)] for row in rows for k in range(min(count, slots))]
+        widest = max(ranks, default=0)
+        if count <= slots and widest <= width:
+            return rows, width
+        slots, width = max(slots, count), max(width, widest)
+
+
+def _slot(j: int, width: int) -> int:
+    """Where output ``j``'s slot starts in a row of :func:`_every_block` (after the tree's two
+    integers; each slot: rank, dtype, ``width`` dims)."""
+    return 2 + j * (2 + width)
+
+
+def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple | None]:
+    """Per output, its blocks' sizes per dim (:func:`_blocks_of`; None: not split), from every
+    rank's row (:func:`_every_block`); first, the simulated mesh's error where the ranks
+    returned different trees or blocks of a rank their out_spec refuses (raised on every rank
+    alike: every rank has every row)."""
+    mesh = ctx.mesh
+
+    def shape_of(i: int, j: int) -> list[int]:
+        at = _slot(j, width)
+        return rows[i][at + 2 : at + 2 + rows[i][at]]
+
+    problem = instances_problem(
+        f"spmd_map of {ctx.fn_label}",
+        [(row[0], row[1]) for row in rows],
+        shape_of,
+        specs,
+        wheres,
+        mesh._shape,
+    )
+    if problem is not None:
+        raise problem
+    return [
+        _blocks_of(ctx, y, spec, *_kinds_and_shapes(ctx, rows, _slot(j, width)), where)
+        if not mesh.single_axes.issuperset(spec.axes)
+        else None
+        for j, (y, spec, where) in enumerate(zip(outs, specs, wheres))
+    ]
 
 
 def _kinds_and_shapes(ctx, rows: list[list[int]], at: int) -> tuple[list, Callable]:

@@ -43,7 +43,14 @@ from .._capabilities import Capabilities
 from .._collectives._record import implicit_pvary, record_implicit_psum
 from .._context import SpmdContext
 from .._debug import debug_enabled, set_debug
-from .._errors import NOT_USER_DIRS, RankFailedError, SpmdError, error_class, user_line
+from .._errors import (
+    RankFailedError,
+    SpmdError,
+    empty_block_error,
+    error_class,
+    rejected_by_torch,
+    user_line,
+)
 from .._layout import gives_unequal_blocks
 from .._mesh import Mesh
 from .._replay import Replay
@@ -328,7 +335,7 @@ def run(call: Call) -> list[Any]:
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
             _dist_agree.check_replicas_agree(ctx, outs, call.out_specs())
         if uneven:
-            result = _dist_uneven.outputs(ctx, outs, call.out_specs(), call.out_wheres())
+            result = _dist_uneven.outputs(ctx, outs, call)
         else:
             output = local_output if local_call else global_output
             result = [output(ctx, y, s) for y, s in zip(outs, call.out_specs())]
@@ -342,7 +349,7 @@ def run(call: Call) -> list[Any]:
         raise
     except BaseException as raised:
         mesh.pending_check = None  # issued on every rank: it completes without this one
-        e = _told_per_rank(ctx, raised)
+        e = _told_per_rank(ctx, raised, call)
         board.post(e)
         if hasattr(e, "add_note"):
             coords = ", ".join(f"{a}={c}" for a, c in mesh.my_coords.items())
@@ -355,27 +362,21 @@ def run(call: Call) -> list[Any]:
         raise e from raised
 
 
-# The classes torch raises for operands it rejects.
-_TORCH_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
-
-
-def _told_per_rank(ctx: DistributedContext, e: BaseException) -> BaseException:
+def _told_per_rank(ctx: DistributedContext, e: BaseException, call: Call) -> BaseException:
     """A torch op of the user's function that rejected its operands (a shape error), as the
-    simulated mesh tells it (``simulated/_diagnose``): an ``SpmdError`` of the same class
-    family naming the function, the user's line and this rank's mesh coordinates; torch's
-    error is the ``__cause__``. An error the user's own code raised, or one raised outside
-    the user's code, is left as it is."""
-    if not isinstance(e, _TORCH_ERRORS) or isinstance(e, SpmdError):
-        return e
-    frames = []
-    tb = e.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_filename.startswith(NOT_USER_DIRS))
-        tb = tb.tb_next
-    if not frames or not frames[-1] or all(frames):  # raised by the user, or not in their code
+    simulated mesh tells it (``simulated/_diagnose``; an uneven call's op on an empty block:
+    ``_errors.empty_block_error``): an ``SpmdError`` of the same class family naming the
+    function, the user's line and this rank's mesh coordinates; torch's error is the
+    ``__cause__``. An error the user's own code raised, or one raised outside the user's code,
+    is left as it is."""
+    if not rejected_by_torch(e):
         return e
     mesh = ctx.mesh
     coords = ", ".join(f"{a}={c}" for a, c in mesh.my_coords.items())
+    empty = call.empty_block(ctx.inputs) if ctx.uneven and ctx.inputs else None
+    if empty is not None:
+        where = f"spmd_map of {ctx.fn_label}"
+        return empty_block_error(e, where, f"the instance at {coords} (rank {mesh.rank})", empty)
     return error_class(type(e))(
         f"spmd_map of {ctx.fn_label}: a torch op failed at {user_line(e)} on rank {mesh.rank} "
         f"(instance {coords}):\n  {type(e).__name__}: {e}\n"

@@ -18,6 +18,7 @@ inside the function (the threads would draw from the one generator in no fixed o
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ... import _torch_private as torch_private
-from ..._errors import SpecError, SpmdError, fn_label, operand_shapes_differ
+from ..._call_checks import instances_problem
+from ..._errors import (
+    SpecError,
+    SpmdError,
+    empty_block_error,
+    fn_label,
+    operand_shapes_differ,
+    rejected_by_torch,
+)
 from ..._layout import (
     chunk_sizes,
     concat_blocks,
@@ -343,6 +352,7 @@ def run(
         inputs = _inputs(mesh, leaves, specs)
     outs: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
+    records = [copy.copy(call) for _ in range(n)]  # each instance records its own outputs
     state = _caller_state(device.type)
     modes = [torch_private.function_mode_at(i) for i in range(torch_private.function_mode_depth())]
 
@@ -350,7 +360,7 @@ def run(
         ctx = InstanceContext(mesh, fn, meeting, i, device)
         failed = True
         try:
-            outs[i] = _body_on(ctx, call.body, inputs[i], specs, inner_mode)
+            outs[i] = _body_on(ctx, records[i].body, inputs[i], specs, inner_mode)
             failed = False
             if i == 0 and first is not None:
                 first(ctx, outs[i])
@@ -375,8 +385,19 @@ def run(
     instance(0)
     for f in others:
         f.result()  # (worker catches everything: the errors are in ``errors``)
-    _raise_first(meeting, errors)
+    _raise_first(meeting, errors, call, inputs)
+    call.take_outputs(records[0])
     wheres = call.out_wheres()
+    problem = instances_problem(
+        f"spmd_map of {label}",
+        [r.structure() for r in records],
+        lambda i, j: outs[i][j].shape,
+        call.out_specs(),
+        wheres,
+        mesh._shape,
+    )
+    if problem is not None:
+        raise problem
     return [
         _assemble(mesh, [o[j] for o in outs], s, label, wheres[j])
         for j, s in enumerate(call.out_specs())
@@ -406,14 +427,21 @@ def _caller_state(device_type: str) -> list[Callable[[], Any]]:
 _POOL = ThreadPoolExecutor(max_workers=1 << 16, thread_name_prefix="named_spmd-instance")
 
 
-def _raise_first(meeting: Meeting, errors: list[BaseException | None]) -> None:
+def _raise_first(
+    meeting: Meeting, errors: list[BaseException | None], call: Call, inputs: list[list[Any]]
+) -> None:
     """The error of the lowest instance that raised one of its own (the others stopped at a
-    meeting that could not complete), naming the instance."""
+    meeting that could not complete), naming the instance (a torch op's on an empty block of
+    ``inputs``, an SpmdError saying so, as a real mesh's rank tells it)."""
     for i, e in enumerate(errors):
         if e is not None and not isinstance(e, Aborted):
+            where = coords_of(i, meeting.names, meeting.sizes)
+            coords = ", ".join(f"{a}={c}" for a, c in where.items())
+            empty = call.empty_block(inputs[i]) if rejected_by_torch(e) else None
+            if empty is not None:
+                at = f"the instance at {coords}"
+                raise empty_block_error(e, f"spmd_map of {meeting.label}", at, empty) from e
             if hasattr(e, "add_note") and not isinstance(e, SpmdError) and meeting.n > 1:
-                where = coords_of(i, meeting.names, meeting.sizes)
-                coords = ", ".join(f"{a}={c}" for a, c in where.items())
                 e.add_note(
                     f"[named_spmd] raised by the instance at {coords} (per-instance simulation)"
                 )
