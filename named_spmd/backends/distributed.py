@@ -292,11 +292,7 @@ def run(call: Call) -> list[Any]:
     mesh.debug = debug_enabled() and not traced  # (its checks compare values: none to compare)
     local_call = call.local  # SpmdFunction.local: this rank's blocks in and out
     # a call typed once per signature: untyped replays on one rank, planned ones on several
-    replay = (
-        None
-        if traced
-        else Replay(call.mapped, mesh, leaves, specs, planned=mesh.size > 1, local=local_call)
-    )
+    replay = None if traced else Replay(call, planned=mesh.size > 1)
     uneven = _takes_uneven_blocks(mesh, leaves, specs, local_call, replay)
     if uneven and replay is not None:  # (each rank's plan types its own blocks)
         replay.uneven()
@@ -310,12 +306,12 @@ def run(call: Call) -> list[Any]:
             _dist_uneven.refuse_transforms(ctx, traced)
         if mesh.size > 1:
             _begin(ctx, leaves, local_call)
-        if replay is not None:
-            replay.begin(ctx)
-        local = [
-            _local(ctx, leaf, spec, i, local_call) if isinstance(leaf, torch.Tensor) else leaf
-            for i, (leaf, spec) in enumerate(zip(leaves, specs))
-        ]
+        converted = None
+        if replay is not None and replay.begin(ctx):
+            converted = replay.replayed_conversions()
+        local = _inputs(ctx, leaves, specs, local_call, converted)
+        if replay is not None and not ctx.replaying:  # what this signature's replays convert
+            replay.converted = tuple(i for i, x in enumerate(leaves) if local[i] is not x)
         ctx.inputs = local
         if mesh.debug:
             if mesh.pending_check is not None:  # shapes first: the clearer message
@@ -408,6 +404,26 @@ def _takes_uneven_blocks(
     if replay is not None and replay.has_plan():
         return False
     return gives_unequal_blocks(leaves, specs, mesh._shape)
+
+
+def _inputs(
+    ctx: DistributedContext,
+    leaves: list[Any],
+    specs: list[PartitionSpec],
+    is_block: bool,
+    converted: tuple[int, ...] | None,
+) -> list[Any]:
+    """The call's local leaves; ``converted``: the positions of the only leaves to convert (a
+    replay's, ``Replay.replayed_conversions``: the others are handed through as they are)."""
+    if converted is None:
+        return [
+            _local(ctx, leaf, spec, i, is_block) if isinstance(leaf, torch.Tensor) else leaf
+            for i, (leaf, spec) in enumerate(zip(leaves, specs))
+        ]
+    local = list(leaves)
+    for i in converted:
+        local[i] = _local(ctx, leaves[i], specs[i], i, is_block)
+    return local
 
 
 def _local(

@@ -72,7 +72,7 @@ def run(call: Call) -> list[torch.Tensor]:
     mesh, leaves, specs = call.mesh, call.leaves, call.specs
     device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
     ctx = OneInstanceContext(mesh, call.fn, device)
-    replay = Replay(call.mapped, mesh, leaves, specs)
+    replay = Replay(call)
     if replay.begin(ctx):
         local = leaves
     else:
