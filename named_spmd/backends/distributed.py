@@ -444,13 +444,18 @@ def to_local(tree: Any) -> Any:
     """Replace every DTensor in ``tree`` by this rank's local block (a plain tensor).
 
     Same as ``t.to_local()`` per DTensor (differentiable: the gradient flows back as a DTensor
-    with the same placements), but cheaper for DTensors on a named_spmd mesh."""
+    with the same placements), but cheaper for DTensors on a named_spmd mesh: the output of a
+    call (not a partial sum) gives the local tensor the call made it from, with no conversion
+    forward or backward."""
 
     def one(t):
         if not isinstance(t, DTensor):
             return t
         mesh = registered_mesh(t.device_mesh)
-        return t.to_local() if mesh is None else _dist_dtensor.to_local_fast(mesh, t)
+        if mesh is None:
+            return t.to_local()
+        made = None if torch_private.transforms_active() else _dist_dtensor.made_from(t)
+        return made if made is not None else _dist_dtensor.to_local_fast(mesh, t)
 
     return optree.tree_map(one, tree, none_is_leaf=True)
 
