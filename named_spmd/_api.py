@@ -230,8 +230,8 @@ class SpmdFunction:
                 f"{outer.fn_label}); nesting is not supported. "
                 "Fix: call the inner per-device function directly, it already runs per instance."
             )
-        leaves, specs, in_tree = input_leaves(self, args, local, backend)
-        call = Call(self, backend, leaves, specs, in_tree, local)
+        leaves, specs, in_tree, key = input_leaves(self, args, local, backend)
+        call = Call(self, backend, leaves, specs, in_tree, local, key)
         return call.outputs(backend.run(call)), call
 
 

@@ -44,6 +44,7 @@ class Call:
         specs: list[PartitionSpec],
         in_tree: Any,
         local: bool,
+        leaves_key: tuple | None = None,
     ) -> None:
         self.mapped = mapped
         self.backend = backend
@@ -53,6 +54,7 @@ class Call:
         self.specs = specs
         self.in_tree = in_tree
         self.local = local
+        self.leaves_key = leaves_key  # ``_call_checks.leaves_key``, where it has one
         self.out_tree: Any = None
         self.out_leaves: list[Any] = []
         self.out_leaf_specs: list[PartitionSpec] = []

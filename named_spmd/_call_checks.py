@@ -42,14 +42,16 @@ if TYPE_CHECKING:
 
 def input_leaves(
     f: SpmdFunction, args: tuple, local: bool, backend: Backend
-) -> tuple[list[Any], list[PartitionSpec], Any]:
+) -> tuple[list[Any], list[PartitionSpec], Any, tuple | None]:
+    """The call's leaves, their specs, the tree structure and :func:`leaves_key` (None while
+    traced), the inputs checked against in_specs."""
     if torch.compiler.is_compiling():
         paths, leaves, treedef = flatten_with_paths(args)
         specs = _specs_in_trace(f, args)
         if specs is None:
             specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
         _check_inputs(f, paths, leaves, specs, local, backend)
-        return leaves, specs, treedef
+        return leaves, specs, treedef, None
     leaves, treedef = flatten(args)
     known = f._inputs_of_tree.get(treedef)
     if known is None:
@@ -58,12 +60,13 @@ def input_leaves(
         specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
         known = f._inputs_of_tree[treedef] = (specs, set())
     specs, fine = known
-    shapes = _shapes_key(leaves, (local, backend.uneven_state()))
-    if shapes is None or shapes not in fine:
+    key = leaves_key(leaves)
+    checked = None if key is None else (local, backend.uneven_state(), key)
+    if checked is None or checked not in fine:
         _check_inputs(f, paths_of(args), leaves, specs, local, backend)
-        if shapes is not None and len(fine) < 256:
-            fine.add(shapes)
-    return leaves, list(specs), treedef
+        if checked is not None and len(fine) < 256:
+            fine.add(checked)
+    return leaves, list(specs), treedef, key
 
 
 def _check_inputs(
@@ -202,12 +205,10 @@ def _splits_unevenly(
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str)
 
 
-def _shapes_key(leaves: list[Any], local: Any) -> tuple | None:
-    """What the input checks of a call read from its leaves (its in_specs fixed by the tree
-    structure): whether they are blocks, a strided tensor's shape, a plain Python value's type;
-    None where a leaf is anything else (a sparse tensor, an object that may hold tensors:
-    checked every call)."""
-    key: list[Any] = [local]
+def _shapes_key(leaves: list[Any], treedef: Any) -> tuple | None:
+    """What :func:`unequal_blocks` reads from the leaves of one tree structure: a strided
+    tensor's shape, a plain Python value's type; None where a leaf is anything else."""
+    key: list[Any] = [treedef]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             if x.layout is not torch.strided:
@@ -215,6 +216,24 @@ def _shapes_key(leaves: list[Any], local: Any) -> tuple | None:
             key.append(x.shape)
         elif type(x) in _PLAIN_LEAVES:
             key.append(type(x))
+        else:
+            return None
+    return tuple(key)
+
+
+def leaves_key(leaves: list[Any]) -> tuple | None:
+    """Per leaf, what the input checks read and a replay's signature (``_replay``) adds up: a
+    strided tensor's type, shape, dtype, device and requires_grad, a plain Python value's type
+    and value; None where a leaf is anything else (a sparse tensor, an object that may hold
+    tensors: checked every call). One pass over the leaves for both."""
+    key: list[Any] = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.layout is not torch.strided:
+                return None
+            key.append((type(x), x.shape, x.dtype, x.device, x.requires_grad))
+        elif type(x) in _PLAIN_LEAVES:
+            key.append((type(x), x))
         else:
             return None
     return tuple(key)

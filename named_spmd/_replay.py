@@ -186,18 +186,17 @@ def _signature(call: Call) -> tuple:
     """The table is the mapped function's, which fixes the mesh and, with the tree structure,
     every leaf's spec (``_call_checks.input_leaves``). ``call.local``: the leaves are this
     process's blocks (``SpmdFunction.local``), not the global values of the same shapes, whose
-    blocks (and evenness) differ."""
-    return (
-        call.in_tree,
-        torch.is_grad_enabled(),
-        call.local,
-        *[
+    blocks (and evenness) differ. Per leaf, the input checks' key (``Call.leaves_key``), or
+    where it has none, the same of any leaf."""
+    leaves = call.leaves_key
+    if leaves is None:
+        leaves = tuple(
             (type(x), x.shape, x.dtype, x.device, x.requires_grad)
             if isinstance(x, torch.Tensor)
             else (type(x), x)
             for x in call.leaves
-        ],
-    )
+        )
+    return (call.in_tree, torch.is_grad_enabled(), call.local, leaves)
 
 
 def checked_signatures(mapped: Any) -> dict[tuple, Any]:
