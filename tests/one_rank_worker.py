@@ -74,6 +74,10 @@ def boundary(mesh) -> dict:
         out = ns.to_local(f(split, w))
         (grad,) = torch.autograd.grad(out.sum(), [w])
         worst = max(worst, _difference([out, grad], [x * w.detach(), x.sum(0)]))
+    hooked = f(split, w)
+    seen = []
+    hooked.register_hook(lambda g: seen.append(g))  # waits for the DTensor's own gradient
+    ns.to_local(hooked).sum().backward()
     try:
         f(whole, w)  # the signature's replay: the DTensor's placements are still checked
         refused = ""
@@ -94,6 +98,7 @@ def boundary(mesh) -> dict:
         "refused": refused,
         "output_node": type(out.grad_fn).__name__,
         "partial_node": type(summed.grad_fn).__name__,
+        "hooked": [type(g).__name__ for g in seen],
     }
 
 

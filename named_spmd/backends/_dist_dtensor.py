@@ -195,9 +195,12 @@ def made_from(d: DTensor) -> torch.Tensor | None:
     """The local tensor that :class:`_DTensorOf` made ``d`` from (a call's output, as the call
     returned it), or None. Its ``to_local()`` then is that tensor: converting back and forth is
     the identity on the values and on the gradient (placements without ``Partial``, whose
-    backward would sum the cotangent), so neither conversion need run, forward or backward."""
+    backward would sum the cotangent), so neither conversion need run, forward or backward;
+    unless a hook or ``retain_grad`` waits for ``d``'s own gradient."""
     node: Any = d.grad_fn
-    return node.local if type(node) is _DTENSOR_OF_NODE else None
+    if type(node) is not _DTENSOR_OF_NODE or torch_private.watched(d):
+        return None
+    return node.local
 
 
 _DTENSOR_OF_NODE: Any = _DTensorOf._backward_cls  # (its nodes' class)
