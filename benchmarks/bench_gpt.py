@@ -16,10 +16,12 @@ Cases (baseline first, both in the same process, rounds interleaved):
   out and no types (``vmap_floor_step``; timed only: without its collectives it computes other
   numbers). The row "named_spmd (2, 2) / nested vmap tp outermost" is the (2, 2) step over the
   tp-outermost floor, the median of the two timings' ratio in each round (the target's row).
-* ``real1``: 1 gloo process, mesh (1,1): the dense step; named_spmd with DTensor parameters
-  (the target's row); named_spmd with plain parameters (global tensors, as a simulated mesh takes
-  them); the dense step on the same DTensor parameters without named_spmd (``ns.to_local`` and
-  AdamW on DTensors: what DTensor parameters cost by themselves).
+* ``real1``: 1 gloo process, mesh (1,1): the dense step; named_spmd with DTensor parameters;
+  named_spmd with plain parameters (global tensors, as a simulated mesh takes them: a target's
+  row, against the dense step); the dense step on the same DTensor parameters without named_spmd
+  (``ns.to_local`` and AdamW on DTensors: what DTensor parameters cost by themselves), and the
+  row ``ON_DTENSORS``: named_spmd's step over that one, both on DTensor parameters (the other
+  target).
 * ``dp2``: 2 gloo processes, mesh (dp=2, tp=1): ``DistributedDataParallel`` on the nn.Module;
   named_spmd with DTensor parameters (the target's row) and with plain parameters.
 * ``tp4``: 4 gloo processes, mesh (dp=2, tp=2): torch's DTensor tensor parallelism
@@ -394,10 +396,23 @@ def interleaved(
     return out
 
 
-def rows(case: str, medians: dict, baseline: str, targets: dict[str, str]) -> list[_util.Row]:
-    """The wall-clock rows (with the targets), then the CPU-time rows of the same runs."""
+def rows(
+    case: str, medians: dict, baseline: str, targets: dict[str, str], versus: tuple = ()
+) -> list[_util.Row]:
+    """The wall-clock rows (with the targets), then the CPU-time rows of the same runs. Each
+    ``(row, variant, against, target)`` of ``versus`` adds a row ``variant``'s time over
+    ``against``'s (with ``target`` among the wall-clock rows), where both were timed."""
     wall = _util.rows_with_ratios(BENCH, case, medians["wall"], baseline, targets)
     cpu = _util.rows_with_ratios(BENCH, case + ", CPU time", medians["cpu"], baseline, {})
+    for name, times, table, with_target in (
+        (case, medians["wall"], wall, True),
+        (case + ", CPU time", medians["cpu"], cpu, False),
+    ):
+        for row, variant, against, target in versus:
+            if variant in times and against in times:
+                ratio = times[variant] / times[against]
+                text = target if with_target else ""
+                table.append(_util.Row(BENCH, name, row, times[variant], against, ratio, text))
     return wall + cpu
 
 
@@ -494,16 +509,25 @@ def worker(args) -> None:
 PLAIN_PARAMS = "named_spmd, plain parameters"
 LOCAL_BLOCKS = "named_spmd, local blocks (.local)"
 DENSE_ON_DTENSORS = "dense step on DTensor parameters"
+#: named_spmd's step against the dense step, both on DTensor parameters (``real1``)
+ON_DTENSORS = "named_spmd / dense, both on DTensors"
 
-_REAL = {
-    "real1": (1, "(1,1), 1 gloo process", "<= 1.15x"),
-    "dp2": (2, "dp=2, 2 gloo processes", "<= 1.05x"),
-    "tp4": (4, "(2,2), 4 gloo processes", "goal <= 0.8x"),
+# case -> (processes, the case's name, {variant: target against the baseline}, rows of one
+# variant against another: (row, variant, against, target))
+_REAL: dict[str, tuple[int, str, dict[str, str], tuple]] = {
+    "real1": (
+        1,
+        "(1,1), 1 gloo process",
+        {PLAIN_PARAMS: "<= 1.05x"},
+        ((ON_DTENSORS, "named_spmd", DENSE_ON_DTENSORS, "<= 1.05x"),),
+    ),
+    "dp2": (2, "dp=2, 2 gloo processes", {"named_spmd": "<= 1.05x"}, ()),
+    "tp4": (4, "(2,2), 4 gloo processes", {"named_spmd": "goal <= 0.8x"}, ()),
 }
 
 
 def real(name: str, args) -> list[_util.Row]:
-    nproc, case, target = _REAL[name]
+    nproc, case, targets, versus = _REAL[name]
     if args.device == "cuda":
         case = case.replace("gloo", "NCCL")
     out = _util.spawn(__file__, nproc, sys.argv[1:], args.timeout)
@@ -515,7 +539,7 @@ def real(name: str, args) -> list[_util.Row]:
         print(f"{case}: {variant} equal to the dense model to {err:.1e} (float64)", flush=True)
     medians = result["medians"]
     baseline = next(iter(medians["wall"]))  # the worker's first variant
-    return rows(case, medians, baseline, {"named_spmd": target})
+    return rows(case, medians, baseline, targets, versus)
 
 
 def _config(args) -> G.Config:

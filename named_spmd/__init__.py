@@ -67,7 +67,9 @@ def __getattr__(name: str) -> object:
         import importlib
 
         module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value  # found directly from now on (``ns.to_local`` runs every step)
+        return value
     raise AttributeError(f"module 'named_spmd' has no attribute {name!r}")
 
 

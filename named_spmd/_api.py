@@ -92,7 +92,8 @@ class SpmdFunction:
         # the distinct in_specs, which a traced call indexes (``_call_checks._specs_in_trace``)
         self._in_spec_table = tuple(dict.fromkeys(spec_leaves(in_specs)))
         # per input structure, outside a trace: the in_specs broadcast over it, and per leaf
-        # shapes and dtypes that fit them (a call of known inputs checks none), ``Call.memo``
+        # keys (``_call_checks.leaves_key``) that fit them (a call of known inputs checks none):
+        # each one's ``Call.memo``
         self._inputs_of_tree: dict[Any, tuple[list[PartitionSpec], dict[tuple, dict]]] = {}
         # per input structure and leaf shapes: whether the blocks differ in size
         # (``_call_checks.unequal_blocks``, asked at every call of ``ns.compile(f)``)

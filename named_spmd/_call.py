@@ -57,8 +57,8 @@ class Call:
         self.specs = specs
         self.in_tree = in_tree
         self.local = local
-        # what a backend derives from the leaves' shapes, dtypes and specs alone, shared by the
-        # calls of ``mapped`` with this tree structure and these shapes and dtypes
+        # what a backend derives from the leaves alone (their shapes, dtypes and specs), shared
+        # by the calls of ``mapped`` with this tree structure and these leaves
         # (``_call_checks.input_leaves``; its "inputs": that key, where there is one); keyed by
         # each user's own names
         self.memo: dict = {} if memo is None else memo

@@ -44,9 +44,9 @@ if TYPE_CHECKING:
 def input_leaves(
     f: SpmdFunction, args: tuple, local: bool, backend: Backend
 ) -> tuple[list[Any], list[PartitionSpec], Any, dict]:
-    """The call's leaves, their specs and tree structure, checked; and the memo of the calls
-    of ``f`` with this tree structure and these leaf shapes and dtypes (``Call.memo``: a new
-    dict where there is none, as while Dynamo traces)."""
+    """The call's leaves, their specs and tree structure, checked against in_specs; and the
+    memo of the calls of ``f`` with this tree structure and these leaves (:func:`leaves_key`:
+    ``Call.memo``, a new dict where there is none, as while Dynamo traces)."""
     if torch.compiler.is_compiling():
         paths, leaves, treedef = flatten_with_paths(args)
         specs = _specs_in_trace(f, args)
@@ -62,15 +62,16 @@ def input_leaves(
         specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
         known = f._inputs_of_tree[treedef] = (specs, {})
     specs, fine = known
-    shapes = _shapes_key(leaves, (local, backend.uneven_state()))
-    memo = fine.get(shapes) if shapes is not None else None
+    key = leaves_key(leaves)
+    checked = None if key is None else (local, backend.uneven_state(), key)
+    memo = None if checked is None else fine.get(checked)
     if memo is None:
         _check_inputs(f, paths_of(args), leaves, specs, local, backend)
         memo = {}
-        if shapes is not None:
-            memo["inputs"] = (treedef, shapes)  # what the memo stands for: its key
+        if checked is not None:
+            memo["inputs"] = (treedef, checked)  # what the memo stands for: its key
             if len(fine) < 256:
-                fine[shapes] = memo
+                fine[checked] = memo
     return leaves, list(specs), treedef, memo
 
 
@@ -260,20 +261,35 @@ def _splits_unevenly(
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str)
 
 
-def _shapes_key(leaves: list[Any], local: Any) -> tuple | None:
-    """What the input checks of a call read from its leaves (its in_specs fixed by the tree
-    structure): whether they are blocks, a strided tensor's shape (and dtype, which a backend's
-    memo may read: ``Call.memo``), a plain Python value's type; None where a leaf is anything
-    else (a sparse tensor, an object that may hold tensors: checked every call)."""
-    key: list[Any] = [local]
+def _shapes_key(leaves: list[Any], treedef: Any) -> tuple | None:
+    """What :func:`unequal_blocks` reads from the leaves of one tree structure: a strided
+    tensor's shape, a plain Python value's type; None where a leaf is anything else."""
+    key: list[Any] = [treedef]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             if x.layout is not torch.strided:
                 return None
             key.append(x.shape)
-            key.append(x.dtype)
         elif type(x) in _PLAIN_LEAVES:
             key.append(type(x))
+        else:
+            return None
+    return tuple(key)
+
+
+def leaves_key(leaves: list[Any]) -> tuple | None:
+    """Per leaf, what the input checks read and a replay's signature (``_replay``) adds up: a
+    strided tensor's type, shape, dtype, device and requires_grad, a plain Python value's type
+    and value; None where a leaf is anything else (a sparse tensor, an object that may hold
+    tensors: checked every call). One pass over the leaves for both."""
+    key: list[Any] = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.layout is not torch.strided:
+                return None
+            key.append((type(x), x.shape, x.dtype, x.device, x.requires_grad))
+        elif type(x) in _PLAIN_LEAVES:
+            key.append((type(x), x))
         else:
             return None
     return tuple(key)

@@ -64,12 +64,20 @@ class SpmdContext(ABC):
     #: Inside a collective's own code (``Collective.bind``): the ops it runs under the call's
     #: mode (reading a property, a first call's probe) are not the user's program (``_plan``).
     in_collective: int = 0
+    _alone: GroupOfOne | None = None
 
     def __init__(self, mesh: Mesh, fn: Any) -> None:
         self.mesh = mesh
         self.fn = fn
         self.fn_label = fn_label(fn)
         self.single_axes = mesh.single_axes  # read on every collective: one attribute away
+
+    def alone(self) -> GroupOfOne:
+        """This call's collectives over a group of one instance (made once per call)."""
+        alone = self._alone
+        if alone is None:
+            alone = self._alone = GroupOfOne(self)
+        return alone
 
     def run_compiled(self, piece: Any, args: tuple, kwargs: dict) -> Any:
         """A piece given to ``ns.compile``, called in this call (``_compile``): uncompiled

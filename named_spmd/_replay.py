@@ -4,11 +4,13 @@ On one instance no value depends on a type: every collective and cast is the ide
 data (or a fixed reshaping of it), and no implicit pvary exists over axes of size 1. Types only
 decide whether the program is accepted. So, like a compiled call (whose types are checked when it
 is traced), a call on such a mesh is type-checked once per *signature*: the mapped function (its
-specs), the mesh, each argument's type, shape, dtype, device, requires_grad and spec (a
-non-tensor argument's value), and whether grad mode is on. Later calls with that signature run
-the function untyped: no torch function mode, no stamps, collectives and casts straight to their
-forward on the one member (``SpmdContext.replaying``). Such a call then costs about what the plain
-program does (docs/design.md section 5.8).
+mesh and specs), the arguments' tree structure (which, with the function, gives each leaf's
+spec), each argument's type, shape, dtype, device and requires_grad (a non-tensor argument's
+value), and whether grad mode is on. Later calls with that signature run the function untyped: no
+torch function mode, no stamps, collectives and casts straight to their forward on the one member
+(``SpmdContext.replaying``), and the boundary converts only the leaves the checked call converted
+(:class:`Checked`). Such a call then costs about what the plain program does (docs/design.md
+section 5.8).
 
 Not replayed: a function that asked for a type (``ns.vma``, ``ns.typeof``: a replay has none to
 give), calls under a ``torch.func`` transform or with forward-mode AD, calls while a ``CommMode``
@@ -22,7 +24,7 @@ Used by the simulated backend's one-instance path and by a real mesh of one rank
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -57,21 +59,31 @@ class CheckedMode(VmaMode):
         return super().__torch_function__(func, types, args, kwargs)
 
 
+class Checked(NamedTuple):
+    """What the checked call of a signature on a mesh of one instance leaves its replays."""
+
+    marks: bool  # whether the replays mark calls (the checked call ran a checkpoint)
+    #: the positions of the input leaves the backend's boundary converted (the others it handed
+    #: through as they are, and so will every call of the signature); None: every leaf's
+    converted: tuple[int, ...] | None
+
+
 class Replay:
     """One call's entry in its mapped function's table of checked signatures. On a mesh of one
-    instance the entry says whether its replays mark calls; on a mesh of several, it is the
-    signature's :class:`~._plan.Plan` (a real mesh: ``planned``); ``mapped``: the mapped
-    function whose table it is (``Call.mapped``)."""
+    instance the entry is the signature's :class:`Checked`; on a mesh of several, its
+    :class:`~._plan.Plan` (a real mesh: ``planned``)."""
 
     def __init__(self, call: Call, planned: bool = False):
         self.planned = planned
         self.checked = _checked_signatures(call.mapped, planned)
         self.signature: tuple | None = None
-        self.marks: Any = None  # the checked call's answer (see the class doc); None: not yet
+        self.entry: Any = None  # the checked call's entry (see the class doc); None: not yet
+        #: the leaves this call's boundary converts, given by the backend (:class:`Checked`)
+        self.converted: tuple[int, ...] | None = None
         if self.checked is not None:
             self.signature = _signature(call)
-            try:  # one lookup
-                self.marks = self.checked.get(self.signature)
+            try:
+                self.entry = self.checked.get(self.signature)
             except TypeError:  # an unhashable argument: no signature to compare
                 self.signature = None
 
@@ -81,12 +93,12 @@ class Replay:
         says its blocks are even (``distributed._takes_uneven_blocks``)."""
         if self.checked is not None and self.signature is not None:
             self.signature = (*self.signature, "uneven")
-            self.marks = self.checked.get(self.signature)
+            self.entry = self.checked.get(self.signature)
 
     def has_plan(self) -> bool:
         """Whether an earlier call of this signature made a plan (typed it, on several
         instances)."""
-        return isinstance(self.marks, Plan)
+        return isinstance(self.entry, Plan)
 
     def begin(self, ctx: TrackedContext) -> bool:
         """Make ``ctx`` (not yet pushed) a replay where an earlier call type-checked this call's
@@ -94,13 +106,18 @@ class Replay:
         its typed tensors from its inputs on (``_plan``), and is no untyped replay."""
         if self.planned:
             ctx.numbering = self.checked is not None and self.signature is not None
-            if isinstance(self.marks, Plan) and ctx.sdpa_backends is None:
+            if isinstance(self.entry, Plan) and ctx.sdpa_backends is None:
                 ctx.marks_calls = False  # its typed call ran no checkpoint (``plan``)
             return False
-        if self.marks is not None:
+        if self.entry is not None:
             ctx.replaying = True
-            ctx.marks_calls = self.marks
+            ctx.marks_calls = self.entry.marks
         return ctx.replaying
+
+    def replayed_conversions(self) -> tuple[int, ...] | None:
+        """In a replay, the positions of the input leaves to convert (the others are handed
+        through as they are); None: every leaf."""
+        return self.entry.converted if isinstance(self.entry, Checked) else None
 
     def run(self, ctx: TrackedContext, body: Any, local: list[Any]) -> list[Any]:
         """``body(local, ctx)``: untyped in a replay, else typed under a :class:`CheckedMode`
@@ -112,7 +129,7 @@ class Replay:
         with CheckedMode(ctx) as mode:
             outs = body(local, ctx)
         if not ctx.types_read:
-            self.keep(mode.hooks_seen)
+            self.keep(Checked(mode.hooks_seen, self.converted))
         return outs
 
     def keep(self, answer: Any) -> None:
@@ -127,7 +144,7 @@ class Replay:
     def _run_planned(self, ctx: TrackedContext, body: Any, local: list[Any]) -> list[Any]:
         """``body(local, ctx)`` replayed from the signature's plan, or typed (and its plan
         kept, if it can be replayed)."""
-        plan = self.marks
+        plan = self.entry
         if isinstance(plan, Plan):
             with ReplayMode(ctx, plan) as replay:
                 outs = body(local, ctx)
@@ -166,30 +183,27 @@ def _checked_signatures(mapped: Any, planned: bool) -> dict[tuple, Any] | None:
 
 
 def _signature(call: Call) -> tuple:
-    """``call``'s signature (the module doc). The key of its memo (``Call.memo``: the tree
-    structure, the leaves' shapes and dtypes, whether they are this process's blocks) stands
-    for those and for the specs; where there is none, every leaf is read in full."""
-    # ``local``: the leaves are this process's blocks (``SpmdFunction.local``), not the global
-    # values of the same shapes, whose blocks (and evenness) differ
+    """``call``'s signature. The table is the mapped function's, which fixes the mesh and, with
+    the tree structure, every leaf's spec (``_call_checks.input_leaves``). The key of the call's
+    memo (``Call.memo``: the tree structure, whether the leaves are this process's blocks, and
+    per leaf :func:`~._call_checks.leaves_key`) stands for the leaves; where there is none,
+    every leaf is read in full. ``call.local``: the leaves are this process's blocks
+    (``SpmdFunction.local``), not the global values of the same shapes, whose blocks (and
+    evenness) differ."""
     inputs = call.memo.get("inputs")
-    if inputs is None:
-        parts: list[Any] = [tuple(call.mesh.shape.items()), torch.is_grad_enabled(), call.local]
-        for x, spec in zip(call.leaves, call.specs):
-            if isinstance(x, torch.Tensor):
-                parts.append((type(x), x.shape, x.dtype, x.device, x.requires_grad, spec))
-            else:
-                parts.append((type(x), x, spec))
-        return tuple(parts)
-    parts = [inputs, torch.is_grad_enabled()]
-    for x in call.leaves:
-        if isinstance(x, torch.Tensor):
-            parts.append((type(x), x.device, x.requires_grad))
-        else:
-            parts.append((type(x), x))
-    return tuple(parts)
+    if inputs is not None:
+        return (inputs, torch.is_grad_enabled())
+    leaves = tuple(
+        (type(x), x.shape, x.dtype, x.device, x.requires_grad)
+        if isinstance(x, torch.Tensor)
+        else (type(x), x)
+        for x in call.leaves
+    )
+    return (call.in_tree, torch.is_grad_enabled(), call.local, leaves)
 
 
 def checked_signatures(mapped: Any) -> dict[tuple, Any]:
     """The signatures of ``mapped`` checked so far, each with whether its replays mark calls
     (a mesh of one instance) or its plan (several: ``_plan``); for tests and diagnostics."""
-    return dict(_CHECKED.get(mapped, {}))
+    table = _CHECKED.get(mapped, {})
+    return {s: e.marks if isinstance(e, Checked) else e for s, e in table.items()}

@@ -58,12 +58,57 @@ def check(name: str, body, mesh, dtensors: bool) -> dict:
     }
 
 
+def boundary(mesh) -> dict:
+    """What a replay's boundary still does: a DTensor leaf is converted (and its placements
+    checked) in every call, a plain one handed through; ``ns.to_local`` of an output gives the
+    call's own local tensor (no conversion node), of a partial sum converts it."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    f = ns.spmd_map(lambda x, w: x * w, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    split = distribute_tensor(x, mesh.device_mesh, [Shard(0), Replicate()])
+    whole = distribute_tensor(x, mesh.device_mesh, [Replicate(), Replicate()])
+    worst = 0.0
+    for _ in range(3):  # checked, then replayed
+        out = ns.to_local(f(split, w))
+        (grad,) = torch.autograd.grad(out.sum(), [w])
+        worst = max(worst, _difference([out, grad], [x * w.detach(), x.sum(0)]))
+    hooked = f(split, w)
+    seen = []
+    hooked.register_hook(lambda g: seen.append(g))  # waits for the DTensor's own gradient
+    ns.to_local(hooked).sum().backward()
+    try:
+        f(whole, w)  # the signature's replay: the DTensor's placements are still checked
+        refused = ""
+    except ns.SpecError as e:
+        refused = str(e)
+    parts = ns.spmd_map(
+        lambda x: ns.pcast(x, "dp", to="unreduced"),
+        mesh=mesh,
+        in_specs=P("dp"),
+        out_specs=P(unreduced={"dp"}),
+    )
+    plain = x.clone().requires_grad_()
+    summed = ns.to_local(parts(plain))
+    (grad,) = torch.autograd.grad(summed.sum(), [plain])
+    worst = max(worst, _difference([summed, grad], [x, torch.ones_like(x)]))
+    return {
+        "worst": worst,
+        "refused": refused,
+        "output_node": type(out.grad_fn).__name__,
+        "partial_node": type(summed.grad_fn).__name__,
+        "hooked": [type(g).__name__ for g in seen],
+    }
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     mesh = ns.make_mesh((1, 1), ("dp", "tp"))
     for dtensors in (True, False):
         for name, body in (("plain", megatron), ("checkpointed", checkpointed_megatron)):
             print("OUTCOME " + json.dumps(check(name, body, mesh, dtensors)), flush=True)
+    print("BOUNDARY " + json.dumps(boundary(mesh)), flush=True)
     dist.destroy_process_group()
 
 

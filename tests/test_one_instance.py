@@ -255,6 +255,12 @@ def test_real_mesh_of_one_rank_replays_too():
         checkpointed = o["check"] == "checkpointed"
         assert o["modes"] == [2, 1 if checkpointed else 0, 1 if checkpointed else 0], o
         assert o["marks"] == [checkpointed], o
+    (b,) = [json.loads(line) for line in finished.lines("BOUNDARY")]
+    assert b["worst"] < 1e-12, b
+    assert "placements (Replicate(), Replicate())" in b["refused"], b
+    assert b["output_node"] == "MulBackward0", b  # the call's own product: no conversion
+    assert b["partial_node"] == "_LocalOfBackward", b
+    assert b["hooked"] == ["DTensor"], b  # a hook on the output sees its gradient
 
 
 def test_every_collective_on_one_instance_in_replays():

@@ -424,6 +424,17 @@ def test_view_source_finds_a_leaf_or_input_one_built_in_view_away():
     assert torch_private.view_source(torch.randn(3, 5).T, {}) is None  # no grad
 
 
+def test_watched_sees_a_hook_and_retain_grad():
+    x = torch.randn(3, requires_grad=True) * 2
+    assert not torch_private.watched(x)
+    handle = x.register_hook(lambda g: g)
+    assert torch_private.watched(x)
+    handle.remove()
+    assert not torch_private.watched(x)
+    x.retain_grad()
+    assert torch_private.watched(x)
+
+
 def test_async_buffer_and_async_wait_of_a_pending_reduction():
     import torch.distributed as dist
 

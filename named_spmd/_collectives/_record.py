@@ -36,7 +36,7 @@ from .._accounting import _local as _modes
 from .._autodiff import differentiable
 from .._blocks import forget as forget_blocks
 from .._calls import current
-from .._context import Axes, GroupOfOne, SpmdContext
+from .._context import Axes, SpmdContext
 from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction
 from .._types import Vma, type_text
@@ -262,7 +262,7 @@ def _replayed(
     if rec.check is not None:
         params = rec.check(ctx, t, axes, params)
     with DisableTorchFunction():
-        return rec.forward(GroupOfOne(ctx), t, axes, params)
+        return rec.forward(ctx.alone(), t, axes, params)
 
 
 def _partial_operand(rec: Collective, ctx: SpmdContext, t: Tensor, vma: Vma, axes: Axes) -> Vma:
@@ -299,7 +299,7 @@ def _apply_alone(
             return ctx.stamp(out, rec.vma(vma, axes, params))
         return out
     with DisableTorchFunction():  # the forward's own ops need no type: the result is stamped
-        out = rec.forward(GroupOfOne(ctx), t, axes, params)
+        out = rec.forward(ctx.alone(), t, axes, params)
     return ctx.stamp(out, rec.vma(vma, axes, params))
 
 

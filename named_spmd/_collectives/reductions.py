@@ -108,7 +108,10 @@ def pmean(x: Any, axis_name: AxisName) -> Any:
 
 
 def _pmean_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params) -> torch.Tensor:
-    return ctx.all_reduce(x, axes, "sum") / ctx.mesh.axis_size(axes)
+    total = ctx.all_reduce(x, axes, "sum")
+    if total is not x and ctx.single_axes.issuperset(axes):
+        return total  # a group of one: the sum, a new tensor, is the mean bit for bit
+    return total / ctx.mesh.axis_size(axes)
 
 
 def _mean_operand(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:

@@ -40,6 +40,7 @@ from .autograd import (  # noqa: E402 - after the version gate
     tensor_base,
     use_counts,
     view_source,
+    watched,
 )
 from .c10d import (  # noqa: E402 - after the version gate
     async_buffer,
@@ -167,6 +168,7 @@ __all__ = [
     "unwrap_if_dead",
     "use_counts",
     "view_source",
+    "watched",
     "vmap_decrement_nesting",
     "vmap_increment_nesting",
     "wrap_for_grad",

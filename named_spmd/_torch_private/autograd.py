@@ -123,6 +123,12 @@ def view_source(t: torch.Tensor, sources: dict[int, torch.Tensor]) -> torch.Tens
     return source
 
 
+def watched(x: torch.Tensor) -> bool:
+    """Whether something waits for ``x``'s gradient: a ``register_hook`` hook on it, or
+    ``retain_grad()``."""
+    return bool(getattr(x, "_backward_hooks", None)) or x.retains_grad
+
+
 def has_post_accumulate_hooks(leaf: torch.Tensor) -> bool:
     """Whether ``register_post_accumulate_grad_hook`` gave ``leaf`` hooks (they read ``.grad``
     right after each accumulation)."""

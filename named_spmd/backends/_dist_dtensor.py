@@ -133,6 +133,8 @@ class _DTensorOf(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.mesh, ctx.places = inputs[1], inputs[2]
+        # for :func:`made_from` (an input, not the output: no reference cycle)
+        ctx.local = None if any(p.is_partial() for p in ctx.places) else inputs[0]
 
     @staticmethod
     def backward(ctx, g):
@@ -187,6 +189,21 @@ def to_local_fast(
         local = torch_private.local_tensor(d)
         return local.view_as(local)
     return _local_of(d, mesh, grad_places)
+
+
+def made_from(d: DTensor) -> torch.Tensor | None:
+    """The local tensor that :class:`_DTensorOf` made ``d`` from (a call's output, as the call
+    returned it), or None. Its ``to_local()`` then is that tensor: converting back and forth is
+    the identity on the values and on the gradient (placements without ``Partial``, whose
+    backward would sum the cotangent), so neither conversion need run, forward or backward;
+    unless a hook or ``retain_grad`` waits for ``d``'s own gradient."""
+    node: Any = d.grad_fn
+    if type(node) is not _DTENSOR_OF_NODE or torch_private.watched(d):
+        return None
+    return node.local
+
+
+_DTENSOR_OF_NODE: Any = _DTensorOf._backward_cls  # (its nodes' class)
 
 
 def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:

@@ -313,12 +313,12 @@ def run(call: Call) -> list[Any]:
             _dist_uneven.refuse_transforms(ctx, traced)
         if mesh.size > 1:
             _begin(ctx, leaves, local_call)
-        if replay is not None:
-            replay.begin(ctx)
-        local = [
-            _local(ctx, leaf, spec, i, local_call) if isinstance(leaf, torch.Tensor) else leaf
-            for i, (leaf, spec) in enumerate(zip(leaves, specs))
-        ]
+        converted = None
+        if replay is not None and replay.begin(ctx):
+            converted = replay.replayed_conversions()
+        local = _inputs(ctx, leaves, specs, local_call, converted)
+        if replay is not None and not ctx.replaying:  # what this signature's replays convert
+            replay.converted = tuple(i for i, x in enumerate(leaves) if local[i] is not x)
         ctx.inputs = local
         if mesh.debug:
             if mesh.pending_check is not None:  # shapes first: the clearer message
@@ -407,6 +407,26 @@ def _takes_uneven_blocks(
     return gives_unequal_blocks(leaves, specs, mesh._shape)
 
 
+def _inputs(
+    ctx: DistributedContext,
+    leaves: list[Any],
+    specs: list[PartitionSpec],
+    is_block: bool,
+    converted: tuple[int, ...] | None,
+) -> list[Any]:
+    """The call's local leaves; ``converted``: the positions of the only leaves to convert (a
+    replay's, ``Replay.replayed_conversions``: the others are handed through as they are)."""
+    if converted is None:
+        return [
+            _local(ctx, leaf, spec, i, is_block) if isinstance(leaf, torch.Tensor) else leaf
+            for i, (leaf, spec) in enumerate(zip(leaves, specs))
+        ]
+    local = list(leaves)
+    for i in converted:
+        local[i] = _local(ctx, leaves[i], specs[i], i, is_block)
+    return local
+
+
 def _local(
     ctx: DistributedContext, leaf: torch.Tensor, spec: PartitionSpec, i: int, is_block: bool
 ):
@@ -425,13 +445,18 @@ def to_local(tree: Any) -> Any:
     """Replace every DTensor in ``tree`` by this rank's local block (a plain tensor).
 
     Same as ``t.to_local()`` per DTensor (differentiable: the gradient flows back as a DTensor
-    with the same placements), but cheaper for DTensors on a named_spmd mesh."""
+    with the same placements), but cheaper for DTensors on a named_spmd mesh: the output of a
+    call (not a partial sum) gives the local tensor the call made it from, with no conversion
+    forward or backward."""
 
     def one(t):
         if not isinstance(t, DTensor):
             return t
         mesh = registered_mesh(t.device_mesh)
-        return t.to_local() if mesh is None else _dist_dtensor.to_local_fast(mesh, t)
+        if mesh is None:
+            return t.to_local()
+        made = None if torch_private.transforms_active() else _dist_dtensor.made_from(t)
+        return made if made is not None else _dist_dtensor.to_local_fast(mesh, t)
 
     return optree.tree_map(one, tree, none_is_leaf=True)
 

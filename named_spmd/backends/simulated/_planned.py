@@ -159,8 +159,8 @@ def begin(ctx: Any, local: list[Any], table: Replay | None) -> PartialMode:
     for x in local:
         if isinstance(x, Tensor):
             ctx.number(x)
-    if isinstance(table.marks, Plan):
-        return ReplayMode(ctx, table.marks)
+    if isinstance(table.entry, Plan):
+        return ReplayMode(ctx, table.entry)
     return PlanningMode(ctx)
 
 
@@ -168,8 +168,8 @@ def finish(mode: PartialMode, table: Replay | None) -> None:
     """After a call's body returned: keep its plan, or count its replay."""
     if table is None:
         return
-    if isinstance(mode, ReplayMode) and isinstance(table.marks, Plan):
-        table.marks.count(mode.i, mode.diverged)
+    if isinstance(mode, ReplayMode) and isinstance(table.entry, Plan):
+        table.entry.count(mode.i, mode.diverged)
     elif isinstance(mode, PlanningMode):
         plan = mode.plan()
         if plan is not None:
