@@ -114,7 +114,7 @@ class Call:
         ]
 
     def structure(self) -> tuple[int, int]:
-        """The output tree as instances compare it (``_call_checks.instances_problem``): its
+        """The output tree as instances compare it (``_layout.instances_problem``): its
         number of tensor leaves and a digest of its containers, keys and which leaves are
         tensors (crc32: the same in every process, unlike ``hash`` of a string)."""
         tensors = [isinstance(x, torch.Tensor) for x in self.out_leaves]

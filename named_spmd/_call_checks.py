@@ -8,15 +8,14 @@ say (its ``capabilities.uneven_blocks`` and ``uneven_state()``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _context
 from ._accounting import CommEvent, on_backward
-from ._errors import SpecError, SpmdError, VmaError, bullet_list
-from ._layout import block_global_shape, coords_of, gives_unequal_blocks
+from ._errors import SpecError, VmaError, bullet_list
+from ._layout import block_global_shape, gives_unequal_blocks
 from ._out_problems import unreduced_problem, varying_problem
 from ._spec import (
     PartitionSpec,
@@ -139,7 +138,7 @@ def check_outputs(
     problems: list[str] = []
     vma_problems: list[str] = []
     check_vma = f.check_vma and not ctx.replaying  # a replay's types were checked
-    deferred = 0  # rank problems left to instances_problem
+    deferred = 0  # rank problems left to _layout.instances_problem
     for path, leaf, spec in zip(paths, leaves, specs):
         where = "output" + path_text(path)
         if not isinstance(leaf, torch.Tensor):
@@ -179,49 +178,6 @@ def check_outputs(
             + "\n".join(vma_problems)
         )
     return paths, leaves, specs, treedef
-
-
-def instances_problem(
-    where: str,
-    structures: Sequence[tuple[int, int]],
-    shape_of: Callable[[int, int], Sequence[int]],
-    specs: Sequence[PartitionSpec],
-    wheres: Sequence[str],
-    mesh_shape: Mapping[str, int],
-) -> SpmdError | None:
-    """What the instances of a call run per instance must agree on once all returned (a real
-    mesh's ranks: from one exchange), told alike wherever it is checked: the output tree
-    (``structures``: each instance's ``Call.structure()``), then each output's rank under its
-    out_spec (``shape_of(i, j)``: instance i's block of output j; ``check_outputs`` leaves
-    such a problem here). The error of the first instance that fails; else None."""
-    names = tuple(mesh_shape)
-    count = structures[0][0]
-    for i, structure in enumerate(structures):
-        if structure != structures[0]:
-            n = structure[0]
-            return SpmdError(
-                f"{where}: the instances returned different output trees: the instance at "
-                f"{coords_of(0, names, mesh_shape)} returned {count} "
-                f"tensor{'' if count == 1 else 's'}, the instance at "
-                f"{coords_of(i, names, mesh_shape)} {n}"
-                + (", in a tree of other containers or keys" if n == count else "")
-                + ". The instances' outputs are laid out together, leaf by leaf, under "
-                "out_specs. Fix: return the same tree on every instance: a branch on the "
-                "block's size or on ns.axis_index must not add, drop or rename an output "
-                "(return an empty block or zeros there instead)."
-            )
-    for i in range(len(structures)):
-        problems: list[str] = []
-        for j, (spec, at) in enumerate(zip(specs, wheres)):
-            shape = tuple(shape_of(i, j))
-            if len(spec) > len(shape):
-                problems += spec_problems(spec.without_sizes(), shape, mesh_shape, at)
-        if problems:
-            return SpecError(
-                f"{where}: the outputs of the instance at {coords_of(i, names, mesh_shape)} do "
-                "not fit out_specs:\n" + bullet_list(problems)
-            )
-    return None
 
 
 def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:

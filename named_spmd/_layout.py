@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ._spec import PartitionSpec
+from ._errors import SpecError, SpmdError, bullet_list
+from ._spec import PartitionSpec, spec_problems
 
 Sizes = Mapping[str, int]
 
@@ -427,3 +428,46 @@ def ragged_written(m: int, offsets: torch.Tensor, sizes: torch.Tensor) -> torch.
     """``[m]`` bool: the rows that some slot (``offsets[k]``, ``sizes[k]``) writes."""
     rows = torch.arange(m, device=offsets.device).unsqueeze(-1)
     return ((rows >= offsets) & (rows < offsets + sizes)).any(-1)
+
+
+def instances_problem(
+    where: str,
+    structures: Sequence[tuple[int, int]],
+    shape_of: Callable[[int, int], Sequence[int]],
+    specs: Sequence[PartitionSpec],
+    wheres: Sequence[str],
+    mesh_shape: Mapping[str, int],
+) -> SpmdError | None:
+    """What the instances of a call run per instance must agree on once all returned (a real
+    mesh's ranks: from one exchange), told alike wherever it is checked: the output tree
+    (``structures``: each instance's ``Call.structure()``), then each output's rank under its
+    out_spec (``shape_of(i, j)``: instance i's block of output j; ``check_outputs`` leaves
+    such a problem here). The error of the first instance that fails; else None."""
+    names = tuple(mesh_shape)
+    count = structures[0][0]
+    for i, structure in enumerate(structures):
+        if structure != structures[0]:
+            n = structure[0]
+            return SpmdError(
+                f"{where}: the instances returned different output trees: the instance at "
+                f"{coords_of(0, names, mesh_shape)} returned {count} "
+                f"tensor{'' if count == 1 else 's'}, the instance at "
+                f"{coords_of(i, names, mesh_shape)} {n}"
+                + (", in a tree of other containers or keys" if n == count else "")
+                + ". The instances' outputs are laid out together, leaf by leaf, under "
+                "out_specs. Fix: return the same tree on every instance: a branch on the "
+                "block's size or on ns.axis_index must not add, drop or rename an output "
+                "(return an empty block or zeros there instead)."
+            )
+    for i in range(len(structures)):
+        problems: list[str] = []
+        for j, (spec, at) in enumerate(zip(specs, wheres)):
+            shape = tuple(shape_of(i, j))
+            if len(spec) > len(shape):
+                problems += spec_problems(spec.without_sizes(), shape, mesh_shape, at)
+        if problems:
+            return SpecError(
+                f"{where}: the outputs of the instance at {coords_of(i, names, mesh_shape)} do "
+                "not fit out_specs:\n" + bullet_list(problems)
+            )
+    return None

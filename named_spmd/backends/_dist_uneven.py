@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as torch_private
 from .._accounting import active
 from .._autodiff import differentiable
-from .._call_checks import instances_problem
 from .._errors import SpecError, SpmdError
 from .._layout import (
     block,
@@ -40,6 +39,7 @@ from .._layout import (
     dim_sizes,
     group_size,
     index_of,
+    instances_problem,
     is_even,
     layout_problem,
 )

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ... import _torch_private as torch_private
-from ..._call_checks import instances_problem
 from ..._errors import (
     SpecError,
     SpmdError,
@@ -43,6 +42,7 @@ from ..._layout import (
     group_size,
     groups,
     index_of,
+    instances_problem,
     layout_problem,
     split_all,
     split_index,
