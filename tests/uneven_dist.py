@@ -98,6 +98,21 @@ def _offsets(v):  # the blocks' global row numbers, from ns.block_offsets
     return v * rows[:, None]
 
 
+def _five_outputs(name: str, kinds: tuple[str, ...]) -> Case:
+    """Five outputs: more than one exchange of the outputs' shapes holds (a second one)."""
+    return Case(
+        name,
+        (4,),
+        ("x",),
+        lambda v: tuple(v * k for k in range(1, 6)),
+        P("x"),
+        P("x"),
+        lambda: (_randn(10, 2, seed=40),),
+        lambda x: tuple(x * k for k in range(1, 6)),
+        kinds=kinds,
+    )
+
+
 CASES = [
     Case(
         "rows5_over_2_of_a_2d_mesh",
@@ -280,17 +295,7 @@ CASES = [
         lambda x: x * 2,
         kinds=("D",),
     ),
-    Case(  # more outputs than one exchange of the outputs' shapes holds: a second one
-        "five_outputs",
-        (4,),
-        ("x",),
-        lambda v: tuple(v * k for k in range(1, 6)),
-        P("x"),
-        P("x"),
-        lambda: (_randn(10, 2, seed=40),),
-        lambda x: tuple(x * k for k in range(1, 6)),
-        kinds=("D",) * 5,
-    ),
+    _five_outputs("five_outputs", ("D",) * 5),
     Case(  # without asking: a dim the axis does not divide is split as torch.chunk splits it
         "rows10_over_4_by_default",
         (4,),
@@ -646,17 +651,8 @@ COUNTED = [
         lambda x: x,
         kinds=("3", "3"),
     ),
-    Case(  # the start-of-call check and two exchanges of the outputs' shapes (five outputs)
-        "five_outputs_exchange_their_shapes_twice",
-        (4,),
-        ("x",),
-        lambda v: tuple(v * k for k in range(1, 6)),
-        P("x"),
-        P("x"),
-        lambda: (_randn(10, 2, seed=40),),
-        lambda x: tuple(x * k for k in range(1, 6)),
-        kinds=("3", "3"),
-    ),
+    # the start-of-call check and two exchanges of the outputs' shapes
+    _five_outputs("five_outputs_exchange_their_shapes_twice", ("3", "3")),
 ]
 
 # A ppermute of one signature called again: every instance's operand shape is assumed from the
