@@ -448,7 +448,9 @@ def to_local(tree: Any) -> Any:
         mesh = registered_mesh(t.device_mesh)
         if mesh is None:
             return t.to_local()
-        made = None if torch_private.transforms_active() else _dist_dtensor.made_from(t)
+        # (not while Dynamo traces: it refuses to read a DTensor's grad_fn)
+        untouched = torch_private.transforms_active() or torch.compiler.is_compiling()
+        made = None if untouched else _dist_dtensor.made_from(t)
         return made if made is not None else _dist_dtensor.to_local_fast(mesh, t)
 
     return optree.tree_map(one, tree, none_is_leaf=True)
