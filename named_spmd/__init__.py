@@ -68,7 +68,7 @@ def __getattr__(name: str) -> object:
 
         module, attr = _LAZY[name]
         value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value  # found directly from now on (``ns.to_local`` runs every step)
+        globals()[name] = value  # later lookups skip this hook (``ns.to_local`` runs every step)
         return value
     raise AttributeError(f"module 'named_spmd' has no attribute {name!r}")
 

@@ -20,7 +20,7 @@ from ._check import CheckReport
 from ._errors import SpmdError, fn_label
 from ._mesh import Mesh
 from ._spec import PartitionSpec
-from ._tree import check_spec_types, path_text, spec_leaves
+from ._tree import check_spec_types, spec_leaves
 from .backends import Backend, adopt_mesh, backend_for
 from .backends.abstract import AbstractBackend, to_meta, wants_grad
 from .backends.simulated import _per_instance
@@ -215,9 +215,7 @@ class SpmdFunction:
         backend = AbstractBackend(grads, backward, self.backend, _per_instance.run)
         meta = cast(tuple, optree.tree_map(to_meta, tree, none_is_leaf=True))
         out, call = self._call(meta, backend)
-        tensors = [isinstance(x, torch.Tensor) for x in call.out_leaves]
-        paths = ["output" + path_text(p) for p, t in zip(call.out_paths, tensors) if t]
-        return backend.report(self.label, self.mesh, out, paths, call.out_specs())
+        return backend.report(self.label, self.mesh, out, call.out_wheres(), call.out_specs())
 
     def _call(self, args: tuple, backend: Backend, local: bool = False) -> tuple[Any, Call]:
         """The one call path: inputs checked, ``backend`` runs the call's body on every

@@ -1,9 +1,10 @@
 """A mapped call's boundary: its inputs checked against in_specs, its outputs against out_specs.
 
-The input checks run once per tree structure and leaf shapes and dtypes (``input_leaves``'s
-cache on the ``SpmdFunction``, which also keeps each such set of calls' ``Call.memo``); while Dynamo traces, the in_specs are broadcast over a skeleton of the inputs
-instead (``IN_SPEC_INDEX``). Whether a dim the axes do not divide is taken is the backend's to
-say (its ``capabilities.uneven_blocks`` and ``uneven_state()``).
+The input checks run once per tree structure, ``.local``, ``uneven_state()`` and
+:func:`leaves_key` (``input_leaves``'s cache on the ``SpmdFunction``, which keeps each such set
+of calls' ``Call.memo``); while Dynamo traces, the in_specs are broadcast over a skeleton of the
+inputs instead (``IN_SPEC_INDEX``). Whether a dim the axes do not divide is taken is the
+backend's to say (its ``capabilities.uneven_blocks`` and ``uneven_state()``).
 """
 
 from __future__ import annotations

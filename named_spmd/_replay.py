@@ -185,11 +185,11 @@ def _checked_signatures(mapped: Any, planned: bool) -> dict[tuple, Any] | None:
 def _signature(call: Call) -> tuple:
     """``call``'s signature. The table is the mapped function's, which fixes the mesh and, with
     the tree structure, every leaf's spec (``_call_checks.input_leaves``). The key of the call's
-    memo (``Call.memo``: the tree structure, whether the leaves are this process's blocks, and
-    per leaf :func:`~._call_checks.leaves_key`) stands for the leaves; where there is none,
-    every leaf is read in full. ``call.local``: the leaves are this process's blocks
-    (``SpmdFunction.local``), not the global values of the same shapes, whose blocks (and
-    evenness) differ."""
+    memo (``Call.memo``: the tree structure, whether the leaves are this process's blocks, the
+    backend's ``uneven_state()`` and per leaf :func:`~._call_checks.leaves_key`) stands for the
+    leaves; where there is none, every leaf is read in full. ``call.local``: the leaves are this
+    process's blocks (``SpmdFunction.local``), not the global values of the same shapes, whose
+    blocks (and evenness) differ."""
     inputs = call.memo.get("inputs")
     if inputs is not None:
         return (inputs, torch.is_grad_enabled())

@@ -9,7 +9,9 @@ replays looked like.
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -89,6 +91,15 @@ def boundary(mesh) -> dict:
         in_specs=P("dp"),
         out_specs=P(unreduced={"dp"}),
     )
+    # an output dropped once a later op (one that saves no operand) used it: its memory goes,
+    # though the graph it feeds lives on (ns.to_local's hand-through keeps none of it)
+    dropped = f(split, w)
+    alive = weakref.ref(ns.to_local(dropped))
+    later = dropped * 2
+    del dropped
+    gc.collect()
+    kept = alive() is not None
+    del later
     plain = x.clone().requires_grad_()
     summed = ns.to_local(parts(plain))
     (grad,) = torch.autograd.grad(summed.sum(), [plain])
@@ -99,6 +110,7 @@ def boundary(mesh) -> dict:
         "output_node": type(out.grad_fn).__name__,
         "partial_node": type(summed.grad_fn).__name__,
         "hooked": [type(g).__name__ for g in seen],
+        "kept": kept,
     }
 
 

@@ -261,6 +261,7 @@ def test_real_mesh_of_one_rank_replays_too():
     assert b["output_node"] == "MulBackward0", b  # the call's own product: no conversion
     assert b["partial_node"] == "_LocalOfBackward", b
     assert b["hooked"] == ["DTensor"], b  # a hook on the output sees its gradient
+    assert not b["kept"], b  # a dropped output's memory is freed while its graph lives
 
 
 def test_every_collective_on_one_instance_in_replays():

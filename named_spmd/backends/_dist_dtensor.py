@@ -133,8 +133,6 @@ class _DTensorOf(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.mesh, ctx.places = inputs[1], inputs[2]
-        # for :func:`made_from` (an input, not the output: no reference cycle)
-        ctx.local = None if any(p.is_partial() for p in ctx.places) else inputs[0]
 
     @staticmethod
     def backward(ctx, g):
@@ -196,14 +194,15 @@ def made_from(d: DTensor) -> torch.Tensor | None:
     returned it), or None. Its ``to_local()`` then is that tensor: converting back and forth is
     the identity on the values and on the gradient (placements without ``Partial``, whose
     backward would sum the cotangent), so neither conversion need run, forward or backward;
-    unless a hook or ``retain_grad`` waits for ``d``'s own gradient."""
-    node: Any = d.grad_fn
-    if type(node) is not _DTENSOR_OF_NODE or torch_private.watched(d):
+    unless a hook or ``retain_grad`` waits for ``d``'s own gradient, or an in-place op made
+    ``d`` another node's."""
+    if type(d.grad_fn) is not _DTENSOR_OF_NODE or torch_private.watched(d):
         return None
-    return node.local
+    return d.__dict__.get(_MADE_FROM)
 
 
 _DTENSOR_OF_NODE: Any = _DTensorOf._backward_cls  # (its nodes' class)
+_MADE_FROM = "_named_spmd_made_from"
 
 
 def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
@@ -211,7 +210,12 @@ def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
         return _transformed(_DTensorOf, local, mesh, places)
     if not differentiable(local):
         return _wrap(mesh, local.view_as(local), places)
-    return _dtensor_of(local, mesh, places)
+    d = _dtensor_of(local, mesh, places)
+    if not any(p.is_partial() for p in places):
+        # for :func:`made_from`, on the DTensor (which holds its storage anyway), not on its
+        # node: a node would keep the storage for as long as the graph lives
+        d.__dict__[_MADE_FROM] = local
+    return d
 
 
 # --- DTensors whose Shard blocks differ in size (torch.chunk's) ----------------------------------

@@ -154,7 +154,7 @@ def outputs(ctx, outs: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
     mesh = ctx.mesh
     specs = call.out_specs()
     ctx.record_shapes()  # (before its exchange: its failure is on every rank alike)
-    if not _compared(call.mapped, mesh):
+    if not _compared(call.mapped):
         return [io.global_output(ctx, y, s) for y, s in zip(outs, specs)]
     rows, width = _every_block(mesh, call.structure(), outs)
     key = (tuple(map(tuple, rows)), tuple(specs))  # all that _layouts reads
@@ -175,17 +175,13 @@ _SLOTS = 4  # the outputs in one exchange's rows (more: a wider exchange)
 _WIDTH = 16  # the dims of a block's shape in its slot of a row (more: a wider exchange)
 
 
-def _compared(mapped, mesh) -> bool:
+def _compared(mapped) -> bool:
     """Whether an uneven call of ``mapped`` exchanges its outputs' blocks: where an out_spec
-    has an entry or names an axis of several members (an output may be split, or of a rank
-    its spec refuses on some ranks only). Read from the out_specs, the same on every rank, so
-    that every rank joins the exchange or none does, whatever it returned."""
+    has an entry (an output may be split, or of a rank its spec refuses on some ranks only; an
+    out_spec's axes are its entries'). Read from the out_specs, the same on every rank, so that
+    every rank joins the exchange or none does, whatever it returned."""
     specs = optree.tree_leaves(mapped.out_specs, is_leaf=is_spec_leaf, none_is_leaf=True)
-    singles = mesh.single_axes
-    return any(
-        isinstance(s, PartitionSpec) and (len(s) > 0 or not singles.issuperset(s.axes))
-        for s in specs
-    )
+    return any(isinstance(s, PartitionSpec) and len(s) > 0 for s in specs)
 
 
 def _every_block(

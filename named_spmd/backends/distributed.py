@@ -51,7 +51,6 @@ from .._errors import (
     rejected_by_torch,
     user_line,
 )
-from .._layout import gives_unequal_blocks
 from .._mesh import Mesh
 from .._replay import Replay
 from .._spec import PartitionSpec
@@ -300,7 +299,7 @@ def run(call: Call) -> list[Any]:
     local_call = call.local  # SpmdFunction.local: this rank's blocks in and out
     # a call typed once per signature: untyped replays on one rank, planned ones on several
     replay = None if traced else Replay(call, planned=mesh.size > 1)
-    uneven = _takes_uneven_blocks(mesh, leaves, specs, local_call, replay)
+    uneven = _takes_uneven_blocks(call, replay)
     if uneven and replay is not None:  # (each rank's plan types its own blocks)
         replay.uneven()
     ctx = (UnevenContext if uneven else ProxyTracedContext if traced else DistributedContext)(
@@ -317,7 +316,7 @@ def run(call: Call) -> list[Any]:
         if replay is not None and replay.begin(ctx):
             converted = replay.replayed_conversions()
         local = _inputs(ctx, leaves, specs, local_call, converted)
-        if replay is not None and not ctx.replaying:  # what this signature's replays convert
+        if replay is not None and not (replay.planned or ctx.replaying):  # (``Checked``)
             replay.converted = tuple(i for i, x in enumerate(leaves) if local[i] is not x)
         ctx.inputs = local
         if mesh.debug:
@@ -385,26 +384,20 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException, call: Call) -> Bas
     )
 
 
-def _takes_uneven_blocks(
-    mesh: DistributedMesh,
-    leaves: list[Any],
-    specs: list[PartitionSpec],
-    local_call: bool,
-    replay: Replay | None,
-) -> bool:
+def _takes_uneven_blocks(call: Call, replay: Replay | None) -> bool:
     """Whether the call takes blocks of unequal sizes: where the simulated mesh runs per
     instance (an input's blocks differ in size, or ``ns.simulate_per_instance()`` asks), so
     that the backends accept and refuse the same inputs. A local call's blocks are the
     caller's. A signature with a plan has equal blocks: only an even call keeps one under the
     signature alone (an uneven call's is kept apart: ``Replay.uneven``), and the signature
     holds every leaf's shape and spec and the mesh's shape, all the test reads."""
-    if local_call or mesh.size == 1:
+    if call.local or call.mesh.size == 1:
         return False
     if uneven_blocks_requested():
         return True
     if replay is not None and replay.has_plan():
         return False
-    return gives_unequal_blocks(leaves, specs, mesh._shape)
+    return call.unequal_blocks()
 
 
 def _inputs(
@@ -455,7 +448,9 @@ def to_local(tree: Any) -> Any:
         mesh = registered_mesh(t.device_mesh)
         if mesh is None:
             return t.to_local()
-        made = None if torch_private.transforms_active() else _dist_dtensor.made_from(t)
+        # (not while Dynamo traces: it refuses to read a DTensor's grad_fn)
+        untouched = torch_private.transforms_active() or torch.compiler.is_compiling()
+        made = None if untouched else _dist_dtensor.made_from(t)
         return made if made is not None else _dist_dtensor.to_local_fast(mesh, t)
 
     return optree.tree_map(one, tree, none_is_leaf=True)

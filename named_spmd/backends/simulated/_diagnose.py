@@ -33,15 +33,13 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _torch_private as torch_private
 from ..._accounting import resume, suspend
-from ..._errors import SpmdError, error_class, fn_label, user_line
+from ..._errors import TORCH_ERRORS, SpmdError, error_class, fn_label, user_line
 from ..._operands import is_inplace, swap_operands, tensor_operands
 from ..._types import VType
 from ._instances import Instances, coordinates, instances, label, simulated_call
 
 # torch's message for a write into memory that several elements share (an expanded tensor)
 _OVERLAP = "more than one element of the written-to tensor refers to a single memory location"
-# The classes torch raises for operands it rejects.
-_TORCH_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
 
 
 def explained(run: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torch.Tensor]]:
@@ -51,7 +49,7 @@ def explained(run: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torc
     def run_explained(call):
         try:
             return run(call)
-        except _TORCH_ERRORS as error:
+        except TORCH_ERRORS as error:
             if isinstance(error, SpmdError):
                 raise
             better = _diagnose(error, functools.partial(run, call), call.fn, call.leaves)
