@@ -40,6 +40,11 @@ def index_of(axes: Iterable[str], coords: Mapping[str, int], sizes: Sizes) -> in
     return index
 
 
+def coords_text(coords: Mapping[str, int]) -> str:
+    """An instance's coordinates as messages write them: ``dp=0, tp=1``."""
+    return ", ".join(f"{a}={c}" for a, c in coords.items())
+
+
 def coords_of(index: int, axes: Sequence[str], sizes: Sizes) -> dict[str, int]:
     """Inverse of :func:`index_of`: the coordinates on ``axes`` of row-major ``index``."""
     out: dict[str, int] = {}

@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from .._errors import RankFailedError, SpmdError
+from .._layout import coords_text
 from ._dist_processes import _fate
 
 POLL_S = 0.2  # how often a rank blocked in a collective looks for a posted failure
@@ -189,7 +190,7 @@ class FailureBoard:
         return int(seq), int(rank), text
 
     def where(self, rank: int) -> str:
-        coords = ", ".join(f"{a}={c}" for a, c in self.coords_of(rank).items())
+        coords = coords_text(self.coords_of(rank))
         return f"rank {rank} (mesh coordinates {coords})" if coords else f"rank {rank}"
 
     def error(

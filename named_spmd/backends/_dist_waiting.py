@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from .._errors import RankFailedError, SpmdError
+from .._layout import coords_text
 from ._dist_failures import FailureBoard, timeout_s
 
 AHEAD_GRACE_S = 1.0  # a member seen in the next call this long while this rank still waits: a
@@ -125,7 +126,7 @@ def _absent(board: FailureBoard, waiting: str, members: list[int], while_doing: 
     absent = [r for r in members if r != board.rank and r not in where]
     text = "".join(
         f"Rank {r} (mesh coordinates "
-        + ", ".join(f"{a}={c}" for a, c in board.coords_of(r).items())
+        + coords_text(board.coords_of(r))
         + ") never reached a collective of this call. "
         for r in absent
     )

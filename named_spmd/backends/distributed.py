@@ -51,6 +51,7 @@ from .._errors import (
     rejected_by_torch,
     user_line,
 )
+from .._layout import coords_text
 from .._mesh import Mesh
 from .._replay import Replay
 from .._spec import PartitionSpec
@@ -351,7 +352,7 @@ def run(call: Call) -> list[Any]:
         e = _told_per_rank(ctx, raised, call)
         board.post(e)
         if hasattr(e, "add_note"):
-            coords = ", ".join(f"{a}={c}" for a, c in mesh.my_coords.items())
+            coords = coords_text(mesh.my_coords)
             e.add_note(
                 f"[named_spmd] raised on rank {mesh.rank} (mesh coordinates {coords}); "
                 "the other ranks stop with RankFailedError naming this rank."
@@ -371,7 +372,7 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException, call: Call) -> Bas
     if not rejected_by_torch(e):
         return e
     mesh = ctx.mesh
-    coords = ", ".join(f"{a}={c}" for a, c in mesh.my_coords.items())
+    coords = coords_text(mesh.my_coords)
     empty = call.empty_block(ctx.inputs) if ctx.uneven and ctx.inputs else None
     if empty is not None:
         where = f"spmd_map of {ctx.fn_label}"

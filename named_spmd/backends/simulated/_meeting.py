@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..._errors import SpmdError
-from ..._layout import coords_of
+from ..._layout import coords_of, coords_text
 
 Compute = Callable[[list[Any]], list[torch.Tensor]]
 
@@ -112,10 +112,7 @@ class Meeting:
 
     def _where(self, instances: Sequence[int]) -> str:
         return ", ".join(
-            "("
-            + ", ".join(f"{a}={c}" for a, c in coords_of(j, self.names, self.sizes).items())
-            + ")"
-            for j in instances
+            "(" + coords_text(coords_of(j, self.names, self.sizes)) + ")" for j in instances
         )
 
 

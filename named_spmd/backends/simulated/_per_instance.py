@@ -39,6 +39,7 @@ from ..._layout import (
     chunk_sizes,
     concat_blocks,
     coords_of,
+    coords_text,
     group_size,
     groups,
     index_of,
@@ -436,7 +437,7 @@ def _raise_first(
     for i, e in enumerate(errors):
         if e is not None and not isinstance(e, Aborted):
             where = coords_of(i, meeting.names, meeting.sizes)
-            coords = ", ".join(f"{a}={c}" for a, c in where.items())
+            coords = coords_text(where)
             empty = call.empty_block(inputs[i]) if rejected_by_torch(e) else None
             if empty is not None:
                 at = f"the instance at {coords}"
