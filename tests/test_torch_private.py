@@ -424,6 +424,25 @@ def test_view_source_finds_a_leaf_or_input_one_built_in_view_away():
     assert torch_private.view_source(torch.randn(3, 5).T, {}) is None  # no grad
 
 
+def test_node_class_is_the_class_of_a_functions_grad_fn():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    y = Double.apply(torch.ones(2, requires_grad=True))
+    assert type(y.grad_fn) is torch_private.node_class(Double)
+    assert type((y * 1).grad_fn) is not torch_private.node_class(Double)
+
+
 def test_watched_sees_a_hook_and_retain_grad():
     x = torch.randn(3, requires_grad=True) * 2
     assert not torch_private.watched(x)

@@ -123,6 +123,11 @@ def view_source(t: torch.Tensor, sources: dict[int, torch.Tensor]) -> torch.Tens
     return source
 
 
+def node_class(function: type[torch.autograd.Function]) -> type:
+    """The class of the autograd nodes that ``function.apply`` makes (its ``grad_fn``s)."""
+    return function._backward_cls
+
+
 def watched(x: torch.Tensor) -> bool:
     """Whether something waits for ``x``'s gradient: a ``register_hook`` hook on it, or
     ``retain_grad()``."""

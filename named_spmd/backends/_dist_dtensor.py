@@ -201,7 +201,7 @@ def made_from(d: DTensor) -> torch.Tensor | None:
     return d.__dict__.get(_MADE_FROM)
 
 
-_DTENSOR_OF_NODE: Any = _DTensorOf._backward_cls  # (its nodes' class)
+_DTENSOR_OF_NODE = torch_private.node_class(_DTensorOf)
 _MADE_FROM = "_named_spmd_made_from"
 
 
