@@ -35,7 +35,7 @@ _INT62 = (1 << 62) - 1  # the checksum and its negation fit an int64
 _DTYPE_CODES: dict[torch.dtype, int] = {}
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
+def dtype_code(dtype: torch.dtype) -> int:
     code = _DTYPE_CODES.get(dtype)
     if code is None:
         code = _DTYPE_CODES[dtype] = zlib.crc32(str(dtype).encode())
@@ -43,10 +43,10 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def dtype_of(code: int) -> torch.dtype | None:
-    """The dtype of torch's whose :func:`_dtype_code` is ``code`` (None: none is)."""
+    """The dtype of torch's whose :func:`dtype_code` is ``code`` (None: none is)."""
     if not _DTYPES_BY_CODE:
         dtypes = (d for d in vars(torch).values() if isinstance(d, torch.dtype))
-        _DTYPES_BY_CODE.update((_dtype_code(d), d) for d in dtypes)
+        _DTYPES_BY_CODE.update((dtype_code(d), d) for d in dtypes)
     return _DTYPES_BY_CODE.get(code)
 
 
@@ -68,8 +68,8 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     # and the latest failed call this rank knows of: a rank that finished a call in which
     # another failed, without needing it, disagrees and learns of it here (``_disagree``)
     known = mesh.board.known_failure()
-    codes = _DTYPE_CODES  # (_dtype_code, its memo read inline: one entry per tensor leaf)
-    described = [(x.shape, codes.get(x.dtype) or _dtype_code(x.dtype)) for x in tensors]
+    codes = _DTYPE_CODES  # (dtype_code and its memo, read inline: one entry per tensor leaf)
+    described = [(x.shape, codes.get(x.dtype) or dtype_code(x.dtype)) for x in tensors]
     metadata = hash((local, known, *described))
     checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
     # and what this rank recalls of the signature's last call (an uneven call's shapes), which

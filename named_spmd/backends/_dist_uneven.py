@@ -46,7 +46,7 @@ from .._layout import (
 from .._spec import PartitionSpec
 from .._tree import is_spec_leaf
 from . import _dist_io as io
-from ._dist_agree import _dtype_code, dtype_of
+from ._dist_agree import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
 from ._dist_uneven_primitives import exchange, pad
 
@@ -198,7 +198,7 @@ def _every_block(
     while True:
         mine = list(structure)
         for y in ys[:slots]:
-            mine += [y.dim(), _dtype_code(y.dtype), *y.shape[:width], *[0] * (width - y.dim())]
+            mine += [y.dim(), dtype_code(y.dtype), *y.shape[:width], *[0] * (width - y.dim())]
         mine += [0] * (_slot(slots, width) - len(mine))
         rows = exchange(comm, mine)
         if any(row[:2] != rows[0][:2] for row in rows):  # (instances_problem tells it)
