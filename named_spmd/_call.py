@@ -8,6 +8,7 @@ body records the call's outputs on it, so that the backend then reads their spec
 
 from __future__ import annotations
 
+import re
 import zlib
 from typing import TYPE_CHECKING, Any, cast
 
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from ._api import SpmdFunction
     from ._mesh import Mesh
     from .backends import Backend
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 
 class Call:
@@ -116,10 +120,13 @@ class Call:
     def structure(self) -> tuple[int, int]:
         """The output tree as instances compare it (``_layout.instances_problem``): its
         number of tensor leaves and a digest of its containers, keys and which leaves are
-        tensors (crc32: the same in every process, unlike ``hash`` of a string)."""
+        tensors (crc32: the same in every process, unlike ``hash`` of a string). Addresses in
+        the tree's text (a custom node's metadata of a default ``repr``) differ between
+        processes and instances: they are left out."""
         tensors = [isinstance(x, torch.Tensor) for x in self.out_leaves]
         mask = "".join("T" if t else "-" for t in tensors)
-        return sum(tensors), zlib.crc32(f"{self.out_tree}|{mask}".encode())
+        text = _ADDRESS.sub("0x", str(self.out_tree))
+        return sum(tensors), zlib.crc32(f"{text}|{mask}".encode())
 
     def take_outputs(self, other: Call) -> None:
         """The outputs ``other`` recorded: a copy of this call that one instance's body ran

@@ -5,6 +5,7 @@ single-device programs and per-instance loops written here."""
 
 from __future__ import annotations
 
+import collections
 import re
 
 import optree
@@ -365,6 +366,23 @@ def test_instances_returning_different_output_trees_are_an_error(trees, wanted):
         assert re.match(r"spmd_map of `\S*<lambda>` \(test_uneven.py:\d+\): ", message), message
         assert f"different output trees: the instance at {{'x': 0}} {wanted}" in message
         assert "Fix: return the same tree on every instance" in message
+
+
+def test_output_trees_equal_but_for_addresses_in_their_metadata_are_one_tree():
+    """Each instance returns a defaultdict whose factory is a function of its own (the tree's
+    text names its address, as it would differ between processes): the trees are the same,
+    and the blocks are laid back as for a plain output (rows 3, 3, 3, 1)."""
+    mesh = ns.make_mesh((4,), ("x",))
+    x = _randn(10, 3, seed=41)
+    mapped = ns.spmd_map(
+        lambda v: collections.defaultdict(lambda: None, {"y": 2 * v}),
+        mesh=mesh,
+        in_specs=P("x", None),
+        out_specs=P("x", None),
+    )
+    out = mapped(x)
+    assert isinstance(out, collections.defaultdict)
+    torch.testing.assert_close(out["y"], 2 * x)
 
 
 def test_an_op_on_an_empty_block_is_an_error_naming_the_block():

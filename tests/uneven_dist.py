@@ -11,6 +11,7 @@ program computed on one device from the definitions.
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import traceback
@@ -135,6 +136,17 @@ CASES = [
         lambda: (_randn(5, 7, seed=3),),
         lambda x: (x * 2 + 1, x.sum(0)),
         kinds=("D", "D"),
+    ),
+    Case(  # the factory's address, in the output tree's text, differs between processes
+        "rows10_over_4_defaultdict",
+        (4,),
+        ("x",),
+        lambda v: collections.defaultdict(lambda: None, {"y": 2 * v}),
+        P("x", None),
+        P("x", None),
+        lambda: (_randn(10, 3, seed=43),),
+        lambda x: {"y": 2 * x},
+        kinds=("D",),
     ),
     Case(
         "rows10_over_4",
