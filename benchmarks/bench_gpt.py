@@ -522,7 +522,7 @@ _REAL: dict[str, tuple[int, str, dict[str, str], tuple]] = {
         ((ON_DTENSORS, "named_spmd", DENSE_ON_DTENSORS, "<= 1.05x"),),
     ),
     "dp2": (2, "dp=2, 2 gloo processes", {"named_spmd": "<= 1.05x"}, ()),
-    "tp4": (4, "(2,2), 4 gloo processes", {"named_spmd": "goal <= 0.8x"}, ()),
+    "tp4": (4, "(2,2), 4 gloo processes", {"named_spmd": "<= 0.5x"}, ()),
 }
 
 

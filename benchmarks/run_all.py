@@ -371,7 +371,7 @@ _GPT_TARGETS = (
         "1 gloo process (1,1) / dense, both on DTensor parameters",
     ),
     ("dp=2, 2 gloo processes", "named_spmd", 1.05, "dp=2 on 2 processes / DDP"),
-    ("(2,2), 4 gloo processes", "named_spmd", 0.8, "(2,2) on 4 processes / DTensor TP + dp (goal)"),
+    ("(2,2), 4 gloo processes", "named_spmd", 0.5, "(2,2) on 4 processes / DTensor TP + dp"),
     ("simulated, 1 process", "named_spmd simulated (2, 2)", 1.5, "simulated (2,2) / dense"),
     (
         "simulated, 1 process",
