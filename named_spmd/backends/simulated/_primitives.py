@@ -49,6 +49,8 @@ class SimulatedContext(SpmdContext):
         # a planned or replayed call (``_planned``): each tensor it types gets the next number
         self.numbering = False
         self.numbered = 0
+        # (id(input), axes) -> (input, its expand over the axes' levels): ``_marks.input_axes``
+        self._varied: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def vma(self, x: torch.Tensor) -> Vma:
         # Collectives ask about the same operand several times in a row: remember the last one
@@ -65,6 +67,16 @@ class SimulatedContext(SpmdContext):
             vma = _VMA_OF[axes] = Vma.of(axes)
         self._vma_of, self._vma = x, vma
         return vma
+
+    def varied_input(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """``x`` expanded over ``axes``' levels, made once per call (the tensor is kept, so its
+        id is not reused meanwhile): the physical form of an implicit pvary, same values."""
+        key = (id(x), axes)
+        hit = self._varied.get(key)
+        if hit is None:
+            with torch_private.DisableTorchFunction():
+                hit = self._varied[key] = (x, self.pvary(x, axes))
+        return hit[1]
 
     def held_blocks(self, x: torch.Tensor) -> Any:
         return _blocks.recorded_layout(x, self.token)
