@@ -53,7 +53,7 @@ def set_mark(x: torch.Tensor, token: object, vma: Vma) -> None:
 # the level that vmap takes of an unbatched operand's. A varying input against an invariant
 # weight needs nothing: vmap folds the input's batch into the matmul's rows.
 _INPUT_BY_WEIGHT = frozenset(
-    {torch._C._nn.linear, torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm}
+    {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm}
 )
 
 
