@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -172,3 +174,27 @@ def test_a_simulated_contractions_invariant_input_is_expanded_over_the_weights_a
     assert plan.replays == 2
     linear = [s for s in plan.steps if s.func is torch.nn.functional.linear]
     assert [s.casts for s in linear] == [("tp",)]
+
+
+def test_a_simulated_calls_expanded_inputs_are_not_kept_past_the_call():
+    """The call's cache of expanded inputs is emptied when its body ends: a context lives on
+    until the garbage collector breaks its cycles, and the inputs are activations."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+    kept = []
+
+    def mlp(x, w1, w2):
+        h = torch.nn.functional.layer_norm(ns.psum(x @ w2, "tp"), (4,))
+        kept.append(weakref.ref(h))
+        return ns.psum(torch.nn.functional.linear(h, w1).tanh() @ w2, "tp")
+
+    specs = (ns.P("dp", "tp"), ns.P("tp"), ns.P("tp"))
+    g = ns.spmd_map(mlp, mesh=mesh, in_specs=specs, out_specs=ns.P("dp"))
+    x, w1, w2 = torch.randn(6, 8), torch.randn(8, 4), torch.randn(8, 4).requires_grad_()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):  # typed, then replayed
+            g(x, w1, w2).sum().backward()
+            assert kept.pop()() is None
+    finally:
+        gc.enable()
