@@ -6,8 +6,11 @@ blocks, which every case's do)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -129,3 +132,69 @@ def test_a_simulated_signature_is_keyed_by_the_leaves_dtypes_and_values(wrap):
     # float64 with 2: planned, then 3 replays; with 3: 1; float32 with 2: 1, with 3: none
     assert sorted(p.replays for p in plans) == [0, 1, 1, 3]
     assert all(p.divergences == 0 for p in plans)
+
+
+def test_a_simulated_contractions_invariant_input_is_expanded_over_the_weights_axes():
+    """The input of ``F.linear`` invariant over tp (after a psum) against a weight split over
+    tp is expanded over the tp level (``_marks.input_axes``), recorded in the plan's step and
+    replayed: the values, gradients and out_specs' types are the dense model's either way, and
+    a recording ``CommMode`` (which reads the implicit pvary off the levels) sees its psum."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+
+    def mlp(x, w1, w2):
+        h = torch.nn.functional.layer_norm(ns.psum(x @ w2, "tp"), (4,))
+        return ns.psum(torch.nn.functional.linear(h, w1).tanh() @ w2, "tp")
+
+    def dense(x, w1, w2):
+        return (
+            torch.nn.functional.linear(torch.nn.functional.layer_norm(x @ w2, (4,)), w1).tanh() @ w2
+        )
+
+    specs = (ns.P("dp", "tp"), ns.P("tp"), ns.P("tp"))
+    g = ns.spmd_map(mlp, mesh=mesh, in_specs=specs, out_specs=ns.P("dp"))
+    x = torch.randn(6, 8, dtype=torch.float64)
+    w1, w2 = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    ws = [w.requires_grad_() for w in (w1.clone(), w2.clone())]
+    want = dense(x, *ws)
+    want_grads = torch.autograd.grad(want.square().sum(), ws)
+    for recording in (False, False, True):  # typed (the plan made), replayed, replayed recording
+        ws = [w.detach().clone().requires_grad_() for w in (w1, w2)]
+        with ns.CommMode() if recording else contextlib.nullcontext() as comm:
+            out = g(x, *ws)
+            grads = torch.autograd.grad(out.square().sum(), ws)
+        torch.testing.assert_close(out, want)
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got, expected)
+    assert comm.counts() == {  # forward: the psums; backward: the implicit pvarys (dp: w1, w2)
+        ("forward", "psum", ("tp",)): 2,
+        ("backward", "psum", ("tp",)): 1,
+        ("backward", "psum", ("dp",)): 2,
+    }
+    (plan,) = checked_signatures(g).values()
+    assert plan.replays == 2
+    linear = [s for s in plan.steps if s.func is torch.nn.functional.linear]
+    assert [s.casts for s in linear] == [("tp",)]
+
+
+def test_a_simulated_calls_expanded_inputs_are_not_kept_past_the_call():
+    """The call's cache of expanded inputs is emptied when its body ends: a context lives on
+    until the garbage collector breaks its cycles, and the inputs are activations."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+    kept = []
+
+    def mlp(x, w1, w2):
+        h = torch.nn.functional.layer_norm(ns.psum(x @ w2, "tp"), (4,))
+        kept.append(weakref.ref(h))
+        return ns.psum(torch.nn.functional.linear(h, w1).tanh() @ w2, "tp")
+
+    specs = (ns.P("dp", "tp"), ns.P("tp"), ns.P("tp"))
+    g = ns.spmd_map(mlp, mesh=mesh, in_specs=specs, out_specs=ns.P("dp"))
+    x, w1, w2 = torch.randn(6, 8), torch.randn(8, 4), torch.randn(8, 4).requires_grad_()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):  # typed, then replayed
+            g(x, w1, w2).sum().backward()
+            assert kept.pop()() is None
+    finally:
+        gc.enable()

@@ -72,6 +72,7 @@ def _run_body(
         outs = list(call.body(local, ctx))
     finally:
         ctx.end_partial()
+        ctx.varied.clear()  # (see ``SimulatedContext.varied``)
     if mode is not None:
         _planned.finish(mode, table)
     return outs

@@ -8,6 +8,9 @@ algebra (``_partial.combine``) once the first marked value exists: a call withou
 reduced values pushes no mode and pays nothing. Values need nothing else: vmap computes them, and
 autograd through the levels sums the gradient of an unbatched (reduced) input as the real
 backend's unreduced gradient sums to.
+
+The same mode gives an implicit pvary its physical form where that pays (:func:`input_axes`):
+the input of a contraction invariant over an axis its weight varies over.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ... import _blocks
+from ... import _torch_private as torch_private
 from ..._operands import METADATA, NOT_OPS, tensor_operands
 from ..._partial import typed_call
 from ..._types import Vma
@@ -40,6 +44,44 @@ def set_mark(x: torch.Tensor, token: object, vma: Vma) -> None:
         del x.__dict__[ATTR]
 
 
+# Contractions of an input (first operand) by a weight (second). Where the input is invariant over
+# an axis the weight varies over (the residual stream after a psum over tp, against a
+# column-parallel weight), vmap's rule for an unbatched operand against a batched one copies the
+# weight into one wide matrix and the result out of it, forward and backward: about 2.5x the
+# time of one batched matmul, which the input expanded over those levels (a view, stride 0)
+# gets. The result's type is the union either way, and the expand's gradient is the sum over
+# the level that vmap takes of an unbatched operand's. A varying input against an invariant
+# weight needs nothing: vmap folds the input's batch into the matmul's rows.
+_INPUT_BY_WEIGHT = frozenset(
+    {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm}
+)
+
+
+def input_axes(ctx: Any, func: Any, args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """The axes over which to expand ``func``'s input (``args[0]``): those its weight
+    (``args[1]``) varies over and it does not; none for other ops, partial sums (their marks
+    type them) or an ``out=`` write."""
+    if func not in _INPUT_BY_WEIGHT or len(args) < 2 or "out" in kwargs:
+        return ()
+    x, w = args[0], args[1]
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return ()
+    vx, vw = ctx.vma(x), ctx.vma(w)
+    if vw is vx or vx.partial or vw.partial:
+        return ()
+    return vx.missing(vw.present(ctx.mesh.axis_names))
+
+
+def with_input_varied(ctx: Any, args: tuple, axes: tuple[str, ...]) -> tuple:
+    """``args`` with the input expanded over ``axes``' levels: one alias per tensor and axes per
+    call (``SimulatedContext.varied_input``). Left as it is while a ``CommMode`` records (its
+    recorder reads the implicit pvary off the operands' levels) or under a transform inside
+    the call (the expand is the fast path's, only vmaps above our levels)."""
+    if ctx.recorder is not None or torch_private.maybe_current_level() != ctx.inner_level:
+        return args
+    return (ctx.varied_input(args[0], axes), *args[1:])
+
+
 def _first_tensor(out: Any) -> torch.Tensor:
     return (
         out
@@ -59,12 +101,17 @@ class PartialMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         return self.typed(func, args, kwargs or {})[0]
 
-    def typed(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, Vma | None, bool]:
+    def typed(
+        self, func: Any, args: tuple, kwargs: dict
+    ) -> tuple[Any, Vma | None, bool, tuple[str, ...]]:
         """``func``'s result; the type marked on its tensors (None: their marks were left as
         they were); whether an operand held blocks (the results' block records were then
-        written or dropped by ``_blocks.after_op``). A plan (``_planned``) keeps the last two."""
+        written or dropped by ``_blocks.after_op``); the axes its input was expanded over
+        (:func:`input_axes`). A plan (``_planned``) keeps the last three."""
         if func in UNTYPED:
-            return func(*args, **kwargs), None, False
+            return func(*args, **kwargs), None, False, ()
+        varied = input_axes(self.ctx, func, args, kwargs)
+        run = with_input_varied(self.ctx, args, varied) if varied else args
         operands = tensor_operands(args, kwargs)
         token = self.ctx.token
         marked = blocked = False
@@ -77,13 +124,13 @@ class PartialMode(TorchFunctionMode):
             if m is not None and m[0] is token:
                 blocked = True
         if not marked and not blocked:
-            return func(*args, **kwargs), None, False
+            return func(*run, **kwargs), None, False, varied
         vma = None
-        if marked:
+        if marked:  # (the partial-sum algebra runs the op on its operands as given)
             vmas = [self.ctx.vma(t) for t in operands]
             out, vma = typed_call(self.ctx, func, args, kwargs, operands, vmas)
         else:
-            out = func(*args, **kwargs)
+            out = func(*run, **kwargs)
         if blocked:
             axes = _blocks.after_op(
                 self.ctx, token, func, args, kwargs, operands, out, self.ctx.vma
@@ -95,4 +142,4 @@ class PartialMode(TorchFunctionMode):
             for o in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(o, torch.Tensor):
                     set_mark(o, token, vma)
-        return out, vma, blocked
+        return out, vma, blocked, varied

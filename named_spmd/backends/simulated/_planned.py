@@ -29,7 +29,7 @@ from ..._plan import Plan, Step, _held, _results, guard_key
 from ..._replay import Replay
 from ..._stamps import _NUMBERS, _number
 from ..._stamps import _SRC as SRC
-from ._marks import PartialMode, set_mark
+from ._marks import PartialMode, set_mark, with_input_varied
 
 Tensor = torch.Tensor
 _BLOCKS = _blocks.ATTR
@@ -71,13 +71,14 @@ class PlanningMode(PartialMode):
         if not self.replayable or ctx.in_collective:
             return self.typed(func, args, kwargs)[0]
         key = guard_key(ctx.token, args, kwargs, self.outside)
-        out, vma, blocked = self.typed(func, args, kwargs)
+        out, vma, blocked, varied = self.typed(func, args, kwargs)
         results = _results(out)
         token = ctx.token
         outputs = tuple(
             (vma, (_held(o, _BLOCKS, token) or FORGET) if blocked else None) for o in results
         )
-        self.steps.append(Step(func, key, (), outputs))
+        # casts: the axes its input was expanded over (``_marks.input_axes``)
+        self.steps.append(Step(func, key, varied, outputs))
         for o in results:
             ctx.number(o)
         return out
@@ -122,6 +123,8 @@ class ReplayMode(PartialMode):
                         same = False
                     if same:
                         self.i = i + 1
+                        if step.casts:
+                            args = with_input_varied(ctx, args, step.casts)
                         out = func(*args, **kwargs) if kwargs else func(*args)
                         results = (out,) if type(out) is Tensor else _results(out)
                         for o, (vma, lay) in zip(results, step.outputs):

@@ -49,6 +49,10 @@ class SimulatedContext(SpmdContext):
         # a planned or replayed call (``_planned``): each tensor it types gets the next number
         self.numbering = False
         self.numbered = 0
+        # (id(input), axes) -> (input, its expand over the axes' levels): ``_marks.input_axes``;
+        # emptied when the body (or a checkpoint's recomputation) ends: the aliases hold
+        # activations, and a context lives on until the garbage collector breaks its cycles
+        self.varied: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def vma(self, x: torch.Tensor) -> Vma:
         # Collectives ask about the same operand several times in a row: remember the last one
@@ -65,6 +69,21 @@ class SimulatedContext(SpmdContext):
             vma = _VMA_OF[axes] = Vma.of(axes)
         self._vma_of, self._vma = x, vma
         return vma
+
+    def varied_input(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """``x`` expanded over ``axes``' levels, made once per call (the tensor is kept, so its
+        id is not reused meanwhile): the physical form of an implicit pvary, same values. Made
+        afresh under saved-tensor hooks (a checkpoint's forward), whose activations the cache
+        would keep until the body ends."""
+        key = (id(x), axes)
+        hit = self.varied.get(key)
+        if hit is not None:
+            return hit[1]
+        with torch_private.DisableTorchFunction():
+            alias = self.pvary(x, axes)
+        if not torch_private.saved_tensors_hooks_active():
+            self.varied[key] = (x, alias)
+        return alias
 
     def held_blocks(self, x: torch.Tensor) -> Any:
         return _blocks.recorded_layout(x, self.token)
@@ -149,7 +168,11 @@ class SimulatedContext(SpmdContext):
                 "Fix: run the backward pass under the same torch.func transforms as the call, or "
                 "checkpoint around the call instead of inside it."
             )
-        return functools.partial(_leave_levels, len(got))
+        return functools.partial(self._leave, len(got))
+
+    def _leave(self, n: int) -> None:
+        _leave_levels(n)
+        self.varied.clear()
 
     def apply(self, rec, x, axes, params, user_operand=False):
         # The primitives' own ops mix the level tokens with stacked values: no user-level mixing
