@@ -235,6 +235,14 @@ def needs_grad(t: torch.Tensor) -> bool:
         t = get_unwrapped(t)
 
 
+def reusable_cast(t: torch.Tensor) -> bool:
+    """Whether an implicit cast of ``t`` made now may serve its later uses in the call (the
+    casts' caches, one alias per tensor and axes): not where grad is off and ``t`` takes part
+    in autograd, since the alias, made without grad, would give a later use under grad no
+    gradient (a use under ``no_grad`` first, then the differentiated one)."""
+    return torch.is_grad_enabled() or not needs_grad(t)
+
+
 def on_backward(x: torch.Tensor, event: CommEvent) -> torch.Tensor:
     """Tag ``x`` so that its backward records ``event`` (only while recording, only with grad):
     a collective linear in the cotangent, which runs again on the cotangent's tangent (forward

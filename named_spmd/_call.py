@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .backends import Backend
 
 
-_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+_ADDRESS = re.compile(r"(?<= at )0x[0-9a-fA-F]+(?=>)")  # a default repr's address
 
 
 class Call:

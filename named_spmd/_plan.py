@@ -42,7 +42,9 @@ class Step:
 
     func: Any
     key: tuple  # guard_key of its arguments
-    casts: tuple  # ((operand position, ((kind, axes, ...), ...)), ...): the implicit casts
+    # the implicit casts: ((operand position, ((kind, axes, ...), ...)), ...); on a simulated
+    # mesh the axes its input is expanded over (``simulated._marks.input_axes``)
+    casts: tuple
     outputs: tuple  # per tensor result: (its stamp or None, its blocks record or None)
     # per cast, the position of its operand among the positional arguments, where every tensor
     # operand is one (the usual op: the replay then swaps them in place); else None

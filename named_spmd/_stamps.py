@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import _blocks
+from ._accounting import reusable_cast
 from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._torch_private import DisableTorchFunction, tensor_base
@@ -165,7 +166,9 @@ class TrackedContext(SpmdContext):
         key = (id(t), axes)  # (:meth:`memo_alias`, inlined: every parameter passes here)
         hit = self.pvary_cache.get(key)
         if hit is None:
-            hit = self.pvary_cache[key] = (t, self.implicit_pvary(t, axes))
+            hit = (t, self.implicit_pvary(t, axes))
+            if reusable_cast(t):
+                self.pvary_cache[key] = hit
         alias = hit[1]
         if self.recipes is not None:
             self.recipes[id(alias)] = (t, ("pvary", axes))
@@ -176,7 +179,9 @@ class TrackedContext(SpmdContext):
         key = (id(t), tag)
         hit = self.pvary_cache.get(key)
         if hit is None:
-            hit = self.pvary_cache[key] = (t, make())
+            hit = (t, make())
+            if reusable_cast(t):
+                self.pvary_cache[key] = hit
         return hit[1]
 
     def implicit_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:

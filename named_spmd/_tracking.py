@@ -14,6 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _blocks
+from ._accounting import reusable_cast
 from ._errors import VmaError
 from ._operands import METADATA, NOT_OPS, is_inplace, swap_operands, tensor_operands
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
@@ -180,7 +181,9 @@ class VmaMode(TorchFunctionMode):
                 hit = cache.get(id(a))
                 if hit is None or hit[1] is not common:
                     alias = self.ctx.cached_pvary(a, self._mesh_order(common))
-                    hit = cache[id(a)] = (a, common, alias)  # a: keeps its id unique
+                    hit = (a, common, alias)  # a: keeps its id unique
+                    if reusable_cast(a):
+                        cache[id(a)] = hit
                 swap[a] = hit[2]
             elif s is not common:
                 missing = self._missing(s, common)

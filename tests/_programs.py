@@ -127,6 +127,14 @@ def dp_step(o, w1, b1, w2, x, y):
     return o.tap(o.pmean(o.mean((pred - y) ** 2), "dp"))
 
 
+def dp_logged_first(o, w1, b1, w2, x, y):
+    """:func:`dp_step` after a use of ``w1`` under ``no_grad`` (a logged metric): the implicit
+    casts made there (without grad) must not serve the differentiated uses."""
+    with torch.no_grad():
+        o.sum(x @ w1)
+    return dp_step(o, w1, b1, w2, x, y)
+
+
 def dp_dense(w1, b1, w2, x, y):
     pred = (torch.tanh(x @ w1 + b1) @ w2)[:, 0] + 0.1 * (x @ w1).sum(-1)
     return ((pred - y) ** 2).mean()
@@ -269,6 +277,19 @@ def _gradient_programs():
         lambda: (r(5, 6, seed=1), r(6, seed=2), r(6, 1, seed=3), r(8, 5, seed=4), r(8, seed=5)),
         dp_dense,
         **grad,
+    )
+    yield Program(
+        "data_parallel_used_without_grad_first",
+        (4,),
+        ("dp",),
+        (P(), P(), P(), P("dp"), P("dp")),
+        P(),
+        dp_logged_first,
+        lambda: (r(5, 6, seed=1), r(6, seed=2), r(6, 1, seed=3), r(8, 5, seed=4), r(8, seed=5)),
+        dp_dense,
+        all_grads_nonzero=True,
+        rtol=1e-10,
+        atol=1e-10,
     )
     yield Program(
         "megatron_mlp",

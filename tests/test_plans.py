@@ -134,15 +134,20 @@ def test_a_simulated_signature_is_keyed_by_the_leaves_dtypes_and_values(wrap):
     assert all(p.divergences == 0 for p in plans)
 
 
-def test_a_simulated_contractions_invariant_input_is_expanded_over_the_weights_axes():
+@pytest.mark.parametrize("unused_first", [False, True], ids=["", "used-without-grad-first"])
+def test_a_simulated_contractions_invariant_input_is_expanded_over_the_weights_axes(unused_first):
     """The input of ``F.linear`` invariant over tp (after a psum) against a weight split over
     tp is expanded over the tp level (``_marks.input_axes``), recorded in the plan's step and
     replayed: the values, gradients and out_specs' types are the dense model's either way, and
-    a recording ``CommMode`` (which reads the implicit pvary off the levels) sees its psum."""
+    a recording ``CommMode`` (which reads the implicit pvary off the levels) sees its psum. A
+    use under ``no_grad`` first (a logging branch) leaves the later use its gradient."""
     mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
 
     def mlp(x, w1, w2):
         h = torch.nn.functional.layer_norm(ns.psum(x @ w2, "tp"), (4,))
+        if unused_first:
+            with torch.no_grad():
+                torch.nn.functional.linear(h, w1)
         return ns.psum(torch.nn.functional.linear(h, w1).tanh() @ w2, "tp")
 
     def dense(x, w1, w2):
@@ -173,7 +178,27 @@ def test_a_simulated_contractions_invariant_input_is_expanded_over_the_weights_a
     (plan,) = checked_signatures(g).values()
     assert plan.replays == 2
     linear = [s for s in plan.steps if s.func is torch.nn.functional.linear]
-    assert [s.casts for s in linear] == [("tp",)]
+    assert [s.casts for s in linear] == [("tp",)] * (1 + unused_first)
+
+
+def test_a_parameter_on_the_left_of_a_matmul_is_not_expanded():
+    """``w @ x.T`` with ``w`` a parameter invariant over dp and ``x`` split over dp: vmap folds
+    the batch into the columns of one matmul, which an expanded ``w`` (a gradient per
+    instance, summed) would not; the plan records no expand, and the values and gradient are
+    the dense ones."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
+    g = ns.spmd_map(
+        lambda w, x: (w @ x.T).T, mesh=mesh, in_specs=(ns.P(), ns.P("dp")), out_specs=ns.P("dp")
+    )
+    w, x = torch.randn(3, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    for _ in range(2):  # typed, then replayed
+        wg = w.clone().requires_grad_()
+        out = g(wg, x)
+        torch.testing.assert_close(out, x @ w.T)
+        (grad,) = torch.autograd.grad(out.square().sum(), wg)
+        torch.testing.assert_close(grad, 2 * (x @ w.T).T @ x)
+    (plan,) = checked_signatures(g).values()
+    assert [s.casts for s in plan.steps if s.func is torch.Tensor.matmul] == [()]
 
 
 def test_a_simulated_calls_expanded_inputs_are_not_kept_past_the_call():

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _calls
 from ... import _torch_private as torch_private
-from ..._accounting import needs_grad
+from ..._accounting import needs_grad, reusable_cast
 from ..._collectives._record import implicit_pvary
 from ..._operands import NOT_OPS, is_inplace, swap_operands, tensor_operands
 from ._primitives import SimulatedContext
@@ -76,7 +76,9 @@ class InnerGradMode(TorchFunctionMode):
         key = (id(t), missing)
         hit = self.cache.get(key)
         if hit is None:
-            hit = self.cache[key] = (t, implicit_pvary(self.ctx, t, missing))
+            hit = (t, implicit_pvary(self.ctx, t, missing))
+            if reusable_cast(t):
+                self.cache[key] = hit
         return hit[1]
 
 

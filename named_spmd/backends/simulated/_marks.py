@@ -51,7 +51,10 @@ def set_mark(x: torch.Tensor, token: object, vma: Vma) -> None:
 # time of one batched matmul, which the input expanded over those levels (a view, stride 0)
 # gets. The result's type is the union either way, and the expand's gradient is the sum over
 # the level that vmap takes of an unbatched operand's. A varying input against an invariant
-# weight needs nothing: vmap folds the input's batch into the matmul's rows.
+# weight needs nothing: vmap folds the input's batch into the matmul's rows. The operands are
+# told apart by position (``F.linear``'s input and weight); of ``matmul`` / ``mm`` a parameter
+# (a leaf requiring grad) on the left is a weight, left as it is: expanded, its gradient would be
+# one per instance, summed.
 _INPUT_BY_WEIGHT = frozenset(
     {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm}
 )
@@ -66,10 +69,18 @@ def input_axes(ctx: Any, func: Any, args: tuple, kwargs: dict) -> tuple[str, ...
     x, w = args[0], args[1]
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         return ()
+    if func is not torch.nn.functional.linear and x.is_leaf and x.requires_grad:
+        return ()  # a parameter on the left (``W @ x.T``): expanded, its gradient per instance
     vx, vw = ctx.vma(x), ctx.vma(w)
     if vw is vx or vx.partial or vw.partial:
         return ()
     return vx.missing(vw.present(ctx.mesh.axis_names))
+
+
+def transform_inside(ctx: Any) -> bool:
+    """Whether a torch.func transform entered inside the call is active (the call's own vmap
+    levels are the innermost otherwise)."""
+    return torch_private.maybe_current_level() != ctx.inner_level
 
 
 def with_input_varied(ctx: Any, args: tuple, axes: tuple[str, ...]) -> tuple:
@@ -77,7 +88,7 @@ def with_input_varied(ctx: Any, args: tuple, axes: tuple[str, ...]) -> tuple:
     call (``SimulatedContext.varied_input``). Left as it is while a ``CommMode`` records (its
     recorder reads the implicit pvary off the operands' levels) or under a transform inside
     the call (the expand is the fast path's, only vmaps above our levels)."""
-    if ctx.recorder is not None or torch_private.maybe_current_level() != ctx.inner_level:
+    if ctx.recorder is not None or transform_inside(ctx):
         return args
     return (ctx.varied_input(args[0], axes), *args[1:])
 
@@ -111,7 +122,6 @@ class PartialMode(TorchFunctionMode):
         if func in UNTYPED:
             return func(*args, **kwargs), None, False, ()
         varied = input_axes(self.ctx, func, args, kwargs)
-        run = with_input_varied(self.ctx, args, varied) if varied else args
         operands = tensor_operands(args, kwargs)
         token = self.ctx.token
         marked = blocked = False
@@ -123,10 +133,12 @@ class PartialMode(TorchFunctionMode):
             m = d.get(_BLOCKS)
             if m is not None and m[0] is token:
                 blocked = True
+        # (the partial-sum algebra below runs the op on its operands as given)
+        run = with_input_varied(self.ctx, args, varied) if varied and not marked else args
         if not marked and not blocked:
             return func(*run, **kwargs), None, False, varied
         vma = None
-        if marked:  # (the partial-sum algebra runs the op on its operands as given)
+        if marked:
             vmas = [self.ctx.vma(t) for t in operands]
             out, vma = typed_call(self.ctx, func, args, kwargs, operands, vmas)
         else:

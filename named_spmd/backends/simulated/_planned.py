@@ -29,7 +29,7 @@ from ..._plan import Plan, Step, _held, _results, guard_key
 from ..._replay import Replay
 from ..._stamps import _NUMBERS, _number
 from ..._stamps import _SRC as SRC
-from ._marks import PartialMode, set_mark, with_input_varied
+from ._marks import PartialMode, set_mark, transform_inside, with_input_varied
 
 Tensor = torch.Tensor
 _BLOCKS = _blocks.ATTR
@@ -41,12 +41,6 @@ def _unnumbered(ctx: Any, a: Tensor) -> tuple:
     """The guard key (``_plan.guard_key``) of a tensor no op numbered: its type and blocks too,
     since on a simulated mesh such a tensor may vary."""
     return (a.shape, a.dtype, ctx.vma(a), _held(a, _BLOCKS, ctx.token))
-
-
-def _transform_inside(ctx: Any) -> bool:
-    """Whether a torch.func transform entered inside the call is active (the call's own vmap
-    levels are the innermost otherwise)."""
-    return maybe_current_level() != ctx.inner_level
 
 
 class PlanningMode(PartialMode):
@@ -65,7 +59,7 @@ class PlanningMode(PartialMode):
             self.hooks_seen = True
         if func in METADATA:  # nothing to type: no step (a replay runs them as they are too)
             return func(*args, **kwargs)
-        if func in NOT_OPS or _transform_inside(self.ctx):
+        if func in NOT_OPS or transform_inside(self.ctx):
             self.replayable = False  # differentiation inside the call: typed every call
         ctx = self.ctx
         if not self.replayable or ctx.in_collective:
@@ -110,7 +104,7 @@ class ReplayMode(PartialMode):
         ctx = self.ctx
         i = self.i
         if not self.diverged and not ctx.in_collective:
-            # (_transform_inside, inlined)
+            # (transform_inside, inlined)
             if i < self.n and maybe_current_level() == ctx.inner_level:
                 step = self.steps[i]
                 # (a property's getter is a new method-wrapper at each access: equal, not same)

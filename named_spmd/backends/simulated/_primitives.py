@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend
 
 from ... import _blocks
 from ... import _torch_private as torch_private
+from ..._accounting import needs_grad
 from ..._context import SpmdContext
 from ..._errors import SpmdError
 from ..._mesh import Mesh
@@ -73,15 +74,21 @@ class SimulatedContext(SpmdContext):
     def varied_input(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """``x`` expanded over ``axes``' levels, made once per call (the tensor is kept, so its
         id is not reused meanwhile): the physical form of an implicit pvary, same values. Made
-        afresh under saved-tensor hooks (a checkpoint's forward), whose activations the cache
-        would keep until the body ends."""
+        afresh without grad, and under saved-tensor hooks (a checkpoint's forward, whose
+        activations the cache would keep until the body ends)."""
         key = (id(x), axes)
         hit = self.varied.get(key)
         if hit is not None:
             return hit[1]
         with torch_private.DisableTorchFunction():
             alias = self.pvary(x, axes)
-        if not torch_private.saved_tensors_hooks_active():
+        # kept where it is differentiated (an alias made without grad would leave a later use
+        # under grad no gradient; without grad, keeping the aliases would only hold activations)
+        if (
+            torch.is_grad_enabled()
+            and needs_grad(x)
+            and not torch_private.saved_tensors_hooks_active()
+        ):
             self.varied[key] = (x, alias)
         return alias
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..._accounting import CommEvent, needs_grad, on_backward
+from ..._accounting import CommEvent, needs_grad, on_backward, reusable_cast
 from ..._operands import NOT_OPS, is_inplace, swap_operands, tensor_operands
 from ..._partial import value_operands
 from ..._torch_private import current_graph_task_id
@@ -74,7 +74,9 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
         hit = self.cache.get(key)
         if hit is None:
             event = CommEvent("psum", missing, "backward", tuple(t.shape), t.dtype, implicit=True)
-            hit = self.cache[key] = (t, on_backward(t, event))
+            hit = (t, on_backward(t, event))
+            if reusable_cast(t):
+                self.cache[key] = hit
         return hit[1]
 
 
