@@ -344,6 +344,10 @@ def test_an_out_spec_that_fails_on_some_instances_only_names_the_first():
         ((lambda v: (v, v), lambda v: (v,)), "returned 2 tensors, the instance at {'x': 3} 1"),
         ((lambda v: (v,), lambda v: ()), "returned 1 tensor, the instance at {'x': 3} 0"),
         ((lambda v: {"a": v}, lambda v: {"b": v}), "returned 1 tensor, the instance at {'x': 3} 1"),
+        (  # keys that look like addresses are keys
+            (lambda v: {"0x1": v}, lambda v: {"0x2": v}),
+            "returned 1 tensor, the instance at {'x': 3} 1",
+        ),
     ],
 )
 def test_instances_returning_different_output_trees_are_an_error(trees, wanted):
