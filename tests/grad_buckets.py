@@ -13,8 +13,6 @@
 * ``views``: a chain that uses each weight through a view (``h @ w.T``, ``h @ w[:4]``), as plain
   tensors and as DTensors: gradients, all-reduces and recorded psums, as for ``uniform`` (the
   views' gradient psums share the buckets of weights used directly).
-* ``node_stored``: ``torch.autograd.grad``, ``backward(inputs=...)`` and a tensor hook on a
-  weight, whose gradients the weights' own ``AccumulateGrad`` nodes handle (plain, DTensor).
 * ``mixed``: weights of odd sizes (padding between slots), a weight also used outside the call
   and one used by two calls (their second contribution reads a pending gradient before its
   bucket filled), two backward passes accumulated: gradients and the bitwise check.
@@ -140,40 +138,6 @@ def view_grads(mesh, around_backward=contextlib.nullcontext, sharded=False) -> t
     return [_full(p.grad) for p in params], psums
 
 
-def node_stored_ok(mesh) -> dict[str, bool]:
-    """Gradients that the weights' ``AccumulateGrad`` nodes must handle themselves (not stored
-    into an unset ``.grad`` ahead of them), for the view chain's plain and DTensor weights:
-    ``torch.autograd.grad`` returns the summed gradients and sets no ``.grad``;
-    ``backward(inputs=...)`` sets only those; a tensor hook on a weight sees its sum."""
-    out = {}
-    for sharded in (False, True):
-        want = view_grads(mesh, sharded=sharded)[0]
-        f = ns.spmd_map(_views_fn, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
-
-        def fresh():
-            x, ws = view_params()
-            ws = [w.requires_grad_() for w in ws]
-            return x, ns.shard(ws, mesh, P()) if sharded else ws
-
-        x, params = fresh()
-        got = torch.autograd.grad(_full(f(x, params)), params)
-        grad_ok = all(p.grad is None for p in params)
-        grad_ok = grad_ok and all(map(torch.equal, map(_full, got), want))
-        x, params = fresh()
-        _full(f(x, params)).backward(inputs=[params[2]])
-        inputs_ok = torch.equal(_full(params[2].grad), want[2])
-        inputs_ok = inputs_ok and all(p.grad is None for k, p in enumerate(params) if k != 2)
-        x, params = fresh()
-        seen: list = []
-        params[1].register_hook(lambda g: seen.append(_full(g).clone()))
-        _full(f(x, params)).backward()
-        hook_ok = len(seen) == 1 and torch.equal(seen[0], want[1])
-        hook_ok = hook_ok and all(map(torch.equal, (_full(p.grad) for p in params), want))
-        kind = "dtensor" if sharded else "plain"
-        out |= {f"{kind} grad": grad_ok, f"{kind} inputs": inputs_ok, f"{kind} hook": hook_ok}
-    return out
-
-
 def _mixed_fn(x, ws):
     h = x
     for w in ws:
@@ -262,7 +226,6 @@ def run(mesh) -> list[dict]:
                 "all_reduces": reduces.count,
                 "accumulating_all_reduces": second.count,
                 "hooked_ok": hooked_accumulation_ok(mesh),
-                "node_stored": node_stored_ok(mesh),
                 "views": views,
                 "psums": psums,
                 "left": _registry() - before,

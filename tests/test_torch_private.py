@@ -454,36 +454,6 @@ def test_watched_sees_a_hook_and_retain_grad():
     assert torch_private.watched(x)
 
 
-def test_runs_in_backward_tells_whether_a_leafs_accumulate_grad_node_runs():
-    """True in a backward pass (the leaf among its ``inputs=``, if given), False under
-    ``torch.autograd.grad`` (torch raises there for an ``AccumulateGrad``); an ``AccumulateGrad``
-    given no gradient stores none."""
-    w = torch.ones(3, requires_grad=True)
-    v = torch.ones(3, requires_grad=True)
-    seen: list = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x.view_as(x)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            seen.append(torch_private.runs_in_backward(ctx.next_functions[0][0]))
-            return None
-
-    (Probe.apply(w) * v).sum().backward()
-    (Probe.apply(w) * v).sum().backward(inputs=[w])
-    (Probe.apply(w) * v).sum().backward(inputs=[v])  # (Probe's backward does not run)
-    torch.autograd.grad((Probe.apply(w) * v).sum(), [w], allow_unused=True)
-    assert seen == [True, True, False]
-    assert w.grad is None  # the node ran with no gradient: nothing stored
-
-
 def test_async_buffer_and_async_wait_of_a_pending_reduction():
     import torch.distributed as dist
 

@@ -134,16 +134,6 @@ def watched(x: torch.Tensor) -> bool:
     return bool(getattr(x, "_backward_hooks", None)) or x.retains_grad
 
 
-def runs_in_backward(node: Any) -> bool:
-    """Whether the running backward pass executes ``node``: False where it only captures what
-    reaches the node (``torch.autograd.grad``, for which torch raises on an ``AccumulateGrad``
-    rather than answer)."""
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except RuntimeError:
-        return False
-
-
 def has_post_accumulate_hooks(leaf: torch.Tensor) -> bool:
     """Whether ``register_post_accumulate_grad_hook`` gave ``leaf`` hooks (they read ``.grad``
     right after each accumulation)."""

@@ -109,13 +109,10 @@ class _LocalOf(torch.autograd.Function):
         if differentiable(g):  # double backward: a recorded conversion
             return _from_local(ctx.mesh, g, ctx.places), None, None
         g = overlap.settled(g)
-        grad = _wrap(ctx.mesh, g, ctx.places)
         if ctx.leaf is not None:  # its .grad may hold the pending wrapper: plain once reduced
             fix = functools.partial(_plain_local_grad, ctx.leaf, ctx.mesh)
             overlap.into_leaf(g, ctx.leaf, fix)
-            if overlap.stored_at_once(grad, ctx.leaf, ctx.next_functions[0][0]):
-                return None, None, None
-        return grad, None, None
+        return _wrap(ctx.mesh, g, ctx.places), None, None
 
     @staticmethod
     def vmap(info, in_dims, d, mesh, grad_places=None):

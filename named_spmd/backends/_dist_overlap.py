@@ -191,15 +191,11 @@ def _forget_work(buf: torch.Tensor) -> None:
         torch_private.dist().wait_tensor(buf)
 
 
-def psum_in_backward(
-    g: torch.Tensor, comm: Comm | None, node, chain: str = "backward", to_leaf: bool = False
-):
+def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, chain: str = "backward"):
     """The transpose of a pvary outside any transform: the gradient's sum over ``comm``,
     started here and overlapped with the rest of backward (in place on a gradient nothing else
     holds). ``node`` is the pvary's autograd context; ``chain``: the call chain that reached
-    here, whose references to ``g`` the donation check calibrated (``_dist_donation``).
-    ``to_leaf``: the caller returns the result as the gradient of ``node``'s input, which may
-    then go to a plain leaf's ``.grad`` at once (:func:`stored_at_once`: None returned)."""
+    here, whose references to ``g`` the donation check calibrated (``_dist_donation``)."""
     if _is_async(g):  # chained pvary: the sum of the one below first
         g = async_wait(g)
     # no copy where nothing else holds g (the count of this frame's references is calibrated)
@@ -218,35 +214,10 @@ def psum_in_backward(
     source = node.next_functions[0][0]
     if type(source) is torch_private.AccumulateGrad:  # a plain leaf: its .grad becomes this
         work = pending.__dict__.get("_named_spmd_work")  # None: reduced already (no backward)
-        leaf = source.variable
         if work is not None:
+            leaf = source.variable
             _into_leaf(pending, work, leaf, functools.partial(plain_grad, leaf))
-        if to_leaf and stored_at_once(pending, leaf, source):
-            return None
     return pending
-
-
-def stored_at_once(grad: torch.Tensor, leaf: torch.Tensor, node) -> bool:
-    """Make ``grad`` (a gradient of ``leaf`` made here, which nothing else holds, with
-    ``requires_grad`` off) ``leaf.grad`` now, where ``leaf``'s ``AccumulateGrad`` ``node`` would
-    store it as it is, so that the caller gives the node nothing: ``.grad`` unset, no hook to
-    see the gradient (a tensor hook runs before the node, a post-accumulate hook after it), the
-    leaf contiguous as ``grad`` is (the node would copy it into the leaf's layout otherwise),
-    and the node run by this backward pass (``torch.autograd.grad`` stores no ``.grad``). The
-    node's detach of a pending wrapper is a Python dispatch per gradient (and DTensor's, for a
-    DTensor leaf). Another contribution to the leaf still reaches the node, which adds it to
-    this ``.grad`` (waiting for the sum first). Whether it did."""
-    if (
-        leaf.grad is not None
-        or torch_private.watched(leaf)
-        or torch_private.has_post_accumulate_hooks(leaf)
-        or not leaf.is_contiguous()
-        or torch.compiler.is_compiling()
-        or not torch_private.runs_in_backward(node)
-    ):
-        return False
-    leaf.grad = grad
-    return True
 
 
 def _into_bucket(buf: torch.Tensor, comm: Comm, task: int, cap: int) -> torch.Tensor:

@@ -45,8 +45,7 @@ class Pvary(CollectiveFn):
     def backward(node, g):
         if differentiable(g):  # a differentiated backward: the bridge's transpose (a psum record)
             return CollectiveFn.backward(node, g)
-        comm = node.spmd.mesh.comm(node.axes)
-        return overlap.psum_in_backward(g, comm, node, "pvary", to_leaf=True), *_NONES
+        return overlap.psum_in_backward(g, node.spmd.mesh.comm(node.axes), node, "pvary"), *_NONES
 
 
 _apply = function_base_apply.__get__(None, Pvary)
