@@ -213,21 +213,24 @@ def test_transforms_active_and_the_current_interpreter():
     assert seen == [(True, torch_private.TransformType.Grad)]
 
 
+class _Double(torch.autograd.Function):
+    """``2 x``, an autograd Function of the current form (no ``ctx`` in forward)."""
+
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
 def test_function_base_apply_runs_a_function_without_python_binding():
-    class Double(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x * 2
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
-
-    fast = torch_private.function_base_apply.__get__(None, Double)
+    fast = torch_private.function_base_apply.__get__(None, _Double)
     x = torch.ones(3, requires_grad=True)
     fast(x).sum().backward()
     assert torch.equal(x.grad, torch.full((3,), 2.0))
@@ -425,22 +428,9 @@ def test_view_source_finds_a_leaf_or_input_one_built_in_view_away():
 
 
 def test_node_class_is_the_class_of_a_functions_grad_fn():
-    class Double(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x * 2
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
-
-    y = Double.apply(torch.ones(2, requires_grad=True))
-    assert type(y.grad_fn) is torch_private.node_class(Double)
-    assert type((y * 1).grad_fn) is not torch_private.node_class(Double)
+    y = _Double.apply(torch.ones(2, requires_grad=True))
+    assert type(y.grad_fn) is torch_private.node_class(_Double)
+    assert type((y * 1).grad_fn) is not torch_private.node_class(_Double)
 
 
 def test_watched_sees_a_hook_and_retain_grad():
