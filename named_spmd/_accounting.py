@@ -13,6 +13,7 @@ import dataclasses
 import math
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,6 +242,18 @@ def reusable_cast(t: torch.Tensor) -> bool:
     in autograd, since the alias, made without grad, would give a later use under grad no
     gradient (a use under ``no_grad`` first, then the differentiated one)."""
     return torch.is_grad_enabled() or not needs_grad(t)
+
+
+def memo_cast(cache: dict, t: torch.Tensor, tag: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, an implicit cast of ``t``: one per (``t``, ``tag``) in ``cache`` (which keeps
+    ``t``, so that its id is not reused meanwhile), where :func:`reusable_cast` allows."""
+    key = (id(t), tag)
+    hit = cache.get(key)
+    if hit is None:
+        hit = (t, make())
+        if reusable_cast(t):
+            cache[key] = hit
+    return hit[1]
 
 
 def on_backward(x: torch.Tensor, event: CommEvent) -> torch.Tensor:

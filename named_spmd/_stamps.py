@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import _blocks
-from ._accounting import reusable_cast
+from ._accounting import memo_cast, reusable_cast
 from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._torch_private import DisableTorchFunction, tensor_base
@@ -176,13 +176,7 @@ class TrackedContext(SpmdContext):
 
     def memo_alias(self, t: torch.Tensor, tag: tuple[str, ...], make) -> torch.Tensor:
         """``make()``, once per (``t``, ``tag``) per call (the caches of implicit casts)."""
-        key = (id(t), tag)
-        hit = self.pvary_cache.get(key)
-        if hit is None:
-            hit = (t, make())
-            if reusable_cast(t):
-                self.pvary_cache[key] = hit
-        return hit[1]
+        return memo_cast(self.pvary_cache, t, tag, make)
 
     def implicit_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """The alias :meth:`cached_pvary` caches (a backend may place the pvary elsewhere)."""

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _calls
 from ... import _torch_private as torch_private
-from ..._accounting import needs_grad, reusable_cast
+from ..._accounting import memo_cast, needs_grad
 from ..._collectives._record import implicit_pvary
 from ..._operands import NOT_OPS, is_inplace, swap_operands, tensor_operands
 from ._primitives import SimulatedContext
@@ -73,13 +73,7 @@ class InnerGradMode(TorchFunctionMode):
         return swap_operands(args, kwargs, swap) if swap else (args, kwargs)
 
     def _alias(self, t: torch.Tensor, missing: tuple[str, ...]) -> torch.Tensor:
-        key = (id(t), missing)
-        hit = self.cache.get(key)
-        if hit is None:
-            hit = (t, implicit_pvary(self.ctx, t, missing))
-            if reusable_cast(t):
-                self.cache[key] = hit
-        return hit[1]
+        return memo_cast(self.cache, t, missing, lambda: implicit_pvary(self.ctx, t, missing))
 
 
 def typed_gradients(inputs: tuple, grads: tuple) -> tuple:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..._accounting import CommEvent, needs_grad, on_backward, reusable_cast
+from ..._accounting import CommEvent, memo_cast, needs_grad, on_backward
 from ..._operands import NOT_OPS, is_inplace, swap_operands, tensor_operands
 from ..._partial import value_operands
 from ..._torch_private import current_graph_task_id
@@ -70,14 +70,12 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
     def _alias(self, t: torch.Tensor, missing: tuple[str, ...]) -> torch.Tensor:
         if self.ctx.single_axes.issuperset(missing):  # a group of one: no psum to report
             return t
-        key = (id(t), missing)
-        hit = self.cache.get(key)
-        if hit is None:
+
+        def tagged() -> torch.Tensor:
             event = CommEvent("psum", missing, "backward", tuple(t.shape), t.dtype, implicit=True)
-            hit = (t, on_backward(t, event))
-            if reusable_cast(t):
-                self.cache[key] = hit
-        return hit[1]
+            return on_backward(t, event)
+
+        return memo_cast(self.cache, t, missing, tagged)
 
 
 def _psum_axes(names, v, union, missing) -> tuple[str, ...]:
