@@ -41,7 +41,7 @@ class Call:
     blocks and the outputs must be too (``SpmdFunction.local``, only on a backend whose
     ``capabilities.local_blocks`` is true); ``memo``: see the attribute. After ``body`` ran:
     ``out_tree``, ``out_leaves``, ``out_leaf_specs`` and ``out_paths``, one entry per output
-    leaf (a non-tensor one too)."""
+    leaf (a non-tensor one too), or ``out_error`` where the out_specs check raised."""
 
     def __init__(
         self,
@@ -70,6 +70,7 @@ class Call:
         self.out_leaves: list[Any] = []
         self.out_leaf_specs: list[PartitionSpec] = []
         self.out_paths: list[tuple] = []
+        self.out_error: SpmdError | None = None  # the out_specs check's, where it failed
 
     def body(self, local_leaves: list[Any], ctx: _context.SpmdContext) -> list[torch.Tensor]:
         """One instance: ``fn`` on its local leaves with ``ctx`` pushed, its outputs checked
@@ -80,7 +81,12 @@ class Call:
             local_args = cast(tuple, unflatten(self.in_tree, local_leaves))
             out = self._run_user(local_args)
             with torch_private.DisableTorchFunction():  # our bookkeeping: no op of the program
-                paths, out_leaves, out_specs, out_tree = check_outputs(mapped, out, ctx)
+                try:
+                    paths, out_leaves, out_specs, out_tree = check_outputs(mapped, out, ctx)
+                except SpmdError as e:
+                    # (a real mesh's uneven call tells it on every rank: ``_dist_uneven.agree``)
+                    self.out_error = e
+                    raise
         finally:
             _calls.pop()
         if recording():

@@ -531,6 +531,11 @@ def _megatron_no_bias(x, w1, w2):
     return ns.psum(F.gelu(x @ w1) @ w2, "tp")
 
 
+def _summed_but_on_the_last_instance(v):
+    total = ns.psum(v.sum(0), "x")
+    return total if v.shape[0] == 3 else v.sum(0)
+
+
 CLOSED_OVER = _randn(3, 2, seed=11).requires_grad_()  # a real tensor, met by meta blocks in a check
 MLP_SPECS = ((P("dp", None), P(None, "tp"), P("tp", None)), P("dp", None))
 X4 = ((4,), ("x",))
@@ -567,6 +572,22 @@ AGREE = {
     "unchecked replication": (lambda v: v * 2, X4, P("x"), P(), (10,)),
     "wrong out Blocks": (lambda v: v, X4, P("x"), P(ns.Blocks("x", (1, 3, 3, 3))), (10,)),
     "a closed-over weight": (lambda v: v @ CLOSED_OVER, X4, P("x"), P("x"), (10, 3)),
+    # errors of some instances only (tests/uneven_dist.py: a real mesh raises them on every rank)
+    "partial sums of different shapes": (
+        lambda v, w: (v @ w)[: v.shape[1]],
+        X4,
+        (P(None, "x"), P("x", None)),
+        P(unreduced={"x"}),
+        (2, 10),
+        (10, 2),
+    ),
+    "replication claimed on the last instance": (
+        _summed_but_on_the_last_instance,
+        X4,
+        P("x", None),
+        P(),
+        (10, 3),
+    ),
 }
 
 
@@ -654,7 +675,9 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     (of given sizes, to invariant, varying and reduced) and psum_scatter to torch.chunk's
     blocks, uneven DTensors in and out (fed back in); values, gradients and CommMode counts
     against the simulated per-instance execution and a dense program, output types (DTensor
-    where Shard holds the blocks, else the global value), the same errors, and the DTensors
+    where Shard holds the blocks, else the global value), the same errors on every rank (out_specs
+    errors of some ranks only, outputs all P() compared too) and the next call running after
+    them, and the DTensors
     whose blocks are not the spec's refused; and the process-group calls of uneven calls (one
     exchange of operand shapes per collective)."""
     import json

@@ -322,7 +322,30 @@ CASES = [
     ),
 ]
 
-# Programs that must fail with the same error on both backends.
+
+def _two_or_one(v):
+    total = ns.psum(v.sum(0), "x")
+    return (total, total) if v.shape[0] == 3 else (total,)
+
+
+# (every rank calls the same collectives: a rank that skipped one would leave the others in it)
+def _reduced_but_on_the_last_rank(v):
+    total = ns.psum(v.sum(0), "x")
+    return total if v.shape[0] == 3 else v.sum(0)
+
+
+def _reduced_but_at_a1(v):
+    total = ns.psum(v.sum(0), "a")
+    return v, total if v.shape[0] == 3 else v.sum(0) * (ns.axis_index("b").to(v.dtype) + 1)
+
+
+def _two_kinds_of_errors(v):
+    total = ns.psum(v.sum(0), "x")
+    at_x1 = int(ns.axis_index("x").item()) == 1
+    return v if v.shape[0] == 3 else v.sum(0), v.sum(0) if at_x1 else total
+
+
+# Programs that must fail with the same error on both backends (and on every rank alike).
 ERRORS = [
     Case(
         "output_blocks_not_the_given_sizes",
@@ -438,6 +461,78 @@ ERRORS = [
         None,
         switch=False,
         kinds=("the instance at {'a': 0, 'b': 0} returned 1 tensor, the instance at",),
+    ),
+    Case(  # rows 3, 3, 3, 1 summed under P() alone: the ranks' trees compared all the same
+        "different_trees_of_replicated_outputs",
+        (4,),
+        ("x",),
+        _two_or_one,
+        P("x", None),
+        P(),
+        lambda: (_randn(10, 3, seed=42),),
+        None,
+        switch=False,
+        kinds=("different output trees: the instance at {'x': 0} returned 2 tensors",),
+    ),
+    Case(  # parts of 2, 2, 2, 1 rows (the blocks' columns): summed, they must have one shape
+        "partial_sums_of_different_shapes",
+        (4,),
+        ("x",),
+        lambda v, w: (v @ w)[: v.shape[1]],
+        (P(None, "x"), P("x", None)),
+        P(unreduced={"x"}),
+        lambda: (_randn(2, 10, seed=43), _randn(10, 2, seed=44)),
+        None,
+        switch=False,
+        kinds=("summed over ('x',) have different shapes ([1, 2] at {'x': 3}",),
+    ),
+    Case(  # the last rank alone returns a sum it did not reduce (a VmaError there only)
+        "out_spec_claiming_replication_on_one_rank",
+        (4,),
+        ("x",),
+        _reduced_but_on_the_last_rank,
+        P("x", None),
+        P(),
+        lambda: (_randn(10, 3, seed=45),),
+        None,
+        switch=False,
+        kinds=("VmaError: ", "output has type f64[3]{x}: it varies over ('x',)"),
+    ),
+    Case(  # at a=1 (ranks 2, 3): the second output varies over a and b; the first is split
+        "out_spec_claiming_replication_on_two_ranks",
+        (2, 2),
+        ("a", "b"),
+        _reduced_but_at_a1,
+        P("a", None),
+        (P("a", None), P()),
+        lambda: (_randn(5, 3, seed=46),),
+        None,
+        switch=False,
+        kinds=("VmaError: ", "output[1] has type f64[3]{a,b}"),
+    ),
+    Case(  # the VmaError at x=1 comes before the rank problem at x=3, as the instances' order
+        "out_spec_errors_of_two_kinds",
+        (4,),
+        ("x",),
+        _two_kinds_of_errors,
+        P("x", None),
+        (P("x", None), P()),
+        lambda: (_randn(10, 3, seed=47),),
+        None,
+        switch=False,
+        kinds=("VmaError: ", "output[1] has type f64[3]{x}"),
+    ),
+    Case(  # the last rank returns a number where its out_spec splits a tensor
+        "number_for_a_split_output_on_one_rank",
+        (4,),
+        ("x",),
+        lambda v: v if v.shape[0] == 3 else 1,
+        P("x", None),
+        P("x"),
+        lambda: (_randn(10, 3, seed=48),),
+        None,
+        switch=False,
+        kinds=("SpecError: ", "output is a int; only tensors can be split by P('x')"),
     ),
     Case(
         "psum_of_uneven_blocks",
@@ -643,7 +738,7 @@ def check_refused(case: Case, real_mesh, sim_mesh) -> list[str]:
 # exchanges of a few integers are all_to_alls: gloo's all_gather would take n - 1 transfers one
 # after another.
 COUNTED = [
-    Case(  # the start-of-call check, one exchange of the operands' shapes, the psum
+    Case(  # the start-of-call check, one exchange of the operands' shapes, the psum, the outputs'
         "psum_exchanges_the_shapes_once",
         (4,),
         ("x",),
@@ -652,9 +747,9 @@ COUNTED = [
         P(),
         lambda: (_randn(10, 3, seed=30),),
         lambda x: x.sum(0),
-        kinds=("allreduce all_to_all_single allreduce",) * 2,
+        kinds=("allreduce all_to_all_single allreduce all_to_all_single",) * 2,
     ),
-    Case(  # the start-of-call check, one exchange of the operands' shapes, the gather
+    Case(  # the start-of-call check, one exchange of the operands' shapes, the gather, outputs'
         "tiled_all_gather_exchanges_the_shapes_once",
         (4,),
         ("x",),
@@ -663,7 +758,7 @@ COUNTED = [
         P(),
         lambda: (_randn(10, 3, seed=31),),
         lambda x: x,
-        kinds=("allreduce all_to_all_single all_gather_single",) * 2,
+        kinds=("allreduce all_to_all_single all_gather_single all_to_all_single",) * 2,
     ),
     # the start-of-call check and two exchanges of the outputs' shapes
     _five_outputs(

@@ -9,9 +9,10 @@ outputs go through here. An even call never does: its path is ``_dist_io`` alone
   ``Blocks`` sizes); its gradient gathers the blocks padded to the largest (gloo gathers equal
   sizes only) and trims them. A ``DTensor`` whose ``Shard`` blocks differ in size gives its
   local block (DTensor splits as torch.chunk does), its gradient a DTensor of its global shape.
-* Outputs: one all_gather per call of every rank's output tree and every output's block rank,
-  dtype and shape (a few integers, in rows of one width: ranks may return other trees or
-  blocks of other ranks, which every rank then tells alike), then a ``DTensor`` of the global
+* Outputs: one exchange per call (:func:`agree`) of every rank's output tree, out_specs error
+  and every output's block rank, dtype and shape (a few integers, in rows of one width: ranks
+  may return other trees or blocks of other ranks, or fail the out_specs check alone, which
+  every rank then tells alike), then a ``DTensor`` of the global
   shape where DTensor can hold the blocks (torch.chunk's, each split dim over one axis), else
   the global value as a plain tensor on every rank (one padded all_gather), as the simulated
   mesh returns it.
@@ -23,19 +24,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import optree
 import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as torch_private
 from .._accounting import active
 from .._autodiff import differentiable
-from .._errors import SpecError, SpmdError
+from .._errors import SpecError, SpmdError, VmaError
 from .._layout import (
     block,
     chunk_sizes,
     concat_blocks,
     coords_of,
+    coords_text,
     dim_sizes,
     group_size,
     index_of,
@@ -44,7 +45,6 @@ from .._layout import (
     layout_problem,
 )
 from .._spec import PartitionSpec
-from .._tree import is_spec_leaf
 from . import _dist_io as io
 from ._dist_agree import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
@@ -149,14 +149,23 @@ def _dtensor_input(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> torch.Ten
 # --- outputs -------------------------------------------------------------------------------------
 
 
-def outputs(ctx, outs: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
-    """The call's outputs from every rank's blocks of unequal sizes (see the module doc)."""
+def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple | None]:
+    """Every rank's outputs compared (one exchange: :func:`_every_block`), so that the ranks
+    raise alike what the simulated mesh raises: first the error of the first instance whose
+    out_specs check failed (``Call.out_error``: a rank that raised it has no ``outs``), then
+    outputs that differ between ranks (trees, ranks, layouts). Else, per output, its blocks'
+    sizes per dim (:func:`_blocks_of`; None: not split), worked out once per every rank's
+    shapes and kept on the mesh."""
     mesh = ctx.mesh
-    specs = call.out_specs()
     ctx.record_shapes()  # (before its exchange: its failure is on every rank alike)
-    if not _compared(call.mapped):
-        return [io.global_output(ctx, y, s) for y, s in zip(outs, specs)]
-    rows, width = _every_block(mesh, call.structure(), outs)
+    failed = call.out_error
+    told = (0, 0) if failed is None else (_KINDS.index(_kind(failed)) + 1, len(_text(failed)))
+    structure = (0, 0) if failed is not None else call.structure()
+    rows, width = _every_block(mesh, structure, told, outs)
+    first = next((i for i, row in enumerate(rows) if row[2]), None)
+    if first is not None:
+        raise _first_failure(ctx, rows[first], first, failed)
+    specs = call.out_specs()
     key = (tuple(map(tuple, rows)), tuple(specs))  # all that _layouts reads
     layouts = mesh.uneven_outputs.get(key)
     if layouts is None:
@@ -164,44 +173,82 @@ def outputs(ctx, outs: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
         if len(mesh.uneven_outputs) >= _KEPT:
             mesh.uneven_outputs.clear()
         mesh.uneven_outputs[key] = layouts
+    return layouts
+
+
+def outputs(
+    ctx, outs: list[torch.Tensor], call: Call, layouts: list[tuple | None]
+) -> list[torch.Tensor]:
+    """The call's outputs from every rank's blocks of unequal sizes, laid out as
+    :func:`agree` found (see the module doc)."""
     return [
         io.global_output(ctx, y, spec) if per_dim is None else _output(ctx, y, spec, per_dim)
-        for y, spec, per_dim in zip(outs, specs, layouts)
+        for y, spec, per_dim in zip(outs, call.out_specs(), layouts)
     ]
 
 
 _KEPT = 64  # the output layouts a mesh keeps (a repeated call finds its own)
 _SLOTS = 4  # the outputs in one exchange's rows (more: a wider exchange)
 _WIDTH = 16  # the dims of a block's shape in its slot of a row (more: a wider exchange)
+_HEAD = 4  # a row's integers before its slots: the output tree (2), the out_specs error (2)
+# The classes of an out_specs error that a rank tells the others (another: an SpmdError).
+_KINDS: tuple[type[SpmdError], ...] = (SpmdError, SpecError, VmaError)
 
 
-def _compared(mapped) -> bool:
-    """Whether an uneven call of ``mapped`` exchanges its outputs' blocks: where an out_spec
-    has an entry (an output may be split, or of a rank its spec refuses on some ranks only; an
-    out_spec's axes are its entries'). Read from the out_specs, the same on every rank, so that
-    every rank joins the exchange or none does, whatever it returned."""
-    specs = optree.tree_leaves(mapped.out_specs, is_leaf=is_spec_leaf, none_is_leaf=True)
-    return any(isinstance(s, PartitionSpec) and len(s) > 0 for s in specs)
+def _kind(e: SpmdError) -> type[SpmdError]:
+    return type(e) if type(e) in _KINDS else SpmdError
+
+
+def _text(e: SpmdError) -> bytes:
+    return str(e).encode()
+
+
+def _first_failure(ctx, row: list[int], first: int, failed: SpmdError | None) -> SpmdError:
+    """The error of instance ``first``'s out_specs check (``row``: its row of
+    :func:`_every_block`), raised on every rank: its own there, elsewhere one of its class and
+    message (one broadcast of the message from that rank), as the simulated mesh raises the
+    first failing instance's error."""
+    mesh = ctx.mesh
+    comm = mesh.comm(mesh.axis_names)
+    kind, length = row[2], row[3]
+    own = failed if comm.index == first else None
+    sent = (
+        torch.zeros(length, dtype=torch.int64, device=mesh.device)
+        if own is None
+        else torch.tensor(list(_text(own)), dtype=torch.int64, device=mesh.device)
+    )
+    text = bytes(comm.broadcast(sent, first, "out_specs error").tolist()) if length else b""
+    error = own if own is not None else _KINDS[kind - 1](text.decode())
+    if hasattr(error, "add_note"):  # (Python 3.11)
+        coords = coords_text(coords_of(first, mesh.axis_names, mesh._shape))
+        error.add_note(
+            f"[named_spmd] the out_specs check failed on rank {comm.tuple_ranks[first]} (mesh "
+            f"coordinates {coords}), the first instance where it failed; every rank raises "
+            "this error, and the next call runs."
+        )
+    ctx.raised_alike = error
+    return error
 
 
 def _every_block(
-    mesh, structure: tuple[int, int], ys: list[torch.Tensor]
+    mesh, structure: tuple[int, int], told: tuple[int, int], ys: list[torch.Tensor]
 ) -> tuple[list[list[int]], int]:
     """Every rank's row, row-major over the mesh: its output tree's ``structure``
-    (``Call.structure``), then a slot per output block ``ys`` (the first ``slots``): the block's
-    rank, dtype and shape in ``width`` dims, zeros after and in unused slots, so that no row's
-    length depends on what the rank returned (gloo gathers one length; every rank then tells a
-    difference alike). One exchange; another of wider rows where every rank returned the same
-    tree, of more than :data:`_SLOTS` outputs or blocks of more than :data:`_WIDTH` dims.
-    Returns the rows and their slots' ``width``."""
+    (``Call.structure``), its out_specs error ``told`` (its class in :data:`_KINDS` from 1, the
+    length of its message; zeros: none), then a slot per output block ``ys`` (the first
+    ``slots``): the block's rank, dtype and shape in ``width`` dims, zeros after and in unused
+    slots, so that no row's length depends on what the rank returned (gloo gathers one length;
+    every rank then tells a difference alike). One exchange; another of wider rows where every
+    rank returned the same tree, of more than :data:`_SLOTS` outputs or blocks of more than
+    :data:`_WIDTH` dims. Returns the rows and their slots' ``width``."""
     comm, slots, width = mesh.comm(mesh.axis_names), _SLOTS, _WIDTH
     while True:
-        mine = list(structure)
+        mine = [*structure, *told]
         for y in ys[:slots]:
             mine += [y.dim(), dtype_code(y.dtype), *y.shape[:width], *[0] * (width - y.dim())]
         mine += [0] * (_slot(slots, width) - len(mine))
         rows = exchange(comm, mine)
-        if any(row[:2] != rows[0][:2] for row in rows):  # (instances_problem tells it)
+        if any(row[2] or row[:2] != rows[0][:2] for row in rows):  # (agree tells it)
             return rows, width
         count = rows[0][0]
         ranks = [row[_slot(k, width)] for row in rows for k in range(min(count, slots))]
@@ -212,16 +259,17 @@ def _every_block(
 
 
 def _slot(j: int, width: int) -> int:
-    """Where output ``j``'s slot starts in a row of :func:`_every_block` (after the tree's two
-    integers; each slot: rank, dtype, ``width`` dims)."""
-    return 2 + j * (2 + width)
+    """Where output ``j``'s slot starts in a row of :func:`_every_block` (after its
+    :data:`_HEAD`; each slot: rank, dtype, ``width`` dims)."""
+    return _HEAD + j * (2 + width)
 
 
 def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple | None]:
     """Per output, its blocks' sizes per dim (:func:`_blocks_of`; None: not split), from every
     rank's row (:func:`_every_block`); first, the simulated mesh's error where the ranks
     returned different trees or blocks of a rank their out_spec refuses (raised on every rank
-    alike: every rank has every row)."""
+    alike: every rank has every row). An output of no axis of the mesh's (split or unreduced)
+    is its own rank's block."""
     mesh = ctx.mesh
 
     def shape_of(i: int, j: int) -> list[int]:
@@ -240,7 +288,7 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple | None]:
         raise problem
     return [
         _blocks_of(ctx, y, spec, *_kinds_and_shapes(ctx, rows, _slot(j, width)), where)
-        if not mesh.single_axes.issuperset(spec.axes)
+        if not mesh.single_axes.issuperset((*spec.axes, *spec.unreduced))
         else None
         for j, (y, spec, where) in enumerate(zip(outs, specs, wheres))
     ]

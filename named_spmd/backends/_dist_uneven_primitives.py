@@ -82,6 +82,8 @@ class UnevenPrimitives:
 
     uneven = True
     mesh: Any  # (the context's: a DistributedMesh)
+    # an error every rank raises alike (``_dist_uneven.agree``): no note says a rank failed alone
+    raised_alike: BaseException | None = None
 
     def sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
         """``params``, with the blocks' sizes appended for a tiled all_gather / psum_scatter

@@ -288,7 +288,7 @@ def run(call: Call) -> list[Any]:
     if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path
         return _dist_compile.run(call)
     mesh = cast(DistributedMesh, call.mesh)  # (accepts)
-    leaves, specs, body = call.leaves, call.specs, call.body
+    leaves, specs = call.leaves, call.specs
     if (
         _dist_overlap._PENDING and torch_private.current_graph_task_id() == -1
     ):  # a backward that raised
@@ -324,18 +324,16 @@ def run(call: Call) -> list[Any]:
             if mesh.pending_check is not None:  # shapes first: the clearer message
                 mesh.pending_check()
             _dist_agree.check_inputs_agree(ctx, leaves, specs if local_call else None)
-        if replay is not None:
-            outs = replay.run(ctx, body, local)
-        else:
-            with VmaMode(ctx):
-                outs = body(local, ctx)
+        outs = _body(ctx, call, replay, local)
         if mesh.pending_check is not None:  # the body ran no collective
             mesh.pending_check()
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
+        layouts = _dist_uneven.agree(ctx, outs, call) if uneven else None
+        if mesh.debug:
             _dist_agree.check_replicas_agree(ctx, outs, call.out_specs())
-        if uneven:
-            result = _dist_uneven.outputs(ctx, outs, call)
+        if layouts is not None:
+            result = _dist_uneven.outputs(ctx, outs, call, layouts)
         else:
             output = local_output if local_call else global_output
             result = [output(ctx, y, s) for y, s in zip(outs, call.out_specs())]
@@ -351,7 +349,7 @@ def run(call: Call) -> list[Any]:
         mesh.pending_check = None  # issued on every rank: it completes without this one
         e = _told_per_rank(ctx, raised, call)
         board.post(e)
-        if hasattr(e, "add_note"):
+        if hasattr(e, "add_note") and e is not getattr(ctx, "raised_alike", None):
             coords = coords_text(mesh.my_coords)
             e.add_note(
                 f"[named_spmd] raised on rank {mesh.rank} (mesh coordinates {coords}); "
@@ -360,6 +358,21 @@ def run(call: Call) -> list[Any]:
         if e is raised:
             raise
         raise e from raised
+
+
+def _body(ctx: DistributedContext, call: Call, replay: Replay | None, local: list[Any]) -> list:
+    """``call.body`` on this rank's blocks. In an uneven call, an out_specs error leaves this
+    rank no output and is raised after the outputs' exchange (``_dist_uneven.agree``), on every
+    rank alike: the per-rank programs differ, so the others may have passed the check."""
+    try:
+        if replay is not None:
+            return replay.run(ctx, call.body, local)
+        with VmaMode(ctx):
+            return call.body(local, ctx)
+    except SpmdError as e:
+        if not ctx.uneven or e is not call.out_error:
+            raise
+        return []
 
 
 def _told_per_rank(ctx: DistributedContext, e: BaseException, call: Call) -> BaseException:
