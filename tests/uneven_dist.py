@@ -47,6 +47,7 @@ class Case:
     dtensor: bool = False  # the real mesh gets the inputs as DTensors (their Shard blocks)
     # the real outputs' types: "D" DTensor, "T" plain (an error's case: what its message says)
     kinds: tuple[str, ...] = field(default=())
+    note: str = ""  # an error's: in its notes on every rank (Python 3.11: add_note)
 
 
 # Per instance (its coordinates), the types (ns.typeof: per-device shape and vma) of the values
@@ -497,6 +498,7 @@ ERRORS = [
         None,
         switch=False,
         kinds=("VmaError: ", "output has type f64[3]{x}: it varies over ('x',)"),
+        note="the out_specs check failed on rank 3 (mesh coordinates x=3), the first instance",
     ),
     Case(  # at a=1 (ranks 2, 3): the second output varies over a and b; the first is split
         "out_spec_claiming_replication_on_two_ranks",
@@ -509,6 +511,7 @@ ERRORS = [
         None,
         switch=False,
         kinds=("VmaError: ", "output[1] has type f64[3]{a,b}"),
+        note="the out_specs check failed on rank 2 (mesh coordinates a=1, b=0), the first instance",
     ),
     Case(  # the VmaError at x=1 comes before the rank problem at x=3, as the instances' order
         "out_spec_errors_of_two_kinds",
@@ -521,6 +524,7 @@ ERRORS = [
         None,
         switch=False,
         kinds=("VmaError: ", "output[1] has type f64[3]{x}"),
+        note="the out_specs check failed on rank 1 (mesh coordinates x=1), the first instance",
     ),
     Case(  # the last rank returns a number where its out_spec splits a tensor
         "number_for_a_split_output_on_one_rank",
@@ -533,6 +537,7 @@ ERRORS = [
         None,
         switch=False,
         kinds=("SpecError: ", "output is a int; only tensors can be split by P('x')"),
+        note="the out_specs check failed on rank 3 (mesh coordinates x=3), the first instance",
     ),
     Case(
         "psum_of_uneven_blocks",
@@ -662,16 +667,18 @@ def check(case: Case, real_mesh, sim_mesh) -> list[str]:
 
 
 def check_error(case: Case, real_mesh, sim_mesh) -> list[str]:
-    def message(mesh):
+    def message(mesh) -> tuple[str, str]:
         try:
             run_case(case, mesh, False)
         except ns.SpmdError as e:
-            return f"{type(e).__name__}: {e}"
-        return "no error"
+            return f"{type(e).__name__}: {e}", "".join(getattr(e, "__notes__", []))
+        return "no error", ""
 
-    real, sim = message(real_mesh), message(sim_mesh)
+    (real, notes), (sim, _) = message(real_mesh), message(sim_mesh)
     if real != sim or real == "no error" or not all(k in real for k in case.kinds):
         return [f"real {real!r} vs simulated {sim!r}"]
+    if sys.version_info >= (3, 11) and case.note not in notes:
+        return [f"notes {notes!r}, not {case.note!r}"]
     return _still_in_step(real_mesh)
 
 
