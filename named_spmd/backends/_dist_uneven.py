@@ -226,8 +226,7 @@ def _first_failure(ctx, row: list[int], first: int, failed: SpmdError | None) ->
             f"coordinates {coords}), the first instance where it failed; every rank raises "
             "this error, and the next call runs."
         )
-    ctx.raised_alike = error
-    return error
+    return ctx.alike(error)
 
 
 def _every_block(
@@ -285,7 +284,7 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple | None]:
         mesh._shape,
     )
     if problem is not None:
-        raise problem
+        raise ctx.alike(problem)
     return [
         _blocks_of(ctx, y, spec, *_kinds_and_shapes(ctx, rows, _slot(j, width)), where)
         if not mesh.single_axes.issuperset((*spec.axes, *spec.unreduced))
@@ -317,7 +316,7 @@ def _blocks_of(ctx, y: torch.Tensor, spec: PartitionSpec, kinds, shape_at, where
     names, sizes = mesh.axis_names, mesh._shape
     problem = layout_problem(kinds, shape_at, spec, sizes, names, where)
     if problem is not None:
-        raise SpecError(f"spmd_map of {ctx.fn_label}: {problem}")
+        raise ctx.alike(SpecError(f"spmd_map of {ctx.fn_label}: {problem}"))
     per_dim: list[Sizes | None] = []
     for d in range(y.dim()):
         axes = spec.entry_axes(d)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import _torch_private as torch_private
-from .._errors import operand_shapes_differ
+from .._errors import SpmdError, operand_shapes_differ
 from .._layout import chunk_sizes, groups, index_of
 
 Sizes = tuple[int, ...]
@@ -82,8 +82,14 @@ class UnevenPrimitives:
 
     uneven = True
     mesh: Any  # (the context's: a DistributedMesh)
-    # an error every rank raises alike (``_dist_uneven.agree``): no note says a rank failed alone
+    # the error every rank raises alike (every rank has every row of an exchange): it is not
+    # posted to the failure board (no peer waits for it) and no note says a rank failed alone
     raised_alike: BaseException | None = None
+
+    def alike(self, error: BaseException) -> BaseException:
+        """``error``, marked as raised on every rank alike (:attr:`raised_alike`)."""
+        self.raised_alike = error
+        return error
 
     def sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
         """``params``, with the blocks' sizes appended for a tiled all_gather / psum_scatter
@@ -190,9 +196,14 @@ class UnevenPrimitives:
         for shape in shapes or [mine]:
             if shape not in checked:
                 checked.add(shape)
-                out = rec.check(
-                    self, x if shape == mine else self._stand_in(x, shape), axes, params
-                )
+                try:
+                    out = rec.check(
+                        self, x if shape == mine else self._stand_in(x, shape), axes, params
+                    )
+                except SpmdError as e:
+                    if shapes is not None:  # (every rank checks every shape in one order)
+                        self.alike(e)
+                    raise
                 result = out if shape == mine else result
         assert result is not None  # this rank's shape is among every instance's
         return _Checked(result, shapes) if rec.forward_event else result
@@ -232,7 +243,7 @@ class UnevenPrimitives:
             return tuple(s for (s,) in exchange(self.mesh.comm(axes), [x.shape[dim]]))
         for group in self._groups_of(axes, shapes):
             if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
-                raise operand_shapes_differ(op, self.fn_label, group, but=dim)  # type: ignore[attr-defined]
+                raise self.alike(operand_shapes_differ(op, self.fn_label, group, but=dim))  # type: ignore[attr-defined]
         mesh = self.mesh
         me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
         mine = next(g for g in self._groups(axes) if me in g)
@@ -246,7 +257,7 @@ class UnevenPrimitives:
             shapes = self._every_shape(x)
         for group in self._groups_of(axes, shapes or []) if shapes is not None else ():
             if any(s != group[0] for s in group):
-                raise operand_shapes_differ(op, self.fn_label, group)  # type: ignore[attr-defined]
+                raise self.alike(operand_shapes_differ(op, self.fn_label, group))  # type: ignore[attr-defined]
 
     def all_gather_tiled(self, x, axes, dim, sizes=None):
         comm = self.mesh.comm(axes)

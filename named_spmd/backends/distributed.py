@@ -348,13 +348,14 @@ def run(call: Call) -> list[Any]:
     except BaseException as raised:
         mesh.pending_check = None  # issued on every rank: it completes without this one
         e = _told_per_rank(ctx, raised, call)
-        board.post(e)
-        if hasattr(e, "add_note") and e is not getattr(ctx, "raised_alike", None):
-            coords = coords_text(mesh.my_coords)
-            e.add_note(
-                f"[named_spmd] raised on rank {mesh.rank} (mesh coordinates {coords}); "
-                "the other ranks stop with RankFailedError naming this rank."
-            )
+        if e is not getattr(ctx, "raised_alike", None):  # (else no peer waits for it)
+            board.post(e)
+            if hasattr(e, "add_note"):
+                coords = coords_text(mesh.my_coords)
+                e.add_note(
+                    f"[named_spmd] raised on rank {mesh.rank} (mesh coordinates {coords}); "
+                    "the other ranks stop with RankFailedError naming this rank."
+                )
         if e is raised:
             raise
         raise e from raised
