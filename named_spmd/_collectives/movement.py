@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .. import _torch_private as torch_private
 from .._calls import current
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
@@ -268,9 +269,10 @@ def all_to_all(
     per member (non-negative, adding up to the dim), as ``all_to_all_single``'s split sizes;
     member i receives chunk i of every member, so its result has their sizes along the dim.
     Sizes that differ between instances give blocks of different sizes: the per-instance
-    simulation (``ns.simulate_per_instance()``) and a real mesh run them (each instance tells
-    the others its sizes: one small all_to_all of n int64 more); under vmap and in ``.check()``
-    they must be equal (else an error; ``ns.ragged_all_to_all`` keeps every shape static).
+    simulation (``ns.simulate_per_instance()``), its ``.check()`` and a real mesh run them
+    (each instance tells the others its sizes: one small all_to_all of n int64 more); under
+    vmap they must be equal (else an error; ``ns.ragged_all_to_all`` keeps every shape
+    static).
 
     Example:
         >>> import torch, named_spmd as ns
@@ -287,7 +289,7 @@ def all_to_all(
     ctx = current("all_to_all")
     axes = ctx.check_axes(axis_name, "all_to_all")
     sent = _split_sizes(ctx, axes, split_axis, concat_axis, tiled, split_sizes)
-    received = _received_sizes(ctx, axes, sent)
+    received = _received_sizes(ctx, axes, sent, getattr(x, "device", None))
     return ALL_TO_ALL.bind(x, axis_name, split_axis, concat_axis, True, sent, received)
 
 
@@ -315,8 +317,9 @@ def _split_sizes(
     if not ctx.own_values and len(set(out)) > 1:
         raise CollectiveError(
             f"{where}: split_sizes {list(out)} are not equal, so the members would receive "
-            "blocks of different sizes, which this execution cannot hold (the vmap simulation, "
-            ".check() or a traced call: one shape for every instance). Fix: run the call under "
+            "blocks of different sizes, which this execution cannot hold (the vmap simulation "
+            "and the check of a call it runs, or a traced call: one shape for every instance). "
+            "Fix: run the call (and its .check()) under "
             "`with ns.simulate_per_instance():` (each instance on its own block, as on a real "
             "mesh), or keep the shapes static with ns.ragged_all_to_all (offsets and sizes as "
             "tensors, a buffer of fixed size)."
@@ -324,13 +327,23 @@ def _split_sizes(
     return out
 
 
-def _received_sizes(ctx: SpmdContext, axes: Axes, sent: tuple[int, ...]) -> tuple[int, ...]:
+def _received_sizes(
+    ctx: SpmdContext, axes: Axes, sent: tuple[int, ...], device: torch.device | None
+) -> tuple[int, ...]:
     """The sizes the members send to this one: their sizes, exchanged (a backend whose sizes
-    may differ between members), else this one's own (all equal: the check above)."""
+    may differ between members), else this one's own (all equal: the check above).
+
+    Host integers, no values of the program: exchanged on the operand's device, on the CPU
+    where it is meta (a check of a call run per instance: the sizes are known there, and its
+    meetings exchange them as the call's do), out of sight of the program's modes (which would
+    move them to meta)."""
     if not ctx.own_values:
         return sent
-    counts = torch.tensor(sent, dtype=torch.int64)
-    return tuple(ALL_TO_ALL.bind(counts, axes, 0, 0, True, None, None).tolist())
+    if device is not None and device.type == "meta":
+        device = torch.device("cpu")
+    with torch_private.DisableTorchFunction():
+        counts = torch.tensor(sent, dtype=torch.int64, device=device)
+        return tuple(ALL_TO_ALL.bind(counts, axes, 0, 0, True, None, None).tolist())
 
 
 def _all_to_all_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
