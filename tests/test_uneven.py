@@ -392,8 +392,9 @@ def test_output_trees_equal_but_for_addresses_in_their_metadata_are_one_tree():
 def test_an_op_on_an_empty_block_is_an_error_naming_the_block():
     """3 rows over 4 are blocks of 1, 1, 1, 0: a max over the rows fails on the empty block. An
     SpmdError of torch's error's family naming the function, the line, the instance, its empty
-    block and the fix (torch's error its cause); guarded, the same program runs. (.check()
-    runs torch's meta kernels, which let a max over an empty dim through.)"""
+    block and the fix (torch's error its cause); guarded, the same program runs. .check()
+    raises the same error, though meta kernels let a max over an empty dim through (the CPU
+    kernel's verdict on the empty operand, ``abstract.as_the_kernel_would``)."""
     mesh = ns.make_mesh((4,), ("x",))
     x = _randn(3, 2, seed=39)
 
@@ -413,8 +414,12 @@ def test_an_op_on_an_empty_block_is_an_error_naming_the_block():
     assert "a torch op failed at test_uneven.py:" in message
     assert "the instance at x=3, whose block of argument [0] is empty (shape [0, 2])" in message
     assert "Fix: guard the op where the block is empty" in message
+    with pytest.raises(ns.SpmdError) as checked:
+        failing.check(x)
+    assert type(checked.value) is type(raised.value) and str(checked.value) == message
     ok = ns.spmd_map(guarded, mesh=mesh, in_specs=P("x", None), out_specs=P("x", None))
     torch.testing.assert_close(ok(x), x)
+    assert ok.check(x).out.shape == (3, 2)
 
 
 def test_tiled_all_gather_of_uneven_blocks_is_the_global_value():
@@ -531,6 +536,12 @@ def _megatron_no_bias(x, w1, w2):
     return ns.psum(F.gelu(x @ w1) @ w2, "tp")
 
 
+def _to_member_0(v):
+    """Every row to member 0: split sizes from the block's own size, so per instance."""
+    sizes = [v.shape[0]] + [0] * (ns.axis_size("x") - 1)
+    return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=sizes)
+
+
 CLOSED_OVER = _randn(3, 2, seed=11).requires_grad_()  # a real tensor, met by meta blocks in a check
 MLP_SPECS = ((P("dp", None), P(None, "tp"), P("tp", None)), P("dp", None))
 X4 = ((4,), ("x",))
@@ -567,6 +578,32 @@ AGREE = {
     "unchecked replication": (lambda v: v * 2, X4, P("x"), P(), (10,)),
     "wrong out Blocks": (lambda v: v, X4, P("x"), P(ns.Blocks("x", (1, 3, 3, 3))), (10,)),
     "a closed-over weight": (lambda v: v @ CLOSED_OVER, X4, P("x"), P("x"), (10, 3)),
+    "all_to_all of unequal split sizes": (
+        lambda v: ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=[1, 2, 3, 4]),
+        X4,
+        P("x"),
+        P("x"),
+        (40,),
+    ),
+    "all_to_all of every row to member 0": (_to_member_0, X4, P("x", None), P("x"), (10, 3)),
+    # ops that meta kernels let through on an empty block (9 rows over 4: 3, 3, 3, 0), or
+    # refuse with another error than the CPU kernel's
+    "a max over an empty block": (
+        lambda v: v.max(0, keepdim=True).values,
+        X4,
+        P("x", None),
+        P("x", None),
+        (9, 2),
+    ),
+    "an amax over an empty block": (
+        lambda v: v.amax(0, keepdim=True),
+        X4,
+        P("x", None),
+        P("x", None),
+        (9, 2),
+    ),
+    "a max of an empty block": (lambda v: v.max()[None], X4, P("x"), P("x"), (9,)),
+    "an index into an empty block": (lambda v: v[torch.tensor([0])], X4, P("x"), P("x"), (9,)),
 }
 
 
@@ -609,6 +646,26 @@ def test_check_of_an_uneven_call_agrees_with_the_call(name):
         checked, check_error = _outcome(check)
     assert check_error == call_error
     assert checked == called
+
+
+def test_check_raises_the_error_of_an_op_on_an_empty_tensor_of_the_program():
+    """An empty tensor that no input block is (every row sent to member 0: the others receive
+    none): torch's error, a note naming the instance, in the call and in its check."""
+    mapped = ns.spmd_map(
+        lambda v: _to_member_0(v).amax(0, keepdim=True),
+        mesh=ns.make_mesh((4,), ("x",)),
+        in_specs=P("x", None),
+        out_specs=P("x", None),
+    )
+    x = _randn(10, 3, seed=13)
+    raised = []
+    for run in (mapped, mapped.check):
+        with ns.simulate_per_instance(), pytest.raises(IndexError) as e:
+            run(x)
+        raised.append((type(e.value), str(e.value), e.value.__notes__))
+    assert raised[0] == raised[1]
+    assert raised[0][0] is IndexError and "reduction dim 0 to have non-zero size" in raised[0][1]
+    assert raised[0][2] == ["[named_spmd] raised by the instance at x=1 (per-instance simulation)"]
 
 
 def test_check_takes_what_the_call_takes():

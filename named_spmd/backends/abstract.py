@@ -31,9 +31,10 @@ from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._capabilities import Capabilities
 from .._check import CheckReport, OutputCheck, ShapeDtype
-from .._errors import SpmdError
+from .._errors import SpmdError, user_line
 from .._layout import global_shape, is_even, local_shape
 from .._mesh import Mesh
+from .._operands import METADATA, NOT_OPS, is_inplace
 from .._spec import PartitionSpec
 from .._stamps import TrackedContext
 from .._tracking import VmaMode
@@ -124,7 +125,7 @@ class MetaAliases(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         args, kwargs = _on_meta(self.aliases, args, kwargs)
-        return func(*args, **(kwargs or {}))
+        return as_the_kernel_would(func, args, kwargs or {})
 
 
 def _on_meta(aliases: dict, args: tuple, kwargs: dict | None) -> tuple[tuple, dict | None]:
@@ -148,6 +149,90 @@ def _meta(aliases: dict, a: Any) -> Any:
             alias.requires_grad_(a.requires_grad)
         hit = aliases[id(a)] = (a, alias)
     return hit[1]
+
+
+# --- empty operands: the real kernel's verdict ----------------------------------------------------
+
+#: Ops that are no computation of an operand's values: never run again on stand-ins.
+_NOT_PROBED = NOT_OPS | METADATA | {torch.Tensor.register_hook, torch.Tensor.retain_grad}
+#: The most elements an op's meta outputs may hold for its run on CPU stand-ins (which
+#: allocates them) after meta let it through; above, meta's verdict stands.
+_PROBE_LIMIT = 1 << 20
+
+
+def as_the_kernel_would(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on meta tensors, failing as a real kernel would where an operand is empty.
+
+    Meta kernels check shapes, not the checks some CPU and CUDA kernels make of an empty
+    operand: a max over an empty dim, or an index into one, passes on meta and raises on the
+    call (an empty block: 9 rows over 4 are 3, 3, 3, 0), and other ops raise another class of
+    error. So where an operand is empty, the op runs again on CPU stand-ins (``_stand_in``:
+    no memory but the outputs'), and the CPU kernel's error is the op's, the error the call
+    raises (``_per_instance._raise_first`` names the instance and its empty block). No operand
+    empty: one look at the operands' sizes, nothing run."""
+    empty = _empty_operand(args, kwargs)
+    try:
+        out = func(*args, **kwargs)
+    except Exception:
+        error = _cpu_error(func, args, kwargs) if empty else None
+        if error is not None:
+            raise error  # noqa: B904 - the meta error is its context
+        raise
+    if empty and _numel(out) <= _PROBE_LIMIT:
+        error = _cpu_error(func, args, kwargs)
+        if error is not None:
+            raise error
+    return out
+
+
+def _empty_operand(args: tuple, kwargs: dict) -> bool:
+    """Whether an operand (or a tensor in a list of them, ``torch.cat``'s) is empty."""
+    with torch_private.DisableTorchFunction():
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, torch.Tensor):
+                if a.numel() == 0:
+                    return True
+            elif isinstance(a, (list, tuple)):
+                if any(isinstance(b, torch.Tensor) and b.numel() == 0 for b in a):
+                    return True
+    return False
+
+
+def _cpu_error(func: Any, args: tuple, kwargs: dict) -> BaseException | None:
+    """The error ``func`` raises on CPU stand-ins of its operands, or None: where it runs,
+    where it is no op of values (``_NOT_PROBED``), where it writes into a non-empty tensor (a
+    stand-in cannot take the write) and where the CPU has no kernel (its dtype, a device's
+    own op: the CPU cannot say)."""
+    if func in _NOT_PROBED:
+        return None
+    with torch_private.DisableTorchFunction():
+        target = args[0] if args and is_inplace(func) else kwargs.get("out")
+        if isinstance(target, torch.Tensor) and target.numel() > 0:
+            return None
+        try:
+            operands: Any = (args, kwargs)  # optree's PyTree is a class to mypy
+            stand_in_args, stand_in_kwargs = optree.tree_map(_stand_in, operands)
+            with torch.no_grad():
+                func(*stand_in_args, **stand_in_kwargs)
+        except NotImplementedError:
+            return None
+        except Exception as e:  # noqa: BLE001 - the kernel's verdict, told by the caller
+            return None if "not implemented for" in str(e) else e
+    return None
+
+
+def _stand_in(a: Any) -> Any:
+    """A CPU tensor of ``a``'s shape, strides and dtype holding nothing: empty as it is, else
+    a zero expanded to its shape (the values of operands met by an empty one: zeros)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.numel() == 0:
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype)
+    return torch.zeros((), dtype=a.dtype).expand(a.shape)
+
+
+def _numel(out: Any) -> int:
+    return sum(t.numel() for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 # --- the backend ----------------------------------------------------------------------------------
@@ -287,7 +372,8 @@ class AbstractBackend:
             return None
         return SpmdError(
             f"{where}: check() runs the per-device function on shapes only, and the "
-            f"function needs tensor values:\n  {type(error).__name__}: {str(error).splitlines()[0]}\n"
+            f"function needs tensor values at {user_line(error)}:\n"
+            f"  {type(error).__name__}: {str(error).splitlines()[0]}\n"
             + (_VALUES_PER_INSTANCE if self.instances else _VALUES_UNDER_VMAP)
         )
 
