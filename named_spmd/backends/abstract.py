@@ -128,10 +128,12 @@ class MetaAliases(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if tensors and not all(t.is_meta for t in tensors):
-            if _known(func, tensors, args, kwargs):
-                return func(*args, **kwargs)
+        with torch_private.DisableTorchFunction():  # (the looks at operands are no ops)
+            metas = [a.is_meta for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            known = not all(metas) and _known(func, metas, args, kwargs)
+        if known:
+            return func(*args, **kwargs)
+        if not all(metas):
             args, kwargs = _on_meta(self.aliases, args, kwargs)
         return as_the_kernel_would(func, args, kwargs)
 
@@ -146,16 +148,18 @@ _VALUE_READS = frozenset(
 _KNOWN_LIMIT = 1 << 12
 
 
-def _known(func: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> bool:
-    """Whether ``func`` computes on values the check knows, as the call does: a read of a real
-    tensor, or an op on real operands alone, small, writing into none of them (a closed-over
-    tensor is the user's)."""
-    if any(t.is_meta for t in tensors):
+def _known(func: Any, metas: list[bool], args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` computes on values the check knows, as the call does (``metas``: its
+    tensor operands', whether each is meta): a read of a real tensor, or an op on real operands
+    alone, small, writing into none of them (a closed-over tensor is the user's)."""
+    if any(metas):
         return False
     if func in _VALUE_READS:
         return True
-    writes = is_inplace(func) or "out" in kwargs
-    return not writes and sum(t.numel() for t in tensors) <= _KNOWN_LIMIT
+    if is_inplace(func) or "out" in kwargs:
+        return False
+    operands = (*args, *kwargs.values())
+    return sum(a.numel() for a in operands if isinstance(a, torch.Tensor)) <= _KNOWN_LIMIT
 
 
 def _on_meta(aliases: dict, args: tuple, kwargs: dict | None) -> tuple[tuple, dict | None]:
@@ -244,6 +248,9 @@ def _cpu_error(func: Any, args: tuple, kwargs: dict) -> BaseException | None:
         try:
             operands: Any = (args, kwargs)  # optree's PyTree is a class to mypy
             stand_in_args, stand_in_kwargs = optree.tree_map(_stand_in, operands)
+        except Exception:  # noqa: BLE001 - no stand-in for a tensor (its dtype): cannot say
+            return None
+        try:
             with torch.no_grad():
                 func(*stand_in_args, **stand_in_kwargs)
         except NotImplementedError:
