@@ -708,6 +708,23 @@ def test_check_takes_what_the_call_takes():
     assert [str(t) for t in report.types] == ["f64[3]{x}"] and report.out.shape == (10,)
 
 
+def test_check_computes_the_index_s_small_values_only():
+    """A check computes values it knows (the instance's index, small ops of it) as the call,
+    but nothing of a block's size: a block-sized tensor made from the index stays meta."""
+    seen = []
+
+    def f(v):
+        i = ns.axis_index("x")
+        zeros = i.new_zeros(v.shape)
+        seen.append((int(i * 10 + 1), zeros.is_meta))
+        return v + zeros
+
+    mapped = ns.spmd_map(f, mesh=ns.make_mesh((4,), ("x",)), in_specs=P("x"), out_specs=P("x"))
+    with ns.simulate_per_instance():
+        assert mapped.check(ns.ShapeDtype((1 << 24,))).out.shape == (1 << 24,)
+    assert sorted(seen) == [(1, True), (11, True), (21, True), (31, True)]
+
+
 def test_split_sizes_of_data_are_the_check_s_limit_naming_the_line():
     """Split sizes read from a block's values run per instance; a check cannot know them (its
     error names the line), where it reads those of the instance's index (above)."""

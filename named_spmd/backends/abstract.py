@@ -131,11 +131,21 @@ class MetaAliases(TorchFunctionMode):
         with torch_private.DisableTorchFunction():  # (the looks at operands are no ops)
             metas = [a.is_meta for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             known = not all(metas) and _known(func, metas, args, kwargs)
-        if known:
+        if all(metas):
+            return as_the_kernel_would(func, args, kwargs)
+        if known and func in _VALUE_READS:
             return func(*args, **kwargs)
-        if not all(metas):
-            args, kwargs = _on_meta(self.aliases, args, kwargs)
-        return as_the_kernel_would(func, args, kwargs)
+        meta_args, on_meta = _on_meta(self.aliases, args, kwargs)
+        meta_kwargs = on_meta or {}
+        if not known:
+            return as_the_kernel_would(func, meta_args, meta_kwargs)
+        # values the check knows, computed as the call does where the result is small too (its
+        # size from meta first: ``idx.new_zeros(block_shape)`` stays meta)
+        try:
+            out = func(*meta_args, **meta_kwargs)
+        except Exception:  # noqa: BLE001 - a size that values decide: at most the operands'
+            return func(*args, **kwargs)
+        return func(*args, **kwargs) if _numel(out) <= _KNOWN_LIMIT else out
 
 
 _T = torch.Tensor
@@ -143,8 +153,9 @@ _T = torch.Tensor
 _VALUE_READS = frozenset(
     {_T.item, _T.tolist, _T.__int__, _T.__index__, _T.__float__, _T.__bool__, _T.__complex__}
 )
-#: The most elements of real operands that an op of the per-instance check computes on as they
-#: are (values it knows: an instance's index, a small closed-over table); larger ones, meta.
+#: The most elements of real operands, and of results, that an op of the per-instance check
+#: computes as they are (values it knows: an instance's index, a small closed-over table);
+#: larger ones, on meta.
 _KNOWN_LIMIT = 1 << 12
 
 
