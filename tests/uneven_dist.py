@@ -99,6 +99,20 @@ def _offsets(v):  # the blocks' global row numbers, from ns.block_offsets
     return v * rows[:, None]
 
 
+# all_to_all split sizes by instance (member i sends row i): member j receives 7, 7, 7, 11 rows
+SPLIT_COUNTS = ((0, 1, 2, 5), (5, 2, 1, 0), (1, 1, 1, 5), (1, 3, 3, 1))
+
+
+def _split_by_index(v):
+    sizes = list(SPLIT_COUNTS[int(ns.axis_index("x"))])
+    return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=sizes) * 2
+
+
+def _split_dense(x):
+    chunks = [b.split(list(SPLIT_COUNTS[i])) for i, b in enumerate(x.split(8))]
+    return torch.cat([torch.cat([c[j] for c in chunks]) for j in range(4)]) * 2
+
+
 def _five_outputs(name: str, kinds: tuple[str, ...]) -> Case:
     """Five outputs: more than one exchange of the outputs' shapes holds (a second one)."""
     return Case(
@@ -319,6 +333,17 @@ CASES = [
         lambda x: x.sin() * (x * x).sum(),
         switch=False,
         kinds=("D",),
+    ),
+    Case(  # equal blocks in, the members' split sizes out: blocks of 7, 7, 7 and 11 rows
+        "all_to_all_of_split_sizes_by_instance",
+        (4,),
+        ("x",),
+        _split_by_index,
+        P("x", None),
+        P("x", None),
+        lambda: (_randn(32, 2, seed=18),),
+        _split_dense,
+        kinds=("T",),
     ),
 ]
 
