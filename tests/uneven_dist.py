@@ -16,7 +16,7 @@ import json
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,9 @@ class Case:
     dtensor: bool = False  # the real mesh gets the inputs as DTensors (their Shard blocks)
     # the real outputs' types: "D" DTensor, "T" plain (an error's case: what its message says)
     kinds: tuple[str, ...] = field(default=())
+    # an error's case: the function whose error the simulated mesh must give (where ``fn``
+    # cannot run there, reading a value under vmap)
+    like: Callable[..., Any] | None = None
 
 
 # Per instance (its coordinates), the types (ns.typeof: per-device shape and vma) of the values
@@ -108,9 +111,32 @@ def _split_by_index(v):
     return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=sizes) * 2
 
 
-def _split_dense(x):
-    chunks = [b.split(list(SPLIT_COUNTS[i])) for i, b in enumerate(x.split(8))]
+def _split_dense(x, counts=SPLIT_COUNTS):
+    chunks = [b.split(list(counts[i])) for i, b in enumerate(x.split(8))]
     return torch.cat([torch.cat([c[j] for c in chunks]) for j in range(4)]) * 2
+
+
+def _split_sizes_of(pick: Callable[[], list[int]]):
+    """An all_to_all over b of the split sizes ``pick()`` gives (one function whatever the
+    sizes: its errors name one line)."""
+
+    def split_by_pick(v):
+        return ns.all_to_all(v, "b", 0, 0, tiled=True, split_sizes=pick())
+
+    return split_by_pick
+
+
+def _unequal_at_1_0() -> list[int]:
+    """Unequal sizes on the instance at a=1, b=0 alone."""
+    here = (int(ns.axis_index("a")), int(ns.axis_index("b")))
+    return [1, 3] if here == (1, 0) else [2, 2]
+
+
+def _rows_by_index(v):
+    """Instance 1 sends 2 rows to each member, the others 1: equal sizes on each instance, and
+    operands of different sizes."""
+    k = 2 if int(ns.axis_index("x")) == 1 else 1
+    return ns.all_to_all(v[: 4 * k], "x", 0, 0, tiled=True, split_sizes=[k] * 4)
 
 
 def _five_outputs(name: str, kinds: tuple[str, ...]) -> Case:
@@ -345,10 +371,47 @@ CASES = [
         _split_dense,
         kinds=("T",),
     ),
+    Case(  # an even call (no switch): the sizes' exchange is bookkeeping, as vmap has none
+        "all_to_all_of_equal_split_sizes_in_an_even_call",
+        (4,),
+        ("x",),
+        lambda v: ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=[2] * 4) * 2,
+        P("x", None),
+        P("x", None),
+        lambda: (_randn(32, 2, seed=44),),
+        lambda x: _split_dense(x, [(2,) * 4] * 4),
+        switch=False,
+        kinds=("D",),
+    ),
 ]
 
 # Programs that must fail with the same error on both backends.
 ERRORS = [
+    Case(  # an even call on a real mesh refuses them on every rank, as vmap does
+        "unequal_split_sizes_in_an_even_call",
+        (4,),
+        ("x",),
+        lambda v: ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=[1, 2, 2, 3]),
+        P("x"),
+        P("x"),
+        lambda: (_randn(32, seed=42),),
+        None,
+        switch=False,
+        kinds=("CollectiveError: ", "split_sizes [1, 2, 2, 3] are not equal"),
+    ),
+    Case(  # of one instance's group only (a=1): every rank raises, the other group's too
+        "split_sizes_unequal_on_one_instance_of_an_even_call",
+        (2, 2),
+        ("a", "b"),
+        _split_sizes_of(_unequal_at_1_0),
+        P(("a", "b")),
+        P(("a", "b")),
+        lambda: (_randn(16, seed=43),),
+        None,
+        switch=False,
+        kinds=("CollectiveError: ", "split_sizes [1, 3] are not equal"),
+        like=_split_sizes_of(lambda: [1, 3]),
+    ),
     Case(
         "output_blocks_not_the_given_sizes",
         (4,),
@@ -592,14 +655,15 @@ def check(case: Case, real_mesh, sim_mesh) -> list[str]:
 
 
 def check_error(case: Case, real_mesh, sim_mesh) -> list[str]:
-    def message(mesh):
+    def message(mesh, case):
         try:
             run_case(case, mesh, False)
         except ns.SpmdError as e:
             return f"{type(e).__name__}: {e}"
         return "no error"
 
-    real, sim = message(real_mesh), message(sim_mesh)
+    real = message(real_mesh, case)
+    sim = message(sim_mesh, case if case.like is None else replace(case, fn=case.like))
     if real != sim or real == "no error" or not all(k in real for k in case.kinds):
         return [f"real {real!r} vs simulated {sim!r}"]
     return _still_in_step(real_mesh)
@@ -622,8 +686,9 @@ def _still_in_step(mesh) -> list[str]:
     return problems
 
 
-# DTensors whose Shard blocks are not the spec's: refused on the real mesh (a simulated mesh
-# takes no DTensor), naming the fix.
+# Refused on the real mesh, on every rank alike, naming the fix, where the simulated mesh has no
+# such program: DTensors whose Shard blocks are not the spec's (it takes no DTensor), split
+# sizes that differ between the instances of an even call (one size for all under vmap).
 REFUSED = [
     Case(
         "dtensor_split_unevenly_over_two_axes",
@@ -635,7 +700,10 @@ REFUSED = [
         lambda: (_randn(5, seed=20),),
         None,
         dtensor=True,
-        kinds=("over ('a', 'b'): DTensor splits it over one mesh dim after the other",),
+        kinds=(
+            "SpecError: ",
+            "over ('a', 'b'): DTensor splits it over one mesh dim after the other",
+        ),
     ),
     Case(
         "dtensor_with_other_given_sizes",
@@ -648,7 +716,23 @@ REFUSED = [
         None,
         switch=False,
         dtensor=True,
-        kinds=("whose Shard blocks are torch.chunk's (3, 3, 3, 1) along dim 0",),
+        kinds=("SpecError: ", "whose Shard blocks are torch.chunk's (3, 3, 3, 1) along dim 0"),
+    ),
+    Case(
+        "split_sizes_differing_between_instances_of_an_even_call",
+        (4,),
+        ("x",),
+        _rows_by_index,
+        P("x"),
+        P("x"),
+        lambda: (_randn(32, seed=45),),
+        None,
+        switch=False,
+        kinds=(
+            "CollectiveError: ",
+            "split_sizes differ (the instance at x=0 gives [1, 1, 1, 1], the one at x=1 "
+            "[2, 2, 2, 2])",
+        ),
     ),
 ]
 
@@ -656,8 +740,10 @@ REFUSED = [
 def check_refused(case: Case, real_mesh, sim_mesh) -> list[str]:
     try:
         run_case(case, real_mesh, True)
-    except ns.SpecError as e:
-        return [] if case.kinds[0] in str(e) else [f"message: {e}"]
+    except ns.SpmdError as e:
+        if not all(k in f"{type(e).__name__}: {e}" for k in case.kinds):
+            return [f"message: {e}"]
+        return _still_in_step(real_mesh)
     return ["no error"]
 
 
