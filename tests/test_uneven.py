@@ -772,9 +772,10 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     (of given sizes, to invariant, varying and reduced) and psum_scatter to torch.chunk's
     blocks, uneven DTensors in and out (fed back in); values, gradients and CommMode counts
     against the simulated per-instance execution and a dense program, output types (DTensor
-    where Shard holds the blocks, else the global value), the same errors, and the DTensors
-    whose blocks are not the spec's refused; and the process-group calls of uneven calls (one
-    exchange of operand shapes per collective)."""
+    where Shard holds the blocks, else the global value), the same errors (unequal split sizes
+    of an even call's all_to_all included, on one instance only too, and the mesh in step
+    after), and the DTensors whose blocks are not the spec's refused; and the process-group
+    calls of uneven calls (one exchange of operand shapes per collective)."""
     import json
     import os
 
