@@ -176,6 +176,12 @@ class SpmdContext(ABC):
     #: and the members' results may differ in shape. Not under vmap, on meta tensors or traced.
     own_values: bool = False
 
+    def every_instance(self, values: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Every instance's ``values`` (one length on every instance), row-major over the mesh,
+        on every instance alike. Only a real mesh's even call asks (its ranks know their own
+        values alone, and must raise an error on every rank alike)."""
+        raise NotImplementedError(f"{type(self).__name__} exchanges no host values")
+
     def all_to_all_sizes(
         self,
         x: torch.Tensor,

@@ -392,8 +392,9 @@ def test_output_trees_equal_but_for_addresses_in_their_metadata_are_one_tree():
 def test_an_op_on_an_empty_block_is_an_error_naming_the_block():
     """3 rows over 4 are blocks of 1, 1, 1, 0: a max over the rows fails on the empty block. An
     SpmdError of torch's error's family naming the function, the line, the instance, its empty
-    block and the fix (torch's error its cause); guarded, the same program runs. (.check()
-    runs torch's meta kernels, which let a max over an empty dim through.)"""
+    block and the fix (torch's error its cause); guarded, the same program runs. .check()
+    raises the same error, though meta kernels let a max over an empty dim through (the CPU
+    kernel's verdict on the empty operand, ``abstract.as_the_kernel_would``)."""
     mesh = ns.make_mesh((4,), ("x",))
     x = _randn(3, 2, seed=39)
 
@@ -413,8 +414,12 @@ def test_an_op_on_an_empty_block_is_an_error_naming_the_block():
     assert "a torch op failed at test_uneven.py:" in message
     assert "the instance at x=3, whose block of argument [0] is empty (shape [0, 2])" in message
     assert "Fix: guard the op where the block is empty" in message
+    with pytest.raises(ns.SpmdError) as checked:
+        failing.check(x)
+    assert type(checked.value) is type(raised.value) and str(checked.value) == message
     ok = ns.spmd_map(guarded, mesh=mesh, in_specs=P("x", None), out_specs=P("x", None))
     torch.testing.assert_close(ok(x), x)
+    assert ok.check(x).out.shape == (3, 2)
 
 
 def test_tiled_all_gather_of_uneven_blocks_is_the_global_value():
@@ -536,6 +541,22 @@ def _summed_but_on_the_last_instance(v):
     return total if v.shape[0] == 3 else v.sum(0)
 
 
+def _to_member_0(v):
+    """Every row to member 0: split sizes from the block's own size, so per instance."""
+    sizes = [v.shape[0]] + [0] * (ns.axis_size("x") - 1)
+    return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=sizes)
+
+
+# all_to_all split sizes per instance (member i sends row i), read by the instance's index:
+# member j receives 7, 7, 7 and 11 rows
+SPLIT_COUNTS = ((0, 1, 2, 5), (5, 2, 1, 0), (1, 1, 1, 5), (1, 3, 3, 1))
+
+
+def _sizes_by_index(v):
+    sizes = list(SPLIT_COUNTS[int(ns.axis_index("x"))])
+    return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=sizes)
+
+
 CLOSED_OVER = _randn(3, 2, seed=11).requires_grad_()  # a real tensor, met by meta blocks in a check
 MLP_SPECS = ((P("dp", None), P(None, "tp"), P("tp", None)), P("dp", None))
 X4 = ((4,), ("x",))
@@ -588,6 +609,42 @@ AGREE = {
         P(),
         (10, 3),
     ),
+    "all_to_all of unequal split sizes": (
+        lambda v: ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=[1, 2, 3, 4]),
+        X4,
+        P("x"),
+        P("x"),
+        (40,),
+    ),
+    "all_to_all of every row to member 0": (_to_member_0, X4, P("x", None), P("x"), (10, 3)),
+    "all_to_all of split sizes by index": (_sizes_by_index, X4, P("x"), P("x"), (32,)),
+    "the index, varying": (lambda v: v[:1] * 0 + ns.axis_index("x"), X4, P("x"), P("x"), (10,)),
+    "the index, not invariant": (lambda v: ns.axis_index("x") + 0.0, X4, P("x"), P(), (10,)),
+    "a branch on the index": (
+        lambda v: ns.psum(v * 2 if ns.axis_index("x") == 0 else v[:0], "x"),
+        X4,
+        P("x"),
+        P(),
+        (10,),
+    ),
+    # ops that meta kernels let through on an empty block (9 rows over 4: 3, 3, 3, 0), or
+    # refuse with another error than the CPU kernel's
+    "a max over an empty block": (
+        lambda v: v.max(0, keepdim=True).values,
+        X4,
+        P("x", None),
+        P("x", None),
+        (9, 2),
+    ),
+    "an amax over an empty block": (
+        lambda v: v.amax(0, keepdim=True),
+        X4,
+        P("x", None),
+        P("x", None),
+        (9, 2),
+    ),
+    "a max of an empty block": (lambda v: v.max()[None], X4, P("x"), P("x"), (9,)),
+    "an index into an empty block": (lambda v: v[torch.tensor([0])], X4, P("x"), P("x"), (9,)),
 }
 
 
@@ -632,6 +689,26 @@ def test_check_of_an_uneven_call_agrees_with_the_call(name):
     assert checked == called
 
 
+def test_check_raises_the_error_of_an_op_on_an_empty_tensor_of_the_program():
+    """An empty tensor that no input block is (every row sent to member 0: the others receive
+    none): torch's error, a note naming the instance, in the call and in its check."""
+    mapped = ns.spmd_map(
+        lambda v: _to_member_0(v).amax(0, keepdim=True),
+        mesh=ns.make_mesh((4,), ("x",)),
+        in_specs=P("x", None),
+        out_specs=P("x", None),
+    )
+    x = _randn(10, 3, seed=13)
+    raised = []
+    for run in (mapped, mapped.check):
+        with ns.simulate_per_instance(), pytest.raises(IndexError) as e:
+            run(x)
+        raised.append((type(e.value), str(e.value), e.value.__notes__))
+    assert raised[0] == raised[1]
+    assert raised[0][0] is IndexError and "reduction dim 0 to have non-zero size" in raised[0][1]
+    assert raised[0][2] == ["[named_spmd] raised by the instance at x=1 (per-instance simulation)"]
+
+
 def test_check_takes_what_the_call_takes():
     """Unequal blocks (``Blocks`` sizes, a dim the axes do not divide) are checked per instance
     without asking, as they run; reading values, which the call does per instance, is told as
@@ -646,10 +723,51 @@ def test_check_takes_what_the_call_takes():
     x = _randn(10, seed=12)
     want = torch.cat([block * block.sum() for block in x.chunk(4)])
     torch.testing.assert_close(f(x), want)
-    with pytest.raises(ns.SpmdError, match="where reading values works, but a check has none"):
+    with pytest.raises(ns.SpmdError, match="where reading values works, but a check has no va"):
         f.check(x)
     report = ns.spmd_map(_stencil, mesh=mesh, in_specs=P("x"), out_specs=P("x")).check(x)
     assert [str(t) for t in report.types] == ["f64[3]{x}"] and report.out.shape == (10,)
+
+
+def test_check_computes_the_index_s_small_values_only():
+    """A check computes values it knows (the instance's index, small ops of it) as the call,
+    but nothing of a block's size: a block-sized tensor made from the index stays meta."""
+    seen = []
+
+    def f(v):
+        i = ns.axis_index("x")
+        zeros = i.new_zeros(v.shape)
+        seen.append((int(i * 10 + 1), zeros.is_meta))
+        return v + zeros
+
+    mapped = ns.spmd_map(f, mesh=ns.make_mesh((4,), ("x",)), in_specs=P("x"), out_specs=P("x"))
+    with ns.simulate_per_instance():
+        assert mapped.check(ns.ShapeDtype((1 << 24,))).out.shape == (1 << 24,)
+    assert sorted(seen) == [(1, True), (11, True), (21, True), (31, True)]
+
+
+def test_split_sizes_of_data_are_the_check_s_limit_naming_the_line():
+    """Split sizes read from a block's values run per instance; a check cannot know them (its
+    error names the line), where it reads those of the instance's index (above)."""
+
+    def by_data(v, counts):
+        return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=counts[0].tolist())
+
+    mapped = ns.spmd_map(
+        by_data, mesh=ns.make_mesh((4,), ("x",)), in_specs=(P("x"), P("x")), out_specs=P("x")
+    )
+    x, counts = _randn(32, seed=14), torch.tensor(SPLIT_COUNTS)
+    want = ns.spmd_map(
+        _sizes_by_index, mesh=ns.make_mesh((4,), ("x",)), in_specs=P("x"), out_specs=P("x")
+    )
+    with ns.simulate_per_instance():
+        torch.testing.assert_close(mapped(x, counts), want(x))
+        with pytest.raises(ns.SpmdError) as raised:
+            mapped.check(x, counts)
+    message = str(raised.value)
+    assert "needs tensor values at test_uneven.py:" in message
+    assert "(`return ns.all_to_all(v, " in message
+    assert "a check has no values of the blocks" in message
 
 
 def test_a_dim_the_axes_do_not_divide_runs_per_instance_by_default():
@@ -676,10 +794,10 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     blocks, uneven DTensors in and out (fed back in); values, gradients and CommMode counts
     against the simulated per-instance execution and a dense program, output types (DTensor
     where Shard holds the blocks, else the global value), the same errors on every rank (out_specs
-    errors of some ranks only, outputs all P() compared too) and the next call running after
-    them, and the DTensors
-    whose blocks are not the spec's refused; and the process-group calls of uneven calls (one
-    exchange of operand shapes per collective)."""
+    errors of some ranks only, outputs all P() compared too, unequal split sizes of an even
+    call's all_to_all, on one instance only too) and the next call running after them, and
+    the DTensors whose blocks are not the spec's refused; and the process-group calls of
+    uneven calls (one exchange of operand shapes per collective)."""
     import json
     import os
 

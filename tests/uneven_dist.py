@@ -16,7 +16,7 @@ import json
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -48,6 +48,9 @@ class Case:
     # the real outputs' types: "D" DTensor, "T" plain (an error's case: what its message says)
     kinds: tuple[str, ...] = field(default=())
     note: str = ""  # an error's: in its notes on every rank (Python 3.11: add_note)
+    # an error's case: the function whose error the simulated mesh must give (where ``fn``
+    # cannot run there, reading a value under vmap)
+    like: Callable[..., Any] | None = None
 
 
 # Per instance (its coordinates), the types (ns.typeof: per-device shape and vma) of the values
@@ -98,6 +101,43 @@ def _offsets(v):  # the blocks' global row numbers, from ns.block_offsets
     start = ns.block_offsets(10, "x")[ns.axis_index("x")]
     rows = torch.arange(v.shape[0], dtype=v.dtype) + start
     return v * rows[:, None]
+
+
+# all_to_all split sizes by instance (member i sends row i): member j receives 7, 7, 7, 11 rows
+SPLIT_COUNTS = ((0, 1, 2, 5), (5, 2, 1, 0), (1, 1, 1, 5), (1, 3, 3, 1))
+
+
+def _split_by_index(v):
+    sizes = list(SPLIT_COUNTS[int(ns.axis_index("x"))])
+    return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=sizes) * 2
+
+
+def _split_dense(x, counts=SPLIT_COUNTS):
+    chunks = [b.split(list(counts[i])) for i, b in enumerate(x.split(8))]
+    return torch.cat([torch.cat([c[j] for c in chunks]) for j in range(4)]) * 2
+
+
+def _split_sizes_of(pick: Callable[[], list[int]]):
+    """An all_to_all over b of the split sizes ``pick()`` gives (one function whatever the
+    sizes: its errors name one line)."""
+
+    def split_by_pick(v):
+        return ns.all_to_all(v, "b", 0, 0, tiled=True, split_sizes=pick())
+
+    return split_by_pick
+
+
+def _unequal_at_1_0() -> list[int]:
+    """Unequal sizes on the instance at a=1, b=0 alone."""
+    here = (int(ns.axis_index("a")), int(ns.axis_index("b")))
+    return [1, 3] if here == (1, 0) else [2, 2]
+
+
+def _rows_by_index(v):
+    """Instance 1 sends 2 rows to each member, the others 1: equal sizes on each instance, and
+    operands of different sizes."""
+    k = 2 if int(ns.axis_index("x")) == 1 else 1
+    return ns.all_to_all(v[: 4 * k], "x", 0, 0, tiled=True, split_sizes=[k] * 4)
 
 
 def _five_outputs(name: str, kinds: tuple[str, ...]) -> Case:
@@ -321,6 +361,29 @@ CASES = [
         switch=False,
         kinds=("D",),
     ),
+    Case(  # equal blocks in, the members' split sizes out: blocks of 7, 7, 7 and 11 rows
+        "all_to_all_of_split_sizes_by_instance",
+        (4,),
+        ("x",),
+        _split_by_index,
+        P("x", None),
+        P("x", None),
+        lambda: (_randn(32, 2, seed=18),),
+        _split_dense,
+        kinds=("T",),
+    ),
+    Case(  # an even call (no switch): the sizes' exchange is bookkeeping, as vmap has none
+        "all_to_all_of_equal_split_sizes_in_an_even_call",
+        (4,),
+        ("x",),
+        lambda v: ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=[2] * 4) * 2,
+        P("x", None),
+        P("x", None),
+        lambda: (_randn(32, 2, seed=44),),
+        lambda x: _split_dense(x, [(2,) * 4] * 4),
+        switch=False,
+        kinds=("D",),
+    ),
 ]
 
 
@@ -348,6 +411,31 @@ def _two_kinds_of_errors(v):
 
 # Programs that must fail with the same error on both backends (and on every rank alike).
 ERRORS = [
+    Case(  # an even call on a real mesh refuses them on every rank, as vmap does
+        "unequal_split_sizes_in_an_even_call",
+        (4,),
+        ("x",),
+        lambda v: ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=[1, 2, 2, 3]),
+        P("x"),
+        P("x"),
+        lambda: (_randn(32, seed=42),),
+        None,
+        switch=False,
+        kinds=("CollectiveError: ", "split_sizes [1, 2, 2, 3] are not equal"),
+    ),
+    Case(  # of one instance's group only (a=1): every rank raises, the other group's too
+        "split_sizes_unequal_on_one_instance_of_an_even_call",
+        (2, 2),
+        ("a", "b"),
+        _split_sizes_of(_unequal_at_1_0),
+        P(("a", "b")),
+        P(("a", "b")),
+        lambda: (_randn(16, seed=43),),
+        None,
+        switch=False,
+        kinds=("CollectiveError: ", "split_sizes [1, 3] are not equal"),
+        like=_split_sizes_of(lambda: [1, 3]),
+    ),
     Case(
         "output_blocks_not_the_given_sizes",
         (4,),
@@ -667,14 +755,15 @@ def check(case: Case, real_mesh, sim_mesh) -> list[str]:
 
 
 def check_error(case: Case, real_mesh, sim_mesh) -> list[str]:
-    def message(mesh) -> tuple[str, str]:
+    def message(mesh, case) -> tuple[str, str]:
         try:
             run_case(case, mesh, False)
         except ns.SpmdError as e:
             return f"{type(e).__name__}: {e}", "".join(getattr(e, "__notes__", []))
         return "no error", ""
 
-    (real, notes), (sim, _) = message(real_mesh), message(sim_mesh)
+    real, notes = message(real_mesh, case)
+    sim, _ = message(sim_mesh, case if case.like is None else replace(case, fn=case.like))
     if real != sim or real == "no error" or not all(k in real for k in case.kinds):
         return [f"real {real!r} vs simulated {sim!r}"]
     # raised on every rank alike: no note may say that the others stop with RankFailedError
@@ -700,8 +789,9 @@ def _still_in_step(mesh) -> list[str]:
     return problems
 
 
-# DTensors whose Shard blocks are not the spec's: refused on the real mesh (a simulated mesh
-# takes no DTensor), naming the fix.
+# Refused on the real mesh, on every rank alike, naming the fix, where the simulated mesh has no
+# such program: DTensors whose Shard blocks are not the spec's (it takes no DTensor), split
+# sizes that differ between the instances of an even call (one size for all under vmap).
 REFUSED = [
     Case(
         "dtensor_split_unevenly_over_two_axes",
@@ -713,7 +803,10 @@ REFUSED = [
         lambda: (_randn(5, seed=20),),
         None,
         dtensor=True,
-        kinds=("over ('a', 'b'): DTensor splits it over one mesh dim after the other",),
+        kinds=(
+            "SpecError: ",
+            "over ('a', 'b'): DTensor splits it over one mesh dim after the other",
+        ),
     ),
     Case(
         "dtensor_with_other_given_sizes",
@@ -726,7 +819,23 @@ REFUSED = [
         None,
         switch=False,
         dtensor=True,
-        kinds=("whose Shard blocks are torch.chunk's (3, 3, 3, 1) along dim 0",),
+        kinds=("SpecError: ", "whose Shard blocks are torch.chunk's (3, 3, 3, 1) along dim 0"),
+    ),
+    Case(
+        "split_sizes_differing_between_instances_of_an_even_call",
+        (4,),
+        ("x",),
+        _rows_by_index,
+        P("x"),
+        P("x"),
+        lambda: (_randn(32, seed=45),),
+        None,
+        switch=False,
+        kinds=(
+            "CollectiveError: ",
+            "split_sizes differ (the instance at x=0 gives [1, 1, 1, 1], the one at x=1 "
+            "[2, 2, 2, 2])",
+        ),
     ),
 ]
 
@@ -734,8 +843,10 @@ REFUSED = [
 def check_refused(case: Case, real_mesh, sim_mesh) -> list[str]:
     try:
         run_case(case, real_mesh, True)
-    except ns.SpecError as e:
-        return [] if case.kinds[0] in str(e) else [f"message: {e}"]
+    except ns.SpmdError as e:
+        if not all(k in f"{type(e).__name__}: {e}" for k in case.kinds):
+            return [f"message: {e}"]
+        return _still_in_step(real_mesh)
     return ["no error"]
 
 

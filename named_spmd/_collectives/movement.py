@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
+from .. import _torch_private as torch_private
 from .._calls import current
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
-from .._layout import split_blocks, unstack_dim
+from .._layout import coords_text, split_blocks, unstack_dim
 from .._types import Vma
 from ._checks import Invariant, axis_sizes, axis_text, check_divisible, check_reducible, checked_dim
 from ._record import (
@@ -268,9 +269,10 @@ def all_to_all(
     per member (non-negative, adding up to the dim), as ``all_to_all_single``'s split sizes;
     member i receives chunk i of every member, so its result has their sizes along the dim.
     Sizes that differ between instances give blocks of different sizes: the per-instance
-    simulation (``ns.simulate_per_instance()``) and a real mesh run them (each instance tells
-    the others its sizes: one small all_to_all of n int64 more); under vmap and in ``.check()``
-    they must be equal (else an error; ``ns.ragged_all_to_all`` keeps every shape static).
+    simulation (``ns.simulate_per_instance()``), its ``.check()`` and a real mesh under it run
+    them (each instance tells the others its sizes: one small all_to_all of n int64 more);
+    under vmap and in an even call on a real mesh they must be equal (else an error;
+    ``ns.ragged_all_to_all`` keeps every shape static).
 
     Example:
         >>> import torch, named_spmd as ns
@@ -287,7 +289,7 @@ def all_to_all(
     ctx = current("all_to_all")
     axes = ctx.check_axes(axis_name, "all_to_all")
     sent = _split_sizes(ctx, axes, split_axis, concat_axis, tiled, split_sizes)
-    received = _received_sizes(ctx, axes, sent)
+    received = _received_sizes(ctx, axes, sent, getattr(x, "device", None))
     return ALL_TO_ALL.bind(x, axis_name, split_axis, concat_axis, True, sent, received)
 
 
@@ -313,24 +315,67 @@ def _split_sizes(
         )
     out = tuple(sizes)
     if not ctx.own_values and len(set(out)) > 1:
-        raise CollectiveError(
-            f"{where}: split_sizes {list(out)} are not equal, so the members would receive "
-            "blocks of different sizes, which this execution cannot hold (the vmap simulation, "
-            ".check() or a traced call: one shape for every instance). Fix: run the call under "
-            "`with ns.simulate_per_instance():` (each instance on its own block, as on a real "
-            "mesh), or keep the shapes static with ns.ragged_all_to_all (offsets and sizes as "
-            "tensors, a buffer of fixed size)."
-        )
+        raise _unequal_sizes(where, out)
     return out
 
 
-def _received_sizes(ctx: SpmdContext, axes: Axes, sent: tuple[int, ...]) -> tuple[int, ...]:
+def _unequal_sizes(where: str, sizes: tuple[int, ...]) -> CollectiveError:
+    return CollectiveError(
+        f"{where}: split_sizes {list(sizes)} are not equal, so the members would receive "
+        "blocks of different sizes, which this execution cannot hold (the vmap simulation "
+        "and the check of a call it runs, an even call on a real mesh, or a traced call: one "
+        "shape for every instance). Fix: run the call (and its .check()) under "
+        "`with ns.simulate_per_instance():` (each instance on its own block, as on a real "
+        "mesh), or keep the shapes static with ns.ragged_all_to_all (offsets and sizes as "
+        "tensors, a buffer of fixed size)."
+    )
+
+
+def _received_sizes(
+    ctx: SpmdContext, axes: Axes, sent: tuple[int, ...], device: torch.device | None
+) -> tuple[int, ...]:
     """The sizes the members send to this one: their sizes, exchanged (a backend whose sizes
-    may differ between members), else this one's own (all equal: the check above)."""
+    may differ between members), else this one's own (all equal: the check above, or, in an
+    even call on a real mesh, :func:`_one_size_everywhere`).
+
+    Host integers, no values of the program: exchanged on the operand's device, on the CPU
+    where it is meta (a check of a call run per instance: the sizes are known there, and its
+    meetings exchange them as the call's do), out of sight of the program's modes (which would
+    move them to meta)."""
     if not ctx.own_values:
         return sent
-    counts = torch.tensor(sent, dtype=torch.int64)
-    return tuple(ALL_TO_ALL.bind(counts, axes, 0, 0, True, None, None).tolist())
+    if not ctx.uneven:
+        _one_size_everywhere(ctx, sent)
+        return sent
+    if device is not None and device.type == "meta":
+        device = torch.device("cpu")
+    with torch_private.DisableTorchFunction():
+        counts = torch.tensor(sent, dtype=torch.int64, device=device)
+        return tuple(ALL_TO_ALL.bind(counts, axes, 0, 0, True, None, None).tolist())
+
+
+def _one_size_everywhere(ctx: SpmdContext, sent: tuple[int, ...]) -> None:
+    """An even call on a real mesh holds blocks of one shape on every instance, as vmap does:
+    its split sizes must be one size, on every instance. Each rank knows its own sizes only, so
+    every instance's are exchanged (a few integers, bookkeeping that ``CommMode`` does not
+    count: the vmap execution exchanges none) and every rank raises the same error, the
+    simulated mesh's for the first instance whose sizes are unequal (a rank raising alone would
+    leave the others waiting inside the collective)."""
+    every = ctx.every_instance(sent)
+    where = f"all_to_all in {ctx.fn_label}"
+    unequal = next((s for s in every if len(set(s)) > 1), None)
+    if unequal is not None:
+        raise _unequal_sizes(where, unequal)
+    other = next((k for k, s in enumerate(every) if s != every[0]), None)
+    if other is not None:  # (their operands differ in shape: no vmap execution has them)
+        first, at = (coords_text(ctx.mesh.coords(k)) for k in (0, other))
+        raise CollectiveError(
+            f"{where}: the instances' split_sizes differ (the instance at {first} gives "
+            f"{list(every[0])}, the one at {at} {list(every[other])}), so their operands and "
+            "the blocks they receive differ in size, which an even call on a real mesh cannot "
+            "hold (one shape for every instance, as in the vmap simulation). Fix: run the call "
+            "under `with ns.simulate_per_instance():` (each instance on its own block)."
+        )
 
 
 def _all_to_all_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:

@@ -76,6 +76,13 @@ def exchange(comm, values: list[int]) -> list[list[int]]:
     return comm.all_to_all(mine.expand(comm.n, -1), "block sizes").tolist()
 
 
+def _own_sizes(rec, params: tuple) -> bool:
+    """Whether the collective is an ``all_to_all`` of split sizes: each instance's own, so its
+    operand's size along the dim is its own too (checked against its sizes on its rank alone,
+    where an error leaves the other ranks waiting in the collective, as a user's error does)."""
+    return rec.name == "all_to_all" and params[3] is not None
+
+
 class UnevenPrimitives:
     """The primitives of a call whose members' blocks may differ in size (mixed into the
     real mesh's context)."""
@@ -102,6 +109,8 @@ class UnevenPrimitives:
         gathers = rec.name == "all_gather" and params[1]  # blocks of any sizes, concatenated
         if rec.name == "ppermute" and self._seen is not None:
             self._permuted_shapes(x, axes, params[0])
+        elif _own_sizes(rec, params):  # chunks of any sizes: the other dims must agree
+            self._gathered_sizes(rec.name, x, axes, params[0], shapes)
         elif rec.forward_event and not gathers:
             self._same_shapes(rec.name, x, axes, shapes)
         base = _SIZED.get(rec.name)
@@ -193,7 +202,7 @@ class UnevenPrimitives:
         mine = tuple(x.shape)
         shapes = self._every_shape(x) if rec.forward_event else None
         checked, result = set(), None
-        for shape in shapes or [mine]:
+        for shape in [mine] if _own_sizes(rec, params) else shapes or [mine]:
             if shape not in checked:
                 checked.add(shape)
                 try:

@@ -31,11 +31,12 @@ from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._capabilities import Capabilities
 from .._check import CheckReport, OutputCheck, ShapeDtype
-from .._errors import SpmdError
+from .._errors import SpmdError, user_line
 from .._layout import global_shape, is_even, local_shape
 from .._mesh import Mesh
+from .._operands import METADATA, NOT_OPS, is_inplace
 from .._spec import PartitionSpec
-from .._stamps import TrackedContext
+from .._stamps import STAMP_ATTR, TrackedContext
 from .._tracking import VmaMode
 from .._types import Vma, VType
 
@@ -116,15 +117,60 @@ class AbstractVmaMode(VmaMode):
 
 class MetaAliases(TorchFunctionMode):
     """What :class:`AbstractVmaMode` adds to ``VmaMode``, as a mode of its own: an instance of
-    the per-instance check enters it inside its own vma mode (so it runs first)."""
+    the per-instance check enters it inside its own vma mode (so it runs first). Values the
+    check knows are computed as the call computes them (``_known``): the instance's
+    ``axis_index``, which the check makes on the CPU, and closed-over tensors, read
+    (``.item()``, ``int()``) or in small ops of such values alone (``axis_index(a) == 0``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        args, kwargs = _on_meta(self.aliases, args, kwargs)
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        with torch_private.DisableTorchFunction():  # (the looks at operands are no ops)
+            metas = [a.is_meta for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            known = not all(metas) and _known(func, metas, args, kwargs)
+        if all(metas):
+            return as_the_kernel_would(func, args, kwargs)
+        if known and func in _VALUE_READS:
+            return func(*args, **kwargs)
+        meta_args, on_meta = _on_meta(self.aliases, args, kwargs)
+        meta_kwargs = on_meta or {}
+        if not known:
+            return as_the_kernel_would(func, meta_args, meta_kwargs)
+        # values the check knows, computed as the call does where the result is small too (its
+        # size from meta first: ``idx.new_zeros(block_shape)`` stays meta)
+        try:
+            out = func(*meta_args, **meta_kwargs)
+        except Exception:  # noqa: BLE001 - a size that values decide: at most the operands'
+            return func(*args, **kwargs)
+        return func(*args, **kwargs) if _numel(out) <= _KNOWN_LIMIT else out
+
+
+_T = torch.Tensor
+#: Reads of a tensor's values into Python.
+_VALUE_READS = frozenset(
+    {_T.item, _T.tolist, _T.__int__, _T.__index__, _T.__float__, _T.__bool__, _T.__complex__}
+)
+#: The most elements of real operands, and of results, that an op of the per-instance check
+#: computes as they are (values it knows: an instance's index, a small closed-over table);
+#: larger ones, on meta.
+_KNOWN_LIMIT = 1 << 12
+
+
+def _known(func: Any, metas: list[bool], args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` computes on values the check knows, as the call does (``metas``: its
+    tensor operands', whether each is meta): a read of a real tensor, or an op on real operands
+    alone, small, writing into none of them (a closed-over tensor is the user's)."""
+    if any(metas):
+        return False
+    if func in _VALUE_READS:
+        return True
+    if is_inplace(func) or "out" in kwargs:
+        return False
+    operands = (*args, *kwargs.values())
+    return sum(a.numel() for a in operands if isinstance(a, torch.Tensor)) <= _KNOWN_LIMIT
 
 
 def _on_meta(aliases: dict, args: tuple, kwargs: dict | None) -> tuple[tuple, dict | None]:
@@ -146,8 +192,97 @@ def _meta(aliases: dict, a: Any) -> Any:
         alias = _empty(a.shape, a.dtype)
         with torch_private.DisableTorchFunction():
             alias.requires_grad_(a.requires_grad)
+        if STAMP_ATTR in a.__dict__:  # (an axis_index of the per-instance check: varying)
+            alias.__dict__[STAMP_ATTR] = a.__dict__[STAMP_ATTR]
         hit = aliases[id(a)] = (a, alias)
     return hit[1]
+
+
+# --- empty operands: the real kernel's verdict ----------------------------------------------------
+
+#: Ops that are no computation of an operand's values: never run again on stand-ins.
+_NOT_PROBED = NOT_OPS | METADATA | {torch.Tensor.register_hook, torch.Tensor.retain_grad}
+#: The most elements an op's meta outputs may hold for its run on CPU stand-ins (which
+#: allocates them) after meta let it through; above, meta's verdict stands.
+_PROBE_LIMIT = 1 << 20
+
+
+def as_the_kernel_would(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on meta tensors, failing as a real kernel would where an operand is empty.
+
+    Meta kernels check shapes, not the checks some CPU and CUDA kernels make of an empty
+    operand: a max over an empty dim, or an index into one, passes on meta and raises on the
+    call (an empty block: 9 rows over 4 are 3, 3, 3, 0), and other ops raise another class of
+    error. So where an operand is empty, the op runs again on CPU stand-ins (``_stand_in``:
+    no memory but the outputs'), and the CPU kernel's error is the op's, the error the call
+    raises (``_per_instance._raise_first`` names the instance and its empty block). No operand
+    empty: one look at the operands' sizes, nothing run."""
+    empty = _empty_operand(args, kwargs)
+    try:
+        out = func(*args, **kwargs)
+    except Exception:
+        error = _cpu_error(func, args, kwargs) if empty else None
+        if error is not None:
+            raise error  # noqa: B904 - the meta error is its context
+        raise
+    if empty and _numel(out) <= _PROBE_LIMIT:
+        error = _cpu_error(func, args, kwargs)
+        if error is not None:
+            raise error
+    return out
+
+
+def _empty_operand(args: tuple, kwargs: dict) -> bool:
+    """Whether an operand (or a tensor in a list of them, ``torch.cat``'s) is empty."""
+    with torch_private.DisableTorchFunction():
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, torch.Tensor):
+                if a.numel() == 0:
+                    return True
+            elif isinstance(a, (list, tuple)):
+                if any(isinstance(b, torch.Tensor) and b.numel() == 0 for b in a):
+                    return True
+    return False
+
+
+def _cpu_error(func: Any, args: tuple, kwargs: dict) -> BaseException | None:
+    """The error ``func`` raises on CPU stand-ins of its operands, or None: where it runs,
+    where it is no op of values (``_NOT_PROBED``), where it writes into a non-empty tensor (a
+    stand-in cannot take the write) and where the CPU has no kernel (its dtype, a device's
+    own op: the CPU cannot say)."""
+    if func in _NOT_PROBED:
+        return None
+    with torch_private.DisableTorchFunction():
+        target = args[0] if args and is_inplace(func) else kwargs.get("out")
+        if isinstance(target, torch.Tensor) and target.numel() > 0:
+            return None
+        try:
+            operands: Any = (args, kwargs)  # optree's PyTree is a class to mypy
+            stand_in_args, stand_in_kwargs = optree.tree_map(_stand_in, operands)
+        except Exception:  # noqa: BLE001 - no stand-in for a tensor (its dtype): cannot say
+            return None
+        try:
+            with torch.no_grad():
+                func(*stand_in_args, **stand_in_kwargs)
+        except NotImplementedError:
+            return None
+        except Exception as e:  # noqa: BLE001 - the kernel's verdict, told by the caller
+            return None if "not implemented for" in str(e) else e
+    return None
+
+
+def _stand_in(a: Any) -> Any:
+    """A CPU tensor of ``a``'s shape, strides and dtype holding nothing: empty as it is, else
+    a zero expanded to its shape (the values of operands met by an empty one: zeros)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.numel() == 0:
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype)
+    return torch.zeros((), dtype=a.dtype).expand(a.shape)
+
+
+def _numel(out: Any) -> int:
+    return sum(t.numel() for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 # --- the backend ----------------------------------------------------------------------------------
@@ -175,9 +310,10 @@ _VALUES_UNDER_VMAP = (
 )
 _VALUES_PER_INSTANCE = (
     "This call runs per instance (uneven blocks or ns.simulate_per_instance), where reading "
-    "values works, but a check has none. Fix: run the call on the simulated mesh to check it, "
-    "or keep per-device code data-independent (torch.where / masks instead of branching on "
-    "values)."
+    "values works, but a check has no values of the blocks or of what is computed from them "
+    "(it reads each instance's ns.axis_index, and a closed-over tensor as it is). Fix: run the "
+    "call on the simulated mesh to check it, or keep per-device code data-independent "
+    "(torch.where / masks instead of branching on values)."
 )
 
 # Messages of torch errors that mean "this op needs tensor values, which meta tensors lack".
@@ -186,7 +322,8 @@ _NEEDS_DATA = ("meta", "data pointer", "no data", "data-dependent", "storage")
 
 #: Runs a call per instance, each on its own block and thread, meeting at each collective
 #: (the simulated backend's ``_per_instance.run``; the API hands it over: a backend imports no
-#: other backend). Its keywords ``inner_mode`` and ``first`` are what a check needs.
+#: other backend). Its keywords ``inner_mode``, ``first`` and ``index_device`` are what a
+#: check needs.
 PerInstance = Callable[..., list[torch.Tensor]]
 
 
@@ -271,7 +408,9 @@ class AbstractBackend:
 
         with self.comms:
             with torch.device(_META):
-                outs = self.per_instance(call, inner_mode=MetaAliases, first=first)
+                outs = self.per_instance(
+                    call, inner_mode=MetaAliases, first=first, index_device=torch.device("cpu")
+                )
             if self.backward:
                 _run_backward(outs)
         return [ShapeDtype(tuple(y.shape), y.dtype) for y in outs]
@@ -287,7 +426,8 @@ class AbstractBackend:
             return None
         return SpmdError(
             f"{where}: check() runs the per-device function on shapes only, and the "
-            f"function needs tensor values:\n  {type(error).__name__}: {str(error).splitlines()[0]}\n"
+            f"function needs tensor values at {user_line(error)}:\n"
+            f"  {type(error).__name__}: {str(error).splitlines()[0]}\n"
             + (_VALUES_PER_INSTANCE if self.instances else _VALUES_UNDER_VMAP)
         )
 

@@ -78,7 +78,7 @@ from ._dist_mesh import (
     mesh_from_device_mesh,
     registered_mesh,
 )
-from ._dist_uneven_primitives import UnevenPrimitives
+from ._dist_uneven_primitives import UnevenPrimitives, exchange
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -216,6 +216,12 @@ class DistributedContext(TrackedContext):
 
     def permute(self, x, axes, pairs):
         return self.mesh.comm(axes).permute(x, pairs)
+
+    def every_instance(self, values):
+        # (a few integers: one exchange over the whole mesh, not counted by CommMode)
+        with torch_private.DisableTorchFunction():
+            rows = exchange(self.mesh.comm(self.mesh.axis_names), list(values))
+        return [tuple(r) for r in rows]
 
     def all_to_all_sizes(self, x, axes, dim, sent, received):
         received_rows = self.mesh.comm(axes).all_to_all_rows(x.movedim(dim, 0), sent, received)
