@@ -182,6 +182,16 @@ class SpmdContext(ABC):
         values alone, and must raise an error on every rank alike)."""
         raise NotImplementedError(f"{type(self).__name__} exchanges no host values")
 
+    #: The error every instance raises alike, each having every instance's values (an exchange
+    #: such as :meth:`every_instance`'s): a real mesh posts it to no failure board (no peer
+    #: waits for it) and adds no note saying that one rank failed.
+    raised_alike: BaseException | None = None
+
+    def alike(self, error: BaseException) -> BaseException:
+        """``error``, marked as raised on every instance alike (:attr:`raised_alike`)."""
+        self.raised_alike = error
+        return error
+
     def all_to_all_sizes(
         self,
         x: torch.Tensor,

@@ -365,16 +365,18 @@ def _one_size_everywhere(ctx: SpmdContext, sent: tuple[int, ...]) -> None:
     where = f"all_to_all in {ctx.fn_label}"
     unequal = next((s for s in every if len(set(s)) > 1), None)
     if unequal is not None:
-        raise _unequal_sizes(where, unequal)
+        raise ctx.alike(_unequal_sizes(where, unequal))
     other = next((k for k, s in enumerate(every) if s != every[0]), None)
     if other is not None:  # (their operands differ in shape: no vmap execution has them)
         first, at = (coords_text(ctx.mesh.coords(k)) for k in (0, other))
-        raise CollectiveError(
-            f"{where}: the instances' split_sizes differ (the instance at {first} gives "
-            f"{list(every[0])}, the one at {at} {list(every[other])}), so their operands and "
-            "the blocks they receive differ in size, which an even call on a real mesh cannot "
-            "hold (one shape for every instance, as in the vmap simulation). Fix: run the call "
-            "under `with ns.simulate_per_instance():` (each instance on its own block)."
+        raise ctx.alike(
+            CollectiveError(
+                f"{where}: the instances' split_sizes differ (the instance at {first} gives "
+                f"{list(every[0])}, the one at {at} {list(every[other])}), so their operands and "
+                "the blocks they receive differ in size, which an even call on a real mesh cannot "
+                "hold (one shape for every instance, as in the vmap simulation). Fix: run the call "
+                "under `with ns.simulate_per_instance():` (each instance on its own block)."
+            )
         )
 
 

@@ -89,14 +89,7 @@ class UnevenPrimitives:
 
     uneven = True
     mesh: Any  # (the context's: a DistributedMesh)
-    # the error every rank raises alike (every rank has every row of an exchange): it is not
-    # posted to the failure board (no peer waits for it) and no note says a rank failed alone
-    raised_alike: BaseException | None = None
-
-    def alike(self, error: BaseException) -> BaseException:
-        """``error``, marked as raised on every rank alike (:attr:`raised_alike`)."""
-        self.raised_alike = error
-        return error
+    alike: Any  # (the context's: ``SpmdContext.alike``)
 
     def sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
         """``params``, with the blocks' sizes appended for a tiled all_gather / psum_scatter

@@ -5,23 +5,17 @@
 own ``DeviceMesh`` with ``mesh_dim_names`` works as ``mesh=`` too (the meshes: ``_dist_mesh``).
 This module runs a call on one: the per-device function runs once per process, on local blocks:
 
-* Inputs: a ``DTensor`` on the same DeviceMesh gives its local shard (its placements must be the
-  ones the in_spec describes: ``Shard(d)`` on every mesh dim that splits tensor dim ``d``,
-  ``Replicate()`` elsewhere); a plain tensor is the global value, present on every rank, and this
-  rank takes its block. A plain tensor's gradient is the global gradient on every rank (its
-  backward gathers the blocks: pass DTensors to avoid that communication when training).
+* Inputs: a ``DTensor`` on the same DeviceMesh gives its local shard (its placements the
+  in_spec's); a plain tensor is the global value, present on every rank, and this rank takes its
+  block (its gradient, the global one on every rank, gathers the blocks: pass DTensors).
 * Outputs: DTensors with placements from out_specs, so ``out.full_tensor()`` is the simulated
-  backend's result. ``out.to_local()`` (or :func:`to_local` for a pytree) gives this rank's
-  block as a plain tensor. A tuple entry in non-mesh order, e.g. ``P(('tp', 'dp'))`` on a
-  ``('dp', 'tp')`` mesh, has no DTensor placement: the blocks are exchanged (one ppermute) so the
-  DTensor, in mesh order, holds the same global value; DTensor inputs get the inverse exchange.
-  With ``check_vma=False``, an unnamed axis over which the value varies gets member 0's value
-  (one broadcast), as in the simulated backend.
-* vma is stamped per tensor (``_tracking.VmaMode``), so implicit pvary, the out_specs check and
-  the collectives' rules behave exactly as in the simulated backend.
+  backend's result (:func:`to_local`: this rank's blocks). A tuple entry in non-mesh order
+  (``P(('tp', 'dp'))`` on a ``('dp', 'tp')`` mesh) has no placement: one ppermute relays the
+  blocks, and DTensor inputs get the inverse. With ``check_vma=False``, an unnamed axis over
+  which the value varies gets member 0's value (one broadcast), as in the simulated backend.
+* vma is stamped per tensor (``_tracking.VmaMode``): the rules are the simulated backend's.
 * The backward psum of a pvary (a replicated weight's gradient) overlaps with the rest of the
-  backward pass (``_dist_overlap``); those of one backward pass share bucketed all-reduces
-  (``_dist_buckets``, ``ns.set_grad_bucket_mb``).
+  backward pass (``_dist_overlap``), in bucketed all-reduces (``_dist_buckets``).
 
 Failures: see ``_dist_failures`` (a rank that raises makes the others raise RankFailedError
 naming it; ``NAMED_SPMD_DEBUG=1`` checks that all ranks call the same collectives).
@@ -354,7 +348,7 @@ def run(call: Call) -> list[Any]:
     except BaseException as raised:
         mesh.pending_check = None  # issued on every rank: it completes without this one
         e = _told_per_rank(ctx, raised, call)
-        if e is not getattr(ctx, "raised_alike", None):  # (else no peer waits for it)
+        if e is not ctx.raised_alike:  # (else no peer waits for it)
             board.post(e)
             if hasattr(e, "add_note"):
                 coords = coords_text(mesh.my_coords)
