@@ -15,8 +15,8 @@
   views' gradient psums share the buckets of weights used directly).
 * ``shared``: weights that receive one gradient tensor (both operands of ``x * (a + b)``), as
   DTensors sharded and replicated (the latter through the bucketed psum) and as plain tensors,
-  two backward passes accumulated: whether every ``.grad`` has its own storage, and the
-  gradients after the first one's is doubled in place.
+  two backward passes accumulated: whether every ``.grad`` is a plain tensor on its own storage,
+  and the gradients after the first one's is doubled in place.
 * ``mixed``: weights of odd sizes (padding between slots), a weight also used outside the call
   and one used by two calls (their second contribution reads a pending gradient before its
   bucket filled), two backward passes accumulated: gradients and the bitwise check.
@@ -195,7 +195,8 @@ def shared_params(axis: str | None):
 def shared_grads(mesh, dtensors: bool, axis: str | None) -> dict:
     """``x * (a + b)`` weighted by ``w`` summed, two backward passes (the second with ``2 *
     x``), then ``a.grad`` doubled in place (as gradient clipping scales each ``.grad``): the
-    global gradients of ``a`` and ``b``, and whether their ``.grad`` storages differ."""
+    global gradients of ``a`` and ``b``, whether their ``.grad`` (local) tensors are plain, and
+    whether their storages differ."""
     x, a, b, w = shared_params(axis)
     spec = P(axis)
     params = ns.shard([a, b], mesh, spec) if dtensors else [a.clone(), b.clone()]
@@ -206,13 +207,11 @@ def shared_grads(mesh, dtensors: bool, axis: str | None) -> dict:
     for step in range(2):
         (_full(f((step + 1) * x, a, b)) * w).sum().backward()
 
-    def storage(t):
-        t = t.to_local() if hasattr(t, "placements") else t
-        return getattr(t, "elem", t).untyped_storage().data_ptr()  # (a pending gradient's)
-
-    own = storage(a.grad) != storage(b.grad)
+    local = [g.to_local() if hasattr(g, "placements") else g for g in (a.grad, b.grad)]
+    plain = all(type(t) is torch.Tensor for t in local)  # no pending gradient kept
+    own = plain and local[0].untyped_storage().data_ptr() != local[1].untyped_storage().data_ptr()
     a.grad.mul_(2)
-    return {"own": own, "grads": [_full(a.grad).tolist(), _full(b.grad).tolist()]}
+    return {"own": own, "plain": plain, "grads": [_full(a.grad).tolist(), _full(b.grad).tolist()]}
 
 
 class _AllReduces:

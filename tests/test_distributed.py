@@ -295,7 +295,7 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
     want_shared = {axis: _dense_shared_grads(axis) for axis in (None, "dp")}
     for axis, want_grads in want_shared.items():  # the simulated mesh's plain weights too
         got_shared = gb.shared_grads(sim, False, axis)
-        assert got_shared["own"], axis
+        assert got_shared["plain"] and got_shared["own"], axis
         for got, ref in zip(got_shared["grads"], want_grads):
             torch.testing.assert_close(torch.tensor(got, dtype=ref.dtype), ref, msg=str(axis))
     assert want_psums == gb.N64 + gb.N32 and want_view_psums == gb.N_VIEWS
@@ -321,7 +321,7 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
                     torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
                 )
         for kind, shared in o["shared"].items():  # one gradient tensor for two weights
-            assert shared["own"], (where, kind)  # each .grad on its own storage
+            assert shared["plain"] and shared["own"], (where, kind)  # plain, own storage
             for got, ref in zip(shared["grads"], want_shared[gb.SHARED_KINDS[kind][1]]):
                 torch.testing.assert_close(
                     torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
