@@ -41,6 +41,27 @@ def differentiable(x: torch.Tensor) -> bool:
     )
 
 
+def unshared(g: torch.Tensor) -> torch.Tensor:
+    """``g``, or a copy of it where an earlier call already returned ``g``: the gradient that
+    a backward of the package hands on to an input as a fresh wrapper or view of ``g``.
+
+    Autograd hands one tensor to several consumers (both operands of ``a + b`` get the
+    cotangent itself). ``AccumulateGrad`` stores a gradient that nothing else holds as the
+    leaf's ``.grad`` without copying it; a fresh DTensor or view around ``g`` is held by
+    nothing else (torch's count of ``g``'s own uses misses a DTensor holding it, and views:
+    pytorch/pytorch#34082). Two parameters would get ``.grad`` on one storage, and an in-place
+    update of one (clipping, weight decay, accumulation) would change the other. The mark
+    goes on ``g`` itself: no registry to clear, and it dies with ``g``."""
+    held = g.__dict__
+    if _HANDED_ON in held:
+        return g.clone()  # (a pending gradient's waits for its sum: a plain tensor)
+    held[_HANDED_ON] = True
+    return g
+
+
+_HANDED_ON = "_named_spmd_handed_on"
+
+
 class CollectiveFn(torch.autograd.Function):
     """``rec`` applied to ``x`` on ``spmd`` (a backend context); backward: ``rec.transpose``
     (through ``rec.backward``), forward mode: ``rec.jvp`` (through ``rec.tangent``)."""

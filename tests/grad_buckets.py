@@ -13,6 +13,10 @@
 * ``views``: a chain that uses each weight through a view (``h @ w.T``, ``h @ w[:4]``), as plain
   tensors and as DTensors: gradients, all-reduces and recorded psums, as for ``uniform`` (the
   views' gradient psums share the buckets of weights used directly).
+* ``shared``: weights that receive one gradient tensor (both operands of ``x * (a + b)``), as
+  DTensors sharded and replicated (the latter through the bucketed psum) and as plain tensors,
+  two backward passes accumulated: whether every ``.grad`` is a plain tensor on its own storage,
+  and the gradients after the first one's is doubled in place.
 * ``mixed``: weights of odd sizes (padding between slots), a weight also used outside the call
   and one used by two calls (their second contribution reads a pending gradient before its
   bucket filled), two backward passes accumulated: gradients and the bitwise check.
@@ -170,6 +174,46 @@ def mixed_grads(mesh) -> list[torch.Tensor]:
     return [w.grad for w in ws]
 
 
+# name -> (as DTensors, the weights' sharded axis)
+SHARED_KINDS = {
+    "dtensor_sharded": (True, "dp"),
+    "dtensor_replicated": (True, None),
+    "plain_replicated": (False, None),
+}
+
+
+def shared_params(axis: str | None):
+    """``x`` (split over ``dp``), weights ``a`` and ``b`` (split over ``axis``, or the shape of
+    one block of ``x`` where replicated) and the loss's weighting ``w`` (of ``x``'s shape)."""
+    gen = torch.Generator().manual_seed(14)
+    x, w = (torch.randn(2 * 3, SIDE, generator=gen, dtype=torch.float64) for _ in range(2))
+    rows = 2 * 3 if axis else 3
+    a, b = (torch.randn(rows, SIDE, generator=gen, dtype=torch.float64) for _ in range(2))
+    return x, a, b, w
+
+
+def shared_grads(mesh, dtensors: bool, axis: str | None) -> dict:
+    """``x * (a + b)`` weighted by ``w`` summed, two backward passes (the second with ``2 *
+    x``), then ``a.grad`` doubled in place (as gradient clipping scales each ``.grad``): the
+    global gradients of ``a`` and ``b``, whether their ``.grad`` (local) tensors are plain, and
+    whether their storages differ."""
+    x, a, b, w = shared_params(axis)
+    spec = P(axis)
+    params = ns.shard([a, b], mesh, spec) if dtensors else [a.clone(), b.clone()]
+    a, b = [t.requires_grad_() for t in params]
+    f = ns.spmd_map(
+        lambda x, a, b: x * (a + b), mesh=mesh, in_specs=(P("dp"), spec, spec), out_specs=P("dp")
+    )
+    for step in range(2):
+        (_full(f((step + 1) * x, a, b)) * w).sum().backward()
+
+    local = [g.to_local() if hasattr(g, "placements") else g for g in (a.grad, b.grad)]
+    plain = all(type(t) is torch.Tensor for t in local)  # no pending gradient kept
+    own = plain and local[0].untyped_storage().data_ptr() != local[1].untyped_storage().data_ptr()
+    a.grad.mul_(2)
+    return {"own": own, "plain": plain, "grads": [_full(a.grad).tolist(), _full(b.grad).tolist()]}
+
+
 class _AllReduces:
     """torch's own count of the all-reduces issued inside (CommDebugMode sees c10d ops)."""
 
@@ -213,6 +257,7 @@ def run(mesh) -> list[dict]:
                 "psums": view_psums,
             }
         mixed = mixed_grads(mesh)
+        shared = {k: shared_grads(mesh, *how) for k, how in SHARED_KINDS.items()}
         accumulated = accumulated_grads(mesh, second)
         outcomes.append(
             {
@@ -227,6 +272,7 @@ def run(mesh) -> list[dict]:
                 "accumulating_all_reduces": second.count,
                 "hooked_ok": hooked_accumulation_ok(mesh),
                 "views": views,
+                "shared": shared,
                 "psums": psums,
                 "left": _registry() - before,
                 "plain": all(type(g) is torch.Tensor for g in grads + mixed + accumulated),

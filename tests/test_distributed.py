@@ -292,6 +292,12 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
     want_mixed = gb.mixed_grads(sim)
     want_accumulated = gb.accumulated_grads(sim)
     want_views, want_view_psums = gb.view_grads(sim)
+    want_shared = {axis: _dense_shared_grads(axis) for axis in (None, "dp")}
+    for axis, want_grads in want_shared.items():  # the simulated mesh's plain weights too
+        got_shared = gb.shared_grads(sim, False, axis)
+        assert got_shared["plain"] and got_shared["own"], axis
+        for got, ref in zip(got_shared["grads"], want_grads):
+            torch.testing.assert_close(torch.tensor(got, dtype=ref.dtype), ref, msg=str(axis))
     assert want_psums == gb.N64 + gb.N32 and want_view_psums == gb.N_VIEWS
     for o in outcomes:
         assert "error" not in o, o["message"]
@@ -314,6 +320,12 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
                 torch.testing.assert_close(
                     torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
                 )
+        for kind, shared in o["shared"].items():  # one gradient tensor for two weights
+            assert shared["plain"] and shared["own"], (where, kind)  # plain, own storage
+            for got, ref in zip(shared["grads"], want_shared[gb.SHARED_KINDS[kind][1]]):
+                torch.testing.assert_close(
+                    torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
+                )
         got_all = o["grads"] + o["mixed"] + o["accumulated"]
         for got, ref in zip(got_all, want + want_mixed + want_accumulated):
             # float32 tolerance throughout: the chain's float64 gradients also flow back through
@@ -322,6 +334,20 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
             torch.testing.assert_close(
                 torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-5, atol=1e-6, msg=where
             )
+
+
+def _dense_shared_grads(axis) -> list:
+    """tests/grad_buckets.py's ``shared`` case on one device (the blocks of ``x`` stacked, the
+    weights those of each block or broadcast to all): its two backward passes, then the first
+    weight's gradient doubled in place."""
+    import grad_buckets as gb
+
+    x, a, b, w = (t.view(-1, 3, gb.SIDE) for t in gb.shared_params(axis))
+    a, b = a.requires_grad_(), b.requires_grad_()
+    for step in range(2):
+        ((step + 1) * x * (a + b) * w).sum().backward()
+    a.grad.mul_(2)
+    return [a.grad.flatten(0, 1), b.grad.flatten(0, 1)]
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), "25", True])

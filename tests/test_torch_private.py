@@ -433,6 +433,16 @@ def test_node_class_is_the_class_of_a_functions_grad_fn():
     assert type((y * 1).grad_fn) is not torch_private.node_class(_Double)
 
 
+def test_accumulate_grad_and_add_backward_are_the_classes_of_a_leaf_and_a_sum_nodes():
+    a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    node = (a + b).grad_fn
+    assert type(node) is torch_private.AddBackward
+    assert type((a - b).grad_fn) is not torch_private.AddBackward
+    leaves = [type(n) for n, _ in node.next_functions]
+    assert leaves == [torch_private.AccumulateGrad] * 2
+    assert node.next_functions[0][0].variable is a
+
+
 def test_watched_sees_a_hook_and_retain_grad():
     x = torch.randn(3, requires_grad=True) * 2
     assert not torch_private.watched(x)

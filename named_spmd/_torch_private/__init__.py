@@ -20,6 +20,7 @@ if TORCH_VERSION < (2, 13):  # pragma: no cover - the gate the pins below were w
 
 from .autograd import (  # noqa: E402 - after the version gate
     AccumulateGrad,
+    AddBackward,
     DeviceContext,
     DisableTorchFunction,
     below_autograd,
@@ -102,6 +103,7 @@ from .functorch import (  # noqa: E402 - after the version gate
 
 __all__ = [
     "AccumulateGrad",
+    "AddBackward",
     "DeviceContext",
     "DisableFuncTorch",
     "DisableTorchFunction",

@@ -19,6 +19,7 @@ function_base_apply = torch._C._FunctionBase.__dict__["apply"]
 current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 # (torch's stubs lack AccumulateGrad and Tensor._use_count, both bound in C++)
 AccumulateGrad = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+AddBackward = torch._C._functions.AddBackward0  # type: ignore[attr-defined]  # (a + b)'s node
 below_autograd = torch._C._AutoDispatchBelowAutograd
 
 

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from .. import _torch_private as torch_private
-from .._autodiff import below_functionalize, differentiable
+from .._autodiff import below_functionalize, differentiable, unshared
 from .._spec import PartitionSpec
 from . import _dist_overlap as overlap
 
@@ -108,7 +108,7 @@ class _LocalOf(torch.autograd.Function):
     def backward(ctx, g):
         if differentiable(g):  # double backward: a recorded conversion
             return _from_local(ctx.mesh, g, ctx.places), None, None
-        g = overlap.settled(g)
+        g = overlap.settled(unshared(g))
         if ctx.leaf is not None:  # its .grad may hold the pending wrapper: plain once reduced
             fix = functools.partial(_plain_local_grad, ctx.leaf, ctx.mesh)
             overlap.into_leaf(g, ctx.leaf, fix)
@@ -268,7 +268,7 @@ class _UnevenLocalOf(torch.autograd.Function):
     def backward(ctx, g):
         if differentiable(g):  # double backward: a recorded conversion
             return _UnevenDTensorOf.apply(g, ctx.mesh, ctx.places, ctx.shape), None, None
-        g = overlap.settled(g)
+        g = overlap.settled(unshared(g))
         if overlap.is_pending_wrapper(g):
             g = torch_private.async_wait(g)
         return _shaped(ctx.mesh, g, ctx.places, ctx.shape), None, None

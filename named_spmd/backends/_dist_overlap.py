@@ -217,7 +217,25 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, chain: str = "bac
         if work is not None:
             leaf = source.variable
             _into_leaf(pending, work, leaf, functools.partial(plain_grad, leaf))
+    elif type(source) is torch_private.AddBackward:
+        for leaf in _summed_leaves(source):
+            when_reduced(pending, functools.partial(plain_grad, leaf))
     return pending
+
+
+def _summed_leaves(node) -> list[torch.Tensor]:
+    """The plain leaves that a sum's backward ``node`` (through nested sums) hands its gradient
+    on to unchanged (both operands of ``a + b`` get the cotangent itself): the last of them to
+    accumulate keeps a pending gradient as its ``.grad`` (``AccumulateGrad`` copies it for the
+    others), which :func:`plain_grad` then replaces by the plain tensor."""
+    leaves, todo = [], [node]
+    while todo:
+        for nxt, _ in todo.pop().next_functions:
+            if type(nxt) is torch_private.AccumulateGrad:
+                leaves.append(nxt.variable)
+            elif type(nxt) is torch_private.AddBackward:
+                todo.append(nxt)
+    return leaves
 
 
 def _into_bucket(buf: torch.Tensor, comm: Comm, task: int, cap: int) -> torch.Tensor:
