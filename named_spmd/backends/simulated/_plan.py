@@ -92,13 +92,14 @@ def enter_blocks(local: list[Any], views: Sequence[tuple]) -> None:
             params.append(view)
         else:
             local[view[0]] = _view(x, view[1], view[2])
+    if not params:
+        return
     if (
-        len(params) < 2  # a lone view's gradient is no other view's: nothing to unshare
-        or not torch.is_grad_enabled()
+        not torch.is_grad_enabled()
         or transforms_active()
         or forward_level() >= 0
         or torch.compiler.is_compiling()
-    ):  # (no AccumulateGrad below, or a path that cannot take the Function)
+    ):  # no AccumulateGrad below, or a path that cannot take the Function
         for i, split, perm in params:
             local[i] = _view(local[i], split, perm)
         return
