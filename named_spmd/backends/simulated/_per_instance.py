@@ -54,7 +54,7 @@ from ..._stamps import TrackedContext
 from ..._tracking import VmaMode
 from ..._types import Vma
 from ._meeting import Aborted, Meeting
-from ._plan import enter_blocks
+from ._plan import blocks_view
 
 if TYPE_CHECKING:
     from ..._call import Call
@@ -302,15 +302,16 @@ def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[l
     out = []
     for i in range(mesh.size):
         coords = coords_of(i, names, sizes)
-        mine: list[Any] = [
-            leaf if blocks is None else blocks[split_index(spec, leaf.dim(), sizes, coords)]
-            for leaf, spec, blocks in zip(leaves, specs, per_leaf)
-        ]
-        views = [(j, list(x.shape), None) for j, x in enumerate(mine) if isinstance(x, Tensor)]
-        enter_blocks(mine, views)  # tensor objects of the instance's own
-        for j, _, _ in views:
-            if any(coords[a] != 0 for a in specs[j].unreduced):
-                mine[j] = torch.zeros_like(mine[j])  # parts: the first member's is the value
+        mine: list[Any] = []
+        for leaf, spec, blocks in zip(leaves, specs, per_leaf):
+            if not isinstance(leaf, Tensor):
+                mine.append(leaf)
+                continue
+            x = leaf if blocks is None else blocks[split_index(spec, leaf.dim(), sizes, coords)]
+            x = blocks_view(x, list(x.shape), None)  # a view; a parameter's: unshared grads
+            if any(coords[a] != 0 for a in spec.unreduced):
+                x = torch.zeros_like(x)  # parts of the value: the first member's is the value
+            mine.append(x)
         out.append(mine)
     return out
 

@@ -81,65 +81,43 @@ def _make_entry(
     return Entry(order, views, batched, partial, blocks, tensor_pos[0] if tensor_pos else None)
 
 
-def enter_blocks(local: list[Any], views: Sequence[tuple]) -> None:
-    """Input ``local[i]`` as [mesh dims, *local], for each ``(i, split, perm)`` of ``views``:
-    reshaped to ``split``, then permuted by ``perm`` (a view). The parameters' views are one
-    :class:`_ParameterBlocks` node's (see there)."""
-    params = []
-    for view in views:
-        x = local[view[0]]
-        if x.requires_grad and x.is_leaf:
-            params.append(view)
-        else:
-            local[view[0]] = _view(x, view[1], view[2])
-    if not params:
-        return
+def blocks_view(x: torch.Tensor, split: list[int], perm: list[int] | None) -> torch.Tensor:
+    """Input ``x`` as [mesh dims, *local]: reshaped to ``split``, then permuted by ``perm``. A
+    parameter's view is :class:`_ParameterBlocks`'s (see there)."""
     if (
-        not torch.is_grad_enabled()
-        or transforms_active()
-        or forward_level() >= 0
-        or torch.compiler.is_compiling()
-    ):  # no AccumulateGrad below, or a path that cannot take the Function
-        for i, split, perm in params:
-            local[i] = _view(local[i], split, perm)
-        return
-    outs = _parameter_blocks(tuple(params), *(local[view[0]] for view in params))
-    for view, y in zip(params, outs):
-        local[view[0]] = y
-
-
-def _view(x: torch.Tensor, split: list[int], perm: list[int] | None) -> torch.Tensor:
+        x.requires_grad
+        and x.is_leaf
+        and torch.is_grad_enabled()
+        and not transforms_active()
+        and forward_level() < 0
+        and not torch.compiler.is_compiling()
+    ):
+        return _parameter_blocks(x, split, perm)
     y = x.reshape(split)
     return y if perm is None else y.permute(perm)
 
 
 class _ParameterBlocks(torch.autograd.Function):
-    """The views of a call's parameters, one node: its backward gives each parameter a gradient
-    of its own. A view's gradient is a view of the gradient of its blocks, which
-    ``AccumulateGrad`` keeps as ``.grad`` without a copy, and two parameters may get one
-    gradient of their blocks (both operands of ``a + b``): ``unshared``. One node per call,
-    not one per parameter: a Python node costs about 20 us per backward."""
+    """A parameter's view as [mesh dims, *local], whose backward gives it a gradient of its
+    own: the view's gradient, a view of the blocks' gradient, is what ``AccumulateGrad`` keeps
+    as ``.grad`` without a copy, and two parameters may get one gradient of their blocks (both
+    operands of ``a + b``): ``unshared``."""
 
     @staticmethod
-    def forward(views, *xs):
-        return tuple(_view(x, split, perm) for x, (_, split, perm) in zip(xs, views))
+    def forward(x, split, perm):
+        y = x.reshape(split)
+        return y if perm is None else y.permute(perm)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.set_materialize_grads(False)  # an unused parameter: no zeros
-        ctx.views, ctx.shapes = inputs[0], [x.shape for x in inputs[1:]]
+        ctx.shape, ctx.perm = inputs[0].shape, inputs[2]
 
     @staticmethod
-    def backward(ctx, *grads):
-        out: list[torch.Tensor | None] = [None]
-        for g, (_, _, perm), shape in zip(grads, ctx.views, ctx.shapes):
-            if g is not None:
-                g = unshared(g)
-                if perm is not None:
-                    g = g.permute(sorted(range(len(perm)), key=perm.__getitem__))
-                g = g.reshape(shape)
-            out.append(g)
-        return tuple(out)
+    def backward(ctx, g):
+        g = unshared(g)
+        if ctx.perm is not None:
+            g = g.permute(sorted(range(len(ctx.perm)), key=ctx.perm.__getitem__))
+        return g.reshape(ctx.shape), None, None
 
 
 _parameter_blocks = function_base_apply.__get__(None, _ParameterBlocks)
