@@ -6,7 +6,6 @@ independent references (the per-instance reference loop and the dense program)."
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 
 import pytest
@@ -186,27 +185,3 @@ def test_ns_random_draws_are_the_vmap_executions():
         want = f(h)
         with ns.simulate_per_instance():
             assert torch.equal(f(h), want)
-
-
-@pytest.mark.parametrize("per_instance", [False, True], ids=["vmap", "per-instance"])
-@pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "tp"), P("tp", "dp"), P(("tp", "dp"))])
-def test_parameters_given_one_gradient_get_a_grad_of_their_own(spec, per_instance):
-    """``a + b`` gives both parameters one gradient tensor, and the view through which each
-    enters the call hands it on as a view: AccumulateGrad would keep both as ``.grad`` on one
-    storage (pytorch/pytorch#34082), so that doubling one in place (as gradient clipping
-    scales) doubled the other. Two backward passes accumulated, against the dense program."""
-    gen = torch.Generator().manual_seed(5)
-    a, b, w = (torch.randn(4, 4, generator=gen, dtype=torch.float64) for _ in range(3))
-    f = ns.spmd_map(lambda a, b: a + b, mesh=MESH, in_specs=(spec, spec), out_specs=spec)
-    grads = []
-    for run in (f, torch.add):
-        params = [a.clone().requires_grad_(), b.clone().requires_grad_()]
-        with ns.simulate_per_instance() if per_instance and run is f else contextlib.nullcontext():
-            for step in (1, 2):
-                (run(*params) * w * step).sum().backward()
-        params[0].grad.mul_(2)
-        grads.append([p.grad for p in params])
-    (got_a, got_b), want = grads
-    assert got_a.untyped_storage().data_ptr() != got_b.untyped_storage().data_ptr()
-    torch.testing.assert_close(got_a, want[0])
-    torch.testing.assert_close(got_b, want[1])

@@ -42,7 +42,7 @@ from . import _inner_grad, _one_instance, _per_instance, _planned
 from . import _instances as _instances  # installs the per-instance printing of values
 from ._compiled import compiled_pieces_eagerly
 from ._diagnose import explained
-from ._plan import blocks_view, from_physical, input_entry, partial_input
+from ._plan import from_physical, input_entry, partial_input
 from ._primitives import SimulatedContext
 from ._recording import ImplicitPvaryRecorder
 
@@ -177,7 +177,8 @@ def run(call: Call) -> list[torch.Tensor]:
     entry = input_entry(call, forced)
     local = list(leaves)
     for i, split, perm in entry.views:
-        local[i] = blocks_view(leaves[i], split, perm)
+        x = leaves[i].reshape(split)
+        local[i] = x if perm is None else x.permute(perm)
     device = torch.device("cpu") if entry.first is None else leaves[entry.first].device
     # a call whose inputs hold blocks is typed per op once per signature (``_planned``); its
     # table is looked up outside the levels (a transform around the call is typed every time)

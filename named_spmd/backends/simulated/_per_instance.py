@@ -54,7 +54,6 @@ from ..._stamps import TrackedContext
 from ..._tracking import VmaMode
 from ..._types import Vma
 from ._meeting import Aborted, Meeting
-from ._plan import blocks_view
 
 if TYPE_CHECKING:
     from ..._call import Call
@@ -308,7 +307,7 @@ def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[l
                 mine.append(leaf)
                 continue
             x = leaf if blocks is None else blocks[split_index(spec, leaf.dim(), sizes, coords)]
-            x = blocks_view(x, list(x.shape), None)  # a view; a parameter's: unshared grads
+            x = x.view_as(x)
             if any(coords[a] != 0 for a in spec.unreduced):
                 x = torch.zeros_like(x)  # parts of the value: the first member's is the value
             mine.append(x)

@@ -15,12 +15,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..._autodiff import unshared
 from ..._blocks import holds_blocks
 from ..._layout import physical_layout
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
-from ..._torch_private import forward_level, function_base_apply, transforms_active
 
 
 def _default_order(mesh: Mesh, sized: Sequence[tuple[int, PartitionSpec]]) -> list[str]:
@@ -79,48 +77,6 @@ def _make_entry(
     partial = tuple(i for i in tensor_pos if specs[i].reduced or specs[i].unreduced)
     blocks = tuple(i for i in tensor_pos if holds_blocks(specs[i], leaves[i].dim()))
     return Entry(order, views, batched, partial, blocks, tensor_pos[0] if tensor_pos else None)
-
-
-def blocks_view(x: torch.Tensor, split: list[int], perm: list[int] | None) -> torch.Tensor:
-    """Input ``x`` as [mesh dims, *local]: reshaped to ``split``, then permuted by ``perm``. A
-    parameter's view is :class:`_ParameterBlocks`'s (see there)."""
-    if (
-        x.requires_grad
-        and x.is_leaf
-        and torch.is_grad_enabled()
-        and not transforms_active()
-        and forward_level() < 0
-        and not torch.compiler.is_compiling()
-    ):
-        return _parameter_blocks(x, split, perm)
-    y = x.reshape(split)
-    return y if perm is None else y.permute(perm)
-
-
-class _ParameterBlocks(torch.autograd.Function):
-    """A parameter's view as [mesh dims, *local], whose backward gives it a gradient of its
-    own: the view's gradient, a view of the blocks' gradient, is what ``AccumulateGrad`` keeps
-    as ``.grad`` without a copy, and two parameters may get one gradient of their blocks (both
-    operands of ``a + b``): ``unshared``."""
-
-    @staticmethod
-    def forward(x, split, perm):
-        y = x.reshape(split)
-        return y if perm is None else y.permute(perm)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.shape, ctx.perm = inputs[0].shape, inputs[2]
-
-    @staticmethod
-    def backward(ctx, g):
-        g = unshared(g)
-        if ctx.perm is not None:
-            g = g.permute(sorted(range(len(ctx.perm)), key=ctx.perm.__getitem__))
-        return g.reshape(ctx.shape), None, None
-
-
-_parameter_blocks = function_base_apply.__get__(None, _ParameterBlocks)
 
 
 # The caches key on the mesh's (name, size) items as well as the mesh: Mesh equality ignores
