@@ -227,10 +227,14 @@ def _summed_leaves(node) -> list[torch.Tensor]:
     """The plain leaves that a sum's backward ``node`` (through nested sums) hands its gradient
     on to unchanged (both operands of ``a + b`` get the cotangent itself): the last of them to
     accumulate keeps a pending gradient as its ``.grad`` (``AccumulateGrad`` copies it for the
-    others), which :func:`plain_grad` then replaces by the plain tensor."""
-    leaves, todo = [], [node]
+    others), which :func:`plain_grad` then replaces by the plain tensor. Each node once: sums
+    of one sum (``h + h``) would make the paths, not the nodes, grow exponentially."""
+    leaves, todo, seen = [], [node], {node}
     while todo:
         for nxt, _ in todo.pop().next_functions:
+            if nxt is None or nxt in seen:
+                continue
+            seen.add(nxt)
             if type(nxt) is torch_private.AccumulateGrad:
                 leaves.append(nxt.variable)
             elif type(nxt) is torch_private.AddBackward:
