@@ -548,6 +548,7 @@ def _to_member_0(v):
 
 
 CLOSED_OVER = _randn(3, 2, seed=11).requires_grad_()  # a real tensor, met by meta blocks in a check
+SOLVE_BY = torch.eye(3, dtype=F64) * 2  # regular; its CPU stand-in (zeros) is not
 MLP_SPECS = ((P("dp", None), P(None, "tp"), P("tp", None)), P("dp", None))
 X4 = ((4,), ("x",))
 AGREE = {
@@ -625,6 +626,14 @@ AGREE = {
     ),
     "a max of an empty block": (lambda v: v.max()[None], X4, P("x"), P("x"), (9,)),
     "an index into an empty block": (lambda v: v[torch.tensor([0])], X4, P("x"), P("x"), (9,)),
+    # an op whose CPU stand-ins (zeros) raise of their values, not of the empty block: no error
+    "a solve by a closed-over matrix, an empty block": (
+        lambda v: torch.linalg.solve(SOLVE_BY, v.T).T,
+        X4,
+        P("x", None),
+        P("x", None),
+        (9, 3),
+    ),
 }
 
 

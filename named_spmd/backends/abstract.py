@@ -18,6 +18,7 @@ as the backward pass reaches each collective.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -201,26 +202,37 @@ def _empty_operand(args: tuple, kwargs: dict) -> bool:
 def _cpu_error(func: Any, args: tuple, kwargs: dict) -> BaseException | None:
     """The error ``func`` raises on CPU stand-ins of its operands, or None: where it runs,
     where it is no op of values (``_NOT_PROBED``), where it writes into a non-empty tensor (a
-    stand-in cannot take the write) and where the CPU has no kernel (its dtype, a device's
-    own op: the CPU cannot say)."""
+    stand-in cannot take the write), where the CPU has no kernel (its dtype, a device's own op:
+    the CPU cannot say), and where it raises as well with its empty operands made non-empty
+    (size 1 along each empty dim): then the error is of the stand-ins' values (zeros: a
+    singular matrix), not of an operand's emptiness, and the call need not raise it."""
     if func in _NOT_PROBED:
         return None
     with torch_private.DisableTorchFunction():
         target = args[0] if args and is_inplace(func) else kwargs.get("out")
         if isinstance(target, torch.Tensor) and target.numel() > 0:
             return None
-        try:
-            operands: Any = (args, kwargs)  # optree's PyTree is a class to mypy
-            stand_in_args, stand_in_kwargs = optree.tree_map(_stand_in, operands)
-        except Exception:  # noqa: BLE001 - no stand-in for a tensor (its dtype): cannot say
+        error = _error_on(func, args, kwargs, _stand_in)
+        if error is None or _error_on(func, args, kwargs, _filled_stand_in) is not None:
             return None
-        try:
-            with torch.no_grad():
-                func(*stand_in_args, **stand_in_kwargs)
-        except NotImplementedError:
-            return None
-        except Exception as e:  # noqa: BLE001 - the kernel's verdict, told by the caller
-            return None if "not implemented for" in str(e) else e
+        return error
+
+
+def _error_on(func: Any, args: tuple, kwargs: dict, stand_in: Callable) -> BaseException | None:
+    """The error ``func`` raises on ``stand_in``'s CPU stand-ins of its operands, or None where
+    it runs or the CPU cannot say (no stand-in or no kernel for a dtype)."""
+    try:
+        operands: Any = (args, kwargs)  # optree's PyTree is a class to mypy
+        stand_in_args, stand_in_kwargs = optree.tree_map(stand_in, operands)
+    except Exception:  # noqa: BLE001 - no stand-in for a tensor (its dtype): cannot say
+        return None
+    try:
+        with torch.no_grad():
+            func(*stand_in_args, **stand_in_kwargs)
+    except NotImplementedError:
+        return None
+    except Exception as e:  # noqa: BLE001 - the kernel's verdict, told by the caller
+        return None if "not implemented for" in str(e) else e
     return None
 
 
@@ -232,6 +244,17 @@ def _stand_in(a: Any) -> Any:
     if a.numel() == 0:
         return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype)
     return torch.zeros((), dtype=a.dtype).expand(a.shape)
+
+
+def _filled_stand_in(a: Any) -> Any:
+    """``_stand_in``, but an empty ``a`` made zeros of size 1 along each empty dim (of memory
+    of its own where small: an op may write into it)."""
+    if not isinstance(a, torch.Tensor) or a.numel() > 0:
+        return _stand_in(a)
+    shape = tuple(max(n, 1) for n in a.shape)
+    if math.prod(shape) <= _PROBE_LIMIT:
+        return torch.zeros(shape, dtype=a.dtype)
+    return torch.zeros((), dtype=a.dtype).expand(shape)
 
 
 def _numel(out: Any) -> int:
