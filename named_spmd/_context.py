@@ -176,14 +176,21 @@ class SpmdContext(ABC):
     #: and the members' results may differ in shape. Not under vmap, on meta tensors or traced.
     own_values: bool = False
 
-    def every_instance(self, values: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """Every instance's ``values`` (one length on every instance), row-major over the mesh,
-        on every instance alike. Only a real mesh's even call asks (its ranks know their own
-        values alone, and must raise an error on every rank alike)."""
+    #: Whether the call's blocks in and out are the caller's own (a real mesh's ``.local``
+    #: call): its members' blocks, and so their split sizes, may differ as the caller's do.
+    caller_blocks: bool = False
+
+    def every_member(
+        self, axes: Axes, values: tuple[int, ...]
+    ) -> list[tuple[dict[str, int], tuple[int, ...]]]:
+        """Every member's mesh coordinates and ``values`` (one length on every member) in the
+        group of ``axes``, in member order, on every member alike. Only a real mesh's even call
+        asks (its ranks know their own values alone, and must raise an error on every member
+        alike)."""
         raise NotImplementedError(f"{type(self).__name__} exchanges no host values")
 
     #: The error every instance raises alike, each having every instance's values (an exchange
-    #: such as :meth:`every_instance`'s): a real mesh posts it to no failure board (no peer
+    #: such as :meth:`every_member`'s): a real mesh posts it to no failure board (no peer
     #: waits for it) and adds no note saying that one rank failed.
     raised_alike: BaseException | None = None
 

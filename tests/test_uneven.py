@@ -547,17 +547,8 @@ def _to_member_0(v):
     return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=sizes)
 
 
-# all_to_all split sizes per instance (member i sends row i), read by the instance's index:
-# member j receives 7, 7, 7 and 11 rows
-SPLIT_COUNTS = ((0, 1, 2, 5), (5, 2, 1, 0), (1, 1, 1, 5), (1, 3, 3, 1))
-
-
-def _sizes_by_index(v):
-    sizes = list(SPLIT_COUNTS[int(ns.axis_index("x"))])
-    return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=sizes)
-
-
 CLOSED_OVER = _randn(3, 2, seed=11).requires_grad_()  # a real tensor, met by meta blocks in a check
+SOLVE_BY = torch.eye(3, dtype=F64) * 2  # regular; its CPU stand-in (zeros) is not
 MLP_SPECS = ((P("dp", None), P(None, "tp"), P("tp", None)), P("dp", None))
 X4 = ((4,), ("x",))
 AGREE = {
@@ -617,16 +608,6 @@ AGREE = {
         (40,),
     ),
     "all_to_all of every row to member 0": (_to_member_0, X4, P("x", None), P("x"), (10, 3)),
-    "all_to_all of split sizes by index": (_sizes_by_index, X4, P("x"), P("x"), (32,)),
-    "the index, varying": (lambda v: v[:1] * 0 + ns.axis_index("x"), X4, P("x"), P("x"), (10,)),
-    "the index, not invariant": (lambda v: ns.axis_index("x") + 0.0, X4, P("x"), P(), (10,)),
-    "a branch on the index": (
-        lambda v: ns.psum(v * 2 if ns.axis_index("x") == 0 else v[:0], "x"),
-        X4,
-        P("x"),
-        P(),
-        (10,),
-    ),
     # ops that meta kernels let through on an empty block (9 rows over 4: 3, 3, 3, 0), or
     # refuse with another error than the CPU kernel's
     "a max over an empty block": (
@@ -645,6 +626,14 @@ AGREE = {
     ),
     "a max of an empty block": (lambda v: v.max()[None], X4, P("x"), P("x"), (9,)),
     "an index into an empty block": (lambda v: v[torch.tensor([0])], X4, P("x"), P("x"), (9,)),
+    # an op whose CPU stand-ins (zeros) raise of their values, not of the empty block: no error
+    "a solve by a closed-over matrix, an empty block": (
+        lambda v: torch.linalg.solve(SOLVE_BY, v.T).T,
+        X4,
+        P("x", None),
+        P("x", None),
+        (9, 3),
+    ),
 }
 
 
@@ -723,51 +712,40 @@ def test_check_takes_what_the_call_takes():
     x = _randn(10, seed=12)
     want = torch.cat([block * block.sum() for block in x.chunk(4)])
     torch.testing.assert_close(f(x), want)
-    with pytest.raises(ns.SpmdError, match="where reading values works, but a check has no va"):
+    with pytest.raises(ns.SpmdError, match="where reading values works, but a check has none"):
         f.check(x)
     report = ns.spmd_map(_stencil, mesh=mesh, in_specs=P("x"), out_specs=P("x")).check(x)
     assert [str(t) for t in report.types] == ["f64[3]{x}"] and report.out.shape == (10,)
 
 
-def test_check_computes_the_index_s_small_values_only():
-    """A check computes values it knows (the instance's index, small ops of it) as the call,
-    but nothing of a block's size: a block-sized tensor made from the index stays meta."""
-    seen = []
+def test_split_sizes_read_from_the_index_are_the_check_s_limit_naming_the_line():
+    """Split sizes read from a value (here the instance's index) run per instance; a check has
+    no values, so it says so, naming the line."""
+    counts = (
+        (0, 1, 2, 5),
+        (5, 2, 1, 0),
+        (1, 1, 1, 5),
+        (1, 3, 3, 1),
+    )  # member j receives 7, 7, 7, 11
 
-    def f(v):
-        i = ns.axis_index("x")
-        zeros = i.new_zeros(v.shape)
-        seen.append((int(i * 10 + 1), zeros.is_meta))
-        return v + zeros
-
-    mapped = ns.spmd_map(f, mesh=ns.make_mesh((4,), ("x",)), in_specs=P("x"), out_specs=P("x"))
-    with ns.simulate_per_instance():
-        assert mapped.check(ns.ShapeDtype((1 << 24,))).out.shape == (1 << 24,)
-    assert sorted(seen) == [(1, True), (11, True), (21, True), (31, True)]
-
-
-def test_split_sizes_of_data_are_the_check_s_limit_naming_the_line():
-    """Split sizes read from a block's values run per instance; a check cannot know them (its
-    error names the line), where it reads those of the instance's index (above)."""
-
-    def by_data(v, counts):
-        return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=counts[0].tolist())
+    def by_index(v):
+        sizes = list(counts[int(ns.axis_index("x"))])
+        return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=sizes)
 
     mapped = ns.spmd_map(
-        by_data, mesh=ns.make_mesh((4,), ("x",)), in_specs=(P("x"), P("x")), out_specs=P("x")
+        by_index, mesh=ns.make_mesh((4,), ("x",)), in_specs=P("x"), out_specs=P("x")
     )
-    x, counts = _randn(32, seed=14), torch.tensor(SPLIT_COUNTS)
-    want = ns.spmd_map(
-        _sizes_by_index, mesh=ns.make_mesh((4,), ("x",)), in_specs=P("x"), out_specs=P("x")
-    )
+    x = _randn(32, seed=14)
+    blocks = x.split([sum(c) for c in counts])
+    want = torch.cat([torch.cat([b.split(c)[j] for b, c in zip(blocks, counts)]) for j in range(4)])
     with ns.simulate_per_instance():
-        torch.testing.assert_close(mapped(x, counts), want(x))
+        torch.testing.assert_close(mapped(x), want)
         with pytest.raises(ns.SpmdError) as raised:
-            mapped.check(x, counts)
+            mapped.check(x)
     message = str(raised.value)
     assert "needs tensor values at test_uneven.py:" in message
-    assert "(`return ns.all_to_all(v, " in message
-    assert "a check has no values of the blocks" in message
+    assert "sizes = list(counts[int(ns.axis_index(" in message
+    assert "where reading values works, but a check has none" in message
 
 
 def test_a_dim_the_axes_do_not_divide_runs_per_instance_by_default():
@@ -795,9 +773,10 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     against the simulated per-instance execution and a dense program, output types (DTensor
     where Shard holds the blocks, else the global value), the same errors on every rank (out_specs
     errors of some ranks only, outputs all P() compared too, unequal split sizes of an even
-    call's all_to_all, on one instance only too) and the next call running after them, and
-    the DTensors whose blocks are not the spec's refused; and the process-group calls of
-    uneven calls (one exchange of operand shapes per collective)."""
+    call's all_to_all, on one member only too) and the next call running after them, and
+    the DTensors whose blocks are not the spec's refused; the process-group calls of uneven
+    calls (one exchange of operand shapes per collective); and even calls of split sizes the
+    real mesh alone runs (a collective some ranks call, a .local call's unequal sizes)."""
     import json
     import os
 
@@ -808,7 +787,7 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     assert not finished.timed_out, finished.outputs[0][-3000:]
     rows = [json.loads(line) for line in finished.lines("OUTCOME")]
     cases = uneven_dist.CASES + uneven_dist.ERRORS + uneven_dist.REFUSED + uneven_dist.COUNTED
-    cases += uneven_dist.REPLAYED
+    cases += uneven_dist.REPLAYED + uneven_dist.OWN_PROGRAMS
     cases = [c.name for c in cases]
     assert sorted((r["case"], r["rank"]) for r in rows) == sorted(
         (c, rank) for c in cases for rank in range(4)

@@ -127,10 +127,9 @@ def _split_sizes_of(pick: Callable[[], list[int]]):
     return split_by_pick
 
 
-def _unequal_at_1_0() -> list[int]:
-    """Unequal sizes on the instance at a=1, b=0 alone."""
-    here = (int(ns.axis_index("a")), int(ns.axis_index("b")))
-    return [1, 3] if here == (1, 0) else [2, 2]
+def _unequal_at_b0() -> list[int]:
+    """Unequal sizes on the member b=0 of each group of b alone."""
+    return [1, 3] if int(ns.axis_index("b")) == 0 else [2, 2]
 
 
 def _rows_by_index(v):
@@ -423,11 +422,11 @@ ERRORS = [
         switch=False,
         kinds=("CollectiveError: ", "split_sizes [1, 2, 2, 3] are not equal"),
     ),
-    Case(  # of one instance's group only (a=1): every rank raises, the other group's too
-        "split_sizes_unequal_on_one_instance_of_an_even_call",
+    Case(  # of one member of each group (b=0): its group's other member raises too
+        "split_sizes_unequal_on_one_member_of_an_even_call",
         (2, 2),
         ("a", "b"),
-        _split_sizes_of(_unequal_at_1_0),
+        _split_sizes_of(_unequal_at_b0),
         P(("a", "b")),
         P(("a", "b")),
         lambda: (_randn(16, seed=43),),
@@ -840,6 +839,90 @@ REFUSED = [
 ]
 
 
+def _branched(v):
+    """An all_to_all of split sizes over b that the ranks at a=0 alone call."""
+    if int(ns.axis_index("a")) == 0:
+        v = ns.all_to_all(v, "b", 0, 0, tiled=True, split_sizes=[2, 2])
+    return v * 2
+
+
+def _branched_dense(x, rank: int):
+    b0, b1, *others = x.split(4)
+    moved = [torch.cat([b0[2 * j : 2 * j + 2], b1[2 * j : 2 * j + 2]]) for j in range(2)]
+    return torch.cat([*moved, *others]) * 2
+
+
+# the local call's split sizes by rank: rank 3's unequal
+LOCAL_SIZES = ((2, 2, 2, 2),) * 3 + ((1, 3, 2, 2),)
+
+
+def _local_split(v):
+    return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=list(LOCAL_SIZES[RANK[0]])) * 2
+
+
+def _local_split_dense(x, rank: int):
+    return torch.cat([b.split(LOCAL_SIZES[i])[rank] for i, b in enumerate(x.split(8))]) * 2
+
+
+RANK = [0]  # this process's rank (main sets it)
+
+# Even calls of programs the real mesh alone runs (the simulated mesh's vmap reads no value):
+# ``dense(x, rank)``: this rank's output (the global one, or the local block of a .local call;
+# ``kinds``: ("local",)), its gradient from autograd of it, and CommMode's counts: the
+# collective's (and, in a .local call, the sizes' exchange, as the per-instance execution's;
+# an even call's is bookkeeping, not counted).
+OWN_PROGRAMS = [
+    Case(  # the ranks at a=1 call no all_to_all: the sizes' exchange is the group's alone
+        "split_sizes_of_a_collective_some_ranks_call",
+        (2, 2),
+        ("a", "b"),
+        _branched,
+        P(("a", "b")),
+        P(("a", "b")),
+        lambda: (_randn(16, seed=46),),
+        _branched_dense,
+        switch=False,
+    ),
+    Case(  # the blocks in and out are the caller's: unequal split sizes are taken
+        "unequal_split_sizes_of_a_local_call",
+        (4,),
+        ("x",),
+        _local_split,
+        P("x"),
+        P("x"),
+        lambda: (_randn(32, seed=47),),
+        _local_split_dense,
+        switch=False,
+        kinds=("local",),
+    ),
+]
+
+
+def check_own_program(case: Case, real_mesh, sim_mesh) -> list[str]:
+    problems: list[str] = []
+    f = ns.spmd_map(case.fn, mesh=real_mesh, in_specs=case.in_specs, out_specs=case.out_specs)
+    (x,) = (a.clone().requires_grad_() for a in case.args())
+    local = case.kinds == ("local",)
+    with ns.CommMode() as comms:
+        out = _global(f.local(x.split(8)[RANK[0]]) if local else f(x))
+        (grad,) = torch.autograd.grad((out * _cotangents([out])[0]).sum(), x)
+    # every rank's loss in the program's (one global output, or a local block per rank)
+    wants = [case.dense(x, r) for r in (range(4) if local else [RANK[0]])]
+    loss = sum((w * _cotangents([w])[0]).sum() for w in wants)
+    (want_grad,) = torch.autograd.grad(loss, x)
+    _close(out, case.dense(x, RANK[0]), "values", problems)
+    if local:  # (a local call's input is this rank's block: its gradient, that block's)
+        grad, want_grad = grad.split(8)[RANK[0]], want_grad.split(8)[RANK[0]]
+    _close(grad, want_grad, "gradients", problems)
+    called = local or RANK[0] < 2
+    axes = case.names[-1:]
+    counted = {("forward", "all_to_all", axes): 1 + local, ("backward", "all_to_all", axes): 1}
+    got = {k: v for k, v in comms.counts().items() if k[1] == "all_to_all"}
+    if got != (counted if called else {}):
+        problems.append(f"counts {comms.counts()}")
+    return problems + _still_in_step(real_mesh)
+
+
 def check_refused(case: Case, real_mesh, sim_mesh) -> list[str]:
     try:
         run_case(case, real_mesh, True)
@@ -1030,7 +1113,9 @@ def main() -> None:
         shape: (ns.make_mesh(shape, names), ns.make_mesh(shape, names, simulated=True))
         for shape, names in (((4,), ("x",)), ((2, 2), ("a", "b")))
     }
+    RANK[0] = dist.get_rank()
     checkers = ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED))
+    checkers += ((check_own_program, OWN_PROGRAMS),)
     for checker, cases in (*checkers, (check_calls, COUNTED), (check_replayed, REPLAYED)):
         for case in cases:
             if sys.argv[1:] and case.name not in sys.argv[1:]:  # (names given: only those)

@@ -336,7 +336,7 @@ def _received_sizes(
 ) -> tuple[int, ...]:
     """The sizes the members send to this one: their sizes, exchanged (a backend whose sizes
     may differ between members), else this one's own (all equal: the check above, or, in an
-    even call on a real mesh, :func:`_one_size_everywhere`).
+    even call on a real mesh, :func:`_one_size_in_the_group`).
 
     Host integers, no values of the program: exchanged on the operand's device, on the CPU
     where it is meta (a check of a call run per instance: the sizes are known there, and its
@@ -344,8 +344,8 @@ def _received_sizes(
     move them to meta)."""
     if not ctx.own_values:
         return sent
-    if not ctx.uneven:
-        _one_size_everywhere(ctx, sent)
+    if not ctx.uneven and not ctx.caller_blocks:
+        _one_size_in_the_group(ctx, axes, sent)
         return sent
     if device is not None and device.type == "meta":
         device = torch.device("cpu")
@@ -354,28 +354,30 @@ def _received_sizes(
         return tuple(ALL_TO_ALL.bind(counts, axes, 0, 0, True, None, None).tolist())
 
 
-def _one_size_everywhere(ctx: SpmdContext, sent: tuple[int, ...]) -> None:
+def _one_size_in_the_group(ctx: SpmdContext, axes: Axes, sent: tuple[int, ...]) -> None:
     """An even call on a real mesh holds blocks of one shape on every instance, as vmap does:
-    its split sizes must be one size, on every instance. Each rank knows its own sizes only, so
-    every instance's are exchanged (a few integers, bookkeeping that ``CommMode`` does not
-    count: the vmap execution exchanges none) and every rank raises the same error, the
-    simulated mesh's for the first instance whose sizes are unequal (a rank raising alone would
-    leave the others waiting inside the collective)."""
-    every = ctx.every_instance(sent)
+    its split sizes must be one size, on every member. Each rank knows its own sizes only, so
+    the members of the collective's group (the ranks that call it: a branch on another axis
+    may leave other groups out) exchange theirs (a few integers, bookkeeping that ``CommMode``
+    does not count: the vmap execution exchanges none), and every member raises the same
+    error, the simulated mesh's for the first member whose sizes are unequal (a rank raising
+    alone would leave the others waiting inside the collective)."""
+    every = ctx.every_member(axes, sent)
     where = f"all_to_all in {ctx.fn_label}"
-    unequal = next((s for s in every if len(set(s)) > 1), None)
+    unequal = next((s for _, s in every if len(set(s)) > 1), None)
     if unequal is not None:
         raise ctx.alike(_unequal_sizes(where, unequal))
-    other = next((k for k, s in enumerate(every) if s != every[0]), None)
+    (first, sizes), *others = every
+    other = next(((at, s) for at, s in others if s != sizes), None)
     if other is not None:  # (their operands differ in shape: no vmap execution has them)
-        first, at = (coords_text(ctx.mesh.coords(k)) for k in (0, other))
         raise ctx.alike(
             CollectiveError(
-                f"{where}: the instances' split_sizes differ (the instance at {first} gives "
-                f"{list(every[0])}, the one at {at} {list(every[other])}), so their operands and "
-                "the blocks they receive differ in size, which an even call on a real mesh cannot "
-                "hold (one shape for every instance, as in the vmap simulation). Fix: run the call "
-                "under `with ns.simulate_per_instance():` (each instance on its own block)."
+                f"{where}: the instances' split_sizes differ (the instance at "
+                f"{coords_text(first)} gives {list(sizes)}, the one at {coords_text(other[0])} "
+                f"{list(other[1])}), so their operands and the blocks they receive differ in "
+                "size, which an even call on a real mesh cannot hold (one shape for every "
+                "instance, as in the vmap simulation). Fix: run the call under "
+                "`with ns.simulate_per_instance():` (each instance on its own block)."
             )
         )
 

@@ -18,6 +18,7 @@ as the backward pass reaches each collective.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ from .._layout import global_shape, is_even, local_shape
 from .._mesh import Mesh
 from .._operands import METADATA, NOT_OPS, is_inplace
 from .._spec import PartitionSpec
-from .._stamps import STAMP_ATTR, TrackedContext
+from .._stamps import TrackedContext
 from .._tracking import VmaMode
 from .._types import Vma, VType
 
@@ -117,60 +118,15 @@ class AbstractVmaMode(VmaMode):
 
 class MetaAliases(TorchFunctionMode):
     """What :class:`AbstractVmaMode` adds to ``VmaMode``, as a mode of its own: an instance of
-    the per-instance check enters it inside its own vma mode (so it runs first). Values the
-    check knows are computed as the call computes them (``_known``): the instance's
-    ``axis_index``, which the check makes on the CPU, and closed-over tensors, read
-    (``.item()``, ``int()``) or in small ops of such values alone (``axis_index(a) == 0``)."""
+    the per-instance check enters it inside its own vma mode (so it runs first)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        with torch_private.DisableTorchFunction():  # (the looks at operands are no ops)
-            metas = [a.is_meta for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            known = not all(metas) and _known(func, metas, args, kwargs)
-        if all(metas):
-            return as_the_kernel_would(func, args, kwargs)
-        if known and func in _VALUE_READS:
-            return func(*args, **kwargs)
-        meta_args, on_meta = _on_meta(self.aliases, args, kwargs)
-        meta_kwargs = on_meta or {}
-        if not known:
-            return as_the_kernel_would(func, meta_args, meta_kwargs)
-        # values the check knows, computed as the call does where the result is small too (its
-        # size from meta first: ``idx.new_zeros(block_shape)`` stays meta)
-        try:
-            out = func(*meta_args, **meta_kwargs)
-        except Exception:  # noqa: BLE001 - a size that values decide: at most the operands'
-            return func(*args, **kwargs)
-        return func(*args, **kwargs) if _numel(out) <= _KNOWN_LIMIT else out
-
-
-_T = torch.Tensor
-#: Reads of a tensor's values into Python.
-_VALUE_READS = frozenset(
-    {_T.item, _T.tolist, _T.__int__, _T.__index__, _T.__float__, _T.__bool__, _T.__complex__}
-)
-#: The most elements of real operands, and of results, that an op of the per-instance check
-#: computes as they are (values it knows: an instance's index, a small closed-over table);
-#: larger ones, on meta.
-_KNOWN_LIMIT = 1 << 12
-
-
-def _known(func: Any, metas: list[bool], args: tuple, kwargs: dict) -> bool:
-    """Whether ``func`` computes on values the check knows, as the call does (``metas``: its
-    tensor operands', whether each is meta): a read of a real tensor, or an op on real operands
-    alone, small, writing into none of them (a closed-over tensor is the user's)."""
-    if any(metas):
-        return False
-    if func in _VALUE_READS:
-        return True
-    if is_inplace(func) or "out" in kwargs:
-        return False
-    operands = (*args, *kwargs.values())
-    return sum(a.numel() for a in operands if isinstance(a, torch.Tensor)) <= _KNOWN_LIMIT
+        args, kwargs = _on_meta(self.aliases, args, kwargs)
+        return as_the_kernel_would(func, args, kwargs or {})
 
 
 def _on_meta(aliases: dict, args: tuple, kwargs: dict | None) -> tuple[tuple, dict | None]:
@@ -192,8 +148,6 @@ def _meta(aliases: dict, a: Any) -> Any:
         alias = _empty(a.shape, a.dtype)
         with torch_private.DisableTorchFunction():
             alias.requires_grad_(a.requires_grad)
-        if STAMP_ATTR in a.__dict__:  # (an axis_index of the per-instance check: varying)
-            alias.__dict__[STAMP_ATTR] = a.__dict__[STAMP_ATTR]
         hit = aliases[id(a)] = (a, alias)
     return hit[1]
 
@@ -248,26 +202,37 @@ def _empty_operand(args: tuple, kwargs: dict) -> bool:
 def _cpu_error(func: Any, args: tuple, kwargs: dict) -> BaseException | None:
     """The error ``func`` raises on CPU stand-ins of its operands, or None: where it runs,
     where it is no op of values (``_NOT_PROBED``), where it writes into a non-empty tensor (a
-    stand-in cannot take the write) and where the CPU has no kernel (its dtype, a device's
-    own op: the CPU cannot say)."""
+    stand-in cannot take the write), where the CPU has no kernel (its dtype, a device's own op:
+    the CPU cannot say), and where it raises as well with its empty operands made non-empty
+    (size 1 along each empty dim): then the error is of the stand-ins' values (zeros: a
+    singular matrix), not of an operand's emptiness, and the call need not raise it."""
     if func in _NOT_PROBED:
         return None
     with torch_private.DisableTorchFunction():
         target = args[0] if args and is_inplace(func) else kwargs.get("out")
         if isinstance(target, torch.Tensor) and target.numel() > 0:
             return None
-        try:
-            operands: Any = (args, kwargs)  # optree's PyTree is a class to mypy
-            stand_in_args, stand_in_kwargs = optree.tree_map(_stand_in, operands)
-        except Exception:  # noqa: BLE001 - no stand-in for a tensor (its dtype): cannot say
+        error = _error_on(func, args, kwargs, _stand_in)
+        if error is None or _error_on(func, args, kwargs, _filled_stand_in) is not None:
             return None
-        try:
-            with torch.no_grad():
-                func(*stand_in_args, **stand_in_kwargs)
-        except NotImplementedError:
-            return None
-        except Exception as e:  # noqa: BLE001 - the kernel's verdict, told by the caller
-            return None if "not implemented for" in str(e) else e
+        return error
+
+
+def _error_on(func: Any, args: tuple, kwargs: dict, stand_in: Callable) -> BaseException | None:
+    """The error ``func`` raises on ``stand_in``'s CPU stand-ins of its operands, or None where
+    it runs or the CPU cannot say (no stand-in or no kernel for a dtype)."""
+    try:
+        operands: Any = (args, kwargs)  # optree's PyTree is a class to mypy
+        stand_in_args, stand_in_kwargs = optree.tree_map(stand_in, operands)
+    except Exception:  # noqa: BLE001 - no stand-in for a tensor (its dtype): cannot say
+        return None
+    try:
+        with torch.no_grad():
+            func(*stand_in_args, **stand_in_kwargs)
+    except NotImplementedError:
+        return None
+    except Exception as e:  # noqa: BLE001 - the kernel's verdict, told by the caller
+        return None if "not implemented for" in str(e) else e
     return None
 
 
@@ -279,6 +244,17 @@ def _stand_in(a: Any) -> Any:
     if a.numel() == 0:
         return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype)
     return torch.zeros((), dtype=a.dtype).expand(a.shape)
+
+
+def _filled_stand_in(a: Any) -> Any:
+    """``_stand_in``, but an empty ``a`` made zeros of size 1 along each empty dim (of memory
+    of its own where small: an op may write into it)."""
+    if not isinstance(a, torch.Tensor) or a.numel() > 0:
+        return _stand_in(a)
+    shape = tuple(max(n, 1) for n in a.shape)
+    if math.prod(shape) <= _PROBE_LIMIT:
+        return torch.zeros(shape, dtype=a.dtype)
+    return torch.zeros((), dtype=a.dtype).expand(shape)
 
 
 def _numel(out: Any) -> int:
@@ -310,10 +286,9 @@ _VALUES_UNDER_VMAP = (
 )
 _VALUES_PER_INSTANCE = (
     "This call runs per instance (uneven blocks or ns.simulate_per_instance), where reading "
-    "values works, but a check has no values of the blocks or of what is computed from them "
-    "(it reads each instance's ns.axis_index, and a closed-over tensor as it is). Fix: run the "
-    "call on the simulated mesh to check it, or keep per-device code data-independent "
-    "(torch.where / masks instead of branching on values)."
+    "values works, but a check has none. Fix: run the call on the simulated mesh to check it, "
+    "or keep per-device code data-independent (torch.where / masks instead of branching on "
+    "values)."
 )
 
 # Messages of torch errors that mean "this op needs tensor values, which meta tensors lack".
@@ -322,8 +297,7 @@ _NEEDS_DATA = ("meta", "data pointer", "no data", "data-dependent", "storage")
 
 #: Runs a call per instance, each on its own block and thread, meeting at each collective
 #: (the simulated backend's ``_per_instance.run``; the API hands it over: a backend imports no
-#: other backend). Its keywords ``inner_mode``, ``first`` and ``index_device`` are what a
-#: check needs.
+#: other backend). Its keywords ``inner_mode`` and ``first`` are what a check needs.
 PerInstance = Callable[..., list[torch.Tensor]]
 
 
@@ -408,9 +382,7 @@ class AbstractBackend:
 
         with self.comms:
             with torch.device(_META):
-                outs = self.per_instance(
-                    call, inner_mode=MetaAliases, first=first, index_device=torch.device("cpu")
-                )
+                outs = self.per_instance(call, inner_mode=MetaAliases, first=first)
             if self.backward:
                 _run_backward(outs)
         return [ShapeDtype(tuple(y.shape), y.dtype) for y in outs]

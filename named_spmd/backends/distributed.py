@@ -211,11 +211,11 @@ class DistributedContext(TrackedContext):
     def permute(self, x, axes, pairs):
         return self.mesh.comm(axes).permute(x, pairs)
 
-    def every_instance(self, values):
-        # (a few integers: one exchange over the whole mesh, not counted by CommMode)
+    def every_member(self, axes, values):
+        comm = self.mesh.comm(axes)  # (a few integers: not counted by CommMode)
         with torch_private.DisableTorchFunction():
-            rows = exchange(self.mesh.comm(self.mesh.axis_names), list(values))
-        return [tuple(r) for r in rows]
+            rows = exchange(comm, list(values))
+        return [(self.mesh.coords_of(r), tuple(v)) for r, v in zip(comm.tuple_ranks, rows)]
 
     def all_to_all_sizes(self, x, axes, dim, sent, received):
         received_rows = self.mesh.comm(axes).all_to_all_rows(x.movedim(dim, 0), sent, received)
@@ -306,7 +306,7 @@ def run(call: Call) -> list[Any]:
     ctx = (UnevenContext if uneven else ProxyTracedContext if traced else DistributedContext)(
         mesh, call.fn
     )
-    ctx.checked = call.mapped.check_vma
+    ctx.checked, ctx.caller_blocks = call.mapped.check_vma, local_call
     board.check_in_step()  # (not posted: it reposts the failure it is a consequence of)
     try:
         if uneven:

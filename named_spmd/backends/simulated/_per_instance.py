@@ -69,7 +69,7 @@ class InstanceContext(TrackedContext):
         self.meeting = meeting
         self.index = index
         self.coords = coords_of(index, mesh.axis_names, mesh._shape)
-        self.device = device  # of axis_index's values
+        self.device = device
         self.op = ""  # the collective being applied (what a mismatch names)
 
     def _member(self, axes: tuple[str, ...]) -> int:
@@ -332,15 +332,12 @@ def run(
     *,
     inner_mode: Callable[[], Any] | None = None,
     first: Callable[[InstanceContext, list[Tensor]], None] | None = None,
-    index_device: torch.device | None = None,
 ) -> list[Tensor]:
     """``call.body`` on every instance, each on its own thread and block; outputs assembled.
 
     For the check mode, which runs this on meta tensors: ``inner_mode`` makes a torch-function
-    mode each instance enters inside its own (one that moves closed-over tensors to meta),
-    ``first`` is given instance 0's context and outputs (what its report types), and
-    ``index_device`` is where ``axis_index`` puts its values (the CPU: a check knows each
-    instance's index, and reads it; by default the blocks' device)."""
+    mode each instance enters inside its own (one that moves closed-over tensors to meta), and
+    ``first`` is given instance 0's context and outputs (what its report types)."""
     mesh, fn, leaves, specs = call.mesh, call.fn, call.leaves, call.specs
     label = fn_label(fn)
     if torch_private.transforms_active():
@@ -361,7 +358,7 @@ def run(
     modes = [torch_private.function_mode_at(i) for i in range(torch_private.function_mode_depth())]
 
     def instance(i: int) -> None:
-        ctx = InstanceContext(mesh, fn, meeting, i, index_device or device)
+        ctx = InstanceContext(mesh, fn, meeting, i, device)
         failed = True
         try:
             outs[i] = _body_on(ctx, records[i].body, inputs[i], specs, inner_mode)
