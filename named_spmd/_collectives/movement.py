@@ -366,11 +366,13 @@ def _one_size_in_the_group(ctx: SpmdContext, axes: Axes, sent: tuple[int, ...]) 
     where = f"all_to_all in {ctx.fn_label}"
     unequal = next((s for _, s in every if len(set(s)) > 1), None)
     if unequal is not None:
-        raise ctx.alike(_unequal_sizes(where, unequal))
+        raise _raised_by_the_group(ctx, axes, _unequal_sizes(where, unequal))
     (first, sizes), *others = every
     other = next(((at, s) for at, s in others if s != sizes), None)
     if other is not None:  # (their operands differ in shape: no vmap execution has them)
-        raise ctx.alike(
+        raise _raised_by_the_group(
+            ctx,
+            axes,
             CollectiveError(
                 f"{where}: the instances' split_sizes differ (the instance at "
                 f"{coords_text(first)} gives {list(sizes)}, the one at {coords_text(other[0])} "
@@ -378,8 +380,15 @@ def _one_size_in_the_group(ctx: SpmdContext, axes: Axes, sent: tuple[int, ...]) 
                 "size, which an even call on a real mesh cannot hold (one shape for every "
                 "instance, as in the vmap simulation). Fix: run the call under "
                 "`with ns.simulate_per_instance():` (each instance on its own block)."
-            )
+            ),
         )
+
+
+def _raised_by_the_group(ctx: SpmdContext, axes: Axes, error: CollectiveError) -> BaseException:
+    """``error``, which every member of the group of ``axes`` raises: marked as raised alike
+    (``SpmdContext.alike``) where the group is the whole mesh; else the failure board must tell
+    the ranks outside the group, which would wait for its members in a later collective."""
+    return ctx.alike(error) if ctx.mesh.axis_size(axes) == ctx.mesh.size else error
 
 
 def _all_to_all_check(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
