@@ -548,6 +548,7 @@ def _to_member_0(v):
 
 
 CLOSED_OVER = _randn(3, 2, seed=11).requires_grad_()  # a real tensor, met by meta blocks in a check
+CLOSED_OVER_ROWS = _randn(2, 3, seed=12)  # one a torch op meets inside a list argument
 SOLVE_BY = torch.eye(3, dtype=F64) * 2  # regular; its CPU stand-in (zeros) is not
 MLP_SPECS = ((P("dp", None), P(None, "tp"), P("tp", None)), P("dp", None))
 X4 = ((4,), ("x",))
@@ -584,6 +585,13 @@ AGREE = {
     "unchecked replication": (lambda v: v * 2, X4, P("x"), P(), (10,)),
     "wrong out Blocks": (lambda v: v, X4, P("x"), P(ns.Blocks("x", (1, 3, 3, 3))), (10,)),
     "a closed-over weight": (lambda v: v @ CLOSED_OVER, X4, P("x"), P("x"), (10, 3)),
+    "a closed-over tensor in a list": (
+        lambda v: torch.cat([v, CLOSED_OVER_ROWS], 0),
+        X4,
+        P("x", None),
+        P("x", None),
+        (10, 3),
+    ),
     # errors of some instances only (tests/uneven_dist.py: a real mesh raises them on every rank)
     "partial sums of different shapes": (
         lambda v, w: (v @ w)[: v.shape[1]],

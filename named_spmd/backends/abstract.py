@@ -130,17 +130,24 @@ class MetaAliases(TorchFunctionMode):
 
 
 def _on_meta(aliases: dict, args: tuple, kwargs: dict | None) -> tuple[tuple, dict | None]:
-    """``args`` and ``kwargs`` with every real tensor replaced by its meta alias."""
-    if any(isinstance(a, torch.Tensor) and not a.is_meta for a in args) or (
-        kwargs and any(isinstance(a, torch.Tensor) and not a.is_meta for a in kwargs.values())
-    ):
+    """``args`` and ``kwargs`` with every real tensor replaced by its meta alias, those in a
+    list or tuple argument too (``torch.cat([block, closed_over])``)."""
+    if any(_is_real(a) for a in args) or (kwargs and any(_is_real(a) for a in kwargs.values())):
         args = tuple(_meta(aliases, a) for a in args)
         if kwargs:
             kwargs = {k: _meta(aliases, v) for k, v in kwargs.items()}
     return args, kwargs
 
 
+def _is_real(a: Any) -> bool:
+    if type(a) in (list, tuple):
+        return any(_is_real(x) for x in a)
+    return isinstance(a, torch.Tensor) and not a.is_meta
+
+
 def _meta(aliases: dict, a: Any) -> Any:
+    if type(a) in (list, tuple):
+        return type(a)(_meta(aliases, x) for x in a)
     if not isinstance(a, torch.Tensor) or a.is_meta:
         return a
     hit = aliases.get(id(a))
