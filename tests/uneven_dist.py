@@ -1107,6 +1107,43 @@ def check_calls(case: Case, real_mesh, sim_mesh) -> list[str]:
     return problems
 
 
+def _sizes_not_adding_up_on_instance_2(v):
+    sizes = [5] * 4 if int(ns.axis_index("x")) == 2 else [1] * 4
+    return ns.all_to_all(v, "x", 0, 0, tiled=True, split_sizes=sizes)
+
+
+# Errors of one rank alone, each checked last, on a mesh of its own (the mesh is out of step
+# after): that rank raises its error, the others RankFailedError naming it, none waits.
+ALONE = [
+    Case(  # each rank checks its own split sizes against its own operand alone
+        "split_sizes_not_adding_up_on_one_rank",
+        (4,),
+        ("x",),
+        _sizes_not_adding_up_on_instance_2,
+        P("x"),
+        P("x"),
+        lambda: (_randn(16, seed=44),),
+        None,
+        kinds=("CollectiveError: ", "split_sizes [5, 5, 5, 5] add up to 20"),
+    ),
+]
+
+
+def check_alone(case: Case, real_mesh, sim_mesh) -> list[str]:
+    own = ns.make_mesh(case.sizes, case.names)  # (left out of step)
+    try:
+        run_case(case, own, True)
+    except ns.RankFailedError as e:
+        if RANK[0] == 2 or "rank 2 (mesh coordinates x=2) failed inside spmd_map" not in str(e):
+            return [f"RankFailedError: {e}"]
+        return []
+    except ns.SpmdError as e:
+        if RANK[0] != 2 or not all(k in f"{type(e).__name__}: {e}" for k in case.kinds):
+            return [f"{type(e).__name__}: {e}"]
+        return []
+    return ["no error"]
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -1119,7 +1156,8 @@ def main() -> None:
     RANK[0] = dist.get_rank()
     checkers = ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED))
     checkers += ((check_own_program, OWN_PROGRAMS),)
-    for checker, cases in (*checkers, (check_calls, COUNTED), (check_replayed, REPLAYED)):
+    checkers += ((check_calls, COUNTED), (check_replayed, REPLAYED), (check_alone, ALONE))
+    for checker, cases in checkers:
         for case in cases:
             if sys.argv[1:] and case.name not in sys.argv[1:]:  # (names given: only those)
                 continue

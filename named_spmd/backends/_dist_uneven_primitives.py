@@ -195,7 +195,9 @@ class UnevenPrimitives:
         mine = tuple(x.shape)
         shapes = self._every_shape(x) if rec.forward_event else None
         checked, result = set(), None
-        for shape in [mine] if _own_sizes(rec, params) else shapes or [mine]:
+        # every rank checks every shape, in one order: their errors are raised alike
+        every = shapes is not None and not _own_sizes(rec, params)
+        for shape in (shapes or [mine]) if every else [mine]:
             if shape not in checked:
                 checked.add(shape)
                 try:
@@ -203,7 +205,7 @@ class UnevenPrimitives:
                         self, x if shape == mine else self._stand_in(x, shape), axes, params
                     )
                 except SpmdError as e:
-                    if shapes is not None:  # (every rank checks every shape in one order)
+                    if every:  # (else this rank's alone: posted, so the others stop too)
                         self.alike(e)
                     raise
                 result = out if shape == mine else result
