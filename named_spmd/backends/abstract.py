@@ -19,7 +19,7 @@ as the backward pass reaches each collective.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -132,17 +132,20 @@ class MetaAliases(TorchFunctionMode):
 def _on_meta(aliases: dict, args: tuple, kwargs: dict | None) -> tuple[tuple, dict | None]:
     """``args`` and ``kwargs`` with every real tensor replaced by its meta alias, those in a
     list or tuple argument too (``torch.cat([block, closed_over])``)."""
-    if any(_is_real(a) for a in args) or (kwargs and any(_is_real(a) for a in kwargs.values())):
+    if any(not t.is_meta for t in _operand_tensors(args, kwargs)):
         args = tuple(_meta(aliases, a) for a in args)
         if kwargs:
             kwargs = {k: _meta(aliases, v) for k, v in kwargs.items()}
     return args, kwargs
 
 
-def _is_real(a: Any) -> bool:
-    if type(a) in (list, tuple):
-        return any(_is_real(x) for x in a)
-    return isinstance(a, torch.Tensor) and not a.is_meta
+def _operand_tensors(args: tuple, kwargs: dict | None) -> Iterator[torch.Tensor]:
+    """The tensors among ``args`` and ``kwargs``' values, those in a list or tuple too."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif type(a) in (list, tuple):
+            yield from _operand_tensors(a, None)
 
 
 def _meta(aliases: dict, a: Any) -> Any:
@@ -196,14 +199,7 @@ def as_the_kernel_would(func: Any, args: tuple, kwargs: dict) -> Any:
 def _empty_operand(args: tuple, kwargs: dict) -> bool:
     """Whether an operand (or a tensor in a list of them, ``torch.cat``'s) is empty."""
     with torch_private.DisableTorchFunction():
-        for a in (*args, *kwargs.values()) if kwargs else args:
-            if isinstance(a, torch.Tensor):
-                if a.numel() == 0:
-                    return True
-            elif isinstance(a, (list, tuple)):
-                if any(isinstance(b, torch.Tensor) and b.numel() == 0 for b in a):
-                    return True
-    return False
+        return any(t.numel() == 0 for t in _operand_tensors(args, kwargs))
 
 
 def _cpu_error(func: Any, args: tuple, kwargs: dict) -> BaseException | None:
