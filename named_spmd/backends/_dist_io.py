@@ -341,6 +341,8 @@ def local_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     """This rank's block of output ``y`` under ``spec``, a plain tensor: ``y`` itself, where the
     type agrees with the spec; settled where it does not (see below)."""
     mesh = ctx.mesh
+    if mesh.size == 1:  # every axis has size 1: one instance, nothing to settle
+        return y
     vma: Vma = ctx.vma(y)
     unkept, copies = output_settles(vma, spec, mesh.axis_names, mesh.single_axes)
     if unkept:  # check_vma=False: member 0's value, as the simulated backend (a broadcast:
