@@ -95,6 +95,11 @@ class SpmdFunction:
         # keys (``_call_checks.leaves_key``) that fit them (a call of known inputs checks none):
         # each one's ``Call.memo``
         self._inputs_of_tree: dict[Any, tuple[list[PartitionSpec], dict[tuple, dict]]] = {}
+        # per signature, the typing its first call left its later ones (``_replay``)
+        self._signatures: dict[tuple, Any] = {}
+        # per output structure, outside a trace: the out_specs broadcast over it, and the
+        # output leaf keys that fit them (``_call_checks.check_outputs``)
+        self._outputs_of_tree: dict[Any, tuple[list[PartitionSpec], set[tuple]]] = {}
         # per input structure and leaf shapes: whether the blocks differ in size
         # (``_call_checks.unequal_blocks``, asked at every call of ``ns.compile(f)``)
         self._unequal_of_inputs: dict[tuple, bool] = {}

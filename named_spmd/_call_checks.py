@@ -3,7 +3,8 @@
 The input checks run once per tree structure, ``.local``, ``uneven_state()`` and
 :func:`leaves_key` (``input_leaves``'s cache on the ``SpmdFunction``, which keeps each such set
 of calls' ``Call.memo``); while Dynamo traces, the in_specs are broadcast over a skeleton of the
-inputs instead (``IN_SPEC_INDEX``). Whether a dim the axes do not divide is taken is the
+inputs instead (``IN_SPEC_INDEX``). The output checks but the types' run once per output tree
+structure and :func:`leaves_key` (``SpmdFunction._outputs_of_tree``). Whether a dim the axes do not divide is taken is the
 backend's to say (its ``capabilities.uneven_blocks`` and ``uneven_state()``).
 """
 
@@ -135,10 +136,14 @@ def check_outputs(
     f: SpmdFunction, out: Any, ctx: _context.SpmdContext
 ) -> tuple[list[tuple], list[Any], list[PartitionSpec], Any]:
     paths, leaves, treedef = flatten_with_paths(out)
-    specs = broadcast_specs(f.out_specs, out, "out_specs", f.where)
+    specs, fitting = _out_specs(f, out, treedef)
     problems: list[str] = []
     vma_problems: list[str] = []
     check_vma = f.check_vma and not ctx.replaying  # a replay's types were checked
+    # the checks but the types' run once per structure and leaves_key, as the inputs'
+    key = None if fitting is None or ctx.uneven else leaves_key(leaves)
+    if key is not None and fitting is not None and not check_vma and key in fitting:
+        return paths, leaves, specs, treedef
     deferred = 0  # rank problems left to _layout.instances_problem
     for path, leaf, spec in zip(paths, leaves, specs):
         where = "output" + path_text(path)
@@ -178,7 +183,25 @@ def check_outputs(
             f"{f.where}: out_specs claim replication that the program does not guarantee:\n"
             + "\n".join(vma_problems)
         )
+    if key is not None and fitting is not None and len(fitting) < 256:
+        fitting.add(key)
     return paths, leaves, specs, treedef
+
+
+def _out_specs(
+    f: SpmdFunction, out: Any, treedef: Any
+) -> tuple[list[PartitionSpec], set[tuple] | None]:
+    """The out_specs broadcast over ``out`` (of structure ``treedef``), and the
+    :func:`leaves_key` of the outputs of that structure that fit them; once per structure
+    outside a trace (as the in_specs, ``input_leaves``; None: no such set, in a trace)."""
+    if torch.compiler.is_compiling():
+        return broadcast_specs(f.out_specs, out, "out_specs", f.where), None
+    known = f._outputs_of_tree.get(treedef)
+    if known is None:
+        known = (broadcast_specs(f.out_specs, out, "out_specs", f.where), set())
+        if len(f._outputs_of_tree) < 256:
+            f._outputs_of_tree[treedef] = known
+    return known
 
 
 def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:

@@ -23,7 +23,6 @@ Used by the simulated backend's one-instance path and by a real mesh of one rank
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -42,8 +41,6 @@ if TYPE_CHECKING:
 #: of one process; users turn replays off with debug mode).
 ENABLED = True
 
-#: mapped function -> {signature: whether its replays need the call's marker}
-_CHECKED: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 _MAX_SIGNATURES = 64  # per function: beyond that the table starts again (no unbounded growth)
 
 
@@ -162,24 +159,18 @@ class Replay:
 
 
 def _checked_signatures(mapped: Any, planned: bool) -> dict[tuple, Any] | None:
-    """The table of the mapped function ``mapped``, or None where this call is not replayable
-    (a planned replay types its collectives, so a CommMode records them as in a typed call)."""
+    """The table of the mapped function ``mapped`` (its ``SpmdFunction._signatures``), or None
+    where this call is not replayable (a planned replay types its collectives, so a CommMode
+    records them as in a typed call)."""
     if (
-        mapped is None
-        or not ENABLED
+        not ENABLED
         or (recording() and not planned)
         or torch_private.transforms_active()
         or torch_private.forward_level() >= 0
         or debug_enabled()
     ):
         return None
-    try:
-        checked = _CHECKED.get(mapped)
-        if checked is None:
-            checked = _CHECKED[mapped] = {}
-    except TypeError:  # not weakly referenceable: type-checked on every call
-        return None
-    return checked
+    return mapped._signatures
 
 
 def _signature(call: Call) -> tuple:
@@ -205,5 +196,4 @@ def _signature(call: Call) -> tuple:
 def checked_signatures(mapped: Any) -> dict[tuple, Any]:
     """The signatures of ``mapped`` checked so far, each with whether its replays mark calls
     (a mesh of one instance) or its plan (several: ``_plan``); for tests and diagnostics."""
-    table = _CHECKED.get(mapped, {})
-    return {s: e.marks if isinstance(e, Checked) else e for s, e in table.items()}
+    return {s: e.marks if isinstance(e, Checked) else e for s, e in mapped._signatures.items()}

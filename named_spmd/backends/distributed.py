@@ -289,20 +289,19 @@ def run(call: Call) -> list[Any]:
         return _dist_compile.run(call)
     mesh = cast(DistributedMesh, call.mesh)  # (accepts)
     leaves, specs = call.leaves, call.specs
-    if (
-        _dist_overlap._PENDING and torch_private.current_graph_task_id() == -1
-    ):  # a backward that raised
-        _dist_overlap.finish_pending()
+    if _dist_overlap._PENDING and torch_private.current_graph_task_id() == -1:
+        _dist_overlap.finish_pending()  # left by a backward that raised
     board = mesh.board
     board.begin_call()
     traced = torch_private.proxy_tracing()
-    mesh.debug = debug_enabled() and not traced  # (its checks compare values: none to compare)
-    local_call = call.local  # SpmdFunction.local: this rank's blocks in and out
     # a call typed once per signature: untyped replays on one rank, planned ones on several
     replay = None if traced else Replay(call, planned=mesh.size > 1)
+    # debug mode (none in a trace: no values to compare) has no table: found one, it is off
+    mesh.debug = replay is not None and replay.checked is None and debug_enabled()
     uneven = _takes_uneven_blocks(call, replay)
     if uneven and replay is not None:  # (each rank's plan types its own blocks)
         replay.uneven()
+    local_call = call.local  # SpmdFunction.local: this rank's blocks in and out
     ctx = (UnevenContext if uneven else ProxyTracedContext if traced else DistributedContext)(
         mesh, call.fn
     )
