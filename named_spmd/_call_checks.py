@@ -3,9 +3,10 @@
 The input checks run once per tree structure, ``.local``, ``uneven_state()`` and
 :func:`leaves_key` (``input_leaves``'s cache on the ``SpmdFunction``, which keeps each such set
 of calls' ``Call.memo``); while Dynamo traces, the in_specs are broadcast over a skeleton of the
-inputs instead (``IN_SPEC_INDEX``). The output checks but the types' run once per output tree
-structure and :func:`leaves_key` (``SpmdFunction._outputs_of_tree``). Whether a dim the axes do not divide is taken is the
-backend's to say (its ``capabilities.uneven_blocks`` and ``uneven_state()``).
+inputs instead (``IN_SPEC_INDEX``). The output checks other than the types' run once per output
+tree structure and :func:`leaves_key` (``SpmdFunction._outputs_of_tree``). Whether a dim the
+axes do not divide is taken is the backend's to say (its ``capabilities.uneven_blocks`` and
+``uneven_state()``).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def check_outputs(
     problems: list[str] = []
     vma_problems: list[str] = []
     check_vma = f.check_vma and not ctx.replaying  # a replay's types were checked
-    # the checks but the types' run once per structure and leaves_key, as the inputs'
+    # the checks other than the types' run once per structure and leaves_key, as the inputs'
     key = None if fitting is None or ctx.uneven else leaves_key(leaves)
     if key is not None and fitting is not None and not check_vma and key in fitting:
         return paths, leaves, specs, treedef
