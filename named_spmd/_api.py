@@ -107,7 +107,9 @@ class SpmdFunction:
         # picked once: a mesh's kind never changes, and a compiled call would guard on the
         # registry's lookups (``sys.modules``), so any import between two steps would recompile
         self.backend = backend_for(self.mesh)
-        functools.update_wrapper(self, fn)
+        # (not fn.__dict__: a function wrapping another SpmdFunction would lend this one its
+        # mesh, specs and body)
+        functools.update_wrapper(self, fn, updated=())
 
     def __repr__(self) -> str:
         return (

@@ -143,7 +143,7 @@ def check_outputs(
     check_vma = f.check_vma and not ctx.replaying  # a replay's types were checked
     # the checks other than the types' run once per structure and leaves_key, as the inputs'
     key = None if fitting is None or ctx.uneven else leaves_key(leaves)
-    if key is not None and fitting is not None and not check_vma and key in fitting:
+    if fitting is not None and key is not None and not check_vma and key in fitting:
         return paths, leaves, specs, treedef
     deferred = 0  # rank problems left to _layout.instances_problem
     for path, leaf, spec in zip(paths, leaves, specs):
@@ -184,7 +184,9 @@ def check_outputs(
             f"{f.where}: out_specs claim replication that the program does not guarantee:\n"
             + "\n".join(vma_problems)
         )
-    if key is not None and fitting is not None and len(fitting) < 256:
+    if fitting is not None and key is not None:
+        if len(fitting) >= 256:  # (a number output that changes every call: start again)
+            fitting.clear()
         fitting.add(key)
     return paths, leaves, specs, treedef
 
@@ -199,10 +201,11 @@ def _out_specs(
         return broadcast_specs(f.out_specs, out, "out_specs", f.where), None
     known = f._outputs_of_tree.get(treedef)
     if known is None:
-        known = (broadcast_specs(f.out_specs, out, "out_specs", f.where), set())
-        if len(f._outputs_of_tree) < 256:
-            f._outputs_of_tree[treedef] = known
-    return known
+        if len(f._outputs_of_tree) >= 256:
+            f._outputs_of_tree.clear()
+        specs = broadcast_specs(f.out_specs, out, "out_specs", f.where)
+        known = f._outputs_of_tree[treedef] = (specs, set())
+    return list(known[0]), known[1]
 
 
 def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:

@@ -196,4 +196,5 @@ def _signature(call: Call) -> tuple:
 def checked_signatures(mapped: Any) -> dict[tuple, Any]:
     """The signatures of ``mapped`` checked so far, each with whether its replays mark calls
     (a mesh of one instance) or its plan (several: ``_plan``); for tests and diagnostics."""
-    return {s: e.marks if isinstance(e, Checked) else e for s, e in mapped._signatures.items()}
+    table = getattr(mapped, "_signatures", {})  # (a plain function: none)
+    return {s: e.marks if isinstance(e, Checked) else e for s, e in table.items()}

@@ -105,3 +105,30 @@ def test_inplace_write_into_varying_target_still_allowed():
     g = ns.spmd_map(f, mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)
     g.check(ns.ShapeDtype((8,)), backward=False)
     torch.testing.assert_close(g(torch.arange(8.0)), torch.arange(8.0) + 1)
+
+
+def test_a_function_wrapping_a_mapped_one_runs_its_own_body():
+    # functools.wraps copies the wrapped SpmdFunction's attributes onto the wrapper; mapping
+    # the wrapper must not take the wrapped function's mesh, specs and body from them
+    import functools
+
+    inner = ns.spmd_map(torch.ones_like, mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)
+
+    @functools.wraps(inner)
+    def outer(x):
+        return x * 3
+
+    x = torch.arange(8.0)
+    assert torch.equal(_call(outer), x * 3)
+    assert outer.__wrapped__ is inner
+
+
+def test_output_checks_of_a_later_call_still_raise_for_a_new_shape():
+    # the output checks are kept per output structure and leaf key: a new key is checked
+    @ns.spmd_map(mesh=MESH, in_specs=SPLIT, out_specs=P(None, "i"), check_vma=False)
+    def f(x):
+        return x.reshape(1, -1) if x.shape[0] == 2 else x
+
+    assert f(torch.arange(8.0)).shape == (1, 8)
+    with pytest.raises(ns.SpecError, match="out_specs"):
+        f(torch.arange(4.0))
