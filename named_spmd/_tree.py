@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -75,7 +76,9 @@ def _prefix(specs: Any, tree: Any, out: list[PartitionSpec]) -> bool:
 
 def _broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[PartitionSpec]:
     try:
-        full = optree.tree_broadcast_prefix(specs, tree, is_leaf=is_spec_leaf, none_is_leaf=True)
+        full = optree.tree_broadcast_prefix(
+            _in_key_order(specs, tree), tree, is_leaf=is_spec_leaf, none_is_leaf=True
+        )
     except (ValueError, TypeError):
         got = optree.tree_structure(specs, is_leaf=is_spec_leaf, none_is_leaf=True)
         want = optree.tree_structure(tree, none_is_leaf=True)
@@ -102,6 +105,22 @@ def _broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[Parti
             )
         ) from None
     return spec_leaves(full)
+
+
+def _in_key_order(specs: Any, tree: Any) -> Any:
+    """``specs`` with each mapping whose keys are those of ``tree``'s mapping there rebuilt in the
+    kind and key order ``tree`` flattens in. optree matches a dict of specs to an OrderedDict by
+    key but keeps the specs' own order, so the flattened specs would pair with the wrong leaves."""
+    if is_spec_leaf(specs):
+        return specs
+    if isinstance(specs, dict) and isinstance(tree, dict) and specs.keys() == tree.keys():
+        ordered = isinstance(tree, collections.OrderedDict)  # (dict, defaultdict: sorted keys)
+        keys = tree if ordered else optree.utils.total_order_sorted(tree)
+        kind = collections.OrderedDict if ordered else dict
+        return kind((k, _in_key_order(specs[k], tree[k])) for k in keys)
+    if type(specs) in (tuple, list) and type(specs) is type(tree) and len(specs) == len(tree):
+        return type(specs)(_in_key_order(s, t) for s, t in zip(specs, tree))
+    return specs
 
 
 def _describe(x: Any) -> str:

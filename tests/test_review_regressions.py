@@ -3,6 +3,8 @@ silently accepted (and so gave wrong results)."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -132,3 +134,36 @@ def test_output_checks_of_a_later_call_still_raise_for_a_new_shape():
     assert f(torch.arange(8.0)).shape == (1, 8)
     with pytest.raises(ns.SpecError, match="out_specs"):
         f(torch.arange(4.0))
+
+
+@pytest.mark.parametrize(
+    "specs_kind, args_kind",
+    [(dict, collections.OrderedDict), (collections.OrderedDict, dict)]
+    + [(collections.OrderedDict, collections.OrderedDict)],
+    ids=["dict specs, OrderedDict args", "OrderedDict specs, dict", "both, other orders"],
+)
+def test_dict_specs_pair_with_the_leaves_of_their_keys(specs_kind, args_kind):
+    # optree matches dict-like nodes by key but flattens each in its own order (a dict sorted)
+    a, b = torch.arange(8.0), torch.arange(10.0, 13.0)
+    specs = specs_kind([("b", P()), ("a", SPLIT)])
+    args = args_kind([("a", a), ("b", b)] if specs_kind is args_kind else [("b", b), ("a", a)])
+
+    def f(d):
+        return d["a"] + d["b"].sum(), d["b"]
+
+    y, z = ns.spmd_map(f, mesh=MESH, in_specs=(specs,), out_specs=(SPLIT, P()))(args)
+    torch.testing.assert_close(y, a + b.sum())
+    torch.testing.assert_close(z, b)
+
+
+def test_dict_out_specs_pair_with_the_outputs_of_their_keys():
+    x = torch.arange(4.0)
+    g = ns.spmd_map(
+        lambda x: collections.OrderedDict([("b", x * 1), ("a", x * 2)]),
+        mesh=MESH,
+        in_specs=P(),
+        out_specs={"a": SPLIT, "b": P()},
+    )
+    out = g(x)
+    torch.testing.assert_close(out["a"], (x * 2).repeat(4))  # P() value tiled over the 4 blocks
+    torch.testing.assert_close(out["b"], x)
