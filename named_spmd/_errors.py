@@ -72,6 +72,17 @@ def bullet_list(problems: Sequence[str]) -> str:
 # --- errors of the user's own torch code, told per instance (or per rank) ----------------
 
 
+def shared_input_written(where: str, shape: tuple[int, ...], spec: object) -> SpmdError:
+    """The per-instance execution saw the function write in place into an input whose blocks
+    several instances share: each of them wrote it, where vmap and a real mesh write once."""
+    return SpmdError(
+        f"{where}: the function wrote in place into an input (shape {list(shape)}, in_spec "
+        f"{spec!r}) whose blocks several instances share in the per-instance execution, so each "
+        "of them wrote it. Fix: clone the input inside the function before writing to it "
+        "(x = x.clone())."
+    )
+
+
 def operand_shapes_differ(
     op: str, label: str, shapes: Sequence[tuple[int, ...]], but: int | None = None
 ) -> SpmdError:

@@ -185,3 +185,26 @@ def test_ns_random_draws_are_the_vmap_executions():
         want = f(h)
         with ns.simulate_per_instance():
             assert torch.equal(f(h), want)
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=["P()", "P('dp')"])
+def test_a_write_into_an_input_that_instances_share_is_refused(spec):
+    # each instance sharing the block would write it once: the vmap execution writes it once
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    g = ns.spmd_map(lambda x: x.mul_(2), mesh=mesh, in_specs=spec, out_specs=spec)
+    with ns.simulate_per_instance(), pytest.raises(ns.SpmdError, match="clone the input"):
+        g(torch.ones(4))
+
+
+def test_a_write_into_an_input_each_instance_has_alone_is_the_vmap_executions():
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    spec = P(("dp", "tp"))
+    g = ns.spmd_map(lambda x: x.mul_(2), mesh=mesh, in_specs=spec, out_specs=spec)
+    want_x = torch.arange(4.0)
+    want = g(want_x)  # the vmap execution
+    x = torch.arange(4.0)
+    with ns.simulate_per_instance():
+        got = g(x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x, want_x)
+    torch.testing.assert_close(x, torch.arange(4.0) * 2)

@@ -284,6 +284,15 @@ def test_reference_and_use_counts_see_every_holder():
     assert isinstance(uses, int)
 
 
+def test_version_counts_in_place_writes_through_views():
+    x = torch.ones(4)
+    before = torch_private.version(x)
+    x[:2].mul_(2)  # through a view: the counter is the storage's
+    after = torch_private.version(x)
+    _ = x * 2  # an out-of-place op leaves it
+    assert after > before and torch_private.version(x) == after
+
+
 def test_queue_callback_refuses_outside_a_backward_pass():
     with pytest.raises(RuntimeError):
         torch_private.queue_callback(lambda: None)

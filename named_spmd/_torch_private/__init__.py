@@ -41,6 +41,7 @@ from .autograd import (  # noqa: E402 - after the version gate
     saved_tensors_hooks_active,
     tensor_base,
     use_counts,
+    version,
     view_source,
     watched,
 )
@@ -171,6 +172,7 @@ __all__ = [
     "unwrap_if_dead",
     "node_class",
     "use_counts",
+    "version",
     "view_source",
     "watched",
     "vmap_decrement_nesting",

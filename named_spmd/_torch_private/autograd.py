@@ -96,6 +96,12 @@ tensor_base = operator.attrgetter("_base")
 refcount = sys.getrefcount  # the Python reference count of an object (CPython)
 
 
+def version(x: torch.Tensor) -> int:
+    """``x``'s version counter (``Tensor._version``), which every in-place write to its storage
+    through ``x`` or a view of it bumps: whether an input was written."""
+    return x._version
+
+
 def use_counts(x: torch.Tensor) -> tuple[int, int, int]:
     """(TensorImpl uses, storage uses, Python references to the storage object) of ``x``."""
     storage = x.untyped_storage()

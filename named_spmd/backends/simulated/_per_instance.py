@@ -34,6 +34,7 @@ from ..._errors import (
     fn_label,
     operand_shapes_differ,
     rejected_by_torch,
+    shared_input_written,
 )
 from ..._layout import (
     chunk_sizes,
@@ -315,6 +316,17 @@ def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[l
     return out
 
 
+def _shared_inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[tuple]:
+    """``(leaf, spec, version)`` of each input tensor whose blocks several instances share (an
+    axis of size > 1 that its spec does not name): an in-place write there is each one's."""
+    return [
+        (x, s, torch_private.version(x))
+        for x, s in zip(leaves, specs)
+        if isinstance(x, Tensor) and not x.is_inference()
+        if any(n > 1 and a not in s.axes and a not in s.unreduced for a, n in mesh._shape.items())
+    ]
+
+
 def _body_on(
     ctx: InstanceContext,
     body: Callable[..., Any],
@@ -351,6 +363,7 @@ def run(
     device = next((x.device for x in leaves if isinstance(x, Tensor)), torch.device("cpu"))
     with torch_private.DisableTorchFunction():  # our bookkeeping: no op of the program
         inputs = _inputs(mesh, leaves, specs)
+    shared = _shared_inputs(mesh, leaves, specs)
     outs: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
     records = [copy.copy(call) for _ in range(n)]  # each instance records its own outputs
@@ -387,6 +400,9 @@ def run(
     for f in others:
         f.result()  # (worker catches everything: the errors are in ``errors``)
     _raise_first(meeting, errors, call, inputs)
+    for x, spec, version in shared:
+        if torch_private.version(x) != version:
+            raise shared_input_written(f"spmd_map of {label}", tuple(x.shape), spec)
     call.take_outputs(records[0])
     wheres = call.out_wheres()
     problem = instances_problem(
