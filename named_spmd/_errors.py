@@ -77,9 +77,10 @@ def shared_input_written(where: str, shape: tuple[int, ...], spec: object) -> Sp
     several instances share: each of them wrote it, where vmap and a real mesh write once."""
     return SpmdError(
         f"{where}: the function wrote in place into an input (shape {list(shape)}, in_spec "
-        f"{spec!r}) whose blocks several instances share in the per-instance execution, so each "
-        "of them wrote it. Fix: clone the input inside the function before writing to it "
-        "(x = x.clone())."
+        f"{spec!r}) whose blocks several instances share in the per-instance execution (asked "
+        "for, or taken for uneven blocks), so each of them wrote it: the input now holds the "
+        "write repeated. Fix: clone the input inside the function before writing to it "
+        "(x = x.clone()), and make the input again."
     )
 
 

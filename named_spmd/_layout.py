@@ -16,6 +16,7 @@ again.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from . import _torch_private as torch_private
 from ._errors import SpecError, SpmdError, bullet_list
 from ._spec import PartitionSpec, spec_problems
 
@@ -476,3 +478,21 @@ def instances_problem(
                 "not fit out_specs:\n" + bullet_list(problems)
             )
     return None
+
+
+def shared_inputs(
+    sizes: Mapping[str, int], leaves: list[object], specs: list[PartitionSpec]
+) -> list[tuple]:
+    """``(leaf, spec, version)`` of each input tensor whose blocks several instances share (an
+    axis of size > 1 its spec does not name): there, an in-place write of the per-instance
+    execution is each instance's. Not where the storage's version counter cannot tell (an
+    inference tensor has none; another input on the same storage bumps it too)."""
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    storages = collections.Counter(x.untyped_storage().data_ptr() for x in tensors)
+    return [
+        (x, s, torch_private.version(x))
+        for x, s in zip(leaves, specs)
+        if isinstance(x, torch.Tensor) and not x.is_inference()
+        if storages[x.untyped_storage().data_ptr()] == 1
+        if any(n > 1 and a not in s.axes and a not in s.unreduced for a, n in sizes.items())
+    ]

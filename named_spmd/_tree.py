@@ -118,9 +118,17 @@ def _in_key_order(specs: Any, tree: Any) -> Any:
         keys = tree if ordered else optree.utils.total_order_sorted(tree)
         kind = collections.OrderedDict if ordered else dict
         return kind((k, _in_key_order(specs[k], tree[k])) for k in keys)
-    if type(specs) in (tuple, list) and type(specs) is type(tree) and len(specs) == len(tree):
-        return type(specs)(_in_key_order(s, t) for s, t in zip(specs, tree))
-    return specs
+    if type(specs) is not type(tree):
+        return specs  # (a mismatch: the broadcast names it)
+    try:  # a tuple, list, namedtuple or registered node: its children, aligned in turn
+        ours = optree.tree_flatten_one_level(specs, none_is_leaf=True)
+        theirs = optree.tree_flatten_one_level(tree, none_is_leaf=True)
+    except ValueError:
+        return specs
+    if ours.entries != theirs.entries:
+        return specs
+    children = [_in_key_order(s, t) for s, t in zip(ours.children, theirs.children)]
+    return ours.unflatten_func(ours.metadata, children)
 
 
 def _describe(x: Any) -> str:

@@ -167,3 +167,14 @@ def test_dict_out_specs_pair_with_the_outputs_of_their_keys():
     out = g(x)
     torch.testing.assert_close(out["a"], (x * 2).repeat(4))  # P() value tiled over the 4 blocks
     torch.testing.assert_close(out["b"], x)
+
+
+def test_dict_specs_inside_a_namedtuple_pair_with_the_leaves_of_their_keys():
+    pair = collections.namedtuple("pair", "x y")
+    a, b = torch.arange(8.0), torch.arange(10.0, 13.0)
+    specs = pair({"a": SPLIT, "b": P()}, P())
+    args = pair(collections.OrderedDict([("b", b), ("a", a)]), b)
+    f = ns.spmd_map(
+        lambda t: t.x["a"] + t.x["b"].sum(), mesh=MESH, in_specs=(specs,), out_specs=SPLIT
+    )
+    torch.testing.assert_close(f(args), a + b.sum())

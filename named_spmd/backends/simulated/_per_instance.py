@@ -46,6 +46,7 @@ from ..._layout import (
     index_of,
     instances_problem,
     layout_problem,
+    shared_inputs,
     split_all,
     split_index,
 )
@@ -316,17 +317,6 @@ def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[l
     return out
 
 
-def _shared_inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[tuple]:
-    """``(leaf, spec, version)`` of each input tensor whose blocks several instances share (an
-    axis of size > 1 that its spec does not name): an in-place write there is each one's."""
-    return [
-        (x, s, torch_private.version(x))
-        for x, s in zip(leaves, specs)
-        if isinstance(x, Tensor) and not x.is_inference()
-        if any(n > 1 and a not in s.axes and a not in s.unreduced for a, n in mesh._shape.items())
-    ]
-
-
 def _body_on(
     ctx: InstanceContext,
     body: Callable[..., Any],
@@ -363,7 +353,7 @@ def run(
     device = next((x.device for x in leaves if isinstance(x, Tensor)), torch.device("cpu"))
     with torch_private.DisableTorchFunction():  # our bookkeeping: no op of the program
         inputs = _inputs(mesh, leaves, specs)
-    shared = _shared_inputs(mesh, leaves, specs)
+    shared = shared_inputs(mesh._shape, leaves, specs)
     outs: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
     records = [copy.copy(call) for _ in range(n)]  # each instance records its own outputs
