@@ -57,13 +57,7 @@ def input_leaves(
         _check_inputs(f, paths, leaves, specs, local, backend)
         return leaves, specs, treedef, {}
     leaves, treedef = flatten(args)
-    known = f._inputs_of_tree.get(treedef)
-    if known is None:
-        if len(f._inputs_of_tree) > 256:
-            f._inputs_of_tree.clear()
-        specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
-        known = f._inputs_of_tree[treedef] = (specs, {})
-    specs, fine = known
+    specs, fine = _per_structure(f._inputs_of_tree, treedef, f.in_specs, args, "in_specs", f, dict)
     key = leaves_key(leaves)
     checked = None if key is None else (local, backend.uneven_state(), key)
     memo = None if checked is None else fine.get(checked)
@@ -199,13 +193,23 @@ def _out_specs(
     outside a trace (as the in_specs, ``input_leaves``; None: no such set, in a trace)."""
     if torch.compiler.is_compiling():
         return broadcast_specs(f.out_specs, out, "out_specs", f.where), None
-    known = f._outputs_of_tree.get(treedef)
+    specs, fitting = _per_structure(
+        f._outputs_of_tree, treedef, f.out_specs, out, "out_specs", f, set
+    )
+    return list(specs), fitting
+
+
+def _per_structure(
+    table: dict, treedef: Any, specs: Any, tree: Any, what: str, f: SpmdFunction, memo: Any
+) -> tuple[list[PartitionSpec], Any]:
+    """``specs`` broadcast over ``tree`` and a ``memo()`` of the calls with its structure,
+    kept in ``table`` (one of ``f``'s, per ``treedef``; started again past 256 structures)."""
+    known = table.get(treedef)
     if known is None:
-        if len(f._outputs_of_tree) >= 256:
-            f._outputs_of_tree.clear()
-        specs = broadcast_specs(f.out_specs, out, "out_specs", f.where)
-        known = f._outputs_of_tree[treedef] = (specs, set())
-    return list(known[0]), known[1]
+        if len(table) > 256:
+            table.clear()
+        known = table[treedef] = (broadcast_specs(specs, tree, what, f.where), memo())
+    return known
 
 
 def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:

@@ -484,15 +484,17 @@ def shared_inputs(
     sizes: Mapping[str, int], leaves: list[object], specs: list[PartitionSpec]
 ) -> list[tuple]:
     """``(leaf, spec, version)`` of each input tensor whose blocks several instances share (an
-    axis of size > 1 its spec does not name): there, an in-place write of the per-instance
-    execution is each instance's. Not where the storage's version counter cannot tell (an
-    inference tensor has none; another input on the same storage bumps it too)."""
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    storages = collections.Counter(x.untyped_storage().data_ptr() for x in tensors)
+    axis of size > 1 its spec does not name: each one writes it) and whose version counter tells
+    (not an inference tensor's, which has none, or one that another input's writes bump too)."""
+    tensors = [
+        (x, s, x.untyped_storage().data_ptr())
+        for x, s in zip(leaves, specs)
+        if isinstance(x, torch.Tensor)
+    ]
+    storages = collections.Counter(at for _, _, at in tensors)
     return [
         (x, s, torch_private.version(x))
-        for x, s in zip(leaves, specs)
-        if isinstance(x, torch.Tensor) and not x.is_inference()
-        if storages[x.untyped_storage().data_ptr()] == 1
+        for x, s, at in tensors
+        if storages[at] == 1 and not x.is_inference()
         if any(n > 1 and a not in s.axes and a not in s.unreduced for a, n in sizes.items())
     ]
