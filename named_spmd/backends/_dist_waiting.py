@@ -57,9 +57,14 @@ def _slow_wait(
     ahead_since: float | None = None
     while True:
         board.check(while_doing)
-        gone = board.gone_error(members, while_doing)
-        if gone is not None:
-            raise gone
+        if board.gone(members) is not None:
+            # it may have done its part of this collective first (its exit can come between
+            # this rank's slices): the work then completes, and nothing failed
+            if _waited(board, work, slice_, while_doing):
+                return
+            gone = board.gone_error(members, while_doing)
+            if gone is not None:
+                raise gone
         ahead = _ahead(board, members)
         if ahead is None:
             ahead_since = None
