@@ -147,6 +147,43 @@ def rejected_by_torch(error: BaseException) -> bool:
     return bool(outside) and outside[-1] and not all(outside)
 
 
+# autograd's refusals of an in-place write: into a leaf that requires grad (an input, a
+# parameter) or a view of one, into a view that a multi-output op or a custom Function made.
+# Checks of the autograd graph, which every instance and rank makes alike.
+_REFUSED_WRITES = (
+    "leaf Variable that requires grad is being used in an in-place operation",
+    "is a view and is being modified inplace",
+)
+
+
+def refused_write(error: BaseException) -> bool:
+    """Whether ``error`` is autograd's refusal of an in-place write (``_REFUSED_WRITES``)."""
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _REFUSED_WRITES)
+
+
+def torch_op_failed(error: BaseException, where: str, at: str) -> SpmdError:
+    """A torch op of the user's function that rejected its operands (``rejected_by_torch``) on
+    ``at`` (the instances, or the rank that holds one): an SpmdError of the same class family
+    naming the user's line and the fix, the same on every backend; torch's error is its
+    ``__cause__``."""
+    if refused_write(error):
+        advice = (
+            "Autograd refuses to write in place into a tensor that requires grad and is a leaf "
+            "(an input of the call, a closed-over parameter) or a view of one, as it does "
+            "outside spmd_map. Fix: write into a copy (x = x.clone() first), or compute out of "
+            "place (y = x + 1 rather than x.add_(1))."
+        )
+    else:
+        advice = (
+            "Inside the function, shapes are the local blocks that in_specs select: a dim split "
+            "over an axis of size n holds 1/n of the global dim."
+        )
+    return error_class(type(error))(
+        f"{where}: a torch op failed at {user_line(error)} on {at}:\n"
+        f"  {type(error).__name__}: {error}\n{advice}"
+    )
+
+
 def empty_block_error(
     error: BaseException, where: str, at: str, block: tuple[str, Sequence[int]]
 ) -> SpmdError:

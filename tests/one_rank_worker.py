@@ -15,7 +15,15 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from test_one_instance import SPECS, checkpointed_megatron, dense_megatron, inputs, megatron
+from test_one_instance import (
+    SPECS,
+    bad_matmul,
+    checkpointed_megatron,
+    dense_megatron,
+    inputs,
+    megatron,
+    written_leaf,
+)
 
 import named_spmd as ns
 from named_spmd import P
@@ -114,6 +122,20 @@ def boundary(mesh) -> dict:
     }
 
 
+def errors(mesh) -> dict:
+    """A torch op's rejection of its operands and autograd's refusal of a write, as the
+    simulated mesh tells them: each function's error class, message and cause's class."""
+    told = {}
+    for fn in (bad_matmul, written_leaf):
+        f = ns.spmd_map(fn, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+        try:
+            f(torch.ones(4, 4))
+            told[fn.__name__] = ["no error", "", ""]
+        except Exception as e:  # noqa: BLE001 - what it raised is the outcome
+            told[fn.__name__] = [type(e).__name__, str(e), type(e.__cause__).__name__]
+    return told
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     mesh = ns.make_mesh((1, 1), ("dp", "tp"))
@@ -121,6 +143,7 @@ def main() -> None:
         for name, body in (("plain", megatron), ("checkpointed", checkpointed_megatron)):
             print("OUTCOME " + json.dumps(check(name, body, mesh, dtensors)), flush=True)
     print("BOUNDARY " + json.dumps(boundary(mesh)), flush=True)
+    print("ERRORS " + json.dumps(errors(mesh)), flush=True)
     dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ checkpointing in replays.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 
@@ -117,6 +118,78 @@ def test_errors_of_a_first_call_are_the_ones_of_a_larger_mesh():
             f(torch.ones(4))
         with pytest.raises(ns.VmaError):  # and again: a failed call is not a checked signature
             f(torch.ones(4))
+
+
+def _error_of(thunk) -> BaseException:
+    with pytest.raises(Exception) as raised:
+        thunk()
+    return raised.value
+
+
+def bad_matmul(x):
+    return x @ torch.ones(3, 5)  # x's rows hold 4 columns
+
+
+def out_of_range(x):
+    return x[10]
+
+
+WEIGHT = torch.zeros(4, requires_grad=True)
+
+
+def written_leaf(x):
+    WEIGHT.add_(1)  # a closed-over leaf that requires grad
+    return x + WEIGHT
+
+
+@pytest.mark.parametrize("fn", [bad_matmul, out_of_range, written_leaf])
+def test_a_torch_error_on_one_instance_is_the_family_as_on_several(fn):
+    """A torch op that rejects its operands: an SpmdError of torch's class family naming the
+    function and the user's line, on one instance as on two (torch's error its cause). A write
+    into a leaf that requires grad is autograd's refusal on every instance, told as such with
+    its fix, not as a limit of the simulation."""
+    line = inspect.getsourcelines(fn)[1] + 1
+    for shape in [(1,), (2,)]:
+        mesh = ns.make_mesh(shape, ("dp",))
+        f = ns.spmd_map(fn, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+        block = torch.ones(4 // shape[0], 4)
+        ref = _error_of(lambda: fn(block))  # torch's error on one instance's block
+        err = _error_of(lambda: f(torch.ones(4, 4)))
+        assert isinstance(err, ns.SpmdError) and isinstance(err, type(ref)), (shape, err)
+        assert isinstance(err.__cause__, type(ref))
+        message = str(err)
+        assert f"spmd_map of `{fn.__qualname__}` (test_one_instance.py:{line - 1})" in message
+        assert f"failed at test_one_instance.py:{line} " in message
+        assert f"{type(ref).__name__}: {ref}" in message
+        written = fn is written_leaf
+        assert ("x = x.clone()" in message) == written, message
+        assert "fails only when" not in message
+
+
+def test_a_write_into_an_input_that_requires_grad_is_refused_with_its_fix():
+    """Autograd refuses a write into an input that requires grad on every backend (the
+    instance's block is the leaf, or a view of it); the fix the message names runs."""
+
+    def bump(x):
+        x.add_(1)
+        return x * 2
+
+    def bump_copy(x):
+        x = x.clone()
+        x.add_(1)
+        return x * 2
+
+    for shape in [(1,), (2,)]:
+        mesh = ns.make_mesh(shape, ("dp",))
+        for spec in (P(), P("dp")):
+            f = ns.spmd_map(bump, mesh=mesh, in_specs=spec, out_specs=spec)
+            err = _error_of(lambda: f(torch.zeros(4, requires_grad=True)))
+            assert type(err) is ns.SpmdError, (shape, spec, err)
+            assert "leaf Variable that requires grad" in str(err) and "x = x.clone()" in str(err)
+            x = torch.zeros(4, requires_grad=True)
+            g = ns.spmd_map(bump_copy, mesh=mesh, in_specs=spec, out_specs=spec)
+            (grad,) = torch.autograd.grad(g(x).sum(), [x])
+            torch.testing.assert_close(grad, torch.full((4,), 2.0))
 
 
 def test_the_same_function_under_other_out_specs_is_checked_again():
@@ -262,6 +335,14 @@ def test_real_mesh_of_one_rank_replays_too():
     assert b["partial_node"] == "_LocalOfBackward", b
     assert b["hooked"] == ["DTensor"], b  # a hook on the output sees its gradient
     assert not b["kept"], b  # a dropped output's memory is freed while its graph lives
+    (told,) = [json.loads(line) for line in finished.lines("ERRORS")]
+    for fn in (bad_matmul, written_leaf):  # told as on the simulated mesh
+        kind, message, cause = told[fn.__name__]
+        line = inspect.getsourcelines(fn)[1] + 1
+        assert kind == "SpmdError" and cause == "RuntimeError", told
+        assert f"spmd_map of `{fn.__qualname__}` (test_one_instance.py:{line - 1})" in message
+        assert f"failed at test_one_instance.py:{line} " in message and "on rank 0" in message
+        assert ("x = x.clone()" in message) == (fn is written_leaf), message
 
 
 def test_every_collective_on_one_instance_in_replays():

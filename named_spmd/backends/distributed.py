@@ -41,9 +41,8 @@ from .._errors import (
     RankFailedError,
     SpmdError,
     empty_block_error,
-    error_class,
     rejected_by_torch,
-    user_line,
+    torch_op_failed,
 )
 from .._layout import coords_text
 from .._mesh import Mesh
@@ -390,11 +389,8 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException, call: Call) -> Bas
     if empty is not None:
         where = f"spmd_map of {ctx.fn_label}"
         return empty_block_error(e, where, f"the instance at {coords} (rank {mesh.rank})", empty)
-    return error_class(type(e))(
-        f"spmd_map of {ctx.fn_label}: a torch op failed at {user_line(e)} on rank {mesh.rank} "
-        f"(instance {coords}):\n  {type(e).__name__}: {e}\n"
-        "Inside the function, shapes are the local blocks that in_specs select: a dim split "
-        "over an axis of size n holds 1/n of the global dim."
+    return torch_op_failed(
+        e, f"spmd_map of {ctx.fn_label}", f"rank {mesh.rank} (instance {coords})"
     )
 
 

@@ -11,7 +11,9 @@ for the simulation only where there is something to simulate.
 
 Differences from a simulated mesh of several instances, all of them the real backend's behaviour
 too: code that reads values (``.item()``, a Python ``if`` on a tensor) runs; ``print`` of a value
-shows one plain tensor; ``scaled_dot_product_attention`` may pick torch's fused kernels.
+shows one plain tensor; ``scaled_dot_product_attention`` may pick torch's fused kernels. A torch
+op that rejects its operands is an SpmdError of its class family (``_errors.torch_op_failed``),
+as under vmap and on a real mesh.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from ... import _torch_private as torch_private
 from ..._context import OneMemberPrimitives
+from ..._errors import TORCH_ERRORS, rejected_by_torch, torch_op_failed
 from ..._mesh import Mesh
 from ..._replay import Replay
 from ..._spec import PartitionSpec
@@ -77,6 +80,11 @@ def run(call: Call) -> list[torch.Tensor]:
         local = leaves
     else:
         local = [_local(ctx, leaf, spec) for leaf, spec in zip(leaves, specs)]
-    outs = replay.run(ctx, call.body, local)
+    try:
+        outs = replay.run(ctx, call.body, local)
+    except TORCH_ERRORS as e:  # a torch op of the user's: told as a real mesh's one rank tells it
+        if not rejected_by_torch(e):
+            raise
+        raise torch_op_failed(e, f"spmd_map of {ctx.fn_label}", "the mesh's one instance") from e
     # a view of each output: a tensor object of the caller's, without the call's stamps
     return [from_physical(y, (), s, mesh) for y, s in zip(outs, call.out_specs())]
