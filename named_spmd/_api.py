@@ -107,9 +107,32 @@ class SpmdFunction:
         # picked once: a mesh's kind never changes, and a compiled call would guard on the
         # registry's lookups (``sys.modules``), so any import between two steps would recompile
         self.backend = backend_for(self.mesh)
+        # whether the first positional argument is the instance of a method (``__get__``),
+        # passed to ``fn`` outside in_specs; and this function as such a method, made once
+        self.binds_self = False
+        self._method: SpmdFunction | None = None
         # (not fn.__dict__: a function wrapping another SpmdFunction would lend this one its
         # mesh, specs and body)
         functools.update_wrapper(self, fn, updated=())
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        """Read from an instance of a class it is an attribute of, a mapped function is a
+        method, as a Python function is: ``fn`` gets the instance as its first argument, outside
+        in_specs (which pair with the other positional arguments). The instance is closed over,
+        as a closure's variables are: a non-tensor, its tensors (a module's parameters)
+        invariant. Read from the class, it is this mapped function."""
+        if obj is None:
+            return self
+        if self._method is None:
+            args = (self.fn, self.mesh, self.in_specs, self.out_specs, self.check_vma)
+            self._method = SpmdFunction(*args)
+            self._method.binds_self = True
+        return BoundSpmdFunction(self._method, obj)
+
+    def _split_self(self, args: tuple) -> tuple[tuple, tuple]:
+        """The instance a method binds (none for a plain mapped function), and the arguments
+        in_specs pair with."""
+        return (args[:1], args[1:]) if self.binds_self else ((), args)
 
     def __repr__(self) -> str:
         return (
@@ -185,7 +208,7 @@ class SpmdFunction:
         """Whether a call of ``args`` splits an input into blocks of unequal sizes, which it
         runs eagerly when compiled (``_call_uneven``; ``ns.compile`` asks before Dynamo sees the
         call): ``_call_checks.unequal_blocks``."""
-        return unequal_blocks(self, args, local)
+        return unequal_blocks(self, self._split_self(args)[1], local)
 
     def check(self, *args: Any, backward: bool = True) -> CheckReport:
         """Type-check a call without running it: shapes, dtypes, vma and communication.
@@ -216,12 +239,13 @@ class SpmdFunction:
             >>> f.check(ns.ShapeDtype((4096, 4096))).types
             [f32[64,64]{dp}]
         """
-        tree: Any = args  # optree's PyTree is a class to mypy: a tuple is not one
+        bound, rest = self._split_self(args)
+        tree: Any = rest  # optree's PyTree is a class to mypy: a tuple is not one
         grads = [wants_grad(x) for x in optree.tree_leaves(tree, none_is_leaf=True)]
         # as the mesh's backend would run it: blocks of unequal sizes checked per instance
         backend = AbstractBackend(grads, backward, self.backend, _per_instance.run)
         meta = cast(tuple, optree.tree_map(to_meta, tree, none_is_leaf=True))
-        out, call = self._call(meta, backend)
+        out, call = self._call((*bound, *meta), backend)
         return backend.report(self.label, self.mesh, out, call.out_wheres(), call.out_specs())
 
     def _call(self, args: tuple, backend: Backend, local: bool = False) -> tuple[Any, Call]:
@@ -236,9 +260,37 @@ class SpmdFunction:
                 f"{outer.fn_label}); nesting is not supported. "
                 "Fix: call the inner per-device function directly, it already runs per instance."
             )
+        bound, args = self._split_self(args)
         leaves, specs, in_tree, memo = input_leaves(self, args, local, backend)
-        call = Call(self, backend, leaves, specs, in_tree, local, memo)
+        call = Call(self, backend, leaves, specs, in_tree, local, memo, bound)
         return call.outputs(backend.run(call)), call
+
+
+class BoundSpmdFunction:
+    """``obj.f``, where the mapped function ``f`` is an attribute of ``obj``'s class: ``f`` as a
+    method of ``obj`` (``SpmdFunction.__get__``); calls, ``local`` and ``check`` pass ``obj``."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, method: SpmdFunction, obj: Any) -> None:
+        self.__func__, self.__self__ = method, obj
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def local(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__.local(self.__self__, *args, **kwargs)
+
+    def check(self, *args: Any, backward: bool = True) -> CheckReport:
+        return self.__func__.check(self.__self__, *args, backward=backward)
+
+    def __getattr__(self, name: str) -> Any:  # mesh, in_specs, fn, ...: the mapped function's
+        if name in BoundSpmdFunction.__slots__:  # not set yet (copy, pickle, Dynamo's __new__)
+            raise AttributeError(name)
+        return getattr(self.__func__, name)
+
+    def __repr__(self) -> str:
+        return f"<bound {self.__func__!r} of {self.__self__!r}>"
 
 
 def _with_own_call(cls: type) -> type:

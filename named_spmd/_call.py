@@ -18,7 +18,7 @@ from . import _calls, _context
 from . import _torch_private as torch_private
 from ._accounting import recording
 from ._call_checks import check_outputs, tiled_output_event
-from ._errors import SpmdError
+from ._errors import SpmdError, SpmdTypeError
 from ._layout import gives_unequal_blocks
 from ._spec import PartitionSpec
 from ._tree import path_text, unflatten
@@ -52,8 +52,10 @@ class Call:
         in_tree: Any,
         local: bool,
         memo: dict | None = None,
+        bound: tuple = (),
     ) -> None:
         self.mapped = mapped
+        self.bound = bound  # a method's instance, passed to ``fn`` before the arguments
         self.backend = backend
         self.mesh: Mesh = mapped.mesh
         self.fn = mapped.fn
@@ -155,11 +157,25 @@ class Call:
         leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self.out_leaves]
         return unflatten(self.out_tree, leaves)
 
+    def _not_callable_with(self, args: tuple, e: TypeError) -> SpmdTypeError:
+        """``fn`` refused the call's arguments (their number, as Python binds them)."""
+        method = " after the method's instance" if self.bound else ""
+        return SpmdTypeError(
+            f"{self.mapped.where}: the function cannot be called with the call's {len(args)} "
+            f"positional argument(s){method}:\n  TypeError: {e}\nin_specs pair with the "
+            "positional arguments (a single P with every one). Fix: pass the arguments the "
+            "function takes; bind others with functools.partial before spmd_map."
+        )
+
     def _run_user(self, args: tuple) -> Any:
         try:
-            return self.fn(*args)
+            return self.fn(*self.bound, *args)
         except SpmdError:
             raise
+        except TypeError as e:
+            if e.__traceback__ is None or e.__traceback__.tb_next is not None:
+                raise  # raised inside the function: the user's own
+            raise self._not_callable_with(args, e) from e
         except RuntimeError as e:
             explained = self.backend.explain(e, self.mapped.where)
             if explained is not None:

@@ -133,6 +133,12 @@ def errors(mesh) -> dict:
             told[fn.__name__] = ["no error", "", ""]
         except Exception as e:  # noqa: BLE001 - what it raised is the outcome
             told[fn.__name__] = [type(e).__name__, str(e), type(e.__cause__).__name__]
+    pair = ns.spmd_map(lambda x, y: x + y, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    try:  # one argument where the function takes two
+        pair(torch.ones(4))
+        told["arguments"] = ["no error", "", ""]
+    except Exception as e:  # noqa: BLE001 - what it raised is the outcome
+        told["arguments"] = [type(e).__name__, str(e), type(e.__cause__).__name__]
     return told
 
 

@@ -343,6 +343,9 @@ def test_real_mesh_of_one_rank_replays_too():
         assert f"spmd_map of `{fn.__qualname__}` (test_one_instance.py:{line - 1})" in message
         assert f"failed at test_one_instance.py:{line} " in message and "on rank 0" in message
         assert ("x = x.clone()" in message) == (fn is written_leaf), message
+    kind, message, cause = told["arguments"]  # the function's refusal of their number
+    assert kind == "SpmdTypeError" and cause == "TypeError", told
+    assert "with the call's 1 positional argument(s)" in message, message
 
 
 def test_every_collective_on_one_instance_in_replays():

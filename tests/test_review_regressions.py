@@ -178,3 +178,59 @@ def test_dict_specs_inside_a_namedtuple_pair_with_the_leaves_of_their_keys():
         lambda t: t.x["a"] + t.x["b"].sum(), mesh=MESH, in_specs=(specs,), out_specs=SPLIT
     )
     torch.testing.assert_close(f(args), a + b.sum())
+
+
+class _Scaled(torch.nn.Module):
+    """A module whose per-device function is a mapped method: ``self`` is closed over."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(w)
+
+    @ns.spmd_map(mesh=MESH, in_specs=(SPLIT,), out_specs=SPLIT)
+    def scaled(self, x):
+        return x * self.w
+
+    def forward(self, x):
+        return self.scaled(x)
+
+
+def test_a_mapped_method_gets_its_instance_outside_in_specs():
+    """``m.scaled(x)``: the instance is ``self``, in_specs pair with ``x`` alone, and its
+    parameter is closed over (invariant: its gradient the sum over the instances)."""
+    x = torch.randn(8, 3)
+    for w in (torch.randn(3), torch.randn(3)):  # two instances: each its own parameter
+        m = _Scaled(w.clone())
+        y = m(x)
+        torch.testing.assert_close(y, x * w)
+        (grad,) = torch.autograd.grad(y.sum(), [m.w])
+        torch.testing.assert_close(grad, x.sum(0))
+        torch.testing.assert_close(m.scaled.local(x), x * w)
+        assert str(m.scaled.check(x).types[0]) == "f32[2,3]{i}"
+    assert isinstance(_Scaled.scaled, ns.SpmdFunction)  # read from the class: itself
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_call_with_arguments_the_function_does_not_take_names_it(count):
+    """A single P pairs with any number of arguments: the function's refusal of their number
+    is an SpmdError naming it (still a TypeError); a TypeError the function raises is its own."""
+
+    def add(x, y):
+        return x + y
+
+    f = ns.spmd_map(add, mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)
+    with pytest.raises(ns.SpmdError) as raised:
+        f(*[torch.ones(8)] * count)
+    message = str(raised.value)
+    assert isinstance(raised.value, TypeError)
+    assert "spmd_map of `" in message and "add` (test_review_regressions.py:" in message
+    assert f"with the call's {count} positional argument(s)" in message
+    with pytest.raises(ns.SpecError, match=r"in_specs has a tuple of 2 where the arguments have"):
+        ns.spmd_map(add, mesh=MESH, in_specs=(SPLIT, SPLIT), out_specs=SPLIT)(torch.ones(8))
+
+    def own(x):
+        raise TypeError("the function's own")
+
+    with pytest.raises(TypeError, match="the function's own") as raised:
+        ns.spmd_map(own, mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)(torch.ones(8))
+    assert not isinstance(raised.value, ns.SpmdError)
