@@ -18,7 +18,7 @@ from . import _calls, _context
 from . import _torch_private as torch_private
 from ._accounting import recording
 from ._call_checks import check_outputs, tiled_output_event
-from ._errors import SpmdError, SpmdTypeError
+from ._errors import SpmdError, SpmdTypeError, write_refused
 from ._layout import gives_unequal_blocks
 from ._spec import PartitionSpec
 from ._tree import path_text, unflatten
@@ -177,7 +177,9 @@ class Call:
                 raise  # raised inside the function: the user's own
             raise self._not_callable_with(args, e) from e
         except RuntimeError as e:
-            explained = self.backend.explain(e, self.mapped.where)
+            # autograd's refusal of a write, alike everywhere; else what the backend knows
+            where = self.mapped.where
+            explained = write_refused(e, where) or self.backend.explain(e, where)
             if explained is not None:
                 raise explained from e
             raise

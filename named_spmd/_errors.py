@@ -156,31 +156,29 @@ _REFUSED_WRITES = (
 )
 
 
-def refused_write(error: BaseException) -> bool:
-    """Whether ``error`` is autograd's refusal of an in-place write (``_REFUSED_WRITES``)."""
-    return isinstance(error, RuntimeError) and any(s in str(error) for s in _REFUSED_WRITES)
+def write_refused(error: BaseException, where: str) -> SpmdError | None:
+    """Autograd's refusal of an in-place write in the user's function (``_REFUSED_WRITES``), as
+    an SpmdError with its fix, the same on every backend and instance; None for another error."""
+    if not any(s in str(error) for s in _REFUSED_WRITES) or not rejected_by_torch(error):
+        return None
+    return error_class(type(error))(
+        f"{where}: autograd refused an in-place write at {user_line(error)}:\n"
+        f"  {type(error).__name__}: {error}\n"
+        "The tensor written requires grad and autograd cannot follow the write: a leaf (an "
+        "input of the call, a closed-over parameter), a view of one, or a view of a multi-output "
+        "op (split, unbind); it refuses it as it does outside spmd_map. Fix: write into a copy "
+        "(x = x.clone() first), or compute out of place (y = x + 1 rather than x.add_(1))."
+    )
 
 
 def torch_op_failed(error: BaseException, where: str, at: str) -> SpmdError:
     """A torch op of the user's function that rejected its operands (``rejected_by_torch``) on
-    ``at`` (the instances, or the rank that holds one): an SpmdError of the same class family
-    naming the user's line and the fix, the same on every backend; torch's error is its
-    ``__cause__``."""
-    if refused_write(error):
-        advice = (
-            "Autograd refuses to write in place into a tensor that requires grad and is a leaf "
-            "(an input of the call, a closed-over parameter) or a view of one, as it does "
-            "outside spmd_map. Fix: write into a copy (x = x.clone() first), or compute out of "
-            "place (y = x + 1 rather than x.add_(1))."
-        )
-    else:
-        advice = (
-            "Inside the function, shapes are the local blocks that in_specs select: a dim split "
-            "over an axis of size n holds 1/n of the global dim."
-        )
+    ``at`` (the instance, or the rank that holds it): an SpmdError of the same class family
+    naming the user's line, the same on every backend; torch's error is its ``__cause__``."""
     return error_class(type(error))(
         f"{where}: a torch op failed at {user_line(error)} on {at}:\n"
-        f"  {type(error).__name__}: {error}\n{advice}"
+        f"  {type(error).__name__}: {error}\nInside the function, shapes are the local blocks "
+        "that in_specs select: a dim split over an axis of size n holds 1/n of the global dim."
     )
 
 

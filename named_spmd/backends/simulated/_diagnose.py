@@ -15,9 +15,7 @@ the op with per-instance types, and the per-instance message; torch's message is
 The second run is quiet (its prints, warnings and random draws are discarded: the first run made
 them) and records no communication; only Python side effects of the user's code repeat. Nothing is
 hidden: an error that the second run does not reproduce identically, or that no torch function
-raised (the user's own ``raise``), propagates unchanged. The fast path pays one ``try``. Autograd's
-refusal of an in-place write (a leaf that requires grad) is no per-instance matter: it is told at
-once, as every instance and a real mesh's every rank raise it (``_errors.torch_op_failed``).
+raised (the user's own ``raise``), propagates unchanged. The fast path pays one ``try``.
 """
 
 from __future__ import annotations
@@ -35,16 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _torch_private as torch_private
 from ..._accounting import resume, suspend
-from ..._errors import (
-    TORCH_ERRORS,
-    SpmdError,
-    error_class,
-    fn_label,
-    refused_write,
-    rejected_by_torch,
-    torch_op_failed,
-    user_line,
-)
+from ..._errors import TORCH_ERRORS, SpmdError, error_class, fn_label, user_line
 from ..._operands import is_inplace, swap_operands, tensor_operands
 from ..._types import VType
 from ._instances import Instances, coordinates, instances, label, simulated_call
@@ -63,9 +52,6 @@ def explained(run: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torc
         except TORCH_ERRORS as error:
             if isinstance(error, SpmdError):
                 raise
-            if refused_write(error) and rejected_by_torch(error):  # alike on every instance
-                where = f"spmd_map of {fn_label(call.fn)}"
-                raise torch_op_failed(error, where, "every instance") from error
             better = _diagnose(error, functools.partial(run, call), call.fn, call.leaves)
             if better is None:
                 raise
