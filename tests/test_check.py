@@ -7,6 +7,7 @@ shapes, the per-instance types (``ns.typeof`` inside the function) and the commu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import resource
@@ -372,3 +373,46 @@ def test_report_text_and_html():
     assert "psum_scatter" in text and "backward" in text
     page = report._repr_html_()
     assert "tp_sp_block" in page and "psum_scatter" in page and "<table" in page
+
+
+def _bump(x):
+    x.add_(1)  # a write into the input's block
+    return ns.pmean(x * ns.axis_index("dp"), "dp")  # (a replicated x: an implicit pvary)
+
+
+def _outcome(run, x):
+    """What ``run(x)`` gives that a check must match: the output's shape, or the error's class
+    and its text up to torch's own (torch's words name the block's own kind of view)."""
+    try:
+        out = run(x)
+    except ns.SpmdError as e:
+        return type(e), str(e).split("\n")[0]
+    return "ran", tuple(getattr(out, "shape", None) or out.out.shape)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["plain", "requires_grad"])
+@pytest.mark.parametrize("per_instance", [False, True], ids=["vmap", "per_instance"])
+@pytest.mark.parametrize("spec", [P("dp"), P()], ids=["split", "replicated"])
+@pytest.mark.parametrize("size", [1, 2])
+def test_check_takes_a_write_into_an_input_where_the_call_does(
+    size, spec, per_instance, requires_grad
+):
+    """A write into an input: the call takes it where the argument needs no gradient (the
+    instance holds its block alone), and refuses it where autograd does (the argument requires
+    grad) or where the per-instance execution shares the block (each instance would write it).
+    check() runs where the call runs, reporting its communication, and raises its error."""
+    f = ns.spmd_map(_bump, mesh=ns.make_mesh((size,), ("dp",)), in_specs=spec, out_specs=P())
+    runs = ns.simulate_per_instance if per_instance else contextlib.nullcontext
+    with runs():
+        called = _outcome(f, torch.zeros(4, requires_grad=requires_grad))
+        checked = _outcome(f.check, torch.zeros(4, requires_grad=requires_grad))
+    assert checked == called
+    refused = requires_grad or (per_instance and size > 1 and not spec.axes)
+    assert (called[0] != "ran") == refused, called
+    if not refused:
+        with runs():
+            report = f.check(torch.zeros(4))
+        assert [str(t) for t in report.types] == [f"f32[{4 // size if spec.axes else 4}]{{}}"]
+        assert [e.op for e in report.forward] == (["pmean"] if size > 1 else [])
+        backward = [(e.op, e.implicit) for e in report.backward]
+        assert backward == ([("psum", True)] if size > 1 and not spec.axes else []), backward

@@ -33,7 +33,7 @@ from .._autodiff import differentiable
 from .._capabilities import Capabilities
 from .._check import CheckReport, OutputCheck, ShapeDtype
 from .._errors import SpmdError, user_line
-from .._layout import global_shape, is_even, local_shape
+from .._layout import global_shape, is_even, local_shape, split_all
 from .._mesh import Mesh
 from .._operands import METADATA, NOT_OPS, is_inplace
 from .._spec import PartitionSpec
@@ -268,9 +268,11 @@ def _numel(out: Any) -> int:
 
 
 def to_meta(leaf: Any) -> Any:
-    """A global argument leaf as a meta tensor (ShapeDtype and tensors; others unchanged)."""
+    """A global argument leaf as a meta tensor (ShapeDtype and tensors; others unchanged),
+    requiring grad where the argument does (``AbstractBackend._writable``)."""
     if isinstance(leaf, (ShapeDtype, torch.Tensor)):
-        return torch.empty(tuple(leaf.shape), dtype=leaf.dtype, device=_META)
+        meta = torch.empty(tuple(leaf.shape), dtype=leaf.dtype, device=_META)
+        return meta.requires_grad_(bool(leaf.requires_grad) and wants_grad(leaf))
     return leaf
 
 
@@ -376,25 +378,40 @@ class AbstractBackend:
         the cost grows with the number of instances, as the call's does)."""
         assert self.per_instance is not None  # _runs_per_instance
         self.instances = True
-        for x, g in zip(call.leaves, self.grads):
+        leaves = call.leaves
+        for i, (x, g) in enumerate(zip(leaves, self.grads)):
             if isinstance(x, torch.Tensor):
-                x.requires_grad_(g and self.backward)
+                leaves[i] = self._writable(x, x.requires_grad, g)
 
         def first(ctx: Any, outs: list[torch.Tensor]) -> None:
             self.ctx, self.outputs = ctx, outs
 
         with self.comms:
             with torch.device(_META):
-                outs = self.per_instance(call, inner_mode=MetaAliases, first=first)
+                outs = self.per_instance(
+                    call, inner_mode=MetaAliases, first=first, cut=_writable_blocks
+                )
             if self.backward:
                 _run_backward(outs)
         return [ShapeDtype(tuple(y.shape), y.dtype) for y in outs]
 
     def _local(self, x: torch.Tensor, spec: PartitionSpec, mesh: Mesh, grad: bool):
         local = _empty(local_shape(x.shape, spec, mesh._shape), x.dtype)
-        local.requires_grad_(grad and self.backward)
+        local = self._writable(local, x.requires_grad, grad)
         assert self.ctx is not None  # made by run()
         return self.ctx.stamp_input(local, spec)
+
+    def _writable(self, x: torch.Tensor, refuses: bool, grad: bool) -> torch.Tensor:
+        """An input's meta stand-in ``x``, requiring grad where the check differentiates with
+        respect to it (``grad``) or the call's argument requires grad (``refuses``), and taking
+        an in-place write exactly where the call's block does: a leaf where the argument
+        requires grad (autograd refuses the write, on every backend), else a copy (no leaf)."""
+        wanted = grad and self.backward
+        x.requires_grad_(wanted or refuses)
+        if not wanted or refuses:
+            return x
+        with torch_private.DisableTorchFunction():
+            return x.clone()
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         if not any(s in str(error) for s in _NEEDS_DATA):
@@ -415,6 +432,13 @@ class AbstractBackend:
             vtype = VType(leaf.dtype, tuple(leaf.shape), self.ctx.vma(leaf), mesh.axis_names)
             outputs.append(OutputCheck(path, spec, vtype, next(global_leaves).shape))
         return CheckReport(fn_label, mesh, outputs, out, list(self.comms.events))
+
+
+def _writable_blocks(x: torch.Tensor, spec: PartitionSpec, sizes: Any) -> list[torch.Tensor]:
+    """``split_all``'s blocks of ``x``, but views autograd lets a write into where ``x`` is no
+    leaf (a split's are a multi-output op's, which it refuses): the same memory, one view each."""
+    blocks = split_all(x.detach(), spec, sizes)
+    return [x.as_strided(b.shape, b.stride(), b.storage_offset()) for b in blocks]
 
 
 def _run_backward(outs: list[torch.Tensor]) -> None:
