@@ -146,16 +146,18 @@ def written_leaf(x):
 @pytest.mark.parametrize("fn", [bad_matmul, out_of_range, written_leaf])
 def test_a_torch_error_on_one_instance_is_the_family_as_on_several(fn):
     """A torch op that rejects its operands: an SpmdError of torch's class family naming the
-    function and the user's line, on one instance as on two (torch's error its cause). A write
-    into a leaf that requires grad is autograd's refusal on every instance, told as such with
-    its fix, not as a limit of the simulation."""
+    function and the user's line, on one instance as on two, under vmap or per instance
+    (torch's error its cause). A write into a leaf that requires grad is autograd's refusal on
+    every instance, told as such with its fix, not as a limit of the simulation."""
     line = inspect.getsourcelines(fn)[1] + 1
-    for shape in [(1,), (2,)]:
+    whole = contextlib.nullcontext
+    for shape, runs in [((1,), whole), ((2,), whole), ((2,), ns.simulate_per_instance)]:
         mesh = ns.make_mesh(shape, ("dp",))
         f = ns.spmd_map(fn, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
         block = torch.ones(4 // shape[0], 4)
         ref = _error_of(lambda: fn(block))  # torch's error on one instance's block
-        err = _error_of(lambda: f(torch.ones(4, 4)))
+        with runs():
+            err = _error_of(lambda: f(torch.ones(4, 4)))
         assert isinstance(err, ns.SpmdError) and isinstance(err, type(ref)), (shape, err)
         assert isinstance(err.__cause__, type(ref))
         message = str(err)

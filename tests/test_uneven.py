@@ -688,7 +688,8 @@ def test_check_of_an_uneven_call_agrees_with_the_call(name):
 
 def test_check_raises_the_error_of_an_op_on_an_empty_tensor_of_the_program():
     """An empty tensor that no input block is (every row sent to member 0: the others receive
-    none): torch's error, a note naming the instance, in the call and in its check."""
+    none): torch's error told as a real mesh's rank tells it, naming the instance, in the call
+    and in its check."""
     mapped = ns.spmd_map(
         lambda v: _to_member_0(v).amax(0, keepdim=True),
         mesh=ns.make_mesh((4,), ("x",)),
@@ -700,10 +701,12 @@ def test_check_raises_the_error_of_an_op_on_an_empty_tensor_of_the_program():
     for run in (mapped, mapped.check):
         with ns.simulate_per_instance(), pytest.raises(IndexError) as e:
             run(x)
-        raised.append((type(e.value), str(e.value), e.value.__notes__))
+        raised.append((type(e.value), str(e.value), type(e.value.__cause__)))
     assert raised[0] == raised[1]
-    assert raised[0][0] is IndexError and "reduction dim 0 to have non-zero size" in raised[0][1]
-    assert raised[0][2] == ["[named_spmd] raised by the instance at x=1 (per-instance simulation)"]
+    assert issubclass(raised[0][0], ns.SpmdError) and issubclass(raised[0][0], IndexError)
+    assert raised[0][2] is IndexError
+    assert "on the instance at x=1:\n  IndexError: " in raised[0][1]
+    assert "reduction dim 0 to have non-zero size" in raised[0][1]
 
 
 def test_check_takes_what_the_call_takes():

@@ -35,6 +35,7 @@ from ..._errors import (
     operand_shapes_differ,
     rejected_by_torch,
     shared_input_written,
+    torch_op_failed,
 )
 from ..._layout import (
     chunk_sizes,
@@ -443,16 +444,18 @@ def _raise_first(
     meeting: Meeting, errors: list[BaseException | None], call: Call, inputs: list[list[Any]]
 ) -> None:
     """The error of the lowest instance that raised one of its own (the others stopped at a
-    meeting that could not complete), naming the instance (a torch op's on an empty block of
-    ``inputs``, an SpmdError saying so, as a real mesh's rank tells it)."""
+    meeting that could not complete), naming the instance (a torch op's rejection of its
+    operands, an empty block of ``inputs`` among them: an SpmdError, as a real mesh's rank tells
+    it)."""
     for i, e in enumerate(errors):
         if e is not None and not isinstance(e, Aborted):
-            where = coords_of(i, meeting.names, meeting.sizes)
-            coords = coords_text(where)
-            empty = call.empty_block(inputs[i]) if rejected_by_torch(e) else None
-            if empty is not None:
-                at = f"the instance at {coords}"
-                raise empty_block_error(e, f"spmd_map of {meeting.label}", at, empty) from e
+            coords = coords_text(coords_of(i, meeting.names, meeting.sizes))
+            if rejected_by_torch(e):  # told as a real mesh's rank tells it
+                where, at = f"spmd_map of {meeting.label}", f"the instance at {coords}"
+                empty = call.empty_block(inputs[i])
+                if empty is not None:
+                    raise empty_block_error(e, where, at, empty) from e
+                raise torch_op_failed(e, where, at) from e
             if hasattr(e, "add_note") and not isinstance(e, SpmdError) and meeting.n > 1:
                 e.add_note(
                     f"[named_spmd] raised by the instance at {coords} (per-instance simulation)"
