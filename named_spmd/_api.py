@@ -292,6 +292,9 @@ class BoundSpmdFunction:
     def __repr__(self) -> str:
         return f"<bound {self.__func__!r} of {self.__self__!r}>"
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled as a bound method: read again from obj
+        return (getattr, (self.__self__, self.__func__.fn.__name__))
+
 
 def _with_own_call(cls: type) -> type:
     """A subclass of ``cls`` whose call methods (``__call__``, ``local`` and ``_enter``, which

@@ -4,6 +4,7 @@ silently accepted (and so gave wrong results)."""
 from __future__ import annotations
 
 import collections
+import pickle
 
 import pytest
 import torch
@@ -208,6 +209,8 @@ def test_a_mapped_method_gets_its_instance_outside_in_specs():
         torch.testing.assert_close(m.scaled.local(x), x * w)
         assert str(m.scaled.check(x).types[0]) == "f32[2,3]{i}"
     assert isinstance(_Scaled.scaled, ns.SpmdFunction)  # read from the class: itself
+    again = pickle.loads(pickle.dumps(m.scaled))  # a bound method: bound again
+    torch.testing.assert_close(again(x), x * again.__self__.w.detach())
 
 
 @pytest.mark.parametrize("count", [1, 3])
