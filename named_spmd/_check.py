@@ -23,7 +23,8 @@ class ShapeDtype:
         shape: the global shape.
         dtype: the dtype (default float32).
         requires_grad: whether the check differentiates with respect to it; default: exactly
-            when the dtype is floating point.
+            when the dtype is floating point. ``True`` stands for an argument that requires
+            grad: an in-place write into it is refused, as autograd refuses it in the call.
 
     Example:
         >>> ShapeDtype((1024, 4096), torch.bfloat16)
