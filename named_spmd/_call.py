@@ -169,7 +169,7 @@ class Call:
 
     def _run_user(self, args: tuple) -> Any:
         try:
-            return self.fn(*self.bound, *args)
+            return self.fn(*self.bound, *args) if self.bound else self.fn(*args)
         except SpmdError:
             raise
         except TypeError as e:
