@@ -4,7 +4,8 @@
 (rank, phase, seconds, and ``ok`` or the error's type and message):
 
 * ``mismatch``: phases that leave the mesh usable, each followed by a good call that must run and
-  give the dense sum: rank 3 passes another global shape (without, then with debug mode); the
+  give the dense sum: rank 3 passes another global shape (without, then with debug mode); only
+  rank 3's input requires grad (its backward psum would wait for the others for ever); the
   ranks psum over different axes with debug mode; then the same without debug mode, twice (the
   second call is where the ranks left behind see the others ahead).
 * ``sigkill``: rank 2 kills itself (SIGKILL) inside the function, before a psum.
@@ -88,6 +89,9 @@ def mismatch(mesh, rank):
     bad_shapes = lambda: psum_all(mesh)(torch.arange(float(shape)))  # noqa: E731
     report(rank, "shapes", bad_shapes)
     report(rank, "shapes_then", lambda: good_call(mesh))
+    x = X.clone().requires_grad_(rank == 3)
+    report(rank, "grad", lambda: psum_all(mesh)(x).full_tensor().sum().backward())
+    report(rank, "grad_then", lambda: good_call(mesh))
     ns.set_debug(True)
     report(rank, "shapes_debug", bad_shapes)
     report(rank, "shapes_debug_then", lambda: good_call(mesh))

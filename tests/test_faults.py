@@ -86,6 +86,10 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
             assert f"{named(3)}: " in o["message"] and "([16] float32)" in o["message"], o
             assert f"{named(0)}: " in o["message"] and "([8] float32)" in o["message"], o
             assert "Fix:" in o["message"], o
+        o = outcomes.get((rank, "grad"))  # raised in the forward pass, not hung in backward
+        assert o is not None and o["error"] == "SpmdError", (o, tail)
+        assert f"{named(3)}: " in o["message"] and "([8] float32 requires_grad)" in o["message"]
+        assert f"{named(0)}: " in o["message"] and "([8] float32)" in o["message"], o
         o = outcomes[rank, "axes_debug"]  # every rank reports what every rank called
         assert o["error"] in ("SpmdError", "RankFailedError"), o
         for r in range(WORLD):
@@ -96,7 +100,7 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
         assert "called different collectives in spmd_map call #" in o["message"], o
         assert "finished that call without joining it" in o["message"], o
         assert o["seconds"] < 25, o  # learned from its exit, not at the 30 s timeout
-        for phase in ("shapes_then", "shapes_debug_then", "axes_debug_then"):
+        for phase in ("shapes_then", "grad_then", "shapes_debug_then", "axes_debug_then"):
             assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]
 
 

@@ -1,7 +1,7 @@
 """What the ranks of a real mesh must agree on, checked across them.
 
 * Every call (``check_call_agrees``): the same mapped function on tensor inputs of the same global
-  shapes and dtypes, and the same recollection of the signature's last call where an uneven
+  shapes, dtypes and requires_grad (under the grad mode), and the same recollection of the signature's last call where an uneven
   call relies on one (``_dist_uneven``); one small all-reduce of a checksum, overlapped with
   the body.
 * Debug mode (``NAMED_SPMD_DEBUG=1``): plain-tensor inputs hold the same values on every rank
@@ -57,8 +57,8 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     """Gloo aborts the whole process (SIGABRT, no Python error) when the ranks of a collective
     pass buffers of different sizes, as inputs of different global shapes on different ranks make
     them. One small all-reduce per call compares a checksum of the function and of the tensor
-    inputs' global shapes and dtypes; it also keeps the ranks within one call of each other,
-    which lets a rank left waiting in an earlier call name the one that moved on
+    inputs' global shapes, dtypes and requires_grad; it also keeps the ranks within one call of
+    each other, which lets a rank left waiting in an earlier call name the one that moved on
     (``_dist_waiting._ahead``). Only when the checksums differ are the descriptions exchanged.
     It is started here and finished (``mesh.pending_check``) before the call's first collective
     (``Comm``) or at the end of the body, so the body's computation until then overlaps it."""
@@ -69,7 +69,13 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     # another failed, without needing it, disagrees and learns of it here (``_disagree``)
     known = mesh.board.known_failure()
     codes = _DTYPE_CODES  # (dtype_code and its memo, read inline: one entry per tensor leaf)
-    described = [(x.shape, codes.get(x.dtype) or dtype_code(x.dtype)) for x in tensors]
+    # whether each input is differentiated too: a rank whose input alone requires grad runs the
+    # backward collectives alone, and waits for its peers there for ever
+    grad = torch.is_grad_enabled()
+    described = [
+        (x.shape, codes.get(x.dtype) or dtype_code(x.dtype), grad and x.requires_grad)
+        for x in tensors
+    ]
     metadata = hash((local, known, *described))
     checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
     # and what this rank recalls of the signature's last call (an uneven call's shapes), which
@@ -84,19 +90,27 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     def finish() -> None:
         mesh.pending_check = None
         if not comm.agreed(started, "the start-of-call check"):
-            _disagree(ctx, tensors, local, known, recalled)
+            _disagree(ctx, tensors, [d[2] for d in described], local, known, recalled)
 
     mesh.pending_check = finish
 
 
 def _disagree(
-    ctx: DistributedContext, tensors: list[torch.Tensor], local: bool, known: int, recalled: int
+    ctx: DistributedContext,
+    tensors: list[torch.Tensor],
+    grads: list[bool],
+    local: bool,
+    known: int,
+    recalled: int,
 ) -> None:
     """The checksums differ: exchange the descriptions and raise on every rank alike, or, where
     only what the ranks recall of the signature's last call differs, forget it on every rank
     alike (the call then exchanges every shape afresh)."""
     mesh = ctx.mesh
-    shapes = ", ".join(f"{list(x.shape)} {str(x.dtype)[6:]}" for x in tensors)
+    shapes = ", ".join(
+        f"{list(x.shape)} {str(x.dtype)[6:]}{' requires_grad' if g else ''}"
+        for x, g in zip(tensors, grads)
+    )
     mine = f"{ctx.fn_label}{'.local' if local else ''}({shapes})"
     board = mesh.board
     got = exchange(
@@ -121,16 +135,18 @@ def _disagree(
     kind = "block" if local else "global"
     raise SpmdError(
         f"spmd_map of {ctx.fn_label}: the ranks called different mapped functions, or passed "
-        f"tensor inputs of different {kind} shapes or dtypes (function(the {kind} shape and "
-        f"dtype of each tensor leaf, in flattening order); .local: a call with blocks):\n"
+        f"tensor inputs of different {kind} shapes, dtypes or requires_grad (function(the "
+        f"{kind} shape and dtype of each tensor leaf, in flattening order, and requires_grad "
+        f"where grad mode is on and it does); .local: a call with blocks):\n"
         f"{lines}\nEvery rank must call the same function (all f(...) or all f.local(...)) on "
-        f"inputs of the same {kind} shapes ("
+        f"inputs of the same {kind} shapes and requires_grad ("
         + (
             "each rank's block under its spec, equal in shape on every rank"
             if local
             else "a plain tensor is the global value, present on every rank"
         )
-        + "). Fix: make the inputs' shapes and the call sequence independent of the rank."
+        + "). Fix: make the inputs' shapes, their requires_grad, the grad mode and the call "
+        "sequence independent of the rank."
     )
 
 
