@@ -85,7 +85,7 @@ def guard_key(token: object, args: Any, kwargs: dict | None, outside=outside_key
         if isinstance(a, Tensor):
             src = a.__dict__.get(SRC)
             key.append(src[1] if src is not None and src[0] is token else outside(a))
-        elif type(a) in _SCALARS:
+        elif type(a) is int or a is None:
             key.append(a)
         else:
             key.append(_key(token, a, outside))
@@ -94,16 +94,17 @@ def guard_key(token: object, args: Any, kwargs: dict | None, outside=outside_key
     return tuple(key)
 
 
-_SCALARS = frozenset({int, float, bool, str, type(None)})  # keyed as themselves
-
-
 def _key(token: object, a: Any, outside) -> Any:
     if isinstance(a, Tensor):
         src = a.__dict__.get(SRC)
         return src[1] if src is not None and src[0] is token else outside(a)
     if type(a) is list or type(a) is tuple:
         return (type(a), tuple([_key(token, b, outside) for b in a]))
-    return a
+    if type(a) is int or a is None:
+        return a
+    # with its type: ``1 == 1.0 == True``, yet ``torch.full((), 1)`` is an integer tensor and
+    # ``torch.full((), 1.0)`` a float one (a cast to it of a partial sum is an error, 2.2)
+    return (type(a), a)
 
 
 def _results(out: Any) -> tuple:
