@@ -113,6 +113,15 @@ def _flag_fills_an_integer(x, w1, b1, w2, s, v):
     return z.pow(2).mean().reshape(1) + ns.pmean(x.sum().reshape(1), "x")
 
 
+def _flag_gathers_varying(x, w1, b1, w2, s, v):
+    """The flag makes one all_gather's result varying instead of reduced (the same ops and
+    collectives either way): its product with the partial sum of the blocks of ``b1`` and
+    ``w2`` is then an error, where a replay of the reduced call's steps would type it
+    unreduced."""
+    g = ns.all_gather(x, "x", tiled=True, to="varying" if STATE["flag"] else "reduced")
+    return ns.psum(g * (b1 @ w2), "x").pow(2).mean().reshape(1)
+
+
 # name -> (function, in_specs, per call: (flag, sign of s) or a step number)
 CASES = {
     "flag_adds_a_use": (_flag_adds_a_use, False, [(False, 1), (False, 1), (True, 1), (False, 1)]),
@@ -128,6 +137,11 @@ CASES = {
     ),
     "flag_fills_an_integer": (
         _flag_fills_an_integer,
+        True,
+        [(False, 1), (False, 1), (True, 1), (False, 1)],
+    ),
+    "flag_gathers_varying": (
+        _flag_gathers_varying,
         True,
         [(False, 1), (False, 1), (True, 1), (False, 1)],
     ),
