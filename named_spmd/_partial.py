@@ -72,12 +72,12 @@ def op_name(func: Any) -> str:
     return name
 
 
-def _kind(name: str, operands: Sequence[Any]) -> str:
+def _kind(name: str, operands: Sequence[Any], kwargs: dict | None) -> str:
     if name in _LINEAR_UNARY:
         return "unary"
     if name in _ADDITIVE:
         return "additive"
-    if name in _PRODUCT or name in _DIVISION:
+    if name in _PRODUCT or (name in _DIVISION and not _rounds(kwargs)):
         return "product"
     if name == "linear":
         return "linear"
@@ -144,6 +144,8 @@ def combine(
     # memo of the accepted ops: what decides is the op, the operands' types, which operand is
     # first, and whether a non-zero constant or a bias is added (a hot path: most programs
     # repeat a few ops on a few types)
+    if kwargs and _rounds(kwargs):  # (the key does not hold the rounding mode)
+        return _combine(ctx, func, args, kwargs, operands, vmas)
     key = (func, _first_operand(args, kwargs, operands), _nonzero_scalar(args, kwargs), *vmas)
     hit = _ACCEPTED.get(key)
     if hit is not None:
@@ -172,7 +174,7 @@ def _combine(
     unreduced = frozenset().union(*(v.unreduced for v in vmas))
     if not unreduced:
         return union  # reduced values mix like invariant ones; varying wins
-    kind = _kind(name, operands)
+    kind = _kind(name, operands, kwargs)
     for axis in sorted(unreduced, key=_order(ctx)):
         problem = _problem(kind, name, axis, args, kwargs, operands, vmas)
         if problem is not None:
@@ -324,7 +326,13 @@ def _position(x, operands) -> int | None:
 
 
 def _nonzero(x) -> bool:
-    return isinstance(x, (int, float, complex)) and not isinstance(x, bool) and x != 0
+    return isinstance(x, (int, float, complex)) and x != 0  # (True too: it adds 1)
+
+
+def _rounds(kwargs: dict | None) -> bool:
+    """Whether a division rounds its quotient (``rounding_mode=``): not linear, each instance's
+    part would be rounded before the sum."""
+    return kwargs is not None and kwargs.get("rounding_mode") is not None
 
 
 def _first_operand(args, kwargs, operands) -> int | None:
@@ -338,9 +346,13 @@ def _first_operand(args, kwargs, operands) -> int | None:
 
 
 def _nonzero_scalar(args, kwargs) -> bool:
+    """Whether a non-zero Python number is among the arguments (``torch.add(u, other=1)``
+    included; an ``alpha=`` scales an operand, adding nothing)."""
     for a in args:
-        if isinstance(a, (int, float, complex)) and not isinstance(a, bool) and a != 0:
+        if isinstance(a, (int, float, complex)) and a != 0:
             return True
+    if kwargs:
+        return any(_nonzero(v) for k, v in kwargs.items() if k != "alpha")
     return False
 
 

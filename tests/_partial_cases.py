@@ -233,6 +233,40 @@ ERRORS: dict[str, ErrorCase] = {
         _seeded((4, 6), (6, 3), (3,)),
         pinned=("where in", "selects between a partial sum and a value invariant over 'tp'"),
     ),
+    # a constant given by keyword, or as True, is added to every part too
+    "constant_by_keyword": ErrorCase(
+        lambda x, w: ns.psum(torch.add(_partial(x, w), other=1.0), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("add in `<lambda>`", "adds a constant to a partial sum"),
+    ),
+    "true_added": ErrorCase(
+        lambda x, w: ns.psum(_partial(x, w) + True, "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("add in `<lambda>`", "adds a constant to a partial sum"),
+    ),
+    "true_selected": ErrorCase(
+        lambda x, w, c: ns.psum(torch.where(c > 0, True, _partial(x, w)), "tp"),
+        (*_ROW, P()),
+        P(),
+        _seeded((4, 6), (6, 3), (3,)),
+        pinned=("where in", "selects a constant beside a partial sum"),
+    ),
+    # a rounding division rounds each part (after the same division without rounding, which
+    # the algebra accepts and remembers)
+    "rounding_division": ErrorCase(
+        lambda x, w: ns.psum(
+            torch.div(_partial(x, w), 2) + torch.div(_partial(x, w), 2, rounding_mode="floor"),
+            "tp",
+        ),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("div in `<lambda>`", "div is not linear"),
+    ),
     # --- the same bugs written the ordinary way: the contraction of blocks split over tp on both
     # operands is seen (the inference from the specs), no annotation
     "inferred_bias_before_psum": ErrorCase(
