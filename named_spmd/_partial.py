@@ -205,6 +205,12 @@ def _order(ctx: Any):
 def _problem(kind, name, axis, args, kwargs, operands, vmas) -> str | None:
     states = [v.state(axis) for v in vmas]
     first = _first_operand(args, kwargs, operands)
+    into = _position((kwargs or {}).get("out"), operands)
+    if into is not None and states[into] != "unreduced":  # (``u.cumsum(0, out=buf)``)
+        return (
+            f"it writes the result into out=, a tensor {states[into]} over {axis!r}, which would "
+            "then hold one instance's part where the whole value belongs"
+        )
     if kind == "unary":
         if first is None or states[first] != "unreduced":
             return "it is unreduced in an operand the op does not act on linearly"

@@ -255,6 +255,15 @@ ERRORS: dict[str, ErrorCase] = {
         _seeded((4, 6), (6, 3), (3,)),
         pinned=("where in", "selects a constant beside a partial sum"),
     ),
+    # a linear op writing a partial sum into a closed-over tensor: each instance writes its part
+    # there (per instance all into the one tensor: the psum then counts the last part twice)
+    "partial_written_through_out": ErrorCase(
+        lambda x, w, c: ns.psum(torch.cumsum(_partial(x, w), 0, out=c), "tp"),
+        (*_ROW, P()),
+        P(),
+        _seeded((4, 6), (6, 3), (4, 3)),
+        pinned=("cumsum in `<lambda>`", "writes the result into out=, a tensor invariant"),
+    ),
     # a rounding division rounds each part (after the same division without rounding, which
     # the algebra accepts and remembers)
     "rounding_division": ErrorCase(
