@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ._errors import NOT_USER_DIRS, VmaError
+from ._operands import result_tensors
 from ._types import Vma, type_text
 
 # Ops whose result is linear in their first tensor operand alone (views, slicing, reductions
@@ -111,8 +112,8 @@ def check_cast(ctx: Any, func: Any, operands: list, vmas: list[Vma], vma: Any, o
     cast is seen."""
     if not isinstance(vma, Vma) or not vma.unreduced:
         return
-    for o in out if isinstance(out, (list, tuple)) else (out,):
-        if not isinstance(o, torch.Tensor) or o.dtype.is_floating_point or o.dtype.is_complex:
+    for o in result_tensors(out):
+        if o.dtype.is_floating_point or o.dtype.is_complex:
             continue
         inexact = any(t.dtype.is_floating_point or t.dtype.is_complex for t in operands)
         if o.dtype == torch.bool or inexact:
@@ -127,9 +128,7 @@ def check_cast(ctx: Any, func: Any, operands: list, vmas: list[Vma], vma: Any, o
 
 def has_tensor(out: Any) -> bool:
     """Whether an op's result holds a tensor (``x.shape``, ``x.dtype`` hold none)."""
-    if isinstance(out, torch.Tensor):
-        return True
-    return isinstance(out, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in out)
+    return bool(result_tensors(out))
 
 
 def combine(

@@ -27,7 +27,7 @@ import torch
 
 from . import _blocks
 from . import _torch_private as torch_private
-from ._operands import NOT_OPS, swap_operands, tensor_operands
+from ._operands import NOT_OPS, result_tensors, swap_operands, tensor_operands
 from ._stamps import _ATTR, _NUMBERS, TrackedContext, _number
 from ._stamps import _SRC as SRC
 from ._tracking import VmaMode
@@ -107,14 +107,6 @@ def _key(token: object, a: Any, outside) -> Any:
     return (type(a), a)
 
 
-def _results(out: Any) -> tuple:
-    if isinstance(out, Tensor):
-        return (out,)
-    if isinstance(out, (list, tuple)):
-        return tuple(o for o in out if isinstance(o, Tensor))
-    return ()
-
-
 class PlanningMode(VmaMode):
     """The typed call of a signature, which writes each op's decisions down (:class:`Step`)."""
 
@@ -138,7 +130,7 @@ class PlanningMode(VmaMode):
         key = guard_key(token, args, kwargs)
         self._casts = []
         out = super().__torch_function__(func, types, args, kwargs)
-        results = _results(out)
+        results = result_tensors(out)
         outputs = tuple((_held(o, _ATTR, token), _held(o, _BLOCKS, token)) for o in results)
         casts = tuple(self._casts)
         self.steps.append(Step(func, key, casts, outputs, _places(args, kwargs, casts)))
@@ -241,7 +233,7 @@ class ReplayMode(VmaMode):
         if type(out) is Tensor:  # the usual result: one tensor
             self._give(out, *step.outputs[0])
         else:
-            for o, (vma, lay) in zip(_results(out), step.outputs):
+            for o, (vma, lay) in zip(result_tensors(out), step.outputs):
                 self._give(o, vma, lay)
         return out
 

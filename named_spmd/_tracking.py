@@ -16,7 +16,14 @@ from torch.overrides import TorchFunctionMode
 from . import _blocks
 from ._accounting import reusable_cast
 from ._errors import VmaError
-from ._operands import METADATA, NOT_OPS, is_inplace, swap_operands, tensor_operands
+from ._operands import (
+    METADATA,
+    NOT_OPS,
+    is_inplace,
+    result_tensors,
+    swap_operands,
+    tensor_operands,
+)
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
 from ._stamps import _ATTR, TrackedContext, stamp_inner
 from ._torch_private import is_transform_wrapped as _is_wrapped
@@ -130,11 +137,10 @@ class VmaMode(TorchFunctionMode):
             if _is_wrapped(out):
                 stamp_inner(self.ctx, out, common)
         elif isinstance(out, (list, tuple)):
-            for o in out:
-                if isinstance(o, Tensor):
-                    o.__dict__[_ATTR] = common
-                    if _is_wrapped(o):
-                        stamp_inner(self.ctx, o, common)
+            for o in result_tensors(out):
+                o.__dict__[_ATTR] = common
+                if _is_wrapped(o):
+                    stamp_inner(self.ctx, o, common)
         return out
 
     def _gradients(self, args, kwargs, grads):
@@ -301,11 +307,10 @@ class VmaMode(TorchFunctionMode):
 
     def _stamp_outputs(self, out, union):
         stamp = self.ctx.stamp_of(union)
-        for o in out if isinstance(out, (list, tuple)) else (out,):
-            if isinstance(o, torch.Tensor):
-                o.__dict__[_ATTR] = stamp
-                if _is_wrapped(o):
-                    stamp_inner(self.ctx, o, stamp)
+        for o in result_tensors(out):
+            o.__dict__[_ATTR] = stamp
+            if _is_wrapped(o):
+                stamp_inner(self.ctx, o, stamp)
         return out
 
 
