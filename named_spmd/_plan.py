@@ -98,7 +98,7 @@ def _key(token: object, a: Any, outside) -> Any:
     if isinstance(a, Tensor):
         src = a.__dict__.get(SRC)
         return src[1] if src is not None and src[0] is token else outside(a)
-    if type(a) is list or type(a) is tuple:
+    if isinstance(a, (list, tuple)):  # (a torch.return_types tuple too)
         return (type(a), tuple([_key(token, b, outside) for b in a]))
     if type(a) is int or a is None:
         return a

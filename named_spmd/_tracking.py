@@ -112,8 +112,9 @@ class VmaMode(TorchFunctionMode):
                     if common is None:  # partial states: the algebra decides (section 2.2)
                         return self._general(func, args, kwargs)
                     mixed = True
-            elif (type(a) is list or type(a) is tuple) and not _plain_values(a):
-                return self._general(func, args, kwargs)  # tensors in a list (torch.cat)
+            elif isinstance(a, (list, tuple)) and not _plain_values(a):
+                # tensors in a list (torch.cat), or in a tuple of torch.return_types
+                return self._general(func, args, kwargs)
         if common is None:
             return func(*args, **(kwargs or {}))
         if common[1].partial:  # unreduced or reduced axes: the op must be checked (section 2.2)
@@ -337,6 +338,6 @@ def _plain_values(values) -> bool:
     as layer_norm's ``normalized_shape``): then the fast path types the op by its positional
     tensors alone (``is_causal=True``, ``dim=-1``)."""
     for v in values:
-        if isinstance(v, Tensor) or type(v) is list or type(v) is tuple:
+        if isinstance(v, (Tensor, list, tuple)):
             return False
     return True

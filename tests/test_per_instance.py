@@ -243,3 +243,21 @@ def test_tensors_nested_in_an_op_result_are_typed():
     with ns.simulate_per_instance():
         got = f(x)
     torch.testing.assert_close(got, torch.cat([edges(x[:2]), edges(x[2:])]))
+
+
+def test_tensors_in_a_return_types_argument_are_typed():
+    """``torch.stack(torch.aminmax(v, dim=0))``: the operands are in a ``torch.return_types``
+    tuple (not of type ``tuple``), typed as a list's are: the result varies over "x"."""
+    mesh = ns.make_mesh((2,), ("x",))
+    x = torch.tensor([[1.0, 2.0], [3.0, 10.0]])
+
+    def extrema(v):
+        return torch.stack(torch.aminmax(v, dim=0))
+
+    f = ns.spmd_map(extrema, mesh=mesh, in_specs=P("x"), out_specs=P())
+    with ns.simulate_per_instance(), pytest.raises(ns.VmaError, match=r"varies over \('x',\)"):
+        f(x)
+    f = ns.spmd_map(extrema, mesh=mesh, in_specs=P("x"), out_specs=P(None, "x"))
+    with ns.simulate_per_instance():
+        got = f(x)
+    torch.testing.assert_close(got, torch.cat([extrema(x[:1]), extrema(x[1:])], 1))
