@@ -372,3 +372,18 @@ def test_report_text_and_html():
     assert "psum_scatter" in text and "backward" in text
     page = report._repr_html_()
     assert "tp_sp_block" in page and "psum_scatter" in page and "<table" in page
+
+
+@pytest.mark.parametrize("rows", [4, 3], ids=["even", "uneven"])
+def test_an_op_without_a_shape_rule_is_an_spmd_error_naming_it(rows):
+    """``torch.histogramdd`` has no meta kernel: the check cannot run it on shapes (torch's
+    NotImplementedError), and says so with the fix, in both of its executions."""
+    mesh = ns.make_mesh((2,), ("x",))
+    f = ns.spmd_map(
+        lambda v: torch.histogramdd(v.reshape(-1, 1), bins=2).hist,
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+    )
+    with pytest.raises(ns.SpmdError, match=r"no shape rule for the op at .*histogramdd"):
+        f.check(torch.arange(float(rows)))
