@@ -111,7 +111,9 @@ class TrackedContext(SpmdContext):
         return stamp
 
     def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
-        if vma is not INVARIANT or _ATTR in x.__dict__:
+        # (an unstamped tensor reads invariant, but for a view, which reads its base's type: a
+        # complex operand reduced in place gives a view of it, ``_dist_comm.reduce_wire``)
+        if vma is not INVARIANT or _ATTR in x.__dict__ or _view_base(x) is not None:
             if vma is not INVARIANT and not _is_wrapped(x) and _transforms_active():
                 x = _own_storage(x)
             x.__dict__[_ATTR] = stamp = self.stamp_of(vma)
