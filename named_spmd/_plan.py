@@ -81,12 +81,14 @@ def guard_key(token: object, args: Any, kwargs: dict | None, outside=outside_key
     keys a tensor the call did not number (a backend where such a tensor may vary passes its
     own)."""
     key = []
-    for a in args:  # (:func:`_key`, its two usual cases inlined: this runs for every op)
+    for a in args:  # (:func:`_key`, its usual cases inlined: this runs for every op)
         if isinstance(a, Tensor):
             src = a.__dict__.get(SRC)
             key.append(src[1] if src is not None and src[0] is token else outside(a))
         elif type(a) is int or a is None:
             key.append(a)
+        elif type(a) is float:
+            key.append((float, a))
         else:
             key.append(_key(token, a, outside))
     if kwargs:
