@@ -387,3 +387,19 @@ def test_an_op_without_a_shape_rule_is_an_spmd_error_naming_it(rows):
     )
     with pytest.raises(ns.SpmdError, match=r"no shape rule for the op at .*histogramdd"):
         f.check(torch.arange(float(rows)))
+
+
+def test_a_write_into_an_input_is_checked_as_the_call_runs_it():
+    """The check differentiates every floating-point input: its block stays writable, as the
+    call's block of an argument that needs no gradient is (a leaf requiring grad is not)."""
+    mesh = ns.make_mesh((2,), ("x",))
+
+    def double(x, w):
+        x.mul_(2)
+        return ns.psum(x @ w, "x")
+
+    f = ns.spmd_map(double, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P())
+    x, w = torch.arange(4.0), torch.ones(4)
+    report = f.check(x, w)
+    assert report.types == f.check(ns.ShapeDtype((4,)), ns.ShapeDtype((4,))).types
+    torch.testing.assert_close(f(x.clone(), w), (2 * x) @ w)

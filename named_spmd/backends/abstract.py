@@ -392,7 +392,9 @@ class AbstractBackend:
 
     def _local(self, x: torch.Tensor, spec: PartitionSpec, mesh: Mesh, grad: bool):
         local = _empty(local_shape(x.shape, spec, mesh._shape), x.dtype)
-        local.requires_grad_(grad and self.backward)
+        if grad and self.backward:  # differentiated through a copy, as the call's block is a
+            # view of its argument: a leaf requiring grad refuses the in-place writes it takes
+            local = local.requires_grad_().clone()
         assert self.ctx is not None  # made by run()
         return self.ctx.stamp_input(local, spec)
 
