@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ._errors import NOT_USER_DIRS, VmaError
-from ._operands import result_tensors
+from ._operands import is_inplace, result_tensors
 from ._types import Vma, type_text
 
 # Ops whose result is linear in their first tensor operand alone (views, slicing, reductions
@@ -174,8 +174,11 @@ def _combine(
     if not unreduced:
         return union  # reduced values mix like invariant ones; varying wins
     kind = _kind(name, operands, kwargs)
+    into = _written(func, name, args, kwargs, operands)
     for axis in sorted(unreduced, key=_order(ctx)):
         problem = _problem(kind, name, axis, args, kwargs, operands, vmas)
+        if problem is None and into is not None:
+            problem = _into_problem(kwargs, vmas[into].state(axis), axis)
         if problem is not None:
             if kind == "other":  # the message (with the user's line) is built if raised
                 return functools.partial(_error, ctx, name, axis, problem, operands, vmas)
@@ -196,6 +199,28 @@ def value_operands(
     return operands, vmas
 
 
+def _written(func: Any, name: str, args: tuple, kwargs: dict | None, operands: list) -> int | None:
+    """The operand an op writes its result into: ``out=`` (``u.cumsum(0, out=buf)``), or the
+    first in place (``r.mul_(u)``; ``__setitem__`` has its own rule); None for other ops."""
+    out = (kwargs or {}).get("out")
+    if out is not None:
+        return _position(out, operands)
+    if name not in _WRITES and is_inplace(func):
+        return _first_operand(args, kwargs, operands)
+    return None
+
+
+def _into_problem(kwargs: dict | None, state: str, axis: str) -> str | None:
+    """What is wrong with writing a partial sum over ``axis`` into a tensor ``state`` there."""
+    if state == "unreduced":
+        return None
+    where = "out=" if kwargs and "out" in kwargs else "its operand (in place)"
+    return (
+        f"it writes the result into {where}, a tensor {state} over {axis!r}, which would then "
+        "hold one instance's part where the whole value belongs"
+    )
+
+
 def _order(ctx: Any):
     names = ctx.mesh.axis_names
     return lambda a: names.index(a) if a in names else len(names)
@@ -204,12 +229,6 @@ def _order(ctx: Any):
 def _problem(kind, name, axis, args, kwargs, operands, vmas) -> str | None:
     states = [v.state(axis) for v in vmas]
     first = _first_operand(args, kwargs, operands)
-    into = _position((kwargs or {}).get("out"), operands)
-    if into is not None and states[into] != "unreduced":  # (``u.cumsum(0, out=buf)``)
-        return (
-            f"it writes the result into out=, a tensor {states[into]} over {axis!r}, which would "
-            "then hold one instance's part where the whole value belongs"
-        )
     if kind == "unary":
         if first is None or states[first] != "unreduced":
             return "it is unreduced in an operand the op does not act on linearly"

@@ -264,6 +264,13 @@ ERRORS: dict[str, ErrorCase] = {
         _seeded((4, 6), (6, 3), (4, 3)),
         pinned=("cumsum in `<lambda>`", "writes the result into out=, a tensor invariant"),
     ),
+    "partial_written_into_a_reduced_input": ErrorCase(
+        lambda x, w, r: ns.psum(r.mul_(_partial(x, w)), "tp"),
+        (*_ROW, P(reduced={"tp"})),
+        P(),
+        _seeded((4, 6), (6, 3), (4, 3)),
+        pinned=("mul_ in `<lambda>`", "writes the result into its operand (in place), a tensor"),
+    ),
     # a rounding division rounds each part (after the same division without rounding, which
     # the algebra accepts and remembers)
     "rounding_division": ErrorCase(
