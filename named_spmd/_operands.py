@@ -23,6 +23,23 @@ def tensor_operands(args: Any, kwargs: dict | None) -> list[torch.Tensor]:
     return found
 
 
+def result_tensors(out: Any) -> tuple[torch.Tensor, ...]:
+    """The tensors an op returned: itself, or those in its list or tuple at any depth
+    (``torch.histogramdd``'s bin edges are a tuple inside its result), each of which a typed
+    call must type."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if not isinstance(out, (list, tuple)):
+        return ()
+    found: list[torch.Tensor] = []
+    for o in out:
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif isinstance(o, (list, tuple)):
+            found.extend(result_tensors(o))
+    return tuple(found)
+
+
 def swap_operands(args: Any, kwargs: dict | None, swap: dict, key: Any = id):
     """``args`` and ``kwargs`` with each tensor whose ``key`` is in ``swap`` replaced (keyed by
     the tensor itself where Dynamo may trace: ``id`` of a traced input is a guard)."""

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ._errors import NOT_USER_DIRS, VmaError
+from ._operands import is_inplace, result_tensors
 from ._types import Vma, type_text
 
 # Ops whose result is linear in their first tensor operand alone (views, slicing, reductions
@@ -72,12 +73,12 @@ def op_name(func: Any) -> str:
     return name
 
 
-def _kind(name: str, operands: Sequence[Any]) -> str:
+def _kind(name: str, operands: Sequence[Any], kwargs: dict | None) -> str:
     if name in _LINEAR_UNARY:
         return "unary"
     if name in _ADDITIVE:
         return "additive"
-    if name in _PRODUCT or name in _DIVISION:
+    if name in _PRODUCT or (name in _DIVISION and not _rounds(kwargs)):
         return "product"
     if name == "linear":
         return "linear"
@@ -111,8 +112,8 @@ def check_cast(ctx: Any, func: Any, operands: list, vmas: list[Vma], vma: Any, o
     cast is seen."""
     if not isinstance(vma, Vma) or not vma.unreduced:
         return
-    for o in out if isinstance(out, (list, tuple)) else (out,):
-        if not isinstance(o, torch.Tensor) or o.dtype.is_floating_point or o.dtype.is_complex:
+    for o in result_tensors(out):
+        if o.dtype.is_floating_point or o.dtype.is_complex:
             continue
         inexact = any(t.dtype.is_floating_point or t.dtype.is_complex for t in operands)
         if o.dtype == torch.bool or inexact:
@@ -127,9 +128,7 @@ def check_cast(ctx: Any, func: Any, operands: list, vmas: list[Vma], vma: Any, o
 
 def has_tensor(out: Any) -> bool:
     """Whether an op's result holds a tensor (``x.shape``, ``x.dtype`` hold none)."""
-    if isinstance(out, torch.Tensor):
-        return True
-    return isinstance(out, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in out)
+    return bool(result_tensors(out))
 
 
 def combine(
@@ -144,6 +143,8 @@ def combine(
     # memo of the accepted ops: what decides is the op, the operands' types, which operand is
     # first, and whether a non-zero constant or a bias is added (a hot path: most programs
     # repeat a few ops on a few types)
+    if kwargs and _rounds(kwargs):  # (the key does not hold the rounding mode)
+        return _combine(ctx, func, args, kwargs, operands, vmas)
     key = (func, _first_operand(args, kwargs, operands), _nonzero_scalar(args, kwargs), *vmas)
     hit = _ACCEPTED.get(key)
     if hit is not None:
@@ -172,9 +173,12 @@ def _combine(
     unreduced = frozenset().union(*(v.unreduced for v in vmas))
     if not unreduced:
         return union  # reduced values mix like invariant ones; varying wins
-    kind = _kind(name, operands)
+    kind = _kind(name, operands, kwargs)
+    into = _written(func, name, args, kwargs, operands)
     for axis in sorted(unreduced, key=_order(ctx)):
         problem = _problem(kind, name, axis, args, kwargs, operands, vmas)
+        if problem is None and into is not None:
+            problem = _into_problem(kwargs, vmas[into].state(axis), axis)
         if problem is not None:
             if kind == "other":  # the message (with the user's line) is built if raised
                 return functools.partial(_error, ctx, name, axis, problem, operands, vmas)
@@ -193,6 +197,28 @@ def value_operands(
         if first is not None:
             return [operands[first]], [vmas[first]]
     return operands, vmas
+
+
+def _written(func: Any, name: str, args: tuple, kwargs: dict | None, operands: list) -> int | None:
+    """The operand an op writes its result into: ``out=`` (``u.cumsum(0, out=buf)``), or the
+    first in place (``r.mul_(u)``; ``__setitem__`` has its own rule); None for other ops."""
+    out = (kwargs or {}).get("out")
+    if out is not None:
+        return _position(out, operands)
+    if name not in _WRITES and is_inplace(func):
+        return _first_operand(args, kwargs, operands)
+    return None
+
+
+def _into_problem(kwargs: dict | None, state: str, axis: str) -> str | None:
+    """What is wrong with writing a partial sum over ``axis`` into a tensor ``state`` there."""
+    if state == "unreduced":
+        return None
+    where = "out=" if kwargs and "out" in kwargs else "its operand (in place)"
+    return (
+        f"it writes the result into {where}, a tensor {state} over {axis!r}, which would then "
+        "hold one instance's part where the whole value belongs"
+    )
 
 
 def _order(ctx: Any):
@@ -324,7 +350,13 @@ def _position(x, operands) -> int | None:
 
 
 def _nonzero(x) -> bool:
-    return isinstance(x, (int, float, complex)) and not isinstance(x, bool) and x != 0
+    return isinstance(x, (int, float, complex)) and x != 0  # (True too: it adds 1)
+
+
+def _rounds(kwargs: dict | None) -> bool:
+    """Whether a division rounds its quotient (``rounding_mode=``): not linear, each instance's
+    part would be rounded before the sum."""
+    return kwargs is not None and kwargs.get("rounding_mode") is not None
 
 
 def _first_operand(args, kwargs, operands) -> int | None:
@@ -338,9 +370,13 @@ def _first_operand(args, kwargs, operands) -> int | None:
 
 
 def _nonzero_scalar(args, kwargs) -> bool:
+    """Whether a non-zero Python number is among the arguments (``torch.add(u, other=1)``
+    included; an ``alpha=`` scales an operand, adding nothing)."""
     for a in args:
-        if isinstance(a, (int, float, complex)) and not isinstance(a, bool) and a != 0:
+        if isinstance(a, (int, float, complex)) and a != 0:
             return True
+    if kwargs:
+        return any(_nonzero(v) for k, v in kwargs.items() if k != "alpha")
     return False
 
 

@@ -27,7 +27,7 @@ import torch
 
 from . import _blocks
 from . import _torch_private as torch_private
-from ._operands import NOT_OPS, swap_operands, tensor_operands
+from ._operands import NOT_OPS, result_tensors, swap_operands, tensor_operands
 from ._stamps import _ATTR, _NUMBERS, TrackedContext, _number
 from ._stamps import _SRC as SRC
 from ._tracking import VmaMode
@@ -81,12 +81,14 @@ def guard_key(token: object, args: Any, kwargs: dict | None, outside=outside_key
     keys a tensor the call did not number (a backend where such a tensor may vary passes its
     own)."""
     key = []
-    for a in args:  # (:func:`_key`, its two usual cases inlined: this runs for every op)
+    for a in args:  # (:func:`_key`, its usual cases inlined: this runs for every op)
         if isinstance(a, Tensor):
             src = a.__dict__.get(SRC)
             key.append(src[1] if src is not None and src[0] is token else outside(a))
-        elif type(a) in _SCALARS:
+        elif type(a) is int or a is None:
             key.append(a)
+        elif type(a) is float:
+            key.append((float, a))
         else:
             key.append(_key(token, a, outside))
     if kwargs:
@@ -94,24 +96,17 @@ def guard_key(token: object, args: Any, kwargs: dict | None, outside=outside_key
     return tuple(key)
 
 
-_SCALARS = frozenset({int, float, bool, str, type(None)})  # keyed as themselves
-
-
 def _key(token: object, a: Any, outside) -> Any:
     if isinstance(a, Tensor):
         src = a.__dict__.get(SRC)
         return src[1] if src is not None and src[0] is token else outside(a)
-    if type(a) is list or type(a) is tuple:
+    if isinstance(a, (list, tuple)):  # (a torch.return_types tuple too)
         return (type(a), tuple([_key(token, b, outside) for b in a]))
-    return a
-
-
-def _results(out: Any) -> tuple:
-    if isinstance(out, Tensor):
-        return (out,)
-    if isinstance(out, (list, tuple)):
-        return tuple(o for o in out if isinstance(o, Tensor))
-    return ()
+    if type(a) is int or a is None:
+        return a
+    # with its type: ``1 == 1.0 == True``, yet ``torch.full((), 1)`` is an integer tensor and
+    # ``torch.full((), 1.0)`` a float one (a cast to it of a partial sum is an error, 2.2)
+    return (type(a), a)
 
 
 class PlanningMode(VmaMode):
@@ -137,7 +132,7 @@ class PlanningMode(VmaMode):
         key = guard_key(token, args, kwargs)
         self._casts = []
         out = super().__torch_function__(func, types, args, kwargs)
-        results = _results(out)
+        results = result_tensors(out)
         outputs = tuple((_held(o, _ATTR, token), _held(o, _BLOCKS, token)) for o in results)
         casts = tuple(self._casts)
         self.steps.append(Step(func, key, casts, outputs, _places(args, kwargs, casts)))
@@ -240,7 +235,7 @@ class ReplayMode(VmaMode):
         if type(out) is Tensor:  # the usual result: one tensor
             self._give(out, *step.outputs[0])
         else:
-            for o, (vma, lay) in zip(_results(out), step.outputs):
+            for o, (vma, lay) in zip(result_tensors(out), step.outputs):
                 self._give(o, vma, lay)
         return out
 

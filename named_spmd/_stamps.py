@@ -111,20 +111,26 @@ class TrackedContext(SpmdContext):
         return stamp
 
     def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
-        if vma is not INVARIANT or _ATTR in x.__dict__:
+        # (an unstamped tensor reads invariant, but for a view, which reads its base's type: a
+        # complex operand reduced in place gives a view of it, ``_dist_comm.reduce_wire``)
+        if vma is not INVARIANT or _ATTR in x.__dict__ or _view_base(x) is not None:
             if vma is not INVARIANT and not _is_wrapped(x) and _transforms_active():
                 x = _own_storage(x)
             x.__dict__[_ATTR] = stamp = self.stamp_of(vma)
             if _is_wrapped(x):  # a collective under a user vmap: the tensor vmap hands back
                 stamp_inner(self, x, stamp)  # is the unwrapped one, which must keep the type
         if self.numbering:
-            self.number(x)
+            self.number(x, vma)
         return x
 
-    def number(self, x: torch.Tensor) -> None:
-        """Give ``x`` the call's next number (``_plan``: the key a replay's guard compares)."""
+    def number(self, x: torch.Tensor, vma: Vma | None = None) -> None:
+        """Give ``x`` the call's next number (``_plan``: the key a replay's guard compares).
+        A tensor typed outside the plan's steps (an input, a collective's result) is keyed by
+        its type ``vma`` too: one collective may type its result otherwise in a later call
+        (``all_gather(..., to=flag)``), which the ops after it must then be typed for."""
         n = self.numbered  # (_number inlined where interned: every typed tensor passes here)
-        x.__dict__[_SRC] = (self.call_token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
+        number = _NUMBERS[n] if n < len(_NUMBERS) else _number(n)
+        x.__dict__[_SRC] = (self.call_token, number if vma is None else (number, vma))
         self.numbered = n + 1
 
     def held_blocks(self, x: torch.Tensor) -> Any:
@@ -136,7 +142,7 @@ class TrackedContext(SpmdContext):
         if _is_wrapped(x):
             stamp_inner(self, x, stamp)
         if self.numbering:
-            self.number(x)
+            self.number(x, vma)
         return x
 
     def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:

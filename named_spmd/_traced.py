@@ -33,7 +33,7 @@ from ._collectives import _checks
 from ._collectives._record import implicit_pvary
 from ._context import SpmdContext
 from ._errors import SpmdError, fn_label
-from ._operands import is_inplace
+from ._operands import is_inplace, result_tensors
 from ._stamps import STAMP_ATTR, TrackedContext
 from ._tracking import VmaMode
 from ._types import INVARIANT, Vma
@@ -221,9 +221,8 @@ class CompiledVmaMode(VmaMode):
         return out
 
     def _stamp_outputs(self, out, union):
-        for o in out if isinstance(out, (list, tuple)) else (out,):
-            if isinstance(o, torch.Tensor):
-                self.ctx.stamp(o, union)
+        for o in result_tensors(out):
+            self.ctx.stamp(o, union)
         return out
 
 

@@ -16,7 +16,14 @@ from torch.overrides import TorchFunctionMode
 from . import _blocks
 from ._accounting import reusable_cast
 from ._errors import VmaError
-from ._operands import METADATA, NOT_OPS, is_inplace, swap_operands, tensor_operands
+from ._operands import (
+    METADATA,
+    NOT_OPS,
+    is_inplace,
+    result_tensors,
+    swap_operands,
+    tensor_operands,
+)
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
 from ._stamps import _ATTR, TrackedContext, stamp_inner
 from ._torch_private import is_transform_wrapped as _is_wrapped
@@ -105,8 +112,9 @@ class VmaMode(TorchFunctionMode):
                     if common is None:  # partial states: the algebra decides (section 2.2)
                         return self._general(func, args, kwargs)
                     mixed = True
-            elif (type(a) is list or type(a) is tuple) and not _plain_values(a):
-                return self._general(func, args, kwargs)  # tensors in a list (torch.cat)
+            elif isinstance(a, (list, tuple)) and not _plain_values(a):
+                # tensors in a list (torch.cat), or in a tuple of torch.return_types
+                return self._general(func, args, kwargs)
         if common is None:
             return func(*args, **(kwargs or {}))
         if common[1].partial:  # unreduced or reduced axes: the op must be checked (section 2.2)
@@ -130,11 +138,10 @@ class VmaMode(TorchFunctionMode):
             if _is_wrapped(out):
                 stamp_inner(self.ctx, out, common)
         elif isinstance(out, (list, tuple)):
-            for o in out:
-                if isinstance(o, Tensor):
-                    o.__dict__[_ATTR] = common
-                    if _is_wrapped(o):
-                        stamp_inner(self.ctx, o, common)
+            for o in result_tensors(out):
+                o.__dict__[_ATTR] = common
+                if _is_wrapped(o):
+                    stamp_inner(self.ctx, o, common)
         return out
 
     def _gradients(self, args, kwargs, grads):
@@ -301,11 +308,10 @@ class VmaMode(TorchFunctionMode):
 
     def _stamp_outputs(self, out, union):
         stamp = self.ctx.stamp_of(union)
-        for o in out if isinstance(out, (list, tuple)) else (out,):
-            if isinstance(o, torch.Tensor):
-                o.__dict__[_ATTR] = stamp
-                if _is_wrapped(o):
-                    stamp_inner(self.ctx, o, stamp)
+        for o in result_tensors(out):
+            o.__dict__[_ATTR] = stamp
+            if _is_wrapped(o):
+                stamp_inner(self.ctx, o, stamp)
         return out
 
 
@@ -332,6 +338,6 @@ def _plain_values(values) -> bool:
     as layer_norm's ``normalized_shape``): then the fast path types the op by its positional
     tensors alone (``is_causal=True``, ``dim=-1``)."""
     for v in values:
-        if isinstance(v, Tensor) or type(v) is list or type(v) is tuple:
+        if isinstance(v, (Tensor, list, tuple)):
             return False
     return True

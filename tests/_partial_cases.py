@@ -233,6 +233,56 @@ ERRORS: dict[str, ErrorCase] = {
         _seeded((4, 6), (6, 3), (3,)),
         pinned=("where in", "selects between a partial sum and a value invariant over 'tp'"),
     ),
+    # a constant given by keyword, or as True, is added to every part too
+    "constant_by_keyword": ErrorCase(
+        lambda x, w: ns.psum(torch.add(_partial(x, w), other=1.0), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("add in `<lambda>`", "adds a constant to a partial sum"),
+    ),
+    "true_added": ErrorCase(
+        lambda x, w: ns.psum(_partial(x, w) + True, "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("add in `<lambda>`", "adds a constant to a partial sum"),
+    ),
+    "true_selected": ErrorCase(
+        lambda x, w, c: ns.psum(torch.where(c > 0, True, _partial(x, w)), "tp"),
+        (*_ROW, P()),
+        P(),
+        _seeded((4, 6), (6, 3), (3,)),
+        pinned=("where in", "selects a constant beside a partial sum"),
+    ),
+    # a linear op writing a partial sum into a closed-over tensor: each instance writes its part
+    # there (per instance all into the one tensor: the psum then counts the last part twice)
+    "partial_written_through_out": ErrorCase(
+        lambda x, w, c: ns.psum(torch.cumsum(_partial(x, w), 0, out=c), "tp"),
+        (*_ROW, P()),
+        P(),
+        _seeded((4, 6), (6, 3), (4, 3)),
+        pinned=("cumsum in `<lambda>`", "writes the result into out=, a tensor invariant"),
+    ),
+    "partial_written_into_a_reduced_input": ErrorCase(
+        lambda x, w, r: ns.psum(r.mul_(_partial(x, w)), "tp"),
+        (*_ROW, P(reduced={"tp"})),
+        P(),
+        _seeded((4, 6), (6, 3), (4, 3)),
+        pinned=("mul_ in `<lambda>`", "writes the result into its operand (in place), a tensor"),
+    ),
+    # a rounding division rounds each part (after the same division without rounding, which
+    # the algebra accepts and remembers)
+    "rounding_division": ErrorCase(
+        lambda x, w: ns.psum(
+            torch.div(_partial(x, w), 2) + torch.div(_partial(x, w), 2, rounding_mode="floor"),
+            "tp",
+        ),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("div in `<lambda>`", "div is not linear"),
+    ),
     # --- the same bugs written the ordinary way: the contraction of blocks split over tp on both
     # operands is seen (the inference from the specs), no annotation
     "inferred_bias_before_psum": ErrorCase(

@@ -497,6 +497,22 @@ def _only_temporaries_are_reduced_in_place(mesh, world) -> dict:
         problems.append(f"psum of a temporary gave {_global(got).tolist()}, want {want.tolist()}")
     if ptrs[0] != ptrs[1]:
         problems.append("psum copied a temporary operand that nothing else held")
+
+    # a complex temporary is reduced in place as pairs of reals: the result, a view of the
+    # operand, is typed invariant (not the operand's type): out_specs P() fit it
+    with torch.no_grad():
+        f = ns.spmd_map(
+            lambda v: ns.psum(v * (1 + 1j), ("dp", "tp")),
+            mesh=mesh,
+            in_specs=P(("dp", "tp")),
+            out_specs=P(),
+        )
+        try:
+            got = _global(f(x))
+            if not torch.equal(got, want * (1 + 1j)):
+                problems.append(f"psum of a complex temporary gave {got.tolist()}")
+        except ns.SpmdError as e:
+            problems.append(f"psum of a complex temporary raised {e}"[:300])
     return {"check": "psum reduces temporaries in place, not held storage", "problems": problems}
 
 

@@ -103,6 +103,25 @@ def _flag_checkpoints(x, w1, b1, w2, s, v):
     return (y * y).mean().reshape(1)
 
 
+def _flag_fills_an_integer(x, w1, b1, w2, s, v):
+    """The flag fills a tensor with the int 1 instead of the float 1.0 (equal Python values,
+    so equal arguments unless keyed with their types): the partial sum of the blocks of ``b1``
+    and ``w2`` cast to its integer dtype is an error, where a replay of the float call's plan
+    would sum the truncated parts."""
+    t = torch.full((), 1 if STATE["flag"] else 1.0, dtype=None)
+    z = ns.psum((b1 @ w2).type_as(t), "x").double()
+    return z.pow(2).mean().reshape(1) + ns.pmean(x.sum().reshape(1), "x")
+
+
+def _flag_gathers_varying(x, w1, b1, w2, s, v):
+    """The flag makes one all_gather's result varying instead of reduced (the same ops and
+    collectives either way): its product with the partial sum of the blocks of ``b1`` and
+    ``w2`` is then an error, where a replay of the reduced call's steps would type it
+    unreduced."""
+    g = ns.all_gather(x, "x", tiled=True, to="varying" if STATE["flag"] else "reduced")
+    return ns.psum(g * (b1 @ w2), "x").pow(2).mean().reshape(1)
+
+
 # name -> (function, in_specs, per call: (flag, sign of s) or a step number)
 CASES = {
     "flag_adds_a_use": (_flag_adds_a_use, False, [(False, 1), (False, 1), (True, 1), (False, 1)]),
@@ -115,6 +134,16 @@ CASES = {
         _flag_varies_a_collective_result,
         True,
         [(True, 1), (True, 1), (False, 1), (True, 1)],
+    ),
+    "flag_fills_an_integer": (
+        _flag_fills_an_integer,
+        True,
+        [(False, 1), (False, 1), (True, 1), (False, 1)],
+    ),
+    "flag_gathers_varying": (
+        _flag_gathers_varying,
+        True,
+        [(False, 1), (False, 1), (True, 1), (False, 1)],
     ),
 }
 

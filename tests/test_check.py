@@ -416,3 +416,34 @@ def test_check_takes_a_write_into_an_input_where_the_call_does(
         assert [e.op for e in report.forward] == (["pmean"] if size > 1 else [])
         backward = [(e.op, e.implicit) for e in report.backward]
         assert backward == ([("psum", True)] if size > 1 and not spec.axes else []), backward
+
+
+@pytest.mark.parametrize("rows", [4, 3], ids=["even", "uneven"])
+def test_an_op_without_a_shape_rule_is_an_spmd_error_naming_it(rows):
+    """``torch.histogramdd`` has no meta kernel: the check cannot run it on shapes (torch's
+    NotImplementedError), and says so with the fix, in both of its executions."""
+    mesh = ns.make_mesh((2,), ("x",))
+    f = ns.spmd_map(
+        lambda v: torch.histogramdd(v.reshape(-1, 1), bins=2).hist,
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+    )
+    with pytest.raises(ns.SpmdError, match=r"no shape rule for the op at .*histogramdd"):
+        f.check(torch.arange(float(rows)))
+
+
+def test_a_write_into_an_input_is_checked_as_the_call_runs_it():
+    """The check differentiates every floating-point input: its block stays writable, as the
+    call's block of an argument that needs no gradient is (a leaf requiring grad is not)."""
+    mesh = ns.make_mesh((2,), ("x",))
+
+    def double(x, w):
+        x.mul_(2)
+        return ns.psum(x @ w, "x")
+
+    f = ns.spmd_map(double, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P())
+    x, w = torch.arange(4.0), torch.ones(4)
+    report = f.check(x, w)
+    assert report.types == f.check(ns.ShapeDtype((4,)), ns.ShapeDtype((4,))).types
+    torch.testing.assert_close(f(x.clone(), w), (2 * x) @ w)

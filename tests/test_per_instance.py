@@ -224,3 +224,40 @@ def test_a_write_into_an_input_on_the_storage_of_a_shared_one_is_not_blamed_on_i
         got = g(y[:4], y[4:])
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(y, want_y)
+
+
+def test_tensors_nested_in_an_op_result_are_typed():
+    """``torch.histogramdd`` returns its bin edges as a tuple inside its result tuple: each edge
+    tensor varies with the block it was computed from (an out_spec P() is refused, as for any
+    varying value); vmap has no batching rule for the op, so per instance is the way it runs."""
+    mesh = ns.make_mesh((2,), ("x",))
+    x = torch.tensor([1.0, 2.0, 3.0, 10.0])
+
+    def edges(v):
+        return torch.histogramdd(v.reshape(-1, 1), bins=2).bin_edges[0]
+
+    f = ns.spmd_map(edges, mesh=mesh, in_specs=P("x"), out_specs=P())
+    with ns.simulate_per_instance(), pytest.raises(ns.VmaError, match=r"varies over \('x',\)"):
+        f(x)
+    f = ns.spmd_map(edges, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    with ns.simulate_per_instance():
+        got = f(x)
+    torch.testing.assert_close(got, torch.cat([edges(x[:2]), edges(x[2:])]))
+
+
+def test_tensors_in_a_return_types_argument_are_typed():
+    """``torch.stack(torch.aminmax(v, dim=0))``: the operands are in a ``torch.return_types``
+    tuple (not of type ``tuple``), typed as a list's are: the result varies over "x"."""
+    mesh = ns.make_mesh((2,), ("x",))
+    x = torch.tensor([[1.0, 2.0], [3.0, 10.0]])
+
+    def extrema(v):
+        return torch.stack(torch.aminmax(v, dim=0))
+
+    f = ns.spmd_map(extrema, mesh=mesh, in_specs=P("x"), out_specs=P())
+    with ns.simulate_per_instance(), pytest.raises(ns.VmaError, match=r"varies over \('x',\)"):
+        f(x)
+    f = ns.spmd_map(extrema, mesh=mesh, in_specs=P("x"), out_specs=P(None, "x"))
+    with ns.simulate_per_instance():
+        got = f(x)
+    torch.testing.assert_close(got, torch.cat([extrema(x[:1]), extrema(x[1:])], 1))

@@ -32,6 +32,8 @@ REPLAYS = {
     "step_number": [0, 0],
     "flag_checkpoints": [1, 2],
     "flag_varies_a_collective_result": [2, 0],
+    "flag_fills_an_integer": [2, 0],
+    "flag_gathers_varying": [2, 0],
 }
 # A simulated call always marks itself (its marker types its ops), so a checkpoint's
 # recomputation finds a replayed call; a real mesh's replay of a plan made without a checkpoint

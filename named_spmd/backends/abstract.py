@@ -414,6 +414,13 @@ class AbstractBackend:
             return x.clone()
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
+        if isinstance(error, NotImplementedError) and "Meta tensors" in str(error):
+            return SpmdError(
+                f"{where}: check() runs the per-device function on shapes only (meta tensors), "
+                f"and torch has no shape rule for the op at {user_line(error)}:\n"
+                f"  {type(error).__name__}: {str(error).splitlines()[0]}\n"
+                "Fix: run the call itself (on the simulated mesh) to check it."
+            )
         if not any(s in str(error) for s in _NEEDS_DATA):
             return None
         return SpmdError(

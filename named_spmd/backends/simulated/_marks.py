@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _blocks
 from ... import _torch_private as torch_private
-from ..._operands import METADATA, NOT_OPS, tensor_operands
+from ..._operands import METADATA, NOT_OPS, result_tensors, tensor_operands
 from ..._partial import typed_call
 from ..._types import Vma
 
@@ -151,7 +151,6 @@ class PartialMode(TorchFunctionMode):
                 vma = _blocks.unreduced_over(vma or self.ctx.vma(_first_tensor(out)), axes)
                 self.ctx.forget_last_vma()  # the result's type changes below
         if vma is not None:
-            for o in out if isinstance(out, (list, tuple)) else (out,):
-                if isinstance(o, torch.Tensor):
-                    set_mark(o, token, vma)
+            for o in result_tensors(out):
+                set_mark(o, token, vma)
         return out, vma, blocked, varied

@@ -24,8 +24,8 @@ import torch
 
 from ... import _blocks
 from ... import _torch_private as torch_private
-from ..._operands import METADATA, NOT_OPS
-from ..._plan import Plan, Step, _held, _results, guard_key
+from ..._operands import METADATA, NOT_OPS, result_tensors
+from ..._plan import Plan, Step, _held, guard_key
 from ..._replay import Replay
 from ..._stamps import _NUMBERS, _number
 from ..._stamps import _SRC as SRC
@@ -66,7 +66,7 @@ class PlanningMode(PartialMode):
             return self.typed(func, args, kwargs)[0]
         key = guard_key(ctx.token, args, kwargs, self.outside)
         out, vma, blocked, varied = self.typed(func, args, kwargs)
-        results = _results(out)
+        results = result_tensors(out)
         token = ctx.token
         outputs = tuple(
             (vma, (_held(o, _BLOCKS, token) or FORGET) if blocked else None) for o in results
@@ -120,7 +120,7 @@ class ReplayMode(PartialMode):
                         if step.casts:
                             args = with_input_varied(ctx, args, step.casts)
                         out = func(*args, **kwargs) if kwargs else func(*args)
-                        results = (out,) if type(out) is Tensor else _results(out)
+                        results = (out,) if type(out) is Tensor else result_tensors(out)
                         for o, (vma, lay) in zip(results, step.outputs):
                             d = o.__dict__
                             if vma is not None:

@@ -110,12 +110,14 @@ class SimulatedContext(SpmdContext):
         elif self.partial_mode is not None:
             set_mark(x, self.token, vma)
         if self.numbering:  # a type a replay's guard must tell from the tensor's earlier one
-            self.number(x)
+            self.number(x, vma)
         return x
 
-    def number(self, x: torch.Tensor) -> None:
-        """Give ``x`` the call's next number (the key a replay's guard compares, ``_planned``)."""
-        x.__dict__[SRC] = (self.token, number(self.numbered))
+    def number(self, x: torch.Tensor, vma: Vma | None = None) -> None:
+        """Give ``x`` the call's next number (the key a replay's guard compares, ``_planned``),
+        with its type where typed outside the plan's steps (``TrackedContext.number``)."""
+        n = number(self.numbered)
+        x.__dict__[SRC] = (self.token, n if vma is None else (n, vma))
         self.numbered += 1
 
     def end_partial(self) -> None:
