@@ -30,12 +30,10 @@ from ... import _torch_private as torch_private
 from ..._errors import (
     SpecError,
     SpmdError,
-    empty_block_error,
     fn_label,
     operand_shapes_differ,
-    rejected_by_torch,
     shared_input_written,
-    torch_op_failed,
+    told_per_instance,
 )
 from ..._layout import (
     chunk_sizes,
@@ -450,12 +448,10 @@ def _raise_first(
     for i, e in enumerate(errors):
         if e is not None and not isinstance(e, Aborted):
             coords = coords_text(coords_of(i, meeting.names, meeting.sizes))
-            if rejected_by_torch(e):  # told as a real mesh's rank tells it
-                where, at = f"spmd_map of {meeting.label}", f"the instance at {coords}"
-                empty = call.empty_block(inputs[i])
-                if empty is not None:
-                    raise empty_block_error(e, where, at, empty) from e
-                raise torch_op_failed(e, where, at) from e
+            where, at = f"spmd_map of {meeting.label}", f"the instance at {coords}"
+            told = told_per_instance(e, where, at, call.empty_block(inputs[i]))
+            if told is not None:  # as a real mesh's rank tells it
+                raise told from e
             if hasattr(e, "add_note") and not isinstance(e, SpmdError) and meeting.n > 1:
                 e.add_note(
                     f"[named_spmd] raised by the instance at {coords} (per-instance simulation)"
