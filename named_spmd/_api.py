@@ -111,6 +111,9 @@ class SpmdFunction:
         # passed to ``fn`` outside in_specs; and this function as such a method, made once
         self.binds_self = False
         self._method: SpmdFunction | None = None
+        # the name of the class attribute it is (``__set_name__``): a bound method pickles as
+        # that attribute of its instance
+        self.attr_name: str | None = None
         # (not fn.__dict__: a function wrapping another SpmdFunction would lend this one its
         # mesh, specs and body)
         functools.update_wrapper(self, fn, updated=())
@@ -127,7 +130,14 @@ class SpmdFunction:
             args = (self.fn, self.mesh, self.in_specs, self.out_specs, self.check_vma)
             self._method = SpmdFunction(*args)
             self._method.binds_self = True
+            self._method.attr_name = self.attr_name
         return BoundSpmdFunction(self._method, obj)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        """Assigned in a class body as attribute ``name`` (which may differ from ``fn``'s)."""
+        self.attr_name = name
+        if self._method is not None:
+            self._method.attr_name = name
 
     def _split_self(self, args: tuple) -> tuple[tuple, tuple]:
         """The instance a method binds (none for a plain mapped function), and the arguments
@@ -293,7 +303,15 @@ class BoundSpmdFunction:
         return f"<bound {self.__func__!r} of {self.__self__!r}>"
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled as a bound method: read again from obj
-        return (getattr, (self.__self__, self.__func__.fn.__name__))
+        name = self.__func__.attr_name
+        if name is None:
+            raise SpmdError(
+                f"{self.__func__.where}: a mapped method pickles as the attribute of its "
+                "instance that it is, and this one was not assigned in a class body, so its "
+                "name is unknown. Fix: assign it in the class body (`step = ns.spmd_map(...)`, "
+                "or @ns.spmd_map(...) above the def)."
+            )
+        return (getattr, (self.__self__, name))
 
 
 def _with_own_call(cls: type) -> type:

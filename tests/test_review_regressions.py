@@ -213,6 +213,43 @@ def test_a_mapped_method_gets_its_instance_outside_in_specs():
     torch.testing.assert_close(again(x), x * again.__self__.w.detach())
 
 
+def _times_w(self, x):
+    return x * self.w
+
+
+class _Renamed(torch.nn.Module):
+    """A mapped method whose attribute's name is not its function's, which names another
+    method of the class."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(w)
+
+    step = ns.spmd_map(_times_w, mesh=MESH, in_specs=(SPLIT,), out_specs=SPLIT)
+
+    def _times_w(self, x):  # after ``step``: the module's function is the one mapped
+        return x * 0
+
+
+def test_a_mapped_method_pickles_as_the_attribute_it_is():
+    """A bound mapped method unpickles as the attribute of its instance that it was (not a
+    method named as its function); one assigned outside a class body has no known name, and
+    pickling it is an SpmdError saying so."""
+    x, w = torch.randn(8, 3), torch.randn(3)
+    again = pickle.loads(pickle.dumps(_Renamed(w.clone()).step))
+    assert type(again) is type(_Renamed(w).step)
+    torch.testing.assert_close(again(x), x * w)
+
+    class Later:
+        def __init__(self) -> None:
+            self.w = w
+
+    Later.step = ns.spmd_map(_times_w, mesh=MESH, in_specs=(SPLIT,), out_specs=SPLIT)
+    torch.testing.assert_close(Later().step(x), x * w)
+    with pytest.raises(ns.SpmdError, match="not assigned in a class body"):
+        pickle.dumps(Later().step)
+
+
 @pytest.mark.parametrize("count", [1, 3])
 def test_a_call_with_arguments_the_function_does_not_take_names_it(count):
     """A single P pairs with any number of arguments: the function's refusal of their number
