@@ -126,18 +126,22 @@ class SpmdFunction:
         invariant. Read from the class, it is this mapped function."""
         if obj is None:
             return self
-        if self._method is None:
-            args = (self.fn, self.mesh, self.in_specs, self.out_specs, self.check_vma)
-            self._method = SpmdFunction(*args)
-            self._method.binds_self = True
-            self._method.attr_name = self.attr_name
+        if self._method is None:  # assigned outside a class body
+            self._method = self._as_method()
         return BoundSpmdFunction(self._method, obj)
 
     def __set_name__(self, owner: type, name: str) -> None:
-        """Assigned in a class body as attribute ``name`` (which may differ from ``fn``'s)."""
+        """Assigned in a class body as attribute ``name`` (which may differ from ``fn``'s). Its
+        method is made here, outside any trace: Dynamo cannot trace making one (its call
+        methods' code objects are copied, ``_with_own_call``), and a compiled module's first
+        use of the method may be inside the trace."""
         self.attr_name = name
-        if self._method is not None:
-            self._method.attr_name = name
+        self._method = self._as_method()
+
+    def _as_method(self) -> SpmdFunction:
+        method = SpmdFunction(self.fn, self.mesh, self.in_specs, self.out_specs, self.check_vma)
+        method.binds_self, method.attr_name = True, self.attr_name
+        return method
 
     def _split_self(self, args: tuple) -> tuple[tuple, tuple]:
         """The instance a method binds (none for a plain mapped function), and the arguments
