@@ -284,8 +284,6 @@ class BoundSpmdFunction:
     """``obj.f``, where the mapped function ``f`` is an attribute of ``obj``'s class: ``f`` as a
     method of ``obj`` (``SpmdFunction.__get__``); calls, ``local`` and ``check`` pass ``obj``."""
 
-    __slots__ = ("__func__", "__self__")
-
     def __init__(self, method: SpmdFunction, obj: Any) -> None:
         self.__func__, self.__self__ = method, obj
 
@@ -299,7 +297,7 @@ class BoundSpmdFunction:
         return self.__func__.check(self.__self__, *args, backward=backward)
 
     def __getattr__(self, name: str) -> Any:  # mesh, in_specs, fn, ...: the mapped function's
-        if name in BoundSpmdFunction.__slots__:  # not set yet (copy, pickle, Dynamo's __new__)
+        if name in ("__func__", "__self__"):  # not set yet (copy, pickle, Dynamo's __new__)
             raise AttributeError(name)
         return getattr(self.__func__, name)
 

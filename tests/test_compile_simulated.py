@@ -726,3 +726,26 @@ def test_a_module_whose_mapped_method_is_first_used_in_the_trace_compiles_whole(
     torch.testing.assert_close(y, x * w)
     (grad,) = torch.autograd.grad(y.sum(), [m.w])
     torch.testing.assert_close(grad, x.sum(0))
+
+
+def test_a_bound_mapped_method_compiles_as_its_mapped_function():
+    """``ns.compile(m.step)`` and ``torch.compile(m.step)`` (``fullgraph=True``), and
+    ``ns.compile(m.step.local)``: the eager values and gradients, one compiled frame; a call of
+    unequal blocks runs eagerly, as a mapped function's does."""
+    mesh = ns.make_mesh((4,), ("dp",), simulated=True)
+    x, w = torch.randn(8, 3), torch.randn(3)
+    m = _scaled_module(mesh)(w.clone())
+    torch._dynamo.reset()
+    for compile in (ns.compile, torch.compile):
+        counter = CompileCounterWithBackend("eager")
+        step = compile(m.step, backend=counter, fullgraph=True)
+        for _ in range(2):
+            y = step(x)
+            torch.testing.assert_close(y, x * w)
+            (grad,) = torch.autograd.grad(y.sum(), [m.w])
+            torch.testing.assert_close(grad, x.sum(0))
+        assert counter.frame_count == 1, compile
+    uneven = torch.randn(7, 3)
+    torch.testing.assert_close(ns.compile(m.step, fullgraph=True)(uneven), uneven * w)
+    local = ns.compile(m.step.local, backend="eager", fullgraph=True)
+    torch.testing.assert_close(local(x), m.step.local(x))
