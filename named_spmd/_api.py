@@ -4,6 +4,7 @@ or a check on the abstract backend); its inputs' and outputs' checks are ``_call
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast, overload
@@ -296,10 +297,26 @@ class BoundSpmdFunction:
     def check(self, *args: Any, backward: bool = True) -> CheckReport:
         return self.__func__.check(self.__self__, *args, backward=backward)
 
-    def __getattr__(self, name: str) -> Any:  # mesh, in_specs, fn, ...: the mapped function's
-        if name in ("__func__", "__self__"):  # not set yet (copy, pickle, Dynamo's __new__)
-            raise AttributeError(name)
+    # the mapped function's attributes that describe it: its methods take the arguments
+    # without the instance (``unequal_blocks``), so they are not the bound method's
+    _DESCRIBING = frozenset(
+        ("fn", "label", "where", "mesh", "in_specs", "out_specs", "check_vma", "backend")
+        + ("attr_name", "__name__", "__qualname__")
+    )
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in BoundSpmdFunction._DESCRIBING:  # (``__func__`` too, before it is set)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.__func__, name)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """``fn``'s signature without the instance, as a bound method's."""
+        signature = inspect.signature(self.__func__.fn)
+        params = list(signature.parameters.values())
+        if params and params[0].kind is not inspect.Parameter.VAR_POSITIONAL:
+            params = params[1:]  # (``*args`` takes the instance and the arguments)
+        return signature.replace(parameters=params)
 
     def __repr__(self) -> str:
         return f"<bound {self.__func__!r} of {self.__self__!r}>"

@@ -4,6 +4,7 @@ silently accepted (and so gave wrong results)."""
 from __future__ import annotations
 
 import collections
+import inspect
 import pickle
 
 import pytest
@@ -211,6 +212,17 @@ def test_a_mapped_method_gets_its_instance_outside_in_specs():
     assert isinstance(_Scaled.scaled, ns.SpmdFunction)  # read from the class: itself
     again = pickle.loads(pickle.dumps(m.scaled))  # a bound method: bound again
     torch.testing.assert_close(again(x), x * again.__self__.w.detach())
+
+
+def test_a_bound_mapped_method_shows_what_describes_the_mapped_function():
+    """``m.scaled``: the mapped function's mesh and specs, its signature without ``self``; not
+    the mapped function's methods that take the arguments without the instance."""
+    m = _Scaled(torch.ones(3))
+    assert m.scaled.mesh is MESH and m.scaled.in_specs == (SPLIT,)
+    assert m.scaled.__name__ == "scaled" and str(inspect.signature(m.scaled)) == "(x)"
+    for internal in ("unequal_blocks", "_split_self", "binds_self"):
+        with pytest.raises(AttributeError):
+            getattr(m.scaled, internal)
 
 
 def _times_w(self, x):
