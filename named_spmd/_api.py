@@ -18,7 +18,7 @@ from ._accounting import recording
 from ._call import Call
 from ._call_checks import input_leaves, unequal_blocks
 from ._check import CheckReport
-from ._errors import SpmdError, fn_label
+from ._errors import SpmdError, fn_label, refused_write
 from ._mesh import Mesh
 from ._spec import PartitionSpec
 from ._tree import check_spec_types, spec_leaves
@@ -239,7 +239,9 @@ class SpmdFunction:
             *args: the global arguments, as tensors (real or ``device="meta"``) or
                 :class:`named_spmd.ShapeDtype` stand-ins; nothing of their size is allocated.
             backward: also run autograd on the meta outputs, with respect to every floating-point
-                input, to report the backward communication.
+                input, to report the backward communication (but an input that needs no
+                gradient where the function writes into a view autograd refuses a write into
+                for one that does: ``x.unbind(0)[0].add_(1)``, which the call takes).
 
         Returns:
             A :class:`named_spmd.CheckReport`: ``.outputs`` (per-instance ``VType`` and global
@@ -256,7 +258,22 @@ class SpmdFunction:
         """
         bound, rest = self._split_self(args)
         tree: Any = rest  # optree's PyTree is a class to mypy: a tuple is not one
-        grads = [wants_grad(x) for x in optree.tree_leaves(tree, none_is_leaf=True)]
+        leaves = optree.tree_leaves(tree, none_is_leaf=True)
+        grads = [wants_grad(x) for x in leaves]
+        try:
+            return self._check(bound, tree, grads, backward)
+        except SpmdError as e:
+            # A write that autograd refuses where the check differentiates with respect to an
+            # argument that needs no gradient (into a multi-output op's view: unbind, split),
+            # which the call takes: checked again without differentiating with respect to those
+            needed = [
+                g and getattr(x, "requires_grad", None) is True for g, x in zip(grads, leaves)
+            ]
+            if needed == grads or not refused_write(e.__cause__):
+                raise
+            return self._check(bound, tree, needed, backward)
+
+    def _check(self, bound: tuple, tree: Any, grads: list[bool], backward: bool) -> CheckReport:
         # as the mesh's backend would run it: blocks of unequal sizes checked per instance
         backend = AbstractBackend(grads, backward, self.backend, _per_instance.run)
         meta = cast(tuple, optree.tree_map(to_meta, tree, none_is_leaf=True))

@@ -172,10 +172,15 @@ _REFUSED_WRITES = (
 )
 
 
+def refused_write(error: BaseException | None) -> bool:
+    """Whether ``error`` is autograd's refusal of an in-place write (``_REFUSED_WRITES``)."""
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _REFUSED_WRITES)
+
+
 def write_refused(error: BaseException, where: str) -> SpmdError | None:
     """Autograd's refusal of an in-place write in the user's function (``_REFUSED_WRITES``), as
     an SpmdError with its fix, the same on every backend and instance; None for another error."""
-    if not any(s in str(error) for s in _REFUSED_WRITES) or not rejected_by_torch(error):
+    if not refused_write(error) or not rejected_by_torch(error):
         return None
     return error_class(type(error))(
         f"{where}: autograd refused an in-place write at {user_line(error)}:\n"

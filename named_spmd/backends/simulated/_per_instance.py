@@ -291,15 +291,12 @@ def _draws(name: str, args: tuple, kwargs: dict | None) -> bool:
     return bool(flag)
 
 
-def _inputs(
-    mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec], cut: Callable[..., list[Tensor]]
-) -> list[list[Any]]:
+def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[list[Any]]:
     """Every instance's blocks of the leaves: a tensor object of its own for every tensor leaf
-    (each instance stamps its own), views of the caller's tensors (autograd joins them), cut
-    by ``cut`` (``split_all``'s signature and order)."""
+    (each instance stamps its own), views of the caller's tensors (autograd joins them)."""
     names, sizes = mesh.axis_names, mesh._shape
     per_leaf = [
-        cut(leaf, spec, sizes) if isinstance(leaf, Tensor) and spec.axes else None
+        split_all(leaf, spec, sizes) if isinstance(leaf, Tensor) and spec.axes else None
         for leaf, spec in zip(leaves, specs)
     ]
     out = []
@@ -336,14 +333,12 @@ def run(
     *,
     inner_mode: Callable[[], Any] | None = None,
     first: Callable[[InstanceContext, list[Tensor]], None] | None = None,
-    cut: Callable[..., list[Tensor]] = split_all,
 ) -> list[Tensor]:
     """``call.body`` on every instance, each on its own thread and block; outputs assembled.
 
     For the check mode, which runs this on meta tensors: ``inner_mode`` makes a torch-function
     mode each instance enters inside its own (one that moves closed-over tensors to meta), and
-    ``first`` is given instance 0's context and outputs (what its report types); ``cut`` makes
-    the blocks of an input (its views that take a write where the call's do)."""
+    ``first`` is given instance 0's context and outputs (what its report types)."""
     mesh, fn, leaves, specs = call.mesh, call.fn, call.leaves, call.specs
     label = fn_label(fn)
     if torch_private.transforms_active():
@@ -356,7 +351,7 @@ def run(
     meeting = Meeting(n, label, mesh.axis_names, mesh._shape)
     device = next((x.device for x in leaves if isinstance(x, Tensor)), torch.device("cpu"))
     with torch_private.DisableTorchFunction():  # our bookkeeping: no op of the program
-        inputs = _inputs(mesh, leaves, specs, cut)
+        inputs = _inputs(mesh, leaves, specs)
     shared = shared_inputs(mesh._shape, leaves, specs)
     outs: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
