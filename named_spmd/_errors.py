@@ -11,23 +11,26 @@ import difflib
 import functools
 import linecache
 import os
+import sys
+import types
 from collections.abc import Iterable, Sequence
 
 import optree
 import torch
 
 
-def _dir_of(path: str | None) -> tuple[str, ...]:
+def _dir_of(module: types.ModuleType) -> tuple[str, ...]:
+    path = module.__file__
     return () if path is None else (os.path.dirname(os.path.abspath(path)) + os.sep,)
 
 
 #: Directories of the code that runs torch's ops: torch's and this package's (its modes and
 #: simulated collectives run them), where a torch op's rejection of its operands is raised.
-TORCH_DIRS = _dir_of(torch.__file__) + _dir_of(__file__)
+TORCH_DIRS = _dir_of(torch) + _dir_of(sys.modules[__name__])
 
 #: Directories whose frames are not the user's (torch, optree, the standard library, this
 #: package): a message's "user line" is the innermost frame outside them.
-NOT_USER_DIRS = TORCH_DIRS + _dir_of(optree.__file__) + _dir_of(os.__file__)
+NOT_USER_DIRS = TORCH_DIRS + _dir_of(optree) + _dir_of(os)
 
 
 class SpmdError(RuntimeError):
