@@ -4,6 +4,7 @@ or a check on the abstract backend); its inputs' and outputs' checks are ``_call
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast, overload
@@ -17,7 +18,7 @@ from ._accounting import recording
 from ._call import Call
 from ._call_checks import input_leaves, unequal_blocks
 from ._check import CheckReport
-from ._errors import SpmdError, fn_label
+from ._errors import SpmdError, fn_label, refused_write
 from ._mesh import Mesh
 from ._spec import PartitionSpec
 from ._tree import check_spec_types, spec_leaves
@@ -111,6 +112,9 @@ class SpmdFunction:
         # passed to ``fn`` outside in_specs; and this function as such a method, made once
         self.binds_self = False
         self._method: SpmdFunction | None = None
+        # the name of the class attribute it is (``__set_name__``): a bound method pickles as
+        # that attribute of its instance
+        self.attr_name: str | None = None
         # (not fn.__dict__: a function wrapping another SpmdFunction would lend this one its
         # mesh, specs and body)
         functools.update_wrapper(self, fn, updated=())
@@ -123,11 +127,22 @@ class SpmdFunction:
         invariant. Read from the class, it is this mapped function."""
         if obj is None:
             return self
-        if self._method is None:
-            args = (self.fn, self.mesh, self.in_specs, self.out_specs, self.check_vma)
-            self._method = SpmdFunction(*args)
-            self._method.binds_self = True
+        if self._method is None:  # assigned outside a class body
+            self._method = self._as_method()
         return BoundSpmdFunction(self._method, obj)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        """Assigned in a class body as attribute ``name`` (which may differ from ``fn``'s). Its
+        method is made here, outside any trace: Dynamo cannot trace making one (its call
+        methods' code objects are copied, ``_with_own_call``), and a compiled module's first
+        use of the method may be inside the trace."""
+        self.attr_name = name
+        self._method = self._as_method()
+
+    def _as_method(self) -> SpmdFunction:
+        method = SpmdFunction(self.fn, self.mesh, self.in_specs, self.out_specs, self.check_vma)
+        method.binds_self, method.attr_name = True, self.attr_name
+        return method
 
     def _split_self(self, args: tuple) -> tuple[tuple, tuple]:
         """The instance a method binds (none for a plain mapped function), and the arguments
@@ -224,7 +239,9 @@ class SpmdFunction:
             *args: the global arguments, as tensors (real or ``device="meta"``) or
                 :class:`named_spmd.ShapeDtype` stand-ins; nothing of their size is allocated.
             backward: also run autograd on the meta outputs, with respect to every floating-point
-                input, to report the backward communication.
+                input, to report the backward communication (but an input that needs no
+                gradient where the function writes into a view autograd refuses a write into
+                for one that does: ``x.unbind(0)[0].add_(1)``, which the call takes).
 
         Returns:
             A :class:`named_spmd.CheckReport`: ``.outputs`` (per-instance ``VType`` and global
@@ -241,7 +258,22 @@ class SpmdFunction:
         """
         bound, rest = self._split_self(args)
         tree: Any = rest  # optree's PyTree is a class to mypy: a tuple is not one
-        grads = [wants_grad(x) for x in optree.tree_leaves(tree, none_is_leaf=True)]
+        leaves = optree.tree_leaves(tree, none_is_leaf=True)
+        grads = [wants_grad(x) for x in leaves]
+        try:
+            return self._check(bound, tree, grads, backward)
+        except SpmdError as e:
+            # A write that autograd refuses where the check differentiates with respect to an
+            # argument that needs no gradient (into a multi-output op's view: unbind, split),
+            # which the call takes: checked again without differentiating with respect to those
+            needed = [
+                g and getattr(x, "requires_grad", None) is True for g, x in zip(grads, leaves)
+            ]
+            if needed == grads or not refused_write(e.__cause__):
+                raise
+            return self._check(bound, tree, needed, backward)
+
+    def _check(self, bound: tuple, tree: Any, grads: list[bool], backward: bool) -> CheckReport:
         # as the mesh's backend would run it: blocks of unequal sizes checked per instance
         backend = AbstractBackend(grads, backward, self.backend, _per_instance.run)
         meta = cast(tuple, optree.tree_map(to_meta, tree, none_is_leaf=True))
@@ -270,8 +302,6 @@ class BoundSpmdFunction:
     """``obj.f``, where the mapped function ``f`` is an attribute of ``obj``'s class: ``f`` as a
     method of ``obj`` (``SpmdFunction.__get__``); calls, ``local`` and ``check`` pass ``obj``."""
 
-    __slots__ = ("__func__", "__self__")
-
     def __init__(self, method: SpmdFunction, obj: Any) -> None:
         self.__func__, self.__self__ = method, obj
 
@@ -284,16 +314,40 @@ class BoundSpmdFunction:
     def check(self, *args: Any, backward: bool = True) -> CheckReport:
         return self.__func__.check(self.__self__, *args, backward=backward)
 
-    def __getattr__(self, name: str) -> Any:  # mesh, in_specs, fn, ...: the mapped function's
-        if name in BoundSpmdFunction.__slots__:  # not set yet (copy, pickle, Dynamo's __new__)
-            raise AttributeError(name)
+    # the mapped function's attributes that describe it: its methods take the arguments
+    # without the instance (``unequal_blocks``), so they are not the bound method's
+    _DESCRIBING = frozenset(
+        ("fn", "label", "where", "mesh", "in_specs", "out_specs", "check_vma", "backend")
+        + ("attr_name", "__name__", "__qualname__")
+    )
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in BoundSpmdFunction._DESCRIBING:  # (``__func__`` too, before it is set)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.__func__, name)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """``fn``'s signature without the instance, as a bound method's."""
+        signature = inspect.signature(self.__func__.fn)
+        params = list(signature.parameters.values())
+        if params and params[0].kind is not inspect.Parameter.VAR_POSITIONAL:
+            params = params[1:]  # (``*args`` takes the instance and the arguments)
+        return signature.replace(parameters=params)
 
     def __repr__(self) -> str:
         return f"<bound {self.__func__!r} of {self.__self__!r}>"
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled as a bound method: read again from obj
-        return (getattr, (self.__self__, self.__func__.fn.__name__))
+        name = self.__func__.attr_name
+        if name is None:
+            raise SpmdError(
+                f"{self.__func__.where}: a mapped method pickles as the attribute of its "
+                "instance that it is, and this one was not assigned in a class body, so its "
+                "name is unknown. Fix: assign it in the class body (`step = ns.spmd_map(...)`, "
+                "or @ns.spmd_map(...) above the def)."
+            )
+        return (getattr, (self.__self__, name))
 
 
 def _with_own_call(cls: type) -> type:

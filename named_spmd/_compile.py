@@ -30,7 +30,7 @@ import torch
 from . import _calls
 from . import _torch_private as torch_private
 from ._accounting import recording
-from ._api import SpmdFunction
+from ._api import BoundSpmdFunction, SpmdFunction
 
 
 class CompiledPiece:
@@ -59,9 +59,9 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     ``options`` are ``torch.compile``'s (``backend``, ``fullgraph``, ``mode``, ...). Use as
     ``ns.compile(fn)`` or ``@ns.compile(fullgraph=True)``.
 
-    A mapped function (``ns.compile(ns.spmd_map(...))``, or its ``.local``) compiles whole, as
-    ``torch.compile`` would, with a compile cache of its own. ``torch.compile`` of the mapped function itself
-    shares one cache (that of torch's wrapper for callable objects) with every other callable
+    A mapped function (``ns.compile(ns.spmd_map(...))``, a mapped method ``ns.compile(m.step)``,
+    or their ``.local``) compiles whole, as ``torch.compile`` would, with a compile cache of its
+    own. ``torch.compile`` of the mapped function itself shares one cache (that of torch's wrapper for callable objects) with every other callable
     object compiled so, and the ninth one in a process hits Dynamo's recompile limit. Its calls
     check fewer guards: none on this package's constants and memo tables, which the trace reads
     while it infers types (:func:`library_guard_filter`; about 0.1 ms per call on a small GPT
@@ -92,6 +92,11 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     """
     if fn is None:
         return functools.partial(compile, **options)
+    if isinstance(fn, BoundSpmdFunction):  # a mapped method: its method's, the instance bound
+        return functools.partial(compile(fn.__func__, **options), fn.__self__)
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, BoundSpmdFunction) and fn.__name__ == "local":
+        return functools.partial(compile(owner.__func__.local, **options), owner.__self__)
     options = with_bucketed_all_reduces(options)
     if isinstance(fn, SpmdFunction):
         # Its own ``__call__`` (a code object per mapped function) rather than the object:

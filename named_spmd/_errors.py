@@ -11,18 +11,26 @@ import difflib
 import functools
 import linecache
 import os
+import sys
+import types
 from collections.abc import Iterable, Sequence
 
 import optree
 import torch
 
+
+def _dir_of(module: types.ModuleType) -> tuple[str, ...]:
+    path = module.__file__
+    return () if path is None else (os.path.dirname(os.path.abspath(path)) + os.sep,)
+
+
+#: Directories of the code that runs torch's ops: torch's and this package's (its modes and
+#: simulated collectives run them), where a torch op's rejection of its operands is raised.
+TORCH_DIRS = _dir_of(torch) + _dir_of(sys.modules[__name__])
+
 #: Directories whose frames are not the user's (torch, optree, the standard library, this
 #: package): a message's "user line" is the innermost frame outside them.
-NOT_USER_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (torch, optree, os)
-    if m.__file__ is not None
-) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+NOT_USER_DIRS = TORCH_DIRS + _dir_of(optree) + _dir_of(os)
 
 
 class SpmdError(RuntimeError):
@@ -121,6 +129,7 @@ _FAMILY: dict[type[BaseException], type[SpmdError]] = {
     ValueError: SpmdValueError,
     TypeError: SpmdTypeError,
     NotImplementedError: SpmdNotImplementedError,
+    RuntimeError: SpmdError,
 }
 
 
@@ -133,18 +142,28 @@ def error_class(cls: type[BaseException]) -> type[SpmdError]:
 TORCH_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
 
 
+def told_in_family(error: BaseException) -> bool:
+    """Whether ``error`` may be told as an SpmdError of its family (``error_class``): exactly
+    a class of the family. A subclass (``torch.linalg.LinAlgError``, ``torch.OutOfMemoryError``,
+    ``json.JSONDecodeError``) is a distinction the user's code may catch: it is left as raised,
+    as outside spmd_map."""
+    return type(error) in _FAMILY
+
+
 def rejected_by_torch(error: BaseException) -> bool:
-    """Whether ``error`` is a torch op's rejection of operands that the user's code passed: of
-    a class torch raises for that, raised outside the user's code below a frame of it (not the
-    user's own ``raise``, nor an error of named_spmd's)."""
-    if not isinstance(error, TORCH_ERRORS) or isinstance(error, SpmdError):
+    """Whether ``error`` is a torch op's rejection of operands that the user's code passed:
+    exactly of a class torch raises for that (``told_in_family``), raised in torch's code
+    (``TORCH_DIRS``: not the standard library's) below a frame of the user's (not the user's
+    own ``raise``, nor an error of named_spmd's)."""
+    if not told_in_family(error):
         return False
-    outside = []
+    paths = []
     tb = error.__traceback__
     while tb is not None:
-        outside.append(tb.tb_frame.f_code.co_filename.startswith(NOT_USER_DIRS))
+        paths.append(tb.tb_frame.f_code.co_filename)
         tb = tb.tb_next
-    return bool(outside) and outside[-1] and not all(outside)
+    users = [not p.startswith(NOT_USER_DIRS) for p in paths]
+    return bool(paths) and paths[-1].startswith(TORCH_DIRS) and any(users)
 
 
 # autograd's refusals of an in-place write: into a leaf that requires grad (an input, a
@@ -156,10 +175,15 @@ _REFUSED_WRITES = (
 )
 
 
+def refused_write(error: BaseException | None) -> bool:
+    """Whether ``error`` is autograd's refusal of an in-place write (``_REFUSED_WRITES``)."""
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _REFUSED_WRITES)
+
+
 def write_refused(error: BaseException, where: str) -> SpmdError | None:
     """Autograd's refusal of an in-place write in the user's function (``_REFUSED_WRITES``), as
     an SpmdError with its fix, the same on every backend and instance; None for another error."""
-    if not any(s in str(error) for s in _REFUSED_WRITES) or not rejected_by_torch(error):
+    if not refused_write(error) or not rejected_by_torch(error):
         return None
     return error_class(type(error))(
         f"{where}: autograd refused an in-place write at {user_line(error)}:\n"
@@ -180,6 +204,20 @@ def torch_op_failed(error: BaseException, where: str, at: str) -> SpmdError:
         f"  {type(error).__name__}: {error}\nInside the function, shapes are the local blocks "
         "that in_specs select: a dim split over an axis of size n holds 1/n of the global dim."
     )
+
+
+def told_per_instance(
+    error: BaseException, where: str, at: str, empty: tuple[str, Sequence[int]] | None = None
+) -> SpmdError | None:
+    """``error``, raised by the user's function on one instance or rank ``at``, as every
+    backend tells it: a torch op's rejection of its operands (``rejected_by_torch``) on an
+    empty block (``empty``: the argument, its shape) or not; None for another error, which is
+    left as raised."""
+    if not rejected_by_torch(error):
+        return None
+    if empty is not None:
+        return empty_block_error(error, where, at, empty)
+    return torch_op_failed(error, where, at)
 
 
 def empty_block_error(

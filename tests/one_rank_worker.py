@@ -17,11 +17,14 @@ import torch
 import torch.distributed as dist
 from test_one_instance import (
     SPECS,
+    bad_date,
+    bad_json,
     bad_matmul,
     checkpointed_megatron,
     dense_megatron,
     inputs,
     megatron,
+    not_positive_definite,
     written_leaf,
 )
 
@@ -126,7 +129,7 @@ def errors(mesh) -> dict:
     """A torch op's rejection of its operands and autograd's refusal of a write, as the
     simulated mesh tells them: each function's error class, message and cause's class."""
     told = {}
-    for fn in (bad_matmul, written_leaf):
+    for fn in (bad_matmul, written_leaf, not_positive_definite, bad_json, bad_date):
         f = ns.spmd_map(fn, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
         try:
             f(torch.ones(4, 4))

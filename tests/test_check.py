@@ -390,26 +390,44 @@ def _outcome(run, x):
     return "ran", tuple(getattr(out, "shape", None) or out.out.shape)
 
 
-@pytest.mark.parametrize("requires_grad", [False, True], ids=["plain", "requires_grad"])
+def _bump_unbound(x):
+    x.unbind(0)[0].add_(1)  # a write into a view of a multi-output op
+    return ns.pmean(x * ns.axis_index("dp"), "dp")
+
+
+ARGUMENTS = {  # an input that needs no gradient, a leaf that requires grad, and no leaf
+    "plain": lambda: torch.zeros(4),
+    "leaf": lambda: torch.zeros(4, requires_grad=True),
+    "nonleaf": lambda: torch.zeros(4, requires_grad=True) * 1,
+}
+
+
+@pytest.mark.parametrize("fn", [_bump, _bump_unbound], ids=["block", "unbound"])
+@pytest.mark.parametrize("argument", list(ARGUMENTS))
 @pytest.mark.parametrize("per_instance", [False, True], ids=["vmap", "per_instance"])
 @pytest.mark.parametrize("spec", [P("dp"), P()], ids=["split", "replicated"])
 @pytest.mark.parametrize("size", [1, 2])
 def test_check_takes_a_write_into_an_input_where_the_call_does(
-    size, spec, per_instance, requires_grad
+    size, spec, per_instance, argument, fn
 ):
-    """A write into an input: the call takes it where the argument needs no gradient (the
-    instance holds its block alone), and refuses it where autograd does (the argument requires
-    grad) or where the per-instance execution shares the block (each instance would write it).
-    check() runs where the call runs, reporting its communication, and raises its error."""
-    f = ns.spmd_map(_bump, mesh=ns.make_mesh((size,), ("dp",)), in_specs=spec, out_specs=P())
+    """A write into an input: the call takes it where autograd does (an argument that needs no
+    gradient; a view that no multi-output op made of one that is no leaf), and refuses it where
+    autograd does (a leaf that requires grad, or a view of one; a multi-output op's view, the
+    per-instance blocks of a split input among them) or where the per-instance execution
+    shares the block (each instance would write it). check() runs where the call runs,
+    reporting its communication, and raises its error."""
+    f = ns.spmd_map(fn, mesh=ns.make_mesh((size,), ("dp",)), in_specs=spec, out_specs=P())
     runs = ns.simulate_per_instance if per_instance else contextlib.nullcontext
     with runs():
-        called = _outcome(f, torch.zeros(4, requires_grad=requires_grad))
-        checked = _outcome(f.check, torch.zeros(4, requires_grad=requires_grad))
+        called = _outcome(f, ARGUMENTS[argument]())
+        checked = _outcome(f.check, ARGUMENTS[argument]())
     assert checked == called
-    refused = requires_grad or (per_instance and size > 1 and not spec.axes)
+    several = per_instance and size > 1
+    multi_output = fn is _bump_unbound or (several and bool(spec.axes))
+    refused = argument == "leaf" or (several and not spec.axes)
+    refused = refused or (argument == "nonleaf" and multi_output)
     assert (called[0] != "ran") == refused, called
-    if not refused:
+    if not refused and fn is _bump and argument == "plain":
         with runs():
             report = f.check(torch.zeros(4))
         assert [str(t) for t in report.types] == [f"f32[{4 // size if spec.axes else 4}]{{}}"]

@@ -695,3 +695,57 @@ def test_a_step_counter_named_in_dynamic_sources_is_traced_once():
         for step in range(3):
             torch.testing.assert_close(compiled(x, step), f(x, step), rtol=0, atol=1e-12)
     assert counter.frame_count == 1
+
+
+def _scaled_module(mesh):
+    """A module class of its own (its mapped method never used before the test's trace)."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, w: torch.Tensor) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(w)
+
+        @ns.spmd_map(mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+        def step(self, x):
+            return x * self.w
+
+        def forward(self, x):
+            return self.step(x)
+
+    return Scaled
+
+
+def test_a_module_whose_mapped_method_is_first_used_in_the_trace_compiles_whole():
+    """``torch.compile(module, fullgraph=True)`` where the trace makes the first use of a
+    mapped method: one graph with the eager values and gradients."""
+    mesh = ns.make_mesh((4,), ("dp",), simulated=True)
+    x, w = torch.randn(8, 3), torch.randn(3)
+    m = _scaled_module(mesh)(w.clone())
+    torch._dynamo.reset()
+    y = torch.compile(m, backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(y, x * w)
+    (grad,) = torch.autograd.grad(y.sum(), [m.w])
+    torch.testing.assert_close(grad, x.sum(0))
+
+
+def test_a_bound_mapped_method_compiles_as_its_mapped_function():
+    """``ns.compile(m.step)`` and ``torch.compile(m.step)`` (``fullgraph=True``), and
+    ``ns.compile(m.step.local)``: the eager values and gradients, one compiled frame; a call of
+    unequal blocks runs eagerly, as a mapped function's does."""
+    mesh = ns.make_mesh((4,), ("dp",), simulated=True)
+    x, w = torch.randn(8, 3), torch.randn(3)
+    m = _scaled_module(mesh)(w.clone())
+    torch._dynamo.reset()
+    for compile in (ns.compile, torch.compile):
+        counter = CompileCounterWithBackend("eager")
+        step = compile(m.step, backend=counter, fullgraph=True)
+        for _ in range(2):
+            y = step(x)
+            torch.testing.assert_close(y, x * w)
+            (grad,) = torch.autograd.grad(y.sum(), [m.w])
+            torch.testing.assert_close(grad, x.sum(0))
+        assert counter.frame_count == 1, compile
+    uneven = torch.randn(7, 3)
+    torch.testing.assert_close(ns.compile(m.step, fullgraph=True)(uneven), uneven * w)
+    local = ns.compile(m.step.local, backend="eager", fullgraph=True)
+    torch.testing.assert_close(local(x), m.step.local(x))

@@ -10,6 +10,7 @@ checkpointing in replays.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import inspect
 import json
@@ -169,6 +170,36 @@ def test_a_torch_error_on_one_instance_is_the_family_as_on_several(fn):
         assert "fails only when" not in message
         if written:  # autograd's refusal: one message on every mesh
             assert message == _simulated_message(fn)
+
+
+def not_positive_definite(x):
+    return torch.linalg.cholesky(-torch.eye(4) + 0 * x[:1])  # torch's LinAlgError
+
+
+def bad_json(x):
+    json.loads("{bad")  # the standard library's JSONDecodeError
+    return x
+
+
+def bad_date(x):
+    datetime.datetime.strptime("bad", "%Y")  # a ValueError the standard library raises
+    return x
+
+
+@pytest.mark.parametrize("fn", [not_positive_definite, bad_json, bad_date])
+def test_an_error_the_user_may_catch_is_left_as_raised(fn):
+    """Only a torch op's rejection of exactly a class of the family is told as an SpmdError: a
+    subclass (torch.linalg.LinAlgError, json.JSONDecodeError, torch.OutOfMemoryError) and an
+    error the standard library raises come out as raised, so that the user's ``except`` of
+    them catches them on every mesh and execution, as outside spmd_map."""
+    ref = _error_of(lambda: fn(torch.ones(4, 4)))
+    whole = contextlib.nullcontext
+    for shape, runs in [((1,), whole), ((2,), whole), ((2,), ns.simulate_per_instance)]:
+        mesh = ns.make_mesh(shape, ("dp",))
+        f = ns.spmd_map(fn, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+        with runs():
+            err = _error_of(lambda: f(torch.ones(4, 4)))
+        assert type(err) is type(ref) and not isinstance(err, ns.SpmdError), (shape, err)
 
 
 def _simulated_message(fn) -> str:
@@ -359,6 +390,8 @@ def test_real_mesh_of_one_rank_replays_too():
             assert message == _simulated_message(fn)
         else:
             assert "on rank 0" in message and "x = x.clone()" not in message
+    for fn in (not_positive_definite, bad_json, bad_date):  # left as raised, as simulated
+        assert told[fn.__name__][0] == type(_error_of(lambda: fn(torch.ones(4, 4)))).__name__
     kind, message, cause = told["arguments"]  # the function's refusal of their number
     assert kind == "SpmdTypeError" and cause == "TypeError", told
     assert "with the call's 1 positional argument(s)" in message, message

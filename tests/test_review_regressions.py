@@ -4,6 +4,7 @@ silently accepted (and so gave wrong results)."""
 from __future__ import annotations
 
 import collections
+import inspect
 import pickle
 
 import pytest
@@ -211,6 +212,54 @@ def test_a_mapped_method_gets_its_instance_outside_in_specs():
     assert isinstance(_Scaled.scaled, ns.SpmdFunction)  # read from the class: itself
     again = pickle.loads(pickle.dumps(m.scaled))  # a bound method: bound again
     torch.testing.assert_close(again(x), x * again.__self__.w.detach())
+
+
+def test_a_bound_mapped_method_shows_what_describes_the_mapped_function():
+    """``m.scaled``: the mapped function's mesh and specs, its signature without ``self``; not
+    the mapped function's methods that take the arguments without the instance."""
+    m = _Scaled(torch.ones(3))
+    assert m.scaled.mesh is MESH and m.scaled.in_specs == (SPLIT,)
+    assert m.scaled.__name__ == "scaled" and str(inspect.signature(m.scaled)) == "(x)"
+    for internal in ("unequal_blocks", "_split_self", "binds_self"):
+        with pytest.raises(AttributeError):
+            getattr(m.scaled, internal)
+
+
+def _times_w(self, x):
+    return x * self.w
+
+
+class _Renamed(torch.nn.Module):
+    """A mapped method whose attribute's name is not its function's, which names another
+    method of the class."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(w)
+
+    step = ns.spmd_map(_times_w, mesh=MESH, in_specs=(SPLIT,), out_specs=SPLIT)
+
+    def _times_w(self, x):  # after ``step``: the module's function is the one mapped
+        return x * 0
+
+
+def test_a_mapped_method_pickles_as_the_attribute_it_is():
+    """A bound mapped method unpickles as the attribute of its instance that it was (not a
+    method named as its function); one assigned outside a class body has no known name, and
+    pickling it is an SpmdError saying so."""
+    x, w = torch.randn(8, 3), torch.randn(3)
+    again = pickle.loads(pickle.dumps(_Renamed(w.clone()).step))
+    assert type(again) is type(_Renamed(w).step)
+    torch.testing.assert_close(again(x), x * w)
+
+    class Later:
+        def __init__(self) -> None:
+            self.w = w
+
+    Later.step = ns.spmd_map(_times_w, mesh=MESH, in_specs=(SPLIT,), out_specs=SPLIT)
+    torch.testing.assert_close(Later().step(x), x * w)
+    with pytest.raises(ns.SpmdError, match="not assigned in a class body"):
+        pickle.dumps(Later().step)
 
 
 @pytest.mark.parametrize("count", [1, 3])

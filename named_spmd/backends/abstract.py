@@ -33,7 +33,7 @@ from .._autodiff import differentiable
 from .._capabilities import Capabilities
 from .._check import CheckReport, OutputCheck, ShapeDtype
 from .._errors import SpmdError, user_line
-from .._layout import global_shape, is_even, local_shape, split_all
+from .._layout import global_shape, is_even, local_shape
 from .._mesh import Mesh
 from .._operands import METADATA, NOT_OPS, is_inplace
 from .._spec import PartitionSpec
@@ -269,11 +269,16 @@ def _numel(out: Any) -> int:
 
 def to_meta(leaf: Any) -> Any:
     """A global argument leaf as a meta tensor (ShapeDtype and tensors; others unchanged),
-    requiring grad where the argument does (``AbstractBackend._writable``)."""
-    if isinstance(leaf, (ShapeDtype, torch.Tensor)):
-        meta = torch.empty(tuple(leaf.shape), dtype=leaf.dtype, device=_META)
-        return meta.requires_grad_(bool(leaf.requires_grad) and wants_grad(leaf))
-    return leaf
+    requiring grad where the argument does, a leaf where it is one (``ShapeDtype``'s are): an
+    in-place write into it is refused where autograd refuses it in the call
+    (``AbstractBackend._writable``)."""
+    if not isinstance(leaf, (ShapeDtype, torch.Tensor)):
+        return leaf
+    meta = torch.empty(tuple(leaf.shape), dtype=leaf.dtype, device=_META)
+    if not (leaf.requires_grad and wants_grad(leaf)):
+        return meta
+    meta.requires_grad_()
+    return meta if getattr(leaf, "is_leaf", True) else meta.clone()
 
 
 def wants_grad(leaf: Any) -> bool:
@@ -381,37 +386,36 @@ class AbstractBackend:
         leaves = call.leaves
         for i, (x, g) in enumerate(zip(leaves, self.grads)):
             if isinstance(x, torch.Tensor):
-                leaves[i] = self._writable(x, x.requires_grad, g)
+                leaves[i] = self._writable(x, x, g)
 
         def first(ctx: Any, outs: list[torch.Tensor]) -> None:
             self.ctx, self.outputs = ctx, outs
 
         with self.comms:
             with torch.device(_META):
-                outs = self.per_instance(
-                    call, inner_mode=MetaAliases, first=first, cut=_writable_blocks
-                )
+                outs = self.per_instance(call, inner_mode=MetaAliases, first=first)
             if self.backward:
                 _run_backward(outs)
         return [ShapeDtype(tuple(y.shape), y.dtype) for y in outs]
 
     def _local(self, x: torch.Tensor, spec: PartitionSpec, mesh: Mesh, grad: bool):
         local = _empty(local_shape(x.shape, spec, mesh._shape), x.dtype)
-        local = self._writable(local, x.requires_grad, grad)
+        local = self._writable(local, x, grad)
         assert self.ctx is not None  # made by run()
         return self.ctx.stamp_input(local, spec)
 
-    def _writable(self, x: torch.Tensor, refuses: bool, grad: bool) -> torch.Tensor:
-        """An input's meta stand-in ``x``, requiring grad where the check differentiates with
-        respect to it (``grad``) or the call's argument requires grad (``refuses``), and taking
-        an in-place write exactly where the call's block does: a leaf where the argument
-        requires grad (autograd refuses the write, on every backend), else a copy (no leaf)."""
-        wanted = grad and self.backward
-        x.requires_grad_(wanted or refuses)
-        if not wanted or refuses:
+    def _writable(self, x: torch.Tensor, like: torch.Tensor, grad: bool) -> torch.Tensor:
+        """The stand-in ``x`` of the meta argument ``like`` (``to_meta``), taking an in-place
+        write exactly where the call's block does: a leaf where the argument is a leaf that
+        requires grad (autograd refuses the write, on every backend); else no leaf (a copy),
+        requiring grad where the argument does or the check differentiates with respect to it
+        (``grad``), or a tensor that requires none."""
+        if like.requires_grad and like.is_leaf:
+            return x.requires_grad_()
+        if not (like.requires_grad or grad and self.backward):
             return x
         with torch_private.DisableTorchFunction():
-            return x.clone()
+            return x.detach().requires_grad_().clone()
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         if isinstance(error, NotImplementedError) and "Meta tensors" in str(error):
@@ -439,13 +443,6 @@ class AbstractBackend:
             vtype = VType(leaf.dtype, tuple(leaf.shape), self.ctx.vma(leaf), mesh.axis_names)
             outputs.append(OutputCheck(path, spec, vtype, next(global_leaves).shape))
         return CheckReport(fn_label, mesh, outputs, out, list(self.comms.events))
-
-
-def _writable_blocks(x: torch.Tensor, spec: PartitionSpec, sizes: Any) -> list[torch.Tensor]:
-    """``split_all``'s blocks of ``x``, but views autograd lets a write into where ``x`` is no
-    leaf (a split's are a multi-output op's, which it refuses): the same memory, one view each."""
-    blocks = split_all(x.detach(), spec, sizes)
-    return [x.as_strided(b.shape, b.stride(), b.storage_offset()) for b in blocks]
 
 
 def _run_backward(outs: list[torch.Tensor]) -> None:

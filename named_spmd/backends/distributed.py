@@ -40,9 +40,7 @@ from .._debug import debug_enabled, set_debug
 from .._errors import (
     RankFailedError,
     SpmdError,
-    empty_block_error,
-    rejected_by_torch,
-    torch_op_failed,
+    told_per_instance,
 )
 from .._layout import coords_text
 from .._mesh import Mesh
@@ -381,17 +379,15 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException, call: Call) -> Bas
     function, the user's line and this rank's mesh coordinates; torch's error is the
     ``__cause__``. An error the user's own code raised, or one raised outside the user's code,
     is left as it is."""
-    if not rejected_by_torch(e):
-        return e
     mesh = ctx.mesh
     coords = coords_text(mesh.my_coords)
     empty = call.empty_block(ctx.inputs) if ctx.uneven and ctx.inputs else None
-    if empty is not None:
-        where = f"spmd_map of {ctx.fn_label}"
-        return empty_block_error(e, where, f"the instance at {coords} (rank {mesh.rank})", empty)
-    return torch_op_failed(
-        e, f"spmd_map of {ctx.fn_label}", f"rank {mesh.rank} (instance {coords})"
+    at = (
+        f"the instance at {coords} (rank {mesh.rank})"
+        if empty
+        else f"rank {mesh.rank} (instance {coords})"
     )
+    return told_per_instance(e, f"spmd_map of {ctx.fn_label}", at, empty) or e
 
 
 def _takes_uneven_blocks(call: Call, replay: Replay | None) -> bool:

@@ -15,7 +15,8 @@ the op with per-instance types, and the per-instance message; torch's message is
 The second run is quiet (its prints, warnings and random draws are discarded: the first run made
 them) and records no communication; only Python side effects of the user's code repeat. Nothing is
 hidden: an error that the second run does not reproduce identically, or that no torch function
-raised (the user's own ``raise``), propagates unchanged. The fast path pays one ``try``.
+raised (the user's own ``raise``), or of a subclass the user's code may catch (``LinAlgError``:
+``_errors.told_in_family``) propagates unchanged. The fast path pays one ``try``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _torch_private as torch_private
 from ..._accounting import resume, suspend
-from ..._errors import TORCH_ERRORS, SpmdError, error_class, fn_label, user_line
+from ..._errors import TORCH_ERRORS, SpmdError, error_class, fn_label, told_in_family, user_line
 from ..._operands import is_inplace, swap_operands, tensor_operands
 from ..._types import VType
 from ._instances import Instances, coordinates, instances, label, simulated_call
@@ -50,7 +51,7 @@ def explained(run: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torc
         try:
             return run(call)
         except TORCH_ERRORS as error:
-            if isinstance(error, SpmdError):
+            if not told_in_family(error):  # an SpmdError, or a subclass the user may catch
                 raise
             better = _diagnose(error, functools.partial(run, call), call.fn, call.leaves)
             if better is None:

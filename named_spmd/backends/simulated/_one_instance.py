@@ -12,7 +12,7 @@ for the simulation only where there is something to simulate.
 Differences from a simulated mesh of several instances, all of them the real backend's behaviour
 too: code that reads values (``.item()``, a Python ``if`` on a tensor) runs; ``print`` of a value
 shows one plain tensor; ``scaled_dot_product_attention`` may pick torch's fused kernels. A torch
-op that rejects its operands is an SpmdError of its class family (``_errors.torch_op_failed``),
+op that rejects its operands is an SpmdError of its class family (``_errors.told_per_instance``),
 as under vmap and on a real mesh.
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from ... import _torch_private as torch_private
 from ..._context import OneMemberPrimitives
-from ..._errors import TORCH_ERRORS, rejected_by_torch, torch_op_failed
+from ..._errors import TORCH_ERRORS, told_per_instance
 from ..._mesh import Mesh
 from ..._replay import Replay
 from ..._spec import PartitionSpec
@@ -83,8 +83,9 @@ def run(call: Call) -> list[torch.Tensor]:
     try:
         outs = replay.run(ctx, call.body, local)
     except TORCH_ERRORS as e:  # a torch op of the user's: told as a real mesh's one rank tells it
-        if not rejected_by_torch(e):
+        told = told_per_instance(e, f"spmd_map of {ctx.fn_label}", "the mesh's one instance")
+        if told is None:
             raise
-        raise torch_op_failed(e, f"spmd_map of {ctx.fn_label}", "the mesh's one instance") from e
+        raise told from e
     # a view of each output: a tensor object of the caller's, without the call's stamps
     return [from_physical(y, (), s, mesh) for y, s in zip(outs, call.out_specs())]

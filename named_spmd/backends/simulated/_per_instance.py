@@ -30,12 +30,10 @@ from ... import _torch_private as torch_private
 from ..._errors import (
     SpecError,
     SpmdError,
-    empty_block_error,
     fn_label,
     operand_shapes_differ,
-    rejected_by_torch,
     shared_input_written,
-    torch_op_failed,
+    told_per_instance,
 )
 from ..._layout import (
     chunk_sizes,
@@ -293,15 +291,12 @@ def _draws(name: str, args: tuple, kwargs: dict | None) -> bool:
     return bool(flag)
 
 
-def _inputs(
-    mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec], cut: Callable[..., list[Tensor]]
-) -> list[list[Any]]:
+def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[list[Any]]:
     """Every instance's blocks of the leaves: a tensor object of its own for every tensor leaf
-    (each instance stamps its own), views of the caller's tensors (autograd joins them), cut
-    by ``cut`` (``split_all``'s signature and order)."""
+    (each instance stamps its own), views of the caller's tensors (autograd joins them)."""
     names, sizes = mesh.axis_names, mesh._shape
     per_leaf = [
-        cut(leaf, spec, sizes) if isinstance(leaf, Tensor) and spec.axes else None
+        split_all(leaf, spec, sizes) if isinstance(leaf, Tensor) and spec.axes else None
         for leaf, spec in zip(leaves, specs)
     ]
     out = []
@@ -338,14 +333,12 @@ def run(
     *,
     inner_mode: Callable[[], Any] | None = None,
     first: Callable[[InstanceContext, list[Tensor]], None] | None = None,
-    cut: Callable[..., list[Tensor]] = split_all,
 ) -> list[Tensor]:
     """``call.body`` on every instance, each on its own thread and block; outputs assembled.
 
     For the check mode, which runs this on meta tensors: ``inner_mode`` makes a torch-function
     mode each instance enters inside its own (one that moves closed-over tensors to meta), and
-    ``first`` is given instance 0's context and outputs (what its report types); ``cut`` makes
-    the blocks of an input (its views that take a write where the call's do)."""
+    ``first`` is given instance 0's context and outputs (what its report types)."""
     mesh, fn, leaves, specs = call.mesh, call.fn, call.leaves, call.specs
     label = fn_label(fn)
     if torch_private.transforms_active():
@@ -358,7 +351,7 @@ def run(
     meeting = Meeting(n, label, mesh.axis_names, mesh._shape)
     device = next((x.device for x in leaves if isinstance(x, Tensor)), torch.device("cpu"))
     with torch_private.DisableTorchFunction():  # our bookkeeping: no op of the program
-        inputs = _inputs(mesh, leaves, specs, cut)
+        inputs = _inputs(mesh, leaves, specs)
     shared = shared_inputs(mesh._shape, leaves, specs)
     outs: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
@@ -450,12 +443,10 @@ def _raise_first(
     for i, e in enumerate(errors):
         if e is not None and not isinstance(e, Aborted):
             coords = coords_text(coords_of(i, meeting.names, meeting.sizes))
-            if rejected_by_torch(e):  # told as a real mesh's rank tells it
-                where, at = f"spmd_map of {meeting.label}", f"the instance at {coords}"
-                empty = call.empty_block(inputs[i])
-                if empty is not None:
-                    raise empty_block_error(e, where, at, empty) from e
-                raise torch_op_failed(e, where, at) from e
+            where, at = f"spmd_map of {meeting.label}", f"the instance at {coords}"
+            told = told_per_instance(e, where, at, call.empty_block(inputs[i]))
+            if told is not None:  # as a real mesh's rank tells it
+                raise told from e
             if hasattr(e, "add_note") and not isinstance(e, SpmdError) and meeting.n > 1:
                 e.add_note(
                     f"[named_spmd] raised by the instance at {coords} (per-instance simulation)"
