@@ -6,6 +6,7 @@ operands varying over every axis, over some, or over none; float64 throughout.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -224,3 +225,31 @@ def test_pbroadcast_source_must_be_an_instance_index(source):
     )
     with pytest.raises(ns.CollectiveError, match=r"pbroadcast in .*<lambda>.*0\.\.3.*Fix: e\.g\."):
         f(torch.arange(4.0))
+
+
+_WRITES_INTO_RESULTS = {
+    "all_gather to invariant": lambda v: ns.all_gather(v, "tp", tiled=True, to="invariant"),
+    "all_gather to reduced": lambda v: ns.all_gather(v, "tp", tiled=True, to="reduced"),
+    "pbroadcast": lambda v: ns.pbroadcast(v, "tp", 1),
+    "all_to_all": lambda v: ns.all_to_all(v, "tp", 0, 0, tiled=True),
+}
+
+
+@pytest.mark.parametrize("per_instance", [False, True], ids=["vmap", "per_instance"])
+@pytest.mark.parametrize("name", sorted(_WRITES_INTO_RESULTS))
+def test_a_write_into_a_collective_result_leaves_its_operand(name, per_instance):
+    """A collective's result is a tensor of its own, as on a real mesh: a write into it reaches
+    neither the operand (read after the write) nor the caller's tensor. (The vmap execution's
+    gather is a view of the operand's storage: its primitives copy out of it.)"""
+    collective = _WRITES_INTO_RESULTS[name]
+
+    def f(v):
+        collective(v).mul_(10)
+        return v + 0
+
+    x = torch.arange(16.0)
+    g = ns.spmd_map(f, mesh=ns.make_mesh((4,), ("tp",)), in_specs=P("tp"), out_specs=P("tp"))
+    with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+        out = g(x)
+    torch.testing.assert_close(out, torch.arange(16.0))
+    torch.testing.assert_close(x, torch.arange(16.0))

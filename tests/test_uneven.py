@@ -806,3 +806,36 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     bad = [r for r in rows if r["problems"]]
     assert not bad, "\n".join(f"{r['case']} rank {r['rank']}: {r['problems']}" for r in bad[:4])
     assert finished.returncodes == [0] * 4
+
+
+def _global_mean_by_block_count(v):
+    return ns.psum(v.sum(), "x") / v.numel()  # v.numel(): a Python int, this block's
+
+
+def _block_rows_as_a_factory(v):
+    return torch.full((), float(v.shape[0]))
+
+
+@pytest.mark.parametrize("f", [_global_mean_by_block_count, _block_rows_as_a_factory])
+def test_an_invariant_output_made_of_a_block_size_is_refused(f):
+    """Over blocks of 3, 3, 3 and 1 rows, a number taken from the block's size differs between
+    instances though its tensor is typed invariant: the out_spec P() would return instance 0's
+    value (a real mesh: each rank its own). The per-instance execution compares them."""
+    mapped = ns.spmd_map(f, mesh=ns.make_mesh((4,), ("x",)), in_specs=P("x"), out_specs=P())
+    with pytest.raises(ns.VmaError, match=r"output is typed invariant over x .* x=0 and x=3"):
+        mapped(torch.arange(10.0))
+    unchecked = ns.spmd_map(f, mesh=mapped.mesh, in_specs=P("x"), out_specs=P(), check_vma=False)
+    first_block = 3.0 if f is _block_rows_as_a_factory else 45.0 / 3  # instance 0's 3 rows
+    torch.testing.assert_close(unchecked(torch.arange(10.0)), torch.tensor(first_block))
+
+
+def test_an_invariant_output_alike_on_every_instance_passes_over_uneven_blocks():
+    """The global mean from every block's size (ns.block_sizes, alike on every instance), on a
+    mesh whose other axis the output is invariant over too."""
+    mesh = ns.make_mesh((4, 2), ("x", "y"))
+
+    def mean(v):
+        return ns.psum(v.sum(), "x") / sum(ns.block_sizes(10, "x"))
+
+    f = ns.spmd_map(mean, mesh=mesh, in_specs=P("x"), out_specs=P())
+    torch.testing.assert_close(f(torch.arange(10.0)), torch.tensor(4.5))

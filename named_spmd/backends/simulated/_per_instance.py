@@ -54,6 +54,7 @@ from ..._spec import PartitionSpec
 from ..._stamps import TrackedContext
 from ..._tracking import VmaMode
 from ..._types import Vma
+from ._agreeing import check_one_value
 from ._meeting import Aborted, Meeting
 
 if TYPE_CHECKING:
@@ -405,7 +406,7 @@ def run(
     if problem is not None:
         raise problem
     return [
-        _assemble(mesh, [o[j] for o in outs], s, label, wheres[j])
+        _assemble(mesh, [o[j] for o in outs], s, label, wheres[j], call.mapped.check_vma)
         for j, s in enumerate(call.out_specs())
     ]
 
@@ -457,7 +458,7 @@ def _raise_first(
 
 
 def _assemble(
-    mesh: Mesh, values: list[Tensor], spec: PartitionSpec, label: str, where: str
+    mesh: Mesh, values: list[Tensor], spec: PartitionSpec, label: str, where: str, check: bool
 ) -> Tensor:
     """The global output ``where`` from every instance's value (row-major over the mesh): the
     blocks of the axes ``spec`` names concatenated, the parts of those it declares unreduced
@@ -475,6 +476,8 @@ def _assemble(
     )
     if problem is not None:
         raise SpecError(f"spmd_map of {label}: {problem}")
+    if check:  # (check_vma)
+        check_one_value(mesh, values, spec, label, where)
     blocks = []
     for b in range(group_size(named, sizes)):
         at = dict.fromkeys(names, 0) | coords_of(b, named, sizes)

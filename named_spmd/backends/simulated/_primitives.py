@@ -193,7 +193,13 @@ class SimulatedContext(SpmdContext):
 
     # --- primitives -----------------------------------------------------------------------
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        """Invariant stack ``[n, *local]`` of the group's values, row-major over ``axes``."""
+        """Invariant stack ``[n, *local]`` of the group's values, row-major over ``axes``: a
+        tensor of its own, as a real mesh's (the stack views the operand's storage, so a write
+        into it would reach the operand, and through it the caller's tensor)."""
+        return self._stack(x, axes).clone()
+
+    def _stack(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """:meth:`all_gather`'s stack as a view of ``x``, for primitives that copy from it."""
         for a in reversed(axes):  # minor axis first, so the major one ends up outermost
             x = _levels.gather(
                 x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level
@@ -233,7 +239,7 @@ class SimulatedContext(SpmdContext):
         if op != "sum" and len(axes) > 1:
             # One reduction over the whole group, so that ties share the gradient evenly
             # (level by level, amax would halve it at each level).
-            return getattr(self.all_gather(x, axes), _REDUCE[op])(0)
+            return getattr(self._stack(x, axes), _REDUCE[op])(0)
         reduce = _REDUCE[op]
         for a in axes:  # a sum reduces one axis after another
             level = self.axis_level[a]
@@ -254,7 +260,7 @@ class SimulatedContext(SpmdContext):
         return received.movedim(0, dim) if dim != 0 else received
 
     def broadcast(self, x, axes, root):
-        return self.all_gather(x, axes).select(0, root)
+        return self._stack(x, axes).select(0, root).clone()  # (of its own: all_gather)
 
     def permute(self, x, axes, pairs):
         n = self.mesh.axis_size(axes)
@@ -263,7 +269,7 @@ class SimulatedContext(SpmdContext):
             out = _levels.permute(x, self.axis_level[axes[0]], self.inner_level, source, receives)
             if out is not None:
                 return out
-        got = self.own_block(self.all_gather(x, axes).index_select(0, source), axes, 0)
+        got = self.own_block(self._stack(x, axes).index_select(0, source), axes, 0)
         if receives is None:
             return got
         return torch.where(self.own_block(receives, axes, 0), got, got.new_zeros(()))

@@ -1,0 +1,72 @@
+"""Outputs typed invariant must hold one value: checked where each instance computes its own.
+
+The types see tensors only. A Python number that differs between instances (a block's size
+where blocks are uneven, a value read with ``.item()``) makes an invariant-typed tensor whose
+value differs between them: ``ns.psum(v.sum(), "x") / v.numel()`` over blocks of 3, 3, 3 and 1
+rows. An out_spec that does not name the axis would then return one instance's value, silently
+(a real mesh: each rank its own, in a DTensor said to be replicated). The per-instance execution
+holds every instance's output, so it compares them, to the rounding a kernel may differ by
+between threads; the vmap execution cannot differ (one program, every instance's shapes alike).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._errors import VmaError
+from ..._layout import coords_of, coords_text, index_of
+from ..._mesh import Mesh
+from ..._spec import PartitionSpec
+
+#: (rtol, atol) per dtype, as torch.testing's defaults; other dtypes compare exactly
+_TOLERANCE = {
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float32: (1.3e-6, 1e-5),
+    torch.float64: (1e-7, 1e-7),
+    torch.complex64: (1.3e-6, 1e-5),
+    torch.complex128: (1e-7, 1e-7),
+}
+
+
+def check_one_value(
+    mesh: Mesh, values: list[torch.Tensor], spec: PartitionSpec, label: str, where: str
+) -> None:
+    """Raise a ``VmaError`` where the instances along an axis ``spec`` neither names nor sums
+    (the output is typed invariant there) hold values that differ."""
+    names, sizes = mesh.axis_names, mesh._shape
+    kept = set(spec.axes) | set(spec.unreduced)
+    if (
+        all(a in kept for a in names)
+        or not isinstance(values[0], torch.Tensor)
+        or values[0].is_meta
+    ):
+        return
+    for i, value in enumerate(values):
+        at = coords_of(i, names, sizes)
+        first = at | {a: 0 for a in names if a not in kept}
+        j = index_of(names, first, sizes)
+        if j != i and not _same(values[j], value):
+            axes = [a for a in names if a not in kept and at[a] != 0]
+            raise VmaError(
+                f"spmd_map of {label}: {where} is typed invariant over {', '.join(axes)} (its "
+                f"out_spec {spec} does not name them), but its value differs between the "
+                f"instances at {coords_text(first)} and {coords_text(at)}. A Python number "
+                "that differs between instances (a block's size, where blocks are uneven; a "
+                "value read with .item() or .tolist()) made it: the types see tensors only. "
+                "Fix: make such a value varying where it is made (ns.pvary(torch.tensor(n), "
+                f"{tuple(axes)!r})) and reduce it with a collective, or take every block's size "
+                "from ns.block_sizes (alike on every instance); or name the axes in the out_spec."
+            )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach(), b.detach()
+    if a.shape != b.shape:
+        return False  # (told by the out_specs' shape check first)
+    if torch.equal(a, b):  # the usual case, and the cheap test
+        return True
+    tolerance = _TOLERANCE.get(a.dtype)
+    if tolerance is None:
+        return False
+    return torch.allclose(a, b, rtol=tolerance[0], atol=tolerance[1], equal_nan=True)
