@@ -22,6 +22,7 @@ import functools
 import os
 import traceback
 from collections.abc import Callable, Sequence
+from numbers import Number
 from typing import Any
 
 import torch
@@ -350,7 +351,12 @@ def _position(x, operands) -> int | None:
 
 
 def _nonzero(x) -> bool:
-    return isinstance(x, (int, float, complex)) and x != 0  # (True too: it adds 1)
+    return _number(x) and x != 0  # (True too: it adds 1)
+
+
+def _number(x) -> bool:
+    """A Python or numpy scalar: torch takes numpy's as numbers too (``u + np.int64(1)``)."""
+    return isinstance(x, Number) or (type(x).__module__ == "numpy" and getattr(x, "ndim", 1) == 0)
 
 
 def _rounds(kwargs: dict | None) -> bool:
@@ -373,7 +379,7 @@ def _nonzero_scalar(args, kwargs) -> bool:
     """Whether a non-zero Python number is among the arguments (``torch.add(u, other=1)``
     included; an ``alpha=`` scales an operand, adding nothing)."""
     for a in args:
-        if isinstance(a, (int, float, complex)) and a != 0:
+        if _nonzero(a):
             return True
     if kwargs:
         return any(_nonzero(v) for k, v in kwargs.items() if k != "alpha")

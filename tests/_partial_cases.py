@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -236,6 +237,13 @@ ERRORS: dict[str, ErrorCase] = {
     # a constant given by keyword, or as True, is added to every part too
     "constant_by_keyword": ErrorCase(
         lambda x, w: ns.psum(torch.add(_partial(x, w), other=1.0), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("add in `<lambda>`", "adds a constant to a partial sum"),
+    ),
+    "numpy_constant_added": ErrorCase(  # numpy's scalars are numbers to torch too
+        lambda x, w: ns.psum(_partial(x, w) + np.int64(1), "tp"),
         _ROW,
         P(),
         _XW,
