@@ -9,8 +9,9 @@ union of types, no partial-sum algebra, no inference of blocks.
 
 The guard. A step is replayed only if the op is the one recorded and its arguments are: each
 tensor operand made by the same earlier op of the call (or the same input, collective or cast:
-every tensor the call types gets a number, in order), a tensor from outside the call of the
-same shape and dtype, and every other argument equal. Typing is a function of exactly that (and
+every tensor the call types gets a number, in order; an input's or a collective's with its
+type, which may change between calls), a tensor from outside the call of the same shape and
+dtype, and every other argument equal and of the same type (``1 == 1.0 == True``). Typing is a function of exactly that (and
 of the signature), so a replayed step decides what typing it would have. At the first op that
 differs (a flag read in the function, a branch on a value, a step number), the call goes on
 typed from that op: every tensor made so far carries the type and blocks typing gave it, so the
@@ -100,13 +101,18 @@ def _key(token: object, a: Any, outside) -> Any:
     if isinstance(a, Tensor):
         src = a.__dict__.get(SRC)
         return src[1] if src is not None and src[0] is token else outside(a)
+    if type(a) in _AS_THEMSELVES or a is None:
+        return a
     if isinstance(a, (list, tuple)):  # (a torch.return_types tuple too)
         return (type(a), tuple([_key(token, b, outside) for b in a]))
-    if type(a) is int or a is None:
-        return a
     # with its type: ``1 == 1.0 == True``, yet ``torch.full((), 1)`` is an integer tensor and
     # ``torch.full((), 1.0)`` a float one (a cast to it of a partial sum is an error, 2.2)
     return (type(a), a)
+
+
+#: arguments keyed as themselves: none equals a value of another kind that a step would type
+#: otherwise (a float or a bool, equal to the int of its value, is keyed with its type)
+_AS_THEMSELVES = frozenset({int, str, torch.Size, torch.dtype, torch.device, torch.layout})
 
 
 class PlanningMode(VmaMode):
