@@ -347,6 +347,14 @@ class BoundSpmdFunction:
                 "name is unknown. Fix: assign it in the class body (`step = ns.spmd_map(...)`, "
                 "or @ns.spmd_map(...) above the def)."
             )
+        attribute = inspect.getattr_static(type(self.__self__), name, None)
+        if getattr(attribute, "_method", None) is not self.__func__:
+            raise SpmdError(  # (one mapped function assigned under two names: which is it?)
+                f"{self.__func__.where}: a mapped method pickles as the attribute of its "
+                f"instance that it is, and the class's attribute {name!r} is another one (this "
+                "mapped function is assigned under several names). Fix: give each class "
+                "attribute a mapped function of its own."
+            )
         return (getattr, (self.__self__, name))
 
 

@@ -262,6 +262,33 @@ def test_a_mapped_method_pickles_as_the_attribute_it_is():
         pickle.dumps(Later().step)
 
 
+def _plus_w(self, x):
+    return x + self.w
+
+
+def test_a_mapped_method_under_two_names_does_not_pickle_as_the_other():
+    """One mapped function assigned in two class bodies: its recorded name is the last one, an
+    attribute of another class that names another mapped method. Pickling is refused rather
+    than unpickled as that other method."""
+    shared = ns.spmd_map(_times_w, mesh=MESH, in_specs=(SPLIT,), out_specs=SPLIT)
+
+    class A:
+        step = shared
+        other = ns.spmd_map(_plus_w, mesh=MESH, in_specs=(SPLIT,), out_specs=SPLIT)
+
+        def __init__(self) -> None:
+            self.w = torch.full((3,), 2.0)
+
+    class B:
+        other = shared
+
+    x = torch.ones(8, 3)
+    torch.testing.assert_close(A().step(x), 2 * x)
+    with pytest.raises(ns.SpmdError, match="assigned under several names"):
+        pickle.dumps(A().step)
+    assert B.other is shared
+
+
 @pytest.mark.parametrize("count", [1, 3])
 def test_a_call_with_arguments_the_function_does_not_take_names_it(count):
     """A single P pairs with any number of arguments: the function's refusal of their number
