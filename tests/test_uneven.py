@@ -839,3 +839,16 @@ def test_an_invariant_output_alike_on_every_instance_passes_over_uneven_blocks()
 
     f = ns.spmd_map(mean, mesh=mesh, in_specs=P("x"), out_specs=P())
     torch.testing.assert_close(f(torch.arange(10.0)), torch.tensor(4.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_nan_outputs_alike_on_every_instance_pass_over_uneven_blocks(dtype):
+    """NaN is one value on every instance, whatever the dtype (float8's compared in float32)."""
+    f = ns.spmd_map(
+        lambda v: torch.full((2,), float("nan")).to(dtype),
+        mesh=ns.make_mesh((4,), ("x",)),
+        in_specs=P("x"),
+        out_specs=P(),
+    )
+    out = f(torch.arange(10.0))
+    assert out.dtype == dtype and out.float().isnan().all()
