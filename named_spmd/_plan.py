@@ -11,12 +11,13 @@ The guard. A step is replayed only if the op is the one recorded and its argumen
 tensor operand made by the same earlier op of the call (or the same input, collective or cast:
 every tensor the call types gets a number, in order; an input's or a collective's with its
 type, which may change between calls), a tensor from outside the call of the same shape and
-dtype, and every other argument equal and of the same type (``1 == 1.0 == True``). Typing is a function of exactly that (and
-of the signature), so a replayed step decides what typing it would have. At the first op that
-differs (a flag read in the function, a branch on a value, a step number), the call goes on
-typed from that op: every tensor made so far carries the type and blocks typing gave it, so the
-rest is typed as if the whole call had been. Collectives, inputs and outputs are typed in every
-call (they read the stamps the steps wrote); only per-op typing is replayed.
+dtype, and every other argument equal and of the same type (``1 == 1.0 == True``). Typing is a
+function of exactly that (and of the signature), so a replayed step decides what typing it
+would have. At the first op that differs (a flag read in the function, a branch on a value, a
+step number), the call goes on typed from that op: every tensor made so far carries the type
+and blocks typing gave it, so the rest is typed as if the whole call had been. Collectives,
+inputs and outputs are typed in every call (they read the stamps the steps wrote); only per-op
+typing is replayed.
 """
 
 from __future__ import annotations
