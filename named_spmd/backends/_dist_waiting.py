@@ -56,11 +56,15 @@ def _slow_wait(
     deadline = time.monotonic() + timeout_s()
     ahead_since: float | None = None
     while True:
-        board.check(while_doing)
+        failure = board.read()
+        if failure is not None and failure[0] >= board.seq:
+            if _completes_anyway(board, work, slice_, while_doing, failure[1] in members):
+                return
+            raise board.error(failure, while_doing)
         if board.gone(members) is not None:
             # it may have done its part of this collective first (its exit can come between
             # this rank's slices): the work then completes, and nothing failed
-            if _waited(board, work, slice_, while_doing):
+            if _completes_anyway(board, work, slice_, while_doing, member=True):
                 return
             gone = board.gone_error(members, while_doing)
             if gone is not None:
@@ -85,6 +89,20 @@ def _slow_wait(
             raise err
         if _waited(board, work, slice_, while_doing):
             return
+
+
+def _completes_anyway(
+    board: FailureBoard, work: Any, slice_, while_doing: str, member: bool
+) -> bool:
+    """A failure was posted for this call: whether ``work`` completes all the same. Its group
+    may complete it: the failing rank did its part first, or is outside the group (then every
+    member is alive; the group gets ``AHEAD_GRACE_S``, since a member that stops for the failure
+    ends before the collective or moves on to the next call, either of which it then shows)."""
+    until = time.monotonic() + (0.0 if member else AHEAD_GRACE_S)
+    while not _waited(board, work, slice_, while_doing):
+        if time.monotonic() >= until:
+            return False
+    return True
 
 
 def _ahead(board: FailureBoard, members: list[int]) -> tuple[int, str] | None:
