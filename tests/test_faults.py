@@ -480,6 +480,63 @@ def test_a_debug_exchange_decides_alike_for_every_member_of_the_group():
         exchange(three, "tp@2", [2, 3], "psum([2])", "rank 3", "collective #0 of group tp@2")
 
 
+class _Work:
+    """A collective's work that completes ``after`` seconds from now (``math.inf``: never),
+    waited for in slices as a gloo work is."""
+
+    def __init__(self, after: float) -> None:
+        import time
+
+        self.done_at = time.monotonic() + after
+
+    def wait(self, timeout) -> bool:
+        import time
+
+        left = self.done_at - time.monotonic()
+        if left <= timeout.total_seconds():
+            time.sleep(max(left, 0.0))
+            return True
+        time.sleep(timeout.total_seconds())
+        raise RuntimeError("Timed out waiting for the work")
+
+
+@pytest.mark.parametrize(
+    "members, after, completes",
+    [([2, 3], 0.6, True), ([2, 3], float("inf"), False), ([0, 2], float("inf"), False)],
+    ids=["outside_completes", "outside_never", "member_never"],
+)
+def test_a_failure_posted_elsewhere_ends_a_wait_only_for_a_collective_that_cannot_complete(
+    members, after, completes
+):
+    """Rank 0 failed while rank 2 waits in a collective of ``members``: one of its own group
+    (rank 0 outside it) completes all the same, and rank 2 goes on, its collective not counted
+    as stuck; one that cannot complete (rank 0 a member, or a member stopped) ends in a
+    RankFailedError naming rank 0 and marks the call stuck. In one process, an in-memory store."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import named_spmd as ns
+    from named_spmd.backends import _dist_failures as failures
+    from named_spmd.backends import _dist_waiting as waiting
+
+    store = dist.HashStore()
+
+    def board(rank):
+        b = failures.FailureBoard(store, rank, [0, 1, 2, 3], "m", lambda r: {"i": r})
+        b.begin_call()
+        return b
+
+    board(0).post_for(0, "failed inside spmd_map: ValueError: on rank 0")
+    two, slice_ = board(2), datetime.timedelta(seconds=0.2)
+    if completes:
+        waiting.wait(two, _Work(after), "in psum over ('i',)", slice_, members)
+    else:
+        with pytest.raises(ns.RankFailedError, match="ValueError: on rank 0"):
+            waiting.wait(two, _Work(after), "in psum over ('i',)", slice_, members)
+    assert store.add(two.stuck_key(two.seq), 0) == (0 if completes else 1)
+
+
 def test_dtypes_gloo_lacks_are_reduced_through_a_wider_dtype_exactly():
     """The wire forms of _dist_comm (both the eager and the compiled collectives use them), in
     one process: int16/uint16/uint32 sums wrap as in their own dtype after the cast back; uint64

@@ -3,7 +3,8 @@
 A rank blocked in a collective waits in slices of ``first_slice``; between slices it reads the
 mesh's :class:`~._dist_failures.FailureBoard`: a failure posted for the current call, a member
 whose process ended, or a member already waiting in the next call (it finished this call without
-joining this collective) ends the wait with an error naming that rank. A member that neither
+joining this collective) ends the wait with an error naming that rank, unless the collective
+completes all the same (``_completes_anyway``). A member that neither
 arrives nor fails is waited for at most ``NAMED_SPMD_TIMEOUT`` seconds; the error then says which
 members never reached a collective of the call and where the others wait.
 """
@@ -18,7 +19,8 @@ from .._layout import coords_text
 from ._dist_failures import FailureBoard, timeout_s
 
 AHEAD_GRACE_S = 1.0  # a member seen in the next call this long while this rank still waits: a
-# mismatch, not the lag between one member finishing a collective and another
+# mismatch, not the lag between one member finishing a collective and another; and how long a
+# group may still complete a collective after a rank outside it failed
 
 
 def _is_timeout(e: BaseException) -> bool:
@@ -94,10 +96,11 @@ def _slow_wait(
 def _completes_anyway(
     board: FailureBoard, work: Any, slice_, while_doing: str, member: bool
 ) -> bool:
-    """A failure was posted for this call: whether ``work`` completes all the same. Its group
-    may complete it: the failing rank did its part first, or is outside the group (then every
-    member is alive; the group gets ``AHEAD_GRACE_S``, since a member that stops for the failure
-    ends before the collective or moves on to the next call, either of which it then shows)."""
+    """Whether ``work`` completes all the same, though a failure was posted for the call or a
+    member ended: that rank may have done its part first, or (``member`` False) be outside the
+    group, whose members may all still arrive. Waited for one more slice, or for
+    ``AHEAD_GRACE_S`` outside the group: a time limit, since a member that stopped for the
+    failure gives no sign of it here."""
     until = time.monotonic() + (0.0 if member else AHEAD_GRACE_S)
     while not _waited(board, work, slice_, while_doing):
         if time.monotonic() >= until:
