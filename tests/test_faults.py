@@ -194,6 +194,15 @@ def test_a_rank_failing_inside_make_mesh_is_named_with_its_error():
         assert o["seconds"] < 25, o  # learned from its exit, not at the 30 s timeout
 
 
+def _board(store, rank: int):
+    """Rank ``rank``'s failure board of a 4-rank mesh "m" on ``store``, in its first call."""
+    from named_spmd.backends import _dist_failures as failures
+
+    b = failures.FailureBoard(store, rank, [0, 1, 2, 3], "m", lambda r: {"i": r})
+    b.begin_call()
+    return b
+
+
 def test_a_peer_that_gave_up_waiting_is_quoted_not_described_by_its_exit():
     """Rank 3 gives up waiting for a hanging rank 2, posts what it found and exits; rank 1,
     seeing rank 3's exit before reading the post, must quote the post, not describe the exit
@@ -201,22 +210,16 @@ def test_a_peer_that_gave_up_waiting_is_quoted_not_described_by_its_exit():
     that rank 2 was the one missing. In one process, with an in-memory store."""
     import torch.distributed as dist
 
-    from named_spmd.backends import _dist_failures as failures
     from named_spmd.backends import _dist_processes as processes
 
     store = dist.HashStore()
     ranks = [0, 1, 2, 3]
 
-    def board(rank):
-        b = failures.FailureBoard(store, rank, ranks, "m", lambda r: {"i": r})
-        b.begin_call()
-        return b
-
-    gave_up = board(3)
+    gave_up = _board(store, 3)
     gave_up.post_for(3, "gave up waiting: Rank 2 (mesh coordinates i=2) never reached a collective")
     processes.mark_exited(store, 3, [gave_up])
     for rank in (1, 0):  # rank 1 first: it must leave the post as it found it
-        err = board(rank).gone_error([r for r in ranks if r != rank], "in psum over ('i',)")
+        err = _board(store, rank).gone_error([r for r in ranks if r != rank], "in psum over ('i',)")
         assert "Rank 2 (mesh coordinates i=2) never reached a collective" in str(err), str(err)
         assert "exited normally" not in str(err)
 
@@ -462,18 +465,12 @@ def test_a_debug_exchange_decides_alike_for_every_member_of_the_group():
     import torch.distributed as dist
 
     import named_spmd as ns
-    from named_spmd.backends import _dist_failures as failures
     from named_spmd.backends._dist_exchange import exchange
 
     store = dist.HashStore()
 
-    def board(rank):
-        b = failures.FailureBoard(store, rank, [0, 1, 2, 3], "m", lambda r: {"i": r})
-        b.begin_call()
-        return b
-
-    board(0).post_for(0, "failed inside spmd_map: SpmdError: a mismatch within group 0+1")
-    two, three = board(2), board(3)
+    _board(store, 0).post_for(0, "failed inside spmd_map: SpmdError: a mismatch within group 0+1")
+    two, three = _board(store, 2), _board(store, 3)
     with pytest.raises(ns.RankFailedError, match="a mismatch within group 0"):
         exchange(two, "tp@2", [2, 3], "psum([2])", "rank 2", "collective #0 of group tp@2")
     with pytest.raises(ns.RankFailedError, match="a mismatch within group 0"):
@@ -517,18 +514,12 @@ def test_a_failure_posted_elsewhere_ends_a_wait_only_for_a_collective_that_canno
     import torch.distributed as dist
 
     import named_spmd as ns
-    from named_spmd.backends import _dist_failures as failures
     from named_spmd.backends import _dist_waiting as waiting
 
     store = dist.HashStore()
 
-    def board(rank):
-        b = failures.FailureBoard(store, rank, [0, 1, 2, 3], "m", lambda r: {"i": r})
-        b.begin_call()
-        return b
-
-    board(0).post_for(0, "failed inside spmd_map: ValueError: on rank 0")
-    two, slice_ = board(2), datetime.timedelta(seconds=0.2)
+    _board(store, 0).post_for(0, "failed inside spmd_map: ValueError: on rank 0")
+    two, slice_ = _board(store, 2), datetime.timedelta(seconds=0.2)
     if completes:
         waiting.wait(two, _Work(after), "in psum over ('i',)", slice_, members)
     else:
