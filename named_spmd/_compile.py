@@ -61,8 +61,9 @@ def compile(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
 
     A mapped function (``ns.compile(ns.spmd_map(...))``, a mapped method ``ns.compile(m.step)``,
     or their ``.local``) compiles whole, as ``torch.compile`` would, with a compile cache of its
-    own. ``torch.compile`` of the mapped function itself shares one cache (that of torch's wrapper for callable objects) with every other callable
-    object compiled so, and the ninth one in a process hits Dynamo's recompile limit. Its calls
+    own. ``torch.compile`` of the mapped function itself shares one cache (that of torch's
+    wrapper for callable objects) with every other callable object compiled so, and the ninth
+    one in a process hits Dynamo's recompile limit. Its calls
     check fewer guards: none on this package's constants and memo tables, which the trace reads
     while it infers types (:func:`library_guard_filter`; about 0.1 ms per call on a small GPT
     step). Under an active ``ns.CommMode`` its calls run eagerly, and are counted; so do calls
