@@ -786,7 +786,8 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     errors of some ranks only, outputs all P() compared too, unequal split sizes of an even
     call's all_to_all, on one member only too) and the next call running after them, and
     the DTensors whose blocks are not the spec's refused; the process-group calls of uneven
-    calls (one exchange of operand shapes per collective); and even calls of split sizes the
+    calls (one exchange of operand shapes per collective, of output shapes unless they are the
+    last call's, on some ranks only too); and even calls of split sizes the
     real mesh alone runs (a collective some ranks call, a .local call's unequal sizes)."""
     import json
     import os
@@ -798,7 +799,7 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     assert not finished.timed_out, finished.outputs[0][-3000:]
     rows = [json.loads(line) for line in finished.lines("OUTCOME")]
     cases = uneven_dist.CASES + uneven_dist.ERRORS + uneven_dist.REFUSED + uneven_dist.COUNTED
-    cases += uneven_dist.REPLAYED + uneven_dist.OWN_PROGRAMS + uneven_dist.ALONE
+    cases += uneven_dist.REPLAYED + uneven_dist.ROWS + uneven_dist.OWN_PROGRAMS + uneven_dist.ALONE
     cases = [c.name for c in cases]
     assert sorted((r["case"], r["rank"]) for r in rows) == sorted(
         (c, rank) for c in cases for rank in range(4)

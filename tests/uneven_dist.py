@@ -938,10 +938,11 @@ def check_refused(case: Case, real_mesh, sim_mesh) -> list[str]:
 
 # The process-group calls of an uneven call, counted per call: the start-of-call check, each
 # collective, and the exchanges of every instance's operand shapes (each made once per
-# collective) and output shapes. ``kinds``: the process-group methods of successive calls, in
-# order (a later call of one signature may need fewer), from ``calls`` of the case's inputs. The
-# exchanges of a few integers are all_to_alls: gloo's all_gather would take n - 1 transfers one
-# after another.
+# collective) and output shapes (a later call of the signature whose outputs' shapes are the
+# last call's: one all-reduce of a flag instead). ``kinds``: the process-group methods of
+# successive calls, in order (a later call of one signature may need fewer), from ``calls`` of
+# the case's inputs. The exchanges of a few integers are all_to_alls: gloo's all_gather would
+# take n - 1 transfers one after another.
 COUNTED = [
     Case(  # the start-of-call check, one exchange of the operands' shapes, the psum, the outputs'
         "psum_exchanges_the_shapes_once",
@@ -952,7 +953,10 @@ COUNTED = [
         P(),
         lambda: (_randn(10, 3, seed=30),),
         lambda x: x.sum(0),
-        kinds=("allreduce all_to_all_single allreduce all_to_all_single",) * 2,
+        kinds=(
+            "allreduce all_to_all_single allreduce all_to_all_single",
+            "allreduce all_to_all_single allreduce allreduce",
+        ),
     ),
     Case(  # the start-of-call check, one exchange of the operands' shapes, the gather, outputs'
         "tiled_all_gather_exchanges_the_shapes_once",
@@ -963,12 +967,15 @@ COUNTED = [
         P(),
         lambda: (_randn(10, 3, seed=31),),
         lambda x: x,
-        kinds=("allreduce all_to_all_single all_gather_single all_to_all_single",) * 2,
+        kinds=(
+            "allreduce all_to_all_single all_gather_single all_to_all_single",
+            "allreduce all_to_all_single all_gather_single allreduce",
+        ),
     ),
-    # the start-of-call check and two exchanges of the outputs' shapes
+    # the start-of-call check and two exchanges of the outputs' shapes (then one flag)
     _five_outputs(
         "five_outputs_exchange_their_shapes_twice",
-        ("allreduce all_to_all_single all_to_all_single",) * 2,
+        ("allreduce all_to_all_single all_to_all_single", "allreduce allreduce"),
     ),
 ]
 
@@ -1016,6 +1023,84 @@ REPLAYED = [
         None,
     )
 ]
+
+
+# Calls of one signature whose outputs' block shapes change between calls (Python state), on
+# some ranks only: each rank compares its outputs' row with the last call's, and one all-reduce
+# of a flag tells whether every rank's matched; any rank's differing, every rank exchanges the
+# rows. Per call: the instance whose block loses its last row (None: none), the instance whose
+# block is cast to float32 (None: none; another dtype than the others': an error on every
+# rank), and the process-group calls it makes (None: not counted). The blocks have 3, 3, 3 and 1
+# rows; torch.chunk's blocks of the output are a DTensor, other blocks the global value (one
+# padded all_gather).
+TRIM: dict[str, Any] = {"at": None, "cast": None}
+TRIM_STEPS: list[tuple[Any, Any, Any]] = [
+    (None, None, "allreduce all_to_all_single"),  # the start-of-call check, the rows exchanged
+    (None, None, "allreduce allreduce"),  # every rank's row is the last call's: one flag
+    (2, None, "allreduce allreduce all_to_all_single all_gather_single"),  # rank 2's differs
+    (2, None, "allreduce allreduce all_gather_single"),  # the new rows recalled
+    (None, None, "allreduce allreduce all_to_all_single"),  # rank 2's differs again
+    (None, 1, None),  # rank 1's dtype differs: the simulated mesh's error on every rank
+    (None, None, None),  # (after an error: the rows exchanged or recalled, as recorded)
+    (None, None, "allreduce allreduce"),
+    # rank 0 forgets the last call's rows: the start-of-call check finds the ranks recall
+    # different things, and every rank exchanges the rows
+    (None, None, "forget"),
+    (None, None, "allreduce allreduce"),
+]
+
+
+def _trimmed(v):
+    i = int(ns.axis_index("x"))
+    v = v[: v.shape[0] - 1] if i == TRIM["at"] else v
+    return v.float() if i == TRIM["cast"] else v
+
+
+def _trimmed_dense(x, at):
+    return torch.cat([b[: len(b) - (j == at)] for j, b in enumerate(x.chunk(4))])
+
+
+ROWS = [
+    Case(
+        "outputs_of_a_replayed_signature",
+        (4,),
+        ("x",),
+        _trimmed,
+        P("x"),
+        P("x"),
+        lambda: (_randn(10, 3, seed=33),),
+        None,
+    )
+]
+
+
+def check_rows(case: Case, real_mesh, sim_mesh) -> list[str]:
+    """The calls of :data:`TRIM_STEPS` on both meshes: values against the simulated mesh and
+    the dense program, the simulated mesh's error on every rank, the process-group calls."""
+    problems: list[str] = []
+    (x,) = case.args()
+    real, sim = (
+        ns.spmd_map(case.fn, mesh=m, in_specs=case.in_specs, out_specs=case.out_specs)
+        for m in (real_mesh, sim_mesh)
+    )
+    for k, (at, cast, expected) in enumerate(TRIM_STEPS):
+        TRIM.update(at=at, cast=cast)
+        if expected == "forget":
+            expected = "allreduce all_to_all_single"
+            if real_mesh.rank == 0:
+                real_mesh.row_records.clear()
+        (got, calls), (want, _) = _outcome(real, (x,)), _outcome(sim, (x,))
+        if cast is not None:
+            if got != want or "SpecError" not in want:
+                problems.append(f"call {k}: real {got!r} vs simulated {want!r}")
+        elif isinstance(got, str) or isinstance(want, str):
+            problems.append(f"call {k}: real {got!r} vs simulated {want!r}")
+        else:
+            _close(got[0], want[0], f"call {k} vs simulated", problems)
+            _close(got[0], _trimmed_dense(x, at), f"call {k} vs dense", problems)
+        if expected is not None and " ".join(calls) != expected:
+            problems.append(f"call {k}: process-group calls {calls}, not {expected}")
+    return problems
 
 
 def _outcome(f, args) -> tuple[Any, list[str]]:
@@ -1156,7 +1241,8 @@ def main() -> None:
     RANK[0] = dist.get_rank()
     checkers = ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED))
     checkers += ((check_own_program, OWN_PROGRAMS),)
-    checkers += ((check_calls, COUNTED), (check_replayed, REPLAYED), (check_alone, ALONE))
+    checkers += ((check_calls, COUNTED), (check_replayed, REPLAYED), (check_rows, ROWS))
+    checkers += ((check_alone, ALONE),)  # (last: the mesh is out of step after)
     for checker, cases in checkers:
         for case in cases:
             if sys.argv[1:] and case.name not in sys.argv[1:]:  # (names given: only those)

@@ -89,6 +89,8 @@ class DistributedMesh(Mesh):
         # per signature (the start-of-call checksum): the operand shapes of its last uneven call's
         # ppermutes, which the next call assumes (_dist_uneven_primitives.UnevenPrimitives)
         self.shape_records: dict[int, tuple] = {}
+        # and its outputs' rows (every rank's block shapes), which the next call checks first
+        self.row_records: dict[int, tuple] = {}
         self.gave_up = False  # this rank stopped waiting for a collective: see release_groups
         key = f"{'x'.join(names)}-{zlib.crc32(str(self.grid.tolist()).encode()):08x}"
         store = torch_private.dist().default_store()

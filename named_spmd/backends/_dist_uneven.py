@@ -9,7 +9,8 @@ outputs go through here. An even call never does: its path is ``_dist_io`` alone
   ``Blocks`` sizes); its gradient gathers the blocks padded to the largest (gloo gathers equal
   sizes only) and trims them. A ``DTensor`` whose ``Shard`` blocks differ in size gives its
   local block (DTensor splits as torch.chunk does), its gradient a DTensor of its global shape.
-* Outputs: one exchange per call (:func:`agree`) of every rank's output tree, out_specs error
+* Outputs: one exchange per call (:func:`agree`; one all-reduce of a flag where every rank's
+  row is the one of the signature's last call) of every rank's output tree, out_specs error
   and every output's block rank, dtype and shape (a few integers, in rows of one width: ranks
   may return other trees or blocks of other ranks, or fail the out_specs check alone, which
   every rank then tells alike), then a ``DTensor`` of the global
@@ -48,7 +49,7 @@ from .._spec import PartitionSpec
 from . import _dist_io as io
 from ._dist_agree import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
-from ._dist_uneven_primitives import exchange, pad
+from ._dist_uneven_primitives import all_true, exchange, pad
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -150,7 +151,8 @@ def _dtensor_input(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> torch.Ten
 
 
 def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple | None]:
-    """Every rank's outputs compared (one exchange: :func:`_every_block`), so that the ranks
+    """Every rank's outputs compared (one exchange: :func:`_every_block`; where they are the
+    signature's last call's, one all-reduce: :func:`_recalled_blocks`), so that the ranks
     raise alike what the simulated mesh raises: first the error of the first instance whose
     out_specs check failed (``Call.out_error``: a rank that raised it has no ``outs``), then
     outputs that differ between ranks (trees, ranks, layouts). Else, per output, its blocks'
@@ -161,18 +163,21 @@ def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple | None]:
     failed = call.out_error
     told = (0, 0) if failed is None else (_KINDS.index(_kind(failed)) + 1, len(_text(failed)))
     structure = (0, 0) if failed is not None else call.structure()
-    rows, width = _every_block(mesh, structure, told, outs)
+    rows, width = _recalled_blocks(ctx, structure, told, outs) or _every_block(
+        mesh, structure, told, outs
+    )
     first = next((i for i, row in enumerate(rows) if row[2]), None)
     if first is not None:
         raise _first_failure(ctx, rows[first], first, failed)
     specs = call.out_specs()
-    key = (tuple(map(tuple, rows)), tuple(specs))  # all that _layouts reads
+    key = (rows, tuple(specs))  # all that _layouts reads
     layouts = mesh.uneven_outputs.get(key)
     if layouts is None:
         layouts = _layouts(ctx, rows, width, outs, specs, call.out_wheres())
         if len(mesh.uneven_outputs) >= _KEPT:
             mesh.uneven_outputs.clear()
         mesh.uneven_outputs[key] = layouts
+    ctx.record_rows((width, rows))  # (no rank raised: every rank records them)
     return layouts
 
 
@@ -203,7 +208,7 @@ def _text(e: SpmdError) -> bytes:
     return str(e).encode()
 
 
-def _first_failure(ctx, row: list[int], first: int, failed: SpmdError | None) -> SpmdError:
+def _first_failure(ctx, row: Sequence[int], first: int, failed: SpmdError | None) -> SpmdError:
     """The error of instance ``first``'s out_specs check (``row``: its row of
     :func:`_every_block`), raised on every rank: its own there, elsewhere one of its class and
     message (one broadcast of the message from that rank), as the simulated mesh raises the
@@ -229,9 +234,41 @@ def _first_failure(ctx, row: list[int], first: int, failed: SpmdError | None) ->
     return ctx.alike(error)
 
 
+def _recalled_blocks(
+    ctx, structure: tuple[int, int], told: tuple[int, int], ys: list[torch.Tensor]
+) -> tuple[tuple[tuple[int, ...], ...], int] | None:
+    """The rows of :func:`_every_block` where they are those of the signature's last call,
+    which every rank recalls alike (the start-of-call check compared them): each rank compares
+    its own row with its recalled one, and one all-reduce tells whether every rank's matched
+    (a row holds everything the rows are read for, so equal rows give the same outputs, errors
+    and layouts). None: nothing recalled, or some rank's row differs (then the exchange)."""
+    recalled = ctx.recalled_rows()
+    if recalled is None:
+        return None
+    width, rows = recalled
+    mesh = ctx.mesh
+    slots = (len(rows[0]) - _HEAD) // (2 + width)
+    mine = _row(structure, told, ys, slots, width)
+    me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
+    if not all_true(mesh.check_comm(), mine == rows[me], "the outputs' block shapes"):
+        return None
+    return rows, width
+
+
+def _row(
+    structure: tuple[int, int], told: tuple[int, int], ys: list[torch.Tensor], slots, width
+) -> tuple[int, ...]:
+    """This rank's row of :func:`_every_block` in ``slots`` slots of ``width`` dims."""
+    mine = [*structure, *told]
+    for y in ys[:slots]:
+        mine += [y.dim(), dtype_code(y.dtype), *y.shape[:width], *[0] * (width - y.dim())]
+    mine += [0] * (_slot(slots, width) - len(mine))
+    return tuple(mine)
+
+
 def _every_block(
     mesh, structure: tuple[int, int], told: tuple[int, int], ys: list[torch.Tensor]
-) -> tuple[list[list[int]], int]:
+) -> tuple[tuple[tuple[int, ...], ...], int]:
     """Every rank's row, row-major over the mesh: its output tree's ``structure``
     (``Call.structure``), its out_specs error ``told`` (its class in :data:`_KINDS` from 1, the
     length of its message; zeros: none), then a slot per output block ``ys`` (the first
@@ -242,11 +279,7 @@ def _every_block(
     :data:`_WIDTH` dims. Returns the rows and their slots' ``width``."""
     comm, slots, width = mesh.comm(mesh.axis_names), _SLOTS, _WIDTH
     while True:
-        mine = [*structure, *told]
-        for y in ys[:slots]:
-            mine += [y.dim(), dtype_code(y.dtype), *y.shape[:width], *[0] * (width - y.dim())]
-        mine += [0] * (_slot(slots, width) - len(mine))
-        rows = exchange(comm, mine)
+        rows = tuple(map(tuple, exchange(comm, list(_row(structure, told, ys, slots, width)))))
         if any(row[2] or row[:2] != rows[0][:2] for row in rows):  # (agree tells it)
             return rows, width
         count = rows[0][0]

@@ -28,7 +28,7 @@ _SIZED = {"all_gather": 3, "psum_scatter": 2}
 _WIDTH = 17  # the shape exchange's row: the rank, then up to 16 sizes (more: not compared)
 
 
-_RECORDS = 64  # the signatures whose ppermutes' shapes a mesh keeps
+_RECORDS = 64  # the signatures whose ppermutes' shapes (and outputs' rows) a mesh keeps
 
 
 def _common(shapes: list[tuple[int, ...]] | None) -> tuple[int, ...] | None:
@@ -83,6 +83,21 @@ def _own_sizes(rec, params: tuple) -> bool:
     return rec.name == "all_to_all" and params[3] is not None
 
 
+def _remember(records: dict, signature: int, record: tuple) -> None:
+    """``record`` kept as ``signature``'s, the oldest signature's forgotten past
+    :data:`_RECORDS` (every rank keeps and forgets alike: the start-of-call check compares)."""
+    records.pop(signature, None)
+    records[signature] = record
+    if len(records) > _RECORDS:
+        del records[next(iter(records))]
+
+
+def all_true(comm, flag: bool, name: str) -> bool:
+    """Whether every member's ``flag`` is set: one all-reduce of two int64 (cheaper than an
+    exchange of rows), every member deciding alike."""
+    return comm.agreed(comm.start_agree(int(flag), name), name) and flag
+
+
 class UnevenPrimitives:
     """The primitives of a call whose members' blocks may differ in size (mixed into the
     real mesh's context)."""
@@ -130,17 +145,29 @@ class UnevenPrimitives:
     _recalled: tuple | None = None  # the last call's shapes, by ppermute, or None
     _seen: list | None = None  # this call's, until its outputs are made (then recorded)
     _guess: tuple[int, ...] | None = None  # the shape the next permute assumes
+    _rows: tuple | None = None  # the last call's outputs' rows (``_dist_uneven``), or None
 
     def recall_shapes(self, signature: int) -> int:
         self._signature, self._seen = signature, []
         self._recalled = self.mesh.shape_records.get(signature)
-        if self._recalled is None:
+        self._rows = self.mesh.row_records.get(signature)
+        if self._recalled is None and self._rows is None:
             return 0
         # (of ints only: hash() of a str, or of None before Python 3.12, differs by process)
-        return hash(tuple((-1,) if s is None else s for s in self._recalled))
+        permutes = () if self._recalled is None else self._recalled
+        return hash((tuple((-1,) if s is None else s for s in permutes), self._rows or ()))
 
     def forget_shapes(self) -> None:
-        self._recalled = None
+        self._recalled = self._rows = None
+
+    def recalled_rows(self) -> tuple | None:
+        """The outputs' rows of the signature's last call, as every rank recalls them (the
+        start-of-call check compared them), or None."""
+        return self._rows
+
+    def record_rows(self, rows: tuple) -> None:
+        """The outputs' rows of this call, for the next call of its signature."""
+        _remember(self.mesh.row_records, self._signature, rows)
 
     def _permuted_shapes(self, x: torch.Tensor, axes, pairs) -> None:
         """Before a ppermute's data moves: the shape it assumes (``_guess``), or every
@@ -180,11 +207,7 @@ class UnevenPrimitives:
         of its signature (the oldest signature's forgotten past :data:`_RECORDS`)."""
         if self._seen is None:
             return
-        records = self.mesh.shape_records
-        records.pop(self._signature, None)
-        records[self._signature] = tuple(self._seen)
-        if len(records) > _RECORDS:
-            del records[next(iter(records))]
+        _remember(self.mesh.shape_records, self._signature, tuple(self._seen))
         self._seen = None
 
     def check_operand(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
