@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 from _dist_launch import launch
-from plan_worker import CASES, LOCAL_THEN_GLOBAL, run
+from plan_worker import CASES, LOCAL_THEN_GLOBAL, SECOND_ORDER, run
 
 import named_spmd as ns
 from named_spmd import _torch_private
@@ -26,6 +26,7 @@ from named_spmd._replay import checked_signatures
 # call that raises is counted in neither); a new step number is a new signature
 REPLAYS = {
     "flag_adds_a_use": [2, 1],
+    "flag_drops_a_use": [2, 1],
     "flag_swaps_an_operand": [1, 1],
     "megatron": [2, 0],
     "branch_on_invariant_value": [1, 0],
@@ -56,6 +57,24 @@ def test_every_call_equals_the_same_call_typed(name):
         outcome = _outcomes()[rank, name]
         assert outcome["problems"] == [], outcome["problems"]
         assert outcome["replays"] == REPLAYS[name], outcome
+
+
+@pytest.mark.distributed
+def test_a_replay_pvarys_the_parameters_at_its_entry():
+    """The planned call pvarys each replicated parameter at its use; its replays pvary them all
+    at their entry, by one node (``_dist_pvary.PvaryAll``), the call that drops a use too (its
+    values and gradients, b1's None, are the typed call's: above)."""
+    for rank in (0, 1):
+        assert _outcomes()[rank, "flag_drops_a_use"]["hoisted"] == [False, True, True, True]
+
+
+@pytest.mark.distributed
+def test_a_second_derivative_through_a_replay_equals_the_typed_calls():
+    """``create_graph`` through the node that pvarys a replay's parameters at its entry: each
+    gradient's psum is then the bridge's, differentiable; equal to the calls typed."""
+    for rank in (0, 1):
+        outcome = _outcomes()[rank, SECOND_ORDER]
+        assert outcome["problems"] == [] and outcome["hoisted"] == [False, True, True], outcome
 
 
 @pytest.mark.parametrize("name", list(CASES))
