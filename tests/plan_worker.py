@@ -11,6 +11,7 @@ replayed from a plan.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -224,7 +225,7 @@ def _local_then_global(mesh) -> tuple[list, list]:
     return got, want
 
 
-def _second_order(mesh) -> tuple[list, list]:
+def _second_order(mesh) -> tuple[list, dict]:
     """A gradient differentiated again (``create_graph``) through replays whose parameters are
     pvary'd at their entry: each call's loss and second derivatives, and the hoisting seen."""
     f = ns.spmd_map(_flag_adds_a_use, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
@@ -237,7 +238,25 @@ def _second_order(mesh) -> tuple[list, list]:
         g = torch.autograd.grad(loss.sum(), leaves[1:4], create_graph=True)
         second = torch.autograd.grad(sum(d.pow(2).sum() for d in g), leaves, allow_unused=True)
         got.append((loss.detach(), [d if d is None else d.detach() for d in second]))
-    return got, hoisted
+    return got, {"hoisted": hoisted}
+
+
+def _recorded(mesh) -> tuple[list, dict]:
+    """A replay recorded by a ``CommMode``, after one that was not: its loss and gradients; its
+    collectives, forward and backward (each parameter's psum, as typed: the hoisting steps
+    aside); and whether each call pvary'd its parameters at its entry."""
+    f = ns.spmd_map(_flag_adds_a_use, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
+    got, hoisted = [], []
+    STATE["flag"] = True
+    for k in range(3):
+        leaves = [t.requires_grad_() for t in _params(k).values()]
+        with ns.CommMode() if k == 2 else contextlib.nullcontext() as comms:
+            loss = f(*leaves).full_tensor()
+            hoisted.append(_pvaried_at_entry(loss))
+            grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
+        got.append((loss.detach(), list(grads)))
+    counts = sorted([*key, n] for key, n in comms.counts().items())
+    return got, {"hoisted": hoisted, "counts": counts}
 
 
 def _problems(got: list, want: list) -> list[str]:
@@ -262,14 +281,14 @@ def run(name: str, mesh) -> dict:
     if name == LOCAL_THEN_GLOBAL:
         got, want = _local_then_global(mesh)
         return {"problems": _problems(got, want), "calls": len(got)}
-    if name == SECOND_ORDER:
-        got, hoisted = _second_order(mesh)
+    if name in EVERY_CALL:
+        got, seen = EVERY_CALL[name](mesh)
         _replay.ENABLED = False
         try:
-            want, _ = _second_order(mesh)
+            want, typed = EVERY_CALL[name](mesh)
         finally:
             _replay.ENABLED = True
-        return {"problems": _problems(got, want), "calls": len(got), "hoisted": hoisted}
+        return {"problems": _problems(got, want), "calls": len(got), **seen, "typed": typed}
     got, (*replays, hoisted) = _calls(name, mesh)
     _replay.ENABLED = False
     try:
@@ -281,7 +300,8 @@ def run(name: str, mesh) -> dict:
 
 
 LOCAL_THEN_GLOBAL = "local_then_global"
-SECOND_ORDER = "second_order"
+# name -> its calls, compared with the same calls typed: ([(loss, grads), ...], what it saw)
+EVERY_CALL = {"second_order": _second_order, "recorded": _recorded}
 
 if __name__ == "__main__":
-    report_outcomes([*CASES, LOCAL_THEN_GLOBAL, SECOND_ORDER], run)
+    report_outcomes([*CASES, LOCAL_THEN_GLOBAL, *EVERY_CALL], run)

@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 from _dist_launch import launch
-from plan_worker import CASES, LOCAL_THEN_GLOBAL, SECOND_ORDER, run
+from plan_worker import CASES, LOCAL_THEN_GLOBAL, run
 
 import named_spmd as ns
 from named_spmd import _torch_private
@@ -73,8 +73,20 @@ def test_a_second_derivative_through_a_replay_equals_the_typed_calls():
     """``create_graph`` through the node that pvarys a replay's parameters at its entry: each
     gradient's psum is then the bridge's, differentiable; equal to the calls typed."""
     for rank in (0, 1):
-        outcome = _outcomes()[rank, SECOND_ORDER]
+        outcome = _outcomes()[rank, "second_order"]
         assert outcome["problems"] == [] and outcome["hoisted"] == [False, True, True], outcome
+
+
+@pytest.mark.distributed
+def test_a_recorded_replay_counts_the_typed_calls_collectives():
+    """Under a ``CommMode`` a replay pvarys each parameter at its use, as typed, so that each
+    backward psum is recorded: the same events, values and gradients as the calls typed."""
+    # the typed calls' events: each parameter's psum (w1, b1, w2) and the loss's pmean
+    events = [["backward", "psum", ["x"], 3], ["forward", "pmean", ["x"], 1]]
+    for rank in (0, 1):
+        outcome = _outcomes()[rank, "recorded"]
+        assert outcome["problems"] == [] and outcome["hoisted"] == [False, True, False], outcome
+        assert outcome["counts"] == outcome["typed"]["counts"] == events, outcome
 
 
 @pytest.mark.parametrize("name", list(CASES))
