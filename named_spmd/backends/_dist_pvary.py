@@ -100,19 +100,25 @@ _VIEWS = "<views>"
 
 def _common(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> Vma | None:
     """``t``'s type where its pvary over ``axes`` is the common case (module doc), else None."""
-    held = t.__dict__.get(_ATTR)  # (ctx.vma, its usual case inlined)
-    vma = held[1] if held is not None and held[0] is ctx.call_token else ctx.vma(t)
-    if (
-        vma.reduced
-        or _modes.stack  # a CommMode records the cast's backward psum (the generic path)
-        or not t.requires_grad
-        or not torch.is_grad_enabled()
-        or transforms_active()
-        or forward_level() >= 0
-        or ctx.single_axes.issuperset(axes)
-    ):
+    vma = _vma(ctx, t)
+    if vma.reduced or not t.requires_grad or not _common_now() or ctx.single_axes.issuperset(axes):
         return None
     return vma
+
+
+def _vma(ctx: Any, t: torch.Tensor) -> Vma:
+    held = t.__dict__.get(_ATTR)  # (ctx.vma, its usual case inlined)
+    return held[1] if held is not None and held[0] is ctx.call_token else ctx.vma(t)
+
+
+def _common_now() -> bool:
+    """Whether a pvary made now may be the common case (module doc), whatever its operand."""
+    return (
+        not _modes.stack  # a CommMode records the cast's backward psum (the generic path)
+        and torch.is_grad_enabled()
+        and not transforms_active()
+        and forward_level() < 0
+    )
 
 
 # --- hoisted in a replay ------------------------------------------------------------------------
@@ -138,23 +144,31 @@ def planned(ctx: Any) -> tuple:
 def hoist(ctx: Any, hoists: tuple) -> None:
     """``ctx.hoist(hoists)``: one :class:`PvaryAll` per group of axes, dtype and device whose
     inputs are each the common case and whose gradients fit one bucket (module doc)."""
+    if not _common_now():
+        return
     groups: dict[tuple, list] = {}
     for at, tag in hoists:
         t = ctx.inputs[at]
-        axes = tag[:-1] if tag[-1] == _VIEWS else tag
-        vma = _common(ctx, t, axes)
-        if vma is not None:
+        vma = _vma(ctx, t)
+        if t.requires_grad and not vma.reduced:
+            axes = tag[:-1] if tag[-1] == _VIEWS else tag
             groups.setdefault((axes, t.dtype, t.device), []).append((t, tag, vma))
     cap = buckets.bucket_bytes()
     ctx.hoisted = {}
     for (axes, _, _), members in groups.items():
         ts = [t for t, _, _ in members]
-        if len(ts) < 2 or sum(t.numel() * t.element_size() for t in ts) >= cap:
-            continue  # (one alone gains nothing; more than a bucket keeps its buckets)
+        if len(ts) < 2 or ctx.single_axes.issuperset(axes):
+            continue  # (one alone gains nothing; over a group of one a pvary is no node)
+        if sum(t.numel() * t.element_size() for t in ts) >= cap:
+            continue  # more than a bucket keeps its buckets, started as they fill
         with DisableTorchFunction():
             aliases = _apply_all(ctx, axes, *ts)
+        stamps: dict[Vma, tuple] = {}  # (the parameters of a group have one or two types)
         for (t, tag, vma), alias in zip(members, aliases):
-            alias.__dict__[_ATTR] = ctx.stamp_of(vma.add(axes))
+            stamp = stamps.get(vma)
+            if stamp is None:
+                stamp = stamps[vma] = ctx.stamp_of(vma.add(axes))
+            alias.__dict__[_ATTR] = stamp
             ctx.hoisted[(id(t), tag)] = (t, alias)
 
 
