@@ -143,6 +143,8 @@ class Replay:
         kept, if it can be replayed)."""
         plan = self.entry
         if isinstance(plan, Plan):
+            if plan.hoists:
+                ctx.hoist(plan.hoists)
             with ReplayMode(ctx, plan) as replay:
                 outs = body(local, ctx)
             plan.count(replay.i, replay.diverged)

@@ -188,6 +188,15 @@ class TrackedContext(SpmdContext):
         """The alias :meth:`cached_pvary` caches (a backend may place the pvary elsewhere)."""
         return implicit_pvary(self, t, axes)
 
+    def planned_hoists(self) -> tuple:
+        """In a planned call, once it has run: the implicit casts of its inputs that a replay
+        may make at its entry, all at once (:meth:`hoist`); none unless a backend says."""
+        return ()
+
+    def hoist(self, hoists: tuple) -> None:
+        """At a replay's entry, before its first op: make the casts ``hoists`` (from
+        :meth:`planned_hoists`) ahead, for the call's caches to hand out at their first use."""
+
 
 def _own_storage(x: torch.Tensor) -> torch.Tensor:
     """``x``, copied where it is a view: a collective's varying result that a torch.func

@@ -11,6 +11,7 @@ replayed from a plan.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -125,6 +126,9 @@ def _flag_gathers_varying(x, w1, b1, w2, s, v):
 # name -> (function, in_specs, per call: (flag, sign of s) or a step number)
 CASES = {
     "flag_adds_a_use": (_flag_adds_a_use, False, [(False, 1), (False, 1), (True, 1), (False, 1)]),
+    # planned with the use: a replay pvarys b1 with the other parameters at its entry, and a call
+    # without the use must leave b1 no gradient (None, as typed), not zeros
+    "flag_drops_a_use": (_flag_adds_a_use, False, [(True, 1), (True, 1), (False, 1), (True, 1)]),
     "flag_swaps_an_operand": (_flag_swaps_an_operand, False, [(False, 1), (False, 1), (True, 1)]),
     "megatron": (_megatron, True, [(False, 1), (False, 1), (False, 1)]),
     "branch_on_invariant_value": (_branch_on_invariant_value, False, [(0, 1), (0, 1), (0, -1)]),
@@ -159,7 +163,7 @@ def _calls(name: str, mesh) -> tuple[list, int]:
     fn, split_w, calls = CASES[name]
     step = name == "step_number"
     f = ns.spmd_map(fn, mesh=mesh, in_specs=_specs(split_w, step), out_specs=P())
-    results = []
+    results, hoisted = [], []
     for k, call in enumerate(calls):
         params = _params(k)
         if not step:
@@ -169,12 +173,29 @@ def _calls(name: str, mesh) -> tuple[list, int]:
         try:
             loss = f(*leaves, call) if step else f(*leaves)
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+            hoisted.append(_pvaried_at_entry(loss))
             grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
             results.append((loss.detach(), [g if g is None else g.detach() for g in grads]))
         except ns.SpmdError as e:
             results.append((type(e).__name__, str(e)))
     plans = checked_signatures(f).values()
-    return results, [sum(getattr(p, k, 0) for p in plans) for k in ("replays", "divergences")]
+    counts = [sum(getattr(p, k, 0) for p in plans) for k in ("replays", "divergences")]
+    return results, [*counts, hoisted]
+
+
+def _pvaried_at_entry(loss: torch.Tensor) -> bool:
+    """Whether ``loss``'s graph holds the node by which a replay on a real mesh pvarys its
+    parameters at its entry, all at once (``_dist_pvary.PvaryAll``)."""
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        if type(node).__name__ == "PvaryAllBackward":
+            return True
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def _scaled_rows(x, w):
@@ -204,6 +225,40 @@ def _local_then_global(mesh) -> tuple[list, list]:
     return got, want
 
 
+def _second_order(mesh) -> tuple[list, dict]:
+    """A gradient differentiated again (``create_graph``) through replays whose parameters are
+    pvary'd at their entry: each call's loss and second derivatives, and the hoisting seen."""
+    f = ns.spmd_map(_flag_adds_a_use, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
+    got, hoisted = [], []
+    STATE["flag"] = True
+    for k in range(3):
+        leaves = [t.requires_grad_() for t in _params(k).values()]
+        loss = f(*leaves).full_tensor()
+        hoisted.append(_pvaried_at_entry(loss))
+        g = torch.autograd.grad(loss.sum(), leaves[1:4], create_graph=True)
+        second = torch.autograd.grad(sum(d.pow(2).sum() for d in g), leaves, allow_unused=True)
+        got.append((loss.detach(), [d if d is None else d.detach() for d in second]))
+    return got, {"hoisted": hoisted}
+
+
+def _recorded(mesh) -> tuple[list, dict]:
+    """A replay recorded by a ``CommMode``, after one that was not: its loss and gradients; its
+    collectives, forward and backward (each parameter's psum, as typed: the hoisting steps
+    aside); and whether each call pvary'd its parameters at its entry."""
+    f = ns.spmd_map(_flag_adds_a_use, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
+    got, hoisted = [], []
+    STATE["flag"] = True
+    for k in range(3):
+        leaves = [t.requires_grad_() for t in _params(k).values()]
+        with ns.CommMode() if k == 2 else contextlib.nullcontext() as comms:
+            loss = f(*leaves).full_tensor()
+            hoisted.append(_pvaried_at_entry(loss))
+            grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
+        got.append((loss.detach(), list(grads)))
+    counts = sorted([*key, n] for key, n in comms.counts().items())
+    return got, {"hoisted": hoisted, "counts": counts}
+
+
 def _problems(got: list, want: list) -> list[str]:
     problems = []
     for k, (g, w) in enumerate(zip(got, want)):
@@ -226,16 +281,27 @@ def run(name: str, mesh) -> dict:
     if name == LOCAL_THEN_GLOBAL:
         got, want = _local_then_global(mesh)
         return {"problems": _problems(got, want), "calls": len(got)}
-    got, replays = _calls(name, mesh)
+    if name in EVERY_CALL:
+        got, seen = EVERY_CALL[name](mesh)
+        _replay.ENABLED = False
+        try:
+            want, typed = EVERY_CALL[name](mesh)
+        finally:
+            _replay.ENABLED = True
+        return {"problems": _problems(got, want), "calls": len(got), **seen, "typed": typed}
+    got, (*replays, hoisted) = _calls(name, mesh)
     _replay.ENABLED = False
     try:
         want, _ = _calls(name, mesh)
     finally:
         _replay.ENABLED = True
-    return {"problems": _problems(got, want), "replays": replays, "calls": len(got)}
+    problems = _problems(got, want)
+    return {"problems": problems, "replays": replays, "calls": len(got), "hoisted": hoisted}
 
 
 LOCAL_THEN_GLOBAL = "local_then_global"
+# name -> its calls, compared with the same calls typed: ([(loss, grads), ...], what it saw)
+EVERY_CALL = {"second_order": _second_order, "recorded": _recorded}
 
 if __name__ == "__main__":
-    report_outcomes([*CASES, LOCAL_THEN_GLOBAL], run)
+    report_outcomes([*CASES, LOCAL_THEN_GLOBAL, *EVERY_CALL], run)

@@ -26,6 +26,7 @@ from named_spmd._replay import checked_signatures
 # call that raises is counted in neither); a new step number is a new signature
 REPLAYS = {
     "flag_adds_a_use": [2, 1],
+    "flag_drops_a_use": [2, 1],
     "flag_swaps_an_operand": [1, 1],
     "megatron": [2, 0],
     "branch_on_invariant_value": [1, 0],
@@ -56,6 +57,36 @@ def test_every_call_equals_the_same_call_typed(name):
         outcome = _outcomes()[rank, name]
         assert outcome["problems"] == [], outcome["problems"]
         assert outcome["replays"] == REPLAYS[name], outcome
+
+
+@pytest.mark.distributed
+def test_a_replay_pvarys_the_parameters_at_its_entry():
+    """The planned call pvarys each replicated parameter at its use; its replays pvary them all
+    at their entry, by one node (``_dist_pvary.PvaryAll``), the call that drops a use too (its
+    values and gradients, b1's None, are the typed call's: above)."""
+    for rank in (0, 1):
+        assert _outcomes()[rank, "flag_drops_a_use"]["hoisted"] == [False, True, True, True]
+
+
+@pytest.mark.distributed
+def test_a_second_derivative_through_a_replay_equals_the_typed_calls():
+    """``create_graph`` through the node that pvarys a replay's parameters at its entry: each
+    gradient's psum is then the bridge's, differentiable; equal to the calls typed."""
+    for rank in (0, 1):
+        outcome = _outcomes()[rank, "second_order"]
+        assert outcome["problems"] == [] and outcome["hoisted"] == [False, True, True], outcome
+
+
+@pytest.mark.distributed
+def test_a_recorded_replay_counts_the_typed_calls_collectives():
+    """Under a ``CommMode`` a replay pvarys each parameter at its use, as typed, so that each
+    backward psum is recorded: the same events, values and gradients as the calls typed."""
+    # the typed calls' events: each parameter's psum (w1, b1, w2) and the loss's pmean
+    events = [["backward", "psum", ["x"], 3], ["forward", "pmean", ["x"], 1]]
+    for rank in (0, 1):
+        outcome = _outcomes()[rank, "recorded"]
+        assert outcome["problems"] == [] and outcome["hoisted"] == [False, True, False], outcome
+        assert outcome["counts"] == outcome["typed"]["counts"] == events, outcome
 
 
 @pytest.mark.parametrize("name", list(CASES))

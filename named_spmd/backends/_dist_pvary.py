@@ -13,6 +13,17 @@ state, whose forward is the pvary's (a new tensor object on the same data) and w
 goes straight to the overlapped, bucketed psum; a backward that is itself differentiated takes
 the bridge's own transpose. Everything else takes the generic path, so values, gradients,
 types and ``CommMode`` events are those of the generic path.
+
+Hoisted, in a replay (``_plan``): the inputs that the planned call pvary'd through this common
+case (a parameter, or the source of a parameter's view) are pvary'd at the replay's entry, all
+of one group, dtype and device by one :class:`PvaryAll` node, as DDP reduces its parameters'
+gradients: one autograd node, one all-reduce of their concatenation when the last of their
+gradients is in, instead of a node and a bucket entry per parameter. The cache of casts hands
+each alias out at its first use (:func:`hoisted`), numbered then, as typing would; an alias no
+op of the call uses gets no gradient, and its input none from it (as without the cast). Only
+where the group's gradients fit one bucket (``set_grad_bucket_mb``): a larger set keeps its
+buckets, started as they fill. Values and gradients are the common case's; the all-reduces of a
+backward pass are fewer.
 """
 
 from __future__ import annotations
@@ -22,15 +33,19 @@ from typing import Any
 import torch
 
 from .._accounting import _local as _modes
+from .._accounting import reusable_cast
 from .._autodiff import _NONES, CollectiveFn, differentiable
 from .._collectives._record import PVARY_RECORD, implicit_pvary
 from .._stamps import _ATTR
 from .._torch_private import (
     DisableTorchFunction,
+    async_wait,
     forward_level,
     function_base_apply,
     transforms_active,
 )
+from .._types import Vma
+from . import _dist_buckets as buckets
 from . import _dist_overlap as overlap
 
 
@@ -54,24 +69,167 @@ _apply = function_base_apply.__get__(None, Pvary)
 def pvary(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
     """``implicit_pvary(ctx, t, axes)``: through :class:`Pvary` where the generic path would only
     apply the bridge and stamp (``ctx``: a plain ``DistributedContext``)."""
-    held = t.__dict__.get(_ATTR)  # (ctx.vma, its usual case inlined)
-    vma = held[1] if held is not None and held[0] is ctx.call_token else ctx.vma(t)
-    if (
-        vma.reduced
-        or _modes.stack  # a CommMode records the cast's backward psum (the generic path)
-        or not t.requires_grad
-        or not torch.is_grad_enabled()
-        or transforms_active()
-        or forward_level() >= 0
-        or ctx.single_axes.issuperset(axes)
-    ):
+    vma = _common(ctx, t, axes)
+    if vma is None:
         return implicit_pvary(ctx, t, axes)
+    if ctx.recipes is not None:  # a planned call: its replays may make this cast at their entry
+        _note(ctx, t, axes)
     with DisableTorchFunction():
         out = _apply(t, PVARY_RECORD, ctx, axes, ())
     # ctx.stamp (no transform: no wrapped tensor, no storage to own)
     out.__dict__[_ATTR] = ctx.stamp_of(vma.add(axes))
     if ctx.numbering:
         ctx.number(out)
+    return out
+
+
+def source_pvary(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+    """The pvary of ``t``, the source of a view that is pvary'd (``DistributedContext.
+    implicit_pvary``), its backward psum left out of a ``CommMode`` (the view's is recorded)."""
+    tag = (*axes, _VIEWS)
+    alias = hoisted(ctx, t, tag) if ctx.hoisted else None
+    if alias is not None:
+        return alias
+    if ctx.recipes is not None and _common(ctx, t, axes) is not None:
+        _note(ctx, t, tag)
+    return implicit_pvary(ctx, t, axes, False)
+
+
+_VIEWS = "<views>"
+
+
+def _common(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> Vma | None:
+    """``t``'s type where its pvary over ``axes`` is the common case (module doc), else None."""
+    vma = _vma(ctx, t)
+    if vma.reduced or not t.requires_grad or not _common_now() or ctx.single_axes.issuperset(axes):
+        return None
+    return vma
+
+
+def _vma(ctx: Any, t: torch.Tensor) -> Vma:
+    held = t.__dict__.get(_ATTR)  # (ctx.vma, its usual case inlined)
+    return held[1] if held is not None and held[0] is ctx.call_token else ctx.vma(t)
+
+
+def _common_now() -> bool:
+    """Whether a pvary made now may be the common case (module doc), whatever its operand."""
+    return (
+        not _modes.stack  # a CommMode records the cast's backward psum (the generic path)
+        and torch.is_grad_enabled()
+        and not transforms_active()
+        and forward_level() < 0
+    )
+
+
+# --- hoisted in a replay ------------------------------------------------------------------------
+
+
+def _note(ctx: Any, t: torch.Tensor, tag: tuple) -> None:
+    """In a planned call: the cast of ``t`` by ``tag`` (its axes, then ``_VIEWS`` for a view's
+    source) is one a replay may hoist, if ``t`` is an input and the cast is cached."""
+    if not reusable_cast(t):
+        return
+    at = next((i for i, x in enumerate(ctx.inputs) if x is t), None)
+    if at is not None:
+        if ctx.hoists is None:
+            ctx.hoists = {}
+        ctx.hoists[(at, tag)] = None
+
+
+def planned(ctx: Any) -> tuple:
+    """``ctx.planned_hoists()``: ((input position, tag), ...) in the order first cast."""
+    return tuple(ctx.hoists or ())
+
+
+def hoist(ctx: Any, hoists: tuple) -> None:
+    """``ctx.hoist(hoists)``: one :class:`PvaryAll` per group of axes, dtype and device whose
+    inputs are each the common case and whose gradients fit one bucket (module doc)."""
+    if not _common_now():
+        return
+    groups: dict[tuple, list] = {}
+    for at, tag in hoists:
+        t = ctx.inputs[at]
+        vma = _vma(ctx, t)
+        if t.requires_grad and not vma.reduced:
+            axes = tag[:-1] if tag[-1] == _VIEWS else tag
+            groups.setdefault((axes, t.dtype, t.device), []).append((t, tag, vma))
+    cap = buckets.bucket_bytes()
+    ctx.hoisted = {}
+    for (axes, _, _), members in groups.items():
+        ts = [t for t, _, _ in members]
+        if len(ts) < 2 or ctx.single_axes.issuperset(axes):
+            continue  # (one alone gains nothing; over a group of one a pvary is no node)
+        if sum(t.numel() * t.element_size() for t in ts) >= cap:
+            continue  # more than a bucket keeps its buckets, started as they fill
+        with DisableTorchFunction():
+            aliases = _apply_all(ctx, axes, *ts)
+        stamps: dict[Vma, tuple] = {}  # (the parameters of a group have one or two types)
+        for (t, tag, vma), alias in zip(members, aliases):
+            stamp = stamps.get(vma)
+            if stamp is None:
+                stamp = stamps[vma] = ctx.stamp_of(vma.add(axes))
+            alias.__dict__[_ATTR] = stamp
+            ctx.hoisted[(id(t), tag)] = (t, alias)
+
+
+def hoisted(ctx: Any, t: torch.Tensor, tag: tuple) -> torch.Tensor | None:
+    """The alias :func:`hoist` made of ``t`` for ``tag``, handed out once (the cache of casts
+    keeps it from then on), with the number the cast it stands for gets in a typed call."""
+    hit = ctx.hoisted.pop((id(t), tag), None)
+    if hit is None:
+        return None
+    if ctx.numbering:
+        ctx.number(hit[1])
+    return hit[1]
+
+
+class PvaryAll(torch.autograd.Function):
+    """The pvary over ``axes`` of each of ``ts`` (one group, dtype and device): one node whose
+    backward sums their gradients by one all-reduce (module doc)."""
+
+    @staticmethod
+    def forward(spmd, axes, *ts):
+        return tuple(t.view_as(t) for t in ts)
+
+    @staticmethod
+    def setup_context(node, inputs, output):
+        node.spmd, node.axes = inputs[0], inputs[1]
+        node.set_materialize_grads(False)  # an alias no op used: no gradient, not zeros
+
+    @staticmethod
+    def backward(node, *gs):
+        return None, None, *psum_all(node.spmd, node.axes, gs)
+
+
+_apply_all = function_base_apply.__get__(None, PvaryAll)
+
+
+def psum_all(spmd: Any, axes: tuple[str, ...], gs: tuple) -> list:
+    """Each gradient of ``gs`` (None: none) summed over ``axes``: a differentiated one by the
+    pvary's transpose through the bridge (as :class:`Pvary`), the others by one all-reduce of
+    their concatenation, waited for here (it is the last gradient of the group), copied out
+    into tensors of their own (as a bucket's members: no view pins the buffer)."""
+    out = list(gs)
+    flat: list[int] = []
+    for i, g in enumerate(gs):
+        if g is None:
+            continue
+        if differentiable(g):
+            out[i] = PVARY_RECORD.backward(spmd, g, axes, (), None)
+        else:
+            if overlap.is_pending_wrapper(g):  # chained pvary: the sum of the one below first
+                out[i] = async_wait(g)
+            flat.append(i)
+    if not flat:
+        return out
+    parts = [out[i] for i in flat]
+    with DisableTorchFunction():
+        buf = torch.cat([p.reshape(-1) for p in parts])
+        buf = spmd.mesh.comm(axes).all_reduce_(buf)
+        sums = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in parts]
+        torch.split_with_sizes_copy(buf, [p.numel() for p in parts], out=[s.view(-1) for s in sums])
+    for i, s in zip(flat, sums):
+        out[i] = s
     return out
 
 

@@ -98,6 +98,8 @@ class DistributedContext(TrackedContext):
     own_values = True  # each rank's tensors are its own: sizes are read on the host
     inputs: list[Any] = []  # this call's local inputs (the views' sources besides leaves)
     input_nodes: dict[int, torch.Tensor] | None = None  # id(grad_fn) -> input, made on demand
+    hoists: dict[tuple, None] | None = None  # a planned call's casts a replay hoists
+    hoisted: dict[tuple, tuple] = {}  # a replay's casts made at its entry (_dist_pvary)
 
     def axis_index(self, axes):
         index = torch.tensor(self.mesh.comm(axes).index, device=self.mesh.device)
@@ -151,12 +153,14 @@ class DistributedContext(TrackedContext):
         return _dist_overlap.psum_in_backward(g, self.mesh.comm(axes), node)
 
     def implicit_pvary(self, t, axes):
-        """A view of a parameter (``x @ w.T``, ``wpe[:T]``) is pvary'd at the parameter and
-        the view made again from that alias: its gradient's psum then reaches the parameter's
-        gradient node unread and joins a bucket (pvary'd as the view, the view's backward node
-        would wait for the sum at once). A CommMode still records the view's psum, as the
-        simulated mesh does. Only a view made by one built-in view op directly from a leaf or an
-        input of this call, of the view's own type (docs/design.md section 6)."""
+        """A view of a parameter (``x @ w.T``, ``wpe[:T]``) is pvary'd at the parameter and the
+        view made again from that alias: its gradient's psum reaches the parameter's gradient
+        node unread and joins a bucket (pvary'd as the view, its backward would wait for the sum
+        at once); a CommMode still records the view's psum, as the simulated mesh does. Only a
+        view by one built-in view op of a leaf or input of the call, of the view's own type."""
+        alias = _dist_pvary.hoisted(self, t, axes) if self.hoisted else None  # (a replay's)
+        if alias is not None:
+            return alias
         # (a leaf, as a parameter, is no view: the common case, decided without the lookup)
         source = None if t.grad_fn is None else self._view_source(t, axes)
         if source is None:
@@ -166,11 +170,13 @@ class DistributedContext(TrackedContext):
             return implicit_pvary(self, t, axes)
         # apart from the source's own alias (cached_pvary), which records its psum
         alias = self.memo_alias(
-            source, (*axes, "<views>"), lambda: implicit_pvary(self, source, axes, False)
+            source, (*axes, "<views>"), lambda: _dist_pvary.source_pvary(self, source, axes)
         )
         with torch_private.DisableTorchFunction():
             view = alias.as_strided(t.size(), t.stride(), t.storage_offset())
         return self.stamp(record_implicit_psum(view, axes), self.vma(alias))
+
+    planned_hoists, hoist = _dist_pvary.planned, _dist_pvary.hoist  # (a replay's casts)
 
     def _view_source(self, t, axes):
         if torch_private.is_transform_wrapped(t) or self.single_axes.issuperset(axes):
@@ -267,6 +273,8 @@ class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
 
 class UnevenContext(UnevenPrimitives, DistributedContext):
     """A call whose ranks' blocks may differ in size (``_dist_uneven``)."""
+
+    hoist = TrackedContext.hoist  # (its pvary sizes its operands: none made ahead)
 
 
 def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool) -> None:
