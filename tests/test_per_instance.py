@@ -180,6 +180,9 @@ def test_ns_random_draws_are_the_vmap_executions():
     for draw in (
         lambda h: ns.random.dropout(h, 0.5, over="dp", seed=(1, 2)),
         lambda h: h * ns.random.randn(h.shape, over="dp", seed=3),
+        # over=(): one draw for every instance, as deterministic as a per-instance one
+        lambda h: ns.random.dropout(h, 0.5, over=(), seed=4) + ns.random.rand(8, over=(), seed=5),
+        lambda h: h + ns.random.randint(0, 9, (8,), over=(), seed=6),
     ):
         f = ns.spmd_map(draw, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
         want = f(h)
