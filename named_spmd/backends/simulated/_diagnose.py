@@ -21,11 +21,8 @@ raised (the user's own ``raise``), or of a subclass the user's code may catch (`
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +33,7 @@ from ... import _torch_private as torch_private
 from ..._accounting import resume, suspend
 from ..._errors import TORCH_ERRORS, SpmdError, error_class, fn_label, told_in_family, user_line
 from ..._operands import is_inplace, swap_operands, tensor_operands
+from ..._replay import quietly
 from ..._types import VType
 from ._instances import Instances, coordinates, instances, label, simulated_call
 
@@ -53,6 +51,8 @@ def explained(run: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torc
         except TORCH_ERRORS as error:
             if not told_in_family(error):  # an SpmdError, or a subclass the user may catch
                 raise
+            if call.mesh.size == 1:  # no instances to tell apart: ``_one_instance`` tells it
+                raise
             better = _diagnose(error, functools.partial(run, call), call.fn, call.leaves)
             if better is None:
                 raise
@@ -67,7 +67,7 @@ def _diagnose(
     locator = _Locator()
     saved = suspend()  # the second run records no communication
     try:
-        with _quietly(leaves), locator:
+        with quietly(leaves), locator:
             again()
     except Exception as e:  # the same error, normally
         repeated: Exception | None = e
@@ -88,20 +88,6 @@ def _expanded(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and any(
         n > 1 and st == 0 for n, st in zip(x.shape, x.stride())
     )
-
-
-@contextlib.contextmanager
-def _quietly(leaves: list[Any]) -> Iterator[None]:
-    """Discard the second run's prints and warnings, and restore the random state after it."""
-    cuda = {x.device.index or 0 for x in leaves if isinstance(x, torch.Tensor) and x.is_cuda}
-    with (
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(io.StringIO()),
-        warnings.catch_warnings(),
-        torch.random.fork_rng(devices=sorted(cuda)),
-    ):
-        warnings.simplefilter("ignore")
-        yield
 
 
 class _Locator(TorchFunctionMode):
