@@ -27,6 +27,7 @@ from ._operands import (
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
 from ._stamps import _ATTR, TrackedContext, stamp_inner
 from ._torch_private import is_transform_wrapped as _is_wrapped
+from ._torch_private import tensor_base
 from ._types import INVARIANT, Vma
 
 Tensor = torch.Tensor
@@ -63,6 +64,30 @@ def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma, inplace=
         )
 
 
+def check_cast_alias(ctx: TrackedContext, func, args, kwargs, inplace=is_inplace) -> None:
+    """An in-place op (or ``out=``) into a view of an operand that an explicit cast to varying
+    handed back (``TrackedContext.cast_roots``), where the view varies over axes the operand
+    does not: the write would change the operand, invariant over them, on this rank only (the
+    simulated mesh, whose copies of it are one memory, refuses the write too)."""
+    target = args[0] if args and inplace(func) else (kwargs or {}).get("out")
+    if not isinstance(target, Tensor):
+        return
+    root = tensor_base(target)
+    root = target if root is None else root
+    if id(root) not in ctx.cast_roots:
+        return
+    axes = ctx.vma(root).missing(ctx.vma(target).present(ctx.mesh.axis_names))
+    if axes:
+        name = getattr(func, "__name__", "")
+        raise VmaError(
+            f"{name} in {ctx.fn_label}: writes into an invariant value made varying over {axes} "
+            "(ns.pvary, ns.pcast(..., to='varying')), which shares its operand's memory: the "
+            "write would change the operand, typed replicated, on this instance only. Fix: "
+            "write into a copy (v = ns.pvary(w, 'dp').clone()), or compute out of place "
+            "(y = v + 1 rather than v.add_(1))."
+        )
+
+
 class VmaMode(TorchFunctionMode):
     """Stamps every op's outputs with the union of its operands' vma; inserts implicit pvary."""
 
@@ -88,6 +113,8 @@ class VmaMode(TorchFunctionMode):
         if func in _UNTYPED:
             out = func(*args, **(kwargs or {}))
             return self._gradients(args, kwargs, out) if func is torch.autograd.grad else out
+        if self.ctx.cast_roots:  # (a cast to varying handed back a view of its operand)
+            check_cast_alias(self.ctx, func, args, kwargs, self.inplace)
         token, aliased = self.token, self.ctx.alias_cache
         common = None
         plain = mixed = blocks = False

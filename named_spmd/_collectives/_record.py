@@ -38,7 +38,7 @@ from .._blocks import forget as forget_blocks
 from .._calls import current
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError, VmaError
-from .._torch_private import DisableTorchFunction
+from .._torch_private import DisableTorchFunction, tensor_base
 from .._types import Vma, type_text
 from . import _rules
 from ._checks import COPIES, Invariant, check_copyable, raise_invariant_operand
@@ -219,8 +219,20 @@ def _apply(
     if accounting:
         out = tag_derivatives(rec, out, t, axes, params)
     if ctx.stamps or vma.partial or rec.makes_partial:
-        return ctx.stamp(out, rec.vma(vma, axes, params))
+        result = rec.vma(vma, axes, params)
+        if ctx.stamps and tensor_base(out) is not None and result.varying - vma.varying:
+            _note_cast_alias(ctx, out, t)
+        return ctx.stamp(out, result)
     return out
+
+
+def _note_cast_alias(ctx: Any, out: Tensor, t: Tensor) -> None:
+    """``out``, varying over axes its operand ``t`` is not, is a view of ``t``'s memory (a cast's
+    identity on a tracked backend): writes into it are checked (``TrackedContext.cast_roots``)."""
+    root = tensor_base(t)
+    root = t if root is None else root
+    if tensor_base(out) is root:
+        ctx.cast_roots[id(root)] = root
 
 
 def tag_derivatives(
