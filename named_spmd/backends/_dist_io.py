@@ -144,9 +144,7 @@ class _FirstHolds(torch.autograd.Function):
 
 def _under_transform(ctx, leaf: torch.Tensor, i: int) -> None:
     """A call under a torch.func transform: refuse a DTensor the transform wraps."""
-    inner = leaf
-    while torch_private.is_transform_wrapped(inner):
-        inner = torch_private.get_unwrapped(inner)
+    inner = torch_private.innermost(leaf)
     if inner is not leaf and isinstance(inner, DTensor):
         raise SpecError(
             f"spmd_map of {ctx.fn_label}: argument leaf {i} is a DTensor that a torch.func "
