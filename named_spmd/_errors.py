@@ -206,6 +206,18 @@ def write_refused(error: BaseException, where: str) -> SpmdError | None:
     )
 
 
+def reentrant_checkpoint(where: str) -> SpmdError:
+    """``torch.utils.checkpoint(..., use_reentrant=True)`` inside the per-device function: the
+    same error on every backend (docs/design.md section 8)."""
+    return SpmdError(
+        f"{where}: torch.utils.checkpoint(..., use_reentrant=True) cannot run inside spmd_map: "
+        "its recomputation in backward runs outside the call, without the collectives and the "
+        "gradient sums of the implicit casts (on the simulated mesh its autograd.Function does "
+        "not support torch.func).\nFix: pass use_reentrant=False (torch's recommended mode), "
+        "which works inside the per-device function on every backend, collectives included."
+    )
+
+
 def torch_op_failed(error: BaseException, where: str, at: str) -> SpmdError:
     """A torch op of the user's function that rejected its operands (``rejected_by_torch``) on
     ``at`` (the instance, or the rank that holds it): an SpmdError of the same class family

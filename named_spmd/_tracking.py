@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _blocks
 from ._accounting import reusable_cast
-from ._errors import VmaError
+from ._errors import VmaError, reentrant_checkpoint
 from ._operands import (
     METADATA,
     NOT_OPS,
@@ -26,8 +26,8 @@ from ._operands import (
 )
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
 from ._stamps import _ATTR, TrackedContext, stamp_inner
+from ._torch_private import in_reentrant_checkpoint, set_grad_enabled, tensor_base
 from ._torch_private import is_transform_wrapped as _is_wrapped
-from ._torch_private import tensor_base
 from ._types import INVARIANT, Vma
 
 Tensor = torch.Tensor
@@ -42,7 +42,8 @@ def _itself(t: torch.Tensor) -> torch.Tensor:
 # randomness policy: same seed, same values), so their result is invariant like any factory's,
 # as on the simulated backend, where vmap's randomness="same" leaves them unbatched.
 _RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
-_UNTYPED = _RANDOM_LIKE | NOT_OPS | METADATA  # the mode runs these as they are
+# the mode runs these as they are (the grad-mode switch: checked for a reentrant checkpoint)
+_UNTYPED = _RANDOM_LIKE | NOT_OPS | METADATA | {set_grad_enabled}
 
 
 def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma, inplace=is_inplace) -> None:
@@ -111,6 +112,8 @@ class VmaMode(TorchFunctionMode):
         # implicit pvary alias from the call's caches, or none where the missing axes all have
         # size 1. Costs about one dict lookup per operand on top of the mode's own dispatch.
         if func in _UNTYPED:
+            if func is set_grad_enabled and in_reentrant_checkpoint():
+                raise reentrant_checkpoint(f"spmd_map of {self.ctx.fn_label}")
             out = func(*args, **(kwargs or {}))
             return self._gradients(args, kwargs, out) if func is torch.autograd.grad else out
         if self.ctx.cast_roots:  # (a cast to varying handed back a view of its operand)

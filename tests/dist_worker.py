@@ -27,6 +27,7 @@ import traceback
 import optree
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -278,6 +279,23 @@ def run_checks(args, rank, world) -> None:
     results += _overlapped_gradient_checks(mesh, world)
     results += _ragged_checks(mesh, world)
     results += _cast_alias_checks(mesh)
+    reentrant = ns.spmd_map(
+        lambda x, w: ns.psum(
+            checkpoint(lambda a, w: torch.sin(a * w), x, w, use_reentrant=True), ("dp", "tp")
+        ),
+        mesh=mesh,
+        in_specs=(P(("dp", "tp")), P()),
+        out_specs=P(),
+    )
+    results.append(  # (its recomputation would miss w's gradient psum: a wrong gradient)
+        _expect_error(
+            "reentrant checkpoint",
+            lambda: reentrant(torch.ones(world, requires_grad=True), torch.ones(1)),
+            ns.SpmdError,
+            "use_reentrant=True) cannot run inside spmd_map",
+            "Fix: pass use_reentrant=False",
+        )
+    )
     for r in results:
         print("CHECK " + json.dumps({**r, "rank": rank}), flush=True)
 
