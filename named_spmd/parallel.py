@@ -186,7 +186,9 @@ def vocab_cross_entropy(
 
     Args:
         logits: ``[..., vocab / n]``, this instance's classes.
-        target: ``[...]`` global class ids; ``ignore_index`` entries count for nothing.
+        target: ``[...]`` global class ids; ``ignore_index`` entries count for nothing. An id
+            outside the vocabulary gives NaN (split over several instances; on one, torch's
+            fused loss raises).
         reduction: ``"mean"`` (over the targets not ignored, as ``F.cross_entropy``),
             ``"sum"`` or ``"none"``. The mean is over this instance's targets: with the batch
             split over a data-parallel axis, ``ns.pmean`` it over that axis (equal shards) or
@@ -209,7 +211,12 @@ def vocab_cross_entropy(
     picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
     target_logit = psum(torch.where(mine, picked, 0), axis_name)
     counted = target != ignore_index
+    # a class outside the vocabulary is in no instance's block: its loss would be log_sum_exp
+    # alone, a plausible number; NaN instead (torch's fused loss raises, which needs the
+    # target's values, read on no backend here)
+    outside = counted & ((target < 0) | (target >= classes * axis_size(axis_name)))
     loss = torch.where(counted, log_sum_exp - target_logit, 0)
+    loss = torch.where(outside, torch.nan, loss)
     if reduction == "none":
         return loss
     if reduction == "sum":

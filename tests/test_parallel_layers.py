@@ -193,6 +193,29 @@ def test_vocab_cross_entropy_reduced(mesh, reduction):
     assert_same(f, lambda z, t: F.cross_entropy(z, t, reduction=reduction), (logits, t))
 
 
+def test_vocab_cross_entropy_of_a_class_outside_the_vocabulary_is_nan(mesh):
+    """No instance holds such a class: the split loss would be the log-sum-exp alone, a
+    plausible number; it is NaN there (torch's fused loss, on a tp of size 1, raises)."""
+    vocab = 16
+    logits, t = randn(4, vocab), torch.tensor([3, vocab, -100, -1])
+    d = dp(mesh)
+    f = ns.spmd_map(
+        lambda z, t: pl.vocab_cross_entropy(z, t, axis_name="tp", reduction="none"),
+        mesh=mesh,
+        in_specs=(P(d, "tp"), P(d)),
+        out_specs=P(d),
+    )
+    if mesh.shape["tp"] == 1:
+        with pytest.raises(IndexError):
+            f(logits, t)
+        return
+    loss = f(logits, t)
+    assert torch.isnan(loss).tolist() == [False, True, False, True], loss
+    want = F.cross_entropy(logits[:1], t[:1], reduction="none")
+    torch.testing.assert_close(loss[:1], want)
+    assert loss[2] == 0
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_vocab_cross_entropy_on_a_size_one_axis_is_typed_as_when_split(reduction):
     """Where tp has size 1 the loss is torch's fused one (its values and gradients: the tests
