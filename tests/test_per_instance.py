@@ -199,6 +199,27 @@ def test_a_write_into_an_input_that_instances_share_is_refused(spec):
         g(torch.ones(4))
 
 
+def test_a_write_into_a_pvary_of_an_input_is_refused_before_it_writes():
+    """pvary's result is a view of its operand here as on a real mesh: each instance's write
+    would change the replicated input; refused before any instance writes (the input intact)."""
+
+    def bump(x, w):
+        v = ns.pvary(w, "dp")
+        v.add_(x)
+        return v
+
+    w = torch.zeros(2)
+    g = ns.spmd_map(
+        bump, mesh=ns.make_mesh((2,), ("dp",)), in_specs=(P("dp"), P()), out_specs=P("dp")
+    )
+    with (
+        ns.simulate_per_instance(),
+        pytest.raises(ns.VmaError, match="shares its operand's memory"),
+    ):
+        g(torch.arange(4.0), w)
+    assert torch.equal(w, torch.zeros(2)), w
+
+
 def test_a_write_into_an_input_each_instance_has_alone_is_the_vmap_executions():
     mesh = ns.make_mesh((2, 2), ("dp", "tp"))
     spec = P(("dp", "tp"))
