@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 from torch.overrides import TorchFunctionMode
 
 from . import _blocks
@@ -75,9 +76,10 @@ def check_cast_alias(ctx: TrackedContext, func, args, kwargs, inplace=is_inplace
         return
     root = tensor_base(target)
     root = target if root is None else root
-    if id(root) not in ctx.cast_roots:
+    cast = ctx.cast_roots.get(id(root))
+    if cast is None:
         return
-    axes = ctx.vma(root).missing(ctx.vma(target).present(ctx.mesh.axis_names))
+    axes = cast[1].missing(ctx.vma(target).present(ctx.mesh.axis_names))
     if axes:
         name = getattr(func, "__name__", "")
         raise VmaError(
@@ -112,7 +114,7 @@ class VmaMode(TorchFunctionMode):
         # implicit pvary alias from the call's caches, or none where the missing axes all have
         # size 1. Costs about one dict lookup per operand on top of the mode's own dispatch.
         if func in _UNTYPED:
-            if func is set_grad_enabled and in_reentrant_checkpoint():
+            if func is set_grad_enabled and not is_compiling() and in_reentrant_checkpoint():
                 raise reentrant_checkpoint(f"spmd_map of {self.ctx.fn_label}")
             out = func(*args, **(kwargs or {}))
             return self._gradients(args, kwargs, out) if func is torch.autograd.grad else out

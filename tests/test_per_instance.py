@@ -6,6 +6,7 @@ independent references (the per-instance reference loop and the dense program)."
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 
 import pytest
@@ -218,6 +219,18 @@ def test_a_write_into_a_pvary_of_an_input_is_refused_before_it_writes():
     ):
         g(torch.arange(4.0), w)
     assert torch.equal(w, torch.zeros(2)), w
+    with pytest.raises(ns.VmaError, match="shares its operand's memory"):  # as a real mesh's call
+        g.check(torch.arange(4.0), w)
+
+    def parts(h, w):  # an unreduced value's parts are each instance's own: a write is fine
+        v = ns.pcast(ns.pcast(h @ w, "dp", to="unreduced"), "dp", to="varying")
+        return ns.psum(v.mul_(2.0), "dp")
+
+    h, w = torch.randn(3, 4), torch.randn(4, 2)
+    p = ns.spmd_map(parts, mesh=g.mesh, in_specs=(P(None, "dp"), P("dp")), out_specs=P())
+    for runs in (ns.simulate_per_instance, contextlib.nullcontext):
+        with runs():
+            torch.testing.assert_close(p(h, w), 2 * h @ w)
 
 
 def test_a_write_into_an_input_each_instance_has_alone_is_the_vmap_executions():

@@ -220,19 +220,21 @@ def _apply(
         out = tag_derivatives(rec, out, t, axes, params)
     if ctx.stamps or vma.partial or rec.makes_partial:
         result = rec.vma(vma, axes, params)
-        if ctx.stamps and tensor_base(out) is not None and result.varying - vma.varying:
-            _note_cast_alias(ctx, out, t)
+        new = ctx.stamps and result.varying - vma.varying - vma.unreduced
+        if new and not torch.compiler.is_compiling():  # (a compiled call checks no write)
+            _note_cast_alias(ctx, out, vma)
         return ctx.stamp(out, result)
     return out
 
 
-def _note_cast_alias(ctx: Any, out: Tensor, t: Tensor) -> None:
-    """``out``, varying over axes its operand ``t`` is not, is a view of ``t``'s memory (a cast's
-    identity on a tracked backend): writes into it are checked (``TrackedContext.cast_roots``)."""
-    root = tensor_base(t)
-    root = t if root is None else root
-    if tensor_base(out) is root:
-        ctx.cast_roots[id(root)] = root
+def _note_cast_alias(ctx: Any, out: Tensor, vma: Vma) -> None:
+    """``out``, a cast to varying of a value of type ``vma`` that is one value over the new axes
+    (invariant or reduced): the identity on data, a view of its operand's memory on a tracked
+    backend (where not, as in a check, its own memory stands for it). Writes into it are
+    checked against ``vma`` (``TrackedContext.cast_roots``)."""
+    root = tensor_base(out)
+    root = out if root is None else root
+    ctx.cast_roots[id(root)] = (root, vma)
 
 
 def tag_derivatives(
