@@ -8,6 +8,7 @@ body records the call's outputs on it, so that the backend then reads their spec
 
 from __future__ import annotations
 
+import inspect
 import re
 import zlib
 from typing import TYPE_CHECKING, Any, cast
@@ -167,13 +168,28 @@ class Call:
             "function takes; bind others with functools.partial before spmd_map."
         )
 
+    def _refused_arguments(self, args: tuple, e: TypeError) -> bool:
+        """Whether ``e`` is Python refusing to bind ``args`` to ``fn``: raised by the call itself,
+        or, below wrappers that pass them on (``nn.Module.__call__`` to ``forward``), where the
+        function's signature does not bind them."""
+        if e.__traceback__ is None or e.__traceback__.tb_next is None:
+            return True
+        fn = self.fn.forward if isinstance(self.fn, torch.nn.Module) else self.fn
+        try:
+            inspect.signature(fn).bind(*self.bound, *args)
+        except TypeError:
+            return True
+        except ValueError:  # no signature to read (a builtin): the error is the function's
+            return False
+        return False
+
     def _run_user(self, args: tuple) -> Any:
         try:
             return self.fn(*self.bound, *args) if self.bound else self.fn(*args)
         except SpmdError:
             raise
         except TypeError as e:
-            if e.__traceback__ is None or e.__traceback__.tb_next is not None:
+            if not self._refused_arguments(args, e):
                 raise  # raised inside the function: the user's own
             raise self._not_callable_with(args, e) from e
         except RuntimeError as e:

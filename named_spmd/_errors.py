@@ -167,11 +167,14 @@ def rejected_by_torch(error: BaseException) -> bool:
 
 
 # autograd's refusals of an in-place write: into a leaf that requires grad (an input, a
-# parameter) or a view of one, into a view that a multi-output op or a custom Function made.
-# Checks of the autograd graph, which every instance and rank makes alike.
+# parameter) or a view of one, into a view that a multi-output op or a custom Function made,
+# an op's out= where an operand requires grad (_REFUSED_OUT). Checks of the autograd graph,
+# which every instance and rank makes alike.
+_REFUSED_OUT = "functions with out=... arguments don't support automatic differentiation"
 _REFUSED_WRITES = (
     "leaf Variable that requires grad is being used in an in-place operation",
     "is a view and is being modified inplace",
+    _REFUSED_OUT,
 )
 
 
@@ -185,6 +188,14 @@ def write_refused(error: BaseException, where: str) -> SpmdError | None:
     an SpmdError with its fix, the same on every backend and instance; None for another error."""
     if not refused_write(error) or not rejected_by_torch(error):
         return None
+    if _REFUSED_OUT in str(error):
+        return error_class(type(error))(
+            f"{where}: autograd refused an op's out= argument at {user_line(error)}:\n"
+            f"  {type(error).__name__}: {error}\n"
+            "An op that writes its result into out= cannot be differentiated, and an operand "
+            "requires grad; torch refuses it as it does outside spmd_map. Fix: compute out of "
+            "place (y = torch.mul(x, w) rather than torch.mul(x, w, out=y))."
+        )
     return error_class(type(error))(
         f"{where}: autograd refused an in-place write at {user_line(error)}:\n"
         f"  {type(error).__name__}: {error}\n"
@@ -192,6 +203,18 @@ def write_refused(error: BaseException, where: str) -> SpmdError | None:
         "input of the call, a closed-over parameter), a view of one, or a view of a multi-output "
         "op (split, unbind); it refuses it as it does outside spmd_map. Fix: write into a copy "
         "(x = x.clone() first), or compute out of place (y = x + 1 rather than x.add_(1))."
+    )
+
+
+def reentrant_checkpoint(where: str) -> SpmdError:
+    """``torch.utils.checkpoint(..., use_reentrant=True)`` inside the per-device function: the
+    same error on every backend (docs/design.md section 8)."""
+    return SpmdError(
+        f"{where}: torch.utils.checkpoint(..., use_reentrant=True) cannot run inside spmd_map: "
+        "its recomputation in backward runs outside the call, without the collectives and the "
+        "gradient sums of the implicit casts (on the simulated mesh its autograd.Function does "
+        "not support torch.func).\nFix: pass use_reentrant=False (torch's recommended mode), "
+        "which works inside the per-device function on every backend, collectives included."
     )
 
 

@@ -23,6 +23,10 @@ Used by the simulated backend's one-instance path and by a real mesh of one rank
 
 from __future__ import annotations
 
+import contextlib
+import io
+import warnings
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -30,6 +34,7 @@ import torch
 from . import _torch_private as torch_private
 from ._accounting import recording
 from ._debug import debug_enabled
+from ._errors import SpmdError, told_in_family
 from ._plan import Plan, PlanningMode, ReplayMode
 from ._stamps import TrackedContext
 from ._tracking import VmaMode
@@ -72,6 +77,7 @@ class Replay:
 
     def __init__(self, call: Call, planned: bool = False):
         self.planned = planned
+        self.leaves = call.leaves
         self.checked = _checked_signatures(call.mapped, planned)
         self.signature: tuple | None = None
         self.entry: Any = None  # the checked call's entry (see the class doc); None: not yet
@@ -83,6 +89,11 @@ class Replay:
                 self.entry = self.checked.get(self.signature)
             except TypeError:  # an unhashable argument: no signature to compare
                 self.signature = None
+
+    def forget(self) -> None:
+        """Type this call as a signature's first call is typed, keeping nothing (a replay that
+        failed, run again to tell its error as the checked call tells it)."""
+        self.checked = self.signature = self.entry = None
 
     def uneven(self) -> None:
         """This call takes blocks of unequal sizes (a real mesh): its plan is kept apart from
@@ -158,6 +169,40 @@ class Replay:
         if plan is not None:
             self.keep(plan)
         return outs
+
+
+def retold(replay: Replay | None, error: BaseException, again: Callable[[], Any]) -> None:
+    """Raise ``error`` of a failed untyped replay as the signature's checked call tells it: a
+    replay runs no torch function mode, so a torch op's error ends in the user's frame, where it
+    cannot be told apart from the user's own ``raise``. ``again()`` runs the call once more,
+    typed (``replay`` forgotten) and quietly; its SpmdError is raised from ``error`` where torch's
+    error under it is ``error``'s; else this returns (the error stays as raised)."""
+    if replay is None or replay.planned or replay.entry is None or not told_in_family(error):
+        return
+    replay.forget()
+    try:
+        with quietly(replay.leaves):
+            again()
+    except SpmdError as told:
+        cause = told.__cause__
+        if type(cause) is type(error) and str(cause) == str(error):
+            raise told from error
+    except Exception:
+        pass
+
+
+@contextlib.contextmanager
+def quietly(leaves: list[Any]) -> Iterator[None]:
+    """Discard a second run's prints and warnings, and restore the random state after it."""
+    cuda = {x.device.index or 0 for x in leaves if isinstance(x, torch.Tensor) and x.is_cuda}
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+        warnings.catch_warnings(),
+        torch.random.fork_rng(devices=sorted(cuda)),
+    ):
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _checked_signatures(mapped: Any, planned: bool) -> dict[tuple, Any] | None:

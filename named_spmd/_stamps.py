@@ -69,6 +69,11 @@ class TrackedContext(SpmdContext):
         # no stamp is invariant, even where a varying view of it was recorded). Kept alive, so
         # that no other tensor gets the address meanwhile.
         self.transform_results: dict[int, tuple[torch.Tensor, tuple[object, Vma]]] = {}
+        # id(tensor) -> (tensor, the operand's type): the memory of operands an explicit cast
+        # to varying (pvary, reduced -> varying) handed back as a view, the identity on data: a
+        # varying write into the view would change the operand on this rank only
+        # (``_tracking.check_cast_alias``)
+        self.cast_roots: dict[int, tuple[torch.Tensor, Vma]] = {}
         # a planned or replayed call (``_plan``): each typed tensor gets the next number, and
         # each implicit cast's alias is remembered with what it was made from
         self.numbering = False

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 from torch.overrides import TorchFunctionMode
 
 from . import _blocks
 from ._accounting import reusable_cast
-from ._errors import VmaError
+from ._errors import VmaError, reentrant_checkpoint
 from ._operands import (
     METADATA,
     NOT_OPS,
@@ -26,6 +27,7 @@ from ._operands import (
 )
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
 from ._stamps import _ATTR, TrackedContext, stamp_inner
+from ._torch_private import in_reentrant_checkpoint, set_grad_enabled, tensor_base
 from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._types import INVARIANT, Vma
 
@@ -41,7 +43,8 @@ def _itself(t: torch.Tensor) -> torch.Tensor:
 # randomness policy: same seed, same values), so their result is invariant like any factory's,
 # as on the simulated backend, where vmap's randomness="same" leaves them unbatched.
 _RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
-_UNTYPED = _RANDOM_LIKE | NOT_OPS | METADATA  # the mode runs these as they are
+# the mode runs these as they are (the grad-mode switch: checked for a reentrant checkpoint)
+_UNTYPED = _RANDOM_LIKE | NOT_OPS | METADATA | {set_grad_enabled}
 
 
 def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma, inplace=is_inplace) -> None:
@@ -60,6 +63,31 @@ def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma, inplace=
             f"invariant over {axes} (an in_spec P() input or a closed-over tensor), which would "
             "then hold different values on different instances while typed replicated. Fix: "
             "compute out of place (y = x + v instead of x += v)."
+        )
+
+
+def check_cast_alias(ctx: TrackedContext, func, args, kwargs, inplace=is_inplace) -> None:
+    """An in-place op (or ``out=``) into a view of an operand that an explicit cast to varying
+    handed back (``TrackedContext.cast_roots``), where the view varies over axes the operand
+    does not: the write would change the operand, invariant over them, on this rank only (the
+    simulated mesh, whose copies of it are one memory, refuses the write too)."""
+    target = args[0] if args and inplace(func) else (kwargs or {}).get("out")
+    if not isinstance(target, Tensor):
+        return
+    root = tensor_base(target)
+    root = target if root is None else root
+    cast = ctx.cast_roots.get(id(root))
+    if cast is None:
+        return
+    axes = cast[1].missing(ctx.vma(target).present(ctx.mesh.axis_names))
+    if axes:
+        name = getattr(func, "__name__", "")
+        raise VmaError(
+            f"{name} in {ctx.fn_label}: writes into an invariant value made varying over {axes} "
+            "(ns.pvary, ns.pcast(..., to='varying')), which shares its operand's memory: the "
+            "write would change the operand, typed replicated, on this instance only. Fix: "
+            "write into a copy (v = ns.pvary(w, 'dp').clone()), or compute out of place "
+            "(y = v + 1 rather than v.add_(1))."
         )
 
 
@@ -86,8 +114,12 @@ class VmaMode(TorchFunctionMode):
         # implicit pvary alias from the call's caches, or none where the missing axes all have
         # size 1. Costs about one dict lookup per operand on top of the mode's own dispatch.
         if func in _UNTYPED:
+            if func is set_grad_enabled and not is_compiling() and in_reentrant_checkpoint():
+                raise reentrant_checkpoint(f"spmd_map of {self.ctx.fn_label}")
             out = func(*args, **(kwargs or {}))
             return self._gradients(args, kwargs, out) if func is torch.autograd.grad else out
+        if self.ctx.cast_roots:  # (a cast to varying handed back a view of its operand)
+            check_cast_alias(self.ctx, func, args, kwargs, self.inplace)
         token, aliased = self.token, self.ctx.alias_cache
         common = None
         plain = mixed = blocks = False

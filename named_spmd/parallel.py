@@ -151,7 +151,8 @@ def vocab_embedding(
     ids its rows hold (zeros for the others) and a psum assembles the embeddings.
 
     Args:
-        ids: integer token ids (global ids into the whole vocabulary).
+        ids: integer token ids (global ids into the whole vocabulary); an id outside it gives
+            a NaN embedding.
         weight: this instance's rows of the ``[vocab, dim]`` table (spec ``P(A)``).
         scatter_dim: sequence-parallel output: psum_scatter over this dim of the result (e.g. 1
             for ``[batch, seq]`` ids) instead of a psum.
@@ -161,7 +162,10 @@ def vocab_embedding(
     local = ids - axis_index(axis_name) * rows
     mine = (local >= 0) & (local < rows)
     emb = F.embedding(torch.where(mine, local, 0), weight)
-    emb = torch.where(mine.unsqueeze(-1), emb, 0)
+    # an id outside the vocabulary is in no instance's rows: NaN rather than a zero embedding
+    # (F.embedding raises, which needs the ids' values, read on no backend here)
+    outside = (ids < 0) | (ids >= rows * axis_size(axis_name))
+    emb = torch.where(mine.unsqueeze(-1), emb, torch.where(outside, torch.nan, 0).unsqueeze(-1))
     if scatter_dim is None:
         return psum(emb, axis_name)
     return reduce_scatter_sequence(emb, axis_name, dim=scatter_dim)
@@ -186,7 +190,9 @@ def vocab_cross_entropy(
 
     Args:
         logits: ``[..., vocab / n]``, this instance's classes.
-        target: ``[...]`` global class ids; ``ignore_index`` entries count for nothing.
+        target: ``[...]`` global class ids; ``ignore_index`` entries count for nothing. An id
+            outside the vocabulary gives NaN (split over several instances; on one, torch's
+            fused loss raises).
         reduction: ``"mean"`` (over the targets not ignored, as ``F.cross_entropy``),
             ``"sum"`` or ``"none"``. The mean is over this instance's targets: with the batch
             split over a data-parallel axis, ``ns.pmean`` it over that axis (equal shards) or
@@ -209,7 +215,12 @@ def vocab_cross_entropy(
     picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
     target_logit = psum(torch.where(mine, picked, 0), axis_name)
     counted = target != ignore_index
+    # a class outside the vocabulary is in no instance's block: its loss would be log_sum_exp
+    # alone, a plausible number; NaN instead (torch's fused loss raises, which needs the
+    # target's values, read on no backend here)
+    outside = counted & ((target < 0) | (target >= classes * axis_size(axis_name)))
     loss = torch.where(counted, log_sum_exp - target_logit, 0)
+    loss = torch.where(outside, torch.nan, loss)
     if reduction == "none":
         return loss
     if reduction == "sum":

@@ -222,9 +222,17 @@ def _draw(
         if torch.compiler.is_compiling():
             return _compiled_draw(op, parts, _pairs(coords), shape, dtype, dev, params)
         generator = torch.Generator(dev).manual_seed(generator_seed(parts, coords))
-        return _sample(op, generator, shape, dtype, dev, params)
+        # a plain tensor: a user's vmap (around the call or inside it) would batch the draw by
+        # its randomness mode, where the recipe makes it a function of seed and coordinates only
+        with torch_private.DisableFuncTorch():
+            return _sample(op, generator, shape, dtype, dev, params)
 
-    return ctx.per_member(axes, make) if axes else make(0)
+    if axes:
+        return ctx.per_member(axes, make)
+    # one draw for every instance, a plain invariant value built as per_member builds each
+    # member's: not a torch op of the user's (the per-instance simulation refuses those)
+    with torch_private.DisableTorchFunction():
+        return make(0)
 
 
 def generator_seed(seed: tuple[SeedPart, ...], coords: dict[str, int]) -> int:

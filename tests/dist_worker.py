@@ -27,6 +27,7 @@ import traceback
 import optree
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -277,8 +278,66 @@ def run_checks(args, rank, world) -> None:
     )
     results += _overlapped_gradient_checks(mesh, world)
     results += _ragged_checks(mesh, world)
+    results += _cast_alias_checks(mesh)
+    reentrant = ns.spmd_map(
+        lambda x, w: ns.psum(
+            checkpoint(lambda a, w: torch.sin(a * w), x, w, use_reentrant=True), ("dp", "tp")
+        ),
+        mesh=mesh,
+        in_specs=(P(("dp", "tp")), P()),
+        out_specs=P(),
+    )
+    results.append(  # (its recomputation would miss w's gradient psum: a wrong gradient)
+        _expect_error(
+            "reentrant checkpoint",
+            lambda: reentrant(torch.ones(world, requires_grad=True), torch.ones(1)),
+            ns.SpmdError,
+            "use_reentrant=True) cannot run inside spmd_map",
+            "Fix: pass use_reentrant=False",
+        )
+    )
     for r in results:
         print("CHECK " + json.dumps({**r, "rank": rank}), flush=True)
+
+
+def _cast_alias_checks(mesh) -> list[dict]:
+    """A write into a pvary's result (the identity: a view of its operand's memory), or into a
+    view of it, would change the replicated operand on one rank only: a VmaError, as the
+    simulated mesh refuses it; the operand (an input, a closed-over tensor) is left unchanged."""
+    closed = torch.zeros(2)
+    writes = {
+        "add_": lambda x, w: ns.pvary(w, "dp").add_(x),
+        "setitem": lambda x, w: ns.pcast(w, "dp", to="varying").__setitem__(0, x[0]),
+        "closed-over view": lambda x, w: ns.pvary(closed, "dp")[1:].fill_(1.0),
+    }
+    results = []
+    for name, write in writes.items():
+        w = torch.zeros(2)
+        f = ns.spmd_map(write, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
+        r = _expect_error(
+            f"write into a pvary's view: {name}",
+            lambda f=f, w=w: f(torch.arange(4.0), w),
+            ns.VmaError,
+            "shares its operand's memory",
+            ".clone()",
+        )
+        if w.any() or closed.any():
+            r["problems"].append(f"the operand changed: {w}, {closed}")
+        results.append(r)
+    copy = ns.spmd_map(
+        lambda x, w: ns.pvary(w, "dp").clone().add_(x),
+        mesh=mesh,
+        in_specs=(P("dp"), P()),
+        out_specs=P("dp"),
+    )
+    got = copy(torch.arange(4.0), torch.ones(2)).full_tensor()
+    want = torch.arange(4.0) + 1
+    results.append(
+        {"check": "a copy of a pvary's result takes the write", "problems": []}
+        if torch.equal(got, want)
+        else {"check": "a copy of a pvary's result takes the write", "problems": [f"{got}"]}
+    )
+    return results
 
 
 def _ragged_checks(mesh, world) -> list[dict]:

@@ -22,6 +22,7 @@ from test_one_instance import (
     bad_matmul,
     checkpointed_megatron,
     dense_megatron,
+    gathered,
     inputs,
     megatron,
     not_positive_definite,
@@ -142,6 +143,13 @@ def errors(mesh) -> dict:
         told["arguments"] = ["no error", "", ""]
     except Exception as e:  # noqa: BLE001 - what it raised is the outcome
         told["arguments"] = [type(e).__name__, str(e), type(e.__cause__).__name__]
+    index = ns.spmd_map(gathered, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    index(torch.arange(4.0), torch.tensor([1]))  # checked: the next call is a replay
+    try:
+        index(torch.arange(4.0), torch.tensor([7]))
+        told["replayed"] = ["no error", "", ""]
+    except Exception as e:  # noqa: BLE001 - what it raised is the outcome
+        told["replayed"] = [type(e).__name__, str(e), type(e.__cause__).__name__]
     return told
 
 

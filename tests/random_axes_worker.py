@@ -53,6 +53,19 @@ def run(mesh, x, w):
     return outs, x.grad, w.grad
 
 
+def vmapped(mesh, randomness):
+    """A call under a user's vmap: its draws are the seed's and coordinates' alone, not batched
+    by the vmap's randomness mode (every row the same mask, "error" no error)."""
+    over = ("dp", "tp")
+    f = ns.spmd_map(
+        lambda x: ns.random.dropout(x, 0.5, over=over, seed=9),
+        mesh=mesh,
+        in_specs=P(over),
+        out_specs=P(over),
+    )
+    return torch.func.vmap(f, randomness=randomness)(torch.ones(3, 8, dtype=torch.float64))
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -75,6 +88,13 @@ def main() -> None:
         checked += 1
         if not torch.allclose(a, b, rtol=1e-12, atol=1e-12):
             mismatches.append(name)
+    for randomness in ("error", "different"):
+        a, b = (
+            vmapped(ns.make_mesh((2, 2), NAMES, simulated=s), randomness) for s in (False, True)
+        )
+        checked += 1
+        if not (torch.equal(a, b) and torch.equal(a[0], a[1])):
+            mismatches.append(f"vmapped, randomness={randomness}")
     print(
         "OUTCOME "
         + json.dumps(

@@ -436,6 +436,29 @@ def test_check_takes_a_write_into_an_input_where_the_call_does(
         assert backward == ([("psum", True)] if size > 1 and not spec.axes else []), backward
 
 
+def _doubled_into_out(x):
+    out = torch.empty_like(x)
+    torch.mul(x, 2.0, out=out)  # an out= op: autograd refuses it where an operand requires grad
+    return out
+
+
+@pytest.mark.parametrize("argument", list(ARGUMENTS))
+@pytest.mark.parametrize("size", [1, 2])
+def test_check_takes_an_out_argument_where_the_call_does(size, argument):
+    """An op's out= with an input operand: the call runs it where the input needs no gradient
+    and refuses it with an SpmdError naming out= where it does; check() (which differentiates
+    with respect to every floating input) does the same."""
+    f = ns.spmd_map(
+        _doubled_into_out, mesh=ns.make_mesh((size,), ("dp",)), in_specs=P(), out_specs=P()
+    )
+    called = _outcome(f, ARGUMENTS[argument]())
+    assert _outcome(f.check, ARGUMENTS[argument]()) == called
+    if argument == "plain":
+        assert called == ("ran", (4,))
+    else:
+        assert "autograd refused an op's out= argument at test_check.py:" in called[1], called
+
+
 @pytest.mark.parametrize("rows", [4, 3], ids=["even", "uneven"])
 def test_an_op_without_a_shape_rule_is_an_spmd_error_naming_it(rows):
     """``torch.histogramdd`` has no meta kernel: the check cannot run it on shapes (torch's

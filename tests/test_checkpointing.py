@@ -207,14 +207,29 @@ def test_recomputation_runs_under_the_calls_device_context():
     torch.testing.assert_close(x.grad, torch.cos(x.detach()))
 
 
-def test_reentrant_checkpoint_is_a_clear_error_on_the_simulated_mesh():
-    mesh = ns.make_mesh((2,), ("x",))
+def _reentrant_psum(x):
+    return checkpoint(lambda y: ns.psum(torch.sin(y), "x"), x, use_reentrant=True)
 
-    def f(x):
-        return checkpoint(lambda y: ns.psum(torch.sin(y), "x"), x, use_reentrant=True)
 
-    with pytest.raises(ns.SpmdError, match=r"use_reentrant=True.*\n.*\n.*use_reentrant=False"):
-        ns.spmd_map(f, mesh=mesh, in_specs=P("x"), out_specs=P())(torch.ones(4))
+def _reentrant_scaled(x, w):
+    # no collective inside: its recomputation would run (outside the call) without the psum of
+    # w's implicit pvary, a gradient of w per rank (the real mesh: tests/dist_worker.py)
+    return ns.psum(checkpoint(lambda a, w: torch.sin(a * w), x, w, use_reentrant=True), "x")
+
+
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("fn", [_reentrant_psum, _reentrant_scaled])
+def test_reentrant_checkpoint_is_one_clear_error_on_every_mesh(fn, size):
+    mesh = ns.make_mesh((size,), ("x",))
+    specs = (P("x"), P())[: fn.__code__.co_argcount]
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=specs, out_specs=P())
+    for _ in range(2):  # (a failed call is no checked signature: the same error again)
+        with pytest.raises(ns.SpmdError) as raised:
+            f(*[torch.ones(n, requires_grad=True) for n in (4, 1)[: len(specs)]])
+        message = str(raised.value)
+        assert f"spmd_map of `{fn.__name__}`" in message
+        assert "use_reentrant=True) cannot run inside spmd_map" in message
+        assert "Fix: pass use_reentrant=False" in message
 
 
 def test_collective_in_a_backward_pass_outside_its_call_names_the_checkpoint_fix():

@@ -152,6 +152,32 @@ def test_vocab_embedding(mesh, scatter):
     assert_same(f, F.embedding, (ids, w))
 
 
+@pytest.mark.parametrize("scatter", [False, True], ids=["psum", "sequence"])
+def test_vocab_embedding_of_an_id_outside_the_vocabulary_is_nan(mesh, scatter):
+    """No instance holds such an id's row: NaN, not a zero embedding (F.embedding raises);
+    the other ids' embeddings and the table's gradient are the dense ones."""
+    vocab, dim = 8, 3
+    ids = torch.tensor([[1, vocab, -1, vocab - 1]] * 2)
+    w = randn(vocab, dim).requires_grad_()
+    d = dp(mesh)
+    f = ns.spmd_map(
+        lambda ids, w: pl.vocab_embedding(
+            ids, w, axis_name="tp", scatter_dim=1 if scatter else None
+        ),
+        mesh=mesh,
+        in_specs=(P(d), P("tp")),
+        out_specs=P(d, "tp") if scatter else P(d),
+    )
+    y = f(ids, w)
+    assert torch.isnan(y).any(-1).tolist() == [[False, True, True, False]] * 2, y
+    good = torch.tensor([0, 3])
+    dense = F.embedding(ids[:, good], w)
+    torch.testing.assert_close(y[:, good], dense)
+    (y.nan_to_num(0.0) * 2).sum().backward()
+    want = torch.autograd.grad((dense * 2).sum(), w)[0]
+    torch.testing.assert_close(w.grad, want)
+
+
 def targets(shape, vocab, seed=2):
     t = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
     t.view(-1)[::5] = -100  # ignored
@@ -191,6 +217,29 @@ def test_vocab_cross_entropy_reduced(mesh, reduction):
 
     f = ns.spmd_map(per_device, mesh=mesh, in_specs=(P(dp(mesh), "tp"), P(dp(mesh))), out_specs=P())
     assert_same(f, lambda z, t: F.cross_entropy(z, t, reduction=reduction), (logits, t))
+
+
+def test_vocab_cross_entropy_of_a_class_outside_the_vocabulary_is_nan(mesh):
+    """No instance holds such a class: the split loss would be the log-sum-exp alone, a
+    plausible number; it is NaN there (torch's fused loss, on a tp of size 1, raises)."""
+    vocab = 16
+    logits, t = randn(4, vocab), torch.tensor([3, vocab, -100, -1])
+    d = dp(mesh)
+    f = ns.spmd_map(
+        lambda z, t: pl.vocab_cross_entropy(z, t, axis_name="tp", reduction="none"),
+        mesh=mesh,
+        in_specs=(P(d, "tp"), P(d)),
+        out_specs=P(d),
+    )
+    if mesh.shape["tp"] == 1:
+        with pytest.raises(IndexError):
+            f(logits, t)
+        return
+    loss = f(logits, t)
+    assert torch.isnan(loss).tolist() == [False, True, False, True], loss
+    want = F.cross_entropy(logits[:1], t[:1], reduction="none")
+    torch.testing.assert_close(loss[:1], want)
+    assert loss[2] == 0
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

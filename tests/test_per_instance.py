@@ -6,6 +6,7 @@ independent references (the per-instance reference loop and the dense program)."
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 
 import pytest
@@ -180,6 +181,9 @@ def test_ns_random_draws_are_the_vmap_executions():
     for draw in (
         lambda h: ns.random.dropout(h, 0.5, over="dp", seed=(1, 2)),
         lambda h: h * ns.random.randn(h.shape, over="dp", seed=3),
+        # over=(): one draw for every instance, as deterministic as a per-instance one
+        lambda h: ns.random.dropout(h, 0.5, over=(), seed=4) + ns.random.rand(8, over=(), seed=5),
+        lambda h: h + ns.random.randint(0, 9, (8,), over=(), seed=6),
     ):
         f = ns.spmd_map(draw, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
         want = f(h)
@@ -194,6 +198,39 @@ def test_a_write_into_an_input_that_instances_share_is_refused(spec):
     g = ns.spmd_map(lambda x: x.mul_(2), mesh=mesh, in_specs=spec, out_specs=spec)
     with ns.simulate_per_instance(), pytest.raises(ns.SpmdError, match="clone the input"):
         g(torch.ones(4))
+
+
+def test_a_write_into_a_pvary_of_an_input_is_refused_before_it_writes():
+    """pvary's result is a view of its operand here as on a real mesh: each instance's write
+    would change the replicated input; refused before any instance writes (the input intact)."""
+
+    def bump(x, w):
+        v = ns.pvary(w, "dp")
+        v.add_(x)
+        return v
+
+    w = torch.zeros(2)
+    g = ns.spmd_map(
+        bump, mesh=ns.make_mesh((2,), ("dp",)), in_specs=(P("dp"), P()), out_specs=P("dp")
+    )
+    with (
+        ns.simulate_per_instance(),
+        pytest.raises(ns.VmaError, match="shares its operand's memory"),
+    ):
+        g(torch.arange(4.0), w)
+    assert torch.equal(w, torch.zeros(2)), w
+    with pytest.raises(ns.VmaError, match="shares its operand's memory"):  # as a real mesh's call
+        g.check(torch.arange(4.0), w)
+
+    def parts(h, w):  # an unreduced value's parts are each instance's own: a write is fine
+        v = ns.pcast(ns.pcast(h @ w, "dp", to="unreduced"), "dp", to="varying")
+        return ns.psum(v.mul_(2.0), "dp")
+
+    h, w = torch.randn(3, 4), torch.randn(4, 2)
+    p = ns.spmd_map(parts, mesh=g.mesh, in_specs=(P(None, "dp"), P("dp")), out_specs=P())
+    for runs in (ns.simulate_per_instance, contextlib.nullcontext):
+        with runs():
+            torch.testing.assert_close(p(h, w), 2 * h @ w)
 
 
 def test_a_write_into_an_input_each_instance_has_alone_is_the_vmap_executions():

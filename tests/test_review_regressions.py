@@ -313,3 +313,25 @@ def test_a_call_with_arguments_the_function_does_not_take_names_it(count):
     with pytest.raises(TypeError, match="the function's own") as raised:
         ns.spmd_map(own, mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)(torch.ones(8))
     assert not isinstance(raised.value, ns.SpmdError)
+
+
+@pytest.mark.parametrize("mesh", [MESH, ns.make_mesh((1,), ("i",))], ids=["4", "1"])
+def test_a_module_called_with_arguments_its_forward_does_not_take_names_it(mesh):
+    """``nn.Module.__call__`` passes the arguments on to ``forward``: its refusal of their
+    number is the same SpmdError as a function's; a TypeError ``forward`` raises is its own."""
+    lin = torch.nn.Linear(3, 3)
+    f = ns.spmd_map(lin, mesh=mesh, in_specs=SPLIT, out_specs=SPLIT)
+    with pytest.raises(ns.SpmdError) as raised:
+        f(torch.ones(8, 3), torch.ones(8, 3))
+    assert isinstance(raised.value, TypeError)
+    message = str(raised.value)
+    assert "spmd_map of `Linear(" in message and "call's 2 positional argument(s)" in message
+
+    class Own(torch.nn.Module):
+        def forward(self, x):
+            raise TypeError("the module's own")
+
+    g = ns.spmd_map(Own(), mesh=mesh, in_specs=SPLIT, out_specs=SPLIT)
+    with pytest.raises(TypeError, match="the module's own") as raised:
+        g(torch.ones(8))
+    assert not isinstance(raised.value, ns.SpmdError)

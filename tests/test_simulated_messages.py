@@ -401,6 +401,38 @@ def test_an_inplace_write_into_an_expanded_input_only_the_batched_run_refuses_sa
     torch.testing.assert_close(f(_expanded().contiguous()), _expanded() + 1)
 
 
+@pytest.mark.parametrize(
+    "cast",
+    [
+        lambda w: ns.pvary(w, "a"),
+        lambda w: ns.pcast(w, "a", to="varying"),
+        lambda w: ns.all_gather(w, "a"),
+    ],
+    ids=["pvary", "pcast", "all_gather"],
+)
+def test_an_inplace_write_into_an_invariant_value_made_varying_names_the_cast(cast):
+    """The instances' copies of a value made varying are one memory under the simulation: the
+    message names the cast and the copy that fixes it, not the inputs (none is expanded)."""
+
+    def bump(x, w):
+        v = cast(w)
+        v.add_(1)
+        return v
+
+    def fixed(x, w):
+        return cast(w).clone().add_(1)
+
+    mesh = ns.make_mesh((2,), ("a",))
+    x, w = torch.zeros(4), torch.arange(2.0)
+    err = _error_of(lambda: ns.spmd_map(bump, mesh=mesh, in_specs=P(), out_specs=P("a"))(x, w))
+    assert isinstance(err, ns.SpmdError) and "share memory" in str(err)
+    assert "invariant value made varying" in str(err) and ".clone()" in str(err)
+    assert "x.contiguous()" not in str(err)
+    out = ns.spmd_map(fixed, mesh=mesh, in_specs=P(), out_specs=P("a"))(x, w)
+    # each instance's copy (all_gather: both members' w, stacked), concatenated over "a"
+    torch.testing.assert_close(out, (w + 1).repeat(out.numel() // 2).reshape(out.shape))
+
+
 def test_an_op_vmap_has_no_batching_rule_for_is_not_called_a_write():
     """torch.narrow with a tensor start has no batching rule (its .Tensor overload); a real mesh
     runs it. The message names the op and the fix (a Python int start), which runs."""

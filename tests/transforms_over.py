@@ -98,6 +98,12 @@ def mapped(mesh) -> dict:
             in_specs=(P("x"), P()),
             out_specs=P(),
         ),
+        "unreduced": ns.spmd_map(  # a partial-sum output: its global value is the parts' sum
+            lambda x, w: x @ w,
+            mesh=mesh,
+            in_specs=(P(None, "x"), P("x")),
+            out_specs=P(unreduced={"x"}),
+        ),
         "view_of_replicated": ns.spmd_map(  # w: cast (a view of it) and read through a view
             lambda x, w: (ns.psum(x * w, "x"), w.reshape(2, 2) * 3.0),
             mesh=mesh,
@@ -226,6 +232,20 @@ def grad_of_transformed_dtensor(f):  # refused with the fix on a real mesh
 # --- forward-mode AD and double backward: DTensor outputs on the real mesh -----------------------
 
 
+def vmap_unreduced(f):
+    return vmap(f["unreduced"], in_dims=(0, None))(torch.stack([XM, TXM]), W1)
+
+
+def jvp_unreduced(f):
+    return jvp(lambda w: f["unreduced"](XM, w), (W1,), (TW1,))
+
+
+def dual_level_unreduced(f):
+    with fwAD.dual_level():
+        primal, tangent = fwAD.unpack_dual(f["unreduced"](XM, fwAD.make_dual(W1, TW1)))
+        return full(primal), full(tangent)
+
+
 def dual_level_split(f):
     with fwAD.dual_level():
         y = f["psum_prod"](fwAD.make_dual(X, TX), fwAD.make_dual(W, TW))
@@ -313,6 +333,9 @@ PROGRAMS = {
         dual_level_split,
         dual_level_megatron,
         dual_level_gathered,
+        vmap_unreduced,
+        jvp_unreduced,
+        dual_level_unreduced,
         double_backward_split,
         double_backward_replicated,
         double_backward_gathered,

@@ -38,7 +38,7 @@ from .._blocks import forget as forget_blocks
 from .._calls import current
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError, VmaError
-from .._torch_private import DisableTorchFunction
+from .._torch_private import DisableTorchFunction, tensor_base
 from .._types import Vma, type_text
 from . import _rules
 from ._checks import COPIES, Invariant, check_copyable, raise_invariant_operand
@@ -219,8 +219,22 @@ def _apply(
     if accounting:
         out = tag_derivatives(rec, out, t, axes, params)
     if ctx.stamps or vma.partial or rec.makes_partial:
-        return ctx.stamp(out, rec.vma(vma, axes, params))
+        result = rec.vma(vma, axes, params)
+        new = ctx.stamps and result.varying - vma.varying - vma.unreduced
+        if new and not torch.compiler.is_compiling():  # (a compiled call checks no write)
+            _note_cast_alias(ctx, out, vma)
+        return ctx.stamp(out, result)
     return out
+
+
+def _note_cast_alias(ctx: Any, out: Tensor, vma: Vma) -> None:
+    """``out``, a cast to varying of a value of type ``vma`` that is one value over the new axes
+    (invariant or reduced): the identity on data, a view of its operand's memory on a tracked
+    backend (where not, as in a check, its own memory stands for it). Writes into it are
+    checked against ``vma`` (``TrackedContext.cast_roots``)."""
+    root = tensor_base(out)
+    root = out if root is None else root
+    ctx.cast_roots[id(root)] = (root, vma)
 
 
 def tag_derivatives(

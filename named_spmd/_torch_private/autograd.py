@@ -23,6 +23,28 @@ AddBackward = torch._C._functions.AddBackward0  # type: ignore[attr-defined]  # 
 below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
+# What a reentrant checkpoint's forward (``CheckpointFunction.forward``, under no_grad) calls
+# first through the torch function modes: ``torch.no_grad().__enter__``'s grad-mode switch.
+set_grad_enabled = torch._C._set_grad_enabled
+
+
+def in_reentrant_checkpoint() -> bool:
+    """Whether the caller runs inside ``torch.utils.checkpoint``'s reentrant forward
+    (``CheckpointFunction.forward``, a few frames up), whose recomputation in backward runs
+    outside whatever context the forward ran in."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return False
+        if (
+            frame.f_code.co_name == "forward"
+            and frame.f_globals.get("__name__") == "torch.utils.checkpoint"
+        ):
+            return True
+    return False
+
+
 def queue_callback(fn: Any) -> None:
     """Run ``fn`` at the end of the current backward pass (RuntimeError outside one)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)

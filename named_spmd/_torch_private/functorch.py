@@ -33,6 +33,14 @@ transforms_active = torch._C._are_functorch_transforms_active
 DisableFuncTorch = torch._C._DisableFuncTorch
 
 
+def innermost(x: torch.Tensor) -> torch.Tensor:
+    """The tensor every torch.func transform's wrapper around ``x`` holds (a vmap's: with its
+    batch dims as data)."""
+    while is_transform_wrapped(x):
+        x = get_unwrapped(x)
+    return x
+
+
 def lazy_load_decompositions() -> None:
     """torch.func.vmap registers some batching rules on first use; we enter levels ourselves."""
     from torch._functorch.vmap import lazy_load_decompositions as load

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import _torch_private as torch_private
 from .._accounting import CommEvent, active, record_into
 from .._errors import SpmdError
 from ._dist_exchange import exchange
@@ -154,7 +155,9 @@ def _disagree(
 
 
 def _digest(t: torch.Tensor) -> str:
-    """A short fingerprint of a tensor's bytes, dtype and shape (equal values, equal digests)."""
+    """A short fingerprint of a tensor's bytes, dtype and shape (equal values, equal digests);
+    of a transform's wrapper (a call under a user's vmap), those of the tensor it holds."""
+    t = torch_private.innermost(t)
     raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
     meta = f"{t.dtype}{tuple(t.shape)}".encode()
     return hashlib.blake2b(raw + meta, digest_size=8).hexdigest()

@@ -19,7 +19,7 @@ instead of the raw communication.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection
 
 import torch
 from torch.autograd import forward_ad
@@ -144,9 +144,7 @@ class _FirstHolds(torch.autograd.Function):
 
 def _under_transform(ctx, leaf: torch.Tensor, i: int) -> None:
     """A call under a torch.func transform: refuse a DTensor the transform wraps."""
-    inner = leaf
-    while torch_private.is_transform_wrapped(inner):
-        inner = torch_private.get_unwrapped(inner)
+    inner = torch_private.innermost(leaf)
     if inner is not leaf and isinstance(inner, DTensor):
         raise SpecError(
             f"spmd_map of {ctx.fn_label}: argument leaf {i} is a DTensor that a torch.func "
@@ -292,7 +290,7 @@ _scatter_input = _fast(_ScatterInput)
 # --- outputs -------------------------------------------------------------------------------------
 
 
-def _in_mesh_order(mesh, axes: Sequence[str]) -> tuple[str, ...]:
+def _in_mesh_order(mesh, axes: Collection[str]) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a in axes)
 
 
@@ -328,6 +326,10 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     ):
         # a functorch wrapper hides a DTensor's methods, and a DTensor cannot carry a forward-mode
         # tangent (torch has no DTensor rule for forward AD): the global value, as a plain tensor
+        # (an unreduced output's: the sum of the parts, as the simulated mesh returns it)
+        parts = tuple(a for a in _in_mesh_order(mesh, spec.unreduced) if a not in mesh.single_axes)
+        if parts:
+            y = _boundary(ctx, "psum", y, parts, ())
         with torch_private.DisableTorchFunction():
             return _gather_blocks(ctx, y, spec, "forward")
     for axes in _non_mesh_order_entries(mesh, spec):

@@ -36,7 +36,7 @@ from ... import _torch_private as torch_private
 from ..._accounting import recording
 from ..._calls import request_uneven_blocks, uneven_blocks_requested
 from ..._capabilities import Capabilities
-from ..._errors import SpmdError, VmaError, fn_label
+from ..._errors import SpmdError, VmaError, fn_label, reentrant_checkpoint
 from ..._mesh import Mesh
 from . import _inner_grad, _one_instance, _per_instance, _planned
 from . import _instances as _instances  # installs the per-instance printing of values
@@ -330,12 +330,7 @@ class SimulatedBackend:
                 "place (y = x + v instead of x += v)."
             )
         if "setup_context" in text and _raised_in_checkpoint(error):
-            return SpmdError(
-                f"{where}: torch.utils.checkpoint(..., use_reentrant=True) cannot run under the "
-                f"simulated mesh (its autograd.Function does not support torch.func):\n  {error}\n"
-                "Fix: pass use_reentrant=False (torch's recommended mode), which works inside "
-                "the per-device function on every backend, collectives included."
-            )
+            return reentrant_checkpoint(where)
         if any(s in text for s in _VMAP_LIMITS):
             return SpmdError(
                 f"{where}: the per-device function failed under the simulated mesh, "

@@ -21,11 +21,8 @@ raised (the user's own ``raise``), or of a subclass the user's code may catch (`
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +33,7 @@ from ... import _torch_private as torch_private
 from ..._accounting import resume, suspend
 from ..._errors import TORCH_ERRORS, SpmdError, error_class, fn_label, told_in_family, user_line
 from ..._operands import is_inplace, swap_operands, tensor_operands
+from ..._replay import quietly
 from ..._types import VType
 from ._instances import Instances, coordinates, instances, label, simulated_call
 
@@ -53,6 +51,8 @@ def explained(run: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torc
         except TORCH_ERRORS as error:
             if not told_in_family(error):  # an SpmdError, or a subclass the user may catch
                 raise
+            if call.mesh.size == 1:  # no instances to tell apart: ``_one_instance`` tells it
+                raise
             better = _diagnose(error, functools.partial(run, call), call.fn, call.leaves)
             if better is None:
                 raise
@@ -67,7 +67,7 @@ def _diagnose(
     locator = _Locator()
     saved = suspend()  # the second run records no communication
     try:
-        with _quietly(leaves), locator:
+        with quietly(leaves), locator:
             again()
     except Exception as e:  # the same error, normally
         repeated: Exception | None = e
@@ -80,21 +80,14 @@ def _diagnose(
         return None
     if type(repeated) is not type(error) or str(repeated) != str(error):
         return None  # not reproduced identically: the original is what happened
-    return failure[1].error(fn, error)
+    return failure[1].error(fn, error, any(_expanded(x) for x in leaves))
 
 
-@contextlib.contextmanager
-def _quietly(leaves: list[Any]) -> Iterator[None]:
-    """Discard the second run's prints and warnings, and restore the random state after it."""
-    cuda = {x.device.index or 0 for x in leaves if isinstance(x, torch.Tensor) and x.is_cuda}
-    with (
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(io.StringIO()),
-        warnings.catch_warnings(),
-        torch.random.fork_rng(devices=sorted(cuda)),
-    ):
-        warnings.simplefilter("ignore")
-        yield
+def _expanded(x: Any) -> bool:
+    """Whether argument ``x`` is a tensor whose elements share memory (an expanded tensor)."""
+    return isinstance(x, torch.Tensor) and any(
+        n > 1 and st == 0 for n, st in zip(x.shape, x.stride())
+    )
 
 
 class _Locator(TorchFunctionMode):
@@ -124,7 +117,9 @@ class _Failure:
     alone: tuple[dict[str, int], Exception] | None  # an instance that raises it on its own
     replayed: bool  # whether the op was replayed per instance
 
-    def error(self, fn: Any, error: BaseException) -> SpmdError:
+    def error(self, fn: Any, error: BaseException, expanded_input: bool) -> SpmdError:
+        """The error to raise; ``expanded_input``: whether an argument of the call shares memory
+        between its elements, where a write that overlaps itself may come from."""
         where = f"spmd_map of {fn_label(fn)}: {self.call} failed at {user_line(error)}"
         if self.alone is not None:
             coords, own = self.alone
@@ -141,11 +136,8 @@ class _Failure:
             return error_class(type(error))(
                 f"{where} under the simulated mesh, though no instance raises it on its own:\n"
                 f"  {type(error).__name__}: {error}\n"
-                "The instances' blocks of the tensor written share memory (an expanded tensor, "
-                "its copies along a mesh axis one memory), and the simulated mesh writes every "
-                "instance at once; on a real mesh each rank writes its own block and runs it. "
-                "Fix: pass the input materialized (x.contiguous() before the call), or compute "
-                "out of place (y = x + 1 rather than x.add_(1))."
+                "The instances' blocks of the tensor written share memory, and the simulated "
+                "mesh writes every instance at once. " + (_EXPANDED if expanded_input else _CAST)
             )
         if self.replayed:
             return error_class(type(error))(
@@ -159,6 +151,23 @@ class _Failure:
             f"{where} (the types above are per instance; torch's message may count the "
             f"simulated mesh's batch dims):\n  {type(error).__name__}: {error}"
         )
+
+
+# why the instances' blocks of a written tensor share memory, and the fix: an expanded input
+# (each rank's block has its own memory on a real mesh), else a copy per instance of an invariant
+# value (which a real mesh's pvary does not make either: its result is its operand's memory)
+_EXPANDED = (
+    "An argument is an expanded tensor (its copies along a mesh axis one memory); on a real mesh "
+    "each rank writes its own block and runs it. Fix: pass the input materialized "
+    "(x.contiguous() before the call), or compute out of place (y = x + 1 rather than x.add_(1))."
+)
+_CAST = (
+    "The tensor written is an invariant value made varying (ns.pvary, ns.pcast(..., "
+    "to='varying'), all_gather(..., to='varying'), or an op that mixed it with a varying one): "
+    "one memory for every instance's copy, and on a real mesh a pvary's result is its operand's "
+    "memory, so the write would change the operand. Fix: write into a copy (v = ns.pvary(w, "
+    "'dp').clone()), or compute out of place (y = v + 1 rather than v.add_(1))."
+)
 
 
 def _describe(func: Any, args: tuple, kwargs: dict) -> _Failure | None:

@@ -12,7 +12,8 @@ as long as every instance calls the same collectives in one order.
 
 What it does not do (each a clear error or documented): a collective under a ``torch.func``
 transform (functorch's levels are per thread), a call under an outer transform, random ops
-inside the function (the threads would draw from the one generator in no fixed order).
+inside the function (the threads would draw from the one generator in no fixed order; ``ns.random``
+runs: its draws are seeded per instance).
 """
 
 from __future__ import annotations
