@@ -220,7 +220,14 @@ def _apply(
         out = tag_derivatives(rec, out, t, axes, params)
     if ctx.stamps or vma.partial or rec.makes_partial:
         result = rec.vma(vma, axes, params)
-        if ctx.stamps and tensor_base(out) is not None and result.varying - vma.varying:
+        # not while compiled: Dynamo cannot trace the note's id() and dict writes (a compiled
+        # call does not refuse a write into the cast's result, docs/design.md section 7)
+        if (
+            ctx.stamps
+            and result.varying - vma.varying
+            and not torch.compiler.is_compiling()
+            and tensor_base(out) is not None
+        ):
             _note_cast_alias(ctx, out, t)
         return ctx.stamp(out, result)
     return out
