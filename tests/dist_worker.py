@@ -291,6 +291,9 @@ def _cast_alias_checks(mesh) -> list[dict]:
         "add_": lambda x, w: ns.pvary(w, "dp").add_(x),
         "setitem": lambda x, w: ns.pcast(w, "dp", to="varying").__setitem__(0, x[0]),
         "closed-over view": lambda x, w: ns.pvary(closed, "dp")[1:].fill_(1.0),
+        # no view's base: found by storage
+        "detached": lambda x, w: ns.pvary(w, "dp").detach().add_(x),
+        "data": lambda x, w: ns.pvary(w, "dp").data.add_(x),
     }
     results = []
     for name, write in writes.items():
