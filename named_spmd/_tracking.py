@@ -101,15 +101,20 @@ def _cast_root(ctx: TrackedContext, target: Tensor) -> Tensor | None:
     (``.detach()`` and ``.data`` of a view have no base)."""
     base = tensor_base(target)
     root = ctx.cast_roots.get(id(target if base is None else base))
-    if root is not None or target.is_meta or _is_wrapped(target):
+    if root is not None:
         return root
-    ptr = target.untyped_storage().data_ptr()
-    if not ptr:  # an empty storage shares no memory
+    ptr = _storage_address(target)
+    if not ptr:
         return None
-    for r in ctx.cast_roots.values():
-        if not r.is_meta and r.untyped_storage().data_ptr() == ptr:
-            return r
-    return None
+    return next((r for r in ctx.cast_roots.values() if _storage_address(r) == ptr), None)
+
+
+def _storage_address(t: Tensor) -> int:
+    """Where ``t``'s storage starts; 0 where it has none to compare (meta, sparse, a transform's
+    wrapper, an empty storage)."""
+    if t.is_meta or t.layout is not torch.strided or _is_wrapped(t):
+        return 0
+    return t.untyped_storage().data_ptr()
 
 
 class VmaMode(TorchFunctionMode):
