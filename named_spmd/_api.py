@@ -263,9 +263,10 @@ class SpmdFunction:
         try:
             return self._check(bound, tree, grads, backward)
         except SpmdError as e:
-            # A write that autograd refuses where the check differentiates with respect to an
-            # argument that needs no gradient (into a multi-output op's view: unbind, split),
-            # which the call takes: checked again without differentiating with respect to those
+            # A write (or an op's out=) that autograd refuses where the check differentiates with
+            # respect to an argument that needs no gradient (into a multi-output op's view:
+            # unbind, split; out= where an operand requires grad), which the call takes: checked
+            # again without differentiating with respect to those
             needed = [
                 g and getattr(x, "requires_grad", None) is True for g, x in zip(grads, leaves)
             ]

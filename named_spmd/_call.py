@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from .backends import Backend
 
 
+# nn.Module.__call__'s frames, which pass a module's arguments on to its forward
+_MODULE_FILE = torch.nn.modules.module.__file__
 _ADDRESS = re.compile(r"(?<= at )0x[0-9a-fA-F]+(?=>)")  # a default repr's address
 
 
@@ -169,18 +171,27 @@ class Call:
         )
 
     def _refused_arguments(self, args: tuple, e: TypeError) -> bool:
-        """Whether ``e`` is Python refusing to bind ``args`` to ``fn``: raised by the call itself,
-        or, below wrappers that pass them on (``nn.Module.__call__`` to ``forward``), where the
-        function's signature does not bind them."""
-        if e.__traceback__ is None or e.__traceback__.tb_next is None:
+        """Whether ``e`` is Python refusing to bind ``args`` to ``fn``: raised by the call itself
+        (no frame of the callee), or by ``nn.Module.__call__`` passing them to ``forward`` (its
+        frames alone below the call, and ``forward``'s own signature does not bind them). A
+        TypeError from any frame of the user's code (a hook, ``forward``, a wrapper) is theirs."""
+        tb = e.__traceback__
+        if tb is None or tb.tb_next is None:
             return True
-        fn = self.fn.forward if isinstance(self.fn, torch.nn.Module) else self.fn
+        if not isinstance(self.fn, torch.nn.Module):
+            return False
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+            if tb.tb_frame.f_code.co_filename != _MODULE_FILE:
+                return False
         try:
-            inspect.signature(fn).bind(*self.bound, *args)
+            signature = inspect.signature(self.fn.forward, follow_wrapped=False)
+        except (TypeError, ValueError):  # no signature to read (a builtin): the error is its own
+            return False
+        try:
+            signature.bind(*self.bound, *args)
         except TypeError:
             return True
-        except ValueError:  # no signature to read (a builtin): the error is the function's
-            return False
         return False
 
     def _run_user(self, args: tuple) -> Any:

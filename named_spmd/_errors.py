@@ -8,6 +8,7 @@ which call and which user function, where (a key path), expected versus got, and
 from __future__ import annotations
 
 import difflib
+import dis
 import functools
 import linecache
 import os
@@ -230,14 +231,19 @@ def torch_op_failed(error: BaseException, where: str, at: str) -> SpmdError:
 
 
 def told_per_instance(
-    error: BaseException, where: str, at: str, empty: tuple[str, Sequence[int]] | None = None
+    error: BaseException,
+    where: str,
+    at: str,
+    empty: tuple[str, Sequence[int]] | None = None,
+    replaying: bool = False,
 ) -> SpmdError | None:
     """``error``, raised by the user's function on one instance or rank ``at``, as every
     backend tells it: a torch op's rejection of its operands (``rejected_by_torch``) on an
-    empty block (``empty``: the argument, its shape) or not; None for another error, which is
-    left as raised."""
+    empty block (``empty``: the argument, its shape) or not; in an untyped replay
+    (``replaying``), an op's error in the user's line (``_op_failed_untyped``); None for
+    another error, which is left as raised."""
     if not rejected_by_torch(error):
-        return None
+        return _op_failed_untyped(error, where, at) if replaying else None
     if empty is not None:
         return empty_block_error(error, where, at, empty)
     return torch_op_failed(error, where, at)
@@ -277,3 +283,33 @@ def user_line(error: BaseException) -> str:
     if len(source) > 80:
         source = source[:77] + "..."
     return f"{os.path.basename(path)}:{line}" + (f" (`{source}`)" if source else "")
+
+
+def _op_failed_untyped(error: BaseException, where: str, at: str) -> SpmdError | None:
+    """An error of an untyped replay (``_replay``: no torch function mode, so a torch op's error
+    ends in the user's frame) that an op of the user's line raised, not a ``raise`` of the
+    user's: told without running the call again (its side effects would repeat); None for
+    another error. Whether the op was torch's or Python's is not known without the types."""
+    tb = error.__traceback__
+    if tb is None or not told_in_family(error):
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if code.co_filename.startswith(NOT_USER_DIRS) or _raises_at(code, tb.tb_lasti):
+        return None
+    return error_class(type(error))(
+        f"{where}: an op failed at {user_line(error)} on {at}:\n"
+        f"  {type(error).__name__}: {error}\nInside the function, shapes are the local blocks "
+        "that in_specs select: a dim split over an axis of size n holds 1/n of the global dim. "
+        "The call ran untyped (a later call of a checked signature on one instance), which "
+        "tells no operand types; ns.set_debug(True) types every call."
+    )
+
+
+def _raises_at(code: types.CodeType, offset: int) -> bool:
+    """Whether ``code``'s instruction at byte ``offset`` is a ``raise`` statement's."""
+    return 0 <= offset < len(code.co_code) and dis.opname[code.co_code[offset]] in _RAISES
+
+
+_RAISES = frozenset({"RAISE_VARARGS", "RERAISE"})

@@ -18,6 +18,11 @@ records, and every call in debug mode (``ns.set_debug``, ``NAMED_SPMD_DEBUG=1``)
 the mode stack for a checkpoint's recomputation (``_calls.CallMarker``, one Python call per op)
 only if its checked call ran an op under saved-tensor hooks (a non-reentrant checkpoint).
 
+A replay's error that an op of the user's line raised ends in the user's frame (no mode runs
+below it): it is told from its traceback (``_errors.told_per_instance``), not by running the call
+again, whose side effects (input writes, a module's counters, the user's own communication) would
+repeat.
+
 Used by the simulated backend's one-instance path and by a real mesh of one rank.
 """
 
@@ -26,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -34,7 +39,6 @@ import torch
 from . import _torch_private as torch_private
 from ._accounting import recording
 from ._debug import debug_enabled
-from ._errors import SpmdError, told_in_family
 from ._plan import Plan, PlanningMode, ReplayMode
 from ._stamps import TrackedContext
 from ._tracking import VmaMode
@@ -77,7 +81,6 @@ class Replay:
 
     def __init__(self, call: Call, planned: bool = False):
         self.planned = planned
-        self.leaves = call.leaves
         self.checked = _checked_signatures(call.mapped, planned)
         self.signature: tuple | None = None
         self.entry: Any = None  # the checked call's entry (see the class doc); None: not yet
@@ -89,11 +92,6 @@ class Replay:
                 self.entry = self.checked.get(self.signature)
             except TypeError:  # an unhashable argument: no signature to compare
                 self.signature = None
-
-    def forget(self) -> None:
-        """Type this call as a signature's first call is typed, keeping nothing (a replay that
-        failed, run again to tell its error as the checked call tells it)."""
-        self.checked = self.signature = self.entry = None
 
     def uneven(self) -> None:
         """This call takes blocks of unequal sizes (a real mesh): its plan is kept apart from
@@ -169,26 +167,6 @@ class Replay:
         if plan is not None:
             self.keep(plan)
         return outs
-
-
-def retold(replay: Replay | None, error: BaseException, again: Callable[[], Any]) -> None:
-    """Raise ``error`` of a failed untyped replay as the signature's checked call tells it: a
-    replay runs no torch function mode, so a torch op's error ends in the user's frame, where it
-    cannot be told apart from the user's own ``raise``. ``again()`` runs the call once more,
-    typed (``replay`` forgotten) and quietly; its SpmdError is raised from ``error`` where torch's
-    error under it is ``error``'s; else this returns (the error stays as raised)."""
-    if replay is None or replay.planned or replay.entry is None or not told_in_family(error):
-        return
-    replay.forget()
-    try:
-        with quietly(replay.leaves):
-            again()
-    except SpmdError as told:
-        cause = told.__cause__
-        if type(cause) is type(error) and str(cause) == str(error):
-            raise told from error
-    except Exception:
-        pass
 
 
 @contextlib.contextmanager

@@ -47,13 +47,19 @@ _RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like}
 _UNTYPED = _RANDOM_LIKE | NOT_OPS | METADATA | {set_grad_enabled}
 
 
+def write_target(func, args, kwargs, inplace=is_inplace) -> Tensor | None:
+    """The tensor an op writes into: an in-place op's first argument, or its ``out=``."""
+    target = args[0] if args and inplace(func) else (kwargs or {}).get("out")
+    return target if isinstance(target, Tensor) else None
+
+
 def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma, inplace=is_inplace) -> None:
     """An in-place op (or ``out=``) whose target is less varying than its operands would write
     varying values through the implicit pvary's alias into a tensor still typed invariant: every
     instance would hold different values in what is typed replicated (the simulated backend's
     vmap refuses the write too)."""
-    target = args[0] if args and inplace(func) else (kwargs or {}).get("out")
-    if not isinstance(target, Tensor):
+    target = write_target(func, args, kwargs, inplace)
+    if target is None:
         return
     axes = ctx.vma(target).missing(union.present(ctx.mesh.axis_names))
     if axes:
@@ -66,29 +72,51 @@ def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma, inplace=
         )
 
 
-def check_cast_alias(ctx: TrackedContext, func, args, kwargs, inplace=is_inplace) -> None:
-    """An in-place op (or ``out=``) into a view of an operand that an explicit cast to varying
-    handed back (``TrackedContext.cast_roots``), where the view varies over axes the operand
-    does not: the write would change the operand, invariant over them, on this rank only (the
-    simulated mesh, whose copies of it are one memory, refuses the write too)."""
-    target = args[0] if args and inplace(func) else (kwargs or {}).get("out")
-    if not isinstance(target, Tensor):
+# A write into an invariant value made varying, which shares its operand's memory (a real mesh's
+# pvary; the simulated mesh's copies of it, one memory, refuse the write): the one text of it
+CAST_WRITE = (
+    "writes into an invariant value made varying (ns.pvary, ns.pcast(..., to='varying'), "
+    "all_gather(..., to='varying'), or an op that mixed it with a varying one), which shares its "
+    "operand's memory: the write would change the operand, typed replicated, on one instance "
+    "only. Fix: write into a copy (v = ns.pvary(w, 'dp').clone()), or compute out of place "
+    "(y = v + 1 rather than v.add_(1))."
+)
+
+
+def check_cast_alias(ctx: TrackedContext, func, target: Tensor | None) -> None:
+    """A write into memory of an operand that an explicit cast to varying handed back as a view
+    (``TrackedContext.cast_roots``), where ``target`` varies over axes the operand does not:
+    the write would change the operand, invariant over them, on this rank only."""
+    if target is None:
         return
-    root = tensor_base(target)
-    root = target if root is None else root
-    cast = ctx.cast_roots.get(id(root))
+    cast = _cast_root(ctx, target)
     if cast is None:
         return
     axes = cast[1].missing(ctx.vma(target).present(ctx.mesh.axis_names))
     if axes:
         name = getattr(func, "__name__", "")
-        raise VmaError(
-            f"{name} in {ctx.fn_label}: writes into an invariant value made varying over {axes} "
-            "(ns.pvary, ns.pcast(..., to='varying')), which shares its operand's memory: the "
-            "write would change the operand, typed replicated, on this instance only. Fix: "
-            "write into a copy (v = ns.pvary(w, 'dp').clone()), or compute out of place "
-            "(y = v + 1 rather than v.add_(1))."
-        )
+        raise VmaError(f"{name} in {ctx.fn_label}: {CAST_WRITE}")
+
+
+def _cast_root(ctx: TrackedContext, target: Tensor) -> tuple[Tensor, Vma] | None:
+    """The recorded cast (its memory, its operand's type) whose memory ``target`` is: by its
+    view's base, else by storage (``.detach()`` and ``.data`` of a view have no base)."""
+    base = tensor_base(target)
+    cast = ctx.cast_roots.get(id(target if base is None else base))
+    if cast is not None:
+        return cast
+    ptr = _storage_address(target)
+    if not ptr:
+        return None
+    return next((c for c in ctx.cast_roots.values() if _storage_address(c[0]) == ptr), None)
+
+
+def _storage_address(t: Tensor) -> int:
+    """Where ``t``'s storage starts; 0 where it has none to compare (meta, sparse, a transform's
+    wrapper, an empty storage)."""
+    if t.is_meta or t.layout is not torch.strided or _is_wrapped(t):
+        return 0
+    return t.untyped_storage().data_ptr()
 
 
 class VmaMode(TorchFunctionMode):
@@ -119,7 +147,7 @@ class VmaMode(TorchFunctionMode):
             out = func(*args, **(kwargs or {}))
             return self._gradients(args, kwargs, out) if func is torch.autograd.grad else out
         if self.ctx.cast_roots:  # (a cast to varying handed back a view of its operand)
-            check_cast_alias(self.ctx, func, args, kwargs, self.inplace)
+            check_cast_alias(self.ctx, func, write_target(func, args, kwargs, self.inplace))
         token, aliased = self.token, self.ctx.alias_cache
         common = None
         plain = mixed = blocks = False

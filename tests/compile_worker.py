@@ -335,10 +335,11 @@ def _mesh():
 def _drawn(x, cfg):
     """Draws seeded by a step counter and by constants; the settings in a dict holding no
     tensor (torch's stand-in for optree's dict flatten fails on one while Dynamo traces), and
-    the dropout's seed reads its keys in the caller's order."""
+    the dropout's seed reads its keys in the caller's order; an explicit pvary (a view of its
+    operand on a real mesh)."""
     step = cfg["step"]
     h = ns.random.dropout(x, cfg["p"], over="dp", seed=(step, ",".join(cfg)))
-    noise = ns.random.randn(*x.shape[1:], over=(), seed=("noise", 2), dtype=x.dtype)
+    noise = ns.pvary(ns.random.randn(*x.shape[1:], over=(), seed=("noise", 2), dtype=x.dtype), "dp")
     ints = ns.random.randint(0, 7, x.shape, over="dp", seed=(step, 3))
     return h + noise + ints.to(x.dtype) * ns.random.rand(1, over="dp", seed=step, dtype=x.dtype)
 

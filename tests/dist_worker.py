@@ -309,6 +309,9 @@ def _cast_alias_checks(mesh) -> list[dict]:
         "add_": lambda x, w: ns.pvary(w, "dp").add_(x),
         "setitem": lambda x, w: ns.pcast(w, "dp", to="varying").__setitem__(0, x[0]),
         "closed-over view": lambda x, w: ns.pvary(closed, "dp")[1:].fill_(1.0),
+        # no view's base: found by storage
+        "detached": lambda x, w: ns.pvary(w, "dp").detach().add_(x),
+        "data": lambda x, w: ns.pvary(w, "dp").data.add_(x),
     }
     results = []
     for name, write in writes.items():
@@ -337,6 +340,27 @@ def _cast_alias_checks(mesh) -> list[dict]:
         if torch.equal(got, want)
         else {"check": "a copy of a pvary's result takes the write", "problems": [f"{got}"]}
     )
+    # a write into a tensor without a storage to compare (sparse) beside a cast: it runs
+    sparse = ns.spmd_map(
+        lambda x, w: (
+            ns.pvary(w, "dp")
+            + x
+            + torch.eye(2, device=x.device).to_sparse().mul_(2.0).to_dense()[0]
+        ),
+        mesh=mesh,
+        in_specs=(P("dp"), P()),
+        out_specs=P("dp"),
+    )
+    try:
+        got = sparse(torch.arange(4.0), torch.ones(2)).full_tensor()
+        problems = (
+            []
+            if torch.equal(got, torch.arange(4.0) + 1 + torch.tensor([2.0, 0.0] * 2))
+            else [f"{got}"]
+        )
+    except Exception as e:  # noqa: BLE001 - what it raised is the outcome
+        problems = [f"raised {type(e).__name__}: {e}"]
+    results.append({"check": "a sparse write beside a pvary runs", "problems": problems})
     return results
 
 

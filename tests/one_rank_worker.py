@@ -16,6 +16,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from test_one_instance import (
+    RUNS,
     SPECS,
     bad_date,
     bad_json,
@@ -145,11 +146,13 @@ def errors(mesh) -> dict:
         told["arguments"] = [type(e).__name__, str(e), type(e.__cause__).__name__]
     index = ns.spmd_map(gathered, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
     index(torch.arange(4.0), torch.tensor([1]))  # checked: the next call is a replay
+    RUNS.clear()
     try:
         index(torch.arange(4.0), torch.tensor([7]))
         told["replayed"] = ["no error", "", ""]
     except Exception as e:  # noqa: BLE001 - what it raised is the outcome
         told["replayed"] = [type(e).__name__, str(e), type(e.__cause__).__name__]
+    told["replayed runs"] = len(RUNS)
     return told
 
 

@@ -315,7 +315,8 @@ def test_fullgraph_names_why_a_call_cannot_be_traced(monkeypatch):
 
 
 def _multi_output(x, w):
-    h = x @ w
+    # explicit casts to varying (a view of w on a tracked call): traced like the implicit one
+    h = x @ ns.pvary(w, "tp") + ns.pcast(w, "tp", to="varying").sum(0)
     a, b = h.split([4, 8], dim=-1)
     top = h.max(dim=-1)  # torch.return_types
     rows = h.unbind(0)
@@ -325,7 +326,7 @@ def _multi_output(x, w):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_multi_output_ops_compile(backend):
     """split, unbind and max(dim): Dynamo refuses setattr on a multi-output op's tensors, so
-    the compile path types a view of each (CompiledVmaMode._run)."""
+    the compile path types a view of each (CompiledVmaMode._run); explicit casts to varying."""
     mesh = ns.make_mesh((2,), ("tp",), simulated=True)
     f = ns.spmd_map(_multi_output, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P())
     g = torch.Generator().manual_seed(1)

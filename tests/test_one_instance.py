@@ -202,16 +202,21 @@ def test_an_error_the_user_may_catch_is_left_as_raised(fn):
         assert type(err) is type(ref) and not isinstance(err, ns.SpmdError), (shape, err)
 
 
+RUNS = []  # one entry per run of gathered's body: a replay's error runs it no more
+
+
 def gathered(x, i):
+    RUNS.append(1)
     if int(i.sum()) > 10:
         raise IndexError("the function's own")
     return x[i]  # a tensor index: which rows, a value the signature does not hold
 
 
-def test_a_torch_error_in_a_replay_is_told_as_in_the_checked_call():
+def test_a_torch_error_in_a_replay_is_told_without_running_the_call_again():
     """A replay runs without the typing mode, so a torch op's error ends in the user's frame:
-    told the same as in the signature's first call all the same (an SpmdIndexError naming the
-    function and line); the function's own error stays as raised."""
+    told from its traceback (an SpmdIndexError naming the function, the line and the fix: debug
+    mode, which types every call and tells it as the first call of a signature does), the
+    function run once; the function's own error stays as raised."""
     mesh = ns.make_mesh((1,), ("dp",))
     f = ns.spmd_map(gathered, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
     fresh = ns.spmd_map(gathered, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
@@ -220,13 +225,21 @@ def test_a_torch_error_in_a_replay_is_told_as_in_the_checked_call():
     ref = _error_of(lambda: fresh(x, torch.tensor([7])))
     assert isinstance(ref, ns.SpmdError) and isinstance(ref, IndexError)
     for _ in range(2):
+        RUNS.clear()
         err = _error_of(lambda: f(x, torch.tensor([7])))
-        assert type(err) is type(ref) and str(err) == str(ref), err
-        assert isinstance(err.__cause__, IndexError)
+        assert type(err) is type(ref) and isinstance(err.__cause__, IndexError), err
+        assert "spmd_map of `gathered`" in str(err) and "(`return x[i]" in str(err), err
+        assert "ns.set_debug(True)" in str(err) and len(RUNS) == 1, (err, RUNS)
+    ns.set_debug(True)
+    try:
+        assert str(_error_of(lambda: f(x, torch.tensor([7])))) == str(ref)
+    finally:
+        ns.set_debug(False)
     torch.testing.assert_close(f(x, torch.tensor([2])), x[2:3])
     f(x, torch.tensor([0, 1]))  # (the signature of two rows, checked)
+    RUNS.clear()
     err = _error_of(lambda: f(x, torch.tensor([5, 9])))
-    assert type(err) is IndexError and str(err) == "the function's own"
+    assert type(err) is IndexError and str(err) == "the function's own" and len(RUNS) == 1
 
 
 def _simulated_message(fn) -> str:
@@ -422,9 +435,11 @@ def test_real_mesh_of_one_rank_replays_too():
     kind, message, cause = told["arguments"]  # the function's refusal of their number
     assert kind == "SpmdTypeError" and cause == "TypeError", told
     assert "with the call's 1 positional argument(s)" in message, message
-    kind, message, cause = told["replayed"]  # a torch error in a replay: told as when checked
+    kind, message, cause = told["replayed"]  # a torch error in a replay: as the simulated mesh's
     assert kind == "SpmdIndexError" and cause == "IndexError", told
     assert "spmd_map of `gathered`" in message and "on rank 0" in message, message
+    assert "(`return x[i]" in message and "ns.set_debug(True)" in message, message
+    assert told["replayed runs"] == 1, told
 
 
 def test_every_collective_on_one_instance_in_replays():

@@ -4,6 +4,7 @@ silently accepted (and so gave wrong results)."""
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import pickle
 
@@ -314,6 +315,16 @@ def test_a_call_with_arguments_the_function_does_not_take_names_it(count):
         ns.spmd_map(own, mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)(torch.ones(8))
     assert not isinstance(raised.value, ns.SpmdError)
 
+    @functools.wraps(own)  # a wrapper taking other arguments than the function it wraps
+    def wrapper(x, y):
+        raise TypeError("the wrapper's own")
+
+    with pytest.raises(TypeError, match="the wrapper's own") as raised:
+        ns.spmd_map(wrapper, mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)(
+            torch.ones(8), torch.ones(8)
+        )
+    assert not isinstance(raised.value, ns.SpmdError)
+
 
 @pytest.mark.parametrize("mesh", [MESH, ns.make_mesh((1,), ("i",))], ids=["4", "1"])
 def test_a_module_called_with_arguments_its_forward_does_not_take_names_it(mesh):
@@ -335,3 +346,23 @@ def test_a_module_called_with_arguments_its_forward_does_not_take_names_it(mesh)
     with pytest.raises(TypeError, match="the module's own") as raised:
         g(torch.ones(8))
     assert not isinstance(raised.value, ns.SpmdError)
+    # a pre-hook that drops the second argument: forward runs, and its error is its own
+    hooked = Own()
+    hooked.register_forward_pre_hook(lambda module, args: args[:1])
+    g = ns.spmd_map(hooked, mesh=mesh, in_specs=SPLIT, out_specs=SPLIT)
+    with pytest.raises(TypeError, match="the module's own") as raised:
+        g(torch.ones(8), torch.ones(8))
+    assert not isinstance(raised.value, ns.SpmdError)
+
+    class Calls(torch.nn.Module):  # forward calls a submodule with arguments it does not take
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x, x)
+
+    g = ns.spmd_map(Calls(), mesh=mesh, in_specs=SPLIT, out_specs=SPLIT)
+    with pytest.raises(TypeError, match="positional argument") as raised:
+        g(torch.ones(8, 3))
+    assert "the call's 1 positional argument(s)" not in str(raised.value)  # not the call's

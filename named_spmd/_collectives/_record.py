@@ -220,8 +220,10 @@ def _apply(
         out = tag_derivatives(rec, out, t, axes, params)
     if ctx.stamps or vma.partial or rec.makes_partial:
         result = rec.vma(vma, axes, params)
+        # not while compiled: Dynamo cannot trace the note's id() and dict writes (a compiled
+        # call does not refuse a write into the cast's result, docs/design.md section 7)
         new = ctx.stamps and result.varying - vma.varying - vma.unreduced
-        if new and not torch.compiler.is_compiling():  # (a compiled call checks no write)
+        if new and not torch.compiler.is_compiling():
             _note_cast_alias(ctx, out, vma)
         return ctx.stamp(out, result)
     return out

@@ -38,14 +38,13 @@ from .._collectives._record import implicit_pvary, record_implicit_psum
 from .._context import SpmdContext
 from .._debug import debug_enabled, set_debug
 from .._errors import (
-    TORCH_ERRORS,
     RankFailedError,
     SpmdError,
     told_per_instance,
 )
 from .._layout import coords_text
 from .._mesh import Mesh
-from .._replay import Replay, retold
+from .._replay import Replay
 from .._spec import PartitionSpec
 from .._stamps import TrackedContext
 from .._tracking import VmaMode
@@ -294,22 +293,14 @@ def run(call: Call) -> list[Any]:
     if torch.compiler.is_compiling():  # traced by torch.compile: the graph's own path
         return _dist_compile.run(call)
     mesh = cast(DistributedMesh, call.mesh)  # (accepts)
+    leaves, specs = call.leaves, call.specs
     if _dist_overlap._PENDING and torch_private.current_graph_task_id() == -1:
         _dist_overlap.finish_pending()  # left by a backward that raised
+    board = mesh.board
+    board.begin_call()
     traced = torch_private.proxy_tracing()
     # a call typed once per signature: untyped replays on one rank, planned ones on several
     replay = None if traced else Replay(call, planned=mesh.size > 1)
-    try:
-        return _run(call, mesh, replay, traced)
-    except TORCH_ERRORS as e:
-        retold(replay, e, lambda: _run(call, mesh, replay, traced))
-        raise
-
-
-def _run(call: Call, mesh: DistributedMesh, replay: Replay | None, traced: bool) -> list[Any]:
-    leaves, specs = call.leaves, call.specs
-    board = mesh.board
-    board.begin_call()
     # debug mode (none in a trace: no values to compare) has no table: found one, it is off
     mesh.debug = replay is not None and replay.checked is None and debug_enabled()
     uneven = _takes_uneven_blocks(call, replay)
@@ -404,7 +395,8 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException, call: Call) -> Bas
         if empty
         else f"rank {mesh.rank} (instance {coords})"
     )
-    return told_per_instance(e, f"spmd_map of {ctx.fn_label}", at, empty) or e
+    where = f"spmd_map of {ctx.fn_label}"
+    return told_per_instance(e, where, at, empty, ctx.replaying) or e
 
 
 def _takes_uneven_blocks(call: Call, replay: Replay | None) -> bool:

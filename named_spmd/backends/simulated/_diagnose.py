@@ -31,9 +31,18 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _torch_private as torch_private
 from ..._accounting import resume, suspend
-from ..._errors import TORCH_ERRORS, SpmdError, error_class, fn_label, told_in_family, user_line
+from ..._errors import (
+    TORCH_ERRORS,
+    SpmdError,
+    VmaError,
+    error_class,
+    fn_label,
+    told_in_family,
+    user_line,
+)
 from ..._operands import is_inplace, swap_operands, tensor_operands
 from ..._replay import quietly
+from ..._tracking import CAST_WRITE
 from ..._types import VType
 from ._instances import Instances, coordinates, instances, label, simulated_call
 
@@ -132,12 +141,14 @@ class _Failure:
                 "dim. torch's message under the simulated mesh, which counts the mesh's batch "
                 "dims, is the __cause__."
             )
+        if self.replayed and _OVERLAP in str(error) and not expanded_input:
+            return VmaError(f"{where}: {CAST_WRITE}")  # as a real mesh's (``_tracking``)
         if self.replayed and _OVERLAP in str(error):
             return error_class(type(error))(
                 f"{where} under the simulated mesh, though no instance raises it on its own:\n"
                 f"  {type(error).__name__}: {error}\n"
                 "The instances' blocks of the tensor written share memory, and the simulated "
-                "mesh writes every instance at once. " + (_EXPANDED if expanded_input else _CAST)
+                "mesh writes every instance at once. " + _EXPANDED
             )
         if self.replayed:
             return error_class(type(error))(
@@ -153,20 +164,12 @@ class _Failure:
         )
 
 
-# why the instances' blocks of a written tensor share memory, and the fix: an expanded input
-# (each rank's block has its own memory on a real mesh), else a copy per instance of an invariant
-# value (which a real mesh's pvary does not make either: its result is its operand's memory)
+# why the instances' blocks of a written tensor share memory where an argument is expanded (each
+# rank's block has its own memory on a real mesh), and the fix; else it is a cast's (CAST_WRITE)
 _EXPANDED = (
     "An argument is an expanded tensor (its copies along a mesh axis one memory); on a real mesh "
     "each rank writes its own block and runs it. Fix: pass the input materialized "
     "(x.contiguous() before the call), or compute out of place (y = x + 1 rather than x.add_(1))."
-)
-_CAST = (
-    "The tensor written is an invariant value made varying (ns.pvary, ns.pcast(..., "
-    "to='varying'), all_gather(..., to='varying'), or an op that mixed it with a varying one): "
-    "one memory for every instance's copy, and on a real mesh a pvary's result is its operand's "
-    "memory, so the write would change the operand. Fix: write into a copy (v = ns.pvary(w, "
-    "'dp').clone()), or compute out of place (y = v + 1 rather than v.add_(1))."
 )
 
 

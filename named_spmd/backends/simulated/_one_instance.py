@@ -26,7 +26,7 @@ from ... import _torch_private as torch_private
 from ..._context import OneMemberPrimitives
 from ..._errors import TORCH_ERRORS, told_per_instance
 from ..._mesh import Mesh
-from ..._replay import Replay, retold
+from ..._replay import Replay
 from ..._spec import PartitionSpec
 from ..._stamps import TrackedContext
 from ..._types import Vma
@@ -72,18 +72,10 @@ def run(call: Call) -> list[torch.Tensor]:
     """``call.body`` once, on the global leaves; the outputs as the simulated backend returns
     them. A call whose signature an earlier call type-checked is replayed untyped
     (``_replay``)."""
-    replay = Replay(call)
-    try:
-        return _run(call, replay)
-    except TORCH_ERRORS as e:
-        retold(replay, e, lambda: _run(call, replay))
-        raise
-
-
-def _run(call: Call, replay: Replay) -> list[torch.Tensor]:
     mesh, leaves, specs = call.mesh, call.leaves, call.specs
     device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
     ctx = OneInstanceContext(mesh, call.fn, device)
+    replay = Replay(call)
     if replay.begin(ctx):
         local = leaves
     else:
@@ -91,7 +83,8 @@ def _run(call: Call, replay: Replay) -> list[torch.Tensor]:
     try:
         outs = replay.run(ctx, call.body, local)
     except TORCH_ERRORS as e:  # a torch op of the user's: told as a real mesh's one rank tells it
-        told = told_per_instance(e, f"spmd_map of {ctx.fn_label}", "the mesh's one instance")
+        where, at = f"spmd_map of {ctx.fn_label}", "the mesh's one instance"
+        told = told_per_instance(e, where, at, replaying=ctx.replaying)
         if told is None:
             raise
         raise told from e
