@@ -146,7 +146,7 @@ class VmaMode(TorchFunctionMode):
                 raise reentrant_checkpoint(f"spmd_map of {self.ctx.fn_label}")
             out = func(*args, **(kwargs or {}))
             return self._gradients(args, kwargs, out) if func is torch.autograd.grad else out
-        if self.ctx.cast_roots:  # (a cast to varying handed back a view of its operand)
+        if self.ctx.cast_roots:  # (an explicit cast to varying was made: its writes checked)
             check_cast_alias(self.ctx, func, write_target(func, args, kwargs, self.inplace))
         token, aliased = self.token, self.ctx.alias_cache
         common = None

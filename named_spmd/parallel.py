@@ -165,7 +165,9 @@ def vocab_embedding(
     # an id outside the vocabulary is in no instance's rows: NaN rather than a zero embedding
     # (F.embedding raises, which needs the ids' values, read on no backend here)
     outside = (ids < 0) | (ids >= rows * axis_size(axis_name))
-    emb = torch.where(mine.unsqueeze(-1), emb, torch.where(outside, torch.nan, 0).unsqueeze(-1))
+    # (scalars, so that the embedding keeps the table's dtype)
+    emb = torch.where(mine.unsqueeze(-1), emb, 0)
+    emb = torch.where(outside.unsqueeze(-1), torch.nan, emb)
     if scatter_dim is None:
         return psum(emb, axis_name)
     return reduce_scatter_sequence(emb, axis_name, dim=scatter_dim)
@@ -191,8 +193,8 @@ def vocab_cross_entropy(
     Args:
         logits: ``[..., vocab / n]``, this instance's classes.
         target: ``[...]`` global class ids; ``ignore_index`` entries count for nothing. An id
-            outside the vocabulary gives NaN (split over several instances; on one, torch's
-            fused loss raises).
+            outside the vocabulary gives a NaN loss (split over several instances; on one,
+            torch's fused loss raises), whose gradient at that target is zero: check the loss.
         reduction: ``"mean"`` (over the targets not ignored, as ``F.cross_entropy``),
             ``"sum"`` or ``"none"``. The mean is over this instance's targets: with the batch
             split over a data-parallel axis, ``ns.pmean`` it over that axis (equal shards) or

@@ -232,6 +232,35 @@ def test_reentrant_checkpoint_is_one_clear_error_on_every_mesh(fn, size):
         assert "Fix: pass use_reentrant=False" in message
 
 
+def _no_grad_scaled(x):
+    with torch.no_grad():
+        s = x.abs().amax()
+    return x * s
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_checkpoint_sequential_without_reentrancy_is_no_reentrant_checkpoint(size):
+    """Its segments' function is named ``forward`` in torch.utils.checkpoint too, and switches
+    grad mode here: it runs, with the dense values and gradients."""
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    def fn(x):
+        y = checkpoint_sequential([_no_grad_scaled] * 2, 2, x, use_reentrant=False)
+        return ns.psum(y.sum(), "x")
+
+    mesh = ns.make_mesh((size,), ("x",))
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P())
+    x = torch.arange(1.0, 5.0, requires_grad=True)
+    dense = x.detach().clone().requires_grad_()
+    y = f(x)
+    blocks = [_no_grad_scaled(_no_grad_scaled(b)).sum() for b in dense.chunk(size)]
+    want = torch.stack(blocks).sum()
+    torch.testing.assert_close(y, want)
+    y.backward()
+    want.backward()
+    torch.testing.assert_close(x.grad, dense.grad)
+
+
 def test_collective_in_a_backward_pass_outside_its_call_names_the_checkpoint_fix():
     class Late(torch.autograd.Function):
         @staticmethod

@@ -152,6 +152,24 @@ def test_vocab_embedding(mesh, scatter):
     assert_same(f, F.embedding, (ids, w))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vocab_embedding_keeps_the_tables_dtype(mesh, dtype):
+    vocab, dim = 8, 3
+    ids = torch.tensor([[1, vocab, 5, vocab - 1]] * 2)
+    w = randn(vocab, dim).to(dtype)
+    d = dp(mesh)
+    f = ns.spmd_map(
+        lambda ids, w: pl.vocab_embedding(ids, w, axis_name="tp"),
+        mesh=mesh,
+        in_specs=(P(d), P("tp")),
+        out_specs=P(d),
+    )
+    y = f(ids, w)
+    assert y.dtype == dtype
+    good = torch.tensor([0, 2, 3])
+    torch.testing.assert_close(y[:, good], F.embedding(ids[:, good], w))
+
+
 @pytest.mark.parametrize("scatter", [False, True], ids=["psum", "sequence"])
 def test_vocab_embedding_of_an_id_outside_the_vocabulary_is_nan(mesh, scatter):
     """No instance holds such an id's row: NaN, not a zero embedding (F.embedding raises);

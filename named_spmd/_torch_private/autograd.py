@@ -32,17 +32,24 @@ def in_reentrant_checkpoint() -> bool:
     """Whether the caller runs inside ``torch.utils.checkpoint``'s reentrant forward
     (``CheckpointFunction.forward``, a few frames up), whose recomputation in backward runs
     outside whatever context the forward ran in."""
+    # the chain is CheckpointFunction.forward -> no_grad.__enter__ -> set_grad_enabled's
+    # switch -> the mode: a few frames; matched by code object, as other functions of that
+    # module are named forward too (checkpoint_sequential's segments, non-reentrant)
+    code = _reentrant_forward_code()
     frame = sys._getframe(1)
     for _ in range(6):
         frame = frame.f_back  # type: ignore[assignment]
         if frame is None:
             return False
-        if (
-            frame.f_code.co_name == "forward"
-            and frame.f_globals.get("__name__") == "torch.utils.checkpoint"
-        ):
+        if frame.f_code is code:
             return True
     return False
+
+
+def _reentrant_forward_code() -> Any:
+    from torch.utils import checkpoint  # (lazy: a heavy import, needed only here)
+
+    return checkpoint.CheckpointFunction.forward.__code__
 
 
 def queue_callback(fn: Any) -> None:
