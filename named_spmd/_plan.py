@@ -56,13 +56,13 @@ class Step:
 class Plan:
     """The steps of one signature's typed call."""
 
-    __slots__ = ("steps", "hoists", "replays", "divergences")
+    __slots__ = ("steps", "hoistable", "replays", "divergences")
 
-    def __init__(self, steps: list[Step], hoists: tuple = ()) -> None:
+    def __init__(self, steps: list[Step], hoistable: tuple = ()) -> None:
         self.steps = steps
         #: the implicit casts of inputs that a replay makes at its entry, all at once, before
-        #: the first op (``TrackedContext.hoist``); a backend's own entries
-        self.hoists = hoists
+        #: the first op (``TrackedContext.hoist_casts``); a backend's own entries
+        self.hoistable = hoistable
         # for tests and diagnostics: calls replayed whole, and calls whose ops differed
         self.replays = 0
         self.divergences = 0
@@ -184,7 +184,7 @@ class PlanningMode(VmaMode):
         ctx = self.ctx
         if not self.replayable or self.hooks_seen or ctx.types_read or ctx.transform_results:
             return None
-        return Plan(self.steps, ctx.planned_hoists())
+        return Plan(self.steps, ctx.planned_hoistable())
 
 
 def _places(args: Any, kwargs: dict | None, casts: tuple) -> tuple | None:

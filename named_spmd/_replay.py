@@ -106,6 +106,10 @@ class Replay:
         instances)."""
         return isinstance(self.entry, Plan)
 
+    def hoistable(self) -> tuple:
+        """The casts this call, a replay of a plan, makes at its entry (``Plan.hoistable``)."""
+        return self.entry.hoistable if isinstance(self.entry, Plan) else ()
+
     def begin(self, ctx: TrackedContext) -> bool:
         """Make ``ctx`` (not yet pushed) a replay where an earlier call type-checked this call's
         signature; whether it is one (its inputs then need no types). A planned call numbers
@@ -152,10 +156,14 @@ class Replay:
         kept, if it can be replayed)."""
         plan = self.entry
         if isinstance(plan, Plan):
-            if plan.hoists:
-                ctx.hoist(plan.hoists)
-            with ReplayMode(ctx, plan) as replay:
-                outs = body(local, ctx)
+            if plan.hoistable:
+                ctx.hoist_casts(plan.hoistable)
+            try:
+                with ReplayMode(ctx, plan) as replay:
+                    outs = body(local, ctx)
+            finally:
+                if plan.hoistable:
+                    ctx.release_hoisted(plan.hoistable)
             plan.count(replay.i, replay.diverged)
             return outs
         if not ctx.numbering:

@@ -193,14 +193,17 @@ class TrackedContext(SpmdContext):
         """The alias :meth:`cached_pvary` caches (a backend may place the pvary elsewhere)."""
         return implicit_pvary(self, t, axes)
 
-    def planned_hoists(self) -> tuple:
+    def planned_hoistable(self) -> tuple:
         """In a planned call, once it has run: the implicit casts of its inputs that a replay
-        may make at its entry, all at once (:meth:`hoist`); none unless a backend says."""
+        may make at its entry, all at once (:meth:`hoist_casts`); none unless a backend says."""
         return ()
 
-    def hoist(self, hoists: tuple) -> None:
-        """At a replay's entry, before its first op: make the casts ``hoists`` (from
-        :meth:`planned_hoists`) ahead, for the call's caches to hand out at their first use."""
+    def hoist_casts(self, hoistable: tuple) -> None:
+        """At a replay's entry, before its first op: make the casts ``hoistable`` (from
+        :meth:`planned_hoistable`) ahead, for the call's caches to hand out at their first use."""
+
+    def release_hoisted(self, hoistable: tuple) -> None:
+        """At the replay's end (raised or not): let go of what :meth:`hoist_casts` made."""
 
 
 def _own_storage(x: torch.Tensor) -> torch.Tensor:

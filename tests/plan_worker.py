@@ -12,8 +12,11 @@ replayed from a plan.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
+import weakref
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +30,7 @@ import named_spmd as ns  # noqa: E402
 from named_spmd import P, _replay  # noqa: E402
 from named_spmd._replay import checked_signatures  # noqa: E402
 
-STATE = {"flag": False}
+STATE: dict[str, Any] = {"flag": False, "record": False}
 
 
 def _params(seed: int = 0):
@@ -173,7 +176,7 @@ def _calls(name: str, mesh) -> tuple[list, int]:
         try:
             loss = f(*leaves, call) if step else f(*leaves)
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-            hoisted.append(_pvaried_at_entry(loss))
+            hoisted.append(_entry_node(loss) is not None)
             grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
             results.append((loss.detach(), [g if g is None else g.detach() for g in grads]))
         except ns.SpmdError as e:
@@ -183,19 +186,19 @@ def _calls(name: str, mesh) -> tuple[list, int]:
     return results, [*counts, hoisted]
 
 
-def _pvaried_at_entry(loss: torch.Tensor) -> bool:
-    """Whether ``loss``'s graph holds the node by which a replay on a real mesh pvarys its
-    parameters at its entry, all at once (``_dist_pvary.PvaryAll``)."""
+def _entry_node(loss: torch.Tensor) -> Any:
+    """The node of ``loss``'s graph by which a replay on a real mesh pvarys its parameters at
+    its entry, all at once (``_dist_pvary.PvaryAll``); None: none."""
     todo, seen = [loss.grad_fn], set()
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         if type(node).__name__ == "PvaryAllBackward":
-            return True
+            return node
         seen.add(node)
         todo.extend(n for n, _ in node.next_functions)
-    return False
+    return None
 
 
 def _scaled_rows(x, w):
@@ -225,6 +228,36 @@ def _local_then_global(mesh) -> tuple[list, list]:
     return got, want
 
 
+def _steps(fn, mesh, n: int, recording=lambda k: (False, False)) -> tuple[list, dict]:
+    """``n`` calls of ``fn`` (flag on), call ``k`` recorded by a ``CommMode`` around the call
+    and inside the body as ``recording(k)`` says (``STATE["record"]``): each call's loss and
+    gradients; whether its graph pvarys the parameters at its entry; whether its context is
+    freed once the call's graph is (after ``gc.collect``); and each recorded call's counts."""
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
+    got, hoisted, freed, counts = [], [], [], {}
+    STATE["flag"] = True
+    for k in range(n):
+        leaves = [t.requires_grad_() for t in _params(k).values()]
+        around, STATE["record"] = recording(k)
+        with ns.CommMode() if around else contextlib.nullcontext() as comms:
+            loss = f(*leaves).full_tensor()
+            grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
+        got.append((loss.detach(), list(grads)))
+        node = _entry_node(loss)
+        hoisted.append(node is not None)
+        context = None if node is None else weakref.ref(node.spmd)
+        del loss, node
+        gc.collect()
+        freed.append(context is None or context() is None)
+        inside = STATE.pop("comms", None)
+        if inside is not None:
+            inside.__exit__(None, None, None)
+            comms = inside
+        if comms is not None:
+            counts[k] = sorted([*key, n] for key, n in comms.counts().items())
+    return got, {"hoisted": hoisted, "freed": freed, "counts": counts}
+
+
 def _second_order(mesh) -> tuple[list, dict]:
     """A gradient differentiated again (``create_graph``) through replays whose parameters are
     pvary'd at their entry: each call's loss and second derivatives, and the hoisting seen."""
@@ -234,29 +267,63 @@ def _second_order(mesh) -> tuple[list, dict]:
     for k in range(3):
         leaves = [t.requires_grad_() for t in _params(k).values()]
         loss = f(*leaves).full_tensor()
-        hoisted.append(_pvaried_at_entry(loss))
+        hoisted.append(_entry_node(loss) is not None)
         g = torch.autograd.grad(loss.sum(), leaves[1:4], create_graph=True)
         second = torch.autograd.grad(sum(d.pow(2).sum() for d in g), leaves, allow_unused=True)
         got.append((loss.detach(), [d if d is None else d.detach() for d in second]))
     return got, {"hoisted": hoisted}
 
 
+def _flag_records(x, w1, b1, w2, s, v):
+    """``STATE["record"]``: a ``CommMode`` entered in the body, after the parameters' pvary at
+    a replay's entry, and left by the caller after the backward (``_steps``)."""
+    if STATE["record"]:
+        STATE["comms"] = ns.CommMode().__enter__()
+    return _flag_adds_a_use(x, w1, b1, w2, s, v)
+
+
 def _recorded(mesh) -> tuple[list, dict]:
-    """A replay recorded by a ``CommMode``, after one that was not: its loss and gradients; its
-    collectives, forward and backward (each parameter's psum, as typed: the hoisting steps
-    aside); and whether each call pvary'd its parameters at its entry."""
+    """Replays of a call planned under a ``CommMode`` on rank 0 only: the next one recorded on
+    rank 1 only (the ranks' backward all-reduces must still match: each rank pvarys the
+    parameters at the entry alike), one on both ranks, one whose body enters the mode."""
+    rank = torch.distributed.get_rank()
+    around = [(rank == 0, False), (rank == 1, False), (False, False), (True, False), (False, True)]
+    return _steps(_flag_records, mesh, len(around), around.__getitem__)
+
+
+def _written_in_place(x, w1, b1, w2, s, v):
+    """``w2`` written in place, without grad, before its first use."""
+    with torch.no_grad():
+        w2.mul_(1.0)
+    return _flag_adds_a_use(x, w1, b1, w2, s, v)
+
+
+def _in_place(mesh) -> tuple[list, dict]:
+    """A parameter written in place in the body: the alias a replay made of it at its entry
+    is stale by its use (autograd refuses a view of it), and a cast made then serves it."""
+    return _steps(_written_in_place, mesh, 3)
+
+
+def _ranks_differ(mesh) -> list:
+    """Calls after the planned one where rank 1 alone is in debug mode (it types the call, rank
+    0 replays the plan, pvarying the parameters at the entry), then sets another gradient
+    bucket size, then neither: what each call raised (its class, and whether its message
+    names the difference), or its loss."""
     f = ns.spmd_map(_flag_adds_a_use, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
-    got, hoisted = [], []
-    STATE["flag"] = True
-    for k in range(3):
-        leaves = [t.requires_grad_() for t in _params(k).values()]
-        with ns.CommMode() if k == 2 else contextlib.nullcontext() as comms:
-            loss = f(*leaves).full_tensor()
-            hoisted.append(_pvaried_at_entry(loss))
-            grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
-        got.append((loss.detach(), list(grads)))
-    counts = sorted([*key, n] for key, n in comms.counts().items())
-    return got, {"hoisted": hoisted, "counts": counts}
+    STATE["flag"], rank, got = True, torch.distributed.get_rank(), []
+    for k, (debug, mb) in enumerate([(False, None), (True, None), (False, 1), (False, None)]):
+        ns.set_debug(debug and rank == 1 or None)
+        ns.set_grad_bucket_mb(mb if rank == 1 else None)
+        try:
+            leaves = [t.requires_grad_() for t in _params(k).values()]
+            got.append(f(*leaves).full_tensor().item())
+        except ns.SpmdError as e:
+            said = "pvary'd at the entry of a replay: [1, 2, 3]" if debug else "buckets of 1048576"
+            got.append([type(e).__name__, said in str(e)])
+        finally:
+            ns.set_debug(None)
+            ns.set_grad_bucket_mb(None)
+    return got
 
 
 def _problems(got: list, want: list) -> list[str]:
@@ -281,6 +348,8 @@ def run(name: str, mesh) -> dict:
     if name == LOCAL_THEN_GLOBAL:
         got, want = _local_then_global(mesh)
         return {"problems": _problems(got, want), "calls": len(got)}
+    if name == RANKS_DIFFER:
+        return {"calls": _ranks_differ(mesh)}
     if name in EVERY_CALL:
         got, seen = EVERY_CALL[name](mesh)
         _replay.ENABLED = False
@@ -299,9 +368,9 @@ def run(name: str, mesh) -> dict:
     return {"problems": problems, "replays": replays, "calls": len(got), "hoisted": hoisted}
 
 
-LOCAL_THEN_GLOBAL = "local_then_global"
+LOCAL_THEN_GLOBAL, RANKS_DIFFER = "local_then_global", "ranks_differ"
 # name -> its calls, compared with the same calls typed: ([(loss, grads), ...], what it saw)
-EVERY_CALL = {"second_order": _second_order, "recorded": _recorded}
+EVERY_CALL = {"second_order": _second_order, "recorded": _recorded, "in_place": _in_place}
 
 if __name__ == "__main__":
-    report_outcomes([*CASES, LOCAL_THEN_GLOBAL, *EVERY_CALL], run)
+    report_outcomes([*CASES, LOCAL_THEN_GLOBAL, *EVERY_CALL, RANKS_DIFFER], run)

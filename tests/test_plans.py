@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 from _dist_launch import launch
-from plan_worker import CASES, LOCAL_THEN_GLOBAL, run
+from plan_worker import CASES, LOCAL_THEN_GLOBAL, RANKS_DIFFER, run
 
 import named_spmd as ns
 from named_spmd import _torch_private
@@ -79,14 +79,50 @@ def test_a_second_derivative_through_a_replay_equals_the_typed_calls():
 
 @pytest.mark.distributed
 def test_a_recorded_replay_counts_the_typed_calls_collectives():
-    """Under a ``CommMode`` a replay pvarys each parameter at its use, as typed, so that each
-    backward psum is recorded: the same events, values and gradients as the calls typed."""
+    """A replay pvarys the parameters at its entry whether a ``CommMode`` records or not, on
+    one rank or on all (the ranks' backward all-reduces must match); recorded, each parameter's
+    alias counts its backward psum at its use, also where the body enters the mode: the same
+    events, values and gradients as the calls typed."""
     # the typed calls' events: each parameter's psum (w1, b1, w2) and the loss's pmean
     events = [["backward", "psum", ["x"], 3], ["forward", "pmean", ["x"], 1]]
     for rank in (0, 1):
         outcome = _outcomes()[rank, "recorded"]
-        assert outcome["problems"] == [] and outcome["hoisted"] == [False, True, False], outcome
-        assert outcome["counts"] == outcome["typed"]["counts"] == events, outcome
+        assert outcome["problems"] == [], outcome
+        assert outcome["hoisted"] == [False, True, True, True, True], outcome
+        # recorded: on this rank alone (call 0 or 1), on both around the call, in the body
+        want = {str(k): events for k in (rank, 3, 4)}
+        assert outcome["counts"] == outcome["typed"]["counts"] == want, outcome
+
+
+@pytest.mark.distributed
+def test_a_replays_context_is_freed_with_its_graph():
+    """The node that pvarys a replay's parameters at its entry holds the call's context, which
+    must not hold it back (nor the call's inputs) once the graph is gone."""
+    for rank in (0, 1):
+        for name in ("recorded", "in_place"):
+            outcome = _outcomes()[rank, name]
+            assert any(outcome["hoisted"]) and all(outcome["freed"]), outcome
+
+
+@pytest.mark.distributed
+def test_a_parameter_written_in_place_in_the_body_is_cast_at_its_use():
+    """Written in place (without grad) before its first use, a parameter is cast at its use
+    (the alias made at the replay's entry is stale): the typed calls' values and gradients."""
+    for rank in (0, 1):
+        outcome = _outcomes()[rank, "in_place"]
+        assert outcome["problems"] == [] and outcome["hoisted"] == [False, True, True], outcome
+
+
+@pytest.mark.distributed
+def test_ranks_that_would_reduce_gradients_differently_raise_alike():
+    """Debug mode on one rank only (it types the call where the other replays the plan,
+    pvarying the parameters at the entry), then a gradient bucket size on one rank only: the
+    all-reduces of the backward would not match (silently wrong sums); the start-of-call check
+    raises on both ranks, naming the difference. The calls before and after run."""
+    for rank in (0, 1):
+        calls = _outcomes()[rank, RANKS_DIFFER]["calls"]
+        assert calls[1:3] == [["SpmdError", True]] * 2, calls
+        assert all(isinstance(c, float) for c in (calls[0], calls[3])), calls
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as torch_private
 from .._accounting import CommEvent, active, record_into
 from .._errors import SpmdError
+from ._dist_buckets import bucket_bytes
 from ._dist_exchange import exchange
 
 if TYPE_CHECKING:
@@ -54,7 +55,9 @@ def dtype_of(code: int) -> torch.dtype | None:
 _DTYPES_BY_CODE: dict[int, torch.dtype] = {}
 
 
-def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = False) -> None:
+def check_call_agrees(
+    ctx: DistributedContext, leaves: list[Any], local: bool = False, hoistable: tuple = ()
+) -> None:
     """Gloo aborts the whole process (SIGABRT, no Python error) when the ranks of a collective
     pass buffers of different sizes, as inputs of different global shapes on different ranks make
     them. One small all-reduce per call compares a checksum of the function and of the tensor
@@ -62,7 +65,10 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     each other, which lets a rank left waiting in an earlier call name the one that moved on
     (``_dist_waiting._ahead``). Only when the checksums differ are the descriptions exchanged.
     It is started here and finished (``mesh.pending_check``) before the call's first collective
-    (``Comm``) or at the end of the body, so the body's computation until then overlaps it."""
+    (``Comm``) or at the end of the body, so the body's computation until then overlaps it.
+    It also compares what decides, beside the inputs, how the call's gradients are all-reduced
+    (ranks that differ there would sum mismatched elements): the bucket size, and the inputs a
+    replay pvarys at its entry, ``hoistable`` (``_dist_pvary``; none: typed, as in debug mode)."""
     mesh = ctx.mesh
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     # hash() of int tuples (a torch.Size is one) is the same in every process; of str it is not
@@ -77,7 +83,8 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
         (x.shape, codes.get(x.dtype) or dtype_code(x.dtype), grad and x.requires_grad)
         for x in tensors
     ]
-    metadata = hash((local, known, *described))
+    reduces = (bucket_bytes(), *(at for at, _ in hoistable))
+    metadata = hash((local, known, reduces, *described))
     checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
     # and what this rank recalls of the signature's last call (an uneven call's shapes), which
     # the call relies on only where every rank recalls the same
@@ -91,7 +98,7 @@ def check_call_agrees(ctx: DistributedContext, leaves: list[Any], local: bool = 
     def finish() -> None:
         mesh.pending_check = None
         if not comm.agreed(started, "the start-of-call check"):
-            _disagree(ctx, tensors, [d[2] for d in described], local, known, recalled)
+            _disagree(ctx, tensors, [d[2] for d in described], local, known, recalled, reduces)
 
     mesh.pending_check = finish
 
@@ -103,6 +110,7 @@ def _disagree(
     local: bool,
     known: int,
     recalled: int,
+    reduces: tuple,
 ) -> None:
     """The checksums differ: exchange the descriptions and raise on every rank alike, or, where
     only what the ranks recall of the signature's last call differs, forget it on every rank
@@ -113,6 +121,8 @@ def _disagree(
         for x, g in zip(tensors, grads)
     )
     mine = f"{ctx.fn_label}{'.local' if local else ''}({shapes})"
+    mine += f" [gradients: buckets of {reduces[0]} bytes; inputs pvary'd at the entry of a "
+    mine += f"replay: {list(reduces[1:])}]"
     board = mesh.board
     got = exchange(
         board,
@@ -146,8 +156,9 @@ def _disagree(
             if local
             else "a plain tensor is the global value, present on every rank"
         )
-        + "). Fix: make the inputs' shapes, their requires_grad, the grad mode and the call "
-        "sequence independent of the rank."
+        + "). Fix: make the inputs' shapes, their requires_grad, the grad mode, the call "
+        "sequence, ns.set_grad_bucket_mb and debug mode (which replays no plan) independent "
+        "of the rank."
     )
 
 

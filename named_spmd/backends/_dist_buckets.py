@@ -52,7 +52,7 @@ def set_grad_bucket_mb(mb: float | None = DEFAULT_MB) -> None:
     are packed into buckets of at most this size, one all-reduce each, started as they fill and
     overlapped with the rest of the backward pass, as DDP's ``bucket_cap_mb``. ``0`` reduces
     every gradient on its own; ``None`` goes back to ``NAMED_SPMD_GRAD_BUCKET_MB`` (default 25).
-    Set the same size on every rank. Values and gradients do not depend on it.
+    Set the same size on every rank (each call checks it). Values and gradients do not depend on it.
     """
     if mb is not None:
         _check_mb(mb, f"set_grad_bucket_mb({mb!r})", "ns.set_grad_bucket_mb(25)")

@@ -4,15 +4,16 @@ communication left out.
 Every replicated parameter of a data-parallel step is cast once per call (``implicit_pvary``) and
 its gradient summed once per backward pass (``_dist_overlap.psum_in_backward``). In the common
 case (the operand invariant or varying, not reduced, over axes of more than one instance; grad
-mode on; no ``torch.func`` transform, no forward-mode AD, no ``CommMode`` recording) the generic
-path only runs the bridge's Function (``_autodiff.CollectiveFn``) and stamps the result, through
-the collective's checks, its accounting, the context's ``apply``, the bridge's dispatch and the
-record's transpose: about twenty Python calls per parameter and call, and six per gradient.
+mode on; no ``torch.func`` transform, no forward-mode AD) the generic path only runs the
+bridge's Function (``_autodiff.CollectiveFn``) and stamps the result, through the collective's
+checks, its accounting, the context's ``apply``, the bridge's dispatch and the record's
+transpose: about twenty Python calls per parameter and call, and six per gradient.
 :class:`Pvary` is the bridge's Function for that case: the same node, with the same saved
 state, whose forward is the pvary's (a new tensor object on the same data) and whose backward
 goes straight to the overlapped, bucketed psum; a backward that is itself differentiated takes
-the bridge's own transpose. Everything else takes the generic path, so values, gradients,
-types and ``CommMode`` events are those of the generic path.
+the bridge's own transpose. Everything else takes the generic path, as does a cast made while a
+``CommMode`` records (which records its backward psum), so values, gradients, types and
+``CommMode`` events are those of the generic path.
 
 Hoisted, in a replay (``_plan``): the inputs that the planned call pvary'd through this common
 case (a parameter, or the source of a parameter's view) are pvary'd at the replay's entry, all
@@ -22,8 +23,14 @@ gradients is in, instead of a node and a bucket entry per parameter. The cache o
 each alias out at its first use (:func:`hoisted`), numbered then, as typing would; an alias no
 op of the call uses gets no gradient, and its input none from it (as without the cast). Only
 where the group's gradients fit one bucket (``set_grad_bucket_mb``): a larger set keeps its
-buckets, started as they fill. Values and gradients are the common case's; the all-reduces of a
-backward pass are fewer.
+buckets, started as they fill. The group's all-reduce runs when its last gradient is in, and is
+waited for there: no overlap within a group (it is at most one bucket). Values and gradients
+are the common case's; the all-reduces of a backward pass are fewer.
+
+Which casts are noted and hoisted depends on nothing local to a rank beyond what the
+start-of-call check compares (``_dist_agree``): a ``CommMode`` on one rank only still hoists,
+each alias then tagged at its use so that the mode counts its backward psum (:func:`hoisted`),
+because the ranks' all-reduces of a backward pass must match element for element.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 from .._accounting import _local as _modes
 from .._accounting import reusable_cast
 from .._autodiff import _NONES, CollectiveFn, differentiable
-from .._collectives._record import PVARY_RECORD, implicit_pvary
+from .._collectives._record import PVARY_RECORD, implicit_pvary, record_implicit_psum
 from .._stamps import _ATTR
 from .._torch_private import (
     DisableTorchFunction,
@@ -74,6 +81,8 @@ def pvary(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         return implicit_pvary(ctx, t, axes)
     if ctx.recipes is not None:  # a planned call: its replays may make this cast at their entry
         _note(ctx, t, axes)
+    if _modes.stack:  # a CommMode records the cast's backward psum (the generic path)
+        return implicit_pvary(ctx, t, axes)
     with DisableTorchFunction():
         out = _apply(t, PVARY_RECORD, ctx, axes, ())
     # ctx.stamp (no transform: no wrapped tensor, no storage to own)
@@ -86,8 +95,8 @@ def pvary(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
 def source_pvary(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
     """The pvary of ``t``, the source of a view that is pvary'd (``DistributedContext.
     implicit_pvary``), its backward psum left out of a ``CommMode`` (the view's is recorded)."""
-    tag = (*axes, _VIEWS)
-    alias = hoisted(ctx, t, tag) if ctx.hoisted else None
+    tag = (*axes, VIEWS)
+    alias = hoisted(ctx, t, tag) if ctx.hoisted_aliases else None
     if alias is not None:
         return alias
     if ctx.recipes is not None and _common(ctx, t, axes) is not None:
@@ -95,7 +104,7 @@ def source_pvary(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tens
     return implicit_pvary(ctx, t, axes, False)
 
 
-_VIEWS = "<views>"
+VIEWS = "<views>"
 
 
 def _common(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> Vma | None:
@@ -113,48 +122,43 @@ def _vma(ctx: Any, t: torch.Tensor) -> Vma:
 
 def _common_now() -> bool:
     """Whether a pvary made now may be the common case (module doc), whatever its operand."""
-    return (
-        not _modes.stack  # a CommMode records the cast's backward psum (the generic path)
-        and torch.is_grad_enabled()
-        and not transforms_active()
-        and forward_level() < 0
-    )
+    return torch.is_grad_enabled() and not transforms_active() and forward_level() < 0
 
 
 # --- hoisted in a replay ------------------------------------------------------------------------
 
 
 def _note(ctx: Any, t: torch.Tensor, tag: tuple) -> None:
-    """In a planned call: the cast of ``t`` by ``tag`` (its axes, then ``_VIEWS`` for a view's
+    """In a planned call: the cast of ``t`` by ``tag`` (its axes, then ``VIEWS`` for a view's
     source) is one a replay may hoist, if ``t`` is an input and the cast is cached."""
     if not reusable_cast(t):
         return
     at = next((i for i, x in enumerate(ctx.inputs) if x is t), None)
     if at is not None:
-        if ctx.hoists is None:
-            ctx.hoists = {}
-        ctx.hoists[(at, tag)] = None
+        if ctx.hoistable is None:
+            ctx.hoistable = {}
+        ctx.hoistable[(at, tag)] = None
 
 
 def planned(ctx: Any) -> tuple:
-    """``ctx.planned_hoists()``: ((input position, tag), ...) in the order first cast."""
-    return tuple(ctx.hoists or ())
+    """``ctx.planned_hoistable()``: ((input position, tag), ...) in the order first cast."""
+    return tuple(ctx.hoistable or ())
 
 
-def hoist(ctx: Any, hoists: tuple) -> None:
-    """``ctx.hoist(hoists)``: one :class:`PvaryAll` per group of axes, dtype and device whose
-    inputs are each the common case and whose gradients fit one bucket (module doc)."""
+def hoist(ctx: Any, hoistable: tuple) -> None:
+    """``ctx.hoist_casts(hoistable)``: one :class:`PvaryAll` per group of axes, dtype and
+    device whose inputs are each the common case and whose gradients fit one bucket."""
     if not _common_now():
         return
     groups: dict[tuple, list] = {}
-    for at, tag in hoists:
+    for at, tag in hoistable:
         t = ctx.inputs[at]
         vma = _vma(ctx, t)
         if t.requires_grad and not vma.reduced:
-            axes = tag[:-1] if tag[-1] == _VIEWS else tag
+            axes = tag[:-1] if tag[-1] == VIEWS else tag
             groups.setdefault((axes, t.dtype, t.device), []).append((t, tag, vma))
     cap = buckets.bucket_bytes()
-    ctx.hoisted = {}
+    ctx.hoisted_aliases = {}
     for (axes, _, _), members in groups.items():
         ts = [t for t, _, _ in members]
         if len(ts) < 2 or ctx.single_axes.issuperset(axes):
@@ -169,18 +173,38 @@ def hoist(ctx: Any, hoists: tuple) -> None:
             if stamp is None:
                 stamp = stamps[vma] = ctx.stamp_of(vma.add(axes))
             alias.__dict__[_ATTR] = stamp
-            ctx.hoisted[(id(t), tag)] = (t, alias)
+            ctx.hoisted_aliases[(id(t), tag)] = (t, alias, t._version)
 
 
 def hoisted(ctx: Any, t: torch.Tensor, tag: tuple) -> torch.Tensor | None:
     """The alias :func:`hoist` made of ``t`` for ``tag``, handed out once (the cache of casts
-    keeps it from then on), with the number the cast it stands for gets in a typed call."""
-    hit = ctx.hoisted.pop((id(t), tag), None)
-    if hit is None:
+    keeps it from then on), with the number the cast it stands for gets in a typed call; None
+    where ``t`` was written in place since (a view of it made before would fail autograd's
+    check: a cast made now). While a ``CommMode`` records, a parameter's alias (not a view's
+    source: the view's psum is recorded) is tagged so that its backward psum is counted."""
+    hit = ctx.hoisted_aliases.pop((id(t), tag), None)
+    if hit is None or t._version != hit[2]:
         return None
+    alias = hit[1]
+    if _modes.stack and tag[-1] != VIEWS:
+        stamp = alias.__dict__[_ATTR]
+        alias = record_implicit_psum(alias, tag)
+        alias.__dict__[_ATTR] = stamp
     if ctx.numbering:
-        ctx.number(hit[1])
-    return hit[1]
+        ctx.number(alias)
+    return alias
+
+
+def release(ctx: Any, hoistable: tuple) -> None:
+    """``ctx.release_hoisted(hoistable)``, at the replay's end: the context lets go of the
+    aliases made at its entry. Each one's node holds the context (for its backward), and the
+    garbage collector does not follow a multi-output node from its outputs, so that cycle would
+    keep every replayed call's context and inputs alive."""
+    ctx.hoisted_aliases = None
+    for at, tag in hoistable:
+        t = ctx.inputs[at]
+        ctx.pvary_cache.pop((id(t), tag), None)
+        ctx.alias_cache.pop(id(t), None)
 
 
 class PvaryAll(torch.autograd.Function):

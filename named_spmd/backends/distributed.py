@@ -37,11 +37,7 @@ from .._capabilities import Capabilities
 from .._collectives._record import implicit_pvary, record_implicit_psum
 from .._context import SpmdContext
 from .._debug import debug_enabled, set_debug
-from .._errors import (
-    RankFailedError,
-    SpmdError,
-    told_per_instance,
-)
+from .._errors import RankFailedError, SpmdError, told_per_instance
 from .._layout import coords_text
 from .._mesh import Mesh
 from .._replay import Replay
@@ -98,17 +94,15 @@ class DistributedContext(TrackedContext):
     own_values = True  # each rank's tensors are its own: sizes are read on the host
     inputs: list[Any] = []  # this call's local inputs (the views' sources besides leaves)
     input_nodes: dict[int, torch.Tensor] | None = None  # id(grad_fn) -> input, made on demand
-    hoists: dict[tuple, None] | None = None  # a planned call's casts a replay hoists
-    hoisted: dict[tuple, tuple] = {}  # a replay's casts made at its entry (_dist_pvary)
+    hoistable: dict[tuple, None] | None = None  # a planned call's casts a replay may hoist
+    hoisted_aliases: dict[tuple, tuple] | None = None  # a replay's casts made at its entry
 
     def axis_index(self, axes):
         index = torch.tensor(self.mesh.comm(axes).index, device=self.mesh.device)
         return self.stamp(index, Vma.of(axes))
 
     def per_member(self, axes, make):
-        with (
-            torch_private.DisableTorchFunction()
-        ):  # a plain value: only its stamp says where it varies
+        with torch_private.DisableTorchFunction():  # a plain value: its stamp says where it varies
             value = make(self.mesh.comm(axes).index)
         return self.stamp(value, Vma.of(axes))
 
@@ -158,9 +152,8 @@ class DistributedContext(TrackedContext):
         node unread and joins a bucket (pvary'd as the view, its backward would wait for the sum
         at once); a CommMode still records the view's psum, as the simulated mesh does. Only a
         view by one built-in view op of a leaf or input of the call, of the view's own type."""
-        alias = _dist_pvary.hoisted(self, t, axes) if self.hoisted else None  # (a replay's)
-        if alias is not None:
-            return alias
+        if self.hoisted_aliases and (alias := _dist_pvary.hoisted(self, t, axes)) is not None:
+            return alias  # (made at a replay's entry)
         # (a leaf, as a parameter, is no view: the common case, decided without the lookup)
         source = None if t.grad_fn is None else self._view_source(t, axes)
         if source is None:
@@ -170,13 +163,14 @@ class DistributedContext(TrackedContext):
             return implicit_pvary(self, t, axes)
         # apart from the source's own alias (cached_pvary), which records its psum
         alias = self.memo_alias(
-            source, (*axes, "<views>"), lambda: _dist_pvary.source_pvary(self, source, axes)
+            source, (*axes, _dist_pvary.VIEWS), lambda: _dist_pvary.source_pvary(self, source, axes)
         )
         with torch_private.DisableTorchFunction():
             view = alias.as_strided(t.size(), t.stride(), t.storage_offset())
         return self.stamp(record_implicit_psum(view, axes), self.vma(alias))
 
-    planned_hoists, hoist = _dist_pvary.planned, _dist_pvary.hoist  # (a replay's casts)
+    planned_hoistable, hoist_casts = _dist_pvary.planned, _dist_pvary.hoist  # (a replay's)
+    release_hoisted = _dist_pvary.release
 
     def _view_source(self, t, axes):
         if torch_private.is_transform_wrapped(t) or self.single_axes.issuperset(axes):
@@ -274,18 +268,18 @@ class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
 class UnevenContext(UnevenPrimitives, DistributedContext):
     """A call whose ranks' blocks may differ in size (``_dist_uneven``)."""
 
-    hoist = TrackedContext.hoist  # (its pvary sizes its operands: none made ahead)
+    hoist_casts = TrackedContext.hoist_casts  # (its pvary sizes its operands: none made ahead)
 
 
-def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool) -> None:
-    """The start-of-call check (``_dist_agree``); under ``make_fx``, finished at once and out of
-    the trace (its result is read: a traced tensor has no value to read)."""
+def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool, hoistable: tuple):
+    """The start-of-call check (``_dist_agree``; ``hoistable``: a replay's, ``Plan``); under
+    ``make_fx``, finished at once, out of the trace (a traced tensor has no value to read)."""
     if isinstance(ctx, ProxyTracedContext):
         with torch_private.no_dispatch_modes():
-            _dist_agree.check_call_agrees(ctx, leaves, local_call)
+            _dist_agree.check_call_agrees(ctx, leaves, local_call, hoistable)
             ctx.mesh.pending_check()  # set just above
     else:
-        _dist_agree.check_call_agrees(ctx, leaves, local_call)
+        _dist_agree.check_call_agrees(ctx, leaves, local_call, hoistable)
 
 
 def run(call: Call) -> list[Any]:
@@ -316,7 +310,7 @@ def run(call: Call) -> list[Any]:
         if uneven:
             _dist_uneven.refuse_transforms(ctx, traced)
         if mesh.size > 1:
-            _begin(ctx, leaves, local_call)
+            _begin(ctx, leaves, local_call, () if replay is None else replay.hoistable())
         converted = None
         if replay is not None and replay.begin(ctx):
             converted = replay.replayed_conversions()
@@ -345,9 +339,7 @@ def run(call: Call) -> list[Any]:
         return result
     except RankFailedError:
         raise
-    except (
-        torch_private.control_flow_exceptions()
-    ):  # torch steering itself (checkpoint): not a failure
+    except torch_private.control_flow_exceptions():  # torch steering itself (checkpoint)
         raise
     except BaseException as raised:
         mesh.pending_check = None  # issued on every rank: it completes without this one
@@ -484,8 +476,7 @@ class DistributedBackend:
 
     run = staticmethod(run)
     adopt = staticmethod(mesh_from_device_mesh)  # a user's DeviceMesh (``backends.adopt_mesh``)
-    # a mesh of one rank per instance (``backends.make_mesh``)
-    make_mesh = staticmethod(make_distributed_mesh)
+    make_mesh = staticmethod(make_distributed_mesh)  # one rank per instance (backends.make_mesh)
 
     def uneven_state(self) -> bool:
         """Whether calls made now take dims the axes do not divide (as the simulated mesh)."""
