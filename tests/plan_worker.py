@@ -307,8 +307,8 @@ def _in_place(mesh) -> tuple[list, dict]:
 def _ranks_differ(mesh) -> list:
     """Calls after the planned one where rank 1 alone is in debug mode (it types the call, rank
     0 replays the plan, pvarying the parameters at the entry), then sets another gradient
-    bucket size, then neither: what each call raised (its class, and whether its message
-    names the difference), or its loss."""
+    bucket size, then neither, then inputs of other shapes on rank 1: what each call raised (its
+    class, and whether its message names the gradients' difference), or its loss."""
     f = ns.spmd_map(_flag_adds_a_use, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
     STATE["flag"], rank, got = True, torch.distributed.get_rank(), []
     for k, (debug, mb) in enumerate([(False, None), (True, None), (False, 1), (False, None)]):
@@ -323,6 +323,13 @@ def _ranks_differ(mesh) -> list:
         finally:
             ns.set_debug(None)
             ns.set_grad_bucket_mb(None)
+    leaves = [t.requires_grad_() for t in _params(4).values()]
+    if rank == 1:  # inputs of other shapes alone: the message leaves the gradients' parts out
+        leaves[0] = torch.zeros(10, 6, dtype=torch.float64, requires_grad=True)
+    try:
+        got.append(f(*leaves).full_tensor().item())
+    except ns.SpmdError as e:
+        got.append([type(e).__name__, "[gradients:" in str(e)])
     return got
 
 

@@ -123,6 +123,7 @@ def test_ranks_that_would_reduce_gradients_differently_raise_alike():
         calls = _outcomes()[rank, RANKS_DIFFER]["calls"]
         assert calls[1:3] == [["SpmdError", True]] * 2, calls
         assert all(isinstance(c, float) for c in (calls[0], calls[3])), calls
+        assert calls[4] == ["SpmdError", False], calls
 
 
 @pytest.mark.parametrize("name", list(CASES))

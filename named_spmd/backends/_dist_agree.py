@@ -122,7 +122,7 @@ def _disagree(
     )
     mine = f"{ctx.fn_label}{'.local' if local else ''}({shapes})"
     mine += f" [gradients: buckets of {reduces[0]} bytes; inputs pvary'd at the entry of a "
-    mine += f"replay: {list(reduces[1:])}]"
+    mine += f"replay: {list(reduces[1:])}]"  # (dropped below where every rank's is the same)
     board = mesh.board
     got = exchange(
         board,
@@ -142,6 +142,8 @@ def _disagree(
         missed = sorted(r for r, k in knowns.items() if k < latest)
         raise board.missed_failure(latest, missed)
     board.learned(latest)  # on every rank alike
+    if len({v[v.rindex(" [gradients: ") :] for v in got.values()}) == 1:
+        got = {r: v[: v.rindex(" [gradients: ")] for r, v in got.items()}
     lines = "\n".join(f"    {board.where(r)}: {v}" for r, v in got.items())
     kind = "block" if local else "global"
     raise SpmdError(
