@@ -122,7 +122,7 @@ def _disagree(
     )
     mine = f"{ctx.fn_label}{'.local' if local else ''}({shapes})"
     mine += f" [gradients: buckets of {reduces[0]} bytes; inputs pvary'd at the entry of a "
-    mine += f"replay: {list(reduces[1:])}]"  # (dropped below where every rank's is the same)
+    mine += f"replay: {list(reduces[1:])}]"  # (told only where the inputs are alike)
     board = mesh.board
     got = exchange(
         board,
@@ -142,8 +142,9 @@ def _disagree(
         missed = sorted(r for r, k in knowns.items() if k < latest)
         raise board.missed_failure(latest, missed)
     board.learned(latest)  # on every rank alike
-    if len({v[v.rindex(" [gradients: ") :] for v in got.values()}) == 1:
-        got = {r: v[: v.rindex(" [gradients: ")] for r, v in got.items()}
+    inputs = {r: v[: v.rindex(" [gradients: ")] for r, v in got.items()}
+    if len(set(inputs.values())) > 1:  # (the inputs differ: their gradients follow from that)
+        got = inputs
     lines = "\n".join(f"    {board.where(r)}: {v}" for r, v in got.items())
     kind = "block" if local else "global"
     raise SpmdError(
