@@ -299,38 +299,63 @@ def _written_in_place(x, w1, b1, w2, s, v):
 
 
 def _in_place(mesh) -> tuple[list, dict]:
-    """A parameter written in place in the body: the alias a replay made of it at its entry
-    is stale by its use (autograd refuses a view of it), and a cast made then serves it."""
+    """A parameter written in place in the body before its first use: the alias a replay made
+    of it at its entry (no autograd view of it) serves it."""
     return _steps(_written_in_place, mesh, 3)
 
 
-def _ranks_differ(mesh) -> list:
-    """Calls after the planned one where rank 1 alone is in debug mode (it types the call, rank
-    0 replays the plan, pvarying the parameters at the entry), then sets another gradient
-    bucket size, then neither, then inputs of other shapes on rank 1: what each call raised (its
-    class, and whether its message names the gradients' difference), or its loss."""
-    f = ns.spmd_map(_flag_adds_a_use, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
+def _rank_local(x, w1, b1, w2, s, v):
+    """What ``STATE["local"]`` sets on this rank alone: a type read (the call is not planned),
+    or ``w2`` written in place, without grad, before its first use."""
+    if STATE["local"] == "read":
+        ns.vma(x)
+    if STATE["local"] == "write":
+        with torch.no_grad():
+            w2.mul_(1.0)
+    return _flag_adds_a_use(x, w1, b1, w2, s, v)
+
+
+# call k: (what rank 0 does alone, what rank 1 does alone); rank 0 reads a type in the first
+# call (rank 1 plans it, rank 0 plans the next, which rank 1 replays), rank 1 sets debug mode,
+# another bucket size, writes w2 in place, passes inputs of other shapes
+_RANK_LOCAL = [
+    ("read", None),
+    (None, None),
+    (None, "debug"),
+    (None, "bucket"),
+    (None, "write"),
+    (None, "shapes"),
+    (None, None),
+]
+
+
+def _ranks_differ(mesh) -> tuple[list, dict]:
+    """Calls in which one rank alone differs (:data:`_RANK_LOCAL`): where its backward's
+    all-reduces would differ (a replay pvarying the parameters at its entry where the other
+    rank types the call), neither rank makes those casts, and the call is the typed one; debug
+    mode, a bucket size or inputs that differ raise on both ranks (the message naming the
+    settings only where the inputs are alike): each call's loss and gradients, or its error."""
+    f = ns.spmd_map(_rank_local, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
     STATE["flag"], rank, got = True, torch.distributed.get_rank(), []
-    for k, (debug, mb) in enumerate([(False, None), (True, None), (False, 1), (False, None)]):
-        ns.set_debug(debug and rank == 1 or None)
-        ns.set_grad_bucket_mb(mb if rank == 1 else None)
+    for k, local in enumerate(_RANK_LOCAL):
+        mine = local[rank]
+        STATE["local"] = mine
+        ns.set_debug(mine == "debug" or None)
+        ns.set_grad_bucket_mb(1 if mine == "bucket" else None)
+        leaves = [t.requires_grad_() for t in _params(k).values()]
+        if mine == "shapes":
+            leaves[0] = torch.zeros(10, 6, dtype=torch.float64, requires_grad=True)
         try:
-            leaves = [t.requires_grad_() for t in _params(k).values()]
-            got.append(f(*leaves).full_tensor().item())
+            loss = f(*leaves).full_tensor()
+            grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
+            got.append((loss.detach(), list(grads)))
         except ns.SpmdError as e:
-            said = "pvary'd at the entry of a replay: [1, 2, 3]" if debug else "buckets of 1048576"
-            got.append([type(e).__name__, said in str(e)])
+            got.append([type(e).__name__, "[settings: " in str(e)])
         finally:
             ns.set_debug(None)
             ns.set_grad_bucket_mb(None)
-    leaves = [t.requires_grad_() for t in _params(4).values()]
-    if rank == 1:  # inputs of other shapes alone: the message leaves the gradients' parts out
-        leaves[0] = torch.zeros(10, 6, dtype=torch.float64, requires_grad=True)
-    try:
-        got.append(f(*leaves).full_tensor().item())
-    except ns.SpmdError as e:
-        got.append([type(e).__name__, "[gradients:" in str(e)])
-    return got
+    errors = [k for k, g in enumerate(got) if isinstance(g, list)]
+    return got, {"errors": errors, "settings named": [k for k in errors if got[k][1]]}
 
 
 def _problems(got: list, want: list) -> list[str]:
@@ -355,8 +380,6 @@ def run(name: str, mesh) -> dict:
     if name == LOCAL_THEN_GLOBAL:
         got, want = _local_then_global(mesh)
         return {"problems": _problems(got, want), "calls": len(got)}
-    if name == RANKS_DIFFER:
-        return {"calls": _ranks_differ(mesh)}
     if name in EVERY_CALL:
         got, seen = EVERY_CALL[name](mesh)
         _replay.ENABLED = False
@@ -375,9 +398,14 @@ def run(name: str, mesh) -> dict:
     return {"problems": problems, "replays": replays, "calls": len(got), "hoisted": hoisted}
 
 
-LOCAL_THEN_GLOBAL, RANKS_DIFFER = "local_then_global", "ranks_differ"
+LOCAL_THEN_GLOBAL = "local_then_global"
 # name -> its calls, compared with the same calls typed: ([(loss, grads), ...], what it saw)
-EVERY_CALL = {"second_order": _second_order, "recorded": _recorded, "in_place": _in_place}
+EVERY_CALL = {
+    "second_order": _second_order,
+    "recorded": _recorded,
+    "in_place": _in_place,
+    "ranks_differ": _ranks_differ,
+}
 
 if __name__ == "__main__":
-    report_outcomes([*CASES, LOCAL_THEN_GLOBAL, *EVERY_CALL, RANKS_DIFFER], run)
+    report_outcomes([*CASES, LOCAL_THEN_GLOBAL, *EVERY_CALL], run)

@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 from _dist_launch import launch
-from plan_worker import CASES, LOCAL_THEN_GLOBAL, RANKS_DIFFER, run
+from plan_worker import CASES, LOCAL_THEN_GLOBAL, run
 
 import named_spmd as ns
 from named_spmd import _torch_private
@@ -105,25 +105,25 @@ def test_a_replays_context_is_freed_with_its_graph():
 
 
 @pytest.mark.distributed
-def test_a_parameter_written_in_place_in_the_body_is_cast_at_its_use():
-    """Written in place (without grad) before its first use, a parameter is cast at its use
-    (the alias made at the replay's entry is stale): the typed calls' values and gradients."""
+def test_a_parameter_written_in_place_in_the_body_keeps_its_alias():
+    """Written in place (without grad) before its first use, a parameter's alias made at the
+    replay's entry serves its use: the typed calls' values and gradients."""
     for rank in (0, 1):
         outcome = _outcomes()[rank, "in_place"]
         assert outcome["problems"] == [] and outcome["hoisted"] == [False, True, True], outcome
 
 
 @pytest.mark.distributed
-def test_ranks_that_would_reduce_gradients_differently_raise_alike():
-    """Debug mode on one rank only (it types the call where the other replays the plan,
-    pvarying the parameters at the entry), then a gradient bucket size on one rank only: the
-    all-reduces of the backward would not match (silently wrong sums); the start-of-call check
-    raises on both ranks, naming the difference. The calls before and after run."""
+def test_ranks_that_would_reduce_gradients_differently_do_not_hoist_or_raise_alike():
+    """One rank alone reads a type (so it plans a later call than the other) or writes a
+    parameter in place: the calls equal the typed ones (no rank pvarys at its entry where
+    another would not); debug mode, a bucket size or inputs of other shapes on one rank: both
+    raise, the settings named only where the inputs are alike."""
     for rank in (0, 1):
-        calls = _outcomes()[rank, RANKS_DIFFER]["calls"]
-        assert calls[1:3] == [["SpmdError", True]] * 2, calls
-        assert all(isinstance(c, float) for c in (calls[0], calls[3])), calls
-        assert calls[4] == ["SpmdError", False], calls
+        outcome = _outcomes()[rank, "ranks_differ"]
+        assert outcome["problems"] == [] and outcome["errors"] == [2, 3, 5], outcome
+        assert outcome["settings named"] == [2, 3], outcome
+        assert outcome["typed"] == {"errors": [2, 3, 5], "settings named": [2, 3]}, outcome
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -66,9 +66,10 @@ def check_call_agrees(
     (``_dist_waiting._ahead``). Only when the checksums differ are the descriptions exchanged.
     It is started here and finished (``mesh.pending_check``) before the call's first collective
     (``Comm``) or at the end of the body, so the body's computation until then overlaps it.
-    It also compares what decides, beside the inputs, how the call's gradients are all-reduced
-    (ranks that differ there would sum mismatched elements): the bucket size, and the inputs a
-    replay pvarys at its entry, ``hoistable`` (``_dist_pvary``; none: typed, as in debug mode)."""
+    It also compares what decides, beside the inputs, how the call communicates (ranks that
+    differ there would sum mismatched elements, or wait): the bucket size and debug mode, and
+    the inputs a replay pvarys at its entry, ``hoistable`` (``_dist_pvary``; none where a rank
+    types the call, having read a type in its planned one: then no rank makes them)."""
     mesh = ctx.mesh
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     # hash() of int tuples (a torch.Size is one) is the same in every process; of str it is not
@@ -83,12 +84,13 @@ def check_call_agrees(
         (x.shape, codes.get(x.dtype) or dtype_code(x.dtype), grad and x.requires_grad)
         for x in tensors
     ]
-    reduces = (bucket_bytes(), *(at for at, _ in hoistable))
-    metadata = hash((local, known, reduces, *described))
+    settings = (bucket_bytes(), mesh.debug)
+    metadata = hash((local, known, settings, *described))
     checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
     # and what this rank recalls of the signature's last call (an uneven call's shapes), which
     # the call relies on only where every rank recalls the same
-    recalled = ctx.recall_shapes(checksum) & _INT62
+    # and the casts a replay would make at its entry, which it makes only where every rank would
+    recalled = (ctx.recall_shapes(checksum) ^ hash(tuple(at for at, _ in hoistable))) & _INT62
     comm = mesh.check_comm()
     started = comm.start_agree(checksum ^ recalled, "the start-of-call check")
     if active():  # a collective of the call: CommMode counts it, as a boundary event
@@ -98,7 +100,7 @@ def check_call_agrees(
     def finish() -> None:
         mesh.pending_check = None
         if not comm.agreed(started, "the start-of-call check"):
-            _disagree(ctx, tensors, [d[2] for d in described], local, known, recalled, reduces)
+            _disagree(ctx, tensors, [d[2] for d in described], local, known, recalled, settings)
 
     mesh.pending_check = finish
 
@@ -110,7 +112,7 @@ def _disagree(
     local: bool,
     known: int,
     recalled: int,
-    reduces: tuple,
+    settings: tuple[int, bool],
 ) -> None:
     """The checksums differ: exchange the descriptions and raise on every rank alike, or, where
     only what the ranks recall of the signature's last call differs, forget it on every rank
@@ -121,8 +123,8 @@ def _disagree(
         for x, g in zip(tensors, grads)
     )
     mine = f"{ctx.fn_label}{'.local' if local else ''}({shapes})"
-    mine += f" [gradients: buckets of {reduces[0]} bytes; inputs pvary'd at the entry of a "
-    mine += f"replay: {list(reduces[1:])}]"  # (told only where the inputs are alike)
+    # (told only where the inputs are alike)
+    mine += f" [settings: gradient buckets of {settings[0]} bytes, debug mode {settings[1]}]"
     board = mesh.board
     got = exchange(
         board,
@@ -142,7 +144,7 @@ def _disagree(
         missed = sorted(r for r, k in knowns.items() if k < latest)
         raise board.missed_failure(latest, missed)
     board.learned(latest)  # on every rank alike
-    inputs = {r: v[: v.rindex(" [gradients: ")] for r, v in got.items()}
+    inputs = {r: v[: v.rindex(" [settings: ")] for r, v in got.items()}
     if len(set(inputs.values())) > 1:  # (the inputs differ: their gradients follow from that)
         got = inputs
     lines = "\n".join(f"    {board.where(r)}: {v}" for r, v in got.items())
@@ -160,7 +162,7 @@ def _disagree(
             else "a plain tensor is the global value, present on every rank"
         )
         + "). Fix: make the inputs' shapes, their requires_grad, the grad mode, the call "
-        "sequence, ns.set_grad_bucket_mb and debug mode (which replays no plan) independent "
+        "sequence, ns.set_grad_bucket_mb and debug mode (ns.set_debug) independent "
         "of the rank."
     )
 

@@ -27,10 +27,11 @@ buckets, started as they fill. The group's all-reduce runs when its last gradien
 waited for there: no overlap within a group (it is at most one bucket). Values and gradients
 are the common case's; the all-reduces of a backward pass are fewer.
 
-Which casts are noted and hoisted depends on nothing local to a rank beyond what the
-start-of-call check compares (``_dist_agree``): a ``CommMode`` on one rank only still hoists,
-each alias then tagged at its use so that the mode counts its backward psum (:func:`hoisted`),
-because the ranks' all-reduces of a backward pass must match element for element.
+The ranks' all-reduces of a backward pass must match element for element: a replay hoists only
+where every rank's would hoist the same inputs (the start-of-call check, finished before: a rank
+that types the call, having read a type in its planned call, makes none), and
+a ``CommMode`` on one rank only still hoists, each alias then tagged at its use so that the
+mode counts its backward psum (:func:`hoisted`).
 """
 
 from __future__ import annotations
@@ -147,8 +148,12 @@ def planned(ctx: Any) -> tuple:
 
 def hoist(ctx: Any, hoistable: tuple) -> None:
     """``ctx.hoist_casts(hoistable)``: one :class:`PvaryAll` per group of axes, dtype and
-    device whose inputs are each the common case and whose gradients fit one bucket."""
-    if not _common_now():
+    device whose inputs are each the common case and whose gradients fit one bucket. Only where
+    every rank would (the start-of-call check, finished first: a rank that typed the call, or
+    hoists other inputs, all-reduces other buffers in backward)."""
+    if ctx.mesh.pending_check is not None:
+        ctx.mesh.pending_check()
+    if not _common_now() or ctx.hoist_refused:
         return
     groups: dict[tuple, list] = {}
     for at, tag in hoistable:
@@ -173,17 +178,16 @@ def hoist(ctx: Any, hoistable: tuple) -> None:
             if stamp is None:
                 stamp = stamps[vma] = ctx.stamp_of(vma.add(axes))
             alias.__dict__[_ATTR] = stamp
-            ctx.hoisted_aliases[(id(t), tag)] = (t, alias, t._version)
+            ctx.hoisted_aliases[(id(t), tag)] = (t, alias)
 
 
 def hoisted(ctx: Any, t: torch.Tensor, tag: tuple) -> torch.Tensor | None:
     """The alias :func:`hoist` made of ``t`` for ``tag``, handed out once (the cache of casts
-    keeps it from then on), with the number the cast it stands for gets in a typed call; None
-    where ``t`` was written in place since (a view of it made before would fail autograd's
-    check: a cast made now). While a ``CommMode`` records, a parameter's alias (not a view's
-    source: the view's psum is recorded) is tagged so that its backward psum is counted."""
+    keeps it from then on), with the number the cast it stands for gets in a typed call. While
+    a ``CommMode`` records, a parameter's alias (not a view's source: the view's psum is
+    recorded) is tagged so that its backward psum is counted."""
     hit = ctx.hoisted_aliases.pop((id(t), tag), None)
-    if hit is None or t._version != hit[2]:
+    if hit is None:
         return None
     alias = hit[1]
     if _modes.stack and tag[-1] != VIEWS:
@@ -213,7 +217,11 @@ class PvaryAll(torch.autograd.Function):
 
     @staticmethod
     def forward(spmd, axes, *ts):
-        return tuple(t.view_as(t) for t in ts)
+        # not views of the inputs for autograd (as view_as would make them): an input written
+        # in place (under no_grad) before its alias's first use leaves the alias valid, as it
+        # leaves a cast made at that use; the version counter is shared, so a write after a
+        # use that saved the alias is still caught
+        return tuple(t.detach() for t in ts)
 
     @staticmethod
     def setup_context(node, inputs, output):

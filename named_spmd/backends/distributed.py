@@ -96,6 +96,7 @@ class DistributedContext(TrackedContext):
     input_nodes: dict[int, torch.Tensor] | None = None  # id(grad_fn) -> input, made on demand
     hoistable: dict[tuple, None] | None = None  # a planned call's casts a replay may hoist
     hoisted_aliases: dict[tuple, tuple] | None = None  # a replay's casts made at its entry
+    hoist_refused = False  # some rank would not make them (the start-of-call check)
 
     def axis_index(self, axes):
         index = torch.tensor(self.mesh.comm(axes).index, device=self.mesh.device)
@@ -141,7 +142,9 @@ class DistributedContext(TrackedContext):
         return 0
 
     def forget_shapes(self) -> None:
-        """The ranks recall different things of the signature's last call: assume nothing."""
+        """The ranks recall different things of the signature's last call: assume nothing (a
+        replay makes no cast at its entry: ``_dist_pvary.hoist``)."""
+        self.hoist_refused = True
 
     def psum_in_backward(self, g, axes, node):
         return _dist_overlap.psum_in_backward(g, self.mesh.comm(axes), node)
