@@ -167,8 +167,10 @@ def check_outputs(
             continue
         vma = ctx.vma(leaf)
         if not vma <= spec.axes:  # rule 4: a subset of the named axes
-            extra = vma.remove(spec.axes)
-            vma_problems.append(varying_problem(where, leaf, spec, extra, ctx))
+            # (an axis the spec says is unreduced is the next bullet's, which says to pcast)
+            extra = vma.remove(spec.axes + tuple(spec.unreduced))
+            if extra.varying:
+                vma_problems.append(varying_problem(where, leaf, spec, extra, ctx))
         if vma.unreduced != spec.unreduced:
             vma_problems.append(unreduced_problem(where, leaf, spec, ctx))
     if len(problems) > deferred:

@@ -81,8 +81,8 @@ def _naming_fix(spec: PartitionSpec, axes: tuple[str, ...], rank: int, layout: A
     entries[0][len(spec.entry_axes(0)) : len(spec.entry_axes(0))] = unknown
     named = PartitionSpec(
         *(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries),
-        unreduced=spec.unreduced,
-        reduced=spec.reduced,
+        unreduced=spec.unreduced.difference(axes),  # (an axis has one state in a spec)
+        reduced=spec.reduced.difference(axes),
     )
     if not unknown and not crowded:
         return (

@@ -311,6 +311,37 @@ def test_out_specs_violation_for_a_rank0_output_suggests_a_singleton_dim():
     assert "scalar" in str(info.value) and "ns.psum(y, 'dp')" in str(info.value)
 
 
+def _row_sums(x):
+    return x.sum(0)
+
+
+@pytest.mark.parametrize(
+    "out_spec, bullets, fixed_spec",
+    [
+        # varying over tp, declared unreduced there: only the unreduced bullet (pcast)
+        (P("dp", unreduced={"tp"}), 1, None),
+        # varying over tp, declared reduced there: Fix 2 names tp and drops it from reduced=
+        (P("dp", reduced={"tp"}), 1, P(("dp", "tp"))),
+    ],
+)
+def test_out_specs_fix_for_a_partial_spec_is_a_valid_spec(out_spec, bullets, fixed_spec):
+    """An axis has one state in a spec: the message neither says that an out_spec naming an
+    axis as unreduced does not name it, nor suggests a spec giving an axis two states (which
+    raises a SpecError of its own)."""
+    x = _x(16, 4)
+    f = ns.spmd_map(_row_sums, mesh=MESH, in_specs=P(None, ("dp", "tp")), out_specs=out_spec)
+    with pytest.raises(ns.VmaError) as info:
+        f(x)
+    msg = str(info.value)
+    assert msg.count("\n  - ") == bullets, msg
+    if fixed_spec is None:
+        assert "does not name" not in msg and "to='unreduced'" in msg
+        return
+    assert _fix2_spec(msg) == fixed_spec
+    fixed = ns.spmd_map(_row_sums, mesh=MESH, in_specs=P(None, ("dp", "tp")), out_specs=fixed_spec)
+    torch.testing.assert_close(fixed(x), x.sum(0))
+
+
 def test_named_but_invariant_axis_is_fine_and_concatenates_copies():
     w = _x(3)
     out = ns.spmd_map(lambda w: w * 2, mesh=MESH, in_specs=P(), out_specs=P(("dp", "tp")))(w)
