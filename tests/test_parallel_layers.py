@@ -134,14 +134,10 @@ def test_sequence_entry_and_exit_are_gather_and_sum(mesh):
 # --- vocabulary ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scatter", [False, True], ids=["psum", "sequence"])
-def test_vocab_embedding(mesh, scatter):
-    vocab, dim = 16, 5
-    ids = torch.randint(0, vocab, (4, 8), generator=torch.Generator().manual_seed(1))
-    ids[0, : vocab // 2] = torch.arange(0, vocab, 2)  # every block of the table is hit
-    w = randn(vocab, dim)
+def _mapped_embedding(mesh, scatter: bool):
+    """``pl.vocab_embedding`` over tp (the ids split over dp where the mesh has it)."""
     d = dp(mesh)
-    f = ns.spmd_map(
+    return ns.spmd_map(
         lambda ids, w: pl.vocab_embedding(
             ids, w, axis_name="tp", scatter_dim=1 if scatter else None
         ),
@@ -149,7 +145,15 @@ def test_vocab_embedding(mesh, scatter):
         in_specs=(P(d), P("tp")),
         out_specs=P(d, "tp") if scatter else P(d),
     )
-    assert_same(f, F.embedding, (ids, w))
+
+
+@pytest.mark.parametrize("scatter", [False, True], ids=["psum", "sequence"])
+def test_vocab_embedding(mesh, scatter):
+    vocab, dim = 16, 5
+    ids = torch.randint(0, vocab, (4, 8), generator=torch.Generator().manual_seed(1))
+    ids[0, : vocab // 2] = torch.arange(0, vocab, 2)  # every block of the table is hit
+    w = randn(vocab, dim)
+    assert_same(_mapped_embedding(mesh, scatter), F.embedding, (ids, w))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -157,14 +161,7 @@ def test_vocab_embedding_keeps_the_tables_dtype(mesh, dtype):
     vocab, dim = 8, 3
     ids = torch.tensor([[1, vocab, 5, vocab - 1]] * 2)
     w = randn(vocab, dim).to(dtype)
-    d = dp(mesh)
-    f = ns.spmd_map(
-        lambda ids, w: pl.vocab_embedding(ids, w, axis_name="tp"),
-        mesh=mesh,
-        in_specs=(P(d), P("tp")),
-        out_specs=P(d),
-    )
-    y = f(ids, w)
+    y = _mapped_embedding(mesh, False)(ids, w)
     assert y.dtype == dtype
     good = torch.tensor([0, 2, 3])
     torch.testing.assert_close(y[:, good], F.embedding(ids[:, good], w))
@@ -177,16 +174,7 @@ def test_vocab_embedding_of_an_id_outside_the_vocabulary_is_nan(mesh, scatter):
     vocab, dim = 8, 3
     ids = torch.tensor([[1, vocab, -1, vocab - 1]] * 2)
     w = randn(vocab, dim).requires_grad_()
-    d = dp(mesh)
-    f = ns.spmd_map(
-        lambda ids, w: pl.vocab_embedding(
-            ids, w, axis_name="tp", scatter_dim=1 if scatter else None
-        ),
-        mesh=mesh,
-        in_specs=(P(d), P("tp")),
-        out_specs=P(d, "tp") if scatter else P(d),
-    )
-    y = f(ids, w)
+    y = _mapped_embedding(mesh, scatter)(ids, w)
     assert torch.isnan(y).any(-1).tolist() == [[False, True, True, False]] * 2, y
     good = torch.tensor([0, 3])
     dense = F.embedding(ids[:, good], w)
