@@ -138,12 +138,10 @@ def use_counts(x: torch.Tensor) -> tuple[int, int, int]:
 
 
 def view_source(t: torch.Tensor, sources: dict[int, torch.Tensor]) -> torch.Tensor | None:
-    """The tensor ``t`` is a view of, where built-in view ops (not an ``autograd.Function``)
-    made ``t`` from a leaf that requires grad (its node is ``AccumulateGrad``) or from a tensor
-    of ``sources`` (``id`` of its ``grad_fn`` -> it): one op of any kind, or a chain of the
-    common view ops (``w.t().unsqueeze(0)``), whose gradient otherwise reaches the leaf as the
-    pending sum's view; else None. (``Tensor._is_view`` and ``AccumulateGrad.variable``:
-    private.)"""
+    """The tensor ``t`` is a view of, where one built-in view op (not an ``autograd.Function``)
+    made ``t`` directly from a leaf that requires grad (its node is ``AccumulateGrad``) or from
+    a tensor of ``sources`` (``id`` of its ``grad_fn`` -> it); else None. (``Tensor._is_view``
+    and ``AccumulateGrad.variable``: private.)"""
     node = t.grad_fn
     if (
         node is None
@@ -151,28 +149,14 @@ def view_source(t: torch.Tensor, sources: dict[int, torch.Tensor]) -> torch.Tens
         or isinstance(node, torch.autograd.function.BackwardCFunction)
     ):
         return None
-    source = None
-    for _ in range(_MAX_VIEWS):
-        nexts = node.next_functions
-        if len(nexts) != 1:
-            return None
-        below: Any = nexts[0][0]  # torch's stubs lack AccumulateGrad's variable
-        source = below.variable if type(below) is AccumulateGrad else sources.get(id(below))
-        if source is not None or not {type(node).__name__, type(below).__name__} <= _VIEW_NODES:
-            break  # (a chain: every op in it a view, the top one too, e.g. not an in-place op)
-        node = below
+    nexts = node.next_functions
+    if len(nexts) != 1:
+        return None
+    below: Any = nexts[0][0]  # torch's stubs lack AccumulateGrad's variable
+    source = below.variable if type(below) is AccumulateGrad else sources.get(id(below))
     if source is None or source.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
         return None
     return source
-
-
-# the nodes of view ops whose chain :func:`view_source` follows down to the source (each one's
-# backward is a view again, so a pending sum would reach the leaf's ``.grad`` as a view of it)
-_VIEW_NODES = frozenset(
-    f"{op}Backward0"
-    for op in ("T", "Transpose", "Permute", "View", "Unsqueeze", "Squeeze", "Alias", "Expand")
-) | {"SqueezeBackward1", "SqueezeBackward2", "SliceBackward0", "SelectBackward0"}
-_MAX_VIEWS = 8
 
 
 def node_class(function: type[torch.autograd.Function]) -> type:

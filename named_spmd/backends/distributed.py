@@ -154,8 +154,7 @@ class DistributedContext(TrackedContext):
         view made again from that alias: its gradient's psum reaches the parameter's gradient
         node unread and joins a bucket (pvary'd as the view, its backward would wait for the sum
         at once); a CommMode still records the view's psum, as the simulated mesh does. Only a
-        view by built-in view ops of a leaf or input of the call (``torch_private.view_source``),
-        of the view's own type."""
+        view by one built-in view op of a leaf or input of the call, of the view's own type."""
         if self.hoisted_aliases and (alias := _dist_pvary.hoisted(self, t, axes)) is not None:
             return alias  # (made at a replay's entry)
         # (a leaf, as a parameter, is no view: the common case, decided without the lookup)
