@@ -279,6 +279,7 @@ def run_checks(args, rank, world) -> None:
     results += _overlapped_gradient_checks(mesh, world)
     results += _ragged_checks(mesh, world)
     results += _cast_alias_checks(mesh)
+    results.append(_hooked_view_of_a_parameter(mesh, world))
     reentrant = ns.spmd_map(
         lambda x, w: ns.psum(
             checkpoint(lambda a, w: torch.sin(a * w), x, w, use_reentrant=True), ("dp", "tp")
@@ -298,6 +299,36 @@ def run_checks(args, rank, world) -> None:
     )
     for r in results:
         print("CHECK " + json.dumps({**r, "rank": rank}), flush=True)
+
+
+def _hooked_view_of_a_parameter(mesh, world) -> dict:
+    """A hook on a view of a parameter (made outside the call, used inside) sees the view's
+    summed gradient: the view is pvary'd as itself, not at the parameter (which would leave
+    the view's node, and its hook, out of the backward pass)."""
+    from named_spmd.backends.distributed import to_local
+
+    axes = tuple(mesh.axis_names)
+    w = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64).reshape(2, 3).requires_grad_()
+    dense = w.detach().clone().requires_grad_()
+    x = torch.arange(6.0 * world, dtype=torch.float64).reshape(2 * world, 3)
+    for param in (w, dense):
+        view = param.t()
+        view.register_hook(lambda g: g * 3)
+        if param is w:
+            f = ns.spmd_map(
+                lambda x: ns.psum((x @ view).sum(), axes),
+                mesh=mesh,
+                in_specs=P(axes),
+                out_specs=P(),
+            )
+            to_local(f(x)).backward()
+        else:
+            (x @ view).sum().backward()
+    ok = torch.allclose(w.grad, dense.grad)
+    return {
+        "check": "a hook on a view of a parameter",
+        "problems": [] if ok else [f"{w.grad} != dense {dense.grad}"],
+    }
 
 
 def _cast_alias_checks(mesh) -> list[dict]:

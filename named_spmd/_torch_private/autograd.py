@@ -140,13 +140,15 @@ def use_counts(x: torch.Tensor) -> tuple[int, int, int]:
 def view_source(t: torch.Tensor, sources: dict[int, torch.Tensor]) -> torch.Tensor | None:
     """The tensor ``t`` is a view of, where one built-in view op (not an ``autograd.Function``)
     made ``t`` directly from a leaf that requires grad (its node is ``AccumulateGrad``) or from
-    a tensor of ``sources`` (``id`` of its ``grad_fn`` -> it); else None. (``Tensor._is_view``
-    and ``AccumulateGrad.variable``: private.)"""
+    a tensor of ``sources`` (``id`` of its ``grad_fn`` -> it); else None, and where ``t`` is
+    :func:`watched` (its hooks must see its own gradient). (``Tensor._is_view`` and
+    ``AccumulateGrad.variable``: private.)"""
     node = t.grad_fn
     if (
         node is None
         or not t._is_view()
         or isinstance(node, torch.autograd.function.BackwardCFunction)
+        or watched(t)
     ):
         return None
     nexts = node.next_functions
