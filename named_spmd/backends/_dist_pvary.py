@@ -21,11 +21,11 @@ of one group, dtype and device by one :class:`PvaryAll` node, as DDP reduces its
 gradients: one autograd node, one all-reduce of their concatenation when the last of their
 gradients is in, instead of a node and a bucket entry per parameter. The cache of casts hands
 each alias out at its first use (:func:`hoisted`), numbered then, as typing would; an alias no
-op of the call uses gets no gradient, and its input none from it (as without the cast). Only
-where the group's gradients fit one bucket (``set_grad_bucket_mb``): a larger set keeps its
-buckets, started as they fill. The group's all-reduce runs when its last gradient is in, and is
-waited for there: no overlap within a group (it is at most one bucket). Values and gradients
-are the common case's; the all-reduces of a backward pass are fewer.
+op of the call uses gets no gradient, and its input none from it (as without the cast). The
+group's all-reduce runs when its last gradient is in, and is waited for there (no overlap), so
+only a group smaller than a bucket (``set_grad_bucket_mb``) and :data:`MAX_HOISTED_BYTES` is
+hoisted; a larger one keeps its buckets, started as they fill. Values and gradients are the
+common case's; the all-reduces of a backward pass are fewer.
 
 The ranks' all-reduces of a backward pass must match element for element: a replay hoists only
 where every rank's would hoist the same inputs (the start-of-call check, finished before: a rank
@@ -107,6 +107,12 @@ def source_pvary(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tens
 
 VIEWS = "<views>"
 
+#: The largest group hoisted: its all-reduce is waited for in backward, not overlapped, which
+#: costs more than the Python per parameter it saves once the gradients are large (the
+#: Megatron MLP step of benchmarks/bench_distributed.py at H=1024, 16 MB hoisted: 1.38x the
+#: hand-written step, against 1.22x with its buckets).
+MAX_HOISTED_BYTES = 4 << 20
+
 
 def _common(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> Vma | None:
     """``t``'s type where its pvary over ``axes`` is the common case (module doc), else None."""
@@ -162,14 +168,14 @@ def hoist(ctx: Any, hoistable: tuple) -> None:
         if t.requires_grad and not vma.reduced:
             axes = tag[:-1] if tag[-1] == VIEWS else tag
             groups.setdefault((axes, t.dtype, t.device), []).append((t, tag, vma))
-    cap = buckets.bucket_bytes()
+    cap = min(buckets.bucket_bytes(), MAX_HOISTED_BYTES)
     ctx.hoisted_aliases = {}
     for (axes, _, _), members in groups.items():
         ts = [t for t, _, _ in members]
         if len(ts) < 2 or ctx.single_axes.issuperset(axes):
             continue  # (one alone gains nothing; over a group of one a pvary is no node)
         if sum(t.numel() * t.element_size() for t in ts) >= cap:
-            continue  # more than a bucket keeps its buckets, started as they fill
+            continue  # larger: its buckets, started as they fill (MAX_HOISTED_BYTES)
         with DisableTorchFunction():
             aliases = _apply_all(ctx, axes, *ts)
         stamps: dict[Vma, tuple] = {}  # (the parameters of a group have one or two types)
