@@ -25,7 +25,8 @@ Six measurements, printed by rank 0:
    rank, versus the same by hand: one ``all_to_all_single`` with split sizes, the rows placed
    at their offsets; and by hand with the sizes and offsets exchanged first (the program where
    only the senders know them), and an empty spmd_map call on the same inputs (the floor):
-   median per call and the CPU time of the ranks together (``--only ragged``).
+   median per call and the CPU time of the ranks together (``--only ragged``); here and in 5.,
+   the process-group calls one call makes on rank 0, spmd_map's and the hand-written one's.
 5. A stencil step (tutorial 12's heat equation, forward, ``--stencil-steps`` steps per call) on
    a grid whose rows do not divide by the ranks (and one that does), halos by two
    ``ns.ppermute`` per step, versus the same by hand with one ``dist.batch_isend_irecv`` per
@@ -106,6 +107,48 @@ def spawn(argv: list[str], nproc: int, timeout: float) -> str:
         bad = next(i for i, p in enumerate(procs) if p.returncode)
         raise SystemExit(f"rank {bad} failed:\n{outs[bad][-4000:]}")
     return outs[0]
+
+
+# --- process-group calls --------------------------------------------------------------------------
+# Every collective costs the ranks a round of scheduling (on gloo over a shared machine, more than
+# its bytes): each uneven row reports how many process-group calls one call makes on rank 0.
+
+_PG_CALLS: dict[str, int] = {}
+_PG_METHODS = (
+    "allreduce",
+    "all_to_all_single",
+    "alltoall_base",
+    "all_gather_single",
+    "allgather",
+    "reduce_scatter_single",
+    "broadcast",
+    "send",
+    "recv",
+)
+
+
+def count_process_group_calls() -> None:
+    """Count the calls of the process-group methods (installed before any mesh binds them)."""
+    for name in _PG_METHODS:
+        method = getattr(dist.ProcessGroup, name, None)
+        if method is None:
+            continue
+
+        def counted(self, *args, _method=method, _name=name, **kwargs):
+            _PG_CALLS[_name] = _PG_CALLS.get(_name, 0) + 1
+            return _method(self, *args, **kwargs)
+
+        setattr(dist.ProcessGroup, name, counted)
+
+
+def process_group_calls(fn) -> str:
+    """The process-group calls one call of ``fn`` makes on this rank, e.g. ``allreduce 1,
+    all_to_all_single 2`` (the ranks in step after: a barrier)."""
+    _PG_CALLS.clear()
+    fn()
+    got = ", ".join(f"{name} {n}" for name, n in sorted(_PG_CALLS.items()))
+    dist.barrier()
+    return got
 
 
 # --- timing across ranks --------------------------------------------------------------------------
@@ -477,6 +520,8 @@ def ragged(args, mesh, device) -> list[dict]:
         t = interleaved(fns, args.rounds, 2, device, cpu=True)
         row = {"rows": sum(counts[rank]), "features": features}
         row |= {k: v * 1e6 for k, v in t.items()}
+        row["ns process-group calls"] = process_group_calls(fns["ns"])
+        row["hand process-group calls"] = process_group_calls(known)
         row["ratio"] = row["ns"] / row["hand, routing known"]
         row["ratio vs sizes exchanged"] = row["ns"] / row["hand, sizes exchanged"]
         row["cpu ratio"] = row["ns cpu"] / row["hand, routing known cpu"]
@@ -589,6 +634,8 @@ def stencil(args, mesh, device) -> list[dict]:
         t = interleaved({"ns": spmd_call, "hand": hand_call}, args.rounds, 2, device, cpu=True)
         row = {"grid": f"{height}x{width}", "blocks": "/".join(map(str, sizes)), "steps": steps}
         row |= {k: v * 1e6 for k, v in t.items()}
+        row["ns process-group calls"] = process_group_calls(spmd_call)
+        row["hand process-group calls"] = process_group_calls(hand_call)
         row["ratio"] = row["ns"] / row["hand"]
         row["cpu ratio"] = row["ns cpu"] / row["hand cpu"]
         rows.append(row)
@@ -677,6 +724,7 @@ def vma_overhead(n_ops: int = 200, rounds: int = 15) -> dict:
 
 
 def worker(args) -> None:
+    count_process_group_calls()
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -754,14 +802,16 @@ def report(result: dict, vma: dict | None) -> None:
             f"hand-written, sizes exchanged first {row['hand, sizes exchanged']:8.1f} us   ratio "
             f"{row['ratio vs sizes exchanged']:.3f}   (an empty spmd_map call with these inputs "
             f"{row['ns, empty call']:8.1f} us)   CPU time of the 4 ranks: ratio "
-            f"{row['cpu ratio']:.3f}"
+            f"{row['cpu ratio']:.3f}   process-group calls: ns {row['ns process-group calls']}; "
+            f"hand-written {row['hand process-group calls']}"
         )
     for row in result.get("stencil", []):
         print(
             f"  stencil, grid {row['grid']} (blocks {row['blocks']}), {row['steps']} step(s) per "
             f"call: ns {row['ns']:8.1f} us   hand-written (batch_isend_irecv halos) "
             f"{row['hand']:8.1f} us   ratio {row['ratio']:.3f}   CPU time of the 4 ranks: "
-            f"ratio {row['cpu ratio']:.3f}"
+            f"ratio {row['cpu ratio']:.3f}   process-group calls: ns "
+            f"{row['ns process-group calls']}; hand-written {row['hand process-group calls']}"
         )
     if vma:
         print(

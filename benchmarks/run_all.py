@@ -315,7 +315,13 @@ def targets(results: dict[str, Outcome]) -> list[tuple[str, str, str, str, str]]
 
 
 def _cpu(row: dict) -> str:
-    return f"; CPU time of the ranks {row['cpu ratio']:.2f}x" if "cpu ratio" in row else ""
+    text = f"; CPU time of the ranks {row['cpu ratio']:.2f}x" if "cpu ratio" in row else ""
+    if "ns process-group calls" in row:  # each a round of the ranks' scheduling on gloo
+        text += (
+            f"; process-group calls per call: ns {row['ns process-group calls']}, "
+            f"hand-written {row['hand process-group calls']}"
+        )
+    return text
 
 
 def uneven_targets(dist_part: dict) -> list[tuple[str, str, str, str, str]]:
