@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from _ragged import reference, routing
 
 import named_spmd as ns
 from named_spmd import P
@@ -154,7 +155,33 @@ def _five_outputs(name: str, kinds: tuple[str, ...]) -> Case:
     )
 
 
+_ROUTING = routing(4, 1, seed=7)
+
+
+def _ragged_rows(x, out):  # each instance's offsets and sizes from its index
+    r, i = _ROUTING, ns.axis_index("x")
+    tables = (r.input_offsets, r._send, r.output_offsets, r.recv_sizes)
+    meta = [torch.tensor([f(j) for j in range(r.n)])[i] for f in tables]
+    return ns.ragged_all_to_all(x, out, *meta, "x")
+
+
+def _ragged_dense(x, out):
+    r = _ROUTING
+    return torch.cat(reference(r, list(x.split(r.rows)), list(out.split(r.m))))
+
+
 CASES = [
+    Case(  # a real mesh's per-instance call keeps the record's parameters (their fields)
+        "ragged_all_to_all_per_instance",
+        (4,),
+        ("x",),
+        _ragged_rows,
+        P("x"),
+        P("x"),
+        lambda: (_randn(4 * _ROUTING.rows, 2, seed=50), _randn(4 * _ROUTING.m, 2, seed=51)),
+        _ragged_dense,
+        kinds=("D",),
+    ),
     Case(
         "rows5_over_2_of_a_2d_mesh",
         (2, 2),

@@ -50,10 +50,11 @@ class _Checked(tuple):
     them."""
 
     shapes: list[tuple[int, ...]] | None
+    params: tuple  # the record's own (a NamedTuple keeps its fields: ragged_all_to_all's)
 
     def __new__(cls, params: tuple, shapes: list[tuple[int, ...]] | None) -> _Checked:
         made = super().__new__(cls, params)
-        made.shapes = shapes
+        made.shapes, made.params = shapes, params
         return made
 
 
@@ -112,6 +113,7 @@ class UnevenPrimitives:
         member, the shapes compared. Every instance's shapes come from one exchange: the one
         :meth:`check_operand` made for this operand where it made one (``_Checked``)."""
         shapes = params.shapes if isinstance(params, _Checked) else _UNKNOWN
+        given = params.params if isinstance(params, _Checked) else params
         params = tuple(params)
         self._guess = None
         gathers = rec.name == "all_gather" and params[1]  # blocks of any sizes, concatenated
@@ -123,7 +125,7 @@ class UnevenPrimitives:
             self._same_shapes(rec.name, x, axes, shapes)
         base = _SIZED.get(rec.name)
         if base is None or not params[1] or len(params) != base:
-            return params
+            return given
         comm = self.mesh.comm(axes)
         if gathers:
             return (*params, self._gathered_sizes(rec.name, x, axes, params[0], shapes))
