@@ -423,12 +423,33 @@ def test_tensor_base_tells_a_view_from_its_own_buffer():
     assert torch_private.refcount(x) == refs  # keeps no reference (donation counts them)
 
 
+class _Pair(torch.autograd.Function):
+    """Two tensors in, views of them out, from one node."""
+
+    @staticmethod
+    def forward(a, b):
+        return a.view_as(a), b.view_as(b)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        return ga, gb
+
+
 def test_view_source_finds_a_leaf_or_input_one_built_in_view_away():
     w = torch.randn(3, 5, requires_grad=True)
     assert torch_private.view_source(w.T, {}) is w and torch_private.view_source(w[:2], {}) is w
     b = _identity_function(lambda g: g).apply(w)  # an input made by the call's boundary
-    assert torch_private.view_source(b.T, {id(b.grad_fn): b}) is b
+    assert torch_private.view_source(b.T, {(id(b.grad_fn), b.output_nr): b}) is b
     assert torch_private.view_source(b.T, {}) is None  # not an input, not a leaf
+    # inputs made by one node (the boundary's DTensor conversion): each view finds its own
+    v = torch.randn(5, 3, requires_grad=True)
+    pair = _Pair.apply(w, v)
+    sources = {(id(x.grad_fn), x.output_nr): x for x in pair}
+    assert [torch_private.view_source(x.T, sources) for x in pair] == list(pair)
     # not one built-in view op directly on the source, or not a view at all
     custom = _identity_function(lambda g: g)
     for t in (w.T[0], (w * 2).T, custom.apply(w), w + 0, w.detach().T, w):

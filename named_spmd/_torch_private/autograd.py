@@ -137,10 +137,13 @@ def use_counts(x: torch.Tensor) -> tuple[int, int, int]:
     return x._use_count(), torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)  # type: ignore[attr-defined]
 
 
-def view_source(t: torch.Tensor, sources: dict[int, torch.Tensor]) -> torch.Tensor | None:
+def view_source(
+    t: torch.Tensor, sources: dict[tuple[int, int], torch.Tensor]
+) -> torch.Tensor | None:
     """The tensor ``t`` is a view of, where one built-in view op (not an ``autograd.Function``)
     made ``t`` directly from a leaf that requires grad (its node is ``AccumulateGrad``) or from
-    a tensor of ``sources`` (``id`` of its ``grad_fn`` -> it); else None, and where ``t`` is
+    a tensor of ``sources`` (``(id(x.grad_fn), x.output_nr)`` -> ``x``: a node may make several
+    tensors); else None, and where ``t`` is
     :func:`watched` (its hooks must see its own gradient). (``Tensor._is_view`` and
     ``AccumulateGrad.variable``: private.)"""
     node = t.grad_fn
@@ -155,7 +158,9 @@ def view_source(t: torch.Tensor, sources: dict[int, torch.Tensor]) -> torch.Tens
     if len(nexts) != 1:
         return None
     below: Any = nexts[0][0]  # torch's stubs lack AccumulateGrad's variable
-    source = below.variable if type(below) is AccumulateGrad else sources.get(id(below))
+    source = (
+        below.variable if type(below) is AccumulateGrad else sources.get((id(below), nexts[0][1]))
+    )
     if source is None or source.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
         return None
     return source

@@ -71,6 +71,8 @@ def _spec_for(mesh, local: torch.Tensor, places: tuple) -> Any:
     spec = mesh.dtensor_specs.get(key)
     if spec is None:
         spec = mesh.dtensor_specs[key] = torch_private.dtensor_spec(mesh.device_mesh, local, places)
+        if not torch.compiler.is_compiling():  # (a traced shape may be symbolic: no hash)
+            hash(spec)  # kept on the spec (DTensor hashes it lazily), so every copy has it
     return _fresh(spec)
 
 
@@ -106,13 +108,7 @@ class _LocalOf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        if differentiable(g):  # double backward: a recorded conversion
-            return _from_local(ctx.mesh, g, ctx.places), None, None
-        g = overlap.settled(unshared(g))
-        if ctx.leaf is not None:  # its .grad may hold the pending wrapper: plain once reduced
-            fix = functools.partial(_plain_local_grad, ctx.leaf, ctx.mesh)
-            overlap.into_leaf(g, ctx.leaf, fix)
-        return _wrap(ctx.mesh, g, ctx.places), None, None
+        return _local_grad(ctx.mesh, g, ctx.places, ctx.leaf), None, None
 
     @staticmethod
     def vmap(info, in_dims, d, mesh, grad_places=None):
@@ -120,6 +116,56 @@ class _LocalOf(torch.autograd.Function):
         DTensor the vmap only closes over (unbatched); a batched DTensor never gets here
         (``local_input`` refuses it)."""
         return _LocalOf.apply(d, mesh, grad_places), None
+
+
+def _local_grad(mesh, g: torch.Tensor, places: tuple, leaf: DTensor | None) -> DTensor:
+    """The gradient of a DTensor from that of its local tensor ``g`` (``leaf``: the DTensor,
+    where it is a leaf)."""
+    if differentiable(g):  # double backward: a recorded conversion
+        return _from_local(mesh, g, places)
+    g = overlap.settled(unshared(g))
+    if leaf is not None:  # its .grad may hold the pending wrapper: plain once reduced
+        overlap.into_leaf(g, leaf, functools.partial(_plain_local_grad, leaf, mesh))
+    return _wrap(mesh, g, places)
+
+
+class _LocalsOf(torch.autograd.Function):
+    """:class:`_LocalOf` of several DTensors in one node (a call's DTensor inputs): one
+    Function call forward and one backward, instead of one per DTensor. The gradients are
+    wrapped together, once all of them are in; an output no op used gets none, as its DTensor
+    gets none from a node of its own."""
+
+    @staticmethod
+    def forward(mesh, places, *ds):
+        return tuple(local.view_as(local) for local in map(torch_private.local_tensor, ds))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh, ctx.places = inputs[0], inputs[1]
+        ctx.leaves = tuple(d if d.is_leaf else None for d in inputs[2:])
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        mesh = ctx.mesh
+        return (
+            None,
+            None,
+            *(
+                None if g is None else _local_grad(mesh, g, places, leaf)
+                for g, places, leaf in zip(gs, ctx.places, ctx.leaves)
+            ),
+        )
+
+
+def to_locals_fast(mesh, ds: list[DTensor], grad_places: list[tuple | None]) -> tuple:
+    """``d.to_local()`` of each of ``ds``, differentiable DTensors, outside any torch.func
+    transform, in one node (:class:`_LocalsOf`); ``grad_places``: each one's gradient
+    placements (None: its own)."""
+    places = tuple(p or tuple(d.placements) for d, p in zip(ds, grad_places))
+    if len(ds) == 1:
+        return (_local_of(ds[0], mesh, places[0]),)
+    return _locals_of(mesh, places, *ds)
 
 
 class _DTensorOf(torch.autograd.Function):
@@ -161,6 +207,7 @@ def _fast(cls: Any) -> Any:
 
 
 _local_of = _fast(_LocalOf)
+_locals_of = _fast(_LocalsOf)
 _dtensor_of = _fast(_DTensorOf)
 
 

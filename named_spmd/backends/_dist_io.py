@@ -19,7 +19,8 @@ instead of the raw communication.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 from torch.autograd import forward_ad
@@ -41,9 +42,52 @@ from ._dist_dtensor import (
     grad_placements,
     placements,
     to_local_fast,
+    to_locals_fast,
 )
 
 # --- inputs --------------------------------------------------------------------------------------
+
+
+def inputs(
+    ctx,
+    leaves: list[Any],
+    specs: list[PartitionSpec],
+    is_block: bool,
+    converted: tuple[int, ...] | None,
+    uneven_input: Callable,
+) -> list[Any]:
+    """The call's local leaves, typed (a replay on one rank needs no types); ``converted``: the
+    positions of the only leaves to convert (a replay's, ``Replay.replayed_conversions``: the
+    others are handed through as they are); ``is_block``: the leaves are this rank's blocks
+    already (``SpmdFunction.local``); ``uneven_input(ctx, leaf, spec, i)``: a leaf's block in
+    an uneven call (``_dist_uneven``). The DTensors of the common case are converted together,
+    in one autograd node (:func:`_dtensor_inputs`), the others one by one, in order."""
+    at = range(len(leaves)) if converted is None else converted
+    local = list(leaves)
+    batched = []
+    for i in at:
+        leaf = leaves[i]
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if _batched_input(ctx, leaf, is_block):
+            batched.append(i)
+        elif is_block:
+            local[i] = block_input(ctx, leaf, i)
+        elif ctx.uneven:
+            local[i] = uneven_input(ctx, leaf, specs[i], i)
+        else:
+            local[i] = local_input(ctx, leaf, specs[i], i)
+    if batched:
+        made = _dtensor_inputs(
+            ctx, [leaves[i] for i in batched], [specs[i] for i in batched], batched
+        )
+        for i, x in zip(batched, made):
+            local[i] = x
+    if not ctx.replaying:  # in order: a planned call numbers its inputs
+        for i in at:
+            if isinstance(leaves[i], torch.Tensor):
+                local[i] = ctx.stamp_input(local[i], specs[i])
+    return local
 
 
 def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
@@ -162,6 +206,42 @@ def _from_dtensor(
     """``leaf``'s local block, checked against ``spec``; ``uneven_local(mesh, leaf, grads)``:
     the conversion of a DTensor whose blocks differ in size (``_dist_uneven``)."""
     mesh = ctx.mesh
+    grads = checked_dtensor(ctx, leaf, spec, i)
+    if uneven_local is not None:
+        local = uneven_local(mesh, leaf, grads)
+    else:
+        local = to_local_fast(mesh, leaf, grads, transformed)
+    return in_spec_order(ctx, local, spec)
+
+
+def _batched_input(ctx, leaf: torch.Tensor, is_block: bool) -> bool:
+    """Whether argument leaf ``leaf`` is a DTensor whose local tensor :func:`_dtensor_inputs`
+    takes, with the call's other such leaves, in one autograd node (the common case of a
+    parameter: a DTensor that requires grad, in an even call under grad mode, with no
+    transform and no forward-mode AD active)."""
+    return (
+        isinstance(leaf, DTensor)
+        and leaf.requires_grad
+        and not is_block
+        and not ctx.uneven
+        and torch.is_grad_enabled()
+        and not torch_private.transforms_active()
+        and torch_private.forward_level() < 0
+    )
+
+
+def _dtensor_inputs(ctx, leaves: list[DTensor], specs: list[PartitionSpec], at: list[int]):
+    """The local blocks of ``leaves`` (argument leaves ``at``, each :func:`_batched_input`), each
+    checked against its spec in order, then converted together."""
+    grads = [checked_dtensor(ctx, x, spec, i) for x, spec, i in zip(leaves, specs, at)]
+    locals_ = to_locals_fast(ctx.mesh, leaves, grads)
+    return [in_spec_order(ctx, x, spec) for x, spec in zip(locals_, specs)]
+
+
+def checked_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> tuple | None:
+    """Check that DTensor argument leaf ``i`` is laid out as ``spec`` says on the call's mesh;
+    the placements of its gradient where they differ from its own (a partial sum), else None."""
+    mesh = ctx.mesh
     theirs = leaf.device_mesh
     if theirs is not mesh.device_mesh and (
         tuple(theirs.mesh_dim_names or ()) != mesh.axis_names
@@ -182,11 +262,13 @@ def _from_dtensor(
             f"{spec!r} on mesh axes {mesh.axis_names} means placements {want}. Fix: "
             f"x.redistribute(mesh.device_mesh, {list(want)}), or change the in_spec."
         )
-    grads = grad_placements(mesh, spec, leaf.dim()) if spec.reduced or spec.unreduced else None
-    if uneven_local is not None:
-        local = uneven_local(mesh, leaf, grads)
-    else:
-        local = to_local_fast(mesh, leaf, grads, transformed)
+    return grad_placements(mesh, spec, leaf.dim()) if spec.reduced or spec.unreduced else None
+
+
+def in_spec_order(ctx, local: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """A DTensor's local block ``local`` with its blocks in ``spec``'s order: a tuple entry
+    in non-mesh order moves them (one ppermute)."""
+    mesh = ctx.mesh
     for axes in _non_mesh_order_entries(mesh, spec):
         ordered = _in_mesh_order(mesh, axes)
         local = _boundary(ctx, "ppermute", local, ordered, (_relayout_pairs(mesh, axes),))

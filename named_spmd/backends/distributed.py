@@ -41,7 +41,6 @@ from .._errors import RankFailedError, SpmdError, told_per_instance
 from .._layout import coords_text
 from .._mesh import Mesh
 from .._replay import Replay
-from .._spec import PartitionSpec
 from .._stamps import TrackedContext
 from .._tracking import VmaMode
 from .._types import Vma
@@ -58,7 +57,7 @@ from . import (
 )
 from ._dist_comm import MAX, MIN, SUM, ragged_rows
 from ._dist_failures import timeout_s
-from ._dist_io import block_input, global_output, local_input, local_output
+from ._dist_io import global_output, inputs, local_output
 from ._dist_mesh import (
     DistributedMesh,
     make_distributed_mesh,
@@ -93,7 +92,8 @@ class DistributedContext(TrackedContext):
     donated: torch.Tensor | None = None
     own_values = True  # each rank's tensors are its own: sizes are read on the host
     inputs: list[Any] = []  # this call's local inputs (the views' sources besides leaves)
-    input_nodes: dict[int, torch.Tensor] | None = None  # id(grad_fn) -> input, made on demand
+    #: (id(grad_fn), output_nr) -> input, made on demand
+    input_nodes: dict[tuple[int, int], torch.Tensor] | None = None
     hoistable: dict[tuple, None] | None = None  # a planned call's casts a replay may hoist
     hoisted_aliases: dict[tuple, tuple] | None = None  # a replay's casts made at its entry
     hoist_refused = False  # some rank would not make them (the start-of-call check)
@@ -180,7 +180,9 @@ class DistributedContext(TrackedContext):
             return None  # (over axes of size 1 the pvary is the identity: nothing to keep)
         if self.input_nodes is None:
             self.input_nodes = {
-                id(x.grad_fn): x for x in self.inputs if isinstance(x, torch.Tensor) and x.grad_fn
+                (id(x.grad_fn), x.output_nr): x
+                for x in self.inputs
+                if isinstance(x, torch.Tensor) and x.grad_fn
             }
         source = torch_private.view_source(t, self.input_nodes)
         vma = self.vma(t)
@@ -317,7 +319,7 @@ def run(call: Call) -> list[Any]:
         converted = None
         if replay is not None and replay.begin(ctx):
             converted = replay.replayed_conversions()
-        local = _inputs(ctx, leaves, specs, local_call, converted)
+        local = inputs(ctx, leaves, specs, local_call, converted, _dist_uneven.local_input)
         if replay is not None and not (replay.planned or ctx.replaying):  # (``Checked``)
             replay.converted = tuple(i for i, x in enumerate(leaves) if local[i] is not x)
         ctx.inputs = local
@@ -408,40 +410,6 @@ def _takes_uneven_blocks(call: Call, replay: Replay | None) -> bool:
     if replay is not None and replay.has_plan():
         return False
     return call.unequal_blocks()
-
-
-def _inputs(
-    ctx: DistributedContext,
-    leaves: list[Any],
-    specs: list[PartitionSpec],
-    is_block: bool,
-    converted: tuple[int, ...] | None,
-) -> list[Any]:
-    """The call's local leaves; ``converted``: the positions of the only leaves to convert (a
-    replay's, ``Replay.replayed_conversions``: the others are handed through as they are)."""
-    if converted is None:
-        return [
-            _local(ctx, leaf, spec, i, is_block) if isinstance(leaf, torch.Tensor) else leaf
-            for i, (leaf, spec) in enumerate(zip(leaves, specs))
-        ]
-    local = list(leaves)
-    for i in converted:
-        local[i] = _local(ctx, leaves[i], specs[i], i, is_block)
-    return local
-
-
-def _local(
-    ctx: DistributedContext, leaf: torch.Tensor, spec: PartitionSpec, i: int, is_block: bool
-):
-    """Argument leaf ``i``'s block on this rank, typed (a replay needs no types); ``is_block``:
-    the leaf is that block already (``SpmdFunction.local``)."""
-    if is_block:
-        local = block_input(ctx, leaf, i)
-    elif ctx.uneven:
-        local = _dist_uneven.local_input(ctx, leaf, spec, i)
-    else:
-        local = local_input(ctx, leaf, spec, i)
-    return local if ctx.replaying else ctx.stamp_input(local, spec)
 
 
 def to_local(tree: Any) -> Any:
