@@ -534,7 +534,8 @@ def _backward_that_raises(mesh, world, scale, x) -> dict:
 def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
     """Once backward returns, a replicated weight's gradient is a plain tensor (a DTensor over a
     plain local tensor), not the wrapper that stood for it while its psum was in flight: models
-    holding such gradients deep-copy and pickle as usual."""
+    holding such gradients deep-copy and pickle as usual; also where the call uses the weight
+    through a chain of views (the sum's view would otherwise reach ``.grad``)."""
     import copy
 
     from torch.distributed.tensor import Replicate, distribute_tensor
@@ -545,20 +546,26 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
     w = torch.linspace(-1.0, 1.0, 4)
     model.d = torch.nn.Parameter(distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2))
     model.p = torch.nn.Parameter(w.clone())
-    (to_local(scale(x, model.d)).sum() + to_local(scale(x, model.p)).sum()).backward()
+    model.dv = torch.nn.Parameter(distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2))
+    model.pv = torch.nn.Parameter(w.clone())
+    views = ns.spmd_map(
+        lambda v, w: v * w.unsqueeze(0).squeeze(0),
+        mesh=mesh,
+        in_specs=(P(("dp", "tp")), P()),
+        out_specs=P(("dp", "tp")),
+    )
+    calls = ((scale, model.d), (scale, model.p), (views, model.dv), (views, model.pv))
+    sum(to_local(f(x, weight)).sum() for f, weight in calls).backward()
+    grads = {n: model.get_parameter(n).grad for n in ("d", "p", "dv", "pv")}
     problems = [
         f"{name}: {type(t).__name__}"
-        for name, t in (
-            ("DTensor's local gradient", model.d.grad._local_tensor),
-            ("plain", model.p.grad),
-        )
-        if type(t) is not torch.Tensor
+        for name, g in grads.items()
+        if type(t := g._local_tensor if name[0] == "d" else g) is not torch.Tensor
     ]
     want = x.sum(0)
-    if not (
-        torch.allclose(model.d.grad.full_tensor(), want) and torch.allclose(model.p.grad, want)
-    ):
-        problems.append(f"values {model.d.grad.full_tensor()} / {model.p.grad}, want {want}")
+    full = {n: g.full_tensor() if n[0] == "d" else g for n, g in grads.items()}
+    if not all(torch.allclose(g, want) for g in full.values()):
+        problems.append(f"values {full}, want {want}")
     try:
         copy.deepcopy(model)
     except Exception as e:  # noqa: BLE001 - reported

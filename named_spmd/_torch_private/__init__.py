@@ -45,6 +45,7 @@ from .autograd import (  # noqa: E402 - after the version gate
     use_counts,
     version,
     view_source,
+    viewed_leaf,
     watched,
 )
 from .c10d import (  # noqa: E402 - after the version gate
@@ -180,6 +181,7 @@ __all__ = [
     "use_counts",
     "version",
     "view_source",
+    "viewed_leaf",
     "watched",
     "vmap_decrement_nesting",
     "vmap_increment_nesting",

@@ -161,6 +161,33 @@ def view_source(t: torch.Tensor, sources: dict[int, torch.Tensor]) -> torch.Tens
     return source
 
 
+def viewed_leaf(node: Any) -> torch.Tensor | None:
+    """The leaf whose ``AccumulateGrad`` the chain of view nodes from ``node`` down leads to
+    (each node's backward hands on a view of its gradient: a pending gradient reaches the
+    leaf's ``.grad`` as a view of it); None where the chain ends anywhere else.
+    (``AccumulateGrad.variable``: private.)"""
+    for _ in range(_MAX_VIEWS):
+        if type(node).__name__ not in _VIEW_NODES:
+            return None
+        nexts = node.next_functions
+        if len(nexts) != 1:
+            return None
+        node = nexts[0][0]
+        if type(node) is AccumulateGrad:
+            return node.variable
+    return None
+
+
+# the nodes whose backward may hand on a view of (or the very) gradient it gets, which a chain
+# of views of a parameter (``w.unsqueeze(0).squeeze(0)``, ``w.t().t()``) puts between a pvary
+# and the parameter
+_VIEW_NODES = frozenset(
+    f"{op}Backward0"
+    for op in ("T", "Transpose", "Permute", "View", "UnsafeView", "Unsqueeze", "Squeeze", "Alias")
+) | {"ExpandBackward0", "SqueezeBackward1", "SqueezeBackward2", "TransposeBackward1"}
+_MAX_VIEWS = 8
+
+
 def node_class(function: type[torch.autograd.Function]) -> type:
     """The class of the autograd nodes that ``function.apply`` makes (its ``grad_fn``s)."""
     return function._backward_cls
