@@ -9,6 +9,7 @@ body records the call's outputs on it, so that the backend then reads their spec
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import zlib
 from typing import TYPE_CHECKING, Any, cast
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
     from .backends import Backend
 
 
-# nn.Module.__call__'s frames, which pass a module's arguments on to its forward
-_MODULE_FILE = torch.nn.modules.module.__file__
+# torch's own files: frames of its wrappers around a function (``nn.Module.__call__``, the
+# ``torch.no_grad()`` decorator, ``torch.compile``'s), never the user's code
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _ADDRESS = re.compile(r"(?<= at )0x[0-9a-fA-F]+(?=>)")  # a default repr's address
 
 
@@ -172,20 +174,21 @@ class Call:
 
     def _refused_arguments(self, args: tuple, e: TypeError) -> bool:
         """Whether ``e`` is Python refusing to bind ``args`` to ``fn``: raised by the call itself
-        (no frame of the callee), or by ``nn.Module.__call__`` passing them to ``forward`` (its
-        frames alone below the call, and ``forward``'s own signature does not bind them). A
-        TypeError from any frame of the user's code (a hook, ``forward``, a wrapper) is theirs."""
+        (no frame of the callee), or by torch's wrappers around it (``nn.Module.__call__``
+        passing them to ``forward``, a decorator such as ``torch.no_grad()``, ``torch.compile``:
+        their frames alone below the call), where the signature of what they wrap (``forward``,
+        the compiled function) does not bind them. A TypeError from any frame of the user's code
+        (a hook, ``forward``, a wrapper of theirs) is theirs."""
         tb = e.__traceback__
         if tb is None or tb.tb_next is None:
             return True
-        if not isinstance(self.fn, torch.nn.Module):
-            return False
         while tb.tb_next is not None:
             tb = tb.tb_next
-            if tb.tb_frame.f_code.co_filename != _MODULE_FILE:
+            if not tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR):
                 return False
-        try:
-            signature = inspect.signature(self.fn.forward, follow_wrapped=False)
+        fn = torch_private.compiled_original(self.fn)
+        try:  # (through functools.wraps: torch's decorators and compile keep the signature)
+            signature = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
         except (TypeError, ValueError):  # no signature to read (a builtin): the error is its own
             return False
         try:

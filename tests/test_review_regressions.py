@@ -366,3 +366,43 @@ def test_a_module_called_with_arguments_its_forward_does_not_take_names_it(mesh)
     with pytest.raises(TypeError, match="positional argument") as raised:
         g(torch.ones(8, 3))
     assert "the call's 1 positional argument(s)" not in str(raised.value)  # not the call's
+
+
+def test_arguments_refused_through_torchs_wrappers_name_the_call():
+    """A ``forward`` decorated by ``torch.no_grad()`` and a ``torch.compile``d function or
+    module refuse the call's arguments inside torch's wrappers only: the same SpmdTypeError as
+    a plain function's, naming the function; a TypeError raised inside them stays their own."""
+
+    class Decorated(torch.nn.Module):
+        @torch.no_grad()
+        def forward(self, x):
+            return x * 2
+
+    def double(x):
+        return x * 2
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    compiled = torch.compile(double, backend="eager")
+    for fn in (Decorated(), compiled, torch.compile(Plain(), backend="eager")):
+        f = ns.spmd_map(fn, mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)
+        with pytest.raises(ns.SpmdError) as raised:
+            f(torch.ones(8), torch.ones(8))
+        assert isinstance(raised.value, TypeError), fn
+        assert "call's 2 positional argument(s)" in str(raised.value), fn
+        if fn is compiled:  # named by the function's own line, not the wrapper's
+            assert "spmd_map of `test_arguments_refused" in str(raised.value)
+            assert "double` (test_review_regressions.py:" in str(raised.value)
+        torch.testing.assert_close(f(torch.ones(8)), torch.full((8,), 2.0))
+
+    class Own(torch.nn.Module):
+        @torch.no_grad()
+        def forward(self, x):
+            raise TypeError("the module's own")
+
+    g = ns.spmd_map(Own(), mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)
+    with pytest.raises(TypeError, match="the module's own") as raised:
+        g(torch.ones(8))
+    assert not isinstance(raised.value, ns.SpmdError)

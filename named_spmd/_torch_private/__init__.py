@@ -60,6 +60,7 @@ from .c10d import (  # noqa: E402 - after the version gate
 from .dynamo import (  # noqa: E402 - after the version gate
     TENSOR_VIEW_ATTRIBUTES,
     HigherOrderOperator,
+    compiled_original,
     dynamo_frame_callback,
     dynamo_skip_frame,
     inductor_graph_pass,
@@ -181,6 +182,7 @@ __all__ = [
     "use_counts",
     "version",
     "view_source",
+    "compiled_original",
     "viewed_leaf",
     "watched",
     "vmap_decrement_nesting",

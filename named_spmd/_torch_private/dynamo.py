@@ -131,3 +131,9 @@ def is_dynamo_refusal(error: BaseException) -> bool:
     """Whether ``error`` is torch.compile refusing to trace (Dynamo's ``Unsupported`` and its
     relatives), told by module so that ``torch._dynamo`` is never imported for the check."""
     return type(error).__module__.startswith("torch._dynamo")
+
+
+def compiled_original(fn: Any) -> Any:
+    """The module a ``torch.compile``'d module (``OptimizedModule``) wraps (``_orig_mod``:
+    private), else ``fn`` itself."""
+    return getattr(fn, "_orig_mod", fn) if isinstance(fn, torch.nn.Module) else fn
