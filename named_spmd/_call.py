@@ -20,7 +20,7 @@ from . import _calls, _context
 from . import _torch_private as torch_private
 from ._accounting import recording
 from ._call_checks import check_outputs, tiled_output_event
-from ._errors import SpmdError, SpmdTypeError, write_refused
+from ._errors import SpmdError, SpmdTypeError, error_class, write_refused
 from ._layout import gives_unequal_blocks
 from ._spec import PartitionSpec
 from ._tree import path_text, unflatten
@@ -196,6 +196,33 @@ class Call:
         except TypeError:
             return True
         return False
+
+    def input_versions(self, inputs: list[Any]) -> list[tuple[torch.Tensor, int]]:
+        """(input, its version) of each tensor of ``inputs`` (the call's, as its backend runs
+        the body on them) that the call may differentiate: what :meth:`check_writes` compares."""
+        if not torch.is_grad_enabled():
+            return []
+        version = torch_private.version
+        return [(x, version(x)) for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+
+    def check_writes(self, before: list[tuple[torch.Tensor, int]], outs: list[Any]) -> None:
+        """Raise where the body wrote in place into an input that requires grad (``before``:
+        :meth:`input_versions`) after an op saved it for the backward pass: the backward pass
+        would fail there, and on a real mesh on the writing ranks only (its peers would wait for
+        them in their gradient sums). Raised now, an error of the call (posted to the peers)."""
+        version = torch_private.version
+        written = [x for x, v in before if version(x) != v]
+        stale = torch_private.stale_saved(outs) if written else None
+        if stale is None:
+            return
+        raise error_class(RuntimeError)(
+            f"{self.mapped.where}: the function wrote in place into an input that requires grad "
+            f"(shape {list(written[0].shape)}), or a view of it, after an op saved it for the "
+            f"backward pass:\n  RuntimeError: {stale}\nThe backward pass would fail at that op "
+            "(on a real mesh on the ranks that wrote only, while the others waited for them). "
+            "Fix: write before the first use, into a copy (w = w.clone() first), or compute out "
+            "of place (w + 1 rather than w.add_(1))."
+        )
 
     def _run_user(self, args: tuple) -> Any:
         try:

@@ -406,3 +406,36 @@ def test_arguments_refused_through_torchs_wrappers_name_the_call():
     with pytest.raises(TypeError, match="the module's own") as raised:
         g(torch.ones(8))
     assert not isinstance(raised.value, ns.SpmdError)
+
+
+def test_an_input_written_after_an_op_saved_it_is_the_calls_error():
+    """A parameter written in place after ``sin`` saved it: the call's SpmdError (still a
+    RuntimeError) quoting autograd's refusal, raised by the call, where the backward pass
+    would fail (on a real mesh on the writing ranks only: tests/faults_worker.py
+    ``written_after_use``). Written before its first use, the call runs and differentiates."""
+    x = torch.arange(8.0, dtype=torch.float64)
+
+    def after(x, w):
+        y = ns.psum(x * torch.sin(w), "i")
+        with torch.no_grad():
+            w.add_(1)
+        return y
+
+    def before(x, w):
+        with torch.no_grad():
+            w.add_(1)
+        return ns.psum(x * torch.sin(w), "i")
+
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    f = ns.spmd_map(after, mesh=MESH, in_specs=(P("i"), P()), out_specs=P())
+    with pytest.raises(ns.SpmdError) as raised:
+        f(x, w)
+    assert isinstance(raised.value, RuntimeError)
+    message = str(raised.value)
+    assert "spmd_map of `test_an_input_written_after_an_op_saved_it" in message
+    assert "wrote in place into an input that requires grad (shape [2])" in message
+    assert "modified by an inplace operation" in message
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    g = ns.spmd_map(before, mesh=MESH, in_specs=(P("i"), P()), out_specs=P())
+    g(x, w).sum().backward()
+    torch.testing.assert_close(w.grad, x.reshape(4, 2).sum(0) * torch.cos(torch.full((2,), 2.0)))

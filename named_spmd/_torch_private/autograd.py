@@ -188,6 +188,35 @@ _VIEW_NODES = frozenset(
 _MAX_VIEWS = 8
 
 
+def stale_saved(roots: list[torch.Tensor]) -> RuntimeError | None:
+    """Autograd's error for a tensor that a node of the graph behind ``roots`` saved for the
+    backward pass and that was written in place since: what the backward pass would raise at
+    that node; else None. Walks the whole graph: for the rare call that wrote a tensor that
+    requires grad. (The nodes' ``_saved_*`` attributes and a Function's ``saved_tensors``:
+    unpacking one checks its version.)"""
+    todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        names = [n for n in dir(node) if n.startswith("_saved_")]
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            names.append("saved_tensors")
+        for name in names:
+            try:
+                getattr(node, name)
+            except RuntimeError as e:
+                if _STALE in str(e):
+                    return e
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return None
+
+
+_STALE = "modified by an inplace operation"
+
+
 def node_class(function: type[torch.autograd.Function]) -> type:
     """The class of the autograd nodes that ``function.apply`` makes (its ``grad_fn``s)."""
     return function._backward_cls

@@ -324,7 +324,9 @@ def run(call: Call) -> list[Any]:
         if mesh.debug:
             mesh.finish_pending_check()  # shapes first: the clearer message
             _dist_agree.check_inputs_agree(ctx, leaves, specs if local_call else None)
+        versions = call.input_versions(local)
         outs = _body(ctx, call, replay, local)
+        call.check_writes(versions, outs)
         mesh.finish_pending_check()  # (where the body ran no collective)
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
