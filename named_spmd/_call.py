@@ -9,7 +9,6 @@ body records the call's outputs on it, so that the backend then reads their spec
 from __future__ import annotations
 
 import inspect
-import os
 import re
 import zlib
 from typing import TYPE_CHECKING, Any, cast
@@ -31,9 +30,6 @@ if TYPE_CHECKING:
     from .backends import Backend
 
 
-# torch's own files: frames of its wrappers around a function (``nn.Module.__call__``, the
-# ``torch.no_grad()`` decorator, ``torch.compile``'s), never the user's code
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _ADDRESS = re.compile(r"(?<= at )0x[0-9a-fA-F]+(?=>)")  # a default repr's address
 
 
@@ -184,7 +180,7 @@ class Call:
             return True
         while tb.tb_next is not None:
             tb = tb.tb_next
-            if not tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR):
+            if not torch_private.torch_file(tb.tb_frame.f_code.co_filename):
                 return False
         fn = torch_private.compiled_original(self.fn)
         try:  # (through functools.wraps: torch's decorators and compile keep the signature)

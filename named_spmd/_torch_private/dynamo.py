@@ -4,6 +4,7 @@ graph passes, and the view attributes Dynamo hands to the torch function modes."
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -137,3 +138,13 @@ def compiled_original(fn: Any) -> Any:
     """The module a ``torch.compile``'d module (``OptimizedModule``) wraps (``_orig_mod``:
     private), else ``fn`` itself."""
     return getattr(fn, "_orig_mod", fn) if isinstance(fn, torch.nn.Module) else fn
+
+
+def torch_file(filename: str) -> bool:
+    """Whether ``filename`` is one of torch's own files: a frame of its wrappers around a
+    function (``nn.Module.__call__``, the ``torch.no_grad()`` decorator, ``torch.compile``'s),
+    never the user's code. (``torch.__file__``: the package's location.)"""
+    return filename.startswith(_TORCH_DIR)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
