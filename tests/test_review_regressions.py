@@ -439,3 +439,28 @@ def test_an_input_written_after_an_op_saved_it_is_the_calls_error():
     g = ns.spmd_map(before, mesh=MESH, in_specs=(P("i"), P()), out_specs=P())
     g(x, w).sum().backward()
     torch.testing.assert_close(w.grad, x.reshape(4, 2).sum(0) * torch.cos(torch.full((2,), 2.0)))
+
+
+def test_a_write_reads_its_own_storage_address_only(monkeypatch):
+    """Inside a call that made explicit casts to varying, every write is compared with the
+    casts' memory by storage (``_tracking.check_cast_alias``): each cast's address is read
+    when the cast is noted, so a write reads its own target's address alone, however many
+    casts the call made (here 3 casts, 4 writes on each of 2 instances)."""
+    from named_spmd import _tracking
+
+    real, reads = _tracking.storage_address, []
+    monkeypatch.setattr(_tracking, "storage_address", lambda t: reads.append(1) or real(t))
+
+    def f(x, w):
+        a, b, c = (ns.pvary(w * k, "i") for k in (1.0, 2.0, 3.0))
+        y = x.clone()
+        for _ in range(4):
+            y.add_(1.0)  # memory no cast shares: compared by storage with every cast's
+        return y + a + b + c
+
+    x, w = torch.arange(4.0), torch.tensor([1.0, -1.0])
+    mesh = ns.make_mesh((2,), ("i",))
+    with ns.simulate_per_instance():
+        out = ns.spmd_map(f, mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"))(x, w)
+    torch.testing.assert_close(out, x + 4.0 + 6.0 * w.repeat(2))
+    assert len(reads) == 4 * 2
