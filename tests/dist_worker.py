@@ -302,33 +302,35 @@ def run_checks(args, rank, world) -> None:
 
 
 def _hooked_view_of_a_parameter(mesh, world) -> dict:
-    """A hook on a view of a parameter (made outside the call, used inside) sees the view's
-    summed gradient: the view is pvary'd as itself, not at the parameter (which would leave
-    the view's node, and its hook, out of the backward pass)."""
+    """A hook on a view of a parameter (made outside the call, used inside through a chain of
+    views) sees the view's summed gradient: the view is pvary'd as itself, not at the parameter
+    (which would leave the view's node, and its hook, out of the backward pass); a hook that
+    returns nothing leaves the parameter a plain ``.grad`` all the same."""
     from named_spmd.backends.distributed import to_local
 
     axes = tuple(mesh.axis_names)
     w = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64).reshape(2, 3).requires_grad_()
     dense = w.detach().clone().requires_grad_()
     x = torch.arange(6.0 * world, dtype=torch.float64).reshape(2 * world, 3)
-    for param in (w, dense):
-        view = param.t()
-        view.register_hook(lambda g: g * 3)
-        if param is w:
-            f = ns.spmd_map(
-                lambda x: ns.psum((x @ view).sum(), axes),
-                mesh=mesh,
-                in_specs=P(axes),
-                out_specs=P(),
-            )
-            to_local(f(x)).backward()
-        else:
-            (x @ view).sum().backward()
-    ok = torch.allclose(w.grad, dense.grad)
-    return {
-        "check": "a hook on a view of a parameter",
-        "problems": [] if ok else [f"{w.grad} != dense {dense.grad}"],
-    }
+    problems = []
+    for hook in (lambda g: g * 3, lambda g: None):
+        w.grad = dense.grad = None
+        for param in (w, dense):
+            view = param.t()
+            view.register_hook(hook)
+            if param is w:
+                f = ns.spmd_map(
+                    lambda x: ns.psum((x @ view.t().t()).sum(), axes),
+                    mesh=mesh,
+                    in_specs=P(axes),
+                    out_specs=P(),
+                )
+                to_local(f(x)).backward()
+            else:
+                (x @ view).sum().backward()
+        if not torch.allclose(w.grad, dense.grad) or type(w.grad) is not torch.Tensor:
+            problems.append(f"{type(w.grad).__name__} {w.grad} != dense {dense.grad}")
+    return {"check": "a hook on a view of a parameter", "problems": problems}
 
 
 def _cast_alias_checks(mesh) -> list[dict]:
