@@ -19,7 +19,7 @@ from . import _calls, _context
 from . import _torch_private as torch_private
 from ._accounting import recording
 from ._call_checks import check_outputs, tiled_output_event
-from ._errors import SpmdError, SpmdTypeError, write_refused
+from ._errors import SpmdError, SpmdTypeError, error_class, write_refused
 from ._layout import gives_unequal_blocks
 from ._spec import PartitionSpec
 from ._tree import path_text, unflatten
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from .backends import Backend
 
 
-# nn.Module.__call__'s frames, which pass a module's arguments on to its forward
-_MODULE_FILE = torch.nn.modules.module.__file__
 _ADDRESS = re.compile(r"(?<= at )0x[0-9a-fA-F]+(?=>)")  # a default repr's address
 
 
@@ -172,20 +170,21 @@ class Call:
 
     def _refused_arguments(self, args: tuple, e: TypeError) -> bool:
         """Whether ``e`` is Python refusing to bind ``args`` to ``fn``: raised by the call itself
-        (no frame of the callee), or by ``nn.Module.__call__`` passing them to ``forward`` (its
-        frames alone below the call, and ``forward``'s own signature does not bind them). A
-        TypeError from any frame of the user's code (a hook, ``forward``, a wrapper) is theirs."""
+        (no frame of the callee), or by torch's wrappers around it (``nn.Module.__call__``
+        passing them to ``forward``, a decorator such as ``torch.no_grad()``, ``torch.compile``:
+        their frames alone below the call), where the signature of what they wrap (``forward``,
+        the compiled function) does not bind them. A TypeError from any frame of the user's code
+        (a hook, ``forward``, a wrapper of theirs) is theirs."""
         tb = e.__traceback__
         if tb is None or tb.tb_next is None:
             return True
-        if not isinstance(self.fn, torch.nn.Module):
-            return False
         while tb.tb_next is not None:
             tb = tb.tb_next
-            if tb.tb_frame.f_code.co_filename != _MODULE_FILE:
+            if not torch_private.torch_file(tb.tb_frame.f_code.co_filename):
                 return False
-        try:
-            signature = inspect.signature(self.fn.forward, follow_wrapped=False)
+        fn = torch_private.compiled_original(self.fn)
+        try:  # (through functools.wraps: torch's decorators and compile keep the signature)
+            signature = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
         except (TypeError, ValueError):  # no signature to read (a builtin): the error is its own
             return False
         try:
@@ -193,6 +192,35 @@ class Call:
         except TypeError:
             return True
         return False
+
+    def input_versions(self, inputs: list[Any]) -> tuple[list[torch.Tensor], list[int]]:
+        """The tensors of ``inputs`` (the call's, as its backend runs the body on them) that the
+        call may differentiate, and their versions: what :meth:`check_writes` compares."""
+        if not torch.is_grad_enabled():
+            return [], []
+        xs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        return xs, list(map(torch_private.version, xs))
+
+    def check_writes(self, before: tuple[list[torch.Tensor], list[int]], outs: list[Any]) -> None:
+        """Raise where the body wrote in place into an input that requires grad (``before``:
+        :meth:`input_versions`) after an op saved it for the backward pass: the backward pass
+        would fail there, and on a real mesh on the writing ranks only (its peers would wait for
+        them in their gradient sums). Raised now, an error of the call (posted to the peers)."""
+        xs, versions = before
+        if list(map(torch_private.version, xs)) == versions:  # (the common case: no write)
+            return
+        written = [x for x, v in zip(xs, versions) if torch_private.version(x) != v]
+        stale = torch_private.stale_saved(outs)
+        if stale is None:
+            return
+        raise error_class(RuntimeError)(
+            f"{self.mapped.where}: the function wrote in place into an input that requires grad "
+            f"(shape {list(written[0].shape)}), or a view of it, after an op saved it for the "
+            f"backward pass:\n  RuntimeError: {stale}\nThe backward pass would fail at that op "
+            "(on a real mesh on the ranks that wrote only, while the others waited for them). "
+            "Fix: write before the first use, into a copy (w = w.clone() first), or compute out "
+            "of place (w + 1 rather than w.add_(1))."
+        )
 
     def _run_user(self, args: tuple) -> Any:
         try:

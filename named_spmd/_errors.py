@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import dis
 import functools
+import inspect
 import linecache
 import os
 import sys
@@ -59,7 +60,8 @@ def fn_label(fn: object) -> str:
     while isinstance(fn, functools.partial):  # name the function the partial wraps
         fn = fn.func
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-    code = getattr(fn, "__code__", None)
+    # the line of the function a decorator (functools.wraps: torch.compile's) wraps
+    code = getattr(inspect.unwrap(fn) if callable(fn) else fn, "__code__", None)
     if code is None:
         return f"`{name}`"
     filename = code.co_filename.rsplit("/", 1)[-1]

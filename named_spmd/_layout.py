@@ -16,7 +16,6 @@ again.
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import math
@@ -24,7 +23,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import _torch_private as torch_private
 from ._errors import SpecError, SpmdError, bullet_list
 from ._spec import PartitionSpec, spec_problems
 
@@ -157,6 +155,19 @@ def gives_unequal_blocks(
         if isinstance(x, torch.Tensor) and not is_even(x.shape, spec, sizes):
             return True
     return False
+
+
+def dtensor_holds(spec: PartitionSpec, per_dim: Sequence, sizes: Sizes) -> bool:
+    """Whether DTensor's ``Shard`` holds blocks of the sizes ``per_dim`` (per dim; None: not
+    split): each unequal split over one axis of more than one member, in torch.chunk's sizes
+    (DTensor splits a dim over one mesh dim after another: 10 over 2 x 2 is 3, 2, 3, 2)."""
+    for d, blocks in enumerate(per_dim):
+        if blocks is None or min(blocks) == max(blocks):
+            continue
+        axes = [a for a in spec.entry_axes(d) if sizes[a] > 1]
+        if len(axes) > 1 or tuple(blocks) != chunk_sizes(sum(blocks), sizes[axes[0]]):
+            return False
+    return True
 
 
 def layout_problem(
@@ -478,23 +489,3 @@ def instances_problem(
                 "not fit out_specs:\n" + bullet_list(problems)
             )
     return None
-
-
-def shared_inputs(
-    sizes: Mapping[str, int], leaves: list[object], specs: list[PartitionSpec]
-) -> list[tuple]:
-    """``(leaf, spec, version)`` of each input tensor whose blocks several instances share (an
-    axis of size > 1 its spec does not name: each one writes it) and whose version counter tells
-    (not an inference tensor's, which has none, or one that another input's writes bump too)."""
-    tensors = [
-        (x, s, x.untyped_storage().data_ptr())
-        for x, s in zip(leaves, specs)
-        if isinstance(x, torch.Tensor)
-    ]
-    storages = collections.Counter(at for _, _, at in tensors)
-    return [
-        (x, s, torch_private.version(x))
-        for x, s, at in tensors
-        if storages[at] == 1 and not x.is_inference()
-        if any(n > 1 and a not in s.axes and a not in s.unreduced for a, n in sizes.items())
-    ]

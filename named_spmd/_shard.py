@@ -17,7 +17,7 @@ import torch
 
 from ._api import as_mesh
 from ._errors import SpecError, SpmdError, bullet_list
-from ._layout import block_global_shape
+from ._layout import block_global_shape, dim_sizes, dtensor_holds
 from ._spec import PartitionSpec, spec_problems
 from ._tree import (
     _first_mismatch,
@@ -38,7 +38,11 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
             DTensors on the same mesh (laid out anew: ``redistribute``).
         mesh: a :class:`Mesh` or a ``DeviceMesh`` with ``mesh_dim_names``.
         specs: a pytree prefix of ``tree`` of ``P(...)`` (the grammar of ``in_specs``, tuple
-            entries such as ``P(('dp', 'tp'))`` included; ``None`` means ``P()``).
+            entries such as ``P(('dp', 'tp'))`` included; ``None`` means ``P()``). A dim its
+            axes do not divide is split as ``torch.chunk`` splits it (``spmd_map``'s uneven
+            blocks, DTensor's ``Shard``: 10 rows over 4 are 3, 3, 3, 1) where it is split over
+            one axis of more than one member; over several, no DTensor holds those blocks (it
+            splits over one mesh dim after another): a ``SpecError``, on every mesh.
         local: the tensor leaves are this process's blocks (the block its spec gives this
             rank's mesh coordinates, equal shapes on every rank: data each rank loaded itself),
             not global values. A real mesh only: one process of a simulated mesh holds every
@@ -77,9 +81,10 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
         at = f"tree{path_text(path)}"
         if isinstance(leaf, torch.Tensor):
             shape = tuple(leaf.shape)
-            if local:
+            if local:  # (equal blocks on every rank: a block's shape gives the global one)
                 shape = block_global_shape(shape, spec, mesh.shape)
-            problems += spec_problems(spec, shape, mesh.shape, at)
+            problems += spec_problems(spec, shape, mesh.shape, at, uneven=True, given=False)
+            problems += _dtensor_problems(spec, shape, mesh.shape, at)
         elif spec.axes:
             problems.append(
                 f"{at} is a {type(leaf).__name__}, not a tensor, but its spec {spec!r} splits "
@@ -103,6 +108,30 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
         wheres = [f"tree{path_text(p)}" for p in paths]
         out = shard_leaves(mesh, leaves, leaf_specs, wheres, local, blocks)
     return unflatten(treedef, out)
+
+
+def _dtensor_problems(spec: PartitionSpec, shape: tuple, sizes: dict, at: str) -> list[str]:
+    """The dims whose blocks (torch.chunk's, where the axes do not divide the dim: spmd_map's
+    uneven blocks) no DTensor holds: split over several axes of more than one member. (A
+    ``Blocks`` entry or an unknown axis: ``spec_problems``.)"""
+    problems = []
+    for d in range(min(len(spec), len(shape))):
+        axes = spec.entry_axes(d)
+        if not axes or spec.entry_sizes(d) is not None or not set(axes) <= sizes.keys():
+            continue
+        blocks = dim_sizes(spec, d, shape[d], sizes)
+        if dtensor_holds(spec, [None] * d + [blocks], sizes):
+            continue
+        problems.append(
+            f"{at}: dim {d} has size {shape[d]}, which {axes} ({len(blocks)} members) do not "
+            f"divide: spmd_map splits it as torch.chunk does, into blocks of {blocks}, but a "
+            "DTensor splits a dim over one mesh dim after another, so no DTensor holds these "
+            "blocks (a call's output under this spec is the global value, a plain tensor). "
+            f"Fix: split dim {d} over one axis, "
+            f"pad it to a multiple of {len(blocks)}, or pass the global tensor to spmd_map "
+            "directly (a call splits it itself)."
+        )
+    return problems
 
 
 def unshard(tree: Any) -> Any:

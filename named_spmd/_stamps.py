@@ -72,13 +72,19 @@ class TrackedContext(SpmdContext):
         # id(tensor) -> (tensor, the operand's type): the memory of operands an explicit cast
         # to varying (pvary, reduced -> varying) handed back as a view, the identity on data: a
         # varying write into the view would change the operand on this rank only
-        # (``_tracking.check_cast_alias``)
-        self.cast_roots: dict[int, tuple[torch.Tensor, Vma]] = {}
+        # (``_tracking.check_cast_alias``); with its storage's address, compared with every
+        # write's (:meth:`note_cast_root`)
+        self.cast_roots: dict[int, tuple[torch.Tensor, Vma, int]] = {}
         # a planned or replayed call (``_plan``): each typed tensor gets the next number, and
         # each implicit cast's alias is remembered with what it was made from
         self.numbering = False
         self.numbered = 0
         self.recipes: dict[int, tuple[torch.Tensor, tuple]] | None = None
+
+    def note_cast_root(self, root: torch.Tensor, vma: Vma) -> None:
+        """``root``, the memory an explicit cast to varying of a value of type ``vma`` handed
+        back, in :attr:`cast_roots` with its storage's address (read once, not per write)."""
+        self.cast_roots[id(root)] = (root, vma, storage_address(root))
 
     def vma(self, x: torch.Tensor) -> Vma:
         stamp = x.__dict__.get(_ATTR)
@@ -242,3 +248,11 @@ def stamp_inner(ctx: TrackedContext, x: torch.Tensor, stamp) -> None:
             # call (the caller's tensor, typed in an earlier call) is no type here: replaced.
             base.__dict__[_ATTR] = ctx.stamp_of(ctx.vma(base))
         ctx.transform_results[x.untyped_storage().data_ptr()] = (x, stamp)
+
+
+def storage_address(t: torch.Tensor) -> int:
+    """Where ``t``'s storage starts; 0 where it has none to compare (meta, sparse, a transform's
+    wrapper, an empty storage)."""
+    if t.is_meta or t.layout is not torch.strided or _is_wrapped(t):
+        return 0
+    return t.untyped_storage().data_ptr()

@@ -26,7 +26,7 @@ from ._operands import (
     tensor_operands,
 )
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
-from ._stamps import _ATTR, TrackedContext, stamp_inner
+from ._stamps import _ATTR, TrackedContext, stamp_inner, storage_address
 from ._torch_private import in_reentrant_checkpoint, set_grad_enabled, tensor_base
 from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._types import INVARIANT, Vma
@@ -98,25 +98,18 @@ def check_cast_alias(ctx: TrackedContext, func, target: Tensor | None) -> None:
         raise VmaError(f"{name} in {ctx.fn_label}: {CAST_WRITE}")
 
 
-def _cast_root(ctx: TrackedContext, target: Tensor) -> tuple[Tensor, Vma] | None:
-    """The recorded cast (its memory, its operand's type) whose memory ``target`` is: by its
-    view's base, else by storage (``.detach()`` and ``.data`` of a view have no base)."""
+def _cast_root(ctx: TrackedContext, target: Tensor) -> tuple[Tensor, Vma, int] | None:
+    """The recorded cast (its memory, its operand's type, its storage's address) whose memory
+    ``target`` is: by its view's base, else by storage (``.detach()`` and ``.data`` of a view
+    have no base)."""
     base = tensor_base(target)
     cast = ctx.cast_roots.get(id(target if base is None else base))
     if cast is not None:
         return cast
-    ptr = _storage_address(target)
+    ptr = storage_address(target)
     if not ptr:
         return None
-    return next((c for c in ctx.cast_roots.values() if _storage_address(c[0]) == ptr), None)
-
-
-def _storage_address(t: Tensor) -> int:
-    """Where ``t``'s storage starts; 0 where it has none to compare (meta, sparse, a transform's
-    wrapper, an empty storage)."""
-    if t.is_meta or t.layout is not torch.strided or _is_wrapped(t):
-        return 0
-    return t.untyped_storage().data_ptr()
+    return next((c for c in ctx.cast_roots.values() if c[2] == ptr), None)
 
 
 class VmaMode(TorchFunctionMode):

@@ -302,33 +302,35 @@ def run_checks(args, rank, world) -> None:
 
 
 def _hooked_view_of_a_parameter(mesh, world) -> dict:
-    """A hook on a view of a parameter (made outside the call, used inside) sees the view's
-    summed gradient: the view is pvary'd as itself, not at the parameter (which would leave
-    the view's node, and its hook, out of the backward pass)."""
+    """A hook on a view of a parameter (made outside the call, used inside through a chain of
+    views) sees the view's summed gradient: the view is pvary'd as itself, not at the parameter
+    (which would leave the view's node, and its hook, out of the backward pass); a hook that
+    returns nothing leaves the parameter a plain ``.grad`` all the same."""
     from named_spmd.backends.distributed import to_local
 
     axes = tuple(mesh.axis_names)
     w = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64).reshape(2, 3).requires_grad_()
     dense = w.detach().clone().requires_grad_()
     x = torch.arange(6.0 * world, dtype=torch.float64).reshape(2 * world, 3)
-    for param in (w, dense):
-        view = param.t()
-        view.register_hook(lambda g: g * 3)
-        if param is w:
-            f = ns.spmd_map(
-                lambda x: ns.psum((x @ view).sum(), axes),
-                mesh=mesh,
-                in_specs=P(axes),
-                out_specs=P(),
-            )
-            to_local(f(x)).backward()
-        else:
-            (x @ view).sum().backward()
-    ok = torch.allclose(w.grad, dense.grad)
-    return {
-        "check": "a hook on a view of a parameter",
-        "problems": [] if ok else [f"{w.grad} != dense {dense.grad}"],
-    }
+    problems = []
+    for hook in (lambda g: g * 3, lambda g: None):
+        w.grad = dense.grad = None
+        for param in (w, dense):
+            view = param.t()
+            view.register_hook(hook)
+            if param is w:
+                f = ns.spmd_map(
+                    lambda x: ns.psum((x @ view.t().t()).sum(), axes),
+                    mesh=mesh,
+                    in_specs=P(axes),
+                    out_specs=P(),
+                )
+                to_local(f(x)).backward()
+            else:
+                (x @ view).sum().backward()
+        if not torch.allclose(w.grad, dense.grad) or type(w.grad) is not torch.Tensor:
+            problems.append(f"{type(w.grad).__name__} {w.grad} != dense {dense.grad}")
+    return {"check": "a hook on a view of a parameter", "problems": problems}
 
 
 def _cast_alias_checks(mesh) -> list[dict]:
@@ -534,7 +536,8 @@ def _backward_that_raises(mesh, world, scale, x) -> dict:
 def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
     """Once backward returns, a replicated weight's gradient is a plain tensor (a DTensor over a
     plain local tensor), not the wrapper that stood for it while its psum was in flight: models
-    holding such gradients deep-copy and pickle as usual."""
+    holding such gradients deep-copy and pickle as usual; also where the call uses the weight
+    through a chain of views (the sum's view would otherwise reach ``.grad``)."""
     import copy
 
     from torch.distributed.tensor import Replicate, distribute_tensor
@@ -545,20 +548,26 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
     w = torch.linspace(-1.0, 1.0, 4)
     model.d = torch.nn.Parameter(distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2))
     model.p = torch.nn.Parameter(w.clone())
-    (to_local(scale(x, model.d)).sum() + to_local(scale(x, model.p)).sum()).backward()
+    model.dv = torch.nn.Parameter(distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2))
+    model.pv = torch.nn.Parameter(w.clone())
+    views = ns.spmd_map(
+        lambda v, w: v * w.unsqueeze(0).squeeze(0),
+        mesh=mesh,
+        in_specs=(P(("dp", "tp")), P()),
+        out_specs=P(("dp", "tp")),
+    )
+    calls = ((scale, model.d), (scale, model.p), (views, model.dv), (views, model.pv))
+    sum(to_local(f(x, weight)).sum() for f, weight in calls).backward()
+    grads = {n: model.get_parameter(n).grad for n in ("d", "p", "dv", "pv")}
     problems = [
         f"{name}: {type(t).__name__}"
-        for name, t in (
-            ("DTensor's local gradient", model.d.grad._local_tensor),
-            ("plain", model.p.grad),
-        )
-        if type(t) is not torch.Tensor
+        for name, g in grads.items()
+        if type(t := g._local_tensor if name[0] == "d" else g) is not torch.Tensor
     ]
     want = x.sum(0)
-    if not (
-        torch.allclose(model.d.grad.full_tensor(), want) and torch.allclose(model.p.grad, want)
-    ):
-        problems.append(f"values {model.d.grad.full_tensor()} / {model.p.grad}, want {want}")
+    full = {n: g.full_tensor() if n[0] == "d" else g for n, g in grads.items()}
+    if not all(torch.allclose(g, want) for g in full.values()):
+        problems.append(f"values {full}, want {want}")
     try:
         copy.deepcopy(model)
     except Exception as e:  # noqa: BLE001 - reported

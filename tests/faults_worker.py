@@ -28,6 +28,8 @@
 * ``debug_mismatch``: debug mode; a rank-dependent order of collectives, an extra collective
   on some ranks, and mismatched ops, shapes and ppermute pairs (over the whole mesh and within
   one "tp" group), again and again, each followed by a good call that must run.
+* ``written_after_use``: rank 1 writes a parameter in place after an op of the function saved
+  it for backward; then the backward pass on every rank (last: the mesh ends out of step).
 * ``slow_sender``: a ppermute where only rank 3 sends (to rank 0), called twice; rank 3 sleeps
   past the board's grace first, so ranks 1 and 2, which take no part in the exchange, wait in
   the next call while rank 0 still waits for rank 3: a lag, not a mismatch.
@@ -287,6 +289,26 @@ def bystanders(mesh, rank, iterations: int = 1, label: str = "", in_collective: 
     g = ns.spmd_map(by_tp, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P("dp"))
     report(rank, "by_tp", lambda: g(X))
     report(rank, "by_tp_next", lambda: checked(slow_psum(mesh, rank)(X)))
+
+
+def written_after_use(mesh, rank):
+    """Rank 1 alone writes a parameter in place after ``sin`` saved it: its backward pass would
+    fail where the others' would not (they would wait for it in the gradient sum). Rank 1
+    raises the call's error in the forward pass, posted; its peers stop in their backward
+    pass's gradient sum quoting it."""
+    from named_spmd.backends.distributed import to_local
+
+    w = torch.nn.Parameter(torch.ones(2))
+
+    def f(x, w):
+        y = ns.psum(x * torch.sin(w), ("dp", "tp"))
+        if rank == 1:
+            with torch.no_grad():
+                w.add_(1)
+        return y
+
+    g = ns.spmd_map(f, mesh=mesh, in_specs=(P(("dp", "tp")), P()), out_specs=P())
+    report(rank, "written", lambda: to_local(g(X, w)).sum().backward())
 
 
 # --- debug mode: mismatched collectives, caught, again and again -----------------------------------

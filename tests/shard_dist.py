@@ -176,6 +176,52 @@ def check_blocks(mesh, rank) -> list[str]:
     return problems
 
 
+def check_uneven(mesh, rank) -> list[str]:
+    """Dims the axes do not divide: DTensors whose local blocks are torch.chunk's (``block``,
+    independent of DTensor) as ``distribute_tensor`` makes them, whose global value is the
+    dense tensor; they feed a call with the same specs, whose outputs are those DTensors again
+    (spmd_map's uneven convention); blocks=True gives the blocks; a DTensor is laid out anew;
+    a tuple entry over such a dim is the simulated mesh's SpecError."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(3)
+    tree = {
+        "rows": torch.randn(5, 3, generator=g, dtype=torch.float64),  # 3, 2 over tp
+        "grid": torch.randn(3, 7, generator=g, dtype=torch.float64),  # 2, 1 x 4, 3
+    }
+    specs = {"rows": P("tp"), "grid": P("dp", "tp")}
+    torch_places = {"rows": [Replicate(), Shard(0)], "grid": [Shard(0), Shard(1)]}
+    sharded = ns.shard(tree, mesh, specs)
+    blocks = ns.shard(tree, mesh, specs, blocks=True)
+    problems = []
+    for k, x in tree.items():
+        d, want = sharded[k], block(x, specs[k], mesh._shape, mesh.my_coords)
+        theirs = distribute_tensor(x, mesh.device_mesh, torch_places[k])
+        if not isinstance(d, ns_dtensor()) or tuple(d.placements) != tuple(theirs.placements):
+            problems.append(f"{k}: {type(d).__name__} {getattr(d, 'placements', None)}")
+            continue
+        if not (torch.equal(d.to_local(), want) and torch.equal(theirs.to_local(), want)):
+            problems.append(f"{k}: local block {d.to_local().shape}, want {want.shape}")
+        if not torch.equal(ns.unshard(d), x) or not torch.equal(blocks[k], want):
+            problems.append(f"{k}: unshard or blocks=True differ from the dense tensor")
+        again = ns.shard(ns.shard(x, mesh, P()), mesh, specs[k])  # laid out anew
+        if not torch.equal(again.to_local(), want):
+            problems.append(f"{k}: a resharded DTensor's block differs")
+    same = ns.spmd_map(lambda t: t, mesh=mesh, in_specs=(specs,), out_specs=specs)(sharded)
+    for k in tree:
+        if tuple(same[k].placements) != tuple(sharded[k].placements) or not torch.equal(
+            same[k].to_local(), sharded[k].to_local()
+        ):
+            problems.append(f"{k}: a call's output differs from ns.shard's DTensor")
+    try:
+        ns.shard(torch.ones(10, 2), mesh, P(("dp", "tp")))
+        problems.append("a tuple entry over a dim of 10 was not refused")
+    except ns.SpecError as e:
+        if "no DTensor holds these blocks" not in str(e):
+            problems.append(f"refused with {e}")
+    return problems
+
+
 def check_reshard(mesh, rank) -> list[str]:
     """A DTensor passed to shard is laid out anew, as a new leaf."""
     x = global_tree()["w"]
@@ -291,6 +337,7 @@ CHECKS = [
     check_gradient,
     check_rank_zero_wins,
     check_blocks,
+    check_uneven,
     check_reshard,
     check_checkpoint,
     check_from_local,

@@ -673,3 +673,24 @@ def test_the_leaves_behind_a_sum_are_found_once_each():
         h = h + h
     leaves = _summed_leaves(h.grad_fn)
     assert len(leaves) == 2 and {id(x) for x in leaves} == {id(a), id(b)}
+
+
+def test_the_start_of_call_check_is_finished_in_one_place():
+    """``DistributedMesh.finish_pending_check`` finishes the check in flight, once, and is the
+    one place that calls it: every other site goes through it."""
+    import pathlib
+    import re
+
+    from named_spmd.backends._dist_mesh import DistributedMesh
+
+    calls = []
+    mesh = types.SimpleNamespace(pending_check=None)
+    DistributedMesh.finish_pending_check(mesh)  # none in flight: nothing
+    mesh.pending_check = lambda: (calls.append(1), setattr(mesh, "pending_check", None))
+    DistributedMesh.finish_pending_check(mesh)
+    DistributedMesh.finish_pending_check(mesh)
+    assert calls == [1]
+    package = pathlib.Path(ROOT) / "named_spmd"
+    called = re.compile(r"(?<!finish_)pending_check\(\)")
+    callers = [p.name for p in sorted(package.rglob("*.py")) if called.search(p.read_text())]
+    assert callers == ["_dist_mesh.py"]

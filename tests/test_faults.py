@@ -64,6 +64,7 @@ def loaded():
     one, and debug mode's mismatches caught again and again."""
     with busy(1):
         scenarios = "dtypes+mesh_again+bystanders+bystanders_nccl_path+debug_mismatch"
+        scenarios += "+written_after_use"  # (last: it leaves its mesh out of step)
         lines, tail = run_lines(scenarios, timeout=300)
     return lines, {(o["rank"], o["phase"]): o for o in lines}, tail
 
@@ -429,6 +430,22 @@ def test_bystanders_stop_naming_the_failing_rank_on_nccls_path_too(loaded):
     ranks that never needed the failing rank at their next call, naming it, as a gloo mesh."""
     _, outcomes, tail = loaded
     _stopped_at_the_next_call(outcomes, tail, "nccl_")
+
+
+def test_a_parameter_written_after_its_use_on_one_rank_fails_every_rank_alike(loaded):
+    """Autograd would refuse the write in rank 1's backward pass only, while its peers waited
+    for it in the gradient sum: rank 1 raises the call's SpmdError in the forward pass, and
+    its peers stop in their backward pass with RankFailedError quoting it, none at a timeout
+    (faults_worker.written_after_use)."""
+    _, outcomes, tail = loaded
+    said = "the function wrote in place into an input that requires grad (shape [2])"
+    for rank in range(WORLD):
+        o = outcomes[rank, "written"]
+        assert o["error"] == ("SpmdError" if rank == 1 else "RankFailedError"), (o, tail)
+        assert said in o["message"] and "after an op saved it for the backward" in o["message"]
+        if rank != 1:
+            assert f"{named(1)} failed inside spmd_map: SpmdError: " in o["message"], o
+        assert o["seconds"] < 25, o  # told by rank 1, not at the 30 s timeout
 
 
 def test_debug_mode_lists_mismatched_collectives_and_the_mesh_stays_usable(loaded):

@@ -366,3 +366,101 @@ def test_a_module_called_with_arguments_its_forward_does_not_take_names_it(mesh)
     with pytest.raises(TypeError, match="positional argument") as raised:
         g(torch.ones(8, 3))
     assert "the call's 1 positional argument(s)" not in str(raised.value)  # not the call's
+
+
+def test_arguments_refused_through_torchs_wrappers_name_the_call():
+    """A ``forward`` decorated by ``torch.no_grad()`` and a ``torch.compile``d function or
+    module refuse the call's arguments inside torch's wrappers only: the same SpmdTypeError as
+    a plain function's, naming the function; a TypeError raised inside them stays their own."""
+
+    class Decorated(torch.nn.Module):
+        @torch.no_grad()
+        def forward(self, x):
+            return x * 2
+
+    def double(x):
+        return x * 2
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    compiled = torch.compile(double, backend="eager")
+    for fn in (Decorated(), compiled, torch.compile(Plain(), backend="eager")):
+        f = ns.spmd_map(fn, mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)
+        with pytest.raises(ns.SpmdError) as raised:
+            f(torch.ones(8), torch.ones(8))
+        assert isinstance(raised.value, TypeError), fn
+        assert "call's 2 positional argument(s)" in str(raised.value), fn
+        if fn is compiled:  # named by the function's own line, not the wrapper's
+            assert "spmd_map of `test_arguments_refused" in str(raised.value)
+            assert "double` (test_review_regressions.py:" in str(raised.value)
+        torch.testing.assert_close(f(torch.ones(8)), torch.full((8,), 2.0))
+
+    class Own(torch.nn.Module):
+        @torch.no_grad()
+        def forward(self, x):
+            raise TypeError("the module's own")
+
+    g = ns.spmd_map(Own(), mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)
+    with pytest.raises(TypeError, match="the module's own") as raised:
+        g(torch.ones(8))
+    assert not isinstance(raised.value, ns.SpmdError)
+
+
+def test_an_input_written_after_an_op_saved_it_is_the_calls_error():
+    """A parameter written in place after ``sin`` saved it: the call's SpmdError (still a
+    RuntimeError) quoting autograd's refusal, raised by the call, where the backward pass
+    would fail (on a real mesh on the writing ranks only: tests/faults_worker.py
+    ``written_after_use``). Written before its first use, the call runs and differentiates."""
+    x = torch.arange(8.0, dtype=torch.float64)
+
+    def after(x, w):
+        y = ns.psum(x * torch.sin(w), "i")
+        with torch.no_grad():
+            w.add_(1)
+        return y
+
+    def before(x, w):
+        with torch.no_grad():
+            w.add_(1)
+        return ns.psum(x * torch.sin(w), "i")
+
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    f = ns.spmd_map(after, mesh=MESH, in_specs=(P("i"), P()), out_specs=P())
+    with pytest.raises(ns.SpmdError) as raised:
+        f(x, w)
+    assert isinstance(raised.value, RuntimeError)
+    message = str(raised.value)
+    assert "spmd_map of `test_an_input_written_after_an_op_saved_it" in message
+    assert "wrote in place into an input that requires grad (shape [2])" in message
+    assert "modified by an inplace operation" in message
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    g = ns.spmd_map(before, mesh=MESH, in_specs=(P("i"), P()), out_specs=P())
+    g(x, w).sum().backward()
+    torch.testing.assert_close(w.grad, x.reshape(4, 2).sum(0) * torch.cos(torch.full((2,), 2.0)))
+
+
+def test_a_write_reads_its_own_storage_address_only(monkeypatch):
+    """Inside a call that made explicit casts to varying, every write is compared with the
+    casts' memory by storage (``_tracking.check_cast_alias``): each cast's address is read
+    when the cast is noted, so a write reads its own target's address alone, however many
+    casts the call made (here 3 casts, 4 writes on each of 2 instances)."""
+    from named_spmd import _tracking
+
+    real, reads = _tracking.storage_address, []
+    monkeypatch.setattr(_tracking, "storage_address", lambda t: reads.append(1) or real(t))
+
+    def f(x, w):
+        a, b, c = (ns.pvary(w * k, "i") for k in (1.0, 2.0, 3.0))
+        y = x.clone()
+        for _ in range(4):
+            y.add_(1.0)  # memory no cast shares: compared by storage with every cast's
+        return y + a + b + c
+
+    x, w = torch.arange(4.0), torch.tensor([1.0, -1.0])
+    mesh = ns.make_mesh((2,), ("i",))
+    with ns.simulate_per_instance():
+        out = ns.spmd_map(f, mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"))(x, w)
+    torch.testing.assert_close(out, x + 4.0 + 6.0 * w.repeat(2))
+    assert len(reads) == 4 * 2

@@ -59,10 +59,12 @@ def test_simulated_sharded_tree_feeds_a_call_with_the_same_specs(mesh):
 
 def test_spec_problems_are_listed_once_with_the_tree_path(mesh):
     with pytest.raises(ns.SpecError) as e:
-        ns.shard({"w": torch.ones(3, 4), "k": "x"}, mesh, {"w": P("dp", "pt"), "k": P("dp")})
+        ns.shard(
+            {"w": torch.ones(3, 4), "k": "x"}, mesh, {"w": P(("dp", "tp"), "pt"), "k": P("dp")}
+        )
     text = str(e.value)
     assert text.startswith("ns.shard: the tree does not fit specs on mesh {'dp': 2, 'tp': 2}")
-    assert "tree['w']: dim 0 has size 3, not divisible by 2" in text
+    assert "tree['w']: dim 0 has size 3, which ('dp', 'tp') (4 members) do not divide" in text
     assert "unknown mesh axis 'pt'" in text and "Did you mean 'tp'?" in text
     assert "tree['k'] is a str, not a tensor" in text and "Fix: give it P()" in text
 
@@ -100,7 +102,7 @@ def test_real_mesh_shard_unshard_checkpoint_and_calls(tmp_path):
     )
     assert not finished.timed_out, finished.outputs[0][-3000:]
     outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
-    assert len(outcomes) == 9 * world, finished.outputs[0][-3000:]
+    assert len(outcomes) == 10 * world, finished.outputs[0][-3000:]
     bad = [o for o in outcomes if o["problems"]]
     assert bad == [], bad[:4]
 
@@ -123,3 +125,46 @@ def test_simulated_blocks_are_the_global_values_as_new_leaves(mesh):
         assert torch.equal(b[k], t[k]) and b[k] is not t[k] and b[k].is_leaf
         assert b[k].requires_grad == t[k].requires_grad
     assert isinstance(b["b"], torch.nn.Parameter) and b["n"] == 3
+
+
+UNEVEN = {"rows": P("tp"), "grid": P("dp", "tp"), "even_tuple": P(("dp", "tp"))}
+
+
+def uneven_tree():
+    g = torch.Generator().manual_seed(3)
+    return {
+        "rows": torch.randn(5, 3, generator=g, dtype=torch.float64),  # 3, 2 over tp
+        "grid": torch.randn(3, 7, generator=g, dtype=torch.float64),  # 2, 1 x 4, 3
+        "even_tuple": torch.randn(8, 5, generator=g, dtype=torch.float64),
+    }
+
+
+def test_a_dim_the_axes_do_not_divide_is_split_as_spmd_map_splits_it(mesh):
+    """spmd_map's uneven blocks (torch.chunk's): the sharded leaves are the global values and
+    feed a call with the same specs, whose blocks are those of the dense tensors (a real mesh:
+    tests/shard_dist.py ``check_uneven``)."""
+    t = uneven_tree()
+    s = ns.shard(t, mesh, UNEVEN)
+    assert all(torch.equal(s[k], t[k]) and s[k] is not t[k] for k in t)
+
+    def scaled(p):  # each block scaled by its number (+1) over its spec's axes: the blocks seen
+        return {k: v * (ns.axis_index(UNEVEN[k].axes) + 1) for k, v in p.items()}
+
+    f = ns.spmd_map(scaled, mesh=mesh, in_specs=(UNEVEN,), out_specs=UNEVEN)
+    out, dense = f(s), f(t)
+    assert all(torch.equal(out[k], dense[k]) for k in t)
+    rows = t["rows"].clone()
+    rows[3:] *= 2  # the tp=1 block: rows 3 and 4 (torch.chunk: 3, 2)
+    torch.testing.assert_close(out["rows"], rows, rtol=0, atol=0)
+
+
+def test_uneven_blocks_no_dtensor_holds_are_refused_on_every_mesh(mesh):
+    """A tuple entry over a dim its axes do not divide: torch.chunk's blocks (3, 3, 3, 1) are
+    not DTensor's nested split (3, 2, 3, 2), so ns.shard says so (the real mesh alike:
+    tests/shard_dist.py ``check_uneven``)."""
+    with pytest.raises(ns.SpecError) as e:
+        ns.shard({"x": torch.ones(10, 2)}, mesh, P(("dp", "tp")))
+    text = str(e.value)
+    assert "tree['x']: dim 0 has size 10, which ('dp', 'tp') (4 members) do not divide" in text
+    assert "blocks of (3, 3, 3, 1), but a DTensor splits a dim over one mesh dim" in text
+    assert "Fix: split dim 0 over one axis, pad it to a multiple of 4" in text

@@ -233,10 +233,9 @@ def _note_cast_alias(ctx: Any, out: Tensor, vma: Vma) -> None:
     """``out``, a cast to varying of a value of type ``vma`` that is one value over the new axes
     (invariant or reduced): the identity on data, a view of its operand's memory on a tracked
     backend (where not, as in a check, its own memory stands for it). Writes into it are
-    checked against ``vma`` (``TrackedContext.cast_roots``)."""
+    checked against ``vma`` (``TrackedContext.note_cast_root``)."""
     root = tensor_base(out)
-    root = out if root is None else root
-    ctx.cast_roots[id(root)] = (root, vma)
+    ctx.note_cast_root(out if root is None else root, vma)
 
 
 def tag_derivatives(

@@ -166,6 +166,62 @@ def view_source(
     return source
 
 
+def viewed_leaf(node: Any) -> torch.Tensor | None:
+    """The leaf whose ``AccumulateGrad`` the chain of view nodes from ``node`` down leads to
+    (each node's backward hands on a view of its gradient: a pending gradient reaches the
+    leaf's ``.grad`` as a view of it); None where the chain ends anywhere else.
+    (``AccumulateGrad.variable``: private.)"""
+    for _ in range(_MAX_VIEWS):
+        if type(node).__name__ not in _VIEW_NODES:
+            return None
+        nexts = node.next_functions
+        if len(nexts) != 1:
+            return None
+        node = nexts[0][0]
+        if type(node) is AccumulateGrad:
+            return node.variable
+    return None
+
+
+# the nodes whose backward may hand on a view of (or the very) gradient it gets, which a chain
+# of views of a parameter (``w.unsqueeze(0).squeeze(0)``, ``w.t().t()``) puts between a pvary
+# and the parameter
+_VIEW_NODES = frozenset(
+    f"{op}Backward0"
+    for op in ("T", "Transpose", "Permute", "View", "UnsafeView", "Unsqueeze", "Squeeze", "Alias")
+) | {"ExpandBackward0", "SqueezeBackward1", "SqueezeBackward2", "TransposeBackward1"}
+_MAX_VIEWS = 8
+
+
+def stale_saved(roots: list[torch.Tensor]) -> RuntimeError | None:
+    """Autograd's error for a tensor that a node of the graph behind ``roots`` saved for the
+    backward pass and that was written in place since: what the backward pass would raise at
+    that node; else None. Walks the whole graph: for the rare call that wrote a tensor that
+    requires grad. (The nodes' ``_saved_*`` attributes and a Function's ``saved_tensors``:
+    unpacking one checks its version.)"""
+    todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        names = [n for n in dir(node) if n.startswith("_saved_")]
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            names.append("saved_tensors")
+        for name in names:
+            try:
+                getattr(node, name)
+            except RuntimeError as e:
+                if _STALE in str(e):
+                    return e
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return None
+
+
+_STALE = "modified by an inplace operation"
+
+
 def node_class(function: type[torch.autograd.Function]) -> type:
     """The class of the autograd nodes that ``function.apply`` makes (its ``grad_fn``s)."""
     return function._backward_cls

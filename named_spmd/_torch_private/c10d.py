@@ -54,12 +54,14 @@ def _pending_gradient_class(act: type) -> type:
     maps for every op but ``view`` (about a third of a data-parallel GPT backward, measured).
     ``AccumulateGrad``'s ``grad += pending`` into a ``.grad`` that exists (gradient accumulation)
     may be postponed to the end of the backward pass instead of waiting for the sum now: the
-    backend's ``defer_accumulation(target, pending)`` says whether it took it."""
+    backend's ``defer_accumulation(target, pending)`` says whether it took it. A view of one
+    (torch's class rewraps it) is made one again by the backend's ``view_of(pending, view)``."""
     detach = torch.ops.aten.detach.default
     add_ = torch.ops.aten.add_.Tensor
 
     class PendingGradient(act):
         defer_accumulation: Any = None  # set by the backend
+        view_of: Any = None  # set by the backend
 
         @classmethod
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -74,7 +76,10 @@ def _pending_gradient_class(act: type) -> type:
                 and cls.defer_accumulation(args[0], args[1])
             ):
                 return args[0]
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if type(out) is act and type(args[0]) is cls and cls.view_of is not None:
+                return cls.view_of(args[0], out)  # (only a view op's result is still pending)
+            return out
 
     return PendingGradient
 

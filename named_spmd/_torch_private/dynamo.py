@@ -4,6 +4,7 @@ graph passes, and the view attributes Dynamo hands to the torch function modes."
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -131,3 +132,19 @@ def is_dynamo_refusal(error: BaseException) -> bool:
     """Whether ``error`` is torch.compile refusing to trace (Dynamo's ``Unsupported`` and its
     relatives), told by module so that ``torch._dynamo`` is never imported for the check."""
     return type(error).__module__.startswith("torch._dynamo")
+
+
+def compiled_original(fn: Any) -> Any:
+    """The module a ``torch.compile``'d module (``OptimizedModule``) wraps (``_orig_mod``:
+    private), else ``fn`` itself."""
+    return getattr(fn, "_orig_mod", fn) if isinstance(fn, torch.nn.Module) else fn
+
+
+def torch_file(filename: str) -> bool:
+    """Whether ``filename`` is one of torch's own files: a frame of its wrappers around a
+    function (``nn.Module.__call__``, the ``torch.no_grad()`` decorator, ``torch.compile``'s),
+    never the user's code. (``torch.__file__``: the package's location.)"""
+    return filename.startswith(_TORCH_DIR)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep

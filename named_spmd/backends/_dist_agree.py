@@ -64,8 +64,9 @@ def check_call_agrees(
     inputs' global shapes, dtypes and requires_grad; it also keeps the ranks within one call of
     each other, which lets a rank left waiting in an earlier call name the one that moved on
     (``_dist_waiting._ahead``). Only when the checksums differ are the descriptions exchanged.
-    It is started here and finished (``mesh.pending_check``) before the call's first collective
-    (``Comm``) or at the end of the body, so the body's computation until then overlaps it.
+    It is started here and finished (``mesh.finish_pending_check``) before the call's first
+    collective (``Comm``) or at the end of the body, so the body's computation until then
+    overlaps it.
     It also compares what decides, beside the inputs, how the call communicates (ranks that
     differ there would sum mismatched elements, or wait): the bucket size and debug mode, and
     the inputs a replay pvarys at its entry, ``hoistable`` (``_dist_pvary``; none where a rank

@@ -252,8 +252,7 @@ class Comm:
 
     def _before(self, name: str, x: torch.Tensor, extra: str = "") -> None:
         """What precedes every collective: the start-of-call check, debug mode's comparison."""
-        if self.mesh.pending_check is not None:
-            self.mesh.pending_check()
+        self.mesh.finish_pending_check()
         if self.mesh.debug:
             self._debug(name, x, extra)
 
@@ -305,8 +304,7 @@ class Comm:
         """Send ``x``'s rows in chunks of ``sent[j]`` (tuple order) to member ``j``; returns the
         rows received (``received[i]`` from member ``i``), concatenated in source tuple order.
         The sizes differ between members, so debug mode's comparison of calls does not apply."""
-        if self.mesh.pending_check is not None:
-            self.mesh.pending_check()
+        self.mesh.finish_pending_check()
         return on_wire(x, lambda t: self._all_to_all_rows(t, sent, received, name))
 
     def _all_to_all_rows(self, x: torch.Tensor, sent, received, name: str) -> torch.Tensor:

@@ -115,6 +115,13 @@ class DistributedMesh(Mesh):
         # an uneven call's output: (every rank's shapes, spec, rank) -> its blocks' sizes per dim
         self.uneven_outputs: dict = {}
 
+    def finish_pending_check(self) -> None:
+        """Finish the start-of-call check if it is still in flight (``_dist_agree.
+        check_call_agrees``): before the call's first collective, at the end of its body, and
+        before anything the ranks must agree on first."""
+        if self.pending_check is not None:
+            self.pending_check()
+
     def release_groups(self) -> None:
         """Forget this mesh's process groups (at exit; the mesh cannot communicate after).
 

@@ -220,6 +220,8 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, chain: str = "bac
     elif type(source) is torch_private.AddBackward:
         for leaf in _summed_leaves(source):
             when_reduced(pending, functools.partial(plain_grad, leaf))
+    elif (leaf := torch_private.viewed_leaf(source)) is not None:  # through views of the leaf
+        when_reduced(pending, functools.partial(plain_grad, leaf))
     return pending
 
 
@@ -279,4 +281,16 @@ def _open_bucket(key: tuple, comm: Comm, cap: int, task: int):
     return work
 
 
-torch_private.dist().PendingGradient.defer_accumulation = _defer_accumulation
+def _view_of(pending: torch.Tensor, view: Any) -> torch.Tensor:
+    """A view of the pending gradient ``pending`` (torch's class wraps it) as a pending gradient
+    of the same work: a leaf reached through views (a DTensor's ``_LocalOf``) then gets the plain
+    tensor once reduced, as ``pending`` itself would (:func:`into_leaf`)."""
+    out = _ACT()(async_buffer(view))
+    work = pending.__dict__.get("_named_spmd_work")
+    if work is not None:
+        out._named_spmd_work = work
+    return out
+
+
+_pending = torch_private.dist().PendingGradient
+_pending.defer_accumulation, _pending.view_of = _defer_accumulation, _view_of

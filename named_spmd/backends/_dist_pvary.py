@@ -157,8 +157,7 @@ def hoist(ctx: Any, hoistable: tuple) -> None:
     device whose inputs are each the common case and whose gradients fit one bucket. Only where
     every rank would (the start-of-call check, finished first: a rank that typed the call, or
     hoists other inputs, all-reduces other buffers in backward)."""
-    if ctx.mesh.pending_check is not None:
-        ctx.mesh.pending_check()
+    ctx.mesh.finish_pending_check()
     if not _common_now() or ctx.hoist_refused:
         return
     groups: dict[tuple, list] = {}

@@ -39,6 +39,7 @@ from .._layout import (
     coords_of,
     coords_text,
     dim_sizes,
+    dtensor_holds,
     group_size,
     index_of,
     instances_problem,
@@ -370,7 +371,7 @@ def _output(ctx, y: torch.Tensor, spec: PartitionSpec, per_dim: tuple) -> torch.
         return io.global_output(ctx, y, spec)
     y = io.local_output(ctx, y, spec)
     shape = tuple(y.shape[d] if s is None else sum(s) for d, s in enumerate(per_dim))
-    if _dtensor_holds(spec, per_dim, sizes) and not _plain_wanted(y):
+    if dtensor_holds(spec, per_dim, sizes) and not _plain_wanted(y):
         return uneven_from_local(mesh, y, placements(mesh, spec, y.dim()), shape)
     unreduced = tuple(a for a in names if a in spec.unreduced and a not in mesh.single_axes)
     if unreduced:  # parts of the value: their sum, as the simulated mesh returns
@@ -381,18 +382,6 @@ def _output(ctx, y: torch.Tensor, spec: PartitionSpec, per_dim: tuple) -> torch.
 def _plain_wanted(y: torch.Tensor) -> bool:
     """Where a DTensor cannot be returned: a forward-mode tangent (no DTensor rule for it)."""
     return torch_private.forward_level() >= 0 and io._has_tangent(y)
-
-
-def _dtensor_holds(spec: PartitionSpec, per_dim: Sequence[Sizes | None], sizes) -> bool:
-    """Whether DTensor's ``Shard`` has these blocks: each unequal split over one (non-trivial)
-    axis, in torch.chunk's sizes."""
-    for d, blocks in enumerate(per_dim):
-        if blocks is None or min(blocks) == max(blocks):
-            continue
-        axes = [a for a in spec.entry_axes(d) if sizes[a] > 1]
-        if len(axes) > 1 or blocks != chunk_sizes(sum(blocks), sizes[axes[0]]):
-            return False
-    return True
 
 
 def gather(

@@ -175,8 +175,7 @@ class UnevenPrimitives:
         """Before a ppermute's data moves: the shape it assumes (``_guess``), or every
         instance's shape exchanged and compared."""
         mesh = self.mesh
-        if mesh.pending_check is not None:  # first: whether every rank recalls the same
-            mesh.pending_check()
+        mesh.finish_pending_check()  # first: whether every rank recalls the same
         assert self._seen is not None
         k, recalled = len(self._seen), self._recalled
         guess = recalled[k] if recalled is not None and k < len(recalled) else None

@@ -282,7 +282,7 @@ def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool, hoistab
     if isinstance(ctx, ProxyTracedContext):
         with torch_private.no_dispatch_modes():
             _dist_agree.check_call_agrees(ctx, leaves, local_call, hoistable)
-            ctx.mesh.pending_check()  # set just above
+            ctx.mesh.finish_pending_check()
     else:
         _dist_agree.check_call_agrees(ctx, leaves, local_call, hoistable)
 
@@ -324,12 +324,12 @@ def run(call: Call) -> list[Any]:
             replay.converted = tuple(i for i, x in enumerate(leaves) if local[i] is not x)
         ctx.inputs = local
         if mesh.debug:
-            if mesh.pending_check is not None:  # shapes first: the clearer message
-                mesh.pending_check()
+            mesh.finish_pending_check()  # shapes first: the clearer message
             _dist_agree.check_inputs_agree(ctx, leaves, specs if local_call else None)
+        versions = call.input_versions(local)
         outs = _body(ctx, call, replay, local)
-        if mesh.pending_check is not None:  # the body ran no collective
-            mesh.pending_check()
+        call.check_writes(versions, outs)
+        mesh.finish_pending_check()  # (where the body ran no collective)
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
         layouts = _dist_uneven.agree(ctx, outs, call) if uneven else None

@@ -311,10 +311,13 @@ class SimulatedBackend:
             from . import _traced  # imports Dynamo, loaded by now (not with every eager call)
 
             return _traced.run(call)
-        mesh = call.mesh
+        mesh, versions = call.mesh, call.input_versions(call.leaves)
         if mesh.size > 1 and (self.uneven_state() or call.unequal_blocks()):
-            return _per_instance.run(call)
-        return _run_eagerly(call)
+            outs = _per_instance.run(call)
+        else:
+            outs = _run_eagerly(call)
+        call.check_writes(versions, outs)
+        return outs
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:
         text = str(error)

@@ -7,12 +7,17 @@ rows. An out_spec that does not name the axis would then return one instance's v
 (a real mesh: each rank its own, in a DTensor said to be replicated). The per-instance execution
 holds every instance's output, so it compares them, to the rounding a kernel may differ by
 between threads; the vmap execution cannot differ (one program, every instance's shapes alike).
+Nor may the instances write an input whose blocks they share (:func:`shared_inputs`).
 """
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Mapping
+
 import torch
 
+from ... import _torch_private as torch_private
 from ..._errors import VmaError
 from ..._layout import coords_of, coords_text, index_of
 from ..._mesh import Mesh
@@ -75,3 +80,23 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
             return False
         a, b, tolerance = a.float(), b.float(), (0.0, 0.0)
     return torch.allclose(a, b, rtol=tolerance[0], atol=tolerance[1], equal_nan=True)
+
+
+def shared_inputs(
+    sizes: Mapping[str, int], leaves: list[object], specs: list[PartitionSpec]
+) -> list[tuple]:
+    """``(leaf, spec, version)`` of each input tensor whose blocks several instances share (an
+    axis of size > 1 its spec does not name: each one writes it) and whose version counter tells
+    (not an inference tensor's, which has none, or one that another input's writes bump too)."""
+    tensors = [
+        (x, s, x.untyped_storage().data_ptr())
+        for x, s in zip(leaves, specs)
+        if isinstance(x, torch.Tensor)
+    ]
+    storages = collections.Counter(at for _, _, at in tensors)
+    return [
+        (x, s, torch_private.version(x))
+        for x, s, at in tensors
+        if storages[at] == 1 and not x.is_inference()
+        if any(n > 1 and a not in s.axes and a not in s.unreduced for a, n in sizes.items())
+    ]

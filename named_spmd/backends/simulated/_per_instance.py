@@ -46,7 +46,6 @@ from ..._layout import (
     index_of,
     instances_problem,
     layout_problem,
-    shared_inputs,
     split_all,
     split_index,
 )
@@ -55,7 +54,7 @@ from ..._spec import PartitionSpec
 from ..._stamps import TrackedContext
 from ..._tracking import VmaMode
 from ..._types import Vma
-from ._agreeing import check_one_value
+from ._agreeing import check_one_value, shared_inputs
 from ._meeting import Aborted, Meeting
 
 if TYPE_CHECKING:
