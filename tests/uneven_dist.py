@@ -51,6 +51,7 @@ class Case:
     # an error's case: the function whose error the simulated mesh must give (where ``fn``
     # cannot run there, reading a value under vmap)
     like: Callable[..., Any] | None = None
+    check_vma: bool = True
 
 
 # Per instance (its coordinates), the types (ns.typeof: per-device shape and vma) of the values
@@ -155,6 +156,30 @@ def _five_outputs(name: str, kinds: tuple[str, ...]) -> Case:
 
 
 CASES = [
+    Case(  # check_vma=False: instance 0's block of 3 rows (the last rank's holds 1)
+        "unchecked_rows10_over_4_returned_replicated",
+        (4,),
+        ("x",),
+        lambda v: v * 2,
+        P("x", None),
+        P(),
+        lambda: (_randn(10, 2, seed=48),),
+        lambda x: x[:3] * 2,
+        kinds=("D",),
+        check_vma=False,
+    ),
+    Case(  # check_vma=False: the blocks at b=0 (2 rows each), not each rank's own (1 at a=b=1)
+        "unchecked_rows7_over_ab_returned_over_a",
+        (2, 2),
+        ("a", "b"),
+        lambda v: v * 2,
+        P(("a", "b"), None),
+        P("a", None),
+        lambda: (_randn(7, 2, seed=49),),
+        lambda x: x[[0, 1, 4, 5]] * 2,
+        kinds=("D",),
+        check_vma=False,
+    ),
     Case(
         "rows5_over_2_of_a_2d_mesh",
         (2, 2),
@@ -679,7 +704,8 @@ def _dtensors(case: Case, mesh, args: tuple) -> list:
 
 def run_case(case: Case, mesh, real: bool) -> dict:
     """Values, gradients, output types and counts of ``case`` on ``mesh``."""
-    f = ns.spmd_map(case.fn, mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs)
+    specs = {"in_specs": case.in_specs, "out_specs": case.out_specs}
+    f = ns.spmd_map(case.fn, mesh=mesh, **specs, check_vma=case.check_vma)
     args = [a.clone().requires_grad_() for a in case.args()]
     inputs = _dtensors(case, mesh, args) if real and case.dtensor else args
     switch = ns.simulate_per_instance() if case.switch else _nothing()
