@@ -435,6 +435,17 @@ def _two_kinds_of_errors(v):
 
 # Programs that must fail with the same error on both backends (and on every rank alike).
 ERRORS = [
+    Case(  # typed invariant, of each block's length: 3 rows at x=0, 1 at x=3
+        "invariant_output_of_a_block_size",
+        (4,),
+        ("x",),
+        lambda v: torch.zeros(v.shape[0], dtype=v.dtype),
+        P("x"),
+        P(),
+        lambda: (_randn(10, seed=50),),
+        None,
+        kinds=("VmaError: ", "typed invariant over x", "instances at x=0 and x=3"),
+    ),
     Case(  # an even call on a real mesh refuses them on every rank, as vmap does
         "unequal_split_sizes_in_an_even_call",
         (4,),

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as torch_private
 from .._accounting import active
 from .._autodiff import differentiable
-from .._errors import SpecError, SpmdError, VmaError
+from .._errors import SpecError, SpmdError, VmaError, invariant_differs
 from .._layout import (
     block,
     chunk_sizes,
@@ -184,8 +184,15 @@ def outputs(ctx, outs: list[torch.Tensor], call: Call, layouts: list[tuple]) -> 
     """The call's outputs from every rank's blocks of unequal sizes, laid out as
     :func:`agree` found (see the module doc)."""
     out = []
-    for y, spec, (per_dim, first) in zip(outs, call.out_specs(), layouts):
-        if first is not None and _unkept(ctx, y, spec):
+    for y, spec, where, (per_dim, first, apart) in zip(
+        outs, call.out_specs(), call.out_wheres(), layouts
+    ):
+        unkept = apart is not None and _unkept(ctx, y, spec)
+        if apart is not None and not unkept:  # (every rank has every row: raised alike)
+            axes = [a for a in apart[1] if apart[1][a] != apart[0][a]]
+            texts = (coords_text(apart[0]), coords_text(apart[1]))
+            raise ctx.alike(invariant_differs(ctx.fn_label, where, spec, axes, *texts))
+        if first is not None and unkept:
             y = ctx.stamp(_AsFirst.apply(y, *first), ctx.vma(y))
         out.append(
             io.global_output(ctx, y, spec) if per_dim is None else _output(ctx, y, spec, per_dim)
@@ -357,8 +364,24 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
             tuple(shape_at({})),
             kinds[index_of(mesh.axis_names, _first(mesh, spec), mesh._shape)][1],
         )
-        layouts.append((per_dim, None if first == (tuple(y.shape), y.dtype) else first))
+        mine = None if first == (tuple(y.shape), y.dtype) else first
+        layouts.append((per_dim, mine, _apart(mesh, spec, kinds, shape_at)))
     return layouts
+
+
+def _apart(mesh, spec: PartitionSpec, kinds, shape_at) -> tuple[dict, dict] | None:
+    """The first instance whose block differs in shape or dtype from the block of the
+    instance at coordinate 0 of the axes ``spec`` does not keep (the coordinates of both), which
+    typed invariant there is the simulated mesh's error; None: none differs."""
+    names, sizes = mesh.axis_names, mesh._shape
+    kept = (*spec.axes, *spec.unreduced)
+    for i, kind in enumerate(kinds):
+        at = coords_of(i, names, sizes)
+        first = {a: c if a in kept else 0 for a, c in at.items()}
+        j = index_of(names, first, sizes)
+        if kind != kinds[j] or shape_at(at) != shape_at(first):
+            return first, at
+    return None
 
 
 def _first(mesh, spec: PartitionSpec) -> dict[str, int]:
