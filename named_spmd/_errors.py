@@ -16,6 +16,7 @@ import os
 import sys
 import types
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -315,3 +316,21 @@ def _raises_at(code: types.CodeType, offset: int) -> bool:
 
 
 _RAISES = frozenset({"RAISE_VARARGS", "RERAISE"})
+
+
+def invariant_differs(
+    label: str, where: str, spec: Any, axes: Sequence[str], first: str, at: str
+) -> VmaError:
+    """The error of an output typed invariant over ``axes`` (its out_spec ``spec`` does not
+    name them) whose instances at ``first`` and ``at`` (their coordinates' text) differ: in
+    value (the per-instance simulation compares them) or in shape (a real mesh's rows)."""
+    return VmaError(
+        f"spmd_map of {label}: {where} is typed invariant over {', '.join(axes)} (its "
+        f"out_spec {spec} does not name them), but its value differs between the "
+        f"instances at {first} and {at}. A Python number "
+        "that differs between instances (a block's size, where blocks are uneven; a "
+        "value read with .item() or .tolist()) made it: the types see tensors only. "
+        "Fix: make such a value varying where it is made (ns.pvary(torch.tensor(n), "
+        f"{tuple(axes)!r})) and reduce it with a collective, or take every block's size "
+        "from ns.block_sizes (alike on every instance); or name the axes in the out_spec."
+    )

@@ -52,6 +52,7 @@ class Case:
     # an error's case: the function whose error the simulated mesh must give (where ``fn``
     # cannot run there, reading a value under vmap)
     like: Callable[..., Any] | None = None
+    check_vma: bool = True
 
 
 # Per instance (its coordinates), the types (ns.typeof: per-device shape and vma) of the values
@@ -181,6 +182,30 @@ CASES = [
         lambda: (_randn(4 * _ROUTING.rows, 2, seed=50), _randn(4 * _ROUTING.m, 2, seed=51)),
         _ragged_dense,
         kinds=("D",),
+    ),
+    Case(  # check_vma=False: instance 0's block of 3 rows (the last rank's holds 1)
+        "unchecked_rows10_over_4_returned_replicated",
+        (4,),
+        ("x",),
+        lambda v: v * 2,
+        P("x", None),
+        P(),
+        lambda: (_randn(10, 2, seed=48),),
+        lambda x: x[:3] * 2,
+        kinds=("D",),
+        check_vma=False,
+    ),
+    Case(  # check_vma=False: the blocks at b=0 (2 rows each), not each rank's own (1 at a=b=1)
+        "unchecked_rows7_over_ab_returned_over_a",
+        (2, 2),
+        ("a", "b"),
+        lambda v: v * 2,
+        P(("a", "b"), None),
+        P("a", None),
+        lambda: (_randn(7, 2, seed=49),),
+        lambda x: x[[0, 1, 4, 5]] * 2,
+        kinds=("D",),
+        check_vma=False,
     ),
     Case(
         "rows5_over_2_of_a_2d_mesh",
@@ -437,6 +462,17 @@ def _two_kinds_of_errors(v):
 
 # Programs that must fail with the same error on both backends (and on every rank alike).
 ERRORS = [
+    Case(  # typed invariant, of each block's length: 3 rows at x=0, 1 at x=3
+        "invariant_output_of_a_block_size",
+        (4,),
+        ("x",),
+        lambda v: torch.zeros(v.shape[0], dtype=v.dtype),
+        P("x"),
+        P(),
+        lambda: (_randn(10, seed=50),),
+        None,
+        kinds=("VmaError: ", "typed invariant over x", "instances at x=0 and x=3"),
+    ),
     Case(  # an even call on a real mesh refuses them on every rank, as vmap does
         "unequal_split_sizes_in_an_even_call",
         (4,),
@@ -706,7 +742,8 @@ def _dtensors(case: Case, mesh, args: tuple) -> list:
 
 def run_case(case: Case, mesh, real: bool) -> dict:
     """Values, gradients, output types and counts of ``case`` on ``mesh``."""
-    f = ns.spmd_map(case.fn, mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs)
+    specs = {"in_specs": case.in_specs, "out_specs": case.out_specs}
+    f = ns.spmd_map(case.fn, mesh=mesh, **specs, check_vma=case.check_vma)
     args = [a.clone().requires_grad_() for a in case.args()]
     inputs = _dtensors(case, mesh, args) if real and case.dtensor else args
     switch = ns.simulate_per_instance() if case.switch else _nothing()

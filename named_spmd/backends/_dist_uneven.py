@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as torch_private
 from .._accounting import active
 from .._autodiff import differentiable
-from .._errors import SpecError, SpmdError, VmaError
+from .._errors import SpecError, SpmdError, VmaError, invariant_differs
 from .._layout import (
     block,
     chunk_sizes,
@@ -46,7 +46,7 @@ from .._layout import (
     is_even,
     layout_problem,
 )
-from .._spec import PartitionSpec
+from .._spec import PartitionSpec, output_settles
 from . import _dist_io as io
 from ._dist_agree import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
@@ -151,14 +151,13 @@ def _dtensor_input(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> torch.Ten
 # --- outputs -------------------------------------------------------------------------------------
 
 
-def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple | None]:
+def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple]:
     """Every rank's outputs compared (one exchange: :func:`_every_block`; where they are the
     signature's last call's, one all-reduce: :func:`_recalled_blocks`), so that the ranks
     raise alike what the simulated mesh raises: first the error of the first instance whose
     out_specs check failed (``Call.out_error``: a rank that raised it has no ``outs``), then
-    outputs that differ between ranks (trees, ranks, layouts). Else, per output, its blocks'
-    sizes per dim (:func:`_blocks_of`; None: not split), worked out once per every rank's
-    shapes and kept on the mesh."""
+    outputs that differ between ranks (trees, ranks, layouts). Else, per output, its layout
+    (:func:`_layouts`), worked out once per every rank's shapes and kept on the mesh."""
     mesh = ctx.mesh
     ctx.record_shapes()  # (before its exchange: its failure is on every rank alike)
     failed = call.out_error
@@ -182,15 +181,51 @@ def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple | None]:
     return layouts
 
 
-def outputs(
-    ctx, outs: list[torch.Tensor], call: Call, layouts: list[tuple | None]
-) -> list[torch.Tensor]:
+def outputs(ctx, outs: list[torch.Tensor], call: Call, layouts: list[tuple]) -> list[torch.Tensor]:
     """The call's outputs from every rank's blocks of unequal sizes, laid out as
     :func:`agree` found (see the module doc)."""
-    return [
-        io.global_output(ctx, y, spec) if per_dim is None else _output(ctx, y, spec, per_dim)
-        for y, spec, per_dim in zip(outs, call.out_specs(), layouts)
-    ]
+    out = []
+    for y, spec, where, (per_dim, first, apart) in zip(
+        outs, call.out_specs(), call.out_wheres(), layouts
+    ):
+        unkept = apart is not None and _unkept(ctx, y, spec)
+        if apart is not None and not unkept:  # (every rank has every row: raised alike)
+            axes = [a for a in apart[1] if apart[1][a] != apart[0][a]]
+            texts = (coords_text(apart[0]), coords_text(apart[1]))
+            raise ctx.alike(invariant_differs(ctx.fn_label, where, spec, axes, *texts))
+        if first is not None and unkept:
+            y = ctx.stamp(_AsFirst.apply(y, *first), ctx.vma(y))
+        out.append(
+            io.global_output(ctx, y, spec) if per_dim is None else _output(ctx, y, spec, per_dim)
+        )
+    return out
+
+
+def _unkept(ctx, y: torch.Tensor, spec: PartitionSpec) -> bool:
+    """Whether output ``y`` is the value of the instance at coordinate 0 of some axis
+    (``check_vma=False``: ``_dist_io.local_output``'s broadcast)."""
+    mesh = ctx.mesh
+    return bool(output_settles(ctx.vma(y), spec, mesh.axis_names, mesh.single_axes)[0])
+
+
+class _AsFirst(torch.autograd.Function):
+    """Zeros of the block shape and dtype of the instance whose value an unkept output takes
+    (coordinate 0 of the axes its spec does not keep), where this rank's block differs: the
+    broadcast then moves one shape, and this rank's block, whose value is not returned, gets a
+    zero gradient, as on the simulated mesh."""
+
+    @staticmethod
+    def forward(y, shape, dtype):
+        return y.new_zeros(shape, dtype=dtype)
+
+    @staticmethod
+    def setup_context(node, inputs, output):
+        y = inputs[0]
+        node.shape, node.dtype, node.device = y.shape, y.dtype, y.device
+
+    @staticmethod
+    def backward(node, g):
+        return g.new_zeros(node.shape, dtype=node.dtype, device=node.device), None, None
 
 
 _KEPT = 64  # the output layouts a mesh keeps (a repeated call finds its own)
@@ -297,12 +332,13 @@ def _slot(j: int, width: int) -> int:
     return _HEAD + j * (2 + width)
 
 
-def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple | None]:
-    """Per output, its blocks' sizes per dim (:func:`_blocks_of`; None: not split), from every
-    rank's row (:func:`_every_block`); first, the simulated mesh's error where the ranks
-    returned different trees or blocks of a rank their out_spec refuses (raised on every rank
-    alike: every rank has every row). An output of no axis of the mesh's (split or unreduced)
-    is its own rank's block."""
+def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
+    """Per output, its blocks' sizes per dim (:func:`_blocks_of`; None: not split; an output
+    of no axis of the mesh's is its own rank's block) and the block shape and dtype of the
+    :func:`_first` instance where this rank's differ (else None: ``check_vma=False`` returns
+    that block), from every rank's row (:func:`_every_block`); first, the simulated mesh's
+    error where the ranks returned different trees or blocks of a rank their out_spec refuses
+    (raised on every rank alike: every rank has every row)."""
     mesh = ctx.mesh
 
     def shape_of(i: int, j: int) -> list[int]:
@@ -319,23 +355,56 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple | None]:
     )
     if problem is not None:
         raise ctx.alike(problem)
-    return [
-        _blocks_of(ctx, y, spec, *_kinds_and_shapes(ctx, rows, _slot(j, width)), where)
-        if not mesh.single_axes.issuperset((*spec.axes, *spec.unreduced))
-        else None
-        for j, (y, spec, where) in enumerate(zip(outs, specs, wheres))
-    ]
+    layouts = []
+    for j, (y, spec, where) in enumerate(zip(outs, specs, wheres)):
+        kinds, shape_at = _kinds_and_shapes(ctx, rows, _slot(j, width), spec)
+        per_dim = None
+        if not mesh.single_axes.issuperset((*spec.axes, *spec.unreduced)):
+            per_dim = _blocks_of(ctx, y, spec, kinds, shape_at, where)
+        first = (
+            tuple(shape_at({})),
+            kinds[index_of(mesh.axis_names, _first(mesh, spec), mesh._shape)][1],
+        )
+        mine = None if first == (tuple(y.shape), y.dtype) else first
+        layouts.append((per_dim, mine, _apart(mesh, spec, kinds, shape_at)))
+    return layouts
 
 
-def _kinds_and_shapes(ctx, rows: list[list[int]], at: int) -> tuple[list, Callable]:
-    """The output at ``at`` in every rank's row (:func:`_every_block`): every instance's block
-    rank and dtype, and the block shape of the instance at ``coords`` (this rank's coordinates
-    elsewhere)."""
+def _apart(mesh, spec: PartitionSpec, kinds, shape_at) -> tuple[dict, dict] | None:
+    """The first instance whose block differs in shape or dtype from the block of the
+    instance at coordinate 0 of the axes ``spec`` does not keep (the coordinates of both), which
+    typed invariant there is the simulated mesh's error; None: none differs."""
+    names, sizes = mesh.axis_names, mesh._shape
+    kept = (*spec.axes, *spec.unreduced)
+    for i, kind in enumerate(kinds):
+        at = coords_of(i, names, sizes)
+        first = {a: c if a in kept else 0 for a, c in at.items()}
+        j = index_of(names, first, sizes)
+        if kind != kinds[j] or shape_at(at) != shape_at(first):
+            return first, at
+    return None
+
+
+def _first(mesh, spec: PartitionSpec) -> dict[str, int]:
+    """The coordinates of the instance whose block this rank's output under ``spec`` takes:
+    this rank's on the axes ``spec`` keeps (names or declares unreduced), 0 on the others (where
+    an unkept value is the instance's at 0: ``_dist_io.local_output``)."""
+    kept = (*spec.axes, *spec.unreduced)
+    return {a: c if a in kept else 0 for a, c in mesh.my_coords.items()}
+
+
+def _kinds_and_shapes(
+    ctx, rows: list[list[int]], at: int, spec: PartitionSpec
+) -> tuple[list, Callable]:
+    """The output at ``at`` (under ``spec``) in every rank's row (:func:`_every_block`): every
+    instance's block rank and dtype, and the block shape of the instance at ``coords`` (the
+    :func:`_first` one's elsewhere)."""
     mesh = ctx.mesh
     kinds = [(row[at], dtype_of(row[at + 1])) for row in rows]
+    base = _first(mesh, spec)
 
     def shape_at(coords) -> list[int]:
-        row = rows[index_of(mesh.axis_names, {**mesh.my_coords, **coords}, mesh._shape)]
+        row = rows[index_of(mesh.axis_names, {**base, **coords}, mesh._shape)]
         return row[at + 2 : at + 2 + row[at]]
 
     return kinds, shape_at

@@ -4,7 +4,8 @@ The types see tensors only. A Python number that differs between instances (a bl
 where blocks are uneven, a value read with ``.item()``) makes an invariant-typed tensor whose
 value differs between them: ``ns.psum(v.sum(), "x") / v.numel()`` over blocks of 3, 3, 3 and 1
 rows. An out_spec that does not name the axis would then return one instance's value, silently
-(a real mesh: each rank its own, in a DTensor said to be replicated). The per-instance execution
+(a real mesh: each rank its own, in a DTensor said to be replicated; blocks of other shapes it
+tells from its outputs' rows, ``_dist_uneven``). The per-instance execution
 holds every instance's output, so it compares them, to the rounding a kernel may differ by
 between threads; the vmap execution cannot differ (one program, every instance's shapes alike).
 Nor may the instances write an input whose blocks they share (:func:`shared_inputs`).
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from ... import _torch_private as torch_private
-from ..._errors import VmaError
+from ..._errors import invariant_differs
 from ..._layout import coords_of, coords_text, index_of
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
@@ -54,16 +55,7 @@ def check_one_value(
         j = index_of(names, first, sizes)
         if j != i and not _same(values[j], value):
             axes = [a for a in names if a not in kept and at[a] != 0]
-            raise VmaError(
-                f"spmd_map of {label}: {where} is typed invariant over {', '.join(axes)} (its "
-                f"out_spec {spec} does not name them), but its value differs between the "
-                f"instances at {coords_text(first)} and {coords_text(at)}. A Python number "
-                "that differs between instances (a block's size, where blocks are uneven; a "
-                "value read with .item() or .tolist()) made it: the types see tensors only. "
-                "Fix: make such a value varying where it is made (ns.pvary(torch.tensor(n), "
-                f"{tuple(axes)!r})) and reduce it with a collective, or take every block's size "
-                "from ns.block_sizes (alike on every instance); or name the axes in the out_spec."
-            )
+            raise invariant_differs(label, where, spec, axes, coords_text(first), coords_text(at))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
