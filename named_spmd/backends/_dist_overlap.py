@@ -217,12 +217,24 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, chain: str = "bac
         if work is not None:
             leaf = source.variable
             _into_leaf(pending, work, leaf, functools.partial(plain_grad, leaf))
-    elif type(source) is torch_private.AddBackward:
-        for leaf in _summed_leaves(source):
-            when_reduced(pending, functools.partial(plain_grad, leaf))
-    elif (leaf := torch_private.viewed_leaf(source)) is not None:  # through views of the leaf
-        when_reduced(pending, functools.partial(plain_grad, leaf))
+    else:
+        into_leaves_below(pending, source, lambda leaf: functools.partial(plain_grad, leaf))
     return pending
+
+
+def into_leaves_below(g: torch.Tensor, node, fix) -> None:
+    """:func:`when_reduced` ``fix(leaf)`` for each leaf that the pending gradient ``g``, handed
+    to the autograd ``node``, reaches as itself or as a view of itself (through sums and views
+    of the leaf): its ``.grad`` then gets the plain tensor too. Nothing if ``g`` is not
+    pending."""
+    if _work_of(g) is None:
+        return
+    if type(node) is torch_private.AddBackward:
+        leaves = _summed_leaves(node)
+    else:
+        leaves = [leaf] if (leaf := torch_private.viewed_leaf(node)) is not None else []
+    for leaf in leaves:
+        when_reduced(g, fix(leaf))
 
 
 def _summed_leaves(node) -> list[torch.Tensor]:
