@@ -168,3 +168,15 @@ def test_uneven_blocks_no_dtensor_holds_are_refused_on_every_mesh(mesh):
     assert "tree['x']: dim 0 has size 10, which ('dp', 'tp') (4 members) do not divide" in text
     assert "blocks of (3, 3, 3, 1), but a DTensor splits a dim over one mesh dim" in text
     assert "Fix: split dim 0 over one axis, pad it to a multiple of 4" in text
+
+
+def test_blocks_of_a_dim_the_axes_do_not_divide_are_refused_on_every_mesh(mesh):
+    """blocks=True makes what a local call takes, equal blocks on every rank: a real mesh's
+    ``f.local`` refuses torch.chunk's unequal blocks, so ns.shard refuses them on every mesh
+    (the real mesh alike: tests/shard_dist.py ``check_uneven``)."""
+    with pytest.raises(ns.SpecError) as e:
+        ns.shard({"rows": torch.ones(5, 3)}, mesh, {"rows": P("tp")}, blocks=True)
+    text = str(e.value)
+    assert "tree['rows']: dim 0 has size 5, which ('tp',) (2 members) do not divide" in text
+    assert "its blocks would be (3, 2)" in text and "Fix: pad dim 0 to a multiple of 2" in text
+    assert ns.shard(torch.ones(6, 3), mesh, P("tp"), blocks=True).shape == (6, 3)
