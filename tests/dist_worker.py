@@ -537,7 +537,8 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
     """Once backward returns, a replicated weight's gradient is a plain tensor (a DTensor over a
     plain local tensor), not the wrapper that stood for it while its psum was in flight: models
     holding such gradients deep-copy and pickle as usual; also where the call uses the weight
-    through a chain of views (the sum's view would otherwise reach ``.grad``)."""
+    through a chain of views of any length, a clone or a sum of views (the pending sum, or a view
+    of it, would otherwise reach ``.grad``)."""
     import copy
 
     from torch.distributed.tensor import Replicate, distribute_tensor
@@ -550,22 +551,36 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
     model.p = torch.nn.Parameter(w.clone())
     model.dv = torch.nn.Parameter(distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2))
     model.pv = torch.nn.Parameter(w.clone())
-    views = ns.spmd_map(
-        lambda v, w: v * w.unsqueeze(0).squeeze(0),
-        mesh=mesh,
-        in_specs=(P(("dp", "tp")), P()),
-        out_specs=P(("dp", "tp")),
-    )
+
+    def scaled_by(used):  # v * used(*weights)
+        return lambda *ws: ns.spmd_map(
+            lambda v, *ws: v * used(*ws),
+            mesh=mesh,
+            in_specs=(P(("dp", "tp")),) + (P(),) * len(ws),
+            out_specs=P(("dp", "tp")),
+        )(x, *ws)
+
+    def ten_views(w):
+        for _ in range(5):
+            w = w.unsqueeze(0).squeeze(0)
+        return w
+
+    views = scaled_by(lambda w: w.unsqueeze(0).squeeze(0))
     model.do = torch.nn.Parameter(distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2))
-    calls = (
-        (scale, model.d),
-        (scale, model.p),
-        (views, model.dv),
-        (views, model.pv),
-        (scale, model.do.unsqueeze(0).squeeze(0)),  # viewed outside the call
+    for name in ("pc", "p10", "pa", "pb"):
+        model.register_parameter(name, torch.nn.Parameter(w.clone()))
+    outs = (
+        scale(x, model.d),
+        scale(x, model.p),
+        views(model.dv),
+        views(model.pv),
+        scale(x, model.do.unsqueeze(0).squeeze(0)),  # viewed outside the call
+        scaled_by(torch.clone)(model.pc),
+        scaled_by(ten_views)(model.p10),
+        scaled_by(lambda a, b: a.unsqueeze(0).squeeze(0) + b.view(4))(model.pa, model.pb),
     )
-    sum(to_local(f(x, weight)).sum() for f, weight in calls).backward()
-    grads = {n: model.get_parameter(n).grad for n in ("d", "p", "dv", "pv", "do")}
+    sum(to_local(out).sum() for out in outs).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
     problems = [
         f"{name}: {type(t).__name__}"
         for name, g in grads.items()

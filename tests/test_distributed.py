@@ -661,17 +661,17 @@ def test_torch_func_transforms_and_double_backward_over_the_call_agree_with_simu
 
 
 def test_the_leaves_behind_a_sum_are_found_once_each():
-    """``_dist_overlap._summed_leaves`` walks each node of the sums once: ``h + h`` repeated
+    """``torch_private.leaves_reached`` walks each node of the sums once: ``h + h`` repeated
     doubles the paths to the two leaves, not the nodes."""
     import torch
 
-    from named_spmd.backends._dist_overlap import _summed_leaves
+    from named_spmd._torch_private import leaves_reached
 
     a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
     h = a + b
     for _ in range(16):
         h = h + h
-    leaves = _summed_leaves(h.grad_fn)
+    leaves = leaves_reached(h.grad_fn)
     assert len(leaves) == 2 and {id(x) for x in leaves} == {id(a), id(b)}
 
 

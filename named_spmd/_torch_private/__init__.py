@@ -32,6 +32,7 @@ from .autograd import (  # noqa: E402 - after the version gate
     function_mode_depth,
     has_post_accumulate_hooks,
     in_reentrant_checkpoint,
+    leaves_reached,
     no_dispatch_modes,
     node_class,
     pop_function_mode,
@@ -46,7 +47,6 @@ from .autograd import (  # noqa: E402 - after the version gate
     use_counts,
     version,
     view_source,
-    viewed_leaf,
     watched,
 )
 from .c10d import (  # noqa: E402 - after the version gate
@@ -145,6 +145,7 @@ __all__ = [
     "get_unwrapped",
     "has_post_accumulate_hooks",
     "in_reentrant_checkpoint",
+    "leaves_reached",
     "hook_grad_levels",
     "hook_transform_gradients",
     "hook_wrapper_printing",
@@ -187,7 +188,6 @@ __all__ = [
     "stale_saved",
     "compiled_original",
     "torch_file",
-    "viewed_leaf",
     "watched",
     "vmap_decrement_nesting",
     "vmap_increment_nesting",

@@ -224,36 +224,14 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, chain: str = "bac
 
 def into_leaves_below(g: torch.Tensor, node, fix) -> None:
     """:func:`when_reduced` ``fix(leaf)`` for each leaf that the pending gradient ``g``, handed
-    to the autograd ``node``, reaches as itself or as a view of itself (through sums and views
-    of the leaf): its ``.grad`` then gets the plain tensor too. Nothing if ``g`` is not
-    pending."""
+    to the autograd ``node``, reaches as itself or as a view of itself
+    (:func:`torch_private.leaves_reached`): the last of them to accumulate keeps a pending
+    gradient as its ``.grad`` (``AccumulateGrad`` copies it for the others), which ``fix``
+    replaces by the plain tensor. Nothing if ``g`` is not pending."""
     if _work_of(g) is None:
         return
-    if type(node) is torch_private.AddBackward:
-        leaves = _summed_leaves(node)
-    else:
-        leaves = [leaf] if (leaf := torch_private.viewed_leaf(node)) is not None else []
-    for leaf in leaves:
+    for leaf in torch_private.leaves_reached(node):
         when_reduced(g, fix(leaf))
-
-
-def _summed_leaves(node) -> list[torch.Tensor]:
-    """The plain leaves that a sum's backward ``node`` (through nested sums) hands its gradient
-    on to unchanged (both operands of ``a + b`` get the cotangent itself): the last of them to
-    accumulate keeps a pending gradient as its ``.grad`` (``AccumulateGrad`` copies it for the
-    others), which :func:`plain_grad` then replaces by the plain tensor. Each node once: sums
-    of one sum (``h + h``) would make the paths, not the nodes, grow exponentially."""
-    leaves, todo, seen = [], [node], {node}
-    while todo:
-        for nxt, _ in todo.pop().next_functions:
-            if nxt is None or nxt in seen:
-                continue
-            seen.add(nxt)
-            if type(nxt) is torch_private.AccumulateGrad:
-                leaves.append(nxt.variable)
-            elif type(nxt) is torch_private.AddBackward:
-                todo.append(nxt)
-    return leaves
 
 
 def _into_bucket(buf: torch.Tensor, comm: Comm, task: int, cap: int) -> torch.Tensor:
