@@ -676,8 +676,9 @@ def test_the_leaves_behind_a_sum_are_found_once_each():
 
 
 def test_the_start_of_call_check_is_finished_in_one_place():
-    """``DistributedMesh.finish_pending_check`` finishes the check in flight, once, and is the
-    one place that calls it: every other site goes through it."""
+    """``DistributedMesh.finish_pending_check`` calls the check in flight only while one is set
+    (the check clears it itself, so it runs once: ``_dist_agree``), and is the one place that
+    calls it: every other site goes through it."""
     import pathlib
     import re
 
@@ -686,10 +687,17 @@ def test_the_start_of_call_check_is_finished_in_one_place():
     calls = []
     mesh = types.SimpleNamespace(pending_check=None)
     DistributedMesh.finish_pending_check(mesh)  # none in flight: nothing
-    mesh.pending_check = lambda: (calls.append(1), setattr(mesh, "pending_check", None))
+    assert calls == []
+    mesh.pending_check = lambda: calls.append(1)  # a check that leaves itself set
     DistributedMesh.finish_pending_check(mesh)
     DistributedMesh.finish_pending_check(mesh)
-    assert calls == [1]
+    assert calls == [1, 1]
+    mesh.pending_check = None
+    DistributedMesh.finish_pending_check(mesh)
+    assert calls == [1, 1]
+    agree = (pathlib.Path(ROOT) / "named_spmd/backends/_dist_agree.py").read_text()
+    finish = agree[agree.index("    def finish() -> None:") :]
+    assert finish.splitlines()[1].strip() == "mesh.pending_check = None"  # cleared first
     package = pathlib.Path(ROOT) / "named_spmd"
     called = re.compile(r"(?<!finish_)pending_check\(\)")
     callers = [p.name for p in sorted(package.rglob("*.py")) if called.search(p.read_text())]

@@ -150,12 +150,17 @@ def test_a_dim_the_axes_do_not_divide_is_split_as_spmd_map_splits_it(mesh):
     def scaled(p):  # each block scaled by its number (+1) over its spec's axes: the blocks seen
         return {k: v * (ns.axis_index(UNEVEN[k].axes) + 1) for k, v in p.items()}
 
-    f = ns.spmd_map(scaled, mesh=mesh, in_specs=(UNEVEN,), out_specs=UNEVEN)
-    out, dense = f(s), f(t)
-    assert all(torch.equal(out[k], dense[k]) for k in t)
-    rows = t["rows"].clone()
-    rows[3:] *= 2  # the tp=1 block: rows 3 and 4 (torch.chunk: 3, 2)
-    torch.testing.assert_close(out["rows"], rows, rtol=0, atol=0)
+    out = ns.spmd_map(scaled, mesh=mesh, in_specs=(UNEVEN,), out_specs=UNEVEN)(s)
+    want = {k: v.clone() for k, v in t.items()}  # torch.chunk's blocks, scaled in place
+    for tp, blk in enumerate(want["rows"].chunk(2, 0)):  # 3, 2 rows
+        blk *= tp + 1
+    for dp, rows in enumerate(want["grid"].chunk(2, 0)):  # 2, 1 rows x 4, 3 columns
+        for tp, blk in enumerate(rows.chunk(2, 1)):
+            blk *= 2 * dp + tp + 1
+    for i, blk in enumerate(want["even_tuple"].chunk(4, 0)):
+        blk *= i + 1
+    for k in t:
+        torch.testing.assert_close(out[k], want[k], rtol=0, atol=0)
 
 
 def test_uneven_blocks_no_dtensor_holds_are_refused_on_every_mesh(mesh):
