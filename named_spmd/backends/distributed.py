@@ -310,6 +310,7 @@ def run(call: Call) -> list[Any]:
         mesh, call.fn
     )
     ctx.checked, ctx.caller_blocks = call.mapped.check_vma, local_call
+    ctx.fn_label = call.mapped.label  # (the start-of-call check hashes it)
     board.check_in_step()  # (not posted: it reposts the failure it is a consequence of)
     try:
         if uneven:
