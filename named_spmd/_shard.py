@@ -41,8 +41,10 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
             entries such as ``P(('dp', 'tp'))`` included; ``None`` means ``P()``). A dim its
             axes do not divide is split as ``torch.chunk`` splits it (``spmd_map``'s uneven
             blocks, DTensor's ``Shard``: 10 rows over 4 are 3, 3, 3, 1) where it is split over
-            one axis of more than one member; over several, no DTensor holds those blocks (it
-            splits over one mesh dim after another): a ``SpecError``, on every mesh.
+            one axis of more than one member; over several (in mesh order), where DTensor's
+            split, over one mesh dim after another, gives the same blocks (7 rows over 2 x 2:
+            2, 2, 2, 1), else no DTensor holds them (10 rows: 3, 2, 3, 2 against 3, 3, 3, 1): a
+            ``SpecError``, on every mesh.
         local: the tensor leaves are this process's blocks (the block its spec gives this
             rank's mesh coordinates, equal shapes on every rank: data each rank loaded itself),
             not global values. A real mesh only: one process of a simulated mesh holds every
@@ -115,7 +117,7 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
 
 def _dtensor_problems(spec: PartitionSpec, shape: tuple, sizes: dict, at: str) -> list[str]:
     """The dims whose blocks (torch.chunk's, where the axes do not divide the dim: spmd_map's
-    uneven blocks) no DTensor holds: split over several axes of more than one member. (A
+    uneven blocks) no DTensor holds (:func:`dtensor_holds`). (A
     ``Blocks`` entry or an unknown axis: ``spec_problems``.)"""
     problems = []
     for d in range(min(len(spec), len(shape))):

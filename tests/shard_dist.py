@@ -189,9 +189,15 @@ def check_uneven(mesh, rank) -> list[str]:
     tree = {
         "rows": torch.randn(5, 3, generator=g, dtype=torch.float64),  # 3, 2 over tp
         "grid": torch.randn(3, 7, generator=g, dtype=torch.float64),  # 2, 1 x 4, 3
+        # 2, 2, 2, 1 as torch.chunk's over the group and as DTensor's chunk of chunks
+        "nested": torch.randn(7, 2, generator=g, dtype=torch.float64),
     }
-    specs = {"rows": P("tp"), "grid": P("dp", "tp")}
-    torch_places = {"rows": [Replicate(), Shard(0)], "grid": [Shard(0), Shard(1)]}
+    specs = {"rows": P("tp"), "grid": P("dp", "tp"), "nested": P(("dp", "tp"))}
+    torch_places = {
+        "rows": [Replicate(), Shard(0)],
+        "grid": [Shard(0), Shard(1)],
+        "nested": [Shard(0), Shard(0)],
+    }
     sharded = ns.shard(tree, mesh, specs)
     problems = []
     for k, x in tree.items():

@@ -60,11 +60,11 @@ def test_simulated_sharded_tree_feeds_a_call_with_the_same_specs(mesh):
 def test_spec_problems_are_listed_once_with_the_tree_path(mesh):
     with pytest.raises(ns.SpecError) as e:
         ns.shard(
-            {"w": torch.ones(3, 4), "k": "x"}, mesh, {"w": P(("dp", "tp"), "pt"), "k": P("dp")}
+            {"w": torch.ones(10, 4), "k": "x"}, mesh, {"w": P(("dp", "tp"), "pt"), "k": P("dp")}
         )
     text = str(e.value)
     assert text.startswith("ns.shard: the tree does not fit specs on mesh {'dp': 2, 'tp': 2}")
-    assert "tree['w']: dim 0 has size 3, which ('dp', 'tp') (4 members) do not divide" in text
+    assert "tree['w']: dim 0 has size 10, which ('dp', 'tp') (4 members) do not divide" in text
     assert "unknown mesh axis 'pt'" in text and "Did you mean 'tp'?" in text
     assert "tree['k'] is a str, not a tensor" in text and "Fix: give it P()" in text
 
@@ -173,6 +173,9 @@ def test_uneven_blocks_no_dtensor_holds_are_refused_on_every_mesh(mesh):
     assert "tree['x']: dim 0 has size 10, which ('dp', 'tp') (4 members) do not divide" in text
     assert "blocks of (3, 3, 3, 1), but a DTensor splits a dim over one mesh dim" in text
     assert "Fix: split dim 0 over one axis, pad it to a multiple of 4" in text
+    # 7 rows: torch.chunk's 2, 2, 2, 1 are DTensor's chunks of chunks (the real mesh's DTensor)
+    seven = torch.arange(7.0)
+    assert torch.equal(ns.shard(seven, mesh, P(("dp", "tp"))), seven)
 
 
 def test_blocks_of_a_dim_the_axes_do_not_divide_are_refused_on_every_mesh(mesh):
