@@ -180,9 +180,10 @@ def check_uneven(mesh, rank) -> list[str]:
     """Dims the axes do not divide: DTensors whose local blocks are torch.chunk's (``block``,
     independent of DTensor) as ``distribute_tensor`` makes them, whose global value is the
     dense tensor; they feed a call with the same specs, whose outputs are those DTensors again
-    (spmd_map's uneven convention); blocks=True gives the blocks; a DTensor is laid out anew;
-    a tuple entry over such a dim is the simulated mesh's SpecError, and so is blocks=True (a
-    local call takes equal blocks)."""
+    (spmd_map's uneven convention), a tuple entry in mesh order included where DTensor's chunk
+    of chunks is torch.chunk's (7 rows over 2 x 2); a DTensor is laid out anew; a tuple entry
+    whose blocks DTensor does not hold (10 rows) is the simulated mesh's SpecError, and so is
+    blocks=True (a local call takes equal blocks)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     g = torch.Generator().manual_seed(3)
