@@ -46,9 +46,10 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
             2, 2, 2, 1), else no DTensor holds them (10 rows: 3, 2, 3, 2 against 3, 3, 3, 1): a
             ``SpecError``, on every mesh.
         local: the tensor leaves are this process's blocks (the block its spec gives this
-            rank's mesh coordinates, equal shapes on every rank: data each rank loaded itself),
-            not global values. A real mesh only: one process of a simulated mesh holds every
-            instance, so there it is an ``SpmdError`` (pass the global tensors).
+            rank's mesh coordinates: data each rank loaded itself), not global values, of equal
+            shapes on every rank (else a ``SpecError`` on every rank). A real mesh only: one
+            process of a simulated mesh holds every instance, so there it is an ``SpmdError``
+            (pass the global tensors).
         blocks: return this process's blocks as plain tensors (what ``SpmdFunction.local``
             takes; no DTensor, so an optimizer steps plain tensors) instead of DTensors. On a
             simulated mesh the process holds every instance: its blocks are the global values,
