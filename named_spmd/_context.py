@@ -9,13 +9,15 @@ backend"). The running calls themselves are ``_calls``'s.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ._errors import CollectiveError, fn_label, suggest
+from ._errors import CollectiveError, suggest
+from ._errors import fn_label as label_of
 from ._layout import ragged_pack, ragged_place
 from ._mesh import Mesh
 from ._types import Vma
@@ -69,8 +71,13 @@ class SpmdContext(ABC):
     def __init__(self, mesh: Mesh, fn: Any) -> None:
         self.mesh = mesh
         self.fn = fn
-        self.fn_label = fn_label(fn)
         self.single_axes = mesh.single_axes  # read on every collective: one attribute away
+
+    @functools.cached_property
+    def fn_label(self) -> str:
+        """The user's function, named for messages: built on first use (an error's; a backend
+        that reads it on every call sets the mapped function's own, built once)."""
+        return label_of(self.fn)
 
     def alone(self) -> GroupOfOne:
         """This call's collectives over a group of one instance (made once per call)."""
@@ -367,7 +374,7 @@ class GroupOfOne(OneMemberPrimitives, SpmdContext):
     change as declared)."""
 
     def __init__(self, ctx: SpmdContext) -> None:
-        self.ctx, self.mesh, self.fn, self.fn_label = ctx, ctx.mesh, ctx.fn, ctx.fn_label
+        self.ctx, self.mesh, self.fn = ctx, ctx.mesh, ctx.fn
         self.single_axes = ctx.single_axes
 
     def vma(self, x: torch.Tensor) -> Vma:

@@ -159,13 +159,21 @@ def gives_unequal_blocks(
 
 def dtensor_holds(spec: PartitionSpec, per_dim: Sequence, sizes: Sizes) -> bool:
     """Whether DTensor's ``Shard`` holds blocks of the sizes ``per_dim`` (per dim; None: not
-    split): each unequal split over one axis of more than one member, in torch.chunk's sizes
-    (DTensor splits a dim over one mesh dim after another: 10 over 2 x 2 is 3, 2, 3, 2)."""
+    split; member order): each unequal split over its axes in mesh order (``sizes``' order),
+    in the sizes DTensor's split gives, over one mesh dim after another (torch.chunk's where
+    one axis splits the dim; 7 over 2 x 2 is 2, 2, 2, 1 as torch.chunk's, but 10 is 3, 2, 3, 2
+    where torch.chunk's are 3, 3, 3, 1)."""
+    order = list(sizes)
     for d, blocks in enumerate(per_dim):
         if blocks is None or min(blocks) == max(blocks):
             continue
         axes = [a for a in spec.entry_axes(d) if sizes[a] > 1]
-        if len(axes) > 1 or tuple(blocks) != chunk_sizes(sum(blocks), sizes[axes[0]]):
+        if axes != sorted(axes, key=order.index):
+            return False  # (DTensor holds the mesh order's block where the spec's differs)
+        nested: tuple[int, ...] = (sum(blocks),)
+        for a in axes:
+            nested = tuple(b for size in nested for b in chunk_sizes(size, sizes[a]))
+        if tuple(blocks) != nested:
             return False
     return True
 

@@ -41,16 +41,20 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
             entries such as ``P(('dp', 'tp'))`` included; ``None`` means ``P()``). A dim its
             axes do not divide is split as ``torch.chunk`` splits it (``spmd_map``'s uneven
             blocks, DTensor's ``Shard``: 10 rows over 4 are 3, 3, 3, 1) where it is split over
-            one axis of more than one member; over several, no DTensor holds those blocks (it
-            splits over one mesh dim after another): a ``SpecError``, on every mesh.
+            one axis of more than one member; over several (in mesh order), where DTensor's
+            split, over one mesh dim after another, gives the same blocks (7 rows over 2 x 2:
+            2, 2, 2, 1), else no DTensor holds them (10 rows: 3, 2, 3, 2 against 3, 3, 3, 1): a
+            ``SpecError``, on every mesh.
         local: the tensor leaves are this process's blocks (the block its spec gives this
-            rank's mesh coordinates, equal shapes on every rank: data each rank loaded itself),
-            not global values. A real mesh only: one process of a simulated mesh holds every
-            instance, so there it is an ``SpmdError`` (pass the global tensors).
+            rank's mesh coordinates: data each rank loaded itself), not global values, of equal
+            shapes on every rank (else a ``SpecError`` on every rank). A real mesh only: one
+            process of a simulated mesh holds every instance, so there it is an ``SpmdError``
+            (pass the global tensors).
         blocks: return this process's blocks as plain tensors (what ``SpmdFunction.local``
             takes; no DTensor, so an optimizer steps plain tensors) instead of DTensors. On a
             simulated mesh the process holds every instance: its blocks are the global values,
-            the copies made without it.
+            the copies made without it. A dim its axes do not divide is a ``SpecError`` here,
+            on every mesh: a local call takes equal blocks.
 
     Returns:
         The same structure with every tensor leaf replaced by a new leaf tensor holding its own
@@ -85,6 +89,8 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
                 shape = block_global_shape(shape, spec, mesh.shape)
             problems += spec_problems(spec, shape, mesh.shape, at, uneven=True, given=False)
             problems += _dtensor_problems(spec, shape, mesh.shape, at)
+            if blocks:
+                problems += _unequal_block_problems(spec, shape, mesh.shape, at)
         elif spec.axes:
             problems.append(
                 f"{at} is a {type(leaf).__name__}, not a tensor, but its spec {spec!r} splits "
@@ -112,7 +118,7 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
 
 def _dtensor_problems(spec: PartitionSpec, shape: tuple, sizes: dict, at: str) -> list[str]:
     """The dims whose blocks (torch.chunk's, where the axes do not divide the dim: spmd_map's
-    uneven blocks) no DTensor holds: split over several axes of more than one member. (A
+    uneven blocks) no DTensor holds (:func:`dtensor_holds`). (A
     ``Blocks`` entry or an unknown axis: ``spec_problems``.)"""
     problems = []
     for d in range(min(len(spec), len(shape))):
@@ -131,6 +137,28 @@ def _dtensor_problems(spec: PartitionSpec, shape: tuple, sizes: dict, at: str) -
             f"pad it to a multiple of {len(blocks)}, or pass the global tensor to spmd_map "
             "directly (a call splits it itself)."
         )
+    return problems
+
+
+def _unequal_block_problems(spec: PartitionSpec, shape: tuple, sizes: dict, at: str) -> list:
+    """``blocks=True``: the dims whose blocks differ in size (axes that do not divide them).
+    A local call (``SpmdFunction.local``) takes equal blocks on every rank: it reads the global
+    shape off one rank's block, so a real mesh would refuse these blocks where a simulated one
+    takes their global values."""
+    problems = []
+    for d in range(min(len(spec), len(shape))):
+        axes = spec.entry_axes(d)
+        if not axes or spec.entry_sizes(d) is not None or not set(axes) <= sizes.keys():
+            continue
+        blocks = dim_sizes(spec, d, shape[d], sizes)
+        if len(set(blocks)) > 1:
+            problems.append(
+                f"{at}: dim {d} has size {shape[d]}, which {axes} ({len(blocks)} members) do "
+                f"not divide: its blocks would be {blocks}, but blocks=True makes the blocks a "
+                "local call (f.local) takes, equal on every rank. Fix: pad dim "
+                f"{d} to a multiple of {len(blocks)}, or shard without blocks=True and call f "
+                "itself (its DTensors carry uneven blocks)."
+            )
     return problems
 
 

@@ -88,7 +88,24 @@ def check(backend: str) -> dict:
         torch.allclose(a, b, rtol=1e-10, atol=1e-10) for a, b in zip(got_g, want_g)
     ):
         problems.append("the whole call compiled around the piece differs")
+    problems += _plain_compile_refused(mesh, backend, eager, args)
     return {"backend": backend, "frames": counter.frame_count, "problems": problems}
+
+
+def _plain_compile_refused(mesh, backend: str, eager, args) -> list[str]:
+    """A piece compiled with plain torch.compile inside an eager call: an SpmdError naming
+    ns.compile on every rank (Dynamo fails inside its tracer there), and the next call runs."""
+    want = loss_and_grads(eager, args)[0]
+    try:
+        loss_and_grads(mapped(mesh, torch.compile(block, backend=backend)), args)
+        problems = ["a plain torch.compile'd piece was not refused"]
+    except ns.SpmdError as e:
+        problems = [] if "Fix: compile the piece with ns.compile(fn" in str(e) else [str(e)]
+    except Exception as e:  # noqa: BLE001 - reported
+        problems = [f"a plain torch.compile'd piece raised {type(e).__name__}: {str(e)[:300]}"]
+    if not torch.equal(loss_and_grads(eager, args)[0], want):
+        problems.append("the next call differs")
+    return problems
 
 
 def main() -> None:

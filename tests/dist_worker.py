@@ -537,7 +537,8 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
     """Once backward returns, a replicated weight's gradient is a plain tensor (a DTensor over a
     plain local tensor), not the wrapper that stood for it while its psum was in flight: models
     holding such gradients deep-copy and pickle as usual; also where the call uses the weight
-    through a chain of views (the sum's view would otherwise reach ``.grad``)."""
+    through a chain of views of any length, a clone or a sum of views (the pending sum, or a view
+    of it, would otherwise reach ``.grad``)."""
     import copy
 
     from torch.distributed.tensor import Replicate, distribute_tensor
@@ -550,15 +551,36 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
     model.p = torch.nn.Parameter(w.clone())
     model.dv = torch.nn.Parameter(distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2))
     model.pv = torch.nn.Parameter(w.clone())
-    views = ns.spmd_map(
-        lambda v, w: v * w.unsqueeze(0).squeeze(0),
-        mesh=mesh,
-        in_specs=(P(("dp", "tp")), P()),
-        out_specs=P(("dp", "tp")),
+
+    def scaled_by(used):  # v * used(*weights)
+        return lambda *ws: ns.spmd_map(
+            lambda v, *ws: v * used(*ws),
+            mesh=mesh,
+            in_specs=(P(("dp", "tp")),) + (P(),) * len(ws),
+            out_specs=P(("dp", "tp")),
+        )(x, *ws)
+
+    def ten_views(w):
+        for _ in range(5):
+            w = w.unsqueeze(0).squeeze(0)
+        return w
+
+    views = scaled_by(lambda w: w.unsqueeze(0).squeeze(0))
+    model.do = torch.nn.Parameter(distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2))
+    for name in ("pc", "p10", "pa", "pb"):
+        model.register_parameter(name, torch.nn.Parameter(w.clone()))
+    outs = (
+        scale(x, model.d),
+        scale(x, model.p),
+        views(model.dv),
+        views(model.pv),
+        scale(x, model.do.unsqueeze(0).squeeze(0)),  # viewed outside the call
+        scaled_by(torch.clone)(model.pc),
+        scaled_by(ten_views)(model.p10),
+        scaled_by(lambda a, b: a.unsqueeze(0).squeeze(0) + b.view(4))(model.pa, model.pb),
     )
-    calls = ((scale, model.d), (scale, model.p), (views, model.dv), (views, model.pv))
-    sum(to_local(f(x, weight)).sum() for f, weight in calls).backward()
-    grads = {n: model.get_parameter(n).grad for n in ("d", "p", "dv", "pv")}
+    sum(to_local(out).sum() for out in outs).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
     problems = [
         f"{name}: {type(t).__name__}"
         for name, g in grads.items()
@@ -572,7 +594,33 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
         copy.deepcopy(model)
     except Exception as e:  # noqa: BLE001 - reported
         problems.append(f"deepcopy raised {type(e).__name__}: {e}")
-    return {"check": "gradients are plain tensors after backward", "problems": problems}
+    return {
+        "check": "gradients are plain tensors after backward",
+        "problems": problems + _pending_gradient_copies(scale, x, model.p),
+    }
+
+
+def _pending_gradient_copies(scale, x, w) -> list[str]:
+    """``torch.autograd.grad``'s result stays the pending wrapper (no leaf to fix): it pickles
+    and deep-copies as the plain summed tensor."""
+    import copy
+    import io
+
+    from named_spmd.backends.distributed import to_local
+
+    (g,) = torch.autograd.grad(to_local(scale(x, w)).sum(), w)
+    problems = []
+    try:
+        buf = io.BytesIO()
+        torch.save(g, buf)
+        buf.seek(0)
+        copies = {"torch.save": torch.load(buf), "deepcopy": copy.deepcopy(g)}
+    except Exception as e:  # noqa: BLE001 - reported
+        return [f"copying torch.autograd.grad's result raised {type(e).__name__}: {e}"]
+    for how, c in copies.items():
+        if type(c) is not torch.Tensor or not torch.allclose(c, x.sum(0)):
+            problems.append(f"{how}: {type(c).__name__} {c}")
+    return problems
 
 
 def _only_temporaries_are_reduced_in_place(mesh, world) -> dict:

@@ -180,19 +180,26 @@ def check_uneven(mesh, rank) -> list[str]:
     """Dims the axes do not divide: DTensors whose local blocks are torch.chunk's (``block``,
     independent of DTensor) as ``distribute_tensor`` makes them, whose global value is the
     dense tensor; they feed a call with the same specs, whose outputs are those DTensors again
-    (spmd_map's uneven convention); blocks=True gives the blocks; a DTensor is laid out anew;
-    a tuple entry over such a dim is the simulated mesh's SpecError."""
+    (spmd_map's uneven convention), a tuple entry in mesh order included where DTensor's chunk
+    of chunks is torch.chunk's (7 rows over 2 x 2); a DTensor is laid out anew; a tuple entry
+    whose blocks DTensor does not hold (10 rows) is the simulated mesh's SpecError, and so is
+    blocks=True (a local call takes equal blocks)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     g = torch.Generator().manual_seed(3)
     tree = {
         "rows": torch.randn(5, 3, generator=g, dtype=torch.float64),  # 3, 2 over tp
         "grid": torch.randn(3, 7, generator=g, dtype=torch.float64),  # 2, 1 x 4, 3
+        # 2, 2, 2, 1 as torch.chunk's over the group and as DTensor's chunk of chunks
+        "nested": torch.randn(7, 2, generator=g, dtype=torch.float64),
     }
-    specs = {"rows": P("tp"), "grid": P("dp", "tp")}
-    torch_places = {"rows": [Replicate(), Shard(0)], "grid": [Shard(0), Shard(1)]}
+    specs = {"rows": P("tp"), "grid": P("dp", "tp"), "nested": P(("dp", "tp"))}
+    torch_places = {
+        "rows": [Replicate(), Shard(0)],
+        "grid": [Shard(0), Shard(1)],
+        "nested": [Shard(0), Shard(0)],
+    }
     sharded = ns.shard(tree, mesh, specs)
-    blocks = ns.shard(tree, mesh, specs, blocks=True)
     problems = []
     for k, x in tree.items():
         d, want = sharded[k], block(x, specs[k], mesh._shape, mesh.my_coords)
@@ -202,8 +209,8 @@ def check_uneven(mesh, rank) -> list[str]:
             continue
         if not (torch.equal(d.to_local(), want) and torch.equal(theirs.to_local(), want)):
             problems.append(f"{k}: local block {d.to_local().shape}, want {want.shape}")
-        if not torch.equal(ns.unshard(d), x) or not torch.equal(blocks[k], want):
-            problems.append(f"{k}: unshard or blocks=True differ from the dense tensor")
+        if not torch.equal(ns.unshard(d), x):
+            problems.append(f"{k}: unshard differs from the dense tensor")
         again = ns.shard(ns.shard(x, mesh, P()), mesh, specs[k])  # laid out anew
         if not torch.equal(again.to_local(), want):
             problems.append(f"{k}: a resharded DTensor's block differs")
@@ -213,12 +220,17 @@ def check_uneven(mesh, rank) -> list[str]:
             same[k].to_local(), sharded[k].to_local()
         ):
             problems.append(f"{k}: a call's output differs from ns.shard's DTensor")
-    try:
-        ns.shard(torch.ones(10, 2), mesh, P(("dp", "tp")))
-        problems.append("a tuple entry over a dim of 10 was not refused")
-    except ns.SpecError as e:
-        if "no DTensor holds these blocks" not in str(e):
-            problems.append(f"refused with {e}")
+    refused = (
+        (lambda: ns.shard(torch.ones(10, 2), mesh, P(("dp", "tp"))), "no DTensor holds these"),
+        (lambda: ns.shard(tree, mesh, specs, blocks=True), "a local call (f.local) takes"),
+    )
+    for call, fragment in refused:
+        try:
+            call()
+            problems.append(f"not refused: {fragment}")
+        except ns.SpecError as e:
+            if fragment not in str(e):
+                problems.append(f"refused with {e}")
     return problems
 
 
@@ -291,6 +303,12 @@ def check_from_local(mesh, rank) -> list[str]:
             problems.append(f"{k}: unshard is not the global value")
         if a.requires_grad != x.requires_grad or type(a) is not type(b):
             problems.append(f"{k}: requires_grad {a.requires_grad}, type {type(a).__name__}")
+    try:  # blocks of different shapes per rank: refused on every rank, the mesh goes on
+        ns.shard({"x": torch.ones(3 - rank % 2, 2)}, mesh, {"x": P("tp")}, local=True)
+        problems.append("blocks of different shapes per rank were not refused")
+    except ns.SpecError as e:
+        if "the ranks passed blocks of different shapes (this rank's: {\"tree['x']\"" not in str(e):
+            problems.append(f"refused with {e}")
     return problems
 
 

@@ -661,23 +661,24 @@ def test_torch_func_transforms_and_double_backward_over_the_call_agree_with_simu
 
 
 def test_the_leaves_behind_a_sum_are_found_once_each():
-    """``_dist_overlap._summed_leaves`` walks each node of the sums once: ``h + h`` repeated
+    """``torch_private.leaves_reached`` walks each node of the sums once: ``h + h`` repeated
     doubles the paths to the two leaves, not the nodes."""
     import torch
 
-    from named_spmd.backends._dist_overlap import _summed_leaves
+    from named_spmd._torch_private import leaves_reached
 
     a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
     h = a + b
     for _ in range(16):
         h = h + h
-    leaves = _summed_leaves(h.grad_fn)
+    leaves = leaves_reached(h.grad_fn)
     assert len(leaves) == 2 and {id(x) for x in leaves} == {id(a), id(b)}
 
 
 def test_the_start_of_call_check_is_finished_in_one_place():
-    """``DistributedMesh.finish_pending_check`` finishes the check in flight, once, and is the
-    one place that calls it: every other site goes through it."""
+    """``DistributedMesh.finish_pending_check`` calls the check in flight only while one is set
+    (the check clears it itself, so it runs once: ``_dist_agree``), and is the one place that
+    calls it: every other site goes through it."""
     import pathlib
     import re
 
@@ -686,10 +687,17 @@ def test_the_start_of_call_check_is_finished_in_one_place():
     calls = []
     mesh = types.SimpleNamespace(pending_check=None)
     DistributedMesh.finish_pending_check(mesh)  # none in flight: nothing
-    mesh.pending_check = lambda: (calls.append(1), setattr(mesh, "pending_check", None))
+    assert calls == []
+    mesh.pending_check = lambda: calls.append(1)  # a check that leaves itself set
     DistributedMesh.finish_pending_check(mesh)
     DistributedMesh.finish_pending_check(mesh)
-    assert calls == [1]
+    assert calls == [1, 1]
+    mesh.pending_check = None
+    DistributedMesh.finish_pending_check(mesh)
+    assert calls == [1, 1]
+    agree = (pathlib.Path(ROOT) / "named_spmd/backends/_dist_agree.py").read_text()
+    finish = agree[agree.index("    def finish() -> None:") :]
+    assert finish.splitlines()[1].strip() == "mesh.pending_check = None"  # cleared first
     package = pathlib.Path(ROOT) / "named_spmd"
     called = re.compile(r"(?<!finish_)pending_check\(\)")
     callers = [p.name for p in sorted(package.rglob("*.py")) if called.search(p.read_text())]

@@ -464,3 +464,29 @@ def test_a_write_reads_its_own_storage_address_only(monkeypatch):
         out = ns.spmd_map(f, mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"))(x, w)
     torch.testing.assert_close(out, x + 4.0 + 6.0 * w.repeat(2))
     assert len(reads) == 4 * 2
+
+
+def test_a_call_does_not_rebuild_its_function_label(monkeypatch):
+    """A call's context names the function only when a message needs it (``inspect.unwrap``
+    follows every wrapper: a cost on every call otherwise); an error still names it."""
+    unwrapped = []
+    real_unwrap = inspect.unwrap
+
+    def counting_unwrap(fn, **kw):
+        unwrapped.append(fn)
+        return real_unwrap(fn, **kw)
+
+    def body(x):
+        return ns.psum(x, "i")
+
+    f = ns.spmd_map(body, mesh=MESH, in_specs=SPLIT, out_specs=P())
+    monkeypatch.setattr(inspect, "unwrap", counting_unwrap)
+    for _ in range(3):
+        assert torch.equal(f(torch.arange(8.0)), torch.arange(8.0).reshape(4, 2).sum(0))
+    assert [fn for fn in unwrapped if fn is body] == []
+
+    def bad(x):
+        return ns.psum(x, "j")
+
+    with pytest.raises(ns.CollectiveError, match=r"psum in `.*bad` \(test_review_regressions"):
+        _call(bad, out_specs=P())

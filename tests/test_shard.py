@@ -60,11 +60,11 @@ def test_simulated_sharded_tree_feeds_a_call_with_the_same_specs(mesh):
 def test_spec_problems_are_listed_once_with_the_tree_path(mesh):
     with pytest.raises(ns.SpecError) as e:
         ns.shard(
-            {"w": torch.ones(3, 4), "k": "x"}, mesh, {"w": P(("dp", "tp"), "pt"), "k": P("dp")}
+            {"w": torch.ones(10, 4), "k": "x"}, mesh, {"w": P(("dp", "tp"), "pt"), "k": P("dp")}
         )
     text = str(e.value)
     assert text.startswith("ns.shard: the tree does not fit specs on mesh {'dp': 2, 'tp': 2}")
-    assert "tree['w']: dim 0 has size 3, which ('dp', 'tp') (4 members) do not divide" in text
+    assert "tree['w']: dim 0 has size 10, which ('dp', 'tp') (4 members) do not divide" in text
     assert "unknown mesh axis 'pt'" in text and "Did you mean 'tp'?" in text
     assert "tree['k'] is a str, not a tensor" in text and "Fix: give it P()" in text
 
@@ -150,12 +150,17 @@ def test_a_dim_the_axes_do_not_divide_is_split_as_spmd_map_splits_it(mesh):
     def scaled(p):  # each block scaled by its number (+1) over its spec's axes: the blocks seen
         return {k: v * (ns.axis_index(UNEVEN[k].axes) + 1) for k, v in p.items()}
 
-    f = ns.spmd_map(scaled, mesh=mesh, in_specs=(UNEVEN,), out_specs=UNEVEN)
-    out, dense = f(s), f(t)
-    assert all(torch.equal(out[k], dense[k]) for k in t)
-    rows = t["rows"].clone()
-    rows[3:] *= 2  # the tp=1 block: rows 3 and 4 (torch.chunk: 3, 2)
-    torch.testing.assert_close(out["rows"], rows, rtol=0, atol=0)
+    out = ns.spmd_map(scaled, mesh=mesh, in_specs=(UNEVEN,), out_specs=UNEVEN)(s)
+    want = {k: v.clone() for k, v in t.items()}  # torch.chunk's blocks, scaled in place
+    for tp, blk in enumerate(want["rows"].chunk(2, 0)):  # 3, 2 rows
+        blk *= tp + 1
+    for dp, rows in enumerate(want["grid"].chunk(2, 0)):  # 2, 1 rows x 4, 3 columns
+        for tp, blk in enumerate(rows.chunk(2, 1)):
+            blk *= 2 * dp + tp + 1
+    for i, blk in enumerate(want["even_tuple"].chunk(4, 0)):
+        blk *= i + 1
+    for k in t:
+        torch.testing.assert_close(out[k], want[k], rtol=0, atol=0)
 
 
 def test_uneven_blocks_no_dtensor_holds_are_refused_on_every_mesh(mesh):
@@ -168,3 +173,18 @@ def test_uneven_blocks_no_dtensor_holds_are_refused_on_every_mesh(mesh):
     assert "tree['x']: dim 0 has size 10, which ('dp', 'tp') (4 members) do not divide" in text
     assert "blocks of (3, 3, 3, 1), but a DTensor splits a dim over one mesh dim" in text
     assert "Fix: split dim 0 over one axis, pad it to a multiple of 4" in text
+    # 7 rows: torch.chunk's 2, 2, 2, 1 are DTensor's chunks of chunks (the real mesh's DTensor)
+    seven = torch.arange(7.0)
+    assert torch.equal(ns.shard(seven, mesh, P(("dp", "tp"))), seven)
+
+
+def test_blocks_of_a_dim_the_axes_do_not_divide_are_refused_on_every_mesh(mesh):
+    """blocks=True makes what a local call takes, equal blocks on every rank: a real mesh's
+    ``f.local`` refuses torch.chunk's unequal blocks, so ns.shard refuses them on every mesh
+    (the real mesh alike: tests/shard_dist.py ``check_uneven``)."""
+    with pytest.raises(ns.SpecError) as e:
+        ns.shard({"rows": torch.ones(5, 3)}, mesh, {"rows": P("tp")}, blocks=True)
+    text = str(e.value)
+    assert "tree['rows']: dim 0 has size 5, which ('tp',) (2 members) do not divide" in text
+    assert "its blocks would be (3, 2)" in text and "Fix: pad dim 0 to a multiple of 2" in text
+    assert ns.shard(torch.ones(6, 3), mesh, P("tp"), blocks=True).shape == (6, 3)

@@ -166,31 +166,43 @@ def view_source(
     return source
 
 
-def viewed_leaf(node: Any) -> torch.Tensor | None:
-    """The leaf whose ``AccumulateGrad`` the chain of view nodes from ``node`` down leads to
-    (each node's backward hands on a view of its gradient: a pending gradient reaches the
-    leaf's ``.grad`` as a view of it); None where the chain ends anywhere else.
-    (``AccumulateGrad.variable``: private.)"""
-    for _ in range(_MAX_VIEWS):
-        if type(node).__name__ not in _VIEW_NODES:
-            return None
-        nexts = node.next_functions
-        if len(nexts) != 1:
-            return None
-        node = nexts[0][0]
-        if type(node) is AccumulateGrad:
-            return node.variable
-    return None
+def leaves_reached(node: Any) -> list[torch.Tensor]:
+    """The leaves whose ``AccumulateGrad`` the gradient handed to ``node`` reaches as itself or
+    as a view of itself: through sums (both operands of ``a + b`` get the cotangent), clones and
+    views (a chain of any length). A pending gradient may then reach each one's ``.grad``.
+    Each node once: sums of one sum (``h + h``) would make the paths, not the nodes, grow
+    exponentially. (``AccumulateGrad.variable``: private.)"""
+    leaves, todo, seen = [], [node], {node}
+    while todo:
+        below = todo.pop()
+        if type(below) is AccumulateGrad:
+            leaves.append(below.variable)
+        elif type(below).__name__ in _PASSING_NODES:
+            for nxt, _ in below.next_functions:
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+    return leaves
 
 
-# the nodes whose backward may hand on a view of (or the very) gradient it gets, which a chain
-# of views of a parameter (``w.unsqueeze(0).squeeze(0)``, ``w.t().t()``) puts between a pvary
-# and the parameter
-_VIEW_NODES = frozenset(
+# the nodes whose backward may hand on the very gradient it gets or a view of it: a sum, a clone
+# and the views of a parameter (``w.unsqueeze(0).squeeze(0)``, ``w.t().t()``) put between a
+# pvary and the parameter
+_PASSING_NODES = frozenset(
     f"{op}Backward0"
-    for op in ("T", "Transpose", "Permute", "View", "UnsafeView", "Unsqueeze", "Squeeze", "Alias")
+    for op in (
+        "T",
+        "Transpose",
+        "Permute",
+        "View",
+        "UnsafeView",
+        "Unsqueeze",
+        "Squeeze",
+        "Alias",
+        "Add",
+        "Clone",
+    )
 ) | {"ExpandBackward0", "SqueezeBackward1", "SqueezeBackward2", "TransposeBackward1"}
-_MAX_VIEWS = 8
 
 
 def stale_saved(roots: list[torch.Tensor]) -> RuntimeError | None:

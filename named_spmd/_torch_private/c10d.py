@@ -81,6 +81,14 @@ def _pending_gradient_class(act: type) -> type:
                 return cls.view_of(args[0], out)  # (only a view op's result is still pending)
             return out
 
+        # pickle and deepcopy as the summed plain tensor: pickle cannot name a class made in a
+        # function, and a copy need not wait for the work again
+        def __reduce_ex__(self, protocol):
+            return self.trigger_wait().__reduce_ex__(protocol)
+
+        def __deepcopy__(self, memo):
+            return self.trigger_wait().clone()
+
     return PendingGradient
 
 

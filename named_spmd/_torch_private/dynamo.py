@@ -134,6 +134,12 @@ def is_dynamo_refusal(error: BaseException) -> bool:
     return type(error).__module__.startswith("torch._dynamo")
 
 
+def is_dynamo_internal_error(error: BaseException) -> bool:
+    """Whether ``error`` is Dynamo failing inside its own tracer (``InternalTorchDynamoError``),
+    as a plain ``torch.compile``'d function does when it traces named_spmd's eager call."""
+    return is_dynamo_refusal(error) and type(error).__name__ == "InternalTorchDynamoError"
+
+
 def compiled_original(fn: Any) -> Any:
     """The module a ``torch.compile``'d module (``OptimizedModule``) wraps (``_orig_mod``:
     private), else ``fn`` itself."""

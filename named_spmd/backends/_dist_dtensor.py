@@ -100,7 +100,7 @@ class _LocalOf(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         d = inputs[0]
-        ctx.mesh, ctx.leaf = inputs[1], d if d.is_leaf else None
+        ctx.mesh, ctx.leaf, ctx.below = inputs[1], *_leaf_or_node(d)
         while not isinstance(d, DTensor):  # a transform's wrapper of a DTensor it closes over
             d = torch_private.get_unwrapped(d)
         # a reduced input's gradient is a partial sum (Partial) where the input is replicated
@@ -108,7 +108,7 @@ class _LocalOf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _local_grad(ctx.mesh, g, ctx.places, ctx.leaf), None, None
+        return _local_grad(ctx.mesh, g, ctx.places, ctx.leaf, ctx.below), None, None
 
     @staticmethod
     def vmap(info, in_dims, d, mesh, grad_places=None):
@@ -118,14 +118,25 @@ class _LocalOf(torch.autograd.Function):
         return _LocalOf.apply(d, mesh, grad_places), None
 
 
-def _local_grad(mesh, g: torch.Tensor, places: tuple, leaf: DTensor | None) -> DTensor:
+def _leaf_or_node(d: Any) -> tuple[Any, Any]:
+    """``(d, None)`` for a leaf DTensor, ``(None, its autograd node)`` for another (a view of a
+    parameter made outside the call: the parameter's ``.grad`` may get the pending wrapper)."""
+    return (d, None) if d.is_leaf else (None, d.grad_fn)
+
+
+def _local_grad(mesh, g: torch.Tensor, places: tuple, leaf: Any, below: Any) -> DTensor:
     """The gradient of a DTensor from that of its local tensor ``g`` (``leaf``: the DTensor,
-    where it is a leaf)."""
+    where it is a leaf; else ``below``: its autograd node)."""
     if differentiable(g):  # double backward: a recorded conversion
         return _from_local(mesh, g, places)
     g = overlap.settled(unshared(g))
-    if leaf is not None:  # its .grad may hold the pending wrapper: plain once reduced
+    # a leaf's .grad may hold the pending wrapper: plain once reduced
+    if leaf is not None:
         overlap.into_leaf(g, leaf, functools.partial(_plain_local_grad, leaf, mesh))
+    elif below is not None:
+        overlap.into_leaves_below(
+            g, below, lambda leaf: functools.partial(_plain_local_grad, leaf, mesh)
+        )
     return _wrap(mesh, g, places)
 
 
@@ -142,7 +153,7 @@ class _LocalsOf(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.mesh, ctx.places = inputs[0], inputs[1]
-        ctx.leaves = tuple(d if d.is_leaf else None for d in inputs[2:])
+        ctx.sources = tuple(map(_leaf_or_node, inputs[2:]))
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -152,8 +163,8 @@ class _LocalsOf(torch.autograd.Function):
             None,
             None,
             *(
-                None if g is None else _local_grad(mesh, g, places, leaf)
-                for g, places, leaf in zip(gs, ctx.places, ctx.leaves)
+                None if g is None else _local_grad(mesh, g, places, *source)
+                for g, places, source in zip(gs, ctx.places, ctx.sources)
             ),
         )
 

@@ -217,31 +217,21 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, chain: str = "bac
         if work is not None:
             leaf = source.variable
             _into_leaf(pending, work, leaf, functools.partial(plain_grad, leaf))
-    elif type(source) is torch_private.AddBackward:
-        for leaf in _summed_leaves(source):
-            when_reduced(pending, functools.partial(plain_grad, leaf))
-    elif (leaf := torch_private.viewed_leaf(source)) is not None:  # through views of the leaf
-        when_reduced(pending, functools.partial(plain_grad, leaf))
+    else:
+        into_leaves_below(pending, source, lambda leaf: functools.partial(plain_grad, leaf))
     return pending
 
 
-def _summed_leaves(node) -> list[torch.Tensor]:
-    """The plain leaves that a sum's backward ``node`` (through nested sums) hands its gradient
-    on to unchanged (both operands of ``a + b`` get the cotangent itself): the last of them to
-    accumulate keeps a pending gradient as its ``.grad`` (``AccumulateGrad`` copies it for the
-    others), which :func:`plain_grad` then replaces by the plain tensor. Each node once: sums
-    of one sum (``h + h``) would make the paths, not the nodes, grow exponentially."""
-    leaves, todo, seen = [], [node], {node}
-    while todo:
-        for nxt, _ in todo.pop().next_functions:
-            if nxt is None or nxt in seen:
-                continue
-            seen.add(nxt)
-            if type(nxt) is torch_private.AccumulateGrad:
-                leaves.append(nxt.variable)
-            elif type(nxt) is torch_private.AddBackward:
-                todo.append(nxt)
-    return leaves
+def into_leaves_below(g: torch.Tensor, node, fix) -> None:
+    """:func:`when_reduced` ``fix(leaf)`` for each leaf that the pending gradient ``g``, handed
+    to the autograd ``node``, reaches as itself or as a view of itself
+    (:func:`torch_private.leaves_reached`): the last of them to accumulate keeps a pending
+    gradient as its ``.grad`` (``AccumulateGrad`` copies it for the others), which ``fix``
+    replaces by the plain tensor. Nothing if ``g`` is not pending."""
+    if _work_of(g) is None:
+        return
+    for leaf in torch_private.leaves_reached(node):
+        when_reduced(g, fix(leaf))
 
 
 def _into_bucket(buf: torch.Tensor, comm: Comm, task: int, cap: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ with that out_spec has; a call with that in_spec relays the blocks by one ppermu
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ def shard_leaves(
     """Every tensor leaf as a new leaf DTensor laid out by its spec (``blocks``: as this rank's
     block under the spec, a plain tensor); other leaves as they are. ``local``: the leaves are
     this rank's blocks, not global values."""
+    if local:
+        _check_equal_blocks(mesh, leaves, where)
     one = _from_block if local else _shard_one
     out = [
         one(mesh, x, spec, at) if isinstance(x, torch.Tensor) else x
@@ -41,6 +44,23 @@ def shard_leaves(
     if blocks:
         out = [_own_block(mesh, d, s) if isinstance(d, DTensor) else d for d, s in zip(out, specs)]
     return out
+
+
+def _check_equal_blocks(mesh, leaves: list[Any], where: list[str]) -> None:
+    """``local=True``: every rank's blocks have the same shapes (the global shape is read off
+    this rank's block). One all-reduce of a digest of the shapes: where they differ, a
+    SpecError on every rank, not an abort in a later collective that sizes them differently."""
+    shapes = {at: tuple(x.shape) for x, at in zip(leaves, where) if isinstance(x, torch.Tensor)}
+    comm = mesh.check_comm()
+    digest = zlib.crc32(repr(list(shapes.values())).encode())
+    if not comm.agreed(comm.start_agree(digest, "ns.shard"), "ns.shard"):
+        raise SpecError(
+            "ns.shard(..., local=True): the ranks passed blocks of different shapes (this "
+            f"rank's: {shapes}); the global shape is read off each rank's block, so every rank "
+            "passes one of the same shape. Fix: pad a dim its axes do not divide to a multiple "
+            "of their size on every rank, or pass the global tensors without local=True (a dim "
+            "the axes do not divide is then split as torch.chunk splits it)."
+        )
 
 
 def _own_block(mesh, d: DTensor, spec: PartitionSpec) -> torch.Tensor:

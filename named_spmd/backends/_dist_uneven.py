@@ -122,7 +122,7 @@ def _split_sizes(spec: PartitionSpec, shape, mesh_sizes) -> list[Sizes | None]:
 
 def _dtensor_input(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> torch.Tensor:
     """A DTensor whose Shard blocks differ in size: its local block, where the spec's blocks
-    are DTensor's (torch.chunk's over one mesh axis per dim)."""
+    are DTensor's (:func:`dtensor_holds`)."""
     where = f"spmd_map of {ctx.fn_label}: argument leaf {i}"
     sizes = ctx.mesh._shape
     for d, n in enumerate(leaf.shape):
@@ -131,12 +131,14 @@ def _dtensor_input(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> torch.Ten
         if len(set(blocks)) <= 1:
             continue
         if len(axes) > 1:
+            if dtensor_holds(spec, [None] * d + [blocks], sizes):
+                continue
             raise SpecError(
                 f"{where} is a DTensor whose dim {d} ({n}) is split unevenly over {tuple(axes)}: "
                 "DTensor splits it over one mesh dim after the other (torch.chunk of a chunk), "
                 f"which gives other blocks than the spec {spec!r} (torch.chunk over the group of "
-                f"{group_size(axes, sizes)}). Fix: pass the global value as a plain tensor "
-                "(x.full_tensor()), or split the dim over one axis."
+                f"{group_size(axes, sizes)}: {blocks}). Fix: pass the global value as a plain "
+                "tensor (x.full_tensor()), or split the dim over one axis."
             )
         if blocks != chunk_sizes(n, sizes[axes[0]]):
             raise SpecError(

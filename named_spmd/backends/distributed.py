@@ -310,6 +310,7 @@ def run(call: Call) -> list[Any]:
         mesh, call.fn
     )
     ctx.checked, ctx.caller_blocks = call.mapped.check_vma, local_call
+    ctx.fn_label = call.mapped.label  # (the start-of-call check hashes it)
     board.check_in_step()  # (not posted: it reposts the failure it is a consequence of)
     try:
         if uneven:
@@ -393,6 +394,14 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException, call: Call) -> Bas
         else f"rank {mesh.rank} (instance {coords})"
     )
     where = f"spmd_map of {ctx.fn_label}"
+    if torch_private.is_dynamo_internal_error(e):
+        return SpmdError(
+            f"{where}: a function compiled with plain torch.compile, called inside the call on "
+            f"a real mesh, failed on {at} ({type(e).__name__}): Dynamo traces named_spmd's "
+            "eager type tracking, which it cannot compile. Fix: compile the piece with "
+            "ns.compile(fn, ...) (same options), or compile the whole mapped function "
+            "(ns.compile(mapped))."
+        )
     return told_per_instance(e, where, at, empty, ctx.replaying) or e
 
 
