@@ -70,6 +70,13 @@ def pop() -> None:
     ctx = _local.stack.pop()
     if ctx.marks_calls:
         _remove_marker(ctx)
+    ctx.stopped()
+
+
+def _pop_resumed() -> None:
+    """The end of a call's resumption (:meth:`CallMarker._resume`): as :func:`pop`, its marker
+    left to :meth:`CallMarker.__exit__`."""
+    _local.stack.pop().stopped()
 
 
 def active() -> SpmdContext | None:
@@ -171,7 +178,7 @@ class CallMarker(torch_private.DeviceContext):
                 torch_private.push_function_mode(mode)
                 undo.callback(torch_private.pop_function_mode)
             _local.stack.append(self.ctx)
-            undo.callback(_local.stack.pop)
+            undo.callback(_pop_resumed)
             undo.callback(end_recompute, begin_recompute(self.comm_modes))
         except BaseException:
             undo.close()

@@ -282,6 +282,11 @@ class SpmdContext(ABC):
         simulated backend re-enters its vmap levels; by default there is nothing to do."""
         return _nothing
 
+    def stopped(self) -> None:
+        """The call stops running (it returned, raised, or a resumption of it ended): let go of
+        what it holds only while it runs. By default it holds nothing."""
+        return None
+
     def psum_in_backward(self, g: torch.Tensor, axes: Axes, node: Any) -> torch.Tensor:
         """The transpose of a pvary outside any transform: the gradient summed over the group.
         ``node`` is the autograd context of the pvary (a backend may overlap the sum with the

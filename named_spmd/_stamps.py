@@ -195,6 +195,14 @@ class TrackedContext(SpmdContext):
         """``make()``, once per (``t``, ``tag``) per call (the caches of implicit casts)."""
         return memo_cast(self.pvary_cache, t, tag, make)
 
+    def stopped(self) -> None:
+        """The caches of implicit casts emptied: an alias's autograd node holds the context
+        (for its backward), through nodes the garbage collector does not follow (a view's, as
+        ``x @ w.T`` makes), so a cache kept past the call would keep the context, and its
+        inputs, alive as long as the process."""
+        self.pvary_cache.clear()
+        self.alias_cache.clear()
+
     def implicit_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """The alias :meth:`cached_pvary` caches (a backend may place the pvary elsewhere)."""
         return implicit_pvary(self, t, axes)

@@ -12,7 +12,8 @@
   tensors: the addition waits for the bucket's end, not for each gradient's sum).
 * ``views``: a chain that uses each weight through a view (``h @ w.T``, ``h @ w[:4]``), as plain
   tensors and as DTensors: gradients, all-reduces and recorded psums, as for ``uniform`` (the
-  views' gradient psums share the buckets of weights used directly).
+  views' gradient psums share the buckets of weights used directly), and the calls' contexts
+  still alive once the gradients are in (none: the casts' caches hold their context).
 * ``shared``: weights that receive one gradient tensor (both operands of ``x * (a + b)``), as
   DTensors sharded and replicated (the latter through the bucketed psum) and as plain tensors,
   two backward passes accumulated: whether every ``.grad`` is a plain tensor on its own storage,
@@ -28,6 +29,7 @@ with NaN until then (tests/dist_worker.py's late-reduction mode).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -231,6 +233,13 @@ class _AllReduces:
         )
 
 
+def _live_contexts() -> int:
+    from named_spmd._context import SpmdContext
+
+    gc.collect()
+    return sum(isinstance(o, SpmdContext) for o in gc.get_objects())
+
+
 def _registry() -> int:
     return torch._C._distributed_c10d._get_work_registry_size()
 
@@ -255,6 +264,7 @@ def run(mesh) -> list[dict]:
                 "grads": [g.tolist() for g in got],
                 "all_reduces": view_reduces.count,
                 "psums": view_psums,
+                "contexts": _live_contexts(),
             }
         mixed = mixed_grads(mesh)
         shared = {k: shared_grads(mesh, *how) for k, how in SHARED_KINDS.items()}

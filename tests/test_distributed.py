@@ -311,6 +311,7 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
                 views["all_reduces"],
             )
             assert views["psums"] == want_view_psums, (where, kind)
+            assert views["contexts"] == 0, (where, kind)  # the graph freed, the call's context too
             for got, ref in zip(views["grads"], want_views):
                 torch.testing.assert_close(
                     torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
