@@ -18,6 +18,9 @@
   DTensors sharded and replicated (the latter through the bucketed psum) and as plain tensors,
   two backward passes accumulated: whether every ``.grad`` is a plain tensor on its own storage,
   and the gradients after the first one's is doubled in place.
+* ``dtensor_inputs``: DTensor arguments converted to their local blocks: the backward psums
+  ``ns.CommMode`` records for a gradient asked for an activation alone (none: the parameters'
+  backward does not run) and whether that gradient is dense torch's.
 * ``mixed``: weights of odd sizes (padding between slots), a weight also used outside the call
   and one used by two calls (their second contribution reads a pending gradient before its
   bucket filled), two backward passes accumulated: gradients and the bitwise check.
@@ -233,6 +236,38 @@ class _AllReduces:
         )
 
 
+def _activation_only(mesh) -> dict:
+    """``torch.autograd.grad(loss, [h])`` for an activation ``h`` (a DTensor made by an op)
+    passed with four parameters (DTensors)."""
+    gen = torch.Generator().manual_seed(17)
+    ws = [torch.randn(SIDE, SIDE, generator=gen, dtype=torch.float64) for _ in range(4)]
+    x = torch.randn(2 * 2, SIDE, generator=gen, dtype=torch.float64)
+
+    def loss_of(h, *ws):
+        return sum(torch.tanh(h @ w).sum() for w in ws)
+
+    f = ns.spmd_map(
+        lambda h, *ws: ns.psum(loss_of(h, *ws), "dp"),
+        mesh=mesh,
+        in_specs=(P("dp"),) + (P(),) * len(ws),
+        out_specs=P(),
+    )
+    h = ns.shard(x.clone().requires_grad_(), mesh, P("dp")) * 2
+    params = ns.shard([w.clone().requires_grad_() for w in ws], mesh, P())
+    with ns.CommMode() as comms:
+        (got,) = torch.autograd.grad(_full(f(h, *params)), [h])
+    dense_h = (x * 2).requires_grad_()
+    (want,) = torch.autograd.grad(loss_of(dense_h, *ws), [dense_h])
+    return {
+        "psums": comms.count("psum", direction="backward"),
+        "grad_ok": torch.allclose(_full(got), want, rtol=1e-12, atol=1e-12),
+    }
+
+
+def dtensor_input_checks(mesh) -> dict:
+    return {"activation_only": _activation_only(mesh)}
+
+
 def _live_contexts() -> int:
     from named_spmd._context import SpmdContext
 
@@ -251,6 +286,7 @@ def run(mesh) -> list[dict]:
     set_grad_bucket_mb(0)
     plain_uniform, plain_mixed = uniform_grads(mesh)[0], mixed_grads(mesh)
     plain_accumulated = accumulated_grads(mesh)
+    dtensor_inputs = dtensor_input_checks(mesh)
     for name, mb in SIZES_MB.items():
         set_grad_bucket_mb(mb)
         before = _registry()
@@ -283,6 +319,7 @@ def run(mesh) -> list[dict]:
                 "hooked_ok": hooked_accumulation_ok(mesh),
                 "views": views,
                 "shared": shared,
+                "dtensor_inputs": dtensor_inputs,
                 "psums": psums,
                 "left": _registry() - before,
                 "plain": all(type(g) is torch.Tensor for g in grads + mixed + accumulated),

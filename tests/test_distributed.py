@@ -322,6 +322,8 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
                 torch.testing.assert_close(
                     torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
                 )
+        inputs = o["dtensor_inputs"]  # an activation's gradient alone: no parameter's psum
+        assert inputs["activation_only"] == {"psums": 0, "grad_ok": True}, (where, inputs)
         got_all = o["grads"] + o["mixed"] + o["accumulated"]
         for got, ref in zip(got_all, want + want_mixed + want_accumulated):
             # float32 tolerance throughout: the chain's float64 gradients also flow back through

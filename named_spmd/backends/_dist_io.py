@@ -217,11 +217,14 @@ def _from_dtensor(
 def _batched_input(ctx, leaf: torch.Tensor, is_block: bool) -> bool:
     """Whether argument leaf ``leaf`` is a DTensor whose local tensor :func:`_dtensor_inputs`
     takes, with the call's other such leaves, in one autograd node (the common case of a
-    parameter: a DTensor that requires grad, in an even call under grad mode, with no
-    transform and no forward-mode AD active)."""
+    parameter: a leaf DTensor that requires grad, in an even call under grad mode, with no
+    transform and no forward-mode AD active). Not an activation: a gradient asked for it alone
+    (``torch.autograd.grad(loss, [h])``) would run the node, and so every parameter's backward
+    and gradient psum."""
     return (
         isinstance(leaf, DTensor)
         and leaf.requires_grad
+        and leaf.is_leaf
         and not is_block
         and not ctx.uneven
         and torch.is_grad_enabled()
