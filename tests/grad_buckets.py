@@ -20,7 +20,9 @@
   and the gradients after the first one's is doubled in place.
 * ``dtensor_inputs``: DTensor arguments converted to their local blocks: the backward psums
   ``ns.CommMode`` records for a gradient asked for an activation alone (none: the parameters'
-  backward does not run) and whether that gradient is dense torch's.
+  backward does not run) and whether that gradient is dense torch's; whether a DTensor argument
+  that gets no gradient (its op's backward returns None) keeps ``.grad`` None, as dense torch,
+  alone or beside another DTensor argument.
 * ``mixed``: weights of odd sizes (padding between slots), a weight also used outside the call
   and one used by two calls (their second contribution reads a pending gradient before its
   bucket filled), two backward passes accumulated: gradients and the bitwise check.
@@ -264,8 +266,53 @@ def _activation_only(mesh) -> dict:
     }
 
 
+class _NoGradientForB(torch.autograd.Function):
+    """``a + b.sum()`` whose backward gives ``b`` no gradient (None)."""
+
+    @staticmethod
+    def forward(a, b):
+        return a + b.detach().sum()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _no_gradient_stays_none(mesh) -> list[bool]:
+    """Whether the DTensor ``b`` that gets no gradient still has ``.grad`` None after backward:
+    ``a`` a plain tensor, then a DTensor (one DTensor input, then two); then ``b`` split in
+    blocks of unequal sizes (an uneven call)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    nones = []
+    for a_dtensor, uneven in ((False, False), (True, False), (False, True)):
+        f = ns.spmd_map(
+            lambda x, a, b: ns.psum((x * _NoGradientForB.apply(a, b)).sum(), "dp"),
+            mesh=mesh,
+            in_specs=(P("dp"), P(), P("dp" if uneven else None)),
+            out_specs=P(),
+        )
+        a = torch.ones(SIDE, dtype=torch.float64, requires_grad=True)
+        b = torch.ones(2 * 2 + uneven, dtype=torch.float64)
+        if uneven:
+            b = distribute_tensor(b, mesh.device_mesh, [Shard(0)]).requires_grad_()
+        else:
+            b = ns.shard(b.requires_grad_(), mesh, P())
+        x = torch.ones(2 * 2, SIDE, dtype=torch.float64)
+        _full(f(x, ns.shard(a, mesh, P()) if a_dtensor else a, b)).backward()
+        nones.append(b.grad is None)
+    return nones
+
+
 def dtensor_input_checks(mesh) -> dict:
-    return {"activation_only": _activation_only(mesh)}
+    return {
+        "activation_only": _activation_only(mesh),
+        "none_stays_none": _no_gradient_stays_none(mesh),
+    }
 
 
 def _live_contexts() -> int:
