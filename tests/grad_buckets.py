@@ -22,7 +22,8 @@
   ``ns.CommMode`` records for a gradient asked for an activation alone (none: the parameters'
   backward does not run) and whether that gradient is dense torch's; whether a DTensor argument
   that gets no gradient (its op's backward returns None) keeps ``.grad`` None, as dense torch,
-  alone or beside another DTensor argument.
+  alone or beside another DTensor argument; the error for two DTensors against their in_specs
+  (the first requiring grad, the second not): it names the first.
 * ``mixed``: weights of odd sizes (padding between slots), a weight also used outside the call
   and one used by two calls (their second contribution reads a pending gradient before its
   bucket filled), two backward passes accumulated: gradients and the bitwise check.
@@ -308,10 +309,25 @@ def _no_gradient_stays_none(mesh) -> list[bool]:
     return nones
 
 
+def _first_bad_argument(mesh) -> str:
+    """The error of a call whose two DTensor arguments are both laid out against their specs."""
+    a = ns.shard(torch.ones(2 * 2, SIDE, dtype=torch.float64, requires_grad=True), mesh, P("dp"))
+    b = ns.shard(torch.ones(2 * 2, SIDE, dtype=torch.float64), mesh, P("dp"))
+    f = ns.spmd_map(
+        lambda a, b: ns.psum((a * b).sum(), "dp"), mesh=mesh, in_specs=(P(), P()), out_specs=P()
+    )
+    try:
+        f(a, b)
+    except ns.SpecError as e:
+        return str(e)
+    return "no error"
+
+
 def dtensor_input_checks(mesh) -> dict:
     return {
         "activation_only": _activation_only(mesh),
         "none_stays_none": _no_gradient_stays_none(mesh),
+        "first_bad": _first_bad_argument(mesh),
     }
 
 

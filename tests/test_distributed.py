@@ -325,6 +325,7 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
         inputs = o["dtensor_inputs"]  # an activation's gradient alone: no parameter's psum
         assert inputs["activation_only"] == {"psums": 0, "grad_ok": True}, (where, inputs)
         assert inputs["none_stays_none"] == [True] * 3, (where, inputs)  # dense torch's None
+        assert "argument leaf 0 is a DTensor with placements" in inputs["first_bad"], where
         got_all = o["grads"] + o["mixed"] + o["accumulated"]
         for got, ref in zip(got_all, want + want_mixed + want_accumulated):
             # float32 tolerance throughout: the chain's float64 gradients also flow back through
