@@ -60,7 +60,8 @@ def inputs(
     positions of the only leaves to convert (a replay's, ``Replay.replayed_conversions``: the
     others are handed through as they are); ``is_block``: the leaves are this rank's blocks
     already (``SpmdFunction.local``); ``uneven_input(ctx, leaf, spec, i)``: a leaf's block in
-    an uneven call (``_dist_uneven``). The DTensors of the common case are converted together,
+    an uneven call (``_dist_uneven.local_input``, passed in: that module builds on this one,
+    which does not import it back). The DTensors of the common case are converted together,
     in one autograd node (:func:`_dtensor_inputs`), the others one by one; every leaf is
     checked in order (an error names the first bad one)."""
     at = range(len(leaves)) if converted is None else converted
