@@ -13,7 +13,8 @@
 * ``views``: a chain that uses each weight through a view (``h @ w.T``, ``h @ w[:4]``), as plain
   tensors and as DTensors: gradients, all-reduces and recorded psums, as for ``uniform`` (the
   views' gradient psums share the buckets of weights used directly), and the calls' contexts
-  still alive once the gradients are in (none: the casts' caches hold their context).
+  still alive once the gradients are in (none: the casts' caches hold their context); the same
+  with the second use inside a checkpoint (its recomputation takes the caches back).
 * ``shared``: weights that receive one gradient tensor (both operands of ``x * (a + b)``), as
   DTensors sharded and replicated (the latter through the bucketed psum) and as plain tensors,
   two backward passes accumulated: whether every ``.grad`` is a plain tensor on its own storage,
@@ -331,6 +332,39 @@ def dtensor_input_checks(mesh) -> dict:
     }
 
 
+def checkpointed_view(mesh) -> dict:
+    """``w.T`` used before and inside a (selective) checkpoint, three steps: whether the
+    gradient is dense torch's, and the contexts alive after them."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    def save_none(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def body(x, w):
+        h = torch.tanh(x @ w.T)
+        h = checkpoint(
+            lambda h: torch.tanh(h @ w.T),
+            h,
+            use_reentrant=False,
+            context_fn=lambda: create_selective_checkpoint_contexts(save_none),
+        )
+        return ns.psum((h**2).sum(), "dp")
+
+    x, ws = view_params()
+    w = ws[0].requires_grad_()
+    f = ns.spmd_map(body, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
+    for _ in range(3):
+        _full(f(x, w)).backward()
+    dense = ws[0].detach().requires_grad_()
+    (torch.tanh(torch.tanh(x @ dense.T) @ dense.T) ** 2).sum().backward()
+    ok = torch.allclose(w.grad, 3 * dense.grad, rtol=1e-12, atol=1e-12)
+    return {"grad_ok": ok, "contexts": _live_contexts()}
+
+
 def _live_contexts() -> int:
     from named_spmd._context import SpmdContext
 
@@ -350,6 +384,7 @@ def run(mesh) -> list[dict]:
     plain_uniform, plain_mixed = uniform_grads(mesh)[0], mixed_grads(mesh)
     plain_accumulated = accumulated_grads(mesh)
     dtensor_inputs = dtensor_input_checks(mesh)
+    checkpointed = checkpointed_view(mesh)
     for name, mb in SIZES_MB.items():
         set_grad_bucket_mb(mb)
         before = _registry()
@@ -383,6 +418,7 @@ def run(mesh) -> list[dict]:
                 "views": views,
                 "shared": shared,
                 "dtensor_inputs": dtensor_inputs,
+                "checkpointed_view": checkpointed,
                 "psums": psums,
                 "left": _registry() - before,
                 "plain": all(type(g) is torch.Tensor for g in grads + mixed + accumulated),

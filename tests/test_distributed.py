@@ -322,6 +322,7 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
                 torch.testing.assert_close(
                     torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
                 )
+        assert o["checkpointed_view"] == {"grad_ok": True, "contexts": 0}, (where, o)
         inputs = o["dtensor_inputs"]  # an activation's gradient alone: no parameter's psum
         assert inputs["activation_only"] == {"psums": 0, "grad_ok": True}, (where, inputs)
         assert inputs["none_stays_none"] == [True] * 3, (where, inputs)  # dense torch's None
