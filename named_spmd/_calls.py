@@ -68,8 +68,11 @@ def push(ctx: SpmdContext) -> None:
 
 def pop() -> None:
     ctx = _local.stack.pop()
+    held = ctx.let_go()
     if ctx.marks_calls:
-        _remove_marker(ctx)
+        marker = _remove_marker(ctx)
+        if marker is not None:
+            marker.held = held
 
 
 def active() -> SpmdContext | None:
@@ -128,6 +131,9 @@ class CallMarker(torch_private.DeviceContext):
             None,
         )
         self.comm_modes = live_modes()  # for a recomputation on autograd's device thread
+        # what the call lets go of as it stops (``SpmdContext.let_go``) and a recomputation
+        # needs back: held here, where a checkpoint keeps the marker as long as the graph
+        self.held: Any = None
         self.undo: list[Callable[[], None] | None] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -160,6 +166,10 @@ class CallMarker(torch_private.DeviceContext):
         if undo is not None:
             undo()
 
+    def _stop_resumed(self) -> None:
+        _local.stack.pop()
+        self.held = self.ctx.let_go()
+
     def _resume(self) -> Callable[[], None]:
         undo = contextlib.ExitStack()  # its callbacks run last to first
         try:
@@ -170,8 +180,9 @@ class CallMarker(torch_private.DeviceContext):
             for mode in self.modes:
                 torch_private.push_function_mode(mode)
                 undo.callback(torch_private.pop_function_mode)
+            self.ctx.take_back(self.held)
             _local.stack.append(self.ctx)
-            undo.callback(_local.stack.pop)
+            undo.callback(self._stop_resumed)
             undo.callback(end_recompute, begin_recompute(self.comm_modes))
         except BaseException:
             undo.close()
@@ -214,14 +225,17 @@ def without_call_modes(ctx: SpmdContext) -> Iterator[None]:
             torch_private.push_function_mode(m)
 
 
-def _remove_marker(ctx: SpmdContext) -> None:
+def _remove_marker(ctx: SpmdContext) -> CallMarker | None:
     """Pop the topmost marker of ``ctx``, wherever it sits (a ``torch.device`` block entered
-    inside the call moves DeviceContext modes to the bottom of the stack)."""
+    inside the call moves DeviceContext modes to the bottom of the stack); return it."""
     above = []
+    found = None
     while torch_private.function_mode_depth():
         mode = torch_private.pop_function_mode()
         if isinstance(mode, CallMarker) and mode.ctx is ctx:
+            found = mode
             break
         above.append(mode)
     for mode in reversed(above):
         torch_private.push_function_mode(mode)
+    return found

@@ -289,6 +289,16 @@ class SpmdContext(ABC):
         simulated backend re-enters its vmap levels; by default there is nothing to do."""
         return _nothing
 
+    def let_go(self) -> Any:
+        """The call stops running (it returned, raised, or a resumption of it ended): what it
+        holds only while it runs, handed over to its marker (``_calls.CallMarker``), which a
+        checkpoint keeps for its recomputation (:meth:`take_back`); by default nothing."""
+        return None
+
+    def take_back(self, held: Any) -> None:
+        """A checkpoint's recomputation resumes the call: what :meth:`let_go` handed over."""
+        return None
+
     def psum_in_backward(self, g: torch.Tensor, axes: Axes, node: Any) -> torch.Tensor:
         """The transpose of a pvary outside any transform: the gradient summed over the group.
         ``node`` is the autograd context of the pvary (a backend may overlap the sum with the

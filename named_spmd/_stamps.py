@@ -195,6 +195,21 @@ class TrackedContext(SpmdContext):
         """``make()``, once per (``t``, ``tag``) per call (the caches of implicit casts)."""
         return memo_cast(self.pvary_cache, t, tag, make)
 
+    def let_go(self) -> tuple[dict, dict] | None:
+        """The caches of implicit casts, handed over (``SpmdContext.let_go``): an alias's
+        autograd node holds the context (for its backward) through nodes the garbage collector
+        does not follow (a view's, as ``x @ w.T`` makes), so caches the context kept past the
+        call would keep it, and its inputs, alive as long as the process. A recomputation takes
+        them back: the forward's casts it met in the cache are hits again, not new ops (a
+        selective checkpoint compares the two runs' ops)."""
+        held = self.pvary_cache, self.alias_cache
+        self.pvary_cache, self.alias_cache = {}, {}
+        return held
+
+    def take_back(self, held: tuple[dict, dict] | None) -> None:
+        if held is not None:
+            self.pvary_cache, self.alias_cache = held
+
     def implicit_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """The alias :meth:`cached_pvary` caches (a backend may place the pvary elsewhere)."""
         return implicit_pvary(self, t, axes)

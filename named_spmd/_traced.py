@@ -147,6 +147,8 @@ class TracedContext(TrackedContext):
     Subclasses implement the primitives."""
 
     marks_calls = False
+    # not TrackedContext's caches, so none to hand over (no marker resumes a traced call)
+    let_go, take_back = SpmdContext.let_go, SpmdContext.take_back
 
     def __init__(self, mesh: Any, fn: Callable[..., Any]):
         SpmdContext.__init__(self, mesh, fn)  # not TrackedContext's caches: Dynamo traces this

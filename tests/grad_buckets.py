@@ -12,11 +12,19 @@
   tensors: the addition waits for the bucket's end, not for each gradient's sum).
 * ``views``: a chain that uses each weight through a view (``h @ w.T``, ``h @ w[:4]``), as plain
   tensors and as DTensors: gradients, all-reduces and recorded psums, as for ``uniform`` (the
-  views' gradient psums share the buckets of weights used directly).
+  views' gradient psums share the buckets of weights used directly), and the calls' contexts
+  still alive once the gradients are in (none: the casts' caches hold their context); the same
+  with the second use inside a checkpoint (its recomputation takes the caches back).
 * ``shared``: weights that receive one gradient tensor (both operands of ``x * (a + b)``), as
   DTensors sharded and replicated (the latter through the bucketed psum) and as plain tensors,
   two backward passes accumulated: whether every ``.grad`` is a plain tensor on its own storage,
   and the gradients after the first one's is doubled in place.
+* ``dtensor_inputs``: DTensor arguments converted to their local blocks: the backward psums
+  ``ns.CommMode`` records for a gradient asked for an activation alone (none: the parameters'
+  backward does not run) and whether that gradient is dense torch's; whether a DTensor argument
+  that gets no gradient (its op's backward returns None) keeps ``.grad`` None, as dense torch,
+  alone or beside another DTensor argument; the error for two DTensors against their in_specs
+  (the first requiring grad, the second not): it names the first.
 * ``mixed``: weights of odd sizes (padding between slots), a weight also used outside the call
   and one used by two calls (their second contribution reads a pending gradient before its
   bucket filled), two backward passes accumulated: gradients and the bitwise check.
@@ -28,6 +36,7 @@ with NaN until then (tests/dist_worker.py's late-reduction mode).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -231,6 +240,138 @@ class _AllReduces:
         )
 
 
+def _activation_only(mesh) -> dict:
+    """``torch.autograd.grad(loss, [h])`` for an activation ``h`` (a DTensor made by an op)
+    passed with four parameters (DTensors)."""
+    gen = torch.Generator().manual_seed(17)
+    ws = [torch.randn(SIDE, SIDE, generator=gen, dtype=torch.float64) for _ in range(4)]
+    x = torch.randn(2 * 2, SIDE, generator=gen, dtype=torch.float64)
+
+    def loss_of(h, *ws):
+        return sum(torch.tanh(h @ w).sum() for w in ws)
+
+    f = ns.spmd_map(
+        lambda h, *ws: ns.psum(loss_of(h, *ws), "dp"),
+        mesh=mesh,
+        in_specs=(P("dp"),) + (P(),) * len(ws),
+        out_specs=P(),
+    )
+    h = ns.shard(x.clone().requires_grad_(), mesh, P("dp")) * 2
+    params = ns.shard([w.clone().requires_grad_() for w in ws], mesh, P())
+    with ns.CommMode() as comms:
+        (got,) = torch.autograd.grad(_full(f(h, *params)), [h])
+    dense_h = (x * 2).requires_grad_()
+    (want,) = torch.autograd.grad(loss_of(dense_h, *ws), [dense_h])
+    return {
+        "psums": comms.count("psum", direction="backward"),
+        "grad_ok": torch.allclose(_full(got), want, rtol=1e-12, atol=1e-12),
+    }
+
+
+class _NoGradientForB(torch.autograd.Function):
+    """``a + b.sum()`` whose backward gives ``b`` no gradient (None)."""
+
+    @staticmethod
+    def forward(a, b):
+        return a + b.detach().sum()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _no_gradient_stays_none(mesh) -> list[bool]:
+    """Whether the DTensor ``b`` that gets no gradient still has ``.grad`` None after backward:
+    ``a`` a plain tensor, then a DTensor (one DTensor input, then two); then ``b`` split in
+    blocks of unequal sizes (an uneven call)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    nones = []
+    for a_dtensor, uneven in ((False, False), (True, False), (False, True)):
+        f = ns.spmd_map(
+            lambda x, a, b: ns.psum((x * _NoGradientForB.apply(a, b)).sum(), "dp"),
+            mesh=mesh,
+            in_specs=(P("dp"), P(), P("dp" if uneven else None)),
+            out_specs=P(),
+        )
+        a = torch.ones(SIDE, dtype=torch.float64, requires_grad=True)
+        b = torch.ones(2 * 2 + uneven, dtype=torch.float64)
+        if uneven:
+            b = distribute_tensor(b, mesh.device_mesh, [Shard(0)]).requires_grad_()
+        else:
+            b = ns.shard(b.requires_grad_(), mesh, P())
+        x = torch.ones(2 * 2, SIDE, dtype=torch.float64)
+        _full(f(x, ns.shard(a, mesh, P()) if a_dtensor else a, b)).backward()
+        nones.append(b.grad is None)
+    return nones
+
+
+def _first_bad_argument(mesh) -> str:
+    """The error of a call whose two DTensor arguments are both laid out against their specs."""
+    a = ns.shard(torch.ones(2 * 2, SIDE, dtype=torch.float64, requires_grad=True), mesh, P("dp"))
+    b = ns.shard(torch.ones(2 * 2, SIDE, dtype=torch.float64), mesh, P("dp"))
+    f = ns.spmd_map(
+        lambda a, b: ns.psum((a * b).sum(), "dp"), mesh=mesh, in_specs=(P(), P()), out_specs=P()
+    )
+    try:
+        f(a, b)
+    except ns.SpecError as e:
+        return str(e)
+    return "no error"
+
+
+def dtensor_input_checks(mesh) -> dict:
+    return {
+        "activation_only": _activation_only(mesh),
+        "none_stays_none": _no_gradient_stays_none(mesh),
+        "first_bad": _first_bad_argument(mesh),
+    }
+
+
+def checkpointed_view(mesh) -> dict:
+    """``w.T`` used before and inside a (selective) checkpoint, three steps: whether the
+    gradient is dense torch's, and the contexts alive after them."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    def save_none(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def body(x, w):
+        h = torch.tanh(x @ w.T)
+        h = checkpoint(
+            lambda h: torch.tanh(h @ w.T),
+            h,
+            use_reentrant=False,
+            context_fn=lambda: create_selective_checkpoint_contexts(save_none),
+        )
+        return ns.psum((h**2).sum(), "dp")
+
+    x, ws = view_params()
+    w = ws[0].requires_grad_()
+    f = ns.spmd_map(body, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
+    for _ in range(3):
+        _full(f(x, w)).backward()
+    dense = ws[0].detach().requires_grad_()
+    (torch.tanh(torch.tanh(x @ dense.T) @ dense.T) ** 2).sum().backward()
+    ok = torch.allclose(w.grad, 3 * dense.grad, rtol=1e-12, atol=1e-12)
+    return {"grad_ok": ok, "contexts": _live_contexts()}
+
+
+def _live_contexts() -> int:
+    from named_spmd._context import SpmdContext
+
+    gc.collect()
+    return sum(isinstance(o, SpmdContext) for o in gc.get_objects())
+
+
 def _registry() -> int:
     return torch._C._distributed_c10d._get_work_registry_size()
 
@@ -242,6 +383,8 @@ def run(mesh) -> list[dict]:
     set_grad_bucket_mb(0)
     plain_uniform, plain_mixed = uniform_grads(mesh)[0], mixed_grads(mesh)
     plain_accumulated = accumulated_grads(mesh)
+    dtensor_inputs = dtensor_input_checks(mesh)
+    checkpointed = checkpointed_view(mesh)
     for name, mb in SIZES_MB.items():
         set_grad_bucket_mb(mb)
         before = _registry()
@@ -255,6 +398,7 @@ def run(mesh) -> list[dict]:
                 "grads": [g.tolist() for g in got],
                 "all_reduces": view_reduces.count,
                 "psums": view_psums,
+                "contexts": _live_contexts(),
             }
         mixed = mixed_grads(mesh)
         shared = {k: shared_grads(mesh, *how) for k, how in SHARED_KINDS.items()}
@@ -273,6 +417,8 @@ def run(mesh) -> list[dict]:
                 "hooked_ok": hooked_accumulation_ok(mesh),
                 "views": views,
                 "shared": shared,
+                "dtensor_inputs": dtensor_inputs,
+                "checkpointed_view": checkpointed,
                 "psums": psums,
                 "left": _registry() - before,
                 "plain": all(type(g) is torch.Tensor for g in grads + mixed + accumulated),

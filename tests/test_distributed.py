@@ -311,6 +311,7 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
                 views["all_reduces"],
             )
             assert views["psums"] == want_view_psums, (where, kind)
+            assert views["contexts"] == 0, (where, kind)  # the graph freed, the call's context too
             for got, ref in zip(views["grads"], want_views):
                 torch.testing.assert_close(
                     torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
@@ -321,6 +322,11 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
                 torch.testing.assert_close(
                     torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
                 )
+        assert o["checkpointed_view"] == {"grad_ok": True, "contexts": 0}, (where, o)
+        inputs = o["dtensor_inputs"]  # an activation's gradient alone: no parameter's psum
+        assert inputs["activation_only"] == {"psums": 0, "grad_ok": True}, (where, inputs)
+        assert inputs["none_stays_none"] == [True] * 3, (where, inputs)  # dense torch's None
+        assert "argument leaf 0 is a DTensor with placements" in inputs["first_bad"], where
         got_all = o["grads"] + o["mixed"] + o["accumulated"]
         for got, ref in zip(got_all, want + want_mixed + want_accumulated):
             # float32 tolerance throughout: the chain's float64 gradients also flow back through

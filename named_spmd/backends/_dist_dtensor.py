@@ -105,9 +105,12 @@ class _LocalOf(torch.autograd.Function):
             d = torch_private.get_unwrapped(d)
         # a reduced input's gradient is a partial sum (Partial) where the input is replicated
         ctx.places = inputs[2] if len(inputs) > 2 and inputs[2] else tuple(d.placements)
+        ctx.set_materialize_grads(False)  # no gradient in: none out, as dense torch gives
 
     @staticmethod
     def backward(ctx, g):
+        if g is None:
+            return None, None, None
         return _local_grad(ctx.mesh, g, ctx.places, ctx.leaf, ctx.below), None, None
 
     @staticmethod
@@ -321,9 +324,12 @@ class _UnevenLocalOf(torch.autograd.Function):
         d = inputs[0]
         ctx.mesh, ctx.shape = inputs[1], tuple(d.shape)
         ctx.places = inputs[2] if inputs[2] else tuple(d.placements)
+        ctx.set_materialize_grads(False)  # (as :class:`_LocalOf`)
 
     @staticmethod
     def backward(ctx, g):
+        if g is None:
+            return None, None, None
         if differentiable(g):  # double backward: a recorded conversion
             return _UnevenDTensorOf.apply(g, ctx.mesh, ctx.places, ctx.shape), None, None
         g = overlap.settled(unshared(g))

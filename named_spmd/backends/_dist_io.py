@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.autograd import forward_ad
@@ -60,17 +60,20 @@ def inputs(
     positions of the only leaves to convert (a replay's, ``Replay.replayed_conversions``: the
     others are handed through as they are); ``is_block``: the leaves are this rank's blocks
     already (``SpmdFunction.local``); ``uneven_input(ctx, leaf, spec, i)``: a leaf's block in
-    an uneven call (``_dist_uneven``). The DTensors of the common case are converted together,
-    in one autograd node (:func:`_dtensor_inputs`), the others one by one, in order."""
+    an uneven call (``_dist_uneven.local_input``, passed in: that module builds on this one,
+    which does not import it back). The DTensors of the common case are converted together,
+    in one autograd node (:func:`_dtensor_inputs`), the others one by one; every leaf is
+    checked in order (an error names the first bad one)."""
     at = range(len(leaves)) if converted is None else converted
     local = list(leaves)
-    batched = []
+    batched, grads = [], []
     for i in at:
         leaf = leaves[i]
         if not isinstance(leaf, torch.Tensor):
             continue
-        if _batched_input(ctx, leaf, is_block):
+        if _batched_input(leaf, ctx, is_block):
             batched.append(i)
+            grads.append(checked_dtensor(ctx, leaf, specs[i], i))
         elif is_block:
             local[i] = block_input(ctx, leaf, i)
         elif ctx.uneven:
@@ -79,7 +82,7 @@ def inputs(
             local[i] = local_input(ctx, leaf, specs[i], i)
     if batched:
         made = _dtensor_inputs(
-            ctx, [leaves[i] for i in batched], [specs[i] for i in batched], batched
+            ctx, [leaves[i] for i in batched], [specs[i] for i in batched], grads
         )
         for i, x in zip(batched, made):
             local[i] = x
@@ -214,14 +217,17 @@ def _from_dtensor(
     return in_spec_order(ctx, local, spec)
 
 
-def _batched_input(ctx, leaf: torch.Tensor, is_block: bool) -> bool:
+def _batched_input(leaf: torch.Tensor, ctx, is_block: bool) -> TypeGuard[DTensor]:
     """Whether argument leaf ``leaf`` is a DTensor whose local tensor :func:`_dtensor_inputs`
     takes, with the call's other such leaves, in one autograd node (the common case of a
-    parameter: a DTensor that requires grad, in an even call under grad mode, with no
-    transform and no forward-mode AD active)."""
+    parameter: a leaf DTensor that requires grad, in an even call under grad mode, with no
+    transform and no forward-mode AD active). Not an activation: a gradient asked for it alone
+    (``torch.autograd.grad(loss, [h])``) would run the node, and so every parameter's backward
+    and gradient psum."""
     return (
         isinstance(leaf, DTensor)
         and leaf.requires_grad
+        and leaf.is_leaf
         and not is_block
         and not ctx.uneven
         and torch.is_grad_enabled()
@@ -230,10 +236,9 @@ def _batched_input(ctx, leaf: torch.Tensor, is_block: bool) -> bool:
     )
 
 
-def _dtensor_inputs(ctx, leaves: list[DTensor], specs: list[PartitionSpec], at: list[int]):
-    """The local blocks of ``leaves`` (argument leaves ``at``, each :func:`_batched_input`), each
-    checked against its spec in order, then converted together."""
-    grads = [checked_dtensor(ctx, x, spec, i) for x, spec, i in zip(leaves, specs, at)]
+def _dtensor_inputs(ctx, leaves: list[DTensor], specs: list[PartitionSpec], grads: list):
+    """The local blocks of ``leaves`` (each :func:`_batched_input`, checked against its spec:
+    ``grads``, its gradient placements), converted together."""
     locals_ = to_locals_fast(ctx.mesh, leaves, grads)
     return [in_spec_order(ctx, x, spec) for x, spec in zip(locals_, specs)]
 

@@ -206,14 +206,11 @@ def hoisted(ctx: Any, t: torch.Tensor, tag: tuple) -> torch.Tensor | None:
 
 def release(ctx: Any, hoistable: tuple) -> None:
     """``ctx.release_hoisted(hoistable)``, at the replay's end: the context lets go of the
-    aliases made at its entry. Each one's node holds the context (for its backward), and the
-    garbage collector does not follow a multi-output node from its outputs, so that cycle would
-    keep every replayed call's context and inputs alive."""
+    aliases made at its entry that no op used (those used went to the caches of casts, emptied
+    as the call stops: ``TrackedContext.let_go``). Each one's node holds the context (for its
+    backward), and the garbage collector does not follow a multi-output node from its outputs,
+    so that cycle would keep every replayed call's context and inputs alive."""
     ctx.hoisted_aliases = None
-    for at, tag in hoistable:
-        t = ctx.inputs[at]
-        ctx.pvary_cache.pop((id(t), tag), None)
-        ctx.alias_cache.pop(id(t), None)
 
 
 class PvaryAll(torch.autograd.Function):
