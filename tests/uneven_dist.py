@@ -1086,8 +1086,15 @@ def check_undifferentiable(case: Case, real_mesh, sim_mesh) -> list[str]:
         for m in (real_mesh, sim_mesh)
     }
     with ns.simulate_per_instance():
-        real, sim = (_global(f[m](*plain.args())) for m in (real_mesh, sim_mesh))
+        values, counts = [], []
+        for m in (real_mesh, sim_mesh):
+            with ns.CommMode() as comms:
+                values.append(_global(f[m](*plain.args())))
+            counts.append(comms.counts())
+        real, sim = values
         _close(real, sim, "output vs simulated", problems)
+        if counts[0] != counts[1]:
+            problems.append(f"counts {counts[0]} vs simulated {counts[1]}")
         _close(real, case.dense(*plain.args()), "output vs dense", problems)
         args = [a.requires_grad_() for a in plain.args()]
         try:
