@@ -207,6 +207,18 @@ CASES = [
         kinds=("D",),
         check_vma=False,
     ),
+    Case(  # check_vma=False, the error's fix: varying of each block's length, instance 0's
+        "unchecked_pvaried_sum_of_a_block_size",
+        (4,),
+        ("x",),
+        lambda v: _pvaried_sum(v),
+        P("x"),
+        P(),
+        lambda: (_randn(10, seed=57),),
+        lambda x: torch.zeros(3, dtype=x.dtype) + x.sum(),
+        kinds=("D",),
+        check_vma=False,
+    ),
     Case(
         "rows5_over_2_of_a_2d_mesh",
         (2, 2),
@@ -461,6 +473,11 @@ def _two_kinds_of_errors(v):
 
 
 # Programs that must fail with the same error on both backends (and on every rank alike).
+def _invariant_then_other_dtype(v):
+    sizes = torch.zeros(v.shape[0], dtype=v.dtype) + ns.psum(v.sum(), "x")
+    return sizes, v if v.shape[0] == 3 else v.float()
+
+
 ERRORS = [
     Case(  # typed invariant, of each block's length: 3 rows at x=0, 1 at x=3
         "invariant_output_of_a_block_size",
@@ -470,6 +487,29 @@ ERRORS = [
         P("x"),
         P(),
         lambda: (_randn(10, seed=50),),
+        None,
+        kinds=("VmaError: ", "typed invariant over x", "instances at x=0 and x=3"),
+    ),
+    Case(  # output 0 typed invariant of a block size, output 1 of another dtype at x=3: the
+        # simulated mesh's order, per output (output 0's error first)
+        "invariant_output_before_a_later_outputs_layout",
+        (4,),
+        ("x",),
+        _invariant_then_other_dtype,
+        P("x"),
+        (P(), P("x")),
+        lambda: (_randn(10, seed=55),),
+        None,
+        kinds=("VmaError: ", "output[0]"),
+    ),
+    Case(  # typed invariant, of another dtype at x=3 (1 row) than elsewhere
+        "invariant_output_of_another_dtype_at_x3",
+        (4,),
+        ("x",),
+        lambda v: ns.psum(v.sum(), "x").float() if v.shape[0] == 1 else ns.psum(v.sum(), "x"),
+        P("x"),
+        P(),
+        lambda: (_randn(10, seed=56),),
         None,
         kinds=("VmaError: ", "typed invariant over x", "instances at x=0 and x=3"),
     ),
@@ -1000,6 +1040,72 @@ def check_refused(case: Case, real_mesh, sim_mesh) -> list[str]:
     return ["no error"]
 
 
+def _pvaried_sum(v):  # the fix the error gives: the sum varying where it meets the size
+    return torch.zeros(v.shape[0], dtype=v.dtype) + ns.pvary(ns.psum(v.sum(), "x"), "x")
+
+
+# check_vma=False, an output typed invariant over an axis where its blocks differ: its value
+# is the instance's at coordinate 0 there (against the simulated mesh and the dense value), but
+# its backward raises on every rank (a real mesh cannot give the other ranks' invariant values
+# their cotangents: the gradients would be wrong). ``kinds``: what the error says.
+UNDIFFERENTIABLE = [
+    Case(  # check_vma=False, typed invariant, of each block's length: instance 0's (3 rows)
+        "unchecked_invariant_of_a_block_size",
+        (4,),
+        ("x",),
+        lambda v: torch.zeros(v.shape[0], dtype=v.dtype) + ns.psum(v.sum(), "x"),
+        P("x"),
+        P(),
+        lambda: (_randn(10, seed=52),),
+        lambda x: torch.zeros(3, dtype=x.dtype) + x.sum(),
+        kinds=("SpmdError: ", "cannot differentiate"),
+        check_vma=False,
+    ),
+    Case(  # check_vma=False: varying over a, invariant over b, whose blocks differ over b
+        "unchecked_varying_over_a_invariant_over_b",
+        (2, 2),
+        ("a", "b"),
+        lambda v, w: w.sum() * torch.ones(v.shape[0], dtype=v.dtype) + ns.psum(v.sum(), "b"),
+        (P("b"), P("a")),
+        P(),
+        lambda: (_randn(3, seed=53), _randn(4, seed=54)),
+        lambda x, y: y[:2].sum() * torch.ones(2, dtype=x.dtype) + x.sum(),
+        kinds=("SpmdError: ", "cannot differentiate"),
+        check_vma=False,
+    ),
+]
+
+
+def check_undifferentiable(case: Case, real_mesh, sim_mesh) -> list[str]:
+    problems: list[str] = []
+    plain = replace(case, args=lambda: tuple(a.detach() for a in case.args()))
+    f = {
+        m: ns.spmd_map(
+            case.fn, mesh=m, in_specs=case.in_specs, out_specs=case.out_specs, check_vma=False
+        )
+        for m in (real_mesh, sim_mesh)
+    }
+    with ns.simulate_per_instance():
+        values, counts = [], []
+        for m in (real_mesh, sim_mesh):
+            with ns.CommMode() as comms:
+                values.append(_global(f[m](*plain.args())))
+            counts.append(comms.counts())
+        real, sim = values
+        _close(real, sim, "output vs simulated", problems)
+        if counts[0] != counts[1]:
+            problems.append(f"counts {counts[0]} vs simulated {counts[1]}")
+        _close(real, case.dense(*plain.args()), "output vs dense", problems)
+        args = [a.requires_grad_() for a in plain.args()]
+        try:
+            torch.autograd.grad(_global(f[real_mesh](*args)).sum(), args)
+            problems.append("no error in backward")
+        except ns.SpmdError as e:
+            if not all(k in f"{type(e).__name__}: {e}" for k in case.kinds):
+                problems.append(f"message: {e}")
+    return problems + _still_in_step(real_mesh)
+
+
 # The process-group calls of an uneven call, counted per call: the start-of-call check, each
 # collective, and the exchanges of every instance's operand shapes (each made once per
 # collective) and output shapes (a later call of the signature whose outputs' shapes are the
@@ -1306,6 +1412,7 @@ def main() -> None:
     checkers = ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED))
     checkers += ((check_own_program, OWN_PROGRAMS),)
     checkers += ((check_calls, COUNTED), (check_replayed, REPLAYED), (check_rows, ROWS))
+    checkers += ((check_undifferentiable, UNDIFFERENTIABLE),)
     checkers += ((check_alone, ALONE),)  # (last: the mesh is out of step after)
     for checker, cases in checkers:
         for case in cases:

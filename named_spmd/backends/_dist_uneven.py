@@ -46,10 +46,11 @@ from .._layout import (
     is_even,
     layout_problem,
 )
-from .._spec import PartitionSpec, output_settles
+from .._spec import PartitionSpec
 from . import _dist_io as io
 from ._dist_agree import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
+from ._dist_uneven_first import as_first, first_coords, where_apart
 from ._dist_uneven_primitives import all_true, exchange, pad
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple]:
     if first is not None:
         raise _first_failure(ctx, rows[first], first, failed)
     specs = call.out_specs()
-    key = (rows, tuple(specs))  # all that _layouts reads
+    key = (rows, tuple(specs), ctx.checked)  # all that _layouts reads
     layouts = mesh.uneven_outputs.get(key)
     if layouts is None:
         layouts = _layouts(ctx, rows, width, outs, specs, call.out_wheres())
@@ -187,47 +188,13 @@ def outputs(ctx, outs: list[torch.Tensor], call: Call, layouts: list[tuple]) -> 
     """The call's outputs from every rank's blocks of unequal sizes, laid out as
     :func:`agree` found (see the module doc)."""
     out = []
-    for y, spec, where, (per_dim, first, apart) in zip(
-        outs, call.out_specs(), call.out_wheres(), layouts
-    ):
-        unkept = apart is not None and _unkept(ctx, y, spec)
-        if apart is not None and not unkept:  # (every rank has every row: raised alike)
-            axes = [a for a in apart[1] if apart[1][a] != apart[0][a]]
-            texts = (coords_text(apart[0]), coords_text(apart[1]))
-            raise ctx.alike(invariant_differs(ctx.fn_label, where, spec, axes, *texts))
-        if first is not None and unkept:
-            y = ctx.stamp(_AsFirst.apply(y, *first), ctx.vma(y))
+    for y, spec, (per_dim, first, apart) in zip(outs, call.out_specs(), layouts):
+        if apart is not None:  # check_vma=False (else _layouts raised)
+            y = as_first(ctx, y, spec, first, apart[2])
         out.append(
             io.global_output(ctx, y, spec) if per_dim is None else _output(ctx, y, spec, per_dim)
         )
     return out
-
-
-def _unkept(ctx, y: torch.Tensor, spec: PartitionSpec) -> bool:
-    """Whether output ``y`` is the value of the instance at coordinate 0 of some axis
-    (``check_vma=False``: ``_dist_io.local_output``'s broadcast)."""
-    mesh = ctx.mesh
-    return bool(output_settles(ctx.vma(y), spec, mesh.axis_names, mesh.single_axes)[0])
-
-
-class _AsFirst(torch.autograd.Function):
-    """Zeros of the block shape and dtype of the instance whose value an unkept output takes
-    (coordinate 0 of the axes its spec does not keep), where this rank's block differs: the
-    broadcast then moves one shape, and this rank's block, whose value is not returned, gets a
-    zero gradient, as on the simulated mesh."""
-
-    @staticmethod
-    def forward(y, shape, dtype):
-        return y.new_zeros(shape, dtype=dtype)
-
-    @staticmethod
-    def setup_context(node, inputs, output):
-        y = inputs[0]
-        node.shape, node.dtype, node.device = y.shape, y.dtype, y.device
-
-    @staticmethod
-    def backward(node, g):
-        return g.new_zeros(node.shape, dtype=node.dtype, device=node.device), None, None
 
 
 _KEPT = 64  # the output layouts a mesh keeps (a repeated call finds its own)
@@ -336,11 +303,12 @@ def _slot(j: int, width: int) -> int:
 
 def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
     """Per output, its blocks' sizes per dim (:func:`_blocks_of`; None: not split; an output
-    of no axis of the mesh's is its own rank's block) and the block shape and dtype of the
-    :func:`_first` instance where this rank's differ (else None: ``check_vma=False`` returns
-    that block), from every rank's row (:func:`_every_block`); first, the simulated mesh's
-    error where the ranks returned different trees or blocks of a rank their out_spec refuses
-    (raised on every rank alike: every rank has every row)."""
+    of no axis of the mesh's is its own rank's block), the block shape and dtype of the
+    ``first_coords`` instance where this rank's differ (else None) and ``where_apart``
+    (``_dist_uneven_first``), from every rank's row (:func:`_every_block`). The simulated mesh's errors, in its order (raised on
+    every rank alike: every rank has every row): different trees or blocks of a rank the
+    out_specs refuse, then per output its layout's, then (``check_vma``) blocks that differ
+    where it is typed invariant."""
     mesh = ctx.mesh
 
     def shape_of(i: int, j: int) -> list[int]:
@@ -363,36 +331,18 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
         per_dim = None
         if not mesh.single_axes.issuperset((*spec.axes, *spec.unreduced)):
             per_dim = _blocks_of(ctx, y, spec, kinds, shape_at, where)
+        apart = where_apart(mesh, spec, kinds, shape_at)
+        if apart is not None and ctx.checked:  # (every rank has every row: raised alike)
+            axes = [a for a in apart[1] if apart[1][a] != apart[0][a]]
+            texts = (coords_text(apart[0]), coords_text(apart[1]))
+            raise ctx.alike(invariant_differs(ctx.fn_label, where, spec, axes, *texts))
         first = (
             tuple(shape_at({})),
-            kinds[index_of(mesh.axis_names, _first(mesh, spec), mesh._shape)][1],
+            kinds[index_of(mesh.axis_names, first_coords(mesh, spec), mesh._shape)][1],
         )
         mine = None if first == (tuple(y.shape), y.dtype) else first
-        layouts.append((per_dim, mine, _apart(mesh, spec, kinds, shape_at)))
+        layouts.append((per_dim, mine, apart))
     return layouts
-
-
-def _apart(mesh, spec: PartitionSpec, kinds, shape_at) -> tuple[dict, dict] | None:
-    """The first instance whose block differs in shape or dtype from the block of the
-    instance at coordinate 0 of the axes ``spec`` does not keep (the coordinates of both), which
-    typed invariant there is the simulated mesh's error; None: none differs."""
-    names, sizes = mesh.axis_names, mesh._shape
-    kept = (*spec.axes, *spec.unreduced)
-    for i, kind in enumerate(kinds):
-        at = coords_of(i, names, sizes)
-        first = {a: c if a in kept else 0 for a, c in at.items()}
-        j = index_of(names, first, sizes)
-        if kind != kinds[j] or shape_at(at) != shape_at(first):
-            return first, at
-    return None
-
-
-def _first(mesh, spec: PartitionSpec) -> dict[str, int]:
-    """The coordinates of the instance whose block this rank's output under ``spec`` takes:
-    this rank's on the axes ``spec`` keeps (names or declares unreduced), 0 on the others (where
-    an unkept value is the instance's at 0: ``_dist_io.local_output``)."""
-    kept = (*spec.axes, *spec.unreduced)
-    return {a: c if a in kept else 0 for a, c in mesh.my_coords.items()}
 
 
 def _kinds_and_shapes(
@@ -400,10 +350,10 @@ def _kinds_and_shapes(
 ) -> tuple[list, Callable]:
     """The output at ``at`` (under ``spec``) in every rank's row (:func:`_every_block`): every
     instance's block rank and dtype, and the block shape of the instance at ``coords`` (the
-    :func:`_first` one's elsewhere)."""
+    ``first_coords`` one's elsewhere)."""
     mesh = ctx.mesh
     kinds = [(row[at], dtype_of(row[at + 1])) for row in rows]
-    base = _first(mesh, spec)
+    base = first_coords(mesh, spec)
 
     def shape_at(coords) -> list[int]:
         row = rows[index_of(mesh.axis_names, {**base, **coords}, mesh._shape)]

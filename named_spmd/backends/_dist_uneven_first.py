@@ -1,0 +1,106 @@
+"""Outputs of unequal blocks whose value is one instance's: under ``check_vma=False``, an
+output whose blocks differ in shape or dtype over axes its out_spec does not keep is the value
+of the instance at coordinate 0 there, as the simulated mesh returns it (``_dist_uneven``).
+Under ``check_vma=True`` such an output is the simulated mesh's error (typed invariant, its
+instances differ): ``_dist_uneven._layouts`` raises it."""
+
+from __future__ import annotations
+
+import torch
+
+from .._autodiff import differentiable
+from .._errors import SpmdError
+from .._layout import coords_of, index_of
+from .._spec import PartitionSpec, output_settles
+
+
+def where_apart(mesh, spec: PartitionSpec, kinds, shape_at) -> tuple[dict, dict, list[str]] | None:
+    """Where blocks differ in shape or dtype from the block of the instance at coordinate 0 of
+    the axes ``spec`` does not keep (:func:`_at_first`): the coordinates of the first such
+    instance and of that one (typed invariant there: the simulated mesh's error), and every
+    axis over which some block differs; None: none differs."""
+    names, sizes = mesh.axis_names, mesh._shape
+    pairs = []
+    for i, kind in enumerate(kinds):
+        at = coords_of(i, names, sizes)
+        first = _at_first(at, spec)
+        if kind != kinds[index_of(names, first, sizes)] or shape_at(at) != shape_at(first):
+            pairs.append((first, at))
+    if not pairs:
+        return None
+    return (*pairs[0], [a for a in names if any(f[a] != at[a] for f, at in pairs)])
+
+
+def _at_first(coords: dict[str, int], spec: PartitionSpec) -> dict[str, int]:
+    """``coords`` on the axes ``spec`` keeps (names or declares unreduced), 0 on the others
+    (where an unkept value is the instance's at 0: ``_dist_io.local_output``)."""
+    kept = (*spec.axes, *spec.unreduced)
+    return {a: c if a in kept else 0 for a, c in coords.items()}
+
+
+def first_coords(mesh, spec: PartitionSpec) -> dict[str, int]:
+    return _at_first(mesh.my_coords, spec)  # the instance whose block this rank's output takes
+
+
+def as_first(ctx, y: torch.Tensor, spec: PartitionSpec, first, differ) -> torch.Tensor:
+    """Output ``y``, whose blocks differ over the axes ``differ`` that ``spec`` does not keep
+    (``check_vma=False``), as the value of the instance at coordinate 0 there, which the
+    simulated mesh returns: this rank's block swapped for zeros of that instance's block shape
+    and dtype where it differs (``first``; :class:`_AsFirst`), typed varying over ``differ``
+    (they differ there, whatever the type says) so that ``_dist_io.local_output`` broadcasts it
+    from coordinate 0 there. Where the type says invariant, no gradient (:class:`_NoGradient`)."""
+    mesh, vma = ctx.mesh, ctx.vma(y)
+    if first is not None:
+        y = _AsFirst.apply(y, *first)
+    settled = output_settles(vma, spec, mesh.axis_names, mesh.single_axes)[0]
+    invariant = tuple(a for a in differ if a not in settled)
+    if invariant and differentiable(y):  # (alike on every rank: its backward raises on each)
+        y = _NoGradient.apply(y, ctx.fn_label, spec, invariant)
+    return ctx.stamp(y, vma.add(tuple(differ)))
+
+
+class _NoGradient(torch.autograd.Function):
+    """The value of an output typed invariant over axes where its blocks differ: its backward
+    raises. A rank that returns coordinate 0's value in place of its own block cannot give its
+    own invariant values the cotangent that they hold whole on every rank (a psum's transpose
+    takes it from each rank's own copy), so every input's gradient would be wrong."""
+
+    @staticmethod
+    def forward(y, label, spec, axes):
+        return y.view_as(y)
+
+    @staticmethod
+    def setup_context(node, inputs, output):
+        node.label, node.spec, node.axes = inputs[1:]
+
+    @staticmethod
+    def backward(node, g):
+        raise SpmdError(
+            f"spmd_map of {node.label}: an output under out_spec {node.spec} is typed invariant "
+            f"over {', '.join(node.axes)} but its blocks differ in shape or dtype there "
+            "(check_vma=False): the call returns the value of the instance at coordinate 0, "
+            "but a real mesh cannot differentiate it (every rank but that one holds another "
+            "block). Fix: make the invariant values that meet the block's size varying over "
+            f"{node.axes!r} (ns.pvary(s, {node.axes!r}), before they do), or name the axes "
+            "in the out_spec; check_vma=True tells which output values are invariant."
+        )
+
+
+class _AsFirst(torch.autograd.Function):
+    """Zeros of the block shape and dtype of the instance whose value an unkept output takes
+    (coordinate 0 of the axes its spec does not keep), where this rank's block differs: the
+    broadcast then moves one shape, and this rank's block, whose value is not returned, gets a
+    zero gradient, as on the simulated mesh."""
+
+    @staticmethod
+    def forward(y, shape, dtype):
+        return y.new_zeros(shape, dtype=dtype)
+
+    @staticmethod
+    def setup_context(node, inputs, output):
+        y = inputs[0]
+        node.shape, node.dtype, node.device = y.shape, y.dtype, y.device
+
+    @staticmethod
+    def backward(node, g):
+        return g.new_zeros(node.shape, dtype=node.dtype, device=node.device), None, None
