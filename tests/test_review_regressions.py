@@ -490,3 +490,30 @@ def test_a_call_does_not_rebuild_its_function_label(monkeypatch):
 
     with pytest.raises(ns.CollectiveError, match=r"psum in `.*bad` \(test_review_regressions"):
         _call(bad, out_specs=P())
+
+
+def test_a_checkpointed_call_run_forward_only_leaves_no_context():
+    """A checkpoint inside a call on the simulated mesh, run forward with grad on and no
+    backward (an eval step without no_grad): the call's context is collected, not kept alive by
+    the last tensor it typed, whose graph reaches the checkpoint's frame and the call's marker."""
+    import gc
+
+    from torch.utils.checkpoint import checkpoint
+
+    from named_spmd._context import SpmdContext
+
+    def body(x, w):
+        h = torch.tanh(x @ w.T)
+        h = checkpoint(lambda h: torch.tanh(h @ w.T), h, use_reentrant=False)
+        return ns.psum(h.sum(), "i")
+
+    def live() -> int:
+        gc.collect()
+        return sum(SpmdContext in type(o).__mro__ for o in gc.get_objects())
+
+    f = ns.spmd_map(body, mesh=MESH, in_specs=(SPLIT, P()), out_specs=P())
+    x, w = torch.randn(8, 3), torch.randn(3, 3, requires_grad=True)
+    before = live()
+    for _ in range(3):
+        f(x, w)
+    assert live() == before

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from _ragged import reference, routing
+from torch.autograd import forward_ad as fwAD
 
 import named_spmd as ns
 from named_spmd import P
@@ -1096,6 +1097,12 @@ def check_undifferentiable(case: Case, real_mesh, sim_mesh) -> list[str]:
         if counts[0] != counts[1]:
             problems.append(f"counts {counts[0]} vs simulated {counts[1]}")
         _close(real, case.dense(*plain.args()), "output vs dense", problems)
+        tangents = []
+        for m in (real_mesh, sim_mesh):  # forward mode: coordinate 0's tangent, as its value
+            with fwAD.dual_level():
+                duals = [fwAD.make_dual(a, torch.ones_like(a)) for a in plain.args()]
+                tangents.append(fwAD.unpack_dual(_global(f[m](*duals))).tangent)
+        _close(tangents[0], tangents[1], "tangent vs simulated", problems)
         args = [a.requires_grad_() for a in plain.args()]
         try:
             torch.autograd.grad(_global(f[real_mesh](*args)).sum(), args)

@@ -108,6 +108,10 @@ class _ScatterUneven(torch.autograd.Function):
         node.modes = active()
 
     @staticmethod
+    def jvp(node, gx, *_):  # forward mode: the tangent's block, as the value's
+        return block(gx, node.spec, node.spmd.mesh._shape, node.spmd.mesh.my_coords)
+
+    @staticmethod
     def backward(node, g):
         sizes = _split_sizes(node.spec, node.shape, node.spmd.mesh._shape)
         return gather(node.spmd, g, node.spec, sizes, "backward", node.modes), None, None
@@ -305,10 +309,10 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
     """Per output, its blocks' sizes per dim (:func:`_blocks_of`; None: not split; an output
     of no axis of the mesh's is its own rank's block), the block shape and dtype of the
     ``first_coords`` instance where this rank's differ (else None) and ``where_apart``
-    (``_dist_uneven_first``), from every rank's row (:func:`_every_block`). The simulated mesh's errors, in its order (raised on
-    every rank alike: every rank has every row): different trees or blocks of a rank the
-    out_specs refuse, then per output its layout's, then (``check_vma``) blocks that differ
-    where it is typed invariant."""
+    (``_dist_uneven_first``), from every rank's row (:func:`_every_block`). The simulated
+    mesh's errors, in its order (raised on every rank alike: every rank has every row):
+    different trees or blocks of a rank the out_specs refuse, then per output its layout's,
+    then (``check_vma``) blocks that differ where it is typed invariant."""
     mesh = ctx.mesh
 
     def shape_of(i: int, j: int) -> list[int]:

@@ -74,6 +74,10 @@ class _NoGradient(torch.autograd.Function):
         node.label, node.spec, node.axes = inputs[1:]
 
     @staticmethod
+    def jvp(node, gy, *_):  # forward mode: coordinate 0's tangent, broadcast with its value
+        return gy.view_as(gy)
+
+    @staticmethod
     def backward(node, g):
         raise SpmdError(
             f"spmd_map of {node.label}: an output under out_spec {node.spec} is typed invariant "
@@ -100,6 +104,12 @@ class _AsFirst(torch.autograd.Function):
     def setup_context(node, inputs, output):
         y = inputs[0]
         node.shape, node.dtype, node.device = y.shape, y.dtype, y.device
+        node.first = inputs[1:]
+
+    @staticmethod
+    def jvp(node, gy, *_):  # zeros, as the value: the broadcast brings coordinate 0's tangent
+        shape, dtype = node.first
+        return gy.new_zeros(shape, dtype=dtype)
 
     @staticmethod
     def backward(node, g):

@@ -71,6 +71,12 @@ class SimulatedContext(SpmdContext):
         self._vma_of, self._vma = x, vma
         return vma
 
+    def let_go(self) -> Any:
+        # the last tensor typed: its graph may reach a checkpoint's hooks, whose frame holds
+        # the call's marker and so this context (a cycle through autograd nodes, not collected)
+        self._vma_of = None
+        return super().let_go()
+
     def varied_input(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """``x`` expanded over ``axes``' levels, made once per call (the tensor is kept, so its
         id is not reused meanwhile): the physical form of an implicit pvary, same values. Made
