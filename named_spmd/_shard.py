@@ -47,9 +47,9 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
             ``SpecError``, on every mesh.
         local: the tensor leaves are this process's blocks (the block its spec gives this
             rank's mesh coordinates: data each rank loaded itself), not global values, of equal
-            shapes on every rank (else a ``SpecError`` on every rank). A real mesh only: one
-            process of a simulated mesh holds every instance, so there it is an ``SpmdError``
-            (pass the global tensors).
+            shapes and dtypes on every rank (else a ``SpecError`` on every rank). A real mesh
+            only: one process of a simulated mesh holds every instance, so there it is an
+            ``SpmdError`` (pass the global tensors).
         blocks: return this process's blocks as plain tensors (what ``SpmdFunction.local``
             takes; no DTensor, so an optimizer steps plain tensors) instead of DTensors. On a
             simulated mesh the process holds every instance: its blocks are the global values,
