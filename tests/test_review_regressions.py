@@ -490,3 +490,21 @@ def test_a_call_does_not_rebuild_its_function_label(monkeypatch):
 
     with pytest.raises(ns.CollectiveError, match=r"psum in `.*bad` \(test_review_regressions"):
         _call(bad, out_specs=P())
+
+
+def test_a_group_of_one_names_the_function_as_its_call_does():
+    """A call's collectives over one instance (``SpmdContext.alone``) name the function with
+    the call's label (a traced call computes it eagerly; read off the function under tracing
+    it would not be)."""
+    from named_spmd._calls import active
+
+    labels = []
+
+    def body(x):
+        ctx = active()
+        ctx.fn_label = "`given`"
+        labels.append(ctx.alone().fn_label)
+        return x
+
+    _call(body)
+    assert labels == ["`given`"]
