@@ -387,6 +387,11 @@ class GroupOfOne(OneMemberPrimitives, SpmdContext):
         self.ctx, self.mesh, self.fn = ctx, ctx.mesh, ctx.fn
         self.single_axes = ctx.single_axes
 
+    @property
+    def fn_label(self) -> str:
+        """The call's label: a traced call's is computed eagerly, not read off ``fn`` here."""
+        return self.ctx.fn_label
+
     def vma(self, x: torch.Tensor) -> Vma:
         return self.ctx.vma(x)
 

@@ -27,9 +27,12 @@ def _dir_of(module: types.ModuleType) -> tuple[str, ...]:
     return () if path is None else (os.path.dirname(os.path.abspath(path)) + os.sep,)
 
 
+#: This package's directory (a tuple, for ``str.startswith``).
+PACKAGE_DIR = _dir_of(sys.modules[__name__])
+
 #: Directories of the code that runs torch's ops: torch's and this package's (its modes and
 #: simulated collectives run them), where a torch op's rejection of its operands is raised.
-TORCH_DIRS = _dir_of(torch) + _dir_of(sys.modules[__name__])
+TORCH_DIRS = _dir_of(torch) + PACKAGE_DIR
 
 #: Directories whose frames are not the user's (torch, optree, the standard library, this
 #: package): a message's "user line" is the innermost frame outside them.

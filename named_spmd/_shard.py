@@ -47,9 +47,9 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
             ``SpecError``, on every mesh.
         local: the tensor leaves are this process's blocks (the block its spec gives this
             rank's mesh coordinates: data each rank loaded itself), not global values, of equal
-            shapes on every rank (else a ``SpecError`` on every rank). A real mesh only: one
-            process of a simulated mesh holds every instance, so there it is an ``SpmdError``
-            (pass the global tensors).
+            shapes and dtypes on every rank (else a ``SpecError`` on every rank). A real mesh
+            only: one process of a simulated mesh holds every instance, so there it is an
+            ``SpmdError`` (pass the global tensors).
         blocks: return this process's blocks as plain tensors (what ``SpmdFunction.local``
             takes; no DTensor, so an optimizer steps plain tensors) instead of DTensors. On a
             simulated mesh the process holds every instance: its blocks are the global values,
@@ -96,6 +96,13 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
                 f"{at} is a {type(leaf).__name__}, not a tensor, but its spec {spec!r} splits "
                 "it. Fix: give it P() (or None)."
             )
+    wheres = [f"tree{path_text(p)}" for p in paths]
+    if local and mesh.kind != "simulated":
+        # before raising: a spec problem one rank alone sees would leave its peers in this
+        # agreement, paired with that rank's next collective
+        from .backends._dist_shard import check_equal_blocks
+
+        check_equal_blocks(mesh, leaves, wheres, bool(problems))
     if problems:
         raise SpecError(
             f"{where}: the tree does not fit specs on mesh {mesh.shape}:\n" + bullet_list(problems)
@@ -111,7 +118,6 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
     else:
         from .backends._dist_shard import shard_leaves  # loaded only for a real mesh
 
-        wheres = [f"tree{path_text(p)}" for p in paths]
         out = shard_leaves(mesh, leaves, leaf_specs, wheres, local, blocks)
     return unflatten(treedef, out)
 

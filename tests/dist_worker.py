@@ -537,8 +537,9 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
     """Once backward returns, a replicated weight's gradient is a plain tensor (a DTensor over a
     plain local tensor), not the wrapper that stood for it while its psum was in flight: models
     holding such gradients deep-copy and pickle as usual; also where the call uses the weight
-    through a chain of views of any length, a clone or a sum of views (the pending sum, or a view
-    of it, would otherwise reach ``.grad``)."""
+    through a chain of views of any length, a clone, a sum of views, a difference or a sum or
+    difference with a number (the pending sum, or a view of it, would otherwise reach
+    ``.grad``)."""
     import copy
 
     from torch.distributed.tensor import Replicate, distribute_tensor
@@ -567,7 +568,7 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
 
     views = scaled_by(lambda w: w.unsqueeze(0).squeeze(0))
     model.do = torch.nn.Parameter(distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2))
-    for name in ("pc", "p10", "pa", "pb"):
+    for name in ("pc", "p10", "pa", "pb", "ps", "pt", "pn"):
         model.register_parameter(name, torch.nn.Parameter(w.clone()))
     outs = (
         scale(x, model.d),
@@ -578,6 +579,8 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
         scaled_by(torch.clone)(model.pc),
         scaled_by(ten_views)(model.p10),
         scaled_by(lambda a, b: a.unsqueeze(0).squeeze(0) + b.view(4))(model.pa, model.pb),
+        scaled_by(lambda a, b: a - b)(model.ps, model.pt),  # pt's gradient: -want
+        scaled_by(lambda a: a.sub(1.0) + 1.0)(model.pn),
     )
     sum(to_local(out).sum() for out in outs).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
@@ -588,7 +591,7 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
     ]
     want = x.sum(0)
     full = {n: g.full_tensor() if n[0] == "d" else g for n, g in grads.items()}
-    if not all(torch.allclose(g, want) for g in full.values()):
+    if not all(torch.allclose(g, -want if n == "pt" else want) for n, g in full.items()):
         problems.append(f"values {full}, want {want}")
     try:
         copy.deepcopy(model)

@@ -307,8 +307,35 @@ def check_from_local(mesh, rank) -> list[str]:
         ns.shard({"x": torch.ones(3 - rank % 2, 2)}, mesh, {"x": P("tp")}, local=True)
         problems.append("blocks of different shapes per rank were not refused")
     except ns.SpecError as e:
-        if "the ranks passed blocks of different shapes (this rank's: {\"tree['x']\"" not in str(e):
+        if (
+            "blocks of different shapes or dtypes (this rank's: {\"tree['x']\": 'float32["
+            not in str(e)
+        ):
             problems.append(f"refused with {e}")
+    return problems + _local_spec_refusals(mesh, rank)
+
+
+def _local_spec_refusals(mesh, rank) -> list[str]:
+    """local=True blocks that fail the spec checks on some ranks only (a 1-D block under a 2-D
+    spec on even ranks) or on every rank, or whose dtypes differ per rank: the same SpecError
+    on every rank, and the next call runs (no rank left waiting in the blocks' agreement)."""
+    problems = []
+    cases = (
+        (torch.ones(3) if rank % 2 == 0 else torch.ones(3, 2), "blocks of different shapes"),
+        (torch.ones(3, 2, dtype=torch.float64 if rank else torch.float32), "shapes or dtypes"),
+        (torch.ones(3), "has 2 entries but the tensor has rank 1"),
+    )
+    for x, fragment in cases:
+        try:
+            ns.shard(x, mesh, P(None, "tp"), local=True)
+            problems.append(f"not refused: {fragment}")
+        except ns.SpecError as e:
+            if fragment not in str(e):
+                problems.append(f"refused with {e}")
+    f = ns.spmd_map(lambda t: t * 2, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+    got = f(torch.arange(4.0)).full_tensor()
+    if not torch.equal(got, torch.arange(4.0) * 2):
+        problems.append(f"the call after the refusals gave {got.tolist()}")
     return problems
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import os
 import pickle
 
 import pytest
@@ -517,3 +518,45 @@ def test_a_checkpointed_call_run_forward_only_leaves_no_context():
     for _ in range(3):
         f(x, w)
     assert live() == before
+
+
+def test_a_group_of_one_names_the_function_as_its_call_does():
+    """A call's collectives over one instance (``SpmdContext.alone``) name the function with
+    the call's label (a traced call computes it eagerly; read off the function under tracing
+    it would not be)."""
+    from named_spmd._calls import active
+
+    labels = []
+
+    def body(x):
+        ctx = active()
+        ctx.fn_label = "`given`"
+        labels.append(ctx.alone().fn_label)
+        return x
+
+    _call(body)
+    assert labels == ["`given`"]
+
+
+@pytest.mark.parametrize("named_spmd_traced", [True, False])
+def test_only_dynamo_failing_on_named_spmds_code_is_told_as_a_plain_compile(named_spmd_traced):
+    """Dynamo's internal error names ns.compile (``backends/distributed._told_per_rank``) only
+    where the code it traced was named_spmd's (the user-code stack it kept on the error it
+    rewrapped); one of the user's own compiled code is left as it is."""
+    import traceback
+
+    from torch._dynamo.exc import InternalTorchDynamoError
+
+    from named_spmd._errors import PACKAGE_DIR
+    from named_spmd._torch_private import is_dynamo_internal_error
+
+    traced = os.path.join(PACKAGE_DIR[0], "_plan.py") if named_spmd_traced else __file__
+    try:
+        try:
+            raise AttributeError("'dict' object has no attribute 'node'")
+        except AttributeError as inner:  # as Dynamo raises it: the traced frames kept on it
+            inner.real_stack = traceback.StackSummary.from_list([(traced, 91, "guard_key", "")])
+            raise InternalTorchDynamoError(f"AttributeError: {inner}") from None
+    except InternalTorchDynamoError as e:
+        error = e
+    assert is_dynamo_internal_error(error, PACKAGE_DIR) is named_spmd_traced

@@ -168,10 +168,11 @@ def view_source(
 
 def leaves_reached(node: Any) -> list[torch.Tensor]:
     """The leaves whose ``AccumulateGrad`` the gradient handed to ``node`` reaches as itself or
-    as a view of itself: through sums (both operands of ``a + b`` get the cotangent), clones and
-    views (a chain of any length). A pending gradient may then reach each one's ``.grad``.
-    Each node once: sums of one sum (``h + h``) would make the paths, not the nodes, grow
-    exponentially. (``AccumulateGrad.variable``: private.)"""
+    as a view of itself: through sums and differences (both operands of ``a + b`` get the
+    cotangent, the minuend of ``a - b``), clones and views (a chain of any length). A pending
+    gradient may then reach each one's ``.grad``. Each node once: sums of one sum (``h + h``)
+    would make the paths, not the nodes, grow exponentially. (``AccumulateGrad.variable``:
+    private.)"""
     leaves, todo, seen = [], [node], {node}
     while todo:
         below = todo.pop()
@@ -185,7 +186,8 @@ def leaves_reached(node: Any) -> list[torch.Tensor]:
     return leaves
 
 
-# the nodes whose backward may hand on the very gradient it gets or a view of it: a sum, a clone
+# the nodes whose backward may hand on the very gradient it gets or a view of it: a sum or a
+# difference (``w - b``, ``w + 1``, ``w.sub(1)``: the minuend gets the gradient itself), a clone
 # and the views of a parameter (``w.unsqueeze(0).squeeze(0)``, ``w.t().t()``) put between a
 # pvary and the parameter
 _PASSING_NODES = frozenset(
@@ -200,9 +202,17 @@ _PASSING_NODES = frozenset(
         "Squeeze",
         "Alias",
         "Add",
+        "Sub",
         "Clone",
     )
-) | {"ExpandBackward0", "SqueezeBackward1", "SqueezeBackward2", "TransposeBackward1"}
+) | {
+    "AddBackward1",
+    "SubBackward1",
+    "ExpandBackward0",
+    "SqueezeBackward1",
+    "SqueezeBackward2",
+    "TransposeBackward1",
+}
 
 
 def stale_saved(roots: list[torch.Tensor]) -> RuntimeError | None:

@@ -134,10 +134,23 @@ def is_dynamo_refusal(error: BaseException) -> bool:
     return type(error).__module__.startswith("torch._dynamo")
 
 
-def is_dynamo_internal_error(error: BaseException) -> bool:
-    """Whether ``error`` is Dynamo failing inside its own tracer (``InternalTorchDynamoError``),
-    as a plain ``torch.compile``'d function does when it traces named_spmd's eager call."""
-    return is_dynamo_refusal(error) and type(error).__name__ == "InternalTorchDynamoError"
+def is_dynamo_internal_error(error: BaseException, dirs: tuple[str, ...]) -> bool:
+    """Whether ``error`` is Dynamo failing inside its own tracer (``InternalTorchDynamoError``)
+    while it traced code of ``dirs``, as a plain ``torch.compile``'d function does when it
+    traces named_spmd's eager call. The traced code: the frames that ran below Dynamo's first
+    one (a graph break resumes in a frame Dynamo compiles) and the user-code stack Dynamo kept
+    on the error it rewrapped (its ``__context__``'s ``real_stack``: private)."""
+    if not (is_dynamo_refusal(error) and type(error).__name__ == "InternalTorchDynamoError"):
+        return False
+    traced = [f.filename for f in getattr(error.__context__, "real_stack", None) or ()]
+    under_dynamo, tb = False, error.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        under_dynamo = under_dynamo or path.startswith(_DYNAMO_DIR)
+        if under_dynamo:
+            traced.append(path)
+        tb = tb.tb_next
+    return any(path.startswith(dirs) for path in traced)
 
 
 def compiled_original(fn: Any) -> Any:
@@ -154,3 +167,4 @@ def torch_file(filename: str) -> bool:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_DYNAMO_DIR = os.path.join(_TORCH_DIR, "_dynamo") + os.sep

@@ -33,9 +33,7 @@ def shard_leaves(
 ) -> list:
     """Every tensor leaf as a new leaf DTensor laid out by its spec (``blocks``: as this rank's
     block under the spec, a plain tensor); other leaves as they are. ``local``: the leaves are
-    this rank's blocks, not global values."""
-    if local:
-        _check_equal_blocks(mesh, leaves, where)
+    this rank's blocks, not global values, that :func:`check_equal_blocks` passed."""
     one = _from_block if local else _shard_one
     out = [
         one(mesh, x, spec, at) if isinstance(x, torch.Tensor) else x
@@ -46,20 +44,30 @@ def shard_leaves(
     return out
 
 
-def _check_equal_blocks(mesh, leaves: list[Any], where: list[str]) -> None:
+def check_equal_blocks(mesh, leaves: list[Any], where: list[str], refused: bool) -> None:
     """``local=True``: every rank's blocks have the same shapes (the global shape is read off
-    this rank's block). One all-reduce of a digest of the shapes: where they differ, a
-    SpecError on every rank, not an abort in a later collective that sizes them differently."""
-    shapes = {at: tuple(x.shape) for x, at in zip(leaves, where) if isinstance(x, torch.Tensor)}
+    this rank's block) and dtypes (the DTensor's, whose collectives size their buffers by it),
+    and the spec checks (``refused``: they found a problem) agree. One
+    all-reduce of a digest of both, on every rank before any raises: where they differ, a
+    SpecError on every rank, not an abort in a later collective that sizes them differently
+    nor a peer left waiting here for a rank that raised; where they agree, the spec checks
+    (deterministic in the shapes) raise the same error on every rank or on none."""
+    blocks = {
+        at: f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+        for x, at in zip(leaves, where)
+        if isinstance(x, torch.Tensor)
+    }
     comm = mesh.check_comm()
-    digest = zlib.crc32(repr(list(shapes.values())).encode())
+    digest = zlib.crc32(repr([list(blocks.values()), refused]).encode())
     if not comm.agreed(comm.start_agree(digest, "ns.shard"), "ns.shard"):
         raise SpecError(
-            "ns.shard(..., local=True): the ranks passed blocks of different shapes (this "
-            f"rank's: {shapes}); the global shape is read off each rank's block, so every rank "
-            "passes one of the same shape. Fix: pad a dim its axes do not divide to a multiple "
-            "of their size on every rank, or pass the global tensors without local=True (a dim "
-            "the axes do not divide is then split as torch.chunk splits it)."
+            "ns.shard(..., local=True): the ranks passed blocks of different shapes or dtypes "
+            f"(this rank's: {blocks}), or specs that fit them on some ranks only; the global "
+            "shape is read off each rank's block, so every rank passes one of the same shape "
+            "and dtype under the same specs. Fix: cast the blocks to one dtype and pad a dim "
+            "its axes do not divide to a multiple of their size on every rank, or pass the "
+            "global tensors without local=True (a dim the axes do not divide is then split as "
+            "torch.chunk splits it)."
         )
 
 

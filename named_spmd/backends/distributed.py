@@ -37,7 +37,7 @@ from .._capabilities import Capabilities
 from .._collectives._record import implicit_pvary, record_implicit_psum
 from .._context import SpmdContext
 from .._debug import debug_enabled, set_debug
-from .._errors import RankFailedError, SpmdError, told_per_instance
+from .._errors import PACKAGE_DIR, RankFailedError, SpmdError, told_per_instance
 from .._layout import coords_text
 from .._mesh import Mesh
 from .._replay import Replay
@@ -383,8 +383,10 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException, call: Call) -> Bas
     simulated mesh tells it (``simulated/_diagnose``; an uneven call's op on an empty block:
     ``_errors.empty_block_error``): an ``SpmdError`` of the same class family naming the
     function, the user's line and this rank's mesh coordinates; torch's error is the
-    ``__cause__``. An error the user's own code raised, or one raised outside the user's code,
-    is left as it is."""
+    ``__cause__``. Dynamo failing inside its tracer while it traces named_spmd's eager type
+    tracking (a plain ``torch.compile``'d piece): an ``SpmdError`` naming ``ns.compile``; one
+    of the user's own compiled code is left as it is. An error the user's own code raised, or
+    one raised outside the user's code, is left as it is."""
     mesh = ctx.mesh
     coords = coords_text(mesh.my_coords)
     empty = call.empty_block(ctx.inputs) if ctx.uneven and ctx.inputs else None
@@ -394,7 +396,7 @@ def _told_per_rank(ctx: DistributedContext, e: BaseException, call: Call) -> Bas
         else f"rank {mesh.rank} (instance {coords})"
     )
     where = f"spmd_map of {ctx.fn_label}"
-    if torch_private.is_dynamo_internal_error(e):
+    if torch_private.is_dynamo_internal_error(e, PACKAGE_DIR):
         return SpmdError(
             f"{where}: a function compiled with plain torch.compile, called inside the call on "
             f"a real mesh, failed on {at} ({type(e).__name__}): Dynamo traces named_spmd's "
