@@ -122,16 +122,21 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
     return unflatten(treedef, out)
 
 
+def _chunked_dims(spec: PartitionSpec, shape: tuple, sizes: dict):
+    """Per dim that named mesh axes split as torch.chunk does (no ``Blocks`` entry): the dim,
+    its axes and its blocks' sizes in member order."""
+    for d in range(min(len(spec), len(shape))):
+        axes = spec.entry_axes(d)
+        if axes and spec.entry_sizes(d) is None and set(axes) <= sizes.keys():
+            yield d, axes, dim_sizes(spec, d, shape[d], sizes)
+
+
 def _dtensor_problems(spec: PartitionSpec, shape: tuple, sizes: dict, at: str) -> list[str]:
     """The dims whose blocks (torch.chunk's, where the axes do not divide the dim: spmd_map's
     uneven blocks) no DTensor holds (:func:`dtensor_holds`). (A
     ``Blocks`` entry or an unknown axis: ``spec_problems``.)"""
     problems = []
-    for d in range(min(len(spec), len(shape))):
-        axes = spec.entry_axes(d)
-        if not axes or spec.entry_sizes(d) is not None or not set(axes) <= sizes.keys():
-            continue
-        blocks = dim_sizes(spec, d, shape[d], sizes)
+    for d, axes, blocks in _chunked_dims(spec, shape, sizes):
         if dtensor_holds(spec, [None] * d + [blocks], sizes):
             continue
         problems.append(
@@ -152,11 +157,7 @@ def _unequal_block_problems(spec: PartitionSpec, shape: tuple, sizes: dict, at: 
     shape off one rank's block, so a real mesh would refuse these blocks where a simulated one
     takes their global values."""
     problems = []
-    for d in range(min(len(spec), len(shape))):
-        axes = spec.entry_axes(d)
-        if not axes or spec.entry_sizes(d) is not None or not set(axes) <= sizes.keys():
-            continue
-        blocks = dim_sizes(spec, d, shape[d], sizes)
+    for d, axes, blocks in _chunked_dims(spec, shape, sizes):
         if len(set(blocks)) > 1:
             problems.append(
                 f"{at}: dim {d} has size {shape[d]}, which {axes} ({len(blocks)} members) do "
