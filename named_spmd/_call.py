@@ -193,24 +193,25 @@ class Call:
             return True
         return False
 
-    def input_versions(self, inputs: list[Any]) -> tuple[list[torch.Tensor], list[int]]:
+    def input_versions(self, inputs: list[Any]) -> tuple[list[torch.Tensor], list[int], list]:
         """The tensors of ``inputs`` (the call's, as its backend runs the body on them) that the
-        call may differentiate, and their versions: what :meth:`check_writes` compares."""
+        call may differentiate, their versions and their autograd nodes (where the call's graph
+        begins): what :meth:`check_writes` compares."""
         if not torch.is_grad_enabled():
-            return [], []
+            return [], [], []
         xs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        return xs, list(map(torch_private.version, xs))
+        return xs, list(map(torch_private.version, xs)), [x.grad_fn for x in xs]
 
-    def check_writes(self, before: tuple[list[torch.Tensor], list[int]], outs: list[Any]) -> None:
+    def check_writes(self, before: tuple[list[torch.Tensor], list[int], list], outs: list) -> None:
         """Raise where the body wrote in place into an input that requires grad (``before``:
         :meth:`input_versions`) after an op saved it for the backward pass: the backward pass
         would fail there, and on a real mesh on the writing ranks only (its peers would wait for
         them in their gradient sums). Raised now, an error of the call (posted to the peers)."""
-        xs, versions = before
+        xs, versions, nodes = before
         if list(map(torch_private.version, xs)) == versions:  # (the common case: no write)
             return
         written = [x for x, v in zip(xs, versions) if torch_private.version(x) != v]
-        stale = torch_private.stale_saved(outs)
+        stale = torch_private.stale_saved(outs, nodes)
         if stale is None:
             return
         raise error_class(RuntimeError)(

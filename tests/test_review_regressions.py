@@ -560,3 +560,29 @@ def test_only_dynamo_failing_on_named_spmds_code_is_told_as_a_plain_compile(name
     except InternalTorchDynamoError as e:
         error = e
     assert is_dynamo_internal_error(error, PACKAGE_DIR) is named_spmd_traced
+
+
+def test_the_write_check_reruns_no_checkpointed_region():
+    """A call that writes into an input legitimately (no op saved it) checks the saved tensors
+    of its own graph only, unpacking none through hooks: a checkpoint before the call is not
+    recomputed in the forward pass (its unpack hook would rerun it, collectives included)."""
+    from torch.utils.checkpoint import checkpoint
+
+    runs = []
+
+    def region(x):
+        runs.append(1)
+        return torch.sin(x) * x
+
+    def body(h):
+        h.add_(1.0)
+        return h * 2
+
+    f = ns.spmd_map(body, mesh=MESH, in_specs=SPLIT, out_specs=SPLIT)
+    x = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    h = checkpoint(region, x, use_reentrant=False) * 1
+    out = f(h)
+    assert len(runs) == 1
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * (torch.cos(x) * x + torch.sin(x)))
+    assert len(runs) == 2  # the backward pass's recomputation

@@ -215,32 +215,45 @@ _PASSING_NODES = frozenset(
 }
 
 
-def stale_saved(roots: list[torch.Tensor]) -> RuntimeError | None:
-    """Autograd's error for a tensor that a node of the graph behind ``roots`` saved for the
-    backward pass and that was written in place since: what the backward pass would raise at
-    that node; else None. Walks the whole graph: for the rare call that wrote a tensor that
-    requires grad. (The nodes' ``_saved_*`` attributes and a Function's ``saved_tensors``:
-    unpacking one checks its version.)"""
+def stale_saved(roots: list[torch.Tensor], starts: list) -> RuntimeError | None:
+    """Autograd's error for a tensor that a node between the nodes ``starts`` and ``roots``
+    (the call's own graph) saved for the backward pass and that was written in place since:
+    what the backward pass would raise at that node; else None. For the rare call that wrote a tensor
+    that requires grad. (The nodes' ``_saved_*`` attributes and a Function's ``saved_tensors``:
+    unpacking one checks its version.) A tensor saved through saved-tensor hooks is not
+    unpacked: a checkpoint's unpack hook would rerun its region (its collectives on the
+    writing ranks only); under hooks in effect (an outer checkpoint) nothing is: None."""
+    if saved_tensors_hooks_active():
+        return None
     todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen = set()
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        names = [n for n in dir(node) if n.startswith("_saved_")]
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            names.append("saved_tensors")
-        for name in names:
-            try:
-                getattr(node, name)
-            except RuntimeError as e:
-                if _STALE in str(e):
-                    return e
-        todo.extend(n for n, _ in node.next_functions if n is not None)
+    seen = {node for node in starts if node is not None}  # the caller's graph: not walked
+    with torch.autograd.graph.disable_saved_tensors_hooks(_HOOKED):
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            stale = _stale_at(node)
+            if stale is not None:
+                return stale
+            todo.extend(n for n, _ in node.next_functions if n is not None)
     return None
 
 
+def _stale_at(node: Any) -> RuntimeError | None:
+    names = [n for n in dir(node) if n.startswith("_saved_")]
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        names.append("saved_tensors")
+    for name in names:
+        try:
+            getattr(node, name)
+        except RuntimeError as e:  # (a hooked one raises _HOOKED, unpacked by no hook)
+            if _STALE in str(e):
+                return e
+    return None
+
+
+_HOOKED = "named_spmd: a saved tensor with hooks is not unpacked outside the backward pass"
 _STALE = "modified by an inplace operation"
 
 

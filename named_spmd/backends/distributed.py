@@ -329,8 +329,8 @@ def run(call: Call) -> list[Any]:
             _dist_agree.check_inputs_agree(ctx, leaves, specs if local_call else None)
         versions = call.input_versions(local)
         outs = _body(ctx, call, replay, local)
+        mesh.finish_pending_check()  # (where the body ran no collective; first: the clearer)
         call.check_writes(versions, outs)
-        mesh.finish_pending_check()  # (where the body ran no collective)
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
         layouts = _dist_uneven.agree(ctx, outs, call) if uneven else None
