@@ -16,9 +16,9 @@ from .._spec import PartitionSpec, output_settles
 
 def where_apart(mesh, spec: PartitionSpec, kinds, shape_at) -> tuple[dict, dict, list[str]] | None:
     """Where blocks differ in shape or dtype from the block of the instance at coordinate 0 of
-    the axes ``spec`` does not keep (:func:`_at_first`): the coordinates of the first such
-    instance and of that one (typed invariant there: the simulated mesh's error), and every
-    axis over which some block differs; None: none differs."""
+    the axes ``spec`` does not keep (:func:`_at_first`): the coordinates of that coordinate-0
+    instance and of the first instance that differs from it (typed invariant there: the
+    simulated mesh's error), and every axis over which some block differs; None: none differs."""
     names, sizes = mesh.axis_names, mesh._shape
     pairs = []
     for i, kind in enumerate(kinds):
