@@ -67,11 +67,12 @@ def inputs(
     at = range(len(leaves)) if converted is None else converted
     local = list(leaves)
     batched, grads = [], []
+    batching = _batching(ctx, is_block)
     for i in at:
         leaf = leaves[i]
         if not isinstance(leaf, torch.Tensor):
             continue
-        if _batched_input(leaf, ctx, is_block):
+        if batching and _parameter(leaf):
             batched.append(i)
             grads.append(checked_dtensor(ctx, leaf, specs[i], i))
         elif is_block:
@@ -217,18 +218,12 @@ def _from_dtensor(
     return in_spec_order(ctx, local, spec)
 
 
-def _batched_input(leaf: torch.Tensor, ctx, is_block: bool) -> TypeGuard[DTensor]:
-    """Whether argument leaf ``leaf`` is a DTensor whose local tensor :func:`_dtensor_inputs`
-    takes, with the call's other such leaves, in one autograd node (the common case of a
-    parameter: a leaf DTensor that requires grad, in an even call under grad mode, with no
-    transform and no forward-mode AD active). Not an activation: a gradient asked for it alone
-    (``torch.autograd.grad(loss, [h])``) would run the node, and so every parameter's backward
-    and gradient psum."""
+def _batching(ctx, is_block: bool) -> bool:
+    """Whether the call's parameters (:func:`_parameter`) take one autograd node
+    (:func:`_dtensor_inputs`): an even call under grad mode, with no transform and no
+    forward-mode AD active. Decided once per call."""
     return (
-        isinstance(leaf, DTensor)
-        and leaf.requires_grad
-        and leaf.is_leaf
-        and not is_block
+        not is_block
         and not ctx.uneven
         and torch.is_grad_enabled()
         and not torch_private.transforms_active()
@@ -236,8 +231,16 @@ def _batched_input(leaf: torch.Tensor, ctx, is_block: bool) -> TypeGuard[DTensor
     )
 
 
+def _parameter(leaf: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether argument leaf ``leaf`` is a leaf DTensor that requires grad, whose local tensor
+    :func:`_dtensor_inputs` takes with the call's others. Not an activation: a gradient asked
+    for it alone (``torch.autograd.grad(loss, [h])``) would run the node, and so every
+    parameter's backward and gradient psum."""
+    return isinstance(leaf, DTensor) and leaf.requires_grad and leaf.is_leaf
+
+
 def _dtensor_inputs(ctx, leaves: list[DTensor], specs: list[PartitionSpec], grads: list):
-    """The local blocks of ``leaves`` (each :func:`_batched_input`, checked against its spec:
+    """The local blocks of ``leaves`` (each :func:`_parameter`, checked against its spec:
     ``grads``, its gradient placements), converted together."""
     locals_ = to_locals_fast(ctx.mesh, leaves, grads)
     return [in_spec_order(ctx, x, spec) for x, spec in zip(locals_, specs)]
