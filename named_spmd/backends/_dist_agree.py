@@ -24,6 +24,7 @@ from .._accounting import CommEvent, active, record_into
 from .._errors import SpmdError
 from ._dist_buckets import bucket_bytes
 from ._dist_exchange import exchange
+from ._dist_pvary import digest
 
 if TYPE_CHECKING:
     from .._spec import PartitionSpec
@@ -56,7 +57,11 @@ _DTYPES_BY_CODE: dict[int, torch.dtype] = {}
 
 
 def check_call_agrees(
-    ctx: DistributedContext, leaves: list[Any], local: bool = False, hoistable: tuple = ()
+    ctx: DistributedContext,
+    leaves: list[Any],
+    local: bool = False,
+    hoistable: tuple = (),
+    memo: dict | None = None,
 ) -> None:
     """Gloo aborts the whole process (SIGABRT, no Python error) when the ranks of a collective
     pass buffers of different sizes, as inputs of different global shapes on different ranks make
@@ -70,28 +75,20 @@ def check_call_agrees(
     It also compares what decides, beside the inputs, how the call communicates (ranks that
     differ there would sum mismatched elements, or wait): the bucket size and debug mode, and
     the inputs a replay pvarys at its entry, ``hoistable`` (``_dist_pvary``; none where a rank
-    types the call, having read a type in its planned one: then no rank makes them)."""
+    types the call, having read a type in its planned one: then no rank makes them).
+    ``memo``: the call's ``Call.memo``, where the leaves' description is kept."""
     mesh = ctx.mesh
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    # hash() of int tuples (a torch.Size is one) is the same in every process; of str it is not
-    # and the latest failed call this rank knows of: a rank that finished a call in which
-    # another failed, without needing it, disagrees and learns of it here (``_disagree``)
+    # the latest failed call this rank knows of: a rank that finished a call in which another
+    # failed, without needing it, disagrees and learns of it here (``_disagree``)
     known = mesh.board.known_failure()
-    codes = _DTYPE_CODES  # (dtype_code and its memo, read inline: one entry per tensor leaf)
-    # whether each input is differentiated too: a rank whose input alone requires grad runs the
-    # backward collectives alone, and waits for its peers there for ever
     grad = torch.is_grad_enabled()
-    described = [
-        (x.shape, codes.get(x.dtype) or dtype_code(x.dtype), grad and x.requires_grad)
-        for x in tensors
-    ]
     settings = (bucket_bytes(), mesh.debug)
-    metadata = hash((local, known, settings, *described))
+    metadata = hash((local, known, settings, _described(leaves, grad, memo)))
     checksum = (metadata ^ zlib.crc32(ctx.fn_label.encode())) & _INT62
     # and what this rank recalls of the signature's last call (an uneven call's shapes), which
     # the call relies on only where every rank recalls the same
     # and the casts a replay would make at its entry, which it makes only where every rank would
-    recalled = (ctx.recall_shapes(checksum) ^ hash(tuple(at for at, _ in hoistable))) & _INT62
+    recalled = (ctx.recall_shapes(checksum) ^ digest(hoistable)) & _INT62
     comm = mesh.check_comm()
     started = comm.start_agree(checksum ^ recalled, "the start-of-call check")
     if active():  # a collective of the call: CommMode counts it, as a boundary event
@@ -101,15 +98,37 @@ def check_call_agrees(
     def finish() -> None:
         mesh.pending_check = None
         if not comm.agreed(started, "the start-of-call check"):
-            _disagree(ctx, tensors, [d[2] for d in described], local, known, recalled, settings)
+            _disagree(ctx, leaves, grad, local, known, recalled, settings)
 
     mesh.pending_check = finish
 
 
+def _described(leaves: list[Any], grad: bool, memo: dict | None) -> int:
+    """A hash of each tensor leaf's global shape, dtype and, under grad mode ``grad``,
+    requires_grad (a rank whose input alone requires grad runs the backward collectives alone,
+    and waits for its peers there for ever), the same in every process (``hash`` of int tuples,
+    a ``torch.Size`` one, is; of a str it is not). Kept in ``memo`` (``Call.memo``, whose key
+    holds every leaf's shape, dtype and requires_grad) per grad mode."""
+    key = "start-of-call check" if grad else "start-of-call check, no grad"
+    described = None if memo is None else memo.get(key)
+    if described is None:
+        codes = _DTYPE_CODES  # (dtype_code and its memo, read inline: one entry per tensor leaf)
+        described = hash(
+            tuple(
+                (x.shape, codes.get(x.dtype) or dtype_code(x.dtype), grad and x.requires_grad)
+                for x in leaves
+                if isinstance(x, torch.Tensor)
+            )
+        )
+        if memo is not None:
+            memo[key] = described
+    return described
+
+
 def _disagree(
     ctx: DistributedContext,
-    tensors: list[torch.Tensor],
-    grads: list[bool],
+    leaves: list[Any],
+    grad: bool,
     local: bool,
     known: int,
     recalled: int,
@@ -120,8 +139,9 @@ def _disagree(
     alike (the call then exchanges every shape afresh)."""
     mesh = ctx.mesh
     shapes = ", ".join(
-        f"{list(x.shape)} {str(x.dtype)[6:]}{' requires_grad' if g else ''}"
-        for x, g in zip(tensors, grads)
+        f"{list(x.shape)} {str(x.dtype)[6:]}{' requires_grad' if grad and x.requires_grad else ''}"
+        for x in leaves
+        if isinstance(x, torch.Tensor)
     )
     mine = f"{ctx.fn_label}{'.local' if local else ''}({shapes})"
     # (told only where the inputs are alike)

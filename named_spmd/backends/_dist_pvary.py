@@ -147,9 +147,58 @@ def _note(ctx: Any, t: torch.Tensor, tag: tuple) -> None:
         ctx.hoistable[(at, tag)] = None
 
 
-def planned(ctx: Any) -> tuple:
+def planned(ctx: Any) -> Hoistable:
     """``ctx.planned_hoistable()``: ((input position, tag), ...) in the order first cast."""
-    return tuple(ctx.hoistable or ())
+    return Hoistable(ctx.hoistable or ())
+
+
+class Hoistable(tuple):
+    """A plan's hoistable casts, ((input position, tag), ...), with what its replays derive
+    from them alone, once: the positions' hash (:func:`digest`) and the groups :func:`hoist`
+    makes (:meth:`groups`). Every input a group reads of (its type, requires_grad, dtype,
+    device and size) is fixed by the plan's signature, which holds each leaf's spec, shape,
+    dtype, device and requires_grad and the grad mode."""
+
+    def __init__(self, entries: Any = ()) -> None:
+        self.digest = hash(tuple(at for at, _ in self))
+        self._groups: dict[int, tuple] = {}  # bucket cap -> groups
+
+    def groups(self, ctx: Any, cap: int) -> tuple:
+        """((axes, ((input position, tag, the alias's type), ...)), ...): the groups of inputs
+        of the common case, by axes, dtype and device, that :func:`hoist` pvarys together
+        under a bucket cap of ``cap`` bytes (read off ``ctx``'s inputs, in the first replay)."""
+        made = self._groups.get(cap)
+        if made is None:
+            made = self._groups[cap] = _groups(ctx, self, cap)
+        return made
+
+
+def digest(hoistable: tuple) -> int:
+    """A hash of the input positions of ``hoistable`` (``Replay.hoistable``), the same in every
+    process: what the start-of-call check compares of it."""
+    if isinstance(hoistable, Hoistable):
+        return hoistable.digest
+    return hash(tuple(at for at, _ in hoistable))
+
+
+def _groups(ctx: Any, hoistable: Hoistable, cap: int) -> tuple:
+    """:meth:`Hoistable.groups`, made."""
+    groups: dict[tuple, list] = {}
+    for at, tag in hoistable:
+        t = ctx.inputs[at]
+        vma = _vma(ctx, t)
+        if t.requires_grad and not vma.reduced:
+            axes = tag[:-1] if tag[-1] == VIEWS else tag
+            groups.setdefault((axes, t.dtype, t.device), []).append((at, tag, vma.add(axes)))
+    made = []
+    for (axes, _, _), members in groups.items():
+        if len(members) < 2 or ctx.single_axes.issuperset(axes):
+            continue  # (one alone gains nothing; over a group of one a pvary is no node)
+        ts = [ctx.inputs[at] for at, _, _ in members]
+        if sum(t.numel() * t.element_size() for t in ts) >= cap:
+            continue  # larger: its buckets, started as they fill (MAX_HOISTED_BYTES)
+        made.append((axes, tuple(members)))
+    return tuple(made)
 
 
 def hoist(ctx: Any, hoistable: tuple) -> None:
@@ -160,30 +209,18 @@ def hoist(ctx: Any, hoistable: tuple) -> None:
     ctx.mesh.finish_pending_check()
     if not _common_now() or ctx.hoist_refused:
         return
-    groups: dict[tuple, list] = {}
-    for at, tag in hoistable:
-        t = ctx.inputs[at]
-        vma = _vma(ctx, t)
-        if t.requires_grad and not vma.reduced:
-            axes = tag[:-1] if tag[-1] == VIEWS else tag
-            groups.setdefault((axes, t.dtype, t.device), []).append((t, tag, vma))
+    if not isinstance(hoistable, Hoistable):  # (a plan's is one)
+        hoistable = Hoistable(hoistable)
     cap = min(buckets.bucket_bytes(), MAX_HOISTED_BYTES)
-    ctx.hoisted_aliases = {}
-    for (axes, _, _), members in groups.items():
-        ts = [t for t, _, _ in members]
-        if len(ts) < 2 or ctx.single_axes.issuperset(axes):
-            continue  # (one alone gains nothing; over a group of one a pvary is no node)
-        if sum(t.numel() * t.element_size() for t in ts) >= cap:
-            continue  # larger: its buckets, started as they fill (MAX_HOISTED_BYTES)
+    inputs, stamp_of = ctx.inputs, ctx.stamp_of
+    ctx.hoisted_aliases = aliased = {}
+    for axes, members in hoistable.groups(ctx, cap):
+        ts = [inputs[at] for at, _, _ in members]
         with DisableTorchFunction():
             aliases = _apply_all(ctx, axes, *ts)
-        stamps: dict[Vma, tuple] = {}  # (the parameters of a group have one or two types)
-        for (t, tag, vma), alias in zip(members, aliases):
-            stamp = stamps.get(vma)
-            if stamp is None:
-                stamp = stamps[vma] = ctx.stamp_of(vma.add(axes))
-            alias.__dict__[_ATTR] = stamp
-            ctx.hoisted_aliases[(id(t), tag)] = (t, alias)
+        for (_, tag, vma), t, alias in zip(members, ts, aliases):
+            alias.__dict__[_ATTR] = stamp_of(vma)
+            aliased[(id(t), tag)] = (t, alias)
 
 
 def hoisted(ctx: Any, t: torch.Tensor, tag: tuple) -> torch.Tensor | None:

@@ -276,15 +276,16 @@ class UnevenContext(UnevenPrimitives, DistributedContext):
     hoist_casts = TrackedContext.hoist_casts  # (its pvary sizes its operands: none made ahead)
 
 
-def _begin(ctx: DistributedContext, leaves: list[Any], local_call: bool, hoistable: tuple):
+def _begin(ctx: DistributedContext, call: Call, hoistable: tuple):
     """The start-of-call check (``_dist_agree``; ``hoistable``: a replay's, ``Plan``); under
     ``make_fx``, finished at once, out of the trace (a traced tensor has no value to read)."""
+    args = (ctx, call.leaves, call.local, hoistable, call.memo)
     if isinstance(ctx, ProxyTracedContext):
         with torch_private.no_dispatch_modes():
-            _dist_agree.check_call_agrees(ctx, leaves, local_call, hoistable)
+            _dist_agree.check_call_agrees(*args)
             ctx.mesh.finish_pending_check()
     else:
-        _dist_agree.check_call_agrees(ctx, leaves, local_call, hoistable)
+        _dist_agree.check_call_agrees(*args)
 
 
 def run(call: Call) -> list[Any]:
@@ -316,7 +317,7 @@ def run(call: Call) -> list[Any]:
         if uneven:
             _dist_uneven.refuse_transforms(ctx, traced)
         if mesh.size > 1:
-            _begin(ctx, leaves, local_call, () if replay is None else replay.hoistable())
+            _begin(ctx, call, () if replay is None else replay.hoistable())
         converted = None
         if replay is not None and replay.begin(ctx):
             converted = replay.replayed_conversions()
