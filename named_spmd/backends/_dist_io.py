@@ -55,6 +55,7 @@ def inputs(
     is_block: bool,
     converted: tuple[int, ...] | None,
     uneven_input: Callable,
+    memo: dict | None = None,
 ) -> list[Any]:
     """The call's local leaves, typed (a replay on one rank needs no types); ``converted``: the
     positions of the only leaves to convert (a replay's, ``Replay.replayed_conversions``: the
@@ -63,14 +64,16 @@ def inputs(
     an uneven call (``_dist_uneven.local_input``, passed in: that module builds on this one,
     which does not import it back). The DTensors of the common case are converted together,
     in one autograd node (:func:`_dtensor_inputs`), the others one by one; every leaf is
-    checked in order (an error names the first bad one)."""
+    checked in order (an error names the first bad one); ``memo``: the call's ``Call.memo``,
+    where the leaves handed through as they are (:func:`_handed_through`) are kept."""
     at = range(len(leaves)) if converted is None else converted
     local = list(leaves)
     batched, grads = [], []
     batching = _batching(ctx, is_block)
+    through = _handed_through(ctx, leaves, specs, memo) if batching else ()
     for i in at:
         leaf = leaves[i]
-        if not isinstance(leaf, torch.Tensor):
+        if not isinstance(leaf, torch.Tensor) or i in through:
             continue
         if batching and _parameter(leaf):
             batched.append(i)
@@ -113,6 +116,28 @@ def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
     if differentiable(leaf):
         return _scatter_input(leaf, ctx, spec)
     return _block(leaf, spec, mesh)
+
+
+def _handed_through(ctx, leaves: list[Any], specs: list[PartitionSpec], memo) -> frozenset[int]:
+    """The positions of the plain tensor leaves that are their own block (:func:`local_input`
+    hands them through: on the mesh's device type, no partial sum, split over axes of size 1
+    only), where no transform is active (``_batching``); in ``memo`` (``Call.memo``: its key
+    holds each leaf's type and device, its tree structure each spec)."""
+    through = None if memo is None else memo.get("handed through")
+    if through is None:
+        device, single = ctx.mesh.device.type, ctx.mesh.single_axes
+        through = frozenset(
+            i
+            for i, (x, spec) in enumerate(zip(leaves, specs))
+            if isinstance(x, torch.Tensor)
+            and not isinstance(x, DTensor)
+            and x.device.type == device
+            and not (spec.unreduced or spec.reduced)
+            and single.issuperset(spec.axes)
+        )
+        if memo is not None:
+            memo["handed through"] = through
+    return through
 
 
 def block_input(ctx, leaf: torch.Tensor, i: int) -> torch.Tensor:

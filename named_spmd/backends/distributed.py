@@ -321,7 +321,9 @@ def run(call: Call) -> list[Any]:
         converted = None
         if replay is not None and replay.begin(ctx):
             converted = replay.replayed_conversions()
-        local = inputs(ctx, leaves, specs, local_call, converted, _dist_uneven.local_input)
+        local = inputs(
+            ctx, leaves, specs, local_call, converted, _dist_uneven.local_input, call.memo
+        )
         if replay is not None and not (replay.planned or ctx.replaying):  # (``Checked``)
             replay.converted = tuple(i for i, x in enumerate(leaves) if local[i] is not x)
         ctx.inputs = local
