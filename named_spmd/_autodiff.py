@@ -41,6 +41,13 @@ def differentiable(x: torch.Tensor) -> bool:
     )
 
 
+def differentiating() -> bool:
+    """Whether :func:`differentiable` may hold of any tensor now (grad mode, a torch.func
+    transform, forward-mode AD): read once before a loop over many tensors (a backward pass
+    that is not differentiated has none)."""
+    return torch.is_grad_enabled() or transforms_active() or forward_level() >= 0
+
+
 def unshared(g: torch.Tensor) -> torch.Tensor:
     """``g``, or a copy of it where an earlier call already returned ``g``: the gradient that
     a backward of the package hands on to an input as a fresh wrapper or view of ``g``.

@@ -42,7 +42,7 @@ import torch
 
 from .._accounting import _local as _modes
 from .._accounting import reusable_cast
-from .._autodiff import _NONES, CollectiveFn, differentiable
+from .._autodiff import _NONES, CollectiveFn, differentiable, differentiating
 from .._collectives._record import PVARY_RECORD, implicit_pvary, record_implicit_psum
 from .._stamps import _ATTR
 from .._torch_private import (
@@ -282,13 +282,15 @@ def psum_all(spmd: Any, axes: tuple[str, ...], gs: tuple) -> list:
     into tensors of their own (as a bucket's members: no view pins the buffer)."""
     out = list(gs)
     flat: list[int] = []
+    maybe = differentiating()  # (once: a backward pass that is not differentiated has none)
     for i, g in enumerate(gs):
         if g is None:
             continue
-        if differentiable(g):
+        if maybe and differentiable(g):
             out[i] = PVARY_RECORD.backward(spmd, g, axes, (), None)
         else:
-            if overlap.is_pending_wrapper(g):  # chained pvary: the sum of the one below first
+            # chained pvary: the sum of the one below first (a plain tensor is no wrapper)
+            if type(g) is not torch.Tensor and overlap.is_pending_wrapper(g):
                 out[i] = async_wait(g)
             flat.append(i)
     if not flat:
