@@ -71,13 +71,14 @@ def inputs(
     batched, grads = [], []
     batching = _batching(ctx, is_block)
     through = _handed_through(ctx, leaves, specs, memo) if batching else ()
+    wanted = _wanted(ctx, leaves, specs, memo) if batching else {}
     for i in at:
         leaf = leaves[i]
         if not isinstance(leaf, torch.Tensor) or i in through:
             continue
         if batching and _parameter(leaf):
             batched.append(i)
-            grads.append(checked_dtensor(ctx, leaf, specs[i], i))
+            grads.append(checked_dtensor(ctx, leaf, specs[i], i, wanted.get(i)))
         elif is_block:
             local[i] = block_input(ctx, leaf, i)
         elif ctx.uneven:
@@ -138,6 +139,22 @@ def _handed_through(ctx, leaves: list[Any], specs: list[PartitionSpec], memo) ->
         if memo is not None:
             memo["handed through"] = through
     return through
+
+
+def _wanted(ctx, leaves: list[Any], specs: list[PartitionSpec], memo) -> dict[int, tuple]:
+    """Position -> the placements its spec means, for each DTensor leaf (what
+    :func:`checked_dtensor` compares its own with); in ``memo`` (``Call.memo``: its key holds
+    each leaf's type and shape, its tree structure each spec)."""
+    wanted = None if memo is None else memo.get("placements")
+    if wanted is None:
+        wanted = {
+            i: placements(ctx.mesh, spec, x.dim())
+            for i, (x, spec) in enumerate(zip(leaves, specs))
+            if isinstance(x, DTensor)
+        }
+        if memo is not None:
+            memo["placements"] = wanted
+    return wanted
 
 
 def block_input(ctx, leaf: torch.Tensor, i: int) -> torch.Tensor:
@@ -271,9 +288,12 @@ def _dtensor_inputs(ctx, leaves: list[DTensor], specs: list[PartitionSpec], grad
     return [in_spec_order(ctx, x, spec) for x, spec in zip(locals_, specs)]
 
 
-def checked_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> tuple | None:
+def checked_dtensor(
+    ctx, leaf: DTensor, spec: PartitionSpec, i: int, want: tuple | None = None
+) -> tuple | None:
     """Check that DTensor argument leaf ``i`` is laid out as ``spec`` says on the call's mesh;
-    the placements of its gradient where they differ from its own (a partial sum), else None."""
+    the placements of its gradient where they differ from its own (a partial sum), else None.
+    ``want``: the placements ``spec`` means for it, where known (:func:`_wanted`)."""
     mesh = ctx.mesh
     theirs = leaf.device_mesh
     if theirs is not mesh.device_mesh and (
@@ -287,7 +307,8 @@ def checked_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> tuple | 
             f"{mesh.axis_names}. Fix: create it on the same mesh (mesh.device_mesh), or pass "
             "a plain tensor holding the global value."
         )
-    want = placements(mesh, spec, leaf.dim())
+    if want is None:
+        want = placements(mesh, spec, leaf.dim())
     if tuple(leaf.placements) != want:
         where = f"spmd_map of {ctx.fn_label}: argument leaf {i}"
         raise SpecError(
