@@ -132,7 +132,10 @@ def _local_grad(mesh, g: torch.Tensor, places: tuple, leaf: Any, below: Any) -> 
     where it is a leaf; else ``below``: its autograd node)."""
     if differentiable(g):  # double backward: a recorded conversion
         return _from_local(mesh, g, places)
-    g = overlap.settled(unshared(g))
+    g = unshared(g)
+    if type(g) is torch.Tensor:  # (the usual gradient: plain, no reduction behind it)
+        return _wrap(mesh, g, places)
+    g = overlap.settled(g)
     # a leaf's .grad may hold the pending wrapper: plain once reduced
     if leaf is not None:
         overlap.into_leaf(g, leaf, functools.partial(_plain_local_grad, leaf, mesh))
