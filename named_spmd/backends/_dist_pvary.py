@@ -299,7 +299,10 @@ def psum_all(spmd: Any, axes: tuple[str, ...], gs: tuple) -> list:
     with DisableTorchFunction():
         buf = torch.cat([p.reshape(-1) for p in parts])
         buf = spmd.mesh.comm(axes).all_reduce_(buf)
-        sums = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in parts]
+        # (a group's gradients have its one dtype and device: autograd checks each against its
+        # input's; read once, off the buffer)
+        dtype, device = buf.dtype, buf.device
+        sums = [torch.empty(p.shape, dtype=dtype, device=device) for p in parts]
         torch.split_with_sizes_copy(buf, [p.numel() for p in parts], out=[s.view(-1) for s in sums])
     for i, s in zip(flat, sums):
         out[i] = s
