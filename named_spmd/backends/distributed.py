@@ -146,6 +146,25 @@ class DistributedContext(TrackedContext):
         replay makes no cast at its entry: ``_dist_pvary.hoist``)."""
         self.hoist_refused = True
 
+    # An even call whose outputs' shapes are compared (``compares_outputs``) recalls no rows of
+    # an earlier call: it exchanges them (an uneven call recalls: ``UnevenPrimitives``).
+    def record_shapes(self) -> None:
+        pass
+
+    def recalled_rows(self) -> tuple | None:
+        return None
+
+    def record_rows(self, rows: tuple) -> None:
+        pass
+
+    def compares_outputs(self) -> bool:
+        """Whether the ranks' outputs are compared (``_dist_uneven.agree``) before they are laid
+        out: blocks of unequal sizes, or a function that read a varying value on the host or
+        sized a tensor by one (``values_read``): its ranks may return other shapes, trees or
+        out_specs errors (told alike on every rank, as the per-instance simulation tells them).
+        Every rank decides alike: until the first such read, they run the same ops."""
+        return self.uneven or (self.values_read and self.mesh.size > 1)
+
     def psum_in_backward(self, g, axes, node):
         return _dist_overlap.psum_in_backward(g, self.mesh.comm(axes), node)
 
@@ -333,7 +352,7 @@ def run(call: Call) -> list[Any]:
         call.check_writes(versions, outs)
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
-        layouts = _dist_uneven.agree(ctx, outs, call) if uneven else None
+        layouts = _dist_uneven.agree(ctx, outs, call) if ctx.compares_outputs() else None
         if mesh.debug:
             _dist_agree.check_replicas_agree(ctx, outs, call.out_specs())
         if layouts is not None:
@@ -364,16 +383,17 @@ def run(call: Call) -> list[Any]:
 
 
 def _body(ctx: DistributedContext, call: Call, replay: Replay | None, local: list[Any]) -> list:
-    """``call.body`` on this rank's blocks. In an uneven call, an out_specs error leaves this
-    rank no output and is raised after the outputs' exchange (``_dist_uneven.agree``), on every
-    rank alike: the per-rank programs differ, so the others may have passed the check."""
+    """``call.body`` on this rank's blocks. Where the outputs are compared (an uneven call, or
+    one that read values: ``compares_outputs``), an out_specs error leaves this rank no output
+    and is raised after the outputs' exchange (``_dist_uneven.agree``), on every rank alike:
+    the per-rank programs differ, so the others may have passed the check."""
     try:
         if replay is not None:
             return replay.run(ctx, call.body, local)
         with VmaMode(ctx):
             return call.body(local, ctx)
     except SpmdError as e:
-        if not ctx.uneven or e is not call.out_error:
+        if not ctx.compares_outputs() or e is not call.out_error:
             raise
         return []
 
