@@ -9,7 +9,6 @@ body records the call's outputs on it, so that the backend then reads their spec
 from __future__ import annotations
 
 import inspect
-import re
 import zlib
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,15 +21,12 @@ from ._call_checks import check_outputs, tiled_output_event
 from ._errors import SpmdError, SpmdTypeError, error_class, write_refused
 from ._layout import gives_unequal_blocks
 from ._spec import PartitionSpec
-from ._tree import path_text, unflatten
+from ._tree import path_text, unflatten, without_addresses
 
 if TYPE_CHECKING:
     from ._api import SpmdFunction
     from ._mesh import Mesh
     from .backends import Backend
-
-
-_ADDRESS = re.compile(r"(?<= at )0x[0-9a-fA-F]+(?=>)")  # a default repr's address
 
 
 class Call:
@@ -134,7 +130,7 @@ class Call:
         processes and instances: they are left out."""
         tensors = [isinstance(x, torch.Tensor) for x in self.out_leaves]
         mask = "".join("T" if t else "-" for t in tensors)
-        text = _ADDRESS.sub("0x", str(self.out_tree))
+        text = without_addresses(str(self.out_tree))
         return sum(tensors), zlib.crc32(f"{text}|{mask}".encode())
 
     def take_outputs(self, other: Call) -> None:
