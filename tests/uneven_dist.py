@@ -1219,6 +1219,7 @@ COUNTED = [
         ),
     ),
     Case(  # an even call that read a varying value: the start-of-call check, outputs' shapes
+        # (then a flag: they are the last call's)
         "even_call_reading_values_exchanges_its_outputs_shapes",
         (4,),
         ("x",),
@@ -1227,7 +1228,7 @@ COUNTED = [
         P("x"),
         lambda: (_randn(16, seed=63),),
         lambda x: torch.cat([b[: int((b > 0).sum())] for b in x.split(4)]),
-        kinds=("allreduce all_to_all_single", "allreduce all_to_all_single"),
+        kinds=("allreduce all_to_all_single", "allreduce allreduce"),
         switch=False,
         switch_simulated=True,
     ),

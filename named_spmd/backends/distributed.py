@@ -64,7 +64,7 @@ from ._dist_mesh import (
     mesh_from_device_mesh,
     registered_mesh,
 )
-from ._dist_uneven_primitives import UnevenPrimitives, exchange
+from ._dist_uneven_primitives import UnevenPrimitives, exchange, remember
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -136,26 +136,35 @@ class DistributedContext(TrackedContext):
         blocks' sizes: ``_dist_uneven``)."""
         return params
 
+    _signature = 0  # the start-of-call check's checksum: what the records are kept under
+    _rows: tuple | None = None  # the outputs' rows of the signature's last compared call
+
     def recall_shapes(self, signature: int) -> int:
         """A digest of what this call assumes from the last call of its ``signature`` (the
-        start-of-call check compares it across ranks); 0: nothing (an uneven call overrides)."""
-        return 0
+        start-of-call check compares it across ranks): the outputs' rows of its last call whose
+        outputs were compared (``_dist_uneven.agree``; an uneven call adds its ppermutes'
+        shapes); 0: nothing. (Of ints only: ``hash`` of a str differs by process.)"""
+        self._signature = signature
+        self._rows = self.mesh.row_records.get(signature)
+        return 0 if self._rows is None else hash(self._rows)
 
     def forget_shapes(self) -> None:
         """The ranks recall different things of the signature's last call: assume nothing (a
         replay makes no cast at its entry: ``_dist_pvary.hoist``)."""
         self.hoist_refused = True
-
-    # An even call whose outputs' shapes are compared (``compares_outputs``) recalls no rows of
-    # an earlier call: it exchanges them (an uneven call recalls: ``UnevenPrimitives``).
-    def record_shapes(self) -> None:
-        pass
+        self._rows = None
 
     def recalled_rows(self) -> tuple | None:
-        return None
+        """The outputs' rows of the signature's last compared call, as every rank recalls them
+        (the start-of-call check compared them), or None."""
+        return self._rows
 
     def record_rows(self, rows: tuple) -> None:
-        pass
+        """The outputs' rows of this call, for the next call of its signature."""
+        remember(self.mesh.row_records, self._signature, rows)
+
+    def record_shapes(self) -> None:
+        """No ppermute's shapes to keep (an uneven call's: ``UnevenPrimitives``)."""
 
     def compares_outputs(self) -> bool:
         """Whether the ranks' outputs are compared (``_dist_uneven.agree``) before they are laid
