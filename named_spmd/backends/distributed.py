@@ -155,8 +155,7 @@ class DistributedContext(TrackedContext):
         self._rows = None
 
     def recalled_rows(self) -> tuple | None:
-        """The outputs' rows of the signature's last compared call, as every rank recalls them
-        (the start-of-call check compared them), or None."""
+        """The outputs' rows of the signature's last compared call (every rank's alike), or None."""
         return self._rows
 
     def record_rows(self, rows: tuple) -> None:
@@ -169,9 +168,8 @@ class DistributedContext(TrackedContext):
     def compares_outputs(self) -> bool:
         """Whether the ranks' outputs are compared (``_dist_uneven.agree``) before they are laid
         out: blocks of unequal sizes, or a function that read a varying value on the host or
-        sized a tensor by one (``values_read``): its ranks may return other shapes, trees or
-        out_specs errors (told alike on every rank, as the per-instance simulation tells them).
-        Every rank decides alike: until the first such read, they run the same ops."""
+        sized a tensor by one (``values_read``), whose ranks may return other shapes, trees or
+        out_specs errors. Every rank decides alike: until the first such read, all ran alike."""
         return self.uneven or (self.values_read and self.mesh.size > 1)
 
     def psum_in_backward(self, g, axes, node):
