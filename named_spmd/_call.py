@@ -9,7 +9,6 @@ body records the call's outputs on it, so that the backend then reads their spec
 from __future__ import annotations
 
 import inspect
-import re
 import zlib
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,15 +21,12 @@ from ._call_checks import check_outputs, tiled_output_event
 from ._errors import SpmdError, SpmdTypeError, error_class, write_refused
 from ._layout import gives_unequal_blocks
 from ._spec import PartitionSpec
-from ._tree import path_text, unflatten
+from ._tree import path_text, unflatten, without_addresses
 
 if TYPE_CHECKING:
     from ._api import SpmdFunction
     from ._mesh import Mesh
     from .backends import Backend
-
-
-_ADDRESS = re.compile(r"(?<= at )0x[0-9a-fA-F]+(?=>)")  # a default repr's address
 
 
 class Call:
@@ -134,7 +130,7 @@ class Call:
         processes and instances: they are left out."""
         tensors = [isinstance(x, torch.Tensor) for x in self.out_leaves]
         mask = "".join("T" if t else "-" for t in tensors)
-        text = _ADDRESS.sub("0x", str(self.out_tree))
+        text = without_addresses(str(self.out_tree))
         return sum(tensors), zlib.crc32(f"{text}|{mask}".encode())
 
     def take_outputs(self, other: Call) -> None:
@@ -194,16 +190,23 @@ class Call:
         return False
 
     def input_versions(self, inputs: list[Any]) -> tuple[list[torch.Tensor], list[int], list]:
-        """The tensors of ``inputs`` (the call's, as its backend runs the body on them) that the
-        call may differentiate, their versions and their autograd nodes (where the call's graph
-        begins): what :meth:`check_writes` compares."""
+        """The tensors of ``inputs`` (the call's, as its backend runs the body on them) that an
+        op of the call may save for the backward pass (under grad mode, any but an inference
+        tensor: one that requires no grad is saved where it meets one that does, ``x * w``),
+        their versions and their autograd nodes (where the call's graph begins): what
+        :meth:`check_writes` compares."""
         if not torch.is_grad_enabled():
             return [], [], []
-        xs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        return xs, list(map(torch_private.version, xs)), [x.grad_fn for x in xs]
+        xs = [x for x in inputs if isinstance(x, torch.Tensor)]
+        try:
+            versions = list(map(torch_private.version, xs))
+        except RuntimeError:  # an inference tensor has no version (and no op saves one)
+            xs = [x for x in xs if not x.is_inference()]
+            versions = list(map(torch_private.version, xs))
+        return xs, versions, [x.grad_fn for x in xs]
 
     def check_writes(self, before: tuple[list[torch.Tensor], list[int], list], outs: list) -> None:
-        """Raise where the body wrote in place into an input that requires grad (``before``:
+        """Raise where the body wrote in place into an input (``before``:
         :meth:`input_versions`) after an op saved it for the backward pass: the backward pass
         would fail there, and on a real mesh on the writing ranks only (its peers would wait for
         them in their gradient sums). Raised now, an error of the call (posted to the peers)."""
@@ -215,7 +218,7 @@ class Call:
         if stale is None:
             return
         raise error_class(RuntimeError)(
-            f"{self.mapped.where}: the function wrote in place into an input that requires grad "
+            f"{self.mapped.where}: the function wrote in place into an input "
             f"(shape {list(written[0].shape)}), or a view of it, after an op saved it for the "
             f"backward pass:\n  RuntimeError: {stale}\nThe backward pass would fail at that op "
             "(on a real mesh on the ranks that wrote only, while the others waited for them). "

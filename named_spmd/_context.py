@@ -63,6 +63,10 @@ class SpmdContext(ABC):
     #: Set when the user's function asks for a type (``ns.vma``, ``ns.typeof``): a replay could
     #: not answer, so such a function is type-checked on every call.
     types_read: bool = False
+    #: Set where the function read a value that may differ between instances on the host, or
+    #: sized a tensor by one (``_operands.value_operands_read``): from there on, the instances
+    #: may run other Python and make other shapes, so a real mesh compares its outputs'.
+    values_read: bool = False
     #: Inside a collective's own code (``Collective.bind``): the ops it runs under the call's
     #: mode (reading a property, a first call's probe) are not the user's program (``_plan``).
     in_collective: int = 0

@@ -104,3 +104,64 @@ def is_inplace(func) -> bool:
         hit = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
         _IS_INPLACE[func] = hit
     return hit
+
+
+_T = torch.Tensor
+# Ops that read their operands' values on the host (a Python number or bool), or whose result's
+# shape follows them: where an operand varies, each rank of a real mesh may go on with other
+# Python values and shapes (:func:`value_operands_read`; ``SpmdContext.values_read``).
+_READS = frozenset(
+    {
+        *(_T.item, _T.tolist, _T.numpy, _T.__array__, _T.__contains__),
+        *(_T.__bool__, _T.__int__, _T.__float__, _T.__index__, _T.__complex__),
+        *(torch.equal, _T.equal, torch.allclose, _T.allclose, torch.is_nonzero, _T.is_nonzero),
+        *(torch.nonzero, _T.nonzero, torch.argwhere, _T.argwhere),
+        *(torch.masked_select, _T.masked_select, torch.bincount, _T.bincount),
+        *(torch.unique, _T.unique, torch.unique_consecutive, _T.unique_consecutive),
+    }
+)
+# Factories and reshapes whose sizes may be given as tensors (read on the host by torch's
+# argument parser, which no mode sees): a tensor among a factory's arguments, or after a
+# reshape's first, is such a size.
+_SIZED_FACTORIES = frozenset(
+    {torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn}
+    | {torch.randint, torch.randperm}
+)
+_SIZED_RESHAPES = frozenset(
+    {
+        *(_T.view, _T.reshape, torch.reshape, _T.expand, _T.narrow, torch.narrow),
+        *(_T.new_zeros, _T.new_ones, _T.new_empty, _T.new_full, _T.repeat, _T.tile, torch.tile),
+        *(_T.split, torch.split, _T.tensor_split, torch.tensor_split, _T.unflatten),
+        *(torch.unflatten, _T.repeat_interleave, torch.repeat_interleave),
+    }
+)
+#: Every op :func:`value_operands_read` may find operands of (the one test on the hot path).
+READS_VALUES = _READS | _SIZED_FACTORIES | _SIZED_RESHAPES | {_T.__getitem__, torch.where}
+
+
+def value_operands_read(func, args: Any, kwargs: dict | None) -> list[torch.Tensor]:
+    """The tensors whose values op ``func`` (one of :data:`READS_VALUES`) reads on the host or
+    sizes its result by: a read's or a data-dependent shape's operands (``nonzero``, a
+    boolean mask's index, ``torch.where(cond)``), a tensor given as a size, a tensor bound of
+    a slice. Empty where the result's shape follows the operands' shapes alone."""
+    if func in _READS or func in _SIZED_FACTORIES:
+        return tensor_operands(args, kwargs)
+    if func is torch.where:  # (its one-argument form: nonzero)
+        return tensor_operands(args, kwargs) if len(args) + len(kwargs or {}) == 1 else []
+    if func is _T.__getitem__:
+        return _index_operands(args[1]) if len(args) > 1 else []
+    if func is torch.repeat_interleave and len(args) == 1:  # (repeats alone: its values)
+        return tensor_operands(args, kwargs)
+    return tensor_operands(args[1:], kwargs)
+
+
+def _index_operands(index: Any) -> list[torch.Tensor]:
+    """The tensors of an index that size the result by their values: boolean masks, and a
+    slice's tensor bounds (an integer tensor's index takes the tensor's shape)."""
+    found: list[torch.Tensor] = []
+    for i in index if isinstance(index, (tuple, list)) else (index,):
+        if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+            found.append(i)
+        elif isinstance(i, slice):
+            found.extend(b for b in (i.start, i.stop, i.step) if isinstance(b, torch.Tensor))
+    return found

@@ -56,13 +56,16 @@ class Step:
 class Plan:
     """The steps of one signature's typed call."""
 
-    __slots__ = ("steps", "hoistable", "replays", "divergences")
+    __slots__ = ("steps", "hoistable", "reads_values", "replays", "divergences")
 
-    def __init__(self, steps: list[Step], hoistable: tuple = ()) -> None:
+    def __init__(self, steps: list[Step], hoistable: tuple = (), reads_values: bool = False):
         self.steps = steps
         #: the implicit casts of inputs that a replay makes at its entry, all at once, before
         #: the first op (``TrackedContext.hoist_casts``); a backend's own entries
         self.hoistable = hoistable
+        #: the typed call read a varying value (``SpmdContext.values_read``): so does a replay
+        #: (its steps are not typed, and every rank's plan says the same)
+        self.reads_values = reads_values
         # for tests and diagnostics: calls replayed whole, and calls whose ops differed
         self.replays = 0
         self.divergences = 0
@@ -184,7 +187,7 @@ class PlanningMode(VmaMode):
         ctx = self.ctx
         if not self.replayable or self.hooks_seen or ctx.types_read or ctx.transform_results:
             return None
-        return Plan(self.steps, ctx.planned_hoistable())
+        return Plan(self.steps, ctx.planned_hoistable(), ctx.values_read)
 
 
 def _places(args: Any, kwargs: dict | None, casts: tuple) -> tuple | None:
@@ -208,6 +211,7 @@ class ReplayMode(VmaMode):
     def __init__(self, ctx: TrackedContext, plan: Plan) -> None:
         super().__init__(ctx)
         self.steps = plan.steps
+        ctx.values_read = plan.reads_values
         self.i = 0
         self.diverged = False
 

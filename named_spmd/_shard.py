@@ -26,6 +26,7 @@ from ._tree import (
     flatten_with_paths,
     path_text,
     unflatten,
+    without_addresses,
 )
 
 
@@ -79,7 +80,14 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
     where = "ns.shard"
     mesh = as_mesh(mesh, where)
     paths, leaves, treedef = flatten_with_paths(tree)
-    leaf_specs = _specs_for(specs, tree, where)
+    wheres = [f"tree{path_text(p)}" for p in paths]
+    agreed = local and mesh.kind != "simulated"  # (the ranks' trees and blocks are their own)
+    try:
+        leaf_specs = _specs_for(specs, tree, where)
+    except SpecError:
+        if agreed:  # raised on every rank alike, or the ranks' trees or specs differ
+            _check_equal_blocks(mesh, treedef, specs, leaves, wheres, True)
+        raise
     problems = []
     for path, leaf, spec in zip(paths, leaves, leaf_specs):
         at = f"tree{path_text(path)}"
@@ -96,13 +104,10 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
                 f"{at} is a {type(leaf).__name__}, not a tensor, but its spec {spec!r} splits "
                 "it. Fix: give it P() (or None)."
             )
-    wheres = [f"tree{path_text(p)}" for p in paths]
-    if local and mesh.kind != "simulated":
+    if agreed:
         # before raising: a spec problem one rank alone sees would leave its peers in this
         # agreement, paired with that rank's next collective
-        from .backends._dist_shard import check_equal_blocks
-
-        check_equal_blocks(mesh, leaves, wheres, bool(problems))
+        _check_equal_blocks(mesh, treedef, specs, leaves, wheres, bool(problems))
     if problems:
         raise SpecError(
             f"{where}: the tree does not fit specs on mesh {mesh.shape}:\n" + bullet_list(problems)
@@ -120,6 +125,17 @@ def shard(tree: Any, mesh: Any, specs: Any, *, local: bool = False, blocks: bool
 
         out = shard_leaves(mesh, leaves, leaf_specs, wheres, local, blocks)
     return unflatten(treedef, out)
+
+
+def _check_equal_blocks(
+    mesh, treedef: Any, specs: Any, leaves: list, wheres: list[str], refused: bool
+) -> None:
+    """``local=True`` on a real mesh: the ranks agree on their trees' structure, their specs
+    and their blocks (``_dist_shard.check_equal_blocks``), before any raises."""
+    from .backends._dist_shard import check_equal_blocks  # loaded only for a real mesh
+
+    text = without_addresses(f"{treedef} {specs!r}")
+    check_equal_blocks(mesh, leaves, wheres, text, refused)
 
 
 def _chunked_dims(spec: PartitionSpec, shape: tuple, sizes: dict):

@@ -20,10 +20,12 @@ from ._errors import VmaError, reentrant_checkpoint
 from ._operands import (
     METADATA,
     NOT_OPS,
+    READS_VALUES,
     is_inplace,
     result_tensors,
     swap_operands,
     tensor_operands,
+    value_operands_read,
 )
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
 from ._stamps import _ATTR, TrackedContext, stamp_inner, storage_address
@@ -134,6 +136,8 @@ class VmaMode(TorchFunctionMode):
         # Then the result takes that stamp object as is; an operand typed below it gets its
         # implicit pvary alias from the call's caches, or none where the missing axes all have
         # size 1. Costs about one dict lookup per operand on top of the mode's own dispatch.
+        if func in READS_VALUES and not self.ctx.values_read:
+            self._note_values(func, args, kwargs)
         if func in _UNTYPED:
             if func is set_grad_enabled and not is_compiling() and in_reentrant_checkpoint():
                 raise reentrant_checkpoint(f"spmd_map of {self.ctx.fn_label}")
@@ -196,6 +200,16 @@ class VmaMode(TorchFunctionMode):
                 if _is_wrapped(o):
                     stamp_inner(self.ctx, o, common)
         return out
+
+    def _note_values(self, func, args, kwargs) -> None:
+        """Set ``ctx.values_read`` where ``func`` reads (or sizes its result by) the values of
+        an operand that varies, or holds partial sums, over an axis of several instances."""
+        ctx, alone = self.ctx, self.ctx.single_axes
+        for t in value_operands_read(func, args, kwargs):
+            v = ctx.vma(t)
+            if not (alone.issuperset(v.varying) and alone.issuperset(v.unreduced)):
+                ctx.values_read = True
+                return
 
     def _gradients(self, args, kwargs, grads):
         """The results of ``torch.autograd.grad`` (torch.func.grad and vjp inside the function

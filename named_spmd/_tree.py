@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from typing import Any
 
 import optree
@@ -15,6 +16,15 @@ from ._spec import PartitionSpec, specialize
 
 def is_spec_leaf(x: Any) -> bool:
     return x is None or isinstance(x, PartitionSpec)
+
+
+_ADDRESS = re.compile(r"(?<= at )0x[0-9a-fA-F]+(?=>)")  # a default repr's address
+
+
+def without_addresses(text: str) -> str:
+    """``text`` (a tree's, its specs') with the addresses of default ``repr``s (a custom node's
+    metadata) left out: they differ between processes, so ranks compare what remains."""
+    return _ADDRESS.sub("0x", text)
 
 
 def path_text(path: tuple) -> str:

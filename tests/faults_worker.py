@@ -30,6 +30,7 @@
   one "tp" group), again and again, each followed by a good call that must run.
 * ``written_after_use``: rank 1 writes a parameter in place after an op of the function saved
   it for backward; then the backward pass on every rank (last: the mesh ends out of step).
+  Before it, every rank writes an input that requires no grad after ``x * w`` saved it.
 * ``slow_sender``: a ppermute where only rank 3 sends (to rank 0), called twice; rank 3 sleeps
   past the board's grace first, so ranks 1 and 2, which take no part in the exchange, wait in
   the next call while rank 0 still waits for rank 3: a lag, not a mismatch.
@@ -298,6 +299,14 @@ def written_after_use(mesh, rank):
     pass's gradient sum quoting it."""
     from named_spmd.backends.distributed import to_local
 
+    def unwatched(x, w):  # w requires no grad; x * w saves it for x's gradient
+        y = ns.psum(x * w, ("dp", "tp"))
+        w.add_(1)
+        return y
+
+    # first, every rank alike: the call's error on each, in the forward pass (the mesh in step)
+    u = ns.spmd_map(unwatched, mesh=mesh, in_specs=(P(("dp", "tp")), P()), out_specs=P())
+    report(rank, "written_unwatched", lambda: u(X.clone().requires_grad_(), torch.ones(2)))
     w = torch.nn.Parameter(torch.ones(2))
 
     def f(x, w):

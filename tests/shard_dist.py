@@ -317,17 +317,24 @@ def check_from_local(mesh, rank) -> list[str]:
 
 def _local_spec_refusals(mesh, rank) -> list[str]:
     """local=True blocks that fail the spec checks on some ranks only (a 1-D block under a 2-D
-    spec on even ranks) or on every rank, or whose dtypes differ per rank: the same SpecError
-    on every rank, and the next call runs (no rank left waiting in the blocks' agreement)."""
+    spec on even ranks) or on every rank, or whose dtypes differ per rank, trees or specs that
+    differ per rank (a tree the specs do not fit on odd ranks only, other specs for blocks of
+    one shape), specs that fit no rank's tree: the same SpecError on every rank, and the next
+    call runs (no rank left waiting in the blocks' agreement)."""
     problems = []
+    odd = rank % 2 == 1
+    spec = P(None, "tp")
     cases = (
-        (torch.ones(3) if rank % 2 == 0 else torch.ones(3, 2), "blocks of different shapes"),
-        (torch.ones(3, 2, dtype=torch.float64 if rank else torch.float32), "shapes or dtypes"),
-        (torch.ones(3), "has 2 entries but the tensor has rank 1"),
+        (torch.ones(3) if rank % 2 == 0 else torch.ones(3, 2), spec, "blocks of different shapes"),
+        (torch.ones(3, 2, dtype=torch.float64 if rank else torch.float32), spec, "or dtypes"),
+        (torch.ones(3), spec, "has 2 entries but the tensor has rank 1"),
+        ({"x": torch.ones(3, 2), **({"y": torch.ones(2)} if odd else {})}, {"x": spec}, "trees"),
+        (torch.ones(3, 2), P() if odd else spec, "trees or specs that differ"),
+        ({"x": torch.ones(3, 2)}, {"y": spec}, "specs is not a pytree prefix of the tree"),
     )
-    for x, fragment in cases:
+    for x, specs, fragment in cases:
         try:
-            ns.shard(x, mesh, P(None, "tp"), local=True)
+            ns.shard(x, mesh, specs, local=True)
             problems.append(f"not refused: {fragment}")
         except ns.SpecError as e:
             if fragment not in str(e):

@@ -436,9 +436,14 @@ def test_a_parameter_written_after_its_use_on_one_rank_fails_every_rank_alike(lo
     """Autograd would refuse the write in rank 1's backward pass only, while its peers waited
     for it in the gradient sum: rank 1 raises the call's SpmdError in the forward pass, and
     its peers stop in their backward pass with RankFailedError quoting it, none at a timeout
-    (faults_worker.written_after_use)."""
+    (faults_worker.written_after_use). Before it, an input that requires no grad written by
+    every rank after ``x * w`` saved it: the call's SpmdError on every rank, in the forward
+    pass, and the mesh stays in step (the parameter's phase runs)."""
     _, outcomes, tail = loaded
-    said = "the function wrote in place into an input that requires grad (shape [2])"
+    said = "the function wrote in place into an input (shape [2])"
+    for rank in range(WORLD):
+        o = outcomes[rank, "written_unwatched"]
+        assert o["error"] == "SpmdError" and said in o["message"], (o, tail)
     for rank in range(WORLD):
         o = outcomes[rank, "written"]
         assert o["error"] == ("SpmdError" if rank == 1 else "RankFailedError"), (o, tail)

@@ -434,12 +434,33 @@ def test_an_input_written_after_an_op_saved_it_is_the_calls_error():
     assert isinstance(raised.value, RuntimeError)
     message = str(raised.value)
     assert "spmd_map of `test_an_input_written_after_an_op_saved_it" in message
-    assert "wrote in place into an input that requires grad (shape [2])" in message
+    assert "wrote in place into an input (shape [2])" in message
     assert "modified by an inplace operation" in message
     w = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
     g = ns.spmd_map(before, mesh=MESH, in_specs=(P("i"), P()), out_specs=P())
     g(x, w).sum().backward()
     torch.testing.assert_close(w.grad, x.reshape(4, 2).sum(0) * torch.cos(torch.full((2,), 2.0)))
+
+
+def test_an_input_requiring_no_grad_written_after_an_op_saved_it_is_the_calls_error():
+    """``x * w`` saves ``w`` (which requires no grad) for ``x``'s gradient: written after, the
+    call's SpmdError, where the backward pass would fail (on a real mesh on the writing ranks
+    only: tests/faults_worker.py ``written_unwatched``). Written with no graph to save it (no
+    tensor requires grad), the call runs."""
+    x = torch.arange(8.0, dtype=torch.float64)
+
+    def after(x, w):
+        y = ns.psum(x * w, "i")
+        w.add_(1)
+        return y
+
+    f = ns.spmd_map(after, mesh=MESH, in_specs=(P("i"), P()), out_specs=P())
+    w = torch.ones(2, dtype=torch.float64)
+    with pytest.raises(ns.SpmdError, match=r"wrote in place into an input \(shape \[2\]\)"):
+        f(x.clone().requires_grad_(), w)
+    w = torch.ones(2, dtype=torch.float64)
+    torch.testing.assert_close(f(x, w), x.reshape(4, 2).sum(0))
+    torch.testing.assert_close(w, torch.full((2,), 2.0, dtype=torch.float64))
 
 
 def test_a_write_reads_its_own_storage_address_only(monkeypatch):

@@ -774,6 +774,50 @@ def test_a_dim_the_axes_do_not_divide_runs_per_instance_by_default():
         reads(_randn(8, seed=11))
 
 
+_READS = {  # per program: whether it reads a varying value (or sizes a tensor by one)
+    "item": (lambda v, k, m: v.sum().item(), True),
+    "bool": (lambda v, k, m: bool(v.sum() > 0), True),
+    "int": (lambda v, k, m: int(v[0]), True),
+    "tolist": (lambda v, k, m: v.tolist(), True),
+    "mask": (lambda v, k, m: v[v > 0], True),
+    "mask in a tuple": (lambda v, k, m: v[None, v > 0], True),
+    "nonzero": (lambda v, k, m: v.nonzero(), True),
+    "unique": (lambda v, k, m: torch.unique(v), True),
+    "where of one argument": (lambda v, k, m: torch.where(v > 0), True),
+    "a size": (lambda v, k, m: torch.zeros((v > 0).sum()), True),
+    "a slice's bound": (lambda v, k, m: v[: (v > 0).sum()], True),
+    "a view's size": (lambda v, k, m: v.view((v > 0).sum() * 0 + 2, -1), True),
+    "an invariant value": (lambda v, k, m: v[: int(k)], False),
+    "an invariant mask": (lambda v, k, m: v[m], False),
+    "an integer index": (lambda v, k, m: v[v.argsort()], False),
+    "where of three": (lambda v, k, m: torch.where(v > 0, v, 0.0), False),
+    "shapes": (lambda v, k, m: torch.zeros(v.shape[0]), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_READS))
+def test_reads_of_varying_values_are_noted(name):
+    """A read of a varying value (or a shape made from one) marks the call
+    (``SpmdContext.values_read``): from there its instances may make other shapes, so a real
+    mesh compares its outputs' (tests/uneven_dist.py); reads of invariant values and shapes
+    made from shapes do not."""
+    from named_spmd import _calls
+
+    read, noted = _READS[name]
+    seen = []
+
+    def f(v, k, m):
+        read(v, k, m)
+        seen.append(_calls.active().values_read)
+        return v
+
+    mesh = ns.make_mesh((2,), ("x",))
+    mapped = ns.spmd_map(f, mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=P("x"))
+    with ns.simulate_per_instance():
+        mapped(_randn(8, seed=5), torch.tensor(2), torch.tensor([True, False, True, True]))
+    assert seen == [noted, noted]
+
+
 @pytest.mark.distributed
 def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     """One 4-process launch (gloo) runs every case of tests/uneven_dist.py on real meshes (4,)
@@ -787,8 +831,10 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     call's all_to_all, on one member only too) and the next call running after them, and
     the DTensors whose blocks are not the spec's refused; the process-group calls of uneven
     calls (one exchange of operand shapes per collective, of output shapes unless they are the
-    last call's, on some ranks only too); and even calls of split sizes the
-    real mesh alone runs (a collective some ranks call, a .local call's unequal sizes)."""
+    last call's, on some ranks only too); even calls of split sizes the
+    real mesh alone runs (a collective some ranks call, a .local call's unequal sizes); and
+    even calls that read values (boolean masks, branches on values: the outputs' shapes,
+    trees and out_specs errors compared, as the per-instance execution's)."""
     import json
     import os
 

@@ -46,6 +46,9 @@ class Case:
     args: Callable[[], tuple]
     dense: Callable[..., Any] | None  # the global outputs from the global inputs
     switch: bool = True  # run under ns.simulate_per_instance() (unequal blocks need none)
+    # the simulated mesh alone runs per instance: a program vmap cannot run (a boolean mask),
+    # an even call on the real mesh
+    switch_simulated: bool = False
     dtensor: bool = False  # the real mesh gets the inputs as DTensors (their Shard blocks)
     # the real outputs' types: "D" DTensor, "T" plain (an error's case: what its message says)
     kinds: tuple[str, ...] = field(default=())
@@ -172,7 +175,42 @@ def _ragged_dense(x, out):
     return torch.cat(reference(r, list(x.split(r.rows)), list(out.split(r.m))))
 
 
+def _masked(v):  # a result's shape from the values: 2, 2, 2, 1 positive of 4 (seed 63)
+    return v[v > 0] * 2
+
+
+def _masked_blocks(x, blocks):
+    return torch.cat([b[b > 0] for b in (x.split(4)[i] for i in blocks)])
+
+
 CASES = [
+    Case(  # an even call: the ranks' outputs' shapes compared, torch.chunk's: a DTensor
+        "boolean_mask_in_an_even_call",
+        (4,),
+        ("x",),
+        _masked,
+        P("x"),
+        P("x"),
+        lambda: (_randn(16, seed=63),),
+        lambda x: x[x > 0] * 2,
+        kinds=("D",),
+        switch=False,
+        switch_simulated=True,
+    ),
+    Case(  # check_vma=False, an even call: the blocks at b=0 (1 and 2 positive), not b=1's
+        "boolean_mask_in_an_even_call_returned_over_a_unchecked",
+        (2, 2),
+        ("a", "b"),
+        lambda v: v[v > 0],
+        P(("a", "b")),
+        P("a"),
+        lambda: (_randn(16, seed=59),),
+        lambda x: _masked_blocks(x, (0, 2)),
+        kinds=("T",),
+        switch=False,
+        switch_simulated=True,
+        check_vma=False,
+    ),
     Case(  # a real mesh's per-instance call keeps the record's parameters (their fields)
         "ragged_all_to_all_per_instance",
         (4,),
@@ -480,6 +518,33 @@ def _invariant_then_other_dtype(v):
 
 
 ERRORS = [
+    Case(  # an even call whose ranks branch on their values (sums of either sign, seed 59)
+        "output_trees_differing_after_a_branch_on_values",
+        (4,),
+        ("x",),
+        lambda v: (v,) if v.sum() > 0 else (v, v),
+        P("x"),
+        P("x"),
+        lambda: (_randn(16, seed=59),),
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=("SpmdError: ", "returned different output trees"),
+    ),
+    Case(  # the out_specs check fails where the sum is positive: told alike, as uneven calls
+        "out_specs_failing_after_a_branch_on_values",
+        (4,),
+        ("x",),
+        lambda v: v if v.sum() > 0 else torch.zeros(4, dtype=v.dtype),
+        P("x"),
+        P(),
+        lambda: (_randn(16, seed=59),),
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=("VmaError: ", "claim replication"),
+        note="the out_specs check failed on rank",
+    ),
     Case(  # typed invariant, of each block's length: 3 rows at x=0, 1 at x=3
         "invariant_output_of_a_block_size",
         (4,),
@@ -787,7 +852,7 @@ def run_case(case: Case, mesh, real: bool) -> dict:
     f = ns.spmd_map(case.fn, mesh=mesh, **specs, check_vma=case.check_vma)
     args = [a.clone().requires_grad_() for a in case.args()]
     inputs = _dtensors(case, mesh, args) if real and case.dtensor else args
-    switch = ns.simulate_per_instance() if case.switch else _nothing()
+    switch = ns.simulate_per_instance() if _per_instance(case, mesh) else _nothing()
     back = None
     with switch:
         with ns.CommMode() as comms:  # forward and backward
@@ -806,6 +871,10 @@ def run_case(case: Case, mesh, real: bool) -> dict:
         "counts": comms.counts(),
         "back": back,
     }
+
+
+def _per_instance(case: Case, mesh) -> bool:
+    return case.switch or (case.switch_simulated and mesh.kind == "simulated")
 
 
 class _nothing:
@@ -1149,6 +1218,32 @@ COUNTED = [
             "allreduce all_to_all_single all_gather_single allreduce",
         ),
     ),
+    Case(  # an even call that read a varying value: the start-of-call check, outputs' shapes
+        # (then a flag: they are the last call's)
+        "even_call_reading_values_exchanges_its_outputs_shapes",
+        (4,),
+        ("x",),
+        lambda v: v[: int((v > 0).sum())],
+        P("x"),
+        P("x"),
+        lambda: (_randn(16, seed=63),),
+        lambda x: torch.cat([b[: int((b > 0).sum())] for b in x.split(4)]),
+        kinds=("allreduce all_to_all_single", "allreduce allreduce"),
+        switch=False,
+        switch_simulated=True,
+    ),
+    Case(  # an even call that read an invariant value: the start-of-call check alone
+        "even_call_reading_invariant_values_exchanges_nothing",
+        (4,),
+        ("x",),
+        lambda v, k: v[: int(k)] * 2,
+        (P("x"), P()),
+        P("x"),
+        lambda: (_randn(16, seed=63), torch.tensor(2)),
+        lambda x, k: torch.cat([b[:2] * 2 for b in x.split(4)]),
+        kinds=("allreduce", "allreduce"),
+        switch=False,
+    ),
     # the start-of-call check and two exchanges of the outputs' shapes (then one flag)
     _five_outputs(
         "five_outputs_exchange_their_shapes_twice",
@@ -1359,7 +1454,8 @@ def check_calls(case: Case, real_mesh, sim_mesh) -> list[str]:
         for mesh, real in ((sim_mesh, False), (real_mesh, True)):
             f = ns.spmd_map(case.fn, mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs)
             _PG_CALLS.clear()
-            with torch.no_grad(), ns.simulate_per_instance():
+            switch = ns.simulate_per_instance() if _per_instance(case, mesh) else _nothing()
+            with torch.no_grad(), switch:
                 got = [_global(o) for o in _leaves(f(*args))]
             calls = list(_PG_CALLS)
             for j, (a, b) in enumerate(zip(got, want)):

@@ -44,29 +44,35 @@ def shard_leaves(
     return out
 
 
-def check_equal_blocks(mesh, leaves: list[Any], where: list[str], refused: bool) -> None:
-    """``local=True``: every rank's blocks have the same shapes (the global shape is read off
-    this rank's block) and dtypes (the DTensor's, whose collectives size their buffers by it),
-    and the spec checks (``refused``: they found a problem) agree. One
-    all-reduce of a digest of both, on every rank before any raises: where they differ, a
-    SpecError on every rank, not an abort in a later collective that sizes them differently
-    nor a peer left waiting here for a rank that raised; where they agree, the spec checks
-    (deterministic in the shapes) raise the same error on every rank or on none."""
+def check_equal_blocks(
+    mesh, leaves: list[Any], where: list[str], layout: str, refused: bool
+) -> None:
+    """``local=True``: every rank passes a tree of one structure under the same specs
+    (``layout``: their text, without addresses), blocks of the same shapes (the global shape
+    is read off this rank's block) and dtypes (the DTensor's, whose collectives size their
+    buffers by it), DTensors (refused) at the same places, and the checks of the tree and
+    specs (``refused``: they found a problem) agree. One all-reduce of a digest of all, on every rank before any raises: where
+    they differ, a SpecError on every rank, not an abort in a later collective that sizes them
+    differently nor a peer left waiting here for a rank that raised; where they agree, the
+    checks (deterministic in the structure, specs and shapes) raise the same error on every
+    rank or on none."""
     blocks = {
         at: f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+        + (" (a DTensor)" if isinstance(x, DTensor) else "")  # (refused: _from_block)
         for x, at in zip(leaves, where)
         if isinstance(x, torch.Tensor)
     }
     comm = mesh.check_comm()
-    digest = zlib.crc32(repr([list(blocks.values()), refused]).encode())
+    digest = zlib.crc32(repr([layout, blocks, refused]).encode())
     if not comm.agreed(comm.start_agree(digest, "ns.shard"), "ns.shard"):
         raise SpecError(
             "ns.shard(..., local=True): the ranks passed blocks of different shapes or dtypes "
-            f"(this rank's: {blocks}), or specs that fit them on some ranks only; the global "
-            "shape is read off each rank's block, so every rank passes one of the same shape "
-            "and dtype under the same specs. Fix: cast the blocks to one dtype and pad a dim "
-            "its axes do not divide to a multiple of their size on every rank, or pass the "
-            "global tensors without local=True (a dim the axes do not divide is then split as "
+            f"(this rank's: {blocks}), trees or specs that differ ({layout}), or specs that "
+            "fit the blocks on some ranks only; the global shape is read off each rank's "
+            "block, so every rank passes one of the same shape and dtype in the same tree "
+            "under the same specs. Fix: cast the blocks to one dtype and pad a dim its axes "
+            "do not divide to a multiple of their size on every rank, or pass the global "
+            "tensors without local=True (a dim the axes do not divide is then split as "
             "torch.chunk splits it)."
         )
 

@@ -3,7 +3,9 @@
 A call takes uneven blocks where the simulated mesh does (``ns.simulate_per_instance()`` active,
 or an input's ``Blocks`` entry giving unequal sizes), so that both accept and refuse the same
 inputs; such a call runs with ``_dist_uneven_primitives.UnevenPrimitives`` and its inputs and
-outputs go through here. An even call never does: its path is ``_dist_io`` alone, unchanged.
+outputs go through here. An even call's outputs do where its function read a value that
+varies (``DistributedContext.compares_outputs``: its ranks may return other shapes); its path
+is ``_dist_io`` otherwise.
 
 * Inputs: a plain tensor's block is cut by ``_layout.block`` (torch.chunk's blocks, or the
   ``Blocks`` sizes); its gradient gathers the blocks padded to the largest (gloo gathers equal
@@ -190,14 +192,17 @@ def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple]:
 
 def outputs(ctx, outs: list[torch.Tensor], call: Call, layouts: list[tuple]) -> list[torch.Tensor]:
     """The call's outputs from every rank's blocks of unequal sizes, laid out as
-    :func:`agree` found (see the module doc)."""
+    :func:`agree` found (see the module doc); a local call's: this rank's blocks."""
     out = []
     for y, spec, (per_dim, first, apart) in zip(outs, call.out_specs(), layouts):
         if apart is not None:  # check_vma=False (else _layouts raised)
             y = as_first(ctx, y, spec, first, apart[2])
-        out.append(
-            io.global_output(ctx, y, spec) if per_dim is None else _output(ctx, y, spec, per_dim)
-        )
+        if call.local:
+            out.append(io.local_output(ctx, y, spec))
+        elif per_dim is None:
+            out.append(io.global_output(ctx, y, spec))
+        else:
+            out.append(_output(ctx, y, spec, per_dim))
     return out
 
 

@@ -84,7 +84,7 @@ def _own_sizes(rec, params: tuple) -> bool:
     return rec.name == "all_to_all" and params[3] is not None
 
 
-def _remember(records: dict, signature: int, record: tuple) -> None:
+def remember(records: dict, signature: int, record: tuple) -> None:
     """``record`` kept as ``signature``'s, the oldest signature's forgotten past
     :data:`_RECORDS` (every rank keeps and forgets alike: the start-of-call check compares)."""
     records.pop(signature, None)
@@ -143,33 +143,24 @@ class UnevenPrimitives:
     # the same: the start-of-call check compares a digest of what each recalls (``_dist_agree``),
     # and a rank that recalls otherwise than another makes every rank forget it.
 
-    _signature = 0
+    _signature: int  # (the context's: ``DistributedContext.recall_shapes`` sets it)
     _recalled: tuple | None = None  # the last call's shapes, by ppermute, or None
     _seen: list | None = None  # this call's, until its outputs are made (then recorded)
     _guess: tuple[int, ...] | None = None  # the shape the next permute assumes
-    _rows: tuple | None = None  # the last call's outputs' rows (``_dist_uneven``), or None
 
     def recall_shapes(self, signature: int) -> int:
-        self._signature, self._seen = signature, []
+        # the outputs' rows (``DistributedContext``, after this mixin in the context's MRO)
+        rows = super().recall_shapes(signature)  # type: ignore[misc]
+        self._seen = []
         self._recalled = self.mesh.shape_records.get(signature)
-        self._rows = self.mesh.row_records.get(signature)
-        if self._recalled is None and self._rows is None:
-            return 0
+        if self._recalled is None:
+            return rows
         # (of ints only: hash() of a str, or of None before Python 3.12, differs by process)
-        permutes = () if self._recalled is None else self._recalled
-        return hash((tuple((-1,) if s is None else s for s in permutes), self._rows or ()))
+        return hash((tuple((-1,) if s is None else s for s in self._recalled), rows))
 
     def forget_shapes(self) -> None:
-        self._recalled = self._rows = None
-
-    def recalled_rows(self) -> tuple | None:
-        """The outputs' rows of the signature's last call, as every rank recalls them (the
-        start-of-call check compared them), or None."""
-        return self._rows
-
-    def record_rows(self, rows: tuple) -> None:
-        """The outputs' rows of this call, for the next call of its signature."""
-        _remember(self.mesh.row_records, self._signature, rows)
+        super().forget_shapes()  # type: ignore[misc]
+        self._recalled = None
 
     def _permuted_shapes(self, x: torch.Tensor, axes, pairs) -> None:
         """Before a ppermute's data moves: the shape it assumes (``_guess``), or every
@@ -208,7 +199,7 @@ class UnevenPrimitives:
         of its signature (the oldest signature's forgotten past :data:`_RECORDS`)."""
         if self._seen is None:
             return
-        _remember(self.mesh.shape_records, self._signature, tuple(self._seen))
+        remember(self.mesh.shape_records, self._signature, tuple(self._seen))
         self._seen = None
 
     def check_operand(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:

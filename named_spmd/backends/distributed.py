@@ -64,7 +64,7 @@ from ._dist_mesh import (
     mesh_from_device_mesh,
     registered_mesh,
 )
-from ._dist_uneven_primitives import UnevenPrimitives, exchange
+from ._dist_uneven_primitives import UnevenPrimitives, exchange, remember
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -136,15 +136,41 @@ class DistributedContext(TrackedContext):
         blocks' sizes: ``_dist_uneven``)."""
         return params
 
+    _signature = 0  # the start-of-call check's checksum: what the records are kept under
+    _rows: tuple | None = None  # the outputs' rows of the signature's last compared call
+
     def recall_shapes(self, signature: int) -> int:
         """A digest of what this call assumes from the last call of its ``signature`` (the
-        start-of-call check compares it across ranks); 0: nothing (an uneven call overrides)."""
-        return 0
+        start-of-call check compares it across ranks): the outputs' rows of its last call whose
+        outputs were compared (``_dist_uneven.agree``; an uneven call adds its ppermutes'
+        shapes); 0: nothing. (Of ints only: ``hash`` of a str differs by process.)"""
+        self._signature = signature
+        self._rows = self.mesh.row_records.get(signature)
+        return 0 if self._rows is None else hash(self._rows)
 
     def forget_shapes(self) -> None:
         """The ranks recall different things of the signature's last call: assume nothing (a
         replay makes no cast at its entry: ``_dist_pvary.hoist``)."""
         self.hoist_refused = True
+        self._rows = None
+
+    def recalled_rows(self) -> tuple | None:
+        """The outputs' rows of the signature's last compared call (every rank's alike), or None."""
+        return self._rows
+
+    def record_rows(self, rows: tuple) -> None:
+        """The outputs' rows of this call, for the next call of its signature."""
+        remember(self.mesh.row_records, self._signature, rows)
+
+    def record_shapes(self) -> None:
+        """No ppermute's shapes to keep (an uneven call's: ``UnevenPrimitives``)."""
+
+    def compares_outputs(self) -> bool:
+        """Whether the ranks' outputs are compared (``_dist_uneven.agree``) before they are laid
+        out: blocks of unequal sizes, or a function that read a varying value on the host or
+        sized a tensor by one (``values_read``), whose ranks may return other shapes, trees or
+        out_specs errors. Every rank decides alike: until the first such read, all ran alike."""
+        return self.uneven or (self.values_read and self.mesh.size > 1)
 
     def psum_in_backward(self, g, axes, node):
         return _dist_overlap.psum_in_backward(g, self.mesh.comm(axes), node)
@@ -336,7 +362,7 @@ def run(call: Call) -> list[Any]:
         call.check_writes(versions, outs)
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
-        layouts = _dist_uneven.agree(ctx, outs, call) if uneven else None
+        layouts = _dist_uneven.agree(ctx, outs, call) if ctx.compares_outputs() else None
         if mesh.debug:
             _dist_agree.check_replicas_agree(ctx, outs, call.out_specs())
         if layouts is not None:
@@ -367,16 +393,17 @@ def run(call: Call) -> list[Any]:
 
 
 def _body(ctx: DistributedContext, call: Call, replay: Replay | None, local: list[Any]) -> list:
-    """``call.body`` on this rank's blocks. In an uneven call, an out_specs error leaves this
-    rank no output and is raised after the outputs' exchange (``_dist_uneven.agree``), on every
-    rank alike: the per-rank programs differ, so the others may have passed the check."""
+    """``call.body`` on this rank's blocks. Where the outputs are compared (an uneven call, or
+    one that read values: ``compares_outputs``), an out_specs error leaves this rank no output
+    and is raised after the outputs' exchange (``_dist_uneven.agree``), on every rank alike:
+    the per-rank programs differ, so the others may have passed the check."""
     try:
         if replay is not None:
             return replay.run(ctx, call.body, local)
         with VmaMode(ctx):
             return call.body(local, ctx)
     except SpmdError as e:
-        if not ctx.uneven or e is not call.out_error:
+        if not ctx.compares_outputs() or e is not call.out_error:
             raise
         return []
 
