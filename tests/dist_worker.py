@@ -483,6 +483,7 @@ def _overlapped_gradient_checks(mesh, world) -> list[dict]:
     results.append(_pending_gradient_into_a_collective(mesh, world))
     results.append(_gradients_are_plain_after_backward(mesh, scale, x))
     results.append(_packed_and_conjugated_parameters(mesh, x))
+    results.append(_gradient_of_a_partial_sum(mesh, world))
     results.append(_backward_that_raises(mesh, world, scale, x))
     results.append(_only_temporaries_are_reduced_in_place(mesh, world))
     return results
@@ -652,6 +653,34 @@ def _packed_and_conjugated_parameters(mesh, x) -> dict:
             f"conj view: {got.item()} (grad {w.grad}), dense {want.item()} ({dense.grad})"
         )
     return {"check": "packed and conjugated parameters", "problems": problems}
+
+
+def _gradient_of_a_partial_sum(mesh, world) -> dict:
+    """``torch.autograd.grad`` inside the function, of a loss with respect to a partial sum
+    (unreduced over tp): the gradient is reduced over tp, each rank holding the whole cotangent
+    (docs/design.md 2.2), not a part of it: a nonlinear op on it runs (dense torch's value), a
+    psum of it is refused (it would count the cotangent once per part)."""
+
+    def cotangent(v):
+        u = ns.pcast(v * 1.0, "tp", to="unreduced")
+        (g,) = torch.autograd.grad(ns.psum((u * 3.0).sum(), "tp"), u)
+        return g
+
+    x = torch.arange(4.0 * world).reshape(world, 4).requires_grad_()
+    specs = {"in_specs": P(("dp", "tp")), "mesh": mesh}
+    relu = ns.spmd_map(lambda v: torch.relu(cotangent(v)) * 2.0, out_specs=P("dp"), **specs)
+    summed = ns.spmd_map(lambda v: ns.psum(cotangent(v), "tp"), out_specs=P("dp"), **specs)
+    problems = []
+    try:
+        got = _global(relu(x))
+        if not torch.equal(got, torch.full((mesh.axis_sizes[0], 4), 6.0)):
+            problems.append(f"relu of the gradient: {got.tolist()}, want 6.0 everywhere")
+    except ns.SpmdError as e:  # (every rank raises it alike: the mesh stays in step)
+        problems.append(f"relu of the gradient raised {type(e).__name__}: {e}"[:300])
+    problems += _expect_error(
+        "psum of a partial sum's gradient", lambda: summed(x), ns.VmaError, "R:tp"
+    )["problems"]
+    return {"check": "gradient of a partial sum inside the function", "problems": problems}
 
 
 def _pending_gradient_copies(scale, x, w) -> list[str]:

@@ -108,6 +108,11 @@ def relu_of_a_partial_sum_from_vmap(x, w):
     return ns.psum(torch.relu(torch.func.vmap(lambda r: r * 2)(_parts(x))), "x").reshape(-1)
 
 
+def relu_of_its_parts_from_vmap(x, w):  # cast to varying: each instance's part, on its storage
+    parts = ns.pcast(torch.func.vmap(lambda r: r * 2)(_parts(x)), "x", to="varying")
+    return ns.psum(torch.relu(parts), "x").reshape(-1)
+
+
 PROGRAMS = {
     "vjp_claimed_replicated": (vjp_claimed_replicated, P()),
     "vmap_mixing_invariant": (vmap_mixing_invariant, P("x")),
@@ -127,6 +132,7 @@ PROGRAMS = {
     "vmap_of_a_partial_sum": (vmap_of_a_partial_sum, P()),
     "vmap_relu_of_a_partial_sum": (vmap_relu_of_a_partial_sum, P()),
     "relu_of_a_partial_sum_from_vmap": (relu_of_a_partial_sum_from_vmap, P()),
+    "relu_of_its_parts_from_vmap": (relu_of_its_parts_from_vmap, P()),
 }
 
 
@@ -148,6 +154,7 @@ DENSE = {
     "vmap_of_a_partial_sum": lambda x, w: (
         2 * sum(_blocks(x)).reshape(2, 2) - sum(_blocks(x)).reshape(2, 2).flip(1)
     ).reshape(-1),
+    "relu_of_its_parts_from_vmap": lambda x, w: sum(torch.relu(2 * b) for b in _blocks(x)),
 }
 
 

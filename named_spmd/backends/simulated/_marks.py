@@ -37,8 +37,11 @@ def mark_of(x: torch.Tensor, token: object) -> Vma | None:
     return m[1] if m is not None and m[0] is token else None
 
 
-def set_mark(x: torch.Tensor, token: object, vma: Vma) -> None:
-    if vma.partial:
+def set_mark(x: torch.Tensor, token: object, vma: Vma, kept: bool = False) -> None:
+    """Mark ``x`` with ``vma`` where partial, else drop its mark; ``kept``: mark it whatever
+    ``vma`` (once a transform inside the call handed back marked values: a tensor on their
+    storage, a cast of one to varying, must not read as one of them, :func:`marked_within`)."""
+    if vma.partial or kept:
         x.__dict__[ATTR] = (token, vma)
     elif ATTR in x.__dict__:
         del x.__dict__[ATTR]
@@ -64,22 +67,22 @@ def marked_within(ctx: Any, x: torch.Tensor) -> Vma | None:
     if not ctx.transform_marks:
         return None
     hit = ctx.transform_marks.get(_storage(torch_private.innermost(x)))
-    return None if hit is None or not hit[1].partial else hit[1]
+    return None if hit is None else hit[1]
 
 
 def set_mark_within(ctx: Any, x: torch.Tensor, vma: Vma) -> None:
     """:func:`set_mark` of a result, and where a transform inside the call made it, of the
     tensors its wrappers hold down to the call's levels, the storage noted (for a view the
     transform hands back: :func:`marked_within`; the tensor kept, so no other gets the address)."""
-    token = ctx.token
-    set_mark(x, token, vma)
+    token, kept = ctx.token, bool(ctx.transform_marks)
+    set_mark(x, token, vma, kept)
     if torch_private.maybe_get_level(x) <= ctx.inner_level:
         return
     while torch_private.maybe_get_level(x) > ctx.inner_level:
         x = torch_private.get_unwrapped(x)
-        set_mark(x, token, vma)
-    plain = torch_private.innermost(x)
-    if vma.partial or ctx.transform_marks:
+        set_mark(x, token, vma, True)
+    if vma.partial:  # (a storage may hold a varying view of it too: told partial, an error)
+        plain = torch_private.innermost(x)
         ctx.transform_marks[_storage(plain)] = (plain, vma)
 
 

@@ -127,8 +127,8 @@ class SimulatedContext(SpmdContext):
         return x
 
     def _mark(self, x: torch.Tensor, vma: Vma) -> None:
-        if torch_private.maybe_current_level() != self.inner_level:  # a transform inside
-            set_mark_within(self, x, vma)
+        if self.transform_marks or torch_private.maybe_current_level() != self.inner_level:
+            set_mark_within(self, x, vma)  # (a transform inside the call, now or before)
         else:
             set_mark(x, self.token, vma)
 
