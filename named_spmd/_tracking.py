@@ -214,16 +214,19 @@ class VmaMode(TorchFunctionMode):
     def _gradients(self, args, kwargs, grads):
         """The results of ``torch.autograd.grad`` (torch.func.grad and vjp inside the function
         call it): autograd computes them outside the mode, and each cotangent has the type of
-        its input (the transpose of every op keeps the operand's type), varying also where a
-        cotangent given varies and its output does not (its gradient then differs between
-        instances, as on the simulated mesh; typed by the input alone, it was a varying value
-        typed invariant)."""
+        its input (the transpose of every op keeps the operand's type), but for partial states,
+        which swap (a partial sum's cotangent is reduced, a reduced value's unreduced: section
+        2.2), varying also where a cotangent given varies and its output does not (its gradient
+        then differs between instances, as on the simulated mesh; typed by the input alone, it
+        was a varying value typed invariant)."""
         inputs = kwargs.get("inputs") if kwargs and "inputs" in kwargs else args[1]
         inputs = (inputs,) if isinstance(inputs, Tensor) else inputs
         given = _given_vma(self.ctx, args, kwargs)
         for x, g in zip(inputs, grads):
             if isinstance(g, Tensor):
                 vma = self.ctx.vma(x)
+                if vma.partial:
+                    vma = Vma.make(vma.varying, vma.reduced, vma.unreduced)
                 vma = vma if given is INVARIANT or vma.partial else vma.union(given)
                 if vma is not INVARIANT:
                     self.ctx.pin(g, vma)

@@ -482,6 +482,8 @@ def _overlapped_gradient_checks(mesh, world) -> list[dict]:
         )
     results.append(_pending_gradient_into_a_collective(mesh, world))
     results.append(_gradients_are_plain_after_backward(mesh, scale, x))
+    results.append(_packed_and_conjugated_parameters(mesh, x))
+    results.append(_gradient_of_a_partial_sum(mesh, world))
     results.append(_backward_that_raises(mesh, world, scale, x))
     results.append(_only_temporaries_are_reduced_in_place(mesh, world))
     return results
@@ -601,6 +603,84 @@ def _gradients_are_plain_after_backward(mesh, scale, x) -> dict:
         "check": "gradients are plain tensors after backward",
         "problems": problems + _pending_gradient_copies(scale, x, model.p),
     }
+
+
+def _packed_and_conjugated_parameters(mesh, x) -> dict:
+    """Parameters packed outside the call (``torch.cat``, a sum of ``torch.stack``) get plain
+    ``.grad`` tensors once backward returns, as dense torch's values, plain and as DTensors; a
+    parameter's conjugate view (``w.conj()``: the conj bit, which the implicit pvary made at
+    the parameter would lose) gives dense torch's value and gradient."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from named_spmd.backends.distributed import to_local
+
+    def summed_rows(v, w):
+        return ns.psum((v * w).sum(0), ("dp", "tp"))
+
+    packed = ns.spmd_map(summed_rows, mesh=mesh, in_specs=(P(("dp", "tp")), P()), out_specs=P())
+    problems = []
+    total = x.sum(0)
+    want = {"a": total[:2], "b": total[2:], "c": total, "d": total}
+    for dtensor in (False, True):
+        ws = [torch.linspace(-1.0, 1.0, 2 if k < 2 else 4) + k for k in range(4)]
+        if dtensor:
+            ws = [distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2) for w in ws]
+        a, b, c, d = (torch.nn.Parameter(w) for w in ws)
+        for pack in (torch.cat([a, b]), torch.stack([c, d]).sum(0)):
+            to_local(packed(x, pack)).sum().backward()
+        for name, p in zip("abcd", (a, b, c, d)):
+            local = p.grad._local_tensor if dtensor else p.grad
+            got = p.grad.full_tensor() if dtensor else p.grad
+            if type(local) is not torch.Tensor or not torch.allclose(got, want[name]):
+                problems.append(f"packed {name} (DTensor: {dtensor}): {type(local).__name__} {got}")
+    z = torch.tensor([1.0 + 2.0j, -0.5 + 1.0j, 3.0 - 1.0j, 0.25j])
+    xz = (x + 1j * x.flip(0)).to(torch.complex64)
+    conjugated = ns.spmd_map(
+        lambda v, w: ns.psum((v * w.conj()).imag.pow(2).sum(), ("dp", "tp")),
+        mesh=mesh,
+        in_specs=(P(("dp", "tp")), P()),
+        out_specs=P(),
+    )
+    w, dense = torch.nn.Parameter(z.clone()), torch.nn.Parameter(z.clone())
+    got = to_local(conjugated(xz, w))
+    got.backward()
+    want = (xz * dense.conj()).imag.pow(2).sum()
+    want.backward()
+    if not torch.allclose(got, want) or not torch.allclose(
+        w.grad - dense.grad, torch.zeros(4, dtype=z.dtype)
+    ):
+        problems.append(
+            f"conj view: {got.item()} (grad {w.grad}), dense {want.item()} ({dense.grad})"
+        )
+    return {"check": "packed and conjugated parameters", "problems": problems}
+
+
+def _gradient_of_a_partial_sum(mesh, world) -> dict:
+    """``torch.autograd.grad`` inside the function, of a loss with respect to a partial sum
+    (unreduced over tp): the gradient is reduced over tp, each rank holding the whole cotangent
+    (docs/design.md 2.2), not a part of it: a nonlinear op on it runs (dense torch's value), a
+    psum of it is refused (it would count the cotangent once per part)."""
+
+    def cotangent(v):
+        u = ns.pcast(v * 1.0, "tp", to="unreduced")
+        (g,) = torch.autograd.grad(ns.psum((u * 3.0).sum(), "tp"), u)
+        return g
+
+    x = torch.arange(4.0 * world).reshape(world, 4).requires_grad_()
+    specs = {"in_specs": P(("dp", "tp")), "mesh": mesh}
+    relu = ns.spmd_map(lambda v: torch.relu(cotangent(v)) * 2.0, out_specs=P("dp"), **specs)
+    summed = ns.spmd_map(lambda v: ns.psum(cotangent(v), "tp"), out_specs=P("dp"), **specs)
+    problems = []
+    try:
+        got = _global(relu(x))
+        if not torch.equal(got, torch.full((mesh.axis_sizes[0], 4), 6.0)):
+            problems.append(f"relu of the gradient: {got.tolist()}, want 6.0 everywhere")
+    except ns.SpmdError as e:  # (every rank raises it alike: the mesh stays in step)
+        problems.append(f"relu of the gradient raised {type(e).__name__}: {e}"[:300])
+    problems += _expect_error(
+        "psum of a partial sum's gradient", lambda: summed(x), ns.VmaError, "R:tp"
+    )["problems"]
+    return {"check": "gradient of a partial sum inside the function", "problems": problems}
 
 
 def _pending_gradient_copies(scale, x, w) -> list[str]:

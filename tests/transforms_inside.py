@@ -89,6 +89,30 @@ def vmap_unbatched_collective(x, w):  # vmap expands a result it did not batch: 
     return ns.psum(moved, "x").reshape(-1)[:4]
 
 
+# A partial sum (unreduced over "x": each instance's block a part of the sum) keeps its type
+# through a vmap inside the function: its linear ops pass, a nonlinear one is refused, inside the
+# vmap or on the result the vmap hands back (typed varying, it would be summed silently wrong).
+def _parts(x):
+    return ns.pcast(x * 1.0, "x", to="unreduced").reshape(2, 2)
+
+
+def vmap_of_a_partial_sum(x, w):
+    return ns.psum(torch.func.vmap(lambda r: r * 2 - r.flip(0))(_parts(x)), "x").reshape(-1)
+
+
+def vmap_relu_of_a_partial_sum(x, w):
+    return ns.psum(torch.func.vmap(torch.relu)(_parts(x)), "x").reshape(-1)
+
+
+def relu_of_a_partial_sum_from_vmap(x, w):
+    return ns.psum(torch.relu(torch.func.vmap(lambda r: r * 2)(_parts(x))), "x").reshape(-1)
+
+
+def relu_of_its_parts_from_vmap(x, w):  # cast to varying: each instance's part, on its storage
+    parts = ns.pcast(torch.func.vmap(lambda r: r * 2)(_parts(x)), "x", to="varying")
+    return ns.psum(torch.relu(parts), "x").reshape(-1)
+
+
 PROGRAMS = {
     "vjp_claimed_replicated": (vjp_claimed_replicated, P()),
     "vmap_mixing_invariant": (vmap_mixing_invariant, P("x")),
@@ -105,6 +129,10 @@ PROGRAMS = {
     "identity_transpose_of_invariant_cotangent": (identity_transpose_of_invariant_cotangent, P()),
     "vjp_varying_cotangent_of_invariant": (vjp_varying_cotangent_of_invariant, P()),
     "vmap_unbatched_collective": (vmap_unbatched_collective, P()),
+    "vmap_of_a_partial_sum": (vmap_of_a_partial_sum, P()),
+    "vmap_relu_of_a_partial_sum": (vmap_relu_of_a_partial_sum, P()),
+    "relu_of_a_partial_sum_from_vmap": (relu_of_a_partial_sum_from_vmap, P()),
+    "relu_of_its_parts_from_vmap": (relu_of_its_parts_from_vmap, P()),
 }
 
 
@@ -123,6 +151,10 @@ DENSE = {
         b * 1.5 * w * 1.5 + b.cos() * w.cos() for b in _blocks(x)
     ),
     "vmap_unbatched_collective": lambda x, w: torch.cat([w[:2] + w[2:]] * 2),
+    "vmap_of_a_partial_sum": lambda x, w: (
+        2 * sum(_blocks(x)).reshape(2, 2) - sum(_blocks(x)).reshape(2, 2).flip(1)
+    ).reshape(-1),
+    "relu_of_its_parts_from_vmap": lambda x, w: sum(torch.relu(2 * b) for b in _blocks(x)),
 }
 
 

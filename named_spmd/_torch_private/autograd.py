@@ -163,6 +163,11 @@ def view_source(
     )
     if source is None or source.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
         return None
+    # the view is remade from the source's alias by ``as_strided``, which keeps the alias's
+    # dtype and no conj or neg bit: not a view that changes them (``w.conj()``,
+    # ``view_as_complex(w)``), whose remade copy would hold other values
+    if t.dtype != source.dtype or t.is_conj() != source.is_conj() or t.is_neg() != source.is_neg():
+        return None
     return source
 
 
@@ -187,12 +192,16 @@ def leaves_reached(node: Any) -> list[torch.Tensor]:
 
 
 # the nodes whose backward may hand on the very gradient it gets or a view of it: a sum or a
-# difference (``w - b``, ``w + 1``, ``w.sub(1)``: the minuend gets the gradient itself), a clone
-# and the views of a parameter (``w.unsqueeze(0).squeeze(0)``, ``w.t().t()``) put between a
-# pvary and the parameter
+# difference (``w - b``, ``w + 1``, ``w.sub(1)``: the minuend gets the gradient itself), a clone,
+# the views of a parameter (``w.unsqueeze(0).squeeze(0)``, ``w.t().t()``) put between a pvary
+# and the parameter, the packing of parameters (``torch.cat([q, k])``, ``torch.stack``: each
+# gets a view of the gradient) and a sum (its backward expands the gradient)
 _PASSING_NODES = frozenset(
     f"{op}Backward0"
     for op in (
+        "Cat",
+        "Stack",
+        "Sum",
         "T",
         "Transpose",
         "Permute",
@@ -208,6 +217,7 @@ _PASSING_NODES = frozenset(
 ) | {
     "AddBackward1",
     "SubBackward1",
+    "SumBackward1",
     "ExpandBackward0",
     "SqueezeBackward1",
     "SqueezeBackward2",

@@ -274,8 +274,14 @@ def _open_bucket(key: tuple, comm: Comm, cap: int, task: int):
 def _view_of(pending: torch.Tensor, view: Any) -> torch.Tensor:
     """A view of the pending gradient ``pending`` (torch's class wraps it) as a pending gradient
     of the same work: a leaf reached through views (a DTensor's ``_LocalOf``) then gets the plain
-    tensor once reduced, as ``pending`` itself would (:func:`into_leaf`)."""
-    out = _ACT()(async_buffer(view))
+    tensor once reduced, as ``pending`` itself would (:func:`into_leaf`). A conjugate or negative
+    view (``ConjBackward``'s ``g.conj()``) is waited for and handed on plain: torch's wrapper
+    around a tensor with the conj or neg bit reads without the bit in arithmetic."""
+    buf = async_buffer(view)
+    if buf.is_conj() or buf.is_neg():
+        async_wait(pending)
+        return buf
+    out = _ACT()(buf)
     work = pending.__dict__.get("_named_spmd_work")
     if work is not None:
         out._named_spmd_work = work

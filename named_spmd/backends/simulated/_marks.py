@@ -37,11 +37,59 @@ def mark_of(x: torch.Tensor, token: object) -> Vma | None:
     return m[1] if m is not None and m[0] is token else None
 
 
-def set_mark(x: torch.Tensor, token: object, vma: Vma) -> None:
-    if vma.partial:
+def set_mark(x: torch.Tensor, token: object, vma: Vma, kept: bool = False) -> None:
+    """Mark ``x`` with ``vma`` where partial, else drop its mark; ``kept``: mark it whatever
+    ``vma`` (once a transform inside the call handed back marked values: a tensor on their
+    storage, a cast of one to varying, must not read as one of them, :func:`marked_within`)."""
+    if vma.partial or kept:
         x.__dict__[ATTR] = (token, vma)
     elif ATTR in x.__dict__:
         del x.__dict__[ATTR]
+
+
+# A torch.func transform entered inside the call (a user's vmap, grad or jvp) wraps the call's
+# tensors in wrappers of its own level, and hands back what its wrappers hold (grad, jvp) or a
+# view of it (vmap moves its batch dim): a mark must be read through the wrappers and reach the
+# tensors handed back, or a partial sum would pass there as a varying value, unchecked.
+
+
+def marked_within(ctx: Any, x: torch.Tensor) -> Vma | None:
+    """The mark of a tensor that has none of its own (:func:`mark_of`) where a transform inside
+    the call made or wraps it: that of a tensor its wrappers hold, above the call's levels, or
+    for one a transform handed back as a view, that of the marked result it views (the storage
+    :func:`set_mark_within` noted)."""
+    token = ctx.token
+    while torch_private.maybe_get_level(x) > ctx.inner_level:
+        x = torch_private.get_unwrapped(x)
+        m = mark_of(x, token)
+        if m is not None:
+            return m
+    if not ctx.transform_marks:
+        return None
+    hit = ctx.transform_marks.get(_storage(torch_private.innermost(x)))
+    return None if hit is None else hit[1]
+
+
+def set_mark_within(ctx: Any, x: torch.Tensor, vma: Vma) -> None:
+    """:func:`set_mark` of a result, and where a transform inside the call made it, of the
+    tensors its wrappers hold down to the call's levels, the storage noted (for a view the
+    transform hands back: :func:`marked_within`; the tensor kept, so no other gets the address)."""
+    token, kept = ctx.token, bool(ctx.transform_marks)
+    set_mark(x, token, vma, kept)
+    if torch_private.maybe_get_level(x) <= ctx.inner_level:
+        return
+    while torch_private.maybe_get_level(x) > ctx.inner_level:
+        x = torch_private.get_unwrapped(x)
+        set_mark(x, token, vma, True)
+    if vma.partial:  # (a storage may hold a varying view of it too: told partial, an error)
+        plain = torch_private.innermost(x)
+        ctx.transform_marks[_storage(plain)] = (plain, vma)
+
+
+def _storage(t: torch.Tensor) -> int:
+    if t.is_meta or t.layout is not torch.strided:
+        return 0
+    return t.untyped_storage().data_ptr()
 
 
 # Contractions of an input (first operand) by a weight (second). Where the input is invariant over
@@ -123,7 +171,8 @@ class PartialMode(TorchFunctionMode):
             return func(*args, **kwargs), None, False, ()
         varied = input_axes(self.ctx, func, args, kwargs)
         operands = tensor_operands(args, kwargs)
-        token = self.ctx.token
+        ctx = self.ctx
+        token = ctx.token
         marked = blocked = False
         for t in operands:
             d = t.__dict__
@@ -133,6 +182,9 @@ class PartialMode(TorchFunctionMode):
             m = d.get(_BLOCKS)
             if m is not None and m[0] is token:
                 blocked = True
+        within = ctx.transform_marks or transform_inside(ctx)
+        if within and not marked:
+            marked = any(marked_within(ctx, t) is not None for t in operands)
         # (the partial-sum algebra below runs the op on its operands as given)
         run = with_input_varied(self.ctx, args, varied) if varied and not marked else args
         if not marked and not blocked:
@@ -152,5 +204,8 @@ class PartialMode(TorchFunctionMode):
                 self.ctx.forget_last_vma()  # the result's type changes below
         if vma is not None:
             for o in result_tensors(out):
-                set_mark(o, token, vma)
+                if within:
+                    set_mark_within(ctx, o, vma)
+                else:
+                    set_mark(o, token, vma)
         return out, vma, blocked, varied

@@ -20,7 +20,7 @@ from ..._stamps import _number as number
 from ..._types import INVARIANT, Vma
 from . import _instances as _instances  # installs the per-instance printing of values
 from . import _levels
-from ._marks import PartialMode, mark_of, set_mark
+from ._marks import PartialMode, mark_of, marked_within, set_mark, set_mark_within
 
 
 class SimulatedContext(SpmdContext):
@@ -47,6 +47,9 @@ class SimulatedContext(SpmdContext):
         self._vma: Vma = INVARIANT
         self.token = object()  # identifies this call's marks (unreduced / reduced values)
         self.partial_mode: PartialMode | None = None  # pushed with the first marked value
+        # storage address -> (tensor, type) of the values a torch.func transform inside the call
+        # typed (``_marks.set_mark_within``)
+        self.transform_marks: dict[int, tuple[torch.Tensor, Vma]] = {}
         # a planned or replayed call (``_planned``): each tensor it types gets the next number
         self.numbering = False
         self.numbered = 0
@@ -62,6 +65,10 @@ class SimulatedContext(SpmdContext):
             return self._vma
         if self.partial_mode is not None:  # unreduced / reduced values carry a mark
             marked = mark_of(x, self.token)
+            if marked is None and (
+                self.transform_marks or torch_private.maybe_get_level(x) > self.inner_level
+            ):
+                marked = marked_within(self, x)
             if marked is not None:
                 return marked
         axes = self._batched_axes(x)
@@ -112,12 +119,18 @@ class SimulatedContext(SpmdContext):
                 self.partial_mode = PartialMode(self)
                 self.partial_mode.__enter__()
             self._vma_of = None
-            set_mark(x, self.token, vma)
+            self._mark(x, vma)
         elif self.partial_mode is not None:
-            set_mark(x, self.token, vma)
+            self._mark(x, vma)
         if self.numbering:  # a type a replay's guard must tell from the tensor's earlier one
             self.number(x, vma)
         return x
+
+    def _mark(self, x: torch.Tensor, vma: Vma) -> None:
+        if self.transform_marks or torch_private.maybe_current_level() != self.inner_level:
+            set_mark_within(self, x, vma)  # (a transform inside the call, now or before)
+        else:
+            set_mark(x, self.token, vma)
 
     def number(self, x: torch.Tensor, vma: Vma | None = None) -> None:
         """Give ``x`` the call's next number (the key a replay's guard compares, ``_planned``),
