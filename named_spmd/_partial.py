@@ -35,7 +35,7 @@ from ._types import Vma, type_text
 # over tensor dims, casts); further tensor operands are indices or shapes, which must not vary
 # over or be unreduced over the value's U axes.
 _LINEAR_UNARY = frozenset(
-    "neg __neg__ positive __pos__ clone contiguous detach detach_ view view_as reshape "
+    "neg neg_ negative negative_ __neg__ positive __pos__ zero_ clone contiguous detach detach_ view view_as reshape "
     "reshape_as flatten unflatten squeeze unsqueeze transpose t T mT H mH permute movedim "
     "moveaxis swapaxes swapdims narrow select __getitem__ expand expand_as broadcast_to repeat "
     "tile split chunk unbind tensor_split sum mean cumsum diagonal diag trace flip roll real "
@@ -55,8 +55,9 @@ _ADDITIVE = frozenset(
 )
 # Additive ops that join their operands (a positional int is the dim, not an added constant).
 _JOINS = frozenset("cat concat concatenate stack hstack vstack".split())
-# Writes into the first operand (returning None: an error made lazily would never be raised).
-_WRITES = frozenset({"__setitem__"})
+# Writes of a value into the first operand (``u[i] = v``, ``u.fill_(v)``, ``u.copy_(v)``):
+# errors are raised, not made lazily (``__setitem__`` returns None, which would drop them).
+_WRITES = frozenset({"__setitem__", "fill_", "copy_"})
 # Products: linear in each operand, so exactly one operand may be unreduced over an axis, every
 # other tensor operand must be reduced over it (Python scalars are fine).
 _PRODUCT = frozenset(
@@ -251,7 +252,7 @@ def _problem(kind, name, axis, args, kwargs, operands, vmas) -> str | None:
             return "it adds a constant to a partial sum, which the total counts once per instance"
         return None
     if kind == "write":
-        return _write_problem(axis, args, operands, states)
+        return _write_problem(axis, name, args, kwargs, operands, states)
     if kind == "select":
         return _select_problem(axis, args, kwargs, operands, states)
     if kind == "product":
@@ -284,11 +285,12 @@ def _problem(kind, name, axis, args, kwargs, operands, vmas) -> str | None:
     )
 
 
-def _write_problem(axis, args, operands, states) -> str | None:
-    """``target[index] = value``: linear where target and value are partial sums over ``axis``
-    (or the value is a Python zero, its own partial sum) at an index the instances share."""
+def _write_problem(axis, name, args, kwargs, operands, states) -> str | None:
+    """``target[index] = value`` (``target.fill_(value)``, ``target.copy_(value)``): linear where
+    target and value are partial sums over ``axis`` (or the value is a Python zero, its own
+    partial sum) at an index the instances share."""
     target = _position(args[0], operands)
-    value = args[2] if len(args) > 2 else None
+    value = _written_value(name, args, kwargs)
     at = _position(value, operands)
     mine = states[target] if target is not None else "invariant"
     given = states[at] if at is not None else None
@@ -310,6 +312,14 @@ def _write_problem(axis, args, operands, states) -> str | None:
     index = [s for i, s in enumerate(states) if i not in (target, at)]
     bad = next((s for s in index if s in ("unreduced", "varying")), None)
     return f"its index operand is {bad} there" if bad is not None else None
+
+
+def _written_value(name: str, args: tuple, kwargs: dict | None) -> Any:
+    """The value a write (``_WRITES``) puts into its first operand."""
+    at = 2 if name == "__setitem__" else 1
+    if len(args) > at:
+        return args[at]
+    return (kwargs or {}).get("value" if name == "fill_" else "other")
 
 
 def _select_problem(axis, args, kwargs, operands, states) -> str | None:

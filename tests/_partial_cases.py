@@ -190,6 +190,27 @@ ERRORS: dict[str, ErrorCase] = {
         _seeded((4, 3), (3,)),
         pinned=("__setitem__ in", "writes a partial sum into a tensor invariant over 'tp'"),
     ),
+    "fill_constant_into_partial": ErrorCase(
+        lambda x, c: ns.psum(ns.pcast(x, "tp", to="unreduced").clone().fill_(1.0), "tp"),
+        (P("tp"), P()),
+        P(),
+        _seeded((4, 3), (3,)),
+        pinned=("fill_ in", "writes a constant into a partial sum"),
+    ),
+    "copy_invariant_into_partial": ErrorCase(
+        lambda x, c: ns.psum(ns.pcast(x, "tp", to="unreduced").clone().copy_(c), "tp"),
+        (P("tp"), P()),
+        P(),
+        _seeded((4, 3), (3,)),
+        pinned=("copy_ in", "writes a value invariant over 'tp' into a partial sum"),
+    ),
+    "copy_partial_into_invariant": ErrorCase(
+        lambda x, c: c.clone().copy_(ns.pcast(x, "tp", to="unreduced")[0]),
+        (P("tp"), P()),
+        P(),
+        _seeded((4, 3), (3,)),
+        pinned=("copy_ in", "writes a partial sum into a tensor invariant over 'tp'"),
+    ),
     "write_at_varying_index": ErrorCase(
         _write_at_varying,
         (P("tp"), P("tp")),

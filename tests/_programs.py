@@ -1077,7 +1077,7 @@ def unreduced_as_local(o, x):
 
 def unreduced_writes_joins_selects(o, x, c):
     """Linear ops on partial sums that keep them unreduced: a write of a partial sum (and of a
-    Python zero) into one, a round trip through complex, view_as / expand_as / reshape_as (the
+    Python zero) into one (``[i] =``, ``copy_``, ``fill_``, ``zero_``), ``neg_``, a round trip through complex, view_as / expand_as / reshape_as (the
     second operand gives only a shape), cat and stack along a positional dim, and where with an
     invariant condition (JAX's select_n rule). An invariant value expanded as a varying one
     stays invariant (the varying one gives only a shape)."""
@@ -1086,6 +1086,10 @@ def unreduced_writes_joins_selects(o, x, c):
     w = u.clone()
     w[0] = v[1]
     w[1] = 0.0
+    w.neg_()
+    w[2:].copy_(u[:2] * 3.0)
+    w[3].fill_(0.0)
+    w[:, 0].zero_()
     w = o.tap(w.to(torch.complex128).real)
     s = o.tap(u.sum(0, keepdim=True).expand_as(u))
     j = o.tap(torch.cat([w, s], 1))
@@ -1101,6 +1105,10 @@ def _writes_joins_selects_dense(x, c):
     w = u.clone()
     w[0] = v[1]
     w[1] = 0.0
+    w.neg_()
+    w[2:].copy_(u[:2] * 3.0)
+    w[3].fill_(0.0)
+    w[:, 0].zero_()
     j = torch.cat([w, u.sum(0, keepdim=True).expand_as(u)], 1)
     k = torch.stack([u, v], -1)
     z = torch.where(c > 0, j[:, :3], v)

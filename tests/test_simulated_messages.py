@@ -351,6 +351,35 @@ def test_an_op_that_fails_only_under_vmap_says_so():
     assert "`Tensor.untyped_storage`(f32[2,3]{dp})" in str(err)
 
 
+def _autograd_grad(y):
+    (g,) = torch.autograd.grad(ns.psum((y * y).sum(), "dp"), y)
+    return g
+
+
+def _func_grad(y):
+    return torch.func.grad(lambda v: ns.psum((v * v).sum(), "dp"))(y)
+
+
+def test_autograd_inside_the_function_is_told_a_limit_of_the_simulation():
+    """torch.autograd.grad inside the function meets vmap's batched tensors, which autograd does
+    not track (a real rank runs it): no instance's replay is blamed, the message names the fixes,
+    and both give the dense gradient of sum(y * y), 2 y."""
+
+    def f(x, grad):
+        return grad(x * 3.0)
+
+    x = torch.randn(4, 3, requires_grad=True)
+    mapped = ns.spmd_map(f, mesh=MESH, in_specs=(P("dp"), None), out_specs=P("dp"))
+    err = _error_of(lambda: mapped(x, _autograd_grad))
+    assert isinstance(err, ns.SpmdError) and isinstance(err.__cause__, RuntimeError)
+    assert "limit of the simulated mesh" in str(err) and "on its own," not in str(err)
+    assert "torch.func.grad" in str(err) and "ns.simulate_per_instance()" in str(err)
+    want = 6.0 * x.detach()
+    torch.testing.assert_close(mapped(x, _func_grad), want)
+    with ns.simulate_per_instance():
+        torch.testing.assert_close(mapped(x, _autograd_grad), want)
+
+
 def test_an_error_under_a_vmap_around_the_call_is_not_replayed_per_instance():
     f = ns.spmd_map(lambda x: x.view(7, -1), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
     err = _error_of(lambda: torch.func.vmap(f)(torch.randn(3, 4, 5)))

@@ -10,7 +10,8 @@ types, and what each instance raises when that op is replayed on its own blocks 
 what that instance's rank raises on a real mesh). The error becomes an ``SpmdError`` of the same
 class family (``SpmdIndexError`` for an ``IndexError``, ...) naming the user's function and line,
 the op with per-instance types, and the per-instance message; torch's message is its
-``__cause__``.
+``__cause__``. Autograd's entry points (``_AUTOGRAD``) are not replayed: their error is the
+simulation's limit, told with its fixes.
 
 The second run is quiet (its prints, warnings and random draws are discarded: the first run made
 them) and records no communication; only Python side effects of the user's code repeat. Nothing is
@@ -125,11 +126,17 @@ class _Failure:
     call: str  # the op with its operands' per-instance types
     alone: tuple[dict[str, int], Exception] | None  # an instance that raises it on its own
     replayed: bool  # whether the op was replayed per instance
+    autograd: bool = False  # an autograd entry point (``_AUTOGRAD``): the simulation's limit
 
     def error(self, fn: Any, error: BaseException, expanded_input: bool) -> SpmdError:
         """The error to raise; ``expanded_input``: whether an argument of the call shares memory
         between its elements, where a write that overlaps itself may come from."""
         where = f"spmd_map of {fn_label(fn)}: {self.call} failed at {user_line(error)}"
+        if self.autograd:
+            return error_class(type(error))(
+                f"{where} under the simulated mesh:\n  {type(error).__name__}: {error}\n"
+                + _AUTOGRAD_LIMIT
+            )
         if self.alone is not None:
             coords, own = self.alone
             who = f"instance {label(coords)}" if coords else "every instance"
@@ -173,6 +180,27 @@ _EXPANDED = (
 )
 
 
+# Autograd's entry points inside the function: under the simulation they meet vmap's batched
+# tensors, which autograd does not track (and functorch's refusals), not an instance's own tensors,
+# so no replay on an instance's blocks tells what its rank does; a real rank runs them.
+_AUTOGRAD = frozenset(
+    {
+        torch.autograd.grad,
+        torch.autograd.backward,
+        torch.Tensor.backward,
+        torch.Tensor.requires_grad_,
+    }
+)
+_AUTOGRAD_LIMIT = (
+    "This is a limit of the simulated mesh, not of the program: it runs every instance at once "
+    "under torch.func.vmap, whose batched tensors torch.autograd does not track (backward(), "
+    "torch.autograd.grad and requires_grad_() inside the function); a real mesh runs it. Fix: "
+    "torch.func.grad or torch.func.vjp inside the function (g = torch.func.grad(loss_of_y)(y)), "
+    "or run the call under `with ns.simulate_per_instance():` (each instance on its own: "
+    "torch.autograd.grad and requires_grad_() run there)."
+)
+
+
 def _describe(func: Any, args: tuple, kwargs: dict) -> _Failure | None:
     """What failed, if inside a simulated call; never raises (the user's error must get out)."""
     ctx = simulated_call()
@@ -181,6 +209,8 @@ def _describe(func: Any, args: tuple, kwargs: dict) -> _Failure | None:
     try:
         call = _call_text(ctx, func, args, kwargs)
         views = _views(ctx, args, kwargs)
+        if views is not None and func in _AUTOGRAD:
+            return _Failure(call, None, False, autograd=True)
         alone = None if views is None else _alone(ctx, func, args, kwargs, views)
     except Exception:
         return None
