@@ -5,9 +5,9 @@ coordinate of those axes; the blocks are checked against the global input's bloc
 with plain slicing and printed by torch. Errors: a torch error from the user's code names
 the user's function and line and is told with per-instance shapes; the reference is the error
 torch raises for the same op on one instance's plain block (what that rank raises on a real
-mesh). Before this change both showed vmap internals: ``BatchedTensor(lvl=2, bdim=0, value=...``
-and messages counting the mesh's batch dims (``mat1 and mat2 shapes cannot be multiplied
-(6x5 and 4x3)`` for a local ``[3,5] @ [4,3]`` on two instances).
+mesh), never vmap's internals (``BatchedTensor(lvl=2, bdim=0, value=...``) or a message
+counting the mesh's batch dims (``(6x5 and 4x3)`` for a local ``[3,5] @ [4,3]`` on two
+instances).
 """
 
 from __future__ import annotations
