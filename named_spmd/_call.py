@@ -9,6 +9,7 @@ body records the call's outputs on it, so that the backend then reads their spec
 from __future__ import annotations
 
 import inspect
+import operator
 import re
 import zlib
 from typing import TYPE_CHECKING, Any, cast
@@ -23,6 +24,9 @@ from ._errors import SpmdError, SpmdTypeError, error_class, write_refused
 from ._layout import gives_unequal_blocks
 from ._spec import PartitionSpec
 from ._tree import path_text, unflatten
+
+# read for every input of every call: bound once; an attrgetter mapped runs no Python frame
+_Tensor, _GRAD_FN = torch.Tensor, operator.attrgetter("grad_fn")
 
 if TYPE_CHECKING:
     from ._api import SpmdFunction
@@ -199,8 +203,8 @@ class Call:
         begins): what :meth:`check_writes` compares."""
         if not torch.is_grad_enabled():
             return [], [], []
-        xs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        return xs, list(map(torch_private.version, xs)), [x.grad_fn for x in xs]
+        xs = [x for x in inputs if isinstance(x, _Tensor) and x.requires_grad]
+        return xs, list(map(torch_private.version, xs)), list(map(_GRAD_FN, xs))
 
     def check_writes(self, before: tuple[list[torch.Tensor], list[int], list], outs: list) -> None:
         """Raise where the body wrote in place into an input that requires grad (``before``:
