@@ -246,9 +246,9 @@ def _dtensor_inputs(ctx, leaves: list[DTensor], specs: list[PartitionSpec], grad
     return [in_spec_order(ctx, x, spec) for x, spec in zip(locals_, specs)]
 
 
-def checked_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> tuple | None:
+def checked_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> tuple:
     """Check that DTensor argument leaf ``i`` is laid out as ``spec`` says on the call's mesh;
-    the placements of its gradient where they differ from its own (a partial sum), else None."""
+    the placements of its gradient: its own, but a partial sum's (reduced or unreduced axes)."""
     mesh = ctx.mesh
     theirs = leaf.device_mesh
     if theirs is not mesh.device_mesh and (
@@ -270,7 +270,7 @@ def checked_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int) -> tuple | 
             f"{spec!r} on mesh axes {mesh.axis_names} means placements {want}. Fix: "
             f"x.redistribute(mesh.device_mesh, {list(want)}), or change the in_spec."
         )
-    return grad_placements(mesh, spec, leaf.dim()) if spec.reduced or spec.unreduced else None
+    return grad_placements(mesh, spec, leaf.dim()) if spec.reduced or spec.unreduced else want
 
 
 def in_spec_order(ctx, local: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
