@@ -9,6 +9,7 @@ body records the call's outputs on it, so that the backend then reads their spec
 from __future__ import annotations
 
 import inspect
+import operator
 import zlib
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,6 +23,9 @@ from ._errors import SpmdError, SpmdTypeError, error_class, write_refused
 from ._layout import gives_unequal_blocks
 from ._spec import PartitionSpec
 from ._tree import path_text, unflatten, without_addresses
+
+# read for every input of every call: bound once; an attrgetter mapped runs no Python frame
+_Tensor, _GRAD_FN = torch.Tensor, operator.attrgetter("grad_fn")
 
 if TYPE_CHECKING:
     from ._api import SpmdFunction
@@ -197,13 +201,13 @@ class Call:
         :meth:`check_writes` compares."""
         if not torch.is_grad_enabled():
             return [], [], []
-        xs = [x for x in inputs if isinstance(x, torch.Tensor)]
+        xs = [x for x in inputs if isinstance(x, _Tensor)]
         try:
             versions = list(map(torch_private.version, xs))
         except RuntimeError:  # an inference tensor has no version (and no op saves one)
             xs = [x for x in xs if not x.is_inference()]
             versions = list(map(torch_private.version, xs))
-        return xs, versions, [x.grad_fn for x in xs]
+        return xs, versions, list(map(_GRAD_FN, xs))
 
     def check_writes(self, before: tuple[list[torch.Tensor], list[int], list], outs: list) -> None:
         """Raise where the body wrote in place into an input (``before``:

@@ -273,16 +273,20 @@ def leaves_key(leaves: list[Any]) -> tuple | None:
     and value; None where a leaf is anything else (a sparse tensor, an object that may hold
     tensors: checked every call). One pass over the leaves for both."""
     key: list[Any] = []
+    add = key.append  # (read on every call, for every leaf: names bound once, not looked up)
     for x in leaves:
-        if isinstance(x, torch.Tensor):
-            if x.layout is not torch.strided:
+        if isinstance(x, _Tensor):
+            if x.layout is not _STRIDED:
                 return None
-            key.append((type(x), x.shape, x.dtype, x.device, x.requires_grad))
+            add((type(x), x.shape, x.dtype, x.device, x.requires_grad))
         elif type(x) in _PLAIN_LEAVES:
-            key.append((type(x), x))
+            add((type(x), x))
         else:
             return None
     return tuple(key)
+
+
+_Tensor, _STRIDED = torch.Tensor, torch.strided
 
 
 def tiled_output_event(

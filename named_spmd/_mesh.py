@@ -84,14 +84,16 @@ class Mesh:
         return self._size
 
     def axis_size(self, axes: str | Sequence[str]) -> int:
-        names = (axes,) if isinstance(axes, str) else tuple(axes)
-        unknown = [a for a in names if a not in self._shape]
-        if unknown:
-            raise SpmdError(
-                f"Mesh.axis_size: unknown axis {unknown[0]!r}; the mesh has axes "
-                f"{self.axis_names}.{suggest(unknown[0], self.axis_names)}"
-            )
-        return math.prod([self._shape[a] for a in names])
+        size = 1  # (a loop, not comprehensions: read by collectives inside calls)
+        for a in (axes,) if isinstance(axes, str) else axes:
+            n = self._shape.get(a)
+            if n is None:
+                raise SpmdError(
+                    f"Mesh.axis_size: unknown axis {a!r}; the mesh has axes "
+                    f"{self.axis_names}.{suggest(a, self.axis_names)}"
+                )
+            size *= n
+        return size
 
     def coords(self, linear_index: int) -> dict[str, int]:
         """Mesh coordinates of the instance with row-major ``linear_index``."""

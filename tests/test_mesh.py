@@ -21,6 +21,9 @@ def test_mesh_shape_names_and_size():
     assert mesh.axis_names == ("dp", "tp") and mesh.axis_sizes == (2, 4)
     assert mesh.size == 8
     assert mesh.axis_size("tp") == 4 and mesh.axis_size(("tp", "dp")) == 8
+    assert mesh.axis_size(()) == 1 and mesh.axis_size(["dp"]) == 2
+    with pytest.raises(ns.SpmdError, match=r"unknown axis 'pp'; the mesh has axes \('dp', 'tp'\)"):
+        mesh.axis_size(("tp", "pp", "qq"))  # the first unknown one
     assert mesh.kind == "simulated"
     assert repr(mesh) == "Mesh(dp=2, tp=4; simulated)"
     mesh.shape["dp"] = 99  # shape is a copy: the mesh cannot be mutated through it

@@ -32,11 +32,16 @@ def placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
     cache for eager calls, and a cache the trace fills fails Dynamo's guard on it next call)."""
     if torch.compiler.is_compiling():
         return _placements_of(mesh, spec, rank)
-    key = (spec, rank)
-    hit = mesh.placements_cache.get(key)
-    if hit is None:
-        hit = mesh.placements_cache[key] = _placements_of(mesh, spec, rank)
-    return hit
+    # read for every DTensor input and output of every call: keyed by the spec's id, hashed in
+    # C (a spec hashes and compares in Python), the spec kept in the entry (so no other object
+    # gets its id while the entry lives)
+    cache = mesh.placements_cache
+    hit = cache.get((id(spec), rank))
+    if hit is None or hit[0] is not spec:
+        if len(cache) >= 4096:  # (specs made anew for every call: start again)
+            cache.clear()
+        hit = cache[id(spec), rank] = (spec, _placements_of(mesh, spec, rank))
+    return hit[1]
 
 
 def _placements_of(mesh, spec: PartitionSpec, rank: int) -> tuple:

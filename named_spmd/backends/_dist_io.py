@@ -290,9 +290,9 @@ def _dtensor_inputs(ctx, leaves: list[DTensor], specs: list[PartitionSpec], grad
 
 def checked_dtensor(
     ctx, leaf: DTensor, spec: PartitionSpec, i: int, want: tuple | None = None
-) -> tuple | None:
+) -> tuple:
     """Check that DTensor argument leaf ``i`` is laid out as ``spec`` says on the call's mesh;
-    the placements of its gradient where they differ from its own (a partial sum), else None.
+    the placements of its gradient: its own, but a partial sum's (reduced or unreduced axes).
     ``want``: the placements ``spec`` means for it, where known (:func:`_wanted`)."""
     mesh = ctx.mesh
     theirs = leaf.device_mesh
@@ -316,7 +316,7 @@ def checked_dtensor(
             f"{spec!r} on mesh axes {mesh.axis_names} means placements {want}. Fix: "
             f"x.redistribute(mesh.device_mesh, {list(want)}), or change the in_spec."
         )
-    return grad_placements(mesh, spec, leaf.dim()) if spec.reduced or spec.unreduced else None
+    return grad_placements(mesh, spec, leaf.dim()) if spec.reduced or spec.unreduced else want
 
 
 def in_spec_order(ctx, local: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:

@@ -109,7 +109,7 @@ class DistributedMesh(Mesh):
         self._check_comm: Comm | None = None
         warm_types(names)  # before any torch.compile trace of a call on it
         _MESHES[id(device_mesh)] = self
-        self.placements_cache: dict = {}  # (spec, rank) -> DTensor placements
+        self.placements_cache: dict = {}  # (id(spec), rank) -> (spec, DTensor placements)
         # (placements, shape, stride, dtype); uneven blocks: (placements, global shape, dtype)
         self.dtensor_specs: dict = {}  # -> DTensorSpec
         # an uneven call's output: (every rank's shapes, spec, rank) -> its blocks' sizes per dim

@@ -460,19 +460,22 @@ def to_local(tree: Any) -> Any:
     with the same placements), but cheaper for DTensors on a named_spmd mesh: the output of a
     call (not a partial sum) gives the local tensor the call made it from, with no conversion
     forward or backward."""
+    if isinstance(tree, torch.Tensor):  # (one tensor, as a loss: no tree to map)
+        return _leaf_to_local(tree)
+    return optree.tree_map(_leaf_to_local, tree, none_is_leaf=True)
 
-    def one(t):
-        if not isinstance(t, DTensor):
-            return t
-        mesh = registered_mesh(t.device_mesh)
-        if mesh is None:
-            return t.to_local()
-        # (not while Dynamo traces: it refuses to read a DTensor's grad_fn)
-        untouched = torch_private.transforms_active() or torch.compiler.is_compiling()
-        made = None if untouched else _dist_dtensor.made_from(t)
-        return made if made is not None else _dist_dtensor.to_local_fast(mesh, t)
 
-    return optree.tree_map(one, tree, none_is_leaf=True)
+def _leaf_to_local(t: Any) -> Any:
+    """:func:`to_local` of one leaf."""
+    if not isinstance(t, DTensor):
+        return t
+    mesh = registered_mesh(t.device_mesh)
+    if mesh is None:
+        return t.to_local()
+    # (not while Dynamo traces: it refuses to read a DTensor's grad_fn)
+    untouched = torch_private.transforms_active() or torch.compiler.is_compiling()
+    made = None if untouched else _dist_dtensor.made_from(t)
+    return made if made is not None else _dist_dtensor.to_local_fast(mesh, t)
 
 
 class DistributedBackend:
