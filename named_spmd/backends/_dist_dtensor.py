@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import optree
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
@@ -22,6 +23,7 @@ from .. import _torch_private as torch_private
 from .._autodiff import below_functionalize, differentiable, unshared
 from .._spec import PartitionSpec
 from . import _dist_overlap as overlap
+from ._dist_mesh import registered_mesh
 
 _new_dtensor = torch_private.dist().new_dtensor  # DTensor's constructor, with a cached spec
 
@@ -359,3 +361,28 @@ def uneven_from_local(mesh, local: torch.Tensor, places: tuple, shape: tuple) ->
     if not differentiable(local):
         return _shaped(mesh, local.view_as(local), places, shape)
     return _UnevenDTensorOf.apply(local, mesh, places, shape)
+
+
+def to_local(tree: Any) -> Any:
+    """Replace every DTensor in ``tree`` by this rank's local block (a plain tensor).
+
+    Same as ``t.to_local()`` per DTensor (differentiable: the gradient flows back as a DTensor
+    with the same placements), but cheaper for DTensors on a named_spmd mesh: the output of a
+    call (not a partial sum) gives the local tensor the call made it from, with no conversion
+    forward or backward."""
+    if isinstance(tree, torch.Tensor):  # (one tensor, as a loss: no tree to map)
+        return _leaf_to_local(tree)
+    return optree.tree_map(_leaf_to_local, tree, none_is_leaf=True)
+
+
+def _leaf_to_local(t: Any) -> Any:
+    """:func:`to_local` of one leaf."""
+    if not isinstance(t, DTensor):
+        return t
+    mesh = registered_mesh(t.device_mesh)
+    if mesh is None:
+        return t.to_local()
+    # (not while Dynamo traces: it refuses to read a DTensor's grad_fn)
+    untouched = torch_private.transforms_active() or torch.compiler.is_compiling()
+    made = None if untouched else made_from(t)
+    return made if made is not None else to_local_fast(mesh, t)

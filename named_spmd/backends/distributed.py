@@ -25,9 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
-import optree
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as torch_private
 from .._autodiff import apply as bridge_apply
@@ -48,7 +46,6 @@ from . import (
     _dist_agree,
     _dist_compile,
     _dist_donation,
-    _dist_dtensor,
     _dist_exchange,
     _dist_overlap,
     _dist_piece,
@@ -56,13 +53,13 @@ from . import (
     _dist_uneven,
 )
 from ._dist_comm import MAX, MIN, SUM, ragged_rows
+from ._dist_dtensor import to_local
 from ._dist_failures import timeout_s
 from ._dist_io import global_output, inputs, local_output
 from ._dist_mesh import (
     DistributedMesh,
     make_distributed_mesh,
     mesh_from_device_mesh,
-    registered_mesh,
 )
 from ._dist_uneven_primitives import UnevenPrimitives, exchange, remember
 
@@ -451,31 +448,6 @@ def _takes_uneven_blocks(call: Call, replay: Replay | None) -> bool:
     if replay is not None and replay.has_plan():
         return False
     return call.unequal_blocks()
-
-
-def to_local(tree: Any) -> Any:
-    """Replace every DTensor in ``tree`` by this rank's local block (a plain tensor).
-
-    Same as ``t.to_local()`` per DTensor (differentiable: the gradient flows back as a DTensor
-    with the same placements), but cheaper for DTensors on a named_spmd mesh: the output of a
-    call (not a partial sum) gives the local tensor the call made it from, with no conversion
-    forward or backward."""
-    if isinstance(tree, torch.Tensor):  # (one tensor, as a loss: no tree to map)
-        return _leaf_to_local(tree)
-    return optree.tree_map(_leaf_to_local, tree, none_is_leaf=True)
-
-
-def _leaf_to_local(t: Any) -> Any:
-    """:func:`to_local` of one leaf."""
-    if not isinstance(t, DTensor):
-        return t
-    mesh = registered_mesh(t.device_mesh)
-    if mesh is None:
-        return t.to_local()
-    # (not while Dynamo traces: it refuses to read a DTensor's grad_fn)
-    untouched = torch_private.transforms_active() or torch.compiler.is_compiling()
-    made = None if untouched else _dist_dtensor.made_from(t)
-    return made if made is not None else _dist_dtensor.to_local_fast(mesh, t)
 
 
 class DistributedBackend:
