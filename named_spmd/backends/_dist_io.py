@@ -108,10 +108,10 @@ def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
         return _from_dtensor(ctx, leaf, spec, i, transformed)
     if leaf.device.type != mesh.device.type:
         leaf = leaf.to(mesh.device)
+    if _whole(mesh, spec):
+        return leaf
     if spec.unreduced or spec.reduced:
         return _partial_input(ctx, leaf, spec)
-    if mesh.single_axes.issuperset(spec.axes):  # every block is the whole: nothing to gather
-        return leaf
     if transformed:
         return _transformed(_ScatterInput, leaf, ctx, spec)
     if differentiable(leaf):
@@ -119,22 +119,27 @@ def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
     return _block(leaf, spec, mesh)
 
 
+def _whole(mesh, spec: PartitionSpec) -> bool:
+    """Whether a plain tensor under ``spec`` is every rank's block as it is: no partial sum,
+    split over axes of size 1 only (nothing to gather or scatter)."""
+    return not (spec.unreduced or spec.reduced) and mesh.single_axes.issuperset(spec.axes)
+
+
 def _handed_through(ctx, leaves: list[Any], specs: list[PartitionSpec], memo) -> frozenset[int]:
     """The positions of the plain tensor leaves that are their own block (:func:`local_input`
-    hands them through: on the mesh's device type, no partial sum, split over axes of size 1
-    only), where no transform is active (``_batching``); in ``memo`` (``Call.memo``: its key
-    holds each leaf's type and device, its tree structure each spec)."""
+    hands them through: on the mesh's device type, :func:`_whole`), where no transform is
+    active (``_batching``); in ``memo`` (``Call.memo``: its key holds each leaf's type and
+    device, its tree structure each spec)."""
     through = None if memo is None else memo.get("handed through")
     if through is None:
-        device, single = ctx.mesh.device.type, ctx.mesh.single_axes
+        mesh = ctx.mesh
         through = frozenset(
             i
             for i, (x, spec) in enumerate(zip(leaves, specs))
             if isinstance(x, torch.Tensor)
             and not isinstance(x, DTensor)
-            and x.device.type == device
-            and not (spec.unreduced or spec.reduced)
-            and single.issuperset(spec.axes)
+            and x.device.type == mesh.device.type
+            and _whole(mesh, spec)
         )
         if memo is not None:
             memo["handed through"] = through
