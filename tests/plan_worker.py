@@ -358,6 +358,32 @@ def _ranks_differ(mesh) -> tuple[list, dict]:
     return got, {"errors": errors, "settings named": [k for k in errors if got[k][1]]}
 
 
+# each call's gradient bucket size (on every rank) and whether b1 requires grad
+_SETTINGS = [(None, True), (None, True), (1e-4, True), (1e-4, True), (None, False), (None, True)]
+
+
+def _settings_change(mesh) -> tuple[list, dict]:
+    """Calls of one function whose memos (a replay's groups pvary'd at its entry, per bucket
+    size; a signature's leaves) must follow what changes between them on every rank: the
+    gradient bucket size (100 bytes: below a group's size, which splits it) and whether ``b1``
+    requires grad: each call's loss and gradients, and whether its graph pvarys at its entry."""
+    f = ns.spmd_map(_flag_adds_a_use, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
+    STATE["flag"], got, hoisted = True, [], []
+    for k, (mb, b1_grad) in enumerate(_SETTINGS):
+        ns.set_grad_bucket_mb(mb)
+        try:
+            leaves = [t.requires_grad_() for t in _params(k).values()]
+            leaves[2].requires_grad_(b1_grad)
+            loss = f(*leaves).full_tensor()
+            wrt = [t for t in leaves if t.requires_grad]
+            grads = torch.autograd.grad(loss.sum(), wrt, allow_unused=True)
+            got.append((loss.detach(), list(grads)))
+            hoisted.append(_entry_node(loss) is not None)
+        finally:
+            ns.set_grad_bucket_mb(None)
+    return got, {"hoisted": hoisted}
+
+
 def _problems(got: list, want: list) -> list[str]:
     problems = []
     for k, (g, w) in enumerate(zip(got, want)):
@@ -405,6 +431,7 @@ EVERY_CALL = {
     "recorded": _recorded,
     "in_place": _in_place,
     "ranks_differ": _ranks_differ,
+    "settings_change": _settings_change,
 }
 
 if __name__ == "__main__":

@@ -51,6 +51,18 @@ def _outcomes() -> dict:
 
 
 @pytest.mark.distributed
+def test_replays_follow_the_bucket_size_and_requires_grad_changed_between_calls():
+    """The gradient bucket size changed on every rank between replays of one plan (its groups
+    pvary'd at the entry are kept per size: at 100 bytes a group is left to its buckets), and
+    an input's requires_grad toggled (another signature, typed): the typed calls' values and
+    gradients; only the replays at the default size pvary at their entry."""
+    for rank in (0, 1):
+        outcome = _outcomes()[rank, "settings_change"]
+        assert outcome["problems"] == [] and outcome["calls"] == 6, outcome
+        assert outcome["hoisted"] == [False, True, False, False, False, True], outcome
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_call_equals_the_same_call_typed(name):
     for rank in (0, 1):
