@@ -113,6 +113,16 @@ def relu_of_its_parts_from_vmap(x, w):  # cast to varying: each instance's part,
     return ns.psum(torch.relu(parts), "x").reshape(-1)
 
 
+def relu_of_an_input_a_vmap_cast(x, w):  # the cast aliases x's memory: x itself stays varying
+    torch.func.vmap(lambda r: ns.pcast(r, "x", to="unreduced"))(x.reshape(2, 2))
+    return ns.psum(torch.relu(x), "x")
+
+
+def empty_of_an_empty_partial_sum(x, w):  # an unrelated empty tensor is not the partial sum
+    torch.func.vmap(lambda r: ns.pcast(r[:0] * 2.0, "x", to="unreduced"))(x.reshape(2, 2))
+    return ns.psum(torch.relu(x), "x") + torch.zeros(0, dtype=x.dtype).exp().sum()
+
+
 PROGRAMS = {
     "vjp_claimed_replicated": (vjp_claimed_replicated, P()),
     "vmap_mixing_invariant": (vmap_mixing_invariant, P("x")),
@@ -133,6 +143,8 @@ PROGRAMS = {
     "vmap_relu_of_a_partial_sum": (vmap_relu_of_a_partial_sum, P()),
     "relu_of_a_partial_sum_from_vmap": (relu_of_a_partial_sum_from_vmap, P()),
     "relu_of_its_parts_from_vmap": (relu_of_its_parts_from_vmap, P()),
+    "relu_of_an_input_a_vmap_cast": (relu_of_an_input_a_vmap_cast, P()),
+    "empty_of_an_empty_partial_sum": (empty_of_an_empty_partial_sum, P()),
 }
 
 
@@ -155,6 +167,8 @@ DENSE = {
         2 * sum(_blocks(x)).reshape(2, 2) - sum(_blocks(x)).reshape(2, 2).flip(1)
     ).reshape(-1),
     "relu_of_its_parts_from_vmap": lambda x, w: sum(torch.relu(2 * b) for b in _blocks(x)),
+    "relu_of_an_input_a_vmap_cast": lambda x, w: sum(torch.relu(b) for b in _blocks(x)),
+    "empty_of_an_empty_partial_sum": lambda x, w: sum(torch.relu(b) for b in _blocks(x)),
 }
 
 

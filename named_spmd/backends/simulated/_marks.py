@@ -15,6 +15,7 @@ the input of a contraction invariant over an axis its weight varies over.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -56,8 +57,8 @@ def set_mark(x: torch.Tensor, token: object, vma: Vma, kept: bool = False) -> No
 def marked_within(ctx: Any, x: torch.Tensor) -> Vma | None:
     """The mark of a tensor that has none of its own (:func:`mark_of`) where a transform inside
     the call made or wraps it: that of a tensor its wrappers hold, above the call's levels, or
-    for one a transform handed back as a view, that of the marked result it views (the storage
-    :func:`set_mark_within` noted)."""
+    for one a transform handed back, that of the marked result it is or views (the tensor
+    :func:`set_mark_within` noted, itself or as the base of the view)."""
     token = ctx.token
     while torch_private.maybe_get_level(x) > ctx.inner_level:
         x = torch_private.get_unwrapped(x)
@@ -66,30 +67,30 @@ def marked_within(ctx: Any, x: torch.Tensor) -> Vma | None:
             return m
     if not ctx.transform_marks:
         return None
-    hit = ctx.transform_marks.get(_storage(torch_private.innermost(x)))
-    return None if hit is None else hit[1]
+    plain = torch_private.innermost(x)
+    for held in (plain, torch_private.tensor_base(plain)):
+        hit = ctx.transform_marks.get(id(held))
+        if hit is not None and hit[0]() is held:
+            return hit[1]
+    return None
 
 
 def set_mark_within(ctx: Any, x: torch.Tensor, vma: Vma) -> None:
     """:func:`set_mark` of a result, and where a transform inside the call made it, of the
-    tensors its wrappers hold down to the call's levels, the storage noted (for a view the
-    transform hands back: :func:`marked_within`; the tensor kept, so no other gets the address)."""
-    token, kept = ctx.token, bool(ctx.transform_marks)
-    set_mark(x, token, vma, kept)
+    tensors its wrappers hold down to the call's levels; a partial sum's innermost tensor noted
+    by identity (for the view a vmap hands back: :func:`marked_within`), weakly: the note
+    keeps no tensor alive, and a tensor that only shares its storage (the input a cast aliased)
+    is not typed by it."""
+    token = ctx.token
+    set_mark(x, token, vma, bool(ctx.transform_marks))
     if torch_private.maybe_get_level(x) <= ctx.inner_level:
         return
     while torch_private.maybe_get_level(x) > ctx.inner_level:
         x = torch_private.get_unwrapped(x)
         set_mark(x, token, vma, True)
-    if vma.partial:  # (a storage may hold a varying view of it too: told partial, an error)
+    if vma.partial:
         plain = torch_private.innermost(x)
-        ctx.transform_marks[_storage(plain)] = (plain, vma)
-
-
-def _storage(t: torch.Tensor) -> int:
-    if t.is_meta or t.layout is not torch.strided:
-        return 0
-    return t.untyped_storage().data_ptr()
+        ctx.transform_marks[id(plain)] = (weakref.ref(plain), vma)
 
 
 # Contractions of an input (first operand) by a weight (second). Where the input is invariant over

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -20,7 +21,14 @@ from ..._stamps import _number as number
 from ..._types import INVARIANT, Vma
 from . import _instances as _instances  # installs the per-instance printing of values
 from . import _levels
-from ._marks import PartialMode, mark_of, marked_within, set_mark, set_mark_within
+from ._marks import (
+    PartialMode,
+    mark_of,
+    marked_within,
+    set_mark,
+    set_mark_within,
+    transform_inside,
+)
 
 
 class SimulatedContext(SpmdContext):
@@ -47,9 +55,9 @@ class SimulatedContext(SpmdContext):
         self._vma: Vma = INVARIANT
         self.token = object()  # identifies this call's marks (unreduced / reduced values)
         self.partial_mode: PartialMode | None = None  # pushed with the first marked value
-        # storage address -> (tensor, type) of the values a torch.func transform inside the call
-        # typed (``_marks.set_mark_within``)
-        self.transform_marks: dict[int, tuple[torch.Tensor, Vma]] = {}
+        # id -> (weak reference, type) of the partial sums a torch.func transform inside the call
+        # made (``_marks.set_mark_within``)
+        self.transform_marks: dict[int, tuple[weakref.ref[torch.Tensor], Vma]] = {}
         # a planned or replayed call (``_planned``): each tensor it types gets the next number
         self.numbering = False
         self.numbered = 0
@@ -127,7 +135,7 @@ class SimulatedContext(SpmdContext):
         return x
 
     def _mark(self, x: torch.Tensor, vma: Vma) -> None:
-        if self.transform_marks or torch_private.maybe_current_level() != self.inner_level:
+        if self.transform_marks or transform_inside(self):
             set_mark_within(self, x, vma)  # (a transform inside the call, now or before)
         else:
             set_mark(x, self.token, vma)
