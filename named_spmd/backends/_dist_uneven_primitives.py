@@ -119,34 +119,45 @@ class OperandShapes:
 
     mesh: Any  # (the context's: a DistributedMesh)
     alike: Any  # (the context's: ``SpmdContext.alike``)
+    fn_label: str  # (the context's)
 
     def checked_after_read(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
-        """:meth:`check_every_operand`, then the members' shapes compared, in every group, where
-        the collective takes one shape on every member (an even call's tiled all_gather too: its
-        path gathers equal blocks); an all_to_all of split sizes, whose sizes are each member's
-        own, compares the other dims."""
-        checked = self.check_every_operand(rec, x, axes, params)
+        """:meth:`check_every_operand` over the collective's group (in an even call the ranks of
+        some groups may call it, others not: a program of the real mesh alone), then its
+        members' shapes compared where it takes one shape on every member (an even call's tiled
+        all_gather too: its path gathers equal blocks; an all_to_all of split sizes, each
+        member's own, compares the other dims). An error is raised alike where the group is the
+        whole mesh; else on the group's ranks, posted (the others stop with RankFailedError)."""
+        whole = self.mesh.comm(axes).n == self.mesh.size
+        checked = self.check_every_operand(rec, x, axes, params, axes, whole)
         if not isinstance(checked, _Checked):
             return checked
-        shapes, params = checked.shapes, checked.params
+        group, params = checked.shapes, checked.params
+        error, label = None, self.fn_label
         gathers = rec.name == "all_gather" and params[1]
-        if _own_sizes(rec, params) or gathers:  # every group's other dims first
-            self._gathered_sizes(rec.name, x, axes, params[0], shapes)
-            for group in self._groups_of(axes, shapes) if gathers and shapes is not None else ():
-                if len({s[params[0]] for s in group}) > 1:
-                    sizes = [s[params[0]] for s in group]
-                    raise self.alike(_even_gather_differs(self.fn_label, sizes, params[0]))  # type: ignore[attr-defined]
-        else:
-            self._same_shapes(rec.name, x, axes, shapes)
+        if group is None:
+            pass  # (past the exchange's width: not compared)
+        elif _own_sizes(rec, params) or gathers:
+            dim = params[0]
+            if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
+                error = operand_shapes_differ(rec.name, label, group, but=dim)
+            elif gathers and len({s[dim] for s in group}) > 1:
+                error = _even_gather_differs(label, [s[dim] for s in group], dim)
+        elif any(s != group[0] for s in group):
+            error = operand_shapes_differ(rec.name, label, group)
+        if error is not None:
+            raise self.alike(error) if whole else error
         return params
 
-    def check_every_operand(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
+    def check_every_operand(
+        self, rec, x: torch.Tensor, axes, params: tuple, over=None, alike: bool = True
+    ) -> tuple:
         """Every instance's argument checks, in instance order, on its operand's shape (one
-        exchange): the error of the first instance whose operand fails them, raised on every
-        rank alike, as the simulated mesh raises it (a rank that raised alone would leave the
-        others inside the collective)."""
+        exchange over the mesh, or over the axes ``over``): the error of the first instance
+        whose operand fails them, raised on every rank alike (``alike``), as the simulated mesh
+        raises it (a rank that raised alone would leave the others inside the collective)."""
         mine = tuple(x.shape)
-        shapes = self._every_shape(x) if rec.forward_event else None
+        shapes = self._every_shape(x, over) if rec.forward_event else None
         checked, result = set(), None
         # every rank checks every shape, in one order: their errors are raised alike
         every = shapes is not None and not _own_sizes(rec, params)
@@ -158,7 +169,7 @@ class OperandShapes:
                         self, x if shape == mine else self._stand_in(x, shape), axes, params
                     )
                 except SpmdError as e:
-                    if every:  # (else this rank's alone: posted, so the others stop too)
+                    if every and alike:  # (else this rank's alone: posted, so the others stop too)
                         self.alike(e)
                     raise
                 result = out if shape == mine else result
@@ -171,13 +182,13 @@ class OperandShapes:
             meta = torch.empty(shape, dtype=x.dtype, device="meta")
         return self.stamp(meta, self.vma(x))  # type: ignore[attr-defined]
 
-    def _every_shape(self, x: torch.Tensor) -> list[tuple[int, ...]] | None:
+    def _every_shape(self, x: torch.Tensor, over=None) -> list[tuple[int, ...]] | None:
         """Every instance's operand shape, row-major over the mesh (one exchange over the whole
-        mesh); None past :data:`_WIDTH` dims."""
+        mesh, or over the axes ``over``: its group's members); None past :data:`_WIDTH` dims."""
         if x.dim() >= _WIDTH:
             return None
         mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim())
-        rows = exchange(self.mesh.comm(self.mesh.axis_names), mine)
+        rows = exchange(self.mesh.comm(self.mesh.axis_names if over is None else over), mine)
         return [tuple(r[1 : 1 + r[0]]) for r in rows]
 
     def _groups(self, axes) -> list[list[int]]:
@@ -200,7 +211,7 @@ class OperandShapes:
             return tuple(s for (s,) in exchange(self.mesh.comm(axes), [x.shape[dim]]))
         for group in self._groups_of(axes, shapes):
             if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
-                raise self.alike(operand_shapes_differ(op, self.fn_label, group, but=dim))  # type: ignore[attr-defined]
+                raise self.alike(operand_shapes_differ(op, self.fn_label, group, but=dim))
         mesh = self.mesh
         me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
         mine = next(g for g in self._groups(axes) if me in g)
@@ -214,7 +225,7 @@ class OperandShapes:
             shapes = self._every_shape(x)
         for group in self._groups_of(axes, shapes or []) if shapes is not None else ():
             if any(s != group[0] for s in group):
-                raise self.alike(operand_shapes_differ(op, self.fn_label, group))  # type: ignore[attr-defined]
+                raise self.alike(operand_shapes_differ(op, self.fn_label, group))
 
 
 class UnevenPrimitives(OperandShapes):
