@@ -545,6 +545,19 @@ ERRORS = [
         kinds=("VmaError: ", "claim replication"),
         note="the out_specs check failed on rank",
     ),
+    Case(  # a collective after a read, of operands sized by it: compared on every rank alike
+        "psum_of_operands_sized_by_values_read",
+        (4,),
+        ("x",),
+        lambda v: ns.psum(v[v > 0], "x"),
+        P("x"),
+        P(),
+        lambda: (_randn(16, seed=63),),  # (2, 2, 2, 1 positive)
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=("SpmdError: ", "psum in ", "different shapes [(2,), (2,), (2,), (1,)]"),
+    ),
     Case(  # typed invariant, of each block's length: 3 rows at x=0, 1 at x=3
         "invariant_output_of_a_block_size",
         (4,),
@@ -1012,6 +1025,18 @@ REFUSED = [
             "split_sizes differ (the instance at x=0 gives [1, 1, 1, 1], the one at x=1 "
             "[2, 2, 2, 2])",
         ),
+    ),
+    Case(  # a tiled all_gather of sizes from values read in an even call (the fix: per instance)
+        "tiled_all_gather_of_sizes_read_in_an_even_call",
+        (4,),
+        ("x",),
+        lambda v: ns.all_gather(v[v > 0], "x", tiled=True),
+        P("x"),
+        P("x"),
+        lambda: (_randn(16, seed=63),),
+        None,
+        switch=False,
+        kinds=("SpmdError: ", "sizes [2, 2, 2, 1] along dim 0", "ns.simulate_per_instance()"),
     ),
 ]
 

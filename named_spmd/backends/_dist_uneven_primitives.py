@@ -42,7 +42,7 @@ _UNKNOWN: Any = object()  # every instance's operand shapes: not exchanged yet
 
 
 class _Checked(tuple):
-    """The parameters :meth:`UnevenPrimitives.check_operand` returns, carrying every
+    """The parameters :meth:`OperandShapes.check_every_operand` returns, carrying every
     instance's operand shapes from its exchange (None past :data:`_WIDTH` dims), so that
     :meth:`UnevenPrimitives.sized` of the same operand exchanges them once. Only the
     collective's own path (``_record._apply``) passes them on, to the ``apply`` of that
@@ -99,13 +99,141 @@ def all_true(comm, flag: bool, name: str) -> bool:
     return comm.agreed(comm.start_agree(int(flag), name), name) and flag
 
 
-class UnevenPrimitives:
+def _even_gather_differs(label: str, sizes: list[int], dim: int) -> SpmdError:
+    """A tiled all_gather, in an even call, of blocks whose sizes along ``dim`` differ (sized
+    by values the call read): its path gathers blocks of one size."""
+    return SpmdError(
+        f"all_gather in {label}: the members' operands have different sizes {list(sizes)} along "
+        f"dim {dim} (sized by values the function read), but the call's blocks are even, and "
+        "an even call's tiled all_gather takes one size on every member. Fix: call the "
+        "function under ns.simulate_per_instance(), which concatenates blocks of any sizes, or "
+        "pad the operands to one size first."
+    )
+
+
+class OperandShapes:
+    """Every instance's operand shapes of a collective, from one exchange, checked on every rank
+    alike (a rank that raised alone would leave the others inside the collective): the checks
+    of an uneven call's collectives (:class:`UnevenPrimitives`), and of an even call's after it
+    read a varying value (:meth:`checked_after_read`; ``DistributedContext.check_operand``)."""
+
+    mesh: Any  # (the context's: a DistributedMesh)
+    alike: Any  # (the context's: ``SpmdContext.alike``)
+    fn_label: str  # (the context's)
+
+    def checked_after_read(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
+        """:meth:`check_every_operand` over the collective's group (in an even call the ranks of
+        some groups may call it, others not: a program of the real mesh alone), then its
+        members' shapes compared where it takes one shape on every member (an even call's tiled
+        all_gather too: its path gathers equal blocks; an all_to_all of split sizes, each
+        member's own, compares the other dims). An error is raised alike where the group is the
+        whole mesh; else on the group's ranks, posted (the others stop with RankFailedError)."""
+        whole = self.mesh.comm(axes).n == self.mesh.size
+        checked = self.check_every_operand(rec, x, axes, params, axes, whole)
+        if not isinstance(checked, _Checked):
+            return checked
+        group, params = checked.shapes, checked.params
+        error, label = None, self.fn_label
+        gathers = rec.name == "all_gather" and params[1]
+        if group is None:
+            pass  # (past the exchange's width: not compared)
+        elif _own_sizes(rec, params) or gathers:
+            dim = params[0]
+            if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
+                error = operand_shapes_differ(rec.name, label, group, but=dim)
+            elif gathers and len({s[dim] for s in group}) > 1:
+                error = _even_gather_differs(label, [s[dim] for s in group], dim)
+        elif any(s != group[0] for s in group):
+            error = operand_shapes_differ(rec.name, label, group)
+        if error is not None:
+            raise self.alike(error) if whole else error
+        return params
+
+    def check_every_operand(
+        self, rec, x: torch.Tensor, axes, params: tuple, over=None, alike: bool = True
+    ) -> tuple:
+        """Every instance's argument checks, in instance order, on its operand's shape (one
+        exchange over the mesh, or over the axes ``over``): the error of the first instance
+        whose operand fails them, raised on every rank alike (``alike``), as the simulated mesh
+        raises it (a rank that raised alone would leave the others inside the collective)."""
+        mine = tuple(x.shape)
+        shapes = self._every_shape(x, over) if rec.forward_event else None
+        checked, result = set(), None
+        # every rank checks every shape, in one order: their errors are raised alike
+        every = shapes is not None and not _own_sizes(rec, params)
+        for shape in (shapes or [mine]) if every else [mine]:
+            if shape not in checked:
+                checked.add(shape)
+                try:
+                    out = rec.check(
+                        self, x if shape == mine else self._stand_in(x, shape), axes, params
+                    )
+                except SpmdError as e:
+                    if every and alike:  # (else this rank's alone: posted, so the others stop too)
+                        self.alike(e)
+                    raise
+                result = out if shape == mine else result
+        assert result is not None  # this rank's shape is among every instance's
+        return _Checked(result, shapes) if rec.forward_event else result
+
+    def _stand_in(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """A meta tensor of another instance's operand shape, of ``x``'s dtype and type."""
+        with torch_private.DisableTorchFunction():
+            meta = torch.empty(shape, dtype=x.dtype, device="meta")
+        return self.stamp(meta, self.vma(x))  # type: ignore[attr-defined]
+
+    def _every_shape(self, x: torch.Tensor, over=None) -> list[tuple[int, ...]] | None:
+        """Every instance's operand shape, row-major over the mesh (one exchange over the whole
+        mesh, or over the axes ``over``: its group's members); None past :data:`_WIDTH` dims."""
+        if x.dim() >= _WIDTH:
+            return None
+        mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim())
+        rows = exchange(self.mesh.comm(self.mesh.axis_names if over is None else over), mine)
+        return [tuple(r[1 : 1 + r[0]]) for r in rows]
+
+    def _groups(self, axes) -> list[list[int]]:
+        """The groups of ``axes`` (instance indices), in the simulated mesh's order."""
+        return groups(tuple(axes), tuple(self.mesh._shape.items()))
+
+    def _groups_of(self, axes, shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+        """The members' shapes of every group of ``axes``, groups in the simulated mesh's order."""
+        return [[shapes[m] for m in g] for g in self._groups(axes)]
+
+    def _gathered_sizes(
+        self, op: str, x: torch.Tensor, axes, dim: int, shapes: Any = _UNKNOWN
+    ) -> tuple[int, ...]:
+        """The members' sizes along ``dim`` of a tiled all_gather, from one exchange of every
+        instance's shape (``shapes``, where given); in every group the other dims must agree
+        (the simulated mesh's error, raised on every rank alike: gloo would fail or wait)."""
+        if shapes is _UNKNOWN:
+            shapes = self._every_shape(x)
+        if shapes is None:
+            return tuple(s for (s,) in exchange(self.mesh.comm(axes), [x.shape[dim]]))
+        for group in self._groups_of(axes, shapes):
+            if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
+                raise self.alike(operand_shapes_differ(op, self.fn_label, group, but=dim))
+        mesh = self.mesh
+        me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
+        mine = next(g for g in self._groups(axes) if me in g)
+        return tuple(shapes[m][dim] for m in mine)
+
+    def _same_shapes(self, op: str, x: torch.Tensor, axes, shapes: Any = _UNKNOWN) -> None:
+        """The simulated mesh's error for members' operands of different shapes, for the first
+        group that has them, raised on every rank alike (the shapes of every instance are
+        exchanged first, unless given: gloo would fail or wait)."""
+        if shapes is _UNKNOWN:
+            shapes = self._every_shape(x)
+        for group in self._groups_of(axes, shapes or []) if shapes is not None else ():
+            if any(s != group[0] for s in group):
+                raise self.alike(operand_shapes_differ(op, self.fn_label, group))
+
+
+class UnevenPrimitives(OperandShapes):
     """The primitives of a call whose members' blocks may differ in size (mixed into the
     real mesh's context)."""
 
     uneven = True
-    mesh: Any  # (the context's: a DistributedMesh)
-    alike: Any  # (the context's: ``SpmdContext.alike``)
+    check_operand = OperandShapes.check_every_operand
 
     def sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
         """``params``, with the blocks' sizes appended for a tiled all_gather / psum_scatter
@@ -201,82 +329,6 @@ class UnevenPrimitives:
             return
         remember(self.mesh.shape_records, self._signature, tuple(self._seen))
         self._seen = None
-
-    def check_operand(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
-        """Every instance's argument checks, in instance order, on its operand's shape (one
-        exchange): the error of the first instance whose operand fails them, raised on every
-        rank alike, as the simulated mesh raises it (a rank that raised alone would leave the
-        others inside the collective)."""
-        mine = tuple(x.shape)
-        shapes = self._every_shape(x) if rec.forward_event else None
-        checked, result = set(), None
-        # every rank checks every shape, in one order: their errors are raised alike
-        every = shapes is not None and not _own_sizes(rec, params)
-        for shape in (shapes or [mine]) if every else [mine]:
-            if shape not in checked:
-                checked.add(shape)
-                try:
-                    out = rec.check(
-                        self, x if shape == mine else self._stand_in(x, shape), axes, params
-                    )
-                except SpmdError as e:
-                    if every:  # (else this rank's alone: posted, so the others stop too)
-                        self.alike(e)
-                    raise
-                result = out if shape == mine else result
-        assert result is not None  # this rank's shape is among every instance's
-        return _Checked(result, shapes) if rec.forward_event else result
-
-    def _stand_in(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        """A meta tensor of another instance's operand shape, of ``x``'s dtype and type."""
-        with torch_private.DisableTorchFunction():
-            meta = torch.empty(shape, dtype=x.dtype, device="meta")
-        return self.stamp(meta, self.vma(x))  # type: ignore[attr-defined]
-
-    def _every_shape(self, x: torch.Tensor) -> list[tuple[int, ...]] | None:
-        """Every instance's operand shape, row-major over the mesh (one exchange over the whole
-        mesh); None past :data:`_WIDTH` dims."""
-        if x.dim() >= _WIDTH:
-            return None
-        mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim())
-        rows = exchange(self.mesh.comm(self.mesh.axis_names), mine)
-        return [tuple(r[1 : 1 + r[0]]) for r in rows]
-
-    def _groups(self, axes) -> list[list[int]]:
-        """The groups of ``axes`` (instance indices), in the simulated mesh's order."""
-        return groups(tuple(axes), tuple(self.mesh._shape.items()))
-
-    def _groups_of(self, axes, shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-        """The members' shapes of every group of ``axes``, groups in the simulated mesh's order."""
-        return [[shapes[m] for m in g] for g in self._groups(axes)]
-
-    def _gathered_sizes(
-        self, op: str, x: torch.Tensor, axes, dim: int, shapes: Any = _UNKNOWN
-    ) -> tuple[int, ...]:
-        """The members' sizes along ``dim`` of a tiled all_gather, from one exchange of every
-        instance's shape (``shapes``, where given); in every group the other dims must agree
-        (the simulated mesh's error, raised on every rank alike: gloo would fail or wait)."""
-        if shapes is _UNKNOWN:
-            shapes = self._every_shape(x)
-        if shapes is None:
-            return tuple(s for (s,) in exchange(self.mesh.comm(axes), [x.shape[dim]]))
-        for group in self._groups_of(axes, shapes):
-            if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
-                raise self.alike(operand_shapes_differ(op, self.fn_label, group, but=dim))  # type: ignore[attr-defined]
-        mesh = self.mesh
-        me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
-        mine = next(g for g in self._groups(axes) if me in g)
-        return tuple(shapes[m][dim] for m in mine)
-
-    def _same_shapes(self, op: str, x: torch.Tensor, axes, shapes: Any = _UNKNOWN) -> None:
-        """The simulated mesh's error for members' operands of different shapes, for the first
-        group that has them, raised on every rank alike (the shapes of every instance are
-        exchanged first, unless given: gloo would fail or wait)."""
-        if shapes is _UNKNOWN:
-            shapes = self._every_shape(x)
-        for group in self._groups_of(axes, shapes or []) if shapes is not None else ():
-            if any(s != group[0] for s in group):
-                raise self.alike(operand_shapes_differ(op, self.fn_label, group))  # type: ignore[attr-defined]
 
     def all_gather_tiled(self, x, axes, dim, sizes=None):
         comm = self.mesh.comm(axes)

@@ -61,7 +61,7 @@ from ._dist_mesh import (
     make_distributed_mesh,
     mesh_from_device_mesh,
 )
-from ._dist_uneven_primitives import UnevenPrimitives, exchange, remember
+from ._dist_uneven_primitives import OperandShapes, UnevenPrimitives, exchange, remember
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -80,7 +80,7 @@ _OPS = {"sum": (SUM, "psum"), "max": (MAX, "pmax"), "min": (MIN, "pmin")}
 _contiguous = torch.contiguous_format
 
 
-class DistributedContext(TrackedContext):
+class DistributedContext(OperandShapes, TrackedContext):
     """A call on a real mesh: the primitives are this rank's communication on the process
     groups of ``mesh``; autodiff comes from the generic bridge (``_autodiff``)."""
 
@@ -128,10 +128,14 @@ class DistributedContext(TrackedContext):
         finally:
             self.donated = None
 
+    def check_operand(self, rec, x, axes, params):
+        """``rec.check``; after a read of a varying value, on every instance's shape (``OperandShapes``)."""
+        if self.values_read and self.mesh.size > 1:
+            return self.checked_after_read(rec, x, axes, params)
+        return rec.check(self, x, axes, params)
+
     def sized(self, rec, x, axes, params):
-        """``params`` as the forward and the transpose take them (an uneven call adds the
-        blocks' sizes: ``_dist_uneven``)."""
-        return params
+        return params  # (an uneven call's adds the blocks' sizes: ``UnevenPrimitives``)
 
     _signature = 0  # the start-of-call check's checksum: what the records are kept under
     _rows: tuple | None = None  # the outputs' rows of the signature's last compared call
@@ -146,27 +150,23 @@ class DistributedContext(TrackedContext):
         return 0 if self._rows is None else hash(self._rows)
 
     def forget_shapes(self) -> None:
-        """The ranks recall different things of the signature's last call: assume nothing (a
-        replay makes no cast at its entry: ``_dist_pvary.hoist``)."""
+        """The ranks recall its last call differently: assume nothing (``_dist_pvary.hoist``)."""
         self.hoist_refused = True
         self._rows = None
 
-    def recalled_rows(self) -> tuple | None:
-        """The outputs' rows of the signature's last compared call (every rank's alike), or None."""
+    def recalled_rows(self) -> tuple | None:  # the signature's last compared call's, or None
         return self._rows
 
-    def record_rows(self, rows: tuple) -> None:
-        """The outputs' rows of this call, for the next call of its signature."""
+    def record_rows(self, rows: tuple) -> None:  # the outputs' rows, for the signature's next
         remember(self.mesh.row_records, self._signature, rows)
 
-    def record_shapes(self) -> None:
-        """No ppermute's shapes to keep (an uneven call's: ``UnevenPrimitives``)."""
+    def record_shapes(self) -> None:  # (no ppermute's shapes to keep: an uneven call's do)
+        pass
 
     def compares_outputs(self) -> bool:
-        """Whether the ranks' outputs are compared (``_dist_uneven.agree``) before they are laid
-        out: blocks of unequal sizes, or a function that read a varying value on the host or
-        sized a tensor by one (``values_read``), whose ranks may return other shapes, trees or
-        out_specs errors. Every rank decides alike: until the first such read, all ran alike."""
+        """Whether the ranks' outputs are compared (``_dist_uneven.agree``): blocks of unequal
+        sizes, or a read of a varying value (``values_read``: the ranks may return other shapes,
+        trees or out_specs errors; every rank decides alike, as all ran alike until the read)."""
         return self.uneven or (self.values_read and self.mesh.size > 1)
 
     def psum_in_backward(self, g, axes, node):
