@@ -56,16 +56,17 @@ class Step:
 class Plan:
     """The steps of one signature's typed call."""
 
-    __slots__ = ("steps", "hoistable", "reads_values", "replays", "divergences")
+    __slots__ = ("steps", "hoistable", "first_read", "replays", "divergences")
 
-    def __init__(self, steps: list[Step], hoistable: tuple = (), reads_values: bool = False):
+    def __init__(self, steps: list[Step], hoistable: tuple = (), first_read: int | None = None):
         self.steps = steps
         #: the implicit casts of inputs that a replay makes at its entry, all at once, before
         #: the first op (``TrackedContext.hoist_casts``); a backend's own entries
         self.hoistable = hoistable
-        #: the typed call read a varying value (``SpmdContext.values_read``): so does a replay
-        #: (its steps are not typed, and every rank's plan says the same)
-        self.reads_values = reads_values
+        #: the step of the typed call's first read of a varying value (``SpmdContext.values_read``),
+        #: or None: a replay notes the read at that step (its steps are not typed), where a rank
+        #: that types the call notes it, so that their collectives match (design: docs/uneven.md)
+        self.first_read = first_read
         # for tests and diagnostics: calls replayed whole, and calls whose ops differed
         self.replays = 0
         self.divergences = 0
@@ -126,6 +127,7 @@ class PlanningMode(VmaMode):
     """The typed call of a signature, which writes each op's decisions down (:class:`Step`)."""
 
     hooks_seen = False
+    first_read: int | None = None
 
     def __init__(self, ctx: TrackedContext) -> None:
         super().__init__(ctx)
@@ -187,7 +189,12 @@ class PlanningMode(VmaMode):
         ctx = self.ctx
         if not self.replayable or self.hooks_seen or ctx.types_read or ctx.transform_results:
             return None
-        return Plan(self.steps, ctx.planned_hoistable(), ctx.values_read)
+        return Plan(self.steps, ctx.planned_hoistable(), self.first_read)
+
+    def _note_values(self, func, args, kwargs) -> None:
+        super()._note_values(func, args, kwargs)
+        if self.first_read is None and self.ctx.values_read:
+            self.first_read = len(self.steps)  # (this op's step, written down after it runs)
 
 
 def _places(args: Any, kwargs: dict | None, casts: tuple) -> tuple | None:
@@ -211,7 +218,7 @@ class ReplayMode(VmaMode):
     def __init__(self, ctx: TrackedContext, plan: Plan) -> None:
         super().__init__(ctx)
         self.steps = plan.steps
-        ctx.values_read = plan.reads_values
+        self.first_read = plan.first_read
         self.i = 0
         self.diverged = False
 
@@ -228,6 +235,8 @@ class ReplayMode(VmaMode):
                     except Exception:
                         same = False
                     if same:
+                        if i == self.first_read:  # the read, where typing notes it
+                            self.ctx.values_read = True
                         self.i = i + 1
                         return self._replay(step, func, args, kwargs)
             self.diverged = True  # typed from here on: every tensor so far is typed

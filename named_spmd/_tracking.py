@@ -136,7 +136,7 @@ class VmaMode(TorchFunctionMode):
         # Then the result takes that stamp object as is; an operand typed below it gets its
         # implicit pvary alias from the call's caches, or none where the missing axes all have
         # size 1. Costs about one dict lookup per operand on top of the mode's own dispatch.
-        if func in READS_VALUES and not self.ctx.values_read:
+        if func in READS_VALUES and not self.ctx.values_read and not self.ctx.in_collective:
             self._note_values(func, args, kwargs)
         if func in _UNTYPED:
             if func is set_grad_enabled and not is_compiling() and in_reentrant_checkpoint():

@@ -834,7 +834,8 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     last call's, on some ranks only too); even calls of split sizes the
     real mesh alone runs (a collective some ranks call, a .local call's unequal sizes); and
     even calls that read values (boolean masks, branches on values: the outputs' shapes,
-    trees and out_specs errors compared, as the per-instance execution's)."""
+    trees and out_specs errors compared, as the per-instance execution's; replayed on some
+    ranks and typed on others)."""
     import json
     import os
 
@@ -846,7 +847,7 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     rows = [json.loads(line) for line in finished.lines("OUTCOME")]
     cases = uneven_dist.CASES + uneven_dist.ERRORS + uneven_dist.REFUSED + uneven_dist.COUNTED
     cases += uneven_dist.REPLAYED + uneven_dist.ROWS + uneven_dist.OWN_PROGRAMS + uneven_dist.ALONE
-    cases += uneven_dist.UNDIFFERENTIABLE
+    cases += uneven_dist.UNDIFFERENTIABLE + uneven_dist.PLANS_APART
     cases = [c.name for c in cases]
     assert sorted((r["case"], r["rank"]) for r in rows) == sorted(
         (c, rank) for c in cases for rank in range(4)

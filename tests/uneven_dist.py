@@ -1125,6 +1125,46 @@ def check_own_program(case: Case, real_mesh, sim_mesh) -> list[str]:
     return problems + _still_in_step(real_mesh)
 
 
+def _types_read_on_some_ranks(v):
+    """A collective, a read of a varying value, a type read on the ranks whose block sums
+    above 0 (they keep no plan of the call: their next calls are typed, the others' replayed),
+    another collective."""
+    s = ns.psum(v, "x")
+    if v.sum().item() > 0:
+        ns.vma(v)
+    return ns.psum(s * v, "x")
+
+
+def _types_read_on_some_ranks_dense(x, rank: int):
+    s = x.reshape(4, 2).sum(0)
+    return s * s
+
+
+# Calls replayed on some ranks and typed on others: each notes the read at the same op
+PLANS_APART = [
+    Case(
+        "a_read_in_calls_replayed_on_some_ranks_only",
+        (4,),
+        ("x",),
+        _types_read_on_some_ranks,
+        P("x"),
+        P(),
+        lambda: (torch.tensor([1.0, 1.0, -1.0, -1.0, 2.0, 2.0, -3.0, -3.0]),),
+        _types_read_on_some_ranks_dense,
+        switch=False,
+    ),
+]
+
+
+def check_plans_apart(case: Case, real_mesh, sim_mesh) -> list[str]:
+    problems: list[str] = []
+    f = ns.spmd_map(case.fn, mesh=real_mesh, in_specs=case.in_specs, out_specs=case.out_specs)
+    (x,) = case.args()
+    for k in range(3):
+        _close(_global(f(x)), case.dense(x, RANK[0]), f"call {k}", problems)
+    return problems + _still_in_step(real_mesh)
+
+
 def check_refused(case: Case, real_mesh, sim_mesh) -> list[str]:
     try:
         run_case(case, real_mesh, True)
@@ -1538,7 +1578,7 @@ def main() -> None:
     }
     RANK[0] = dist.get_rank()
     checkers = ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED))
-    checkers += ((check_own_program, OWN_PROGRAMS),)
+    checkers += ((check_own_program, OWN_PROGRAMS), (check_plans_apart, PLANS_APART))
     checkers += ((check_calls, COUNTED), (check_replayed, REPLAYED), (check_rows, ROWS))
     checkers += ((check_undifferentiable, UNDIFFERENTIABLE),)
     checkers += ((check_alone, ALONE),)  # (last: the mesh is out of step after)

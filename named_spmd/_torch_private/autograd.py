@@ -128,7 +128,7 @@ refcount = sys.getrefcount  # the Python reference count of an object (CPython)
 
 #: ``x``'s version counter (``Tensor._version``), which every in-place write to its storage
 #: through ``x`` or a view of it bumps: whether an input was written. An attrgetter: read for
-#: every input that requires grad, twice per call, ``map`` over it runs no Python frame.
+#: every tensor input under grad mode, twice per call, ``map`` over it runs no Python frame.
 version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 
 
@@ -229,8 +229,8 @@ _PASSING_NODES = frozenset(
 def stale_saved(roots: list[torch.Tensor], starts: list) -> RuntimeError | None:
     """Autograd's error for a tensor that a node between the nodes ``starts`` and ``roots``
     (the call's own graph) saved for the backward pass and that was written in place since:
-    what the backward pass would raise at that node; else None. For the rare call that wrote a tensor
-    that requires grad. (The nodes' ``_saved_*`` attributes and a Function's ``saved_tensors``:
+    what the backward pass would raise at that node; else None. For a call that wrote an input
+    in place (its cost: one visit of the call's graph, unpacking each saved tensor). (The nodes' ``_saved_*`` attributes and a Function's ``saved_tensors``:
     unpacking one checks its version.) A tensor saved through saved-tensor hooks is not
     unpacked: a checkpoint's unpack hook would rerun its region (its collectives on the
     writing ranks only); under hooks in effect (an outer checkpoint) nothing is: None."""
