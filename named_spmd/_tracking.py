@@ -218,7 +218,7 @@ class VmaMode(TorchFunctionMode):
         which swap (a partial sum's cotangent is reduced, a reduced value's unreduced: section
         2.2), varying also where a cotangent given varies and its output does not (its gradient
         then differs between instances, as on the simulated mesh; typed by the input alone, it
-        was a varying value typed invariant)."""
+        would be a varying value typed invariant)."""
         inputs = kwargs.get("inputs") if kwargs and "inputs" in kwargs else args[1]
         inputs = (inputs,) if isinstance(inputs, Tensor) else inputs
         given = _given_vma(self.ctx, args, kwargs)
