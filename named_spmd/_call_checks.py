@@ -65,7 +65,8 @@ def input_leaves(
         _check_inputs(f, paths_of(args), leaves, specs, local, backend)
         memo = {}
         if checked is not None:
-            memo["inputs"] = (treedef, checked)  # what the memo stands for: its key
+            # what the memo stands for, its key: hashed once (a replay's signature holds it)
+            memo["inputs"] = HashedOnce((treedef, checked))
             if len(fine) < 256:
                 fine[checked] = memo
     return leaves, list(specs), treedef, memo
@@ -287,6 +288,21 @@ def leaves_key(leaves: list[Any]) -> tuple | None:
 
 
 _Tensor, _STRIDED = torch.Tensor, torch.strided
+
+
+class HashedOnce(tuple):
+    """A tuple that keeps its hash: a key looked up at every call (a memo's ``"inputs"``, which
+    a replay's signature holds: a tuple per leaf), hashed when made, not at each lookup."""
+
+    _hash: int
+
+    def __new__(cls, items: tuple) -> HashedOnce:
+        made = super().__new__(cls, items)
+        made._hash = tuple.__hash__(made)
+        return made
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 def tiled_output_event(
