@@ -356,17 +356,22 @@ class Comm:
         self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], differs: bool, name="ppermute"
     ) -> tuple[torch.Tensor, bool]:
         """:meth:`permute` of ``x``, every member also sending every other one a flag, one
-        element more to each (the same sizes on every member, whatever the flags); returns the
+        element of ``x``'s dtype more to each (the same sizes on every member, whatever the
+        flags); returns the
         result and whether any member's ``differs`` was set (then the result is not to be used:
         every member learns it in this one collective)."""
         self._before(name, x, lambda: f", pairs={sorted(pairs)}, flagged")
         flags: list[bool] = []
-        out = on_wire(x, lambda t: self._permute_flagged(t, pairs, differs, flags, name))
+        size = x.element_size()
+        out = on_wire(x, lambda t: self._permute_flagged(t, pairs, differs, flags, name, size))
         return out, flags[0]
 
-    def _permute_flagged(self, x, pairs, differs: bool, flags: list[bool], name: str):
+    def _permute_flagged(self, x, pairs, differs: bool, flags: list[bool], name: str, size: int):
         block = x.contiguous().reshape(-1)
-        layout = self._flagged_layout(pairs, block.numel(), block.device)
+        # a flag of as many wire elements as one of the caller's dtype (its bytes, a complex
+        # value's two reals), so that the block received after it views back as that dtype
+        unit = max(1, size // block.element_size())
+        layout = self._flagged_layout(pairs, block.numel(), unit, block.device)
         src, out_splits, in_splits, peers, at = layout
         # per peer in group-rank order: the flag, then this member's block to its destination
         send = block.new_full((sum(in_splits),), int(differs))
@@ -381,22 +386,23 @@ class Comm:
         if out is not None:
             return out
         start = sum(out_splits[: self.group_rank[src]])  # the source's flag, then its block
-        return into.narrow(0, start + 1, block.numel()).view(x.shape)
+        return into.narrow(0, start + unit, block.numel()).view(x.shape)
 
-    def _flagged_layout(self, pairs, numel: int, device: torch.device) -> tuple:
-        """The splits of :meth:`permute_flagged` of ``numel`` elements along ``pairs`` (one
-        flag to every peer, the block after it to the destination): ``(src, out_splits,
-        in_splits, peers, at)``, ``peers`` the received flags' positions, ``at`` where the
-        block starts in the sent buffer (None: sent nowhere); kept per pairs, size and device."""
-        key = (pairs, numel, device)
+    def _flagged_layout(self, pairs, numel: int, unit: int, device: torch.device) -> tuple:
+        """The splits of :meth:`permute_flagged` of ``numel`` elements along ``pairs`` (a flag
+        of ``unit`` elements to every peer, the block after it to the destination): ``(src,
+        out_splits, in_splits, peers, at)``, ``peers`` the received flags' positions, ``at``
+        where the block starts in the sent buffer (None: sent nowhere); kept per pairs, sizes
+        and device."""
+        key = (pairs, numel, unit, device)
         layout = self._flagged.get(key)
         if layout is None:
             mine = self.group_rank[self.index]
             src, received, sent = permute_splits(pairs, self.index, numel, self.group_rank)
-            out_splits = [0 if g == mine else 1 + n for g, n in enumerate(received)]
-            in_splits = [0 if g == mine else 1 + n for g, n in enumerate(sent)]
+            out_splits = [0 if g == mine else unit + n for g, n in enumerate(received)]
+            in_splits = [0 if g == mine else unit + n for g, n in enumerate(sent)]
             dst = next((g for g, n in enumerate(sent) if n), None)
-            at = None if dst is None else sum(in_splits[:dst]) + 1
+            at = None if dst is None else sum(in_splits[:dst]) + unit
             starts = [sum(out_splits[:g]) for g in range(self.n) if g != mine]
             if len(self._flagged) >= _LAYOUTS:
                 self._flagged.clear()
