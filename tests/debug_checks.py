@@ -2,8 +2,9 @@
 
 ``python tests/debug_checks.py`` prints one ``OUTCOME {json}`` per case and rank: plain-tensor
 inputs that differ between ranks (each rank initialised its model with its own seed), an output
-typed invariant whose copies differ (a random draw after ``torch.manual_seed(rank)``), and the
-same programs done right, which must pass.
+typed invariant whose copies differ (a random draw after ``torch.manual_seed(rank)``), a
+ppermute whose pairs differ between the members of its group (its signature names them), and
+the same programs done right, which must pass.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def cases(mesh, rank: int):
     yield "replicas_differ", lambda: noisy(x)
     torch.manual_seed(0)
     yield "replicas_agree", lambda: noisy(x)
+
+    def shift(pairs):
+        return ns.spmd_map(
+            lambda x: ns.ppermute(x, "tp", pairs), mesh=mesh, in_specs=P("tp"), out_specs=P("tp")
+        )
+
+    member = rank % 2  # its index along "tp" (the minor axis)
+    yield "pairs_agree", lambda: shift([(0, 1), (1, 0)])(x)
+    yield "pairs_differ", lambda: shift([(0, 1)] if member == 0 else [(1, 0)])(x)
 
 
 def main() -> None:

@@ -169,7 +169,7 @@ def test_debug_mode_checks_plain_inputs_and_replicated_outputs_agree():
     finished = launch([os.path.join("tests", "debug_checks.py")], world, 120, NAMED_SPMD_DEBUG="1")
     assert not finished.timed_out, finished.outputs[0][-3000:]
     outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
-    assert len(outcomes) == 4 * world, finished.outputs[0][-3000:]
+    assert len(outcomes) == 6 * world, finished.outputs[0][-3000:]
     for o in outcomes:
         if o["case"].endswith("_agree"):
             assert o.get("ok"), o  # no false alarm
@@ -180,6 +180,10 @@ def test_debug_mode_checks_plain_inputs_and_replicated_outputs_agree():
                 "differ between ranks, but a plain tensor is the global value, the same on every "
                 "rank." in o["message"]
             ), o
+        elif o["case"] == "pairs_differ":  # both members of every group see both signatures
+            assert o["error"] == "SpmdError", o
+            assert "called different collectives" in o["message"], o
+            assert "pairs=[(0, 1)]" in o["message"] and "pairs=[(1, 0)]" in o["message"], o
         else:  # ranks whose group differs raise; the others learn it from them
             assert o["error"] in ("SpmdError", "RankFailedError"), o
             assert "typed invariant over ('tp',)" in o["message"], o

@@ -1343,6 +1343,14 @@ def _halo(v):
     return v + ns.ppermute(v[v.shape[0] - rows :, : HALO["cols"]], "x", ring).sum()
 
 
+def _as_real(y):
+    return torch.view_as_real(y).flatten(-2) if y.is_complex() else y.float()
+
+
+def _halo_real(v):
+    return _as_real(_halo(v))
+
+
 def _halo_dense(x, rows: int, cols: int):
     blocks = x.chunk(4)
     return torch.cat([b + blocks[j - 1][-rows:, :cols].sum() for j, b in enumerate(blocks)])
@@ -1481,6 +1489,34 @@ def check_replayed(case: Case, real_mesh, sim_mesh) -> list[str]:
     if len(plans) != 1 or not plans[0].replays or not plans[0].divergences:
         got = [(p.replays, p.divergences) for p in plans]
         problems.append(f"the real calls' plans (replays, divergences): {got}")
+    return problems + _replayed_as_bytes(case, real_mesh, sim_mesh)
+
+
+def _replayed_as_bytes(case: Case, real_mesh, sim_mesh) -> list[str]:
+    """HALO_STEPS' first four calls on int16 blocks, which gloo moves as their bytes, and on
+    complex ones, moved as pairs of reals: the flags travel so too (assumed, then set where the
+    halo's shape changes), each one value of the operand's dtype long, so that the block after
+    it views back as that dtype; the result returned as real floats (DTensor's full_tensor over
+    gloo gathers neither dtype)."""
+    problems: list[str] = []
+    (x,) = case.args()
+    for dtype in (torch.int16, torch.complex64):
+        v = (x * 100).to(dtype) if dtype is torch.int16 else torch.complex(x, -x)
+        real, sim = (
+            ns.spmd_map(_halo_real, mesh=m, in_specs=case.in_specs, out_specs=case.out_specs)
+            for m in (real_mesh, sim_mesh)
+        )
+        for k, (rows, cols, trim, expected) in enumerate(HALO_STEPS[:4]):
+            HALO.update(rows=rows, cols=cols, trim=trim)
+            (got, calls), (want, _) = _outcome(real, (v,)), _outcome(sim, (v,))
+            dense = _as_real(_halo_dense(v, rows, cols))
+            what = f"{dtype} call {k}"
+            if isinstance(got, str) or isinstance(want, str) or not torch.equal(got[0], want[0]):
+                problems.append(f"{what}: real {got!r} vs simulated {want!r}")
+            elif not torch.equal(got[0], dense):
+                problems.append(f"{what}: real {got[0]} vs dense {dense}")
+            if len(calls) != expected:
+                problems.append(f"{what}: {len(calls)} process-group calls {calls}")
     return problems
 
 

@@ -177,14 +177,12 @@ def _check_values(
     """The sizes agree with the peers' and the slices lie within the buffers (host values)."""
     offsets, sizes, _, received = meta.tolist()
     _, peer_sizes, placed_at, peer_received = peer.tolist()
-    where = f"ragged_all_to_all in {ctx.fn_label}"
-    member = int(ctx.axis_index(axes))
     per = len(sizes) // ctx.mesh.axis_size(axes)
     for k in range(len(sizes)):
         peer_k = k // per
         if sizes[k] != peer_received[k] or received[k] != peer_sizes[k]:
             raise CollectiveError(
-                f"{where}: member {member} of {axes} sends {sizes[k]} rows in slot {k} and "
+                f"{_member(ctx, axes)} sends {sizes[k]} rows in slot {k} and "
                 f"expects {received[k]}, but member {peer_k} expects {peer_received[k]} from it "
                 f"and sends {peer_sizes[k]}. Fix: send_sizes must equal "
                 "ns.all_to_all(recv_sizes, axis, 0, 0, tiled=True)."
@@ -194,10 +192,15 @@ def _check_values(
         )
         if bad:
             raise CollectiveError(
-                f"{where}: member {member} of {axes}, slot {k}: {bad}. Fix: offsets and sizes "
+                f"{_member(ctx, axes)}, slot {k}: {bad}. Fix: offsets and sizes "
                 "must give slices within the operand (input_offsets, send_sizes) and within "
                 "the receiver's output (output_offsets, recv_sizes)."
             )
+
+
+def _member(ctx: SpmdContext, axes: Axes) -> str:
+    """Where an error of :func:`_check_values` is (its member read only for the message)."""
+    return f"ragged_all_to_all in {ctx.fn_label}: member {int(ctx.axis_index(axes))} of {axes}"
 
 
 def _outside(start: int, size: int, rows: int, what: str) -> str:

@@ -27,6 +27,7 @@ from ._dist_failures import POLL_S
 from ._dist_waiting import wait as wait_for
 
 _SLICE = datetime.timedelta(seconds=POLL_S)
+_LAYOUTS = 256  # the flagged ppermutes' splits a Comm keeps (per pairs and size)
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 
@@ -166,6 +167,7 @@ class Comm:
         self._agree_opts = self._reduce_opts(MAX)
         self._agree_opts.asyncOp = True  # started, and finished after some of the body
         self._doings: dict[str, str] = {}  # op -> where a wait for it is (every wait names it)
+        self._flagged: dict[tuple, tuple] = {}  # permute_flagged's splits (_flagged_layout)
 
     def _reduce_opts(self, op):
         opts = c10d.AllreduceOptions()
@@ -250,11 +252,13 @@ class Comm:
         """Wait for a work from :meth:`start_all_reduce_` (failures become RankFailedError)."""
         self._wait(name, work)
 
-    def _before(self, name: str, x: torch.Tensor, extra: str = "") -> None:
-        """What precedes every collective: the start-of-call check, debug mode's comparison."""
+    def _before(self, name: str, x: torch.Tensor, extra: str | Any = "") -> None:
+        """What precedes every collective: the start-of-call check, debug mode's comparison
+        (``extra``: the signature's parameters, or a function making them: made in debug mode
+        only)."""
         self.mesh.finish_pending_check()
         if self.mesh.debug:
-            self._debug(name, x, extra)
+            self._debug(name, x, extra if isinstance(extra, str) else extra())
 
     def all_gather(self, x: torch.Tensor, name: str = "all_gather") -> torch.Tensor:
         """``[n, *x.shape]``: every member's ``x``, in tuple order."""
@@ -329,7 +333,7 @@ class Comm:
         gloo closes the connection when a timed wait on a recv times out, so a recv could not
         be waited for in slices (a sender late by one slice broke the mesh), while a
         collective's work can."""
-        self._before(name, x, f", pairs={sorted(pairs)}")
+        self._before(name, x, lambda: f", pairs={sorted(pairs)}")
         return on_wire(x, lambda t: self._permute(t, pairs, name))
 
     def _permute(self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], name: str):
@@ -352,33 +356,60 @@ class Comm:
         self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], differs: bool, name="ppermute"
     ) -> tuple[torch.Tensor, bool]:
         """:meth:`permute` of ``x``, every member also sending every other one a flag, one
-        element more to each (the same sizes on every member, whatever the flags); returns the
+        element of ``x``'s dtype more to each (the same sizes on every member, whatever the
+        flags); returns the
         result and whether any member's ``differs`` was set (then the result is not to be used:
         every member learns it in this one collective)."""
-        self._before(name, x, f", pairs={sorted(pairs)}, flagged")
+        self._before(name, x, lambda: f", pairs={sorted(pairs)}, flagged")
         flags: list[bool] = []
-        out = on_wire(x, lambda t: self._permute_flagged(t, pairs, differs, flags, name))
+        size = x.element_size()
+        out = on_wire(x, lambda t: self._permute_flagged(t, pairs, differs, flags, name, size))
         return out, flags[0]
 
-    def _permute_flagged(self, x, pairs, differs: bool, flags: list[bool], name: str):
-        me, mine = self.index, self.group_rank[self.index]
+    def _permute_flagged(self, x, pairs, differs: bool, flags: list[bool], name: str, size: int):
         block = x.contiguous().reshape(-1)
-        src, received, sent = permute_splits(pairs, me, block.numel(), self.group_rank)
-        flag = block.new_full((1,), int(differs))
-        pieces = [t for g, n in enumerate(sent) if g != mine for t in (flag, block)[: 1 + bool(n)]]
-        out_splits = [0 if g == mine else 1 + n for g, n in enumerate(received)]
-        in_splits = [0 if g == mine else 1 + n for g, n in enumerate(sent)]
+        # a flag of as many wire elements as one of the caller's dtype (its bytes, a complex
+        # value's two reals), so that the block received after it views back as that dtype
+        unit = max(1, size // block.element_size())
+        layout = self._flagged_layout(pairs, block.numel(), unit, block.device)
+        src, out_splits, in_splits, peers, at = layout
+        # per peer in group-rank order: the flag, then this member's block to its destination
+        send = block.new_full((sum(in_splits),), int(differs))
+        if at is not None:
+            send.narrow(0, at, block.numel()).copy_(block)
         into = block.new_empty(sum(out_splits))
         opts = self._a2a_opts
-        self._issue(name, lambda: self._a2a(into, torch.cat(pieces), out_splits, in_splits, opts))
-        starts = [sum(out_splits[:g]) for g in range(self.n)]  # each peer's flag, then its data
-        peers = [starts[g] for g in range(self.n) if g != mine]
+        self._issue(name, lambda: self._a2a(into, send, out_splits, in_splits, opts))
         # every peer's flag read on the host at once (one synchronisation)
-        flags.append(differs or (bool(into[peers].any()) if peers else False))
-        out = _unreceived(x, src, me)
+        flags.append(differs or any(into.index_select(0, peers).tolist()))
+        out = _unreceived(x, src, self.index)
         if out is not None:
             return out
-        return into.narrow(0, starts[self.group_rank[src]] + 1, block.numel()).view(x.shape)
+        start = sum(out_splits[: self.group_rank[src]])  # the source's flag, then its block
+        return into.narrow(0, start + unit, block.numel()).view(x.shape)
+
+    def _flagged_layout(self, pairs, numel: int, unit: int, device: torch.device) -> tuple:
+        """The splits of :meth:`permute_flagged` of ``numel`` elements along ``pairs`` (a flag
+        of ``unit`` elements to every peer, the block after it to the destination): ``(src,
+        out_splits, in_splits, peers, at)``, ``peers`` the received flags' positions, ``at``
+        where the block starts in the sent buffer (None: sent nowhere); kept per pairs, sizes
+        and device."""
+        key = (pairs, numel, unit, device)
+        layout = self._flagged.get(key)
+        if layout is None:
+            mine = self.group_rank[self.index]
+            src, received, sent = permute_splits(pairs, self.index, numel, self.group_rank)
+            out_splits = [0 if g == mine else unit + n for g, n in enumerate(received)]
+            in_splits = [0 if g == mine else unit + n for g, n in enumerate(sent)]
+            dst = next((g for g, n in enumerate(sent) if n), None)
+            at = None if dst is None else sum(in_splits[:dst]) + unit
+            starts = [sum(out_splits[:g]) for g in range(self.n) if g != mine]
+            if len(self._flagged) >= _LAYOUTS:
+                self._flagged.clear()
+            peers = torch.tensor(starts, dtype=torch.int64, device=device)
+            layout = (src, out_splits, in_splits, peers, at)
+            self._flagged[key] = layout
+        return layout
 
     def broadcast(self, x: torch.Tensor, root: int, name: str = "broadcast") -> torch.Tensor:
         """Tuple member ``root``'s ``x``, in a fresh buffer."""
