@@ -19,6 +19,7 @@ import torch
 from .. import _torch_private as torch_private
 from .._errors import SpmdError, operand_shapes_differ
 from .._layout import chunk_sizes, groups, index_of
+from . import _dist_steps
 
 Sizes = tuple[int, ...]
 
@@ -120,6 +121,7 @@ class OperandShapes:
     mesh: Any  # (the context's: a DistributedMesh)
     alike: Any  # (the context's: ``SpmdContext.alike``)
     fn_label: str  # (the context's)
+    values_read: bool  # (the context's: ``SpmdContext.values_read``)
 
     def checked_after_read(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
         """:meth:`check_every_operand` over the collective's group (in an even call the ranks of
@@ -157,7 +159,7 @@ class OperandShapes:
         whose operand fails them, raised on every rank alike (``alike``), as the simulated mesh
         raises it (a rank that raised alone would leave the others inside the collective)."""
         mine = tuple(x.shape)
-        shapes = self._every_shape(x, over) if rec.forward_event else None
+        shapes = self._every_shape(x, over, (rec.name, axes)) if rec.forward_event else None
         checked, result = set(), None
         # every rank checks every shape, in one order: their errors are raised alike
         every = shapes is not None and not _own_sizes(rec, params)
@@ -165,9 +167,10 @@ class OperandShapes:
             if shape not in checked:
                 checked.add(shape)
                 try:
-                    out = rec.check(
-                        self, x if shape == mine else self._stand_in(x, shape), axes, params
-                    )
+                    out = params  # (no checks of its own: met after a read, ``check_operand``)
+                    if rec.check is not None:
+                        stand_in = x if shape == mine else self._stand_in(x, shape)
+                        out = rec.check(self, stand_in, axes, params)
                 except SpmdError as e:
                     if every and alike:  # (else this rank's alone: posted, so the others stop too)
                         self.alike(e)
@@ -182,9 +185,18 @@ class OperandShapes:
             meta = torch.empty(shape, dtype=x.dtype, device="meta")
         return self.stamp(meta, self.vma(x))  # type: ignore[attr-defined]
 
-    def _every_shape(self, x: torch.Tensor, over=None) -> list[tuple[int, ...]] | None:
+    def _every_shape(
+        self, x: torch.Tensor, over=None, step: tuple | None = None
+    ) -> list[tuple[int, ...]] | None:
         """Every instance's operand shape, row-major over the mesh (one exchange over the whole
-        mesh, or over the axes ``over``: its group's members); None past :data:`_WIDTH` dims."""
+        mesh, or over the axes ``over``: its group's members); None past :data:`_WIDTH` dims.
+        After a read of a varying value, the exchange of the collective ``step`` (its name and
+        axes) is its meeting (``_dist_steps``: the ranks may have taken other branches)."""
+        if step is not None and self.values_read:
+            shapes = _dist_steps.meet(self, step[0], step[1], x)
+            if over is not None:
+                shapes = [shapes[m] for m in self._my_group(over)]
+            return None if None in shapes else shapes
         if x.dim() >= _WIDTH:
             return None
         mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim())
@@ -194,6 +206,12 @@ class OperandShapes:
     def _groups(self, axes) -> list[list[int]]:
         """The groups of ``axes`` (instance indices), in the simulated mesh's order."""
         return groups(tuple(axes), tuple(self.mesh._shape.items()))
+
+    def _my_group(self, axes) -> list[int]:
+        """The instances of this rank's group of ``axes``, in member order."""
+        mesh = self.mesh
+        me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
+        return next(g for g in self._groups(axes) if me in g)
 
     def _groups_of(self, axes, shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
         """The members' shapes of every group of ``axes``, groups in the simulated mesh's order."""
@@ -206,23 +224,20 @@ class OperandShapes:
         instance's shape (``shapes``, where given); in every group the other dims must agree
         (the simulated mesh's error, raised on every rank alike: gloo would fail or wait)."""
         if shapes is _UNKNOWN:
-            shapes = self._every_shape(x)
+            shapes = self._every_shape(x, step=(op, axes))
         if shapes is None:
             return tuple(s for (s,) in exchange(self.mesh.comm(axes), [x.shape[dim]]))
         for group in self._groups_of(axes, shapes):
             if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
                 raise self.alike(operand_shapes_differ(op, self.fn_label, group, but=dim))
-        mesh = self.mesh
-        me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
-        mine = next(g for g in self._groups(axes) if me in g)
-        return tuple(shapes[m][dim] for m in mine)
+        return tuple(shapes[m][dim] for m in self._my_group(axes))
 
     def _same_shapes(self, op: str, x: torch.Tensor, axes, shapes: Any = _UNKNOWN) -> None:
         """The simulated mesh's error for members' operands of different shapes, for the first
         group that has them, raised on every rank alike (the shapes of every instance are
         exchanged first, unless given: gloo would fail or wait)."""
         if shapes is _UNKNOWN:
-            shapes = self._every_shape(x)
+            shapes = self._every_shape(x, step=(op, axes))
         for group in self._groups_of(axes, shapes or []) if shapes is not None else ():
             if any(s != group[0] for s in group):
                 raise self.alike(operand_shapes_differ(op, self.fn_label, group))
@@ -246,7 +261,7 @@ class UnevenPrimitives(OperandShapes):
         self._guess = None
         gathers = rec.name == "all_gather" and params[1]  # blocks of any sizes, concatenated
         if rec.name == "ppermute" and self._seen is not None:
-            self._permuted_shapes(x, axes, params[0])
+            self._permuted_shapes(x, axes, params[0], shapes)
         elif _own_sizes(rec, params):  # chunks of any sizes: the other dims must agree
             self._gathered_sizes(rec.name, x, axes, params[0], shapes)
         elif rec.forward_event and not gathers:
@@ -290,20 +305,23 @@ class UnevenPrimitives(OperandShapes):
         super().forget_shapes()  # type: ignore[misc]
         self._recalled = None
 
-    def _permuted_shapes(self, x: torch.Tensor, axes, pairs) -> None:
-        """Before a ppermute's data moves: the shape it assumes (``_guess``), or every
-        instance's shape exchanged and compared."""
+    def _permuted_shapes(self, x: torch.Tensor, axes, pairs, shapes: Any) -> None:
+        """Before a ppermute's data moves: the shape it assumes (``_guess``; none after a read
+        of a varying value, where the ranks meet first), or every instance's shape exchanged
+        (unless given) and compared."""
         mesh = self.mesh
         mesh.finish_pending_check()  # first: whether every rank recalls the same
         assert self._seen is not None
         k, recalled = len(self._seen), self._recalled
         guess = recalled[k] if recalled is not None and k < len(recalled) else None
         moves = any(s != d for s, d in pairs)  # (else nothing moves: no flag either)
-        if guess is not None and moves and mesh.comm(axes).n == mesh.size:
+        whole = mesh.comm(axes).n == mesh.size
+        if guess is not None and moves and whole and not self.values_read:
             self._guess = guess
             self._seen.append(guess)
             return
-        shapes = self._every_shape(x)
+        if shapes is _UNKNOWN:
+            shapes = self._every_shape(x, step=("ppermute", axes))
         self._seen.append(_common(shapes))
         self._same_shapes("ppermute", x, axes, shapes)
 

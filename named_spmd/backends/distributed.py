@@ -50,6 +50,7 @@ from . import (
     _dist_overlap,
     _dist_piece,
     _dist_pvary,
+    _dist_steps,
     _dist_uneven,
 )
 from ._dist_comm import MAX, MIN, SUM, ragged_rows
@@ -132,7 +133,7 @@ class DistributedContext(OperandShapes, TrackedContext):
         """``rec.check``; after a read of a varying value, on every instance's shape (``OperandShapes``)."""
         if self.values_read and self.mesh.size > 1:
             return self.checked_after_read(rec, x, axes, params)
-        return rec.check(self, x, axes, params)
+        return super().check_operand(rec, x, axes, params)
 
     def sized(self, rec, x, axes, params):
         return params  # (an uneven call's adds the blocks' sizes: ``UnevenPrimitives``)
@@ -355,6 +356,8 @@ def run(call: Call) -> list[Any]:
             _dist_agree.check_inputs_agree(ctx, leaves, specs if local_call else None)
         versions = call.input_versions(local)
         outs = _body(ctx, call, replay, local)
+        if ctx.values_read and mesh.size > 1:  # every rank at the end (the ranks may branch)
+            _dist_steps.meet(ctx, None, mesh.axis_names, None)
         mesh.finish_pending_check()  # (where the body ran no collective; first: the clearer)
         call.check_writes(versions, outs)
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
