@@ -172,8 +172,9 @@ def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple]:
     failed = call.out_error
     told = (0, 0) if failed is None else (_KINDS.index(_kind(failed)) + 1, len(_text(failed)))
     structure = (0, 0) if failed is not None else call.structure()
-    rows, width = _recalled_blocks(ctx, structure, told, outs) or _every_block(
-        mesh, structure, told, outs
+    ys = [(y, _differs(ctx, y)) for y in outs]
+    rows, width = _recalled_blocks(ctx, structure, told, ys) or _every_block(
+        mesh, structure, told, ys
     )
     first = next((i for i, row in enumerate(rows) if row[2]), None)
     if first is not None:
@@ -194,7 +195,8 @@ def outputs(ctx, outs: list[torch.Tensor], call: Call, layouts: list[tuple]) -> 
     """The call's outputs from every rank's blocks of unequal sizes, laid out as
     :func:`agree` found (see the module doc); a local call's: this rank's blocks."""
     out = []
-    for y, spec, (per_dim, first, apart) in zip(outs, call.out_specs(), layouts):
+    for y, spec, (per_dim, first, apart, differ) in zip(outs, call.out_specs(), layouts):
+        y = _differing(ctx, y, spec, differ)
         if apart is not None:  # check_vma=False (else _layouts raised)
             y = as_first(ctx, y, spec, first, apart[2])
         if call.local:
@@ -210,6 +212,7 @@ _KEPT = 64  # the output layouts a mesh keeps (a repeated call finds its own)
 _SLOTS = 4  # the outputs in one exchange's rows (more: a wider exchange)
 _WIDTH = 16  # the dims of a block's shape in its slot of a row (more: a wider exchange)
 _HEAD = 4  # a row's integers before its slots: the output tree (2), the out_specs error (2)
+_KIND = 3  # a slot's integers before its block's dims: rank, dtype, the axes it differs over
 # The classes of an out_specs error that a rank tells the others (another: an SpmdError).
 _KINDS: tuple[type[SpmdError], ...] = (SpmdError, SpecError, VmaError)
 
@@ -249,7 +252,7 @@ def _first_failure(ctx, row: Sequence[int], first: int, failed: SpmdError | None
 
 
 def _recalled_blocks(
-    ctx, structure: tuple[int, int], told: tuple[int, int], ys: list[torch.Tensor]
+    ctx, structure: tuple[int, int], told: tuple[int, int], ys: list[tuple]
 ) -> tuple[tuple[tuple[int, ...], ...], int] | None:
     """The rows of :func:`_every_block` where they are those of the signature's last call,
     which every rank recalls alike (the start-of-call check compared them): each rank compares
@@ -261,7 +264,7 @@ def _recalled_blocks(
         return None
     width, rows = recalled
     mesh = ctx.mesh
-    slots = (len(rows[0]) - _HEAD) // (2 + width)
+    slots = (len(rows[0]) - _HEAD) // (_KIND + width)
     mine = _row(structure, told, ys, slots, width)
     me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
     if not all_true(mesh.check_comm(), mine == rows[me], "the outputs' block shapes"):
@@ -270,23 +273,25 @@ def _recalled_blocks(
 
 
 def _row(
-    structure: tuple[int, int], told: tuple[int, int], ys: list[torch.Tensor], slots, width
+    structure: tuple[int, int], told: tuple[int, int], ys: list[tuple], slots, width
 ) -> tuple[int, ...]:
     """This rank's row of :func:`_every_block` in ``slots`` slots of ``width`` dims."""
     mine = [*structure, *told]
-    for y in ys[:slots]:
-        mine += [y.dim(), dtype_code(y.dtype), *y.shape[:width], *[0] * (width - y.dim())]
+    for y, differs in ys[:slots]:
+        mine += [y.dim(), dtype_code(y.dtype), differs, *y.shape[:width]]
+        mine += [0] * (width - y.dim())
     mine += [0] * (_slot(slots, width) - len(mine))
     return tuple(mine)
 
 
 def _every_block(
-    mesh, structure: tuple[int, int], told: tuple[int, int], ys: list[torch.Tensor]
+    mesh, structure: tuple[int, int], told: tuple[int, int], ys: list[tuple]
 ) -> tuple[tuple[tuple[int, ...], ...], int]:
     """Every rank's row, row-major over the mesh: its output tree's ``structure``
     (``Call.structure``), its out_specs error ``told`` (its class in :data:`_KINDS` from 1, the
     length of its message; zeros: none), then a slot per output block ``ys`` (the first
-    ``slots``): the block's rank, dtype and shape in ``width`` dims, zeros after and in unused
+    ``slots``, with :func:`_differs`): the block's rank, dtype, the axes its type differs over
+    (:func:`_differs`) and shape in ``width`` dims, zeros after and in unused
     slots, so that no row's length depends on what the rank returned (gloo gathers one length;
     every rank then tells a difference alike). One exchange; another of wider rows where every
     rank returned the same tree, of more than :data:`_SLOTS` outputs or blocks of more than
@@ -307,7 +312,7 @@ def _every_block(
 def _slot(j: int, width: int) -> int:
     """Where output ``j``'s slot starts in a row of :func:`_every_block` (after its
     :data:`_HEAD`; each slot: rank, dtype, ``width`` dims)."""
-    return _HEAD + j * (2 + width)
+    return _HEAD + j * (_KIND + width)
 
 
 def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
@@ -322,7 +327,7 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
 
     def shape_of(i: int, j: int) -> list[int]:
         at = _slot(j, width)
-        return rows[i][at + 2 : at + 2 + rows[i][at]]
+        return rows[i][at + _KIND : at + _KIND + rows[i][at]]
 
     problem = instances_problem(
         f"spmd_map of {ctx.fn_label}",
@@ -350,8 +355,45 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
             kinds[index_of(mesh.axis_names, first_coords(mesh, spec), mesh._shape)][1],
         )
         mine = None if first == (tuple(y.shape), y.dtype) else first
-        layouts.append((per_dim, mine, apart))
+        differ = 0
+        for row in rows:
+            differ |= row[_slot(j, width) + 2]
+        layouts.append((per_dim, mine, apart, differ))
     return layouts
+
+
+def _differs(ctx, y: torch.Tensor) -> int:
+    """The axes over which output ``y``'s type says that the instances' values may differ
+    (varying or unreduced: where its out_spec does not keep them, the boundary takes coordinate
+    0's value), as bits in mesh order."""
+    vma = ctx.vma(y)
+    bits = 0
+    for k, a in enumerate(ctx.mesh.axis_names):
+        if a in vma.varying or a in vma.unreduced:
+            bits |= 1 << k
+    return bits
+
+
+def _differing(ctx, y: torch.Tensor, spec: PartitionSpec, differ: int) -> torch.Tensor:
+    """Output ``y``, typed varying too over the axes its out_spec ``spec`` does not keep where
+    another rank's output differs (``differ``: every rank's :func:`_differs` together; ranks
+    that took other branches after a read of a varying value, under ``check_vma=False``), so
+    that every rank takes coordinate 0's value alike (one broadcast on every rank, where a
+    rank's own type would leave it out of the others')."""
+    extra = differ & ~_differs(ctx, y)
+    if not extra:
+        return y
+    names = ctx.mesh.axis_names
+    axes = tuple(
+        a
+        for k, a in enumerate(names)
+        if extra >> k & 1 and a not in spec.axes and a not in spec.unreduced
+    )
+    if not axes:  # (a kept axis: each rank's block, as its own type settles it)
+        return y
+    with torch_private.DisableTorchFunction():
+        view = y.view_as(y)  # (its own stamp: ``y`` may be an input, typed as it is)
+    return ctx.stamp(view, ctx.vma(y).add(axes))
 
 
 def _kinds_and_shapes(
@@ -366,7 +408,7 @@ def _kinds_and_shapes(
 
     def shape_at(coords) -> list[int]:
         row = rows[index_of(mesh.axis_names, {**base, **coords}, mesh._shape)]
-        return row[at + 2 : at + 2 + row[at]]
+        return row[at + _KIND : at + _KIND + row[at]]
 
     return kinds, shape_at
 
