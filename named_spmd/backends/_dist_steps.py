@@ -27,6 +27,9 @@ from . import _dist_uneven_primitives as primitives  # (which calls meet: a cycl
 
 Shape = tuple[int, ...]
 _DIMS = 16  # the dims of an operand's shape in a row (more: its shape is not compared)
+# A row's integers after its step: the widest payload, the outputs' first row (``_dist_uneven``:
+# four slots of a block's rank, dtype, type and 16 dims, after four integers).
+PAYLOAD = 4 + 4 * (3 + 16)
 _END = 0  # a row's step: the end of the call (else its collective's :func:`_code`)
 
 
@@ -55,23 +58,31 @@ def _axes_of(names: tuple[str, ...], code: int) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def meet(ctx: Any, name: str | None, axes: tuple[str, ...], x: torch.Tensor | None) -> list:
+def shapes_met(ctx: Any, name: str, axes: tuple[str, ...], x: torch.Tensor) -> list:
     """Every instance's operand shape (row-major over the mesh; None past :data:`_DIMS` dims),
     once every member of this rank's group of ``axes`` is about to run the collective ``name``
-    over them (``name`` None: every rank is at the end of the call)."""
+    over them (:func:`meet`)."""
+    known = x.dim() <= _DIMS
+    rows = meet(ctx, name, axes, [x.dim(), *x.shape] if known else [-1])
+    return [tuple(r[1 : 1 + r[0]]) if r[0] >= 0 else None for r in rows]
+
+
+def meet(ctx: Any, name: str | None, axes: tuple[str, ...], payload: list[int]) -> list:
+    """Every instance's ``payload`` (row-major over the mesh; at most :data:`PAYLOAD` integers,
+    zeros after), once every member of this rank's group of ``axes`` is about to run the
+    collective ``name`` over them (``name`` None: every rank is at the end of the call, where
+    the payload is its outputs' row, ``_dist_uneven.agree``: one exchange for both)."""
     mesh = ctx.mesh
     mesh.finish_pending_check()  # (the start-of-call check's collective comes first)
     comm = mesh.comm(mesh.axis_names)
-    known = x is not None and x.dim() <= _DIMS
-    shape = list(x.shape) if known else []  # type: ignore[union-attr]
-    mine = [_code(name), _axes_code(mesh.axis_names, axes), len(shape) if known else -1, *shape]
-    mine += [0] * (3 + _DIMS - len(mine))
+    mine = [_code(name), _axes_code(mesh.axis_names, axes), *payload]
+    mine += [0] * (2 + PAYLOAD - len(mine))
     while True:
         rows = primitives.exchange(comm, mine)
         steps = [(r[0], r[1]) for r in rows]
         ready = _ready(mesh, steps)
         if comm.index in ready:
-            return [tuple(r[3 : 3 + r[2]]) if r[2] >= 0 else None for r in rows]
+            return [r[2:] for r in rows]
         if not ready:
             raise ctx.alike(_apart(ctx, steps))
 

@@ -52,6 +52,7 @@ from .._spec import PartitionSpec
 from . import _dist_io as io
 from ._dist_agree import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
+from ._dist_steps import PAYLOAD, meet
 from ._dist_uneven_first import as_first, first_coords, where_apart
 from ._dist_uneven_primitives import all_true, exchange, pad
 
@@ -173,9 +174,14 @@ def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple]:
     told = (0, 0) if failed is None else (_KINDS.index(_kind(failed)) + 1, len(_text(failed)))
     structure = (0, 0) if failed is not None else call.structure()
     ys = [(y, _differs(ctx, y)) for y in outs]
-    rows, width = _recalled_blocks(ctx, structure, told, ys) or _every_block(
-        mesh, structure, told, ys
-    )
+    if ctx.values_read:  # the ranks may have branched: all meet at the end first, with their rows
+        row = list(_row(structure, told, ys, _SLOTS, _WIDTH))
+        met = tuple(map(tuple, meet(ctx, None, mesh.axis_names, row)))
+        rows, width = _every_block(mesh, structure, told, ys, met)
+    else:
+        rows, width = _recalled_blocks(ctx, structure, told, ys) or _every_block(
+            mesh, structure, told, ys
+        )
     first = next((i for i, row in enumerate(rows) if row[2]), None)
     if first is not None:
         raise _first_failure(ctx, rows[first], first, failed)
@@ -213,6 +219,7 @@ _SLOTS = 4  # the outputs in one exchange's rows (more: a wider exchange)
 _WIDTH = 16  # the dims of a block's shape in its slot of a row (more: a wider exchange)
 _HEAD = 4  # a row's integers before its slots: the output tree (2), the out_specs error (2)
 _KIND = 3  # a slot's integers before its block's dims: rank, dtype, the axes it differs over
+assert _HEAD + _SLOTS * (_KIND + _WIDTH) == PAYLOAD  # (the rows the ranks meet with at the end)
 # The classes of an out_specs error that a rank tells the others (another: an SpmdError).
 _KINDS: tuple[type[SpmdError], ...] = (SpmdError, SpecError, VmaError)
 
@@ -285,20 +292,22 @@ def _row(
 
 
 def _every_block(
-    mesh, structure: tuple[int, int], told: tuple[int, int], ys: list[tuple]
+    mesh, structure: tuple[int, int], told: tuple[int, int], ys: list[tuple], met=None
 ) -> tuple[tuple[tuple[int, ...], ...], int]:
     """Every rank's row, row-major over the mesh: its output tree's ``structure``
     (``Call.structure``), its out_specs error ``told`` (its class in :data:`_KINDS` from 1, the
     length of its message; zeros: none), then a slot per output block ``ys`` (the first
-    ``slots``, with :func:`_differs`): the block's rank, dtype, the axes its type differs over
-    (:func:`_differs`) and shape in ``width`` dims, zeros after and in unused
-    slots, so that no row's length depends on what the rank returned (gloo gathers one length;
+    ``slots``): the block's rank, dtype, the axes its type differs over (:func:`_differs`)
+    and shape in ``width`` dims, zeros after and in unused slots, so that no row's length depends on what the rank returned (gloo gathers one length;
     every rank then tells a difference alike). One exchange; another of wider rows where every
     rank returned the same tree, of more than :data:`_SLOTS` outputs or blocks of more than
-    :data:`_WIDTH` dims. Returns the rows and their slots' ``width``."""
+    :data:`_WIDTH` dims. Returns the rows and their slots' ``width``. ``met``: the first
+    exchange's rows, where the ranks met with them (``_dist_steps.meet``)."""
     comm, slots, width = mesh.comm(mesh.axis_names), _SLOTS, _WIDTH
     while True:
-        rows = tuple(map(tuple, exchange(comm, list(_row(structure, told, ys, slots, width)))))
+        mine = list(_row(structure, told, ys, slots, width))
+        rows = met if met is not None else tuple(map(tuple, exchange(comm, mine)))
+        met = None
         if any(row[2] or row[:2] != rows[0][:2] for row in rows):  # (agree tells it)
             return rows, width
         count = rows[0][0]

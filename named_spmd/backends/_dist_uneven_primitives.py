@@ -193,7 +193,7 @@ class OperandShapes:
         After a read of a varying value, the exchange of the collective ``step`` (its name and
         axes) is its meeting (``_dist_steps``: the ranks may have taken other branches)."""
         if step is not None and self.values_read:
-            shapes = _dist_steps.meet(self, step[0], step[1], x)
+            shapes = _dist_steps.shapes_met(self, step[0], step[1], x)
             if over is not None:
                 shapes = [shapes[m] for m in self._my_group(over)]
             return None if None in shapes else shapes

@@ -50,7 +50,6 @@ from . import (
     _dist_overlap,
     _dist_piece,
     _dist_pvary,
-    _dist_steps,
     _dist_uneven,
 )
 from ._dist_comm import MAX, MIN, SUM, ragged_rows
@@ -356,8 +355,6 @@ def run(call: Call) -> list[Any]:
             _dist_agree.check_inputs_agree(ctx, leaves, specs if local_call else None)
         versions = call.input_versions(local)
         outs = _body(ctx, call, replay, local)
-        if ctx.values_read and mesh.size > 1:  # every rank at the end (the ranks may branch)
-            _dist_steps.meet(ctx, None, mesh.axis_names, None)
         mesh.finish_pending_check()  # (where the body ran no collective; first: the clearer)
         call.check_writes(versions, outs)
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
