@@ -590,6 +590,10 @@ def _psum_or_pmax(v):
     return ns.psum(v, "x") if v.sum() > 0 else ns.pmax(v, "x")
 
 
+def _pmax_of_varying_or_invariant(v):  # invariant where the sum is 0: a pmax of nothing there
+    return ns.pmax(v if v.sum() > 0 else torch.zeros(2, dtype=v.dtype), "x")
+
+
 def _psum_over_b_where_positive(v):  # at b=0 and b=1 of a group: other signs
     return ns.psum(v, "b") * 2 if v.sum() > 0 else v * 2
 
@@ -620,6 +624,19 @@ ERRORS = [
         switch=False,
         switch_simulated=True,
         kinds=("SpmdError: ", "called different collectives at one point", "pmax over"),
+    ),
+    Case(  # the ranks whose operand is invariant skip the pmax (the identity there)
+        "pmax_of_an_operand_invariant_on_some_ranks",
+        (4,),
+        ("x",),
+        _pmax_of_varying_or_invariant,
+        P("x"),
+        P("x"),
+        _branch_x,
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=("SpmdError: ", "instances (x=1), (x=3) returned while", "wait at pmax over"),
     ),
     Case(  # the members of one group of b apart
         "psum_over_b_skipped_on_some_members",

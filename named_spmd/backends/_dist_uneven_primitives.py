@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import _torch_private as torch_private
+from .._collectives._record import DROP_INVARIANT
 from .._errors import SpmdError, operand_shapes_differ
 from .._layout import chunk_sizes, groups, index_of
 from . import _dist_steps
@@ -159,7 +160,12 @@ class OperandShapes:
         whose operand fails them, raised on every rank alike (``alike``), as the simulated mesh
         raises it (a rank that raised alone would leave the others inside the collective)."""
         mine = tuple(x.shape)
-        shapes = self._every_shape(x, over, (rec.name, axes)) if rec.forward_event else None
+        step = (rec.name, axes)
+        if rec.policy is DROP_INVARIANT:  # (the identity over the axes its operand is invariant
+            # over: a rank whose operand is invariant over all of them meets no one, as on the
+            # simulated mesh; after a branch on values, other ranks' types may differ)
+            step = (rec.name, self.vma(x).present(axes))  # type: ignore[attr-defined]
+        shapes = self._every_shape(x, over, step) if rec.forward_event else None
         checked, result = set(), None
         # every rank checks every shape, in one order: their errors are raised alike
         every = shapes is not None and not _own_sizes(rec, params)
@@ -193,6 +199,8 @@ class OperandShapes:
         After a read of a varying value, the exchange of the collective ``step`` (its name and
         axes) is its meeting (``_dist_steps``: the ranks may have taken other branches)."""
         if step is not None and self.values_read:
+            if not step[1]:
+                return None  # (no communication: nothing to meet on)
             shapes = _dist_steps.shapes_met(self, step[0], step[1], x)
             if over is not None:
                 shapes = [shapes[m] for m in self._my_group(over)]
