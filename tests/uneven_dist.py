@@ -552,6 +552,26 @@ CASES = [
 ]
 
 CASES += _sized_cases()
+CASES += [
+    Case(  # tiled all_gathers of sizes read from values in an even call (2, 2, 2, 1 positive):
+        # the blocks concatenated as an uneven call's, the transpose scattering to their sizes
+        f"tiled_all_gather_to_{to}_of_sizes_read_in_an_even_call",
+        (4,),
+        ("x",),
+        lambda v, to=to: ns.all_gather(v[v > 0], "x", tiled=True, to=to) * 2,
+        P("x"),
+        spec,
+        lambda: (_randn(16, seed=63),),
+        dense,
+        kinds=("D",),
+        switch=False,
+        switch_simulated=True,
+    )
+    for to, spec, dense in (
+        ("varying", P("x"), lambda x: x[x > 0].repeat(4) * 2),
+        ("invariant", P(), lambda x: x[x > 0] * 2),
+    )
+]
 
 
 def _two_or_one(v):
@@ -1158,18 +1178,6 @@ REFUSED = [
             "split_sizes differ (the instance at x=0 gives [1, 1, 1, 1], the one at x=1 "
             "[2, 2, 2, 2])",
         ),
-    ),
-    Case(  # a tiled all_gather of sizes from values read in an even call (the fix: per instance)
-        "tiled_all_gather_of_sizes_read_in_an_even_call",
-        (4,),
-        ("x",),
-        lambda v: ns.all_gather(v[v > 0], "x", tiled=True),
-        P("x"),
-        P("x"),
-        lambda: (_randn(16, seed=63),),
-        None,
-        switch=False,
-        kinds=("SpmdError: ", "sizes [2, 2, 2, 1] along dim 0", "ns.simulate_per_instance()"),
     ),
 ]
 

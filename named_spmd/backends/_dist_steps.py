@@ -25,7 +25,6 @@ from .._errors import SpmdError, collectives_apart, collectives_differ
 from .._layout import coords_of, coords_text, groups
 from . import _dist_uneven_primitives as primitives  # (which calls meet: a cycle)
 
-Shape = tuple[int, ...]
 _DIMS = 16  # the dims of an operand's shape in a row (more: its shape is not compared)
 # A row's integers after its step: the widest payload, the outputs' first row (``_dist_uneven``:
 # four slots of a block's rank, dtype, type and 16 dims, after four integers).

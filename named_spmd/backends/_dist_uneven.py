@@ -53,7 +53,7 @@ from . import _dist_io as io
 from ._dist_agree import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
 from ._dist_steps import PAYLOAD, meet
-from ._dist_uneven_first import as_first, first_coords, where_apart
+from ._dist_uneven_first import as_first, differing, differs, first_coords, where_apart
 from ._dist_uneven_primitives import all_true, exchange, pad
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple]:
     failed = call.out_error
     told = (0, 0) if failed is None else (_KINDS.index(_kind(failed)) + 1, len(_text(failed)))
     structure = (0, 0) if failed is not None else call.structure()
-    ys = [(y, _differs(ctx, y)) for y in outs]
+    ys = [(y, differs(ctx, y)) for y in outs]
     if ctx.values_read:  # the ranks may have branched: all meet at the end first, with their rows
         row = list(_row(structure, told, ys, _SLOTS, _WIDTH))
         met = tuple(map(tuple, meet(ctx, None, mesh.axis_names, row)))
@@ -202,7 +202,7 @@ def outputs(ctx, outs: list[torch.Tensor], call: Call, layouts: list[tuple]) -> 
     :func:`agree` found (see the module doc); a local call's: this rank's blocks."""
     out = []
     for y, spec, (per_dim, first, apart, differ) in zip(outs, call.out_specs(), layouts):
-        y = _differing(ctx, y, spec, differ)
+        y = differing(ctx, y, spec, differ)
         if apart is not None:  # check_vma=False (else _layouts raised)
             y = as_first(ctx, y, spec, first, apart[2])
         if call.local:
@@ -284,8 +284,8 @@ def _row(
 ) -> tuple[int, ...]:
     """This rank's row of :func:`_every_block` in ``slots`` slots of ``width`` dims."""
     mine = [*structure, *told]
-    for y, differs in ys[:slots]:
-        mine += [y.dim(), dtype_code(y.dtype), differs, *y.shape[:width]]
+    for y, apart in ys[:slots]:
+        mine += [y.dim(), dtype_code(y.dtype), apart, *y.shape[:width]]
         mine += [0] * (width - y.dim())
     mine += [0] * (_slot(slots, width) - len(mine))
     return tuple(mine)
@@ -297,12 +297,13 @@ def _every_block(
     """Every rank's row, row-major over the mesh: its output tree's ``structure``
     (``Call.structure``), its out_specs error ``told`` (its class in :data:`_KINDS` from 1, the
     length of its message; zeros: none), then a slot per output block ``ys`` (the first
-    ``slots``): the block's rank, dtype, the axes its type differs over (:func:`_differs`)
-    and shape in ``width`` dims, zeros after and in unused slots, so that no row's length depends on what the rank returned (gloo gathers one length;
-    every rank then tells a difference alike). One exchange; another of wider rows where every
-    rank returned the same tree, of more than :data:`_SLOTS` outputs or blocks of more than
-    :data:`_WIDTH` dims. Returns the rows and their slots' ``width``. ``met``: the first
-    exchange's rows, where the ranks met with them (``_dist_steps.meet``)."""
+    ``slots``): the block's rank, dtype, the axes its type differs over (``differs``) and shape
+    in ``width`` dims, zeros after and in unused slots, so that no row's length depends on what
+    the rank returned (gloo gathers one length; every rank then tells a difference alike). One
+    exchange; another of wider rows where every rank returned the same tree, of more than
+    :data:`_SLOTS` outputs or blocks of more than :data:`_WIDTH` dims. Returns the rows and
+    their slots' ``width``. ``met``: the first exchange's rows, where the ranks met with them
+    (``_dist_steps.meet``)."""
     comm, slots, width = mesh.comm(mesh.axis_names), _SLOTS, _WIDTH
     while True:
         mine = list(_row(structure, told, ys, slots, width))
@@ -369,40 +370,6 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
             differ |= row[_slot(j, width) + 2]
         layouts.append((per_dim, mine, apart, differ))
     return layouts
-
-
-def _differs(ctx, y: torch.Tensor) -> int:
-    """The axes over which output ``y``'s type says that the instances' values may differ
-    (varying or unreduced: where its out_spec does not keep them, the boundary takes coordinate
-    0's value), as bits in mesh order."""
-    vma = ctx.vma(y)
-    bits = 0
-    for k, a in enumerate(ctx.mesh.axis_names):
-        if a in vma.varying or a in vma.unreduced:
-            bits |= 1 << k
-    return bits
-
-
-def _differing(ctx, y: torch.Tensor, spec: PartitionSpec, differ: int) -> torch.Tensor:
-    """Output ``y``, typed varying too over the axes its out_spec ``spec`` does not keep where
-    another rank's output differs (``differ``: every rank's :func:`_differs` together; ranks
-    that took other branches after a read of a varying value, under ``check_vma=False``), so
-    that every rank takes coordinate 0's value alike (one broadcast on every rank, where a
-    rank's own type would leave it out of the others')."""
-    extra = differ & ~_differs(ctx, y)
-    if not extra:
-        return y
-    names = ctx.mesh.axis_names
-    axes = tuple(
-        a
-        for k, a in enumerate(names)
-        if extra >> k & 1 and a not in spec.axes and a not in spec.unreduced
-    )
-    if not axes:  # (a kept axis: each rank's block, as its own type settles it)
-        return y
-    with torch_private.DisableTorchFunction():
-        view = y.view_as(y)  # (its own stamp: ``y`` may be an input, typed as it is)
-    return ctx.stamp(view, ctx.vma(y).add(axes))
 
 
 def _kinds_and_shapes(

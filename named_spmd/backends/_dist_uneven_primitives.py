@@ -101,18 +101,6 @@ def all_true(comm, flag: bool, name: str) -> bool:
     return comm.agreed(comm.start_agree(int(flag), name), name) and flag
 
 
-def _even_gather_differs(label: str, sizes: list[int], dim: int) -> SpmdError:
-    """A tiled all_gather, in an even call, of blocks whose sizes along ``dim`` differ (sized
-    by values the call read): its path gathers blocks of one size."""
-    return SpmdError(
-        f"all_gather in {label}: the members' operands have different sizes {list(sizes)} along "
-        f"dim {dim} (sized by values the function read), but the call's blocks are even, and "
-        "an even call's tiled all_gather takes one size on every member. Fix: call the "
-        "function under ns.simulate_per_instance(), which concatenates blocks of any sizes, or "
-        "pad the operands to one size first."
-    )
-
-
 class OperandShapes:
     """Every instance's operand shapes of a collective, from one exchange, checked on every rank
     alike (a rank that raised alone would leave the others inside the collective): the checks
@@ -127,9 +115,9 @@ class OperandShapes:
     def checked_after_read(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
         """:meth:`check_every_operand` over the collective's group (in an even call the ranks of
         some groups may call it, others not: a program of the real mesh alone), then its
-        members' shapes compared where it takes one shape on every member (an even call's tiled
-        all_gather too: its path gathers equal blocks; an all_to_all of split sizes, each
-        member's own, compares the other dims). An error is raised alike where the group is the
+        members' shapes compared where it takes one shape on every member (a tiled all_gather
+        or an all_to_all of split sizes, each member's own, compares the other dims; a tiled
+        all_gather of sizes that differ along its dim gathers them: :meth:`sized`). An error is raised alike where the group is the
         whole mesh; else on the group's ranks, posted (the others stop with RankFailedError)."""
         whole = self.mesh.comm(axes).n == self.mesh.size
         checked = self.check_every_operand(rec, x, axes, params, axes, whole)
@@ -145,12 +133,21 @@ class OperandShapes:
             if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
                 error = operand_shapes_differ(rec.name, label, group, but=dim)
             elif gathers and len({s[dim] for s in group}) > 1:
-                error = _even_gather_differs(label, [s[dim] for s in group], dim)
+                return _Checked(params, group)  # (``sized`` appends the blocks' sizes)
         elif any(s != group[0] for s in group):
             error = operand_shapes_differ(rec.name, label, group)
         if error is not None:
             raise self.alike(error) if whole else error
         return params
+
+    def sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
+        """``params``, with the members' sizes along its dim appended for an even call's tiled
+        all_gather of blocks whose sizes differ (sized by values read: :meth:`checked_after_read`
+        found them), so that it gathers them and its transpose scatters to them, as an uneven
+        call's (:class:`UnevenPrimitives` overrides it)."""
+        if not isinstance(params, _Checked):
+            return params
+        return (*params.params, tuple(s[params.params[0]] for s in params.shapes or ()))
 
     def check_every_operand(
         self, rec, x: torch.Tensor, axes, params: tuple, over=None, alike: bool = True
@@ -249,6 +246,31 @@ class OperandShapes:
         for group in self._groups_of(axes, shapes or []) if shapes is not None else ():
             if any(s != group[0] for s in group):
                 raise self.alike(operand_shapes_differ(op, self.fn_label, group))
+
+    # --- gathers and scatters of blocks of unequal sizes (an uneven call's; an even call's
+    # tiled all_gather of sizes read from values, :meth:`checked_after_read`) ---------------
+    def all_gather_tiled(self, x, axes, dim, sizes=None):
+        comm = self.mesh.comm(axes)
+        if sizes is None:
+            sizes = tuple(s for (s,) in exchange(comm, [x.shape[dim]]))
+        if min(sizes) == max(sizes):
+            return super().all_gather_tiled(x, axes, dim)  # type: ignore[misc]
+        stacked = comm.all_gather(pad(x, dim, max(sizes)))
+        return torch.cat([b.narrow(dim, 0, s) for b, s in zip(stacked.unbind(0), sizes)], dim)
+
+    def reduce_scatter_tiled(self, x, axes, dim, sizes=None):
+        comm = self.mesh.comm(axes)
+        if sizes is None:
+            sizes = chunk_sizes(x.shape[dim], comm.n)
+        if min(sizes) == max(sizes):
+            return super().reduce_scatter_tiled(x, axes, dim)  # type: ignore[misc]
+        top = max(sizes)
+        stacked = torch.stack([pad(b, dim, top) for b in x.split(list(sizes), dim)])
+        return comm.reduce_scatter(stacked).narrow(dim, 0, sizes[comm.index])
+
+    def own_block_tiled(self, x, axes, dim, sizes):
+        i = self.mesh.comm(axes).index
+        return x.narrow(dim, sum(sizes[:i]), sizes[i])
 
 
 class UnevenPrimitives(OperandShapes):
@@ -355,26 +377,3 @@ class UnevenPrimitives(OperandShapes):
             return
         remember(self.mesh.shape_records, self._signature, tuple(self._seen))
         self._seen = None
-
-    def all_gather_tiled(self, x, axes, dim, sizes=None):
-        comm = self.mesh.comm(axes)
-        if sizes is None:
-            sizes = tuple(s for (s,) in exchange(comm, [x.shape[dim]]))
-        if min(sizes) == max(sizes):
-            return super().all_gather_tiled(x, axes, dim)  # type: ignore[misc]
-        stacked = comm.all_gather(pad(x, dim, max(sizes)))
-        return torch.cat([b.narrow(dim, 0, s) for b, s in zip(stacked.unbind(0), sizes)], dim)
-
-    def reduce_scatter_tiled(self, x, axes, dim, sizes=None):
-        comm = self.mesh.comm(axes)
-        if sizes is None:
-            sizes = chunk_sizes(x.shape[dim], comm.n)
-        if min(sizes) == max(sizes):
-            return super().reduce_scatter_tiled(x, axes, dim)  # type: ignore[misc]
-        top = max(sizes)
-        stacked = torch.stack([pad(b, dim, top) for b in x.split(list(sizes), dim)])
-        return comm.reduce_scatter(stacked).narrow(dim, 0, sizes[comm.index])
-
-    def own_block_tiled(self, x, axes, dim, sizes):
-        i = self.mesh.comm(axes).index
-        return x.narrow(dim, sum(sizes[:i]), sizes[i])

@@ -134,9 +134,6 @@ class DistributedContext(OperandShapes, TrackedContext):
             return self.checked_after_read(rec, x, axes, params)
         return super().check_operand(rec, x, axes, params)
 
-    def sized(self, rec, x, axes, params):
-        return params  # (an uneven call's adds the blocks' sizes: ``UnevenPrimitives``)
-
     _signature = 0  # the start-of-call check's checksum: what the records are kept under
     _rows: tuple | None = None  # the outputs' rows of the signature's last compared call
 
