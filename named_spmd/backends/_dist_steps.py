@@ -38,7 +38,7 @@ def _code(name: str | None) -> int:
 
 
 def _name(code: int) -> str:
-    return next(n for n in RECORDS if _code(n) == code)
+    return next((n for n in RECORDS if _code(n) == code), "a collective")
 
 
 def _axes_code(names: tuple[str, ...], axes: tuple[str, ...]) -> int:
