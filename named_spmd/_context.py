@@ -107,8 +107,9 @@ class SpmdContext(ABC):
     def check_operand(self, rec: Any, x: torch.Tensor, axes: Axes, params: tuple) -> tuple:
         """The collective ``rec``'s argument checks of ``x`` (``rec.check``); a backend whose
         members check operands of different shapes in processes of their own overrides it, so
-        that every member raises the same error."""
-        return rec.check(self, x, axes, params)
+        that every member raises the same error (and, after a read of a varying value, checks
+        that every member calls it: ``_record._apply`` calls this then for any collective)."""
+        return params if rec.check is None else rec.check(self, x, axes, params)
 
     def held_blocks(self, x: torch.Tensor) -> Any:
         """Where this call recorded it (``_blocks``): per dim of ``x``, the axes whose blocks

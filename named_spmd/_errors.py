@@ -114,6 +114,26 @@ def operand_shapes_differ(
     )
 
 
+def collectives_apart(label: str, ended: str, waiting: str, op: str) -> SpmdError:
+    """Instances (``ended``) returned while others (``waiting``) wait at the collective ``op``:
+    the same error on the simulated and the real mesh."""
+    return SpmdError(
+        f"{label}: instances {ended} returned while instances {waiting} wait at {op}: the "
+        "instances called different collectives (Python control flow on values that differ "
+        "between instances). Fix: call every collective on every instance, in one order; "
+        "select values with torch.where rather than skipping a collective."
+    )
+
+
+def collectives_differ(label: str, calls: str) -> SpmdError:
+    """The instances called different collectives (``calls``: each instance's) at one point."""
+    return SpmdError(
+        f"{label}: the instances called different collectives at one point of the program "
+        f"({calls}). Fix: call every collective on every instance, in one order, with the same "
+        "axes and arguments."
+    )
+
+
 class SpmdIndexError(SpmdError, IndexError):
     """An ``IndexError`` of the user's code, told per instance (``except IndexError`` still
     catches it, as it catches the real mesh's plain ``IndexError``)."""

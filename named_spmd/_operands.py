@@ -125,18 +125,23 @@ _READS = frozenset(
 # reshape's first, is such a size.
 _SIZED_FACTORIES = frozenset(
     {torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn}
-    | {torch.randint, torch.randperm}
+    | {torch.randint, torch.randperm, torch.eye, torch.tril_indices, torch.triu_indices}
 )
+# Factories whose one size is their third argument, ``steps`` (their bounds are values).
+_STEPS = frozenset({torch.linspace, torch.logspace})
 _SIZED_RESHAPES = frozenset(
     {
         *(_T.view, _T.reshape, torch.reshape, _T.expand, _T.narrow, torch.narrow),
         *(_T.new_zeros, _T.new_ones, _T.new_empty, _T.new_full, _T.repeat, _T.tile, torch.tile),
         *(_T.split, torch.split, _T.tensor_split, torch.tensor_split, _T.unflatten),
         *(torch.unflatten, _T.repeat_interleave, torch.repeat_interleave),
+        *(_T.chunk, torch.chunk, torch.nn.functional.pad, _T.unfold, torch.histc),
+        *(_T.topk, torch.topk, _T.multinomial, torch.multinomial),
     }
 )
 #: Every op :func:`value_operands_read` may find operands of (the one test on the hot path).
-READS_VALUES = _READS | _SIZED_FACTORIES | _SIZED_RESHAPES | {_T.__getitem__, torch.where}
+READS_VALUES = _READS | _SIZED_FACTORIES | _STEPS | _SIZED_RESHAPES
+READS_VALUES |= {_T.__getitem__, torch.where}
 
 
 def value_operands_read(func, args: Any, kwargs: dict | None) -> list[torch.Tensor]:
@@ -146,6 +151,9 @@ def value_operands_read(func, args: Any, kwargs: dict | None) -> list[torch.Tens
     a slice. Empty where the result's shape follows the operands' shapes alone."""
     if func in _READS or func in _SIZED_FACTORIES:
         return tensor_operands(args, kwargs)
+    if func in _STEPS:
+        steps = args[2] if len(args) > 2 else (kwargs or {}).get("steps")
+        return [steps] if isinstance(steps, torch.Tensor) else []
     if func is torch.where:  # (its one-argument form: nonzero)
         return tensor_operands(args, kwargs) if len(args) + len(kwargs or {}) == 1 else []
     if func is _T.__getitem__:

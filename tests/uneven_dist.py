@@ -183,6 +183,69 @@ def _masked_blocks(x, blocks):
     return torch.cat([b[b > 0] for b in (x.split(4)[i] for i in blocks)])
 
 
+# Sizes read from values by ops that take a tensor as a size (t: the block's positive count,
+# 2, 1, 2, 1 of BRANCH_X): each rank's output of its own shape, laid out as the per-instance
+# execution lays them (not seen as reads, the ranks' shapes would differ unseen).
+BRANCH_X = (1.0, 1.0, -1.0, 1.0, 2.0, 2.0, 3.0, -3.0)
+
+
+def _branch_x():
+    return (torch.tensor(BRANCH_X, dtype=F64),)
+
+
+def _per_block(make):  # the dense program of a function of each block and its count t
+    return lambda x: torch.cat([make(b, int((b > 0).sum())) for b in x.split(2)])
+
+
+def _sized_eye(v):
+    return torch.eye((v > 0).sum(), dtype=v.dtype).sum(0) * v.sum()
+
+
+def _sized_linspace(v):
+    return torch.linspace(0, 1, steps=(v > 0).sum(), dtype=v.dtype) + v.sum()
+
+
+def _sized_chunks(v):
+    parts = torch.arange(6.0, dtype=v.dtype).chunk((v > 0).sum())
+    return torch.stack([c.sum() for c in parts]) * v.sum()
+
+
+def _sized_pad(v):
+    t = (v > 0).sum()
+    return torch.nn.functional.pad(v, (t, t))
+
+
+def _sized_cases() -> list[Case]:
+    made = [
+        ("eye", _sized_eye, lambda b, t: torch.eye(t, dtype=F64).sum(0) * b.sum()),
+        ("linspace", _sized_linspace, lambda b, t: torch.linspace(0, 1, t, dtype=F64) + b.sum()),
+        (
+            "chunk",
+            _sized_chunks,
+            lambda b, t: (
+                torch.stack([c.sum() for c in torch.arange(6.0, dtype=F64).chunk(t)]) * b.sum()
+            ),
+        ),
+        ("pad", _sized_pad, lambda b, t: torch.nn.functional.pad(b, (t, t))),
+    ]
+    return [
+        Case(
+            f"{name}_sized_by_a_tensor_in_an_even_call",
+            (4,),
+            ("x",),
+            fn,
+            P("x"),
+            P("x"),
+            _branch_x,
+            _per_block(dense),
+            kinds=("T",),
+            switch=False,
+            switch_simulated=True,
+        )
+        for name, fn, dense in made
+    ]
+
+
 CASES = [
     Case(  # an even call: the ranks' outputs' shapes compared, torch.chunk's: a DTensor
         "boolean_mask_in_an_even_call",
@@ -488,6 +551,28 @@ CASES = [
     ),
 ]
 
+CASES += _sized_cases()
+CASES += [
+    Case(  # tiled all_gathers of sizes read from values in an even call (2, 2, 2, 1 positive):
+        # the blocks concatenated as an uneven call's, the transpose scattering to their sizes
+        f"tiled_all_gather_to_{to}_of_sizes_read_in_an_even_call",
+        (4,),
+        ("x",),
+        lambda v, to=to: ns.all_gather(v[v > 0], "x", tiled=True, to=to) * 2,
+        P("x"),
+        spec,
+        lambda: (_randn(16, seed=63),),
+        dense,
+        kinds=("D",),
+        switch=False,
+        switch_simulated=True,
+    )
+    for to, spec, dense in (
+        ("varying", P("x"), lambda x: x[x > 0].repeat(4) * 2),
+        ("invariant", P(), lambda x: x[x > 0] * 2),
+    )
+]
+
 
 def _two_or_one(v):
     total = ns.psum(v.sum(0), "x")
@@ -517,7 +602,75 @@ def _invariant_then_other_dtype(v):
     return sizes, v if v.shape[0] == 3 else v.float()
 
 
+def _psum_where_positive(v):  # the ranks whose block sums above 0 alone
+    return ns.psum(v, "x") if v.sum() > 0 else v
+
+
+def _psum_or_pmax(v):
+    return ns.psum(v, "x") if v.sum() > 0 else ns.pmax(v, "x")
+
+
+def _pmax_of_varying_or_invariant(v):  # invariant where the sum is 0: a pmax of nothing there
+    return ns.pmax(v if v.sum() > 0 else torch.zeros(2, dtype=v.dtype), "x")
+
+
+def _psum_over_b_where_positive(v):  # at b=0 and b=1 of a group: other signs
+    return ns.psum(v, "b") * 2 if v.sum() > 0 else v * 2
+
+
 ERRORS = [
+    Case(  # a psum some ranks skip after a branch on values: told alike, not paired
+        "psum_skipped_on_some_ranks_after_a_branch",
+        (4,),
+        ("x",),
+        _psum_where_positive,
+        P("x"),
+        P("x"),
+        _branch_x,  # (x=1 and x=3 sum to 0: they skip it)
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=("SpmdError: ", "instances (x=1), (x=3) returned while", "wait at psum over"),
+    ),
+    Case(
+        "psum_or_pmax_after_a_branch",
+        (4,),
+        ("x",),
+        _psum_or_pmax,
+        P("x"),
+        P("x"),
+        _branch_x,
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=("SpmdError: ", "called different collectives at one point", "pmax over"),
+    ),
+    Case(  # the ranks whose operand is invariant skip the pmax (the identity there)
+        "pmax_of_an_operand_invariant_on_some_ranks",
+        (4,),
+        ("x",),
+        _pmax_of_varying_or_invariant,
+        P("x"),
+        P("x"),
+        _branch_x,
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=("SpmdError: ", "instances (x=1), (x=3) returned while", "wait at pmax over"),
+    ),
+    Case(  # the members of one group of b apart
+        "psum_over_b_skipped_on_some_members",
+        (2, 2),
+        ("a", "b"),
+        _psum_over_b_where_positive,
+        P(("a", "b")),
+        P(("a", "b")),
+        lambda: (torch.tensor((1.0, 1.0, -1.0, -1.0, 2.0, 2.0, -3.0, -3.0), dtype=F64),),
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=("SpmdError: ", "returned while instances", "wait at psum over ('b',)"),
+    ),
     Case(  # an even call whose ranks branch on their values (sums of either sign, seed 59)
         "output_trees_differing_after_a_branch_on_values",
         (4,),
@@ -1026,18 +1179,6 @@ REFUSED = [
             "[2, 2, 2, 2])",
         ),
     ),
-    Case(  # a tiled all_gather of sizes from values read in an even call (the fix: per instance)
-        "tiled_all_gather_of_sizes_read_in_an_even_call",
-        (4,),
-        ("x",),
-        lambda v: ns.all_gather(v[v > 0], "x", tiled=True),
-        P("x"),
-        P("x"),
-        lambda: (_randn(16, seed=63),),
-        None,
-        switch=False,
-        kinds=("SpmdError: ", "sizes [2, 2, 2, 1] along dim 0", "ns.simulate_per_instance()"),
-    ),
 ]
 
 
@@ -1162,6 +1303,54 @@ def check_plans_apart(case: Case, real_mesh, sim_mesh) -> list[str]:
     (x,) = case.args()
     for k in range(3):
         _close(_global(f(x)), case.dense(x, RANK[0]), f"call {k}", problems)
+    return problems + _still_in_step(real_mesh)
+
+
+def _varying_where_positive(v):
+    s = ns.psum(v, "x")
+    return s * v if v.sum() > 0 else s  # (varying on some ranks, invariant on the others)
+
+
+# check_vma=False, ranks that branch on values return outputs of other types (varying on some,
+# invariant on others) under P(): coordinate 0's value on every rank, by one broadcast that
+# every rank joins (values only: the ranks' backward passes would run other collectives).
+TYPES_APART = [
+    Case(  # coordinate 0's output varying, two others' invariant
+        "varying_at_coordinate_0_invariant_elsewhere",
+        (4,),
+        ("x",),
+        _varying_where_positive,
+        P("x"),
+        P(),
+        lambda: (torch.tensor((2.0, 2.0, -1.0, -1.0, 2.0, 2.0, -3.0, -3.0), dtype=F64),),
+        lambda x: x.reshape(4, 2).sum(0) * x[:2],
+        check_vma=False,
+    ),
+    Case(  # coordinate 0's output invariant, the others' varying
+        "invariant_at_coordinate_0_varying_elsewhere",
+        (4,),
+        ("x",),
+        _varying_where_positive,
+        P("x"),
+        P(),
+        lambda: (torch.tensor((-2.0, -2.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0), dtype=F64),),
+        lambda x: x.reshape(4, 2).sum(0),
+        check_vma=False,
+    ),
+]
+
+
+def check_types_apart(case: Case, real_mesh, sim_mesh) -> list[str]:
+    problems: list[str] = []
+    got = {}
+    for m in (real_mesh, sim_mesh):
+        f = ns.spmd_map(
+            case.fn, mesh=m, in_specs=case.in_specs, out_specs=case.out_specs, check_vma=False
+        )
+        with ns.simulate_per_instance() if m is sim_mesh else _nothing():
+            got[m.kind] = _global(f(*case.args()))
+    _close(got[real_mesh.kind], got[sim_mesh.kind], "vs simulated", problems)
+    _close(got[real_mesh.kind], case.dense(*case.args()), "vs dense", problems)
     return problems + _still_in_step(real_mesh)
 
 
@@ -1293,7 +1482,8 @@ COUNTED = [
         P("x"),
         lambda: (_randn(16, seed=63),),
         lambda x: torch.cat([b[: int((b > 0).sum())] for b in x.split(4)]),
-        kinds=("allreduce all_to_all_single", "allreduce allreduce"),
+        # (the ranks meet at the end with their rows: no flag, as they may have branched)
+        kinds=("allreduce all_to_all_single", "allreduce all_to_all_single"),
         switch=False,
         switch_simulated=True,
     ),
@@ -1378,7 +1568,7 @@ REPLAYED = [
 # rank), and the process-group calls it makes (None: not counted). The blocks have 3, 3, 3 and 1
 # rows; torch.chunk's blocks of the output are a DTensor, other blocks the global value (one
 # padded all_gather).
-TRIM: dict[str, Any] = {"at": None, "cast": None}
+TRIM: dict[str, Any] = {"at": None, "cast": None, "real": False}
 TRIM_STEPS: list[tuple[Any, Any, Any]] = [
     (None, None, "allreduce all_to_all_single"),  # the start-of-call check, the rows exchanged
     (None, None, "allreduce allreduce"),  # every rank's row is the last call's: one flag
@@ -1396,7 +1586,9 @@ TRIM_STEPS: list[tuple[Any, Any, Any]] = [
 
 
 def _trimmed(v):
-    i = int(ns.axis_index("x"))
+    # the real mesh's rank from Python state, not read from a value (ranks that read one meet
+    # at the end with their rows: no flag); each simulated instance reads its index
+    i = RANK[0] if TRIM["real"] else int(ns.axis_index("x"))
     v = v[: v.shape[0] - 1] if i == TRIM["at"] else v
     return v.float() if i == TRIM["cast"] else v
 
@@ -1434,7 +1626,10 @@ def check_rows(case: Case, real_mesh, sim_mesh) -> list[str]:
             expected = "allreduce all_to_all_single"
             if real_mesh.rank == 0:
                 real_mesh.row_records.clear()
-        (got, calls), (want, _) = _outcome(real, (x,)), _outcome(sim, (x,))
+        TRIM["real"] = True
+        got, calls = _outcome(real, (x,))
+        TRIM["real"] = False
+        want, _ = _outcome(sim, (x,))
         if cast is not None:
             if got != want or "SpecError" not in want:
                 problems.append(f"call {k}: real {got!r} vs simulated {want!r}")
@@ -1616,7 +1811,7 @@ def main() -> None:
     checkers = ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED))
     checkers += ((check_own_program, OWN_PROGRAMS), (check_plans_apart, PLANS_APART))
     checkers += ((check_calls, COUNTED), (check_replayed, REPLAYED), (check_rows, ROWS))
-    checkers += ((check_undifferentiable, UNDIFFERENTIABLE),)
+    checkers += ((check_undifferentiable, UNDIFFERENTIABLE), (check_types_apart, TYPES_APART))
     checkers += ((check_alone, ALONE),)  # (last: the mesh is out of step after)
     for checker, cases in checkers:
         for case in cases:

@@ -193,7 +193,7 @@ def _apply(
     # contents, and the first eager call after a compiled one, which adds to it, recompiles
     if rec.forward_event and (torch.compiler.is_compiling() or not COPIES.get(t.dtype)):
         check_copyable(ctx, rec.name, t)
-    if rec.check is not None:
+    if rec.check is not None or ctx.values_read:  # (after a read: every rank's step, too)
         params = ctx.check_operand(rec, t, axes, params)
     vma = ctx.vma(t)
     if vma.partial:

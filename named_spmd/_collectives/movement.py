@@ -88,7 +88,8 @@ def _all_gather_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params
 ) -> torch.Tensor:
     dim, tiled, to = params[0], params[1], params[2]
-    if tiled and ctx.uneven:  # the members' blocks may differ in size along dim
+    # the members' blocks may differ in size along dim (params[3]: their sizes, where known)
+    if tiled and (ctx.uneven or len(params) > 3):
         out = ctx.all_gather_tiled(x, axes, dim, *params[3:])
     else:
         out = unstack_dim(ctx.all_gather(x, axes), dim, tiled)
@@ -212,7 +213,8 @@ def _psum_scatter_forward(
     ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params
 ) -> torch.Tensor:
     dim, tiled = params[0], params[1]
-    if tiled and ctx.uneven:  # (params[2:]: the blocks' sizes, see the all_gather transpose)
+    # (params[2:]: the blocks' sizes, see the all_gather transpose)
+    if tiled and (ctx.uneven or len(params) > 2):
         return ctx.reduce_scatter_tiled(x, axes, dim, *params[2:])
     return ctx.reduce_scatter(split_blocks(x, dim, ctx.mesh.axis_size(axes), tiled), axes, dim)
 

@@ -52,7 +52,8 @@ from .._spec import PartitionSpec
 from . import _dist_io as io
 from ._dist_agree import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
-from ._dist_uneven_first import as_first, first_coords, where_apart
+from ._dist_steps import PAYLOAD, meet
+from ._dist_uneven_first import as_first, differing, differs, first_coords, where_apart
 from ._dist_uneven_primitives import all_true, exchange, pad
 
 if TYPE_CHECKING:
@@ -172,9 +173,15 @@ def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple]:
     failed = call.out_error
     told = (0, 0) if failed is None else (_KINDS.index(_kind(failed)) + 1, len(_text(failed)))
     structure = (0, 0) if failed is not None else call.structure()
-    rows, width = _recalled_blocks(ctx, structure, told, outs) or _every_block(
-        mesh, structure, told, outs
-    )
+    ys = [(y, differs(ctx, y)) for y in outs]
+    if ctx.values_read:  # the ranks may have branched: all meet at the end first, with their rows
+        row = list(_row(structure, told, ys, _SLOTS, _WIDTH))
+        met = tuple(map(tuple, meet(ctx, None, mesh.axis_names, row)))
+        rows, width = _every_block(mesh, structure, told, ys, met)
+    else:
+        rows, width = _recalled_blocks(ctx, structure, told, ys) or _every_block(
+            mesh, structure, told, ys
+        )
     first = next((i for i, row in enumerate(rows) if row[2]), None)
     if first is not None:
         raise _first_failure(ctx, rows[first], first, failed)
@@ -194,7 +201,8 @@ def outputs(ctx, outs: list[torch.Tensor], call: Call, layouts: list[tuple]) -> 
     """The call's outputs from every rank's blocks of unequal sizes, laid out as
     :func:`agree` found (see the module doc); a local call's: this rank's blocks."""
     out = []
-    for y, spec, (per_dim, first, apart) in zip(outs, call.out_specs(), layouts):
+    for y, spec, (per_dim, first, apart, differ) in zip(outs, call.out_specs(), layouts):
+        y = differing(ctx, y, spec, differ)
         if apart is not None:  # check_vma=False (else _layouts raised)
             y = as_first(ctx, y, spec, first, apart[2])
         if call.local:
@@ -210,6 +218,8 @@ _KEPT = 64  # the output layouts a mesh keeps (a repeated call finds its own)
 _SLOTS = 4  # the outputs in one exchange's rows (more: a wider exchange)
 _WIDTH = 16  # the dims of a block's shape in its slot of a row (more: a wider exchange)
 _HEAD = 4  # a row's integers before its slots: the output tree (2), the out_specs error (2)
+_KIND = 3  # a slot's integers before its block's dims: rank, dtype, the axes it differs over
+assert _HEAD + _SLOTS * (_KIND + _WIDTH) == PAYLOAD  # (the rows the ranks meet with at the end)
 # The classes of an out_specs error that a rank tells the others (another: an SpmdError).
 _KINDS: tuple[type[SpmdError], ...] = (SpmdError, SpecError, VmaError)
 
@@ -249,7 +259,7 @@ def _first_failure(ctx, row: Sequence[int], first: int, failed: SpmdError | None
 
 
 def _recalled_blocks(
-    ctx, structure: tuple[int, int], told: tuple[int, int], ys: list[torch.Tensor]
+    ctx, structure: tuple[int, int], told: tuple[int, int], ys: list[tuple]
 ) -> tuple[tuple[tuple[int, ...], ...], int] | None:
     """The rows of :func:`_every_block` where they are those of the signature's last call,
     which every rank recalls alike (the start-of-call check compared them): each rank compares
@@ -261,7 +271,7 @@ def _recalled_blocks(
         return None
     width, rows = recalled
     mesh = ctx.mesh
-    slots = (len(rows[0]) - _HEAD) // (2 + width)
+    slots = (len(rows[0]) - _HEAD) // (_KIND + width)
     mine = _row(structure, told, ys, slots, width)
     me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
     if not all_true(mesh.check_comm(), mine == rows[me], "the outputs' block shapes"):
@@ -270,30 +280,35 @@ def _recalled_blocks(
 
 
 def _row(
-    structure: tuple[int, int], told: tuple[int, int], ys: list[torch.Tensor], slots, width
+    structure: tuple[int, int], told: tuple[int, int], ys: list[tuple], slots, width
 ) -> tuple[int, ...]:
     """This rank's row of :func:`_every_block` in ``slots`` slots of ``width`` dims."""
     mine = [*structure, *told]
-    for y in ys[:slots]:
-        mine += [y.dim(), dtype_code(y.dtype), *y.shape[:width], *[0] * (width - y.dim())]
+    for y, apart in ys[:slots]:
+        mine += [y.dim(), dtype_code(y.dtype), apart, *y.shape[:width]]
+        mine += [0] * (width - y.dim())
     mine += [0] * (_slot(slots, width) - len(mine))
     return tuple(mine)
 
 
 def _every_block(
-    mesh, structure: tuple[int, int], told: tuple[int, int], ys: list[torch.Tensor]
+    mesh, structure: tuple[int, int], told: tuple[int, int], ys: list[tuple], met=None
 ) -> tuple[tuple[tuple[int, ...], ...], int]:
     """Every rank's row, row-major over the mesh: its output tree's ``structure``
     (``Call.structure``), its out_specs error ``told`` (its class in :data:`_KINDS` from 1, the
     length of its message; zeros: none), then a slot per output block ``ys`` (the first
-    ``slots``): the block's rank, dtype and shape in ``width`` dims, zeros after and in unused
-    slots, so that no row's length depends on what the rank returned (gloo gathers one length;
-    every rank then tells a difference alike). One exchange; another of wider rows where every
-    rank returned the same tree, of more than :data:`_SLOTS` outputs or blocks of more than
-    :data:`_WIDTH` dims. Returns the rows and their slots' ``width``."""
+    ``slots``): the block's rank, dtype, the axes its type differs over (``differs``) and shape
+    in ``width`` dims, zeros after and in unused slots, so that no row's length depends on what
+    the rank returned (gloo gathers one length; every rank then tells a difference alike). One
+    exchange; another of wider rows where every rank returned the same tree, of more than
+    :data:`_SLOTS` outputs or blocks of more than :data:`_WIDTH` dims. Returns the rows and
+    their slots' ``width``. ``met``: the first exchange's rows, where the ranks met with them
+    (``_dist_steps.meet``)."""
     comm, slots, width = mesh.comm(mesh.axis_names), _SLOTS, _WIDTH
     while True:
-        rows = tuple(map(tuple, exchange(comm, list(_row(structure, told, ys, slots, width)))))
+        mine = list(_row(structure, told, ys, slots, width))
+        rows = met if met is not None else tuple(map(tuple, exchange(comm, mine)))
+        met = None
         if any(row[2] or row[:2] != rows[0][:2] for row in rows):  # (agree tells it)
             return rows, width
         count = rows[0][0]
@@ -307,7 +322,7 @@ def _every_block(
 def _slot(j: int, width: int) -> int:
     """Where output ``j``'s slot starts in a row of :func:`_every_block` (after its
     :data:`_HEAD`; each slot: rank, dtype, ``width`` dims)."""
-    return _HEAD + j * (2 + width)
+    return _HEAD + j * (_KIND + width)
 
 
 def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
@@ -322,7 +337,7 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
 
     def shape_of(i: int, j: int) -> list[int]:
         at = _slot(j, width)
-        return rows[i][at + 2 : at + 2 + rows[i][at]]
+        return rows[i][at + _KIND : at + _KIND + rows[i][at]]
 
     problem = instances_problem(
         f"spmd_map of {ctx.fn_label}",
@@ -350,7 +365,10 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
             kinds[index_of(mesh.axis_names, first_coords(mesh, spec), mesh._shape)][1],
         )
         mine = None if first == (tuple(y.shape), y.dtype) else first
-        layouts.append((per_dim, mine, apart))
+        differ = 0
+        for row in rows:
+            differ |= row[_slot(j, width) + 2]
+        layouts.append((per_dim, mine, apart, differ))
     return layouts
 
 
@@ -366,7 +384,7 @@ def _kinds_and_shapes(
 
     def shape_at(coords) -> list[int]:
         row = rows[index_of(mesh.axis_names, {**base, **coords}, mesh._shape)]
-        return row[at + 2 : at + 2 + row[at]]
+        return row[at + _KIND : at + _KIND + row[at]]
 
     return kinds, shape_at
 

@@ -2,12 +2,14 @@
 output whose blocks differ in shape or dtype over axes its out_spec does not keep is the value
 of the instance at coordinate 0 there, as the simulated mesh returns it (``_dist_uneven``).
 Under ``check_vma=True`` such an output is the simulated mesh's error (typed invariant, its
-instances differ): ``_dist_uneven._layouts`` raises it."""
+instances differ): ``_dist_uneven._layouts`` raises it. Where ranks that branched on values
+return outputs of other types, every rank takes coordinate 0's value alike (:func:`differing`)."""
 
 from __future__ import annotations
 
 import torch
 
+from .. import _torch_private as torch_private
 from .._autodiff import differentiable
 from .._errors import SpmdError
 from .._layout import coords_of, index_of
@@ -114,3 +116,37 @@ class _AsFirst(torch.autograd.Function):
     @staticmethod
     def backward(node, g):
         return g.new_zeros(node.shape, dtype=node.dtype, device=node.device), None, None
+
+
+def differs(ctx, y: torch.Tensor) -> int:
+    """The axes over which output ``y``'s type says that the instances' values may differ
+    (varying or unreduced: where its out_spec does not keep them, the boundary takes coordinate
+    0's value), as bits in mesh order."""
+    vma = ctx.vma(y)
+    bits = 0
+    for k, a in enumerate(ctx.mesh.axis_names):
+        if a in vma.varying or a in vma.unreduced:
+            bits |= 1 << k
+    return bits
+
+
+def differing(ctx, y: torch.Tensor, spec: PartitionSpec, differ: int) -> torch.Tensor:
+    """Output ``y``, typed varying too over the axes its out_spec ``spec`` does not keep where
+    another rank's output differs (``differ``: every rank's :func:`differs` together; ranks
+    that took other branches after a read of a varying value, under ``check_vma=False``), so
+    that every rank takes coordinate 0's value alike (one broadcast on every rank, where a
+    rank's own type would leave it out of the others')."""
+    extra = differ & ~differs(ctx, y)
+    if not extra:
+        return y
+    names = ctx.mesh.axis_names
+    axes = tuple(
+        a
+        for k, a in enumerate(names)
+        if extra >> k & 1 and a not in spec.axes and a not in spec.unreduced
+    )
+    if not axes:  # (a kept axis: each rank's block, as its own type settles it)
+        return y
+    with torch_private.DisableTorchFunction():
+        view = y.view_as(y)  # (its own stamp: ``y`` may be an input, typed as it is)
+    return ctx.stamp(view, ctx.vma(y).add(axes))

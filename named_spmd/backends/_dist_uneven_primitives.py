@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from .. import _torch_private as torch_private
+from .._collectives._record import DROP_INVARIANT
 from .._errors import SpmdError, operand_shapes_differ
 from .._layout import chunk_sizes, groups, index_of
+from . import _dist_steps
 
 Sizes = tuple[int, ...]
 
@@ -99,18 +101,6 @@ def all_true(comm, flag: bool, name: str) -> bool:
     return comm.agreed(comm.start_agree(int(flag), name), name) and flag
 
 
-def _even_gather_differs(label: str, sizes: list[int], dim: int) -> SpmdError:
-    """A tiled all_gather, in an even call, of blocks whose sizes along ``dim`` differ (sized
-    by values the call read): its path gathers blocks of one size."""
-    return SpmdError(
-        f"all_gather in {label}: the members' operands have different sizes {list(sizes)} along "
-        f"dim {dim} (sized by values the function read), but the call's blocks are even, and "
-        "an even call's tiled all_gather takes one size on every member. Fix: call the "
-        "function under ns.simulate_per_instance(), which concatenates blocks of any sizes, or "
-        "pad the operands to one size first."
-    )
-
-
 class OperandShapes:
     """Every instance's operand shapes of a collective, from one exchange, checked on every rank
     alike (a rank that raised alone would leave the others inside the collective): the checks
@@ -120,13 +110,14 @@ class OperandShapes:
     mesh: Any  # (the context's: a DistributedMesh)
     alike: Any  # (the context's: ``SpmdContext.alike``)
     fn_label: str  # (the context's)
+    values_read: bool  # (the context's: ``SpmdContext.values_read``)
 
     def checked_after_read(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
         """:meth:`check_every_operand` over the collective's group (in an even call the ranks of
         some groups may call it, others not: a program of the real mesh alone), then its
-        members' shapes compared where it takes one shape on every member (an even call's tiled
-        all_gather too: its path gathers equal blocks; an all_to_all of split sizes, each
-        member's own, compares the other dims). An error is raised alike where the group is the
+        members' shapes compared where it takes one shape on every member (a tiled all_gather
+        or an all_to_all of split sizes, each member's own, compares the other dims; a tiled
+        all_gather of sizes that differ along its dim gathers them: :meth:`sized`). An error is raised alike where the group is the
         whole mesh; else on the group's ranks, posted (the others stop with RankFailedError)."""
         whole = self.mesh.comm(axes).n == self.mesh.size
         checked = self.check_every_operand(rec, x, axes, params, axes, whole)
@@ -142,12 +133,21 @@ class OperandShapes:
             if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
                 error = operand_shapes_differ(rec.name, label, group, but=dim)
             elif gathers and len({s[dim] for s in group}) > 1:
-                error = _even_gather_differs(label, [s[dim] for s in group], dim)
+                return _Checked(params, group)  # (``sized`` appends the blocks' sizes)
         elif any(s != group[0] for s in group):
             error = operand_shapes_differ(rec.name, label, group)
         if error is not None:
             raise self.alike(error) if whole else error
         return params
+
+    def sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
+        """``params``, with the members' sizes along its dim appended for an even call's tiled
+        all_gather of blocks whose sizes differ (sized by values read: :meth:`checked_after_read`
+        found them), so that it gathers them and its transpose scatters to them, as an uneven
+        call's (:class:`UnevenPrimitives` overrides it)."""
+        if not isinstance(params, _Checked):
+            return params
+        return (*params.params, tuple(s[params.params[0]] for s in params.shapes or ()))
 
     def check_every_operand(
         self, rec, x: torch.Tensor, axes, params: tuple, over=None, alike: bool = True
@@ -157,7 +157,12 @@ class OperandShapes:
         whose operand fails them, raised on every rank alike (``alike``), as the simulated mesh
         raises it (a rank that raised alone would leave the others inside the collective)."""
         mine = tuple(x.shape)
-        shapes = self._every_shape(x, over) if rec.forward_event else None
+        step = (rec.name, axes)
+        if rec.policy is DROP_INVARIANT:  # (the identity over the axes its operand is invariant
+            # over: a rank whose operand is invariant over all of them meets no one, as on the
+            # simulated mesh; after a branch on values, other ranks' types may differ)
+            step = (rec.name, self.vma(x).present(axes))  # type: ignore[attr-defined]
+        shapes = self._every_shape(x, over, step) if rec.forward_event else None
         checked, result = set(), None
         # every rank checks every shape, in one order: their errors are raised alike
         every = shapes is not None and not _own_sizes(rec, params)
@@ -165,9 +170,10 @@ class OperandShapes:
             if shape not in checked:
                 checked.add(shape)
                 try:
-                    out = rec.check(
-                        self, x if shape == mine else self._stand_in(x, shape), axes, params
-                    )
+                    out = params  # (no checks of its own: met after a read, ``check_operand``)
+                    if rec.check is not None:
+                        stand_in = x if shape == mine else self._stand_in(x, shape)
+                        out = rec.check(self, stand_in, axes, params)
                 except SpmdError as e:
                     if every and alike:  # (else this rank's alone: posted, so the others stop too)
                         self.alike(e)
@@ -182,9 +188,20 @@ class OperandShapes:
             meta = torch.empty(shape, dtype=x.dtype, device="meta")
         return self.stamp(meta, self.vma(x))  # type: ignore[attr-defined]
 
-    def _every_shape(self, x: torch.Tensor, over=None) -> list[tuple[int, ...]] | None:
+    def _every_shape(
+        self, x: torch.Tensor, over=None, step: tuple | None = None
+    ) -> list[tuple[int, ...]] | None:
         """Every instance's operand shape, row-major over the mesh (one exchange over the whole
-        mesh, or over the axes ``over``: its group's members); None past :data:`_WIDTH` dims."""
+        mesh, or over the axes ``over``: its group's members); None past :data:`_WIDTH` dims.
+        After a read of a varying value, the exchange of the collective ``step`` (its name and
+        axes) is its meeting (``_dist_steps``: the ranks may have taken other branches)."""
+        if step is not None and self.values_read:
+            if not step[1]:
+                return None  # (no communication: nothing to meet on)
+            shapes = _dist_steps.shapes_met(self, step[0], step[1], x)
+            if over is not None:
+                shapes = [shapes[m] for m in self._my_group(over)]
+            return None if None in shapes else shapes
         if x.dim() >= _WIDTH:
             return None
         mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim())
@@ -194,6 +211,12 @@ class OperandShapes:
     def _groups(self, axes) -> list[list[int]]:
         """The groups of ``axes`` (instance indices), in the simulated mesh's order."""
         return groups(tuple(axes), tuple(self.mesh._shape.items()))
+
+    def _my_group(self, axes) -> list[int]:
+        """The instances of this rank's group of ``axes``, in member order."""
+        mesh = self.mesh
+        me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
+        return next(g for g in self._groups(axes) if me in g)
 
     def _groups_of(self, axes, shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
         """The members' shapes of every group of ``axes``, groups in the simulated mesh's order."""
@@ -206,26 +229,48 @@ class OperandShapes:
         instance's shape (``shapes``, where given); in every group the other dims must agree
         (the simulated mesh's error, raised on every rank alike: gloo would fail or wait)."""
         if shapes is _UNKNOWN:
-            shapes = self._every_shape(x)
+            shapes = self._every_shape(x, step=(op, axes))
         if shapes is None:
             return tuple(s for (s,) in exchange(self.mesh.comm(axes), [x.shape[dim]]))
         for group in self._groups_of(axes, shapes):
             if len({s[:dim] + s[dim + 1 :] for s in group}) > 1:
                 raise self.alike(operand_shapes_differ(op, self.fn_label, group, but=dim))
-        mesh = self.mesh
-        me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
-        mine = next(g for g in self._groups(axes) if me in g)
-        return tuple(shapes[m][dim] for m in mine)
+        return tuple(shapes[m][dim] for m in self._my_group(axes))
 
     def _same_shapes(self, op: str, x: torch.Tensor, axes, shapes: Any = _UNKNOWN) -> None:
         """The simulated mesh's error for members' operands of different shapes, for the first
         group that has them, raised on every rank alike (the shapes of every instance are
         exchanged first, unless given: gloo would fail or wait)."""
         if shapes is _UNKNOWN:
-            shapes = self._every_shape(x)
+            shapes = self._every_shape(x, step=(op, axes))
         for group in self._groups_of(axes, shapes or []) if shapes is not None else ():
             if any(s != group[0] for s in group):
                 raise self.alike(operand_shapes_differ(op, self.fn_label, group))
+
+    # --- gathers and scatters of blocks of unequal sizes (an uneven call's; an even call's
+    # tiled all_gather of sizes read from values, :meth:`checked_after_read`) ---------------
+    def all_gather_tiled(self, x, axes, dim, sizes=None):
+        comm = self.mesh.comm(axes)
+        if sizes is None:
+            sizes = tuple(s for (s,) in exchange(comm, [x.shape[dim]]))
+        if min(sizes) == max(sizes):
+            return super().all_gather_tiled(x, axes, dim)  # type: ignore[misc]
+        stacked = comm.all_gather(pad(x, dim, max(sizes)))
+        return torch.cat([b.narrow(dim, 0, s) for b, s in zip(stacked.unbind(0), sizes)], dim)
+
+    def reduce_scatter_tiled(self, x, axes, dim, sizes=None):
+        comm = self.mesh.comm(axes)
+        if sizes is None:
+            sizes = chunk_sizes(x.shape[dim], comm.n)
+        if min(sizes) == max(sizes):
+            return super().reduce_scatter_tiled(x, axes, dim)  # type: ignore[misc]
+        top = max(sizes)
+        stacked = torch.stack([pad(b, dim, top) for b in x.split(list(sizes), dim)])
+        return comm.reduce_scatter(stacked).narrow(dim, 0, sizes[comm.index])
+
+    def own_block_tiled(self, x, axes, dim, sizes):
+        i = self.mesh.comm(axes).index
+        return x.narrow(dim, sum(sizes[:i]), sizes[i])
 
 
 class UnevenPrimitives(OperandShapes):
@@ -246,7 +291,7 @@ class UnevenPrimitives(OperandShapes):
         self._guess = None
         gathers = rec.name == "all_gather" and params[1]  # blocks of any sizes, concatenated
         if rec.name == "ppermute" and self._seen is not None:
-            self._permuted_shapes(x, axes, params[0])
+            self._permuted_shapes(x, axes, params[0], shapes)
         elif _own_sizes(rec, params):  # chunks of any sizes: the other dims must agree
             self._gathered_sizes(rec.name, x, axes, params[0], shapes)
         elif rec.forward_event and not gathers:
@@ -290,20 +335,23 @@ class UnevenPrimitives(OperandShapes):
         super().forget_shapes()  # type: ignore[misc]
         self._recalled = None
 
-    def _permuted_shapes(self, x: torch.Tensor, axes, pairs) -> None:
-        """Before a ppermute's data moves: the shape it assumes (``_guess``), or every
-        instance's shape exchanged and compared."""
+    def _permuted_shapes(self, x: torch.Tensor, axes, pairs, shapes: Any) -> None:
+        """Before a ppermute's data moves: the shape it assumes (``_guess``; none after a read
+        of a varying value, where the ranks meet first), or every instance's shape exchanged
+        (unless given) and compared."""
         mesh = self.mesh
         mesh.finish_pending_check()  # first: whether every rank recalls the same
         assert self._seen is not None
         k, recalled = len(self._seen), self._recalled
         guess = recalled[k] if recalled is not None and k < len(recalled) else None
         moves = any(s != d for s, d in pairs)  # (else nothing moves: no flag either)
-        if guess is not None and moves and mesh.comm(axes).n == mesh.size:
+        whole = mesh.comm(axes).n == mesh.size
+        if guess is not None and moves and whole and not self.values_read:
             self._guess = guess
             self._seen.append(guess)
             return
-        shapes = self._every_shape(x)
+        if shapes is _UNKNOWN:
+            shapes = self._every_shape(x, step=("ppermute", axes))
         self._seen.append(_common(shapes))
         self._same_shapes("ppermute", x, axes, shapes)
 
@@ -329,26 +377,3 @@ class UnevenPrimitives(OperandShapes):
             return
         remember(self.mesh.shape_records, self._signature, tuple(self._seen))
         self._seen = None
-
-    def all_gather_tiled(self, x, axes, dim, sizes=None):
-        comm = self.mesh.comm(axes)
-        if sizes is None:
-            sizes = tuple(s for (s,) in exchange(comm, [x.shape[dim]]))
-        if min(sizes) == max(sizes):
-            return super().all_gather_tiled(x, axes, dim)  # type: ignore[misc]
-        stacked = comm.all_gather(pad(x, dim, max(sizes)))
-        return torch.cat([b.narrow(dim, 0, s) for b, s in zip(stacked.unbind(0), sizes)], dim)
-
-    def reduce_scatter_tiled(self, x, axes, dim, sizes=None):
-        comm = self.mesh.comm(axes)
-        if sizes is None:
-            sizes = chunk_sizes(x.shape[dim], comm.n)
-        if min(sizes) == max(sizes):
-            return super().reduce_scatter_tiled(x, axes, dim)  # type: ignore[misc]
-        top = max(sizes)
-        stacked = torch.stack([pad(b, dim, top) for b in x.split(list(sizes), dim)])
-        return comm.reduce_scatter(stacked).narrow(dim, 0, sizes[comm.index])
-
-    def own_block_tiled(self, x, axes, dim, sizes):
-        i = self.mesh.comm(axes).index
-        return x.narrow(dim, sum(sizes[:i]), sizes[i])

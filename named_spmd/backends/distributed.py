@@ -132,10 +132,7 @@ class DistributedContext(OperandShapes, TrackedContext):
         """``rec.check``; after a read of a varying value, on every instance's shape (``OperandShapes``)."""
         if self.values_read and self.mesh.size > 1:
             return self.checked_after_read(rec, x, axes, params)
-        return rec.check(self, x, axes, params)
-
-    def sized(self, rec, x, axes, params):
-        return params  # (an uneven call's adds the blocks' sizes: ``UnevenPrimitives``)
+        return super().check_operand(rec, x, axes, params)
 
     _signature = 0  # the start-of-call check's checksum: what the records are kept under
     _rows: tuple | None = None  # the outputs' rows of the signature's last compared call

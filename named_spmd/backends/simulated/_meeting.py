@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..._errors import SpmdError
+from ..._errors import SpmdError, collectives_apart, collectives_differ
 from ..._layout import coords_of, coords_text
 
 Compute = Callable[[list[Any]], list[torch.Tensor]]
@@ -90,12 +90,11 @@ class Meeting:
         key = next(iter(self.arrived.values()))[0]
         self.failed = True
         self.cond.notify_all()
-        self.stuck = SpmdError(
-            f"spmd_map of {self.label}: instances {self._where(sorted(self.finished))} returned "
-            f"while instances {self._where(sorted(self.arrived))} wait at {_op(key)}: the "
-            "instances called different collectives (Python control flow on values that "
-            "differ between instances). Fix: call every collective on every instance, in one "
-            "order; select values with torch.where rather than skipping a collective."
+        self.stuck = collectives_apart(
+            f"spmd_map of {self.label}",
+            self._where(sorted(self.finished)),
+            self._where(sorted(self.arrived)),
+            _op(key),
         )
 
     def _check_same(self, arrived: dict[int, tuple[Any, Any]]) -> None:
@@ -104,11 +103,7 @@ class Meeting:
             calls = "; ".join(
                 f"instance {self._where([j])}: {_op(k)}" for j, k in sorted(keys.items())
             )
-            raise SpmdError(
-                f"spmd_map of {self.label}: the instances called different collectives at one "
-                f"point of the program ({calls}). Fix: call every collective on every "
-                "instance, in one order, with the same axes and arguments."
-            )
+            raise collectives_differ(f"spmd_map of {self.label}", calls)
 
     def _where(self, instances: Sequence[int]) -> str:
         return ", ".join(
@@ -117,5 +112,7 @@ class Meeting:
 
 
 def _op(key: Any) -> str:
-    name, axes, params = key
-    return f"{name} over {axes}" + (f" {params}" if params else "")
+    """The collective of ``key``, as the real mesh names it too (its primitive's parameters
+    are no argument of the user's)."""
+    name, axes, _ = key
+    return f"{name} over {axes}"

@@ -1,0 +1,126 @@
+"""The steps of a real mesh's call after it read a varying value (``SpmdContext.values_read``).
+
+From such a read on, the ranks may take other branches: a collective called on some ranks only
+would pair with another collective, or with the outputs' exchange, of another rank (gloo aborts
+the process on sizes that differ, or waits), where the simulated mesh raises its error. So every
+collective of such a call (in place of its exchange of operand shapes) and the call's end meet
+over the whole mesh first (:func:`meet`): one exchange of a row per rank, what it is about to do
+(the collective and its axes, or the end of the call) and its operand's shape. A rank goes on
+where every member of its group is about to do the same; else it meets again, while the ranks
+whose groups agree run their collective (a program of the real mesh alone, which calls a
+collective on some groups only after a branch on ``axis_index``). Where no rank can go on, every
+rank raises the simulated mesh's error alike (the instances called different collectives), and
+the mesh stays in step.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+
+from .._collectives._record import RECORDS
+from .._errors import SpmdError, collectives_apart, collectives_differ
+from .._layout import coords_of, coords_text, groups
+from . import _dist_uneven_primitives as primitives  # (which calls meet: a cycle)
+
+_DIMS = 16  # the dims of an operand's shape in a row (more: its shape is not compared)
+# A row's integers after its step: the widest payload, the outputs' first row (``_dist_uneven``:
+# four slots of a block's rank, dtype, type and 16 dims, after four integers).
+PAYLOAD = 4 + 4 * (3 + 16)
+_END = 0  # a row's step: the end of the call (else its collective's :func:`_code`)
+
+
+def _code(name: str | None) -> int:
+    """A collective's name as an integer, the same in every process (``hash`` of a str is not)."""
+    return _END if name is None else 1 + zlib.crc32(name.encode())
+
+
+def _name(code: int) -> str:
+    return next((n for n in RECORDS if _code(n) == code), "a collective")
+
+
+def _axes_code(names: tuple[str, ...], axes: tuple[str, ...]) -> int:
+    """``axes``, in their order, as one integer (base ``len(names) + 1``)."""
+    code = 0
+    for a in axes:
+        code = code * (len(names) + 1) + names.index(a) + 1
+    return code
+
+
+def _axes_of(names: tuple[str, ...], code: int) -> tuple[str, ...]:
+    axes: list[str] = []
+    while code:
+        code, a = divmod(code, len(names) + 1)
+        axes.insert(0, names[a - 1])
+    return tuple(axes)
+
+
+def shapes_met(ctx: Any, name: str, axes: tuple[str, ...], x: torch.Tensor) -> list:
+    """Every instance's operand shape (row-major over the mesh; None past :data:`_DIMS` dims),
+    once every member of this rank's group of ``axes`` is about to run the collective ``name``
+    over them (:func:`meet`)."""
+    known = x.dim() <= _DIMS
+    rows = meet(ctx, name, axes, [x.dim(), *x.shape] if known else [-1])
+    return [tuple(r[1 : 1 + r[0]]) if r[0] >= 0 else None for r in rows]
+
+
+def meet(ctx: Any, name: str | None, axes: tuple[str, ...], payload: list[int]) -> list:
+    """Every instance's ``payload`` (row-major over the mesh; at most :data:`PAYLOAD` integers,
+    zeros after), once every member of this rank's group of ``axes`` is about to run the
+    collective ``name`` over them (``name`` None: every rank is at the end of the call, where
+    the payload is its outputs' row, ``_dist_uneven.agree``: one exchange for both)."""
+    mesh = ctx.mesh
+    mesh.finish_pending_check()  # (the start-of-call check's collective comes first)
+    comm = mesh.comm(mesh.axis_names)
+    mine = [_code(name), _axes_code(mesh.axis_names, axes), *payload]
+    mine += [0] * (2 + PAYLOAD - len(mine))
+    while True:
+        rows = primitives.exchange(comm, mine)
+        steps = [(r[0], r[1]) for r in rows]
+        ready = _ready(mesh, steps)
+        if comm.index in ready:
+            return [r[2:] for r in rows]
+        if not ready:
+            raise ctx.alike(_apart(ctx, steps))
+
+
+def _ready(mesh: Any, steps: list[tuple[int, int]]) -> set[int]:
+    """The instances whose group's members are all about to take the same step."""
+    sizes = tuple(mesh._shape.items())
+    ready: set[int] = set()
+    for i, (code, axes) in enumerate(steps):
+        if i in ready:
+            continue
+        members = (
+            range(len(steps))
+            if code == _END
+            else next(g for g in groups(_axes_of(mesh.axis_names, axes), sizes) if i in g)
+        )
+        if all(steps[m] == steps[i] for m in members):
+            ready.update(members)
+    return ready
+
+
+def _apart(ctx: Any, steps: list[tuple[int, int]]) -> SpmdError:
+    """No instance can take its step: the simulated mesh's error for instances that called
+    different collectives."""
+    mesh = ctx.mesh
+    label = f"spmd_map of {ctx.fn_label}"
+
+    def where(instances) -> str:
+        return ", ".join(
+            f"({coords_text(coords_of(i, mesh.axis_names, mesh._shape))})" for i in instances
+        )
+
+    def what(step: tuple[int, int]) -> str:
+        return f"{_name(step[0])} over {_axes_of(mesh.axis_names, step[1])}"
+
+    ended = [i for i, s in enumerate(steps) if s[0] == _END]
+    waiting = [i for i, s in enumerate(steps) if s[0] != _END]
+    if ended:
+        return collectives_apart(label, where(ended), where(waiting), what(steps[waiting[0]]))
+    return collectives_differ(
+        label, "; ".join(f"instance {where([i])}: {what(s)}" for i, s in enumerate(steps))
+    )
