@@ -265,12 +265,14 @@ class SpmdFunction:
         except SpmdError as e:
             # A write (or an op's out=) that autograd refuses where the check differentiates with
             # respect to an argument that needs no gradient (into a multi-output op's view:
-            # unbind, split; out= where an operand requires grad), which the call takes: checked
-            # again without differentiating with respect to those
+            # unbind, split; out= where an operand requires grad; after an op saved a tensor
+            # only for such an argument's gradient), which the call takes: checked again without
+            # differentiating with respect to those
             needed = [
                 g and getattr(x, "requires_grad", None) is True for g, x in zip(grads, leaves)
             ]
-            if needed == grads or not refused_write(e.__cause__):
+            cause = e.__cause__
+            if needed == grads or not (refused_write(cause) or torch_private.is_stale(cause)):
                 raise
             return self._check(bound, tree, needed, backward)
 

@@ -232,7 +232,7 @@ class Call:
             "(on a real mesh on the ranks that wrote only, while the others waited for them). "
             "Fix: write before the first use, into a copy (w = w.clone() first), or compute out "
             "of place (w + 1 rather than w.add_(1))."
-        )
+        ) from stale
 
     def _run_user(self, args: tuple) -> Any:
         try:

@@ -248,7 +248,7 @@ def stale_saved(roots: list[torch.Tensor], starts: list) -> RuntimeError | None:
                 try:
                     getattr(node, name)
                 except RuntimeError as e:  # (a hooked one raises _HOOKED, unpacked by no hook)
-                    if any(s in str(e) for s in _STALE):
+                    if is_stale(e):
                         return e
             todo.extend(n for n, _ in node.next_functions if n is not None)
     return None
@@ -271,6 +271,11 @@ _HOOKED = "named_spmd: a saved tensor with hooks is not unpacked outside the bac
 # autograd's errors for a saved tensor written since: a plain one, and a custom Function's view
 # output (an identity such as CommMode's tag returns one) whose base was written
 _STALE = ("modified by an inplace operation", "of its base has been modified inplace")
+
+
+def is_stale(error: BaseException | None) -> bool:
+    """Whether ``error`` is autograd's refusal of a saved tensor written since it was saved."""
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _STALE)
 
 
 def node_class(function: type[torch.autograd.Function]) -> type:
