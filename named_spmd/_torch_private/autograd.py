@@ -110,6 +110,11 @@ def proxy_tracing() -> bool:
     return torch._C._get_dispatch_mode(_PROXY_MODE) is not None
 
 
+def dispatch_modes_active() -> bool:
+    """Whether a dispatch mode is on (``make_fx``'s proxy mode, a fake or functional mode)."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
 def no_dispatch_modes() -> Any:
     """A context without the dispatch modes (``make_fx``'s proxy mode among them): the
     library's bookkeeping (the start-of-call check) runs eagerly, not into a traced graph."""
