@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._torch_private import forward_level, get_unwrapped, maybe_get_level
+from ._torch_private import forward_level, get_unwrapped, maybe_get_level, version
 from ._types import render
 
 
@@ -251,7 +251,7 @@ def cast_version(t: torch.Tensor) -> int:
     written; a write makes the next use cast ``t`` again. (-1: an inference tensor, which has
     no version and takes no part in autograd.)"""
     try:
-        return t._version
+        return version(t)
     except RuntimeError:
         return -1
 

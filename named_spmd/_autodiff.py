@@ -27,6 +27,7 @@ from ._torch_private import (
     function_base_apply,
     functional_unwrap,
     functional_wrap,
+    tensor_base,
     transforms_active,
 )
 
@@ -75,8 +76,8 @@ def _own_memory(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     real mesh's receive buffer, reshaped), a tensor of its own over that memory: autograd
     refuses a write into a custom Function's view output, which a plain op's result (and the
     simulated mesh's) takes. A view of ``x``'s memory (a pvary's) stays one."""
-    base = out._base
-    if base is None or base is x or base is x._base or type(out) is not torch.Tensor:
+    base = tensor_base(out)
+    if base is None or base is x or base is tensor_base(x) or type(out) is not torch.Tensor:
         return out
     if dispatch_modes_active():  # (a tracer's tensors: a traced graph places its buffers)
         return out
