@@ -524,3 +524,27 @@ def test_check_raises_the_calls_error_for_an_input_written_after_an_op_saved_it(
     assert checked == called
     if not per_instance:  # (per instance, a replicated input's block: every instance writes it)
         assert "wrote in place into an input (argument [0])" in called[1], called
+
+
+def _normalized(x, w, mean, var):
+    return F.batch_norm(x, mean, var, w, None, training=True)  # updates mean and var in place
+
+
+def test_check_takes_running_statistics_as_the_call_does():
+    """A BatchNorm's running statistics passed as inputs: the op refuses to differentiate with
+    respect to them, which check() does with every floating input; it checks again without
+    them, as the call runs (which updates the statistics in place)."""
+    f = ns.spmd_map(
+        _normalized,
+        mesh=ns.make_mesh((2,), ("dp",)),
+        in_specs=(P("dp"), P(), P("dp"), P("dp")),
+        out_specs=P("dp"),
+    )
+    x, w = torch.randn(8, 3), torch.randn(3, requires_grad=True)
+    report = f.check(x, w, torch.zeros(6), torch.ones(6))
+    mean = torch.zeros(6)
+    y = f(x, w, mean, torch.ones(6))
+    assert [str(t) for t in report.types] == ["f32[4,3]{dp}"]
+    assert report.out.shape == y.shape
+    blocks = x.reshape(2, 4, 3).mean(1).reshape(6)  # each instance's batch mean
+    torch.testing.assert_close(mean, 0.1 * blocks)  # (momentum 0.1 from zeros)
