@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._torch_private import forward_level, get_unwrapped, maybe_get_level
+from ._torch_private import forward_level, get_unwrapped, maybe_get_level, version
 from ._types import render
 
 
@@ -244,13 +244,26 @@ def reusable_cast(t: torch.Tensor) -> bool:
     return torch.is_grad_enabled() or not needs_grad(t)
 
 
+def cast_version(t: torch.Tensor) -> int:
+    """The version of ``t`` that an implicit cast of it is made at: a cast cached serves its
+    later uses while ``t`` is unwritten. A cast is a view of ``t`` that a custom Function made
+    (a real mesh's pvary, a ``CommMode``'s tag), which autograd refuses to use once ``t`` is
+    written; a write makes the next use cast ``t`` again. (-1: an inference tensor, which has
+    no version and takes no part in autograd.)"""
+    try:
+        return version(t)
+    except RuntimeError:
+        return -1
+
+
 def memo_cast(cache: dict, t: torch.Tensor, tag: tuple, make: Callable[[], Any]) -> Any:
-    """``make()``, an implicit cast of ``t``: one per (``t``, ``tag``) in ``cache`` (which keeps
-    ``t``, so that its id is not reused meanwhile), where :func:`reusable_cast` allows."""
+    """``make()``, an implicit cast of ``t``: one per (``t``, ``tag``) and version of ``t``
+    (:func:`cast_version`) in ``cache`` (which keeps ``t``, so that its id is not reused
+    meanwhile), where :func:`reusable_cast` allows."""
     key = (id(t), tag)
     hit = cache.get(key)
-    if hit is None:
-        hit = (t, make())
+    if hit is None or hit[2] != cast_version(t):
+        hit = (t, make(), cast_version(t))
         if reusable_cast(t):
             cache[key] = hit
     return hit[1]

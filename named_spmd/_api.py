@@ -18,7 +18,7 @@ from ._accounting import recording
 from ._call import Call
 from ._call_checks import input_leaves, unequal_blocks
 from ._check import CheckReport
-from ._errors import SpmdError, fn_label, refused_write
+from ._errors import SpmdError, fn_label, refused_grad, refused_write
 from ._mesh import Mesh
 from ._spec import PartitionSpec
 from ._tree import check_spec_types, spec_leaves
@@ -262,15 +262,18 @@ class SpmdFunction:
         grads = [wants_grad(x) for x in leaves]
         try:
             return self._check(bound, tree, grads, backward)
-        except SpmdError as e:
-            # A write (or an op's out=) that autograd refuses where the check differentiates with
-            # respect to an argument that needs no gradient (into a multi-output op's view:
-            # unbind, split; out= where an operand requires grad), which the call takes: checked
-            # again without differentiating with respect to those
+        except RuntimeError as e:
+            # What autograd refuses where the check differentiates with respect to an argument
+            # that needs no gradient, which the call takes: a write (into a multi-output op's
+            # view: unbind, split; out= where an operand requires grad; after an op saved a
+            # tensor only for its gradient), or an op that takes no gradient for the argument (a
+            # BatchNorm's running statistics): checked again without differentiating those
             needed = [
                 g and getattr(x, "requires_grad", None) is True for g, x in zip(grads, leaves)
             ]
-            if needed == grads or not refused_write(e.__cause__):
+            cause = e.__cause__ if isinstance(e, SpmdError) else e
+            refused = refused_write(cause) or torch_private.is_stale(cause) or refused_grad(cause)
+            if needed == grads or not refused:
                 raise
             return self._check(bound, tree, needed, backward)
 

@@ -22,10 +22,12 @@ import torch
 from ._torch_private import (
     TransformType,
     current_interpreter,
+    dispatch_modes_active,
     forward_level,
     function_base_apply,
     functional_unwrap,
     functional_wrap,
+    tensor_base,
     transforms_active,
 )
 
@@ -69,13 +71,27 @@ def unshared(g: torch.Tensor) -> torch.Tensor:
 _HANDED_ON = "_named_spmd_handed_on"
 
 
+def _own_memory(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out``, a collective's result; where it is a view of a buffer the collective made (a
+    real mesh's receive buffer, reshaped), a tensor of its own over that memory: autograd
+    refuses a write into a custom Function's view output, which a plain op's result (and the
+    simulated mesh's) takes. A view of ``x``'s memory (a pvary's) stays one."""
+    base = tensor_base(out)
+    if base is None or base is x or base is tensor_base(x) or type(out) is not torch.Tensor:
+        return out
+    if dispatch_modes_active():  # (a tracer's tensors: a traced graph places its buffers)
+        return out
+    own = torch.empty((0,), dtype=out.dtype, device=out.device)
+    return own.set_(out.untyped_storage(), out.storage_offset(), out.size(), out.stride())
+
+
 class CollectiveFn(torch.autograd.Function):
     """``rec`` applied to ``x`` on ``spmd`` (a backend context); backward: ``rec.transpose``
     (through ``rec.backward``), forward mode: ``rec.jvp`` (through ``rec.tangent``)."""
 
     @staticmethod
     def forward(x, rec, spmd, axes, params):
-        return spmd.forward(rec, x, axes, params)
+        return _own_memory(spmd.forward(rec, x, axes, params), x)
 
     @staticmethod
     def setup_context(node, inputs, output):

@@ -193,42 +193,46 @@ class Call:
             return True
         return False
 
-    def input_versions(self, inputs: list[Any]) -> tuple[list[torch.Tensor], list[int], list]:
-        """The tensors of ``inputs`` (the call's, as its backend runs the body on them) that an
-        op of the call may save for the backward pass (under grad mode, any but an inference
-        tensor: one that requires no grad is saved where it meets one that does, ``x * w``),
-        their versions and their autograd nodes (where the call's graph begins): what
-        :meth:`check_writes` compares."""
+    def input_versions(self, inputs: list[Any]) -> tuple[list[int], list[int], list]:
+        """The positions in ``inputs`` (the call's leaves, as its backend runs the body on
+        them) of the tensors that an op of the call may save for the backward pass (under grad
+        mode, any but an inference tensor: one that requires no grad is saved where it meets
+        one that does, ``x * w``), their versions and their autograd nodes (where the call's
+        graph begins): what :meth:`check_writes` compares."""
         if not torch.is_grad_enabled():
             return [], [], []
-        xs = [x for x in inputs if isinstance(x, _Tensor)]
+        at = [i for i, x in enumerate(inputs) if isinstance(x, _Tensor)]
         try:
-            versions = list(map(torch_private.version, xs))
+            versions = [torch_private.version(inputs[i]) for i in at]
         except RuntimeError:  # an inference tensor has no version (and no op saves one)
-            xs = [x for x in xs if not x.is_inference()]
-            versions = list(map(torch_private.version, xs))
-        return xs, versions, list(map(_GRAD_FN, xs))
+            at = [i for i in at if not inputs[i].is_inference()]
+            versions = [torch_private.version(inputs[i]) for i in at]
+        return at, versions, [_GRAD_FN(inputs[i]) for i in at]
 
-    def check_writes(self, before: tuple[list[torch.Tensor], list[int], list], outs: list) -> None:
-        """Raise where the body wrote in place into an input (``before``:
+    def check_writes(
+        self, inputs: list[Any], before: tuple[list[int], list[int], list], outs: list
+    ) -> None:
+        """Raise where the body wrote in place into one of ``inputs`` (``before``:
         :meth:`input_versions`) after an op saved it for the backward pass: the backward pass
         would fail there, and on a real mesh on the writing ranks only (its peers would wait for
         them in their gradient sums). Raised now, an error of the call (posted to the peers)."""
-        xs, versions, nodes = before
-        if list(map(torch_private.version, xs)) == versions:  # (the common case: no write)
+        at, versions, nodes = before
+        now = [torch_private.version(inputs[i]) for i in at]
+        if now == versions:  # (the common case: no write)
             return
-        written = [x for x, v in zip(xs, versions) if torch_private.version(x) != v]
         stale = torch_private.stale_saved(outs, nodes)
         if stale is None:
             return
+        written = next(i for i, v, n in zip(at, versions, now) if v != n)
+        path = path_text(list(self.in_tree.paths())[written])
         raise error_class(RuntimeError)(
-            f"{self.mapped.where}: the function wrote in place into an input "
-            f"(shape {list(written[0].shape)}), or a view of it, after an op saved it for the "
-            f"backward pass:\n  RuntimeError: {stale}\nThe backward pass would fail at that op "
+            f"{self.mapped.where}: the function wrote in place into an input (argument "
+            f"{path}), or a view of it, after an op saved it for the backward pass:\n"
+            f"  RuntimeError: {stale}\nThe backward pass would fail at that op "
             "(on a real mesh on the ranks that wrote only, while the others waited for them). "
             "Fix: write before the first use, into a copy (w = w.clone() first), or compute out "
             "of place (w + 1 rather than w.add_(1))."
-        )
+        ) from stale
 
     def _run_user(self, args: tuple) -> Any:
         try:

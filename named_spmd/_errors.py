@@ -210,6 +210,15 @@ def refused_write(error: BaseException | None) -> bool:
     return isinstance(error, RuntimeError) and any(s in str(error) for s in _REFUSED_WRITES)
 
 
+def refused_grad(error: BaseException | None) -> bool:
+    """Whether ``error`` is autograd's refusal of an argument that requires grad where the op
+    takes none (a BatchNorm's running statistics)."""
+    return isinstance(error, RuntimeError) and _REFUSED_GRAD in str(error)
+
+
+_REFUSED_GRAD = "is not differentiable with respect to argument"
+
+
 def write_refused(error: BaseException, where: str) -> SpmdError | None:
     """Autograd's refusal of an in-place write in the user's function (``_REFUSED_WRITES``), as
     an SpmdError with its fix, the same on every backend and instance; None for another error."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import _blocks
-from ._accounting import memo_cast, reusable_cast
+from ._accounting import cast_version, memo_cast, reusable_cast
 from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._torch_private import DisableTorchFunction, tensor_base
@@ -58,11 +58,13 @@ class TrackedContext(SpmdContext):
         super().__init__(mesh, fn)
         self.call_token = object()
         self._stamps: dict[int, tuple[object, Vma]] = {}  # id(type) -> its stamp
-        # id(invariant tensor) -> (tensor, stamp, its varying alias): VmaMode's fast path
-        self.alias_cache: dict[int, tuple[torch.Tensor, tuple, torch.Tensor]] = {}
-        # (id(tensor), axes) -> (tensor, its varying alias); the tensor is kept alive so that
-        # its id is not reused during the call.
-        self.pvary_cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(invariant tensor) -> (tensor, stamp, its varying alias, the tensor's version):
+        # VmaMode's fast path (a version: ``_accounting.cast_version``)
+        self.alias_cache: dict[int, tuple[torch.Tensor, tuple, torch.Tensor, int]] = {}
+        # (id(tensor), axes) -> (tensor, its varying alias, the tensor's version); the tensor is
+        # kept alive so that its id is not reused during the call.
+        self.pvary_cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor, int]]
+        self.pvary_cache = {}
         # storage address -> (tensor, stamp) of values computed inside a torch.func transform:
         # a transform may hand back a new view of them (vmap moving its batch dim), which has
         # no stamp of its own (only views are looked up: a tensor that owns its storage and has
@@ -182,8 +184,8 @@ class TrackedContext(SpmdContext):
         """The implicit pvary of ``t`` over ``axes``: one alias per (tensor, axes) per call."""
         key = (id(t), axes)  # (:meth:`memo_alias`, inlined: every parameter passes here)
         hit = self.pvary_cache.get(key)
-        if hit is None:
-            hit = (t, self.implicit_pvary(t, axes))
+        if hit is None or hit[2] != cast_version(t):
+            hit = (t, self.implicit_pvary(t, axes), cast_version(t))
             if reusable_cast(t):
                 self.pvary_cache[key] = hit
         alias = hit[1]

@@ -15,7 +15,7 @@ from torch.compiler import is_compiling
 from torch.overrides import TorchFunctionMode
 
 from . import _blocks
-from ._accounting import reusable_cast
+from ._accounting import cast_version, reusable_cast
 from ._errors import VmaError, reentrant_checkpoint
 from ._operands import (
     METADATA,
@@ -256,9 +256,9 @@ class VmaMode(TorchFunctionMode):
             s = a.__dict__.get(_ATTR)
             if s is None or s[0] is not token or s[1] is INVARIANT:
                 hit = cache.get(id(a))
-                if hit is None or hit[1] is not common:
+                if hit is None or hit[1] is not common or hit[3] != cast_version(a):
                     alias = self.ctx.cached_pvary(a, self._mesh_order(common))
-                    hit = (a, common, alias)  # a: keeps its id unique
+                    hit = (a, common, alias, cast_version(a))  # a: keeps its id unique
                     if reusable_cast(a):
                         cache[id(a)] = hit
                 swap[a] = hit[2]

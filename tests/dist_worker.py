@@ -279,6 +279,8 @@ def run_checks(args, rank, world) -> None:
     results += _overlapped_gradient_checks(mesh, world)
     results += _ragged_checks(mesh, world)
     results += _cast_alias_checks(mesh)
+    results.append(_written_between_uses(mesh, world))
+    results.append(_collective_results_written(mesh, world))
     results.append(_hooked_view_of_a_parameter(mesh, world))
     reentrant = ns.spmd_map(
         lambda x, w: ns.psum(
@@ -331,6 +333,92 @@ def _hooked_view_of_a_parameter(mesh, world) -> dict:
         if not torch.allclose(w.grad, dense.grad) or type(w.grad) is not torch.Tensor:
             problems.append(f"{type(w.grad).__name__} {w.grad} != dense {dense.grad}")
     return {"check": "a hook on a view of a parameter", "problems": problems}
+
+
+def written_between_uses(x, w, s):
+    """``s`` (invariant) meets the varying ``x`` (an implicit cast to varying), is written in
+    place, and meets it again."""
+    h = x * s
+    s.add_(1)
+    return h + x * w * s
+
+
+def _written_between_uses(mesh, world) -> dict:
+    """``written_between_uses``, ``s`` requiring grad: its second use casts it again (the
+    first cast, a view of ``s`` that a custom Function made, is refused by autograd once ``s``
+    is written): the values and gradients of dense torch, with and without a ``CommMode``
+    (test_review_regressions.py checks the simulated mesh)."""
+    from named_spmd.backends.distributed import to_local
+
+    f = ns.spmd_map(
+        written_between_uses,
+        mesh=mesh,
+        in_specs=(P(("dp", "tp")), P(), P()),
+        out_specs=P(("dp", "tp")),
+    )
+    x = torch.arange(2.0 * world).reshape(world, 2)
+    problems = []
+    for recorded in (False, True):
+        w, s0 = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+        w_ref, s0_ref = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+        want = written_between_uses(x, w_ref, s0_ref * 1)
+        want.sum().backward()
+        try:
+            with ns.CommMode() if recorded else contextlib.nullcontext():
+                y = f(x, w, s0 * 1)
+                to_local(y).sum().backward()
+            got = y.full_tensor()
+        except Exception as e:  # noqa: BLE001 - what it raised is the outcome
+            problems.append(f"CommMode {recorded}: raised {type(e).__name__}: {e}")
+            continue
+        for name, a, b in (
+            ("value", got, want),
+            ("w", w.grad, w_ref.grad),
+            ("s", s0.grad, s0_ref.grad),
+        ):
+            if not torch.allclose(a, b):
+                problems.append(f"CommMode {recorded}: {name} {a} != {b}")
+    return {"check": "an input written between two uses", "problems": problems}
+
+
+def collective_results_written(x):
+    """Writes into the results of collectives (their own memory, as a plain op's result)."""
+    y = ns.psum_scatter(x * 1, ("dp", "tp"), tiled=True)
+    y.mul_(2)
+    z = ns.all_to_all(x * 1, ("dp", "tp"), 0, 0, tiled=True)
+    z[0].add_(1)
+    g = ns.all_gather(x * 1, ("dp", "tp"), tiled=True, to="invariant")
+    g.mul_(3)
+    return y, z, g
+
+
+def _collective_results_written(mesh, world) -> dict:
+    """``collective_results_written``: the values and gradients of the simulated mesh (a real
+    mesh's results of collectives are views of their receive buffers, which autograd refused
+    to write into as a custom Function's views; test_per_instance.py checks the simulated
+    executions)."""
+    from named_spmd.backends.distributed import to_local
+
+    specs = dict(in_specs=P(("dp", "tp")), out_specs=(P(("dp", "tp")),) * 2 + (P(),))
+    real = ns.spmd_map(collective_results_written, mesh=mesh, **specs)
+    simulated = ns.make_mesh(tuple(mesh.shape.values()), mesh.axis_names, simulated=True)
+    sim = ns.spmd_map(collective_results_written, mesh=simulated, **specs)
+    x = torch.arange(4.0 * world * world).reshape(2 * world * world, 2) / 7
+    problems = []
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = sim(xs)
+    sum(t.pow(2).sum() for t in want).backward()
+    try:
+        got = real(xr)
+        sum(to_local(t).pow(2).sum() for t in got).backward()
+    except Exception as e:  # noqa: BLE001 - what it raised is the outcome
+        return {"check": "writes into collectives' results", "problems": [f"raised {e}"]}
+    for i, (a, b) in enumerate(zip(got, want)):
+        if not torch.allclose(_global(a), b):
+            problems.append(f"output {i}: {_global(a)} != {b}")
+    if not torch.allclose(xr.grad, xs.grad):
+        problems.append(f"gradient {xr.grad} != {xs.grad}")
+    return {"check": "writes into collectives' results", "problems": problems}
 
 
 def _cast_alias_checks(mesh) -> list[dict]:

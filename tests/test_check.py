@@ -488,3 +488,63 @@ def test_a_write_into_an_input_is_checked_as_the_call_runs_it():
     report = f.check(x, w)
     assert report.types == f.check(ns.ShapeDtype((4,)), ns.ShapeDtype((4,))).types
     torch.testing.assert_close(f(x.clone(), w), (2 * x) @ w)
+
+
+_SCALE = torch.tensor(2.0, requires_grad=True)
+
+
+def _written_after_use(x):
+    y = x * _SCALE  # saves x for the gradient of _SCALE
+    with torch.no_grad():
+        x.add_(1)  # after: the backward pass would refuse y's node
+    return ns.pmean(y, "dp")
+
+
+# (per instance, a split input's blocks are views of one multi-output op: a write into one
+# refuses the others' use, test_check_takes_a_write_into_an_input_where_the_call_does)
+WRITTEN_RUNS = [(1, P("dp"), False), (2, P("dp"), False), (2, P(), False), (2, P(), True)]
+
+
+@pytest.mark.parametrize("backward", [True, False])
+@pytest.mark.parametrize("argument", list(ARGUMENTS))
+@pytest.mark.parametrize("size, spec, per_instance", WRITTEN_RUNS)
+def test_check_raises_the_calls_error_for_an_input_written_after_an_op_saved_it(
+    size, spec, per_instance, argument, backward
+):
+    """An input written in place after an op saved it (``Call.check_writes``): check() raises
+    the call's SpmdError in its forward run, with or without its backward pass (a replicated
+    input's implicit cast to varying shares the input's memory there, as on a real mesh)."""
+    f = ns.spmd_map(
+        _written_after_use, mesh=ns.make_mesh((size,), ("dp",)), in_specs=spec, out_specs=P()
+    )
+    runs = ns.simulate_per_instance if per_instance else contextlib.nullcontext
+    with runs():
+        called = _outcome(f, ARGUMENTS[argument]())
+        checked = _outcome(lambda x: f.check(x, backward=backward), ARGUMENTS[argument]())
+    assert checked == called
+    if not per_instance:  # (per instance, a replicated input's block: every instance writes it)
+        assert "wrote in place into an input (argument [0])" in called[1], called
+
+
+def _normalized(x, w, mean, var):
+    return F.batch_norm(x, mean, var, w, None, training=True)  # updates mean and var in place
+
+
+def test_check_takes_running_statistics_as_the_call_does():
+    """A BatchNorm's running statistics passed as inputs: the op refuses to differentiate with
+    respect to them, which check() does with every floating input; it checks again without
+    them, as the call runs (which updates the statistics in place)."""
+    f = ns.spmd_map(
+        _normalized,
+        mesh=ns.make_mesh((2,), ("dp",)),
+        in_specs=(P("dp"), P(), P("dp"), P("dp")),
+        out_specs=P("dp"),
+    )
+    x, w = torch.randn(8, 3), torch.randn(3, requires_grad=True)
+    report = f.check(x, w, torch.zeros(6), torch.ones(6))
+    mean = torch.zeros(6)
+    y = f(x, w, mean, torch.ones(6))
+    assert [str(t) for t in report.types] == ["f32[4,3]{dp}"]
+    assert report.out.shape == y.shape
+    blocks = x.reshape(2, 4, 3).mean(1).reshape(6)  # each instance's batch mean
+    torch.testing.assert_close(mean, 0.1 * blocks)  # (momentum 0.1 from zeros)

@@ -440,7 +440,7 @@ def test_a_parameter_written_after_its_use_on_one_rank_fails_every_rank_alike(lo
     every rank after ``x * w`` saved it: the call's SpmdError on every rank, in the forward
     pass, and the mesh stays in step (the parameter's phase runs)."""
     _, outcomes, tail = loaded
-    said = "the function wrote in place into an input (shape [2])"
+    said = "the function wrote in place into an input (argument [1])"
     for rank in range(WORLD):
         o = outcomes[rank, "written_unwatched"]
         assert o["error"] == "SpmdError" and said in o["message"], (o, tail)

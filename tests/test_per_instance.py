@@ -298,3 +298,34 @@ def test_tensors_in_a_return_types_argument_are_typed():
     with ns.simulate_per_instance():
         got = f(x)
     torch.testing.assert_close(got, torch.cat([extrema(x[:1]), extrema(x[1:])], 1))
+
+
+def _scattered_and_written(x):
+    y = ns.psum_scatter(x * 1, "dp", tiled=True)
+    y.mul_(2)  # a write into the result: its own memory, as a plain op's result
+    z = ns.psum_scatter(x.reshape(2, -1, 3) * 1, "dp")
+    z[0].add_(1)
+    return y, z
+
+
+def test_the_results_of_a_scatter_take_writes_as_under_vmap():
+    """Each instance's block of a psum_scatter (tiled or not) is a tensor of its own: a write
+    into it runs, with vmap's values and gradients (tests/dist_worker.py checks a real mesh)."""
+    f = ns.spmd_map(
+        _scattered_and_written,
+        mesh=ns.make_mesh((2,), ("dp",)),
+        in_specs=P("dp"),
+        out_specs=(P("dp"), P("dp")),
+    )
+    x = torch.arange(24.0).reshape(8, 3) / 5
+    runs = []
+    for per_instance in (False, True):
+        xg = x.clone().requires_grad_()
+        with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+            y, z = f(xg)
+        (y.pow(2).sum() + z.pow(2).sum()).backward()
+        runs.append((y, z, xg.grad))
+    for got, want in zip(runs[1], runs[0]):
+        torch.testing.assert_close(got, want)
+    blocks = x.reshape(2, 4, 3).sum(0)  # the sum of the two instances' blocks
+    torch.testing.assert_close(runs[0][0], blocks * 2)

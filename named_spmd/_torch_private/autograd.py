@@ -110,6 +110,11 @@ def proxy_tracing() -> bool:
     return torch._C._get_dispatch_mode(_PROXY_MODE) is not None
 
 
+def dispatch_modes_active() -> bool:
+    """Whether a dispatch mode is on (``make_fx``'s proxy mode, a fake or functional mode)."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
 def no_dispatch_modes() -> Any:
     """A context without the dispatch modes (``make_fx``'s proxy mode among them): the
     library's bookkeeping (the start-of-call check) runs eagerly, not into a traced graph."""
@@ -230,10 +235,10 @@ def stale_saved(roots: list[torch.Tensor], starts: list) -> RuntimeError | None:
     """Autograd's error for a tensor that a node between the nodes ``starts`` and ``roots``
     (the call's own graph) saved for the backward pass and that was written in place since:
     what the backward pass would raise at that node; else None. For a call that wrote an input
-    in place (its cost: one visit of the call's graph, unpacking each saved tensor). (The nodes' ``_saved_*`` attributes and a Function's ``saved_tensors``:
-    unpacking one checks its version.) A tensor saved through saved-tensor hooks is not
-    unpacked: a checkpoint's unpack hook would rerun its region (its collectives on the
-    writing ranks only); under hooks in effect (an outer checkpoint) nothing is: None."""
+    in place; its cost: one visit of the call's graph, unpacking each saved tensor (unpacking
+    one checks its version). A tensor saved through saved-tensor hooks is not unpacked: a
+    checkpoint's unpack hook would rerun its region (its collectives on the writing ranks
+    only); under hooks in effect (an outer checkpoint) nothing is: None."""
     if saved_tensors_hooks_active():
         return None
     todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -244,28 +249,38 @@ def stale_saved(roots: list[torch.Tensor], starts: list) -> RuntimeError | None:
             if node in seen:
                 continue
             seen.add(node)
-            stale = _stale_at(node)
-            if stale is not None:
-                return stale
+            for name in _saved_tensor_names(type(node)):
+                try:
+                    getattr(node, name)
+                except RuntimeError as e:  # (a hooked one raises _HOOKED, unpacked by no hook)
+                    if is_stale(e):
+                        return e
             todo.extend(n for n, _ in node.next_functions if n is not None)
     return None
 
 
-def _stale_at(node: Any) -> RuntimeError | None:
-    names = [n for n in dir(node) if n.startswith("_saved_")]
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
-        names.append("saved_tensors")
-    for name in names:
-        try:
-            getattr(node, name)
-        except RuntimeError as e:  # (a hooked one raises _HOOKED, unpacked by no hook)
-            if _STALE in str(e):
-                return e
-    return None
+@functools.lru_cache(maxsize=4096)
+def _saved_tensor_names(cls: type) -> tuple[str, ...]:
+    """The attributes of a node of class ``cls`` that unpack a saved tensor (or a list of
+    them): a Function's ``saved_tensors``; else each ``_saved_<name>`` that has a
+    ``_raw_saved_<name>`` twin, which autograd's generated nodes give tensors alone (their
+    saved ints and sizes cannot be stale). Per class: ``dir`` costs as much as the unpacking."""
+    if issubclass(cls, torch.autograd.function.BackwardCFunction):
+        return ("saved_tensors",)
+    raw = "_raw_saved_"
+    names = (n.replace(raw, "_saved_", 1) for n in dir(cls) if n.startswith(raw))
+    return tuple(n for n in names if hasattr(cls, n))
 
 
 _HOOKED = "named_spmd: a saved tensor with hooks is not unpacked outside the backward pass"
-_STALE = "modified by an inplace operation"
+# autograd's errors for a saved tensor written since: a plain one, and a custom Function's view
+# output (an identity such as CommMode's tag returns one) whose base was written
+_STALE = ("modified by an inplace operation", "of its base has been modified inplace")
+
+
+def is_stale(error: BaseException | None) -> bool:
+    """Whether ``error`` is autograd's refusal of a saved tensor written since it was saved."""
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _STALE)
 
 
 def node_class(function: type[torch.autograd.Function]) -> type:

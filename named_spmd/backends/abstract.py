@@ -32,6 +32,7 @@ from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._capabilities import Capabilities
 from .._check import CheckReport, OutputCheck, ShapeDtype
+from .._collectives._record import PVARY_RECORD
 from .._errors import SpmdError, user_line
 from .._layout import global_shape, is_even, local_shape
 from .._mesh import Mesh
@@ -76,6 +77,8 @@ class AbstractContext(TrackedContext):
             return self.forward(rec, x, axes, params)
 
     def forward(self, rec, x, axes, params):
+        if rec is PVARY_RECORD:  # the operand's memory, as on a real mesh: a write into the
+            return x.view_as(x)  # operand after an op saved the cast is seen (check_writes)
         return _empty(rec.shape(tuple(x.shape), self.mesh.axis_size(axes), params), x.dtype)
 
     # The primitives, for the transposes that use them directly: shapes only.
@@ -356,9 +359,11 @@ class AbstractBackend:
             self._local(x, s, mesh, g) if isinstance(x, torch.Tensor) else x
             for x, s, g in zip(leaves, specs, self.grads)
         ]
+        versions = call.input_versions(local)
         with self.comms:
             with torch.device(_META), AbstractVmaMode(ctx):
                 outs = call.body(local, ctx)
+            call.check_writes(local, versions, outs)
             if self.backward:
                 _run_backward(outs)
         self.outputs = outs
@@ -391,9 +396,11 @@ class AbstractBackend:
         def first(ctx: Any, outs: list[torch.Tensor]) -> None:
             self.ctx, self.outputs = ctx, outs
 
+        versions = call.input_versions(leaves)
         with self.comms:
             with torch.device(_META):
                 outs = self.per_instance(call, inner_mode=MetaAliases, first=first)
+            call.check_writes(leaves, versions, outs)
             if self.backward:
                 _run_backward(outs)
         return [ShapeDtype(tuple(y.shape), y.dtype) for y in outs]

@@ -353,7 +353,7 @@ def run(call: Call) -> list[Any]:
         versions = call.input_versions(local)
         outs = _body(ctx, call, replay, local)
         mesh.finish_pending_check()  # (where the body ran no collective; first: the clearer)
-        call.check_writes(versions, outs)
+        call.check_writes(local, versions, outs)
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
         layouts = _dist_uneven.agree(ctx, outs, call) if ctx.compares_outputs() else None

@@ -316,7 +316,7 @@ class SimulatedBackend:
             outs = _per_instance.run(call)
         else:
             outs = _run_eagerly(call)
-        call.check_writes(versions, outs)
+        call.check_writes(call.leaves, versions, outs)
         return outs
 
     def explain(self, error: RuntimeError, where: str) -> SpmdError | None:

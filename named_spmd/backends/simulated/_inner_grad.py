@@ -43,7 +43,7 @@ class InnerGradMode(TorchFunctionMode):
         self.ctx = ctx
         # (id(tensor), axes) -> (tensor, its varying alias); the tensor is kept alive so that its
         # id is not reused while the mode is on.
-        self.cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if (

@@ -208,12 +208,19 @@ def _scatter_chunks(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Te
     (``_layout.dim_sizes``: torch.chunk's sizes where the group does not divide it)."""
     total = _total("sum", ctx, xs)
     sizes = chunk_sizes(total.shape[dim], len(xs))
-    return list(total.split(sizes, dim))
+    return _own(total.split(sizes, dim))
 
 
 def _reduce_scatter(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
     total = _total("sum", ctx, xs)
-    return [total.select(dim, j) for j in range(len(xs))]
+    return _own(total.unbind(dim))
+
+
+def _own(blocks: Sequence[Tensor]) -> list[Tensor]:
+    """Each member's block as a tensor of its own, as a real mesh's receive buffer: a view of
+    the one total would be a multi-output op's, which autograd refuses a write into, and its
+    writes would meet the other members' in the total's autograd history."""
+    return [b.clone() for b in blocks]
 
 
 def _all_to_all(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:

@@ -38,7 +38,7 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
         self.ctx = ctx
         # (id(tensor), axes) -> (tensor, tagged alias); the tensor is kept alive so that its id
         # is not reused during the call.
-        self.cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func not in NOT_OPS and current_graph_task_id() == -1:
