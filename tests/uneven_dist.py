@@ -1695,7 +1695,7 @@ def _replayed_as_bytes(case: Case, real_mesh, sim_mesh) -> list[str]:
     gloo gathers neither dtype)."""
     problems: list[str] = []
     (x,) = case.args()
-    for dtype in (torch.int16, torch.complex64):
+    for dtype in (torch.int16, torch.complex128):
         v = (x * 100).to(dtype) if dtype is torch.int16 else torch.complex(x, -x)
         real, sim = (
             ns.spmd_map(_halo_real, mesh=m, in_specs=case.in_specs, out_specs=case.out_specs)

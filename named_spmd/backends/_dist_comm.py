@@ -27,7 +27,7 @@ from ._dist_failures import POLL_S
 from ._dist_waiting import wait as wait_for
 
 _SLICE = datetime.timedelta(seconds=POLL_S)
-_LAYOUTS = 256  # the flagged ppermutes' splits a Comm keeps (per pairs and size)
+_LAYOUTS = 256  # the flagged ppermutes' splits a Comm keeps (per pairs, size, unit and device)
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 
@@ -357,9 +357,8 @@ class Comm:
     ) -> tuple[torch.Tensor, bool]:
         """:meth:`permute` of ``x``, every member also sending every other one a flag, one
         element of ``x``'s dtype more to each (the same sizes on every member, whatever the
-        flags); returns the
-        result and whether any member's ``differs`` was set (then the result is not to be used:
-        every member learns it in this one collective)."""
+        flags); returns the result and whether any member's ``differs`` was set (then the
+        result is not to be used: every member learns it in this one collective)."""
         self._before(name, x, lambda: f", pairs={sorted(pairs)}, flagged")
         flags: list[bool] = []
         size = x.element_size()
