@@ -452,8 +452,8 @@ def test_attention_runs_once_for_every_instance_also_when_recomputed():
     """sdpa's fused kernels have no batching rule (vmap would run the CPU flash kernel once per
     instance, with a warning), so a simulated call runs attention once on every instance's
     operands together, and so does a checkpoint's recomputation of a piece of it (it must: the
-    recomputation has to save what the forward saved). With a mask it runs sdpa's math form,
-    which batches. Values and gradients equal the dense attention's."""
+    recomputation has to save what the forward saved), causal or with a mask. Values and
+    gradients equal the dense attention's."""
     mesh = ns.make_mesh((2, 2), ("dp", "tp"))
     gen = torch.Generator().manual_seed(5)
     mask = torch.rand(6, 6, generator=gen) > 0.3
@@ -478,11 +478,8 @@ def test_attention_runs_once_for_every_instance_also_when_recomputed():
             warnings.filterwarnings("error", message="There is a performance drop")
             out = f(q, k, v)
             (out * out).sum().backward()
-        if masked:
-            assert not [n for n in ran.names if "flash" in n or "efficient" in n], ran.names
-            assert any(n.startswith("bmm") for n in ran.names), ran.names
-        else:  # the forward and its recomputation, then the backward: one call each
-            assert ran.names[_FLASH] == 2 and ran.names[_FLASH.replace(".", "_backward.")] == 1
+        # the forward and its recomputation, then the backward: one call each
+        assert ran.names[_FLASH] == 2 and ran.names[_FLASH.replace(".", "_backward.")] == 1
         grads = [t.grad for t in (q, k, v)]
         for t in (q, k, v):
             t.grad = None
@@ -553,6 +550,30 @@ def test_attention_at_once_of_operands_varying_over_different_axes():
     for t in (q3, k3, v3):
         t.grad = None
     want = torch.cat([attend(q3[2 * j : 2 * j + 2], k3, v3) for j in range(2)])
+    (want * want).sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for got, t in zip(grads, (q3, k3, v3)):
+        torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)
+
+    # a mask varying over tp, with the 3-d operands
+    for t in (q3, k3, v3):
+        t.grad = None
+    mask = torch.rand(4, 6, 6, generator=gen) > 0.3
+    mask[..., 0] = True  # (no row masked whole)
+
+    def masked(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    f = ns.spmd_map(masked, mesh=mesh, in_specs=(P("tp"), P(), P(), P("tp")), out_specs=P("tp"))
+    with _AtenOps() as ran:
+        out = f(q3, k3, v3, mask)
+        (out * out).sum().backward()
+    assert ran.names[_FLASH] == 1, ran.names
+    grads = [t.grad for t in (q3, k3, v3)]
+    for t in (q3, k3, v3):
+        t.grad = None
+    parts = [masked(q3[2 * j : 2 * j + 2], k3, v3, mask[2 * j : 2 * j + 2]) for j in range(2)]
+    want = torch.cat(parts)
     (want * want).sum().backward()
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     for got, t in zip(grads, (q3, k3, v3)):
