@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.nn.attention import sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as _SDPA
 
 from . import _torch_private as torch_private
@@ -116,7 +115,7 @@ class CallMarker(torch_private.DeviceContext):
     it resumes the call: the backend's state (:meth:`SpmdContext.resume`), the call's own modes
     (vma tracking), the active call, and the accounting of recomputed collectives as backward
     communication. Passes every op through unchanged, or to the call's ``marker_typing``,
-    attention under the context's ``sdpa_backends``."""
+    attention under the context's ``attention`` mode."""
 
     def __init__(self, ctx: SpmdContext) -> None:  # not DeviceContext's: no device is set
         self.ctx = ctx
@@ -138,8 +137,8 @@ class CallMarker(torch_private.DeviceContext):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         typing = self.ctx.marker_typing
-        if func is _SDPA and self.ctx.sdpa_backends is not None:
-            with sdpa_kernel(self.ctx.sdpa_backends):
+        if func is _SDPA and self.ctx.attention is not None:
+            with self.ctx.attention:
                 if typing is not None:
                     return typing.__torch_function__(func, types, args, kwargs)
                 return func(*args, **(kwargs or {}))

@@ -45,10 +45,10 @@ class SpmdContext(ABC):
     #: checkpoint's recomputation); a call traced by torch.compile does not (Dynamo traces the
     #: recomputation itself, and cannot trace the mode-stack calls).
     marks_calls: bool = True
-    #: the kernels ``scaled_dot_product_attention`` may pick inside the call (``sdpa_kernel``'s
-    #: argument; None: torch's choice). The call's marker applies it, also in a checkpoint's
-    #: recomputation (``_calls.CallMarker``).
-    sdpa_backends: Any = None
+    #: A torch-function mode that runs ``scaled_dot_product_attention`` inside the call (None:
+    #: torch's choice of kernel). The call's marker pushes it around each attention op, also in
+    #: a checkpoint's recomputation (``_calls.CallMarker``).
+    attention: Any = None
     #: A torch-function mode of the call's own that its marker runs on each op instead of its
     #: being pushed (``_calls.CallMarker``): one Python dispatch per op, not two (the
     #: simulated mesh's typing of a call whose inputs hold blocks, ``_planned``).

@@ -101,7 +101,14 @@ def guard_key(token: object, args: Any, kwargs: dict | None, outside=outside_key
         else:
             key.append(_key(token, a, outside))
     if kwargs:
-        key.extend([(k, _key(token, v, outside)) for k, v in kwargs.items()])
+        for k, v in kwargs.items():  # (the same, with the keyword)
+            if isinstance(v, Tensor):
+                src = v.__dict__.get(SRC)
+                key.append((k, src[1] if src is not None and src[0] is token else outside(v)))
+            elif type(v) is int or v is None:
+                key.append((k, v))
+            else:
+                key.append((k, _key(token, v, outside)))
     return tuple(key)
 
 

@@ -116,7 +116,7 @@ class Replay:
         its typed tensors from its inputs on (``_plan``), and is no untyped replay."""
         if self.planned:
             ctx.numbering = self.checked is not None and self.signature is not None
-            if isinstance(self.entry, Plan) and ctx.sdpa_backends is None:
+            if isinstance(self.entry, Plan) and ctx.attention is None:
                 ctx.marks_calls = False  # its typed call ran no checkpoint (``plan``)
             return False
         if self.entry is not None:

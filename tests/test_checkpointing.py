@@ -9,6 +9,7 @@ shrink.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import warnings
@@ -433,52 +434,147 @@ def test_real_backend_matches_simulated():
 
 
 class _AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """The names of the aten ops run inside (below vmap: per instance where vmap loops)."""
+    """How often each aten op ran inside, by name (below vmap: per instance where vmap loops)."""
 
     def __init__(self):
         super().__init__()
-        self.names: set[str] = set()
+        self.names: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func.__name__)
+        self.names[func.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
-def test_attention_takes_its_batched_math_form_also_when_recomputed():
-    """sdpa's fused kernels do not batch over the mesh's vmap levels (CPU flash: once per
-    instance, with a warning; CUDA's memory-efficient backward: an error), so a simulated call
-    runs sdpa's math form, and so does a checkpoint's recomputation of a piece of it (it must:
-    the recomputation has to save what the forward saved). Values and gradients equal the dense
-    attention; outside the call sdpa picks its kernel as before."""
+_FLASH = "_scaled_dot_product_flash_attention_for_cpu.default"
+
+
+def test_attention_runs_once_for_every_instance_also_when_recomputed():
+    """sdpa's fused kernels have no batching rule (vmap would run the CPU flash kernel once per
+    instance, with a warning), so a simulated call runs attention once on every instance's
+    operands together, and so does a checkpoint's recomputation of a piece of it (it must: the
+    recomputation has to save what the forward saved), causal or with a mask. Values and
+    gradients equal the dense attention's."""
     mesh = ns.make_mesh((2, 2), ("dp", "tp"))
-
-    def attend(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    f = ns.spmd_map(
-        lambda q, k, v: checkpoint(attend, q, k, v, use_reentrant=False),
-        mesh=mesh,
-        in_specs=(P("dp", "tp"),) * 3,
-        out_specs=P("dp", "tp"),
-    )
     gen = torch.Generator().manual_seed(5)
+    mask = torch.rand(6, 6, generator=gen) > 0.3
     q, k, v = (
         torch.randn(4, 4, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
         for _ in range(3)
     )
-    with warnings.catch_warnings(), _AtenOps() as ran:  # the per-instance fallback's warning
-        warnings.filterwarnings("error", message="There is a performance drop")
-        out = f(q, k, v)
-        (out * out).sum().backward()
-    fused = {n for n in ran.names if "flash" in n or "efficient" in n}
-    assert not fused and any(n.startswith("bmm") for n in ran.names), ran.names
-    grads = [t.grad for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    with _AtenOps() as dense:
-        want = attend(q, k, v)
+    for masked in (False, True):
+
+        def attend(q, k, v, masked=masked):
+            if masked:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        f = ns.spmd_map(
+            lambda q, k, v, attend=attend: checkpoint(attend, q, k, v, use_reentrant=False),
+            mesh=mesh,
+            in_specs=(P("dp", "tp"),) * 3,
+            out_specs=P("dp", "tp"),
+        )
+        with warnings.catch_warnings(), _AtenOps() as ran:  # the per-instance fallback's warning
+            warnings.filterwarnings("error", message="There is a performance drop")
+            out = f(q, k, v)
+            (out * out).sum().backward()
+        # the forward and its recomputation, then the backward: one call each
+        assert ran.names[_FLASH] == 2 and ran.names[_FLASH.replace(".", "_backward.")] == 1
+        grads = [t.grad for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        with _AtenOps() as dense:
+            want = attend(q, k, v)
+            (want * want).sum().backward()
+        assert dense.names[_FLASH] == 1  # torch's own choice outside a call
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        for got, ref in zip(grads, (q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+        for t in (q, k, v):
+            t.grad = None
+
+
+def test_attention_at_once_of_operands_varying_over_different_axes():
+    """Attention once for every instance where its operands vary over different axes (a query
+    varying over both, a key invariant over dp, a value invariant over tp; 3-d operands
+    invariant over dp): the values and gradients of each instance's attention on its own
+    blocks, one flash call; under a vmap inside the function, the math form, batched."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    gen = torch.Generator().manual_seed(7)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def per_instance(q, k, v):
+        """Each instance's attention on its own blocks, placed as P("dp", "tp")."""
+        rows = []
+        for i in range(2):
+            dp = slice(2 * i, 2 * i + 2)
+            row = []
+            for j in range(2):
+                tp = slice(2 * j, 2 * j + 2)
+                row.append(attend(q[dp, tp], k[:, tp], v[dp]))
+            rows.append(torch.cat(row, 1))
+        return torch.cat(rows, 0)
+
+    q, k, v = rand(4, 4, 6, 8), rand(2, 4, 6, 8), rand(4, 2, 6, 8)
+    specs = (P("dp", "tp"), P(None, "tp"), P("dp"))
+    for body in (attend, torch.func.vmap(attend)):  # a vmap inside: per batch row, the same
+        f = ns.spmd_map(body, mesh=mesh, in_specs=specs, out_specs=P("dp", "tp"))
+        with warnings.catch_warnings(), _AtenOps() as ran:
+            warnings.filterwarnings("error", message="There is a performance drop")
+            out = f(q, k, v)
+            (out * out).sum().backward()
+        assert ran.names[_FLASH] == (1 if body is attend else 0), ran.names
+        grads = [t.grad for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        want = per_instance(q, k, v)
         (want * want).sum().backward()
-    assert any("flash" in n for n in dense.names)  # torch's own choice outside a call
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        for got, t in zip(grads, (q, k, v)):
+            torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)
+            t.grad = None
+
+    # 3-d operands: q varies over tp (its heads), k and v are invariant
+    q3, k3, v3 = rand(4, 6, 8), rand(2, 6, 8), rand(2, 6, 8)
+    f = ns.spmd_map(attend, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P("tp"))
+    with _AtenOps() as ran:
+        out = f(q3, k3, v3)
+        (out * out).sum().backward()
+    assert ran.names[_FLASH] == 1, ran.names
+    grads = [t.grad for t in (q3, k3, v3)]
+    for t in (q3, k3, v3):
+        t.grad = None
+    want = torch.cat([attend(q3[2 * j : 2 * j + 2], k3, v3) for j in range(2)])
+    (want * want).sum().backward()
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
-    for got, ref in zip(grads, (q.grad, k.grad, v.grad)):
-        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for got, t in zip(grads, (q3, k3, v3)):
+        torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)
+
+    # a mask varying over tp, with the 3-d operands
+    for t in (q3, k3, v3):
+        t.grad = None
+    mask = torch.rand(4, 6, 6, generator=gen) > 0.3
+    mask[..., 0] = True  # (no row masked whole)
+
+    def masked(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    f = ns.spmd_map(masked, mesh=mesh, in_specs=(P("tp"), P(), P(), P("tp")), out_specs=P("tp"))
+    with _AtenOps() as ran:
+        out = f(q3, k3, v3, mask)
+        (out * out).sum().backward()
+    assert ran.names[_FLASH] == 1, ran.names
+    grads = [t.grad for t in (q3, k3, v3)]
+    for t in (q3, k3, v3):
+        t.grad = None
+    parts = [masked(q3[2 * j : 2 * j + 2], k3, v3, mask[2 * j : 2 * j + 2]) for j in range(2)]
+    want = torch.cat(parts)
+    (want * want).sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for got, t in zip(grads, (q3, k3, v3)):
+        torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)

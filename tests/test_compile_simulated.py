@@ -443,7 +443,7 @@ def test_attention_in_a_compiled_call_is_batched_over_the_instances():
     """``scaled_dot_product_attention`` on CPU picks a flash kernel that has no vmap batching
     rule in torch 2.13 (vmap would run it once per instance); a compiled simulated call runs
     its math decomposition instead, which batches: no flash kernel in the compiled graph, and
-    the values and gradients of the eager call (which runs flash per instance)."""
+    the values and gradients of the eager call (its causal attention one flash call for all)."""
     mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
     specs = (P("dp", "tp"), P("dp", "tp"), P())
     f = ns.spmd_map(_attention, mesh=mesh, in_specs=specs, out_specs=P())

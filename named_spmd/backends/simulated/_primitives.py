@@ -8,7 +8,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch.nn.attention import SDPBackend
 
 from ... import _blocks
 from ... import _torch_private as torch_private
@@ -21,6 +20,7 @@ from ..._stamps import _number as number
 from ..._types import INVARIANT, Vma
 from . import _instances as _instances  # installs the per-instance printing of values
 from . import _levels
+from ._attention import AttentionMode
 from ._marks import (
     PartialMode,
     mark_of,
@@ -35,11 +35,6 @@ class SimulatedContext(SpmdContext):
     """A running simulated call: one token per axis, batched at that axis' level only."""
 
     stamps = False  # a tensor's type is the set of our levels it is batched at
-    # sdpa's math form (matmuls and a softmax), which batches over the levels. The fused
-    # kernels do not, in torch 2.13: the CPU flash kernel has no batching rule (vmap runs it
-    # once per instance, with a warning) and on CUDA the memory-efficient kernel's backward
-    # under vmap raises ("LSE is not correctly aligned"). Values differ by rounding only.
-    sdpa_backends = SDPBackend.MATH
 
     def __init__(self, mesh: Mesh, fn: Any, tokens: dict[str, torch.Tensor]):
         super().__init__(mesh, fn)
@@ -54,6 +49,8 @@ class SimulatedContext(SpmdContext):
         self._vma_of: torch.Tensor | None = None
         self._vma: Vma = INVARIANT
         self.token = object()  # identifies this call's marks (unreduced / reduced values)
+        # attention of every instance in one call of torch's kernel (``_attention``)
+        self.attention = AttentionMode(self)
         self.partial_mode: PartialMode | None = None  # pushed with the first marked value
         # id -> (weak reference, type) of the partial sums a torch.func transform inside the call
         # made (``_marks.set_mark_within``)
