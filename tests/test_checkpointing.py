@@ -465,7 +465,7 @@ def test_attention_runs_once_for_every_instance_also_when_recomputed():
 
         def attend(q, k, v, masked=masked):
             if masked:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
         f = ns.spmd_map(
@@ -539,13 +539,14 @@ def test_attention_at_once_of_operands_varying_over_different_axes():
             torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)
             t.grad = None
 
-    # 3-d operands: q varies over tp (its heads), k and v are invariant
+    # 3-d operands: q varies over tp (its heads), k and v are invariant; torch's own pick for
+    # them is the math form (so too its errors), which the call keeps
     q3, k3, v3 = rand(4, 6, 8), rand(2, 6, 8), rand(2, 6, 8)
     f = ns.spmd_map(attend, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P("tp"))
     with _AtenOps() as ran:
         out = f(q3, k3, v3)
         (out * out).sum().backward()
-    assert ran.names[_FLASH] == 1, ran.names
+    assert ran.names[_FLASH] == 0, ran.names
     grads = [t.grad for t in (q3, k3, v3)]
     for t in (q3, k3, v3):
         t.grad = None
@@ -568,7 +569,7 @@ def test_attention_at_once_of_operands_varying_over_different_axes():
     with _AtenOps() as ran:
         out = f(q3, k3, v3, mask)
         (out * out).sum().backward()
-    assert ran.names[_FLASH] == 1, ran.names
+    assert ran.names[_FLASH] == 0, ran.names
     grads = [t.grad for t in (q3, k3, v3)]
     for t in (q3, k3, v3):
         t.grad = None
@@ -578,3 +579,22 @@ def test_attention_at_once_of_operands_varying_over_different_axes():
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     for got, t in zip(grads, (q3, k3, v3)):
         torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_keeps_the_errors_of_each_instance():
+    """A mask beside ``is_causal``: torch refuses it for 4-d operands and a 3-d mask (its math
+    form runs, per instance, as on a real rank), so the simulated call refuses it too, although
+    one call on the instances' operands flattened together would pick a kernel that takes it."""
+    mesh = ns.make_mesh((2,), ("dp",))
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(4, 2, 6, 8, generator=gen) for _ in range(3))
+    mask = torch.rand(2, 6, 6, generator=gen) > 0.3
+
+    def attend(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
+
+    with pytest.raises(RuntimeError, match="attn_mask should not be set"):
+        attend(q[:2], k[:2], v[:2], mask)  # each instance's own call
+    f = ns.spmd_map(attend, mesh=mesh, in_specs=(P("dp"),) * 3 + (P(),), out_specs=P("dp"))
+    with pytest.raises(ns.SpmdError, match="attn_mask should not be set"):
+        f(q, k, v, mask)

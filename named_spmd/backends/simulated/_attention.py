@@ -14,8 +14,9 @@ attention raises torch's error, as it does outside the mesh and on a real one.
 Where that does not apply it returns None and the call's marker runs the math form under vmap:
 a transform or forward-mode AD in play (a grad inside the function needs per-instance
 derivatives; flash has no forward-mode rule), a ``CommMode`` recording (its recorder reads
-implicit pvarys off the levels), dropout, grouped heads, or operands whose batch dims differ
-or that do not fit.
+implicit pvarys off the levels), dropout, grouped heads, operands of other than 4 dims or a mask
+of other than 2 or 4 (torch would pick another kernel, with other errors, per instance), or
+operands whose batch dims differ or that do not fit.
 """
 
 from __future__ import annotations
@@ -69,7 +70,12 @@ def at_once(
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         return None
     d = q.dim()
-    if d < 3 or k.dim() != d or v.dim() != d or not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+    # torch picks the kernel by the operands' ranks: the per-instance call's pick (and its
+    # errors, such as a mask beside ``is_causal``) is the flattened call's only for 4-d operands
+    # and a mask of 2 or 4 dims
+    if attn_mask is not None and not (isinstance(attn_mask, Tensor) and attn_mask.dim() in (2, 4)):
+        return None
+    if d != 4 or k.dim() != d or v.dim() != d or not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
         return None
     if (
         q.shape[-1] != k.shape[-1]
