@@ -784,3 +784,31 @@ def test_inductor_runs_an_inductor_graph_pass_on_the_post_grad_graph():
     x = torch.randn(4)
     assert torch.allclose(f(x), torch.tanh(x) * 2)
     assert seen and torch.ops.aten.tanh.default in seen[0]
+
+
+def test_saved_tensor_names_keeps_no_custom_function_alive():
+    """A custom Function defined in a call's body: its node class's names are answered
+    without a cache that would keep the class (and what it holds) alive."""
+    import gc
+    import weakref
+
+    from named_spmd._torch_private import autograd
+
+    def made() -> weakref.ref:
+        class Twice(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * 2
+
+        y = Twice.apply(torch.ones(2, requires_grad=True))
+        assert autograd._saved_tensor_names(type(y.grad_fn)) == ("saved_tensors",)
+        return weakref.ref(Twice)
+
+    ref = made()
+    gc.collect()
+    assert ref() is None
