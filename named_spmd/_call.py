@@ -223,11 +223,14 @@ class Call:
         stale = torch_private.stale_saved(outs, nodes)
         if stale is None:
             return
-        written = next(i for i, v, n in zip(at, versions, now) if v != n)
-        path = path_text(list(self.in_tree.paths())[written])
+        # every input written: autograd's error does not tell which one's save it refused
+        paths = list(self.in_tree.paths())
+        written = [path_text(paths[i]) for i, v, n in zip(at, versions, now) if v != n]
+        which = "argument " if len(written) == 1 else "one of arguments "
         raise error_class(RuntimeError)(
-            f"{self.mapped.where}: the function wrote in place into an input (argument "
-            f"{path}), or a view of it, after an op saved it for the backward pass:\n"
+            f"{self.mapped.where}: the function wrote in place into an input ({which}"
+            f"{', '.join(written)}), or a view of it, after an op saved it for the backward "
+            "pass:\n"
             f"  RuntimeError: {stale}\nThe backward pass would fail at that op "
             "(on a real mesh on the ranks that wrote only, while the others waited for them). "
             "Fix: write before the first use, into a copy (w = w.clone() first), or compute out "

@@ -512,8 +512,7 @@ def test_check_raises_the_calls_error_for_an_input_written_after_an_op_saved_it(
     size, spec, per_instance, argument, backward
 ):
     """An input written in place after an op saved it (``Call.check_writes``): check() raises
-    the call's SpmdError in its forward run, with or without its backward pass (a replicated
-    input's implicit cast to varying shares the input's memory there, as on a real mesh)."""
+    the call's SpmdError in its forward run, with or without its backward pass."""
     f = ns.spmd_map(
         _written_after_use, mesh=ns.make_mesh((size,), ("dp",)), in_specs=spec, out_specs=P()
     )
@@ -524,6 +523,44 @@ def test_check_raises_the_calls_error_for_an_input_written_after_an_op_saved_it(
     assert checked == called
     if not per_instance:  # (per instance, a replicated input's block: every instance writes it)
         assert "wrote in place into an input (argument [0])" in called[1], called
+
+
+def _pvary_then_write(x, v):
+    y = ns.pvary(x, "dp")  # (dense: y = x.view_as(x), which sees the write)
+    x.add_(1)
+    return y * v
+
+
+def _group_norm_then_write(x, w):
+    y = F.group_norm(x.reshape(2, 3, 1), 1, w).reshape(2, 3)  # vmap's rule saves no w here
+    w.add_(1)
+    return y
+
+
+@pytest.mark.parametrize(
+    "fn, specs, out_spec",
+    [
+        (_pvary_then_write, (P(), P("dp")), P("dp")),
+        (_group_norm_then_write, (P("dp"), P()), P("dp")),
+    ],
+    ids=["pvary", "group_norm"],
+)
+def test_check_takes_a_write_into_an_input_after_its_cast_as_the_call_does(fn, specs, out_spec):
+    """An input written in place after its cast to varying (explicit, or implicit in an op):
+    check() runs where the call runs (its casts are memory of their own, no custom Function's
+    view of the input, which autograd refuses once the input is written)."""
+    f = ns.spmd_map(fn, mesh=ns.make_mesh((2,), ("dp",)), in_specs=specs, out_specs=out_spec)
+    leaf = torch.ones(3, requires_grad=True)
+    other = torch.arange(12.0).reshape(4, 3)
+    args = (leaf * 1, other) if fn is _pvary_then_write else (other, leaf * 1)
+    out = f(*args)
+    out.sum().backward()
+    if fn is _pvary_then_write:  # y sees the write: (x + 1) * v, and x's gradient is v's sum
+        torch.testing.assert_close(out, 2 * other)
+        torch.testing.assert_close(leaf.grad, other.sum(0))
+    args = (leaf * 1, other) if fn is _pvary_then_write else (other, leaf * 1)
+    report = f.check(*args)
+    assert [tuple(o.global_shape) for o in report.outputs] == [tuple(out.shape)]
 
 
 def _normalized(x, w, mean, var):

@@ -443,6 +443,24 @@ def test_an_input_written_after_an_op_saved_it_is_the_calls_error():
     torch.testing.assert_close(w.grad, x.reshape(4, 2).sum(0) * torch.cos(torch.full((2,), 2.0)))
 
 
+def test_inputs_written_before_and_after_a_save_are_named_alike():
+    """Two inputs written, one harmlessly before any use, the other after ``b * w`` saved it:
+    autograd's error does not tell whose save it refused, so the call's SpmdError names both
+    written arguments, not the first written one alone."""
+    w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+
+    def both(a, b):
+        a.add_(0)
+        y = b * w
+        b.add_(1)
+        return ns.psum(y + a, "i")
+
+    f = ns.spmd_map(both, mesh=MESH, in_specs=(P("i"), P("i")), out_specs=P())
+    x = torch.arange(8.0, dtype=torch.float64)
+    with pytest.raises(ns.SpmdError, match=r"into an input \(one of arguments \[0\], \[1\]\)"):
+        f(x.clone(), x.clone())
+
+
 def test_an_input_requiring_no_grad_written_after_an_op_saved_it_is_the_calls_error():
     """``x * w`` saves ``w`` (which requires no grad) for ``x``'s gradient: written after, the
     call's SpmdError, where the backward pass would fail (on a real mesh on the writing ranks

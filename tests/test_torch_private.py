@@ -784,3 +784,89 @@ def test_inductor_runs_an_inductor_graph_pass_on_the_post_grad_graph():
     x = torch.randn(4)
     assert torch.allclose(f(x), torch.tanh(x) * 2)
     assert seen and torch.ops.aten.tanh.default in seen[0]
+
+
+def test_dispatch_modes_active_sees_a_dispatch_mode():
+    """``dispatch_modes_active``: torch's dispatch mode stack is non-empty exactly inside a
+    dispatch mode (``torch._C._len_torch_dispatch_stack``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert not torch_private.dispatch_modes_active()
+    with Passing():
+        assert torch_private.dispatch_modes_active()
+    assert not torch_private.dispatch_modes_active()
+
+
+def test_a_generated_nodes_saved_tensors_are_its_raw_saved_twins_and_tell_a_write():
+    """The write check's names: a generated node's ``_saved_<name>`` with a
+    ``_raw_saved_<name>`` twin (its saved tensors, not its ints), and autograd's error on
+    unpacking one written since is one ``_STALE`` matches; ``stale_saved`` returns it."""
+    from named_spmd._torch_private import autograd
+
+    a, b = (torch.ones(3, requires_grad=True) * 1 for _ in range(2))
+    y = a * b
+    assert set(autograd._saved_tensor_names(type(y.grad_fn))) == {"_saved_self", "_saved_other"}
+    z = a.sum(0, keepdim=True)  # saves only sizes and ints: nothing a write makes stale
+    assert autograd._saved_tensor_names(type(z.grad_fn)) == ()
+    assert autograd.stale_saved([y, z], []) is None
+    with torch.no_grad():
+        b.add_(1)
+    with pytest.raises(RuntimeError) as raised:
+        y.grad_fn._saved_other
+    assert autograd.is_stale(raised.value)
+    assert autograd.is_stale(autograd.stale_saved([y], []))
+
+
+def test_a_custom_functions_view_written_through_its_base_is_stale():
+    """A custom Function's view output whose base is written: autograd's error is the second
+    form ``_STALE`` matches (an identity such as CommMode's tag returns such a view)."""
+    from named_spmd._torch_private import autograd
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    x = torch.ones(3, requires_grad=True) * 1
+    y = Identity.apply(x)
+    x.add_(1)
+    with pytest.raises(RuntimeError) as raised:
+        y * 2
+    assert autograd.is_stale(raised.value)
+    assert not autograd.is_stale(RuntimeError("an unrelated error"))
+
+
+def test_saved_tensor_names_keeps_no_custom_function_alive():
+    """A custom Function defined in a call's body: its node class's names are answered
+    without a cache that would keep the class (and what it holds) alive."""
+    import gc
+    import weakref
+
+    from named_spmd._torch_private import autograd
+
+    def made() -> weakref.ref:
+        class Twice(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * 2
+
+        y = Twice.apply(torch.ones(2, requires_grad=True))
+        assert autograd._saved_tensor_names(type(y.grad_fn)) == ("saved_tensors",)
+        return weakref.ref(Twice)
+
+    ref = made()
+    gc.collect()
+    assert ref() is None

@@ -259,14 +259,20 @@ def stale_saved(roots: list[torch.Tensor], starts: list) -> RuntimeError | None:
     return None
 
 
-@functools.lru_cache(maxsize=4096)
 def _saved_tensor_names(cls: type) -> tuple[str, ...]:
     """The attributes of a node of class ``cls`` that unpack a saved tensor (or a list of
-    them): a Function's ``saved_tensors``; else each ``_saved_<name>`` that has a
-    ``_raw_saved_<name>`` twin, which autograd's generated nodes give tensors alone (their
-    saved ints and sizes cannot be stale). Per class: ``dir`` costs as much as the unpacking."""
-    if issubclass(cls, torch.autograd.function.BackwardCFunction):
-        return ("saved_tensors",)
+    them): a Function's ``saved_tensors`` (answered before the cache, which would keep a
+    Function defined in a call's body alive); else :func:`_generated_saved_names`."""
+    function = issubclass(cls, torch.autograd.function.BackwardCFunction)
+    return ("saved_tensors",) if function else _generated_saved_names(cls)
+
+
+@functools.lru_cache(maxsize=4096)
+def _generated_saved_names(cls: type) -> tuple[str, ...]:
+    """Each ``_saved_<name>`` of an autograd generated node class ``cls`` that has a
+    ``_raw_saved_<name>`` twin, which those nodes give tensors alone (their saved ints and
+    sizes cannot be stale). Per class (they live as long as torch): ``dir`` costs as much as
+    the unpacking."""
     raw = "_raw_saved_"
     names = (n.replace(raw, "_saved_", 1) for n in dir(cls) if n.startswith(raw))
     return tuple(n for n in names if hasattr(cls, n))

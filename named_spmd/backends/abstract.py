@@ -32,7 +32,6 @@ from .._autodiff import apply as bridge_apply
 from .._autodiff import differentiable
 from .._capabilities import Capabilities
 from .._check import CheckReport, OutputCheck, ShapeDtype
-from .._collectives._record import PVARY_RECORD
 from .._errors import SpmdError, user_line
 from .._layout import global_shape, is_even, local_shape
 from .._mesh import Mesh
@@ -77,8 +76,6 @@ class AbstractContext(TrackedContext):
             return self.forward(rec, x, axes, params)
 
     def forward(self, rec, x, axes, params):
-        if rec is PVARY_RECORD:  # the operand's memory, as on a real mesh: a write into the
-            return x.view_as(x)  # operand after an op saved the cast is seen (check_writes)
         return _empty(rec.shape(tuple(x.shape), self.mesh.axis_size(axes), params), x.dtype)
 
     # The primitives, for the transposes that use them directly: shapes only.
