@@ -28,7 +28,7 @@ from . import _dist_uneven_primitives as primitives  # (which calls meet: a cycl
 _DIMS = 16  # the dims of an operand's shape in a row (more: its shape is not compared)
 # A row's integers after its step: the widest payload, the outputs' first row (``_dist_uneven``:
 # four slots of a block's rank, dtype, type and 16 dims, after four integers).
-PAYLOAD = 4 + 4 * (3 + 16)
+PAYLOAD = 4 + 4 * (4 + 16)
 _END = 0  # a row's step: the end of the call (else its collective's :func:`_code`)
 
 
