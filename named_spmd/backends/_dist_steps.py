@@ -76,8 +76,9 @@ def meet(ctx: Any, name: str | None, axes: tuple[str, ...], payload: list[int]) 
     comm = mesh.comm(mesh.axis_names)
     mine = [_code(name), _axes_code(mesh.axis_names, axes), *payload]
     mine += [0] * (2 + PAYLOAD - len(mine))
+    step = "the end of the call" if name is None else f"before {name} over {axes}"
     while True:
-        rows = primitives.exchange(comm, mine)
+        rows = primitives.exchange(comm, mine, "the meeting", f"the meeting ({step})")
         steps = [(r[0], r[1]) for r in rows]
         ready = _ready(mesh, steps)
         if comm.index in ready:

@@ -70,13 +70,16 @@ def pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim)
 
 
-def exchange(comm, values: list[int]) -> list[list[int]]:
+def exchange(
+    comm, values: list[int], name: str = "block sizes", doing: str | None = None
+) -> list[list[int]]:
     """Every member's ``values`` (one length on every member), in member order: one
     ``all_to_all`` of a copy for each member, not an all_gather (gloo's passes the rows round
     the ring, n - 1 transfers one after the other; its all_to_all posts them all at once: on 4
-    gloo processes about half the wall time for a row of integers)."""
+    gloo processes about half the wall time for a row of integers). ``name``, ``doing``: what
+    it is (the same on every member) and this member's step, for its errors."""
     mine = torch.tensor(values, dtype=torch.int64, device=comm.mesh.device)
-    return comm.all_to_all(mine.expand(comm.n, -1), "block sizes").tolist()
+    return comm.all_to_all(mine.expand(comm.n, -1), name, doing).tolist()
 
 
 def _own_sizes(rec, params: tuple) -> bool:
