@@ -13,9 +13,12 @@ is ``_dist_io`` otherwise.
   local block (DTensor splits as torch.chunk does), its gradient a DTensor of its global shape.
 * Outputs: one exchange per call (:func:`agree`; one all-reduce of a flag where every rank's
   row is the one of the signature's last call) of every rank's output tree, out_specs error
-  and every output's block rank, dtype and shape (a few integers, in rows of one width: ranks
-  may return other trees or blocks of other ranks, or fail the out_specs check alone, which
-  every rank then tells alike), then a ``DTensor`` of the global
+  and every output's block rank, dtype, type axes, whether it requires grad, and shape (a few
+  integers, in rows of one width: ranks may return other trees or blocks of other ranks, or
+  fail the out_specs check alone, which every rank then tells alike). After a read of a
+  varying value that exchange is the end-of-call meeting (``_dist_steps.meet``, the ranks
+  may have branched apart): an output requiring grad whose type differs between ranks is
+  refused there on every rank. Then a ``DTensor`` of the global
   shape where DTensor can hold the blocks (torch.chunk's, each split dim over one axis), else
   the global value as a plain tensor on every rank (one padded all_gather), as the simulated
   mesh returns it.
@@ -52,9 +55,13 @@ from .._spec import PartitionSpec
 from . import _dist_io as io
 from ._dist_agree import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
-from ._dist_steps import PAYLOAD, meet
+from ._dist_steps import HEAD as _HEAD
+from ._dist_steps import KIND as _KIND
+from ._dist_steps import SLOTS as _SLOTS
+from ._dist_steps import WIDTH as _WIDTH
+from ._dist_steps import exchange, meet
 from ._dist_uneven_first import as_first, differing, differs, first_coords, where_apart
-from ._dist_uneven_primitives import all_true, exchange, pad
+from ._dist_uneven_primitives import all_true, pad
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -215,11 +222,6 @@ def outputs(ctx, outs: list[torch.Tensor], call: Call, layouts: list[tuple]) -> 
 
 
 _KEPT = 64  # the output layouts a mesh keeps (a repeated call finds its own)
-_SLOTS = 4  # the outputs in one exchange's rows (more: a wider exchange)
-_WIDTH = 16  # the dims of a block's shape in its slot of a row (more: a wider exchange)
-_HEAD = 4  # a row's integers before its slots: the output tree (2), the out_specs error (2)
-_KIND = 4  # a slot's integers before its block's dims: rank, dtype, axes it differs over, grad
-assert _HEAD + _SLOTS * (_KIND + _WIDTH) == PAYLOAD  # (the rows the ranks meet with at the end)
 # The classes of an out_specs error that a rank tells the others (another: an SpmdError).
 _KINDS: tuple[type[SpmdError], ...] = (SpmdError, SpecError, VmaError)
 
