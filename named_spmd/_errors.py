@@ -366,3 +366,18 @@ def invariant_differs(
         f"{tuple(axes)!r})) and reduce it with a collective, or take every block's size "
         "from ns.block_sizes (alike on every instance); or name the axes in the out_spec."
     )
+
+
+def types_apart_in_grad(label: str, where: str, types: str) -> SpmdError:
+    """The error of an output that requires grad whose type differs between the ranks of a real
+    mesh (``types``: each type and its instances), which took other branches after reading a
+    value: their backward passes would run other collectives and wait on each other."""
+    return SpmdError(
+        f"spmd_map of {label}: {where} requires grad, but its type differs between the "
+        f"instances ({types}): they took other branches after reading a value that differs "
+        "between them, and on a real mesh their backward passes would run other collectives "
+        "(each waiting on the others). Fix: make the branches' results the same type on every "
+        "instance (ns.pvary the invariant one over the axes), compute the branch's condition "
+        "from an invariant value (ns.psum / ns.pmax of it), or run the call under "
+        "torch.no_grad()."
+    )

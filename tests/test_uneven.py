@@ -848,6 +848,7 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     cases = uneven_dist.CASES + uneven_dist.ERRORS + uneven_dist.REFUSED + uneven_dist.COUNTED
     cases += uneven_dist.REPLAYED + uneven_dist.ROWS + uneven_dist.OWN_PROGRAMS + uneven_dist.ALONE
     cases += uneven_dist.UNDIFFERENTIABLE + uneven_dist.PLANS_APART + uneven_dist.TYPES_APART
+    cases += uneven_dist.TYPES_APART_GRAD
     cases = [c.name for c in cases]
     assert sorted((r["case"], r["rank"]) for r in rows) == sorted(
         (c, rank) for c in cases for rank in range(4)

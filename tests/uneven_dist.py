@@ -1313,7 +1313,7 @@ def _varying_where_positive(v):
 
 # check_vma=False, ranks that branch on values return outputs of other types (varying on some,
 # invariant on others) under P(): coordinate 0's value on every rank, by one broadcast that
-# every rank joins (values only: the ranks' backward passes would run other collectives).
+# every rank joins (values only: where the output requires grad, TYPES_APART_GRAD's error).
 TYPES_APART = [
     Case(  # coordinate 0's output varying, two others' invariant
         "varying_at_coordinate_0_invariant_elsewhere",
@@ -1335,6 +1335,31 @@ TYPES_APART = [
         P(),
         lambda: (torch.tensor((-2.0, -2.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0), dtype=F64),),
         lambda x: x.reshape(4, 2).sum(0),
+        check_vma=False,
+    ),
+]
+
+
+def _types_apart_by_branch(v):
+    y = ns.psum(v.sum(), "x")
+    return y * 2 if v.sum() > 0 else v.sum() + y  # (invariant on some ranks, varying elsewhere)
+
+
+# An output that requires grad whose type differs between ranks (they branched on a value): its
+# backward passes would run other collectives on the ranks (each waiting on the others), so the
+# call raises on every rank before it returns (check_refused: every rank, then the next call).
+TYPES_APART_GRAD = [
+    Case(
+        "types_apart_requiring_grad",
+        (4,),
+        ("x",),
+        _types_apart_by_branch,
+        P("x"),
+        P(),
+        lambda: (torch.tensor((1.0, 1.0, -1.0, -2.0, 1.0, 1.0, -1.0, -1.0), dtype=F64),),
+        None,
+        switch=False,
+        kinds=("SpmdError: ", "requires grad", "invariant at (x=0), (x=2)", "ns.pvary"),
         check_vma=False,
     ),
 ]
@@ -1812,6 +1837,7 @@ def main() -> None:
     checkers += ((check_own_program, OWN_PROGRAMS), (check_plans_apart, PLANS_APART))
     checkers += ((check_calls, COUNTED), (check_replayed, REPLAYED), (check_rows, ROWS))
     checkers += ((check_undifferentiable, UNDIFFERENTIABLE), (check_types_apart, TYPES_APART))
+    checkers += ((check_refused, TYPES_APART_GRAD),)
     checkers += ((check_alone, ALONE),)  # (last: the mesh is out of step after)
     for checker, cases in checkers:
         for case in cases:

@@ -287,11 +287,14 @@ class Comm:
         self._issue(name, lambda: self._scatter(into, wire, opts))
         return back(into)[0]
 
-    def all_to_all(self, stacked: torch.Tensor, name: str = "all_to_all") -> torch.Tensor:
+    def all_to_all(
+        self, stacked: torch.Tensor, name: str = "all_to_all", doing: str | None = None
+    ) -> torch.Tensor:
         """Send chunk ``j`` of ``stacked`` ([n, *chunk]) to member ``j``; returns the received
-        chunks ``[n_src, *chunk]`` in source tuple order."""
+        chunks ``[n_src, *chunk]`` in source tuple order. ``doing``: what a failure names in
+        place of ``name`` (this rank's own, where debug mode compares ``name``)."""
         self._before(name, stacked)
-        return on_wire(stacked, lambda t: self._all_to_all(t, name))
+        return on_wire(stacked, lambda t: self._all_to_all(t, doing or name))
 
     def _all_to_all(self, stacked: torch.Tensor, name: str) -> torch.Tensor:
         if self._from_group is not None:

@@ -23,12 +23,14 @@ import torch
 from .._collectives._record import RECORDS
 from .._errors import SpmdError, collectives_apart, collectives_differ
 from .._layout import coords_of, coords_text, groups
-from . import _dist_uneven_primitives as primitives  # (which calls meet: a cycle)
 
 _DIMS = 16  # the dims of an operand's shape in a row (more: its shape is not compared)
-# A row's integers after its step: the widest payload, the outputs' first row (``_dist_uneven``:
-# four slots of a block's rank, dtype, type and 16 dims, after four integers).
-PAYLOAD = 4 + 4 * (3 + 16)
+# The outputs' first row, met with at the end (``_dist_uneven._every_block``): HEAD integers
+# (the output tree, the out_specs error), then SLOTS slots (the outputs; more: a wider exchange)
+# of KIND integers (a block's rank, dtype, the axes its type differs over, whether it requires
+# grad) and WIDTH dims (more: a wider exchange).
+HEAD, SLOTS, KIND, WIDTH = 4, 4, 4, 16
+PAYLOAD = HEAD + SLOTS * (KIND + WIDTH)  # a row's integers after its step: the widest payload
 _END = 0  # a row's step: the end of the call (else its collective's :func:`_code`)
 
 
@@ -76,14 +78,27 @@ def meet(ctx: Any, name: str | None, axes: tuple[str, ...], payload: list[int]) 
     comm = mesh.comm(mesh.axis_names)
     mine = [_code(name), _axes_code(mesh.axis_names, axes), *payload]
     mine += [0] * (2 + PAYLOAD - len(mine))
+    step = "the end of the call" if name is None else f"before {name} over {axes}"
     while True:
-        rows = primitives.exchange(comm, mine)
+        rows = exchange(comm, mine, "the meeting", f"the meeting ({step})")
         steps = [(r[0], r[1]) for r in rows]
         ready = _ready(mesh, steps)
         if comm.index in ready:
             return [r[2:] for r in rows]
         if not ready:
             raise ctx.alike(_apart(ctx, steps))
+
+
+def exchange(
+    comm, values: list[int], name: str = "block sizes", doing: str | None = None
+) -> list[list[int]]:
+    """Every member's ``values`` (one length on every member), in member order: one
+    ``all_to_all`` of a copy for each member, not an all_gather (gloo's passes the rows round
+    the ring, n - 1 transfers one after the other; its all_to_all posts them all at once: on 4
+    gloo processes about half the wall time for a row of integers). ``name``, ``doing``: what
+    it is (the same on every member) and this member's step, for its errors."""
+    mine = torch.tensor(values, dtype=torch.int64, device=comm.mesh.device)
+    return comm.all_to_all(mine.expand(comm.n, -1), name, doing).tolist()
 
 
 def _ready(mesh: Any, steps: list[tuple[int, int]]) -> set[int]:

@@ -13,9 +13,12 @@ is ``_dist_io`` otherwise.
   local block (DTensor splits as torch.chunk does), its gradient a DTensor of its global shape.
 * Outputs: one exchange per call (:func:`agree`; one all-reduce of a flag where every rank's
   row is the one of the signature's last call) of every rank's output tree, out_specs error
-  and every output's block rank, dtype and shape (a few integers, in rows of one width: ranks
-  may return other trees or blocks of other ranks, or fail the out_specs check alone, which
-  every rank then tells alike), then a ``DTensor`` of the global
+  and every output's block rank, dtype, type axes, whether it requires grad, and shape (a few
+  integers, in rows of one width: ranks may return other trees or blocks of other ranks, or
+  fail the out_specs check alone, which every rank then tells alike). After a read of a
+  varying value that exchange is the end-of-call meeting (``_dist_steps.meet``, the ranks
+  may have branched apart): an output requiring grad whose type differs between ranks is
+  refused there on every rank. Then a ``DTensor`` of the global
   shape where DTensor can hold the blocks (torch.chunk's, each split dim over one axis), else
   the global value as a plain tensor on every rank (one padded all_gather), as the simulated
   mesh returns it.
@@ -33,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as torch_private
 from .._accounting import active
 from .._autodiff import differentiable
-from .._errors import SpecError, SpmdError, VmaError, invariant_differs
+from .._errors import SpecError, SpmdError, VmaError, invariant_differs, types_apart_in_grad
 from .._layout import (
     block,
     chunk_sizes,
@@ -52,9 +55,13 @@ from .._spec import PartitionSpec
 from . import _dist_io as io
 from ._dist_agree import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
-from ._dist_steps import PAYLOAD, meet
+from ._dist_steps import HEAD as _HEAD
+from ._dist_steps import KIND as _KIND
+from ._dist_steps import SLOTS as _SLOTS
+from ._dist_steps import WIDTH as _WIDTH
+from ._dist_steps import exchange, meet
 from ._dist_uneven_first import as_first, differing, differs, first_coords, where_apart
-from ._dist_uneven_primitives import all_true, exchange, pad
+from ._dist_uneven_primitives import all_true, pad
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -173,7 +180,7 @@ def agree(ctx, outs: list[torch.Tensor], call: Call) -> list[tuple]:
     failed = call.out_error
     told = (0, 0) if failed is None else (_KINDS.index(_kind(failed)) + 1, len(_text(failed)))
     structure = (0, 0) if failed is not None else call.structure()
-    ys = [(y, differs(ctx, y)) for y in outs]
+    ys = [(y, differs(ctx, y), differentiable(y)) for y in outs]
     if ctx.values_read:  # the ranks may have branched: all meet at the end first, with their rows
         row = list(_row(structure, told, ys, _SLOTS, _WIDTH))
         met = tuple(map(tuple, meet(ctx, None, mesh.axis_names, row)))
@@ -215,11 +222,6 @@ def outputs(ctx, outs: list[torch.Tensor], call: Call, layouts: list[tuple]) -> 
 
 
 _KEPT = 64  # the output layouts a mesh keeps (a repeated call finds its own)
-_SLOTS = 4  # the outputs in one exchange's rows (more: a wider exchange)
-_WIDTH = 16  # the dims of a block's shape in its slot of a row (more: a wider exchange)
-_HEAD = 4  # a row's integers before its slots: the output tree (2), the out_specs error (2)
-_KIND = 3  # a slot's integers before its block's dims: rank, dtype, the axes it differs over
-assert _HEAD + _SLOTS * (_KIND + _WIDTH) == PAYLOAD  # (the rows the ranks meet with at the end)
 # The classes of an out_specs error that a rank tells the others (another: an SpmdError).
 _KINDS: tuple[type[SpmdError], ...] = (SpmdError, SpecError, VmaError)
 
@@ -284,8 +286,8 @@ def _row(
 ) -> tuple[int, ...]:
     """This rank's row of :func:`_every_block` in ``slots`` slots of ``width`` dims."""
     mine = [*structure, *told]
-    for y, apart in ys[:slots]:
-        mine += [y.dim(), dtype_code(y.dtype), apart, *y.shape[:width]]
+    for y, apart, grad in ys[:slots]:
+        mine += [y.dim(), dtype_code(y.dtype), apart, int(grad), *y.shape[:width]]
         mine += [0] * (width - y.dim())
     mine += [0] * (_slot(slots, width) - len(mine))
     return tuple(mine)
@@ -297,8 +299,8 @@ def _every_block(
     """Every rank's row, row-major over the mesh: its output tree's ``structure``
     (``Call.structure``), its out_specs error ``told`` (its class in :data:`_KINDS` from 1, the
     length of its message; zeros: none), then a slot per output block ``ys`` (the first
-    ``slots``): the block's rank, dtype, the axes its type differs over (``differs``) and shape
-    in ``width`` dims, zeros after and in unused slots, so that no row's length depends on what
+    ``slots``): the block's rank, dtype, the axes its type differs over (``differs``), whether
+    it requires grad (``differentiable``) and its shape in ``width`` dims, zeros after and in unused slots, so that no row's length depends on what
     the rank returned (gloo gathers one length; every rank then tells a difference alike). One
     exchange; another of wider rows where every rank returned the same tree, of more than
     :data:`_SLOTS` outputs or blocks of more than :data:`_WIDTH` dims. Returns the rows and
@@ -321,7 +323,7 @@ def _every_block(
 
 def _slot(j: int, width: int) -> int:
     """Where output ``j``'s slot starts in a row of :func:`_every_block` (after its
-    :data:`_HEAD`; each slot: rank, dtype, ``width`` dims)."""
+    :data:`_HEAD`; each slot: :data:`_KIND` integers, then ``width`` dims)."""
     return _HEAD + j * (_KIND + width)
 
 
@@ -369,7 +371,33 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
         for row in rows:
             differ |= row[_slot(j, width) + 2]
         layouts.append((per_dim, mine, apart, differ))
+    _refuse_grad_of_types_apart(ctx, rows, width, wheres)
     return layouts
+
+
+def _refuse_grad_of_types_apart(ctx, rows, width: int, wheres) -> None:
+    """The error, on every rank alike, of an output that requires grad on some rank and whose
+    type (the axes it differs over) differs between ranks: the ranks branched apart after a
+    read, and their backward passes would run other collectives, each rank waiting on others."""
+    mesh = ctx.mesh
+    for j, where in enumerate(wheres):
+        at = _slot(j, width)
+        types: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            types.setdefault(row[at + 2], []).append(i)
+        if len(types) < 2 or not any(row[at + 3] for row in rows):
+            continue
+        text = "; ".join(
+            f"{_type_text(mesh.axis_names, bits)} at "
+            + ", ".join(f"({coords_text(coords_of(i, mesh.axis_names, mesh._shape))})" for i in ins)
+            for bits, ins in types.items()
+        )
+        raise ctx.alike(types_apart_in_grad(ctx.fn_label, where, text))
+
+
+def _type_text(names: tuple[str, ...], bits: int) -> str:
+    axes = tuple(a for k, a in enumerate(names) if bits >> k & 1)
+    return f"varying or unreduced over {axes}" if axes else "invariant"
 
 
 def _kinds_and_shapes(

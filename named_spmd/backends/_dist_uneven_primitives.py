@@ -21,6 +21,7 @@ from .._collectives._record import DROP_INVARIANT
 from .._errors import SpmdError, operand_shapes_differ
 from .._layout import chunk_sizes, groups, index_of
 from . import _dist_steps
+from ._dist_steps import exchange
 
 Sizes = tuple[int, ...]
 
@@ -68,15 +69,6 @@ def pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = short
     return torch.cat([x, x.new_zeros(shape)], dim)
-
-
-def exchange(comm, values: list[int]) -> list[list[int]]:
-    """Every member's ``values`` (one length on every member), in member order: one
-    ``all_to_all`` of a copy for each member, not an all_gather (gloo's passes the rows round
-    the ring, n - 1 transfers one after the other; its all_to_all posts them all at once: on 4
-    gloo processes about half the wall time for a row of integers)."""
-    mine = torch.tensor(values, dtype=torch.int64, device=comm.mesh.device)
-    return comm.all_to_all(mine.expand(comm.n, -1), "block sizes").tolist()
 
 
 def _own_sizes(rec, params: tuple) -> bool:

@@ -61,7 +61,8 @@ from ._dist_mesh import (
     make_distributed_mesh,
     mesh_from_device_mesh,
 )
-from ._dist_uneven_primitives import OperandShapes, UnevenPrimitives, exchange, remember
+from ._dist_steps import exchange
+from ._dist_uneven_primitives import OperandShapes, UnevenPrimitives, remember
 
 if TYPE_CHECKING:
     from .._call import Call
