@@ -394,9 +394,9 @@ def collective_results_written(x):
 
 def _collective_results_written(mesh, world) -> dict:
     """``collective_results_written``: the values and gradients of the simulated mesh (a real
-    mesh's results of collectives are views of their receive buffers, which autograd refused
-    to write into as a custom Function's views; test_per_instance.py checks the simulated
-    executions)."""
+    mesh's results of collectives are views of their receive buffers, which autograd refuses
+    to write into as a custom Function's views: each is handed back as memory of its own;
+    test_per_instance.py checks the simulated executions)."""
     from named_spmd.backends.distributed import to_local
 
     specs = dict(in_specs=P(("dp", "tp")), out_specs=(P(("dp", "tp")),) * 2 + (P(),))

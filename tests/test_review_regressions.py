@@ -631,7 +631,7 @@ def test_the_write_check_reruns_no_checkpointed_region():
 def _written_between_uses(x, w, s):
     h = x * s  # s meets a varying value: an implicit cast to varying, cached for the call
     s.add_(1)
-    return h + x * w * s  # the cast again: the first, a view of s, autograd refuses now
+    return h + x * w * s  # the cast again: the first, a view of s, autograd refuses after the write
 
 
 @pytest.mark.parametrize("recorded", [False, True], ids=["plain", "CommMode"])

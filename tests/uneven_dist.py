@@ -610,6 +610,19 @@ def _psum_or_pmax(v):
     return ns.psum(v, "x") if v.sum() > 0 else ns.pmax(v, "x")
 
 
+def _ppermute_by_branch(v, other):  # the pairs by the branch: a ring, or ``other``
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+    return ns.ppermute(v, "x", ring if v.sum() > 0 else other)
+
+
+def _ppermute_ring_or_back(v):
+    return _ppermute_by_branch(v, [(i, (i - 1) % 4) for i in range(4)])
+
+
+def _ppermute_ring_or_in_place(v):  # in place: nothing moves on the ranks of that branch
+    return _ppermute_by_branch(v, [(i, i) for i in range(4)])
+
+
 def _pmax_of_varying_or_invariant(v):  # invariant where the sum is 0: a pmax of nothing there
     return ns.pmax(v if v.sum() > 0 else torch.zeros(2, dtype=v.dtype), "x")
 
@@ -644,6 +657,32 @@ ERRORS = [
         switch=False,
         switch_simulated=True,
         kinds=("SpmdError: ", "called different collectives at one point", "pmax over"),
+    ),
+    Case(  # ppermutes of other pairs after a branch: gloo would pair sizes that differ
+        "ppermutes_of_other_pairs_after_a_branch",
+        (4,),
+        ("x",),
+        _ppermute_ring_or_back,
+        P("x"),
+        P("x"),
+        _branch_x,
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=("SpmdError: ", "called different collectives at one point", "ppermute over"),
+    ),
+    Case(  # ppermutes of other pairs after a branch: gloo would pair sizes that differ
+        "a_ppermute_in_place_after_a_branch",
+        (4,),
+        ("x",),
+        _ppermute_ring_or_in_place,
+        P("x"),
+        P("x"),
+        _branch_x,
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=("SpmdError: ", "called different collectives at one point", "ppermute over"),
     ),
     Case(  # the ranks whose operand is invariant skip the pmax (the identity there)
         "pmax_of_an_operand_invariant_on_some_ranks",

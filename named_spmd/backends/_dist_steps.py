@@ -32,6 +32,7 @@ _DIMS = 16  # the dims of an operand's shape in a row (more: its shape is not co
 HEAD, SLOTS, KIND, WIDTH = 4, 4, 4, 16
 PAYLOAD = HEAD + SLOTS * (KIND + WIDTH)  # a row's integers after its step: the widest payload
 _END = 0  # a row's step: the end of the call (else its collective's :func:`_code`)
+_STEP = 3  # a row's first integers: the step (its collective, axes and parameters)
 
 
 def _code(name: str | None) -> int:
@@ -59,32 +60,50 @@ def _axes_of(names: tuple[str, ...], code: int) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def shapes_met(ctx: Any, name: str, axes: tuple[str, ...], x: torch.Tensor) -> list:
+def params_code(params: Any) -> int:
+    """A collective's parameters (ppermute's pairs, a dim) as one integer, the same in every
+    process: their ``repr`` where they hold only ints, strs, bools and None in tuples, else 0
+    (not compared: a value of another kind may print differently per process)."""
+
+    def plain(p: Any) -> bool:
+        if isinstance(p, (tuple, list)):
+            return all(plain(q) for q in p)
+        return p is None or type(p) in (int, str, bool)
+
+    return zlib.crc32(repr(params).encode()) if plain(params) else 0
+
+
+def shapes_met(ctx: Any, step: tuple, x: torch.Tensor) -> list:
     """Every instance's operand shape (row-major over the mesh; None past :data:`_DIMS` dims),
-    once every member of this rank's group of ``axes`` is about to run the collective ``name``
-    over them (:func:`meet`)."""
+    once every member of this rank's group of the axes is about to run the collective ``step``
+    (its name, axes and, where known, parameters) over them (:func:`meet`)."""
     known = x.dim() <= _DIMS
-    rows = meet(ctx, name, axes, [x.dim(), *x.shape] if known else [-1])
+    name, axes, *params = step
+    shape = [x.dim(), *x.shape] if known else [-1]
+    rows = meet(ctx, name, axes, shape, params_code(tuple(params)) if params else 0)
     return [tuple(r[1 : 1 + r[0]]) if r[0] >= 0 else None for r in rows]
 
 
-def meet(ctx: Any, name: str | None, axes: tuple[str, ...], payload: list[int]) -> list:
+def meet(
+    ctx: Any, name: str | None, axes: tuple[str, ...], payload: list[int], params: int = 0
+) -> list:
     """Every instance's ``payload`` (row-major over the mesh; at most :data:`PAYLOAD` integers,
     zeros after), once every member of this rank's group of ``axes`` is about to run the
-    collective ``name`` over them (``name`` None: every rank is at the end of the call, where
-    the payload is its outputs' row, ``_dist_uneven.agree``: one exchange for both)."""
+    collective ``name`` over them with the same parameters (``params``, :func:`params_code`;
+    ``name`` None: every rank is at the end of the call, where the payload is its outputs' row,
+    ``_dist_uneven.agree``: one exchange for both)."""
     mesh = ctx.mesh
     mesh.finish_pending_check()  # (the start-of-call check's collective comes first)
     comm = mesh.comm(mesh.axis_names)
-    mine = [_code(name), _axes_code(mesh.axis_names, axes), *payload]
-    mine += [0] * (2 + PAYLOAD - len(mine))
+    mine = [_code(name), _axes_code(mesh.axis_names, axes), params, *payload]
+    mine += [0] * (_STEP + PAYLOAD - len(mine))
     step = "the end of the call" if name is None else f"before {name} over {axes}"
     while True:
         rows = exchange(comm, mine, "the meeting", f"the meeting ({step})")
-        steps = [(r[0], r[1]) for r in rows]
+        steps = [tuple(r[:_STEP]) for r in rows]
         ready = _ready(mesh, steps)
         if comm.index in ready:
-            return [r[2:] for r in rows]
+            return [r[_STEP:] for r in rows]
         if not ready:
             raise ctx.alike(_apart(ctx, steps))
 
@@ -101,11 +120,11 @@ def exchange(
     return comm.all_to_all(mine.expand(comm.n, -1), name, doing).tolist()
 
 
-def _ready(mesh: Any, steps: list[tuple[int, int]]) -> set[int]:
+def _ready(mesh: Any, steps: list[tuple]) -> set[int]:
     """The instances whose group's members are all about to take the same step."""
     sizes = tuple(mesh._shape.items())
     ready: set[int] = set()
-    for i, (code, axes) in enumerate(steps):
+    for i, (code, axes, _) in enumerate(steps):
         if i in ready:
             continue
         members = (
@@ -118,7 +137,7 @@ def _ready(mesh: Any, steps: list[tuple[int, int]]) -> set[int]:
     return ready
 
 
-def _apart(ctx: Any, steps: list[tuple[int, int]]) -> SpmdError:
+def _apart(ctx: Any, steps: list[tuple]) -> SpmdError:
     """No instance can take its step: the simulated mesh's error for instances that called
     different collectives."""
     mesh = ctx.mesh
@@ -129,8 +148,11 @@ def _apart(ctx: Any, steps: list[tuple[int, int]]) -> SpmdError:
             f"({coords_text(coords_of(i, mesh.axis_names, mesh._shape))})" for i in instances
         )
 
-    def what(step: tuple[int, int]) -> str:
-        return f"{_name(step[0])} over {_axes_of(mesh.axis_names, step[1])}"
+    def what(step: tuple) -> str:
+        told = f"{_name(step[0])} over {_axes_of(mesh.axis_names, step[1])}"
+        alike = [s for s in steps if s[:2] == step[:2]]
+        # (the parameters themselves stay on their rank: only whether they differ is known)
+        return told + (" with other arguments" if len(set(alike)) > 1 else "")
 
     ended = [i for i, s in enumerate(steps) if s[0] == _END]
     waiting = [i for i, s in enumerate(steps) if s[0] != _END]

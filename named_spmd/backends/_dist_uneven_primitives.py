@@ -149,7 +149,9 @@ class OperandShapes:
         whose operand fails them, raised on every rank alike (``alike``), as the simulated mesh
         raises it (a rank that raised alone would leave the others inside the collective)."""
         mine = tuple(x.shape)
-        step = (rec.name, axes)
+        # the parameters every member gives alike, compared where the ranks meet (ppermute's
+        # pairs; others, such as all_to_all's split sizes, are each member's own)
+        step: tuple = (rec.name, axes, params) if rec.name == "ppermute" else (rec.name, axes)
         if rec.policy is DROP_INVARIANT:  # (the identity over the axes its operand is invariant
             # over: a rank whose operand is invariant over all of them meets no one, as on the
             # simulated mesh; after a branch on values, other ranks' types may differ)
@@ -190,7 +192,7 @@ class OperandShapes:
         if step is not None and self.values_read:
             if not step[1]:
                 return None  # (no communication: nothing to meet on)
-            shapes = _dist_steps.shapes_met(self, step[0], step[1], x)
+            shapes = _dist_steps.shapes_met(self, step, x)
             if over is not None:
                 shapes = [shapes[m] for m in self._my_group(over)]
             return None if None in shapes else shapes
@@ -343,7 +345,7 @@ class UnevenPrimitives(OperandShapes):
             self._seen.append(guess)
             return
         if shapes is _UNKNOWN:
-            shapes = self._every_shape(x, step=("ppermute", axes))
+            shapes = self._every_shape(x, step=("ppermute", axes, pairs))
         self._seen.append(_common(shapes))
         self._same_shapes("ppermute", x, axes, shapes)
 

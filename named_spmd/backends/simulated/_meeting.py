@@ -101,7 +101,8 @@ class Meeting:
         keys = {j: arrived[j][0] for j in range(self.n)}
         if len(set(keys.values())) > 1:
             calls = "; ".join(
-                f"instance {self._where([j])}: {_op(k)}" for j, k in sorted(keys.items())
+                f"instance {self._where([j])}: {_op(k, keys.values())}"
+                for j, k in sorted(keys.items())
             )
             raise collectives_differ(f"spmd_map of {self.label}", calls)
 
@@ -111,8 +112,10 @@ class Meeting:
         )
 
 
-def _op(key: Any) -> str:
-    """The collective of ``key``, as the real mesh names it too (its primitive's parameters
-    are no argument of the user's)."""
-    name, axes, _ = key
-    return f"{name} over {axes}"
+def _op(key: Any, keys: Any = ()) -> str:
+    """The collective of ``key`` as a real mesh names it, whose ranks know of another's
+    parameters only whether they differ: "with other arguments" where one of ``keys`` (every
+    instance's) is the same collective over the same axes with other parameters."""
+    name, axes, params = key
+    other = any(k[:2] == (name, axes) and k[2] != params for k in keys)
+    return f"{name} over {axes}" + (" with other arguments" if other else "")
