@@ -300,12 +300,12 @@ def _every_block(
     (``Call.structure``), its out_specs error ``told`` (its class in :data:`_KINDS` from 1, the
     length of its message; zeros: none), then a slot per output block ``ys`` (the first
     ``slots``): the block's rank, dtype, the axes its type differs over (``differs``), whether
-    it requires grad (``differentiable``) and its shape in ``width`` dims, zeros after and in unused slots, so that no row's length depends on what
-    the rank returned (gloo gathers one length; every rank then tells a difference alike). One
-    exchange; another of wider rows where every rank returned the same tree, of more than
-    :data:`_SLOTS` outputs or blocks of more than :data:`_WIDTH` dims. Returns the rows and
-    their slots' ``width``. ``met``: the first exchange's rows, where the ranks met with them
-    (``_dist_steps.meet``)."""
+    it requires grad (``differentiable``) and its shape in ``width`` dims, zeros after and in
+    unused slots, so that no row's length depends on what the rank returned (gloo gathers one
+    length; every rank then tells a difference alike). One exchange; another of wider rows
+    where every rank returned the same tree, of more than :data:`_SLOTS` outputs or blocks of
+    more than :data:`_WIDTH` dims. Returns the rows and their slots' ``width``. ``met``: the
+    first exchange's rows, where the ranks met with them (``_dist_steps.meet``)."""
     comm, slots, width = mesh.comm(mesh.axis_names), _SLOTS, _WIDTH
     while True:
         mine = list(_row(structure, told, ys, slots, width))

@@ -345,7 +345,7 @@ class UnevenPrimitives(OperandShapes):
             self._seen.append(guess)
             return
         if shapes is _UNKNOWN:
-            shapes = self._every_shape(x, step=("ppermute", axes, pairs))
+            shapes = self._every_shape(x, step=("ppermute", axes, (pairs,)))
         self._seen.append(_common(shapes))
         self._same_shapes("ppermute", x, axes, shapes)
 
