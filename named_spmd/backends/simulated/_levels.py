@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ... import _torch_private as torch_private
+from . import _stacked as stacked
 from ._lowered import _GatherAbove, _lowered, _SumAbove, _VaryAbove
 
 
@@ -58,7 +59,7 @@ class GatherLevel(torch.autograd.Function):
         # Transpose of "stack the group's values": every instance keeps its own slice (of the
         # stacked dim, which sits after the k peeled dims).
         (token,) = ctx.saved_tensors
-        return grad.index_select(ctx.k, token.reshape(1)).squeeze(ctx.k), None, None
+        return stacked.member_slice(grad, ctx.k, token), None, None
 
     @staticmethod
     def jvp(ctx, x_t, _token_t, _k_t):
@@ -70,12 +71,9 @@ class GatherLevel(torch.autograd.Function):
         xd, td, _ = in_dims
         if td is None:
             return _pass_through(GatherLevel, x, xd, token, k)
-        if xd is None:  # invariant here: n identical copies
-            x = x.unsqueeze(0).expand(info.batch_size, *x.shape)
-        else:
-            x = x.movedim(xd, 0)
         # physical [n, k outer-peeled dims, *local] -> unbatched here: [k dims, n, *local]
-        return _not_a_view(x.movedim(0, k)), None
+        x = stacked.copies(x, info.batch_size) if xd is None else x.movedim(xd, 0)
+        return _not_a_view(stacked.gather(x, k)), None
 
 
 class VaryLevel(torch.autograd.Function):
@@ -91,7 +89,7 @@ class VaryLevel(torch.autograd.Function):
     def backward(ctx, grad):
         # Transpose of pvary is psum over the level.
         (token,) = ctx.saved_tensors
-        return GatherLevel.apply(grad, token, ctx.k).sum(ctx.k), None, None
+        return stacked.reduce(GatherLevel.apply(grad, token, ctx.k), "sum", ctx.k), None, None
 
     @staticmethod
     def jvp(ctx, x_t, _token_t, _k_t):
@@ -104,7 +102,7 @@ class VaryLevel(torch.autograd.Function):
             return _pass_through(VaryLevel, x, xd, token, k)
         if xd is not None:  # already varying: nothing to do
             return _not_a_view(x), xd
-        return _not_a_view(x.unsqueeze(0).expand(info.batch_size, *x.shape)), 0
+        return _not_a_view(stacked.copies(x, info.batch_size)), 0
 
 
 def _not_a_view(x: torch.Tensor) -> torch.Tensor:
@@ -177,10 +175,10 @@ def _stacked_at(x: torch.Tensor, n: int, level: int, top: int) -> torch.Tensor |
     if lv == level:  # batched here: its dim is the stack
         bd = torch_private.maybe_get_bdim(t)
         t = torch_private.get_unwrapped(t)
-        stacked = t if bd == 0 else t.movedim(bd, 0)
+        stack = t if bd == 0 else t.movedim(bd, 0)
     else:  # invariant here: n identical copies
-        stacked = t.expand(n, *t.shape)
-    return _rewrap(stacked, peeled, 1)
+        stack = stacked.copies(t, n)
+    return _rewrap(stack, peeled, 1)
 
 
 def gather(
@@ -192,13 +190,13 @@ def gather(
     after them); only the lowering path below sets it."""
     out = _stacked_at(x, n, level, top) if FAST else None
     if out is not None:
-        return out if k == 0 else out.movedim(0, k)
+        return stacked.gather(out, k)
     out = _lowered(_GatherAbove, gather, x, token, n, level, top, k)
     return GatherLevel.apply(x, token, k) if out is None else out
 
 
-def reduce_varying(x: torch.Tensor, level: int, top: int, reduce: str) -> torch.Tensor | None:
-    """``reduce`` ("sum", "amax" or "amin") over ``level`` of an ``x`` batched there, on the fast
+def reduce_varying(x: torch.Tensor, level: int, top: int, op: str) -> torch.Tensor | None:
+    """``op`` ("sum", "max" or "min") over ``level`` of an ``x`` batched there, on the fast
     path: one op on the tensor as seen at the level, before the levels above are wrapped back on.
     None where ``x`` is invariant over the level or the fast path does not apply."""
     if not FAST or not vmaps_only_above(level, top):
@@ -208,17 +206,17 @@ def reduce_varying(x: torch.Tensor, level: int, top: int, reduce: str) -> torch.
         return None
     t, _, peeled = found
     bd = torch_private.maybe_get_bdim(t)
-    return _rewrap(getattr(torch_private.get_unwrapped(t), reduce)(bd), peeled, 0)
+    return _rewrap(stacked.reduce(torch_private.get_unwrapped(t), op, bd), peeled, 0)
 
 
 def gather_reduce(
-    x: torch.Tensor, token: torch.Tensor, n: int, level: int, top: int, reduce: str
+    x: torch.Tensor, token: torch.Tensor, n: int, level: int, top: int, op: str
 ) -> torch.Tensor:
-    """``getattr(gather(x, ...), reduce)(0)``: a psum, pmax or pmin over one level."""
-    out = reduce_varying(x, level, top, reduce)
-    if out is None and reduce == "sum":  # a psum under a grad / jvp inside: one Function
+    """``stacked.reduce(gather(x, ...), op)``: a psum, pmax or pmin over one level."""
+    out = reduce_varying(x, level, top, op)
+    if out is None and op == "sum":  # a psum under a grad / jvp inside: one Function
         out = _lowered(_SumAbove, _psum, x, token, n, level, top, 0)
-    return getattr(gather(x, token, n, level, top), reduce)(0) if out is None else out
+    return stacked.reduce(gather(x, token, n, level, top), op) if out is None else out
 
 
 def _psum(x, token, n, level, top, k):
@@ -233,21 +231,21 @@ def vary(
     if FAST:
         if torch_private.maybe_get_level(x) < level and torch_private.maybe_current_level() == top:
             # The common case, inlined: batched at nothing from here up, under our levels only.
-            return torch_private.add_batch_dim(x.expand(n, *x.shape), 0, level)
+            return torch_private.add_batch_dim(stacked.copies(x, n), 0, level)
         if vmaps_only_above(level, top):
             found = _peel(x, level)
             if found is not None:
                 t, lv, peeled = found
                 if lv == level:  # already varying
                     return x
-                copies = torch_private.add_batch_dim(t.expand(n, *t.shape), 0, level)
+                copies = torch_private.add_batch_dim(stacked.copies(t, n), 0, level)
                 return _rewrap(copies, peeled, 0)
     out = _lowered(_VaryAbove, vary, x, token, n, level, top, k)
     return VaryLevel.apply(x, token, k) if out is None else out
 
 
-def scatter(stacked: torch.Tensor, dim: int, level: int, top: int) -> torch.Tensor | None:
-    """Invariant ``stacked`` with a dim ``dim`` of size n -> varying over the level: instance i
+def scatter(stack: torch.Tensor, dim: int, level: int, top: int) -> torch.Tensor | None:
+    """Invariant ``stack`` with a dim ``dim`` of size n -> varying over the level: instance i
     gets slice i of that dim. The inverse of :func:`gather`, and no op at all: the dim becomes the
     level's batch dim. None where the fast path does not apply.
 
@@ -256,7 +254,7 @@ def scatter(stacked: torch.Tensor, dim: int, level: int, top: int) -> torch.Tens
     if not FAST or not vmaps_only_above(level, top):
         return None
     peeled = []
-    x, d = stacked, dim
+    x, d = stack, dim
     while True:  # peel the levels above, tracking where ``dim`` sits in each one's value
         lv = torch_private.maybe_get_level(x)
         if lv <= level:
@@ -291,8 +289,5 @@ def permute(
     if lv != level:
         return None
     bd = torch_private.maybe_get_bdim(t)
-    t = torch_private.get_unwrapped(t)
-    out = t.index_select(bd, source)
-    if receives is not None:
-        out = torch.where(receives.view([-1] + [1] * (t.dim() - bd - 1)), out, out.new_zeros(()))
+    out = stacked.permute(torch_private.get_unwrapped(t), source, receives, bd)
     return _rewrap(torch_private.add_batch_dim(out, bd, level), peeled, 0)

@@ -14,6 +14,7 @@ import torch
 
 from ... import _torch_private as torch_private
 from . import _levels
+from . import _stacked as stacked
 
 # --- under a grad or jvp inside the per-device function -----------------------------------------
 #
@@ -95,8 +96,7 @@ class _GatherAbove(torch_private.SingleLevelFunction):
 
     @staticmethod
     def backward(ctx, grad):
-        own = grad.index_select(ctx.k, ctx.token.reshape(1)).squeeze(ctx.k)
-        return (own, *_NONES)
+        return (stacked.member_slice(grad, ctx.k, ctx.token), *_NONES)
 
     @staticmethod
     def jvp(ctx, x_t, *_):
@@ -114,8 +114,8 @@ class _VaryAbove(torch_private.SingleLevelFunction):
 
     @staticmethod
     def backward(ctx, grad):
-        total = _levels.gather(grad, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k).sum(ctx.k)
-        return (total, *_NONES)
+        gathered = _levels.gather(grad, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
+        return (stacked.reduce(gathered, "sum", ctx.k), *_NONES)
 
     @staticmethod
     def jvp(ctx, x_t, *_):

@@ -54,6 +54,7 @@ from ..._spec import PartitionSpec
 from ..._stamps import TrackedContext
 from ..._tracking import VmaMode
 from ..._types import Vma
+from . import _stacked as stacked
 from ._agreeing import check_one_value, shared_inputs
 from ._meeting import Aborted, Meeting
 
@@ -172,17 +173,10 @@ def _copies(x: Tensor, n: int) -> list[Tensor]:
     return [x] + [x.clone() for _ in range(n - 1)]
 
 
-_REDUCE = {"sum": "sum", "max": "amax", "min": "amin"}
-
-
 def _total(op: str, ctx: InstanceContext, xs: list[Tensor]) -> Tensor:
     """The elementwise ``op`` of the members' operands, in the operands' dtype."""
     _same_shapes(ctx, xs)
-    dtype = xs[0].dtype
-    if dtype is torch.bool and op == "sum":
-        op = "max"  # a sum of truth values is their "or", as on a real mesh
-    out = getattr(torch.stack(xs), _REDUCE[op])(0)
-    return out if out.dtype is dtype else out.to(dtype)  # torch sums small ints in int64
+    return stacked.reduce(torch.stack(xs), stacked.reduction(op, xs[0].dtype))
 
 
 def _reduce(op: str, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:

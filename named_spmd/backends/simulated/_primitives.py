@@ -1,5 +1,7 @@
 """The context of a simulated call: a value's type read off its vmap levels, and the primitives
-(all_reduce, all_gather, permute, ...) as operations over those levels (``_levels``)."""
+(all_reduce, all_gather, permute, ...): the members' values stacked off the levels (``_levels``),
+the collective's math on the stack (``_stacked``, as the compiled path's), the result made
+varying again where it is (:meth:`SimulatedContext._members`)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ..._stamps import _number as number
 from ..._types import INVARIANT, Vma
 from . import _instances as _instances  # installs the per-instance printing of values
 from . import _levels
+from . import _stacked as stacked
 from ._attention import AttentionMode
 from ._marks import (
     PartialMode,
@@ -220,10 +223,11 @@ class SimulatedContext(SpmdContext):
         """Invariant stack ``[n, *local]`` of the group's values, row-major over ``axes``: a
         tensor of its own, as a real mesh's (the stack views the operand's storage, so a write
         into it would reach the operand, and through it the caller's tensor)."""
-        return self._stack(x, axes).clone()
+        return stacked.gather(self._stack(x, axes)).clone()
 
     def _stack(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        """:meth:`all_gather`'s stack as a view of ``x``, for primitives that copy from it."""
+        """The members' values stacked, ``[n, *local]`` (invariant, a view of ``x``): the
+        ``z`` of ``_stacked``'s math."""
         for a in reversed(axes):  # minor axis first, so the major one ends up outermost
             x = _levels.gather(
                 x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level
@@ -235,56 +239,55 @@ class SimulatedContext(SpmdContext):
             x = _levels.vary(x, self.tokens[a], self.sizes[a], self.axis_level[a], self.inner_level)
         return x
 
-    def own_block(self, stacked: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
+    def own_block(self, stack: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
         """Slice ``axis_index(axes)`` of dim ``dim`` (size n) of an invariant tensor: varying.
 
         On the fast path the dim just becomes the levels' batch dim (no op). Otherwise (a grad
         or jvp *inside* the per-device function) the stack is pvary'd and indexed: the transpose
         of that pvary (a psum) brings every instance's cotangent of its slice back to the stack."""
         if len(axes) > 1:  # row-major: the first axis is the major part of the dim
-            stacked = stacked.unflatten(dim, [self.sizes[a] for a in axes])
+            stack = stack.unflatten(dim, [self.sizes[a] for a in axes])
         for a in axes:
-            out = _levels.scatter(stacked, dim, self.axis_level[a], self.inner_level)
+            out = _levels.scatter(stack, dim, self.axis_level[a], self.inner_level)
             if out is None:
                 break
-            stacked = out
+            stack = out
         else:
-            return stacked
+            return stack
         axes = axes[axes.index(a) :]  # the axes left to scatter, on the fallback path
-        stacked = self.pvary(stacked.flatten(dim, dim + len(axes) - 1), axes)
-        index = self._index(axes).reshape(1)
-        return stacked.index_select(dim, index).squeeze(dim)
+        stack = self.pvary(stack.flatten(dim, dim + len(axes) - 1), axes)
+        return stacked.member_slice(stack, dim, self._index(axes))
+
+    def _members(self, z: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """A varying result of ``_stacked``'s math (``[n, *local]``, member i's value at i) as
+        the value of each instance."""
+        return self.own_block(z, axes, 0)
 
     def all_reduce(self, x, axes, op):
-        dtype = x.dtype
-        if not dtype.is_floating_point:
-            if dtype is torch.bool and op == "sum":
-                op = "max"  # a sum of truth values is their "or", as on a real mesh
+        op = stacked.reduction(op, x.dtype)
         if op != "sum" and len(axes) > 1:
             # One reduction over the whole group, so that ties share the gradient evenly
             # (level by level, amax would halve it at each level).
-            return getattr(self._stack(x, axes), _REDUCE[op])(0)
-        reduce = _REDUCE[op]
+            return stacked.reduce(self._stack(x, axes), op)
         for a in axes:  # a sum reduces one axis after another
             level = self.axis_level[a]
-            y = _levels.reduce_varying(x, level, self.inner_level, reduce)  # the common case
+            y = _levels.reduce_varying(x, level, self.inner_level, op)  # the common case
             if y is None:
                 y = _levels.gather_reduce(
-                    x, self.tokens[a], self.sizes[a], level, self.inner_level, reduce
+                    x, self.tokens[a], self.sizes[a], level, self.inner_level, op
                 )
             x = y
-        # torch sums small integer types in int64; a mesh reduction keeps the operand's dtype
-        return x if x.dtype is dtype else x.to(dtype)
+        return x
 
     def reduce_scatter(self, x, axes, dim):
-        return self.own_block(self.all_reduce(x, axes, "sum"), axes, dim)
+        return self._members(stacked.reduce_scatter(self._stack(x, axes), dim), axes)
 
     def all_to_all(self, x, axes, dim):
-        received = self.own_block(self.all_gather(x, axes), axes, dim + 1)  # [n_src, ...]
-        return received.movedim(0, dim) if dim != 0 else received
+        # a tensor of its own, as all_gather's
+        return self._members(stacked.all_to_all(self._stack(x, axes), dim).clone(), axes)
 
     def broadcast(self, x, axes, root):
-        return self._stack(x, axes).select(0, root).clone()  # (of its own: all_gather)
+        return stacked.broadcast(self._stack(x, axes), root).clone()  # (as all_gather's)
 
     def permute(self, x, axes, pairs):
         n = self.mesh.axis_size(axes)
@@ -293,10 +296,7 @@ class SimulatedContext(SpmdContext):
             out = _levels.permute(x, self.axis_level[axes[0]], self.inner_level, source, receives)
             if out is not None:
                 return out
-        got = self.own_block(self._stack(x, axes).index_select(0, source), axes, 0)
-        if receives is None:
-            return got
-        return torch.where(self.own_block(receives, axes, 0), got, got.new_zeros(()))
+        return self._members(stacked.permute(self._stack(x, axes), source, receives), axes)
 
 
 def _leave_levels(n: int) -> None:
@@ -304,7 +304,6 @@ def _leave_levels(n: int) -> None:
         torch_private.vmap_decrement_nesting()
 
 
-_REDUCE = {"sum": "sum", "max": "amax", "min": "amin"}
 # The type of each tuple of batched axes, as _batched_axes finds them (types are interned).
 _VMA_OF: dict[tuple[str, ...], Vma] = {}
 
@@ -313,10 +312,7 @@ _VMA_OF: dict[tuple[str, ...], Vma] = {}
 def _permutation(n: int, pairs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(source index of every destination, receives mask or None if all receive), cached:
     making small tensors costs more than the permutation itself on tiny operands."""
-    source = [0] * n
-    receives = [False] * n
-    for src, dst in pairs:
-        source[dst], receives[dst] = src, True
+    source, receives = stacked.permutation(n, pairs)
     with torch_private.DisableFuncTorch():  # plain tensors, even under functionalize & co
         mask = None if all(receives) else torch.tensor(receives, device=device)
         return torch.tensor(source, device=device), mask

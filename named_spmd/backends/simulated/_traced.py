@@ -10,8 +10,8 @@ are autograd Functions, which do not compile under vmap. Here instead:
 * every primitive that moves data between instances is one custom op, :func:`_collective`,
   whose only implementation is its vmap rule (:func:`_rule`): at each vmap level it moves the
   level's batch dim in front and calls itself one level down, until every axis of the
-  collective is an explicit dim; there :func:`_stacked` computes every member's result with
-  ordinary torch ops, and the result goes back up, batched at the levels it varies over. The
+  collective is an explicit dim; there :func:`_every_member` computes every member's result
+  with the math the eager levels use too (``_stacked``), and the result goes back up, batched at the levels it varies over. The
   level of axis ``a`` is recognised by the per-axis token (``arange`` of the axis size) that is
   batched there. Autograd and Inductor see only ordinary ops: a gradient flows through them
   as through any batched program, and the transposes need no rule of ours;
@@ -41,6 +41,7 @@ from ..._mesh import Mesh
 from ..._spec import PartitionSpec
 from ..._traced import CompiledVmaMode, TracedContext, route_view_attributes, warm_types_eagerly
 from ..._types import INVARIANT
+from . import _stacked as stacked
 from ._plan import from_physical, partial_input
 
 if TYPE_CHECKING:
@@ -74,20 +75,20 @@ _OUTSIDE = "named_spmd's simulated collective runs only under the simulation's v
 
 def _rule(info, in_dims, x, tokens, kind, axes, params, peeled, sizes):
     """The op at one vmap level: peel the level into an explicit leading dim and go one level
-    down, or, once every axis of the group is explicit, compute (:func:`_stacked`)."""
+    down, or, once every axis of the group is explicit, compute (:func:`_every_member`)."""
     x_dim, token_dims = in_dims[0], in_dims[1]
     axis = next((a for a, d in enumerate(token_dims) if d is not None), -1)
     named = axis in axes
     if x_dim is None:
         if not named:  # x is the same on every instance of this level: so is the result
             return _collective(x, tokens, kind, axes, params, peeled, sizes), None
-        x = x.expand(info.batch_size, *x.shape)  # typed varying, held once: every member's copy
+        x = stacked.copies(x, info.batch_size)  # typed varying, held once: every member's copy
     else:
         x = x.movedim(x_dim, 0)
     peeled = [axis, *peeled]
     with torch_private.DisableTorchFunction():
         if all(a in peeled for a in axes):
-            out = _stacked(x, kind, axes, params, peeled, sizes)
+            out = _every_member(x, kind, axes, params, peeled, sizes)
         else:
             out = _collective(x, tokens, kind, axes, params, peeled, sizes)
     return out, (None if named and kind in _INVARIANT_RESULTS else 0)
@@ -96,7 +97,7 @@ def _rule(info, in_dims, x, tokens, kind, axes, params, peeled, sizes):
 torch.library.register_vmap(_collective, _rule)
 
 
-def _stacked(x, kind, axes, params, peeled, sizes):
+def _every_member(x, kind, axes, params, peeled, sizes):
     """Every member's result at once. ``x``: ``[one dim per peeled level, *local]``; the
     result: the same peeled dims (the group's dims dropped for an invariant result), *local."""
     m = len(peeled)
@@ -111,43 +112,24 @@ def _stacked(x, kind, axes, params, peeled, sizes):
     return out.permute(*[order.index(i) for i in range(m)], *range(m, out.dim()))
 
 
-# Each kind: z = [G (the group's members, row-major), *batch (k dims), *local] -> the result,
-# [*batch, *local'] for invariant results, [G, *batch, *local'] for varying ones.
-def _reduce(name: str) -> Callable[..., torch.Tensor]:
-    def reduce(z: torch.Tensor, k: int, params: list[int]) -> torch.Tensor:
-        out = getattr(z, name)(0)
-        return out if out.dtype is z.dtype else out.to(z.dtype)  # a mesh sum keeps the dtype
-
-    return reduce
-
-
-def _reduce_scatter(z: torch.Tensor, k: int, params: list[int]) -> torch.Tensor:
-    out = z.sum(0).movedim(k + params[0], 0)
-    return out if out.dtype is z.dtype else out.to(z.dtype)
-
-
 def _permute(z: torch.Tensor, k: int, params: list[int]) -> torch.Tensor:
-    n = z.shape[0]
-    source, receives = [0] * n, [False] * n
-    for src, dst in zip(params[::2], params[1::2]):
-        source[dst], receives[dst] = src, True
-    got = z.index_select(0, torch.tensor(source, device=z.device))
-    if all(receives):
-        return got
-    mask = torch.tensor(receives, device=z.device).reshape(n, *[1] * (z.dim() - 1))
-    return torch.where(mask, got, got.new_zeros(()))
+    source, receives = stacked.permutation(z.shape[0], zip(params[::2], params[1::2]))
+    mask = None if all(receives) else torch.tensor(receives, device=z.device)
+    return stacked.permute(z, torch.tensor(source, device=z.device), mask)
 
 
+# Each kind: z = [G (the group's members, row-major), *batch (k dims), *local] -> the result
+# (``_stacked``), from the kind's ints.
 _KINDS: dict[str, Callable[[torch.Tensor, int, list[int]], torch.Tensor]] = {
-    "sum": _reduce("sum"),
-    "max": _reduce("amax"),
-    "min": _reduce("amin"),
-    "gather": lambda z, k, p: z.movedim(0, k),
-    "broadcast": lambda z, k, p: z.select(0, p[0]),
-    "reduce_scatter": _reduce_scatter,
-    "all_to_all": lambda z, k, p: z.transpose(0, 1 + k + p[0]),
+    "sum": lambda z, k, p: stacked.reduce(z, "sum"),
+    "max": lambda z, k, p: stacked.reduce(z, "max"),
+    "min": lambda z, k, p: stacked.reduce(z, "min"),
+    "gather": lambda z, k, p: stacked.gather(z, k),
+    "broadcast": lambda z, k, p: stacked.broadcast(z, p[0]),
+    "reduce_scatter": lambda z, k, p: stacked.reduce_scatter(z, p[0], k),
+    "all_to_all": lambda z, k, p: stacked.all_to_all(z, p[0], k),
     "permute": _permute,
-    "own": lambda z, k, p: z.diagonal(0, 0, 1 + k + p[0]).movedim(-1, 0),
+    "own": lambda z, k, p: stacked.own(z, p[0], k),
 }
 _INVARIANT_RESULTS = frozenset({"sum", "max", "min", "gather", "broadcast"})
 
@@ -209,9 +191,7 @@ class TracedSimulatedContext(TracedContext):
         return x.view_as(x)
 
     def all_reduce(self, x, axes, op):
-        if x.dtype is torch.bool and op == "sum":
-            op = "max"  # a sum of truth values is their "or", as on a real mesh
-        return self._op(x, op, axes)
+        return self._op(x, stacked.reduction(op, x.dtype), axes)
 
     def all_gather(self, x, axes):
         return self._op(x, "gather", axes)
