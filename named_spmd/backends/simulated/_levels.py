@@ -11,7 +11,8 @@ APIs and ordinary torch ops only: ``gather`` (varying -> invariant stack ``[n, *
 ``gather_reduce`` (psum / pmax / pmin over one level, one op), ``vary`` (invariant -> varying, an
 expand), ``scatter`` (invariant ``[n, ...]`` -> varying, the dim becomes the batch dim: no op) and
 ``permute`` (ppermute over one level, one index_select). A few microseconds each; transforms
-outside the simulation see only the ordinary ops.
+outside the simulation see only the ordinary ops. Their math on the members' dim is
+``_stacked``'s, as the compiled path's.
 
 Fallback: ``GatherLevel`` / ``VaryLevel``, autograd.Functions with a ``vmap`` staticmethod (about
 120 us per level visited). functorch calls their vmap rule only at levels where some operand is

@@ -280,7 +280,9 @@ class SimulatedContext(SpmdContext):
         return x
 
     def reduce_scatter(self, x, axes, dim):
-        return self._members(stacked.reduce_scatter(self._stack(x, axes), dim), axes)
+        # ``stacked.reduce_scatter`` as its two steps: reduced at each level, the sum's dim made
+        # the levels' batch dim (no op), never the stack on which the sum's ops would be batched
+        return self.own_block(self.all_reduce(x, axes, "sum"), axes, dim)
 
     def all_to_all(self, x, axes, dim):
         # a tensor of its own, as all_gather's

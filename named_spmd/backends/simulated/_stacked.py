@@ -59,7 +59,8 @@ def scatter(y: torch.Tensor, dim: int, k: int = 0) -> torch.Tensor:
 
 
 def reduce_scatter(z: torch.Tensor, dim: int, k: int = 0) -> torch.Tensor:
-    """reduce_scatter: the sum over the members, member i keeping slice i of ``dim``."""
+    """reduce_scatter: the sum over the members, member i keeping slice i of ``dim``. (The eager
+    context takes the two steps at the levels: :func:`reduce` there, ``_levels.scatter``.)"""
     return scatter(reduce(z, "sum"), dim, k)
 
 
