@@ -870,3 +870,17 @@ def test_saved_tensor_names_keeps_no_custom_function_alive():
     ref = made()
     gc.collect()
     assert ref() is None
+
+
+def test_torchs_directory_holds_its_files_and_no_users():
+    """``TORCH_DIR`` (the one definition, which ``_errors.TORCH_DIRS`` extends) and
+    ``torch_file``: a frame of torch's wrappers is torch's, this test's is not."""
+    import inspect
+
+    from named_spmd import _errors
+
+    module_call = inspect.getsourcefile(torch.nn.Module)
+    assert module_call is not None and torch_private.torch_file(module_call)
+    assert not torch_private.torch_file(__file__)
+    assert _errors.TORCH_DIRS[0] == torch_private.TORCH_DIR
+    assert not __file__.startswith(_errors.TORCH_DIRS)
