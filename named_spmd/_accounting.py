@@ -13,7 +13,7 @@ import dataclasses
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,17 +256,26 @@ def cast_version(t: torch.Tensor) -> int:
         return -1
 
 
-def memo_cast(cache: dict, t: torch.Tensor, tag: tuple, make: Callable[[], Any]) -> Any:
-    """``make()``, an implicit cast of ``t``: one per (``t``, ``tag``) and version of ``t``
-    (:func:`cast_version`) in ``cache`` (which keeps ``t``, so that its id is not reused
-    meanwhile), where :func:`reusable_cast` allows."""
-    key = (id(t), tag)
+def memo_cast(
+    cache: dict,
+    key: Hashable,
+    t: torch.Tensor,
+    make: Callable[..., Any],
+    *args: Any,
+    tag: object = None,
+) -> Any:
+    """``make(*args)``, an implicit cast of ``t``: the one place that caches the call's casts.
+    One per ``key`` in ``cache`` (``tag``, compared by identity, where the key leaves the cast's
+    target out) and version of ``t`` (:func:`cast_version`), where :func:`reusable_cast` allows.
+    An entry keeps ``t``, so that its id (in ``key``) is not reused meanwhile."""
+    at = cast_version(t)
     hit = cache.get(key)
-    if hit is None or hit[2] != cast_version(t):
-        hit = (t, make(), cast_version(t))
-        if reusable_cast(t):
-            cache[key] = hit
-    return hit[1]
+    if hit is not None and hit[3] == at and hit[1] is tag:
+        return hit[2]
+    made = make(*args)
+    if reusable_cast(t):
+        cache[key] = (t, tag, made, at)
+    return made
 
 
 def on_backward(x: torch.Tensor, event: CommEvent) -> torch.Tensor:

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import optree
-import torch
+
+from ._torch_private import TORCH_DIR
 
 
 def _dir_of(module: types.ModuleType) -> tuple[str, ...]:
@@ -32,7 +33,7 @@ PACKAGE_DIR = _dir_of(sys.modules[__name__])
 
 #: Directories of the code that runs torch's ops: torch's and this package's (its modes and
 #: simulated collectives run them), where a torch op's rejection of its operands is raised.
-TORCH_DIRS = _dir_of(torch) + PACKAGE_DIR
+TORCH_DIRS = (TORCH_DIR,) + PACKAGE_DIR
 
 #: Directories whose frames are not the user's (torch, optree, the standard library, this
 #: package): a message's "user line" is the innermost frame outside them.

@@ -86,43 +86,27 @@ def outside_key(a: Tensor) -> tuple:
 
 
 def guard_key(token: object, args: Any, kwargs: dict | None, outside=outside_key) -> tuple:
-    """What a step's typing depends on besides the op: see the module docstring. ``outside``
-    keys a tensor the call did not number (a backend where such a tensor may vary passes its
-    own)."""
+    """What a step's typing depends on besides the op: see the module docstring. Each argument's
+    key, the keyword arguments' after the positional ones and then their names; a list or tuple
+    keyed with its type and its items' keys. ``outside`` keys a tensor the call did not number
+    (a backend where such a tensor may vary passes its own). (One loop, no call per argument:
+    this runs for every op.)"""
     key = []
-    for a in args:  # (:func:`_key`, its usual cases inlined: this runs for every op)
+    for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, Tensor):
             src = a.__dict__.get(SRC)
             key.append(src[1] if src is not None and src[0] is token else outside(a))
-        elif type(a) is int or a is None:
+        elif type(a) in _AS_THEMSELVES or a is None:
             key.append(a)
-        elif type(a) is float:
-            key.append((float, a))
+        elif isinstance(a, (list, tuple)):  # (a torch.return_types tuple too)
+            key.append((type(a), guard_key(token, a, None, outside)))
         else:
-            key.append(_key(token, a, outside))
+            # with its type: ``1 == 1.0 == True``, yet ``torch.full((), 1)`` is an integer tensor
+            # and ``torch.full((), 1.0)`` a float one (a cast to it of a partial sum is an error, 2.2)
+            key.append((type(a), a))
     if kwargs:
-        for k, v in kwargs.items():  # (the same, with the keyword)
-            if isinstance(v, Tensor):
-                src = v.__dict__.get(SRC)
-                key.append((k, src[1] if src is not None and src[0] is token else outside(v)))
-            elif type(v) is int or v is None:
-                key.append((k, v))
-            else:
-                key.append((k, _key(token, v, outside)))
+        key.append(tuple(kwargs))
     return tuple(key)
-
-
-def _key(token: object, a: Any, outside) -> Any:
-    if isinstance(a, Tensor):
-        src = a.__dict__.get(SRC)
-        return src[1] if src is not None and src[0] is token else outside(a)
-    if type(a) in _AS_THEMSELVES or a is None:
-        return a
-    if isinstance(a, (list, tuple)):  # (a torch.return_types tuple too)
-        return (type(a), tuple([_key(token, b, outside) for b in a]))
-    # with its type: ``1 == 1.0 == True``, yet ``torch.full((), 1)`` is an integer tensor and
-    # ``torch.full((), 1.0)`` a float one (a cast to it of a partial sum is an error, 2.2)
-    return (type(a), a)
 
 
 #: arguments keyed as themselves: none equals a value of another kind that a step would type

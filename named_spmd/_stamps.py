@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import _blocks
-from ._accounting import cast_version, memo_cast, reusable_cast
+from ._accounting import memo_cast
 from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._torch_private import DisableTorchFunction, tensor_base
@@ -58,13 +58,11 @@ class TrackedContext(SpmdContext):
         super().__init__(mesh, fn)
         self.call_token = object()
         self._stamps: dict[int, tuple[object, Vma]] = {}  # id(type) -> its stamp
-        # id(invariant tensor) -> (tensor, stamp, its varying alias, the tensor's version):
-        # VmaMode's fast path (a version: ``_accounting.cast_version``)
-        self.alias_cache: dict[int, tuple[torch.Tensor, tuple, torch.Tensor, int]] = {}
-        # (id(tensor), axes) -> (tensor, its varying alias, the tensor's version); the tensor is
-        # kept alive so that its id is not reused during the call.
-        self.pvary_cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor, int]]
-        self.pvary_cache = {}
+        # the caches of implicit casts, entries of ``_accounting.memo_cast``:
+        # id(invariant tensor) -> its varying alias, tagged with the stamp it reaches: VmaMode's
+        # fast path; (id(tensor), axes) -> its alias by those axes (or tag: ``memo_alias``)
+        self.alias_cache: dict[int, tuple] = {}
+        self.pvary_cache: dict[tuple[int, tuple[str, ...]], tuple] = {}
         # storage address -> (tensor, stamp) of values computed inside a torch.func transform:
         # a transform may hand back a new view of them (vmap moving its batch dim), which has
         # no stamp of its own (only views are looked up: a tensor that owns its storage and has
@@ -182,20 +180,14 @@ class TrackedContext(SpmdContext):
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """The implicit pvary of ``t`` over ``axes``: one alias per (tensor, axes) per call."""
-        key = (id(t), axes)  # (:meth:`memo_alias`, inlined: every parameter passes here)
-        hit = self.pvary_cache.get(key)
-        if hit is None or hit[2] != cast_version(t):
-            hit = (t, self.implicit_pvary(t, axes), cast_version(t))
-            if reusable_cast(t):
-                self.pvary_cache[key] = hit
-        alias = hit[1]
+        alias = memo_cast(self.pvary_cache, (id(t), axes), t, self.implicit_pvary, t, axes)
         if self.recipes is not None:
             self.recipes[id(alias)] = (t, ("pvary", axes))
         return alias
 
     def memo_alias(self, t: torch.Tensor, tag: tuple[str, ...], make) -> torch.Tensor:
         """``make()``, once per (``t``, ``tag``) per call (the caches of implicit casts)."""
-        return memo_cast(self.pvary_cache, t, tag, make)
+        return memo_cast(self.pvary_cache, (id(t), tag), t, make)
 
     def let_go(self) -> tuple[dict, dict] | None:
         """The caches of implicit casts, handed over (``SpmdContext.let_go``): an alias's

@@ -15,7 +15,7 @@ from torch.compiler import is_compiling
 from torch.overrides import TorchFunctionMode
 
 from . import _blocks
-from ._accounting import cast_version, reusable_cast
+from ._accounting import memo_cast
 from ._errors import VmaError, reentrant_checkpoint
 from ._operands import (
     METADATA,
@@ -255,13 +255,7 @@ class VmaMode(TorchFunctionMode):
                 continue
             s = a.__dict__.get(_ATTR)
             if s is None or s[0] is not token or s[1] is INVARIANT:
-                hit = cache.get(id(a))
-                if hit is None or hit[1] is not common or hit[3] != cast_version(a):
-                    alias = self.ctx.cached_pvary(a, self._mesh_order(common))
-                    hit = (a, common, alias, cast_version(a))  # a: keeps its id unique
-                    if reusable_cast(a):
-                        cache[id(a)] = hit
-                swap[a] = hit[2]
+                swap[a] = memo_cast(cache, id(a), a, self._alias_to, a, common, tag=common)
             elif s is not common:
                 missing = self._missing(s, common)
                 if missing:
@@ -269,6 +263,10 @@ class VmaMode(TorchFunctionMode):
         if not swap:
             return args, kwargs
         return swap_operands(args, kwargs, swap, _itself)
+
+    def _alias_to(self, a: Tensor, common) -> Tensor:
+        """The varying alias of the invariant ``a`` that reaches the stamp ``common``."""
+        return self.ctx.cached_pvary(a, self._mesh_order(common))
 
     def _missing(self, stamp, common) -> tuple[str, ...]:
         """:meth:`_pvary_axes` of the types of two stamps (memo per pair)."""

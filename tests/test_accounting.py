@@ -445,3 +445,39 @@ def test_recording_mode_only_while_recording():
     # one mode more while recording (the first is the call's marker, _calls.CallMarker, which
     # also types the ops of a call whose inputs hold blocks: SpmdContext.marker_typing)
     assert depth == [1, 2]
+
+
+def test_the_cache_of_casts_makes_one_per_key_tag_and_version(monkeypatch):
+    """``_accounting.memo_cast``, every cache of implicit casts: a hit hands back the cast made;
+    a write to the operand or another tag makes another; one made with grad off (of an operand
+    that needs grad) is not kept; each lookup reads the operand's version once, hit or miss."""
+    from named_spmd import _accounting
+
+    reads = []
+    version = _accounting.cast_version
+    monkeypatch.setattr(
+        _accounting, "cast_version", lambda t: reads.append(t) or version(t), raising=True
+    )
+    cache: dict = {}
+    w = torch.ones(3, requires_grad=True) * 1
+    made: list = []
+
+    def cast(tag: object = None) -> torch.Tensor:
+        return _accounting.memo_cast(
+            cache, id(w), w, lambda: made.append(1) or w.view_as(w), tag=tag
+        )
+
+    first = cast()
+    assert cast() is first and len(made) == 1
+    with torch.no_grad():
+        w.add_(1)  # a write: the cached cast no longer serves
+    second = cast()
+    assert second is not first and cast() is second and len(made) == 2
+    other = object()
+    assert cast(other) is not second and cast(other) is cast(other) and len(made) == 3
+    third = object()
+    with torch.no_grad():
+        assert cast(other) is cast(other)  # (made with grad: serves here too)
+        assert cast(third) is not cast(third)  # (made without: per use, never cached)
+    assert len(made) == 5 and cast(third) is cast(third) and len(made) == 6
+    assert len(reads) == 13 and all(r is w for r in reads)

@@ -530,15 +530,10 @@ def test_pvary_backward_reduces_in_place_only_when_nothing_else_sees_the_gradien
         kept = [_kept_value(t) for t in seen]
         return [a.grad, b.grad], [k.detach().clone() for k in kept]
 
-    class Doubled(torch.autograd.Function):  # the reference: an out-of-place doubling backward
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
+    from _autograd_functions import identity_function
 
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * 2
-
+    # the reference: an out-of-place doubling backward
+    Doubled = identity_function(lambda g: g * 2)
     comm = _DoublingComm()
     got, got_kept = run(lambda t: _pvary(t, comm, chain))
     want, want_kept = run(Doubled.apply)
@@ -672,7 +667,7 @@ def test_torch_func_transforms_and_double_backward_over_the_call_agree_with_simu
 
 def test_the_leaves_behind_a_sum_are_found_once_each():
     """``torch_private.leaves_reached`` walks each node of the sums once: ``h + h`` repeated
-    doubles the paths to the two leaves, not the nodes."""
+    doubles the paths to the two leaves, not the nodes; so too through packings and views."""
     import torch
 
     from named_spmd._torch_private import leaves_reached
@@ -683,6 +678,13 @@ def test_the_leaves_behind_a_sum_are_found_once_each():
         h = h + h
     leaves = leaves_reached(h.grad_fn)
     assert len(leaves) == 2 and {id(x) for x in leaves} == {id(a), id(b)}
+    # packed parameters, each through views, and one behind a product (its gradient is another
+    # tensor, not reached); each leaf once, however many packings reach it
+    ws = [torch.ones(2, 3, requires_grad=True) for _ in range(4)]
+    packed = torch.cat([ws[0].t().t(), ws[1].unsqueeze(0).squeeze(0), ws[2] * 2, ws[3]])
+    packed = torch.stack([packed, torch.cat([ws[3], ws[0], ws[1], ws[1]])])
+    leaves = leaves_reached(packed.view(-1).grad_fn)
+    assert len(leaves) == 3 and {id(x) for x in leaves} == {id(ws[0]), id(ws[1]), id(ws[3])}
 
 
 def test_the_start_of_call_check_is_finished_in_one_place():

@@ -305,3 +305,38 @@ def test_a_simulated_calls_expanded_inputs_are_not_kept_past_the_call():
             assert kept.pop()() is None
     finally:
         gc.enable()
+
+
+def test_a_guard_key_tells_apart_what_typing_may_depend_on():
+    """``_plan.guard_key``: equal for arguments a step's typing treats alike (a tensor from
+    outside the call by its shape and dtype), and different for any that it may not: ``1``,
+    ``1.0`` and ``True``, a value positional or keyword, keywords' names and order, a list or a
+    tuple, and nested tensors' shapes."""
+    from named_spmd._plan import guard_key
+
+    token = object()
+
+    def key(*args, **kwargs):
+        return guard_key(token, args, kwargs or None)
+
+    x = torch.ones(2)
+    assert key(x, 1, dim=[x, 2.0]) == key(torch.zeros(2), 1, dim=[torch.zeros(2), 2.0])
+    keys = [
+        key(x, 1),
+        key(x, 1.0),
+        key(x, True),
+        key(x, dim=1),
+        key(x, keepdim=1),
+        key(x, 1, keepdim=True),
+        key(x, keepdim=True, dim=1),
+        key(x, dim=1, keepdim=True),
+        key(x, (1,)),
+        key(x, [1]),
+        key(x, [torch.ones(3)]),
+        key(x, [x]),
+        key(x, x),
+        key(x, torch.ones(2, dtype=torch.float64)),
+        key(x, None),
+        key(x, "1"),
+    ]
+    assert len(set(keys)) == len(keys), keys

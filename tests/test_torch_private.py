@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from _autograd_functions import identity_function
 from torch.autograd import forward_ad
 
 from named_spmd import _torch_private as torch_private
@@ -236,27 +237,8 @@ def test_function_base_apply_runs_a_function_without_python_binding():
     assert torch.equal(x.grad, torch.full((3,), 2.0))
 
 
-def _identity_function(backward, base: type = torch.autograd.Function) -> type:
-    """An autograd Function: a view forward, ``backward(g)`` backward."""
-
-    class Identity(base):  # type: ignore[valid-type,misc]
-        @staticmethod
-        def forward(x):
-            return x.view_as(x)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            return backward(g)
-
-    return Identity
-
-
 def test_single_level_function_applies_at_a_grad_level():
-    Identity = _identity_function(lambda g: g * 3, torch_private.SingleLevelFunction)
+    Identity = identity_function(lambda g: g * 3, torch_private.SingleLevelFunction)
 
     def f(x):
         with torch_private.single_level_functions():
@@ -297,17 +279,7 @@ def test_queue_callback_refuses_outside_a_backward_pass():
     with pytest.raises(RuntimeError):
         torch_private.queue_callback(lambda: None)
     ran = []
-
-    class Hook(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            torch_private.queue_callback(lambda: ran.append(True))
-            return g
-
+    Hook = identity_function(lambda g: torch_private.queue_callback(lambda: ran.append(True)) or g)
     Hook.apply(torch.ones(1, requires_grad=True)).sum().backward()
     assert ran == [True]
 
@@ -442,7 +414,7 @@ class _Pair(torch.autograd.Function):
 def test_view_source_finds_a_leaf_or_input_one_built_in_view_away():
     w = torch.randn(3, 5, requires_grad=True)
     assert torch_private.view_source(w.T, {}) is w and torch_private.view_source(w[:2], {}) is w
-    b = _identity_function(lambda g: g).apply(w)  # an input made by the call's boundary
+    b = identity_function(lambda g: g).apply(w)  # an input made by the call's boundary
     assert torch_private.view_source(b.T, {(id(b.grad_fn), b.output_nr): b}) is b
     assert torch_private.view_source(b.T, {}) is None  # not an input, not a leaf
     # inputs made by one node (the boundary's DTensor conversion): each view finds its own
@@ -451,7 +423,7 @@ def test_view_source_finds_a_leaf_or_input_one_built_in_view_away():
     sources = {(id(x.grad_fn), x.output_nr): x for x in pair}
     assert [torch_private.view_source(x.T, sources) for x in pair] == list(pair)
     # not one built-in view op directly on the source, or not a view at all
-    custom = _identity_function(lambda g: g)
+    custom = identity_function(lambda g: g)
     for t in (w.T[0], (w * 2).T, custom.apply(w), w + 0, w.detach().T, w):
         assert torch_private.view_source(t, {}) is None
     assert torch_private.view_source(torch.randn(3, 5).T, {}) is None  # no grad
@@ -549,7 +521,7 @@ def test_accumulating_a_pending_gradient_into_a_grad_offers_the_add_to_the_backe
 
     monkeypatch.setattr(d.PendingGradient, "defer_accumulation", take)
     buf = torch.full((3,), 5.0)
-    Feed = _identity_function(lambda g: d.PendingGradient(buf))
+    Feed = identity_function(lambda g: d.PendingGradient(buf))
     leaf = torch.zeros(3, requires_grad=True)
     leaf.grad = grad = torch.ones(3)
     Feed.apply(leaf).sum().backward()
@@ -826,17 +798,8 @@ def test_a_custom_functions_view_written_through_its_base_is_stale():
     form ``_STALE`` matches (an identity such as CommMode's tag returns such a view)."""
     from named_spmd._torch_private import autograd
 
-    class Identity(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
     x = torch.ones(3, requires_grad=True) * 1
-    y = Identity.apply(x)
+    y = identity_function(lambda g: g).apply(x)
     x.add_(1)
     with pytest.raises(RuntimeError) as raised:
         y * 2
@@ -870,3 +833,17 @@ def test_saved_tensor_names_keeps_no_custom_function_alive():
     ref = made()
     gc.collect()
     assert ref() is None
+
+
+def test_torchs_directory_holds_its_files_and_no_users():
+    """``TORCH_DIR`` (the one definition, which ``_errors.TORCH_DIRS`` extends) and
+    ``torch_file``: a frame of torch's wrappers is torch's, this test's is not."""
+    import inspect
+
+    from named_spmd import _errors
+
+    module_call = inspect.getsourcefile(torch.nn.Module)
+    assert module_call is not None and torch_private.torch_file(module_call)
+    assert not torch_private.torch_file(__file__)
+    assert _errors.TORCH_DIRS[0] == torch_private.TORCH_DIR
+    assert not __file__.startswith(_errors.TORCH_DIRS)

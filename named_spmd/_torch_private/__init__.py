@@ -62,6 +62,7 @@ from .c10d import (  # noqa: E402 - after the version gate
 )
 from .dynamo import (  # noqa: E402 - after the version gate
     TENSOR_VIEW_ATTRIBUTES,
+    TORCH_DIR,
     HigherOrderOperator,
     compiled_original,
     dynamo_frame_callback,
@@ -122,6 +123,7 @@ __all__ = [
     "HigherOrderOperator",
     "SingleLevelFunction",
     "TENSOR_VIEW_ATTRIBUTES",
+    "TORCH_DIR",
     "TransformType",
     "_GRAD_HOOKS",
     "_PRINT_HOOKS",

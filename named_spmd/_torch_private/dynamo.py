@@ -159,12 +159,13 @@ def compiled_original(fn: Any) -> Any:
     return getattr(fn, "_orig_mod", fn) if isinstance(fn, torch.nn.Module) else fn
 
 
+#: torch's directory, where its own files lie (``torch.__file__``: the package's location)
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_DYNAMO_DIR = os.path.join(TORCH_DIR, "_dynamo") + os.sep
+
+
 def torch_file(filename: str) -> bool:
     """Whether ``filename`` is one of torch's own files: a frame of its wrappers around a
     function (``nn.Module.__call__``, the ``torch.no_grad()`` decorator, ``torch.compile``'s),
-    never the user's code. (``torch.__file__``: the package's location.)"""
-    return filename.startswith(_TORCH_DIR)
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_DYNAMO_DIR = os.path.join(_TORCH_DIR, "_dynamo") + os.sep
+    never the user's code."""
+    return filename.startswith(TORCH_DIR)

@@ -41,9 +41,8 @@ class InnerGradMode(TorchFunctionMode):
     def __init__(self, ctx: Any):
         super().__init__()
         self.ctx = ctx
-        # (id(tensor), axes) -> (tensor, its varying alias); the tensor is kept alive so that its
-        # id is not reused while the mode is on.
-        self.cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # (id(tensor), axes) -> its varying alias (an entry of ``_accounting.memo_cast``)
+        self.cache: dict[tuple[int, tuple[str, ...]], tuple] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if (
@@ -73,7 +72,7 @@ class InnerGradMode(TorchFunctionMode):
         return swap_operands(args, kwargs, swap) if swap else (args, kwargs)
 
     def _alias(self, t: torch.Tensor, missing: tuple[str, ...]) -> torch.Tensor:
-        return memo_cast(self.cache, t, missing, lambda: implicit_pvary(self.ctx, t, missing))
+        return memo_cast(self.cache, (id(t), missing), t, implicit_pvary, self.ctx, t, missing)
 
 
 def typed_gradients(inputs: tuple, grads: tuple) -> tuple:

@@ -36,9 +36,8 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
     def __init__(self, ctx: Any):
         super().__init__()
         self.ctx = ctx
-        # (id(tensor), axes) -> (tensor, tagged alias); the tensor is kept alive so that its id
-        # is not reused during the call.
-        self.cache: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # (id(tensor), axes) -> its tagged alias (an entry of ``_accounting.memo_cast``)
+        self.cache: dict[tuple[int, tuple[str, ...]], tuple] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func not in NOT_OPS and current_graph_task_id() == -1:
@@ -75,7 +74,7 @@ class ImplicitPvaryRecorder(TorchFunctionMode):
             event = CommEvent("psum", missing, "backward", tuple(t.shape), t.dtype, implicit=True)
             return on_backward(t, event)
 
-        return memo_cast(self.cache, t, missing, tagged)
+        return memo_cast(self.cache, (id(t), missing), t, tagged)
 
 
 def _psum_axes(names, v, union, missing) -> tuple[str, ...]:
