@@ -383,6 +383,46 @@ def check_parallel_gpt(mesh, rank) -> list[str]:
     return problems
 
 
+def check_uneven_to_local_backward(mesh, rank) -> list[str]:
+    """``ns.to_local`` of a DTensor whose blocks differ in size (a call's output, one watched by
+    ``retain_grad``, one from ``ns.shard``) is differentiable: each rank's loss of its block
+    gives the dense gradient of that block, as torch's own ``to_local`` gives it."""
+    g = torch.Generator().manual_seed(5)
+    specs = {"rows": P("tp"), "grid": P("dp", "tp"), "nested": P(("dp", "tp"))}
+    dense = {
+        "rows": torch.randn(5, 3, generator=g, dtype=torch.float64),
+        "grid": torch.randn(3, 7, generator=g, dtype=torch.float64),
+        "nested": torch.randn(7, 2, generator=g, dtype=torch.float64),
+    }
+    problems = []
+    for k, spec in specs.items():
+        x = dense[k]
+        want = block(torch.cos(x), spec, mesh._shape, mesh.my_coords)
+        f = ns.spmd_map(torch.sin, mesh=mesh, in_specs=(spec,), out_specs=spec)
+        for kind in ("dtensor", "watched", "shard"):
+            d = ns.shard(x, mesh, spec).requires_grad_()
+            if kind == "shard":  # a DTensor no call made: its local block's sine taken here
+                ns.to_local(d).sin().sum().backward()
+            else:
+                out = f(d)
+                if kind == "watched":
+                    out.retain_grad()
+                ns.to_local(out).sum().backward()
+                if kind == "watched" and not torch.equal(
+                    out.grad.to_local(), torch.ones_like(want)
+                ):
+                    problems.append(f"{k}: the output's retained gradient is not ones")
+            if d.grad is None or tuple(d.grad.shape) != tuple(x.shape):
+                problems.append(f"{k} {kind}: gradient {getattr(d.grad, 'shape', None)}")
+            elif not torch.allclose(d.grad.to_local(), want, rtol=1e-12, atol=1e-12):
+                problems.append(f"{k} {kind}: local gradient differs from the dense block's")
+        plain = x.clone().requires_grad_()  # its gradient: every member's block, gathered
+        ns.to_local(f(plain)).sum().backward()
+        if not torch.allclose(plain.grad, torch.cos(x), rtol=1e-12, atol=1e-12):
+            problems.append(f"{k} plain: gradient differs from the dense one")
+    return problems
+
+
 CHECKS = [
     check_layout,
     check_spmd_map_inputs,
@@ -394,6 +434,7 @@ CHECKS = [
     check_checkpoint,
     check_from_local,
     check_parallel_gpt,
+    check_uneven_to_local_backward,
 ]
 
 

@@ -261,19 +261,27 @@ def to_local_fast(
 
 
 def made_from(d: DTensor) -> torch.Tensor | None:
-    """The local tensor that :class:`_DTensorOf` made ``d`` from (a call's output, as the call
-    returned it), or None. Its ``to_local()`` then is that tensor: converting back and forth is
+    """The local tensor that :class:`_DTensorOf` or :class:`_UnevenDTensorOf` made ``d``
+    from (a call's output, as the call returned it), or None. Its ``to_local()`` then is that tensor: converting back and forth is
     the identity on the values and on the gradient (placements without ``Partial``, whose
     backward would sum the cotangent), so neither conversion need run, forward or backward;
     unless a hook or ``retain_grad`` waits for ``d``'s own gradient, or an in-place op made
     ``d`` another node's."""
-    if type(d.grad_fn) is not _DTENSOR_OF_NODE or torch_private.watched(d):
+    if type(d.grad_fn) not in _FROM_LOCAL_NODES or torch_private.watched(d):
         return None
     return d.__dict__.get(_MADE_FROM)
 
 
-_DTENSOR_OF_NODE = torch_private.node_class(_DTensorOf)
 _MADE_FROM = "_named_spmd_made_from"
+
+
+def _remember_source(d: DTensor, local: torch.Tensor, places: tuple) -> DTensor:
+    """Keep ``local`` for :func:`made_from` where the round trip is the identity (no
+    ``Partial``), on the DTensor (which holds its storage anyway), not on its node: a node
+    would keep the storage for as long as the graph lives."""
+    if not any(p.is_partial() for p in places):
+        d.__dict__[_MADE_FROM] = local
+    return d
 
 
 def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
@@ -281,12 +289,7 @@ def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
         return _transformed(_DTensorOf, local, mesh, places)
     if not differentiable(local):
         return _wrap(mesh, local.view_as(local), places)
-    d = _dtensor_of(local, mesh, places)
-    if not any(p.is_partial() for p in places):
-        # for :func:`made_from`, on the DTensor (which holds its storage anyway), not on its
-        # node: a node would keep the storage for as long as the graph lives
-        d.__dict__[_MADE_FROM] = local
-    return d
+    return _remember_source(_dtensor_of(local, mesh, places), local, places)
 
 
 # --- DTensors whose Shard blocks differ in size (torch.chunk's) ----------------------------------
@@ -348,6 +351,10 @@ class _UnevenLocalOf(torch.autograd.Function):
         return _shaped(ctx.mesh, g, ctx.places, ctx.shape), None, None
 
 
+# the nodes of the conversions that :func:`made_from` undoes
+_FROM_LOCAL_NODES = frozenset(map(torch_private.node_class, (_DTensorOf, _UnevenDTensorOf)))
+
+
 def uneven_to_local(mesh, d: DTensor, grad_places: tuple | None = None) -> torch.Tensor:
     """``d.to_local()`` of a DTensor whose Shard blocks differ in size."""
     if not differentiable(d):
@@ -360,7 +367,22 @@ def uneven_from_local(mesh, local: torch.Tensor, places: tuple, shape: tuple) ->
     """``DTensor.from_local(local, ..., shape=shape, stride=contiguous)``, differentiable."""
     if not differentiable(local):
         return _shaped(mesh, local.view_as(local), places, shape)
-    return _UnevenDTensorOf.apply(local, mesh, places, shape)
+    d = _UnevenDTensorOf.apply(local, mesh, places, shape)
+    return _remember_source(d, local, places)
+
+
+def blocks_equal(d: DTensor) -> bool:
+    """Whether ``d``'s global shape is this rank's block's times the number of blocks along
+    each dim: what :class:`_LocalOf` assumes, whose gradient's spec is keyed by the block.
+    Else (``torch.chunk``'s blocks of a dim the group does not divide, or other sizes given to
+    ``DTensor.from_local``) the gradient needs the global shape, which
+    :class:`_UnevenLocalOf` keeps."""
+    block = torch_private.local_tensor(d).shape
+    splits = [1] * len(block)
+    for size, p in zip(d.device_mesh.shape, d.placements):
+        if isinstance(p, Shard):
+            splits[p.dim % len(block)] *= size
+    return all(n == b * k for n, b, k in zip(d.shape, block, splits))
 
 
 def to_local(tree: Any) -> Any:
@@ -385,4 +407,8 @@ def _leaf_to_local(t: Any) -> Any:
     # (not while Dynamo traces: it refuses to read a DTensor's grad_fn)
     untouched = torch_private.transforms_active() or torch.compiler.is_compiling()
     made = None if untouched else made_from(t)
-    return made if made is not None else to_local_fast(mesh, t)
+    if made is not None:
+        return made
+    if not blocks_equal(t):  # (torch's own to_local where a transform or a trace is active)
+        return t.to_local() if untouched else uneven_to_local(mesh, t)
+    return to_local_fast(mesh, t)
