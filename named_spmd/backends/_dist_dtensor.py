@@ -262,11 +262,11 @@ def to_local_fast(
 
 def made_from(d: DTensor) -> torch.Tensor | None:
     """The local tensor that :class:`_DTensorOf` or :class:`_UnevenDTensorOf` made ``d``
-    from (a call's output, as the call returned it), or None. Its ``to_local()`` then is that tensor: converting back and forth is
-    the identity on the values and on the gradient (placements without ``Partial``, whose
-    backward would sum the cotangent), so neither conversion need run, forward or backward;
-    unless a hook or ``retain_grad`` waits for ``d``'s own gradient, or an in-place op made
-    ``d`` another node's."""
+    from (a call's output, as the call returned it), or None. Its ``to_local()`` then is that
+    tensor: converting back and forth is the identity on the values and on the gradient
+    (placements without ``Partial``, whose backward would sum the cotangent), so neither
+    conversion need run, forward or backward; unless a hook or ``retain_grad`` waits for
+    ``d``'s own gradient, or an in-place op made ``d`` another node's."""
     if type(d.grad_fn) not in _FROM_LOCAL_NODES or torch_private.watched(d):
         return None
     return d.__dict__.get(_MADE_FROM)
