@@ -231,7 +231,7 @@ def vary(
     """Invariant over ``token``'s level -> varying broadcast (an expand, no copy)."""
     if FAST:
         if torch_private.maybe_get_level(x) < level and torch_private.maybe_current_level() == top:
-            # The common case, inlined: batched at nothing from here up, under our levels only.
+            # The common case: batched at nothing from here up, under our levels only.
             return torch_private.add_batch_dim(stacked.copies(x, n), 0, level)
         if vmaps_only_above(level, top):
             found = _peel(x, level)

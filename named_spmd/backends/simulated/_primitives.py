@@ -223,7 +223,7 @@ class SimulatedContext(SpmdContext):
         """Invariant stack ``[n, *local]`` of the group's values, row-major over ``axes``: a
         tensor of its own, as a real mesh's (the stack views the operand's storage, so a write
         into it would reach the operand, and through it the caller's tensor)."""
-        return stacked.gather(self._stack(x, axes)).clone()
+        return self._stack(x, axes).clone()
 
     def _stack(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """The members' values stacked, ``[n, *local]`` (invariant, a view of ``x``): the
@@ -280,16 +280,18 @@ class SimulatedContext(SpmdContext):
         return x
 
     def reduce_scatter(self, x, axes, dim):
-        # ``stacked.reduce_scatter`` as its two steps: reduced at each level, the sum's dim made
-        # the levels' batch dim (no op), never the stack on which the sum's ops would be batched
+        # ``stacked.reduce_scatter``'s two steps, at the levels: summed level by level, then the
+        # summed dim made the levels' batch dim (no op); summing a stack would batch the sum
         return self.own_block(self.all_reduce(x, axes, "sum"), axes, dim)
 
     def all_to_all(self, x, axes, dim):
-        # a tensor of its own, as all_gather's
+        # a tensor of its own, as all_gather's result (the stack views the operand)
         return self._members(stacked.all_to_all(self._stack(x, axes), dim).clone(), axes)
 
     def broadcast(self, x, axes, root):
-        return stacked.broadcast(self._stack(x, axes), root).clone()  # (as all_gather's)
+        return stacked.broadcast(
+            self._stack(x, axes), root
+        ).clone()  # (its own memory, as all_gather's)
 
     def permute(self, x, axes, pairs):
         n = self.mesh.axis_size(axes)

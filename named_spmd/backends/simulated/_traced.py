@@ -11,7 +11,7 @@ are autograd Functions, which do not compile under vmap. Here instead:
   whose only implementation is its vmap rule (:func:`_rule`): at each vmap level it moves the
   level's batch dim in front and calls itself one level down, until every axis of the
   collective is an explicit dim; there :func:`_every_member` computes every member's result
-  with the math the eager levels use too (``_stacked``), and the result goes back up, batched at the levels it varies over. The
+  with ``_stacked``'s math, and the result goes back up, batched at the levels it varies over. The
   level of axis ``a`` is recognised by the per-axis token (``arange`` of the axis size) that is
   batched there. Autograd and Inductor see only ordinary ops: a gradient flows through them
   as through any batched program, and the transposes need no rule of ours;
