@@ -120,7 +120,7 @@ def after_op(
     which the op's contraction makes it unreduced (usually none). Raises a :class:`VmaError`
     where a bias is added to a contraction that is unreduced (``F.linear``, ``addmm``)."""
     with DisableTorchFunction():  # shapes and dims read below are no ops of the program
-        rule = _rule(func)
+        rule = _RULE_LIST[rule_index(func)]
         if rule is _elementwise and isinstance(out, torch.Tensor):
             rec = _elementwise_record(operands, out, token, vma_of)
             if rec is not None:  # the usual case, without the general rule's work
@@ -169,10 +169,6 @@ def _elementwise_record(operands, out: torch.Tensor, token: object, vma_of) -> A
             if vma.varying or vma.unreduced:  # opaque over those axes: the rule's work
                 return None
     return None if found is None else (token, found)
-
-
-def _rule(func: Any) -> Rule | None:
-    return _RULE_LIST[rule_index(func)]
 
 
 _RULE_LIST: tuple[Rule | None, ...] = (None, *RULES.values())

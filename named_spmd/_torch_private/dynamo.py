@@ -38,14 +38,13 @@ def trace_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def memo_would_be_guarded() -> bool:
-    """Whether a memo (a dict or set of the library's) read now would be guarded: while
-    Dynamo traces, it guards the length of every dict and set a trace reads, so an entry added
-    later (by the trace itself, or by an eager call between two steps) would recompile the
-    graph. A caller that gets True computes without the memo. (True also inside a
-    :func:`trace_constant` function, whose reads are not guarded: there a memo is safe, and
-    reading it is not needed.)"""
-    return torch.compiler.is_compiling()
+#: Whether a memo (a dict or set of the library's) read now would be guarded: while Dynamo
+#: traces, it guards the length of every dict and set a trace reads, so an entry added later (by
+#: the trace itself, or by an eager call between two steps) would recompile the graph; a caller
+#: told True computes without the memo. ``torch.compiler.is_compiling`` itself (Dynamo folds
+#: that function to True; no call added on the eager path), so also True inside a
+#: :func:`trace_constant` function run at trace time, whose reads are not guarded.
+memo_would_be_guarded = torch.compiler.is_compiling
 
 
 def inductor_graph_pass(fn: Callable[[Any], None], version: str) -> Any:
