@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import _torch_private as torch_private
 from ._block_rules import NONE, PLAIN, RULES, WITH_BIAS, Layout, Rule, bias
 from ._block_rules.shapes import _elementwise
 from ._errors import VmaError
@@ -44,16 +45,19 @@ ATTR = "_named_spmd_blocks"
 def mark(x: torch.Tensor, spec: Any, token: object) -> bool:
     """Record the blocks an input under ``spec`` holds (nothing if the spec splits no dim);
     whether it holds any."""
-    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on it
-        lay = _make_input_layout(spec, x.dim())
-        if lay is not None:
-            _write(x, (token, lay))
-        return lay is not None
     lay = _input_layout(spec, x.dim())
     if lay is not None:
-        x.__dict__[ATTR] = (token, lay)  # (_write, not compiling)
+        x.__dict__[ATTR] = (token, lay)  # (_write, eagerly)
         return True
     return False
+
+
+def mark_traced(x: torch.Tensor, spec: Any, token: object) -> None:
+    """:func:`mark` while Dynamo traces: without the memo (Dynamo would guard on it), the
+    record an attribute."""
+    lay = _make_input_layout(spec, x.dim())
+    if lay is not None:
+        setattr(x, ATTR, (token, lay))
 
 
 def holds_blocks(spec: Any, ndim: int) -> bool:
@@ -64,7 +68,7 @@ def holds_blocks(spec: Any, ndim: int) -> bool:
 def _input_layout(spec: Any, ndim: int) -> Layout | None:
     """The blocks an input of ``ndim`` dims under ``spec`` holds, or None if it holds none:
     one layout per (spec, ndim), kept on the spec (layouts are immutable), as every call marks
-    every input leaf (eager only: Dynamo would guard on the memo)."""
+    every input leaf (eagerly: :func:`mark_traced` makes it anew)."""
     memo = spec.__dict__.setdefault("_input_layouts", {})
     if ndim not in memo:
         memo[ndim] = _make_input_layout(spec, ndim)
@@ -116,7 +120,7 @@ def after_op(
     which the op's contraction makes it unreduced (usually none). Raises a :class:`VmaError`
     where a bias is added to a contraction that is unreduced (``F.linear``, ``addmm``)."""
     with DisableTorchFunction():  # shapes and dims read below are no ops of the program
-        rule = _rule(func)
+        rule = _RULE_LIST[rule_index(func)]
         if rule is _elementwise and isinstance(out, torch.Tensor):
             rec = _elementwise_record(operands, out, token, vma_of)
             if rec is not None:  # the usual case, without the general rule's work
@@ -167,36 +171,30 @@ def _elementwise_record(operands, out: torch.Tensor, token: object, vma_of) -> A
     return None if found is None else (token, found)
 
 
-_RULE_OF: dict = {}  # func -> its rule or None (memo: every op of a call with blocks asks)
-
-
-def _rule(func: Any) -> Rule | None:
-    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 7)
-        return _RULE_LIST[RULE_INDEX[0](func)]
-    try:
-        return _RULE_OF[func]
-    except KeyError:
-        rule = _RULE_OF[func] = _RULE_LIST[rule_index(func)]
-        return rule
-    except TypeError:  # an unhashable callable
-        return None
-
-
 _RULE_LIST: tuple[Rule | None, ...] = (None, *RULES.values())
 _RULE_INDEX = {name: i for i, name in enumerate(RULES, 1)}
+_INDEX_OF: dict = {}  # func -> rule_index(func) (memo: every op of a call with blocks asks)
 
 
+# run eagerly at trace time: Dynamo cannot trace ``str.endswith`` on an op's name, nor read the
+# memo unguarded, and a traced lookup in a dict of 200 rules guards on every entry (checked on
+# every compiled call), where an index into a tuple guards on the one
+@torch_private.trace_constant
 def rule_index(func: Any) -> int:
     """Where ``func``'s rule is in ``_RULE_LIST`` (0: none), by name: in-place ``add_`` is
     ``add``, ``__add__`` stays."""
+    try:
+        return _INDEX_OF[func]
+    except KeyError:
+        index = _INDEX_OF[func] = _index_by_name(func)
+        return index
+    except TypeError:  # an unhashable callable
+        return _index_by_name(func)
+
+
+def _index_by_name(func: Any) -> int:
     name = op_name(func)
     return _RULE_INDEX.get(name if name.endswith("__") else name.rstrip("_"), 0)
-
-
-#: :func:`rule_index`; the compile paths wrap it to run eagerly at trace time: Dynamo cannot
-#: trace ``str.endswith`` on an op's name, and a traced lookup in a dict of 200 rules guards on
-#: every entry (checked on every compiled call), where an index into a tuple guards on the one
-RULE_INDEX = [rule_index]
 
 
 def recorded_layout(t: torch.Tensor, token: object) -> Layout | None:
@@ -219,7 +217,7 @@ def _layout_of(t: torch.Tensor, token: object, vma_of) -> Layout:
         return lay
     n = t.dim()
     vma = vma_of(t)  # no record: whatever it varies over, it does for reasons not known here
-    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length
+    if torch_private.memo_would_be_guarded():
         return Layout((NONE,) * n, vma.varying | vma.unreduced)
     key = (n, vma)
     lay = _UNRECORDED.get(key)

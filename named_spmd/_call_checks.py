@@ -3,7 +3,7 @@
 The input checks run once per tree structure, ``.local``, ``uneven_state()`` and
 :func:`leaves_key` (``input_leaves``'s cache on the ``SpmdFunction``, which keeps each such set
 of calls' ``Call.memo``); while Dynamo traces, the in_specs are broadcast over a skeleton of the
-inputs instead (``IN_SPEC_INDEX``). The output checks other than the types' run once per output
+inputs instead (``in_spec_index``). The output checks other than the types' run once per output
 tree structure and :func:`leaves_key` (``SpmdFunction._outputs_of_tree``). Whether a dim the
 axes do not divide is taken is the backend's to say (its ``capabilities.uneven_blocks`` and
 ``uneven_state()``).
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _context
+from . import _torch_private as torch_private
 from ._accounting import CommEvent, on_backward
 from ._errors import SpecError, VmaError, bullet_list
 from ._layout import block_global_shape, gives_unequal_blocks
@@ -27,10 +28,10 @@ from ._spec import (
     spec_problems,
 )
 from ._tree import (
-    IN_SPEC_INDEX,
     broadcast_specs,
     flatten,
     flatten_with_paths,
+    in_spec_index,
     leaf_skeleton,
     opaque_leaf_problem,
     opaque_tensor_holder,
@@ -49,7 +50,7 @@ def input_leaves(
     """The call's leaves, their specs and tree structure, checked against in_specs; and the
     memo of the calls of ``f`` with this tree structure and these leaves (:func:`leaves_key`:
     ``Call.memo``, a new dict where there is none, as while Dynamo traces)."""
-    if torch.compiler.is_compiling():
+    if torch_private.memo_would_be_guarded():
         paths, leaves, treedef = flatten_with_paths(args)
         specs = _specs_in_trace(f, args)
         if specs is None:
@@ -113,15 +114,16 @@ def _check_inputs(
 
 def _specs_in_trace(f: SpmdFunction, args: tuple) -> list[PartitionSpec] | None:
     """The inputs' specs while Dynamo traces, broadcast eagerly over a skeleton of the
-    inputs (``IN_SPEC_INDEX``), each an index into the distinct specs. Broadcast in the
-    trace, the in_specs tree would be guarded spec by spec (about 200 guards on a model's
-    parameters, checked on every compiled call); this way the hook's argument ``f`` is
-    guarded by identity and only the distinct specs by content. None where the inputs hold
-    other containers than tuples, lists and dicts (the traced path broadcasts)."""
+    inputs (``in_spec_index`` runs at trace time), each an index into the distinct specs.
+    Broadcast in the trace, the in_specs tree would be guarded spec by spec (about 200 guards
+    on a model's parameters, checked on every compiled call); this way ``in_spec_index``'s
+    argument ``f`` is guarded by identity and only the distinct specs by content. None where
+    the inputs hold other containers than tuples, lists and dicts (the traced path
+    broadcasts)."""
     skeleton = leaf_skeleton(args)
     if skeleton is None:
         return None
-    index = IN_SPEC_INDEX[0](f, skeleton)
+    index = in_spec_index(f, skeleton)
     if isinstance(index, str):
         raise SpecError(index)
     table = f._in_spec_table
@@ -194,7 +196,7 @@ def _out_specs(
     """The out_specs broadcast over ``out`` (of structure ``treedef``), and the
     :func:`leaves_key` of the outputs of that structure that fit them; once per structure
     outside a trace (as the in_specs, ``input_leaves``; None: no such set, in a trace)."""
-    if torch.compiler.is_compiling():
+    if torch_private.memo_would_be_guarded():
         return broadcast_specs(f.out_specs, out, "out_specs", f.where), None
     specs, fitting = _per_structure(
         f._outputs_of_tree, treedef, f.out_specs, out, "out_specs", f, set
@@ -222,7 +224,7 @@ def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:
     (``ns.compile`` asks at every call)."""
     if local or f.mesh.size == 1 or not f.backend.capabilities.uneven_blocks:
         return False
-    if torch.compiler.is_compiling():
+    if torch_private.memo_would_be_guarded():
         leaves = flatten_with_paths(args)[1]
         return _splits_unevenly(f, args, leaves, _specs_in_trace(f, args))
     leaves, treedef = flatten(args)

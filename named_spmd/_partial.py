@@ -21,12 +21,13 @@ from __future__ import annotations
 import functools
 import os
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from numbers import Number
 from typing import Any
 
 import torch
 
+from . import _torch_private as torch_private
 from ._errors import NOT_USER_DIRS, VmaError
 from ._operands import is_inplace, result_tensors
 from ._types import Vma, type_text
@@ -140,7 +141,7 @@ def combine(
     ``vmas`` (at least one with U or R axes); raises a :class:`VmaError` naming the op, the
     user's line, the axis and the fix, or, for an op not known to be linear, returns a function
     that makes that error (raised only if the op returns a tensor: ``x.shape`` is fine)."""
-    if torch.compiler.is_compiling():  # no memo: Dynamo would guard on its length (section 7)
+    if torch_private.memo_would_be_guarded():
         return _combine(ctx, func, args, kwargs, operands, vmas)
     # memo of the accepted ops: what decides is the op, the operands' types, which operand is
     # first, and whether a non-zero constant or a bias is added (a hot path: most programs
@@ -413,13 +414,14 @@ def user_line() -> str:
     """`` at file:line (code)`` of the innermost frame outside named_spmd, torch and the standard
     library: the user's line that ran the op."""
     if torch.compiler.is_compiling():  # the frames Dynamo traces are not on the real stack
-        return TRACED_USER_LINE[0]()
+        return _traced_user_line()
     return line_of(traceback.extract_stack())
 
 
-#: ``user_line`` while torch.compile traces: the real backend's compile path fills it with a
-#: function run eagerly at trace time that reads Dynamo's stack of the user's traced frames.
-TRACED_USER_LINE: list[Callable[[], str]] = [lambda: ""]
+@torch_private.trace_constant  # run eagerly at trace time: it reads Dynamo's stack
+def _traced_user_line() -> str:
+    """``user_line`` while torch.compile traces, from Dynamo's stack of the user's frames."""
+    return line_of(torch_private.traced_user_stack())
 
 
 def line_of(stack: Sequence[traceback.FrameSummary]) -> str:

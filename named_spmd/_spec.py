@@ -7,8 +7,7 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
+from . import _torch_private as torch_private
 from ._errors import SpecError, suggest
 from ._types import Vma, render
 
@@ -249,10 +248,9 @@ def spec_problems(
     ``_layout.dim_sizes``); ``given`` (default: ``uneven``): it takes the unequal sizes a
     :class:`Blocks` entry gives, on that entry's dim."""
     given = uneven if given is None else given
-    if torch.compiler.is_compiling():
-        # No memo: Dynamo would guard on its length, and any call that adds to it (another
-        # function's new shapes) would recompile every compiled call (the memo's lookup also
-        # specialized the dims; dims left symbolic broke the real mesh's block arithmetic)
+    if torch_private.memo_would_be_guarded():
+        # (the memo's lookup also specialized the dims; dims left symbolic break the real
+        # mesh's block arithmetic)
         specialize(shape)
         return _spec_problems(spec, shape, mesh_shape, where, uneven, given)
     key = (spec, tuple(shape), tuple(mesh_shape.items()), uneven, given)

@@ -12,10 +12,11 @@ trace time, and nothing of them runs per step:
 * :class:`CompiledVmaMode`: every op takes ``VmaMode``'s general path;
 * :func:`warm_types`: the type algebra's memos filled before any trace reads them (Dynamo guards
   on the length of every dict a trace reads);
-* what must run eagerly at trace time (error texts, the user's line, the block rule's name) goes
-  through ``torch.compiler.assume_constant_result``, installed in the modules' hooks on import.
+* what must run eagerly at trace time is marked ``torch_private.trace_constant`` where it is
+  defined (the error texts' types, the user's line, the block rule's index, the in_specs'
+  indices, the dtype probes, here the function's label and the trace's frames).
 
-Importing this module imports Dynamo (``assume_constant_result``): only the compile paths do.
+Importing this module imports Dynamo (``skip_frame``): only the compile paths do.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ from typing import Any
 
 import torch
 
-from . import _blocks, _partial, _tree, _types, random
+from . import _blocks
 from . import _torch_private as torch_private
-from ._collectives import _checks
 from ._collectives._record import implicit_pvary
 from ._context import SpmdContext
 from ._errors import SpmdError, fn_label
@@ -72,42 +72,23 @@ def warm_types(names: tuple[str, ...]) -> bool:
 
 
 #: :func:`warm_types` run eagerly when a trace calls it (a compile path's first step).
-warm_types_eagerly = torch.compiler.assume_constant_result(warm_types)
-
-# error messages name types eagerly at trace time (Dynamo cannot build the slotted VType)
-_types.TYPE_TEXT[0] = torch.compiler.assume_constant_result(_types._type_repr)
+warm_types_eagerly = torch_private.trace_constant(warm_types)
 
 
-@torch.compiler.assume_constant_result
-def _traced_user_line() -> str:
-    """The user's line of the op being traced, for error messages (run eagerly at trace time)."""
-    return _partial.line_of(torch_private.traced_user_stack())
-
-
-_partial.TRACED_USER_LINE[0] = _traced_user_line
-_blocks.RULE_INDEX[0] = torch.compiler.assume_constant_result(_blocks.rule_index)
-_tree.IN_SPEC_INDEX[0] = torch.compiler.assume_constant_result(_tree.in_spec_index)
-random.DRAW_OP[0] = random.make_draw_op()  # a compiled draw: one op of the graph
-# the collectives' dtype probes run eagerly at trace time (``_collectives._checks``): Dynamo reads
-# the mark assume_constant_result sets on the function itself, where check_* call it by name
-torch.compiler.assume_constant_result(_checks.torch_reduces)
-torch.compiler.assume_constant_result(_checks.torch_copies)
-
-
-@torch.compiler.assume_constant_result
+@torch_private.trace_constant
 def _label(fn: Any) -> str:
     """The function's label for messages, computed eagerly at trace time."""
     return fn_label(fn)
 
 
-@torch.compiler.assume_constant_result
+@torch_private.trace_constant
 def route_view_attributes() -> bool:
     """Run eagerly when the first call is traced: ``x.T`` & co. reach the VmaMode, as in eager
     (``_torch_private.route_view_attributes_to_modes``)."""
     return torch_private.route_view_attributes_to_modes()
 
 
-@torch.compiler.assume_constant_result
+@torch_private.trace_constant
 def root_frame() -> tuple[str, str]:
     """(file, function) of the frame Dynamo compiles, run eagerly at trace time."""
     return torch_private.traced_root_frame() or ("", "")
@@ -117,7 +98,7 @@ def root_frame() -> tuple[str, str]:
 skip_frame = torch_private.dynamo_skip_frame()
 
 
-@torch.compiler.assume_constant_result
+@torch_private.trace_constant
 def _in_subgraph() -> bool:
     """``traced_in_subgraph`` run eagerly at trace time."""
     return torch_private.traced_in_subgraph()
@@ -153,7 +134,7 @@ class TracedContext(TrackedContext):
     def __init__(self, mesh: Any, fn: Callable[..., Any]):
         SpmdContext.__init__(self, mesh, fn)  # not TrackedContext's caches: Dynamo traces this
         if isinstance(fn, types.FunctionType):  # traced, its __qualname__ reads as a descriptor
-            self.fn_label = _label(fn)  # (a partial cannot be an assume_constant_result argument)
+            self.fn_label = _label(fn)  # (a partial cannot be an trace_constant argument)
         self.call_token = _Token()
         self.aliases: dict[torch.Tensor, dict[tuple[str, ...], torch.Tensor]] = {}
 
@@ -178,7 +159,7 @@ class TracedContext(TrackedContext):
         """As the eager one, with attributes; the traced paths give every argument position a
         tensor object of its own (a view, or a block) before stamping it."""
         self.stamp(x, spec.vma())
-        _blocks.mark(x, spec, self.call_token)
+        _blocks.mark_traced(x, spec, self.call_token)
         return x
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
@@ -191,7 +172,7 @@ class TracedContext(TrackedContext):
         return alias
 
 
-@torch.compiler.assume_constant_result
+@torch_private.trace_constant
 def _writes_in_place(func: Any) -> bool:
     """``is_inplace`` run eagerly at trace time: its memo is a dict (Dynamo would guard on its
     length) and Dynamo cannot trace ``str.endswith`` on an op's name."""

@@ -10,6 +10,7 @@ from typing import Any
 import optree
 import torch
 
+from . import _torch_private as torch_private
 from ._errors import SpecError
 from ._spec import PartitionSpec, specialize
 
@@ -41,7 +42,7 @@ def broadcast_specs(specs: Any, tree: Any, what: str, where: str) -> list[Partit
     Results are cached per (specs structure and leaves, tree structure): every call of a mapped
     function broadcasts the same specs over the same structure. (The structures are part of the
     key because a tuple of one P('b', 'a') equals P(('b', 'a')) as a tuple.)"""
-    if torch.compiler.is_compiling():  # Dynamo cannot hash a treespec: no cache when traced
+    if torch_private.memo_would_be_guarded():  # (and Dynamo cannot hash a treespec)
         plain = _plain_prefix(specs, tree) if _plain(tree) else None
         return plain if plain is not None else _broadcast_specs(specs, tree, what, where)
     key: tuple | None
@@ -240,6 +241,7 @@ class _Described(str):
     """A leaf's description standing for the leaf (:func:`in_spec_index`)."""
 
 
+@torch_private.trace_constant  # Dynamo would guard the in_specs tree spec by spec
 def in_spec_index(fn: Any, skeleton: Any) -> tuple[int, ...] | str:
     """For each leaf of ``skeleton`` (:func:`leaf_skeleton` of a mapped function's arguments),
     where its spec is in ``fn._in_spec_table``; the error's message where the arguments do not
@@ -250,10 +252,6 @@ def in_spec_index(fn: Any, skeleton: Any) -> tuple[int, ...] | str:
     except SpecError as e:
         return str(e)
     return tuple(fn._in_spec_table.index(s) for s in specs)
-
-
-#: :func:`in_spec_index`; the compile paths wrap it to run eagerly at trace time
-IN_SPEC_INDEX = [in_spec_index]
 
 
 def flatten_with_paths(tree: Any) -> tuple[list[tuple], list[Any], Any]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ._torch_private import trace_constant
+
 _SHORT_DTYPES = {
     torch.float64: "f64",
     torch.float32: "f32",
@@ -299,17 +301,7 @@ def render(kind: str, value: Any) -> str:
     return RENDERERS[kind](value)
 
 
-def _type_repr(dtype: torch.dtype, shape: tuple[int, ...], vma: Vma, order: tuple[str, ...]) -> str:
-    return repr(VType(dtype, shape, vma, order))
-
-
-#: How error messages write a value's type. The real backend's compile path
-#: (``_traced.py``, imported by the compile paths) replaces the entry, on import, with a version that runs eagerly
-#: while torch.compile traces (Dynamo cannot build the slotted ``VType``); wrapped here, it would
-#: import Dynamo with named_spmd.
-TYPE_TEXT = [_type_repr]
-
-
+@trace_constant  # Dynamo cannot build the slotted VType: run eagerly at trace time
 def type_text(dtype: torch.dtype, shape: tuple[int, ...], vma: Vma, order: tuple[str, ...]) -> str:
-    """``repr(VType(...))`` for an error message (see :data:`TYPE_TEXT`)."""
-    return TYPE_TEXT[0](dtype, shape, vma, order)
+    """``repr(VType(...))``: how error messages write a value's type."""
+    return repr(VType(dtype, shape, vma, order))

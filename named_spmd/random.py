@@ -281,7 +281,7 @@ def _compiled_draw(
     device: torch.device,
     params: tuple[Any, ...],
 ) -> torch.Tensor:
-    """One member's draw as one op of a compiled graph (:func:`_draw_op`), the same numbers
+    """One member's draw as one op of a compiled graph (:func:`_make_draw_op`), the same numbers
     as the eager draw. Dynamo cannot trace a ``torch.Generator``; the op makes it when the
     graph runs, from the seed's int parts as graph inputs: an int that changes every step (a
     step counter, which Dynamo makes symbolic after its first change) is read then, not
@@ -291,14 +291,23 @@ def _compiled_draw(
     strs = [p for p in parts if isinstance(p, str)]
     low, high = params if op == "randint" else (0, 0)
     p = params[0] if op == "dropout" else 0.0
-    return DRAW_OP[0](op, kinds, ints, strs, pairs, list(shape), dtype, device, low, high, p)
+    _draw_op_made()
+    return _DRAW_OP[0](op, kinds, ints, strs, pairs, list(shape), dtype, device, low, high, p)
 
 
-#: ``named_spmd::random_draw``: made by ``_traced`` on import (the compile paths only)
-DRAW_OP: list[Any] = [None]
+#: ``named_spmd::random_draw``, once the first compiled draw made it (:func:`_draw_op_made`)
+_DRAW_OP: list[Any] = []
 
 
-def make_draw_op() -> Any:
+@torch_private.trace_constant  # made eagerly at trace time: an eager draw never needs it
+def _draw_op_made() -> bool:
+    """Make the draw op, once (registering it takes about 15 ms: not at import)."""
+    if not _DRAW_OP:
+        _DRAW_OP.append(_make_draw_op())
+    return True
+
+
+def _make_draw_op() -> Any:
     """The custom op of a compiled draw (:func:`_compiled_draw`)."""
 
     @torch.library.custom_op("named_spmd::random_draw", mutates_args=(), schema=_DRAW_SCHEMA)

@@ -1,4 +1,4 @@
-"""``import named_spmd`` stays light: no real backend, no torch.distributed machinery.
+"""``import named_spmd`` stays light: no real backend, no torch.distributed machinery, no Dynamo.
 
 Measured with torch 2.13: ``import torch`` by itself already imports ``torch.distributed`` and
 ``torch.distributed.device_mesh``, so the check is what importing named_spmd *adds* on top of
@@ -15,6 +15,7 @@ HEAVY = [
     "torch.distributed._functional_collectives",
     "torch.distributed.tensor",
     "named_spmd.backends.distributed",
+    "torch._dynamo",  # the compile paths' (a second more); trace-time constants are marked without it
 ]
 NOT_ADDED = ["torch.distributed.device_mesh", "torch.distributed", *HEAVY]
 

@@ -847,3 +847,47 @@ def test_torchs_directory_holds_its_files_and_no_users():
     assert not torch_private.torch_file(__file__)
     assert _errors.TORCH_DIRS[0] == torch_private.TORCH_DIR
     assert not __file__.startswith(_errors.TORCH_DIRS)
+
+
+def test_trace_constant_is_assume_constant_results_mark_made_without_dynamo():
+    """``trace_constant`` marks a function as ``torch.compiler.assume_constant_result`` does
+    (the same attributes), without importing Dynamo; traced, the function runs eagerly at trace
+    time (reading real state: not guarded), its result a constant of the graph."""
+    code = (
+        "import sys, torch\n"
+        "from named_spmd import _torch_private as torch_private\n"
+        "torch_private.trace_constant(lambda: 1)\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    _prints_ok_in_a_fresh_process(code)
+
+    def ours(n):
+        return n
+
+    def public(n):
+        return n
+
+    torch_private.trace_constant(ours)
+    torch.compiler.assume_constant_result(public)
+    assert vars(ours) == vars(public) and vars(ours)
+
+    from torch._dynamo.testing import CompileCounter
+
+    memo = {}
+
+    @torch_private.trace_constant
+    def looked_up(n):
+        memo.setdefault(n, len(memo))  # a memo that grows: a traced read would be guarded
+        return n + 1
+
+    def step(x):
+        return x * looked_up(2)
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    x = torch.arange(3.0)
+    assert torch.equal(compiled(x), x * 3)
+    memo[7] = 0  # grows between steps
+    assert torch.equal(compiled(x), x * 3)
+    assert counter.frame_count == 1 and counter.op_count == 1

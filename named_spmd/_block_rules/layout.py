@@ -8,6 +8,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import _torch_private as torch_private
+
 NONE: frozenset[str] = frozenset()
 
 
@@ -23,7 +25,7 @@ PLAIN: set[int] = set()
 
 def is_plain(lay: Layout) -> bool:
     """Whether ``lay`` holds no blocks and nothing opaque (eagerly: by identity, a hot path)."""
-    if torch.compiler.is_compiling():  # no global set: Dynamo would guard on its length
+    if torch_private.memo_would_be_guarded():
         return not lay.opaque and not any(lay.dims)
     return id(lay) in PLAIN
 

@@ -67,9 +67,9 @@ def check_pairs(ctx: SpmdContext, op: str, perm: Any, n: int, axes: Axes) -> Pai
     """Validated pairs. Perms of int tuples are remembered: validating costs more than the
     simulated permutation of a small operand."""
     # only int tuples are looked up: (0.0, 1.0) hashes and compares equal to (0, 1), but is
-    # not a valid pair; none while Dynamo traces (it warns about the lru_cache)
+    # not a valid pair; none while Dynamo traces (it also warns about the lru_cache)
     if (
-        not torch.compiler.is_compiling()
+        not torch_private.memo_would_be_guarded()
         and isinstance(perm, (list, tuple))
         and all(type(p) is tuple and all(type(v) is int for v in p) for p in perm)
     ):
@@ -138,13 +138,14 @@ def _copies(dtype: torch.dtype) -> bool:
 # What torch answered so far. Looked up before entering the modes below: the lookup is on every
 # eager collective's path, the modes cost about 50 us.
 _REDUCES: dict[tuple[torch.dtype, str, str], bool] = {}
-COPIES: dict[torch.dtype, bool] = {}
+_COPIES: dict[torch.dtype, bool] = {}
 
 
 # The probes below ask torch itself, on real tensors, outside the library's modes. While
-# torch.compile traces a call they run eagerly at trace time (``_traced`` marks them
-# ``assume_constant_result``, which imports Dynamo: not at import; a traced probe would ask fake
-# tensors), so a compiled call is refused where an eager one is.
+# torch.compile traces a call they run eagerly at trace time (a traced probe would ask fake
+# tensors, and Dynamo would guard on their memos), so a compiled call is refused where an eager
+# one is.
+@torch_private.trace_constant
 def torch_reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
     """Whether torch computes ``reduction`` of ``dtype`` tensors on ``device_type`` (float8,
     bit and sub-byte dtypes have no sum on CPU; unsigned 16- to 64-bit integers no amax)."""
@@ -156,12 +157,13 @@ def torch_reduces(dtype: torch.dtype, device_type: str, reduction: str) -> bool:
     return known
 
 
+@torch_private.trace_constant
 def torch_copies(dtype: torch.dtype) -> bool:
     """Whether torch has a copy kernel for ``dtype`` (none for int1..int7, uint1..uint7)."""
-    known = COPIES.get(dtype)
+    known = _COPIES.get(dtype)
     if known is None:
         with torch_private.DisableTorchFunction(), torch_private.no_dispatch_modes():
-            known = COPIES[dtype] = _copies(dtype)
+            known = _COPIES[dtype] = _copies(dtype)
     return known
 
 

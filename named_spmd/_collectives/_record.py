@@ -41,7 +41,7 @@ from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, tensor_base
 from .._types import Vma, type_text
 from . import _rules
-from ._checks import COPIES, Invariant, check_copyable, raise_invariant_operand
+from ._checks import Invariant, check_copyable, raise_invariant_operand, torch_copies
 
 # Operand policies: what an operand invariant over some axes of the collective gets.
 PVARY = "pvary"
@@ -189,9 +189,8 @@ def _apply(
     the backend's run of the forward, and the result's type. ``user_operand``: ``t`` is the
     tensor the user's code passed (not a leaf of a pytree), which a backend may reduce in place
     (``SpmdContext.apply``)."""
-    # a dict lookup (this path is hot), not read while traced: Dynamo would guard on the dict's
-    # contents, and the first eager call after a compiled one, which adds to it, recompiles
-    if rec.forward_event and (torch.compiler.is_compiling() or not COPIES.get(t.dtype)):
+    # (a compiled call runs the probe at trace time, unguarded: the branch leaves the graph)
+    if rec.forward_event and not torch_copies(t.dtype):
         check_copyable(ctx, rec.name, t)
     if rec.check is not None or ctx.values_read:  # (after a read: every rank's step, too)
         params = ctx.check_operand(rec, t, axes, params)

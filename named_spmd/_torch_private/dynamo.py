@@ -27,6 +27,26 @@ def not_traced(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
     return eager
 
 
+def trace_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it, without importing
+    Dynamo (the public function imports it: ``import named_spmd`` must not). When Dynamo traces
+    a call of ``fn``, it runs ``fn`` eagerly on the (constant) arguments and puts the result in
+    the graph as a constant: what ``fn`` reads (a memo, the real stack, a probe on real
+    tensors) is not traced nor guarded. Eager calls are unaffected. tests/test_torch_private.py
+    checks the mark is the public function's."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+#: Whether a memo (a dict or set of the library's) read now would be guarded: while Dynamo
+#: traces, it guards the length of every dict and set a trace reads, so an entry added later (by
+#: the trace itself, or by an eager call between two steps) would recompile the graph; a caller
+#: told True computes without the memo. ``torch.compiler.is_compiling`` itself (Dynamo folds
+#: that function to True; no call added on the eager path), so also True inside a
+#: :func:`trace_constant` function run at trace time, whose reads are not guarded.
+memo_would_be_guarded = torch.compiler.is_compiling
+
+
 def inductor_graph_pass(fn: Callable[[Any], None], version: str) -> Any:
     """``fn`` (an FX graph -> None, editing it in place) as an Inductor custom graph pass (the
     ``post_grad_custom_pre_pass`` option): a ``CustomGraphPass`` whose ``uuid`` (``version``)

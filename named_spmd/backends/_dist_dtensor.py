@@ -32,7 +32,7 @@ def placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
     """DTensor placements of ``spec`` on ``mesh`` (cached per mesh, but not while Dynamo traces:
     the trace's placements are fake objects, which its replay of the store would leave in the
     cache for eager calls, and a cache the trace fills fails Dynamo's guard on it next call)."""
-    if torch.compiler.is_compiling():
+    if torch_private.memo_would_be_guarded():
         return _placements_of(mesh, spec, rank)
     # read for every DTensor input and output of every call: keyed by the spec's id, hashed in
     # C (a spec hashes and compares in Python), the spec kept in the entry (so no other object

@@ -137,7 +137,7 @@ _INVARIANT_RESULTS = frozenset({"sum", "max", "min", "gather", "broadcast"})
 # --- the context ------------------------------------------------------------------------------
 
 
-@torch.compiler.assume_constant_result
+@torch_private.trace_constant
 def _under_grad() -> bool:
     """Whether a torch.func grad / jvp transform is the innermost one (run eagerly at trace
     time: Dynamo enters the transforms' levels while it traces them)."""
