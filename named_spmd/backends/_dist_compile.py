@@ -8,8 +8,8 @@ backend interface is the same (docs/design.md section 5.6); only what Dynamo can
   followed by ``wait_tensor``) instead of ``ProcessGroup`` methods, so the graph carries every
   collective and Inductor may reorder and overlap them; ``permute`` is an ``all_to_all_single``
   with one non-empty split each way;
-* every collective runs inside our own autograd Function (:class:`CompiledCollectiveFn`, the
-  bridge of ``_autodiff``): Dynamo traces its forward and backward, and the backward is the
+* every collective runs inside the autograd bridge of ``_autodiff`` (as
+  ``TracedCollectiveFn``): Dynamo traces its forward and backward, and the backward is the
   record's transpose, so an implicit pvary's psum appears in the backward graph;
 * types are ``_traced``'s (stamps set with ``setattr``, every op typed by
   ``CompiledVmaMode``): type inference, the out_specs check and every ``SpmdError`` happen
@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as torch_private
+from .._autodiff import apply as bridge_apply
 from .._collectives._record import PVARY_RECORD, RECORDS
 from .._layout import assemble, block
 from .._spec import PartitionSpec, output_settles
@@ -219,33 +220,8 @@ class CompiledContext(FuncolPrimitives, TracedContext):
     def apply(self, rec, x, axes, params, user_operand=False):
         with torch_private.DisableTorchFunction():  # the collective's own ops need no types
             if x.requires_grad and torch.is_grad_enabled():
-                return CompiledCollectiveFn.apply(x, rec, self, axes, params)
+                return bridge_apply(rec, self, x, axes, params)
             return rec.forward(self, x, axes, params)
-
-
-class CompiledCollectiveFn(torch.autograd.Function):
-    """The bridge (``_autodiff.CollectiveFn``) for a traced call: forward the record's forward,
-    backward its transpose, run with torch function modes off (Dynamo refuses a backward that
-    mutates state outside it). No ``jvp`` or ``vmap`` rule: Dynamo refuses a Function with a
-    custom ``jvp``, so forward-mode AD does not compile."""
-
-    @staticmethod
-    def forward(x, rec, spmd, axes, params):
-        return rec.forward(spmd, x, axes, params)
-
-    @staticmethod
-    def setup_context(node, inputs, output):
-        x, node.rec, node.spmd, node.axes, node.params = inputs
-        if node.rec.saves:
-            node.save_for_backward(x, output)
-
-    @staticmethod
-    def backward(node, g):
-        with torch_private.DisableTorchFunction():
-            return node.rec.backward(node.spmd, g, node.axes, node.params, node), *_NONES
-
-
-_NONES = (None,) * 4
 
 
 # --- the boundary ----------------------------------------------------------------------------
