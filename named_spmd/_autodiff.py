@@ -76,7 +76,7 @@ def _own_memory(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     real mesh's receive buffer, reshaped), a tensor of its own over that memory: autograd
     refuses a write into a custom Function's view output, which a plain op's result (and the
     simulated mesh's) takes. A view of ``x``'s memory (a pvary's) stays one."""
-    if torch.compiler.is_compiling():  # (a graph places its buffers; Dynamo reads no ``_base``)
+    if torch.compiler.is_compiling():  # (a graph places its buffers; Dynamo reads no view base)
         return out
     base = tensor_base(out)
     if base is None or base is x or base is tensor_base(x) or type(out) is not torch.Tensor:
