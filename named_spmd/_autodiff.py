@@ -76,6 +76,8 @@ def _own_memory(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     real mesh's receive buffer, reshaped), a tensor of its own over that memory: autograd
     refuses a write into a custom Function's view output, which a plain op's result (and the
     simulated mesh's) takes. A view of ``x``'s memory (a pvary's) stays one."""
+    if torch.compiler.is_compiling():  # (a graph places its buffers; Dynamo reads no view base)
+        return out
     base = tensor_base(out)
     if base is None or base is x or base is tensor_base(x) or type(out) is not torch.Tensor:
         return out
@@ -87,7 +89,8 @@ def _own_memory(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 class CollectiveFn(torch.autograd.Function):
     """``rec`` applied to ``x`` on ``spmd`` (a backend context); backward: ``rec.transpose``
-    (through ``rec.backward``), forward mode: ``rec.jvp`` (through ``rec.tangent``)."""
+    (through ``rec.backward``), forward mode: ``rec.jvp`` (through ``rec.tangent``). A call
+    that Dynamo traces applies it as :class:`TracedCollectiveFn`."""
 
     @staticmethod
     def forward(x, rec, spmd, axes, params):
@@ -98,7 +101,8 @@ class CollectiveFn(torch.autograd.Function):
         x, node.rec, node.spmd, node.axes, node.params = inputs
         if node.rec.saves:
             node.save_for_backward(x, output)
-            node.save_for_forward(x, output)
+            if not torch.compiler.is_compiling():  # (Dynamo has no save_for_forward)
+                node.save_for_forward(x, output)
 
     @staticmethod
     def backward(node, g):
@@ -117,12 +121,23 @@ class CollectiveFn(torch.autograd.Function):
         return apply(rec, spmd, x.movedim(in_dims[0], 0), axes, rec.batched(params)), 0
 
 
+class TracedCollectiveFn(CollectiveFn):
+    """The bridge in a call that Dynamo traces: without the forward-mode and vmap rules, as
+    Dynamo traces only a Function whose ``jvp`` is torch's own (a custom one is "Unsupported
+    custom jvp"), so forward-mode AD and vmap of a compiled call are not traced."""
+
+    jvp = staticmethod(torch.autograd.Function.jvp)
+    vmap = staticmethod(torch.autograd.Function.vmap)
+
+
 _NONES = (None,) * 4
 fast_apply = function_base_apply.__get__(None, CollectiveFn)
 
 
 def apply(rec: Collective, spmd: SpmdContext, x: torch.Tensor, axes: Axes, params: Any):
     """``rec`` on ``x`` through the bridge (the caller checked :func:`differentiable`)."""
+    if torch.compiler.is_compiling():
+        return TracedCollectiveFn.apply(x, rec, spmd, axes, params)
     if transforms_active():  # functorch needs the full Python path (it wraps the Function)
         if current_interpreter().key() == _FUNCTIONALIZE:
             return below_functionalize(x, lambda t: apply(rec, spmd, t, axes, params))

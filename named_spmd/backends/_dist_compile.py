@@ -8,9 +8,10 @@ backend interface is the same (docs/design.md section 5.6); only what Dynamo can
   followed by ``wait_tensor``) instead of ``ProcessGroup`` methods, so the graph carries every
   collective and Inductor may reorder and overlap them; ``permute`` is an ``all_to_all_single``
   with one non-empty split each way;
-* every collective runs inside our own autograd Function (:class:`CompiledCollectiveFn`, the
-  bridge of ``_autodiff``): Dynamo traces its forward and backward, and the backward is the
-  record's transpose, so an implicit pvary's psum appears in the backward graph;
+* every collective runs inside the autograd bridge of ``_autodiff`` (as
+  ``TracedCollectiveFn``): Dynamo traces its forward and backward, and the backward is the
+  record's transpose, so an implicit pvary's psum appears in the backward graph; a plain
+  tensor input takes the eager path's code (``_dist_plain``);
 * types are ``_traced``'s (stamps set with ``setattr``, every op typed by
   ``CompiledVmaMode``): type inference, the out_specs check and every ``SpmdError`` happen
   once, at trace time;
@@ -30,21 +31,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as torch_private
+from .._autodiff import apply as bridge_apply
 from .._collectives._record import PVARY_RECORD, RECORDS
-from .._layout import assemble, block
 from .._spec import PartitionSpec, output_settles
 from .._stamps import TrackedContext
 from .._traced import CompiledVmaMode, TracedContext, route_view_attributes
 from .._types import INVARIANT
 from ._dist_comm import on_wire, permute_splits, reduce_wire
 from ._dist_dtensor import grad_placements, placements
-from ._dist_io import (
-    _FirstHolds,
-    _in_mesh_order,
-    _non_mesh_order_entries,
-    _relayout_pairs,
-    block_input,
-)
+from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, block_input
+from ._dist_plain import FirstHolds, plain_input
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -219,91 +215,25 @@ class CompiledContext(FuncolPrimitives, TracedContext):
     def apply(self, rec, x, axes, params, user_operand=False):
         with torch_private.DisableTorchFunction():  # the collective's own ops need no types
             if x.requires_grad and torch.is_grad_enabled():
-                return CompiledCollectiveFn.apply(x, rec, self, axes, params)
+                return bridge_apply(rec, self, x, axes, params)
             return rec.forward(self, x, axes, params)
-
-
-class CompiledCollectiveFn(torch.autograd.Function):
-    """The bridge (``_autodiff.CollectiveFn``) for a traced call: forward the record's forward,
-    backward its transpose, run with torch function modes off (Dynamo refuses a backward that
-    mutates state outside it). No ``jvp`` or ``vmap`` rule: Dynamo refuses a Function with a
-    custom ``jvp``, so forward-mode AD does not compile."""
-
-    @staticmethod
-    def forward(x, rec, spmd, axes, params):
-        return rec.forward(spmd, x, axes, params)
-
-    @staticmethod
-    def setup_context(node, inputs, output):
-        x, node.rec, node.spmd, node.axes, node.params = inputs
-        if node.rec.saves:
-            node.save_for_backward(x, output)
-
-    @staticmethod
-    def backward(node, g):
-        with torch_private.DisableTorchFunction():
-            return node.rec.backward(node.spmd, g, node.axes, node.params, node), *_NONES
-
-
-_NONES = (None,) * 4
 
 
 # --- the boundary ----------------------------------------------------------------------------
 
 
-class _ScatterInput(torch.autograd.Function):
-    """A plain global input -> this rank's block; backward all_gathers the gradient's blocks."""
-
-    @staticmethod
-    def forward(x, ctx, spec):
-        return block(x, spec, ctx.mesh._shape, ctx.mesh.my_coords)
-
-    @staticmethod
-    def setup_context(node, inputs, output):
-        node.spmd, node.spec = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(node, g):
-        ctx, spec = node.spmd, node.spec
-        with torch_private.DisableTorchFunction():
-            return assemble(ctx.all_gather(g, spec.axes), spec, ctx.mesh._shape), None, None
-
-
 def _local_input(ctx: CompiledContext, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """This rank's block of argument leaf ``leaf``, a tensor of its own: the stamp goes on it."""
+    if not isinstance(leaf, DTensor):
+        x = plain_input(ctx, leaf, spec)  # (as on the eager path)
+        return leaf.view_as(leaf) if x is leaf else x
     mesh = ctx.mesh
-    partial = spec.unreduced or spec.reduced
-    if isinstance(leaf, DTensor):
-        grads = grad_placements(mesh, spec, leaf.dim()) if partial else None
-        local = leaf.to_local(grad_placements=grads)
-        for axes in _non_mesh_order_entries(mesh, spec):
-            pairs = (_relayout_pairs(mesh, axes),)
-            local = ctx.apply(RECORDS["ppermute"], local, _in_mesh_order(mesh, axes), pairs)
-        return local.view_as(local)
-    if mesh.single_axes.issuperset(spec.axes):
-        x = leaf.view_as(leaf)  # a new tensor: the stamp goes on it, not on the input
-    elif leaf.requires_grad and torch.is_grad_enabled():
-        x = _ScatterInput.apply(leaf, ctx, spec)
-    else:
-        x = block(leaf, spec, mesh._shape, mesh.my_coords)
-    return _partial_input(ctx, x, spec) if partial else x
-
-
-def _partial_input(ctx: CompiledContext, x: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
-    """A plain partial-sum input, as ``_dist_io._partial_input``: unreduced, member 0's part is
-    the value and the others' zeros (under ``check_vma=False`` its gradient member 0's
-    cotangent, broadcast by a psum); reduced, its gradient's partial sums summed (one psum)."""
-    names, single = ctx.mesh.axis_names, ctx.mesh.single_axes
-    grad = x.requires_grad and torch.is_grad_enabled()
-    axes = tuple(a for a in names if a in spec.unreduced and a not in single)
-    if spec.unreduced:
-        unchecked = bool(axes) and not ctx.checked
-        if unchecked and grad:
-            x = ctx.apply(PVARY_RECORD, x, axes, ())
-        x = _FirstHolds.apply(x, not axes or _group(ctx.mesh, axes)[2] == 0, True, unchecked)
-    reduced = tuple(a for a in names if a in spec.reduced and a not in single)
-    if reduced and grad:
-        x = ctx.apply(RECORDS["preduced"], x, reduced, ())
-    return x
+    grads = grad_placements(mesh, spec, leaf.dim()) if spec.unreduced or spec.reduced else None
+    local = leaf.to_local(grad_placements=grads)
+    for axes in _non_mesh_order_entries(mesh, spec):
+        pairs = (_relayout_pairs(mesh, axes),)
+        local = ctx.apply(RECORDS["ppermute"], local, _in_mesh_order(mesh, axes), pairs)
+    return local.view_as(local)
 
 
 def _block_input(ctx: CompiledContext, leaf: torch.Tensor, i: int) -> torch.Tensor:
@@ -332,7 +262,7 @@ def _local_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) ->
     reduced = tuple(a for a in ctx.mesh.axis_names if a in vma.reduced)
     reduced = tuple(a for a in reduced if a not in ctx.mesh.single_axes)
     if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
-        y = _FirstHolds.apply(y, _group(ctx.mesh, reduced)[2] == 0, False, True)
+        y = FirstHolds.apply(y, _group(ctx.mesh, reduced)[2] == 0, False, True)
     if named_invariant:
         y = ctx.apply(PVARY_RECORD, y, named_invariant, ())
     return y

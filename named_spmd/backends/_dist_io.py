@@ -2,7 +2,8 @@
 
 * A ``DTensor`` input gives its local shard; its placements must be what the in_spec says.
 * A plain tensor input is the global value, present on every rank; this rank takes its block,
-  and the backward gathers the blocks of the gradient so that every rank holds the global one.
+  and the backward gathers the blocks of the gradient so that every rank holds the global one
+  (``_dist_plain``, which the compile path shares).
 * Outputs become DTensors with placements from out_specs; under a ``torch.func`` transform (whose
   wrappers cannot carry a DTensor) they are plain tensors holding the global value instead.
 * A call of ``SpmdFunction.local`` takes this rank's blocks as they are (:func:`block_input`) and
@@ -27,23 +28,17 @@ from torch.autograd import forward_ad
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as torch_private
-from .._accounting import CommEvent, active, on_backward, record_into
-from .._autodiff import apply as bridge_apply
-from .._autodiff import differentiable
-from .._collectives._record import PVARY_RECORD, RECORDS, tag_derivatives
 from .._errors import SpecError
-from .._layout import assemble, block
 from .._spec import PartitionSpec, output_settles
 from .._types import Vma
 from ._dist_dtensor import (
-    _fast,
     _from_local,
-    _transformed,
     grad_placements,
     placements,
     to_local_fast,
     to_locals_fast,
 )
+from ._dist_plain import FirstHolds, boundary_collective, gather_blocks, plain_input
 
 # --- inputs --------------------------------------------------------------------------------------
 
@@ -100,23 +95,12 @@ def inputs(
 
 def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
     """This rank's block of argument leaf ``i`` (``ctx``: the call's DistributedContext)."""
-    mesh = ctx.mesh
     transformed = torch_private.transforms_active()
     if transformed:
         _under_transform(ctx, leaf, i)
     if isinstance(leaf, DTensor):
         return _from_dtensor(ctx, leaf, spec, i, transformed)
-    if leaf.device.type != mesh.device.type:
-        leaf = leaf.to(mesh.device)
-    if _whole(mesh, spec):
-        return leaf
-    if spec.unreduced or spec.reduced:
-        return _partial_input(ctx, leaf, spec)
-    if transformed:
-        return _transformed(_ScatterInput, leaf, ctx, spec)
-    if differentiable(leaf):
-        return _scatter_input(leaf, ctx, spec)
-    return _block(leaf, spec, mesh)
+    return plain_input(ctx, leaf, spec)
 
 
 def _whole(mesh, spec: PartitionSpec) -> bool:
@@ -179,62 +163,6 @@ def block_input(ctx, leaf: torch.Tensor, i: int) -> torch.Tensor:
     if torch_private.transforms_active():
         _under_transform(ctx, leaf, i)
     return leaf if leaf.device.type == ctx.mesh.device.type else leaf.to(ctx.mesh.device)
-
-
-def _partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, scatter=None) -> torch.Tensor:
-    """A plain tensor is the global value on every rank, and its gradient the global gradient
-    (as on the simulated mesh). Unreduced over A: the member at coordinate 0 of A holds the
-    value, the others zeros (parts summing to it), so the gradient is member 0's cotangent. Its
-    cotangent, reduced, is the same on every member, so each rank's gradient is its own; under
-    ``check_vma=False`` nothing says so, and one psum of member 0's cotangent and zeros
-    broadcasts it. Reduced over A: the gradient, a partial sum per member, is summed at the
-    boundary (one psum; a DTensor input instead gets a Partial gradient and defers it).
-    ``scatter(leaf, ctx, spec)``: how blocks of unequal sizes are cut (``_dist_uneven``)."""
-    mesh = ctx.mesh
-    x = leaf
-    if scatter is not None:
-        x = scatter(leaf, ctx, spec)
-    elif not mesh.single_axes.issuperset(spec.axes):  # this rank's block; backward gathers
-        x = _scatter_input(leaf, ctx, spec) if differentiable(leaf) else _block(leaf, spec, mesh)
-    if spec.unreduced:
-        first = all(mesh.my_coords[a] == 0 for a in spec.unreduced)
-        axes = tuple(
-            a for a in mesh.axis_names if a in spec.unreduced and a not in mesh.single_axes
-        )
-        unchecked = bool(axes) and not ctx.checked
-        if unchecked and differentiable(x):
-            x = _boundary(ctx, "pvary", x, axes, ())  # backward: the psum
-        x = _FirstHolds.apply(x, first, True, unchecked)
-    reduced = tuple(a for a in mesh.axis_names if a in spec.reduced and a not in mesh.single_axes)
-    if reduced and differentiable(x):
-        modes = active()
-        x = bridge_apply(RECORDS["preduced"], ctx, x, reduced, ())
-        if modes:
-            x = on_backward(
-                x, CommEvent("psum", reduced, "backward", _shape(x), x.dtype, boundary=True)
-            )
-    return x
-
-
-class _FirstHolds(torch.autograd.Function):
-    """Parts of a global value, summing to it: the first member's part is the value, the
-    others' zeros, in the forward (an unreduced input: the value's parts), in the backward (a
-    reduced output: the global cotangent's parts), or both (an unreduced input whose
-    cotangents may differ: the parts of the cotangent too, which a psum then sums)."""
-
-    @staticmethod
-    def forward(x, first, forward=True, backward=False):
-        return x.view_as(x) if first or not forward else torch.zeros_like(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.first, ctx.parts_back = inputs[1], inputs[3]
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.parts_back and not ctx.first:
-            g = torch.zeros_like(g)
-        return g, None, None, None
 
 
 def _under_transform(ctx, leaf: torch.Tensor, i: int) -> None:
@@ -330,102 +258,8 @@ def in_spec_order(ctx, local: torch.Tensor, spec: PartitionSpec) -> torch.Tensor
     mesh = ctx.mesh
     for axes in _non_mesh_order_entries(mesh, spec):
         ordered = _in_mesh_order(mesh, axes)
-        local = _boundary(ctx, "ppermute", local, ordered, (_relayout_pairs(mesh, axes),))
+        local = boundary_collective(ctx, "ppermute", local, ordered, (_relayout_pairs(mesh, axes),))
     return local
-
-
-def _boundary(
-    ctx,
-    name: str,
-    x: torch.Tensor,
-    axes: tuple[str, ...],
-    params: tuple,
-    direction: str = "forward",
-    modes: list | None = None,
-):
-    """Collective ``name`` at the call's boundary, outside the user's function: no type rule,
-    the same autodiff as inside. A CommMode records it (and the collective its backward runs)
-    as a boundary event, in ``direction``; ``modes``: the CommModes of the forward, for a
-    collective run in backward. A pvary's backward psum is not recorded here: the API records
-    it on every backend (an output tiled over an axis it is invariant over)."""
-    rec = PVARY_RECORD if name == "pvary" else RECORDS[name]
-    with torch_private.DisableTorchFunction():
-        if differentiable(x):
-            out = bridge_apply(rec, ctx, x, axes, params)
-        else:
-            out = rec.forward(ctx, x, axes, params)
-    modes = active() or modes
-    if modes and name != "pvary":
-        _record(modes, name, x, axes, direction)
-        out = tag_derivatives(rec, out, x, axes, params, boundary=True)
-    return out
-
-
-def _shape(x: torch.Tensor) -> tuple[int, ...]:
-    return tuple(x.shape)
-
-
-def _record(modes: list, op: str, x: torch.Tensor, axes: tuple[str, ...], direction: str):
-    record_into(modes, CommEvent(op, axes, direction, _shape(x), x.dtype, boundary=True))
-
-
-def _block(x: torch.Tensor, spec: PartitionSpec, mesh) -> torch.Tensor:
-    """This rank's block of the global ``x``."""
-    return block(x, spec, mesh._shape, mesh.my_coords)
-
-
-class _ScatterInput(torch.autograd.Function):
-    """Global value -> this rank's block; backward gathers the blocks of the gradient, so every
-    rank holds the global gradient of the global input (as the simulated backend returns)."""
-
-    @staticmethod
-    def forward(x, ctx, spec):
-        return _block(x, spec, ctx.mesh)
-
-    @staticmethod
-    def setup_context(node, inputs, output):
-        node.spmd, node.spec = inputs[1], inputs[2]
-        node.modes = active()  # the backward may run on another thread (CUDA)
-
-    @staticmethod
-    def backward(node, g):
-        return _gather_blocks(node.spmd, g, node.spec, "backward", node.modes), None, None
-
-    @staticmethod
-    def jvp(node, t, *_):
-        return _block(t, node.spec, node.spmd.mesh)
-
-    @staticmethod
-    def vmap(info, in_dims, x, ctx, spec):
-        """``torch.func.vmap`` over the call: the block of every sample (the batch dim first)."""
-        if in_dims[0] is None:
-            return _ScatterInput.apply(x, ctx, spec), None
-        return _ScatterInput.apply(x.movedim(in_dims[0], 0), ctx, PartitionSpec(None, *spec)), 0
-
-
-def _gather_blocks(
-    ctx, g: torch.Tensor, spec: PartitionSpec, direction: str, modes: list | None = None
-) -> torch.Tensor:
-    """The global value of which every rank holds its block ``g`` under ``spec``: one all_gather
-    (recorded as a boundary event in ``direction``). Differentiated again (double backward, a
-    transform), it is the all_gather collective, whose transpose takes the own block back
-    without communication."""
-    mesh = ctx.mesh
-    if mesh.single_axes.issuperset(spec.axes):  # blocks of size-1 axes are the whole
-        return g
-    if differentiable(g):
-        stacked = _boundary(
-            ctx, "all_gather", g, spec.axes, (0, False, "invariant"), direction, modes
-        )
-    else:
-        modes = active() or modes
-        if modes:
-            _record(modes, "all_gather", g, spec.axes, direction)
-        stacked = mesh.comm(spec.axes).all_gather(g, "gradient of a plain input")
-    return assemble(stacked, spec, mesh._shape)
-
-
-_scatter_input = _fast(_ScatterInput)
 
 
 # --- outputs -------------------------------------------------------------------------------------
@@ -470,12 +304,12 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
         # (an unreduced output's: the sum of the parts, as the simulated mesh returns it)
         parts = tuple(a for a in _in_mesh_order(mesh, spec.unreduced) if a not in mesh.single_axes)
         if parts:
-            y = _boundary(ctx, "psum", y, parts, ())
+            y = boundary_collective(ctx, "psum", y, parts, ())
         with torch_private.DisableTorchFunction():
-            return _gather_blocks(ctx, y, spec, "forward")
+            return gather_blocks(ctx, y, spec, "forward")
     for axes in _non_mesh_order_entries(mesh, spec):
         pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
-        y = _boundary(ctx, "ppermute", y, _in_mesh_order(mesh, axes), (pairs,))
+        y = boundary_collective(ctx, "ppermute", y, _in_mesh_order(mesh, axes), (pairs,))
     with torch_private.DisableTorchFunction():
         return _from_local(mesh, y, placements(mesh, spec, y.dim()))
 
@@ -490,10 +324,10 @@ def local_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     unkept, copies = output_settles(vma, spec, mesh.axis_names, mesh.single_axes)
     if unkept:  # check_vma=False: member 0's value, as the simulated backend (a broadcast:
         # bit for bit, of any dtype; a masked psum would turn -0.0 into 0.0)
-        y = _boundary(ctx, "pbroadcast", y, unkept, (0,))
+        y = boundary_collective(ctx, "pbroadcast", y, unkept, (0,))
     reduced = tuple(a for a in mesh.axis_names if a in vma.reduced and a not in mesh.single_axes)
     if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
-        y = _FirstHolds.apply(y, all(mesh.my_coords[a] == 0 for a in reduced), False, True)
+        y = FirstHolds.apply(y, all(mesh.my_coords[a] == 0 for a in reduced), False, True)
     if copies:  # identical blocks tiled (or parts summed): their cotangents must be summed
-        y = _boundary(ctx, "pvary", y, copies, ())
+        y = boundary_collective(ctx, "pvary", y, copies, ())
     return y

@@ -53,6 +53,7 @@ from .._layout import (
 )
 from .._spec import PartitionSpec
 from . import _dist_io as io
+from . import _dist_plain as plain
 from ._dist_agree import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
 from ._dist_steps import HEAD as _HEAD
@@ -94,7 +95,7 @@ def local_input(ctx, leaf, spec: PartitionSpec, i: int):
     if leaf.device.type != mesh.device.type:
         leaf = leaf.to(mesh.device)
     if spec.unreduced or spec.reduced:
-        return io._partial_input(ctx, leaf, spec, _scatter)
+        return plain.partial_input(ctx, leaf, spec, _scatter)
     return _scatter(leaf, ctx, spec)
 
 
@@ -451,7 +452,7 @@ def _output(ctx, y: torch.Tensor, spec: PartitionSpec, per_dim: tuple) -> torch.
         return uneven_from_local(mesh, y, placements(mesh, spec, y.dim()), shape)
     unreduced = tuple(a for a in names if a in spec.unreduced and a not in mesh.single_axes)
     if unreduced:  # parts of the value: their sum, as the simulated mesh returns
-        y = io._boundary(ctx, "psum", y, unreduced, ())
+        y = plain.boundary_collective(ctx, "psum", y, unreduced, ())
     return gather(ctx, y, spec, list(per_dim), "forward")
 
 
@@ -478,13 +479,13 @@ def gather(
         if blocks is not None:
             padded = pad(padded, d, max(blocks))
     if differentiable(padded):
-        stacked = io._boundary(
+        stacked = plain.boundary_collective(
             ctx, "all_gather", padded, spec.axes, (0, False, "invariant"), direction, modes
         )
     else:
         modes = active() or modes
         if modes:
-            io._record(modes, "all_gather", padded, spec.axes, direction)
+            plain.record_boundary(modes, "all_gather", padded, spec.axes, direction)
         stacked = mesh.comm(spec.axes).all_gather(padded, "gradient of a plain input")
     pieces = []
     for m, piece in enumerate(stacked.unbind(0)):

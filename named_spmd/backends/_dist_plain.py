@@ -1,0 +1,208 @@
+"""Plain tensors at the boundary of a call on a real mesh, on both of its paths: the eager one
+(``_dist_io``) and the one Dynamo traces (``_dist_compile``).
+
+* A plain tensor input is the global value, present on every rank; this rank takes its block
+  (:func:`plain_input`), and the backward gathers the blocks of the gradient so that every rank
+  holds the global one (:class:`ScatterInput`, :func:`gather_blocks`).
+* A partial-sum input (unreduced or reduced axes) is parts of that value, or its gradient is
+  (:func:`partial_input`).
+* :func:`boundary_collective` runs a collective at the boundary, outside the user's function.
+
+A call that Dynamo traces takes the same code; where it must differ, ``is_compiling`` decides in
+place: a Function without its forward-mode and vmap rules (:class:`TracedScatterInput`, as the
+bridge's ``_autodiff.TracedCollectiveFn``), and the gradient's gather a collective of the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _torch_private as torch_private
+from .._accounting import CommEvent, active, on_backward, record_into
+from .._autodiff import apply as bridge_apply
+from .._autodiff import differentiable
+from .._collectives._record import PVARY_RECORD, RECORDS, tag_derivatives
+from .._layout import assemble, block
+from .._spec import PartitionSpec
+from ._dist_dtensor import _fast, _transformed
+
+
+def plain_input(ctx, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    """This rank's block of the plain tensor argument ``leaf`` under ``spec`` (``ctx``: the
+    call's context): ``leaf`` itself where every rank's block is the whole of it."""
+    mesh = ctx.mesh
+    if leaf.device.type != mesh.device.type:
+        leaf = leaf.to(mesh.device)
+    if spec.unreduced or spec.reduced:
+        return partial_input(ctx, leaf, spec)
+    return _scatter(leaf, ctx, spec)
+
+
+def _scatter(leaf: torch.Tensor, ctx, spec: PartitionSpec) -> torch.Tensor:
+    """This rank's block of the global value ``leaf``; its backward gathers the gradient."""
+    mesh = ctx.mesh
+    if mesh.single_axes.issuperset(spec.axes):  # blocks of size-1 axes are the whole
+        return leaf
+    if not differentiable(leaf):
+        return _block(leaf, spec, mesh)
+    if torch_private.transforms_active():
+        return _transformed(ScatterInput, leaf, ctx, spec)
+    if torch.compiler.is_compiling():
+        return TracedScatterInput.apply(leaf, ctx, spec)
+    return _scatter_input(leaf, ctx, spec)
+
+
+def partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, scatter=None) -> torch.Tensor:
+    """A plain tensor is the global value on every rank, and its gradient the global gradient
+    (as on the simulated mesh). Unreduced over A: the member at coordinate 0 of A holds the
+    value, the others zeros (parts summing to it), so the gradient is member 0's cotangent. Its
+    cotangent, reduced, is the same on every member, so each rank's gradient is its own; under
+    ``check_vma=False`` nothing says so, and one psum of member 0's cotangent and zeros
+    broadcasts it. Reduced over A: the gradient, a partial sum per member, is summed at the
+    boundary (one psum; a DTensor input instead gets a Partial gradient and defers it).
+    ``scatter(leaf, ctx, spec)``: how blocks of unequal sizes are cut (``_dist_uneven``)."""
+    mesh = ctx.mesh
+    x = (scatter or _scatter)(leaf, ctx, spec)
+    if spec.unreduced:
+        first = all(mesh.my_coords[a] == 0 for a in spec.unreduced)
+        axes = tuple(
+            a for a in mesh.axis_names if a in spec.unreduced and a not in mesh.single_axes
+        )
+        unchecked = bool(axes) and not ctx.checked
+        if unchecked and differentiable(x):
+            x = boundary_collective(ctx, "pvary", x, axes, ())  # backward: the psum
+        x = FirstHolds.apply(x, first, True, unchecked)
+    reduced = tuple(a for a in mesh.axis_names if a in spec.reduced and a not in mesh.single_axes)
+    if reduced and differentiable(x):
+        modes = active()
+        x = bridge_apply(RECORDS["preduced"], ctx, x, reduced, ())
+        if modes:
+            x = on_backward(
+                x, CommEvent("psum", reduced, "backward", _shape(x), x.dtype, boundary=True)
+            )
+    return x
+
+
+class FirstHolds(torch.autograd.Function):
+    """Parts of a global value, summing to it: the first member's part is the value, the
+    others' zeros, in the forward (an unreduced input: the value's parts), in the backward (a
+    reduced output: the global cotangent's parts), or both (an unreduced input whose
+    cotangents may differ: the parts of the cotangent too, which a psum then sums)."""
+
+    @staticmethod
+    def forward(x, first, forward=True, backward=False):
+        return x.view_as(x) if first or not forward else torch.zeros_like(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.first, ctx.parts_back = inputs[1], inputs[3]
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.parts_back and not ctx.first:
+            g = torch.zeros_like(g)
+        return g, None, None, None
+
+
+def boundary_collective(
+    ctx,
+    name: str,
+    x: torch.Tensor,
+    axes: tuple[str, ...],
+    params: tuple,
+    direction: str = "forward",
+    modes: list | None = None,
+):
+    """Collective ``name`` at the call's boundary, outside the user's function: no type rule,
+    the same autodiff as inside. A CommMode records it (and the collective its backward runs)
+    as a boundary event, in ``direction``; ``modes``: the CommModes of the forward, for a
+    collective run in backward. A pvary's backward psum is not recorded here: the API records
+    it on every backend (an output tiled over an axis it is invariant over)."""
+    rec = PVARY_RECORD if name == "pvary" else RECORDS[name]
+    with torch_private.DisableTorchFunction():
+        if differentiable(x):
+            out = bridge_apply(rec, ctx, x, axes, params)
+        else:
+            out = rec.forward(ctx, x, axes, params)
+    modes = active() or modes
+    if modes and name != "pvary":
+        record_boundary(modes, name, x, axes, direction)
+        out = tag_derivatives(rec, out, x, axes, params, boundary=True)
+    return out
+
+
+def _shape(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def record_boundary(modes: list, op: str, x: torch.Tensor, axes: tuple[str, ...], direction: str):
+    record_into(modes, CommEvent(op, axes, direction, _shape(x), x.dtype, boundary=True))
+
+
+def _block(x: torch.Tensor, spec: PartitionSpec, mesh) -> torch.Tensor:
+    """This rank's block of the global ``x``."""
+    return block(x, spec, mesh._shape, mesh.my_coords)
+
+
+class ScatterInput(torch.autograd.Function):
+    """Global value -> this rank's block; backward gathers the blocks of the gradient, so every
+    rank holds the global gradient of the global input (as the simulated backend returns)."""
+
+    @staticmethod
+    def forward(x, ctx, spec):
+        return _block(x, spec, ctx.mesh)
+
+    @staticmethod
+    def setup_context(node, inputs, output):
+        node.spmd, node.spec = inputs[1], inputs[2]
+        node.modes = active()  # the backward may run on another thread (CUDA)
+
+    @staticmethod
+    def backward(node, g):
+        return gather_blocks(node.spmd, g, node.spec, "backward", node.modes), None, None
+
+    @staticmethod
+    def jvp(node, t, *_):
+        return _block(t, node.spec, node.spmd.mesh)
+
+    @staticmethod
+    def vmap(info, in_dims, x, ctx, spec):
+        """``torch.func.vmap`` over the call: the block of every sample (the batch dim first)."""
+        if in_dims[0] is None:
+            return ScatterInput.apply(x, ctx, spec), None
+        return ScatterInput.apply(x.movedim(in_dims[0], 0), ctx, PartitionSpec(None, *spec)), 0
+
+
+class TracedScatterInput(ScatterInput):
+    """:class:`ScatterInput` in a call that Dynamo traces: without the forward-mode and vmap
+    rules, which Dynamo refuses (``_autodiff.TracedCollectiveFn``)."""
+
+    jvp = staticmethod(torch.autograd.Function.jvp)
+    vmap = staticmethod(torch.autograd.Function.vmap)
+
+
+def gather_blocks(
+    ctx, g: torch.Tensor, spec: PartitionSpec, direction: str, modes: list | None = None
+) -> torch.Tensor:
+    """The global value of which every rank holds its block ``g`` under ``spec``: one all_gather
+    (recorded as a boundary event in ``direction``). Differentiated again (double backward, a
+    transform), it is the all_gather collective, whose transpose takes the own block back
+    without communication."""
+    mesh = ctx.mesh
+    if mesh.single_axes.issuperset(spec.axes):  # blocks of size-1 axes are the whole
+        return g
+    if torch.compiler.is_compiling():  # the graph's collective (it differentiates no backward)
+        stacked = ctx.all_gather(g, spec.axes)
+    elif differentiable(g):
+        stacked = boundary_collective(
+            ctx, "all_gather", g, spec.axes, (0, False, "invariant"), direction, modes
+        )
+    else:
+        modes = active() or modes
+        if modes:
+            record_boundary(modes, "all_gather", g, spec.axes, direction)
+        stacked = mesh.comm(spec.axes).all_gather(g, "gradient of a plain input")
+    return assemble(stacked, spec, mesh._shape)
+
+
+_scatter_input = _fast(ScatterInput)
