@@ -134,7 +134,7 @@ class TracedContext(TrackedContext):
     def __init__(self, mesh: Any, fn: Callable[..., Any]):
         SpmdContext.__init__(self, mesh, fn)  # not TrackedContext's caches: Dynamo traces this
         if isinstance(fn, types.FunctionType):  # traced, its __qualname__ reads as a descriptor
-            self.fn_label = _label(fn)  # (a partial cannot be an trace_constant argument)
+            self.fn_label = _label(fn)  # (a partial cannot be a trace_constant argument)
         self.call_token = _Token()
         self.aliases: dict[torch.Tensor, dict[tuple[str, ...], torch.Tensor]] = {}
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -301,10 +302,16 @@ _DRAW_OP: list[Any] = []
 
 @torch_private.trace_constant  # made eagerly at trace time: an eager draw never needs it
 def _draw_op_made() -> bool:
-    """Make the draw op, once (registering it takes about 15 ms: not at import)."""
-    if not _DRAW_OP:
-        _DRAW_OP.append(_make_draw_op())
+    """Make the draw op, once (registering it takes about 15 ms: not at import). Locked:
+    non-strict ``torch.export`` reaches it outside Dynamo's compile lock, and two threads
+    registering the op at once would destroy each other's library."""
+    with _DRAW_OP_LOCK:
+        if not _DRAW_OP:
+            _DRAW_OP.append(_make_draw_op())
     return True
+
+
+_DRAW_OP_LOCK = threading.Lock()
 
 
 def _make_draw_op() -> Any:
