@@ -104,6 +104,14 @@ def mapped(mesh) -> dict:
             in_specs=(P(None, "x"), P("x")),
             out_specs=P(unreduced={"x"}),
         ),
+        # a partial-sum input (its global value split into parts, one per member) and a reduced
+        # one (its gradient's parts summed): each instance's part at the boundary
+        "unreduced_input": ns.spmd_map(
+            lambda x, w: torch.tanh(ns.psum(x * 3.0, "x")).sum() * w,
+            mesh=mesh,
+            in_specs=(P(unreduced={"x"}), P(reduced={"x"})),
+            out_specs=P(),
+        ),
         "view_of_replicated": ns.spmd_map(  # w: cast (a view of it) and read through a view
             lambda x, w: (ns.psum(x * w, "x"), w.reshape(2, 2) * 3.0),
             mesh=mesh,
@@ -236,6 +244,14 @@ def vmap_unreduced(f):
     return vmap(f["unreduced"], in_dims=(0, None))(torch.stack([XM, TXM]), W1)
 
 
+def vmap_unreduced_input(f):
+    return vmap(f["unreduced_input"], in_dims=(0, None))(torch.stack([X, TX]), W)
+
+
+def grad_unreduced_input(f):
+    return grad(lambda x, w: f["unreduced_input"](x, w).sum(), argnums=(0, 1))(X, W)
+
+
 def jvp_unreduced(f):
     return jvp(lambda w: f["unreduced"](XM, w), (W1,), (TW1,))
 
@@ -334,6 +350,8 @@ PROGRAMS = {
         dual_level_megatron,
         dual_level_gathered,
         vmap_unreduced,
+        vmap_unreduced_input,
+        grad_unreduced_input,
         jvp_unreduced,
         dual_level_unreduced,
         double_backward_split,

@@ -89,6 +89,8 @@ class FirstHolds(torch.autograd.Function):
     reduced output: the global cotangent's parts), or both (an unreduced input whose
     cotangents may differ: the parts of the cotangent too, which a psum then sums)."""
 
+    generate_vmap_rule = True  # (elementwise: ``torch.func.vmap`` over the call batches it as is)
+
     @staticmethod
     def forward(x, first, forward=True, backward=False):
         return x.view_as(x) if first or not forward else torch.zeros_like(x)
