@@ -15,6 +15,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 import named_spmd as ns
 from named_spmd import P
@@ -423,6 +424,43 @@ def check_uneven_to_local_backward(mesh, rank) -> list[str]:
     return problems
 
 
+def check_partial_inputs_under_transforms(mesh, rank) -> list[str]:
+    """A plain input split over dp and a partial sum over tp (unreduced, and reduced under
+    ``check_vma=False``) under ``torch.func.grad``, ``vmap`` and ``.backward()``: the simulated
+    mesh's numbers (the real boundary's Functions under a transform)."""
+    sim = ns.make_mesh(mesh.axis_sizes, mesh.axis_names, simulated=True)
+    cases = {
+        "unreduced": (lambda v: ns.psum(v, "tp").sin(), P("dp", unreduced={"tp"}), P("dp"), True),
+        "reduced": (torch.sin, P("dp", reduced={"tp"}), P("dp", unreduced={"tp"}), False),
+    }
+    g = torch.Generator().manual_seed(7)
+    x, t = (torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def run(on, case, how):
+        fn, i, o, check = cases[case]
+        f = ns.spmd_map(fn, mesh=on, in_specs=i, out_specs=o, check_vma=check)
+
+        def plain(a):
+            y = f(a)
+            return y.full_tensor() if isinstance(y, DTensor) else y
+
+        if how == "grad":
+            return torch.func.grad(lambda a: plain(a).sum())(x)
+        if how == "vmap":
+            return torch.func.vmap(plain)(torch.stack([x, t]))
+        a = x.clone().requires_grad_()
+        plain(a).sum().backward()
+        return a.grad
+
+    problems = []
+    for case in cases:
+        for how in ("grad", "vmap", "backward"):
+            got, want = run(mesh, case, how), run(sim, case, how)
+            if not torch.allclose(got, want, rtol=1e-12, atol=1e-12):
+                problems.append(f"{case} under {how}: differs from the simulated mesh")
+    return problems
+
+
 CHECKS = [
     check_layout,
     check_spmd_map_inputs,
@@ -435,6 +473,7 @@ CHECKS = [
     check_from_local,
     check_parallel_gpt,
     check_uneven_to_local_backward,
+    check_partial_inputs_under_transforms,
 ]
 
 

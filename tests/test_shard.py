@@ -102,7 +102,7 @@ def test_real_mesh_shard_unshard_checkpoint_and_calls(tmp_path):
     )
     assert not finished.timed_out, finished.outputs[0][-3000:]
     outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
-    assert len(outcomes) == 11 * world, finished.outputs[0][-3000:]
+    assert len(outcomes) == 12 * world, finished.outputs[0][-3000:]
     bad = [o for o in outcomes if o["problems"]]
     assert bad == [], bad[:4]
 
