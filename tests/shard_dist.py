@@ -426,7 +426,7 @@ def check_uneven_to_local_backward(mesh, rank) -> list[str]:
 
 def check_partial_inputs_under_transforms(mesh, rank) -> list[str]:
     """A plain input split over dp and a partial sum over tp (unreduced, and reduced under
-    ``check_vma=False``) under ``torch.func.grad``, ``vmap`` and ``.backward()``: the simulated
+    ``check_vma=False``) under ``torch.func.grad``, ``vmap``, ``jvp`` and ``.backward()``: the simulated
     mesh's numbers (the real boundary's Functions under a transform)."""
     sim = ns.make_mesh(mesh.axis_sizes, mesh.axis_names, simulated=True)
     cases = {
@@ -448,13 +448,15 @@ def check_partial_inputs_under_transforms(mesh, rank) -> list[str]:
             return torch.func.grad(lambda a: plain(a).sum())(x)
         if how == "vmap":
             return torch.func.vmap(plain)(torch.stack([x, t]))
+        if how == "jvp":
+            return torch.stack(torch.func.jvp(plain, (x,), (t,)))
         a = x.clone().requires_grad_()
         plain(a).sum().backward()
         return a.grad
 
     problems = []
     for case in cases:
-        for how in ("grad", "vmap", "backward"):
+        for how in ("grad", "vmap", "jvp", "backward"):
             got, want = run(mesh, case, how), run(sim, case, how)
             if not torch.allclose(got, want, rtol=1e-12, atol=1e-12):
                 problems.append(f"{case} under {how}: differs from the simulated mesh")

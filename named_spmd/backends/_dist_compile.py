@@ -40,7 +40,7 @@ from .._types import INVARIANT
 from ._dist_comm import on_wire, permute_splits, reduce_wire
 from ._dist_dtensor import grad_placements, placements
 from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, block_input
-from ._dist_plain import FirstHolds, plain_input
+from ._dist_plain import TracedFirstHolds, plain_input
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -262,7 +262,7 @@ def _local_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) ->
     reduced = tuple(a for a in ctx.mesh.axis_names if a in vma.reduced)
     reduced = tuple(a for a in reduced if a not in ctx.mesh.single_axes)
     if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
-        y = FirstHolds.apply(y, _group(ctx.mesh, reduced)[2] == 0, False, True)
+        y = TracedFirstHolds.apply(y, _group(ctx.mesh, reduced)[2] == 0, False, True)
     if named_invariant:
         y = ctx.apply(PVARY_RECORD, y, named_invariant, ())
     return y

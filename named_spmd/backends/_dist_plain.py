@@ -71,7 +71,8 @@ def partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, scatter=None) ->
         unchecked = bool(axes) and not ctx.checked
         if unchecked and differentiable(x):
             x = boundary_collective(ctx, "pvary", x, axes, ())  # backward: the psum
-        x = FirstHolds.apply(x, first, True, unchecked)
+        parts = TracedFirstHolds if torch.compiler.is_compiling() else FirstHolds
+        x = parts.apply(x, first, True, unchecked)
     reduced = tuple(a for a in mesh.axis_names if a in spec.reduced and a not in mesh.single_axes)
     if reduced and differentiable(x):
         modes = active()
@@ -97,7 +98,11 @@ class FirstHolds(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.first, ctx.parts_back = inputs[1], inputs[3]
+        ctx.first, ctx.parts_forward, ctx.parts_back = inputs[1:]
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return t.view_as(t) if ctx.first or not ctx.parts_forward else torch.zeros_like(t)
 
     @staticmethod
     def backward(ctx, g):
@@ -173,6 +178,12 @@ class ScatterInput(torch.autograd.Function):
         if in_dims[0] is None:
             return ScatterInput.apply(x, ctx, spec), None
         return ScatterInput.apply(x.movedim(in_dims[0], 0), ctx, PartitionSpec(None, *spec)), 0
+
+
+class TracedFirstHolds(FirstHolds):
+    """:class:`FirstHolds` in a call that Dynamo traces: without the forward-mode rule."""
+
+    jvp = staticmethod(torch.autograd.Function.jvp)
 
 
 class TracedScatterInput(ScatterInput):
