@@ -193,6 +193,27 @@ def _branch_x():
     return (torch.tensor(BRANCH_X, dtype=F64),)
 
 
+def _after_a_branch(
+    name: str, fn: Callable[..., Any], kinds: tuple[str, ...], dense: Callable | None = None
+) -> Case:
+    """A case on (4,) whose ranks branch on their values (``_branch_x``), an even call the
+    simulated mesh runs per instance: an error's (``kinds``: what its message says) or one
+    whose outputs (``kinds``: their types) equal ``dense``'s."""
+    return Case(
+        name,
+        (4,),
+        ("x",),
+        fn,
+        P("x"),
+        P("x"),
+        _branch_x,
+        dense,
+        switch=False,
+        switch_simulated=True,
+        kinds=kinds,
+    )
+
+
 def _per_block(make):  # the dense program of a function of each block and its count t
     return lambda x: torch.cat([make(b, int((b > 0).sum())) for b in x.split(2)])
 
@@ -229,19 +250,7 @@ def _sized_cases() -> list[Case]:
         ("pad", _sized_pad, lambda b, t: torch.nn.functional.pad(b, (t, t))),
     ]
     return [
-        Case(
-            f"{name}_sized_by_a_tensor_in_an_even_call",
-            (4,),
-            ("x",),
-            fn,
-            P("x"),
-            P("x"),
-            _branch_x,
-            _per_block(dense),
-            kinds=("T",),
-            switch=False,
-            switch_simulated=True,
-        )
+        _after_a_branch(f"{name}_sized_by_a_tensor_in_an_even_call", fn, ("T",), _per_block(dense))
         for name, fn, dense in made
     ]
 
@@ -632,70 +641,30 @@ def _psum_over_b_where_positive(v):  # at b=0 and b=1 of a group: other signs
 
 
 ERRORS = [
-    Case(  # a psum some ranks skip after a branch on values: told alike, not paired
+    _after_a_branch(  # a psum some ranks skip after a branch on values: told alike, not paired
         "psum_skipped_on_some_ranks_after_a_branch",
-        (4,),
-        ("x",),
-        _psum_where_positive,
-        P("x"),
-        P("x"),
-        _branch_x,  # (x=1 and x=3 sum to 0: they skip it)
-        None,
-        switch=False,
-        switch_simulated=True,
-        kinds=("SpmdError: ", "instances (x=1), (x=3) returned while", "wait at psum over"),
+        _psum_where_positive,  # (x=1 and x=3 sum to 0: they skip it)
+        ("SpmdError: ", "instances (x=1), (x=3) returned while", "wait at psum over"),
     ),
-    Case(
+    _after_a_branch(
         "psum_or_pmax_after_a_branch",
-        (4,),
-        ("x",),
         _psum_or_pmax,
-        P("x"),
-        P("x"),
-        _branch_x,
-        None,
-        switch=False,
-        switch_simulated=True,
-        kinds=("SpmdError: ", "called different collectives at one point", "pmax over"),
+        ("SpmdError: ", "called different collectives at one point", "pmax over"),
     ),
-    Case(  # ppermutes of other pairs after a branch: gloo would pair sizes that differ
+    _after_a_branch(  # ppermutes of other pairs after a branch: gloo would pair sizes that differ
         "ppermutes_of_other_pairs_after_a_branch",
-        (4,),
-        ("x",),
         _ppermute_ring_or_back,
-        P("x"),
-        P("x"),
-        _branch_x,
-        None,
-        switch=False,
-        switch_simulated=True,
-        kinds=("SpmdError: ", "called different collectives at one point", "ppermute over"),
+        ("SpmdError: ", "called different collectives at one point", "ppermute over"),
     ),
-    Case(  # ppermutes of other pairs after a branch: gloo would pair sizes that differ
+    _after_a_branch(  # ppermutes of other pairs after a branch: gloo would pair sizes that differ
         "a_ppermute_in_place_after_a_branch",
-        (4,),
-        ("x",),
         _ppermute_ring_or_in_place,
-        P("x"),
-        P("x"),
-        _branch_x,
-        None,
-        switch=False,
-        switch_simulated=True,
-        kinds=("SpmdError: ", "called different collectives at one point", "ppermute over"),
+        ("SpmdError: ", "called different collectives at one point", "ppermute over"),
     ),
-    Case(  # the ranks whose operand is invariant skip the pmax (the identity there)
+    _after_a_branch(  # the ranks whose operand is invariant skip the pmax (the identity there)
         "pmax_of_an_operand_invariant_on_some_ranks",
-        (4,),
-        ("x",),
         _pmax_of_varying_or_invariant,
-        P("x"),
-        P("x"),
-        _branch_x,
-        None,
-        switch=False,
-        switch_simulated=True,
-        kinds=("SpmdError: ", "instances (x=1), (x=3) returned while", "wait at pmax over"),
+        ("SpmdError: ", "instances (x=1), (x=3) returned while", "wait at pmax over"),
     ),
     Case(  # the members of one group of b apart
         "psum_over_b_skipped_on_some_members",
