@@ -273,6 +273,7 @@ class PvaryAll(torch.autograd.Function):
 
 
 _apply_all = function_base_apply.__get__(None, PvaryAll)
+_contiguous = torch.contiguous_format
 
 
 def psum_all(spmd: Any, axes: tuple[str, ...], gs: tuple) -> list:
@@ -298,11 +299,13 @@ def psum_all(spmd: Any, axes: tuple[str, ...], gs: tuple) -> list:
     parts = [out[i] for i in flat]
     with DisableTorchFunction():
         buf = torch.cat([p.reshape(-1) for p in parts])
-        buf = spmd.mesh.comm(axes).all_reduce_(buf)
-        # (a group's gradients have its one dtype and device: autograd checks each against its
-        # input's; read once, off the buffer)
-        dtype, device = buf.dtype, buf.device
-        sums = [torch.empty(p.shape, dtype=dtype, device=device) for p in parts]
+        comm = spmd.mesh.comm(axes)
+        work = comm.start_all_reduce_(buf)
+        try:  # the copies' memory is made while the sum travels (a group's gradients have its
+            # one dtype and device: autograd checks each against its input's)
+            sums = [torch.empty_like(p, memory_format=_contiguous) for p in parts]
+        finally:
+            comm.finish(work)  # (also where the allocation raised: no collective left waiting)
         torch.split_with_sizes_copy(buf, [p.numel() for p in parts], out=[s.view(-1) for s in sums])
     for i, s in zip(flat, sums):
         out[i] = s
