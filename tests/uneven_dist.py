@@ -636,6 +636,10 @@ def _pmax_of_varying_or_invariant(v):  # invariant where the sum is 0: a pmax of
     return ns.pmax(v if v.sum() > 0 else torch.zeros(2, dtype=v.dtype), "x")
 
 
+def _ppermute_of_pairs_by_group(v):  # a=0's group sums above 0, a=1's below: pairs per group
+    return ns.ppermute(v, "b", [(0, 1), (1, 0)] if v.sum() > 0 else [(0, 1)])
+
+
 def _psum_over_b_where_positive(v):  # at b=0 and b=1 of a group: other signs
     return ns.psum(v, "b") * 2 if v.sum() > 0 else v * 2
 
@@ -678,6 +682,19 @@ ERRORS = [
         switch=False,
         switch_simulated=True,
         kinds=("SpmdError: ", "returned while instances", "wait at psum over ('b',)"),
+    ),
+    Case(  # every group's members agree, the groups do not: JAX's one perm for every group
+        "ppermute_of_other_pairs_per_group",
+        (2, 2),
+        ("a", "b"),
+        _ppermute_of_pairs_by_group,
+        P(("a", "b")),
+        P(("a", "b")),
+        lambda: (torch.tensor((1.0, 1.0, 2.0, 2.0, -1.0, -1.0, -3.0, -3.0), dtype=F64),),
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=("SpmdError: ", "called different collectives", "ppermute over ('b',) with other"),
     ),
     Case(  # an even call whose ranks branch on their values (sums of either sign, seed 59)
         "output_trees_differing_after_a_branch_on_values",

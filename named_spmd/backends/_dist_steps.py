@@ -101,6 +101,8 @@ def meet(
     while True:
         rows = exchange(comm, mine, "the meeting", f"the meeting ({step})")
         steps = [tuple(r[:_STEP]) for r in rows]
+        if _other_arguments(steps):  # one collective, its groups' pairs differ: as simulated
+            raise ctx.alike(_apart(ctx, steps))
         ready = _ready(mesh, steps)
         if comm.index in ready:
             return [r[_STEP:] for r in rows]
@@ -118,6 +120,18 @@ def exchange(
     it is (the same on every member) and this member's step, for its errors."""
     mine = torch.tensor(values, dtype=torch.int64, device=comm.mesh.device)
     return comm.all_to_all(mine.expand(comm.n, -1), name, doing).tolist()
+
+
+def _other_arguments(steps: list[tuple]) -> bool:
+    """Whether ranks are about to run one collective over the same axes with other parameters
+    (ppermute's pairs): JAX's ppermute takes one perm for every group, and the simulated
+    mesh's instances meet at each collective with their arguments, so groups whose members
+    agree among themselves but not with the other groups are refused alike, not run apart."""
+    arguments: dict[tuple, int] = {}
+    for code, axes, params in steps:
+        if arguments.setdefault((code, axes), params) != params:
+            return True
+    return False
 
 
 def _ready(mesh: Any, steps: list[tuple]) -> set[int]:
