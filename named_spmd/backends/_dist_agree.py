@@ -3,7 +3,8 @@
 * Every call (``check_call_agrees``): the same mapped function on tensor inputs of the same global
   shapes, dtypes and requires_grad (under the grad mode), and the same recollection of the
   signature's last call where an uneven call relies on one (``_dist_uneven``); one small
-  all-reduce of a checksum, overlapped with the body.
+  all-reduce of a checksum, overlapped with the body (a replay may carry its first exchange
+  right behind it: ``_dist_carried``).
 * Debug mode (``NAMED_SPMD_DEBUG=1``): plain-tensor inputs hold the same values on every rank
   (``check_inputs_agree``), and outputs typed invariant over the axes their out_spec does not
   name hold the same values on the ranks that return them once (``check_replicas_agree``); both
