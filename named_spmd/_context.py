@@ -248,6 +248,12 @@ class SpmdContext(ABC):
         got = self.all_to_all(packed.unflatten(0, (n, -1)), axes, 0).flatten(0, 1)
         return ragged_place(got, m, placed_at, received)
 
+    def carried_metadata(self, meta: torch.Tensor, axes: Axes) -> torch.Tensor | None:
+        """``ragged_all_to_all``'s exchange of its ``[4, K]`` offsets and sizes, typed and
+        counted as its tiled all_to_all, where the backend made it already (a real mesh's
+        replay carries it behind the start-of-call check); None: the caller exchanges them."""
+        return None
+
     @abstractmethod
     def permute(
         self, x: torch.Tensor, axes: Axes, pairs: tuple[tuple[int, int], ...]

@@ -7,7 +7,8 @@
   give the dense sum: rank 3 passes another global shape (without, then with debug mode); only
   rank 3's input requires grad (its backward psum would wait for the others for ever); the
   ranks psum over different axes with debug mode; then the same without debug mode, twice (the
-  second call is where the ranks left behind see the others ahead).
+  second call is where the ranks left behind see the others ahead). Between them, ``carried``:
+  a replayed ragged_all_to_all whose offsets' exchange rides behind the start-of-call check.
 * ``sigkill``: rank 2 kills itself (SIGKILL) inside the function, before a psum.
 * ``axes_exit``: ranks 0, 1 psum over "dp", ranks 2, 3 over "tp"; 2 and 3 return and exit.
 * ``once_more``: rank 0 calls the mapped function once more than the others, which exit.
@@ -95,6 +96,7 @@ def mismatch(mesh, rank):
     x = X.clone().requires_grad_(rank == 3)
     report(rank, "grad", lambda: psum_all(mesh)(x).full_tensor().sum().backward())
     report(rank, "grad_then", lambda: good_call(mesh))
+    carried(mesh, rank)
     ns.set_debug(True)
     report(rank, "shapes_debug", bad_shapes)
     report(rank, "shapes_debug_then", lambda: good_call(mesh))
@@ -103,6 +105,74 @@ def mismatch(mesh, rank):
     ns.set_debug(None)
     f = by_axes(mesh, rank)
     report(rank, "axes", lambda: (f(X), f(X)))
+
+
+def ragged_inputs(variant: int) -> tuple[torch.Tensor, ...]:
+    """A ragged_all_to_all over ("dp", "tp") (member = rank) with one slot per member: member i
+    sends ``c[i][j]`` rows of its 8 to member j, placed there in source order (global inputs:
+    the members' blocks concatenated), and the dense result it must give."""
+    n, rows, m = 4, 8, 16
+    c = [[(i + 2 * j + variant) % 3 + (i == j) for j in range(n)] for i in range(n)]
+    x = torch.arange(float(n * rows * 2)).reshape(n * rows, 2)
+    send = torch.tensor(c)
+    in_off = torch.cumsum(send, 1) - send
+    out_off = torch.tensor([[sum(c[k][j] for k in range(i)) for j in range(n)] for i in range(n)])
+    recv = send.T.contiguous()
+    want = torch.zeros(n * m, 2)
+    for j in range(n):
+        at = j * m
+        for i in range(n):
+            start = i * rows + in_off[i, j].item()
+            want[at : at + c[i][j]] = x[start : start + c[i][j]]
+            at += c[i][j]
+    meta = [t.reshape(-1) for t in (in_off, send, out_off, recv)]
+    return (x, torch.zeros(n * m, 2), *meta, want)
+
+
+def carried(mesh, rank):
+    """A ragged_all_to_all replayed (its offsets' exchange carried behind the start-of-call
+    check) with other values each call, a replay on some ranks only (the plan forgotten on
+    rank 3), and calls that go apart before their first collective (rank 0 runs a psum first
+    in its replay): right values, or one error on every rank, and the next call runs."""
+    spec = P(("dp", "tp"))
+    calls = {"n": 0}
+
+    def f(x, out, *meta):
+        if calls["n"] and rank == 0:  # (Python state that differs between ranks)
+            x = x + ns.psum(x, ("dp", "tp")) * 0
+        return ns.ragged_all_to_all(x, out, *meta, ("dp", "tp"))
+
+    mapped = ns.spmd_map(f, mesh=mesh, in_specs=spec, out_specs=spec)
+    g = ns.spmd_map(
+        lambda x, out, *meta: ns.ragged_all_to_all(x, out, *meta, ("dp", "tp")),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )
+
+    def right(variant: int, forget: bool = False) -> None:
+        *args, want = ragged_inputs(variant)
+        if forget and rank == 3:
+            g._signatures.clear()  # (its table of plans: the call is typed again here alone)
+        with ns.CommMode() as comm:
+            got = g(*args).full_tensor()
+        if not torch.equal(got, want):
+            raise ns.SpmdError(f"ragged_all_to_all gave {got.tolist()}, not {want.tolist()}")
+        axes = ("dp", "tp")
+        if comm.counts() != {
+            ("forward", op, axes): 1 for op in ("all_to_all", "ragged_all_to_all")
+        }:
+            raise ns.SpmdError(f"counted {comm.counts()}")
+
+    for variant in range(3):
+        report(rank, f"carried_{variant}", lambda: right(variant))
+    report(rank, "carried_forgotten", lambda: right(3, forget=True))
+    report(rank, "carried_after", lambda: right(4))
+    *args, _ = ragged_inputs(0)
+    report(rank, "apart_plan", lambda: mapped(*args))
+    calls["n"] = 1
+    report(rank, "apart", lambda: mapped(*args))
+    report(rank, "apart_then", lambda: good_call(mesh))
 
 
 def sigkill(mesh, rank):

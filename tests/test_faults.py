@@ -101,7 +101,14 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
         assert "called different collectives in spmd_map call #" in o["message"], o
         assert "finished that call without joining it" in o["message"], o
         assert o["seconds"] < 25, o  # learned from its exit, not at the 30 s timeout
-        for phase in ("shapes_then", "grad_then", "shapes_debug_then", "axes_debug_then"):
+        for phase in ("carried_0", "carried_1", "carried_2", "carried_forgotten"):
+            assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]  # values and counts
+        o = outcomes[rank, "apart"]  # rank 0 ran a psum first: one error on every rank
+        assert o.get("error") == "SpmdError", (o, tail)
+        assert "went apart before their first collective: members [1, 2, 3]" in o["message"], o
+        assert "members [0] ran another collective first" in o["message"], o
+        phases = ("shapes_then", "grad_then", "shapes_debug_then", "axes_debug_then")
+        for phase in ("carried_after", "apart_plan", "apart_then", *phases):
             assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]
 
 

@@ -3,7 +3,8 @@
 * Every call (``check_call_agrees``): the same mapped function on tensor inputs of the same global
   shapes, dtypes and requires_grad (under the grad mode), and the same recollection of the
   signature's last call where an uneven call relies on one (``_dist_uneven``); one small
-  all-reduce of a checksum, overlapped with the body.
+  all-reduce of a checksum, overlapped with the body (a replay may carry its first exchange
+  right behind it: ``_dist_carried``).
 * Debug mode (``NAMED_SPMD_DEBUG=1``): plain-tensor inputs hold the same values on every rank
   (``check_inputs_agree``), and outputs typed invariant over the axes their out_spec does not
   name hold the same values on the ranks that return them once (``check_replicas_agree``); both
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as torch_private
 from .._accounting import CommEvent, active, record_into
 from .._errors import SpmdError
+from . import _dist_carried
 from ._dist_buckets import bucket_bytes
 from ._dist_exchange import exchange
 from ._dist_pvary import digest
@@ -88,7 +90,10 @@ def check_call_agrees(
     # and what this rank recalls of the signature's last call (an uneven call's shapes), which
     # the call relies on only where every rank recalls the same
     # and the casts a replay would make at its entry, which it makes only where every rank would
+    # and the exchange a replay carries right behind the check (``_dist_carried``: the digest
+    # holds its slots), which it makes there only where every rank promised it
     recalled = (ctx.recall_shapes(checksum) ^ digest(hoistable)) & _INT62
+    promised = _dist_carried.promise(ctx, hoistable)
     comm = mesh.check_comm()
     started = comm.start_agree(checksum ^ recalled, "the start-of-call check")
     if active():  # a collective of the call: CommMode counts it, as a boundary event
@@ -97,8 +102,10 @@ def check_call_agrees(
 
     def finish() -> None:
         mesh.pending_check = None
+        _dist_carried.keep_promise(mesh)
         if not comm.agreed(started, "the start-of-call check"):
-            _disagree(ctx, leaves, grad, local, known, recalled, settings)
+            _disagree(ctx, leaves, grad, local, known, recalled, settings, promised)
+        _dist_carried.settle(ctx)
 
     mesh.pending_check = finish
 
@@ -133,10 +140,12 @@ def _disagree(
     known: int,
     recalled: int,
     settings: tuple[int, bool],
+    promised: int,
 ) -> None:
     """The checksums differ: exchange the descriptions and raise on every rank alike, or, where
     only what the ranks recall of the signature's last call differs, forget it on every rank
-    alike (the call then exchanges every shape afresh)."""
+    alike (the call then exchanges every shape afresh). A carried exchange that some rank
+    promised (``promised``: this one's slots) is made on every rank first (``_dist_carried``)."""
     mesh = ctx.mesh
     shapes = ", ".join(
         f"{list(x.shape)} {str(x.dtype)[6:]}{' requires_grad' if grad and x.requires_grad else ''}"
@@ -151,12 +160,13 @@ def _disagree(
         board,
         "call",
         board.ranks,
-        f"{known} {recalled} {mine}",
+        f"{known} {int(bool(promised))} {recalled} {mine}",
         f"rank {mesh.rank}",
         "the start-of-call check",
     )
-    knowns = {r: int(v.split(" ", 2)[0]) for r, v in got.items()}
-    got = {r: v.split(" ", 2)[2] for r, v in got.items()}
+    _dist_carried.drain(mesh, any(v.split(" ", 2)[1] == "1" for v in got.values()))
+    knowns = {r: int(v.split(" ", 3)[0]) for r, v in got.items()}
+    got = {r: v.split(" ", 3)[3] for r, v in got.items()}
     latest = max(knowns.values())
     if len(set(got.values())) == 1 and len(set(knowns.values())) == 1:  # (the recalled differ)
         ctx.forget_shapes()

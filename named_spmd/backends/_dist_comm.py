@@ -164,6 +164,8 @@ class Comm:
         self._scatter_opts.asyncOp = self.poll
         self._a2a_opts = c10d.AllToAllOptions()
         self._a2a_opts.asyncOp = self.poll
+        self._started_a2a_opts = c10d.AllToAllOptions()
+        self._started_a2a_opts.asyncOp = True  # (start_all_to_all: waited for later)
         self._agree_opts = self._reduce_opts(MAX)
         self._agree_opts.asyncOp = True  # started, and finished after some of the body
         self._doings: dict[str, str] = {}  # op -> where a wait for it is (every wait names it)
@@ -303,6 +305,24 @@ class Comm:
         out = torch.empty_like(stacked)
         opts = self._a2a_opts
         self._issue(name, lambda: self._a2a(out, stacked, [], [], opts))
+        return out if self._to_group is None else out.index_select(0, self._to_group)
+
+    def start_all_to_all(self, stacked: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Start :meth:`all_to_all` of ``stacked`` (contiguous, owned by the caller, a dtype gloo
+        moves) without waiting: :meth:`finish_all_to_all` waits. Nothing precedes it (no
+        start-of-call check, no debug comparison): the caller has the ranks agree on it."""
+        if self._from_group is not None:
+            stacked = stacked.index_select(0, self._from_group)
+        out = torch.empty_like(stacked)
+        try:
+            return self._a2a(out, stacked, [], [], self._started_a2a_opts), out
+        except RuntimeError as e:
+            raise self.mesh.board.translate(e, self._doing("all_to_all")) from None
+
+    def finish_all_to_all(self, started: tuple[Any, torch.Tensor], name: str) -> torch.Tensor:
+        """Wait for :meth:`start_all_to_all`; the received chunks in source tuple order."""
+        work, out = started
+        self._wait(name, work)
         return out if self._to_group is None else out.index_select(0, self._to_group)
 
     def all_to_all_rows(

@@ -18,7 +18,7 @@ import itertools
 import math
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from .._traced import warm_types
 from ._dist_comm import Comm
 from ._dist_failures import FailureBoard, generation
 from ._dist_processes import mark_exited, register_process, registered
+
+if TYPE_CHECKING:
+    from ._dist_carried import Carried
 
 #: id(DeviceMesh) -> its DistributedMesh (whose ``device_mesh`` it is: the entry keeps the id's
 #: object alive, so an id is never reused while registered).
@@ -86,6 +89,7 @@ class DistributedMesh(Mesh):
         self.poll = device_type in _POLLED  # gloo: wait in slices, watching for failed peers
         self.debug = False
         self.pending_check: Callable[[], None] | None = None  # see _dist_agree.check_call_agrees
+        self.carried: Carried | None = None  # a replay's promised exchange (_dist_carried)
         # per signature (the start-of-call checksum): the operand shapes of its last uneven call's
         # ppermutes, which the next call assumes (_dist_uneven_primitives.UnevenPrimitives)
         self.shape_records: dict[int, tuple] = {}

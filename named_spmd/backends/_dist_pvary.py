@@ -149,7 +149,7 @@ def _note(ctx: Any, t: torch.Tensor, tag: tuple) -> None:
 
 def planned(ctx: Any) -> Hoistable:
     """``ctx.planned_hoistable()``: ((input position, tag), ...) in the order first cast."""
-    return Hoistable(ctx.hoistable or ())
+    return Hoistable(ctx.hoistable or (), ctx.carried_slots)
 
 
 class Hoistable(tuple):
@@ -159,8 +159,13 @@ class Hoistable(tuple):
     device and size) is fixed by the plan's signature, which holds each leaf's spec, shape,
     dtype, device and requires_grad and the grad mode."""
 
-    def __init__(self, entries: Any = ()) -> None:
-        self.digest = hash(tuple(at for at, _ in self))
+    def __new__(cls, entries: Any = (), carried: int = 0) -> Hoistable:
+        return super().__new__(cls, entries)
+
+    def __init__(self, entries: Any = (), carried: int = 0) -> None:
+        #: the slots of the exchange its replays carry behind the check (``_dist_carried``)
+        self.carried = carried
+        self.digest = hash((tuple(at for at, _ in self), carried))
         self._groups: dict[int, tuple] = {}  # bucket cap -> groups
 
     def groups(self, ctx: Any, cap: int) -> tuple:
@@ -174,11 +179,11 @@ class Hoistable(tuple):
 
 
 def digest(hoistable: tuple) -> int:
-    """A hash of the input positions of ``hoistable`` (``Replay.hoistable``), the same in every
-    process: what the start-of-call check compares of it."""
+    """A hash of the input positions of ``hoistable`` (``Replay.hoistable``) and of the slots
+    its replays carry, the same in every process: what the start-of-call check compares of it."""
     if isinstance(hoistable, Hoistable):
         return hoistable.digest
-    return hash(tuple(at for at, _ in hoistable))
+    return hash((tuple(at for at, _ in hoistable), 0))
 
 
 def _groups(ctx: Any, hoistable: Hoistable, cap: int) -> tuple:

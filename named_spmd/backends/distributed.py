@@ -44,6 +44,7 @@ from .._tracking import VmaMode
 from .._types import Vma
 from . import (
     _dist_agree,
+    _dist_carried,
     _dist_compile,
     _dist_donation,
     _dist_exchange,
@@ -95,6 +96,8 @@ class DistributedContext(OperandShapes, TrackedContext):
     hoistable: dict[tuple, None] | None = None  # a planned call's casts a replay may hoist
     hoisted_aliases: dict[tuple, tuple] | None = None  # a replay's casts made at its entry
     hoist_refused = False  # some rank would not make them (the start-of-call check)
+    carried_slots = 0  # a planned call's first exchange, for its replays to carry
+    carries_first_exchange = True  # (_dist_carried; not where collectives size their operands)
 
     def axis_index(self, axes):
         index = torch.tensor(self.mesh.comm(axes).index, device=self.mesh.device)
@@ -247,6 +250,9 @@ class DistributedContext(OperandShapes, TrackedContext):
     def ragged_all_to_all(self, x, axes, m, offsets, sizes, placed_at, received):
         return ragged_rows(self.mesh.comm(axes), x, m, offsets, sizes, placed_at, received)
 
+    def carried_metadata(self, meta, axes):
+        return _dist_carried.peers(self, meta, axes)
+
     def broadcast(self, x, axes, root):
         return self.mesh.comm(axes).broadcast(x, root)
 
@@ -262,6 +268,7 @@ class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
     wait (``_dist_compile.one_op``)."""
 
     own_values = False  # traced: values are not read on the host (the padded default runs)
+    carries_first_exchange = False
 
     def all_to_all_sizes(self, x, axes, dim, sent, received):
         return SpmdContext.all_to_all_sizes(self, x, axes, dim, sent, received)
@@ -295,6 +302,7 @@ class UnevenContext(UnevenPrimitives, DistributedContext):
     """A call whose ranks' blocks may differ in size (``_dist_uneven``)."""
 
     hoist_casts = TrackedContext.hoist_casts  # (its pvary sizes its operands: none made ahead)
+    carries_first_exchange = False
 
 
 def _begin(ctx: DistributedContext, call: Call, hoistable: tuple):
@@ -373,6 +381,7 @@ def run(call: Call) -> list[Any]:
         raise
     except BaseException as raised:
         mesh.pending_check = None  # issued on every rank: it completes without this one
+        mesh.carried = None  # (one not made leaves the peers waiting for this rank there)
         e = _told_per_rank(ctx, raised, call)
         if e is not ctx.raised_alike:  # (else no peer waits for it)
             board.post(e)

@@ -1,0 +1,157 @@
+"""A replay's first exchange carried right behind its start-of-call check, so that the call
+waits once for both (each wait on gloo is a round of the ranks' scheduling).
+
+A planned call whose first process-group call is the exchange of a ``ragged_all_to_all``'s
+offsets and sizes (over the whole mesh, its axes in mesh order, at most :data:`SLOTS` slots
+per member, on the host) notes its slots (``DistributedContext.carried_slots``); its plan
+keeps them (``_dist_pvary.Hoistable.carried``), and each replay of the plan promises, in its
+start-of-call checksum, one all_to_all of ``[n, WIDTH]`` int64 on the check's group before any
+other collective: that exchange's rows where its first collective is that exchange
+(:func:`peers`: started before the check is waited for), else a row of zeros
+(:func:`keep_promise`). Every rank sends one width whatever it sends, so ranks whose calls went
+apart stay in step: each row starts with a tag (the slots, or 0), and where the tags differ
+every rank raises the same error. Where the checksums differ (some ranks promised, others did
+not), the ranks learn who promised in the check's exchange of descriptions, and those that did
+not send zeros (:func:`drain`), so the exchange completes before the check's error or the call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import _torch_private as torch_private
+from .._accounting import CommEvent, record, recording
+from .._errors import SpmdError
+
+if TYPE_CHECKING:
+    from ._dist_comm import Comm
+    from ._dist_mesh import DistributedMesh
+    from .distributed import DistributedContext
+
+SLOTS = 8  # slots per member carried at most (four int64 each)
+WIDTH = 1 + 4 * SLOTS  # a row: the tag, then the four metadata of the receiver's slots
+_NAME = "the start-of-call check's carried exchange"
+
+
+class Carried:
+    """One replay's promised exchange: ``slots`` (K) the plan's, ``tag`` what this rank sent
+    (K: its metadata; 0: zeros), ``started`` the exchange in flight (None: not yet)."""
+
+    def __init__(self, comm: Comm, slots: int):
+        self.comm, self.slots = comm, slots
+        self.tag = 0
+        self.started: tuple[Any, torch.Tensor] | None = None
+
+    def start(self, meta: torch.Tensor | None) -> None:
+        """Send ``meta`` ([4, K] int64, slot k for member ``k // (K // n)``), or zeros."""
+        n = self.comm.n
+        rows = torch.zeros(n, WIDTH, dtype=torch.int64)
+        if meta is not None:
+            self.tag = meta.shape[1]
+            per = self.tag // n
+            rows[:, 0] = self.tag
+            rows[:, 1 : 1 + 4 * per] = meta.reshape(4, n, per).transpose(0, 1).reshape(n, -1)
+        self.started = self.comm.start_all_to_all(rows)
+
+    def finish(self, ctx: DistributedContext) -> torch.Tensor:
+        """The rows received, in member order; where some member's tag is not this one's, the
+        calls went apart before their first collective: every rank raises alike."""
+        assert self.started is not None
+        got = self.comm.finish_all_to_all(self.started, _NAME)
+        tags = got[:, 0].tolist()
+        if any(t != self.tag for t in tags):
+            first = [i for i, t in enumerate(tags) if t]
+            other = [i for i, t in enumerate(tags) if not t]
+            raise ctx.alike(
+                SpmdError(
+                    f"spmd_map of {ctx.fn_label}: the ranks' calls went apart before their first "
+                    f"collective: members {first} of the mesh exchanged a ragged_all_to_all's "
+                    f"offsets and sizes first, members {other} ran another collective first (or "
+                    "none), where the call's earlier run of the same inputs ran that exchange "
+                    "first on every rank. Fix: make the collectives a call runs, and their order, "
+                    "independent of the rank (Python state that differs between ranks)."
+                )
+            )
+        return got
+
+
+def promise(ctx: DistributedContext, hoistable: tuple) -> int:
+    """At the start-of-call check: the replay's promise (the slots of the exchange it carries,
+    0: none), which the checksum compares; the mesh keeps it until the exchange is made."""
+    mesh = ctx.mesh
+    slots = getattr(hoistable, "carried", 0)
+    mesh.carried = Carried(mesh.check_comm(), slots) if slots else None
+    return slots
+
+
+def keep_promise(mesh: DistributedMesh) -> None:
+    """As the check is finished: the promised exchange, zeros where no call made it yet."""
+    carried = mesh.carried
+    if carried is not None and carried.started is None:
+        carried.start(None)
+
+
+def settle(ctx: DistributedContext) -> None:
+    """After the check agreed: an exchange of zeros is waited for here (the ranks that sent
+    their metadata wait in :func:`peers`); tags that differ raise on every rank alike."""
+    carried = ctx.mesh.carried
+    if carried is not None and not carried.tag:
+        ctx.mesh.carried = None
+        carried.finish(ctx)
+
+
+def drain(mesh: DistributedMesh, promised: bool) -> None:
+    """The checksums differ and some rank promised (``promised``: any did): every rank takes
+    part in one exchange (zeros where this rank made none) and its rows go unused."""
+    if not promised:
+        return
+    carried = mesh.carried
+    if carried is None:
+        carried = Carried(mesh.check_comm(), 0)
+        carried.start(None)
+    mesh.carried = None
+    assert carried.started is not None
+    carried.comm.finish_all_to_all(carried.started, _NAME)
+
+
+def _fits(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) -> bool:
+    mesh = ctx.mesh
+    vma = ctx.vma(meta)
+    return (
+        type(ctx).carries_first_exchange
+        and axes == mesh.axis_names
+        and meta.device.type == "cpu"
+        and meta.shape[1] <= SLOTS * mesh.size
+        and not ctx.values_read
+        and not vma.partial
+        and vma.varying.issuperset(axes)
+    )
+
+
+def peers(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) -> Any:
+    """``ragged_all_to_all``'s exchange of ``meta`` ([4, K] int64) where the start-of-call check
+    carries it (a replay that promised it: this is its first collective), as the tiled
+    all_to_all would return it, typed and counted alike; else None (the caller exchanges), and
+    in a planned call whose first collective this is, its slots noted for the plan."""
+    mesh = ctx.mesh
+    carried = mesh.carried
+    if carried is None or carried.started is not None:
+        if mesh.pending_check is not None and carried is None and _fits(ctx, meta, axes):
+            ctx.carried_slots = meta.shape[1]
+        return None
+    if meta.shape[1] != carried.slots or not _fits(ctx, meta, axes):
+        return None  # (the check sends zeros for it; the ranks that sent metadata raise)
+    with torch_private.DisableTorchFunction():  # the exchange's own ops, no ops of the program
+        carried.start(meta)
+        mesh.finish_pending_check()  # (the checksums differ: drained, and the exchange runs)
+        if mesh.carried is not carried:
+            return None
+        mesh.carried = None
+        got = carried.finish(ctx)
+        n, per = mesh.size, carried.slots // mesh.size
+        peer = got[:, 1 : 1 + 4 * per].reshape(n, 4, per).transpose(0, 1).reshape(4, -1)
+    if recording():  # the exchange's event, as ``Collective._apply`` records it
+        record(CommEvent("all_to_all", axes, "forward", (4, n * per), meta.dtype))
+    return ctx.stamp(peer, ctx.vma(meta))
