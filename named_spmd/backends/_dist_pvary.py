@@ -148,8 +148,10 @@ def _note(ctx: Any, t: torch.Tensor, tag: tuple) -> None:
 
 
 def planned(ctx: Any) -> Hoistable:
-    """``ctx.planned_hoistable()``: ((input position, tag), ...) in the order first cast."""
-    return Hoistable(ctx.hoistable or (), ctx.carried_slots)
+    """``ctx.planned_hoistable()``: ((input position, tag), ...) in the order first cast. A
+    replay that hoists waits for the start check at entry, so nothing can ride behind it."""
+    hoisted = ctx.hoistable or ()
+    return Hoistable(hoisted, 0 if hoisted else ctx.carried_slots)
 
 
 class Hoistable(tuple):
