@@ -65,19 +65,6 @@ _call_uneven = torch_private.not_traced(
 )
 
 
-#: A call traced under a torch.func transform that the compiled program applies, on a backend
-#: whose compile path does not trace one (a real mesh's: Dynamo reads an input's requires_grad
-#: from before the transform set it, and cannot apply torch's functional collectives to the
-#: transform's wrapped tensors).
-_UNDER_TRANSFORM = (
-    "{where}: torch.compile traces this call under a torch.func transform that the compiled "
-    "function applies (torch.compile(torch.func.grad(f))), which a real mesh's compile path "
-    "does not support (docs/design.md section 7). Fix: compile the mapped function (or a "
-    "function calling it) and take gradients with loss.backward() or torch.autograd.grad, "
-    "which differentiate the compiled graph; or run the torch.func transform eagerly."
-)
-
-
 class SpmdFunction:
     """A per-device function mapped over a mesh; call it with global values."""
 
@@ -221,11 +208,6 @@ class SpmdFunction:
                 _traced.skip_frame("named_spmd: a graph break inside a mapped call")
             if not backend.capabilities.traceable:
                 return _call_eagerly(self, args, backend, local)
-            if (
-                not backend.capabilities.traced_under_transforms
-                and torch_private.transforms_active()
-            ):
-                raise SpmdError(_UNDER_TRANSFORM.format(where=self.where))
             if recording():
                 return _call_counted(self, args, backend, local)
             if self.unequal_blocks(args, local):

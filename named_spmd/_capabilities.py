@@ -17,10 +17,6 @@ class Capabilities:
     #: Whether Dynamo traces a whole call on this backend. Where not, a call made inside a
     #: ``torch.compile``d function runs eagerly: a graph break around it (``SpmdFunction``).
     traceable: bool
-    #: Whether Dynamo traces a call under a ``torch.func`` transform that the compiled program
-    #: applies (``torch.compile(torch.func.grad(f))``). Where not, tracing such a call raises an
-    #: ``SpmdError`` (``SpmdFunction``): without ``fullgraph=True`` the frame runs eagerly.
-    traced_under_transforms: bool
     #: Whether a process holds only its own instances' blocks (a real mesh), so that
     #: ``SpmdFunction.local`` passes them in and out as they are (``Call.local``). Where not
     #: (the process holds every instance), a local call is the global call.

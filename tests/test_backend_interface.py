@@ -39,10 +39,7 @@ class NarrowBackend:
 
     def __init__(self, uneven_blocks: bool) -> None:
         self.capabilities = Capabilities(
-            traceable=False,
-            traced_under_transforms=False,
-            local_blocks=False,
-            uneven_blocks=uneven_blocks,
+            traceable=False, local_blocks=False, uneven_blocks=uneven_blocks
         )
         self.calls: list = []
 
@@ -117,10 +114,7 @@ def test_the_capabilities_decide_whether_unequal_blocks_are_taken(narrow):
 def test_the_check_mirrors_its_backends_capabilities(narrow):
     abstract = AbstractBackend([], True, narrow)
     want = Capabilities(
-        traceable=False,
-        traced_under_transforms=False,
-        local_blocks=False,
-        uneven_blocks=narrow.capabilities.uneven_blocks,
+        traceable=False, local_blocks=False, uneven_blocks=narrow.capabilities.uneven_blocks
     )
     assert abstract.capabilities == want
     assert abstract.uneven_state() is narrow.uneven_state()

@@ -33,6 +33,7 @@ import torch
 
 from .. import _torch_private as torch_private
 from .._autodiff import apply as bridge_apply
+from .._errors import SpmdError
 from .._stamps import TrackedContext
 from .._traced import CompiledVmaMode, TracedContext, route_view_attributes
 from .._types import INVARIANT
@@ -216,10 +217,24 @@ class CompiledContext(FuncolPrimitives, TracedContext):
             return rec.forward(self, x, axes, params)
 
 
+#: Tracing a call under a torch.func transform is not supported: Dynamo reads an input's
+#: requires_grad from before the transform set it (the boundary's Functions would be traced
+#: without their backward), and torch's functional collectives take no wrapped tensors.
+_UNDER_TRANSFORM = (
+    "{where}: torch.compile traces this call under a torch.func transform that the compiled "
+    "function applies (torch.compile(torch.func.grad(f))), which a real mesh's compile path "
+    "does not support (docs/design.md section 7). Fix: compile the mapped function (or a "
+    "function calling it) and take gradients with loss.backward() or torch.autograd.grad, "
+    "which differentiate the compiled graph; or run the torch.func transform eagerly."
+)
+
+
 def run(call: Call) -> list[Any]:
     """``distributed.run`` while Dynamo traces: see the module docstring. The boundary is the
     eager path's (``_dist_io``); each argument position gets a tensor object of its own (a
     view where the block is the leaf itself), on which its stamp goes."""
+    if torch_private.transforms_active():  # (a transform the compiled program applies)
+        raise SpmdError(_UNDER_TRANSFORM.format(where=call.mapped.where))
     route_view_attributes()
     ctx = CompiledContext(call.mesh, call.fn)
     ctx.checked = call.mapped.check_vma

@@ -286,11 +286,8 @@ def _relayout_pairs(mesh, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
 
 
 def _has_tangent(y: torch.Tensor) -> bool:
-    """Whether ``y`` carries a forward-mode tangent (never while Dynamo traces, which guards
-    the forward-mode level itself and refuses a tangent)."""
-    if torch.compiler.is_compiling() or torch_private.forward_level() < 0:
-        return False
-    return forward_ad.unpack_dual(y).tangent is not None
+    """Whether ``y`` carries a forward-mode tangent."""
+    return torch_private.forward_level() >= 0 and forward_ad.unpack_dual(y).tangent is not None
 
 
 def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
@@ -298,7 +295,8 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     its global value as a plain tensor under a transform or with a forward-mode tangent."""
     mesh = ctx.mesh
     y = local_output(ctx, y, spec)
-    if torch_private.transforms_active() or _has_tangent(y):
+    # (Dynamo guards the forward-mode level itself, and refuses a tangent: not read there)
+    if torch_private.transforms_active() or (not torch.compiler.is_compiling() and _has_tangent(y)):
         # a functorch wrapper hides a DTensor's methods, and a DTensor cannot carry a forward-mode
         # tangent (torch has no DTensor rule for forward AD): the global value, as a plain tensor
         # (an unreduced output's: the sum of the parts, as the simulated mesh returns it)

@@ -331,9 +331,7 @@ class AbstractBackend:
         per_instance: PerInstance | None = None,
     ):
         uneven = like.capabilities.uneven_blocks
-        self.capabilities = Capabilities(
-            traceable=False, traced_under_transforms=False, local_blocks=False, uneven_blocks=uneven
-        )
+        self.capabilities = Capabilities(traceable=False, local_blocks=False, uneven_blocks=uneven)
         self.grads = grads
         self.backward = backward
         self.like = like

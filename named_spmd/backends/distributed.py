@@ -454,9 +454,7 @@ class DistributedBackend:
     name = "distributed"
     # _dist_compile: the whole call traced into the graph; SpmdFunction.local: this rank's
     # blocks in and out; unequal blocks as on the simulated mesh (``_dist_uneven``)
-    capabilities = Capabilities(
-        traceable=True, traced_under_transforms=False, local_blocks=True, uneven_blocks=True
-    )
+    capabilities = Capabilities(traceable=True, local_blocks=True, uneven_blocks=True)
 
     def accepts(self, mesh: Mesh) -> bool:
         return isinstance(mesh, DistributedMesh)

@@ -291,9 +291,7 @@ class SimulatedBackend:
     name = "simulated"
     # _traced: the whole call traced into the graph; one process holds every instance; blocks
     # of unequal sizes run per instance (``_per_instance``)
-    capabilities = Capabilities(
-        traceable=True, traced_under_transforms=True, local_blocks=False, uneven_blocks=True
-    )
+    capabilities = Capabilities(traceable=True, local_blocks=False, uneven_blocks=True)
 
     def accepts(self, mesh: Mesh) -> bool:
         return mesh.device_mesh is None
