@@ -313,6 +313,14 @@ def double_backward_gathered_reduced(f):
     return gx, *torch.autograd.grad((gx * TX).sum(), x)
 
 
+def compiled_grad_in_one_graph(f):
+    """``torch.compile(torch.func.grad(call), fullgraph=True)``: the eager grad's numbers on the
+    simulated mesh, which traces the call under the transform; a real mesh refuses to, naming
+    the fix (``REAL_MESH_ERRORS``)."""
+    loss = grad(lambda x, w: (f["gathered"](x, w) * CT16).sum(), argnums=(0, 1))
+    return torch.compile(loss, backend="aot_eager", fullgraph=True)(X, W8)
+
+
 def double_backward_cast_reduced(f):
     w = W.clone().requires_grad_()
     (gw,) = torch.autograd.grad((full(f["cast_reduced"](X, w)) * CT4).sum(), w, create_graph=True)
@@ -360,12 +368,17 @@ PROGRAMS = {
         double_backward_megatron,
         double_backward_gathered_reduced,
         double_backward_cast_reduced,
+        compiled_grad_in_one_graph,
     )
 }
 
 
 #: Programs the real mesh refuses (with the fix in the message); the simulated mesh has no DTensor.
-REAL_MESH_ERRORS = {"grad_of_transformed_dtensor": "SpecError"}
+REAL_MESH_ERRORS = {
+    "grad_of_transformed_dtensor": "SpecError",
+    # Dynamo's refusal, whose cause is named_spmd's SpmdError
+    "compiled_grad_in_one_graph": "Unsupported",
+}
 
 
 def _flat(out) -> list:

@@ -10,8 +10,10 @@ backend interface is the same (docs/design.md section 5.6); only what Dynamo can
   with one non-empty split each way;
 * every collective runs inside the autograd bridge of ``_autodiff`` (as
   ``TracedCollectiveFn``): Dynamo traces its forward and backward, and the backward is the
-  record's transpose, so an implicit pvary's psum appears in the backward graph; a plain
-  tensor input takes the eager path's code (``_dist_plain``);
+  record's transpose, so an implicit pvary's psum appears in the backward graph;
+* the boundary (plain and DTensor inputs, outputs) is the eager path's, ``_dist_io``; where
+  Dynamo needs other code it decides in place (``is_compiling``: DTensor's own conversions,
+  Functions without the jvp and vmap rules Dynamo refuses);
 * types are ``_traced``'s (stamps set with ``setattr``, every op typed by
   ``CompiledVmaMode``): type inference, the out_specs check and every ``SpmdError`` happen
   once, at trace time;
@@ -28,19 +30,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as torch_private
 from .._autodiff import apply as bridge_apply
-from .._collectives._record import PVARY_RECORD, RECORDS
-from .._spec import PartitionSpec, output_settles
+from .._errors import SpmdError
 from .._stamps import TrackedContext
 from .._traced import CompiledVmaMode, TracedContext, route_view_attributes
 from .._types import INVARIANT
 from ._dist_comm import on_wire, permute_splits, reduce_wire
-from ._dist_dtensor import grad_placements, placements
-from ._dist_io import _in_mesh_order, _non_mesh_order_entries, _relayout_pairs, block_input
-from ._dist_plain import TracedFirstHolds, plain_input
+from ._dist_io import block_input, global_output, local_input, local_output
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -219,73 +217,36 @@ class CompiledContext(FuncolPrimitives, TracedContext):
             return rec.forward(self, x, axes, params)
 
 
-# --- the boundary ----------------------------------------------------------------------------
-
-
-def _local_input(ctx: CompiledContext, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
-    """This rank's block of argument leaf ``leaf``, a tensor of its own: the stamp goes on it."""
-    if not isinstance(leaf, DTensor):
-        x = plain_input(ctx, leaf, spec)  # (as on the eager path)
-        return leaf.view_as(leaf) if x is leaf else x
-    mesh = ctx.mesh
-    grads = grad_placements(mesh, spec, leaf.dim()) if spec.unreduced or spec.reduced else None
-    local = leaf.to_local(grad_placements=grads)
-    for axes in _non_mesh_order_entries(mesh, spec):
-        pairs = (_relayout_pairs(mesh, axes),)
-        local = ctx.apply(RECORDS["ppermute"], local, _in_mesh_order(mesh, axes), pairs)
-    return local.view_as(local)
-
-
-def _block_input(ctx: CompiledContext, leaf: torch.Tensor, i: int) -> torch.Tensor:
-    """An argument leaf of a local call: this rank's block already (``_dist_io.block_input``)."""
-    return block_input(ctx, leaf, i).view_as(leaf)  # a new tensor: the stamp goes on it
-
-
-def _global_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -> DTensor:
-    mesh = ctx.mesh
-    y = _local_output(ctx, y, spec)
-    for axes in _non_mesh_order_entries(mesh, spec):
-        pairs = tuple((d, s) for s, d in _relayout_pairs(mesh, axes))
-        y = ctx.apply(RECORDS["ppermute"], y, _in_mesh_order(mesh, axes), (pairs,))
-    places = placements(mesh, spec, y.dim())
-    return DTensor.from_local(y, mesh.device_mesh, places, run_check=False)
-
-
-def _local_output(ctx: CompiledContext, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
-    """This rank's block of output ``y`` (``_dist_io.local_output``)."""
-    vma = ctx.vma(y)
-    single = ctx.mesh.single_axes
-    unnamed_varying, named_invariant = output_settles(vma, spec, ctx.mesh.axis_names, single)
-    if unnamed_varying:  # check_vma=False: member 0's value, as on the other backends (a
-        # broadcast: bit for bit, of any dtype)
-        y = ctx.apply(RECORDS["pbroadcast"], y, unnamed_varying, (0,))
-    reduced = tuple(a for a in ctx.mesh.axis_names if a in vma.reduced)
-    reduced = tuple(a for a in reduced if a not in ctx.mesh.single_axes)
-    if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
-        y = TracedFirstHolds.apply(y, _group(ctx.mesh, reduced)[2] == 0, False, True)
-    if named_invariant:
-        y = ctx.apply(PVARY_RECORD, y, named_invariant, ())
-    return y
+#: Tracing a call under a torch.func transform is not supported: Dynamo reads an input's
+#: requires_grad from before the transform set it (the boundary's Functions would be traced
+#: without their backward), and torch's functional collectives take no wrapped tensors.
+_UNDER_TRANSFORM = (
+    "{where}: torch.compile traces this call under a torch.func transform that the compiled "
+    "function applies (torch.compile(torch.func.grad(f))), which a real mesh's compile path "
+    "does not support (docs/design.md section 7). Fix: compile the mapped function (or a "
+    "function calling it) and take gradients with loss.backward() or torch.autograd.grad, "
+    "which differentiate the compiled graph; or run the torch.func transform eagerly."
+)
 
 
 def run(call: Call) -> list[Any]:
-    """``distributed.run`` while Dynamo traces: see the module docstring."""
+    """``distributed.run`` while Dynamo traces: see the module docstring. The boundary is the
+    eager path's (``_dist_io``); each argument position gets a tensor object of its own (a
+    view where the block is the leaf itself), on which its stamp goes."""
+    if torch_private.transforms_active():  # (a transform the compiled program applies)
+        raise SpmdError(_UNDER_TRANSFORM.format(where=call.mapped.where))
     route_view_attributes()
     ctx = CompiledContext(call.mesh, call.fn)
     ctx.checked = call.mapped.check_vma
     local_call = call.local  # SpmdFunction.local: this rank's blocks in and out
-    leaves, specs = call.leaves, call.specs
+    local = list(call.leaves)
     with torch_private.DisableTorchFunction():
-        local = [
-            ctx.stamp_input(
-                _block_input(ctx, leaf, i) if local_call else _local_input(ctx, leaf, spec), spec
-            )
-            if isinstance(leaf, torch.Tensor)
-            else leaf
-            for i, (leaf, spec) in enumerate(zip(leaves, specs))
-        ]
+        for i, (leaf, spec) in enumerate(zip(call.leaves, call.specs)):
+            if isinstance(leaf, torch.Tensor):
+                x = block_input(ctx, leaf, i) if local_call else local_input(ctx, leaf, spec, i)
+                local[i] = ctx.stamp_input(x.view_as(x) if x is leaf else x, spec)
     with CompiledVmaMode(ctx):
         outs = call.body(local, ctx)
-    output = _local_output if local_call else _global_output
+    output = local_output if local_call else global_output
     with torch_private.DisableTorchFunction():
         return [output(ctx, y, s) for y, s in zip(outs, call.out_specs())]

@@ -74,12 +74,15 @@ def grad_placements(mesh, spec: PartitionSpec, rank: int) -> tuple:
 
 
 def _spec_for(mesh, local: torch.Tensor, places: tuple) -> Any:
+    """The ``DTensorSpec`` of ``local`` with ``places``: one per layout per mesh, made once (not
+    while Dynamo traces: it would guard the memo, and a traced shape may be symbolic)."""
+    if torch_private.memo_would_be_guarded():
+        return torch_private.dtensor_spec(mesh.device_mesh, local, places)
     key = (places, tuple(local.shape), local.stride(), local.dtype)
     spec = mesh.dtensor_specs.get(key)
     if spec is None:
         spec = mesh.dtensor_specs[key] = torch_private.dtensor_spec(mesh.device_mesh, local, places)
-        if not torch.compiler.is_compiling():  # (a traced shape may be symbolic: no hash)
-            hash(spec)  # kept on the spec (DTensor hashes it lazily), so every copy has it
+        hash(spec)  # kept on the spec (DTensor hashes it lazily), so every copy has it
     return _fresh(spec)
 
 
@@ -250,6 +253,8 @@ def to_local_fast(
     mesh, d: DTensor, grad_places: tuple | None = None, transformed: bool | None = None
 ) -> torch.Tensor:
     """``d.to_local()``; ``transformed``: whether a torch.func transform is active, if known."""
+    if torch.compiler.is_compiling():  # DTensor's own, which Dynamo traces
+        return d.to_local(grad_placements=grad_places)
     if transformed is None:
         transformed = torch_private.transforms_active()
     if transformed:  # torch's own to_local has no setup_context, which functorch needs
@@ -285,6 +290,8 @@ def _remember_source(d: DTensor, local: torch.Tensor, places: tuple) -> DTensor:
 
 
 def _from_local(mesh, local: torch.Tensor, places: tuple) -> DTensor:
+    if torch.compiler.is_compiling():  # DTensor's own, which Dynamo traces
+        return DTensor.from_local(local, mesh.device_mesh, places, run_check=False)
     if torch_private.transforms_active():
         return _transformed(_DTensorOf, local, mesh, places)
     if not differentiable(local):
@@ -299,6 +306,9 @@ def _shaped(mesh, local: torch.Tensor, places: tuple, shape: tuple[int, ...]) ->
     """The DTensor of global ``shape`` whose block on this rank is ``local``: the global shape
     is given, since no one rank's block says it when the blocks differ in size (its spec made
     once per layout, as :func:`_spec_for`'s)."""
+    if torch_private.memo_would_be_guarded():
+        spec = torch_private.dtensor_spec_shaped(mesh.device_mesh, places, shape, local.dtype)
+        return _new_dtensor(local, spec, requires_grad=local.requires_grad)
     key = (places, shape, local.dtype)
     spec = mesh.dtensor_specs.get(key)
     if spec is None:

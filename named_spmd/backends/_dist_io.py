@@ -38,7 +38,7 @@ from ._dist_dtensor import (
     to_local_fast,
     to_locals_fast,
 )
-from ._dist_plain import FirstHolds, boundary_collective, gather_blocks, plain_input
+from ._dist_plain import boundary_collective, first_holds, gather_blocks, plain_input
 
 # --- inputs --------------------------------------------------------------------------------------
 
@@ -99,7 +99,7 @@ def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
     if transformed:
         _under_transform(ctx, leaf, i)
     if isinstance(leaf, DTensor):
-        return _from_dtensor(ctx, leaf, spec, i, transformed)
+        return _from_dtensor(ctx, leaf, spec, i, transformed, None)
     return plain_input(ctx, leaf, spec)
 
 
@@ -180,12 +180,12 @@ def _under_transform(ctx, leaf: torch.Tensor, i: int) -> None:
 
 
 def _from_dtensor(
-    ctx, leaf: DTensor, spec: PartitionSpec, i: int, transformed: bool, uneven_local=None
+    ctx, leaf: DTensor, spec: PartitionSpec, i: int, transformed: bool, uneven_local: Any
 ):
     """``leaf``'s local block, checked against ``spec``; ``uneven_local(mesh, leaf, grads)``:
-    the conversion of a DTensor whose blocks differ in size (``_dist_uneven``)."""
+    the conversion of a DTensor whose blocks differ in size (``_dist_uneven``), or None."""
     mesh = ctx.mesh
-    grads = checked_dtensor(ctx, leaf, spec, i)
+    grads = checked_dtensor(ctx, leaf, spec, i, None)
     if uneven_local is not None:
         local = uneven_local(mesh, leaf, grads)
     else:
@@ -221,12 +221,10 @@ def _dtensor_inputs(ctx, leaves: list[DTensor], specs: list[PartitionSpec], grad
     return [in_spec_order(ctx, x, spec) for x, spec in zip(locals_, specs)]
 
 
-def checked_dtensor(
-    ctx, leaf: DTensor, spec: PartitionSpec, i: int, want: tuple | None = None
-) -> tuple:
+def checked_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int, want: tuple | None) -> tuple:
     """Check that DTensor argument leaf ``i`` is laid out as ``spec`` says on the call's mesh;
     the placements of its gradient: its own, but a partial sum's (reduced or unreduced axes).
-    ``want``: the placements ``spec`` means for it, where known (:func:`_wanted`)."""
+    ``want``: the placements ``spec`` means for it, where known (:func:`_wanted`; else None)."""
     mesh = ctx.mesh
     theirs = leaf.device_mesh
     if theirs is not mesh.device_mesh and (
@@ -288,7 +286,8 @@ def _relayout_pairs(mesh, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
 
 
 def _has_tangent(y: torch.Tensor) -> bool:
-    return forward_ad.unpack_dual(y).tangent is not None
+    """Whether ``y`` carries a forward-mode tangent."""
+    return torch_private.forward_level() >= 0 and forward_ad.unpack_dual(y).tangent is not None
 
 
 def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
@@ -296,9 +295,8 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     its global value as a plain tensor under a transform or with a forward-mode tangent."""
     mesh = ctx.mesh
     y = local_output(ctx, y, spec)
-    if torch_private.transforms_active() or (
-        torch_private.forward_level() >= 0 and _has_tangent(y)
-    ):
+    # (Dynamo guards the forward-mode level itself, and refuses a tangent: not read there)
+    if torch_private.transforms_active() or (not torch.compiler.is_compiling() and _has_tangent(y)):
         # a functorch wrapper hides a DTensor's methods, and a DTensor cannot carry a forward-mode
         # tangent (torch has no DTensor rule for forward AD): the global value, as a plain tensor
         # (an unreduced output's: the sum of the parts, as the simulated mesh returns it)
@@ -327,7 +325,7 @@ def local_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
         y = boundary_collective(ctx, "pbroadcast", y, unkept, (0,))
     reduced = tuple(a for a in mesh.axis_names if a in vma.reduced and a not in mesh.single_axes)
     if reduced:  # a reduced value's cotangent is unreduced: parts of the global cotangent
-        y = FirstHolds.apply(y, all(mesh.my_coords[a] == 0 for a in reduced), False, True)
+        y = first_holds(y, mesh, reduced, False, True)
     if copies:  # identical blocks tiled (or parts summed): their cotangents must be summed
         y = boundary_collective(ctx, "pvary", y, copies, ())
     return y

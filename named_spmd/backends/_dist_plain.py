@@ -64,15 +64,13 @@ def partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, scatter=None) ->
     mesh = ctx.mesh
     x = (scatter or _scatter)(leaf, ctx, spec)
     if spec.unreduced:
-        first = all(mesh.my_coords[a] == 0 for a in spec.unreduced)
         axes = tuple(
             a for a in mesh.axis_names if a in spec.unreduced and a not in mesh.single_axes
         )
         unchecked = bool(axes) and not ctx.checked
         if unchecked and differentiable(x):
             x = boundary_collective(ctx, "pvary", x, axes, ())  # backward: the psum
-        parts = TracedFirstHolds if torch.compiler.is_compiling() else FirstHolds
-        x = parts.apply(x, first, True, unchecked)
+        x = first_holds(x, mesh, axes, True, unchecked)
     reduced = tuple(a for a in mesh.axis_names if a in spec.reduced and a not in mesh.single_axes)
     if reduced and differentiable(x):
         modes = active()
@@ -82,6 +80,19 @@ def partial_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, scatter=None) ->
                 x, CommEvent("psum", reduced, "backward", _shape(x), x.dtype, boundary=True)
             )
     return x
+
+
+@torch_private.trace_constant  # (a constant of the graph: no guard on the mesh's coordinates)
+def first_member(mesh, axes: tuple[str, ...]) -> bool:
+    """Whether this rank is the first member (coordinate 0) of the group of ``axes``."""
+    return all(mesh.my_coords[a] == 0 for a in axes)
+
+
+def first_holds(x: torch.Tensor, mesh, axes: tuple[str, ...], forward: bool, backward: bool):
+    """:class:`FirstHolds` over ``axes`` (mesh order, no axis of size 1): the parts of ``x``
+    (``forward``), of its cotangent (``backward``), or both."""
+    parts = TracedFirstHolds if torch.compiler.is_compiling() else FirstHolds
+    return parts.apply(x, first_member(mesh, axes), forward, backward)
 
 
 class FirstHolds(torch.autograd.Function):

@@ -458,7 +458,7 @@ def _output(ctx, y: torch.Tensor, spec: PartitionSpec, per_dim: tuple) -> torch.
 
 def _plain_wanted(y: torch.Tensor) -> bool:
     """Where a DTensor cannot be returned: a forward-mode tangent (no DTensor rule for it)."""
-    return torch_private.forward_level() >= 0 and io._has_tangent(y)
+    return io._has_tangent(y)
 
 
 def gather(
