@@ -233,6 +233,20 @@ def vmap_closed_over_dtensor(f):
     return vmap(lambda w: f["psum_prod"](d, w))(XB[:, :4])
 
 
+def compiled_dtensor_on_an_equal_mesh(f):
+    """A DTensor on a DeviceMesh equal to the mapped mesh's but another object (a user's own
+    ``init_device_mesh``), into a call compiled in one graph: the eager numbers."""
+    d = X
+    if f["mesh"].device_mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        own = f["mesh"].device_mesh
+        equal = init_device_mesh("cpu", tuple(own.shape), mesh_dim_names=own.mesh_dim_names)
+        d = distribute_tensor(X, equal, [Shard(0)])
+    return torch.compile(f["psum_prod"], backend="aot_eager", fullgraph=True)(d, W)
+
+
 def grad_of_transformed_dtensor(f):  # refused with the fix on a real mesh
     return grad(lambda x: f["psum_prod"](x, W).sum())(sharded(f["mesh"], X))
 
@@ -353,6 +367,7 @@ PROGRAMS = {
         jvp_of_grad,
         grad_closed_over_dtensor,
         vmap_closed_over_dtensor,
+        compiled_dtensor_on_an_equal_mesh,
         grad_of_transformed_dtensor,
         dual_level_split,
         dual_level_megatron,

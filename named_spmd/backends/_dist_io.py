@@ -227,10 +227,7 @@ def checked_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int, want: tuple
     ``want``: the placements ``spec`` means for it, where known (:func:`_wanted`; else None)."""
     mesh = ctx.mesh
     theirs = leaf.device_mesh
-    if theirs is not mesh.device_mesh and (
-        tuple(theirs.mesh_dim_names or ()) != mesh.axis_names
-        or not torch.equal(theirs.mesh.cpu(), mesh.grid)
-    ):
+    if theirs is not mesh.device_mesh and not _same_grid(theirs, mesh):
         where = f"spmd_map of {ctx.fn_label}: argument leaf {i}"
         raise SpecError(
             f"{where} is a DTensor on DeviceMesh {theirs.mesh.tolist()} with dims "
@@ -248,6 +245,13 @@ def checked_dtensor(ctx, leaf: DTensor, spec: PartitionSpec, i: int, want: tuple
             f"x.redistribute(mesh.device_mesh, {list(want)}), or change the in_spec."
         )
     return grad_placements(mesh, spec, leaf.dim()) if spec.reduced or spec.unreduced else want
+
+
+@torch_private.trace_constant  # (read at trace time: a DeviceMesh's grid is a tensor)
+def _same_grid(theirs, mesh) -> bool:
+    """Whether DeviceMesh ``theirs`` has the mapped mesh's axis names and grid."""
+    names = tuple(theirs.mesh_dim_names or ())
+    return names == mesh.axis_names and torch.equal(theirs.mesh.cpu(), mesh.grid)
 
 
 def in_spec_order(ctx, local: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
