@@ -214,6 +214,27 @@ def _after_a_branch(
     )
 
 
+def _over_groups_of_b(
+    name: str, fn: Callable[..., Any], values: tuple[float, ...], kinds: tuple[str, ...]
+) -> Case:
+    """An error case on (2, 2) whose ranks branch on ``values`` (split over ("a", "b")): the
+    message says ``kinds``."""
+    spec = P(("a", "b"))
+    return Case(
+        name,
+        (2, 2),
+        ("a", "b"),
+        fn,
+        spec,
+        spec,
+        lambda: (torch.tensor(values, dtype=F64),),
+        None,
+        switch=False,
+        switch_simulated=True,
+        kinds=kinds,
+    )
+
+
 def _per_block(make):  # the dense program of a function of each block and its count t
     return lambda x: torch.cat([make(b, int((b > 0).sum())) for b in x.split(2)])
 
@@ -670,31 +691,17 @@ ERRORS = [
         _pmax_of_varying_or_invariant,
         ("SpmdError: ", "instances (x=1), (x=3) returned while", "wait at pmax over"),
     ),
-    Case(  # the members of one group of b apart
+    _over_groups_of_b(  # the members of one group of b apart
         "psum_over_b_skipped_on_some_members",
-        (2, 2),
-        ("a", "b"),
         _psum_over_b_where_positive,
-        P(("a", "b")),
-        P(("a", "b")),
-        lambda: (torch.tensor((1.0, 1.0, -1.0, -1.0, 2.0, 2.0, -3.0, -3.0), dtype=F64),),
-        None,
-        switch=False,
-        switch_simulated=True,
-        kinds=("SpmdError: ", "returned while instances", "wait at psum over ('b',)"),
+        (1.0, 1.0, -1.0, -1.0, 2.0, 2.0, -3.0, -3.0),
+        ("SpmdError: ", "returned while instances", "wait at psum over ('b',)"),
     ),
-    Case(  # every group's members agree, the groups do not: JAX's one perm for every group
+    _over_groups_of_b(  # every group's members agree, the groups do not: JAX's one perm
         "ppermute_of_other_pairs_per_group",
-        (2, 2),
-        ("a", "b"),
         _ppermute_of_pairs_by_group,
-        P(("a", "b")),
-        P(("a", "b")),
-        lambda: (torch.tensor((1.0, 1.0, 2.0, 2.0, -1.0, -1.0, -3.0, -3.0), dtype=F64),),
-        None,
-        switch=False,
-        switch_simulated=True,
-        kinds=("SpmdError: ", "called different collectives", "ppermute over ('b',) with other"),
+        (1.0, 1.0, 2.0, 2.0, -1.0, -1.0, -3.0, -3.0),
+        ("SpmdError: ", "called different collectives", "ppermute over ('b',) with other"),
     ),
     Case(  # an even call whose ranks branch on their values (sums of either sign, seed 59)
         "output_trees_differing_after_a_branch_on_values",
