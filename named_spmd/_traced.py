@@ -137,6 +137,7 @@ class TracedContext(TrackedContext):
             self.fn_label = _label(fn)  # (a partial cannot be a trace_constant argument)
         self.call_token = _Token()
         self.aliases: dict[torch.Tensor, dict[tuple[str, ...], torch.Tensor]] = {}
+        self.recipes = None  # (only an eager call is planned)
 
     def vma(self, x: torch.Tensor) -> Vma:
         if _in_subgraph():  # a collective in a checkpointed piece: its operand lost its type
@@ -163,12 +164,17 @@ class TracedContext(TrackedContext):
         return x
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        return self.memo_alias(t, axes, lambda: implicit_pvary(self, t, axes))
+
+    def memo_alias(self, t: torch.Tensor, tag: tuple[str, ...], make) -> torch.Tensor:
+        """The traced call's cache of implicit casts (pvary, and I -> R beside reduced
+        operands): keyed by the tensor, not its id (a traced input's id would be guarded)."""
         per = self.aliases.get(t)
         if per is None:
             per = self.aliases[t] = {}
-        alias = per.get(axes)
+        alias = per.get(tag)
         if alias is None:
-            alias = per[axes] = implicit_pvary(self, t, axes)
+            alias = per[tag] = make()
         return alias
 
 

@@ -337,7 +337,7 @@ class VmaMode(TorchFunctionMode):
             return out
         given = args, kwargs
         if self.insert_pvary and len(vmas) > 1 and any(v is not union for v in vmas):
-            _check_inplace(self.ctx, func, args, kwargs, union)
+            _check_inplace(self.ctx, func, args, kwargs, union, self.inplace)
             args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
         out = self._run(func, args, kwargs)
         check_cast(self.ctx, func, operands, vmas, union, out)

@@ -364,6 +364,16 @@ def _breaks(p):
     return ns.psum(y, "dp") + p["b"]
 
 
+def _times_reduced(w, r):
+    """An invariant operand beside a reduced one: cast to reduced (I -> R), once per call for
+    both of its uses; its gradient is the sum of the per-instance partial gradients."""
+    return w * r + w.sin() * r
+
+
+def _leaves(*tensors) -> tuple:
+    return tuple(t.detach().clone().requires_grad_() for t in tensors)
+
+
 CASES = {
     # name: (per-device function, in_specs, out_specs, arguments of a step, graphs expected)
     # a step counter changes every call: traced as a constant first, then, once it changed,
@@ -384,6 +394,13 @@ CASES = {
         lambda s, x: ({"a": x * (s + 1), "b": x[0]},),
         0,
     ),
+    "invariant_beside_reduced": (
+        _times_reduced,
+        (P(), P(reduced={"dp"})),
+        P(),
+        lambda s, x: _leaves(x[0] * (s + 1), x[1]),
+        1,
+    ),
 }
 
 
@@ -398,9 +415,23 @@ def _same_tree(got, want) -> bool:
     )
 
 
+def _with_gradients(f, args) -> tuple:
+    """``f(*args)`` and the gradients of its tensor outputs' sum of squares with respect to
+    the arguments that require them (none where none does)."""
+    out = f(*args)
+    leaves = [
+        a for a in optree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad
+    ]
+    if not leaves:
+        return out, ()
+    loss = sum((t * t).sum() for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor))
+    return out, torch.autograd.grad(loss, leaves)
+
+
 def check_case(name: str, backend: str) -> dict:
     """``CASES[name]`` compiled (fullgraph=True, but for a graph break, which runs the call
-    eagerly) against its eager call, over STEPS steps: values and the graph count."""
+    eagerly) against its eager call, over STEPS steps: values, gradients (of the arguments
+    that require them), and the graph count."""
     fn, in_specs, out_specs, args_of, graphs = CASES[name]
     f = ns.spmd_map(fn, mesh=_mesh(), in_specs=in_specs, out_specs=out_specs)
     x = torch.randn(
@@ -411,9 +442,13 @@ def check_case(name: str, backend: str) -> dict:
     compiled = torch.compile(f, backend=counter, fullgraph=name != "graph_break_dict")
     problems = []
     for step in range(STEPS):
-        got, want = (g(*args_of(step, x)) for g in (compiled, f))
+        (got, got_grads), (want, want_grads) = (
+            _with_gradients(g, args_of(step, x)) for g in (compiled, f)
+        )
         if not _same_tree(got, want):
             problems.append(f"step {step}: the compiled call differs from the eager call")
+        if not _same_tree(got_grads, want_grads):
+            problems.append(f"step {step}: the compiled call's gradients differ from the eager's")
     if counter.frame_count != graphs:
         problems.append(f"{counter.frame_count} graphs for {STEPS} steps, expected {graphs}")
     return {"graphs": counter.frame_count, "problems": problems}
