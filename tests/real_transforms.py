@@ -47,6 +47,7 @@ ONE_AXIS_ONLY = {
     "grad_closed_over_dtensor",
     "vmap_closed_over_dtensor",
     "grad_of_transformed_dtensor",
+    "compiled_dtensor_on_an_equal_mesh",
 }
 
 #: ppermute on an axis of size 2 (the matrix's own pairs need size 3)
