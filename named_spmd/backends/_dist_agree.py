@@ -164,9 +164,10 @@ def _disagree(
         f"rank {mesh.rank}",
         "the start-of-call check",
     )
-    _dist_carried.drain(mesh, any(v.split(" ", 2)[1] == "1" for v in got.values()))
-    knowns = {r: int(v.split(" ", 3)[0]) for r, v in got.items()}
-    got = {r: v.split(" ", 3)[3] for r, v in got.items()}
+    fields = {r: v.split(" ", 3) for r, v in got.items()}  # known, promised, recalled, call
+    _dist_carried.drain(mesh, any(f[1] == "1" for f in fields.values()))
+    knowns = {r: int(f[0]) for r, f in fields.items()}
+    got = {r: f[3] for r, f in fields.items()}
     latest = max(knowns.values())
     if len(set(got.values())) == 1 and len(set(knowns.values())) == 1:  # (the recalled differ)
         ctx.forget_shapes()
