@@ -25,7 +25,7 @@ from ._spec import PartitionSpec
 from ._tree import path_text, unflatten, without_addresses
 
 # read for every input of every call: bound once; an attrgetter mapped runs no Python frame
-_Tensor, _GRAD_FN = torch.Tensor, operator.attrgetter("grad_fn")
+_Tensor, _GRAD_FN, _VERSION = torch.Tensor, operator.attrgetter("grad_fn"), torch_private.version
 
 if TYPE_CHECKING:
     from ._api import SpmdFunction
@@ -201,13 +201,20 @@ class Call:
         graph begins): what :meth:`check_writes` compares."""
         if not torch.is_grad_enabled():
             return [], [], []
-        at = [i for i, x in enumerate(inputs) if isinstance(x, _Tensor)]
+        # which leaves are tensors: fixed by the memo's key (each leaf's type), found once
+        at = self.memo.get("tensor positions")
+        if at is None:
+            at = self.memo["tensor positions"] = [
+                i for i, x in enumerate(inputs) if isinstance(x, _Tensor)
+            ]
+        tensors = inputs if len(at) == len(inputs) else [inputs[i] for i in at]
         try:
-            versions = [torch_private.version(inputs[i]) for i in at]
+            versions = list(map(_VERSION, tensors))
         except RuntimeError:  # an inference tensor has no version (and no op saves one)
             at = [i for i in at if not inputs[i].is_inference()]
-            versions = [torch_private.version(inputs[i]) for i in at]
-        return at, versions, [_GRAD_FN(inputs[i]) for i in at]
+            tensors = [inputs[i] for i in at]
+            versions = list(map(_VERSION, tensors))
+        return at, versions, list(map(_GRAD_FN, tensors))
 
     def check_writes(
         self, inputs: list[Any], before: tuple[list[int], list[int], list], outs: list
@@ -217,7 +224,7 @@ class Call:
         would fail there, and on a real mesh on the writing ranks only (its peers would wait for
         them in their gradient sums). Raised now, an error of the call (posted to the peers)."""
         at, versions, nodes = before
-        now = [torch_private.version(inputs[i]) for i in at]
+        now = list(map(_VERSION, inputs if len(at) == len(inputs) else map(inputs.__getitem__, at)))
         if now == versions:  # (the common case: no write)
             return
         stale = torch_private.stale_saved(outs, nodes)

@@ -464,3 +464,31 @@ def test_every_collective_on_one_instance_in_replays():
     for value, (grad,) in results:
         torch.testing.assert_close(value, want_value * torch.arange(3.0))
         torch.testing.assert_close(grad, 3 * torch.arange(3.0).expand(4, 3).double())
+
+
+def test_a_replay_names_the_input_written_after_a_save_among_non_tensor_leaves():
+    """The positions of a signature's tensor leaves are found once (``Call.input_versions``):
+    with a non-tensor leaf before them and an inference tensor among them, a replay tells the
+    write after a save as the checked call did, naming the same argument, and a call that
+    writes nothing returns the dense values."""
+    mesh = ns.make_mesh((1,), ("i",))
+    w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+
+    def fn(scale, c, x, b):
+        y = b * w * x * scale + c
+        if scale > 1:
+            b.add_(1)
+        return ns.psum(y.sum(0, keepdim=True), "i")
+
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=(P(), P(), P("i"), P()), out_specs=P())
+    with torch.inference_mode():
+        c = torch.full((2,), 3.0, dtype=torch.float64)
+    x = torch.arange(8.0, dtype=torch.float64).reshape(4, 2)
+    for _ in range(2):  # the checked call, then its replay
+        b = torch.full((2,), 2.0, dtype=torch.float64)
+        want = (x * b * w.detach() * 1 + c).sum(0, keepdim=True)
+        torch.testing.assert_close(f(1, c, x, b), want)
+    for _ in range(2):
+        b = torch.full((2,), 2.0, dtype=torch.float64)
+        with pytest.raises(ns.SpmdError, match=r"wrote in place into an input \(argument \[3\]\)"):
+            f(2, c, x, b)
