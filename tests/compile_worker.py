@@ -374,6 +374,21 @@ def _leaves(*tensors) -> tuple:
     return tuple(t.detach().clone().requires_grad_() for t in tensors)
 
 
+def _tanh_matmul(x, w):
+    return torch.tanh(x @ w)
+
+
+def _grown(step: int) -> tuple:
+    """A split input and a replicated parameter whose shapes grow every step (rows of ``x``,
+    columns of ``w``): DTensors on a real mesh, plain global tensors on a simulated one
+    (``ns.shard``). Dynamo traces the second step's with symbolic dims (its automatic dynamic),
+    which must not serve the third step's with the second's global shapes."""
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn((step + 2) * _world(), 3, generator=gen, dtype=torch.float64)
+    w = torch.randn(3, step + 2, generator=gen, dtype=torch.float64)
+    return tuple(ns.shard(_leaves(x, w), _mesh(), (P("dp"), P())))
+
+
 CASES = {
     # name: (per-device function, in_specs, out_specs, arguments of a step, graphs expected)
     # a step counter changes every call: traced as a constant first, then, once it changed,
@@ -401,6 +416,8 @@ CASES = {
         lambda s, x: _leaves(x[0] * (s + 1), x[1]),
         1,
     ),
+    # inputs of another shape every step: traced with static shapes, one graph per shape
+    "shapes_change": (_tanh_matmul, (P("dp"), P()), P("dp"), lambda s, x: _grown(s), STEPS),
 }
 
 

@@ -591,7 +591,8 @@ def test_user_code_compiles_in_the_expected_graphs(name):
     holding no tensor, an int argument (both ``fullgraph=True``: two graphs over the steps,
     the step traced as a constant and then as a symbolic int), and a graph break in a function
     taking a dict (the call runs eagerly: no graph), an invariant operand beside a reduced one
-    (its implicit cast to reduced), each equal to the eager call, gradients included
+    (its implicit cast to reduced), inputs whose shapes change every step (one graph per
+    shape; DTensors on the real mesh), each equal to the eager call, gradients included
     (compile_worker.check_case; the real mesh's in the aot_eager launch of
     tests/test_compile.py)."""
     _passes(compile_worker.check_case, name, "aot_eager")

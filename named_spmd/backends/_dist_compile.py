@@ -34,6 +34,7 @@ import torch
 from .. import _torch_private as torch_private
 from .._autodiff import apply as bridge_apply
 from .._errors import SpmdError
+from .._spec import specialize
 from .._stamps import TrackedContext
 from .._traced import CompiledVmaMode, TracedContext, route_view_attributes
 from .._types import INVARIANT
@@ -244,6 +245,12 @@ def run(call: Call) -> list[Any]:
         for i, (leaf, spec) in enumerate(zip(call.leaves, call.specs)):
             if isinstance(leaf, torch.Tensor):
                 x = block_input(ctx, leaf, i) if local_call else local_input(ctx, leaf, spec, i)
+                # A DTensor's block dims are symbols of their own, and the only ones Dynamo
+                # guards: its global shape, specialized by the input checks, is a constant of
+                # the graph that no guard checks. Left symbolic, the graph would serve a call
+                # of another shape with the traced global shape (its inputs' gradients of the
+                # traced shape). The compile paths trace static shapes.
+                specialize(x.shape)
                 local[i] = ctx.stamp_input(x.view_as(x) if x is leaf else x, spec)
     with CompiledVmaMode(ctx):
         outs = call.body(local, ctx)
