@@ -101,8 +101,7 @@ class CollectiveFn(torch.autograd.Function):
         x, node.rec, node.spmd, node.axes, node.params = inputs
         if node.rec.saves:
             node.save_for_backward(x, output)
-            if not torch.compiler.is_compiling():  # (Dynamo has no save_for_forward)
-                node.save_for_forward(x, output)
+            node.save_for_forward(x, output)
 
     @staticmethod
     def backward(node, g):
@@ -128,6 +127,20 @@ class TracedCollectiveFn(CollectiveFn):
 
     jvp = staticmethod(torch.autograd.Function.jvp)
     vmap = staticmethod(torch.autograd.Function.vmap)
+
+    @staticmethod
+    def backward(node, g):
+        # the transpose alone: a compiled graph's backward is not differentiated again
+        # (AOTAutograd refuses double backward), so neither the pvary nor the checked context
+        # of ``Collective.backward`` is needed
+        return node.rec.transpose(node.spmd, g, node.axes, node.params, node), *_NONES
+
+    @staticmethod
+    def setup_context(node, inputs, output):
+        # (no save_for_forward: Dynamo has none, and torch's own jvp reads nothing saved)
+        x, node.rec, node.spmd, node.axes, node.params = inputs
+        if node.rec.saves:
+            node.save_for_backward(x, output)
 
 
 _NONES = (None,) * 4

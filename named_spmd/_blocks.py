@@ -18,7 +18,7 @@ known here drops the record: its result is opaque over every axis it varies over
 without a record is. So the inference is silent unless it can see the contraction; it never
 guesses.
 
-Records are ``(call token, Layout)`` in the tensor's ``__dict__``, set on the inputs (``mark``) and
+Records are ``(call token, Layout)``, an attribute of the tensor, set on the inputs (``mark``) and
 on each op's results by :func:`after_op`, which both the tracked backends' ``VmaMode`` and the
 simulated backend's ``PartialMode`` call for ops with a recorded operand. The rules themselves,
 one per family of ops, are ``_block_rules``.
@@ -47,17 +47,9 @@ def mark(x: torch.Tensor, spec: Any, token: object) -> bool:
     whether it holds any."""
     lay = _input_layout(spec, x.dim())
     if lay is not None:
-        x.__dict__[ATTR] = (token, lay)  # (_write, eagerly)
+        _write(x, (token, lay))
         return True
     return False
-
-
-def mark_traced(x: torch.Tensor, spec: Any, token: object) -> None:
-    """:func:`mark` while Dynamo traces: without the memo (Dynamo would guard on it), the
-    record an attribute."""
-    lay = _make_input_layout(spec, x.dim())
-    if lay is not None:
-        setattr(x, ATTR, (token, lay))
 
 
 def holds_blocks(spec: Any, ndim: int) -> bool:
@@ -68,7 +60,9 @@ def holds_blocks(spec: Any, ndim: int) -> bool:
 def _input_layout(spec: Any, ndim: int) -> Layout | None:
     """The blocks an input of ``ndim`` dims under ``spec`` holds, or None if it holds none:
     one layout per (spec, ndim), kept on the spec (layouts are immutable), as every call marks
-    every input leaf (eagerly: :func:`mark_traced` makes it anew)."""
+    every input leaf."""
+    if torch_private.memo_would_be_guarded():
+        return _make_input_layout(spec, ndim)
     memo = spec.__dict__.setdefault("_input_layouts", {})
     if ndim not in memo:
         memo[ndim] = _make_input_layout(spec, ndim)
@@ -97,13 +91,9 @@ def recorded(operands: Sequence[torch.Tensor], token: object) -> bool:
 
 
 def forget(x: Any) -> None:
-    """Drop ``x``'s record (a collective's result: its blocks are not its operand's); while
-    Dynamo traces, set it to None (it traces attribute writes, not ``Tensor.__dict__``)."""
+    """Drop ``x``'s record (a collective's result: its blocks are not its operand's)."""
     if isinstance(x, torch.Tensor):
-        if torch.compiler.is_compiling():
-            _write(x, None)
-        else:
-            x.__dict__.pop(ATTR, None)
+        _write(x, None)
 
 
 def after_op(
@@ -240,16 +230,17 @@ def _record(o: torch.Tensor, token: object, lay: Layout) -> None:
     _write(o, (token, lay))
 
 
+# Records are read and written as attributes: Dynamo traces ``getattr`` and ``setattr`` on a
+# tensor (not ``Tensor.__dict__``), and eagerly they cost what the ``__dict__`` lookup does.
+
+
 def _read(t: torch.Tensor) -> Any:
-    """``t``'s record, if any (Dynamo traces ``getattr`` on tensors, not ``Tensor.__dict__``)."""
-    return getattr(t, ATTR, None) if torch.compiler.is_compiling() else t.__dict__.get(ATTR)
+    """``t``'s record, if any (None: none, or forgotten)."""
+    return getattr(t, ATTR, None)
 
 
 def _write(t: torch.Tensor, rec: Any) -> None:
-    if torch.compiler.is_compiling():
-        setattr(t, ATTR, rec)
-    else:
-        t.__dict__[ATTR] = rec
+    setattr(t, ATTR, rec)
 
 
 def _bias_error(ctx, name, axes, operands, vmas) -> VmaError:

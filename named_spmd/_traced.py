@@ -160,7 +160,7 @@ class TracedContext(TrackedContext):
         """As the eager one, with attributes; the traced paths give every argument position a
         tensor object of its own (a view, or a block) before stamping it."""
         self.stamp(x, spec.vma())
-        _blocks.mark_traced(x, spec, self.call_token)
+        _blocks.mark(x, spec, self.call_token)
         return x
 
     def cached_pvary(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:

@@ -134,10 +134,9 @@ class Collective:
         all_gather to "invariant", ...) holds one value there and the transpose makes it
         varying: that step is a pvary, whose own transpose is the psum a second derivative
         needs (written as plain ops instead, it would be differentiated as the identity). The
-        transpose then reaches the other instances only through records (``_rules``). Not
-        while compiling: a compiled graph's backward cannot be differentiated again (AOTAutograd
-        refuses double backward), so neither the pvary nor the checked context is needed."""
-        if differentiable(g) and not torch.compiler.is_compiling():
+        transpose then reaches the other instances only through records (``_rules``). A
+        call that Dynamo traces applies the transpose alone (``_autodiff.TracedCollectiveFn``)."""
+        if differentiable(g):
             pvaried = self.invariant_result(axes, params)
             if pvaried:
                 g = ctx.apply(PVARY_RECORD, g, axes, ())
@@ -146,8 +145,9 @@ class Collective:
 
     def tangent(self, ctx: SpmdContext, t: Tensor, axes: Axes, params: Params, node: Any) -> Tensor:
         """The jvp, as the autograd bridge applies it (under the rule for primitives when the
-        tangent is differentiated again)."""
-        if differentiable(t) and not torch.compiler.is_compiling():
+        tangent is differentiated again; never while Dynamo traces: it refuses a custom jvp,
+        ``_autodiff.TracedCollectiveFn``)."""
+        if differentiable(t):
             ctx = _rules.checked(ctx, self.name, "jvp", False)
         return self.jvp(ctx, self, t, axes, params, node)
 

@@ -8,9 +8,10 @@
   (:func:`partial_input`).
 * :func:`boundary_collective` runs a collective at the boundary, outside the user's function.
 
-A call that Dynamo traces takes the same code; where it must differ, ``is_compiling`` decides in
-place: a Function without its forward-mode and vmap rules (:class:`TracedScatterInput`, as the
-bridge's ``_autodiff.TracedCollectiveFn``), and the gradient's gather a collective of the graph.
+A call that Dynamo traces takes the same code; where it must differ, ``is_compiling`` picks
+the Function: one without its forward-mode and vmap rules (:class:`TracedScatterInput`, as the
+bridge's ``_autodiff.TracedCollectiveFn``), whose backward gathers the gradient by a collective
+of the graph.
 """
 
 from __future__ import annotations
@@ -204,6 +205,14 @@ class TracedScatterInput(ScatterInput):
     jvp = staticmethod(torch.autograd.Function.jvp)
     vmap = staticmethod(torch.autograd.Function.vmap)
 
+    @staticmethod
+    def backward(node, g):
+        # the graph's all_gather: a compiled backward is not differentiated again
+        ctx, spec = node.spmd, node.spec
+        if not ctx.mesh.single_axes.issuperset(spec.axes):
+            g = assemble(ctx.all_gather(g, spec.axes), spec, ctx.mesh._shape)
+        return g, None, None
+
 
 def gather_blocks(
     ctx, g: torch.Tensor, spec: PartitionSpec, direction: str, modes: list | None = None
@@ -215,9 +224,7 @@ def gather_blocks(
     mesh = ctx.mesh
     if mesh.single_axes.issuperset(spec.axes):  # blocks of size-1 axes are the whole
         return g
-    if torch.compiler.is_compiling():  # the graph's collective (it differentiates no backward)
-        stacked = ctx.all_gather(g, spec.axes)
-    elif differentiable(g):
+    if differentiable(g):
         stacked = boundary_collective(
             ctx, "all_gather", g, spec.axes, (0, False, "invariant"), direction, modes
         )

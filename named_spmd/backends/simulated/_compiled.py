@@ -39,13 +39,15 @@ def compiled_pieces_eagerly(run: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(run)
     def run_pieces_eagerly(call):
         fn = call.fn
-        if id(fn) in _EAGER and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # a refusal is the trace's (no stance switch inside it)
+            return run(call)
+        if id(fn) in _EAGER:
             with torch.compiler.set_stance("force_eager"):
                 return run(call)
         try:
             return run(call)
         except Exception as error:
-            if torch.compiler.is_compiling() or not _refused(error):
+            if not _refused(error):
                 raise
         _EAGER[id(fn)] = fn
         with torch.compiler.set_stance("force_eager"):
