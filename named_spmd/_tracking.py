@@ -152,7 +152,7 @@ class VmaMode(TorchFunctionMode):
             if isinstance(a, Tensor):
                 d = a.__dict__
                 s = d.get(_ATTR)
-                if _BLOCKS in d:
+                if d.get(_BLOCKS) is not None:  # (forget leaves None)
                     blocks = True
                 if s is None or s[0] is not token:
                     # torch.func inside: a wrapper's vma is its unwrapped tensor's (tensors with
