@@ -127,9 +127,10 @@ def test_compiled_calls_equal_eager(launched, backend):
     # aot_eager also runs the user-code cases (compile_worker.CASES: ns.random draws, int and
     # dict arguments, a graph break inside the call, an invariant operand beside a reduced
     # one, DTensor inputs whose shapes change every step, gradients included) and a whole
-    # training step, with their graph counts (tests/test_compile_simulated.py runs them on the simulated mesh), and the
-    # dtype matrix (compile_worker.check_dtypes: the eager call's bits or error per dtype and
-    # collective; test_faults.py compares the eager call with the simulated mesh)
+    # training step, with their graph counts (tests/test_compile_simulated.py runs them on
+    # the simulated mesh), and the dtype matrix (compile_worker.check_dtypes: the eager call's
+    # bits or error per dtype and collective; test_faults.py compares the eager call with the
+    # simulated mesh)
     results = _run(launched, backend)
     if backend == "aot_eager":  # the eager call after a compiled call made first on its mesh
         assert any(r.get("compiled_first") for r in results)
