@@ -8,7 +8,8 @@
   rank 3's input requires grad (its backward psum would wait for the others for ever); the
   ranks psum over different axes with debug mode; then the same without debug mode, twice (the
   second call is where the ranks left behind see the others ahead). Between them, ``carried``:
-  a replayed ragged_all_to_all whose offsets' exchange rides behind the start-of-call check.
+  a replayed ragged_all_to_all whose offsets' exchange rides behind the start-of-call check,
+  and ``carried_permute``: an uneven call's first ppermute riding there.
 * ``sigkill``: rank 2 kills itself (SIGKILL) inside the function, before a psum.
 * ``axes_exit``: ranks 0, 1 psum over "dp", ranks 2, 3 over "tp"; 2 and 3 return and exit.
 * ``once_more``: rank 0 calls the mapped function once more than the others, which exit.
@@ -97,6 +98,7 @@ def mismatch(mesh, rank):
     report(rank, "grad", lambda: psum_all(mesh)(x).full_tensor().sum().backward())
     report(rank, "grad_then", lambda: good_call(mesh))
     carried(mesh, rank)
+    carried_permute(mesh, rank)
     ns.set_debug(True)
     report(rank, "shapes_debug", bad_shapes)
     report(rank, "shapes_debug_then", lambda: good_call(mesh))
@@ -173,6 +175,55 @@ def carried(mesh, rank):
     calls["n"] = 1
     report(rank, "apart", lambda: mapped(*args))
     report(rank, "apart_then", lambda: good_call(mesh))
+
+
+def carried_permute(mesh, rank):
+    """An uneven call's first ppermute, replayed (carried behind the start-of-call check): other
+    values each call, halos of another shape on every rank (its flag set: moved again) or on
+    rank 1 only (the simulated mesh's error on every rank), the plan forgotten on rank 3, and
+    rank 0 running a psum first: right values, or one error on every rank, and the next call
+    runs."""
+    axes = ("dp", "tp")
+    sizes = (3, 2, 2, 2)
+    state = {"rows": {}, "psum_first": False}
+    shift = [(j, j + 1) for j in range(3)]
+
+    def f(u):
+        if state["psum_first"] and rank == 0:  # (Python state that differs between ranks)
+            u = u + ns.psum(u[:1], axes) * 0
+        return ns.ppermute(u[-state["rows"].get(rank, 1) :], axes, shift)
+
+    spec = P(ns.Blocks(axes, sizes), None)
+    mapped = ns.spmd_map(f, mesh=mesh, in_specs=spec, out_specs=P(axes))
+
+    def right(variant: int, forget: bool = False) -> None:
+        u = torch.arange(18.0).reshape(9, 2) * (variant + 1)
+        if forget and rank == 3:
+            mapped._signatures.clear()  # (its table of plans: the call is typed again here alone)
+        k = max(state["rows"].values(), default=1)
+        ends = [sum(sizes[: j + 1]) for j in range(4)]
+        want = torch.cat([torch.zeros(k, 2), *(u[e - k : e] for e in ends[:3])])
+        with ns.CommMode() as comm:
+            got = mapped(u).full_tensor()
+        if not torch.equal(got, want):
+            raise ns.SpmdError(f"ppermute gave {got.tolist()}, not {want.tolist()}")
+        if comm.counts() != {("forward", "ppermute", axes): 1}:
+            raise ns.SpmdError(f"counted {comm.counts()}")
+
+    for variant in range(3):
+        report(rank, f"permute_{variant}", lambda: right(variant))
+    state["rows"] = {r: 2 for r in range(4)}
+    report(rank, "permute_rows", lambda: right(3))
+    state["rows"] = {1: 2}
+    report(rank, "permute_odd", lambda: right(4))
+    state["rows"] = {}
+    report(rank, "permute_odd_then", lambda: right(5))
+    report(rank, "permute_forgotten", lambda: right(6, forget=True))
+    report(rank, "permute_after", lambda: right(7))
+    state["psum_first"] = True
+    report(rank, "permute_apart", lambda: right(8))
+    state["psum_first"] = False
+    report(rank, "permute_apart_then", lambda: right(9))
 
 
 def sigkill(mesh, rank):

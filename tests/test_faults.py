@@ -107,7 +107,17 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
         assert o.get("error") == "SpmdError", (o, tail)
         assert "went apart before their first collective: members [1, 2, 3]" in o["message"], o
         assert "members [0] ran another collective first" in o["message"], o
+        for phase in ("permute_odd", "permute_apart"):
+            o = outcomes[rank, phase]  # one error on every rank, the next call right
+            assert o.get("error") == "SpmdError", (o, tail)
+        assert "different shapes" in outcomes[rank, "permute_odd"]["message"]
+        o = outcomes[rank, "permute_apart"]  # rank 0 ran a psum first
+        assert "went apart before their first collective: members [1, 2, 3]" in o["message"], o
+        assert "ran a ppermute first" in o["message"], o
+        assert "members [0] ran another collective first" in o["message"], o
         phases = ("shapes_then", "grad_then", "shapes_debug_then", "axes_debug_then")
+        phases += tuple(f"permute_{p}" for p in ("0", "1", "2", "rows", "odd_then", "forgotten"))
+        phases += ("permute_after", "permute_apart_then")
         for phase in ("carried_after", "apart_plan", "apart_then", *phases):
             assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]
 
