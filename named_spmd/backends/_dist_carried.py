@@ -16,8 +16,8 @@ not send zeros (:func:`drain`), so the exchange completes before the check's err
 
 An uneven call's first ``ppermute`` rides so too (:func:`permute`), where its plan ran it first
 over the whole mesh and the signature's last call passed it one shape of at most :data:`BYTES`
-bytes (``UnevenPrimitives``): each rank sends every member a row of the tag (the pairs' and
-shape's digest, negative), the flag "my operand has another shape" and, to its destination, the
+bytes (``UnevenPrimitives``): each rank sends every member a row of the tag (the digest of its pairs,
+axes, shape and dtype, negative), the flag "my operand has another shape" and, to its destination, the
 operand's bytes. A flag set: the ppermute runs again as a flagged one does.
 """
 
@@ -80,7 +80,7 @@ class Carried:
             members: dict[int, list[int]] = {}
             for i, t in enumerate(tags):
                 members.setdefault(t, []).append(i)
-            several = sum(t < 0 for t in members) > 1  # ppermutes of other pairs or shapes
+            several = sum(t < 0 for t in members) > 1  # ppermutes that differ (pairs, axes, ...)
             told = ", ".join(
                 f"members {ms}{'' if k else ' of the mesh'} {_first_collective(t, k + 1 if several else 0)}"
                 for k, (t, ms) in enumerate(sorted(members.items(), key=lambda e: (not e[0], e[1])))
@@ -99,11 +99,11 @@ class Carried:
 
 def _first_collective(tag: int, told: int) -> str:
     """What the members that sent ``tag`` ran first (``told``: the group's number from 1, where
-    several groups ran ppermutes of other pairs or operand shapes; else 0)."""
+    several groups ran ppermutes of other pairs, axes, operand shapes or dtypes; else 0)."""
     if tag > 0:
         return "exchanged a ragged_all_to_all's offsets and sizes first"
     if tag < 0:
-        return f"ran a ppermute first{f' (pairs or operand shape #{told})' if told else ''}"
+        return f"ran a ppermute first{f' (pairs, axes, operand shape or dtype #{told})' if told else ''}"
     return "ran another collective first (or none)"
 
 
@@ -191,6 +191,22 @@ def peers(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) ->
     return ctx.stamp(peer, ctx.vma(meta))
 
 
+# every torch dtype in one order that holds in every process (a hash of their names does not:
+# str hashes are salted per process), so a dtype's index in it is the same on every rank
+_DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str))
+
+
+def _permute_tag(mesh: DistributedMesh, axes, pairs: tuple, shape: tuple, dtype) -> int:
+    """A carried ppermute's tag (negative): a digest of its pairs, axes (their indices in the
+    mesh's), operand shape and dtype (its index in :data:`_DTYPES`), so that ranks whose first
+    ppermutes differ in any of them raise alike rather than pair up. Only ints and tuples of
+    ints are hashed: their hashes are the same in every process."""
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    where = tuple(mesh.axis_names.index(a) for a in names)
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    return -1 - (hash((pairs, where, tuple(shape), code)) & _TAGS)
+
+
 def _permute_fits(shape: tuple[int, ...] | None, element_size: int) -> bool:
     return shape is not None and math.prod(shape) * element_size <= BYTES
 
@@ -222,7 +238,12 @@ def permute(
     found that the ranks recall otherwise (the call then exchanges every shape afresh)."""
     mesh = ctx.mesh
     carried = mesh.carried
-    if carried is None or carried.started is not None:  # (made already: zeros, as on every rank)
+    # the promised exchange is made already where the check finished before this ppermute:
+    # keep_promise sent this rank's zeros then, and settle (checksums alike) or drain (they
+    # differ) took the exchange, so it is gone (None). A rank whose ppermute rode it sent a
+    # tag that is not 0, and the exchange raised on every rank alike; none did here, so the
+    # ppermute runs uncarried, as on every rank that sent zeros
+    if carried is None or carried.started is not None:
         mesh.finish_pending_check()
         return None, False
     comm, me = carried.comm, carried.comm.index
@@ -230,7 +251,7 @@ def permute(
     own = own and _permute_carries(ctx, x, axes)
     pairs = tuple((int(s), int(d)) for s, d in pairs)
     rows = torch.zeros(comm.n, WIDTH, dtype=torch.int64)
-    rows[:, 0] = -1 - (hash((pairs, shape)) & _TAGS)
+    rows[:, 0] = _permute_tag(mesh, axes, pairs, shape, x.dtype)
     rows[:, 1] = int(not own)
     dst = next((d for s, d in pairs if s == me), None)
     if own and dst is not None and dst != me:
