@@ -8,7 +8,9 @@
   rank 3's input requires grad (its backward psum would wait for the others for ever); the
   ranks psum over different axes with debug mode; then the same without debug mode, twice (the
   second call is where the ranks left behind see the others ahead). Between them, ``carried``:
-  a replayed ragged_all_to_all whose offsets' exchange rides behind the start-of-call check.
+  a replayed ragged_all_to_all whose offsets' exchange rides behind the start-of-call check,
+  and ``carried_permute``: an uneven call's first ppermute riding there (ranks apart in its
+  axes or dtype alone too); both in tests/_faults_carried.py.
 * ``sigkill``: rank 2 kills itself (SIGKILL) inside the function, before a psum.
 * ``axes_exit``: ranks 0, 1 psum over "dp", ranks 2, 3 over "tp"; 2 and 3 return and exit.
 * ``once_more``: rank 0 calls the mapped function once more than the others, which exit.
@@ -19,7 +21,8 @@
   phase ``waited``: the seconds until its peers ended (60 at most).
 * ``dtypes``: every dtype torch has (but the quantized ones) through every collective and the
   call boundary's communication; one ``OUTCOME`` per case with this rank's block (bytes) or the
-  error, compared by the test with the simulated mesh; then a float psum that must run.
+  error, compared by the test with the simulated mesh; then a float psum that must run
+  (tests/_faults_dtypes.py).
 * ``mesh_again``: rank 0 fails on a mesh, the mesh is made again with the same axes, and its
   first calls (rank 3 late past the board's grace) must give the right sums.
 * ``bystanders``: rank 0 fails where no rank needs it, then before a psum over "tp" that ranks
@@ -46,40 +49,17 @@ import os
 import signal
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
+# the scenarios kept in modules of their own are dispatched by name (``main``) as the rest
+from _faults_carried import carried, carried_permute
+from _faults_common import DENSE, X, good_call, psum_all, report
+from _faults_dtypes import dtypes  # noqa: F401 - a scenario, dispatched by name
+
 import named_spmd as ns
 from named_spmd import P
-
-X = torch.arange(8.0)
-DENSE = X.reshape(4, 2).sum(0)  # psum over both axes of P(("dp", "tp")) blocks
-
-
-def report(rank: int, phase: str, call) -> bool:
-    t0 = time.monotonic()
-    try:
-        call()
-        out: dict = {"ok": True}
-    except (ns.SpmdError, ValueError) as e:  # (ValueError: the failing rank's own error)
-        out = {"error": type(e).__name__, "message": str(e)}
-    out.update(rank=rank, phase=phase, seconds=time.monotonic() - t0)
-    print("OUTCOME " + json.dumps(out), flush=True)
-    return "ok" in out
-
-
-def psum_all(mesh):
-    return ns.spmd_map(
-        lambda x: ns.psum(x, ("dp", "tp")), mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P()
-    )
-
-
-def good_call(mesh):
-    y = psum_all(mesh)(X).full_tensor()
-    if not torch.equal(y, DENSE):
-        raise ns.SpmdError(f"wrong sum after recovery: {y.tolist()} instead of {DENSE.tolist()}")
 
 
 def by_axes(mesh, rank):
@@ -97,6 +77,7 @@ def mismatch(mesh, rank):
     report(rank, "grad", lambda: psum_all(mesh)(x).full_tensor().sum().backward())
     report(rank, "grad_then", lambda: good_call(mesh))
     carried(mesh, rank)
+    carried_permute(mesh, rank)
     ns.set_debug(True)
     report(rank, "shapes_debug", bad_shapes)
     report(rank, "shapes_debug_then", lambda: good_call(mesh))
@@ -105,74 +86,6 @@ def mismatch(mesh, rank):
     ns.set_debug(None)
     f = by_axes(mesh, rank)
     report(rank, "axes", lambda: (f(X), f(X)))
-
-
-def ragged_inputs(variant: int) -> tuple[torch.Tensor, ...]:
-    """A ragged_all_to_all over ("dp", "tp") (member = rank) with one slot per member: member i
-    sends ``c[i][j]`` rows of its 8 to member j, placed there in source order (global inputs:
-    the members' blocks concatenated), and the dense result it must give."""
-    n, rows, m = 4, 8, 16
-    c = [[(i + 2 * j + variant) % 3 + (i == j) for j in range(n)] for i in range(n)]
-    x = torch.arange(float(n * rows * 2)).reshape(n * rows, 2)
-    send = torch.tensor(c)
-    in_off = torch.cumsum(send, 1) - send
-    out_off = torch.tensor([[sum(c[k][j] for k in range(i)) for j in range(n)] for i in range(n)])
-    recv = send.T.contiguous()
-    want = torch.zeros(n * m, 2)
-    for j in range(n):
-        at = j * m
-        for i in range(n):
-            start = i * rows + in_off[i, j].item()
-            want[at : at + c[i][j]] = x[start : start + c[i][j]]
-            at += c[i][j]
-    meta = [t.reshape(-1) for t in (in_off, send, out_off, recv)]
-    return (x, torch.zeros(n * m, 2), *meta, want)
-
-
-def carried(mesh, rank):
-    """A ragged_all_to_all replayed (its offsets' exchange carried behind the start-of-call
-    check) with other values each call, a replay on some ranks only (the plan forgotten on
-    rank 3), and calls that go apart before their first collective (rank 0 runs a psum first
-    in its replay): right values, or one error on every rank, and the next call runs."""
-    spec = P(("dp", "tp"))
-    calls = {"n": 0}
-
-    def f(x, out, *meta):
-        if calls["n"] and rank == 0:  # (Python state that differs between ranks)
-            x = x + ns.psum(x, ("dp", "tp")) * 0
-        return ns.ragged_all_to_all(x, out, *meta, ("dp", "tp"))
-
-    mapped = ns.spmd_map(f, mesh=mesh, in_specs=spec, out_specs=spec)
-    g = ns.spmd_map(
-        lambda x, out, *meta: ns.ragged_all_to_all(x, out, *meta, ("dp", "tp")),
-        mesh=mesh,
-        in_specs=spec,
-        out_specs=spec,
-    )
-
-    def right(variant: int, forget: bool = False) -> None:
-        *args, want = ragged_inputs(variant)
-        if forget and rank == 3:
-            g._signatures.clear()  # (its table of plans: the call is typed again here alone)
-        with ns.CommMode() as comm:
-            got = g(*args).full_tensor()
-        if not torch.equal(got, want):
-            raise ns.SpmdError(f"ragged_all_to_all gave {got.tolist()}, not {want.tolist()}")
-        axes = ("dp", "tp")
-        if comm.counts() != {
-            ("forward", op, axes): 1 for op in ("all_to_all", "ragged_all_to_all")
-        }:
-            raise ns.SpmdError(f"counted {comm.counts()}")
-
-    for variant in range(3):
-        report(rank, f"carried_{variant}", lambda: right(variant))
-    report(rank, "carried_forgotten", lambda: right(3, forget=True))
-    report(rank, "carried_after", lambda: right(4))
-    *args, _ = ragged_inputs(0)
-    report(rank, "apart_plan", lambda: mapped(*args))
-    calls["n"] = 1
-    report(rank, "apart", lambda: mapped(*args))
-    report(rank, "apart_then", lambda: good_call(mesh))
 
 
 def sigkill(mesh, rank):
@@ -450,82 +363,6 @@ def debug_mismatch(mesh, rank, iterations: int = 4):
             report(rank, f"debug_{name}_{i}", lambda: f(X))
             report(rank, f"debug_{name}_{i}_then", lambda: good_call(mesh))
     ns.set_debug(None)
-
-
-# --- dtypes: every dtype torch has through every collective ----------------------------------------
-
-A = ("dp", "tp")
-# quantized dtypes need a quantizer (a view of bytes is no valid quantized tensor) and their
-# creation functions are deprecated: the one group of torch dtypes left out
-QUANTIZED = frozenset(
-    d for d in vars(torch).values() if isinstance(d, torch.dtype) and str(d)[6:7] == "q"
-)
-DTYPES = sorted(
-    {d for d in vars(torch).values() if isinstance(d, torch.dtype)} - QUANTIZED, key=str
-)
-# name -> (function, in_specs, out_specs, check_vma): each collective, a single-axis group, and
-# the call boundary's own communication (a broadcast without check_vma, a non-mesh-order spec)
-DTYPE_PROGRAMS = {
-    "psum": (lambda x: ns.psum(x, A), P(A), P(), True),
-    "psum_tp": (lambda x: ns.psum(x, "tp"), P(A), P("dp"), True),
-    "pmean": (lambda x: ns.pmean(x, A), P(A), P(), True),
-    "pmax": (lambda x: ns.pmax(x, A), P(A), P(), True),
-    "pmin": (lambda x: ns.pmin(x, A), P(A), P(), True),
-    "psum_scatter": (lambda x: ns.psum_scatter(x, A, tiled=True), P(A), P(A), True),
-    "all_gather": (lambda x: ns.all_gather(x, A, tiled=True, to="invariant"), P(A), P(), True),
-    "all_to_all": (lambda x: ns.all_to_all(x, A, 0, 0, tiled=True), P(A), P(A), True),
-    "ppermute": (
-        lambda x: ns.ppermute(x, A, [(i, (i + 1) % 4) for i in range(3)]),
-        P(A),
-        P(A),
-        True,
-    ),
-    "pshuffle": (lambda x: ns.pshuffle(x, A, [2, 0, 3, 1]), P(A), P(A), True),
-    "pbroadcast": (lambda x: ns.pbroadcast(x, A, 2), P(A), P(), True),
-    "unchecked_broadcast": (lambda x: x, P(A), P(), False),
-    "reordered": (lambda x: x, P(("tp", "dp")), P(("tp", "dp")), True),
-}
-
-
-def dtype_input(dtype: torch.dtype) -> torch.Tensor:
-    """16 elements of ``dtype``: small integers (exact sums in every float dtype, int8 sums
-    that wrap), a pattern of truth values, or bytes viewed as a dtype that has no conversion."""
-    base = (torch.arange(16) * 5 + 3) % 64
-    if dtype is torch.bool:
-        return base % 3 == 0
-    try:
-        with warnings.catch_warnings():  # torch's own note on complex32
-            warnings.filterwarnings("ignore", "ComplexHalf support is experimental")
-            return base.to(dtype)
-    except (RuntimeError, TypeError):
-        size = torch.empty(0, dtype=dtype).element_size()
-        return torch.arange(16 * size, dtype=torch.uint8).mul(37).view(dtype)
-
-
-def dtype_call(mesh, dtype: torch.dtype, name: str):
-    fn, in_spec, out_spec, check_vma = DTYPE_PROGRAMS[name]
-    f = ns.spmd_map(fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=check_vma)
-    return f(dtype_input(dtype))
-
-
-def described(t: torch.Tensor) -> dict:
-    """A tensor as JSON: dtype, shape and its bytes (exact for every dtype, NaN payloads too)."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return {"dtype": str(t.dtype), "shape": list(t.shape), "bytes": raw.numpy().tobytes().hex()}
-
-
-def dtypes(mesh, rank):
-    """Every case on the real mesh: this rank's block, or the error (compared by the test with
-    the simulated mesh's result); then a float psum, which must run (the mesh stays in step)."""
-    for dtype in DTYPES:
-        for name in DTYPE_PROGRAMS:
-            try:
-                out = {"value": described(ns.to_local(dtype_call(mesh, dtype, name)))}
-            except Exception as e:  # noqa: BLE001 - a bare torch error is a finding too
-                out = {"error": type(e).__name__, "message": str(e)}
-            line = {"rank": rank, "phase": "dtype", "dtype": str(dtype), "op": name, **out}
-            print("OUTCOME " + json.dumps(line), flush=True)
-    report(rank, "dtypes_then", lambda: good_call(mesh))
 
 
 def main() -> None:

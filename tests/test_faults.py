@@ -107,7 +107,26 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
         assert o.get("error") == "SpmdError", (o, tail)
         assert "went apart before their first collective: members [1, 2, 3]" in o["message"], o
         assert "members [0] ran another collective first" in o["message"], o
+        for phase in ("permute_odd", "permute_apart"):
+            o = outcomes[rank, phase]  # one error on every rank, the next call right
+            assert o.get("error") == "SpmdError", (o, tail)
+        assert "different shapes" in outcomes[rank, "permute_odd"]["message"]
+        o = outcomes[rank, "permute_apart"]  # rank 0 ran a psum first
+        assert "went apart before their first collective: members [1, 2, 3]" in o["message"], o
+        assert "ran a ppermute first" in o["message"], o
+        assert "members [0] ran another collective first" in o["message"], o
+        first = "ran a ppermute first (pairs, axes, operand shape or dtype"
+        for phase, one, others in (("permute_axes", 0, "1, 2, 3"), ("permute_dtype", 1, "0, 2, 3")):
+            o = outcomes[rank, phase]  # one first ppermute, apart in its axes or dtype alone
+            assert o.get("error") == "SpmdError", (o, tail)
+            assert "went apart before their first collective" in o["message"], o
+            assert f"members [{one}]{' of the mesh' if one == 0 else ''} {first}" in o["message"]
+            assert f"members [{others}]{' of the mesh' if one else ''} {first}" in o["message"]
+            assert o["seconds"] < 10, o  # at once, not at the 30 s timeout
         phases = ("shapes_then", "grad_then", "shapes_debug_then", "axes_debug_then")
+        phases += tuple(f"permute_{p}" for p in ("0", "1", "2", "rows", "odd_then", "forgotten"))
+        phases += ("permute_after", "permute_apart_then", "permute_swap_0", "permute_swap_1")
+        phases += ("permute_axes_then", "permute_dtype_then")
         for phase in ("carried_after", "apart_plan", "apart_then", *phases):
             assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]
 
@@ -315,7 +334,7 @@ def test_every_dtype_through_every_collective_matches_the_simulated_mesh(loaded)
     (but the quantized ones) through every collective and the call boundary's communication,
     on 4 gloo processes: each rank's block, byte for byte, or the same error, as the simulated
     mesh; reductions refused exactly where torch has no kernel; the mesh still runs after."""
-    import faults_worker as w
+    import _faults_dtypes as w
     import torch
 
     import named_spmd as ns

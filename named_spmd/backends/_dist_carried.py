@@ -13,10 +13,17 @@ apart stay in step: each row starts with a tag (the slots, or 0), and where the 
 every rank raises the same error. Where the checksums differ (some ranks promised, others did
 not), the ranks learn who promised in the check's exchange of descriptions, and those that did
 not send zeros (:func:`drain`), so the exchange completes before the check's error or the call.
+
+An uneven call's first ``ppermute`` rides so too (:func:`permute`), where its plan ran it first
+over the whole mesh and the signature's last call passed it one shape of at most :data:`BYTES`
+bytes (``UnevenPrimitives``): each rank sends every member a row of the tag (the digest of its pairs,
+axes, shape and dtype, negative), the flag "my operand has another shape" and, to its destination, the
+operand's bytes. A flag set: the ppermute runs again as a flagged one does.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +38,11 @@ if TYPE_CHECKING:
     from .distributed import DistributedContext
 
 SLOTS = 8  # slots per member carried at most (four int64 each)
-WIDTH = 1 + 4 * SLOTS  # a row: the tag, then the four metadata of the receiver's slots
+BYTES = 4096  # a carried ppermute's operand, at most
+# a row (one width whatever it carries: ranks whose calls went apart still pair up): the tag,
+# then the four metadata of the receiver's slots, or a ppermute's flag and operand bytes
+WIDTH = max(1 + 4 * SLOTS, 2 + BYTES // 8)
+_TAGS = (1 << 61) - 1  # a ppermute's tag: minus one plus its digest's low bits
 _NAME = "the start-of-call check's carried exchange"
 
 
@@ -49,10 +60,14 @@ class Carried:
         n = self.comm.n
         rows = torch.zeros(n, WIDTH, dtype=torch.int64)
         if meta is not None:
-            self.tag = meta.shape[1]
-            per = self.tag // n
-            rows[:, 0] = self.tag
+            per = meta.shape[1] // n
+            rows[:, 0] = meta.shape[1]
             rows[:, 1 : 1 + 4 * per] = meta.reshape(4, n, per).transpose(0, 1).reshape(n, -1)
+        self.send(rows)
+
+    def send(self, rows: torch.Tensor) -> None:
+        """Send ``rows`` ([n, WIDTH] int64, row j to member j; its tag in column 0)."""
+        self.tag = int(rows[0, 0])
         self.started = self.comm.start_all_to_all(rows)
 
     def finish(self, ctx: DistributedContext) -> torch.Tensor:
@@ -62,26 +77,45 @@ class Carried:
         got = self.comm.finish_all_to_all(self.started, _NAME)
         tags = got[:, 0].tolist()
         if any(t != self.tag for t in tags):
-            first = [i for i, t in enumerate(tags) if t]
-            other = [i for i, t in enumerate(tags) if not t]
+            members: dict[int, list[int]] = {}
+            for i, t in enumerate(tags):
+                members.setdefault(t, []).append(i)
+            several = sum(t < 0 for t in members) > 1  # ppermutes that differ (pairs, axes, ...)
+            told = ", ".join(
+                f"members {ms}{'' if k else ' of the mesh'} {_first_collective(t, k + 1 if several else 0)}"
+                for k, (t, ms) in enumerate(sorted(members.items(), key=lambda e: (not e[0], e[1])))
+            )
             raise ctx.alike(
                 SpmdError(
                     f"spmd_map of {ctx.fn_label}: the ranks' calls went apart before their first "
-                    f"collective: members {first} of the mesh exchanged a ragged_all_to_all's "
-                    f"offsets and sizes first, members {other} ran another collective first (or "
-                    "none), where the call's earlier run of the same inputs ran that exchange "
-                    "first on every rank. Fix: make the collectives a call runs, and their order, "
-                    "independent of the rank (Python state that differs between ranks)."
+                    f"collective: {told}, where the call's earlier run of the same inputs ran one "
+                    "first collective on every rank. Fix: make the collectives a call runs, and "
+                    "their order and arguments, independent of the rank (Python state that "
+                    "differs between ranks)."
                 )
             )
         return got
 
 
+def _first_collective(tag: int, told: int) -> str:
+    """What the members that sent ``tag`` ran first (``told``: the group's number from 1, where
+    several groups ran ppermutes of other pairs, axes, operand shapes or dtypes; else 0)."""
+    if tag > 0:
+        return "exchanged a ragged_all_to_all's offsets and sizes first"
+    if tag < 0:
+        return f"ran a ppermute first{f' (pairs, axes, operand shape or dtype #{told})' if told else ''}"
+    return "ran another collective first (or none)"
+
+
 def promise(ctx: DistributedContext, hoistable: tuple) -> int:
-    """At the start-of-call check: the replay's promise (the slots of the exchange it carries,
-    0: none), which the checksum compares; the mesh keeps it until the exchange is made."""
+    """At the start-of-call check: the replay's promise (the slots of the exchange it carries;
+    minus the element size of the ppermute it carries; 0: none), which the checksum compares
+    (the plan's, and the recalled shape that decides a ppermute's); the mesh keeps it until
+    the exchange is made."""
     mesh = ctx.mesh
     slots = getattr(hoistable, "carried", 0)
+    if slots < 0 and not _permute_fits(getattr(ctx, "first_permute_shape", None), -slots):
+        slots = 0
     mesh.carried = Carried(mesh.check_comm(), slots) if slots else None
     return slots
 
@@ -155,3 +189,86 @@ def peers(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) ->
     if recording():  # the exchange's event, as ``Collective._apply`` records it
         record(CommEvent("all_to_all", axes, "forward", (4, n * per), meta.dtype))
     return ctx.stamp(peer, ctx.vma(meta))
+
+
+# every torch dtype in one order that holds in every process (a hash of their names does not:
+# str hashes are salted per process), so a dtype's index in it is the same on every rank
+_DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str))
+
+
+def _permute_tag(mesh: DistributedMesh, axes, pairs: tuple, shape: tuple, dtype) -> int:
+    """A carried ppermute's tag (negative): a digest of its pairs, axes (their indices in the
+    mesh's), operand shape and dtype (its index in :data:`_DTYPES`), so that ranks whose first
+    ppermutes differ in any of them raise alike rather than pair up. Only ints and tuples of
+    ints are hashed: their hashes are the same in every process."""
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    where = tuple(mesh.axis_names.index(a) for a in names)
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    return -1 - (hash((pairs, where, tuple(shape), code)) & _TAGS)
+
+
+def _permute_fits(shape: tuple[int, ...] | None, element_size: int) -> bool:
+    return shape is not None and math.prod(shape) * element_size <= BYTES
+
+
+def permute_noted(ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, ...], pairs) -> None:
+    """A planned call's ppermute: where it is the call's first collective and a replay could
+    carry it (:func:`permute`), its element size noted for the plan."""
+    mesh = ctx.mesh
+    if mesh.pending_check is not None and mesh.carried is None and _permute_carries(ctx, x, axes):
+        ctx.carried_slots = -x.element_size()
+
+
+def _permute_carries(ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, ...]) -> bool:
+    return axes == ctx.mesh.axis_names and x.device.type == "cpu" and not ctx.values_read
+
+
+def permute_promised(ctx: DistributedContext) -> bool:
+    """Whether this call promised its first collective as a carried ppermute, not yet made."""
+    carried = ctx.mesh.carried
+    return carried is not None and carried.slots < 0 and carried.started is None
+
+
+def permute(
+    ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, ...], pairs, shape: tuple[int, ...]
+) -> tuple[torch.Tensor | None, bool]:
+    """The promised ppermute of ``x`` along ``pairs``, every member's operand assumed of
+    ``shape`` (the recalled one): its result and whether any member's flag is set (then the
+    caller exchanges the shapes and moves the data again), or ``(None, False)`` where the check
+    found that the ranks recall otherwise (the call then exchanges every shape afresh)."""
+    mesh = ctx.mesh
+    carried = mesh.carried
+    # the promised exchange is made already where the check finished before this ppermute:
+    # keep_promise sent this rank's zeros then, and settle (checksums alike) or drain (they
+    # differ) took the exchange, so it is gone (None). A rank whose ppermute rode it sent a
+    # tag that is not 0, and the exchange raised on every rank alike; none did here, so the
+    # ppermute runs uncarried, as on every rank that sent zeros
+    if carried is None or carried.started is not None:
+        mesh.finish_pending_check()
+        return None, False
+    comm, me = carried.comm, carried.comm.index
+    own = tuple(x.shape) == shape and x.element_size() == -carried.slots
+    own = own and _permute_carries(ctx, x, axes)
+    pairs = tuple((int(s), int(d)) for s, d in pairs)
+    rows = torch.zeros(comm.n, WIDTH, dtype=torch.int64)
+    rows[:, 0] = _permute_tag(mesh, axes, pairs, shape, x.dtype)
+    rows[:, 1] = int(not own)
+    dst = next((d for s, d in pairs if s == me), None)
+    if own and dst is not None and dst != me:
+        sent = x.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+        rows[dst, 2:].view(torch.uint8)[: sent.numel()].copy_(sent)
+    carried.send(rows)
+    mesh.finish_pending_check()  # (the ranks recall otherwise: drained, and forgotten)
+    if mesh.carried is not carried:
+        return None, False
+    mesh.carried = None
+    got = carried.finish(ctx)
+    if bool(got[:, 1].any()):
+        return None, True
+    src = next((s for s, d in pairs if d == me), None)
+    if src is None:
+        return torch.zeros_like(x, memory_format=torch.contiguous_format), False
+    if src == me:
+        return x.clone(memory_format=torch.contiguous_format), False
+    size = x.numel() * x.element_size()
+    return got[src, 2:].view(torch.uint8)[:size].view(x.dtype).view(shape), False

@@ -20,7 +20,7 @@ from .. import _torch_private as torch_private
 from .._collectives._record import DROP_INVARIANT
 from .._errors import SpmdError, operand_shapes_differ
 from .._layout import chunk_sizes, groups, index_of
-from . import _dist_steps
+from . import _dist_carried, _dist_steps
 from ._dist_steps import exchange
 
 Sizes = tuple[int, ...]
@@ -314,6 +314,7 @@ class UnevenPrimitives(OperandShapes):
     _recalled: tuple | None = None  # the last call's shapes, by ppermute, or None
     _seen: list | None = None  # this call's, until its outputs are made (then recorded)
     _guess: tuple[int, ...] | None = None  # the shape the next permute assumes
+    _carries = False  # whether the next permute is carried behind the check (_dist_carried)
 
     def recall_shapes(self, signature: int) -> int:
         # the outputs' rows (``DistributedContext``, after this mixin in the context's MRO)
@@ -329,13 +330,27 @@ class UnevenPrimitives(OperandShapes):
         super().forget_shapes()  # type: ignore[misc]
         self._recalled = None
 
+    @property
+    def first_permute_shape(self) -> tuple[int, ...] | None:
+        """The shape the call's first ppermute assumes (``_dist_carried.promise``), or None."""
+        return self._recalled[0] if self._recalled else None
+
     def _permuted_shapes(self, x: torch.Tensor, axes, pairs, shapes: Any) -> None:
         """Before a ppermute's data moves: the shape it assumes (``_guess``; none after a read
         of a varying value, where the ranks meet first), or every instance's shape exchanged
-        (unless given) and compared."""
+        (unless given) and compared. A first ppermute that the check carries
+        (``_dist_carried``) assumes the recalled shape before the check is finished."""
         mesh = self.mesh
-        mesh.finish_pending_check()  # first: whether every rank recalls the same
         assert self._seen is not None
+        first = not self._seen and not self.values_read
+        self._carries = first and _dist_carried.permute_promised(self)  # type: ignore[arg-type]
+        if self._carries:
+            self._guess = self.first_permute_shape
+            self._seen.append(self._guess)
+            return
+        if first:
+            _dist_carried.permute_noted(self, x, axes, pairs)  # type: ignore[arg-type]
+        mesh.finish_pending_check()  # first: whether every rank recalls the same
         k, recalled = len(self._seen), self._recalled
         guess = recalled[k] if recalled is not None and k < len(recalled) else None
         moves = any(s != d for s, d in pairs)  # (else nothing moves: no flag either)
@@ -353,10 +368,15 @@ class UnevenPrimitives(OperandShapes):
         guess, self._guess = self._guess, None
         if guess is None:
             return super().permute(x, axes, pairs)  # type: ignore[misc]
-        differs = tuple(x.shape) != guess
-        comm = self.mesh.comm(axes)
-        out, flagged = comm.permute_flagged(x.new_zeros(guess) if differs else x, pairs, differs)
-        if not flagged:
+        if self._carries:
+            self._carries = False
+            out, flagged = _dist_carried.permute(self, x, axes, pairs, guess)  # type: ignore[arg-type]
+        else:
+            differs = tuple(x.shape) != guess
+            comm = self.mesh.comm(axes)
+            zeros = x.new_zeros(guess) if differs else x
+            out, flagged = comm.permute_flagged(zeros, pairs, differs)
+        if out is not None and not flagged:
             return out
         shapes = self._every_shape(x)  # (every member knows it: the flags went to all)
         assert self._seen is not None

@@ -1,0 +1,168 @@
+"""Fault scenarios of tests/faults_worker.py whose first exchange rides behind the start-of-call
+check (``named_spmd/backends/_dist_carried.py``): a replayed ragged_all_to_all's offsets and an
+uneven call's first ppermute."""
+
+from __future__ import annotations
+
+import torch
+from _faults_common import good_call, report
+
+import named_spmd as ns
+from named_spmd import P
+
+
+def ragged_inputs(variant: int) -> tuple[torch.Tensor, ...]:
+    """A ragged_all_to_all over ("dp", "tp") (member = rank) with one slot per member: member i
+    sends ``c[i][j]`` rows of its 8 to member j, placed there in source order (global inputs:
+    the members' blocks concatenated), and the dense result it must give."""
+    n, rows, m = 4, 8, 16
+    c = [[(i + 2 * j + variant) % 3 + (i == j) for j in range(n)] for i in range(n)]
+    x = torch.arange(float(n * rows * 2)).reshape(n * rows, 2)
+    send = torch.tensor(c)
+    in_off = torch.cumsum(send, 1) - send
+    out_off = torch.tensor([[sum(c[k][j] for k in range(i)) for j in range(n)] for i in range(n)])
+    recv = send.T.contiguous()
+    want = torch.zeros(n * m, 2)
+    for j in range(n):
+        at = j * m
+        for i in range(n):
+            start = i * rows + in_off[i, j].item()
+            want[at : at + c[i][j]] = x[start : start + c[i][j]]
+            at += c[i][j]
+    meta = [t.reshape(-1) for t in (in_off, send, out_off, recv)]
+    return (x, torch.zeros(n * m, 2), *meta, want)
+
+
+def carried(mesh, rank):
+    """A ragged_all_to_all replayed (its offsets' exchange carried behind the start-of-call
+    check) with other values each call, a replay on some ranks only (the plan forgotten on
+    rank 3), and calls that go apart before their first collective (rank 0 runs a psum first
+    in its replay): right values, or one error on every rank, and the next call runs."""
+    spec = P(("dp", "tp"))
+    calls = {"n": 0}
+
+    def f(x, out, *meta):
+        if calls["n"] and rank == 0:  # (Python state that differs between ranks)
+            x = x + ns.psum(x, ("dp", "tp")) * 0
+        return ns.ragged_all_to_all(x, out, *meta, ("dp", "tp"))
+
+    mapped = ns.spmd_map(f, mesh=mesh, in_specs=spec, out_specs=spec)
+    g = ns.spmd_map(
+        lambda x, out, *meta: ns.ragged_all_to_all(x, out, *meta, ("dp", "tp")),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )
+
+    def right(variant: int, forget: bool = False) -> None:
+        *args, want = ragged_inputs(variant)
+        if forget and rank == 3:
+            g._signatures.clear()  # (its table of plans: the call is typed again here alone)
+        with ns.CommMode() as comm:
+            got = g(*args).full_tensor()
+        if not torch.equal(got, want):
+            raise ns.SpmdError(f"ragged_all_to_all gave {got.tolist()}, not {want.tolist()}")
+        axes = ("dp", "tp")
+        if comm.counts() != {
+            ("forward", op, axes): 1 for op in ("all_to_all", "ragged_all_to_all")
+        }:
+            raise ns.SpmdError(f"counted {comm.counts()}")
+
+    for variant in range(3):
+        report(rank, f"carried_{variant}", lambda: right(variant))
+    report(rank, "carried_forgotten", lambda: right(3, forget=True))
+    report(rank, "carried_after", lambda: right(4))
+    *args, _ = ragged_inputs(0)
+    report(rank, "apart_plan", lambda: mapped(*args))
+    calls["n"] = 1
+    report(rank, "apart", lambda: mapped(*args))
+    report(rank, "apart_then", lambda: good_call(mesh))
+
+
+def carried_permute(mesh, rank):
+    """An uneven call's first ppermute, replayed (carried behind the start-of-call check): other
+    values each call, halos of another shape on every rank (its flag set: moved again) or on
+    rank 1 only (the simulated mesh's error on every rank), the plan forgotten on rank 3, and
+    rank 0 running a psum first, then ranks whose first ppermutes differ only in their axes or
+    dtype (:func:`permute_swapped`): right values, or one error on every rank, and the next
+    call runs."""
+    axes = ("dp", "tp")
+    sizes = (3, 2, 2, 2)
+    state = {"rows": {}, "psum_first": False}
+    shift = [(j, j + 1) for j in range(3)]
+
+    def f(u):
+        if state["psum_first"] and rank == 0:  # (Python state that differs between ranks)
+            u = u + ns.psum(u[:1], axes) * 0
+        return ns.ppermute(u[-state["rows"].get(rank, 1) :], axes, shift)
+
+    spec = P(ns.Blocks(axes, sizes), None)
+    mapped = ns.spmd_map(f, mesh=mesh, in_specs=spec, out_specs=P(axes))
+
+    def right(variant: int, forget: bool = False) -> None:
+        u = torch.arange(18.0).reshape(9, 2) * (variant + 1)
+        if forget and rank == 3:
+            mapped._signatures.clear()  # (its table of plans: the call is typed again here alone)
+        k = max(state["rows"].values(), default=1)
+        ends = [sum(sizes[: j + 1]) for j in range(4)]
+        want = torch.cat([torch.zeros(k, 2), *(u[e - k : e] for e in ends[:3])])
+        with ns.CommMode() as comm:
+            got = mapped(u).full_tensor()
+        if not torch.equal(got, want):
+            raise ns.SpmdError(f"ppermute gave {got.tolist()}, not {want.tolist()}")
+        if comm.counts() != {("forward", "ppermute", axes): 1}:
+            raise ns.SpmdError(f"counted {comm.counts()}")
+
+    for variant in range(3):
+        report(rank, f"permute_{variant}", lambda: right(variant))
+    state["rows"] = {r: 2 for r in range(4)}
+    report(rank, "permute_rows", lambda: right(3))
+    state["rows"] = {1: 2}
+    report(rank, "permute_odd", lambda: right(4))
+    state["rows"] = {}
+    report(rank, "permute_odd_then", lambda: right(5))
+    report(rank, "permute_forgotten", lambda: right(6, forget=True))
+    report(rank, "permute_after", lambda: right(7))
+    state["psum_first"] = True
+    report(rank, "permute_apart", lambda: right(8))
+    state["psum_first"] = False
+    report(rank, "permute_apart_then", lambda: right(9))
+    permute_swapped(mesh, rank)
+
+
+def permute_swapped(mesh, rank):
+    """Members 0 and 1 swap their last rows (the same pairs on every rank), replayed; then rank
+    0 alone runs it over "tp" (the pairs read there as its "tp" group's members), and rank 1
+    alone sends int32 (the others float32, of the same element size): every rank must raise
+    one error at once, not wait in exchanges that do not pair up, and the next call run."""
+    axes = ("dp", "tp")
+    sizes = (3, 2, 2, 2)
+    state = {"apart": ""}
+
+    def swap(u):
+        h = u[-1:]
+        if state["apart"] == "dtype" and rank == 1:  # (Python state that differs between ranks)
+            h = h.to(torch.int32)
+        over = "tp" if state["apart"] == "axes" and rank == 0 else axes
+        return ns.ppermute(h, over, [(0, 1), (1, 0)]).float()
+
+    spec = P(ns.Blocks(axes, sizes), None)
+    mapped = ns.spmd_map(swap, mesh=mesh, in_specs=spec, out_specs=P(axes))
+
+    def right(variant: int) -> None:
+        u = torch.arange(18.0).reshape(9, 2) * (variant + 1)
+        want = torch.cat([u[4:5], u[2:3], torch.zeros(2, 2)])  # member 1's last row to 0, ...
+        with ns.CommMode() as comm:
+            got = mapped(u).full_tensor()
+        if not torch.equal(got, want):
+            raise ns.SpmdError(f"ppermute gave {got.tolist()}, not {want.tolist()}")
+        if comm.counts() != {("forward", "ppermute", axes): 1}:
+            raise ns.SpmdError(f"counted {comm.counts()}")
+
+    for variant in range(2):
+        report(rank, f"permute_swap_{variant}", lambda: right(variant))
+    for apart in ("axes", "dtype"):
+        state["apart"] = apart
+        report(rank, f"permute_{apart}", lambda: right(2))
+        state["apart"] = ""
+        report(rank, f"permute_{apart}_then", lambda: right(3))
