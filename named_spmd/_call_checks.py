@@ -155,9 +155,11 @@ def check_outputs(
                 )
             continue
         # outputs are concatenated, never split: a dim size every axis product divides
-        # (mesh.size) checks rank and axis names without a divisibility condition
+        # (mesh.size) checks rank and axis names without a divisibility condition; the messages
+        # name the output's own shape
         plain = spec.without_sizes()
-        found = spec_problems(plain, (f.mesh.size,) * leaf.dim(), f.mesh.shape, where)
+        stand_in = (f.mesh.size,) * leaf.dim()
+        found = spec_problems(plain, stand_in, f.mesh.shape, where, shown=_shape_shown(leaf))
         problems += found
         if found and ctx.uneven and len(plain) > leaf.dim():
             # an output's rank may be this instance's alone: told once every instance returned
@@ -188,6 +190,14 @@ def check_outputs(
             fitting.clear()
         fitting.add(key)
     return paths, leaves, specs, treedef
+
+
+def _shape_shown(leaf: torch.Tensor) -> tuple:
+    """An output's shape as a message names it: ``?`` for each dim while Dynamo traces a
+    data-dependent size (which it can neither format nor specialize)."""
+    if torch_private.memo_would_be_guarded() and torch_private.has_data_dependent_size(leaf):
+        return ("?",) * leaf.dim()
+    return tuple(leaf.shape)
 
 
 def _out_specs(

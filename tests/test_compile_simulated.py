@@ -751,3 +751,19 @@ def test_a_bound_mapped_method_compiles_as_its_mapped_function():
     torch.testing.assert_close(ns.compile(m.step, fullgraph=True)(uneven), uneven * w)
     local = ns.compile(m.step.local, backend="eager", fullgraph=True)
     torch.testing.assert_close(local(x), m.step.local(x))
+
+
+def test_a_compiled_output_of_a_data_dependent_size_names_no_made_up_shape(monkeypatch):
+    """An output too small for its out_spec: the eager message names its shape, the compiled
+    one (whose size Dynamo knows only when the program runs) ``?``, never a stand-in shape."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    f = ns.spmd_map(lambda x: x[x > 0], mesh=mesh, in_specs=P(), out_specs=P("dp", None))
+    x = torch.arange(8.0) - 2.5  # five positive
+    with pytest.raises(ns.SpecError, match=r"has rank 1 \(shape \[5\]\)\. Fix"):
+        f(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(f, backend="eager", fullgraph=True)(x)
+    assert "SpecError" in str(info.value.__cause__)
+    assert "has rank 1 (shape [?]). Fix" in str(info.value.__cause__)

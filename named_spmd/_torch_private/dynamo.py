@@ -189,3 +189,12 @@ def torch_file(filename: str) -> bool:
     function (``nn.Module.__call__``, the ``torch.no_grad()`` decorator, ``torch.compile``'s),
     never the user's code."""
     return filename.startswith(TORCH_DIR)
+
+
+def has_data_dependent_size(tensor: torch.Tensor) -> bool:
+    """Whether a tensor Dynamo traces has a size known only when the program runs (an unbacked
+    size: ``x[x > 0]``'s, or one made from ``.item()``). Such a size cannot be specialized nor
+    formatted while tracing; Dynamo answers this call with a constant. False for a real tensor."""
+    from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
+
+    return bool(has_free_unbacked_symbols(tensor))
