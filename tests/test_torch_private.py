@@ -893,10 +893,10 @@ def test_trace_constant_is_assume_constant_results_mark_made_without_dynamo():
     assert counter.frame_count == 1 and counter.op_count == 1
 
 
-def test_has_data_dependent_size_tells_an_unbacked_size_while_dynamo_traces(monkeypatch):
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_has_data_dependent_size_tells_an_unbacked_size_while_dynamo_traces():
     """Dynamo answers ``has_data_dependent_size`` with a constant: True for a tensor sized by its
     data (``x[x > 0]``), False for one of a static shape and for a real tensor."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
     seen = []
 
     def f(x):
