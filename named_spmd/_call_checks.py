@@ -254,9 +254,12 @@ def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:
     if local or f.mesh.size == 1 or not f.backend.capabilities.uneven_blocks:
         return False
     if torch_private.memo_would_be_guarded():
-        leaves = flatten_with_paths(args)[1]
-        if any(isinstance(x, torch.Tensor) and _data_dependent(x) for x in leaves):
-            return False  # (the input check refuses a split of a data-dependent size)
+        # a data-dependent size is never split (the input check refuses that): the other
+        # leaves decide
+        leaves = [
+            None if isinstance(x, torch.Tensor) and _data_dependent(x) else x
+            for x in flatten_with_paths(args)[1]
+        ]
         return _splits_unevenly(f, args, leaves, _specs_in_trace(f, args))
     leaves, treedef = flatten(args)
     key = _shapes_key(leaves, treedef)

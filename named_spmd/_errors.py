@@ -79,7 +79,7 @@ def suggest(name: object, choices: Iterable[str]) -> str:
         return ""
     # difflib.get_close_matches(n=1) without its heapq (Dynamo cannot trace heapq's
     # ``object()`` sentinel, and an out_spec's axis is checked while Dynamo traces)
-    scored = [(difflib.SequenceMatcher(None, name, c).ratio(), c) for c in choices]
+    scored = [(difflib.SequenceMatcher(None, c, name).ratio(), c) for c in choices]
     score, close = max(scored, default=(0.0, ""))
     return f" Did you mean {close!r}?" if score >= 0.5 else ""  # 'tq' -> 'tp'
 

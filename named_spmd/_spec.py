@@ -319,7 +319,7 @@ def _spec_problems(
 
 
 def _shape_text(shape: Sequence[Any]) -> str:
-    """``[5, 3]``; ``[?]`` where the sizes are not known yet (``_call_checks._shape_shown``)."""
+    """``[5, 3]``; ``[?]`` where the sizes are not known yet (``_types.shape_shown``)."""
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 

@@ -802,6 +802,28 @@ def test_a_compiled_input_of_a_data_dependent_size_takes_p_and_refuses_a_split()
     assert "has rank 1 (shape [?]). Fix" in message
 
 
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_a_data_dependent_input_leaves_another_inputs_uneven_split_to_the_eager_call():
+    """Beside an input of a data-dependent size (under P()), another input split unevenly still
+    makes the call run on blocks of their own sizes (eagerly): the compiled program equals the
+    dense computation."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    f = ns.spmd_map(
+        lambda a, b: (a * 2, b + 1),
+        mesh=mesh,
+        in_specs=(P(), P("dp")),
+        out_specs=(P(), P("dp")),
+    )
+    x = torch.arange(8.0) - 2.5
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y: f(x[x > 0], y), backend="eager")
+    for n in (8, 7):  # 7 rows over 2 instances: blocks of 4 and 3
+        y = torch.arange(float(n))
+        a, b = compiled(x, y)
+        torch.testing.assert_close(a, x[x > 0] * 2)
+        torch.testing.assert_close(b, y + 1)
+
+
 @pytest.mark.parametrize("tiled", [True, False])
 @torch._dynamo.config.patch(capture_scalar_outputs=True)
 def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_error(tiled):
