@@ -37,7 +37,7 @@ from ._block_rules.shapes import _elementwise
 from ._errors import VmaError
 from ._partial import op_name, user_line
 from ._torch_private import DisableTorchFunction
-from ._types import Vma, type_text
+from ._types import Vma, shape_shown, type_text
 
 ATTR = "_named_spmd_blocks"
 
@@ -245,7 +245,7 @@ def _write(t: torch.Tensor, rec: Any) -> None:
 
 def _bias_error(ctx, name, axes, operands, vmas) -> VmaError:
     types = ", ".join(
-        type_text(t.dtype, tuple(t.shape), v, ctx.mesh.axis_names) for t, v in zip(operands, vmas)
+        type_text(t.dtype, shape_shown(t), v, ctx.mesh.axis_names) for t, v in zip(operands, vmas)
     )
     axis = axes[0] if len(axes) == 1 else tuple(axes)
     return VmaError(

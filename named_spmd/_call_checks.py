@@ -38,6 +38,7 @@ from ._tree import (
     path_text,
     paths_of,
 )
+from ._types import shape_shown
 
 if TYPE_CHECKING:
     from ._api import SpmdFunction
@@ -93,6 +94,8 @@ def _check_inputs(
                 f"{where} is a {str(leaf.layout).replace('torch.', '')} tensor; spmd_map "
                 "splits and batches dense (strided) tensors only. Fix: pass x.to_dense()."
             )
+        elif isinstance(leaf, torch.Tensor) and _data_dependent(leaf):
+            problems += _data_dependent_problems(f, leaf, spec, where)
         elif isinstance(leaf, torch.Tensor):
             shape = tuple(leaf.shape)
             if local:
@@ -110,6 +113,30 @@ def _check_inputs(
             f"{f.where}: the inputs do not fit in_specs on mesh {f.mesh.shape}:\n"
             + bullet_list(problems)
         )
+
+
+def _data_dependent(leaf: torch.Tensor) -> bool:
+    """Whether Dynamo traces ``leaf`` with a size known only when the program runs."""
+    return torch_private.memo_would_be_guarded() and torch_private.has_data_dependent_size(leaf)
+
+
+def _data_dependent_problems(
+    f: SpmdFunction, leaf: torch.Tensor, spec: PartitionSpec, where: str
+) -> list[str]:
+    """How ``spec`` fails a traced input of a data-dependent size: its rank and axis names are
+    checked on a stand-in shape (as an output's); a split cannot be laid out (the blocks' sizes
+    are not known while compiling) and is refused."""
+    plain = spec.without_sizes()
+    stand_in = (f.mesh.size,) * leaf.dim()
+    found = spec_problems(plain, stand_in, f.mesh.shape, where, shown=("?",) * leaf.dim())
+    if found or not spec.axes:
+        return found
+    return [
+        f"{where} has a data-dependent size (known only when the program runs, as x[mask]'s "
+        f"or one made from .item()), which {spec!r} splits: its blocks cannot be laid out "
+        "while compiling. Fix: give it a size known when compiling (pad it to a fixed size), "
+        "give it P(), or call the mapped function outside the compiled region."
+    ]
 
 
 def _specs_in_trace(f: SpmdFunction, args: tuple) -> list[PartitionSpec] | None:
@@ -155,9 +182,11 @@ def check_outputs(
                 )
             continue
         # outputs are concatenated, never split: a dim size every axis product divides
-        # (mesh.size) checks rank and axis names without a divisibility condition
+        # (mesh.size) checks rank and axis names without a divisibility condition; the messages
+        # name the output's own shape
         plain = spec.without_sizes()
-        found = spec_problems(plain, (f.mesh.size,) * leaf.dim(), f.mesh.shape, where)
+        stand_in = (f.mesh.size,) * leaf.dim()
+        found = spec_problems(plain, stand_in, f.mesh.shape, where, shown=shape_shown(leaf))
         problems += found
         if found and ctx.uneven and len(plain) > leaf.dim():
             # an output's rank may be this instance's alone: told once every instance returned
@@ -225,7 +254,12 @@ def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:
     if local or f.mesh.size == 1 or not f.backend.capabilities.uneven_blocks:
         return False
     if torch_private.memo_would_be_guarded():
-        leaves = flatten_with_paths(args)[1]
+        # a data-dependent size is never split (the input check refuses that): the other
+        # leaves decide
+        leaves = [
+            None if isinstance(x, torch.Tensor) and _data_dependent(x) else x
+            for x in flatten_with_paths(args)[1]
+        ]
         return _splits_unevenly(f, args, leaves, _specs_in_trace(f, args))
     leaves, treedef = flatten(args)
     key = _shapes_key(leaves, treedef)

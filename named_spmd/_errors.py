@@ -77,8 +77,11 @@ def suggest(name: object, choices: Iterable[str]) -> str:
     """' Did you mean 'tp'?' when a close match exists, else ''."""
     if not isinstance(name, str):
         return ""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)  # 'tq' -> 'tp'
-    return f" Did you mean {close[0]!r}?" if close else ""
+    # difflib.get_close_matches(n=1) without its heapq (Dynamo cannot trace heapq's
+    # ``object()`` sentinel, and an out_spec's axis is checked while Dynamo traces)
+    scored = [(difflib.SequenceMatcher(None, c, name).ratio(), c) for c in choices]
+    score, close = max(scored, default=(0.0, ""))
+    return f" Did you mean {close!r}?" if score >= 0.5 else ""  # 'tq' -> 'tp'
 
 
 def bullet_list(problems: Sequence[str]) -> str:

@@ -10,7 +10,7 @@ import torch
 
 from ._context import SpmdContext
 from ._spec import PartitionSpec
-from ._types import Vma, type_text
+from ._types import Vma, shape_shown, type_text
 
 
 def varying_problem(
@@ -23,7 +23,7 @@ def varying_problem(
     """An output varying over ``extra``, axes its out_spec does not name."""
     order = ctx.mesh.axis_names
     axes = tuple(a for a in order if a in extra)
-    vtype = type_text(leaf.dtype, tuple(leaf.shape), ctx.vma(leaf), order)
+    vtype = type_text(leaf.dtype, shape_shown(leaf), ctx.vma(leaf), order)
     named = f"ns.psum(y, {axes[0] if len(axes) == 1 else axes!r})"
     return (
         f"  - {where} has type {vtype}: it varies over {axes}, but its out_spec {spec!r} does "
@@ -37,7 +37,7 @@ def varying_problem(
 def unreduced_problem(where: str, leaf: torch.Tensor, spec: PartitionSpec, ctx: SpmdContext) -> str:
     """An output unreduced where its out_spec does not say so, or the other way round."""
     vma = ctx.vma(leaf)
-    vtype = type_text(leaf.dtype, tuple(leaf.shape), vma, ctx.mesh.axis_names)
+    vtype = type_text(leaf.dtype, shape_shown(leaf), vma, ctx.mesh.axis_names)
     order = ctx.mesh.axis_names
     extra = tuple(a for a in order if a in vma.unreduced - spec.unreduced)
     if extra:

@@ -30,7 +30,7 @@ import torch
 from . import _torch_private as torch_private
 from ._errors import NOT_USER_DIRS, VmaError
 from ._operands import is_inplace, result_tensors
-from ._types import Vma, type_text
+from ._types import Vma, shape_shown, type_text
 
 # Ops whose result is linear in their first tensor operand alone (views, slicing, reductions
 # over tensor dims, casts); further tensor operands are indices or shapes, which must not vary
@@ -399,7 +399,7 @@ def _nonzero_scalar(args, kwargs) -> bool:
 
 def _error(ctx, name, axis, problem, operands, vmas) -> VmaError:
     types = ", ".join(
-        type_text(t.dtype, tuple(t.shape), v, ctx.mesh.axis_names) for t, v in zip(operands, vmas)
+        type_text(t.dtype, shape_shown(t), v, ctx.mesh.axis_names) for t, v in zip(operands, vmas)
     )
     return VmaError(
         f"{name} in {ctx.fn_label}{user_line()}: an operand is unreduced over {axis!r} (each "

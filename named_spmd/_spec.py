@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import _torch_private as torch_private
@@ -242,21 +242,24 @@ def spec_problems(
     where: str,
     uneven: bool = False,
     given: bool | None = None,
+    shown: Sequence[Any] | None = None,
 ) -> list[str]:
     """Every way ``spec`` fails to fit a tensor of ``shape`` on the mesh (empty list: it fits).
     ``uneven``: the caller takes a dim the axes do not divide (``torch.chunk``'s blocks,
     ``_layout.dim_sizes``); ``given`` (default: ``uneven``): it takes the unequal sizes a
-    :class:`Blocks` entry gives, on that entry's dim."""
+    :class:`Blocks` entry gives, on that entry's dim. ``shown`` (default: ``shape``): the
+    tensor's shape as the messages name it, where ``shape`` stands in for it."""
     given = uneven if given is None else given
+    shown = shape if shown is None else shown
     if torch_private.memo_would_be_guarded():
         # (the memo's lookup also specialized the dims; dims left symbolic break the real
         # mesh's block arithmetic)
         specialize(shape)
-        return _spec_problems(spec, shape, mesh_shape, where, uneven, given)
+        return _spec_problems(spec, shape, mesh_shape, where, uneven, given, shown)
     key = (spec, tuple(shape), tuple(mesh_shape.items()), uneven, given)
     if key in _fits:  # checked on every call: remember what fitted
         return []
-    problems = _spec_problems(spec, shape, mesh_shape, where, uneven, given)
+    problems = _spec_problems(spec, shape, mesh_shape, where, uneven, given, shown)
     if not problems:
         if len(_fits) > 4096:
             _fits.clear()
@@ -281,12 +284,13 @@ def _spec_problems(
     where: str,
     uneven: bool = False,
     takes_given: bool = False,
+    shown: Sequence[Any] = (),
 ) -> list[str]:
     problems = []
     if len(spec) > len(shape):
         problems.append(
             f"{where}: {spec!r} has {len(spec)} entries but the tensor has rank {len(shape)} "
-            f"(shape {list(shape)}). Fix: give at most {len(shape)} entries"
+            f"(shape {_shape_text(shown)}). Fix: give at most {len(shape)} entries"
             + (" (a rank-0 value can only take P())." if len(shape) == 0 else ".")
         )
         return problems
@@ -312,6 +316,11 @@ def _spec_problems(
                 spec, d, shape[d], axes, mesh_shape, where, uneven, takes_given
             )
     return problems
+
+
+def _shape_text(shape: Sequence[Any]) -> str:
+    """``[5, 3]``; ``[?]`` where the sizes are not known yet (``_types.shape_shown``)."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def _split_problems(

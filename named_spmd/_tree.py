@@ -229,6 +229,10 @@ def _skeleton(tree: Any) -> Any:
         return kind(_skeleton(x) for x in tree)
     if kind is dict:
         return {k: _skeleton(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor) and torch_private.has_data_dependent_size(tree):
+        # a size known only when the program runs: Dynamo can neither specialize nor format it
+        unknown = ", ".join("?" * tree.dim())
+        return f"a {type(tree).__name__} of shape [{unknown}]"
     if isinstance(tree, torch.Tensor):
         specialize(tree.shape)  # symbolic dims would make the description no constant
         return _describe(tree)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from . import _torch_private as torch_private
 from ._torch_private import trace_constant
 
 _SHORT_DTYPES = {
@@ -299,6 +300,14 @@ RENDERERS: dict[str, Callable[[Any], str]] = {}
 def render(kind: str, value: Any) -> str:
     """The one way value types reach the renderers registered in :data:`RENDERERS`."""
     return RENDERERS[kind](value)
+
+
+def shape_shown(t: torch.Tensor) -> tuple:
+    """A tensor's shape as a message names it: ``?`` for each dim while Dynamo traces a
+    data-dependent size (which it can neither format nor specialize)."""
+    if torch_private.memo_would_be_guarded() and torch_private.has_data_dependent_size(t):
+        return ("?",) * t.dim()
+    return tuple(t.shape)
 
 
 @trace_constant  # Dynamo cannot build the slotted VType: run eagerly at trace time

@@ -677,6 +677,10 @@ _ROW_PARALLEL = (
 )
 
 
+def _doubled(x):
+    return x * 2
+
+
 ERRORS = {
     "tensor_seed": (
         _tensor_seed,
@@ -685,6 +689,8 @@ ERRORS = {
         lambda: (torch.ones(8, 2), torch.tensor(3)),
     ),
     "out_specs_claim_replication": (_unreduced, P("dp"), P(), lambda: (torch.ones(8, 2),)),
+    # its message suggests the close axis name ('dp'), computed while Dynamo traces
+    "unknown_out_axis": (_doubled, P("dp"), P("dq"), lambda: (torch.ones(8, 2),)),
     "invariant_operand": (
         _invariant_scatter,
         (P("dp"), P()),

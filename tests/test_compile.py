@@ -43,9 +43,10 @@ PROGRAMS = [
 ]
 # One error per check that raises while Dynamo traces the real mesh's call: out_specs, a
 # collective's operand, in_specs, the partial-sum inference (its other cases:
-# tests/test_compile_simulated.py), a random seed.
+# tests/test_compile_simulated.py), a random seed, an out_spec's unknown axis.
 ERRORS = [
     "out_specs_claim_replication",
+    "unknown_out_axis",
     "invariant_operand",
     "in_specs_not_a_prefix",
     "bias_inside_psum",

@@ -752,3 +752,92 @@ def test_a_bound_mapped_method_compiles_as_its_mapped_function():
     torch.testing.assert_close(ns.compile(m.step, fullgraph=True)(uneven), uneven * w)
     local = ns.compile(m.step.local, backend="eager", fullgraph=True)
     torch.testing.assert_close(local(x), m.step.local(x))
+
+
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_a_compiled_output_of_a_data_dependent_size_names_no_made_up_shape():
+    """An output too small for its out_spec: the eager message names its shape, the compiled
+    one (whose size Dynamo knows only when the program runs) ``?``, never a stand-in shape."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    f = ns.spmd_map(lambda x: x[x > 0], mesh=mesh, in_specs=P(), out_specs=P("dp", None))
+    x = torch.arange(8.0) - 2.5  # five positive
+    with pytest.raises(ns.SpecError, match=r"has rank 1 \(shape \[5\]\)\. Fix"):
+        f(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(f, backend="eager", fullgraph=True)(x)
+    assert "SpecError" in str(info.value.__cause__)
+    assert "has rank 1 (shape [?]). Fix" in str(info.value.__cause__)
+
+
+def _data_dependent_error(g, x) -> str:
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(g, backend="eager", fullgraph=True)(x)
+    return str(info.value.__cause__)
+
+
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_a_compiled_input_of_a_data_dependent_size_takes_p_and_refuses_a_split():
+    """An input sized by its data (``x[x > 0]``) inside a compiled program: with P() the call
+    equals the eager one; a split (whose blocks cannot be laid out while compiling) raises a
+    SpecError naming the function and the fix, never torch's data-dependent guard error."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    x = torch.arange(8.0) - 2.5  # five positive
+
+    def doubled(v):
+        return v * 2
+
+    def outer(spec):
+        f = ns.spmd_map(doubled, mesh=mesh, in_specs=spec, out_specs=P())
+        return lambda x: f(x[x > 0])
+
+    torch._dynamo.reset()
+    got = torch.compile(outer(P()), backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, x[x > 0] * 2)
+    message = _data_dependent_error(outer(P("dp")), x)
+    assert 'SpecError("spmd_map of `' in message  # (Dynamo's cause names our error)
+    assert "doubled` (test_compile_simulated.py:" in message
+    assert "argument [0] has a data-dependent size" in message and "Fix: " in message
+    message = _data_dependent_error(outer(P("dp", None)), x)
+    assert "has rank 1 (shape [?]). Fix" in message
+
+
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_a_data_dependent_input_leaves_another_inputs_uneven_split_to_the_eager_call():
+    """Beside an input of a data-dependent size (under P()), another input split unevenly still
+    makes the call run on blocks of their own sizes (eagerly): the compiled program equals the
+    dense computation."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    f = ns.spmd_map(
+        lambda a, b: (a * 2, b + 1),
+        mesh=mesh,
+        in_specs=(P(), P("dp")),
+        out_specs=(P(), P("dp")),
+    )
+    x = torch.arange(8.0) - 2.5
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y: f(x[x > 0], y), backend="eager")
+    for n in (8, 7):  # 7 rows over 2 instances: blocks of 4 and 3
+        y = torch.arange(float(n))
+        a, b = compiled(x, y)
+        torch.testing.assert_close(a, x[x > 0] * 2)
+        torch.testing.assert_close(b, y + 1)
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+@torch._dynamo.config.patch(capture_scalar_outputs=True)
+def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_error(tiled):
+    """psum_scatter of an operand sized by ``.item()``: whether the group divides it cannot be
+    checked while compiling; a CollectiveError names the function and the fix."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+
+    def scattered(x):
+        n = int(ns.psum((x > 0).sum(), "dp").item())
+        return ns.psum_scatter(ns.pvary(torch.ones(n), "dp"), "dp", tiled=tiled)
+
+    f = ns.spmd_map(scattered, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    message = _data_dependent_error(f, torch.arange(8.0) - 2.5)
+    assert 'CollectiveError("psum_scatter in `' in message
+    assert "scattered` (test_compile_simulated.py:" in message
+    assert "scatter_dimension=0 has a data-dependent size" in message and "Fix: " in message

@@ -35,6 +35,10 @@ def two_args(x, y):
     return x
 
 
+def first_five(x):
+    return x[:5]
+
+
 def psum_unknown(x):
     return ns.psum(x, "tq")
 
@@ -361,6 +365,13 @@ CATALOGUE = [
         ns.SpecError,
         "scalar_out",
         ["output: P('tp') has 1 entries but the tensor has rank 0", "can only take P()"],
+    ),
+    (
+        "output-rank-names-its-shape",
+        lambda: _run(first_five, P(), P("tp", None), v8),
+        ns.SpecError,
+        "first_five",
+        ["output: P('tp', None) has 2 entries but the tensor has rank 1 (shape [5])", "Fix:"],
     ),
     (
         "pvary-of-varying",

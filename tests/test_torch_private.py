@@ -891,3 +891,20 @@ def test_trace_constant_is_assume_constant_results_mark_made_without_dynamo():
     memo[7] = 0  # grows between steps
     assert torch.equal(compiled(x), x * 3)
     assert counter.frame_count == 1 and counter.op_count == 1
+
+
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_has_data_dependent_size_tells_an_unbacked_size_while_dynamo_traces():
+    """Dynamo answers ``has_data_dependent_size`` with a constant: True for a tensor sized by its
+    data (``x[x > 0]``), False for one of a static shape and for a real tensor."""
+    seen = []
+
+    def f(x):
+        seen.append((torch_private.has_data_dependent_size(x[x > 0]),))
+        seen.append((torch_private.has_data_dependent_size(x * 2),))
+        return x + 1
+
+    torch._dynamo.reset()
+    torch.compile(f, backend="eager", fullgraph=True)(torch.arange(6.0) - 2)
+    assert seen == [(True,), (False,)]
+    assert not torch_private.has_data_dependent_size(torch.arange(6.0))

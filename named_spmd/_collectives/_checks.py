@@ -12,7 +12,7 @@ import torch
 from .. import _torch_private as torch_private
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError, VmaError
-from .._types import type_text
+from .._types import shape_shown, type_text
 
 if TYPE_CHECKING:
     from ._record import Collective
@@ -50,6 +50,10 @@ def check_divisible(
     tiled: bool,
 ) -> None:
     size = t.shape[dim]
+    if torch_private.memo_would_be_guarded():
+        fits = size % n == 0 if tiled else size == n
+        if torch_private.decided(fits) is None:
+            raise CollectiveError(_data_dependent_size(ctx, dim, n, axes, op, what, tiled))
     if tiled and size % n != 0:
         raise CollectiveError(
             f"{op} in {ctx.fn_label}: {what}={dim} has size {size}, not divisible by the group "
@@ -61,6 +65,20 @@ def check_divisible(
             f"group size of {axes}) but has size {size} (shape {list(t.shape)}). Fix: reshape it "
             f"to {n} x {size // n if size % n == 0 else '...'} first, or pass tiled=True."
         )
+
+
+def _data_dependent_size(
+    ctx: SpmdContext, dim: int, n: int, axes: Axes, op: str, what: str, tiled: bool
+) -> str:
+    """The message for an operand dim whose size Dynamo knows only when the program runs."""
+    wanted = f"a multiple of {n}" if tiled else str(n)
+    return (
+        f"{op} in {ctx.fn_label}: {what}={dim} has a data-dependent size (known only when the "
+        f"program runs, as x[mask]'s or one made from .item()), so whether it is {wanted} (the "
+        f"group size of {axes}) cannot be checked while compiling. Fix: pad dim {dim} to a "
+        f"size known when compiling ({wanted}), or call the mapped function outside the "
+        "compiled region."
+    )
 
 
 def check_pairs(ctx: SpmdContext, op: str, perm: Any, n: int, axes: Axes) -> Pairs:
@@ -218,7 +236,7 @@ def raise_invariant_operand(
     rest = rec.invariant_operand(Invariant(axes, invariant, *sizes, params))
     raise VmaError(
         f"{rec.name} in {ctx.fn_label}: the operand is invariant over {invariant} (its type is "
-        f"{type_text(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}), so {rest}"
+        f"{type_text(t.dtype, shape_shown(t), vma, ctx.mesh.axis_names)}), so {rest}"
     )
 
 

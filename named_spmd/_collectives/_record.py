@@ -39,7 +39,7 @@ from .._calls import current
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, tensor_base
-from .._types import Vma, type_text
+from .._types import Vma, shape_shown, type_text
 from . import _rules
 from ._checks import Invariant, check_copyable, raise_invariant_operand, torch_copies
 
@@ -292,7 +292,7 @@ def _partial_operand(rec: Collective, ctx: SpmdContext, t: Tensor, vma: Vma, axe
     names = tuple(a for a in ctx.mesh.axis_names if a in bad)
     raise VmaError(
         f"{rec.name} in {ctx.fn_label}: the operand is unreduced over {names} (type "
-        f"{type_text(t.dtype, tuple(t.shape), vma, ctx.mesh.axis_names)}): each instance holds a "
+        f"{type_text(t.dtype, shape_shown(t), vma, ctx.mesh.axis_names)}): each instance holds a "
         f"partial sum, which {rec.name} would treat as the value. Fix: reduce it first with "
         f"ns.psum(x, {names[0] if len(names) == 1 else names!r}) (or ns.psum_scatter), or "
         f"ns.pcast(x, {names[0] if len(names) == 1 else names!r}, to='varying') if each "
@@ -409,7 +409,7 @@ def _pvary_check(ctx: SpmdContext, t: Tensor, axes: Axes, params: Params) -> Par
     if already:
         raise VmaError(
             f"pvary in {ctx.fn_label}: the operand already varies over {already} (type "
-            f"{type_text(t.dtype, tuple(t.shape), ctx.vma(t), ctx.mesh.axis_names)}). Fix: pvary "
+            f"{type_text(t.dtype, shape_shown(t), ctx.vma(t), ctx.mesh.axis_names)}). Fix: pvary "
             "only over axes it is invariant over."
         )
     return params

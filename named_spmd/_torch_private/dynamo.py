@@ -189,3 +189,25 @@ def torch_file(filename: str) -> bool:
     function (``nn.Module.__call__``, the ``torch.no_grad()`` decorator, ``torch.compile``'s),
     never the user's code."""
     return filename.startswith(TORCH_DIR)
+
+
+def has_data_dependent_size(tensor: torch.Tensor) -> bool:
+    """Whether a tensor Dynamo traces has a size known only when the program runs (an unbacked
+    size: ``x[x > 0]``'s, or one made from ``.item()``). Such a size cannot be specialized nor
+    formatted while tracing; Dynamo answers this call with a constant. False for a real tensor."""
+    from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
+
+    return bool(has_free_unbacked_symbols(tensor))
+
+
+def decided(condition: Any) -> bool | None:
+    """A condition on sizes, where it is decided; None where it depends on a size Dynamo knows
+    only when the program runs (an unbacked size, unless ``torch._check`` stated enough), which
+    ``bool()`` cannot guard on. Dynamo answers both questions with constants."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
+
+    if guard_or_false(condition):
+        return True
+    if not guard_or_true(condition):
+        return False
+    return None
