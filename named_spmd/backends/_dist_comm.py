@@ -9,7 +9,10 @@ reordered here, so ``('tp', 'dp')`` and ``('dp', 'tp')`` both follow their own r
 Every method returns a fresh buffer or writes into one the caller owns, calls the process group
 directly (the ``dist.*`` wrappers cost microseconds per call and dispatch through torch function
 modes), and waits through the mesh's :class:`~._dist_failures.FailureBoard` so that a failed peer
-ends the wait with an error naming it instead of a hang.
+ends the wait with an error naming it instead of a hang. A group's work outlives its wait (the
+backend's worker thread lets go of it a moment later), so it is handed tensors without autograd
+history and started with no torch function mode on the stack: it holds neither the call's graph
+nor, through the modes, the call's context.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .._errors import SpmdError
+from .._torch_private import without_function_modes
 from ._dist_exchange import check_same_call
 from ._dist_failures import POLL_S
 from ._dist_waiting import wait as wait_for
@@ -33,6 +37,15 @@ SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _bare(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s data (the same storage) without its autograd history, as a process group is
+    handed it. A group's work keeps its tensors until its worker thread lets go of it, which on
+    gloo is after the wait returns, later still on a loaded host; a tensor with history (the
+    call's input a collective reads, or its output, which becomes the collective's result) would
+    keep the call's graph, and with it the call's context and inputs, alive until then."""
+    return t.detach()
 
 
 # --- dtypes on the wire --------------------------------------------------------------------------
@@ -191,7 +204,7 @@ class Comm:
     def _issue(self, op: str, start) -> None:
         """Start a collective and wait for it; failures become RankFailedError."""
         try:
-            work = start()
+            work = without_function_modes(start)
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(op)) from None
         self._wait(op, work)
@@ -217,8 +230,9 @@ class Comm:
         ``value`` and of ``-value``: they agree when the max equals the min). :meth:`agreed`
         finishes it; in between, this rank computes."""
         buf = torch.tensor([value, -value], dtype=torch.int64)
+        opts = self._agree_opts
         try:
-            return self.group.allreduce([buf], self._agree_opts), buf
+            return without_function_modes(lambda: self.group.allreduce([buf], opts)), buf
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
 
@@ -235,7 +249,8 @@ class Comm:
         self._before(name, buf)
         wire, back = reduce_wire(buf, op == SUM, self._doing(name))
         try:
-            work = self.group.allreduce([wire], self._opts[op])
+            opts = self._opts[op]
+            work = without_function_modes(lambda: self.group.allreduce([_bare(wire)], opts))
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
         self._wait(name, work)
@@ -246,7 +261,8 @@ class Comm:
         to be finished with :meth:`finish`."""
         self._before(name, buf)
         try:
-            return self.group.allreduce([_real(buf)], self._async_sum)
+            wire, opts = _bare(_real(buf)), self._async_sum
+            return without_function_modes(lambda: self.group.allreduce([wire], opts))
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
 
@@ -273,7 +289,7 @@ class Comm:
         opts = self._gather_opts
         # c10d splits the output along dim 0 into pieces shaped like the input: add a unit dim
         x1 = x.unsqueeze(0)
-        self._issue(name, lambda: self._gather(out, x1, opts))
+        self._issue(name, lambda: self._gather(_bare(out), _bare(x1), opts))
         return out if self._to_group is None else out.index_select(0, self._to_group)
 
     def reduce_scatter(self, stacked: torch.Tensor, name: str = "psum_scatter") -> torch.Tensor:
@@ -286,7 +302,7 @@ class Comm:
         opts = self._scatter_opts
         wire, _ = reduce_wire(stacked, True, self._doing(name))
         into, back = reduce_wire(out, True, self._doing(name))
-        self._issue(name, lambda: self._scatter(into, wire, opts))
+        self._issue(name, lambda: self._scatter(_bare(into), _bare(wire), opts))
         return back(into)[0]
 
     def all_to_all(
@@ -304,7 +320,7 @@ class Comm:
         stacked = stacked.contiguous()
         out = torch.empty_like(stacked)
         opts = self._a2a_opts
-        self._issue(name, lambda: self._a2a(out, stacked, [], [], opts))
+        self._issue(name, lambda: self._a2a(_bare(out), _bare(stacked), [], [], opts))
         return out if self._to_group is None else out.index_select(0, self._to_group)
 
     def start_all_to_all(self, stacked: torch.Tensor) -> tuple[Any, torch.Tensor]:
@@ -315,7 +331,8 @@ class Comm:
             stacked = stacked.index_select(0, self._from_group)
         out = torch.empty_like(stacked)
         try:
-            return self._a2a(out, stacked, [], [], self._started_a2a_opts), out
+            opts = self._started_a2a_opts
+            return without_function_modes(lambda: self._a2a(out, stacked, [], [], opts)), out
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing("all_to_all")) from None
 
@@ -342,7 +359,7 @@ class Comm:
         opts = self._a2a_opts
         in_splits = [sent[t] for t in order]
         out_splits = [received[t] for t in order]
-        self._issue(name, lambda: self._a2a(into, send, out_splits, in_splits, opts))
+        self._issue(name, lambda: self._a2a(_bare(into), _bare(send), out_splits, in_splits, opts))
         if self._from_group is None:
             return into
         pieces = dict(zip(order, into.split(out_splits)))
@@ -372,7 +389,7 @@ class Comm:
         send = block if any(sent) else nothing
         into = out.view(-1) if any(received) else nothing
         opts = self._a2a_opts
-        self._issue(name, lambda: self._a2a(into, send, received, sent, opts))
+        self._issue(name, lambda: self._a2a(_bare(into), _bare(send), received, sent, opts))
         return out
 
     def permute_flagged(
@@ -401,7 +418,7 @@ class Comm:
             send.narrow(0, at, block.numel()).copy_(block)
         into = block.new_empty(sum(out_splits))
         opts = self._a2a_opts
-        self._issue(name, lambda: self._a2a(into, send, out_splits, in_splits, opts))
+        self._issue(name, lambda: self._a2a(_bare(into), _bare(send), out_splits, in_splits, opts))
         # every peer's flag read on the host at once (one synchronisation)
         flags.append(differs or any(into.index_select(0, peers).tolist()))
         out = _unreceived(x, src, self.index)
@@ -447,7 +464,7 @@ class Comm:
         opts.rootRank = self.group_rank[root]
         opts.rootTensor = 0
         opts.asyncOp = self.poll
-        self._issue(name, lambda: self.group.broadcast([buf], opts))
+        self._issue(name, lambda: self.group.broadcast([_bare(buf)], opts))
         return buf
 
 
