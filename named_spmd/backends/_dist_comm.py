@@ -10,9 +10,9 @@ Every method returns a fresh buffer or writes into one the caller owns, calls th
 directly (the ``dist.*`` wrappers cost microseconds per call and dispatch through torch function
 modes), and waits through the mesh's :class:`~._dist_failures.FailureBoard` so that a failed peer
 ends the wait with an error naming it instead of a hang. A group's work outlives its wait (the
-backend's worker thread lets go of it a moment later), so it is handed tensors without autograd
-history and started with no torch function mode on the stack: it holds neither the call's graph
-nor, through the modes, the call's context.
+backend's worker thread lets go of it a moment later) and keeps the thread-local state it was
+made under, so it is started with no torch function mode on the stack: through the modes it would
+hold the call's context.
 """
 
 from __future__ import annotations
@@ -37,15 +37,6 @@ SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
-
-
-def _bare(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s data (the same storage) without its autograd history, as a process group is
-    handed it. A group's work keeps its tensors until its worker thread lets go of it, which on
-    gloo is after the wait returns, later still on a loaded host; a tensor with history (the
-    call's input a collective reads, or its output, which becomes the collective's result) would
-    keep the call's graph, and with it the call's context and inputs, alive until then."""
-    return t.detach()
 
 
 # --- dtypes on the wire --------------------------------------------------------------------------
@@ -250,7 +241,7 @@ class Comm:
         wire, back = reduce_wire(buf, op == SUM, self._doing(name))
         try:
             opts = self._opts[op]
-            work = without_function_modes(lambda: self.group.allreduce([_bare(wire)], opts))
+            work = without_function_modes(lambda: self.group.allreduce([wire], opts))
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
         self._wait(name, work)
@@ -261,7 +252,7 @@ class Comm:
         to be finished with :meth:`finish`."""
         self._before(name, buf)
         try:
-            wire, opts = _bare(_real(buf)), self._async_sum
+            wire, opts = _real(buf), self._async_sum
             return without_function_modes(lambda: self.group.allreduce([wire], opts))
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
@@ -289,7 +280,7 @@ class Comm:
         opts = self._gather_opts
         # c10d splits the output along dim 0 into pieces shaped like the input: add a unit dim
         x1 = x.unsqueeze(0)
-        self._issue(name, lambda: self._gather(_bare(out), _bare(x1), opts))
+        self._issue(name, lambda: self._gather(out, x1, opts))
         return out if self._to_group is None else out.index_select(0, self._to_group)
 
     def reduce_scatter(self, stacked: torch.Tensor, name: str = "psum_scatter") -> torch.Tensor:
@@ -302,7 +293,7 @@ class Comm:
         opts = self._scatter_opts
         wire, _ = reduce_wire(stacked, True, self._doing(name))
         into, back = reduce_wire(out, True, self._doing(name))
-        self._issue(name, lambda: self._scatter(_bare(into), _bare(wire), opts))
+        self._issue(name, lambda: self._scatter(into, wire, opts))
         return back(into)[0]
 
     def all_to_all(
@@ -320,7 +311,7 @@ class Comm:
         stacked = stacked.contiguous()
         out = torch.empty_like(stacked)
         opts = self._a2a_opts
-        self._issue(name, lambda: self._a2a(_bare(out), _bare(stacked), [], [], opts))
+        self._issue(name, lambda: self._a2a(out, stacked, [], [], opts))
         return out if self._to_group is None else out.index_select(0, self._to_group)
 
     def start_all_to_all(self, stacked: torch.Tensor) -> tuple[Any, torch.Tensor]:
@@ -359,7 +350,7 @@ class Comm:
         opts = self._a2a_opts
         in_splits = [sent[t] for t in order]
         out_splits = [received[t] for t in order]
-        self._issue(name, lambda: self._a2a(_bare(into), _bare(send), out_splits, in_splits, opts))
+        self._issue(name, lambda: self._a2a(into, send, out_splits, in_splits, opts))
         if self._from_group is None:
             return into
         pieces = dict(zip(order, into.split(out_splits)))
@@ -389,7 +380,7 @@ class Comm:
         send = block if any(sent) else nothing
         into = out.view(-1) if any(received) else nothing
         opts = self._a2a_opts
-        self._issue(name, lambda: self._a2a(_bare(into), _bare(send), received, sent, opts))
+        self._issue(name, lambda: self._a2a(into, send, received, sent, opts))
         return out
 
     def permute_flagged(
@@ -418,7 +409,7 @@ class Comm:
             send.narrow(0, at, block.numel()).copy_(block)
         into = block.new_empty(sum(out_splits))
         opts = self._a2a_opts
-        self._issue(name, lambda: self._a2a(_bare(into), _bare(send), out_splits, in_splits, opts))
+        self._issue(name, lambda: self._a2a(into, send, out_splits, in_splits, opts))
         # every peer's flag read on the host at once (one synchronisation)
         flags.append(differs or any(into.index_select(0, peers).tolist()))
         out = _unreceived(x, src, self.index)
@@ -464,7 +455,7 @@ class Comm:
         opts.rootRank = self.group_rank[root]
         opts.rootTensor = 0
         opts.asyncOp = self.poll
-        self._issue(name, lambda: self.group.broadcast([_bare(buf)], opts))
+        self._issue(name, lambda: self.group.broadcast([buf], opts))
         return buf
 
 
