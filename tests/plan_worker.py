@@ -228,27 +228,48 @@ def _local_then_global(mesh) -> tuple[list, list]:
     return got, want
 
 
+@contextlib.contextmanager
+def _works_kept():
+    """Every all-reduce work started in the block kept until its end, as a backend's worker
+    thread may keep one past its wait (gloo lets go of it a moment later: under load, after the
+    caller's next ``gc.collect``): what the work holds must not keep a call's context alive."""
+    group = torch.distributed.ProcessGroup
+    allreduce, kept = group.__dict__["allreduce"], []  # (the unbound method)
+
+    def keep(self, *args, **kwargs):
+        kept.append(allreduce.__get__(self, group)(*args, **kwargs))
+        return kept[-1]
+
+    group.allreduce = keep
+    try:
+        yield
+    finally:
+        group.allreduce = allreduce
+
+
 def _steps(fn, mesh, n: int, recording=lambda k: (False, False)) -> tuple[list, dict]:
     """``n`` calls of ``fn`` (flag on), call ``k`` recorded by a ``CommMode`` around the call
     and inside the body as ``recording(k)`` says (``STATE["record"]``): each call's loss and
     gradients; whether its graph pvarys the parameters at its entry; whether its context is
-    freed once the call's graph is (after ``gc.collect``); and each recorded call's counts."""
+    freed once the call's graph is (after ``gc.collect``, while the call's all-reduce works are
+    still held: ``_works_kept``); and each recorded call's counts."""
     f = ns.spmd_map(fn, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
     got, hoisted, freed, counts = [], [], [], {}
     STATE["flag"] = True
     for k in range(n):
         leaves = [t.requires_grad_() for t in _params(k).values()]
         around, STATE["record"] = recording(k)
-        with ns.CommMode() if around else contextlib.nullcontext() as comms:
-            loss = f(*leaves).full_tensor()
-            grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
-        got.append((loss.detach(), list(grads)))
-        node = _entry_node(loss)
-        hoisted.append(node is not None)
-        context = None if node is None else weakref.ref(node.spmd)
-        del loss, node
-        gc.collect()
-        freed.append(context is None or context() is None)
+        with _works_kept():
+            with ns.CommMode() if around else contextlib.nullcontext() as comms:
+                loss = f(*leaves).full_tensor()
+                grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
+            got.append((loss.detach(), list(grads)))
+            node = _entry_node(loss)
+            hoisted.append(node is not None)
+            context = None if node is None else weakref.ref(node.spmd)
+            del loss, node
+            gc.collect()
+            freed.append(context is None or context() is None)
         inside = STATE.pop("comms", None)
         if inside is not None:
             inside.__exit__(None, None, None)

@@ -50,6 +50,7 @@ from .autograd import (  # noqa: E402 - after the version gate
     version,
     view_source,
     watched,
+    without_function_modes,
 )
 from .c10d import (  # noqa: E402 - after the version gate
     async_buffer,
@@ -205,6 +206,7 @@ __all__ = [
     "compiled_original",
     "torch_file",
     "watched",
+    "without_function_modes",
     "vmap_decrement_nesting",
     "vmap_increment_nesting",
     "wrap_for_grad",

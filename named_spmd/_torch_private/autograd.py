@@ -95,6 +95,22 @@ push_function_mode = torch.overrides._push_mode
 pop_function_mode = torch.overrides._pop_mode
 
 
+def without_function_modes(start: Any) -> Any:
+    """``start()`` (a c10d collective's start) with the torch function mode stack empty. A work
+    keeps a copy of the thread-local state it was made under, the mode stack among it, until
+    the backend's worker thread lets go of it, after the wait returns (on gloo a moment later, or
+    longer on a loaded host); a call's modes hold its context, and with it its inputs."""
+    n = function_mode_depth()
+    if not n:
+        return start()
+    modes = [pop_function_mode() for _ in range(n)]
+    try:
+        return start()
+    finally:
+        for mode in reversed(modes):
+            push_function_mode(mode)
+
+
 # Library-internal ops run without the user-visible TorchFunctionModes (vma tracking).
 DisableTorchFunction = torch._C.DisableTorchFunction
 

@@ -9,7 +9,10 @@ reordered here, so ``('tp', 'dp')`` and ``('dp', 'tp')`` both follow their own r
 Every method returns a fresh buffer or writes into one the caller owns, calls the process group
 directly (the ``dist.*`` wrappers cost microseconds per call and dispatch through torch function
 modes), and waits through the mesh's :class:`~._dist_failures.FailureBoard` so that a failed peer
-ends the wait with an error naming it instead of a hang.
+ends the wait with an error naming it instead of a hang. A group's work outlives its wait (the
+backend's worker thread lets go of it a moment later) and keeps the thread-local state it was
+made under, so it is started with no torch function mode on the stack: through the modes it would
+hold the call's context.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .._errors import SpmdError
+from .._torch_private import without_function_modes
 from ._dist_exchange import check_same_call
 from ._dist_failures import POLL_S
 from ._dist_waiting import wait as wait_for
@@ -191,7 +195,7 @@ class Comm:
     def _issue(self, op: str, start) -> None:
         """Start a collective and wait for it; failures become RankFailedError."""
         try:
-            work = start()
+            work = without_function_modes(start)
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(op)) from None
         self._wait(op, work)
@@ -217,8 +221,9 @@ class Comm:
         ``value`` and of ``-value``: they agree when the max equals the min). :meth:`agreed`
         finishes it; in between, this rank computes."""
         buf = torch.tensor([value, -value], dtype=torch.int64)
+        opts = self._agree_opts
         try:
-            return self.group.allreduce([buf], self._agree_opts), buf
+            return without_function_modes(lambda: self.group.allreduce([buf], opts)), buf
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
 
@@ -235,7 +240,8 @@ class Comm:
         self._before(name, buf)
         wire, back = reduce_wire(buf, op == SUM, self._doing(name))
         try:
-            work = self.group.allreduce([wire], self._opts[op])
+            opts = self._opts[op]
+            work = without_function_modes(lambda: self.group.allreduce([wire], opts))
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
         self._wait(name, work)
@@ -246,7 +252,8 @@ class Comm:
         to be finished with :meth:`finish`."""
         self._before(name, buf)
         try:
-            return self.group.allreduce([_real(buf)], self._async_sum)
+            wire, opts = _real(buf), self._async_sum
+            return without_function_modes(lambda: self.group.allreduce([wire], opts))
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(name)) from None
 
@@ -315,7 +322,8 @@ class Comm:
             stacked = stacked.index_select(0, self._from_group)
         out = torch.empty_like(stacked)
         try:
-            return self._a2a(out, stacked, [], [], self._started_a2a_opts), out
+            opts = self._started_a2a_opts
+            return without_function_modes(lambda: self._a2a(out, stacked, [], [], opts)), out
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing("all_to_all")) from None
 
