@@ -26,6 +26,7 @@ from collections.abc import Callable
 import optree
 import torch
 import torch.distributed as dist
+from _faults_dtypes import DTYPE_PROGRAMS, DTYPES, described, dtype_call, dtype_input
 from _programs import (
     BLOCK_SPECS,
     BY_NAME,
@@ -35,7 +36,6 @@ from _programs import (
     torch_ops,
     tp_sp_block,
 )
-from faults_worker import DTYPE_PROGRAMS, DTYPES, described, dtype_call, dtype_input
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._functorch.aot_autograd import make_boxed_func
