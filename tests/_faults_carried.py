@@ -106,12 +106,7 @@ def carried_permute(mesh, rank):
         k = max(state["rows"].values(), default=1)
         ends = [sum(sizes[: j + 1]) for j in range(4)]
         want = torch.cat([torch.zeros(k, 2), *(u[e - k : e] for e in ends[:3])])
-        with ns.CommMode() as comm:
-            got = mapped(u).full_tensor()
-        if not torch.equal(got, want):
-            raise ns.SpmdError(f"ppermute gave {got.tolist()}, not {want.tolist()}")
-        if comm.counts() != {("forward", "ppermute", axes): 1}:
-            raise ns.SpmdError(f"counted {comm.counts()}")
+        _permuted_once(mapped, u, want, axes)
 
     for variant in range(3):
         report(rank, f"permute_{variant}", lambda: right(variant))
@@ -152,12 +147,7 @@ def permute_swapped(mesh, rank):
     def right(variant: int) -> None:
         u = torch.arange(18.0).reshape(9, 2) * (variant + 1)
         want = torch.cat([u[4:5], u[2:3], torch.zeros(2, 2)])  # member 1's last row to 0, ...
-        with ns.CommMode() as comm:
-            got = mapped(u).full_tensor()
-        if not torch.equal(got, want):
-            raise ns.SpmdError(f"ppermute gave {got.tolist()}, not {want.tolist()}")
-        if comm.counts() != {("forward", "ppermute", axes): 1}:
-            raise ns.SpmdError(f"counted {comm.counts()}")
+        _permuted_once(mapped, u, want, axes)
 
     for variant in range(2):
         report(rank, f"permute_swap_{variant}", lambda: right(variant))
@@ -166,3 +156,13 @@ def permute_swapped(mesh, rank):
         report(rank, f"permute_{apart}", lambda: right(2))
         state["apart"] = ""
         report(rank, f"permute_{apart}_then", lambda: right(3))
+
+
+def _permuted_once(mapped, u, want, axes) -> None:
+    """``mapped(u)`` equals ``want``, counted as one forward ppermute over ``axes``."""
+    with ns.CommMode() as comm:
+        got = mapped(u).full_tensor()
+    if not torch.equal(got, want):
+        raise ns.SpmdError(f"ppermute gave {got.tolist()}, not {want.tolist()}")
+    if comm.counts() != {("forward", "ppermute", axes): 1}:
+        raise ns.SpmdError(f"counted {comm.counts()}")
