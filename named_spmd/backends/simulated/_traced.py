@@ -221,12 +221,42 @@ class _SimulatedVmaMode(CompiledVmaMode):
     flash kernel ``scaled_dot_product_attention`` picks, so vmap would run it once per
     instance, a call of its fixed cost each)."""
 
+    def _general(self, func, args, kwargs):
+        if func is torch.Tensor.__getitem__ and self._varying_mask(args[1]):
+            raise SpmdError(_mask_refusal(f"spmd_map of {self.ctx.fn_label}"))
+        return super()._general(func, args, kwargs)
+
+    def _varying_mask(self, index) -> bool:
+        """Whether ``index`` holds a boolean mask that varies over a mesh axis, as given (not
+        after an implicit pvary): batched at a vmap level, which then cannot batch the result
+        (its size depends on each instance's mask)."""
+        for t in index if isinstance(index, (tuple, list)) else (index,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.bool and self.ctx.vma(t):
+                return True
+        return False
+
     def _run(self, func, args, kwargs):
         if func is F.scaled_dot_product_attention:
             math = _math_attention_args(*args, **(kwargs or {}))
             if math is not None:  # a multi-output op: the base class views each of its tensors
                 return super()._run(torch_private.sdpa_math, *math)[0]
         return super()._run(func, args, kwargs)
+
+
+@torch_private.trace_constant
+def _mask_refusal(where: str) -> str:
+    """The eager call's message for indexing with a mask batched by vmap (run eagerly at trace
+    time): vmap's own refusal, probed here, as the backend explains it. Dynamo would instead
+    fail on the op while tracing it, with a TorchRuntimeError naming none of the user's code."""
+    from . import BACKEND
+
+    try:
+        torch.func.vmap(lambda t: t[t > 0])(torch.ones(2, 2))
+    except RuntimeError as error:
+        explained = BACKEND.explain(error, where)
+        if explained is not None:
+            return str(explained)
+    raise AssertionError("named_spmd internal error: vmap batched a boolean mask")
 
 
 def _math_attention_args(
