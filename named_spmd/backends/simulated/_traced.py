@@ -41,6 +41,7 @@ from ..._mesh import Mesh
 from ..._spec import PartitionSpec
 from ..._traced import CompiledVmaMode, TracedContext, route_view_attributes, warm_types_eagerly
 from ..._types import INVARIANT
+from . import BACKEND
 from . import _stacked as stacked
 from ._plan import from_physical, partial_input
 
@@ -248,8 +249,6 @@ def _mask_refusal(where: str) -> str:
     """The eager call's message for indexing with a mask batched by vmap (run eagerly at trace
     time): vmap's own refusal, probed here, as the backend explains it. Dynamo would instead
     fail on the op while tracing it, with a TorchRuntimeError naming none of the user's code."""
-    from . import BACKEND
-
     try:
         torch.func.vmap(lambda t: t[t > 0])(torch.ones(2, 2))
     except RuntimeError as error:
