@@ -23,6 +23,7 @@ operand's bytes. A flag set: the ppermute runs again as a flagged one does.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -191,20 +192,13 @@ def peers(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) ->
     return ctx.stamp(peer, ctx.vma(meta))
 
 
-# every torch dtype in one order that holds in every process (a hash of their names does not:
-# str hashes are salted per process), so a dtype's index in it is the same on every rank
-_DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str))
-
-
-def _permute_tag(mesh: DistributedMesh, axes, pairs: tuple, shape: tuple, dtype) -> int:
-    """A carried ppermute's tag (negative): a digest of its pairs, axes (their indices in the
-    mesh's), operand shape and dtype (its index in :data:`_DTYPES`), so that ranks whose first
-    ppermutes differ in any of them raise alike rather than pair up. Only ints and tuples of
-    ints are hashed: their hashes are the same in every process."""
+def _permute_tag(axes, pairs: tuple, shape: tuple, dtype: torch.dtype) -> int:
+    """A carried ppermute's tag (negative): a digest of its pairs, axes, operand shape and
+    dtype, so that ranks whose first ppermutes differ in any of them raise alike rather than
+    pair up. blake2b, not ``hash``: str hashes are salted per process."""
     names = (axes,) if isinstance(axes, str) else tuple(axes)
-    where = tuple(mesh.axis_names.index(a) for a in names)
-    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-    return -1 - (hash((pairs, where, tuple(shape), code)) & _TAGS)
+    text = f"{pairs}|{names}|{tuple(shape)}|{dtype}".encode()
+    return -1 - (int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") & _TAGS)
 
 
 def _permute_fits(shape: tuple[int, ...] | None, element_size: int) -> bool:
@@ -251,7 +245,7 @@ def permute(
     own = own and _permute_carries(ctx, x, axes)
     pairs = tuple((int(s), int(d)) for s, d in pairs)
     rows = torch.zeros(comm.n, WIDTH, dtype=torch.int64)
-    rows[:, 0] = _permute_tag(mesh, axes, pairs, shape, x.dtype)
+    rows[:, 0] = _permute_tag(axes, pairs, shape, x.dtype)
     rows[:, 1] = int(not own)
     dst = next((d for s, d in pairs if s == me), None)
     if own and dst is not None and dst != me:
