@@ -38,7 +38,7 @@ from ._tree import (
     path_text,
     paths_of,
 )
-from ._types import shape_shown
+from ._types import data_dependent, shape_shown
 
 if TYPE_CHECKING:
     from ._api import SpmdFunction
@@ -94,7 +94,7 @@ def _check_inputs(
                 f"{where} is a {str(leaf.layout).replace('torch.', '')} tensor; spmd_map "
                 "splits and batches dense (strided) tensors only. Fix: pass x.to_dense()."
             )
-        elif isinstance(leaf, torch.Tensor) and _data_dependent(leaf):
+        elif isinstance(leaf, torch.Tensor) and data_dependent(leaf):
             problems += _data_dependent_problems(f, leaf, spec, where)
         elif isinstance(leaf, torch.Tensor):
             shape = tuple(leaf.shape)
@@ -113,11 +113,6 @@ def _check_inputs(
             f"{f.where}: the inputs do not fit in_specs on mesh {f.mesh.shape}:\n"
             + bullet_list(problems)
         )
-
-
-def _data_dependent(leaf: torch.Tensor) -> bool:
-    """Whether Dynamo traces ``leaf`` with a size known only when the program runs."""
-    return torch_private.memo_would_be_guarded() and torch_private.has_data_dependent_size(leaf)
 
 
 def _data_dependent_problems(
@@ -257,7 +252,7 @@ def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:
         # a data-dependent size is never split (the input check refuses that): the other
         # leaves decide
         leaves = [
-            None if isinstance(x, torch.Tensor) and _data_dependent(x) else x
+            None if isinstance(x, torch.Tensor) and data_dependent(x) else x
             for x in flatten_with_paths(args)[1]
         ]
         return _splits_unevenly(f, args, leaves, _specs_in_trace(f, args))

@@ -302,12 +302,15 @@ def render(kind: str, value: Any) -> str:
     return RENDERERS[kind](value)
 
 
+def data_dependent(t: torch.Tensor) -> bool:
+    """Whether Dynamo traces ``t`` with a size known only when the program runs (which it can
+    neither format nor specialize)."""
+    return torch_private.memo_would_be_guarded() and torch_private.has_data_dependent_size(t)
+
+
 def shape_shown(t: torch.Tensor) -> tuple:
-    """A tensor's shape as a message names it: ``?`` for each dim while Dynamo traces a
-    data-dependent size (which it can neither format nor specialize)."""
-    if torch_private.memo_would_be_guarded() and torch_private.has_data_dependent_size(t):
-        return ("?",) * t.dim()
-    return tuple(t.shape)
+    """A tensor's shape as a message names it: ``?`` for each dim of a data-dependent size."""
+    return ("?",) * t.dim() if data_dependent(t) else tuple(t.shape)
 
 
 @trace_constant  # Dynamo cannot build the slotted VType: run eagerly at trace time
