@@ -57,6 +57,7 @@ class Vma:
         "_union",
         "_remove",
         "_add",
+        "_to_state",
     )
     _interned: dict[frozenset[str], Vma] = {}
     _interned_partial: dict[tuple[frozenset[str], frozenset[str], frozenset[str]], Vma] = {}
@@ -69,6 +70,7 @@ class Vma:
     _union: dict[Vma, Vma]  # memos of the algebra
     _remove: dict[tuple[str, ...], Vma]
     _add: dict[tuple[str, ...], Vma]
+    _to_state: dict[tuple[Any, str], Vma]
 
     def __new__(cls, varying: Iterable[str] = ()) -> Vma:
         return cls.of(varying)
@@ -105,7 +107,7 @@ class Vma:
             object.__setattr__(found, name, value)
         object.__setattr__(found, "partial", bool(u or r))
         object.__setattr__(found, "_hash", hash(v) if not (u or r) else hash((v, u, r)))
-        for memo in ("_union", "_remove", "_add"):
+        for memo in ("_union", "_remove", "_add", "_to_state"):
             object.__setattr__(found, memo, {})
         return found
 
@@ -161,8 +163,19 @@ class Vma:
 
     def to_state(self, axes: Iterable[str], state: str) -> Vma:
         """The same type with ``axes`` moved to ``state`` ("varying", "invariant", "unreduced"
-        or "reduced"): the casts' rule."""
-        axes = frozenset(axes)
+        or "reduced"): the casts' rule (a partial sum's collective asks it on every call)."""
+        if torch_private.memo_would_be_guarded():
+            return self._state_made(frozenset(axes), state)
+        try:
+            return self._to_state[axes, state]
+        except (KeyError, TypeError):  # (not yet, or ``axes`` unhashable: a list)
+            pass
+        found = self._state_made(frozenset(axes), state)
+        if isinstance(axes, (frozenset, tuple)):
+            self._to_state[axes, state] = found
+        return found
+
+    def _state_made(self, axes: frozenset[str], state: str) -> Vma:
         v, u, r = self.varying - axes, self.unreduced - axes, self.reduced - axes
         if state == "varying":
             v |= axes

@@ -185,11 +185,20 @@ def torch_copies(dtype: torch.dtype) -> bool:
     return known
 
 
+def dtype_and_device(t: torch.Tensor) -> tuple[torch.dtype, str]:
+    """``t``'s dtype and device type, read past the torch function modes: the collectives'
+    checks read them on every call, where a mode's dispatch of the read costs several times
+    the read (no op of the program: nothing for a mode to type)."""
+    with torch_private.DisableTorchFunction():
+        return t.dtype, t.device.type
+
+
 def check_reducible(ctx: SpmdContext, t: torch.Tensor, op: str, reduction: str) -> None:
     """A reduction of a dtype torch cannot reduce is refused before any communication, alike on
     every backend (the simulated one reduces with torch's own ops; a real one could not either:
     gloo refuses most such dtypes mid-collective); a compiled call at trace time."""
-    if not torch_reduces(t.dtype, t.device.type, reduction):
+    dtype, device_type = dtype_and_device(t)
+    if not torch_reduces(dtype, device_type, reduction):
         raise CollectiveError(
             f"{op} in {ctx.fn_label}: the operand is {t.dtype}, which torch cannot "
             f"{reduction} on {t.device.type} (torch.{_REDUCE[reduction].__name__} refuses it "

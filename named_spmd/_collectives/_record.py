@@ -41,7 +41,13 @@ from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, tensor_base
 from .._types import Vma, shape_shown, type_text
 from . import _rules
-from ._checks import Invariant, check_copyable, raise_invariant_operand, torch_copies
+from ._checks import (
+    Invariant,
+    check_copyable,
+    dtype_and_device,
+    raise_invariant_operand,
+    torch_copies,
+)
 
 # Operand policies: what an operand invariant over some axes of the collective gets.
 PVARY = "pvary"
@@ -190,7 +196,7 @@ def _apply(
     tensor the user's code passed (not a leaf of a pytree), which a backend may reduce in place
     (``SpmdContext.apply``)."""
     # (a compiled call runs the probe at trace time, unguarded: the branch leaves the graph)
-    if rec.forward_event and not torch_copies(t.dtype):
+    if rec.forward_event and not torch_copies(dtype_and_device(t)[0]):
         check_copyable(ctx, rec.name, t)
     if rec.check is not None or ctx.values_read:  # (after a read: every rank's step, too)
         params = ctx.check_operand(rec, t, axes, params)

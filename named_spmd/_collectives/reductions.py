@@ -10,7 +10,7 @@ import torch
 
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
-from ._checks import Invariant, axis_sizes, check_reducible
+from ._checks import Invariant, axis_sizes, check_reducible, dtype_and_device
 from ._record import (
     DROP_INVARIANT,
     RECORDS,
@@ -115,9 +115,10 @@ def _pmean_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params
 
 
 def _mean_operand(ctx: SpmdContext, t: torch.Tensor, axes: Axes, params: Params) -> Params:
-    if not (t.is_floating_point() or t.is_complex()):
+    dtype = dtype_and_device(t)[0]
+    if not (dtype.is_floating_point or dtype.is_complex):
         raise CollectiveError(
-            f"pmean in {ctx.fn_label}: the operand is {t.dtype}, and a mean of integers or "
+            f"pmean in {ctx.fn_label}: the operand is {dtype}, and a mean of integers or "
             "truth values is not one of them (torch.mean refuses them too). Fix: pmean of "
             "x.float() (or psum for a count)."
         )
