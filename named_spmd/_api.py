@@ -69,10 +69,10 @@ class SpmdFunction:
     """A per-device function mapped over a mesh; call it with global values."""
 
     def __new__(cls, *args: Any) -> SpmdFunction:
-        # Each mapped function gets call methods of its own code: Dynamo marks a code
-        # object whose frame it gave up on ("falling back to eager") as skipped until Dynamo
-        # is reset, so one mapped call that cannot be traced would otherwise stop
-        # every other one from compiling (they would run eagerly, silently).
+        # Each mapped function gets call methods of its own code: Dynamo marks a code object
+        # whose frame it gave up on ("falling back to eager") as skipped until Dynamo is reset,
+        # so one mapped call that cannot be traced would otherwise stop every other one from
+        # compiling (they would run eagerly, silently).
         return super().__new__(_with_own_call(cls))
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickling: rebuilt by the class, a new __call__
@@ -94,12 +94,12 @@ class SpmdFunction:
         self._in_spec_table = tuple(dict.fromkeys(spec_leaves(in_specs)))
         # per input structure, outside a trace: the in_specs broadcast over it, and per leaf
         # keys (``_call_checks.leaves_key``) that fit them (a call of known inputs checks none):
-        # each one's ``Call.memo``
+        # each one's ``Call.memo``; and plain trees' structures (``_tree.flatten_known``)
         self._inputs_of_tree: dict[Any, tuple[list[PartitionSpec], dict[tuple, dict]]] = {}
+        self._plain_trees: dict[Any, Any] = {}
         # per signature, the typing its first call left its later ones (``_replay``)
         self._signatures: dict[tuple, Any] = {}
-        # per output structure, outside a trace: the out_specs broadcast over it, and the
-        # output leaf keys that fit them (``_call_checks.check_outputs``)
+        # per output structure, outside a trace: out_specs over it, leaf keys fitting them
         self._outputs_of_tree: dict[Any, tuple[list[PartitionSpec], set[tuple]]] = {}
         # per input structure and leaf shapes: whether the blocks differ in size
         # (``_call_checks.unequal_blocks``, asked at every call of ``ns.compile(f)``)

@@ -30,6 +30,7 @@ from ._spec import (
 from ._tree import (
     broadcast_specs,
     flatten,
+    flatten_known,
     flatten_with_paths,
     in_spec_index,
     leaf_skeleton,
@@ -58,7 +59,7 @@ def input_leaves(
             specs = broadcast_specs(f.in_specs, args, "in_specs", f.where)
         _check_inputs(f, paths, leaves, specs, local, backend)
         return leaves, specs, treedef, {}
-    leaves, treedef = flatten(args)
+    leaves, treedef = flatten_known(args, f._plain_trees)
     specs, fine = _per_structure(f._inputs_of_tree, treedef, f.in_specs, args, "in_specs", f, dict)
     key = leaves_key(leaves)
     checked = None if key is None else (local, backend.uneven_state(), key)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import re
 from typing import Any
 
@@ -317,6 +318,81 @@ def unflatten(treedef: Any, leaves: list[Any]) -> Any:
 def flatten(tree: Any) -> tuple[list[Any], Any]:
     """Leaves and treespec (``None`` a leaf); the paths only where needed (:func:`paths_of`)."""
     return optree.tree_flatten(tree, none_is_leaf=True)
+
+
+def flatten_known(tree: Any, known: dict) -> tuple[list[Any], Any]:
+    """:func:`flatten`, for a tree of tuples, lists and dicts with string keys over tensors and
+    plain values (a model's arguments) walked here, its treedef looked up in ``known`` (a
+    mapped function's, by the walk's key of the structure): optree sorts each dict's keys on
+    every flatten, the walk once per key order. Any other tree, and a structure not yet in
+    ``known``, is optree's; a walk whose leaves optree's flatten does not give leaves nothing
+    in ``known``, so the next call is optree's again."""
+    leaves: list[Any] = []
+    key = _plain_structure(tree, leaves)
+    treedef = None if key is None else known.get(key)
+    if treedef is not None:
+        return leaves, treedef
+    flat, treedef = flatten(tree)
+    if key is not None and len(flat) == len(leaves) and all(map(operator.is_, flat, leaves)):
+        if len(known) >= 256:
+            known.clear()
+        known[key] = treedef
+    return flat, treedef
+
+
+#: a dict's keys in their order -> in optree's (sorted: string keys only)
+_SORTED_KEYS: dict[tuple, tuple] = {}
+#: types whose values are leaves of a plain tree (a tensor subclass is added when first seen)
+_LEAF_TYPES = {torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, complex, str}
+
+
+def _plain_structure(tree: Any, leaves: list[Any]) -> Any:
+    """``tree``'s leaves appended to ``leaves`` in optree's order, and a key of its structure
+    (the container types, a dict's keys in its own order, which places hold leaves); None
+    where it is no plain tree (:func:`flatten_known`)."""
+    kind = type(tree)
+    if kind is dict:
+        keys = tuple(tree)
+        order = _SORTED_KEYS.get(keys)
+        if order is None:
+            if not all(type(k) is str for k in keys):
+                return None
+            if len(_SORTED_KEYS) >= 256:
+                _SORTED_KEYS.clear()
+            order = _SORTED_KEYS[keys] = tuple(sorted(keys))
+        values = [tree[k] for k in order]
+        if _all_leaves(values):  # the common case: a dict of parameters
+            leaves += values
+            return (dict, keys)
+        parts = tuple(_part(x, leaves) for x in values)
+        return None if None in parts else (dict, keys, parts)
+    if kind is tuple or kind is list:
+        parts = tuple(_part(x, leaves) for x in tree)
+        return None if None in parts else (kind, parts)
+    return None
+
+
+_LEAF = 0  # a leaf's place in a structure's key
+
+
+def _part(x: Any, leaves: list[Any]) -> Any:
+    if _leaf_type(type(x)):
+        leaves.append(x)
+        return _LEAF
+    return _plain_structure(x, leaves)
+
+
+def _leaf_type(kind: type) -> bool:
+    if kind in _LEAF_TYPES:
+        return True
+    if issubclass(kind, torch.Tensor):  # checked against optree's leaves (``flatten_known``)
+        _LEAF_TYPES.add(kind)
+        return True
+    return False
+
+
+def _all_leaves(values: list[Any]) -> bool:
+    return set(map(type, values)) <= _LEAF_TYPES
 
 
 def paths_of(tree: Any) -> list[tuple]:
