@@ -328,7 +328,10 @@ def flatten_known(tree: Any, known: dict) -> tuple[list[Any], Any]:
     ``known``, is optree's; a walk whose leaves optree's flatten does not give leaves nothing
     in ``known``, so the next call is optree's again."""
     leaves: list[Any] = []
-    key = _plain_structure(tree, leaves)
+    try:
+        key = _plain_structure(tree, leaves)
+    except RecursionError:  # (a tree nested deeper than the walk's frames allow: optree's)
+        key = None
     treedef = None if key is None else known.get(key)
     if treedef is not None:
         return leaves, treedef
@@ -353,10 +356,12 @@ def _plain_structure(tree: Any, leaves: list[Any]) -> Any:
     kind = type(tree)
     if kind is dict:
         keys = tuple(tree)
+        # (every call: a str subclass's key, an enum's, equals and hashes as its str, and
+        # would find the plain keys' entries, whose treedef hands the function plain str)
+        if not all(type(k) is str for k in keys):
+            return None
         order = _SORTED_KEYS.get(keys)
         if order is None:
-            if not all(type(k) is str for k in keys):
-                return None
             if len(_SORTED_KEYS) >= 256:
                 _SORTED_KEYS.clear()
             order = _SORTED_KEYS[keys] = tuple(sorted(keys))

@@ -62,3 +62,29 @@ def test_a_changed_tree_is_a_new_signature_with_the_right_values():
     assert len(checked_signatures(f)) == 4
     with pytest.raises(ns.SpmdError, match=r"size of tensor a \(3\) must match"):  # a new shape
         f(x[:3], calls[0])
+
+
+class Key(str):  # a str subclass key (as a str enum's): equal to, and hashed as, its str
+    pass
+
+
+def test_keys_of_a_str_subclass_reach_the_function_as_themselves():
+    mesh = ns.make_mesh((1,), ("i",))
+
+    def fn(p):
+        return sum(v * (10 if isinstance(k, Key) else 1) for k, v in p.items())
+
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=P(), out_specs=P())
+    plain = {"a": torch.ones(2), "b": torch.ones(2)}
+    sub = {Key("a"): torch.ones(2), Key("b"): torch.ones(2)}
+    for p, want in ((plain, 2.0), (sub, 20.0), (plain, 2.0), (sub, 20.0)):
+        torch.testing.assert_close(f(p), torch.full((2,), want))
+
+
+def test_a_tree_nested_deeper_than_the_walk_is_optrees():
+    tree: list = [torch.ones(1)]
+    for _ in range(800):  # (deeper than the walk takes, not than optree)
+        tree = [tree]
+    want_leaves, want_def = optree.tree_flatten(tree, none_is_leaf=True)
+    leaves, treedef = flatten_known(tree, {})
+    assert treedef == want_def and len(leaves) == 1 and leaves[0] is want_leaves[0]
