@@ -389,7 +389,11 @@ def collective_results_written(x):
     z[0].add_(1)
     g = ns.all_gather(x * 1, ("dp", "tp"), tiled=True, to="invariant")
     g.mul_(3)
-    return y, z, g
+    m = ns.pmax(x, ("dp", "tp"))  # (its backward reads its result: the write must not reach it)
+    m.add_(1)
+    n = ns.pmin(x.cos(), ("dp", "tp"))
+    n.mul_(2)
+    return y, z, g, m, n
 
 
 def _collective_results_written(mesh, world) -> dict:
@@ -399,7 +403,7 @@ def _collective_results_written(mesh, world) -> dict:
     test_per_instance.py checks the simulated executions)."""
     from named_spmd.backends.distributed import to_local
 
-    specs = dict(in_specs=P(("dp", "tp")), out_specs=(P(("dp", "tp")),) * 2 + (P(),))
+    specs = dict(in_specs=P(("dp", "tp")), out_specs=(P(("dp", "tp")),) * 2 + (P(),) * 3)
     real = ns.spmd_map(collective_results_written, mesh=mesh, **specs)
     simulated = ns.make_mesh(tuple(mesh.shape.values()), mesh.axis_names, simulated=True)
     sim = ns.spmd_map(collective_results_written, mesh=simulated, **specs)

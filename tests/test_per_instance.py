@@ -329,3 +329,37 @@ def test_the_results_of_a_scatter_take_writes_as_under_vmap():
         torch.testing.assert_close(got, want)
     blocks = x.reshape(2, 4, 3).sum(0)  # the sum of the two instances' blocks
     torch.testing.assert_close(runs[0][0], blocks * 2)
+
+
+def _extremum_written(op, write):
+    def prog(x):
+        y = getattr(ns, op)(x, "dp")
+        if write:
+            y.mul_(2)  # a write into the result: a fresh value, as a collective's in JAX
+        else:
+            y = y.clone() * 2
+        return y
+
+    return prog
+
+
+@pytest.mark.parametrize("op", ["pmax", "pmin"])
+def test_a_write_into_an_extremum_keeps_its_gradient(op):
+    """pmax / pmin's backward reads its result to find the instance holding the extremum; a
+    write into the result changes neither values nor gradients (tests/dist_worker.py checks a
+    real mesh). Reference: a loop over the instances in plain torch, ties split evenly."""
+    x = torch.tensor([[1.0, 5.0, 2.0, -1.0], [3.0, 5.0, 0.0, -1.0]])
+    weight = torch.arange(1.0, 5.0)
+    chosen = getattr(torch, {"pmax": "maximum", "pmin": "minimum"}[op])(x[0], x[1])
+    holds = [(x[i] == chosen).double() for i in range(2)]
+    want_grad = torch.stack([2 * weight * h / (holds[0] + holds[1]) for h in holds])
+    mesh = ns.make_mesh((2,), ("dp",))
+    for write in (True, False):
+        f = ns.spmd_map(_extremum_written(op, write), mesh=mesh, in_specs=P("dp"), out_specs=P())
+        for per_instance in (False, True):
+            xg = x.clone().reshape(-1).requires_grad_()
+            with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+                y = f(xg)
+            (y * weight).sum().backward()
+            torch.testing.assert_close(y, 2 * chosen)
+            torch.testing.assert_close(xg.grad, want_grad.reshape(-1).float())

@@ -220,6 +220,8 @@ def _apply(
     if accounting and rec.forward_event:
         record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
     out = ctx.apply(rec, t, axes, params, user_operand)
+    if rec.saves and out.requires_grad:
+        out = _fresh(out)
     forget_blocks(out)  # its blocks are not its operand's (the forward's ops may have copied them)
     if accounting:
         out = tag_derivatives(rec, out, t, axes, params)
@@ -232,6 +234,14 @@ def _apply(
             _note_cast_alias(ctx, out, vma)
         return ctx.stamp(out, result)
     return out
+
+
+def _fresh(out: Tensor) -> Tensor:
+    """A copy of ``out``, a result that its backward reads (pmax's, to find the instance holding
+    the maximum): as in JAX a collective's result is a fresh value, so a user's write into it
+    must not change its gradient (torch would refuse the backward: "modified by an inplace
+    operation"). Only where differentiated; the copy is as large as the result."""
+    return out.clone()
 
 
 def _note_cast_alias(ctx: Any, out: Tensor, vma: Vma) -> None:
