@@ -204,8 +204,7 @@ class SpmdFunction:
                 # Dynamo compiles this frame on its own, so it gave up on its caller's trace: a
                 # graph break inside the call (the user's code). Skipped, the frame runs
                 # eagerly, and the whole call with Dynamo off (below), rather than Dynamo
-                # resuming our internals frame by frame (with its stand-ins for the pytrees)
-                # (Dynamo's skip_frame, called from this frame: the one it skips)
+                # resuming our internals frame by frame (skip_frame skips the frame calling it)
                 torch_private.dynamo_skip_frame()("named_spmd: a graph break inside a mapped call")
             if not backend.capabilities.traceable:
                 return _call_eagerly(self, args, backend, local)

@@ -943,3 +943,34 @@ def test_a_compiled_op_sized_by_values_with_an_unbatched_mask_compiles_or_runs_u
     assert "SpmdError('spmd_map of `" in message and "selected` (test_compile_simulated" in message
     assert "`x[mask]` of an operand that varies" in message
     assert "Fix: compile without fullgraph=True" in message
+
+
+@pytest.mark.parametrize("spec, dim", [(P("dp"), 0), (P("dp"), 1), (P(), 0)])
+def test_a_compiled_calls_input_marked_dynamic_raises_a_spec_error_or_runs_uncompiled(spec, dim):
+    """A size marked by ``torch._dynamo.mark_dynamic`` (split or not): a compiled call is traced
+    for static shapes, so with fullgraph a SpecError names the function, the input, the dim and
+    the fix (never Dynamo's ConstraintViolationError); without it the call runs uncompiled, and
+    ``maybe_mark_dynamic`` (the fix) compiles. Both equal the dense computation."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+
+    def doubled(x):
+        return x * 2
+
+    f = ns.spmd_map(doubled, mesh=mesh, in_specs=spec, out_specs=spec)
+    x = torch.arange(24.0).reshape(4, 6)
+    torch._dynamo.reset()
+    marked = x.clone()
+    torch._dynamo.mark_dynamic(marked, dim)
+    with pytest.raises(Exception) as info:
+        torch.compile(f, backend="eager", fullgraph=True)(marked)
+    message = str(info.value.__cause__)
+    assert 'SpecError("spmd_map of `' in message and "doubled` (test_compile_simulated" in message
+    assert f"input [0] (dim {dim}) has a size marked dynamic" in message
+    assert f"L['args'][0].size()[{dim}]" in message and "Fix: do not mark" in message
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="eager")(marked), x * 2)
+    torch._dynamo.reset()
+    maybe = x.clone()
+    torch._dynamo.maybe_mark_dynamic(maybe, dim)
+    got = torch.compile(f, backend="eager", fullgraph=True)(maybe)
+    torch.testing.assert_close(got, x * 2)
