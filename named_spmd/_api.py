@@ -197,15 +197,15 @@ class SpmdFunction:
         backend = self.backend
         if torch.compiler.is_compiling():
             # the trace-time hooks of the compile paths, before the call's checks read them
-            # (imports Dynamo, loaded by now; an eager-only process never imports it)
+            # (imported here, not with every eager call)
             from . import _traced
 
             if _traced.root_frame() == (__file__, "_enter"):
                 # Dynamo compiles this frame on its own, so it gave up on its caller's trace: a
                 # graph break inside the call (the user's code). Skipped, the frame runs
                 # eagerly, and the whole call with Dynamo off (below), rather than Dynamo
-                # resuming our internals frame by frame (with its stand-ins for the pytrees)
-                _traced.skip_frame("named_spmd: a graph break inside a mapped call")
+                # resuming our internals frame by frame (skip_frame skips the frame calling it)
+                torch_private.dynamo_skip_frame()("named_spmd: a graph break inside a mapped call")
             if not backend.capabilities.traceable:
                 return _call_eagerly(self, args, backend, local)
             if recording():

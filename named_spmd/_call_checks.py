@@ -135,6 +135,48 @@ def _data_dependent_problems(
     ]
 
 
+def _refuse_marked_dynamic(f: SpmdFunction, args: tuple) -> None:
+    """While Dynamo traces: an SpecError for an input whose size ``mark_dynamic``
+    marked. A compiled call is traced for static shapes (its blocks, layouts and checks are
+    decided while tracing: ``_spec.specialize``), which Dynamo refuses for a marked size with
+    a ConstraintViolationError naming none of the call; a size Dynamo made symbolic on its own
+    (after a shape change) is specialized."""
+    paths, leaves, _ = flatten_with_paths(args)  # (Dynamo tracks an input once it reads it)
+    marked = _marked_dynamic()
+    if not marked:  # (the common case: one trace-time constant)
+        return
+    found = [
+        f"{path_text(path)} (dim {', '.join(map(str, dims))})"
+        for path, x in zip(paths, leaves)
+        if isinstance(x, torch.Tensor) and not data_dependent(x)
+        for dims in [_marked_dims(x)]
+        if dims
+    ]
+    if found:
+        raise SpecError(
+            f"{f.where}: the compiled call's input {', '.join(found)} has a size marked "
+            f"dynamic (mark_dynamic: {', '.join(marked)}). A mapped call is "
+            "compiled for static shapes: its blocks, their layout and the spec checks are "
+            "fixed while tracing, so Dynamo would refuse the marked size "
+            "(ConstraintViolationError). Fix: do not mark the inputs of a compiled mapped call "
+            "(maybe_mark_dynamic leaves Dynamo free to specialize; a new size "
+            "compiles the call again), or call it outside the compiled region."
+        )
+
+
+@torch_private.trace_constant
+def _marked_dynamic() -> tuple[str, ...]:
+    """``traced_marked_dynamic`` run eagerly at trace time."""
+    return torch_private.traced_marked_dynamic()
+
+
+@torch_private.trace_constant
+def _marked_dims(x: torch.Tensor) -> tuple[int, ...]:
+    """The dims of ``x`` that ``mark_dynamic`` marked, run eagerly at trace time on the real
+    tensor (Dynamo hands a trace-time constant's tensor argument as its real value)."""
+    return tuple(sorted(torch_private.marked_dynamic_dims(x)))
+
+
 def _specs_in_trace(f: SpmdFunction, args: tuple) -> list[PartitionSpec] | None:
     """The inputs' specs while Dynamo traces, broadcast eagerly over a skeleton of the
     inputs (``in_spec_index`` runs at trace time), each an index into the distinct specs.
@@ -250,6 +292,7 @@ def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:
     if local or f.mesh.size == 1 or not f.backend.capabilities.uneven_blocks:
         return False
     if torch_private.memo_would_be_guarded():
+        _refuse_marked_dynamic(f, args)
         # a data-dependent size is never split (the input check refuses that): the other
         # leaves decide
         leaves = [

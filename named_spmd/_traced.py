@@ -16,7 +16,7 @@ trace time, and nothing of them runs per step:
   defined (the error texts' types, the user's line, the block rule's index, the in_specs'
   indices, the dtype probes, here the function's label and the trace's frames).
 
-Importing this module imports Dynamo (``skip_frame``): only the compile paths do.
+Importing this module does not import Dynamo (a real mesh's backend imports it).
 """
 
 from __future__ import annotations
@@ -92,10 +92,6 @@ def route_view_attributes() -> bool:
 def root_frame() -> tuple[str, str]:
     """(file, function) of the frame Dynamo compiles, run eagerly at trace time."""
     return torch_private.traced_root_frame() or ("", "")
-
-
-#: Dynamo's ``skip_frame``: the frame being traced runs eagerly instead
-skip_frame = torch_private.dynamo_skip_frame()
 
 
 @torch_private.trace_constant

@@ -711,6 +711,53 @@ ERRORS = {
 }
 
 
+def _doubled(x):
+    return x * 2
+
+
+def check_marked_dynamic(name: str, backend: str) -> dict:
+    """An input size marked by ``mark_dynamic`` (``name``: a ``plain`` tensor or a ``dtensor``):
+    a compiled call is traced for static shapes, so with fullgraph a SpecError names the
+    function, the input and the fix (never Dynamo's ConstraintViolationError); without it the
+    call runs uncompiled, and ``maybe_mark_dynamic`` (the fix) compiles: both the dense x * 2."""
+    mesh = ns.make_mesh((dist.get_world_size(),), ("dp",))
+    f = ns.spmd_map(_doubled, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.arange(6.0 * mesh.size).reshape(2 * mesh.size, 3)
+
+    def given(mark):
+        t = ns.shard(x, mesh, P("dp")) if name == "dtensor" else x.clone()
+        mark(t, 0)
+        return t
+
+    problems = []
+    torch._dynamo.reset()
+    try:
+        torch.compile(f, backend=backend, fullgraph=True)(given(torch._dynamo.mark_dynamic))
+        problems.append("fullgraph: nothing raised")
+    except Exception as e:  # noqa: BLE001 - compared below
+        cause = _unquoted(str(e.__cause__))
+        wanted = (
+            "SpecError",
+            "_doubled` (compile_worker.py:",
+            "input [0] (dim 0) has a size marked",
+        )
+        if not all(w in cause for w in wanted):
+            problems.append(f"fullgraph: {type(e).__name__}: {str(e)[:300]}; cause {cause[:300]}")
+    for mark, fullgraph in (
+        (torch._dynamo.mark_dynamic, False),
+        (torch._dynamo.maybe_mark_dynamic, True),
+    ):
+        torch._dynamo.reset()
+        try:
+            got = ns.unshard(torch.compile(f, backend=backend, fullgraph=fullgraph)(given(mark)))
+        except Exception as e:  # noqa: BLE001 - reported
+            problems.append(f"{mark.__name__}, fullgraph={fullgraph}: raised {e!r}"[:600])
+            continue
+        if not torch.equal(got, x * 2):
+            problems.append(f"{mark.__name__}, fullgraph={fullgraph}: {got} != {x * 2}")
+    return {"problems": problems}
+
+
 def check_error(name: str, backend: str, size: int | None = None) -> dict:
     """The error is raised while Dynamo traces (``fullgraph=True``): Dynamo wraps it in its
     ``Unsupported`` ("Observed exception"), whose cause names our error's class and message.
@@ -847,6 +894,7 @@ def main() -> None:
         "comm_mode": check_comm_mode,
         "bucketed": check_bucketed,
         "errors": check_error,
+        "marked_dynamic": check_marked_dynamic,
         "uneven": check_uneven,
         "cases": check_case,
         "training": check_training_step,

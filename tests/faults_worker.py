@@ -15,7 +15,8 @@
 * ``axes_exit``: ranks 0, 1 psum over "dp", ranks 2, 3 over "tp"; 2 and 3 return and exit.
 * ``once_more``: rank 0 calls the mapped function once more than the others, which exit.
 * ``make_mesh``: rank 1 raises right after ``make_mesh`` (uncaught: its process exits).
-* ``in_make_mesh``: rank 1 raises inside ``make_mesh``, once its groups exist (uncaught).
+* ``in_make_mesh``: rank 1 raises inside ``make_mesh``, once its groups exist (uncaught); the
+  others then report whether Dynamo was imported (phase ``eager_without_dynamo``).
 * ``late_rank``: rank 2 sleeps inside the function until its peers, which gave up waiting for it
   (a 3 s timeout) and returned, have ended, then calls the psum they left in flight; it reports
   phase ``waited``: the seconds until its peers ended (60 at most).
@@ -118,6 +119,10 @@ def make_mesh(mesh, rank):
 
 
 def in_make_mesh(rank: int) -> None:
+    # the real-mesh backend, which the first make_mesh imports: DTensor's imports (sympy) take
+    # seconds per process under load, no part of the failure the peers are timed learning of
+    import named_spmd.backends.distributed  # noqa: F401
+
     if rank == 1:  # fails once its groups exist, before make_mesh's barrier: an uncaught error
         from named_spmd.backends import _dist_mesh
 
@@ -130,6 +135,14 @@ def in_make_mesh(rank: int) -> None:
         _dist_mesh._create_groups = failing
         ns.make_mesh((2, 2), ("dp", "tp"))
     report(rank, "in_make_mesh", lambda: ns.make_mesh((2, 2), ("dp", "tp")))
+    report(rank, "eager_without_dynamo", _dynamo_not_imported)
+
+
+def _dynamo_not_imported() -> None:
+    """Making a real mesh and its failure path import no part of torch.compile (Dynamo's import
+    takes seconds per process under load: an eager-only process never needs it)."""
+    if "torch._dynamo" in sys.modules:
+        raise ns.SpmdError("torch._dynamo was imported by an eager real-mesh process")
 
 
 def late_rank(mesh, rank):

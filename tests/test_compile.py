@@ -73,6 +73,7 @@ PLAN = {
     "eager": {
         "comm_mode": ["experts_tiled@4"],  # (a small program: the decision is the backend's)
         "errors": ERRORS,
+        "marked_dynamic": ["plain", "dtensor"],  # (mark_dynamic: test_compile_simulated.py too)
         "uneven": ["indivisible_input"],
     },
     "aot_eager": {

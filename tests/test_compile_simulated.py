@@ -865,3 +865,112 @@ def test_a_compiled_boolean_mask_that_varies_raises_the_eager_calls_error():
     with pytest.raises(ns.SpmdError) as compiled:
         torch.compile(f, backend="eager")(x)
     assert str(compiled.value) == str(eager.value)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: torch.nonzero(x).float(),
+        lambda x: x.nonzero().float(),
+        lambda x: torch.masked_select(x, x > 0),
+        lambda x: torch.unique(x),
+        lambda x: torch.unique_consecutive(x),
+        lambda x: torch.where(x > 0)[0].float(),
+        lambda x: torch.nn.functional.one_hot((x > 0).long()).float(),
+    ],
+    ids=[
+        "nonzero",
+        "Tensor.nonzero",
+        "masked_select",
+        "unique",
+        "unique_consecutive",
+        "where",
+        "one_hot",
+    ],
+)
+def test_a_compiled_op_sized_by_a_varying_operands_values_raises_the_eager_calls_error(op):
+    """An op whose result's size depends on a varying operand's values (vmap cannot batch it):
+    the compiled call raises the eager call's SpmdError (fullgraph: Dynamo's cause), never
+    Dynamo's TorchRuntimeError."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+
+    def sized_by_values(x):
+        return op(x)
+
+    f = ns.spmd_map(sized_by_values, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.arange(8.0) - 2.5
+    with pytest.raises(ns.SpmdError) as eager:
+        f(x)
+    assert "sized_by_values` (test_compile_simulated.py:" in str(eager.value)
+    message = _data_dependent_error(f, x)
+    assert "SpmdError('spmd_map of `" in message  # (Dynamo's cause names our error)
+    assert str(eager.value).replace("\n", "\\n") in compile_worker._unquoted(message)
+    torch._dynamo.reset()
+    with pytest.raises(ns.SpmdError) as compiled:
+        torch.compile(f, backend="eager")(x)
+    assert str(compiled.value) == str(eager.value)
+
+
+def test_a_compiled_op_sized_by_values_with_an_unbatched_mask_compiles_or_runs_uncompiled():
+    """A mask invariant over the mesh: ``nonzero`` of it alone is traced (one size on every
+    instance); selecting a varying operand with it (vmap batches the result) cannot be traced:
+    with fullgraph a SpmdError names the function and the fix, without it the call runs
+    uncompiled. Both equal the dense computation per block."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+
+    def counted(x, m):
+        return x + torch.nonzero(m).float().sum()
+
+    def selected(x, m):
+        return x[m] * 2, torch.masked_select(x, m)
+
+    x = torch.arange(8.0)
+    m = torch.tensor([True, False, True, True])
+    blocks = x.reshape(2, 4)
+    f = ns.spmd_map(counted, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="eager", fullgraph=True)(x, m)
+    torch.testing.assert_close(got, x + 5)  # the indices 0, 2, 3
+    g = ns.spmd_map(selected, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    torch._dynamo.reset()
+    a, b = torch.compile(g, backend="eager")(x, m)
+    torch.testing.assert_close(a, blocks[:, m].flatten() * 2)
+    torch.testing.assert_close(b, blocks[:, m].flatten())
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(g, backend="eager", fullgraph=True)(x, m)
+    message = str(info.value.__cause__)
+    assert "SpmdError('spmd_map of `" in message and "selected` (test_compile_simulated" in message
+    assert "`x[mask]` of an operand that varies" in message
+    assert "Fix: compile without fullgraph=True" in message
+
+
+@pytest.mark.parametrize("spec, dim", [(P("dp"), 0), (P("dp"), 1), (P(), 0)])
+def test_a_compiled_calls_input_marked_dynamic_raises_a_spec_error_or_runs_uncompiled(spec, dim):
+    """A size marked by ``torch._dynamo.mark_dynamic`` (split or not): a compiled call is traced
+    for static shapes, so with fullgraph a SpecError names the function, the input, the dim and
+    the fix (never Dynamo's ConstraintViolationError); without it the call runs uncompiled, and
+    ``maybe_mark_dynamic`` (the fix) compiles. Both equal the dense computation."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+
+    def doubled(x):
+        return x * 2
+
+    f = ns.spmd_map(doubled, mesh=mesh, in_specs=spec, out_specs=spec)
+    x = torch.arange(24.0).reshape(4, 6)
+    torch._dynamo.reset()
+    marked = x.clone()
+    torch._dynamo.mark_dynamic(marked, dim)
+    with pytest.raises(Exception) as info:
+        torch.compile(f, backend="eager", fullgraph=True)(marked)
+    message = str(info.value.__cause__)
+    assert 'SpecError("spmd_map of `' in message and "doubled` (test_compile_simulated" in message
+    assert f"input [0] (dim {dim}) has a size marked dynamic" in message
+    assert f"L['args'][0].size()[{dim}]" in message and "Fix: do not mark" in message
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="eager")(marked), x * 2)
+    torch._dynamo.reset()
+    maybe = x.clone()
+    torch._dynamo.maybe_mark_dynamic(maybe, dim)
+    got = torch.compile(f, backend="eager", fullgraph=True)(maybe)
+    torch.testing.assert_close(got, x * 2)

@@ -128,6 +128,28 @@ def traced_in_subgraph() -> bool:
     return tx is not None and not tx.output.is_root_tracer()
 
 
+def traced_marked_dynamic() -> tuple[str, ...]:
+    """The input sizes of the frame being traced that ``torch._dynamo.mark_dynamic`` marked,
+    as Dynamo names them (``L['x'].size()[0]``): a constraint Dynamo refuses to see specialized
+    (``ConstraintViolationError`` once the frame is traced); empty when nothing is traced."""
+    from torch._dynamo.symbolic_convert import tls
+
+    tx = getattr(tls, "current_tx", None)
+    if tx is None:
+        return ()
+    marked = []
+    for tracked in tx.output.tracked_fakes:
+        constraints = getattr(tracked.symbolic_context, "constraint_sizes", None) or ()
+        name = tracked.source.name
+        marked += [f"{name}.size()[{i}]" for i, c in enumerate(constraints) if c is not None]
+    return tuple(dict.fromkeys(marked))  # (a DTensor's sizes are tracked more than once)
+
+
+def marked_dynamic_dims(tensor: Any) -> set[int]:
+    """The dims ``torch._dynamo.mark_dynamic`` marked on a real tensor (a DTensor: its own)."""
+    return set(getattr(tensor, "_dynamo_dynamic_indices", ()))
+
+
 def traced_root_frame() -> tuple[str, str] | None:
     """(file, function name) of the frame Dynamo is compiling: the root of the trace, not a
     function it inlines into it; None when nothing is traced."""

@@ -18,7 +18,7 @@ backend interface is the same (docs/design.md section 5.6); only what Dynamo can
   ``CompiledVmaMode``): type inference, the out_specs check and every ``SpmdError`` happen
   once, at trace time;
 * the process group facts (group name, member index, rank order) come from
-  ``torch.compiler.assume_constant_result`` functions: constants of the graph;
+  ``torch_private.trace_constant`` functions: constants of the graph;
 * nothing of the eager machinery runs in the graph: no start-of-call check, no failure board,
   no overlapped gradient psum, no donation, no CommMode events (a compiled call's collectives
   are the graph's nodes; count them there).
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 _F = torch_private.funcol()  # bound at import: Dynamo reads module attributes as constants
 
 
-@torch.compiler.assume_constant_result
+@torch_private.trace_constant
 def _group(mesh: Any, axes: tuple[str, ...]) -> tuple[str, int, int, tuple | None]:
     """(group name, size, this rank's tuple index, tuple index -> group rank or None when they
     agree) of the group of ``axes``: run eagerly at trace time, a constant of the graph."""
