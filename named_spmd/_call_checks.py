@@ -231,7 +231,9 @@ def check_outputs(
             # (instances_problem), alike on every one, where it is this instance's only problem
             deferred += len(found)
             continue
-        if spec.explicit and not ctx.uneven:  # (an uneven execution checks each block)
+        if spec.axes and data_dependent(leaf):
+            problems.append(_split_data_dependent_output(where, spec))
+        elif spec.explicit and not ctx.uneven:  # (an uneven execution checks each block)
             problems += given_sizes_problems(spec, tuple(leaf.shape), where)
         if not check_vma:
             continue
@@ -255,6 +257,19 @@ def check_outputs(
             fitting.clear()
         fitting.add(key)
     return paths, leaves, specs, treedef
+
+
+def _split_data_dependent_output(where: str, spec: PartitionSpec) -> str:
+    """The problem of a traced output of a data-dependent size that ``spec`` concatenates: each
+    instance's block may have its own size, which a compiled call's layout, fixed while tracing,
+    cannot assemble (the eager call gathers the blocks' sizes first)."""
+    return (
+        f"{where} has a data-dependent size (known only when the program runs, as x[mask]'s "
+        f"or one made from .item()), which {spec!r} concatenates: its blocks, whose sizes may "
+        "differ per instance, cannot be assembled by a compiled call. Fix: give it a size "
+        "known when compiling (pad it to a fixed size), return it under P(), or call the "
+        "mapped function outside the compiled region (without fullgraph=True it runs so)."
+    )
 
 
 def _out_specs(

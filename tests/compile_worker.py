@@ -758,6 +758,36 @@ def check_marked_dynamic(name: str, backend: str) -> dict:
     return {"problems": problems}
 
 
+def _positives(x):
+    return torch.masked_select(x, x > 0)
+
+
+def check_data_dependent_output(name: str, backend: str) -> dict:
+    """An output sized by its block's values (``masked_select``: blocks of 1, 2, ... positive
+    elements, a size per rank), concatenated by its out_spec: a compiled layout cannot assemble
+    it, so with fullgraph a SpecError names it and the fix (never a rank's garbage values or
+    gloo's abort); without fullgraph the call runs uncompiled and equals the dense x[x > 0]."""
+    mesh = ns.make_mesh((dist.get_world_size(),), ("dp",))
+    f = ns.spmd_map(_positives, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    n = mesh.size
+    x = (torch.arange(4.0) - 3).repeat(n) + torch.arange(n).repeat_interleave(4)
+    problems = []
+    torch._dynamo.reset()
+    try:
+        torch.compile(f, backend=backend, fullgraph=True)(x)
+        problems.append("fullgraph: nothing raised")
+    except Exception as e:  # noqa: BLE001 - compared below
+        cause = _unquoted(str(e.__cause__))
+        wanted = ("SpecError", "_positives` (compile_worker.py:", "has a data-dependent size")
+        if not all(w in cause for w in wanted):
+            problems.append(f"fullgraph: {type(e).__name__}: {str(e)[:300]}; cause {cause[:300]}")
+    torch._dynamo.reset()
+    got = ns.unshard(torch.compile(f, backend=backend)(x))
+    if not torch.equal(got, x[x > 0]):
+        problems.append(f"without fullgraph: {got} != {x[x > 0]}")
+    return {"problems": problems}
+
+
 def check_error(name: str, backend: str, size: int | None = None) -> dict:
     """The error is raised while Dynamo traces (``fullgraph=True``): Dynamo wraps it in its
     ``Unsupported`` ("Observed exception"), whose cause names our error's class and message.
@@ -895,6 +925,7 @@ def main() -> None:
         "bucketed": check_bucketed,
         "errors": check_error,
         "marked_dynamic": check_marked_dynamic,
+        "data_dependent_output": check_data_dependent_output,
         "uneven": check_uneven,
         "cases": check_case,
         "training": check_training_step,

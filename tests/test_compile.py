@@ -74,6 +74,7 @@ PLAN = {
         "comm_mode": ["experts_tiled@4"],  # (a small program: the decision is the backend's)
         "errors": ERRORS,
         "marked_dynamic": ["plain", "dtensor"],  # (mark_dynamic: test_compile_simulated.py too)
+        "data_dependent_output": ["masked_select"],
         "uneven": ["indivisible_input"],
     },
     "aot_eager": {

@@ -770,6 +770,26 @@ def test_a_compiled_output_of_a_data_dependent_size_names_no_made_up_shape():
     assert "has rank 1 (shape [?]). Fix" in str(info.value.__cause__)
 
 
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_a_compiled_output_of_a_data_dependent_size_is_not_concatenated():
+    """An output sized by its values under a split out_spec: a compiled layout cannot assemble
+    blocks whose sizes may differ per instance, so fullgraph raises the SpecError with the fix,
+    and without fullgraph the call runs uncompiled, equal to the eager call (the real mesh:
+    compile_worker's ``data_dependent_output``)."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+
+    def positives(x):
+        return x[x > 0]
+
+    f = ns.spmd_map(positives, mesh=mesh, in_specs=P(), out_specs=P("dp"))
+    x = torch.arange(8.0) - 2.5  # five positive, one block per instance: two concatenated
+    message = _data_dependent_error(f, x)
+    assert "positives` (test_compile_simulated.py:" in message
+    assert "output has a data-dependent size" in message and "Fix: " in message
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="eager")(x), x[x > 0].repeat(2))
+
+
 def _data_dependent_error(g, x) -> str:
     torch._dynamo.reset()
     with pytest.raises(Exception) as info:
