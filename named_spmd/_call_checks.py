@@ -39,7 +39,7 @@ from ._tree import (
     path_text,
     paths_of,
 )
-from ._types import data_dependent, shape_shown
+from ._types import Vma, data_dependent, shape_shown
 
 if TYPE_CHECKING:
     from ._api import SpmdFunction
@@ -231,7 +231,7 @@ def check_outputs(
             # (instances_problem), alike on every one, where it is this instance's only problem
             deferred += len(found)
             continue
-        if spec.axes and data_dependent(leaf):
+        if spec.axes and data_dependent(leaf) and _varies(ctx.vma(leaf)):
             problems.append(_split_data_dependent_output(where, spec))
         elif spec.explicit and not ctx.uneven:  # (an uneven execution checks each block)
             problems += given_sizes_problems(spec, tuple(leaf.shape), where)
@@ -259,13 +259,18 @@ def check_outputs(
     return paths, leaves, specs, treedef
 
 
+def _varies(vma: Vma) -> bool:
+    return bool(vma.varying or vma.partial)
+
+
 def _split_data_dependent_output(where: str, spec: PartitionSpec) -> str:
-    """The problem of a traced output of a data-dependent size that ``spec`` concatenates: each
-    instance's block may have its own size, which a compiled call's layout, fixed while tracing,
-    cannot assemble (the eager call gathers the blocks' sizes first)."""
+    """The problem of a traced output of a data-dependent size that ``spec`` assembles, where it
+    varies: each instance's block may have its own size, which a compiled call's layout, fixed
+    while tracing, cannot assemble (the eager call gathers the blocks' sizes first); an
+    invariant one has one size on every instance."""
     return (
         f"{where} has a data-dependent size (known only when the program runs, as x[mask]'s "
-        f"or one made from .item()), which {spec!r} concatenates: its blocks, whose sizes may "
+        f"or one made from .item()), which {spec!r} assembles: its blocks, whose sizes may "
         "differ per instance, cannot be assembled by a compiled call. Fix: give it a size "
         "known when compiling (pad it to a fixed size), return it under P(), or call the "
         "mapped function outside the compiled region (without fullgraph=True it runs so)."

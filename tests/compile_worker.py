@@ -766,7 +766,8 @@ def check_data_dependent_output(name: str, backend: str) -> dict:
     """An output sized by its block's values (``masked_select``: blocks of 1, 2, ... positive
     elements, a size per rank), concatenated by its out_spec: a compiled layout cannot assemble
     it, so with fullgraph a SpecError names it and the fix (never a rank's garbage values or
-    gloo's abort); without fullgraph the call runs uncompiled and equals the dense x[x > 0]."""
+    gloo's abort); without fullgraph the call runs uncompiled and equals the dense x[x > 0].
+    An invariant one (one size on every rank) compiles."""
     mesh = ns.make_mesh((dist.get_world_size(),), ("dp",))
     f = ns.spmd_map(_positives, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
     n = mesh.size
@@ -785,6 +786,12 @@ def check_data_dependent_output(name: str, backend: str) -> dict:
     got = ns.unshard(torch.compile(f, backend=backend)(x))
     if not torch.equal(got, x[x > 0]):
         problems.append(f"without fullgraph: {got} != {x[x > 0]}")
+    # invariant (one size on every rank): compiled, the blocks of the dense x[x > 0]
+    g = ns.spmd_map(_positives, mesh=mesh, in_specs=P(), out_specs=P("dp"))
+    torch._dynamo.reset()
+    got = ns.unshard(torch.compile(g, backend=backend, fullgraph=True)(x))
+    if not torch.equal(got, x[x > 0].repeat(n)):
+        problems.append(f"invariant, fullgraph: {got} != {x[x > 0].repeat(n)}")
     return {"problems": problems}
 
 

@@ -771,11 +771,11 @@ def test_a_compiled_output_of_a_data_dependent_size_names_no_made_up_shape():
 
 
 @torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
-def test_a_compiled_output_of_a_data_dependent_size_is_not_concatenated():
-    """An output sized by its values under a split out_spec: a compiled layout cannot assemble
-    blocks whose sizes may differ per instance, so fullgraph raises the SpecError with the fix,
-    and without fullgraph the call runs uncompiled, equal to the eager call (the real mesh:
-    compile_worker's ``data_dependent_output``)."""
+def test_a_compiled_invariant_output_of_a_data_dependent_size_is_assembled():
+    """An output sized by its values but invariant over the mesh (one size on every instance)
+    under a split out_spec: compiled with fullgraph, equal to the eager call (a varying one is
+    refused while tracing: compile_worker's ``data_dependent_output`` on a real mesh; on this
+    one vmap refuses the op first)."""
     mesh = ns.make_mesh((2,), ("dp",), simulated=True)
 
     def positives(x):
@@ -783,11 +783,10 @@ def test_a_compiled_output_of_a_data_dependent_size_is_not_concatenated():
 
     f = ns.spmd_map(positives, mesh=mesh, in_specs=P(), out_specs=P("dp"))
     x = torch.arange(8.0) - 2.5  # five positive, one block per instance: two concatenated
-    message = _data_dependent_error(f, x)
-    assert "positives` (test_compile_simulated.py:" in message
-    assert "output has a data-dependent size" in message and "Fix: " in message
     torch._dynamo.reset()
-    torch.testing.assert_close(torch.compile(f, backend="eager")(x), x[x > 0].repeat(2))
+    got = torch.compile(f, backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, x[x > 0].repeat(2))
+    torch.testing.assert_close(got, f(x))
 
 
 def _data_dependent_error(g, x) -> str:
@@ -929,6 +928,28 @@ def test_a_compiled_op_sized_by_a_varying_operands_values_raises_the_eager_calls
     with pytest.raises(ns.SpmdError) as compiled:
         torch.compile(f, backend="eager")(x)
     assert str(compiled.value) == str(eager.value)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: x.repeat_interleave(2),
+        lambda x: torch.repeat_interleave(x, 2),
+        lambda x: torch.repeat_interleave(x, torch.tensor([1, 2, 0, 1]), output_size=4),
+        lambda x: torch.nn.functional.one_hot((x > 0).long(), 3).float(),
+        lambda x: torch.where(x > 0, x, -x),
+    ],
+    ids=["Tensor.repeat_interleave", "repeat_interleave", "output_size", "one_hot", "where"],
+)
+def test_a_compiled_op_of_a_static_size_on_a_varying_operand_compiles(op):
+    """Forms of the ops above whose result's size is known when compiling (int repeats, an
+    output_size, num_classes, the three-argument where): compiled with fullgraph, equal to the
+    eager call."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    f = ns.spmd_map(op, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.arange(8.0) - 2.5
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(x), f(x))
 
 
 def test_a_compiled_op_sized_by_values_with_an_unbatched_mask_compiles_or_runs_uncompiled():

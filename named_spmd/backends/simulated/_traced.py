@@ -312,6 +312,12 @@ def _may_be_sized_by_values(func, args, kwargs) -> bool:
         return len(args) + len(kwargs or {}) == 1
     if func is F.one_hot:  # sized by the largest value where num_classes is not given
         return (args[1] if len(args) > 1 else (kwargs or {}).get("num_classes", -1)) == -1
+    if func is torch.repeat_interleave or func is torch.Tensor.repeat_interleave:
+        # sized by the repeats' values where they are a tensor (or the one-argument form's
+        # operand) and no output_size is given; an int's repeats size it alone
+        kwargs = kwargs or {}
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
     return _sized_by_values(func)
 
 
