@@ -309,10 +309,12 @@ def unequal_blocks(f: SpmdFunction, args: tuple, local: bool = False) -> bool:
     where the inputs do not fit in_specs (the call raises that), and for a local call (its
     blocks are the caller's). Outside a trace, known per tree structure and leaf shapes
     (``ns.compile`` asks at every call)."""
+    tracing = torch_private.memo_would_be_guarded()
+    if tracing:  # (every traced call asks here first, blocks even or not)
+        _refuse_marked_dynamic(f, args)
     if local or f.mesh.size == 1 or not f.backend.capabilities.uneven_blocks:
         return False
-    if torch_private.memo_would_be_guarded():
-        _refuse_marked_dynamic(f, args)
+    if tracing:
         # a data-dependent size is never split (the input check refuses that): the other
         # leaves decide
         leaves = [

@@ -986,13 +986,16 @@ def test_a_compiled_op_sized_by_values_with_an_unbatched_mask_compiles_or_runs_u
     assert "Fix: compile without fullgraph=True" in message
 
 
+@pytest.mark.parametrize("size", [2, 1])
 @pytest.mark.parametrize("spec, dim", [(P("dp"), 0), (P("dp"), 1), (P(), 0)])
-def test_a_compiled_calls_input_marked_dynamic_raises_a_spec_error_or_runs_uncompiled(spec, dim):
+def test_a_compiled_calls_input_marked_dynamic_raises_a_spec_error_or_runs_uncompiled(
+    spec, dim, size
+):
     """A size marked by ``torch._dynamo.mark_dynamic`` (split or not): a compiled call is traced
     for static shapes, so with fullgraph a SpecError names the function, the input, the dim and
     the fix (never Dynamo's ConstraintViolationError); without it the call runs uncompiled, and
     ``maybe_mark_dynamic`` (the fix) compiles. Both equal the dense computation."""
-    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    mesh = ns.make_mesh((size,), ("dp",), simulated=True)
 
     def doubled(x):
         return x * 2
