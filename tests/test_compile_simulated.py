@@ -862,30 +862,6 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
     assert "scatter_dimension=0 has a data-dependent size" in message and "Fix: " in message
 
 
-def test_a_compiled_boolean_mask_that_varies_raises_the_eager_calls_error():
-    """``x[x > 0]`` with a mask that varies over the mesh: vmap cannot batch its data-dependent
-    size. The compiled call raises the eager call's SpmdError (Dynamo's cause, naming the
-    function), never Dynamo's TorchRuntimeError; without fullgraph, the eager error itself."""
-    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
-
-    def masked(x):
-        return x[x > 0]
-
-    f = ns.spmd_map(masked, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
-    x = torch.arange(8.0) - 2.5
-    with pytest.raises(ns.SpmdError) as eager:
-        f(x)
-    assert "masked` (test_compile_simulated.py:" in str(eager.value)
-    assert "boolean mask" in str(eager.value) and "Fix: " in str(eager.value)
-    message = _data_dependent_error(f, x)
-    assert "SpmdError('spmd_map of `" in message  # (Dynamo's cause names our error)
-    assert str(eager.value).split("\n")[0] in compile_worker._unquoted(message)
-    torch._dynamo.reset()
-    with pytest.raises(ns.SpmdError) as compiled:
-        torch.compile(f, backend="eager")(x)
-    assert str(compiled.value) == str(eager.value)
-
-
 @pytest.mark.parametrize(
     "op",
     [
@@ -896,6 +872,7 @@ def test_a_compiled_boolean_mask_that_varies_raises_the_eager_calls_error():
         lambda x: torch.unique_consecutive(x),
         lambda x: torch.where(x > 0)[0].float(),
         lambda x: torch.nn.functional.one_hot((x > 0).long()).float(),
+        lambda x: x[x > 0],
     ],
     ids=[
         "nonzero",
@@ -905,6 +882,7 @@ def test_a_compiled_boolean_mask_that_varies_raises_the_eager_calls_error():
         "unique_consecutive",
         "where",
         "one_hot",
+        "boolean mask",
     ],
 )
 def test_a_compiled_op_sized_by_a_varying_operands_values_raises_the_eager_calls_error(op):
