@@ -16,11 +16,14 @@ import os
 import sys
 import types
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optree
 
 from ._torch_private import TORCH_DIR
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _dir_of(module: types.ModuleType) -> tuple[str, ...]:
@@ -115,6 +118,18 @@ def operand_shapes_differ(
         f"blocks, or an empty one), but {op} takes one shape on every member{along}. Fix: pad the "
         "blocks to one shape first (ns.block_sizes gives every member's size), or split the dim "
         "so that no block is empty."
+    )
+
+
+def operand_dtypes_differ(op: str, label: str, dtypes: Sequence[torch.dtype | None]) -> SpmdError:
+    """A collective got members' operands of different dtypes (a branch on the block's shape,
+    say): the same error on the simulated and the real mesh, where the bytes of one dtype would
+    be read as another's."""
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return SpmdError(
+        f"{op} in {label}: the members' operands have different dtypes {names}, but {op} "
+        "takes one dtype on every member. Fix: cast the operands to one dtype before the "
+        "collective (e.g. x.to(torch.float32) on every member)."
     )
 
 

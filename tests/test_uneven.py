@@ -248,6 +248,40 @@ def test_tiled_all_gather_of_blocks_differing_off_its_axis_is_an_error():
     torch.testing.assert_close(along(x), x)
 
 
+_MOVED = {  # a collective of each kind over blocks cut to one shape
+    "ppermute": lambda y: ns.ppermute(y, "a", [(0, 1), (1, 2), (2, 0)]),
+    "psum": lambda y: ns.psum(y, "a"),
+    "all_gather": lambda y: ns.all_gather(y, "a", tiled=True),
+    "all_to_all": lambda y: ns.all_to_all(y, "a", 0, 0, tiled=True),
+    "pbroadcast": lambda y: ns.pbroadcast(y, "a", 0),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_MOVED))
+def test_a_collective_of_blocks_of_different_dtypes_is_an_error(op):
+    """Rows 8 over 3 (3, 3, 2): the short block's operand cast to int32 (float32's element
+    size: a real mesh would read its bytes as float32), a branch on the block's shape, no value
+    read. Every collective raises naming the members' dtypes, in the call and its check (a
+    ppermute gave the sender's dtype before, the others a promoted one); one dtype runs."""
+    mesh = ns.make_mesh((3,), ("a",))
+    x = torch.arange(8.0)
+
+    def mapped(short_dtype):
+        def f(v):
+            y = v[:3].float() if v.shape[0] == 3 else v.to(short_dtype)[:3]
+            return _MOVED[op](torch.cat([y, y])[:3]).sum(0, keepdim=True).double()
+
+        return ns.spmd_map(f, mesh=mesh, in_specs=P("a"), out_specs=P("a"))
+
+    told = re.escape("different dtypes ['float32', 'float32', 'int32'], but ")
+    for call in (mapped(torch.int32), mapped(torch.int32).check):
+        with pytest.raises(
+            ns.SpmdError, match=f"{op} in `\\S*f` \\(test_uneven.py:\\d+\\): .*{told}"
+        ):
+            call(x)
+    assert mapped(torch.float32)(x).dtype == torch.float64  # (the one dtype: no error)
+
+
 def test_output_blocks_that_cannot_be_laid_back_are_an_error():
     """Rows 5 over a (3, 2) returned under P("b", "a"): the blocks side by side along dim 1 differ
     in height, a SpecError naming both blocks (a bare torch.cat error before); under

@@ -653,6 +653,15 @@ def _ppermute_ring_or_in_place(v):  # in place: nothing moves on the ranks of th
     return _ppermute_by_branch(v, [(i, i) for i in range(4)])
 
 
+def _ppermute_of_dtypes_by_block(v):  # the 1-row block's halo int64 (float64's element size)
+    h = v[-1:] if v.shape[0] > 1 else v[-1:].to(torch.int64)
+    return ns.ppermute(h, "x", [(i, (i + 1) % 4) for i in range(4)]).double()
+
+
+def _psum_of_dtypes_by_branch(v):  # int32 where the block sums to 0: float32's element size
+    return ns.psum(v.float() if v.sum() > 0 else v.to(torch.int32), "x").double()
+
+
 def _pmax_of_varying_or_invariant(v):  # invariant where the sum is 0: a pmax of nothing there
     return ns.pmax(v if v.sum() > 0 else torch.zeros(2, dtype=v.dtype), "x")
 
@@ -702,6 +711,24 @@ ERRORS = [
         _ppermute_of_pairs_by_group,
         (1.0, 1.0, 2.0, 2.0, -1.0, -1.0, -3.0, -3.0),
         ("SpmdError: ", "called different collectives", "ppermute over ('b',) with other"),
+    ),
+    Case(  # operands of one shape, of dtypes that differ by block (no value read): gloo would
+        # move the int64 bytes into float64 buffers
+        "ppermute_of_blocks_of_different_dtypes",
+        (4,),
+        ("x",),
+        _ppermute_of_dtypes_by_block,
+        P("x"),
+        P("x"),
+        lambda: (_randn(10, 3, seed=33),),
+        None,
+        switch=False,
+        kinds=("SpmdError: ", "different dtypes ['float64', 'float64', 'float64', 'int64']"),
+    ),
+    _after_a_branch(  # the dtypes differ after a branch on values: met, and compared there
+        "psum_of_dtypes_differing_after_a_branch",
+        _psum_of_dtypes_by_branch,
+        ("SpmdError: ", "different dtypes ['float32', 'int32', 'float32', 'int32']"),
     ),
     Case(  # an even call whose ranks branch on their values (sums of either sign, seed 59)
         "output_trees_differing_after_a_branch_on_values",
@@ -1743,7 +1770,57 @@ def check_replayed(case: Case, real_mesh, sim_mesh) -> list[str]:
     if len(plans) != 1 or not plans[0].replays or not plans[0].divergences:
         got = [(p.replays, p.divergences) for p in plans]
         problems.append(f"the real calls' plans (replays, divergences): {got}")
-    return problems + _replayed_as_bytes(case, real_mesh, sim_mesh)
+    return problems + _replayed_as_bytes(case, real_mesh, sim_mesh) + _replayed_dtypes(real_mesh)
+
+
+CAST = {"at": ""}  # which of _two_halos' ppermutes casts the 1-row block's halo to int64
+
+
+def _two_halos(v):
+    ring = [(j, (j + 1) % 4) for j in range(4)]
+    halos = []
+    for which in ("first", "second"):
+        h = v[-1:] * len(halos) + v[-1:]
+        halos.append(
+            ns.ppermute(
+                h.to(torch.int64) if CAST["at"] == which and v.shape[0] == 1 else h, "x", ring
+            )
+        )
+    return v + halos[0].double() + halos[1].double()
+
+
+def _replayed_dtypes(real_mesh) -> list[str]:
+    """A replayed call of two ppermutes whose 1-row block's halo turns int64 (float64's element
+    size) in one of them: its first (carried behind the start-of-call check), its second (the
+    recalled shape assumed, flagged in the ppermute itself): the simulated mesh's error on
+    every rank, not the int64 bytes read as float64; the calls before and after right."""
+    problems: list[str] = []
+    x = torch.arange(30.0, dtype=F64).reshape(10, 3)  # (integers: exact in int64)
+    ends = [3, 6, 9, 10]
+    dense = x + 3 * torch.cat(
+        [
+            x[ends[(j - 1) % 4] - 1 :][:1].expand(e - s, 3)
+            for j, (s, e) in enumerate(zip([0, *ends], ends))
+        ]
+    )
+    sim_mesh = ns.make_mesh((4,), ("x",), simulated=True)
+    real, sim = (
+        ns.spmd_map(_two_halos, mesh=m, in_specs=P("x"), out_specs=P("x"))
+        for m in (real_mesh, sim_mesh)
+    )
+    for k, at in enumerate(("", "", "second", "", "first", "", "")):
+        CAST["at"] = at
+        (got, _), (want, _) = _outcome(real, (x,)), _outcome(sim, (x,))
+        if isinstance(want, str) or isinstance(got, str):
+            if (
+                got != want
+                or "different dtypes ['float64', 'float64', 'float64', 'int64']" not in want
+            ):
+                problems.append(f"dtypes call {k}: real {got!r} vs simulated {want!r}")
+        else:
+            _close(got[0], dense, f"dtypes call {k} vs dense", problems)
+    CAST["at"] = ""
+    return problems
 
 
 def _replayed_as_bytes(case: Case, real_mesh, sim_mesh) -> list[str]:

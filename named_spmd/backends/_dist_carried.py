@@ -17,8 +17,9 @@ not send zeros (:func:`drain`), so the exchange completes before the check's err
 An uneven call's first ``ppermute`` rides so too (:func:`permute`), where its plan ran it first
 over the whole mesh and the signature's last call passed it one shape of at most :data:`BYTES`
 bytes (``UnevenPrimitives``): each rank sends every member a row of the tag (the digest of its pairs,
-axes, shape and dtype, negative), the flag "my operand has another shape" and, to its destination, the
-operand's bytes. A flag set: the ppermute runs again as a flagged one does.
+axes and the recalled shape and dtype, negative), the flag "my operand has another shape or dtype"
+and, to its destination, the operand's bytes. A flag set: the ppermute runs again as a flagged one
+does (the shapes and dtypes exchanged, and compared).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Carried:
             members: dict[int, list[int]] = {}
             for i, t in enumerate(tags):
                 members.setdefault(t, []).append(i)
-            several = sum(t < 0 for t in members) > 1  # ppermutes that differ (pairs, axes, ...)
+            several = sum(t < 0 for t in members) > 1  # ppermutes of other pairs or axes
             told = ", ".join(
                 f"members {ms}{'' if k else ' of the mesh'} {_first_collective(t, k + 1 if several else 0)}"
                 for k, (t, ms) in enumerate(sorted(members.items(), key=lambda e: (not e[0], e[1])))
@@ -100,11 +101,11 @@ class Carried:
 
 def _first_collective(tag: int, told: int) -> str:
     """What the members that sent ``tag`` ran first (``told``: the group's number from 1, where
-    several groups ran ppermutes of other pairs, axes, operand shapes or dtypes; else 0)."""
+    several groups ran ppermutes of other pairs or axes; else 0)."""
     if tag > 0:
         return "exchanged a ragged_all_to_all's offsets and sizes first"
     if tag < 0:
-        return f"ran a ppermute first{f' (pairs, axes, operand shape or dtype #{told})' if told else ''}"
+        return f"ran a ppermute first{f' (pairs or axes #{told})' if told else ''}"
     return "ran another collective first (or none)"
 
 
@@ -192,12 +193,13 @@ def peers(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) ->
     return ctx.stamp(peer, ctx.vma(meta))
 
 
-def _permute_tag(axes, pairs: tuple, shape: tuple, dtype: torch.dtype) -> int:
-    """A carried ppermute's tag (negative): a digest of its pairs, axes, operand shape and
-    dtype, so that ranks whose first ppermutes differ in any of them raise alike rather than
-    pair up. blake2b, not ``hash``: str hashes are salted per process."""
+def _permute_tag(axes, pairs: tuple, shape: tuple, code: int) -> int:
+    """A carried ppermute's tag (negative): a digest of its pairs, axes and the recalled operand
+    shape and dtype (``code``), so that ranks whose first ppermutes differ in them raise alike
+    rather than pair up (an operand of another shape or dtype than the recalled one sets its
+    flag instead). blake2b, not ``hash``: str hashes are salted per process."""
     names = (axes,) if isinstance(axes, str) else tuple(axes)
-    text = f"{pairs}|{names}|{tuple(shape)}|{dtype}".encode()
+    text = f"{pairs}|{names}|{tuple(shape)}|{code}".encode()
     return -1 - (int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") & _TAGS)
 
 
@@ -224,12 +226,19 @@ def permute_promised(ctx: DistributedContext) -> bool:
 
 
 def permute(
-    ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, ...], pairs, shape: tuple[int, ...]
+    ctx: DistributedContext,
+    x: torch.Tensor,
+    axes: tuple[str, ...],
+    pairs,
+    kind: tuple,
+    differs: bool,
 ) -> tuple[torch.Tensor | None, bool]:
     """The promised ppermute of ``x`` along ``pairs``, every member's operand assumed of
-    ``shape`` (the recalled one): its result and whether any member's flag is set (then the
-    caller exchanges the shapes and moves the data again), or ``(None, False)`` where the check
-    found that the ranks recall otherwise (the call then exchanges every shape afresh)."""
+    ``kind`` (the recalled shape and dtype code; ``differs``: ``x`` is not of it): its result
+    and whether any member's flag is set (then the caller exchanges the shapes and dtypes, and
+    moves the data again), or
+    ``(None, False)`` where the check found that the ranks recall otherwise (the call then
+    exchanges every shape afresh)."""
     mesh = ctx.mesh
     carried = mesh.carried
     # the promised exchange is made already where the check finished before this ppermute:
@@ -241,11 +250,12 @@ def permute(
         mesh.finish_pending_check()
         return None, False
     comm, me = carried.comm, carried.comm.index
-    own = tuple(x.shape) == shape and x.element_size() == -carried.slots
+    shape, code = kind
+    own = not differs and x.element_size() == -carried.slots
     own = own and _permute_carries(ctx, x, axes)
     pairs = tuple((int(s), int(d)) for s, d in pairs)
     rows = torch.zeros(comm.n, WIDTH, dtype=torch.int64)
-    rows[:, 0] = _permute_tag(axes, pairs, shape, x.dtype)
+    rows[:, 0] = _permute_tag(axes, pairs, shape, code)
     rows[:, 1] = int(not own)
     dst = next((d for s, d in pairs if s == me), None)
     if own and dst is not None and dst != me:

@@ -23,6 +23,7 @@ import torch
 from .._collectives._record import RECORDS
 from .._errors import SpmdError, collectives_apart, collectives_differ
 from .._layout import coords_of, coords_text, groups
+from ._dist_agree import dtype_code
 
 _DIMS = 16  # the dims of an operand's shape in a row (more: its shape is not compared)
 # The outputs' first row, met with at the end (``_dist_uneven._every_block``): HEAD integers
@@ -73,15 +74,18 @@ def params_code(params: Any) -> int:
     return zlib.crc32(repr(params).encode()) if plain(params) else 0
 
 
-def shapes_met(ctx: Any, step: tuple, x: torch.Tensor) -> list:
-    """Every instance's operand shape (row-major over the mesh; None past :data:`_DIMS` dims),
-    once every member of this rank's group of the axes is about to run the collective ``step``
-    (its name, axes and, where known, parameters) over them (:func:`meet`)."""
+def shapes_met(ctx: Any, step: tuple, x: torch.Tensor) -> tuple[list, list[int]]:
+    """Every instance's operand shape (row-major over the mesh; None past :data:`_DIMS` dims)
+    and dtype (``_dist_agree.dtype_code``), once every member of this rank's group of the axes
+    is about to run the collective ``step`` (its name, axes and, where known, parameters) over
+    them (:func:`meet`)."""
     known = x.dim() <= _DIMS
     name, axes, *params = step
     shape = [x.dim(), *x.shape] if known else [-1]
-    rows = meet(ctx, name, axes, shape, params_code(tuple(params)) if params else 0)
-    return [tuple(r[1 : 1 + r[0]]) if r[0] >= 0 else None for r in rows]
+    payload = [dtype_code(x.dtype), *shape]
+    rows = meet(ctx, name, axes, payload, params_code(tuple(params)) if params else 0)
+    shapes = [tuple(r[2 : 2 + r[1]]) if r[1] >= 0 else None for r in rows]
+    return shapes, [r[0] for r in rows]
 
 
 def meet(

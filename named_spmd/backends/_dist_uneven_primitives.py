@@ -18,9 +18,10 @@ import torch
 
 from .. import _torch_private as torch_private
 from .._collectives._record import DROP_INVARIANT
-from .._errors import SpmdError, operand_shapes_differ
+from .._errors import SpmdError, operand_dtypes_differ, operand_shapes_differ
 from .._layout import chunk_sizes, groups, index_of
 from . import _dist_carried, _dist_steps
+from ._dist_agree import dtype_code, dtype_of
 from ._dist_steps import exchange
 
 Sizes = tuple[int, ...]
@@ -192,15 +193,30 @@ class OperandShapes:
         if step is not None and self.values_read:
             if not step[1]:
                 return None  # (no communication: nothing to meet on)
-            shapes = _dist_steps.shapes_met(self, step, x)
+            shapes, codes = _dist_steps.shapes_met(self, step, x)
+            group = self._my_group(step[1])  # (the others may be at other steps)
+            self._same_dtypes(step, [[codes[m] for m in group]], len(group) == len(codes))
             if over is not None:
                 shapes = [shapes[m] for m in self._my_group(over)]
             return None if None in shapes else shapes
         if x.dim() >= _WIDTH:
             return None
-        mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim())
+        mine = [x.dim(), *x.shape] + [0] * (_WIDTH - 1 - x.dim()) + [dtype_code(x.dtype)]
         rows = exchange(self.mesh.comm(self.mesh.axis_names if over is None else over), mine)
+        if step is not None:  # (every rank is at this step: every group compared, alike)
+            codes = [r[_WIDTH] for r in rows]
+            by_group = [codes] if over is not None else self._groups_of(step[1], codes)
+            self._same_dtypes(step, by_group, True)
         return [tuple(r[1 : 1 + r[0]]) for r in rows]
+
+    def _same_dtypes(self, step: tuple, groups: list[list[int]], alike: bool) -> None:
+        """The simulated mesh's error for members' operands of different dtypes (their
+        :func:`dtype_code`), for the first group that has them: gloo moves bytes, which a
+        member would read as its own operand's dtype."""
+        for codes in groups:
+            if len(set(codes)) > 1:
+                error = operand_dtypes_differ(step[0], self.fn_label, [dtype_of(c) for c in codes])
+                raise self.alike(error) if alike else error
 
     def _groups(self, axes) -> list[list[int]]:
         """The groups of ``axes`` (instance indices), in the simulated mesh's order."""
@@ -212,8 +228,8 @@ class OperandShapes:
         me = index_of(mesh.axis_names, mesh.my_coords, mesh._shape)
         return next(g for g in self._groups(axes) if me in g)
 
-    def _groups_of(self, axes, shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-        """The members' shapes of every group of ``axes``, groups in the simulated mesh's order."""
+    def _groups_of(self, axes, shapes: list) -> list[list]:
+        """The members' shapes (or other rows) of every group of ``axes``, groups in the simulated mesh's order."""
         return [[shapes[m] for m in g] for g in self._groups(axes)]
 
     def _gathered_sizes(
@@ -311,9 +327,10 @@ class UnevenPrimitives(OperandShapes):
     # and a rank that recalls otherwise than another makes every rank forget it.
 
     _signature: int  # (the context's: ``DistributedContext.recall_shapes`` sets it)
-    _recalled: tuple | None = None  # the last call's shapes, by ppermute, or None
+    # the last call's (shape, dtype_code) of every member, by ppermute, or None
+    _recalled: tuple | None = None
     _seen: list | None = None  # this call's, until its outputs are made (then recorded)
-    _guess: tuple[int, ...] | None = None  # the shape the next permute assumes
+    _guess: tuple | None = None  # the (shape, dtype_code) the next permute assumes
     _carries = False  # whether the next permute is carried behind the check (_dist_carried)
 
     def recall_shapes(self, signature: int) -> int:
@@ -333,7 +350,8 @@ class UnevenPrimitives(OperandShapes):
     @property
     def first_permute_shape(self) -> tuple[int, ...] | None:
         """The shape the call's first ppermute assumes (``_dist_carried.promise``), or None."""
-        return self._recalled[0] if self._recalled else None
+        first = self._recalled[0] if self._recalled else None
+        return None if first is None else first[0]
 
     def _permuted_shapes(self, x: torch.Tensor, axes, pairs, shapes: Any) -> None:
         """Before a ppermute's data moves: the shape it assumes (``_guess``; none after a read
@@ -345,7 +363,8 @@ class UnevenPrimitives(OperandShapes):
         first = not self._seen and not self.values_read
         self._carries = first and _dist_carried.permute_promised(self)  # type: ignore[arg-type]
         if self._carries:
-            self._guess = self.first_permute_shape
+            assert self._recalled is not None
+            self._guess = self._recalled[0]
             self._seen.append(self._guess)
             return
         if first:
@@ -361,27 +380,36 @@ class UnevenPrimitives(OperandShapes):
             return
         if shapes is _UNKNOWN:
             shapes = self._every_shape(x, step=("ppermute", axes, (pairs,)))
-        self._seen.append(_common(shapes))
         self._same_shapes("ppermute", x, axes, shapes)
+        self._seen.append(self._kind(shapes, x, whole))
+
+    @staticmethod
+    def _kind(shapes: list[tuple[int, ...]] | None, x: torch.Tensor, whole: bool) -> tuple | None:
+        """What a ppermute's next call assumes: the one shape and dtype of every member (the
+        dtypes compared already, in their exchange), or None."""
+        shape = _common(shapes)
+        return None if shape is None or not whole else (shape, dtype_code(x.dtype))
 
     def permute(self, x, axes, pairs):
         guess, self._guess = self._guess, None
         if guess is None:
             return super().permute(x, axes, pairs)  # type: ignore[misc]
+        # another dtype, of one element size too, is flagged: its bytes would be read as another's
+        differs = (tuple(x.shape), dtype_code(x.dtype)) != guess
         if self._carries:
             self._carries = False
-            out, flagged = _dist_carried.permute(self, x, axes, pairs, guess)  # type: ignore[arg-type]
+            out, flagged = _dist_carried.permute(self, x, axes, pairs, guess, differs)  # type: ignore[arg-type]
         else:
-            differs = tuple(x.shape) != guess
             comm = self.mesh.comm(axes)
-            zeros = x.new_zeros(guess) if differs else x
+            zeros = x.new_zeros(guess[0]) if differs else x
             out, flagged = comm.permute_flagged(zeros, pairs, differs)
         if out is not None and not flagged:
             return out
-        shapes = self._every_shape(x)  # (every member knows it: the flags went to all)
+        # (every member knows it: the flags went to all); the dtypes compared there
+        shapes = self._every_shape(x, step=("ppermute", axes, (pairs,)))
         assert self._seen is not None
-        self._seen[-1] = _common(shapes)
         self._same_shapes("ppermute", x, axes, shapes)
+        self._seen[-1] = self._kind(shapes, x, True)
         return super().permute(x, axes, pairs)  # type: ignore[misc]
 
     def record_shapes(self) -> None:

@@ -32,6 +32,7 @@ from ..._errors import (
     SpecError,
     SpmdError,
     fn_label,
+    operand_dtypes_differ,
     operand_shapes_differ,
     shared_input_written,
     told_per_instance,
@@ -108,7 +109,7 @@ class InstanceContext(TrackedContext):
         members = groups(tuple(axes), tuple(self.mesh._shape.items()))
         key = (self.op, axes, params)
         return self.meeting.exchange(
-            self.index, key, x, lambda xs: _each_group(members, xs, per_group)
+            self.index, key, x, lambda xs: _each_group(members, xs, per_group, self)
         )
 
     uneven = True  # the members' blocks may differ in size
@@ -154,12 +155,19 @@ class InstanceContext(TrackedContext):
 # --- what the last instance to arrive computes, per group -----------------------------------------
 
 
-def _each_group(groups, xs: list[Tensor], per_group) -> list[Tensor]:
+def _each_group(groups, xs: list[Any], per_group, ctx: InstanceContext) -> list[Tensor]:
     out: list[Any] = [None] * len(xs)
     for members in groups:
+        _same_dtypes(ctx, [xs[m][0] if isinstance(xs[m], tuple) else xs[m] for m in members])
         for m, r in zip(members, per_group([xs[m] for m in members])):
             out[m] = r
     return out
+
+
+def _same_dtypes(ctx: InstanceContext, xs: Sequence[Tensor]) -> None:
+    # every collective moves one dtype: a real mesh sends bytes, read as its own operand's
+    if len({x.dtype for x in xs}) > 1:
+        raise operand_dtypes_differ(ctx.op, ctx.fn_label, [x.dtype for x in xs])
 
 
 def _same_shapes(ctx: InstanceContext, xs: Sequence[Tensor]) -> None:
