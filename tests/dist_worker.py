@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -279,6 +280,7 @@ def run_checks(args, rank, world) -> None:
     results += _overlapped_gradient_checks(mesh, world)
     results += _ragged_checks(mesh, world)
     results += _cast_alias_checks(mesh)
+    results.append(_deep_copies(mesh, world))
     results.append(_written_between_uses(mesh, world))
     results.append(_collective_results_written(mesh, world))
     results.append(_hooked_view_of_a_parameter(mesh, world))
@@ -423,6 +425,33 @@ def _collective_results_written(mesh, world) -> dict:
     if not torch.allclose(xr.grad, xs.grad):
         problems.append(f"gradient {xr.grad} != {xs.grad}")
     return {"check": "writes into collectives' results", "problems": problems}
+
+
+def deep_copies(x):
+    y = copy.deepcopy(x)  # the rank's own copy: the write below leaves x as it was
+    y.mul_(2)
+    tree = copy.deepcopy({"x": x, "twice": [y]})
+    return tree["x"] + tree["twice"][0] + copy.deepcopy(ns.psum(x, ("dp", "tp")))
+
+
+def _deep_copies(mesh, world) -> dict:
+    """``deep_copies`` (copy.deepcopy of blocks, of a tree of them, of a psum): the dense
+    program's values and the simulated mesh's (its vmap's batched tensors had no storage for
+    torch to copy)."""
+    specs = dict(in_specs=P(("dp", "tp")), out_specs=P(("dp", "tp")))
+    simulated = ns.make_mesh(tuple(mesh.shape.values()), mesh.axis_names, simulated=True)
+    x = torch.arange(2.0 * world * 3).reshape(2 * world, 3)
+    want = 3 * x + x.reshape(world, 2, 3).sum(0).repeat(world, 1)
+    problems = []
+    for name, m in (("real", mesh), ("simulated", simulated)):
+        try:
+            got = _global(ns.spmd_map(deep_copies, mesh=m, **specs)(x))
+        except Exception as e:  # noqa: BLE001 - what it raised is the outcome
+            problems.append(f"{name} raised {type(e).__name__}: {e}")
+            continue
+        if not torch.equal(got, want):
+            problems.append(f"{name}: {got} != {want}")
+    return {"check": "copy.deepcopy inside the function", "problems": problems}
 
 
 def _cast_alias_checks(mesh) -> list[dict]:

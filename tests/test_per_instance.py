@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import math
 
 import pytest
@@ -363,3 +364,27 @@ def test_a_write_into_an_extremum_keeps_its_gradient(op):
             (y * weight).sum().backward()
             torch.testing.assert_close(y, 2 * chosen)
             torch.testing.assert_close(xg.grad, want_grad.reshape(-1).float())
+
+
+def _deep_copies(x):
+    y = copy.deepcopy(x)  # an instance's own copy: the write below leaves x as it was
+    y.mul_(2)
+    tree = copy.deepcopy({"x": x, "twice": [y]})
+    return tree["x"] + tree["twice"][0] + copy.deepcopy(ns.psum(x, "dp"))
+
+
+def test_deepcopy_inside_the_function_copies_each_instance_s_value():
+    """``copy.deepcopy`` of a varying value (a batched tensor under the vmap simulation, which
+    has no storage to copy: an SpmdNotImplementedError there, while a real mesh copies its rank's
+    block), of a tree of them and of an invariant psum: the values of the dense program on both
+    simulations (tests/dist_worker.py checks a real mesh); of a value that requires grad and is
+    no leaf, torch's own refusal on both, as on a real mesh's ranks."""
+    mesh = ns.make_mesh((2,), ("dp",))
+    x = torch.arange(8.0).reshape(4, 2)
+    want = x + 2 * x + x.reshape(2, 2, 2).sum(0).repeat(2, 1)
+    f = ns.spmd_map(_deep_copies, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    for per_instance in (False, True):
+        with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+            torch.testing.assert_close(f(x), want)
+            with pytest.raises(RuntimeError, match="graph leaves"):
+                f(x.clone().requires_grad_())

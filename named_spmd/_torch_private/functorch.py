@@ -117,6 +117,33 @@ def hook_wrapper_printing(text: Any, formatted: Any) -> None:
     _PRINT_HOOKS.update(text=text, formatted=formatted)
 
 
+def copy_wrapped_deeply() -> None:
+    """``copy.deepcopy`` of a tensor a torch.func transform wrapped (vmap's batched tensors have
+    no storage for ``Tensor.__deepcopy__`` to copy): a copy of its values, as a plain tensor's
+    deep copy is; torch's own refusal (a tensor, not a leaf, that requires grad) as torch raises
+    it. Installed once."""
+    if _DEEPCOPY:
+        return
+    torch_deepcopy = torch.Tensor.__deepcopy__
+
+    def deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
+        if not is_transform_wrapped(self) or id(self) in memo:
+            return torch_deepcopy(self, memo)
+        inner = innermost(self)
+        if not inner.is_leaf:  # (requires grad: torch's error, as a real mesh's rank raises it)
+            return torch_deepcopy(inner, memo)
+        with torch.no_grad():
+            copied = self.clone()
+        memo[id(self)] = copied
+        return copied
+
+    torch.Tensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]
+    _DEEPCOPY["torch"] = torch_deepcopy
+
+
+_DEEPCOPY: dict[str, Any] = {}
+
+
 # --- entering a grad level ----------------------------------------------------------------------
 # torch.func.grad, grad_and_value and vjp (so jacrev and hessian too) enter their grad level
 # through one context manager, which looks up ``_grad_increment_nesting`` /

@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 torch_private.hook_grad_levels(_inner_grad.entered, _inner_grad.leaving)
 # and gives the gradients torch.func.grad / vjp compute inside a call their inputs' types
 torch_private.hook_transform_gradients(_inner_grad.typed_gradients)
+# copy.deepcopy of an instance's value (a vmap-batched tensor) copies its values, as a real mesh's
+torch_private.copy_wrapped_deeply()
 
 
 def _run_body(
