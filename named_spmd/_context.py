@@ -41,6 +41,9 @@ class SpmdContext(ABC):
     #: Whether the backend keeps each tensor's type in a stamp (:meth:`stamp`); the simulated
     #: backend reads types off its vmap levels instead, so results need no stamping there.
     stamps: bool = True
+    #: The innermost functorch level the backend entered itself (the simulated mesh's axes;
+    #: 0: none): a wrapper above it is a torch.func transform of the user's, inside the call.
+    inner_level: int = 0
     #: Whether a call marks the torch-function mode stack (``_calls.CallMarker``, for a
     #: checkpoint's recomputation); a call traced by torch.compile does not (Dynamo traces the
     #: recomputation itself, and cannot trace the mode-stack calls).

@@ -561,7 +561,33 @@ def _ragged_checks(mesh, world) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - reported
             problems = [f"raised {type(e).__name__}: {e}", traceback.format_exc()[-1500:]]
         out.append({"check": f"real {name} as simulated", "problems": problems})
-    return out
+    return out + [_ragged_batched_metadata(mesh, sim, r)]
+
+
+def ragged_of_batched_metadata(x, out, in_off, send, out_off, recv):
+    """A torch.func.vmap inside the function that batches the sizes (the second element sends
+    nothing): each element would send by its own sizes."""
+    sends, recvs = torch.stack([send, send * 0]), torch.stack([recv, recv * 0])
+    return torch.func.vmap(
+        lambda v, s, r: ns.ragged_all_to_all(v, out, in_off, s, out_off, r, ("dp", "tp"))
+    )(torch.stack([x, 2 * x]), sends, recvs)
+
+
+def _ragged_batched_metadata(mesh, sim, r) -> dict:
+    """``ragged_of_batched_metadata``: one CollectiveError on both meshes, before the real mesh
+    reads the sizes (a bare "Cannot access data pointer" there; the simulated mesh sent it)."""
+    world = mesh.size
+    specs = dict(in_specs=P(("dp", "tp")), out_specs=P(None, ("dp", "tp")))
+    args = (_randn((world * r.rows, 3), 1), _randn((world * r.m, 3), 2), *r.metadata())
+    told = []
+    for m in (mesh, sim):
+        try:
+            ns.spmd_map(ragged_of_batched_metadata, mesh=m, **specs)(*args)
+            told.append("no error")
+        except ns.SpmdError as e:
+            told.append(f"{type(e).__name__}: {e}")
+    problems = [] if told[0] == told[1] and "the vmap batches" in told[0] else [str(told)]
+    return {"check": "ragged_all_to_all of sizes a vmap inside batches", "problems": problems}
 
 
 def _overlapped_gradient_checks(mesh, world) -> list[dict]:

@@ -263,3 +263,25 @@ def test_ragged_under_a_vmap_inside_the_function_simulated():
     want = torch.stack([one(x[b], out[b], *meta) for b in range(3)])
     torch.testing.assert_close(g(x, out, *meta), want)
     assert g.check(x, out, *meta).outputs[0].type.shape == (3, r.m, 2)
+
+
+def test_ragged_under_a_vmap_inside_the_function_that_batches_the_sizes_is_an_error():
+    """Offsets and sizes that a torch.func.vmap inside the function batches (each element would
+    send by its own): one CollectiveError, raised before a real mesh reads them (it raised
+    torch's "Cannot access data pointer" there, while the simulated mesh sent each element's
+    rows; tests/dist_worker.py checks a real mesh); sizes it leaves alone run (the test above)."""
+    mesh = ns.make_mesh((2,), ("i",))
+    r = routing(2, 1, seed=7)
+    meta = r.metadata()
+
+    def sizes_batched(x, out, in_off, send, out_off, recv):
+        sends, recvs = torch.stack([send, send * 0]), torch.stack([recv, recv * 0])
+        return torch.func.vmap(
+            lambda v, s, q: ns.ragged_all_to_all(v, out, in_off, s, out_off, q, "i")
+        )(torch.stack([x, 2 * x]), sends, recvs)
+
+    g = ns.spmd_map(sizes_batched, mesh=mesh, in_specs=P("i"), out_specs=P(None, "i"))
+    x, out = _randn(2 * r.rows, 2, seed=0), _randn(2 * r.m, 2, seed=1)
+    told = r"ragged_all_to_all in `\S*sizes_batched` \(test_ragged.py:\d+\): under torch.func.vmap"
+    with pytest.raises(ns.CollectiveError, match=told + ".*that the vmap batches"):
+        g(x, out, *meta)

@@ -13,7 +13,13 @@ from .._calls import current
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 from .._layout import ragged_written
-from .._torch_private import DisableTorchFunction, is_transform_wrapped
+from .._torch_private import (
+    DisableTorchFunction,
+    get_unwrapped,
+    is_batchedtensor,
+    is_transform_wrapped,
+    maybe_get_level,
+)
 from ._record import PVARY, RECORDS, Collective, Params, backward_op, implicit_pvary, same_vma
 
 AxisName = str | tuple[str, ...]
@@ -66,6 +72,8 @@ def ragged_all_to_all(
         given = [input_offsets, send_sizes, output_offsets, recv_sizes]
         with DisableTorchFunction():  # inspection only: the vma mode's dispatch buys nothing
             _check_args(ctx, axes, operand, output, given)
+            if any(_batched_inside(ctx, t) for t in given):  # (before a real mesh reads them)
+                raise CollectiveError(f"ragged_all_to_all in {ctx.fn_label}: {_BATCHED_META}")
             rows, m = operand.shape[0], output.shape[0]
             wide = [t.dtype == torch.int64 for t in given]
         meta = torch.stack([t if w else t.to(torch.int64) for t, w in zip(given, wide)])
@@ -258,16 +266,29 @@ def _shape(shape: tuple[int, ...], n: int, params: Params) -> tuple[int, ...]:
     return (*shape[: p.batch], p.m, *shape[p.batch + 1 :])
 
 
+_BATCHED_META = (
+    "under torch.func.vmap inside the per-device function, with offsets or sizes that the vmap "
+    "batches: each batch element would send by its own. Fix: fold the batch into the rows "
+    "(x.flatten(0, 1), with offsets and sizes for every element's slices, K * B of them) and "
+    "call it outside the vmap."
+)
+
+
+def _batched_inside(ctx: SpmdContext, t: torch.Tensor) -> bool:
+    """Whether a torch.func.vmap of the user's, inside the call, batches ``t`` (the simulated
+    mesh's own levels batch every varying value: those are the instances)."""
+    while maybe_get_level(t) > ctx.inner_level:
+        if is_batchedtensor(t):
+            return True
+        t = get_unwrapped(t)
+    return False
+
+
 def _batched(params: Params) -> Params:
     """Under a torch.func.vmap inside the function: the operand gains a leading dim."""
     p = cast(Ragged, params)
     if any(isinstance(t, torch.Tensor) and is_transform_wrapped(t) for t in p):
-        raise CollectiveError(
-            "ragged_all_to_all under torch.func.vmap inside the per-device function, with "
-            "offsets or sizes that the vmap batches: each batch element would send by its own. "
-            "Fix: fold the batch into the rows (x.flatten(0, 1), with offsets and sizes for "
-            "every element's slices, K * B of them) and call it outside the vmap."
-        )
+        raise CollectiveError(f"ragged_all_to_all {_BATCHED_META}")
     return p._replace(batch=p.batch + 1)
 
 
