@@ -48,7 +48,7 @@ DTYPE_PROGRAMS = {
 # every case, and each complex dtype's again on a conjugate view (``x.conj()``, the conj bit
 # set: torch has no real or byte view of one) as the collective's operand
 CONJUGATED = " of x.conj()"
-CASES = [(d, name) for d in DTYPES for name in DTYPE_PROGRAMS] + [
+DTYPE_CASES = [(d, name) for d in DTYPES for name in DTYPE_PROGRAMS] + [
     (d, name + CONJUGATED) for d in DTYPES if d.is_complex for name in DTYPE_PROGRAMS
 ]
 
@@ -68,15 +68,26 @@ def dtype_input(dtype: torch.dtype) -> torch.Tensor:
         return torch.arange(16 * size, dtype=torch.uint8).mul(37).view(dtype)
 
 
-def dtype_call(mesh, dtype: torch.dtype, name: str):
+def program(name: str) -> tuple:
+    """``DTYPE_PROGRAMS``' entry of a case's name, its function taking ``x.conj()`` where the
+    name says so."""
     fn, in_spec, out_spec, check_vma = DTYPE_PROGRAMS[name.removesuffix(CONJUGATED)]
-    x = dtype_input(dtype)
-    if name.endswith(CONJUGATED):  # an imaginary part of no zeros: conjugated, no -0.0 (whose
-        # sum's sign differs between gloo and torch.sum, conjugates or not)
-        x = (x.to(torch.complex128) * (1 + 1j)).to(dtype)
+    if name.endswith(CONJUGATED):
         fn = lambda x, fn=fn: fn(x.conj())  # noqa: E731
+    return fn, in_spec, out_spec, check_vma
+
+
+def case_input(dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``dtype_input``; for a conjugated case, with an imaginary part of no zeros: conjugated,
+    no -0.0 (whose sum's sign differs between gloo and torch.sum, conjugates or not)."""
+    x = dtype_input(dtype)
+    return (x.to(torch.complex128) * (1 + 1j)).to(dtype) if name.endswith(CONJUGATED) else x
+
+
+def dtype_call(mesh, dtype: torch.dtype, name: str):
+    fn, in_spec, out_spec, check_vma = program(name)
     f = ns.spmd_map(fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=check_vma)
-    return f(x)
+    return f(case_input(dtype, name))
 
 
 def described(t: torch.Tensor) -> dict:
@@ -88,7 +99,7 @@ def described(t: torch.Tensor) -> dict:
 def dtypes(mesh, rank):
     """Every case on the real mesh: this rank's block, or the error (compared by the test with
     the simulated mesh's result); then a float psum, which must run (the mesh stays in step)."""
-    for dtype, name in CASES:
+    for dtype, name in DTYPE_CASES:
         try:
             out = {"value": described(ns.to_local(dtype_call(mesh, dtype, name)))}
         except Exception as e:  # noqa: BLE001 - a bare torch error is a finding too

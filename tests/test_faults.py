@@ -341,11 +341,11 @@ def test_every_dtype_through_every_collective_matches_the_simulated_mesh(loaded)
 
     lines, outcomes, tail = loaded
     got = {(o["rank"], o["dtype"], o["op"]): o for o in lines if o["phase"] == "dtype"}
-    assert len(got) == WORLD * len(w.CASES), tail
+    assert len(got) == WORLD * len(w.DTYPE_CASES), tail
     sim = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
     mismatches = []
-    for dtype, name in w.CASES:
-        out_spec = w.DTYPE_PROGRAMS[name.removesuffix(w.CONJUGATED)][2]
+    for dtype, name in w.DTYPE_CASES:
+        out_spec = w.program(name)[2]
         try:
             want_global = w.dtype_call(sim, dtype, name)
             want_error = None
@@ -362,7 +362,7 @@ def test_every_dtype_through_every_collective_matches_the_simulated_mesh(loaded)
             if o.get("value") != want:
                 mismatches.append((str(dtype), name, rank, want, o))
     assert not mismatches, (len(mismatches), mismatches[:4])
-    for dtype, name in w.CASES:  # a conjugate view is refused exactly where its values are
+    for dtype, name in w.DTYPE_CASES:  # a conjugate view refused exactly where its values are
         if name.endswith(w.CONJUGATED):
             plain = got[0, str(dtype), name.removesuffix(w.CONJUGATED)]
             assert ("value" in got[0, str(dtype), name]) == ("value" in plain), (name, plain)
