@@ -45,6 +45,14 @@ DTYPE_PROGRAMS = {
 }
 
 
+# every case, and each complex dtype's again on a conjugate view (``x.conj()``, the conj bit
+# set: torch has no real or byte view of one) as the collective's operand
+CONJUGATED = " of x.conj()"
+DTYPE_CASES = [(d, name) for d in DTYPES for name in DTYPE_PROGRAMS] + [
+    (d, name + CONJUGATED) for d in DTYPES if d.is_complex for name in DTYPE_PROGRAMS
+]
+
+
 def dtype_input(dtype: torch.dtype) -> torch.Tensor:
     """16 elements of ``dtype``: small integers (exact sums in every float dtype, int8 sums
     that wrap), a pattern of truth values, or bytes viewed as a dtype that has no conversion."""
@@ -60,27 +68,42 @@ def dtype_input(dtype: torch.dtype) -> torch.Tensor:
         return torch.arange(16 * size, dtype=torch.uint8).mul(37).view(dtype)
 
 
+def program(name: str) -> tuple:
+    """``DTYPE_PROGRAMS``' entry of a case's name, its function taking ``x.conj()`` where the
+    name says so."""
+    fn, in_spec, out_spec, check_vma = DTYPE_PROGRAMS[name.removesuffix(CONJUGATED)]
+    if name.endswith(CONJUGATED):
+        fn = lambda x, fn=fn: fn(x.conj())  # noqa: E731
+    return fn, in_spec, out_spec, check_vma
+
+
+def case_input(dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``dtype_input``; for a conjugated case, with an imaginary part of no zeros: conjugated,
+    no -0.0 (whose sum's sign differs between gloo and torch.sum, conjugates or not)."""
+    x = dtype_input(dtype)
+    return (x.to(torch.complex128) * (1 + 1j)).to(dtype) if name.endswith(CONJUGATED) else x
+
+
 def dtype_call(mesh, dtype: torch.dtype, name: str):
-    fn, in_spec, out_spec, check_vma = DTYPE_PROGRAMS[name]
+    fn, in_spec, out_spec, check_vma = program(name)
     f = ns.spmd_map(fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=check_vma)
-    return f(dtype_input(dtype))
+    return f(case_input(dtype, name))
 
 
 def described(t: torch.Tensor) -> dict:
     """A tensor as JSON: dtype, shape and its bytes (exact for every dtype, NaN payloads too)."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    raw = t.detach().resolve_conj().contiguous().reshape(-1).view(torch.uint8)
     return {"dtype": str(t.dtype), "shape": list(t.shape), "bytes": raw.numpy().tobytes().hex()}
 
 
 def dtypes(mesh, rank):
     """Every case on the real mesh: this rank's block, or the error (compared by the test with
     the simulated mesh's result); then a float psum, which must run (the mesh stays in step)."""
-    for dtype in DTYPES:
-        for name in DTYPE_PROGRAMS:
-            try:
-                out = {"value": described(ns.to_local(dtype_call(mesh, dtype, name)))}
-            except Exception as e:  # noqa: BLE001 - a bare torch error is a finding too
-                out = {"error": type(e).__name__, "message": str(e)}
-            line = {"rank": rank, "phase": "dtype", "dtype": str(dtype), "op": name, **out}
-            print("OUTCOME " + json.dumps(line), flush=True)
+    for dtype, name in DTYPE_CASES:
+        try:
+            out = {"value": described(ns.to_local(dtype_call(mesh, dtype, name)))}
+        except Exception as e:  # noqa: BLE001 - a bare torch error is a finding too
+            out = {"error": type(e).__name__, "message": str(e)}
+        line = {"rank": rank, "phase": "dtype", "dtype": str(dtype), "op": name, **out}
+        print("OUTCOME " + json.dumps(line), flush=True)
     report(rank, "dtypes_then", lambda: good_call(mesh))

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import optree
 import torch
 import torch.distributed as dist
-from _faults_dtypes import DTYPE_PROGRAMS, DTYPES, described, dtype_call, dtype_input
+from _faults_dtypes import DTYPE_CASES, DTYPES, case_input, described, dtype_call, program
 from _programs import (
     BLOCK_SPECS,
     BY_NAME,
@@ -558,7 +558,7 @@ def _outcome(call) -> dict:
 
 def _together(mesh, names: list[str], check_vma: bool):
     """The dtype programs ``names`` as one mapped function of one input per program."""
-    programs = [DTYPE_PROGRAMS[n] for n in names]
+    programs = [program(n) for n in names]
 
     def every(*xs):
         return tuple(fn(x) for (fn, *_), x in zip(programs, xs))
@@ -588,7 +588,8 @@ REFUSED_COMPILED = torch.float8_e4m3fn
 
 def check_dtypes(name: str, backend: str) -> dict:
     """faults_worker's dtype matrix compiled (fullgraph=True): ``COMPILED_DTYPES`` through every
-    collective and the call boundary's communication, each rank's
+    collective and the call boundary's communication (a complex one's on a conjugate view
+    too), each rank's
     block bit for bit, or the error, as the eager call (which test_faults.py compares with the
     simulated mesh). The programs the eager call runs for a dtype are compiled as one call (one
     trace per dtype, not per program). A refused program raises at trace time: the first one
@@ -597,26 +598,26 @@ def check_dtypes(name: str, backend: str) -> dict:
     problems: list[str] = []
     refusals = 0
     for dtype in COMPILED_DTYPES:
-        x = dtype_input(dtype)
-        eager = {n: _outcome(lambda: dtype_call(mesh, dtype, n)) for n in DTYPE_PROGRAMS}
+        cases = [n for d, n in DTYPE_CASES if d is dtype]  # (a complex one's on x.conj() too)
+        eager = {n: _outcome(lambda: dtype_call(mesh, dtype, n)) for n in cases}
         ran = [n for n, o in eager.items() if "value" in o]
         for check_vma in (True, False):
-            names = [n for n in ran if DTYPE_PROGRAMS[n][3] is check_vma]
+            names = [n for n in ran if program(n)[3] is check_vma]
             if names:
                 f = _together(mesh, names, check_vma)
-                got = _outcome_each(f, backend, len(names), x)
+                got = _outcome_each(f, backend, [case_input(dtype, n) for n in names])
                 problems += [
                     f"{dtype} {n}: compiled {o}, eager {eager[n]}"
                     for n, o in zip(names, got)
                     if o != eager[n]
                 ]
-        refused = [n for n in DTYPE_PROGRAMS if n not in ran]
+        refused = [n for n in cases if n not in ran]
         for n in refused[:1] if dtype == REFUSED_COMPILED else []:
-            fn, in_spec, out_spec, check_vma = DTYPE_PROGRAMS[n]
+            fn, in_spec, out_spec, check_vma = program(n)
             f = ns.spmd_map(
                 fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=check_vma
             )
-            o = _outcome_each(f, backend, 1, x)[0]
+            o = _outcome_each(f, backend, [case_input(dtype, n)])[0]
             refusals += 1
             want = eager[n]
             if "error" not in o or not (
@@ -626,15 +627,15 @@ def check_dtypes(name: str, backend: str) -> dict:
     return {"dtypes": len(COMPILED_DTYPES), "refusals": refusals, "problems": problems}
 
 
-def _outcome_each(f, backend: str, n: int, x: torch.Tensor) -> list[dict]:
-    """``f`` compiled, called on ``n`` copies of ``x``: each output described, or the error
-    (raised while Dynamo traces: its cause, which quotes ours) for every output."""
+def _outcome_each(f, backend: str, xs: list[torch.Tensor]) -> list[dict]:
+    """``f`` compiled, called on ``xs``: each output described, or the error (raised while
+    Dynamo traces: its cause, which quotes ours) for every output."""
     torch._dynamo.reset()
     try:
-        outs = torch.compile(f, backend=backend, fullgraph=True)(*[x] * n)
+        outs = torch.compile(f, backend=backend, fullgraph=True)(*xs)
     except Exception as e:  # noqa: BLE001 - compared with the eager call's
         cause = e.__cause__ or e
-        return [{"error": type(e).__name__, "message": _unquoted(str(cause))}] * n
+        return [{"error": type(e).__name__, "message": _unquoted(str(cause))}] * len(xs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     return [{"value": described(ns.to_local(y))} for y in outs]
 

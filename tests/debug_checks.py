@@ -4,7 +4,7 @@
 inputs that differ between ranks (each rank initialised its model with its own seed), an output
 typed invariant whose copies differ (a random draw after ``torch.manual_seed(rank)``), a
 ppermute whose pairs differ between the members of its group (its signature names them), and
-the same programs done right, which must pass.
+the same programs done right (and with conjugate views), which must pass.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ def cases(mesh, rank: int):
     member = rank % 2  # its index along "tp" (the minor axis)
     yield "pairs_agree", lambda: shift([(0, 1), (1, 0)])(x)
     yield "pairs_differ", lambda: shift([(0, 1)] if member == 0 else [(1, 0)])(x)
+    # a conjugate view (the conj bit set: no byte view of it) as a plain input and as an
+    # invariant output, digested as its values
+    flip = ns.spmd_map(lambda z: (z * 1).conj(), mesh=mesh, in_specs=P(), out_specs=P())
+    yield "conjugates_agree", lambda: flip(torch.complex(x, -x).conj())
 
 
 def main() -> None:

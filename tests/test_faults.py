@@ -351,27 +351,31 @@ def test_every_dtype_through_every_collective_matches_the_simulated_mesh(loaded)
 
     lines, outcomes, tail = loaded
     got = {(o["rank"], o["dtype"], o["op"]): o for o in lines if o["phase"] == "dtype"}
-    assert len(got) == WORLD * len(w.DTYPES) * len(w.DTYPE_PROGRAMS), tail
+    assert len(got) == WORLD * len(w.DTYPE_CASES), tail
     sim = ns.make_mesh((2, 2), ("dp", "tp"), simulated=True)
     mismatches = []
-    for dtype in w.DTYPES:
-        for name, (_, _, out_spec, _) in w.DTYPE_PROGRAMS.items():
-            try:
-                want_global = w.dtype_call(sim, dtype, name)
-                want_error = None
-            except Exception as e:  # noqa: BLE001 - compared with the real mesh's error
-                want_error = {"error": type(e).__name__, "message": str(e)}
-            for rank in range(WORLD):
-                o = got[rank, str(dtype), name]
-                if want_error is not None:
-                    if {k: o.get(k) for k in want_error} != want_error:
-                        mismatches.append((str(dtype), name, rank, want_error, o))
-                    continue
-                coords = {"dp": rank // 2, "tp": rank % 2}
-                want = w.described(_block(want_global, out_spec, coords))
-                if o.get("value") != want:
-                    mismatches.append((str(dtype), name, rank, want, o))
+    for dtype, name in w.DTYPE_CASES:
+        out_spec = w.program(name)[2]
+        try:
+            want_global = w.dtype_call(sim, dtype, name)
+            want_error = None
+        except Exception as e:  # noqa: BLE001 - compared with the real mesh's error
+            want_error = {"error": type(e).__name__, "message": str(e)}
+        for rank in range(WORLD):
+            o = got[rank, str(dtype), name]
+            if want_error is not None:
+                if {k: o.get(k) for k in want_error} != want_error:
+                    mismatches.append((str(dtype), name, rank, want_error, o))
+                continue
+            coords = {"dp": rank // 2, "tp": rank % 2}
+            want = w.described(_block(want_global, out_spec, coords))
+            if o.get("value") != want:
+                mismatches.append((str(dtype), name, rank, want, o))
     assert not mismatches, (len(mismatches), mismatches[:4])
+    for dtype, name in w.DTYPE_CASES:  # a conjugate view refused exactly where its values are
+        if name.endswith(w.CONJUGATED):
+            plain = got[0, str(dtype), name.removesuffix(w.CONJUGATED)]
+            assert ("value" in got[0, str(dtype), name]) == ("value" in plain), (name, plain)
     # what is refused, as a CollectiveError with its fix: reductions torch cannot compute
     # itself, and every collective on a dtype torch cannot copy (the sub-byte ones); never the
     # call boundary's own communication
@@ -620,6 +624,10 @@ def test_dtypes_gloo_lacks_are_reduced_through_a_wider_dtype_exactly():
     assert summed(flags).tolist() == [True, True, True, False]
     z = [torch.randn(3, dtype=torch.complex64, generator=g) for _ in range(2)]
     assert torch.equal(summed(z), z[0] + z[1])
+    # a conjugate view (the conj bit set) has no real view: reduced and moved as its values
+    assert torch.equal(summed([z[0].conj(), z[1].conj()]), (z[0] + z[1]).conj())
+    moved = comm.on_wire(z[0].conj(), lambda pairs: torch.stack([pairs, pairs]))
+    assert torch.equal(moved, z[0].conj().resolve_conj().repeat(2, 1))
     f8 = torch.arange(16, dtype=torch.uint8).view(torch.float8_e4m3fn)
     moved = comm.on_wire(f8, lambda b: torch.stack([b, b]))  # an all_gather of 2, say
     assert moved.dtype == f8.dtype and moved.shape == (2, 16)

@@ -1594,7 +1594,7 @@ COUNTED = [
 # last call and checked in the ppermute itself. Per call: the halo's rows, columns and the rows
 # kept back (a block of fewer rows sends what it has), and the process-group calls it makes
 # (None: not counted). The blocks have 3, 3, 3 and 1 rows; the ring sends each to the next.
-HALO = {"rows": 1, "cols": 3, "trim": 0}
+HALO = {"rows": 1, "cols": 3, "trim": 0, "conj": False}
 HALO_STEPS: list[tuple[int, int, int, Any]] = [
     (1, 3, 0, 4),  # the start-of-call check, the shapes exchanged, the ppermute, output shapes
     (1, 3, 0, 3),  # the shapes assumed: checked in the ppermute itself
@@ -1616,7 +1616,8 @@ HALO_STEPS: list[tuple[int, int, int, Any]] = [
 def _halo(v):
     rows = min(HALO["rows"], v.shape[0] - HALO["trim"])
     ring = [(j, (j + 1) % 4) for j in range(4)]
-    return v + ns.ppermute(v[v.shape[0] - rows :, : HALO["cols"]], "x", ring).sum()
+    halo = v[v.shape[0] - rows :, : HALO["cols"]]
+    return v + ns.ppermute(halo.conj() if HALO["conj"] else halo, "x", ring).sum()
 
 
 def _as_real(y):
@@ -1627,9 +1628,9 @@ def _halo_real(v):
     return _as_real(_halo(v))
 
 
-def _halo_dense(x, rows: int, cols: int):
-    blocks = x.chunk(4)
-    return torch.cat([b + blocks[j - 1][-rows:, :cols].sum() for j, b in enumerate(blocks)])
+def _halo_dense(x, rows: int, cols: int, conj: bool = False):
+    halos = [b[-rows:, :cols].conj() if conj else b[-rows:, :cols] for b in x.chunk(4)]
+    return torch.cat([b + halos[j - 1].sum() for j, b in enumerate(x.chunk(4))])
 
 
 REPLAYED = [
@@ -1825,14 +1826,16 @@ def _replayed_dtypes(real_mesh) -> list[str]:
 
 def _replayed_as_bytes(case: Case, real_mesh, sim_mesh) -> list[str]:
     """HALO_STEPS' first four calls on int16 blocks, which gloo moves as their bytes, and on
-    complex ones, moved as pairs of reals: the flags travel so too (assumed, then set where the
-    halo's shape changes), each one value of the operand's dtype long, so that the block after
-    it views back as that dtype; the result returned as real floats (DTensor's full_tensor over
-    gloo gathers neither dtype)."""
+    complex ones, moved as pairs of reals (a conjugate view, which has no real view, as its
+    values): the flags travel so too (assumed, then set where the halo's shape changes), each
+    one value of the operand's dtype long, so that the block after it views back as that dtype;
+    the result returned as real floats (DTensor's full_tensor over gloo gathers neither dtype)."""
     problems: list[str] = []
     (x,) = case.args()
-    for dtype in (torch.int16, torch.complex128):
-        v = (x * 100).to(dtype) if dtype is torch.int16 else torch.complex(x, -x)
+    # (the conjugated halo in another dtype: a signature of its own, which recalls no shapes)
+    for dtype, conj in ((torch.int16, False), (torch.complex128, False), (torch.complex64, True)):
+        HALO["conj"] = conj
+        v = (x * 100).to(dtype) if dtype is torch.int16 else torch.complex(x, -x).to(dtype)
         real, sim = (
             ns.spmd_map(_halo_real, mesh=m, in_specs=case.in_specs, out_specs=case.out_specs)
             for m in (real_mesh, sim_mesh)
@@ -1840,14 +1843,15 @@ def _replayed_as_bytes(case: Case, real_mesh, sim_mesh) -> list[str]:
         for k, (rows, cols, trim, expected) in enumerate(HALO_STEPS[:4]):
             HALO.update(rows=rows, cols=cols, trim=trim)
             (got, calls), (want, _) = _outcome(real, (v,)), _outcome(sim, (v,))
-            dense = _as_real(_halo_dense(v, rows, cols))
-            what = f"{dtype} call {k}"
+            dense = _as_real(_halo_dense(v, rows, cols, conj))
+            what = f"{dtype}{' of x.conj()' if conj else ''} call {k}"
             if isinstance(got, str) or isinstance(want, str) or not torch.equal(got[0], want[0]):
                 problems.append(f"{what}: real {got!r} vs simulated {want!r}")
             elif not torch.equal(got[0], dense):
                 problems.append(f"{what}: real {got[0]} vs dense {dense}")
             if len(calls) != expected:
                 problems.append(f"{what}: {len(calls)} process-group calls {calls}")
+    HALO["conj"] = False
     return problems
 
 

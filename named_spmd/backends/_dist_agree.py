@@ -204,9 +204,10 @@ def _disagree(
 
 def _digest(t: torch.Tensor) -> str:
     """A short fingerprint of a tensor's bytes, dtype and shape (equal values, equal digests);
-    of a transform's wrapper (a call under a user's vmap), those of the tensor it holds."""
-    t = torch_private.innermost(t)
-    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    of a transform's wrapper (a call under a user's vmap), those of the tensor it holds. A
+    conjugate or negative view is read as its values (torch has no byte view of one)."""
+    t = torch_private.innermost(t).detach().resolve_conj().resolve_neg()
+    raw = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
     meta = f"{t.dtype}{tuple(t.shape)}".encode()
     return hashlib.blake2b(raw + meta, digest_size=8).hexdigest()
 

@@ -39,6 +39,12 @@ def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def _pairs(t: torch.Tensor) -> torch.Tensor:
+    """Complex ``t`` as pairs of reals. A conjugate view (``x.conj()``) is conjugated first:
+    torch has no real view of one (the copy is no longer a view of ``t``)."""
+    return torch.view_as_real(t.resolve_conj())
+
+
 # --- dtypes on the wire --------------------------------------------------------------------------
 # Gloo moves and reduces only these dtypes; given another (complex, int16, the unsigned 16- to
 # 64-bit integers, float8, bit dtypes) it raises mid-collective on some ranks, and the ranks fall
@@ -65,7 +71,7 @@ def on_wire(x: torch.Tensor, run: Any) -> torch.Tensor:
     if x.dtype in _NATIVE:
         return run(x)
     if x.is_complex():
-        return torch.view_as_complex(on_wire(torch.view_as_real(x), run))
+        return torch.view_as_complex(on_wire(_pairs(x), run))
     return run(x.unsqueeze(-1).view(torch.uint8)).view(x.dtype).squeeze(-1)
 
 
@@ -75,11 +81,11 @@ def _same(wire: torch.Tensor) -> torch.Tensor:
 
 def reduce_wire(t: torch.Tensor, summed: bool, where: str) -> tuple[torch.Tensor, Any]:
     """``(wire, back)``: ``t`` in a dtype the backend reduces exactly (a sum if ``summed``, else a
-    max or min): ``t`` itself, a view of its bits, or a wider copy; and ``back``, the reduced
-    wire -> the value in ``t``'s dtype (a view of the wire where the wire is a view of ``t``, so
-    that a reduction in place of such a wire leaves its result in ``t``)."""
+    max or min): ``t`` itself, a view of its bits, or a copy (wider, or of a conjugate view); and
+    ``back``, the reduced wire -> the value in ``t``'s dtype (a view of the wire where the wire is
+    a view of ``t``, so that a reduction in place of such a wire leaves its result in ``t``)."""
     if t.is_complex():
-        wire, back = reduce_wire(torch.view_as_real(t), summed, where)
+        wire, back = reduce_wire(_pairs(t), summed, where)
         return wire, lambda w: torch.view_as_complex(back(w))
     if t.dtype is torch.bool and summed:  # gloo adds their bytes (True + True = 2): the
         # sum of truth values is their "or", as on the simulated mesh
