@@ -214,7 +214,7 @@ def test_a_mesh_drops_its_process_groups_before_the_interpreter_finalizes():
 
 def test_a_rank_failing_inside_make_mesh_is_named_with_its_error():
     """Its process registered but made no mesh: its exit must still be recorded, or its peers
-    call it killed (seen under load: a make_mesh that timed out was reported as a SIGKILL).
+    call it killed (under load a make_mesh that times out would be reported as a SIGKILL).
     Timed: make_mesh once the backend is imported (its imports are no part of the failure)."""
     outcomes, tail = run("in_make_mesh")
     assert sorted(r for r, p in outcomes if p == "in_make_mesh") == [0, 2, 3], tail
