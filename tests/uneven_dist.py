@@ -1774,7 +1774,8 @@ def check_replayed(case: Case, real_mesh, sim_mesh) -> list[str]:
     return problems + _replayed_as_bytes(case, real_mesh, sim_mesh) + _replayed_dtypes(real_mesh)
 
 
-CAST = {"at": ""}  # which of _two_halos' ppermutes casts the 1-row block's halo to int64
+# which of _two_halos' ppermutes casts the 1-row block's halo, and to which dtype
+CAST: dict[str, Any] = {"at": "", "dtype": torch.int64}
 
 
 def _two_halos(v):
@@ -1784,7 +1785,7 @@ def _two_halos(v):
         h = v[-1:] * len(halos) + v[-1:]
         halos.append(
             ns.ppermute(
-                h.to(torch.int64) if CAST["at"] == which and v.shape[0] == 1 else h, "x", ring
+                h.to(CAST["dtype"]) if CAST["at"] == which and v.shape[0] == 1 else h, "x", ring
             )
         )
     return v + halos[0].double() + halos[1].double()
@@ -1794,7 +1795,9 @@ def _replayed_dtypes(real_mesh) -> list[str]:
     """A replayed call of two ppermutes whose 1-row block's halo turns int64 (float64's element
     size) in one of them: its first (carried behind the start-of-call check), its second (the
     recalled shape assumed, flagged in the ppermute itself): the simulated mesh's error on
-    every rank, not the int64 bytes read as float64; the calls before and after right."""
+    every rank, not the int64 bytes read as float64; int32 (another element size) in its
+    second, which sends the recalled dtype's zeros with its flag, not a block of other bytes
+    (gloo aborts on sizes that differ); the calls before and after right."""
     problems: list[str] = []
     x = torch.arange(30.0, dtype=F64).reshape(10, 3)  # (integers: exact in int64)
     ends = [3, 6, 9, 10]
@@ -1809,18 +1812,18 @@ def _replayed_dtypes(real_mesh) -> list[str]:
         ns.spmd_map(_two_halos, mesh=m, in_specs=P("x"), out_specs=P("x"))
         for m in (real_mesh, sim_mesh)
     )
-    for k, at in enumerate(("", "", "second", "", "first", "", "")):
-        CAST["at"] = at
+    steps = ["", "", "second", "", "first", "", "", "second:int32", ""]
+    for k, step in enumerate(steps):
+        at, _, name = step.partition(":")
+        CAST["at"], CAST["dtype"] = at, getattr(torch, name or "int64")
         (got, _), (want, _) = _outcome(real, (x,)), _outcome(sim, (x,))
         if isinstance(want, str) or isinstance(got, str):
-            if (
-                got != want
-                or "different dtypes ['float64', 'float64', 'float64', 'int64']" not in want
-            ):
+            wanted = f"different dtypes ['float64', 'float64', 'float64', '{name or 'int64'}']"
+            if got != want or wanted not in want:
                 problems.append(f"dtypes call {k}: real {got!r} vs simulated {want!r}")
         else:
             _close(got[0], dense, f"dtypes call {k} vs dense", problems)
-    CAST["at"] = ""
+    CAST["at"], CAST["dtype"] = "", torch.int64
     return problems
 
 

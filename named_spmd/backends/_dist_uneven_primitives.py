@@ -401,7 +401,9 @@ class UnevenPrimitives(OperandShapes):
             out, flagged = _dist_carried.permute(self, x, axes, pairs, guess, differs)  # type: ignore[arg-type]
         else:
             comm = self.mesh.comm(axes)
-            zeros = x.new_zeros(guess[0]) if differs else x
+            # (a flagged operand is sent as the recalled shape and dtype: the sizes every member
+            # expects, whatever the element size of the operand that differs)
+            zeros = x.new_zeros(guess[0], dtype=dtype_of(guess[1])) if differs else x
             out, flagged = comm.permute_flagged(zeros, pairs, differs)
         if out is not None and not flagged:
             return out
