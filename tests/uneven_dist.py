@@ -1795,9 +1795,9 @@ def _replayed_dtypes(real_mesh) -> list[str]:
     """A replayed call of two ppermutes whose 1-row block's halo turns int64 (float64's element
     size) in one of them: its first (carried behind the start-of-call check), its second (the
     recalled shape assumed, flagged in the ppermute itself): the simulated mesh's error on
-    every rank, not the int64 bytes read as float64; int32 (another element size) in its
-    second, which sends the recalled dtype's zeros with its flag, not a block of other bytes
-    (gloo aborts on sizes that differ); the calls before and after right."""
+    every rank, not the int64 bytes read as float64; int32 (another element size) in either,
+    which sends its flag without a block of other bytes (gloo aborts on sizes that differ);
+    the calls before and after right."""
     problems: list[str] = []
     x = torch.arange(30.0, dtype=F64).reshape(10, 3)  # (integers: exact in int64)
     ends = [3, 6, 9, 10]
@@ -1812,7 +1812,7 @@ def _replayed_dtypes(real_mesh) -> list[str]:
         ns.spmd_map(_two_halos, mesh=m, in_specs=P("x"), out_specs=P("x"))
         for m in (real_mesh, sim_mesh)
     )
-    steps = ["", "", "second", "", "first", "", "", "second:int32", ""]
+    steps = ["", "", "second", "", "first", "", "", "second:int32", "", "first:int32", ""]
     for k, step in enumerate(steps):
         at, _, name = step.partition(":")
         CAST["at"], CAST["dtype"] = at, getattr(torch, name or "int64")
