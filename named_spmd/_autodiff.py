@@ -149,6 +149,8 @@ fast_apply = function_base_apply.__get__(None, CollectiveFn)
 
 def apply(rec: Collective, spmd: SpmdContext, x: torch.Tensor, axes: Axes, params: Any):
     """``rec`` on ``x`` through the bridge (the caller checked :func:`differentiable`)."""
+    if rec.plain_view:  # autograd's own view on every backend: a write reaches x, as simulated
+        return rec.forward(spmd, x, axes, params)
     if torch.compiler.is_compiling():
         return TracedCollectiveFn.apply(x, rec, spmd, axes, params)
     if transforms_active():  # functorch needs the full Python path (it wraps the Function)

@@ -366,6 +366,44 @@ def test_a_write_into_an_extremum_keeps_its_gradient(op):
             torch.testing.assert_close(xg.grad, want_grad.reshape(-1).float())
 
 
+def cast_results_written(x):
+    """Writes into the results of the casts between varying and unreduced: per instance the
+    identity, a view of the operand (the write reaches it)."""
+    c = x * 1
+    u = ns.pcast(c, "dp", to="unreduced")
+    u.mul_(2)
+    v = ns.pcast(ns.pcast(x * 1, "dp", to="unreduced"), "dp", to="varying")
+    v.add_(1)
+    return ns.psum(u, "dp"), c, v
+
+
+def test_a_write_into_a_varying_unreduced_cast_reaches_its_operand():
+    """The cast's result is a view of its operand, as a plain op's view (tests/dist_worker.py
+    checks a real mesh, where the cast ran as an autograd Function whose view autograd
+    refused to write into). Reference: the dense program in plain torch, first and replayed
+    calls, with and without gradients."""
+    x = torch.arange(8.0) / 3
+    blocks = (2 * x).reshape(2, 4)
+    want = (blocks[0] + blocks[1], 2 * x, x + 1)
+    weights = [torch.arange(1.0, 1.0 + w.numel()) for w in want]
+    xd = x.clone().requires_grad_()
+    dense = ((2 * xd).reshape(2, 4).sum(0), 2 * xd, xd + 1)
+    sum((t * w).sum() for t, w in zip(dense, weights)).backward()
+    mesh = ns.make_mesh((2,), ("dp",))
+    specs = dict(in_specs=P("dp"), out_specs=(P(), P("dp"), P("dp")))
+    f = ns.spmd_map(cast_results_written, mesh=mesh, **specs)
+    for per_instance in (False, True):
+        for grad in (False, True, True):  # (the second call with gradients: a replayed one)
+            xg = x.clone().requires_grad_(grad)
+            with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+                got = f(xg)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b)
+            if grad:
+                sum((t * w).sum() for t, w in zip(got, weights)).backward()
+                torch.testing.assert_close(xg.grad, xd.grad)
+
+
 def _deep_copies(x):
     y = copy.deepcopy(x)  # an instance's own copy: the write below leaves x as it was
     y.mul_(2)

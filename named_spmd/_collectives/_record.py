@@ -97,6 +97,10 @@ class Collective:
     #: in place where nothing else holds it (``SpmdContext.apply``'s ``user_operand``)
     donates: bool = False
     makes_partial: bool = False  # the result may be unreduced or reduced for a plain operand
+    #: the forward is a view of the operand and the transpose the identity (varying <->
+    #: unreduced): differentiated by autograd as the view it is, never through the bridge's
+    #: Function, whose view outputs autograd refuses to write into (the simulated mesh's take it)
+    plain_view: bool = False
     #: what the collective would do to an operand invariant over some of its axes, and the fix:
     #: the rest of the error after "the operand is invariant over ... (its type ...), so "
     #: (``REQUIRE_VARYING`` records; see :class:`Invariant`)

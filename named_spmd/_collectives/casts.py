@@ -42,7 +42,9 @@ def _identity(
     return g
 
 
-def _cast(name: str, to: str, forward: Any, transpose: Any, back: Any) -> Collective:
+def _cast(
+    name: str, to: str, forward: Any, transpose: Any, back: Any, plain_view: bool = False
+) -> Collective:
     return Collective(
         name=name,
         policy=None,  # pcast checks the operand's state itself
@@ -54,13 +56,16 @@ def _cast(name: str, to: str, forward: Any, transpose: Any, back: Any) -> Collec
         forward_event=False,
         makes_partial=True,
         unreduced="cast",
+        plain_view=plain_view,
     )
 
 
 #: I -> R: the value is kept; its gradient, a partial sum, is summed here (psum of unreduced)
 PREDUCED = _cast("preduced", "reduced", _view, _pvary_transpose, backward_op("psum"))
 #: V -> U: each instance's value becomes its part of a sum; the cotangent (reduced) is cast back
-VARY_UNREDUCED = _cast("vary_unreduced", "unreduced", _view, _identity, lambda params: None)
+VARY_UNREDUCED = _cast(
+    "vary_unreduced", "unreduced", _view, _identity, lambda params: None, plain_view=True
+)
 #: R -> V: the value is the same everywhere (on the simulated mesh it becomes batched); the
 #: cotangent stays each instance's partial sum: no communication
 REDUCED_VARY = _cast(
@@ -71,7 +76,9 @@ REDUCED_VARY = _cast(
     lambda params: None,
 )
 #: U -> V: the instance's partial sum taken as its local value
-UNREDUCED_VARY = _cast("unreduced_vary", "varying", _view, _identity, lambda params: None)
+UNREDUCED_VARY = _cast(
+    "unreduced_vary", "varying", _view, _identity, lambda params: None, plain_view=True
+)
 
 _CASTS = {
     ("invariant", "varying"): PVARY_RECORD,
