@@ -36,13 +36,16 @@ SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as reals, a view of ``t`` (a complex ``t`` as pairs), so that a reduction in place
+    of it leaves its result in ``t``: for a buffer the library owns, never a conjugate view
+    (torch has none of one, and raises)."""
     return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _pairs(t: torch.Tensor) -> torch.Tensor:
-    """Complex ``t`` as pairs of reals. A conjugate view (``x.conj()``) is conjugated first:
-    torch has no real view of one (the copy is no longer a view of ``t``)."""
-    return torch.view_as_real(t.resolve_conj())
+    """A caller's complex ``t`` as pairs of reals. A conjugate view (``x.conj()``) is conjugated
+    first, into a copy that is no longer a view of ``t``."""
+    return _real(t.resolve_conj())
 
 
 # --- dtypes on the wire --------------------------------------------------------------------------
