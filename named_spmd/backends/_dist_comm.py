@@ -201,13 +201,17 @@ class Comm:
         sig = f"{op}({list(t.shape)}, {t.dtype}, axes={self.axes}{extra})"
         check_same_call(self.mesh.board, self.key, self.members, sig, f"rank {self.mesh.rank}")
 
-    def _issue(self, op: str, start) -> None:
-        """Start a collective and wait for it; failures become RankFailedError."""
+    def _start(self, op: str, start) -> Any:
+        """``start()``, a collective's start, with no torch function mode on the stack (see the
+        module's doc); returns its work. A failure to start becomes RankFailedError."""
         try:
-            work = without_function_modes(start)
+            return without_function_modes(start)
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(op)) from None
-        self._wait(op, work)
+
+    def _issue(self, op: str, start) -> None:
+        """Start a collective and wait for it; failures become RankFailedError."""
+        self._wait(op, self._start(op, start))
 
     def _wait(self, op: str, work: Any) -> None:
         if self.poll:
@@ -231,10 +235,7 @@ class Comm:
         finishes it; in between, this rank computes."""
         buf = torch.tensor([value, -value], dtype=torch.int64)
         opts = self._agree_opts
-        try:
-            return without_function_modes(lambda: self.group.allreduce([buf], opts)), buf
-        except RuntimeError as e:
-            raise self.mesh.board.translate(e, self._doing(name)) from None
+        return self._start(name, lambda: self.group.allreduce([buf], opts)), buf
 
     def agreed(self, started: tuple[Any, torch.Tensor], name: str) -> bool:
         """Whether every member passed the same value to :meth:`start_agree`."""
@@ -248,23 +249,16 @@ class Comm:
         dtype travels as a wider copy); returns the result."""
         self._before(name, buf)
         wire, back = reduce_wire(buf, op == SUM, self._doing(name))
-        try:
-            opts = self._opts[op]
-            work = without_function_modes(lambda: self.group.allreduce([wire], opts))
-        except RuntimeError as e:
-            raise self.mesh.board.translate(e, self._doing(name)) from None
-        self._wait(name, work)
+        opts = self._opts[op]
+        self._issue(name, lambda: self.group.allreduce([wire], opts))
         return buf if back is _same else back(wire)
 
     def start_all_reduce_(self, buf: torch.Tensor, name: str = "psum") -> Any:
         """Start summing ``buf`` (owned by the caller) over the group in place; returns the work,
         to be finished with :meth:`finish`."""
         self._before(name, buf)
-        try:
-            wire, opts = _real(buf), self._async_sum
-            return without_function_modes(lambda: self.group.allreduce([wire], opts))
-        except RuntimeError as e:
-            raise self.mesh.board.translate(e, self._doing(name)) from None
+        wire, opts = _real(buf), self._async_sum
+        return self._start(name, lambda: self.group.allreduce([wire], opts))
 
     def finish(self, work: Any, name: str = "psum") -> None:
         """Wait for a work from :meth:`start_all_reduce_` (failures become RankFailedError)."""
@@ -330,11 +324,8 @@ class Comm:
         if self._from_group is not None:
             stacked = stacked.index_select(0, self._from_group)
         out = torch.empty_like(stacked)
-        try:
-            opts = self._started_a2a_opts
-            return without_function_modes(lambda: self._a2a(out, stacked, [], [], opts)), out
-        except RuntimeError as e:
-            raise self.mesh.board.translate(e, self._doing("all_to_all")) from None
+        opts = self._started_a2a_opts
+        return self._start("all_to_all", lambda: self._a2a(out, stacked, [], [], opts)), out
 
     def finish_all_to_all(self, started: tuple[Any, torch.Tensor], name: str) -> torch.Tensor:
         """Wait for :meth:`start_all_to_all`; the received chunks in source tuple order."""
