@@ -316,6 +316,41 @@ def test_disable_torch_function_and_functorch():
         torch_private.vmap_decrement_nesting()
 
 
+def test_has_torch_function_tells_whether_a_read_reaches_a_mode_or_an_override():
+    """dtype_and_device reads a plain tensor directly where this is False: then no mode and no
+    subclass's __torch_function__ sees the read, as under DisableTorchFunction."""
+    seen: list = []
+
+    class Seen(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Overriding(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    t = torch.ones(1)
+    sub = t.as_subclass(Overriding)
+    seen.clear()
+    assert not torch_private.has_torch_function(t)
+    assert not torch_private.has_torch_function(torch.nn.Parameter(t))  # its override is off
+    t.dtype
+    assert seen == []
+    assert torch_private.has_torch_function(sub)
+    sub.dtype
+    assert len(seen) == 1  # the read reached the subclass's override
+    with Seen():
+        assert torch_private.has_torch_function(t)
+        t.dtype
+        assert len(seen) == 2  # and the mode
+        with torch_private.DisableTorchFunction():
+            assert not torch_private.has_torch_function(t)
+            assert not torch_private.has_torch_function(sub)
+
+
 def test_the_function_mode_stack_names():
     """The checkpoint marker (_calls.CallMarker) is a DeviceContext pushed and removed with
     these: depth, the mode at a depth (0 the bottom), push and pop of the top."""

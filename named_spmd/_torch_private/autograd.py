@@ -113,6 +113,10 @@ def without_function_modes(start: Any) -> Any:
 
 # Library-internal ops run without the user-visible TorchFunctionModes (vma tracking).
 DisableTorchFunction = torch._C.DisableTorchFunction
+# Whether an op on (or an attribute read of) a tensor dispatches through ``__torch_function__``:
+# a mode on the stack or a subclass's override, and torch function not disabled. Where it does
+# not, a read needs no DisableTorchFunction (entering one costs more than the read).
+has_torch_function = torch._C._has_torch_function_unary
 
 # --- make_fx (torch.func.linearize, torch.export, AOT autograd) ---------------------------------
 _PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY
