@@ -109,7 +109,7 @@ def reduce_wire(t: torch.Tensor, summed: bool, where: str) -> tuple[torch.Tensor
     )
 
 
-def _unreceived(x: torch.Tensor, src: int | None, me: int) -> torch.Tensor | None:
+def unreceived(x: torch.Tensor, src: int | None, me: int) -> torch.Tensor | None:
     """A ppermute's result on member ``me`` where no peer sends to it (``src``, from
     :func:`permute_splits`): zeros where nothing arrives, a copy of its own ``x`` where it
     sends to itself; None where a peer's block arrives."""
@@ -371,7 +371,7 @@ class Comm:
         me = self.index
         block = x.contiguous().reshape(-1)  # kept alive here until the send completes
         src, received, sent = permute_splits(pairs, me, block.numel(), self.group_rank)
-        out = _unreceived(x, src, me)
+        out = unreceived(x, src, me)
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if all(s == d for s, d in pairs):
@@ -412,7 +412,7 @@ class Comm:
         self._issue(name, lambda: self._a2a(into, send, out_splits, in_splits, opts))
         # every peer's flag read on the host at once (one synchronisation)
         flags.append(differs or any(into.index_select(0, peers).tolist()))
-        out = _unreceived(x, src, self.index)
+        out = unreceived(x, src, self.index)
         if out is not None:
             return out
         start = sum(out_splits[: self.group_rank[src]])  # the source's flag, then its block
