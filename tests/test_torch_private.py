@@ -373,6 +373,22 @@ def test_the_function_mode_stack_names():
     assert torch_private.function_mode_depth() == base
 
 
+def test_remove_function_mode_takes_the_topmost_match_off_and_keeps_the_others_in_order():
+    base = torch_private.function_mode_depth()
+    a, b, c = (torch.overrides.TorchFunctionMode() for _ in range(3))
+    for mode in (a, b, c):
+        torch_private.push_function_mode(mode)
+    try:
+        assert torch_private.remove_function_mode(lambda m: m is a or m is b) is b
+        assert torch_private.remove_function_mode(lambda m: m is b) is None
+        assert torch_private.function_mode_depth() == base + 2
+        assert torch_private.function_mode_at(base) is a
+        assert torch_private.function_mode_at(base + 1) is c
+    finally:
+        while torch_private.function_mode_depth() > base:
+            torch_private.pop_function_mode()
+
+
 def _prints_ok_in_a_fresh_process(code: str) -> None:
     """Run ``code`` in a new interpreter (what it imports is then its own) and expect "ok"."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
