@@ -227,14 +227,4 @@ def without_call_modes(ctx: SpmdContext) -> Iterator[None]:
 def _remove_marker(ctx: SpmdContext) -> CallMarker | None:
     """Pop the topmost marker of ``ctx``, wherever it sits (a ``torch.device`` block entered
     inside the call moves DeviceContext modes to the bottom of the stack); return it."""
-    above = []
-    found = None
-    while torch_private.function_mode_depth():
-        mode = torch_private.pop_function_mode()
-        if isinstance(mode, CallMarker) and mode.ctx is ctx:
-            found = mode
-            break
-        above.append(mode)
-    for mode in reversed(above):
-        torch_private.push_function_mode(mode)
-    return found
+    return torch_private.remove_function_mode(lambda m: isinstance(m, CallMarker) and m.ctx is ctx)

@@ -316,6 +316,41 @@ def test_disable_torch_function_and_functorch():
         torch_private.vmap_decrement_nesting()
 
 
+def test_has_torch_function_tells_whether_a_read_reaches_a_mode_or_an_override():
+    """dtype_and_device reads a plain tensor directly where this is False: then no mode and no
+    subclass's __torch_function__ sees the read, as under DisableTorchFunction."""
+    seen: list = []
+
+    class Seen(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Overriding(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    t = torch.ones(1)
+    sub = t.as_subclass(Overriding)
+    seen.clear()
+    assert not torch_private.has_torch_function(t)
+    assert not torch_private.has_torch_function(torch.nn.Parameter(t))  # its override is off
+    t.dtype
+    assert seen == []
+    assert torch_private.has_torch_function(sub)
+    sub.dtype
+    assert len(seen) == 1  # the read reached the subclass's override
+    with Seen():
+        assert torch_private.has_torch_function(t)
+        t.dtype
+        assert len(seen) == 2  # and the mode
+        with torch_private.DisableTorchFunction():
+            assert not torch_private.has_torch_function(t)
+            assert not torch_private.has_torch_function(sub)
+
+
 def test_the_function_mode_stack_names():
     """The checkpoint marker (_calls.CallMarker) is a DeviceContext pushed and removed with
     these: depth, the mode at a depth (0 the bottom), push and pop of the top."""
@@ -336,6 +371,22 @@ def test_the_function_mode_stack_names():
         assert torch_private.pop_function_mode() is b
         assert torch_private.pop_function_mode() is a
     assert torch_private.function_mode_depth() == base
+
+
+def test_remove_function_mode_takes_the_topmost_match_off_and_keeps_the_others_in_order():
+    base = torch_private.function_mode_depth()
+    a, b, c = (torch.overrides.TorchFunctionMode() for _ in range(3))
+    for mode in (a, b, c):
+        torch_private.push_function_mode(mode)
+    try:
+        assert torch_private.remove_function_mode(lambda m: m is a or m is b) is b
+        assert torch_private.remove_function_mode(lambda m: m is b) is None
+        assert torch_private.function_mode_depth() == base + 2
+        assert torch_private.function_mode_at(base) is a
+        assert torch_private.function_mode_at(base + 1) is c
+    finally:
+        while torch_private.function_mode_depth() > base:
+            torch_private.pop_function_mode()
 
 
 def _prints_ok_in_a_fresh_process(code: str) -> None:

@@ -189,6 +189,8 @@ def dtype_and_device(t: torch.Tensor) -> tuple[torch.dtype, str]:
     """``t``'s dtype and device type, read past the torch function modes: the collectives'
     checks read them on every call, where a mode's dispatch of the read costs several times
     the read (no op of the program: nothing for a mode to type)."""
+    if not torch_private.has_torch_function(t):  # nothing to read past
+        return t.dtype, t.device.type
     with torch_private.DisableTorchFunction():
         return t.dtype, t.device.type
 

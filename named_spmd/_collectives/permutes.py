@@ -35,6 +35,24 @@ def _permute_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Para
     return ctx.permute(x, axes, params[0])
 
 
+def _permutation(name: str, prepare: Any) -> Collective:
+    """The record of a permutation whose parameters are its ``(src, dst)`` pairs (made by
+    ``prepare`` from the user's arguments): the backend's permute, whose transpose is the same
+    collective with every pair reversed."""
+    return Collective(
+        name=name,
+        policy=PVARY,
+        vma=same_vma,
+        shape=same_shape,
+        forward=_permute_forward,
+        transpose=lambda ctx, g, axes, params, node: ctx.apply(
+            RECORDS[name], g, axes, (_reversed(params[0]),)
+        ),
+        backward_op=backward_op(name),
+        prepare=prepare,
+    )
+
+
 # --- ppermute ------------------------------------------------------------------------------------
 
 
@@ -57,19 +75,9 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
     return PPERMUTE.bind(x, axis_name, perm)
 
 
-PPERMUTE = Collective(
-    name="ppermute",
-    policy=PVARY,
-    vma=same_vma,
-    shape=same_shape,
-    forward=_permute_forward,
-    transpose=lambda ctx, g, axes, params, node: ctx.apply(
-        RECORDS["ppermute"], g, axes, (_reversed(params[0]),)
-    ),
-    backward_op=backward_op("ppermute"),
-    prepare=lambda ctx, axes, perm: (
-        check_pairs(ctx, "ppermute", perm, ctx.mesh.axis_size(axes), axes),
-    ),
+PPERMUTE = _permutation(
+    "ppermute",
+    lambda ctx, axes, perm: (check_pairs(ctx, "ppermute", perm, ctx.mesh.axis_size(axes), axes),),
 )
 
 
@@ -105,18 +113,7 @@ def _pshuffle_prepare(ctx: SpmdContext, axes: Axes, perm: Any) -> Params:
     return (tuple((src, dst) for dst, src in enumerate(order)),)
 
 
-PSHUFFLE = Collective(
-    name="pshuffle",
-    policy=PVARY,
-    vma=same_vma,
-    shape=same_shape,
-    forward=_permute_forward,
-    transpose=lambda ctx, g, axes, params, node: ctx.apply(
-        RECORDS["pshuffle"], g, axes, (_reversed(params[0]),)
-    ),
-    backward_op=backward_op("pshuffle"),
-    prepare=_pshuffle_prepare,
-)
+PSHUFFLE = _permutation("pshuffle", _pshuffle_prepare)
 
 
 # --- pbroadcast ----------------------------------------------------------------------------------

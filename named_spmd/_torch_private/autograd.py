@@ -95,6 +95,23 @@ push_function_mode = torch.overrides._push_mode
 pop_function_mode = torch.overrides._pop_mode
 
 
+def remove_function_mode(found: Callable[[Any], bool]) -> Any:
+    """Take the topmost torch function mode for which ``found(mode)`` is true off the stack,
+    wherever it sits (a ``torch.device`` block moves DeviceContext modes to the bottom), the
+    modes above it staying on in their order; returns it, or None where there is none."""
+    above = []
+    removed = None
+    while function_mode_depth():
+        mode = pop_function_mode()
+        if found(mode):
+            removed = mode
+            break
+        above.append(mode)
+    for mode in reversed(above):
+        push_function_mode(mode)
+    return removed
+
+
 def without_function_modes(start: Any) -> Any:
     """``start()`` (a c10d collective's start) with the torch function mode stack empty. A work
     keeps a copy of the thread-local state it was made under, the mode stack among it, until
@@ -113,6 +130,10 @@ def without_function_modes(start: Any) -> Any:
 
 # Library-internal ops run without the user-visible TorchFunctionModes (vma tracking).
 DisableTorchFunction = torch._C.DisableTorchFunction
+# Whether an op on (or an attribute read of) a tensor dispatches through ``__torch_function__``:
+# a mode on the stack or a subclass's override, and torch function not disabled. Where it does
+# not, a read needs no DisableTorchFunction (entering one costs more than the read).
+has_torch_function = torch._C._has_torch_function_unary
 
 # --- make_fx (torch.func.linearize, torch.export, AOT autograd) ---------------------------------
 _PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY

@@ -36,13 +36,16 @@ SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as reals, a view of ``t`` (a complex ``t`` as pairs), so that a reduction in place
+    of it leaves its result in ``t``: for a buffer the library owns, never a conjugate view
+    (torch has none of one, and raises)."""
     return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _pairs(t: torch.Tensor) -> torch.Tensor:
-    """Complex ``t`` as pairs of reals. A conjugate view (``x.conj()``) is conjugated first:
-    torch has no real view of one (the copy is no longer a view of ``t``)."""
-    return torch.view_as_real(t.resolve_conj())
+    """A caller's complex ``t`` as pairs of reals. A conjugate view (``x.conj()``) is conjugated
+    first, into a copy that is no longer a view of ``t``."""
+    return _real(t.resolve_conj())
 
 
 # --- dtypes on the wire --------------------------------------------------------------------------
@@ -106,7 +109,7 @@ def reduce_wire(t: torch.Tensor, summed: bool, where: str) -> tuple[torch.Tensor
     )
 
 
-def _unreceived(x: torch.Tensor, src: int | None, me: int) -> torch.Tensor | None:
+def unreceived(x: torch.Tensor, src: int | None, me: int) -> torch.Tensor | None:
     """A ppermute's result on member ``me`` where no peer sends to it (``src``, from
     :func:`permute_splits`): zeros where nothing arrives, a copy of its own ``x`` where it
     sends to itself; None where a peer's block arrives."""
@@ -198,13 +201,17 @@ class Comm:
         sig = f"{op}({list(t.shape)}, {t.dtype}, axes={self.axes}{extra})"
         check_same_call(self.mesh.board, self.key, self.members, sig, f"rank {self.mesh.rank}")
 
-    def _issue(self, op: str, start) -> None:
-        """Start a collective and wait for it; failures become RankFailedError."""
+    def _start(self, op: str, start) -> Any:
+        """``start()``, a collective's start, with no torch function mode on the stack (see the
+        module's doc); returns its work. A failure to start becomes RankFailedError."""
         try:
-            work = without_function_modes(start)
+            return without_function_modes(start)
         except RuntimeError as e:
             raise self.mesh.board.translate(e, self._doing(op)) from None
-        self._wait(op, work)
+
+    def _issue(self, op: str, start) -> None:
+        """Start a collective and wait for it; failures become RankFailedError."""
+        self._wait(op, self._start(op, start))
 
     def _wait(self, op: str, work: Any) -> None:
         if self.poll:
@@ -228,10 +235,7 @@ class Comm:
         finishes it; in between, this rank computes."""
         buf = torch.tensor([value, -value], dtype=torch.int64)
         opts = self._agree_opts
-        try:
-            return without_function_modes(lambda: self.group.allreduce([buf], opts)), buf
-        except RuntimeError as e:
-            raise self.mesh.board.translate(e, self._doing(name)) from None
+        return self._start(name, lambda: self.group.allreduce([buf], opts)), buf
 
     def agreed(self, started: tuple[Any, torch.Tensor], name: str) -> bool:
         """Whether every member passed the same value to :meth:`start_agree`."""
@@ -245,23 +249,16 @@ class Comm:
         dtype travels as a wider copy); returns the result."""
         self._before(name, buf)
         wire, back = reduce_wire(buf, op == SUM, self._doing(name))
-        try:
-            opts = self._opts[op]
-            work = without_function_modes(lambda: self.group.allreduce([wire], opts))
-        except RuntimeError as e:
-            raise self.mesh.board.translate(e, self._doing(name)) from None
-        self._wait(name, work)
+        opts = self._opts[op]
+        self._issue(name, lambda: self.group.allreduce([wire], opts))
         return buf if back is _same else back(wire)
 
     def start_all_reduce_(self, buf: torch.Tensor, name: str = "psum") -> Any:
         """Start summing ``buf`` (owned by the caller) over the group in place; returns the work,
         to be finished with :meth:`finish`."""
         self._before(name, buf)
-        try:
-            wire, opts = _real(buf), self._async_sum
-            return without_function_modes(lambda: self.group.allreduce([wire], opts))
-        except RuntimeError as e:
-            raise self.mesh.board.translate(e, self._doing(name)) from None
+        wire, opts = _real(buf), self._async_sum
+        return self._start(name, lambda: self.group.allreduce([wire], opts))
 
     def finish(self, work: Any, name: str = "psum") -> None:
         """Wait for a work from :meth:`start_all_reduce_` (failures become RankFailedError)."""
@@ -327,11 +324,8 @@ class Comm:
         if self._from_group is not None:
             stacked = stacked.index_select(0, self._from_group)
         out = torch.empty_like(stacked)
-        try:
-            opts = self._started_a2a_opts
-            return without_function_modes(lambda: self._a2a(out, stacked, [], [], opts)), out
-        except RuntimeError as e:
-            raise self.mesh.board.translate(e, self._doing("all_to_all")) from None
+        opts = self._started_a2a_opts
+        return self._start("all_to_all", lambda: self._a2a(out, stacked, [], [], opts)), out
 
     def finish_all_to_all(self, started: tuple[Any, torch.Tensor], name: str) -> torch.Tensor:
         """Wait for :meth:`start_all_to_all`; the received chunks in source tuple order."""
@@ -377,7 +371,7 @@ class Comm:
         me = self.index
         block = x.contiguous().reshape(-1)  # kept alive here until the send completes
         src, received, sent = permute_splits(pairs, me, block.numel(), self.group_rank)
-        out = _unreceived(x, src, me)
+        out = unreceived(x, src, me)
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if all(s == d for s, d in pairs):
@@ -418,7 +412,7 @@ class Comm:
         self._issue(name, lambda: self._a2a(into, send, out_splits, in_splits, opts))
         # every peer's flag read on the host at once (one synchronisation)
         flags.append(differs or any(into.index_select(0, peers).tolist()))
-        out = _unreceived(x, src, self.index)
+        out = unreceived(x, src, self.index)
         if out is not None:
             return out
         start = sum(out_splits[: self.group_rank[src]])  # the source's flag, then its block

@@ -38,7 +38,7 @@ from .._spec import specialize
 from .._stamps import TrackedContext
 from .._traced import CompiledVmaMode, TracedContext, route_view_attributes
 from .._types import INVARIANT
-from ._dist_comm import on_wire, permute_splits, reduce_wire
+from ._dist_comm import on_wire, permute_splits, reduce_wire, unreceived
 from ._dist_io import block_input, global_output, local_input, local_output
 
 if TYPE_CHECKING:
@@ -148,11 +148,8 @@ class FuncolPrimitives:
         if any(s != d for s, d in pairs):
             send = block if any(sent) else block[:0]
             arrived = _wait(_F.all_to_all(send, received, sent, name))
-        if src is None:
-            return torch.zeros_like(x, memory_format=torch.contiguous_format)
-        if src == me:
-            return x.clone(memory_format=torch.contiguous_format)
-        return arrived.reshape(x.shape)
+        out = unreceived(x, src, me)
+        return arrived.reshape(x.shape) if out is None else out
 
     def broadcast(self, x, axes, root):
         name, _, _, order = _group(self.mesh, axes)

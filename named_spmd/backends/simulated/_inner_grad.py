@@ -126,11 +126,4 @@ def leaving(level: int | None) -> None:
     if not modes or modes[-1][0] != level:
         return
     _, mode = modes.pop()
-    above = []
-    while torch_private.function_mode_depth():
-        top = torch_private.pop_function_mode()
-        if top is mode:
-            break
-        above.append(top)
-    for top in reversed(above):
-        torch_private.push_function_mode(top)
+    torch_private.remove_function_mode(lambda m: m is mode)

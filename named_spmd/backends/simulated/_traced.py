@@ -271,7 +271,8 @@ class _SimulatedVmaMode(CompiledVmaMode):
 # torch functions whose result's size depends on their operands' values (their aten ops carry
 # the ``dynamic_output_shape`` tag): vmap refuses to batch some of them, which the eager call
 # explains; Dynamo instead fails on the op while tracing it, with a TorchRuntimeError naming
-# none of the user's code. Also: ``torch.where(condition)`` and indexing with a boolean mask.
+# none of the user's code. Those sized by their values only in some calls (``torch.where``,
+# indexing, ``repeat_interleave``, ``one_hot``) are decided by :func:`_may_be_sized_by_values`.
 _SIZED_BY_VALUES = frozenset(
     {
         torch.nonzero,
@@ -284,11 +285,8 @@ _SIZED_BY_VALUES = frozenset(
         torch.Tensor.unique,
         torch.unique_consecutive,
         torch.Tensor.unique_consecutive,
-        torch.repeat_interleave,
-        torch.Tensor.repeat_interleave,
         torch.bincount,
         torch.Tensor.bincount,
-        F.one_hot,
     }
 )
 
