@@ -318,7 +318,7 @@ def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[l
                 mine.append(leaf)
                 continue
             x = leaf if blocks is None else blocks[split_index(spec, leaf.dim(), sizes, coords)]
-            x = x.view_as(x)
+            x = torch_private.leaf_stand_in(x)
             if any(coords[a] != 0 for a in spec.unreduced):
                 x = torch.zeros_like(x)  # parts of the value: the first member's is the value
             mine.append(x)

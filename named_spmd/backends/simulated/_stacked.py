@@ -18,6 +18,8 @@ ordinary ops as any others: no collective here has a rule of its own.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 REDUCTIONS = {"sum": "sum", "max": "amax", "min": "amin"}  # a reduce op -> the torch method
@@ -32,6 +34,10 @@ def reduction(op: str, dtype: torch.dtype) -> str:
 def reduce(z: torch.Tensor, op: str, members: int = 0) -> torch.Tensor:
     """all_reduce: elementwise ``op`` over the members (dim ``members``), in ``z``'s dtype
     (torch sums small integer types in int64; a mesh reduction keeps the operand's dtype)."""
+    if op == "sum" and (z.is_floating_point() or z.is_complex()):
+        # member by member, as a mesh adds the ranks' values: torch.sum starts from +0.0, so
+        # its sum of -0.0s is +0.0 where a mesh's is -0.0 (-0.0 is the identity of IEEE addition)
+        return functools.reduce(torch.add, z.unbind(members))
     out = getattr(z, REDUCTIONS[op])(members)
     return out if out.dtype is z.dtype else out.to(z.dtype)
 
