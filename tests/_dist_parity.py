@@ -1,6 +1,6 @@
-"""Checks of tests/dist_worker.py: where the simulated mesh once parted from a real one (a sum
-of -0.0s, a negative view, a deep copy of a replicated leaf that requires grad, an op vmap runs
-through its fallback), the real mesh's values (and signs, types, gradients) against the
+"""Checks of tests/dist_worker.py that the simulated mesh agrees with a real one on a sum of
+-0.0s, a negative view, a deep copy of a replicated leaf that requires grad and an op vmap runs
+through its fallback: the real mesh's values (and signs, types, gradients) against the
 simulated mesh's, in the same process; the simulated side also against a dense reference."""
 
 from __future__ import annotations

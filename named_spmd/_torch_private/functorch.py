@@ -175,7 +175,10 @@ def batch_neg_views() -> None:
     """A vmap batching rule for ``aten::_neg_view`` (what ``x.conj().imag`` of a complex ``x``
     makes), which torch lacks: the simulated mesh runs every instance under vmap, where a real
     mesh's rank runs the op plainly. The rule takes the view of the batched value itself, so a
-    write through it reaches its base as on a rank. Installed once, unless torch has its own."""
+    write through it reaches its base as on a rank. Installed once, unless torch has its own
+    (among the rules vmap registers on first use: loaded first, so that none of them overrides
+    this one later)."""
+    lazy_load_decompositions()
     if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_neg_view", "FuncTorchBatched"):
         torch.library.register_vmap("aten::_neg_view", _neg_view_batched)
 

@@ -64,9 +64,9 @@ torch_private.batch_neg_views()
 # vmap's warning that an op runs per instance through its fallback ("There is a performance
 # drop ..."): the simulation, not the user, chose vmap, and a real mesh's rank runs the op
 # plainly. Ignored while the user's function runs under the levels, and only then (a vmap of
-# the user's own inside it too: the warning does not tell them apart); put in
-# ``warnings.filters`` directly, without ``catch_warnings``, whose version bump would show
-# again every warning already shown once at its line.
+# the user's own inside it too, and another thread's: the warning does not tell them apart);
+# put in ``warnings.filters`` directly, without ``catch_warnings``, whose version bump would
+# show again every warning already shown once at its line.
 _FALLBACK_WARNING = (
     "ignore",
     re.compile("There is a performance drop because we have not yet implemented the batching"),
@@ -74,6 +74,30 @@ _FALLBACK_WARNING = (
     None,
     0,
 )
+
+
+@torch_private.trace_constant  # (while Dynamo traces: run then, around the traced body)
+def _hide_fallback_warning() -> bool:
+    cast(list, warnings.filters).insert(0, _FALLBACK_WARNING)  # (a list; typed a Sequence)
+    return True
+
+
+@torch_private.trace_constant
+def _show_fallback_warning() -> bool:
+    with contextlib.suppress(ValueError):  # (the user replaced the list)
+        cast(list, warnings.filters).remove(_FALLBACK_WARNING)
+    return True
+
+
+@contextlib.contextmanager
+def fallback_warning_hidden() -> Iterator[None]:
+    """vmap's fallback warning (``_FALLBACK_WARNING``) ignored inside; the eager and the
+    compiled simulations run the user's function in it."""
+    _hide_fallback_warning()
+    try:
+        yield
+    finally:
+        _show_fallback_warning()
 
 
 def _run_body(
@@ -88,12 +112,10 @@ def _run_body(
             ctx.marker_typing = mode
         else:
             mode.__enter__()
-    cast(list, warnings.filters).insert(0, _FALLBACK_WARNING)  # (a list; typed a Sequence)
     try:
-        outs = list(call.body(local, ctx))
+        with fallback_warning_hidden():
+            outs = list(call.body(local, ctx))
     finally:
-        with contextlib.suppress(ValueError):  # (the user replaced the list)
-            cast(list, warnings.filters).remove(_FALLBACK_WARNING)
         ctx.end_partial()
         ctx.varied.clear()  # (see ``SimulatedContext.varied``)
     if mode is not None:

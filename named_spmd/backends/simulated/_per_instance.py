@@ -184,7 +184,7 @@ def _copies(x: Tensor, n: int) -> list[Tensor]:
 def _total(op: str, ctx: InstanceContext, xs: list[Tensor]) -> Tensor:
     """The elementwise ``op`` of the members' operands, in the operands' dtype."""
     _same_shapes(ctx, xs)
-    return stacked.reduce(torch.stack(xs), stacked.reduction(op, xs[0].dtype))
+    return stacked.reduce(xs, stacked.reduction(op, xs[0].dtype))
 
 
 def _reduce(op: str, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
