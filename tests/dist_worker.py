@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import programs_dist as pd  # noqa: E402
+from _dist_parity import parity_checks  # noqa: E402
 
 import named_spmd as ns  # noqa: E402
 from named_spmd import P  # noqa: E402
@@ -281,6 +282,7 @@ def run_checks(args, rank, world) -> None:
     results += _ragged_checks(mesh, world)
     results += _cast_alias_checks(mesh)
     results.append(_deep_copies(mesh, world))
+    results += parity_checks(mesh, world)
     results.append(_written_between_uses(mesh, world))
     results.append(_collective_results_written(mesh, world))
     results.append(_cast_results_written(mesh, world))

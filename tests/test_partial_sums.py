@@ -9,6 +9,7 @@ deferred gradient reduction, and one launch of tests/partial_dist.py on 2 real p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -121,6 +122,27 @@ def test_unreduced_input_and_output_on_the_simulated_mesh():
     g = ns.spmd_map(lambda u: u, mesh=mesh, in_specs=P(unreduced={"i"}), out_specs=P())
     with pytest.raises(ns.VmaError, match=r"unreduced over \('i',\)"):
         g(x)
+
+
+def test_an_unreduced_output_of_negative_zeros_sums_to_negative_zero():
+    """An unreduced output is the sum of its parts, added as a mesh adds them: parts that are
+    all -0.0 sum to -0.0 (IEEE), on both simulations, as the sum of the per-instance blocks."""
+    mesh = ns.make_mesh((2, 2), ("x", "y"))
+    x = torch.tensor([[-0.0, -0.0], [-0.0, 0.0], [-0.0, -0.0], [-0.0, -0.0]], dtype=F64)
+    blocks = x.chunk(4)
+    want = blocks[0] + blocks[1] + blocks[2] + blocks[3]
+    f = ns.spmd_map(
+        lambda v: v,
+        mesh=mesh,
+        in_specs=P(("x", "y")),
+        out_specs=P(unreduced={"x", "y"}),
+        check_vma=False,
+    )
+    for per_instance in (False, True):
+        with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+            got = f(x)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.signbit(got), torch.signbit(want)), (per_instance, got)
 
 
 # --- the algebra's errors: simulated and abstract (real processes: test_real_processes) ---------

@@ -9,6 +9,7 @@ import collections
 import contextlib
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -426,3 +427,141 @@ def test_deepcopy_inside_the_function_copies_each_instance_s_value():
             torch.testing.assert_close(f(x), want)
             with pytest.raises(RuntimeError, match="graph leaves"):
                 f(x.clone().requires_grad_())
+
+
+def test_a_replicated_leaf_that_requires_grad_is_deep_copied_as_on_a_real_mesh():
+    """``copy.deepcopy`` of a P() input that requires grad (a leaf: a rank of a real mesh holds
+    the caller's tensor) is a new leaf, as torch copies it outside the call: values and
+    gradients of the same program run densely, on both simulations (tests/dist_worker.py checks
+    a real mesh)."""
+    w = torch.arange(3.0) - 1
+
+    def scaled_copy(v):
+        return copy.deepcopy(v) * 2 + v  # gradient only through ``+ v``: the copy is a new leaf
+
+    dense_w = w.clone().requires_grad_()
+    want = scaled_copy(dense_w)
+    want.sum().backward()
+    for mesh in (ns.make_mesh((2,), ("x",)), ns.make_mesh((2, 2), ("x", "y"))):
+        f = ns.spmd_map(scaled_copy, mesh=mesh, in_specs=P(), out_specs=P())
+        for per_instance in (False, True):
+            with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+                got_w = w.clone().requires_grad_()
+                got = f(got_w)
+            assert got.requires_grad == want.requires_grad
+            torch.testing.assert_close(got, want)
+            got.sum().backward()
+            torch.testing.assert_close(got_w.grad, dense_w.grad)
+
+
+def _per_instance_loop(fn, x, n):
+    """``fn`` on each of the n row blocks of ``x``, concatenated: a real mesh's ranks."""
+    return torch.cat([fn(block) for block in x.chunk(n)])
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda v: torch.argwhere(v),
+        lambda v: v.repeat_interleave(v[:, 0].long() % 2 + 1, dim=0, output_size=3),
+        lambda v: v.masked_scatter(v > 1, v * 10),
+        lambda v: torch.nonzero_static(v, size=3),
+    ],
+    ids=["argwhere", "repeat_interleave", "masked_scatter", "nonzero_static"],
+)
+def test_vmap_s_fallback_warning_does_not_reach_the_user(op):
+    """An op vmap runs through its per-instance fallback warns of a performance drop: vmap is
+    the simulation's choice, not the user's, so no warning escapes the call (a real mesh's rank
+    runs the op plainly), eager or traced by Dynamo, and the values are a per-instance loop's;
+    no filter is left behind. (The compiled graph's own run is outside the call: the backend
+    here runs it with warnings ignored.)"""
+    x = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 0.0], [0.0, 4.0]])
+    want = _per_instance_loop(op, x, 2)
+    f = ns.spmd_map(op, mesh=ns.make_mesh((2,), ("x",)), in_specs=P("x"), out_specs=P("x"))
+    fallback_filters = _fallback_filters()
+
+    def graph_run_quietly(gm, example_inputs):
+        def run(*args):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return gm.forward(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    for g in (f, torch.compile(f, backend=graph_run_quietly)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = g(x)
+        assert got.dtype == want.dtype
+        assert torch.equal(got, want)
+        assert _fallback_filters() == fallback_filters
+
+
+def _fallback_filters():
+    return [w for w in warnings.filters if w[1] and "performance drop" in w[1].pattern]
+
+
+def _signs(t):
+    return torch.signbit(torch.view_as_real(t) if t.is_complex() else t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64])
+def test_a_sum_of_negative_zeros_is_negative_zero_as_on_a_real_mesh(dtype):
+    """IEEE addition of -0.0s is -0.0 (gloo adds the ranks' values so); torch.sum starts from
+    +0.0. psum, pmean and psum_scatter of -0.0s on both simulations: -0.0, bit for bit the
+    member-by-member sum of a per-instance loop (zeros of either sign, and non-zero values)."""
+    x = torch.tensor([-0.0, -0.0, 0.0, 1.0, -0.0, 0.0, -0.0, -1.0]).to(dtype).reshape(4, 2)
+    blocks = x.reshape(4, 1, 2).unbind(0)  # 4 instances over (x, y)
+    total = blocks[0] + blocks[1] + blocks[2] + blocks[3]
+    mesh = ns.make_mesh((2, 2), ("x", "y"))
+    cases = [
+        (lambda v: ns.psum(v, ("x", "y")), total),
+        (lambda v: ns.pmean(v, ("x", "y")), total / 4),
+    ]
+    for fn, want in cases:
+        f = ns.spmd_map(fn, mesh=mesh, in_specs=P(("x", "y")), out_specs=P())
+        for per_instance in (False, True):
+            with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+                got = f(x)
+            assert torch.equal(got, want) and torch.equal(_signs(got), _signs(want))
+    y = torch.tensor([-0.0, 0.0, -0.0, 1.0]).to(dtype)  # every instance holds y: sums of 4 y's
+    g = ns.spmd_map(
+        lambda v: ns.psum_scatter(ns.pvary(v, ("x", "y")), ("x", "y"), tiled=True),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(("x", "y")),
+    )
+    want = y + y + y + y
+    for per_instance in (False, True):
+        with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+            got = g(y)
+        assert torch.equal(got, want) and torch.equal(_signs(got), _signs(want))
+
+
+def test_a_negative_view_runs_as_on_a_real_mesh():
+    """``v.conj().imag`` of a complex block is a negative view (``is_neg()``), which vmap has
+    no batching rule for: it runs on both simulations, read, reduced and written through, with
+    the values of a per-instance loop (tests/dist_worker.py checks a real mesh)."""
+    c = torch.tensor([[1 + 2j, 3 - 4j], [5 + 1j, 2 - 2j], [-1 + 0j, 0.5 - 3j], [2j, 1 + 1j]])
+
+    def negative_view(v):
+        imag = v.conj().imag
+        assert imag.is_neg()
+        total = ns.psum(imag * 2, "x")
+        imag.add_(1)  # through the view: v's imaginary parts, less 1
+        return torch.cat([total, v.imag])
+
+    def per_rank(v):
+        total = sum(b.conj().imag * 2 for b in c.chunk(2))  # every rank's, summed
+        v.conj().imag.add_(1)
+        return torch.cat([total, v.imag])
+
+    want = _per_instance_loop(per_rank, c.clone(), 2)
+    f = ns.spmd_map(
+        negative_view, mesh=ns.make_mesh((2,), ("x",)), in_specs=P("x"), out_specs=P("x")
+    )
+    for per_instance in (False, True):
+        with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+            got = f(c.clone())
+        assert torch.equal(got, want)

@@ -4,6 +4,7 @@ library relies on (a torch upgrade that changes one fails here, by name).
 
 from __future__ import annotations
 
+import copy
 import pathlib
 import re
 import subprocess
@@ -959,3 +960,40 @@ def test_has_data_dependent_size_tells_an_unbacked_size_while_dynamo_traces():
     torch.compile(f, backend="eager", fullgraph=True)(torch.arange(6.0) - 2)
     assert seen == [(True,), (False,)]
     assert not torch_private.has_data_dependent_size(torch.arange(6.0))
+
+
+def test_a_neg_view_batches_under_vmap_once_its_rule_is_installed():
+    """``batch_neg_views``: ``x.conj().imag`` (aten::_neg_view, which torch's vmap has no rule
+    for) under vmap gives each row's negative view, written through to its base."""
+    torch_private.batch_neg_views()
+    c = torch.complex(torch.arange(6.0), torch.arange(6.0) - 3).reshape(3, 2)
+    want = c.clone()
+    for row in want:
+        row.conj().imag.add_(1)
+
+    def write_through(t):
+        imag = t.conj().imag
+        assert imag.is_neg()
+        imag.add_(1)
+        return imag * 2
+
+    got = torch.func.vmap(write_through)(c)
+    assert torch.equal(c, want) and torch.equal(got, want.conj().imag * 2)
+
+
+def test_deepcopy_of_a_leaf_that_requires_grad_inside_a_transform_is_a_new_leaf():
+    """``copy_wrapped_deeply``: under a transform, a deep copy of a plain leaf that requires
+    grad is a new leaf that requires grad, as outside (where torch's own ``requires_grad_``
+    check refuses it); of its ``leaf_stand_in``, the same."""
+    torch_private.copy_wrapped_deeply()
+    w = torch.arange(3.0, requires_grad=True)
+    stand_in = torch_private.leaf_stand_in(w)
+    copies = []
+
+    def copy_both(x):
+        copies.extend([copy.deepcopy(w), copy.deepcopy(stand_in)])
+        return x
+
+    torch.func.vmap(copy_both)(torch.ones(2))
+    for c in copies:
+        assert c.is_leaf and c.requires_grad and torch.equal(c, w) and c is not w

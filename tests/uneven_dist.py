@@ -12,6 +12,7 @@ program computed on one device from the definitions.
 from __future__ import annotations
 
 import collections
+import copy
 import json
 import sys
 import traceback
@@ -326,6 +327,18 @@ CASES = [
         lambda x: x[:3] * 2,
         kinds=("D",),
         check_vma=False,
+    ),
+    Case(  # copy.deepcopy of a replicated input (a leaf that requires grad): a new leaf on
+        # every rank and instance, as outside the call, so no gradient flows through the copy
+        "deep_copy_of_a_replicated_leaf_in_an_uneven_call",
+        (4,),
+        ("x",),
+        lambda v, w: ns.psum(v.sum(0), "x") + copy.deepcopy(w) * 2 + w,
+        (P("x", None), P()),
+        P(),
+        lambda: (_randn(10, 2, seed=70), _randn(2, seed=71)),
+        lambda x, w: x.sum(0) + w.detach() * 2 + w,
+        kinds=("D",),
     ),
     Case(  # check_vma=False: the blocks at b=0 (2 rows each), not each rank's own (1 at a=b=1)
         "unchecked_rows7_over_ab_returned_over_a",

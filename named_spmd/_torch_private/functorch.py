@@ -121,13 +121,21 @@ def copy_wrapped_deeply() -> None:
     """``copy.deepcopy`` of a tensor a torch.func transform wrapped (vmap's batched tensors have
     no storage for ``Tensor.__deepcopy__`` to copy): a copy of its values, as a plain tensor's
     deep copy is; torch's own refusal (a tensor, not a leaf, that requires grad) as torch raises
-    it. Installed once."""
+    it; a plain leaf that requires grad (or its ``leaf_stand_in``) copied as outside any
+    transform. Installed once."""
     if _DEEPCOPY:
         return
     torch_deepcopy = torch.Tensor.__deepcopy__
 
     def deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
         if not is_transform_wrapped(self) or id(self) in memo:
+            self = _STAND_INS.get(self, self)
+            if self.requires_grad and self.is_leaf and transforms_active():
+                # a leaf that no transform wraps (an instance's replicated input): torch's copy
+                # is a new leaf that requires grad, as a real mesh's rank makes it; the
+                # transform refuses that ``requires_grad_`` only to guard its own wrappers
+                with _requires_grad_allowed():
+                    return torch_deepcopy(self, memo)
             return torch_deepcopy(self, memo)
         inner = innermost(self)
         if not inner.is_leaf:  # (requires grad: torch's error, as a real mesh's rank raises it)
@@ -142,6 +150,41 @@ def copy_wrapped_deeply() -> None:
 
 
 _DEEPCOPY: dict[str, Any] = {}
+# stand-in -> the leaf it stands for (``leaf_stand_in``)
+_STAND_INS: Any = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def leaf_stand_in(x: torch.Tensor) -> torch.Tensor:
+    """``x.view_as(x)``: a tensor object of its own for one instance, which ``copy.deepcopy``
+    copies as ``x`` itself where ``x`` is a leaf that requires grad (a new leaf, as a real mesh's
+    rank copies its replicated input; a view is no leaf, and torch refuses to copy it)."""
+    stand_in = x.view_as(x)
+    if x.is_leaf and x.requires_grad:
+        _STAND_INS[stand_in] = x
+    return stand_in
+
+
+def _requires_grad_allowed() -> Any:
+    """Context manager under which ``requires_grad_`` runs inside a torch.func transform."""
+    from torch._functorch.eager_transforms import enable_inplace_requires_grad
+
+    return enable_inplace_requires_grad(True)
+
+
+def batch_neg_views() -> None:
+    """A vmap batching rule for ``aten::_neg_view`` (what ``x.conj().imag`` of a complex ``x``
+    makes), which torch lacks: the simulated mesh runs every instance under vmap, where a real
+    mesh's rank runs the op plainly. The rule takes the view of the batched value itself, so a
+    write through it reaches its base as on a rank. Installed once, unless torch has its own
+    (among the rules vmap registers on first use: loaded first, so that none of them overrides
+    this one later)."""
+    lazy_load_decompositions()
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_neg_view", "FuncTorchBatched"):
+        torch.library.register_vmap("aten::_neg_view", _neg_view_batched)
+
+
+def _neg_view_batched(info: Any, in_dims: tuple, x: torch.Tensor) -> tuple:
+    return torch._neg_view(x), in_dims[0]
 
 
 # --- entering a grad level ----------------------------------------------------------------------

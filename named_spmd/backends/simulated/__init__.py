@@ -26,8 +26,9 @@ import contextlib
 import functools
 import re
 import threading
+import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -56,6 +57,47 @@ torch_private.hook_grad_levels(_inner_grad.entered, _inner_grad.leaving)
 torch_private.hook_transform_gradients(_inner_grad.typed_gradients)
 # copy.deepcopy of an instance's value (a vmap-batched tensor) copies its values, as a real mesh's
 torch_private.copy_wrapped_deeply()
+# a neg view (``x.conj().imag``) runs on every instance, as on a real mesh's rank
+torch_private.batch_neg_views()
+
+
+# vmap's warning that an op runs per instance through its fallback ("There is a performance
+# drop ..."): the simulation, not the user, chose vmap, and a real mesh's rank runs the op
+# plainly. Ignored while the user's function runs under the levels, and only then (a vmap of
+# the user's own inside it too, and another thread's: the warning does not tell them apart);
+# put in ``warnings.filters`` directly, without ``catch_warnings``, whose version bump would
+# show again every warning already shown once at its line.
+_FALLBACK_WARNING = (
+    "ignore",
+    re.compile("There is a performance drop because we have not yet implemented the batching"),
+    UserWarning,
+    None,
+    0,
+)
+
+
+@torch_private.trace_constant  # (while Dynamo traces: run then, around the traced body)
+def _hide_fallback_warning() -> bool:
+    cast(list, warnings.filters).insert(0, _FALLBACK_WARNING)  # (a list; typed a Sequence)
+    return True
+
+
+@torch_private.trace_constant
+def _show_fallback_warning() -> bool:
+    with contextlib.suppress(ValueError):  # (the user replaced the list)
+        cast(list, warnings.filters).remove(_FALLBACK_WARNING)
+    return True
+
+
+@contextlib.contextmanager
+def fallback_warning_hidden() -> Iterator[None]:
+    """vmap's fallback warning (``_FALLBACK_WARNING``) ignored inside; the eager and the
+    compiled simulations run the user's function in it."""
+    _hide_fallback_warning()
+    try:
+        yield
+    finally:
+        _show_fallback_warning()
 
 
 def _run_body(
@@ -71,7 +113,8 @@ def _run_body(
         else:
             mode.__enter__()
     try:
-        outs = list(call.body(local, ctx))
+        with fallback_warning_hidden():
+            outs = list(call.body(local, ctx))
     finally:
         ctx.end_partial()
         ctx.varied.clear()  # (see ``SimulatedContext.varied``)

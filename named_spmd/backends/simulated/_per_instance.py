@@ -184,7 +184,7 @@ def _copies(x: Tensor, n: int) -> list[Tensor]:
 def _total(op: str, ctx: InstanceContext, xs: list[Tensor]) -> Tensor:
     """The elementwise ``op`` of the members' operands, in the operands' dtype."""
     _same_shapes(ctx, xs)
-    return stacked.reduce(torch.stack(xs), stacked.reduction(op, xs[0].dtype))
+    return stacked.reduce(xs, stacked.reduction(op, xs[0].dtype))
 
 
 def _reduce(op: str, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
@@ -318,7 +318,7 @@ def _inputs(mesh: Mesh, leaves: list[Any], specs: list[PartitionSpec]) -> list[l
                 mine.append(leaf)
                 continue
             x = leaf if blocks is None else blocks[split_index(spec, leaf.dim(), sizes, coords)]
-            x = x.view_as(x)
+            x = torch_private.leaf_stand_in(x)
             if any(coords[a] != 0 for a in spec.unreduced):
                 x = torch.zeros_like(x)  # parts of the value: the first member's is the value
             mine.append(x)

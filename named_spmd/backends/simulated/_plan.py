@@ -19,6 +19,7 @@ from ..._blocks import holds_blocks
 from ..._layout import physical_layout
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
+from . import _stacked as stacked
 
 
 def _default_order(mesh: Mesh, sized: Sequence[tuple[int, PartitionSpec]]) -> list[str]:
@@ -151,7 +152,8 @@ def from_physical(
         # unbatched over some (check_vma=False, an invariant or reduced value): equal parts
         copies = math.prod([mesh.shape[a] for a in spec.unreduced if a not in present])
         if dims:
-            y = y.sum(dims)
+            parts = y.movedim(dims, list(range(len(dims)))).flatten(0, len(dims) - 1)
+            y = stacked.reduce(parts, stacked.reduction("sum", y.dtype))
             present = [a for a in present if a not in spec.unreduced]
         if copies > 1:
             y = y * copies

@@ -18,6 +18,8 @@ ordinary ops as any others: no collective here has a rule of its own.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 REDUCTIONS = {"sum": "sum", "max": "amax", "min": "amin"}  # a reduce op -> the torch method
@@ -29,11 +31,19 @@ def reduction(op: str, dtype: torch.dtype) -> str:
     return "max" if dtype is torch.bool and op == "sum" else op
 
 
-def reduce(z: torch.Tensor, op: str, members: int = 0) -> torch.Tensor:
-    """all_reduce: elementwise ``op`` over the members (dim ``members``), in ``z``'s dtype
-    (torch sums small integer types in int64; a mesh reduction keeps the operand's dtype)."""
-    out = getattr(z, REDUCTIONS[op])(members)
-    return out if out.dtype is z.dtype else out.to(z.dtype)
+def reduce(z: torch.Tensor | list[torch.Tensor], op: str, members: int = 0) -> torch.Tensor:
+    """all_reduce: elementwise ``op`` over the members (dim ``members`` of ``z``, or ``z`` a list
+    of them), in their dtype (torch sums small integer types in int64; a mesh reduction keeps
+    the operand's dtype)."""
+    xs = z if isinstance(z, list) else z.unbind(members)
+    dtype = xs[0].dtype
+    if op == "sum" and (dtype.is_floating_point or dtype.is_complex):
+        # member by member: a sum is -0.0 exactly when every member is -0.0, as on a real mesh
+        # (-0.0 is the identity of IEEE addition); torch.sum starts from +0.0
+        return functools.reduce(torch.add, xs)
+    stacked, dim = (torch.stack(z), 0) if isinstance(z, list) else (z, members)
+    out = getattr(stacked, REDUCTIONS[op])(dim)
+    return out if out.dtype is dtype else out.to(dtype)
 
 
 def copies(x: torch.Tensor, n: int) -> torch.Tensor:

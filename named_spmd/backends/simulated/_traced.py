@@ -42,7 +42,7 @@ from ..._mesh import Mesh
 from ..._spec import PartitionSpec
 from ..._traced import CompiledVmaMode, TracedContext, route_view_attributes, warm_types_eagerly
 from ..._types import INVARIANT
-from . import BACKEND
+from . import BACKEND, fallback_warning_hidden
 from . import _stacked as stacked
 from ._plan import from_physical, partial_input
 
@@ -400,7 +400,7 @@ def run(call: Call) -> list[torch.Tensor]:
             spec = specs[i]
             x = partial_input(ctx, x, spec) if spec.reduced or spec.unreduced else x.view_as(x)
             local[i] = ctx.stamp_input(x, spec)
-        with _SimulatedVmaMode(ctx):
+        with _SimulatedVmaMode(ctx), fallback_warning_hidden():
             outs = call.body(local, ctx)
         return outs or [tokens[0]]  # vmap needs an output; an unused one
 
