@@ -99,6 +99,9 @@ class CollectiveFn(torch.autograd.Function):
     @staticmethod
     def setup_context(node, inputs, output):
         x, node.rec, node.spmd, node.axes, node.params = inputs
+        # recorded under a torch.func transform or forward-mode AD: functorch's wrapper of the
+        # Function hands backward gradients that its own tensors still hold (see _pvary_transpose)
+        node.in_transform = transforms_active() or forward_level() >= 0
         if node.rec.saves:
             node.save_for_backward(x, output)
             node.save_for_forward(x, output)

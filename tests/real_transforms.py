@@ -246,7 +246,27 @@ def over_and_inside(mesh) -> dict:
     for name, (fn, out_spec) in ti.PROGRAMS.items():
         f = ns.spmd_map(fn, mesh=mesh, in_specs=(P("x"), P()), out_specs=out_spec)
         programs[f"inside: {name}"] = functools.partial(f, *ti.arguments())
+    programs["inside: backward of a jvp tangent"] = functools.partial(_backward_of_tangent, mesh)
     return programs
+
+
+def _backward_of_tangent(mesh):
+    """Reverse mode through a tangent that torch.func.jvp takes inside the call: the gradient
+    psum of a pvary recorded under the jvp (``psum(...) * x.sum()``) runs in backward, where
+    functorch's wrapper of the autograd.Function still holds the incoming gradient."""
+    tangent = ns.spmd_map(
+        lambda x, w: torch.func.jvp(
+            lambda w: ns.psum(torch.sin(x * w), "x") * x.sum(), (w,), (w.cos(),)
+        )[1],
+        mesh=mesh,
+        in_specs=(P("x"), P()),
+        out_specs=P("x"),
+    )
+    x, w = to.X.clone().requires_grad_(), to.W.clone().requires_grad_()
+    grads = []
+    for _ in range(2):  # the typed call and its replay
+        grads += torch.autograd.grad((_plain(tangent(x, w)) * to.W8).sum(), (x, w))
+    return grads
 
 
 def _over(name, mesh):
