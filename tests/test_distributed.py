@@ -169,7 +169,7 @@ def test_debug_mode_checks_plain_inputs_and_replicated_outputs_agree():
     finished = launch([os.path.join("tests", "debug_checks.py")], world, 120, NAMED_SPMD_DEBUG="1")
     assert not finished.timed_out, finished.outputs[0][-3000:]
     outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
-    assert len(outcomes) == 7 * world, finished.outputs[0][-3000:]
+    assert len(outcomes) == 9 * world, finished.outputs[0][-3000:]
     for o in outcomes:
         if o["case"].endswith("_agree"):
             assert o.get("ok"), o  # no false alarm
