@@ -99,8 +99,9 @@ class CollectiveFn(torch.autograd.Function):
     @staticmethod
     def setup_context(node, inputs, output):
         x, node.rec, node.spmd, node.axes, node.params = inputs
-        # recorded under a torch.func transform or forward-mode AD: functorch's wrapper of the
-        # Function hands backward gradients that its own tensors still hold (see _pvary_transpose)
+        # recorded under a torch.func transform or forward-mode AD: a pending (overlapped)
+        # gradient psum's wrapper would lose its Python subclass on its way through functorch
+        # and reach the next backward as a plain tensor without storage (see _pvary_transpose)
         node.in_transform = transforms_active() or forward_level() >= 0
         if node.rec.saves:
             node.save_for_backward(x, output)
