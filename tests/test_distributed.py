@@ -594,6 +594,20 @@ def test_forward_reductions_overwrite_only_temporaries():
         assert decided(internal) == [False]  # not the user's operand
 
 
+def test_donation_refuses_a_tensor_without_storage(monkeypatch):
+    """A plain tensor without storage (what a subclass's wrapper that lost its Python class on
+    its way through functorch is) is never reduced in place, whatever its counts: the
+    reduction would read address 0."""
+    import torch
+
+    from named_spmd.backends import _dist_donation
+
+    for chain in ("forward", "backward"):
+        monkeypatch.setitem(_dist_donation.LIMITS, chain, (99, 99, 99, 99))
+        assert _dist_donation.exclusive(torch.zeros(4), 2, chain)  # the limits let one through
+        assert not _dist_donation.exclusive(torch.empty(4, device="meta"), 2, chain)
+
+
 def _holding(t, held):
     held.append(t.untyped_storage())
     return t
