@@ -99,6 +99,10 @@ class CollectiveFn(torch.autograd.Function):
     @staticmethod
     def setup_context(node, inputs, output):
         x, node.rec, node.spmd, node.axes, node.params = inputs
+        # recorded under a torch.func transform: a pending (overlapped) gradient psum's wrapper
+        # would lose its Python subclass on its way through functorch and reach the next
+        # backward as a plain tensor without storage (see _pvary_transpose)
+        node.in_transform = transforms_active()
         if node.rec.saves:
             node.save_for_backward(x, output)
             node.save_for_forward(x, output)
@@ -139,6 +143,7 @@ class TracedCollectiveFn(CollectiveFn):
     def setup_context(node, inputs, output):
         # (no save_for_forward: Dynamo has none, and torch's own jvp reads nothing saved)
         x, node.rec, node.spmd, node.axes, node.params = inputs
+        node.in_transform = transforms_active()  # (as CollectiveFn's)
         if node.rec.saves:
             node.save_for_backward(x, output)
 

@@ -4,7 +4,8 @@
 inputs that differ between ranks (each rank initialised its model with its own seed), an output
 typed invariant whose copies differ (a random draw after ``torch.manual_seed(rank)``), a
 ppermute whose pairs differ between the members of its group (its signature names them), and
-the same programs done right (and with conjugate views), which must pass.
+the same programs done right (and with conjugate views, and under torch.func over the call),
+which must pass.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def cases(mesh, rank: int):
     # invariant output, digested as its values
     flip = ns.spmd_map(lambda z: (z * 1).conj(), mesh=mesh, in_specs=P(), out_specs=P())
     yield "conjugates_agree", lambda: flip(torch.complex(x, -x).conj())
+    # torch.func over the call: the inputs are the transforms' wrappers, digested as their values
+    total = ns.spmd_map(
+        lambda w: ns.psum(w.sin().sum(), "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P()
+    )
+    w = torch.linspace(-1.0, 1.0, 8)
+    yield "grad_over_the_call_agree", lambda: torch.func.grad(lambda w: _plain(total(w)))(w)
+    yield "jvp_over_the_call_agree", lambda: torch.func.jvp(lambda w: _plain(total(w)), (w,), (w,))
+
+
+def _plain(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def main() -> None:

@@ -246,7 +246,41 @@ def over_and_inside(mesh) -> dict:
     for name, (fn, out_spec) in ti.PROGRAMS.items():
         f = ns.spmd_map(fn, mesh=mesh, in_specs=(P("x"), P()), out_specs=out_spec)
         programs[f"inside: {name}"] = functools.partial(f, *ti.arguments())
+    programs["inside: backward of a jvp tangent"] = functools.partial(_backward_of_tangent, mesh)
+    programs["over: forward_ad of a dual that requires grad"] = functools.partial(_dual_leaf, mesh)
     return programs
+
+
+def _dual_leaf(mesh):
+    """Forward-mode AD over the call of a tangent on a leaf that requires grad: ``make_dual``
+    makes a view of the leaf whose tangent is the view's own, and the view's implicit pvary
+    must keep it."""
+    f = ns.spmd_map(
+        lambda x, w: x[:, None] * w, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")
+    )
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(to.W.clone().requires_grad_(), to.TW)
+        primal, tangent = torch.autograd.forward_ad.unpack_dual(_plain(f(to.X, dual)))
+        return primal.detach(), tangent
+
+
+def _backward_of_tangent(mesh):
+    """Reverse mode through a tangent that torch.func.jvp takes inside the call: the gradient
+    psum of a pvary recorded under the jvp (``psum(...) * x.sum()``) runs in backward, where
+    functorch's wrapper of the autograd.Function still holds the incoming gradient."""
+    tangent = ns.spmd_map(
+        lambda x, w: torch.func.jvp(
+            lambda w: ns.psum(torch.sin(x * w), "x") * x.sum(), (w,), (w.cos(),)
+        )[1],
+        mesh=mesh,
+        in_specs=(P("x"), P()),
+        out_specs=P("x"),
+    )
+    x, w = to.X.clone().requires_grad_(), to.W.clone().requires_grad_()
+    grads = []
+    for _ in range(2):  # the typed call and its replay
+        grads += torch.autograd.grad((_plain(tangent(x, w)) * to.W8).sum(), (x, w))
+    return grads
 
 
 def _over(name, mesh):

@@ -169,7 +169,7 @@ def test_debug_mode_checks_plain_inputs_and_replicated_outputs_agree():
     finished = launch([os.path.join("tests", "debug_checks.py")], world, 120, NAMED_SPMD_DEBUG="1")
     assert not finished.timed_out, finished.outputs[0][-3000:]
     outcomes = [json.loads(line) for line in finished.lines("OUTCOME")]
-    assert len(outcomes) == 7 * world, finished.outputs[0][-3000:]
+    assert len(outcomes) == 9 * world, finished.outputs[0][-3000:]
     for o in outcomes:
         if o["case"].endswith("_agree"):
             assert o.get("ok"), o  # no false alarm
@@ -592,6 +592,20 @@ def test_forward_reductions_overwrite_only_temporaries():
         internal = lambda: Recording.apply(probe, RECORDS["psum"], h @ w, ("i",), ())  # noqa: E731
         probe = _dist_donation._Probe.made(Recording)
         assert decided(internal) == [False]  # not the user's operand
+
+
+def test_donation_refuses_a_tensor_without_storage(monkeypatch):
+    """A plain tensor without storage (what a subclass's wrapper that lost its Python class on
+    its way through functorch is) is never reduced in place, whatever its counts: the
+    reduction would read address 0."""
+    import torch
+
+    from named_spmd.backends import _dist_donation
+
+    for chain in ("forward", "backward"):
+        monkeypatch.setitem(_dist_donation.LIMITS, chain, (99, 99, 99, 99))
+        assert _dist_donation.exclusive(torch.zeros(4), 2, chain)  # the limits let one through
+        assert not _dist_donation.exclusive(torch.empty(4, device="meta"), 2, chain)
 
 
 def _holding(t, held):

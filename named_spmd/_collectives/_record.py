@@ -361,7 +361,7 @@ def backward_op(name: str) -> Callable[[Params], str]:
 
 
 def _pvary_transpose(ctx: SpmdContext, g: Tensor, axes: Axes, params: Params, node: Any) -> Tensor:
-    if differentiable(g):
+    if differentiable(g) or node.in_transform:
         return ctx.apply(RECORDS["psum"], g, axes, ())
     return ctx.psum_in_backward(g, axes, node)
 

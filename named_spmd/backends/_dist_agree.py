@@ -205,9 +205,12 @@ def _disagree(
 def _digest(t: torch.Tensor) -> str:
     """A short fingerprint of a tensor's bytes, dtype and shape (equal values, equal digests);
     of a transform's wrapper (a call under a user's vmap), those of the tensor it holds. A
-    conjugate or negative view is read as its values (torch has no byte view of one)."""
-    t = torch_private.innermost(t).detach().resolve_conj().resolve_neg()
-    raw = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    conjugate or negative view is read as its values (torch has no byte view of one). Read with
+    torch.func's transforms off: under a user's grad or jvp over the call they would wrap the
+    copies again (a wrapper has no storage to read)."""
+    with torch_private.DisableFuncTorch():
+        t = torch_private.innermost(t).detach().resolve_conj().resolve_neg()
+        raw = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
     meta = f"{t.dtype}{tuple(t.shape)}".encode()
     return hashlib.blake2b(raw + meta, digest_size=8).hexdigest()
 

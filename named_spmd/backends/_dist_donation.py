@@ -53,13 +53,15 @@ def _counts(x: torch.Tensor, refs: int) -> Counts | None:
 
 def exclusive(x: torch.Tensor, refs: int, kind: str) -> bool:
     """Whether nothing but the calibrated chain of ``kind`` references ``x`` (``refs``: its
-    Python reference count, read by the caller first thing)."""
+    Python reference count, read by the caller first thing). Never a tensor without storage
+    (``data_ptr()`` 0): its counts say nothing, and reducing it would read address 0."""
     if (
         type(x) is not torch.Tensor  # a subclass: its storage is not what is counted
         or x.requires_grad
         or tensor_base(x) is not None
         or not x.is_contiguous()
         or is_transform_wrapped(x)
+        or not x.data_ptr()  # as a subclass's wrapper that lost its Python class
     ):
         return False
     counts = _counts(x, refs)

@@ -178,7 +178,9 @@ class DistributedContext(OperandShapes, TrackedContext):
         view made again from that alias: its gradient's psum reaches the parameter's gradient
         node unread and joins a bucket (pvary'd as the view, its backward would wait for the sum
         at once); a CommMode still records the view's psum, as the simulated mesh does. Only a
-        view by one built-in view op of a leaf or input of the call, of the view's own type."""
+        view by one built-in view op of a leaf or input of the call, of the view's own type, with
+        no forward-mode AD active (a dual tensor that ``make_dual`` made of a leaf is such a view,
+        and its tangent is its own: the view made again from the alias would have none)."""
         if self.hoisted_aliases and (alias := _dist_pvary.hoisted(self, t, axes)) is not None:
             return alias  # (made at a replay's entry)
         # (a leaf, as a parameter, is no view: the common case, decided without the lookup)
@@ -200,8 +202,12 @@ class DistributedContext(OperandShapes, TrackedContext):
     release_hoisted = _dist_pvary.release
 
     def _view_source(self, t, axes):
-        if torch_private.is_transform_wrapped(t) or self.single_axes.issuperset(axes):
-            return None  # (over axes of size 1 the pvary is the identity: nothing to keep)
+        if (
+            torch_private.is_transform_wrapped(t)
+            or self.single_axes.issuperset(axes)  # (there the pvary is the identity)
+            or torch_private.forward_level() >= 0  # (a view's tangent is not its source's)
+        ):
+            return None
         if self.input_nodes is None:
             self.input_nodes = {
                 (id(x.grad_fn), x.output_nr): x
