@@ -1745,6 +1745,13 @@ def check_ragged_replayed(case: Case, real_mesh, sim_mesh) -> list[str]:
     RAGGED_WRONG.clear()
     if max(counts[1:]) != counts[1]:  # (the first call is no replay)
         problems.append(f"process-group calls per call {counts}")
+    # the rows travel as bytes beside the heads: of every element size (1, 2, 16 bytes)
+    for dtype in (torch.bool, torch.int8, torch.bfloat16, torch.complex128):
+        x, out = (a.to(dtype) for a in args)
+        x = x * (1 + 2j) if dtype.is_complex else x  # (imaginary parts too)
+        (got, _), (want, _) = _outcome(real, (x, out)), _outcome(sim, (x, out))
+        if isinstance(got, str) or isinstance(want, str) or not torch.equal(got[0], want[0]):
+            problems.append(f"{dtype}: real {got!r} vs simulated {want!r}")
     return problems
 
 
