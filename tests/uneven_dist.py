@@ -645,6 +645,14 @@ def _ragged_slice_outside(x, out):  # member 3's last slice lies past its block 
     return _ragged_one_row_each(x, out, offsets_at_3=(0, 1, 2, 7))
 
 
+def _ragged_sizes_far_outside(x, out):  # agreed by both ends: 2**40 rows from member 0 to 1
+    i = ns.axis_index("x")
+    ones = torch.ones(4, dtype=torch.int64)
+    send = torch.where(i == 0, torch.tensor([1, 2**40, 1, 1]), ones)
+    recv = torch.where(i == 1, torch.tensor([2**40, 1, 1, 1]), ones)
+    return ns.ragged_all_to_all(x, out, torch.arange(4), send, i + 0 * ones, recv, "x")
+
+
 def _ragged_case(name: str, fn: Callable[..., Any], says: str) -> Case:
     """A ragged_all_to_all whose metadata some members get wrong: the first member's error on
     every rank alike, the mesh in step after (gloo would pair sizes that differ)."""
@@ -713,6 +721,11 @@ ERRORS = [
         "ragged_all_to_all_slice_outside_the_operand",
         _ragged_slice_outside,
         "member 3 of ('x',), slot 3: rows 7:8 do not lie within the operand's 4 rows",
+    ),
+    _ragged_case(  # (no rank allocates the 2**40 rows: both ends of the slot send none)
+        "ragged_all_to_all_sizes_far_outside_both_buffers",
+        _ragged_sizes_far_outside,
+        f"member 0 of ('x',), slot 1: rows 1:{1 + 2**40} do not lie within the operand's 4 rows",
     ),
     _after_a_branch(  # a psum some ranks skip after a branch on values: told alike, not paired
         "psum_skipped_on_some_ranks_after_a_branch",

@@ -77,10 +77,12 @@ def ragged_all_to_all(
             rows, m = operand.shape[0], output.shape[0]
             wide = [t.dtype == torch.int64 for t in given]
         meta = torch.stack([t if w else t.to(torch.int64) for t, w in zip(given, wide)])
+        tells = ctx.own_values and ctx.tells_ragged_problems
+        exchanged = _with_bounds(ctx, meta, rows, m) if tells else meta
         # each slot's peer values: where its rows came from, where they go, how many
-        peer = ctx.carried_metadata(meta, axes)
+        peer = ctx.carried_metadata(exchanged, axes)
         if peer is None:
-            peer = RECORDS["all_to_all"].bind(meta, axes, 1, 1, True, None, None)
+            peer = RECORDS["all_to_all"].bind(exchanged, axes, 1, 1, True, None, None)
         told = None
         if ctx.own_values:
             with DisableTorchFunction():  # host values read, no op of the program
@@ -186,27 +188,62 @@ def _what(t: Any) -> str:
     return type(t).__name__
 
 
+def _with_bounds(ctx: SpmdContext, meta: torch.Tensor, rows: int, m: int) -> torch.Tensor:
+    """``meta`` and two rows more, the operand's rows and the output's in every slot: both ends
+    of a slot then read whether its slice lies within its sender's operand and its receiver's
+    output (:func:`_agreed_sizes`)."""
+    with DisableTorchFunction():  # metadata of the exchange, no op of the program
+        bounds = meta.new_tensor([[rows], [m]]).expand(2, meta.shape[1])
+        return ctx.stamp(torch.cat([meta, bounds]), ctx.vma(meta))
+
+
 def _checked_values(
     ctx: SpmdContext, axes: Axes, rows: int, m: int, meta: torch.Tensor, peer: torch.Tensor
 ) -> tuple[tuple[int, ...] | None, torch.Tensor]:
     """The sizes agree with the peers' and the slices lie within the buffers (host values):
     this member's first problem raised, or, where the backend tells its members' problems in
     the data exchange (a real mesh: a member that raised alone would leave the others inside
-    it), returned as its :data:`PROBLEM` row (zeros: none) with the metadata to send by: where
-    a problem is, each slot's size the one both its ends read alike (its sender's size where
-    its receiver expects as many, else 0), so that the exchange pairs sizes that agree."""
-    problem = _problem(meta.tolist(), peer.tolist(), ctx.mesh.axis_size(axes), rows, m)
+    it), returned as its :data:`PROBLEM` row (zeros: none) with the metadata to send by, each
+    slot's size the one both its ends read alike (:func:`_agreed_sizes`), so that the exchange
+    pairs sizes that agree and moves no rows from or to outside a buffer."""
+    mine, theirs = meta.tolist(), peer.tolist()
+    problem = _problem(mine, theirs[:4], ctx.mesh.axis_size(axes), rows, m)
     if not ctx.tells_ragged_problems:
         if problem:
             raise problem_error(ctx.fn_label, axes, int(ctx.axis_index(axes)), problem)
         return None, meta
-    if not problem:
-        return (0,) * PROBLEM, meta
-    sizes, received = meta[1], meta[3]
-    agreed_sent = torch.where((sizes == peer[3]) & (sizes >= 0), sizes, 0)
-    agreed_received = torch.where((received == peer[1]) & (received >= 0), received, 0)
-    agreed = torch.stack([meta[0], agreed_sent, meta[2], agreed_received])
-    return problem + (0,) * (PROBLEM - len(problem)), ctx.stamp(agreed, ctx.vma(meta))
+    told = problem + (0,) * (PROBLEM - len(problem))
+    sent, received = _agreed_sizes(mine, theirs, rows, m)
+    if sent == mine[1] and received == mine[3]:
+        return told, meta
+    agreed = meta.new_tensor([mine[0], sent, mine[2], received])
+    return told, ctx.stamp(agreed, ctx.vma(meta))
+
+
+def _agreed_sizes(mine: list, theirs: list, rows: int, m: int) -> tuple[list, list]:
+    """Each slot's rows sent and received as both its ends read them from the exchanged
+    metadata (``theirs`` with the peers' buffer rows, :func:`_with_bounds`): its sender's size
+    where its receiver expects as many and the slice lies within the sender's operand and the
+    receiver's output, else 0. A member that saw no problem of its own reads the same: another
+    member's buffer may be the one a slice misses."""
+    offsets, sizes, out_offsets, expected = mine
+    from_offsets, peer_sizes, placed_at, peer_expected, peer_rows, peer_m = theirs
+    sent = [
+        _fits(o, s, at, e, out_rows, rows)
+        for o, s, at, e, out_rows in zip(offsets, sizes, out_offsets, peer_expected, peer_m)
+    ]
+    received = [
+        _fits(o, s, at, e, m, in_rows)
+        for o, s, at, e, in_rows in zip(from_offsets, peer_sizes, placed_at, expected, peer_rows)
+    ]
+    return sent, received
+
+
+def _fits(offset: int, size: int, at: int, expected: int, out_rows: int, rows: int) -> int:
+    """A slot's ``size`` rows where they agree with the ``expected`` and lie within both
+    buffers (``rows`` the operand's, ``out_rows`` the output's), else 0."""
+    inside = 0 <= offset and offset + size <= rows and 0 <= at and at + size <= out_rows
+    return size if size == expected and size >= 0 and inside else 0
 
 
 #: A member's problem as integers (its kind, then what its message reads), so that every member

@@ -2,12 +2,20 @@
 
 The forward's exchange also tells every member each member's problem (``ragged._problem``:
 sizes that disagree with a peer's, a slice outside a buffer), in a head of ``ragged.PROBLEM``
-int64 before each block of rows, so that every
-member of the group raises the first member's error alike, with no collective of its own: a
-member that raised alone would leave the others inside the exchange, and the mesh out of step.
-Where a member has a problem it sends by sizes both ends of each slot read alike
-(``ragged._checked_values``), zeros for a slice outside its operand, so the exchange pairs
-sizes that agree; no rows are placed where any member told one.
+int64 before each block of rows, so that every member of the group raises the first member's
+error, with no collective of its own: a member that raised alone would leave the others inside
+the exchange, and the mesh out of step. Every member sends by the sizes both ends of each slot
+read alike from the metadata exchange, which carries each member's operand and output rows
+(``ragged._agreed_sizes``: 0 for a slot whose sizes disagree or whose slice misses a buffer),
+so the exchange pairs sizes that agree and allocates no more than the buffers hold; no rows are
+placed where any member told a problem.
+
+Where the group is the whole mesh, every rank raises the error alike and the mesh stays in step.
+Where it is a sub-group (an axis of a larger mesh), only its members learn the problem: they
+raise the ``CollectiveError``, while the ranks of the other groups, which saw none, go on and
+raise ``RankFailedError`` naming a failing rank and its error at their next exchange over the
+mesh (the outputs' block sizes, or a collective of theirs); every later call on the mesh then
+raises ``SpmdError`` (its process groups are out of step: restart the job).
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._collectives.ragged import problem_error
+from .._collectives.ragged import PROBLEM, problem_error
 
 if TYPE_CHECKING:
+    from .._context import Axes
     from .distributed import DistributedContext
 
 _NAME = "ragged_all_to_all"
@@ -27,7 +36,7 @@ _NAME = "ragged_all_to_all"
 
 def ragged_rows(
     ctx: DistributedContext,
-    axes,
+    axes: Axes,
     x: torch.Tensor,
     m: int,
     meta: tuple[torch.Tensor, ...],
@@ -36,17 +45,18 @@ def ragged_rows(
     """``SpmdContext.ragged_all_to_all`` on a real mesh: the offsets and sizes ``meta`` read on
     the host (one synchronisation), the rows sent alone, then placed at their offsets in a zero
     ``[m, ...]`` buffer. ``told``: this member's problem row (the forward's; None: a transpose,
-    whose sizes the forward checked), sent with the rows (see the module doc)."""
+    whose sizes the forward checked), sent with the rows (see the module doc). Every slice lies
+    within ``x`` (the forward's sizes are the agreed ones)."""
     comm = ctx.mesh.comm(axes)
     off, size, at, got = torch.stack(list(meta)).tolist()
     per = len(size) // comm.n  # slots per member
-    pieces = [_piece(x, o, s) for o, s in zip(off, size)]
+    pieces = [x[o : o + s] for o, s in zip(off, size)]
     sent = [sum(size[j * per : (j + 1) * per]) for j in range(comm.n)]
     back = [sum(got[j * per : (j + 1) * per]) for j in range(comm.n)]
     if told is None:
         arrived = comm.all_to_all_rows(torch.cat(pieces), sent, back, _NAME).split(back)
     else:
-        arrived = _told_rows(ctx, axes, x, pieces, per, (sent, back), told)
+        arrived = _told_rows(ctx, axes, x, pieces, (sent, back), told)
     out = x.new_zeros((m, *x.shape[1:]))
     for j, rows in enumerate(arrived):  # member j's slots, in slot order
         mine = slice(j * per, (j + 1) * per)
@@ -55,53 +65,61 @@ def ragged_rows(
     return out
 
 
-def _piece(x: torch.Tensor, offset: int, size: int) -> torch.Tensor:
-    """Rows ``offset : offset + size`` of ``x``; zeros of ``size`` rows where they lie outside
-    (a member with a problem sends them: its peers expect that many)."""
-    if 0 <= offset and offset + size <= x.shape[0]:
-        return x[offset : offset + size]
-    return x.new_zeros((size, *x.shape[1:]))
-
-
-def _told_rows(ctx, axes, x, pieces, per: int, splits, told) -> list[torch.Tensor]:
+def _told_rows(
+    ctx: DistributedContext,
+    axes: Axes,
+    x: torch.Tensor,
+    pieces: list[torch.Tensor],
+    splits: tuple[list[int], list[int]],
+    told: tuple[int, ...],
+) -> list[torch.Tensor]:
     """The rows received from each member (in member order), each member's block behind the
-    head of its sender's problem row; raises the first member's problem on every member alike."""
+    head of its sender's problem row; raises the first member's problem on every member alike.
+    ``pieces``: the slots' rows, member by member; ``splits``: the rows sent to and received
+    from each member."""
     comm = ctx.mesh.comm(axes)
     sent, back = splits
     row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row
     head = torch.zeros(_HEAD, dtype=torch.int64)
     head[: len(told)] = torch.tensor(told)
-    head = head.view(torch.uint8)
-    heads = head.numel()
+    heads = _HEAD * 8  # a head's bytes
 
     def length(r: int) -> int:  # a block's bytes: its head, its rows, padding to _ALIGN
         return -(-(heads + r * row) // _ALIGN) * _ALIGN
 
-    blocks = []
-    for j in range(comm.n):
-        rows = _bytes(torch.cat(pieces[j * per : (j + 1) * per]))
-        blocks += [head, rows, head.new_zeros(length(sent[j]) - heads - rows.numel())]
+    lengths = [length(s) for s in sent]
+    buffer = torch.empty(sum(lengths), dtype=torch.uint8)  # (padding: never read)
+    pieces_left = iter(pieces)
+    start = 0
+    for block_bytes in lengths:  # each member's block: the head, then its slots' rows
+        buffer[start : start + heads] = head.view(torch.uint8)
+        at = start + heads
+        for _ in range(len(pieces) // comm.n):
+            piece = _bytes(next(pieces_left))
+            buffer[at : at + piece.numel()] = piece
+            at += piece.numel()
+        start += block_bytes
     sizes = [length(r) for r in back]
-    got = comm.all_to_all_rows(torch.cat(blocks), [length(s) for s in sent], sizes, _NAME)
-    received = got.split(sizes)
+    received = comm.all_to_all_rows(buffer, lengths, sizes, _NAME).split(sizes)
     told_by = [block[:heads].view(torch.int64).tolist() for block in received]
     first = next((i for i, t in enumerate(told_by) if t[0]), None)
     if first is not None:
         error = problem_error(ctx.fn_label, axes, first, tuple(told_by[first]))
         raise ctx.alike(error) if comm.n == ctx.mesh.size else error
-    dtype = x.resolve_conj().resolve_neg().dtype
     if row == 0:  # (rows of no elements: nothing moved but the heads)
         return [x.new_zeros((r, *x.shape[1:])) for r in back]
     # (each block starts at a multiple of _ALIGN, of every element size: viewed, not copied)
     each = [block[heads : heads + r * row] for block, r in zip(received, back)]
-    return [b.view(dtype).view(-1, *x.shape[1:]) for b in each]
+    return [b.view(x.dtype).view(-1, *x.shape[1:]) for b in each]
 
 
-_HEAD = 8  # int64 before each block: a problem row, padded
+#: int64 before each block: a problem row, padded to an even count (a multiple of _ALIGN bytes)
+_HEAD = PROBLEM + PROBLEM % 2
 _ALIGN = 16  # a block's bytes, a multiple of every element size (complex128's) and of int64's
 
 
 def _bytes(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` as their bytes (one dim of uint8): gloo moves them beside the int64 head."""
+    """``rows`` as their bytes (one dim of uint8): gloo moves them beside the int64 head; a
+    view where they are contiguous and plain."""
     rows = rows.resolve_conj().resolve_neg().contiguous()
     return rows.reshape(-1).view(torch.uint8)
