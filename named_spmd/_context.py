@@ -260,9 +260,10 @@ class SpmdContext(ABC):
         return ragged_place(got, m, placed_at, received)
 
     def carried_metadata(self, meta: torch.Tensor, axes: Axes) -> torch.Tensor | None:
-        """``ragged_all_to_all``'s exchange of its ``[4, K]`` offsets and sizes, typed and
-        counted as its tiled all_to_all, where the backend made it already (a real mesh's
-        replay carries it behind the start-of-call check); None: the caller exchanges them."""
+        """``ragged_all_to_all``'s exchange of its ``[6, K]`` metadata (the offsets and sizes,
+        then the operand's and output's rows in every slot), typed and counted as its tiled
+        all_to_all, where the backend made it already (a real mesh's replay carries it behind
+        the start-of-call check); None: the caller exchanges them."""
         return None
 
     @abstractmethod

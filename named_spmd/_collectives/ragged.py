@@ -77,9 +77,9 @@ def ragged_all_to_all(
             rows, m = operand.shape[0], output.shape[0]
             wide = [t.dtype == torch.int64 for t in given]
         meta = torch.stack([t if w else t.to(torch.int64) for t, w in zip(given, wide)])
-        tells = ctx.own_values and ctx.tells_ragged_problems
-        exchanged = _with_bounds(ctx, meta, rows, m) if tells else meta
-        # each slot's peer values: where its rows came from, where they go, how many
+        # each slot's peer values: where its rows came from, where they go, how many, and the
+        # peer's buffers' rows (on every backend: each reports the same exchange)
+        exchanged = _with_bounds(ctx, meta, rows, m)
         peer = ctx.carried_metadata(exchanged, axes)
         if peer is None:
             peer = RECORDS["all_to_all"].bind(exchanged, axes, 1, 1, True, None, None)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .distributed import DistributedContext
 
 SLOTS = 8  # slots per member carried at most (``ROWS`` int64 each)
-ROWS = 6  # a real mesh's metadata per slot: the four, and the operand's and output's rows
+ROWS = 6  # ragged_all_to_all's metadata per slot: the four, and the operand's and output's rows
 BYTES = 4096  # a carried ppermute's operand, at most
 # a row (one width whatever it carries: ranks whose calls went apart still pair up): the tag,
 # then the metadata of the receiver's slots, or a ppermute's flag and operand bytes

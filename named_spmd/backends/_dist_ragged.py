@@ -88,7 +88,8 @@ def _told_rows(
         return -(-(heads + r * row) // _ALIGN) * _ALIGN
 
     lengths = [length(s) for s in sent]
-    buffer = torch.empty(sum(lengths), dtype=torch.uint8)  # (padding: never read)
+    # zeros: the padding is never read, but the bytes on the wire stay deterministic
+    buffer = torch.zeros(sum(lengths), dtype=torch.uint8)
     pieces_left = iter(pieces)
     start = 0
     for block_bytes in lengths:  # each member's block: the head, then its slots' rows
