@@ -191,6 +191,12 @@ class SpmdContext(ABC):
     #: and the members' results may differ in shape. Not under vmap, on meta tensors or traced.
     own_values: bool = False
 
+    #: Whether an instance's ``ragged_all_to_all`` problem (sizes that disagree with a peer's,
+    #: slices outside a buffer) travels in its data exchange, for every member to raise the
+    #: first member's alike (a real mesh, where a member that raised alone would leave the
+    #: others inside the exchange); else each instance raises its own.
+    tells_ragged_problems: bool = False
+
     #: Whether the call's blocks in and out are the caller's own (a real mesh's ``.local``
     #: call): its members' blocks, and so their split sizes, may differ as the caller's do.
     caller_blocks: bool = False
@@ -238,6 +244,7 @@ class SpmdContext(ABC):
         sizes: torch.Tensor,
         placed_at: torch.Tensor,
         received: torch.Tensor,
+        told: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Slot k (of K, a multiple of n; slot k goes to member ``k // (K // n)``) of ``x``'s
         rows ``offsets[k] : offsets[k] + sizes[k]`` is sent to its member. The result (``[m,
@@ -245,16 +252,18 @@ class SpmdContext(ABC):
         rows) at rows ``placed_at[k]...``, zeros elsewhere; all four are ``[K]`` int tensors,
         ``placed_at`` in this member's frame. This default pads every slot to ``x.shape[0]``
         rows for one even all_to_all (static shapes, as vmap needs; n times the data on the
-        wire); a backend with :attr:`own_values` sends the rows alone."""
+        wire); a backend with :attr:`own_values` sends the rows alone. ``told``: this member's
+        problem row, for a backend that :attr:`tells_ragged_problems`."""
         n = self.mesh.axis_size(axes)
         packed = ragged_pack(x, offsets, sizes)
         got = self.all_to_all(packed.unflatten(0, (n, -1)), axes, 0).flatten(0, 1)
         return ragged_place(got, m, placed_at, received)
 
     def carried_metadata(self, meta: torch.Tensor, axes: Axes) -> torch.Tensor | None:
-        """``ragged_all_to_all``'s exchange of its ``[4, K]`` offsets and sizes, typed and
-        counted as its tiled all_to_all, where the backend made it already (a real mesh's
-        replay carries it behind the start-of-call check); None: the caller exchanges them."""
+        """``ragged_all_to_all``'s exchange of its ``[6, K]`` metadata (the offsets and sizes,
+        then the operand's and output's rows in every slot), typed and counted as its tiled
+        all_to_all, where the backend made it already (a real mesh's replay carries it behind
+        the start-of-call check); None: the caller exchanges them."""
         return None
 
     @abstractmethod

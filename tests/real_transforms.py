@@ -36,6 +36,7 @@ import test_levels_matrix as lm
 import torch
 import transforms_inside as ti
 import transforms_over as to
+from _ragged import routing
 
 import named_spmd as ns
 from named_spmd import P
@@ -299,6 +300,7 @@ PG_METHOD = {
     "psum_scatter": "reduce_scatter_single",
     "all_to_all": "all_to_all_single",
     "pbroadcast": "broadcast",
+    "ragged_all_to_all": "all_to_all_single",
 }
 PG_CALLS: dict[str, int] = {}
 
@@ -322,7 +324,8 @@ def _comm_programs(mesh) -> dict:
     """Forward and backward of calls whose boundary communicates: plain-tensor inputs (the
     gradient all_gather of each split one), an output tiled over an axis it is invariant over,
     check_vma=False, a torch.func transform over the call (the output gathered forward), and
-    DTensor inputs (nothing to gather)."""
+    DTensor inputs (nothing to gather), and a ragged_all_to_all (its metadata exchange's shape
+    every backend's alike)."""
     f = to.mapped(mesh)
     loose = ns.spmd_map(lambda x: x * 2, mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=False)
     tiled = ns.spmd_map(lambda w: w * 2, mesh=mesh, in_specs=P(), out_specs=P("x"))
@@ -333,11 +336,26 @@ def _comm_programs(mesh) -> dict:
         "tiled output": lambda: _loss(tiled(w)),
         "check_vma=False": lambda: _loss(loose(x)),
         "grad over the call": lambda: torch.func.grad(lambda x: f["gathered"](x, to.W8).sum())(x),
+        "ragged_all_to_all": _ragged_program(mesh),
     }
     if len(mesh.axis_names) == 1 and mesh.device_mesh is not None:
         d = to.sharded(mesh, to.X).detach().requires_grad_()
         programs["DTensor input"] = lambda: _loss(f["psum_prod"](d, w))
     return programs | _derivative_programs(mesh)
+
+
+def _ragged_program(mesh):
+    """A ragged_all_to_all over ``"x"``, two slots per member, and its backward."""
+    r = routing(mesh.axis_size("x"), 2, seed=3)
+    rag = ns.spmd_map(
+        lambda x, o, *meta: ns.ragged_all_to_all(x, o, *meta, "x"),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+    )
+    x = torch.arange(r.n * r.rows * 3, dtype=torch.float64).reshape(-1, 3).requires_grad_()
+    out = torch.zeros(r.n * r.m, 3, dtype=torch.float64)
+    return lambda: _loss(rag(x, out, *r.metadata()))
 
 
 def _fans(x, w):

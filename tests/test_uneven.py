@@ -863,7 +863,9 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     where Shard holds the blocks, else the global value), the same errors on every rank (out_specs
     errors of some ranks only, outputs all P() compared too, unequal split sizes of an even
     call's all_to_all, on one member only too) and the next call running after them, and
-    the DTensors whose blocks are not the spec's refused; the process-group calls of uneven
+    the DTensors whose blocks are not the spec's refused; ragged_all_to_all metadata that some
+    members get wrong (sizes that disagree, a slice outside), in a first and in replayed calls:
+    the first member's error on every rank, no collective added; the process-group calls of uneven
     calls (one exchange of operand shapes per collective, of output shapes unless they are the
     last call's, on some ranks only too); even calls of split sizes the
     real mesh alone runs (a collective some ranks call, a .local call's unequal sizes); and
@@ -882,7 +884,7 @@ def test_real_mesh_takes_uneven_blocks_as_the_simulated_one():
     cases = uneven_dist.CASES + uneven_dist.ERRORS + uneven_dist.REFUSED + uneven_dist.COUNTED
     cases += uneven_dist.REPLAYED + uneven_dist.ROWS + uneven_dist.OWN_PROGRAMS + uneven_dist.ALONE
     cases += uneven_dist.UNDIFFERENTIABLE + uneven_dist.PLANS_APART + uneven_dist.TYPES_APART
-    cases += uneven_dist.TYPES_APART_GRAD
+    cases += uneven_dist.TYPES_APART_GRAD + uneven_dist.RAGGED_REPLAYED
     cases = [c.name for c in cases]
     assert sorted((r["case"], r["rank"]) for r in rows) == sorted(
         (c, rank) for c in cases for rank in range(4)

@@ -640,6 +640,43 @@ def _two_kinds_of_errors(v):
 
 
 # Programs that must fail with the same error on both backends (and on every rank alike).
+def _ragged_one_row_each(x, out, recv_at_2=(1, 1, 1, 1), offsets_at_3=(0, 1, 2, 3)):
+    """Each member sends row j of its block to member j (row i there); member 2 expects
+    ``recv_at_2`` rows, member 3 reads its slices at ``offsets_at_3``."""
+    i = ns.axis_index("x")
+    ones = torch.ones(4, dtype=torch.int64)
+    recv = torch.where(i == 2, torch.tensor(recv_at_2), ones)
+    offsets = torch.where(i == 3, torch.tensor(offsets_at_3), torch.arange(4))
+    return ns.ragged_all_to_all(x, out, offsets, ones, i + 0 * ones, recv, "x")
+
+
+def _ragged_sizes_disagree(x, out):  # member 2 expects 2 rows from member 1, which sends 1
+    return _ragged_one_row_each(x, out, recv_at_2=(1, 2, 1, 1))
+
+
+def _ragged_slice_outside(x, out):  # member 3's last slice lies past its block of 4 rows
+    return _ragged_one_row_each(x, out, offsets_at_3=(0, 1, 2, 7))
+
+
+def _ragged_sizes_far_outside(x, out):  # agreed by both ends: 2**40 rows from member 0 to 1
+    i = ns.axis_index("x")
+    ones = torch.ones(4, dtype=torch.int64)
+    send = torch.where(i == 0, torch.tensor([1, 2**40, 1, 1]), ones)
+    recv = torch.where(i == 1, torch.tensor([2**40, 1, 1, 1]), ones)
+    return ns.ragged_all_to_all(x, out, torch.arange(4), send, i + 0 * ones, recv, "x")
+
+
+def _ragged_case(name: str, fn: Callable[..., Any], says: str) -> Case:
+    """A ragged_all_to_all whose metadata some members get wrong: the first member's error on
+    every rank alike, the mesh in step after (gloo would pair sizes that differ)."""
+    kinds = ("CollectiveError: ", says)
+    return Case(name, (4,), ("x",), fn, P("x"), P("x"), _ragged_args, None, kinds=kinds)
+
+
+def _ragged_args() -> tuple:
+    return _randn(16, 2, seed=66), torch.zeros(16, 2, dtype=F64)
+
+
 def _invariant_then_other_dtype(v):
     sizes = torch.zeros(v.shape[0], dtype=v.dtype) + ns.psum(v.sum(), "x")
     return sizes, v if v.shape[0] == 3 else v.float()
@@ -688,6 +725,21 @@ def _psum_over_b_where_positive(v):  # at b=0 and b=1 of a group: other signs
 
 
 ERRORS = [
+    _ragged_case(
+        "ragged_all_to_all_sizes_that_disagree",
+        _ragged_sizes_disagree,
+        "member 1 of ('x',) sends 1 rows in slot 2 and expects 1, but member 2 expects 2",
+    ),
+    _ragged_case(
+        "ragged_all_to_all_slice_outside_the_operand",
+        _ragged_slice_outside,
+        "member 3 of ('x',), slot 3: rows 7:8 do not lie within the operand's 4 rows",
+    ),
+    _ragged_case(  # (no rank allocates the 2**40 rows: both ends of the slot send none)
+        "ragged_all_to_all_sizes_far_outside_both_buffers",
+        _ragged_sizes_far_outside,
+        f"member 0 of ('x',), slot 1: rows 1:{1 + 2**40} do not lie within the operand's 4 rows",
+    ),
     _after_a_branch(  # a psum some ranks skip after a branch on values: told alike, not paired
         "psum_skipped_on_some_ranks_after_a_branch",
         _psum_where_positive,  # (x=1 and x=3 sum to 0: they skip it)
@@ -1660,6 +1712,75 @@ REPLAYED = [
 ]
 
 
+# A replayed ragged_all_to_all (its offsets and sizes carried behind the start-of-call check)
+# whose metadata some members get wrong in some calls: what they get wrong per call, and a piece
+# of the error that says so (None: a call without one).
+RAGGED_WRONG: dict[str, Any] = {}
+RAGGED_STEPS: list[tuple[dict[str, Any], str | None]] = [
+    ({}, None),
+    ({}, None),
+    ({"recv_at_2": (1, 2, 1, 1)}, "member 1 of ('x',) sends 1 rows in slot 2 and expects 1"),
+    ({}, None),
+    ({"offsets_at_3": (0, 1, 2, 7)}, "member 3 of ('x',), slot 3: rows 7:8 do not lie"),
+    ({}, None),
+]
+
+
+def _ragged_replayed(x, out):
+    return _ragged_one_row_each(x, out, **RAGGED_WRONG)
+
+
+RAGGED_REPLAYED = [
+    Case(
+        "ragged_all_to_all_replayed",
+        (4,),
+        ("x",),
+        _ragged_replayed,
+        P("x"),
+        P("x"),
+        _ragged_args,
+        None,
+    )
+]
+
+
+def check_ragged_replayed(case: Case, real_mesh, sim_mesh) -> list[str]:
+    """The calls of :data:`RAGGED_STEPS` on both meshes, of one function each: values as the
+    simulated mesh's, its error on every rank alike where members get the metadata wrong (told
+    in the rows' exchange: no process-group call more than a replayed call without one
+    makes), and the calls after it right (the mesh in step)."""
+    problems: list[str] = []
+    args = case.args()
+    real, sim = (
+        ns.spmd_map(case.fn, mesh=m, in_specs=case.in_specs, out_specs=case.out_specs)
+        for m in (real_mesh, sim_mesh)
+    )
+    counts = []
+    for k, (wrong, says) in enumerate(RAGGED_STEPS):
+        RAGGED_WRONG.clear()
+        RAGGED_WRONG.update(wrong)
+        (got, calls), (want, _) = _outcome(real, args), _outcome(sim, args)
+        if says is not None:
+            if got != want or says not in want:
+                problems.append(f"call {k}: real {got!r} vs simulated {want!r}")
+        elif isinstance(got, str) or isinstance(want, str):
+            problems.append(f"call {k}: real {got!r} vs simulated {want!r}")
+        else:
+            _close(got[0], want[0], f"call {k} vs simulated", problems)
+        counts.append(len(calls))
+    RAGGED_WRONG.clear()
+    if max(counts[1:]) != counts[1]:  # (the first call is no replay)
+        problems.append(f"process-group calls per call {counts}")
+    # the rows travel as bytes beside the heads: of every element size (1, 2, 16 bytes)
+    for dtype in (torch.bool, torch.int8, torch.bfloat16, torch.complex128):
+        x, out = (a.to(dtype) for a in args)
+        x = x * (1 + 2j) if dtype.is_complex else x  # (imaginary parts too)
+        (got, _), (want, _) = _outcome(real, (x, out)), _outcome(sim, (x, out))
+        if isinstance(got, str) or isinstance(want, str) or not torch.equal(got[0], want[0]):
+            problems.append(f"{dtype}: real {got!r} vs simulated {want!r}")
+    return problems
+
+
 # Calls of one signature whose outputs' block shapes change between calls (Python state), on
 # some ranks only: each rank compares its outputs' row with the last call's, and one all-reduce
 # of a flag tells whether every rank's matched; any rank's differing, every rank exchanges the
@@ -1967,6 +2088,7 @@ def main() -> None:
     checkers = ((check, CASES), (check_error, ERRORS), (check_refused, REFUSED))
     checkers += ((check_own_program, OWN_PROGRAMS), (check_plans_apart, PLANS_APART))
     checkers += ((check_calls, COUNTED), (check_replayed, REPLAYED), (check_rows, ROWS))
+    checkers += ((check_ragged_replayed, RAGGED_REPLAYED),)
     checkers += ((check_undifferentiable, UNDIFFERENTIABLE), (check_types_apart, TYPES_APART))
     checkers += ((check_refused, TYPES_APART_GRAD),)
     checkers += ((check_alone, ALONE),)  # (last: the mesh is out of step after)

@@ -77,13 +77,16 @@ def ragged_all_to_all(
             rows, m = operand.shape[0], output.shape[0]
             wide = [t.dtype == torch.int64 for t in given]
         meta = torch.stack([t if w else t.to(torch.int64) for t, w in zip(given, wide)])
-        # each slot's peer values: where its rows came from, where they go, how many
-        peer = ctx.carried_metadata(meta, axes)
+        # each slot's peer values: where its rows came from, where they go, how many, and the
+        # peer's buffers' rows (on every backend: each reports the same exchange)
+        exchanged = _with_bounds(ctx, meta, rows, m)
+        peer = ctx.carried_metadata(exchanged, axes)
         if peer is None:
-            peer = RECORDS["all_to_all"].bind(meta, axes, 1, 1, True, None, None)
+            peer = RECORDS["all_to_all"].bind(exchanged, axes, 1, 1, True, None, None)
+        told = None
         if ctx.own_values:
             with DisableTorchFunction():  # host values read, no op of the program
-                _check_values(ctx, axes, rows, m, meta, peer)
+                told, meta = _checked_values(ctx, axes, rows, m, meta, peer)
         input_offsets, send_sizes, output_offsets, recv_sizes = meta.unbind(0)
         from_offsets, placed_at = peer[0], peer[2]
         params = Ragged(
@@ -95,6 +98,7 @@ def ragged_all_to_all(
             recv_sizes,
             placed_at,
             from_offsets,
+            told=told,
         )
         missing = ctx.vma(peer).varying - ctx.vma(operand).varying
         if missing:  # the rows moved depend on values that vary there
@@ -129,6 +133,9 @@ class Ragged(NamedTuple):
     #: leading dims batched by a torch.func.vmap inside the function: each batch element's rows
     #: are sent by the same offsets and sizes
     batch: int = 0
+    #: the forward's :data:`PROBLEM` row, where the backend tells its members' problems in the
+    #: data exchange (:attr:`SpmdContext.tells_ragged_problems`); None: checked already
+    told: tuple[int, ...] | None = None
 
     def transposed(self) -> Ragged:
         """The rows go back: read where they were placed, write where they came from."""
@@ -181,48 +188,110 @@ def _what(t: Any) -> str:
     return type(t).__name__
 
 
-def _check_values(
+def _with_bounds(ctx: SpmdContext, meta: torch.Tensor, rows: int, m: int) -> torch.Tensor:
+    """``meta`` and two rows more, the operand's rows and the output's in every slot: both ends
+    of a slot then read whether its slice lies within its sender's operand and its receiver's
+    output (:func:`_agreed_sizes`)."""
+    with DisableTorchFunction():  # metadata of the exchange, no op of the program
+        bounds = meta.new_tensor([[rows], [m]]).expand(2, meta.shape[1])
+        return ctx.stamp(torch.cat([meta, bounds]), ctx.vma(meta))
+
+
+def _checked_values(
     ctx: SpmdContext, axes: Axes, rows: int, m: int, meta: torch.Tensor, peer: torch.Tensor
-) -> None:
-    """The sizes agree with the peers' and the slices lie within the buffers (host values)."""
-    offsets, sizes, _, received = meta.tolist()
-    _, peer_sizes, placed_at, peer_received = peer.tolist()
-    per = len(sizes) // ctx.mesh.axis_size(axes)
+) -> tuple[tuple[int, ...] | None, torch.Tensor]:
+    """The sizes agree with the peers' and the slices lie within the buffers (host values):
+    this member's first problem raised, or, where the backend tells its members' problems in
+    the data exchange (a real mesh: a member that raised alone would leave the others inside
+    it), returned as its :data:`PROBLEM` row (zeros: none) with the metadata to send by, each
+    slot's size the one both its ends read alike (:func:`_agreed_sizes`), so that the exchange
+    pairs sizes that agree and moves no rows from or to outside a buffer."""
+    mine, theirs = meta.tolist(), peer.tolist()
+    problem = _problem(mine, theirs[:4], ctx.mesh.axis_size(axes), rows, m)
+    if not ctx.tells_ragged_problems:
+        if problem:
+            raise problem_error(ctx.fn_label, axes, int(ctx.axis_index(axes)), problem)
+        return None, meta
+    told = problem + (0,) * (PROBLEM - len(problem))
+    sent, received = _agreed_sizes(mine, theirs, rows, m)
+    if sent == mine[1] and received == mine[3]:
+        return told, meta
+    agreed = meta.new_tensor([mine[0], sent, mine[2], received])
+    return told, ctx.stamp(agreed, ctx.vma(meta))
+
+
+def _agreed_sizes(mine: list, theirs: list, rows: int, m: int) -> tuple[list, list]:
+    """Each slot's rows sent and received as both its ends read them from the exchanged
+    metadata (``theirs`` with the peers' buffer rows, :func:`_with_bounds`): its sender's size
+    where its receiver expects as many and the slice lies within the sender's operand and the
+    receiver's output, else 0. A member that saw no problem of its own reads the same: another
+    member's buffer may be the one a slice misses."""
+    offsets, sizes, out_offsets, expected = mine
+    from_offsets, peer_sizes, placed_at, peer_expected, peer_rows, peer_m = theirs
+    sent = [
+        _fits(o, s, at, e, out_rows, rows)
+        for o, s, at, e, out_rows in zip(offsets, sizes, out_offsets, peer_expected, peer_m)
+    ]
+    received = [
+        _fits(o, s, at, e, m, in_rows)
+        for o, s, at, e, in_rows in zip(from_offsets, peer_sizes, placed_at, expected, peer_rows)
+    ]
+    return sent, received
+
+
+def _fits(offset: int, size: int, at: int, expected: int, out_rows: int, rows: int) -> int:
+    """A slot's ``size`` rows where they agree with the ``expected`` and lie within both
+    buffers (``rows`` the operand's, ``out_rows`` the output's), else 0."""
+    inside = 0 <= offset and offset + size <= rows and 0 <= at and at + size <= out_rows
+    return size if size == expected and size >= 0 and inside else 0
+
+
+#: A member's problem as integers (its kind, then what its message reads), so that every member
+#: tells the first member's alike: (1, slot, its peer, sent, expected, the peer's expected, the
+#: peer's sent), or (2, slot, start, size, rows, 0: operand / 1: output); () none.
+PROBLEM = 7
+
+
+def _problem(meta: list, peer: list, n: int, rows: int, m: int) -> tuple[int, ...]:
+    offsets, sizes, _, received = meta
+    _, peer_sizes, placed_at, peer_received = peer
+    per = len(sizes) // n
     for k in range(len(sizes)):
-        peer_k = k // per
         if sizes[k] != peer_received[k] or received[k] != peer_sizes[k]:
-            raise CollectiveError(
-                f"{_member(ctx, axes)} sends {sizes[k]} rows in slot {k} and "
-                f"expects {received[k]}, but member {peer_k} expects {peer_received[k]} from it "
-                f"and sends {peer_sizes[k]}. Fix: send_sizes must equal "
-                "ns.all_to_all(recv_sizes, axis, 0, 0, tiled=True)."
-            )
-        bad = _outside(offsets[k], sizes[k], rows, "operand") or _outside(
-            placed_at[k], received[k], m, "output"
+            return (1, k, k // per, sizes[k], received[k], peer_received[k], peer_sizes[k])
+        for what, (start, size, bound) in enumerate(
+            ((offsets[k], sizes[k], rows), (placed_at[k], received[k], m))
+        ):
+            if size < 0 or start < 0 or start + size > bound:
+                return (2, k, start, size, bound, what)
+    return ()
+
+
+def problem_error(label: str, axes: Axes, member: int, problem: tuple[int, ...]) -> CollectiveError:
+    """The error of ``member``'s :data:`PROBLEM` row ``problem`` (not all zeros)."""
+    where = f"ragged_all_to_all in {label}: member {member} of {axes}"
+    if problem[0] == 1:
+        k, peer, sent, expected, peer_expected, peer_sent = problem[1:PROBLEM]
+        return CollectiveError(
+            f"{where} sends {sent} rows in slot {k} and expects {expected}, but member {peer} "
+            f"expects {peer_expected} from it and sends {peer_sent}. Fix: send_sizes must equal "
+            "ns.all_to_all(recv_sizes, axis, 0, 0, tiled=True)."
         )
-        if bad:
-            raise CollectiveError(
-                f"{_member(ctx, axes)}, slot {k}: {bad}. Fix: offsets and sizes "
-                "must give slices within the operand (input_offsets, send_sizes) and within "
-                "the receiver's output (output_offsets, recv_sizes)."
-            )
-
-
-def _member(ctx: SpmdContext, axes: Axes) -> str:
-    """Where an error of :func:`_check_values` is (its member read only for the message)."""
-    return f"ragged_all_to_all in {ctx.fn_label}: member {int(ctx.axis_index(axes))} of {axes}"
-
-
-def _outside(start: int, size: int, rows: int, what: str) -> str:
-    if size < 0 or start < 0 or start + size > rows:
-        return f"rows {start}:{start + size} do not lie within the {what}'s {rows} rows"
-    return ""
+    k, start, size, bound, what = problem[1:6]
+    return CollectiveError(
+        f"{where}, slot {k}: rows {start}:{start + size} do not lie within the "
+        f"{('operand', 'output')[what]}'s {bound} rows. Fix: offsets and sizes must give slices "
+        "within the operand (input_offsets, send_sizes) and within the receiver's output "
+        "(output_offsets, recv_sizes)."
+    )
 
 
 def _forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params) -> torch.Tensor:
     p = cast(Ragged, params)
     if not p.batch:
-        return ctx.ragged_all_to_all(x, axes, p.m, p.offsets, p.sizes, p.placed_at, p.received)
+        return ctx.ragged_all_to_all(
+            x, axes, p.m, p.offsets, p.sizes, p.placed_at, p.received, p.told
+        )
     # JAX's batching rule: the batch elements' rows one after the other, slot k of element b
     # becoming slot k * B + b (the same member), its offsets shifted by b times the rows
     lead = x.shape[: p.batch]
@@ -241,6 +310,7 @@ def _forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params) -> t
         each(p.sizes),
         each(p.placed_at, p.m),
         each(p.received),
+        p.told,
     )
     return out.unflatten(0, (*lead, p.m))
 

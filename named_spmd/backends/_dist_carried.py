@@ -39,11 +39,12 @@ if TYPE_CHECKING:
     from ._dist_mesh import DistributedMesh
     from .distributed import DistributedContext
 
-SLOTS = 8  # slots per member carried at most (four int64 each)
+SLOTS = 8  # slots per member carried at most (``ROWS`` int64 each)
+ROWS = 6  # ragged_all_to_all's metadata per slot: the four, and the operand's and output's rows
 BYTES = 4096  # a carried ppermute's operand, at most
 # a row (one width whatever it carries: ranks whose calls went apart still pair up): the tag,
-# then the four metadata of the receiver's slots, or a ppermute's flag and operand bytes
-WIDTH = max(1 + 4 * SLOTS, 2 + BYTES // 8)
+# then the metadata of the receiver's slots, or a ppermute's flag and operand bytes
+WIDTH = max(1 + ROWS * SLOTS, 2 + BYTES // 8)
 _TAGS = (1 << 61) - 1  # a ppermute's tag: minus one plus its digest's low bits
 _NAME = "the start-of-call check's carried exchange"
 
@@ -58,13 +59,14 @@ class Carried:
         self.started: tuple[Any, torch.Tensor] | None = None
 
     def start(self, meta: torch.Tensor | None) -> None:
-        """Send ``meta`` ([4, K] int64, slot k for member ``k // (K // n)``), or zeros."""
+        """Send ``meta`` ([ROWS, K] int64, slot k for member ``k // (K // n)``), or zeros."""
         n = self.comm.n
         rows = torch.zeros(n, WIDTH, dtype=torch.int64)
         if meta is not None:
             per = meta.shape[1] // n
             rows[:, 0] = meta.shape[1]
-            rows[:, 1 : 1 + 4 * per] = meta.reshape(4, n, per).transpose(0, 1).reshape(n, -1)
+            h = meta.shape[0]
+            rows[:, 1 : 1 + h * per] = meta.reshape(h, n, per).transpose(0, 1).reshape(n, -1)
         self.send(rows)
 
     def send(self, rows: torch.Tensor) -> None:
@@ -159,6 +161,7 @@ def _fits(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) ->
         type(ctx).carries_first_exchange
         and axes == mesh.axis_names
         and meta.device.type == "cpu"
+        and meta.shape[0] <= ROWS
         and meta.shape[1] <= SLOTS * mesh.size
         and not ctx.values_read
         and not vma.partial
@@ -167,7 +170,7 @@ def _fits(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) ->
 
 
 def peers(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) -> Any:
-    """``ragged_all_to_all``'s exchange of ``meta`` ([4, K] int64) where the start-of-call check
+    """``ragged_all_to_all``'s exchange of ``meta`` ([ROWS, K] int64) where the start-of-call check
     carries it (a replay that promised it: this is its first collective), as the tiled
     all_to_all would return it, typed and counted alike; else None (the caller exchanges), and
     in a planned call whose first collective this is, its slots noted for the plan."""
@@ -186,10 +189,10 @@ def peers(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) ->
             return None
         mesh.carried = None
         got = carried.finish(ctx)
-        n, per = mesh.size, carried.slots // mesh.size
-        peer = got[:, 1 : 1 + 4 * per].reshape(n, 4, per).transpose(0, 1).reshape(4, -1)
+        n, per, h = mesh.size, carried.slots // mesh.size, meta.shape[0]
+        peer = got[:, 1 : 1 + h * per].reshape(n, h, per).transpose(0, 1).reshape(h, -1)
     if recording():  # the exchange's event, as ``Collective._apply`` records it
-        record(CommEvent("all_to_all", axes, "forward", (4, n * per), meta.dtype))
+        record(CommEvent("all_to_all", axes, "forward", (h, n * per), meta.dtype))
     return ctx.stamp(peer, ctx.vma(meta))
 
 

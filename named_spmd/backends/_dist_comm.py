@@ -457,27 +457,3 @@ class Comm:
         opts.asyncOp = self.poll
         self._issue(name, lambda: self.group.broadcast([buf], opts))
         return buf
-
-
-def ragged_rows(
-    comm: Comm,
-    x: torch.Tensor,
-    m: int,
-    offsets: torch.Tensor,
-    sizes: torch.Tensor,
-    placed_at: torch.Tensor,
-    received: torch.Tensor,
-) -> torch.Tensor:
-    """``SpmdContext.ragged_all_to_all`` on a real mesh: the sizes and offsets read on the host
-    (one synchronisation), the rows sent alone by one ``all_to_all_single`` with split sizes,
-    then placed at their offsets in a zero ``[m, ...]`` buffer."""
-    off, size, at, got = torch.stack([offsets, sizes, placed_at, received]).tolist()
-    per = len(size) // comm.n  # slots per member
-    rows = torch.cat([x[o : o + s] for o, s in zip(off, size)])
-    sent = [sum(size[j * per : (j + 1) * per]) for j in range(comm.n)]
-    back = [sum(got[j * per : (j + 1) * per]) for j in range(comm.n)]
-    arrived = comm.all_to_all_rows(rows, sent, back, "ragged_all_to_all")
-    out = x.new_zeros((m, *x.shape[1:]))
-    for start, piece in zip(at, arrived.split(got)):
-        out[start : start + piece.shape[0]] = piece
-    return out

@@ -53,7 +53,7 @@ from . import (
     _dist_pvary,
     _dist_uneven,
 )
-from ._dist_comm import MAX, MIN, SUM, ragged_rows
+from ._dist_comm import MAX, MIN, SUM
 from ._dist_dtensor import to_local
 from ._dist_failures import timeout_s
 from ._dist_io import global_output, inputs, local_output
@@ -62,6 +62,7 @@ from ._dist_mesh import (
     make_distributed_mesh,
     mesh_from_device_mesh,
 )
+from ._dist_ragged import ragged_rows
 from ._dist_steps import exchange
 from ._dist_uneven_primitives import OperandShapes, UnevenPrimitives, remember
 
@@ -90,6 +91,7 @@ class DistributedContext(OperandShapes, TrackedContext):
     #: the operand that a donating record's forward, running now, reduces in place (``apply``)
     donated: torch.Tensor | None = None
     own_values = True  # each rank's tensors are its own: sizes are read on the host
+    tells_ragged_problems = True  # (a rank that raised alone would leave the others waiting)
     inputs: list[Any] = []  # this call's local inputs (the views' sources besides leaves)
     #: (id(grad_fn), output_nr) -> input, made on demand
     input_nodes: dict[tuple[int, int], torch.Tensor] | None = None
@@ -253,8 +255,8 @@ class DistributedContext(OperandShapes, TrackedContext):
         received_rows = self.mesh.comm(axes).all_to_all_rows(x.movedim(dim, 0), sent, received)
         return received_rows.movedim(0, dim)
 
-    def ragged_all_to_all(self, x, axes, m, offsets, sizes, placed_at, received):
-        return ragged_rows(self.mesh.comm(axes), x, m, offsets, sizes, placed_at, received)
+    def ragged_all_to_all(self, x, axes, m, offsets, sizes, placed_at, received, told=None):
+        return ragged_rows(self, axes, x, m, (offsets, sizes, placed_at, received), told)
 
     def carried_metadata(self, meta, axes):
         return _dist_carried.peers(self, meta, axes)
@@ -279,7 +281,7 @@ class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
     def all_to_all_sizes(self, x, axes, dim, sent, received):
         return SpmdContext.all_to_all_sizes(self, x, axes, dim, sent, received)
 
-    def ragged_all_to_all(self, x, axes, m, offsets, sizes, placed_at, received):
+    def ragged_all_to_all(self, x, axes, m, offsets, sizes, placed_at, received, told=None):
         return SpmdContext.ragged_all_to_all(self, x, axes, m, offsets, sizes, placed_at, received)
 
     def psum_in_backward(self, g, axes, node):
