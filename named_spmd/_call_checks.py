@@ -136,26 +136,31 @@ def _data_dependent_problems(
 
 
 def _refuse_marked_dynamic(f: SpmdFunction, args: tuple) -> None:
-    """While Dynamo traces: an SpecError for an input whose size ``mark_dynamic``
-    marked. A compiled call is traced for static shapes (its blocks, layouts and checks are
-    decided while tracing: ``_spec.specialize``), which Dynamo refuses for a marked size with
-    a ConstraintViolationError naming none of the call; a size Dynamo made symbolic on its own
-    (after a shape change) is specialized."""
+    """While Dynamo traces: an SpecError for an input whose size ``mark_dynamic`` marked, or
+    is computed from a marked size (a symbolic size in a frame with marked ones: one Dynamo
+    made symbolic on its own there reads as such too). A compiled call is traced for static
+    shapes (its blocks, layouts and checks are decided while tracing: ``_spec.specialize``),
+    which Dynamo refuses for a marked size with a ConstraintViolationError naming none of the
+    call; a size Dynamo made symbolic on its own (after a shape change) is specialized."""
     paths, leaves, _ = flatten_with_paths(args)  # (Dynamo tracks an input once it reads it)
     marked = _marked_dynamic()
     if not marked:  # (the common case: one trace-time constant)
         return
-    found = [
-        f"{path_text(path)} (dim {', '.join(map(str, dims))})"
+    tensors = [
+        (path, x)
         for path, x in zip(paths, leaves)
         if isinstance(x, torch.Tensor) and not data_dependent(x)
-        for dims in [_marked_dims(x)]
+    ]
+    found = [
+        f"{path_text(path)} (dim {', '.join(map(str, dims))})"
+        for path, x in tensors
+        for dims in [_marked_dims(x) or _symbolic_dims(x)]
         if dims
     ]
     if found:
         raise SpecError(
             f"{f.where}: the compiled call's input {', '.join(found)} has a size marked "
-            f"dynamic (mark_dynamic: {', '.join(marked)}). A mapped call is "
+            f"dynamic, or computed from one (mark_dynamic: {', '.join(marked)}). A mapped call is "
             "compiled for static shapes: its blocks, their layout and the spec checks are "
             "fixed while tracing, so Dynamo would refuse the marked size "
             "(ConstraintViolationError). Fix: do not mark the inputs of a compiled mapped call "
@@ -168,6 +173,13 @@ def _refuse_marked_dynamic(f: SpmdFunction, args: tuple) -> None:
 def _marked_dynamic() -> tuple[str, ...]:
     """``traced_marked_dynamic`` run eagerly at trace time."""
     return torch_private.traced_marked_dynamic()
+
+
+def _symbolic_dims(x: torch.Tensor) -> tuple[int, ...]:
+    """The dims of a traced tensor whose sizes are symbolic: in a frame with marked sizes, an
+    input of the call computed from a marked one (``f(x + 1)``), which Dynamo refuses to see
+    specialized as it refuses the marked one."""
+    return tuple(d for d, n in enumerate(x.shape) if torch_private.is_symbolic_size(n))
 
 
 @torch_private.trace_constant

@@ -756,7 +756,31 @@ def check_marked_dynamic(name: str, backend: str) -> dict:
             continue
         if not torch.equal(got, x * 2):
             problems.append(f"{mark.__name__}, fullgraph={fullgraph}: {got} != {x * 2}")
+    if name == "plain":
+        problems += _computed_from_marked(f, x, backend)
     return {"problems": problems}
+
+
+def _computed_from_marked(f, x: torch.Tensor, backend: str) -> list[str]:
+    """A compiled step of a marked input that maps ``x + 1`` (a size computed from the marked
+    one): with fullgraph the SpecError, without it the dense (x + 1) * 2."""
+    problems = []
+    marked = x.clone()
+    torch._dynamo.mark_dynamic(marked, 0)
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda x: f(x + 1), backend=backend, fullgraph=True)(marked)
+        problems.append("computed from a marked size, fullgraph: nothing raised")
+    except Exception as e:  # noqa: BLE001 - compared below
+        cause = _unquoted(str(e.__cause__))
+        wanted = ("SpecError", "_doubled` (compile_worker.py:", "or computed from one")
+        if not all(w in cause for w in wanted):
+            problems.append(f"computed from a marked size: {type(e).__name__}: {str(e)[:300]}")
+    torch._dynamo.reset()
+    got = ns.unshard(torch.compile(lambda x: f(x + 1), backend=backend)(marked))
+    if not torch.equal(got, (x + 1) * 2):
+        problems.append(f"computed from a marked size: {got} != {(x + 1) * 2}")
+    return problems
 
 
 def _positives(x):
@@ -793,7 +817,17 @@ def check_data_dependent_output(name: str, backend: str) -> dict:
     got = ns.unshard(torch.compile(g, backend=backend, fullgraph=True)(x))
     if not torch.equal(got, x[x > 0].repeat(n)):
         problems.append(f"invariant, fullgraph: {got} != {x[x > 0].repeat(n)}")
+    # a list of bools is a mask of a size known while compiling: compiled, each block's selection
+    h = ns.spmd_map(_first_and_third, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    torch._dynamo.reset()
+    got = ns.unshard(torch.compile(h, backend=backend, fullgraph=True)(x))
+    if not torch.equal(got, x.reshape(n, 4)[:, [0, 2]].flatten()):
+        problems.append(f"list of bools, fullgraph: {got} != {x.reshape(n, 4)[:, [0, 2]]}")
     return {"problems": problems}
+
+
+def _first_and_third(x):
+    return x[[True, False, True, False]]
 
 
 def check_error(name: str, backend: str, size: int | None = None) -> dict:

@@ -908,3 +908,21 @@ def test_has_data_dependent_size_tells_an_unbacked_size_while_dynamo_traces():
     torch.compile(f, backend="eager", fullgraph=True)(torch.arange(6.0) - 2)
     assert seen == [(True,), (False,)]
     assert not torch_private.has_data_dependent_size(torch.arange(6.0))
+
+
+def test_is_symbolic_size_tells_a_marked_size_and_one_computed_from_it_while_dynamo_traces():
+    """Dynamo answers ``is_symbolic_size`` with a constant: True for a size ``mark_dynamic``
+    marked and one computed from it (``x + 1``'s), False for a static one and for an int."""
+    seen = []
+
+    def f(x):
+        y = x + 1
+        seen.append(tuple(torch_private.is_symbolic_size(n) for n in (*x.shape, *y.shape)))
+        return y
+
+    x = torch.ones(4, 3)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.reset()
+    torch.compile(f, backend="eager", fullgraph=True)(x)
+    assert seen == [(True, False, True, False)]
+    assert not torch_private.is_symbolic_size(4)

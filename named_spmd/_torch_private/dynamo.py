@@ -141,7 +141,13 @@ def traced_marked_dynamic() -> tuple[str, ...]:
     for tracked in tx.output.tracked_fakes:
         constraints = getattr(tracked.symbolic_context, "constraint_sizes", None) or ()
         name = tracked.source.name
-        marked += [f"{name}.size()[{i}]" for i, c in enumerate(constraints) if c is not None]
+        marked += [
+            f"{name}.size()[{i}]"
+            for i, c in enumerate(constraints)
+            # (a size Dynamo made dynamic on its own, after a shape change, has a constraint
+            # that only warns: it may be specialized)
+            if c is not None and not getattr(c, "warn_only", False)
+        ]
     return tuple(dict.fromkeys(marked))  # (a DTensor's sizes are tracked more than once)
 
 
@@ -220,6 +226,14 @@ def has_data_dependent_size(tensor: torch.Tensor) -> bool:
     from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 
     return bool(has_free_unbacked_symbols(tensor))
+
+
+def is_symbolic_size(size: Any) -> bool:
+    """Whether a size of a tensor Dynamo traces is symbolic (a marked size, or one computed
+    from it); Dynamo answers this call with a constant. False for an int."""
+    from torch.fx.experimental.symbolic_shapes import has_static_value
+
+    return not has_static_value(size)
 
 
 def decided(condition: Any) -> bool | None:
