@@ -758,7 +758,37 @@ def check_marked_dynamic(name: str, backend: str) -> dict:
             problems.append(f"{mark.__name__}, fullgraph={fullgraph}: {got} != {x * 2}")
     if name == "plain":
         problems += _computed_from_marked(f, x, backend)
+        problems += _beside_an_unrelated_marked_input(f, x, backend)
     return {"problems": problems}
+
+
+def _beside_an_unrelated_marked_input(f, x: torch.Tensor, backend: str) -> list[str]:
+    """A compiled step (fullgraph) with a marked input the call does not read: the call's input
+    whose size Dynamo made dynamic on its own (a shape change, then ``maybe_mark_dynamic``) is
+    specialized, and each call equals the dense x * 2 + lengths.sum()."""
+
+    def step(x, lengths):
+        total = lengths.sum()
+        return f(x) + total
+
+    problems = []
+    lengths = torch.arange(1.0, 7.0)
+    torch._dynamo.mark_dynamic(lengths, 0)
+    for mark in (None, torch._dynamo.maybe_mark_dynamic):
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend=backend, fullgraph=True)
+        for rows in (x, torch.cat([x, x])):
+            given = rows.clone()
+            if mark is not None:
+                mark(given, 0)
+            try:
+                got = ns.unshard(compiled(given, lengths))
+            except Exception as e:  # noqa: BLE001 - reported
+                problems.append(f"beside a marked input ({mark}): raised {e!r}"[:600])
+                break
+            if not torch.equal(got, rows * 2 + lengths.sum()):
+                problems.append(f"beside a marked input ({mark}): {got} != {rows * 2 + 21}")
+    return problems
 
 
 def _computed_from_marked(f, x: torch.Tensor, backend: str) -> list[str]:

@@ -1084,6 +1084,41 @@ def test_a_compiled_call_on_a_size_computed_from_a_marked_one_raises_a_spec_erro
     torch.testing.assert_close(got, (x + 1) * 2)
 
 
+def _marked(t: torch.Tensor, maybe: bool = False) -> torch.Tensor:
+    """A copy of ``t`` with dim 0 marked dynamic (``maybe_mark_dynamic`` where ``maybe``)."""
+    t = t.clone()
+    mark = torch._dynamo.maybe_mark_dynamic if maybe else torch._dynamo.mark_dynamic
+    mark(t, 0)
+    return t
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize(
+    "case", ["shape change", "x + 1 after a shape change", "maybe_mark_dynamic"]
+)
+def test_a_compiled_call_beside_an_unrelated_marked_input_compiles(case, fullgraph):
+    """A frame with a marked input the call does not read (``lengths``, summed first): the call's
+    input sizes Dynamo made dynamic on its own (a shape change, ``maybe_mark_dynamic``) come
+    from no marked size, so they are specialized and the step compiles (fullgraph), equal to
+    the dense computation each call."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    f = ns.spmd_map(lambda x: x * 2, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    plus = 1.0 if case.startswith("x + 1") else 0.0
+
+    def step(x, lengths):
+        s = lengths.sum()
+        return f(x + plus) + s
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager", fullgraph=fullgraph)
+    rows = [4] if case == "maybe_mark_dynamic" else [4, 8, 6]
+    for n in rows:
+        x = torch.arange(n * 3.0).reshape(n, 3)
+        lengths = _marked(torch.arange(1.0, 7.0))
+        got = compiled(_marked(x, maybe=True) if case == "maybe_mark_dynamic" else x, lengths)
+        torch.testing.assert_close(got, (x + plus) * 2 + lengths.sum())
+
+
 @pytest.mark.parametrize("size", [2, 1])
 @pytest.mark.parametrize("spec, dim", [(P("dp"), 0), (P("dp"), 1), (P(), 0)])
 def test_a_compiled_calls_input_marked_dynamic_raises_a_spec_error_or_runs_uncompiled(

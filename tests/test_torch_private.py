@@ -910,19 +910,23 @@ def test_has_data_dependent_size_tells_an_unbacked_size_while_dynamo_traces():
     assert not torch_private.has_data_dependent_size(torch.arange(6.0))
 
 
-def test_is_symbolic_size_tells_a_marked_size_and_one_computed_from_it_while_dynamo_traces():
-    """Dynamo answers ``is_symbolic_size`` with a constant: True for a size ``mark_dynamic``
-    marked and one computed from it (``x + 1``'s), False for a static one and for an int."""
+def test_traced_size_sources_names_the_input_sizes_a_traced_size_is_computed_from():
+    """While Dynamo traces, ``traced_size_sources`` names per dim the input sizes a tensor's
+    size is computed from: a marked size's own source and that of ``x + 1`` and of ``cat``'s
+    (two inputs' sizes); none for a static size."""
     seen = []
 
-    def f(x):
-        y = x + 1
-        seen.append(tuple(torch_private.is_symbolic_size(n) for n in (*x.shape, *y.shape)))
-        return y
+    def f(x, y):
+        z = torch.cat([x, y])
+        seen.append(tuple(torch_private.traced_size_sources(t) for t in (x, x + 1, z)))
+        return z
 
-    x = torch.ones(4, 3)
+    x, y = torch.ones(4, 3), torch.ones(5, 3)
     torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(y, 0)
     torch._dynamo.reset()
-    torch.compile(f, backend="eager", fullgraph=True)(x)
-    assert seen == [(True, False, True, False)]
-    assert not torch_private.is_symbolic_size(4)
+    torch.compile(f, backend="eager", fullgraph=True)(x, y)
+    xs, ys = "L['x'].size()[0]", "L['y'].size()[0]"
+    ((own, plus_one, cat),) = seen
+    assert own == plus_one == ((xs,), ())
+    assert sorted(cat[0]) == [xs, ys] and cat[1] == ()

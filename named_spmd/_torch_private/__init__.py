@@ -73,7 +73,6 @@ from .dynamo import (  # noqa: E402 - after the version gate
     inductor_graph_pass,
     is_dynamo_internal_error,
     is_dynamo_refusal,
-    is_symbolic_size,
     marked_dynamic_dims,
     memo_would_be_guarded,
     not_traced,
@@ -83,6 +82,7 @@ from .dynamo import (  # noqa: E402 - after the version gate
     traced_in_subgraph,
     traced_marked_dynamic,
     traced_root_frame,
+    traced_size_sources,
     traced_user_stack,
 )
 from .functorch import (  # noqa: E402 - after the version gate
@@ -171,7 +171,6 @@ __all__ = [
     "is_batchedtensor",
     "is_dynamo_internal_error",
     "is_dynamo_refusal",
-    "is_symbolic_size",
     "is_gradtrackingtensor",
     "is_transform_wrapped",
     "lazy_load_decompositions",
@@ -200,6 +199,7 @@ __all__ = [
     "traced_in_subgraph",
     "traced_marked_dynamic",
     "traced_root_frame",
+    "traced_size_sources",
     "traced_user_stack",
     "transforms_active",
     "unwrap_for_grad",

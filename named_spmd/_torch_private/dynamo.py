@@ -228,12 +228,41 @@ def has_data_dependent_size(tensor: torch.Tensor) -> bool:
     return bool(has_free_unbacked_symbols(tensor))
 
 
-def is_symbolic_size(size: Any) -> bool:
-    """Whether a size of a tensor Dynamo traces is symbolic (a marked size, or one computed
-    from it); Dynamo answers this call with a constant. False for an int."""
-    from torch.fx.experimental.symbolic_shapes import has_static_value
+def traced_size_sources(tensor: torch.Tensor) -> tuple[tuple[str, ...], ...]:
+    """Per dim of a tensor Dynamo traces, the frame's input sizes its size is computed from,
+    as Dynamo names them (``L['x'].size()[0]``; empty for a static size): the sources of the
+    size's free symbols in the shape env. Called in traced code only (Dynamo's ``comptime``
+    reads the traced tensor's fake value; eagerly it records nothing)."""
+    from torch._dynamo.comptime import comptime
 
-    return not has_static_value(size)
+    comptime(_record_size_sources)
+    return _recorded_size_sources()
+
+
+#: What ``_record_size_sources`` found, read back by the trace constant after it.
+_size_sources: list[tuple[tuple[str, ...], ...]] = [()]
+
+
+def _record_size_sources(ctx: Any) -> None:
+    """At trace time: the sources of the sizes of ``traced_size_sources``'s ``tensor``."""
+    fake = ctx.get_local("tensor").as_fake()
+    _size_sources[0] = tuple(_sources_of_size(n) for n in fake.shape)
+
+
+def _sources_of_size(size: Any) -> tuple[str, ...]:
+    if not isinstance(size, torch.SymInt):
+        return ()
+    node = size.node
+    sources = node.shape_env.var_to_sources
+    found = [s.name for sym in node.expr.free_symbols for s in sources.get(sym, ())]
+    return tuple(dict.fromkeys(found))
+
+
+@trace_constant
+def _recorded_size_sources() -> tuple[tuple[str, ...], ...]:
+    found = _size_sources[0]
+    _size_sources[0] = ()
+    return found
 
 
 def decided(condition: Any) -> bool | None:
