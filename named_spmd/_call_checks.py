@@ -136,26 +136,30 @@ def _data_dependent_problems(
 
 
 def _refuse_marked_dynamic(f: SpmdFunction, args: tuple) -> None:
-    """While Dynamo traces: an SpecError for an input whose size ``mark_dynamic``
-    marked. A compiled call is traced for static shapes (its blocks, layouts and checks are
-    decided while tracing: ``_spec.specialize``), which Dynamo refuses for a marked size with
-    a ConstraintViolationError naming none of the call; a size Dynamo made symbolic on its own
-    (after a shape change) is specialized."""
+    """While Dynamo traces: an SpecError for an input with a size ``mark_dynamic`` marked, or
+    computed from a marked size (``f(x + 1)`` of a marked ``x``: its size's symbols come from
+    the marked one). A compiled call is traced for static shapes (its blocks, layouts and
+    checks are decided while tracing: ``_spec.specialize``), which Dynamo refuses for such a
+    size with a ConstraintViolationError naming none of the call. Any other symbolic size
+    (one Dynamo made dynamic on its own, after a shape change or for ``maybe_mark_dynamic``)
+    is specialized, even in a frame with marked sizes."""
     paths, leaves, _ = flatten_with_paths(args)  # (Dynamo tracks an input once it reads it)
     marked = _marked_dynamic()
     if not marked:  # (the common case: one trace-time constant)
         return
-    found = [
-        f"{path_text(path)} (dim {', '.join(map(str, dims))})"
-        for path, x in zip(paths, leaves)
-        if isinstance(x, torch.Tensor) and not data_dependent(x)
-        for dims in [_marked_dims(x)]
-        if dims
-    ]
+    found: list[str] = []
+    sources: list[str] = []
+    for path, x in zip(paths, leaves):
+        if isinstance(x, torch.Tensor) and not data_dependent(x):
+            dims, from_marked = _dims_from_marked(x, marked)
+            if dims:
+                found.append(f"{path_text(path)} (dim {', '.join(map(str, dims))})")
+                sources += from_marked
     if found:
         raise SpecError(
             f"{f.where}: the compiled call's input {', '.join(found)} has a size marked "
-            f"dynamic (mark_dynamic: {', '.join(marked)}). A mapped call is "
+            f"dynamic, or computed from one (mark_dynamic: {', '.join(dict.fromkeys(sources))}). "
+            "A mapped call is "
             "compiled for static shapes: its blocks, their layout and the spec checks are "
             "fixed while tracing, so Dynamo would refuse the marked size "
             "(ConstraintViolationError). Fix: do not mark the inputs of a compiled mapped call "
@@ -168,6 +172,24 @@ def _refuse_marked_dynamic(f: SpmdFunction, args: tuple) -> None:
 def _marked_dynamic() -> tuple[str, ...]:
     """``traced_marked_dynamic`` run eagerly at trace time."""
     return torch_private.traced_marked_dynamic()
+
+
+def _dims_from_marked(
+    x: torch.Tensor, marked: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The dims of a traced input whose sizes are marked or computed from the ``marked``
+    sizes of the frame, and those marked sizes (``mark_dynamic`` on the input itself where
+    Dynamo kept no symbol of it to name)."""
+    own = _marked_dims(x)
+    per_dim = torch_private.traced_size_sources(x)
+    dims: list[int] = []
+    sources: list[str] = []
+    for d, names in enumerate(per_dim):
+        from_marked = [n for n in names if n in marked]
+        if from_marked or d in own:
+            dims.append(d)
+            sources += from_marked or [f"its own dim {d}"]
+    return tuple(dims), tuple(dict.fromkeys(sources))
 
 
 @torch_private.trace_constant

@@ -194,6 +194,8 @@ class CompiledVmaMode(VmaMode):
             func, torch_private.HigherOrderOperator
         ):  # its body was traced without the mode
             raise SpmdError(_SUBGRAPH.format(fn=self.ctx.fn_label))
+        if func is torch.Tensor.__getitem__ or func is torch.Tensor.__setitem__:
+            args = (args[0], bool_lists_as_positions(args[0], args[1]), *args[2:])
         return self._general(func, args, kwargs)
 
     def _run(self, func, args, kwargs):
@@ -209,6 +211,26 @@ class CompiledVmaMode(VmaMode):
         for o in result_tensors(out):
             self.ctx.stamp(o, union)
         return out
+
+
+def bool_lists_as_positions(x: torch.Tensor, index: Any) -> Any:
+    """``index`` with each list of Python bools (``x[[True, False, True]]``) that masks a dim of
+    ``x`` of its length replaced by the list of its True positions: the same selection, of a
+    size known while tracing. Dynamo turns such a list into a mask tensor, whose selection it
+    sizes only when the program runs (a varying operand's then cannot be batched, nor its
+    blocks assembled). Lists after an Ellipsis or a tensor, whose dim is not counted here, stay
+    masks."""
+    entries = index if isinstance(index, tuple) else (index,)
+    dim, rewritten = 0, []
+    for entry in entries:
+        if isinstance(entry, torch.Tensor) or entry is Ellipsis:
+            return index  # (the dims after it are not counted)
+        if isinstance(entry, list) and entry and all(type(b) is bool for b in entry):
+            if dim < x.dim() and x.shape[dim] == len(entry):
+                entry = [i for i, b in enumerate(entry) if b]
+        rewritten.append(entry)
+        dim += entry is not None and type(entry) is not bool  # (None and True add a dim)
+    return tuple(rewritten) if isinstance(index, tuple) else rewritten[0]
 
 
 _PASS = frozenset(

@@ -756,7 +756,61 @@ def check_marked_dynamic(name: str, backend: str) -> dict:
             continue
         if not torch.equal(got, x * 2):
             problems.append(f"{mark.__name__}, fullgraph={fullgraph}: {got} != {x * 2}")
+    if name == "plain":
+        problems += _computed_from_marked(f, x, backend)
+        problems += _beside_an_unrelated_marked_input(f, x, backend)
     return {"problems": problems}
+
+
+def _beside_an_unrelated_marked_input(f, x: torch.Tensor, backend: str) -> list[str]:
+    """A compiled step (fullgraph) with a marked input the call does not read: the call's input
+    whose size Dynamo made dynamic on its own (a shape change, then ``maybe_mark_dynamic``) is
+    specialized, and each call equals the dense x * 2 + lengths.sum()."""
+
+    def step(x, lengths):
+        total = lengths.sum()
+        return f(x) + total
+
+    problems = []
+    lengths = torch.arange(1.0, 7.0)
+    torch._dynamo.mark_dynamic(lengths, 0)
+    for mark in (None, torch._dynamo.maybe_mark_dynamic):
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend=backend, fullgraph=True)
+        for rows in (x, torch.cat([x, x])):
+            given = rows.clone()
+            if mark is not None:
+                mark(given, 0)
+            try:
+                got = ns.unshard(compiled(given, lengths))
+            except Exception as e:  # noqa: BLE001 - reported
+                problems.append(f"beside a marked input ({mark}): raised {e!r}"[:600])
+                break
+            if not torch.equal(got, rows * 2 + lengths.sum()):
+                problems.append(f"beside a marked input ({mark}): {got} != {rows * 2 + 21}")
+    return problems
+
+
+def _computed_from_marked(f, x: torch.Tensor, backend: str) -> list[str]:
+    """A compiled step of a marked input that maps ``x + 1`` (a size computed from the marked
+    one): with fullgraph the SpecError, without it the dense (x + 1) * 2."""
+    problems = []
+    marked = x.clone()
+    torch._dynamo.mark_dynamic(marked, 0)
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda x: f(x + 1), backend=backend, fullgraph=True)(marked)
+        problems.append("computed from a marked size, fullgraph: nothing raised")
+    except Exception as e:  # noqa: BLE001 - compared below
+        cause = _unquoted(str(e.__cause__))
+        wanted = ("SpecError", "_doubled` (compile_worker.py:", "or computed from one")
+        if not all(w in cause for w in wanted):
+            problems.append(f"computed from a marked size: {type(e).__name__}: {str(e)[:300]}")
+    torch._dynamo.reset()
+    got = ns.unshard(torch.compile(lambda x: f(x + 1), backend=backend)(marked))
+    if not torch.equal(got, (x + 1) * 2):
+        problems.append(f"computed from a marked size: {got} != {(x + 1) * 2}")
+    return problems
 
 
 def _positives(x):
@@ -793,7 +847,17 @@ def check_data_dependent_output(name: str, backend: str) -> dict:
     got = ns.unshard(torch.compile(g, backend=backend, fullgraph=True)(x))
     if not torch.equal(got, x[x > 0].repeat(n)):
         problems.append(f"invariant, fullgraph: {got} != {x[x > 0].repeat(n)}")
+    # a list of bools is a mask of a size known while compiling: compiled, each block's selection
+    h = ns.spmd_map(_first_and_third, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    torch._dynamo.reset()
+    got = ns.unshard(torch.compile(h, backend=backend, fullgraph=True)(x))
+    if not torch.equal(got, x.reshape(n, 4)[:, [0, 2]].flatten()):
+        problems.append(f"list of bools, fullgraph: {got} != {x.reshape(n, 4)[:, [0, 2]]}")
     return {"problems": problems}
+
+
+def _first_and_third(x):
+    return x[[True, False, True, False]]
 
 
 def check_error(name: str, backend: str, size: int | None = None) -> dict:

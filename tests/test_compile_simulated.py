@@ -862,6 +862,17 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
     assert "scatter_dimension=0 has a data-dependent size" in message and "Fix: " in message
 
 
+def _zeroed_where_positive(x):
+    y = x.clone()
+    y[y > 0] = 0
+    return y
+
+
+def _put_where_positive(x):
+    y = x.clone()
+    return y.index_put_((y > 0,), torch.tensor(1.0))
+
+
 @pytest.mark.parametrize(
     "op",
     [
@@ -873,6 +884,10 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
         lambda x: torch.where(x > 0)[0].float(),
         lambda x: torch.nn.functional.one_hot((x > 0).long()).float(),
         lambda x: x[x > 0],
+        _zeroed_where_positive,
+        _put_where_positive,
+        lambda x: torch.index_put(x, (x > 0,), torch.tensor(1.0)),
+        lambda x: x.index_put((x > 0,), torch.tensor(1.0), accumulate=True),
     ],
     ids=[
         "nonzero",
@@ -883,12 +898,16 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
         "where",
         "one_hot",
         "boolean mask",
+        "write through a mask",
+        "index_put_",
+        "index_put",
+        "Tensor.index_put",
     ],
 )
 def test_a_compiled_op_sized_by_a_varying_operands_values_raises_the_eager_calls_error(op):
-    """An op whose result's size depends on a varying operand's values (vmap cannot batch it):
-    the compiled call raises the eager call's SpmdError (fullgraph: Dynamo's cause), never
-    Dynamo's TorchRuntimeError."""
+    """An op whose result's size, or the selection it writes through, depends on a varying
+    operand's values (vmap cannot batch it): the compiled call raises the eager call's SpmdError
+    (fullgraph: Dynamo's cause), never Dynamo's TorchRuntimeError."""
     mesh = ns.make_mesh((2,), ("dp",), simulated=True)
 
     def sized_by_values(x):
@@ -962,6 +981,142 @@ def test_a_compiled_op_sized_by_values_with_an_unbatched_mask_compiles_or_runs_u
     assert "SpmdError('spmd_map of `" in message and "selected` (test_compile_simulated" in message
     assert "`x[mask]` of an operand that varies" in message
     assert "Fix: compile without fullgraph=True" in message
+
+
+def _zeroed_by(x, m):
+    y = x.clone()
+    y[m] = 0
+    return y
+
+
+def test_a_compiled_write_through_an_unbatched_mask_compiles_or_runs_uncompiled():
+    """A mask invariant over the mesh: ``y[m] = 0`` compiles with fullgraph; ``index_put`` (which
+    Dynamo cannot trace on the batched operand) raises with fullgraph a SpmdError naming the
+    function, the op and the fix, and runs uncompiled without it. Both equal the dense write."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+
+    def put(x, m):
+        return torch.index_put(x, (m,), torch.tensor(0.0))
+
+    x = torch.arange(8.0) + 1
+    m = torch.tensor([True, False, True, True])
+    dense = torch.where(m.repeat(2), 0.0, x)
+    specs = {"mesh": mesh, "in_specs": (P("dp"), P()), "out_specs": P("dp")}
+    torch._dynamo.reset()
+    got = torch.compile(ns.spmd_map(_zeroed_by, **specs), backend="eager", fullgraph=True)(x, m)
+    torch.testing.assert_close(got, dense)
+    g = ns.spmd_map(put, **specs)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(g, backend="eager")(x, m), dense)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(g, backend="eager", fullgraph=True)(x, m)
+    message = str(info.value.__cause__)
+    assert "SpmdError('spmd_map of `" in message and "put` (test_compile_simulated" in message
+    assert "`index_put` of an operand that varies over the mesh writes through" in message
+    assert "Fix: compile without fullgraph=True" in message
+
+
+def _first_and_third(x):
+    return x[[True, False, True, False]]
+
+
+def _first_and_third_summed(x):
+    return x[[True, False, True, False]].sum(0, keepdim=True)
+
+
+def _columns_zeroed(x):
+    y = x.clone()
+    y[:, [True, False, True]] = 0
+    return y[:, None, [False, True, True]]
+
+
+@pytest.mark.parametrize(
+    "fn, shape, dense",
+    [
+        (_first_and_third, (8,), lambda b: b[:, [0, 2]]),
+        (_first_and_third_summed, (8, 3), lambda b: b[:, [0, 2]].sum(1, keepdim=True)),
+        (
+            _columns_zeroed,
+            (4, 3),
+            lambda b: b.index_fill(2, torch.tensor([0, 2]), 0)[:, :, None, [1, 2]],
+        ),
+    ],
+    ids=["select", "select then reduce", "write and select"],
+)
+def test_a_compiled_index_of_a_list_of_bools_compiles_with_static_sizes(fn, shape, dense):
+    """``x[[True, False, True, False]]`` on a varying operand: the list is a mask of a size known
+    while compiling, so the call compiles with fullgraph (never Dynamo's internal error or a
+    data-dependent size), equal to the eager call and to the dense selection per block."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.arange(float(torch.Size(shape).numel())).reshape(shape) - 5
+    blocks = x.reshape(2, shape[0] // 2, *shape[1:])
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, dense(blocks).flatten(0, 1))
+    torch.testing.assert_close(got, f(x))
+
+
+def test_a_compiled_call_on_a_size_computed_from_a_marked_one_raises_a_spec_error():
+    """A compiled step whose input is marked by ``mark_dynamic`` and that maps ``x + 1``: the
+    call's input has a size computed from the marked one, which Dynamo refuses to see
+    specialized: with fullgraph a SpecError names the function and the fix (never Dynamo's
+    ConstraintViolationError); without, the call runs uncompiled, equal to the dense value."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+
+    def doubled(x):
+        return x * 2
+
+    f = ns.spmd_map(doubled, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.arange(24.0).reshape(4, 6)
+    marked = x.clone()
+    torch._dynamo.mark_dynamic(marked, 0)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda x: f(x + 1), backend="eager", fullgraph=True)(marked)
+    message = str(info.value.__cause__)
+    assert 'SpecError("spmd_map of `' in message and "doubled` (test_compile_simulated" in message
+    assert "input [0] (dim 0) has a size marked dynamic, or computed from one" in message
+    assert "L['x'].size()[0]" in message and "Fix: do not mark" in message
+    torch._dynamo.reset()
+    got = torch.compile(lambda x: f(x + 1), backend="eager")(marked)
+    torch.testing.assert_close(got, (x + 1) * 2)
+
+
+def _marked(t: torch.Tensor, maybe: bool = False) -> torch.Tensor:
+    """A copy of ``t`` with dim 0 marked dynamic (``maybe_mark_dynamic`` where ``maybe``)."""
+    t = t.clone()
+    mark = torch._dynamo.maybe_mark_dynamic if maybe else torch._dynamo.mark_dynamic
+    mark(t, 0)
+    return t
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize(
+    "case", ["shape change", "x + 1 after a shape change", "maybe_mark_dynamic"]
+)
+def test_a_compiled_call_beside_an_unrelated_marked_input_compiles(case, fullgraph):
+    """A frame with a marked input the call does not read (``lengths``, summed first): the call's
+    input sizes Dynamo made dynamic on its own (a shape change, ``maybe_mark_dynamic``) come
+    from no marked size, so they are specialized and the step compiles (fullgraph), equal to
+    the dense computation each call."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    f = ns.spmd_map(lambda x: x * 2, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    plus = 1.0 if case.startswith("x + 1") else 0.0
+
+    def step(x, lengths):
+        s = lengths.sum()
+        return f(x + plus) + s
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager", fullgraph=fullgraph)
+    rows = [4] if case == "maybe_mark_dynamic" else [4, 8, 6]
+    for n in rows:
+        x = torch.arange(n * 3.0).reshape(n, 3)
+        lengths = _marked(torch.arange(1.0, 7.0))
+        got = compiled(_marked(x, maybe=True) if case == "maybe_mark_dynamic" else x, lengths)
+        torch.testing.assert_close(got, (x + plus) * 2 + lengths.sum())
 
 
 @pytest.mark.parametrize("size", [2, 1])

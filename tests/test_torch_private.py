@@ -997,3 +997,25 @@ def test_deepcopy_of_a_leaf_that_requires_grad_inside_a_transform_is_a_new_leaf(
     torch.func.vmap(copy_both)(torch.ones(2))
     for c in copies:
         assert c.is_leaf and c.requires_grad and torch.equal(c, w) and c is not w
+
+
+def test_traced_size_sources_names_the_input_sizes_a_traced_size_is_computed_from():
+    """While Dynamo traces, ``traced_size_sources`` names per dim the input sizes a tensor's
+    size is computed from: a marked size's own source and that of ``x + 1`` and of ``cat``'s
+    (two inputs' sizes); none for a static size."""
+    seen = []
+
+    def f(x, y):
+        z = torch.cat([x, y])
+        seen.append(tuple(torch_private.traced_size_sources(t) for t in (x, x + 1, z)))
+        return z
+
+    x, y = torch.ones(4, 3), torch.ones(5, 3)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(y, 0)
+    torch._dynamo.reset()
+    torch.compile(f, backend="eager", fullgraph=True)(x, y)
+    xs, ys = "L['x'].size()[0]", "L['y'].size()[0]"
+    ((own, plus_one, cat),) = seen
+    assert own == plus_one == ((xs,), ())
+    assert sorted(cat[0]) == [xs, ys] and cat[1] == ()

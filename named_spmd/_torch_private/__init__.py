@@ -84,6 +84,7 @@ from .dynamo import (  # noqa: E402 - after the version gate
     traced_in_subgraph,
     traced_marked_dynamic,
     traced_root_frame,
+    traced_size_sources,
     traced_user_stack,
 )
 from .functorch import (  # noqa: E402 - after the version gate
@@ -206,6 +207,7 @@ __all__ = [
     "traced_in_subgraph",
     "traced_marked_dynamic",
     "traced_root_frame",
+    "traced_size_sources",
     "traced_user_stack",
     "transforms_active",
     "unwrap_for_grad",

@@ -141,7 +141,13 @@ def traced_marked_dynamic() -> tuple[str, ...]:
     for tracked in tx.output.tracked_fakes:
         constraints = getattr(tracked.symbolic_context, "constraint_sizes", None) or ()
         name = tracked.source.name
-        marked += [f"{name}.size()[{i}]" for i, c in enumerate(constraints) if c is not None]
+        marked += [
+            f"{name}.size()[{i}]"
+            for i, c in enumerate(constraints)
+            # (a size Dynamo made dynamic on its own, after a shape change, has a constraint
+            # that only warns: it may be specialized)
+            if c is not None and not getattr(c, "warn_only", False)
+        ]
     return tuple(dict.fromkeys(marked))  # (a DTensor's sizes are tracked more than once)
 
 
@@ -220,6 +226,43 @@ def has_data_dependent_size(tensor: torch.Tensor) -> bool:
     from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 
     return bool(has_free_unbacked_symbols(tensor))
+
+
+def traced_size_sources(tensor: torch.Tensor) -> tuple[tuple[str, ...], ...]:
+    """Per dim of a tensor Dynamo traces, the frame's input sizes its size is computed from,
+    as Dynamo names them (``L['x'].size()[0]``; empty for a static size): the sources of the
+    size's free symbols in the shape env. Called in traced code only (Dynamo's ``comptime``
+    reads the traced tensor's fake value; eagerly it records nothing)."""
+    from torch._dynamo.comptime import comptime
+
+    comptime(_record_size_sources)
+    return _recorded_size_sources()
+
+
+#: What ``_record_size_sources`` found, read back by the trace constant after it.
+_size_sources: list[tuple[tuple[str, ...], ...]] = [()]
+
+
+def _record_size_sources(ctx: Any) -> None:
+    """At trace time: the sources of the sizes of ``traced_size_sources``'s ``tensor``."""
+    fake = ctx.get_local("tensor").as_fake()
+    _size_sources[0] = tuple(_sources_of_size(n) for n in fake.shape)
+
+
+def _sources_of_size(size: Any) -> tuple[str, ...]:
+    if not isinstance(size, torch.SymInt):
+        return ()
+    node = size.node
+    sources = node.shape_env.var_to_sources
+    found = [s.name for sym in node.expr.free_symbols for s in sources.get(sym, ())]
+    return tuple(dict.fromkeys(found))
+
+
+@trace_constant
+def _recorded_size_sources() -> tuple[tuple[str, ...], ...]:
+    found = _size_sources[0]
+    _size_sources[0] = ()
+    return found
 
 
 def decided(condition: Any) -> bool | None:

@@ -258,6 +258,9 @@ class _SimulatedVmaMode(CompiledVmaMode):
         given = described(args), described(kwargs or {})
         if symbolic or not any(batched for _, _, batched in tensors):
             return None  # unbatched: Dynamo traces it as a size known at run time
+        masks = _masks(_index_of(args, kwargs))
+        if func is torch.Tensor.__setitem__ and not any(self.ctx.vma(m) for m in masks):
+            return None  # an invariant mask: vmap batches the write, and Dynamo traces it
         return _refusal_of(func, *given, tuple(tensors), f"spmd_map of {self.ctx.fn_label}")
 
     def _run(self, func, args, kwargs):
@@ -290,6 +293,18 @@ _SIZED_BY_VALUES = frozenset(
     }
 )
 
+# writes through an index whose masks select by their values: ``y[mask] = v``, ``index_put``.
+# vmap refuses a varying mask (the eager call's error); an invariant one it batches
+_MASKED_WRITES = frozenset(
+    {
+        torch.Tensor.__setitem__,
+        torch.index_put,
+        torch.index_put_,
+        torch.Tensor.index_put,
+        torch.Tensor.index_put_,
+    }
+)
+
 # the arguments besides tensors a probe takes as they are: Dynamo holds them as constants
 _CONSTANT_ARGUMENTS = (bool, int, float, str, torch.dtype, torch.device)
 
@@ -298,14 +313,22 @@ class _Operand:
     """Where a tensor stood in the arguments of a probed op (:func:`_refusal_of`)."""
 
 
+def _index_of(args, kwargs):
+    """The index of ``x[index]`` (``= v``), the indices of ``index_put``."""
+    return args[1] if len(args) > 1 else (kwargs or {}).get("indices")
+
+
+def _masks(index) -> list[torch.Tensor]:
+    """The boolean tensors of an index (``x[index]``, index_put's indices)."""
+    entries = index if isinstance(index, (tuple, list)) else (index,)
+    return [t for t in entries if isinstance(t, torch.Tensor) and t.dtype == torch.bool]
+
+
 def _may_be_sized_by_values(func, args, kwargs) -> bool:
-    """Whether ``func``'s result may have a size that depends on its operands' values."""
-    if func is torch.Tensor.__getitem__:  # x[mask]
-        index = args[1]
-        return any(
-            isinstance(t, torch.Tensor) and t.dtype == torch.bool
-            for t in (index if isinstance(index, (tuple, list)) else (index,))
-        )
+    """Whether ``func``'s result, or the selection it writes through, may have a size that
+    depends on its operands' values."""
+    if func is torch.Tensor.__getitem__ or _writes_through_index(func):  # x[mask] (= v)
+        return bool(_masks(_index_of(args, kwargs)))
     if func is torch.where:  # where(condition), not where(condition, x, y)
         return len(args) + len(kwargs or {}) == 1
     if func is F.one_hot:  # sized by the largest value where num_classes is not given
@@ -322,6 +345,11 @@ def _may_be_sized_by_values(func, args, kwargs) -> bool:
 @torch_private.trace_constant
 def _sized_by_values(func) -> bool:
     return func in _SIZED_BY_VALUES
+
+
+@torch_private.trace_constant
+def _writes_through_index(func) -> bool:
+    return func in _MASKED_WRITES
 
 
 @torch_private.trace_constant
@@ -351,14 +379,23 @@ def _refusal_of(func, args, kwargs, tensors, where: str) -> str:
             return str(explained)
     except Exception:  # noqa: S110 (the probe's own shapes refused: no refusal of vmap's known)
         pass
-    name = "x[mask]" if func is torch.Tensor.__getitem__ else getattr(func, "__name__", func)
-    return (
-        f"{where}: `{name}` of an operand that varies over the mesh gives each instance a result "
-        "of a size known only from its values, which a compiled call on the simulated mesh "
-        "cannot trace (every instance runs in one traced torch.func.vmap). The uncompiled call "
-        "runs it. Fix: compile without fullgraph=True (this call then runs uncompiled), or give "
-        "the result a fixed size (torch.nonzero_static, torch.where with a mask)."
+    name = _NAMES.get(func) or getattr(func, "__name__", func)
+    writes = func in _MASKED_WRITES
+    what = "writes through a selection" if writes else "gives each instance a result"
+    fixed = (
+        "write through the whole tensor (torch.where(mask, v, x), masked_fill)"
+        if writes
+        else "give the result a fixed size (torch.nonzero_static, torch.where with a mask)"
     )
+    return (
+        f"{where}: `{name}` of an operand that varies over the mesh {what} of a size known only "
+        "from its values, which a compiled call on the simulated mesh cannot trace (every "
+        "instance runs in one traced torch.func.vmap). The uncompiled call runs it. Fix: "
+        f"compile without fullgraph=True (this call then runs uncompiled), or {fixed}."
+    )
+
+
+_NAMES = {torch.Tensor.__getitem__: "x[mask]", torch.Tensor.__setitem__: "x[mask] = v"}
 
 
 def _filled(a, operands):
