@@ -22,6 +22,7 @@ from . import _torch_private as torch_private
 from ._accounting import begin_recompute, end_recompute, live_modes
 from ._context import SpmdContext
 from ._errors import CollectiveError
+from ._masked_fill import NOT_MASKED, SETITEM, WRITES_THROUGH_MASKS, as_masked_fill
 
 # --- whether calls take blocks of unequal sizes -------------------------------------------------
 
@@ -136,6 +137,12 @@ class CallMarker(torch_private.DeviceContext):
         self.undo: list[Callable[[], None] | None] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in WRITES_THROUGH_MASKS and self.ctx.fills_masks:
+            out = as_masked_fill(
+                func, args, kwargs, lambda f, a: self.__torch_function__(f, types, a)
+            )
+            if out is not NOT_MASKED:  # (``_masked_fill``)
+                return None if func is SETITEM else out
         typing = self.ctx.marker_typing
         if func is _SDPA and self.ctx.attention is not None:
             with self.ctx.attention:

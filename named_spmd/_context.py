@@ -48,6 +48,9 @@ class SpmdContext(ABC):
     #: checkpoint's recomputation); a call traced by torch.compile does not (Dynamo traces the
     #: recomputation itself, and cannot trace the mode-stack calls).
     marks_calls: bool = True
+    #: Whether the call's marker runs a write through a boolean mask of a one-element value as
+    #: the ``masked_fill_`` it equals (``_masked_fill``): the simulated mesh's vmap refuses it.
+    fills_masks: bool = False
     #: A torch-function mode that runs ``scaled_dot_product_attention`` inside the call (None:
     #: torch's choice of kernel). The call's marker pushes it around each attention op, also in
     #: a checkpoint's recomputation (``_calls.CallMarker``).

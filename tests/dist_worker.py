@@ -283,6 +283,7 @@ def run_checks(args, rank, world) -> None:
     results += _cast_alias_checks(mesh)
     results.append(_deep_copies(mesh, world))
     results += parity_checks(mesh, world)
+    results.append(_masked_writes(mesh, world))
     results.append(_written_between_uses(mesh, world))
     results.append(_collective_results_written(mesh, world))
     results.append(_cast_results_written(mesh, world))
@@ -497,6 +498,33 @@ def _deep_copies(mesh, world) -> dict:
         if not torch.equal(got, want):
             problems.append(f"{name}: {got} != {want}")
     return {"check": "copy.deepcopy inside the function", "problems": problems}
+
+
+def masked_writes(x, w):
+    y = x * w
+    y[y > 0] = w.sum()  # a 0-d value: masked_fill_ on the simulated mesh, index_put_ here
+    y[x[:, 0] < 0] = w  # a row per True position
+    return y
+
+
+def _masked_writes(mesh, world) -> dict:
+    """``masked_writes``: the real mesh's values and w gradient are the simulated mesh's."""
+    from named_spmd.backends.distributed import to_local
+
+    specs = dict(in_specs=(P(("dp", "tp")), P()), out_specs=P(("dp", "tp")))
+    simulated = ns.make_mesh(tuple(mesh.shape.values()), mesh.axis_names, simulated=True)
+    x = torch.linspace(-1.0, 1.0, 2 * world * 3).reshape(2 * world, 3).sin()
+    outcomes = []
+    for m in (mesh, simulated):
+        w = torch.tensor([0.5, -1.5, 2.0], requires_grad=True)
+        y = ns.spmd_map(masked_writes, mesh=m, **specs)(x, w)
+        (to_local(y) if m is mesh else y).sum().backward()  # each rank's blocks, or all
+        outcomes.append((_global(y).detach(), w.grad))
+    (got, got_grad), (want, want_grad) = outcomes
+    problems = [] if torch.allclose(got, want) else [f"values {got} != {want}"]
+    if not torch.allclose(got_grad, want_grad):
+        problems.append(f"w.grad {got_grad} != {want_grad}")
+    return {"check": "writes through boolean masks", "problems": problems}
 
 
 def _cast_alias_checks(mesh) -> list[dict]:

@@ -38,6 +38,7 @@ class SimulatedContext(SpmdContext):
     """A running simulated call: one token per axis, batched at that axis' level only."""
 
     stamps = False  # a tensor's type is the set of our levels it is batched at
+    fills_masks = True  # vmap cannot batch a boolean-mask write (``_masked_fill``)
 
     def __init__(self, mesh: Mesh, fn: Any, tokens: dict[str, torch.Tensor]):
         super().__init__(mesh, fn)

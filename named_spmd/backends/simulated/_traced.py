@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from ... import _torch_private as torch_private
 from ..._errors import SpmdError
 from ..._layout import physical_layout
+from ..._masked_fill import NOT_MASKED, SETITEM, WRITES_THROUGH_MASKS, as_masked_fill
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
 from ..._traced import CompiledVmaMode, TracedContext, route_view_attributes, warm_types_eagerly
@@ -225,6 +226,15 @@ class _SimulatedVmaMode(CompiledVmaMode):
     operand's values raises the eager call's error, or names the limit (:func:`_refusal_of`),
     rather than fail inside Dynamo's tracer."""
 
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _writes_through_masks(func):  # as the eager call's marker (``_masked_fill``)
+            out = as_masked_fill(
+                func, args, kwargs, lambda f, a: self.__torch_function__(f, types, a)
+            )
+            if out is not NOT_MASKED:
+                return None if func is SETITEM else out
+        return super().__torch_function__(func, types, args, kwargs)
+
     def _general(self, func, args, kwargs):
         if _may_be_sized_by_values(func, args, kwargs):
             refusal = self._sized_by_values_refusal(func, args, kwargs)
@@ -340,6 +350,11 @@ def _may_be_sized_by_values(func, args, kwargs) -> bool:
         repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
         return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
     return _sized_by_values(func)
+
+
+@torch_private.trace_constant
+def _writes_through_masks(func) -> bool:
+    return func in WRITES_THROUGH_MASKS
 
 
 @torch_private.trace_constant
