@@ -862,17 +862,6 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
     assert "scatter_dimension=0 has a data-dependent size" in message and "Fix: " in message
 
 
-def _zeroed_where_positive(x):
-    y = x.clone()
-    y[y > 0] = 0
-    return y
-
-
-def _put_where_positive(x):
-    y = x.clone()
-    return y.index_put_((y > 0,), torch.tensor(1.0))
-
-
 @pytest.mark.parametrize(
     "op",
     [
@@ -884,9 +873,6 @@ def _put_where_positive(x):
         lambda x: torch.where(x > 0)[0].float(),
         lambda x: torch.nn.functional.one_hot((x > 0).long()).float(),
         lambda x: x[x > 0],
-        _zeroed_where_positive,
-        _put_where_positive,
-        lambda x: torch.index_put(x, (x > 0,), torch.tensor(1.0)),
         lambda x: x.index_put((x > 0,), torch.tensor(1.0), accumulate=True),
     ],
     ids=[
@@ -898,9 +884,6 @@ def _put_where_positive(x):
         "where",
         "one_hot",
         "boolean mask",
-        "write through a mask",
-        "index_put_",
-        "index_put",
         "Tensor.index_put",
     ],
 )
