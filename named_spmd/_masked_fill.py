@@ -4,10 +4,11 @@
 nothing by the mask's values: each True position takes the one value. torch.func.vmap still
 refuses them (it batches ``index_put_`` with a boolean index as a data-dependent size), so on the
 simulated mesh, which runs every instance under vmap, the call's marker (and the compiled call's
-mode) runs them as the ``masked_fill_`` they equal: in place (views of the target see the write),
-with masked_fill's gradients, a real mesh's values. A value that broadcasts over what each
-position selects (a row of a row mask) runs as ``copy_`` of a ``where``. A value of one element
-per True position is sized by the mask and keeps vmap's refusal (the simulated mesh explains it).
+mode) runs them as what they equal: ``masked_fill_`` of a number, ``copy_`` of a ``where`` for a
+tensor value (one element, or one that broadcasts over what each position selects: a row of a row
+mask); in place (views of the target see the write), with their gradients, a real mesh's values.
+A tensor value torch would refuse (another dtype, not one CPU element) and a value of one element
+per True position (sized by the mask) keep vmap's refusal (the simulated mesh explains it).
 """
 
 from __future__ import annotations
@@ -54,14 +55,18 @@ def as_masked_fill(func: Any, args: tuple, kwargs: dict | None, op: Op) -> Any:
             return NOT_MASKED
         return op(Tensor.masked_fill_ if in_place else Tensor.masked_fill, (target, spread, value))
     shape = _row_shape(value, target.shape[mask.dim() :], stripped=func is SETITEM)
-    if shape is None:
+    if shape is None or not _casts_alike(value, target):
         return NOT_MASKED
-    if value.numel() == 1:  # masked_fill's form: a 0-d tensor
-        value = op(Tensor.reshape, (value, ()))
-        return op(Tensor.masked_fill_ if in_place else Tensor.masked_fill, (target, spread, value))
+    # (``where``, not masked_fill_ of a 0-d tensor, which vmap runs by its slow fallback)
     row = op(Tensor.to, (op(Tensor.reshape, (value, shape)), target.dtype))
     written = op(torch.where, (spread, row, target))
     return op(Tensor.copy_, (target, written)) if in_place else written
+
+
+def _casts_alike(value: Tensor, target: Tensor) -> bool:
+    """Whether torch writes ``value`` into ``target`` cast to its dtype: one of the same dtype,
+    or one element on the CPU (torch's masked_fill shortcut); index_put_ refuses any other."""
+    return value.dtype == target.dtype or (value.numel() == 1 and value.device.type == "cpu")
 
 
 def _row_shape(value: Tensor, rest: torch.Size, stripped: bool) -> tuple[int, ...] | None:

@@ -151,6 +151,35 @@ def test_a_value_sized_by_the_mask_keeps_the_clear_error(fn):
     assert "torch.func.vmap" in str(error.value)
 
 
+def _a_row_of_another_dtype(x):
+    y = x * 1
+    y[y[:, 0] > 0] = torch.tensor([7, 8])  # int64 into float32: index_put_ refuses it
+    return y
+
+
+def _a_number_tensor_of_another_dtype(x):
+    y = x * 1
+    y[y > 0] = torch.tensor(7)  # one element on the CPU: torch casts it (masked_fill's shortcut)
+    return y
+
+
+def test_a_value_of_another_dtype_is_written_or_refused_as_torch_does():
+    """torch casts a one-element CPU value and refuses a row of another dtype; the simulated
+    mesh does the same (values against each instance's plain torch; the refusal an error)."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    x = torch.arange(8.0).reshape(4, 2) - 3.5
+    with pytest.raises(RuntimeError, match="dtypes match"):
+        _a_row_of_another_dtype(x[:2].clone())
+    refused = ns.spmd_map(_a_row_of_another_dtype, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    with pytest.raises(ns.SpmdError, match="_a_row_of_another_dtype"):
+        refused(x)
+    cast = ns.spmd_map(
+        _a_number_tensor_of_another_dtype, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")
+    )
+    want = torch.cat([_a_number_tensor_of_another_dtype(b) for b in x.chunk(2)])
+    assert torch.equal(cast(x), want)
+
+
 def test_a_varying_value_written_into_an_invariant_tensor_is_refused():
     mesh = ns.make_mesh((2,), ("dp",), simulated=True)
 
