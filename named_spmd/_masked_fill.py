@@ -97,6 +97,6 @@ def _mask(target: Any, index: tuple) -> Tensor | None:
     mask = index[0]
     if not isinstance(mask, Tensor) or mask.dtype is not torch.bool or mask.dim() == 0:
         return None
-    if mask.shape != target.shape[: mask.dim()]:
+    if mask.shape != target.shape[: mask.dim()] or mask.device != target.device:
         return None
     return mask

@@ -33,6 +33,7 @@ LAYERS = {
         "_accounting",
         "_context",
         "_calls",
+        "_masked_fill",
         "_check",
         "_partial",
         "_blocks",

@@ -2,7 +2,7 @@
 waits once for both (each wait on gloo is a round of the ranks' scheduling).
 
 A planned call whose first process-group call is the exchange of a ``ragged_all_to_all``'s
-offsets and sizes (over the whole mesh, its axes in mesh order, at most :data:`SLOTS` slots
+``[ROWS, K]`` metadata (over the whole mesh, its axes in mesh order, at most :data:`SLOTS` slots
 per member, on the host) notes its slots (``DistributedContext.carried_slots``); its plan
 keeps them (``_dist_pvary.Hoistable.carried``), and each replay of the plan promises, in its
 start-of-call checksum, one all_to_all of ``[n, WIDTH]`` int64 on the check's group before any

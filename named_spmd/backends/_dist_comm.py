@@ -44,7 +44,7 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 
 def _pairs(t: torch.Tensor) -> torch.Tensor:
     """A caller's complex ``t`` as pairs of reals. A conjugate view (``x.conj()``) is conjugated
-    first, into a copy that is no longer a view of ``t``."""
+    first, into a copy, not a view of ``t``."""
     return _real(t.resolve_conj())
 
 

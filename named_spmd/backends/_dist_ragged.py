@@ -80,8 +80,8 @@ def _told_rows(
     comm = ctx.mesh.comm(axes)
     sent, back = splits
     row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row
-    head = torch.zeros(_HEAD, dtype=torch.int64)
-    head[: len(told)] = torch.tensor(told)
+    head = torch.zeros(_HEAD, dtype=torch.int64, device=x.device)  # (NCCL sends device tensors)
+    head[: len(told)] = torch.tensor(told, device=x.device)
     heads = _HEAD * 8  # a head's bytes
 
     def length(r: int) -> int:  # a block's bytes: its head, its rows, padding to _ALIGN
@@ -89,7 +89,7 @@ def _told_rows(
 
     lengths = [length(s) for s in sent]
     # zeros: the padding is never read, but the bytes on the wire stay deterministic
-    buffer = torch.zeros(sum(lengths), dtype=torch.uint8)
+    buffer = torch.zeros(sum(lengths), dtype=torch.uint8, device=x.device)
     pieces_left = iter(pieces)
     start = 0
     for block_bytes in lengths:  # each member's block: the head, then its slots' rows
