@@ -361,7 +361,10 @@ def backward_op(name: str) -> Callable[[Params], str]:
 
 
 def _pvary_transpose(ctx: SpmdContext, g: Tensor, axes: Axes, params: Params, node: Any) -> Tensor:
-    if differentiable(g) or node.in_transform:
+    # synchronously where the gradient is differentiated, or the node was recorded under a
+    # torch.func transform (its overlapped sum's pending wrapper would reach the next backward
+    # as a tensor without storage); a transpose applied as a rule has no node
+    if differentiable(g) or node is None or node.in_transform:
         return ctx.apply(RECORDS["psum"], g, axes, ())
     return ctx.psum_in_backward(g, axes, node)
 
