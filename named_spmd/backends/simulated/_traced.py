@@ -28,7 +28,6 @@ per-instance wording of torch's errors.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -385,8 +384,8 @@ def _refusal_of(func, args, kwargs, tensors, where: str) -> str:
         return func(*_filled(args, given), **_filled(kwargs, given))
 
     try:
-        with warnings.catch_warnings(), torch_private.DisableTorchFunction():
-            warnings.simplefilter("ignore")  # vmap's performance warning for its fallback
+        # vmap's performance warning for its fallback, hidden without ``catch_warnings``
+        with fallback_warning_hidden(), torch_private.DisableTorchFunction():
             torch.func.vmap(probed, in_dims=(in_dims,))(probes)
     except RuntimeError as error:
         explained = BACKEND.explain(error, where)
