@@ -26,7 +26,15 @@ from .._calls import current
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError, VmaError
 from .._types import VType
-from ._record import PVARY_RECORD, Collective, Params, _pvary_transpose, backward_op, same_shape
+from ._record import (
+    PVARY_RECORD,
+    Collective,
+    Params,
+    _pvary_transpose,
+    backward_op,
+    no_backward_op,
+    same_shape,
+)
 
 AxisName = str | tuple[str, ...]
 _TO = ("varying", "reduced", "unreduced")
@@ -60,12 +68,16 @@ def _cast(
     )
 
 
+def _view_cast(name: str, to: str) -> Collective:
+    """A cast between varying and unreduced: a plain view of the operand whose transpose is the
+    identity, which autograd differentiates as the view it is (``Collective.plain_view``)."""
+    return _cast(name, to, _view, _identity, no_backward_op, plain_view=True)
+
+
 #: I -> R: the value is kept; its gradient, a partial sum, is summed here (psum of unreduced)
 PREDUCED = _cast("preduced", "reduced", _view, _pvary_transpose, backward_op("psum"))
 #: V -> U: each instance's value becomes its part of a sum; the cotangent (reduced) is cast back
-VARY_UNREDUCED = _cast(
-    "vary_unreduced", "unreduced", _view, _identity, lambda params: None, plain_view=True
-)
+VARY_UNREDUCED = _view_cast("vary_unreduced", "unreduced")
 #: R -> V: the value is the same everywhere (on the simulated mesh it becomes batched); the
 #: cotangent stays each instance's partial sum: no communication
 REDUCED_VARY = _cast(
@@ -73,12 +85,10 @@ REDUCED_VARY = _cast(
     "varying",
     lambda ctx, x, axes, params: ctx.pvary(x, axes),
     _identity,
-    lambda params: None,
+    no_backward_op,
 )
 #: U -> V: the instance's partial sum taken as its local value
-UNREDUCED_VARY = _cast(
-    "unreduced_vary", "varying", _view, _identity, lambda params: None, plain_view=True
-)
+UNREDUCED_VARY = _view_cast("unreduced_vary", "varying")
 
 _CASTS = {
     ("invariant", "varying"): PVARY_RECORD,
