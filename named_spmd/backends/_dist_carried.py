@@ -161,7 +161,7 @@ def _fits(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) ->
         type(ctx).carries_first_exchange
         and axes == mesh.axis_names
         and meta.device.type == "cpu"
-        and meta.shape[0] <= ROWS
+        and meta.shape[0] == ROWS
         and meta.shape[1] <= SLOTS * mesh.size
         and not ctx.values_read
         and not vma.partial
