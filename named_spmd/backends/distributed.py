@@ -276,6 +276,9 @@ class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
     wait (``_dist_compile.one_op``)."""
 
     own_values = False  # traced: values are not read on the host (the padded default runs)
+    # no problem row travels in the rows' exchange: sizes are never read on the host here, so
+    # ragged_all_to_all has no problem to tell (its ``told`` is dropped with the padded default)
+    tells_ragged_problems = False
     carries_first_exchange = False
 
     def all_to_all_sizes(self, x, axes, dim, sent, received):
