@@ -177,26 +177,18 @@ def _marked_dynamic() -> tuple[str, ...]:
 def _dims_from_marked(
     x: torch.Tensor, marked: tuple[str, ...]
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The dims of a traced input whose sizes are marked or computed from the ``marked``
-    sizes of the frame, and those marked sizes (``mark_dynamic`` on the input itself where
-    Dynamo kept no symbol of it to name)."""
-    own = _marked_dims(x)
-    per_dim = torch_private.traced_size_sources(x)
+    """The dims of a traced input whose sizes are computed from the ``marked`` sizes of the
+    frame (the input's own marked sizes among them), and those marked sizes. A dim marked but
+    kept static by Dynamo (a size of 0 or 1, which it specializes without a symbol) is no
+    constraint Dynamo refuses to see specialized: the call compiles."""
     dims: list[int] = []
     sources: list[str] = []
-    for d, names in enumerate(per_dim):
+    for d, names in enumerate(torch_private.traced_size_sources(x)):
         from_marked = [n for n in names if n in marked]
-        if from_marked or d in own:
+        if from_marked:
             dims.append(d)
-            sources += from_marked or [f"its own dim {d}"]
+            sources += from_marked
     return tuple(dims), tuple(dict.fromkeys(sources))
-
-
-@torch_private.trace_constant
-def _marked_dims(x: torch.Tensor) -> tuple[int, ...]:
-    """The dims of ``x`` that ``mark_dynamic`` marked, run eagerly at trace time on the real
-    tensor (Dynamo hands a trace-time constant's tensor argument as its real value)."""
-    return tuple(sorted(torch_private.marked_dynamic_dims(x)))
 
 
 def _specs_in_trace(f: SpmdFunction, args: tuple) -> list[PartitionSpec] | None:

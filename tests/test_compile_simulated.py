@@ -1092,6 +1092,21 @@ def test_a_compiled_call_beside_an_unrelated_marked_input_compiles(case, fullgra
         torch.testing.assert_close(got, (x + plus) * 2 + lengths.sum())
 
 
+@pytest.mark.parametrize("rows", [1, 0])
+def test_a_compiled_calls_input_marked_dynamic_on_a_size_dynamo_keeps_static_compiles(rows):
+    """``mark_dynamic`` on a dim of size 0 or 1, which Dynamo specializes without a symbol and
+    without a constraint it refuses: the call compiles with fullgraph (no SpecError) and equals
+    the dense computation."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    f = ns.spmd_map(lambda x: x * 2, mesh=mesh, in_specs=P(None, "dp"), out_specs=P(None, "dp"))
+    x = torch.arange(rows * 4.0).reshape(rows, 4)
+    marked = x.clone()
+    torch._dynamo.mark_dynamic(marked, 0)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="eager", fullgraph=True)(marked)
+    torch.testing.assert_close(got, x * 2)
+
+
 @pytest.mark.parametrize("size", [2, 1])
 @pytest.mark.parametrize("spec, dim", [(P("dp"), 0), (P("dp"), 1), (P(), 0)])
 def test_a_compiled_calls_input_marked_dynamic_raises_a_spec_error_or_runs_uncompiled(

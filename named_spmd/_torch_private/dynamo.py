@@ -151,11 +151,6 @@ def traced_marked_dynamic() -> tuple[str, ...]:
     return tuple(dict.fromkeys(marked))  # (a DTensor's sizes are tracked more than once)
 
 
-def marked_dynamic_dims(tensor: Any) -> set[int]:
-    """The dims ``torch._dynamo.mark_dynamic`` marked on a real tensor (a DTensor: its own)."""
-    return set(getattr(tensor, "_dynamo_dynamic_indices", ()))
-
-
 def traced_root_frame() -> tuple[str, str] | None:
     """(file, function name) of the frame Dynamo is compiling: the root of the trace, not a
     function it inlines into it; None when nothing is traced."""
