@@ -32,7 +32,10 @@ def as_masked_fill(func: Any, args: tuple, kwargs: dict | None, op: Op) -> Any:
     :data:`NOT_MASKED` where it is not a boolean-mask write of a value that every True position
     takes whole."""
     if kwargs:
-        args = (*args, *(kwargs[k] for k in ("indices", "values", "accumulate") if k in kwargs))
+        ordered = _by_position(args, kwargs)
+        if ordered is None:
+            return NOT_MASKED
+        args = ordered
     if func is SETITEM:
         if len(args) != 3:
             return NOT_MASKED
@@ -61,6 +64,23 @@ def as_masked_fill(func: Any, args: tuple, kwargs: dict | None, op: Op) -> Any:
     row = op(Tensor.to, (op(Tensor.reshape, (value, shape)), target.dtype))
     written = op(torch.where, (spread, row, target))
     return op(Tensor.copy_, (target, written)) if in_place else written
+
+
+#: index_put's parameters in order (``Tensor.index_put_``'s ``self`` is always positional)
+_PARAMETERS = ("input", "indices", "values", "accumulate")
+
+
+def _by_position(args: tuple, kwargs: dict) -> tuple | None:
+    """index_put's arguments in order, those given by keyword read by name (any order); None
+    where a keyword names no parameter after the positional ones, or one is left out before a
+    later one."""
+    rest = _PARAMETERS[len(args) :]
+    if not set(kwargs) <= set(rest):
+        return None
+    given = [name for name in rest if name in kwargs]
+    if tuple(given) != rest[: len(given)]:
+        return None
+    return (*args, *(kwargs[name] for name in given))
 
 
 def _casts_alike(value: Tensor, target: Tensor) -> bool:
