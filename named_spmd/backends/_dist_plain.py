@@ -207,24 +207,29 @@ class TracedScatterInput(ScatterInput):
 
     @staticmethod
     def backward(node, g):
-        # the graph's all_gather: a compiled backward is not differentiated again
-        ctx, spec = node.spmd, node.spec
-        if not ctx.mesh.single_axes.issuperset(spec.axes):
-            g = assemble(ctx.all_gather(g, spec.axes), spec, ctx.mesh._shape)
-        return g, None, None
+        return gather_blocks(node.spmd, g, node.spec, "backward", traced=True), None, None
 
 
 def gather_blocks(
-    ctx, g: torch.Tensor, spec: PartitionSpec, direction: str, modes: list | None = None
+    ctx,
+    g: torch.Tensor,
+    spec: PartitionSpec,
+    direction: str,
+    modes: list | None = None,
+    traced: bool = False,
 ) -> torch.Tensor:
     """The global value of which every rank holds its block ``g`` under ``spec``: one all_gather
     (recorded as a boundary event in ``direction``). Differentiated again (double backward, a
     transform), it is the all_gather collective, whose transpose takes the own block back
-    without communication."""
+    without communication. ``traced``: in a backward Dynamo traces, the graph's all_gather
+    (``ctx``'s primitive), neither recorded nor differentiable (a compiled backward is not
+    differentiated again)."""
     mesh = ctx.mesh
     if mesh.single_axes.issuperset(spec.axes):  # blocks of size-1 axes are the whole
         return g
-    if differentiable(g):
+    if traced:
+        stacked = ctx.all_gather(g, spec.axes)
+    elif differentiable(g):
         stacked = boundary_collective(
             ctx, "all_gather", g, spec.axes, (0, False, "invariant"), direction, modes
         )
