@@ -282,9 +282,9 @@ def _spec_problems(
     shape: tuple[int, ...],
     mesh_shape: Mapping[str, int],
     where: str,
-    uneven: bool = False,
-    takes_given: bool = False,
-    shown: Sequence[Any] = (),
+    uneven: bool,
+    takes_given: bool,
+    shown: Sequence[Any],
 ) -> list[str]:
     problems = []
     if len(spec) > len(shape):
