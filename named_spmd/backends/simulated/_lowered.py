@@ -39,7 +39,7 @@ def _lowered(fn_above, again, x, token, n, level, top, k):
     key = interpreter.key()
     if key in torch_private.GRAD_LIKE:
         with torch_private.single_level_functions():
-            return fn_above.apply(x, token, n, level, top, k, interpreter)
+            return fn_above.apply(x, token, n, level, top, k, interpreter, again)
     if key == _FUNCTIONALIZE:  # the primitives do not mutate: unwrap, run below, wrap
         return _under_functionalize(interpreter, again, x, token, n, level, top, k)
     if key != _levels._VMAP or interpreter.level() <= level:
@@ -78,64 +78,48 @@ def _run_lowered(primitive, x, token, n, level, top, k, interpreter):
     return torch_private.wrap_for_grad(out, own)
 
 
-def _save(ctx, inputs, output):
-    _, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k, _ = inputs
-
-
-_NONES = (None,) * 6
-
-
-class _GatherAbove(torch_private.SingleLevelFunction):
-    """:func:`gather` at a grad / jvp level; backward keeps the own slice (the transpose)."""
+class _LinearAbove(torch_private.SingleLevelFunction):
+    """A linear level primitive (``again``: gather, vary, psum) at a grad / jvp level: its
+    forward runs the primitive below the interpreter, its tangent is the primitive of the
+    tangent; each subclass gives the per-instance transpose (``backward``)."""
 
     @staticmethod
-    def forward(x, token, n, level, top, k, interpreter):
-        return _run_lowered(_levels.gather, x, token, n, level, top, k, interpreter)
+    def forward(x, token, n, level, top, k, interpreter, again):
+        return _run_lowered(again, x, token, n, level, top, k, interpreter)
 
-    setup_context = staticmethod(_save)
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k, _, ctx.again = inputs
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return ctx.again(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
+
+
+_NONES = (None,) * 7
+
+
+class _GatherAbove(_LinearAbove):
+    """:func:`gather` at a grad / jvp level; backward keeps the own slice (the transpose)."""
 
     @staticmethod
     def backward(ctx, grad):
         return (stacked.member_slice(grad, ctx.k, ctx.token), *_NONES)
 
-    @staticmethod
-    def jvp(ctx, x_t, *_):
-        return _levels.gather(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
 
-
-class _VaryAbove(torch_private.SingleLevelFunction):
+class _VaryAbove(_LinearAbove):
     """:func:`vary` at a grad / jvp level; backward is the psum over the level (the transpose)."""
-
-    @staticmethod
-    def forward(x, token, n, level, top, k, interpreter):
-        return _run_lowered(_levels.vary, x, token, n, level, top, k, interpreter)
-
-    setup_context = staticmethod(_save)
 
     @staticmethod
     def backward(ctx, grad):
         gathered = _levels.gather(grad, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
         return (stacked.reduce(gathered, "sum", ctx.k), *_NONES)
 
-    @staticmethod
-    def jvp(ctx, x_t, *_):
-        return _levels.vary(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
 
-
-class _SumAbove(torch_private.SingleLevelFunction):
+class _SumAbove(_LinearAbove):
     """A psum over one level at a grad / jvp level: one Function instead of a gather and a sum
     recorded there. Backward is the per-instance transpose of psum, pvary: the identity."""
 
     @staticmethod
-    def forward(x, token, n, level, top, k, interpreter):
-        return _run_lowered(_levels._psum, x, token, n, level, top, k, interpreter)
-
-    setup_context = staticmethod(_save)
-
-    @staticmethod
     def backward(ctx, grad):
         return (grad, *_NONES)
-
-    @staticmethod
-    def jvp(ctx, x_t, *_):
-        return _levels._psum(x_t, ctx.token, ctx.n, ctx.level, ctx.top, ctx.k)
