@@ -34,27 +34,28 @@ from . import _stacked as stacked
 from ._lowered import _GatherAbove, _lowered, _SumAbove, _VaryAbove
 
 
-def _save_level(ctx, inputs):
-    # k: dims peeled by user vmap levels between ours and the transform calling backward/jvp;
-    # the level's own dim sits after them. The token is an index, never differentiated.
-    _, token, ctx.k = inputs
-    ctx.save_for_backward(token)
-    ctx.token = token
-
-
 def _pass_through(fn, x, xd, token, k):
     return fn.apply(x.movedim(xd, 0), token, k + 1), 0
 
 
-class GatherLevel(torch.autograd.Function):
+class _LevelFunction(torch.autograd.Function):
+    """A fallback Function of one level: its vmap rule runs it at the token's level (never its
+    forward); each subclass gives the rule, the transpose and the tangent."""
+
     @staticmethod
     def forward(x, token, k):
-        raise RuntimeError("named_spmd internal error: GatherLevel reached outside its vmap level")
+        raise RuntimeError("named_spmd internal error: a level Function ran outside its level")
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _save_level(ctx, inputs)
+        # k: dims peeled by user vmap levels between ours and the transform calling backward/jvp;
+        # the level's own dim sits after them. The token is an index, never differentiated.
+        _, token, ctx.k = inputs
+        ctx.save_for_backward(token)
+        ctx.token = token
 
+
+class GatherLevel(_LevelFunction):
     @staticmethod
     def backward(ctx, grad):
         # Transpose of "stack the group's values": every instance keeps its own slice (of the
@@ -77,15 +78,7 @@ class GatherLevel(torch.autograd.Function):
         return _not_a_view(stacked.gather(x, k)), None
 
 
-class VaryLevel(torch.autograd.Function):
-    @staticmethod
-    def forward(x, token, k):
-        raise RuntimeError("named_spmd internal error: VaryLevel reached outside its vmap level")
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _save_level(ctx, inputs)
-
+class VaryLevel(_LevelFunction):
     @staticmethod
     def backward(ctx, grad):
         # Transpose of pvary is psum over the level.
