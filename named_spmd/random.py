@@ -88,9 +88,7 @@ def rand(
 
     Backward: none (a constant).
     """
-    dtype = _floating(dtype, "rand")
-    shape = _shape(size, "rand")
-    return _draw("rand", over, seed, shape, dtype, device)
+    return _floating_draw("rand", size, over, seed, dtype, device)
 
 
 def randn(
@@ -114,9 +112,7 @@ def randn(
 
     Backward: none (a constant).
     """
-    dtype = _floating(dtype, "randn")
-    shape = _shape(size, "randn")
-    return _draw("randn", over, seed, shape, dtype, device)
+    return _floating_draw("randn", size, over, seed, dtype, device)
 
 
 def randint(
@@ -386,6 +382,14 @@ def _shape(size: tuple[Any, ...], op: str) -> tuple[int, ...]:
             f"Fix: e.g. ns.random.{op}(4, 8, over=..., seed=...) or a torch.Size."
         )
     return tuple(int(d) for d in shape)
+
+
+def _floating_draw(
+    op: str, size: tuple[Any, ...], over: Over, seed: Seed, dtype: Any, device: Any
+) -> torch.Tensor:
+    """``rand``'s and ``randn``'s draw: their size and floating-point dtype checked alike."""
+    dtype = _floating(dtype, op)
+    return _draw(op, over, seed, _shape(size, op), dtype, device)
 
 
 def _floating(dtype: torch.dtype | None, op: str) -> torch.dtype:
