@@ -265,3 +265,27 @@ def storage_address(t: torch.Tensor) -> int:
     if t.is_meta or t.layout is not torch.strided or _is_wrapped(t):
         return 0
     return t.untyped_storage().data_ptr()
+
+
+class MemberContext(TrackedContext):
+    """A call whose instance is one member holding plain values (a rank, an instance's thread,
+    a mesh of one): ``axis_index`` and ``per_member`` are built from its member index, stamped
+    varying over the axes (only the stamp says where such a value varies)."""
+
+    def member(self, axes: tuple[str, ...]) -> int:
+        """This instance's index in the group of ``axes``."""
+        raise NotImplementedError
+
+    def member_device(self) -> torch.device:
+        """Where this instance's plain values live."""
+        raise NotImplementedError
+
+    def axis_index(self, axes):
+        with DisableTorchFunction():
+            index = torch.tensor(self.member(axes), device=self.member_device())
+        return self.stamp(index, Vma.of(axes))
+
+    def per_member(self, axes, make):
+        with DisableTorchFunction():
+            value = make(self.member(axes))
+        return self.stamp(value, Vma.of(axes))

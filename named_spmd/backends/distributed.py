@@ -39,9 +39,8 @@ from .._errors import PACKAGE_DIR, RankFailedError, SpmdError, told_per_instance
 from .._layout import coords_text
 from .._mesh import Mesh
 from .._replay import Replay
-from .._stamps import TrackedContext
+from .._stamps import MemberContext, TrackedContext
 from .._tracking import VmaMode
-from .._types import Vma
 from . import (
     _dist_agree,
     _dist_carried,
@@ -83,7 +82,7 @@ _OPS = {"sum": (SUM, "psum"), "max": (MAX, "pmax"), "min": (MIN, "pmin")}
 _contiguous = torch.contiguous_format
 
 
-class DistributedContext(OperandShapes, TrackedContext):
+class DistributedContext(OperandShapes, MemberContext):
     """A call on a real mesh: the primitives are this rank's communication on the process
     groups of ``mesh``; autodiff comes from the generic bridge (``_autodiff``)."""
 
@@ -101,14 +100,11 @@ class DistributedContext(OperandShapes, TrackedContext):
     carried_slots = 0  # a planned call's first exchange, for its replays to carry
     carries_first_exchange = True  # (_dist_carried; not where collectives size their operands)
 
-    def axis_index(self, axes):
-        index = torch.tensor(self.mesh.comm(axes).index, device=self.mesh.device)
-        return self.stamp(index, Vma.of(axes))
+    def member(self, axes: tuple[str, ...]) -> int:
+        return self.mesh.comm(axes).index
 
-    def per_member(self, axes, make):
-        with torch_private.DisableTorchFunction():  # a plain value: its stamp says where it varies
-            value = make(self.mesh.comm(axes).index)
-        return self.stamp(value, Vma.of(axes))
+    def member_device(self) -> torch.device:
+        return self.mesh.device
 
     def run_compiled(self, piece, args, kwargs):
         return _dist_piece.run_piece(self, piece, args, kwargs)

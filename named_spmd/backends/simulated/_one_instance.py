@@ -28,32 +28,25 @@ from ..._errors import TORCH_ERRORS, told_per_instance
 from ..._mesh import Mesh
 from ..._replay import Replay
 from ..._spec import PartitionSpec
-from ..._stamps import TrackedContext
-from ..._types import Vma
+from ..._stamps import MemberContext
 from ._plan import from_physical
 
 if TYPE_CHECKING:
     from ..._call import Call
 
 
-class OneInstanceContext(OneMemberPrimitives, TrackedContext):
+class OneInstanceContext(OneMemberPrimitives, MemberContext):
     """A call on a simulated mesh of one instance: stamped types, primitives over one member."""
 
     def __init__(self, mesh: Mesh, fn: Any, device: torch.device) -> None:
         super().__init__(mesh, fn)
         self.device = device
 
-    def axis_index(self, axes):
-        with torch_private.DisableTorchFunction():
-            index = torch.zeros((), dtype=torch.int64, device=self.device)
-        return self.stamp(index, Vma.of(axes))
+    def member(self, axes: tuple[str, ...]) -> int:
+        return 0
 
-    def per_member(self, axes, make):
-        with (
-            torch_private.DisableTorchFunction()
-        ):  # a plain value: only its stamp says where it varies
-            value = make(0)
-        return self.stamp(value, Vma.of(axes))
+    def member_device(self) -> torch.device:
+        return self.device
 
 
 def _local(ctx: OneInstanceContext, leaf: Any, spec: PartitionSpec) -> Any:

@@ -52,9 +52,8 @@ from ..._layout import (
 )
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
-from ..._stamps import TrackedContext
+from ..._stamps import MemberContext
 from ..._tracking import VmaMode
-from ..._types import Vma
 from . import _stacked as stacked
 from ._agreeing import check_one_value, shared_inputs
 from ._meeting import Aborted, Meeting
@@ -65,7 +64,7 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 
-class InstanceContext(TrackedContext):
+class InstanceContext(MemberContext):
     """One instance's call: stamped types; primitives that meet the other instances."""
 
     def __init__(self, mesh: Mesh, fn: Any, meeting: Meeting, index: int, device: torch.device):
@@ -76,20 +75,11 @@ class InstanceContext(TrackedContext):
         self.device = device
         self.op = ""  # the collective being applied (what a mismatch names)
 
-    def _member(self, axes: tuple[str, ...]) -> int:
+    def member(self, axes: tuple[str, ...]) -> int:
         return index_of(axes, self.coords, self.mesh._shape)
 
-    def axis_index(self, axes):
-        with torch_private.DisableTorchFunction():
-            index = torch.tensor(self._member(axes), device=self.device)
-        return self.stamp(index, Vma.of(axes))
-
-    def per_member(self, axes, make):
-        with (
-            torch_private.DisableTorchFunction()
-        ):  # a plain value: only its stamp says where it varies
-            value = make(self._member(axes))
-        return self.stamp(value, Vma.of(axes))
+    def member_device(self) -> torch.device:
+        return self.device
 
     def apply(self, rec, x, axes, params, user_operand=False):
         # The primitives are plain differentiable torch ops across the instances: autograd
@@ -125,7 +115,7 @@ class InstanceContext(TrackedContext):
         return x.view_as(x)  # autograd sums the gradients of every instance's use
 
     def own_block(self, x, axes, dim):
-        return x.select(dim, self._member(axes))
+        return x.select(dim, self.member(axes))
 
     def all_reduce(self, x, axes, op):
         return self._meet(x, axes, (op,), functools.partial(_reduce, op, self))
