@@ -76,7 +76,6 @@ class SpmdContext(ABC):
     #: Inside a collective's own code (``Collective.bind``): the ops it runs under the call's
     #: mode (reading a property, a first call's probe) are not the user's program (``_plan``).
     in_collective: int = 0
-    _alone: GroupOfOne | None = None
 
     def __init__(self, mesh: Mesh, fn: Any) -> None:
         self.mesh = mesh
@@ -90,11 +89,10 @@ class SpmdContext(ABC):
         return label_of(self.fn)
 
     def alone(self) -> GroupOfOne:
-        """This call's collectives over a group of one instance (made once per call)."""
-        alone = self._alone
-        if alone is None:
-            alone = self._alone = GroupOfOne(self)
-        return alone
+        """This call's collectives over a group of one instance. Made per collective, not kept
+        on the context: the group holds the context, so a kept one would make a reference
+        cycle, and every call's context (with its inputs) would wait for the garbage collector."""
+        return GroupOfOne(self)
 
     def run_compiled(self, piece: Any, args: tuple, kwargs: dict) -> Any:
         """A piece given to ``ns.compile``, called in this call (``_compile``): uncompiled

@@ -32,6 +32,7 @@ from test_one_instance import (
 
 import named_spmd as ns
 from named_spmd import P
+from named_spmd._calls import active
 from named_spmd._replay import checked_signatures
 
 
@@ -51,25 +52,32 @@ def _run(f, args, dtensors: bool, mesh) -> tuple[list, list]:
 
 
 def check(name: str, body, mesh, dtensors: bool) -> dict:
-    worst, modes = 0.0, []
+    worst, modes, contexts = 0.0, [], []
 
     def counted(*args):
         modes.append(torch.overrides._len_torch_function_stack())
+        contexts.append(weakref.ref(active()))
         return body(*args)
 
     f = ns.spmd_map(counted, mesh=mesh, in_specs=SPECS, out_specs=P())
-    for seed in range(3):
-        args = inputs(seed)
-        loss, grads = _run(f, args, dtensors, mesh)
-        want_loss = dense_megatron(*args)
-        want_grads = torch.autograd.grad(want_loss.sum(), args)
-        worst = max(worst, _difference(loss, [want_loss]), _difference(grads, want_grads))
+    gc.disable()  # a context left in a reference cycle stays alive until a collection
+    try:
+        for seed in range(3):
+            args = inputs(seed)
+            loss, grads = _run(f, args, dtensors, mesh)
+            want_loss = dense_megatron(*args)
+            want_grads = torch.autograd.grad(want_loss.sum(), args)
+            worst = max(worst, _difference(loss, [want_loss]), _difference(grads, want_grads))
+        alive = sum(c() is not None for c in contexts)
+    finally:
+        gc.enable()
     return {
         "check": name,
         "dtensors": dtensors,
         "worst": worst,
         "modes": modes,
         "marks": list(checked_signatures(f).values()),
+        "alive": alive,
     }
 
 

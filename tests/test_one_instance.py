@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
 import inspect
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from torch.utils.checkpoint import (
 
 import named_spmd as ns
 from named_spmd import P
+from named_spmd._calls import active
 from named_spmd._replay import checked_signatures
 
 ONE = ((1, 1), ("dp", "tp"))
@@ -107,6 +110,30 @@ def test_a_replay_runs_without_the_typing_mode():
         torch.testing.assert_close(g(x), x * 2)
     assert modes[0] == 2  # checked: the call's marker and its VmaMode
     assert modes[1:] == [0, 0]  # replayed: no mode at all (no checkpoint in the checked call)
+
+
+@pytest.mark.parametrize("selective", [None, False, True])
+def test_a_call_context_is_freed_without_the_garbage_collector(selective):
+    """A replay's context (holding its inputs) is freed once the call and its graph are: no
+    reference cycle leaves it to the garbage collector, with the collectives of a group of one
+    and a checkpoint's marker; so is a checked call's without a checkpoint."""
+    mesh = ns.make_mesh(*ONE)
+    contexts = []
+
+    def body(*args):
+        contexts.append(weakref.ref(active()))
+        if selective is None:
+            return megatron(*args)
+        return checkpointed_megatron(*args, selective=selective)
+
+    f = ns.spmd_map(body, mesh=mesh, in_specs=SPECS, out_specs=P())
+    gc.disable()
+    try:
+        assert_calls_equal_dense(f)
+        alive = [c() is not None for c in contexts]
+    finally:
+        gc.enable()
+    assert alive[1:] == [False, False] and (selective is not None or not alive[0])
 
 
 def test_errors_of_a_first_call_are_the_ones_of_a_larger_mesh():
@@ -412,6 +439,7 @@ def test_real_mesh_of_one_rank_replays_too():
         checkpointed = o["check"] == "checkpointed"
         assert o["modes"] == [2, 1 if checkpointed else 0, 1 if checkpointed else 0], o
         assert o["marks"] == [checkpointed], o
+        assert o["alive"] == 0, o  # each call's context freed with its graph, no collection
     (b,) = [json.loads(line) for line in finished.lines("BOUNDARY")]
     assert b["worst"] < 1e-12, b
     assert "placements (Replicate(), Replicate())" in b["refused"], b
