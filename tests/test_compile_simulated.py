@@ -874,6 +874,11 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
         lambda x: torch.nn.functional.one_hot((x > 0).long()).float(),
         lambda x: x[x > 0],
         lambda x: x.index_put((x > 0,), torch.tensor(1.0), accumulate=True),
+        lambda x: torch.ops.aten.nonzero(x).float(),
+        lambda x: torch.ops.aten.nonzero.default(x).float(),
+        lambda x: torch.ops.aten.masked_select(x, x > 0),
+        lambda x: torch.ops.aten.index(x, [x > 0]),
+        lambda x: torch.ops.aten._unique2(x)[0],
     ],
     ids=[
         "nonzero",
@@ -885,6 +890,11 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
         "one_hot",
         "boolean mask",
         "Tensor.index_put",
+        "aten.nonzero",
+        "aten.nonzero.default",
+        "aten.masked_select",
+        "aten.index",
+        "aten._unique2",
     ],
 )
 def test_a_compiled_op_sized_by_a_varying_operands_values_raises_the_eager_calls_error(op):
@@ -918,8 +928,18 @@ def test_a_compiled_op_sized_by_a_varying_operands_values_raises_the_eager_calls
         lambda x: torch.repeat_interleave(x, torch.tensor([1, 2, 0, 1]), output_size=4),
         lambda x: torch.nn.functional.one_hot((x > 0).long(), 3).float(),
         lambda x: torch.where(x > 0, x, -x),
+        lambda x: torch.ops.aten.index(x, [torch.tensor([0, 2])]),
+        lambda x: torch.ops.aten.one_hot((x > 0).long(), 3).float(),
     ],
-    ids=["Tensor.repeat_interleave", "repeat_interleave", "output_size", "one_hot", "where"],
+    ids=[
+        "Tensor.repeat_interleave",
+        "repeat_interleave",
+        "output_size",
+        "one_hot",
+        "where",
+        "aten.index of positions",
+        "aten.one_hot",
+    ],
 )
 def test_a_compiled_op_of_a_static_size_on_a_varying_operand_compiles(op):
     """Forms of the ops above whose result's size is known when compiling (int repeats, an

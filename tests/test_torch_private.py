@@ -1019,3 +1019,16 @@ def test_traced_size_sources_names_the_input_sizes_a_traced_size_is_computed_fro
     ((own, plus_one, cat),) = seen
     assert own == plus_one == ((xs,), ())
     assert sorted(cat[0]) == [xs, ys] and cat[1] == ()
+
+
+def test_aten_op_sized_by_values_reads_torchs_dynamic_output_shape_tag():
+    """``aten_op_sized_by_values``: the qualified name of an aten op (packet or overload) torch
+    tags ``dynamic_output_shape``; None for an op of a static size and for a torch function."""
+    sized = torch_private.aten_op_sized_by_values
+    assert sized(torch.ops.aten.nonzero) == sized(torch.ops.aten.nonzero.default) == "aten::nonzero"
+    assert sized(torch.ops.aten.masked_select.default) == "aten::masked_select"
+    assert sized(torch.ops.aten.index) == sized(torch.ops.aten.index.Tensor) == "aten::index"
+    assert sized(torch.ops.aten._unique2) == "aten::_unique2"
+    for static in (torch.ops.aten.add, torch.ops.aten.nonzero_static, torch.ops.aten.index_put):
+        assert sized(static) is None
+    assert sized(torch.nonzero) is None and sized(torch.Tensor.nonzero) is None

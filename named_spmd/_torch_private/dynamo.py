@@ -219,6 +219,21 @@ def torch_file(filename: str) -> bool:
     return filename.startswith(TORCH_DIR)
 
 
+def aten_op_sized_by_values(func: Any) -> str | None:
+    """An aten op called directly (``torch.ops.aten.nonzero``, or one overload of it) whose
+    result's size may depend on its operands' values: its qualified name (``aten::nonzero``);
+    None for any other function. torch tags such ops ``dynamic_output_shape``; a packet counts
+    where one of its overloads carries the tag (``aten::index``: the ``Tensor`` overload)."""
+    if isinstance(func, torch._ops.OpOverload):
+        overloads = [func]
+    elif isinstance(func, torch._ops.OpOverloadPacket):
+        overloads = [getattr(func, name) for name in func.overloads()]
+    else:
+        return None
+    tagged = any(torch.Tag.dynamic_output_shape in op.tags for op in overloads)
+    return overloads[0].name().split(".")[0] if tagged and overloads else None
+
+
 def has_data_dependent_size(tensor: torch.Tensor) -> bool:
     """Whether a tensor Dynamo traces has a size known only when the program runs (an unbacked
     size: ``x[x > 0]``'s, or one made from ``.item()``). Such a size cannot be specialized nor
