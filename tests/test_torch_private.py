@@ -1032,3 +1032,33 @@ def test_aten_op_sized_by_values_reads_torchs_dynamic_output_shape_tag():
     for static in (torch.ops.aten.add, torch.ops.aten.nonzero_static, torch.ops.aten.index_put):
         assert sized(static) is None
     assert sized(torch.nonzero) is None and sized(torch.Tensor.nonzero) is None
+
+
+def test_batched_above_sees_a_vmap_level_above_eagerly_and_while_dynamo_traces():
+    """``batched_above(t, level)``: whether a vmap level above ``level`` batches ``t`` (levels
+    count from 1, the outermost transform), through a grad level's wrapper; the same answers
+    while Dynamo traces the vmaps (read off the fake value at trace time: constants)."""
+    seen = []
+
+    def probe(inner, outer):
+        above = torch_private.batched_above
+        seen.append((above(inner, 1), above(outer, 1), above(outer, 0), above(inner, 2)))
+        return inner * 2
+
+    def program(x, y):
+        return torch.func.vmap(lambda v: torch.func.vmap(lambda w: probe(w, v))(y + v))(x)
+
+    x, y = torch.ones(2, 3), torch.ones(4, 3)
+    want = program(x, y)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(program, backend="eager", fullgraph=True)(x, y), want)
+    assert seen == [(True, False, True, False)] * 2
+    assert not torch_private.batched_above(x, 0)
+    wrapped = []
+
+    def summed(w):  # a grad level (2) wraps the vmap's batched value (level 1)
+        wrapped.append((torch_private.batched_above(w, 0), torch_private.batched_above(w, 1)))
+        return w.sum()
+
+    torch.func.vmap(torch.func.grad(summed))(y)
+    assert wrapped == [(True, False)]

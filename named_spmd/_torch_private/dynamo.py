@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
 
+from .functorch import get_unwrapped, is_batchedtensor, maybe_get_level
+
 
 def not_traced(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
     """``fn`` as ``torch.compiler.disable(fn, reason=reason)`` makes it, without importing Dynamo
@@ -241,6 +243,44 @@ def has_data_dependent_size(tensor: torch.Tensor) -> bool:
     from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 
     return bool(has_free_unbacked_symbols(tensor))
+
+
+def batched_above(tensor: torch.Tensor, level: int) -> bool:
+    """Whether a vmap level above ``level`` batches ``tensor`` (a wrapper of another transform
+    may lie between). Eagerly, the tensor's own wrappers; while Dynamo traces, its fake value's,
+    read at trace time (Dynamo cannot trace functorch's level queries; ``comptime`` reads the
+    traced tensor's fake value, and Dynamo answers the call with a constant)."""
+    if not torch.compiler.is_compiling():
+        return _batched_above(tensor, level)
+    from torch._dynamo.comptime import comptime
+
+    comptime(_record_batched_above)
+    return _recorded_batched_above()
+
+
+def _batched_above(t: torch.Tensor, level: int) -> bool:
+    while maybe_get_level(t) > level:
+        if is_batchedtensor(t):
+            return True
+        t = get_unwrapped(t)
+    return False
+
+
+#: What ``_record_batched_above`` found, read back by the trace constant after it.
+_batched_found = [False]
+
+
+def _record_batched_above(ctx: Any) -> None:
+    """At trace time: ``batched_above`` of the fake value of its ``tensor``."""
+    found = _batched_above(
+        ctx.get_local("tensor").as_fake(), ctx.get_local("level").as_python_constant()
+    )
+    _batched_found[0] = found
+
+
+@trace_constant
+def _recorded_batched_above() -> bool:
+    return _batched_found[0]
 
 
 def traced_size_sources(tensor: torch.Tensor) -> tuple[tuple[str, ...], ...]:

@@ -148,6 +148,13 @@ def _under_grad() -> bool:
     return interpreter is not None and interpreter.key() in torch_private.GRAD_LIKE
 
 
+@torch_private.trace_constant
+def _innermost_level() -> int:
+    """The mesh's innermost vmap level (run eagerly at trace time, inside the levels Dynamo
+    entered while tracing them)."""
+    return torch_private.maybe_current_level() or 0
+
+
 _UNDER_GRAD = (
     "spmd_map of {fn}: a collective under torch.func.grad / vjp / jvp inside the per-device "
     "function cannot be compiled on the simulated mesh (its compiled collectives have no rule "
@@ -166,6 +173,7 @@ class TracedSimulatedContext(TracedContext):
         self.token_list = list(tokens.values())
         self.index_of = {a: i for i, a in enumerate(tokens)}
         self.sizes = [mesh.shape[a] for a in tokens]
+        self.inner_level = _innermost_level()  # a vmap of the user's above it batches
 
     def _op(self, x: torch.Tensor, kind: str, axes: tuple[str, ...], *params: int):
         if _under_grad():
