@@ -1010,6 +1010,88 @@ def test_a_compiled_write_through_an_unbatched_mask_compiles():
         torch.testing.assert_close(got, dense)
 
 
+def _set_in_place(x, m, v):
+    y = x * 1
+    y[m] = v
+    return y
+
+
+def _put_in_place(x, m, v):
+    y = x * 1
+    y.index_put_((m,), v)
+    return y
+
+
+def _torch_put_in_place(x, m, v):
+    y = x * 1
+    torch.index_put_(y, (m,), v)
+    return y
+
+
+def _put(x, m, v):
+    return x.index_put((m,), v)
+
+
+def _torch_put(x, m, v):
+    return torch.index_put(x, (m,), v)
+
+
+def _accumulated(x, m, v):
+    return x.index_put((m,), v, accumulate=True)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [_set_in_place, _put_in_place, _torch_put_in_place, _put, _torch_put],
+    ids=lambda f: f.__name__,
+)
+def test_a_compiled_write_of_a_value_per_position_through_an_unbatched_mask_compiles(fn):
+    """A mask invariant over the mesh and a value of one element per True position: every form
+    of the write (``y[m] = v``, ``index_put(_)``, run as ``y[m] = v``) compiles with fullgraph,
+    equal to the write per block, values and gradients (``v``'s summed over the blocks)."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    m = torch.tensor([True, False, True, True])
+    x0, v0 = torch.arange(8.0) - 3, torch.tensor([10.0, 20.0, 30.0])
+    cot = torch.linspace(-1.0, 1.0, 8)
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P("dp"))
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    results = []
+    for run in (lambda x, m, v: torch.cat([fn(b, m, v) for b in x.chunk(2)]), compiled):
+        x, v = x0.clone().requires_grad_(), v0.clone().requires_grad_()
+        y = run(x, m, v)
+        (y * cot).sum().backward()
+        results.append((y.detach(), x.grad, v.grad))
+    torch.testing.assert_close(results[1], results[0])
+
+
+def test_a_compiled_index_put_that_accumulates_or_widens_keeps_a_clear_error():
+    """Through a mask invariant over the mesh, ``index_put(..., accumulate=True)`` (each
+    position adds its values) and an out-of-place ``index_put`` of a varying value into an
+    invariant operand cannot be traced: with fullgraph a SpmdError names the function and the
+    fix; without it the call runs uncompiled, equal to the write per block."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    m = torch.tensor([True, False, True, True])
+    v = torch.tensor([10.0, 20.0, 30.0])
+    x8, x4, both = torch.arange(8.0), torch.arange(4.0), torch.cat([v, -v])
+    cases = [  # fn, in_specs, x, values, each block's x and values
+        (_accumulated, (P("dp"), P(), P()), x8, v, zip(x8.chunk(2), [v, v])),
+        (_put, (P(), P(), P("dp")), x4, both, zip([x4, x4], both.chunk(2))),
+    ]
+    for fn, specs, x, values, per_block in cases:
+        f = ns.spmd_map(fn, mesh=mesh, in_specs=specs, out_specs=P("dp"))
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:
+            torch.compile(f, backend="eager", fullgraph=True)(x, m, values)
+        message = str(info.value.__cause__)
+        assert f"{fn.__name__}` (test_compile_simulated.py:" in message
+        assert "`index_put` of an operand that varies" in message
+        assert "Fix: compile without fullgraph=True" in message
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="eager")(x, m, values)
+        torch.testing.assert_close(got, torch.cat([fn(b, m, w) for b, w in per_block]))
+
+
 def _first_and_third(x):
     return x[[True, False, True, False]]
 

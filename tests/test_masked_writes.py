@@ -57,6 +57,12 @@ def index_put_in_place(x, w):
     return y + torch.index_put(x, (x < 0,), w[1:].sum() * 2)
 
 
+def torch_index_put_in_place(x, w):
+    y = x * w
+    torch.index_put_(y, (y > 0,), w.sum())  # the function form, besides the method
+    return y
+
+
 def a_mask_invariant_over_the_axis(x, w):
     y = x * 1
     y[w.expand(y.shape) > 0.5] = w.sum()  # w: P(), its mask the same in every instance
@@ -71,6 +77,7 @@ PROGRAMS = [
     fill_rows_with_a_row,
     write_through_a_view,
     index_put_in_place,
+    torch_index_put_in_place,
     a_mask_invariant_over_the_axis,
 ]
 
@@ -193,7 +200,14 @@ def test_a_varying_value_written_into_an_invariant_tensor_is_refused():
 
 
 @pytest.mark.parametrize(
-    "fn", [clamp_positive, fill_rows_with_a_row, write_through_a_view, index_put_in_place]
+    "fn",
+    [
+        clamp_positive,
+        fill_rows_with_a_row,
+        write_through_a_view,
+        index_put_in_place,
+        torch_index_put_in_place,
+    ],
 )
 def test_a_compiled_call_agrees_with_the_eager_one(fn):
     mesh = ns.make_mesh((4,), ("dp",), simulated=True)

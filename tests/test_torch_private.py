@@ -648,12 +648,7 @@ def test_dtensor_spec_and_constructor_match_from_local():
     _prints_ok_in_a_fresh_process(code)
 
 
-def test_dynamo_hands_view_attributes_to_the_modes_once_routed():
-    """Dynamo traces ``x.T`` & co. into the graph without asking the torch function modes
-    (eager asks them); ``route_view_attributes_to_modes`` makes it ask. Run in a fresh process:
-    the routing is process-wide. Fails both when torch starts asking by itself (the routing can
-    then go) and when the routing stops taking effect."""
-    code = """
+_SEEN_MODE = """
 import torch
 from torch.overrides import TorchFunctionMode
 from named_spmd import _torch_private as torch_private
@@ -667,25 +662,66 @@ class Seen(TorchFunctionMode):
         self.names.append(getattr(func, "__name__", ""))
         return func(*args, **(kwargs or {}))
 
-def run():
+def compiled_seen(f, *args):
     mode = Seen()
-    def f(x):
+    def moded(*a):
         with mode:
-            return x.T + x.mT.real
+            return f(*a)
     torch._dynamo.reset()
-    out = torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2, 3))
+    return torch.compile(moded, backend="eager", fullgraph=True)(*args), mode.names
+"""
+
+
+def _before_and_after_routing(code: str) -> dict[str, str]:
+    """What ``code`` (after :data:`_SEEN_MODE`, in a fresh process: a routing is process-wide)
+    prints as ``before ...`` and ``after ...`` lines."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SEEN_MODE + code], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines())
+
+
+def test_dynamo_hands_view_attributes_to_the_modes_once_routed():
+    """Dynamo traces ``x.T`` & co. into the graph without asking the torch function modes
+    (eager asks them); ``route_view_attributes_to_modes`` makes it ask. Fails both when torch
+    starts asking by itself (the routing can then go) and when the routing stops taking
+    effect."""
+    lines = _before_and_after_routing("""
+def run():
+    out, names = compiled_seen(lambda x: x.T + x.mT.real, torch.ones(2, 3))
     assert torch.equal(out, 2 * torch.ones(3, 2))
-    return sorted(set(mode.names) & {"T", "mT", "real", "__get__"})
+    return sorted(set(names) & {"T", "mT", "real", "__get__"})
 
 print("before", run())
 assert torch_private.route_view_attributes_to_modes()
 print("after", run())
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+""")
     assert lines["before"] == "[]", lines  # torch hides them: the routing is still needed
     assert lines["after"] != "[]", lines
+
+
+def test_dynamo_hands_torch_index_put__to_the_modes_once_routed():
+    """Dynamo traces ``torch.index_put_`` into the graph without asking the torch function
+    modes (eager asks them: torch's list of overridable functions lacks it, which Dynamo reads);
+    ``route_functions_to_modes`` makes it ask. Fails when torch starts asking by itself (the
+    routing can then go) or when the routing stops taking effect."""
+    lines = _before_and_after_routing("""
+def put(x):
+    y = x * 1
+    torch.index_put_(y, (x > 1,), torch.tensor(0.0))
+    return y
+
+def run():
+    out, names = compiled_seen(put, torch.arange(4.0))
+    assert torch.equal(out, torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    return "index_put_" in names
+
+print("before", run())
+assert torch_private.route_functions_to_modes()
+print("after", run())
+""")
+    assert lines == {"before": "False", "after": "True"}, lines
 
 
 def test_traced_user_stack_names_the_line_dynamo_traces():

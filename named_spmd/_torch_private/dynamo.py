@@ -98,6 +98,23 @@ def route_view_attributes_to_modes() -> bool:
     return True
 
 
+#: torch functions eager dispatches to the torch function modes but Dynamo (2.13) traces
+#: straight into the graph: they are missing from ``torch.overrides``' list of overridable
+#: functions, which Dynamo reads. A compiled call's mode never saw ``torch.index_put_`` (the
+#: simulated mesh's masked write, and its typing, skipped).
+UNLISTED_OVERRIDABLE = frozenset({torch.index_put_})
+
+
+@functools.cache
+def route_functions_to_modes() -> bool:
+    """Make Dynamo dispatch :data:`UNLISTED_OVERRIDABLE` to the torch function modes, as eager
+    does, by adding them to its (cached) set of overridable functions (once per process)."""
+    from torch._dynamo.variables.torch import get_overridable_functions
+
+    get_overridable_functions().update(UNLISTED_OVERRIDABLE)
+    return True
+
+
 def traced_user_stack() -> list:
     """The user's frames Dynamo is tracing, outermost first, with the line being traced last
     (``TracingContext.extract_stack``: what Dynamo's own error messages quote); empty when

@@ -8,12 +8,14 @@ code."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ... import _torch_private as torch_private
 from ..._context import SpmdContext
+from ..._masked_fill import NOT_MASKED, SETITEM, WRITES_THROUGH_MASKS
 from . import BACKEND
 
 
@@ -43,8 +45,7 @@ def sized_by_values_refusal(ctx: SpmdContext, func, args, kwargs) -> str | None:
     given = described(args), described(kwargs or {})
     if symbolic or not any(batched for _, _, batched in tensors):
         return None  # unbatched: Dynamo traces it as a size known at run time
-    masks = _masks(_index_of(args, kwargs))
-    if func is torch.Tensor.__setitem__ and not any(ctx.vma(m) for m in masks):
+    if _traced_in_place(ctx, func, args, kwargs):
         return None  # an invariant mask: vmap batches the write, and Dynamo traces it
     return _refusal_of(func, *given, tuple(tensors), f"spmd_map of {ctx.fn_label}")
 
@@ -72,17 +73,65 @@ _SIZED_BY_VALUES = frozenset(
     }
 )
 
-# writes through an index whose masks select by their values: ``y[mask] = v``, ``index_put``.
-# vmap refuses a varying mask (the eager call's error); an invariant one it batches
-_MASKED_WRITES = frozenset(
-    {
-        torch.Tensor.__setitem__,
-        torch.index_put,
-        torch.index_put_,
-        torch.Tensor.index_put,
-        torch.Tensor.index_put_,
-    }
-)
+
+def _writes_each_position(func, args, kwargs) -> bool:
+    """Whether ``func`` writes a value into each selected position: ``x[mask] = v``,
+    ``index_put`` without ``accumulate`` (which adds each position's values: kept refused)."""
+    if func is SETITEM:
+        return True
+    accumulate = args[3] if len(args) > 3 else (kwargs or {}).get("accumulate", False)
+    return writes_through_masks(func) and not accumulate
+
+
+def _traced_in_place(ctx: SpmdContext, func, args, kwargs) -> bool:
+    """Whether Dynamo traces this write under vmap (``x[mask] = v``, ``index_put_``): in place,
+    each position written, through masks invariant over the mesh."""
+    masks = _masks(_index_of(args, kwargs))
+    in_place = func is SETITEM or func in _IN_PLACE
+    return in_place and _writes_each_position(func, args, kwargs) and not _vary(ctx, masks)
+
+
+def index_put_as_setitem(ctx: SpmdContext, func, args, kwargs, op) -> Any:
+    """``index_put`` (``_``, not accumulating) through masks invariant over the mesh as the
+    ``x[indices] = values`` it equals, each op run by ``op(function, arguments)``: Dynamo traces
+    that write under vmap, where it fails inside its tracer on ``index_put`` of a batched
+    operand (torch 2.13 leaves the selection's size unbound). Out of place, where the values
+    vary only where the operand does (its clone takes them in place). ``NOT_MASKED`` for other
+    calls."""
+    if func is SETITEM or not _writes_each_position(func, args, kwargs):
+        return NOT_MASKED
+    target, indices = args[0] if args else (kwargs or {}).get("input"), _index_of(args, kwargs)
+    values = args[2] if len(args) > 2 else (kwargs or {}).get("values")
+    if not (
+        isinstance(target, torch.Tensor)
+        and isinstance(values, torch.Tensor)
+        and isinstance(indices, (tuple, list))
+        and all(isinstance(i, torch.Tensor) for i in indices)
+    ):
+        return NOT_MASKED  # (a None of index_put's indices is a full slice, x[None] a new dim)
+    if not _masks(indices) or _vary(ctx, _masks(indices)):
+        return NOT_MASKED
+    in_place = func in _IN_PLACE
+    if not in_place and ctx.vma(values).varying - ctx.vma(target).varying:
+        return NOT_MASKED
+    if not in_place:
+        target = op(torch.Tensor.clone, (target,))
+    op(SETITEM, (target, tuple(indices), values))
+    return target
+
+
+def _vary(ctx: SpmdContext, tensors: list[torch.Tensor]) -> bool:
+    return any(ctx.vma(t) for t in tensors)
+
+
+_IN_PLACE = frozenset({torch.Tensor.index_put_, torch.index_put_})
+
+
+@torch_private.trace_constant
+def writes_through_masks(func) -> bool:
+    """Whether ``func`` is a write through an index (``_masked_fill.WRITES_THROUGH_MASKS``)."""
+    return func in WRITES_THROUGH_MASKS
+
 
 # the arguments besides tensors a probe takes as they are: Dynamo holds them as constants
 _CONSTANT_ARGUMENTS = (bool, int, float, str, torch.dtype, torch.device)
@@ -126,7 +175,7 @@ def may_be_sized_by_values(func, args, kwargs) -> bool:
 # aten op called directly (``torch.ops.aten.index``) as the torch function of its arguments
 _FORMS: dict[object, str] = {
     torch.Tensor.__getitem__: "index",
-    **dict.fromkeys(_MASKED_WRITES, "index"),
+    **dict.fromkeys(WRITES_THROUGH_MASKS, "index"),  # x[mask] = v, index_put
     torch.where: "where",
     F.one_hot: "one_hot",
     torch.repeat_interleave: "repeat_interleave",
@@ -178,7 +227,7 @@ def _refusal_of(func, args, kwargs, tensors, where: str) -> str:
     except Exception:  # noqa: S110 (the probe's own shapes refused: no refusal of vmap's known)
         pass
     name = _NAMES.get(func) or getattr(func, "__name__", func)
-    writes = func in _MASKED_WRITES
+    writes = func in WRITES_THROUGH_MASKS
     what = "writes through a selection" if writes else "gives each instance a result"
     fixed = (
         "write through the whole tensor (torch.where(mask, v, x), masked_fill)"

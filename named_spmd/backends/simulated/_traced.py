@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ... import _torch_private as torch_private
 from ..._errors import SpmdError
 from ..._layout import physical_layout
-from ..._masked_fill import NOT_MASKED, SETITEM, WRITES_THROUGH_MASKS, as_masked_fill
+from ..._masked_fill import NOT_MASKED, SETITEM, as_masked_fill
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
 from ..._traced import CompiledVmaMode, TracedContext, route_view_attributes, warm_types_eagerly
@@ -45,7 +45,12 @@ from ..._types import INVARIANT
 from . import _stacked as stacked
 from . import fallback_warning_hidden
 from ._plan import from_physical, partial_input
-from ._sized import may_be_sized_by_values, sized_by_values_refusal
+from ._sized import (
+    index_put_as_setitem,
+    may_be_sized_by_values,
+    sized_by_values_refusal,
+    writes_through_masks,
+)
 
 if TYPE_CHECKING:
     from ..._call import Call
@@ -235,10 +240,11 @@ class _SimulatedVmaMode(CompiledVmaMode):
     rather than fail inside Dynamo's tracer."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if _writes_through_masks(func):  # as the eager call's marker (``_masked_fill``)
-            out = as_masked_fill(
-                func, args, kwargs, lambda f, a: self.__torch_function__(f, types, a)
-            )
+        if writes_through_masks(func):  # as the eager call's marker (``_masked_fill``)
+            op = lambda f, a: self.__torch_function__(f, types, a)  # noqa: E731
+            out = as_masked_fill(func, args, kwargs, op)
+            if out is NOT_MASKED:
+                out = index_put_as_setitem(self.ctx, func, args, kwargs, op)
             if out is not NOT_MASKED:
                 return None if func is SETITEM else out
         return super().__torch_function__(func, types, args, kwargs)
@@ -256,11 +262,6 @@ class _SimulatedVmaMode(CompiledVmaMode):
             if math is not None:  # a multi-output op: the base class views each of its tensors
                 return super()._run(torch_private.sdpa_math, *math)[0]
         return super()._run(func, args, kwargs)
-
-
-@torch_private.trace_constant
-def _writes_through_masks(func) -> bool:
-    return func in WRITES_THROUGH_MASKS
 
 
 def _math_attention_args(
