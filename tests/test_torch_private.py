@@ -1098,3 +1098,27 @@ def test_batched_above_sees_a_vmap_level_above_eagerly_and_while_dynamo_traces()
 
     torch.func.vmap(torch.func.grad(summed))(y)
     assert wrapped == [(True, False)]
+
+
+def test_copy_of_a_vmap_tensor_is_its_detached_view_and_of_others_torchs_copy():
+    """``copy_wrapped_shallowly``: under vmap, ``copy.copy`` of a batched tensor is a new tensor
+    of its values and storage (a write through it reaches the original), with no gradient
+    through it; outside, torch's own shallow copy (storage shared, a leaf keeping
+    ``requires_grad``, a Parameter's class)."""
+    torch_private.copy_wrapped_shallowly()
+    x = torch.arange(6.0).reshape(2, 3)
+
+    def written_through_a_copy(v):
+        c = copy.copy(v)
+        assert c is not v
+        c.mul_(10)
+        return v + 1 + c * 0
+
+    assert torch.equal(
+        torch.func.vmap(written_through_a_copy)(x), torch.arange(6.0).reshape(2, 3) * 10 + 1
+    )
+    y = torch.ones(3, requires_grad=True) * 2
+    c = copy.copy(y)
+    assert c.is_leaf and c.requires_grad and c.data_ptr() == y.data_ptr()
+    p = torch.nn.Parameter(torch.ones(2))
+    assert type(copy.copy(p)) is torch.nn.Parameter and copy.copy(p).data_ptr() == p.data_ptr()

@@ -3,6 +3,8 @@ simulated backend installs in torch's printing and in torch.func's grad levels a
 
 from __future__ import annotations
 
+import copy
+import copyreg
 from typing import Any
 
 import torch
@@ -150,6 +152,28 @@ def copy_wrapped_deeply() -> None:
 
 
 _DEEPCOPY: dict[str, Any] = {}
+
+
+def copy_wrapped_shallowly() -> None:
+    """``copy.copy`` of a tensor a torch.func transform wrapped (``Tensor.__reduce_ex__``, what
+    ``copy.copy`` of a tensor runs, refuses vmap's batched tensors): its ``detach()``, a new
+    tensor of the same values and storage (a write through it reaches the original) through
+    which no gradient flows, as torch's shallow copy of a plain tensor is. Any other tensor is
+    copied as ``copy.copy`` copies it without this hook (its ``__reduce_ex__``). Installed once
+    (``Tensor.__copy__``, which torch does not define)."""
+    if "__copy__" in vars(torch.Tensor):
+        return
+
+    def shallow_copy(self: torch.Tensor) -> torch.Tensor:
+        if is_transform_wrapped(self):
+            return self.detach()
+        reductor = copyreg.dispatch_table.get(type(self))
+        reduced = reductor(self) if reductor is not None else self.__reduce_ex__(4)
+        return copy._reconstruct(self, None, *reduced)  # type: ignore[attr-defined]
+
+    torch.Tensor.__copy__ = shallow_copy  # type: ignore[attr-defined]
+
+
 # stand-in -> the leaf it stands for (``leaf_stand_in``)
 _STAND_INS: Any = torch.utils.weak.WeakIdKeyDictionary()
 
