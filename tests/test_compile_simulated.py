@@ -879,6 +879,7 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
         lambda x: torch.ops.aten.masked_select(x, x > 0),
         lambda x: torch.ops.aten.index(x, [x > 0]),
         lambda x: torch.ops.aten._unique2(x)[0],
+        lambda x: (x * 2).data,
     ],
     ids=[
         "nonzero",
@@ -895,6 +896,7 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
         "aten.masked_select",
         "aten.index",
         "aten._unique2",
+        "Tensor.data",
     ],
 )
 def test_a_compiled_op_sized_by_a_varying_operands_values_raises_the_eager_calls_error(op):
@@ -950,6 +952,28 @@ def test_a_compiled_op_of_a_static_size_on_a_varying_operand_compiles(op):
     x = torch.arange(8.0) - 2.5
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(x), f(x))
+
+
+def test_a_compiled_data_of_an_invariant_value_compiles():
+    """``w.data`` of a value invariant over the mesh (vmap does not batch it; of a varying one,
+    the eager call's error: the test above) compiles with fullgraph, equal to the eager call,
+    no gradient flowing through it."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+
+    def scaled(x, w):
+        return x * w.data.sum() + w.data[0]
+
+    f = ns.spmd_map(scaled, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    results = []
+    torch._dynamo.reset()
+    for run in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        x, w = torch.arange(4.0, requires_grad=True), torch.tensor([2.0, 3.0], requires_grad=True)
+        y = run(x, w)
+        y.sum().backward()
+        assert w.grad is None
+        results.append((y.detach(), x.grad))
+    torch.testing.assert_close(results[1], results[0])
+    torch.testing.assert_close(results[0][0], torch.arange(4.0) * 5 + 2)
 
 
 def test_a_compiled_op_sized_by_values_with_an_unbatched_mask_compiles_or_runs_uncompiled():

@@ -71,7 +71,9 @@ def inductor_graph_pass(fn: Callable[[Any], None], version: str) -> Any:
 # (``TensorVariable.var_getattr``), so a mode never sees them. A compiled real-mesh call then
 # lost the type of ``k.T`` (an untyped tensor reads invariant) and gave a varying value's
 # gradient a spurious psum: ring attention's ``q @ k.T`` had a wrong gradient for ``k``.
-TENSOR_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# ``x.data`` too: the simulated mesh's mode raises the eager call's error for a varying value's
+# (vmap refuses it), which Dynamo otherwise fails on inside its tracer.
+TENSOR_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 
 
 @functools.cache

@@ -3,7 +3,7 @@ values, on the simulated mesh's compile path (``_traced.py``): which calls may b
 (:func:`may_be_sized_by_values`), and the error for one on a batched operand
 (:func:`sized_by_values_refusal`): vmap's refusal as the eager call explains it, or the limit of a
 traced vmap. Dynamo would otherwise fail on the op inside its tracer, naming none of the user's
-code."""
+code. ``x.data``, which vmap refuses whatever its size, takes the same path."""
 
 from __future__ import annotations
 
@@ -196,7 +196,11 @@ def _form(func) -> str | None:
     aten = torch_private.aten_op_sized_by_values(func)
     if aten is not None:
         return _ATEN_FORMS.get(aten, "always")
-    return "always" if func in _SIZED_BY_VALUES else _FORMS.get(func)
+    return "always" if func in _SIZED_BY_VALUES or func in _REFUSED else _FORMS.get(func)
+
+
+# what vmap refuses on a batched operand whatever its size: ``x.data`` (the eager call's error)
+_REFUSED = frozenset({torch.Tensor.data.__get__})  # type: ignore[attr-defined]
 
 
 @torch_private.trace_constant
