@@ -1122,3 +1122,24 @@ def test_copy_of_a_vmap_tensor_is_its_detached_view_and_of_others_torchs_copy():
     assert c.is_leaf and c.requires_grad and c.data_ptr() == y.data_ptr()
     p = torch.nn.Parameter(torch.ones(2))
     assert type(copy.copy(p)) is torch.nn.Parameter and copy.copy(p).data_ptr() == p.data_ptr()
+
+
+def test_deepcopy_of_a_parameter_under_vmap_is_a_parameter_of_its_values():
+    """``copy_wrapped_deeply``: under vmap, a deep copy of a Parameter of a batched value (torch's
+    reads ``.data``, which vmap refuses) is a Parameter of a copy of its values; outside,
+    torch's own (a new Parameter, its values copied)."""
+    torch_private.copy_wrapped_deeply()
+    x = torch.arange(6.0).reshape(2, 3)
+
+    def copied(v):
+        p = torch.nn.Parameter(v * 2)
+        q = copy.deepcopy(p)
+        assert type(q) is torch.nn.Parameter and q is not p
+        with torch.no_grad():
+            q.add_(1)
+        return q + p * 10
+
+    assert torch.equal(torch.func.vmap(copied)(x), x * 22 + 1)
+    p = torch.nn.Parameter(torch.ones(2))
+    q = copy.deepcopy(p)
+    assert type(q) is torch.nn.Parameter and q.requires_grad and q.data_ptr() != p.data_ptr()

@@ -124,7 +124,8 @@ def copy_wrapped_deeply() -> None:
     no storage for ``Tensor.__deepcopy__`` to copy): a copy of its values, as a plain tensor's
     deep copy is; torch's own refusal (a tensor, not a leaf, that requires grad) as torch raises
     it; a plain leaf that requires grad (or its ``leaf_stand_in``) copied as outside any
-    transform. Installed once."""
+    transform; a wrapped Parameter (``Parameter.__deepcopy__`` reads ``.data``, which vmap
+    refuses) a Parameter of a copy of its values. Installed once."""
     if _DEEPCOPY:
         return
     torch_deepcopy = torch.Tensor.__deepcopy__
@@ -149,6 +150,18 @@ def copy_wrapped_deeply() -> None:
 
     torch.Tensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]
     _DEEPCOPY["torch"] = torch_deepcopy
+    torch_parameter_deepcopy = torch.nn.Parameter.__deepcopy__
+
+    def deepcopy_parameter(self: torch.nn.Parameter, memo: dict) -> torch.nn.Parameter:
+        # torch's reads ``self.data``, which vmap refuses: a Parameter of a copy of its values
+        if not is_transform_wrapped(self) or id(self) in memo:
+            return torch_parameter_deepcopy(self, memo)
+        with torch.no_grad():
+            copied = type(self)(self.clone(), self.requires_grad)
+        memo[id(self)] = copied
+        return copied
+
+    torch.nn.Parameter.__deepcopy__ = deepcopy_parameter  # type: ignore[method-assign, assignment]
 
 
 _DEEPCOPY: dict[str, Any] = {}
