@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 SETITEM = Tensor.__setitem__
-_IN_PLACE = frozenset({Tensor.index_put_, torch.index_put_})
-_INDEX_PUT = frozenset({*_IN_PLACE, Tensor.index_put, torch.index_put})
+IN_PLACE_PUTS = frozenset({Tensor.index_put_, torch.index_put_})
+_INDEX_PUT = frozenset({*IN_PLACE_PUTS, Tensor.index_put, torch.index_put})
 WRITES_THROUGH_MASKS = frozenset({SETITEM, *_INDEX_PUT})
 NOT_MASKED = object()  # what :func:`as_masked_fill` returns for any other write
 Op = Callable[[Any, tuple], Any]
@@ -47,7 +47,7 @@ def as_masked_fill(func: Any, args: tuple, kwargs: dict | None, op: Op) -> Any:
         target, index, value = args[:3]
         if not isinstance(value, Tensor) or not isinstance(index, (tuple, list)):
             return NOT_MASKED
-        index, in_place = tuple(index), func in _IN_PLACE
+        index, in_place = tuple(index), func in IN_PLACE_PUTS
     mask = _mask(target, index)
     if mask is None:
         return NOT_MASKED

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ... import _torch_private as torch_private
 from ..._context import SpmdContext
-from ..._masked_fill import NOT_MASKED, SETITEM, WRITES_THROUGH_MASKS
+from ..._masked_fill import IN_PLACE_PUTS, NOT_MASKED, SETITEM, WRITES_THROUGH_MASKS
 from . import BACKEND
 
 
@@ -87,7 +87,7 @@ def _traced_in_place(ctx: SpmdContext, func, args, kwargs) -> bool:
     """Whether Dynamo traces this write under vmap (``x[mask] = v``, ``index_put_``): in place,
     each position written, through masks invariant over the mesh."""
     masks = _masks(_index_of(args, kwargs))
-    in_place = func is SETITEM or func in _IN_PLACE
+    in_place = func is SETITEM or func in IN_PLACE_PUTS
     return in_place and _writes_each_position(func, args, kwargs) and not _vary(ctx, masks)
 
 
@@ -111,7 +111,7 @@ def index_put_as_setitem(ctx: SpmdContext, func, args, kwargs, op) -> Any:
         return NOT_MASKED  # (a None of index_put's indices is a full slice, x[None] a new dim)
     if not _masks(indices) or _vary(ctx, _masks(indices)):
         return NOT_MASKED
-    in_place = func in _IN_PLACE
+    in_place = func in IN_PLACE_PUTS
     if not in_place and ctx.vma(values).varying - ctx.vma(target).varying:
         return NOT_MASKED
     if not in_place:
@@ -122,9 +122,6 @@ def index_put_as_setitem(ctx: SpmdContext, func, args, kwargs, op) -> Any:
 
 def _vary(ctx: SpmdContext, tensors: list[torch.Tensor]) -> bool:
     return any(ctx.vma(t) for t in tensors)
-
-
-_IN_PLACE = frozenset({torch.Tensor.index_put_, torch.index_put_})
 
 
 @torch_private.trace_constant
