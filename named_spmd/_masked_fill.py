@@ -1,6 +1,7 @@
 """A write through a boolean mask of a value every True position takes whole, without vmap.
 
-``y[y > 0] = 0``, ``y[mask] = t`` (``t`` a 0-d tensor) and ``y.index_put_((mask,), t)`` size
+``y[y > 0] = 0``, ``y[mask] = t`` (``t`` a 0-d tensor) and ``y.index_put_((mask,), t)`` (or
+``torch.index_put_``, ``index_put``) size
 nothing by the mask's values: each True position takes the one value. torch.func.vmap still
 refuses them (it batches ``index_put_`` with a boolean index as a data-dependent size), so on the
 simulated mesh, which runs every instance under vmap, the call's marker (and the compiled call's
@@ -20,7 +21,8 @@ import torch
 from torch import Tensor
 
 SETITEM = Tensor.__setitem__
-_INDEX_PUT = frozenset({Tensor.index_put_, Tensor.index_put, torch.index_put})
+IN_PLACE_PUTS = frozenset({Tensor.index_put_, torch.index_put_})
+_INDEX_PUT = frozenset({*IN_PLACE_PUTS, Tensor.index_put, torch.index_put})
 WRITES_THROUGH_MASKS = frozenset({SETITEM, *_INDEX_PUT})
 NOT_MASKED = object()  # what :func:`as_masked_fill` returns for any other write
 Op = Callable[[Any, tuple], Any]
@@ -48,7 +50,7 @@ def as_masked_fill(func: Any, args: tuple, kwargs: dict | None, op: Op) -> Any:
         target, index, value = args[:3]
         if not isinstance(value, Tensor) or not isinstance(index, (tuple, list)):
             return NOT_MASKED
-        index, in_place = tuple(index), func is Tensor.index_put_
+        index, in_place = tuple(index), func in IN_PLACE_PUTS
     mask = _mask(target, index)
     if mask is None:
         return NOT_MASKED

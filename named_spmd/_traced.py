@@ -83,9 +83,12 @@ def _label(fn: Any) -> str:
 
 @torch_private.trace_constant
 def route_view_attributes() -> bool:
-    """Run eagerly when the first call is traced: ``x.T`` & co. reach the VmaMode, as in eager
-    (``_torch_private.route_view_attributes_to_modes``)."""
-    return torch_private.route_view_attributes_to_modes()
+    """Run eagerly when the first call is traced: ``x.T`` & co. and ``torch.index_put_`` reach
+    the VmaMode, as in eager (``_torch_private.route_view_attributes_to_modes``,
+    ``route_functions_to_modes``)."""
+    return (
+        torch_private.route_view_attributes_to_modes() and torch_private.route_functions_to_modes()
+    )
 
 
 @torch_private.trace_constant

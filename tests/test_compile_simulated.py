@@ -874,6 +874,12 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
         lambda x: torch.nn.functional.one_hot((x > 0).long()).float(),
         lambda x: x[x > 0],
         lambda x: x.index_put((x > 0,), torch.tensor(1.0), accumulate=True),
+        lambda x: torch.ops.aten.nonzero(x).float(),
+        lambda x: torch.ops.aten.nonzero.default(x).float(),
+        lambda x: torch.ops.aten.masked_select(x, x > 0),
+        lambda x: torch.ops.aten.index(x, [x > 0]),
+        lambda x: torch.ops.aten._unique2(x)[0],
+        lambda x: (x * 2).data,
     ],
     ids=[
         "nonzero",
@@ -885,6 +891,12 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
         "one_hot",
         "boolean mask",
         "Tensor.index_put",
+        "aten.nonzero",
+        "aten.nonzero.default",
+        "aten.masked_select",
+        "aten.index",
+        "aten._unique2",
+        "Tensor.data",
     ],
 )
 def test_a_compiled_op_sized_by_a_varying_operands_values_raises_the_eager_calls_error(op):
@@ -918,8 +930,18 @@ def test_a_compiled_op_sized_by_a_varying_operands_values_raises_the_eager_calls
         lambda x: torch.repeat_interleave(x, torch.tensor([1, 2, 0, 1]), output_size=4),
         lambda x: torch.nn.functional.one_hot((x > 0).long(), 3).float(),
         lambda x: torch.where(x > 0, x, -x),
+        lambda x: torch.ops.aten.index(x, [torch.tensor([0, 2])]),
+        lambda x: torch.ops.aten.one_hot((x > 0).long(), 3).float(),
     ],
-    ids=["Tensor.repeat_interleave", "repeat_interleave", "output_size", "one_hot", "where"],
+    ids=[
+        "Tensor.repeat_interleave",
+        "repeat_interleave",
+        "output_size",
+        "one_hot",
+        "where",
+        "aten.index of positions",
+        "aten.one_hot",
+    ],
 )
 def test_a_compiled_op_of_a_static_size_on_a_varying_operand_compiles(op):
     """Forms of the ops above whose result's size is known when compiling (int repeats, an
@@ -930,6 +952,28 @@ def test_a_compiled_op_of_a_static_size_on_a_varying_operand_compiles(op):
     x = torch.arange(8.0) - 2.5
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(x), f(x))
+
+
+def test_a_compiled_data_of_an_invariant_value_compiles():
+    """``w.data`` of a value invariant over the mesh (vmap does not batch it; of a varying one,
+    the eager call's error: the test above) compiles with fullgraph, equal to the eager call,
+    no gradient flowing through it."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+
+    def scaled(x, w):
+        return x * w.data.sum() + w.data[0]
+
+    f = ns.spmd_map(scaled, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    results = []
+    torch._dynamo.reset()
+    for run in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        x, w = torch.arange(4.0, requires_grad=True), torch.tensor([2.0, 3.0], requires_grad=True)
+        y = run(x, w)
+        y.sum().backward()
+        assert w.grad is None
+        results.append((y.detach(), x.grad))
+    torch.testing.assert_close(results[1], results[0])
+    torch.testing.assert_close(results[0][0], torch.arange(4.0) * 5 + 2)
 
 
 def test_a_compiled_op_sized_by_values_with_an_unbatched_mask_compiles_or_runs_uncompiled():
@@ -988,6 +1032,88 @@ def test_a_compiled_write_through_an_unbatched_mask_compiles():
         torch._dynamo.reset()
         got = torch.compile(ns.spmd_map(fn, **specs), backend="eager", fullgraph=True)(x, m)
         torch.testing.assert_close(got, dense)
+
+
+def _set_in_place(x, m, v):
+    y = x * 1
+    y[m] = v
+    return y
+
+
+def _put_in_place(x, m, v):
+    y = x * 1
+    y.index_put_((m,), v)
+    return y
+
+
+def _torch_put_in_place(x, m, v):
+    y = x * 1
+    torch.index_put_(y, (m,), v)
+    return y
+
+
+def _put(x, m, v):
+    return x.index_put((m,), v)
+
+
+def _torch_put(x, m, v):
+    return torch.index_put(x, (m,), v)
+
+
+def _accumulated(x, m, v):
+    return x.index_put((m,), v, accumulate=True)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [_set_in_place, _put_in_place, _torch_put_in_place, _put, _torch_put],
+    ids=lambda f: f.__name__,
+)
+def test_a_compiled_write_of_a_value_per_position_through_an_unbatched_mask_compiles(fn):
+    """A mask invariant over the mesh and a value of one element per True position: every form
+    of the write (``y[m] = v``, ``index_put(_)``, run as ``y[m] = v``) compiles with fullgraph,
+    equal to the write per block, values and gradients (``v``'s summed over the blocks)."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    m = torch.tensor([True, False, True, True])
+    x0, v0 = torch.arange(8.0) - 3, torch.tensor([10.0, 20.0, 30.0])
+    cot = torch.linspace(-1.0, 1.0, 8)
+    f = ns.spmd_map(fn, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P("dp"))
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    results = []
+    for run in (lambda x, m, v: torch.cat([fn(b, m, v) for b in x.chunk(2)]), compiled):
+        x, v = x0.clone().requires_grad_(), v0.clone().requires_grad_()
+        y = run(x, m, v)
+        (y * cot).sum().backward()
+        results.append((y.detach(), x.grad, v.grad))
+    torch.testing.assert_close(results[1], results[0])
+
+
+def test_a_compiled_index_put_that_accumulates_or_widens_keeps_a_clear_error():
+    """Through a mask invariant over the mesh, ``index_put(..., accumulate=True)`` (each
+    position adds its values) and an out-of-place ``index_put`` of a varying value into an
+    invariant operand cannot be traced: with fullgraph a SpmdError names the function and the
+    fix; without it the call runs uncompiled, equal to the write per block."""
+    mesh = ns.make_mesh((2,), ("dp",), simulated=True)
+    m = torch.tensor([True, False, True, True])
+    v = torch.tensor([10.0, 20.0, 30.0])
+    x8, x4, both = torch.arange(8.0), torch.arange(4.0), torch.cat([v, -v])
+    cases = [  # fn, in_specs, x, values, each block's x and values
+        (_accumulated, (P("dp"), P(), P()), x8, v, zip(x8.chunk(2), [v, v])),
+        (_put, (P(), P(), P("dp")), x4, both, zip([x4, x4], both.chunk(2))),
+    ]
+    for fn, specs, x, values, per_block in cases:
+        f = ns.spmd_map(fn, mesh=mesh, in_specs=specs, out_specs=P("dp"))
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:
+            torch.compile(f, backend="eager", fullgraph=True)(x, m, values)
+        message = str(info.value.__cause__)
+        assert f"{fn.__name__}` (test_compile_simulated.py:" in message
+        assert "`index_put` of an operand that varies" in message
+        assert "Fix: compile without fullgraph=True" in message
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="eager")(x, m, values)
+        torch.testing.assert_close(got, torch.cat([fn(b, m, w) for b, w in per_block]))
 
 
 def _first_and_third(x):

@@ -64,6 +64,12 @@ def index_put_by_keywords(x, w):
     return y + z
 
 
+def torch_index_put_in_place(x, w):
+    y = x * w
+    torch.index_put_(y, (y > 0,), w.sum())  # the function form, besides the method
+    return y
+
+
 def a_mask_invariant_over_the_axis(x, w):
     y = x * 1
     y[w.expand(y.shape) > 0.5] = w.sum()  # w: P(), its mask the same in every instance
@@ -79,6 +85,7 @@ PROGRAMS = [
     write_through_a_view,
     index_put_in_place,
     index_put_by_keywords,
+    torch_index_put_in_place,
     a_mask_invariant_over_the_axis,
 ]
 
@@ -208,6 +215,7 @@ def test_a_varying_value_written_into_an_invariant_tensor_is_refused():
         write_through_a_view,
         index_put_in_place,
         index_put_by_keywords,
+        torch_index_put_in_place,
     ],
 )
 def test_a_compiled_call_agrees_with_the_eager_one(fn):

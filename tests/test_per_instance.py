@@ -429,6 +429,68 @@ def test_deepcopy_inside_the_function_copies_each_instance_s_value():
                 f(x.clone().requires_grad_())
 
 
+def _shallow_copies_of(x, w, total, write):
+    y = x * 2
+    c = copy.copy(y)  # y's storage, no gradient through it
+    if write:  # (torch refuses a write into the copy of a value that requires grad)
+        c.add_(1)  # reaches y
+    return y * copy.copy(w).sum() + copy.copy(x) * c + copy.copy(total)
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["gradients", "a write through a copy"])
+def test_copy_inside_the_function_is_each_instance_s_shallow_copy(write):
+    """``copy.copy`` of a varying value (refused by ``Tensor.__reduce_ex__`` under the vmap
+    simulation: an SpmdNotImplementedError, while a real mesh copies its rank's block), of a
+    P() input and of an invariant psum: torch's shallow copy on each instance (its storage
+    shared, no gradient through it), the values and gradients of a per-instance loop on both
+    simulations."""
+    mesh = ns.make_mesh((2,), ("dp",))
+    x0, w0 = torch.arange(8.0).reshape(4, 2) - 3, torch.arange(2.0) + 1
+    f = ns.spmd_map(
+        lambda x, w: _shallow_copies_of(x, w, ns.psum(x, "dp"), write),
+        mesh=mesh,
+        in_specs=(P("dp"), P()),
+        out_specs=P("dp"),
+    )
+    grad = not write
+    x, w = x0.clone().requires_grad_(grad), w0.clone().requires_grad_(grad)
+    total = x.reshape(2, 2, 2).sum(0)
+    want = torch.cat([_shallow_copies_of(b, w, total, write) for b in x.chunk(2)])
+    if grad:
+        want.sum().backward()
+    for per_instance in (False, True):
+        xg, wg = x0.clone().requires_grad_(grad), w0.clone().requires_grad_(grad)
+        with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+            got = f(xg, wg)
+        torch.testing.assert_close(got, want)
+        if grad:
+            got.sum().backward()
+            torch.testing.assert_close((xg.grad, wg.grad), (x.grad, w.grad))
+
+
+def _deep_copied_parameter(x):
+    p = torch.nn.Parameter(x * 2)
+    q = copy.deepcopy(p)
+    assert type(q) is torch.nn.Parameter and q is not p
+    with torch.no_grad():
+        q.add_(1)  # the copy's own values: p is left as it was
+    return q * 3 + p
+
+
+def test_deepcopy_of_a_parameter_of_a_varying_value_is_each_instance_s_copy():
+    """``copy.deepcopy(torch.nn.Parameter(v))`` of a varying ``v`` (``Parameter.__deepcopy__``
+    reads ``.data``, which the vmap simulation refuses: an SpmdError, while a real mesh copies
+    its rank's Parameter): a Parameter of a copy of the instance's values, equal to a
+    per-instance loop on both simulations."""
+    mesh = ns.make_mesh((2,), ("dp",))
+    x = torch.arange(8.0).reshape(4, 2) - 3
+    f = ns.spmd_map(_deep_copied_parameter, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    want = torch.cat([_deep_copied_parameter(b) for b in x.chunk(2)]).detach()
+    for per_instance in (False, True):
+        with ns.simulate_per_instance() if per_instance else contextlib.nullcontext():
+            torch.testing.assert_close(f(x).detach(), want)
+
+
 def test_a_replicated_leaf_that_requires_grad_is_deep_copied_as_on_a_real_mesh():
     """``copy.deepcopy`` of a P() input that requires grad (a leaf: a rank of a real mesh holds
     the caller's tensor) is a new leaf, as torch copies it outside the call: values and

@@ -1,12 +1,13 @@
 """``ragged_all_to_all`` (JAX's semantics) and ``all_to_all`` with split sizes on the simulated
-mesh, in the vmap execution and the per-instance one, against per-instance Python loops
-(tests/_ragged.py): values, gradients of the operand and of the output buffer, types, the
+mesh, in the vmap execution, the per-instance one and compiled with fullgraph, against
+per-instance Python loops (tests/_ragged.py): values, gradients of the operand and of the output buffer, types, the
 communication counted and ``.check()``; bad sizes and offsets are clear errors. The real mesh:
 tests/dist_worker.py's checks; the declared transposes: tests/test_transpose_rules.py."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from named_spmd import P
 
 F64 = torch.float64
 EXECUTIONS = {"vmap": contextlib.nullcontext, "per instance": ns.simulate_per_instance}
+COMPILED = "compiled with fullgraph"  # torch.compile (aot_eager) of the vmap execution
 
 
 def _randn(*shape, seed):
@@ -34,7 +36,7 @@ def _ragged(axes):
 MESHES = [((3,), ("i",), "i", 1), ((2, 2), ("a", "b"), ("b", "a"), 2)]
 
 
-@pytest.mark.parametrize("execution", list(EXECUTIONS))
+@pytest.mark.parametrize("execution", [*EXECUTIONS, COMPILED])
 @pytest.mark.parametrize("shape, names, axes, per", MESHES, ids=["3", "2x2-tuple-2-slots"])
 def test_ragged_all_to_all_values_and_gradients(execution, shape, names, axes, per):
     mesh = ns.make_mesh(shape, names)
@@ -60,7 +62,10 @@ def test_ragged_all_to_all_values_and_gradients(execution, shape, names, axes, p
     metas = [by_block(list(m.split(r.k))) for m in meta]
     xs, outs = (by_block(v).requires_grad_() for v in (x, out))
     f = ns.spmd_map(_ragged(axes), mesh=mesh, in_specs=spec, out_specs=spec)
-    with EXECUTIONS[execution]():
+    if execution == COMPILED:
+        torch._dynamo.reset()
+        f = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with EXECUTIONS.get(execution, contextlib.nullcontext)():
         got = f(xs, outs, *metas)
     (got * by_block(cot)).sum().backward()
 
@@ -248,7 +253,8 @@ def test_ragged_under_a_vmap_inside_the_function_through_the_bridge():
 
 def test_ragged_under_a_vmap_inside_the_function_simulated():
     """The same on the simulated mesh (vmap differentiates its primitives): each batch
-    element's rows are sent as the unbatched call sends them; ``.check()`` agrees on the type."""
+    element's rows are sent as the unbatched call sends them, compiled with fullgraph too;
+    ``.check()`` agrees on the type."""
     mesh = ns.make_mesh((2,), ("i",))
     r = routing(2, 1, seed=7)
     meta = r.metadata()
@@ -262,6 +268,9 @@ def test_ragged_under_a_vmap_inside_the_function_simulated():
     x, out = _randn(3, 2 * r.rows, 2, seed=0), _randn(3, 2 * r.m, 2, seed=1)
     want = torch.stack([one(x[b], out[b], *meta) for b in range(3)])
     torch.testing.assert_close(g(x, out, *meta), want)
+    torch._dynamo.reset()
+    compiled = torch.compile(g, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, out, *meta), want)
     assert g.check(x, out, *meta).outputs[0].type.shape == (3, r.m, 2)
 
 
@@ -269,7 +278,8 @@ def test_ragged_under_a_vmap_inside_the_function_that_batches_the_sizes_is_an_er
     """Offsets and sizes that a torch.func.vmap inside the function batches (each element would
     send by its own): one CollectiveError, raised before a real mesh reads them (it raised
     torch's "Cannot access data pointer" there, while the simulated mesh sent each element's
-    rows; tests/dist_worker.py checks a real mesh); sizes it leaves alone run (the test above)."""
+    rows; tests/dist_worker.py checks a real mesh), in a compiled call too (with fullgraph:
+    the cause of Dynamo's Unsupported); sizes it leaves alone run (the test above)."""
     mesh = ns.make_mesh((2,), ("i",))
     r = routing(2, 1, seed=7)
     meta = r.metadata()
@@ -285,3 +295,10 @@ def test_ragged_under_a_vmap_inside_the_function_that_batches_the_sizes_is_an_er
     told = r"ragged_all_to_all in `\S*sizes_batched` \(test_ragged.py:\d+\): under torch.func.vmap"
     with pytest.raises(ns.CollectiveError, match=told + ".*that the vmap batches"):
         g(x, out, *meta)
+    torch._dynamo.reset()
+    with pytest.raises(ns.CollectiveError, match=told + ".*that the vmap batches"):
+        torch.compile(g, backend="eager")(x, out, *meta)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as fullgraph:  # Dynamo's Unsupported, caused by our error
+        torch.compile(g, backend="eager", fullgraph=True)(x, out, *meta)
+    assert re.search(told + ".*that the vmap batches", str(fullgraph.value.__cause__))

@@ -648,12 +648,7 @@ def test_dtensor_spec_and_constructor_match_from_local():
     _prints_ok_in_a_fresh_process(code)
 
 
-def test_dynamo_hands_view_attributes_to_the_modes_once_routed():
-    """Dynamo traces ``x.T`` & co. into the graph without asking the torch function modes
-    (eager asks them); ``route_view_attributes_to_modes`` makes it ask. Run in a fresh process:
-    the routing is process-wide. Fails both when torch starts asking by itself (the routing can
-    then go) and when the routing stops taking effect."""
-    code = """
+_SEEN_MODE = """
 import torch
 from torch.overrides import TorchFunctionMode
 from named_spmd import _torch_private as torch_private
@@ -667,25 +662,66 @@ class Seen(TorchFunctionMode):
         self.names.append(getattr(func, "__name__", ""))
         return func(*args, **(kwargs or {}))
 
-def run():
+def compiled_seen(f, *args):
     mode = Seen()
-    def f(x):
+    def moded(*a):
         with mode:
-            return x.T + x.mT.real
+            return f(*a)
     torch._dynamo.reset()
-    out = torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2, 3))
+    return torch.compile(moded, backend="eager", fullgraph=True)(*args), mode.names
+"""
+
+
+def _before_and_after_routing(code: str) -> dict[str, str]:
+    """What ``code`` (after :data:`_SEEN_MODE`, in a fresh process: a routing is process-wide)
+    prints as ``before ...`` and ``after ...`` lines."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SEEN_MODE + code], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines())
+
+
+def test_dynamo_hands_view_attributes_to_the_modes_once_routed():
+    """Dynamo traces ``x.T`` & co. into the graph without asking the torch function modes
+    (eager asks them); ``route_view_attributes_to_modes`` makes it ask. Fails both when torch
+    starts asking by itself (the routing can then go) and when the routing stops taking
+    effect."""
+    lines = _before_and_after_routing("""
+def run():
+    out, names = compiled_seen(lambda x: x.T + x.mT.real, torch.ones(2, 3))
     assert torch.equal(out, 2 * torch.ones(3, 2))
-    return sorted(set(mode.names) & {"T", "mT", "real", "__get__"})
+    return sorted(set(names) & {"T", "mT", "real", "__get__"})
 
 print("before", run())
 assert torch_private.route_view_attributes_to_modes()
 print("after", run())
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+""")
     assert lines["before"] == "[]", lines  # torch hides them: the routing is still needed
     assert lines["after"] != "[]", lines
+
+
+def test_dynamo_hands_torch_index_put__to_the_modes_once_routed():
+    """Dynamo traces ``torch.index_put_`` into the graph without asking the torch function
+    modes (eager asks them: torch's list of overridable functions lacks it, which Dynamo reads);
+    ``route_functions_to_modes`` makes it ask. Fails when torch starts asking by itself (the
+    routing can then go) or when the routing stops taking effect."""
+    lines = _before_and_after_routing("""
+def put(x):
+    y = x * 1
+    torch.index_put_(y, (x > 1,), torch.tensor(0.0))
+    return y
+
+def run():
+    out, names = compiled_seen(put, torch.arange(4.0))
+    assert torch.equal(out, torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    return "index_put_" in names
+
+print("before", run())
+assert torch_private.route_functions_to_modes()
+print("after", run())
+""")
+    assert lines == {"before": "False", "after": "True"}, lines
 
 
 def test_traced_user_stack_names_the_line_dynamo_traces():
@@ -1019,3 +1055,91 @@ def test_traced_size_sources_names_the_input_sizes_a_traced_size_is_computed_fro
     ((own, plus_one, cat),) = seen
     assert own == plus_one == ((xs,), ())
     assert sorted(cat[0]) == [xs, ys] and cat[1] == ()
+
+
+def test_aten_op_sized_by_values_reads_torchs_dynamic_output_shape_tag():
+    """``aten_op_sized_by_values``: the qualified name of an aten op (packet or overload) torch
+    tags ``dynamic_output_shape``; None for an op of a static size and for a torch function."""
+    sized = torch_private.aten_op_sized_by_values
+    assert sized(torch.ops.aten.nonzero) == sized(torch.ops.aten.nonzero.default) == "aten::nonzero"
+    assert sized(torch.ops.aten.masked_select.default) == "aten::masked_select"
+    assert sized(torch.ops.aten.index) == sized(torch.ops.aten.index.Tensor) == "aten::index"
+    assert sized(torch.ops.aten._unique2) == "aten::_unique2"
+    for static in (torch.ops.aten.add, torch.ops.aten.nonzero_static, torch.ops.aten.index_put):
+        assert sized(static) is None
+    assert sized(torch.nonzero) is None and sized(torch.Tensor.nonzero) is None
+
+
+def test_batched_above_sees_a_vmap_level_above_eagerly_and_while_dynamo_traces():
+    """``batched_above(t, level)``: whether a vmap level above ``level`` batches ``t`` (levels
+    count from 1, the outermost transform), through a grad level's wrapper; the same answers
+    while Dynamo traces the vmaps (read off the fake value at trace time: constants)."""
+    seen = []
+
+    def probe(inner, outer):
+        above = torch_private.batched_above
+        seen.append((above(inner, 1), above(outer, 1), above(outer, 0), above(inner, 2)))
+        return inner * 2
+
+    def program(x, y):
+        return torch.func.vmap(lambda v: torch.func.vmap(lambda w: probe(w, v))(y + v))(x)
+
+    x, y = torch.ones(2, 3), torch.ones(4, 3)
+    want = program(x, y)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(program, backend="eager", fullgraph=True)(x, y), want)
+    assert seen == [(True, False, True, False)] * 2
+    assert not torch_private.batched_above(x, 0)
+    wrapped = []
+
+    def summed(w):  # a grad level (2) wraps the vmap's batched value (level 1)
+        wrapped.append((torch_private.batched_above(w, 0), torch_private.batched_above(w, 1)))
+        return w.sum()
+
+    torch.func.vmap(torch.func.grad(summed))(y)
+    assert wrapped == [(True, False)]
+
+
+def test_copy_of_a_vmap_tensor_is_its_detached_view_and_of_others_torchs_copy():
+    """``copy_wrapped_shallowly``: under vmap, ``copy.copy`` of a batched tensor is a new tensor
+    of its values and storage (a write through it reaches the original), with no gradient
+    through it; outside, torch's own shallow copy (storage shared, a leaf keeping
+    ``requires_grad``, a Parameter's class)."""
+    torch_private.copy_wrapped_shallowly()
+    x = torch.arange(6.0).reshape(2, 3)
+
+    def written_through_a_copy(v):
+        c = copy.copy(v)
+        assert c is not v
+        c.mul_(10)
+        return v + 1 + c * 0
+
+    assert torch.equal(
+        torch.func.vmap(written_through_a_copy)(x), torch.arange(6.0).reshape(2, 3) * 10 + 1
+    )
+    y = torch.ones(3, requires_grad=True) * 2
+    c = copy.copy(y)
+    assert c.is_leaf and c.requires_grad and c.data_ptr() == y.data_ptr()
+    p = torch.nn.Parameter(torch.ones(2))
+    assert type(copy.copy(p)) is torch.nn.Parameter and copy.copy(p).data_ptr() == p.data_ptr()
+
+
+def test_deepcopy_of_a_parameter_under_vmap_is_a_parameter_of_its_values():
+    """``copy_wrapped_deeply``: under vmap, a deep copy of a Parameter of a batched value (torch's
+    reads ``.data``, which vmap refuses) is a Parameter of a copy of its values; outside,
+    torch's own (a new Parameter, its values copied)."""
+    torch_private.copy_wrapped_deeply()
+    x = torch.arange(6.0).reshape(2, 3)
+
+    def copied(v):
+        p = torch.nn.Parameter(v * 2)
+        q = copy.deepcopy(p)
+        assert type(q) is torch.nn.Parameter and q is not p
+        with torch.no_grad():
+            q.add_(1)
+        return q + p * 10
+
+    assert torch.equal(torch.func.vmap(copied)(x), x * 22 + 1)
+    p = torch.nn.Parameter(torch.ones(2))
+    q = copy.deepcopy(p)
+    assert type(q) is torch.nn.Parameter and q.requires_grad and q.data_ptr() != p.data_ptr()

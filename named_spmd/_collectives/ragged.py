@@ -15,10 +15,8 @@ from .._errors import CollectiveError
 from .._layout import ragged_written
 from .._torch_private import (
     DisableTorchFunction,
-    get_unwrapped,
-    is_batchedtensor,
+    batched_above,
     is_transform_wrapped,
-    maybe_get_level,
 )
 from ._record import PVARY, RECORDS, Collective, Params, backward_op, implicit_pvary, same_vma
 
@@ -347,11 +345,7 @@ _BATCHED_META = (
 def _batched_inside(ctx: SpmdContext, t: torch.Tensor) -> bool:
     """Whether a torch.func.vmap of the user's, inside the call, batches ``t`` (the simulated
     mesh's own levels batch every varying value: those are the instances)."""
-    while maybe_get_level(t) > ctx.inner_level:
-        if is_batchedtensor(t):
-            return True
-        t = get_unwrapped(t)
-    return False
+    return batched_above(t, ctx.inner_level)
 
 
 def _batched(params: Params) -> Params:

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
 
+from .functorch import get_unwrapped, is_batchedtensor, maybe_get_level
+
 
 def not_traced(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
     """``fn`` as ``torch.compiler.disable(fn, reason=reason)`` makes it, without importing Dynamo
@@ -69,7 +71,9 @@ def inductor_graph_pass(fn: Callable[[Any], None], version: str) -> Any:
 # (``TensorVariable.var_getattr``), so a mode never sees them. A compiled real-mesh call then
 # lost the type of ``k.T`` (an untyped tensor reads invariant) and gave a varying value's
 # gradient a spurious psum: ring attention's ``q @ k.T`` had a wrong gradient for ``k``.
-TENSOR_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# ``x.data`` too: the simulated mesh's mode raises the eager call's error for a varying value's
+# (vmap refuses it), which Dynamo otherwise fails on inside its tracer.
+TENSOR_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 
 
 @functools.cache
@@ -93,6 +97,23 @@ def route_view_attributes_to_modes() -> bool:
         return traced(self, tx, name)
 
     TensorVariable.var_getattr = var_getattr  # type: ignore[method-assign]
+    return True
+
+
+#: torch functions eager dispatches to the torch function modes but Dynamo (2.13) traces
+#: straight into the graph: they are missing from ``torch.overrides``' list of overridable
+#: functions, which Dynamo reads. A compiled call's mode never saw ``torch.index_put_`` (the
+#: simulated mesh's masked write, and its typing, skipped).
+UNLISTED_OVERRIDABLE = frozenset({torch.index_put_})
+
+
+@functools.cache
+def route_functions_to_modes() -> bool:
+    """Make Dynamo dispatch :data:`UNLISTED_OVERRIDABLE` to the torch function modes, as eager
+    does, by adding them to its (cached) set of overridable functions (once per process)."""
+    from torch._dynamo.variables.torch import get_overridable_functions
+
+    get_overridable_functions().update(UNLISTED_OVERRIDABLE)
     return True
 
 
@@ -214,6 +235,21 @@ def torch_file(filename: str) -> bool:
     return filename.startswith(TORCH_DIR)
 
 
+def aten_op_sized_by_values(func: Any) -> str | None:
+    """An aten op called directly (``torch.ops.aten.nonzero``, or one overload of it) whose
+    result's size may depend on its operands' values: its qualified name (``aten::nonzero``);
+    None for any other function. torch tags such ops ``dynamic_output_shape``; a packet counts
+    where one of its overloads carries the tag (``aten::index``: the ``Tensor`` overload)."""
+    if isinstance(func, torch._ops.OpOverload):
+        overloads = [func]
+    elif isinstance(func, torch._ops.OpOverloadPacket):
+        overloads = [getattr(func, name) for name in func.overloads()]
+    else:
+        return None
+    tagged = any(torch.Tag.dynamic_output_shape in op.tags for op in overloads)
+    return overloads[0].name().split(".")[0] if tagged and overloads else None
+
+
 def has_data_dependent_size(tensor: torch.Tensor) -> bool:
     """Whether a tensor Dynamo traces has a size known only when the program runs (an unbacked
     size: ``x[x > 0]``'s, or one made from ``.item()``). Such a size cannot be specialized nor
@@ -221,6 +257,44 @@ def has_data_dependent_size(tensor: torch.Tensor) -> bool:
     from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 
     return bool(has_free_unbacked_symbols(tensor))
+
+
+def batched_above(tensor: torch.Tensor, level: int) -> bool:
+    """Whether a vmap level above ``level`` batches ``tensor`` (a wrapper of another transform
+    may lie between). Eagerly, the tensor's own wrappers; while Dynamo traces, its fake value's,
+    read at trace time (Dynamo cannot trace functorch's level queries; ``comptime`` reads the
+    traced tensor's fake value, and Dynamo answers the call with a constant)."""
+    if not torch.compiler.is_compiling():
+        return _batched_above(tensor, level)
+    from torch._dynamo.comptime import comptime
+
+    comptime(_record_batched_above)
+    return _recorded_batched_above()
+
+
+def _batched_above(t: torch.Tensor, level: int) -> bool:
+    while maybe_get_level(t) > level:
+        if is_batchedtensor(t):
+            return True
+        t = get_unwrapped(t)
+    return False
+
+
+#: What ``_record_batched_above`` found, read back by the trace constant after it.
+_batched_found = [False]
+
+
+def _record_batched_above(ctx: Any) -> None:
+    """At trace time: ``batched_above`` of the fake value of its ``tensor``."""
+    found = _batched_above(
+        ctx.get_local("tensor").as_fake(), ctx.get_local("level").as_python_constant()
+    )
+    _batched_found[0] = found
+
+
+@trace_constant
+def _recorded_batched_above() -> bool:
+    return _batched_found[0]
 
 
 def traced_size_sources(tensor: torch.Tensor) -> tuple[tuple[str, ...], ...]:

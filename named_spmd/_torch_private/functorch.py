@@ -3,6 +3,8 @@ simulated backend installs in torch's printing and in torch.func's grad levels a
 
 from __future__ import annotations
 
+import copy
+import copyreg
 from typing import Any
 
 import torch
@@ -122,7 +124,8 @@ def copy_wrapped_deeply() -> None:
     no storage for ``Tensor.__deepcopy__`` to copy): a copy of its values, as a plain tensor's
     deep copy is; torch's own refusal (a tensor, not a leaf, that requires grad) as torch raises
     it; a plain leaf that requires grad (or its ``leaf_stand_in``) copied as outside any
-    transform. Installed once."""
+    transform; a wrapped Parameter (``Parameter.__deepcopy__`` reads ``.data``, which vmap
+    refuses) a Parameter of a copy of its values. Installed once."""
     if _DEEPCOPY:
         return
     torch_deepcopy = torch.Tensor.__deepcopy__
@@ -147,9 +150,43 @@ def copy_wrapped_deeply() -> None:
 
     torch.Tensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]
     _DEEPCOPY["torch"] = torch_deepcopy
+    torch_parameter_deepcopy = torch.nn.Parameter.__deepcopy__
+
+    def deepcopy_parameter(self: torch.nn.Parameter, memo: dict) -> torch.nn.Parameter:
+        # torch's reads ``self.data``, which vmap refuses: a Parameter of a copy of its values
+        if not is_transform_wrapped(self) or id(self) in memo:
+            return torch_parameter_deepcopy(self, memo)
+        with torch.no_grad():
+            copied = type(self)(self.clone(), self.requires_grad)
+        memo[id(self)] = copied
+        return copied
+
+    torch.nn.Parameter.__deepcopy__ = deepcopy_parameter  # type: ignore[method-assign, assignment]
 
 
 _DEEPCOPY: dict[str, Any] = {}
+
+
+def copy_wrapped_shallowly() -> None:
+    """``copy.copy`` of a tensor a torch.func transform wrapped (``Tensor.__reduce_ex__``, what
+    ``copy.copy`` of a tensor runs, refuses vmap's batched tensors): its ``detach()``, a new
+    tensor of the same values and storage (a write through it reaches the original) through
+    which no gradient flows, as torch's shallow copy of a plain tensor is. Any other tensor is
+    copied as ``copy.copy`` copies it without this hook (its ``__reduce_ex__``). Installed once
+    (``Tensor.__copy__``, which torch does not define)."""
+    if "__copy__" in vars(torch.Tensor):
+        return
+
+    def shallow_copy(self: torch.Tensor) -> torch.Tensor:
+        if is_transform_wrapped(self):
+            return self.detach()
+        reductor = copyreg.dispatch_table.get(type(self))
+        reduced = reductor(self) if reductor is not None else self.__reduce_ex__(4)
+        return copy._reconstruct(self, None, *reduced)  # type: ignore[attr-defined]
+
+    torch.Tensor.__copy__ = shallow_copy  # type: ignore[attr-defined]
+
+
 # stand-in -> the leaf it stands for (``leaf_stand_in``)
 _STAND_INS: Any = torch.utils.weak.WeakIdKeyDictionary()
 

@@ -55,8 +55,9 @@ if TYPE_CHECKING:
 torch_private.hook_grad_levels(_inner_grad.entered, _inner_grad.leaving)
 # and gives the gradients torch.func.grad / vjp compute inside a call their inputs' types
 torch_private.hook_transform_gradients(_inner_grad.typed_gradients)
-# copy.deepcopy of an instance's value (a vmap-batched tensor) copies its values, as a real mesh's
+# copy.deepcopy / copy.copy of an instance's value (a vmap-batched tensor) copy it, as a real mesh's
 torch_private.copy_wrapped_deeply()
+torch_private.copy_wrapped_shallowly()
 # a neg view (``x.conj().imag``) runs on every instance, as on a real mesh's rank
 torch_private.batch_neg_views()
 

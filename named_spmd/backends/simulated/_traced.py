@@ -37,14 +37,20 @@ import torch.nn.functional as F
 from ... import _torch_private as torch_private
 from ..._errors import SpmdError
 from ..._layout import physical_layout
-from ..._masked_fill import NOT_MASKED, SETITEM, WRITES_THROUGH_MASKS, as_masked_fill
+from ..._masked_fill import NOT_MASKED, SETITEM, as_masked_fill
 from ..._mesh import Mesh
 from ..._spec import PartitionSpec
 from ..._traced import CompiledVmaMode, TracedContext, route_view_attributes, warm_types_eagerly
 from ..._types import INVARIANT
-from . import BACKEND, fallback_warning_hidden
 from . import _stacked as stacked
+from . import fallback_warning_hidden
 from ._plan import from_physical, partial_input
+from ._sized import (
+    index_put_as_setitem,
+    may_be_sized_by_values,
+    sized_by_values_refusal,
+    writes_through_masks,
+)
 
 if TYPE_CHECKING:
     from ..._call import Call
@@ -147,6 +153,13 @@ def _under_grad() -> bool:
     return interpreter is not None and interpreter.key() in torch_private.GRAD_LIKE
 
 
+@torch_private.trace_constant
+def _innermost_level() -> int:
+    """The mesh's innermost vmap level (run eagerly at trace time, inside the levels Dynamo
+    entered while tracing them)."""
+    return torch_private.maybe_current_level() or 0
+
+
 _UNDER_GRAD = (
     "spmd_map of {fn}: a collective under torch.func.grad / vjp / jvp inside the per-device "
     "function cannot be compiled on the simulated mesh (its compiled collectives have no rule "
@@ -165,6 +178,7 @@ class TracedSimulatedContext(TracedContext):
         self.token_list = list(tokens.values())
         self.index_of = {a: i for i, a in enumerate(tokens)}
         self.sizes = [mesh.shape[a] for a in tokens]
+        self.inner_level = _innermost_level()  # a vmap of the user's above it batches
 
     def _op(self, x: torch.Tensor, kind: str, axes: tuple[str, ...], *params: int):
         if _under_grad():
@@ -222,55 +236,25 @@ class _SimulatedVmaMode(CompiledVmaMode):
     decomposition, which batches over the levels (torch 2.13 has no batching rule for the CPU
     flash kernel ``scaled_dot_product_attention`` picks, so vmap would run it once per
     instance, a call of its fixed cost each); an op whose result's size depends on a varying
-    operand's values raises the eager call's error, or names the limit (:func:`_refusal_of`),
+    operand's values raises the eager call's error, or names the limit (``_sized.py``),
     rather than fail inside Dynamo's tracer."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if _writes_through_masks(func):  # as the eager call's marker (``_masked_fill``)
-            out = as_masked_fill(
-                func, args, kwargs, lambda f, a: self.__torch_function__(f, types, a)
-            )
+        if writes_through_masks(func):  # as the eager call's marker (``_masked_fill``)
+            op = lambda f, a: self.__torch_function__(f, types, a)  # noqa: E731
+            out = as_masked_fill(func, args, kwargs, op)
+            if out is NOT_MASKED:
+                out = index_put_as_setitem(self.ctx, func, args, kwargs, op)
             if out is not NOT_MASKED:
                 return None if func is SETITEM else out
         return super().__torch_function__(func, types, args, kwargs)
 
     def _general(self, func, args, kwargs):
-        if _may_be_sized_by_values(func, args, kwargs):
-            refusal = self._sized_by_values_refusal(func, args, kwargs)
+        if may_be_sized_by_values(func, args, kwargs):
+            refusal = sized_by_values_refusal(self.ctx, func, args, kwargs)
             if refusal is not None:
                 raise SpmdError(refusal)
         return super()._general(func, args, kwargs)
-
-    def _sized_by_values_refusal(self, func, args, kwargs) -> str | None:
-        """The error for ``func``, whose result's size depends on its operands' values, where an
-        operand is batched (:func:`_refusal_of`); None where none is, which Dynamo traces (a
-        size known at run time), or where an argument is no trace-time constant. An operand is
-        batched where it varies over a mesh axis as given (not after an implicit pvary, whose
-        view vmap does not batch)."""
-        tensors: list[tuple[torch.dtype, int, bool]] = []
-        symbolic: list[object] = []
-
-        def described(a):
-            if isinstance(a, torch.Tensor):
-                tensors.append((a.dtype, a.dim(), bool(self.ctx.vma(a))))
-                return _Operand
-            if isinstance(a, (tuple, list)):
-                return type(a)([described(b) for b in a])
-            if isinstance(a, dict):
-                return {k: described(v) for k, v in a.items()}
-            if isinstance(a, slice):
-                return slice(described(a.start), described(a.stop), described(a.step))
-            if not (a is None or a is Ellipsis or isinstance(a, _CONSTANT_ARGUMENTS)):
-                symbolic.append(a)  # a SymInt, an object: the probe would not be a constant
-            return a
-
-        given = described(args), described(kwargs or {})
-        if symbolic or not any(batched for _, _, batched in tensors):
-            return None  # unbatched: Dynamo traces it as a size known at run time
-        masks = _masks(_index_of(args, kwargs))
-        if func is torch.Tensor.__setitem__ and not any(self.ctx.vma(m) for m in masks):
-            return None  # an invariant mask: vmap batches the write, and Dynamo traces it
-        return _refusal_of(func, *given, tuple(tensors), f"spmd_map of {self.ctx.fn_label}")
 
     def _run(self, func, args, kwargs):
         if func is F.scaled_dot_product_attention:
@@ -278,149 +262,6 @@ class _SimulatedVmaMode(CompiledVmaMode):
             if math is not None:  # a multi-output op: the base class views each of its tensors
                 return super()._run(torch_private.sdpa_math, *math)[0]
         return super()._run(func, args, kwargs)
-
-
-# torch functions whose result's size depends on their operands' values (their aten ops carry
-# the ``dynamic_output_shape`` tag): vmap refuses to batch some of them, which the eager call
-# explains; Dynamo instead fails on the op while tracing it, with a TorchRuntimeError naming
-# none of the user's code. Those sized by their values only in some calls (``torch.where``,
-# indexing, ``repeat_interleave``, ``one_hot``) are decided by :func:`_may_be_sized_by_values`.
-_SIZED_BY_VALUES = frozenset(
-    {
-        torch.nonzero,
-        torch.Tensor.nonzero,
-        torch.argwhere,
-        torch.Tensor.argwhere,
-        torch.masked_select,
-        torch.Tensor.masked_select,
-        torch.unique,
-        torch.Tensor.unique,
-        torch.unique_consecutive,
-        torch.Tensor.unique_consecutive,
-        torch.bincount,
-        torch.Tensor.bincount,
-    }
-)
-
-# writes through an index whose masks select by their values: ``y[mask] = v``, ``index_put``.
-# vmap refuses a varying mask (the eager call's error); an invariant one it batches
-_MASKED_WRITES = frozenset(
-    {
-        torch.Tensor.__setitem__,
-        torch.index_put,
-        torch.index_put_,
-        torch.Tensor.index_put,
-        torch.Tensor.index_put_,
-    }
-)
-
-# the arguments besides tensors a probe takes as they are: Dynamo holds them as constants
-_CONSTANT_ARGUMENTS = (bool, int, float, str, torch.dtype, torch.device)
-
-
-class _Operand:
-    """Where a tensor stood in the arguments of a probed op (:func:`_refusal_of`)."""
-
-
-def _index_of(args, kwargs):
-    """The index of ``x[index]`` (``= v``), the indices of ``index_put``."""
-    return args[1] if len(args) > 1 else (kwargs or {}).get("indices")
-
-
-def _masks(index) -> list[torch.Tensor]:
-    """The boolean tensors of an index (``x[index]``, index_put's indices)."""
-    entries = index if isinstance(index, (tuple, list)) else (index,)
-    return [t for t in entries if isinstance(t, torch.Tensor) and t.dtype == torch.bool]
-
-
-def _may_be_sized_by_values(func, args, kwargs) -> bool:
-    """Whether ``func``'s result, or the selection it writes through, may have a size that
-    depends on its operands' values."""
-    if func is torch.Tensor.__getitem__ or _writes_through_index(func):  # x[mask] (= v)
-        return bool(_masks(_index_of(args, kwargs)))
-    if func is torch.where:  # where(condition), not where(condition, x, y)
-        return len(args) + len(kwargs or {}) == 1
-    if func is F.one_hot:  # sized by the largest value where num_classes is not given
-        return (args[1] if len(args) > 1 else (kwargs or {}).get("num_classes", -1)) == -1
-    if func is torch.repeat_interleave or func is torch.Tensor.repeat_interleave:
-        # sized by the repeats' values where they are a tensor (or the one-argument form's
-        # operand) and no output_size is given; an int's repeats size it alone
-        kwargs = kwargs or {}
-        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
-        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
-    return _sized_by_values(func)
-
-
-@torch_private.trace_constant
-def _writes_through_masks(func) -> bool:
-    return func in WRITES_THROUGH_MASKS
-
-
-@torch_private.trace_constant
-def _sized_by_values(func) -> bool:
-    return func in _SIZED_BY_VALUES
-
-
-@torch_private.trace_constant
-def _writes_through_index(func) -> bool:
-    return func in _MASKED_WRITES
-
-
-@torch_private.trace_constant
-def _refusal_of(func, args, kwargs, tensors, where: str) -> str:
-    """The error for ``func`` at ``where`` on batched operands (run eagerly at trace time).
-    Where vmap refuses to batch it: the eager call's error, vmap's refusal probed on small
-    tensors of the operands' dtypes and ranks (``tensors``: each one's dtype, rank and whether
-    it is batched, in the order of the ``_Operand`` marks standing for them in ``args`` and
-    ``kwargs``), as the backend explains it. Where vmap batches it (an invariant mask, an op it
-    runs per instance): the eager call runs it, but Dynamo cannot trace a batched result of a
-    size known only at run time (torch 2.13 fails inside its tracer)."""
-    probes = [torch.ones([1] * rank, dtype=dtype) for dtype, rank, _ in tensors]
-    in_dims = [0 if batched else None for _, _, batched in tensors]
-    probes = [torch.stack([p, p]) if d == 0 else p for p, d in zip(probes, in_dims)]
-
-    def probed(operands):
-        given = iter(operands)
-        return func(*_filled(args, given), **_filled(kwargs, given))
-
-    try:
-        # vmap's performance warning for its fallback, hidden without ``catch_warnings``
-        with fallback_warning_hidden(), torch_private.DisableTorchFunction():
-            torch.func.vmap(probed, in_dims=(in_dims,))(probes)
-    except RuntimeError as error:
-        explained = BACKEND.explain(error, where)
-        if explained is not None:
-            return str(explained)
-    except Exception:  # noqa: S110 (the probe's own shapes refused: no refusal of vmap's known)
-        pass
-    name = _NAMES.get(func) or getattr(func, "__name__", func)
-    writes = func in _MASKED_WRITES
-    what = "writes through a selection" if writes else "gives each instance a result"
-    fixed = (
-        "write through the whole tensor (torch.where(mask, v, x), masked_fill)"
-        if writes
-        else "give the result a fixed size (torch.nonzero_static, torch.where with a mask)"
-    )
-    return (
-        f"{where}: `{name}` of an operand that varies over the mesh {what} of a size known only "
-        "from its values, which a compiled call on the simulated mesh cannot trace (every "
-        "instance runs in one traced torch.func.vmap). The uncompiled call runs it. Fix: "
-        f"compile without fullgraph=True (this call then runs uncompiled), or {fixed}."
-    )
-
-
-_NAMES = {torch.Tensor.__getitem__: "x[mask]", torch.Tensor.__setitem__: "x[mask] = v"}
-
-
-def _filled(a, operands):
-    """``a`` with each ``_Operand`` mark replaced by the next of ``operands``."""
-    if a is _Operand:
-        return next(operands)
-    if isinstance(a, (tuple, list)):
-        return type(a)([_filled(b, operands) for b in a])
-    if isinstance(a, dict):
-        return {k: _filled(v, operands) for k, v in a.items()}
-    return a
 
 
 def _math_attention_args(
