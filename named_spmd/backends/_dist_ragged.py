@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._collectives.ragged import PROBLEM, problem_error
+from .. import _torch_private as torch_private
+from .._collectives.ragged import PROBLEM, problem_error, problem_row
+from .._errors import CollectiveError
 
 if TYPE_CHECKING:
-    from .._context import Axes
+    from .._context import Axes, SpmdContext
     from .distributed import DistributedContext
 
 _NAME = "ragged_all_to_all"
@@ -124,3 +126,58 @@ def _bytes(rows: torch.Tensor) -> torch.Tensor:
     view where they are contiguous and plain."""
     rows = rows.resolve_conj().resolve_neg().contiguous()
     return rows.reshape(-1).view(torch.uint8)
+
+
+def checked_in_graph(
+    ctx: SpmdContext,
+    axes: Axes,
+    meta: torch.Tensor,
+    peer: torch.Tensor,
+    rows: int,
+    m: int,
+) -> torch.Tensor:
+    """``SpmdContext.checked_ragged`` in a traced graph on a real mesh (``torch.compile``,
+    ``make_fx``): the values are read when the graph runs, by ops of the graph. Each member's
+    problem row is gathered over the group, and every member raises the first member's problem
+    alike before any row moves (a member that raised alone would leave the others inside the
+    exchange); the metadata the exchange sends by come out of the check, which the graph then
+    runs first."""
+    n = ctx.mesh.axis_size(axes)
+    with torch_private.DisableTorchFunction():  # metadata of the exchange, no op of the program
+        told = _ragged_problem(meta, peer, n, rows, m)
+        every = ctx.all_gather(told, axes)
+        where = ",".join(axes)
+        try:
+            checked = _ragged_checked(meta, every, ctx.fn_label, where)
+        except CollectiveError as error:  # (raised while make_fx traces: in every member's call)
+            raise ctx.alike(error) from None
+    return ctx.stamp(checked, ctx.vma(meta))
+
+
+@torch.library.custom_op("named_spmd::ragged_problem", mutates_args=())
+def _ragged_problem(
+    meta: torch.Tensor, peer: torch.Tensor, n: int, rows: int, m: int
+) -> torch.Tensor:
+    """This member's :data:`PROBLEM` row (zeros: none) of its metadata and its peers'."""
+    return torch.tensor(problem_row(meta.tolist(), peer.tolist(), n, rows, m))
+
+
+@_ragged_problem.register_fake
+def _(meta: torch.Tensor, peer: torch.Tensor, n: int, rows: int, m: int) -> torch.Tensor:
+    return meta.new_empty(PROBLEM)
+
+
+@torch.library.custom_op("named_spmd::ragged_checked", mutates_args=())
+def _ragged_checked(meta: torch.Tensor, every: torch.Tensor, label: str, axes: str) -> torch.Tensor:
+    """``meta`` (a copy), where no member told a problem in ``every`` (``[n, PROBLEM]``, member
+    order); else the first member's error."""
+    told = every.tolist()
+    first = next((i for i, t in enumerate(told) if t[0]), None)
+    if first is not None:
+        raise problem_error(label, tuple(axes.split(",")), first, tuple(told[first]))
+    return meta.clone()
+
+
+@_ragged_checked.register_fake
+def _(meta: torch.Tensor, every: torch.Tensor, label: str, axes: str) -> torch.Tensor:
+    return torch.empty_like(meta)
