@@ -1020,7 +1020,36 @@ def check_ragged(name: str, backend: str) -> dict:
                 problems.append(f"{kind}: {how} raised {got}, eager {want}")
     if counter.frame_count != 1:
         problems.append(f"{counter.frame_count} frames compiled (recompiled)")
+    if n == 4:
+        problems += _ragged_in_one_group(routing(2, 1, seed=3), backend)
     return {"problems": problems}
+
+
+def _ragged_then_psum(x, out, *meta):
+    y = ns.ragged_all_to_all(x, out, *meta, "tp")
+    return y * ns.psum(y.sum(), "dp")
+
+
+def _ragged_in_one_group(r, backend: str) -> list[str]:
+    """Sizes that do not fit in one group of "tp" (of a 2x2 mesh), then a psum over "dp":
+    every rank raises the simulated mesh's error (the other group's ranks too, which would
+    otherwise wait in the psum for ranks that raised)."""
+    meta = [torch.cat([bad, good]) for bad, good in zip(_misfits(r, r.rows)[0], r.metadata())]
+    args = (torch.ones(4 * r.rows, 2), torch.zeros(4 * r.m, 2), *meta)
+    outcomes = []
+    for simulated in (True, False):
+        mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=simulated)
+        spec = P(("dp", "tp"))
+        f = ns.spmd_map(_ragged_then_psum, mesh=mesh, in_specs=spec, out_specs=spec)
+        if simulated:  # (its per-instance execution reads the sizes, uncompiled)
+            with ns.simulate_per_instance():
+                outcomes.append(_raised(lambda: f(*args)))
+        else:
+            outcomes.append(
+                _raised(lambda: torch.compile(f, backend=backend, fullgraph=True)(*args))
+            )
+    want, got = outcomes
+    return [] if want is not None and got == want else [f"one group: {got}, simulated {want}"]
 
 
 def _unquoted(cause: str) -> str:

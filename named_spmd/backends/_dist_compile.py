@@ -162,7 +162,8 @@ class FuncolPrimitives:
         return x.select(dim, _group(self.mesh, axes)[2])
 
     def checked_ragged(self, axes, meta, peer, rows, m):
-        return checked_in_graph(cast("SpmdContext", self), axes, meta, peer, rows, m)
+        member = _group(self.mesh, axes)[2]
+        return checked_in_graph(cast("SpmdContext", self), axes, member, (meta, peer), rows, m)
 
 
 class _OnMesh(FuncolPrimitives):
