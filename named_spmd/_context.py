@@ -260,6 +260,15 @@ class SpmdContext(ABC):
         got = self.all_to_all(packed.unflatten(0, (n, -1)), axes, 0).flatten(0, 1)
         return ragged_place(got, m, placed_at, received)
 
+    def checked_ragged(
+        self, axes: Axes, meta: torch.Tensor, peer: torch.Tensor, rows: int, m: int
+    ) -> torch.Tensor:
+        """``ragged_all_to_all``'s ``[4, K]`` metadata ``meta``, checked against the peers'
+        ``peer`` (``[6, K]``, with their buffers' rows) where the values cannot be read now
+        (without :attr:`own_values`): a backend whose traced graph runs on a real mesh checks
+        them when the graph runs; this default (vmap, ``.check()``) drops the rows outside."""
+        return meta
+
     def carried_metadata(self, meta: torch.Tensor, axes: Axes) -> torch.Tensor | None:
         """``ragged_all_to_all``'s exchange of its ``[6, K]`` metadata (the offsets and sizes,
         then the operand's and output's rows in every slot), typed and counted as its tiled

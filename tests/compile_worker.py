@@ -957,6 +957,101 @@ def check_uneven(name: str, backend: str, size: int | None = None) -> dict:
     return {"problems": problems}
 
 
+def _ragged(x, out, *meta):
+    return ns.ragged_all_to_all(x, out, *meta, "dp")
+
+
+def _misfits(r, rows: int) -> list[list[torch.Tensor]]:
+    """Routing ``r``'s metadata with sizes that do not fit: member 0 sends a row more to
+    member 1 than member 1 expects; member 0's first non-empty slice starts past its operand."""
+    mismatched, outside = r.metadata(), r.metadata()
+    mismatched[1][r.per] += 1
+    outside[0][next(k for k, c in enumerate(r.counts[0]) if c)] = rows
+    return [mismatched, outside]
+
+
+def _raised(call) -> tuple[str, str] | None:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - compared by the caller
+        return type(e).__name__, str(e)
+    return None
+
+
+def check_ragged(name: str, backend: str) -> dict:
+    """``ragged_all_to_all`` compiled with ``fullgraph=True`` against its eager call: values
+    and gradients of two routings in one compiled frame (the graph reads the sizes when it
+    runs), and sizes that do not fit raise the eager call's error on every rank, compiled and
+    in a ``make_fx`` graph of the blocks' call traced with sizes that fit (no hang, no rows
+    dropped unseen)."""
+    from _ragged import routing
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    f = ns.spmd_map(_ragged, mesh=ns.make_mesh((n,), ("dp",)), in_specs=P("dp"), out_specs=P("dp"))
+    routes = [routing(n, 2, seed=s) for s in (3, 5)]
+    rows, m = max(r.rows for r in routes), max(r.m for r in routes)
+    gen = torch.Generator().manual_seed(1)
+    x, out = (torch.randn(n * k, 3, generator=gen, dtype=torch.float64) for k in (rows, m))
+
+    def blocks(meta):  # this rank's blocks of the arguments
+        return [t.chunk(n)[me] for t in (x, out, *meta)]
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    traced = make_fx(f.local)(*blocks(routes[0].metadata()))
+    problems = []
+    for step, r in enumerate(routes):
+        args = (x, out, *r.metadata())
+        want = evaluate(f, args, 1.0)
+        problems += [f"step {step}: {p}" for p in differences(evaluate(compiled, args, 1.0), want)]
+        if not torch.equal(traced(*blocks(r.metadata())), f.local(*blocks(r.metadata()))):
+            problems.append(f"step {step}: the make_fx graph's output differs")
+    xg, og = (t.clone().requires_grad_() for t in (x, out))  # (as the steps': no recompile)
+    for kind, meta in zip(("mismatched sizes", "a slice outside"), _misfits(routes[0], rows)):
+        want = _raised(lambda: f(x, out, *meta))
+        for how, g, args in (
+            ("compiled", compiled, (xg, og, *meta)),
+            ("make_fx graph", traced, blocks(meta)),
+        ):
+            got = _raised(lambda: g(*args))
+            if want is None or got != want:
+                problems.append(f"{kind}: {how} raised {got}, eager {want}")
+    if counter.frame_count != 1:
+        problems.append(f"{counter.frame_count} frames compiled (recompiled)")
+    if n == 4:
+        problems += _ragged_in_one_group(routing(2, 1, seed=3), backend)
+    return {"problems": problems}
+
+
+def _ragged_then_psum(x, out, *meta):
+    y = ns.ragged_all_to_all(x, out, *meta, "tp")
+    return y * ns.psum(y.sum(), "dp")
+
+
+def _ragged_in_one_group(r, backend: str) -> list[str]:
+    """Sizes that do not fit in one group of "tp" (of a 2x2 mesh), then a psum over "dp":
+    every rank raises the simulated mesh's error (the other group's ranks too, which would
+    otherwise wait in the psum for ranks that raised)."""
+    meta = [torch.cat([bad, good]) for bad, good in zip(_misfits(r, r.rows)[0], r.metadata())]
+    args = (torch.ones(4 * r.rows, 2), torch.zeros(4 * r.m, 2), *meta)
+    outcomes = []
+    for simulated in (True, False):
+        mesh = ns.make_mesh((2, 2), ("dp", "tp"), simulated=simulated)
+        spec = P(("dp", "tp"))
+        f = ns.spmd_map(_ragged_then_psum, mesh=mesh, in_specs=spec, out_specs=spec)
+        if simulated:  # (its per-instance execution reads the sizes, uncompiled)
+            with ns.simulate_per_instance():
+                outcomes.append(_raised(lambda: f(*args)))
+        else:
+            outcomes.append(
+                _raised(lambda: torch.compile(f, backend=backend, fullgraph=True)(*args))
+            )
+    want, got = outcomes
+    return [] if want is not None and got == want else [f"one group: {got}, simulated {want}"]
+
+
 def _unquoted(cause: str) -> str:
     """Dynamo quotes our error as ``VmaError('...')``: quotes inside the message come escaped."""
     return cause.replace("\\'", "'")
@@ -1002,6 +1097,7 @@ def main() -> None:
         "cases": check_case,
         "training": check_training_step,
         "dtypes": check_dtypes,
+        "ragged": check_ragged,
     }
     failed = False
     for backend, todo in plan.items():

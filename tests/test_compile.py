@@ -82,6 +82,7 @@ PLAN = {
         "cases": list(CASES),
         "training": ["training_step"],
         "dtypes": ["dtypes"],
+        "ragged": ["ragged_all_to_all"],  # (sizes read when the graph runs; bad ones raise)
     },
     "inductor": {  # psum's all-reduce: the bucketed program, checked against eager too
         "programs": ["sequence_parallel", "experts_tiled@4"],

@@ -1265,3 +1265,31 @@ def test_a_compiled_calls_input_marked_dynamic_raises_a_spec_error_or_runs_uncom
     torch._dynamo.maybe_mark_dynamic(maybe, dim)
     got = torch.compile(f, backend="eager", fullgraph=True)(maybe)
     torch.testing.assert_close(got, x * 2)
+
+
+def test_ragged_all_to_all_compiles_whole_and_equals_the_per_instance_loop():
+    """fullgraph=True (a compiled call reads no transform levels), two routings in one frame:
+    values and gradients of the operand and the output buffer as the per-instance loop's."""
+    from _ragged import reference, routing
+
+    routes = [routing(2, 2, seed=s) for s in (3, 5)]
+    rows, m = max(r.rows for r in routes), max(r.m for r in routes)
+    mesh = ns.make_mesh((2,), ("dp",))
+    f = ns.spmd_map(compile_worker._ragged, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(2)
+    for r in routes:
+        x, out, cot = (
+            torch.randn(2 * k, 3, generator=gen, dtype=torch.float64) for k in (rows, m, m)
+        )
+        xs, outs = x.clone().requires_grad_(), out.clone().requires_grad_()
+        got = compiled(xs, outs, *r.metadata())
+        (got * cot).sum().backward()
+        xr, outr = ([t.clone().requires_grad_() for t in v.chunk(2)] for v in (x, out))
+        want = reference(r, xr, outr)
+        sum((w * c).sum() for w, c in zip(want, cot.chunk(2))).backward()
+        torch.testing.assert_close(got.detach(), torch.cat(want).detach())
+        torch.testing.assert_close(xs.grad, torch.cat([t.grad for t in xr]))
+        torch.testing.assert_close(outs.grad, torch.cat([t.grad for t in outr]))
+    assert counter.frame_count == 1

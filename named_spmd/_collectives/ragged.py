@@ -45,8 +45,9 @@ def ragged_all_to_all(
 
     Checked where values are the instance's own (the per-instance simulation, a real mesh: one
     host synchronisation, which a real mesh needs anyway for the split sizes of its
-    ``all_to_all_single``); under vmap and in ``.check()`` they cannot be read: rows that fall
-    outside are dropped there. Under vmap every slot travels padded to the operand's rows (one
+    ``all_to_all_single``), and in a real mesh's traced graph (``torch.compile``, ``make_fx``)
+    when it runs; under vmap and in ``.check()`` they cannot be read: rows that fall outside
+    are dropped there. Under vmap every slot travels padded to the operand's rows (one
     even all_to_all); a real mesh sends the rows alone.
 
     Example:
@@ -70,7 +71,9 @@ def ragged_all_to_all(
         given = [input_offsets, send_sizes, output_offsets, recv_sizes]
         with DisableTorchFunction():  # inspection only: the vma mode's dispatch buys nothing
             _check_args(ctx, axes, operand, output, given)
-            if any(_batched_inside(ctx, t) for t in given):  # (before a real mesh reads them)
+            # (before a real mesh reads them; Dynamo traces no transform levels: a compiled
+            # call runs under none, a real mesh's refuses them, and Dynamo cannot read them)
+            if not torch.compiler.is_compiling() and any(_batched_inside(ctx, t) for t in given):
                 raise CollectiveError(f"ragged_all_to_all in {ctx.fn_label}: {_BATCHED_META}")
             rows, m = operand.shape[0], output.shape[0]
             wide = [t.dtype == torch.int64 for t in given]
@@ -85,6 +88,8 @@ def ragged_all_to_all(
         if ctx.own_values:
             with DisableTorchFunction():  # host values read, no op of the program
                 told, meta = _checked_values(ctx, axes, rows, m, meta, peer)
+        else:
+            meta = ctx.checked_ragged(axes, meta, peer, rows, m)
         input_offsets, send_sizes, output_offsets, recv_sizes = meta.unbind(0)
         from_offsets, placed_at = peer[0], peer[2]
         params = Ragged(
@@ -205,12 +210,11 @@ def _checked_values(
     slot's size the one both its ends read alike (:func:`_agreed_sizes`), so that the exchange
     pairs sizes that agree and moves no rows from or to outside a buffer."""
     mine, theirs = meta.tolist(), peer.tolist()
-    problem = _problem(mine, theirs[:4], ctx.mesh.axis_size(axes), rows, m)
+    told = problem_row(mine, theirs, ctx.mesh.axis_size(axes), rows, m)
     if not ctx.tells_ragged_problems:
-        if problem:
-            raise problem_error(ctx.fn_label, axes, int(ctx.axis_index(axes)), problem)
+        if told[0]:
+            raise problem_error(ctx.fn_label, axes, int(ctx.axis_index(axes)), told)
         return None, meta
-    told = problem + (0,) * (PROBLEM - len(problem))
     sent, received = _agreed_sizes(mine, theirs, rows, m)
     if sent == mine[1] and received == mine[3]:
         return told, meta
@@ -248,6 +252,13 @@ def _fits(offset: int, size: int, at: int, expected: int, out_rows: int, rows: i
 #: tells the first member's alike: (1, slot, its peer, sent, expected, the peer's expected, the
 #: peer's sent), or (2, slot, start, size, rows, 0: operand / 1: output); () none.
 PROBLEM = 7
+
+
+def problem_row(meta: list, peer: list, n: int, rows: int, m: int) -> tuple[int, ...]:
+    """This member's :data:`PROBLEM` row (all zeros: none) of its metadata ``meta`` and its
+    peers' ``peer`` (host values, the exchanged rows)."""
+    problem = _problem(meta, peer[:4], n, rows, m)
+    return problem + (0,) * (PROBLEM - len(problem))
 
 
 def _problem(meta: list, peer: list, n: int, rows: int, m: int) -> tuple[int, ...]:

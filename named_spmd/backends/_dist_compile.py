@@ -27,7 +27,7 @@ backend interface is the same (docs/design.md section 5.6); only what Dynamo can
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -40,9 +40,11 @@ from .._traced import CompiledVmaMode, TracedContext, route_view_attributes
 from .._types import INVARIANT
 from ._dist_comm import on_wire, permute_splits, reduce_wire, unreceived
 from ._dist_io import block_input, global_output, local_input, local_output
+from ._dist_ragged import checked_in_graph
 
 if TYPE_CHECKING:
     from .._call import Call
+    from .._context import SpmdContext
 
 _F = torch_private.funcol()  # bound at import: Dynamo reads module attributes as constants
 
@@ -158,6 +160,10 @@ class FuncolPrimitives:
 
     def own_block(self, x, axes, dim):
         return x.select(dim, _group(self.mesh, axes)[2])
+
+    def checked_ragged(self, axes, meta, peer, rows, m):
+        member = _group(self.mesh, axes)[2]
+        return checked_in_graph(cast("SpmdContext", self), axes, member, (meta, peer), rows, m)
 
 
 class _OnMesh(FuncolPrimitives):

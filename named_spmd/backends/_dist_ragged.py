@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._collectives.ragged import PROBLEM, problem_error
+from .. import _torch_private as torch_private
+from .._collectives.ragged import PROBLEM, problem_error, problem_row
+from .._errors import CollectiveError
 
 if TYPE_CHECKING:
-    from .._context import Axes
+    from .._context import Axes, SpmdContext
     from .distributed import DistributedContext
 
 _NAME = "ragged_all_to_all"
@@ -124,3 +126,63 @@ def _bytes(rows: torch.Tensor) -> torch.Tensor:
     view where they are contiguous and plain."""
     rows = rows.resolve_conj().resolve_neg().contiguous()
     return rows.reshape(-1).view(torch.uint8)
+
+
+def checked_in_graph(
+    ctx: SpmdContext,
+    axes: Axes,
+    member: int,
+    metadata: tuple[torch.Tensor, torch.Tensor],
+    rows: int,
+    m: int,
+) -> torch.Tensor:
+    """``SpmdContext.checked_ragged`` in a traced graph on a real mesh (``torch.compile``,
+    ``make_fx``) for this rank's ``member`` index in the group of ``axes``: the values are
+    read when the graph runs, by ops of the graph. Each rank's problem row (and its member
+    index) is gathered over the whole mesh, and every rank raises the first one's problem alike
+    before any row moves: a rank that raised alone would leave the others inside the exchange,
+    or, over a sub-group, the other groups' ranks inside their next collective over the mesh
+    (a traced graph has no failure board to tell them). The metadata the exchange sends by come
+    out of the check, which the graph then runs first."""
+    meta, peer = metadata
+    n = ctx.mesh.axis_size(axes)
+    with torch_private.DisableTorchFunction():  # metadata of the exchange, no op of the program
+        told = _ragged_problem(meta, peer, n, rows, m, member)
+        every = ctx.all_gather(told, tuple(ctx.mesh.axis_names))
+        try:
+            checked = _ragged_checked(meta, every, ctx.fn_label, ",".join(axes))
+        except CollectiveError as error:  # (raised while make_fx traces: in every rank's call)
+            raise ctx.alike(error) from None
+    return ctx.stamp(checked, ctx.vma(meta))
+
+
+@torch.library.custom_op("named_spmd::ragged_problem", mutates_args=())
+def _ragged_problem(
+    meta: torch.Tensor, peer: torch.Tensor, n: int, rows: int, m: int, member: int
+) -> torch.Tensor:
+    """This member's :data:`PROBLEM` row (zeros: none) of its metadata and its peers', then
+    its index in the group."""
+    return torch.tensor(problem_row(meta.tolist(), peer.tolist(), n, rows, m) + (member,))
+
+
+@_ragged_problem.register_fake
+def _(
+    meta: torch.Tensor, peer: torch.Tensor, n: int, rows: int, m: int, member: int
+) -> torch.Tensor:
+    return meta.new_empty(PROBLEM + 1)
+
+
+@torch.library.custom_op("named_spmd::ragged_checked", mutates_args=())
+def _ragged_checked(meta: torch.Tensor, every: torch.Tensor, label: str, axes: str) -> torch.Tensor:
+    """``meta`` (a copy), where no rank told a problem in ``every`` (a row per rank of the
+    mesh: its :data:`PROBLEM` row and its member index); else the first rank's error."""
+    told = every.reshape(-1, PROBLEM + 1).tolist()
+    first = next((t for t in told if t[0]), None)
+    if first is not None:
+        raise problem_error(label, tuple(axes.split(",")), first[PROBLEM], tuple(first[:PROBLEM]))
+    return meta.clone()
+
+
+@_ragged_checked.register_fake
+def _(meta: torch.Tensor, every: torch.Tensor, label: str, axes: str) -> torch.Tensor:
+    return torch.empty_like(meta)
