@@ -71,9 +71,7 @@ def ragged_all_to_all(
         given = [input_offsets, send_sizes, output_offsets, recv_sizes]
         with DisableTorchFunction():  # inspection only: the vma mode's dispatch buys nothing
             _check_args(ctx, axes, operand, output, given)
-            # (before a real mesh reads them; Dynamo traces no transform levels: a compiled
-            # call runs under none, a real mesh's refuses them, and Dynamo cannot read them)
-            if not torch.compiler.is_compiling() and any(_batched_inside(ctx, t) for t in given):
+            if any(_batched_inside(ctx, t) for t in given):  # (before a real mesh reads them)
                 raise CollectiveError(f"ragged_all_to_all in {ctx.fn_label}: {_BATCHED_META}")
             rows, m = operand.shape[0], output.shape[0]
             wide = [t.dtype == torch.int64 for t in given]
