@@ -5,7 +5,8 @@
   and the backward gathers the blocks of the gradient so that every rank holds the global one
   (``_dist_plain``, which the compile path shares).
 * Outputs become DTensors with placements from out_specs; under a ``torch.func`` transform (whose
-  wrappers cannot carry a DTensor) they are plain tensors holding the global value instead.
+  wrappers cannot carry a DTensor) or while ``make_fx`` traces (whose graph cannot build one) they
+  are plain tensors holding the global value instead, and a traced call takes no DTensor.
 * A call of ``SpmdFunction.local`` takes this rank's blocks as they are (:func:`block_input`) and
   returns its blocks as plain tensors (:func:`local_output`): no DTensor, gather or scatter.
 * A tuple entry in non-mesh order (``P(('tp', 'dp'))`` on a ``('dp', 'tp')`` mesh) has no DTensor
@@ -91,6 +92,22 @@ def inputs(
             if isinstance(leaves[i], torch.Tensor):
                 local[i] = ctx.stamp_input(local[i], specs[i])
     return local
+
+
+def refuse_traced_dtensors(label: str, leaves: list[Any]) -> None:
+    """A call that ``make_fx`` traces takes plain tensors: its graph records dispatched ops
+    only, and a DTensor's local block is read outside them (the graph would keep the traced
+    values as constants, and a replay return the traced inputs' outputs)."""
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, DTensor):
+            raise SpecError(
+                f"spmd_map of {label}: argument leaf {i} (in flattening order) is a DTensor, "
+                "but make_fx traces the call (torch.export's non-strict tracing among others), "
+                "and its graph cannot read a DTensor's local block: it would keep this trace's "
+                "values as constants. Fix: trace the local call, make_fx(f.local), on this "
+                "rank's blocks (x.to_local()); or pass the global value as a plain tensor "
+                "(x.full_tensor()), which the traced call returns as plain tensors too."
+            )
 
 
 def local_input(ctx, leaf: torch.Tensor, spec: PartitionSpec, i: int):
@@ -296,14 +313,19 @@ def _has_tangent(y: torch.Tensor) -> bool:
 
 def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     """The DTensor of output ``y`` under ``spec`` (``ctx``: the call's DistributedContext), or
-    its global value as a plain tensor under a transform or with a forward-mode tangent."""
+    its global value as a plain tensor under a transform, while ``make_fx`` traces, or with a
+    forward-mode tangent."""
     mesh = ctx.mesh
     y = local_output(ctx, y, spec)
-    # (Dynamo guards the forward-mode level itself, and refuses a tangent: not read there)
-    if torch_private.transforms_active() or (not torch.compiler.is_compiling() and _has_tangent(y)):
-        # a functorch wrapper hides a DTensor's methods, and a DTensor cannot carry a forward-mode
-        # tangent (torch has no DTensor rule for forward AD): the global value, as a plain tensor
-        # (an unreduced output's: the sum of the parts, as the simulated mesh returns it)
+    # (Dynamo guards the forward-mode level and the dispatch modes itself: not read there)
+    if torch_private.transforms_active() or (
+        not torch.compiler.is_compiling() and (torch_private.proxy_tracing() or _has_tangent(y))
+    ):
+        # a functorch wrapper hides a DTensor's methods, a DTensor cannot carry a forward-mode
+        # tangent (torch has no DTensor rule for forward AD), and make_fx's graph cannot make one
+        # (a DTensor built outside its dispatched ops is a constant of the graph: a replay would
+        # return the traced inputs' output): the global value, as a plain tensor (an unreduced
+        # output's: the sum of the parts, as the simulated mesh returns it)
         parts = tuple(a for a in _in_mesh_order(mesh, spec.unreduced) if a not in mesh.single_axes)
         if parts:
             y = boundary_collective(ctx, "psum", y, parts, ())

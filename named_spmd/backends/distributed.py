@@ -55,7 +55,7 @@ from . import (
 from ._dist_comm import MAX, MIN, SUM
 from ._dist_dtensor import to_local
 from ._dist_failures import timeout_s
-from ._dist_io import global_output, inputs, local_output
+from ._dist_io import global_output, inputs, local_output, refuse_traced_dtensors
 from ._dist_mesh import (
     DistributedMesh,
     make_distributed_mesh,
@@ -332,9 +332,11 @@ def run(call: Call) -> list[Any]:
     leaves, specs = call.leaves, call.specs
     if _dist_overlap._PENDING and torch_private.current_graph_task_id() == -1:
         _dist_overlap.finish_pending()  # left by a backward that raised
+    traced = torch_private.proxy_tracing()
+    if traced and not call.local:  # (before any collective: every rank raises alike)
+        refuse_traced_dtensors(call.mapped.label, leaves)
     board = mesh.board
     board.begin_call()
-    traced = torch_private.proxy_tracing()
     # a call typed once per signature: untyped replays on one rank, planned ones on several
     replay = None if traced else Replay(call, planned=mesh.size > 1)
     # debug mode (none in a trace: no values to compare) has no table: found one, it is off
