@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import named_spmd as ns
 from named_spmd import P
@@ -341,6 +342,32 @@ def double_backward_cast_reduced(f):
     return gw, *torch.autograd.grad((gw * TW).sum(), w)
 
 
+# --- make_fx over the call: a graph that computes its outputs from its inputs --------------------
+
+
+def make_fx_replayed(f):
+    """``make_fx`` of calls with plain inputs, traced on one set of inputs and run on another:
+    the second set's outputs (plain global tensors on every backend), not the traced ones."""
+    psum_prod = make_fx(f["psum_prod"])(X, W)
+    gathered = make_fx(f["gathered"])(X, W8)
+    return psum_prod(TX, TW), gathered(TX, W8.flip(0))
+
+
+def make_fx_replayed_grad(f):
+    """A traced gradient of a plain split input (its backward gathers in the graph)."""
+
+    def loss_grad(x, w):
+        return torch.autograd.grad((full(f["gathered"](x, w)) * CT16).sum(), x)[0]
+
+    traced = make_fx(loss_grad)(X.clone().requires_grad_(), W8)
+    return traced(TX.clone().requires_grad_(), W8.flip(0))
+
+
+def make_fx_of_dtensor(f):  # refused with the fix (make_fx(f.local)) on a real mesh
+    traced = make_fx(f["psum_prod"])(sharded(f["mesh"], X), W)
+    return traced(sharded(f["mesh"], TX), TW)
+
+
 PROGRAMS = {
     f.__name__: f
     for f in (
@@ -384,6 +411,9 @@ PROGRAMS = {
         double_backward_gathered_reduced,
         double_backward_cast_reduced,
         compiled_grad_in_one_graph,
+        make_fx_replayed,
+        make_fx_replayed_grad,
+        make_fx_of_dtensor,
     )
 }
 
@@ -391,6 +421,7 @@ PROGRAMS = {
 #: Programs the real mesh refuses (with the fix in the message); the simulated mesh has no DTensor.
 REAL_MESH_ERRORS = {
     "grad_of_transformed_dtensor": "SpecError",
+    "make_fx_of_dtensor": "SpecError",
     # Dynamo's refusal, whose cause is named_spmd's SpmdError
     "compiled_grad_in_one_graph": "Unsupported",
 }
