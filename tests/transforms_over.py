@@ -363,6 +363,16 @@ def make_fx_replayed_grad(f):
     return traced(TX.clone().requires_grad_(), W8.flip(0))
 
 
+def exported_replayed(f):
+    """Non-strict ``torch.export`` (make_fx pre-dispatch) of a call, run on other inputs."""
+
+    class Module(torch.nn.Module):
+        def forward(self, x, w):
+            return f["psum_prod"](x, w)
+
+    return torch.export.export(Module(), (X, W), strict=False).module()(TX, TW)
+
+
 def make_fx_of_dtensor(f):  # refused with the fix (make_fx(f.local)) on a real mesh
     traced = make_fx(f["psum_prod"])(sharded(f["mesh"], X), W)
     return traced(sharded(f["mesh"], TX), TW)
@@ -413,6 +423,7 @@ PROGRAMS = {
         compiled_grad_in_one_graph,
         make_fx_replayed,
         make_fx_replayed_grad,
+        exported_replayed,
         make_fx_of_dtensor,
     )
 }

@@ -147,6 +147,17 @@ def proxy_tracing() -> bool:
     return torch._C._get_dispatch_mode(_PROXY_MODE) is not None
 
 
+def graph_traced() -> bool:
+    """Whether ``make_fx`` (:func:`proxy_tracing`) or ``torch.export`` (non-strict: make_fx
+    pre-dispatch, whose mode is not on the dispatch stack; strict: Dynamo) records the call
+    into a graph that is run again: a real call's outputs are then plain global tensors, made
+    by the graph's own ops (a DTensor built outside them would be a constant of the graph). The
+    dispatch stack is not read while Dynamo traces (it cannot)."""
+    if torch.compiler.is_exporting():
+        return True
+    return not torch.compiler.is_dynamo_compiling() and proxy_tracing()
+
+
 def dispatch_modes_active() -> bool:
     """Whether a dispatch mode is on (``make_fx``'s proxy mode, a fake or functional mode)."""
     return torch._C._len_torch_dispatch_stack() > 0

@@ -102,8 +102,8 @@ def refuse_traced_dtensors(label: str, leaves: list[Any]) -> None:
         if isinstance(leaf, DTensor):
             raise SpecError(
                 f"spmd_map of {label}: argument leaf {i} (in flattening order) is a DTensor, "
-                "but make_fx traces the call (torch.export's non-strict tracing among others), "
-                "and its graph cannot read a DTensor's local block: it would keep this trace's "
+                "but make_fx traces the call, and its graph cannot read a DTensor's local "
+                "block: it would keep this trace's "
                 "values as constants. Fix: trace the local call, make_fx(f.local), on this "
                 "rank's blocks (x.to_local()); or pass the global value as a plain tensor "
                 "(x.full_tensor()), which the traced call returns as plain tensors too."
@@ -317,9 +317,11 @@ def global_output(ctx, y: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
     forward-mode tangent."""
     mesh = ctx.mesh
     y = local_output(ctx, y, spec)
-    # (Dynamo guards the forward-mode level and the dispatch modes itself: not read there)
-    if torch_private.transforms_active() or (
-        not torch.compiler.is_compiling() and (torch_private.proxy_tracing() or _has_tangent(y))
+    # (Dynamo guards the forward-mode level itself, and refuses a tangent: not read there)
+    if (
+        torch_private.transforms_active()
+        or torch_private.graph_traced()
+        or (not torch.compiler.is_compiling() and _has_tangent(y))
     ):
         # a functorch wrapper hides a DTensor's methods, a DTensor cannot carry a forward-mode
         # tangent (torch has no DTensor rule for forward AD), and make_fx's graph cannot make one

@@ -229,7 +229,7 @@ def gather_blocks(
         return g
     if traced:
         stacked = ctx.all_gather(g, spec.axes)
-    elif differentiable(g) or torch_private.proxy_tracing():  # (make_fx: the graph's op)
+    elif differentiable(g) or torch_private.graph_traced():  # (the graph's own op)
         stacked = boundary_collective(
             ctx, "all_gather", g, spec.axes, (0, False, "invariant"), direction, modes
         )
