@@ -1143,3 +1143,25 @@ def test_deepcopy_of_a_parameter_under_vmap_is_a_parameter_of_its_values():
     p = torch.nn.Parameter(torch.ones(2))
     q = copy.deepcopy(p)
     assert type(q) is torch.nn.Parameter and q.requires_grad and q.data_ptr() != p.data_ptr()
+
+
+def test_graph_traced_is_true_where_make_fx_or_an_export_records_the_call():
+    """``graph_traced``: false eagerly and under a transform; true under ``make_fx`` (its proxy
+    mode on the dispatch stack) and under ``torch.export``, strict (Dynamo) and non-strict
+    (make_fx pre-dispatch, whose mode the dispatch stack does not hold). Read by the traced
+    function itself: its graph doubles where it was true, triples where not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        return x * (2.0 if torch_private.graph_traced() else 3.0)
+
+    class Module(torch.nn.Module):
+        def forward(self, x):
+            return f(x)
+
+    x = torch.ones(2)
+    assert torch.equal(f(x), x * 3)
+    assert torch.equal(torch.func.grad(lambda v: f(v).sum())(x), x * 3)
+    assert torch.equal(make_fx(f)(x)(x), x * 2)
+    for strict in (False, True):
+        assert torch.equal(torch.export.export(Module(), (x,), strict=strict).module()(x), x * 2)
