@@ -103,10 +103,10 @@ def refuse_traced_dtensors(label: str, leaves: list[Any]) -> None:
             raise SpecError(
                 f"spmd_map of {label}: argument leaf {i} (in flattening order) is a DTensor, "
                 "but make_fx traces the call, and its graph cannot read a DTensor's local "
-                "block: it would keep this trace's "
-                "values as constants. Fix: trace the local call, make_fx(f.local), on this "
-                "rank's blocks (x.to_local()); or pass the global value as a plain tensor "
-                "(x.full_tensor()), which the traced call returns as plain tensors too."
+                "block: it would keep this trace's values as constants. Fix: trace the local "
+                "call, make_fx(f.local), on this rank's blocks (x.to_local()); or pass the "
+                "global value as a plain tensor (x.full_tensor()), which the traced call "
+                "returns as plain tensors too."
             )
 
 
