@@ -879,6 +879,8 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
         lambda x: torch.ops.aten.masked_select(x, x > 0),
         lambda x: torch.ops.aten.index(x, [x > 0]),
         lambda x: torch.ops.aten._unique2(x)[0],
+        lambda x: torch.ops.aten.where(x > 0)[0].float(),
+        lambda x: torch.ops.aten.where.default(x > 0)[0].float(),
         lambda x: (x * 2).data,
     ],
     ids=[
@@ -896,6 +898,8 @@ def test_a_compiled_collective_of_a_data_dependent_size_raises_a_collective_erro
         "aten.masked_select",
         "aten.index",
         "aten._unique2",
+        "aten.where",
+        "aten.where.default",
         "Tensor.data",
     ],
 )
@@ -932,6 +936,7 @@ def test_a_compiled_op_sized_by_a_varying_operands_values_raises_the_eager_calls
         lambda x: torch.where(x > 0, x, -x),
         lambda x: torch.ops.aten.index(x, [torch.tensor([0, 2])]),
         lambda x: torch.ops.aten.one_hot((x > 0).long(), 3).float(),
+        lambda x: torch.ops.aten.where(x > 0, x, -x),
     ],
     ids=[
         "Tensor.repeat_interleave",
@@ -941,6 +946,7 @@ def test_a_compiled_op_sized_by_a_varying_operands_values_raises_the_eager_calls
         "where",
         "aten.index of positions",
         "aten.one_hot",
+        "aten.where of three",
     ],
 )
 def test_a_compiled_op_of_a_static_size_on_a_varying_operand_compiles(op):

@@ -173,6 +173,10 @@ _FORMS: dict[object, str] = {
     torch.Tensor.__getitem__: "index",
     **dict.fromkeys(WRITES_THROUGH_MASKS, "index"),  # x[mask] = v, index_put
     torch.where: "where",
+    # (torch tags no overload of aten::where dynamic_output_shape, though its one-argument
+    # overload is nonzero's: the packet and that overload by name)
+    torch.ops.aten.where: "where",
+    torch.ops.aten.where.default: "where",
     F.one_hot: "one_hot",
     torch.repeat_interleave: "repeat_interleave",
     torch.Tensor.repeat_interleave: "repeat_interleave",
