@@ -162,7 +162,8 @@ def _ragged_problem(
 ) -> torch.Tensor:
     """This member's :data:`PROBLEM` row (zeros: none) of its metadata and its peers', then
     its index in the group."""
-    return torch.tensor(problem_row(meta.tolist(), peer.tolist(), n, rows, m) + (member,))
+    # (on meta's device and dtype, as the fake says: a graph on NCCL gathers it from the GPU)
+    return meta.new_tensor(problem_row(meta.tolist(), peer.tolist(), n, rows, m) + (member,))
 
 
 @_ragged_problem.register_fake
