@@ -16,6 +16,7 @@ import pytest
 import torch
 from _autograd_functions import identity_function
 from torch.autograd import forward_ad
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from named_spmd import _torch_private as torch_private
 
@@ -1098,6 +1099,32 @@ def test_batched_above_sees_a_vmap_level_above_eagerly_and_while_dynamo_traces()
 
     torch.func.vmap(torch.func.grad(summed))(y)
     assert wrapped == [(True, False)]
+
+
+def test_batched_above_under_export_and_make_fx_reads_the_wrappers_they_run_on():
+    """Non-strict ``torch.export`` and ``make_fx`` run the Python code on their own tensors
+    (``torch.compiler.is_compiling()`` reads True, no Dynamo frame): ``batched_above`` reads
+    those tensors' wrappers, before and after a Dynamo trace that answered otherwise."""
+
+    def scaled(x):  # a batched value doubled, an unbatched one tripled
+        return x * (2 if torch_private.batched_above(x, 0) else 3)
+
+    def program(x):
+        return torch.func.vmap(scaled)(x) + scaled(x)
+
+    class Program(torch.nn.Module):
+        def forward(self, x):
+            return program(x)
+
+    x = torch.ones(2, 3)
+    want = torch.full((2, 3), 5.0)
+    torch.testing.assert_close(program(x), want)
+    for _ in range(2):  # (a Dynamo trace between: its answers are its own)
+        exported = torch.export.export(Program(), (x,), strict=False)
+        torch.testing.assert_close(exported.module()(x), want)
+        torch.testing.assert_close(make_fx(program)(x)(x), want)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(program, backend="eager", fullgraph=True)(x), want)
 
 
 def test_copy_of_a_vmap_tensor_is_its_detached_view_and_of_others_torchs_copy():
