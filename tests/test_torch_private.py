@@ -1172,6 +1172,43 @@ def test_deepcopy_of_a_parameter_under_vmap_is_a_parameter_of_its_values():
     assert type(q) is torch.nn.Parameter and q.requires_grad and q.data_ptr() != p.data_ptr()
 
 
+def _parameter_under_vmap(seen):
+    def made(v):
+        p = torch.nn.Parameter(v * 2)
+        inner = torch_private.innermost(p)
+        seen.append((type(p), p.requires_grad, inner.is_leaf, inner.requires_grad))
+        return p * v
+
+    return made
+
+
+def test_a_parameter_under_vmap_is_torchs_unless_the_hook_names_its_leaf(monkeypatch):
+    """``parameters_made_wrapped``: torch's Parameter of a batched value is a wrapper that reads
+    ``requires_grad`` over a detached leaf autograd does not track (nothing made from it
+    requires grad): the simulated backend's hook, which names no leaf outside its calls, leaves
+    it so. A hook naming the wrapped value makes that leaf require grad: the gradient reaches it."""
+    from named_spmd._torch_private import functorch
+
+    x, seen = torch.arange(6.0).reshape(2, 3), []
+    assert not torch.func.vmap(_parameter_under_vmap(seen))(x).requires_grad
+    assert seen == [(torch.nn.Parameter, True, True, False)]
+    monkeypatch.setattr(
+        torch.nn.Parameter, "__new__", staticmethod(functorch._PARAMETER_NEW["torch"])
+    )
+    monkeypatch.delitem(functorch._PARAMETER_NEW, "torch")
+    torch_private.parameters_made_wrapped(torch_private.innermost)
+    seen.clear()
+    out = torch.func.vmap(_parameter_under_vmap(seen))(x)
+    assert seen == [(torch.nn.Parameter, True, True, True)] and out.requires_grad
+    (leaf,) = [
+        n.variable
+        for n, _ in out.grad_fn.next_functions
+        if n is not None and hasattr(n, "variable")
+    ]
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), leaf)[0], x)
+    assert torch.nn.Parameter(torch.ones(2)).requires_grad  # (no transform: torch's)
+
+
 def test_graph_traced_is_true_where_make_fx_or_an_export_records_the_call():
     """``graph_traced``: false eagerly and under a transform; true under ``make_fx`` (its proxy
     mode on the dispatch stack) and under ``torch.export``, strict (Dynamo) and non-strict
