@@ -85,6 +85,13 @@ def _by_position(args: tuple, kwargs: dict) -> tuple | None:
     return (*args, *(kwargs[name] for name in given))
 
 
+def write_arguments(func: Any, args: tuple, kwargs: dict | None) -> tuple | None:
+    """A write's target, index and value (``x[index] = value``; index_put's, in order, those
+    given by keyword read by name), or None where its keywords do not name them."""
+    ordered = args if func is SETITEM else _by_position(args, kwargs or {})
+    return None if ordered is None else tuple(ordered[:3])
+
+
 def _casts_alike(value: Tensor, target: Tensor) -> bool:
     """Whether torch writes ``value`` into ``target`` cast to its dtype: one of the same dtype,
     or one element on the CPU (torch's masked_fill shortcut); index_put_ refuses any other."""

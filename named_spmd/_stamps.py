@@ -10,6 +10,7 @@ any closed-over tensor. A planned call also numbers the tensors it types (``_pla
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any
 
 import torch
@@ -272,13 +273,13 @@ class MemberContext(TrackedContext):
     a mesh of one): ``axis_index`` and ``per_member`` are built from its member index, stamped
     varying over the axes (only the stamp says where such a value varies)."""
 
+    @abstractmethod
     def member(self, axes: tuple[str, ...]) -> int:
         """This instance's index in the group of ``axes``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def member_device(self) -> torch.device:
         """Where this instance's plain values live."""
-        raise NotImplementedError
 
     def axis_index(self, axes):
         with DisableTorchFunction():

@@ -141,6 +141,20 @@ def test_every_backend_declares_the_protocols_members(index):
     assert backend.uneven_state() is False
 
 
+def test_a_member_context_must_say_its_member_and_where_its_values_live():
+    """``MemberContext`` builds ``axis_index`` and ``per_member`` from ``member`` and
+    ``member_device``: abstract, so a context lacking one cannot be made (not a
+    NotImplementedError at the call's first ``axis_index``); each backend's defines both."""
+    from named_spmd._stamps import MemberContext
+    from named_spmd.backends.distributed import DistributedContext
+    from named_spmd.backends.simulated._one_instance import OneInstanceContext
+    from named_spmd.backends.simulated._per_instance import InstanceContext
+
+    assert {"member", "member_device"} <= MemberContext.__abstractmethods__
+    for context in (DistributedContext, OneInstanceContext, InstanceContext):
+        assert issubclass(context, MemberContext) and not context.__abstractmethods__
+
+
 def test_capabilities_state_every_field():
     with pytest.raises(TypeError):
         Capabilities(traceable=True, local_blocks=False)  # type: ignore[call-arg]

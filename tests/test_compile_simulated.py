@@ -1098,24 +1098,25 @@ def test_a_compiled_write_of_a_value_per_position_through_an_unbatched_mask_comp
 def test_a_compiled_index_put_that_accumulates_or_widens_keeps_a_clear_error():
     """Through a mask invariant over the mesh, ``index_put(..., accumulate=True)`` (each
     position adds its values) and an out-of-place ``index_put`` of a varying value into an
-    invariant operand cannot be traced: with fullgraph a SpmdError names the function and the
-    fix; without it the call runs uncompiled, equal to the write per block."""
+    invariant operand cannot be traced: with fullgraph a SpmdError names the function, the
+    argument that varies (the operand; the value written into an invariant one) and the fix;
+    without it the call runs uncompiled, equal to the write per block."""
     mesh = ns.make_mesh((2,), ("dp",), simulated=True)
     m = torch.tensor([True, False, True, True])
     v = torch.tensor([10.0, 20.0, 30.0])
     x8, x4, both = torch.arange(8.0), torch.arange(4.0), torch.cat([v, -v])
-    cases = [  # fn, in_specs, x, values, each block's x and values
-        (_accumulated, (P("dp"), P(), P()), x8, v, zip(x8.chunk(2), [v, v])),
-        (_put, (P(), P(), P("dp")), x4, both, zip([x4, x4], both.chunk(2))),
+    cases = [  # fn, in_specs, x, values, each block's x and values, the argument that varies
+        (_accumulated, (P("dp"), P(), P()), x8, v, zip(x8.chunk(2), [v, v]), "an operand"),
+        (_put, (P(), P(), P("dp")), x4, both, zip([x4, x4], both.chunk(2)), "a value"),
     ]
-    for fn, specs, x, values, per_block in cases:
+    for fn, specs, x, values, per_block, varying in cases:
         f = ns.spmd_map(fn, mesh=mesh, in_specs=specs, out_specs=P("dp"))
         torch._dynamo.reset()
         with pytest.raises(Exception) as info:
             torch.compile(f, backend="eager", fullgraph=True)(x, m, values)
         message = str(info.value.__cause__)
         assert f"{fn.__name__}` (test_compile_simulated.py:" in message
-        assert "`index_put` of an operand that varies" in message
+        assert f"`index_put` of {varying} that varies over the mesh" in message
         assert "Fix: compile without fullgraph=True" in message
         torch._dynamo.reset()
         got = torch.compile(f, backend="eager")(x, m, values)

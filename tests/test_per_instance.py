@@ -491,6 +491,50 @@ def test_deepcopy_of_a_parameter_of_a_varying_value_is_each_instance_s_copy():
             torch.testing.assert_close(f(x).detach(), want)
 
 
+def _leaves_below(t):
+    """The leaves that requires grad whose gradients ``t``'s graph accumulates."""
+    todo, found = [t.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is not None:
+            found += [node.variable] if type(node).__name__ == "AccumulateGrad" else []
+            todo += [below for below, _ in node.next_functions]
+    return found
+
+
+def _parameter_of_a_varying_value(x):
+    p = torch.nn.Parameter(x * 2)
+    assert type(p) is torch.nn.Parameter and p.requires_grad
+    return p * x
+
+
+def test_a_parameter_made_of_a_varying_value_is_each_instance_s_leaf():
+    """``torch.nn.Parameter(v)`` of a varying ``v`` inside the function is, as torch makes it
+    on a real mesh's rank, a leaf that requires grad: the call's output requires grad and its
+    gradient reaches every instance's leaf (here ``x``, the factor beside it), as in a
+    per-instance loop, on both simulations (vmap's wrapper alone reads ``requires_grad``, while
+    autograd tracked nothing under it: an output that required no grad)."""
+    mesh = ns.make_mesh((2, 2), ("dp", "tp"))
+    x = torch.arange(8.0).reshape(4, 2) - 3
+    f = ns.spmd_map(
+        _parameter_of_a_varying_value, mesh=mesh, in_specs=P("dp", "tp"), out_specs=P("dp", "tp")
+    )
+    blocks = [b for rows in x.chunk(2) for b in rows.chunk(2, dim=1)]
+    per_instance = [_parameter_of_a_varying_value(b) for b in blocks]
+    assert all(out.requires_grad for out in per_instance)
+    reached = [torch.autograd.grad(out.sum(), _leaves_below(out)) for out in per_instance]
+    want = torch.cat([g.flatten() for grads in reached for g in grads])
+    for simulated_per_instance in (False, True):
+        with ns.simulate_per_instance() if simulated_per_instance else contextlib.nullcontext():
+            got = f(x)
+        assert got.requires_grad
+        torch.testing.assert_close(got.detach(), x * x * 2)
+        grads = torch.autograd.grad(got.sum(), _leaves_below(got))
+        torch.testing.assert_close(
+            torch.cat([g.flatten() for g in grads]).sort()[0], want.sort()[0]
+        )
+
+
 def test_a_replicated_leaf_that_requires_grad_is_deep_copied_as_on_a_real_mesh():
     """``copy.deepcopy`` of a P() input that requires grad (a leaf: a rank of a real mesh holds
     the caller's tensor) is a new leaf, as torch copies it outside the call: values and

@@ -16,6 +16,7 @@ import pytest
 import torch
 from _autograd_functions import identity_function
 from torch.autograd import forward_ad
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from named_spmd import _torch_private as torch_private
 
@@ -1100,6 +1101,32 @@ def test_batched_above_sees_a_vmap_level_above_eagerly_and_while_dynamo_traces()
     assert wrapped == [(True, False)]
 
 
+def test_batched_above_under_export_and_make_fx_reads_the_wrappers_they_run_on():
+    """Non-strict ``torch.export`` and ``make_fx`` run the Python code on their own tensors
+    (``torch.compiler.is_compiling()`` reads True, no Dynamo frame): ``batched_above`` reads
+    those tensors' wrappers, before and after a Dynamo trace that answered otherwise."""
+
+    def scaled(x):  # a batched value doubled, an unbatched one tripled
+        return x * (2 if torch_private.batched_above(x, 0) else 3)
+
+    def program(x):
+        return torch.func.vmap(scaled)(x) + scaled(x)
+
+    class Program(torch.nn.Module):
+        def forward(self, x):
+            return program(x)
+
+    x = torch.ones(2, 3)
+    want = torch.full((2, 3), 5.0)
+    torch.testing.assert_close(program(x), want)
+    for _ in range(2):  # (a Dynamo trace between: its answers are its own)
+        exported = torch.export.export(Program(), (x,), strict=False)
+        torch.testing.assert_close(exported.module()(x), want)
+        torch.testing.assert_close(make_fx(program)(x)(x), want)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(program, backend="eager", fullgraph=True)(x), want)
+
+
 def test_copy_of_a_vmap_tensor_is_its_detached_view_and_of_others_torchs_copy():
     """``copy_wrapped_shallowly``: under vmap, ``copy.copy`` of a batched tensor is a new tensor
     of its values and storage (a write through it reaches the original), with no gradient
@@ -1143,6 +1170,43 @@ def test_deepcopy_of_a_parameter_under_vmap_is_a_parameter_of_its_values():
     p = torch.nn.Parameter(torch.ones(2))
     q = copy.deepcopy(p)
     assert type(q) is torch.nn.Parameter and q.requires_grad and q.data_ptr() != p.data_ptr()
+
+
+def _parameter_under_vmap(seen):
+    def made(v):
+        p = torch.nn.Parameter(v * 2)
+        inner = torch_private.innermost(p)
+        seen.append((type(p), p.requires_grad, inner.is_leaf, inner.requires_grad))
+        return p * v
+
+    return made
+
+
+def test_a_parameter_under_vmap_is_torchs_unless_the_hook_names_its_leaf(monkeypatch):
+    """``parameters_made_wrapped``: torch's Parameter of a batched value is a wrapper that reads
+    ``requires_grad`` over a detached leaf autograd does not track (nothing made from it
+    requires grad): the simulated backend's hook, which names no leaf outside its calls, leaves
+    it so. A hook naming the wrapped value makes that leaf require grad: the gradient reaches it."""
+    from named_spmd._torch_private import functorch
+
+    x, seen = torch.arange(6.0).reshape(2, 3), []
+    assert not torch.func.vmap(_parameter_under_vmap(seen))(x).requires_grad
+    assert seen == [(torch.nn.Parameter, True, True, False)]
+    monkeypatch.setattr(
+        torch.nn.Parameter, "__new__", staticmethod(functorch._PARAMETER_NEW["torch"])
+    )
+    monkeypatch.delitem(functorch._PARAMETER_NEW, "torch")
+    torch_private.parameters_made_wrapped(torch_private.innermost)
+    seen.clear()
+    out = torch.func.vmap(_parameter_under_vmap(seen))(x)
+    assert seen == [(torch.nn.Parameter, True, True, True)] and out.requires_grad
+    (leaf,) = [
+        n.variable
+        for n, _ in out.grad_fn.next_functions
+        if n is not None and hasattr(n, "variable")
+    ]
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), leaf)[0], x)
+    assert torch.nn.Parameter(torch.ones(2)).requires_grad  # (no transform: torch's)
 
 
 def test_graph_traced_is_true_where_make_fx_or_an_export_records_the_call():

@@ -373,6 +373,18 @@ def exported_replayed(f):
     return torch.export.export(Module(), (X, W), strict=False).module()(TX, TW)
 
 
+def exported_dtensor(f):
+    """A split DTensor input under non-strict ``torch.export`` (its local block read by the
+    graph, not kept as a constant, unlike make_fx's: make_fx_of_dtensor), run on another."""
+
+    class Module(torch.nn.Module):
+        def forward(self, x, w):
+            return f["psum_prod"](x, w)
+
+    exported = torch.export.export(Module(), (sharded(f["mesh"], X), W), strict=False)
+    return exported.module()(sharded(f["mesh"], TX), TW)
+
+
 def make_fx_of_dtensor(f):  # refused with the fix (make_fx(f.local)) on a real mesh
     traced = make_fx(f["psum_prod"])(sharded(f["mesh"], X), W)
     return traced(sharded(f["mesh"], TX), TW)
@@ -424,6 +436,7 @@ PROGRAMS = {
         make_fx_replayed,
         make_fx_replayed_grad,
         exported_replayed,
+        exported_dtensor,
         make_fx_of_dtensor,
     )
 }

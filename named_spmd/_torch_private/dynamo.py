@@ -261,15 +261,17 @@ def has_data_dependent_size(tensor: torch.Tensor) -> bool:
 
 def batched_above(tensor: torch.Tensor, level: int) -> bool:
     """Whether a vmap level above ``level`` batches ``tensor`` (a wrapper of another transform
-    may lie between). Eagerly, the tensor's own wrappers; while Dynamo traces, its fake value's,
-    read at trace time (Dynamo cannot trace functorch's level queries; ``comptime`` reads the
-    traced tensor's fake value, and Dynamo answers the call with a constant)."""
-    if not torch.compiler.is_compiling():
+    may lie between). Eagerly (and under a tracer that runs the Python code on its own tensors:
+    non-strict ``torch.export``, ``make_fx``), the tensor's own wrappers; while Dynamo traces,
+    its fake value's, read at trace time (Dynamo cannot trace functorch's level queries;
+    ``comptime`` reads the traced tensor's fake value, and Dynamo answers the call with a
+    constant)."""
+    if not torch.compiler.is_dynamo_compiling():
         return _batched_above(tensor, level)
     from torch._dynamo.comptime import comptime
 
     comptime(_record_batched_above)
-    return _recorded_batched_above()
+    return _handed_over("batched_above")
 
 
 def _batched_above(t: torch.Tensor, level: int) -> bool:
@@ -280,42 +282,46 @@ def _batched_above(t: torch.Tensor, level: int) -> bool:
     return False
 
 
-#: What ``_record_batched_above`` found, read back by the trace constant after it.
-_batched_found = [False]
-
-
 def _record_batched_above(ctx: Any) -> None:
     """At trace time: ``batched_above`` of the fake value of its ``tensor``."""
-    found = _batched_above(
-        ctx.get_local("tensor").as_fake(), ctx.get_local("level").as_python_constant()
-    )
-    _batched_found[0] = found
+    tensor, level = ctx.get_local("tensor"), ctx.get_local("level")
+    _handing_over["batched_above"] = _batched_above(tensor.as_fake(), level.as_python_constant())
+
+
+#: What a ``comptime`` callback found, by the name of the function that called it, until the
+#: trace constant called right after it takes it out. A side channel: Dynamo's ``comptime``
+#: returns None to the traced code whatever the callback returns (it has no expression form),
+#: and the only other way back is writing the traced frame's locals through Dynamo's
+#: instruction translator, which torch marks free to break (``_i_will_not_complain_if_bc_breaks``).
+#: Safe to share: Dynamo traces one frame at a time (under its compile lock), the callback and
+#: the constant run back to back within one trace, and the constant removes the entry, so no
+#: later read sees a stale answer (a missing one is a KeyError, never a wrong constant).
+_handing_over: dict[str, Any] = {}
 
 
 @trace_constant
-def _recorded_batched_above() -> bool:
-    return _batched_found[0]
+def _handed_over(name: str) -> Any:
+    """At trace time: the answer ``name``'s ``comptime`` callback has just recorded."""
+    return _handing_over.pop(name)
 
 
 def traced_size_sources(tensor: torch.Tensor) -> tuple[tuple[str, ...], ...]:
     """Per dim of a tensor Dynamo traces, the frame's input sizes its size is computed from,
     as Dynamo names them (``L['x'].size()[0]``; empty for a static size): the sources of the
-    size's free symbols in the shape env. Called in traced code only (Dynamo's ``comptime``
-    reads the traced tensor's fake value; eagerly it records nothing)."""
+    size's free symbols in the shape env (Dynamo's ``comptime`` reads the traced tensor's fake
+    value). Outside a Dynamo trace every size is static: empty ones."""
+    if not torch.compiler.is_dynamo_compiling():
+        return tuple(() for _ in tensor.shape)
     from torch._dynamo.comptime import comptime
 
     comptime(_record_size_sources)
-    return _recorded_size_sources()
-
-
-#: What ``_record_size_sources`` found, read back by the trace constant after it.
-_size_sources: list[tuple[tuple[str, ...], ...]] = [()]
+    return _handed_over("traced_size_sources")
 
 
 def _record_size_sources(ctx: Any) -> None:
     """At trace time: the sources of the sizes of ``traced_size_sources``'s ``tensor``."""
     fake = ctx.get_local("tensor").as_fake()
-    _size_sources[0] = tuple(_sources_of_size(n) for n in fake.shape)
+    _handing_over["traced_size_sources"] = tuple(_sources_of_size(n) for n in fake.shape)
 
 
 def _sources_of_size(size: Any) -> tuple[str, ...]:
@@ -325,13 +331,6 @@ def _sources_of_size(size: Any) -> tuple[str, ...]:
     sources = node.shape_env.var_to_sources
     found = [s.name for sym in node.expr.free_symbols for s in sources.get(sym, ())]
     return tuple(dict.fromkeys(found))
-
-
-@trace_constant
-def _recorded_size_sources() -> tuple[tuple[str, ...], ...]:
-    found = _size_sources[0]
-    _size_sources[0] = ()
-    return found
 
 
 def decided(condition: Any) -> bool | None:

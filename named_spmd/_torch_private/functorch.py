@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import copyreg
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -185,6 +186,32 @@ def copy_wrapped_shallowly() -> None:
         return copy._reconstruct(self, None, *reduced)  # type: ignore[attr-defined]
 
     torch.Tensor.__copy__ = shallow_copy  # type: ignore[attr-defined]
+
+
+def parameters_made_wrapped(leaf_below: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """``torch.nn.Parameter(data)`` of a tensor a torch.func transform wraps: torch's (the
+    wrapper reads ``requires_grad``, but autograd tracks no op on it: the ops run on the value
+    it wraps, which ``_make_subclass`` detached), then the value ``leaf_below(p)`` names, if
+    any, made a leaf that requires grad, so the ops on ``p`` are tracked beneath the wrapper.
+    Any other Parameter is torch's. Installed once (``Parameter.__new__``)."""
+    if "torch" in _PARAMETER_NEW:
+        return
+    torch_new = torch.nn.Parameter.__new__
+
+    def new(cls: type, data: torch.Tensor | None = None, requires_grad: bool = True) -> Any:
+        made: torch.Tensor = torch_new(cls, data, requires_grad)
+        if requires_grad and transforms_active() and is_transform_wrapped(made):
+            leaf = leaf_below(made)
+            if leaf is not None and leaf.is_leaf and not leaf.requires_grad:
+                with _requires_grad_allowed():
+                    leaf.requires_grad_()
+        return made
+
+    torch.nn.Parameter.__new__ = staticmethod(new)  # type: ignore[method-assign]
+    _PARAMETER_NEW["torch"] = torch_new
+
+
+_PARAMETER_NEW: dict[str, Any] = {}
 
 
 # stand-in -> the leaf it stands for (``leaf_stand_in``)

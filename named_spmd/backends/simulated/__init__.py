@@ -58,6 +58,8 @@ torch_private.hook_transform_gradients(_inner_grad.typed_gradients)
 # copy.deepcopy / copy.copy of an instance's value (a vmap-batched tensor) copy it, as a real mesh's
 torch_private.copy_wrapped_deeply()
 torch_private.copy_wrapped_shallowly()
+# a Parameter made of an instance's value is a leaf that requires grad, as a real mesh's rank makes it
+torch_private.parameters_made_wrapped(_instances.instance_leaf)
 # a neg view (``x.conj().imag``) runs on every instance, as on a real mesh's rank
 torch_private.batch_neg_views()
 

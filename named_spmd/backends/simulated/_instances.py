@@ -62,6 +62,18 @@ def simulated_call() -> Any:
     return ctx if hasattr(ctx, "level_axis") else None
 
 
+def instance_leaf(p: torch.Tensor) -> torch.Tensor | None:
+    """The tensor below the running simulated call's levels that holds every instance's block
+    of ``p`` (a Parameter made inside the call: each instance's own leaf on a real mesh's rank);
+    None outside a call, or where a transform of the user's wraps ``p`` (above the simulation's
+    levels: inside the function, or below: around the call), as it would wrap a rank's."""
+    ctx = simulated_call()
+    found = None if ctx is None else instances(p, ctx)
+    if found is None or torch_private.is_transform_wrapped(found.base):
+        return None
+    return found.base
+
+
 def instances(x: torch.Tensor, ctx: Any) -> Instances | None:
     """``x``'s blocks in the call ``ctx``; None where a transform level above the simulation's
     (a user's vmap or grad inside the function) wraps ``x``."""

@@ -14,7 +14,13 @@ import torch.nn.functional as F
 
 from ... import _torch_private as torch_private
 from ..._context import SpmdContext
-from ..._masked_fill import IN_PLACE_PUTS, NOT_MASKED, SETITEM, WRITES_THROUGH_MASKS
+from ..._masked_fill import (
+    IN_PLACE_PUTS,
+    NOT_MASKED,
+    SETITEM,
+    WRITES_THROUGH_MASKS,
+    write_arguments,
+)
 from . import BACKEND, fallback_warning_hidden
 
 
@@ -46,7 +52,24 @@ def sized_by_values_refusal(ctx: SpmdContext, func, args, kwargs) -> str | None:
         return None  # unbatched: Dynamo traces it as a size known at run time
     if _traced_in_place(ctx, func, args, kwargs):
         return None  # an invariant mask: vmap batches the write, and Dynamo traces it
-    return _refusal_of(func, *given, tuple(tensors), f"spmd_map of {ctx.fn_label}")
+    varies = _what_varies(ctx, func, args, kwargs)
+    return _refusal_of(func, *given, tuple(tensors), varies, f"spmd_map of {ctx.fn_label}")
+
+
+def _what_varies(ctx: SpmdContext, func, args, kwargs) -> str:
+    """What the refusal calls the argument that varies: a write through a selection (``x[mask]
+    = v``, ``index_put``) its operand, index or value, the first that varies (an out-of-place
+    write of a varying value into an invariant operand: the value); any other op its operand."""
+    written = write_arguments(func, args, kwargs) if func in WRITES_THROUGH_MASKS else None
+    for role, a in zip(("an operand", "an index", "a value"), written or ()):
+        if any(isinstance(t, torch.Tensor) and ctx.vma(t) for t in _flat(a)):
+            return role
+    return "an operand"
+
+
+def _flat(a) -> list:
+    """``a``'s leaves through tuples and lists (an index: tensors, slices, None)."""
+    return [b for c in a for b in _flat(c)] if isinstance(a, (tuple, list)) else [a]
 
 
 # torch functions whose result's size depends on their operands' values (their aten ops carry
@@ -204,12 +227,12 @@ _REFUSED = frozenset({torch.Tensor.data.__get__})  # type: ignore[attr-defined]
 
 
 @torch_private.trace_constant
-def _refusal_of(func, args, kwargs, tensors, where: str) -> str:
+def _refusal_of(func, args, kwargs, tensors, varies: str, where: str) -> str:
     """The error for ``func`` at ``where`` on batched operands (run eagerly at trace time).
     Where vmap refuses to batch it: the eager call's error, vmap's refusal probed on small
     tensors of the operands' dtypes and ranks (``tensors``: each one's dtype, rank and whether
     it is batched, in the order of the ``_Operand`` marks standing for them in ``args`` and
-    ``kwargs``), as the backend explains it. Where vmap batches it (an invariant mask, an op it
+    ``kwargs``), as the backend explains it; else ours, naming the argument that ``varies``. Where vmap batches it (an invariant mask, an op it
     runs per instance): the eager call runs it, but Dynamo cannot trace a batched result of a
     size known only at run time (torch 2.13 fails inside its tracer)."""
     probes = [torch.ones([1] * rank, dtype=dtype) for dtype, rank, _ in tensors]
@@ -239,7 +262,7 @@ def _refusal_of(func, args, kwargs, tensors, where: str) -> str:
         else "give the result a fixed size (torch.nonzero_static, torch.where with a mask)"
     )
     return (
-        f"{where}: `{name}` of an operand that varies over the mesh {what} of a size known only "
+        f"{where}: `{name}` of {varies} that varies over the mesh {what} of a size known only "
         "from its values, which a compiled call on the simulated mesh cannot trace (every "
         "instance runs in one traced torch.func.vmap). The uncompiled call runs it. Fix: "
         f"compile without fullgraph=True (this call then runs uncompiled), or {fixed}."
