@@ -405,6 +405,35 @@ def _settings_change(mesh) -> tuple[list, dict]:
     return got, {"hoisted": hoisted}
 
 
+_MB = 1 << 17  # float64 elements in 1 MB
+
+
+def _many_weights(x, *ws):
+    """Each weight cast by its own implicit pvary (times a varying scalar)."""
+    s = x.sum()
+    return ns.pmean(sum((s * w).sum() for w in ws).reshape(1), "x")
+
+
+def _large_inputs(mesh) -> tuple[list, dict]:
+    """Parameters of 1 MB each, 5 MB together (above the old 4 MB limit per group), and one of
+    2 MB: each replay pvarys the five at its entry, one node, and leaves the large one to its
+    bucket: each call's loss and gradients, whether it pvarys at its entry, and how many inputs
+    that node takes."""
+    sizes = [_MB] * 5 + [2 * _MB]
+    f = ns.spmd_map(_many_weights, mesh=mesh, in_specs=(P("x"), *[P()] * 6), out_specs=P())
+    got, hoisted, taken = [], [], []
+    for k in range(3):
+        g = torch.Generator().manual_seed(k)
+        x = torch.randn(8, 3, generator=g, dtype=torch.float64)
+        ws = [torch.randn(n, generator=g, dtype=torch.float64).requires_grad_() for n in sizes]
+        loss = f(x, *ws).full_tensor()
+        node = _entry_node(loss)
+        hoisted.append(node is not None)
+        taken.append(0 if node is None else sum(n is not None for n, _ in node.next_functions))
+        got.append((loss.detach(), list(torch.autograd.grad(loss.sum(), ws))))
+    return got, {"hoisted": hoisted, "taken": taken}
+
+
 def _problems(got: list, want: list) -> list[str]:
     problems = []
     for k, (g, w) in enumerate(zip(got, want)):
@@ -453,6 +482,7 @@ EVERY_CALL = {
     "in_place": _in_place,
     "ranks_differ": _ranks_differ,
     "settings_change": _settings_change,
+    "large_inputs": _large_inputs,
 }
 
 if __name__ == "__main__":

@@ -107,6 +107,18 @@ def test_a_recorded_replay_counts_the_typed_calls_collectives():
 
 
 @pytest.mark.distributed
+def test_a_replay_pvarys_small_parameters_at_its_entry_however_many_bytes_they_make():
+    """Five parameters of 1 MB (5 MB together) and one of 2 MB: each replay pvarys the five at
+    its entry, in one node, and leaves the large one to its bucket; values and gradients are the
+    typed calls'."""
+    for rank in (0, 1):
+        outcome = _outcomes()[rank, "large_inputs"]
+        assert outcome["problems"] == [], outcome
+        assert outcome["hoisted"] == [False, True, True], outcome
+        assert outcome["taken"] == [0, 5, 5], outcome
+
+
+@pytest.mark.distributed
 def test_a_replays_context_is_freed_with_its_graph():
     """The node that pvarys a replay's parameters at its entry holds the call's context, which
     must not hold it back (nor the call's inputs) once the graph is gone."""

@@ -23,9 +23,10 @@ gradients is in, instead of a node and a bucket entry per parameter. The cache o
 each alias out at its first use (:func:`hoisted`), numbered then, as typing would; an alias no
 op of the call uses gets no gradient, and its input none from it (as without the cast). The
 group's all-reduce runs when its last gradient is in, and is waited for there (no overlap), so
-only a group smaller than a bucket (``set_grad_bucket_mb``) and :data:`MAX_HOISTED_BYTES` is
-hoisted; a larger one keeps its buckets, started as they fill. Values and gradients are the
-common case's; the all-reduces of a backward pass are fewer.
+only its inputs of at most :data:`MAX_HOISTED_BYTES` each are hoisted, and only where together
+they fill less than a bucket (``set_grad_bucket_mb``); the others keep their buckets, started
+as they fill. Values and gradients are the common case's; the all-reduces of a backward pass
+are fewer.
 
 The ranks' all-reduces of a backward pass must match element for element: a replay hoists only
 where every rank's would hoist the same inputs (the start-of-call check, finished before: a rank
@@ -107,11 +108,14 @@ def source_pvary(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tens
 
 VIEWS = "<views>"
 
-#: The largest group hoisted: its all-reduce is waited for in backward, not overlapped, which
-#: costs more than the Python per parameter it saves once the gradients are large (the
-#: Megatron MLP step of benchmarks/bench_distributed.py at H=1024, 16 MB hoisted: 1.38x the
-#: hand-written step, against 1.22x with its buckets).
-MAX_HOISTED_BYTES = 4 << 20
+#: The largest input hoisted: a group's all-reduce is waited for in backward, not overlapped,
+#: and its sums are copied out into new tensors, which costs more than the Python per parameter
+#: it saves once the gradients are large (the Megatron MLP step of
+#: benchmarks/bench_distributed.py at H=1024, its two 8 MB weights hoisted: 1.38x the
+#: hand-written step, against 1.22x with their buckets); many small ones gain, however many
+#: bytes they make together (the GPT step of benchmarks/bench_gpt.py at d=256, 4 layers: 12 MB
+#: in 1 MB and smaller parameters).
+MAX_HOISTED_BYTES = 1 << 20
 
 
 def _common(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> Vma | None:
@@ -199,13 +203,18 @@ def _groups(ctx: Any, hoistable: Hoistable, cap: int) -> tuple:
             groups.setdefault((axes, t.dtype, t.device), []).append((at, tag, vma.add(axes)))
     made = []
     for (axes, _, _), members in groups.items():
-        if len(members) < 2 or ctx.single_axes.issuperset(axes):
-            continue  # (one alone gains nothing; over a group of one a pvary is no node)
-        ts = [ctx.inputs[at] for at, _, _ in members]
-        if sum(t.numel() * t.element_size() for t in ts) >= cap:
-            continue  # larger: its buckets, started as they fill (MAX_HOISTED_BYTES)
-        made.append((axes, tuple(members)))
+        if ctx.single_axes.issuperset(axes):
+            continue  # (over a group of one a pvary is no node)
+        sizes = [_nbytes(ctx.inputs[at]) for at, _, _ in members]
+        small = [m for m, n in zip(members, sizes) if n <= MAX_HOISTED_BYTES]
+        if len(small) < 2 or sum(n for n in sizes if n <= MAX_HOISTED_BYTES) >= cap:
+            continue  # (one alone gains nothing; more than a bucket: its buckets overlap)
+        made.append((axes, tuple(small)))
     return tuple(made)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def hoist(ctx: Any, hoistable: tuple) -> None:
@@ -218,7 +227,7 @@ def hoist(ctx: Any, hoistable: tuple) -> None:
         return
     if not isinstance(hoistable, Hoistable):  # (a plan's is one)
         hoistable = Hoistable(hoistable)
-    cap = min(buckets.bucket_bytes(), MAX_HOISTED_BYTES)
+    cap = buckets.bucket_bytes()
     inputs, stamp_of = ctx.inputs, ctx.stamp_of
     ctx.hoisted_aliases = aliased = {}
     for axes, members in hoistable.groups(ctx, cap):
