@@ -447,6 +447,10 @@ def test_real_mesh_of_one_rank_replays_too():
     assert b["partial_node"] == "_LocalOfBackward", b
     assert b["hooked"] == ["DTensor"], b  # a hook on the output sees its gradient
     assert not b["kept"], b  # a dropped output's memory is freed while its graph lives
+    (r,) = [json.loads(line) for line in finished.lines("REDUCTIONS")]
+    assert r["worst"] < 1e-12, r
+    # the checked call copies; its replays hand the temporary operand back (no copy node)
+    assert r["temporary_nodes"] == ["CloneBackward0", "MulBackward0", "MulBackward0"], r
     (told,) = [json.loads(line) for line in finished.lines("ERRORS")]
     for fn in (bad_matmul, written_leaf):  # told as on the simulated mesh
         kind, message, cause = told[fn.__name__]

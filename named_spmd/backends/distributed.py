@@ -130,6 +130,9 @@ class DistributedContext(OperandShapes, MemberContext):
         finally:
             self.donated = None
 
+    def donates_replayed(self, x, refs):
+        return _dist_donation.exclusive(x, refs, "replayed")
+
     def check_operand(self, rec, x, axes, params):
         """``rec.check``; after a read of a varying value, on every instance's shape (``OperandShapes``)."""
         if self.values_read and self.mesh.size > 1:
