@@ -27,6 +27,7 @@ from test_one_instance import (
     inputs,
     megatron,
     not_positive_definite,
+    reductions,
     written_leaf,
 )
 
@@ -133,39 +134,6 @@ def boundary(mesh) -> dict:
         "hooked": [type(g).__name__ for g in seen],
         "kept": kept,
     }
-
-
-def reductions(mesh) -> dict:
-    """A replay's psum over the group of one: a temporary operand is handed back itself (the
-    result's node is the operand's own); a named one, and one its op saved for the backward
-    pass, are copied: a write into the result leaves the named operand and the saved one as
-    they were (the values and the gradient equal the dense computation's)."""
-    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
-
-    def temporary(a):
-        return ns.psum(a * 2, "dp")
-
-    def named(a):
-        h = a * 2
-        ns.psum(h, "dp").add_(1)  # a write into the sum only
-        return h
-
-    def saved(a):
-        y = ns.psum(torch.tanh(a), "dp")  # (tanh saves its result for its gradient)
-        return y.mul_(3)
-
-    nodes, worst = [], 0.0
-    cases = ((temporary, x * 2, P()), (named, x * 2, P("dp")), (saved, 3 * torch.tanh(x), P()))
-    for fn, want, out_spec in cases:
-        f = ns.spmd_map(fn, mesh=mesh, in_specs=P("dp"), out_specs=out_spec)
-        for _ in range(3):  # checked, then replayed
-            out = ns.to_local(f(x))
-            if fn is temporary:
-                nodes.append(type(out.grad_fn).__name__)
-            (grad,) = torch.autograd.grad(out.sum(), [x])
-            (dense,) = torch.autograd.grad(want.sum(), [x], retain_graph=True)
-            worst = max(worst, _difference([out, grad], [want, dense]))
-    return {"worst": worst, "temporary_nodes": nodes}
 
 
 def errors(mesh) -> dict:

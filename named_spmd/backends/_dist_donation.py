@@ -1,16 +1,12 @@
 """May a reduction on a real mesh overwrite its operand instead of a copy of it?
 
-Three reductions ask, and all are answered here, against one calibration:
+Two reductions ask, and both are answered here, against one calibration:
 
 * ``"forward"``: a reduction (a record that ``donates``: psum, pmean, pmax, pmin) of the tensor
   the user's code passed, without autograd, as ``ns.psum(h @ w, "tp")`` under ``torch.no_grad``:
   ``DistributedContext.apply`` asks. A temporary that only the collective's own call chain
   references is reduced in place: no copy of it (about a sixth of such a psum's time at 4 and
   16 MB over gloo) and no second buffer of its size at the peak.
-* ``"replayed"``: such a reduction in a replay on one rank (``_record._replayed``, which torch
-  differentiates): its result over the group of one is the operand itself, not a copy (a
-  ``.clone()`` and its backward node per psum of a one-rank training step), where the operand
-  is a temporary (autograd's result, but not a leaf that requires grad).
 * ``"backward"``: the gradient psum of a pvary (``_dist_overlap.psum_in_backward``), on the
   incoming gradient where only the autograd engine holds it.
 
@@ -38,13 +34,7 @@ from .._autodiff import apply as bridge_apply
 from .._collectives._record import PVARY_RECORD
 from .._collectives.reductions import pmax, pmean, pmin, psum
 from .._mesh import Mesh
-from .._torch_private import (
-    DisableFuncTorch,
-    is_transform_wrapped,
-    saved_tensors_hooks_active,
-    tensor_base,
-    use_counts,
-)
+from .._torch_private import DisableFuncTorch, is_transform_wrapped, tensor_base, use_counts
 from .._types import Vma
 
 Counts = tuple[int, int, int, int]  # (Python refs, TensorImpl uses, storage uses, storage refs)
@@ -67,7 +57,7 @@ def exclusive(x: torch.Tensor, refs: int, kind: str) -> bool:
     (``data_ptr()`` 0): its counts say nothing, and reducing it would read address 0."""
     if (
         type(x) is not torch.Tensor  # a subclass: its storage is not what is counted
-        or (x.requires_grad and not _replayed_result(x, kind))
+        or x.requires_grad
         or tensor_base(x) is not None
         or not x.is_contiguous()
         or is_transform_wrapped(x)
@@ -93,14 +83,6 @@ def exclusive(x: torch.Tensor, refs: int, kind: str) -> bool:
     )
 
 
-def _replayed_result(x: torch.Tensor, kind: str) -> bool:
-    """Whether a replay (``"replayed"``, which torch differentiates: handing ``x`` back keeps its
-    graph) may hand back ``x``, which requires grad: not a leaf (a write into the result would
-    be refused, not into a copy), not under saved-tensor hooks (what they packed of ``x`` is
-    not counted)."""
-    return kind == "replayed" and x.grad_fn is not None and not saved_tensors_hooks_active()
-
-
 def calibrate(context: type) -> None:
     """Measure both chains on the real mesh's context class ``context`` (its own ``apply`` and
     ``psum_in_backward``, on a probe mesh that moves no data): a temporary and a named operand
@@ -111,28 +93,13 @@ def calibrate(context: type) -> None:
     for op in (psum, pmean, pmax, pmin):
         temps += _probe(functools.partial(_temporary_operand, op), probe)
         named += _probe(functools.partial(_named_operand, op), probe)
-    replayed = type("Replaying", (probe,), {"replaying": True})
-    replayed_temps: list[Counts] = []
-    replayed_named: list[Counts] = []
-    for op in (psum, pmean, pmax, pmin):
-        replayed_temps += _probe(functools.partial(_temporary_operand, op, True), replayed)
-        replayed_named += _probe(functools.partial(_named_operand, op, True), replayed)
     grads = _probe(functools.partial(_gradient_psum, probe), None)
-    LIMITS.update(
-        forward=_limits(temps, named),
-        replayed=_limits(replayed_temps, replayed_named),
-        backward=grads[0] if grads else None,
-    )
-
-
-def _limits(temps: list[Counts], named: list[Counts]) -> Counts | None:
-    """The counts a temporary operand has (``temps``), where a named one (``named``) has more
-    Python references; else None (never overwrite)."""
     refs = min((t[0] for t in temps), default=0)
-    if not temps or len(named) != len(temps) or not all(n[0] > refs for n in named):
-        return None
-    uses, storage_uses, storage_refs = (min(t[k] for t in temps) for k in (1, 2, 3))
-    return (refs, uses, storage_uses, storage_refs)
+    forward: Counts | None = None
+    if temps and len(named) == len(temps) and all(n[0] > refs for n in named):
+        uses, storage_uses, storage_refs = (min(t[k] for t in temps) for k in (1, 2, 3))
+        forward = (refs, uses, storage_uses, storage_refs)
+    LIMITS.update(forward=forward, backward=grads[0] if grads else None)
 
 
 def calibrate_gradient(chain: str, run: Callable[[Any], None], context: type) -> None:
@@ -143,19 +110,13 @@ def calibrate_gradient(chain: str, run: Callable[[Any], None], context: type) ->
     LIMITS[chain] = grads[0] if grads else None
 
 
-def _temporary_operand(op: Callable[[Any, str], Any], grad: bool = False) -> None:
-    with torch.enable_grad():  # (``grad``: a result of autograd, as a replay's operands are)
-        op(_operand(grad), "i")
+def _temporary_operand(op: Callable[[Any, str], Any]) -> None:
+    op(torch.zeros(2), "i")
 
 
-def _named_operand(op: Callable[[Any, str], Any], grad: bool = False) -> None:
-    with torch.enable_grad():
-        operand = _operand(grad)
-        op(operand, "i")
-
-
-def _operand(grad: bool) -> torch.Tensor:
-    return torch.zeros(2, requires_grad=True) * 2.0 if grad else torch.zeros(2)
+def _named_operand(op: Callable[[Any, str], Any]) -> None:
+    operand = torch.zeros(2)
+    op(operand, "i")
 
 
 def _gradient_psum(probe: type) -> None:
