@@ -23,6 +23,10 @@ below it): it is told from its traceback (``_errors.told_per_instance``), not by
 again, whose side effects (input writes, a module's counters, the user's own communication) would
 repeat.
 
+A replay's reduction (psum, pmean, pmax, pmin) over its group of one hands back the operand
+itself where nothing else holds it (a temporary, ``ns.psum(h @ w, "tp")``): no copy and no copy
+node in the backward pass, and no one to see the two share memory (:func:`hands_back`).
+
 Used by the simulated backend's one-instance path and by a real mesh of one rank.
 """
 
@@ -37,10 +41,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from . import _torch_private as torch_private
-from ._accounting import recording
+from ._accounting import recording, resume, suspend
+from ._calls import pop, push
+from ._collectives.reductions import pmax, pmean, pmin, psum
+from ._context import OneMemberPrimitives
 from ._debug import debug_enabled
+from ._mesh import Mesh
 from ._plan import Plan, PlanningMode, ReplayMode
-from ._stamps import TrackedContext
+from ._stamps import MemberContext, TrackedContext
 from ._tracking import VmaMode
 
 if TYPE_CHECKING:
@@ -231,3 +239,85 @@ def checked_signatures(mapped: Any) -> dict[tuple, Any]:
     (a mesh of one instance) or its plan (several: ``_plan``); for tests and diagnostics."""
     table = getattr(mapped, "_signatures", {})  # (a plain function: none)
     return {s: e.marks if isinstance(e, Checked) else e for s, e in table.items()}
+
+
+# --- reductions that hand back their operand ------------------------------------------------------
+
+#: (Python references, TensorImpl uses, storage uses, Python references to the storage object)
+#: of an operand nothing but a replayed reduction's call chain holds (:func:`_calibrate`); None:
+#: every reduction copies (where the interpreter counts a named operand as a temporary)
+_ALONE: tuple[int, int, int, int] | None = None
+_probed: list[tuple[int, ...]] | None = None  # counts seen while calibrating
+
+
+def hands_back(x: torch.Tensor, refs: int) -> bool:
+    """Whether a replay's reduction may return its operand ``x`` itself
+    (``SpmdContext.donates_replayed``; ``refs``: its Python reference count, read first thing in
+    ``_record._replayed``): a plain tensor with its own storage that nothing else references
+    (a named variable, a list entry, a view, a tensor autograd saved, a held storage object all
+    add a count), not a leaf that requires grad (a write into the result would be refused), not
+    under saved-tensor hooks (what they pack is not counted). Torch differentiates the replay,
+    so the result keeps the operand's graph."""
+    if (
+        type(x) is not torch.Tensor
+        or (x.requires_grad and x.grad_fn is None)
+        or torch_private.tensor_base(x) is not None
+        or torch_private.is_transform_wrapped(x)
+        or not x.data_ptr()  # (a wrapper without storage: its counts say nothing)
+        or torch_private.saved_tensors_hooks_active()
+    ):
+        return False
+    counts = (refs, *torch_private.use_counts(x))
+    if _probed is not None:
+        _probed.append(counts)
+        return False
+    alone = _ALONE
+    return alone is not None and all(c <= m for c, m in zip(counts, alone))
+
+
+class _Probe(OneMemberPrimitives, MemberContext):
+    """A replayed call on a mesh of one instance, for :func:`_calibrate`."""
+
+    replaying = True
+
+    def member(self, axes: tuple[str, ...]) -> int:
+        return 0
+
+    def member_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def donates_replayed(self, x: torch.Tensor, refs: int) -> bool:
+        return hands_back(x, refs)
+
+
+def _calibrate() -> None:
+    """Send a temporary and a named operand through each reduction of a replay: the counts of
+    the temporaries are :data:`_ALONE`, where every named one has more Python references."""
+    global _probed, _ALONE
+    seen: dict[bool, list[tuple[int, ...]]] = {}
+    saved_modes = suspend()  # (a CommMode around the import must not see these)
+    try:
+        with torch_private.DisableFuncTorch(), torch.enable_grad():
+            for named in (False, True):
+                _probed = seen[named] = []
+                push(_Probe(Mesh((1,), ("i",)), _calibrate))
+                try:
+                    for op in (psum, pmean, pmax, pmin):
+                        if named:
+                            operand = torch.zeros(2, requires_grad=True) * 2.0
+                            op(operand, "i")
+                            del operand
+                        else:
+                            op(torch.zeros(2, requires_grad=True) * 2.0, "i")
+                finally:
+                    pop()
+    finally:
+        _probed = None
+        resume(saved_modes)
+    temps, named_ones = seen[False], seen[True]
+    refs = min((t[0] for t in temps), default=0)
+    if temps and len(named_ones) == len(temps) and all(n[0] > refs for n in named_ones):
+        _ALONE = (refs, *(min(t[k] for t in temps) for k in (1, 2, 3)))  # type: ignore[assignment]
+
+
+_calibrate()

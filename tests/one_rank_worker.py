@@ -27,6 +27,7 @@ from test_one_instance import (
     inputs,
     megatron,
     not_positive_definite,
+    reductions,
     written_leaf,
 )
 
@@ -171,6 +172,7 @@ def main() -> None:
         for name, body in (("plain", megatron), ("checkpointed", checkpointed_megatron)):
             print("OUTCOME " + json.dumps(check(name, body, mesh, dtensors)), flush=True)
     print("BOUNDARY " + json.dumps(boundary(mesh)), flush=True)
+    print("REDUCTIONS " + json.dumps(reductions(mesh)), flush=True)
     print("ERRORS " + json.dumps(errors(mesh)), flush=True)
     dist.destroy_process_group()
 

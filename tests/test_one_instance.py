@@ -425,6 +425,50 @@ def test_checkpointed_collectives_in_replays(selective):
     assert list(checked_signatures(f).values()) == [True]  # its replays keep the marker
 
 
+def reductions(mesh) -> dict:
+    """A replay's psum over the group of one: a temporary operand is handed back itself (the
+    result's node is the operand's own); a named one, and one its op saved for the backward
+    pass, are copied: a write into the result leaves the named operand and the saved one as
+    they were (the values and the gradient equal the dense computation's)."""
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def temporary(a):
+        return ns.psum(a * 2, "dp")
+
+    def named(a):
+        h = a * 2
+        ns.psum(h, "dp").add_(1)  # a write into the sum only
+        return h
+
+    def saved(a):
+        y = ns.psum(torch.tanh(a), "dp")  # (tanh saves its result for its gradient)
+        return y.mul_(3)
+
+    nodes, worst = [], 0.0
+    cases = ((temporary, x * 2, P()), (named, x * 2, P("dp")), (saved, 3 * torch.tanh(x), P()))
+    for fn, want, out_spec in cases:
+        f = ns.spmd_map(fn, mesh=mesh, in_specs=P("dp"), out_specs=out_spec)
+        for _ in range(3):  # checked, then replayed
+            out = ns.to_local(f(x))
+            if fn is temporary:  # (below the simulated mesh's view of its output)
+                node = out.grad_fn
+                while type(node).__name__ == "ViewBackward0":
+                    node = node.next_functions[0][0]
+                nodes.append(type(node).__name__)
+            (grad,) = torch.autograd.grad(out.sum(), [x])
+            (dense,) = torch.autograd.grad(want.sum(), [x], retain_graph=True)
+            for got, expected in ((out, want), (grad, dense)):
+                worst = max(worst, float((got - expected).detach().abs().max()))
+    return {"worst": worst, "temporary_nodes": nodes}
+
+
+def test_a_replays_reduction_of_a_temporary_is_no_copy():
+    r = reductions(ns.make_mesh(*ONE))
+    assert r["worst"] < 1e-12, r
+    # the checked call copies; its replays hand the temporary operand back (no copy node)
+    assert r["temporary_nodes"] == ["CloneBackward0", "MulBackward0", "MulBackward0"], r
+
+
 @pytest.mark.distributed
 def test_real_mesh_of_one_rank_replays_too():
     """The same programs on one gloo process (tests/one_rank_worker.py), DTensor and plain
@@ -447,6 +491,10 @@ def test_real_mesh_of_one_rank_replays_too():
     assert b["partial_node"] == "_LocalOfBackward", b
     assert b["hooked"] == ["DTensor"], b  # a hook on the output sees its gradient
     assert not b["kept"], b  # a dropped output's memory is freed while its graph lives
+    (r,) = [json.loads(line) for line in finished.lines("REDUCTIONS")]
+    assert r["worst"] < 1e-12, r
+    # the checked call copies; its replays hand the temporary operand back (no copy node)
+    assert r["temporary_nodes"] == ["CloneBackward0", "MulBackward0", "MulBackward0"], r
     (told,) = [json.loads(line) for line in finished.lines("ERRORS")]
     for fn in (bad_matmul, written_leaf):  # told as on the simulated mesh
         kind, message, cause = told[fn.__name__]

@@ -38,7 +38,7 @@ from .._blocks import forget as forget_blocks
 from .._calls import current
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError, VmaError
-from .._torch_private import DisableTorchFunction, tensor_base
+from .._torch_private import DisableTorchFunction, refcount, tensor_base
 from .._types import Vma, shape_shown, type_text
 from . import _rules
 from ._checks import (
@@ -292,11 +292,17 @@ def _replayed(
 ) -> Tensor:
     """A collective in a replay (``SpmdContext.replaying``: a mesh of one instance, its types
     checked by an earlier call, ``_replay``): the argument checks and the forward on the one
-    member, differentiated by torch (nothing reduced in place: ``user_operand`` goes unused)."""
+    member, differentiated by torch. A reduction of the user's operand (``user_operand``) that
+    nothing else holds hands it back, not a copy (``SpmdContext.donates_replayed``)."""
+    # first, before this frame refers to t again: the count the backend calibrated
+    refs = refcount(t) if user_operand and rec.donates else 0
     if rec.check is not None:
         params = rec.check(ctx, t, axes, params)
+    group = ctx.alone()
+    if refs and ctx.donates_replayed(t, refs):
+        group.donated = t
     with DisableTorchFunction():
-        return rec.forward(ctx.alone(), t, axes, params)
+        return rec.forward(group, t, axes, params)
 
 
 def _partial_operand(rec: Collective, ctx: SpmdContext, t: Tensor, vma: Vma, axes: Axes) -> Vma:
