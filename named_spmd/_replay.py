@@ -33,6 +33,7 @@ Used by the simulated backend's one-instance path and by a real mesh of one rank
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import warnings
 from collections.abc import Iterator
@@ -291,8 +292,9 @@ class _Probe(OneMemberPrimitives, MemberContext):
 
 
 def _calibrate() -> None:
-    """Send a temporary and a named operand through each reduction of a replay: the counts of
-    the temporaries are :data:`_ALONE`, where every named one has more Python references."""
+    """Send a temporary and a named operand through each reduction of a replay, with nothing
+    watching (``torch_private.unobserved``): the counts of the temporaries are :data:`_ALONE`,
+    where every named one has more Python references."""
     global _probed, _ALONE
     seen: dict[bool, list[tuple[int, ...]]] = {}
     saved_modes = suspend()  # (a CommMode around the import must not see these)
@@ -300,17 +302,7 @@ def _calibrate() -> None:
         with torch_private.DisableFuncTorch(), torch.enable_grad():
             for named in (False, True):
                 _probed = seen[named] = []
-                push(_Probe(Mesh((1,), ("i",)), _calibrate))
-                try:
-                    for op in (psum, pmean, pmax, pmin):
-                        if named:
-                            operand = torch.zeros(2, requires_grad=True) * 2.0
-                            op(operand, "i")
-                            del operand
-                        else:
-                            op(torch.zeros(2, requires_grad=True) * 2.0, "i")
-                finally:
-                    pop()
+                torch_private.unobserved(functools.partial(_probe_reductions, named))
     finally:
         _probed = None
         resume(saved_modes)
@@ -318,6 +310,20 @@ def _calibrate() -> None:
     refs = min((t[0] for t in temps), default=0)
     if temps and len(named_ones) == len(temps) and all(n[0] > refs for n in named_ones):
         _ALONE = (refs, *(min(t[k] for t in temps) for k in (1, 2, 3)))  # type: ignore[assignment]
+
+
+def _probe_reductions(named: bool) -> None:
+    push(_Probe(Mesh((1,), ("i",)), _calibrate))
+    try:
+        for op in (psum, pmean, pmax, pmin):
+            if named:
+                operand = torch.zeros(2, requires_grad=True) * 2.0
+                op(operand, "i")
+                del operand
+            else:
+                op(torch.zeros(2, requires_grad=True) * 2.0, "i")
+    finally:
+        pop()
 
 
 _calibrate()

@@ -16,6 +16,8 @@ import gc
 import inspect
 import json
 import os
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -467,6 +469,90 @@ def test_a_replays_reduction_of_a_temporary_is_no_copy():
     assert r["worst"] < 1e-12, r
     # the checked call copies; its replays hand the temporary operand back (no copy node)
     assert r["temporary_nodes"] == ["CloneBackward0", "MulBackward0", "MulBackward0"], r
+
+
+def test_a_replayed_pmean_of_a_temporary_is_the_handed_back_sum():
+    """pmean over a group of one of a handed-back operand is that operand (no division by 1:
+    complex division turns inf + 0j into nan + nanj, where torch's value is inf + nanj)."""
+    mesh = ns.make_mesh(*ONE)
+    f = ns.spmd_map(lambda a: ns.pmean(a + a, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    x = torch.tensor([complex(float("inf"), 0.0), 1 + 2j])
+    want = x + x
+    for _ in range(3):  # checked, then replayed
+        got = torch.view_as_real(ns.to_local(f(x)))  # (a nan in either part is a nan complex)
+        torch.testing.assert_close(got, torch.view_as_real(want), equal_nan=True)
+    y = torch.randn(3, requires_grad=True)
+    g = ns.spmd_map(lambda a: ns.pmean(a * 2, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    nodes = []
+    for _ in range(3):
+        node = ns.to_local(g(y)).grad_fn
+        while type(node).__name__ == "ViewBackward0":
+            node = node.next_functions[0][0]
+        nodes.append(type(node).__name__)
+    assert nodes == ["CloneBackward0", "MulBackward0", "MulBackward0"]
+
+
+OBSERVED_IMPORT = """
+import json, sys
+import torch
+from torch.overrides import TorchFunctionMode
+
+class Keep(TorchFunctionMode):  # a logging mode that keeps every value it sees
+    kept = []
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.kept.append(out)
+        return out
+
+def trace(frame, event, arg):  # a tracer that reads every frame's locals
+    frame.f_locals
+    return trace
+
+observed = sys.argv[1] == "observed"
+if observed:
+    sys.settrace(trace)
+    with Keep():
+        import named_spmd as ns
+        from named_spmd.backends import _dist_donation, distributed
+    sys.settrace(None)
+else:
+    import named_spmd as ns
+    from named_spmd.backends import _dist_donation, distributed
+from named_spmd import P, _replay
+
+mesh = ns.make_mesh((1, 1), ("dp", "tp"))
+
+def named(a):
+    h = a * 2
+    ns.psum(h, "dp").add_(100)  # a write into the sum only: h stays 2
+    return h
+
+f = ns.spmd_map(named, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+got = [ns.to_local(f(torch.ones(2))).tolist() for _ in range(3)]
+print(json.dumps({"alone": _replay._ALONE, "limits": _dist_donation.LIMITS, "got": got}))
+"""
+
+
+def _import_report(how: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", OBSERVED_IMPORT, how],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_reference_counts_are_calibrated_with_nothing_watching():
+    """A tracer or a mode that holds values while named_spmd is imported does not raise the
+    calibrated counts (where it did, an operand held elsewhere was handed back: a write into
+    the psum's result wrote the user's tensor)."""
+    clean, observed = _import_report("clean"), _import_report("observed")
+    for report in (clean, observed):
+        assert report["got"] == [[2.0, 2.0]] * 3, report
+    assert clean["alone"] is not None and clean["limits"]["forward"] is not None, clean
+    assert (observed["alone"], observed["limits"]) == (clean["alone"], clean["limits"])
 
 
 @pytest.mark.distributed

@@ -1229,3 +1229,37 @@ def test_graph_traced_is_true_where_make_fx_or_an_export_records_the_call():
     assert torch.equal(make_fx(f)(x)(x), x * 2)
     for strict in (False, True):
         assert torch.equal(torch.export.export(Module(), (x,), strict=strict).module()(x), x * 2)
+
+
+def test_unobserved_runs_with_no_tracer_and_no_mode_and_restores_them():
+    """``unobserved(run)``: no trace function, no torch function or dispatch mode while ``run``
+    runs (reference counts calibrated there are a bare interpreter's); all back after it."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Dispatched(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def trace(frame, event, arg):
+        return None
+
+    def inside():
+        return (
+            sys.gettrace(),
+            torch._C._len_torch_function_stack(),
+            torch._C._len_torch_dispatch_stack(),
+        )
+
+    old = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        with Seen(), Dispatched():
+            assert torch_private.unobserved(inside) == (None, 0, 0)
+            assert inside() == (trace, 1, 1)
+    finally:
+        sys.settrace(old)

@@ -109,8 +109,8 @@ def pmean(x: Any, axis_name: AxisName) -> Any:
 
 def _pmean_forward(ctx: SpmdContext, x: torch.Tensor, axes: Axes, params: Params) -> torch.Tensor:
     total = ctx.all_reduce(x, axes, "sum")
-    if total is not x and ctx.single_axes.issuperset(axes):
-        return total  # a group of one: the sum, a new tensor, is the mean bit for bit
+    if ctx.single_axes.issuperset(axes) and (total is not x or x is getattr(ctx, "donated", None)):
+        return total  # a group of one: the sum (a new tensor, or one handed back) is the mean
     return total / ctx.mesh.axis_size(axes)
 
 

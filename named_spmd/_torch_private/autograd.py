@@ -171,6 +171,22 @@ def no_dispatch_modes() -> Any:
     return _disable_current_modes()
 
 
+def unobserved(run: Callable[[], Any]) -> Any:
+    """``run()`` with nothing watching it: no Python trace or profile function, no torch
+    function or dispatch mode. Reference counts calibrated under ``run`` are a bare
+    interpreter's, whatever a debugger, tracer or logging mode around the import holds (such a
+    holder would make a tensor held elsewhere count as one nothing holds)."""
+    trace, profile = sys.gettrace(), sys.getprofile()
+    sys.settrace(None)
+    sys.setprofile(None)
+    try:
+        with no_dispatch_modes():
+            return without_function_modes(run)
+    finally:
+        sys.settrace(trace)
+        sys.setprofile(profile)
+
+
 # --- reference counts: may a buffer be overwritten in place? ----------------------------------
 # A view's base tensor, None for a non-view (``Tensor._base``): a view shares its buffer, so it is
 # never overwritten. An attrgetter: a C call that keeps no reference to the tensor it is given

@@ -17,7 +17,7 @@ mesh's backend loads: outside any call or backward pass). A named variable, a li
 view, a tensor saved by autograd or shared storage all add one, and so does a held
 ``x.untyped_storage()`` to the last count (torch keeps one storage object per storage: holding
 it adds no storage use). Each caller reads the Python count first thing, at the frame depth the
-calibration measured. Where the interpreter does not count a named variable apart from a
+calibration measured (with nothing watching: ``torch_private.unobserved``). Where the interpreter does not count a named variable apart from a
 temporary, forward reductions always copy.
 """
 
@@ -34,7 +34,13 @@ from .._autodiff import apply as bridge_apply
 from .._collectives._record import PVARY_RECORD
 from .._collectives.reductions import pmax, pmean, pmin, psum
 from .._mesh import Mesh
-from .._torch_private import DisableFuncTorch, is_transform_wrapped, tensor_base, use_counts
+from .._torch_private import (
+    DisableFuncTorch,
+    is_transform_wrapped,
+    tensor_base,
+    unobserved,
+    use_counts,
+)
 from .._types import Vma
 
 Counts = tuple[int, int, int, int]  # (Python refs, TensorImpl uses, storage uses, storage refs)
@@ -126,6 +132,14 @@ def _gradient_psum(probe: type) -> None:
         (y * 2.0).sum().backward()
 
 
+def _in_call(run: Callable[[], None], context: type) -> None:
+    _calls.push(_Probe.made(context))
+    try:
+        run()
+    finally:
+        _calls.pop()
+
+
 def _probe(run: Callable[[], None], context: type | None) -> list[Counts]:
     """The counts :func:`exclusive` sees while ``run()`` runs (in a call on the probe class
     ``context``, or outside any call)."""
@@ -135,14 +149,7 @@ def _probe(run: Callable[[], None], context: type | None) -> list[Counts]:
     try:
         # (under a torch.func transform the probe's tensors would be functorch wrappers)
         with DisableFuncTorch():
-            if context is None:
-                run()
-            else:
-                _calls.push(_Probe.made(context))
-                try:
-                    run()
-                finally:
-                    _calls.pop()
+            unobserved(run if context is None else functools.partial(_in_call, run, context))
         return _probed
     finally:
         _probed = None
