@@ -50,6 +50,7 @@ ONE_AXIS_ONLY = {
     "grad_of_transformed_dtensor",
     "compiled_dtensor_on_an_equal_mesh",
     "make_fx_of_dtensor",
+    "exported_dtensor",
 }
 
 #: ppermute on an axis of size 2 (the matrix's own pairs need size 3)
