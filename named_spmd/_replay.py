@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from . import _donation as donation
 from . import _torch_private as torch_private
-from ._accounting import recording, resume, suspend
+from ._accounting import recording
 from ._calls import pop, push
 from ._collectives.reductions import pmax, pmean, pmin, psum
 from ._context import OneMemberPrimitives
@@ -244,21 +245,14 @@ def checked_signatures(mapped: Any) -> dict[tuple, Any]:
 
 # --- reductions that hand back their operand ------------------------------------------------------
 
-#: (Python references, TensorImpl uses, storage uses, Python references to the storage object)
-#: of an operand nothing but a replayed reduction's call chain holds (:func:`_calibrate`); None:
-#: every reduction copies (where the interpreter counts a named operand as a temporary)
-_ALONE: tuple[int, int, int, int] | None = None
-_probed: list[tuple[int, ...]] | None = None  # counts seen while calibrating
-
 
 def hands_back(x: torch.Tensor, refs: int) -> bool:
     """Whether a replay's reduction may return its operand ``x`` itself
     (``SpmdContext.donates_replayed``; ``refs``: its Python reference count, read first thing in
     ``_record._replayed``): a plain tensor with its own storage that nothing else references
-    (a named variable, a list entry, a view, a tensor autograd saved, a held storage object all
-    add a count), not a leaf that requires grad (a write into the result would be refused), not
-    under saved-tensor hooks (what they pack is not counted). Torch differentiates the replay,
-    so the result keeps the operand's graph."""
+    (``_donation``, chain ``"replayed"``), not a leaf that requires grad (a write into the
+    result would be refused), not under saved-tensor hooks (what they pack is not counted).
+    Torch differentiates the replay, so the result keeps the operand's graph."""
     if (
         type(x) is not torch.Tensor
         or (x.requires_grad and x.grad_fn is None)
@@ -268,12 +262,7 @@ def hands_back(x: torch.Tensor, refs: int) -> bool:
         or torch_private.saved_tensors_hooks_active()
     ):
         return False
-    counts = (refs, *torch_private.use_counts(x))
-    if _probed is not None:
-        _probed.append(counts)
-        return False
-    alone = _ALONE
-    return alone is not None and all(c <= m for c, m in zip(counts, alone))
+    return donation.alone(x, refs, "replayed")
 
 
 class _Probe(OneMemberPrimitives, MemberContext):
@@ -292,24 +281,12 @@ class _Probe(OneMemberPrimitives, MemberContext):
 
 
 def _calibrate() -> None:
-    """Send a temporary and a named operand through each reduction of a replay, with nothing
-    watching (``torch_private.unobserved``): the counts of the temporaries are :data:`_ALONE`,
-    where every named one has more Python references."""
-    global _probed, _ALONE
-    seen: dict[bool, list[tuple[int, ...]]] = {}
-    saved_modes = suspend()  # (a CommMode around the import must not see these)
-    try:
-        with torch_private.DisableFuncTorch(), torch.enable_grad():
-            for named in (False, True):
-                _probed = seen[named] = []
-                torch_private.unobserved(functools.partial(_probe_reductions, named))
-    finally:
-        _probed = None
-        resume(saved_modes)
-    temps, named_ones = seen[False], seen[True]
-    refs = min((t[0] for t in temps), default=0)
-    if temps and len(named_ones) == len(temps) and all(n[0] > refs for n in named_ones):
-        _ALONE = (refs, *(min(t[k] for t in temps) for k in (1, 2, 3)))  # type: ignore[assignment]
+    """Send a temporary and a named operand through each reduction of a replay: the chain
+    ``"replayed"`` of ``_donation``."""
+    with torch.enable_grad():
+        temps = donation.probe(functools.partial(_probe_reductions, False))
+        named = donation.probe(functools.partial(_probe_reductions, True))
+    donation.LIMITS["replayed"] = donation.limits_of(temps, named)
 
 
 def _probe_reductions(named: bool) -> None:

@@ -39,6 +39,7 @@ LAYERS = {
         "_blocks",
         "_block_rules",
         "_operands",
+        "_donation",
     },
     2: {
         "_collectives",

@@ -513,12 +513,12 @@ if observed:
     sys.settrace(trace)
     with Keep():
         import named_spmd as ns
-        from named_spmd.backends import _dist_donation, distributed
+        from named_spmd.backends import distributed
     sys.settrace(None)
 else:
     import named_spmd as ns
-    from named_spmd.backends import _dist_donation, distributed
-from named_spmd import P, _replay
+    from named_spmd.backends import distributed
+from named_spmd import P, _donation
 
 mesh = ns.make_mesh((1, 1), ("dp", "tp"))
 
@@ -529,7 +529,7 @@ def named(a):
 
 f = ns.spmd_map(named, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
 got = [ns.to_local(f(torch.ones(2))).tolist() for _ in range(3)]
-print(json.dumps({"alone": _replay._ALONE, "limits": _dist_donation.LIMITS, "got": got}))
+print(json.dumps({"limits": _donation.LIMITS, "got": got}))
 """
 
 
@@ -551,8 +551,9 @@ def test_reference_counts_are_calibrated_with_nothing_watching():
     clean, observed = _import_report("clean"), _import_report("observed")
     for report in (clean, observed):
         assert report["got"] == [[2.0, 2.0]] * 3, report
-    assert clean["alone"] is not None and clean["limits"]["forward"] is not None, clean
-    assert (observed["alone"], observed["limits"]) == (clean["alone"], clean["limits"])
+    assert set(clean["limits"]) == {"forward", "backward", "pvary", "replayed"}, clean
+    assert None not in clean["limits"].values(), clean
+    assert observed["limits"] == clean["limits"]
 
 
 @pytest.mark.distributed

@@ -10,15 +10,8 @@ Two reductions ask, and both are answered here, against one calibration:
 * ``"backward"``: the gradient psum of a pvary (``_dist_overlap.psum_in_backward``), on the
   incoming gradient where only the autograd engine holds it.
 
-Whether anything else holds the tensor is read off its reference counts (Python references,
-TensorImpl uses, storage uses, Python references to its storage object), compared with those of a
-tensor nothing else holds, sent once through the very same chain (:func:`calibrate`, as the real
-mesh's backend loads: outside any call or backward pass). A named variable, a list entry, a
-view, a tensor saved by autograd or shared storage all add one, and so does a held
-``x.untyped_storage()`` to the last count (torch keeps one storage object per storage: holding
-it adds no storage use). Each caller reads the Python count first thing, at the frame depth the
-calibration measured (with nothing watching: ``torch_private.unobserved``). Where the interpreter does not count a named variable apart from a
-temporary, forward reductions always copy.
+Whether anything else holds the tensor is read off its reference counts, against one
+calibration per chain (``_donation``), run as the real mesh's backend loads.
 """
 
 from __future__ import annotations
@@ -29,32 +22,15 @@ from typing import Any
 
 import torch
 
-from .. import _accounting, _calls
+from .. import _calls
+from .. import _donation as donation
 from .._autodiff import apply as bridge_apply
 from .._collectives._record import PVARY_RECORD
 from .._collectives.reductions import pmax, pmean, pmin, psum
+from .._donation import LIMITS
 from .._mesh import Mesh
-from .._torch_private import (
-    DisableFuncTorch,
-    is_transform_wrapped,
-    tensor_base,
-    unobserved,
-    use_counts,
-)
+from .._torch_private import is_transform_wrapped, tensor_base
 from .._types import Vma
-
-Counts = tuple[int, int, int, int]  # (Python refs, TensorImpl uses, storage uses, storage refs)
-#: "forward" / "backward" -> the counts a tensor nothing else holds has there (None: never
-#: overwrite), once calibrated
-LIMITS: dict[str, Counts | None] = {}
-_probed: list[Counts] | None = None  # counts seen while calibrating
-
-
-def _counts(x: torch.Tensor, refs: int) -> Counts | None:
-    try:
-        return (refs, *use_counts(x))
-    except (RuntimeError, NotImplementedError):  # tensors without storage (wrappers)
-        return None
 
 
 def exclusive(x: torch.Tensor, refs: int, kind: str) -> bool:
@@ -70,23 +46,7 @@ def exclusive(x: torch.Tensor, refs: int, kind: str) -> bool:
         or not x.data_ptr()  # as a subclass's wrapper that lost its Python class
     ):
         return False
-    counts = _counts(x, refs)
-    if counts is None:
-        return False
-    if _probed is not None:
-        _probed.append(counts)
-        return False
-    limits = LIMITS.get(kind)
-    if limits is None:
-        return False
-    refs, uses, storage_uses, storage_refs = counts  # compared one by one: a hot path
-    max_refs, max_uses, max_storage_uses, max_storage_refs = limits
-    return (
-        refs <= max_refs
-        and uses <= max_uses
-        and storage_uses <= max_storage_uses
-        and storage_refs <= max_storage_refs
-    )
+    return donation.alone(x, refs, kind)
 
 
 def calibrate(context: type) -> None:
@@ -94,18 +54,12 @@ def calibrate(context: type) -> None:
     ``psum_in_backward``, on a probe mesh that moves no data): a temporary and a named operand
     through every donating reduction, and a pvary's backward through the bridge."""
     probe = type("Probe", (_Probe, context), {})
-    temps: list[Counts] = []
-    named: list[Counts] = []
+    temps, named = [], []
     for op in (psum, pmean, pmax, pmin):
         temps += _probe(functools.partial(_temporary_operand, op), probe)
         named += _probe(functools.partial(_named_operand, op), probe)
     grads = _probe(functools.partial(_gradient_psum, probe), None)
-    refs = min((t[0] for t in temps), default=0)
-    forward: Counts | None = None
-    if temps and len(named) == len(temps) and all(n[0] > refs for n in named):
-        uses, storage_uses, storage_refs = (min(t[k] for t in temps) for k in (1, 2, 3))
-        forward = (refs, uses, storage_uses, storage_refs)
-    LIMITS.update(forward=forward, backward=grads[0] if grads else None)
+    LIMITS.update(forward=donation.limits_of(temps, named), backward=grads[0] if grads else None)
 
 
 def calibrate_gradient(chain: str, run: Callable[[Any], None], context: type) -> None:
@@ -140,20 +94,10 @@ def _in_call(run: Callable[[], None], context: type) -> None:
         _calls.pop()
 
 
-def _probe(run: Callable[[], None], context: type | None) -> list[Counts]:
+def _probe(run: Callable[[], None], context: type | None) -> list[donation.Counts]:
     """The counts :func:`exclusive` sees while ``run()`` runs (in a call on the probe class
     ``context``, or outside any call)."""
-    global _probed
-    _probed = []
-    saved_modes = _accounting.suspend()  # a CommMode around the first call must not see these
-    try:
-        # (under a torch.func transform the probe's tensors would be functorch wrappers)
-        with DisableFuncTorch():
-            unobserved(run if context is None else functools.partial(_in_call, run, context))
-        return _probed
-    finally:
-        _probed = None
-        _accounting.resume(saved_modes)
+    return donation.probe(run if context is None else functools.partial(_in_call, run, context))
 
 
 class _ProbeMesh(Mesh):
