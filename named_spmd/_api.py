@@ -155,7 +155,6 @@ class SpmdFunction:
             f"out_specs={self.out_specs!r})"
         )
 
-    # --- inputs -----------------------------------------------------------------------------
     # --- call -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._enter(args, kwargs, False)
@@ -212,6 +211,7 @@ class SpmdFunction:
                 return _call_counted(self, args, backend, local)
             if self.unequal_blocks(args, local):
                 return _call_uneven(self, args, backend, local)
+            return _calls.restoring_stacks(functools.partial(_call, self, args, backend, local))
         elif (
             torch_private.dynamo_frame_callback() is not None
         ):  # Dynamo gave up on the frame around this

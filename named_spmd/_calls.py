@@ -75,6 +75,26 @@ def pop() -> None:
             marker.held = held
 
 
+def restoring_stacks(run: Callable[[], Any]) -> Any:
+    """``run()``, a mapped call traced by Dynamo, which pushes its context and its modes and
+    pops them: the stacks it restored marked unchanged in the trace, so that ``torch.export``
+    (strict) sees no side effect of the library (``torch_private.forget_restored_state``)."""
+    before = _traced_state()
+    out = run()
+    _forget_restored_state(before)
+    return out
+
+
+@torch_private.trace_constant
+def _traced_state() -> tuple:
+    return torch_private.traced_state_of(_local.stack)
+
+
+@torch_private.trace_constant
+def _forget_restored_state(before: tuple) -> None:
+    torch_private.forget_restored_state(_local.stack, before)
+
+
 def active() -> SpmdContext | None:
     stack = _local.stack
     return stack[-1] if stack else None

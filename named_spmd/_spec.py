@@ -155,7 +155,7 @@ class PartitionSpec(tuple):
         """Whether an entry gives its block sizes (:class:`Blocks`); computed once per spec."""
         explicit = self.__dict__.get("_explicit")
         if explicit is None:
-            explicit = self.__dict__["_explicit"] = any(isinstance(e, Blocks) for e in self)
+            explicit = _memo(self, "_explicit", any(isinstance(e, Blocks) for e in self))
         return explicit
 
     def without_sizes(self) -> PartitionSpec:
@@ -174,7 +174,7 @@ class PartitionSpec(tuple):
                 vma = Vma.of(self.axes)
             else:
                 vma = Vma.make(self.axes, self.unreduced, self.reduced)
-            self.__dict__["_vma"] = vma
+            _memo(self, "_vma", vma)
         return vma
 
     @property
@@ -184,10 +184,18 @@ class PartitionSpec(tuple):
         Python 3.11 it takes a lock, which torch.compile cannot trace."""
         axes = self.__dict__.get("_axes")
         if axes is None:
-            axes = self.__dict__["_axes"] = tuple(
-                a for d in range(len(self)) for a in self.entry_axes(d)
+            axes = _memo(
+                self, "_axes", tuple(a for d in range(len(self)) for a in self.entry_axes(d))
             )
         return axes
+
+
+def _memo(spec: PartitionSpec, name: str, value: Any) -> Any:
+    """``value`` kept on ``spec`` for its next reads; not while Dynamo traces, to which a write
+    to a spec the mapped function holds is a side effect (``torch.export`` warns of it)."""
+    if not torch_private.memo_would_be_guarded():
+        spec.__dict__[name] = value
+    return value
 
 
 P = PartitionSpec

@@ -116,9 +116,17 @@ def test_a_replay_runs_without_the_typing_mode():
 
 @pytest.mark.parametrize("selective", [None, False, True])
 def test_a_call_context_is_freed_without_the_garbage_collector(selective):
-    """A replay's context (holding its inputs) is freed once the call and its graph are: no
-    reference cycle leaves it to the garbage collector, with the collectives of a group of one
-    and a checkpoint's marker; so is a checked call's without a checkpoint."""
+    """A call's context (holding its inputs), checked or replayed, is freed once the call and
+    its graph are: no reference cycle leaves it to the garbage collector, with the collectives of
+    a group of one and a checkpoint's marker.
+
+    torch's own cycle is kept out: a process's first checkpoint imports ``torch._dynamo``
+    (``torch._disable_dynamo``'s wrapper), whose import calls ``torch.fx.wrap``, which keeps its
+    own frame in a local (``inspect.currentframe()``): that frame refers to itself, and through
+    ``f_back`` to every frame below it, the call's with its context, until a collection. Imported
+    here first, as any earlier checkpoint or compile of the process would have."""
+    import torch._dynamo  # noqa: F401 - see the docstring
+
     mesh = ns.make_mesh(*ONE)
     contexts = []
 
@@ -135,7 +143,7 @@ def test_a_call_context_is_freed_without_the_garbage_collector(selective):
         alive = [c() is not None for c in contexts]
     finally:
         gc.enable()
-    assert alive[1:] == [False, False] and (selective is not None or not alive[0])
+    assert alive == [False, False, False]
 
 
 def test_errors_of_a_first_call_are_the_ones_of_a_larger_mesh():

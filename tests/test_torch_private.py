@@ -1263,3 +1263,60 @@ def test_unobserved_runs_with_no_tracer_and_no_mode_and_restores_them():
             assert inside() == (trace, 1, 1)
     finally:
         sys.settrace(old)
+
+
+_STACK: list = []
+
+
+class _PassMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@torch_private.trace_constant
+def _state_now():
+    return torch_private.traced_state_of(_STACK)
+
+
+@torch_private.trace_constant
+def _forget(before):
+    torch_private.forget_restored_state(_STACK, before)
+
+
+@pytest.mark.parametrize("bracketed", [False, True])
+@pytest.mark.parametrize("changed_before", [False, True])
+def test_forget_restored_state_hides_from_export_only_what_was_pushed_and_popped_again(
+    bracketed, changed_before
+):
+    """Strict ``torch.export`` warns of a global list appended to and popped and of a
+    torch-function mode entered and left, restored as they are: Dynamo tracks any change as a
+    side effect. Bracketed by ``traced_state_of`` and ``forget_restored_state`` they are marked
+    unchanged, and nothing is warned of; a change made before the bracket (the caller's, which
+    Dynamo must replay) still is. Outside a trace both do nothing."""
+    assert torch_private.traced_state_of(_STACK) == ()
+    torch_private.forget_restored_state(_STACK, ())
+
+    class Module(torch.nn.Module):
+        def forward(self, x):
+            if changed_before:
+                _STACK.append(1)
+                _STACK.pop()
+            before = _state_now() if bracketed else None
+            _STACK.append(x)
+            with _PassMode():
+                y = x * 2
+            _STACK.pop()
+            if bracketed:
+                _forget(before)
+            return y
+
+    x = torch.arange(3.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = torch.export.export(Module(), (x,), strict=True).module()
+    side_effects = [w for w in caught if "side effects happened" in str(w.message)]
+    assert torch.equal(module(x + 1), (x + 1) * 2) and _STACK == []
+    assert len(side_effects) == (0 if bracketed and not changed_before else 1), side_effects
+    if side_effects:
+        message = str(side_effects[0].message)
+        assert "_STACK" in message and ("<unknown source>" in message) == (not bracketed)

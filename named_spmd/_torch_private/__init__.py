@@ -75,6 +75,7 @@ from .dynamo import (  # noqa: E402 - after the version gate
     decided,
     dynamo_frame_callback,
     dynamo_skip_frame,
+    forget_restored_state,
     has_data_dependent_size,
     inductor_graph_pass,
     is_dynamo_internal_error,
@@ -89,6 +90,7 @@ from .dynamo import (  # noqa: E402 - after the version gate
     traced_marked_dynamic,
     traced_root_frame,
     traced_size_sources,
+    traced_state_of,
     traced_user_stack,
 )
 from .functorch import (  # noqa: E402 - after the version gate
@@ -161,6 +163,7 @@ __all__ = [
     "dtensor_spec_shaped",
     "dynamo_frame_callback",
     "dynamo_skip_frame",
+    "forget_restored_state",
     "forward_level",
     "funcol",
     "function_base_apply",
@@ -219,6 +222,7 @@ __all__ = [
     "traced_marked_dynamic",
     "traced_root_frame",
     "traced_size_sources",
+    "traced_state_of",
     "traced_user_stack",
     "transforms_active",
     "unwrap_for_grad",

@@ -184,6 +184,60 @@ def traced_root_frame() -> tuple[str, str] | None:
     return code.co_filename, code.co_name
 
 
+def traced_state_of(stack: list) -> tuple:
+    """While Dynamo traces: what :func:`forget_restored_state` needs to tell that a mapped call
+    left ``stack`` (a list reached from a module global: the active calls) and torch's
+    function-mode stack as the trace had them before it; empty when nothing is traced. Per
+    stack: "changed" where the trace had already changed it (the change is the caller's,
+    Dynamo must replay it), else the identities of its entries' variables (None: ``stack``
+    not yet read by the trace, so as it really is)."""
+    from torch._dynamo.symbolic_convert import tls
+    from torch._dynamo.variables.torch_function import TorchFunctionModeStackVariable as Modes
+
+    tx = getattr(tls, "current_tx", None)
+    if tx is None:
+        return ()
+    modes = tx.symbolic_torch_function_state.mode_stack
+    effects = tx.output.side_effects
+    listed = effects.id_to_variable.get(id(stack))
+    return (
+        _entries(effects, listed, None if listed is None else listed.items),
+        _entries(effects, effects.id_to_variable.get(id(Modes.stack_value_singleton)), modes),
+        Modes.offset,
+    )
+
+
+def _entries(effects: Any, var: Any, items: Any) -> Any:
+    if var is not None and effects.is_modified(var):
+        return "changed"
+    return None if items is None else tuple(map(id, items))
+
+
+def forget_restored_state(stack: list, before: tuple) -> None:
+    """While Dynamo traces, after a mapped call: Dynamo tracks every change of a list reached
+    from a global and of the function-mode stack as a side effect, which ``torch.export``
+    (strict) warns of, even where the call restored both (it pushes its context and its modes,
+    and pops them). Where they are as ``before`` (:func:`traced_state_of`), they are marked
+    unchanged: nothing is left to replay, and nothing to warn of."""
+    from torch._dynamo.symbolic_convert import tls
+    from torch._dynamo.variables.torch_function import TorchFunctionModeStackVariable as Modes
+
+    tx = getattr(tls, "current_tx", None)
+    if tx is None or not before:
+        return
+    effects = tx.output.side_effects
+    listed = effects.id_to_variable.get(id(stack))
+    if listed is not None and before[0] != "changed":
+        ids = tuple(map(id, listed.items))
+        untouched = len(ids) == len(stack) and all(i.source is not None for i in listed.items)
+        if ids == before[0] or (before[0] is None and untouched):
+            listed.mutation_type.is_modified = False
+    modes = effects.id_to_variable.get(id(Modes.stack_value_singleton))
+    now = tuple(map(id, tx.symbolic_torch_function_state.mode_stack))
+    if modes is not None and before[1] == now and before[2] == Modes.offset:
+        modes.mutation_type.is_modified = False
+
+
 def dynamo_skip_frame() -> Callable[..., None]:
     """Dynamo's ``skip_frame``: called in traced code, Dynamo stops compiling the frame being
     traced and runs it eagerly (imported on demand: it imports Dynamo)."""
