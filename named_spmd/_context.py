@@ -94,13 +94,6 @@ class SpmdContext(ABC):
         cycle, and every call's context (with its inputs) would wait for the garbage collector."""
         return GroupOfOne(self)
 
-    def donates_replayed(self, x: torch.Tensor, refs: int) -> bool:
-        """Whether a replay's reduction may hand back its operand ``x`` itself, as its result
-        over a group of one: nothing but the collective's call chain holds it (``refs``: its
-        Python reference count, read first in ``_record._replayed``), so no one sees the two
-        share memory. No by default (a backend that calibrated the chain may say yes)."""
-        return False
-
     def run_compiled(self, piece: Any, args: tuple, kwargs: dict) -> Any:
         """A piece given to ``ns.compile``, called in this call (``_compile``): uncompiled
         here; a backend that can compile it inside a call overrides this."""
@@ -394,7 +387,7 @@ class OneMemberPrimitives:
     def pvary(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:
         return x.view_as(x)
 
-    #: the operand a replay's reduction hands back itself (``SpmdContext.donates_replayed``)
+    #: the operand a replay's reduction hands back itself (``_donation.hands_back``)
     donated: torch.Tensor | None = None
 
     def all_reduce(self, x: torch.Tensor, axes: Axes, op: ReduceOp) -> torch.Tensor:

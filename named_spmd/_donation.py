@@ -13,7 +13,7 @@ named variable apart from a temporary, the chain never donates.
 
 The chains: ``"forward"``, ``"backward"``, ``"pvary"`` (a real mesh's reductions and gradient
 psums, ``backends/_dist_donation.py``); ``"replayed"`` (a replay's reduction over a group of
-one, ``_replay.hands_back``).
+one, :func:`hands_back`, calibrated by ``_replay``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,25 @@ def alone(x: torch.Tensor, refs: int, chain: str) -> bool:
         and storage_uses <= max_storage_uses
         and storage_refs <= max_storage_refs
     )
+
+
+def hands_back(x: torch.Tensor, refs: int) -> bool:
+    """Whether a replay's reduction over a group of one may return its operand ``x`` itself
+    (``refs``: its Python reference count, read first thing in ``_record._replayed``): a plain
+    tensor with its own storage that nothing else references (chain ``"replayed"``), not a leaf
+    that requires grad (a write into the result would be refused), not under saved-tensor hooks
+    (what they pack is not counted). Torch differentiates the replay, so the result keeps the
+    operand's graph."""
+    if (
+        type(x) is not torch.Tensor
+        or (x.requires_grad and x.grad_fn is None)
+        or torch_private.tensor_base(x) is not None
+        or torch_private.is_transform_wrapped(x)
+        or not x.data_ptr()  # (a wrapper without storage: its counts say nothing)
+        or torch_private.saved_tensors_hooks_active()
+    ):
+        return False
+    return alone(x, refs, "replayed")
 
 
 def probe(run: Callable[[], None]) -> list[Counts]:

@@ -25,7 +25,7 @@ repeat.
 
 A replay's reduction (psum, pmean, pmax, pmin) over its group of one hands back the operand
 itself where nothing else holds it (a temporary, ``ns.psum(h @ w, "tp")``): no copy and no copy
-node in the backward pass, and no one to see the two share memory (:func:`hands_back`).
+node in the backward pass, and no one to see the two share memory (``_donation.hands_back``, calibrated here: :func:`_calibrate`).
 
 Used by the simulated backend's one-instance path and by a real mesh of one rank.
 """
@@ -246,25 +246,6 @@ def checked_signatures(mapped: Any) -> dict[tuple, Any]:
 # --- reductions that hand back their operand ------------------------------------------------------
 
 
-def hands_back(x: torch.Tensor, refs: int) -> bool:
-    """Whether a replay's reduction may return its operand ``x`` itself
-    (``SpmdContext.donates_replayed``; ``refs``: its Python reference count, read first thing in
-    ``_record._replayed``): a plain tensor with its own storage that nothing else references
-    (``_donation``, chain ``"replayed"``), not a leaf that requires grad (a write into the
-    result would be refused), not under saved-tensor hooks (what they pack is not counted).
-    Torch differentiates the replay, so the result keeps the operand's graph."""
-    if (
-        type(x) is not torch.Tensor
-        or (x.requires_grad and x.grad_fn is None)
-        or torch_private.tensor_base(x) is not None
-        or torch_private.is_transform_wrapped(x)
-        or not x.data_ptr()  # (a wrapper without storage: its counts say nothing)
-        or torch_private.saved_tensors_hooks_active()
-    ):
-        return False
-    return donation.alone(x, refs, "replayed")
-
-
 class _Probe(OneMemberPrimitives, MemberContext):
     """A replayed call on a mesh of one instance, for :func:`_calibrate`."""
 
@@ -275,9 +256,6 @@ class _Probe(OneMemberPrimitives, MemberContext):
 
     def member_device(self) -> torch.device:
         return torch.device("cpu")
-
-    def donates_replayed(self, x: torch.Tensor, refs: int) -> bool:
-        return hands_back(x, refs)
 
 
 def _calibrate() -> None:

@@ -37,6 +37,7 @@ from .._autodiff import differentiable
 from .._blocks import forget as forget_blocks
 from .._calls import current
 from .._context import Axes, SpmdContext
+from .._donation import hands_back
 from .._errors import CollectiveError, VmaError
 from .._torch_private import DisableTorchFunction, refcount, tensor_base
 from .._types import Vma, shape_shown, type_text
@@ -293,13 +294,13 @@ def _replayed(
     """A collective in a replay (``SpmdContext.replaying``: a mesh of one instance, its types
     checked by an earlier call, ``_replay``): the argument checks and the forward on the one
     member, differentiated by torch. A reduction of the user's operand (``user_operand``) that
-    nothing else holds hands it back, not a copy (``SpmdContext.donates_replayed``)."""
+    nothing else holds hands it back, not a copy (``_donation.hands_back``)."""
     # first, before this frame refers to t again: the count the backend calibrated
     refs = refcount(t) if user_operand and rec.donates else 0
     if rec.check is not None:
         params = rec.check(ctx, t, axes, params)
     group = ctx.alone()
-    if refs and ctx.donates_replayed(t, refs):
+    if refs and hands_back(t, refs):
         group.donated = t
     with DisableTorchFunction():
         return rec.forward(group, t, axes, params)

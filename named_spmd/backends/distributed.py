@@ -38,7 +38,7 @@ from .._debug import debug_enabled, set_debug
 from .._errors import PACKAGE_DIR, RankFailedError, SpmdError, told_per_instance
 from .._layout import coords_text
 from .._mesh import Mesh
-from .._replay import Replay, hands_back
+from .._replay import Replay
 from .._stamps import MemberContext, TrackedContext
 from .._tracking import VmaMode
 from . import (
@@ -129,8 +129,6 @@ class DistributedContext(OperandShapes, MemberContext):
             return rec.forward(self, x, axes, params)
         finally:
             self.donated = None
-
-    donates_replayed = staticmethod(hands_back)  # (a replay's reduction, ``_replay``)
 
     def check_operand(self, rec, x, axes, params):
         """``rec.check``; after a read of a varying value, on every instance's shape (``OperandShapes``)."""

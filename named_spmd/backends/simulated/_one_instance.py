@@ -26,7 +26,7 @@ from ... import _torch_private as torch_private
 from ..._context import OneMemberPrimitives
 from ..._errors import TORCH_ERRORS, told_per_instance
 from ..._mesh import Mesh
-from ..._replay import Replay, hands_back
+from ..._replay import Replay
 from ..._spec import PartitionSpec
 from ..._stamps import MemberContext
 from ._plan import from_physical
@@ -41,8 +41,6 @@ class OneInstanceContext(OneMemberPrimitives, MemberContext):
     def __init__(self, mesh: Mesh, fn: Any, device: torch.device) -> None:
         super().__init__(mesh, fn)
         self.device = device
-
-    donates_replayed = staticmethod(hands_back)  # (a replay's reduction, ``_replay``)
 
     def member(self, axes: tuple[str, ...]) -> int:
         return 0
