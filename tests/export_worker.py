@@ -46,9 +46,39 @@ class Model(torch.nn.Module):
 
 def exported(f) -> torch.nn.Module:
     """``Model(f)`` exported strict (Dynamo), every warning an error, traced on inputs(0)."""
+    return exported_module(Model(f), inputs(0))
+
+
+def exported_module(module: torch.nn.Module, args: tuple) -> torch.nn.Module:
+    """``module`` exported strict (Dynamo), every warning an error, traced on ``args``."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        return torch.export.export(Model(f), inputs(0), strict=True).module()
+        return torch.export.export(module, args, strict=True).module()
+
+
+def method_model(mesh, local: bool = False) -> torch.nn.Module:
+    """The MLP as a module whose mapped method reads its parameters (``self.w1``...: the
+    instance closed over, its tensors invariant), not arguments: Dynamo meets them first inside
+    the call. ``local``: the method's ``.local`` call (a real mesh's blocks)."""
+
+    class MethodModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            _, w1, b1, w2 = inputs(2)
+            self.w1, self.b1, self.w2 = (torch.nn.Parameter(w) for w in (w1, b1, w2))
+
+        @ns.spmd_map(mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+        def mlp(self, x):
+            return F.gelu(x @ self.w1 + self.b1) @ self.w2
+
+        def forward(self, x):
+            return (self.mlp.local(x) if local else self.mlp(x)) * 2
+
+    return MethodModel()
+
+
+def method_dense(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return dense(x, model.w1, model.b1, model.w2) * 2
 
 
 def main() -> None:
@@ -62,7 +92,12 @@ def main() -> None:
         args = inputs(1)
         got, eager, want = module(*args), Model(f)(*args), dense(*args) * 2
         worst = max(float((got - eager).abs().max()), float((got - want).abs().max()))
-        print("EXPORT " + json.dumps({"worst": worst}), flush=True)
+        model = method_model(mesh, local=True)
+        module = exported_module(model, inputs(0)[:1])
+        x = inputs(1)[0]
+        got, eager, want = module(x), model(x), method_dense(model, x)
+        method = max(float((got - eager).abs().max()), float((got - want).abs().max()))
+        print("EXPORT " + json.dumps({"worst": worst, "method": method}), flush=True)
     finally:
         dist.destroy_process_group()
 

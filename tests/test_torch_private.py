@@ -4,6 +4,7 @@ library relies on (a torch upgrade that changes one fails here, by name).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pathlib
 import re
@@ -1034,6 +1035,33 @@ def test_deepcopy_of_a_leaf_that_requires_grad_inside_a_transform_is_a_new_leaf(
     torch.func.vmap(copy_both)(torch.ones(2))
     for c in copies:
         assert c.is_leaf and c.requires_grad and torch.equal(c, w) and c is not w
+
+
+def test_export_clones_allowed_lets_a_strict_export_meet_a_parameter_inside_vmap():
+    """Strict ``torch.export`` clones each tensor Dynamo meets first and sets the clone's
+    ``requires_grad`` in place, which functorch refuses inside ``vmap``: a parameter read only
+    inside a vmapped function fails the export, unless under ``export_clones_allowed`` (which
+    eagerly leaves functorch's refusal as it is)."""
+
+    class Module(torch.nn.Module):
+        def __init__(self, allowed: bool) -> None:
+            super().__init__()
+            self.w, self.allowed = torch.nn.Parameter(torch.arange(3.0)), allowed
+
+        def forward(self, x):
+            allowed = torch_private.export_clones_allowed
+            with allowed() if self.allowed else contextlib.nullcontext():
+                return torch.func.vmap(lambda row: row * self.w)(x)
+
+    x = torch.arange(6.0).reshape(2, 3)
+    with pytest.raises(RuntimeError, match="requires_grad_"):
+        torch.export.export(Module(False), (x,), strict=True)
+    module = Module(True)
+    torch.testing.assert_close(
+        torch.export.export(module, (x,), strict=True).module()(x), x * module.w
+    )
+    with torch_private.export_clones_allowed():
+        assert not torch._C._functorch.get_inplace_requires_grad_allowed()
 
 
 def test_traced_size_sources_names_the_input_sizes_a_traced_size_is_computed_from():

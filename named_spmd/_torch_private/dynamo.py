@@ -191,10 +191,7 @@ def traced_state_of(stack: list) -> tuple:
     stack: "changed" where the trace had already changed it (the change is the caller's,
     Dynamo must replay it), else the identities of its entries' variables (None: ``stack``
     not yet read by the trace, so as it really is)."""
-    from torch._dynamo.symbolic_convert import tls
-    from torch._dynamo.variables.torch_function import TorchFunctionModeStackVariable as Modes
-
-    tx = getattr(tls, "current_tx", None)
+    tx, Modes = _translator_and_modes()
     if tx is None:
         return ()
     modes = tx.symbolic_torch_function_state.mode_stack
@@ -205,6 +202,15 @@ def traced_state_of(stack: list) -> tuple:
         _entries(effects, effects.id_to_variable.get(id(Modes.stack_value_singleton)), modes),
         Modes.offset,
     )
+
+
+def _translator_and_modes() -> tuple[Any, Any]:
+    """Dynamo's instruction translator now tracing (None where nothing is traced) and its
+    variable class of torch's function-mode stack (imported on demand: they import Dynamo)."""
+    from torch._dynamo.symbolic_convert import tls
+    from torch._dynamo.variables.torch_function import TorchFunctionModeStackVariable
+
+    return getattr(tls, "current_tx", None), TorchFunctionModeStackVariable
 
 
 def _entries(effects: Any, var: Any, items: Any) -> Any:
@@ -219,10 +225,7 @@ def forget_restored_state(stack: list, before: tuple) -> None:
     (strict) warns of, even where the call restored both (it pushes its context and its modes,
     and pops them). Where they are as ``before`` (:func:`traced_state_of`), they are marked
     unchanged: nothing is left to replay, and nothing to warn of."""
-    from torch._dynamo.symbolic_convert import tls
-    from torch._dynamo.variables.torch_function import TorchFunctionModeStackVariable as Modes
-
-    tx = getattr(tls, "current_tx", None)
+    tx, Modes = _translator_and_modes()
     if tx is None or not before:
         return
     effects = tx.output.side_effects

@@ -3,6 +3,7 @@ simulated backend installs in torch's printing and in torch.func's grad levels a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import copyreg
 from collections.abc import Callable
@@ -233,6 +234,20 @@ def _requires_grad_allowed() -> Any:
     from torch._functorch.eager_transforms import enable_inplace_requires_grad
 
     return enable_inplace_requires_grad(True)
+
+
+def export_clones_allowed() -> Any:
+    """Context manager for the vmap levels a Dynamo trace enters (the simulated compile path's
+    ``torch.func.vmap``). While ``torch.export`` traces, Dynamo keeps a clone of each tensor
+    it meets first (its real-value cache) and sets a leaf's clone's ``requires_grad`` in place,
+    which functorch refuses inside a transform: a parameter that the mapped function reads
+    without taking it as an argument (a mapped method's ``self.w``, a closed-over layer's
+    weight) is met first inside the levels, where that refusal would fail the export. Under
+    this manager functorch allows it (``enable_inplace_requires_grad``, which Dynamo traces by identity; the exported
+    program has no trace of the toggle); outside an export it does nothing."""
+    if torch.compiler.is_exporting():
+        return _requires_grad_allowed()
+    return contextlib.nullcontext()
 
 
 def batch_neg_views() -> None:

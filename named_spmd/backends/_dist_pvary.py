@@ -205,9 +205,13 @@ def _groups(ctx: Any, hoistable: Hoistable, cap: int) -> tuple:
     for (axes, _, _), members in groups.items():
         if ctx.single_axes.issuperset(axes):
             continue  # (over a group of one a pvary is no node)
-        sizes = [_nbytes(ctx.inputs[at]) for at, _, _ in members]
-        small = [m for m, n in zip(members, sizes) if n <= MAX_HOISTED_BYTES]
-        if len(small) < 2 or sum(n for n in sizes if n <= MAX_HOISTED_BYTES) >= cap:
+        small, total = [], 0  # the members of at most MAX_HOISTED_BYTES, and their bytes
+        for member in members:
+            n = _nbytes(ctx.inputs[member[0]])
+            if n <= MAX_HOISTED_BYTES:
+                small.append(member)
+                total += n
+        if len(small) < 2 or total >= cap:
             continue  # (one alone gains nothing; more than a bucket: its buckets overlap)
         made.append((axes, tuple(small)))
     return tuple(made)

@@ -303,7 +303,10 @@ def run(call: Call) -> list[torch.Tensor]:
             [0 if b == a else None for b in names],
         )
         mapped = torch.func.vmap(mapped, in_dims=in_dims, randomness="same")
-    outs = mapped(physical, tokens)
+    # a tensor ``fn`` reads but does not take (a mapped method's ``self.w``) is one Dynamo meets
+    # first inside the levels, where exporting copies it with a requires_grad_ vmap refuses
+    with torch_private.export_clones_allowed():
+        outs = mapped(physical, tokens)
     with torch_private.DisableTorchFunction():
         return [
             from_physical(y, names, s, mesh, cached=False) for y, s in zip(outs, call.out_specs())
