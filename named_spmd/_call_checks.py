@@ -214,13 +214,15 @@ def check_outputs(
 ) -> tuple[list[tuple], list[Any], list[PartitionSpec], Any]:
     paths, leaves, treedef = flatten_with_paths(out)
     specs, fitting = _out_specs(f, out, treedef)
-    problems: list[str] = []
-    vma_problems: list[str] = []
     check_vma = f.check_vma and not ctx.replaying  # a replay's types were checked
     # the checks other than the types' run once per structure and leaves_key, as the inputs'
     key = None if fitting is None or ctx.uneven else leaves_key(leaves)
-    if fitting is not None and key is not None and not check_vma and key in fitting:
+    if fitting is not None and key is not None and key in fitting:
+        if check_vma:
+            _raise_vma_problems(f, ctx, paths, leaves, specs)
         return paths, leaves, specs, treedef
+    problems: list[str] = []
+    vma_problems: list[str] = []
     deferred = 0  # rank problems left to _layout.instances_problem
     for path, leaf, spec in zip(paths, leaves, specs):
         where = "output" + path_text(path)
@@ -249,28 +251,60 @@ def check_outputs(
             problems.append(_split_data_dependent_output(where, spec))
         elif spec.explicit and not ctx.uneven:  # (an uneven execution checks each block)
             problems += given_sizes_problems(spec, tuple(leaf.shape), where)
-        if not check_vma:
-            continue
-        vma = ctx.vma(leaf)
-        if not vma <= spec.axes:  # rule 4: a subset of the named axes
-            # (an axis the spec says is unreduced is the next bullet's, which says to pcast)
-            extra = vma.remove(spec.axes + tuple(spec.unreduced))
-            if extra.varying:
-                vma_problems.append(varying_problem(where, leaf, spec, extra, ctx))
-        if vma.unreduced != spec.unreduced:
-            vma_problems.append(unreduced_problem(where, leaf, spec, ctx))
+        if check_vma:
+            vma_problems += _vma_problems(path, leaf, spec, ctx)
     if len(problems) > deferred:
         raise SpecError(f"{f.where}: the outputs do not fit out_specs:\n" + bullet_list(problems))
     if vma_problems and not deferred:  # (an instance's SpecError comes before its VmaError)
-        raise VmaError(
-            f"{f.where}: out_specs claim replication that the program does not guarantee:\n"
-            + "\n".join(vma_problems)
-        )
+        _raise_vma_error(f, vma_problems)
     if fitting is not None and key is not None:
         if len(fitting) >= 256:  # (a number output that changes every call: start again)
             fitting.clear()
         fitting.add(key)
     return paths, leaves, specs, treedef
+
+
+def _vma_problems(
+    path: tuple, leaf: torch.Tensor, spec: PartitionSpec, ctx: _context.SpmdContext
+) -> list[str]:
+    """How the type of ``leaf``, the output at ``path``, breaks rule 4 under ``spec`` (empty:
+    it fits)."""
+    found = []
+    vma = ctx.vma(leaf)
+    if not vma <= spec.axes:  # rule 4: a subset of the named axes
+        # (an axis the spec says is unreduced is the next bullet's, which says to pcast)
+        extra = vma.remove(spec.axes + tuple(spec.unreduced))
+        if extra.varying:
+            found.append(varying_problem("output" + path_text(path), leaf, spec, extra, ctx))
+    if vma.unreduced != spec.unreduced:
+        found.append(unreduced_problem("output" + path_text(path), leaf, spec, ctx))
+    return found
+
+
+def _raise_vma_problems(
+    f: SpmdFunction,
+    ctx: _context.SpmdContext,
+    paths: list[tuple],
+    leaves: list[Any],
+    specs: list[PartitionSpec],
+) -> None:
+    """The type check alone, of outputs whose other checks passed (their structure and
+    :func:`leaves_key` are known)."""
+    found = [
+        problem
+        for path, leaf, spec in zip(paths, leaves, specs)
+        if isinstance(leaf, torch.Tensor)
+        for problem in _vma_problems(path, leaf, spec, ctx)
+    ]
+    if found:
+        _raise_vma_error(f, found)
+
+
+def _raise_vma_error(f: SpmdFunction, problems: list[str]) -> None:
+    raise VmaError(
+        f"{f.where}: out_specs claim replication that the program does not guarantee:\n"
+        + "\n".join(problems)
+    )
 
 
 def _varies(vma: Vma) -> bool:

@@ -26,14 +26,19 @@ from ._masked_fill import NOT_MASKED, SETITEM, WRITES_THROUGH_MASKS, as_masked_f
 
 # --- whether calls take blocks of unequal sizes -------------------------------------------------
 
-_uneven = threading.local()
+
+class _Uneven(threading.local):
+    on = False  # (a class default: read at every call, never a caught AttributeError)
+
+
+_uneven = _Uneven()
 
 
 def uneven_blocks_requested() -> bool:
     """Whether calls made now take a dim the axes do not divide, in ``torch.chunk``'s blocks
     (``ns.simulate_per_instance()`` is active on this thread). Every backend that takes uneven
     blocks reads this one switch, so that they accept and refuse the same inputs."""
-    return getattr(_uneven, "on", False)
+    return _uneven.on
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ hold the call's context.
 from __future__ import annotations
 
 import datetime
+import struct
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from ._dist_failures import POLL_S
 from ._dist_waiting import wait as wait_for
 
 _SLICE = datetime.timedelta(seconds=POLL_S)
+_TWO_INT64 = struct.Struct("=qq")  # (native order, as a CPU tensor's)
 _LAYOUTS = 256  # the flagged ppermutes' splits a Comm keeps (per pairs, size, unit and device)
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
@@ -233,7 +235,8 @@ class Comm:
         """Start comparing ``value`` across the group: one all-reduce of two int64 (the max of
         ``value`` and of ``-value``: they agree when the max equals the min). :meth:`agreed`
         finishes it; in between, this rank computes."""
-        buf = torch.tensor([value, -value], dtype=torch.int64)
+        # (from the packed bytes: a fifth of torch.tensor's cost of parsing a list, every call)
+        buf = torch.frombuffer(bytearray(_TWO_INT64.pack(value, -value)), dtype=torch.int64)
         opts = self._agree_opts
         return self._start(name, lambda: self.group.allreduce([buf], opts)), buf
 
@@ -241,7 +244,8 @@ class Comm:
         """Whether every member passed the same value to :meth:`start_agree`."""
         work, buf = started
         self._wait(name, work)
-        return int(buf[0]) == -int(buf[1])  # (not tolist(): a functionalized buffer has none)
+        # max(value) + max(-value) == 0: one op (not tolist(): a functionalized buffer has none)
+        return int(buf.sum()) == 0
 
     # --- collectives --------------------------------------------------------------------------
     def all_reduce_(self, buf: torch.Tensor, op=SUM, name: str = "psum") -> torch.Tensor:

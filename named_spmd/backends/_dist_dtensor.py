@@ -381,15 +381,16 @@ def uneven_from_local(mesh, local: torch.Tensor, places: tuple, shape: tuple) ->
     return _remember_source(d, local, places)
 
 
-def blocks_equal(d: DTensor) -> bool:
+def blocks_equal(d: DTensor, sizes: tuple[int, ...]) -> bool:
     """Whether ``d``'s global shape is this rank's block's times the number of blocks along
     each dim: what :class:`_LocalOf` assumes, whose gradient's spec is keyed by the block.
     Else (``torch.chunk``'s blocks of a dim the group does not divide, or other sizes given to
     ``DTensor.from_local``) the gradient needs the global shape, which
-    :class:`_UnevenLocalOf` keeps."""
+    :class:`_UnevenLocalOf` keeps. ``sizes``: those of ``d``'s DeviceMesh (a registered
+    mesh's, read without DeviceMesh's layout arithmetic)."""
     block = torch_private.local_tensor(d).shape
     splits = [1] * len(block)
-    for size, p in zip(d.device_mesh.shape, d.placements):
+    for size, p in zip(sizes, d.placements):
         if isinstance(p, Shard):
             splits[p.dim % len(block)] *= size
     return all(n == b * k for n, b, k in zip(d.shape, block, splits))
@@ -419,6 +420,6 @@ def _leaf_to_local(t: Any) -> Any:
     made = None if untouched else made_from(t)
     if made is not None:
         return made
-    if not blocks_equal(t):  # (torch's own to_local where a transform or a trace is active)
+    if not blocks_equal(t, mesh.axis_sizes):  # (torch's own where a transform or trace is)
         return t.to_local() if untouched else uneven_to_local(mesh, t)
     return to_local_fast(mesh, t)
