@@ -47,7 +47,7 @@ def test_a_strict_export_on_the_simulated_mesh_warns_of_nothing_and_equals_eager
 @pytest.mark.parametrize("shape", [(2, 2), (1, 1)])
 def test_a_strict_export_of_a_mapped_method_reading_parameters_equals_eager(shape):
     """The method reads ``self.w1``... (not arguments): Dynamo meets each parameter first inside
-    the call's vmap levels, where its export-time copy's ``requires_grad_`` was refused."""
+    the call's vmap levels, where functorch refuses its export-time copy's ``requires_grad_``."""
     model = method_model(ns.make_mesh(shape, ("dp", "tp")))
     module = exported_module(model, inputs(0)[:1])
     for seed in (0, 1):

@@ -377,3 +377,22 @@ def test_check_vma_false_still_checks_specs():
     f = ns.spmd_map(lambda x: x, mesh=MESH, in_specs=P("dp"), out_specs=P("tq"), check_vma=False)
     with pytest.raises(ns.SpecError, match="unknown mesh axis 'tq'"):
         f(_x(4))
+
+
+def test_out_specs_are_checked_again_when_an_output_of_the_same_shape_changes_type():
+    """A call whose output has the tree, shapes and dtypes of an earlier call's, but another
+    type (here chosen by an argument), still fails the out_specs check, and an accepted one
+    after it returns the right value: what a call caches of its outputs' checks (per tree
+    structure and leaves) never includes their types."""
+
+    @ns.spmd_map(mesh=ns.make_mesh((2,), ("dp",)), in_specs=(P("dp"), P()), out_specs=P())
+    def total_or_block(x, keep_block):
+        return x if keep_block else ns.psum(x, "dp")
+
+    x = torch.arange(4.0, dtype=torch.float64)
+    want = x[:2] + x[2:]
+    for _ in range(2):
+        torch.testing.assert_close(total_or_block(x, False), want)
+    with pytest.raises(ns.VmaError, match=r"varies over \('dp',\)"):
+        total_or_block(x, True)
+    torch.testing.assert_close(total_or_block(x, False), want)

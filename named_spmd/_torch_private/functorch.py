@@ -238,14 +238,16 @@ def _requires_grad_allowed() -> Any:
 
 def export_clones_allowed() -> Any:
     """Context manager for the vmap levels a Dynamo trace enters (the simulated compile path's
-    ``torch.func.vmap``). While ``torch.export`` traces, Dynamo keeps a clone of each tensor
-    it meets first (its real-value cache) and sets a leaf's clone's ``requires_grad`` in place,
-    which functorch refuses inside a transform: a parameter that the mapped function reads
-    without taking it as an argument (a mapped method's ``self.w``, a closed-over layer's
+    ``torch.func.vmap``). While strict ``torch.export`` traces, Dynamo keeps a clone of each
+    tensor it meets first (its real-value cache) and sets a leaf's clone's ``requires_grad`` in
+    place, which functorch refuses inside a transform: a parameter that the mapped function
+    reads without taking it as an argument (a mapped method's ``self.w``, a closed-over layer's
     weight) is met first inside the levels, where that refusal would fail the export. Under
-    this manager functorch allows it (``enable_inplace_requires_grad``, which Dynamo traces by identity; the exported
-    program has no trace of the toggle); outside an export it does nothing."""
-    if torch.compiler.is_exporting():
+    this manager functorch allows it (``enable_inplace_requires_grad``; Dynamo runs the toggle
+    while tracing and leaves no trace of it in the program). Elsewhere (eager, non-strict
+    export, torch.compile) it does nothing: no clone is made there, and a ``requires_grad_``
+    of the user's inside the levels stays refused as eagerly."""
+    if torch.compiler.is_exporting() and torch.compiler.is_dynamo_compiling():
         return _requires_grad_allowed()
     return contextlib.nullcontext()
 

@@ -18,7 +18,6 @@ hold the call's context.
 from __future__ import annotations
 
 import datetime
-import struct
 from typing import Any
 
 import torch
@@ -32,7 +31,6 @@ from ._dist_failures import POLL_S
 from ._dist_waiting import wait as wait_for
 
 _SLICE = datetime.timedelta(seconds=POLL_S)
-_TWO_INT64 = struct.Struct("=qq")  # (native order, as a CPU tensor's)
 _LAYOUTS = 256  # the flagged ppermutes' splits a Comm keeps (per pairs, size, unit and device)
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
@@ -235,8 +233,9 @@ class Comm:
         """Start comparing ``value`` across the group: one all-reduce of two int64 (the max of
         ``value`` and of ``-value``: they agree when the max equals the min). :meth:`agreed`
         finishes it; in between, this rank computes."""
-        # (from the packed bytes: a fifth of torch.tensor's cost of parsing a list, every call)
-        buf = torch.frombuffer(bytearray(_TWO_INT64.pack(value, -value)), dtype=torch.int64)
+        # (torch.tensor, not frombuffer of packed bytes, which is faster: such a tensor holds a
+        # Python object, which gloo's worker thread may free after the interpreter finalizes)
+        buf = torch.tensor([value, -value], dtype=torch.int64)
         opts = self._agree_opts
         return self._start(name, lambda: self.group.allreduce([buf], opts)), buf
 
@@ -244,7 +243,7 @@ class Comm:
         """Whether every member passed the same value to :meth:`start_agree`."""
         work, buf = started
         self._wait(name, work)
-        # max(value) + max(-value) == 0: one op (not tolist(): a functionalized buffer has none)
+        # max(value) + max(-value) == 0 (one op; not tolist(): a functionalized buffer has none)
         return int(buf.sum()) == 0
 
     # --- collectives --------------------------------------------------------------------------
