@@ -48,8 +48,9 @@ class Step:
     # mesh the axes its input is expanded over (``simulated._marks.input_axes``)
     casts: tuple
     outputs: tuple  # per tensor result: (its stamp or None, its blocks record or None)
-    # per cast, the position of its operand among the positional arguments, where every tensor
-    # operand is one (the usual op: the replay then swaps them in place); else None
+    # per cast, its operand's place: a position among the positional arguments or a keyword's
+    # name, where every tensor operand has one, none in a list (the usual op, F.layer_norm's
+    # weight=: the replay then swaps them in place); else None
     places: tuple | None = None
 
 
@@ -235,13 +236,17 @@ class PlanningMode(VmaMode):
 
 
 def _places(args: Any, kwargs: dict | None, casts: tuple) -> tuple | None:
-    """:attr:`Step.places` of an op called with ``args`` and ``kwargs``."""
-    if not casts or any(isinstance(v, (Tensor, list, tuple)) for v in (kwargs or {}).values()):
+    """:attr:`Step.places` of an op called with ``args`` and ``kwargs``. (A replay's key,
+    matched, has its tensors at the same places: no tensor's key equals another argument's.)"""
+    if not casts:
         return None
-    if any(isinstance(a, (list, tuple)) for a in args):
-        return None  # (a list may hold tensors: operands are then not positions)
-    positions = [at for at, a in enumerate(args) if isinstance(a, Tensor)]
-    return tuple(positions[i] for i, _ in casts)
+    kwargs = kwargs or {}
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)) and any(isinstance(b, Tensor) for b in a):
+            return None  # (operands in a list: ``tensor_operands``)
+    places = [at for at, a in enumerate(args) if isinstance(a, Tensor)]
+    places += [name for name, a in kwargs.items() if isinstance(a, Tensor)]
+    return tuple(places[i] for i, _ in casts)
 
 
 def _held(t: Tensor, attr: str, token: object) -> Any:
@@ -276,10 +281,13 @@ class ReplayMode(VmaMode):
         return super().__torch_function__(func, types, args, kwargs)
 
     def _replay(self, step: Step, func, args, kwargs):
-        if step.places is not None:  # each cast's operand at a known argument position
-            args = list(args)
+        if step.places is not None:  # each cast's operand at a known place
+            args, kwargs = list(args), dict(kwargs) if kwargs else kwargs
             for (_, recipe), at in zip(step.casts, step.places):
-                args[at] = self._cast(args[at], recipe)
+                if type(at) is int:
+                    args[at] = self._cast(args[at], recipe)
+                else:
+                    kwargs[at] = self._cast(kwargs[at], recipe)
         elif step.casts:
             operands = tensor_operands(args, kwargs)
             swap = {}

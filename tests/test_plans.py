@@ -28,6 +28,7 @@ REPLAYS = {
     "flag_adds_a_use": [2, 1],
     "flag_drops_a_use": [2, 1],
     "flag_swaps_an_operand": [1, 1],
+    "flag_drops_a_keyword_operand": [2, 1],
     "megatron": [2, 0],
     "branch_on_invariant_value": [1, 0],
     "step_number": [0, 0],
