@@ -272,7 +272,13 @@ def memo_cast(
     hit = cache.get(key)
     if hit is not None and hit[3] == at and hit[1] is tag:
         return hit[2]
-    made = make(*args)
+    return keep_cast(cache, key, t, make(*args), at, tag)
+
+
+def keep_cast(
+    cache: dict, key: Hashable, t: torch.Tensor, made: Any, at: int, tag: object = None
+) -> Any:
+    """``made``, a cast of ``t`` at version ``at``, as :func:`memo_cast` keeps what it made."""
     if reusable_cast(t):
         cache[key] = (t, tag, made, at)
     return made

@@ -48,8 +48,9 @@ class Step:
     # mesh the axes its input is expanded over (``simulated._marks.input_axes``)
     casts: tuple
     outputs: tuple  # per tensor result: (its stamp or None, its blocks record or None)
-    # per cast, the position of its operand among the positional arguments, where every tensor
-    # operand is one (the usual op: the replay then swaps them in place); else None
+    # per cast, its operand's place: a position among the positional arguments or a keyword's
+    # name, where every tensor operand has one, none in a list (the usual op, F.layer_norm's
+    # weight=: the replay then swaps them in place); else None
     places: tuple | None = None
 
 
@@ -87,26 +88,72 @@ def outside_key(a: Tensor) -> tuple:
 
 def guard_key(token: object, args: Any, kwargs: dict | None, outside=outside_key) -> tuple:
     """What a step's typing depends on besides the op: see the module docstring. Each argument's
-    key, the keyword arguments' after the positional ones and then their names; a list or tuple
-    keyed with its type and its items' keys. ``outside`` keys a tensor the call did not number
-    (a backend where such a tensor may vary passes its own). (One loop, no call per argument:
-    this runs for every op.)"""
-    key = []
-    for a in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(a, Tensor):
-            src = a.__dict__.get(SRC)
-            key.append(src[1] if src is not None and src[0] is token else outside(a))
-        elif type(a) in _AS_THEMSELVES or a is None:
-            key.append(a)
-        elif isinstance(a, (list, tuple)):  # (a torch.return_types tuple too)
-            key.append((type(a), guard_key(token, a, None, outside)))
-        else:
-            # with its type: ``1 == 1.0 == True``, yet ``torch.full((), 1)`` is an integer tensor
-            # and ``torch.full((), 1.0)`` a float one (a cast to it of a partial sum is an error, 2.2)
-            key.append((type(a), a))
+    key (:func:`_key_of`), the keyword arguments' after the positional ones and then their names.
+    ``outside`` keys a tensor the call did not number (a backend where such a tensor may vary
+    passes its own)."""
+    values = (*args, *kwargs.values()) if kwargs else args
+    key = [_key_of(token, a, outside) for a in values]
     if kwargs:
         key.append(tuple(kwargs))
     return tuple(key)
+
+
+def _key_of(token: object, a: Any, outside) -> Any:
+    """One argument's key in :func:`guard_key`; a list or tuple keyed with its type and its
+    items' keys."""
+    if isinstance(a, Tensor):
+        src = a.__dict__.get(SRC)
+        return src[1] if src is not None and src[0] is token else outside(a)
+    if type(a) in _AS_THEMSELVES or a is None:
+        return a
+    if isinstance(a, (list, tuple)):  # (a torch.return_types tuple too)
+        return (type(a), guard_key(token, a, None, outside))
+    # with its type: ``1 == 1.0 == True``, yet ``torch.full((), 1)`` is an integer tensor and
+    # ``torch.full((), 1.0)`` a float one (a cast to it of a partial sum is an error, 2.2)
+    return (type(a), a)
+
+
+def matches(token: object, key: tuple, args: Any, kwargs: dict | None, outside=outside_key) -> bool:
+    """Whether ``guard_key(token, args, kwargs, outside) == key`` (a step's recorded key), the
+    key not built: each argument compared with its item as a tuple's ``==`` would (identity
+    first), the first that differs ending it. (This runs for every op of a replay.)"""
+    if kwargs:
+        values = (*args, *kwargs.values())
+        if len(key) != len(values) + 1 or not _equal(key[-1], tuple(kwargs)):
+            return False
+    elif len(key) != len(args):
+        return False
+    else:
+        values = args
+    for a, k in zip(values, key):
+        if a is k:  # (keyed as itself: an int, a dtype, None)
+            continue
+        if isinstance(a, Tensor):
+            src = a.__dict__.get(SRC)
+            if src is not None and src[0] is token:  # (its key, :func:`_key_of`: src[1])
+                item = src[1]  # a number (interned), or a tuple (number, type): compared in C
+                if item is k or (type(k) is tuple and type(item) is tuple and k == item):
+                    continue
+                if _equal(k, item):
+                    continue
+                return False
+        elif isinstance(a, (list, tuple)) and type(k) is tuple and len(k) == 2 and k[0] is type(a):
+            if matches(token, k[1], a, None, outside):  # (its key (type(a), guard_key(a)))
+                continue
+            return False
+        if not _equal(k, _key_of(token, a, outside)):
+            return False
+    return True
+
+
+def _equal(recorded: Any, item: Any) -> bool:
+    """``recorded == item`` as a tuple's ``==`` compares items (identity first)."""
+    if recorded is item:
+        return True
+    try:
+        return bool(recorded == item)
+    except Exception:  # an argument whose == is not a bool (an array): not the same
+        return False
 
 
 #: arguments keyed as themselves: none equals a value of another kind that a step would type
@@ -189,13 +236,17 @@ class PlanningMode(VmaMode):
 
 
 def _places(args: Any, kwargs: dict | None, casts: tuple) -> tuple | None:
-    """:attr:`Step.places` of an op called with ``args`` and ``kwargs``."""
-    if not casts or any(isinstance(v, (Tensor, list, tuple)) for v in (kwargs or {}).values()):
+    """:attr:`Step.places` of an op called with ``args`` and ``kwargs``. (A replay's key,
+    matched, has its tensors at the same places: no tensor's key equals another argument's.)"""
+    if not casts:
         return None
-    if any(isinstance(a, (list, tuple)) for a in args):
-        return None  # (a list may hold tensors: operands are then not positions)
-    positions = [at for at, a in enumerate(args) if isinstance(a, Tensor)]
-    return tuple(positions[i] for i, _ in casts)
+    kwargs = kwargs or {}
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)) and any(isinstance(b, Tensor) for b in a):
+            return None  # (operands in a list: ``tensor_operands``)
+    places = [at for at, a in enumerate(args) if isinstance(a, Tensor)]
+    places += [name for name, a in kwargs.items() if isinstance(a, Tensor)]
+    return tuple(places[i] for i, _ in casts)
 
 
 def _held(t: Tensor, attr: str, token: object) -> Any:
@@ -212,6 +263,7 @@ class ReplayMode(VmaMode):
         self.first_read = plan.first_read
         self.i = 0
         self.diverged = False
+        self.stamps: dict[int, tuple] = {}  # id(type) -> the call's stamp (``stamp_of``)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if not self.diverged and not self.ctx.in_collective:
@@ -220,12 +272,7 @@ class ReplayMode(VmaMode):
                 step = self.steps[i]
                 # (a property's getter is a new method-wrapper at each access: equal, not same)
                 if step.func is func or step.func == func:
-                    key = guard_key(self.token, args, kwargs)
-                    try:  # (:func:`_same`, inlined)
-                        same = bool(step.key == key)
-                    except Exception:
-                        same = False
-                    if same:
+                    if matches(self.token, step.key, args, kwargs):
                         if i == self.first_read:  # the read, where typing notes it
                             self.ctx.values_read = True
                         self.i = i + 1
@@ -234,10 +281,13 @@ class ReplayMode(VmaMode):
         return super().__torch_function__(func, types, args, kwargs)
 
     def _replay(self, step: Step, func, args, kwargs):
-        if step.places is not None:  # each cast's operand at a known argument position
-            args = list(args)
+        if step.places is not None:  # each cast's operand at a known place
+            args, kwargs = list(args), dict(kwargs) if kwargs else kwargs
             for (_, recipe), at in zip(step.casts, step.places):
-                args[at] = self._cast(args[at], recipe)
+                if type(at) is int:
+                    args[at] = self._cast(args[at], recipe)
+                else:
+                    kwargs[at] = self._cast(kwargs[at], recipe)
         elif step.casts:
             operands = tensor_operands(args, kwargs)
             swap = {}
@@ -247,10 +297,10 @@ class ReplayMode(VmaMode):
             args, kwargs = swap_operands(args, kwargs, swap)
         out = func(*args, **kwargs) if kwargs else func(*args)
         if type(out) is Tensor:  # the usual result: one tensor
-            self._give(out, *step.outputs[0])
+            self._give(out, step.outputs[0])
         else:
-            for o, (vma, lay) in zip(result_tensors(out), step.outputs):
-                self._give(o, vma, lay)
+            for o, given in zip(result_tensors(out), step.outputs):
+                self._give(o, given)
         return out
 
     def _cast(self, t: Tensor, recipe: tuple) -> Tensor:
@@ -263,12 +313,15 @@ class ReplayMode(VmaMode):
                 t = self.ctx.cached_cast(t, axes, to[0])
         return t
 
-    def _give(self, o: Tensor, vma: Any, lay: Any) -> None:
-        """What typing gave result ``o``: its stamp, its blocks record, the call's next number
-        (``TrackedContext.number``, inlined: this runs for every result)."""
+    def _give(self, o: Tensor, given: tuple) -> None:
+        """What typing gave result ``o`` (``given``: its :attr:`Step.outputs` entry): its stamp,
+        its blocks record, the call's next number (``TrackedContext.stamp_of`` and ``number``,
+        inlined: this runs for every result)."""
+        vma, lay = given
         ctx, d = self.ctx, o.__dict__
         if vma is not None:
-            d[_ATTR] = ctx.stamp_of(vma)
+            stamp = self.stamps.get(id(vma))  # (types are interned: identity is equality)
+            d[_ATTR] = stamp if stamp is not None else self._stamp(vma)
         if lay is not None:
             d[_BLOCKS] = (self.token, lay)
         elif _BLOCKS in d:
@@ -277,9 +330,6 @@ class ReplayMode(VmaMode):
         d[SRC] = (self.token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
         ctx.numbered = n + 1
 
-
-def _same(recorded: tuple, key: tuple) -> bool:
-    try:
-        return bool(recorded == key)
-    except Exception:  # an argument whose == is not a bool (an array): not the same
-        return False
+    def _stamp(self, vma: Any) -> tuple:
+        stamp = self.stamps[id(vma)] = self.ctx.stamp_of(vma)
+        return stamp

@@ -56,6 +56,13 @@ def _flag_swaps_an_operand(x, w1, b1, w2, s, v):
     return ns.pmean((y @ w2).pow(2).mean().reshape(1), "x")
 
 
+def _flag_drops_a_keyword_operand(x, w1, b1, w2, s, v):
+    """Invariant operands passed by keyword beside a varying one (``F.layer_norm``'s weight and
+    bias: implicit pvarys a replay makes at their keywords); the flag drops the bias."""
+    h = F.layer_norm(torch.tanh(x @ w1), (8,), weight=b1, bias=None if STATE["flag"] else b1)
+    return ns.pmean((h @ w2).pow(2).mean().reshape(1), "x")
+
+
 def _megatron(x, w1, b1, w2, s, v):
     """Column- then row-parallel over "x" with a bias: the partial sum of the row-parallel
     product is inferred from the blocks (``_blocks``) and reduced; no branch."""
@@ -133,6 +140,11 @@ CASES = {
     # without the use must leave b1 no gradient (None, as typed), not zeros
     "flag_drops_a_use": (_flag_adds_a_use, False, [(True, 1), (True, 1), (False, 1), (True, 1)]),
     "flag_swaps_an_operand": (_flag_swaps_an_operand, False, [(False, 1), (False, 1), (True, 1)]),
+    "flag_drops_a_keyword_operand": (
+        _flag_drops_a_keyword_operand,
+        False,
+        [(False, 1), (False, 1), (True, 1), (False, 1)],
+    ),
     "megatron": (_megatron, True, [(False, 1), (False, 1), (False, 1)]),
     "branch_on_invariant_value": (_branch_on_invariant_value, False, [(0, 1), (0, 1), (0, -1)]),
     "step_number": (_step_number, False, [0, 1, 2, 3]),

@@ -28,6 +28,7 @@ REPLAYS = {
     "flag_adds_a_use": [2, 1],
     "flag_drops_a_use": [2, 1],
     "flag_swaps_an_operand": [1, 1],
+    "flag_drops_a_keyword_operand": [2, 1],
     "megatron": [2, 0],
     "branch_on_invariant_value": [1, 0],
     "step_number": [0, 0],
@@ -324,7 +325,7 @@ def test_a_guard_key_tells_apart_what_typing_may_depend_on():
     outside the call by its shape and dtype), and different for any that it may not: ``1``,
     ``1.0`` and ``True``, a value positional or keyword, keywords' names and order, a list or a
     tuple, and nested tensors' shapes."""
-    from named_spmd._plan import guard_key
+    from named_spmd._plan import guard_key, matches
 
     token = object()
 
@@ -333,22 +334,31 @@ def test_a_guard_key_tells_apart_what_typing_may_depend_on():
 
     x = torch.ones(2)
     assert key(x, 1, dim=[x, 2.0]) == key(torch.zeros(2), 1, dim=[torch.zeros(2), 2.0])
-    keys = [
-        key(x, 1),
-        key(x, 1.0),
-        key(x, True),
-        key(x, dim=1),
-        key(x, keepdim=1),
-        key(x, 1, keepdim=True),
-        key(x, keepdim=True, dim=1),
-        key(x, dim=1, keepdim=True),
-        key(x, (1,)),
-        key(x, [1]),
-        key(x, [torch.ones(3)]),
-        key(x, [x]),
-        key(x, x),
-        key(x, torch.ones(2, dtype=torch.float64)),
-        key(x, None),
-        key(x, "1"),
+    calls = [
+        ((x, 1), {}),
+        ((x, 1.0), {}),
+        ((x, True), {}),
+        ((x,), {"dim": 1}),
+        ((x,), {"keepdim": 1}),
+        ((x, 1), {"keepdim": True}),
+        ((x,), {"keepdim": True, "dim": 1}),
+        ((x,), {"dim": 1, "keepdim": True}),
+        ((x, (1,)), {}),
+        ((x, [1]), {}),
+        ((x, [torch.ones(3)]), {}),
+        ((x, [x]), {}),
+        ((x, x), {}),
+        ((x, torch.ones(2, dtype=torch.float64)), {}),
+        ((x, None), {}),
+        ((x, "1"), {}),
+        ((x, torch.Size([1])), {}),
+        ((x, 1, 2), {}),
     ]
+    keys = [key(*args, **kwargs) for args, kwargs in calls]
     assert len(set(keys)) == len(keys), keys
+    # a replay compares a call's arguments with a key without building theirs: the same answer
+    same = [key(torch.zeros(2), 1.0), key(torch.zeros(2), [torch.zeros(1)])]
+    for args, kwargs in [*calls, ((x, 1.0), {}), ((x, [torch.ones(1)]), {})]:
+        for recorded in [*keys, *same]:
+            answer = matches(token, recorded, args, kwargs or None)
+            assert answer == (recorded == key(*args, **kwargs)), (recorded, args, kwargs)

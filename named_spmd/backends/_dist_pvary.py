@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .._accounting import _local as _modes
-from .._accounting import reusable_cast
+from .._accounting import cast_version, keep_cast, reusable_cast
 from .._autodiff import _NONES, CollectiveFn, differentiable, differentiating
 from .._collectives._record import PVARY_RECORD, implicit_pvary, record_implicit_psum
 from .._stamps import _ATTR
@@ -259,6 +259,21 @@ def hoisted(ctx: Any, t: torch.Tensor, tag: tuple) -> torch.Tensor | None:
     if ctx.numbering:
         ctx.number(alias)
     return alias
+
+
+def first_use(ctx: Any, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor | None:
+    """``ctx.cached_pvary(t, axes)`` where :func:`hoist` made the alias and no ``CommMode``
+    records: what the generic path (``memo_cast``, ``implicit_pvary``, :func:`hoisted`) gives
+    at the first use, without its calls (a replay's every parameter passes here); else None."""
+    if _modes.stack:
+        return None
+    hit = ctx.hoisted_aliases.pop((id(t), axes), None)
+    if hit is None:
+        return None
+    alias = hit[1]
+    if ctx.numbering:
+        ctx.number(alias)
+    return keep_cast(ctx.pvary_cache, (id(t), axes), t, alias, cast_version(t))
 
 
 def release(ctx: Any, hoistable: tuple) -> None:

@@ -171,6 +171,11 @@ class DistributedContext(OperandShapes, MemberContext):
     def psum_in_backward(self, g, axes, node):
         return _dist_overlap.psum_in_backward(g, self.mesh.comm(axes), node)
 
+    def cached_pvary(self, t, axes):
+        if self.hoisted_aliases and (alias := _dist_pvary.first_use(self, t, axes)) is not None:
+            return alias  # (made at a replay's entry)
+        return super().cached_pvary(t, axes)
+
     def implicit_pvary(self, t, axes):
         """A view of a parameter (``x @ w.T``, ``wpe[:T]``) is pvary'd at the parameter and the
         view made again from that alias: its gradient's psum reaches the parameter's gradient

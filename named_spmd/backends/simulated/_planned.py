@@ -25,7 +25,7 @@ import torch
 from ... import _blocks
 from ... import _torch_private as torch_private
 from ..._operands import METADATA, NOT_OPS, result_tensors
-from ..._plan import Plan, Step, _held, guard_key
+from ..._plan import Plan, Step, _held, guard_key, matches
 from ..._replay import Replay
 from ..._stamps import _NUMBERS, _number
 from ..._stamps import _SRC as SRC
@@ -97,7 +97,7 @@ class ReplayMode(PartialMode):
         self.diverged = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        # (``_plan._same``, the step's application and ``ctx.number`` inlined: this runs for
+        # (the step's application and ``ctx.number`` inlined: this runs for
         # every op of the call, and a Python frame costs about what the rest of it does)
         if func in METADATA:
             return func(*args, **kwargs) if kwargs else func(*args)
@@ -110,12 +110,7 @@ class ReplayMode(PartialMode):
                 # (a property's getter is a new method-wrapper at each access: equal, not same)
                 if step.func is func or step.func == func:
                     token = ctx.token
-                    key = guard_key(token, args, kwargs, self.outside)
-                    try:
-                        same = bool(step.key == key)
-                    except Exception:  # an argument whose == is not a bool (an array)
-                        same = False
-                    if same:
+                    if matches(token, step.key, args, kwargs, self.outside):
                         self.i = i + 1
                         if step.casts:
                             args = with_input_varied(ctx, args, step.casts)
