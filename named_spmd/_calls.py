@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -73,6 +74,54 @@ def pop() -> None:
         marker = _remove_marker(ctx)
         if marker is not None:
             marker.held = held
+
+
+# --- the attributes a call writes into tensors -------------------------------------------------
+
+#: What a call keeps in its tensors' ``__dict__``: a type stamp (``_stamps``), a planned call's
+#: number (``_plan``), a blocks record (``_blocks``), a partial mark (``simulated._marks``). Each
+#: is read inside its call only; on the caller's tensors (inputs handed through, closed-over
+#: tensors an op hands back, outputs) they are removed when the call returns (:func:`unstamp`):
+#: torch.save (``weights_only`` loading), deepcopy and pickle then see plain tensors.
+TENSOR_ATTRS = ("_named_spmd_vma", "_named_spmd_src", "_named_spmd_blocks", "_named_spmd_partial")
+
+
+def unstamp(ctx: SpmdContext, tensors: Iterable[Any]) -> None:
+    """Remove :data:`TENSOR_ATTRS` from ``tensors``, which call ``ctx`` handed back or typed and
+    the caller holds; where a checkpoint may resume the call (it marks calls), what was removed
+    is kept for the recomputation (:func:`_restamped`)."""
+    kept = None
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        d = t.__dict__
+        if not d or d.keys().isdisjoint(TENSOR_ATTRS):
+            continue
+        removed = {k: d.pop(k) for k in TENSOR_ATTRS if k in d}
+        if ctx.marks_calls:
+            kept = [] if kept is None else kept
+            kept.append((weakref.ref(t), removed))
+    if kept:
+        ctx.unstamped = kept if ctx.unstamped is None else ctx.unstamped + kept
+
+
+def _restamped(kept: list) -> Callable[[], None]:
+    """Put back what :func:`unstamp` removed, for a recomputation of the call (its ops see the
+    types the forward's saw); returns the undo, which removes them again."""
+    back = []
+    for ref, removed in kept:
+        t = ref()
+        if t is not None:
+            t.__dict__.update(removed)
+            back.append(t)
+
+    def undo() -> None:
+        for t in back:
+            d = t.__dict__
+            for k in TENSOR_ATTRS:
+                d.pop(k, None)
+
+    return undo
 
 
 def restoring_stacks(run: Callable[[], Any]) -> Any:
@@ -200,6 +249,8 @@ class CallMarker(torch_private.DeviceContext):
         undo = contextlib.ExitStack()  # its callbacks run last to first
         try:
             undo.callback(self.ctx.resume())
+            if self.ctx.unstamped:  # (the caller's tensors, typed again while it runs)
+                undo.callback(_restamped(self.ctx.unstamped))
             outer = self.outer_device
             if outer is not None and not _on_mode_stack(outer):
                 undo.enter_context(outer)
