@@ -117,11 +117,13 @@ class Call:
         wrap) and the operands its ops handed back (``SpmdContext.handed_back``), where it typed
         them (a replay on one instance writes nothing)."""
         ctx = self.ctx
-        if ctx is not None and not ctx.replaying and not torch.compiler.is_compiling():
+        if ctx is None or ctx.replaying or torch.compiler.is_compiling():
+            return
+        if ctx.stamps:  # (the simulated mesh's several instances write none there)
             _calls.unstamp(ctx, (*self.leaves, *self.out_leaves))
-            if ctx.returned is not None:
-                _calls.unstamp(ctx, ctx.returned)
-                ctx.returned = None
+        if ctx.returned is not None:
+            _calls.unstamp(ctx, ctx.returned)
+            ctx.returned = None
 
     def unequal_blocks(self) -> bool:
         """Whether some tensor leaf's blocks differ in size (``_layout.gives_unequal_blocks``),

@@ -89,18 +89,17 @@ TENSOR_ATTRS = ("_named_spmd_vma", "_named_spmd_src", "_named_spmd_blocks", "_na
 def unstamp(ctx: SpmdContext, tensors: Iterable[Any]) -> None:
     """Remove :data:`TENSOR_ATTRS` from ``tensors``, which call ``ctx`` handed back or typed and
     the caller holds; where a checkpoint may resume the call (it marks calls), what was removed
-    is kept for the recomputation (:func:`_restamped`)."""
-    kept = None
+    is kept for the recomputation (:func:`_restamped`), by weak reference. (One loop: it runs
+    over every leaf of every typed call.)"""
+    kept: list | None = [] if ctx.marks_calls else None
     for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        d = t.__dict__
-        if not d or d.keys().isdisjoint(TENSOR_ATTRS):
-            continue
-        removed = {k: d.pop(k) for k in TENSOR_ATTRS if k in d}
-        if ctx.marks_calls:
-            kept = [] if kept is None else kept
-            kept.append((weakref.ref(t), removed))
+        d = getattr(t, "__dict__", None)  # (a tensor's is made on first access: empty)
+        if d:
+            for k in TENSOR_ATTRS:
+                if k in d:
+                    v = d.pop(k)
+                    if kept is not None:
+                        kept.append((weakref.ref(t), k, v))
     if kept:
         ctx.unstamped = kept if ctx.unstamped is None else ctx.unstamped + kept
 
@@ -109,10 +108,10 @@ def _restamped(kept: list) -> Callable[[], None]:
     """Put back what :func:`unstamp` removed, for a recomputation of the call (its ops see the
     types the forward's saw); returns the undo, which removes them again."""
     back = []
-    for ref, removed in kept:
+    for ref, k, v in kept:
         t = ref()
         if t is not None:
-            t.__dict__.update(removed)
+            t.__dict__[k] = v
             back.append(t)
 
     def undo() -> None:
