@@ -84,6 +84,7 @@ def pop() -> None:
 #: tensors an op hands back, outputs) they are removed when the call returns (:func:`unstamp`):
 #: torch.save (``weights_only`` loading), deepcopy and pickle then see plain tensors.
 TENSOR_ATTRS = ("_named_spmd_vma", "_named_spmd_src", "_named_spmd_blocks", "_named_spmd_partial")
+_VMA, _SRC, _BLOCKS, _PARTIAL = TENSOR_ATTRS
 
 
 def unstamp(ctx: SpmdContext, tensors: Iterable[Any]) -> None:
@@ -91,15 +92,20 @@ def unstamp(ctx: SpmdContext, tensors: Iterable[Any]) -> None:
     the caller holds; where a checkpoint may resume the call (it marks calls), what was removed
     is kept for the recomputation (:func:`_restamped`), by weak reference. (One loop: it runs
     over every leaf of every typed call.)"""
-    kept: list | None = [] if ctx.marks_calls else None
+    if not ctx.marks_calls:  # (nothing to keep: four pops per tensor, no lookups first)
+        for t in tensors:
+            d = getattr(t, "__dict__", None)
+            if d:
+                pop = d.pop
+                pop(_VMA, None), pop(_SRC, None), pop(_BLOCKS, None), pop(_PARTIAL, None)
+        return
+    kept: list = []
     for t in tensors:
         d = getattr(t, "__dict__", None)  # (a tensor's is made on first access: empty)
         if d:
             for k in TENSOR_ATTRS:
                 if k in d:
-                    v = d.pop(k)
-                    if kept is not None:
-                        kept.append((weakref.ref(t), k, v))
+                    kept.append((weakref.ref(t), k, d.pop(k)))
     if kept:
         ctx.unstamped = kept if ctx.unstamped is None else ctx.unstamped + kept
 
