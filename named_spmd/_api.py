@@ -299,7 +299,7 @@ class SpmdFunction:
         bound, args = self._split_self(args)
         leaves, specs, in_tree, memo = input_leaves(self, args, local, backend)
         call = Call(self, backend, leaves, specs, in_tree, local, memo, bound)
-        return call.outputs(backend.run(call)), call
+        return call.run(), call
 
 
 class BoundSpmdFunction:

@@ -74,11 +74,13 @@ class Call:
         self.out_leaf_specs: list[PartitionSpec] = []
         self.out_paths: list[tuple] = []
         self.out_error: SpmdError | None = None  # the out_specs check's, where it failed
+        self.ctx: _context.SpmdContext | None = None  # the context the body last ran with
 
     def body(self, local_leaves: list[Any], ctx: _context.SpmdContext) -> list[torch.Tensor]:
         """One instance: ``fn`` on its local leaves with ``ctx`` pushed, its outputs checked
         against out_specs and recorded here; returns the output tensors."""
         mapped = self.mapped
+        self.ctx = ctx
         _calls.push(ctx)
         try:
             local_args = cast(tuple, unflatten(self.in_tree, local_leaves))
@@ -100,6 +102,28 @@ class Call:
         self.out_tree, self.out_leaves = out_tree, out_leaves
         self.out_leaf_specs, self.out_paths = out_specs, paths
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+    def run(self) -> Any:
+        """The output tree: the backend runs the call; then what the call wrote into the
+        caller's tensors is removed (:meth:`unstamp`), whether it returned or raised."""
+        try:
+            return self.outputs(self.backend.run(self))
+        finally:
+            self.unstamp()
+
+    def unstamp(self) -> None:
+        """Remove what the call wrote into the tensors its caller holds (``_calls.unstamp``):
+        its input leaves, output tensors (the bodies' own, which a backend may hand back or
+        wrap) and the operands its ops handed back (``SpmdContext.handed_back``), where it typed
+        them (a replay on one instance writes nothing)."""
+        ctx = self.ctx
+        if ctx is None or ctx.replaying or torch.compiler.is_compiling():
+            return
+        if ctx.stamps:  # (the simulated mesh's several instances write none there)
+            _calls.unstamp(ctx, (*self.leaves, *self.out_leaves))
+        if ctx.returned is not None:
+            _calls.unstamp(ctx, ctx.returned)
+            ctx.returned = None
 
     def unequal_blocks(self) -> bool:
         """Whether some tensor leaf's blocks differ in size (``_layout.gives_unequal_blocks``),

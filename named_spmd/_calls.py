@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -78,6 +79,59 @@ def pop() -> None:
         marker = _remove_marker(ctx)
         if marker is not None:
             marker.held = held
+
+
+# --- the attributes a call writes into tensors -------------------------------------------------
+
+#: What a call keeps in its tensors' ``__dict__``: a type stamp (``_stamps``), a planned call's
+#: number (``_plan``), a blocks record (``_blocks``), a partial mark (``simulated._marks``). Each
+#: is read inside its call only; on the caller's tensors (inputs handed through, closed-over
+#: tensors an op hands back, outputs) they are removed when the call returns (:func:`unstamp`):
+#: torch.save (``weights_only`` loading), deepcopy and pickle then see plain tensors.
+TENSOR_ATTRS = ("_named_spmd_vma", "_named_spmd_src", "_named_spmd_blocks", "_named_spmd_partial")
+_VMA, _SRC, _BLOCKS, _PARTIAL = TENSOR_ATTRS
+
+
+def unstamp(ctx: SpmdContext, tensors: Iterable[Any]) -> None:
+    """Remove :data:`TENSOR_ATTRS` from ``tensors``, which call ``ctx`` handed back or typed and
+    the caller holds; where a checkpoint may resume the call (it marks calls), what was removed
+    is kept for the recomputation (:func:`_restamped`), by weak reference. (One loop: it runs
+    over every leaf of every typed call.)"""
+    if not ctx.marks_calls:  # (nothing to keep: four pops per tensor, no lookups first)
+        for t in tensors:
+            d = getattr(t, "__dict__", None)
+            if d:
+                pop = d.pop
+                pop(_VMA, None), pop(_SRC, None), pop(_BLOCKS, None), pop(_PARTIAL, None)
+        return
+    kept: list = []
+    for t in tensors:
+        d = getattr(t, "__dict__", None)  # (a tensor's is made on first access: empty)
+        if d:
+            for k in TENSOR_ATTRS:
+                if k in d:
+                    kept.append((weakref.ref(t), k, d.pop(k)))
+    if kept:
+        ctx.unstamped = kept if ctx.unstamped is None else ctx.unstamped + kept
+
+
+def _restamped(kept: list) -> Callable[[], None]:
+    """Put back what :func:`unstamp` removed, for a recomputation of the call (its ops see the
+    types the forward's saw); returns the undo, which removes them again."""
+    back = []
+    for ref, k, v in kept:
+        t = ref()
+        if t is not None:
+            t.__dict__[k] = v
+            back.append(t)
+
+    def undo() -> None:
+        for t in back:
+            d = t.__dict__
+            for k in TENSOR_ATTRS:
+                d.pop(k, None)
+
+    return undo
 
 
 def restoring_stacks(run: Callable[[], Any]) -> Any:
@@ -205,6 +259,8 @@ class CallMarker(torch_private.DeviceContext):
         undo = contextlib.ExitStack()  # its callbacks run last to first
         try:
             undo.callback(self.ctx.resume())
+            if self.ctx.unstamped:  # (the caller's tensors, typed again while it runs)
+                undo.callback(_restamped(self.ctx.unstamped))
             outer = self.outer_device
             if outer is not None and not _on_mode_stack(outer):
                 undo.enter_context(outer)

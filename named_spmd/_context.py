@@ -76,11 +76,25 @@ class SpmdContext(ABC):
     #: Inside a collective's own code (``Collective.bind``): the ops it runs under the call's
     #: mode (reading a property, a first call's probe) are not the user's program (``_plan``).
     in_collective: int = 0
+    #: What ``_calls.unstamp`` removed from the caller's tensors as the call returned, for a
+    #: checkpoint's recomputation to put back while it resumes the call (weak references)
+    unstamped: list | None = None
+    #: Tensors an op of the call handed back as its result, which may be the caller's (a
+    #: closed-over tensor written in place, ``w.contiguous()``): :meth:`handed_back`
+    returned: list | None = None
 
     def __init__(self, mesh: Mesh, fn: Any) -> None:
         self.mesh = mesh
         self.fn = fn
         self.single_axes = mesh.single_axes  # read on every collective: one attribute away
+
+    def handed_back(self, t: torch.Tensor) -> None:
+        """Note ``t``, an op's operand that the op returned and the call typed or numbered
+        (``Call.unstamp`` clears what the call wrote there: it may be the caller's tensor)."""
+        if self.returned is None:
+            self.returned = [t]
+        else:
+            self.returned.append(t)
 
     @functools.cached_property
     def fn_label(self) -> str:

@@ -191,6 +191,8 @@ class PlanningMode(VmaMode):
         self.steps.append(Step(func, key, casts, outputs, _places(args, kwargs, casts)))
         for o in results:
             self.ctx.number(o)
+        if args and out is args[0]:  # (maybe the caller's tensor: ``Call.unstamp``)
+            self.ctx.handed_back(out)
         return out
 
     def _vary_below(self, args, kwargs, common):
@@ -298,6 +300,8 @@ class ReplayMode(VmaMode):
         out = func(*args, **kwargs) if kwargs else func(*args)
         if type(out) is Tensor:  # the usual result: one tensor
             self._give(out, step.outputs[0])
+            if args and out is args[0]:  # (maybe the caller's tensor: ``Call.unstamp``)
+                self.ctx.handed_back(out)
         else:
             for o, given in zip(result_tensors(out), step.outputs):
                 self._give(o, given)

@@ -257,6 +257,7 @@ def run(call: Call) -> list[Any]:
                 local[i] = ctx.stamp_input(x.view_as(x) if x is leaf else x, spec)
     with CompiledVmaMode(ctx):
         outs = call.body(local, ctx)
-    output = local_output if local_call else global_output
     with torch_private.DisableTorchFunction():
-        return [output(ctx, y, s) for y, s in zip(outs, call.out_specs())]
+        if local_call:  # a view each: Dynamo would set the body's stamps on the tensors it returns
+            return [local_output(ctx, y, s).view_as(y) for y, s in zip(outs, call.out_specs())]
+        return [global_output(ctx, y, s) for y, s in zip(outs, call.out_specs())]

@@ -121,6 +121,7 @@ def _run_body(
     finally:
         ctx.end_partial()
         ctx.varied.clear()  # (see ``SimulatedContext.varied``)
+        ctx.input_numbers = None  # (by id: the inputs' ids are theirs only while they live)
     if mode is not None:
         _planned.finish(mode, table)
     return outs

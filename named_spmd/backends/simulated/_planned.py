@@ -35,11 +35,18 @@ Tensor = torch.Tensor
 _BLOCKS = _blocks.ATTR
 FORGET = object()  # a step's block record for a result whose record typing dropped
 maybe_current_level = torch_private.maybe_current_level
+maybe_get_level = torch_private.maybe_get_level
 
 
-def _unnumbered(ctx: Any, a: Tensor) -> tuple:
-    """The guard key (``_plan.guard_key``) of a tensor no op numbered: its type and blocks too,
-    since on a simulated mesh such a tensor may vary."""
+def _unnumbered(ctx: Any, a: Tensor) -> Any:
+    """The guard key (``_plan.guard_key``) of a tensor no op numbered: an unbatched input's
+    number (:func:`begin`), else its type and blocks too, since on a simulated mesh such a
+    tensor may vary."""
+    numbers = ctx.input_numbers
+    if numbers:
+        n = numbers.get(id(a))  # (the input is alive all call long: its id is its own)
+        if n is not None:
+            return n
     return (a.shape, a.dtype, ctx.vma(a), _held(a, _BLOCKS, ctx.token))
 
 
@@ -75,6 +82,8 @@ class PlanningMode(PartialMode):
         self.steps.append(Step(func, key, varied, outputs))
         for o in results:
             ctx.number(o)
+        if args and out is args[0]:  # (maybe the caller's tensor: ``Call.unstamp``)
+            ctx.handed_back(out)
         return out
 
     def plan(self) -> Plan | None:
@@ -128,6 +137,8 @@ class ReplayMode(PartialMode):
                             n = ctx.numbered
                             d[SRC] = (token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
                             ctx.numbered = n + 1
+                        if args and out is args[0]:  # (maybe the caller's: ``Call.unstamp``)
+                            ctx.handed_back(out)
                         return out
             self.diverged = True  # typed from here on: every tensor so far is typed
         return self.typed(func, args, kwargs or {})[0]
@@ -148,9 +159,14 @@ def begin(ctx: Any, local: list[Any], table: Replay | None) -> PartialMode:
     if table is None:
         return PartialMode(ctx)
     ctx.numbering = True
+    numbers = ctx.input_numbers = {}
     for x in local:
         if isinstance(x, Tensor):
-            ctx.number(x)
+            if maybe_get_level(x) == -1:  # unbatched: maybe the caller's own, numbered
+                numbers[id(x)] = _number(ctx.numbered)  # aside (nothing to remove after)
+                ctx.numbered += 1
+            else:
+                ctx.number(x)
     if isinstance(table.entry, Plan):
         return ReplayMode(ctx, table.entry)
     return PlanningMode(ctx)

@@ -62,6 +62,7 @@ class SimulatedContext(SpmdContext):
         # a planned or replayed call (``_planned``): each tensor it types gets the next number
         self.numbering = False
         self.numbered = 0
+        self.input_numbers: dict[int, Any] | None = None  # (``_planned.begin``)
         # (id(input), axes) -> (input, its expand over the axes' levels): ``_marks.input_axes``;
         # emptied when the body (or a checkpoint's recomputation) ends: the aliases hold
         # activations, and a context lives on until the garbage collector breaks its cycles
