@@ -117,19 +117,25 @@ def unstamp(ctx: SpmdContext, tensors: Iterable[Any]) -> None:
 
 def _restamped(kept: list) -> Callable[[], None]:
     """Put back what :func:`unstamp` removed, for a recomputation of the call (its ops see the
-    types the forward's saw); returns the undo, which removes them again."""
-    back = []
+    types the forward's saw); returns the undo, which leaves each tensor's attributes as they
+    were before (another call running meanwhile, whose backward recomputes this one, keeps
+    its own types)."""
+    before: dict[int, tuple[dict, dict]] = {}
     for ref, k, v in kept:
         t = ref()
         if t is not None:
-            t.__dict__[k] = v
-            back.append(t)
+            d = t.__dict__
+            if id(d) not in before:
+                before[id(d)] = (d, {a: d[a] for a in TENSOR_ATTRS if a in d})
+            d[k] = v
 
     def undo() -> None:
-        for t in back:
-            d = t.__dict__
-            for k in TENSOR_ATTRS:
-                d.pop(k, None)
+        for d, was in before.values():
+            for a in TENSOR_ATTRS:
+                if a in was:
+                    d[a] = was[a]
+                else:
+                    d.pop(a, None)
 
     return undo
 

@@ -300,11 +300,11 @@ class ReplayMode(VmaMode):
         out = func(*args, **kwargs) if kwargs else func(*args)
         if type(out) is Tensor:  # the usual result: one tensor
             self._give(out, step.outputs[0])
-            if args and out is args[0]:  # (maybe the caller's tensor: ``Call.unstamp``)
-                self.ctx.handed_back(out)
-        else:
+        else:  # (also a Parameter an op hands back: ``w.to(w.dtype)``)
             for o, given in zip(result_tensors(out), step.outputs):
                 self._give(o, given)
+        if args and out is args[0]:  # (maybe the caller's tensor: ``Call.unstamp``)
+            self.ctx.handed_back(out)
         return out
 
     def _cast(self, t: Tensor, recipe: tuple) -> Tensor:

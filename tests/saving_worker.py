@@ -41,23 +41,26 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return full() if full is not None else t
 
 
-def program(mesh, compiled: bool, local: bool = False) -> dict:
+def program(mesh, compiled: bool, local: bool = False, checkpointed: bool = True) -> dict:
     """A layer whose parameter, input, closed-over tensors, outputs and gradient the caller
     holds after three calls (each with its backward), eager or compiled (``ns.compile``);
-    ``local``: the call of ``f.local`` on this process's blocks. Returns, per held tensor, the
+    ``local``: the call of ``f.local`` on this process's blocks; ``checkpointed``: part of the
+    eager body under a checkpoint (typed every call; without it, later calls replay). Returns, per held tensor, the
     attributes left on it, and whether the state_dict, the tensors and a deepcopy of the module
     round-trip with their values."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 4, bias=False, dtype=torch.float64)
     c = torch.randn(4, dtype=torch.float64)  # closed over
+    # closed over, handed back unchanged by ``.to`` (a Parameter: not ``type(out) is Tensor``)
+    other = torch.nn.Linear(4, 4, bias=False, dtype=torch.float64)
     steps = torch.zeros((), dtype=torch.float64)  # closed over, written in place
 
     def body(x, w):
         steps.add_(1)
         h = torch.tanh(x @ w)
-        if not compiled:  # (a checkpoint in a compiled call is refused)
+        if checkpointed and not compiled:  # (a checkpoint in a compiled call is refused)
             h = checkpoint(lambda a, b: torch.tanh(a @ b), x, w, use_reentrant=False)
-        return h + c.contiguous(), w * 2
+        return h @ other.weight.to(torch.float64) + c.contiguous(), w * 2
 
     f = ns.spmd_map(body, mesh=mesh, in_specs=(P("dp"), P()), out_specs=(P("dp"), P()))
     run = f.local if local else f
@@ -68,7 +71,8 @@ def program(mesh, compiled: bool, local: bool = False) -> dict:
     for _ in range(3):
         y, z = run(x, layer.weight)
         (plain(y).sum() + plain(z).sum()).backward()
-    held = {"x": x, "w": layer.weight, "c": c, "steps": steps, "y": y, "z": z}
+    held = {"x": x, "w": layer.weight, "other": other.weight, "c": c, "steps": steps}
+    held |= {"y": y, "z": z}
     held["grad"] = layer.weight.grad
     left = {k: left_on(v) for k, v in held.items() if left_on(v)}
     loaded = round_trip(layer.state_dict())
@@ -109,6 +113,31 @@ def checkpointed_input(mesh, ckpt: bool) -> list[float]:
     return x.grad.tolist()
 
 
+def recomputed_inside_another_call(mesh) -> tuple[list[float], list[float]]:
+    """A call whose backward runs inside another call taking the same tensor: the first call's
+    checkpoint recomputes there, typing the tensor as it was in the first call, and leaves it
+    typed as the second call typed it. Returns the second call's gradient and its reference
+    (``x * x * 2`` per element: 4x)."""
+    first = ns.spmd_map(
+        lambda a: checkpoint(lambda t: torch.sin(ns.psum(t, "dp")), a, use_reentrant=False),
+        mesh=mesh,
+        in_specs=P("dp"),
+        out_specs=P(),
+    ).local
+    rank = torch.distributed.get_rank()
+    x = torch.arange(4.0, dtype=torch.float64).add(1 + rank).requires_grad_()
+    y = first(x)
+
+    def second_body(a):
+        h = a * 2
+        torch.autograd.grad(y.sum(), x, retain_graph=True)  # recomputes ``first``'s checkpoint
+        return h * a
+
+    second = ns.spmd_map(second_body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")).local
+    second(x).sum().backward()
+    return x.grad.tolist(), (4 * x).tolist()
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -120,8 +149,13 @@ def main() -> None:
             for local in (False, True):
                 out = program(mesh, compiled, local)
                 print("SAVING " + json.dumps({"compiled": compiled, "local": local, **out}))
+        for local in (False, True):  # replayed calls
+            out = program(mesh, False, local, checkpointed=False)
+            print("SAVING " + json.dumps({"compiled": False, "local": local, **out}))
         grads = {ckpt: checkpointed_input(mesh, ckpt) for ckpt in (False, True)}
         print("SAVING " + json.dumps({"checkpointed": grads[True], "plain": grads[False]}))
+        got, want = recomputed_inside_another_call(mesh)
+        print("SAVING " + json.dumps({"checkpointed": got, "plain": want}))
     finally:
         dist.destroy_process_group()
 

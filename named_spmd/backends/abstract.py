@@ -338,6 +338,7 @@ class AbstractBackend:
         self.per_instance = per_instance
         self.ctx: Any = None  # the (first) instance's context, made by run()
         self.outputs: list[torch.Tensor] = []
+        self.output_vmas: list[Any] = []  # their types in the call
         self.comms = CommMode()
         self.instances = False  # whether the check ran per instance
 
@@ -364,6 +365,7 @@ class AbstractBackend:
             if self.backward:
                 _run_backward(outs)
         self.outputs = outs
+        self.output_vmas = [ctx.vma(o) for o in outs]  # (before the call forgets its types)
         sizes = mesh._shape
         return [
             ShapeDtype(global_shape(y.shape, s, sizes), y.dtype)
@@ -392,6 +394,7 @@ class AbstractBackend:
 
         def first(ctx: Any, outs: list[torch.Tensor]) -> None:
             self.ctx, self.outputs = ctx, outs
+            self.output_vmas = [ctx.vma(o) for o in outs]
 
         versions = call.input_versions(leaves)
         with self.comms:
@@ -443,8 +446,8 @@ class AbstractBackend:
         assert self.ctx is not None  # made by run()
         outputs = []
         global_leaves = iter(g for g in optree.tree_leaves(out) if isinstance(g, ShapeDtype))
-        for path, leaf, spec in zip(paths, self.outputs, specs):
-            vtype = VType(leaf.dtype, tuple(leaf.shape), self.ctx.vma(leaf), mesh.axis_names)
+        for path, leaf, vma, spec in zip(paths, self.outputs, self.output_vmas, specs):
+            vtype = VType(leaf.dtype, tuple(leaf.shape), vma, mesh.axis_names)
             outputs.append(OutputCheck(path, spec, vtype, next(global_leaves).shape))
         return CheckReport(fn_label, mesh, outputs, out, list(self.comms.events))
 
