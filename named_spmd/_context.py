@@ -96,6 +96,16 @@ class SpmdContext(ABC):
         else:
             self.returned.append(t)
 
+    def note_handed_back(self, out: Any, args: Sequence[Any], kwargs: dict | None) -> None:
+        """Note (:meth:`handed_back`) each operand that an op returned (``x.add_(1)``,
+        ``w.contiguous()``, ``torch.atleast_1d(a, b)``) or wrote through ``out=``: the call
+        stamps or numbers the op's results, which may be the caller's tensors. (Called for every
+        op a planned call types or replays: the usual case, one tensor, costs one comparison.)"""
+        if args and out is args[0]:
+            self.handed_back(out)
+        elif type(out) is not torch.Tensor or (kwargs and "out" in kwargs):
+            _note_operands_among(self, out, args, kwargs)
+
     @functools.cached_property
     def fn_label(self) -> str:
         """The user's function, named for messages: built on first use (an error's; a backend
@@ -426,6 +436,25 @@ class OneMemberPrimitives:
 
     def own_block(self, x: torch.Tensor, axes: Axes, dim: int) -> torch.Tensor:
         return x.select(dim, 0)
+
+
+def _note_operands_among(
+    ctx: SpmdContext, out: Any, args: Sequence[Any], kwargs: dict | None
+) -> None:
+    """:meth:`SpmdContext.note_handed_back` beyond its usual case: the ``out=`` tensors, and
+    every result that is one of the operands (a list's items included)."""
+    written = (kwargs or {}).get("out")
+    for t in written if isinstance(written, (tuple, list)) else (written,):
+        if isinstance(t, torch.Tensor):
+            ctx.handed_back(t)
+    results = out if isinstance(out, (tuple, list)) else (out,)
+    if not any(isinstance(o, torch.Tensor) for o in results):
+        return
+    operands = [b for a in args for b in (a if isinstance(a, (tuple, list)) else (a,))]
+    operands += [v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)]
+    for o in results:
+        if isinstance(o, torch.Tensor) and any(o is a for a in operands):
+            ctx.handed_back(o)
 
 
 class GroupOfOne(OneMemberPrimitives, SpmdContext):

@@ -191,8 +191,7 @@ class PlanningMode(VmaMode):
         self.steps.append(Step(func, key, casts, outputs, _places(args, kwargs, casts)))
         for o in results:
             self.ctx.number(o)
-        if args and out is args[0]:  # (maybe the caller's tensor: ``Call.unstamp``)
-            self.ctx.handed_back(out)
+        self.ctx.note_handed_back(out, args, kwargs)  # (maybe the caller's: ``Call.unstamp``)
         return out
 
     def _vary_below(self, args, kwargs, common):
@@ -303,8 +302,7 @@ class ReplayMode(VmaMode):
         else:  # (also a Parameter an op hands back: ``w.to(w.dtype)``)
             for o, given in zip(result_tensors(out), step.outputs):
                 self._give(o, given)
-        if args and out is args[0]:  # (maybe the caller's tensor: ``Call.unstamp``)
-            self.ctx.handed_back(out)
+        self.ctx.note_handed_back(out, args, kwargs)  # (maybe the caller's: ``Call.unstamp``)
         return out
 
     def _cast(self, t: Tensor, recipe: tuple) -> Tensor:

@@ -182,8 +182,11 @@ class VmaMode(TorchFunctionMode):
         if (plain or mixed) and self.insert_pvary:  # operands typed below the union: pvary
             if is_inplace(func) or (kwargs and "out" in kwargs):
                 _check_inplace(self.ctx, func, args, kwargs, common[1])
-                if args:  # the target takes the stamp; maybe the caller's (``Call.unstamp``)
+                # the target takes the stamp; maybe the caller's (``Call.unstamp``)
+                if args and is_inplace(func):
                     self.ctx.handed_back(args[0])
+                else:  # (out=)
+                    self.ctx.note_handed_back(None, args, kwargs)
             if not self._alone(common):
                 args, kwargs = self._vary_below(args, kwargs, common)
         out = func(*args, **kwargs) if kwargs else func(*args)

@@ -138,6 +138,23 @@ def recomputed_inside_another_call(mesh) -> tuple[list[float], list[float]]:
     return x.grad.tolist(), (4 * x).tolist()
 
 
+def returned_among_results(mesh) -> dict:
+    """Closed-over tensors that ops return among several results or write through ``out=``,
+    after a typed call and two replayed ones: the attributes left on them (none expected)."""
+    a, b = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    o = torch.empty(4, dtype=torch.float64)
+
+    def body(x):
+        first, second = torch.atleast_1d(a, b)
+        (c,) = torch.broadcast_tensors(a)
+        return x + first * second + c + torch.add(a, 1.0, out=o)
+
+    f = ns.spmd_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    for _ in range(3):
+        f.local(torch.randn(4, 4, dtype=torch.float64))
+    return {k: left_on(t) for k, t in {"a": a, "b": b, "o": o}.items() if left_on(t)}
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -154,6 +171,7 @@ def main() -> None:
             print("SAVING " + json.dumps({"compiled": False, "local": local, **out}))
         grads = {ckpt: checkpointed_input(mesh, ckpt) for ckpt in (False, True)}
         print("SAVING " + json.dumps({"checkpointed": grads[True], "plain": grads[False]}))
+        print("SAVING " + json.dumps({"among": returned_among_results(mesh)}))
         got, want = recomputed_inside_another_call(mesh)
         print("SAVING " + json.dumps({"checkpointed": got, "plain": want}))
     finally:

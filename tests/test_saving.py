@@ -83,8 +83,11 @@ def test_nothing_is_left_on_the_callers_tensors_of_a_real_mesh(nproc):
         -3000:
     ]
     outcomes = [json.loads(line) for line in finished.lines("SAVING")]
-    assert len(outcomes) == 8 * nproc, finished.outputs[0][-3000:]
+    assert len(outcomes) == 9 * nproc, finished.outputs[0][-3000:]
     for o in outcomes:
+        if "among" in o:  # returned by ops among several results, or written through out=
+            assert o["among"] == {}, o
+            continue
         if "checkpointed" in o:  # typed as in the forward while recomputed: the same gradient
             assert o["checkpointed"] == pytest.approx(o["plain"], abs=1e-12), o
             continue
@@ -94,3 +97,28 @@ def test_nothing_is_left_on_the_callers_tensors_of_a_real_mesh(nproc):
         assert o["state"] and o["tensors"] and o["copy"], o
         if not o["compiled"]:
             assert o["steps"] == 3.0, o
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2)], ids=["1x1", "2x2"])
+def test_closed_over_tensors_an_op_returns_among_its_results_or_writes_through_out(shape):
+    """Closed-over tensors that an op returns among several results (``torch.atleast_1d``,
+    ``torch.broadcast_tensors``) or writes through ``out=``, in typed and replayed calls:
+    nothing left on them, and the call's values those of plain torch."""
+    a, b = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    o = torch.empty(4, dtype=torch.float64)
+
+    def body(x):
+        first, second = torch.atleast_1d(a, b)
+        (c,) = torch.broadcast_tensors(a)
+        return x + first * second + c + torch.add(a, 1.0, out=o)
+
+    f = ns.spmd_map(
+        body, mesh=ns.make_mesh(shape, ("dp", "tp")), in_specs=P("dp"), out_specs=P("dp")
+    )
+    for seed in range(3):  # typed, then replayed where the mesh replays
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        torch.testing.assert_close(f(x), x + a * b + a + (a + 1.0), rtol=0, atol=1e-12)
+        for name, t in {"a": a, "b": b, "o": o}.items():
+            assert not left_on(t), (name, left_on(t))
+        loaded = round_trip({"a": a, "b": b, "o": o})
+        assert all(torch.equal(loaded[k], v) for k, v in {"a": a, "b": b, "o": o}.items())

@@ -82,8 +82,7 @@ class PlanningMode(PartialMode):
         self.steps.append(Step(func, key, varied, outputs))
         for o in results:
             ctx.number(o)
-        if args and out is args[0]:  # (maybe the caller's tensor: ``Call.unstamp``)
-            ctx.handed_back(out)
+        ctx.note_handed_back(out, args, kwargs)  # (maybe the caller's: ``Call.unstamp``)
         return out
 
     def plan(self) -> Plan | None:
@@ -137,8 +136,7 @@ class ReplayMode(PartialMode):
                             n = ctx.numbered
                             d[SRC] = (token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
                             ctx.numbered = n + 1
-                        if args and out is args[0]:  # (maybe the caller's: ``Call.unstamp``)
-                            ctx.handed_back(out)
+                        ctx.note_handed_back(out, args, kwargs)  # (``Call.unstamp``)
                         return out
             self.diverged = True  # typed from here on: every tensor so far is typed
         return self.typed(func, args, kwargs or {})[0]
