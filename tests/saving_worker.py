@@ -138,9 +138,10 @@ def recomputed_inside_another_call(mesh) -> tuple[list[float], list[float]]:
     return x.grad.tolist(), (4 * x).tolist()
 
 
-def returned_among_results(mesh) -> dict:
-    """Closed-over tensors that ops return among several results or write through ``out=``,
-    after a typed call and two replayed ones: the attributes left on them (none expected)."""
+def operands_among_results() -> tuple:
+    """A per-device function whose ops return closed-over tensors among several results
+    (``torch.atleast_1d``, ``torch.broadcast_tensors``) or write one through ``out=``; those
+    tensors by name; and the function's value in plain torch."""
     a, b = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
     o = torch.empty(4, dtype=torch.float64)
 
@@ -149,10 +150,17 @@ def returned_among_results(mesh) -> dict:
         (c,) = torch.broadcast_tensors(a)
         return x + first * second + c + torch.add(a, 1.0, out=o)
 
+    return body, {"a": a, "b": b, "o": o}, lambda x: x + a * b + a + (a + 1.0)
+
+
+def returned_among_results(mesh) -> dict:
+    """The attributes left on :func:`operands_among_results`' tensors after a typed call and
+    two replayed ones (none expected)."""
+    body, held, _ = operands_among_results()
     f = ns.spmd_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
     for _ in range(3):
         f.local(torch.randn(4, 4, dtype=torch.float64))
-    return {k: left_on(t) for k, t in {"a": a, "b": b, "o": o}.items() if left_on(t)}
+    return {k: left_on(t) for k, t in held.items() if left_on(t)}
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from _dist_launch import launch
-from saving_worker import left_on, program, round_trip
+from saving_worker import left_on, operands_among_results, program, round_trip
 
 import named_spmd as ns
 from named_spmd import P
@@ -104,21 +104,14 @@ def test_closed_over_tensors_an_op_returns_among_its_results_or_writes_through_o
     """Closed-over tensors that an op returns among several results (``torch.atleast_1d``,
     ``torch.broadcast_tensors``) or writes through ``out=``, in typed and replayed calls:
     nothing left on them, and the call's values those of plain torch."""
-    a, b = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
-    o = torch.empty(4, dtype=torch.float64)
-
-    def body(x):
-        first, second = torch.atleast_1d(a, b)
-        (c,) = torch.broadcast_tensors(a)
-        return x + first * second + c + torch.add(a, 1.0, out=o)
-
+    body, held, plain_torch = operands_among_results()
     f = ns.spmd_map(
         body, mesh=ns.make_mesh(shape, ("dp", "tp")), in_specs=P("dp"), out_specs=P("dp")
     )
     for seed in range(3):  # typed, then replayed where the mesh replays
         x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        torch.testing.assert_close(f(x), x + a * b + a + (a + 1.0), rtol=0, atol=1e-12)
-        for name, t in {"a": a, "b": b, "o": o}.items():
+        torch.testing.assert_close(f(x), plain_torch(x), rtol=0, atol=1e-12)
+        for name, t in held.items():
             assert not left_on(t), (name, left_on(t))
-        loaded = round_trip({"a": a, "b": b, "o": o})
-        assert all(torch.equal(loaded[k], v) for k, v in {"a": a, "b": b, "o": o}.items())
+        loaded = round_trip(held)
+        assert all(torch.equal(loaded[k], v) for k, v in held.items())
