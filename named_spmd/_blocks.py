@@ -34,12 +34,13 @@ import torch
 from . import _torch_private as torch_private
 from ._block_rules import NONE, PLAIN, RULES, WITH_BIAS, Layout, Rule, bias
 from ._block_rules.shapes import _elementwise
+from ._calls import BLOCKS_ATTR
 from ._errors import VmaError
 from ._partial import op_name, user_line
 from ._torch_private import DisableTorchFunction
 from ._types import Vma, shape_shown, type_text
 
-ATTR = "_named_spmd_blocks"
+ATTR = BLOCKS_ATTR
 
 
 def mark(x: torch.Tensor, spec: Any, token: object) -> bool:

@@ -88,8 +88,10 @@ def pop() -> None:
 #: is read inside its call only; on the caller's tensors (inputs handed through, closed-over
 #: tensors an op hands back, outputs) they are removed when the call returns (:func:`unstamp`):
 #: torch.save (``weights_only`` loading), deepcopy and pickle then see plain tensors.
+#: (Those modules read the names from here: one definition each.)
 TENSOR_ATTRS = ("_named_spmd_vma", "_named_spmd_src", "_named_spmd_blocks", "_named_spmd_partial")
 _VMA, _SRC, _BLOCKS, _PARTIAL = TENSOR_ATTRS
+VMA_ATTR, SRC_ATTR, BLOCKS_ATTR, PARTIAL_ATTR = TENSOR_ATTRS
 
 
 def unstamp(ctx: SpmdContext, tensors: Iterable[Any]) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from . import _blocks
 from ._accounting import memo_cast
+from ._calls import SRC_ATTR, VMA_ATTR
 from ._collectives._record import implicit_cast, implicit_pvary
 from ._context import SpmdContext
 from ._torch_private import DisableTorchFunction, tensor_base
@@ -25,8 +26,8 @@ from ._torch_private import is_transform_wrapped as _is_wrapped
 from ._torch_private import transforms_active as _transforms_active
 from ._types import INVARIANT, Vma
 
-_ATTR = "_named_spmd_vma"
-_SRC = "_named_spmd_src"  # a planned call's numbering of its typed tensors (``_plan``)
+_ATTR = VMA_ATTR
+_SRC = SRC_ATTR  # a planned call's numbering of its typed tensors (``_plan``)
 STAMP_ATTR = _ATTR  # the attribute holding a tensor's stamp (read with getattr where traced)
 
 

@@ -23,11 +23,12 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _blocks
 from ... import _torch_private as torch_private
+from ..._calls import PARTIAL_ATTR
 from ..._operands import METADATA, NOT_OPS, result_tensors, tensor_operands
 from ..._partial import typed_call
 from ..._types import Vma
 
-ATTR = "_named_spmd_partial"
+ATTR = PARTIAL_ATTR
 _BLOCKS = _blocks.ATTR
 UNTYPED = NOT_OPS | METADATA  # run as they are: no value computed, or no tensor result
 
