@@ -46,7 +46,7 @@ ATTR = BLOCKS_ATTR
 def mark(x: torch.Tensor, spec: Any, token: object) -> bool:
     """Record the blocks an input under ``spec`` holds (nothing if the spec splits no dim);
     whether it holds any."""
-    lay = _input_layout(spec, x.dim())
+    lay = input_layout(spec, x.dim())
     if lay is not None:
         _write(x, (token, lay))
         return True
@@ -55,10 +55,10 @@ def mark(x: torch.Tensor, spec: Any, token: object) -> bool:
 
 def holds_blocks(spec: Any, ndim: int) -> bool:
     """Whether an input of ``ndim`` dims under ``spec`` holds blocks (:func:`mark` records it)."""
-    return _input_layout(spec, ndim) is not None
+    return input_layout(spec, ndim) is not None
 
 
-def _input_layout(spec: Any, ndim: int) -> Layout | None:
+def input_layout(spec: Any, ndim: int) -> Layout | None:
     """The blocks an input of ``ndim`` dims under ``spec`` holds, or None if it holds none:
     one layout per (spec, ndim), kept on the spec (layouts are immutable), as every call marks
     every input leaf."""

@@ -146,6 +146,29 @@ def matches(token: object, key: tuple, args: Any, kwargs: dict | None, outside=o
     return True
 
 
+def _numbered_alike(token: object, key: tuple, args: Any, kwargs: dict | None) -> bool:
+    """:func:`matches` in its usual case, decided without its calls: no keyword arguments, each
+    argument a tensor this call numbered as the step's (numbers are interned: identity is
+    equality), or the very object its key holds (the constant on the user's line, ``x * 0.5``:
+    its key ``(float, 0.5)`` holds the typed call's object, which a later call passes again).
+    False only means "not decided here" (:func:`matches` decides)."""
+    if kwargs or len(key) != len(args):
+        return False
+    for a, k in zip(args, key):
+        if a is k:
+            continue
+        if isinstance(a, Tensor):
+            src = a.__dict__.get(SRC)
+            if src is None or src[0] is not token or src[1] is not k:
+                return False
+        elif type(a) is int:  # (keyed as itself; one of another type is no int's key)
+            if type(k) is not int or a != k:
+                return False
+        elif type(k) is not tuple or len(k) != 2 or k[1] is not a or k[0] is not type(a):
+            return False
+    return True
+
+
 def _equal(recorded: Any, item: Any) -> bool:
     """``recorded == item`` as a tuple's ``==`` compares items (identity first)."""
     if recorded is item:
@@ -267,21 +290,38 @@ class ReplayMode(VmaMode):
         self.stamps: dict[int, tuple] = {}  # id(type) -> the call's stamp (``stamp_of``)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.diverged and not self.ctx.in_collective:
+        # (the guard's usual case, the result's stamp and number inlined: this runs for every
+        # op of a replay, where a Python frame costs about what the rest of it does)
+        ctx = self.ctx
+        if not self.diverged and not ctx.in_collective:
             i = self.i
             if i < len(self.steps):
                 step = self.steps[i]
                 # (a property's getter is a new method-wrapper at each access: equal, not same)
-                if step.func is func or step.func == func:
-                    if matches(self.token, step.key, args, kwargs):
-                        if i == self.first_read:  # the read, where typing notes it
-                            self.ctx.values_read = True
-                        self.i = i + 1
-                        return self._replay(step, func, args, kwargs)
+                if (step.func is func or step.func == func) and (
+                    _numbered_alike(self.token, step.key, args, kwargs)
+                    or matches(self.token, step.key, args, kwargs)
+                ):
+                    if i == self.first_read:  # the read, where typing notes it
+                        ctx.values_read = True
+                    self.i = i + 1
+                    if step.casts:
+                        args, kwargs = self._casts(step, args, kwargs)
+                    out = func(*args, **kwargs) if kwargs else func(*args)
+                    if type(out) is not Tensor:  # (also a Parameter an op hands back)
+                        for o, given in zip(result_tensors(out), step.outputs):
+                            self._give(o, given)
+                    else:  # the usual result: one tensor
+                        self._give(out, step.outputs[0])
+                        if not kwargs and (not args or out is not args[0]):
+                            return out  # (``note_handed_back``'s usual case: a new tensor)
+                    ctx.note_handed_back(out, args, kwargs)  # (``Call.unstamp``)
+                    return out
             self.diverged = True  # typed from here on: every tensor so far is typed
         return super().__torch_function__(func, types, args, kwargs)
 
-    def _replay(self, step: Step, func, args, kwargs):
+    def _casts(self, step: Step, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """``args`` and ``kwargs`` with the step's implicit casts of their operands made."""
         if step.places is not None:  # each cast's operand at a known place
             args, kwargs = list(args), dict(kwargs) if kwargs else kwargs
             for (_, recipe), at in zip(step.casts, step.places):
@@ -289,21 +329,13 @@ class ReplayMode(VmaMode):
                     args[at] = self._cast(args[at], recipe)
                 else:
                     kwargs[at] = self._cast(kwargs[at], recipe)
-        elif step.casts:
-            operands = tensor_operands(args, kwargs)
-            swap = {}
-            for i, recipe in step.casts:
-                t = operands[i]
-                swap[id(t)] = self._cast(t, recipe)  # (never under Dynamo: not planned)
-            args, kwargs = swap_operands(args, kwargs, swap)
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        if type(out) is Tensor:  # the usual result: one tensor
-            self._give(out, step.outputs[0])
-        else:  # (also a Parameter an op hands back: ``w.to(w.dtype)``)
-            for o, given in zip(result_tensors(out), step.outputs):
-                self._give(o, given)
-        self.ctx.note_handed_back(out, args, kwargs)  # (maybe the caller's: ``Call.unstamp``)
-        return out
+            return args, kwargs
+        operands = tensor_operands(args, kwargs)
+        swap = {}
+        for i, recipe in step.casts:
+            t = operands[i]
+            swap[id(t)] = self._cast(t, recipe)  # (never under Dynamo: not planned)
+        return swap_operands(args, kwargs, swap)
 
     def _cast(self, t: Tensor, recipe: tuple) -> Tensor:
         """``t`` with a step's implicit casts of it applied (the call's caches: one alias per

@@ -172,6 +172,36 @@ class TrackedContext(SpmdContext):
         _blocks.mark(x, spec, self.call_token)
         return x
 
+    def stamp_inputs(self, local: list[Any], specs: list[Any], memo: dict | None) -> None:
+        """:meth:`stamp_input` of every tensor leaf of ``local`` in order, in place; each one's
+        type and blocks read once per ``memo`` (``Call.memo``: its key holds every leaf's type
+        and shape, its tree structure each spec), the stamps written inline (a call passes
+        every parameter here)."""
+        typed = None if memo is None else memo.get("input types")
+        if typed is None:
+            typed = [
+                (i, specs[i].vma(), _blocks.input_layout(specs[i], x.dim()))
+                for i, x in enumerate(local)
+                if isinstance(x, torch.Tensor)
+            ]
+            if memo is not None and not torch.compiler.is_compiling():
+                memo["input types"] = typed
+        token, numbering = self.call_token, self.numbering
+        for i, vma, lay in typed:
+            x = local[i]
+            held = x.__dict__.get(_ATTR)
+            if held is not None and held[0] is token:  # (see stamp_input)
+                with DisableTorchFunction():
+                    x = local[i] = x.view_as(x)
+            d = x.__dict__
+            d[_ATTR] = stamp = self.stamp_of(vma)
+            if _is_wrapped(x):
+                stamp_inner(self, x, stamp)
+            if numbering:
+                self.number(x, vma)
+            if lay is not None:
+                d[_blocks.ATTR] = (token, lay)
+
     def cached_cast(self, t: torch.Tensor, axes: tuple[str, ...], to: str) -> torch.Tensor:
         """``ns.pcast(t, axes, to=to)``, one per (tensor, axes, state) per call: the implicit
         cast of an invariant operand meeting reduced ones (its gradient summed once)."""

@@ -88,9 +88,7 @@ def inputs(
         for i, x in zip(batched, made):
             local[i] = x
     if not ctx.replaying:  # in order: a planned call numbers its inputs
-        for i in at:
-            if isinstance(leaves[i], torch.Tensor):
-                local[i] = ctx.stamp_input(local[i], specs[i])
+        ctx.stamp_inputs(local, specs, memo if converted is None else None)
     return local
 
 
