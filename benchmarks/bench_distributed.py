@@ -32,7 +32,8 @@ Six measurements, printed by rank 0:
    ``ns.ppermute`` per step, versus the same by hand with one ``dist.batch_isend_irecv`` per
    step (``--only stencil``).
 6. vma tracking: a 200-op small-tensor function inside spmd_map versus the same ops on plain
-   tensors, in a single process (mesh of one): extra microseconds per op, every call typed
+   tensors, on a mesh of every rank (``--only replay``: CPU time per op of a replayed and of a
+   typed call, and each one's fixed cost), and in a single process (mesh of one): extra microseconds per op, every call typed
    (``named_spmd._replay.ENABLED`` off: on a mesh of one instance calls are otherwise typed once
    per signature and replayed untyped, the second figure). For scale, the same ops under a bare
    ``TorchFunctionMode`` and on DTensors.
@@ -720,6 +721,79 @@ def vma_overhead(n_ops: int = 200, rounds: int = 15) -> dict:
     }
 
 
+def replay_overhead(mesh, n_ops: int = 200, rounds: int = 15) -> list[dict]:
+    """The same 200 ops (:func:`_ops`) inside spmd_map on a mesh of every rank (``x`` split,
+    ``w`` replicated): the extra CPU microseconds per op of a planned call's replay (its
+    signature typed once before) and of a typed call, over the ops on plain tensors; for scale,
+    a bare ``TorchFunctionMode``; and the fixed cost of a call (``n_ops = 0``). CPU time of
+    this rank, medians over interleaved rounds."""
+    from torch.overrides import TorchFunctionMode
+
+    from named_spmd import _replay
+
+    class Bare(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    n = mesh.size
+    x, w = torch.randn(8 * n, 8), torch.randn(8, 8)
+    block = x[:8].clone()
+    calls = {
+        k: ns.spmd_map(
+            lambda a, b, k=k: _ops(a, b, k), mesh=mesh, in_specs=(P("all"), P()), out_specs=P("all")
+        )
+        for k in (0, n_ops)
+    }
+
+    def bare():
+        with Bare():
+            _ops(block, w, n_ops)
+
+    def typed(call):
+        _replay.ENABLED = False
+        try:
+            call(x, w)
+        finally:
+            _replay.ENABLED = True
+
+    fns = {
+        "plain": lambda: _ops(block, w, n_ops),
+        "plain0": lambda: _ops(block, w, 0),
+        "typed": lambda: typed(calls[n_ops]),
+        "typed0": lambda: typed(calls[0]),
+        "replayed": lambda: calls[n_ops](x, w),
+        "replayed0": lambda: calls[0](x, w),
+        "bare": bare,
+    }
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+        fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            dist.barrier()
+            t0 = time.thread_time()
+            for _ in range(10):
+                fn()
+            samples[k].append((time.thread_time() - t0) / 10)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    plain = med["plain"] - med["plain0"]
+    per_op = lambda a, b: (med[a] - med[b] - plain) / n_ops * 1e6  # noqa: E731
+    return [
+        {
+            "ranks": n,
+            "plain us/op": round(plain / n_ops * 1e6, 2),
+            "replayed overhead us/op": round(per_op("replayed", "replayed0"), 2),
+            "typed overhead us/op": round(per_op("typed", "typed0"), 2),
+            "bare TorchFunctionMode overhead us/op": round(
+                (med["bare"] - med["plain"]) / n_ops * 1e6, 2
+            ),
+            "replayed call fixed us": round(med["replayed0"] * 1e6),
+            "typed call fixed us": round(med["typed0"] * 1e6),
+        }
+    ]
+
+
 # --- main ---------------------------------------------------------------------------------------------
 
 
@@ -740,7 +814,7 @@ def worker(args) -> None:
     if "megatron" in args.only:
         mesh = ns.make_mesh((2, world // 2), ("dp", "tp"), device_type=args.device)
         result["megatron"] = megatron(args, mesh, device)
-    if {"latency", "ring", "ragged", "stencil"} & set(args.only):
+    if {"latency", "ring", "ragged", "stencil", "replay"} & set(args.only):
         mesh = ns.make_mesh((world,), ("all",), device_type=args.device)
     if "latency" in args.only:
         result["latency"] = latency(args, mesh, device)
@@ -750,6 +824,8 @@ def worker(args) -> None:
         result["ragged"] = ragged(args, mesh, device)
     if "stencil" in args.only:
         result["stencil"] = stencil(args, mesh, device)
+    if "replay" in args.only:
+        result["replay"] = replay_overhead(mesh)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
@@ -813,6 +889,15 @@ def report(result: dict, vma: dict | None) -> None:
             f"ratio {row['cpu ratio']:.3f}   process-group calls: ns "
             f"{row['ns process-group calls']}; hand-written {row['hand process-group calls']}"
         )
+    for row in result.get("replay", []):
+        print(
+            f"  vma tracking on {row['ranks']} ranks (200 small ops, CPU time): a replay "
+            f"+{row['replayed overhead us/op']:.2f} us/op, a typed call "
+            f"+{row['typed overhead us/op']:.2f} us/op over plain torch "
+            f"({row['plain us/op']:.2f} us/op); a bare TorchFunctionMode "
+            f"+{row['bare TorchFunctionMode overhead us/op']:.2f} us/op; fixed cost of a call "
+            f"{row['replayed call fixed us']} us replayed, {row['typed call fixed us']} us typed"
+        )
     if vma:
         print(
             f"  vma tracking (1 process, 200 small ops): +{vma['vma_overhead_us_per_op']:.2f} "
@@ -840,7 +925,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        default=["megatron", "latency", "ring", "ragged", "stencil", "vma"],
+        default=["megatron", "latency", "ring", "ragged", "stencil", "replay", "vma"],
     )
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -850,7 +935,7 @@ def main() -> None:
         return
     argv = [a for a in sys.argv[1:]]
     result = {"world": args.nproc, "device": args.device, "backend": args.backend or "gloo"}
-    if {"megatron", "latency", "ring", "ragged", "stencil"} & set(args.only):
+    if {"megatron", "latency", "ring", "ragged", "stencil", "replay"} & set(args.only):
         out = spawn(argv, args.nproc, args.timeout)
         line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

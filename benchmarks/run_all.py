@@ -157,6 +157,7 @@ def distributed_markdown(data: dict) -> str:
         "ring": "A ring of ppermutes (us per ring)",
         "ragged": "One ragged_all_to_all (us per call; ratio = ns / hand-written, routing known)",
         "stencil": "Stencil step, halos by ppermute (us per call; ratio = ns / hand-written)",
+        "replay": "vma tracking on every rank, 200 small ops (CPU us per op; fixed cost in us)",
     }
     for key, rows in dist_part.items():
         if isinstance(rows, list) and rows:
@@ -225,6 +226,20 @@ def targets(results: dict[str, Outcome]) -> list[tuple[str, str, str, str, str]]
             "DTensor ~7 (~12 with grad); stamping mode ~1.7",
         )
     ]
+    replay = next(iter((data.get("distributed") or {}).get("replay", [])), {})
+    rows.append(
+        _target(
+            f"replayed per-op overhead, {replay.get('ranks', 4)} ranks <= 0.3 us/op",
+            replay.get("replayed overhead us/op"),
+            " us/op",
+            0.3,
+            f"typed {replay['typed overhead us/op']:.2f}, bare TorchFunctionMode "
+            f"{replay['bare TorchFunctionMode overhead us/op']:.2f}; plain op "
+            f"{replay['plain us/op']:.2f}"
+            if replay
+            else "",
+        )
+    )
     megatron = {r.get("hidden"): r for r in (data.get("distributed") or {}).get("megatron", [])}
     dtensor_peer = {256: "DTensor 1.51x", 1024: "DTensor 1.16x"}
     for hidden, limit in ((256, 1.10), (1024, 1.05), (4096, 1.05)):
