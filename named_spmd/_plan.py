@@ -287,7 +287,7 @@ class ReplayMode(VmaMode):
         self.first_read = plan.first_read
         self.i = 0
         self.diverged = False
-        self.stamps: dict[int, tuple] = {}  # id(type) -> the call's stamp (``stamp_of``)
+        self.stamps = ctx.stamp_table  # id(type) -> the call's stamp (``stamp_of``'s)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # (the guard's usual case, the result's stamp and number inlined: this runs for every
@@ -355,7 +355,7 @@ class ReplayMode(VmaMode):
         ctx, d = self.ctx, o.__dict__
         if vma is not None:
             stamp = self.stamps.get(id(vma))  # (types are interned: identity is equality)
-            d[_ATTR] = stamp if stamp is not None else self._stamp(vma)
+            d[_ATTR] = stamp if stamp is not None else ctx.stamp_of(vma)
         if lay is not None:
             d[_BLOCKS] = (self.token, lay)
         elif _BLOCKS in d:
@@ -363,7 +363,3 @@ class ReplayMode(VmaMode):
         n = ctx.numbered
         d[SRC] = (self.token, _NUMBERS[n] if n < len(_NUMBERS) else _number(n))
         ctx.numbered = n + 1
-
-    def _stamp(self, vma: Any) -> tuple:
-        stamp = self.stamps[id(vma)] = self.ctx.stamp_of(vma)
-        return stamp

@@ -59,7 +59,7 @@ class TrackedContext(SpmdContext):
     def __init__(self, mesh, fn):
         super().__init__(mesh, fn)
         self.call_token = object()
-        self._stamps: dict[int, tuple[object, Vma]] = {}  # id(type) -> its stamp
+        self.stamp_table: dict[int, tuple[object, Vma]] = {}  # id(type) -> its stamp
         # the caches of implicit casts, entries of ``_accounting.memo_cast``:
         # id(invariant tensor) -> its varying alias, tagged with the stamp it reaches: VmaMode's
         # fast path; (id(tensor), axes) -> its alias by those axes (or tag: ``memo_alias``)
@@ -118,9 +118,9 @@ class TrackedContext(SpmdContext):
         :class:`VmaMode` compares operands by identity."""
         key = id(vma)  # types are interned and never freed: identity is equality (an int key
         # hashes in C, on the hot path of every collective)
-        stamp = self._stamps.get(key)
+        stamp = self.stamp_table.get(key)
         if stamp is None:
-            stamp = self._stamps[key] = (self.call_token, vma)
+            stamp = self.stamp_table[key] = (self.call_token, vma)
         return stamp
 
     def stamp(self, x: torch.Tensor, vma: Vma) -> torch.Tensor:
