@@ -89,8 +89,8 @@ def ragged_all_to_all(
                 told, meta = _checked_values(ctx, axes, rows, m, meta, peer)
         else:
             meta = ctx.checked_ragged(axes, meta, peer, rows, m)
-        input_offsets, send_sizes, output_offsets, recv_sizes = _unbound(ctx, meta)
-        from_offsets, _, placed_at, *_ = _unbound(ctx, peer)
+        input_offsets, send_sizes, output_offsets, recv_sizes = _rows(ctx, meta, 0, 1, 2, 3)
+        from_offsets, placed_at = _rows(ctx, peer, 0, 2)
         params = Ragged(
             m,
             rows,
@@ -131,12 +131,12 @@ def _stacked(ctx: SpmdContext, given: list[torch.Tensor]) -> torch.Tensor:
     return ctx.stamp(meta, functools.reduce(Vma.union, vmas))
 
 
-def _unbound(ctx: SpmdContext, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``t``'s rows (metadata of the exchange), typed as ``t``, made outside the vma mode (by
+def _rows(ctx: SpmdContext, t: torch.Tensor, *rows: int) -> tuple[torch.Tensor, ...]:
+    """Rows of ``t`` (metadata of the exchange), typed as ``t``, made outside the vma mode (by
     ``select``: Dynamo refuses a stamp on a result of ``unbind``, a multi-output op)."""
     vma = ctx.vma(t)
     with DisableTorchFunction():
-        return tuple(ctx.stamp(t.select(0, i), vma) for i in range(t.shape[0]))
+        return tuple(ctx.stamp(t.select(0, i), vma) for i in rows)
 
 
 class Ragged(NamedTuple):
