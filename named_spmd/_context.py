@@ -278,7 +278,9 @@ class SpmdContext(ABC):
         ``placed_at`` in this member's frame. This default pads every slot to ``x.shape[0]``
         rows for one even all_to_all (static shapes, as vmap needs; n times the data on the
         wire); a backend with :attr:`own_values` sends the rows alone. ``told``: this member's
-        problem row, for a backend that :attr:`tells_ragged_problems`."""
+        problem row, for a backend that :attr:`tells_ragged_problems` (given in the forward
+        only, whose result is read at the rows written alone: such a backend may leave the
+        others unset)."""
         n = self.mesh.axis_size(axes)
         packed = ragged_pack(x, offsets, sizes)
         got = self.all_to_all(packed.unflatten(0, (n, -1)), axes, 0).flatten(0, 1)

@@ -4,6 +4,7 @@ offsets are int tensors), so it runs under vmap; the public function, then its r
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple, cast
 
@@ -18,6 +19,7 @@ from .._torch_private import (
     batched_above,
     is_transform_wrapped,
 )
+from .._types import Vma
 from ._record import PVARY, RECORDS, Collective, Params, backward_op, implicit_pvary, same_vma
 
 AxisName = str | tuple[str, ...]
@@ -74,8 +76,7 @@ def ragged_all_to_all(
             if any(_batched_inside(ctx, t) for t in given):  # (before a real mesh reads them)
                 raise CollectiveError(f"ragged_all_to_all in {ctx.fn_label}: {_BATCHED_META}")
             rows, m = operand.shape[0], output.shape[0]
-            wide = [t.dtype == torch.int64 for t in given]
-        meta = torch.stack([t if w else t.to(torch.int64) for t, w in zip(given, wide)])
+        meta = _stacked(ctx, given)
         # each slot's peer values: where its rows came from, where they go, how many, and the
         # peer's buffers' rows (on every backend: each reports the same exchange)
         exchanged = _with_bounds(ctx, meta, rows, m)
@@ -88,8 +89,8 @@ def ragged_all_to_all(
                 told, meta = _checked_values(ctx, axes, rows, m, meta, peer)
         else:
             meta = ctx.checked_ragged(axes, meta, peer, rows, m)
-        input_offsets, send_sizes, output_offsets, recv_sizes = meta.unbind(0)
-        from_offsets, placed_at = peer[0], peer[2]
+        input_offsets, send_sizes, output_offsets, recv_sizes = _rows(ctx, meta, 0, 1, 2, 3)
+        from_offsets, placed_at = _rows(ctx, peer, 0, 2)
         params = Ragged(
             m,
             rows,
@@ -115,6 +116,27 @@ def ragged_all_to_all(
         return torch.where(ctx.stamp(written, ctx.vma(peer)), placed, output)
     finally:
         ctx.in_collective -= 1
+
+
+def _stacked(ctx: SpmdContext, given: list[torch.Tensor]) -> torch.Tensor:
+    """The four metadata as one ``[4, K]`` int64 tensor, typed as the stack of them would be:
+    made outside the vma mode (whose general path, for a list of operands, costs more than the
+    stack), but where one holds a partial sum, whose typing is the algebra's (section 2.2)."""
+    wide = [t if t.dtype == torch.int64 else t.to(torch.int64) for t in given]
+    vmas = [ctx.vma(t) for t in given]
+    if any(v.partial for v in vmas):
+        return torch.stack(wide)
+    with DisableTorchFunction():
+        meta = torch.stack(wide)
+    return ctx.stamp(meta, functools.reduce(Vma.union, vmas))
+
+
+def _rows(ctx: SpmdContext, t: torch.Tensor, *rows: int) -> tuple[torch.Tensor, ...]:
+    """Rows of ``t`` (metadata of the exchange), typed as ``t``, made outside the vma mode (by
+    ``select``: Dynamo refuses a stamp on a result of ``unbind``, a multi-output op)."""
+    vma = ctx.vma(t)
+    with DisableTorchFunction():
+        return tuple(ctx.stamp(t.select(0, i), vma) for i in rows)
 
 
 class Ragged(NamedTuple):

@@ -346,16 +346,18 @@ class Comm:
         return on_wire(x, lambda t: self._all_to_all_rows(t, sent, received, name))
 
     def _all_to_all_rows(self, x: torch.Tensor, sent, received, name: str) -> torch.Tensor:
-        chunks = list(x.split(list(sent)))
-        order = range(self.n) if self._from_group is None else self._from_group.tolist()
-        send = torch.cat([chunks[t] for t in order]).contiguous()  # group-rank order
         into = x.new_empty((sum(received), *x.shape[1:]))
         opts = self._a2a_opts
+        if self._from_group is None:  # tuple order is group-rank order: x is sent as it is
+            send, in_splits, out_splits = x.contiguous(), list(sent), list(received)
+            self._issue(name, lambda: self._a2a(into, send, out_splits, in_splits, opts))
+            return into
+        chunks = list(x.split(list(sent)))
+        order = self._from_group.tolist()
+        send = torch.cat([chunks[t] for t in order])  # group-rank order
         in_splits = [sent[t] for t in order]
         out_splits = [received[t] for t in order]
         self._issue(name, lambda: self._a2a(into, send, out_splits, in_splits, opts))
-        if self._from_group is None:
-            return into
         pieces = dict(zip(order, into.split(out_splits)))
         return torch.cat([pieces[t] for t in range(self.n)])
 

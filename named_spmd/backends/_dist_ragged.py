@@ -47,23 +47,28 @@ def ragged_rows(
     """``SpmdContext.ragged_all_to_all`` on a real mesh: the offsets and sizes ``meta`` read on
     the host (one synchronisation), the rows sent alone, then placed at their offsets in a zero
     ``[m, ...]`` buffer. ``told``: this member's problem row (the forward's; None: a transpose,
-    whose sizes the forward checked), sent with the rows (see the module doc). Every slice lies
-    within ``x`` (the forward's sizes are the agreed ones)."""
+    whose sizes the forward checked), sent with the rows (see the module doc); the forward's
+    result is read only where rows were written (``ragged_all_to_all`` takes ``output``'s
+    elsewhere), so its other rows are left unset there, not zeroed. Every slice lies within
+    ``x`` (the forward's sizes are the agreed ones)."""
     comm = ctx.mesh.comm(axes)
-    off, size, at, got = torch.stack(list(meta)).tolist()
+    off, size, at, got = torch.stack(meta).tolist()
     per = len(size) // comm.n  # slots per member
-    pieces = [x[o : o + s] for o, s in zip(off, size)]
     sent = [sum(size[j * per : (j + 1) * per]) for j in range(comm.n)]
     back = [sum(got[j * per : (j + 1) * per]) for j in range(comm.n)]
     if told is None:
+        pieces = [x[o : o + s] for o, s in zip(off, size) if s] or [x[:0]]
         arrived = comm.all_to_all_rows(torch.cat(pieces), sent, back, _NAME).split(back)
     else:
-        arrived = _told_rows(ctx, axes, x, pieces, (sent, back), told)
-    out = x.new_zeros((m, *x.shape[1:]))
+        arrived = _told_rows(ctx, axes, x, (off, size), (sent, back), told)
+    out = (x.new_zeros if told is None else x.new_empty)((m, *x.shape[1:]))
     for j, rows in enumerate(arrived):  # member j's slots, in slot order
-        mine = slice(j * per, (j + 1) * per)
-        for start, piece in zip(at[mine], rows.split(got[mine])):
-            out[start : start + piece.shape[0]] = piece
+        row = 0
+        for k in range(j * per, (j + 1) * per):
+            s = got[k]
+            if s:
+                out[at[k] : at[k] + s] = rows[row : row + s]
+                row += s
     return out
 
 
@@ -71,40 +76,35 @@ def _told_rows(
     ctx: DistributedContext,
     axes: Axes,
     x: torch.Tensor,
-    pieces: list[torch.Tensor],
+    slices: tuple[list[int], list[int]],
     splits: tuple[list[int], list[int]],
     told: tuple[int, ...],
 ) -> list[torch.Tensor]:
     """The rows received from each member (in member order), each member's block behind the
     head of its sender's problem row; raises the first member's problem on every member alike.
-    ``pieces``: the slots' rows, member by member; ``splits``: the rows sent to and received
-    from each member."""
+    ``slices``: the slots' offsets and sizes in ``x``, member by member; ``splits``: the rows
+    sent to and received from each member."""
     comm = ctx.mesh.comm(axes)
-    sent, back = splits
+    (off, size), (sent, back) = slices, splits
     row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row
-    head = torch.zeros(_HEAD, dtype=torch.int64, device=x.device)  # (NCCL sends device tensors)
-    head[: len(told)] = torch.tensor(told, device=x.device)
-    heads = _HEAD * 8  # a head's bytes
-
-    def length(r: int) -> int:  # a block's bytes: its head, its rows, padding to _ALIGN
-        return -(-(heads + r * row) // _ALIGN) * _ALIGN
-
-    lengths = [length(s) for s in sent]
-    # zeros: the padding is never read, but the bytes on the wire stay deterministic
-    buffer = torch.zeros(sum(lengths), dtype=torch.uint8, device=x.device)
-    pieces_left = iter(pieces)
-    start = 0
-    for block_bytes in lengths:  # each member's block: the head, then its slots' rows
-        buffer[start : start + heads] = head.view(torch.uint8)
-        at = start + heads
-        for _ in range(len(pieces) // comm.n):
-            piece = _bytes(next(pieces_left))
-            buffer[at : at + piece.numel()] = piece
-            at += piece.numel()
-        start += block_bytes
-    sizes = [length(r) for r in back]
-    received = comm.all_to_all_rows(buffer, lengths, sizes, _NAME).split(sizes)
-    told_by = [block[:heads].view(torch.int64).tolist() for block in received]
+    # (NCCL sends device tensors)
+    head = torch.tensor((*told, *_PADDED[len(told) :]), dtype=torch.int64, device=x.device)
+    parts: list[torch.Tensor] = []
+    pad = None
+    per = len(size) // comm.n
+    for j, r in enumerate(sent):  # each member's block: the head, its slots' rows, padding
+        parts.append(head.view(torch.uint8))
+        for k in range(j * per, (j + 1) * per):
+            if size[k]:
+                parts.append(_bytes(x[off[k] : off[k] + size[k]]))
+        padding = _length(r, row) - _HEAD_BYTES - r * row
+        if padding:  # zeros: never read, but the bytes on the wire stay deterministic
+            pad = head.new_zeros(_ALIGN // 8).view(torch.uint8) if pad is None else pad
+            parts.append(pad[:padding])
+    lengths = [_length(r, row) for r in sent]
+    sizes = [_length(r, row) for r in back]
+    received = comm.all_to_all_rows(torch.cat(parts), lengths, sizes, _NAME).split(sizes)
+    told_by = torch.stack([b[:_HEAD_BYTES] for b in received]).view(torch.int64).tolist()
     first = next((i for i, t in enumerate(told_by) if t[0]), None)
     if first is not None:
         error = problem_error(ctx.fn_label, axes, first, tuple(told_by[first]))
@@ -112,12 +112,19 @@ def _told_rows(
     if row == 0:  # (rows of no elements: nothing moved but the heads)
         return [x.new_zeros((r, *x.shape[1:])) for r in back]
     # (each block starts at a multiple of _ALIGN, of every element size: viewed, not copied)
-    each = [block[heads : heads + r * row] for block, r in zip(received, back)]
+    each = [b[_HEAD_BYTES : _HEAD_BYTES + r * row] for b, r in zip(received, back)]
     return [b.view(x.dtype).view(-1, *x.shape[1:]) for b in each]
+
+
+def _length(rows: int, row: int) -> int:
+    """A block's bytes: its head, its ``rows`` of ``row`` bytes, padding to _ALIGN."""
+    return -(-(_HEAD_BYTES + rows * row) // _ALIGN) * _ALIGN
 
 
 #: int64 before each block: a problem row, padded to an even count (a multiple of _ALIGN bytes)
 _HEAD = PROBLEM + PROBLEM % 2
+_HEAD_BYTES = _HEAD * 8
+_PADDED = (0,) * _HEAD  # a head's int64 past the problem row
 _ALIGN = 16  # a block's bytes, a multiple of every element size (complex128's) and of int64's
 
 
