@@ -55,9 +55,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 import named_spmd as ns
-from named_spmd import P
+from named_spmd import P, _replay
 
 # --- launching ------------------------------------------------------------------------------------
 
@@ -655,46 +656,53 @@ def _ops(x, w, n_ops: int):
     return x
 
 
+class _Bare(TorchFunctionMode):
+    """A torch function mode that only calls the op: what a mode's dispatch costs by itself."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _bare(x, w, n_ops: int) -> None:
+    with _Bare():
+        _ops(x, w, n_ops)
+
+
+def _op_calls(mesh, axis: str, n_ops: int) -> dict:
+    """:func:`_ops` mapped over ``axis`` (``x`` split, ``w`` replicated), with 0 and ``n_ops``
+    ops (the fixed cost, and the ops' on top of it)."""
+    return {
+        k: ns.spmd_map(
+            lambda a, b, k=k: _ops(a, b, k), mesh=mesh, in_specs=(P(axis), P()), out_specs=P(axis)
+        )
+        for k in (0, n_ops)
+    }
+
+
+def _typed(call, *args) -> None:
+    """``call(*args)`` typed op by op: its signature's plan (or untyped replay) set aside."""
+    _replay.ENABLED = False
+    try:
+        call(*args)
+    finally:
+        _replay.ENABLED = True
+
+
 def vma_overhead(n_ops: int = 200, rounds: int = 15) -> dict:
     from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.overrides import TorchFunctionMode
-
-    from named_spmd import _replay
-
-    class Bare(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
 
     mesh = ns.make_mesh((1,), ("i",))
     x, w = torch.randn(8, 8), torch.randn(8, 8)
-    calls = {}
-    for n in (0, n_ops):
-        calls[f"spmd{n}"] = (
-            lambda n=n: ns.spmd_map(
-                lambda a, b: _ops(a, b, n), mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i")
-            )
-        )()
+    calls = _op_calls(mesh, "i", n_ops)
     dx, dw = (distribute_tensor(t, mesh.device_mesh, [Replicate()]) for t in (x, w))
-
-    def bare():
-        with Bare():
-            _ops(x, w, n_ops)
-
-    def typed(call):
-        _replay.ENABLED = False
-        try:
-            call(x, w)
-        finally:
-            _replay.ENABLED = True
-
     fns = {
         "plain": lambda: _ops(x, w, n_ops),
         "plain0": lambda: _ops(x, w, 0),
-        "spmd": lambda: typed(calls[f"spmd{n_ops}"]),
-        "spmd0": lambda: typed(calls["spmd0"]),
-        "replayed": lambda: calls[f"spmd{n_ops}"](x, w),
-        "replayed0": lambda: calls["spmd0"](x, w),
-        "bare_mode": bare,
+        "spmd": lambda: _typed(calls[n_ops], x, w),
+        "spmd0": lambda: _typed(calls[0], x, w),
+        "replayed": lambda: calls[n_ops](x, w),
+        "replayed0": lambda: calls[0](x, w),
+        "bare_mode": lambda: _bare(x, w, n_ops),
         "dtensor": lambda: _ops(dx, dw, n_ops),
     }
     samples = {k: [] for k in fns}
@@ -727,43 +735,18 @@ def replay_overhead(mesh, n_ops: int = 200, rounds: int = 15) -> list[dict]:
     signature typed once before) and of a typed call, over the ops on plain tensors; for scale,
     a bare ``TorchFunctionMode``; and the fixed cost of a call (``n_ops = 0``). CPU time of
     this rank, medians over interleaved rounds."""
-    from torch.overrides import TorchFunctionMode
-
-    from named_spmd import _replay
-
-    class Bare(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
     n = mesh.size
     x, w = torch.randn(8 * n, 8), torch.randn(8, 8)
     block = x[:8].clone()
-    calls = {
-        k: ns.spmd_map(
-            lambda a, b, k=k: _ops(a, b, k), mesh=mesh, in_specs=(P("all"), P()), out_specs=P("all")
-        )
-        for k in (0, n_ops)
-    }
-
-    def bare():
-        with Bare():
-            _ops(block, w, n_ops)
-
-    def typed(call):
-        _replay.ENABLED = False
-        try:
-            call(x, w)
-        finally:
-            _replay.ENABLED = True
-
+    calls = _op_calls(mesh, "all", n_ops)
     fns = {
         "plain": lambda: _ops(block, w, n_ops),
         "plain0": lambda: _ops(block, w, 0),
-        "typed": lambda: typed(calls[n_ops]),
-        "typed0": lambda: typed(calls[0]),
+        "typed": lambda: _typed(calls[n_ops], x, w),
+        "typed0": lambda: _typed(calls[0], x, w),
         "replayed": lambda: calls[n_ops](x, w),
         "replayed0": lambda: calls[0](x, w),
-        "bare": bare,
+        "bare": lambda: _bare(block, w, n_ops),
     }
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
