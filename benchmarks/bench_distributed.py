@@ -32,11 +32,11 @@ Six measurements, printed by rank 0:
    ``ns.ppermute`` per step, versus the same by hand with one ``dist.batch_isend_irecv`` per
    step (``--only stencil``).
 6. vma tracking: a 200-op small-tensor function inside spmd_map versus the same ops on plain
-   tensors, on a mesh of every rank (``--only replay``: CPU time per op of a replayed and of a
-   typed call, and each one's fixed cost), and in a single process (mesh of one): extra microseconds per op, every call typed
-   (``named_spmd._replay.ENABLED`` off: on a mesh of one instance calls are otherwise typed once
-   per signature and replayed untyped, the second figure). For scale, the same ops under a bare
-   ``TorchFunctionMode`` and on DTensors.
+   tensors. On a mesh of every rank (``--only replay``): the CPU time per op of a replayed and
+   of a typed call, and each one's fixed cost. In a single process (mesh of one): extra
+   microseconds per op, every call typed (``named_spmd._replay.ENABLED`` off: on a mesh of one
+   instance calls are otherwise typed once per signature and replayed untyped, the second
+   figure). For scale, the same ops under a bare ``TorchFunctionMode`` and on DTensors.
 """
 
 from __future__ import annotations
@@ -808,7 +808,7 @@ def worker(args) -> None:
     if "stencil" in args.only:
         result["stencil"] = stencil(args, mesh, device)
     if "replay" in args.only:
-        result["replay"] = replay_overhead(mesh)
+        result["replay"] = replay_overhead(mesh, rounds=args.rounds)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()

@@ -233,7 +233,8 @@ def targets(results: dict[str, Outcome]) -> list[tuple[str, str, str, str, str]]
             replay.get("replayed overhead us/op"),
             " us/op",
             0.3,
-            f"typed {replay['typed overhead us/op']:.2f}, bare TorchFunctionMode "
+            f"typed {replay['typed overhead us/op']:.2f}; a bare TorchFunctionMode's dispatch "
+            f"alone (the floor of a replay run by a mode) "
             f"{replay['bare TorchFunctionMode overhead us/op']:.2f}; plain op "
             f"{replay['plain us/op']:.2f}"
             if replay

@@ -148,8 +148,8 @@ def matches(token: object, key: tuple, args: Any, kwargs: dict | None, outside=o
 
 def _numbered_alike(token: object, key: tuple, args: Any, kwargs: dict | None) -> bool:
     """:func:`matches` in its usual case, decided without its calls: no keyword arguments, each
-    argument a tensor this call numbered as the step's (numbers are interned: identity is
-    equality), or the very object its key holds (the constant on the user's line, ``x * 0.5``:
+    argument a tensor this call numbered as the step's (numbers and types are interned:
+    identity is equality), an int equal to its key, or the very object its key holds (the constant on the user's line, ``x * 0.5``:
     its key ``(float, 0.5)`` holds the typed call's object, which a later call passes again).
     False only means "not decided here" (:func:`matches` decides)."""
     if kwargs or len(key) != len(args):
@@ -159,7 +159,12 @@ def _numbered_alike(token: object, key: tuple, args: Any, kwargs: dict | None) -
             continue
         if isinstance(a, Tensor):
             src = a.__dict__.get(SRC)
-            if src is None or src[0] is not token or src[1] is not k:
+            if src is None or src[0] is not token:
+                return False
+            item = src[1]  # (an input's or a collective's: a tuple (number, type), each interned)
+            if item is not k and not (
+                type(item) is tuple and type(k) is tuple and item[0] is k[0] and item[1] is k[1]
+            ):
                 return False
         elif type(a) is int:  # (keyed as itself; one of another type is no int's key)
             if type(k) is not int or a != k:

@@ -176,7 +176,8 @@ class TrackedContext(SpmdContext):
         """:meth:`stamp_input` of every tensor leaf of ``local`` in order, in place; each one's
         type and blocks read once per ``memo`` (``Call.memo``: its key holds every leaf's type
         and shape, its tree structure each spec), the stamps written inline (a call passes
-        every parameter here)."""
+        every parameter here). An eager call's: a traced one stamps each input with
+        :meth:`stamp_input` (``TracedContext``'s writes them as Dynamo can trace)."""
         typed = None if memo is None else memo.get("input types")
         if typed is None:
             typed = [

@@ -88,7 +88,7 @@ def inputs(
         for i, x in zip(batched, made):
             local[i] = x
     if not ctx.replaying:  # in order: a planned call numbers its inputs
-        ctx.stamp_inputs(local, specs, memo if converted is None else None)
+        ctx.stamp_inputs(local, specs, memo)  # (every leaf: ``converted`` is a replay's)
     return local
 
 
