@@ -109,7 +109,9 @@ def ragged_all_to_all(
         placed = RAGGED_ALL_TO_ALL.bind(operand, axes, params)
         # the rows written: a mask of the peers' values, typed as they are (``peer`` varies
         # wherever ``meta`` does), made outside the vma mode (typed one by one, its seven ops
-        # cost a tenth of a real mesh's call)
+        # cost a tenth of a real mesh's call). It must come from the very sizes and offsets
+        # the backend placed rows by (the agreed ones): a real mesh leaves ``placed``'s other
+        # rows unset, which only this mask keeps out of the result
         with DisableTorchFunction():
             written = ragged_written(m, placed_at, recv_sizes)
             written = written.reshape(-1, *([1] * (output.dim() - 1)))

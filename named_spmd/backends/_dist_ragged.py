@@ -45,12 +45,13 @@ def ragged_rows(
     told: tuple[int, ...] | None,
 ) -> torch.Tensor:
     """``SpmdContext.ragged_all_to_all`` on a real mesh: the offsets and sizes ``meta`` read on
-    the host (one synchronisation), the rows sent alone, then placed at their offsets in a zero
-    ``[m, ...]`` buffer. ``told``: this member's problem row (the forward's; None: a transpose,
-    whose sizes the forward checked), sent with the rows (see the module doc); the forward's
-    result is read only where rows were written (``ragged_all_to_all`` takes ``output``'s
-    elsewhere), so its other rows are left unset there, not zeroed. Every slice lies within
-    ``x`` (the forward's sizes are the agreed ones)."""
+    the host (one synchronisation), the rows sent alone, then placed at their offsets in an
+    ``[m, ...]`` buffer, zeroed in a transpose. ``told``: this member's problem row (the
+    forward's; None: a transpose, whose sizes the forward checked), sent with the rows (see the
+    module doc); the forward's result is read only where rows were written
+    (``ragged_all_to_all`` takes ``output``'s elsewhere), so its other rows are left unset
+    there, not zeroed. Every slice lies within ``x`` (the forward's sizes are the agreed
+    ones)."""
     comm = ctx.mesh.comm(axes)
     off, size, at, got = torch.stack(meta).tolist()
     per = len(size) // comm.n  # slots per member
