@@ -596,7 +596,8 @@ def _ragged_checks(mesh, world) -> list[dict]:
     the rows are reordered around the all_to_all_single), offsets and sizes per member from
     tests/_ragged.py; and a round trip of all_to_all with split sizes over "tp" (blocks of
     different sizes in between: per instance on both meshes): values, gradients and
-    communication equal to the simulated mesh's."""
+    communication equal to the simulated mesh's; the ragged call's too with torch filling the
+    memory of new tensors (its forward leaves rows no peer wrote unset)."""
     from _ragged import routing, split_counts
 
     sim = ns.make_mesh((2, world // 2), ("dp", "tp"), simulated=True)
@@ -634,7 +635,35 @@ def _ragged_checks(mesh, world) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - reported
             problems = [f"raised {type(e).__name__}: {e}", traceback.format_exc()[-1500:]]
         out.append({"check": f"real {name} as simulated", "problems": problems})
+    # the real mesh's forward leaves the result's unwritten rows unset (the mask keeps them
+    # out): with torch filling such memory (NaN), values and gradients must not change
+    case = pd.Case(
+        "ragged_all_to_all", (2, world // 2), ("dp", "tp"), spec, spec, ragged, ragged_args
+    )
+    with _uninitialized_memory_filled():
+        problems = compare(evaluate(case, sim), evaluate(case, mesh))
+    out.append({"check": "real ragged_all_to_all with empty memory filled", "problems": problems})
     return out + [_ragged_batched_metadata(mesh, sim, r)]
+
+
+@contextlib.contextmanager
+def _uninitialized_memory_filled():
+    """torch fills a new tensor's memory (floats with NaN, ints with their largest value) while
+    deterministic algorithms are on and ``fill_uninitialized_memory`` is set: a result that
+    reads memory no op wrote shows it."""
+    flags = torch.utils.deterministic
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        flags.fill_uninitialized_memory,
+    )
+    torch.use_deterministic_algorithms(True)
+    flags.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        flags.fill_uninitialized_memory = before[2]
 
 
 def ragged_of_batched_metadata(x, out, in_off, send, out_off, recv):
