@@ -149,9 +149,10 @@ def matches(token: object, key: tuple, args: Any, kwargs: dict | None, outside=o
 def _numbered_alike(token: object, key: tuple, args: Any, kwargs: dict | None) -> bool:
     """:func:`matches` in its usual case, decided without its calls: no keyword arguments, each
     argument a tensor this call numbered as the step's (numbers and types are interned:
-    identity is equality), an int equal to its key, or the very object its key holds (the constant on the user's line, ``x * 0.5``:
-    its key ``(float, 0.5)`` holds the typed call's object, which a later call passes again).
-    False only means "not decided here" (:func:`matches` decides)."""
+    identity is equality), an int equal to its key, or the very object its key holds (the
+    constant on the user's line, ``x * 0.5``: its key ``(float, 0.5)`` holds the typed call's
+    object, which a later call passes again). False only means "not decided here"
+    (:func:`matches` decides)."""
     if kwargs or len(key) != len(args):
         return False
     for a, k in zip(args, key):

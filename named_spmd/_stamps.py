@@ -159,25 +159,23 @@ class TrackedContext(SpmdContext):
         return x
 
     def stamp_input(self, x: torch.Tensor, spec: Any) -> torch.Tensor:
-        """An input leaf under ``spec``: its type, and the blocks its dims hold. Stamped even
-        where invariant: one tensor passed at two argument positions (a backend hands a
-        replicated input through as is) gets a tensor object per position, each typed by its
-        own spec; and an invariant input may be the caller's tensor, or a view of it, whose
-        storage a varying alias made inside a torch.func transform also holds (see ``vma``)."""
-        held = x.__dict__.get(_ATTR)
-        if held is not None and held[0] is self.call_token:
-            with DisableTorchFunction():
-                x = x.view_as(x)
-        self.pin(x, spec.vma())
-        _blocks.mark(x, spec, self.call_token)
-        return x
+        """An input leaf under ``spec``: its type, and the blocks its dims hold (one leaf of
+        :meth:`stamp_inputs`, which says how)."""
+        local = [x]
+        self.stamp_inputs(local, [spec], None)
+        return local[0]
 
     def stamp_inputs(self, local: list[Any], specs: list[Any], memo: dict | None) -> None:
-        """:meth:`stamp_input` of every tensor leaf of ``local`` in order, in place; each one's
-        type and blocks read once per ``memo`` (``Call.memo``: its key holds every leaf's type
-        and shape, its tree structure each spec), the stamps written inline (a call passes
-        every parameter here). An eager call's: a traced one stamps each input with
-        :meth:`stamp_input` (``TracedContext``'s writes them as Dynamo can trace)."""
+        """Stamp every tensor leaf of ``local`` (in place) with the type of its spec in
+        ``specs``, and record the blocks its dims hold. Stamped even where invariant: one tensor
+        passed at two argument positions (a backend hands a replicated input through as is) gets
+        a tensor object per position, each typed by its own spec; and an invariant input may be
+        the caller's tensor, or a view of it, whose storage a varying alias made inside a
+        torch.func transform also holds (see ``vma``). Each leaf's type and blocks are read
+        once per ``memo`` (``Call.memo``: its key holds every leaf's type and shape, its tree
+        structure each spec); the stamps are written inline, with no call per leaf (every
+        parameter of every call passes here). An eager call's: ``TracedContext`` stamps each
+        input with its own :meth:`stamp_input`, as Dynamo can trace."""
         typed = None if memo is None else memo.get("input types")
         if typed is None:
             typed = [
@@ -191,7 +189,7 @@ class TrackedContext(SpmdContext):
         for i, vma, lay in typed:
             x = local[i]
             held = x.__dict__.get(_ATTR)
-            if held is not None and held[0] is token:  # (see stamp_input)
+            if held is not None and held[0] is token:  # (a second position: its own object)
                 with DisableTorchFunction():
                     x = local[i] = x.view_as(x)
             d = x.__dict__
