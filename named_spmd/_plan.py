@@ -147,15 +147,23 @@ def matches(token: object, key: tuple, args: Any, kwargs: dict | None, outside=o
 
 
 def _numbered_alike(token: object, key: tuple, args: Any, kwargs: dict | None) -> bool:
-    """:func:`matches` in its usual case, decided without its calls: no keyword arguments, each
-    argument a tensor this call numbered as the step's (numbers and types are interned:
-    identity is equality), an int equal to its key, or the very object its key holds (the
-    constant on the user's line, ``x * 0.5``: its key ``(float, 0.5)`` holds the typed call's
-    object, which a later call passes again). False only means "not decided here"
-    (:func:`matches` decides)."""
-    if kwargs or len(key) != len(args):
+    """:func:`matches` in its usual cases, decided without its calls: each argument (keyword
+    arguments after the positional ones, their names last, as :func:`guard_key` keys them) a
+    tensor this call numbered as the step's (numbers and types are interned: identity is
+    equality), an int or a str equal to its key, a tuple of ints equal to its key's items (a
+    shape: ``F.layer_norm``'s ``normalized_shape``), or the very object its key holds (the
+    constant on the user's line, ``x * 0.5``, or a keyword's default, ``eps=1e-5``: its key
+    ``(float, 0.5)`` holds the typed call's object, which a later call passes again). False
+    only means "not decided here" (:func:`matches` decides)."""
+    if kwargs:
+        if len(key) != len(args) + len(kwargs) + 1 or key[-1] != tuple(kwargs):
+            return False
+        values = (*args, *kwargs.values())
+    elif len(key) != len(args):
         return False
-    for a, k in zip(args, key):
+    else:
+        values = args
+    for a, k in zip(values, key):
         if a is k:
             continue
         if isinstance(a, Tensor):
@@ -167,8 +175,16 @@ def _numbered_alike(token: object, key: tuple, args: Any, kwargs: dict | None) -
                 type(item) is tuple and type(k) is tuple and item[0] is k[0] and item[1] is k[1]
             ):
                 return False
-        elif type(a) is int:  # (keyed as itself; one of another type is no int's key)
-            if type(k) is not int or a != k:
+        elif type(a) is int or type(a) is str:  # (keyed as themselves; no other type's key)
+            if type(k) is not type(a) or a != k:
+                return False
+        elif type(a) is tuple:  # keyed (tuple, its items' keys): an int's is itself
+            if type(k) is not tuple or len(k) != 2 or k[0] is not tuple:
+                return False
+            for v in a:  # (ints first: == on a tensor is not a bool)
+                if type(v) is not int:
+                    return False
+            if k[1] != a:
                 return False
         elif type(k) is not tuple or len(k) != 2 or k[1] is not a or k[0] is not type(a):
             return False

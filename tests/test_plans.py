@@ -362,3 +362,58 @@ def test_a_guard_key_tells_apart_what_typing_may_depend_on():
         for recorded in [*keys, *same]:
             answer = matches(token, recorded, args, kwargs or None)
             assert answer == (recorded == key(*args, **kwargs)), (recorded, args, kwargs)
+
+
+def test_the_guards_fast_path_answers_as_the_key_does():
+    """``_plan._numbered_alike``, the guard's usual case (tensors the call numbered, ints, strs,
+    tuples of ints, the very constants of the typed call, keyword arguments): True only where
+    the key built of the arguments is the recorded one, and True there for those arguments."""
+    from named_spmd._plan import SRC, _numbered_alike, guard_key
+
+    token = object()
+    x, y = torch.ones(2), torch.ones(2)
+    x.__dict__[SRC], y.__dict__[SRC] = (token, 0), (token, 1)
+    eps, other_eps = 1e-5, 1e-3
+
+    def key(*args, **kwargs):
+        return guard_key(token, args, kwargs or None)
+
+    calls = [
+        ((x, (4,)), {"weight": y, "eps": eps}),
+        ((x, (4,)), {"weight": y, "eps": other_eps}),
+        ((x, (4,)), {"eps": eps, "weight": y}),
+        ((x, (4,)), {"weight": x, "eps": eps}),
+        ((x, (5,)), {"weight": y, "eps": eps}),
+        ((x, (4, 1)), {"weight": y, "eps": eps}),
+        ((x, [4]), {"weight": y, "eps": eps}),
+        ((x, (4.0,)), {"weight": y, "eps": eps}),
+        ((x, (True,)), {"weight": y, "eps": eps}),
+        ((x, (y,)), {}),
+        ((x, (x,)), {}),
+        ((x, y), {"reduction": "mean"}),
+        ((x, y), {"reduction": "sum"}),
+        ((x, y), {"ignore_index": -100}),
+        ((x, y), {"ignore_index": -100.0}),
+        ((x, y), {"is_causal": True}),
+        ((x, y), {"is_causal": 1}),
+        ((x, y), {"is_causal": False}),
+        ((x, y), {"dim": 1}),
+        ((x, y), {"keepdim": 1}),
+        ((x, y, None), {}),
+        ((x, y), {}),
+    ]
+    keys = [key(*args, **kwargs) for args, kwargs in calls]
+    assert len(set(keys)) == len(keys), keys
+    for i, (args, kwargs) in enumerate(calls):
+        for j, recorded in enumerate(keys):
+            fast = _numbered_alike(token, recorded, args, kwargs or None)
+            if fast:
+                assert recorded == key(*args, **kwargs), (recorded, args, kwargs)
+            if i == j and not any(_undecided(a) for a in args):
+                assert fast, (args, kwargs)
+
+
+def _undecided(a) -> bool:
+    """An argument the guard's fast path leaves to ``matches``: a list, a tuple of anything but
+    ints (a float not the key's own object, a tensor)."""
+    return type(a) is list or (type(a) is tuple and any(type(v) is not int for v in a))
