@@ -2,9 +2,8 @@
 
 Data parallel training reduces one gradient per replicated parameter (the psum of each implicit
 pvary, :mod:`._dist_overlap`). Most of them are small, and each all-reduce has a fixed cost
-(a round trip through the group: about 90 us for 4 bytes on 4 gloo processes, measured with
-benchmarks/bench_distributed.py), so DDP packs gradients into ~25 MB buckets, one all-reduce
-each. So does this module:
+(a round trip through the group: benchmarks/bench_distributed.py's "One all-reduce" of 4
+bytes), so DDP packs gradients into ~25 MB buckets, one all-reduce each. So does this module:
 
 * A bucket belongs to one backward pass (autograd graph task), one process group, one dtype and
   one device: it never mixes them. Bucket boundaries depend only on the order and sizes of the

@@ -111,8 +111,8 @@ VIEWS = "<views>"
 #: The largest input hoisted: a group's all-reduce is waited for in backward, not overlapped,
 #: and its sums are copied out into new tensors, which costs more than the Python per parameter
 #: it saves once the gradients are large (the Megatron MLP step of
-#: benchmarks/bench_distributed.py at H=1024, its two 8 MB weights hoisted: 1.38x the
-#: hand-written step, against 1.22x with their buckets); many small ones gain, however many
+#: benchmarks/bench_distributed.py at H=1024 is slower with its two 8 MB weights hoisted than
+#: with their buckets); many small ones gain, however many
 #: bytes they make together (the GPT step of benchmarks/bench_gpt.py at d=256, 4 layers: 12 MB
 #: in 1 MB and smaller parameters).
 MAX_HOISTED_BYTES = 1 << 20
