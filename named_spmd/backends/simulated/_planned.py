@@ -25,7 +25,7 @@ import torch
 from ... import _blocks
 from ... import _torch_private as torch_private
 from ..._operands import METADATA, NOT_OPS, result_tensors
-from ..._plan import Plan, Step, _held, guard_key, matches
+from ..._plan import Plan, Step, _held, _numbered_alike, guard_key, matches
 from ..._replay import Replay
 from ..._stamps import _NUMBERS, _number
 from ..._stamps import _SRC as SRC
@@ -118,7 +118,9 @@ class ReplayMode(PartialMode):
                 # (a property's getter is a new method-wrapper at each access: equal, not same)
                 if step.func is func or step.func == func:
                     token = ctx.token
-                    if matches(token, step.key, args, kwargs, self.outside):
+                    if _numbered_alike(token, step.key, args, kwargs) or matches(
+                        token, step.key, args, kwargs, self.outside
+                    ):
                         self.i = i + 1
                         if step.casts:
                             args = with_input_varied(ctx, args, step.casts)
