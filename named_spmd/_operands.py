@@ -96,6 +96,14 @@ _INPLACE_DUNDERS = frozenset(
 _IS_INPLACE: dict = {}  # func -> whether it writes into its first argument (memo: hot path)
 
 
+def write_target(func, args, kwargs, inplace=None) -> torch.Tensor | None:
+    """The tensor an op writes into: an in-place op's first argument (``inplace``: the test of
+    that, :func:`is_inplace` by default), or its ``out=``."""
+    writes = is_inplace(func) if inplace is None else inplace(func)
+    target = args[0] if args and writes else (kwargs or {}).get("out")
+    return target if isinstance(target, torch.Tensor) else None
+
+
 def is_inplace(func) -> bool:
     """Whether ``func`` writes into its first argument (``add_``, ``__iadd__``, ``__setitem__``)."""
     hit = _IS_INPLACE.get(func)

@@ -26,6 +26,7 @@ from ._operands import (
     swap_operands,
     tensor_operands,
     value_operands_read,
+    write_target,
 )
 from ._partial import SHAPE_ONLY, check_cast, combine, has_tensor, value_operands
 from ._stamps import _ATTR, TrackedContext, stamp_inner, storage_address
@@ -49,12 +50,6 @@ _RANDOM_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like}
 _UNTYPED = _RANDOM_LIKE | NOT_OPS | METADATA | {set_grad_enabled}
 
 
-def write_target(func, args, kwargs, inplace=is_inplace) -> Tensor | None:
-    """The tensor an op writes into: an in-place op's first argument, or its ``out=``."""
-    target = args[0] if args and inplace(func) else (kwargs or {}).get("out")
-    return target if isinstance(target, Tensor) else None
-
-
 def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma, inplace=is_inplace) -> None:
     """An in-place op (or ``out=``) whose target is less varying than its operands would write
     varying values through the implicit pvary's alias into a tensor still typed invariant: every
@@ -72,6 +67,21 @@ def _check_inplace(ctx: TrackedContext, func, args, kwargs, union: Vma, inplace=
             "then hold different values on different instances while typed replicated. Fix: "
             "compute out of place (y = x + v instead of x += v)."
         )
+
+
+def _kept_by_write(ctx: TrackedContext, func, args, kwargs, union: Vma, inplace) -> Vma:
+    """The type of an op ``union`` types reduced, where it writes (in place, or ``out=``) into a
+    tensor invariant over some of those axes: the written tensor keeps its type, so the result
+    is invariant there, and the reduced operands are cast to invariant (their cotangents, the
+    same on every instance, made parts of a sum), not the target to reduced (a write cannot
+    change the type of the tensor written, and the real mesh's cast is a view of a custom
+    Function, which autograd refuses to write into)."""
+    target = write_target(func, args, kwargs, inplace)
+    if target is None:
+        return union
+    held = ctx.vma(target)
+    kept = [a for a in union.reduced if held.state(a) == "invariant"]
+    return union.to_state(kept, "invariant") if kept else union
 
 
 # A write into an invariant value made varying, which shares its operand's memory (a real mesh's
@@ -341,6 +351,8 @@ class VmaMode(TorchFunctionMode):
                 raise union()
             return out
         given = args, kwargs
+        if union.reduced:
+            union = _kept_by_write(self.ctx, func, args, kwargs, union, self.inplace)
         if self.insert_pvary and len(vmas) > 1 and any(v is not union for v in vmas):
             _check_inplace(self.ctx, func, args, kwargs, union, self.inplace)
             args, kwargs = self._vary_operands(operands, vmas, union, args, kwargs)
@@ -373,6 +385,12 @@ class VmaMode(TorchFunctionMode):
                     )
                     if axes:
                         alias = self.ctx.cached_cast(alias, axes, "reduced")
+                if v.reduced:  # written into a tensor invariant there (_kept_by_write)
+                    axes = tuple(
+                        a for a in names if a in v.reduced and union.state(a) == "invariant"
+                    )
+                    if axes:
+                        alias = self.ctx.cached_cast(alias, axes, "invariant")
                 if alias is not t:
                     swap[t] = alias  # keyed by the tensor: id() of a traced input is a guard
         if not swap:

@@ -1099,6 +1099,20 @@ def unreduced_writes_joins_selects(o, x, c):
     return o.tap(o.psum(j.sum(1) + k.sum((1, 2)) + z.sum(1), "i") + o.psum(x * c2, "i").sum(1))
 
 
+def reduced_written(o, w, r):
+    """A reduced value written into an invariant tensor, which keeps its type (``[i] =`` and
+    ``add_``): the reduced operand is cast to invariant, its cotangent made parts of a sum, so
+    the written rows' gradient reaches the reduced input once, the rest the invariant one."""
+    t = w.clone()
+    t[0] = r[1]
+    t.add_(r * 0.5)
+    return o.tap(o.tanh(t))
+
+
+def _reduced_written_dense(w, r):
+    return torch.tanh(torch.cat([r[1:2], w[1:]]) + r * 0.5)
+
+
 def _writes_joins_selects_dense(x, c):
     u = _blocks(x).sum(0)
     v = 2.0 * u
@@ -1210,6 +1224,19 @@ def _partial_programs():
         lambda: (r(8, 3, seed=72), r(3, seed=73)),
         _writes_joins_selects_dense,
         pinned_backward={("psum", ("i",)): 1},  # c's implicit pvary in x * c2
+        all_grads_nonzero=True,
+        **alone,
+    )
+    yield Program(
+        "reduced_written",
+        (2,),
+        ("i",),
+        (P(), P(reduced={"i"})),
+        P(),
+        reduced_written,
+        lambda: (r(4, 3, seed=74), r(4, 3, seed=75)),
+        _reduced_written_dense,
+        pinned_backward={},
         all_grads_nonzero=True,
         **alone,
     )

@@ -46,7 +46,7 @@ MESHES = {(2, 2): ns.make_mesh((2, 2), ("a", "b")), (2, 3): ns.make_mesh((2, 3),
 GROUPS = [("a",), ("b",), ("a", "b"), ("b", "a")]
 # the state over the collective's axes each record's forward takes (after its operand policy)
 OPERAND = {"pvary": "invariant", "preduced": "invariant", "reduced_vary": "reduced"}
-OPERAND |= {"unreduced_vary": "unreduced"}
+OPERAND |= {"unreduced_vary": "unreduced", "reduced_invariant": "reduced"}
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def cases(name: str, n: int) -> list[Case]:
     return []
 
 
-_CASTS = ("preduced", "vary_unreduced", "reduced_vary", "unreduced_vary")
+_CASTS = ("preduced", "vary_unreduced", "reduced_vary", "unreduced_vary", "reduced_invariant")
 
 
 def _sized(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:

@@ -221,6 +221,26 @@ def test_uneven_errors_are_clear():
             f(x)
 
 
+def test_an_all_to_all_of_blocks_of_different_shapes_names_the_operands_shapes():
+    """Rows 3 over 2 (blocks of 2 and 1 rows) exchanged along the columns: the error names the
+    members' operands' shapes as given, as a real mesh's does, not the blocks that the exchange
+    splits them into (three dims each, which the simulated mesh named)."""
+    mesh = ns.make_mesh((2,), ("a",))
+    f = ns.spmd_map(
+        lambda v: ns.all_to_all(v, "a", 1, 0, tiled=True),
+        mesh=mesh,
+        in_specs=P("a"),
+        out_specs=P("a"),
+    )
+    x = torch.arange(6.0).reshape(3, 2)
+    told = re.escape("different shapes [(2, 2), (1, 2)]")
+    for call in (f, f.check):
+        with pytest.raises(ns.SpmdError, match=told):
+            call(x)
+        with ns.simulate_per_instance(), pytest.raises(ns.SpmdError, match=told):
+            call(x)
+
+
 def test_tiled_all_gather_of_blocks_differing_off_its_axis_is_an_error():
     """Rows 5 over 2 (3, 2) gathered along the columns: the blocks differ where the gather does
     not concatenate, the SpmdError of a collective over operands of different shapes (a bare

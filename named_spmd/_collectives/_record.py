@@ -423,12 +423,13 @@ def record_implicit_psum(out: Tensor, missing: Axes) -> Tensor:
 
 
 def implicit_cast(ctx: SpmdContext, t: Tensor, axes: Axes, to: str) -> Tensor:
-    """``t`` cast to ``to`` over ``axes`` where an op mixes it with values in that state (an
-    invariant operand beside reduced ones: cast to reduced, whose backward psum is recorded as
-    implicit)."""
-    rec = RECORDS["preduced"]
+    """``t`` cast to ``to`` over ``axes`` where an op mixes it with values in that state: an
+    invariant operand beside reduced ones cast to reduced, whose backward psum is recorded as
+    implicit; a reduced value written into an invariant tensor cast to invariant (``to``
+    "invariant": its backward communicates nothing)."""
+    rec = RECORDS["preduced" if to == "reduced" else "reduced_invariant"]
     out = ctx.apply(rec, t, axes, ())
-    if recording() and not ctx.single_axes.issuperset(axes):
+    if to == "reduced" and recording() and not ctx.single_axes.issuperset(axes):
         event = CommEvent("psum", axes, "backward", tuple(out.shape), out.dtype, implicit=True)
         out = on_backward(out, event)
     return ctx.stamp(out, rec.vma(ctx.vma(t), axes, ()))

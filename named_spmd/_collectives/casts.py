@@ -12,6 +12,8 @@ V -> U             cast R -> V                   none
 R -> V             cast V -> U                   none
 U -> V             the identity per instance     none (named_spmd's escape hatch: the
                                                  instance's partial sum as a local value)
+R -> I             the first instance's part     none (implicit only: a reduced value
+                   (I -> U)                      written into an invariant tensor)
 =================  ============================  =====================================
 """
 
@@ -50,6 +52,12 @@ def _identity(
     return g
 
 
+def _first_part(
+    ctx: SpmdContext, g: torch.Tensor, axes: Axes, params: Params, node: Any
+) -> torch.Tensor:
+    return torch.where(ctx.axis_index(axes) == 0, g, torch.zeros_like(g))
+
+
 def _cast(
     name: str, to: str, forward: Any, transpose: Any, back: Any, plain_view: bool = False
 ) -> Collective:
@@ -76,6 +84,10 @@ def _view_cast(name: str, to: str) -> Collective:
 
 #: I -> R: the value is kept; its gradient, a partial sum, is summed here (psum of unreduced)
 PREDUCED = _cast("preduced", "reduced", _view, _pvary_transpose, backward_op("psum"))
+#: R -> I, made only by a write of a reduced value into an invariant tensor (a write keeps the
+#: type of the tensor written): the value is kept; its cotangent, the same on every instance,
+#: becomes the first instance's part (zeros elsewhere), which the reduced value's transpose sums
+REDUCED_INVARIANT = _cast("reduced_invariant", "invariant", _view, _first_part, no_backward_op)
 #: V -> U: each instance's value becomes its part of a sum; the cotangent (reduced) is cast back
 VARY_UNREDUCED = _view_cast("vary_unreduced", "unreduced")
 #: R -> V: the value is the same everywhere (on the simulated mesh it becomes batched); the

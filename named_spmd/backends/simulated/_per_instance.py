@@ -74,6 +74,7 @@ class InstanceContext(MemberContext):
         self.coords = coords_of(index, mesh.axis_names, mesh._shape)
         self.device = device
         self.op = ""  # the collective being applied (what a mismatch names)
+        self.operand_shape: tuple[int, ...] = ()  # its operand's, as given (``all_to_all``)
 
     def member(self, axes: tuple[str, ...]) -> int:
         return index_of(axes, self.coords, self.mesh._shape)
@@ -91,7 +92,7 @@ class InstanceContext(MemberContext):
                 "(each instance's transform levels live on its own thread). Fix: use even "
                 "blocks (the vmap simulation), or differentiate outside the mapped function."
             )
-        self.op = rec.name
+        self.op, self.operand_shape = rec.name, tuple(x.shape)
         with torch_private.DisableTorchFunction():
             return rec.forward(self, x, axes, params)
 
@@ -127,7 +128,10 @@ class InstanceContext(MemberContext):
         return self._meet(x, axes, (dim,), functools.partial(_reduce_scatter, dim, self))
 
     def all_to_all(self, x, axes, dim):
-        return self._meet(x, axes, (dim,), functools.partial(_all_to_all, dim, self))
+        # with the operand's shape as given (``x`` may be its blocks, ``split_blocks``): the
+        # shapes the members' operands are compared by, as on a real mesh
+        given = (x, self.operand_shape)
+        return self._meet(given, axes, (dim,), functools.partial(_all_to_all, dim, self))
 
     own_values = True  # each instance's tensors are its own: sizes may differ, read on host
 
@@ -215,8 +219,11 @@ def _own(blocks: Sequence[Tensor]) -> list[Tensor]:
     return [b.clone() for b in blocks]
 
 
-def _all_to_all(dim: int, ctx: InstanceContext, xs: list[Tensor]) -> list[Tensor]:
-    _same_shapes(ctx, xs)
+def _all_to_all(dim: int, ctx: InstanceContext, given: list[tuple]) -> list[Tensor]:
+    shapes = [shape for _, shape in given]
+    if len(set(shapes)) > 1:
+        raise operand_shapes_differ(ctx.op, ctx.fn_label, shapes)
+    xs = [x for x, _ in given]
     return [torch.stack([x.select(dim, i) for x in xs], dim) for i in range(len(xs))]
 
 
