@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import hypothesis
+import pytest
 import torch
 from _reference import REF, _structure, chunk_bounds, run_reference, tree_leaves, tree_map
 from hypothesis import HealthCheck, event, given, note, settings
@@ -1185,6 +1186,7 @@ def run_case(case: Case) -> str:
     args = build_args(case)
     before = _snapshot(args)
     fn = functools.partial(drawn_program, case, ns)
+    mapped = None
     try:
         mapped = ns.spmd_map(fn, mesh=mesh_of(case), in_specs=in_specs, out_specs=out_specs)
         got = mapped(*args)
@@ -1193,18 +1195,21 @@ def run_case(case: Case) -> str:
         assert kind in ("error", "either"), f"a valid call raised {type(e).__name__}:\n{e}"
         assert_clear_error(e)
         assert_unchanged(before, args)
+        if mapped is not None:  # a second call raises alike
+            with pytest.raises(type(e)) as again:
+                mapped(*args)
+            assert str(again.value) == str(e), f"a second call raised another error:\n{again.value}"
         return "raised"
     assert_unchanged(before, args)
     assert kind in ("ok", "either"), f"expected an SpmdError ({why}), got a value"
     prog = functools.partial(drawn_program, case, REF_NS)
     want, want_f64 = reference(case, prog, in_specs, out_specs, args)
     assert_matches_reference(got, want, want_f64)
-    if math.prod(case.sizes) == 1:  # one instance: a second call replays the first, untyped
-        assert_matches_reference(mapped(*args), want, want_f64)
-        assert_unchanged(before, args)
-        replayed = bool(checked_signatures(mapped))  # else typed again (it asked for types)
-        return f"value, called again ({'replayed' if replayed else 'typed'})"
-    return "value"
+    # a second call replays the first: untyped on one instance, its plan on several
+    assert_matches_reference(mapped(*args), want, want_f64)
+    assert_unchanged(before, args)
+    replayed = bool(checked_signatures(mapped))  # else typed again (it asked for types)
+    return f"value, called again ({'replayed' if replayed else 'typed'})"
 
 
 @functools.cache
