@@ -734,10 +734,16 @@ def replay_overhead(mesh, n_ops: int = 200, rounds: int = 15) -> list[dict]:
     ``w`` replicated): the extra CPU microseconds per op of a planned call's replay (its
     signature typed once before) and of a typed call, over the ops on plain tensors; for scale,
     a bare ``TorchFunctionMode``; and the fixed cost of a call (``n_ops = 0``). CPU time of
-    this rank, medians over interleaved rounds."""
+    this rank, medians over interleaved rounds. Two operand sizes: 8x8, where the ops cost
+    least, and 256x256 (float32, 256 KiB), where each op's memory traffic evicts from the
+    caches the Python state that the next op's dispatch reads (its cost grows with it)."""
+    return [_replay_row(mesh, side, n_ops, rounds) for side in (8, 256)]
+
+
+def _replay_row(mesh, side: int, n_ops: int, rounds: int) -> dict:
     n = mesh.size
-    x, w = torch.randn(8 * n, 8), torch.randn(8, 8)
-    block = x[:8].clone()
+    x, w = torch.randn(side * n, side), torch.randn(side, side)
+    block = x[:side].clone()
     calls = _op_calls(mesh, "all", n_ops)
     fns = {
         "plain": lambda: _ops(block, w, n_ops),
@@ -762,19 +768,18 @@ def replay_overhead(mesh, n_ops: int = 200, rounds: int = 15) -> list[dict]:
     med = {k: statistics.median(v) for k, v in samples.items()}
     plain = med["plain"] - med["plain0"]
     per_op = lambda a, b: (med[a] - med[b] - plain) / n_ops * 1e6  # noqa: E731
-    return [
-        {
-            "ranks": n,
-            "plain us/op": round(plain / n_ops * 1e6, 2),
-            "replayed overhead us/op": round(per_op("replayed", "replayed0"), 2),
-            "typed overhead us/op": round(per_op("typed", "typed0"), 2),
-            "bare TorchFunctionMode overhead us/op": round(
-                (med["bare"] - med["plain"]) / n_ops * 1e6, 2
-            ),
-            "replayed call fixed us": round(med["replayed0"] * 1e6),
-            "typed call fixed us": round(med["typed0"] * 1e6),
-        }
-    ]
+    return {
+        "ranks": n,
+        "operands": f"{side}x{side}",
+        "plain us/op": round(plain / n_ops * 1e6, 2),
+        "replayed overhead us/op": round(per_op("replayed", "replayed0"), 2),
+        "typed overhead us/op": round(per_op("typed", "typed0"), 2),
+        "bare TorchFunctionMode overhead us/op": round(
+            (med["bare"] - med["plain"]) / n_ops * 1e6, 2
+        ),
+        "replayed call fixed us": round(med["replayed0"] * 1e6),
+        "typed call fixed us": round(med["typed0"] * 1e6),
+    }
 
 
 # --- main ---------------------------------------------------------------------------------------------
@@ -874,7 +879,8 @@ def report(result: dict, vma: dict | None) -> None:
         )
     for row in result.get("replay", []):
         print(
-            f"  vma tracking on {row['ranks']} ranks (200 small ops, CPU time): a replay "
+            f"  vma tracking on {row['ranks']} ranks (200 ops on {row['operands']} operands, CPU "
+            "time): a replay "
             f"+{row['replayed overhead us/op']:.2f} us/op, a typed call "
             f"+{row['typed overhead us/op']:.2f} us/op over plain torch "
             f"({row['plain us/op']:.2f} us/op); a bare TorchFunctionMode "

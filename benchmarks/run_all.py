@@ -157,7 +157,7 @@ def distributed_markdown(data: dict) -> str:
         "ring": "A ring of ppermutes (us per ring)",
         "ragged": "One ragged_all_to_all (us per call; ratio = ns / hand-written, routing known)",
         "stencil": "Stencil step, halos by ppermute (us per call; ratio = ns / hand-written)",
-        "replay": "vma tracking on every rank, 200 small ops (CPU us per op; fixed cost in us)",
+        "replay": "vma tracking on every rank, 200 ops (CPU us per op; fixed cost in us)",
     }
     for key, rows in dist_part.items():
         if isinstance(rows, list) and rows:
@@ -226,17 +226,23 @@ def targets(results: dict[str, Outcome]) -> list[tuple[str, str, str, str, str]]
             "DTensor ~7 (~12 with grad); stamping mode ~1.7",
         )
     ]
-    replay = next(iter((data.get("distributed") or {}).get("replay", [])), {})
+    replays = (data.get("distributed") or {}).get("replay", [])
+    replay = next(iter(replays), {})
+    larger = "".join(
+        f"; on {r['operands']} operands: replayed {r['replayed overhead us/op']:.2f}, bare "
+        f"{r['bare TorchFunctionMode overhead us/op']:.2f}, plain op {r['plain us/op']:.2f}"
+        for r in replays[1:]
+    )
     rows.append(
         _target(
             f"replayed per-op overhead, {replay.get('ranks', 4)} ranks <= 0.3 us/op",
             replay.get("replayed overhead us/op"),
             " us/op",
             0.3,
-            f"typed {replay['typed overhead us/op']:.2f}; a bare TorchFunctionMode's dispatch "
-            f"alone (the floor of a replay run by a mode) "
+            f"{replay.get('operands', '8x8')} operands; typed {replay['typed overhead us/op']:.2f}; "
+            "a bare TorchFunctionMode's dispatch alone (the floor of a replay run by a mode) "
             f"{replay['bare TorchFunctionMode overhead us/op']:.2f}; plain op "
-            f"{replay['plain us/op']:.2f}"
+            f"{replay['plain us/op']:.2f}{larger}"
             if replay
             else "",
         )
