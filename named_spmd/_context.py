@@ -20,7 +20,7 @@ from ._errors import CollectiveError, suggest
 from ._errors import fn_label as label_of
 from ._layout import ragged_pack, ragged_place
 from ._mesh import Mesh
-from ._types import Vma
+from ._types import Vma, shape_shown
 
 if TYPE_CHECKING:
     from ._collectives._record import Collective
@@ -138,6 +138,12 @@ class SpmdContext(ABC):
         that every member raises the same error (and, after a read of a varying value, checks
         that every member calls it: ``_record._apply`` calls this then for any collective)."""
         return params if rec.check is None else rec.check(self, x, axes, params)
+
+    def type_error(self, x: torch.Tensor, make: Callable[[tuple], Exception]) -> Exception:
+        """``make(shape)``: the error of an operand ``x`` whose type a collective refuses,
+        naming its shape (``shape_shown``); a backend whose members hold blocks of other sizes
+        in processes of their own names the first instance's, as the simulated mesh does."""
+        return make(shape_shown(x))
 
     def held_blocks(self, x: torch.Tensor) -> Any:
         """Where this call recorded it (``_blocks``): per dim of ``x``, the axes whose blocks

@@ -724,7 +724,34 @@ def _psum_over_b_where_positive(v):  # at b=0 and b=1 of a group: other signs
     return ns.psum(v, "b") * 2 if v.sum() > 0 else v * 2
 
 
+def _pvary_of_a_varying_block(v):
+    return ns.pvary(v, "x")
+
+
+def _psum_of_an_invariant_shaped_by_the_block(v):  # a factory's zeros: invariant, a block's rows
+    return ns.psum(torch.zeros(v.shape[0], 3, dtype=v.dtype), "x")
+
+
+def _type_error(name: str, fn, out_specs, told: str) -> Case:
+    """A type error over blocks of unequal sizes (10 rows over 4: 3, 3, 2, 2), every rank's at
+    the same collective: its text names the first instance's block, as the simulated mesh's."""
+    args = lambda: (_randn(10, 3, seed=34),)  # noqa: E731
+    return Case(name, (4,), ("x",), fn, P("x"), out_specs, args, None, switch=False, kinds=told)
+
+
 ERRORS = [
+    _type_error(
+        "pvary_of_a_varying_block",
+        _pvary_of_a_varying_block,
+        P("x"),
+        ("VmaError: ", "already varies over ('x',) (type f64[3,3]{x})"),
+    ),
+    _type_error(
+        "psum_of_an_invariant_value_shaped_by_the_block",
+        _psum_of_an_invariant_shaped_by_the_block,
+        P(),
+        ("VmaError: ", "invariant over ('x',) (its type is f64[3,3]{})"),
+    ),
     _ragged_case(
         "ragged_all_to_all_sizes_that_disagree",
         _ragged_sizes_disagree,

@@ -12,7 +12,7 @@ import torch
 from .. import _torch_private as torch_private
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError, VmaError
-from .._types import shape_shown, type_text
+from .._types import type_text
 
 if TYPE_CHECKING:
     from ._record import Collective
@@ -245,9 +245,12 @@ def raise_invariant_operand(
     assert rec.invariant_operand is not None  # checked when the record was made
     sizes = ctx.mesh.axis_size(invariant), ctx.mesh.axis_size(axes)
     rest = rec.invariant_operand(Invariant(axes, invariant, *sizes, params))
-    raise VmaError(
-        f"{rec.name} in {ctx.fn_label}: the operand is invariant over {invariant} (its type is "
-        f"{type_text(t.dtype, shape_shown(t), vma, ctx.mesh.axis_names)}), so {rest}"
+    raise ctx.type_error(
+        t,
+        lambda shape: VmaError(
+            f"{rec.name} in {ctx.fn_label}: the operand is invariant over {invariant} (its type "
+            f"is {type_text(t.dtype, shape, vma, ctx.mesh.axis_names)}), so {rest}"
+        ),
     )
 
 

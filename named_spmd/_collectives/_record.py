@@ -438,10 +438,13 @@ def implicit_cast(ctx: SpmdContext, t: Tensor, axes: Axes, to: str) -> Tensor:
 def _pvary_check(ctx: SpmdContext, t: Tensor, axes: Axes, params: Params) -> Params:
     already = ctx.vma(t).present(axes)
     if already:
-        raise VmaError(
-            f"pvary in {ctx.fn_label}: the operand already varies over {already} (type "
-            f"{type_text(t.dtype, shape_shown(t), ctx.vma(t), ctx.mesh.axis_names)}). Fix: pvary "
-            "only over axes it is invariant over."
+        raise ctx.type_error(
+            t,
+            lambda shape: VmaError(
+                f"pvary in {ctx.fn_label}: the operand already varies over {already} (type "
+                f"{type_text(t.dtype, shape, ctx.vma(t), ctx.mesh.axis_names)}). Fix: pvary "
+                "only over axes it is invariant over."
+            ),
         )
     return params
 

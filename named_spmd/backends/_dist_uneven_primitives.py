@@ -20,6 +20,7 @@ from .. import _torch_private as torch_private
 from .._collectives._record import DROP_INVARIANT
 from .._errors import SpmdError, operand_dtypes_differ, operand_shapes_differ
 from .._layout import chunk_sizes, groups, index_of
+from .._types import data_dependent, shape_shown
 from . import _dist_carried, _dist_steps
 from ._dist_agree import dtype_code, dtype_of
 from ._dist_steps import exchange
@@ -289,6 +290,16 @@ class UnevenPrimitives(OperandShapes):
 
     uneven = True
     check_operand = OperandShapes.check_every_operand
+
+    def type_error(self, x: torch.Tensor, make) -> Exception:
+        """The error naming the first instance's shape of ``x``, raised on every rank alike: a
+        type error (an invariant operand, a pvary over an axis it varies over) is every rank's
+        at the same collective, types not depending on the blocks, so the shapes are exchanged
+        there (not after a read of a varying value: the ranks may then be at other steps)."""
+        if self.values_read or data_dependent(x):
+            return make(shape_shown(x))
+        shapes = self._every_shape(x)
+        return self.alike(make(shapes[0] if shapes else shape_shown(x)))
 
     def sized(self, rec, x: torch.Tensor, axes, params: tuple) -> tuple:
         """``params``, with the blocks' sizes appended for a tiled all_gather / psum_scatter
