@@ -99,8 +99,7 @@ _IS_INPLACE: dict = {}  # func -> whether it writes into its first argument (mem
 def write_target(func, args, kwargs, inplace=None) -> torch.Tensor | None:
     """The tensor an op writes into: an in-place op's first argument (``inplace``: the test of
     that, :func:`is_inplace` by default), or its ``out=``."""
-    writes = is_inplace(func) if inplace is None else inplace(func)
-    target = args[0] if args and writes else (kwargs or {}).get("out")
+    target = args[0] if args and (inplace or is_inplace)(func) else (kwargs or {}).get("out")
     return target if isinstance(target, torch.Tensor) else None
 
 

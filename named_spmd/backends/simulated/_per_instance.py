@@ -165,9 +165,13 @@ def _same_dtypes(ctx: InstanceContext, xs: Sequence[Tensor]) -> None:
 
 
 def _same_shapes(ctx: InstanceContext, xs: Sequence[Tensor]) -> None:
-    shapes = {tuple(x.shape) for x in xs}
-    if len(shapes) > 1:
-        raise operand_shapes_differ(ctx.op, ctx.fn_label, [tuple(x.shape) for x in xs])
+    _same(ctx, [tuple(x.shape) for x in xs])
+
+
+def _same(ctx: InstanceContext, shapes: list[tuple]) -> None:
+    """Every member's operand of one shape (``shapes``, in member order), or the error."""
+    if len(set(shapes)) > 1:
+        raise operand_shapes_differ(ctx.op, ctx.fn_label, shapes)
 
 
 def _copies(x: Tensor, n: int) -> list[Tensor]:
@@ -220,9 +224,7 @@ def _own(blocks: Sequence[Tensor]) -> list[Tensor]:
 
 
 def _all_to_all(dim: int, ctx: InstanceContext, given: list[tuple]) -> list[Tensor]:
-    shapes = [shape for _, shape in given]
-    if len(set(shapes)) > 1:
-        raise operand_shapes_differ(ctx.op, ctx.fn_label, shapes)
+    _same(ctx, [shape for _, shape in given])
     xs = [x for x, _ in given]
     return [torch.stack([x.select(dim, i) for x in xs], dim) for i in range(len(xs))]
 
