@@ -21,7 +21,8 @@ Variants, timed interleaved in the same processes (bench_gpt.interleaved):
   as an f over dp at their use, all compiled the same way;
 * ``hand-written funcol compiled, DTensor parameters``: the same program on the DTensor
   parameters named_spmd trains (their local tensors taken in the graph, torch's ``to_local``):
-  what DTensor parameters cost the hand-written step;
+  what DTensor parameters cost the hand-written step; the row "named_spmd compiled /
+  hand-written, both on DTensor parameters" is ``named_spmd compiled`` over it (a target's row);
 * ``named_spmd blocks compiled``: the eager mapped step with each transformer block compiled by
   ``ns.compile`` (Inductor, fullgraph), torchtitan's per-block compile;
 * ``DTensor TP compiled``: torch's own tensor parallelism (bench_gpt's ``parallelize_module``
@@ -183,6 +184,9 @@ LOCAL = "named_spmd compiled, local blocks (.local)"
 LOCAL_UNREDUCED = "named_spmd compiled, local blocks, loss unreduced over dp"
 BASELINE = "hand-written funcol compiled"
 BASELINE_COPY = "hand-written funcol compiled, a second copy (A/A control)"
+HAND_DTENSORS = "hand-written funcol compiled, DTensor parameters"
+#: named_spmd compiled over the hand-written step, both on DTensor parameters (a target's row)
+ON_DTENSORS = "named_spmd compiled / hand-written, both on DTensor parameters"
 
 
 def _chosen(name: str, wanted: list[str] | None) -> bool:
@@ -257,7 +261,7 @@ def worker(args) -> None:
         BASELINE: (hand_step, True),
         # an A/A control: the baseline built again, timed as a variant (the machine's noise)
         BASELINE_COPY: (hand_step, True),
-        "hand-written funcol compiled, DTensor parameters": (hand_dt_step, True),
+        HAND_DTENSORS: (hand_dt_step, True),
         "named_spmd blocks compiled": (blocks_step, False),
         "DTensor TP compiled": (
             lambda: B.dtensor_tp_step(cfg, params, dm, {"backend": "inductor"})[0],
@@ -629,14 +633,14 @@ def main() -> None:
     medians = result["medians"]
     backend = "NCCL" if args.device == "cuda" else "gloo"
     case = f"GPT step, {tuple(args.mesh)}, {nproc} {backend} process{'es' * (nproc > 1)}"
-    rows = _util.rows_with_ratios(
-        BENCH,
+    rows = B.rows(
         case,
-        medians["wall"],
+        medians,
         BASELINE,
         {"named_spmd compiled": "<= 1.02x", LOCAL: "<= 1.02x", LOCAL_UNREDUCED: "<= 1.02x"},
+        ((ON_DTENSORS, "named_spmd compiled", HAND_DTENSORS, "<= 1.05x"),),
+        bench=BENCH,
     )
-    rows += _util.rows_with_ratios(BENCH, case + ", CPU time", medians["cpu"], BASELINE, {})
     _util.print_rows(rows)
     _util.write_markdown(args.markdown, rows)
     print("\npaired: each variant's time over the baseline's in the same round, median over")

@@ -23,7 +23,10 @@ Cases (baseline first, both in the same process, rounds interleaved):
   row ``ON_DTENSORS``: named_spmd's step over that one, both on DTensor parameters (the other
   target).
 * ``dp2``: 2 gloo processes, mesh (dp=2, tp=1): ``DistributedDataParallel`` on the nn.Module;
-  named_spmd with DTensor parameters (the target's row) and with plain parameters.
+  named_spmd with DTensor parameters (the target's row) and with plain parameters; and with the
+  loss left unreduced over dp (each rank's share, ``out_specs=P(unreduced={"dp"})``): DDP's
+  program, which runs no collective in the forward, where the target's step takes the
+  global mean there (``ns.pmean``, one more round of the ranks per step).
 * ``tp4``: 4 gloo processes, mesh (dp=2, tp=2): torch's DTensor tensor parallelism
   (``parallelize_module`` with ColwiseParallel / RowwiseParallel, a vocab-parallel LM head with
   ``loss_parallel``) plus data parallelism by DDP's schedule (each gradient's all-reduce over dp
@@ -107,11 +110,12 @@ def dense_step(cfg: G.Config, params: dict):
     return trainer(G.dense_loss(cfg), p), p
 
 
-def spmd_step(cfg: G.Config, mesh, params: dict, dtensors: bool = True):
+def spmd_step(cfg: G.Config, mesh, params: dict, dtensors: bool = True, reduced: bool = True):
     """named_spmd's step; on a real mesh the parameters are DTensors laid out by their specs
     (``dtensors=False``: plain tensors, the global value on every rank, as a simulated mesh
-    takes them; their gradients are then gathered, free where every axis has size 1)."""
-    f = G.spmd_step_fn(cfg, mesh)
+    takes them; their gradients are then gathered, free where every axis has size 1).
+    ``reduced=False``: the loss left unreduced over dp (``_gpt.spmd_loss``), as DDP's is."""
+    f = G.spmd_step_fn(cfg, mesh, reduced=reduced)
     if getattr(mesh, "device_mesh", None) is not None:
         if dtensors:
             p = _distribute(params, G.param_specs(cfg), mesh.device_mesh)
@@ -397,13 +401,18 @@ def interleaved(
 
 
 def rows(
-    case: str, medians: dict, baseline: str, targets: dict[str, str], versus: tuple = ()
+    case: str,
+    medians: dict,
+    baseline: str,
+    targets: dict[str, str],
+    versus: tuple = (),
+    bench: str = BENCH,
 ) -> list[_util.Row]:
     """The wall-clock rows (with the targets), then the CPU-time rows of the same runs. Each
     ``(row, variant, against, target)`` of ``versus`` adds a row ``variant``'s time over
     ``against``'s (with ``target`` among the wall-clock rows), where both were timed."""
-    wall = _util.rows_with_ratios(BENCH, case, medians["wall"], baseline, targets)
-    cpu = _util.rows_with_ratios(BENCH, case + ", CPU time", medians["cpu"], baseline, {})
+    wall = _util.rows_with_ratios(bench, case, medians["wall"], baseline, targets)
+    cpu = _util.rows_with_ratios(bench, case + ", CPU time", medians["cpu"], baseline, {})
     for name, times, table, with_target in (
         (case, medians["wall"], wall, True),
         (case + ", CPU time", medians["cpu"], cpu, False),
@@ -412,7 +421,7 @@ def rows(
             if variant in times and against in times:
                 ratio = times[variant] / times[against]
                 text = target if with_target else ""
-                table.append(_util.Row(BENCH, name, row, times[variant], against, ratio, text))
+                table.append(_util.Row(bench, name, row, times[variant], against, ratio, text))
     return wall + cpu
 
 
@@ -494,8 +503,13 @@ def worker(args) -> None:
         makers[PLAIN_PARAMS] = lambda p: spmd_step(cfg, mesh, p, dtensors=False)
     if world == 1:
         makers[DENSE_ON_DTENSORS] = lambda p: dense_dtensor_step(cfg, mesh, p)
+    # the program DDP runs: no collective for the loss in the forward
+    reduces = {baseline: reduce_loss}
+    if world == 2:
+        makers[UNREDUCED] = lambda p: spmd_step(cfg, mesh, p, reduced=False)
+        reduces[UNREDUCED] = summed_over_ranks(1)
     errs = {
-        name: check(cfg, make, args.check_steps, name, reduce_loss if name == baseline else _global)
+        name: check(cfg, make, args.check_steps, name, reduces.get(name, _global))
         for name, make in makers.items()
     }
     params = G.init_params(cfg, 0)
@@ -507,6 +521,7 @@ def worker(args) -> None:
 
 
 PLAIN_PARAMS = "named_spmd, plain parameters"
+UNREDUCED = "named_spmd, loss unreduced over dp"
 LOCAL_BLOCKS = "named_spmd, local blocks (.local)"
 DENSE_ON_DTENSORS = "dense step on DTensor parameters"
 #: named_spmd's step against the dense step, both on DTensor parameters (``real1``)

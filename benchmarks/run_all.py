@@ -413,7 +413,10 @@ _GPT_TARGETS = (
 # variants measured beside a target's row, quoted in its context
 _GPT_BESIDE = {
     "(1,1), 1 gloo process": ("named_spmd", "dense step on DTensor parameters"),
-    "dp=2, 2 gloo processes": ("named_spmd, plain parameters",),
+    "dp=2, 2 gloo processes": (
+        "named_spmd, plain parameters",
+        "named_spmd, loss unreduced over dp",
+    ),
 }
 
 

@@ -288,6 +288,7 @@ def run_checks(args, rank, world) -> None:
     results.append(_collective_results_written(mesh, world))
     results.append(_cast_results_written(mesh, world))
     results.append(_hooked_view_of_a_parameter(mesh, world))
+    results.append(_to_local_of_a_partial_sum(mesh, world))
     reentrant = ns.spmd_map(
         lambda x, w: ns.psum(
             checkpoint(lambda a, w: torch.sin(a * w), x, w, use_reentrant=True), ("dp", "tp")
@@ -930,6 +931,32 @@ def _gradient_of_a_partial_sum(mesh, world) -> dict:
         "psum of a partial sum's gradient", lambda: summed(x), ns.VmaError, "R:tp"
     )["problems"]
     return {"check": "gradient of a partial sum inside the function", "problems": problems}
+
+
+def _to_local_of_a_partial_sum(mesh, world) -> dict:
+    """An unreduced output's local part (``ns.to_local``, and DTensor's own ``to_local``)
+    differentiated on every rank: the gradient of the whole sum, as the simulated mesh gives
+    it, not ``world`` times it (each rank's seed is the one cotangent, not a part of it)."""
+    from named_spmd.backends.distributed import to_local
+
+    f = ns.spmd_map(
+        lambda x, w: ns.pcast((x * w).sum(), ("dp", "tp"), to="unreduced"),
+        mesh=mesh,
+        in_specs=(P(("dp", "tp")), P()),
+        out_specs=P(unreduced={"dp", "tp"}),
+    )
+    x = torch.arange(float(world)) + 1.0
+    want = x.sum().item()  # d/dw of sum(x * w)
+    problems = []
+    for name, local in (("ns.to_local", to_local), ("DTensor.to_local", lambda d: d.to_local())):
+        w = torch.ones((), requires_grad=True)
+        out = f(x, w)
+        if _global(out).item() != want:
+            problems.append(f"{name}: the output sums to {_global(out).item()}, want {want}")
+        local(out).backward()
+        if w.grad is None or w.grad.item() != want:
+            problems.append(f"{name}: gradient {w.grad}, want {want}")
+    return {"check": "to_local of a partial sum, differentiated", "problems": problems}
 
 
 def _pending_gradient_copies(scale, x, w) -> list[str]:

@@ -114,7 +114,7 @@ class _LocalOf(torch.autograd.Function):
         while not isinstance(d, DTensor):  # a transform's wrapper of a DTensor it closes over
             d = torch_private.get_unwrapped(d)
         # a reduced input's gradient is a partial sum (Partial) where the input is replicated
-        ctx.places = inputs[2] if len(inputs) > 2 and inputs[2] else tuple(d.placements)
+        ctx.places = inputs[2] if len(inputs) > 2 and inputs[2] else grad_places_of(d)
         ctx.set_materialize_grads(False)  # no gradient in: none out, as dense torch gives
 
     @staticmethod
@@ -129,6 +129,15 @@ class _LocalOf(torch.autograd.Function):
         DTensor the vmap only closes over (unbatched); a batched DTensor never gets here
         (``local_input`` refuses it)."""
         return _LocalOf.apply(d, mesh, grad_places), None
+
+
+def grad_places_of(d: DTensor) -> tuple:
+    """The placements of the gradient of ``d.to_local()`` where none are given: ``d``'s, with
+    ``Partial`` made ``Replicate`` (as torch's ``to_local`` makes them). The local tensor of a
+    partial sum is one of its parts, and each part's gradient is the whole cotangent (the
+    seeds of ``to_local(loss).backward()`` on every rank are that one cotangent, not parts
+    that sum to it: n times the gradient)."""
+    return tuple(Replicate() if p.is_partial() else p for p in d.placements)
 
 
 def _leaf_or_node(d: Any) -> tuple[Any, Any]:
@@ -189,7 +198,7 @@ def to_locals_fast(mesh, ds: list[DTensor], grad_places: list[tuple | None]) -> 
     """``d.to_local()`` of each of ``ds``, differentiable DTensors, outside any torch.func
     transform, in one node (:class:`_LocalsOf`); ``grad_places``: each one's gradient
     placements (None: its own)."""
-    places = tuple(p or tuple(d.placements) for d, p in zip(ds, grad_places))
+    places = tuple(p or grad_places_of(d) for d, p in zip(ds, grad_places))
     if len(ds) == 1:
         return (_local_of(ds[0], mesh, places[0]),)
     return _locals_of(mesh, places, *ds)
@@ -346,7 +355,7 @@ class _UnevenLocalOf(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         d = inputs[0]
         ctx.mesh, ctx.shape = inputs[1], tuple(d.shape)
-        ctx.places = inputs[2] if inputs[2] else tuple(d.placements)
+        ctx.places = inputs[2] if inputs[2] else grad_places_of(d)
         ctx.set_materialize_grads(False)  # (as :class:`_LocalOf`)
 
     @staticmethod
@@ -400,7 +409,7 @@ def to_local(tree: Any) -> Any:
     """Replace every DTensor in ``tree`` by this rank's local block (a plain tensor).
 
     Same as ``t.to_local()`` per DTensor (differentiable: the gradient flows back as a DTensor
-    with the same placements), but cheaper for DTensors on a named_spmd mesh: the output of a
+    with the same placements, but ``Replicate`` for ``Partial``, as torch's), but cheaper for DTensors on a named_spmd mesh: the output of a
     call (not a partial sum) gives the local tensor the call made it from, with no conversion
     forward or backward."""
     if isinstance(tree, torch.Tensor):  # (one tensor, as a loss: no tree to map)
