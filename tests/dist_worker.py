@@ -288,7 +288,7 @@ def run_checks(args, rank, world) -> None:
     results.append(_collective_results_written(mesh, world))
     results.append(_cast_results_written(mesh, world))
     results.append(_hooked_view_of_a_parameter(mesh, world))
-    results.append(_to_local_of_a_partial_sum(mesh, world))
+    results.append(_gradients_through_outputs(mesh, world))
     reentrant = ns.spmd_map(
         lambda x, w: ns.psum(
             checkpoint(lambda a, w: torch.sin(a * w), x, w, use_reentrant=True), ("dp", "tp")
@@ -933,30 +933,43 @@ def _gradient_of_a_partial_sum(mesh, world) -> dict:
     return {"check": "gradient of a partial sum inside the function", "problems": problems}
 
 
-def _to_local_of_a_partial_sum(mesh, world) -> dict:
-    """An unreduced output's local part (``ns.to_local``, and DTensor's own ``to_local``)
-    differentiated on every rank: the gradient of the whole sum, as the simulated mesh gives
-    it, not ``world`` times it (each rank's seed is the one cotangent, not a part of it)."""
+def _gradients_through_outputs(mesh, world) -> dict:
+    """Outputs of every state (varying, invariant, unreduced, reduced) differentiated on every
+    rank through each way out of a DTensor (``ns.to_local``, torch's ``to_local``,
+    ``full_tensor``, the DTensor itself): the gradient of the global value once, as the
+    simulated mesh gives it (a partial sum's local part gets the whole cotangent: backward
+    from every rank's part is not ``world`` times the gradient)."""
     from named_spmd.backends.distributed import to_local
 
-    f = ns.spmd_map(
-        lambda x, w: ns.pcast((x * w).sum(), ("dp", "tp"), to="unreduced"),
-        mesh=mesh,
-        in_specs=(P(("dp", "tp")), P()),
-        out_specs=P(unreduced={"dp", "tp"}),
-    )
+    axes = ("dp", "tp")
+    outputs = {
+        "varying": (lambda x, w: x * w, P(axes)),
+        "invariant": (lambda x, w: ns.psum((x * w).sum(), axes), P()),
+        "unreduced": (
+            lambda x, w: ns.pcast((x * w).sum(), axes, to="unreduced"),
+            P(unreduced=set(axes)),
+        ),
+        "reduced": (
+            lambda x, w: ns.pcast(ns.psum((x * w).sum(), axes), axes, to="reduced"),
+            P(reduced=set(axes)),
+        ),
+    }
+    ways = {
+        "ns.to_local": lambda d: to_local(d).sum(),
+        "DTensor.to_local": lambda d: d.to_local().sum(),
+        "full_tensor": lambda d: d.full_tensor().sum(),
+    }
     x = torch.arange(float(world)) + 1.0
     want = x.sum().item()  # d/dw of sum(x * w)
     problems = []
-    for name, local in (("ns.to_local", to_local), ("DTensor.to_local", lambda d: d.to_local())):
-        w = torch.ones((), requires_grad=True)
-        out = f(x, w)
-        if _global(out).item() != want:
-            problems.append(f"{name}: the output sums to {_global(out).item()}, want {want}")
-        local(out).backward()
-        if w.grad is None or w.grad.item() != want:
-            problems.append(f"{name}: gradient {w.grad}, want {want}")
-    return {"check": "to_local of a partial sum, differentiated", "problems": problems}
+    for kind, (fn, out_spec) in outputs.items():
+        f = ns.spmd_map(fn, mesh=mesh, in_specs=(P(axes), P()), out_specs=out_spec)
+        for way, scalar in ways.items():
+            w = torch.ones((), requires_grad=True)
+            scalar(f(x, w)).backward()
+            if w.grad is None or w.grad.item() != want:
+                problems.append(f"{kind} output, {way}: gradient {w.grad}, want {want}")
+    return {"check": "gradients through every kind of output", "problems": problems}
 
 
 def _pending_gradient_copies(scale, x, w) -> list[str]:
