@@ -289,6 +289,7 @@ def run_checks(args, rank, world) -> None:
     results.append(_cast_results_written(mesh, world))
     results.append(_hooked_view_of_a_parameter(mesh, world))
     results.append(_gradients_through_outputs(mesh, world))
+    results.append(_second_derivatives_at_the_boundary(mesh))
     reentrant = ns.spmd_map(
         lambda x, w: ns.psum(
             checkpoint(lambda a, w: torch.sin(a * w), x, w, use_reentrant=True), ("dp", "tp")
@@ -970,6 +971,62 @@ def _gradients_through_outputs(mesh, world) -> dict:
             if w.grad is None or w.grad.item() != want:
                 problems.append(f"{kind} output, {way}: gradient {w.grad}, want {want}")
     return {"check": "gradients through every kind of output", "problems": problems}
+
+
+def _second_derivatives_at_the_boundary(mesh) -> dict:
+    """Gradients differentiated again where a call's boundary makes parts of a value or of its
+    cotangent (the first member holds it, the others zeros): an unreduced input (plain or a
+    ``Partial`` DTensor, typed or under ``check_vma=False``) and a reduced output. Each equals
+    dense torch's second derivatives, on every rank (the seeds of the second backward, the same
+    on every rank, enter the call as parts: not summed once per member; and every rank runs
+    the same backward, collectives included)."""
+    g = torch.Generator().manual_seed(0)
+    u0 = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    w0 = torch.randn(3, 2, generator=g, dtype=torch.float64)
+    unreduced = P(unreduced={"tp"})
+
+    def mapped(body, in_u, out, check=True):
+        return ns.spmd_map(body, mesh=mesh, in_specs=(in_u, P()), out_specs=out, check_vma=check)
+
+    def from_unreduced(u, w):
+        return torch.tanh(ns.psum(u, "tp") @ w).sum(0)
+
+    def to_reduced(u, w):
+        return ns.pcast(ns.psum(torch.tanh(u @ w).sum(0), "tp"), "tp", to="reduced")
+
+    cases = {
+        "unreduced input": (mapped(from_unreduced, unreduced, P()), False),
+        "unreduced input, DTensor": (mapped(from_unreduced, unreduced, P()), True),
+        "unreduced input, check_vma=False": (
+            mapped(from_unreduced, unreduced, P(), check=False),
+            False,
+        ),
+        "reduced output": (mapped(to_reduced, P("tp"), P(reduced={"tp"})), False),
+    }
+
+    def second(fn, as_dtensor=False):
+        u, w = u0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if as_dtensor:
+            u = ns.shard(u0, mesh, unreduced).requires_grad_()
+        y = _global(fn(u, w))
+        gu, gw = torch.autograd.grad((y**2).sum(), (u, w), create_graph=True)
+        gu = _global(gu)
+        return [gu, gw, *map(_global, torch.autograd.grad((gw**2).sum() + (gu**3).sum(), (u, w)))]
+
+    want = second(lambda u, w: torch.tanh(u @ w).sum(0))
+    problems = []
+    for name, (f, as_dtensor) in cases.items():
+        try:
+            got = second(f, as_dtensor)
+        except Exception as e:  # noqa: BLE001 - reported (a rank that raised: the others too)
+            problems.append(f"{name}: raised {type(e).__name__}: {e}"[:300])
+            continue
+        for what, a, b in zip(("du", "dw", "d2u", "d2w"), got, want):
+            if not torch.allclose(a, b, rtol=1e-10, atol=1e-12):
+                problems.append(
+                    f"{name}: {what} {a.flatten()[:3].tolist()}, want {b.flatten()[:3].tolist()}"
+                )
+    return {"check": "second derivatives through parts at the boundary", "problems": problems}
 
 
 def _pending_gradient_copies(scale, x, w) -> list[str]:

@@ -114,14 +114,16 @@ class _LocalOf(torch.autograd.Function):
         while not isinstance(d, DTensor):  # a transform's wrapper of a DTensor it closes over
             d = torch_private.get_unwrapped(d)
         # a reduced input's gradient is a partial sum (Partial) where the input is replicated
-        ctx.places = inputs[2] if len(inputs) > 2 and inputs[2] else grad_places_of(d)
+        given = inputs[2] if len(inputs) > 2 else None
+        ctx.places = given or grad_places_of(d)
+        ctx.parts = input_parts(ctx.mesh, d, given)
         ctx.set_materialize_grads(False)  # no gradient in: none out, as dense torch gives
 
     @staticmethod
     def backward(ctx, g):
         if g is None:
             return None, None, None
-        return _local_grad(ctx.mesh, g, ctx.places, ctx.leaf, ctx.below), None, None
+        return _local_grad(ctx.mesh, g, ctx.places, ctx.leaf, ctx.below, ctx.parts), None, None
 
     @staticmethod
     def vmap(info, in_dims, d, mesh, grad_places=None):
@@ -146,11 +148,42 @@ def _leaf_or_node(d: Any) -> tuple[Any, Any]:
     return (d, None) if d.is_leaf else (None, d.grad_fn)
 
 
-def _local_grad(mesh, g: torch.Tensor, places: tuple, leaf: Any, below: Any) -> DTensor:
+def input_parts(mesh, d: DTensor, grad_places: tuple | None) -> tuple[str, ...]:
+    """The axes over which a call's input ``d`` (its gradient's placements given: a call's
+    input) is a partial sum whose gradient is whole (``Partial`` there, its gradient
+    ``Replicate``: an unreduced in_spec), in mesh order; none for a user's ``to_local``."""
+    if not grad_places:
+        return ()
+    names = mesh.axis_names
+    return tuple(
+        names[i]
+        for i, (p, g) in enumerate(zip(d.placements, grad_places))
+        if p.is_partial() and not g.is_partial() and names[i] not in mesh.single_axes
+    )
+
+
+def _cotangent_parts(g: torch.Tensor, mesh, parts: tuple[str, ...]) -> torch.Tensor:
+    """``g``, a call input's gradient differentiated again, whose cotangent, the same on every
+    member of ``parts`` (:func:`input_parts`), enters the call's backward as parts of it (the
+    first member's the whole, the others' zeros), as the input's own value did: else each
+    transpose behind it would count one copy per member."""
+    if not parts:
+        return g
+    from ._dist_plain import first_holds  # (which imports this module)
+
+    return first_holds(g, mesh, parts, False, True)
+
+
+def _local_grad(
+    mesh, g: torch.Tensor, places: tuple, leaf: Any, below: Any, parts: tuple | None
+) -> DTensor:
     """The gradient of a DTensor from that of its local tensor ``g`` (``leaf``: the DTensor,
-    where it is a leaf; else ``below``: its autograd node)."""
+    where it is a leaf; else ``below``: its autograd node). ``parts``: :func:`input_parts`
+    (None: ``leaf``'s, a call's input)."""
     if differentiable(g):  # double backward: a recorded conversion
-        return _from_local(mesh, g, places)
+        if parts is None:
+            parts = input_parts(mesh, leaf, places)
+        return _from_local(mesh, _cotangent_parts(g, mesh, parts), places)
     g = unshared(g)
     if type(g) is torch.Tensor:  # (the usual gradient: plain, no reduction behind it)
         return _wrap(mesh, g, places)
@@ -188,7 +221,7 @@ class _LocalsOf(torch.autograd.Function):
             None,
             None,
             *(
-                None if g is None else _local_grad(mesh, g, places, *source)
+                None if g is None else _local_grad(mesh, g, places, source[0], source[1], None)
                 for g, places, source in zip(gs, ctx.places, ctx.sources)
             ),
         )
@@ -356,13 +389,15 @@ class _UnevenLocalOf(torch.autograd.Function):
         d = inputs[0]
         ctx.mesh, ctx.shape = inputs[1], tuple(d.shape)
         ctx.places = inputs[2] if inputs[2] else grad_places_of(d)
+        ctx.parts = input_parts(ctx.mesh, d, inputs[2])
         ctx.set_materialize_grads(False)  # (as :class:`_LocalOf`)
 
     @staticmethod
     def backward(ctx, g):
         if g is None:
             return None, None, None
-        if differentiable(g):  # double backward: a recorded conversion
+        if differentiable(g):  # double backward: a recorded conversion (as :func:`_local_grad`)
+            g = _cotangent_parts(g, ctx.mesh, ctx.parts)
             return _UnevenDTensorOf.apply(g, ctx.mesh, ctx.places, ctx.shape), None, None
         g = overlap.settled(unshared(g))
         if overlap.is_pending_wrapper(g):

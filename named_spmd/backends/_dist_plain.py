@@ -118,6 +118,13 @@ class FirstHolds(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if differentiable(g):
+            # differentiated again (an unreduced input's gradient, a reduced output's
+            # cotangent): what the next backward sends back, the same on every member (the
+            # seeds of a function computed on every rank), goes on as its parts, else the
+            # transposes behind would sum one copy per member; and as a node on every member
+            # (zeros made here would be none, and the ranks' backward passes would differ)
+            return FirstHolds.apply(g, ctx.first, ctx.parts_back, True), None, None, None
         if ctx.parts_back and not ctx.first:
             g = torch.zeros_like(g)
         return g, None, None, None
