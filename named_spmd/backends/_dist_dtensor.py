@@ -20,10 +20,11 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from .. import _torch_private as torch_private
-from .._autodiff import below_functionalize, differentiable, unshared
+from .._autodiff import differentiable, unshared
 from .._spec import PartitionSpec
 from . import _dist_overlap as overlap
 from ._dist_mesh import registered_mesh
+from ._dist_plain import _fast, _transformed, first_holds
 
 _new_dtensor = torch_private.dist().new_dtensor  # DTensor's constructor, with a cached spec
 
@@ -167,11 +168,7 @@ def _cotangent_parts(g: torch.Tensor, mesh, parts: tuple[str, ...]) -> torch.Ten
     member of ``parts`` (:func:`input_parts`), enters the call's backward as parts of it (the
     first member's the whole, the others' zeros), as the input's own value did: else each
     transpose behind it would count one copy per member."""
-    if not parts:
-        return g
-    from ._dist_plain import first_holds  # (which imports this module)
-
-    return first_holds(g, mesh, parts, False, True)
+    return first_holds(g, mesh, parts, False, True) if parts else g
 
 
 def _local_grad(
@@ -270,25 +267,9 @@ def _plain_local_grad(leaf: DTensor, mesh) -> None:
             leaf.grad = _wrap(mesh, torch_private.async_buffer(local), tuple(grad.placements))
 
 
-def _fast(cls: Any) -> Any:
-    """``cls.apply`` without the Python argument binding (see ``_autodiff``)."""
-    return torch_private.function_base_apply.__get__(None, cls)
-
-
 _local_of = _fast(_LocalOf)
 _locals_of = _fast(_LocalsOf)
 _dtensor_of = _fast(_DTensorOf)
-
-
-def _transformed(fn: Any, x: torch.Tensor, *rest: Any) -> Any:
-    """``fn.apply`` under a torch.func transform (functorch wraps the Function: the full Python
-    path), run below a ``functionalize`` on top, which has no rule for Functions."""
-    if (
-        torch_private.transforms_active()
-        and torch_private.current_interpreter().key() == torch_private.TransformType.Functionalize
-    ):
-        return below_functionalize(x, lambda t: _transformed(fn, t, *rest))
-    return fn.apply(x, *rest)
 
 
 def to_local_fast(

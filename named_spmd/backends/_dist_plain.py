@@ -16,16 +16,33 @@ of the graph.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import _torch_private as torch_private
 from .._accounting import CommEvent, active, on_backward, record_into
 from .._autodiff import apply as bridge_apply
-from .._autodiff import differentiable
+from .._autodiff import below_functionalize, differentiable
 from .._collectives._record import PVARY_RECORD, RECORDS, tag_derivatives
 from .._layout import assemble, block
 from .._spec import PartitionSpec
-from ._dist_dtensor import _fast, _transformed
+
+
+def _fast(cls: Any) -> Any:
+    """``cls.apply`` without the Python argument binding (see ``_autodiff``)."""
+    return torch_private.function_base_apply.__get__(None, cls)
+
+
+def _transformed(fn: Any, x: torch.Tensor, *rest: Any) -> Any:
+    """``fn.apply`` under a torch.func transform (functorch wraps the Function: the full Python
+    path), run below a ``functionalize`` on top, which has no rule for Functions."""
+    if (
+        torch_private.transforms_active()
+        and torch_private.current_interpreter().key() == torch_private.TransformType.Functionalize
+    ):
+        return below_functionalize(x, lambda t: _transformed(fn, t, *rest))
+    return fn.apply(x, *rest)
 
 
 def plain_input(ctx, leaf: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
