@@ -117,14 +117,14 @@ class _LocalOf(torch.autograd.Function):
         # a reduced input's gradient is a partial sum (Partial) where the input is replicated
         given = inputs[2] if len(inputs) > 2 else None
         ctx.places = given or grad_places_of(d)
-        ctx.parts = input_parts(ctx.mesh, d, given)
+        ctx.held = d.placements if given else None  # (a call's input: :func:`input_parts`)
         ctx.set_materialize_grads(False)  # no gradient in: none out, as dense torch gives
 
     @staticmethod
     def backward(ctx, g):
         if g is None:
             return None, None, None
-        return _local_grad(ctx.mesh, g, ctx.places, ctx.leaf, ctx.below, ctx.parts), None, None
+        return _local_grad(ctx.mesh, g, ctx.places, ctx.leaf, ctx.below, ctx.held), None, None
 
     @staticmethod
     def vmap(info, in_dims, d, mesh, grad_places=None):
@@ -149,38 +149,37 @@ def _leaf_or_node(d: Any) -> tuple[Any, Any]:
     return (d, None) if d.is_leaf else (None, d.grad_fn)
 
 
-def input_parts(mesh, d: DTensor, grad_places: tuple | None) -> tuple[str, ...]:
-    """The axes over which a call's input ``d`` (its gradient's placements given: a call's
-    input) is a partial sum whose gradient is whole (``Partial`` there, its gradient
-    ``Replicate``: an unreduced in_spec), in mesh order; none for a user's ``to_local``."""
-    if not grad_places:
+def input_parts(mesh, held: tuple | None, grad_places: tuple) -> tuple[str, ...]:
+    """The axes over which a call's input, of placements ``held`` (None: not a call's input,
+    a user's ``to_local``), is a partial sum whose gradient (``grad_places``) is whole:
+    ``Partial`` there, its gradient ``Replicate`` (an unreduced in_spec); in mesh order."""
+    if held is None:
         return ()
     names = mesh.axis_names
     return tuple(
         names[i]
-        for i, (p, g) in enumerate(zip(d.placements, grad_places))
+        for i, (p, g) in enumerate(zip(held, grad_places))
         if p.is_partial() and not g.is_partial() and names[i] not in mesh.single_axes
     )
 
 
-def _cotangent_parts(g: torch.Tensor, mesh, parts: tuple[str, ...]) -> torch.Tensor:
+def _cotangent_parts(g: torch.Tensor, mesh, held: tuple | None, places: tuple) -> torch.Tensor:
     """``g``, a call input's gradient differentiated again, whose cotangent, the same on every
-    member of ``parts`` (:func:`input_parts`), enters the call's backward as parts of it (the
+    member of the input's :func:`input_parts`, enters the call's backward as parts of it (the
     first member's the whole, the others' zeros), as the input's own value did: else each
     transpose behind it would count one copy per member."""
+    parts = input_parts(mesh, held, places)
     return first_holds(g, mesh, parts, False, True) if parts else g
 
 
 def _local_grad(
-    mesh, g: torch.Tensor, places: tuple, leaf: Any, below: Any, parts: tuple | None
+    mesh, g: torch.Tensor, places: tuple, leaf: Any, below: Any, held: tuple | None
 ) -> DTensor:
     """The gradient of a DTensor from that of its local tensor ``g`` (``leaf``: the DTensor,
-    where it is a leaf; else ``below``: its autograd node). ``parts``: :func:`input_parts`
-    (None: ``leaf``'s, a call's input)."""
+    where it is a leaf; else ``below``: its autograd node). ``held``: a call input's own
+    placements (:func:`input_parts`), else None."""
     if differentiable(g):  # double backward: a recorded conversion
-        if parts is None:
-            parts = input_parts(mesh, leaf, places)
-        return _from_local(mesh, _cotangent_parts(g, mesh, parts), places)
+        return _from_local(mesh, _cotangent_parts(g, mesh, held, places), places)
     g = unshared(g)
     if type(g) is torch.Tensor:  # (the usual gradient: plain, no reduction behind it)
         return _wrap(mesh, g, places)
@@ -218,7 +217,10 @@ class _LocalsOf(torch.autograd.Function):
             None,
             None,
             *(
-                None if g is None else _local_grad(mesh, g, places, source[0], source[1], None)
+                # (each a parameter: a leaf, ``source[0]``)
+                None
+                if g is None
+                else _local_grad(mesh, g, places, source[0], source[1], source[0].placements)
                 for g, places, source in zip(gs, ctx.places, ctx.sources)
             ),
         )
@@ -370,7 +372,7 @@ class _UnevenLocalOf(torch.autograd.Function):
         d = inputs[0]
         ctx.mesh, ctx.shape = inputs[1], tuple(d.shape)
         ctx.places = inputs[2] if inputs[2] else grad_places_of(d)
-        ctx.parts = input_parts(ctx.mesh, d, inputs[2])
+        ctx.held = d.placements if inputs[2] else None  # (as :class:`_LocalOf`)
         ctx.set_materialize_grads(False)  # (as :class:`_LocalOf`)
 
     @staticmethod
@@ -378,7 +380,7 @@ class _UnevenLocalOf(torch.autograd.Function):
         if g is None:
             return None, None, None
         if differentiable(g):  # double backward: a recorded conversion (as :func:`_local_grad`)
-            g = _cotangent_parts(g, ctx.mesh, ctx.parts)
+            g = _cotangent_parts(g, ctx.mesh, ctx.held, ctx.places)
             return _UnevenDTensorOf.apply(g, ctx.mesh, ctx.places, ctx.shape), None, None
         g = overlap.settled(unshared(g))
         if overlap.is_pending_wrapper(g):
@@ -425,9 +427,9 @@ def to_local(tree: Any) -> Any:
     """Replace every DTensor in ``tree`` by this rank's local block (a plain tensor).
 
     Same as ``t.to_local()`` per DTensor (differentiable: the gradient flows back as a DTensor
-    with the same placements, but ``Replicate`` for ``Partial``, as torch's), but cheaper for DTensors on a named_spmd mesh: the output of a
-    call (not a partial sum) gives the local tensor the call made it from, with no conversion
-    forward or backward."""
+    with the same placements, but ``Replicate`` for ``Partial``, as torch's), but cheaper for
+    DTensors on a named_spmd mesh: the output of a call (not a partial sum) gives the local
+    tensor the call made it from, with no conversion forward or backward."""
     if isinstance(tree, torch.Tensor):  # (one tensor, as a loss: no tree to map)
         return _leaf_to_local(tree)
     return optree.tree_map(_leaf_to_local, tree, none_is_leaf=True)
