@@ -25,6 +25,8 @@
   that gets no gradient (its op's backward returns None) keeps ``.grad`` None, as dense torch,
   alone or beside another DTensor argument; the error for two DTensors against their in_specs
   (the first requiring grad, the second not): it names the first.
+* ``large``: a chain through a 2 MiB weight between small ones: gradients, all-reduces (the
+  large weight's alone) and recorded psums.
 * ``mixed``: weights of odd sizes (padding between slots), a weight also used outside the call
   and one used by two calls (their second contribution reads a pending gradient before its
   bucket filled), two backward passes accumulated: gradients and the bitwise check.
@@ -181,6 +183,31 @@ def mixed_grads(mesh) -> list[torch.Tensor]:
         loss = _full(f(x * (step + 1), ws)) + (ws[2] ** 2).sum() + _full(g(x, ws[4]))
         loss.backward()
     return [w.grad for w in ws]
+
+
+LARGE_SIDE = 512  # a float64 [LARGE_SIDE, LARGE_SIDE] weight: 2 MiB, reduced alone (ALONE_BYTES)
+LARGE_SHAPES = [(SIDE, LARGE_SIDE), (LARGE_SIDE, LARGE_SIDE), (LARGE_SIDE, SIDE), (SIDE, SIDE)]
+
+
+def large_grads(mesh, around_backward=contextlib.nullcontext) -> tuple[list, int]:
+    """A chain through a 2 MiB weight between small ones: the gradients and the backward psums
+    CommMode recorded (the large one is reduced alone, in place, whatever the bucket size)."""
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(2 * 2, SIDE, generator=gen, dtype=torch.float64)
+    ws = [
+        (torch.randn(*s, generator=gen, dtype=torch.float64) / s[0] ** 0.5).requires_grad_()
+        for s in LARGE_SHAPES
+    ]
+    f = ns.spmd_map(_large_fn, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
+    psums = _backward_psums(lambda: f(x, ws), around_backward)
+    return [w.grad for w in ws], psums
+
+
+def _large_fn(x, ws):
+    h = x
+    for w in ws:
+        h = torch.tanh(h @ w)
+    return ns.psum((h**2).sum(), "dp")
 
 
 # name -> (as DTensors, the weights' sharded axis)
@@ -403,6 +430,8 @@ def run(mesh) -> list[dict]:
         mixed = mixed_grads(mesh)
         shared = {k: shared_grads(mesh, *how) for k, how in SHARED_KINDS.items()}
         accumulated = accumulated_grads(mesh, second)
+        large_reduces = _AllReduces()
+        large, large_psums = large_grads(mesh, large_reduces)
         outcomes.append(
             {
                 "size": name,
@@ -416,6 +445,11 @@ def run(mesh) -> list[dict]:
                 "accumulating_all_reduces": second.count,
                 "hooked_ok": hooked_accumulation_ok(mesh),
                 "views": views,
+                "large": {
+                    "grads": [g.tolist() for g in large],
+                    "all_reduces": large_reduces.count,
+                    "psums": large_psums,
+                },
                 "shared": shared,
                 "dtensor_inputs": dtensor_inputs,
                 "checkpointed_view": checkpointed,

@@ -245,11 +245,11 @@ def test_checkpoint_around_the_call_differentiates_twice_as_simulated():
 def _bucket_all_reduces(sizes: list[int], mb) -> int:
     """All-reduces of gradients of ``sizes`` bytes (one dtype, in the order backward reaches
     them) packed into buckets of ``mb`` MB (None: the 25 MB default): a gradient of at least a
-    bucket's bytes goes alone, one that does not fit starts a new bucket."""
+    bucket's bytes, or of 2 MiB, goes alone, one that does not fit starts a new bucket."""
     cap = int((25.0 if mb is None else mb) * 2**20)
     count, room = 0, 0
     for size in sizes:
-        if size >= cap:
+        if size >= min(cap, 2 * 2**20):
             count += 1
         elif size > room:
             count, room = count + 1, cap - size
@@ -298,6 +298,7 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
     want_mixed = gb.mixed_grads(sim)
     want_accumulated = gb.accumulated_grads(sim)
     want_views, want_view_psums = gb.view_grads(sim)
+    want_large = gb.large_grads(sim)[0]
     want_shared = {axis: _dense_shared_grads(axis) for axis in (None, "dp")}
     assert want_psums == gb.N64 + gb.N32 and want_view_psums == gb.N_VIEWS
     for o in outcomes:
@@ -322,6 +323,15 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
                 torch.testing.assert_close(
                     torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
                 )
+        large = o["large"]  # a 2 MiB weight's gradient reduced alone, whatever the bucket size
+        large_sizes = [r * c * 8 for r, c in reversed(gb.LARGE_SHAPES)]
+        want_reduces = _bucket_all_reduces(large_sizes, gb.SIZES_MB[o["size"]])
+        assert large["all_reduces"] == want_reduces, (where, large["all_reduces"])
+        assert large["psums"] == len(gb.LARGE_SHAPES), (where, large["psums"])
+        for got, ref in zip(large["grads"], want_large):
+            torch.testing.assert_close(
+                torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
+            )
         for kind, shared in o["shared"].items():  # one gradient tensor for two weights
             assert shared["plain"] and shared["own"], (where, kind)  # plain, own storage
             for got, ref in zip(shared["grads"], want_shared[gb.SHARED_KINDS[kind][1]]):

@@ -9,8 +9,11 @@ bytes), so DDP packs gradients into ~25 MB buckets, one all-reduce each. So does
   one device: it never mixes them. Bucket boundaries depend only on the order and sizes of the
   gradients and on the configured size, so every rank of a group forms the same buckets (the
   same size must be set on every rank; debug mode reports ranks whose all-reduces differ).
-* A gradient of at least a bucket's bytes (every gradient, when the size is 0) is not bucketed:
-  it is reduced alone, in place when nothing else holds it.
+* A gradient of at least a bucket's bytes (every gradient, when the size is 0), or of at least
+  :data:`ALONE_BYTES`, is not bucketed: it is reduced alone, in place when nothing else holds
+  it, as soon as it is made. Copying a large gradient into a bucket and its sum back out costs
+  more than the all-reduce it would save (benchmarks/bench_distributed.py's Megatron MLP step at
+  H=1024, whose two 8 MB weights would otherwise share a bucket).
 * Otherwise it joins the open bucket of its key; a gradient that does not fit starts the open
   bucket first, and a bucket with no room left starts at once. Buckets still open start at the
   end of the backward pass, before the first wait. So buckets hold at most the configured bytes
@@ -38,6 +41,9 @@ from .._errors import SpmdError
 from ._dist_comm import Comm
 
 DEFAULT_MB = 25.0  # DDP's bucket_cap_mb
+#: the smallest gradient reduced alone whatever the bucket size (module doc): on 2 gloo ranks
+#: two all-reduces of 2 MB each cost what one of their 4 MB concatenation and its copies do
+ALONE_BYTES = 2 * (1 << 20)
 ENV = "NAMED_SPMD_GRAD_BUCKET_MB"
 _MB = 1 << 20
 
@@ -51,6 +57,8 @@ def set_grad_bucket_mb(mb: float | None = DEFAULT_MB) -> None:
     are packed into buckets of at most this size, one all-reduce each, started as they fill and
     overlapped with the rest of the backward pass, as DDP's ``bucket_cap_mb``. ``0`` reduces
     every gradient on its own; ``None`` goes back to ``NAMED_SPMD_GRAD_BUCKET_MB`` (default 25).
+    A gradient of 2 MB or more is reduced on its own, in place, whatever the size: copying it
+    into a bucket and back would cost more than the all-reduce it saves.
     Set the same size on every rank (each call checks it). Values and gradients do not depend on it.
     """
     if mb is not None:
@@ -66,6 +74,11 @@ def _check_mb(mb: Any, where: str, fix: str) -> float:
             f"gradient on its own), got {mb!r}. Fix: {fix} (DDP's default)."
         )
     return float(mb)
+
+
+def bucketed(nbytes: int, cap: int) -> bool:
+    """Whether a gradient of ``nbytes`` joins a bucket of ``cap`` bytes (else: alone)."""
+    return nbytes < cap and nbytes < ALONE_BYTES
 
 
 def bucket_bytes(task: int = -1) -> int:

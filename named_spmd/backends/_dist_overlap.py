@@ -207,7 +207,7 @@ def psum_in_backward(g: torch.Tensor, comm: Comm | None, node, chain: str = "bac
         return buf
     task = torch_private.current_graph_task_id()
     cap = buckets.bucket_bytes(task)
-    if task != -1 and buf.numel() * buf.element_size() < cap:
+    if task != -1 and buckets.bucketed(buf.numel() * buf.element_size(), cap):
         pending = _into_bucket(buf, comm, task, cap)
     else:  # alone
         pending = _reduce_during_backward(buf, comm)
