@@ -285,7 +285,6 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
     tensors. ``late``: reductions and bucket starts delayed to their waits, pending
     gradients NaN until then (a read that does not wait fails)."""
     import grad_buckets as gb
-    import torch
 
     import named_spmd as ns
 
@@ -319,38 +318,36 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
             )
             assert views["psums"] == want_view_psums, (where, kind)
             assert views["contexts"] == 0, (where, kind)  # the graph freed, the call's context too
-            for got, ref in zip(views["grads"], want_views):
-                torch.testing.assert_close(
-                    torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
-                )
+            _close_to(views["grads"], want_views, where)
         large = o["large"]  # a 2 MiB weight's gradient reduced alone, whatever the bucket size
         large_sizes = [r * c * 8 for r, c in reversed(gb.LARGE_SHAPES)]
         want_reduces = _bucket_all_reduces(large_sizes, gb.SIZES_MB[o["size"]])
         assert large["all_reduces"] == want_reduces, (where, large["all_reduces"])
         assert large["psums"] == len(gb.LARGE_SHAPES), (where, large["psums"])
-        for got, ref in zip(large["grads"], want_large):
-            torch.testing.assert_close(
-                torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
-            )
+        _close_to(large["grads"], want_large, where)
         for kind, shared in o["shared"].items():  # one gradient tensor for two weights
             assert shared["plain"] and shared["own"], (where, kind)  # plain, own storage
-            for got, ref in zip(shared["grads"], want_shared[gb.SHARED_KINDS[kind][1]]):
-                torch.testing.assert_close(
-                    torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-12, atol=1e-12, msg=where
-                )
+            _close_to(shared["grads"], want_shared[gb.SHARED_KINDS[kind][1]], where)
         assert o["checkpointed_view"] == {"grad_ok": True, "contexts": 0}, (where, o)
         inputs = o["dtensor_inputs"]  # an activation's gradient alone: no parameter's psum
         assert inputs["activation_only"] == {"psums": 0, "grad_ok": True}, (where, inputs)
         assert inputs["none_stays_none"] == [True] * 3, (where, inputs)  # dense torch's None
         assert "argument leaf 0 is a DTensor with placements" in inputs["first_bad"], where
         got_all = o["grads"] + o["mixed"] + o["accumulated"]
-        for got, ref in zip(got_all, want + want_mixed + want_accumulated):
-            # float32 tolerance throughout: the chain's float64 gradients also flow back through
-            # its float32 part, whose matmuls round differently batched (the simulated mesh) and
-            # alone on some CPUs (1e-7 relative seen); the real runs are compared bitwise above
-            torch.testing.assert_close(
-                torch.tensor(got, dtype=ref.dtype), ref, rtol=1e-5, atol=1e-6, msg=where
-            )
+        # float32 tolerance throughout: the chain's float64 gradients also flow back through
+        # its float32 part, whose matmuls round differently batched (the simulated mesh) and
+        # alone on some CPUs (1e-7 relative seen); the real runs are compared bitwise above
+        _close_to(got_all, want + want_mixed + want_accumulated, where, rtol=1e-5, atol=1e-6)
+
+
+def _close_to(got: list, want: list, where: str, rtol: float = 1e-12, atol: float = 1e-12):
+    """Each of ``got`` (nested lists, from a worker's JSON) close to its tensor in ``want``."""
+    import torch
+
+    for g, ref in zip(got, want):
+        torch.testing.assert_close(
+            torch.tensor(g, dtype=ref.dtype), ref, rtol=rtol, atol=atol, msg=where
+        )
 
 
 def _dense_shared_grads(axis) -> list:
