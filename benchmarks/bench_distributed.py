@@ -16,7 +16,9 @@ Six measurements, printed by rank 0:
    schedule, which spmd_map follows) and waits after backward. Reported: median step time of
    each (rounds interleaved, each step timed between barriers, slowest rank) and the ratios.
 2. Latency of one collective: ``ns.psum`` inside spmd_map versus ``dist.all_reduce`` on a small
-   and a 4 MB tensor (median per call).
+   and a 4 MB tensor (median per call); and ``ns.pmean`` of a pytree of gradients (30 of
+   [64, 64], 8 of [512, 512]) versus a ``dist.all_reduce`` per leaf and one of their
+   concatenation (``--only tree``).
 3. A ring of ppermutes (nproc - 1 hops, as ring attention passes its key blocks): ``ns.ppermute``
    inside spmd_map (one ``all_to_all_single`` with one non-empty split each way, so its waits
    can be polled) versus the same hops hand-written with ``dist.batch_isend_irecv`` and with
@@ -379,6 +381,41 @@ def latency(args, mesh, device) -> list[dict]:
         row = {"bytes": numel * 4, **{k: v / calls * 1e6 for k, v in t.items()}}
         row["ratio fresh"] = row["ns.psum fresh"] / row["dist.all_reduce fresh"]
         row["ratio reused"] = row["ns.psum reused"] / row["dist.all_reduce reused"]
+        rows.append(row)
+    return rows
+
+
+def tree(args, mesh, device) -> list[dict]:
+    """``ns.pmean`` of a pytree of gradients (the data-parallel step written as in JAX), the
+    blocks passed as they are (``.local``), against the same by hand: one ``dist.all_reduce``
+    per leaf (the loop a user writes) and one of their concatenation (the floor)."""
+    group = mesh.device_mesh.get_group("all")
+    n = dist.get_world_size()
+    f = ns.spmd_map(lambda g: ns.pmean(g, "all"), mesh=mesh, in_specs=P("all"), out_specs=P())
+    rows = []
+    for count, side in ((30, 64), (8, 512)):
+        grads = {f"w{i}": torch.randn(side, side, device=device) for i in range(count)}
+
+        def per_leaf():
+            for v in grads.values():
+                t = v.clone()
+                dist.all_reduce(t, group=group)
+                t /= n
+
+        def concatenated():
+            flat = torch.cat([v.reshape(-1) for v in grads.values()])
+            dist.all_reduce(flat, group=group)
+            [p.view(side, side) for p in (flat / n).split(side * side)]
+
+        fns = {
+            "ns.pmean": lambda: f.local(grads),
+            "per leaf": per_leaf,
+            "concatenated": concatenated,
+        }
+        t = {k: v * 1e6 for k, v in interleaved(fns, args.rounds, 2, device).items()}
+        row = {"leaves": f"{count} x [{side}, {side}]", **t}
+        row["ratio per leaf"] = t["ns.pmean"] / t["per leaf"]
+        row["ratio concatenated"] = t["ns.pmean"] / t["concatenated"]
         rows.append(row)
     return rows
 
@@ -802,10 +839,12 @@ def worker(args) -> None:
     if "megatron" in args.only:
         mesh = ns.make_mesh((2, world // 2), ("dp", "tp"), device_type=args.device)
         result["megatron"] = megatron(args, mesh, device)
-    if {"latency", "ring", "ragged", "stencil", "replay"} & set(args.only):
+    if {"latency", "tree", "ring", "ragged", "stencil", "replay"} & set(args.only):
         mesh = ns.make_mesh((world,), ("all",), device_type=args.device)
     if "latency" in args.only:
         result["latency"] = latency(args, mesh, device)
+    if "tree" in args.only:
+        result["tree"] = tree(args, mesh, device)
     if "ring" in args.only:
         result["ring"] = ring(args, mesh, device)
     if "ragged" in args.only:
@@ -850,6 +889,13 @@ def report(result: dict, vma: dict | None) -> None:
             f"  all-reduce of {row['bytes']:>8} B, reused operand: ns.psum "
             f"{row['ns.psum reused']:7.1f} us   dist.all_reduce (in place) "
             f"{row['dist.all_reduce reused']:7.1f} us   ratio {row['ratio reused']:.3f}"
+        )
+    for row in result.get("tree", []):
+        print(
+            f"  pmean of a pytree of {row['leaves']} float32: ns.pmean {row['ns.pmean']:8.1f} us"
+            f"   dist.all_reduce per leaf {row['per leaf']:8.1f} us   ratio "
+            f"{row['ratio per leaf']:.3f}   one of their concatenation {row['concatenated']:8.1f}"
+            f" us   ratio {row['ratio concatenated']:.3f}"
         )
     for row in result.get("ring", []):
         print(
@@ -914,7 +960,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        default=["megatron", "latency", "ring", "ragged", "stencil", "replay", "vma"],
+        default=["megatron", "latency", "tree", "ring", "ragged", "stencil", "replay", "vma"],
     )
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -924,7 +970,7 @@ def main() -> None:
         return
     argv = [a for a in sys.argv[1:]]
     result = {"world": args.nproc, "device": args.device, "backend": args.backend or "gloo"}
-    if {"megatron", "latency", "ring", "ragged", "stencil", "replay"} & set(args.only):
+    if {"megatron", "latency", "tree", "ring", "ragged", "stencil", "replay"} & set(args.only):
         out = spawn(argv, args.nproc, args.timeout)
         line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

@@ -132,6 +132,12 @@ class SpmdContext(ABC):
         """Record ``x``'s type where the backend tracks it per tensor; returns ``x``."""
         return x
 
+    def fused_below(self) -> int:
+        """The leaves of one collective's pytree smaller than this many bytes may be reduced by
+        one collective of their concatenation (``_collectives/_fused.py``); 0: each by its own
+        (a backend whose collectives cost a round trip each says otherwise)."""
+        return 0
+
     def check_operand(self, rec: Any, x: torch.Tensor, axes: Axes, params: tuple) -> tuple:
         """The collective ``rec``'s argument checks of ``x`` (``rec.check``); a backend whose
         members check operands of different shapes in processes of their own overrides it, so

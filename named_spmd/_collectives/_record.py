@@ -106,6 +106,9 @@ class Collective:
     #: the rest of the error after "the operand is invariant over ... (its type ...), so "
     #: (``REQUIRE_VARYING`` records; see :class:`Invariant`)
     invariant_operand: Callable[[Invariant], str] | None = None
+    #: how a pytree operand is applied where it may be done at once (``_fused.reduce_tree``:
+    #: the leaves of one type concatenated, where a backend asks); None: leaf by leaf
+    tree: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if self.policy is REQUIRE_VARYING and self.invariant_operand is None:
@@ -172,6 +175,10 @@ class Collective:
             apply = _replayed if ctx.replaying else _apply
             if isinstance(x, Tensor):
                 return apply(self, ctx, x, axes, params, True)
+            if self.tree is not None:
+                out = self.tree(self, ctx, x, axes, params)
+                if out is not None:
+                    return out
             return optree.tree_map(
                 lambda t: apply(self, ctx, _tensor(self, ctx, t), axes, params), x
             )

@@ -11,6 +11,7 @@ import torch
 from .._context import Axes, SpmdContext
 from .._errors import CollectiveError
 from ._checks import Invariant, axis_sizes, check_reducible, dtype_and_device
+from ._fused import reduce_tree
 from ._record import (
     DROP_INVARIANT,
     RECORDS,
@@ -82,6 +83,7 @@ PSUM = Collective(
     transpose=_identity_transpose,  # pvary: the same data, no communication
     backward_op=no_backward_op,
     donates=True,
+    tree=reduce_tree,  # a pytree's leaves reduced together where a backend asks
     invariant_operand=_psum_of_invariant,
     unreduced="reduce",  # of a partial sum: the total (U -> I; transpose I -> R, no communication)
 )
@@ -136,6 +138,7 @@ PMEAN = Collective(
     transpose=lambda ctx, g, axes, params, node: g / ctx.mesh.axis_size(axes),
     backward_op=no_backward_op,
     donates=True,
+    tree=reduce_tree,  # a pytree's leaves reduced together where a backend asks
     unreduced="reduce",
 )
 

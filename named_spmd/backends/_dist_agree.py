@@ -29,6 +29,7 @@ from ._dist_exchange import exchange
 from ._dist_pvary import digest
 
 if TYPE_CHECKING:
+    from .._call import Call
     from .._spec import PartitionSpec
     from .distributed import DistributedContext
 
@@ -56,6 +57,19 @@ def dtype_of(code: int) -> torch.dtype | None:
 
 
 _DTYPES_BY_CODE: dict[int, torch.dtype] = {}
+
+
+def begin(ctx: DistributedContext, call: Call, hoistable: tuple, traced: bool) -> None:
+    """The start-of-call check (:func:`check_call_agrees`; ``hoistable``: a replay's, ``Plan``);
+    in a call ``make_fx`` traces, finished at once, out of the trace (a traced tensor has no
+    value to read)."""
+    args = (ctx, call.leaves, call.local, hoistable, call.memo)
+    if not traced:
+        check_call_agrees(*args)
+        return
+    with torch_private.no_dispatch_modes():
+        check_call_agrees(*args)
+        ctx.mesh.finish_pending_check()
 
 
 def check_call_agrees(

@@ -110,6 +110,8 @@ class _Probe:
     varies over "i" and every primitive but pvary returns its operand unchanged; ``apply`` and
     ``psum_in_backward`` are the context's own (the chains measured)."""
 
+    fuses_leaves = False  # (a pytree's leaves each through the chain measured)
+
     @staticmethod
     def made(context: type) -> Any:
         return context(_ProbeMesh((2,), ("i",)), calibrate)

@@ -52,6 +52,7 @@ from . import (
     _dist_pvary,
     _dist_uneven,
 )
+from ._dist_buckets import ALONE_BYTES
 from ._dist_comm import MAX, MIN, SUM
 from ._dist_dtensor import to_local
 from ._dist_failures import timeout_s
@@ -99,6 +100,7 @@ class DistributedContext(OperandShapes, MemberContext):
     hoist_refused = False  # some rank would not make them (the start-of-call check)
     carried_slots = 0  # a planned call's first exchange, for its replays to carry
     carries_first_exchange = True  # (_dist_carried; not where collectives size their operands)
+    fuses_leaves = True  # a pytree's leaves reduced by one collective (``fused_below``)
 
     def member(self, axes: tuple[str, ...]) -> int:
         return self.mesh.comm(axes).index
@@ -129,6 +131,10 @@ class DistributedContext(OperandShapes, MemberContext):
             return rec.forward(self, x, axes, params)
         finally:
             self.donated = None
+
+    def fused_below(self):  # (debug mode compares each collective across the ranks as made)
+        plain = self.fuses_leaves and not (self.mesh.debug or self.values_read)
+        return ALONE_BYTES if plain and self.mesh.size > 1 else 0  # (2 copies beat a round trip)
 
     def check_operand(self, rec, x, axes, params):
         """``rec.check``; after a read of a varying value, on every instance's shape (``OperandShapes``)."""
@@ -281,6 +287,7 @@ class ProxyTracedContext(_dist_compile.FuncolPrimitives, DistributedContext):
     # ragged_all_to_all has no problem to tell (its ``told`` is dropped with the padded default)
     tells_ragged_problems = False
     carries_first_exchange = False
+    fuses_leaves = False  # (each collective is one op of the traced graph)
 
     def all_to_all_sizes(self, x, axes, dim, sent, received):
         return SpmdContext.all_to_all_sizes(self, x, axes, dim, sent, received)
@@ -315,18 +322,7 @@ class UnevenContext(UnevenPrimitives, DistributedContext):
 
     hoist_casts = TrackedContext.hoist_casts  # (its pvary sizes its operands: none made ahead)
     carries_first_exchange = False
-
-
-def _begin(ctx: DistributedContext, call: Call, hoistable: tuple):
-    """The start-of-call check (``_dist_agree``; ``hoistable``: a replay's, ``Plan``); under
-    ``make_fx``, finished at once, out of the trace (a traced tensor has no value to read)."""
-    args = (ctx, call.leaves, call.local, hoistable, call.memo)
-    if isinstance(ctx, ProxyTracedContext):
-        with torch_private.no_dispatch_modes():
-            _dist_agree.check_call_agrees(*args)
-            ctx.mesh.finish_pending_check()
-    else:
-        _dist_agree.check_call_agrees(*args)
+    fuses_leaves = False  # (its ranks' blocks may differ in size: so would concatenations)
 
 
 def run(call: Call) -> list[Any]:
@@ -360,7 +356,8 @@ def run(call: Call) -> list[Any]:
         if uneven:
             _dist_uneven.refuse_transforms(ctx, traced)
         if mesh.size > 1:
-            _begin(ctx, call, () if replay is None else replay.hoistable())
+            hoistable = () if replay is None else replay.hoistable()
+            _dist_agree.begin(ctx, call, hoistable, isinstance(ctx, ProxyTracedContext))
         converted = None
         if replay is not None and replay.begin(ctx):
             converted = replay.replayed_conversions()

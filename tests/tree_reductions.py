@@ -1,0 +1,185 @@
+"""psum and pmean of pytrees on a real mesh (2 gloo processes), for tests/test_distributed.py.
+
+A real mesh reduces the leaves of one type, dtype, device and requires_grad by one all-reduce of
+their concatenation (``named_spmd/_collectives/_fused.py``); a simulated mesh, leaf by leaf.
+``python tests/tree_reductions.py`` under a 2-process job runs each case of :data:`CASES` three
+times (the first call typed, the others replayed) on the real mesh and on a simulated one in the
+same process (:func:`run_case`), and prints one ``OUTCOME {json}`` line per case and rank: the
+largest difference between their outputs and between their inputs' gradients, whether the types
+of the output leaves inside the function and the events ``ns.CommMode`` recorded are equal, the
+all-reduces torch counted on the real mesh (:class:`AllReduces`) and its plan's replays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import named_spmd as ns  # noqa: E402
+from named_spmd import P  # noqa: E402
+from named_spmd._replay import checked_signatures  # noqa: E402
+
+F64, F32 = torch.float64, torch.float32
+
+
+def _leaves(gen, shapes_dtypes, requires_grad):
+    return [
+        torch.randn(shape, generator=gen, dtype=dtype).requires_grad_(grad)
+        if dtype.is_floating_point
+        else torch.randint(-9, 9, shape, generator=gen, dtype=dtype)
+        for (shape, dtype), grad in zip(shapes_dtypes, requires_grad)
+    ]
+
+
+def _mixed_tree(gen, grad=False):
+    """12 small float64 leaves, 3 float32 ones, an int64 one and a float64 one of 4 MiB per rank
+    (reduced alone), in a dict, a tuple and a list; each split over dp along its first dim."""
+    small = [((2 * (1 + k % 3), 3), F64) for k in range(12)]
+    rest = [((2, 4), F32), ((4, 2), F32), ((2,), F32), ((6,), torch.int64), ((2 * 512, 1024), F64)]
+    flat = _leaves(gen, small + rest, [grad and d.is_floating_point for _, d in small + rest])
+    return {"w": flat[:12], "b": tuple(flat[12:15]), "n": flat[15], "big": flat[16]}
+
+
+def _grad_tree(gen):
+    """Leaves that require grad and leaves that do not (two groups of one dtype)."""
+    shapes = [((2, 3), F64)] * 4 + [((4,), F64)] * 3
+    flat = _leaves(gen, shapes, [True] * 4 + [False] * 3)
+    return {"p": flat[:4], "q": flat[4:]}
+
+
+def _invariant_leaf(gen):
+    """A tree whose "r" leaf is replicated (in_spec P()): pmean drops dp for it, so the tree is
+    reduced leaf by leaf."""
+    r = torch.randn(3, generator=gen, dtype=F64)
+    return {"v": _leaves(gen, [((2, 3), F64)] * 3, [True] * 3), "r": r}
+
+
+#: name -> (collective, tree maker, in_spec of each leaf, all-reduces of one call's forward)
+CASES = {
+    "psum_mixed": (ns.psum, _mixed_tree, None, 4),  # float64 small, float32, int64, the big one
+    "pmean_grads": (ns.pmean, _grad_tree, None, 2),  # requires_grad and not
+    "pmean_invariant_leaf": (ns.pmean, _invariant_leaf, {"r": P()}, 3),  # leaf by leaf
+}
+
+
+def _specs(tree, override):
+    specs = ns.P("dp")
+    if override is None:
+        return specs
+    return {k: override.get(k, specs) for k in tree}
+
+
+def run_case(mesh, name: str) -> dict:
+    """Three calls of case ``name`` on ``mesh``: the outputs and gradients (global tensors),
+    types, events, all-reduces and replays (see the module doc)."""
+    op, make, override, _ = CASES[name]
+    types: list = []
+
+    def body(tree):
+        out = op(tree, "dp")
+        if not types:  # (the first call: a call that reads a type is not replayed)
+            types.append([str(ns.typeof(o)) for o in _flat(out)])
+        return out
+
+    f = ns.spmd_map(body, mesh=mesh, in_specs=(_specs(make(_gen()), override),), out_specs=P())
+    counted, outs, grads, mode = AllReduces(), [], [], ns.CommMode()
+    for call in range(3):
+        tree = make(_gen(call))
+        with mode if call == 0 else contextlib.nullcontext(), counted():  # (a CommMode: typed)
+            out = f(tree)
+        got = [_full(o) for o in _flat(out)]
+        outs += [g.detach() for g in got]
+        wanted = [t for t in _flat(tree) if t.requires_grad]
+        if wanted:
+            weights = [torch.arange(g.numel(), dtype=g.dtype).reshape(g.shape) for g in got]
+            loss = sum((g * w).sum() for g, w in zip(got, weights) if g.requires_grad)
+            grads += [_full(g) for g in torch.autograd.grad(loss, wanted)]
+    plans = [p for p in checked_signatures(f).values() if hasattr(p, "replays")]
+    return {
+        "outs": outs,
+        "grads": grads,
+        "types": types,
+        "events": [
+            (e.op, e.direction, list(e.shape), str(e.dtype)) for e in mode.events if not e.boundary
+        ],
+        "all_reduces": counted.count,
+        "replays": sum(p.replays for p in plans),
+    }
+
+
+def compared(real: dict, simulated: dict) -> dict:
+    """What the test asserts of a case's :func:`run_case` on the real and the simulated mesh."""
+
+    def worst(a: list, b: list) -> float:
+        assert [x.shape for x in a] == [y.shape for y in b]
+        return max((float((x.double() - y.double()).abs().max()) for x, y in zip(a, b)), default=0)
+
+    return {
+        "outs": worst(real["outs"], simulated["outs"]),
+        "grads": worst(real["grads"], simulated["grads"]),
+        "had_grads": len(real["grads"]),
+        "types_equal": real["types"] == simulated["types"],
+        "events_equal": real["events"] == simulated["events"],
+        "events": len(real["events"]),
+        "all_reduces": real["all_reduces"],
+        "replays": real["replays"],
+    }
+
+
+def _gen(call: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(1234 + call)
+
+
+def _flat(tree) -> list:
+    import optree
+
+    return optree.tree_leaves(tree)
+
+
+def _full(t) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class AllReduces:
+    """torch's own count of the all-reduces issued inside (CommDebugMode sees c10d ops)."""
+
+    def __init__(self):
+        self.count = 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        with CommDebugMode() as counted:
+            yield
+        self.count += sum(
+            n for op, n in counted.get_comm_counts().items() if "allreduce" in str(op)
+        )
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    mesh = ns.make_mesh((2,), ("dp",))
+    simulated = ns.make_mesh((2,), ("dp",), simulated=True)
+    for name in CASES:
+        try:
+            outcome = {"name": name, **compared(run_case(mesh, name), run_case(simulated, name))}
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            import traceback
+
+            outcome = {"name": name, "error": type(e).__name__, "message": traceback.format_exc()}
+        print("OUTCOME " + json.dumps({"rank": dist.get_rank(), **outcome}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
