@@ -3,12 +3,12 @@
 Each collective of a real mesh is a round trip through its group (a few hundred microseconds on
 gloo, more with more ranks), so ``pmean(grads, "dp")`` on a dict of 30 gradients, the data-parallel
 step written as in JAX, would cost 30 of them (XLA combines such all-reduces; so does DDP's
-bucketing). Here, for a record that fuses (``Collective.fuses``: its forward on a concatenation is
-the concatenation of its forwards), the tensor leaves of one call that share a dtype, device,
-requires_grad and type are concatenated, reduced by one application of the record and split back
-into tensors of their own. Values, types, gradients and the ``CommMode`` events (one per leaf)
-are the per-leaf collectives': the sum of a concatenation is the concatenation of the sums,
-element by element (on more than two ranks gloo's ring may add an element's terms in another
+bucketing). Here, for a record whose ``tree`` is :func:`reduce_tree` (one whose forward on a
+concatenation is the concatenation of its forwards), the tensor leaves of one call that share a
+dtype, device, requires_grad and type are concatenated, reduced by one application of the record
+and split back into tensors of their own. Values, types, gradients and the ``CommMode`` events (one
+per leaf) are the per-leaf collectives': the sum of a concatenation is the concatenation of the
+sums, element by element (on more than two ranks gloo's ring may add an element's terms in another
 order: equal to rounding, as with DDP's buckets).
 
 Only the common case fuses, the same on every rank (nothing here depends on a rank's own state):
