@@ -31,7 +31,7 @@ F64, F32 = torch.float64, torch.float32
 def _leaves(gen, shapes_dtypes, requires_grad):
     return [
         torch.randn(shape, generator=gen, dtype=dtype).requires_grad_(grad)
-        if dtype.is_floating_point
+        if dtype.is_floating_point or dtype.is_complex
         else torch.randint(-9, 9, shape, generator=gen, dtype=dtype)
         for (shape, dtype), grad in zip(shapes_dtypes, requires_grad)
     ]
@@ -60,11 +60,18 @@ def _invariant_leaf(gen):
     return {"v": _leaves(gen, [((2, 3), F64)] * 3, [True] * 3), "r": r}
 
 
+def _wire_dtypes(gen):
+    """Leaves of dtypes that travel as another (complex as real pairs, bfloat16 widened)."""
+    shapes = [((2, 3), torch.complex128)] * 2 + [((4,), torch.bfloat16)] * 3
+    return _leaves(gen, shapes, [True] * 5)
+
+
 #: name -> (collective, tree maker, in_spec of each leaf, all-reduces of one call's forward)
 CASES = {
     "psum_mixed": (ns.psum, _mixed_tree, None, 4),  # float64 small, float32, int64, the big one
     "pmean_grads": (ns.pmean, _grad_tree, None, 2),  # requires_grad and not
     "pmean_invariant_leaf": (ns.pmean, _invariant_leaf, {"r": P()}, 3),  # leaf by leaf
+    "psum_wire_dtypes": (ns.psum, _wire_dtypes, None, 2),
 }
 
 
@@ -97,8 +104,9 @@ def run_case(mesh, name: str) -> dict:
         outs += [g.detach() for g in got]
         wanted = [t for t in _flat(tree) if t.requires_grad]
         if wanted:
-            weights = [torch.arange(g.numel(), dtype=g.dtype).reshape(g.shape) for g in got]
-            loss = sum((g * w).sum() for g, w in zip(got, weights) if g.requires_grad)
+            weights = [torch.arange(g.numel()).reshape(g.shape) for g in got]
+            pairs = [(g.abs() if g.is_complex() else g, w) for g, w in zip(got, weights)]
+            loss = sum((g * w).sum() for g, w in pairs if g.requires_grad)
             grads += [_full(g) for g in torch.autograd.grad(loss, wanted)]
     plans = [p for p in checked_signatures(f).values() if hasattr(p, "replays")]
     return {
