@@ -16,9 +16,9 @@ Six measurements, printed by rank 0:
    schedule, which spmd_map follows) and waits after backward. Reported: median step time of
    each (rounds interleaved, each step timed between barriers, slowest rank) and the ratios.
 2. Latency of one collective: ``ns.psum`` inside spmd_map versus ``dist.all_reduce`` on a small
-   and a 4 MB tensor (median per call); and ``ns.pmean`` of a pytree of gradients (30 of
-   [64, 64], 8 of [512, 512]) versus a ``dist.all_reduce`` per leaf and one of their
-   concatenation (``--only tree``).
+   and a 4 MB tensor (median per call); and collectives of a pytree (``--only tree``):
+   ``ns.pmean`` of gradients (30 of [64, 64], 8 of [512, 512]) and ``ns.all_gather`` of 30
+   parameter blocks versus one collective per leaf and one of their concatenation.
 3. A ring of ppermutes (nproc - 1 hops, as ring attention passes its key blocks): ``ns.ppermute``
    inside spmd_map (one ``all_to_all_single`` with one non-empty split each way, so its waits
    can be polled) versus the same hops hand-written with ``dist.batch_isend_irecv`` and with
@@ -386,38 +386,63 @@ def latency(args, mesh, device) -> list[dict]:
 
 
 def tree(args, mesh, device) -> list[dict]:
-    """``ns.pmean`` of a pytree of gradients (the data-parallel step written as in JAX), the
-    blocks passed as they are (``.local``), against the same by hand: one ``dist.all_reduce``
-    per leaf (the loop a user writes) and one of their concatenation (the floor)."""
+    """Collectives of a pytree, the blocks passed as they are (``.local``), against the same by
+    hand: one collective per leaf (the loop a user writes) and one of their concatenation (the
+    floor). ``ns.pmean`` of gradients (the data-parallel step written as in JAX) and
+    ``ns.all_gather(..., tiled=True, to="invariant")`` of parameter blocks (FSDP's gathering)."""
     group = mesh.device_mesh.get_group("all")
     n = dist.get_world_size()
-    f = ns.spmd_map(lambda g: ns.pmean(g, "all"), mesh=mesh, in_specs=P("all"), out_specs=P())
+    pmean = ns.spmd_map(lambda g: ns.pmean(g, "all"), mesh=mesh, in_specs=P("all"), out_specs=P())
+    gather = ns.spmd_map(
+        lambda g: ns.all_gather(g, "all", tiled=True, to="invariant"),
+        mesh=mesh,
+        in_specs=P("all"),
+        out_specs=P(),
+    )
     rows = []
-    for count, side in ((30, 64), (8, 512)):
-        grads = {f"w{i}": torch.randn(side, side, device=device) for i in range(count)}
-
-        def per_leaf():
-            for v in grads.values():
-                t = v.clone()
-                dist.all_reduce(t, group=group)
-                t /= n
-
-        def concatenated():
-            flat = torch.cat([v.reshape(-1) for v in grads.values()])
-            dist.all_reduce(flat, group=group)
-            [p.view(side, side) for p in (flat / n).split(side * side)]
-
-        fns = {
-            "ns.pmean": lambda: f.local(grads),
-            "per leaf": per_leaf,
-            "concatenated": concatenated,
-        }
+    for op, count, side in (("pmean", 30, 64), ("pmean", 8, 512), ("all_gather", 30, 64)):
+        leaves = {f"w{i}": torch.randn(side, side, device=device) for i in range(count)}
+        if op == "pmean":
+            fns = {"ns": lambda: pmean.local(leaves), **_hand_pmean(leaves, group, n)}
+        else:
+            fns = {"ns": lambda: gather.local(leaves), **_hand_gather(leaves, group, n)}
         t = {k: v * 1e6 for k, v in interleaved(fns, args.rounds, 2, device).items()}
-        row = {"leaves": f"{count} x [{side}, {side}]", **t}
-        row["ratio per leaf"] = t["ns.pmean"] / t["per leaf"]
-        row["ratio concatenated"] = t["ns.pmean"] / t["concatenated"]
+        row = {"op": op, "leaves": f"{count} x [{side}, {side}]", **t}
+        row["ratio per leaf"] = t["ns"] / t["per leaf"]
+        row["ratio concatenated"] = t["ns"] / t["concatenated"]
         rows.append(row)
     return rows
+
+
+def _hand_pmean(leaves: dict, group, n: int) -> dict:
+    def per_leaf():
+        for v in leaves.values():
+            t = v.clone()
+            dist.all_reduce(t, group=group)
+            t /= n
+
+    def concatenated():
+        flat = torch.cat([v.reshape(-1) for v in leaves.values()])
+        dist.all_reduce(flat, group=group)
+        (flat / n).split([v.numel() for v in leaves.values()])
+
+    return {"per leaf": per_leaf, "concatenated": concatenated}
+
+
+def _hand_gather(leaves: dict, group, n: int) -> dict:
+    def per_leaf():
+        for v in leaves.values():
+            out = v.new_empty((n * v.shape[0], *v.shape[1:]))
+            dist.all_gather_into_tensor(out, v, group=group)
+
+    def concatenated():
+        flat = torch.cat([v.reshape(-1) for v in leaves.values()])
+        out = flat.new_empty(n * flat.numel())
+        dist.all_gather_into_tensor(out, flat, group=group)
+        parts = out.view(n, -1).split([v.numel() for v in leaves.values()], dim=1)
+        [p.reshape(n * v.shape[0], *v.shape[1:]) for p, v in zip(parts, leaves.values())]
+
+    return {"per leaf": per_leaf, "concatenated": concatenated}
 
 
 def ring(args, mesh, device) -> list[dict]:
@@ -892,10 +917,10 @@ def report(result: dict, vma: dict | None) -> None:
         )
     for row in result.get("tree", []):
         print(
-            f"  pmean of a pytree of {row['leaves']} float32: ns.pmean {row['ns.pmean']:8.1f} us"
-            f"   dist.all_reduce per leaf {row['per leaf']:8.1f} us   ratio "
-            f"{row['ratio per leaf']:.3f}   one of their concatenation {row['concatenated']:8.1f}"
-            f" us   ratio {row['ratio concatenated']:.3f}"
+            f"  {row['op']} of a pytree of {row['leaves']} float32: ns {row['ns']:8.1f} us   "
+            f"one per leaf {row['per leaf']:8.1f} us   ratio {row['ratio per leaf']:.3f}   one of "
+            f"their concatenation {row['concatenated']:8.1f} us   ratio "
+            f"{row['ratio concatenated']:.3f}"
         )
     for row in result.get("ring", []):
         print(

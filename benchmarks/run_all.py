@@ -154,7 +154,7 @@ def distributed_markdown(data: dict) -> str:
     titles = {
         "megatron": "Megatron MLP step (ms; ratio = spmd_map / hand-written)",
         "latency": "One all-reduce (us per call)",
-        "tree": "pmean of a pytree of gradients (us per call; ratio = ns / hand-written)",
+        "tree": "Collectives of a pytree (us per call; ratio = ns / hand-written)",
         "ring": "A ring of ppermutes (us per ring)",
         "ragged": "One ragged_all_to_all (us per call; ratio = ns / hand-written, routing known)",
         "stencil": "Stencil step, halos by ppermute (us per call; ratio = ns / hand-written)",

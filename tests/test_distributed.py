@@ -340,11 +340,12 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
         _close_to(got_all, want + want_mixed + want_accumulated, where, rtol=1e-5, atol=1e-6)
 
 
-def test_pytree_reductions_take_one_all_reduce_per_group_of_leaves():
-    """psum and pmean of pytrees on 2 gloo processes (tests/tree_reductions.py): the leaves of one
-    dtype, requires_grad and type are reduced by one all-reduce (torch's count per call: one per
-    group, a leaf of 2 MiB or more alone, leaf by leaf where a leaf is replicated; complex and
-    bfloat16 leaves too, which travel as other dtypes), plus the start-of-call check's; outputs and gradients equal to the simulated mesh's, which reduces
+def test_pytree_collectives_take_one_process_group_call_per_group_of_leaves():
+    """psum, pmean and all_gather of pytrees on 2 gloo processes (tests/tree_reductions.py): the
+    leaves of one dtype, requires_grad and type go through one collective (torch's count per
+    call: one per group, a leaf of 2 MiB or more alone, leaf by leaf where a leaf is replicated;
+    complex and bfloat16 leaves too, which travel as other dtypes), beside the start-of-call
+    check's all-reduce; outputs and gradients equal to the simulated mesh's, which applies them
     leaf by leaf (bitwise: on 2 ranks a + b is b + a), with its types and CommMode events; the
     calls after the first typed one replayed."""
     import tree_reductions as tr
@@ -356,7 +357,9 @@ def test_pytree_reductions_take_one_all_reduce_per_group_of_leaves():
     for o in outcomes:
         where = (o["rank"], o["name"])
         assert "error" not in o, (where, o.get("message"))
-        assert o["all_reduces"] == 3 * (tr.CASES[o["name"]][3] + 1), (where, o["all_reduces"])
+        want = {kind: 3 * n for kind, n in tr.CASES[o["name"]][4].items()}
+        want["allreduce"] = want.get("allreduce", 0) + 3  # (the start-of-call check's)
+        assert o["collectives"] == want, (where, o["collectives"])
         assert o["outs"] == 0.0 and o["grads"] == 0.0, (where, o)
         assert o["types_equal"] and o["events_equal"] and o["events"] > 0, (where, o)
         assert o["had_grads"] or o["name"] == "psum_mixed", (where, o)  # (no leaf requires grad)

@@ -1,13 +1,14 @@
-"""psum and pmean of pytrees on a real mesh (2 gloo processes), for tests/test_distributed.py.
+"""psum, pmean and all_gather of pytrees on a real mesh (2 gloo processes), for
+tests/test_distributed.py.
 
-A real mesh reduces the leaves of one type, dtype, device and requires_grad by one all-reduce of
-their concatenation (``named_spmd/_collectives/_fused.py``); a simulated mesh, leaf by leaf.
-``python tests/tree_reductions.py`` under a 2-process job runs each case of :data:`CASES` three
+A real mesh applies them to the leaves of one type, dtype, device and requires_grad by one
+collective of their concatenation (``named_spmd/_collectives/_fused.py``); a simulated mesh, leaf
+by leaf. ``python tests/tree_reductions.py`` under a 2-process job runs each case of :data:`CASES` three
 times (the first call typed, the others replayed) on the real mesh and on a simulated one in the
 same process (:func:`run_case`), and prints one ``OUTCOME {json}`` line per case and rank: the
 largest difference between their outputs and between their inputs' gradients, whether the types
 of the output leaves inside the function and the events ``ns.CommMode`` recorded are equal, the
-all-reduces torch counted on the real mesh (:class:`AllReduces`) and its plan's replays.
+process-group calls torch counted on the real mesh (:class:`Collectives`) and its plan's replays.
 """
 
 from __future__ import annotations
@@ -66,12 +67,21 @@ def _wire_dtypes(gen):
     return _leaves(gen, shapes, [True] * 5)
 
 
-#: name -> (collective, tree maker, in_spec of each leaf, all-reduces of one call's forward)
+def _gather(to, axis, tiled=True):
+    return lambda tree, axes: ns.all_gather(tree, axes, axis=axis, tiled=tiled, to=to)
+
+
+#: name -> (collective, tree maker, in_spec of each leaf, out_specs, the forward's process-group
+#: calls per call, by kind, beside the start-of-call check's all-reduce)
 CASES = {
-    "psum_mixed": (ns.psum, _mixed_tree, None, 4),  # float64 small, float32, int64, the big one
-    "pmean_grads": (ns.pmean, _grad_tree, None, 2),  # requires_grad and not
-    "pmean_invariant_leaf": (ns.pmean, _invariant_leaf, {"r": P()}, 3),  # leaf by leaf
-    "psum_wire_dtypes": (ns.psum, _wire_dtypes, None, 2),
+    # float64 small, float32, int64, the big one
+    "psum_mixed": (ns.psum, _mixed_tree, None, P(), {"allreduce": 4}),
+    "pmean_grads": (ns.pmean, _grad_tree, None, P(), {"allreduce": 2}),  # requires_grad or not
+    "pmean_invariant_leaf": (ns.pmean, _invariant_leaf, {"r": P()}, P(), {"allreduce": 3}),
+    "psum_wire_dtypes": (ns.psum, _wire_dtypes, None, P(), {"allreduce": 2}),
+    # FSDP's gathering of parameters, tiled along their first dim, untiled along the last
+    "all_gather_invariant": (_gather("invariant", 0), _grad_tree, None, P(), {"gather": 2}),
+    "all_gather_varying": (_gather("varying", -1, False), _grad_tree, None, P("dp"), {"gather": 2}),
 }
 
 
@@ -84,8 +94,8 @@ def _specs(tree, override):
 
 def run_case(mesh, name: str) -> dict:
     """Three calls of case ``name`` on ``mesh``: the outputs and gradients (global tensors),
-    types, events, all-reduces and replays (see the module doc)."""
-    op, make, override, _ = CASES[name]
+    types, events, process-group calls and replays (see the module doc)."""
+    op, make, override, out_specs, _ = CASES[name]
     types: list = []
 
     def body(tree):
@@ -94,8 +104,9 @@ def run_case(mesh, name: str) -> dict:
             types.append([str(ns.typeof(o)) for o in _flat(out)])
         return out
 
-    f = ns.spmd_map(body, mesh=mesh, in_specs=(_specs(make(_gen()), override),), out_specs=P())
-    counted, outs, grads, mode = AllReduces(), [], [], ns.CommMode()
+    specs = (_specs(make(_gen()), override),)
+    f = ns.spmd_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)
+    counted, outs, grads, mode = Collectives(), [], [], ns.CommMode()
     for call in range(3):
         tree = make(_gen(call))
         with mode if call == 0 else contextlib.nullcontext(), counted():  # (a CommMode: typed)
@@ -116,7 +127,7 @@ def run_case(mesh, name: str) -> dict:
         "events": [
             (e.op, e.direction, list(e.shape), str(e.dtype)) for e in mode.events if not e.boundary
         ],
-        "all_reduces": counted.count,
+        "collectives": counted.counts,
         "replays": sum(p.replays for p in plans),
     }
 
@@ -135,7 +146,7 @@ def compared(real: dict, simulated: dict) -> dict:
         "types_equal": real["types"] == simulated["types"],
         "events_equal": real["events"] == simulated["events"],
         "events": len(real["events"]),
-        "all_reduces": real["all_reduces"],
+        "collectives": real["collectives"],
         "replays": real["replays"],
     }
 
@@ -154,11 +165,12 @@ def _full(t) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-class AllReduces:
-    """torch's own count of the all-reduces issued inside (CommDebugMode sees c10d ops)."""
+class Collectives:
+    """torch's own count of the process-group calls issued inside, by kind ("allreduce",
+    "gather": CommDebugMode sees c10d ops)."""
 
     def __init__(self):
-        self.count = 0
+        self.counts: dict[str, int] = {}
 
     @contextlib.contextmanager
     def __call__(self):
@@ -166,9 +178,9 @@ class AllReduces:
 
         with CommDebugMode() as counted:
             yield
-        self.count += sum(
-            n for op, n in counted.get_comm_counts().items() if "allreduce" in str(op)
-        )
+        for op, n in counted.get_comm_counts().items():
+            kind = next((k for k in ("allreduce", "gather") if k in str(op)), str(op))
+            self.counts[kind] = self.counts.get(kind, 0) + n
 
 
 def main() -> None:

@@ -1,26 +1,29 @@
-"""A reduction of a pytree by one collective per group of leaves, where a backend asks for it.
+"""A collective of a pytree by one collective per group of leaves, where a backend asks for it.
 
 Each collective of a real mesh is a round trip through its group (a few hundred microseconds on
 gloo, more with more ranks), so ``pmean(grads, "dp")`` on a dict of 30 gradients, the data-parallel
-step written as in JAX, would cost 30 of them (XLA combines such all-reduces; so does DDP's
-bucketing). Here, for a record whose ``tree`` is :func:`reduce_tree` (one whose forward on a
-concatenation is the concatenation of its forwards), the tensor leaves of one call that share a
-dtype, device, requires_grad and type are concatenated, reduced by one application of the record
-and split back into tensors of their own. Values, types, gradients and the ``CommMode`` events (one
-per leaf) are the per-leaf collectives': the sum of a concatenation is the concatenation of the
-sums, element by element (on more than two ranks gloo's ring may add an element's terms in another
-order: equal to rounding, as with DDP's buckets).
+step written as in JAX, would cost 30 of them, as would ``all_gather(params, "dp", tiled=True)``,
+FSDP's gathering of the parameters (XLA combines such collectives; DDP buckets its all-reduces,
+FSDP flattens its parameters). Here, for a record whose ``tree`` is a :class:`Packing` (psum,
+pmean, all_gather: an elementwise reduction or a gather, whose application to a concatenation
+holds each leaf's), the tensor leaves of one call that share a dtype, device, requires_grad and
+type are concatenated, the record applied once, and each leaf's result read back into a tensor
+of its own. Values, types, gradients (the transpose of the one application: one psum_scatter for
+a gather) and the ``CommMode`` events (one per leaf) are the per-leaf collectives': the sum of a
+concatenation is the concatenation of the sums, element by element (on more than two ranks gloo's
+ring may add an element's terms in another order: equal to rounding, as with DDP's buckets).
 
 Only the common case fuses, the same on every rank (nothing here depends on a rank's own state):
 every leaf a plain tensor varying over every axis of the collective (no implicit cast, no
 unreduced operand, no group of one), no ``torch.func`` transform or forward-mode AD, and a
 backend that gives a size bound (``SpmdContext.fused_below``: a leaf of at least that many bytes
-is reduced alone, where two copies cost more than a round trip). Anything else takes the per-leaf
+is applied alone, where copies cost more than a round trip). Anything else takes the per-leaf
 path, whole.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -29,6 +32,7 @@ import torch
 from .._accounting import CommEvent, record
 from .._accounting import _local as _modes
 from .._context import Axes, SpmdContext
+from .._layout import unstack_dim
 from .._torch_private import DisableTorchFunction, forward_level, transforms_active
 from .._types import Vma
 from ._checks import check_copyable, torch_copies
@@ -38,39 +42,70 @@ Tensor = torch.Tensor
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def reduce_tree(rec: Any, ctx: SpmdContext, x: Any, axes: Axes, params: tuple) -> Any:
-    """``rec`` applied to every tensor leaf of the pytree ``x``, fused where the module doc says
-    (a record's ``tree``); None where nothing fuses: ``Collective.bind`` then maps the per-leaf
-    path over the tree."""
-    limit = ctx.fused_below()
-    if not limit or transforms_active() or forward_level() >= 0:
-        return None
-    leaves, treedef = optree.tree_flatten(x)
-    with DisableTorchFunction():  # (reads of dtypes and sizes: no op of the program)
-        groups = _groups(rec, ctx, leaves, axes, params, limit)
-    if groups is None:
-        return None
-    out: list[Any] = [None] * len(leaves)
-    for vma, members in groups:
-        if len(members) == 1 or vma is None:
-            for i in members:
-                out[i] = _apply(rec, ctx, leaves[i], axes, params)
-            continue
-        results = _fused(rec, ctx, [leaves[i] for i in members], vma, axes, params)
-        for i, o in zip(members, results):
-            out[i] = o
-    return optree.tree_unflatten(treedef, out)
+class Packing:
+    """How a record runs on a concatenation: the parameters of the one application, and the
+    leaves' results read back from its result (``ts``: the operands; ``params``: each one's
+    parameters, its argument checks' normalised ones)."""
+
+    def __init__(self, flat_params: Callable[[tuple], tuple], unpack: Callable[..., list]):
+        self.flat_params, self.unpack = flat_params, unpack
+
+    def __call__(self, rec: Any, ctx: SpmdContext, x: Any, axes: Axes, params: tuple) -> Any:
+        """``rec`` applied to every tensor leaf of the pytree ``x``, fused where the module doc
+        says (a record's ``tree``); None where nothing fuses: ``Collective.bind`` then maps the
+        per-leaf path over the tree."""
+        limit = ctx.fused_below()
+        if not limit or transforms_active() or forward_level() >= 0:
+            return None
+        leaves, treedef = optree.tree_flatten(x)
+        with DisableTorchFunction():  # (reads of dtypes and sizes: no op of the program)
+            groups = _groups(rec, ctx, leaves, axes, params, limit)
+        if groups is None:
+            return None
+        out: list[Any] = [None] * len(leaves)
+        for vma, members in groups:
+            if vma is None or len(members) == 1:
+                for i, p in members:
+                    out[i] = _apply(rec, ctx, leaves[i], axes, p)
+                continue
+            ts, ps = [leaves[i] for i, _ in members], [p for _, p in members]
+            for (i, _), o in zip(members, self._fused(rec, ctx, ts, vma, axes, ps)):
+                out[i] = o
+        return optree.tree_unflatten(treedef, out)
+
+    def _fused(
+        self, rec: Any, ctx: SpmdContext, ts: list[Tensor], vma: Vma, axes: Axes, ps: list
+    ) -> list[Tensor]:
+        """``rec`` on each of ``ts`` (one dtype, device, requires_grad and type ``vma``; ``ps``
+        their parameters) by one application to their concatenation (the steps of
+        ``_record._apply`` for such operands)."""
+        # cat and the reads back are the collective's own ops, not the program's: untyped
+        with DisableTorchFunction():
+            flat = torch.cat([t.reshape(-1) for t in ts])
+        ctx.stamp(flat, vma)
+        # (flat is this frame's alone: a backend may reduce it in place)
+        done = ctx.apply(rec, flat, axes, self.flat_params(ps[0]), True)
+        with DisableTorchFunction():
+            outs = self.unpack(done, ts, ps)
+        accounting = bool(_modes.stack)  # one event per leaf, as each leaf's collective records
+        for i, (t, p) in enumerate(zip(ts, ps)):
+            if accounting:
+                record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
+                outs[i] = tag_derivatives(rec, outs[i], t, axes, p)
+            outs[i] = ctx.stamp(outs[i], rec.vma(vma, axes, p))
+        return outs
 
 
 def _groups(
     rec: Any, ctx: SpmdContext, leaves: list, axes: Axes, params: tuple, limit: int
-) -> list[tuple[Vma | None, list[int]]] | None:
-    """The leaves' positions by what they fuse by, in order of first appearance (type None:
-    each alone), with each leaf's argument checks made (``_record._apply``'s, in tree order,
-    before any communication); None where some leaf is not the common case or none fuses."""
+) -> list[tuple[Vma | None, list[tuple[int, tuple]]]] | None:
+    """The leaves' positions and parameters by what they fuse by, in order of first appearance
+    (type None: each alone), with each leaf's argument checks made (``_record._apply``'s, in
+    tree order, before any communication); None where some leaf is not the common case or none
+    fuses."""
     if len(leaves) < 2 or (ctx.single_axes and ctx.single_axes.issuperset(axes)):
         return None
-    groups: dict[Any, tuple[Vma | None, list[int]]] = {}
+    groups: dict[Any, tuple[Vma | None, list[tuple[int, tuple]]]] = {}
     for i, t in enumerate(leaves):
         if type(t) not in _PLAIN:
             return None
@@ -79,39 +114,37 @@ def _groups(
             return None
         if not torch_copies(t.dtype):
             check_copyable(ctx, rec.name, t)
-        ctx.check_operand(rec, t, axes, params)
+        p = ctx.check_operand(rec, t, axes, params)
         if t.numel() * t.element_size() < limit:
             key: Any = (t.dtype, t.device, t.requires_grad, vma)
-            groups.setdefault(key, (vma, []))[1].append(i)
+            groups.setdefault(key, (vma, []))[1].append((i, p))
         else:
-            groups[i] = (None, [i])
+            groups[i] = (None, [(i, p)])
     if all(len(members) == 1 for _, members in groups.values()):
         return None
     return list(groups.values())
 
 
-def _fused(
-    rec: Any, ctx: SpmdContext, ts: list[Tensor], vma: Vma, axes: Axes, params: tuple
-) -> list[Tensor]:
-    """``rec`` on each of ``ts`` (one dtype, device, requires_grad and type ``vma``) by one
-    application to their concatenation (the steps of ``_record._apply`` for such operands)."""
-    # cat and split are the collective's own ops, not the program's: no mode types them
-    with DisableTorchFunction():
-        flat = torch.cat([t.reshape(-1) for t in ts])
-    ctx.stamp(flat, vma)
-    # (flat is this frame's alone: a backend may reduce it in place)
-    reduced = ctx.apply(rec, flat, axes, params, True)
-    with DisableTorchFunction():
-        # (torch's stub types the out= overload only; without out= it returns the parts)
-        parts: list[Tensor] = torch.split_with_sizes_copy(  # type: ignore[func-returns-value,assignment]
-            reduced, [t.numel() for t in ts]
-        )
-        outs = [p.view(t.shape) for p, t in zip(parts, ts)]
-    result = rec.vma(vma, axes, params)
-    accounting = bool(_modes.stack)  # one event per leaf, as each leaf's collective records
-    for i, t in enumerate(ts):
-        if accounting:
-            record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
-            outs[i] = tag_derivatives(rec, outs[i], t, axes, params)
-        outs[i] = ctx.stamp(outs[i], result)
-    return outs
+def _split_sums(done: Tensor, ts: list[Tensor], ps: list) -> list[Tensor]:
+    """An elementwise reduction's leaves: the concatenation's pieces, each of its own."""
+    # (torch's stub types the out= overload only; without out= it returns the parts)
+    parts: list[Tensor] = torch.split_with_sizes_copy(  # type: ignore[func-returns-value,assignment]
+        done, [t.numel() for t in ts]
+    )
+    return [p.view(t.shape) for p, t in zip(parts, ts)]
+
+
+def _gathered(done: Tensor, ts: list[Tensor], ps: list) -> list[Tensor]:
+    """all_gather's leaves from the gather of their concatenation ([n, total]: member j's
+    first): each leaf's columns, as member-major blocks, arranged as its parameters say."""
+    parts: list[Tensor] = torch.split_with_sizes_copy(  # type: ignore[func-returns-value,assignment]
+        done, [t.numel() for t in ts], 1
+    )
+    n = done.shape[0]
+    return [unstack_dim(p.view(n, *t.shape), q[0], q[1]) for p, t, q in zip(parts, ts, ps)]
+
+
+#: psum's, pmean's (and any elementwise reduction's) ``tree``
+reduce_tree = Packing(lambda p: p, _split_sums)
+#: all_gather's ``tree``: one untiled gather along a new first dim, then each leaf's own
+gather_tree = Packing(lambda p: (0, False, *p[2:]), _gathered)

@@ -106,7 +106,7 @@ class Collective:
     #: the rest of the error after "the operand is invariant over ... (its type ...), so "
     #: (``REQUIRE_VARYING`` records; see :class:`Invariant`)
     invariant_operand: Callable[[Invariant], str] | None = None
-    #: how a pytree operand is applied where it may be done at once (``_fused.reduce_tree``:
+    #: how a pytree operand is applied where it may be done at once (a ``_fused.Packing``:
     #: the leaves of one type concatenated, where a backend asks); None: leaf by leaf
     tree: Callable[..., Any] | None = None
 

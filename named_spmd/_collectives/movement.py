@@ -16,6 +16,7 @@ from .._errors import CollectiveError
 from .._layout import coords_text, split_blocks, unstack_dim
 from .._types import Vma
 from ._checks import Invariant, axis_sizes, axis_text, check_divisible, check_reducible, checked_dim
+from ._fused import gather_tree
 from ._record import (
     PVARY,
     RECORDS,
@@ -149,6 +150,7 @@ ALL_GATHER = Collective(
     prepare=_all_gather_prepare,
     check=_all_gather_check,
     batched=lambda params: (params[0] + 1, *params[1:]),
+    tree=gather_tree,  # a pytree's leaves gathered together where a backend asks
 )
 
 
