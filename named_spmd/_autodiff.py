@@ -148,8 +148,28 @@ class TracedCollectiveFn(CollectiveFn):
             node.save_for_backward(x, output)
 
 
+class ComputedFn(torch.autograd.Function):
+    """The bridge's node for a result computed elsewhere, ``made[0]``: one leaf's piece of a
+    collective applied once to the concatenation of several operands (``_collectives/
+    _fused.py``). Its saving and backward are ``rec``'s on ``x`` alone, so the leaves keep
+    nodes of their own, as leaf by leaf: an operand whose result gets no gradient gets none."""
+
+    @staticmethod
+    def forward(x, rec, spmd, axes, params, made):
+        return _own_memory(made[0], x)
+
+    @staticmethod
+    def setup_context(node, inputs, output):
+        CollectiveFn.setup_context(node, inputs[:5], output)
+
+    @staticmethod
+    def backward(node, g):
+        return *CollectiveFn.backward(node, g), None
+
+
 _NONES = (None,) * 4
 fast_apply = function_base_apply.__get__(None, CollectiveFn)
+apply_computed = function_base_apply.__get__(None, ComputedFn)
 
 
 def apply(rec: Collective, spmd: SpmdContext, x: torch.Tensor, axes: Axes, params: Any):

@@ -363,6 +363,8 @@ def test_pytree_collectives_take_one_process_group_call_per_group_of_leaves():
         assert o["outs"] == 0.0 and o["grads"] == 0.0, (where, o)
         assert o["types_equal"] and o["events_equal"] and o["events"] > 0, (where, o)
         assert o["had_grads"] or o["name"] == "psum_mixed", (where, o)  # (no leaf requires grad)
+        assert o["nones_equal"], (where, o)  # (an unused result's operand gets no gradient)
+        assert o["nones"] == (6 if o["name"] == "psum_unused_leaves" else 0), (where, o)
         assert o["replays"] == 1, (where, o["replays"])
 
 

@@ -1,4 +1,4 @@
-"""psum, pmean and all_gather of pytrees on a real mesh (2 gloo processes), for
+"""psum, pmean, pmax, pmin and all_gather of pytrees on a real mesh (2 gloo processes), for
 tests/test_distributed.py.
 
 A real mesh applies them to the leaves of one type, dtype, device and requires_grad by one
@@ -6,7 +6,8 @@ collective of their concatenation (``named_spmd/_collectives/_fused.py``); a sim
 by leaf. ``python tests/tree_reductions.py`` under a 2-process job runs each case of :data:`CASES` three
 times (the first call typed, the others replayed) on the real mesh and on a simulated one in the
 same process (:func:`run_case`), and prints one ``OUTCOME {json}`` line per case and rank: the
-largest difference between their outputs and between their inputs' gradients, whether the types
+largest difference between their outputs and between their inputs' gradients (and whether the
+same inputs got none), whether the types
 of the output leaves inside the function and the events ``ns.CommMode`` recorded are equal, the
 process-group calls torch counted on the real mesh (:class:`Collectives`) and its plan's replays.
 """
@@ -67,6 +68,14 @@ def _wire_dtypes(gen):
     return _leaves(gen, shapes, [True] * 5)
 
 
+def _unused_leaves(tree, axes):
+    """psum of a pytree of which only some results are used: the others' operands get no
+    gradient, as leaf by leaf (not a zero, which sqrt's backward at 0 would make NaN)."""
+    p = tree["p"]
+    dropped = (torch.sqrt(p[0] * 0.0), p[1] * 2.0)
+    return ns.psum((dropped, list(p[2:])), axes)[1]
+
+
 def _gather(to, axis, tiled=True):
     return lambda tree, axes: ns.all_gather(tree, axes, axis=axis, tiled=tiled, to=to)
 
@@ -79,6 +88,9 @@ CASES = {
     "pmean_grads": (ns.pmean, _grad_tree, None, P(), {"allreduce": 2}),  # requires_grad or not
     "pmean_invariant_leaf": (ns.pmean, _invariant_leaf, {"r": P()}, P(), {"allreduce": 3}),
     "psum_wire_dtypes": (ns.psum, _wire_dtypes, None, P(), {"allreduce": 2}),
+    "psum_unused_leaves": (_unused_leaves, _grad_tree, None, P(), {"allreduce": 1}),
+    "pmax_grads": (ns.pmax, _grad_tree, None, P(), {"allreduce": 2}),  # (backward: the tie mask's)
+    "pmin_grads": (ns.pmin, _grad_tree, None, P(), {"allreduce": 2}),
     # FSDP's gathering of parameters, tiled along their first dim, untiled along the last
     "all_gather_invariant": (_gather("invariant", 0), _grad_tree, None, P(), {"gather": 2}),
     "all_gather_varying": (_gather("varying", -1, False), _grad_tree, None, P("dp"), {"gather": 2}),
@@ -106,7 +118,7 @@ def run_case(mesh, name: str) -> dict:
 
     specs = (_specs(make(_gen()), override),)
     f = ns.spmd_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)
-    counted, outs, grads, mode = Collectives(), [], [], ns.CommMode()
+    counted, outs, grads, nones, mode = Collectives(), [], [], [], ns.CommMode()
     for call in range(3):
         tree = make(_gen(call))
         with mode if call == 0 else contextlib.nullcontext(), counted():  # (a CommMode: typed)
@@ -118,11 +130,14 @@ def run_case(mesh, name: str) -> dict:
             weights = [torch.arange(g.numel()).reshape(g.shape) for g in got]
             pairs = [(g.abs() if g.is_complex() else g, w) for g, w in zip(got, weights)]
             loss = sum((g * w).sum() for g, w in pairs if g.requires_grad)
-            grads += [_full(g) for g in torch.autograd.grad(loss, wanted)]
+            got_grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+            grads += [_full(g) for g in got_grads if g is not None]
+            nones += [g is None for g in got_grads]
     plans = [p for p in checked_signatures(f).values() if hasattr(p, "replays")]
     return {
         "outs": outs,
         "grads": grads,
+        "nones": nones,
         "types": types,
         "events": [
             (e.op, e.direction, list(e.shape), str(e.dtype)) for e in mode.events if not e.boundary
@@ -143,6 +158,8 @@ def compared(real: dict, simulated: dict) -> dict:
         "outs": worst(real["outs"], simulated["outs"]),
         "grads": worst(real["grads"], simulated["grads"]),
         "had_grads": len(real["grads"]),
+        "nones_equal": real["nones"] == simulated["nones"],
+        "nones": sum(real["nones"]),
         "types_equal": real["types"] == simulated["types"],
         "events_equal": real["events"] == simulated["events"],
         "events": len(real["events"]),

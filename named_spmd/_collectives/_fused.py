@@ -5,13 +5,16 @@ gloo, more with more ranks), so ``pmean(grads, "dp")`` on a dict of 30 gradients
 step written as in JAX, would cost 30 of them, as would ``all_gather(params, "dp", tiled=True)``,
 FSDP's gathering of the parameters (XLA combines such collectives; DDP buckets its all-reduces,
 FSDP flattens its parameters). Here, for a record whose ``tree`` is a :class:`Packing` (psum,
-pmean, all_gather: an elementwise reduction or a gather, whose application to a concatenation
-holds each leaf's), the tensor leaves of one call that share a dtype, device, requires_grad and
-type are concatenated, the record applied once, and each leaf's result read back into a tensor
-of its own. Values, types, gradients (the transpose of the one application: one psum_scatter for
-a gather) and the ``CommMode`` events (one per leaf) are the per-leaf collectives': the sum of a
-concatenation is the concatenation of the sums, element by element (on more than two ranks gloo's
-ring may add an element's terms in another order: equal to rounding, as with DDP's buckets).
+pmean, pmax, pmin, all_gather: an elementwise reduction or a gather, whose application to a
+concatenation holds each leaf's), the tensor leaves of one call that share a dtype, device,
+requires_grad and type are concatenated, the record applied once outside autograd, and each leaf's
+result read back into a tensor of its own, with an autograd node of its own whose backward is the
+record's transpose on that leaf (``_autodiff.ComputedFn``): a result that gets no gradient gives
+its operand none, as leaf by leaf (a zero would reach the op that made the operand, whose backward
+may communicate, or turn it into NaN). Values, types, gradients and the ``CommMode`` events (one
+per leaf) are the per-leaf collectives': the sum of a concatenation is the concatenation of the
+sums, element by element (on more than two ranks gloo's ring may add an element's terms in another
+order: equal to rounding, as with DDP's buckets).
 
 Only the common case fuses, the same on every rank (nothing here depends on a rank's own state):
 every leaf a plain tensor varying over every axis of the collective (no implicit cast, no
@@ -31,6 +34,7 @@ import torch
 
 from .._accounting import CommEvent, record
 from .._accounting import _local as _modes
+from .._autodiff import apply_computed
 from .._context import Axes, SpmdContext
 from .._layout import unstack_dim
 from .._torch_private import DisableTorchFunction, forward_level, transforms_active
@@ -43,12 +47,12 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 
 class Packing:
-    """How a record runs on a concatenation: the parameters of the one application, and the
-    leaves' results read back from its result (``ts``: the operands; ``params``: each one's
-    parameters, its argument checks' normalised ones)."""
+    """How a record runs on a concatenation: the parameters of the one application, the dim of
+    its result along which the leaves' results lie side by side, and how each one is arranged
+    from its piece (``arrange(piece, operand, parameters)``, the argument checks' ones)."""
 
-    def __init__(self, flat_params: Callable[[tuple], tuple], unpack: Callable[..., list]):
-        self.flat_params, self.unpack = flat_params, unpack
+    def __init__(self, flat_params: Callable[[tuple], tuple], dim: int, arrange: Callable):
+        self.flat_params, self.dim, self.arrange = flat_params, dim, arrange
 
     def __call__(self, rec: Any, ctx: SpmdContext, x: Any, axes: Axes, params: tuple) -> Any:
         """``rec`` applied to every tensor leaf of the pytree ``x``, fused where the module doc
@@ -77,18 +81,25 @@ class Packing:
         self, rec: Any, ctx: SpmdContext, ts: list[Tensor], vma: Vma, axes: Axes, ps: list
     ) -> list[Tensor]:
         """``rec`` on each of ``ts`` (one dtype, device, requires_grad and type ``vma``; ``ps``
-        their parameters) by one application to their concatenation (the steps of
-        ``_record._apply`` for such operands)."""
-        # cat and the reads back are the collective's own ops, not the program's: untyped
-        with DisableTorchFunction():
+        their parameters) by one application to their concatenation, outside autograd; each
+        leaf's result then gets a node of its own, whose backward is ``rec``'s on that leaf
+        (``_autodiff.ComputedFn``), and the rest of ``_record._apply``'s steps."""
+        # packing and reading back are the collective's own ops, not the program's: untyped
+        with torch.no_grad(), DisableTorchFunction():
             flat = torch.cat([t.reshape(-1) for t in ts])
-        ctx.stamp(flat, vma)
-        # (flat is this frame's alone: a backend may reduce it in place)
-        done = ctx.apply(rec, flat, axes, self.flat_params(ps[0]), True)
-        with DisableTorchFunction():
-            outs = self.unpack(done, ts, ps)
+            # (flat is this frame's alone: a backend may reduce it in place)
+            done = ctx.apply(rec, flat, axes, self.flat_params(ps[0]), True)
+            sizes = [t.numel() for t in ts]
+            # (torch's stub types the out= overload only; without out= it returns the pieces)
+            pieces: list[Tensor] = torch.split_with_sizes_copy(  # type: ignore[func-returns-value,assignment]
+                done, sizes, self.dim
+            )
+            outs = [self.arrange(piece, t, p) for piece, t, p in zip(pieces, ts, ps)]
         accounting = bool(_modes.stack)  # one event per leaf, as each leaf's collective records
         for i, (t, p) in enumerate(zip(ts, ps)):
+            if t.requires_grad and torch.is_grad_enabled():
+                with DisableTorchFunction():
+                    outs[i] = apply_computed(t, rec, ctx, axes, p, [outs[i]])
             if accounting:
                 record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
                 outs[i] = tag_derivatives(rec, outs[i], t, axes, p)
@@ -125,26 +136,18 @@ def _groups(
     return list(groups.values())
 
 
-def _split_sums(done: Tensor, ts: list[Tensor], ps: list) -> list[Tensor]:
-    """An elementwise reduction's leaves: the concatenation's pieces, each of its own."""
-    # (torch's stub types the out= overload only; without out= it returns the parts)
-    parts: list[Tensor] = torch.split_with_sizes_copy(  # type: ignore[func-returns-value,assignment]
-        done, [t.numel() for t in ts]
-    )
-    return [p.view(t.shape) for p, t in zip(parts, ts)]
+def _own(piece: Tensor, t: Tensor, params: tuple) -> Tensor:
+    """An elementwise reduction's result for operand ``t``: its piece, in its shape."""
+    return piece.view(t.shape)
 
 
-def _gathered(done: Tensor, ts: list[Tensor], ps: list) -> list[Tensor]:
-    """all_gather's leaves from the gather of their concatenation ([n, total]: member j's
-    first): each leaf's columns, as member-major blocks, arranged as its parameters say."""
-    parts: list[Tensor] = torch.split_with_sizes_copy(  # type: ignore[func-returns-value,assignment]
-        done, [t.numel() for t in ts], 1
-    )
-    n = done.shape[0]
-    return [unstack_dim(p.view(n, *t.shape), q[0], q[1]) for p, t, q in zip(parts, ts, ps)]
+def _gathered(piece: Tensor, t: Tensor, params: tuple) -> Tensor:
+    """all_gather's result for operand ``t`` from its columns of the gather ([n, numel]: member
+    j's first): the members' blocks arranged as its parameters (dim, tiled) say."""
+    return unstack_dim(piece.view(piece.shape[0], *t.shape), params[0], params[1])
 
 
-#: psum's, pmean's (and any elementwise reduction's) ``tree``
-reduce_tree = Packing(lambda p: p, _split_sums)
-#: all_gather's ``tree``: one untiled gather along a new first dim, then each leaf's own
-gather_tree = Packing(lambda p: (0, False, *p[2:]), _gathered)
+#: psum's, pmean's, pmax's and pmin's ``tree``: the reduction of the concatenation
+reduce_tree = Packing(lambda p: p, 0, _own)
+#: all_gather's ``tree``: one untiled gather along a new first dim, then each leaf's columns
+gather_tree = Packing(lambda p: (0, False, *p[2:]), 1, _gathered)

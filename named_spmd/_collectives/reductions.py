@@ -223,6 +223,7 @@ def _extremum(name: str, op: str) -> Collective:
         backward_op=backward_op("psum"),  # of the tie mask
         saves=True,
         donates=True,
+        tree=reduce_tree,  # (elementwise: its saved operand and result are the concatenation's)
         unreduced=None,  # not linear: the extremum of partial sums is not that of the totals
     )
 
