@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import named_spmd as ns  # noqa: E402
 from named_spmd import P  # noqa: E402
+from named_spmd._accounting import recording  # noqa: E402
 from named_spmd._replay import checked_signatures  # noqa: E402
 
 F64, F32 = torch.float64, torch.float32
@@ -76,6 +77,16 @@ def _unused_leaves(tree, axes):
     return ns.psum((dropped, list(p[2:])), axes)[1]
 
 
+def _written_pmax(tree, axes):
+    """pmax of a pytree whose results are then written in place: its backward reads the saved
+    results, which the writes must leave as they were (each a copy, as leaf by leaf)."""
+    out = ns.pmax(tree, axes)
+    if not recording():  # (while a CommMode records, every backend refuses writes into results)
+        for o in _flat(out):
+            o.mul_(2.0)
+    return out
+
+
 def _gather(to, axis, tiled=True):
     return lambda tree, axes: ns.all_gather(tree, axes, axis=axis, tiled=tiled, to=to)
 
@@ -91,6 +102,7 @@ CASES = {
     "psum_unused_leaves": (_unused_leaves, _grad_tree, None, P(), {"allreduce": 1}),
     "pmax_grads": (ns.pmax, _grad_tree, None, P(), {"allreduce": 2}),  # (backward: the tie mask's)
     "pmin_grads": (ns.pmin, _grad_tree, None, P(), {"allreduce": 2}),
+    "pmax_written": (_written_pmax, _grad_tree, None, P(), {"allreduce": 2}),
     # FSDP's gathering of parameters, tiled along their first dim, untiled along the last
     "all_gather_invariant": (_gather("invariant", 0), _grad_tree, None, P(), {"gather": 2}),
     "all_gather_varying": (_gather("varying", -1, False), _grad_tree, None, P("dp"), {"gather": 2}),

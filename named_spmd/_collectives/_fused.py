@@ -40,7 +40,7 @@ from .._layout import unstack_dim
 from .._torch_private import DisableTorchFunction, forward_level, transforms_active
 from .._types import Vma
 from ._checks import check_copyable, torch_copies
-from ._record import _apply, tag_derivatives
+from ._record import _apply, _fresh, tag_derivatives
 
 Tensor = torch.Tensor
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -100,6 +100,8 @@ class Packing:
             if t.requires_grad and torch.is_grad_enabled():
                 with DisableTorchFunction():
                     outs[i] = apply_computed(t, rec, ctx, axes, p, [outs[i]])
+                    if rec.saves:  # (a write into the result must leave the saved one)
+                        outs[i] = _fresh(outs[i])
             if accounting:
                 record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
                 outs[i] = tag_derivatives(rec, outs[i], t, axes, p)
