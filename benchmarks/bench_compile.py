@@ -432,8 +432,7 @@ def simulated(args) -> None:
         "named_spmd simulated (2,2) eager": B.trainer(G.spmd_step_fn(cfg, mesh), B._fresh(params)),
     }
     best, first = _cpu_times(steps, cfg, args)
-    for name, s in first.items():
-        print(f"first call (trace + compile + run) of {name}: {s:.1f} s")
+    _print_first_calls(first)
     rows = _util.rows_with_ratios(
         BENCH,
         "GPT step, simulated (2,2), 1 process, CPU time",
@@ -555,6 +554,14 @@ def _inductor(fn, tag: str, fullgraph: bool = True):
     return _util.compiled_copy(fn, tag, backend="inductor", fullgraph=fullgraph)
 
 
+def _print_first_calls(first: dict) -> None:
+    """The seconds of each variant's first call (trace + compile + run), on one line."""
+    print(
+        "first call (trace + compile + run), s: "
+        + "; ".join(f"{k} {v:.1f}" for k, v in first.items())
+    )
+
+
 def _cpu_times(steps: dict, cfg: G.Config, args) -> tuple[dict[str, float], dict[str, float]]:
     """CPU seconds per step of each step function, the minimum over interleaved rounds, and the
     wall seconds of each one's first call (where a compiled step traces and compiles)."""
@@ -627,8 +634,7 @@ def main() -> None:
     result = json.loads(line[len("RESULT ") :])
     if args.code:
         return _print_code_counts(result)
-    for name, s in result["first"].items():
-        print(f"first call (trace + compile + run) of {name}: {s:.1f} s")
+    _print_first_calls(result["first"])
     print("losses of steps 1-2:", result["losses"])
     medians = result["medians"]
     backend = "NCCL" if args.device == "cuda" else "gloo"
