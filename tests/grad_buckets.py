@@ -250,11 +250,16 @@ def shared_grads(mesh, dtensors: bool, axis: str | None) -> dict:
     return {"own": own, "plain": plain, "grads": [_full(a.grad).tolist(), _full(b.grad).tolist()]}
 
 
-class _AllReduces:
-    """torch's own count of the all-reduces issued inside (CommDebugMode sees c10d ops)."""
+class Collectives:
+    """torch's own count of the process-group calls issued inside, by kind ("allreduce",
+    "gather"; CommDebugMode sees c10d ops); :attr:`count`: the all-reduces."""
 
     def __init__(self):
-        self.count = 0
+        self.counts: dict[str, int] = {}
+
+    @property
+    def count(self) -> int:
+        return self.counts.get("allreduce", 0)
 
     @contextlib.contextmanager
     def __call__(self):
@@ -262,9 +267,9 @@ class _AllReduces:
 
         with CommDebugMode() as counted:
             yield
-        self.count += sum(
-            n for op, n in counted.get_comm_counts().items() if "allreduce" in str(op)
-        )
+        for op, n in counted.get_comm_counts().items():
+            kind = next((k for k in ("allreduce", "gather") if k in str(op)), str(op))
+            self.counts[kind] = self.counts.get(kind, 0) + n
 
 
 def _activation_only(mesh) -> dict:
@@ -415,11 +420,11 @@ def run(mesh) -> list[dict]:
     for name, mb in SIZES_MB.items():
         set_grad_bucket_mb(mb)
         before = _registry()
-        reduces, second = _AllReduces(), _AllReduces()
+        reduces, second = Collectives(), Collectives()
         grads, psums = uniform_grads(mesh, reduces)
         views = {}
         for sharded in (False, True):
-            view_reduces = _AllReduces()
+            view_reduces = Collectives()
             got, view_psums = view_grads(mesh, view_reduces, sharded)
             views["dtensor" if sharded else "plain"] = {
                 "grads": [g.tolist() for g in got],
@@ -430,7 +435,7 @@ def run(mesh) -> list[dict]:
         mixed = mixed_grads(mesh)
         shared = {k: shared_grads(mesh, *how) for k, how in SHARED_KINDS.items()}
         accumulated = accumulated_grads(mesh, second)
-        large_reduces = _AllReduces()
+        large_reduces = Collectives()
         large, large_psums = large_grads(mesh, large_reduces)
         outcomes.append(
             {

@@ -3,13 +3,13 @@ tests/test_distributed.py.
 
 A real mesh applies them to the leaves of one type, dtype, device and requires_grad by one
 collective of their concatenation (``named_spmd/_collectives/_fused.py``); a simulated mesh, leaf
-by leaf. ``python tests/tree_reductions.py`` under a 2-process job runs each case of :data:`CASES` three
-times (the first call typed, the others replayed) on the real mesh and on a simulated one in the
-same process (:func:`run_case`), and prints one ``OUTCOME {json}`` line per case and rank: the
-largest difference between their outputs and between their inputs' gradients (and whether the
-same inputs got none), whether the types
-of the output leaves inside the function and the events ``ns.CommMode`` recorded are equal, the
-process-group calls torch counted on the real mesh (:class:`Collectives`) and its plan's replays.
+by leaf. ``python tests/tree_reductions.py`` under a 2-process job runs each case of :data:`CASES`
+three times (the first call typed, the others replayed) on the real mesh and on a simulated one in
+the same process (:func:`run_case`), and prints one ``OUTCOME {json}`` line per case and rank: the
+largest difference between their outputs and between their inputs' gradients (and whether the same
+inputs got none), whether the types of the output leaves inside the function and the events
+``ns.CommMode`` recorded are equal, the process-group calls torch counted on the real mesh
+(``grad_buckets.Collectives``) and its plan's replays.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from grad_buckets import Collectives  # noqa: E402
 
 import named_spmd as ns  # noqa: E402
 from named_spmd import P  # noqa: E402
@@ -192,24 +194,6 @@ def _flat(tree) -> list:
 
 def _full(t) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-class Collectives:
-    """torch's own count of the process-group calls issued inside, by kind ("allreduce",
-    "gather": CommDebugMode sees c10d ops)."""
-
-    def __init__(self):
-        self.counts: dict[str, int] = {}
-
-    @contextlib.contextmanager
-    def __call__(self):
-        from torch.distributed.tensor.debug import CommDebugMode
-
-        with CommDebugMode() as counted:
-            yield
-        for op, n in counted.get_comm_counts().items():
-            kind = next((k for k in ("allreduce", "gather") if k in str(op)), str(op))
-            self.counts[kind] = self.counts.get(kind, 0) + n
 
 
 def main() -> None:
