@@ -193,7 +193,11 @@ class _Tag(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, events: _Derivatives) -> torch.Tensor:
-        return x.view_as(x)
+        # the same memory and version counter, but no view to autograd: a write into a tagged
+        # result is taken as without the tag (autograd refuses a write into a view that a
+        # custom Function made); a write into a cast's memory is still found by its storage
+        # (``_tracking.check_cast_alias``) and a saved tensor's by its version
+        return x.detach()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -220,7 +224,7 @@ class _Tag(torch.autograd.Function):
     def jvp(ctx: Any, x_t: torch.Tensor, _: Any) -> torch.Tensor:
         for mode in _local.stack or ctx.stack:
             mode.events.extend(ctx.events.tangent)
-        return x_t.view_as(x_t)  # a view, as the forward's result is
+        return x_t  # (the same memory, as the forward's result)
 
 
 def needs_grad(t: torch.Tensor) -> bool:

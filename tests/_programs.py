@@ -149,6 +149,30 @@ def megatron_dense(x, w1, b1, w2, b2):
     return torch.tanh(x @ w1 + b1) @ w2 + b2
 
 
+def collective_results_written(o, x, w):
+    """Writes into the results of collectives (``add_``, ``mul_``, ``neg_``, ``[i] =``), which
+    are fresh values, as in JAX: the gradients are those of the written values, with or without
+    a ``CommMode`` recording (whose tags sit on the results)."""
+    h = x @ w
+    s = o.psum(h, "i")
+    s.mul_(2.0)
+    m = o.pmax(h, "i")
+    m.add_(1.0)
+    g = o.all_gather(h, "i", tiled=True, to="invariant")
+    g[0] = 0.0
+    p = o.ppermute(h, "i", [(k, (k + 1) % 4) for k in range(4)])
+    p.neg_()
+    return o.tap(o.tanh(s + m) * h + g[:2] + p)
+
+
+def _collective_results_written_dense(x, w):
+    hs = (x @ w).chunk(4)
+    g = torch.cat(hs)
+    g[0] = 0.0
+    base = torch.tanh(2.0 * sum(hs) + torch.stack(hs).amax(0) + 1.0)
+    return torch.cat([base * hs[k] + g[:2] - hs[k - 1] for k in range(4)])
+
+
 def seq_parallel_rms(o, x, g, w1, w2):
     """Sequence-parallel block: RMSNorm on the sequence shard, gather it, column/row matmuls,
     reduce-scatter the partial sums back to the sequence shard, residual."""
@@ -287,6 +311,19 @@ def _gradient_programs():
         dp_logged_first,
         lambda: (r(5, 6, seed=1), r(6, seed=2), r(6, 1, seed=3), r(8, 5, seed=4), r(8, seed=5)),
         dp_dense,
+        all_grads_nonzero=True,
+        rtol=1e-10,
+        atol=1e-10,
+    )
+    yield Program(
+        "collective_results_written",
+        (4,),
+        ("i",),
+        (P("i"), P()),
+        P("i"),
+        collective_results_written,
+        lambda: (r(8, 3, seed=71), r(3, 3, seed=72)),
+        _collective_results_written_dense,
         all_grads_nonzero=True,
         rtol=1e-10,
         atol=1e-10,

@@ -325,8 +325,9 @@ class _ReferenceOps:
 
     psum = staticmethod(_collective(lambda vals, i: _sum(vals)))
     pmean = staticmethod(_collective(lambda vals, i: _sum(vals) / len(vals)))
-    pmax = staticmethod(_collective(lambda vals, i: torch.stack(vals).amax(0)))
-    pmin = staticmethod(_collective(lambda vals, i: torch.stack(vals).amin(0)))
+    # (copies: amax's backward reads its result, and a collective's result is a fresh value)
+    pmax = staticmethod(_collective(lambda vals, i: torch.stack(vals).amax(0).clone()))
+    pmin = staticmethod(_collective(lambda vals, i: torch.stack(vals).amin(0).clone()))
     all_gather = staticmethod(_collective(_all_gather))
     psum_scatter = staticmethod(_collective(_psum_scatter))
     all_to_all = staticmethod(_collective(_all_to_all))
