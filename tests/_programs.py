@@ -149,10 +149,10 @@ def megatron_dense(x, w1, b1, w2, b2):
     return torch.tanh(x @ w1 + b1) @ w2 + b2
 
 
-def collective_results_written(o, x, w):
+def results_written_under_comm_mode(o, x, w):
     """Writes into the results of collectives (``add_``, ``mul_``, ``neg_``, ``[i] =``), which
-    are fresh values, as in JAX: the gradients are those of the written values, with or without
-    a ``CommMode`` recording (whose tags sit on the results)."""
+    are fresh values, as in JAX, while a ``CommMode`` records (as every catalogue run does: its
+    tags sit on the results); tests/dist_worker.py's ``collective_results_written`` without."""
     h = x @ w
     s = o.psum(h, "i")
     s.mul_(2.0)
@@ -165,7 +165,7 @@ def collective_results_written(o, x, w):
     return o.tap(o.tanh(s + m) * h + g[:2] + p)
 
 
-def _collective_results_written_dense(x, w):
+def _results_written_under_comm_mode_dense(x, w):
     hs = (x @ w).chunk(4)
     g = torch.cat(hs)
     g[0] = 0.0
@@ -316,14 +316,14 @@ def _gradient_programs():
         atol=1e-10,
     )
     yield Program(
-        "collective_results_written",
+        "results_written_under_comm_mode",
         (4,),
         ("i",),
         (P("i"), P()),
         P("i"),
-        collective_results_written,
+        results_written_under_comm_mode,
         lambda: (r(8, 3, seed=71), r(3, 3, seed=72)),
-        _collective_results_written_dense,
+        _results_written_under_comm_mode_dense,
         all_grads_nonzero=True,
         rtol=1e-10,
         atol=1e-10,

@@ -532,7 +532,8 @@ def _masked_writes(mesh, world) -> dict:
 def _cast_alias_checks(mesh) -> list[dict]:
     """A write into a pvary's result (the identity: a view of its operand's memory), or into a
     view of it, would change the replicated operand on one rank only: a VmaError, as the
-    simulated mesh refuses it; the operand (an input, a closed-over tensor) is left unchanged."""
+    simulated mesh refuses it; the operand (an input, a closed-over tensor) is left unchanged.
+    An all_gather to varying (one value over its axes) is refused alike, leaf by leaf or fused."""
     closed = torch.zeros(2)
     writes = {
         "add_": lambda x, w: ns.pvary(w, "dp").add_(x),
@@ -541,6 +542,9 @@ def _cast_alias_checks(mesh) -> list[dict]:
         # no view's base: found by storage
         "detached": lambda x, w: ns.pvary(w, "dp").detach().add_(x),
         "data": lambda x, w: ns.pvary(w, "dp").data.add_(x),
+        # one value over "dp", typed varying: refused as the simulated mesh's one memory is
+        "all_gather": lambda x, w: ns.all_gather(x, "dp", tiled=True)[1:].add_(1.0),
+        "all_gather of a pytree": lambda x, w: ns.all_gather((x, x * 2), "dp")[1].mul_(2.0),
     }
     results = []
     for name, write in writes.items():

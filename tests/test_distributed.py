@@ -63,7 +63,7 @@ def test_sampled_cases_and_checks_agree_with_simulated(world, late, dist_launche
     assert all(not r["problems"] for r in results), _report(finished, results)
     # every sampled input is exercised by the gradient check somewhere
     assert sum(r["nonzero_grads"] for r in results) > len(results)
-    assert len(checks) == 38 * world, _report(finished, checks)
+    assert len(checks) == 40 * world, _report(finished, checks)
     assert all(not c["problems"] for c in checks), _report(finished, checks)
     assert finished.returncodes == [0] * world
 

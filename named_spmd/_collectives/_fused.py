@@ -40,7 +40,7 @@ from .._layout import unstack_dim
 from .._torch_private import DisableTorchFunction, forward_level, transforms_active
 from .._types import Vma
 from ._checks import check_copyable, torch_copies
-from ._record import _apply, _fresh, tag_derivatives
+from ._record import _apply, _fresh, note_cast_result, tag_derivatives
 
 Tensor = torch.Tensor
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -105,7 +105,9 @@ class Packing:
             if accounting:
                 record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
                 outs[i] = tag_derivatives(rec, outs[i], t, axes, p)
-            outs[i] = ctx.stamp(outs[i], rec.vma(vma, axes, p))
+            result = rec.vma(vma, axes, p)
+            note_cast_result(rec, ctx, outs[i], vma, result, axes, p)
+            outs[i] = ctx.stamp(outs[i], result)
         return outs
 
 

@@ -109,6 +109,10 @@ class Collective:
     #: how a pytree operand is applied where it may be done at once (a ``_fused.Packing``:
     #: the leaves of one type concatenated, where a backend asks); None: leaf by leaf
     tree: Callable[..., Any] | None = None
+    #: the result is one value over the collective's axes though typed varying over them
+    #: (all_gather to "varying"): an invariant value made varying, so a write into it is
+    #: refused as a cast's (the simulated mesh's copies of it are one memory)
+    cast_result: Callable[[Params], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.policy is REQUIRE_VARYING and self.invariant_operand is None:
@@ -239,13 +243,24 @@ def _apply(
         out = tag_derivatives(rec, out, t, axes, params)
     if ctx.stamps or vma.partial or rec.makes_partial:
         result = rec.vma(vma, axes, params)
-        # not while compiled: Dynamo cannot trace the note's id() and dict writes (a compiled
-        # call does not refuse a write into the cast's result, docs/design.md section 7)
-        new = ctx.stamps and result.varying - vma.varying - vma.unreduced
-        if new and not torch.compiler.is_compiling():
-            _note_cast_alias(ctx, out, vma)
+        note_cast_result(rec, ctx, out, vma, result, axes, params)
         return ctx.stamp(out, result)
     return out
+
+
+def note_cast_result(
+    rec: Collective, ctx: Any, out: Tensor, vma: Vma, result: Vma, axes: Axes, params: Params
+) -> None:
+    """Where ``out`` (of type ``result``, its operand's ``vma``) is an invariant value made
+    varying, its memory is noted, so that a write into it is refused (:func:`_note_cast_alias`).
+    Not while compiled: Dynamo cannot trace the note's id() and dict writes (a compiled call
+    does not refuse a write into the cast's result, docs/design.md section 7)."""
+    if not ctx.stamps or torch.compiler.is_compiling():
+        return
+    if result.varying - vma.varying - vma.unreduced:
+        _note_cast_alias(ctx, out, vma)
+    elif rec.cast_result is not None and rec.cast_result(params):
+        _note_cast_alias(ctx, out, vma.to_state(axes, "invariant"))
 
 
 def _fresh(out: Tensor) -> Tensor:

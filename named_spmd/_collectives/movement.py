@@ -151,6 +151,7 @@ ALL_GATHER = Collective(
     check=_all_gather_check,
     batched=lambda params: (params[0] + 1, *params[1:]),
     tree=gather_tree,  # a pytree's leaves gathered together where a backend asks
+    cast_result=lambda params: params[2] == "varying",
 )
 
 
