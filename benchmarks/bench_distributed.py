@@ -388,8 +388,9 @@ def latency(args, mesh, device) -> list[dict]:
 def tree(args, mesh, device) -> list[dict]:
     """Collectives of a pytree, the blocks passed as they are (``.local``), against the same by
     hand: one collective per leaf (the loop a user writes) and one of their concatenation (the
-    floor). ``ns.pmean`` of gradients (the data-parallel step written as in JAX) and
-    ``ns.all_gather(..., tiled=True, to="invariant")`` of parameter blocks (FSDP's gathering)."""
+    floor). ``ns.pmean`` of gradients (the data-parallel step written as in JAX),
+    ``ns.all_gather(..., tiled=True, to="invariant")`` of parameter blocks (FSDP's gathering) and
+    ``ns.psum_scatter(..., tiled=True)`` of gradients (ZeRO's reduce-scatter)."""
     group = mesh.device_mesh.get_group("all")
     n = dist.get_world_size()
     pmean = ns.spmd_map(lambda g: ns.pmean(g, "all"), mesh=mesh, in_specs=P("all"), out_specs=P())
@@ -399,13 +400,20 @@ def tree(args, mesh, device) -> list[dict]:
         in_specs=P("all"),
         out_specs=P(),
     )
+    scatter = ns.spmd_map(
+        lambda g: ns.psum_scatter(g, "all", tiled=True),
+        mesh=mesh,
+        in_specs=P("all"),
+        out_specs=P("all"),
+    )
+    hand = {"pmean": _hand_pmean, "all_gather": _hand_gather, "psum_scatter": _hand_scatter}
+    mapped = {"pmean": pmean, "all_gather": gather, "psum_scatter": scatter}
     rows = []
-    for op, count, side in (("pmean", 30, 64), ("pmean", 8, 512), ("all_gather", 30, 64)):
+    cases = (("pmean", 30, 64), ("pmean", 8, 512), ("all_gather", 30, 64), ("psum_scatter", 30, 64))
+    for op, count, side in cases:
         leaves = {f"w{i}": torch.randn(side, side, device=device) for i in range(count)}
-        if op == "pmean":
-            fns = {"ns": lambda: pmean.local(leaves), **_hand_pmean(leaves, group, n)}
-        else:
-            fns = {"ns": lambda: gather.local(leaves), **_hand_gather(leaves, group, n)}
+        f = mapped[op]
+        fns = {"ns": lambda f=f, leaves=leaves: f.local(leaves), **hand[op](leaves, group, n)}
         t = {k: v * 1e6 for k, v in interleaved(fns, args.rounds, 2, device).items()}
         row = {"op": op, "leaves": f"{count} x [{side}, {side}]", **t}
         row["ratio per leaf"] = t["ns"] / t["per leaf"]
@@ -441,6 +449,25 @@ def _hand_gather(leaves: dict, group, n: int) -> dict:
         dist.all_gather_into_tensor(out, flat, group=group)
         parts = out.view(n, -1).split([v.numel() for v in leaves.values()], dim=1)
         [p.reshape(n * v.shape[0], *v.shape[1:]) for p, v in zip(parts, leaves.values())]
+
+    return {"per leaf": per_leaf, "concatenated": concatenated}
+
+
+def _hand_scatter(leaves: dict, group, n: int) -> dict:
+    """Each leaf's first dim as n blocks (``psum_scatter(..., tiled=True)``, gloo's
+    ``reduce_scatter_tensor``): by leaf, or all leaves' blocks side by side in one."""
+
+    def per_leaf():
+        for v in leaves.values():
+            out = v.new_empty((v.shape[0] // n, *v.shape[1:]))
+            dist.reduce_scatter_tensor(out, v, group=group)
+
+    def concatenated():
+        rows = torch.cat([v.reshape(n, -1) for v in leaves.values()], 1)
+        out = rows.new_empty(rows.shape[1])
+        dist.reduce_scatter_tensor(out, rows.reshape(-1), group=group)
+        parts = out.split([v.numel() // n for v in leaves.values()])
+        [p.view(v.shape[0] // n, *v.shape[1:]) for p, v in zip(parts, leaves.values())]
 
     return {"per leaf": per_leaf, "concatenated": concatenated}
 

@@ -252,7 +252,7 @@ def shared_grads(mesh, dtensors: bool, axis: str | None) -> dict:
 
 class Collectives:
     """torch's own count of the process-group calls issued inside, by kind ("allreduce",
-    "gather"; CommDebugMode sees c10d ops); :attr:`count`: the all-reduces."""
+    "reduce_scatter", "gather"; CommDebugMode sees c10d ops); :attr:`count`: the all-reduces."""
 
     def __init__(self):
         self.counts: dict[str, int] = {}
@@ -268,7 +268,8 @@ class Collectives:
         with CommDebugMode() as counted:
             yield
         for op, n in counted.get_comm_counts().items():
-            kind = next((k for k in ("allreduce", "gather") if k in str(op)), str(op))
+            kinds = ("allreduce", "reduce_scatter", "gather")
+            kind = next((k for k in kinds if k in str(op)), str(op))
             self.counts[kind] = self.counts.get(kind, 0) + n
 
 

@@ -341,7 +341,7 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
 
 
 def test_pytree_collectives_take_one_process_group_call_per_group_of_leaves():
-    """psum, pmean and all_gather of pytrees on 2 gloo processes (tests/tree_reductions.py): the
+    """psum, pmean, pmax, pmin, all_gather and psum_scatter of pytrees on 2 gloo processes (tests/tree_reductions.py): the
     leaves of one dtype, requires_grad and type go through one collective (torch's count per
     call: one per group, a leaf of 2 MiB or more alone, leaf by leaf where a leaf is replicated;
     complex and bfloat16 leaves too, which travel as other dtypes), beside the start-of-call

@@ -1,5 +1,5 @@
-"""psum, pmean, pmax, pmin and all_gather of pytrees on a real mesh (2 gloo processes), for
-tests/test_distributed.py.
+"""psum, pmean, pmax, pmin, all_gather and psum_scatter of pytrees on a real mesh (2 gloo
+processes), for tests/test_distributed.py.
 
 A real mesh applies them to the leaves of one type, dtype, device and requires_grad by one
 collective of their concatenation (``named_spmd/_collectives/_fused.py``); a simulated mesh, leaf
@@ -93,6 +93,17 @@ def _gather(to, axis, tiled=True):
     return lambda tree, axes: ns.all_gather(tree, axes, axis=axis, tiled=tiled, to=to)
 
 
+def _scatter_tree(gen):
+    """Leaves whose last dim has size 2 (the members' blocks of it, tiled, or one each): three
+    that require grad, two of another rank that do not."""
+    shapes = [((4, 2), F64)] * 3 + [((2, 3, 2), F64)] * 2
+    return _leaves(gen, shapes, [True] * 3 + [False] * 2)
+
+
+def _scatter(tiled):
+    return lambda tree, axes: ns.psum_scatter(tree, axes, scatter_dimension=-1, tiled=tiled)
+
+
 #: name -> (collective, tree maker, in_spec of each leaf, out_specs, the forward's process-group
 #: calls per call, by kind, beside the start-of-call check's all-reduce)
 CASES = {
@@ -108,6 +119,9 @@ CASES = {
     # FSDP's gathering of parameters, tiled along their first dim, untiled along the last
     "all_gather_invariant": (_gather("invariant", 0), _grad_tree, None, P(), {"gather": 2}),
     "all_gather_varying": (_gather("varying", -1, False), _grad_tree, None, P("dp"), {"gather": 2}),
+    # ZeRO's reduce-scatter of gradients, along their last dim
+    "psum_scatter_tiled": (_scatter(True), _scatter_tree, None, P("dp"), {"reduce_scatter": 2}),
+    "psum_scatter": (_scatter(False), _scatter_tree, None, P("dp"), {"reduce_scatter": 2}),
 }
 
 

@@ -5,8 +5,8 @@ gloo, more with more ranks), so ``pmean(grads, "dp")`` on a dict of 30 gradients
 step written as in JAX, would cost 30 of them, as would ``all_gather(params, "dp", tiled=True)``,
 FSDP's gathering of the parameters (XLA combines such collectives; DDP buckets its all-reduces,
 FSDP flattens its parameters). Here, for a record whose ``tree`` is a :class:`Packing` (psum,
-pmean, pmax, pmin, all_gather: an elementwise reduction or a gather, whose application to a
-concatenation holds each leaf's), the tensor leaves of one call that share a dtype, device,
+pmean, pmax, pmin, all_gather, psum_scatter: an elementwise reduction, a gather or a scatter of
+rows, whose application to a concatenation holds each leaf's), the tensor leaves of one call that share a dtype, device,
 requires_grad and type are concatenated, the record applied once outside autograd, and each leaf's
 result read back into a tensor of its own, with an autograd node of its own whose backward is the
 record's transpose on that leaf (``_autodiff.ComputedFn``): a result that gets no gradient gives
@@ -36,7 +36,7 @@ from .._accounting import CommEvent, record
 from .._accounting import _local as _modes
 from .._autodiff import apply_computed
 from .._context import Axes, SpmdContext
-from .._layout import unstack_dim
+from .._layout import split_blocks, unstack_dim
 from .._torch_private import DisableTorchFunction, forward_level, transforms_active
 from .._types import Vma
 from ._checks import check_copyable, torch_copies
@@ -47,12 +47,23 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 
 class Packing:
-    """How a record runs on a concatenation: the parameters of the one application, the dim of
-    its result along which the leaves' results lie side by side, and how each one is arranged
-    from its piece (``arrange(piece, operand, parameters)``, the argument checks' ones)."""
+    """How a record runs on a concatenation: how each operand is laid out in it
+    (``pack(operand, parameters, n)``, the argument checks' parameters, n the group's size: a
+    flat tensor, or ``[n, m]`` whose row j is member j's share, the leaves then side by side
+    along the last dim) and how much of the result is its own (``share(operand, n)``, along
+    ``dim``), the parameters of the one application, and how each leaf's result is arranged from
+    its piece (``arrange(piece, operand, parameters)``)."""
 
-    def __init__(self, flat_params: Callable[[tuple], tuple], dim: int, arrange: Callable):
+    def __init__(
+        self,
+        flat_params: Callable[[tuple], tuple],
+        dim: int,
+        arrange: Callable,
+        pack: Callable[[Tensor, tuple, int], Tensor] = lambda t, p, n: t.reshape(-1),
+        share: Callable[[Tensor, int], int] = lambda t, n: t.numel(),
+    ):
         self.flat_params, self.dim, self.arrange = flat_params, dim, arrange
+        self.pack, self.share = pack, share
 
     def __call__(self, rec: Any, ctx: SpmdContext, x: Any, axes: Axes, params: tuple) -> Any:
         """``rec`` applied to every tensor leaf of the pytree ``x``, fused where the module doc
@@ -85,11 +96,12 @@ class Packing:
         leaf's result then gets a node of its own, whose backward is ``rec``'s on that leaf
         (``_autodiff.ComputedFn``), and the rest of ``_record._apply``'s steps."""
         # packing and reading back are the collective's own ops, not the program's: untyped
+        n = ctx.mesh.axis_size(axes)
         with torch.no_grad(), DisableTorchFunction():
-            flat = torch.cat([t.reshape(-1) for t in ts])
+            flat = torch.cat([self.pack(t, p, n) for t, p in zip(ts, ps)], -1)
             # (flat is this frame's alone: a backend may reduce it in place)
             done = ctx.apply(rec, flat, axes, self.flat_params(ps[0]), True)
-            sizes = [t.numel() for t in ts]
+            sizes = [self.share(t, n) for t in ts]
             # (torch's stub types the out= overload only; without out= it returns the pieces)
             pieces: list[Tensor] = torch.split_with_sizes_copy(  # type: ignore[func-returns-value,assignment]
                 done, sizes, self.dim
@@ -130,7 +142,7 @@ def _groups(
         if not torch_copies(t.dtype):
             check_copyable(ctx, rec.name, t)
         p = ctx.check_operand(rec, t, axes, params)
-        if t.numel() * t.element_size() < limit:
+        if 0 < t.numel() * t.element_size() < limit:
             key: Any = (t.dtype, t.device, t.requires_grad, vma)
             groups.setdefault(key, (vma, []))[1].append((i, p))
         else:
@@ -151,7 +163,30 @@ def _gathered(piece: Tensor, t: Tensor, params: tuple) -> Tensor:
     return unstack_dim(piece.view(piece.shape[0], *t.shape), params[0], params[1])
 
 
+def _scattered_rows(t: Tensor, params: tuple, n: int) -> Tensor:
+    """psum_scatter's operand ``t`` as ``[n, m]``: row j the block member j keeps (its dim
+    ``params[0]`` split into n blocks, tiled, or of size n) with its dims in order."""
+    dim, tiled = params[0], params[1]
+    return split_blocks(t, dim, n, tiled).movedim(dim, 0).reshape(n, -1)
+
+
+def _scattered(piece: Tensor, t: Tensor, params: tuple) -> Tensor:
+    """psum_scatter's result for operand ``t``: its piece of the scattered row, in the shape of
+    the block (:func:`_scattered_rows`' row with the block dim left out, or divided by n)."""
+    dim, tiled = params[0], params[1]
+    shape = list(t.shape)
+    if tiled:
+        shape[dim] = -1  # (the block's size along dim: no leaf of no elements is fused)
+    else:
+        del shape[dim]
+    return piece.view(shape)
+
+
 #: psum's, pmean's, pmax's and pmin's ``tree``: the reduction of the concatenation
 reduce_tree = Packing(lambda p: p, 0, _own)
 #: all_gather's ``tree``: one untiled gather along a new first dim, then each leaf's columns
 gather_tree = Packing(lambda p: (0, False, *p[2:]), 1, _gathered)
+#: psum_scatter's ``tree``: each leaf's blocks as rows, the rows side by side, scattered by row
+scatter_tree = Packing(
+    lambda p: (0, False), 0, _scattered, _scattered_rows, lambda t, n: t.numel() // n
+)

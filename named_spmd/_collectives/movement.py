@@ -16,7 +16,7 @@ from .._errors import CollectiveError
 from .._layout import coords_text, split_blocks, unstack_dim
 from .._types import Vma
 from ._checks import Invariant, axis_sizes, axis_text, check_divisible, check_reducible, checked_dim
-from ._fused import gather_tree
+from ._fused import gather_tree, scatter_tree
 from ._record import (
     PVARY,
     RECORDS,
@@ -249,6 +249,7 @@ PSUM_SCATTER = Collective(
     check=_psum_scatter_check,
     invariant_operand=_psum_scatter_of_invariant,
     batched=lambda params: (params[0] + 1, *params[1:]),
+    tree=scatter_tree,  # a pytree's leaves scattered together where a backend asks
 )
 
 
