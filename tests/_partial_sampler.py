@@ -21,7 +21,9 @@ step's operands kept per instance:
 * every refused step is really wrong: typed as the library would type it if it accepted it, the
   per-instance results differ from the step on the true values, or (a product of a partial sum
   with an invariant value: the right values) the invariant operand's per-instance gradient is a
-  part of its true gradient;
+  part of its true gradient. The refused step is drawn away from values it may happen to be
+  right on: operands that are one value (``x - x.view_as(x)``), whole numbers (an integer cast
+  of an integer cast), zero rows written, a square as a condition (``_Draw._note_values``);
 * an accepted case's outputs and float64 gradients equal the reference's, and every value's type
   (``ns.typeof``) equals the model's; a refused case raises a ``VmaError`` naming the op and fix.
 
@@ -56,6 +58,16 @@ ADDITIVE = ("add", "sub", "cat", "cat_neg", "stack", "where")
 NONLINEAR = ("tanh", "add_const", "int_cast", "write_const")
 LOCAL = (*UNARY, *ADDITIVE, *NONLINEAR, "reshape_as", "where_by", "mul", "write")
 CASTS = {"I": ("varying", "reduced"), "V": ("unreduced",), "R": ("varying",), "U": ("varying",)}
+COLLECTIVE_OPS = ("pcast", "psum", "psum_scatter", "all_gather")
+# ops whose result holds the values of their first operand (pcast: the identity on the data)
+SAME_VALUES = ("view_as", "reshape_as", "complex", "pcast")
+# ops whose result is a whole number wherever their operands are (int_cast: everywhere)
+WHOLE = (
+    *(op for op in UNARY if op != "neg_scale"),  # (times 2.5)
+    *ADDITIVE,
+    *("add_const", "reshape_as", "where_by", "mul", "write"),
+    *COLLECTIVE_OPS,
+)
 # the torch op a refused step's error names
 TORCH_OP = {"cat_neg": "cat", "where_by": "where", "write": "__setitem__", "int_cast": "to"}
 TORCH_OP |= {"write_const": "__setitem__", "add_const": "add"}
@@ -203,11 +215,62 @@ class _Draw:
         self.types: list[tuple[str, ...]] = []
         self.shapes: list[tuple[int, int]] = []
         self.steps: list[Step] = []
+        # per value: the earliest one whose values it holds (an alias's, a pcast's), and
+        # whether it holds whole numbers only: what a refused step is drawn away from
+        self.roots: list[int] = []
+        self.whole: list[bool] = []
+        self.zero_rows: list[frozenset[int]] = []  # rows known to be zero (write_zero's)
+        self.nonnegative: list[bool] = []  # (a square's, x * x: as a where_by's condition)
+
+    def add_input(self, t: tuple[str, ...], shape: tuple[int, int]) -> None:
+        self.roots.append(len(self.types))
+        self.whole.append(False)
+        self.zero_rows.append(frozenset())
+        self.nonnegative.append(False)
+        self.types.append(t)
+        self.shapes.append(shape)
 
     def add(self, st: Step, t: tuple[str, ...], shape: tuple[int, int]) -> None:
+        self._note_values(st)
         self.steps.append(st)
         self.types.append(t)
         self.shapes.append(shape)
+
+    def _note_values(self, st: Step) -> None:
+        """What is known of the values of ``st``'s result (see ``__init__``)."""
+        ins = st.ins
+        same = st.op in SAME_VALUES or (st.op.startswith("where") and self._alike(ins))
+        self.roots.append(self.roots[ins[0]] if same else len(self.types))
+        whole = st.op in WHOLE and all(self.whole[j] for j in ins)
+        self.whole.append(st.op == "int_cast" or whole)
+        self.zero_rows.append(self._zero_rows(st, same))
+        signs = [self.nonnegative[j] for j in ins]
+        square = st.op == "mul" and self._alike(ins)
+        kept = same or st.op in (*COLLECTIVE_OPS, *ADDITIVE, "mul", "colsum", "cumsum", "roll")
+        self.nonnegative.append(square or (kept and st.op != "sub" and all(signs)))
+
+    def _zero_rows(self, st: Step, same: bool) -> frozenset[int]:
+        """The rows of ``st``'s result known to be zero: a row-wise op keeps its operand's, an
+        additive one those of both, a write changes its row."""
+        zero = [self.zero_rows[j] for j in st.ins]
+        if st.op.startswith("write"):
+            row = st.arg[0]
+            written = st.op == "write_zero" or (st.op == "write" and st.arg[1] in zero[1])
+            return zero[0] - {row} | ({row} if written else set())
+        if same or st.op in ("neg_scale", "tanh", "int_cast", "cumsum", *COLLECTIVE_OPS):
+            return zero[0]
+        if st.op == "roll":  # (by one row)
+            return frozenset((r + 1) % ROWS for r in zero[0])
+        if st.op == "mul":
+            return zero[0] | zero[1]
+        if st.op in ADDITIVE:
+            return zero[0] & zero[1]
+        return frozenset()
+
+    def _alike(self, ins: tuple[int, ...]) -> bool:
+        """Whether the values ``ins`` name are one value (an op of them may then be right where
+        its types say it is wrong: ``x - x`` is zero, whatever the parts)."""
+        return len(ins) > 1 and self.roots[ins[0]] == self.roots[ins[1]]
 
     def collective(self) -> tuple[Step, tuple[str, ...], tuple[int, int]] | None:
         rng, k = self.rng, self.rng.randrange(len(self.types))
@@ -242,8 +305,8 @@ class _Draw:
         ins: tuple[int, ...] = (k,)
         if op in (*ADDITIVE, "mul", "write", "where_by", "reshape_as"):
             ins += (rng.choice(alike + 2 * same + 2 * reducing),)
-        if op == "sub" and ins[0] == ins[1]:
-            return None  # x - x: zero parts, whose sum no op can get wrong
+        if self._alike(ins) and (op == "sub" or want_refused):
+            return None  # x - x: zero parts, whose sum no op can get wrong; x op x may be right
         if op == "where_by":
             signs = [j for j in alike if "U" not in self.types[j]]  # ``>`` of a partial sum
             if not signs:
@@ -260,6 +323,14 @@ class _Draw:
         t = rule(op, ts)
         if (t is None) != want_refused:
             return None
+        if want_refused and op == "int_cast" and self.whole[k]:
+            return None  # the cast of parts that are whole numbers is their sum's
+        if want_refused and (
+            len(self.zero_rows[k]) == ROWS or op == "write" and arg[1] in self.zero_rows[ins[1]]
+        ):
+            return None  # zeros, whatever the parts: right where the types say wrong
+        if want_refused and op == "where_by" and self.nonnegative[ins[2]]:
+            return None  # a condition that selects its first operand nearly everywhere
         return Step(op, ins, arg), (t if t is not None else accepted_type(op, ts)), shape
 
 
@@ -278,8 +349,7 @@ def make_case(seed: int, refused: bool = False, mesh: tuple | None = None) -> Ca
         rows = ROWS * math.prod(n for n, s in zip(sizes, t) if s == "V")
         args.append(torch.randn(rows, WIDTH, generator=gen, dtype=F64))
         in_specs.append(_spec(t, names))
-        draw.types.append(t)
-        draw.shapes.append((ROWS, WIDTH))
+        draw.add_input(t, (ROWS, WIDTH))
     # the first input cast to unreduced over its first axis: every case holds a partial sum
     first = Step("pcast", (0,), (names[0], "unreduced"))
     draw.add(first, _set(draw.types[0], 0, "U"), (ROWS, WIDTH))

@@ -117,9 +117,9 @@ class Packing:
             if accounting:
                 record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
                 outs[i] = tag_derivatives(rec, outs[i], t, axes, p)
-            result = rec.vma(vma, axes, p)
-            note_cast_result(rec, ctx, outs[i], vma, result, axes, p)
-            outs[i] = ctx.stamp(outs[i], result)
+            if ctx.stamps:  # (every leaf varies over ``axes``: nothing new varies)
+                note_cast_result(rec, ctx, outs[i], vma, False, axes, p)
+            outs[i] = ctx.stamp(outs[i], rec.vma(vma, axes, p))
         return outs
 
 

@@ -243,21 +243,24 @@ def _apply(
         out = tag_derivatives(rec, out, t, axes, params)
     if ctx.stamps or vma.partial or rec.makes_partial:
         result = rec.vma(vma, axes, params)
-        note_cast_result(rec, ctx, out, vma, result, axes, params)
+        new = ctx.stamps and result.varying - vma.varying - vma.unreduced
+        if new or (ctx.stamps and rec.cast_result is not None):
+            note_cast_result(rec, ctx, out, vma, bool(new), axes, params)
         return ctx.stamp(out, result)
     return out
 
 
 def note_cast_result(
-    rec: Collective, ctx: Any, out: Tensor, vma: Vma, result: Vma, axes: Axes, params: Params
+    rec: Collective, ctx: Any, out: Tensor, vma: Vma, new: bool, axes: Axes, params: Params
 ) -> None:
-    """Where ``out`` (of type ``result``, its operand's ``vma``) is an invariant value made
-    varying, its memory is noted, so that a write into it is refused (:func:`_note_cast_alias`).
-    Not while compiled: Dynamo cannot trace the note's id() and dict writes (a compiled call
-    does not refuse a write into the cast's result, docs/design.md section 7)."""
-    if not ctx.stamps or torch.compiler.is_compiling():
+    """Where ``out`` (its operand's type ``vma``; ``new``: it varies over axes the operand did
+    not) is an invariant value made varying, its memory is noted, so that a write into it is
+    refused (:func:`_note_cast_alias`). Not while compiled: Dynamo cannot trace the note's id()
+    and dict writes (a compiled call does not refuse a write into the cast's result,
+    docs/design.md section 7)."""
+    if torch.compiler.is_compiling():
         return
-    if result.varying - vma.varying - vma.unreduced:
+    if new:
         _note_cast_alias(ctx, out, vma)
     elif rec.cast_result is not None and rec.cast_result(params):
         _note_cast_alias(ctx, out, vma.to_state(axes, "invariant"))
