@@ -6,15 +6,15 @@ step written as in JAX, would cost 30 of them, as would ``all_gather(params, "dp
 FSDP's gathering of the parameters (XLA combines such collectives; DDP buckets its all-reduces,
 FSDP flattens its parameters). Here, for a record whose ``tree`` is a :class:`Packing` (psum,
 pmean, pmax, pmin, all_gather, psum_scatter: an elementwise reduction, a gather or a scatter of
-rows, whose application to a concatenation holds each leaf's), the tensor leaves of one call that share a dtype, device,
-requires_grad and type are concatenated, the record applied once outside autograd, and each leaf's
-result read back into a tensor of its own, with an autograd node of its own whose backward is the
-record's transpose on that leaf (``_autodiff.ComputedFn``): a result that gets no gradient gives
-its operand none, as leaf by leaf (a zero would reach the op that made the operand, whose backward
-may communicate, or turn it into NaN). Values, types, gradients and the ``CommMode`` events (one
-per leaf) are the per-leaf collectives': the sum of a concatenation is the concatenation of the
-sums, element by element (on more than two ranks gloo's ring may add an element's terms in another
-order: equal to rounding, as with DDP's buckets).
+rows, whose application to a concatenation holds each leaf's), the tensor leaves of one call
+that share a dtype, device, requires_grad and type are concatenated, the record applied once
+outside autograd, and each leaf's result read back into a tensor of its own, with an autograd
+node of its own whose backward is the record's transpose on that leaf (``_autodiff.ComputedFn``):
+a result that gets no gradient gives its operand none, as leaf by leaf (a zero would reach the op
+that made the operand, whose backward may communicate, or turn it into NaN). Values, types,
+gradients and the ``CommMode`` events (one per leaf) are the per-leaf collectives': the sum of a
+concatenation is the concatenation of the sums, element by element (on more than two ranks gloo's
+ring may add an element's terms in another order: equal to rounding, as with DDP's buckets).
 
 Only the common case fuses, the same on every rank (nothing here depends on a rank's own state):
 every leaf a plain tensor varying over every axis of the collective (no implicit cast, no
