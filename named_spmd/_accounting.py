@@ -178,11 +178,13 @@ class _Derivatives:
     """The events of a tag: one argument of :class:`_Tag` that is no pytree (a tuple of
     events would flatten into leaves that functorch's generated vmap rule pairs with tangents).
     ``then``: the tag of the cotangent, for the collectives that the backward's own collectives
-    run when the backward is differentiated in turn (double backward, forward over reverse)."""
+    run when the backward is differentiated in turn (double backward, forward over reverse).
+    ``detached``: the tag hands back a detached alias (:meth:`_Tag.forward`), else a view."""
 
     backward: tuple[CommEvent, ...]
     tangent: tuple[CommEvent, ...]
     then: _Derivatives | None = None
+    detached: bool = False
 
 
 class _Tag(torch.autograd.Function):
@@ -193,11 +195,11 @@ class _Tag(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, events: _Derivatives) -> torch.Tensor:
-        # the same memory and version counter, but no view to autograd: a write into a tagged
-        # result is taken as without the tag (autograd refuses a write into a view that a
-        # custom Function made); a write into a cast's memory is still found by its storage
-        # (``_tracking.check_cast_alias``) and a saved tensor's by its version
-        return x.detach()
+        # detached: the same memory and version counter, but no view to autograd, so a write
+        # into a tagged result is taken as without the tag (autograd refuses a write into a view
+        # that a custom Function made); a write into a cast's memory is still found by its
+        # storage (``_tracking.check_cast_alias``) and a saved tensor's by its version
+        return x.detach() if events.detached else x.view_as(x)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -224,7 +226,7 @@ class _Tag(torch.autograd.Function):
     def jvp(ctx: Any, x_t: torch.Tensor, _: Any) -> torch.Tensor:
         for mode in _local.stack or ctx.stack:
             mode.events.extend(ctx.events.tangent)
-        return x_t  # (the same memory, as the forward's result)
+        return x_t if ctx.events.detached else x_t.view_as(x_t)  # (as the forward's result)
 
 
 def needs_grad(t: torch.Tensor) -> bool:
@@ -301,11 +303,14 @@ def tag(
     backward: tuple[CommEvent, ...],
     tangent: tuple[CommEvent, ...],
     then: tuple[tuple[CommEvent, ...], tuple[CommEvent, ...]] = ((), ()),
+    detached: bool = False,
 ) -> torch.Tensor:
     """Tag ``x`` so that its backward records ``backward`` and the computation of its
     forward-mode tangent records ``tangent`` (only while recording; each only where it can
     happen: with grad, inside a forward-AD level). ``then``: the events of the cotangent (the
-    ``backward`` and ``tangent`` of a tag on it), where the backward is differentiated."""
+    ``backward`` and ``tangent`` of a tag on it), where the backward is differentiated.
+    ``detached``: the tagged tensor is a detached alias of ``x`` (a collective's result, which
+    the user may write into), not a view."""
     if not recording():
         return x
     if not needs_grad(x):
@@ -315,4 +320,4 @@ def tag(
     if not (backward or tangent or then[0] or then[1]):
         return x
     after = _Derivatives(*then) if then[0] or then[1] else None
-    return _Tag.apply(x, _Derivatives(backward, tangent, after))
+    return _Tag.apply(x, _Derivatives(backward, tangent, after, detached))

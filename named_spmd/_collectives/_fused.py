@@ -116,7 +116,7 @@ class Packing:
                         outs[i] = _fresh(outs[i])
             if accounting:
                 record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
-                outs[i] = tag_derivatives(rec, outs[i], t, axes, p)
+                outs[i] = tag_derivatives(rec, outs[i], t, axes, p, ctx=ctx)
             if ctx.stamps:  # (every leaf varies over ``axes``: nothing new varies)
                 note_cast_result(rec, ctx, outs[i], vma, False, axes, p)
             outs[i] = ctx.stamp(outs[i], rec.vma(vma, axes, p))

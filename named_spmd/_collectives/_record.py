@@ -39,7 +39,7 @@ from .._calls import current
 from .._context import Axes, SpmdContext
 from .._donation import hands_back
 from .._errors import CollectiveError, VmaError
-from .._torch_private import DisableTorchFunction, refcount, tensor_base
+from .._torch_private import DisableTorchFunction, refcount, tensor_base, transforms_active
 from .._types import Vma, shape_shown, type_text
 from . import _rules
 from ._checks import (
@@ -240,7 +240,7 @@ def _apply(
         out = _fresh(out)
     forget_blocks(out)  # its blocks are not its operand's (the forward's ops may have copied them)
     if accounting:
-        out = tag_derivatives(rec, out, t, axes, params)
+        out = tag_derivatives(rec, out, t, axes, params, ctx=ctx)
     if ctx.stamps or vma.partial or rec.makes_partial:
         result = rec.vma(vma, axes, params)
         new = ctx.stamps and result.varying - vma.varying - vma.unreduced
@@ -284,14 +284,21 @@ def _note_cast_alias(ctx: Any, out: Tensor, vma: Vma) -> None:
 
 
 def tag_derivatives(
-    rec: Collective, out: Tensor, t: Tensor, axes: Axes, params: Params, boundary: bool = False
+    rec: Collective,
+    out: Tensor,
+    t: Tensor,
+    axes: Axes,
+    params: Params,
+    boundary: bool = False,
+    ctx: Any = None,
 ) -> Tensor:
     """``out`` tagged with the collectives that its backward and its forward-mode tangent run,
     and those that the backward's differentiation runs: the transpose of a result that dropped
     ``axes`` starts with a pvary (:meth:`Collective.backward`), whose transpose is a psum; a
     transpose that communicates (a linear collective's) transposes back to the collective itself
     and has its tangent; a nonlinear one's (pmax's tie mask) reads saved values, not the
-    cotangent. ``boundary``: a collective of a real mesh's call boundary (``CommEvent``)."""
+    cotangent. ``boundary``: a collective of a real mesh's call boundary (``CommEvent``).
+    ``ctx``: the call whose user gets ``out`` (a detached alias then, not a view: ``tag``)."""
 
     def event(op: str, direction: str, x: Tensor) -> CommEvent:
         return CommEvent(op, axes, direction, tuple(x.shape), x.dtype, boundary=boundary)
@@ -305,7 +312,10 @@ def tag_derivatives(
     elif rec.forward_event and back is not None:
         again = (event(rec.name, "backward", t),)
     linear = () if rec.saves else tuple(replace(e, direction="tangent") for e in backward)
-    return tag(out, backward, tangent, (again, linear))
+    # a result in ``ctx``'s call is handed out detached, which the user may write into, but
+    # under a transform on a backend typing by stamps (a wrapped alias is typed by its base)
+    detached = ctx is not None and not (ctx.stamps and transforms_active())
+    return tag(out, backward, tangent, (again, linear), detached)
 
 
 def _replayed(
