@@ -109,9 +109,8 @@ class Collective:
     #: how a pytree operand is applied where it may be done at once (a ``_fused.Packing``:
     #: the leaves of one type concatenated, where a backend asks); None: leaf by leaf
     tree: Callable[..., Any] | None = None
-    #: the result is one value over the collective's axes though typed varying over them
-    #: (all_gather to "varying"): an invariant value made varying, so a write into it is
-    #: refused as a cast's (the simulated mesh's copies of it are one memory)
+    #: the result is one value over its axes though typed varying (all_gather to "varying"):
+    #: a write into it is refused as into a cast's (the simulated mesh's copies: one memory)
     cast_result: Callable[[Params], bool] | None = None
 
     def __post_init__(self) -> None:
@@ -253,17 +252,19 @@ def _apply(
 def note_cast_result(
     rec: Collective, ctx: Any, out: Tensor, vma: Vma, new: bool, axes: Axes, params: Params
 ) -> None:
-    """Where ``out`` (its operand's type ``vma``; ``new``: it varies over axes the operand did
-    not) is an invariant value made varying, its memory is noted, so that a write into it is
-    refused (:func:`_note_cast_alias`). Not while compiled: Dynamo cannot trace the note's id()
-    and dict writes (a compiled call does not refuse a write into the cast's result,
-    docs/design.md section 7)."""
+    """Note ``out``'s memory where it is an invariant value made varying (``vma``: its operand's
+    type; ``new``: it varies over axes the operand did not): the identity on data, a view of its
+    operand's memory on a tracked backend (where not, as in a check, its own memory stands for
+    it), whose writes are checked against the type it stands for (``note_cast_root``). Not
+    while compiled, which Dynamo cannot trace (a compiled call takes such writes: design 7)."""
     if torch.compiler.is_compiling():
         return
-    if new:
-        _note_cast_alias(ctx, out, vma)
-    elif rec.cast_result is not None and rec.cast_result(params):
-        _note_cast_alias(ctx, out, vma.to_state(axes, "invariant"))
+    if not new and (rec.cast_result is None or not rec.cast_result(params)):
+        return
+    root = tensor_base(out)
+    ctx.note_cast_root(
+        out if root is None else root, vma if new else vma.to_state(axes, "invariant")
+    )
 
 
 def _fresh(out: Tensor) -> Tensor:
@@ -272,15 +273,6 @@ def _fresh(out: Tensor) -> Tensor:
     must not change its gradient (torch would refuse the backward: "modified by an inplace
     operation"). Only where differentiated; the copy is as large as the result."""
     return out.clone()
-
-
-def _note_cast_alias(ctx: Any, out: Tensor, vma: Vma) -> None:
-    """``out``, a cast to varying of a value of type ``vma`` that is one value over the new axes
-    (invariant or reduced): the identity on data, a view of its operand's memory on a tracked
-    backend (where not, as in a check, its own memory stands for it). Writes into it are
-    checked against ``vma`` (``TrackedContext.note_cast_root``)."""
-    root = tensor_base(out)
-    ctx.note_cast_root(out if root is None else root, vma)
 
 
 def tag_derivatives(
@@ -312,8 +304,7 @@ def tag_derivatives(
     elif rec.forward_event and back is not None:
         again = (event(rec.name, "backward", t),)
     linear = () if rec.saves else tuple(replace(e, direction="tangent") for e in backward)
-    # a result in ``ctx``'s call is handed out detached, which the user may write into, but
-    # under a transform on a backend typing by stamps (a wrapped alias is typed by its base)
+    # (not under a transform where types are stamps: a wrapped alias is typed by its base)
     detached = ctx is not None and not (ctx.stamps and transforms_active())
     return tag(out, backward, tangent, (again, linear), detached)
 
