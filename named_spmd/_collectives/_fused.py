@@ -117,7 +117,7 @@ class Packing:
             if accounting:
                 record(CommEvent(rec.name, axes, "forward", tuple(t.shape), t.dtype))
                 outs[i] = tag_derivatives(rec, outs[i], t, axes, p, ctx=ctx)
-            if ctx.stamps:  # (every leaf varies over ``axes``: nothing new varies)
+            if ctx.stamps and rec.cast_result is not None:  # (nothing new varies: _groups)
                 note_cast_result(rec, ctx, outs[i], vma, False, axes, p)
             outs[i] = ctx.stamp(outs[i], rec.vma(vma, axes, p))
         return outs
