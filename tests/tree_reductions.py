@@ -87,6 +87,20 @@ def _written_pmax(tree, axes):
     return out
 
 
+def _unreduced(op):
+    """``op`` of a tree whose leaves are partial sums (a ZeRO step's gradients, typed
+    unreduced): fused as varying leaves are."""
+    return lambda tree, axes: op(ns.pcast(tree, axes, to="unreduced"), axes)
+
+
+def _partly_unreduced(tree, axes):
+    """pmean of partial sums and varying values together: one group (a reduction takes a
+    partial sum as varying), whose results are all invariant."""
+    p = tree["p"]
+    parts = [ns.pcast(t, axes, to="unreduced") for t in p[:2]] + list(p[2:])
+    return ns.pmean({"p": parts, "q": tree["q"]}, axes)
+
+
 def _gather(to, axis, tiled=True):
     return lambda tree, axes: ns.all_gather(tree, axes, axis=axis, tiled=tiled, to=to)
 
@@ -120,6 +134,16 @@ CASES = {
     # ZeRO's reduce-scatter of gradients, along their last dim
     "psum_scatter_tiled": (_scatter(True), _scatter_tree, None, P("dp"), {"reduce_scatter": 2}),
     "psum_scatter": (_scatter(False), _scatter_tree, None, P("dp"), {"reduce_scatter": 2}),
+    # partial sums (unreduced over dp): reduced and scattered as varying leaves are
+    "psum_unreduced": (_unreduced(ns.psum), _grad_tree, None, P(), {"allreduce": 2}),
+    "pmean_partly_unreduced": (_partly_unreduced, _grad_tree, None, P(), {"allreduce": 2}),
+    "psum_scatter_unreduced": (
+        _unreduced(_scatter(True)),
+        _scatter_tree,
+        None,
+        P("dp"),
+        {"reduce_scatter": 2},
+    ),
 }
 
 

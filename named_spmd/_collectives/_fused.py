@@ -17,8 +17,9 @@ concatenation is the concatenation of the sums, element by element (on more than
 ring may add an element's terms in another order: equal to rounding, as with DDP's buckets).
 
 Only the common case fuses, the same on every rank (nothing here depends on a rank's own state):
-every leaf a plain tensor varying over every axis of the collective (no implicit cast, no
-unreduced operand, no group of one), no ``torch.func`` transform or forward-mode AD, and a
+every leaf a plain tensor varying over every axis of the collective, or, for a reduction or a
+scatter, unreduced there (a partial sum, which it takes as varying: a ZeRO step's gradients; no
+implicit cast, no group of one), no ``torch.func`` transform or forward-mode AD, and a
 backend that gives a size bound (``SpmdContext.fused_below``: a leaf of at least that many bytes
 is applied alone, where copies cost more than a round trip). Anything else takes the per-leaf
 path, whole.
@@ -40,7 +41,7 @@ from .._layout import split_blocks, unstack_dim
 from .._torch_private import DisableTorchFunction, forward_level, transforms_active
 from .._types import Vma
 from ._checks import check_copyable, torch_copies
-from ._record import _apply, _fresh, note_cast_result, tag_derivatives
+from ._record import _apply, _fresh, _partial_operand, note_cast_result, tag_derivatives
 
 Tensor = torch.Tensor
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -137,7 +138,11 @@ def _groups(
         if type(t) not in _PLAIN:
             return None
         vma = ctx.vma(t)
-        if vma.partial or not vma.varying.issuperset(axes):
+        if vma.partial:  # a partial sum reduced or scattered counts as varying, as leaf by leaf
+            if rec.unreduced != "reduce":
+                return None  # (the per-leaf path raises, or casts)
+            vma = _partial_operand(rec, ctx, t, vma, axes)
+        if not vma.varying.issuperset(axes):
             return None
         if not torch_copies(t.dtype):
             check_copyable(ctx, rec.name, t)
