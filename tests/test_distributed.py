@@ -341,13 +341,15 @@ def test_bucketed_gradient_psums_equal_unbucketed_and_simulated(late):
 
 
 def test_pytree_collectives_take_one_process_group_call_per_group_of_leaves():
-    """psum, pmean, pmax, pmin, all_gather and psum_scatter of pytrees on 2 gloo processes (tests/tree_reductions.py): the
-    leaves of one dtype, requires_grad and type go through one collective (torch's count per
-    call: one per group, a leaf of 2 MiB or more alone, leaf by leaf where a leaf is replicated;
-    complex and bfloat16 leaves too, which travel as other dtypes), beside the start-of-call
-    check's all-reduce; outputs and gradients equal to the simulated mesh's, which applies them
-    leaf by leaf (bitwise: on 2 ranks a + b is b + a), with its types and CommMode events; the
-    calls after the first typed one replayed."""
+    """psum, pmean, pmax, pmin, all_gather and psum_scatter of pytrees on 2 gloo processes
+    (tests/tree_reductions.py): the leaves of one dtype, requires_grad and type go through one
+    collective (torch's count per call: one per group, a leaf of 2 MiB or more alone, leaf by
+    leaf where a leaf is replicated; complex and bfloat16 leaves too, which travel as other
+    dtypes), beside the start-of-call check's all-reduce; in backward, a transpose's collectives
+    per leaf that gets a gradient (``tr.BACKWARD``), beside the boundary's gathers; outputs and
+    gradients equal to the simulated mesh's, which applies them leaf by leaf (bitwise: on 2
+    ranks a + b is b + a), an unused result's operand getting none, with its types and CommMode
+    events; the calls after the first typed one replayed."""
     import tree_reductions as tr
 
     finished = launch([os.path.join("tests", "tree_reductions.py")], 2, 180)
@@ -360,11 +362,16 @@ def test_pytree_collectives_take_one_process_group_call_per_group_of_leaves():
         want = {kind: 3 * n for kind, n in tr.CASES[o["name"]][4].items()}
         want["allreduce"] = want.get("allreduce", 0) + 3  # (the start-of-call check's)
         assert o["collectives"] == want, (where, o["collectives"])
+        back = {kind: 3 * n for kind, n in tr.BACKWARD.get(o["name"], {}).items()}
+        if o["had_grads"]:  # (the boundary's gather of each gradient of a global input)
+            back["gather"] = back.get("gather", 0) + o["had_grads"]
+        assert o["backward"] == back, (where, o["backward"])
         assert o["outs"] == 0.0 and o["grads"] == 0.0, (where, o)
         assert o["types_equal"] and o["events_equal"] and o["events"] > 0, (where, o)
         assert o["had_grads"] or o["name"] == "psum_mixed", (where, o)  # (no leaf requires grad)
         assert o["nones_equal"], (where, o)  # (an unused result's operand gets no gradient)
-        assert o["nones"] == (6 if o["name"] == "psum_unused_leaves" else 0), (where, o)
+        unused = o["name"] in ("psum_unused_leaves", "all_gather_unused_leaves")
+        assert o["nones"] == (6 if unused else 0), (where, o)
         assert o["replays"] == 1, (where, o["replays"])
 
 

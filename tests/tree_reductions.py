@@ -78,6 +78,15 @@ def _unused_leaves(tree, axes):
     return ns.psum((dropped, list(p[2:])), axes)[1]
 
 
+def _unused_gathered(tree, axes):
+    """all_gather of a pytree of which only some results are used, as :func:`_unused_leaves`:
+    its transpose communicates, yet each leaf keeps a node of its own (one node for the group
+    would be reached through the used results, and hand the unused operands zeros)."""
+    p = tree["p"]
+    dropped = (torch.sqrt(p[0] * 0.0), p[1] * 2.0)
+    return ns.all_gather((dropped, list(p[2:])), axes, tiled=True)[1]
+
+
 def _written_pmax(tree, axes):
     """pmax of a pytree whose results are then written in place: its backward reads the saved
     results, which the writes must leave as they were (each a copy, as leaf by leaf)."""
@@ -131,6 +140,7 @@ CASES = {
     # FSDP's gathering of parameters, tiled along their first dim, untiled along the last
     "all_gather_invariant": (_gather("invariant", 0), _grad_tree, None, P(), {"gather": 2}),
     "all_gather_varying": (_gather("varying", -1, False), _grad_tree, None, P("dp"), {"gather": 2}),
+    "all_gather_unused_leaves": (_unused_gathered, _grad_tree, None, P("dp"), {"gather": 1}),
     # ZeRO's reduce-scatter of gradients, along their last dim
     "psum_scatter_tiled": (_scatter(True), _scatter_tree, None, P("dp"), {"reduce_scatter": 2}),
     "psum_scatter": (_scatter(False), _scatter_tree, None, P("dp"), {"reduce_scatter": 2}),
@@ -144,6 +154,21 @@ CASES = {
         P("dp"),
         {"reduce_scatter": 2},
     ),
+}
+
+
+#: name -> the backward's process-group calls per call, by kind, beside the input boundary's
+#: gather of each input gradient (the inputs are global tensors): a transpose that communicates
+#: runs once per leaf that gets a gradient (each leaf's node: ``_autodiff.ComputedFn``)
+BACKWARD = {
+    "pmax_grads": {"allreduce": 4},  # (the tie count)
+    "pmin_grads": {"allreduce": 4},
+    "pmax_written": {"allreduce": 4},
+    "all_gather_varying": {"reduce_scatter": 4},
+    "all_gather_unused_leaves": {"reduce_scatter": 2},
+    "psum_scatter_tiled": {"gather": 3},
+    "psum_scatter": {"gather": 3},
+    "psum_scatter_unreduced": {"gather": 3},
 }
 
 
@@ -168,7 +193,8 @@ def run_case(mesh, name: str) -> dict:
 
     specs = (_specs(make(_gen()), override),)
     f = ns.spmd_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)
-    counted, outs, grads, nones, mode = Collectives(), [], [], [], ns.CommMode()
+    counted, back, mode = Collectives(), Collectives(), ns.CommMode()
+    outs, grads, nones = [], [], []
     for call in range(3):
         tree = make(_gen(call))
         with mode if call == 0 else contextlib.nullcontext(), counted():  # (a CommMode: typed)
@@ -180,7 +206,8 @@ def run_case(mesh, name: str) -> dict:
             weights = [torch.arange(g.numel()).reshape(g.shape) for g in got]
             pairs = [(g.abs() if g.is_complex() else g, w) for g, w in zip(got, weights)]
             loss = sum((g * w).sum() for g, w in pairs if g.requires_grad)
-            got_grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+            with back():
+                got_grads = torch.autograd.grad(loss, wanted, allow_unused=True)
             grads += [_full(g) for g in got_grads if g is not None]
             nones += [g is None for g in got_grads]
     plans = [p for p in checked_signatures(f).values() if hasattr(p, "replays")]
@@ -193,6 +220,7 @@ def run_case(mesh, name: str) -> dict:
             (e.op, e.direction, list(e.shape), str(e.dtype)) for e in mode.events if not e.boundary
         ],
         "collectives": counted.counts,
+        "backward": back.counts,
         "replays": sum(p.replays for p in plans),
     }
 
@@ -214,6 +242,7 @@ def compared(real: dict, simulated: dict) -> dict:
         "events_equal": real["events"] == simulated["events"],
         "events": len(real["events"]),
         "collectives": real["collectives"],
+        "backward": real["backward"],
         "replays": real["replays"],
     }
 
