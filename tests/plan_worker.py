@@ -29,6 +29,7 @@ from _dist_launch import report_outcomes  # noqa: E402
 import named_spmd as ns  # noqa: E402
 from named_spmd import P, _replay  # noqa: E402
 from named_spmd._replay import checked_signatures  # noqa: E402
+from named_spmd.backends import _dist_pvary  # noqa: E402
 
 STATE: dict[str, Any] = {"flag": False, "record": False}
 
@@ -391,6 +392,31 @@ def _ranks_differ(mesh) -> tuple[list, dict]:
     return got, {"errors": errors, "settings named": [k for k in errors if got[k][1]]}
 
 
+def _hoisted_apart(mesh) -> tuple[list, dict]:
+    """Replays of one plan, which pvary the parameters at their entry before the start-of-call
+    check is finished once a replay's check agreed; before call 3, rank 1 alone forgets that
+    agreement (as a rank whose plan was made after a call that failed on some ranks only): call
+    3 raises alike on both ranks, call 4 checks first, call 5 hoists early again. Each call's
+    loss and gradients, or its error; per call, whether it hoisted early; the calls whose error
+    names the early hoisting."""
+    f = ns.spmd_map(_flag_adds_a_use, mesh=mesh, in_specs=_specs(False, False), out_specs=P())
+    STATE["flag"], rank, got, early = True, torch.distributed.get_rank(), [], []
+    for k in range(6):
+        plans = [p for p in checked_signatures(f).values() if hasattr(p, "hoistable")]
+        if k == 3 and rank == 1 and plans:
+            plans[0].hoistable.agreed = False
+        early.append(bool(plans) and _dist_pvary.hoists_early(plans[0].hoistable))
+        leaves = [t.requires_grad_() for t in _params(k).values()]
+        try:
+            loss = f(*leaves).full_tensor()
+            grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
+            got.append((loss.detach(), list(grads)))
+        except ns.SpmdError as e:
+            got.append(["SpmdError", "before the start-of-call check finished" in str(e)])
+    told = [k for k, g in enumerate(got) if isinstance(g, list) and g[1]]
+    return got, {"early": early, "told": told}
+
+
 # each call's gradient bucket size (on every rank) and whether b1 requires grad
 _SETTINGS = [(None, True), (None, True), (1e-4, True), (1e-4, True), (None, False), (None, True)]
 
@@ -493,6 +519,7 @@ EVERY_CALL = {
     "recorded": _recorded,
     "in_place": _in_place,
     "ranks_differ": _ranks_differ,
+    "hoisted_apart": _hoisted_apart,
     "settings_change": _settings_change,
     "large_inputs": _large_inputs,
 }

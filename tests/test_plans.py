@@ -151,6 +151,22 @@ def test_ranks_that_would_reduce_gradients_differently_do_not_hoist_or_raise_ali
         assert outcome["typed"] == {"errors": [2, 3, 5], "settings named": [2, 3]}, outcome
 
 
+@pytest.mark.distributed
+def test_replays_hoist_before_the_check_once_one_agreed_and_ranks_apart_refuse_alike():
+    """Once a replay of a plan pvary'd the parameters at its entry, agreed and returned, the
+    plan's replays do so before the start-of-call check is finished (the check overlaps the
+    body); where one rank alone does not (rank 1 forgot the agreement before call 3), both ranks
+    raise an SpmdError naming it, the next call checks first, and the one after hoists early
+    again; every other call equals the typed one."""
+    for rank, apart in ((0, True), (1, False)):
+        outcome = _outcomes()[rank, "hoisted_apart"]
+        assert outcome["early"] == [False, False, True, apart, False, True], outcome
+        assert outcome["told"] == [3], outcome
+        assert outcome["typed"]["told"] == [], outcome  # (typed calls hoist nothing)
+        problems = outcome["problems"]
+        assert len(problems) == 1 and problems[0].startswith("call 3:"), outcome
+
+
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad=True to a scalar")
 def test_simulated_calls_equal_the_same_calls_typed(name):

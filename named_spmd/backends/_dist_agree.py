@@ -26,7 +26,7 @@ from .._errors import SpmdError
 from . import _dist_carried
 from ._dist_buckets import bucket_bytes
 from ._dist_exchange import exchange
-from ._dist_pvary import digest
+from ._dist_pvary import digest, hoists_early
 
 if TYPE_CHECKING:
     from .._call import Call
@@ -118,7 +118,7 @@ def check_call_agrees(
         mesh.pending_check = None
         _dist_carried.keep_promise(mesh)
         if not comm.agreed(started, "the start-of-call check"):
-            _disagree(ctx, leaves, grad, local, known, recalled, settings, promised)
+            _disagree(ctx, leaves, grad, local, known, recalled, settings, promised, hoistable)
         _dist_carried.settle(ctx)
 
     mesh.pending_check = finish
@@ -155,11 +155,14 @@ def _disagree(
     recalled: int,
     settings: tuple[int, bool],
     promised: int,
+    hoistable: tuple,
 ) -> None:
     """The checksums differ: exchange the descriptions and raise on every rank alike, or, where
     only what the ranks recall of the signature's last call differs, forget it on every rank
-    alike (the call then exchanges every shape afresh). A carried exchange that some rank
-    promised (``promised``: this one's slots) is made on every rank first (``_dist_carried``)."""
+    alike (the call then exchanges every shape afresh), unless some ranks made a replay's entry
+    casts before the check and others not (``_dist_pvary.hoists_early``: the call is refused).
+    A carried exchange that some rank promised (``promised``: this one's slots) is made on every
+    rank first (``_dist_carried``)."""
     mesh = ctx.mesh
     shapes = ", ".join(
         f"{list(x.shape)} {str(x.dtype)[6:]}{' requires_grad' if grad and x.requires_grad else ''}"
@@ -174,17 +177,21 @@ def _disagree(
         board,
         "call",
         board.ranks,
-        f"{known} {int(bool(promised))} {recalled} {mine}",
+        f"{known} {int(bool(promised))} {int(hoists_early(hoistable))} {recalled} {mine}",
         f"rank {mesh.rank}",
         "the start-of-call check",
     )
-    fields = {r: v.split(" ", 3) for r, v in got.items()}  # known, promised, recalled, call
+    # known, promised, hoisted early, recalled, call
+    fields = {r: v.split(" ", 4) for r, v in got.items()}
     _dist_carried.drain(mesh, any(f[1] == "1" for f in fields.values()))
     knowns = {r: int(f[0]) for r, f in fields.items()}
-    got = {r: f[3] for r, f in fields.items()}
+    got = {r: f[4] for r, f in fields.items()}
     latest = max(knowns.values())
     if len(set(got.values())) == 1 and len(set(knowns.values())) == 1:  # (the recalled differ)
-        ctx.forget_shapes()
+        early = sorted(r for r, f in fields.items() if f[2] == "1")
+        if early and len(early) < len(fields):
+            raise _hoisted_apart(ctx, hoistable, early)
+        ctx.forget_shapes()  # (where every rank hoisted early, alike: kept)
         return
     if len(set(got.values())) == 1:  # the same call: some ranks missed a failure
         missed = sorted(r for r, k in knowns.items() if k < latest)
@@ -211,6 +218,24 @@ def _disagree(
         "sequence, ns.set_grad_bucket_mb and debug mode (ns.set_debug) independent "
         "of the rank."
     )
+
+
+def _hoisted_apart(ctx: DistributedContext, hoistable: tuple, early: list[int]) -> SpmdError:
+    """The error of a replay that some ranks entered with its casts made before the check and
+    others not (their gradients' all-reduces would differ); the plan checks first again."""
+    if hoists_early(hoistable):
+        hoistable.agreed = False  # type: ignore[attr-defined]
+    board = ctx.mesh.board
+    where = ", ".join(board.where(r) for r in early)
+    error = SpmdError(
+        f"spmd_map of {ctx.fn_label}: {where} made this call's implicit casts of its replicated "
+        "inputs at its entry, before the start-of-call check finished, as an earlier call of the "
+        "same plan agreed on every rank; the other ranks did not (their plans were made after a "
+        "call that failed on some ranks only). Their gradients' all-reduces would not match, so "
+        "every rank refuses this call, and the next one checks first. Fix: call it again."
+    )
+    ctx.alike(error)
+    return error
 
 
 # --- debug mode: values that must be equal on every rank ------------------------------------------

@@ -32,7 +32,13 @@ The ranks' all-reduces of a backward pass must match element for element: a repl
 where every rank's would hoist the same inputs (the start-of-call check, finished before: a rank
 that types the call, having read a type in its planned call, makes none), and
 a ``CommMode`` on one rank only still hoists, each alias then tagged at its use so that the
-mode counts its backward psum (:func:`hoisted`).
+mode counts its backward psum (:func:`hoisted`). Once a replay of the plan hoisted, its check
+agreed and it returned (:func:`note_agreed`), the plan's later replays hoist before the check is
+finished, so that the check's round trip overlaps the body instead of stalling the call's entry:
+every rank hoists the same there (a plan is never replaced, and every rank's first replay agreed
+on the same one). The check still compares whether each rank hoisted early (:func:`digest`): a
+rank that did not (its plan made after a call that failed on some ranks only) makes every rank
+refuse the call where the others did (``_dist_agree._disagree``), and the next call checks first.
 """
 
 from __future__ import annotations
@@ -173,6 +179,8 @@ class Hoistable(tuple):
         self.carried = carried
         self.digest = hash((tuple(at for at, _ in self), carried))
         self._groups: dict[int, tuple] = {}  # bucket cap -> groups
+        #: a replay hoisted, agreed and returned: the later ones hoist before the check (module doc)
+        self.agreed = False
 
     def groups(self, ctx: Any, cap: int) -> tuple:
         """((axes, ((input position, tag, the alias's type), ...)), ...): the groups of inputs
@@ -186,10 +194,16 @@ class Hoistable(tuple):
 
 def digest(hoistable: tuple) -> int:
     """A hash of the input positions of ``hoistable`` (``Replay.hoistable``) and of the slots
-    its replays carry, the same in every process: what the start-of-call check compares of it."""
+    its replays carry, the same in every process, its low bit flipped where this replay hoists
+    before the check (``agreed``): what the start-of-call check compares of it."""
     if isinstance(hoistable, Hoistable):
-        return hoistable.digest
+        return hoistable.digest ^ hoistable.agreed
     return hash((tuple(at for at, _ in hoistable), 0))
+
+
+def hoists_early(hoistable: tuple) -> bool:
+    """Whether a replay of ``hoistable`` hoists before the start-of-call check is finished."""
+    return isinstance(hoistable, Hoistable) and hoistable.agreed
 
 
 def _groups(ctx: Any, hoistable: Hoistable, cap: int) -> tuple:
@@ -225,8 +239,10 @@ def hoist(ctx: Any, hoistable: tuple) -> None:
     """``ctx.hoist_casts(hoistable)``: one :class:`PvaryAll` per group of axes, dtype and
     device whose inputs are each the common case and whose gradients fit one bucket. Only where
     every rank would (the start-of-call check, finished first: a rank that typed the call, or
-    hoists other inputs, all-reduces other buffers in backward)."""
-    ctx.mesh.finish_pending_check()
+    hoists other inputs, all-reduces other buffers in backward), or would as in an earlier call
+    that agreed (:func:`hoists_early`: module doc)."""
+    if not hoists_early(hoistable):
+        ctx.mesh.finish_pending_check()
     if not _common_now() or ctx.hoist_refused:
         return
     if not isinstance(hoistable, Hoistable):  # (a plan's is one)
@@ -241,6 +257,14 @@ def hoist(ctx: Any, hoistable: tuple) -> None:
         for (_, tag, vma), t, alias in zip(members, ts, aliases):
             alias.__dict__[_ATTR] = stamp_of(vma)
             aliased[(id(t), tag)] = (t, alias)
+    ctx.hoisted = bool(aliased)
+
+
+def note_agreed(ctx: Any, hoistable: tuple) -> None:
+    """At the end of a call that returned: where it hoisted ``hoistable`` (its plan's) and its
+    check agreed, the plan's later replays hoist before their check is finished (module doc)."""
+    if ctx.hoisted and not ctx.hoist_refused and isinstance(hoistable, Hoistable):
+        hoistable.agreed = True
 
 
 def hoisted(ctx: Any, t: torch.Tensor, tag: tuple) -> torch.Tensor | None:

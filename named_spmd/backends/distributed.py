@@ -98,6 +98,7 @@ class DistributedContext(OperandShapes, MemberContext):
     hoistable: dict[tuple, None] | None = None  # a planned call's casts a replay may hoist
     hoisted_aliases: dict[tuple, tuple] | None = None  # a replay's casts made at its entry
     hoist_refused = False  # some rank would not make them (the start-of-call check)
+    hoisted = False  # this replay made some (``_dist_pvary.note_agreed``)
     carried_slots = 0  # a planned call's first exchange, for its replays to carry
     carries_first_exchange = True  # (_dist_carried; not where collectives size their operands)
     fuses_leaves = True  # a pytree's leaves reduced by one collective (``fused_below``)
@@ -355,8 +356,8 @@ def run(call: Call) -> list[Any]:
     try:
         if uneven:
             _dist_uneven.refuse_transforms(ctx, traced)
+        hoistable = () if replay is None or mesh.size == 1 else replay.hoistable()
         if mesh.size > 1:
-            hoistable = () if replay is None else replay.hoistable()
             _dist_agree.begin(ctx, call, hoistable, isinstance(ctx, ProxyTracedContext))
         converted = None
         if replay is not None and replay.begin(ctx):
@@ -385,6 +386,7 @@ def run(call: Call) -> list[Any]:
             output = local_output if local_call else global_output
             result = [output(ctx, y, s) for y, s in zip(outs, call.out_specs())]
         board.finished = board.seq
+        _dist_pvary.note_agreed(ctx, hoistable)
         return result
     except RankFailedError:
         raise
