@@ -22,8 +22,10 @@ step's operands kept per instance:
   per-instance results differ from the step on the true values, or (a product of a partial sum
   with an invariant value: the right values) the invariant operand's per-instance gradient is a
   part of its true gradient. The refused step is drawn away from values it may happen to be
-  right on: operands that are one value (``x - x.view_as(x)``), whole numbers (an integer cast
-  of an integer cast), zero rows written, a square as a condition (``_Draw._note_values``);
+  right on: operands that are one value (``x - x.view_as(x)``, or an op made twice), whole
+  numbers (an integer cast of an integer cast), zero rows written or multiplied (a write's
+  difference from its operand is zero outside the written row), a square as a condition
+  (``_Draw._note_values``);
 * an accepted case's outputs and float64 gradients equal the reference's, and every value's type
   (``ns.typeof``) equals the model's; a refused case raises a ``VmaError`` naming the op and fix.
 
@@ -221,9 +223,13 @@ class _Draw:
         self.whole: list[bool] = []
         self.zero_rows: list[frozenset[int]] = []  # rows known to be zero (write_zero's)
         self.nonnegative: list[bool] = []  # (a square's, x * x: as a where_by's condition)
+        self._made: dict[tuple, int] = {}  # (op, its operands' roots, arg) -> the value it made
+        # per value: a root it equals outside some rows (a write's operand's, but the written)
+        self.apart: list[tuple[int, frozenset[int]]] = []
 
     def add_input(self, t: tuple[str, ...], shape: tuple[int, int]) -> None:
         self.roots.append(len(self.types))
+        self.apart.append((len(self.types), frozenset()))
         self.whole.append(False)
         self.zero_rows.append(frozenset())
         self.nonnegative.append(False)
@@ -240,10 +246,19 @@ class _Draw:
         """What is known of the values of ``st``'s result (see ``__init__``)."""
         ins = st.ins
         same = st.op in SAME_VALUES or (st.op.startswith("where") and self._alike(ins))
-        self.roots.append(self.roots[ins[0]] if same else len(self.types))
+        # (every op is a function of its operands' values: one made again holds the same)
+        made = (st.op, tuple(self.roots[j] for j in ins), st.arg)
+        self.roots.append(
+            self.roots[ins[0]] if same else self._made.setdefault(made, len(self.types))
+        )
         whole = st.op in WHOLE and all(self.whole[j] for j in ins)
         self.whole.append(st.op == "int_cast" or whole)
         self.zero_rows.append(self._zero_rows(st, same))
+        root, rows = self.apart[ins[0]]
+        if st.op.startswith("write"):
+            self.apart.append((root, rows | {st.arg[0]}))
+        else:
+            self.apart.append((root, rows) if same else (self.roots[-1], frozenset()))
         signs = [self.nonnegative[j] for j in ins]
         square = st.op == "mul" and self._alike(ins)
         kept = same or st.op in (*COLLECTIVE_OPS, *ADDITIVE, "mul", "colsum", "cumsum", "roll")
@@ -263,6 +278,10 @@ class _Draw:
             return frozenset((r + 1) % ROWS for r in zero[0])
         if st.op == "mul":
             return zero[0] | zero[1]
+        if st.op == "sub" and self.apart[st.ins[0]][0] == self.apart[st.ins[1]][0]:
+            # one value but for some written rows: its difference is zero outside them
+            written = self.apart[st.ins[0]][1] | self.apart[st.ins[1]][1]
+            return zero[0] & zero[1] | frozenset(range(ROWS)) - written
         if st.op in ADDITIVE:
             return zero[0] & zero[1]
         return frozenset()
@@ -325,8 +344,13 @@ class _Draw:
             return None
         if want_refused and op == "int_cast" and self.whole[k]:
             return None  # the cast of parts that are whole numbers is their sum's
+        zero = [self.zero_rows[j] for j in ins]
         if want_refused and (
-            len(self.zero_rows[k]) == ROWS or op == "write" and arg[1] in self.zero_rows[ins[1]]
+            len(zero[0]) == ROWS
+            or op == "write"
+            and arg[1] in zero[1]
+            or op == "mul"
+            and len(zero[0] | zero[1]) == ROWS
         ):
             return None  # zeros, whatever the parts: right where the types say wrong
         if want_refused and op == "where_by" and self.nonnegative[ins[2]]:
