@@ -8,8 +8,8 @@ three times (the first call typed, the others replayed) on the real mesh and on 
 the same process (:func:`run_case`), and prints one ``OUTCOME {json}`` line per case and rank: the
 largest difference between their outputs and between their inputs' gradients (and whether the same
 inputs got none), whether the types of the output leaves inside the function and the events
-``ns.CommMode`` recorded are equal, the process-group calls torch counted on the real mesh
-(``grad_buckets.Collectives``) and its plan's replays.
+``ns.CommMode`` recorded are equal, the process-group calls torch counted on the real mesh in the
+calls and in their backward (``grad_buckets.Collectives``) and its plan's replays.
 """
 
 from __future__ import annotations
