@@ -159,7 +159,8 @@ def _note(ctx: Any, t: torch.Tensor, tag: tuple) -> None:
 
 def planned(ctx: Any) -> Hoistable:
     """``ctx.planned_hoistable()``: ((input position, tag), ...) in the order first cast. A
-    replay that hoists waits for the start check at entry, so nothing can ride behind it."""
+    plan's first replay that hoists waits for the start check at its entry, so nothing rides
+    behind the check where a plan hoists (``_dist_carried``)."""
     hoisted = ctx.hoistable or ()
     return Hoistable(hoisted, 0 if hoisted else ctx.carried_slots)
 
