@@ -1,6 +1,6 @@
 """Fault scenarios of tests/faults_worker.py whose first exchange rides behind the start-of-call
-check (``named_spmd/backends/_dist_carried.py``): a replayed ragged_all_to_all's offsets and an
-uneven call's first ppermute."""
+check (``named_spmd/backends/_dist_carried.py``): a replayed ragged_all_to_all's offsets, an
+uneven call's first ppermute and an even call's."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from _faults_common import good_call, report
 
 import named_spmd as ns
 from named_spmd import P
+from named_spmd.backends import _dist_carried
 
 
 def ragged_inputs(variant: int) -> tuple[torch.Tensor, ...]:
@@ -123,6 +124,64 @@ def carried_permute(mesh, rank):
     state["psum_first"] = False
     report(rank, "permute_apart_then", lambda: right(9))
     permute_swapped(mesh, rank)
+
+
+def carried_even_permute(mesh, rank):
+    """An even call's first ppermute, replayed: carried behind the start-of-call check (counted
+    here), with other values each call; halos of another shape on every rank (their flags set:
+    moved again, uncarried), the plan forgotten on rank 3, and rank 0 running a psum first:
+    right values, or one error on every rank, and the next call runs."""
+    axes = ("dp", "tp")
+    state = {"rows": 1, "psum_first": False}
+    shift = [(j, j + 1) for j in range(3)]
+    carried = _count_carried_permutes()
+
+    def f(u):
+        if state["psum_first"] and rank == 0:  # (Python state that differs between ranks)
+            u = u + ns.psum(u[:1], axes) * 0
+        return ns.ppermute(u[-state["rows"] :], axes, shift)
+
+    mapped = ns.spmd_map(f, mesh=mesh, in_specs=P(axes, None), out_specs=P(axes))
+
+    def right(variant: int, rides: bool | None, forget: bool = False) -> None:
+        u = torch.arange(16.0).reshape(8, 2) * (variant + 1)
+        if forget and rank == 3:
+            mapped._signatures.clear()  # (its table of plans: the call is typed again here alone)
+        k, before = state["rows"], dict(carried)
+        want = torch.cat([torch.zeros(k, 2), *(u[2 * j + 2 - k : 2 * j + 2] for j in range(3))])
+        _permuted_once(mapped, u, want, axes)
+        counted = (carried["rode"] - before["rode"], carried["runs"] - before["runs"])
+        if counted != (rides, 1) and not (rides is None and counted[1] == 1):
+            raise ns.SpmdError(f"carried {carried}, before the call {before}, rides {rides}")
+
+    report(rank, "even_permute_plan", lambda: right(0, False))  # (the planned call)
+    for variant in (1, 2):
+        report(rank, f"even_permute_{variant}", lambda: right(variant, True))
+    state["rows"] = 2
+    report(rank, "even_permute_rows", lambda: right(3, False))  # (flagged: moved again)
+    state["rows"] = 1
+    report(rank, "even_permute_forgotten", lambda: right(4, False, forget=True))
+    state["psum_first"] = True
+    report(rank, "even_permute_apart", lambda: right(5, False))
+    state["psum_first"] = False
+    report(rank, "even_permute_apart_then", lambda: right(6, None))  # (typed, or replayed)
+    report(rank, "even_permute_after", lambda: right(7, True))
+
+
+def _count_carried_permutes() -> dict[str, int]:
+    """Counts of the calls of ``_dist_carried.first_permute`` (``runs``) and of those whose
+    ppermute rode behind the check (``rode``: a result, not None)."""
+    counts = {"runs": 0, "rode": 0}
+    first = _dist_carried.first_permute
+
+    def counted(*args):
+        out = first(*args)
+        counts["runs"] += 1
+        counts["rode"] += out is not None
+        return out
+
+    _dist_carried.first_permute = counted
+    return counts
 
 
 def permute_swapped(mesh, rank):

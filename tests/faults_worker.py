@@ -9,8 +9,8 @@
   ranks psum over different axes with debug mode; then the same without debug mode, twice (the
   second call is where the ranks left behind see the others ahead). Between them, ``carried``:
   a replayed ragged_all_to_all whose offsets' exchange rides behind the start-of-call check,
-  and ``carried_permute``: an uneven call's first ppermute riding there (ranks apart in its
-  axes or dtype alone too); both in tests/_faults_carried.py.
+  ``carried_permute``: an uneven call's first ppermute riding there (ranks apart in its axes or
+  dtype alone too), and ``carried_even_permute``: an even call's; all in tests/_faults_carried.py.
 * ``sigkill``: rank 2 kills itself (SIGKILL) inside the function, before a psum.
 * ``axes_exit``: ranks 0, 1 psum over "dp", ranks 2, 3 over "tp"; 2 and 3 return and exit.
 * ``once_more``: rank 0 calls the mapped function once more than the others, which exit.
@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 # the scenarios kept in modules of their own are dispatched by name (``main``) as the rest
-from _faults_carried import carried, carried_permute
+from _faults_carried import carried, carried_even_permute, carried_permute
 from _faults_common import DENSE, X, good_call, psum_all, report
 from _faults_dtypes import dtypes  # noqa: F401 - a scenario, dispatched by name
 
@@ -79,6 +79,7 @@ def mismatch(mesh, rank):
     report(rank, "grad_then", lambda: good_call(mesh))
     carried(mesh, rank)
     carried_permute(mesh, rank)
+    carried_even_permute(mesh, rank)
     ns.set_debug(True)
     report(rank, "shapes_debug", bad_shapes)
     report(rank, "shapes_debug_then", lambda: good_call(mesh))

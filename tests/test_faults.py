@@ -128,7 +128,13 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
         assert dtypes in o["message"], o
         for phase in ("permute_axes", "permute_dtype"):
             assert outcomes[rank, phase]["seconds"] < 10, o  # at once, not at the 30 s timeout
-        phases = ("shapes_then", "grad_then", "shapes_debug_then", "axes_debug_then")
+        o = outcomes[rank, "even_permute_apart"]  # rank 0 ran a psum first: one error everywhere
+        assert o.get("error") == "SpmdError", (o, tail)
+        assert "went apart before their first collective: members [1, 2, 3]" in o["message"], o
+        assert "members [0] ran another collective first" in o["message"], o
+        even = ("plan", "1", "2", "rows", "forgotten", "apart_then", "after")
+        phases = tuple(f"even_permute_{p}" for p in even)
+        phases += ("shapes_then", "grad_then", "shapes_debug_then", "axes_debug_then")
         phases += tuple(f"permute_{p}" for p in ("0", "1", "2", "rows", "odd_then", "forgotten"))
         phases += ("permute_after", "permute_apart_then", "permute_swap_0", "permute_swap_1")
         phases += ("permute_axes_then", "permute_dtype_then")

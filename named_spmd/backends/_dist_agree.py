@@ -25,6 +25,7 @@ from .._accounting import CommEvent, active, record_into
 from .._errors import SpmdError
 from . import _dist_carried
 from ._dist_buckets import bucket_bytes
+from ._dist_comm import _DTYPE_CODES, dtype_code
 from ._dist_exchange import exchange
 from ._dist_pvary import digest, hoists_early
 
@@ -38,25 +39,6 @@ if TYPE_CHECKING:
 
 
 _INT62 = (1 << 62) - 1  # the checksum and its negation fit an int64
-_DTYPE_CODES: dict[torch.dtype, int] = {}
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    code = _DTYPE_CODES.get(dtype)
-    if code is None:
-        code = _DTYPE_CODES[dtype] = zlib.crc32(str(dtype).encode())
-    return code
-
-
-def dtype_of(code: int) -> torch.dtype | None:
-    """The dtype of torch's whose :func:`dtype_code` is ``code`` (None: none is)."""
-    if not _DTYPES_BY_CODE:
-        dtypes = (d for d in vars(torch).values() if isinstance(d, torch.dtype))
-        _DTYPES_BY_CODE.update((dtype_code(d), d) for d in dtypes)
-    return _DTYPES_BY_CODE.get(code)
-
-
-_DTYPES_BY_CODE: dict[int, torch.dtype] = {}
 
 
 def begin(ctx: DistributedContext, call: Call, hoistable: tuple, traced: bool) -> None:

@@ -14,12 +14,14 @@ every rank raises the same error. Where the checksums differ (some ranks promise
 not), the ranks learn who promised in the check's exchange of descriptions, and those that did
 not send zeros (:func:`drain`), so the exchange completes before the check's error or the call.
 
-An uneven call's first ``ppermute`` rides so too (:func:`permute`), where its plan ran it first
-over the whole mesh and the signature's last call passed it one shape of at most :data:`BYTES`
-bytes (``UnevenPrimitives``): each rank sends every member a row of the tag (the digest of its pairs,
-axes and the recalled shape and dtype, negative), the flag "my operand has another shape or dtype"
-and, to its destination, the operand's bytes. A flag set: the ppermute runs again as a flagged one
-does (the shapes and dtypes exchanged, and compared).
+A call's first ``ppermute`` rides so too (:func:`permute`), where its plan ran it first over the
+whole mesh on an operand of at most :data:`BYTES` bytes, of the shape and dtype that the replay
+assumes: an even call's plan notes them (:func:`first_permute`), an uneven call recalls the
+signature's last call (``UnevenPrimitives``). Each rank sends every member a row of the tag (the
+digest of its pairs, axes and the assumed shape and dtype, negative), the flag "my operand has
+another shape or dtype" and, to its destination, the operand's bytes. A flag set: the ppermute
+runs again uncarried (an uneven call's as a flagged one does: the shapes and dtypes exchanged,
+and compared).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from .. import _torch_private as torch_private
 from .._accounting import CommEvent, record, recording
 from .._errors import SpmdError
+from ._dist_comm import dtype_code
 
 if TYPE_CHECKING:
     from ._dist_comm import Comm
@@ -51,10 +54,11 @@ _NAME = "the start-of-call check's carried exchange"
 
 class Carried:
     """One replay's promised exchange: ``slots`` (K) the plan's, ``tag`` what this rank sent
-    (K: its metadata; 0: zeros), ``started`` the exchange in flight (None: not yet)."""
+    (K: its metadata; 0: zeros), ``started`` the exchange in flight (None: not yet); ``kind``
+    the (shape, dtype code) an even call's carried ppermute assumes (None: none, or uneven)."""
 
-    def __init__(self, comm: Comm, slots: int):
-        self.comm, self.slots = comm, slots
+    def __init__(self, comm: Comm, slots: int, kind: tuple | None = None):
+        self.comm, self.slots, self.kind = comm, slots, kind
         self.tag = 0
         self.started: tuple[Any, torch.Tensor] | None = None
 
@@ -118,9 +122,11 @@ def promise(ctx: DistributedContext, hoistable: tuple) -> int:
     the exchange is made."""
     mesh = ctx.mesh
     slots = getattr(hoistable, "carried", 0)
-    if slots < 0 and not _permute_fits(getattr(ctx, "first_permute_shape", None), -slots):
+    kind = getattr(hoistable, "carried_kind", None)
+    shape = getattr(ctx, "first_permute_shape", None) if kind is None else kind[0]
+    if slots < 0 and not _permute_fits(shape, -slots):
         slots = 0
-    mesh.carried = Carried(mesh.check_comm(), slots) if slots else None
+    mesh.carried = Carried(mesh.check_comm(), slots, kind) if slots else None
     return slots
 
 
@@ -220,6 +226,24 @@ def permute_noted(ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, ...
 
 def _permute_carries(ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, ...]) -> bool:
     return axes == ctx.mesh.axis_names and x.device.type == "cpu" and not ctx.values_read
+
+
+def first_permute(ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, ...], pairs) -> Any:
+    """An even call's ppermute, where it is the call's first collective: the result where the
+    replay promised to carry it (:func:`permute`, assuming the shape and dtype its plan noted);
+    None where it runs uncarried (an operand of another shape or dtype on some member: every
+    member then moves it again), and in a planned call its shape and dtype noted for the plan."""
+    mesh = ctx.mesh
+    if mesh.pending_check is None or not type(ctx).carries_first_exchange:
+        return None
+    carried = mesh.carried
+    kind = (tuple(x.shape), dtype_code(x.dtype))
+    if carried is not None and carried.kind is not None:
+        return permute(ctx, x, axes, pairs, carried.kind, kind != carried.kind)[0]
+    permute_noted(ctx, x, axes, pairs)
+    if ctx.carried_slots < 0:
+        ctx.carried_kind = kind
+    return None
 
 
 def permute_promised(ctx: DistributedContext) -> bool:

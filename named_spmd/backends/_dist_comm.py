@@ -18,6 +18,7 @@ hold the call's context.
 from __future__ import annotations
 
 import datetime
+import zlib
 from typing import Any
 
 import torch
@@ -33,6 +34,28 @@ from ._dist_waiting import wait as wait_for
 _SLICE = datetime.timedelta(seconds=POLL_S)
 _LAYOUTS = 256  # the flagged ppermutes' splits a Comm keeps (per pairs, size, unit and device)
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
+
+
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype`` as an int, the same in every process (where ranks compare dtypes)."""
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = zlib.crc32(str(dtype).encode())
+    return code
+
+
+def dtype_of(code: int) -> torch.dtype | None:
+    """The dtype of torch's whose :func:`dtype_code` is ``code`` (None: none is)."""
+    if not _DTYPES_BY_CODE:
+        dtypes = (d for d in vars(torch).values() if isinstance(d, torch.dtype))
+        _DTYPES_BY_CODE.update((dtype_code(d), d) for d in dtypes)
+    return _DTYPES_BY_CODE.get(code)
+
+
+_DTYPES_BY_CODE: dict[int, torch.dtype] = {}
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:

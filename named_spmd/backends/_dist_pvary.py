@@ -162,7 +162,9 @@ def planned(ctx: Any) -> Hoistable:
     plan's first replay that hoists waits for the start check at its entry, so nothing rides
     behind the check where a plan hoists (``_dist_carried``)."""
     hoisted = ctx.hoistable or ()
-    return Hoistable(hoisted, 0 if hoisted else ctx.carried_slots)
+    if hoisted:
+        return Hoistable(hoisted)
+    return Hoistable(hoisted, ctx.carried_slots, ctx.carried_kind)
 
 
 class Hoistable(tuple):
@@ -172,13 +174,15 @@ class Hoistable(tuple):
     device and size) is fixed by the plan's signature, which holds each leaf's spec, shape,
     dtype, device and requires_grad and the grad mode."""
 
-    def __new__(cls, entries: Any = (), carried: int = 0) -> Hoistable:
+    def __new__(cls, entries: Any = (), carried: int = 0, kind: tuple | None = None) -> Hoistable:
         return super().__new__(cls, entries)
 
-    def __init__(self, entries: Any = (), carried: int = 0) -> None:
-        #: the slots of the exchange its replays carry behind the check (``_dist_carried``)
-        self.carried = carried
-        self.digest = hash((tuple(at for at, _ in self), carried))
+    def __init__(self, entries: Any = (), carried: int = 0, kind: tuple | None = None) -> None:
+        #: the slots of the exchange its replays carry behind the check (``_dist_carried``),
+        #: and the (shape, dtype code) of the ppermute it carries where the plan noted them
+        self.carried, self.carried_kind = carried, kind
+        # (of ints only: hash(None) before Python 3.12 differs by process)
+        self.digest = hash((tuple(at for at, _ in self), carried, kind or ()))
         self._groups: dict[int, tuple] = {}  # bucket cap -> groups
         #: a replay hoisted, agreed and returned: the later ones hoist before the check (module doc)
         self.agreed = False

@@ -23,7 +23,7 @@ import torch
 from .._collectives._record import RECORDS
 from .._errors import SpmdError, collectives_apart, collectives_differ
 from .._layout import coords_of, coords_text, groups
-from ._dist_agree import dtype_code
+from ._dist_comm import dtype_code
 
 _DIMS = 16  # the dims of an operand's shape in a row (more: its shape is not compared)
 # The outputs' first row, met with at the end (``_dist_uneven._every_block``): HEAD integers
@@ -76,7 +76,7 @@ def params_code(params: Any) -> int:
 
 def shapes_met(ctx: Any, step: tuple, x: torch.Tensor) -> tuple[list, list[int]]:
     """Every instance's operand shape (row-major over the mesh; None past :data:`_DIMS` dims)
-    and dtype (``_dist_agree.dtype_code``), once every member of this rank's group of the axes
+    and dtype (``_dist_comm.dtype_code``), once every member of this rank's group of the axes
     is about to run the collective ``step`` (its name, axes and, where known, parameters) over
     them (:func:`meet`)."""
     known = x.dim() <= _DIMS

@@ -54,7 +54,7 @@ from .._layout import (
 from .._spec import PartitionSpec
 from . import _dist_io as io
 from . import _dist_plain as plain
-from ._dist_agree import dtype_code, dtype_of
+from ._dist_comm import dtype_code, dtype_of
 from ._dist_dtensor import placements, uneven_from_local, uneven_to_local
 from ._dist_steps import HEAD as _HEAD
 from ._dist_steps import KIND as _KIND

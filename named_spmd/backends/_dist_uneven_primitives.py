@@ -22,7 +22,7 @@ from .._errors import SpmdError, operand_dtypes_differ, operand_shapes_differ
 from .._layout import chunk_sizes, groups, index_of
 from .._types import data_dependent, shape_shown
 from . import _dist_carried, _dist_steps
-from ._dist_agree import dtype_code, dtype_of
+from ._dist_comm import dtype_code, dtype_of
 from ._dist_steps import exchange
 
 Sizes = tuple[int, ...]

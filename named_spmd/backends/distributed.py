@@ -100,6 +100,7 @@ class DistributedContext(OperandShapes, MemberContext):
     hoist_refused = False  # some rank would not make them (the start-of-call check)
     hoisted = False  # this replay made some (``_dist_pvary.note_agreed``)
     carried_slots = 0  # a planned call's first exchange, for its replays to carry
+    carried_kind: tuple | None = None  # its first ppermute's (shape, dtype code), if that
     carries_first_exchange = True  # (_dist_carried; not where collectives size their operands)
     fuses_leaves = True  # a pytree's leaves reduced by one collective (``fused_below``)
 
@@ -251,7 +252,8 @@ class DistributedContext(OperandShapes, MemberContext):
         return received.movedim(0, dim) if dim != 0 else received
 
     def permute(self, x, axes, pairs):
-        return self.mesh.comm(axes).permute(x, pairs)
+        carried = _dist_carried.first_permute(self, x, axes, pairs)  # (behind the check)
+        return self.mesh.comm(axes).permute(x, pairs) if carried is None else carried
 
     def every_member(self, axes, values):
         comm = self.mesh.comm(axes)  # (a few integers: not counted by CommMode)
