@@ -154,14 +154,21 @@ def _trunk(tokens, p, cfg: Config, row_linear: Callable, block: Callable = _bloc
     return F.layer_norm(x, (cfg.d,), p["ln_f.weight"], p["ln_f.bias"])
 
 
-def dense_loss(cfg: Config) -> Callable:
-    """``loss(tokens, targets, params)`` on one device."""
+def dense_loss(cfg: Config, row_linear: Callable = F.linear) -> Callable:
+    """``loss(tokens, targets, params)`` on one device; ``row_linear``: the blocks' output
+    projections (:func:`unfused_linear`: the per-device program's ops)."""
 
     def loss(tokens, targets, p):
-        logits = F.linear(_trunk(tokens, p, cfg, F.linear), p["lm_head.weight"])
+        logits = F.linear(_trunk(tokens, p, cfg, row_linear), p["lm_head.weight"])
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     return loss
+
+
+def unfused_linear(a, w, b):
+    """``F.linear(a, w, b)`` as the row-parallel linear computes it where the axis has size 1:
+    the product, then the bias (three ops forward and backward where ``F.linear`` runs one)."""
+    return F.linear(a, w) + b
 
 
 def _row_parallel(a, w, b):

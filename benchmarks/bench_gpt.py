@@ -21,7 +21,10 @@ Cases (baseline first, both in the same process, rounds interleaved):
   row, against the dense step); the dense step on the same DTensor parameters without named_spmd
   (``ns.to_local`` and AdamW on DTensors: what DTensor parameters cost by themselves), and the
   row ``ON_DTENSORS``: named_spmd's step over that one, both on DTensor parameters (the other
-  target).
+  target); the dense step running the per-device program's ops (each output projection's
+  product, then its bias, as the row-parallel linear computes them: ``_gpt.unfused_linear``),
+  and the row ``ON_PROGRAM``: named_spmd's step (plain parameters) over that one, what
+  named_spmd costs beside the program it runs.
 * ``dp2``: 2 gloo processes, mesh (dp=2, tp=1): ``DistributedDataParallel`` on the nn.Module;
   named_spmd with DTensor parameters (the target's row) and with plain parameters; and with the
   loss left unreduced over dp (each rank's share, ``out_specs=P(unreduced={"dp"})``): DDP's
@@ -105,9 +108,9 @@ def trainer(loss_of, params: dict, *, wait=None, context=contextlib.nullcontext)
     return step
 
 
-def dense_step(cfg: G.Config, params: dict):
+def dense_step(cfg: G.Config, params: dict, row_linear=F.linear):
     p = _fresh(params)
-    return trainer(G.dense_loss(cfg), p), p
+    return trainer(G.dense_loss(cfg, row_linear), p), p
 
 
 def spmd_step(cfg: G.Config, mesh, params: dict, dtensors: bool = True, reduced: bool = True):
@@ -503,6 +506,9 @@ def worker(args) -> None:
         makers[PLAIN_PARAMS] = lambda p: spmd_step(cfg, mesh, p, dtensors=False)
     if world == 1:
         makers[DENSE_ON_DTENSORS] = lambda p: dense_dtensor_step(cfg, mesh, p)
+        # the dense step running the per-device program's ops (the output projections'
+        # product, then their bias): what the program costs, named_spmd aside
+        makers[DENSE_PROGRAM] = lambda p: dense_step(cfg, p, G.unfused_linear)
     # the program DDP runs: no collective for the loss in the forward
     reduces = {baseline: reduce_loss}
     if world == 2:
@@ -526,6 +532,9 @@ LOCAL_BLOCKS = "named_spmd, local blocks (.local)"
 DENSE_ON_DTENSORS = "dense step on DTensor parameters"
 #: named_spmd's step against the dense step, both on DTensor parameters (``real1``)
 ON_DTENSORS = "named_spmd / dense, both on DTensors"
+DENSE_PROGRAM = "dense step, the program's ops"
+#: named_spmd's step (plain parameters) over the dense step running the same ops (``real1``)
+ON_PROGRAM = "named_spmd, plain parameters / dense, the program's ops"
 
 # case -> (processes, the case's name, {variant: target against the baseline}, rows of one
 # variant against another: (row, variant, against, target))
@@ -534,7 +543,10 @@ _REAL: dict[str, tuple[int, str, dict[str, str], tuple]] = {
         1,
         "(1,1), 1 gloo process",
         {PLAIN_PARAMS: "<= 1.05x"},
-        ((ON_DTENSORS, "named_spmd", DENSE_ON_DTENSORS, "<= 1.05x"),),
+        (
+            (ON_DTENSORS, "named_spmd", DENSE_ON_DTENSORS, "<= 1.05x"),
+            (ON_PROGRAM, PLAIN_PARAMS, DENSE_PROGRAM, ""),
+        ),
     ),
     "dp2": (2, "dp=2, 2 gloo processes", {"named_spmd": "<= 1.05x"}, ()),
     "tp4": (4, "(2,2), 4 gloo processes", {"named_spmd": "<= 0.5x"}, ()),
