@@ -231,14 +231,7 @@ class Call:
             at = self.memo["tensor positions"] = [
                 i for i, x in enumerate(inputs) if isinstance(x, _Tensor)
             ]
-        tensors = inputs if len(at) == len(inputs) else [inputs[i] for i in at]
-        try:
-            versions = list(map(_VERSION, tensors))
-        except RuntimeError:  # an inference tensor has no version (and no op saves one)
-            at = [i for i in at if not inputs[i].is_inference()]
-            tensors = [inputs[i] for i in at]
-            versions = list(map(_VERSION, tensors))
-        return at, versions, list(map(_GRAD_FN, tensors))
+        return torch_private.unseen_reads(_versions_and_nodes, inputs, at)
 
     def check_writes(
         self, inputs: list[Any], before: tuple[list[int], list[int], list], outs: list
@@ -248,7 +241,7 @@ class Call:
         would fail there, and on a real mesh on the writing ranks only (its peers would wait for
         them in their gradient sums). Raised now, an error of the call (posted to the peers)."""
         at, versions, nodes = before
-        now = list(map(_VERSION, inputs if len(at) == len(inputs) else map(inputs.__getitem__, at)))
+        now = torch_private.unseen_reads(_versions, inputs, at)
         if now == versions:  # (the common case: no write)
             return
         stale = torch_private.stale_saved(outs, nodes)
@@ -284,3 +277,20 @@ class Call:
             if explained is not None:
                 raise explained from e
             raise
+
+
+def _versions_and_nodes(inputs: list[Any], at: list[int]) -> tuple[list[int], list[int], list]:
+    """:meth:`Call.input_versions`' reads of the tensors at ``at``."""
+    tensors = inputs if len(at) == len(inputs) else [inputs[i] for i in at]
+    try:
+        versions = list(map(_VERSION, tensors))
+    except RuntimeError:  # an inference tensor has no version (and no op saves one)
+        at = [i for i in at if not inputs[i].is_inference()]
+        tensors = [inputs[i] for i in at]
+        versions = list(map(_VERSION, tensors))
+    return at, versions, list(map(_GRAD_FN, tensors))
+
+
+def _versions(inputs: list[Any], at: list[int]) -> list[int]:
+    """The versions of the tensors at ``at`` of ``inputs`` (:meth:`Call.check_writes`)."""
+    return list(map(_VERSION, inputs if len(at) == len(inputs) else map(inputs.__getitem__, at)))

@@ -417,7 +417,11 @@ def leaves_key(leaves: list[Any]) -> tuple | None:
     """Per leaf, what the input checks read and a replay's signature (``_replay``) adds up: a
     strided tensor's type, shape, dtype, device and requires_grad, a plain Python value's type
     and value; None where a leaf is anything else (a sparse tensor, an object that may hold
-    tensors: checked every call). One pass over the leaves for both."""
+    tensors: checked every call). One pass over the leaves for both, no mode seeing it."""
+    return torch_private.unseen_reads(_leaves_key, leaves)
+
+
+def _leaves_key(leaves: list[Any]) -> tuple | None:
     key: list[Any] = []
     add = key.append  # (read on every call, for every leaf: names bound once, not looked up)
     for x in leaves:

@@ -61,6 +61,10 @@ def hands_back(x: torch.Tensor, refs: int) -> bool:
     that requires grad (a write into the result would be refused), not under saved-tensor hooks
     (what they pack is not counted). Torch differentiates the replay, so the result keeps the
     operand's graph."""
+    return torch_private.unseen_reads(_hands_back, x, refs)
+
+
+def _hands_back(x: torch.Tensor, refs: int) -> bool:
     if (
         type(x) is not torch.Tensor
         or (x.requires_grad and x.grad_fn is None)

@@ -28,6 +28,7 @@ from test_one_instance import (
     megatron,
     not_positive_definite,
     reductions,
+    under_a_mode,
     written_leaf,
 )
 
@@ -173,6 +174,7 @@ def main() -> None:
             print("OUTCOME " + json.dumps(check(name, body, mesh, dtensors)), flush=True)
     print("BOUNDARY " + json.dumps(boundary(mesh)), flush=True)
     print("REDUCTIONS " + json.dumps(reductions(mesh)), flush=True)
+    print("UNDER_A_MODE " + json.dumps(under_a_mode(mesh)), flush=True)
     print("ERRORS " + json.dumps(errors(mesh)), flush=True)
     dist.destroy_process_group()
 

@@ -354,6 +354,36 @@ def test_has_torch_function_tells_whether_a_read_reaches_a_mode_or_an_override()
             assert not torch_private.has_torch_function(sub)
 
 
+def test_unseen_reads_hides_a_walks_reads_from_the_modes_and_only_there():
+    """leaves_key, input_versions, check_writes and hands_back read every leaf's metadata
+    through unseen_reads: under a mode (torch.set_default_device's DeviceContext, a user's),
+    no read reaches its __torch_function__, and the mode sees the ops after it again."""
+    seen: list = []
+
+    class Seen(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    t = torch.ones(2)
+
+    def read(x, k):
+        return (x.shape, x.dtype, x.requires_grad, x._version, k)
+
+    want = (t.shape, t.dtype, False, t._version, 3)
+    assert torch_private.unseen_reads(read, t, 3) == want
+    with Seen():
+        read(t, 3)
+        assert len(seen) == 4  # each read reached the mode
+        assert torch_private.unseen_reads(read, t, 3) == want
+        assert len(seen) == 4  # none did here
+        t + 1
+        assert len(seen) == 5  # and the mode is on again
+    with torch.device("meta"):  # DeviceContext, as torch.set_default_device pushes it
+        assert torch_private.unseen_reads(read, t, 3) == want
+        assert torch.ones(1).device.type == "meta"
+
+
 def test_the_function_mode_stack_names():
     """The checkpoint marker (_calls.CallMarker) is a DeviceContext pushed and removed with
     these: depth, the mode at a depth (0 the bottom), push and pop of the top."""

@@ -134,6 +134,19 @@ DisableTorchFunction = torch._C.DisableTorchFunction
 # a mode on the stack or a subclass's override, and torch function not disabled. Where it does
 # not, a read needs no DisableTorchFunction (entering one costs more than the read).
 has_torch_function = torch._C._has_torch_function_unary
+_function_modes_on = torch._C._is_torch_function_mode_enabled
+
+
+def unseen_reads(read: Callable[..., Any], *args: Any) -> Any:
+    """``read(*args)``, a walk over many tensors' metadata (types, shapes, versions), with no
+    torch function mode seeing each read: under one (``torch.set_default_device``'s
+    ``DeviceContext``, a user's mode), every attribute read is a call into its Python
+    ``__torch_function__``. Entered only where a mode is on: entering costs more than a read."""
+    if not _function_modes_on():
+        return read(*args)
+    with DisableTorchFunction():
+        return read(*args)
+
 
 # --- make_fx (torch.func.linearize, torch.export, AOT autograd) ---------------------------------
 _PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY
