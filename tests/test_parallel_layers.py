@@ -42,16 +42,24 @@ def leaves(*xs):
 
 def assert_same(mapped, dense, args, seed=0):
     """``mapped(*args)`` equals ``dense(*args)``, and so do the gradients of a random linear
-    functional of it with respect to every floating-point argument."""
+    functional of it with respect to every floating-point argument: to float64's rounding of
+    sums taken in another order, relative to the largest entry (a gradient of entries near
+    800 is off by 2e-11 at its entries near 0 where the split layers sum their parts apart)."""
     a, b = leaves(*args), leaves(*args)
     y, y_ref = mapped(*a), dense(*b)
-    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=_atol(y_ref))
     probe = torch.randn(y_ref.shape, dtype=f64, generator=torch.Generator().manual_seed(seed))
     wrt = [i for i, x in enumerate(a) if x is not None and x.requires_grad]
     g = torch.autograd.grad((y * probe).sum(), [a[i] for i in wrt])
     g_ref = torch.autograd.grad((y_ref * probe).sum(), [b[i] for i in wrt])
     for i, gi, gi_ref in zip(wrt, g, g_ref):
-        torch.testing.assert_close(gi, gi_ref, rtol=1e-12, atol=1e-12, msg=f"gradient of arg {i}")
+        torch.testing.assert_close(
+            gi, gi_ref, rtol=1e-12, atol=_atol(gi_ref), msg=f"gradient of arg {i}"
+        )
+
+
+def _atol(ref: torch.Tensor) -> float:
+    return 1e-12 * max(1.0, float(ref.detach().abs().max()))
 
 
 def randn(*shape):
