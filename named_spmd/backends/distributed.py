@@ -100,7 +100,7 @@ class DistributedContext(OperandShapes, MemberContext):
     hoist_refused = False  # some rank would not make them (the start-of-call check)
     hoisted = False  # this replay made some (``_dist_pvary.note_agreed``)
     carried_slots = 0  # a planned call's first exchange, for its replays to carry
-    carried_kind: tuple | None = None  # its first ppermute's (shape, dtype code), if that
+    carried_kind: tuple | None = None  # (shape, dtype code) of that exchange, a ppermute
     carries_first_exchange = True  # (_dist_carried; not where collectives size their operands)
     fuses_leaves = True  # a pytree's leaves reduced by one collective (``fused_below``)
 
