@@ -6,10 +6,12 @@ Each ``bench_*.py`` runs as its own subprocess (so one benchmark's process group
 memory cannot leak into another's) under a timeout. The scripts built on ``_util`` write their
 rows as a markdown table (``--markdown FILE``); bench_distributed.py writes JSON (``--json
 FILE``), turned into tables here; any other ``bench_*.py`` is run bare and its output kept as
-text. The results file holds the latest run only (git keeps the earlier ones): the machine (CPU,
-cores, load, torch version), the performance targets (the library's, then the GPT training
-step's) with the figure measured for each and whether it is met, then every benchmark's table. ``--quick`` passes ``--quick`` (fewer
-rounds; memory without H=4096) to the scripts and 5 rounds to the distributed one.
+text. A table's rows "..., CPU time" (bench_gpt.py's) are folded into two columns of the
+wall-clock rows of the same variants. The results file holds the latest run only (git keeps the
+earlier ones): the machine (CPU, cores, load, torch version), the performance targets (the
+library's, then the GPT training step's) with the figure measured for each and whether it is
+met, then every benchmark's table. ``--quick`` passes ``--quick`` (fewer rounds; memory without
+H=4096) to the scripts and 5 rounds to the distributed one.
 """
 
 from __future__ import annotations
@@ -114,8 +116,8 @@ def _collect(outcome: Outcome, out_file: str) -> None:
         outcome.data = json.loads(text)
         outcome.markdown = distributed_markdown(outcome.data)
     else:
-        outcome.markdown = text.strip()
-        outcome.tables = parse_markdown_table(text)
+        outcome.markdown = fold_cpu_rows(text.strip())
+        outcome.tables = parse_markdown_table(text)  # the script's own rows, "..., CPU time" too
 
 
 def parse_markdown_table(text: str) -> list[dict]:
@@ -126,6 +128,50 @@ def parse_markdown_table(text: str) -> list[dict]:
     cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
     header = cells[0]
     return [dict(zip(header, row)) for row in cells[2:]]
+
+
+CPU_SUFFIX = ", CPU time"
+CPU_COLUMNS = ("CPU (us)", "CPU ratio")
+
+
+def fold_cpu_rows(text: str) -> str:
+    """A ``_util`` table whose rows "CASE, CPU time" repeat the variants of case CASE in CPU
+    time, with those rows folded into two columns of the wall-clock rows: "CPU (us)" and
+    "CPU ratio" (over the same "vs"). A CPU-time row with no wall-clock row of its variant
+    becomes a row of its own with the wall-clock cells empty; one with a target or another "vs"
+    stays as it is. Any other text comes back unchanged."""
+    lines = text.splitlines()
+    if len(lines) < 2 or not all(ln.startswith("|") for ln in lines):
+        return text
+    rows = parse_markdown_table(text)
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    align = [c.strip() for c in lines[1].strip("|").split("|")]
+    needed = {"case", "variant", "median (us)", "ratio", "vs", "target"}
+    if not needed <= set(header) or not any(r["case"].endswith(CPU_SUFFIX) for r in rows):
+        return text
+    wall = {(r["case"], r["variant"]): r for r in rows if not r["case"].endswith(CPU_SUFFIX)}
+    out = []
+    for row in rows:
+        if not row["case"].endswith(CPU_SUFFIX):
+            out.append(row)
+            continue
+        key = (row["case"][: -len(CPU_SUFFIX)], row["variant"])
+        partner = wall.get(key)
+        if row["target"] or (partner is not None and partner["vs"] != row["vs"]):
+            out.append(row)  # kept whole: its case still says CPU time
+            continue
+        cpu = {CPU_COLUMNS[0]: row["median (us)"], CPU_COLUMNS[1]: row["ratio"]}
+        if partner is None:
+            blank = dict.fromkeys(("median (us)", "ratio"), "")
+            out.append({**row, **blank, "case": key[0], **cpu})
+        else:
+            partner.update(cpu)
+    at = header.index("ratio") + 1
+    header[at:at] = CPU_COLUMNS
+    align[at:at] = ["---:"] * len(CPU_COLUMNS)
+    table = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    table += ["| " + " | ".join(row.get(k, "") for k in header) + " |" for row in out]
+    return "\n".join(table)
 
 
 # --- the distributed benchmark's JSON as tables --------------------------------------------------
