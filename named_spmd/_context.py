@@ -76,6 +76,7 @@ class SpmdContext(ABC):
     #: Inside a collective's own code (``Collective.bind``): the ops it runs under the call's
     #: mode (reading a property, a first call's probe) are not the user's program (``_plan``).
     in_collective: int = 0
+    deferred: tuple = ()  #: a real mesh's replay's ppermute results not made yet
     #: What ``_calls.unstamp`` removed from the caller's tensors as the call returned, for a
     #: checkpoint's recomputation to put back while it resumes the call (weak references)
     unstamped: list | None = None
@@ -87,6 +88,10 @@ class SpmdContext(ABC):
         self.mesh = mesh
         self.fn = fn
         self.single_axes = mesh.single_axes  # read on every collective: one attribute away
+
+    def make_deferred(self, rec: Any = None, x: Any = None) -> None:
+        """Make :attr:`deferred` (before collective ``rec`` of ``x``, or an op that reads one)."""
+        return None  # (only a real mesh defers)
 
     def handed_back(self, t: torch.Tensor) -> None:
         """Note ``t``, an op's operand that the op returned and the call typed or numbered

@@ -23,6 +23,23 @@ def tensor_operands(args: Any, kwargs: dict | None) -> list[torch.Tensor]:
     return found
 
 
+def reads_any(tensors: tuple, args: Any, kwargs: dict | None) -> bool:
+    """Whether an op's operands include one of ``tensors`` or an alias of its whole memory (a
+    detached alias that ``CommMode``'s tagging hands out); a view is made by an op that reads."""
+    for a in tensor_operands(args, kwargs):
+        for t in tensors:
+            if a is t or (a.layout is torch.strided and _data_ptr(a) == t.data_ptr()):
+                return True
+    return False
+
+
+def _data_ptr(a: torch.Tensor) -> int | None:
+    try:
+        return a.data_ptr()
+    except RuntimeError:  # (a tensor without storage: no alias of a deferred result)
+        return None
+
+
 def result_tensors(out: Any) -> tuple[torch.Tensor, ...]:
     """The tensors an op returned: itself, or those in its list or tuple at any depth
     (``torch.histogramdd``'s bin edges are a tuple inside its result), each of which a typed

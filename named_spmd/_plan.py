@@ -29,7 +29,7 @@ import torch
 
 from . import _blocks
 from . import _torch_private as torch_private
-from ._operands import NOT_OPS, result_tensors, swap_operands, tensor_operands
+from ._operands import NOT_OPS, reads_any, result_tensors, swap_operands, tensor_operands
 from ._stamps import _ATTR, _NUMBERS, TrackedContext, _number
 from ._stamps import _SRC as SRC
 from ._tracking import VmaMode
@@ -315,6 +315,8 @@ class ReplayMode(VmaMode):
         # (the guard's usual case, the result's stamp and number inlined: this runs for every
         # op of a replay, where a Python frame costs about what the rest of it does)
         ctx = self.ctx
+        if ctx.deferred and not ctx.in_collective and reads_any(ctx.deferred, args, kwargs):
+            ctx.make_deferred()
         if not self.diverged and not ctx.in_collective:
             i = self.i
             if i < len(self.steps):

@@ -170,17 +170,23 @@ def carried_even_permute(mesh, rank):
 
 def _count_carried_permutes() -> dict[str, int]:
     """Counts of the calls of ``_dist_carried.first_permute`` (``runs``) and of those whose
-    ppermute rode behind the check (``rode``: a result, not None)."""
+    ppermute rode behind the check (``rode``: a result, not None, or a deferred one read off
+    the exchange's rows, not moved again)."""
     counts = {"runs": 0, "rode": 0}
-    first = _dist_carried.first_permute
+    first, received = _dist_carried.first_permute, _dist_carried._received
 
-    def counted(*args):
-        out = first(*args)
+    def counted(ctx, *args):
+        out = first(ctx, *args)
         counts["runs"] += 1
-        counts["rode"] += out is not None
+        counts["rode"] += out is not None and not any(out is d for d in ctx.deferred)
         return out
 
+    def counted_received(*args):
+        counts["rode"] += 1
+        return received(*args)
+
     _dist_carried.first_permute = counted
+    _dist_carried._received = counted_received
     return counts
 
 
@@ -225,3 +231,95 @@ def _permuted_once(mapped, u, want, axes) -> None:
         raise ns.SpmdError(f"ppermute gave {got.tolist()}, not {want.tolist()}")
     if comm.counts() != {("forward", "ppermute", axes): 1}:
         raise ns.SpmdError(f"counted {comm.counts()}")
+
+
+def carried_halos(mesh, rank):
+    """An even call's first ppermutes, replayed: a halo exchange's two directions ride in one
+    exchange behind the start-of-call check (counted here), with gradients; an operand written
+    after its ppermute (the copy taken at the call is sent); a ppermute of a deferred result (a
+    ring's second step: the first made before it); results returned unread (made at the end of
+    the body); and rank 0 running a psum between the two: right values and gradients against
+    the dense ones, or one error on every rank, and the next call runs."""
+    axes = ("dp", "tp")
+    down, up = [(j, j + 1) for j in range(3)], [(j + 1, j) for j in range(3)]
+    state = {"psum_between": False}
+    counts = _count_carried_permutes()
+
+    def halos(u, write=False):
+        h = u[-1:] * 1
+        top = ns.ppermute(h, axes, down)
+        if write:
+            h.add_(100.0)  # (after the call: not sent)
+        if state["psum_between"] and rank == 0:  # (Python state that differs between ranks)
+            u = u + ns.psum(u[:1], axes) * 0
+        bottom = ns.ppermute(u[:1], axes, up)
+        return torch.cat([top, u * 2, bottom])
+
+    def ring(u):
+        return ns.ppermute(ns.ppermute(u[-1:], axes, down) * 3, axes, down)
+
+    def unread(u):
+        return ns.ppermute(u[-1:], axes, down), ns.ppermute(u[:1], axes, up)
+
+    def dense(u):  # the global result of ``halos``, member j's block of 2 rows at 4 j
+        zero, blocks = torch.zeros(1, 2), u.reshape(4, 2, 2)
+        return torch.cat(
+            [
+                torch.cat([blocks[j - 1][-1:] if j else zero, blocks[j] * 2, blocks[j + 1][:1]])
+                if j < 3
+                else torch.cat([blocks[j - 1][-1:], blocks[j] * 2, zero])
+                for j in range(4)
+            ]
+        )
+
+    spec = P(axes, None)
+    mapped = {
+        "halos": ns.spmd_map(halos, mesh=mesh, in_specs=spec, out_specs=spec),
+        "write": ns.spmd_map(
+            lambda u: halos(u, write=True), mesh=mesh, in_specs=spec, out_specs=spec
+        ),
+        "ring": ns.spmd_map(ring, mesh=mesh, in_specs=spec, out_specs=spec),
+        "unread": ns.spmd_map(unread, mesh=mesh, in_specs=spec, out_specs=(spec, spec)),
+    }
+
+    def right(name: str, variant: int, rode: int, ppermutes: int = 2, grad: bool = False):
+        u = (torch.arange(16.0).reshape(8, 2) * (variant + 1)).requires_grad_(grad)
+        before = counts["rode"]
+        with ns.CommMode() as comm:
+            got = mapped[name](u)
+        blocks = u.detach().reshape(4, 2, 2)
+        if name == "ring":
+            got = got.full_tensor()
+            # (member j's row: member j - 2's last row, times 3)
+            want = torch.cat([torch.zeros(2, 2), blocks[0, -1:] * 3, blocks[1, -1:] * 3])
+        elif name == "unread":
+            got = torch.cat([g.full_tensor() for g in got])
+            want = torch.cat([dense(u.detach())[[0, 4, 8, 12]], dense(u.detach())[[3, 7, 11, 15]]])
+        else:
+            want = dense(u.detach())
+            got = got.full_tensor()
+        if not torch.equal(got.detach(), want):
+            raise ns.SpmdError(f"{name} gave {got.tolist()}, not {want.tolist()}")
+        if grad:
+            weights = torch.arange(float(got.numel())).reshape(got.shape)
+            (mine,) = torch.autograd.grad((got * weights).sum(), u)
+            u2 = u.detach().requires_grad_(True)
+            (theirs,) = torch.autograd.grad((dense(u2) * weights).sum(), u2)
+            if not torch.equal(mine, theirs):
+                raise ns.SpmdError(f"{name}'s gradient {mine.tolist()}, not {theirs.tolist()}")
+        counted = comm.counts().get(("forward", "ppermute", axes))
+        if counted != ppermutes or counts["rode"] - before != rode:
+            raise ns.SpmdError(f"{name}: {comm.counts()}, rode {counts['rode'] - before}")
+
+    for name in ("halos", "write", "ring", "unread"):
+        report(rank, f"halos_{name}_plan", lambda: right(name, 0, 0))
+        for variant in (1, 2):
+            report(
+                rank, f"halos_{name}_{variant}", lambda: right(name, variant, 1 + (name != "ring"))
+            )
+    report(rank, "halos_grad_plan", lambda: right("halos", 3, 0, grad=True))
+    report(rank, "halos_grad", lambda: right("halos", 4, 2, grad=True))
+    state["psum_between"] = True
+    report(rank, "halos_apart", lambda: right("halos", 5, 2))
+    state["psum_between"] = False
+    report(rank, "halos_apart_then", lambda: right("halos", 6, 2))

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 # the scenarios kept in modules of their own are dispatched by name (``main``) as the rest
-from _faults_carried import carried, carried_even_permute, carried_permute
+from _faults_carried import carried, carried_even_permute, carried_halos, carried_permute
 from _faults_common import DENSE, X, good_call, psum_all, report
 from _faults_dtypes import dtypes  # noqa: F401 - a scenario, dispatched by name
 
@@ -80,6 +80,7 @@ def mismatch(mesh, rank):
     carried(mesh, rank)
     carried_permute(mesh, rank)
     carried_even_permute(mesh, rank)
+    carried_halos(mesh, rank)
     ns.set_debug(True)
     report(rank, "shapes_debug", bad_shapes)
     report(rank, "shapes_debug_then", lambda: good_call(mesh))

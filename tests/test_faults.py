@@ -132,6 +132,20 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
         assert o.get("error") == "SpmdError", (o, tail)
         assert "went apart before their first collective: members [1, 2, 3]" in o["message"], o
         assert "members [0] ran another collective first" in o["message"], o
+        o = outcomes[rank, "halos_apart"]  # rank 0 ran a psum between the two ppermutes
+        assert o.get("error") == "SpmdError", (o, tail)
+        assert "went apart before their first collective" in o["message"], o
+        assert "members [0] of the mesh ran a ppermute first," in o["message"], o
+        assert "[1, 2, 3] ran 2 ppermutes (before reading their results) first" in o["message"]
+        halos = [f"halos_{n}_{v}" for n in ("halos", "write", "ring", "unread") for v in "12"]
+        for phase in (
+            *halos,
+            "halos_halos_plan",
+            "halos_grad_plan",
+            "halos_grad",
+            "halos_apart_then",
+        ):
+            assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]
         even = ("plan", "1", "2", "rows", "forgotten", "apart_then", "after")
         phases = tuple(f"even_permute_{p}" for p in even)
         phases += ("shapes_then", "grad_then", "shapes_debug_then", "axes_debug_then")

@@ -69,6 +69,8 @@ def ragged_all_to_all(
     ctx = current("ragged_all_to_all")
     ctx.in_collective += 1  # its own ops are no ops of the user's program
     try:
+        if ctx.deferred:  # (a real mesh's replay: ppermutes not made yet)
+            ctx.make_deferred()
         axes = ctx.check_axes(axis_name, "ragged_all_to_all")
         given = [input_offsets, send_sizes, output_offsets, recv_sizes]
         with DisableTorchFunction():  # inspection only: the vma mode's dispatch buys nothing

@@ -98,10 +98,11 @@ def check_call_agrees(
 
     def finish() -> None:
         mesh.pending_check = None
-        _dist_carried.keep_promise(mesh)
+        deferred = _dist_carried.keep_promise(mesh)
         if not comm.agreed(started, "the start-of-call check"):
             _disagree(ctx, leaves, grad, local, known, recalled, settings, promised, hoistable)
         _dist_carried.settle(ctx)
+        _dist_carried.fill(ctx, deferred)
 
     mesh.pending_check = finish
 

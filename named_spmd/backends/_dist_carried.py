@@ -22,19 +22,28 @@ digest of its pairs, axes and the assumed shape and dtype, negative), the flag "
 another shape or dtype" and, to its destination, the operand's bytes. A flag set: the ppermute
 runs again uncarried (an uneven call's as a flagged one does: the shapes and dtypes exchanged,
 and compared).
+
+An even call's carried ppermute is deferred (:func:`first_permute`): its result is a buffer made
+when something reads it (``SpmdContext.deferred``: an op of the call's replay that reads it, a
+collective, the end of the body: each finishes the check, :func:`fill`). The ppermutes that
+follow it before then, of operands not read from a deferred result, ride in the same exchange
+while their bytes fit in the row (a halo exchange's two directions, the four sides of a 2-D
+block: one wait for all of them and the check). Each is sent from a copy of its operand taken
+when called (a later write to the operand is not sent), and the tag digests them all.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from .. import _torch_private as torch_private
 from .._accounting import CommEvent, record, recording
 from .._errors import SpmdError
+from .._operands import reads_any
 from ._dist_comm import dtype_code
 
 if TYPE_CHECKING:
@@ -61,6 +70,8 @@ class Carried:
         self.comm, self.slots, self.kind = comm, slots, kind
         self.tag = 0
         self.started: tuple[Any, torch.Tensor] | None = None
+        self.pending: list[Deferred] = []  # the ppermutes deferred into it, in call order
+        self.used = 0  # the bytes of a row their operands take
 
     def start(self, meta: torch.Tensor | None) -> None:
         """Send ``meta`` ([ROWS, K] int64, slot k for member ``k // (K // n)``), or zeros."""
@@ -88,9 +99,13 @@ class Carried:
             members: dict[int, list[int]] = {}
             for i, t in enumerate(tags):
                 members.setdefault(t, []).append(i)
+            # a ppermute's row: its flag in bit 0 of column 1, the count carried above it
+            count = {t: int(got[ms[0], 1]) >> 1 if t < 0 else 0 for t, ms in members.items()}
             several = sum(t < 0 for t in members) > 1  # ppermutes of other pairs or axes
+            several = several and len({count[t] for t in members if t < 0}) == 1
             told = ", ".join(
-                f"members {ms}{'' if k else ' of the mesh'} {_first_collective(t, k + 1 if several else 0)}"
+                f"members {ms}{'' if k else ' of the mesh'} "
+                + _first_collective(t, k + 1 if several else 0, count[t])
                 for k, (t, ms) in enumerate(sorted(members.items(), key=lambda e: (not e[0], e[1])))
             )
             raise ctx.alike(
@@ -105,13 +120,33 @@ class Carried:
         return got
 
 
-def _first_collective(tag: int, told: int) -> str:
+class Deferred(NamedTuple):
+    """A ppermute deferred into the carried exchange: its ``result`` (filled by :func:`fill`),
+    a copy of its ``operand``, and where its bytes lie in a row."""
+
+    result: torch.Tensor
+    operand: torch.Tensor
+    axes: tuple[str, ...]
+    pairs: tuple[tuple[int, int], ...]
+    offset: int
+    size: int
+
+    def label(self) -> str:
+        """What the tag digests of it: pairs, axes, shape and dtype code (``hash`` of a str is
+        salted per process: the tag is a blake2b of the labels)."""
+        code = dtype_code(self.operand.dtype)
+        return f"{self.pairs}|{self.axes}|{tuple(self.operand.shape)}|{code}"
+
+
+def _first_collective(tag: int, told: int, count: int) -> str:
     """What the members that sent ``tag`` ran first (``told``: the group's number from 1, where
-    several groups ran ppermutes of other pairs or axes; else 0)."""
+    several groups ran as many ppermutes of other pairs or axes; else 0; ``count``: how many
+    ppermutes they carried)."""
     if tag > 0:
         return "exchanged a ragged_all_to_all's offsets and sizes first"
     if tag < 0:
-        return f"ran a ppermute first{f' (pairs or axes #{told})' if told else ''}"
+        ran = "a ppermute" if count <= 1 else f"{count} ppermutes (before reading their results)"
+        return f"ran {ran} first{f' (pairs or axes #{told})' if told else ''}"
     return "ran another collective first (or none)"
 
 
@@ -130,11 +165,61 @@ def promise(ctx: DistributedContext, hoistable: tuple) -> int:
     return slots
 
 
-def keep_promise(mesh: DistributedMesh) -> None:
-    """As the check is finished: the promised exchange, zeros where no call made it yet."""
+def keep_promise(mesh: DistributedMesh) -> Carried | None:
+    """As the check is finished: the promised exchange, zeros where no call made it yet, or
+    the deferred ppermutes' operands; the exchange where it carries those (:func:`fill`)."""
     carried = mesh.carried
-    if carried is not None and carried.started is None:
+    if carried is None or carried.started is not None:
+        return None
+    if not carried.pending:
         carried.start(None)
+        return None
+    comm, me = carried.comm, carried.comm.index
+    rows = torch.zeros(comm.n, WIDTH, dtype=torch.int64)
+    rows[:, 0] = _tag("; ".join(d.label() for d in carried.pending))
+    rows[:, 1] = len(carried.pending) << 1  # (and no flag: each operand is of its noted kind)
+    for d in carried.pending:
+        dst = next((b for a, b in d.pairs if a == me), None)
+        if dst is not None and dst != me:
+            sent = d.operand.reshape(-1).view(torch.uint8)
+            rows[dst, 2:].view(torch.uint8)[d.offset : d.offset + d.size].copy_(sent)
+    carried.send(rows)
+    return carried
+
+
+def fill(ctx: DistributedContext, carried: Carried | None) -> None:
+    """After the check agreed: the deferred ppermutes' results (``carried``: their exchange,
+    :func:`keep_promise`), read from its rows; where some member's flag is set, or the check's
+    disagreement drained the exchange, each moved again uncarried, in call order."""
+    if carried is None:
+        return
+    ctx.deferred = ()
+    mesh = ctx.mesh
+    got = None
+    if mesh.carried is carried:
+        mesh.carried = None
+        got = carried.finish(ctx)
+        if bool((got[:, 1] & 1).any()):
+            got = None
+    me = carried.comm.index
+    with torch_private.DisableTorchFunction(), torch.no_grad():
+        for d in carried.pending:
+            if got is None:
+                made = mesh.comm(d.axes).permute(d.operand, d.pairs)
+            else:
+                made = _received(got, d, me)
+            d.result.copy_(made)
+
+
+def _received(got: torch.Tensor, d: Deferred, me: int) -> torch.Tensor:
+    """What member ``me`` receives of deferred ppermute ``d`` (zeros where no one sends to it)."""
+    src = next((a for a, b in d.pairs if b == me), None)
+    if src is None:
+        return torch.zeros_like(d.operand)
+    if src == me:
+        return d.operand
+    piece = got[src, 2:].view(torch.uint8)[d.offset : d.offset + d.size]
+    return piece.view(d.operand.dtype).view(d.operand.shape)
 
 
 def settle(ctx: DistributedContext) -> None:
@@ -206,10 +291,16 @@ def _permute_tag(axes, pairs: tuple, shape: tuple, code: int) -> int:
     """A carried ppermute's tag (negative): a digest of its pairs, axes and the recalled operand
     shape and dtype (``code``), so that ranks whose first ppermutes differ in them raise alike
     rather than pair up (an operand of another shape or dtype than the recalled one sets its
-    flag instead). blake2b, not ``hash``: str hashes are salted per process."""
+    flag instead)."""
     names = (axes,) if isinstance(axes, str) else tuple(axes)
-    text = f"{pairs}|{names}|{tuple(shape)}|{code}".encode()
-    return -1 - (int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") & _TAGS)
+    return _tag(f"{pairs}|{names}|{tuple(shape)}|{code}")
+
+
+def _tag(text: str) -> int:
+    """A negative tag digesting ``text`` (blake2b, not ``hash``: str hashes are salted per
+    process)."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return -1 - (int.from_bytes(digest, "big") & _TAGS)
 
 
 def _permute_fits(shape: tuple[int, ...] | None, element_size: int) -> bool:
@@ -239,11 +330,50 @@ def first_permute(ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, ...
     carried = mesh.carried
     kind = (tuple(x.shape), dtype_code(x.dtype))
     if carried is not None and carried.kind is not None:
-        return permute(ctx, x, axes, pairs, carried.kind, kind != carried.kind)[0]
+        deferred = _defer(ctx, carried, x, axes, pairs, kind)
+        if deferred is None and not carried.pending:  # (its flag set: moved again, uncarried)
+            return permute(ctx, x, axes, pairs, carried.kind, kind != carried.kind)[0]
+        return deferred  # (None: it runs uncarried, after the deferred ones)
     permute_noted(ctx, x, axes, pairs)
     if ctx.carried_slots < 0:
         ctx.carried_kind = kind
     return None
+
+
+def _defer(
+    ctx: DistributedContext, carried: Carried, x: torch.Tensor, axes: tuple[str, ...], pairs, kind
+) -> torch.Tensor | None:
+    """The result of ``x``'s ppermute deferred into ``carried`` (module doc), or None where it
+    cannot ride there: the first of another shape or dtype than its plan noted (``kind``:
+    ``x``'s), an operand read from a deferred result, an empty one, one not over the whole
+    mesh on the host, or bytes beyond the row's."""
+    size = x.numel() * x.element_size()
+    if (
+        (kind != carried.kind and not carried.pending)
+        or not size
+        or carried.used + size > BYTES
+        or not _permute_carries(ctx, x, axes)
+        or carried.started is not None
+        or (ctx.deferred and reads_any(ctx.deferred, (x,), None))
+    ):
+        return None
+    pairs = tuple((int(s), int(d)) for s, d in pairs)
+    operand = x.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+    result = torch.empty_like(operand)
+    carried.pending.append(Deferred(result, operand, tuple(axes), pairs, carried.used, size))
+    carried.used += -(-size // 8) * 8  # (each operand's bytes start at a multiple of 8)
+    ctx.deferred = (*ctx.deferred, result)
+    return result
+
+
+def make_deferred(ctx: DistributedContext, rec: Any = None, x: Any = None) -> None:
+    """``SpmdContext.make_deferred``: the check finished (:func:`fill`), but before a ppermute
+    of an operand that reads no deferred result (:func:`first_permute` decides: it may ride
+    along)."""
+    if rec is not None and rec.name == "ppermute" and isinstance(x, torch.Tensor):
+        if not reads_any(ctx.deferred, (x,), None):
+            return
+    ctx.mesh.finish_pending_check()
 
 
 def permute_promised(ctx: DistributedContext) -> bool:
@@ -283,7 +413,7 @@ def permute(
     pairs = tuple((int(s), int(d)) for s, d in pairs)
     rows = torch.zeros(comm.n, WIDTH, dtype=torch.int64)
     rows[:, 0] = _permute_tag(axes, pairs, shape, code)
-    rows[:, 1] = int(not own)
+    rows[:, 1] = 2 | int(not own)  # (one ppermute, and its flag)
     dst = next((d for s, d in pairs if s == me), None)
     if own and dst is not None and dst != me:
         sent = x.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
@@ -294,7 +424,7 @@ def permute(
         return None, False
     mesh.carried = None
     got = carried.finish(ctx)
-    if bool(got[:, 1].any()):
+    if bool((got[:, 1] & 1).any()):
         return None, True
     src = next((s for s, d in pairs if d == me), None)
     if src is None:

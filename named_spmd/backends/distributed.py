@@ -57,11 +57,7 @@ from ._dist_comm import MAX, MIN, SUM
 from ._dist_dtensor import to_local
 from ._dist_failures import timeout_s
 from ._dist_io import global_output, inputs, local_output, refuse_traced_dtensors
-from ._dist_mesh import (
-    DistributedMesh,
-    make_distributed_mesh,
-    mesh_from_device_mesh,
-)
+from ._dist_mesh import DistributedMesh, make_distributed_mesh, mesh_from_device_mesh
 from ._dist_ragged import ragged_rows
 from ._dist_steps import exchange
 from ._dist_uneven_primitives import OperandShapes, UnevenPrimitives, remember
@@ -270,6 +266,8 @@ class DistributedContext(OperandShapes, MemberContext):
 
     def carried_metadata(self, meta, axes):
         return _dist_carried.peers(self, meta, axes)
+
+    make_deferred = _dist_carried.make_deferred  # (a replay's first ppermutes, made when read)
 
     def broadcast(self, x, axes, root):
         return self.mesh.comm(axes).broadcast(x, root)
