@@ -323,3 +323,71 @@ def carried_halos(mesh, rank):
     report(rank, "halos_apart", lambda: right("halos", 5, 2))
     state["psum_between"] = False
     report(rank, "halos_apart_then", lambda: right("halos", 6, 2))
+
+
+def carried_uneven_halos(mesh, rank):
+    """An uneven call's two ppermutes, replayed: the second rides with the first behind the
+    start-of-call check (counted here), with gradients; halos of another row count on every
+    rank (their flags set: the shapes exchanged, the data moved again) or on rank 1 only (the
+    simulated mesh's error on every rank); and the next calls right."""
+    axes, sizes = ("dp", "tp"), (3, 2, 2, 2)
+    down, up = [(j, j + 1) for j in range(3)], [(j + 1, j) for j in range(3)]
+    state: dict[str, dict[int, int]] = {"rows": {}}
+    counts = _count_carried_permutes()
+
+    def halos(u):
+        r = state["rows"].get(rank, 1)
+        top, bottom = ns.ppermute(u[-r:], axes, down), ns.ppermute(u[:r], axes, up)
+        return torch.cat([top, u * 2, bottom])
+
+    spec = P(ns.Blocks(axes, sizes), None)
+    mapped = ns.spmd_map(halos, mesh=mesh, in_specs=spec, out_specs=P(axes))
+
+    def dense(u, r):  # the global result of ``halos``: each member's rows in turn
+        blocks, zero = u.split(sizes), torch.zeros(r, 2)
+        return torch.cat(
+            [
+                torch.cat(
+                    [
+                        blocks[j - 1][-r:] if j else zero,
+                        blocks[j] * 2,
+                        blocks[j + 1][:r] if j < 3 else zero,
+                    ]
+                )
+                for j in range(4)
+            ]
+        )
+
+    def right(variant: int, rode: int, grad: bool = False) -> None:
+        r = max(state["rows"].values(), default=1)
+        u = (torch.arange(18.0).reshape(9, 2) * (variant + 1)).requires_grad_(grad)
+        before = counts["rode"]
+        with ns.CommMode() as comm:
+            got = mapped(u).full_tensor()
+        want = dense(u.detach(), r)
+        if not torch.equal(got.detach(), want):
+            raise ns.SpmdError(f"halos gave {got.tolist()}, not {want.tolist()}")
+        if grad:
+            weights = torch.arange(float(got.numel())).reshape(got.shape)
+            (mine,) = torch.autograd.grad((got * weights).sum(), u)
+            u2 = u.detach().requires_grad_(True)
+            (theirs,) = torch.autograd.grad((dense(u2, r) * weights).sum(), u2)
+            if not torch.equal(mine, theirs):
+                raise ns.SpmdError(f"the gradient {mine.tolist()}, not {theirs.tolist()}")
+        counted = comm.counts().get(("forward", "ppermute", axes))
+        if counted != 2 or counts["rode"] - before != rode:
+            raise ns.SpmdError(f"{comm.counts()}, rode {counts['rode'] - before}")
+
+    report(rank, "uneven_halos_plan", lambda: right(0, 0))
+    for variant in (1, 2):
+        report(rank, f"uneven_halos_{variant}", lambda: right(variant, 2))
+    report(rank, "uneven_halos_grad_plan", lambda: right(3, 0, grad=True))
+    report(rank, "uneven_halos_grad", lambda: right(4, 2, grad=True))
+    state["rows"] = {r: 2 for r in range(4)}
+    report(rank, "uneven_halos_rows", lambda: right(5, 0))  # (flagged: moved again)
+    report(rank, "uneven_halos_rows_then", lambda: right(6, 2))
+    state["rows"] = {1: 1, 0: 2, 2: 2, 3: 2}
+    report(rank, "uneven_halos_odd", lambda: right(7, 0))
+    state["rows"] = {}
+    report(rank, "uneven_halos_after", lambda: right(8, 0))  # (recalls 2 rows: flagged)
+    report(rank, "uneven_halos_after_then", lambda: right(9, 2))

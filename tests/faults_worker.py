@@ -55,7 +55,13 @@ import torch
 import torch.distributed as dist
 
 # the scenarios kept in modules of their own are dispatched by name (``main``) as the rest
-from _faults_carried import carried, carried_even_permute, carried_halos, carried_permute
+from _faults_carried import (
+    carried,
+    carried_even_permute,
+    carried_halos,
+    carried_permute,
+    carried_uneven_halos,
+)
 from _faults_common import DENSE, X, good_call, psum_all, report
 from _faults_dtypes import dtypes  # noqa: F401 - a scenario, dispatched by name
 
@@ -81,6 +87,7 @@ def mismatch(mesh, rank):
     carried_permute(mesh, rank)
     carried_even_permute(mesh, rank)
     carried_halos(mesh, rank)
+    carried_uneven_halos(mesh, rank)
     ns.set_debug(True)
     report(rank, "shapes_debug", bad_shapes)
     report(rank, "shapes_debug_then", lambda: good_call(mesh))

@@ -146,6 +146,13 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
             "halos_apart_then",
         ):
             assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]
+        o = outcomes[rank, "uneven_halos_odd"]  # rank 1's halos of another row count
+        assert o.get("error") == "SpmdError", (o, tail)
+        assert "different shapes" in o["message"], o
+        uneven = ("plan", "1", "2", "grad_plan", "grad", "rows", "rows_then", "after")
+        uneven += ("after_then",)
+        for phase in (f"uneven_halos_{p}" for p in uneven):
+            assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]
         even = ("plan", "1", "2", "rows", "forgotten", "apart_then", "after")
         phases = tuple(f"even_permute_{p}" for p in even)
         phases += ("shapes_then", "grad_then", "shapes_debug_then", "axes_debug_then")

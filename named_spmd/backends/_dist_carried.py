@@ -23,19 +23,22 @@ another shape or dtype" and, to its destination, the operand's bytes. A flag set
 runs again uncarried (an uneven call's as a flagged one does: the shapes and dtypes exchanged,
 and compared).
 
-An even call's carried ppermute is deferred (:func:`first_permute`): its result is a buffer made
-when something reads it (``SpmdContext.deferred``: an op of the call's replay that reads it, a
-collective, the end of the body: each finishes the check, :func:`fill`). The ppermutes that
-follow it before then, of operands not read from a deferred result, ride in the same exchange
-while their bytes fit in the row (a halo exchange's two directions, the four sides of a 2-D
-block: one wait for all of them and the check). Each is sent from a copy of its operand taken
-when called (a later write to the operand is not sent), and the tag digests them all.
+A carried ppermute is deferred (:func:`defer`; an even call's: :func:`first_permute`, an uneven
+call's: ``UnevenPrimitives``): its result is a buffer made when something reads it
+(``SpmdContext.deferred``: an op of the call's replay that reads it, a collective, the end of
+the body: each finishes the check, :func:`fill`). The ppermutes that follow it before then, of
+operands not read from a deferred result, ride in the same exchange while their bytes fit in
+the row (a halo exchange's two directions, the four sides of a 2-D block: one wait for all of
+them and the check). Each is sent from a copy of its operand taken when called (a later write
+to the operand is not sent), and the tag digests them all; any flag set, each moves again, in
+call order, right after the exchange (``Deferred.redo``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -44,7 +47,7 @@ from .. import _torch_private as torch_private
 from .._accounting import CommEvent, record, recording
 from .._errors import SpmdError
 from .._operands import reads_any
-from ._dist_comm import dtype_code
+from ._dist_comm import dtype_code, dtype_of
 
 if TYPE_CHECKING:
     from ._dist_comm import Comm
@@ -122,20 +125,24 @@ class Carried:
 
 class Deferred(NamedTuple):
     """A ppermute deferred into the carried exchange: its ``result`` (filled by :func:`fill`),
-    a copy of its ``operand``, and where its bytes lie in a row."""
+    a copy of its ``operand``, the (shape, dtype code) every member's operand is assumed of
+    (``kind``), whether this one's is (``own``: else its flag is set), where its bytes lie in a
+    row, and how it moves again, uncarried, where some member's flag is set (``redo``)."""
 
     result: torch.Tensor
     operand: torch.Tensor
     axes: tuple[str, ...]
     pairs: tuple[tuple[int, int], ...]
+    kind: tuple
+    own: bool
     offset: int
     size: int
+    redo: Callable[[torch.Tensor], torch.Tensor]
 
     def label(self) -> str:
-        """What the tag digests of it: pairs, axes, shape and dtype code (``hash`` of a str is
-        salted per process: the tag is a blake2b of the labels)."""
-        code = dtype_code(self.operand.dtype)
-        return f"{self.pairs}|{self.axes}|{tuple(self.operand.shape)}|{code}"
+        """What the tag digests of it: pairs, axes, assumed shape and dtype code (``hash`` of a
+        str is salted per process: the tag is a blake2b of the labels)."""
+        return f"{self.pairs}|{self.axes}|{tuple(self.kind[0])}|{self.kind[1]}"
 
 
 def _first_collective(tag: int, told: int, count: int) -> str:
@@ -177,10 +184,10 @@ def keep_promise(mesh: DistributedMesh) -> Carried | None:
     comm, me = carried.comm, carried.comm.index
     rows = torch.zeros(comm.n, WIDTH, dtype=torch.int64)
     rows[:, 0] = _tag("; ".join(d.label() for d in carried.pending))
-    rows[:, 1] = len(carried.pending) << 1  # (and no flag: each operand is of its noted kind)
+    rows[:, 1] = len(carried.pending) << 1 | int(not all(d.own for d in carried.pending))
     for d in carried.pending:
         dst = next((b for a, b in d.pairs if a == me), None)
-        if dst is not None and dst != me:
+        if d.own and dst is not None and dst != me:
             sent = d.operand.reshape(-1).view(torch.uint8)
             rows[dst, 2:].view(torch.uint8)[d.offset : d.offset + d.size].copy_(sent)
     carried.send(rows)
@@ -204,11 +211,7 @@ def fill(ctx: DistributedContext, carried: Carried | None) -> None:
     me = carried.comm.index
     with torch_private.DisableTorchFunction(), torch.no_grad():
         for d in carried.pending:
-            if got is None:
-                made = mesh.comm(d.axes).permute(d.operand, d.pairs)
-            else:
-                made = _received(got, d, me)
-            d.result.copy_(made)
+            d.result.copy_(d.redo(d.operand) if got is None else _received(got, d, me))
 
 
 def _received(got: torch.Tensor, d: Deferred, me: int) -> torch.Tensor:
@@ -330,40 +333,56 @@ def first_permute(ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, ...
     carried = mesh.carried
     kind = (tuple(x.shape), dtype_code(x.dtype))
     if carried is not None and carried.kind is not None:
-        deferred = _defer(ctx, carried, x, axes, pairs, kind)
-        if deferred is None and not carried.pending:  # (its flag set: moved again, uncarried)
-            return permute(ctx, x, axes, pairs, carried.kind, kind != carried.kind)[0]
-        return deferred  # (None: it runs uncarried, after the deferred ones)
+        if kind != carried.kind and not carried.pending:  # (its flag set: moved again)
+            return permute(ctx, x, axes, pairs, carried.kind, True)[0]
+        comm = mesh.comm(axes)
+        pairs = tuple((int(s), int(d)) for s, d in pairs)
+        # (None: it runs uncarried, after the deferred ones)
+        return defer(ctx, x, axes, pairs, kind, True, lambda t: comm.permute(t, pairs))
     permute_noted(ctx, x, axes, pairs)
     if ctx.carried_slots < 0:
         ctx.carried_kind = kind
     return None
 
 
-def _defer(
-    ctx: DistributedContext, carried: Carried, x: torch.Tensor, axes: tuple[str, ...], pairs, kind
+def defer(
+    ctx: DistributedContext,
+    x: torch.Tensor,
+    axes: tuple[str, ...],
+    pairs: tuple[tuple[int, int], ...],
+    kind: tuple,
+    own: bool,
+    redo: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor | None:
-    """The result of ``x``'s ppermute deferred into ``carried`` (module doc), or None where it
-    cannot ride there: the first of another shape or dtype than its plan noted (``kind``:
-    ``x``'s), an operand read from a deferred result, an empty one, one not over the whole
-    mesh on the host, or bytes beyond the row's."""
-    size = x.numel() * x.element_size()
+    """The result of ``x``'s ppermute deferred into the promised exchange (module doc; ``kind``,
+    ``own``, ``redo``: :class:`Deferred`'s), or None where it cannot ride there: no exchange
+    promised or one sent already, an operand read from a deferred result, an empty one, one
+    not over the whole mesh on the host, or bytes beyond the row's."""
+    carried = ctx.mesh.carried
+    if carried is None or carried.started is not None:
+        return None
+    dtype = dtype_of(kind[1])
+    size = 0 if dtype is None else math.prod(kind[0]) * dtype.itemsize
     if (
-        (kind != carried.kind and not carried.pending)
-        or not size
+        not size
         or carried.used + size > BYTES
         or not _permute_carries(ctx, x, axes)
-        or carried.started is not None
         or (ctx.deferred and reads_any(ctx.deferred, (x,), None))
     ):
         return None
-    pairs = tuple((int(s), int(d)) for s, d in pairs)
     operand = x.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
     result = torch.empty_like(operand)
-    carried.pending.append(Deferred(result, operand, tuple(axes), pairs, carried.used, size))
+    entry = Deferred(result, operand, tuple(axes), pairs, kind, own, carried.used, size, redo)
+    carried.pending.append(entry)
     carried.used += -(-size // 8) * 8  # (each operand's bytes start at a multiple of 8)
     ctx.deferred = (*ctx.deferred, result)
     return result
+
+
+def deferring(ctx: DistributedContext) -> bool:
+    """Whether ppermutes are deferred into the promised exchange, not yet sent."""
+    carried = ctx.mesh.carried
+    return carried is not None and bool(carried.pending) and carried.started is None
 
 
 def make_deferred(ctx: DistributedContext, rec: Any = None, x: Any = None) -> None:

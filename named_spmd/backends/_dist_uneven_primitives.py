@@ -368,23 +368,28 @@ class UnevenPrimitives(OperandShapes):
         """Before a ppermute's data moves: the shape it assumes (``_guess``; none after a read
         of a varying value, where the ranks meet first), or every instance's shape exchanged
         (unless given) and compared. A first ppermute that the check carries
-        (``_dist_carried``) assumes the recalled shape before the check is finished."""
+        (``_dist_carried``) assumes the recalled shape before the check is finished, and so do
+        the ppermutes that ride along with it (deferred: ``_dist_carried.defer``)."""
         mesh = self.mesh
         assert self._seen is not None
         first = not self._seen and not self.values_read
-        self._carries = first and _dist_carried.permute_promised(self)  # type: ignore[arg-type]
-        if self._carries:
-            assert self._recalled is not None
-            self._guess = self._recalled[0]
+        moves = any(s != d for s, d in pairs)  # (else nothing moves: no flag either)
+        whole = mesh.comm(axes).n == mesh.size
+        if first:
+            self._carries = _dist_carried.permute_promised(self)  # type: ignore[arg-type]
+        elif moves and whole and not self.values_read:
+            self._carries = _dist_carried.deferring(self)  # type: ignore[arg-type]
+        k = len(self._seen)
+        if self._carries and self._recalled is not None and k < len(self._recalled):
+            self._guess = self._recalled[k]
             self._seen.append(self._guess)
             return
+        self._carries = False
         if first:
             _dist_carried.permute_noted(self, x, axes, pairs)  # type: ignore[arg-type]
         mesh.finish_pending_check()  # first: whether every rank recalls the same
-        k, recalled = len(self._seen), self._recalled
+        recalled = self._recalled  # (forgotten where the ranks recall otherwise)
         guess = recalled[k] if recalled is not None and k < len(recalled) else None
-        moves = any(s != d for s, d in pairs)  # (else nothing moves: no flag either)
-        whole = mesh.comm(axes).n == mesh.size
         if guess is not None and moves and whole and not self.values_read:
             self._guess = guess
             self._seen.append(guess)
@@ -407,23 +412,48 @@ class UnevenPrimitives(OperandShapes):
             return super().permute(x, axes, pairs)  # type: ignore[misc]
         # another dtype, of one element size too, is flagged: its bytes would be read as another's
         differs = (tuple(x.shape), dtype_code(x.dtype)) != guess
-        if self._carries:
-            self._carries = False
+        carries, self._carries = self._carries, False
+        out = self._deferred(x, axes, pairs, guess, differs) if carries else None
+        if out is not None:
+            return out
+        assert self._seen is not None
+        if carries and len(self._seen) == 1:  # the promised exchange, this ppermute alone
             out, flagged = _dist_carried.permute(self, x, axes, pairs, guess, differs)  # type: ignore[arg-type]
         else:
-            comm = self.mesh.comm(axes)
-            # (a flagged operand is sent as the recalled shape and dtype: the sizes every member
-            # expects, whatever the element size of the operand that differs)
-            zeros = x.new_zeros(guess[0], dtype=dtype_of(guess[1])) if differs else x
-            out, flagged = comm.permute_flagged(zeros, pairs, differs)
+            if carries:  # (it could not ride along: the deferred ones are made first)
+                self.mesh.finish_pending_check()
+            if self._recalled is None:  # (the ranks recalled otherwise: forgotten)
+                out, flagged = None, True
+            else:
+                comm = self.mesh.comm(axes)
+                # (a flagged operand is sent as the recalled shape and dtype: the sizes every
+                # member expects, whatever the element size of the operand that differs)
+                zeros = x.new_zeros(guess[0], dtype=dtype_of(guess[1])) if differs else x
+                out, flagged = comm.permute_flagged(zeros, pairs, differs)
         if out is not None and not flagged:
             return out
         # (every member knows it: the flags went to all); the dtypes compared there
         shapes = self._every_shape(x, step=("ppermute", axes, (pairs,)))
-        assert self._seen is not None
         self._same_shapes("ppermute", x, axes, shapes)
         self._seen[-1] = self._kind(shapes, x, True)
         return super().permute(x, axes, pairs)  # type: ignore[misc]
+
+    def _deferred(self, x, axes, pairs, guess: tuple, differs: bool) -> torch.Tensor | None:
+        """A carried ppermute deferred (``_dist_carried.defer``), its flag set where ``x`` is
+        not of the ``guess``ed kind: moved again where any member's is, the shapes exchanged
+        first (each result has its operand's shape: ranks whose shapes differ raise)."""
+        assert self._seen is not None
+        k = len(self._seen) - 1
+        pairs = tuple((int(s), int(d)) for s, d in pairs)
+
+        def redo(operand: torch.Tensor) -> torch.Tensor:
+            shapes = self._every_shape(operand, step=("ppermute", axes, (pairs,)))
+            self._same_shapes("ppermute", operand, axes, shapes)
+            self._seen[k] = self._kind(shapes, operand, True)  # type: ignore[index]
+            return super(UnevenPrimitives, self).permute(operand, axes, pairs)  # type: ignore[misc]
+
+        own = not differs
+        return _dist_carried.defer(self, x, axes, pairs, guess, own, redo)  # type: ignore[arg-type]
 
     def record_shapes(self) -> None:
         """The call's outputs are made: what its ppermutes' operands were, for the next call
