@@ -25,18 +25,22 @@ def tensor_operands(args: Any, kwargs: dict | None) -> list[torch.Tensor]:
 
 def reads_any(tensors: tuple, args: Any, kwargs: dict | None) -> bool:
     """Whether an op's operands include one of ``tensors`` or an alias of its whole memory (a
-    detached alias that ``CommMode``'s tagging hands out); a view is made by an op that reads."""
+    detached alias that ``CommMode``'s tagging hands out); a view is made by an op that reads.
+    A tensor whose memory cannot be told (a ``torch.func`` transform's wrapper, a sparse one)
+    may hold one: it counts as one."""
     for a in tensor_operands(args, kwargs):
         for t in tensors:
-            if a is t or (a.layout is torch.strided and _data_ptr(a) == t.data_ptr()):
+            if a is t or _data_ptr(a) in (None, t.data_ptr()):
                 return True
     return False
 
 
 def _data_ptr(a: torch.Tensor) -> int | None:
+    if a.layout is not torch.strided:
+        return None
     try:
         return a.data_ptr()
-    except RuntimeError:  # (a tensor without storage: no alias of a deferred result)
+    except RuntimeError:  # (a wrapper without storage)
         return None
 
 

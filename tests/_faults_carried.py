@@ -242,7 +242,7 @@ def carried_halos(mesh, rank):
     the dense ones, or one error on every rank, and the next call runs."""
     axes = ("dp", "tp")
     down, up = [(j, j + 1) for j in range(3)], [(j + 1, j) for j in range(3)]
-    state = {"psum_between": False}
+    state = {"psum_between": False, "read_between": False, "raise_between": False}
     counts = _count_carried_permutes()
 
     def halos(u, write=False):
@@ -252,8 +252,24 @@ def carried_halos(mesh, rank):
             h.add_(100.0)  # (after the call: not sent)
         if state["psum_between"] and rank == 0:  # (Python state that differs between ranks)
             u = u + ns.psum(u[:1], axes) * 0
+        if state["read_between"] and rank == 0:  # (a rank's own print of a result)
+            str(top)
         bottom = ns.ppermute(u[:1], axes, up)
+        if state["raise_between"] and rank == 0:
+            raise ValueError("rank 0 fails before the results are read")
         return torch.cat([top, u * 2, bottom])
+
+    def kinds(u):  # float64, then complex128 at the next 16 bytes; one made under inference mode
+        with torch.inference_mode():
+            a = ns.ppermute(u[-1:].double(), axes, down)
+        b = ns.ppermute(torch.complex(u[:1], u[:1]).to(torch.complex128), axes, up)
+        return torch.cat([a.float(), u * 2, b.real.float() + b.imag.float()])
+
+    def derivative(u):  # the second call's replay diverges into a torch.func transform
+        y = ns.ppermute(u, axes, down)
+        if state["grad"]:
+            return torch.func.grad(lambda a: (a * a).sum())(y)
+        return y * 2
 
     def ring(u):
         return ns.ppermute(ns.ppermute(u[-1:], axes, down) * 3, axes, down)
@@ -280,9 +296,11 @@ def carried_halos(mesh, rank):
         ),
         "ring": ns.spmd_map(ring, mesh=mesh, in_specs=spec, out_specs=spec),
         "unread": ns.spmd_map(unread, mesh=mesh, in_specs=spec, out_specs=(spec, spec)),
+        "kinds": ns.spmd_map(kinds, mesh=mesh, in_specs=spec, out_specs=spec),
+        "derivative": ns.spmd_map(derivative, mesh=mesh, in_specs=spec, out_specs=spec),
     }
 
-    def right(name: str, variant: int, rode: int, ppermutes: int = 2, grad: bool = False):
+    def right(name: str, variant: int, rode: int | None, ppermutes: int = 2, grad: bool = False):
         u = (torch.arange(16.0).reshape(8, 2) * (variant + 1)).requires_grad_(grad)
         before = counts["rode"]
         with ns.CommMode() as comm:
@@ -292,23 +310,23 @@ def carried_halos(mesh, rank):
             got = got.full_tensor()
             # (member j's row: member j - 2's last row, times 3)
             want = torch.cat([torch.zeros(2, 2), blocks[0, -1:] * 3, blocks[1, -1:] * 3])
+        elif name == "derivative":  # (y * 2 either way: the gradient of sum(y * y))
+            got = got.full_tensor()
+            want = torch.cat([torch.zeros(2, 2), u.detach()[:6] * 2])
         elif name == "unread":
             got = torch.cat([g.full_tensor() for g in got])
             want = torch.cat([dense(u.detach())[[0, 4, 8, 12]], dense(u.detach())[[3, 7, 11, 15]]])
         else:
             want = dense(u.detach())
+            if name == "kinds":
+                want[3::4] *= 2  # (the real and the imaginary part)
             got = got.full_tensor()
         if not torch.equal(got.detach(), want):
             raise ns.SpmdError(f"{name} gave {got.tolist()}, not {want.tolist()}")
         if grad:
-            weights = torch.arange(float(got.numel())).reshape(got.shape)
-            (mine,) = torch.autograd.grad((got * weights).sum(), u)
-            u2 = u.detach().requires_grad_(True)
-            (theirs,) = torch.autograd.grad((dense(u2) * weights).sum(), u2)
-            if not torch.equal(mine, theirs):
-                raise ns.SpmdError(f"{name}'s gradient {mine.tolist()}, not {theirs.tolist()}")
+            _same_gradient(got, u, dense)
         counted = comm.counts().get(("forward", "ppermute", axes))
-        if counted != ppermutes or counts["rode"] - before != rode:
+        if counted != ppermutes or rode not in (None, counts["rode"] - before):
             raise ns.SpmdError(f"{name}: {comm.counts()}, rode {counts['rode'] - before}")
 
     for name in ("halos", "write", "ring", "unread"):
@@ -323,6 +341,21 @@ def carried_halos(mesh, rank):
     report(rank, "halos_apart", lambda: right("halos", 5, 2))
     state["psum_between"] = False
     report(rank, "halos_apart_then", lambda: right("halos", 6, 2))
+    state["read_between"] = True  # rank 0 reads its first result early: the rest moves again
+    report(rank, "halos_read", lambda: right("halos", 7, 1))
+    state["read_between"] = False
+    state["raise_between"] = True  # (the others return: their results are not gathered)
+    report(rank, "halos_raise", lambda: mapped["halos"](torch.arange(16.0).reshape(8, 2)))
+    state["raise_between"] = False
+    report(rank, "halos_raise_then", lambda: right("halos", 9, None))
+    report(rank, "halos_raise_then_then", lambda: right("halos", 10, 2))
+    report(rank, "halos_kinds_plan", lambda: right("kinds", 0, 0))
+    report(rank, "halos_kinds", lambda: right("kinds", 1, 2))
+    state["grad"] = False
+    report(rank, "halos_derivative_plan", lambda: right("derivative", 0, 0, ppermutes=1))
+    report(rank, "halos_derivative", lambda: right("derivative", 1, 1, ppermutes=1))
+    state["grad"] = True
+    report(rank, "halos_derivative_transform", lambda: right("derivative", 2, 1, ppermutes=1))
 
 
 def carried_uneven_halos(mesh, rank):
@@ -368,12 +401,7 @@ def carried_uneven_halos(mesh, rank):
         if not torch.equal(got.detach(), want):
             raise ns.SpmdError(f"halos gave {got.tolist()}, not {want.tolist()}")
         if grad:
-            weights = torch.arange(float(got.numel())).reshape(got.shape)
-            (mine,) = torch.autograd.grad((got * weights).sum(), u)
-            u2 = u.detach().requires_grad_(True)
-            (theirs,) = torch.autograd.grad((dense(u2, r) * weights).sum(), u2)
-            if not torch.equal(mine, theirs):
-                raise ns.SpmdError(f"the gradient {mine.tolist()}, not {theirs.tolist()}")
+            _same_gradient(got, u, lambda v: dense(v, r))
         counted = comm.counts().get(("forward", "ppermute", axes))
         if counted != 2 or counts["rode"] - before != rode:
             raise ns.SpmdError(f"{comm.counts()}, rode {counts['rode'] - before}")
@@ -391,3 +419,13 @@ def carried_uneven_halos(mesh, rank):
     state["rows"] = {}
     report(rank, "uneven_halos_after", lambda: right(8, 0))  # (recalls 2 rows: flagged)
     report(rank, "uneven_halos_after_then", lambda: right(9, 2))
+
+
+def _same_gradient(got: torch.Tensor, u: torch.Tensor, dense) -> None:
+    """The gradient of a weighted sum of ``got`` (made from ``u``) equals the dense one's."""
+    weights = torch.arange(float(got.numel())).reshape(got.shape)
+    (mine,) = torch.autograd.grad((got * weights).sum(), u)
+    v = u.detach().requires_grad_(True)
+    (theirs,) = torch.autograd.grad((dense(v) * weights).sum(), v)
+    if not torch.equal(mine, theirs):
+        raise ns.SpmdError(f"the gradient {mine.tolist()}, not {theirs.tolist()}")

@@ -136,16 +136,16 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
         assert o.get("error") == "SpmdError", (o, tail)
         assert "went apart before their first collective" in o["message"], o
         assert "members [0] of the mesh ran a ppermute first," in o["message"], o
-        assert "[1, 2, 3] ran 2 ppermutes (before reading their results) first" in o["message"]
+        assert "members [1, 2, 3] ran 2 ppermutes first" in o["message"], o
         halos = [f"halos_{n}_{v}" for n in ("halos", "write", "ring", "unread") for v in "12"]
-        for phase in (
-            *halos,
-            "halos_halos_plan",
-            "halos_grad_plan",
-            "halos_grad",
-            "halos_apart_then",
-        ):
+        halos += ["halos_halos_plan", "halos_grad_plan", "halos_grad", "halos_apart_then"]
+        halos += ["halos_read", "halos_raise_then_then", "halos_kinds_plan", "halos_kinds"]
+        halos += [f"halos_derivative{p}" for p in ("_plan", "", "_transform")]
+        for phase in halos:
             assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]
+        o = outcomes[rank, "halos_raise"]  # rank 0 raised before its ppermutes' exchange
+        assert o.get("error" if rank == 0 else "ok") == ("ValueError" if rank == 0 else True), o
+        assert outcomes[rank, "halos_raise_then"].get("error") == "RankFailedError"
         o = outcomes[rank, "uneven_halos_odd"]  # rank 1's halos of another row count
         assert o.get("error") == "SpmdError", (o, tail)
         assert "different shapes" in o["message"], o

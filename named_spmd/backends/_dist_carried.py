@@ -14,24 +14,25 @@ every rank raises the same error. Where the checksums differ (some ranks promise
 not), the ranks learn who promised in the check's exchange of descriptions, and those that did
 not send zeros (:func:`drain`), so the exchange completes before the check's error or the call.
 
-A call's first ``ppermute`` rides so too (:func:`permute`), where its plan ran it first over the
-whole mesh on an operand of at most :data:`BYTES` bytes, of the shape and dtype that the replay
-assumes: an even call's plan notes them (:func:`first_permute`), an uneven call recalls the
-signature's last call (``UnevenPrimitives``). Each rank sends every member a row of the tag (the
-digest of its pairs, axes and the assumed shape and dtype, negative), the flag "my operand has
-another shape or dtype" and, to its destination, the operand's bytes. A flag set: the ppermute
-runs again uncarried (an uneven call's as a flagged one does: the shapes and dtypes exchanged,
-and compared).
-
-A carried ppermute is deferred (:func:`defer`; an even call's: :func:`first_permute`, an uneven
-call's: ``UnevenPrimitives``): its result is a buffer made when something reads it
-(``SpmdContext.deferred``: an op of the call's replay that reads it, a collective, the end of
-the body: each finishes the check, :func:`fill`). The ppermutes that follow it before then, of
-operands not read from a deferred result, ride in the same exchange while their bytes fit in
-the row (a halo exchange's two directions, the four sides of a 2-D block: one wait for all of
-them and the check). Each is sent from a copy of its operand taken when called (a later write
-to the operand is not sent), and the tag digests them all; any flag set, each moves again, in
-call order, right after the exchange (``Deferred.redo``).
+A call's first ``ppermute`` rides so too, where its plan ran it first over the whole mesh on an
+operand of at most :data:`BYTES` bytes, of the shape and dtype that the replay assumes: an even
+call's plan notes them (:func:`first_permute`), an uneven call recalls the signature's last call
+(``UnevenPrimitives``). It is deferred (:func:`defer`): its result is a buffer made when
+something reads it (``SpmdContext.deferred``: an op of the call's replay that reads it, or any
+tensor whose memory cannot be told, as a transform's wrapper; a collective; the end of the body:
+each finishes the check, :func:`fill`). The ppermutes that follow it before then (at most
+:data:`DEFERRED`), of operands not read from a deferred result, ride in the same exchange while
+their bytes fit (a halo exchange's two directions, the four sides of a 2-D block: one wait for
+all of them and the check), each sent from a copy of its operand taken when called (a later
+write to it is not sent). Each rank sends every member a row of the tag (a digest of the
+ppermutes' pairs, axes and assumed shapes and dtypes, negative), a status (how many; whether it
+was sent at a read, after which more may follow; the flag "an operand has another shape or
+dtype"), the tags of the first 1, 2, ... of them and, to each destination, the operands' bytes.
+The ppermutes every member carried ride, where their tags agree (:func:`_riding`); a member that
+read a result sooner (a rank's own ``print``) carried fewer, and the others move their later
+ones again, uncarried, in call order, as that member calls them; a flag set moves every one
+again (``Deferred.redo``: an uneven call's exchanges the shapes and dtypes first, and compares
+them). A rank whose call raises before the exchange sends it first (:func:`abandon`).
 """
 
 from __future__ import annotations
@@ -56,10 +57,13 @@ if TYPE_CHECKING:
 
 SLOTS = 8  # slots per member carried at most (``ROWS`` int64 each)
 ROWS = 6  # ragged_all_to_all's metadata per slot: the four, and the operand's and output's rows
-BYTES = 4096  # a carried ppermute's operand, at most
+BYTES = 4096  # the carried ppermutes' operands, at most
+DEFERRED = 8  # ppermutes carried together, at most
 # a row (one width whatever it carries: ranks whose calls went apart still pair up): the tag,
-# then the metadata of the receiver's slots, or a ppermute's flag and operand bytes
-WIDTH = max(1 + ROWS * SLOTS, 2 + BYTES // 8)
+# then the metadata of the receiver's slots, or the ppermutes' status (:func:`keep_promise`),
+# the tags of their first 1, 2, ... and, from column ``_HEAD``, their operands' bytes
+_HEAD = 2 + DEFERRED
+WIDTH = max(1 + ROWS * SLOTS, _HEAD + BYTES // 8)
 _TAGS = (1 << 61) - 1  # a ppermute's tag: minus one plus its digest's low bits
 _NAME = "the start-of-call check's carried exchange"
 
@@ -75,6 +79,9 @@ class Carried:
         self.started: tuple[Any, torch.Tensor] | None = None
         self.pending: list[Deferred] = []  # the ppermutes deferred into it, in call order
         self.used = 0  # the bytes of a row their operands take
+        #: it is sent where a result is read (more ppermutes may follow before the next
+        #: collective), not at another collective or the body's end (:func:`keep_promise`)
+        self.reading = False
 
     def start(self, meta: torch.Tensor | None) -> None:
         """Send ``meta`` ([ROWS, K] int64, slot k for member ``k // (K // n)``), or zeros."""
@@ -92,42 +99,48 @@ class Carried:
         self.tag = int(rows[0, 0])
         self.started = self.comm.start_all_to_all(rows)
 
-    def finish(self, ctx: DistributedContext) -> torch.Tensor:
+    def finish(self, ctx: DistributedContext, ppermutes: bool = False) -> torch.Tensor:
         """The rows received, in member order; where some member's tag is not this one's, the
-        calls went apart before their first collective: every rank raises alike."""
+        calls went apart before their first collective: every rank raises alike (but where
+        every member carried ppermutes: ``ppermutes``, :func:`_riding` judges)."""
         assert self.started is not None
         got = self.comm.finish_all_to_all(self.started, _NAME)
         tags = got[:, 0].tolist()
-        if any(t != self.tag for t in tags):
-            members: dict[int, list[int]] = {}
-            for i, t in enumerate(tags):
-                members.setdefault(t, []).append(i)
-            # a ppermute's row: its flag in bit 0 of column 1, the count carried above it
-            count = {t: int(got[ms[0], 1]) >> 1 if t < 0 else 0 for t, ms in members.items()}
-            several = sum(t < 0 for t in members) > 1  # ppermutes of other pairs or axes
-            several = several and len({count[t] for t in members if t < 0}) == 1
-            told = ", ".join(
-                f"members {ms}{'' if k else ' of the mesh'} "
-                + _first_collective(t, k + 1 if several else 0, count[t])
-                for k, (t, ms) in enumerate(sorted(members.items(), key=lambda e: (not e[0], e[1])))
-            )
-            raise ctx.alike(
-                SpmdError(
-                    f"spmd_map of {ctx.fn_label}: the ranks' calls went apart before their first "
-                    f"collective: {told}, where the call's earlier run of the same inputs ran one "
-                    "first collective on every rank. Fix: make the collectives a call runs, and "
-                    "their order and arguments, independent of the rank (Python state that "
-                    "differs between ranks)."
-                )
-            )
+        if any(t != self.tag for t in tags) and not (ppermutes and all(t < 0 for t in tags)):
+            raise _apart(ctx, got)
         return got
+
+
+def _apart(ctx: DistributedContext, got: torch.Tensor) -> SpmdError:
+    """The error every rank raises alike where the rows ``got`` say that the members' calls
+    went apart before their first collective."""
+    members: dict[int, list[int]] = {}
+    for i, t in enumerate(got[:, 0].tolist()):
+        members.setdefault(t, []).append(i)
+    count = {t: int(got[ms[0], 1]) >> 2 if t < 0 else 0 for t, ms in members.items()}
+    several = sum(t < 0 for t in members) > 1  # ppermutes of other pairs or axes
+    several = several and len({count[t] for t in members if t < 0}) == 1
+    told = ", ".join(
+        f"members {ms}{'' if k else ' of the mesh'} "
+        + _first_collective(t, k + 1 if several else 0, count[t])
+        for k, (t, ms) in enumerate(sorted(members.items(), key=lambda e: (not e[0], e[1])))
+    )
+    return ctx.alike(
+        SpmdError(
+            f"spmd_map of {ctx.fn_label}: the ranks' calls went apart before their first "
+            f"collective: {told}, where the call's earlier run of the same inputs ran one first "
+            "collective on every rank. Fix: make the collectives a call runs, and their order "
+            "and arguments, independent of the rank (Python state that differs between ranks)."
+        )
+    )
 
 
 class Deferred(NamedTuple):
     """A ppermute deferred into the carried exchange: its ``result`` (filled by :func:`fill`),
     a copy of its ``operand``, the (shape, dtype code) every member's operand is assumed of
     (``kind``), whether this one's is (``own``: else its flag is set), where its bytes lie in a
-    row, and how it moves again, uncarried, where some member's flag is set (``redo``)."""
+    row, and how it moves again, uncarried: where some member's flag is set (``redo``), and
+    where some member carried fewer, as that member's uncarried call of it does (``again``)."""
 
     result: torch.Tensor
     operand: torch.Tensor
@@ -138,6 +151,7 @@ class Deferred(NamedTuple):
     offset: int
     size: int
     redo: Callable[[torch.Tensor], torch.Tensor]
+    again: Callable[[torch.Tensor], torch.Tensor]
 
     def label(self) -> str:
         """What the tag digests of it: pairs, axes, assumed shape and dtype code (``hash`` of a
@@ -152,7 +166,7 @@ def _first_collective(tag: int, told: int, count: int) -> str:
     if tag > 0:
         return "exchanged a ragged_all_to_all's offsets and sizes first"
     if tag < 0:
-        ran = "a ppermute" if count <= 1 else f"{count} ppermutes (before reading their results)"
+        ran = "a ppermute" if count <= 1 else f"{count} ppermutes"
         return f"ran {ran} first{f' (pairs or axes #{told})' if told else ''}"
     return "ran another collective first (or none)"
 
@@ -181,17 +195,40 @@ def keep_promise(mesh: DistributedMesh) -> Carried | None:
     if not carried.pending:
         carried.start(None)
         return None
-    comm, me = carried.comm, carried.comm.index
+    comm, me, pending = carried.comm, carried.comm.index, carried.pending
     rows = torch.zeros(comm.n, WIDTH, dtype=torch.int64)
-    rows[:, 0] = _tag("; ".join(d.label() for d in carried.pending))
-    rows[:, 1] = len(carried.pending) << 1 | int(not all(d.own for d in carried.pending))
-    for d in carried.pending:
+    labels = [d.label() for d in pending]
+    prefixes = [_tag("; ".join(labels[: k + 1])) for k in range(len(pending))]
+    rows[:, 0] = prefixes[-1]
+    # the status: how many, whether more may follow (sent at a read), whether a flag is set
+    flagged = not all(d.own for d in pending)
+    rows[:, 1] = len(pending) << 2 | int(carried.reading) << 1 | int(flagged)
+    rows[:, 2 : 2 + len(pending)] = torch.tensor(prefixes)
+    for d in pending:
         dst = next((b for a, b in d.pairs if a == me), None)
         if d.own and dst is not None and dst != me:
             sent = d.operand.reshape(-1).view(torch.uint8)
-            rows[dst, 2:].view(torch.uint8)[d.offset : d.offset + d.size].copy_(sent)
+            rows[dst, _HEAD:].view(torch.uint8)[d.offset : d.offset + d.size].copy_(sent)
     carried.send(rows)
     return carried
+
+
+def _riding(ctx: DistributedContext, got: torch.Tensor) -> tuple[int, int]:
+    """How many of the deferred ppermutes ride in the rows ``got`` (0: every one moves again,
+    uncarried, where a member's flag is set), and how many every member carried: as many as
+    every member carried ride, where their first ones agree (the same tag); a member that
+    carried fewer at a read (a rank's own ``print`` of a result) calls the others later,
+    which the members that carried them move again, in order, as it does (``Deferred.again``).
+    Members whose ppermutes differ, or one that carried fewer and then ran another collective
+    or ended its body, went apart: every rank raises alike."""
+    status = got[:, 1].tolist()
+    counts = [s >> 2 for s in status]
+    m = min(counts)
+    ended = any((s & 2) == 0 for s, c in zip(status, counts) if c == m)
+    if len(set(got[:, 1 + m].tolist())) > 1 or (ended and max(counts) > m):
+        ctx.mesh.board.check(_NAME)  # (a rank that raised sent its rows: the board tells it)
+        raise _apart(ctx, got)
+    return (0 if any(s & 1 for s in status) else m), m
 
 
 def fill(ctx: DistributedContext, carried: Carried | None) -> None:
@@ -202,16 +239,38 @@ def fill(ctx: DistributedContext, carried: Carried | None) -> None:
         return
     ctx.deferred = ()
     mesh = ctx.mesh
-    got = None
-    if mesh.carried is carried:
+    got, riding, every = None, 0, len(carried.pending)
+    if mesh.carried is carried:  # (else drained: the check's disagreement took it)
         mesh.carried = None
-        got = carried.finish(ctx)
-        if bool((got[:, 1] & 1).any()):
-            got = None
+        got = carried.finish(ctx, ppermutes=True)
+        riding, every = _riding(ctx, got)
     me = carried.comm.index
-    with torch_private.DisableTorchFunction(), torch.no_grad():
-        for d in carried.pending:
-            d.result.copy_(d.redo(d.operand) if got is None else _received(got, d, me))
+    # (read inside a transform, a torch.func.grad of the result: filled outside it)
+    with torch_private.DisableFuncTorch(), torch_private.DisableTorchFunction():
+        for k, d in enumerate(carried.pending):
+            # (a result made under inference mode is written in it, wherever it is read;
+            # inference_mode(False) would turn grad mode on: the copy would enter autograd)
+            inference = torch.inference_mode() if d.result.is_inference() else torch.no_grad()
+            with inference, torch.no_grad():
+                if got is not None and k < riding:
+                    made = _received(got, d, me)
+                else:
+                    made = (d.redo if k < every else d.again)(d.operand)
+                d.result.copy_(made)
+
+
+def abandon(mesh: DistributedMesh) -> None:
+    """This rank's call raised, its error not posted yet: the deferred ppermutes sent and the
+    exchange waited for, so that no peer is left inside it (the mesh would be out of step);
+    the peers learn of the error at their next collective or call."""
+    carried = mesh.carried
+    if carried is not None and carried.pending and carried.started is None:
+        keep_promise(mesh)
+        assert carried.started is not None
+        try:
+            carried.comm.finish_all_to_all(carried.started, _NAME)
+        except Exception:  # noqa: BLE001 - a peer failed too: the board tells of both
+            pass
 
 
 def _received(got: torch.Tensor, d: Deferred, me: int) -> torch.Tensor:
@@ -221,7 +280,7 @@ def _received(got: torch.Tensor, d: Deferred, me: int) -> torch.Tensor:
         return torch.zeros_like(d.operand)
     if src == me:
         return d.operand
-    piece = got[src, 2:].view(torch.uint8)[d.offset : d.offset + d.size]
+    piece = got[src, _HEAD:].view(torch.uint8)[d.offset : d.offset + d.size]
     return piece.view(d.operand.dtype).view(d.operand.shape)
 
 
@@ -290,15 +349,6 @@ def peers(ctx: DistributedContext, meta: torch.Tensor, axes: tuple[str, ...]) ->
     return ctx.stamp(peer, ctx.vma(meta))
 
 
-def _permute_tag(axes, pairs: tuple, shape: tuple, code: int) -> int:
-    """A carried ppermute's tag (negative): a digest of its pairs, axes and the recalled operand
-    shape and dtype (``code``), so that ranks whose first ppermutes differ in them raise alike
-    rather than pair up (an operand of another shape or dtype than the recalled one sets its
-    flag instead)."""
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
-    return _tag(f"{pairs}|{names}|{tuple(shape)}|{code}")
-
-
 def _tag(text: str) -> int:
     """A negative tag digesting ``text`` (blake2b, not ``hash``: str hashes are salted per
     process)."""
@@ -312,7 +362,7 @@ def _permute_fits(shape: tuple[int, ...] | None, element_size: int) -> bool:
 
 def permute_noted(ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, ...], pairs) -> None:
     """A planned call's ppermute: where it is the call's first collective and a replay could
-    carry it (:func:`permute`), its element size noted for the plan."""
+    carry it (:func:`defer`), its element size noted for the plan."""
     mesh = ctx.mesh
     if mesh.pending_check is not None and mesh.carried is None and _permute_carries(ctx, x, axes):
         ctx.carried_slots = -x.element_size()
@@ -323,22 +373,23 @@ def _permute_carries(ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, 
 
 
 def first_permute(ctx: DistributedContext, x: torch.Tensor, axes: tuple[str, ...], pairs) -> Any:
-    """An even call's ppermute, where it is the call's first collective: the result where the
-    replay promised to carry it (:func:`permute`, assuming the shape and dtype its plan noted);
-    None where it runs uncarried (an operand of another shape or dtype on some member: every
-    member then moves it again), and in a planned call its shape and dtype noted for the plan."""
+    """An even call's ppermute while the start-of-call check is pending: in a replay that
+    promised to carry its first, the result deferred (:func:`defer`; the first assumed of the
+    shape and dtype its plan noted, its flag set where it is not), or None where it runs
+    uncarried, after those deferred; in a planned call, None, the first's shape and dtype
+    noted for the plan."""
     mesh = ctx.mesh
     if mesh.pending_check is None or not type(ctx).carries_first_exchange:
         return None
     carried = mesh.carried
     kind = (tuple(x.shape), dtype_code(x.dtype))
     if carried is not None and carried.kind is not None:
-        if kind != carried.kind and not carried.pending:  # (its flag set: moved again)
-            return permute(ctx, x, axes, pairs, carried.kind, True)[0]
         comm = mesh.comm(axes)
         pairs = tuple((int(s), int(d)) for s, d in pairs)
+        first = not carried.pending  # (of the noted kind, or its flag set)
+        assumed, own = (carried.kind, kind == carried.kind) if first else (kind, True)
         # (None: it runs uncarried, after the deferred ones)
-        return defer(ctx, x, axes, pairs, kind, True, lambda t: comm.permute(t, pairs))
+        return defer(ctx, x, axes, pairs, assumed, own, lambda t: comm.permute(t, pairs))
     permute_noted(ctx, x, axes, pairs)
     if ctx.carried_slots < 0:
         ctx.carried_kind = kind
@@ -353,28 +404,35 @@ def defer(
     kind: tuple,
     own: bool,
     redo: Callable[[torch.Tensor], torch.Tensor],
+    again: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """The result of ``x``'s ppermute deferred into the promised exchange (module doc; ``kind``,
-    ``own``, ``redo``: :class:`Deferred`'s), or None where it cannot ride there: no exchange
-    promised or one sent already, an operand read from a deferred result, an empty one, one
-    not over the whole mesh on the host, or bytes beyond the row's."""
+    ``own``, ``redo``, ``again`` (``redo`` unless given): :class:`Deferred`'s), or None where it cannot ride there: no exchange
+    promised or one sent already, :data:`DEFERRED` deferred already, an operand read from a
+    deferred result; and but for the first (its flag set instead, its bytes not sent) an
+    empty operand, one not over the whole mesh on the host, or bytes beyond the row's."""
     carried = ctx.mesh.carried
     if carried is None or carried.started is not None:
         return None
     dtype = dtype_of(kind[1])
     size = 0 if dtype is None else math.prod(kind[0]) * dtype.itemsize
-    if (
-        not size
-        or carried.used + size > BYTES
-        or not _permute_carries(ctx, x, axes)
+    fits = own and size and carried.used + size <= BYTES and _permute_carries(ctx, x, axes)
+    if carried.pending and (
+        not fits
+        or len(carried.pending) >= DEFERRED
         or (ctx.deferred and reads_any(ctx.deferred, (x,), None))
     ):
+        carried.reading = True  # (it runs next, uncarried: more ppermutes follow)
         return None
+    if not fits:
+        own, size = False, 0
     operand = x.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
     result = torch.empty_like(operand)
-    entry = Deferred(result, operand, tuple(axes), pairs, kind, own, carried.used, size, redo)
+    entry = Deferred(
+        result, operand, tuple(axes), pairs, kind, own, carried.used, size, redo, again or redo
+    )
     carried.pending.append(entry)
-    carried.used += -(-size // 8) * 8  # (each operand's bytes start at a multiple of 8)
+    carried.used += -(-size // 16) * 16  # (each operand's bytes aligned for any dtype)
     ctx.deferred = (*ctx.deferred, result)
     return result
 
@@ -389,66 +447,21 @@ def make_deferred(ctx: DistributedContext, rec: Any = None, x: Any = None) -> No
     """``SpmdContext.make_deferred``: the check finished (:func:`fill`), but before a ppermute
     of an operand that reads no deferred result (:func:`first_permute` decides: it may ride
     along)."""
-    if rec is not None and rec.name == "ppermute" and isinstance(x, torch.Tensor):
-        if not reads_any(ctx.deferred, (x,), None):
-            return
+    ppermute = rec is not None and rec.name == "ppermute" and isinstance(x, torch.Tensor)
+    if ppermute and not reads_any(ctx.deferred, (x,), None):
+        return
+    carried = ctx.mesh.carried
+    if carried is not None:  # (a read, or a ppermute: more ppermutes may follow)
+        carried.reading = rec is None or ppermute
     ctx.mesh.finish_pending_check()
+    if ctx.deferred:  # (its exchange raised, and the function caught the error: no values)
+        raise SpmdError(
+            f"spmd_map of {ctx.fn_label}: a ppermute's result is read after the exchange that "
+            "carried it failed (an error this function caught). Fix: let the error propagate."
+        )
 
 
 def permute_promised(ctx: DistributedContext) -> bool:
     """Whether this call promised its first collective as a carried ppermute, not yet made."""
     carried = ctx.mesh.carried
     return carried is not None and carried.slots < 0 and carried.started is None
-
-
-def permute(
-    ctx: DistributedContext,
-    x: torch.Tensor,
-    axes: tuple[str, ...],
-    pairs,
-    kind: tuple,
-    differs: bool,
-) -> tuple[torch.Tensor | None, bool]:
-    """The promised ppermute of ``x`` along ``pairs``, every member's operand assumed of
-    ``kind`` (the recalled shape and dtype code; ``differs``: ``x`` is not of it): its result
-    and whether any member's flag is set (then the caller exchanges the shapes and dtypes, and
-    moves the data again), or
-    ``(None, False)`` where the check found that the ranks recall otherwise (the call then
-    exchanges every shape afresh)."""
-    mesh = ctx.mesh
-    carried = mesh.carried
-    # the promised exchange is made already where the check finished before this ppermute:
-    # keep_promise sent this rank's zeros then, and settle (checksums alike) or drain (they
-    # differ) took the exchange, so it is gone (None). A rank whose ppermute rode it sent a
-    # tag that is not 0, and the exchange raised on every rank alike; none did here, so the
-    # ppermute runs uncarried, as on every rank that sent zeros
-    if carried is None or carried.started is not None:
-        mesh.finish_pending_check()
-        return None, False
-    comm, me = carried.comm, carried.comm.index
-    shape, code = kind
-    own = not differs and x.element_size() == -carried.slots
-    own = own and _permute_carries(ctx, x, axes)
-    pairs = tuple((int(s), int(d)) for s, d in pairs)
-    rows = torch.zeros(comm.n, WIDTH, dtype=torch.int64)
-    rows[:, 0] = _permute_tag(axes, pairs, shape, code)
-    rows[:, 1] = 2 | int(not own)  # (one ppermute, and its flag)
-    dst = next((d for s, d in pairs if s == me), None)
-    if own and dst is not None and dst != me:
-        sent = x.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-        rows[dst, 2:].view(torch.uint8)[: sent.numel()].copy_(sent)
-    carried.send(rows)
-    mesh.finish_pending_check()  # (the ranks recall otherwise: drained, and forgotten)
-    if mesh.carried is not carried:
-        return None, False
-    mesh.carried = None
-    got = carried.finish(ctx)
-    if bool((got[:, 1] & 1).any()):
-        return None, True
-    src = next((s for s, d in pairs if d == me), None)
-    if src is None:
-        return torch.zeros_like(x, memory_format=torch.contiguous_format), False
-    if src == me:
-        return x.clone(memory_format=torch.contiguous_format), False
-    size = x.numel() * x.element_size()
-    return got[src, 2:].view(torch.uint8)[:size].view(x.dtype).view(shape), False

@@ -375,6 +375,7 @@ class UnevenPrimitives(OperandShapes):
         first = not self._seen and not self.values_read
         moves = any(s != d for s, d in pairs)  # (else nothing moves: no flag either)
         whole = mesh.comm(axes).n == mesh.size
+        self._carries = False
         if first:
             self._carries = _dist_carried.permute_promised(self)  # type: ignore[arg-type]
         elif moves and whole and not self.values_read:
@@ -413,47 +414,46 @@ class UnevenPrimitives(OperandShapes):
         # another dtype, of one element size too, is flagged: its bytes would be read as another's
         differs = (tuple(x.shape), dtype_code(x.dtype)) != guess
         carries, self._carries = self._carries, False
-        out = self._deferred(x, axes, pairs, guess, differs) if carries else None
-        if out is not None:
-            return out
-        assert self._seen is not None
-        if carries and len(self._seen) == 1:  # the promised exchange, this ppermute alone
-            out, flagged = _dist_carried.permute(self, x, axes, pairs, guess, differs)  # type: ignore[arg-type]
-        else:
-            if carries:  # (it could not ride along: the deferred ones are made first)
-                self.mesh.finish_pending_check()
-            if self._recalled is None:  # (the ranks recalled otherwise: forgotten)
-                out, flagged = None, True
-            else:
-                comm = self.mesh.comm(axes)
-                # (a flagged operand is sent as the recalled shape and dtype: the sizes every
-                # member expects, whatever the element size of the operand that differs)
-                zeros = x.new_zeros(guess[0], dtype=dtype_of(guess[1])) if differs else x
-                out, flagged = comm.permute_flagged(zeros, pairs, differs)
-        if out is not None and not flagged:
-            return out
-        # (every member knows it: the flags went to all); the dtypes compared there
-        shapes = self._every_shape(x, step=("ppermute", axes, (pairs,)))
-        self._same_shapes("ppermute", x, axes, shapes)
-        self._seen[-1] = self._kind(shapes, x, True)
-        return super().permute(x, axes, pairs)  # type: ignore[misc]
-
-    def _deferred(self, x, axes, pairs, guess: tuple, differs: bool) -> torch.Tensor | None:
-        """A carried ppermute deferred (``_dist_carried.defer``), its flag set where ``x`` is
-        not of the ``guess``ed kind: moved again where any member's is, the shapes exchanged
-        first (each result has its operand's shape: ranks whose shapes differ raise)."""
         assert self._seen is not None
         k = len(self._seen) - 1
         pairs = tuple((int(s), int(d)) for s, d in pairs)
+        if carries:  # deferred (``_dist_carried.defer``): moved again as the flags say
+            out = _dist_carried.defer(
+                self,  # type: ignore[arg-type]
+                x,
+                axes,
+                pairs,
+                guess,
+                not differs,
+                lambda t: self._moved_again(t, axes, pairs, k),
+                lambda t: self._guessed(t, axes, pairs, guess, k),
+            )
+            if out is not None:
+                return out
+            self.mesh.finish_pending_check()  # (it could not ride along: those deferred first)
+        if self._recalled is None:  # (the ranks recalled otherwise: forgotten)
+            return self._moved_again(x, axes, pairs, k)
+        return self._guessed(x, axes, pairs, guess, k)
 
-        def redo(operand: torch.Tensor) -> torch.Tensor:
-            shapes = self._every_shape(operand, step=("ppermute", axes, (pairs,)))
-            self._same_shapes("ppermute", operand, axes, shapes)
-            self._seen[k] = self._kind(shapes, operand, True)  # type: ignore[index]
-            return super(UnevenPrimitives, self).permute(operand, axes, pairs)  # type: ignore[misc]
+    def _guessed(self, x: torch.Tensor, axes, pairs, guess: tuple, k: int) -> torch.Tensor:
+        """``x``'s ppermute, every member's operand assumed of the ``guess``ed kind, this one's
+        flag set where it is not; moved again where any member's is (:meth:`_moved_again`)."""
+        differs = (tuple(x.shape), dtype_code(x.dtype)) != guess
+        # (a flagged operand is sent as the recalled shape and dtype: the sizes every member
+        # expects, whatever the element size of the operand that differs)
+        zeros = x.new_zeros(guess[0], dtype=dtype_of(guess[1])) if differs else x
+        out, flagged = self.mesh.comm(axes).permute_flagged(zeros, pairs, differs)
+        if out is not None and not flagged:
+            return out
+        return self._moved_again(x, axes, pairs, k)
 
-        own = not differs
-        return _dist_carried.defer(self, x, axes, pairs, guess, own, redo)  # type: ignore[arg-type]
+    def _moved_again(self, x: torch.Tensor, axes, pairs, k: int) -> torch.Tensor:
+        """``x``'s ppermute (the call's ``k``-th), every member's shape and dtype exchanged and
+        compared first (the flags went to all: each raises alike where they differ)."""
+        shapes = self._every_shape(x, step=("ppermute", axes, (pairs,)))
+        self._same_shapes("ppermute", x, axes, shapes)
+        self._seen[k] = self._kind(shapes, x, True)  # type: ignore[index]
+        return super().permute(x, axes, pairs)  # type: ignore[misc]
 
     def record_shapes(self) -> None:
         """The call's outputs are made: what its ppermutes' operands were, for the next call

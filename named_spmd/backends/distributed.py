@@ -394,9 +394,9 @@ def run(call: Call) -> list[Any]:
         raise
     except BaseException as raised:
         mesh.pending_check = None  # issued on every rank: it completes without this one
-        mesh.carried = None  # (one not made leaves the peers waiting for this rank there)
         e = _told_per_rank(ctx, raised, call)
         if e is not ctx.raised_alike:  # (else no peer waits for it)
+            _dist_carried.abandon(mesh)  # (first: the peers waiting there complete it)
             board.post(e)
             if hasattr(e, "add_note"):
                 coords = coords_text(mesh.my_coords)
@@ -404,6 +404,7 @@ def run(call: Call) -> list[Any]:
                     f"[named_spmd] raised on rank {mesh.rank} (mesh coordinates {coords}); "
                     "the other ranks stop with RankFailedError naming this rank."
                 )
+        mesh.carried = None
         if e is raised:
             raise
         raise e from raised
