@@ -1,8 +1,11 @@
 """Fault scenarios of tests/faults_worker.py whose first exchange rides behind the start-of-call
 check (``named_spmd/backends/_dist_carried.py``): a replayed ragged_all_to_all's offsets, an
-uneven call's first ppermute and an even call's."""
+uneven call's first ppermute and an even call's, and a call's ppermutes deferred together
+(``carried_halos``, ``carried_uneven_halos``)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from _faults_common import good_call, report
@@ -265,6 +268,10 @@ def carried_halos(mesh, rank):
         b = ns.ppermute(torch.complex(u[:1], u[:1]).to(torch.complex128), axes, up)
         return torch.cat([a.float(), u * 2, b.real.float() + b.imag.float()])
 
+    def piece(u):  # the results read by a compiled piece, which the call's modes do not see
+        top, bottom = ns.ppermute(u[-1:], axes, down), ns.ppermute(u[:1], axes, up)
+        return _stacked(top, u, bottom)
+
     def derivative(u):  # the second call's replay diverges into a torch.func transform
         y = ns.ppermute(u, axes, down)
         if state["grad"]:
@@ -297,13 +304,15 @@ def carried_halos(mesh, rank):
         "ring": ns.spmd_map(ring, mesh=mesh, in_specs=spec, out_specs=spec),
         "unread": ns.spmd_map(unread, mesh=mesh, in_specs=spec, out_specs=(spec, spec)),
         "kinds": ns.spmd_map(kinds, mesh=mesh, in_specs=spec, out_specs=spec),
+        "piece": ns.spmd_map(piece, mesh=mesh, in_specs=spec, out_specs=spec),
         "derivative": ns.spmd_map(derivative, mesh=mesh, in_specs=spec, out_specs=spec),
     }
 
     def right(name: str, variant: int, rode: int | None, ppermutes: int = 2, grad: bool = False):
         u = (torch.arange(16.0).reshape(8, 2) * (variant + 1)).requires_grad_(grad)
         before = counts["rode"]
-        with ns.CommMode() as comm:
+        # (a compiled piece runs compiled only where no CommMode records: counted apart)
+        with ns.CommMode() if name != "piece" else contextlib.nullcontext() as comm:
             got = mapped[name](u)
         blocks = u.detach().reshape(4, 2, 2)
         if name == "ring":
@@ -325,7 +334,7 @@ def carried_halos(mesh, rank):
             raise ns.SpmdError(f"{name} gave {got.tolist()}, not {want.tolist()}")
         if grad:
             _same_gradient(got, u, dense)
-        counted = comm.counts().get(("forward", "ppermute", axes))
+        counted = comm.counts().get(("forward", "ppermute", axes)) if comm else ppermutes
         if counted != ppermutes or rode not in (None, counts["rode"] - before):
             raise ns.SpmdError(f"{name}: {comm.counts()}, rode {counts['rode'] - before}")
 
@@ -351,6 +360,8 @@ def carried_halos(mesh, rank):
     report(rank, "halos_raise_then_then", lambda: right("halos", 10, 2))
     report(rank, "halos_kinds_plan", lambda: right("kinds", 0, 0))
     report(rank, "halos_kinds", lambda: right("kinds", 1, 2))
+    report(rank, "halos_piece_plan", lambda: right("piece", 0, 0))
+    report(rank, "halos_piece", lambda: right("piece", 1, 2))
     state["grad"] = False
     report(rank, "halos_derivative_plan", lambda: right("derivative", 0, 0, ppermutes=1))
     report(rank, "halos_derivative", lambda: right("derivative", 1, 1, ppermutes=1))
@@ -419,6 +430,11 @@ def carried_uneven_halos(mesh, rank):
     state["rows"] = {}
     report(rank, "uneven_halos_after", lambda: right(8, 0))  # (recalls 2 rows: flagged)
     report(rank, "uneven_halos_after_then", lambda: right(9, 2))
+
+
+@ns.compile
+def _stacked(top: torch.Tensor, u: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:
+    return torch.cat([top, u * 2, bottom])
 
 
 def _same_gradient(got: torch.Tensor, u: torch.Tensor, dense) -> None:

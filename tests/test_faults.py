@@ -140,6 +140,7 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
         halos = [f"halos_{n}_{v}" for n in ("halos", "write", "ring", "unread") for v in "12"]
         halos += ["halos_halos_plan", "halos_grad_plan", "halos_grad", "halos_apart_then"]
         halos += ["halos_read", "halos_raise_then_then", "halos_kinds_plan", "halos_kinds"]
+        halos += ["halos_piece_plan", "halos_piece"]
         halos += [f"halos_derivative{p}" for p in ("_plan", "", "_transform")]
         for phase in halos:
             assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]

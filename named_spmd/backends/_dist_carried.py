@@ -19,8 +19,8 @@ operand of at most :data:`BYTES` bytes, of the shape and dtype that the replay a
 call's plan notes them (:func:`first_permute`), an uneven call recalls the signature's last call
 (``UnevenPrimitives``). It is deferred (:func:`defer`): its result is a buffer made when
 something reads it (``SpmdContext.deferred``: an op of the call's replay that reads it, or any
-tensor whose memory cannot be told, as a transform's wrapper; a collective; the end of the body:
-each finishes the check, :func:`fill`). The ppermutes that follow it before then (at most
+tensor whose memory cannot be told, as a transform's wrapper; a compiled piece; a collective;
+the end of the body: each finishes the check, :func:`fill`). The ppermutes that follow it before then (at most
 :data:`DEFERRED`), of operands not read from a deferred result, ride in the same exchange while
 their bytes fit (a halo exchange's two directions, the four sides of a 2-D block: one wait for
 all of them and the check), each sent from a copy of its operand taken when called (a later

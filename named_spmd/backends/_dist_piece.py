@@ -29,7 +29,10 @@ def run_piece(ctx: TrackedContext, piece: Any, args: tuple, kwargs: dict) -> Any
     """``piece`` (an ``ns.compile``) called in the eager call ``ctx``: compiled once per input
     types (Dynamo guards on the mesh, the inputs' types, block records and shapes, not on the
     call), and run with the call's own torch function modes off the stack, so that its graph
-    runs under none of them."""
+    runs under none of them (so the ppermute results a replay deferred are made first: the
+    piece may read them, unseen by the call's modes)."""
+    if ctx.deferred:
+        ctx.make_deferred()
     if recording():  # under a CommMode: uncompiled, so that every collective is counted
         return piece.fn(*args, **kwargs)
     if piece.in_call is None:
