@@ -20,13 +20,13 @@ call's plan notes them (:func:`first_permute`), an uneven call recalls the signa
 (``UnevenPrimitives``). It is deferred (:func:`defer`): its result is a buffer made when
 something reads it (``SpmdContext.deferred``: an op of the call's replay that reads it, or any
 tensor whose memory cannot be told, as a transform's wrapper; a compiled piece; a collective;
-the end of the body: each finishes the check, :func:`fill`). The ppermutes that follow it before then (at most
-:data:`DEFERRED`), of operands not read from a deferred result, ride in the same exchange while
-their bytes fit (a halo exchange's two directions, the four sides of a 2-D block: one wait for
-all of them and the check), each sent from a copy of its operand taken when called (a later
-write to it is not sent). Each rank sends every member a row of the tag (a digest of the
-ppermutes' pairs, axes and assumed shapes and dtypes, negative), a status (how many; whether it
-was sent at a read, after which more may follow; the flag "an operand has another shape or
+the end of the body: each finishes the check, :func:`fill`). The ppermutes that follow it before
+then (at most :data:`DEFERRED`), of operands not read from a deferred result, ride in the same
+exchange while their bytes fit (a halo exchange's two directions, the four sides of a 2-D block:
+one wait for all of them and the check), each sent from a copy of its operand taken when called
+(a later write to it is not sent). Each rank sends every member a row of the tag (a digest of
+the ppermutes' pairs, axes and assumed shapes and dtypes, negative), a status (how many; whether
+it was sent at a read, after which more may follow; the flag "an operand has another shape or
 dtype"), the tags of the first 1, 2, ... of them and, to each destination, the operands' bytes.
 The ppermutes every member carried ride, where their tags agree (:func:`_riding`); a member that
 read a result sooner (a rank's own ``print``) carried fewer, and the others move their later
@@ -250,8 +250,7 @@ def fill(ctx: DistributedContext, carried: Carried | None) -> None:
         for k, d in enumerate(carried.pending):
             # (a result made under inference mode is written in it, wherever it is read;
             # inference_mode(False) would turn grad mode on: the copy would enter autograd)
-            inference = torch.inference_mode() if d.result.is_inference() else torch.no_grad()
-            with inference, torch.no_grad():
+            with torch.inference_mode() if d.result.is_inference() else torch.no_grad():
                 if got is not None and k < riding:
                     made = _received(got, d, me)
                 else:
@@ -407,10 +406,11 @@ def defer(
     again: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """The result of ``x``'s ppermute deferred into the promised exchange (module doc; ``kind``,
-    ``own``, ``redo``, ``again`` (``redo`` unless given): :class:`Deferred`'s), or None where it cannot ride there: no exchange
-    promised or one sent already, :data:`DEFERRED` deferred already, an operand read from a
-    deferred result; and but for the first (its flag set instead, its bytes not sent) an
-    empty operand, one not over the whole mesh on the host, or bytes beyond the row's."""
+    ``own``, ``redo``, ``again`` (``redo`` unless given): :class:`Deferred`'s), or None where
+    it cannot ride there: no exchange promised or one sent already, :data:`DEFERRED` deferred
+    already, an operand read from a deferred result; and but for the first (its flag set
+    instead, its bytes not sent) an empty operand, one not over the whole mesh on the host, or
+    bytes beyond the row's."""
     carried = ctx.mesh.carried
     if carried is None or carried.started is not None:
         return None
