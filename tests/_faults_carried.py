@@ -283,6 +283,18 @@ def carried_halos(mesh, rank):
     def ring(u):
         return ns.ppermute(ns.ppermute(u[-1:], axes, down) * 3, axes, down)
 
+    def caught(u):  # the exchange's error caught: its unmade result returned, not read
+        top = ns.ppermute(u[-1:], axes, down)
+        try:
+            return halos_after(u, top)
+        except ns.SpmdError:
+            return top
+
+    def halos_after(u, top):
+        if state["psum_between"] and rank == 0:
+            u = u + ns.psum(u[:1], axes) * 0
+        return torch.cat([top, u * 2, ns.ppermute(u[:1], axes, up)])
+
     def unread(u):
         return ns.ppermute(u[-1:], axes, down), ns.ppermute(u[:1], axes, up)
 
@@ -304,6 +316,7 @@ def carried_halos(mesh, rank):
             lambda u: halos(u, write=True), mesh=mesh, in_specs=spec, out_specs=spec
         ),
         "ring": ns.spmd_map(ring, mesh=mesh, in_specs=spec, out_specs=spec),
+        "caught": ns.spmd_map(caught, mesh=mesh, in_specs=spec, out_specs=spec),
         "unread": ns.spmd_map(unread, mesh=mesh, in_specs=spec, out_specs=(spec, spec)),
         "kinds": ns.spmd_map(kinds, mesh=mesh, in_specs=spec, out_specs=spec),
         "piece": ns.spmd_map(piece, mesh=mesh, in_specs=spec, out_specs=spec),
@@ -348,10 +361,13 @@ def carried_halos(mesh, rank):
             )
     report(rank, "halos_grad_plan", lambda: right("halos", 3, 0, grad=True))
     report(rank, "halos_grad", lambda: right("halos", 4, 2, grad=True))
+    report(rank, "halos_caught_plan", lambda: right("caught", 0, 0))
     state["psum_between"] = True
     report(rank, "halos_apart", lambda: right("halos", 5, 2))
+    report(rank, "halos_caught", lambda: mapped["caught"](torch.arange(16.0).reshape(8, 2)))
     state["psum_between"] = False
     report(rank, "halos_apart_then", lambda: right("halos", 6, 2))
+    report(rank, "halos_caught_then", lambda: right("caught", 7, 2))
     state["read_between"] = True  # rank 0 reads its first result early: the rest moves again
     report(rank, "halos_read", lambda: right("halos", 7, 1))
     state["read_between"] = False

@@ -137,10 +137,13 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
         assert "went apart before their first collective" in o["message"], o
         assert "members [0] of the mesh ran a ppermute first," in o["message"], o
         assert "members [1, 2, 3] ran 2 ppermutes first" in o["message"], o
+        o = outcomes[rank, "halos_caught"]  # the same error caught, its unmade result returned
+        assert o.get("error") == "SpmdError", (o, tail)
+        assert "read or returned after the exchange that carried it failed" in o["message"], o
         halos = [f"halos_{n}_{v}" for n in ("halos", "write", "ring", "unread") for v in "12"]
         halos += ["halos_halos_plan", "halos_grad_plan", "halos_grad", "halos_apart_then"]
         halos += ["halos_read", "halos_raise_then_then", "halos_kinds_plan", "halos_kinds"]
-        halos += ["halos_piece_plan", "halos_piece"]
+        halos += ["halos_piece_plan", "halos_piece", "halos_caught_plan", "halos_caught_then"]
         halos += [f"halos_derivative{p}" for p in ("_plan", "", "_transform")]
         for phase in halos:
             assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]

@@ -237,7 +237,15 @@ def fill(ctx: DistributedContext, carried: Carried | None) -> None:
     disagreement drained the exchange, each moved again uncarried, in call order."""
     if carried is None:
         return
-    ctx.deferred = ()
+    unmade, ctx.deferred = ctx.deferred, ()  # (restored where the exchange raises)
+    try:
+        _fill(ctx, carried)
+    except BaseException:
+        ctx.deferred = unmade
+        raise
+
+
+def _fill(ctx: DistributedContext, carried: Carried) -> None:
     mesh = ctx.mesh
     got, riding, every = None, 0, len(carried.pending)
     if mesh.carried is carried:  # (else drained: the check's disagreement took it)
@@ -454,10 +462,20 @@ def make_deferred(ctx: DistributedContext, rec: Any = None, x: Any = None) -> No
     if carried is not None:  # (a read, or a ppermute: more ppermutes may follow)
         carried.reading = rec is None or ppermute
     ctx.mesh.finish_pending_check()
-    if ctx.deferred:  # (its exchange raised, and the function caught the error: no values)
-        raise SpmdError(
-            f"spmd_map of {ctx.fn_label}: a ppermute's result is read after the exchange that "
-            "carried it failed (an error this function caught). Fix: let the error propagate."
+    refuse_unmade(ctx)
+
+
+def refuse_unmade(ctx: DistributedContext) -> None:
+    """Refuse to go on where the call's deferred ppermutes were never made: their exchange
+    raised (on every rank alike), and the function caught the error; a read of a result, or
+    the body's end (a result returned unread), would find no values."""
+    if ctx.deferred:
+        raise ctx.alike(
+            SpmdError(
+                f"spmd_map of {ctx.fn_label}: a ppermute's result is read or returned after "
+                "the exchange that carried it failed (an error this function caught). Fix: let "
+                "the error propagate."
+            )
         )
 
 

@@ -374,6 +374,7 @@ def run(call: Call) -> list[Any]:
         versions = call.input_versions(local)
         outs = _body(ctx, call, replay, local)
         mesh.finish_pending_check()  # (where the body ran no collective; first: the clearer)
+        _dist_carried.refuse_unmade(ctx)  # (results returned unread, their exchange failed)
         call.check_writes(local, versions, outs)
         if mesh.debug:  # the lists of collectives first: their difference explains the values'
             _dist_exchange.finish_call(board, f"spmd_map of {ctx.fn_label}")
