@@ -298,8 +298,12 @@ def carried_halos(mesh, rank):
     def unread(u):
         return ns.ppermute(u[-1:], axes, down), ns.ppermute(u[:1], axes, up)
 
+    def wide(u):  # rows of 4096 bytes: two fill the exchange's row, a third runs after it
+        third = ns.ppermute(u[:1], axes, down)
+        return halos(u) + torch.cat([third * 0, torch.zeros_like(u), third * 0])
+
     def dense(u):  # the global result of ``halos``, member j's block of 2 rows at 4 j
-        zero, blocks = torch.zeros(1, 2), u.reshape(4, 2, 2)
+        zero, blocks = torch.zeros(1, u.shape[1]), u.reshape(4, 2, -1)
         return torch.cat(
             [
                 torch.cat([blocks[j - 1][-1:] if j else zero, blocks[j] * 2, blocks[j + 1][:1]])
@@ -318,18 +322,19 @@ def carried_halos(mesh, rank):
         "ring": ns.spmd_map(ring, mesh=mesh, in_specs=spec, out_specs=spec),
         "caught": ns.spmd_map(caught, mesh=mesh, in_specs=spec, out_specs=spec),
         "unread": ns.spmd_map(unread, mesh=mesh, in_specs=spec, out_specs=(spec, spec)),
+        "wide": ns.spmd_map(wide, mesh=mesh, in_specs=spec, out_specs=spec),
         "kinds": ns.spmd_map(kinds, mesh=mesh, in_specs=spec, out_specs=spec),
         "piece": ns.spmd_map(piece, mesh=mesh, in_specs=spec, out_specs=spec),
         "derivative": ns.spmd_map(derivative, mesh=mesh, in_specs=spec, out_specs=spec),
     }
 
-    def right(name: str, variant: int, rode: int | None, ppermutes: int = 2, grad: bool = False):
-        u = (torch.arange(16.0).reshape(8, 2) * (variant + 1)).requires_grad_(grad)
+    def right(name: str, variant: int, rode: int | None, ppermutes: int = 2, grad=False, width=2):
+        u = (torch.arange(8.0 * width).reshape(8, width) * (variant + 1)).requires_grad_(grad)
         before = counts["rode"]
         # (a compiled piece runs compiled only where no CommMode records: counted apart)
         with ns.CommMode() if name != "piece" else contextlib.nullcontext() as comm:
             got = mapped[name](u)
-        blocks = u.detach().reshape(4, 2, 2)
+        blocks = u.detach().reshape(4, 2, -1)
         if name == "ring":
             got = got.full_tensor()
             # (member j's row: member j - 2's last row, times 3)
@@ -359,6 +364,8 @@ def carried_halos(mesh, rank):
             report(
                 rank, f"halos_{name}_{variant}", lambda: right(name, variant, 1 + (name != "ring"))
             )
+    for variant, rode in ((0, 0), (1, 2)):  # (rode 1 where the row held 4096 bytes)
+        report(rank, f"halos_wide_{variant}", lambda: right("wide", variant, rode, 3, width=1024))
     report(rank, "halos_grad_plan", lambda: right("halos", 3, 0, grad=True))
     report(rank, "halos_grad", lambda: right("halos", 4, 2, grad=True))
     report(rank, "halos_caught_plan", lambda: right("caught", 0, 0))

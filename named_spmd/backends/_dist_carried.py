@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 SLOTS = 8  # slots per member carried at most (``ROWS`` int64 each)
 ROWS = 6  # ragged_all_to_all's metadata per slot: the four, and the operand's and output's rows
-BYTES = 4096  # the carried ppermutes' operands, at most
+BYTES = 8192  # the carried ppermutes' operands, at most (two 1024-float32 halo rows)
 DEFERRED = 8  # ppermutes carried together, at most
 # a row (one width whatever it carries: ranks whose calls went apart still pair up): the tag,
 # then the metadata of the receiver's slots, or the ppermutes' status (:func:`keep_promise`),
