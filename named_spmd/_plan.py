@@ -11,13 +11,17 @@ The guard. A step is replayed only if the op is the one recorded and its argumen
 tensor operand made by the same earlier op of the call (or the same input, collective or cast:
 every tensor the call types gets a number, in order; an input's or a collective's with its
 type, which may change between calls), a tensor from outside the call of the same shape and
-dtype, and every other argument equal and of the same type (``1 == 1.0 == True``). Typing is a
-function of exactly that (and of the signature), so a replayed step decides what typing it
-would have. At the first op that differs (a flag read in the function, a branch on a value, a
-step number), the call goes on typed from that op: every tensor made so far carries the type
-and blocks typing gave it, so the rest is typed as if the whole call had been. Collectives,
-inputs and outputs are typed in every call (they read the stamps the steps wrote); only per-op
-typing is replayed.
+dtype, a slice by its bounds' keys (a tensor bound by its number and type, not its value), and
+every other argument equal and of the same type (``1 == 1.0 == True``); and, once it ran, its
+results as many and of the shapes the step recorded. Typing is a function of exactly that (and of
+the signature): a result's shape may depend on values (a mask's selection, a size passed as a
+tensor), and blocks, and so types, depend on shapes. So a replayed step decides what typing would
+have; an op whose results differ runs again, typed (ops whose shapes depend on values write
+nothing, so the rerun repeats no effect). At the first op that differs (a flag read in the
+function, a branch on a value, a step number), the call goes on typed from that op: every tensor
+made so far carries the type and blocks typing gave it, so the rest is typed as if the whole
+call had been. Collectives, inputs and outputs are typed in every call (they read the stamps the
+steps wrote); only per-op typing is replayed.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class Step:
     # mesh the axes its input is expanded over (``simulated._marks.input_axes``)
     casts: tuple
     outputs: tuple  # per tensor result: (its stamp or None, its blocks record or None)
+    shapes: tuple  # per tensor result, its shape (a replay's results must have them)
     # per cast, its operand's place: a position among the positional arguments or a keyword's
     # name, where every tensor operand has one, none in a list (the usual op, F.layer_norm's
     # weight=: the replay then swaps them in place); else None
@@ -106,6 +111,8 @@ def _key_of(token: object, a: Any, outside) -> Any:
         return src[1] if src is not None and src[0] is token else outside(a)
     if type(a) in _AS_THEMSELVES or a is None:
         return a
+    if type(a) is slice:  # (its == compares a tensor bound by value; its type decides, too)
+        return (slice, guard_key(token, (a.start, a.stop, a.step), None, outside))
     if isinstance(a, (list, tuple)):  # (a torch.return_types tuple too)
         return (type(a), guard_key(token, a, None, outside))
     # with its type: ``1 == 1.0 == True``, yet ``torch.full((), 1)`` is an integer tensor and
@@ -233,7 +240,8 @@ class PlanningMode(VmaMode):
         results = result_tensors(out)
         outputs = tuple((_held(o, _ATTR, token), _held(o, _BLOCKS, token)) for o in results)
         casts = tuple(self._casts)
-        self.steps.append(Step(func, key, casts, outputs, _places(args, kwargs, casts)))
+        shapes = tuple(o.shape for o in results)
+        self.steps.append(Step(func, key, casts, outputs, shapes, _places(args, kwargs, casts)))
         for o in results:
             self.ctx.number(o)
         self.ctx.note_handed_back(out, args, kwargs)  # (maybe the caller's: ``Call.unstamp``)
@@ -279,6 +287,11 @@ class PlanningMode(VmaMode):
         super()._note_values(func, args, kwargs)
         if self.first_read is None and self.ctx.values_read:
             self.first_read = len(self.steps)  # (this op's step, written down after it runs)
+
+
+def shaped_alike(results: Any, shapes: tuple) -> bool:
+    """Whether an op's tensor ``results`` are as many as a step's and of its ``shapes``."""
+    return len(results) == len(shapes) and all(o.shape == s for o, s in zip(results, shapes))
 
 
 def _places(args: Any, kwargs: dict | None, casts: tuple) -> tuple | None:
@@ -329,13 +342,21 @@ class ReplayMode(VmaMode):
                     if i == self.first_read:  # the read, where typing notes it
                         ctx.values_read = True
                     self.i = i + 1
+                    called = args, kwargs
                     if step.casts:
                         args, kwargs = self._casts(step, args, kwargs)
                     out = func(*args, **kwargs) if kwargs else func(*args)
                     if type(out) is not Tensor:  # (also a Parameter an op hands back)
-                        for o, given in zip(result_tensors(out), step.outputs):
+                        results = result_tensors(out)
+                        if not shaped_alike(results, step.shapes):
+                            self.diverged = True  # (module doc: it runs again, typed)
+                            return super().__torch_function__(func, types, *called)
+                        for o, given in zip(results, step.outputs):
                             self._give(o, given)
                     else:  # the usual result: one tensor
+                        if step.shapes != (out.shape,):
+                            self.diverged = True
+                            return super().__torch_function__(func, types, *called)
                         self._give(out, step.outputs[0])
                         if not kwargs and (not args or out is not args[0]):
                             return out  # (``note_handed_back``'s usual case: a new tensor)

@@ -134,6 +134,23 @@ def _flag_gathers_varying(x, w1, b1, w2, s, v):
     return ns.psum(g * (b1 @ w2), "x").pow(2).mean().reshape(1)
 
 
+def _reshapes_by_a_value(x, w1, b1, w2, s, v):
+    """A size read off an invariant input (``reshape`` by a tensor; the same ops whatever its
+    value): by the whole rows, the blocks of ``w1`` stay its columns' and its product with
+    ``w2`` is a partial sum, whose ``exp`` is an error; by one row, no block survives."""
+    rows = (1 + 5 * (s > 0).long()).reshape(())
+    p = w1.reshape(rows, -1).reshape(6, 4) @ w2
+    return ns.pmean(torch.exp(p).mean().reshape(1), "x")
+
+
+def _flag_slices_by_a_varying_bound(x, w1, b1, w2, s, v):
+    """The flag makes a slice's bound varying (``ns.axis_index``) instead of invariant (the same
+    ops either way): reading it is a read of a varying value, whose value alone, equal to the
+    invariant bound's on one instance, does not tell it."""
+    bound = ns.axis_index("x") if STATE["flag"] else ns.pmax(ns.axis_index("x"), "x")
+    return ns.pmean(x[bound:].pow(2).mean().reshape(1), "x")
+
+
 # name -> (function, in_specs, per call: (flag, sign of s) or a step number)
 CASES = {
     "flag_adds_a_use": (_flag_adds_a_use, False, [(False, 1), (False, 1), (True, 1), (False, 1)]),
@@ -163,6 +180,12 @@ CASES = {
     "flag_gathers_varying": (
         _flag_gathers_varying,
         True,
+        [(False, 1), (False, 1), (True, 1), (False, 1)],
+    ),
+    "reshapes_by_a_value": (_reshapes_by_a_value, True, [(False, -1), (False, -1), (False, 1)]),
+    "flag_slices_by_a_varying_bound": (
+        _flag_slices_by_a_varying_bound,
+        False,
         [(False, 1), (False, 1), (True, 1), (False, 1)],
     ),
 }

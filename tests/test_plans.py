@@ -36,11 +36,14 @@ REPLAYS = {
     "flag_varies_a_collective_result": [2, 0],
     "flag_fills_an_integer": [2, 0],
     "flag_gathers_varying": [2, 0],
+    "reshapes_by_a_value": [1, 0],
+    "flag_slices_by_a_varying_bound": [2, 1],
 }
 # A simulated call always marks itself (its marker types its ops), so a checkpoint's
 # recomputation finds a replayed call; a real mesh's replay of a plan made without a checkpoint
 # runs unmarked, and a checkpoint in it (saved-tensor hooks) is a divergence: typed.
-SIMULATED_REPLAYS = {"flag_checkpoints": [3, 0]}
+# A varying slice bound is refused by vmap: that call raises (it is typed).
+SIMULATED_REPLAYS = {"flag_checkpoints": [3, 0], "flag_slices_by_a_varying_bound": [2, 0]}
 
 
 @functools.cache

@@ -25,7 +25,7 @@ import torch
 from ... import _blocks
 from ... import _torch_private as torch_private
 from ..._operands import METADATA, NOT_OPS, result_tensors
-from ..._plan import Plan, Step, _held, _numbered_alike, guard_key, matches
+from ..._plan import Plan, Step, _held, _numbered_alike, guard_key, matches, shaped_alike
 from ..._replay import Replay
 from ..._stamps import _NUMBERS, _number
 from ..._stamps import _SRC as SRC
@@ -79,7 +79,7 @@ class PlanningMode(PartialMode):
             (vma, (_held(o, _BLOCKS, token) or FORGET) if blocked else None) for o in results
         )
         # casts: the axes its input was expanded over (``_marks.input_axes``)
-        self.steps.append(Step(func, key, varied, outputs))
+        self.steps.append(Step(func, key, varied, outputs, tuple(o.shape for o in results)))
         for o in results:
             ctx.number(o)
         ctx.note_handed_back(out, args, kwargs)  # (maybe the caller's: ``Call.unstamp``)
@@ -122,10 +122,14 @@ class ReplayMode(PartialMode):
                         token, step.key, args, kwargs, self.outside
                     ):
                         self.i = i + 1
+                        called = args
                         if step.casts:
                             args = with_input_varied(ctx, args, step.casts)
                         out = func(*args, **kwargs) if kwargs else func(*args)
                         results = (out,) if type(out) is Tensor else result_tensors(out)
+                        if not shaped_alike(results, step.shapes):  # (``_plan``'s module doc)
+                            self.diverged = True
+                            return self.typed(func, called, kwargs or {})[0]
                         for o, (vma, lay) in zip(results, step.outputs):
                             d = o.__dict__
                             if vma is not None:
