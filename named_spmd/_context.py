@@ -89,8 +89,8 @@ class SpmdContext(ABC):
         self.fn = fn
         self.single_axes = mesh.single_axes  # read on every collective: one attribute away
 
-    def make_deferred(self, rec: Any = None, x: Any = None) -> None:
-        """Make :attr:`deferred` (before collective ``rec`` of ``x``, or an op that reads one)."""
+    def make_deferred(self, rec: Any = None, given: Any = None) -> None:
+        """Make :attr:`deferred` (before collective ``rec`` of ``given``, or an op reading one)."""
         return None  # (only a real mesh defers)
 
     def handed_back(self, t: torch.Tensor) -> None:

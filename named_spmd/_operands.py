@@ -7,6 +7,7 @@ all, and whether it writes into its first argument, the same way: here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,15 +25,30 @@ def tensor_operands(args: Any, kwargs: dict | None) -> list[torch.Tensor]:
 
 
 def reads_any(tensors: tuple, args: Any, kwargs: dict | None) -> bool:
-    """Whether an op's operands include one of ``tensors`` or an alias of its whole memory (a
-    detached alias that ``CommMode``'s tagging hands out); a view is made by an op that reads.
-    A tensor whose memory cannot be told (a ``torch.func`` transform's wrapper, a sparse one)
-    may hold one: it counts as one."""
-    for a in tensor_operands(args, kwargs):
+    """Whether an op's arguments hold one of ``tensors`` or an alias of its whole memory (a
+    detached alias that ``CommMode``'s tagging hands out), at any depth (``torch.tensor([[y]])``,
+    an index ``w[:, [k]]``, a slice's bound); a view is made by an op that reads. A tensor whose
+    memory cannot be told (a ``torch.func`` transform's wrapper, a sparse one) may hold one: it
+    counts as one."""
+    for a in _every_tensor((args, kwargs)):
         for t in tensors:
             if a is t or _data_ptr(a) in (None, t.data_ptr()):
                 return True
     return False
+
+
+def _every_tensor(a: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``a``, at any depth of its lists, tuples, dicts and slices."""
+    if isinstance(a, torch.Tensor):
+        yield a
+    elif isinstance(a, (list, tuple)):
+        for b in a:
+            yield from _every_tensor(b)
+    elif isinstance(a, dict):
+        for b in a.values():
+            yield from _every_tensor(b)
+    elif isinstance(a, slice):
+        yield from _every_tensor((a.start, a.stop, a.step))
 
 
 def _data_ptr(a: torch.Tensor) -> int | None:

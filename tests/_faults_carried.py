@@ -245,6 +245,7 @@ def carried_halos(mesh, rank):
     the dense ones, or one error on every rank, and the next call runs."""
     axes = ("dp", "tp")
     down, up = [(j, j + 1) for j in range(3)], [(j + 1, j) for j in range(3)]
+    cycle = [(j, (j + 1) % 4) for j in range(4)]
     state = {"psum_between": False, "read_between": False, "raise_between": False}
     counts = _count_carried_permutes()
 
@@ -298,6 +299,16 @@ def carried_halos(mesh, rank):
     def unread(u):
         return ns.ppermute(u[-1:], axes, down), ns.ppermute(u[:1], axes, up)
 
+    def nested(u):  # a result read two list levels deep in an op's arguments
+        top, one = ns.ppermute(u[-1:], axes, down), ns.ppermute(torch.tensor(1.0), axes, cycle)
+        scale = torch.tensor([[one]])
+        return torch.cat([top, u * 2, ns.ppermute(u[:1], axes, up)]) * scale
+
+    def pairs(u):  # results read in a ppermute's pairs
+        ids = [ns.ppermute(torch.tensor(j), axes, cycle) for j in range(4)]  # (j on each member)
+        top = ns.ppermute(u[-1:], axes, [(ids[j], ids[j + 1]) for j in range(3)])  # (down)
+        return torch.cat([top, u * 2, ns.ppermute(u[:1], axes, up)])
+
     def wide(u):  # rows of 4096 bytes: two fill the exchange's row, a third runs after it
         third = ns.ppermute(u[:1], axes, down)
         return halos(u) + torch.cat([third * 0, torch.zeros_like(u), third * 0])
@@ -323,6 +334,8 @@ def carried_halos(mesh, rank):
         "caught": ns.spmd_map(caught, mesh=mesh, in_specs=spec, out_specs=spec),
         "unread": ns.spmd_map(unread, mesh=mesh, in_specs=spec, out_specs=(spec, spec)),
         "wide": ns.spmd_map(wide, mesh=mesh, in_specs=spec, out_specs=spec),
+        "nested": ns.spmd_map(nested, mesh=mesh, in_specs=spec, out_specs=spec),
+        "pairs": ns.spmd_map(pairs, mesh=mesh, in_specs=spec, out_specs=spec),
         "kinds": ns.spmd_map(kinds, mesh=mesh, in_specs=spec, out_specs=spec),
         "piece": ns.spmd_map(piece, mesh=mesh, in_specs=spec, out_specs=spec),
         "derivative": ns.spmd_map(derivative, mesh=mesh, in_specs=spec, out_specs=spec),
@@ -366,6 +379,10 @@ def carried_halos(mesh, rank):
             )
     for variant, rode in ((0, 0), (1, 2)):  # (rode 1 where the row held 4096 bytes)
         report(rank, f"halos_wide_{variant}", lambda: right("wide", variant, rode, 3, width=1024))
+    for name, rode, ppermutes in (("nested", 2, 3), ("pairs", 4, 6)):
+        for variant in range(3):
+            run = lambda: right(name, variant, rode if variant else 0, ppermutes)  # noqa: E731
+            report(rank, f"halos_{name}_{variant}", run)
     report(rank, "halos_grad_plan", lambda: right("halos", 3, 0, grad=True))
     report(rank, "halos_grad", lambda: right("halos", 4, 2, grad=True))
     report(rank, "halos_caught_plan", lambda: right("caught", 0, 0))

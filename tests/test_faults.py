@@ -146,6 +146,7 @@ def test_mismatched_shapes_and_axes_raise_on_every_rank_and_the_next_call_runs()
         halos += ["halos_piece_plan", "halos_piece", "halos_caught_plan", "halos_caught_then"]
         halos += [f"halos_derivative{p}" for p in ("_plan", "", "_transform")]
         halos += ["halos_wide_0", "halos_wide_1"]  # two 4096-byte operands ride together
+        halos += [f"halos_{n}_{v}" for n in ("nested", "pairs") for v in "012"]  # (read deep)
         for phase in halos:
             assert outcomes[rank, phase].get("ok"), outcomes[rank, phase]
         o = outcomes[rank, "halos_raise"]  # rank 0 raised before its ppermutes' exchange

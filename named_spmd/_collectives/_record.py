@@ -174,7 +174,7 @@ class Collective:
         ctx.in_collective += 1  # its own ops are no ops of the user's program (``_plan``)
         try:
             if ctx.deferred:  # (a real mesh's replay: ppermutes not made yet)
-                ctx.make_deferred(self, x)
+                ctx.make_deferred(self, (x, args))
             axes = ctx.check_axes(axis_name, self.name)
             params = self.prepare(ctx, axes, *args) if self.prepare is not None else args
             apply = _replayed if ctx.replaying else _apply

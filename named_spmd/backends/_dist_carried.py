@@ -451,12 +451,12 @@ def deferring(ctx: DistributedContext) -> bool:
     return carried is not None and bool(carried.pending) and carried.started is None
 
 
-def make_deferred(ctx: DistributedContext, rec: Any = None, x: Any = None) -> None:
+def make_deferred(ctx: DistributedContext, rec: Any = None, given: Any = None) -> None:
     """``SpmdContext.make_deferred``: the check finished (:func:`fill`), but before a ppermute
-    of an operand that reads no deferred result (:func:`first_permute` decides: it may ride
-    along)."""
-    ppermute = rec is not None and rec.name == "ppermute" and isinstance(x, torch.Tensor)
-    if ppermute and not reads_any(ctx.deferred, (x,), None):
+    whose arguments ``given`` (its operand, and its pairs, which may hold tensors) read no
+    deferred result (:func:`first_permute` decides: it may ride along)."""
+    ppermute = rec is not None and rec.name == "ppermute" and isinstance(given[0], torch.Tensor)
+    if ppermute and not reads_any(ctx.deferred, given, None):
         return
     carried = ctx.mesh.carried
     if carried is not None:  # (a read, or a ppermute: more ppermutes may follow)
