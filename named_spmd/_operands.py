@@ -151,6 +151,29 @@ def is_inplace(func) -> bool:
 
 
 _T = torch.Tensor
+
+_F = torch.nn.functional
+_OPERAND_SHAPED: tuple[str, ...] = ("add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "abs")
+_OPERAND_SHAPED += ("sigmoid", "sqrt", "rsqrt", "relu", "pow", "matmul", "sin", "cos", "square")
+_OPERAND_SHAPED += ("maximum", "minimum")
+#: Ops whose results' shapes follow from their tensor operands' shapes alone, none of their other
+#: arguments a size, dim or index that a tensor may stand for (and be read for): a replay need
+#: not compare their results' shapes with its plan's (``_plan``'s guard; the comparison costs
+#: about as much as the rest of a replayed op).
+SHAPES_FROM_SHAPES = frozenset(
+    {
+        *(getattr(torch.Tensor, n) for n in _OPERAND_SHAPED),
+        *(
+            getattr(torch.Tensor, n + "_")
+            for n in _OPERAND_SHAPED
+            if hasattr(torch.Tensor, n + "_")
+        ),
+        *(getattr(torch, n) for n in (*_OPERAND_SHAPED, "mm", "bmm")),
+        *(_T.__pow__, _T.__rpow__, _T.__rsub__, _T.__rtruediv__, _T.__rmatmul__, _T.float),
+        *(_F.linear, _F.gelu, _F.silu, _F.relu, _F.dropout, _F.embedding, _F.cross_entropy),
+        *(_F.layer_norm, _F.scaled_dot_product_attention, _F.softmax, _F.log_softmax),
+    }
+)
 # Ops that read their operands' values on the host (a Python number or bool), or whose result's
 # shape follows them: where an operand varies, each rank of a real mesh may go on with other
 # Python values and shapes (:func:`value_operands_read`; ``SpmdContext.values_read``).

@@ -33,7 +33,14 @@ import torch
 
 from . import _blocks
 from . import _torch_private as torch_private
-from ._operands import NOT_OPS, reads_any, result_tensors, swap_operands, tensor_operands
+from ._operands import (
+    NOT_OPS,
+    SHAPES_FROM_SHAPES,
+    reads_any,
+    result_tensors,
+    swap_operands,
+    tensor_operands,
+)
 from ._stamps import _ATTR, _NUMBERS, TrackedContext, _number
 from ._stamps import _SRC as SRC
 from ._tracking import VmaMode
@@ -52,7 +59,9 @@ class Step:
     # mesh the axes its input is expanded over (``simulated._marks.input_axes``)
     casts: tuple
     outputs: tuple  # per tensor result: (its stamp or None, its blocks record or None)
-    shapes: tuple  # per tensor result, its shape (a replay's results must have them)
+    # per tensor result, its shape (a replay's results must have them); None: the op's follow
+    # from its operands' (``SHAPES_FROM_SHAPES``), which the guard matched
+    shapes: tuple | None
     # per cast, its operand's place: a position among the positional arguments or a keyword's
     # name, where every tensor operand has one, none in a list (the usual op, F.layer_norm's
     # weight=: the replay then swaps them in place); else None
@@ -240,7 +249,7 @@ class PlanningMode(VmaMode):
         results = result_tensors(out)
         outputs = tuple((_held(o, _ATTR, token), _held(o, _BLOCKS, token)) for o in results)
         casts = tuple(self._casts)
-        shapes = tuple(o.shape for o in results)
+        shapes = result_shapes(func, results)
         self.steps.append(Step(func, key, casts, outputs, shapes, _places(args, kwargs, casts)))
         for o in results:
             self.ctx.number(o)
@@ -289,8 +298,15 @@ class PlanningMode(VmaMode):
             self.first_read = len(self.steps)  # (this op's step, written down after it runs)
 
 
-def shaped_alike(results: Any, shapes: tuple) -> bool:
+def result_shapes(func: Any, results: tuple) -> tuple | None:
+    """:attr:`Step.shapes` of op ``func``'s ``results``."""
+    return None if func in SHAPES_FROM_SHAPES else tuple(o.shape for o in results)
+
+
+def shaped_alike(results: Any, shapes: tuple | None) -> bool:
     """Whether an op's tensor ``results`` are as many as a step's and of its ``shapes``."""
+    if shapes is None:
+        return True
     return len(results) == len(shapes) and all(o.shape == s for o, s in zip(results, shapes))
 
 
@@ -354,7 +370,7 @@ class ReplayMode(VmaMode):
                         for o, given in zip(results, step.outputs):
                             self._give(o, given)
                     else:  # the usual result: one tensor
-                        if step.shapes != (out.shape,):
+                        if step.shapes is not None and step.shapes != (out.shape,):
                             self.diverged = True
                             return super().__torch_function__(func, types, *called)
                         self._give(out, step.outputs[0])

@@ -25,7 +25,16 @@ import torch
 from ... import _blocks
 from ... import _torch_private as torch_private
 from ..._operands import METADATA, NOT_OPS, result_tensors
-from ..._plan import Plan, Step, _held, _numbered_alike, guard_key, matches, shaped_alike
+from ..._plan import (
+    Plan,
+    Step,
+    _held,
+    _numbered_alike,
+    guard_key,
+    matches,
+    result_shapes,
+    shaped_alike,
+)
 from ..._replay import Replay
 from ..._stamps import _NUMBERS, _number
 from ..._stamps import _SRC as SRC
@@ -79,7 +88,7 @@ class PlanningMode(PartialMode):
             (vma, (_held(o, _BLOCKS, token) or FORGET) if blocked else None) for o in results
         )
         # casts: the axes its input was expanded over (``_marks.input_axes``)
-        self.steps.append(Step(func, key, varied, outputs, tuple(o.shape for o in results)))
+        self.steps.append(Step(func, key, varied, outputs, result_shapes(func, results)))
         for o in results:
             ctx.number(o)
         ctx.note_handed_back(out, args, kwargs)  # (maybe the caller's: ``Call.unstamp``)
