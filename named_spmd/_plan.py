@@ -365,20 +365,24 @@ class ReplayMode(VmaMode):
                     if type(out) is not Tensor:  # (also a Parameter an op hands back)
                         results = result_tensors(out)
                         if not shaped_alike(results, step.shapes):
-                            self.diverged = True  # (module doc: it runs again, typed)
-                            return super().__torch_function__(func, types, *called)
+                            return self._typed_again(func, types, *called)
                         for o, given in zip(results, step.outputs):
                             self._give(o, given)
                     else:  # the usual result: one tensor
                         if step.shapes is not None and step.shapes != (out.shape,):
-                            self.diverged = True
-                            return super().__torch_function__(func, types, *called)
+                            return self._typed_again(func, types, *called)
                         self._give(out, step.outputs[0])
                         if not kwargs and (not args or out is not args[0]):
                             return out  # (``note_handed_back``'s usual case: a new tensor)
                     ctx.note_handed_back(out, args, kwargs)  # (``Call.unstamp``)
                     return out
             self.diverged = True  # typed from here on: every tensor so far is typed
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def _typed_again(self, func, types, args, kwargs):
+        """An op whose results differ from its step's (module doc): run again, typed, and the
+        call typed from it on."""
+        self.diverged = True
         return super().__torch_function__(func, types, args, kwargs)
 
     def _casts(self, step: Step, args: Any, kwargs: Any) -> tuple[Any, Any]:

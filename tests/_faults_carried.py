@@ -302,12 +302,12 @@ def carried_halos(mesh, rank):
     def nested(u):  # a result read two list levels deep in an op's arguments
         top, one = ns.ppermute(u[-1:], axes, down), ns.ppermute(torch.tensor(1.0), axes, cycle)
         scale = torch.tensor([[one]])
-        return torch.cat([top, u * 2, ns.ppermute(u[:1], axes, up)]) * scale
+        return halos_after(u, top) * scale
 
     def pairs(u):  # results read in a ppermute's pairs
         ids = [ns.ppermute(torch.tensor(j), axes, cycle) for j in range(4)]  # (j on each member)
         top = ns.ppermute(u[-1:], axes, [(ids[j], ids[j + 1]) for j in range(3)])  # (down)
-        return torch.cat([top, u * 2, ns.ppermute(u[:1], axes, up)])
+        return halos_after(u, top)
 
     def wide(u):  # rows of 4096 bytes: two fill the exchange's row, a third runs after it
         third = ns.ppermute(u[:1], axes, down)
