@@ -10,7 +10,7 @@ union of types, no partial-sum algebra, no inference of blocks.
 The guard. A step is replayed only if the op is the one recorded and its arguments are: each
 tensor operand made by the same earlier op of the call (or the same input, collective or cast:
 every tensor the call types gets a number, in order; an input's or a collective's with its
-type, which may change between calls), a tensor from outside the call of the same shape and
+type and shape, which may change between calls), a tensor from outside the call of the same shape and
 dtype, a slice by its bounds' keys (a tensor bound by its number and type, not its value), and
 every other argument equal and of the same type (``1 == 1.0 == True``); and, once it ran, its
 results as many and of the shapes the step recorded. Typing is a function of exactly that (and of
@@ -147,7 +147,7 @@ def matches(token: object, key: tuple, args: Any, kwargs: dict | None, outside=o
         if isinstance(a, Tensor):
             src = a.__dict__.get(SRC)
             if src is not None and src[0] is token:  # (its key, :func:`_key_of`: src[1])
-                item = src[1]  # a number (interned), or a tuple (number, type): compared in C
+                item = src[1]  # a number (interned), or (number, type, shape): compared in C
                 if item is k or (type(k) is tuple and type(item) is tuple and k == item):
                     continue
                 if _equal(k, item):
@@ -186,9 +186,14 @@ def _numbered_alike(token: object, key: tuple, args: Any, kwargs: dict | None) -
             src = a.__dict__.get(SRC)
             if src is None or src[0] is not token:
                 return False
-            item = src[1]  # (an input's or a collective's: a tuple (number, type), each interned)
+            item = src[1]  # (an input's or a collective's: (number, type, shape), the first two
+            # interned)
             if item is not k and not (
-                type(item) is tuple and type(k) is tuple and item[0] is k[0] and item[1] is k[1]
+                type(item) is tuple
+                and type(k) is tuple
+                and item[0] is k[0]
+                and item[1] is k[1]
+                and item[2] == k[2]
             ):
                 return False
         elif type(a) is int or type(a) is str:  # (keyed as themselves; no other type's key)

@@ -138,12 +138,13 @@ class TrackedContext(SpmdContext):
 
     def number(self, x: torch.Tensor, vma: Vma | None = None) -> None:
         """Give ``x`` the call's next number (``_plan``: the key a replay's guard compares).
-        A tensor typed outside the plan's steps (an input, a collective's result) is keyed by
-        its type ``vma`` too: one collective may type its result otherwise in a later call
-        (``all_gather(..., to=flag)``), which the ops after it must then be typed for."""
+        A tensor typed outside the plan's steps (an input, a collective's result, a draw) is
+        keyed by its type ``vma`` and its shape too: one collective may type its result
+        otherwise in a later call (``all_gather(..., to=flag)``), or give it another shape
+        (``tiled=flag``, a draw's size), which the ops after it must then be typed for."""
         n = self.numbered  # (_number inlined where interned: every typed tensor passes here)
         number = _NUMBERS[n] if n < len(_NUMBERS) else _number(n)
-        x.__dict__[_SRC] = (self.call_token, number if vma is None else (number, vma))
+        x.__dict__[_SRC] = (self.call_token, number if vma is None else (number, vma, x.shape))
         self.numbered = n + 1
 
     def held_blocks(self, x: torch.Tensor) -> Any:

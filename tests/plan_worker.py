@@ -495,6 +495,39 @@ def _large_inputs(mesh) -> tuple[list, dict]:
     return got, {"hoisted": hoisted, "taken": taken}
 
 
+def _gather(b, a2, v):
+    """Gathered whole or stacked (``tiled=flag``: the same ops either way, another shape): the
+    blocks of ``b`` and ``a2``'s columns meet on the contracted dim when whole, a partial sum,
+    to which adding a bias is an error, where a replay of the stacked call's steps would type
+    it varying."""
+    gathered = ns.all_gather(v, "tp", tiled=STATE["flag"])
+    return ns.psum(ns.psum(a2 @ (b * gathered) + 1.0, "dp"), "tp").sum().reshape(1)
+
+
+def _gather_tiled_by_a_flag(mesh) -> tuple[list, dict]:
+    """:func:`_gather` on a (2, 1) mesh, stacked, stacked, whole, stacked: each call's loss and
+    gradients, or its error."""
+    simulated = getattr(mesh, "device_mesh", None) is None
+    mesh = ns.make_mesh((2, 1), ("dp", "tp"), simulated=simulated)
+    f = ns.spmd_map(_gather, mesh=mesh, in_specs=(P("dp"), P(None, "dp"), P("tp")), out_specs=P())
+    got = []
+    for k, whole in enumerate([False, False, True, False]):
+        STATE["flag"] = whole
+        g = torch.Generator().manual_seed(k)
+        shapes = [(2,), (3, 2), (1,)]
+        leaves = [torch.randn(n, generator=g, dtype=torch.float64).requires_grad_() for n in shapes]
+        try:
+            loss = f(*leaves)
+            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+            got.append((loss.detach(), list(torch.autograd.grad(loss.sum(), leaves))))
+        except ns.SpmdError as e:
+            got.append((type(e).__name__, str(e)))
+    plans = checked_signatures(f).values()
+    return got, {
+        "replays": [sum(getattr(p, k, 0) for p in plans) for k in ("replays", "divergences")]
+    }
+
+
 def _problems(got: list, want: list) -> list[str]:
     problems = []
     for k, (g, w) in enumerate(zip(got, want)):
@@ -545,6 +578,7 @@ EVERY_CALL = {
     "hoisted_apart": _hoisted_apart,
     "settings_change": _settings_change,
     "large_inputs": _large_inputs,
+    "gather_tiled_by_a_flag": _gather_tiled_by_a_flag,
 }
 
 if __name__ == "__main__":

@@ -180,6 +180,24 @@ def test_simulated_calls_equal_the_same_calls_typed(name):
 
 
 @pytest.mark.distributed
+def test_a_collectives_result_of_another_shape_is_typed_as_the_call_typed():
+    """A collective's result whose shape follows a Python argument (``tiled=flag``), feeding
+    ops whose shapes follow their operands': the call that gathers whole is the out_specs
+    error of a bias added to a partial sum, as typed, not the stacked call's types replayed;
+    the calls around it replay."""
+    for rank in (0, 1):
+        outcome = _outcomes()[rank, "gather_tiled_by_a_flag"]
+        assert outcome["problems"] == [] and outcome["replays"] == [2, 0], outcome
+        assert outcome["typed"]["replays"] == [0, 0], outcome
+
+
+def test_a_simulated_collectives_result_of_another_shape_is_typed_as_the_call_typed():
+    """As above, on a simulated mesh."""
+    outcome = run("gather_tiled_by_a_flag", ns.make_mesh((2,), ("x",), simulated=True))
+    assert outcome["problems"] == [] and outcome["replays"] == [2, 0], outcome
+
+
+@pytest.mark.distributed
 def test_a_local_calls_plan_is_not_a_global_calls():
     """The same shapes as blocks (``.local``) and as global values: the global call's blocks
     are unequal, its outputs and gradients the dense ones."""
@@ -392,6 +410,13 @@ def test_the_guards_fast_path_answers_as_the_key_does():
     token = object()
     x, y = torch.ones(2), torch.ones(2)
     x.__dict__[SRC], y.__dict__[SRC] = (token, 0), (token, 1)
+    # a collective's results, numbered with their type and shape: one number, other shapes
+    vma = ns.typeof  # (any interned object stands for the type here)
+    row, column = torch.ones(2), torch.ones(2, 1)
+    row.__dict__[SRC], column.__dict__[SRC] = (
+        (token, (2, vma, row.shape)),
+        (token, (2, vma, column.shape)),
+    )
     eps, other_eps = 1e-5, 1e-3
 
     def key(*args, **kwargs):
@@ -420,6 +445,8 @@ def test_the_guards_fast_path_answers_as_the_key_does():
         ((x, y), {"keepdim": 1}),
         ((x, y, None), {}),
         ((x, y), {}),
+        ((x, row), {}),
+        ((x, column), {}),
     ]
     keys = [key(*args, **kwargs) for args, kwargs in calls]
     assert len(set(keys)) == len(keys), keys

@@ -144,9 +144,9 @@ class SimulatedContext(SpmdContext):
 
     def number(self, x: torch.Tensor, vma: Vma | None = None) -> None:
         """Give ``x`` the call's next number (the key a replay's guard compares, ``_planned``),
-        with its type where typed outside the plan's steps (``TrackedContext.number``)."""
+        with its type and shape where typed outside the plan's steps (``TrackedContext.number``)."""
         n = number(self.numbered)
-        x.__dict__[SRC] = (self.token, n if vma is None else (n, vma))
+        x.__dict__[SRC] = (self.token, n if vma is None else (n, vma, x.shape))
         self.numbered += 1
 
     def end_partial(self) -> None:
