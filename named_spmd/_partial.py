@@ -29,7 +29,7 @@ import torch
 
 from . import _torch_private as torch_private
 from ._errors import NOT_USER_DIRS, VmaError
-from ._operands import is_inplace, result_tensors
+from ._operands import READS_VALUES, is_inplace, result_tensors, value_operands_read
 from ._types import Vma, shape_shown, type_text
 
 # Ops whose result is linear in their first tensor operand alone (views, slicing, reductions
@@ -65,6 +65,8 @@ _PRODUCT = frozenset(
     "mul __mul__ __rmul__ mul_ __imul__ multiply matmul __matmul__ __rmatmul__ mm bmm einsum "
     "tensordot outer dot vdot inner kron".split()
 )
+# ``u.masked_fill(mask, v)``: ``where(mask, v, u)``, a select (``u[mask] = 0`` on a simulated mesh).
+_MASKED_FILLS = frozenset({"masked_fill", "masked_fill_"})
 # Division: linear in the numerator only.
 _DIVISION = frozenset("div __truediv__ div_ __itruediv__ true_divide divide".split())
 
@@ -87,7 +89,7 @@ def _kind(name: str, operands: Sequence[Any], kwargs: dict | None) -> str:
         return "linear"
     if name in _WRITES:
         return "write"
-    if name == "where" and len(operands) > 1:
+    if (name == "where" and len(operands) > 1) or name in _MASKED_FILLS:
         return "select"
     return "other"
 
@@ -107,6 +109,21 @@ def typed_call(
     return out, vma
 
 
+def _refuse_reads(ctx: Any, func: Any, args: tuple, kwargs: dict | None, operands, vmas) -> None:
+    """A :class:`VmaError` where op ``func`` reads on the host (``.item()``, ``bool()``,
+    ``torch.equal``, a size or a mask) the values of a partial sum: each instance would read
+    its own part, not the value."""
+    for t in value_operands_read(func, args, kwargs):
+        at = _position(t, operands)
+        if at is not None and vmas[at].unreduced:
+            axis = min(vmas[at].unreduced, key=_order(ctx))
+            problem = (
+                "it reads the partial sum's values on the host, where each instance holds its "
+                "part, not the value"
+            )
+            raise _error(ctx, op_name(func), axis, problem, operands, vmas)
+
+
 def check_cast(ctx: Any, func: Any, operands: list, vmas: list[Vma], vma: Any, out: Any) -> None:
     """A :class:`VmaError` where a result typed unreduced (``vma``) was cast to a dtype that is
     not linear: to bool, or from a floating (or complex) operand to an integer dtype, each
@@ -116,6 +133,13 @@ def check_cast(ctx: Any, func: Any, operands: list, vmas: list[Vma], vma: Any, o
     if not isinstance(vma, Vma) or not vma.unreduced:
         return
     for o in result_tensors(out):
+        if op_name(func) == "view" and operands and o.dtype != operands[0].dtype:
+            axis = min(vma.unreduced, key=_order(ctx))
+            problem = (
+                f"it views the partial sum's bits as {o.dtype}, which reads each instance's "
+                "part as other numbers (a bit cast is not linear)"
+            )
+            raise _error(ctx, "view", axis, problem, operands, vmas)
         if o.dtype.is_floating_point or o.dtype.is_complex:
             continue
         inexact = any(t.dtype.is_floating_point or t.dtype.is_complex for t in operands)
@@ -141,6 +165,8 @@ def combine(
     ``vmas`` (at least one with U or R axes); raises a :class:`VmaError` naming the op, the
     user's line, the axis and the fix, or, for an op not known to be linear, returns a function
     that makes that error (raised only if the op returns a tensor: ``x.shape`` is fine)."""
+    if func in READS_VALUES:
+        _refuse_reads(ctx, func, args, kwargs, operands, vmas)
     if torch_private.memo_would_be_guarded():
         return _combine(ctx, func, args, kwargs, operands, vmas)
     # memo of the accepted ops: what decides is the op, the operands' types, which operand is
@@ -255,7 +281,7 @@ def _problem(kind, name, axis, args, kwargs, operands, vmas) -> str | None:
     if kind == "write":
         return _write_problem(axis, name, args, kwargs, operands, states)
     if kind == "select":
-        return _select_problem(axis, args, kwargs, operands, states)
+        return _select_problem(axis, name, args, kwargs, operands, states)
     if kind == "product":
         if name in _DIVISION and first is not None and len(operands) > 1:
             if any(s == "unreduced" for i, s in enumerate(states) if i != first):
@@ -323,12 +349,18 @@ def _written_value(name: str, args: tuple, kwargs: dict | None) -> Any:
     return (kwargs or {}).get("value" if name == "fill_" else "other")
 
 
-def _select_problem(axis, args, kwargs, operands, states) -> str | None:
-    """``torch.where(cond, a, b)`` (``a.where(cond, b)``): linear, as JAX's select_n, where both
-    cases are partial sums over ``axis`` (or a Python zero) and the condition is one value on
-    every instance (invariant or reduced: every instance picks the same entries)."""
+def _select_problem(axis, name, args, kwargs, operands, states) -> str | None:
+    """``torch.where(cond, a, b)`` (``a.where(cond, b)``, ``b.masked_fill(cond, a)``): linear, as
+    JAX's select_n, where both cases are partial sums over ``axis`` (or a Python zero) and the
+    condition is one value on every instance (invariant or reduced: every instance picks the
+    same entries)."""
     kwargs = kwargs or {}
-    if isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool and len(args) > 1:
+    if name in _MASKED_FILLS:
+        cond = args[1] if len(args) > 1 else kwargs.get("mask")
+        cases = [args[0], args[2] if len(args) > 2 else kwargs.get("value")]
+    elif not args:  # torch.where(condition=..., input=..., other=...)
+        cond, cases = kwargs.get("condition"), [kwargs.get("input"), kwargs.get("other")]
+    elif isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool and len(args) > 1:
         cond, cases = args[0], [*args[1:3], *(kwargs.get(k) for k in ("input", "other"))]
     else:  # the method: self.where(condition, other)
         cond, cases = args[1] if len(args) > 1 else kwargs.get("condition"), [args[0]]
@@ -377,7 +409,9 @@ def _rounds(kwargs: dict | None) -> bool:
 
 
 def _first_operand(args, kwargs, operands) -> int | None:
-    head = args[0] if args else None
+    """The position among ``operands`` of the op's first argument (``input=`` where given by
+    keyword: ``torch.div(input=r, other=u)`` divides by ``u`` as ``torch.div(r, u)`` does)."""
+    head = args[0] if args else (kwargs or {}).get("input")
     if isinstance(head, (list, tuple)):
         head = head[0] if head else None
     for i, t in enumerate(operands):

@@ -98,6 +98,35 @@ ERRORS: dict[str, ErrorCase] = {
         _seeded((4, 6), (6, 3), (3,)),
         pinned=("linear in `<lambda>`", "adds the bias to the partial product"),
     ),
+    # torch.div(r, u) by its keywords: the divisor is still ``other``
+    "divides_by_partial_by_keywords": ErrorCase(
+        lambda x, w: ns.psum(
+            torch.div(
+                input=ns.pcast(torch.ones(4, 3, dtype=F64), "tp", to="reduced"),
+                other=_partial(x, w),
+            ),
+            "tp",
+        ),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("div in `<lambda>`", "it divides by a partial sum"),
+    ),
+    # each instance would read its own part
+    "reads_partial_on_host": ErrorCase(
+        lambda x, w: ns.psum(_partial(x, w) * _partial(x, w).sum().item(), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("item in `<lambda>`", "reads the partial sum's values on the host"),
+    ),
+    "views_partial_bits": ErrorCase(
+        lambda x, w: ns.psum(_partial(x, w).view(torch.float32), "tp"),
+        _ROW,
+        P(),
+        _XW,
+        pinned=("view in `<lambda>`", "views the partial sum's bits as torch.float32"),
+    ),
     "nonlinear_on_partial": ErrorCase(
         lambda x, w: ns.psum(torch.relu(_partial(x, w)), "tp"),
         _ROW,

@@ -1116,8 +1116,9 @@ def unreduced_writes_joins_selects(o, x, c):
     """Linear ops on partial sums that keep them unreduced: a write of a partial sum (and of a
     Python zero) into one (``[i] =``, ``copy_``, ``fill_``, ``zero_``), ``neg_``, a round trip through complex, view_as / expand_as / reshape_as (the
     second operand gives only a shape), cat and stack along a positional dim, and where with an
-    invariant condition (JAX's select_n rule). An invariant value expanded as a varying one
-    stays invariant (the varying one gives only a shape)."""
+    invariant condition (JAX's select_n rule), its keyword form and a mask's write of zero. An
+    invariant value expanded as a varying one stays invariant (the varying one gives only a
+    shape)."""
     u = o.tap(o.pcast(x, "i", to="unreduced"))
     v = o.tap(o.pcast(x * 2.0, "i", to="unreduced"))
     w = u.clone()
@@ -1127,6 +1128,8 @@ def unreduced_writes_joins_selects(o, x, c):
     w[2:].copy_(u[:2] * 3.0)
     w[3].fill_(0.0)
     w[:, 0].zero_()
+    w[(c > 1.0).expand_as(w)] = 0.0
+    w = o.tap(torch.where(condition=c < -1.0, input=v, other=w))
     w = o.tap(w.to(torch.complex128).real)
     s = o.tap(u.sum(0, keepdim=True).expand_as(u))
     j = o.tap(torch.cat([w, s], 1))
@@ -1160,6 +1163,8 @@ def _writes_joins_selects_dense(x, c):
     w[2:].copy_(u[:2] * 3.0)
     w[3].fill_(0.0)
     w[:, 0].zero_()
+    w[(c > 1.0).expand_as(w)] = 0.0
+    w = torch.where(c < -1.0, v, w)
     j = torch.cat([w, u.sum(0, keepdim=True).expand_as(u)], 1)
     k = torch.stack([u, v], -1)
     z = torch.where(c > 0, j[:, :3], v)
