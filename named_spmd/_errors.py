@@ -400,3 +400,17 @@ def types_apart_in_grad(label: str, where: str, types: str) -> SpmdError:
         "from an invariant value (ns.psum / ns.pmax of it), or run the call under "
         "torch.no_grad()."
     )
+
+
+def grad_apart(label: str, where: str, instances: str) -> SpmdError:
+    """The error of an output that requires grad on some ranks of a real mesh and not on others
+    (``instances``: those where it does not), made by a branch on the block: their backward
+    passes would run other collectives and wait on each other."""
+    return SpmdError(
+        f"spmd_map of {label}: {where} requires grad on some instances but not at "
+        f"{instances}: a branch (on a block's size or a value) made it from the inputs on some "
+        "instances and from constants on others, and on a real mesh their backward passes "
+        "would run other collectives (each waiting on the others). Fix: make every instance's "
+        "result depend on the inputs alike (a constant branch as x.new_zeros(...) + x.sum() * 0), "
+        "or run the call under torch.no_grad()."
+    )

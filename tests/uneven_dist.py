@@ -1496,10 +1496,27 @@ def _types_apart_by_branch(v):
     return y * 2 if v.sum() > 0 else v.sum() + y  # (invariant on some ranks, varying elsewhere)
 
 
-# An output that requires grad whose type differs between ranks (they branched on a value): its
-# backward passes would run other collectives on the ranks (each waiting on the others), so the
-# call raises on every rank before it returns (check_refused: every rank, then the next call).
+def _halo_of_zeros_on_a_short_block(v):  # 10 rows over 4: the 1-row block's halo is zeros
+    piece = v[:2] if v.shape[0] >= 2 else torch.zeros(2, *v.shape[1:], dtype=v.dtype)
+    return ns.ppermute(piece, "x", [(i, (i + 1) % 4) for i in range(4)])
+
+
+# An output that requires grad whose type differs between ranks (they branched on a value), or
+# that requires grad on some ranks only (made of constants on a short block): its backward
+# passes would run other collectives on the ranks (each waiting on the others), so the call
+# raises on every rank before it returns (check_refused: every rank, then the next call).
 TYPES_APART_GRAD = [
+    Case(
+        "grad_on_some_ranks_only",
+        (4,),
+        ("x",),
+        _halo_of_zeros_on_a_short_block,
+        P("x"),
+        P("x"),
+        lambda: (_randn(10, 2, seed=53),),
+        None,
+        kinds=("SpmdError: ", "requires grad on some instances but not at (x=3)", "x.sum() * 0"),
+    ),
     Case(
         "types_apart_requiring_grad",
         (4,),

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as torch_private
 from .._accounting import active
 from .._autodiff import differentiable
-from .._errors import SpecError, SpmdError, VmaError, invariant_differs, types_apart_in_grad
+from .._errors import SpecError, SpmdError, VmaError, invariant_differs
 from .._layout import (
     block,
     chunk_sizes,
@@ -61,7 +61,14 @@ from ._dist_steps import KIND as _KIND
 from ._dist_steps import SLOTS as _SLOTS
 from ._dist_steps import WIDTH as _WIDTH
 from ._dist_steps import exchange, meet
-from ._dist_uneven_first import as_first, differing, differs, first_coords, where_apart
+from ._dist_uneven_first import (
+    as_first,
+    differing,
+    differs,
+    first_coords,
+    refuse_grads_apart,
+    where_apart,
+)
 from ._dist_uneven_primitives import all_true, pad
 
 if TYPE_CHECKING:
@@ -372,33 +379,8 @@ def _layouts(ctx, rows, width: int, outs, specs, wheres) -> list[tuple]:
         for row in rows:
             differ |= row[_slot(j, width) + 2]
         layouts.append((per_dim, mine, apart, differ))
-    _refuse_grad_of_types_apart(ctx, rows, width, wheres)
+    refuse_grads_apart(ctx, rows, [_slot(j, width) for j in range(len(wheres))], wheres)
     return layouts
-
-
-def _refuse_grad_of_types_apart(ctx, rows, width: int, wheres) -> None:
-    """The error, on every rank alike, of an output that requires grad on some rank and whose
-    type (the axes it differs over) differs between ranks: the ranks branched apart after a
-    read, and their backward passes would run other collectives, each rank waiting on others."""
-    mesh = ctx.mesh
-    for j, where in enumerate(wheres):
-        at = _slot(j, width)
-        types: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            types.setdefault(row[at + 2], []).append(i)
-        if len(types) < 2 or not any(row[at + 3] for row in rows):
-            continue
-        text = "; ".join(
-            f"{_type_text(mesh.axis_names, bits)} at "
-            + ", ".join(f"({coords_text(coords_of(i, mesh.axis_names, mesh._shape))})" for i in ins)
-            for bits, ins in types.items()
-        )
-        raise ctx.alike(types_apart_in_grad(ctx.fn_label, where, text))
-
-
-def _type_text(names: tuple[str, ...], bits: int) -> str:
-    axes = tuple(a for k, a in enumerate(names) if bits >> k & 1)
-    return f"varying or unreduced over {axes}" if axes else "invariant"
 
 
 def _kinds_and_shapes(

@@ -11,8 +11,8 @@ import torch
 
 from .. import _torch_private as torch_private
 from .._autodiff import differentiable
-from .._errors import SpmdError
-from .._layout import coords_of, index_of
+from .._errors import SpmdError, grad_apart, types_apart_in_grad
+from .._layout import coords_of, coords_text, index_of
 from .._spec import PartitionSpec, output_settles
 
 
@@ -150,3 +150,36 @@ def differing(ctx, y: torch.Tensor, spec: PartitionSpec, differ: int) -> torch.T
     with torch_private.DisableTorchFunction():
         view = y.view_as(y)  # (its own stamp: ``y`` may be an input, typed as it is)
     return ctx.stamp(view, ctx.vma(y).add(axes))
+
+
+def refuse_grads_apart(ctx, rows, slots: list[int], wheres) -> None:
+    """The error, on every rank alike, of an output that requires grad on some rank but not
+    all, or whose type (the axes it differs over) differs between ranks where it requires grad
+    (``rows``: every rank's outputs' row, ``_dist_uneven._every_block``; ``slots``: where each
+    output's starts): the ranks branched apart, and their backward passes would run other
+    collectives, each waiting on others."""
+    mesh = ctx.mesh
+
+    def coords(i: int) -> str:
+        return f"({coords_text(coords_of(i, mesh.axis_names, mesh._shape))})"
+
+    for at, where in zip(slots, wheres):
+        types: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            types.setdefault(row[at + 2], []).append(i)
+        grads = [row[at + 3] for row in rows]
+        if any(grads) and not all(grads):
+            apart = ", ".join(coords(i) for i, grad in enumerate(grads) if not grad)
+            raise ctx.alike(grad_apart(ctx.fn_label, where, apart))
+        if len(types) < 2 or not any(grads):
+            continue
+        text = "; ".join(
+            f"{_type_text(mesh.axis_names, bits)} at " + ", ".join(coords(i) for i in ins)
+            for bits, ins in types.items()
+        )
+        raise ctx.alike(types_apart_in_grad(ctx.fn_label, where, text))
+
+
+def _type_text(names: tuple[str, ...], bits: int) -> str:
+    axes = tuple(a for k, a in enumerate(names) if bits >> k & 1)
+    return f"varying or unreduced over {axes}" if axes else "invariant"
