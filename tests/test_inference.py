@@ -74,6 +74,20 @@ INFERRED = {
         (8, 3),
         "f64[2,3]{dp, U:tp}",
     ),
+    "einsum_implicit_output": (
+        lambda x, w: torch.einsum("bh,hd", x, w),
+        ROW,
+        (4, 8),
+        (8, 3),
+        "f64[2,3]{dp, U:tp}",
+    ),
+    "einsum_implicit_output_in_letter_order": (  # the letters once given, sorted: "bz"
+        lambda x, w: torch.einsum("zh,hb", x, w),
+        ROW,
+        (4, 8),
+        (8, 3),
+        "f64[3,2]{dp, U:tp}",
+    ),
     "split_dim_viewed_then_transposed": (  # local [2, 4] viewed [2, 2, 2]: tp goes to the major
         lambda x, w: x.view(2, 2, 2).transpose(1, 2) @ w,  # factor, moved last, contracted
         (P("dp", "tp"), P("tp", None)),

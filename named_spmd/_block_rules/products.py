@@ -146,7 +146,10 @@ def _einsum(args, kwargs, layouts, out):
     if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
         ops = list(ops[0])
     equation = equation.replace(" ", "")
-    if "->" not in equation or "." in equation:
+    if "->" not in equation:  # implicit: the letters given once, in order (uppercase first)
+        letters = equation.replace(",", "")
+        equation += "->" + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    if "." in equation:
         return None
     lhs, rhs = equation.split("->")
     terms = lhs.split(",")
